@@ -1,0 +1,176 @@
+"""The ``symmem`` command.
+
+Bad input (unknown model, symbol or option; values that are not positive integers) prints one line
+``symmem: error: ...`` and exits with status 2.  Nothing the user types is ever evaluated: ``--set`` parses
+integers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import SymmemError
+
+_SET = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+_INT = re.compile(r"^[+]?[0-9][0-9_]*$")
+
+
+def parse_assignment(text: str) -> tuple[str, int]:
+    """``NAME=VALUE`` with VALUE a positive integer (underscores allowed: ``1_000``).
+
+    >>> parse_assignment("B=32")
+    ('B', 32)
+    >>> parse_assignment("B=2.5")
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: --set B=2.5: '2.5' is not a positive integer
+    """
+    m = _SET.match(text)
+    if not m:
+        raise SymmemError(f"--set {text!r}: expected NAME=VALUE, e.g. --set B=32")
+    name, raw = m.groups()
+    if not _INT.match(raw) or int(raw.replace("_", "")) <= 0:
+        raise SymmemError(f"--set {text}: {raw!r} is not a positive integer")
+    return name, int(raw.replace("_", ""))
+
+
+def _parse_sets(items: Sequence[str] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items or ():
+        name, value = parse_assignment(item)
+        out[name] = value
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SymmemError(message)
+
+
+def add_derive_options(p: argparse.ArgumentParser) -> None:
+    """The options every command that derives a formula shares."""
+    from .conventions import names as convention_names
+    from .training import OPTIMIZERS, PRECISIONS
+
+    p.add_argument("model", help="a built-in model (see `symmem models`)")
+    p.add_argument("--convention", default="paper", choices=convention_names(),
+                   help="which tensors are kept (default: paper)")
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="default: adamw")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="default: fp32")
+    p.add_argument("--attention", choices=["naive", "sdpa"], default=None,
+                   help="transformers: naive keeps the B*h*S^2 probabilities, sdpa does not")
+    p.add_argument("--dropout", type=float, default=None, help="dropout probability (sequence models)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
+                   help="give a symbol a value, e.g. --set B=32 (repeatable)")
+    p.add_argument("--free", default=None, metavar="A,B,...",
+                   help="symbols to keep in the formula (default: the model's)")
+    p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
+
+
+def derivation_from_args(args: argparse.Namespace) -> Any:
+    """The derivation the shared options describe."""
+    from .derive import derive
+    from .models import entry
+
+    e = entry(args.model)
+    model_options = {k: getattr(args, k) for k in ("attention", "dropout")
+                     if getattr(args, k, None) is not None}
+    unknown = [k for k in model_options if k not in e.options]
+    if unknown:
+        raise SymmemError(f"model {args.model!r} has no option --{unknown[0]}")
+    free = tuple(x.strip() for x in args.free.split(",") if x.strip()) if args.free else None
+    return derive(args.model, convention=args.convention, optimizer=args.optimizer, precision=args.precision,
+                  per_layer=args.per_layer, values=_parse_sets(args.set), free=free, **model_options)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from .models import available, build
+
+    for name, e in sorted(available().items()):
+        line = f"{name:<14} {e.description}"
+        if args.verbose:
+            m = build(name)
+            defaults = ", ".join(f"{s.name}={m.defaults[s]}" for s in m.symbols if s in m.defaults)
+            opts = ", ".join(f"--{k} {o.default}" for k, o in e.options.items())
+            line += f"\n{'':<14} symbols: {defaults}\n{'':<14} formula in: " \
+                    f"{', '.join(s.name for s in m.free)}" + (f"\n{'':<14} options: {opts}" if opts else "")
+        print(line)
+    return 0
+
+
+def _cmd_derive(args: argparse.Namespace) -> int:
+    d = derivation_from_args(args)
+    if args.format == "json":
+        print(json.dumps(d.to_dict(), indent=2))
+    elif args.format == "latex":
+        from .report.latex import align
+
+        print(align(d))
+    else:
+        print(d.table())
+    return 0
+
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], str]] = {}
+
+
+def command(name: str, help: str) -> Callable:  # type: ignore[type-arg]
+    """Register a subcommand: decorate its ``configure(parser)``; it sets ``parser.set_defaults(run=...)``."""
+
+    def wrap(configure: Callable[[argparse.ArgumentParser], None]) -> Callable:  # type: ignore[type-arg]
+        COMMANDS[name] = (configure, help)
+        return configure
+
+    return wrap
+
+
+@command("models", "list the built-in models")
+def _models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", help="show symbols, defaults and options")
+    p.set_defaults(run=_cmd_models)
+
+
+@command("derive", "derive a model's training-memory formula")
+def _derive(p: argparse.ArgumentParser) -> None:
+    add_derive_options(p)
+    p.add_argument("--format", choices=["text", "latex", "json"], default="text")
+    p.set_defaults(run=_cmd_derive)
+
+
+def _parser() -> argparse.ArgumentParser:
+    import importlib
+
+    for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    parser = _Parser(prog="symmem", description="Closed-form training-memory formulas.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"symmem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (configure, help_text) in COMMANDS.items():
+        configure(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``symmem`` command; returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+        return int(args.run(args))
+    except SymmemError as exc:
+        print(f"symmem: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The one exception symmem raises for bad input."""
+
+from __future__ import annotations
+
+
+class SymmemError(ValueError):
+    """Bad input: an unknown model, op or symbol, shapes that do not agree, values that make no sense.
+
+    The message names what was wrong and, for graph errors, the node, its op kind and the shapes involved.
+    """
+
+
+def node_error(node: str, kind: str, message: str, shapes: object = None) -> SymmemError:
+    """A :class:`SymmemError` that names the node, its op kind and (optionally) the shapes involved.
+
+    >>> str(node_error("fc1", "linear", "width mismatch", [("B", 3), ("4", "5")]))
+    "node 'fc1' (linear): width mismatch; shapes: [('B', 3), ('4', '5')]"
+    """
+    text = f"node {node!r} ({kind}): {message}"
+    if shapes is not None:
+        text += f"; shapes: {shapes}"
+    return SymmemError(text)

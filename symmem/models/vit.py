@@ -1,0 +1,62 @@
+"""Vision Transformers as timm builds them (``VisionTransformer`` with a class token; DeiT shares it).
+
+``vit-b16`` is ViT-B/16 = DeiT-Base: 224x224 images, 16x16 patches, S = 14*14 + 1 = 197 tokens with the class
+token, H = 768, h = 12, L = 12, MLP width F = 4H, 1000 classes.  The token count S is its own symbol, tied
+to the image size by its default ``floor(Hi/16)*floor(Wi/16) + 1`` (setting ``Hi=384`` moves S to 577).
+
+>>> from symmem.models import build
+>>> m = build("vit-ti16")
+>>> m.defaults[m.free[2]]
+192
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from ..graph import GraphBuilder, Model
+from ..symbols import B, C, F, H, Hi, K, L, S, Wi, h
+from . import Option, register
+from .transformer import prenorm_layer
+
+_SIZES = {"ti": (192, 3, 12), "s": (384, 6, 12), "b": (768, 12, 12), "l": (1024, 16, 24)}
+_OPTIONS = {
+    "attention": Option("sdpa", ("naive", "sdpa"),
+                        "naive materializes the B*h*S^2 probabilities; sdpa is the fused kernel"),
+    "dropout": Option(0.0, None, "dropout probability (attention, projection, MLP, position embedding)"),
+    "patch": Option(16, None, "patch size in pixels"),
+}
+
+
+def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.0, patch: int = 16) -> Model:
+    hidden, heads, layers = _SIZES[size]
+    g = GraphBuilder(name)
+    img = g.input("image", (B, C, Hi, Wi))
+    with g.group("embed"):
+        x = g.op("conv2d", img, name="patch_embed.proj", out_channels=H, kernel=patch, stride=patch)
+        x = g.op("reshape", x, name="patch_embed.flatten", shape=(B, H, S - 1))
+        x = g.op("transpose", x, name="patch_embed.transpose", dim0=1, dim1=2)
+        cls = g.parameter("cls_token", (1, 1, H))
+        cls = g.op("expand", cls, name="cls_expand", shape=(B, 1, H))
+        x = g.op("concat", cls, x, name="cat_cls", dim=1)
+        pos = g.parameter("pos_embed", (1, S, H))
+        x = g.op("add", x, pos, name="pos_add", role="patch_embed")
+        x = g.op("dropout", x, name="pos_drop", p=dropout)
+    with g.group("layer"), g.repeat("blocks", L, x, input_role="residual") as layer:
+        layer.output(prenorm_layer(g, layer.input, attention_kind=attention, dropout=dropout))
+    assert layer.result is not None
+    with g.group("head"):
+        x = g.op("layernorm", layer.result, name="norm", eps=1e-6)
+        x = g.op("select", x, name="cls_pool", dim=1, index=0)
+        x = g.op("dropout", x, name="head_drop", p=dropout)
+        g.op("linear", x, name="head", out_features=K)
+    grid = sympy.floor(Hi / patch) * sympy.floor(Wi / patch)
+    defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: grid + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
+    desc = (f"ViT-{size.upper()}/{patch} (timm VisionTransformer, class token; {attention} attention): "
+            f"H={hidden}, h={heads}, L={layers}")
+    return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="blocks",
+                 options={"attention": attention, "dropout": dropout, "patch": patch})
+
+
+for _size in _SIZES:
+    register(f"vit-{_size}16", build_vit, f"ViT-{_size.upper()}/16 (timm; DeiT shares it)", _OPTIONS, size=_size)

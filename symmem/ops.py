@@ -1,0 +1,391 @@
+"""The op-rule registry: for each op kind, its output shape, its parameters and whether it is a view.
+
+One small function per op kind, looked up by name (like torch.fx's ``run_node``).  What an op *keeps* for
+backward is not here: that depends on the convention (see :mod:`symmem.conventions`).
+
+>>> from symmem.symbols import B, S, H
+>>> from symmem.tensor import TensorSpec
+>>> info = infer("linear", [TensorSpec((B, S, H))], {"out_features": 4 * H})
+>>> info.out.shape, info.params
+((B, S, 4*H), {'weight': (4*H, H), 'bias': (4*H,)})
+>>> sorted(kinds())[:5]
+['adaptive_avgpool2d', 'add', 'attention', 'avgpool2d', 'batchnorm']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from .errors import SymmemError
+from .shapes import broadcast, fmt, numel, same
+from .tensor import ACT, TensorSpec, as_shape
+
+
+class OpError(Exception):
+    """Raised by a rule; the graph turns it into a SymmemError naming the node, the kind and the shapes."""
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What a rule infers: the output, the parameters (name -> shape), and whether the output is a view.
+
+    ``view_of`` is the index of the input whose storage the output shares (a view), or None for a new
+    storage.  ``assumptions`` are pairs of expressions the rule could not prove equal; the graph keeps them and
+    checks them with numbers.
+    """
+
+    out: TensorSpec
+    params: Mapping[str, tuple[sympy.Expr, ...]] = field(default_factory=dict)
+    view_of: int | None = None
+    assumptions: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
+
+
+Rule = Callable[[list[TensorSpec], Mapping[str, Any]], OpInfo]
+_RULES: dict[str, tuple[Rule, int | None]] = {}
+
+
+def rule(*names: str, arity: int | None = 1) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the rule for the op kinds ``names``; ``arity`` is the number of inputs (None: any)."""
+
+    def register(fn: Rule) -> Rule:
+        for name in names:
+            _RULES[name] = (fn, arity)
+        return fn
+
+    return register
+
+
+def kinds() -> tuple[str, ...]:
+    """Every registered op kind."""
+    return tuple(_RULES)
+
+
+def infer(kind: str, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> OpInfo:
+    """Apply the rule for ``kind``; raises OpError (shape problems) or SymmemError (unknown kind)."""
+    try:
+        fn, arity = _RULES[kind]
+    except KeyError:
+        raise SymmemError(f"unknown op kind {kind!r}; known kinds: {', '.join(sorted(_RULES))}") from None
+    if arity is not None and len(inputs) != arity:
+        raise OpError(f"takes {arity} input(s), got {len(inputs)}")
+    return fn(inputs, attrs)
+
+
+def _expr(x: Any) -> sympy.Expr:
+    return sympy.sympify(x, strict=True)
+
+
+def _pair(x: Any) -> tuple[sympy.Expr, sympy.Expr]:
+    if isinstance(x, tuple | list):
+        return _expr(x[0]), _expr(x[1])
+    return _expr(x), _expr(x)
+
+
+def _need_rank(t: TensorSpec, rank: int, what: str = "input") -> None:
+    if t.rank != rank:
+        raise OpError(f"{what} must have rank {rank}, got {fmt(t.shape)}")
+
+
+def _dim(t: TensorSpec, d: int) -> int:
+    if not -t.rank <= d < t.rank:
+        raise OpError(f"dimension {d} is out of range for {fmt(t.shape)}")
+    return d % t.rank
+
+
+def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
+    verdict = same(a, b)
+    if verdict is False:
+        raise OpError(f"{what}: {a} != {b}")
+    return () if verdict else ((a, b),)
+
+
+def _window(size: sympy.Expr, k: sympy.Expr, s: sympy.Expr, pad: sympy.Expr, dil: sympy.Expr,
+            ceil_mode: bool = False) -> sympy.Expr:
+    # PyTorch's output-size formula for conv and pool windows.
+    span = size + 2 * pad - dil * (k - 1) - 1
+    out = (sympy.ceiling(span / s) if ceil_mode else sympy.floor(span / s)) + 1
+    if out.is_number and out < 1:
+        raise OpError(f"window {k} with stride {s}, padding {pad} leaves no output on size {size}")
+    return out
+
+
+@rule("input", arity=0)
+def _input(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
+
+
+@rule("parameter", arity=0)
+def _parameter(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    shape = as_shape(a["shape"])
+    return OpInfo(TensorSpec(shape, a.get("dtype", ACT)), {"value": shape})
+
+
+@rule("block_input", "identity")
+def _alias(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    return OpInfo(ins[0].with_(role=None), view_of=0)
+
+
+@rule("dropout")
+def _dropout(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # nn.Dropout(p=0) and dropout outside training return their input itself: no new storage.
+    p = a.get("p", 0.5)
+    if not 0 <= p <= 1:
+        raise OpError(f"dropout probability {p} is not in [0, 1]")
+    identity = p == 0 or not a.get("training", True)
+    return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype), view_of=0 if identity else None)
+
+
+@rule("relu", "relu6", "gelu", "silu", "tanh", "sigmoid", "softmax", "log_softmax", "pow",
+      "scale", "rotary", "exp", "neg", "rsqrt", "sqrt", "contiguous", "clone", "to_dtype")
+def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    if "dim" in a:
+        _dim(x, a["dim"])
+    dtype = a.get("dtype", x.dtype)
+    inplace = bool(a.get("inplace", False))
+    return OpInfo(TensorSpec(x.shape, dtype), view_of=0 if inplace else None)
+
+
+@rule("add", "mul", "sub", "div", "masked_fill", "where", arity=2)
+def _binary(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x, y = ins
+    out = broadcast(x.shape, y.shape)
+    if out is None:
+        raise OpError(f"shapes {fmt(x.shape)} and {fmt(y.shape)} do not broadcast")
+    if bool(a.get("inplace", False)) and out != x.shape:
+        raise OpError(f"in-place result {fmt(out)} does not fit its first input {fmt(x.shape)}")
+    dtype = x.dtype if x.dtype == ACT or y.dtype != ACT else y.dtype
+    return OpInfo(TensorSpec(out, a.get("dtype", dtype)), view_of=0 if a.get("inplace") else None)
+
+
+@rule("conv2d")
+def _conv2d(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    _need_rank(x, 4)
+    n, c, hh, ww = x.shape
+    out_c = _expr(a["out_channels"])
+    kh, kw = _pair(a["kernel"])
+    sh, sw = _pair(a.get("stride", 1))
+    ph, pw = _pair(a.get("padding", 0))
+    dh, dw = _pair(a.get("dilation", 1))
+    groups = _expr(a.get("groups", 1))
+    for what, value in (("input channels", c), ("output channels", out_c)):
+        q = value / groups
+        if q.is_number and not q.is_integer:
+            raise OpError(f"{what} {value} are not divisible by groups={groups}")
+    out = (n, out_c, _window(hh, kh, sh, ph, dh), _window(ww, kw, sw, pw, dw))
+    params: dict[str, tuple[sympy.Expr, ...]] = {"weight": (out_c, c / groups, kh, kw)}
+    if a.get("bias", True):
+        params["bias"] = (out_c,)
+    return OpInfo(TensorSpec(out, x.dtype), params)
+
+
+@rule("patch_embed")
+def _patch_embed(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    _need_rank(x, 4)
+    n, c, hh, ww = x.shape
+    patch, dim = _expr(a["patch"]), _expr(a["dim"])
+    grid = sympy.floor(hh / patch) * sympy.floor(ww / patch)
+    tokens = _expr(a.get("tokens", grid))
+    assumptions = _check_eq(tokens, grid, "patch tokens")
+    return OpInfo(TensorSpec((n, tokens, dim), x.dtype),
+                  {"weight": (dim, c, patch, patch), "bias": (dim,)}, assumptions=assumptions)
+
+
+@rule("batchnorm")
+def _batchnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    if x.rank < 2:
+        raise OpError(f"batchnorm needs (N, C, ...), got {fmt(x.shape)}")
+    c = x.shape[1]
+    params = {"weight": (c,), "bias": (c,)} if a.get("affine", True) else {}
+    return OpInfo(TensorSpec(x.shape, x.dtype), params)
+
+
+@rule("layernorm")
+def _layernorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    d = x.shape[-1]
+    params: dict[str, tuple[sympy.Expr, ...]] = {}
+    if a.get("affine", True):
+        params["weight"] = (d,)
+        if a.get("bias", True):
+            params["bias"] = (d,)
+    return OpInfo(TensorSpec(x.shape, x.dtype), params)
+
+
+@rule("rmsnorm")
+def _rmsnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    return OpInfo(TensorSpec(x.shape, x.dtype), {"weight": (x.shape[-1],)} if a.get("affine", True) else {})
+
+
+@rule("maxpool2d", "avgpool2d")
+def _pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    _need_rank(x, 4)
+    n, c, hh, ww = x.shape
+    kh, kw = _pair(a["kernel"])
+    sh, sw = _pair(a.get("stride", a["kernel"]))
+    ph, pw = _pair(a.get("padding", 0))
+    dh, dw = _pair(a.get("dilation", 1))
+    ceil_mode = bool(a.get("ceil_mode", False))
+    out = (n, c, _window(hh, kh, sh, ph, dh, ceil_mode), _window(ww, kw, sw, pw, dw, ceil_mode))
+    return OpInfo(TensorSpec(out, x.dtype))
+
+
+@rule("adaptive_avgpool2d")
+def _adaptive_pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    _need_rank(x, 4)
+    oh, ow = _pair(a.get("output_size", 1))
+    return OpInfo(TensorSpec((x.shape[0], x.shape[1], oh, ow), x.dtype))
+
+
+@rule("flatten")
+def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    start = _dim(x, a.get("start_dim", 1))
+    end = _dim(x, a.get("end_dim", -1))
+    if end < start:
+        raise OpError(f"end_dim {end} before start_dim {start}")
+    shape = x.shape[:start] + (numel(x.shape[start:end + 1]),) + x.shape[end + 1:]
+    return OpInfo(TensorSpec(shape, x.dtype), view_of=None if a.get("copy") else 0)
+
+
+@rule("reshape")
+def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    shape = as_shape(a["shape"])
+    assumptions = _check_eq(numel(shape), numel(x.shape), f"reshape {fmt(x.shape)} -> {fmt(shape)}")
+    return OpInfo(TensorSpec(shape, x.dtype), view_of=None if a.get("copy") else 0, assumptions=assumptions)
+
+
+@rule("transpose")
+def _transpose(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    i, j = _dim(x, a.get("dim0", -2)), _dim(x, a.get("dim1", -1))
+    shape = list(x.shape)
+    shape[i], shape[j] = shape[j], shape[i]
+    return OpInfo(TensorSpec(tuple(shape), x.dtype), view_of=0)
+
+
+@rule("permute")
+def _permute(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    dims = [_dim(x, d) for d in a["dims"]]
+    if sorted(dims) != list(range(x.rank)):
+        raise OpError(f"permutation {a['dims']} does not fit rank {x.rank}")
+    return OpInfo(TensorSpec(tuple(x.shape[d] for d in dims), x.dtype), view_of=0)
+
+
+@rule("expand")
+def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    shape = as_shape(a["shape"])
+    if broadcast(x.shape, shape) is None or len(shape) < x.rank:
+        raise OpError(f"cannot expand {fmt(x.shape)} to {fmt(shape)}")
+    return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
+
+
+@rule("slice")
+def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    d = _dim(x, a.get("dim", 0))
+    start = _expr(a.get("start", 0))
+    stop = _expr(a.get("stop", x.shape[d]))
+    length = stop - start
+    if length.is_number and length <= 0:
+        raise OpError(f"empty slice [{start}:{stop}] of dimension {d}")
+    shape = x.shape[:d] + (length,) + x.shape[d + 1:]
+    return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
+
+
+@rule("select")
+def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    d = _dim(x, a.get("dim", 0))
+    return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype), view_of=0)
+
+
+@rule("concat", arity=None)
+def _concat(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    if len(ins) < 2:
+        raise OpError("concat needs at least two inputs")
+    first = ins[0]
+    d = _dim(first, a.get("dim", 0))
+    assumptions: list[tuple[sympy.Expr, sympy.Expr]] = []
+    for t in ins[1:]:
+        if t.rank != first.rank:
+            raise OpError(f"ranks differ: {fmt(first.shape)} and {fmt(t.shape)}")
+        for i, (u, v) in enumerate(zip(first.shape, t.shape, strict=True)):
+            if i != d:
+                assumptions += _check_eq(u, v, f"concat dimension {i}")
+    total = sympy.Add(*(t.shape[d] for t in ins))
+    shape = first.shape[:d] + (total,) + first.shape[d + 1:]
+    return OpInfo(TensorSpec(shape, first.dtype), assumptions=tuple(assumptions))
+
+
+@rule("linear")
+def _linear(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    if x.rank < 1:
+        raise OpError("linear needs at least one dimension")
+    d_in = x.shape[-1]
+    assumptions = _check_eq(d_in, _expr(a.get("in_features", d_in)), "in_features")
+    out_f = _expr(a["out_features"])
+    params: dict[str, tuple[sympy.Expr, ...]] = {}
+    if not a.get("tied"):
+        params["weight"] = (out_f, d_in)
+    if a.get("bias", True):
+        params["bias"] = (out_f,)
+    return OpInfo(TensorSpec(x.shape[:-1] + (out_f,), x.dtype), params, assumptions=assumptions)
+
+
+@rule("matmul", arity=2)
+def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x, y = ins
+    if x.rank < 2 or y.rank < 2:
+        raise OpError(f"matmul needs rank >= 2, got {fmt(x.shape)} @ {fmt(y.shape)}")
+    assumptions = _check_eq(x.shape[-1], y.shape[-2], f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
+    batch = broadcast(x.shape[:-2], y.shape[:-2])
+    if batch is None:
+        raise OpError(f"batch dimensions of {fmt(x.shape)} @ {fmt(y.shape)} do not broadcast")
+    return OpInfo(TensorSpec(batch + (x.shape[-2], y.shape[-1]), x.dtype), assumptions=assumptions)
+
+
+@rule("attention", arity=3)
+def _attention(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    q, k, v = ins
+    for t in (q, k, v):
+        if t.rank < 3:
+            raise OpError(f"attention needs (..., heads, seq, dim), got {fmt(t.shape)}")
+    found = list(_check_eq(q.shape[-1], k.shape[-1], "query/key head dims"))
+    found += _check_eq(k.shape[-2], v.shape[-2], "key/value sequence lengths")
+    if q.rank == k.rank and same(q.shape[-3], k.shape[-3]) is False:
+        # Grouped-query attention: the query heads are a multiple of the key/value heads.
+        ratio = q.shape[-3] / k.shape[-3]
+        if ratio.is_number and not ratio.is_integer:
+            raise OpError(f"query heads {q.shape[-3]} are not a multiple of key/value heads {k.shape[-3]}")
+    return OpInfo(TensorSpec(q.shape[:-1] + (v.shape[-1],), q.dtype), assumptions=tuple(found))
+
+
+@rule("embedding")
+def _embedding(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    ids = ins[0]
+    if ids.dtype not in ("int64", "int32"):
+        raise OpError(f"embedding needs integer ids, got dtype {ids.dtype}")
+    num, dim = _expr(a["num_embeddings"]), _expr(a["dim"])
+    return OpInfo(TensorSpec(ids.shape + (dim,), ACT), {"weight": (num, dim)})
+
+
+@rule("cross_entropy", arity=2)
+def _cross_entropy(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    logits, target = ins
+    assumptions = _check_eq(numel(logits.shape[:-1]), numel(target.shape), "cross-entropy targets")
+    return OpInfo(TensorSpec((), "float32" if logits.dtype != ACT else ACT), assumptions=assumptions)

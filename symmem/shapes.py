@@ -1,0 +1,57 @@
+"""Comparing and broadcasting symbolic shapes.
+
+Two dimensions are equal when sympy proves their difference is zero, unequal when it proves it is a
+nonzero number, and *undecided* otherwise (``floor(Hi/16)`` against ``S - 1``, say).  Undecided equalities
+are not errors: the graph records them as assumptions, and they are checked with numbers when numbers come.
+
+>>> from symmem.symbols import B, S
+>>> same(B * S, S * B), same(S, S + 1), same(S - 1, B)
+(True, False, None)
+"""
+
+from __future__ import annotations
+
+import sympy
+
+
+def same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
+    """True, False, or None when sympy cannot decide."""
+    if a == b:
+        return True
+    d = sympy.expand(a - b)
+    if d == 0:
+        return True
+    if d.is_number:
+        return False
+    if d.is_positive or d.is_negative:
+        return False
+    return None
+
+
+def broadcast(a: tuple[sympy.Expr, ...], b: tuple[sympy.Expr, ...]) -> tuple[sympy.Expr, ...] | None:
+    """The broadcast of two shapes, or None when they cannot broadcast.
+
+    >>> from symmem.symbols import B, S, H
+    >>> broadcast((B, S, H), (1, S, H))
+    (B, S, H)
+    """
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else sympy.Integer(1)
+        y = b[-i] if i <= len(b) else sympy.Integer(1)
+        if x == 1:
+            out.append(y)
+        elif y == 1 or same(x, y) is not False:
+            out.append(x)
+        else:
+            return None
+    return tuple(reversed(out))
+
+
+def numel(shape: tuple[sympy.Expr, ...]) -> sympy.Expr:
+    return sympy.Mul(*shape) if shape else sympy.Integer(1)
+
+
+def fmt(shape: tuple[sympy.Expr, ...]) -> str:
+    """A shape as people write it: ``(B, S, 3*H)``."""
+    return "(" + ", ".join(str(d) for d in shape) + ")"

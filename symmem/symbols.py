@@ -1,0 +1,102 @@
+"""The canonical dimension symbols, their LaTeX names and their meaning.
+
+Every dimension is a ``sympy.Symbol`` that is positive and integer, so that sympy can cancel, factor and
+compare shapes.  This module is the only place that creates them: everything else imports them from here
+or looks them up by name with :func:`symbol`.
+
+>>> from symmem.symbols import B, S, H, h
+>>> 9 * B * S * H + B * h * S**2
+9*B*H*S + B*S**2*h
+>>> symbol("S") is S
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from .errors import SymmemError
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension: its symbol, its LaTeX name and what it stands for."""
+
+    symbol: sympy.Symbol
+    latex: str
+    meaning: str
+
+    @property
+    def name(self) -> str:
+        return self.symbol.name
+
+
+_TABLE: dict[str, Dim] = {}
+
+
+def _dim(name: str, latex: str, meaning: str) -> sympy.Symbol:
+    sym = sympy.Symbol(name, positive=True, integer=True)
+    _TABLE[name] = Dim(sym, latex, meaning)
+    return sym
+
+
+B = _dim("B", "B", "batch size (micro-batch per device)")
+S = _dim("S", "S", "sequence length in tokens (ViT: patches + class token)")
+H = _dim("H", "H", "hidden size")
+h = _dim("h", "h", "attention heads")
+P = _dim("P", "P", "bottleneck width (inner channels of a ResNet block)")
+L = _dim("L", "L", "number of repeated layers")
+Hi = _dim("Hi", "H_{i}", "input image height")
+Wi = _dim("Wi", "W_{i}", "input image width")
+C = _dim("C", "C", "input image channels")
+F = _dim("F", "F", "MLP (feed-forward) width")
+V = _dim("V", "V", "vocabulary size")
+G = _dim("G", "G", "key/value heads (grouped-query attention)")
+K = _dim("K", "K", "number of classes")
+t = _dim("t", "t", "tensor-parallel size")
+p = _dim("p", "p", "pipeline-parallel size")
+N = _dim("N", "N", "data-parallel size")
+m = _dim("m", "m", "micro-batches in flight per pipeline stage")
+
+
+def symbol(name: str) -> sympy.Symbol:
+    """The canonical symbol called ``name``; a :class:`SymmemError` lists the known ones otherwise.
+
+    >>> symbol("H")
+    H
+    """
+    try:
+        return _TABLE[name].symbol
+    except KeyError:
+        known = ", ".join(sorted(_TABLE))
+        raise SymmemError(f"unknown symbol {name!r}; known symbols: {known}") from None
+
+
+def dims() -> tuple[Dim, ...]:
+    """All dimensions in the order they were declared.
+
+    >>> [d.name for d in dims()][:4]
+    ['B', 'S', 'H', 'h']
+    """
+    return tuple(_TABLE.values())
+
+
+def latex_names() -> dict[sympy.Symbol, str]:
+    """Symbol -> LaTeX name, the table every LaTeX printer in symmem is given.
+
+    >>> latex_names()[Hi]
+    'H_{i}'
+    """
+    return {d.symbol: d.latex for d in _TABLE.values()}
+
+
+def meaning(sym: sympy.Symbol) -> str:
+    """What a symbol stands for ('' for symbols symmem does not own).
+
+    >>> meaning(B)
+    'batch size (micro-batch per device)'
+    """
+    d = _TABLE.get(sym.name)
+    return d.meaning if d is not None and d.symbol == sym else ""

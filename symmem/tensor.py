@@ -1,0 +1,103 @@
+"""Tensor specifications with symbolic shapes, and the byte size of each dtype.
+
+A tensor's dtype is either a concrete dtype (``float32``, ``int64``, ``bool`` ...) or ``"act"``: the
+activation dtype of the training regime, resolved only when bytes are counted.  That keeps one graph valid
+for FP32 and for 16-bit training.
+
+>>> from symmem.symbols import B, S, H
+>>> t = TensorSpec((B, S, H))
+>>> t.numel
+B*H*S
+>>> t.nbytes()
+4*B*H*S
+>>> TensorSpec((B, S), "int64").nbytes()
+8*B*S
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import sympy
+
+from .errors import SymmemError
+
+#: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "tf32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+ACT = "act"
+
+
+def dtype_bytes(dtype: str, activation_dtype: str = "float32") -> int:
+    """Bytes per element of ``dtype``; ``"act"`` means ``activation_dtype``.
+
+    >>> dtype_bytes("act", "bfloat16"), dtype_bytes("int64")
+    (2, 8)
+    """
+    name = activation_dtype if dtype == ACT else dtype
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise SymmemError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+def as_shape(shape: Iterable[object]) -> tuple[sympy.Expr, ...]:
+    """A shape as a tuple of sympy expressions; ints and symbols are accepted, strings are not."""
+    out = []
+    for d in shape:
+        if isinstance(d, str):
+            raise SymmemError(f"shape entries must be ints or sympy expressions, not the string {d!r}")
+        e = sympy.sympify(d, strict=True)
+        if e.is_number and not (e.is_integer and e.is_positive):
+            raise SymmemError(f"shape {tuple(shape)} has a dimension {e} that is not a positive integer")
+        out.append(e)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor: symbolic shape, dtype and a role that conventions may key on."""
+
+    shape: tuple[sympy.Expr, ...]
+    dtype: str = ACT
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", as_shape(self.shape))
+        if self.dtype != ACT and self.dtype not in DTYPE_BYTES:
+            raise SymmemError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    def nbytes(self, activation_dtype: str = "float32") -> sympy.Expr:
+        return self.numel * dtype_bytes(self.dtype, activation_dtype)
+
+    def with_(self, **changes: object) -> TensorSpec:
+        """A copy with some fields changed."""
+        fields = {"shape": self.shape, "dtype": self.dtype, "role": self.role}
+        fields.update(changes)
+        return TensorSpec(**fields)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"({dims}):{self.dtype}"
