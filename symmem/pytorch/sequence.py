@@ -1,0 +1,1 @@
+"""Save rules for sequence ops (norms, activations, attention, embeddings). Filled in by the sequence work."""
