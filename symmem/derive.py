@@ -272,7 +272,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
                 storages[storage].append((node, mode, ref))
     for storage in order:
         data = graph.nodes[storage]
-        if data["kind"] == "parameter":
+        if data["kind"] in ("parameter", "buffer"):
             continue
         savers = storages[storage]
         spec = data["out"]
