@@ -400,8 +400,8 @@ def _constant(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
 
 
-@rule("add_scalar")
-def _add_scalar(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+@rule("scalar_add")
+def _scalar_add(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype))
 
 

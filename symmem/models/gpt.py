@@ -44,7 +44,7 @@ def gelu_new(g: GraphBuilder, x: str) -> str:
     inner = g.op("add", x, cube, name="gelu.inner")
     inner = g.op("scale", inner, name="gelu.inner_scaled", factor=sympy.Float(math.sqrt(2 / math.pi)))
     t = g.op("tanh", inner, name="gelu.tanh")
-    t = g.op("add_scalar", t, name="gelu.one_plus", value=1)
+    t = g.op("scalar_add", t, name="gelu.one_plus", value=1)
     return g.op("mul", half, t, name="gelu.out", role="mlp_act")
 
 

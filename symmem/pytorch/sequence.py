@@ -37,7 +37,7 @@ import sympy
 
 from ..conventions import Saved
 from ..errors import node_error
-from . import RuleContext, saves
+from . import RuleContext, rule_kinds, saves
 
 #: Op kinds whose output never requires grad, whatever their inputs.
 _NO_GRAD = frozenset({"input", "constant", "buffer", "rope_table"})
@@ -74,7 +74,7 @@ def _grad(ctx: RuleContext, i: int) -> bool:
     return requires_grad(ctx.graph, ctx.graph.nodes[ctx.node]["inputs"][i])
 
 
-@saves("constant", "buffer", "add_scalar", "cast", "mean", "rope_table", "scale", "neg", "to_dtype")
+@saves("constant", "buffer", "scalar_add", "cast", "mean", "rope_table", "scale", "neg", "to_dtype")
 def _nothing(ctx: RuleContext) -> list[Saved]:
     """Scalar arithmetic, casts, reductions to a mean and tensors made without gradient keep nothing."""
     return []
@@ -141,7 +141,6 @@ def _embedding(ctx: RuleContext) -> list[Saved]:
     return [ctx.input(0)]
 
 
-@saves("dropout")
 def _dropout(ctx: RuleContext) -> list[Saved]:
     """CUDA: a bool mask (``native_dropout``); CPU: the float noise ``x * noise`` keeps; p = 0: nothing."""
     p = ctx.attrs.get("p", 0.5)
@@ -151,6 +150,10 @@ def _dropout(ctx: RuleContext) -> list[Saved]:
     if ctx.device == "cuda":
         return [ctx.new("mask", shape, "bool", "dropout_mask")]
     return [ctx.new("noise", shape, ctx.inputs[0].dtype, "dropout_mask")]
+
+
+if "dropout" not in rule_kinds():  # the shared rule in .common wins where it exists
+    saves("dropout")(_dropout)
 
 
 @saves("matmul")

@@ -25,10 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SymmemError
-
-
-def _dropout_p(p: float) -> float:
-    return float(p)
+from . import register
 
 
 # -- timm VisionTransformer ----------------------------------------------------------------------------
@@ -498,3 +495,14 @@ def reference(model: str, values: Mapping[str, int], **options: Any) -> tuple[nn
             raise SymmemError(f"no sequence reference for model {model!r}")
     m.train()
     return m, inputs
+
+
+def _factory(model: str) -> Any:
+    def factory(numbers: Mapping[str, int], options: Mapping[str, Any]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        return reference(model, numbers, **options)
+
+    return factory
+
+
+for _name in ("vit-ti16", "vit-s16", "vit-b16", "vit-l16", "gpt2", "bert-base", "bert-large", "llama"):
+    register(_name, _factory(_name))
