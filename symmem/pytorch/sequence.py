@@ -172,6 +172,19 @@ def _matmul(ctx: RuleContext) -> list[Saved]:
     return found
 
 
+def _merged_by_copy(ctx: RuleContext) -> bool:
+    """Whether the output feeds a head merge (transpose/permute, then a copying contiguous/reshape)."""
+    g = ctx.graph
+    for t in g.successors(ctx.node):
+        if g.nodes[t]["kind"] not in ("transpose", "permute"):
+            continue
+        for c in g.successors(t):
+            data = g.nodes[c]
+            if data["view_of"] is None and data["kind"] in ("contiguous", "reshape", "flatten", "clone"):
+                return True
+    return False
+
+
 @saves("attention")
 def _attention(ctx: RuleContext) -> list[Saved]:
     """``scaled_dot_product_attention``: what the kernel the device picks keeps (module docstring)."""
@@ -184,7 +197,7 @@ def _attention(ctx: RuleContext) -> list[Saved]:
     # flash kernel when q itself is a head-split view, ``q_layout="bshd"``), so the builders' merge
     # ``transpose(1, 2).reshape(B, S, H)`` is a view of it; the graph shows the merge as a copy the output
     # projection keeps, which then *is* this storage: the output is not counted twice.
-    merged_view = ctx.device == "cuda" or ctx.attrs.get("q_layout", "bhsd") == "bshd"
+    merged_view = (ctx.device == "cuda" or ctx.attrs.get("q_layout", "bhsd") == "bshd") and _merged_by_copy(ctx)
     out = [] if merged_view else [ctx.output()]
     if ctx.device == "cuda":
         return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse, ctx.new("philox", (2,), "int64", "rng_state")]
