@@ -189,7 +189,7 @@ class Derivation:
         if missing:
             names = ", ".join(sorted(s.name for s in missing))
             raise SymmemError(f"no value for {names}; set one (e.g. --set {sorted(missing, key=str)[0]}=...)")
-        value = expr.xreplace(dict(self.numbers))
+        value = sympy.sympify(expr.xreplace(dict(self.numbers)))
         if not value.is_number:
             raise SymmemError(f"{expr} did not evaluate to a number")
         return int(value) if value.is_integer else int(sympy.ceiling(value))
@@ -354,7 +354,7 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
         layer = _pick_layer(model)
         nodes = [n for n in nodes if graph.nodes[n]["block"] == layer]
     act = _node_terms(graph, conv, conv_options, regime.activation_dtype, nodes, per_layer)
-    act = regimes.activations(graph, act, regime, regime.activation_dtype, per_layer)
+    act = regimes.activations(graph, act, regime, regime.activation_dtype, per_layer, conv.dedup)
     act += conv.extra_terms(act, conv_options)
     shapes = []
     for n in nodes:

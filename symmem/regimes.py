@@ -81,22 +81,25 @@ def _per_layer(term: Term) -> sympy.Expr:
 
 
 def activations(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype: str,
-                per_layer: bool) -> list[Term]:
-    """The activation terms under the regime's tensor/sequence parallelism, checkpointing and pipeline."""
+                per_layer: bool, dedup: bool = False) -> list[Term]:
+    """The activation terms under the regime's tensor/sequence parallelism, checkpointing and pipeline.
+
+    ``dedup`` says the terms count storages (the first layer's input is then the block source's storage).
+    """
     out = list(terms)
     if regime.tensor_parallel:
         out = [_divide(x, t) if x.category == "activation" and (
             (regime.sequence_parallel and _block(graph, x) is not None) or _role(graph, x) in TP_ROLES) else x
             for x in out]
     if regime.checkpoint != "none":
-        out = _checkpoint(graph, out, regime, act_dtype, per_layer)
+        out = _checkpoint(graph, out, regime, act_dtype, per_layer, dedup)
     if regime.pipeline_parallel and not per_layer:
         out = _pipeline(graph, out)
     return out
 
 
 def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype: str,
-                per_layer: bool) -> list[Term]:
+                per_layer: bool, dedup: bool) -> list[Term]:
     blocks = graph.graph.get("blocks", {})
     every = checkpoint_every(regime.checkpoint)
     out: list[Term] = []
@@ -110,23 +113,25 @@ def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
             out.append(x)
             continue
         dropped.setdefault(block, []).append(x)
+    alive_again: list[Term] = []
     for name, gone in dropped.items():
         block = blocks[name]
         group = graph.nodes[block.input]["group"]
         one_layer = sympy.Add(*(_per_layer(x) for x in gone))
         if regime.checkpoint == "selective":
-            out.append(Term(f"{name}.recompute", group, "transient", one_layer, "recompute", block.input,
-                            count=sympy.Integer(1)))
+            alive_again.append(Term(f"{name}.recompute", group, "transient", one_layer, "recompute", block.input,
+                                    count=sympy.Integer(1)))
             continue
         k = sympy.Integer(every or 1)
         if per_layer:
             kept = 1 / k
         else:
             kept = sympy.ceiling(block.count / k)
-            # In a storage-counting convention the first layer's input is the block's source, which the
-            # graph already counts outside the block when a layer keeps it.
+            # In a storage-counting convention the first layer's input is the block source's storage, which is
+            # already counted outside the block when the first layer keeps it.
             sources = {s for s, _ in _resolve(graph, block.source)}
-            if any(x.node in sources and _block(graph, x) is None for x in out if x.category == "activation"):
+            if dedup and any(x.node in sources and x.name == x.node and _block(graph, x) is None
+                             for x in out if x.category in ("activation", "input")):
                 kept -= 1
         spec = graph.nodes[block.input]["out"]
         elements = spec.numel / (t if regime.sequence_parallel else 1)
@@ -135,9 +140,13 @@ def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
                             kept * elements * dtype_bytes(spec.dtype, act_dtype), "checkpoint", block.input,
                             spec.dtype, elements, kept))
         alive = k if every is None or not block.count.is_number else sympy.Min(k, block.count)
-        out.append(Term(f"{name}.recompute", group, "transient", alive * one_layer, "recompute", block.input,
-                        count=alive))
-    return out
+        alive_again.append(Term(f"{name}.recompute", group, "transient", alive * one_layer, "recompute",
+                                block.input, count=alive))
+    if len(alive_again) > 1:
+        # Backward recomputes one block at a time: the peak is the largest, not the sum.
+        peak = sympy.Max(*(x.expr for x in alive_again))
+        alive_again = [Term("recompute", "recompute", "transient", peak, "recompute")]
+    return out + alive_again
 
 
 def _pipeline(graph: nx.DiGraph, terms: list[Term]) -> list[Term]:
