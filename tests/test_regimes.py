@@ -69,10 +69,15 @@ def test_bytes_per_parameter(precision, optimizer, per_param, source):
     assert Regime(precision, optimizer).bytes_per_parameter == per_param
 
 
-def test_megatron_distributed_optimizer():
-    # Megatron-LM docs: 6 + 12/d bytes per parameter with the distributed optimizer (bf16 params, fp32 grads).
-    d = _model_states("mixed-megatron", "adam", zero=1)
-    assert sympy.expand(d.parameter_memory / Psi) == 6 + 12 / N
+# Megatron-LM docs (distributed optimizer): bytes per parameter, plain and sharded over d data-parallel ranks.
+@pytest.mark.parametrize("precision, plain, distributed", [
+    ("mixed-megatron", 18, 6 + 12 / N),    # bf16 params, fp32 grads
+    ("mixed-full-copies", 20, 4 + 16 / N),  # fp16 params, fp16 grads (fp32 main params and grads)
+    ("fp32", 16, 8 + 8 / N),               # fp32 params, fp32 grads
+])
+def test_megatron_distributed_optimizer(precision, plain, distributed):
+    assert sympy.expand(_model_states(precision, "adam").parameter_memory / Psi) == plain
+    assert sympy.expand(_model_states(precision, "adam", zero=1).parameter_memory / Psi) == distributed
 
 
 def test_adafactor_factors_matrices():
