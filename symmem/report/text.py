@@ -54,7 +54,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "bytes_per_parameter": dict(d.regime.components()),
         "breakdown": [
             {"name": t.name, "group": t.group, "category": t.category, "role": t.role, "dtype": t.dtype,
-             "count": str(t.count), "expr": str(t.expr), "bytes": _safe_value(d, t.expr)}
+             "count": str(t.count), "expr": str(t.expr), "latex": expression(t.expr),
+             "bytes": _safe_value(d, t.expr)}
             for t in d.terms
         ],
     }
