@@ -84,6 +84,7 @@ def table(d: Derivation) -> str:
         e = d.expression(key)
         v = _safe_value(d, e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {factored(e)}")
+        shown = factored(e) if key == "activations" else e
+        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {shown}")
     lines.append(f"{'parameters':<20} {_safe_value(d, d.parameters):>12,}   = {d.parameters}")
     return "\n".join(lines)
