@@ -50,7 +50,7 @@ def main() -> int:
     for name in sorted(available()):
         for conv in ("paper", "pytorch"):
             try:
-                t = _time(lambda: derive(name, convention=conv).value("total"))
+                t = _time(lambda name=name, conv=conv: derive(name, convention=conv).value("total"))
             except Exception as exc:  # a convention may not cover every model yet
                 print(f"  {name:<14} {conv:<8} n/a ({type(exc).__name__})")
                 continue
