@@ -47,11 +47,12 @@ class Term:
     count: sympy.Expr = sympy.Integer(1)
 
 
-def _resolve(graph: nx.DiGraph, node: str) -> list[tuple[str, str]]:
+def _resolve(graph: nx.DiGraph, node: str, steady: bool = False) -> list[tuple[str, str]]:
     """The storages behind ``node``'s output, each with the iterations in which it is the one seen.
 
     Views lead to their base.  A repeated layer's input is the block's source in its first iteration
-    (``first``) and the block's own output in the others (``rest``).
+    (``first``) and the block's own output in the others (``rest``); ``steady`` (one layer on its own)
+    keeps only the latter, so that a layer's input is counted once.
     """
     blocks = graph.graph.get("blocks", {})
     found: list[tuple[str, str]] = []
@@ -65,7 +66,8 @@ def _resolve(graph: nx.DiGraph, node: str) -> list[tuple[str, str]]:
         data = graph.nodes[n]
         if data["kind"] == "block_input":
             block = blocks[data["block"]]
-            stack.append((data["inputs"][0], "first"))
+            if not steady:
+                stack.append((data["inputs"][0], "first"))
             stack.append((block.output, "rest"))
         elif data["view_of"] is not None:
             stack.append((data["inputs"][data["view_of"]], mode))
@@ -198,6 +200,16 @@ class Derivation:
         """Integer bytes of a named quantity (``parameters`` is a count)."""
         return self.evaluate(self.expression(key))
 
+    def size(self, key: str, unit: str = "GiB") -> float:
+        """A named quantity in ``unit`` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB).
+
+        >>> round(derive("resnet50-v1").size("parameter_memory", "MB"), 1)
+        408.9
+        """
+        from .units import to_unit
+
+        return to_unit(self.value(key), unit)
+
     def at(self, **values: int) -> Derivation:
         """The same derivation evaluated at other numbers (expressions unchanged).
 
@@ -271,7 +283,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
                 terms.append(Term(name, data["group"], category, count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
                 continue
-            for storage, mode in _resolve(graph, target):
+            for storage, mode in _resolve(graph, target, per_layer):
                 if storage not in storages:
                     storages[storage] = []
                     order.append(storage)

@@ -59,7 +59,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "parameter_breakdown": parameter_breakdown(d),
         "breakdown": [
             {"name": t.name, "group": t.group, "category": t.category, "role": t.role, "dtype": t.dtype,
-             "count": str(t.count), "expr": str(t.expr), "bytes": _safe_value(d, t.expr)}
+             "count": str(t.count), "expr": str(t.expr), "latex": expression(t.expr),
+             "bytes": _safe_value(d, t.expr)}
             for t in d.terms
         ],
     }
@@ -105,6 +106,7 @@ def table(d: Derivation) -> str:
         e = d.expression(key)
         v = _safe_value(d, e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {factored(e)}")
+        shown = factored(e) if key == "activations" else e
+        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {shown}")
     lines.append(f"{'parameters':<20} {_safe_value(d, d.parameters):>12,}   = {d.parameters}")
     return "\n".join(lines)
