@@ -60,7 +60,7 @@ p = _dim("p", "p", "pipeline-parallel size")
 N = _dim("N", "N", "data-parallel size")
 m = _dim("m", "m", "micro-batches in flight per pipeline stage")
 Psi = _dim("Psi", r"\Psi", "parameter count (a model given by its counts, ZeRO's Psi)")
-A = _dim("A", "A", "activation values per sample (a model given by its counts)")
+Nact = _dim("Nact", r"N_{\mathrm{act}}", "activation values per sample (a model given by its counts)")
 
 
 def symbol(name: str) -> sympy.Symbol:

@@ -1,7 +1,7 @@
-"""A model given only by its counts: ``A`` activation values per sample, ``Psi`` parameters, an input image.
+"""A model given only by its counts: ``Nact`` activation values per sample, ``Psi`` parameters, an input image.
 
 For questions asked in counts (seed 001: "532,752 activations and 19,072,984 parameters") and for the ZeRO
-paper's model of Psi parameters.  The graph is an input image (B, C, Hi, Wi), one tensor of ``A`` values per
+paper's model of Psi parameters.  The graph is an input image (B, C, Hi, Wi), one tensor of ``Nact`` values per
 sample standing for every layer output (role ``activations``) and one parameter tensor of ``Psi`` elements.
 
 >>> from symmem import derive
@@ -13,12 +13,12 @@ sample standing for every layer output (role ``activations``) and one parameter 
 from __future__ import annotations
 
 from ..graph import GraphBuilder, Model
-from ..symbols import A as Acts
 from ..symbols import B, C, Hi, Psi, Wi
+from ..symbols import Nact as Acts
 from . import Option, register
 
 _OPTIONS = {
-    "activations": Option(532_752, None, "activation values per sample (A)"),
+    "activations": Option(532_752, None, "activation values per sample (Nact)"),
     "parameters": Option(19_072_984, None, "parameter count (Psi)"),
     "input": Option((1, 50, 180), None, "input (channels, height, width)"),
 }
@@ -29,7 +29,7 @@ def build_counts(name: str, activations: int = 532_752, parameters: int = 19_072
     g = GraphBuilder(name)
     x = g.input("image", (B, C, Hi, Wi))
     x = g.op("flatten", x, name="flatten", start_dim=1)
-    # A tied, bias-free linear map stands for "the layers": it makes A values per sample and owns no weights.
+    # A tied, bias-free linear map stands for "the layers": it makes Nact values per sample and owns no weights.
     g.op("linear", x, name="activations", role="activations", out_features=Acts, bias=False, tied=True)
     g.parameter("parameters", (Psi,))
     c, hh, ww = input
@@ -39,4 +39,4 @@ def build_counts(name: str, activations: int = 532_752, parameters: int = 19_072
                  options={"activations": activations, "parameters": parameters})
 
 
-register("counts", build_counts, "a model given only by counts (activations A, parameters Psi)", _OPTIONS)
+register("counts", build_counts, "a model given only by counts (activations Nact, parameters Psi)", _OPTIONS)
