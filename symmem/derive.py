@@ -343,7 +343,8 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
     user: dict[sympy.Symbol, int] = {}
     for name, v in (values or {}).items():
         if name not in by_name:
-            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}")
+            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}"
+                              + regimes.hint(name))
         user[by_name[name]] = _positive_int(name, v)
     if free is None:
         keep = set(model.free) | set(regimes.symbols(regime))

@@ -59,6 +59,17 @@ def symbols(regime: Regime) -> tuple[sympy.Symbol, ...]:
     return tuple(found)
 
 
+def hint(name: str) -> str:
+    """What brings a regime symbol into a derivation ('' for other names).
+
+    >>> hint("t")
+    ' (t comes with tensor parallelism: --tensor-parallel)'
+    """
+    flags = {"N": "ZeRO: --zero 1|2|3", "t": "tensor parallelism: --tensor-parallel",
+             "p": "pipeline parallelism: --pipeline-parallel"}
+    return f" ({name} comes with {flags[name]})" if name in flags else ""
+
+
 def _role(graph: nx.DiGraph, term: Term) -> str | None:
     if term.node is not None and term.node in graph:
         return graph.nodes[term.node]["out"].role

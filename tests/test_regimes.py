@@ -182,3 +182,35 @@ def test_cli_regime_json(capsys):
 def test_cli_regime_errors(argv, capsys):
     assert main(["derive", "vit-b16", *argv]) == 2
     assert "symmem: error:" in capsys.readouterr().err
+
+
+def test_regime_symbol_hint():
+    with pytest.raises(SymmemError, match="--tensor-parallel"):
+        derive("vit-b16", values={"t": 8})
+
+
+def test_checkpoint_in_storage_counting_convention():
+    # A convention that counts storages (dedup) keeps every linear's input: the first layer's input is the
+    # batch itself, so full checkpointing keeps L - 1 layer inputs besides it, and one layer comes back.
+    from symmem.conventions import Convention, Saved
+    from symmem.graph import GraphBuilder, Model
+
+    class KeepLinearInputs(Convention):
+        name, description, dedup, options = "keep-linear-inputs", "", True, {}
+
+        def saved(self, graph, node, options):
+            return [Saved("input", 0)] if graph.nodes[node]["kind"] == "linear" else []
+
+    g = GraphBuilder("toy")
+    x = g.input("x", (B, H))
+    with g.repeat("layers", L, x) as layer:
+        y = g.op("linear", layer.input, name="fc1", out_features=4 * H)
+        y = g.op("relu", y, name="act")
+        layer.output(g.op("linear", y, name="fc2", out_features=H))
+    model = Model("toy", g.finish(), {B: 2, H: 8, L: 3}, (B, H, L))
+    none = derive(model, convention=KeepLinearInputs())
+    assert sympy.expand(none.activations + none.input) == 4 * (B * H * L + 4 * B * H * L)
+    full = derive(model, convention=KeepLinearInputs(), checkpoint="full")
+    assert sympy.expand(full.activations - 4 * B * H * (L - 1)) == 0
+    assert full.input == 4 * B * H
+    assert sympy.expand(full.transient) == 4 * (B * H + 4 * B * H)
