@@ -130,7 +130,7 @@ def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
         group = graph.nodes[block.input]["group"]
         one_layer = sympy.Add(*(_per_layer(x) for x in gone))
         if regime.checkpoint == "selective":
-            alive_again.append(Term(f"{name}.recompute", group, "transient", one_layer, "recompute", block.input,
+            alive_again.append(Term(f"{name}.recompute", "recompute", "transient", one_layer, "recompute", block.input,
                                     count=sympy.Integer(1)))
             continue
         k = sympy.Integer(every or 1)
@@ -151,7 +151,7 @@ def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
                             kept * elements * dtype_bytes(spec.dtype, act_dtype), "checkpoint", block.input,
                             spec.dtype, elements, kept))
         alive = k if every is None or not block.count.is_number else sympy.Min(k, block.count)
-        alive_again.append(Term(f"{name}.recompute", group, "transient", alive * one_layer, "recompute",
+        alive_again.append(Term(f"{name}.recompute", "recompute", "transient", alive * one_layer, "recompute",
                                 block.input, count=alive))
     if len(alive_again) > 1:
         # Backward recomputes one block at a time: the peak is the largest, not the sum.
