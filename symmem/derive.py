@@ -268,7 +268,8 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
     for node in nodes:
         data = graph.nodes[node]
         count = sympy.Integer(1) if per_layer else data["count"]
-        for ref in conv.saved(graph, node, options):
+        # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks).
+        for ref in conv.saved(graph, node, {**options, "activation_dtype": act_dtype}):
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None

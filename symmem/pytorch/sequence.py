@@ -14,9 +14,10 @@ divisor needs no gradient).  Kernels that pick what to keep at run time:
   and ``k^T*sqrt(scale)`` (new tensors kept by the batched matmul), the softmax output, the dropout noise,
   the dropped probabilities, and ``v`` (a contiguous copy when ``v`` is a strided view).  On CUDA the
   flash kernel (16-bit) and the memory-efficient kernel (FP32) keep q, k, v, the output, a float32
-  log-sum-exp (B, h, S) and the Philox seed and offset (two int64 scalars); the memory-efficient kernel
-  pads the log-sum-exp to a multiple of 32 positions, which the rule does not show (at most 124*B*h
-  bytes per layer).
+  log-sum-exp and the Philox seed and offset (two int64 scalars, host memory outside CUDA-graph capture).
+  Which kernel runs follows the regime's activation dtype: 16-bit runs flash (log-sum-exp (B, h, S));
+  FP32 runs the memory-efficient kernel (``_efficient_attention_forward``), whose log-sum-exp is
+  (B, h, 32*ceil(S/32)).
 * ``native_layer_norm`` keeps input, mean and rstd (B, ..., 1): float32 on CUDA (the accumulate type), the
   input's dtype on the CPU; weight and bias are parameters.
 * ``matmul`` of batched operands folds them to ``bmm`` with ``reshape``: a strided view (a head split by
@@ -193,6 +194,10 @@ def _attention(ctx: RuleContext) -> list[Saved]:
         raise node_error(ctx.node, ctx.kind, "explicit attention masks are not modelled; use causal=True")
     dropout = ctx.attrs.get("dropout", 0.0)
     lse = ctx.new("logsumexp", q.shape[:-1], "float32", "attn_lse")
+    if ctx.device == "cuda" and ctx.options.get("activation_dtype", "float32") == "float32":
+        # FP32 on CUDA runs the memory-efficient kernel, whose log-sum-exp rows are padded to kAlignLSE = 32.
+        rows = 32 * sympy.ceiling(q.shape[-2] / 32)
+        lse = ctx.new("logsumexp", q.shape[:-2] + (rows,), "float32", "attn_lse")
     # The fused kernels write the output as (B, S, h, d) and return it transposed (CUDA always; the CPU
     # flash kernel when q itself is a head-split view, ``q_layout="bshd"``), so the builders' merge
     # ``transpose(1, 2).reshape(B, S, H)`` is a view of it; the graph shows the merge as a copy the output
