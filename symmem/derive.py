@@ -401,7 +401,8 @@ def _numbers(model: Model, eff: Mapping[sympy.Symbol, sympy.Expr]) -> dict[sympy
 
 def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
     for node, lhs, rhs in model.graph.graph.get("assumptions", ()):
-        a, b = lhs.xreplace(dict(numbers)), rhs.xreplace(dict(numbers))
+        # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
+        a, b = (sympy.sympify(e.xreplace(dict(numbers))) for e in (lhs, rhs))
         if a.is_number and b.is_number and a != b:
             kind = model.graph.nodes[node]["kind"]
             raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but the values give "

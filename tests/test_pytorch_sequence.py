@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from symmem import derive  # noqa: E402
+from symmem.errors import SymmemError  # noqa: E402
 from symmem.graph import GraphBuilder, Model  # noqa: E402
 from symmem.models.gpt import gelu_new  # noqa: E402
 from symmem.pytorch import rule_kinds, saves  # noqa: E402
@@ -111,6 +112,16 @@ def test_symbols_are_settable_and_free():
     assert {s.name for s in d.free} >= {"B", "S", "H", "h", "G", "F"}
     small = derive("llama", convention="pytorch", values={"G": 8}).value("parameters")
     assert small == 6_738_415_616 - 32 * 2 * 4096 * (4096 - 1024)
+
+
+@pytest.mark.parametrize("name, values, match", [
+    ("llama", {"h": 4, "G": 3}, "Mod"),  # repeat_kv needs G | h
+    ("gpt2", {"S": 1025}, "1024"),  # wpe has 1024 rows
+    ("bert-base", {"S": 600}, "512"),
+])
+def test_inconsistent_symbols_are_errors(name, values, match):
+    with pytest.raises(SymmemError, match=match):
+        derive(name, convention="pytorch", values=values)
 
 
 def test_device_differences():

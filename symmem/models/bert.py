@@ -16,6 +16,8 @@ The pooler is ``tanh(dense(x[:, 0]))``.  No MLM head.
 
 from __future__ import annotations
 
+import sympy
+
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, H, L, S, V, h
 from . import Option, register
@@ -91,6 +93,8 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
         m = g.op("add", m, a, name="output.add", role="residual")
         layer.output(g.op("layernorm", m, name="output.LayerNorm", eps=1e-12))
     assert layer.result is not None
+    # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
+    g.graph.graph["assumptions"].append(("embeddings.position_embeddings", sympy.Min(S, POSITIONS), S))
     with g.group("pooler"), g.scope("pooler"):
         first = g.op("select", layer.result, name="first_token", dim=1, index=0)
         p = g.op("linear", first, name="dense", out_features=H)

@@ -24,6 +24,8 @@ training HF's RMSNorm and float32 softmax add float32 copies the graph does not 
 
 from __future__ import annotations
 
+import sympy
+
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, G, H, L, S, V, h
 from . import Option, register
@@ -129,6 +131,8 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Mod
             m = g.op("linear", m, name="down_proj", out_features=H, bias=False)
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
+    # repeat_kv needs G | h; checked with numbers when the model is derived.
+    g.graph.graph["assumptions"].append(("layers.self_attn.k_expand", sympy.Mod(h, G), sympy.Integer(0)))
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
         g.op("linear", x, name="lm_head", out_features=V, bias=False)

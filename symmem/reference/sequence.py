@@ -293,7 +293,8 @@ class BertModel(nn.Module):
         self.pooler = nn.Linear(dim, dim)
         self.sdpa = sdpa
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The pooled output (HF also returns the last hidden states, which the pooler already consumed)."""
         attention_mask = torch.ones(input_ids.shape, device=input_ids.device)
         hidden_states = self.embeddings(input_ids)
         if self.sdpa:
@@ -303,8 +304,7 @@ class BertModel(nn.Module):
             extended = (1.0 - extended) * torch.finfo(hidden_states.dtype).min
         for layer in self.layer:
             hidden_states = layer(hidden_states, extended)
-        pooled = torch.tanh(self.pooler(hidden_states[:, 0]))
-        return hidden_states, pooled
+        return torch.tanh(self.pooler(hidden_states[:, 0]))
 
 
 # -- Hugging Face Llama ----------------------------------------------------------------------------------
@@ -490,6 +490,8 @@ def reference(model: str, values: Mapping[str, int], **options: Any) -> tuple[nn
             m = BertModel(vocab, hidden, layers, heads, inner, dropout, sdpa)
         elif model == "llama":
             kv = int(values.get("G", heads))
+            if heads % kv:
+                raise SymmemError(f"llama: h={heads} query heads are not a multiple of G={kv} key/value heads")
             m = LlamaForCausalLM(vocab, hidden, layers, heads, kv, inner, dropout, sdpa)
         else:
             raise SymmemError(f"no sequence reference for model {model!r}")
