@@ -33,6 +33,8 @@ True
 
 from __future__ import annotations
 
+import weakref
+
 import networkx as nx
 import sympy
 
@@ -43,11 +45,12 @@ from . import RuleContext, rule_kinds, saves
 #: Op kinds whose output never requires grad, whatever their inputs.
 _NO_GRAD = frozenset({"input", "constant", "buffer", "rope_table"})
 _INT_DTYPES = frozenset({"bool", "int64", "int32", "int16", "int8", "uint8"})
+_MEMO: weakref.WeakKeyDictionary[nx.DiGraph, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def requires_grad(graph: nx.DiGraph, node: str) -> bool:
     """Whether ``node``'s output requires grad: parameters do, inputs, constants and integers do not."""
-    memo: dict[str, bool] = graph.graph.setdefault("_requires_grad", {})
+    memo = _MEMO.setdefault(graph, {})
     if node in memo:
         return memo[node]
     stack = [node]
