@@ -90,6 +90,25 @@ def test_formula_equals_measured_bytes(name, values, points, opts):
         assert d.value("activations") == _measured(d), (name, point, opts)
 
 
+BF16 = [(name, values, points[0], {**opts, "attention": att, "dropout": p})
+        for name, values, points, opts in FAMILIES[:1] + FAMILIES[2:4] + FAMILIES[5:]
+        for att in ("naive", "sdpa") for p in (0.0, 0.1)]
+
+
+@pytest.mark.parametrize("name, values, point, opts", BF16,
+                         ids=[f"{c[0]}-{c[3]['attention']}-{c[3]['dropout']}" for c in BF16])
+def test_bfloat16_formula_equals_measured_bytes(name, values, point, opts):
+    """A model cast to bfloat16 (not autocast): casts copy, the CPU math attention computes in float32."""
+    d = derive(name, convention="pytorch", options={"device": "cpu"}, precision="mixed-megatron",
+               values=_values(name, values, point), **opts)
+    assert d.regime.activation_dtype == "bfloat16"
+    torch.manual_seed(0)
+    module, inputs = reference(name, {s.name: v for s, v in d.numbers.items()}, **opts)
+    module = module.to(torch.bfloat16)
+    inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
+    assert d.value("activations") == _measure(module, inputs)
+
+
 @pytest.mark.parametrize("name, count", [
     ("vit-b16", 86_567_656), ("gpt2", 124_439_808), ("bert-base", 109_482_240), ("bert-large", 335_141_888),
     ("llama", 6_738_415_616),  # Llama-2-7B as HF counts it

@@ -211,15 +211,18 @@ def _attention(ctx: RuleContext) -> list[Saved]:
         return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse, ctx.new("philox", (2,), "int64", "rng_state")]
     if dropout == 0:
         return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse]
-    # CPU math fallback: scaled q and k^T are new tensors the batched matmul keeps.
+    # CPU math fallback: scaled q and k^T are new tensors the batched matmul keeps.  With 16-bit inputs it
+    # computes in float32 (q, k, v upcast first; measured), so every tensor it keeps is float32.
+    low = ctx.options.get("activation_dtype") in ("float16", "bfloat16")
+    dt = "float32" if low else q.dtype
     scores = q.shape[:-1] + (k.shape[-2],)
-    found = [ctx.new("q_scaled", q.shape, q.dtype, "matmul_copy"),
-             ctx.new("k_scaled", k.shape, k.dtype, "matmul_copy"),
-             ctx.new("probs", scores, q.dtype, "attn_probs"),
-             ctx.new("noise", scores, q.dtype, "dropout_mask"),
-             ctx.new("dropped", scores, q.dtype, "attn_dropout")]
-    if ctx.attrs.get("v_contiguous", False):
+    found = [ctx.new("q_scaled", q.shape, dt, "matmul_copy"),
+             ctx.new("k_scaled", k.shape, dt, "matmul_copy"),
+             ctx.new("probs", scores, dt, "attn_probs"),
+             ctx.new("noise", scores, dt, "dropout_mask"),
+             ctx.new("dropped", scores, dt, "attn_dropout")]
+    if ctx.attrs.get("v_contiguous", False) and not low:
         found.append(ctx.input(2))
     else:
-        found.append(ctx.new("v_copy", v.shape, v.dtype, "matmul_copy"))
+        found.append(ctx.new("v_copy", v.shape, dt, "matmul_copy"))
     return found
