@@ -273,3 +273,20 @@ def test_op_table(label, shapes, build, fn, consts):
     predicted = derive(model, convention="pytorch", options={"device": "cpu"}).value("activations")
     torch.manual_seed(0)
     assert predicted == _torch_case(shapes, fn, [c[0] for c in consts]), label
+
+
+def test_docs_formula_table_comes_from_the_engine():
+    """Every row of the per-layer table in docs/pytorch-sequence.md is what the engine derives."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "pytorch-sequence.md").read_text()
+    rows = re.findall(r"^\| `([\w-]+)` \| (naive|sdpa) \| (?:(cuda|cpu) (fp32|mixed)|`paper`) \| `([^`]*)` \| "
+                      r"([\d.]+)", text, flags=re.M)
+    assert len(rows) >= 10
+    for name, att, dev, prec, formula, gib in rows:
+        conv, opts = ("pytorch", {"device": dev}) if dev else ("paper", {})
+        kw = dict(convention=conv, options=opts, attention=att, precision=prec or "fp32")
+        layer = derive(name, per_layer=True, **kw)
+        assert str(sympy.factor(sympy.expand(layer.activations))) == formula, (name, att, dev, prec)
+        assert f"{derive(name, **kw).value('activations') / 2**30:.2f}" == gib, (name, att, dev, prec)
