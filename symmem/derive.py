@@ -238,6 +238,14 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _category(data: Mapping[str, Any]) -> str:
+    # Graph inputs (the batch, a loss target) are reported apart; so is what a loss appended by
+    # symmem.loss keeps (its group is "loss").
+    if data["kind"] == "input":
+        return "input"
+    return "loss" if data["group"] == "loss" else "activation"
+
+
 def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any], act_dtype: str,
                 nodes: list[str], per_layer: bool) -> list[Term]:
     terms: list[Term] = []
@@ -254,13 +262,13 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None
-                terms.append(Term(f"{node}.{ref.label}", data["group"], "activation", count * size(spec),
+                terms.append(Term(f"{node}.{ref.label}", data["group"], _category(data), count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
                 continue
             target = node if ref.source == "output" else data["inputs"][ref.index]
             if not conv.dedup:
                 spec = graph.nodes[target]["out"]
-                category = "input" if graph.nodes[target]["kind"] == "input" else "activation"
+                category = _category(graph.nodes[target])
                 name = node if ref.source == "output" else f"{node}.{ref.label or 'input'}"
                 terms.append(Term(name, data["group"], category, count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
@@ -282,7 +290,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
             count = _multiplicity(graph, storage, [(s, mode) for s, mode, _ in savers])
             if count == 0:
                 continue
-        category = "input" if data["kind"] == "input" else "activation"
+        category = _category(data)
         role = next((r.role for _, _, r in savers if r.role), None) or spec.role
         group = "input" if category == "input" else data["group"]
         terms.append(Term(storage, group, category, count * size(spec), role, storage, spec.dtype,
@@ -293,13 +301,14 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
 def derive(model: Model | str, convention: str | Convention = "paper", optimizer: str = "adamw",
            precision: str = "fp32", per_layer: bool = False, values: Mapping[str, int] | None = None,
            free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
-           **model_options: Any) -> Derivation:
+           loss: str | None = None, **model_options: Any) -> Derivation:
     """Derive the training memory of ``model``.
 
     ``model`` is a :class:`~symmem.graph.Model` or a built-in name (``model_options`` go to its builder,
     e.g. ``attention="naive"``).  ``values`` override symbol values for evaluation (``{"B": 32}``);
     ``free`` names the symbols to keep in the formula (default: the model's).  ``options`` go to the
-    convention (``{"device": "cpu"}``).
+    convention (``{"device": "cpu"}``).  ``loss`` (``"cross-entropy"``) appends a loss after the model's
+    output, as its own group; its kept tensors are the category ``loss``.
     """
     from .models import build
 
@@ -307,6 +316,10 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
         model = build(model, **model_options)
     elif model_options:
         raise SymmemError(f"builder options {sorted(model_options)} need a model name, not a built model")
+    if loss is not None:
+        from .loss import with_loss
+
+        model = with_loss(model, loss)
     conv = get_convention(convention)
     regime = Regime(precision, optimizer)
     conv_options = dict(conv.options)
