@@ -6,8 +6,8 @@ reports the loss's kept tensors under the category ``loss``.
 
 >>> from symmem.models import build
 >>> m = with_loss(build("mlp"), "cross-entropy")
->>> m.graph.nodes["loss"]["kind"], m.graph.nodes["target"]["out"]
-('cross_entropy', (B):int64)
+>>> m.graph.nodes["loss"]["kind"], str(m.graph.nodes["target"]["out"])
+('cross_entropy', '(B):int64')
 """
 
 from __future__ import annotations

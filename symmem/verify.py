@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -178,7 +178,8 @@ def measure(module: Any, *inputs: Any) -> Measurement:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = module(*inputs)
-    del out, keep
+    del out
+    keep.clear()
     return Measurement(tuple(records))
 
 

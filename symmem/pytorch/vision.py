@@ -6,8 +6,8 @@ measurement on CPU (``symmem.verify.measure``); CUDA differences are written nex
 
 >>> from symmem import derive
 >>> d = derive("resnet18", convention="pytorch", options={"device": "cpu"})
->>> d.evaluate(d.sum(role="batchnorm_stats"))  # 2 float32 statistics per channel, 20 batch norms
-76800
+>>> d.evaluate(d.sum(role="batchnorm_stats"))  # 2 float32 statistics x 4800 channels
+38400
 """
 
 from __future__ import annotations
