@@ -26,7 +26,7 @@ SMALL = {"Hi": 32, "Wi": 32}
 ZOO = [
     ("resnet18", {}, SMALL, (2, 3)),
     ("resnet50", {}, SMALL, (2, 3)),
-    ("resnet50-v1", {}, {"Hi": 64, "Wi": 48}, (2, 3)),
+    ("resnet50-v1", {}, SMALL, (2, 3)),
     ("vgg11", {}, SMALL, (2, 3)),
     ("vgg11_bn", {}, SMALL, (2, 3)),
     ("vgg11", {"dropout": 0.0}, SMALL, (2, 4)),

@@ -145,6 +145,19 @@ _VGG = {11: (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
              "M")}
 
 
+def _linear(n_in: int, n_out: int) -> Any:
+    """``nn.Linear`` filled with zeros: values do not change what autograd keeps, and drawing VGG's 120 M
+    random weights would cost seconds per module."""
+    import torch
+    from torch import nn
+
+    layer = torch.nn.utils.skip_init(nn.Linear, n_in, n_out)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.zero_()
+    return layer
+
+
 def vgg(numbers: Mapping[str, int], options: Mapping[str, Any]) -> tuple[Any, tuple[Any, ...]]:
     """torchvision ``vgg{depth}`` / ``vgg{depth}_bn``: features, AdaptiveAvgPool2d((7, 7)), classifier."""
     import torch
@@ -156,9 +169,9 @@ def vgg(numbers: Mapping[str, int], options: Mapping[str, Any]) -> tuple[Any, tu
             self.features = features
             self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
             self.classifier = nn.Sequential(
-                nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
-                nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
-                nn.Linear(4096, num_classes))
+                _linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
+                _linear(4096, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
+                _linear(4096, num_classes))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = torch.flatten(self.avgpool(self.features(x)), 1)
