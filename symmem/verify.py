@@ -315,6 +315,10 @@ def verify(derivation: Derivation) -> Comparison:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .conventions import convention
+
+    if args.device is None and "device" in convention(args.convention).options:
+        args.device = "cpu"  # the formula for the device the measurement runs on
     result = verify(derivation_from_args(args))
     print(result.report())
     return 0 if result.exact else 1
@@ -323,4 +327,4 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 @command("verify", "measure the project's PyTorch reference of a model and compare with the pytorch formula")
 def _verify(p: argparse.ArgumentParser) -> None:
     add_derive_options(p)
-    p.set_defaults(run=_cmd_verify, convention="pytorch", device="cpu")
+    p.set_defaults(run=_cmd_verify, convention="pytorch")
