@@ -73,6 +73,16 @@ def add_derive_options(p: argparse.ArgumentParser) -> None:
                    help="pytorch convention: the device whose kernels decide what is kept (default: cuda)")
     p.add_argument("--loss", choices=["cross-entropy"], default=None,
                    help="append the loss after the model's output, as its own group (default: no loss)")
+    regime = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
+    regime.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
+                        help="activation checkpointing of the repeated layers (default: none)")
+    regime.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                        help="ZeRO stage over N data-parallel ranks (3 = FSDP full sharding)")
+    regime.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
+    regime.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tensor-parallel: split the remaining activations over t too")
+    regime.add_argument("--pipeline-parallel", action="store_true",
+                        help="p pipeline stages, 1F1B schedule (the first stage's memory)")
 
 
 def derivation_from_args(args: argparse.Namespace) -> Any:
@@ -90,7 +100,11 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
     conv_options = {"device": args.device} if getattr(args, "device", None) is not None else {}
     return derive(args.model, convention=args.convention, optimizer=args.optimizer, precision=args.precision,
                   per_layer=args.per_layer, values=_parse_sets(args.set), free=free, options=conv_options,
-                  loss=getattr(args, "loss", None), **model_options)
+                  loss=getattr(args, "loss", None),
+                  checkpoint=getattr(args, "checkpoint", "none"), zero=getattr(args, "zero", 0),
+                  tensor_parallel=getattr(args, "tensor_parallel", False),
+                  sequence_parallel=getattr(args, "sequence_parallel", False),
+                  pipeline_parallel=getattr(args, "pipeline_parallel", False), **model_options)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -150,7 +164,7 @@ def _derive(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     import importlib
 
-    for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper"):
+    for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper", "symmem.counts"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -179,8 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the importable module's main, so that commands registered by symmem.verify and friends (which
-    # import symmem.cli, not __main__) are found under `python -m symmem.cli` too.
+    # Run the imported module's main: commands in other modules register on ``symmem.cli``, not ``__main__``.
     from symmem.cli import main as _main
 
     sys.exit(_main())

@@ -31,7 +31,8 @@ def align(d: Derivation) -> str:
     rows = []
     for group, expr in d.groups().items():
         rows.append(rf"  \text{{{_escape(group)}}} &= {expression(expr)} \\")
-    for key in ("activations", "parameter_memory", "total"):
+    keys = ("activations", "parameter_memory") + (("transient",) if d.transient != 0 else ()) + ("total",)
+    for key in keys:
         e = d.expression(key)
         shown = factored(e) if key == "activations" else e
         rows.append(rf"  \text{{{key.replace('_', ' ')}}} &= {expression(shown)} \\")
