@@ -296,6 +296,10 @@ def verify(derivation: Derivation) -> Comparison:
         raise SymmemError("verify measures whole models; drop --per-layer")
     if derivation.regime.activation_dtype != "float32":
         raise SymmemError("verify measures fp32 training; use --precision fp32")
+    regime = derivation.regime
+    if getattr(regime, "checkpoint", "none") != "none" or any(
+            getattr(regime, f, False) for f in ("tensor_parallel", "sequence_parallel", "pipeline_parallel")):
+        raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
     numbers = {s.name: v for s, v in derivation.numbers.items()}
     options = dict(derivation.options)
     device = options.get("device", "cpu")

@@ -159,6 +159,7 @@ def test_cli_verify_exit_status(capsys, monkeypatch):
 def test_cli_errors():
     assert main(["verify", "mlp", "--per-layer"]) == 2  # the fixed-width MLP has no repeated layer
     assert main(["verify", "resnet18", "--dropout", "0.1"]) == 2  # ResNet has no dropout option
+    assert main(["verify", "resnet18", "--checkpoint", "full"]) == 2  # the reference runs no checkpointing
     with pytest.raises(SymmemError, match="per-layer"):
         verify(derive("mlp", convention="pytorch", widths="symbolic", per_layer=True))
     with pytest.raises(SymmemError, match="no PyTorch reference"):
