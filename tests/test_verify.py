@@ -178,3 +178,17 @@ def test_cli_derive_device_and_loss(capsys):
     assert cpu["values"]["activations"] - cuda["values"]["activations"] == 2 * 64 * 4096 * (4 - 1)
     assert any(t["group"] == "loss" and t["category"] == "loss" for t in cpu["breakdown"])
     assert main(["derive", "vgg11", "--convention", "paper", "--device", "cpu"]) == 2
+
+
+def test_loss_errors():
+    from symmem.graph import GraphBuilder, Model
+    from symmem.symbols import B
+
+    with pytest.raises(SymmemError, match="unknown loss 'mse'"):
+        derive("mlp", convention="pytorch", loss="mse")
+    g = GraphBuilder("two")
+    x = g.input("x", (B, 4))
+    g.op("linear", x, name="a", out_features=2)
+    g.op("linear", x, name="b", out_features=2)
+    with pytest.raises(SymmemError, match="exactly one output node"):
+        derive(Model("two", g.finish(), {B: 2}, (B,)), convention="pytorch", loss="cross-entropy")
