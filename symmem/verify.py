@@ -205,6 +205,8 @@ class Comparison:
     predicted_input: int
     measured_input: int
     rows: tuple[Row, ...]
+    #: measured activation bytes per saving torch function (``conv2d``, ``batch_norm`` ...)
+    by_op: tuple[tuple[str, int], ...] = ()
 
     @property
     def difference(self) -> int:
@@ -218,7 +220,8 @@ class Comparison:
     def differences(self) -> list[Row]:
         return [r for r in self.rows if r.predicted != r.measured]
 
-    def report(self) -> str:
+    def report(self, verbose: bool = False) -> str:
+        """A text report; ``verbose`` adds the measured bytes per saving op."""
         lines = [f"{self.model}: saved for backward (bytes)",
                  f"  {'':<12}{'predicted':>16}{'measured':>16}{'difference':>14}",
                  f"  {'activations':<12}{self.predicted:>16,}{self.measured:>16,}{self.difference:>+14,}",
@@ -230,6 +233,9 @@ class Comparison:
             for r in diff:
                 who = ", ".join((r.measured_names or r.predicted_names)[:4])
                 lines.append(f"    {r.dtype:<9}{r.nbytes:>14,} B  {r.predicted:>4} vs {r.measured:<4} e.g. {who}")
+        if verbose and self.by_op:
+            lines.append("  measured activation bytes by saving op:")
+            lines += [f"    {op:<24}{n:>16,}" for op, n in self.by_op]
         lines.append("  exact" if self.exact else "  NOT EXACT")
         return "\n".join(lines)
 
@@ -262,7 +268,8 @@ def compare(derivation: Derivation, measurement: Measurement) -> Comparison:
                      tuple(mnames.get((d, b), ())))
                  for d, b in sorted(set(predicted) | set(measured), key=lambda k: (-k[1], k[0])))
     return Comparison(derivation.model, derivation.value("activations") + derivation.value("loss"),
-                      measurement.activations, derivation.value("input"), measurement.input, rows)
+                      measurement.activations, derivation.value("input"), measurement.input, rows,
+                      tuple(sorted(measurement.by_op().items(), key=lambda kv: -kv[1])))
 
 
 def with_loss(module: Any, loss: str) -> Any:
@@ -324,11 +331,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.device is None and "device" in convention(args.convention).options:
         args.device = "cpu"  # the formula for the device the measurement runs on
     result = verify(derivation_from_args(args))
-    print(result.report())
+    print(result.report(verbose=args.verbose))
     return 0 if result.exact else 1
 
 
 @command("verify", "measure the project's PyTorch reference of a model and compare with the pytorch formula")
 def _verify(p: argparse.ArgumentParser) -> None:
     add_derive_options(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
     p.set_defaults(run=_cmd_verify, convention="pytorch")
