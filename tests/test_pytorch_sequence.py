@@ -1,10 +1,10 @@
-"""The ``pytorch`` convention for sequence models against what real eager PyTorch keeps (CPU, FP32).
+"""The ``pytorch`` convention for sequence models against what real eager PyTorch keeps (CPU).
 
 Oracle: the project's faithful references (symmem/reference/sequence.py, mirrored from timm and Hugging
-Face) run under ``saved_tensors_hooks``; every packed storage is counted once, parameters, buffers and the
-inputs apart.  The formula of ``--convention pytorch --device cpu`` must give the measured activation bytes
-exactly, at two or more values of B (>= 2) and of S, for naive and SDPA attention, with and without dropout.
-The op table checks one op kind at a time the same way.
+Face) measured by :func:`symmem.verify.verify` (``saved_tensors_hooks``; every packed storage counted once,
+parameters, buffers and the inputs apart); the op table and the bfloat16 cases use the small ``_measure``
+here.  The formula of ``--convention pytorch --device cpu`` must give the measured activation bytes exactly,
+at two or more values of B (>= 2) and of S, for naive and SDPA attention, with and without dropout.
 """
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ from symmem import derive  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.graph import GraphBuilder, Model  # noqa: E402
 from symmem.models.gpt import gelu_new  # noqa: E402
-from symmem.pytorch import rule_kinds, saves  # noqa: E402
 from symmem.reference.sequence import reference  # noqa: E402
-
-if "conv2d" not in rule_kinds():  # until the vision rules are merged: conv2d keeps its input (the image)
-    saves("conv2d")(lambda ctx: [ctx.input(0)])
+from symmem.verify import verify  # noqa: E402
 
 
 def _measure(module, inputs) -> int:
@@ -46,13 +43,6 @@ def _measure(module, inputs) -> int:
 
 
 def _measured(d) -> int:
-    try:
-        from symmem.verify import verify
-    except ImportError:
-        torch.manual_seed(0)
-        numbers = {s.name: v for s, v in d.numbers.items()}
-        module, inputs = reference(d.model, numbers, **d.options)
-        return _measure(module, inputs)
     c = verify(d)
     assert c.exact, c.report()
     return c.measured

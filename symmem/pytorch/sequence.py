@@ -5,9 +5,7 @@ the autograd code generator saves an input only when the gradient that needs it 
 keeps ``w`` only if ``x`` requires grad and ``x`` only if ``w`` does (a mask, a position table or a 0-dim
 divisor needs no gradient).  Kernels that pick what to keep at run time:
 
-* ``aten/src/ATen/native/Dropout.cpp``: CUDA runs the fused ``native_dropout`` and keeps a bool mask; the
-  CPU takes ``_dropout_impl``: ``noise = empty_like(x).bernoulli_(1 - p).div_(1 - p); x * noise`` and the
-  multiply keeps the noise, in the activation dtype.  ``p = 0`` (or eval) returns the input itself.
+* Dropout (the rule in :mod:`.common`): CUDA keeps a bool mask, the CPU the noise in the activation dtype.
 * ``aten/src/ATen/native/transformers/attention.cpp`` and ``sdp_utils_cpp.cpp``: on the CPU with dropout 0
   the flash kernel runs and keeps q, k, v, the output and a float32 log-sum-exp (B, h, S); with dropout > 0
   the CPU has no fused kernel and falls back to ``_scaled_dot_product_attention_math``: ``q*sqrt(scale)``
@@ -40,7 +38,7 @@ import sympy
 
 from ..conventions import Saved
 from ..errors import node_error
-from . import RuleContext, rule_kinds, saves
+from . import RuleContext, saves
 
 #: Op kinds whose output never requires grad, whatever their inputs.
 _NO_GRAD = frozenset({"input", "constant", "buffer", "rope_table"})
@@ -143,21 +141,6 @@ def _masked(ctx: RuleContext) -> list[Saved]:
 def _embedding(ctx: RuleContext) -> list[Saved]:
     """``embedding_backward`` needs the indices (and the weight's size)."""
     return [ctx.input(0)]
-
-
-def _dropout(ctx: RuleContext) -> list[Saved]:
-    """CUDA: a bool mask (``native_dropout``); CPU: the float noise ``x * noise`` keeps; p = 0: nothing."""
-    p = ctx.attrs.get("p", 0.5)
-    if p == 0 or not ctx.attrs.get("training", True):
-        return []
-    shape = ctx.inputs[0].shape
-    if ctx.device == "cuda":
-        return [ctx.new("mask", shape, "bool", "dropout_mask")]
-    return [ctx.new("noise", shape, ctx.inputs[0].dtype, "dropout_mask")]
-
-
-if "dropout" not in rule_kinds():  # the shared rule in .common wins where it exists
-    saves("dropout")(_dropout)
 
 
 @saves("matmul")
