@@ -407,8 +407,8 @@ def _scalar_add(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 
 @rule("cast")
 def _cast(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
-    # ``tensor.to(dtype)`` returns the tensor itself when the dtype already matches, which is what the
-    # graph records (the FP32 case); in 16-bit regimes the cast makes a copy the graph does not show.
+    # ``tensor.to(dtype)`` returns the tensor itself when the dtype already matches: recorded as a view, and
+    # the derivation treats it as a new storage when the regime's activation dtype makes the dtypes differ.
     return OpInfo(TensorSpec(ins[0].shape, a.get("dtype", ins[0].dtype)), view_of=0)
 
 

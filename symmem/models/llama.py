@@ -14,8 +14,8 @@ G = h HF returns the tensor itself, and the storage a matmul or the attention ke
 size as the copy (measured on the CPU).  G = 1 (multi-query attention) is the exception the graph does not
 show: there ``reshape`` of the expanded tensor is a stride-0 view; the eager matmuls copy it anyway (exact), but
 the fused attention kernel keeps the B*S*d-element views, so with ``sdpa`` and no dropout the formula
-over-counts by 2*B*(h-1)*S*d elements per layer.  The graph records casts as the no-ops they are in FP32; in 16-bit
-training HF's RMSNorm and float32 softmax add float32 copies the graph does not show.
+over-counts by 2*B*(h-1)*S*d elements per layer.  The casts (RMSNorm's ``to(float32)``, the float32 softmax's
+``.to(dtype)``) are views in FP32 and copies in 16-bit, as in PyTorch (see :func:`symmem.derive._converts`).
 
 >>> from symmem import derive
 >>> derive("llama").value("parameters")
