@@ -17,6 +17,7 @@ from typing import Any
 import networkx as nx
 import sympy
 
+from .branches import fold, holds
 from .conventions import Convention, Saved
 from .conventions import convention as get_convention
 from .errors import SymmemError
@@ -57,14 +58,16 @@ def _converts(graph: nx.DiGraph, node: str, act_dtype: str | None) -> bool:
     return (act_dtype if src == "act" else src) != (act_dtype if dst == "act" else dst)
 
 
-def _resolve(graph: nx.DiGraph, node: str, steady: bool = False, act_dtype: str | None = None
-             ) -> list[tuple[str, str]]:
+def _resolve(graph: nx.DiGraph, node: str, steady: bool = False, act_dtype: str | None = None,
+             branch: Mapping[sympy.Basic, bool] | None = None) -> list[tuple[str, str]]:
     """The storages behind ``node``'s output, each with the iterations in which it is the one seen.
 
     Views lead to their base.  A repeated layer's input is the block's source in its first iteration
     (``first``) and the block's own output in the others (``rest``); ``steady`` (one layer on its own)
     keeps only the latter, so that a layer's input is counted once.  A ``cast`` is a view unless it changes
     the dtype under ``act_dtype`` (``x.to(torch.float32)`` returns ``x`` itself in FP32, a copy in 16-bit).
+    A view whose ``copy`` attribute is a condition (:mod:`symmem.branches`) is a copy where ``branch`` says
+    the condition holds.
     """
     blocks = graph.graph.get("blocks", {})
     found: list[tuple[str, str]] = []
@@ -81,7 +84,8 @@ def _resolve(graph: nx.DiGraph, node: str, steady: bool = False, act_dtype: str 
             if not steady:
                 stack.append((data["inputs"][0], "first"))
             stack.append((block.output, "rest"))
-        elif data["view_of"] is not None and not _converts(graph, n, act_dtype):
+        elif data["view_of"] is not None and not _converts(graph, n, act_dtype) and not holds(
+                data["attrs"].get("copy", False), branch):
             stack.append((data["inputs"][data["view_of"]], mode))
         else:
             found.append((n, mode))
@@ -151,10 +155,10 @@ class Derivation:
     def sum(self, category: str | None = None, group: str | None = None, role: str | None = None
             ) -> sympy.Expr:
         """Bytes of the terms that match every given filter."""
-        return sympy.Add(*(t.expr for t in self.terms
+        return fold(sympy.Add(*(t.expr for t in self.terms
                            if (category is None or t.category == category)
                            and (group is None or t.group == group)
-                           and (role is None or t.role == role)))
+                           and (role is None or t.role == role))))
 
     @property
     def activations(self) -> sympy.Expr:
@@ -180,7 +184,7 @@ class Derivation:
 
     @property
     def total(self) -> sympy.Expr:
-        return sympy.Add(*(t.expr for t in self.terms))
+        return fold(sympy.Add(*(t.expr for t in self.terms)))
 
     def expression(self, key: str) -> sympy.Expr:
         """The expression for ``activations``, ``parameter_memory``, ``total``, ``input``, ``loss`` or
@@ -194,7 +198,7 @@ class Derivation:
         parts: dict[str, list[sympy.Expr]] = {}
         for t in self.terms:
             parts.setdefault(t.group, []).append(t.expr)
-        return {g: sympy.Add(*e) for g, e in parts.items()}
+        return {g: fold(sympy.Add(*e)) for g, e in parts.items()}
 
     # -- numbers --------------------------------------------------------------------------------------
     def evaluate(self, expr: sympy.Expr) -> int:
@@ -277,7 +281,7 @@ def _category(data: Mapping[str, Any]) -> str:
 
 
 def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any], act_dtype: str,
-                nodes: list[str], per_layer: bool) -> list[Term]:
+                nodes: list[str], per_layer: bool, branch: Mapping[sympy.Basic, bool] | None = None) -> list[Term]:
     terms: list[Term] = []
     storages: dict[str, list[tuple[str, str, Saved]]] = {}
     order: list[str] = []
@@ -289,7 +293,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
         data = graph.nodes[node]
         count = sympy.Integer(1) if per_layer else data["count"]
         # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks).
-        for ref in conv.saved(graph, node, {**options, "activation_dtype": act_dtype}):
+        for ref in conv.saved(graph, node, {**options, "activation_dtype": act_dtype, "branch": branch}):
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None
@@ -305,7 +309,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
                 terms.append(Term(name, data["group"], category, count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
                 continue
-            for storage, mode in _resolve(graph, target, per_layer, act_dtype):
+            for storage, mode in _resolve(graph, target, per_layer, act_dtype, branch):
                 if storage not in storages:
                     storages[storage] = []
                     order.append(storage)
@@ -346,7 +350,7 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
     ``loss`` (``"cross-entropy"``) appends a loss after the model's output, as its own group; its kept tensors
     are the category ``loss``.
     """
-    from . import regimes
+    from . import branches, regimes
     from .models import build
 
     if isinstance(model, str):
@@ -394,9 +398,15 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
     if per_layer:
         layer = _pick_layer(model)
         nodes = [n for n in nodes if graph.nodes[n]["block"] == layer]
-    act = _node_terms(graph, conv, conv_options, regime.activation_dtype, nodes, per_layer)
-    act = regimes.activations(graph, act, regime, regime.activation_dtype, per_layer, conv.dedup)
-    act += conv.extra_terms(act, conv_options)
+    # Views that copy for some sizes only (symmem.branches): the kept storages once per truth assignment.
+    open_, decided = branches.conditions(graph, nodes, subs)
+    results = []
+    for branch in branches.assignments(open_, decided):
+        act = _node_terms(graph, conv, conv_options, regime.activation_dtype, nodes, per_layer, branch)
+        act = regimes.activations(graph, act, regime, regime.activation_dtype, per_layer, conv.dedup)
+        act += conv.extra_terms(act, conv_options)
+        results.append((branch, act))
+    act = branches.merge(open_, results)
     shapes = []
     for n in nodes:
         c = sympy.Integer(1) if per_layer else graph.nodes[n]["count"]

@@ -20,6 +20,7 @@ from typing import Any
 
 import sympy
 
+from .branches import is_condition
 from .errors import SymmemError
 from .shapes import broadcast, fmt, numel, same
 from .tensor import ACT, TensorSpec, as_shape
@@ -263,7 +264,10 @@ def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     shape = as_shape(a["shape"])
     assumptions = _check_eq(numel(shape), numel(x.shape), f"reshape {fmt(x.shape)} -> {fmt(shape)}")
-    return OpInfo(TensorSpec(shape, x.dtype), view_of=None if a.get("copy") else 0, assumptions=assumptions)
+    # ``copy`` may be a condition on the symbols (symmem.branches): a view in the graph, resolved per branch.
+    copy = a.get("copy", False)
+    return OpInfo(TensorSpec(shape, x.dtype), view_of=0 if is_condition(copy) or not copy else None,
+                  assumptions=assumptions)
 
 
 @rule("transpose")

@@ -36,6 +36,7 @@ import weakref
 import networkx as nx
 import sympy
 
+from ..branches import holds
 from ..conventions import Saved
 from ..errors import node_error
 from . import RuleContext, saves
@@ -146,7 +147,11 @@ def _embedding(ctx: RuleContext) -> list[Saved]:
 @saves("matmul")
 def _matmul(ctx: RuleContext) -> list[Saved]:
     """Each operand is kept if the other requires grad; ``copy_inputs`` operands as a contiguous copy."""
-    copies = tuple(ctx.attrs.get("copy_inputs", ()))
+    # An entry is an index, or (index, condition) for an operand that is foldable only for some sizes
+    # (a stride-0 repeat of heads; symmem.branches).
+    branch = ctx.options.get("branch")
+    copies = {i for i, cond in (e if isinstance(e, tuple) else (e, True) for e in ctx.attrs.get("copy_inputs", ()))
+              if holds(cond, branch)}
     found = []
     for i, other in ((0, 1), (1, 0)):
         if not _grad(ctx, other):
@@ -204,7 +209,7 @@ def _attention(ctx: RuleContext) -> list[Saved]:
              ctx.new("probs", scores, dt, "attn_probs"),
              ctx.new("noise", scores, dt, "dropout_mask"),
              ctx.new("dropped", scores, dt, "attn_dropout")]
-    if ctx.attrs.get("v_contiguous", False) and not low:
+    if holds(ctx.attrs.get("v_contiguous", False), ctx.options.get("branch")) and not low:
         found.append(ctx.input(2))
     else:
         found.append(ctx.new("v_copy", v.shape, dt, "matmul_copy"))

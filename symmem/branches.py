@@ -1,0 +1,148 @@
+"""Storage decisions that depend on the symbols: a reshape that copies for some sizes and is a view for others.
+
+PyTorch's ``reshape`` returns a view when the strides allow it and a copy otherwise, so the same line of model
+code can keep different storages for different sizes.  HF's ``repeat_kv`` is the case that matters:
+``x[:, :, None].expand(B, G, h/G, S, d).reshape(B, h, S, d)`` merges the G heads with the stride-0 repeat
+dimension, which is only possible without a copy when ``G = 1`` (multi-query attention); then every head is a
+stride-0 view of one (B, 1, S, d) tensor, and a kernel that keeps the view keeps B*S*d elements, not B*h*S*d.
+
+A builder states such a decision as a sympy condition in an op attribute instead of a bool (``reshape(...,
+copy=Ne(G, 1))``, a matmul's ``copy_inputs=((1, Eq(G, 1)),)``, attention's ``v_contiguous=Ne(G, 1)``).
+:func:`conditions` finds the conditions of a graph that the symbols left free do not decide;
+:func:`symmem.derive.derive` works out the kept storages once per truth assignment and :func:`merge` joins the
+results into one list of terms whose expressions are ``Piecewise`` over the conditions (equal branches
+collapse, so a model whose total does not depend on the decision shows no ``Piecewise`` in its total).
+
+>>> import sympy
+>>> from symmem.symbols import G
+>>> canonical(sympy.Ne(G, 1))
+(Eq(G, 1), False)
+>>> holds(sympy.Ne(G, 1), {sympy.Eq(G, 1): True})
+False
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import networkx as nx
+import sympy
+from sympy.logic.boolalg import Boolean, BooleanAtom
+
+if TYPE_CHECKING:
+    from .derive import Term
+
+Branch = Mapping[sympy.Basic, bool]
+
+
+def is_condition(value: Any) -> bool:
+    """Whether ``value`` is a symbolic condition (not a plain bool or sympy's true/false)."""
+    return isinstance(value, Boolean) and not isinstance(value, BooleanAtom)
+
+
+def canonical(cond: Boolean) -> tuple[Boolean, bool]:
+    """``cond`` as (a condition without a leading negation, whether ``cond`` is that condition itself)."""
+    if isinstance(cond, sympy.Ne | sympy.Not):
+        return ~cond, False
+    return cond, True
+
+
+def holds(flag: Any, branch: Branch | None) -> bool:
+    """The value of an op flag (a bool, sympy's true/false, or a condition) in ``branch``.
+
+    A condition the branch does not decide counts as false: the structural reading of the graph.
+    """
+    if not is_condition(flag):
+        return bool(flag)
+    base, positive = canonical(flag)
+    if branch is None or base not in branch:
+        return False
+    return branch[base] == positive
+
+
+def _walk(value: Any) -> Iterable[Boolean]:
+    if is_condition(value):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _walk(v)
+
+
+def conditions(graph: nx.DiGraph, nodes: Iterable[str], subs: Mapping[sympy.Symbol, sympy.Expr]
+               ) -> tuple[list[Boolean], dict[Boolean, bool]]:
+    """The conditions in the attributes of ``nodes``: (still open after ``subs``, decided by ``subs``)."""
+    open_: list[Boolean] = []
+    decided: dict[Boolean, bool] = {}
+    for n in nodes:
+        for value in graph.nodes[n]["attrs"].values():
+            for cond in _walk(value):
+                base, _ = canonical(cond)
+                if base in decided or base in open_:
+                    continue
+                now = base.xreplace(dict(subs))
+                if isinstance(now, BooleanAtom):
+                    decided[base] = bool(now)
+                else:
+                    open_.append(base)
+    return open_, decided
+
+
+def assignments(open_: Sequence[Boolean], decided: Branch) -> list[dict[sympy.Basic, bool]]:
+    """Every truth assignment of the open conditions, each with the decided ones."""
+    return [{**dict(decided), **dict(zip(open_, values, strict=True))}
+            for values in itertools.product((True, False), repeat=len(open_))]
+
+
+def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
+    """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1), to write the branch's formula plainly."""
+    if value and isinstance(cond, sympy.Eq) and isinstance(cond.lhs, sympy.Symbol) and cond.rhs.is_number:
+        return {cond.lhs: cond.rhs}
+    return {}
+
+
+def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Term]]]) -> list[Term]:
+    """One list of terms from the terms of every branch: a term's expression is a ``Piecewise`` over them.
+
+    Terms are matched by (name, group, category) and their order of appearance; a term missing from a
+    branch is zero there.
+    """
+    if len(branches) == 1:
+        return list(branches[0][1])
+    keyed: dict[tuple[Any, ...], dict[int, Term]] = {}
+    for i, (_, terms) in enumerate(branches):
+        seen: dict[tuple[Any, ...], int] = {}
+        for t in terms:
+            base = (t.name, t.group, t.category)
+            seen[base] = seen.get(base, 0) + 1
+            keyed.setdefault((*base, seen[base]), {})[i] = t
+    guards = []
+    for branch, _ in branches:
+        parts = [c if branch[c] else sympy.Not(c) for c in open_]
+        subs: dict[sympy.Symbol, sympy.Expr] = {}
+        for c in open_:
+            subs.update(_given(c, branch[c]))
+        guards.append((sympy.And(*parts), subs))
+
+    def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
+        pieces = [(v.xreplace(subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
+        pieces[-1] = (pieces[-1][0], sympy.true)
+        return sympy.Piecewise(*pieces)
+
+    out: list[Term] = []
+    for by_branch in keyed.values():
+        first = next(iter(by_branch.values()))
+        zero = sympy.Integer(0)
+        exprs = [by_branch[i].expr if i in by_branch else zero for i in range(len(branches))]
+        counts = [by_branch[i].count if i in by_branch else zero for i in range(len(branches))]
+        elems = [by_branch[i].elements if i in by_branch else first.elements for i in range(len(branches))]
+        elements = None if any(e is None for e in elems) else piecewise(elems)
+        out.append(replace(first, expr=piecewise(exprs), count=piecewise(counts), elements=elements))
+    return out
+
+
+def fold(expr: sympy.Expr) -> sympy.Expr:
+    """A sum of ``Piecewise`` terms as one ``Piecewise`` (equal branches collapse); other sums unchanged."""
+    return sympy.piecewise_fold(expr) if expr.has(sympy.Piecewise) else expr
