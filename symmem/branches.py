@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import sympy
-from sympy.logic.boolalg import Boolean, BooleanAtom
+from sympy.core.relational import Relational
+from sympy.logic.boolalg import Boolean, BooleanAtom, BooleanFunction
 
 if TYPE_CHECKING:
     from .derive import Term
@@ -40,7 +41,8 @@ Branch = Mapping[sympy.Basic, bool]
 
 def is_condition(value: Any) -> bool:
     """Whether ``value`` is a symbolic condition (not a plain bool or sympy's true/false)."""
-    return isinstance(value, Boolean) and not isinstance(value, BooleanAtom)
+    # (a Symbol is a sympy Boolean too: only relations and their combinations are conditions)
+    return isinstance(value, Relational | BooleanFunction)
 
 
 def canonical(cond: Boolean) -> tuple[Boolean, bool]:
@@ -127,9 +129,12 @@ def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Term]]
         guards.append((sympy.And(*parts), subs))
 
     def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
+        # Most terms are the same in every branch; sympy's Piecewise simplification is slow, so skip it there.
+        if all(v == values[0] for v in values[1:]):
+            return values[0]
         pieces = [(v.xreplace(subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
         pieces[-1] = (pieces[-1][0], sympy.true)
-        return sympy.Piecewise(*pieces)
+        return sympy.Piecewise(*pieces, evaluate=False)
 
     out: list[Term] = []
     for by_branch in keyed.values():

@@ -54,6 +54,7 @@ class _Parser(argparse.ArgumentParser):
 def add_derive_options(p: argparse.ArgumentParser) -> None:
     """The options every command that derives a formula shares."""
     from .conventions import names as convention_names
+    from .models import entry
     from .training import OPTIMIZERS, PRECISIONS
 
     p.add_argument("model", help="a built-in model (see `symmem models`)")
@@ -64,6 +65,9 @@ def add_derive_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["naive", "sdpa"], default=None,
                    help="transformers: naive keeps the B*h*S^2 probabilities, sdpa does not")
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (sequence models)")
+    gelu = entry("gpt2").options["gelu"]
+    p.add_argument("--gelu", choices=list(gelu.choices or ()), default=None,
+                   help=f"models with a GELU option (gpt2): {gelu.help} (default: {gelu.default})")
     p.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
                    help="give a symbol a value, e.g. --set B=32 (repeatable)")
     p.add_argument("--free", default=None, metavar="A,B,...",
@@ -91,7 +95,7 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
     from .models import entry
 
     e = entry(args.model)
-    model_options = {k: getattr(args, k) for k in ("attention", "dropout")
+    model_options = {k: getattr(args, k) for k in ("attention", "dropout", "gelu")
                      if getattr(args, k, None) is not None}
     unknown = [k for k in model_options if k not in e.options]
     if unknown:

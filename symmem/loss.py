@@ -4,6 +4,14 @@
 the target as a new graph input; :func:`symmem.derive.derive` does this for ``loss="cross-entropy"`` and
 reports the loss's kept tensors under the category ``loss``.
 
+A builder can say how its model is trained through graph attributes.  ``graph.graph["causal_lm"]``: a language
+model whose logits (..., S, V) are scored against the next token, as Hugging Face's ``GPT2LMHeadModel`` and
+``LlamaForCausalLM`` do with ``labels``: ``logits.float()``, ``logits[..., :-1, :].contiguous()``,
+``labels[..., 1:].contiguous()``, both flattened, then ``cross_entropy``.  What that keeps (measured): the float32
+log-probabilities (B (S-1), V), the shifted labels' contiguous copy (B (S-1) int64, a new tensor, so ``loss``
+and not ``input``) and the 0-dim ``total_weight``; the shifted logits' copy is not kept (``log_softmax`` keeps
+its output).  ``graph.graph["no_loss"]``: why the model has no logits to score (an error names it).
+
 >>> from symmem.models import build
 >>> m = with_loss(build("mlp"), "cross-entropy")
 >>> m.graph.nodes["loss"]["kind"], str(m.graph.nodes["target"]["out"])
@@ -16,6 +24,7 @@ from dataclasses import replace
 
 from .errors import SymmemError
 from .graph import GraphBuilder, Model, lint
+from .shapes import numel
 
 #: loss name -> the op kind it appends
 LOSSES: dict[str, str] = {"cross-entropy": "cross_entropy"}
@@ -35,6 +44,9 @@ def with_loss(model: Model, loss: str) -> Model:
     """A copy of ``model`` whose output feeds ``loss`` (``"cross-entropy"``: logits (..., K), int64 targets)."""
     if loss not in LOSSES:
         raise SymmemError(f"unknown loss {loss!r}; known: {', '.join(LOSSES)}")
+    reason = model.graph.graph.get("no_loss")
+    if reason:
+        raise SymmemError(f"{model.name}: --loss {loss} is not available: {reason}")
     out = model_output(model)
     g = GraphBuilder(model.name)
     graph = model.graph.copy()
@@ -47,6 +59,26 @@ def with_loss(model: Model, loss: str) -> Model:
         raise SymmemError(f"{model.name}: output {out!r} is a scalar, not logits")
     with g.group(LOSS_GROUP):
         target = g.input("target", logits.shape[:-1], dtype="int64", role="target")
+        if graph.graph.get("causal_lm"):
+            out, target = _shift(g, model, out, target)
         g.op(LOSSES[loss], out, target, name="loss", role="loss")
     lint(graph)
     return replace(model, graph=graph, options={**dict(model.options), "loss": loss})
+
+
+def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str, str]:
+    """HF's next-token shift: float32 logits of positions 0..S-2 against the labels of positions 1..S-1."""
+    spec = g.graph.nodes[logits]["out"]
+    if spec.rank < 2:
+        raise SymmemError(f"{model.name}: a causal LM loss needs logits (..., S, V), got {spec}")
+    *lead, seq, vocab = spec.shape
+    rows = numel(tuple(lead)) * (seq - 1)
+    x = g.op("cast", logits, name="logits_float", dtype="float32")  # logits.float(): a view in FP32
+    x = g.op("slice", x, name="shift_logits", dim=-2, start=0, stop=seq - 1)
+    x = g.op("contiguous", x, name="shift_logits_contiguous")
+    x = g.op("reshape", x, name="shift_logits_view", shape=(rows, vocab))
+    y = g.op("slice", labels, name="shift_labels", dim=-1, start=1, stop=seq)
+    # a copy for B >= 2; for B = 1 the slice is contiguous already and the labels themselves are kept
+    y = g.op("contiguous", y, name="shift_labels_contiguous", role="target")
+    y = g.op("reshape", y, name="shift_labels_view", shape=(rows,))
+    return x, y

@@ -99,6 +99,8 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
         first = g.op("select", layer.result, name="first_token", dim=1, index=0)
         p = g.op("linear", first, name="dense", out_features=H)
         g.op("tanh", p, name="activation")
+    g.graph.graph["no_loss"] = ("HF BertModel has no LM head (its output is the pooled (B, H) tensor, not logits "
+                                "over a vocabulary); use gpt2 or llama for a language-model loss")
     defaults = {B: 32, S: 512, H: hidden, h: heads, L: layers, F: 4 * H, V: 30522}
     desc = f"BERT-{size} (HF BertModel with pooler; {attention} attention, dropout {dropout})"
     return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="layer",

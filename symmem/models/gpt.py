@@ -108,6 +108,7 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
     with g.group("head"):
         x = g.op("layernorm", layer.result, name="ln_f", eps=1e-5)
         g.op("linear", x, name="lm_head", out_features=V, bias=False, tied=True)
+    g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     defaults = {B: 8, S: 1024, H: 768, h: 12, L: 12, F: 4 * H, V: 50257}
     desc = (f"GPT-2 small (HF GPT2LMHeadModel, tied head; {attention} attention, gelu {gelu}, "
             f"dropout {dropout})")

@@ -143,6 +143,7 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Mod
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
         g.op("linear", x, name="lm_head", out_features=V, bias=False)
+    g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     defaults = {B: 1, S: 4096, H: 4096, h: 32, G: 32, L: 32, F: 11008, V: 32000}
     desc = f"Llama (HF LlamaForCausalLM, Llama-2-7B defaults; {attention} attention, dropout {dropout})"
     return Model(name, g.finish(), defaults, (B, S, H, h, G, L, F, V), desc, layer="layers",

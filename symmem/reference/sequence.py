@@ -195,13 +195,26 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    #: ``forward(input_ids, labels)`` returns the loss, as HF does when given labels (used by ``verify --loss``)
+    takes_labels = True
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         position_ids = torch.arange(0, input_ids.size(-1), dtype=torch.long, device=input_ids.device).unsqueeze(0)
         hidden_states = self.wte(input_ids) + self.wpe(position_ids)
         hidden_states = self.drop(hidden_states)
         for block in self.h:
             hidden_states = block(hidden_states)
-        return self.lm_head(self.ln_f(hidden_states))
+        lm_logits = self.lm_head(self.ln_f(hidden_states))
+        return lm_logits if labels is None else causal_lm_loss(lm_logits, labels)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's loss with labels: ``LlamaForCausalLM`` (4.4x) upcasts, shifts by one token, flattens (GPT-2 the same,
+    without the upcast before 4.46, which is the same tensor in FP32)."""
+    logits = logits.float()
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    return nn.CrossEntropyLoss()(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
 
 
 # -- Hugging Face BERT -----------------------------------------------------------------------------------
@@ -433,7 +446,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.sdpa = sdpa
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    takes_labels = True
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         inputs_embeds = self.embed_tokens(input_ids)
         seq = inputs_embeds.shape[1]
         cache_position = torch.arange(0, seq, device=inputs_embeds.device)
@@ -449,8 +464,8 @@ class LlamaForCausalLM(nn.Module):
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, causal_mask)
-        hidden_states = self.norm(hidden_states)
-        return self.lm_head(hidden_states)
+        logits = self.lm_head(self.norm(hidden_states))
+        return logits if labels is None else causal_lm_loss(logits, labels)
 
 
 # -- construction from symbol values ---------------------------------------------------------------------
