@@ -19,10 +19,13 @@ collapse, so a model whose total does not depend on the decision shows no ``Piec
 (Eq(G, 1), False)
 >>> holds(sympy.Ne(G, 1), {sympy.Eq(G, 1): True})
 False
+>>> canonical(~(sympy.Ne(G, 1) & sympy.Ne(G, 2)))
+(Eq(G, 1) | Eq(G, 2), True)
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 import sympy
 from sympy.core.relational import Relational
-from sympy.logic.boolalg import Boolean, BooleanAtom, BooleanFunction
+from sympy.logic.boolalg import Boolean, BooleanAtom, BooleanFunction, to_nnf
 
 if TYPE_CHECKING:
     from .derive import Term
@@ -45,11 +48,57 @@ def is_condition(value: Any) -> bool:
     return isinstance(value, Relational | BooleanFunction)
 
 
+@functools.lru_cache(maxsize=256)
 def canonical(cond: Boolean) -> tuple[Boolean, bool]:
-    """``cond`` as (a condition without a leading negation, whether ``cond`` is that condition itself)."""
-    if isinstance(cond, sympy.Ne | sympy.Not):
-        return ~cond, False
-    return cond, True
+    """``cond`` as (one representative of ``cond`` and its negation, whether ``cond`` is that representative).
+
+    The representative is the form with fewer ``Ne``/``Not`` (``Eq(G, 1) | Eq(h/G, 1)`` rather than
+    ``Ne(G, 1) & Ne(h/G, 1)``), so a condition and its negation are one branch decision.
+    """
+    pos, neg = to_nnf(cond), to_nnf(sympy.Not(cond))
+
+    def weight(c: Boolean) -> tuple[int, str]:
+        return (len(c.atoms(sympy.Ne, sympy.Not)), sympy.srepr(c))
+
+    return (pos, True) if weight(pos) <= weight(neg) else (neg, False)
+
+
+def reshape_copies(shape: Sequence[Any], broadcast: Iterable[int], new_shape: Sequence[Any]) -> Any:
+    """When ``reshape(new_shape)`` of a tensor of ``shape`` whose ``broadcast`` dims have stride 0 must copy.
+
+    PyTorch's ``computeStride`` (``aten/src/ATen/TensorUtils.cpp``) can view a group of dimensions merged into
+    one only if each dimension's stride is the next one's stride times its size, size-1 dimensions aside.  A
+    stride-0 (expanded) dimension next to one with a real stride never satisfies that, unless one side has
+    size 1.  So the reshape copies iff some merged group holds both expanded dimensions of size != 1 and
+    other dimensions of size != 1 (the other dimensions are taken as contiguous among themselves).  Groups are
+    found by equal running products of the two shapes.  Returns sympy's true/false or a condition.
+
+    >>> from symmem.symbols import B, G, S, h
+    >>> reshape_copies((B, G, h / G, S), {2}, (B, h, S))
+    Ne(G, 1) & Ne(h/G, 1)
+    >>> reshape_copies((B, 1, h, S), {2}, (B, h, S))
+    False
+    """
+    old = [sympy.sympify(d) for d in shape]
+    new = [sympy.sympify(d) for d in new_shape]
+    stride0 = set(broadcast)
+    bounds_new = set()
+    run = sympy.Integer(1)
+    for d in new:
+        run = run * d
+        bounds_new.add(sympy.simplify(run))
+    copies: list[Boolean] = []
+    group: list[int] = []
+    run = sympy.Integer(1)
+    for i, d in enumerate(old):
+        run = run * d
+        group.append(i)
+        if sympy.simplify(run) in bounds_new or i == len(old) - 1:
+            expanded = sympy.Mul(*(old[j] for j in group if j in stride0))
+            other = sympy.Mul(*(old[j] for j in group if j not in stride0))
+            copies.append(sympy.And(sympy.Ne(expanded, 1), sympy.Ne(other, 1)))
+            group = []
+    return sympy.Or(*copies)
 
 
 def holds(flag: Any, branch: Branch | None) -> bool:

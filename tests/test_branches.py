@@ -1,0 +1,40 @@
+"""Views that copy for some sizes only (symmem/branches.py), against what ``torch.reshape`` does."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+
+torch = pytest.importorskip("torch")
+
+from symmem.branches import canonical, holds, reshape_copies  # noqa: E402
+from symmem.symbols import B, G, S, h  # noqa: E402
+
+# shape of the expanded tensor, its stride-0 dimensions, the new shape
+CASES = [
+    ((2, 3, 4, 5), {2}, (2, 12, 5)),  # repeat_kv with G = 3, h/G = 4
+    ((2, 1, 4, 5), {2}, (2, 4, 5)),  # G = 1: multi-query
+    ((2, 3, 1, 5), {2}, (2, 3, 5)),  # h/G = 1: G = h
+    ((2, 3, 4, 5), {2}, (2, 3, 20)),  # the repeat merged with a later dimension
+    ((2, 3, 4, 5), {0}, (6, 4, 5)),
+    ((1, 3, 4, 5), {0}, (3, 4, 5)),
+    ((2, 3, 4, 5), {1, 2}, (2, 12, 5)),  # two expanded dimensions merged: still stride 0
+    ((2, 3, 4, 5), {2}, (2, 3, 4, 5)),  # no merge
+]
+
+
+@pytest.mark.parametrize("shape, broadcast, new", CASES)
+def test_reshape_copies_as_torch_does(shape, broadcast, new):
+    base = torch.zeros(*[1 if i in broadcast else d for i, d in enumerate(shape)])
+    t = base.expand(*shape)
+    viewed = t.reshape(*new).untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert bool(reshape_copies(shape, broadcast, new)) is not viewed
+
+
+def test_symbolic_repeat_kv_condition():
+    cond = reshape_copies((B, G, h / G, S), {2}, (B, h, S))
+    for g_, h_, copies in ((1, 8, False), (2, 8, True), (8, 8, False), (4, 8, True)):
+        assert bool(cond.xreplace({G: g_, h: h_})) is copies
+    base, positive = canonical(cond)
+    assert not positive and base == sympy.Eq(G, 1) | sympy.Eq(h / G, 1)
+    assert holds(cond, {base: False}) and not holds(~cond, {base: False})
