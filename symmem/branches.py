@@ -114,6 +114,21 @@ def holds(flag: Any, branch: Branch | None) -> bool:
     return branch[base] == positive
 
 
+def slice_copies(shape: Sequence[Any], dim: int) -> Any:
+    """When ``.contiguous()`` of a proper slice along ``dim`` of a contiguous tensor of ``shape`` copies.
+
+    The slice keeps the strides, so the dimension before ``dim`` has a stride larger than the sliced length
+    times the next stride: not contiguous, unless every dimension before ``dim`` has size 1 (then their strides
+    do not matter, and ``contiguous()`` returns the slice itself).  ``labels[..., 1:]`` of (B, S) copies iff B != 1.
+
+    >>> from symmem.symbols import B, S, V
+    >>> slice_copies((B, S, V), 1)
+    Ne(B, 1)
+    """
+    lead = sympy.Mul(*(sympy.sympify(d) for d in shape[:dim % len(shape)]))
+    return sympy.Ne(lead, 1)
+
+
 def _walk(value: Any) -> Iterable[Boolean]:
     if is_condition(value):
         yield value

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .branches import slice_copies
 from .errors import SymmemError
 from .graph import GraphBuilder, Model, lint
 from .shapes import numel
@@ -75,10 +76,11 @@ def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str
     rows = numel(tuple(lead)) * (seq - 1)
     x = g.op("cast", logits, name="logits_float", dtype="float32")  # logits.float(): a view in FP32
     x = g.op("slice", x, name="shift_logits", dim=-2, start=0, stop=seq - 1)
-    x = g.op("contiguous", x, name="shift_logits_contiguous")
+    x = g.op("contiguous", x, name="shift_logits_contiguous", copy=slice_copies(spec.shape, -2))
     x = g.op("reshape", x, name="shift_logits_view", shape=(rows, vocab))
     y = g.op("slice", labels, name="shift_labels", dim=-1, start=1, stop=seq)
-    # a copy for B >= 2; for B = 1 the slice is contiguous already and the labels themselves are kept
-    y = g.op("contiguous", y, name="shift_labels_contiguous", role="target")
+    # a copy for B >= 2; for B = 1 the slice is contiguous already and nll_loss keeps the labels themselves
+    y = g.op("contiguous", y, name="shift_labels_contiguous", role="target",
+             copy=slice_copies(g.graph.nodes[labels]["out"].shape, -1))
     y = g.op("reshape", y, name="shift_labels_view", shape=(rows,))
     return x, y

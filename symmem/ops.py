@@ -148,7 +148,9 @@ def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
         _dim(x, a["dim"])
     dtype = a.get("dtype", x.dtype)
     inplace = bool(a.get("inplace", False))
-    return OpInfo(TensorSpec(x.shape, dtype), view_of=0 if inplace else None)
+    # ``contiguous`` returns its input when it is contiguous already: ``copy`` may say when it is not
+    # (a condition on the symbols, resolved per branch by the derivation; symmem.branches).
+    return OpInfo(TensorSpec(x.shape, dtype), view_of=0 if inplace or is_condition(a.get("copy")) else None)
 
 
 @rule("add", "mul", "sub", "div", "masked_fill", "where", arity=2)
