@@ -173,4 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main: command modules register into symmem.cli, not into __main__.
+    from symmem.cli import main as _main
+
+    sys.exit(_main())
