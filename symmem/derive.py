@@ -183,7 +183,8 @@ class Derivation:
         if missing:
             names = ", ".join(sorted(s.name for s in missing))
             raise SymmemError(f"no value for {names}; set one (e.g. --set {sorted(missing, key=str)[0]}=...)")
-        value = expr.xreplace(dict(self.numbers))
+        value = sympy.sympify(expr).xreplace(dict(self.numbers))
+        value = sympy.sympify(value)  # a bare symbol xreplaces to the plain int it maps to
         if not value.is_number:
             raise SymmemError(f"{expr} did not evaluate to a number")
         return int(value) if value.is_integer else int(sympy.ceiling(value))
