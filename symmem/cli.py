@@ -69,6 +69,16 @@ def add_derive_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
+    regime = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
+    regime.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
+                        help="activation checkpointing of the repeated layers (default: none)")
+    regime.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                        help="ZeRO stage over N data-parallel ranks (3 = FSDP full sharding)")
+    regime.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
+    regime.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tensor-parallel: split the remaining activations over t too")
+    regime.add_argument("--pipeline-parallel", action="store_true",
+                        help="p pipeline stages, 1F1B schedule (the first stage's memory)")
 
 
 def derivation_from_args(args: argparse.Namespace) -> Any:
@@ -84,7 +94,11 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0]}")
     free = tuple(x.strip() for x in args.free.split(",") if x.strip()) if args.free else None
     return derive(args.model, convention=args.convention, optimizer=args.optimizer, precision=args.precision,
-                  per_layer=args.per_layer, values=_parse_sets(args.set), free=free, **model_options)
+                  per_layer=args.per_layer, values=_parse_sets(args.set), free=free,
+                  checkpoint=getattr(args, "checkpoint", "none"), zero=getattr(args, "zero", 0),
+                  tensor_parallel=getattr(args, "tensor_parallel", False),
+                  sequence_parallel=getattr(args, "sequence_parallel", False),
+                  pipeline_parallel=getattr(args, "pipeline_parallel", False), **model_options)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -144,7 +158,7 @@ def _derive(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     import importlib
 
-    for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper"):
+    for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper", "symmem.counts"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -173,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main: command modules register into symmem.cli, not into __main__.
+    # Run the imported module's main: commands in other modules register on ``symmem.cli``, not ``__main__``.
     from symmem.cli import main as _main
 
     sys.exit(_main())

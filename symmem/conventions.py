@@ -53,6 +53,10 @@ class Convention:
     def saved(self, graph: nx.DiGraph, node: str, options: Mapping[str, Any]) -> list[Saved]:
         raise NotImplementedError
 
+    def extra_terms(self, terms: list[Any], options: Mapping[str, Any]) -> list[Any]:
+        """Terms the accounting adds on top of the kept tensors (CS231n's x2 for backward); none by default."""
+        return []
+
 
 @dataclass(frozen=True)
 class Extra:

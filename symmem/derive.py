@@ -24,7 +24,8 @@ from .graph import Model
 from .tensor import TensorSpec, dtype_bytes
 from .training import Regime
 
-CATEGORIES = ("activation", "input", "loss", "parameter")
+#: ``transient``: memory alive only during part of backward (a recomputed layer, CS231n's x2 for backward).
+CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,12 @@ class Term:
     count: sympy.Expr = sympy.Integer(1)
 
 
-def _resolve(graph: nx.DiGraph, node: str) -> list[tuple[str, str]]:
+def _resolve(graph: nx.DiGraph, node: str, steady: bool = False) -> list[tuple[str, str]]:
     """The storages behind ``node``'s output, each with the iterations in which it is the one seen.
 
     Views lead to their base.  A repeated layer's input is the block's source in its first iteration
-    (``first``) and the block's own output in the others (``rest``).
+    (``first``) and the block's own output in the others (``rest``); ``steady`` (one layer on its own)
+    keeps only the latter, so that a layer's input is counted once.
     """
     blocks = graph.graph.get("blocks", {})
     found: list[tuple[str, str]] = []
@@ -64,7 +66,8 @@ def _resolve(graph: nx.DiGraph, node: str) -> list[tuple[str, str]]:
         data = graph.nodes[n]
         if data["kind"] == "block_input":
             block = blocks[data["block"]]
-            stack.append((data["inputs"][0], "first"))
+            if not steady:
+                stack.append((data["inputs"][0], "first"))
             stack.append((block.output, "rest"))
         elif data["view_of"] is not None:
             stack.append((data["inputs"][data["view_of"]], mode))
@@ -159,13 +162,18 @@ class Derivation:
         return self.sum("parameter")
 
     @property
+    def transient(self) -> sympy.Expr:
+        """Memory alive only during backward: recomputed layers, CS231n's activation gradients."""
+        return self.sum("transient")
+
+    @property
     def total(self) -> sympy.Expr:
         return sympy.Add(*(t.expr for t in self.terms))
 
     def expression(self, key: str) -> sympy.Expr:
         """The expression for ``activations``, ``parameter_memory``, ``total``, ``input``, ``loss`` or
         ``parameters`` (a count)."""
-        if key not in ("activations", "parameter_memory", "total", "input", "loss", "parameters"):
+        if key not in ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters"):
             raise SymmemError(f"unknown quantity {key!r}")
         return getattr(self, key)
 
@@ -183,8 +191,7 @@ class Derivation:
         if missing:
             names = ", ".join(sorted(s.name for s in missing))
             raise SymmemError(f"no value for {names}; set one (e.g. --set {sorted(missing, key=str)[0]}=...)")
-        value = sympy.sympify(expr).xreplace(dict(self.numbers))
-        value = sympy.sympify(value)  # a bare symbol xreplaces to the plain int it maps to
+        value = sympy.sympify(expr.xreplace(dict(self.numbers)))
         if not value.is_number:
             raise SymmemError(f"{expr} did not evaluate to a number")
         return int(value) if value.is_integer else int(sympy.ceiling(value))
@@ -192,6 +199,16 @@ class Derivation:
     def value(self, key: str) -> int:
         """Integer bytes of a named quantity (``parameters`` is a count)."""
         return self.evaluate(self.expression(key))
+
+    def size(self, key: str, unit: str = "GiB") -> float:
+        """A named quantity in ``unit`` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB).
+
+        >>> round(derive("resnet50-v1").size("parameter_memory", "MB"), 1)
+        408.9
+        """
+        from .units import to_unit
+
+        return to_unit(self.value(key), unit)
 
     def at(self, **values: int) -> Derivation:
         """The same derivation evaluated at other numbers (expressions unchanged).
@@ -271,7 +288,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
                 terms.append(Term(name, data["group"], category, count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
                 continue
-            for storage, mode in _resolve(graph, target):
+            for storage, mode in _resolve(graph, target, per_layer):
                 if storage not in storages:
                     storages[storage] = []
                     order.append(storage)
@@ -299,14 +316,18 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
 def derive(model: Model | str, convention: str | Convention = "paper", optimizer: str = "adamw",
            precision: str = "fp32", per_layer: bool = False, values: Mapping[str, int] | None = None,
            free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
+           checkpoint: str = "none", zero: int = 0, tensor_parallel: bool = False,
+           sequence_parallel: bool = False, pipeline_parallel: bool = False,
            **model_options: Any) -> Derivation:
     """Derive the training memory of ``model``.
 
     ``model`` is a :class:`~symmem.graph.Model` or a built-in name (``model_options`` go to its builder,
     e.g. ``attention="naive"``).  ``values`` override symbol values for evaluation (``{"B": 32}``);
     ``free`` names the symbols to keep in the formula (default: the model's).  ``options`` go to the
-    convention (``{"device": "cpu"}``).
+    convention (``{"device": "cpu"}``).  ``checkpoint`` (none, full, selective, every-K), ``zero`` (0-3) and
+    the parallel flags set the training regime (see :mod:`symmem.regimes`; sizes N, t, p stay symbols).
     """
+    from . import regimes
     from .models import build
 
     if isinstance(model, str):
@@ -314,7 +335,8 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
     elif model_options:
         raise SymmemError(f"builder options {sorted(model_options)} need a model name, not a built model")
     conv = get_convention(convention)
-    regime = Regime(precision, optimizer)
+    regime = Regime(precision, optimizer, checkpoint, zero, tensor_parallel, sequence_parallel,
+                    pipeline_parallel)
     conv_options = dict(conv.options)
     for key, v in (options or {}).items():
         if key not in conv_options:
@@ -322,20 +344,23 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
                               f"{', '.join(sorted(conv_options)) or 'none'}")
         conv_options[key] = v
 
-    by_name = {s.name: s for s in model.symbols}
+    by_name = {s.name: s for s in model.symbols + regimes.symbols(regime)}
     user: dict[sympy.Symbol, int] = {}
     for name, v in (values or {}).items():
         if name not in by_name:
-            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}")
+            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}"
+                              + regimes.hint(name))
         user[by_name[name]] = _positive_int(name, v)
     if free is None:
-        keep = set(model.free)
+        keep = set(model.free) | set(regimes.symbols(regime))
     else:
         unknown = [n for n in free if n not in by_name]
         if unknown:
             raise SymmemError(f"{model.name} has no symbol {unknown[0]!r}; it has {', '.join(sorted(by_name))}")
         keep = {by_name[n] for n in free}
     eff = _effective(model, user)
+    for s in regimes.symbols(regime):
+        eff.setdefault(s, sympy.Integer(regimes.DEFAULTS[s]))
     subs = _substitute_all(eff, keep)
     numbers = _numbers(model, eff)
     _check_assumptions(model, numbers)
@@ -347,13 +372,15 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
         layer = _pick_layer(model)
         nodes = [n for n in nodes if graph.nodes[n]["block"] == layer]
     act = _node_terms(graph, conv, conv_options, regime.activation_dtype, nodes, per_layer)
+    act = regimes.activations(graph, act, regime, regime.activation_dtype, per_layer, conv.dedup)
+    act += conv.extra_terms(act, conv_options)
     shapes = []
     for n in nodes:
         c = sympy.Integer(1) if per_layer else graph.nodes[n]["count"]
         for shape in graph.nodes[n]["params"].values():
             shapes.append((c, shape))
     param_count = sympy.Add(*(c * sympy.Mul(*s) for c, s in shapes))
-    par = [Term(name, "parameters", "parameter", e, name) for name, e in regime.parameter_terms(shapes)]
+    par = regimes.parameters(regime, regimes.parameter_shapes(graph, nodes, regime, per_layer))
     terms = tuple(
         Term(t.name, t.group, t.category, t.expr.xreplace(subs), t.role, t.node, t.dtype,
              None if t.elements is None else t.elements.xreplace(subs), t.count.xreplace(subs))

@@ -1,12 +1,14 @@
 """Comparing and broadcasting symbolic shapes.
 
-Two dimensions are equal when sympy proves their difference is zero, unequal when it proves it is a
-nonzero number, and *undecided* otherwise (``floor(Hi/16)`` against ``S - 1``, say).  Undecided equalities
-are not errors: the graph records them as assumptions, and they are checked with numbers when numbers come.
+Two dimensions are equal when sympy proves their difference is zero.  The symbols are independent, so a
+difference that is a nonzero rational function of them (``S - H``, ``H/h - 64``) is a mismatch too.  Only a
+difference with functions such as ``floor`` in it (``floor(Hi/16)`` against ``S - 1``) is *undecided*:
+the graph records it as an assumption, checked with numbers when numbers come.
 
->>> from symmem.symbols import B, S
->>> same(B * S, S * B), same(S, S + 1), same(S - 1, B)
-(True, False, None)
+>>> import sympy
+>>> from symmem.symbols import B, S, Hi
+>>> same(B * S, S * B), same(S, S + 1), same(S - 1, B), same(S - 1, sympy.floor(Hi / 16))
+(True, False, False, None)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
         return True
     if d.is_number:
         return False
-    if d.is_positive or d.is_negative:
+    if d.is_positive or d.is_negative or not d.atoms(sympy.Function):
         return False
     return None
 

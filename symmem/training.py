@@ -1,7 +1,9 @@
-"""Training regimes as data: bytes per parameter for each precision and optimizer.
+"""Training regimes as data: bytes per parameter for each precision and optimizer, checkpointing, parallelism.
 
-A :class:`Regime` is a precision (what the weights and gradients cost, and the activation dtype) plus an
-optimizer (what state it keeps per parameter).  Every number lives in the two tables below.
+A :class:`Regime` is a precision (what the weights and gradients cost, and the activation dtype), an optimizer
+(what state it keeps per parameter), an activation-checkpointing mode and a parallel layout (ZeRO stage,
+tensor / sequence / pipeline parallelism).  Every number lives in the tables below; ``docs/regimes.md`` gives
+each source.
 
 >>> r = Regime("fp32", "adamw")
 >>> r.bytes_per_parameter
@@ -10,15 +12,35 @@ optimizer (what state it keeps per parameter).  Every number lives in the two ta
 ['weights', 'gradients', 'exp_avg', 'exp_avg_sq']
 >>> Regime("fp32", "sgd-momentum").bytes_per_parameter
 12
+>>> Regime("mixed", "adam").bytes_per_parameter, Regime("mixed-megatron", "adam").bytes_per_parameter
+(16, 18)
+>>> Regime("mixed-full-copies", "adamw").bytes_per_parameter
+20
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import sympy
 
 from .errors import SymmemError
+
+#: What ZeRO shards each component class by: stage 1 the optimizer side (states and FP32 master weights),
+#: stage 2 also the gradients, stage 3 also the weights (Rajbhandari et al. 2020, section 5).
+ZERO_STAGE_OF_CLASS = {"optimizer": 1, "gradients": 2, "weights": 3}
+
+
+@dataclass(frozen=True)
+class Component:
+    """One per-parameter tensor: its name, bytes per element, and its class for ZeRO (weights, gradients,
+    optimizer; FP32 master weights belong to the optimizer side as in the ZeRO paper)."""
+
+    name: str
+    bytes: int
+    kind: str
+    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -27,27 +49,91 @@ class Precision:
 
     name: str
     activation_dtype: str
-    components: tuple[tuple[str, int], ...]
+    parts: tuple[Component, ...]
     description: str
+
+    @property
+    def components(self) -> tuple[tuple[str, int], ...]:
+        return tuple((c.name, c.bytes) for c in self.parts)
 
 
 @dataclass(frozen=True)
 class Optimizer:
-    """Per-parameter bytes of each optimizer state tensor (FP32 unless the optimizer says otherwise)."""
+    """Per-parameter bytes of each optimizer state tensor (FP32 unless the optimizer says otherwise).
+
+    ``states`` are elementwise (one value per parameter element).  ``factored`` states are Adafactor's row
+    and column statistics of a matrix; ``block`` > 0 adds one FP32 scale per ``block`` elements to each state
+    (block-wise quantization, bitsandbytes' 8-bit optimizers); ``min_quantized`` is the size below which a
+    quantizing optimizer keeps FP32 states instead.
+    """
 
     name: str
     states: tuple[tuple[str, int], ...]
     description: str
+    factored: bool = False
+    block: int = 0
+    min_quantized: int = 0
 
     def state_bytes(self, shape: tuple[sympy.Expr, ...]) -> list[tuple[str, sympy.Expr]]:
-        """Bytes of each state tensor for one parameter of ``shape``."""
+        """Bytes of each state tensor for one parameter of ``shape``.
+
+        >>> OPTIMIZERS["adafactor"].state_bytes((1024, 512))
+        [('exp_avg_sq_row', 4096), ('exp_avg_sq_col', 2048)]
+        >>> OPTIMIZERS["adam-8bit"].state_bytes((4096, 4096))
+        [('exp_avg', 16777216), ('exp_avg.absmax', 32768), ('exp_avg_sq', 16777216), ('exp_avg_sq.absmax', 32768)]
+        """
         n = sympy.Mul(*shape) if shape else sympy.Integer(1)
-        return [(name, n * b) for name, b in self.states]
+        if self.factored:
+            # Adafactor (Shazeer & Stern 2018; HF transformers' Adafactor, beta1=None): a matrix keeps the
+            # row means (shape[:-1]) and column means (shape[:-2] + shape[-1:]) of the squared gradient;
+            # a vector keeps the full second moment.
+            if len(shape) >= 2:
+                rows = sympy.Mul(*shape[:-1])
+                cols = sympy.Mul(*shape[:-2]) * shape[-1]
+                return [("exp_avg_sq_row", rows * 4), ("exp_avg_sq_col", cols * 4)]
+            return [("exp_avg_sq", n * 4)]
+        if self.block and n.is_number and n < self.min_quantized:
+            return [(name, n * 4) for name, _ in self.states]
+        out: list[tuple[str, sympy.Expr]] = []
+        for name, b in self.states:
+            out.append((name, n * b))
+            if self.block:
+                out.append((f"{name}.absmax", sympy.ceiling(n / self.block) * 4))
+        return out
+
+
+def _c(name: str, b: int, kind: str, description: str) -> Component:
+    return Component(name, b, kind, description)
 
 
 PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", "float32", (("weights", 4), ("gradients", 4)),
-                      "FP32 weights and gradients, FP32 activations"),
+    "fp32": Precision("fp32", "float32", (
+        _c("weights", 4, "weights", "FP32 weights"),
+        _c("gradients", 4, "gradients", "FP32 gradients")),
+        "FP32 weights and gradients, FP32 activations"),
+    "mixed": Precision("mixed", "float16", (
+        _c("weights", 2, "weights", "FP16/BF16 weights used in forward and backward"),
+        _c("gradients", 2, "gradients", "FP16/BF16 gradients"),
+        _c("master_weights", 4, "optimizer", "FP32 master copy of the weights (the optimizer updates it)")),
+        "mixed precision as the ZeRO paper counts it (Rajbhandari et al. 2020, section 3.1): 2 + 2 bytes of "
+        "16-bit weights and gradients plus K bytes of optimizer state, K = 12 for Adam (4 master + 4 + 4); "
+        "16-bit activations"),
+    "mixed-megatron": Precision("mixed-megatron", "bfloat16", (
+        _c("weights", 2, "weights", "BF16 weights"),
+        _c("main_weights", 4, "optimizer", "FP32 main weights held by the optimizer"),
+        _c("main_gradients", 4, "gradients", "FP32 main gradients (gradient accumulation/reduction buffer)")),
+        "Megatron-LM's mixed precision (docs of its distributed optimizer: 18 bytes per parameter with Adam, "
+        "BF16 parameters and FP32 main gradients; 6 + 12/N with the distributed optimizer); 16-bit "
+        "activations"),
+    "mixed-full-copies": Precision("mixed-full-copies", "float16", (
+        _c("weights", 2, "weights", "FP16 weights"),
+        _c("master_weights", 4, "optimizer", "FP32 master copy of the weights"),
+        _c("gradients", 2, "gradients", "FP16 gradients"),
+        # The FP32 gradient copy feeds the optimizer step: Megatron's distributed optimizer shards it with the
+        # optimizer state (4 + 16/d bytes for FP16 params and grads), so it is on the optimizer side.
+        _c("gradients_fp32", 4, "optimizer", "FP32 copy of the gradients (optimizer side)")),
+        "mixed precision with FP16 and FP32 copies of both weights and gradients (seed 002's accounting: 20 "
+        "bytes per parameter with AdamW); 16-bit activations"),
 }
 
 OPTIMIZERS: dict[str, Optimizer] = {
@@ -56,7 +142,18 @@ OPTIMIZERS: dict[str, Optimizer] = {
     "adam": Optimizer("adam", (("exp_avg", 4), ("exp_avg_sq", 4)), "Adam: first and second moments"),
     "adamw": Optimizer("adamw", (("exp_avg", 4), ("exp_avg_sq", 4)),
                        "AdamW: first and second moments (decoupled weight decay costs no memory)"),
+    "adafactor": Optimizer("adafactor", (("exp_avg_sq", 4),),
+                           "Adafactor without momentum (beta1=None): a matrix keeps a row and a column vector "
+                           "of second-moment statistics, a vector its full second moment", factored=True),
+    "adam-8bit": Optimizer("adam-8bit", (("exp_avg", 1), ("exp_avg_sq", 1)),
+                           "8-bit Adam (bitsandbytes, Dettmers et al. 2022): 1 byte per moment plus one FP32 "
+                           "absmax per block of 2048 elements; tensors under 4096 elements keep FP32 moments",
+                           block=2048, min_quantized=4096),
+    "lion": Optimizer("lion", (("exp_avg", 4),), "Lion (Chen et al. 2023): one momentum buffer"),
 }
+
+CHECKPOINTS = ("none", "full", "selective", "every-K")
+_EVERY = re.compile(r"^every-([1-9][0-9]*)$")
 
 
 def _lookup(table: dict, name: str, what: str):  # type: ignore[no-untyped-def]
@@ -66,16 +163,45 @@ def _lookup(table: dict, name: str, what: str):  # type: ignore[no-untyped-def]
         raise SymmemError(f"unknown {what} {name!r}; known: {', '.join(table)}") from None
 
 
+def checkpoint_every(mode: str) -> int | None:
+    """The k of ``every-k`` (None for the other modes); a :class:`SymmemError` for unknown modes.
+
+    >>> checkpoint_every("every-4"), checkpoint_every("full")
+    (4, None)
+    """
+    m = _EVERY.match(mode)
+    if m:
+        return int(m.group(1))
+    if mode not in ("none", "full", "selective"):
+        raise SymmemError(f"unknown checkpointing {mode!r}; use none, full, selective or every-K (e.g. every-4)")
+    return None
+
+
 @dataclass(frozen=True)
 class Regime:
-    """A precision and an optimizer."""
+    """A precision, an optimizer, activation checkpointing and a parallel layout.
+
+    ``zero`` is the ZeRO stage (0-3; FSDP's full sharding is 3) over ``N`` data-parallel ranks;
+    ``tensor_parallel`` splits over ``t`` ranks (``sequence_parallel`` adds Megatron's sequence split);
+    ``pipeline_parallel`` splits the layers over ``p`` stages.  Sizes stay symbols (see :mod:`symmem.regimes`).
+    """
 
     precision: str = "fp32"
     optimizer: str = "adamw"
+    checkpoint: str = "none"
+    zero: int = 0
+    tensor_parallel: bool = False
+    sequence_parallel: bool = False
+    pipeline_parallel: bool = False
 
     def __post_init__(self) -> None:
         _lookup(PRECISIONS, self.precision, "precision")
         _lookup(OPTIMIZERS, self.optimizer, "optimizer")
+        checkpoint_every(self.checkpoint)
+        if self.zero not in (0, 1, 2, 3):
+            raise SymmemError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.sequence_parallel and not self.tensor_parallel:
+            raise SymmemError("sequence parallelism splits over the tensor-parallel group: add tensor parallelism")
 
     @property
     def precision_spec(self) -> Precision:
@@ -90,8 +216,25 @@ class Regime:
         return self.precision_spec.activation_dtype
 
     def components(self) -> list[tuple[str, int]]:
-        """(name, bytes per parameter) for every per-parameter component, for elementwise optimizers."""
-        return list(self.precision_spec.components) + list(self.optimizer_spec.states)
+        """(name, bytes per parameter) for every per-parameter component, for elementwise optimizers.
+
+        Adafactor's factored statistics and 8-bit block scales are not per parameter element: they are
+        left out here (see :meth:`parameter_terms` for the exact bytes).
+        """
+        opt = self.optimizer_spec
+        states = [] if opt.factored else list(opt.states)
+        return list(self.precision_spec.components) + states
+
+    def kind_of(self, component: str) -> str:
+        """weights, gradients or optimizer: which ZeRO stage shards ``component``."""
+        for c in self.precision_spec.parts:
+            if c.name == component:
+                return c.kind
+        return "optimizer"
+
+    def shard(self, component: str) -> bool:
+        """Whether this regime's ZeRO stage partitions ``component`` over the N data-parallel ranks."""
+        return self.zero >= ZERO_STAGE_OF_CLASS[self.kind_of(component)]
 
     @property
     def bytes_per_parameter(self) -> int:
@@ -99,7 +242,7 @@ class Regime:
 
     def parameter_terms(self, shapes: list[tuple[sympy.Expr, tuple[sympy.Expr, ...]]]
                         ) -> list[tuple[str, sympy.Expr]]:
-        """Bytes per component, summed over parameters given as (count, shape) pairs."""
+        """Bytes per component, summed over parameters given as (count, shape) pairs (before ZeRO)."""
         totals: dict[str, list[sympy.Expr]] = {}
         for count, shape in shapes:
             n = sympy.Mul(*shape) if shape else sympy.Integer(1)

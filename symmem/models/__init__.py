@@ -40,7 +40,7 @@ class Entry:
 
 
 _MODELS: dict[str, Entry] = {}
-_MODULES = ("resnet", "vgg", "mlp", "vit", "gpt", "bert", "llama")
+_MODULES = ("resnet", "vgg", "mlp", "vit", "gpt", "bert", "llama", "megatron_gpt", "counts")
 
 
 def register(name: str, builder: Callable[..., Model], description: str,

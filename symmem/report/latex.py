@@ -48,8 +48,9 @@ def parse(text: str) -> sympy.Expr:
     from sympy.parsing.latex import parse_latex
 
     parsed = parse_latex(text, backend="lark")
-    by_latex = {d.latex: d.symbol for d in dims()}
-    by_latex.update({d.name: d.symbol for d in dims()})
+    by_latex = {d.name: d.symbol for d in dims()}
+    # The parser names a symbol by its LaTeX, without the backslash of a Greek letter (\\psi -> psi).
+    by_latex.update({d.latex.removeprefix("\\"): d.symbol for d in dims()})
     return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
 
 
@@ -70,7 +71,7 @@ def lines(d: Derivation) -> list[tuple[str, sympy.Expr]]:
     rows = [(t.name, t.expr) for t in d.terms]
     rows.append(("activations", factored(d.activations)))
     rows.append(("parameter memory", d.parameter_memory))
-    for key in ("input", "loss"):
+    for key in ("input", "loss", "transient"):
         if d.expression(key) != 0:
             rows.append((key, d.expression(key)))
     rows.append(("total", d.total))
@@ -97,7 +98,7 @@ def split(d: Derivation) -> dict[str, int]:
     """Bytes in the seed's Table 1 columns: saved activations, indices/masks, parameter side, total.
 
     The parts come from the derivation's own sums, so they add up to its total (inputs and loss, which
-    the seed leaves out, are reported only when present).
+    the seed leaves out, and transients, are reported only when present).
     """
     aux = sympy.Add(*(d.sum(role=r) for r in AUX_ROLES))
     out = {
@@ -105,7 +106,7 @@ def split(d: Derivation) -> dict[str, int]:
         "aux": d.evaluate(aux),
         "parameter_memory": d.value("parameter_memory"),
     }
-    extra = d.input + d.loss
+    extra = d.input + d.loss + d.transient
     if extra != 0:
         out["other"] = d.evaluate(extra)
     out["total"] = d.value("total")
@@ -117,7 +118,7 @@ def table(rows: Sequence[tuple[str, Derivation]], unit: str = "GiB", digits: int
     """A booktabs table in the style of the seed's Table 1: one row per (label, derivation).
 
     Columns: model, convention, saved activations, indices/masks, parameters + gradients + optimizer
-    state, total (and inputs + loss when some row has them).
+    state, total (and inputs, loss and transients when some row has them).
     """
     from ..units import UNITS
 
@@ -125,7 +126,7 @@ def table(rows: Sequence[tuple[str, Derivation]], unit: str = "GiB", digits: int
     splits = [(name, d, split(d)) for name, d in rows]
     other = any("other" in s for _, _, s in splits)
     cols = ["Model", "Convention", "Saved activations", "Indices / masks", "Params + grads + states"]
-    cols += ["Inputs + loss"] if other else []
+    cols += ["Inputs, loss, transients"] if other else []
     cols += ["Total"]
     body = []
     for name, d, s in splits:

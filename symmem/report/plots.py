@@ -114,7 +114,7 @@ def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sy
 
     sym, total = polynomial(d, name)
     others = {s: v for s, v in d.numbers.items() if s != sym}
-    act = sympy.expand((d.activations + d.input + d.loss).xreplace(others))
+    act = sympy.expand((d.total - d.parameter_memory).xreplace(others))
     par = sympy.expand(d.parameter_memory.xreplace(others))
     return sym, total, act, par
 
@@ -137,7 +137,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
         values = np.unique(np.linspace(1, top, 200).astype(int))
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for expr, label, style in ((total, "total", "-"), (act, "activations (+ inputs)", "--"),
+    for expr, label, style in ((total, "total", "-"), (act, "all but the parameter side", "--"),
                                (par, "parameter side", ":")):
         f = sympy.lambdify(sym, expr / scale, "numpy")
         ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)

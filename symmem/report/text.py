@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..derive import Derivation
 
 KEYS = ("activations", "parameter_memory", "total")
-EXTRA_KEYS = ("input", "loss")
+EXTRA_KEYS = ("input", "loss", "transient")
 
 
 def _safe_value(d: Derivation, expr: Any) -> int | None:
@@ -52,12 +52,35 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "latex": {k: expression(e) for k, e in exprs.items()} | {"parameters": expression(d.parameters)},
         "values": values,
         "bytes_per_parameter": dict(d.regime.components()),
+        "regime": {"precision": d.regime.precision, "optimizer": d.regime.optimizer,
+                   "checkpoint": d.regime.checkpoint, "zero": d.regime.zero,
+                   "tensor_parallel": d.regime.tensor_parallel, "sequence_parallel": d.regime.sequence_parallel,
+                   "pipeline_parallel": d.regime.pipeline_parallel},
+        "parameter_breakdown": parameter_breakdown(d),
         "breakdown": [
             {"name": t.name, "group": t.group, "category": t.category, "role": t.role, "dtype": t.dtype,
-             "count": str(t.count), "expr": str(t.expr), "bytes": _safe_value(d, t.expr)}
+             "count": str(t.count), "expr": str(t.expr), "latex": expression(t.expr),
+             "bytes": _safe_value(d, t.expr)}
             for t in d.terms
         ],
     }
+
+
+def parameter_breakdown(d: Derivation) -> list[dict[str, Any]]:
+    """Per parameter-side component: nominal bytes per parameter element (None where the state is not
+    elementwise: Adafactor's factored statistics, 8-bit block scales), what ZeRO shards it by, its formula,
+    its bytes on one device and its bytes per model parameter."""
+    nominal = dict(d.regime.components())
+    params = _safe_value(d, d.parameters)
+    out = []
+    for t in d.terms:
+        if t.category != "parameter":
+            continue
+        b = _safe_value(d, t.expr)
+        out.append({"name": t.name, "class": d.regime.kind_of(t.name), "bytes_per_element": nominal.get(t.name),
+                    "sharded_by": "N" if d.regime.shard(t.name) else None, "expr": str(t.expr), "bytes": b,
+                    "per_parameter": None if b is None or not params else b / params})
+    return out
 
 
 def _mib(n: int | None) -> str:
@@ -83,6 +106,7 @@ def table(d: Derivation) -> str:
         e = d.expression(key)
         v = _safe_value(d, e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {factored(e)}")
+        shown = factored(e) if key == "activations" else e
+        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {shown}")
     lines.append(f"{'parameters':<20} {_safe_value(d, d.parameters):>12,}   = {d.parameters}")
     return "\n".join(lines)

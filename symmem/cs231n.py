@@ -1,0 +1,67 @@
+"""The ``cs231n`` convention: the accounting of CS231n's "Computational Considerations" and its VGGNet case study
+(https://cs231n.github.io/convolutional-networks/).
+
+Activations are every layer's output volume plus the input: the output of each CONV layer (its ReLU works in
+place, so a CONV/RELU pair is one volume), POOL layer and FC layer, and of normalization and embedding layers
+in other networks.  Their sum is the forward figure the course's table adds up (``values.activations``).  The
+course doubles it "for the backward pass" (the gradients of the activations): that is the separate
+``transient`` term ``backward``.  Its "parameters x3" (weights, gradients, one optimizer cache such as
+momentum) is the regime ``fp32`` + ``sgd-momentum``.
+
+torchvision's VGG has an adaptive average pool to 7x7 before the classifier that CS231n's VGGNet does not
+have (at 224x224 it maps 7x7 to 7x7); it is not counted, and neither are dropout outputs, which the course
+does not list as layers.
+
+>>> from symmem import derive
+>>> d = derive("vgg16", convention="cs231n", optimizer="sgd-momentum", values={"B": 1})
+>>> d.value("activations") // 4, d.value("parameters")
+(15237608, 138357544)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import sympy
+
+from .conventions import Convention, Saved, register
+
+#: Op kinds that are a "layer" whose output volume CS231n counts.
+LAYER_KINDS = frozenset({"conv2d", "linear", "maxpool2d", "avgpool2d", "batchnorm", "layernorm", "embedding",
+                         "patch_embed"})
+
+
+@dataclass(frozen=True)
+class CS231n(Convention):
+    name: str = "cs231n"
+    description: str = (
+        "CS231n (Karpathy): every layer's output volume (CONV/RELU, POOL, FC) plus the input, counted once "
+        "each; x2 for the backward pass as its own term")
+    dedup: bool = False
+    options: Mapping[str, Any] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            object.__setattr__(self, "options", {})
+
+    def saved(self, graph: nx.DiGraph, node: str, options: Mapping[str, Any]) -> list[Saved]:
+        data = graph.nodes[node]
+        if data["kind"] == "input" and data["out"].role == "input":
+            return [Saved("new", label="volume", spec=data["out"].with_(role="input"), role="input")]
+        if data["kind"] in LAYER_KINDS:
+            return [Saved("output", role=data["out"].role or data["kind"])]
+        return []
+
+    def extra_terms(self, terms: list[Any], options: Mapping[str, Any]) -> list[Any]:
+        from .derive import Term
+
+        forward = sympy.Add(*(x.expr for x in terms if x.category == "activation"))
+        if forward == 0:
+            return []
+        return [Term("backward", "backward", "transient", forward, "activation_gradients")]
+
+
+register("cs231n", CS231n())

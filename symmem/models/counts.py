@@ -1,0 +1,42 @@
+"""A model given only by its counts: ``Nact`` activation values per sample, ``Psi`` parameters, an input image.
+
+For questions asked in counts (seed 001: "532,752 activations and 19,072,984 parameters") and for the ZeRO
+paper's model of Psi parameters.  The graph is an input image (B, C, Hi, Wi), one tensor of ``Nact`` values per
+sample standing for every layer output (role ``activations``) and one parameter tensor of ``Psi`` elements.
+
+>>> from symmem import derive
+>>> d = derive("counts", optimizer="adam", free=("Psi",))
+>>> d.parameter_memory
+16*Psi
+"""
+
+from __future__ import annotations
+
+from ..graph import GraphBuilder, Model
+from ..symbols import B, C, Hi, Psi, Wi
+from ..symbols import Nact as Acts
+from . import Option, register
+
+_OPTIONS = {
+    "activations": Option(532_752, None, "activation values per sample (Nact)"),
+    "parameters": Option(19_072_984, None, "parameter count (Psi)"),
+    "input": Option((1, 50, 180), None, "input (channels, height, width)"),
+}
+
+
+def build_counts(name: str, activations: int = 532_752, parameters: int = 19_072_984,
+                 input: tuple[int, int, int] = (1, 50, 180)) -> Model:
+    g = GraphBuilder(name)
+    x = g.input("image", (B, C, Hi, Wi))
+    x = g.op("flatten", x, name="flatten", start_dim=1)
+    # A tied, bias-free linear map stands for "the layers": it makes Nact values per sample and owns no weights.
+    g.op("linear", x, name="activations", role="activations", out_features=Acts, bias=False, tied=True)
+    g.parameter("parameters", (Psi,))
+    c, hh, ww = input
+    defaults = {B: 128, C: c, Hi: hh, Wi: ww, Acts: activations, Psi: parameters}
+    return Model(name, g.finish(), defaults, (B, Acts, Psi),
+                 f"a model given by counts: {activations:,} activations per sample, {parameters:,} parameters",
+                 options={"activations": activations, "parameters": parameters})
+
+
+register("counts", build_counts, "a model given only by counts (activations Nact, parameters Psi)", _OPTIONS)

@@ -1,0 +1,117 @@
+"""Bad input gives a SymmemError that names what was wrong (node, op kind, shapes), and exit code 2 on the CLI."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+from symmem import GraphBuilder, SymmemError, derive
+from symmem.cli import main
+from symmem.graph import lint
+from symmem.symbols import B, H, S, symbol
+from symmem.tensor import TensorSpec
+
+
+def _graph_error(build) -> str:
+    with pytest.raises(SymmemError) as exc:
+        build(GraphBuilder("t"))
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("build, fragments", [
+    (lambda g: g.op("linearr", g.input("x", (B, H))), ["unknown op kind 'linearr'", "linear"]),
+    (lambda g: g.op("matmul", g.input("a", (B, S, H)), g.input("b", (B, 3, H)), name="mm"),
+     ["node 'mm' (matmul)", "inner dimensions", "(B, S, H)", "(B, 3, H)"]),
+    (lambda g: g.op("add", g.input("a", (B, 4)), g.input("b", (B, 5)), name="sum"),
+     ["node 'sum' (add)", "do not broadcast", "(B, 4)", "(B, 5)"]),
+    (lambda g: g.op("conv2d", g.input("x", (B, 3, 8)), name="c", out_channels=4, kernel=3),
+     ["node 'c' (conv2d)", "rank 4", "(B, 3, 8)"]),
+    (lambda g: g.op("conv2d", g.input("x", (B, 3, 8, 8)), name="c", out_channels=4, kernel=3, groups=2),
+     ["node 'c' (conv2d)", "not divisible by groups=2"]),
+    (lambda g: g.op("maxpool2d", g.input("x", (B, 3, 2, 2)), name="p", kernel=5),
+     ["node 'p' (maxpool2d)", "leaves no output"]),
+    (lambda g: g.op("reshape", g.input("x", (B, 6)), name="r", shape=(B, 4)),
+     ["node 'r' (reshape)", "(B, 6) -> (B, 4)"]),
+    (lambda g: g.op("linear", g.input("x", (B, H)), name="fc"), ["node 'fc' (linear)", "out_features"]),
+    (lambda g: g.op("relu", "nowhere", name="act"), ["node 'act' (relu)", "'nowhere' does not exist"]),
+    (lambda g: g.input("x", (B, "S")), ["not the string 'S'"]),
+    (lambda g: g.input("x", (B, 0)), ["not a positive integer"]),
+])
+def test_graph_errors_name_node_kind_and_shapes(build, fragments):
+    message = _graph_error(build)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_repeat_must_keep_its_shape():
+    g = GraphBuilder("t")
+    x = g.input("x", (B, H))
+    with pytest.raises(SymmemError, match="cannot be stacked"):
+        with g.repeat("layer", 3, x) as rep:
+            rep.output(g.op("linear", rep.input, out_features=2 * H))
+
+
+def test_cycle():
+    g = nx.DiGraph()
+    g.add_node("a", kind="relu", inputs=("b",), out=TensorSpec((B,)), attrs={})
+    g.add_node("b", kind="relu", inputs=("a",), out=TensorSpec((B,)), attrs={})
+    g.add_edge("a", "b")
+    g.add_edge("b", "a")
+    with pytest.raises(SymmemError, match="cycle: a -> b -> a"):
+        lint(g)
+
+
+def test_lint_catches_a_shape_edited_after_building():
+    g = GraphBuilder("t")
+    x = g.input("x", (B, H))
+    y = g.op("linear", x, name="fc", out_features=4)
+    g.graph.nodes[y]["out"] = TensorSpec((B, 5))
+    with pytest.raises(SymmemError, match=r"node 'fc' \(linear\): holds \(B, 5\) but its inputs give \(B, 4\)"):
+        lint(g.graph)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"model": "resnet51"}, "unknown model 'resnet51'"),
+    ({"model": "vit-b16", "values": {"Q": 3}}, "no symbol 'Q'"),
+    ({"model": "vit-b16", "values": {"B": 0}}, "B must be a positive integer"),
+    ({"model": "vit-b16", "values": {"B": -4}}, "B must be a positive integer"),
+    ({"model": "vit-b16", "values": {"B": 2.5}}, "B must be a positive integer"),
+    ({"model": "vit-b16", "values": {"B": "64"}}, "B must be a positive integer"),
+    ({"model": "vit-b16", "values": {"S": 100}}, "patch_embed.flatten"),
+    ({"model": "vit-b16", "convention": "nope"}, "unknown convention 'nope'"),
+    ({"model": "vit-b16", "optimizer": "rmsprop2"}, "unknown optimizer 'rmsprop2'"),
+    ({"model": "vit-b16", "attention": "flash3"}, "not one of ['naive', 'sdpa']"),
+    ({"model": "resnet50", "per_layer": True}, "several repeated blocks"),
+])
+def test_derive_errors(kwargs, fragment):
+    with pytest.raises(SymmemError) as exc:
+        derive(**kwargs)
+    assert fragment in str(exc.value)
+
+
+def test_unknown_symbol_lists_known():
+    with pytest.raises(SymmemError, match="known symbols: B, C, F"):
+        symbol("Z")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["derive", "nope"], "unknown model 'nope'"),
+    (["derive", "vit-b16", "--set", "B=0"], "'0' is not a positive integer"),
+    (["derive", "vit-b16", "--set", "B=-3"], "'-3' is not a positive integer"),
+    (["derive", "vit-b16", "--set", "B=1.5"], "'1.5' is not a positive integer"),
+    (["derive", "vit-b16", "--set", "B=1e3"], "'1e3' is not a positive integer"),
+    (["derive", "vit-b16", "--set", "B=__import__('os')"], "is not a positive integer"),
+    (["derive", "vit-b16", "--set", "B"], "expected NAME=VALUE"),
+    (["derive", "vit-b16", "--set", "Z=3"], "no symbol 'Z'"),
+    (["derive", "resnet50", "--attention", "naive"], "has no option --attention"),
+    (["derive", "vit-b16", "--optimizer", "foo"], "invalid choice: 'foo'"),
+    (["derive"], "the following arguments are required: model"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_cli_errors_exit_2_with_one_line(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: ")
+    assert fragment in err
+    assert err.count("\n") == 1
+    assert "Traceback" not in err

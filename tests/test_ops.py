@@ -1,0 +1,84 @@
+"""One row per op kind: input shapes and attributes -> output shape, parameter count, view or new storage.
+
+The oracles are PyTorch's own shape formulas (e.g. a 7x7/2 conv with padding 3 takes 224 to 112) and
+parameter counts of the equivalent nn modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+
+from symmem import ops
+from symmem.symbols import B, C, F, H, Hi, S, V, Wi, h
+from symmem.tensor import TensorSpec
+
+
+def T(*shape, dtype="act"):
+    return TensorSpec(shape, dtype)
+
+
+CASES = [
+    # kind, inputs, attrs, output shape, parameter elements, view
+    ("conv2d", [T(B, 3, 224, 224)], dict(out_channels=64, kernel=7, stride=2, padding=3, bias=False),
+     (B, 64, 112, 112), 9408, False),
+    ("conv2d", [T(B, 64, 56, 56)], dict(out_channels=64, kernel=3, padding=1, groups=64),
+     (B, 64, 56, 56), 64 * 9 + 64, False),
+    ("conv2d", [T(B, C, Hi, Wi)], dict(out_channels=H, kernel=16, stride=16),
+     (B, H, sympy.floor(Hi / 16), sympy.floor(Wi / 16)), H * C * 256 + H, False),
+    ("conv2d", [T(B, 8, 10, 10)], dict(out_channels=8, kernel=3, dilation=2), (B, 8, 6, 6), 8 * 8 * 9 + 8, False),
+    ("batchnorm", [T(B, 64, 56, 56)], {}, (B, 64, 56, 56), 128, False),
+    ("relu", [T(B, 64)], {}, (B, 64), 0, False),
+    ("relu", [T(B, 64)], dict(inplace=True), (B, 64), 0, True),
+    ("relu6", [T(B, 64)], {}, (B, 64), 0, False),
+    ("maxpool2d", [T(B, 64, 112, 112)], dict(kernel=3, stride=2, padding=1), (B, 64, 56, 56), 0, False),
+    ("maxpool2d", [T(B, 64, 7, 7)], dict(kernel=2, stride=2, ceil_mode=True), (B, 64, 4, 4), 0, False),
+    ("avgpool2d", [T(B, 64, 8, 8)], dict(kernel=2), (B, 64, 4, 4), 0, False),
+    ("adaptive_avgpool2d", [T(B, 2048, 7, 7)], dict(output_size=1), (B, 2048, 1, 1), 0, False),
+    ("flatten", [T(B, 2048, 1, 1)], dict(start_dim=1), (B, 2048), 0, True),
+    ("reshape", [T(B, S, 3 * H)], dict(shape=(B, S, 3, h, H / h)), (B, S, 3, h, H / h), 0, True),
+    ("reshape", [T(B, h, S, H / h)], dict(shape=(B, S, H), copy=True), (B, S, H), 0, False),
+    ("transpose", [T(B, S, h, 64)], dict(dim0=1, dim1=2), (B, h, S, 64), 0, True),
+    ("permute", [T(B, S, 3, h, 64)], dict(dims=(2, 0, 3, 1, 4)), (3, B, h, S, 64), 0, True),
+    ("select", [T(3, B, h, S, 64)], dict(dim=0, index=1), (B, h, S, 64), 0, True),
+    ("slice", [T(B, S, H)], dict(dim=2, start=0, stop=H / 2), (B, S, H / 2), 0, True),
+    ("expand", [T(1, 1, H)], dict(shape=(B, 1, H)), (B, 1, H), 0, True),
+    ("contiguous", [T(B, S, H)], {}, (B, S, H), 0, False),
+    ("linear", [T(B, S, H)], dict(out_features=F), (B, S, F), H * F + F, False),
+    ("linear", [T(B, S, H)], dict(out_features=V, bias=False, tied=True), (B, S, V), 0, False),
+    ("layernorm", [T(B, S, H)], {}, (B, S, H), 2 * H, False),
+    ("rmsnorm", [T(B, S, H)], {}, (B, S, H), H, False),
+    ("gelu", [T(B, S, F)], {}, (B, S, F), 0, False),
+    ("silu", [T(B, S, F)], {}, (B, S, F), 0, False),
+    ("softmax", [T(B, h, S, S)], dict(dim=-1), (B, h, S, S), 0, False),
+    ("dropout", [T(B, S, H)], dict(p=0.1), (B, S, H), 0, False),
+    ("dropout", [T(B, S, H)], dict(p=0.0), (B, S, H), 0, True),
+    ("matmul", [T(B, h, S, 64), T(B, h, 64, S)], {}, (B, h, S, S), 0, False),
+    ("attention", [T(B, h, S, 64), T(B, h, S, 64), T(B, h, S, 64)], {}, (B, h, S, 64), 0, False),
+    ("add", [T(B, S, H), T(1, S, H)], {}, (B, S, H), 0, False),
+    ("mul", [T(B, S, F), T(B, S, F)], {}, (B, S, F), 0, False),
+    ("scale", [T(B, h, S, 64)], dict(factor=sympy.Rational(1, 8)), (B, h, S, 64), 0, False),
+    ("embedding", [T(B, S, dtype="int64")], dict(num_embeddings=V, dim=H), (B, S, H), V * H, False),
+    ("patch_embed", [T(B, 3, 224, 224)], dict(patch=16, dim=768), (B, 196, 768), 768 * 3 * 256 + 768, False),
+    ("concat", [T(B, 1, H), T(B, S - 1, H)], dict(dim=1), (B, S, H), 0, False),
+    ("cross_entropy", [T(B, 1000), T(B, dtype="int64")], {}, (), 0, False),
+    ("parameter", [], dict(shape=(1, S, H)), (1, S, H), S * H, False),
+    ("input", [], dict(shape=(B, C, Hi, Wi)), (B, C, Hi, Wi), 0, False),
+]
+
+
+@pytest.mark.parametrize("kind, inputs, attrs, shape, n_params, view", CASES, ids=[c[0] for c in CASES])
+def test_rule(kind, inputs, attrs, shape, n_params, view):
+    info = ops.infer(kind, inputs, attrs)
+    assert info.out.shape == tuple(sympy.sympify(d) for d in shape)
+    total = sympy.Add(*(sympy.Mul(*s) for s in info.params.values()))
+    assert sympy.expand(total - n_params) == 0
+    assert (info.view_of is not None) == view
+
+
+def test_every_kind_has_a_row():
+    covered = {c[0] for c in CASES}
+    untested = set(ops.kinds()) - covered
+    # elementwise kinds share one rule with relu/gelu; binary ones with add/mul.
+    assert untested <= {"tanh", "sigmoid", "log_softmax", "pow", "rotary", "exp", "neg", "rsqrt", "sqrt", "clone",
+                        "to_dtype", "sub", "div", "masked_fill", "where", "block_input", "identity"}
