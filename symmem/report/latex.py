@@ -117,16 +117,16 @@ def table(rows: Sequence[tuple[str, Derivation]], unit: str = "GiB", digits: int
           caption: str = "FP32 training memory comparison", label: str | None = "tab:memory") -> str:
     """A booktabs table in the style of the seed's Table 1: one row per (label, derivation).
 
-    Columns: model, convention, saved activations, indices/masks, parameters + gradients + optimizer
-    state, total (and inputs, loss and transients when some row has them).
+    Columns: model, convention, saved activations, indices/masks, parameter side (weights, gradients,
+    optimizer state), total, and "Other" (inputs, loss, transients) when some row has them.
     """
     from ..units import UNITS
 
     scale = UNITS[unit]
     splits = [(name, d, split(d)) for name, d in rows]
     other = any("other" in s for _, _, s in splits)
-    cols = ["Model", "Convention", "Saved activations", "Indices / masks", "Params + grads + states"]
-    cols += ["Inputs, loss, transients"] if other else []
+    cols = ["Model", "Convention", "Activations", "Indices/masks", "Param.\\ side"]
+    cols += ["Other"] if other else []
     cols += ["Total"]
     body = []
     for name, d, s in splits:

@@ -159,6 +159,46 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     return fig
 
 
+def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = None, name: str = "B",
+            budget: int | str | None = None, values: Sequence[int] | None = None,
+            output: str | Path | None = None, unit: str = "GiB") -> Any:
+    """Totals of several derivations against ``name`` on one axes, the budget line and each largest fit."""
+    import numpy as np
+
+    from ..fit import largest
+
+    plt = _plt()
+    scale = UNITS[unit]
+    labels = list(labels) if labels is not None else [_label(d, ", ") for d in derivations]
+    cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
+    fits = [largest(d, name, cap) if cap is not None else None for d in derivations]
+    if values is None:
+        top = max([int(1.3 * f.max) for f in fits if f is not None] + [2 * d.numbers[_function(d, name)[0]]
+                                                                       for d in derivations] + [8])
+        values = np.unique(np.linspace(1, top, 200).astype(int))
+    xs = np.asarray(values, dtype=float)
+    fig, ax = plt.subplots(figsize=(5.2, 3.5))
+    for d, label, fit in zip(derivations, labels, fits, strict=True):
+        sym, total, _, _ = _function(d, name)
+        f = sympy.lambdify(sym, total / scale, "numpy")
+        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label)
+        if fit is not None:
+            ax.plot([fit.max], [fit.total_at_max / scale], "o", color=line.get_color())
+            ax.annotate(f"{fit.max:,}", (fit.max, fit.total_at_max / scale), textcoords="offset points",
+                        xytext=(4, -12), color=line.get_color(), fontsize=8)
+    if cap is not None:
+        ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
+    ax.set_xlabel(name)
+    ax.set_ylabel(f"training memory ({unit})")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0, top=None if cap is None else 1.4 * cap / scale)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    _save(fig, output)
+    return fig
+
+
 def profile(d: Derivation, output: str | Path | None = None, unit: str = "MiB") -> Any:
     """Kept memory of every activation term in graph order, coloured by group; a repeated term shows one
     layer's copy and its count (``x L``)."""
