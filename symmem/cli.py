@@ -69,6 +69,10 @@ def add_derive_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="pytorch convention: the device whose kernels decide what is kept (default: cuda)")
+    p.add_argument("--loss", choices=["cross-entropy"], default=None,
+                   help="append the loss after the model's output, as its own group (default: no loss)")
     regime = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
     regime.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
                         help="activation checkpointing of the repeated layers (default: none)")
@@ -93,8 +97,10 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
     if unknown:
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0]}")
     free = tuple(x.strip() for x in args.free.split(",") if x.strip()) if args.free else None
+    conv_options = {"device": args.device} if getattr(args, "device", None) is not None else {}
     return derive(args.model, convention=args.convention, optimizer=args.optimizer, precision=args.precision,
-                  per_layer=args.per_layer, values=_parse_sets(args.set), free=free,
+                  per_layer=args.per_layer, values=_parse_sets(args.set), free=free, options=conv_options,
+                  loss=getattr(args, "loss", None),
                   checkpoint=getattr(args, "checkpoint", "none"), zero=getattr(args, "zero", 0),
                   tensor_parallel=getattr(args, "tensor_parallel", False),
                   sequence_parallel=getattr(args, "sequence_parallel", False),

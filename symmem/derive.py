@@ -261,6 +261,14 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _category(data: Mapping[str, Any]) -> str:
+    # Graph inputs (the batch, a loss target) are reported apart; so is what a loss appended by
+    # symmem.loss keeps (its group is "loss").
+    if data["kind"] == "input":
+        return "input"
+    return "loss" if data["group"] == "loss" else "activation"
+
+
 def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any], act_dtype: str,
                 nodes: list[str], per_layer: bool) -> list[Term]:
     terms: list[Term] = []
@@ -277,13 +285,14 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None
-                terms.append(Term(f"{node}.{ref.label}", data["group"], "activation", count * size(spec),
+                terms.append(Term(f"{node}.{ref.label}", data["group"],
+                                  "loss" if data["group"] == "loss" else "activation", count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
                 continue
             target = node if ref.source == "output" else data["inputs"][ref.index]
             if not conv.dedup:
                 spec = graph.nodes[target]["out"]
-                category = "input" if graph.nodes[target]["kind"] == "input" else "activation"
+                category = _category(graph.nodes[target])
                 name = node if ref.source == "output" else f"{node}.{ref.label or 'input'}"
                 terms.append(Term(name, data["group"], category, count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
@@ -305,7 +314,7 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
             count = _multiplicity(graph, storage, [(s, mode) for s, mode, _ in savers])
             if count == 0:
                 continue
-        category = "input" if data["kind"] == "input" else "activation"
+        category = _category(data)
         role = next((r.role for _, _, r in savers if r.role), None) or spec.role
         group = "input" if category == "input" else data["group"]
         terms.append(Term(storage, group, category, count * size(spec), role, storage, spec.dtype,
@@ -317,7 +326,7 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
            precision: str = "fp32", per_layer: bool = False, values: Mapping[str, int] | None = None,
            free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
            checkpoint: str = "none", zero: int = 0, tensor_parallel: bool = False,
-           sequence_parallel: bool = False, pipeline_parallel: bool = False,
+           sequence_parallel: bool = False, pipeline_parallel: bool = False, loss: str | None = None,
            **model_options: Any) -> Derivation:
     """Derive the training memory of ``model``.
 
@@ -326,6 +335,8 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
     ``free`` names the symbols to keep in the formula (default: the model's).  ``options`` go to the
     convention (``{"device": "cpu"}``).  ``checkpoint`` (none, full, selective, every-K), ``zero`` (0-3) and
     the parallel flags set the training regime (see :mod:`symmem.regimes`; sizes N, t, p stay symbols).
+    ``loss`` (``"cross-entropy"``) appends a loss after the model's output, as its own group; its kept tensors
+    are the category ``loss``.
     """
     from . import regimes
     from .models import build
@@ -334,6 +345,10 @@ def derive(model: Model | str, convention: str | Convention = "paper", optimizer
         model = build(model, **model_options)
     elif model_options:
         raise SymmemError(f"builder options {sorted(model_options)} need a model name, not a built model")
+    if loss is not None:
+        from .loss import with_loss
+
+        model = with_loss(model, loss)
     conv = get_convention(convention)
     regime = Regime(precision, optimizer, checkpoint, zero, tensor_parallel, sequence_parallel,
                     pipeline_parallel)

@@ -1,0 +1,342 @@
+"""Measure what a real ``torch.nn.Module`` keeps for backward, and compare it with a derived formula.
+
+:func:`measure` runs one training-mode forward pass under ``torch.autograd.graph.saved_tensors_hooks`` and
+records every tensor autograd packs for backward.  Storages are counted once (``t.untyped_storage()``: a
+saved view keeps its whole base storage alive, and a tensor saved by two ops is one storage).  Storages of
+parameters and buffers are set aside, and so are the inputs given to the forward (the batch, a target):
+those are reported as ``input``, the rest as ``activations``.  :func:`compare` puts a
+:class:`~symmem.derive.Derivation` next to a :class:`Measurement` and lists, per (dtype, size) of storage,
+where the two disagree.  ``symmem verify MODEL`` does both for the project's own reference module of a
+built-in model (:mod:`symmem.reference`).  Needs ``torch`` (the ``torch`` extra), imported lazily.
+
+>>> import torch
+>>> m = measure(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), torch.zeros(2, 4))
+>>> m.activations, m.input  # the ReLU's output (2*3 float32); the Linear keeps its input, the batch
+(24, 32)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .cli import add_derive_options, command, derivation_from_args
+from .errors import SymmemError
+
+if TYPE_CHECKING:
+    from .derive import Derivation
+
+_DTYPES = {"float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+           "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool"}
+
+
+@dataclass(frozen=True)
+class SavedInfo:
+    """One tensor autograd packed: who saved it, its shape and dtype, and the storage behind it.
+
+    ``op`` is the torch function being run when it was saved (``conv2d``, ``batch_norm`` ...), ``module``
+    the qualified name of the innermost module running, ``producer`` the tensor's own ``grad_fn`` (None for a
+    tensor that needs no gradient: a mask, indices, statistics, the batch).  ``storage`` identifies the
+    storage; ``nbytes`` is the whole storage's size; ``kind`` is ``activation``, ``input`` or ``parameter``
+    (parameters and buffers).
+    """
+
+    op: str
+    module: str
+    producer: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    storage: tuple[str, int]
+    kind: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.module or '<top>'}:{self.op}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one forward pass keeps: every saved tensor, and the bytes of distinct storages by kind."""
+
+    saved: tuple[SavedInfo, ...]
+
+    def storages(self, kind: str | None = None) -> list[SavedInfo]:
+        """The first saved tensor of every distinct storage (optionally of one ``kind``)."""
+        seen: dict[tuple[str, int], SavedInfo] = {}
+        for s in self.saved:
+            if s.nbytes > 0 and s.storage not in seen:
+                seen[s.storage] = s
+        return [s for s in seen.values() if kind is None or s.kind == kind]
+
+    def bytes(self, kind: str) -> int:
+        return sum(s.nbytes for s in self.storages(kind))
+
+    @property
+    def activations(self) -> int:
+        """Bytes of saved storages that are not parameters, buffers or inputs."""
+        return self.bytes("activation")
+
+    @property
+    def input(self) -> int:
+        """Bytes of saved input storages (the batch, a loss target)."""
+        return self.bytes("input")
+
+    def by_op(self) -> dict[str, int]:
+        """Activation bytes per saving op (a storage counted for the first op that saved it)."""
+        out: dict[str, int] = {}
+        for s in self.storages("activation"):
+            out[s.op] = out.get(s.op, 0) + s.nbytes
+        return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPES.get(name, name)
+
+
+@contextmanager
+def _tracking(module: Any) -> Iterator[dict[str, str]]:
+    """Track the innermost running module and the outermost torch function, for labelling saved tensors."""
+    from torch.overrides import TorchFunctionMode
+
+    state = {"module": "", "op": "?"}
+    stack: list[str] = []
+    handles = []
+
+    def pre(name: str):  # type: ignore[no-untyped-def]
+        def hook(mod, args):  # type: ignore[no-untyped-def]
+            stack.append(name)
+            state["module"] = name
+
+        return hook
+
+    def post(mod, args, out):  # type: ignore[no-untyped-def]
+        stack.pop()
+        state["module"] = stack[-1] if stack else ""
+
+    for name, sub in module.named_modules():
+        handles.append(sub.register_forward_pre_hook(pre(name)))
+        handles.append(sub.register_forward_hook(post))
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            # Inside a mode's handler the mode is off, so nested torch calls keep the outer name.
+            before = state["op"]
+            state["op"] = getattr(func, "__name__", str(func))
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                state["op"] = before
+
+    try:
+        with Mode():
+            yield state
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _key(t: Any) -> tuple[str, int]:
+    st = t.untyped_storage()
+    return (str(t.device), st.data_ptr())
+
+
+def measure(module: Any, *inputs: Any) -> Measurement:
+    """Run ``module(*inputs)`` once in training mode and record every tensor autograd saves for backward.
+
+    Parameters and buffers of ``module`` count as ``parameter``; the storages of ``inputs`` (tensors, also
+    inside lists/tuples) as ``input``; everything else saved is ``activation``.  The module is left in
+    training mode.
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise SymmemError(f"measure needs a torch.nn.Module, got {type(module).__name__}")
+    module.train()
+    params = {_key(p) for p in module.parameters()} | {_key(b) for b in module.buffers()}
+    flat: list[Any] = []
+    for x in inputs:
+        flat.extend(x if isinstance(x, list | tuple) else [x])
+    given = {_key(x) for x in flat if isinstance(x, torch.Tensor)}
+    records: list[SavedInfo] = []
+    keep: list[Any] = []  # hold every packed tensor until the pass ends, so no storage is freed and reused
+
+    with _tracking(module) as state:
+        def pack(t: Any) -> Any:
+            key = _key(t)
+            kind = "parameter" if key in params else "input" if key in given else "activation"
+            producer = t.grad_fn.name() if t.grad_fn is not None else None
+            records.append(SavedInfo(state["op"], state["module"], producer, tuple(t.shape), _dtype_name(t.dtype),
+                                     t.untyped_storage().nbytes(), key, kind))
+            keep.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(*inputs)
+    del out
+    keep.clear()
+    return Measurement(tuple(records))
+
+
+@dataclass(frozen=True)
+class Row:
+    """Storages of one (dtype, bytes) size: how many the formula predicts and how many were measured."""
+
+    dtype: str
+    nbytes: int
+    predicted: int
+    measured: int
+    predicted_names: tuple[str, ...]
+    measured_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted vs measured bytes: activations (loss included) and inputs, and the rows that differ."""
+
+    model: str
+    predicted: int
+    measured: int
+    predicted_input: int
+    measured_input: int
+    rows: tuple[Row, ...]
+    #: measured activation bytes per saving torch function (``conv2d``, ``batch_norm`` ...)
+    by_op: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def difference(self) -> int:
+        """Measured minus predicted activation bytes."""
+        return self.measured - self.predicted
+
+    @property
+    def exact(self) -> bool:
+        return self.predicted == self.measured and self.predicted_input == self.measured_input
+
+    def differences(self) -> list[Row]:
+        return [r for r in self.rows if r.predicted != r.measured]
+
+    def report(self, verbose: bool = False) -> str:
+        """A text report; ``verbose`` adds the measured bytes per saving op."""
+        lines = [f"{self.model}: saved for backward (bytes)",
+                 f"  {'':<12}{'predicted':>16}{'measured':>16}{'difference':>14}",
+                 f"  {'activations':<12}{self.predicted:>16,}{self.measured:>16,}{self.difference:>+14,}",
+                 f"  {'input':<12}{self.predicted_input:>16,}{self.measured_input:>16,}"
+                 f"{self.measured_input - self.predicted_input:>+14,}"]
+        diff = self.differences()
+        if diff:
+            lines.append("  storages that differ (dtype, bytes each: predicted vs measured count):")
+            for r in diff:
+                who = ", ".join((r.measured_names or r.predicted_names)[:4])
+                lines.append(f"    {r.dtype:<9}{r.nbytes:>14,} B  {r.predicted:>4} vs {r.measured:<4} e.g. {who}")
+        if verbose and self.by_op:
+            lines.append("  measured activation bytes by saving op:")
+            lines += [f"    {op:<24}{n:>16,}" for op, n in self.by_op]
+        lines.append("  exact" if self.exact else "  NOT EXACT")
+        return "\n".join(lines)
+
+
+def compare(derivation: Derivation, measurement: Measurement) -> Comparison:
+    """Put the formula at its numbers next to a measurement: totals and per-size storage counts.
+
+    Activations are compared with the loss included (a measurement of a model with a loss sees both).
+    """
+    from .tensor import dtype_bytes
+
+    act_dtype = derivation.regime.activation_dtype
+    predicted: Counter[tuple[str, int]] = Counter()
+    pnames: dict[tuple[str, int], list[str]] = {}
+    for t in derivation.terms:
+        if t.category not in ("activation", "loss") or t.elements is None:
+            continue
+        dtype = act_dtype if t.dtype in (None, "act") else t.dtype
+        each = derivation.evaluate(t.elements) * dtype_bytes(dtype)
+        n = derivation.evaluate(t.count)
+        if n and each:
+            predicted[(dtype, each)] += n
+            pnames.setdefault((dtype, each), []).append(t.name)
+    measured: Counter[tuple[str, int]] = Counter()
+    mnames: dict[tuple[str, int], list[str]] = {}
+    for s in measurement.storages("activation"):
+        measured[(s.dtype, s.nbytes)] += 1
+        mnames.setdefault((s.dtype, s.nbytes), []).append(s.label)
+    rows = tuple(Row(d, b, predicted[(d, b)], measured[(d, b)], tuple(pnames.get((d, b), ())),
+                     tuple(mnames.get((d, b), ())))
+                 for d, b in sorted(set(predicted) | set(measured), key=lambda k: (-k[1], k[0])))
+    return Comparison(derivation.model, derivation.value("activations") + derivation.value("loss"),
+                      measurement.activations, derivation.value("input"), measurement.input, rows,
+                      tuple(sorted(measurement.by_op().items(), key=lambda kv: -kv[1])))
+
+
+def with_loss(module: Any, loss: str) -> Any:
+    """``module`` followed by ``loss`` (``cross-entropy``): a module taking ``(*inputs, target)``."""
+    import torch
+    import torch.nn.functional as F
+
+    if loss != "cross-entropy":
+        raise SymmemError(f"verify knows the loss 'cross-entropy', not {loss!r}")
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: Any) -> Any:
+            *inputs, target = args
+            logits = self.model(*inputs)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    return WithLoss(module)
+
+
+def verify(derivation: Derivation) -> Comparison:
+    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare."""
+    import torch
+
+    from .reference import reference
+
+    if derivation.per_layer:
+        raise SymmemError("verify measures whole models; drop --per-layer")
+    if derivation.regime.activation_dtype != "float32":
+        raise SymmemError("verify measures fp32 training; use --precision fp32")
+    regime = derivation.regime
+    if getattr(regime, "checkpoint", "none") != "none" or any(
+            getattr(regime, f, False) for f in ("tensor_parallel", "sequence_parallel", "pipeline_parallel")):
+        raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
+    numbers = {s.name: v for s, v in derivation.numbers.items()}
+    options = dict(derivation.options)
+    device = options.get("device", "cpu")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise SymmemError(f"verify on {device} needs that device; this torch has no CUDA (use --device cpu)")
+    module, inputs = reference(derivation.model, numbers, options)
+    module = module.to(device)
+    inputs = tuple(x.to(device) for x in inputs)
+    loss = options.get("loss")
+    if loss:
+        with torch.no_grad():
+            logits = module(*inputs)
+        target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]), device=device)
+        module = with_loss(module, str(loss))
+        inputs = (*inputs, target)
+    return compare(derivation, measure(module, *inputs))
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .conventions import convention
+
+    if args.device is None and "device" in convention(args.convention).options:
+        args.device = "cpu"  # the formula for the device the measurement runs on
+    result = verify(derivation_from_args(args))
+    print(result.report(verbose=args.verbose))
+    return 0 if result.exact else 1
+
+
+@command("verify", "measure the project's PyTorch reference of a model and compare with the pytorch formula")
+def _verify(p: argparse.ArgumentParser) -> None:
+    add_derive_options(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
+    p.set_defaults(run=_cmd_verify, convention="pytorch")
