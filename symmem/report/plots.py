@@ -80,7 +80,10 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
     scale = UNITS[unit]
     labels = list(labels) if labels is not None else [_label(d) for d in derivations]
     parts = [segments(d) for d in derivations]
+    side = {t.name for d in derivations for t in d.terms if t.category == "parameter"}
     names: list[str] = []
+    for p in parts:  # activation groups first, the parameter side last, in the legend as in the bars
+        names += [n for n, _ in p if n not in names and n not in side]
     for p in parts:
         names += [n for n, _ in p if n not in names]
     cmap = plt.get_cmap("tab20")
@@ -93,13 +96,10 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
                    label=name)
             bottom += value / scale
         ax.text(i, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=9)
-    handles, seen = [], set()
-    for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-        if lab not in seen:
-            seen.add(lab)
-            handles.append((h, lab))
-    ax.legend([h for h, _ in handles], [lab for _, lab in handles], fontsize=8, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), frameon=False)
+    found = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=False))
+    ordered = [n for n in reversed(names) if n in found]  # top of the stack first, as the bars read
+    ax.legend([found[n] for n in ordered], ordered, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set_ylabel(f"training memory ({unit})")
     ax.set_title(f"{derivations[0].regime.precision.upper()} + {derivations[0].regime.optimizer} breakdown")
