@@ -47,12 +47,24 @@ class Term:
     count: sympy.Expr = sympy.Integer(1)
 
 
-def _resolve(graph: nx.DiGraph, node: str, steady: bool = False) -> list[tuple[str, str]]:
+def _converts(graph: nx.DiGraph, node: str, act_dtype: str | None) -> bool:
+    """Whether ``node`` is a ``cast`` that changes the dtype (a copy) under the activation dtype ``act_dtype``."""
+    data = graph.nodes[node]
+    if data["kind"] != "cast" or act_dtype is None:
+        return False
+    src = graph.nodes[data["inputs"][0]]["out"].dtype
+    dst = data["out"].dtype
+    return (act_dtype if src == "act" else src) != (act_dtype if dst == "act" else dst)
+
+
+def _resolve(graph: nx.DiGraph, node: str, steady: bool = False, act_dtype: str | None = None
+             ) -> list[tuple[str, str]]:
     """The storages behind ``node``'s output, each with the iterations in which it is the one seen.
 
     Views lead to their base.  A repeated layer's input is the block's source in its first iteration
     (``first``) and the block's own output in the others (``rest``); ``steady`` (one layer on its own)
-    keeps only the latter, so that a layer's input is counted once.
+    keeps only the latter, so that a layer's input is counted once.  A ``cast`` is a view unless it changes
+    the dtype under ``act_dtype`` (``x.to(torch.float32)`` returns ``x`` itself in FP32, a copy in 16-bit).
     """
     blocks = graph.graph.get("blocks", {})
     found: list[tuple[str, str]] = []
@@ -69,7 +81,7 @@ def _resolve(graph: nx.DiGraph, node: str, steady: bool = False) -> list[tuple[s
             if not steady:
                 stack.append((data["inputs"][0], "first"))
             stack.append((block.output, "rest"))
-        elif data["view_of"] is not None:
+        elif data["view_of"] is not None and not _converts(graph, n, act_dtype):
             stack.append((data["inputs"][data["view_of"]], mode))
         else:
             found.append((n, mode))
@@ -281,7 +293,8 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
     for node in nodes:
         data = graph.nodes[node]
         count = sympy.Integer(1) if per_layer else data["count"]
-        for ref in conv.saved(graph, node, options):
+        # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks).
+        for ref in conv.saved(graph, node, {**options, "activation_dtype": act_dtype}):
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None
@@ -297,14 +310,14 @@ def _node_terms(graph: nx.DiGraph, conv: Convention, options: Mapping[str, Any],
                 terms.append(Term(name, data["group"], category, count * size(spec),
                                   ref.role or spec.role, node, spec.dtype, spec.numel, count))
                 continue
-            for storage, mode in _resolve(graph, target, per_layer):
+            for storage, mode in _resolve(graph, target, per_layer, act_dtype):
                 if storage not in storages:
                     storages[storage] = []
                     order.append(storage)
                 storages[storage].append((node, mode, ref))
     for storage in order:
         data = graph.nodes[storage]
-        if data["kind"] == "parameter":
+        if data["kind"] in ("parameter", "buffer"):
             continue
         savers = storages[storage]
         spec = data["out"]
@@ -420,7 +433,8 @@ def _numbers(model: Model, eff: Mapping[sympy.Symbol, sympy.Expr]) -> dict[sympy
 
 def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
     for node, lhs, rhs in model.graph.graph.get("assumptions", ()):
-        a, b = lhs.xreplace(dict(numbers)), rhs.xreplace(dict(numbers))
+        # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
+        a, b = (sympy.sympify(e.xreplace(dict(numbers))) for e in (lhs, rhs))
         if a.is_number and b.is_number and a != b:
             kind = model.graph.nodes[node]["kind"]
             raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but the values give "

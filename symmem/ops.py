@@ -389,3 +389,38 @@ def _cross_entropy(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     logits, target = ins
     assumptions = _check_eq(numel(logits.shape[:-1]), numel(target.shape), "cross-entropy targets")
     return OpInfo(TensorSpec((), "float32" if logits.dtype != ACT else ACT), assumptions=assumptions)
+
+
+# -- sequence-model helpers: tensors made inside the forward, module buffers, reductions, casts ----------
+@rule("constant", "buffer", arity=0)
+def _constant(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # ``constant``: a tensor the forward makes that needs no gradient (position ids, an additive mask, a
+    # 0-dim divisor); an activation if some op saves it.  ``buffer``: module state (a registered causal
+    # mask), reported like parameters but with no parameter count.
+    return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
+
+
+@rule("scalar_add")
+def _scalar_add(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype))
+
+
+@rule("cast")
+def _cast(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # ``tensor.to(dtype)`` returns the tensor itself when the dtype already matches: recorded as a view, and
+    # the derivation treats it as a new storage when the regime's activation dtype makes the dtypes differ.
+    return OpInfo(TensorSpec(ins[0].shape, a.get("dtype", ins[0].dtype)), view_of=0)
+
+
+@rule("mean")
+def _mean(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]
+    d = _dim(x, a.get("dim", -1))
+    one = (sympy.Integer(1),) if a.get("keepdim", False) else ()
+    return OpInfo(TensorSpec(x.shape[:d] + one + x.shape[d + 1:], x.dtype))
+
+
+@rule("rope_table")
+def _rope_table(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # cos or sin of the rotary angles for position ids (..., S): (..., S, dim), computed without gradient.
+    return OpInfo(TensorSpec(ins[0].shape + (_expr(a["dim"]),), a.get("dtype", ACT)))

@@ -64,6 +64,13 @@ CASES = [
     ("cross_entropy", [T(B, 1000), T(B, dtype="int64")], {}, (), 0, False),
     ("parameter", [], dict(shape=(1, S, H)), (1, S, H), S * H, False),
     ("input", [], dict(shape=(B, C, Hi, Wi)), (B, C, Hi, Wi), 0, False),
+    ("constant", [], dict(shape=(1, S), dtype="int64"), (1, S), 0, False),
+    ("buffer", [], dict(shape=(1, 1, 1024, 1024), dtype="bool"), (1, 1, 1024, 1024), 0, False),
+    ("scalar_add", [T(B, S, 1)], dict(value=1e-6), (B, S, 1), 0, False),
+    ("cast", [T(B, S, H)], dict(dtype="float32"), (B, S, H), 0, True),
+    ("mean", [T(B, S, H)], dict(dim=-1, keepdim=True), (B, S, 1), 0, False),
+    ("mean", [T(B, S, H)], dict(dim=1), (B, H), 0, False),
+    ("rope_table", [T(1, S, dtype="int64")], dict(dim=H / h), (1, S, H / h), 0, False),
 ]
 
 

@@ -1,1 +1,211 @@
-"""Save rules for sequence ops (norms, activations, attention, embeddings). Filled in by the sequence work."""
+"""Save rules for the ops of sequence models: norms, activations, arithmetic, attention, embeddings, dropout.
+
+Sources (PyTorch 2.x): ``tools/autograd/derivatives.yaml`` says which tensors each backward formula reads;
+the autograd code generator saves an input only when the gradient that needs it is wanted, so ``x * w``
+keeps ``w`` only if ``x`` requires grad and ``x`` only if ``w`` does (a mask, a position table or a 0-dim
+divisor needs no gradient).  Kernels that pick what to keep at run time:
+
+* Dropout (the rule in :mod:`.common`): CUDA keeps a bool mask, the CPU the noise in the activation dtype.
+* ``aten/src/ATen/native/transformers/attention.cpp`` and ``sdp_utils_cpp.cpp``: on the CPU with dropout 0
+  the flash kernel runs and keeps q, k, v, the output and a float32 log-sum-exp (B, h, S); with dropout > 0
+  the CPU has no fused kernel and falls back to ``_scaled_dot_product_attention_math``: ``q*sqrt(scale)``
+  and ``k^T*sqrt(scale)`` (new tensors kept by the batched matmul), the softmax output, the dropout noise,
+  the dropped probabilities, and ``v`` (a contiguous copy when ``v`` is a strided view).  On CUDA the
+  flash kernel (16-bit) and the memory-efficient kernel (FP32) keep q, k, v, the output, a float32
+  log-sum-exp and the Philox seed and offset (two int64 scalars, host memory outside CUDA-graph capture).
+  Which kernel runs follows the regime's activation dtype: 16-bit runs flash (log-sum-exp (B, h, S));
+  FP32 runs the memory-efficient kernel (``_efficient_attention_forward``), whose log-sum-exp is
+  (B, h, 32*ceil(S/32)).
+* ``native_layer_norm`` keeps input, mean and rstd (B, ..., 1): float32 on CUDA (the accumulate type), the
+  input's dtype on the CPU; weight and bias are parameters.
+* ``matmul`` of batched operands folds them to ``bmm`` with ``reshape``: a strided view (a head split by
+  ``permute``, a transposed key) cannot be folded in place, so the product keeps a contiguous copy.  The
+  builder marks such operands with ``copy_inputs``; the copy is a storage only the matmul holds.
+
+Measured on the CPU (``tests/test_pytorch_sequence.py``) for ViT, GPT-2, BERT and Llama at several B and S.
+
+>>> from symmem.pytorch import rule_kinds
+>>> {"layernorm", "attention", "embedding", "mul"} <= set(rule_kinds())
+True
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import networkx as nx
+import sympy
+
+from ..conventions import Saved
+from ..errors import node_error
+from . import RuleContext, saves
+
+#: Op kinds whose output never requires grad, whatever their inputs.
+_NO_GRAD = frozenset({"input", "constant", "buffer", "rope_table"})
+_INT_DTYPES = frozenset({"bool", "int64", "int32", "int16", "int8", "uint8"})
+_MEMO: weakref.WeakKeyDictionary[nx.DiGraph, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def requires_grad(graph: nx.DiGraph, node: str) -> bool:
+    """Whether ``node``'s output requires grad: parameters do, inputs, constants and integers do not."""
+    memo = _MEMO.setdefault(graph, {})
+    if node in memo:
+        return memo[node]
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        data = graph.nodes[n]
+        if data["kind"] == "parameter":
+            memo[n] = True
+        elif data["kind"] in _NO_GRAD or data["out"].dtype in _INT_DTYPES:
+            memo[n] = False
+        else:
+            todo = [i for i in data["inputs"] if i not in memo]
+            if todo:
+                stack.extend(todo)
+                continue
+            memo[n] = bool(data["params"]) or any(memo[i] for i in data["inputs"])
+        stack.pop()
+    return memo[node]
+
+
+def _grad(ctx: RuleContext, i: int) -> bool:
+    return requires_grad(ctx.graph, ctx.graph.nodes[ctx.node]["inputs"][i])
+
+
+@saves("constant", "buffer", "scalar_add", "cast", "mean", "rope_table", "scale", "neg", "to_dtype")
+def _nothing(ctx: RuleContext) -> list[Saved]:
+    """Scalar arithmetic, casts, reductions to a mean and tensors made without gradient keep nothing."""
+    return []
+
+
+@saves("layernorm")
+def _layernorm(ctx: RuleContext) -> list[Saved]:
+    """Input, mean and rstd (float32 on CUDA, the input's dtype on the CPU), shaped (..., 1)."""
+    stats = ctx.inputs[0].shape[:-1] + (sympy.Integer(1),)
+    dtype = "float32" if ctx.device == "cuda" else ctx.inputs[0].dtype
+    return [ctx.input(0), ctx.new("mean", stats, dtype, "norm_stats"), ctx.new("rstd", stats, dtype, "norm_stats")]
+
+
+@saves("rmsnorm")
+def _rmsnorm(ctx: RuleContext) -> list[Saved]:
+    """A fused RMSNorm (``torch.nn.functional.rms_norm`` on CUDA): the input and a float32 rstd (..., 1)."""
+    stats = ctx.inputs[0].shape[:-1] + (sympy.Integer(1),)
+    return [ctx.input(0), ctx.new("rstd", stats, "float32", "norm_stats")]
+
+
+@saves("gelu", "silu", "pow")
+def _keeps_input(ctx: RuleContext) -> list[Saved]:
+    """``gelu``, ``silu`` and ``pow(x, c)`` differentiate from their input."""
+    return [ctx.input(0)]
+
+
+@saves("tanh", "sigmoid", "exp", "rsqrt", "sqrt", "softmax", "log_softmax")
+def _keeps_output(ctx: RuleContext) -> list[Saved]:
+    """These differentiate from their result (derivatives.yaml uses ``result``)."""
+    return [ctx.output()]
+
+
+@saves("mul")
+def _mul(ctx: RuleContext) -> list[Saved]:
+    """``x * y`` keeps ``y`` for x's gradient and ``x`` for y's, each only if that gradient is wanted."""
+    found = []
+    if _grad(ctx, 1):
+        found.append(ctx.input(0))
+    if _grad(ctx, 0):
+        found.append(ctx.input(1))
+    return found
+
+
+@saves("div")
+def _div(ctx: RuleContext) -> list[Saved]:
+    """``x / y`` keeps ``y`` for x's gradient; y's gradient needs ``x`` and ``y``."""
+    found = []
+    if _grad(ctx, 1):
+        found.append(ctx.input(0))
+    if _grad(ctx, 0) or _grad(ctx, 1):
+        found.append(ctx.input(1))
+    return found
+
+
+@saves("masked_fill", "where")
+def _masked(ctx: RuleContext) -> list[Saved]:
+    """``x.masked_fill(mask, v)`` and ``torch.where(mask, x, v)`` keep only the mask (input 1 here)."""
+    return [ctx.input(1)]
+
+
+@saves("embedding")
+def _embedding(ctx: RuleContext) -> list[Saved]:
+    """``embedding_backward`` needs the indices (and the weight's size)."""
+    return [ctx.input(0)]
+
+
+@saves("matmul")
+def _matmul(ctx: RuleContext) -> list[Saved]:
+    """Each operand is kept if the other requires grad; ``copy_inputs`` operands as a contiguous copy."""
+    copies = tuple(ctx.attrs.get("copy_inputs", ()))
+    found = []
+    for i, other in ((0, 1), (1, 0)):
+        if not _grad(ctx, other):
+            continue
+        if i in copies:
+            spec = ctx.inputs[i]
+            found.append(ctx.new(f"input{i}_copy", spec.shape, spec.dtype, "matmul_copy"))
+        else:
+            found.append(ctx.input(i))
+    return found
+
+
+def _merged_by_copy(ctx: RuleContext) -> bool:
+    """Whether the output feeds a head merge (transpose/permute, then a copying contiguous/reshape)."""
+    g = ctx.graph
+    for t in g.successors(ctx.node):
+        if g.nodes[t]["kind"] not in ("transpose", "permute"):
+            continue
+        for c in g.successors(t):
+            data = g.nodes[c]
+            if data["view_of"] is None and data["kind"] in ("contiguous", "reshape", "flatten", "clone"):
+                return True
+    return False
+
+
+@saves("attention")
+def _attention(ctx: RuleContext) -> list[Saved]:
+    """``scaled_dot_product_attention``: what the kernel the device picks keeps (module docstring)."""
+    q, k, v = ctx.inputs
+    if ctx.attrs.get("mask") is not None:
+        raise node_error(ctx.node, ctx.kind, "explicit attention masks are not modelled; use causal=True")
+    dropout = ctx.attrs.get("dropout", 0.0)
+    lse = ctx.new("logsumexp", q.shape[:-1], "float32", "attn_lse")
+    if ctx.device == "cuda" and ctx.options.get("activation_dtype", "float32") == "float32":
+        # FP32 on CUDA runs the memory-efficient kernel, whose log-sum-exp rows are padded to kAlignLSE = 32.
+        rows = 32 * sympy.ceiling(q.shape[-2] / 32)
+        lse = ctx.new("logsumexp", q.shape[:-2] + (rows,), "float32", "attn_lse")
+    # The fused kernels write the output as (B, S, h, d) and return it transposed (CUDA always; the CPU
+    # flash kernel when q itself is a head-split view, ``q_layout="bshd"``), so the builders' merge
+    # ``transpose(1, 2).reshape(B, S, H)`` is a view of it; the graph shows the merge as a copy the output
+    # projection keeps, which then *is* this storage: the output is not counted twice.
+    merged_view = (ctx.device == "cuda" or ctx.attrs.get("q_layout", "bhsd") == "bshd") and _merged_by_copy(ctx)
+    out = [] if merged_view else [ctx.output()]
+    if ctx.device == "cuda":
+        return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse, ctx.new("philox", (2,), "int64", "rng_state")]
+    if dropout == 0:
+        return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse]
+    # CPU math fallback: scaled q and k^T are new tensors the batched matmul keeps.  With 16-bit inputs it
+    # computes in float32 (q, k, v upcast first; measured), so every tensor it keeps is float32.
+    low = ctx.options.get("activation_dtype") in ("float16", "bfloat16")
+    dt = "float32" if low else q.dtype
+    scores = q.shape[:-1] + (k.shape[-2],)
+    found = [ctx.new("q_scaled", q.shape, dt, "matmul_copy"),
+             ctx.new("k_scaled", k.shape, dt, "matmul_copy"),
+             ctx.new("probs", scores, dt, "attn_probs"),
+             ctx.new("noise", scores, dt, "dropout_mask"),
+             ctx.new("dropped", scores, dt, "attn_dropout")]
+    if ctx.attrs.get("v_contiguous", False) and not low:
+        found.append(ctx.input(2))
+    else:
+        found.append(ctx.new("v_copy", v.shape, dt, "matmul_copy"))
+    return found

@@ -1,0 +1,118 @@
+"""GPT-2 as Hugging Face builds it (``GPT2LMHeadModel``, transformers 4.3x/4.4x ``modeling_gpt2.py``).
+
+Token and position embeddings (``wte`` + ``wpe`` of 1024 positions), embedding dropout, ``L`` pre-LN blocks
+[``ln_1``, ``c_attn`` (a ``Conv1D``: ``addmm`` on the flattened tokens), split into Q, K, V and heads,
+attention, ``c_proj``, dropout, residual; ``ln_2``, ``c_fc``, GELU, ``c_proj``, dropout, residual], ``ln_f``
+and the LM head tied to ``wte``.  ``attention="naive"`` is the eager ``GPT2Attention._attn``: ``Q K^T``
+divided by a 0-dim tensor ``sqrt(d)``, ``torch.where`` with the causal-mask buffer, softmax, dropout,
+``@ V``; ``"sdpa"`` is ``GPT2SdpaAttention`` (``scaled_dot_product_attention(..., is_causal=True)``).
+``gelu="new"`` writes out HF's ``gelu_new`` op by op, ``0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))``;
+``"fused"`` is ``gelu_pytorch_tanh`` (one ``F.gelu`` call).
+
+Defaults are GPT-2 small: H=768, h=12, L=12, F=4H, V=50257, S=1024.
+
+>>> from symmem import derive
+>>> derive("gpt2").value("parameters")
+124439808
+"""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+
+from ..graph import GraphBuilder, Model
+from ..symbols import B, F, H, L, S, V, h
+from . import Option, register
+
+POSITIONS = 1024  # n_positions: rows of wpe and the side of the causal-mask buffer
+
+_OPTIONS = {
+    "attention": Option("naive", ("naive", "sdpa"),
+                        "naive is the eager GPT2Attention (B*h*S^2 scores kept); sdpa is GPT2SdpaAttention"),
+    "dropout": Option(0.1, None, "embd_pdrop = attn_pdrop = resid_pdrop (HF default 0.1)"),
+    "gelu": Option("new", ("new", "fused"), "new: HF gelu_new written out in ops; fused: F.gelu(tanh)"),
+}
+
+
+def gelu_new(g: GraphBuilder, x: str) -> str:
+    """HF ``NewGELUActivation``: ``0.5 * x * (1.0 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))``."""
+    half = g.op("scale", x, name="gelu.half", factor=sympy.Rational(1, 2))
+    cube = g.op("pow", x, name="gelu.pow", exponent=3)
+    cube = g.op("scale", cube, name="gelu.cube_scaled", factor=sympy.Float(0.044715))
+    inner = g.op("add", x, cube, name="gelu.inner")
+    inner = g.op("scale", inner, name="gelu.inner_scaled", factor=sympy.Float(math.sqrt(2 / math.pi)))
+    t = g.op("tanh", inner, name="gelu.tanh")
+    t = g.op("scalar_add", t, name="gelu.one_plus", value=1)
+    return g.op("mul", half, t, name="gelu.out", role="mlp_act")
+
+
+def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
+    hd = H / h
+    qkv = g.op("linear", x, name="c_attn", role="qkv", out_features=3 * H)
+    heads = []
+    for i, part in enumerate(("query", "key", "value")):
+        t = g.op("slice", qkv, name=part, dim=2, start=i * H, stop=(i + 1) * H)
+        t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
+        heads.append(g.op("permute", t, name=f"{part}_heads", dims=(0, 2, 1, 3)))
+    q, k, v = heads
+    if kind == "naive":
+        kt = g.op("transpose", k, name="key_t", dim0=-1, dim1=-2)
+        # q and k^T are strided views of c_attn's output: the batched matmul keeps contiguous copies.
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0, 1))
+        root = g.op("constant", name="sqrt_d", shape=(), dtype="act")  # torch.full([], d ** 0.5)
+        w = g.op("div", w, root, name="scaled")
+        bias = g.op("buffer", name="bias", shape=(1, 1, POSITIONS, POSITIONS), dtype="bool")
+        mask = g.op("slice", bias, name="causal_rows", dim=2, start=0, stop=S)
+        mask = g.op("slice", mask, name="causal_mask", dim=3, start=0, stop=S)
+        # torch.where(causal_mask, w, min): keeps only the condition, like masked_fill.
+        w = g.op("where", w, mask, name="masked")
+        w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1)
+        w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
+        out = g.op("matmul", w, v, name="attn_v", copy_inputs=(1,))
+    else:
+        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
+                   q_layout="bshd")
+    out = g.op("permute", out, name="merge_t", dims=(0, 2, 1, 3))
+    out = g.op("contiguous", out, name="merge", role="proj_input")
+    out = g.op("reshape", out, name="merge_view", shape=(B, S, H))
+    out = g.op("linear", out, name="c_proj", out_features=H)
+    return g.op("dropout", out, name="resid_dropout", p=dropout)
+
+
+def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: str = "new") -> Model:
+    g = GraphBuilder(name)
+    ids = g.input("input_ids", (B, S), dtype="int64")
+    with g.group("embed"):
+        tok = g.op("embedding", ids, name="wte", num_embeddings=V, dim=H)
+        pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
+        pos = g.op("embedding", pos, name="wpe", num_embeddings=POSITIONS, dim=H)
+        x = g.op("add", tok, pos, name="embed_add")
+        x = g.op("dropout", x, name="drop", p=dropout)
+    with g.group("layer"), g.repeat("h", L, x, input_role="residual") as layer:
+        with g.scope("attn"):
+            a = g.op("layernorm", layer.input, name="ln_1", role="attn_input", eps=1e-5)
+            a = _attention(g, a, attention, dropout)
+        x = g.op("add", a, layer.input, name="add1", role="residual")
+        with g.scope("mlp"):
+            m = g.op("layernorm", x, name="ln_2", role="mlp_input", eps=1e-5)
+            m = g.op("linear", m, name="c_fc", role="mlp_hidden", out_features=F)
+            m = gelu_new(g, m) if gelu == "new" else g.op("gelu", m, name="act", role="mlp_act", approximate="tanh")
+            m = g.op("linear", m, name="c_proj", out_features=H)
+            m = g.op("dropout", m, name="dropout", p=dropout)
+        layer.output(g.op("add", x, m, name="add2"))
+    assert layer.result is not None
+    # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
+    g.graph.graph["assumptions"].append(("wpe", sympy.Min(S, POSITIONS), S))
+    with g.group("head"):
+        x = g.op("layernorm", layer.result, name="ln_f", eps=1e-5)
+        g.op("linear", x, name="lm_head", out_features=V, bias=False, tied=True)
+    defaults = {B: 8, S: 1024, H: 768, h: 12, L: 12, F: 4 * H, V: 50257}
+    desc = (f"GPT-2 small (HF GPT2LMHeadModel, tied head; {attention} attention, gelu {gelu}, "
+            f"dropout {dropout})")
+    return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="h",
+                 options={"attention": attention, "dropout": dropout, "gelu": gelu})
+
+
+register("gpt2", build_gpt2, "GPT-2 small (Hugging Face GPT2LMHeadModel, tied embeddings, gelu_new)", _OPTIONS)

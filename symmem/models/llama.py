@@ -1,0 +1,146 @@
+"""Llama as Hugging Face builds it (``LlamaForCausalLM``, transformers 4.4x ``modeling_llama.py``).
+
+Token embedding (no position embedding), ``L`` pre-norm layers [``LlamaRMSNorm`` written out as HF does
+(``to(float32)``, ``pow(2).mean(-1)``, ``+ eps``, ``rsqrt``, ``*``, ``to(dtype)``, ``weight *``); Q (h heads),
+K and V (G heads) without bias, rotary embeddings ``q*cos + rotate_half(q)*sin`` with the cos/sin tables made
+once per forward, ``repeat_kv`` to h heads, attention (``naive``: eager ``Q K^T / sqrt(d)`` + the additive
+causal mask, float32 softmax, dropout, ``@ V``; ``sdpa``: ``scaled_dot_product_attention(is_causal=True)``),
+``o_proj``, residual; RMSNorm, SwiGLU ``down(silu(gate(x)) * up(x))``, residual], a final RMSNorm and an
+untied LM head.
+
+Defaults are Llama-2-7B: H=4096, h=32, G=32 (set G < h for grouped-query attention, e.g. G=8 as in
+Llama-2-70B), L=32, F=11008, V=32000, S=4096.  ``repeat_kv`` is shown as a copy to h heads for every G: when
+G = h HF returns the tensor itself, and the storage a matmul or the attention kernel then keeps has the same
+size as the copy (measured on the CPU).  G = 1 (multi-query attention) is the exception the graph does not
+show: there ``reshape`` of the expanded tensor is a stride-0 view; the eager matmuls copy it anyway (exact), but
+the fused attention kernel keeps the B*S*d-element views, so with ``sdpa`` and no dropout the formula
+over-counts by 2*B*(h-1)*S*d elements per layer.  The casts (RMSNorm's ``to(float32)``, the float32 softmax's
+``.to(dtype)``) are views in FP32 and copies in 16-bit, as in PyTorch (see :func:`symmem.derive._converts`).
+
+>>> from symmem import derive
+>>> derive("llama").value("parameters")
+6738415616
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from ..graph import GraphBuilder, Model
+from ..symbols import B, F, G, H, L, S, V, h
+from . import Option, register
+
+_OPTIONS = {
+    "attention": Option("sdpa", ("naive", "sdpa"),
+                        "naive is the eager LlamaAttention (B*h*S^2 probabilities kept); sdpa is LlamaSdpaAttention"),
+    "dropout": Option(0.0, None, "attention_dropout (HF default 0.0)"),
+}
+
+
+def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
+    """HF ``LlamaRMSNorm.forward`` op by op."""
+    with g.scope(name):
+        y = g.op("cast", x, name="to_float32", dtype="float32")
+        var = g.op("pow", y, name="pow", exponent=2)
+        var = g.op("mean", var, name="mean", dim=-1, keepdim=True)
+        var = g.op("scalar_add", var, name="add_eps", value=1e-6)
+        r = g.op("rsqrt", var, name="rsqrt")
+        y = g.op("mul", y, r, name="normalize")
+        y = g.op("cast", y, name="to_input_dtype", dtype="act")
+        w = g.parameter("weight", (H,))
+        return g.op("mul", w, y, name="scale", role=role)
+
+
+def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
+    """``(x * cos) + (rotate_half(x) * sin)``; ``rotate_half`` is ``cat((-x2, x1), -1)``."""
+    hd = H / h
+    with g.scope(name):
+        a = g.op("mul", x, cos, name="mul_cos")
+        x1 = g.op("slice", x, name="x1", dim=-1, start=0, stop=hd / 2)
+        x2 = g.op("slice", x, name="x2", dim=-1, start=hd / 2, stop=hd)
+        n = g.op("neg", x2, name="neg")
+        r = g.op("concat", n, x1, name="rotate_half", dim=-1)
+        b = g.op("mul", r, sin, name="mul_sin")
+        return g.op("add", a, b, name="add")
+
+
+def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
+    hd = H / h
+    x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
+    x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
+    return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=True)
+
+
+def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float) -> str:
+    hd = H / h
+    states = []
+    for part, heads in (("q", h), ("k", G), ("v", G)):
+        t = g.op("linear", x, name=f"{part}_proj", role="qkv", out_features=heads * hd, bias=False)
+        t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, heads, hd))
+        states.append(g.op("transpose", t, name=f"{part}_heads", dim0=1, dim1=2))
+    q, k, v = states
+    q = _rotary(g, q, cos, sin, "q_rope")
+    k = _rotary(g, k, cos, sin, "k_rope")
+    k = _repeat_kv(g, k, "k")
+    v = _repeat_kv(g, v, "v")
+    if kind == "naive":
+        assert mask is not None
+        kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores")
+        w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
+        w = g.op("add", w, mask, name="masked")
+        w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
+        w = g.op("cast", w, name="to_query_dtype", dtype="act")
+        w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
+        out = g.op("matmul", w, v, name="attn_v")
+    else:
+        # q after the rotary ops keeps the (B, S, h, d) layout of the q_proj view it came from.
+        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
+                   v_contiguous=True, q_layout="bshd")
+    out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
+    out = g.op("contiguous", out, name="merge", role="proj_input")
+    out = g.op("reshape", out, name="merge_view", shape=(B, S, H))
+    return g.op("linear", out, name="o_proj", out_features=H, bias=False)
+
+
+def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Model:
+    g = GraphBuilder(name)
+    ids = g.input("input_ids", (B, S), dtype="int64")
+    with g.group("embed"):
+        x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
+        pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
+        cos = g.op("rope_table", pos, name="rotary_emb.cos", dim=H / h)
+        sin = g.op("rope_table", pos, name="rotary_emb.sin", dim=H / h)
+        cos = g.op("reshape", cos, name="cos_unsqueeze", shape=(1, 1, S, H / h))
+        sin = g.op("reshape", sin, name="sin_unsqueeze", shape=(1, 1, S, H / h))
+        mask = None
+        if attention == "naive":  # _update_causal_mask: an additive float mask, expanded to (B, 1, S, S)
+            mask = g.op("constant", name="causal_mask", shape=(1, 1, S, S), dtype="act")
+            mask = g.op("expand", mask, name="causal_mask_expand", shape=(B, 1, S, S))
+    with g.group("layer"), g.repeat("layers", L, x, input_role="residual") as layer:
+        a = rmsnorm(g, layer.input, "input_layernorm", role="attn_input")
+        with g.scope("self_attn"):
+            a = _attention(g, a, cos, sin, mask, attention, dropout)
+        x = g.op("add", layer.input, a, name="add1", role="residual")
+        m = rmsnorm(g, x, "post_attention_layernorm", role="mlp_input")
+        with g.scope("mlp"):
+            gate = g.op("linear", m, name="gate_proj", role="mlp_hidden", out_features=F, bias=False)
+            gate = g.op("silu", gate, name="act_fn", role="mlp_gate_act")
+            up = g.op("linear", m, name="up_proj", role="mlp_hidden", out_features=F, bias=False)
+            m = g.op("mul", gate, up, name="gate_up", role="mlp_act")
+            m = g.op("linear", m, name="down_proj", out_features=H, bias=False)
+        layer.output(g.op("add", x, m, name="add2"))
+    assert layer.result is not None
+    # repeat_kv needs G | h; checked with numbers when the model is derived.
+    g.graph.graph["assumptions"].append(("layers.self_attn.k_expand", sympy.Mod(h, G), sympy.Integer(0)))
+    with g.group("head"):
+        x = rmsnorm(g, layer.result, "norm")
+        g.op("linear", x, name="lm_head", out_features=V, bias=False)
+    defaults = {B: 1, S: 4096, H: 4096, h: 32, G: 32, L: 32, F: 11008, V: 32000}
+    desc = f"Llama (HF LlamaForCausalLM, Llama-2-7B defaults; {attention} attention, dropout {dropout})"
+    return Model(name, g.finish(), defaults, (B, S, H, h, G, L, F, V), desc, layer="layers",
+                 options={"attention": attention, "dropout": dropout})
+
+
+register("llama", build_llama, "Llama (Hugging Face LlamaForCausalLM: RMSNorm, SwiGLU, rotary, GQA, untied head)",
+         _OPTIONS)

@@ -1,0 +1,510 @@
+"""Faithful PyTorch references of the sequence models: timm ViT, HF GPT-2, HF BERT, HF Llama.
+
+Each class mirrors the original ``forward`` op by op (the ops decide what autograd keeps), not the original's
+configuration machinery: timm ``vision_transformer.py`` (``Attention``, ``Block``, ``VisionTransformer`` with
+class-token pooling), transformers ``modeling_gpt2.py`` (``Conv1D``, ``GPT2Attention._attn``,
+``GPT2SdpaAttention``, ``NewGELUActivation``), ``modeling_bert.py`` (``BertEmbeddings`` with its
+position/token-type buffers, eager and SDPA self-attention, post-LN, pooler) and ``modeling_llama.py``
+(``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv``, eager and SDPA
+attention, SwiGLU MLP, untied head).  :func:`reference` builds one from symbol values, in training mode,
+with its inputs.  Needs the ``torch`` extra.
+
+>>> module, inputs = reference("gpt2", {"B": 2, "S": 8, "H": 16, "h": 2, "L": 1, "V": 50})
+>>> tuple(module(*inputs).shape)
+(2, 8, 50)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SymmemError
+from . import register
+
+
+# -- timm VisionTransformer ----------------------------------------------------------------------------
+class VitAttention(nn.Module):
+    """timm ``Attention`` (qk_norm off): fused SDPA or the explicit softmax path."""
+
+    def __init__(self, dim: int, heads: int, drop: float, fused: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.fused_attn = fused
+        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.attn_drop = nn.Dropout(drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            q = q * self.scale
+            attn = q @ k.transpose(-2, -1)
+            attn = attn.softmax(dim=-1)
+            attn = self.attn_drop(attn)
+            x = attn @ v
+        x = x.transpose(1, 2).reshape(b, n, c)
+        return self.proj_drop(self.proj(x))
+
+
+class VitBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp: int, drop: float, fused: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VitAttention(dim, heads, drop, fused)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1, self.act, self.drop1 = nn.Linear(dim, mlp), nn.GELU(), nn.Dropout(drop)
+        self.fc2, self.drop2 = nn.Linear(mlp, dim), nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.drop2(self.fc2(self.drop1(self.act(self.fc1(self.norm2(x))))))
+
+
+class VisionTransformer(nn.Module):
+    """timm ``VisionTransformer``: patch conv, class token, position embedding, blocks, norm, token head."""
+
+    def __init__(self, image: tuple[int, int], patch: int, chans: int, dim: int, depth: int, heads: int,
+                 mlp: int, classes: int, drop: float, fused: bool) -> None:
+        super().__init__()
+        tokens = (image[0] // patch) * (image[1] // patch)
+        self.proj = nn.Conv2d(chans, dim, patch, patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, tokens + 1, dim) * 0.02)
+        self.pos_drop = nn.Dropout(drop)
+        self.blocks = nn.Sequential(*(VitBlock(dim, heads, mlp, drop, fused) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head_drop = nn.Dropout(drop)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        x = self.norm(self.blocks(x))
+        return self.head(self.head_drop(x[:, 0]))
+
+
+# -- Hugging Face GPT-2 ----------------------------------------------------------------------------------
+class Conv1D(nn.Module):
+    """transformers ``pytorch_utils.Conv1D``: ``addmm(bias, x.view(-1, nx), weight)``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class NewGELU(nn.Module):
+    """transformers ``NewGELUActivation`` (``gelu_new``)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, positions: int, drop: float, sdpa: bool) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones((positions, positions), dtype=torch.bool)).view(
+            1, 1, positions, positions), persistent=False)
+        self.embed_dim, self.num_heads, self.head_dim = dim, heads, dim // heads
+        self.split_size = dim
+        self.sdpa = sdpa
+        self.c_attn = Conv1D(3 * dim, dim)
+        self.c_proj = Conv1D(dim, dim)
+        self.attn_dropout = nn.Dropout(drop)
+        self.resid_dropout = nn.Dropout(drop)
+
+    def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        attn_weights = torch.matmul(query, key.transpose(-1, -2))
+        attn_weights = attn_weights / torch.full([], value.size(-1) ** 0.5, dtype=attn_weights.dtype,
+                                                 device=attn_weights.device)
+        query_length, key_length = query.size(-2), key.size(-2)
+        causal_mask = self.bias[:, :, key_length - query_length: key_length, :key_length]
+        mask_value = torch.finfo(attn_weights.dtype).min
+        mask_value = torch.full([], mask_value, dtype=attn_weights.dtype).to(attn_weights.device)
+        attn_weights = torch.where(causal_mask, attn_weights.to(attn_weights.dtype), mask_value)
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_weights = attn_weights.type(value.dtype)
+        attn_weights = self.attn_dropout(attn_weights)
+        return torch.matmul(attn_weights, value)
+
+    def _split_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.view(tensor.size()[:-1] + (self.num_heads, self.head_dim))
+        return tensor.permute(0, 2, 1, 3)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
+        query, key, value = self._split_heads(query), self._split_heads(key), self._split_heads(value)
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=None,
+                                                 dropout_p=self.attn_dropout.p if self.training else 0.0,
+                                                 is_causal=query.size(-2) > 1)
+        else:
+            out = self._attn(query, key, value)
+        out = out.permute(0, 2, 1, 3).contiguous()
+        out = out.view(out.size()[:-2] + (self.embed_dim,))
+        return self.resid_dropout(self.c_proj(out))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, dim: int, heads: int, inner: int, positions: int, drop: float, sdpa: bool,
+                 gelu: str) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim, eps=1e-5)
+        self.attn = GPT2Attention(dim, heads, positions, drop, sdpa)
+        self.ln_2 = nn.LayerNorm(dim, eps=1e-5)
+        self.c_fc, self.c_proj = Conv1D(inner, dim), Conv1D(dim, inner)
+        self.act: nn.Module = NewGELU() if gelu == "new" else nn.GELU(approximate="tanh")
+        self.dropout = nn.Dropout(drop)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.attn(self.ln_1(hidden_states))
+        hidden_states = hidden_states + residual
+        residual = hidden_states
+        hidden_states = self.dropout(self.c_proj(self.act(self.c_fc(self.ln_2(hidden_states)))))
+        return residual + hidden_states
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, vocab: int, positions: int, dim: int, depth: int, heads: int, inner: int, drop: float,
+                 sdpa: bool, gelu: str) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
+        self.drop = nn.Dropout(drop)
+        self.h = nn.ModuleList(GPT2Block(dim, heads, inner, positions, drop, sdpa, gelu) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim, eps=1e-5)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(0, input_ids.size(-1), dtype=torch.long, device=input_ids.device).unsqueeze(0)
+        hidden_states = self.wte(input_ids) + self.wpe(position_ids)
+        hidden_states = self.drop(hidden_states)
+        for block in self.h:
+            hidden_states = block(hidden_states)
+        return self.lm_head(self.ln_f(hidden_states))
+
+
+# -- Hugging Face BERT -----------------------------------------------------------------------------------
+class BertEmbeddings(nn.Module):
+    def __init__(self, vocab: int, dim: int, positions: int, types: int, drop: float) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, dim, padding_idx=0)
+        self.position_embeddings = nn.Embedding(positions, dim)
+        self.token_type_embeddings = nn.Embedding(types, dim)
+        self.LayerNorm = nn.LayerNorm(dim, eps=1e-12)
+        self.dropout = nn.Dropout(drop)
+        self.register_buffer("position_ids", torch.arange(positions).expand((1, -1)), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(self.position_ids.size(), dtype=torch.long),
+                             persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, seq_length = input_ids.size()
+        position_ids = self.position_ids[:, 0: seq_length]
+        token_type_ids = self.token_type_ids[:, :seq_length].expand(batch, seq_length)
+        embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        embeddings += self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, drop: float, sdpa: bool) -> None:
+        super().__init__()
+        self.num_attention_heads, self.attention_head_size = heads, dim // heads
+        self.all_head_size = dim
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(drop)
+        self.dropout_prob = drop
+        self.sdpa = sdpa
+
+    def transpose_for_scores(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.size()[:-1] + (self.num_attention_heads, self.attention_head_size))
+        return x.permute(0, 2, 1, 3)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.sdpa:
+            bsz, tgt_len, _ = hidden_states.size()
+            query_layer = self.transpose_for_scores(self.query(hidden_states))
+            key_layer = self.transpose_for_scores(self.key(hidden_states))
+            value_layer = self.transpose_for_scores(self.value(hidden_states))
+            attn_output = F.scaled_dot_product_attention(query_layer, key_layer, value_layer, attn_mask=None,
+                                                         dropout_p=self.dropout_prob if self.training else 0.0,
+                                                         is_causal=False)
+            return attn_output.transpose(1, 2).reshape(bsz, tgt_len, self.all_head_size)
+        mixed_query_layer = self.query(hidden_states)
+        key_layer = self.transpose_for_scores(self.key(hidden_states))
+        value_layer = self.transpose_for_scores(self.value(hidden_states))
+        query_layer = self.transpose_for_scores(mixed_query_layer)
+        attention_scores = torch.matmul(query_layer, key_layer.transpose(-1, -2))
+        attention_scores = attention_scores / math.sqrt(self.attention_head_size)
+        attention_scores = attention_scores + attention_mask
+        attention_probs = nn.functional.softmax(attention_scores, dim=-1)
+        attention_probs = self.dropout(attention_probs)
+        context_layer = torch.matmul(attention_probs, value_layer)
+        context_layer = context_layer.permute(0, 2, 1, 3).contiguous()
+        return context_layer.view(context_layer.size()[:-2] + (self.all_head_size,))
+
+
+class BertLayer(nn.Module):
+    """``BertAttention`` (self + ``BertSelfOutput``), ``BertIntermediate``, ``BertOutput``: post-LN."""
+
+    def __init__(self, dim: int, heads: int, inner: int, drop: float, sdpa: bool) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(dim, heads, drop, sdpa)
+        self.attn_dense, self.attn_dropout = nn.Linear(dim, dim), nn.Dropout(drop)
+        self.attn_LayerNorm = nn.LayerNorm(dim, eps=1e-12)
+        self.intermediate = nn.Linear(dim, inner)
+        self.out_dense, self.out_dropout = nn.Linear(inner, dim), nn.Dropout(drop)
+        self.out_LayerNorm = nn.LayerNorm(dim, eps=1e-12)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        a = self.attn_dropout(self.attn_dense(self.self(hidden_states, attention_mask)))
+        a = self.attn_LayerNorm(a + hidden_states)
+        m = nn.functional.gelu(self.intermediate(a))
+        m = self.out_dropout(self.out_dense(m))
+        return self.out_LayerNorm(m + a)
+
+
+class BertModel(nn.Module):
+    def __init__(self, vocab: int, dim: int, depth: int, heads: int, inner: int, drop: float, sdpa: bool,
+                 positions: int = 512, types: int = 2) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(vocab, dim, positions, types, drop)
+        self.layer = nn.ModuleList(BertLayer(dim, heads, inner, drop, sdpa) for _ in range(depth))
+        self.pooler = nn.Linear(dim, dim)
+        self.sdpa = sdpa
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The pooled output (HF also returns the last hidden states, which the pooler already consumed)."""
+        attention_mask = torch.ones(input_ids.shape, device=input_ids.device)
+        hidden_states = self.embeddings(input_ids)
+        if self.sdpa:
+            extended = None  # _prepare_4d_attention_mask_for_sdpa: an all-ones mask becomes None
+        else:
+            extended = attention_mask[:, None, None, :].to(hidden_states.dtype)
+            extended = (1.0 - extended) * torch.finfo(hidden_states.dtype).min
+        for layer in self.layer:
+            hidden_states = layer(hidden_states, extended)
+        return torch.tanh(self.pooler(hidden_states[:, 0]))
+
+
+# -- Hugging Face Llama ----------------------------------------------------------------------------------
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = 1.0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        position_ids_expanded = position_ids[:, None, :].float()
+        freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, drop: float, sdpa: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_key_value_heads = heads, dim // heads, kv_heads
+        self.num_key_value_groups = heads // kv_heads
+        self.attention_dropout = drop
+        self.sdpa = sdpa
+        self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.size()
+        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads,
+                                                     self.head_dim).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads,
+                                                       self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        key_states = repeat_kv(key_states, self.num_key_value_groups)
+        value_states = repeat_kv(value_states, self.num_key_value_groups)
+        p = self.attention_dropout if self.training else 0.0
+        if self.sdpa:
+            attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, attn_mask=None,
+                                                         dropout_p=p, is_causal=q_len > 1)
+        else:
+            attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(self.head_dim)
+            attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
+            attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
+            attn_weights = nn.functional.dropout(attn_weights, p=p, training=self.training)
+            attn_output = torch.matmul(attn_weights, value_states)
+        attn_output = attn_output.transpose(1, 2).contiguous()
+        attn_output = attn_output.reshape(bsz, q_len, -1)
+        return self.o_proj(attn_output)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, inner: int, drop: float, sdpa: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, drop, sdpa)
+        self.gate_proj = nn.Linear(dim, inner, bias=False)
+        self.up_proj = nn.Linear(dim, inner, bias=False)
+        self.down_proj = nn.Linear(inner, dim, bias=False)
+        self.act_fn = nn.SiLU()
+        self.input_layernorm = LlamaRMSNorm(dim)
+        self.post_attention_layernorm = LlamaRMSNorm(dim)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        x = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return residual + hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, depth: int, heads: int, kv_heads: int, inner: int, drop: float,
+                 sdpa: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, inner, drop, sdpa)
+                                    for _ in range(depth))
+        self.norm = LlamaRMSNorm(dim)
+        self.rotary_emb = LlamaRotaryEmbedding(dim // heads)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.sdpa = sdpa
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        inputs_embeds = self.embed_tokens(input_ids)
+        seq = inputs_embeds.shape[1]
+        cache_position = torch.arange(0, seq, device=inputs_embeds.device)
+        position_ids = cache_position.unsqueeze(0)
+        causal_mask = None
+        if not self.sdpa:  # LlamaModel._update_causal_mask: an additive (B, 1, S, S) mask for eager attention
+            min_dtype = torch.finfo(inputs_embeds.dtype).min
+            causal_mask = torch.full((seq, seq), fill_value=min_dtype, dtype=inputs_embeds.dtype)
+            causal_mask = torch.triu(causal_mask, diagonal=1)
+            causal_mask *= torch.arange(seq) > cache_position.reshape(-1, 1)
+            causal_mask = causal_mask[None, None, :, :].expand(inputs_embeds.shape[0], 1, -1, -1)
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings, causal_mask)
+        hidden_states = self.norm(hidden_states)
+        return self.lm_head(hidden_states)
+
+
+# -- construction from symbol values ---------------------------------------------------------------------
+def _need(values: Mapping[str, int], *names: str) -> list[int]:
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise SymmemError(f"the reference needs values for {', '.join(missing)}")
+    return [int(values[n]) for n in names]
+
+
+def reference(model: str, values: Mapping[str, int], **options: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A reference module for ``model`` (``vit-*``, ``gpt2``, ``bert-*``, ``llama``) in training mode, and inputs.
+
+    ``values`` are symbol values (``B``, ``S``, ``H``, ``h``, ``L``, ``F``, ``V``, ``G``; ViT: ``Hi``, ``Wi``,
+    ``C``, ``K``); missing ``F`` is 4H, missing ``G`` is h.  ``options`` are the builder's options.
+    """
+    attention = options.get("attention")
+    sdpa = attention == "sdpa"
+    dropout = float(options.get("dropout", 0.0))
+    b = _need(values, "B")[0]
+    hidden, heads, layers = _need(values, "H", "h", "L")
+    inner = int(values.get("F", 4 * hidden))
+    if model.startswith("vit-"):
+        chans, hi, wi = int(values.get("C", 3)), *_need(values, "Hi", "Wi")
+        patch = int(options.get("patch", 16))
+        m: nn.Module = VisionTransformer((hi, wi), patch, chans, hidden, layers, heads, inner,
+                                         int(values.get("K", 10)), dropout, sdpa)
+        inputs: tuple[torch.Tensor, ...] = (torch.randn(b, chans, hi, wi),)
+    else:
+        seq, vocab = _need(values, "S", "V")
+        ids = torch.randint(0, vocab, (b, seq))
+        inputs = (ids,)
+        if model == "gpt2":
+            m = GPT2LMHeadModel(vocab, 1024, hidden, layers, heads, inner, dropout, sdpa,
+                                options.get("gelu", "new"))
+        elif model.startswith("bert"):
+            m = BertModel(vocab, hidden, layers, heads, inner, dropout, sdpa)
+        elif model == "llama":
+            kv = int(values.get("G", heads))
+            if heads % kv:
+                raise SymmemError(f"llama: h={heads} query heads are not a multiple of G={kv} key/value heads")
+            m = LlamaForCausalLM(vocab, hidden, layers, heads, kv, inner, dropout, sdpa)
+        else:
+            raise SymmemError(f"no sequence reference for model {model!r}")
+    m.train()
+    return m, inputs
+
+
+def _factory(model: str) -> Any:
+    def factory(numbers: Mapping[str, int], options: Mapping[str, Any]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        return reference(model, numbers, **options)
+
+    return factory
+
+
+for _name in ("vit-ti16", "vit-s16", "vit-b16", "vit-l16", "gpt2", "bert-base", "bert-large", "llama"):
+    register(_name, _factory(_name))
