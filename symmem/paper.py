@@ -119,6 +119,26 @@ def _numbers(ds: dict[str, object]) -> dict[str, str]:
     }
 
 
+def _pytorch_prose(ds: dict[str, object], torch_ds: dict[str, object]) -> str:
+    """Ratios of the two accountings and PyTorch's per-layer ViT formulas, all from derivations."""
+    from .derive import derive
+    from .report.latex import escape, expression
+
+    ratios = ", ".join(f"{escape(k)} {torch_ds[k].value('total') / ds[k].value('total'):.2f}"  # type: ignore[attr-defined]
+                       for k in ds)
+    layers = {att: derive("vit-b16", convention="pytorch", attention=att, per_layer=True).activations
+              for att in ("naive", "sdpa")}
+    return "\n".join([
+        f"PyTorch needs more than the seed counts (total ratios: {ratios}): autograd keeps every op's inputs, "
+        "the inputs of every linear layer and normalization (with its statistics) and the GELU input. "
+        "Per ViT layer it keeps, in bytes,",
+        r"\begin{align}",
+        rf"  M^{{\mathrm{{PyTorch}}}}_{{\mathrm{{naive}}}} &= {expression(layers['naive'])}, \\",
+        rf"  M^{{\mathrm{{PyTorch}}}}_{{\mathrm{{SDPA}}}} &= {expression(layers['sdpa'])},",
+        r"\end{align}",
+        "against $4(9BSH + BhS^2)$ and $4 \\cdot 9BSH$ in the seed's accounting."])
+
+
 def _body(ds: dict[str, object], torch_ds: dict[str, object], why: str) -> str:
     from .derive import derive
     from .report.latex import equation, escape, expression
@@ -176,8 +196,9 @@ def _body(ds: dict[str, object], torch_ds: dict[str, object], why: str) -> str:
         parts += [
             "The \\texttt{pytorch} convention keeps what eager PyTorch's autograd saves (one rule per op, each "
             "storage counted once, the input batch apart). Table~\\ref{tab:pytorch} sets it beside the seed's "
-            "accounting.",
+            "accounting; \\emph{Other} is the input batch, which PyTorch keeps for the first layer.",
             r"\input{generated/pytorch.tex}",
+            _pytorch_prose(ds, torch_ds),
         ]
     else:
         parts += [
