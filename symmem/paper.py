@@ -259,7 +259,10 @@ def write(directory: str | Path, compile: bool = True) -> Paper:
         (out / "generated" / "pytorch.tex").write_text(
             table(rows, caption="Seed accounting vs PyTorch autograd, B = 64", label="tab:pytorch") + "\n")  # type: ignore[arg-type]
     (out / "generated" / "body.tex").write_text(_body(ds, torch_ds, why) + "\n")
-    scaling(list(ds.values()), list(ds), "B", "80GiB", output=out / "figures" / "scaling.pdf")  # type: ignore[arg-type]
+    fig = scaling(list(ds.values()), list(ds), "B", "80GiB", output=out / "figures" / "scaling.pdf")  # type: ignore[arg-type]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     tex = out / "main.tex"
     tex.write_text(MAIN % ({"version": __version__} | _numbers(ds)))
     pdf, note = (_compile(tex) if compile else (None, "not compiled (compile=False)"))

@@ -254,9 +254,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
             other = copy.copy(args)
             other.convention = conv
             ds.append(derivation_from_args(other))
-        breakdown(ds, output=args.output)
+        fig = breakdown(ds, output=args.output)
     elif args.kind == "profile":
-        profile(d, output=args.output)
+        fig = profile(d, output=args.output)
     else:
         name = "B" if args.kind == "batch" else "S"
         if name not in {s.name for s in d.free}:
@@ -264,7 +264,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 raise SymmemError(f"{d.model} has no symbol {name}, so there is no {args.kind} sweep")
             args.free = ",".join([s.name for s in d.free] + [name])
             d = derivation_from_args(args)
-        sweep(d, name, _range(args.range), args.budget, output=args.output)
+        fig = sweep(d, name, _range(args.range), args.budget, output=args.output)
+    _plt().close(fig)
     print(args.output)
     return 0
 
