@@ -166,11 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     import importlib
 
     for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper", "symmem.counts"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        importlib.import_module(module)
     parser = _Parser(prog="symmem", description="Closed-form training-memory formulas.")
     from . import __version__
 
