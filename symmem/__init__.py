@@ -11,6 +11,7 @@ from .errors import SymmemError
 from .graph import GraphBuilder, Model
 from .models import available as models
 from .models import build
+from .report.jupyter import show
 from .symbols import symbol
 from .tensor import TensorSpec
 from .units import format_bytes, parse_size
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Derivation", "GraphBuilder", "Model", "SymmemError", "TensorSpec", "Term", "__version__", "build",
-    "derive", "format_bytes", "models", "parse_size", "symbol",
+    "derive", "format_bytes", "models", "parse_size", "show", "symbol",
 ]

@@ -114,15 +114,16 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
 def _cmd_models(args: argparse.Namespace) -> int:
     from .models import available, build
 
+    pad = " " * 15
     for name, e in sorted(available().items()):
-        line = f"{name:<14} {e.description}"
+        m = build(name)
+        defaults = ", ".join(f"{s.name}={m.defaults[s]}" for s in m.symbols if s in m.defaults)
+        print(f"{name:<14} {e.description}")
+        print(f"{pad}formula in {', '.join(s.name for s in m.free)}; defaults: {defaults}")
         if args.verbose:
-            m = build(name)
-            defaults = ", ".join(f"{s.name}={m.defaults[s]}" for s in m.symbols if s in m.defaults)
-            opts = ", ".join(f"--{k} {o.default}" for k, o in e.options.items())
-            line += f"\n{'':<14} symbols: {defaults}\n{'':<14} formula in: " \
-                    f"{', '.join(s.name for s in m.free)}" + (f"\n{'':<14} options: {opts}" if opts else "")
-        print(line)
+            for key, o in e.options.items():
+                choices = f" ({'|'.join(map(str, o.choices))})" if o.choices else ""
+                print(f"{pad}--{key} {o.default}{choices}: {o.help}")
     return 0
 
 
@@ -154,7 +155,7 @@ def command(name: str, help: str) -> Callable:  # type: ignore[type-arg]
 
 @command("models", "list the built-in models")
 def _models(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-v", "--verbose", action="store_true", help="show symbols, defaults and options")
+    p.add_argument("-v", "--verbose", action="store_true", help="also show each model's options")
     p.set_defaults(run=_cmd_models)
 
 
@@ -169,11 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     import importlib
 
     for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper", "symmem.counts"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        importlib.import_module(module)
     parser = _Parser(prog="symmem", description="Closed-form training-memory formulas.")
     from . import __version__
 

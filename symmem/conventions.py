@@ -143,8 +143,4 @@ def _load_builtin() -> None:
     import importlib
 
     for module in ("symmem.pytorch", "symmem.megatron", "symmem.cs231n"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        importlib.import_module(module)

@@ -256,9 +256,14 @@ class Derivation:
         return table(self)
 
     def _repr_latex_(self) -> str:
-        from .report.latex import expression
+        from .report.jupyter import latex
 
-        return "$\\displaystyle " + expression(self.total) + "$"
+        return latex(self)
+
+    def _repr_html_(self) -> str:
+        from .report.jupyter import html
+
+        return html(self)
 
     def __str__(self) -> str:
         return self.table()

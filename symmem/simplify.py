@@ -8,6 +8,8 @@
 B*H*S*(9 + S*h/H)
 >>> common(e)
 B*S*(9*H + S*h)
+>>> factored(85307392*B + 212480)
+85307392*B + 212480
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def factored(expr: sympy.Expr, leading: sympy.Expr | None = None) -> sympy.Expr:
     if leading is None:
         best = max(terms, key=lambda t: (abs(t.as_coeff_Mul()[0]), -len(t.free_symbols)))
         leading = best.as_coeff_Mul()[1]
-    if leading == 1:
+    # A term sharing no symbol with the leading one (a constant next to 85307392*B, say) would turn into a
+    # fraction like 212480/B inside the parentheses, which reads worse than the expanded sum.
+    if leading == 1 or any(not (t.free_symbols & leading.free_symbols) for t in terms):
         return e
     inner = sympy.expand(e / leading)
     return sympy.Mul(*sympy.Mul.make_args(leading), inner, evaluate=False)

@@ -153,6 +153,7 @@ def measure(module: Any, *inputs: Any) -> Measurement:
     inside lists/tuples) as ``input``; everything else saved is ``activation``.  The module is left in
     training mode.
     """
+    _require_torch()
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -293,8 +294,17 @@ def with_loss(module: Any, loss: str) -> Any:
     return WithLoss(module)
 
 
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SymmemError("verification runs PyTorch, which is not installed: pip install torch==2.13.0 "
+                          "(the CPU build), or pip install 'symmem[torch]'") from None
+
+
 def verify(derivation: Derivation) -> Comparison:
     """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare."""
+    _require_torch()
     import torch
 
     from .reference import reference

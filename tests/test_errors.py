@@ -115,3 +115,10 @@ def test_cli_errors_exit_2_with_one_line(argv, fragment, capsys):
     assert fragment in err
     assert err.count("\n") == 1
     assert "Traceback" not in err
+
+
+def test_verify_without_torch_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # "import torch" now raises ImportError
+    assert main(["verify", "resnet18", "--set", "B=2"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install torch==2.13.0" in err and err.count("\n") == 1

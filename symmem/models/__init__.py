@@ -51,11 +51,7 @@ def register(name: str, builder: Callable[..., Model], description: str,
 
 def _load() -> None:
     for module in _MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{module}":
-                raise
+        importlib.import_module(f"{__name__}.{module}")
 
 
 def available() -> dict[str, Entry]:

@@ -41,11 +41,7 @@ def register(names: str | Iterable[str], factory: Factory) -> None:
 
 def _load() -> None:
     for module in _MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{module}":
-                raise
+        importlib.import_module(f"{__name__}.{module}")
 
 
 def names() -> tuple[str, ...]:

@@ -1,45 +1,144 @@
 """LaTeX through sympy's printer, with symbol names from the symbol table.
 
+Products are printed with an explicit ``\\cdot``: LaTeX that juxtaposes factors (``192 H^{2} L``) is
+ambiguous to read back (sympy's lark parser rejects it after a power and reads ``\\left`` as ``\\le ft``),
+and every expression symmem emits must parse back to itself (:func:`parse`).
+
 >>> from symmem.symbols import B, S, H, Hi
 >>> expression(9 * B * S * H)
-'9 B H S'
+'9 \\\\cdot B \\\\cdot H \\\\cdot S'
 >>> expression(Hi * B)
-'B H_{i}'
+'B \\\\cdot H_{i}'
+>>> parse(expression(Hi * B)) == Hi * B
+True
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import sympy
 
-from ..symbols import latex_names
+from ..symbols import dims, latex_names
 
 if TYPE_CHECKING:
     from ..derive import Derivation
 
+# Roles of the small kept tensors the seed's Table 1 puts in its own column ("Indices / Masks").
+AUX_ROLES = ("indices", "mask", "dropout_mask")
+
 
 def expression(expr: sympy.Expr) -> str:
-    """LaTeX for one expression (no surrounding ``$``)."""
-    return sympy.latex(expr, symbol_names=latex_names())
+    """LaTeX for one expression (no surrounding ``$``); parses back with :func:`parse`."""
+    return sympy.latex(expr, symbol_names=latex_names(), mul_symbol="dot")
+
+
+def parse(text: str) -> sympy.Expr:
+    """Read LaTeX that :func:`expression` wrote back into an expression in symmem's symbols.
+
+    The parser makes plain symbols; they are mapped back by their LaTeX name (``H_{i}`` -> ``Hi``), so
+    the result compares equal to the original.
+
+    >>> from symmem.symbols import B, H, S, h
+    >>> e = 9 * B * S * H + B * h * S**2
+    >>> sympy.expand(parse(expression(e)) - e)
+    0
+    """
+    from sympy.parsing.latex import parse_latex
+
+    parsed = parse_latex(text, backend="lark")
+    by_latex = {d.name: d.symbol for d in dims()}
+    # The parser names a symbol by its LaTeX, without the backslash of a Greek letter (\\psi -> psi).
+    by_latex.update({d.latex.removeprefix("\\"): d.symbol for d in dims()})
+    return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
+
+
+def escape(text: str) -> str:
+    """``text`` safe inside LaTeX text mode."""
+    return (text.replace("\\", r"\textbackslash{}").replace("_", r"\_").replace("&", r"\&")
+            .replace("%", r"\%").replace("#", r"\#").replace("$", r"\$"))
+
+
+def _label(text: str) -> str:
+    return rf"\text{{{escape(text)}}}"
+
+
+def lines(d: Derivation) -> list[tuple[str, sympy.Expr]]:
+    """(name, bytes) for every term, then the totals: what :func:`align` prints, one line each."""
+    from ..simplify import factored
+
+    rows = [(t.name, t.expr) for t in d.terms]
+    rows.append(("activations", factored(d.activations)))
+    rows.append(("parameter memory", d.parameter_memory))
+    for key in ("input", "loss", "transient"):
+        if d.expression(key) != 0:
+            rows.append((key, d.expression(key)))
+    rows.append(("total", d.total))
+    return rows
 
 
 def align(d: Derivation) -> str:
-    """An ``align`` block: one named line per group, then the totals, ready to paste into a paper."""
-    from ..simplify import factored
-
-    rows = []
-    for group, expr in d.groups().items():
-        rows.append(rf"  \text{{{_escape(group)}}} &= {expression(expr)} \\")
-    keys = ("activations", "parameter_memory") + (("transient",) if d.transient != 0 else ()) + ("total",)
-    for key in keys:
-        e = d.expression(key)
-        shown = factored(e) if key == "activations" else e
-        rows.append(rf"  \text{{{key.replace('_', ' ')}}} &= {expression(shown)} \\")
+    """An ``align*`` block with one named line per term and the totals, in bytes, ready to paste."""
+    rows = [rf"  {_label(name)} &= {expression(e)} \\" for name, e in lines(d)]
     rows[-1] = rows[-1].removesuffix(r" \\")
-    head = f"% {d.model}, convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}, bytes"
-    return "\n".join([head, r"\begin{align}", *rows, r"\end{align}"])
+    scope = f", one layer ({d.layer})" if d.per_layer else ""
+    head = (f"% {d.model}, convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}; "
+            f"bytes, in {', '.join(s.name for s in d.free) or 'numbers only'}")
+    return "\n".join([head, r"% needs \usepackage{amsmath}", r"\begin{align*}", *rows, r"\end{align*}"])
 
 
-def _escape(text: str) -> str:
-    return text.replace("\\", r"\textbackslash{}").replace("_", r"\_").replace("&", r"\&").replace("%", r"\%")
+def equation(name: str, expr: sympy.Expr, label: str | None = None) -> str:
+    """One displayed equation ``name = expr``."""
+    tag = f"\\label{{{label}}}" if label else ""
+    return "\n".join([r"\begin{equation}" + tag, f"  {name} = {expression(expr)}", r"\end{equation}"])
+
+
+def split(d: Derivation) -> dict[str, int]:
+    """Bytes in the seed's Table 1 columns: saved activations, indices/masks, parameter side, total.
+
+    The parts come from the derivation's own sums, so they add up to its total (inputs and loss, which
+    the seed leaves out, and transients, are reported only when present).
+    """
+    aux = sympy.Add(*(d.sum(role=r) for r in AUX_ROLES))
+    out = {
+        "activations": d.evaluate(d.activations - aux),
+        "aux": d.evaluate(aux),
+        "parameter_memory": d.value("parameter_memory"),
+    }
+    extra = d.input + d.loss + d.transient
+    if extra != 0:
+        out["other"] = d.evaluate(extra)
+    out["total"] = d.value("total")
+    return out
+
+
+def table(rows: Sequence[tuple[str, Derivation]], unit: str = "GiB", digits: int = 3,
+          caption: str = "FP32 training memory comparison", label: str | None = "tab:memory") -> str:
+    """A booktabs table in the style of the seed's Table 1: one row per (label, derivation).
+
+    Columns: model, convention, saved activations, indices/masks, parameter side (weights, gradients,
+    optimizer state), total, and "Other" (inputs, loss, transients) when some row has them.
+    """
+    from ..units import UNITS
+
+    scale = UNITS[unit]
+    splits = [(name, d, split(d)) for name, d in rows]
+    other = any("other" in s for _, _, s in splits)
+    cols = ["Model", "Convention", "Activations", "Indices/masks", "Param.\\ side"]
+    cols += ["Other"] if other else []
+    cols += ["Total"]
+    body = []
+    for name, d, s in splits:
+        cells = [escape(name), escape(d.convention)]
+        keys = ["activations", "aux", "parameter_memory"] + (["other"] if other else []) + ["total"]
+        cells += [f"{s.get(k, 0) / scale:.{digits}f}" for k in keys]
+        body.append("  " + " & ".join(cells) + r" \\")
+    spec = "ll" + "r" * (len(cols) - 2)
+    out = [r"% needs \usepackage{booktabs}", r"\begin{table}[ht]", r"  \centering",
+           rf"  \caption{{{escape(caption)} ({unit})}}"]
+    if label:
+        out.append(rf"  \label{{{label}}}")
+    out += [rf"  \begin{{tabular}}{{{spec}}}", r"  \toprule", "  " + " & ".join(cols) + r" \\", r"  \midrule",
+            *body, r"  \bottomrule", r"  \end{tabular}", r"\end{table}"]
+    return "\n".join(out)

@@ -1,0 +1,93 @@
+"""Rich display in Jupyter: a derivation shows its formula, a per-term table and its totals.
+
+``Derivation._repr_latex_`` and ``_repr_html_`` call these; :func:`show` derives and displays in one call.
+Every number shown is the derivation's own expression evaluated at its numbers.
+
+>>> from symmem import derive
+>>> html = derive("vit-b16", attention="naive")._repr_html_()
+>>> "blocks.softmax" in html and "GiB" in html
+True
+"""
+
+from __future__ import annotations
+
+import html as _html
+from typing import TYPE_CHECKING, Any
+
+from ..units import UNITS, format_bytes
+from .latex import expression, lines
+
+if TYPE_CHECKING:
+    from ..derive import Derivation
+
+
+def _value(d: Derivation, expr: Any) -> int | None:
+    from ..errors import SymmemError
+
+    try:
+        return d.evaluate(expr)
+    except SymmemError:
+        return None
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / UNITS['GiB']:.3f} GiB" if n >= UNITS["GiB"] else f"{n / UNITS['MiB']:.2f} MiB"
+
+
+def title(d: Derivation) -> str:
+    scope = f", one layer ({d.layer})" if d.per_layer else ""
+    return f"{d.model} \u2014 convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}"
+
+
+def latex(d: Derivation) -> str:
+    """The total as one displayed equation, its value beside it."""
+    total = _value(d, d.total)
+    value = "" if total is None else rf"\quad (\text{{{format_bytes(total)}}})"
+    return rf"$$M = {expression(d.total)}\ \text{{bytes}}{value}$$"
+
+
+def html(d: Derivation) -> str:
+    """A header, the formula, a table of every term (group, name, role, formula, size) and the totals."""
+    esc = _html.escape
+    nums = ", ".join(f"{s.name}={v:,}" for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name))
+    out = [f"<div class='symmem'><p><b>{esc(title(d))}</b><br><small>{esc(nums)}</small></p>",
+           f"<p>$$M = {esc(expression(d.total))}\\ \\text{{bytes}}$$</p>",
+           "<table><thead><tr><th>group</th><th>term</th><th>role</th><th>formula (bytes)</th>"
+           "<th>size</th></tr></thead><tbody>"]
+    for t in d.terms:
+        out.append(f"<tr><td>{esc(t.group)}</td><td><code>{esc(t.name)}</code></td><td>{esc(t.role or '')}</td>"
+                   f"<td>${esc(expression(t.expr))}$</td>"
+                   f"<td style='text-align:right'>{_size(_value(d, t.expr))}</td></tr>")
+    out.append("</tbody><tbody>")
+    totals = lines(d)[len(d.terms):]
+    for name, e in totals:
+        out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(name)}</th>"
+                   f"<td>${esc(expression(e))}$</td><th style='text-align:right'>{_size(_value(d, e))}</th></tr>")
+    params = _value(d, d.parameters)
+    out.append(f"<tr><td colspan='3'>parameters (count)</td><td>${esc(expression(d.parameters))}$</td>"
+               f"<td style='text-align:right'>{'?' if params is None else f'{params:,}'}</td></tr>")
+    out.append("</tbody></table></div>")
+    return "\n".join(out)
+
+
+def show(model: Any, **kwargs: Any) -> None:
+    """Derive ``model`` (a name, a :class:`~symmem.graph.Model` or a derivation; options as for ``derive``)
+    and display it: rich output in IPython, the text table elsewhere.
+
+    It returns nothing, so a notebook shows the result once; ``derive`` returns the object, which displays
+    itself too.
+    """
+    from ..derive import Derivation, derive
+
+    d = model if isinstance(model, Derivation) else derive(model, **kwargs)
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # IPython is optional: fall back to the text table
+        get_ipython = None  # type: ignore[assignment]
+    if get_ipython is not None and get_ipython() is not None:
+        display(d)
+    else:
+        print(d.table())

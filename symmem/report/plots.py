@@ -1,0 +1,282 @@
+"""Plots of derived memory: a stacked breakdown, memory against batch size or sequence length, a profile.
+
+matplotlib is imported inside the functions (Agg backend) so ``import symmem`` stays light.  Sweeps
+evaluate the derived total with ``sympy.lambdify``; the largest fitting value comes from :mod:`symmem.fit`.
+Each function returns the matplotlib figure and writes it when given ``output`` (``.png``, ``.pdf`` or
+``.svg``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sympy
+
+from ..cli import add_derive_options, command, derivation_from_args
+from ..errors import SymmemError
+from ..units import UNITS, parse_size
+
+if TYPE_CHECKING:
+    from ..derive import Derivation
+
+FORMATS = (".png", ".pdf", ".svg")
+GiB, MiB = UNITS["GiB"], UNITS["MiB"]
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "pdf", "svg") and not _interactive():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _interactive() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+def _save(fig: Any, output: str | Path | None) -> None:
+    if output is None:
+        return
+    path = Path(output)
+    if path.suffix.lower() not in FORMATS:
+        raise SymmemError(f"cannot write {path.name!r}: use one of {', '.join(FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=150, metadata={"Date": None} if path.suffix == ".svg" else None)
+
+
+def _label(d: Derivation, sep: str = "\n") -> str:
+    attention = d.options.get("attention")
+    return f"{d.model}" + (f" ({attention})" if attention else "") + f"{sep}{d.convention}"
+
+
+def segments(d: Derivation) -> list[tuple[str, int]]:
+    """(label, bytes) stacked in a breakdown bar: activations per group, inputs, then the parameter side
+    per component (weights, gradients, optimizer states)."""
+    out: list[tuple[str, int]] = []
+    for group in d.groups():
+        expr = sympy.Add(*(t.expr for t in d.terms if t.group == group and t.category != "parameter"))
+        if expr != 0:
+            out.append((group, d.evaluate(expr)))
+    for t in d.terms:
+        if t.category == "parameter":
+            out.append((t.name, d.evaluate(t.expr)))
+    return out
+
+
+def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = None,
+              output: str | Path | None = None, unit: str = "GiB") -> Any:
+    """One stacked bar per derivation (model x convention), segments as in :func:`segments`."""
+    plt = _plt()
+    scale = UNITS[unit]
+    labels = list(labels) if labels is not None else [_label(d) for d in derivations]
+    parts = [segments(d) for d in derivations]
+    side = {t.name for d in derivations for t in d.terms if t.category == "parameter"}
+    names: list[str] = []
+    for p in parts:  # activation groups first, the parameter side last, in the legend as in the bars
+        names += [n for n, _ in p if n not in names and n not in side]
+    for p in parts:
+        names += [n for n, _ in p if n not in names]
+    cmap = plt.get_cmap("tab20")
+    colors = {n: cmap(i % 20) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(derivations) + 2.5), 4.5))
+    for i, p in enumerate(parts):
+        bottom = 0.0
+        for name, value in p:
+            ax.bar(i, value / scale, bottom=bottom, color=colors[name], edgecolor="white", linewidth=0.5,
+                   label=name)
+            bottom += value / scale
+        ax.text(i, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=9)
+    found = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=False))
+    ordered = [n for n in reversed(names) if n in found]  # top of the stack first, as the bars read
+    ax.legend([found[n] for n in ordered], ordered, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    ax.set_xticks(range(len(labels)), labels, fontsize=9)
+    ax.set_ylabel(f"training memory ({unit})")
+    ax.set_title(f"{derivations[0].regime.precision.upper()} + {derivations[0].regime.optimizer} breakdown")
+    ax.margins(y=0.1)
+    fig.tight_layout()
+    _save(fig, output)
+    return fig
+
+
+def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sympy.Expr]:
+    from ..fit import polynomial
+
+    sym, total = polynomial(d, name)
+    others = {s: v for s, v in d.numbers.items() if s != sym}
+    act = sympy.expand((d.total - d.parameter_memory).xreplace(others))
+    par = sympy.expand(d.parameter_memory.xreplace(others))
+    return sym, total, act, par
+
+
+def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
+          budget: int | str | None = None, output: str | Path | None = None, unit: str = "GiB") -> Any:
+    """Total, activation and parameter-side memory against ``name`` (``B`` or ``S``), with the budget as a
+    horizontal line and the largest fitting value marked."""
+    import numpy as np
+
+    from ..fit import largest
+
+    plt = _plt()
+    scale = UNITS[unit]
+    sym, total, act, par = _function(d, name)
+    cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
+    fit = largest(d, name, cap) if cap is not None else None
+    if values is None:
+        top = max(2 * fit.max if fit is not None else 0, 2 * d.numbers[sym], 8)
+        values = np.unique(np.linspace(1, top, 200).astype(int))
+    xs = np.asarray(values, dtype=float)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for expr, label, style in ((total, "total", "-"), (act, "all but the parameter side", "--"),
+                               (par, "parameter side", ":")):
+        f = sympy.lambdify(sym, expr / scale, "numpy")
+        ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)
+    if cap is not None:
+        ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
+    if fit is not None:
+        ax.plot([fit.max], [fit.total_at_max / scale], "o", color="crimson")
+        ax.annotate(f"largest {name} = {fit.max:,}", (fit.max, fit.total_at_max / scale),
+                    textcoords="offset points", xytext=(-8, 10), ha="right", color="crimson")
+    ax.set_xlabel(f"{name} ({'batch size' if name == 'B' else 'sequence length' if name == 'S' else name})")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(f"{_label(d, ', ')}: memory vs {name}")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    _save(fig, output)
+    return fig
+
+
+def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = None, name: str = "B",
+            budget: int | str | None = None, values: Sequence[int] | None = None,
+            output: str | Path | None = None, unit: str = "GiB") -> Any:
+    """Totals of several derivations against ``name`` on one axes, the budget line and each largest fit."""
+    import numpy as np
+
+    from ..fit import largest
+
+    plt = _plt()
+    scale = UNITS[unit]
+    labels = list(labels) if labels is not None else [_label(d, ", ") for d in derivations]
+    cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
+    fits = [largest(d, name, cap) if cap is not None else None for d in derivations]
+    if values is None:
+        top = max([int(1.3 * f.max) for f in fits if f is not None] + [2 * d.numbers[_function(d, name)[0]]
+                                                                       for d in derivations] + [8])
+        values = np.unique(np.linspace(1, top, 200).astype(int))
+    xs = np.asarray(values, dtype=float)
+    fig, ax = plt.subplots(figsize=(5.2, 3.5))
+    for d, label, fit in zip(derivations, labels, fits, strict=True):
+        sym, total, _, _ = _function(d, name)
+        f = sympy.lambdify(sym, total / scale, "numpy")
+        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label)
+        if fit is not None:
+            ax.plot([fit.max], [fit.total_at_max / scale], "o", color=line.get_color())
+            ax.annotate(f"{fit.max:,}", (fit.max, fit.total_at_max / scale), textcoords="offset points",
+                        xytext=(4, -12), color=line.get_color(), fontsize=8)
+    if cap is not None:
+        ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
+    ax.set_xlabel(name)
+    ax.set_ylabel(f"training memory ({unit})")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0, top=None if cap is None else 1.4 * cap / scale)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    _save(fig, output)
+    return fig
+
+
+def profile(d: Derivation, output: str | Path | None = None, unit: str = "MiB") -> Any:
+    """Kept memory of every activation term in graph order, coloured by group; a repeated term shows one
+    layer's copy and its count (``x L``)."""
+    plt = _plt()
+    scale = UNITS[unit]
+    terms = [t for t in d.terms if t.category != "parameter"]
+    if not terms:
+        raise SymmemError(f"{d.model} keeps no activations under {d.convention}: nothing to profile")
+    groups = list(dict.fromkeys(t.group for t in terms))
+    cmap = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(7.0, max(3.0, 0.22 * len(terms) + 1.2)))
+    for i, t in enumerate(terms):
+        count = d.evaluate(t.count)
+        one = d.evaluate(t.expr) / count
+        ax.barh(i, one / scale, color=cmap(groups.index(t.group) % 10),
+                label=t.group if t.group not in ax.get_legend_handles_labels()[1] else None)
+        tag = "" if count == 1 else f" \u00d7{count}" if t.count.is_number else f" \u00d7{t.count} ({t.count}={count})"
+        ax.text(one / scale, i, f" {one / scale:.1f}{tag}", va="center", fontsize=7)
+    ax.set_yticks(range(len(terms)), [t.name for t in terms], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"kept per layer copy ({unit})")
+    ax.set_title(f"{_label(d, ', ')}: activation profile")
+    ax.margins(x=0.15)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    _save(fig, output)
+    return fig
+
+
+KINDS = ("breakdown", "batch", "seq", "profile")
+
+
+def _range(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    parts = text.split(":")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise SymmemError(f"--range {text!r}: expected START:STOP or START:STOP:STEP in integers") from None
+    if len(nums) not in (2, 3) or nums[0] < 1 or nums[1] < nums[0]:
+        raise SymmemError(f"--range {text!r}: expected 1 <= START <= STOP")
+    return list(range(nums[0], nums[1] + 1, nums[2] if len(nums) == 3 and nums[2] > 0 else 1))
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    import copy
+
+    d = derivation_from_args(args)
+    if args.kind == "breakdown":
+        ds = [d]
+        for conv in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
+            other = copy.copy(args)
+            other.convention = conv
+            ds.append(derivation_from_args(other))
+        fig = breakdown(ds, output=args.output)
+    elif args.kind == "profile":
+        fig = profile(d, output=args.output)
+    else:
+        name = "B" if args.kind == "batch" else "S"
+        if name not in {s.name for s in d.free}:
+            if not any(s.name == name for s in d.numbers):
+                raise SymmemError(f"{d.model} has no symbol {name}, so there is no {args.kind} sweep")
+            args.free = ",".join([s.name for s in d.free] + [name])
+            d = derivation_from_args(args)
+        fig = sweep(d, name, _range(args.range), args.budget, output=args.output)
+    _plt().close(fig)
+    print(args.output)
+    return 0
+
+
+@command("plot", "plot a breakdown, memory vs batch size or sequence length, or a per-layer profile")
+def _plot(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=KINDS, help="breakdown | batch | seq | profile")
+    add_derive_options(p)
+    p.add_argument("--output", "-o", required=True, help="file to write: .png, .pdf or .svg")
+    p.add_argument("--budget", default=None, metavar="SIZE", help="GPU budget line, e.g. 80GiB (batch/seq)")
+    p.add_argument("--range", default=None, metavar="START:STOP[:STEP]", help="values to sweep (batch/seq)")
+    p.add_argument("--compare", default=None, metavar="CONV,...",
+                   help="breakdown: more conventions, one bar each")
+    p.set_defaults(run=_cmd_plot)

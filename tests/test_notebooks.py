@@ -1,0 +1,63 @@
+"""Every notebook in notebooks/ runs top to bottom in a fresh python3 kernel (and is stored without outputs).
+
+The kernel is a subprocess: it gets this checkout on its PYTHONPATH so that it imports the symmem under test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+
+@pytest.fixture(scope="module")
+def kernel_env():
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--user"], check=True,
+                       capture_output=True)
+    old = {k: os.environ.get(k) for k in ("PYTHONPATH", "MPLBACKEND")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old["PYTHONPATH"]) if p)
+    os.environ["MPLBACKEND"] = "Agg"
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_there_are_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS][:4] == ["01", "02", "03", "04"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_runs(path, kernel_env):
+    nb = nbformat.read(path, as_version=4)
+    # One more cell at the end: the kernel must have imported this checkout's symmem.
+    nb.cells.append(nbformat.v4.new_code_cell("import symmem, pathlib; print(pathlib.Path(symmem.__file__).parent)"))
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=180,
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    assert nb.cells[-1].outputs[0]["text"].strip() == str(ROOT / "symmem")

@@ -1,0 +1,67 @@
+"""Jupyter display and plots: thin views of the derivation, every figure its own expression evaluated."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import symmem
+from symmem.cli import main
+from symmem.report import jupyter
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return symmem.derive("resnet50-v1")
+
+
+def test_html_table(resnet):
+    html = resnet._repr_html_()
+    for t in resnet.terms:
+        assert f"<code>{t.name}</code>" in html
+    # The seed's stage-1 conv1 (49.00 MiB) and conv1 stem (196.00 MiB) figures, and the exact 3.025 GiB total.
+    assert "196.00 MiB" in html and "49.00 MiB" in html and "3.025 GiB" in html
+    rows = re.findall(r"<tr>", html)
+    assert len(rows) >= len(resnet.terms) + 3
+
+
+def test_latex_repr(resnet):
+    text = resnet._repr_latex_()
+    assert text.startswith("$$") and text.endswith("$$") and "44355584 \\cdot B" in text
+
+
+def test_show_without_ipython(capsys):
+    jupyter.show("vit-b16", attention="naive")
+    out = capsys.readouterr().out
+    assert "vit-b16" in out and "blocks.softmax" in out
+
+
+@pytest.mark.parametrize("kind, extra, suffix, magic", [
+    ("breakdown", ["--compare", "paper"], ".png", b"\x89PNG"),
+    ("batch", ["--budget", "80GiB"], ".pdf", b"%PDF"),
+    ("seq", ["--attention", "naive", "--budget", "24GiB"], ".svg", b"<?xml"),
+    ("profile", [], ".png", b"\x89PNG"),
+])
+def test_plot_cli(tmp_path, kind, extra, suffix, magic):
+    model = "resnet50-v1" if kind in ("breakdown", "batch", "profile") else "vit-b16"
+    out = tmp_path / f"plot{suffix}"
+    assert main(["plot", kind, model, *extra, "--output", str(out)]) == 0
+    assert out.read_bytes()[:len(magic)] == magic and out.stat().st_size > 5000
+
+
+def test_plot_bad_suffix(tmp_path, capsys):
+    assert main(["plot", "profile", "resnet50-v1", "--output", str(tmp_path / "x.jpg")]) == 2
+    assert "use one of" in capsys.readouterr().err
+
+
+def test_sweep_marks_the_fit():
+    from symmem.fit import largest
+    from symmem.report.plots import sweep
+
+    d = symmem.derive("vit-b16", attention="naive")
+    fig = sweep(d, "B", budget="80GiB")
+    marked = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o"]
+    assert marked[0].get_xdata()[0] == largest(d, "B", "80GiB").max
