@@ -38,3 +38,14 @@ def test_symbolic_repeat_kv_condition():
     base, positive = canonical(cond)
     assert not positive and base == sympy.Eq(G, 1) | sympy.Eq(h / G, 1)
     assert holds(cond, {base: False}) and not holds(~cond, {base: False})
+
+
+def test_piecewise_latex_parses_back():
+    """The LaTeX of a Piecewise formula (``\\begin{cases}``) reads back to it, with one or two conditions."""
+    from symmem import derive
+    from symmem.report.latex import expression, parse
+
+    for kw in ({"attention": "sdpa", "per_layer": True}, {"loss": "cross-entropy"}):
+        d = derive("llama", convention="pytorch", **kw)
+        for e in (d.activations, d.total, d.input):
+            assert sympy.simplify(parse(expression(e)) - e) == 0

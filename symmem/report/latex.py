@@ -47,11 +47,71 @@ def parse(text: str) -> sympy.Expr:
     """
     from sympy.parsing.latex import parse_latex
 
+    if r"\begin{cases}" in text:
+        return _parse_cases(text)
     parsed = parse_latex(text, backend="lark")
     by_latex = {d.name: d.symbol for d in dims()}
     # The parser names a symbol by its LaTeX, without the backslash of a Greek letter (\\psi -> psi).
     by_latex.update({d.latex.removeprefix("\\"): d.symbol for d in dims()})
     return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
+
+
+def _top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside braces and ``\\left( ... \\right)``."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(text):
+        for opener in ("{", r"\left("):
+            if text.startswith(opener, i):
+                depth += 1
+                i += len(opener) - 1
+                break
+        else:
+            for closer in ("}", r"\right)"):
+                if text.startswith(closer, i):
+                    depth -= 1
+                    i += len(closer) - 1
+                    break
+            else:
+                if depth == 0 and text.startswith(sep, i):
+                    parts.append(text[start:i])
+                    start = i + len(sep)
+                    i = start - 1
+        i += 1
+    return [*parts, text[start:]]
+
+
+def _parse_condition(text: str) -> sympy.Basic:
+    """A condition as sympy prints a ``Piecewise``'s: relations joined by ``\\vee``, ``\\wedge``, ``\\neg``."""
+    text = text.strip()
+    for sep, op in ((r"\vee", sympy.Or), (r"\wedge", sympy.And)):
+        parts = _top_level(text, sep)
+        if len(parts) > 1:
+            return op(*(_parse_condition(p) for p in parts))
+    if text.startswith(r"\neg"):
+        return sympy.Not(_parse_condition(text.removeprefix(r"\neg")))
+    if text.startswith(r"\left(") and text.endswith(r"\right)"):
+        return _parse_condition(text[len(r"\left("):-len(r"\right)")])
+    return parse(text)
+
+
+def _parse_cases(text: str) -> sympy.Expr:
+    """LaTeX with ``\\begin{cases}`` blocks (a ``Piecewise``): each block read on its own, the rest around it."""
+    begin, end = r"\begin{cases}", r"\end{cases}"
+    blocks: dict[sympy.Symbol, sympy.Expr] = {}
+    while begin in text:
+        i = text.index(begin)
+        j = text.index(end, i)
+        pieces = []
+        for row in _top_level(text[i + len(begin):j], r"\\"):
+            value, cond = _top_level(row, "&")
+            cond = cond.strip()
+            truth = sympy.true if cond == r"\text{otherwise}" else _parse_condition(
+                cond.removeprefix(r"\text{for}\:"))
+            pieces.append((parse(value), truth))
+        mark = sympy.Symbol(f"Z_{{{len(blocks)}}}")  # a placeholder name no symmem symbol has
+        blocks[mark] = sympy.Piecewise(*pieces)
+        text = f"{text[:i]} Z_{{{len(blocks) - 1}}} {text[j + len(end):]}"
+    return parse(text).xreplace(blocks)
 
 
 def escape(text: str) -> str:
