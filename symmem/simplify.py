@@ -40,9 +40,11 @@ def factored(expr: sympy.Expr, leading: sympy.Expr | None = None) -> sympy.Expr:
     if leading is None:
         best = max(terms, key=lambda t: (abs(t.as_coeff_Mul()[0]), -len(t.free_symbols)))
         leading = best.as_coeff_Mul()[1]
-    # A term sharing no symbol with the leading one (a constant next to 85307392*B, say) would turn into a
-    # fraction like 212480/B inside the parentheses, which reads worse than the expanded sum.
-    if leading == 1 or any(not (t.free_symbols & leading.free_symbols) for t in terms):
-        return e
     inner = sympy.expand(e / leading)
+    # Pulling the leading monomial out reads well when each term shares a symbol with it and leaves at most one
+    # symbol in a denominator (hS/H, 4/L).  A constant next to 85307392*B would leave 212480/B, and a small
+    # term like 4*L next to B*H*L*S would leave 4/(B*H*S): then the expanded sum reads better.
+    if leading == 1 or any(not (t.free_symbols & leading.free_symbols) for t in terms) or any(
+            not (sympy.denom(r) == 1 or sympy.denom(r).is_Symbol) for r in sympy.Add.make_args(inner)):
+        return e
     return sympy.Mul(*sympy.Mul.make_args(leading), inner, evaluate=False)
