@@ -234,10 +234,14 @@ class Derivation:
         1
         """
         nums = dict(self.numbers)
-        by_name = {s.name: s for s in nums}
+        by_name = {s.name: s for s in self.free}
         for name, v in values.items():
             if name not in by_name:
-                raise SymmemError(f"{self.model} has no symbol {name!r}; it has {', '.join(sorted(by_name))}")
+                # Other symbols were replaced by their values when deriving (F = 4H, S from the image size),
+                # so a new number for them would be silently ignored: derive again instead.
+                raise SymmemError(f"{name!r} is not a symbol of this formula (it is in "
+                                  f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
+                                  f"values={{{name!r}: {v!r}}}")
             nums[by_name[name]] = _positive_int(name, v)
         return Derivation(self.model, self.convention, self.regime, self.terms, self.free, nums,
                           self.parameters, self.per_layer, self.layer, self.options)

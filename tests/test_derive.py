@@ -144,3 +144,12 @@ def test_models_listing(capsys):
     for name in ("resnet50", "resnet50-v1", "vit-b16", "vgg16", "mlp"):
         assert name in out
     assert "S=floor(Hi/16)*floor(Wi/16) + 1" in out
+
+
+def test_at_only_moves_free_symbols():
+    d = derive("vit-b16", attention="sdpa")
+    assert d.at(B=32).value("activations") * 2 == d.value("activations")
+    with pytest.raises(Exception, match="'Hi' is not a symbol of this formula"):
+        d.at(Hi=384)  # S follows the image size only when deriving again
+    again = derive("vit-b16", attention="sdpa", values={"Hi": 384})
+    assert {s.name: v for s, v in again.numbers.items()}["S"] == 577
