@@ -151,5 +151,5 @@ def test_at_only_moves_free_symbols():
     assert d.at(B=32).value("activations") * 2 == d.value("activations")
     with pytest.raises(Exception, match="'Hi' is not a symbol of this formula"):
         d.at(Hi=384)  # S follows the image size only when deriving again
-    again = derive("vit-b16", attention="sdpa", values={"Hi": 384})
+    again = derive("vit-b16", attention="sdpa", values={"Hi": 384, "Wi": 384})
     assert {s.name: v for s, v in again.numbers.items()}["S"] == 577
