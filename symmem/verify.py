@@ -30,10 +30,6 @@ from .errors import SymmemError
 if TYPE_CHECKING:
     from .derive import Derivation
 
-_DTYPES = {"float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-           "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool"}
-
-
 @dataclass(frozen=True)
 class SavedInfo:
     """One tensor autograd packed: who saved it, its shape and dtype, and the storage behind it.
@@ -95,8 +91,7 @@ class Measurement:
 
 
 def _dtype_name(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    return _DTYPES.get(name, name)
+    return str(dtype).removeprefix("torch.")  # torch.float32 -> float32, symmem's own dtype names
 
 
 @contextmanager
@@ -314,8 +309,8 @@ def verify(derivation: Derivation) -> Comparison:
     if derivation.regime.activation_dtype != "float32":
         raise SymmemError("verify measures fp32 training; use --precision fp32")
     regime = derivation.regime
-    if getattr(regime, "checkpoint", "none") != "none" or any(
-            getattr(regime, f, False) for f in ("tensor_parallel", "sequence_parallel", "pipeline_parallel")):
+    if regime.checkpoint != "none" or regime.tensor_parallel or regime.sequence_parallel \
+            or regime.pipeline_parallel:
         raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
     numbers = {s.name: v for s, v in derivation.numbers.items()}
     options = dict(derivation.options)
