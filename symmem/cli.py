@@ -96,19 +96,17 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
 
     e = entry(args.model)
     model_options = {k: getattr(args, k) for k in ("attention", "dropout", "gelu")
-                     if getattr(args, k, None) is not None}
+                     if getattr(args, k) is not None}
     unknown = [k for k in model_options if k not in e.options]
     if unknown:
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0]}")
     free = tuple(x.strip() for x in args.free.split(",") if x.strip()) if args.free else None
-    conv_options = {"device": args.device} if getattr(args, "device", None) is not None else {}
+    conv_options = {"device": args.device} if args.device is not None else {}
     return derive(args.model, convention=args.convention, optimizer=args.optimizer, precision=args.precision,
                   per_layer=args.per_layer, values=_parse_sets(args.set), free=free, options=conv_options,
-                  loss=getattr(args, "loss", None),
-                  checkpoint=getattr(args, "checkpoint", "none"), zero=getattr(args, "zero", 0),
-                  tensor_parallel=getattr(args, "tensor_parallel", False),
-                  sequence_parallel=getattr(args, "sequence_parallel", False),
-                  pipeline_parallel=getattr(args, "pipeline_parallel", False), **model_options)
+                  loss=args.loss, checkpoint=args.checkpoint, zero=args.zero, tensor_parallel=args.tensor_parallel,
+                  sequence_parallel=args.sequence_parallel, pipeline_parallel=args.pipeline_parallel,
+                  **model_options)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
