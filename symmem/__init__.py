@@ -4,21 +4,48 @@
 >>> d = symmem.derive("vit-b16", attention="naive", per_layer=True)
 >>> d.activations / 4
 9*B*H*S + B*S**2*h
+
+The public names are imported on first use, so that ``import symmem`` (and ``symmem --help``) stays fast.
 """
 
-from .derive import Derivation, Term, derive
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import SymmemError
-from .graph import GraphBuilder, Model
-from .models import available as models
-from .models import build
-from .report.jupyter import show
-from .symbols import symbol
-from .tensor import TensorSpec
-from .units import format_bytes, parse_size
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Derivation", "GraphBuilder", "Model", "SymmemError", "TensorSpec", "Term", "__version__", "build",
-    "derive", "format_bytes", "models", "parse_size", "show", "symbol",
-]
+#: public name -> (module, attribute)
+_PUBLIC = {
+    "Derivation": ("derivation", "Derivation"),
+    "Storage": ("derivation", "Storage"),
+    "Term": ("derivation", "Term"),
+    "derive": ("engine", "derive"),
+    "Regime": ("training", "Regime"),
+    "GraphBuilder": ("graph", "GraphBuilder"),
+    "Model": ("graph", "Model"),
+    "build": ("models", "build"),
+    "available_models": ("models", "available"),
+    "show": ("report.jupyter", "show"),
+    "symbol": ("symbols", "symbol"),
+    "TensorSpec": ("tensor", "TensorSpec"),
+    "format_bytes": ("units", "format_bytes"),
+    "parse_size": ("units", "parse_size"),
+}
+
+__all__ = ["SymmemError", "__version__", *sorted(_PUBLIC)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        module, attr = _PUBLIC[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'symmem' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

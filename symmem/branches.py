@@ -8,10 +8,10 @@ stride-0 view of one (B, 1, S, d) tensor, and a kernel that keeps the view keeps
 
 A builder states such a decision as a sympy condition in an op attribute instead of a bool (``reshape(...,
 copy=Ne(G, 1))``, a matmul's ``copy_inputs=((1, Eq(G, 1)),)``, attention's ``v_contiguous=Ne(G, 1)``).
-:func:`conditions` finds the conditions of a graph that the symbols left free do not decide;
-:func:`symmem.derive.derive` works out the kept storages once per truth assignment and :func:`merge` joins the
-results into one list of terms whose expressions are ``Piecewise`` over the conditions (equal branches
-collapse, so a model whose total does not depend on the decision shows no ``Piecewise`` in its total).
+This module is the algebra of such conditions; :mod:`symmem.passes.branches` finds the conditions of a graph
+that the symbols left free do not decide, and the derivation works out the kept storages once per truth
+assignment and merges them into ``Piecewise`` expressions (equal branches collapse, so a model whose total
+does not depend on the decision shows no ``Piecewise`` in its total).
 
 >>> import sympy
 >>> from symmem.symbols import G
@@ -26,18 +26,12 @@ False
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import networkx as nx
 import sympy
 from sympy.core.relational import Relational
-from sympy.logic.boolalg import Boolean, BooleanAtom, BooleanFunction, to_nnf
-
-if TYPE_CHECKING:
-    from .derive import Term
+from sympy.logic.boolalg import Boolean, BooleanFunction, to_nnf
 
 Branch = Mapping[sympy.Basic, bool]
 
@@ -127,89 +121,6 @@ def slice_copies(shape: Sequence[Any], dim: int) -> Any:
     """
     lead = sympy.Mul(*(sympy.sympify(d) for d in shape[:dim % len(shape)]))
     return sympy.Ne(lead, 1)
-
-
-def _walk(value: Any) -> Iterable[Boolean]:
-    if is_condition(value):
-        yield value
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from _walk(v)
-
-
-def conditions(graph: nx.DiGraph, nodes: Iterable[str], subs: Mapping[sympy.Symbol, sympy.Expr]
-               ) -> tuple[list[Boolean], dict[Boolean, bool]]:
-    """The conditions in the attributes of ``nodes``: (still open after ``subs``, decided by ``subs``)."""
-    open_: list[Boolean] = []
-    decided: dict[Boolean, bool] = {}
-    for n in nodes:
-        for value in graph.nodes[n]["attrs"].values():
-            for cond in _walk(value):
-                base, _ = canonical(cond)
-                if base in decided or base in open_:
-                    continue
-                now = base.xreplace(dict(subs))
-                if isinstance(now, BooleanAtom):
-                    decided[base] = bool(now)
-                else:
-                    open_.append(base)
-    return open_, decided
-
-
-def assignments(open_: Sequence[Boolean], decided: Branch) -> list[dict[sympy.Basic, bool]]:
-    """Every truth assignment of the open conditions, each with the decided ones."""
-    return [{**dict(decided), **dict(zip(open_, values, strict=True))}
-            for values in itertools.product((True, False), repeat=len(open_))]
-
-
-def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
-    """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1), to write the branch's formula plainly."""
-    if value and isinstance(cond, sympy.Eq) and isinstance(cond.lhs, sympy.Symbol) and cond.rhs.is_number:
-        return {cond.lhs: cond.rhs}
-    return {}
-
-
-def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Term]]]) -> list[Term]:
-    """One list of terms from the terms of every branch: a term's expression is a ``Piecewise`` over them.
-
-    Terms are matched by (name, group, category) and their order of appearance; a term missing from a
-    branch is zero there.
-    """
-    if len(branches) == 1:
-        return list(branches[0][1])
-    keyed: dict[tuple[Any, ...], dict[int, Term]] = {}
-    for i, (_, terms) in enumerate(branches):
-        seen: dict[tuple[Any, ...], int] = {}
-        for t in terms:
-            base = (t.name, t.group, t.category)
-            seen[base] = seen.get(base, 0) + 1
-            keyed.setdefault((*base, seen[base]), {})[i] = t
-    guards = []
-    for branch, _ in branches:
-        parts = [c if branch[c] else sympy.Not(c) for c in open_]
-        subs: dict[sympy.Symbol, sympy.Expr] = {}
-        for c in open_:
-            subs.update(_given(c, branch[c]))
-        guards.append((sympy.And(*parts), subs))
-
-    def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
-        # Most terms are the same in every branch; sympy's Piecewise simplification is slow, so skip it there.
-        if all(v == values[0] for v in values[1:]):
-            return values[0]
-        pieces = [(v.xreplace(subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
-        pieces[-1] = (pieces[-1][0], sympy.true)
-        return sympy.Piecewise(*pieces, evaluate=False)
-
-    out: list[Term] = []
-    for by_branch in keyed.values():
-        first = next(iter(by_branch.values()))
-        zero = sympy.Integer(0)
-        exprs = [by_branch[i].expr if i in by_branch else zero for i in range(len(branches))]
-        counts = [by_branch[i].count if i in by_branch else zero for i in range(len(branches))]
-        elems = [by_branch[i].elements if i in by_branch else first.elements for i in range(len(branches))]
-        elements = None if any(e is None for e in elems) else piecewise(elems)
-        out.append(replace(first, expr=piecewise(exprs), count=piecewise(counts), elements=elements))
-    return out
 
 
 def fold(expr: sympy.Expr) -> sympy.Expr:

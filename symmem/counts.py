@@ -23,11 +23,9 @@ All three "MB" are MiB (bytes / 1024^2); the decimal megabytes are shown too.
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
 
-from .cli import command
 from .errors import SymmemError
 from .units import UNITS
 
@@ -83,7 +81,7 @@ def from_counts(activations: int, parameters: int, input_shape: tuple[int, ...],
     The engine derives the ``counts`` model under the ``cs231n`` convention twice: with ``sgd-momentum``
     (CS231n's "parameters x3") for the asker's and the answer's figures, with ``adam`` for the correct one.
     """
-    from .derive import derive
+    from .engine import derive
 
     for name, v in (("activations", activations), ("parameters", parameters), ("batch", batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -152,25 +150,3 @@ def parse_shape(text: str) -> tuple[int, int, int]:
         raise SymmemError(f"--input {text!r}: expected WIDTHxHEIGHTxDEPTH, e.g. 180x50x1")
     a, b, c = (int(g) for g in m.groups())
     return a, b, c
-
-
-def _positive(text: str) -> int:
-    raw = text.replace("_", "").replace(",", "")
-    if not raw.isdigit() or int(raw) <= 0:
-        raise SymmemError(f"{text!r} is not a positive integer")
-    return int(raw)
-
-
-def _cmd_counts(args: argparse.Namespace) -> int:
-    report = from_counts(args.activations, args.parameters, parse_shape(args.input), args.batch)
-    print(report.text())
-    return 0
-
-
-@command("counts", "memory of a network given only by its activation and parameter counts (CS231n recipe)")
-def _counts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--activations", type=_positive, required=True, help="activation values per sample")
-    p.add_argument("--parameters", type=_positive, required=True, help="parameter count")
-    p.add_argument("--input", default="224x224x3", help="input WIDTHxHEIGHTxDEPTH (default 224x224x3)")
-    p.add_argument("--batch", type=_positive, default=1, help="mini-batch size")
-    p.set_defaults(run=_cmd_counts)

@@ -14,19 +14,16 @@ True
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from .cli import add_derive_options, command, derivation_from_args
 from .errors import SymmemError
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
-    from .derive import Derivation
+    from .derivation import Derivation
 
 
 @dataclass(frozen=True)
@@ -137,36 +134,3 @@ def smallest_budget(d: Derivation, name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SymmemError(f"{name} must be a positive integer, got {value!r}")
     return _total(f, sym, value)
-
-
-def _cmd_fit(args: argparse.Namespace) -> int:
-    d = derivation_from_args(args)
-    if args.solve not in {s.name for s in d.free} and args.free is None:
-        # Keep the solved symbol in the formula even when the model writes it as a number by default.
-        args.free = ",".join([s.name for s in d.free] + [args.solve])
-        d = derivation_from_args(args)
-    if args.budget is None:
-        value = next((v for s, v in d.numbers.items() if s.name == args.solve), None)
-        if value is None:
-            raise SymmemError(f"{d.model} has no symbol {args.solve!r}")
-        need = smallest_budget(d, args.solve, value)
-        if args.format == "json":
-            print(json.dumps({"model": d.model, "convention": d.convention, "symbol": args.solve,
-                              "value": value, "smallest_budget": need}, indent=2))
-        else:
-            print(f"{d.model} ({d.convention}) at {args.solve} = {value:,} needs {format_bytes(need)} ({need:,} B)")
-        return 0
-    r = largest(d, args.solve, args.budget)
-    print(json.dumps(r.to_dict(), indent=2) if args.format == "json" else str(r))
-    return 0
-
-
-@command("fit", "the largest batch size (or sequence length) that fits a memory budget")
-def _fit(p: argparse.ArgumentParser) -> None:
-    add_derive_options(p)
-    p.add_argument("--budget", default=None, metavar="SIZE",
-                   help="memory budget: 80GiB, 40GB, 512MiB, 1024 (bytes); without it, print the memory the "
-                        "current value of --solve needs")
-    p.add_argument("--solve", default="B", metavar="SYMBOL", help="the symbol to maximise (default: B)")
-    p.add_argument("--format", choices=["text", "json"], default="text")
-    p.set_defaults(run=_cmd_fit)

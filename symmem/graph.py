@@ -1,9 +1,11 @@
-"""Building and checking graphs: ops with symbolic tensors in a ``networkx.DiGraph``.
+"""The typed graph: :class:`Node` values in a networkx :class:`Graph`, built by :class:`GraphBuilder`.
 
-A node is an op.  Its data holds ``kind``, ``attrs``, ``inputs`` (ordered input node names), ``out`` (a
-:class:`~symmem.tensor.TensorSpec`), ``params`` (name -> shape), ``view_of``, ``group``, ``block`` and
-``count``.  A stack of identical layers is built once inside :meth:`GraphBuilder.repeat` and carries its
-count (``L``, a symbol) instead of being unrolled.
+A node is one op: a frozen :class:`Node` holding its kind, its ordered inputs, its attributes (checked against
+the kind's schema in :mod:`symmem.ops`), its output :class:`~symmem.tensor.TensorSpec`, its parameters (name ->
+shape), which input's storage its output is a view of, its group and repeated block, and a ``meta`` dict where
+analyses (:mod:`symmem.passes`) keep facts that depend on the graph alone.  Edges follow the inputs; the
+graph is the only mutable thing.  A stack of identical layers is built once inside :meth:`GraphBuilder.repeat`
+and carries its count (``L``, a symbol) instead of being unrolled.
 
 >>> from symmem.symbols import B, H, L
 >>> g = GraphBuilder("mlp")
@@ -13,24 +15,56 @@ count (``L``, a symbol) instead of being unrolled.
 ...     y = g.op("relu", y, name="act", role="hidden")
 ...     layer.output(y)
 >>> graph = g.finish()
->>> graph.nodes["layer.fc"]["count"], graph.nodes["layer.fc"]["out"].shape
-(L, (B, H))
+>>> fc = graph.node("layer.fc")
+>>> fc.kind, fc.count, fc.out.shape
+('linear', L, (B, H))
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import networkx as nx
 import sympy
 
-from . import ops
+from . import ops, roles
 from .errors import SymmemError, node_error
-from .shapes import fmt, same
+from .shapes import fmt, numel, same
 from .tensor import TensorSpec
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One op of a graph (see the module docstring).  ``count`` is how many copies a repeated block makes of
+    it (``L``), 1 elsewhere; ``meta`` holds graph-only facts that passes compute once (storage, grad)."""
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    attrs: Mapping[str, Any]
+    out: TensorSpec
+    params: Mapping[str, tuple[sympy.Expr, ...]] = field(default_factory=dict)
+    view_of: int | None = None
+    group: str = "model"
+    block: str | None = None
+    count: sympy.Expr = sympy.Integer(1)
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    @property
+    def role(self) -> str | None:
+        return self.out.role
+
+    def with_(self, **changes: Any) -> Node:
+        """A copy with some fields changed and an empty ``meta``."""
+        return replace(self, meta={}, **changes)
 
 
 @dataclass(frozen=True)
@@ -44,9 +78,107 @@ class Block:
     source: str
 
 
+class Graph(nx.DiGraph):
+    """A networkx ``DiGraph`` whose nodes hold :class:`Node` values (``graph.node(name)``).
+
+    Graph-level facts live in ``graph.graph``: ``blocks`` (name -> :class:`Block`), ``assumptions`` (node, lhs,
+    rhs) checked with numbers, and flags a builder sets (``causal_lm``, ``no_loss``).
+    """
+
+    def __init__(self, incoming_graph_data: Any = None, **attr: Any) -> None:
+        super().__init__(incoming_graph_data, **attr)
+        self.graph.setdefault("blocks", {})
+        self.graph.setdefault("assumptions", [])
+
+    def node(self, name: str) -> Node:
+        """The :class:`Node` called ``name``."""
+        try:
+            return self._node[name]["node"]
+        except KeyError:
+            raise SymmemError(f"no node {name!r} in graph {self.graph.get('name', '')!r}") from None
+
+    def add(self, node: Node) -> None:
+        """Add ``node`` with an edge from each input (which must exist)."""
+        if node.name in self:
+            raise SymmemError(f"node {node.name!r} ({node.kind}) is defined twice")
+        for src in node.inputs:
+            if src not in self:
+                raise SymmemError(f"node {node.name!r} ({node.kind}): input {src!r} does not exist")
+        self.add_node(node.name, node=node)
+        for i, src in enumerate(node.inputs):
+            self.add_edge(src, node.name, index=i)
+
+    @property
+    def blocks(self) -> dict[str, Block]:
+        return self.graph["blocks"]
+
+    @property
+    def assumptions(self) -> list[tuple[str, sympy.Expr, sympy.Expr]]:
+        return self.graph["assumptions"]
+
+    def order(self) -> tuple[str, ...]:
+        """Node names in a topological order (inputs first), computed once per graph size.
+
+        A cycle is a :class:`SymmemError` naming it.
+        """
+        key = (self.number_of_nodes(), self.number_of_edges())
+        cached = self.graph.get("_order")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            found = tuple(nx.topological_sort(self))
+        except nx.NetworkXUnfeasible:
+            cycle = nx.find_cycle(self)
+            path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+            raise SymmemError(f"the graph has a cycle: {path}") from None
+        self.graph["_order"] = (key, found)
+        return found
+
+    def nodes_in_order(self) -> list[Node]:
+        return [self.node(n) for n in self.order()]
+
+    def copy(self, as_view: bool = False) -> Graph:  # type: ignore[override]
+        """A copy with its own nodes (empty ``meta``), blocks and assumptions."""
+        if as_view:
+            return nx.graphviews.generic_graph_view(self)  # type: ignore[return-value]
+        g = Graph()
+        g.graph.update({k: v for k, v in self.graph.items() if k != "_order"})
+        g.graph["blocks"] = dict(self.blocks)
+        g.graph["assumptions"] = list(self.assumptions)
+        for name in self.order():
+            g.add(self.node(name).with_())
+        return g
+
+
+def parameter_shapes(graph: Graph, nodes: list[str] | tuple[str, ...] | None = None, per_layer: bool = False
+                     ) -> list[tuple[Node, str, sympy.Expr, tuple[sympy.Expr, ...]]]:
+    """(node, parameter name, count, shape) of every parameter of ``nodes`` (default: all), in graph order.
+
+    ``count`` is the node's count (1 with ``per_layer``): the one place that walks parameter shapes.
+    """
+    found = []
+    for name in graph.order() if nodes is None else nodes:
+        node = graph.node(name)
+        count = sympy.Integer(1) if per_layer else node.count
+        for pname, shape in node.params.items():
+            found.append((node, pname, count, shape))
+    return found
+
+
+def parameter_count(graph: Graph, nodes: list[str] | tuple[str, ...] | None = None,
+                    per_layer: bool = False) -> sympy.Expr:
+    """Parameter elements of ``nodes`` (default: the whole graph).
+
+    >>> from symmem.models import build
+    >>> m = build("resnet50")
+    >>> parameter_count(m.graph).xreplace(dict(m.defaults))
+    25557032
+    """
+    return sympy.Add(*(c * numel(s) for _, _, c, s in parameter_shapes(graph, nodes, per_layer)))
+
+
 class _RepeatHandle:
-    def __init__(self, builder: GraphBuilder, name: str, count: sympy.Expr, source: str) -> None:
-        self._builder = builder
+    def __init__(self, name: str, count: sympy.Expr, source: str) -> None:
         self.name = name
         self.count = count
         self.source = source
@@ -62,7 +194,7 @@ class GraphBuilder:
     """Adds ops to a graph, inferring every output shape and parameter from the op rules."""
 
     def __init__(self, name: str) -> None:
-        self.graph = nx.DiGraph(name=name, blocks={}, assumptions=[])
+        self.graph = Graph(name=name)
         self._prefix: list[str] = []
         self._group: list[str] = []
         self._block: _RepeatHandle | None = None
@@ -70,6 +202,8 @@ class GraphBuilder:
 
     # -- naming ---------------------------------------------------------------------------------------
     def _name(self, name: str | None, kind: str) -> str:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise SymmemError(f"a {kind} node needs a non-empty string name, got {name!r}")
         base = name or kind
         full = ".".join(self._prefix + [base])
         if full in self.graph:
@@ -105,6 +239,10 @@ class GraphBuilder:
             self._group.pop()
 
     # -- building -------------------------------------------------------------------------------------
+    def spec(self, node: str) -> TensorSpec:
+        """The output of ``node`` as built so far (its shape, dtype and role)."""
+        return self.graph.node(node).out
+
     def input(self, name: str, shape: tuple[Any, ...], dtype: str = "act", role: str = "input") -> str:
         """A graph input (the batch): reported apart from activations."""
         return self.op("input", name=name, role=role, shape=shape, dtype=dtype)
@@ -117,22 +255,19 @@ class GraphBuilder:
            **attrs: Any) -> str:
         """Add an op fed by ``inputs``; returns its node name."""
         full = self._name(name, kind)
+        roles.check(role)
         for src in inputs:
-            if src not in self.graph:
+            if not isinstance(src, str) or src not in self.graph:
                 raise SymmemError(f"node {full!r} ({kind}): input {src!r} does not exist")
-        specs = [self.graph.nodes[src]["out"] for src in inputs]
-        info = _apply(full, kind, specs, attrs)
-        self.graph.add_node(
-            full, kind=kind, attrs=dict(attrs), inputs=tuple(inputs),
-            out=info.out.with_(role=role), params=dict(info.params), view_of=info.view_of,
-            group=self._group[-1] if self._group else "model",
-            block=self._block.name if self._block else None,
-            count=self._block.count if self._block else sympy.Integer(1),
-        )
-        for i, src in enumerate(inputs):
-            self.graph.add_edge(src, full, index=i)
+        specs = [self.graph.node(src).out for src in inputs]
+        info = _infer(full, kind, specs, attrs)
+        block = self._block
+        self.graph.add(Node(
+            full, kind, tuple(inputs), attrs, info.out.with_(role=role), info.params, info.view_of,
+            self._group[-1] if self._group else "model", block.name if block else None,
+            block.count if block else sympy.Integer(1)))
         for lhs, rhs in info.assumptions:
-            self.graph.graph["assumptions"].append((full, lhs, rhs))
+            self.graph.assumptions.append((full, lhs, rhs))
         return full
 
     @contextmanager
@@ -145,10 +280,14 @@ class GraphBuilder:
         """
         if self._block is not None:
             raise SymmemError(f"repeat {name!r} is nested inside {self._block.name!r}; nest by flattening")
+        if isinstance(count, str | bool | float):
+            raise SymmemError(f"repeat {name!r}: count {count!r} is not a positive integer or a symbol")
         count = sympy.sympify(count, strict=True)
         if count.is_number and not (count.is_integer and count >= 1):
             raise SymmemError(f"repeat {name!r}: count {count} is not a positive integer")
-        handle = _RepeatHandle(self, name, count, source)
+        if name in self.graph.blocks:
+            raise SymmemError(f"repeat {name!r} is defined twice")
+        handle = _RepeatHandle(name, count, source)
         self._prefix.append(name)
         self._block = handle
         try:
@@ -159,76 +298,72 @@ class GraphBuilder:
             self._block = None
         if handle.result is None:
             raise SymmemError(f"repeat {name!r}: the block never called output()")
-        src_shape = self.graph.nodes[source]["out"].shape
-        out_shape = self.graph.nodes[handle.result]["out"].shape
+        src_shape = self.spec(source).shape
+        out_shape = self.spec(handle.result).shape
         if len(src_shape) != len(out_shape) or any(same(a, b) is False for a, b in
                                                    zip(src_shape, out_shape, strict=False)):
             raise SymmemError(f"repeat {name!r}: output {fmt(out_shape)} of {handle.result!r} does not match "
                               f"its input {fmt(src_shape)}, so the layer cannot be stacked")
-        self.graph.graph["blocks"][name] = Block(name, count, handle.input, handle.result, source)
+        self.graph.blocks[name] = Block(name, count, handle.input, handle.result, source)
 
-    def finish(self) -> nx.DiGraph:
+    def finish(self) -> Graph:
         """Check the graph (see :func:`lint`) and return it."""
         lint(self.graph)
         return self.graph
 
 
-def _apply(name: str, kind: str, specs: list[TensorSpec], attrs: Mapping[str, Any]) -> ops.OpInfo:
+def _infer(name: str, kind: str, specs: list[TensorSpec], attrs: Mapping[str, Any]) -> ops.OpInfo:
     try:
         return ops.infer(kind, specs, attrs)
-    except ops.OpError as exc:
+    except (ops.OpError, SymmemError) as exc:
         raise node_error(name, kind, str(exc), [fmt(s.shape) for s in specs]) from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        if isinstance(exc, SymmemError):
-            raise node_error(name, kind, str(exc), [fmt(s.shape) for s in specs]) from None
-        raise node_error(name, kind, f"bad or missing attribute: {exc!r}", [fmt(s.shape) for s in specs]) \
-            from None
 
 
-def ordered_inputs(graph: nx.DiGraph, node: str) -> tuple[str, ...]:
-    """The inputs of ``node`` in argument order."""
-    return graph.nodes[node]["inputs"]
-
-
-def lint(graph: nx.DiGraph) -> None:
+def lint(graph: Graph) -> None:
     """Check a graph: acyclic, known op kinds, and shapes that agree on every edge.
 
     Every node's output is inferred again from its inputs and compared with what the node says it holds.
 
-    >>> import networkx as nx
-    >>> g = nx.DiGraph(); g.add_edge("a", "b"); g.add_edge("b", "a")
+    >>> g = Graph(); g.add_edge("a", "b"); g.add_edge("b", "a")
     >>> lint(g)
     Traceback (most recent call last):
     symmem.errors.SymmemError: the graph has a cycle: a -> b -> a
     """
-    try:
-        cycle = nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
-        cycle = None
-    if cycle:
-        path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
-        raise SymmemError(f"the graph has a cycle: {path}")
+    if not isinstance(graph, Graph):
+        raise SymmemError(f"expected a symmem Graph (from GraphBuilder), got {type(graph).__name__}")
     known = set(ops.kinds())
-    for name in nx.topological_sort(graph):
+    for name in graph.order():
         data = graph.nodes[name]
-        kind = data.get("kind")
-        if kind not in known:
-            raise SymmemError(f"node {name!r}: unknown op kind {kind!r}")
-        inputs = data.get("inputs", ())
+        node = data.get("node")
+        if not isinstance(node, Node):
+            raise SymmemError(f"node {name!r} is not a symmem Node (add nodes with GraphBuilder or Graph.add)")
+        if node.kind not in known:
+            raise SymmemError(f"node {name!r}: unknown op kind {node.kind!r}")
         preds = set(graph.predecessors(name))
-        if set(inputs) != preds:
-            raise node_error(name, kind, f"inputs {list(inputs)} do not match the graph's edges {sorted(preds)}")
-        specs = [graph.nodes[i]["out"] for i in inputs]
-        info = _apply(name, kind, specs, data.get("attrs", {}))
-        have = data["out"].shape
+        if set(node.inputs) != preds:
+            raise node_error(name, node.kind, f"inputs {list(node.inputs)} do not match the graph's edges "
+                             f"{sorted(preds)}")
+        specs = [graph.node(i).out for i in node.inputs]
+        info = _infer(name, node.kind, specs, node.attrs)
+        have = node.out.shape
         if len(have) != len(info.out.shape) or any(
                 same(a, b) is False for a, b in zip(have, info.out.shape, strict=False)):
-            raise node_error(name, kind, f"holds {fmt(have)} but its inputs give {fmt(info.out.shape)}",
+            raise node_error(name, node.kind, f"holds {fmt(have)} but its inputs give {fmt(info.out.shape)}",
                              [fmt(s.shape) for s in specs])
-    for block in graph.graph.get("blocks", {}).values():
+    for block in graph.blocks.values():
         for n in (block.input, block.output):
             if n not in graph:
                 raise SymmemError(f"repeat {block.name!r}: node {n!r} is missing")
+
+
+def _symbolic(what: str, value: Any) -> sympy.Expr:
+    # Values come from code, never from text: a string is refused, not parsed (sympify would evaluate it).
+    if isinstance(value, str | bool) or value is None:
+        raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}")
+    try:
+        return sympy.sympify(value, strict=True)
+    except sympy.SympifyError:
+        raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -241,19 +376,37 @@ class Model:
     """
 
     name: str
-    graph: nx.DiGraph
+    graph: Graph
     defaults: Mapping[sympy.Symbol, sympy.Expr]
     free: tuple[sympy.Symbol, ...]
     description: str = ""
     layer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.graph, Graph):
+            raise SymmemError(f"model {self.name!r}: the graph must be a symmem Graph (GraphBuilder.finish())")
+        defaults = {}
+        for sym, value in dict(self.defaults).items():
+            if not isinstance(sym, sympy.Symbol):
+                raise SymmemError(f"model {self.name!r}: default keys must be sympy symbols, got {sym!r}")
+            defaults[sym] = _symbolic(f"model {self.name!r}: the default of {sym}", value)
+        object.__setattr__(self, "defaults", defaults)
+        free = tuple(self.free)
+        for sym in free:
+            if not isinstance(sym, sympy.Symbol):
+                raise SymmemError(f"model {self.name!r}: free symbols must be sympy symbols, got {sym!r}")
+        object.__setattr__(self, "free", free)
+        if self.layer is not None and self.layer not in self.graph.blocks:
+            raise SymmemError(f"model {self.name!r}: layer {self.layer!r} is not a repeated block "
+                              f"({', '.join(self.graph.blocks) or 'none'})")
+
     @property
     def symbols(self) -> tuple[sympy.Symbol, ...]:
         """Every symbol the model's shapes, counts or defaults use, in a stable order."""
         found: set[sympy.Symbol] = set(self.defaults)
-        for _, data in self.graph.nodes(data=True):
-            for d in data["out"].shape:
+        for node in self.graph.nodes_in_order():
+            for d in node.out.shape:
                 found |= d.free_symbols
-            found |= sympy.sympify(data["count"]).free_symbols
+            found |= node.count.free_symbols
         return tuple(sorted(found, key=lambda s: s.name))

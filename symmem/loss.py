@@ -1,7 +1,7 @@
 """Appending a training loss to a built model: the loss is not part of the model, so it is its own group.
 
 :func:`with_loss` copies a model's graph and feeds its single output into a loss op (group ``loss``), with
-the target as a new graph input; :func:`symmem.derive.derive` does this for ``loss="cross-entropy"`` and
+the target as a new graph input; :func:`symmem.engine.derive` does this for ``loss="cross-entropy"`` and
 reports the loss's kept tensors under the category ``loss``.
 
 A builder can say how its model is trained through graph attributes.  ``graph.graph["causal_lm"]``: a language
@@ -14,7 +14,7 @@ its output).  ``graph.graph["no_loss"]``: why the model has no logits to score (
 
 >>> from symmem.models import build
 >>> m = with_loss(build("mlp"), "cross-entropy")
->>> m.graph.nodes["loss"]["kind"], str(m.graph.nodes["target"]["out"])
+>>> m.graph.node("loss").kind, str(m.graph.node("target").out)
 ('cross_entropy', '(B):int64')
 """
 
@@ -35,7 +35,7 @@ LOSS_GROUP = "loss"
 def model_output(model: Model) -> str:
     """The model's one output node: the node nothing consumes that is not an input or a parameter."""
     graph = model.graph
-    outs = [n for n in graph if graph.out_degree(n) == 0 and graph.nodes[n]["kind"] not in ("input", "parameter")]
+    outs = [n for n in graph.order() if graph.out_degree(n) == 0 and graph.node(n).kind not in ("input", "parameter")]
     if len(outs) != 1:
         raise SymmemError(f"{model.name}: a loss needs exactly one output node, found {outs or 'none'}")
     return outs[0]
@@ -51,11 +51,8 @@ def with_loss(model: Model, loss: str) -> Model:
     out = model_output(model)
     g = GraphBuilder(model.name)
     graph = model.graph.copy()
-    # The copy shares the graph-level containers; the builder appends to them, so give it its own.
-    graph.graph["blocks"] = dict(graph.graph.get("blocks", {}))
-    graph.graph["assumptions"] = list(graph.graph.get("assumptions", []))
     g.graph = graph
-    logits = graph.nodes[out]["out"]
+    logits = graph.node(out).out
     if logits.rank < 1:
         raise SymmemError(f"{model.name}: output {out!r} is a scalar, not logits")
     with g.group(LOSS_GROUP):
@@ -69,7 +66,7 @@ def with_loss(model: Model, loss: str) -> Model:
 
 def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str, str]:
     """HF's next-token shift: float32 logits of positions 0..S-2 against the labels of positions 1..S-1."""
-    spec = g.graph.nodes[logits]["out"]
+    spec = g.spec(logits)
     if spec.rank < 2:
         raise SymmemError(f"{model.name}: a causal LM loss needs logits (..., S, V), got {spec}")
     *lead, seq, vocab = spec.shape
@@ -81,6 +78,6 @@ def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str
     y = g.op("slice", labels, name="shift_labels", dim=-1, start=1, stop=seq)
     # a copy for B >= 2; for B = 1 the slice is contiguous already and nll_loss keeps the labels themselves
     y = g.op("contiguous", y, name="shift_labels_contiguous", role="target",
-             copy=slice_copies(g.graph.nodes[labels]["out"].shape, -1))
+             copy=slice_copies(g.spec(labels).shape, -1))
     y = g.op("reshape", y, name="shift_labels_view", shape=(rows,))
     return x, y

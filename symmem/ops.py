@@ -14,6 +14,7 @@ backward is not here: that depends on the convention (see :mod:`symmem.conventio
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import sympy
 from .branches import is_condition
 from .errors import SymmemError
 from .shapes import broadcast, fmt, numel, same
-from .tensor import ACT, TensorSpec, as_shape
+from .tensor import ACT, DTYPE_BYTES, TensorSpec, as_shape
 
 
 class OpError(Exception):
@@ -45,16 +46,28 @@ class OpInfo:
     assumptions: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
 
 
+@dataclass(frozen=True)
+class Attr:
+    """One attribute an op kind takes: a check of its value (raises :class:`OpError`) and whether it is
+    required.  ``what`` says what the value must be, for errors and ``symmem ops``."""
+
+    check: Callable[[Any], None]
+    what: str
+    required: bool = False
+
+
 Rule = Callable[[list[TensorSpec], Mapping[str, Any]], OpInfo]
-_RULES: dict[str, tuple[Rule, int | None]] = {}
+Schema = Mapping[str, Attr]
+_RULES: dict[str, tuple[Rule, int | None, Schema]] = {}
 
 
-def rule(*names: str, arity: int | None = 1) -> Callable[[Rule], Rule]:
-    """Register ``fn`` as the rule for the op kinds ``names``; ``arity`` is the number of inputs (None: any)."""
+def rule(*names: str, arity: int | None = 1, attrs: Schema | None = None) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the rule for the op kinds ``names``; ``arity`` is the number of inputs (None: any);
+    ``attrs`` is the schema of the attributes the kinds take (anything else is an error)."""
 
     def register(fn: Rule) -> Rule:
         for name in names:
-            _RULES[name] = (fn, arity)
+            _RULES[name] = (fn, arity, dict(attrs or {}))
         return fn
 
     return register
@@ -65,15 +78,174 @@ def kinds() -> tuple[str, ...]:
     return tuple(_RULES)
 
 
-def infer(kind: str, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> OpInfo:
-    """Apply the rule for ``kind``; raises OpError (shape problems) or SymmemError (unknown kind)."""
+def schema(kind: str) -> Schema:
+    """The attributes ``kind`` takes.
+
+    >>> sorted(schema("conv2d"))
+    ['bias', 'dilation', 'groups', 'kernel', 'out_channels', 'padding', 'stride']
+    """
+    _lookup(kind)
+    return dict(_RULES[kind][2])
+
+
+def _lookup(kind: str) -> tuple[Rule, int | None, Schema]:
     try:
-        fn, arity = _RULES[kind]
-    except KeyError:
+        return _RULES[kind]
+    except (KeyError, TypeError):
         raise SymmemError(f"unknown op kind {kind!r}; known kinds: {', '.join(sorted(_RULES))}") from None
+
+
+def check_attrs(kind: str, attrs: Mapping[str, Any]) -> None:
+    """Raise :class:`OpError` for an unknown, missing or malformed attribute of ``kind``."""
+    _, _, spec = _lookup(kind)
+    for key in attrs:
+        if key not in spec:
+            close = difflib.get_close_matches(str(key), list(spec), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            takes = ", ".join(sorted(spec)) or "no attributes"
+            raise OpError(f"unknown attribute {key!r}{hint}; {kind} takes {takes}")
+    for key, a in spec.items():
+        if key not in attrs:
+            if a.required:
+                raise OpError(f"missing attribute {key!r} ({a.what})")
+            continue
+        try:
+            a.check(attrs[key])
+        except OpError as exc:
+            raise OpError(f"attribute {key}={attrs[key]!r}: {exc}") from None
+        except (TypeError, ValueError, sympy.SympifyError):
+            raise OpError(f"attribute {key}={attrs[key]!r} is not {a.what}") from None
+
+
+def infer(kind: str, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> OpInfo:
+    """Check the attributes and apply the rule for ``kind``; raises OpError (bad attributes or shapes) or
+    SymmemError (unknown kind)."""
+    fn, arity, _ = _lookup(kind)
+    check_attrs(kind, attrs)
     if arity is not None and len(inputs) != arity:
         raise OpError(f"takes {arity} input(s), got {len(inputs)}")
     return fn(inputs, attrs)
+
+
+# -- attribute checks ------------------------------------------------------------------------------------
+def _sym(x: Any) -> sympy.Expr:
+    # never sympify a string: that would evaluate text
+    if isinstance(x, str):
+        raise OpError(f"values are ints or sympy expressions, not the string {x!r}")
+    if isinstance(x, bool) or x is None:
+        raise OpError("not a number or a sympy expression")
+    return sympy.sympify(x, strict=True)
+
+
+def _is_dim(x: Any) -> None:
+    e = _sym(x)
+    if e.is_number and not (e.is_integer and e.is_positive):
+        raise OpError("not a positive integer")
+
+
+def _is_nonneg(x: Any) -> None:
+    e = _sym(x)
+    if e.is_number and not (e.is_integer and e >= 0):
+        raise OpError("not a non-negative integer")
+
+
+def _pair_of(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    def pair(x: Any) -> None:
+        if isinstance(x, tuple | list):
+            if len(x) != 2:
+                raise OpError(f"needs one value or two (height, width), got {len(x)}")
+            for v in x:
+                check(v)
+        else:
+            check(x)
+
+    return pair
+
+
+def _is_shape(x: Any) -> None:
+    if not isinstance(x, tuple | list):
+        raise OpError("not a tuple of sizes")
+    for d in x:
+        _is_dim(d)
+
+
+def _is_int(x: Any) -> None:
+    if isinstance(x, bool) or not isinstance(x, int | sympy.Integer):
+        raise OpError("not an integer")
+
+
+def _is_ints(x: Any) -> None:
+    if not isinstance(x, tuple | list):
+        raise OpError("not a tuple of integers")
+    for d in x:
+        _is_int(d)
+
+
+def _is_bool(x: Any) -> None:
+    if not isinstance(x, bool):
+        raise OpError("not True or False")
+
+
+def _is_prob(x: Any) -> None:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1:
+        raise OpError("not a probability in [0, 1]")
+
+
+def _is_number(x: Any) -> None:
+    _sym(x)
+
+
+def _is_dtype(x: Any) -> None:
+    if x != ACT and x not in DTYPE_BYTES:
+        raise OpError(f"not a dtype ({', '.join([ACT, *DTYPE_BYTES])})")
+
+
+def _is_flag(x: Any) -> None:
+    # a bool, or a condition on the symbols (a view that copies for some sizes only; symmem.branches)
+    if not (isinstance(x, bool) or is_condition(x) or x in (sympy.true, sympy.false)):
+        raise OpError("not True, False or a sympy condition")
+
+
+def _is_copy_inputs(x: Any) -> None:
+    if not isinstance(x, tuple | list):
+        raise OpError("not a tuple of input indices")
+    for e in x:
+        if isinstance(e, tuple):
+            if len(e) != 2:
+                raise OpError("entries are an index or (index, condition)")
+            _is_int(e[0])
+            _is_flag(e[1])
+        else:
+            _is_int(e)
+
+
+def _one_of(*values: Any) -> Callable[[Any], None]:
+    def check(x: Any) -> None:
+        if x not in values:
+            raise OpError(f"not one of {', '.join(map(repr, values))}")
+
+    return check
+
+
+def _any(x: Any) -> None:
+    return None
+
+
+def _a(check: Callable[[Any], None], what: str, required: bool = False) -> Attr:
+    return Attr(check, what, required)
+
+
+DIM = _a(_is_dim, "a positive integer or a symbol")
+REQ_DIM = _a(_is_dim, "a positive integer or a symbol", True)
+PAIR = _a(_pair_of(_is_dim), "a positive size or a (height, width) pair")
+PAD = _a(_pair_of(_is_nonneg), "a non-negative size or a (height, width) pair")
+SHAPE = _a(_is_shape, "a tuple of positive sizes", True)
+AXIS = _a(_is_int, "a dimension index")
+BOOL = _a(_is_bool, "True or False")
+DTYPE = _a(_is_dtype, "a dtype name")
+NUMBER = _a(_is_number, "a number")
+FLAG = _a(_is_flag, "True, False or a condition")
+INPLACE = {"inplace": BOOL, "dtype": DTYPE}
 
 
 def _expr(x: Any) -> sympy.Expr:
@@ -114,12 +286,12 @@ def _window(size: sympy.Expr, k: sympy.Expr, s: sympy.Expr, pad: sympy.Expr, dil
     return out
 
 
-@rule("input", arity=0)
+@rule("input", arity=0, attrs={"shape": SHAPE, "dtype": DTYPE})
 def _input(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
 
 
-@rule("parameter", arity=0)
+@rule("parameter", arity=0, attrs={"shape": SHAPE, "dtype": DTYPE})
 def _parameter(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     shape = as_shape(a["shape"])
     return OpInfo(TensorSpec(shape, a.get("dtype", ACT)), {"value": shape})
@@ -130,7 +302,7 @@ def _alias(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(ins[0].with_(role=None), view_of=0)
 
 
-@rule("dropout")
+@rule("dropout", attrs={"p": _a(_is_prob, "a probability in [0, 1]"), "training": BOOL})
 def _dropout(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # nn.Dropout(p=0) and dropout outside training return their input itself: no new storage.
     p = a.get("p", 0.5)
@@ -140,8 +312,13 @@ def _dropout(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype), view_of=0 if identity else None)
 
 
-@rule("relu", "relu6", "gelu", "silu", "tanh", "sigmoid", "softmax", "log_softmax", "pow",
-      "scale", "rotary", "exp", "neg", "rsqrt", "sqrt", "contiguous", "clone", "to_dtype")
+@rule("relu", "relu6", "silu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "rotary", "clone", "to_dtype",
+      attrs=INPLACE)
+@rule("gelu", attrs={**INPLACE, "approximate": _a(_one_of("none", "tanh"), "'none' or 'tanh'")})
+@rule("softmax", "log_softmax", attrs={"dim": AXIS, "dtype": DTYPE})
+@rule("pow", attrs={**INPLACE, "exponent": _a(_is_number, "a number", True)})
+@rule("scale", attrs={**INPLACE, "factor": _a(_is_number, "a number", True)})
+@rule("contiguous", attrs={"copy": FLAG, "dtype": DTYPE})
 def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     if "dim" in a:
@@ -153,7 +330,7 @@ def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape, dtype), view_of=0 if inplace or is_condition(a.get("copy")) else None)
 
 
-@rule("add", "mul", "sub", "div", "masked_fill", "where", arity=2)
+@rule("add", "mul", "sub", "div", "masked_fill", "where", arity=2, attrs=INPLACE)
 def _binary(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x, y = ins
     out = broadcast(x.shape, y.shape)
@@ -165,7 +342,8 @@ def _binary(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(out, a.get("dtype", dtype)), view_of=0 if a.get("inplace") else None)
 
 
-@rule("conv2d")
+@rule("conv2d", attrs={"out_channels": REQ_DIM, "kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR,
+                      "padding": PAD, "dilation": PAIR, "groups": DIM, "bias": BOOL})
 def _conv2d(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     _need_rank(x, 4)
@@ -187,7 +365,7 @@ def _conv2d(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(out, x.dtype), params)
 
 
-@rule("patch_embed")
+@rule("patch_embed", attrs={"patch": REQ_DIM, "dim": REQ_DIM, "tokens": DIM})
 def _patch_embed(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     _need_rank(x, 4)
@@ -200,7 +378,7 @@ def _patch_embed(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
                   {"weight": (dim, c, patch, patch), "bias": (dim,)}, assumptions=assumptions)
 
 
-@rule("batchnorm")
+@rule("batchnorm", attrs={"affine": BOOL, "eps": NUMBER, "momentum": NUMBER})
 def _batchnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     if x.rank < 2:
@@ -210,9 +388,11 @@ def _batchnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape, x.dtype), params)
 
 
-@rule("layernorm")
+@rule("layernorm", attrs={"affine": BOOL, "bias": BOOL, "eps": NUMBER})
 def _layernorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
+    if x.rank < 1:
+        raise OpError("layernorm needs at least one dimension")
     d = x.shape[-1]
     params: dict[str, tuple[sympy.Expr, ...]] = {}
     if a.get("affine", True):
@@ -222,13 +402,16 @@ def _layernorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape, x.dtype), params)
 
 
-@rule("rmsnorm")
+@rule("rmsnorm", attrs={"affine": BOOL, "eps": NUMBER})
 def _rmsnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
+    if x.rank < 1:
+        raise OpError("rmsnorm needs at least one dimension")
     return OpInfo(TensorSpec(x.shape, x.dtype), {"weight": (x.shape[-1],)} if a.get("affine", True) else {})
 
 
-@rule("maxpool2d", "avgpool2d")
+@rule("maxpool2d", "avgpool2d", attrs={"kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR,
+                                        "padding": PAD, "dilation": PAIR, "ceil_mode": BOOL})
 def _pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     _need_rank(x, 4)
@@ -242,7 +425,7 @@ def _pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(out, x.dtype))
 
 
-@rule("adaptive_avgpool2d")
+@rule("adaptive_avgpool2d", attrs={"output_size": PAIR})
 def _adaptive_pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     _need_rank(x, 4)
@@ -250,7 +433,7 @@ def _adaptive_pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec((x.shape[0], x.shape[1], oh, ow), x.dtype))
 
 
-@rule("flatten")
+@rule("flatten", attrs={"start_dim": AXIS, "end_dim": AXIS, "copy": FLAG})
 def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     start = _dim(x, a.get("start_dim", 1))
@@ -261,7 +444,7 @@ def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, x.dtype), view_of=None if a.get("copy") else 0)
 
 
-@rule("reshape")
+@rule("reshape", attrs={"shape": SHAPE, "copy": FLAG})
 def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     shape = as_shape(a["shape"])
@@ -272,7 +455,7 @@ def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
                   assumptions=assumptions)
 
 
-@rule("transpose")
+@rule("transpose", attrs={"dim0": AXIS, "dim1": AXIS})
 def _transpose(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     i, j = _dim(x, a.get("dim0", -2)), _dim(x, a.get("dim1", -1))
@@ -281,7 +464,7 @@ def _transpose(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(tuple(shape), x.dtype), view_of=0)
 
 
-@rule("permute")
+@rule("permute", attrs={"dims": _a(_is_ints, "a permutation of the dimensions", True)})
 def _permute(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     dims = [_dim(x, d) for d in a["dims"]]
@@ -290,7 +473,7 @@ def _permute(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(tuple(x.shape[d] for d in dims), x.dtype), view_of=0)
 
 
-@rule("expand")
+@rule("expand", attrs={"shape": SHAPE})
 def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     shape = as_shape(a["shape"])
@@ -299,7 +482,7 @@ def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
 
 
-@rule("slice")
+@rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM})
 def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
@@ -312,14 +495,14 @@ def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
 
 
-@rule("select")
+@rule("select", attrs={"dim": AXIS, "index": AXIS})
 def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
     return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype), view_of=0)
 
 
-@rule("concat", arity=None)
+@rule("concat", arity=None, attrs={"dim": AXIS})
 def _concat(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if len(ins) < 2:
         raise OpError("concat needs at least two inputs")
@@ -337,7 +520,7 @@ def _concat(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, first.dtype), assumptions=tuple(assumptions))
 
 
-@rule("linear")
+@rule("linear", attrs={"out_features": REQ_DIM, "in_features": DIM, "bias": BOOL, "tied": BOOL})
 def _linear(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     if x.rank < 1:
@@ -353,7 +536,7 @@ def _linear(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape[:-1] + (out_f,), x.dtype), params, assumptions=assumptions)
 
 
-@rule("matmul", arity=2)
+@rule("matmul", arity=2, attrs={"copy_inputs": _a(_is_copy_inputs, "input indices, each maybe with a condition")})
 def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x, y = ins
     if x.rank < 2 or y.rank < 2:
@@ -365,7 +548,9 @@ def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(batch + (x.shape[-2], y.shape[-1]), x.dtype), assumptions=assumptions)
 
 
-@rule("attention", arity=3)
+@rule("attention", arity=3, attrs={"causal": BOOL, "dropout": _a(_is_prob, "a probability in [0, 1]"),
+                                  "q_layout": _a(_one_of("bhsd", "bshd"), "'bhsd' or 'bshd'"), "v_contiguous": FLAG,
+                                  "mask": _a(_any, "an attention mask"), "scale": NUMBER})
 def _attention(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     q, k, v = ins
     for t in (q, k, v):
@@ -381,7 +566,7 @@ def _attention(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(q.shape[:-1] + (v.shape[-1],), q.dtype), assumptions=tuple(found))
 
 
-@rule("embedding")
+@rule("embedding", attrs={"num_embeddings": REQ_DIM, "dim": REQ_DIM, "padding_idx": AXIS})
 def _embedding(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     ids = ins[0]
     if ids.dtype not in ("int64", "int32"):
@@ -390,7 +575,7 @@ def _embedding(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(ids.shape + (dim,), ACT), {"weight": (num, dim)})
 
 
-@rule("cross_entropy", arity=2)
+@rule("cross_entropy", arity=2, attrs={"reduction": _a(_one_of("mean", "sum"), "'mean' or 'sum'")})
 def _cross_entropy(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     logits, target = ins
     assumptions = _check_eq(numel(logits.shape[:-1]), numel(target.shape), "cross-entropy targets")
@@ -398,7 +583,7 @@ def _cross_entropy(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 
 
 # -- sequence-model helpers: tensors made inside the forward, module buffers, reductions, casts ----------
-@rule("constant", "buffer", arity=0)
+@rule("constant", "buffer", arity=0, attrs={"shape": SHAPE, "dtype": DTYPE})
 def _constant(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # ``constant``: a tensor the forward makes that needs no gradient (position ids, an additive mask, a
     # 0-dim divisor); an activation if some op saves it.  ``buffer``: module state (a registered causal
@@ -406,19 +591,19 @@ def _constant(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
 
 
-@rule("scalar_add")
+@rule("scalar_add", attrs={"value": NUMBER})
 def _scalar_add(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype))
 
 
-@rule("cast")
+@rule("cast", attrs={"dtype": _a(_is_dtype, "a dtype name", True)})
 def _cast(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # ``tensor.to(dtype)`` returns the tensor itself when the dtype already matches: recorded as a view, and
     # the derivation treats it as a new storage when the regime's activation dtype makes the dtypes differ.
     return OpInfo(TensorSpec(ins[0].shape, a.get("dtype", ins[0].dtype)), view_of=0)
 
 
-@rule("mean")
+@rule("mean", attrs={"dim": AXIS, "keepdim": BOOL})
 def _mean(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", -1))
@@ -426,7 +611,7 @@ def _mean(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape[:d] + one + x.shape[d + 1:], x.dtype))
 
 
-@rule("rope_table")
+@rule("rope_table", attrs={"dim": REQ_DIM, "dtype": DTYPE})
 def _rope_table(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # cos or sin of the rotary angles for position ids (..., S): (..., S, dim), computed without gradient.
     return OpInfo(TensorSpec(ins[0].shape + (_expr(a["dim"]),), a.get("dtype", ACT)))

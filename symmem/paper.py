@@ -9,7 +9,6 @@ derivations: the paper only arranges them.  The comparison with PyTorch autograd
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import sympy
 
-from .cli import command
 from .errors import SymmemError
 from .units import UNITS
 
@@ -41,7 +39,7 @@ class Paper:
 
 
 def _derivations() -> dict[str, object]:
-    from .derive import derive
+    from .engine import derive
 
     return {
         "ResNet-50": derive("resnet50-v1", convention="paper"),
@@ -52,7 +50,7 @@ def _derivations() -> dict[str, object]:
 
 def _pytorch() -> tuple[dict[str, object], str]:
     """The same three rows under the ``pytorch`` convention, or why they cannot be derived yet."""
-    from .derive import derive
+    from .engine import derive
 
     try:
         return {
@@ -121,7 +119,7 @@ def _numbers(ds: dict[str, object]) -> dict[str, str]:
 
 def _pytorch_prose(ds: dict[str, object], torch_ds: dict[str, object]) -> str:
     """Ratios of the two accountings and PyTorch's per-layer ViT formulas, all from derivations."""
-    from .derive import derive
+    from .engine import derive
     from .report.latex import escape, expression
 
     ratios = ", ".join(f"{escape(k)} {torch_ds[k].value('total') / ds[k].value('total'):.2f}"  # type: ignore[attr-defined]
@@ -140,7 +138,7 @@ def _pytorch_prose(ds: dict[str, object], torch_ds: dict[str, object]) -> str:
 
 
 def _body(ds: dict[str, object], torch_ds: dict[str, object], why: str) -> str:
-    from .derive import derive
+    from .engine import derive
     from .report.latex import equation, escape, expression
     from .simplify import factored
     from .symbols import B, H, S
@@ -283,18 +281,3 @@ def _compile(tex: Path) -> tuple[Path | None, str]:
             tail = "\n".join(done.stdout.splitlines()[-20:])
             raise SymmemError(f"{cmd[0]} failed on {tex}:\n{tail}")
     return tex.with_suffix(".pdf"), f"compiled with {cmd[0]}"
-
-
-def _cmd_paper(args: argparse.Namespace) -> int:
-    p = write(args.output, compile=not args.no_pdf)
-    print(p.pdf if p.pdf is not None else p.tex)
-    if p.note and p.pdf is None:
-        print(f"note: {p.note}")
-    return 0
-
-
-@command("paper", "write (and compile) the LaTeX paper on ResNet-50 and ViT-B/16 memory")
-def _paper(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output", "-o", required=True, metavar="DIR", help="directory for main.tex and the PDF")
-    p.add_argument("--no-pdf", action="store_true", help="write the .tex files only")
-    p.set_defaults(run=_cmd_paper)

@@ -5,7 +5,7 @@ records every tensor autograd packs for backward.  Storages are counted once (``
 saved view keeps its whole base storage alive, and a tensor saved by two ops is one storage).  Storages of
 parameters and buffers are set aside, and so are the inputs given to the forward (the batch, a target):
 those are reported as ``input``, the rest as ``activations``.  :func:`compare` puts a
-:class:`~symmem.derive.Derivation` next to a :class:`Measurement` and lists, per (dtype, size) of storage,
+:class:`~symmem.derivation.Derivation` next to a :class:`Measurement` and lists, per (dtype, size) of storage,
 where the two disagree.  ``symmem verify MODEL`` does both for the project's own reference module of a
 built-in model (:mod:`symmem.reference`).  Needs ``torch`` (the ``torch`` extra), imported lazily.
 
@@ -17,18 +17,16 @@ built-in model (:mod:`symmem.reference`).  Needs ``torch`` (the ``torch`` extra)
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .cli import add_derive_options, command, derivation_from_args
 from .errors import SymmemError
 
 if TYPE_CHECKING:
-    from .derive import Derivation
+    from .derivation import Derivation
 
 @dataclass(frozen=True)
 class SavedInfo:
@@ -329,20 +327,3 @@ def verify(derivation: Derivation) -> Comparison:
             module = with_loss(module, str(loss))
         inputs = (*inputs, target)
     return compare(derivation, measure(module, *inputs))
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from .conventions import convention
-
-    if args.device is None and "device" in convention(args.convention).options:
-        args.device = "cpu"  # the formula for the device the measurement runs on
-    result = verify(derivation_from_args(args))
-    print(result.report(verbose=args.verbose))
-    return 0 if result.exact else 1
-
-
-@command("verify", "measure the project's PyTorch reference of a model and compare with the pytorch formula")
-def _verify(p: argparse.ArgumentParser) -> None:
-    add_derive_options(p)
-    p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
-    p.set_defaults(run=_cmd_verify, convention="pytorch")

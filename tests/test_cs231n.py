@@ -61,7 +61,7 @@ def test_layer(vgg, row, node, memory, weights):
     assert vgg.evaluate(term.elements) == memory
     assert vgg.evaluate(term.expr) == 4 * memory
     graph = build("vgg16").graph
-    params = graph.nodes[node]["params"] if node in graph else {}
+    params = graph.node(node).params if node in graph else {}
     w = params.get("weight", ())
     assert (vgg.evaluate(sympy.Mul(*w)) if w else 0) == weights
 

@@ -20,7 +20,7 @@ class SavesLinearInputs(Convention):
     name, description, dedup, options = "toy", "linear inputs", True, {}
 
     def saved(self, graph, node, options):
-        return [Saved("input", 0)] if graph.nodes[node]["kind"] == "linear" else []
+        return [Saved("input", 0)] if node.kind == "linear" else []
 
 
 def _stack(head_saves: bool) -> Model:
@@ -32,7 +32,10 @@ def _stack(head_saves: bool) -> Model:
         y = g.op("linear", rep.input, name="fc", out_features=H)
         rep.output(g.op("relu", y, name="act"))
     with g.group("head"):
-        g.op("linear" if head_saves else "relu", rep.result, name="out", out_features=H)
+        if head_saves:
+            g.op("linear", rep.result, name="out", out_features=H)
+        else:
+            g.op("relu", rep.result, name="out")
     return Model("stack", g.finish(), {B: 8, H: 16, L: 5}, (B, H, L), layer="layer")
 
 

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from symmem import derive  # noqa: E402
+from symmem.conventions.pytorch import rule_kinds  # noqa: E402
 from symmem.graph import GraphBuilder, Model  # noqa: E402
-from symmem.pytorch import rule_kinds  # noqa: E402
 from symmem.symbols import B, C, Hi, Wi  # noqa: E402
 from symmem.verify import compare, measure  # noqa: E402
 
@@ -102,10 +102,10 @@ CASES = [
 def _inputs(model: Model, b: int) -> tuple[Any, ...]:
     g = model.graph
     out = []
-    for n in g:
-        if g.nodes[n]["kind"] != "input":
+    for node in g.nodes_in_order():
+        if node.kind != "input":
             continue
-        spec = g.nodes[n]["out"]
+        spec = node.out
         shape = tuple(int(d.xreplace({B: b, **DEFAULTS})) for d in spec.shape)
         if spec.dtype == "int64":
             out.append(torch.randint(0, 7, shape))
@@ -124,7 +124,7 @@ def test_op_formula_equals_measured(case, graph, module, b):
 
 
 def test_every_vision_kind_has_a_case():
-    used = {k for _, graph, _ in CASES for k in (graph().graph.nodes[n]["kind"] for n in graph().graph)}
+    used = {node.kind for _, graph, _ in CASES for node in graph().graph.nodes_in_order()}
     vision = {"conv2d", "batchnorm", "relu", "relu6", "maxpool2d", "avgpool2d", "adaptive_avgpool2d", "flatten",
               "linear", "dropout", "cross_entropy"}
     assert vision <= used and vision <= set(rule_kinds())

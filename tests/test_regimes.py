@@ -199,7 +199,7 @@ def test_checkpoint_in_storage_counting_convention():
         name, description, dedup, options = "keep-linear-inputs", "", True, {}
 
         def saved(self, graph, node, options):
-            return [Saved("input", 0)] if graph.nodes[node]["kind"] == "linear" else []
+            return [Saved("input", 0)] if node.kind == "linear" else []
 
     g = GraphBuilder("toy")
     x = g.input("x", (B, H))

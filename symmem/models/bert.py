@@ -94,7 +94,7 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
         layer.output(g.op("layernorm", m, name="output.LayerNorm", eps=1e-12))
     assert layer.result is not None
     # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
-    g.graph.graph["assumptions"].append(("embeddings.position_embeddings", sympy.Min(S, POSITIONS), S))
+    g.graph.assumptions.append(("embeddings.position_embeddings", sympy.Min(S, POSITIONS), S))
     with g.group("pooler"), g.scope("pooler"):
         first = g.op("select", layer.result, name="first_token", dim=1, index=0)
         p = g.op("linear", first, name="dense", out_features=H)

@@ -104,7 +104,7 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
     # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
-    g.graph.graph["assumptions"].append(("wpe", sympy.Min(S, POSITIONS), S))
+    g.graph.assumptions.append(("wpe", sympy.Min(S, POSITIONS), S))
     with g.group("head"):
         x = g.op("layernorm", layer.result, name="ln_f", eps=1e-5)
         g.op("linear", x, name="lm_head", out_features=V, bias=False, tied=True)

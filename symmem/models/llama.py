@@ -17,7 +17,7 @@ given (for G = 1 the (B, 1, S, d) tensors: B*S*d elements each, not B*h*S*d), wh
 CPU math kernel copy them; the formula is a ``Piecewise`` where the branches differ (measured on the CPU for
 G = 1, 2 and h).  The casts
 (RMSNorm's ``to(float32)``, the float32 softmax's ``.to(dtype)``) are views in FP32 and copies in 16-bit, as in
-PyTorch (see :func:`symmem.derive._converts`).
+PyTorch (see :func:`symmem.passes.storage.converts`).
 
 >>> from symmem import derive
 >>> derive("llama").value("parameters")
@@ -142,7 +142,7 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Mod
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
     # repeat_kv needs G | h; checked with numbers when the model is derived.
-    g.graph.graph["assumptions"].append(("layers.self_attn.k_expand", sympy.Mod(h, G), sympy.Integer(0)))
+    g.graph.assumptions.append(("layers.self_attn.k_expand", sympy.Mod(h, G), sympy.Integer(0)))
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
         g.op("linear", x, name="lm_head", out_features=V, bias=False)

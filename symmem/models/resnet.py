@@ -7,10 +7,10 @@ Identical blocks after the first of each stage are one repeated block.
 Roles: ``stem`` (conv1 output), ``stem_pool`` (max-pool output), ``main_path`` (the convs of a block),
 ``downsample`` (the projection shortcut's conv).
 
+>>> from symmem.graph import parameter_count
 >>> from symmem.models import build
 >>> m = build("resnet50")
->>> sum(m.graph.nodes[n]["count"] * sum(__import__("sympy").Mul(*s) for s in m.graph.nodes[n]["params"].values())
-...     for n in m.graph).xreplace(dict(m.defaults))
+>>> parameter_count(m.graph).xreplace(dict(m.defaults))
 25557032
 """
 

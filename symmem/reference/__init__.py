@@ -10,7 +10,7 @@ registers a **factory** for one or more model names::
     def factory(numbers: Mapping[str, int], options: Mapping[str, Any]) -> tuple[nn.Module, tuple[Tensor, ...]]
 
 ``numbers`` maps every symbol name of the derivation to its value (``{"B": 2, "Hi": 32, "K": 1000, ...}``,
-:attr:`symmem.derive.Derivation.numbers` by name); ``options`` are the derivation's options: the model
+:attr:`symmem.derivation.Derivation.numbers` by name); ``options`` are the derivation's options: the model
 builder's (``depth``, ``dropout``, ``attention`` ...) and the convention's (``device``).  The factory
 returns the module and the tuple of tensors its forward takes (the batch, built on CPU; the caller moves
 both).  :func:`reference` looks a name up, importing the family modules listed in ``_MODULES`` on first

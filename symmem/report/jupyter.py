@@ -18,7 +18,7 @@ from ..units import UNITS, format_bytes
 from .latex import expression, lines
 
 if TYPE_CHECKING:
-    from ..derive import Derivation
+    from ..derivation import Derivation
 
 
 def _value(d: Derivation, expr: Any) -> int | None:
@@ -79,7 +79,8 @@ def show(model: Any, **kwargs: Any) -> None:
     It returns nothing, so a notebook shows the result once; ``derive`` returns the object, which displays
     itself too.
     """
-    from ..derive import Derivation, derive
+    from ..derivation import Derivation
+    from ..engine import derive
 
     d = model if isinstance(model, Derivation) else derive(model, **kwargs)
     try:

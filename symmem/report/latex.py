@@ -23,7 +23,7 @@ import sympy
 from ..symbols import dims, latex_names
 
 if TYPE_CHECKING:
-    from ..derive import Derivation
+    from ..derivation import Derivation
 
 # Roles of the small kept tensors the seed's Table 1 puts in its own column ("Indices / Masks").
 AUX_ROLES = ("indices", "mask", "dropout_mask")

@@ -16,7 +16,7 @@ from ..units import UNITS
 from .latex import expression
 
 if TYPE_CHECKING:
-    from ..derive import Derivation
+    from ..derivation import Derivation
 
 KEYS = ("activations", "parameter_memory", "total")
 EXTRA_KEYS = ("input", "loss", "transient")

@@ -7,7 +7,10 @@ LayerNorm (the two ``residual`` tensors), each LayerNorm output (``attn_input``,
 projection input (``proj_input``), the GeLU input (``mlp_hidden``) and output (``mlp_act``), plus a 1-byte mask
 for every dropout with p > 0.  Each reference is counted as the paper counts it, without storage sharing.
 That gives sbh(34 + 5as/h) bytes per layer in 16 bit; with tensor parallelism, sequence parallelism and
-selective or full recomputation (see :mod:`symmem.regimes`) the other rows of Table 2 follow.
+selective or full recomputation (see :mod:`symmem.passes.regimes`) the other rows of Table 2 follow.
+
+Code beyond the data: a dropout that is the identity (p = 0, eval mode) keeps no mask, and the attention
+dropout's mask has its own role.
 
 >>> from symmem import derive
 >>> d = derive("gpt-megatron", convention="megatron", precision="mixed-megatron", per_layer=True)
@@ -18,20 +21,20 @@ selective or full recomputation (see :mod:`symmem.regimes`) the other rows of Ta
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
+from . import Extra, RoleConvention, Saved, register
 
-from .conventions import Extra, RoleConvention, Saved, register
+if TYPE_CHECKING:
+    from ..graph import Graph, Node
 
 
 class _Megatron(RoleConvention):
-    def saved(self, graph: nx.DiGraph, node: str, options: Mapping[str, Any]) -> list[Saved]:
-        data = graph.nodes[node]
-        if data["kind"] == "dropout" and data["view_of"] is not None:
+    def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
+        if node.kind == "dropout" and node.view_of is not None:
             return []  # p = 0 or eval mode: no mask, and the output is its input
         found = super().saved(graph, node, options)
-        if data["kind"] == "dropout" and data["out"].role == "attn_dropout":
+        if node.kind == "dropout" and node.role == "attn_dropout":
             found = [Saved(s.source, s.index, s.label, s.spec, "attn_dropout_mask") if s.label == "mask" else s
                      for s in found]
         return found

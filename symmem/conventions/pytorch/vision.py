@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sympy
 
-from ..conventions import Saved
+from .. import Saved
 from . import RuleContext, saves
 
 

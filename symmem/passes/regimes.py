@@ -1,6 +1,6 @@
-"""Training regimes applied to derived terms: checkpointing, tensor/sequence/pipeline parallelism and ZeRO.
+"""Training regimes applied to the storages: checkpointing, tensor/sequence/pipeline parallelism and ZeRO.
 
-:func:`symmem.derive.derive` first lists what a convention keeps, then hands the terms to this module:
+The derivation first lists what a convention keeps (:mod:`.saved`), then hands the storages to this module:
 
 1. **tensor parallelism** over ``t`` ranks divides the tensors that Megatron-LM splits across the
    tensor-parallel group (roles in :data:`TP_ROLES`: Q/K/V, attention scores/probabilities/dropout, the
@@ -29,13 +29,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import networkx as nx
 import sympy
 
-from .derive import Term, _resolve
-from .symbols import N, p, t
-from .tensor import dtype_bytes
-from .training import Regime, checkpoint_every
+from ..derivation import END, START, Moment, Storage
+from ..graph import Graph, parameter_shapes
+from ..shapes import numel
+from ..symbols import N, p, t
+from ..tensor import dtype_bytes
+from ..training import Regime, checkpoint_every
+from .storage import resolve
 
 #: Activations Megatron-LM splits across the tensor-parallel group (column-parallel outputs and what follows).
 TP_ROLES = frozenset({"qkv", "attn_scores", "attn_probs", "attn_dropout", "attention", "proj_input",
@@ -70,32 +72,32 @@ def hint(name: str) -> str:
     return f" ({name} comes with {flags[name]})" if name in flags else ""
 
 
-def _role(graph: nx.DiGraph, term: Term) -> str | None:
+def _role(graph: Graph, term: Storage) -> str | None:
     if term.node is not None and term.node in graph:
-        return graph.nodes[term.node]["out"].role
+        return graph.node(term.node).role
     return term.role
 
 
-def _block(graph: nx.DiGraph, term: Term) -> str | None:
+def _block(graph: Graph, term: Storage) -> str | None:
     if term.node is not None and term.node in graph:
-        return graph.nodes[term.node]["block"]
+        return graph.node(term.node).block
     return None
 
 
-def _divide(term: Term, by: sympy.Expr) -> Term:
+def _divide(term: Storage, by: sympy.Expr) -> Storage:
     elements = None if term.elements is None else term.elements / by
     return replace(term, expr=term.expr / by, elements=elements)
 
 
-def _per_layer(term: Term) -> sympy.Expr:
+def _per_layer(term: Storage) -> sympy.Expr:
     return term.expr / term.count if term.count != 0 else sympy.Integer(0)
 
 
-def activations(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype: str,
-                per_layer: bool, dedup: bool = False) -> list[Term]:
-    """The activation terms under the regime's tensor/sequence parallelism, checkpointing and pipeline.
+def activations(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: str,
+                per_layer: bool, dedup: bool = False) -> list[Storage]:
+    """The activation storages under the regime's tensor/sequence parallelism, checkpointing and pipeline.
 
-    ``dedup`` says the terms count storages (the first layer's input is then the block source's storage).
+    ``dedup`` says the storages are counted once each (the first layer's input is then the block source's).
     """
     out = list(terms)
     if regime.tensor_parallel:
@@ -109,12 +111,12 @@ def activations(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
     return out
 
 
-def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype: str,
-                per_layer: bool, dedup: bool) -> list[Term]:
-    blocks = graph.graph.get("blocks", {})
+def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: str,
+                per_layer: bool, dedup: bool) -> list[Storage]:
+    blocks = graph.blocks
     every = checkpoint_every(regime.checkpoint)
-    out: list[Term] = []
-    dropped: dict[str, list[Term]] = {}
+    out: list[Storage] = []
+    dropped: dict[str, list[Storage]] = {}
     for x in terms:
         block = _block(graph, x)
         if x.category != "activation" or block is None:
@@ -124,14 +126,16 @@ def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
             out.append(x)
             continue
         dropped.setdefault(block, []).append(x)
-    alive_again: list[Term] = []
+    alive_again: list[Storage] = []
     for name, gone in dropped.items():
         block = blocks[name]
-        group = graph.nodes[block.input]["group"]
+        group = graph.node(block.input).group
         one_layer = sympy.Add(*(_per_layer(x) for x in gone))
+        # recomputed during the block's backward, freed as that backward proceeds
+        during = {"born": Moment("backward", block.output), "dies": Moment("backward", block.input)}
         if regime.checkpoint == "selective":
-            alive_again.append(Term(f"{name}.recompute", "recompute", "transient", one_layer, "recompute", block.input,
-                                    count=sympy.Integer(1)))
+            alive_again.append(Storage(f"{name}.recompute", "recompute", "transient", one_layer, "recompute",
+                                       block.input, count=sympy.Integer(1), **during))
             continue
         k = sympy.Integer(every or 1)
         if per_layer:
@@ -140,28 +144,30 @@ def _checkpoint(graph: nx.DiGraph, terms: list[Term], regime: Regime, act_dtype:
             kept = sympy.ceiling(block.count / k)
             # In a storage-counting convention the first layer's input is the block source's storage, which is
             # already counted outside the block when the first layer keeps it.
-            sources = {s for s, _ in _resolve(graph, block.source)}
+            sources = {s for s, _ in resolve(graph, block.source)}
             if dedup and any(x.node in sources and x.name == x.node and _block(graph, x) is None
                              for x in out if x.category in ("activation", "input")):
                 kept -= 1
-        spec = graph.nodes[block.input]["out"]
+        spec = graph.node(block.input).out
         elements = spec.numel / (t if regime.sequence_parallel else 1)
         if kept != 0:
-            out.append(Term(f"{name}.checkpoint", group, "activation",
-                            kept * elements * dtype_bytes(spec.dtype, act_dtype), "checkpoint", block.input,
-                            spec.dtype, elements, kept))
+            out.append(Storage(f"{name}.checkpoint", group, "activation",
+                               kept * elements * dtype_bytes(spec.dtype, act_dtype), "checkpoint", block.input,
+                               spec.dtype, elements, kept, (block.input,), Moment("forward", block.input),
+                               Moment("backward", block.input)))
         alive = k if every is None or not block.count.is_number else sympy.Min(k, block.count)
-        alive_again.append(Term(f"{name}.recompute", "recompute", "transient", alive * one_layer, "recompute",
-                                block.input, count=alive))
+        alive_again.append(Storage(f"{name}.recompute", "recompute", "transient", alive * one_layer, "recompute",
+                                   block.input, count=alive, **during))
     if len(alive_again) > 1:
         # Backward recomputes one block at a time: the peak is the largest, not the sum.
         peak = sympy.Max(*(x.expr for x in alive_again))
-        alive_again = [Term("recompute", "recompute", "transient", peak, "recompute")]
+        alive_again = [Storage("recompute", "recompute", "transient", peak, "recompute",
+                               born=Moment("backward"), dies=Moment("step"))]
     return out + alive_again
 
 
-def _pipeline(graph: nx.DiGraph, terms: list[Term]) -> list[Term]:
-    out: list[Term] = []
+def _pipeline(graph: Graph, terms: list[Storage]) -> list[Storage]:
+    out: list[Storage] = []
     stage: list[sympy.Expr] = []
     for x in terms:
         if x.category == "activation" and _block(graph, x) is not None:
@@ -169,30 +175,35 @@ def _pipeline(graph: nx.DiGraph, terms: list[Term]) -> list[Term]:
             stage.append(x.expr)
         out.append(x)
     if stage:
-        out.append(Term("pipeline.in_flight", "pipeline", "activation", (p - 1) * sympy.Add(*stage),
-                        "in_flight", None, count=p - 1))
+        # the other micro-batches' activations are alive from their forward to their backward
+        out.append(Storage("pipeline.in_flight", "pipeline", "activation", (p - 1) * sympy.Add(*stage),
+                           "in_flight", None, count=p - 1, born=Moment("forward"), dies=Moment("backward")))
     return out
 
 
-def parameter_shapes(graph: nx.DiGraph, nodes: list[str], regime: Regime, per_layer: bool
-                     ) -> list[tuple[sympy.Expr, tuple[sympy.Expr, ...]]]:
-    """(count, shape) of every parameter one device holds before ZeRO: TP splits matrices, PP the layers."""
-    shapes = []
-    for n in nodes:
-        data = graph.nodes[n]
-        c = sympy.Integer(1) if per_layer else data["count"]
-        if regime.pipeline_parallel and not per_layer and data["block"] is not None:
-            c = c / p
-        for shape in data["params"].values():
-            shapes.append((c / t if regime.tensor_parallel and len(shape) >= 2 else c, shape))
-    return shapes
+def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) -> list[Storage]:
+    """The parameter side, one storage per parameter and component (weights, gradients, optimizer states).
 
-
-def parameters(regime: Regime, shapes: list[tuple[sympy.Expr, tuple[sympy.Expr, ...]]]) -> list[Term]:
-    """The parameter-side terms, each component divided by N where the ZeRO stage shards it."""
+    One device holds: tensor parallelism splits matrices (rank >= 2) over t, pipeline parallelism the repeated
+    layers over p; the ZeRO stage divides each component it shards by N.  Weights exist all step; gradients
+    appear as their op runs backward and last until the step; optimizer state exists from the first step on.
+    """
     found = []
-    for name, e in regime.parameter_terms(shapes):
-        if regime.shard(name):
-            e = e / N
-        found.append(Term(name, "parameters", "parameter", e, name))
+    for node, pname, count, shape in parameter_shapes(graph, nodes, per_layer):
+        if regime.pipeline_parallel and not per_layer and node.block is not None:
+            count = count / p
+        if regime.tensor_parallel and len(shape) >= 2:
+            count = count / t
+        n = numel(shape)
+        parts = [(name, n * b) for name, b in regime.precision_spec.components]
+        parts += regime.optimizer_spec.state_bytes(shape)
+        for component, each in parts:
+            shards = N if regime.shard(component) else sympy.Integer(1)
+            kind = regime.kind_of(component)
+            born, dies = START, END
+            if kind == "gradients":
+                born, dies = Moment("backward", node.name), Moment("step")
+            found.append(Storage(f"{node.name}.{pname}.{component}", "parameters", "parameter",
+                                 count * each / shards, component, node.name, None, None, count,
+                                 born=born, dies=dies, shards=shards))
     return found

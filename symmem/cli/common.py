@@ -1,20 +1,16 @@
-"""The ``symmem`` command.
+"""What the commands that derive a formula share: their options, and the derivation those options describe.
 
-Bad input (unknown model, symbol or option; values that are not positive integers) prints one line
-``symmem: error: ...`` and exits with status 2.  Nothing the user types is ever evaluated: ``--set`` parses
-integers.
+Nothing the user types is ever evaluated: ``--set`` parses integers.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .errors import SymmemError
+from ..errors import SymmemError
 
 _SET = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 _INT = re.compile(r"^[+]?[0-9][0-9_]*$")
@@ -46,16 +42,11 @@ def _parse_sets(items: Sequence[str] | None) -> dict[str, int]:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise SymmemError(message)
-
-
 def add_derive_options(p: argparse.ArgumentParser) -> None:
     """The options every command that derives a formula shares."""
-    from .conventions import names as convention_names
-    from .models import entry
-    from .training import OPTIMIZERS, PRECISIONS
+    from ..conventions import names as convention_names
+    from ..models import entry
+    from ..training import OPTIMIZERS, PRECISIONS
 
     p.add_argument("model", help="a built-in model (see `symmem models`)")
     p.add_argument("--convention", default="paper", choices=convention_names(),
@@ -91,8 +82,8 @@ def add_derive_options(p: argparse.ArgumentParser) -> None:
 
 def derivation_from_args(args: argparse.Namespace) -> Any:
     """The derivation the shared options describe."""
-    from .derive import derive
-    from .models import entry
+    from ..engine import REGIME_FIELDS, derive
+    from ..models import entry
 
     e = entry(args.model)
     model_options = {k: getattr(args, k) for k in ("attention", "dropout", "gelu")
@@ -102,97 +93,7 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0]}")
     free = tuple(x.strip() for x in args.free.split(",") if x.strip()) if args.free else None
     conv_options = {"device": args.device} if args.device is not None else {}
-    return derive(args.model, convention=args.convention, optimizer=args.optimizer, precision=args.precision,
-                  per_layer=args.per_layer, values=_parse_sets(args.set), free=free, options=conv_options,
-                  loss=args.loss, checkpoint=args.checkpoint, zero=args.zero, tensor_parallel=args.tensor_parallel,
-                  sequence_parallel=args.sequence_parallel, pipeline_parallel=args.pipeline_parallel,
-                  **model_options)
-
-
-def _cmd_models(args: argparse.Namespace) -> int:
-    from .models import available, build
-
-    pad = " " * 15
-    for name, e in sorted(available().items()):
-        m = build(name)
-        defaults = ", ".join(f"{s.name}={m.defaults[s]}" for s in m.symbols if s in m.defaults)
-        print(f"{name:<14} {e.description}")
-        print(f"{pad}formula in {', '.join(s.name for s in m.free)}; defaults: {defaults}")
-        if args.verbose:
-            for key, o in e.options.items():
-                choices = f" ({'|'.join(map(str, o.choices))})" if o.choices else ""
-                print(f"{pad}--{key} {o.default}{choices}: {o.help}")
-    return 0
-
-
-def _cmd_derive(args: argparse.Namespace) -> int:
-    d = derivation_from_args(args)
-    if args.format == "json":
-        print(json.dumps(d.to_dict(), indent=2))
-    elif args.format == "latex":
-        from .report.latex import align
-
-        print(align(d))
-    else:
-        print(d.table())
-    return 0
-
-
-COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], str]] = {}
-
-
-def command(name: str, help: str) -> Callable:  # type: ignore[type-arg]
-    """Register a subcommand: decorate its ``configure(parser)``; it sets ``parser.set_defaults(run=...)``."""
-
-    def wrap(configure: Callable[[argparse.ArgumentParser], None]) -> Callable:  # type: ignore[type-arg]
-        COMMANDS[name] = (configure, help)
-        return configure
-
-    return wrap
-
-
-@command("models", "list the built-in models")
-def _models(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-v", "--verbose", action="store_true", help="also show each model's options")
-    p.set_defaults(run=_cmd_models)
-
-
-@command("derive", "derive a model's training-memory formula")
-def _derive(p: argparse.ArgumentParser) -> None:
-    add_derive_options(p)
-    p.add_argument("--format", choices=["text", "latex", "json"], default="text")
-    p.set_defaults(run=_cmd_derive)
-
-
-def _parser() -> argparse.ArgumentParser:
-    import importlib
-
-    for module in ("symmem.verify", "symmem.fit", "symmem.report.plots", "symmem.paper", "symmem.counts"):
-        importlib.import_module(module)
-    parser = _Parser(prog="symmem", description="Closed-form training-memory formulas.")
-    from . import __version__
-
-    parser.add_argument("--version", action="version", version=f"symmem {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, (configure, help_text) in COMMANDS.items():
-        configure(sub.add_parser(name, help=help_text, description=help_text))
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``symmem`` command; returns the exit status."""
-    try:
-        args = _parser().parse_args(argv)
-        return int(args.run(args))
-    except SymmemError as exc:
-        print(f"symmem: error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return 0
-
-
-if __name__ == "__main__":
-    # Run the imported module's main: commands in other modules register on ``symmem.cli``, not ``__main__``.
-    from symmem.cli import main as _main
-
-    sys.exit(_main())
+    # every regime field has an option of the same name: a new regime knob needs its option above, nothing here
+    regime = {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}
+    return derive(args.model, convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
+                  free=free, options=conv_options, loss=args.loss, **regime, **model_options)

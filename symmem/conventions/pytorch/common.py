@@ -7,7 +7,7 @@ the weight (a parameter, so not an activation).
 
 from __future__ import annotations
 
-from ..conventions import Saved
+from .. import Saved
 from . import RuleContext, saves
 
 

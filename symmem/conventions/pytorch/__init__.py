@@ -9,6 +9,9 @@ Rules live by family: :mod:`.common` (views, arithmetic that saves nothing, line
 >>> from symmem.conventions import convention
 >>> convention("pytorch").dedup
 True
+>>> from symmem import ops
+>>> set(ops.kinds()) == set(rule_kinds()) | set(convention("pytorch").unsupported)
+True
 """
 
 from __future__ import annotations
@@ -17,25 +20,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import networkx as nx
 import sympy
 
-from ..conventions import Convention, Saved, register
-from ..errors import node_error
-from ..tensor import TensorSpec
+from ...errors import node_error
+from ...graph import Graph, Node
+from ...tensor import TensorSpec
+from .. import Convention, Saved, register
 
 
 @dataclass(frozen=True)
 class RuleContext:
     """What a save rule sees: the node, its input and output specs, its attributes and the options."""
 
-    graph: nx.DiGraph
-    node: str
-    kind: str
+    graph: Graph
+    node: Node
     inputs: tuple[TensorSpec, ...]
-    out: TensorSpec
-    attrs: Mapping[str, Any]
     options: Mapping[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.node.kind
+
+    @property
+    def out(self) -> TensorSpec:
+        return self.node.out
+
+    @property
+    def attrs(self) -> Mapping[str, Any]:
+        return self.node.attrs
 
     def input(self, i: int = 0, role: str | None = None) -> Saved:
         return Saved("input", index=i, role=role)
@@ -75,21 +87,23 @@ def rule_kinds() -> tuple[str, ...]:
 class PytorchConvention(Convention):
     name = "pytorch"
     description = ("What eager PyTorch 2.x autograd keeps for backward, op by op, each storage counted once "
-                   "(see symmem/pytorch/ for the rule of every op kind and its source).")
+                   "(see symmem/conventions/pytorch/ for the rule of every op kind and its source).")
     dedup = True
     options: Mapping[str, Any] = {"device": "cuda"}
+    #: Op kinds with no save rule, and why.
+    unsupported: Mapping[str, str] = {
+        "rotary": "a fused rotary-embedding kernel differs per library; build rotary from mul, slice, neg, "
+                  "concat and add as Hugging Face does (symmem.models.llama)",
+    }
 
-    def saved(self, graph: nx.DiGraph, node: str, options: Mapping[str, Any]) -> list[Saved]:
-        data = graph.nodes[node]
-        kind = data["kind"]
-        rule = _RULES.get(kind)
+    def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
+        rule = _RULES.get(node.kind)
         if rule is None:
-            raise node_error(node, kind, "the pytorch convention has no rule for this op kind; "
-                             f"it knows: {', '.join(sorted(_RULES))}")
+            why = self.unsupported.get(node.kind, f"it knows: {', '.join(sorted(_RULES))}")
+            raise node_error(node.name, node.kind, f"the pytorch convention has no rule for this op kind: {why}")
         if options.get("device", "cuda") not in ("cuda", "cpu"):
-            raise node_error(node, kind, f"device {options.get('device')!r} is not 'cuda' or 'cpu'")
-        ctx = RuleContext(graph, node, kind, tuple(graph.nodes[i]["out"] for i in data["inputs"]), data["out"],
-                          data["attrs"], options)
+            raise node_error(node.name, node.kind, f"device {options.get('device')!r} is not 'cuda' or 'cpu'")
+        ctx = RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options)
         return rule(ctx)
 
 

@@ -24,57 +24,24 @@ divisor needs no gradient).  Kernels that pick what to keep at run time:
 
 Measured on the CPU (``tests/test_pytorch_sequence.py``) for ViT, GPT-2, BERT and Llama at several B and S.
 
->>> from symmem.pytorch import rule_kinds
+>>> from symmem.conventions.pytorch import rule_kinds
 >>> {"layernorm", "attention", "embedding", "mul"} <= set(rule_kinds())
 True
 """
 
 from __future__ import annotations
 
-import weakref
-
-import networkx as nx
 import sympy
 
-from ..branches import holds
-from ..conventions import Saved
-from ..errors import node_error
+from ...branches import holds
+from ...errors import node_error
+from ...passes.grad import requires_grad
+from .. import Saved
 from . import RuleContext, saves
-
-#: Op kinds whose output never requires grad, whatever their inputs.
-_NO_GRAD = frozenset({"input", "constant", "buffer", "rope_table"})
-_INT_DTYPES = frozenset({"bool", "int64", "int32", "int16", "int8", "uint8"})
-_MEMO: weakref.WeakKeyDictionary[nx.DiGraph, dict[str, bool]] = weakref.WeakKeyDictionary()
-
-
-def requires_grad(graph: nx.DiGraph, node: str) -> bool:
-    """Whether ``node``'s output requires grad: parameters do, inputs, constants and integers do not."""
-    memo = _MEMO.setdefault(graph, {})
-    if node in memo:
-        return memo[node]
-    stack = [node]
-    while stack:
-        n = stack[-1]
-        if n in memo:
-            stack.pop()
-            continue
-        data = graph.nodes[n]
-        if data["kind"] == "parameter":
-            memo[n] = True
-        elif data["kind"] in _NO_GRAD or data["out"].dtype in _INT_DTYPES:
-            memo[n] = False
-        else:
-            todo = [i for i in data["inputs"] if i not in memo]
-            if todo:
-                stack.extend(todo)
-                continue
-            memo[n] = bool(data["params"]) or any(memo[i] for i in data["inputs"])
-        stack.pop()
-    return memo[node]
 
 
 def _grad(ctx: RuleContext, i: int) -> bool:
-    return requires_grad(ctx.graph, ctx.graph.nodes[ctx.node]["inputs"][i])
+    return requires_grad(ctx.graph, ctx.node.inputs[i])
 
 
 @saves("constant", "buffer", "scalar_add", "cast", "mean", "rope_table", "scale", "neg", "to_dtype")
@@ -167,12 +134,12 @@ def _matmul(ctx: RuleContext) -> list[Saved]:
 def _merged_by_copy(ctx: RuleContext) -> bool:
     """Whether the output feeds a head merge (transpose/permute, then a copying contiguous/reshape)."""
     g = ctx.graph
-    for t in g.successors(ctx.node):
-        if g.nodes[t]["kind"] not in ("transpose", "permute"):
+    for t in g.successors(ctx.node.name):
+        if g.node(t).kind not in ("transpose", "permute"):
             continue
         for c in g.successors(t):
-            data = g.nodes[c]
-            if data["view_of"] is None and data["kind"] in ("contiguous", "reshape", "flatten", "clone"):
+            node = g.node(c)
+            if node.view_of is None and node.kind in ("contiguous", "reshape", "flatten", "clone"):
                 return True
     return False
 
@@ -182,7 +149,7 @@ def _attention(ctx: RuleContext) -> list[Saved]:
     """``scaled_dot_product_attention``: what the kernel the device picks keeps (module docstring)."""
     q, k, v = ctx.inputs
     if ctx.attrs.get("mask") is not None:
-        raise node_error(ctx.node, ctx.kind, "explicit attention masks are not modelled; use causal=True")
+        raise node_error(ctx.node.name, ctx.kind, "explicit attention masks are not modelled; use causal=True")
     dropout = ctx.attrs.get("dropout", 0.0)
     lse = ctx.new("logsumexp", q.shape[:-1], "float32", "attn_lse")
     if ctx.device == "cuda" and ctx.options.get("activation_dtype", "float32") == "float32":

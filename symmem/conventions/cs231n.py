@@ -22,12 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import sympy
 
-from .conventions import Convention, Saved, register
+from ..derivation import FORWARD_END, Moment, Storage
+from . import Convention, Saved, register
+
+if TYPE_CHECKING:
+    from ..graph import Graph, Node
 
 #: Op kinds that are a "layer" whose output volume CS231n counts.
 LAYER_KINDS = frozenset({"conv2d", "linear", "maxpool2d", "avgpool2d", "batchnorm", "layernorm", "embedding",
@@ -47,21 +50,26 @@ class CS231n(Convention):
         if self.options is None:
             object.__setattr__(self, "options", {})
 
-    def saved(self, graph: nx.DiGraph, node: str, options: Mapping[str, Any]) -> list[Saved]:
-        data = graph.nodes[node]
-        if data["kind"] == "input" and data["out"].role == "input":
-            return [Saved("new", label="volume", spec=data["out"].with_(role="input"), role="input")]
-        if data["kind"] in LAYER_KINDS:
-            return [Saved("output", role=data["out"].role or data["kind"])]
+    def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
+        if node.kind == "input" and node.role == "input":
+            return [Saved("new", label="volume", spec=node.out.with_(role="input"), role="input")]
+        if node.kind in LAYER_KINDS:
+            return [Saved("output", role=node.role or node.kind)]
         return []
 
-    def extra_terms(self, terms: list[Any], options: Mapping[str, Any]) -> list[Any]:
-        from .derive import Term
-
-        forward = sympy.Add(*(x.expr for x in terms if x.category == "activation"))
+    def extra_storages(self, storages: list[Storage], options: Mapping[str, Any]) -> list[Storage]:
+        # Code beyond the data: the course's x2 for the backward pass, alive while backward runs.
+        forward = sympy.Add(*(x.expr for x in storages if x.category == "activation"))
         if forward == 0:
             return []
-        return [Term("backward", "backward", "transient", forward, "activation_gradients")]
+        return [Storage("backward", "backward", "transient", forward, "activation_gradients",
+                        born=FORWARD_END, dies=Moment("step"))]
+
+    def finds_nothing(self, graph: Graph) -> str | None:
+        if any(graph.node(n).kind in LAYER_KINDS for n in graph.order()):
+            return None
+        return ("the cs231n convention counts the outputs of layers (conv, pool, fc, norm, embedding) and this "
+                "graph has none")
 
 
 register("cs231n", CS231n())

@@ -1,0 +1,69 @@
+"""The ``symmem`` command: one module per subcommand in this package, found without a list.
+
+A command module defines ``HELP`` (one line), ``ORDER`` (its place in ``symmem --help``), ``configure(parser)``
+and ``run(args) -> int``; :func:`main` imports every module of the package whose name does not start with an
+underscore (``common`` holds what commands share), and configures only the command being run, so that
+``symmem --help`` and ``symmem --version`` answer without building a model or importing sympy.
+
+Bad input (unknown model, symbol or option; values that are not positive integers) prints one line
+``symmem: error: ...`` and exits with status 2.  Nothing the user types is ever evaluated: ``--set`` parses
+integers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from ..errors import SymmemError
+
+VERSION = "0.1.0"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are :class:`SymmemError` (one line, exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SymmemError(message)
+
+
+def commands() -> dict[str, ModuleType]:
+    """Every command module, by command name, in the order ``symmem --help`` lists them."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_") or info.name == "common":
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found[getattr(module, "NAME", info.name)] = module
+    return dict(sorted(found.items(), key=lambda kv: (getattr(kv[1], "ORDER", 100), kv[0])))
+
+
+def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = Parser(prog="symmem", description="Closed-form training-memory formulas.")
+    parser.add_argument("--version", action="version", version=f"symmem {VERSION}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    found = commands()
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, module in found.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        if name == chosen:
+            module.configure(p)
+            p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``symmem`` command; returns the exit status."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser(args_in).parse_args(args_in)
+        return int(args.run(args))
+    except SymmemError as exc:
+        print(f"symmem: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0

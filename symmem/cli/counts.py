@@ -1,0 +1,33 @@
+"""``symmem counts``: the memory of a network given only by its activation and parameter counts."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import SymmemError
+
+NAME = "counts"
+HELP = "memory of a network given only by its activation and parameter counts (CS231n recipe)"
+ORDER = 70
+
+
+def _positive(text: str) -> int:
+    raw = text.replace("_", "").replace(",", "")
+    if not raw.isdigit() or int(raw) <= 0:
+        raise SymmemError(f"{text!r} is not a positive integer")
+    return int(raw)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", type=_positive, required=True, help="activation values per sample")
+    p.add_argument("--parameters", type=_positive, required=True, help="parameter count")
+    p.add_argument("--input", default="224x224x3", help="input WIDTHxHEIGHTxDEPTH (default 224x224x3)")
+    p.add_argument("--batch", type=_positive, default=1, help="mini-batch size")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..counts import from_counts, parse_shape
+
+    report = from_counts(args.activations, args.parameters, parse_shape(args.input), args.batch)
+    print(report.text())
+    return 0

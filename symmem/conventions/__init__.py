@@ -1,0 +1,181 @@
+"""Conventions: which tensors a training step keeps for backward.
+
+A convention answers, for one op node, "which tensors does this op keep?" as a list of :class:`Saved`
+references: an input of the op, its output, or a new tensor only the op holds (max-pool indices, a dropout
+mask, normalization statistics).  Two families:
+
+* **role conventions** (:class:`RoleConvention`: ``paper``, ``megatron``) are data: the tensor roles that are
+  kept (from the declared vocabulary, :mod:`symmem.roles`), plus extra tensors per op kind.  They count
+  tensors as the accounting they reproduce does, with no storage sharing.
+* **rule conventions** (``pytorch``) have one rule per op kind and count every storage once; a rule
+  convention lists the op kinds it has no rule for, with the reason (:attr:`Convention.unsupported`).
+
+A convention that needs code beyond its data is a subclass that says so in its docstring (``megatron``'s
+dropout masks, ``cs231n``'s x2 for backward).  Conventions live one per module in this package and register
+themselves on import; :func:`convention` finds them by name.
+
+>>> c = convention("paper")
+>>> sorted(c.keep_outputs)[:3]
+['attn_probs', 'main_path', 'mlp_hidden']
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .. import ops, roles
+from ..errors import SymmemError
+from ..tensor import TensorSpec
+
+if TYPE_CHECKING:
+    from ..derivation import Storage
+    from ..graph import Graph, Node
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor an op keeps: ``source`` is ``"input"`` (with ``index``), ``"output"`` or ``"new"``.
+
+    ``new`` tensors are storages only this op holds; ``spec`` gives their shape and dtype, ``label`` names
+    them (``indices``, ``mask``, ``mean`` ...).  ``role`` overrides the role shown in breakdowns.
+    """
+
+    source: str
+    index: int = 0
+    label: str = ""
+    spec: TensorSpec | None = None
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in ("input", "output", "new"):
+            raise SymmemError(f"a saved tensor's source is 'input', 'output' or 'new', not {self.source!r}")
+        if self.source == "new" and self.spec is None:
+            raise SymmemError(f"the new saved tensor {self.label!r} needs a spec (its shape and dtype)")
+        if self.role not in ops.kinds():  # a layer without a role may be shown by its op kind
+            roles.check(self.role)
+
+
+class Convention:
+    """Base class: a name, a description, and :meth:`saved` for one node.
+
+    Subclasses set ``name``, ``description``, ``dedup`` (count each storage once, or each kept reference as
+    the accounting it mirrors does), ``options`` (what the convention understands, with defaults) and
+    ``unsupported`` (op kind -> why the convention has no rule for it; rule conventions only).
+    """
+
+    name: str
+    description: str
+    dedup: bool
+    options: Mapping[str, Any]
+    unsupported: Mapping[str, str] = {}
+
+    def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
+        raise NotImplementedError
+
+    def extra_storages(self, storages: list[Storage], options: Mapping[str, Any]) -> list[Storage]:
+        """Storages the accounting adds on top of the kept tensors (CS231n's x2 for backward); none by
+        default."""
+        return []
+
+    def finds_nothing(self, graph: Graph) -> str | None:
+        """Why this convention cannot count anything in ``graph`` (None when it can)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A tensor a role convention adds for every op of a kind: shaped like the op's output."""
+
+    label: str
+    dtype: str
+    role: str
+
+
+@dataclass(frozen=True)
+class RoleConvention(Convention):
+    """A convention that is data: kept output roles, kept input roles and extra tensors per op kind."""
+
+    name: str
+    description: str
+    keep_outputs: frozenset[str]
+    #: role of a consumer node -> indices of its inputs that are kept (e.g. the projection shortcut's input)
+    keep_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    extras: Mapping[str, tuple[Extra, ...]] = field(default_factory=dict)
+    dedup: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for role in (*self.keep_outputs, *self.keep_inputs):
+            roles.check(role)
+        for extras in self.extras.values():
+            for extra in extras:
+                roles.check(extra.role)
+
+    @property
+    def keyed_roles(self) -> frozenset[str]:
+        """The graph roles this convention counts by."""
+        return frozenset(self.keep_outputs) | frozenset(self.keep_inputs)
+
+    def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
+        role = node.role
+        found: list[Saved] = []
+        if role in self.keep_outputs:
+            found.append(Saved("output", role=role))
+        for i in self.keep_inputs.get(role or "", ()):
+            found.append(Saved("input", index=i, label=f"input {i}", role=f"{role}_input"))
+        for extra in self.extras.get(node.kind, ()):
+            found.append(Saved("new", label=extra.label, role=extra.role,
+                               spec=TensorSpec(node.out.shape, extra.dtype, extra.role)))
+        return found
+
+    def finds_nothing(self, graph: Graph) -> str | None:
+        used = {graph.node(n).role for n in graph.order()}
+        if used & self.keyed_roles or any(graph.node(n).kind in self.extras for n in graph.order()):
+            return None
+        return (f"the {self.name} convention counts tensors by role ({', '.join(sorted(self.keyed_roles))}) and "
+                f"no node of this graph has one of them, so it keeps nothing; use --convention pytorch")
+
+
+_REGISTRY: dict[str, Convention | Callable[[], Convention]] = {}
+
+
+def register(name: str, conv: Convention | Callable[[], Convention]) -> None:
+    """Make a convention (or a zero-argument factory for one) available by name."""
+    _REGISTRY[name] = conv
+
+
+def convention(name: str | Convention) -> Convention:
+    """The convention called ``name``; a :class:`SymmemError` lists the known ones otherwise."""
+    if isinstance(name, Convention):
+        return name
+    _load_builtin()
+    try:
+        found = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise SymmemError(f"unknown convention {name!r}; known: {', '.join(names())}") from None
+    if not isinstance(found, Convention):
+        found = found()
+        _REGISTRY[name] = found
+    return found
+
+
+def names() -> tuple[str, ...]:
+    """Every known convention name."""
+    _load_builtin()
+    return tuple(_REGISTRY)
+
+
+_LOADED: list[bool] = []
+
+
+def _load_builtin() -> None:
+    # Every module of this package is a convention that registers itself on import: no list to keep.
+    if _LOADED:
+        return
+    _LOADED.append(True)
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        importlib.import_module(f"{__name__}.{info.name}")

@@ -1,0 +1,343 @@
+"""The core result: storages with lifetimes, the terms kept at the end of the forward pass, and their totals.
+
+A :class:`Derivation` holds every :class:`Storage` a training step of one model under one convention and
+regime keeps: its bytes as a sympy expression (all copies: ``count`` x ``elements`` x bytes per element), its
+producer, the nodes that keep it, and when it is born and dies on the step's schedule (:class:`Moment`).
+Everything else is a view of the storages:
+
+* :attr:`Derivation.terms`, what is kept at the end of the forward pass plus the parameter side, summed into
+  ``activations``, ``input``, ``loss``, ``parameter_memory``, ``transient`` and ``total``;
+* the text table, JSON, LaTeX and Jupyter displays (:mod:`symmem.report`, plugged in through
+  :func:`register_view`; the core knows them only by name).
+
+>>> from symmem import derive
+>>> d = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True)
+>>> d.activations / 4
+9*B*H*S
+>>> s = d.storage("blocks.qkv")
+>>> s.born, s.dies
+(Moment(phase='forward', node='blocks.qkv', lag=0), Moment(phase='backward', node='blocks.qkv', lag=0))
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+import sympy
+
+from .branches import fold
+from .errors import SymmemError
+from .training import Regime
+from .units import format_bytes, to_unit
+
+#: ``transient``: memory alive only during part of backward (a recomputed layer, CS231n's x2 for backward).
+CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
+#: The named quantities a derivation sums (``parameters`` is a count, not bytes).
+QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters")
+#: Phases of a training step, in order; a moment at node None is the start of its phase.
+PHASES = ("start", "forward", "backward", "step", "end")
+
+
+@dataclass(frozen=True)
+class Moment:
+    """An instant of the training step: right after ``node`` runs in ``phase`` (``node`` None: the phase's
+    start).  ``lag`` counts iterations of a repeated block after the storage's own (the output of layer i is
+    kept by layer i + 1: it dies in the backward of the next iteration, ``lag=1``)."""
+
+    phase: str
+    node: str | None = None
+    lag: int = 0
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise SymmemError(f"unknown phase {self.phase!r}; phases: {', '.join(PHASES)}")
+
+
+START = Moment("start")
+END = Moment("end")
+#: The end of the forward pass: what is alive here is "kept for backward".
+FORWARD_END = Moment("backward")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named part of the memory: bytes as a sympy expression, and where it comes from.
+
+    ``count`` is how many copies the formula holds (``L`` for a tensor kept once per layer); ``elements``
+    is the size of one copy; ``expr`` = count * elements * bytes per element.
+    """
+
+    name: str
+    group: str
+    category: str
+    expr: sympy.Expr
+    role: str | None = None
+    node: str | None = None
+    dtype: str | None = None
+    elements: sympy.Expr | None = None
+    count: sympy.Expr = sympy.Integer(1)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One storage of the training step (or ``count`` identical ones, one per layer), with its lifetime.
+
+    ``keepers`` are the nodes that keep it for backward; ``born`` and ``dies`` are moments of the step's
+    schedule.  ``shards`` is what a sharding regime divided ``expr`` by (ZeRO's N), so that views can print a
+    component as one fraction.
+    """
+
+    name: str
+    group: str
+    category: str
+    expr: sympy.Expr
+    role: str | None = None
+    node: str | None = None
+    dtype: str | None = None
+    elements: sympy.Expr | None = None
+    count: sympy.Expr = sympy.Integer(1)
+    keepers: tuple[str, ...] = ()
+    born: Moment = START
+    dies: Moment = END
+    shards: sympy.Expr = sympy.Integer(1)
+
+    @property
+    def kept_at_forward_end(self) -> bool:
+        """Whether it is alive when the forward pass ends (born in forward or before, dies in backward or
+        later)."""
+        return self.born.phase in ("start", "forward") and self.dies.phase in ("backward", "step", "end")
+
+    def term(self) -> Term:
+        return Term(self.name, self.group, self.category, self.expr, self.role, self.node, self.dtype,
+                    self.elements, self.count)
+
+    def with_(self, **changes: Any) -> Storage:
+        return replace(self, **changes)
+
+
+def kept_terms(storages: tuple[Storage, ...] | list[Storage]) -> tuple[Term, ...]:
+    """The terms of "kept at the end of the forward pass + the parameter side + transients".
+
+    Activations, inputs and loss tensors alive at the end of the forward pass are one term each; the
+    parameter side is one term per component (weights, gradients, each optimizer state), summed over
+    parameters at the place of its first storage; transients are one term each.
+    """
+    out: list[Term | str] = []
+    components: dict[str, list[Storage]] = {}
+    for s in storages:
+        if s.category == "parameter":
+            key = s.role or s.name
+            if key not in components:
+                components[key] = []
+                out.append(key)
+            components[key].append(s)
+        elif s.category == "transient" or s.kept_at_forward_end:
+            out.append(s.term())
+    terms: list[Term] = []
+    for item in out:
+        if isinstance(item, Term):
+            terms.append(item)
+            continue
+        parts = components[item]
+        shards = parts[0].shards
+        if all(p.shards == shards for p in parts) and shards != 1:
+            expr = sympy.Add(*(p.expr * shards for p in parts)) / shards
+        else:
+            expr = sympy.Add(*(p.expr for p in parts))
+        terms.append(Term(item, parts[0].group, "parameter", expr, item))
+    return tuple(terms)
+
+
+_VIEWS: dict[str, Callable[[Derivation], Any]] = {}
+
+
+def register_view(name: str, fn: Callable[[Derivation], Any]) -> None:
+    """Plug a view into :class:`Derivation` (``table``, ``dict``, ``html``, ``latex``).
+
+    The default views (:mod:`symmem.report`) register themselves when imported; the core loads them by name
+    on first use, as pandas loads its plotting backend, so that it never imports a view module itself.
+    """
+    _VIEWS[name] = fn
+
+
+def _view(name: str) -> Callable[[Derivation], Any]:
+    if name not in _VIEWS:
+        importlib.import_module("symmem.report")
+    return _VIEWS[name]
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as a positive int (a :class:`SymmemError` naming ``name`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int | sympy.Integer):
+        raise SymmemError(f"{name} must be a positive integer, got {value!r}")
+    if int(value) <= 0:
+        raise SymmemError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """The memory of one model under one convention and regime: storages with lifetimes, terms and totals.
+
+    Expressions are in :attr:`free` symbols; :attr:`numbers` gives every symbol a value for evaluation.
+    """
+
+    model: str
+    convention: str
+    regime: Regime
+    storages: tuple[Storage, ...]
+    free: tuple[sympy.Symbol, ...]
+    numbers: Mapping[sympy.Symbol, int]
+    parameters: sympy.Expr
+    per_layer: bool = False
+    layer: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    # -- the kept view --------------------------------------------------------------------------------
+    @cached_property
+    def terms(self) -> tuple[Term, ...]:
+        """What is kept at the end of the forward pass, the parameter side and transients (see
+        :func:`kept_terms`)."""
+        return kept_terms(self.storages)
+
+    def storage(self, name: str) -> Storage:
+        """The storage called ``name``."""
+        for s in self.storages:
+            if s.name == name:
+                return s
+        raise SymmemError(f"{self.model} has no storage {name!r}")
+
+    # -- totals ---------------------------------------------------------------------------------------
+    def sum(self, category: str | None = None, group: str | None = None, role: str | None = None
+            ) -> sympy.Expr:
+        """Bytes of the terms that match every given filter."""
+        return fold(sympy.Add(*(t.expr for t in self.terms
+                                if (category is None or t.category == category)
+                                and (group is None or t.group == group)
+                                and (role is None or t.role == role))))
+
+    @cached_property
+    def activations(self) -> sympy.Expr:
+        """Every kept activation tensor, indices and masks included."""
+        return self.sum("activation")
+
+    @cached_property
+    def input(self) -> sympy.Expr:
+        return self.sum("input")
+
+    @cached_property
+    def loss(self) -> sympy.Expr:
+        return self.sum("loss")
+
+    @cached_property
+    def parameter_memory(self) -> sympy.Expr:
+        return self.sum("parameter")
+
+    @cached_property
+    def transient(self) -> sympy.Expr:
+        """Memory alive only during backward: recomputed layers, CS231n's activation gradients."""
+        return self.sum("transient")
+
+    @cached_property
+    def total(self) -> sympy.Expr:
+        """Kept at the end of the forward pass + the parameter side + transients."""
+        return fold(sympy.Add(*(t.expr for t in self.terms)))
+
+    def expression(self, key: str) -> sympy.Expr:
+        """The expression for ``activations``, ``parameter_memory``, ``total``, ``input``, ``loss``,
+        ``transient`` or ``parameters`` (a count)."""
+        if key not in QUANTITIES:
+            raise SymmemError(f"unknown quantity {key!r}; known: {', '.join(QUANTITIES)}")
+        return getattr(self, key)
+
+    def groups(self) -> dict[str, sympy.Expr]:
+        """Bytes per group, in the order the groups first appear."""
+        parts: dict[str, list[sympy.Expr]] = {}
+        for t in self.terms:
+            parts.setdefault(t.group, []).append(t.expr)
+        return {g: fold(sympy.Add(*e)) for g, e in parts.items()}
+
+    # -- numbers --------------------------------------------------------------------------------------
+    def evaluate(self, expr: sympy.Expr) -> int:
+        """``expr`` at the derivation's numbers (defaults overridden by what was set)."""
+        expr = sympy.sympify(expr)
+        missing = expr.free_symbols - set(self.numbers)
+        if missing:
+            names = ", ".join(sorted(s.name for s in missing))
+            raise SymmemError(f"no value for {names}; set one (e.g. --set {sorted(missing, key=str)[0]}=...)")
+        value = sympy.sympify(expr.xreplace(dict(self.numbers)))
+        if not value.is_number:
+            raise SymmemError(f"{expr} did not evaluate to a number")
+        return int(value) if value.is_integer else int(sympy.ceiling(value))
+
+    def try_evaluate(self, expr: sympy.Expr) -> int | None:
+        """:meth:`evaluate`, or None where a symbol has no value."""
+        try:
+            return self.evaluate(expr)
+        except SymmemError:
+            return None
+
+    def value(self, key: str) -> int:
+        """Integer bytes of a named quantity (``parameters`` is a count)."""
+        return self.evaluate(self.expression(key))
+
+    def size(self, key: str, unit: str = "GiB") -> float:
+        """A named quantity in ``unit`` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB).
+
+        >>> from symmem import derive
+        >>> round(derive("resnet50-v1").size("parameter_memory", "MB"), 1)
+        408.9
+        """
+        return to_unit(self.value(key), unit)
+
+    def at(self, **values: int) -> Derivation:
+        """The same derivation evaluated at other numbers (expressions unchanged).
+
+        >>> from symmem import derive
+        >>> d = derive("vit-b16", attention="sdpa").at(B=1)
+        >>> d.numbers[d.free[0]]
+        1
+        """
+        nums = dict(self.numbers)
+        by_name = {s.name: s for s in self.free}
+        for name, v in values.items():
+            if name not in by_name:
+                # Other symbols were replaced by their values when deriving (F = 4H, S from the image size),
+                # so a new number for them would be silently ignored: derive again instead.
+                raise SymmemError(f"{name!r} is not a symbol of this formula (it is in "
+                                  f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
+                                  f"values={{{name!r}: {v!r}}}")
+            nums[by_name[name]] = positive_int(name, v)
+        return replace(self, numbers=nums)
+
+    # -- views ----------------------------------------------------------------------------------------
+    def title(self) -> str:
+        """One line naming what was derived: model, convention, precision and optimizer, scope."""
+        scope = f", one layer ({self.layer})" if self.per_layer else ""
+        return f"{self.model} - convention {self.convention}, {self.regime.precision} + {self.regime.optimizer}{scope}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract (see the README)."""
+        return _view("dict")(self)
+
+    def table(self) -> str:
+        """A readable text table in MiB/GiB."""
+        return _view("table")(self)
+
+    def _repr_latex_(self) -> str:
+        return _view("latex")(self)
+
+    def _repr_html_(self) -> str:
+        return _view("html")(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        total = self.try_evaluate(self.total)
+        size = "?" if total is None else format_bytes(total)
+        return f"<Derivation {self.title()}: total {size}>"

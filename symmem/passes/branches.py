@@ -1,0 +1,110 @@
+"""Storage decisions that depend on the sizes, per branch: find the open conditions, enumerate, merge.
+
+:func:`conditions` finds the conditions (:mod:`symmem.branches`) in a graph's attributes that the symbols left
+free do not decide; the derivation works out the kept storages once per truth assignment
+(:func:`assignments`) and :func:`merge` joins them into one list whose expressions are ``Piecewise`` over the
+conditions (equal branches collapse).
+
+>>> from symmem.models import build
+>>> g = build("llama").graph
+>>> open_, decided = conditions(g, list(g.order()), {})
+>>> open_
+[Eq(G, 1) | Eq(h/G, 1)]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import sympy
+from sympy.logic.boolalg import Boolean, BooleanAtom
+
+from ..branches import Branch, canonical, is_condition
+from ..derivation import Storage
+from ..graph import Graph
+
+
+def _walk(value: Any) -> Iterable[Boolean]:
+    if is_condition(value):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _walk(v)
+
+
+def conditions(graph: Graph, nodes: Iterable[str], subs: Mapping[sympy.Symbol, sympy.Expr]
+               ) -> tuple[list[Boolean], dict[Boolean, bool]]:
+    """The conditions in the attributes of ``nodes``: (still open after ``subs``, decided by ``subs``)."""
+    open_: list[Boolean] = []
+    decided: dict[Boolean, bool] = {}
+    for n in nodes:
+        for value in graph.node(n).attrs.values():
+            for cond in _walk(value):
+                base, _ = canonical(cond)
+                if base in decided or base in open_:
+                    continue
+                now = base.xreplace(dict(subs))
+                if isinstance(now, BooleanAtom):
+                    decided[base] = bool(now)
+                else:
+                    open_.append(base)
+    return open_, decided
+
+
+def assignments(open_: Sequence[Boolean], decided: Branch) -> list[dict[sympy.Basic, bool]]:
+    """Every truth assignment of the open conditions, each with the decided ones."""
+    return [{**dict(decided), **dict(zip(open_, values, strict=True))}
+            for values in itertools.product((True, False), repeat=len(open_))]
+
+
+def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
+    """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1), to write the branch's formula plainly."""
+    if value and isinstance(cond, sympy.Eq) and isinstance(cond.lhs, sympy.Symbol) and cond.rhs.is_number:
+        return {cond.lhs: cond.rhs}
+    return {}
+
+
+def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Storage]]]) -> list[Storage]:
+    """One list of storages from the storages of every branch: an expression is a ``Piecewise`` over them.
+
+    Storages are matched by (name, group, category) and their order of appearance; one missing from a
+    branch is zero there.
+    """
+    if len(branches) == 1:
+        return list(branches[0][1])
+    keyed: dict[tuple[Any, ...], dict[int, Storage]] = {}
+    for i, (_, terms) in enumerate(branches):
+        seen: dict[tuple[Any, ...], int] = {}
+        for t in terms:
+            base = (t.name, t.group, t.category)
+            seen[base] = seen.get(base, 0) + 1
+            keyed.setdefault((*base, seen[base]), {})[i] = t
+    guards = []
+    for branch, _ in branches:
+        parts = [c if branch[c] else sympy.Not(c) for c in open_]
+        subs: dict[sympy.Symbol, sympy.Expr] = {}
+        for c in open_:
+            subs.update(_given(c, branch[c]))
+        guards.append((sympy.And(*parts), subs))
+
+    def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
+        # Most terms are the same in every branch; sympy's Piecewise simplification is slow, so skip it there.
+        if all(v == values[0] for v in values[1:]):
+            return values[0]
+        pieces = [(v.xreplace(subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
+        pieces[-1] = (pieces[-1][0], sympy.true)
+        return sympy.Piecewise(*pieces, evaluate=False)
+
+    out: list[Storage] = []
+    for by_branch in keyed.values():
+        first = next(iter(by_branch.values()))
+        zero = sympy.Integer(0)
+        exprs = [by_branch[i].expr if i in by_branch else zero for i in range(len(branches))]
+        counts = [by_branch[i].count if i in by_branch else zero for i in range(len(branches))]
+        elems = [by_branch[i].elements if i in by_branch else first.elements for i in range(len(branches))]
+        elements = None if any(e is None for e in elems) else piecewise(elems)
+        out.append(replace(first, expr=piecewise(exprs), count=piecewise(counts), elements=elements))
+    return out

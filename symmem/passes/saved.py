@@ -1,0 +1,96 @@
+"""What the convention keeps, as storages: each with its bytes, its copies, its keepers and its lifetime.
+
+For every node the convention lists what the op keeps (:class:`~symmem.conventions.Saved`).  A
+storage-counting convention (``dedup``) resolves every kept tensor to its storage
+(:func:`symmem.passes.storage.resolve`) and counts each storage once, with as many copies as the iterations
+of a repeated block that keep it; parameters and buffers are the parameter side, not activations.  A
+reference-counting convention (``paper``) counts each kept reference as the accounting it mirrors does.
+
+>>> from symmem.conventions import convention
+>>> from symmem.models import build
+>>> g = build("mlp").graph
+>>> found = kept(g, convention("pytorch"), {"device": "cpu"}, "float32", list(g.order()), False)
+>>> [(s.name, s.keepers) for s in found]
+[('x', ('fc1',)), ('act1', ('act1', 'fc2')), ('act2', ('act2', 'fc3'))]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sympy
+
+from ..conventions import Convention, Saved
+from ..derivation import Storage
+from ..graph import Graph, Node
+from ..tensor import TensorSpec, dtype_bytes
+from .lifetimes import lifetime
+from .storage import Branch, multiplicity, resolve
+
+
+def category(node: Node) -> str:
+    """``input`` for graph inputs (the batch, a loss target), ``loss`` for what a loss appended by
+    :mod:`symmem.loss` keeps (its group is ``loss``), ``activation`` otherwise."""
+    if node.kind == "input":
+        return "input"
+    return "loss" if node.group == "loss" else "activation"
+
+
+def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: str, nodes: list[str],
+         per_layer: bool, branch: Branch | None = None) -> list[Storage]:
+    """The storages ``conv`` keeps for the ``nodes`` (all of them, or one layer with ``per_layer``)."""
+    found: list[Storage] = []
+    storages: dict[str, list[tuple[str, str, Saved]]] = {}
+    order: list[str] = []
+
+    def size(spec: TensorSpec) -> sympy.Expr:
+        return spec.numel * dtype_bytes(spec.dtype, act_dtype)
+
+    # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks) and the branch.
+    rule_options = {**options, "activation_dtype": act_dtype, "branch": branch}
+    for name in nodes:
+        node = graph.node(name)
+        count = sympy.Integer(1) if per_layer else node.count
+        for ref in conv.saved(graph, node, rule_options):
+            if ref.source == "new":
+                spec = ref.spec
+                assert spec is not None
+                born, dies = lifetime(graph, name, "activation", [(name, "same")])
+                cat = "loss" if node.group == "loss" else "activation"
+                found.append(Storage(f"{name}.{ref.label}", node.group, cat, count * size(spec),
+                                     ref.role or spec.role, name, spec.dtype, spec.numel, count, (name,), born, dies))
+                continue
+            target = name if ref.source == "output" else node.inputs[ref.index]
+            if not conv.dedup:
+                spec = graph.node(target).out
+                cat = category(graph.node(target))
+                label = name if ref.source == "output" else f"{name}.{ref.label or 'input'}"
+                born, dies = lifetime(graph, name, cat, [(name, "same")])
+                found.append(Storage(label, node.group, cat, count * size(spec), ref.role or spec.role, name,
+                                     spec.dtype, spec.numel, count, (name,), born, dies))
+                continue
+            for storage, mode in resolve(graph, target, per_layer, act_dtype, branch):
+                if storage not in storages:
+                    storages[storage] = []
+                    order.append(storage)
+                storages[storage].append((name, mode, ref))
+    for storage in order:
+        node = graph.node(storage)
+        if node.kind in ("parameter", "buffer"):
+            continue
+        savers = storages[storage]
+        if per_layer:
+            count = sympy.Integer(1)
+        else:
+            count = multiplicity(graph, storage, [(s, mode) for s, mode, _ in savers])
+            if count == 0:
+                continue
+        cat = category(node)
+        role = next((r.role for _, _, r in savers if r.role), None) or node.role
+        group = "input" if cat == "input" else node.group
+        keepers = tuple(dict.fromkeys(s for s, _, _ in savers))
+        born, dies = lifetime(graph, storage, cat, [(s, mode) for s, mode, _ in savers])
+        found.append(Storage(storage, group, cat, count * size(node.out), role, storage, node.out.dtype,
+                             node.out.numel, count, keepers, born, dies))
+    return found
