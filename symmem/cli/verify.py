@@ -12,17 +12,13 @@ ORDER = 30
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    add_derive_options(p)
+    add_derive_options(p, convention="pytorch", device="cpu", regime=False)
     p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
-    p.set_defaults(convention="pytorch")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conventions import convention
     from ..verify import verify
 
-    if args.device is None and "device" in convention(args.convention).options:
-        args.device = "cpu"  # the formula for the device the measurement runs on
     result = verify(derivation_from_args(args))
     print(result.report(verbose=args.verbose))
     return 0 if result.exact else 1
