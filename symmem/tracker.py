@@ -23,7 +23,8 @@ Every storage gets one **category** for its whole life, the first that applies i
 ``output``
     the module's output, held by the caller until the end of backward;
 ``activation_grad``
-    a gradient flowing between autograd nodes (seen by a pre-hook on every node of the graph);
+    a gradient flowing between autograd nodes (seen by a pre-hook and a hook on every node of the graph: what a
+    node receives and what it produces, before the engine sums two gradients at a fork);
 ``temporary``
     anything else: intermediates of the forward and of backward formulas, optimizer temporaries;
 ``external``
@@ -245,14 +246,14 @@ class StepTrace:
         return tuple(sorted(alive, key=lambda s: (-s.nbytes, s.sid)))
 
     def persistent(self, step: int) -> int:
-        """The simple sum a formula would start from: saved activations and output at the end of the forward
+        """The simple sum a formula would start from: activations saved for backward at the end of the forward
         (after the loss) + input + parameters and buffers + gradients at the end of backward + optimizer state
-        after the step."""
+        after the step.  The module's output (held by the caller, not saved) is not in it."""
         loss = self.boundary(step, "loss")
         back = self.boundary(step, "backward")
         after = self.boundary(step, "step")
-        return (loss.bytes("saved") + loss.bytes("output") + loss.bytes("input") + loss.bytes("parameter")
-                + loss.bytes("buffer") + back.bytes("gradient") + after.bytes("optimizer_state"))
+        return (loss.bytes("saved") + loss.bytes("input") + loss.bytes("parameter") + loss.bytes("buffer")
+                + back.bytes("gradient") + after.bytes("optimizer_state"))
 
     def ratio(self, step: int) -> float:
         """Peak of ``step`` over :meth:`persistent` of ``step``."""
@@ -504,8 +505,8 @@ class LiveTracker:
             yield
 
     def watch_backward(self, root: Any) -> list[Any]:
-        """Pre-hooks on every node of the graph behind ``root``: name the running node, label incoming gradients
-        ``activation_grad``.  Returns the hook handles (remove them after backward)."""
+        """Hooks on every node of the graph behind ``root``: name the running node, label the gradients it receives
+        and the gradients it produces ``activation_grad``.  Returns the hook handles (remove them after backward)."""
         handles: list[Any] = []
         seen: set[int] = set()
         todo = [root.grad_fn] if root.grad_fn is not None else []
@@ -520,7 +521,11 @@ class LiveTracker:
                 self.where = name
                 self.label(_tensors(grad_outputs), "activation_grad")
 
+            def post(grad_inputs: Any, grad_outputs: Any) -> None:  # before the engine sums them at a fork
+                self.label(_tensors(grad_inputs), "activation_grad")
+
             handles.append(node.register_prehook(pre))
+            handles.append(node.register_hook(post))
             todo.extend(n for n, _ in node.next_functions)
         return handles
 
