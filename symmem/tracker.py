@@ -64,6 +64,7 @@ CATEGORIES: tuple[str, ...] = ("parameter", "buffer", "input", "optimizer_state"
 PHASES: tuple[str, ...] = ("forward", "loss", "backward", "step", "zero_grad")
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 _BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")  # torch.tensor(...) data made before dispatch
+_MODULE_KEY = "symmem.module"  # autograd node metadata: the module whose output the node made
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class OpRecord:
     ``where`` is the innermost module in the forward (its qualified name, ``""`` for the top), the autograd
     node in backward (``ConvolutionBackward0``; accumulating two gradients at a fork runs under the node that
     produced the second), the parameter an op updates in the optimizer step (``foreach`` for multi-tensor ops).
+    ``module`` is the innermost module running in the forward; in backward, the module whose output node was the
+    last node entered that had one (``track_step`` tags them), so the nodes inside a module inherit its name.
     ``allocated`` counts storages born in this op (and storage growth), ``freed`` the bytes released since the
     previous record.
     """
@@ -109,6 +112,7 @@ class OpRecord:
     live: int
     by_category: tuple[tuple[str, int], ...]
     born: tuple[int, ...] = ()
+    module: str = ""
 
     def bytes(self, category: str) -> int:
         """Live bytes of one category at this record."""
@@ -336,7 +340,7 @@ class LiveTracker:
         self._events: list[tuple[Any, ...]] = []  # ("op", ...), ("free", sid), ("boundary", step, phase)
         self._ops = 0
         self._closed = False
-        self.step, self.phase_name, self.where = 1, "forward", ""
+        self.step, self.phase_name, self.where, self.module = 1, "forward", "", ""
         self._param_names: dict[int, str] = {}  # storage key -> parameter name, for the optimizer step
         self._mode: Any = None
         self._started = False
@@ -407,12 +411,12 @@ class LiveTracker:
     @contextmanager
     def phase(self, step: int, name: str) -> Iterator[None]:
         """Attribute the ops inside to ``name`` of ``step``; record live bytes when it ends."""
-        self.step, self.phase_name, self.where = step, name, ""
+        self.step, self.phase_name, self.where, self.module = step, name, "", ""
         try:
             yield
         finally:
             self._boundary(step, name)
-            self.where = ""
+            self.where = self.module = ""
 
     def end_phase(self, step: int, name: str) -> None:
         """Record a phase boundary without a ``with`` block (``loss`` computed inside the model's forward)."""
@@ -461,7 +465,7 @@ class LiveTracker:
                         for t in outs:  # what an op on a parameter's tensors makes belongs to that parameter
                             self._param_names[self._key(t)] = name
                         break
-        self._events.append(("op", self.step, self.phase_name, op, where, tuple(births)))
+        self._events.append(("op", self.step, self.phase_name, op, where, self.module, tuple(births)))
         self._ops += 1
 
     def _make_mode(self) -> Any:
@@ -517,8 +521,9 @@ class LiveTracker:
             seen.add(id(node))
             name = node.name().removeprefix("torch::autograd::")
 
-            def pre(grad_outputs: Any, name: str = name) -> None:
+            def pre(grad_outputs: Any, name: str = name, node: Any = node) -> None:
                 self.where = name
+                self.module = node.metadata.get(_MODULE_KEY, self.module)
                 self.label(_tensors(grad_outputs), "activation_grad")
 
             def post(grad_inputs: Any, grad_outputs: Any) -> None:  # before the engine sums them at a fork
@@ -578,7 +583,7 @@ class LiveTracker:
                 by[cat[sid]] += delta
                 pending += delta
             elif kind == "op":
-                _, step, phase, op, where, born = ev
+                _, step, phase, op, where, module, born = ev
                 for sid in born:
                     size[sid] = self._all[sid].first
                     live += size[sid]
@@ -586,7 +591,7 @@ class LiveTracker:
                     pending += size[sid]
                     births[sid] = len(records)
                 records.append(OpRecord(len(records), step, phase, op, where, pending, freed, live, snapshot(),
-                                        born))
+                                        born, module))
                 pending = freed = 0
             elif kind == "free":
                 sid = ev[1]
@@ -640,21 +645,25 @@ def _state_tensors(opt: Any) -> list[Any]:
 
 @contextmanager
 def _module_names(tracker: LiveTracker, module: Any) -> Iterator[None]:
-    """Set ``tracker.where`` to the innermost running module during the forward."""
+    """Set ``tracker.where`` and ``tracker.module`` to the innermost running module during the forward, and tag the
+    autograd node of each module's output with the module's name (``node.metadata``), for the backward."""
     stack: list[str] = []
     handles = []
 
     def pre(name: str) -> Callable[..., None]:
         def hook(mod: Any, args: Any) -> None:
             stack.append(name)
-            tracker.where = name
+            tracker.where = tracker.module = name
 
         return hook
 
     def post(mod: Any, args: Any, out: Any) -> None:
         if stack:
-            stack.pop()
-        tracker.where = stack[-1] if stack else ""
+            name = stack.pop()
+            for t in _tensors(out):  # the innermost module whose output this node makes
+                if t.grad_fn is not None:
+                    t.grad_fn.metadata.setdefault(_MODULE_KEY, name)
+        tracker.where = tracker.module = stack[-1] if stack else ""
 
     for name, sub in module.named_modules():
         handles.append(sub.register_forward_pre_hook(pre(name)))
