@@ -2,7 +2,7 @@
 
 Every number comes from :func:`symmem.tracker.track_step` (a dispatch mode counting storages op by op) and,
 for the allocator table, the profiler's allocation events (:class:`symmem.tracker.AllocatorPeaks`).  Prints the
-Markdown of ``docs/peak-measurements.md``'s tables and facts.  Run by hand from the repository root
+Markdown of `docs/peak-measurements.md`'s tables and facts.  Run by hand from the repository root
 (a few minutes on 2 cores)::
 
     PYTHONPATH=$PWD python benchmarks/measure_peaks.py            # everything
@@ -137,12 +137,12 @@ def allocator_table(out: list[str], configs: Iterable) -> None:
 
 def facts_text(facts: dict, out: list[str]) -> None:
     grads = facts["grad_in_forward"]
-    out.append(f"- **No gradient during the forward** (``zero_grad(set_to_none=True)``): the most gradient bytes alive "
+    out.append(f"- **No gradient during the forward** (`zero_grad(set_to_none=True)`): the most gradient bytes alive "
                f"in any forward or loss op over {len(grads)} runs is {max(grads):,}.")
     mom = facts.get("momentum", [])
     same = [m for m in mom if m[2] == m[3]]
     out.append(f"- **SGD with momentum clones the gradients in its first step**: bytes born in step 1's optimizer "
-               f"phase by ``clone`` = parameter bytes in {len(same)} of {len(mom)} runs (for-loop and foreach); the "
+               f"phase by `clone` = parameter bytes in {len(same)} of {len(mom)} runs (for-loop and foreach); the "
                f"first step's peak is in the step in "
                f"{sum(m[4] == 'step' for m in mom)} of them, the steady step's in the backward in "
                f"{sum(m[5] == 'backward' for m in mom)}.")
@@ -152,11 +152,11 @@ def facts_text(facts: dict, out: list[str]) -> None:
     adam = facts.get("adam", [])
     each = [a for a in adam if a[2] == "foreach"]
     loop = [a for a in adam if a[2] == "for-loop"]
-    out.append(f"- **Adam/AdamW foreach** holds one copy of the parameters as temporaries (``_foreach_sqrt``): most "
+    out.append(f"- **Adam/AdamW foreach** holds one copy of the parameters as temporaries (`_foreach_sqrt`): most "
                f"temporary bytes in the steady step = parameter bytes in {sum(a[3] == a[4] for a in each)} of "
                f"{len(each)} runs.")
     out.append(f"- **Adam/AdamW for-loop** holds max over i of (size[i-1] + 2 size[i]) (the previous parameter's "
-               f"``denom``, this one's ``sqrt`` and quotient): exact in {sum(a[3] == a[6] for a in loop)} of "
+               f"`denom`, this one's `sqrt` and quotient): exact in {sum(a[3] == a[6] for a in loop)} of "
                f"{len(loop)} runs; twice the largest parameter is exact in {sum(a[3] == a[5] for a in loop)}:")
     seen = set()
     for key, _, _, temp, total, twice, pairs in loop:
@@ -167,7 +167,7 @@ def facts_text(facts: dict, out: list[str]) -> None:
                        f"{temp - twice:,}); all parameters {total:,}")
     ce = facts.get("ce", [])
     two = [c for c in ce if c[2] == 2 * c[1]]
-    out.append(f"- **Cross-entropy at the start of backward**: live at ``_log_softmax_backward_data`` minus live at "
+    out.append(f"- **Cross-entropy at the start of backward**: live at `_log_softmax_backward_data` minus live at "
                f"the end of the forward = 2 x logits bytes in {len(two)} of {len(ce)} runs (SGD foreach, steady); "
                f"otherwise:")
     for key, logits, delta, _, _ in ce:

@@ -195,9 +195,11 @@ def test_residual_fork_sums_two_gradients():
     W, act = 64, 32                                                    # 4x4 weights; 2x4 activations
     add = next(r for r in t.records if r.phase == "backward" and r.op == "aten.add.Tensor")
     # h's gradient from the branch (dh_b = dr W_b, 32 B) meets the identity path's gradient (the seed expanded:
-    # 0 bytes) in h's input buffer: an out-of-place add makes dh (32 B), then dh_b and the ReLU's gradient die
+    # 0 bytes) in h's input buffer.  When b's MmBackward0 ends, its saved input h and its incoming dr die (64 B);
+    # the engine's out-of-place add makes dh (32 B); then the addend dh_b dies (32 B)
     assert (add.where, add.allocated, add.freed) == ("MmBackward0", act, 2 * act)
     assert t.records[add.index - 1].op == "aten.mm.default" and t.records[add.index - 1].allocated == act
+    assert t.records[add.index + 1].freed == act
     # peak when dh_b is born: 3 W + x, h (saved by b's mm), y, loss, seed, dW_c, dW_b, dr (ReLU's), dh_b
     assert t.peak.bytes == 3 * W + act + act + act + F + F + W + W + act + act   # 488
     assert t.peak.index == add.index - 1
