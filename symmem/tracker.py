@@ -418,17 +418,12 @@ class LiveTracker:
             self._boundary(step, name)
             self.where = self.module = ""
 
-    def end_phase(self, step: int, name: str) -> None:
-        """Record a phase boundary without a ``with`` block (``loss`` computed inside the model's forward)."""
-        self._boundary(step, name)
-
     # the dispatch mode
     def _after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         op = str(func)
         if op.startswith("profiler."):  # record_function markers (Optimizer.step has them): no tensors
             return
         births: list[int] = []
-        grown = 0
         inputs: set[int] | None = None
         outs = _tensors(out)
         for t in outs:
@@ -445,12 +440,10 @@ class LiveTracker:
                 if key in inputs and op not in _BIRTH_OPS:
                     s.labels.add("external")  # an alias of memory made before tracking and never registered
                 births.append(s.sid)
-                grown += s.nbytes
             else:
                 n = int(st.nbytes())
                 if n != s.nbytes:  # resized in place (out= arguments, resize_)
                     self._events.append(("resize", s.sid, n - s.nbytes))
-                    grown += n - s.nbytes
                     s.nbytes = n
                     s.peak = max(s.peak, n)
         where = self.where

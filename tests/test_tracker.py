@@ -152,6 +152,15 @@ def test_adam_for_loop_keeps_the_previous_denominator():
     assert loop.peak.bytes - each.peak.bytes == P
 
 
+def test_fused_adam_needs_no_temporaries():
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="fused")
+    W, b, x, y = 48, 12, 32, 24
+    state = 2 * (W + b) + 2 * F
+    assert allocations(t, 2, "step") == []                           # _fused_adam_ updates in place
+    assert t.steady.bytes == W + b + x + state + y + F + F + W + b   # 312: the backward, with the state
+    assert t.steady.phase == "backward"
+
+
 def test_adamw_decays_in_place():
     loop = track_step(linear(), torch.zeros(2, 4), optimizer="adamw", impl="for-loop")
     adam = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="for-loop")
