@@ -234,9 +234,14 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     if graph.node(final).group != "loss":
         # no loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward
         total = b.new("output.sum", "loss", size(TensorSpec((), "float32")))
-        drop = [] if base[final] in held_to_end - {base[final]} or keep_logits or base[final] in keepers \
-            else [owner[base[final]]]
-        held_to_end.discard(base[final]) if drop else None
+        owner["output.sum"] = total
+        held_to_end.add("output.sum")
+        out = base[final]
+        drop = []
+        if not keep_logits and graph.node(out).kind not in ("input", "parameter", "buffer"):
+            held_to_end.discard(out)  # loss = model(x).sum(): the output lives on only if an op keeps it
+            if out not in keepers:
+                drop.append(owner[out])
         b.event("forward", "sum", [total], drop)
 
     # -- backward ------------------------------------------------------------------------------------------
@@ -245,8 +250,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     refs: Counter = Counter()
     freed_at: dict[str, list[int]] = defaultdict(list)   # saved storages, freed after their last keeper's backward
     for s, ks in keepers.items():
-        if s in owner and s not in held_to_end and graph.node(s.split(".")[0] if s not in graph else s).kind not in (
-                "input", "parameter", "buffer"):
+        if s in owner and s not in held_to_end and graph.node(s).kind not in ("input", "parameter", "buffer"):
             last = min((k for k in ks if k in needs), key=pos.__getitem__, default=None)
             freed_at[last or ""].append(owner[s])
     seed = b.new("loss.grad", "activation_grad", size(TensorSpec((), "float32")))
