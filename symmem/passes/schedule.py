@@ -338,6 +338,10 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
             + [sid for sid, r in refs.items() if r > 0])
 
     # -- optimizer step and zero_grad ----------------------------------------------------------------------
+    # model.parameters() lists a module's own parameters before its submodules': free-standing ones (a class
+    # token, a position table) first, then the layers' in the order they run
+    free = {n for n in order if graph.node(n).kind == "parameter"}
+    params.sort(key=lambda p: p[0] not in free)
     grads = [param_grad[name] for name, _ in params if name in param_grad]
     impl = optimizer_impl(regime, str(options.get("device", "cpu")))
     pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
