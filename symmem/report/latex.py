@@ -534,25 +534,41 @@ def _group_row(group: str, terms: list[Term]) -> Row:
 
 
 def labels(d: Derivation) -> dict[str, str]:
-    """A short readable label per term: the shortest end of its dotted name that no other term's name ends
-    with (``blocks.qkv`` -> ``qkv``, ``h.attn.ln_1.mean`` -> ``ln_1.mean``); unique within the derivation.
+    """A short readable label per term: the end of its dotted name that no other term's name ends with.
+
+    It keeps at least the submodule of a nested name (``h.mlp.c_fc`` -> ``mlp.c_fc``) and the node of a tensor an
+    op saves besides its output (``maxpool.indices``), and terms under one parent get ends of one length
+    (``scores.input0_copy``, ``scores.input1_copy``).  Labels are unique within the derivation; the group is
+    what :func:`align` heads them with.
 
     >>> from symmem import derive
-    >>> labels(derive("vit-b16", attention="naive"))["blocks.softmax"]
-    'softmax'
+    >>> names = labels(derive("vit-b16", attention="naive"))
+    >>> names["blocks.softmax"], names["pos_add"]
+    ('softmax', 'pos_add')
     """
-    names = list(dict.fromkeys(t.name for t in d.terms))
-    out: dict[str, str] = {}
-    for n in names:
-        parts = n.split(".")
-        label = n
-        for k in range(1, len(parts) + 1):
-            cand = ".".join(parts[-k:])
-            if not any(m != n and (m == cand or m.endswith("." + cand)) for m in names):
-                label = cand
-                break
-        out[n] = label
-    return out
+    terms = list({t.name: t for t in d.terms}.values())
+    names = [t.name for t in terms]
+
+    def unique(n: str, k: int) -> bool:
+        end = ".".join(n.split(".")[-k:])
+        return not any(m != n and (m == end or m.endswith("." + end)) for m in names)
+
+    length: dict[str, int] = {}
+    for t in terms:
+        parts = t.name.split(".")
+        k = 1 if len(parts) <= 2 else 2
+        if t.node and t.name != t.node and t.name.startswith(t.node + "."):
+            k = max(k, len(parts) - len(t.node.split(".")) + 1)
+        k = min(k, len(parts))
+        while k < len(parts) and not unique(t.name, k):
+            k += 1
+        length[t.name] = k
+    parent: dict[str, int] = {}
+    for n, k in length.items():
+        key = n.rpartition(".")[0]
+        parent[key] = max(parent.get(key, 0), k)
+    return {n: ".".join(n.split(".")[-max(k, min(parent[n.rpartition(".")[0]], len(n.split("."))) ):])
+            for n, k in length.items()}
 
 
 def rows(d: Derivation, form: str = "compact") -> list[Row]:
