@@ -27,6 +27,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -175,12 +176,14 @@ def expression(expr: sympy.Expr) -> str:
     return _Printer({"symbol_names": latex_names(), "mul_symbol": "dot"}).doprint(expr)
 
 
+@functools.lru_cache(maxsize=4096)
 def parse(text: str) -> sympy.Expr:
     """Read LaTeX that :func:`expression` wrote back into an expression in symmem's symbols.
 
     The parser makes plain symbols; they are mapped back by their LaTeX name (``H_{i}`` -> ``Hi``), so
     the result compares equal to the original.  Names the parser does not read (``\\Psi``) are renamed
-    first.  A text the parser reads in two ways is an error, even when both give the same value.
+    first.  A text the parser reads in two ways is an error, even when both give the same value.  Results are
+    cached by text (the parser takes tens of milliseconds a formula).
 
     >>> from symmem.symbols import B, H, S, h
     >>> e = 9 * B * S * H + B * h * S**2

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from ..simplify import factored
+from ..simplify import factored, rounded
 from ..units import UNITS
 from .latex import expression
 
@@ -184,14 +184,14 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         for t in d.terms:
             if t.group == group and t.category != "parameter" and group != "input":
                 rows.append((f"  {t.name}" + (f" [{t.role}]" if t.role else ""), t.expr))
-    name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows)))
-    formula = max(width - name - 14, 16)
+    name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
+    formula = max(width - name - 14, 20)
     lines = wrap(title, width) + wrap(symbols, width)
     lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
-        cells = _cell(str(expr), formula, cut)
-        if len(label) > name:
-            lines.append(label)
+        cells = _cell(str(rounded(expr)), formula, cut)
+        if len(label) > name:  # a long name on a line of its own (in pieces if it is wider than the table)
+            lines += [label[i:i + width] for i in range(0, len(label), width)]
             label = ""
         lines.append(f"{label:<{name}} {cells[0]:<{formula}} {_mib(_safe_value(d, expr))}")
         lines += [f"{'':<{name}} {c}" for c in cells[1:]]
@@ -201,10 +201,11 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         e = d.expression(key)
         v = _safe_value(d, e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        shown = factored(e) if key == "activations" else e
+        shown = factored(rounded(e)) if key == "activations" else rounded(e)
         lines += _totals(f"{key:<20} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
     params = _safe_value(d, d.parameters)
-    lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ", str(d.parameters),
+    lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ",
+                     str(rounded(d.parameters)),
                      width, cut)
     return "\n".join(ln.rstrip() for ln in lines)
 
