@@ -791,11 +791,9 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     return "\n".join(out)
 
 
-def read(text: str) -> list[tuple[str, sympy.Expr]]:
-    """The equations of :func:`align`'s output parsed back: (label, expression) per row, in order, with
-    :math:`\\Psi` replaced by the parameter count the block defines (continuation lines re-joined)."""
-    from ..symbols import Psi
-
+def equations(text: str) -> list[tuple[str, str]]:
+    """The equations of :func:`align`'s output as (label, right-hand side) LaTeX, in order: comments and
+    headings dropped, continuation lines joined back into the one-line right-hand side."""
     found: list[tuple[str, str]] = []
     for block in re.findall(r"\\begin\{align\*\}(.*?)\\end\{align\*\}", text, re.S):
         body = "\n".join(re.sub(r"(?<!\\)%.*$", "", ln) for ln in block.splitlines())
@@ -814,7 +812,15 @@ def read(text: str) -> list[tuple[str, sympy.Expr]]:
             if rhs.startswith(_RESUME):
                 prev, rhs = prev.removesuffix(_BREAK).rstrip(), rhs.removeprefix(_RESUME).strip()
             found[-1] = (label, f"{prev} {rhs.removeprefix('{}').strip()}")
-    exprs = [(label, parse(rhs)) for label, rhs in found]
+    return found
+
+
+def read(text: str) -> list[tuple[str, sympy.Expr]]:
+    """The equations of :func:`align`'s output parsed back: (label, expression) per row, in order, with
+    :math:`\\Psi` replaced by the parameter count the block defines (continuation lines re-joined)."""
+    from ..symbols import Psi
+
+    exprs = [(label, parse(rhs)) for label, rhs in equations(text)]
     count = next((e for label, e in exprs if label == r"\Psi"), None)
     if count is not None:
         exprs = [(label, e if label == r"\Psi" else e.xreplace({Psi: count})) for label, e in exprs]
