@@ -609,7 +609,7 @@ def rows(d: Derivation, form: str = "compact") -> list[Row]:
                 note = t.name + (f" [{t.role}]" if t.role else "")
                 out.append(Row(_label(names[t.name]), expression(e), e, t.expr, g, note))
     tex, expr = _factored(rounded(d.activations), values)
-    out.append(Row(_label("activations"), tex, expr, d.activations, "totals", "activations, factored"))
+    out.append(Row(_label("activations"), tex, expr, d.activations, "totals", "activations"))
     for key in ("input", "loss", "transient"):
         e = d.expression(key)
         if e != 0:
