@@ -322,3 +322,18 @@ def test_cli_latex(capsys):
     got = dict(read(out))
     assert _equal(got[r"\text{total}"], d.total)
     assert _equal(got[r"\text{activations}"], d.activations)
+
+
+def test_docs_examples_are_current(capsys):
+    """docs/jupyter-latex-plots.md shows real output: its `$ symmem derive ...` examples are re-run."""
+    import shlex
+    from pathlib import Path
+
+    from symmem.cli import main
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "jupyter-latex-plots.md").read_text()
+    examples = re.findall(r"```\n\$ symmem (derive .*?)\n(.*?)```", doc, re.S)
+    assert len(examples) >= 2
+    for command, shown in examples:
+        assert main(shlex.split(command)) == 0
+        assert capsys.readouterr().out == shown, command
