@@ -55,6 +55,7 @@ _GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|kap
 _ONE_SYMBOL = re.compile(rf"(?:[a-zA-Z]|\\(?:{_GREEK}))(?:_(?:[A-Za-z0-9]|\{{(?:[A-Za-z0-9]|[a-zA-Z]+)\}}))?")
 
 
+@functools.cache
 def _aliases() -> dict[str, str]:
     """LaTeX names of symmem's symbols that the parser does not read -> a one-symbol name it reads."""
     out = {}
@@ -281,10 +282,17 @@ def _parse_cases(text: str) -> sympy.Expr:
     return parse(text).xreplace(blocks)
 
 
+_ESCAPES = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "#": r"\#", "$": r"\$", "{": r"\{",
+            "}": r"\}"}
+
+
 def escape(text: str) -> str:
-    """``text`` safe inside LaTeX text mode."""
-    return (text.replace("\\", r"\textbackslash{}").replace("_", r"\_").replace("&", r"\&")
-            .replace("%", r"\%").replace("#", r"\#").replace("$", r"\$").replace("{", r"\{").replace("}", r"\}"))
+    """``text`` safe inside LaTeX text mode.
+
+    >>> escape("h.attn.ln_1 {50%}")
+    'h.attn.ln\\\\_1 \\\\{50\\\\%\\\\}'
+    """
+    return "".join(_ESCAPES.get(ch, ch) for ch in text)
 
 
 def _label(text: str) -> str:
