@@ -260,6 +260,7 @@ COMPILED = [
     ("vit-b16", "paper", {"attention": "naive", "zero": 3}),
     ("gpt-megatron", "megatron", {"tensor_parallel": True, "sequence_parallel": True}),
     ("resnet50", "paper", {"free": ("B", "Hi", "Wi")}),
+    ("counts", "paper", {"zero": 2}),
 ]
 
 
