@@ -5,7 +5,9 @@ run of single-symbol factors only when everything after the first power, floor o
 factor (``L H^{2}``, not ``H^{2} L``).  So plain symbols come first, then the rest; a factor that opens with
 ``\\left`` (which the parser may also read as ``\\le ft``) and a run of several such factors are wrapped in
 braces, which print nothing (``4 B V {\\left(S - 1\\right)}``, ``B L {H^{2} \\cdot S^{2}}``), and ``\\cdot``
-stays only between two numbers and between factors that cannot be juxtaposed (two powers).  Floors and
+stays only between two numbers, between factors that cannot be juxtaposed (two powers), and in the
+``L \\cdot \\left(...\\right)`` of a repeated layer in :func:`align` (a parenthesis that may be broken across
+lines cannot sit in braces, and ``L \\left(`` reads two ways).  Floors and
 ceilings of a quotient print inline (``\\lceil H_{i}/4 \\rceil``), two of them side by side.  Every
 expression symmem emits parses back to itself with :func:`parse`, which hands the text to
 ``sympy.parsing.latex.parse_latex(..., backend="lark")`` after renaming the two symbol names that parser
