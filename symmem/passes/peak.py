@@ -11,10 +11,10 @@ are numbers are written out as they are.
 
 >>> from symmem import derive
 >>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="sgd")
->>> d.peak
-7473188*B + 14909520
->>> d.peak_at().phase, d.peak_at().node
-('backward', 'fc1')
+>>> d.peak    # which layer's backward is the peak depends on B
+Max(7232*B + 14909528, 15424*B + 11694168, 19520*B + 7495768)
+>>> d.peak_at().where(), d.value("peak")
+('backward fc1, steady step', 15372376)
 """
 
 from __future__ import annotations
