@@ -375,11 +375,11 @@ class PeakComparison:
                  f"  {'steady step':<14}{self.predicted:>16,}{self.measured:>16,}"
                  f"{self.measured - self.predicted:>+14,}",
                  f"  where (steady): predicted {self.predicted_where}; measured {self.measured_where}",
-                 "  alive at the peak (predicted / measured):"]
+                 f"  alive at the steady peak {'predicted':>18}{'measured':>16}"]
         measured = dict(self.measured_live)
-        for cat, n in self.predicted_live:
-            lines.append(f"    {cat:<16}{n:>16,}")
-        lines += [f"    measured {cat:<16}{n:>16,}" for cat, n in measured.items() if n]
+        predicted = dict(self.predicted_live)
+        for cat in dict.fromkeys([*predicted, *measured]):
+            lines.append(f"    {cat:<22}{predicted.get(cat, 0):>16,}{measured.get(cat, 0):>16,}")
         lines.append("  exact" if self.exact else f"  NOT EXACT ({100 * self.error:.3f}%)")
         return "\n".join(lines)
 
@@ -399,15 +399,13 @@ def verify_peak(derivation: Derivation) -> PeakComparison:
         raise SymmemError("verify measures whole models; drop --per-layer")
     if regime.activation_dtype != "float32" or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw"):
         raise SymmemError("verify --peak runs fp32 training with sgd, sgd-momentum, adam or adamw")
-    if regime.checkpoint != "none" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero \
-            or regime.micro_batches != 1:
-        raise SymmemError("verify --peak runs one plain training step: no checkpointing, parallelism or "
-                          "gradient accumulation")
+    if regime.checkpoint != "none" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+        raise SymmemError("verify --peak runs one device's training step: no checkpointing or parallelism")
     module, inputs, device, target = _reference(derivation)
     impl = optimizer_impl(regime, device)
     loss = "cross-entropy" if derivation.options.get("loss") else "sum"
     trace = track_step(module, inputs, loss=loss, target=target, optimizer=regime.optimizer, impl=impl, steps=2,
-                       keep_output=regime.keep_logits)
+                       keep_output=regime.keep_logits, micro_batches=regime.micro_batches)
     at = derivation.peak_at()
     live = tuple((c, n) for c, n in derivation.live_at_peak().items())
     return PeakComparison(derivation.model, derivation.value("peak"), trace.steady.bytes,

@@ -42,6 +42,16 @@ def test_peak_equals_real_step(name, values, kw, optimizer, impl):
     assert result.exact, result.report()
 
 
+@pytest.mark.parametrize("name, values, optimizer", [("mlp", {"B": 4}, "sgd"),
+                                                     ("gpt2", {**TINY_GPT, "B": 4}, "adam")])
+def test_gradient_accumulation(name, values, optimizer):
+    kw = {"loss": "cross-entropy", "attention": "sdpa", "dropout": 0.0} if name == "gpt2" else {}
+    d = derive(name, convention="pytorch", device="cpu", optimizer=optimizer, values=values, free=("B",),
+               micro_batches=3, **kw)
+    result = verify_peak(d)
+    assert result.exact, result.report()
+
+
 def test_keep_logits_holds_the_output_through_backward():
     values = {**TINY_GPT, "B": 4}
     plain = derive("gpt2", convention="pytorch", device="cpu", optimizer="sgd", values=values, free=("B",),

@@ -24,22 +24,43 @@ KEYS = ("activations", "parameter_memory", "total")
 EXTRA_KEYS = ("input", "loss", "transient")
 
 
+#: the JSON contract's version: 2 added the peak, the full regime and the schema version itself
+SCHEMA_VERSION = 2
+
+
 def _safe_value(d: Derivation, expr: Any) -> int | None:
+    return d.try_evaluate(expr)
+
+
+def peak(d: Derivation) -> dict[str, Any] | None:
+    """The peak of the training step for the JSON contract (None where the convention has no step model):
+    the steady and first step's bytes and formulas, where the steady peak occurs and what is alive then."""
+    if not d.has_peak:
+        return None
     from ..errors import SymmemError
 
     try:
-        return d.evaluate(expr)
+        steady, first = d.value("peak"), d.value("peak_first_step")
+        at = d.peak_at()
     except SymmemError:
         return None
+    return {"values": {"peak": steady, "peak_first_step": first},
+            "expressions": {"peak": str(d.peak), "peak_first_step": str(d.peak_first_step)},
+            "peak_at": {"phase": at.phase, "node": at.node, "layer": at.layer or None, "step": at.step},
+            "live_at_peak": d.live_at_peak()}
 
 
 def to_dict(d: Derivation) -> dict[str, Any]:
     """The stable JSON contract: see "JSON output" in the README."""
+    import dataclasses
+
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     exprs = {k: d.expression(k) for k in keys}
     values: dict[str, int | None] = {k: _safe_value(d, e) for k, e in exprs.items()}
     values["parameters"] = _safe_value(d, d.parameters)
-    return {
+    step = peak(d)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
         "model": d.model,
         "convention": d.convention,
         "optimizer": d.regime.optimizer,
@@ -54,10 +75,7 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "latex": {k: expression(e) for k, e in exprs.items()} | {"parameters": expression(d.parameters)},
         "values": values,
         "bytes_per_parameter": dict(d.regime.components()),
-        "regime": {"precision": d.regime.precision, "optimizer": d.regime.optimizer,
-                   "checkpoint": d.regime.checkpoint, "zero": d.regime.zero,
-                   "tensor_parallel": d.regime.tensor_parallel, "sequence_parallel": d.regime.sequence_parallel,
-                   "pipeline_parallel": d.regime.pipeline_parallel},
+        "regime": dataclasses.asdict(d.regime),
         "parameter_breakdown": parameter_breakdown(d),
         "breakdown": [
             {"name": t.name, "group": t.group, "category": t.category, "role": t.role, "dtype": t.dtype,
@@ -66,6 +84,12 @@ def to_dict(d: Derivation) -> dict[str, Any]:
             for t in d.terms
         ],
     }
+    if step is not None:
+        out["values"].update(step["values"])
+        out["expressions"].update(step["expressions"])
+        out["peak_at"] = step["peak_at"]
+        out["live_at_peak"] = step["live_at_peak"]
+    return out
 
 
 def parameter_breakdown(d: Derivation) -> list[dict[str, Any]]:
@@ -207,7 +231,34 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ",
                      str(rounded(d.parameters)),
                      width, cut)
+    lines += _peak_lines(d, width, cut)
     return "\n".join(ln.rstrip() for ln in lines)
+
+
+def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
+    """The peak of the training step: its bytes, where it occurs, and the formula of that moment (the peak's
+    formula is a Max over moments; the one shown is the largest at these sizes)."""
+    step = peak(d)
+    if step is None:
+        return []
+    lines = ["", "total = kept at the end of the forward pass + parameter side; the peak is the most memory alive "
+             "at any moment of a training step:"]
+    at = d.peak_at()
+    first_at = d.peak_at("first")
+    for key, moment in (("peak", at), ("peak_first_step", first_at)):
+        v = step["values"][key]
+        label = "peak" if key == "peak" else "peak (first step)"
+        where = moment.where().removesuffix(", steady step").removesuffix(", first step")
+        lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", where, width, cut)
+    expr = d.peak
+    count = len(expr.args) if isinstance(expr, sympy.Max) else 1
+    head = f"{'':<20} {'':>12}       = "
+    shown = str(rounded(at.total))
+    if count > 1:
+        lines += _totals(head, f"{shown}   (the largest of {count} moments at these sizes)", width, cut)
+    else:
+        lines += _totals(head, shown, width, cut)
+    return lines
 
 
 def _totals(head: str, formula: str, width: int, cut: bool) -> list[str]:
