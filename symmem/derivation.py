@@ -287,10 +287,24 @@ class Derivation:
         """The peak of the first training step, in which the optimizer creates its state."""
         return self._peak().first
 
+    def peak_formula(self, step: str = "steady") -> sympy.Expr:
+        """The peak's formula that holds at the derivation's numbers: :attr:`peak` (or the first step's), or,
+        where a layer count lies below that formula's domain, the one written out with that count."""
+        found = self._peak(exact=True)
+        return found.expr if step == "steady" else found.first
+
     def peak_at(self, step: str = "steady") -> Any:
         """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the
         phase, the op, the layer and the live bytes by category."""
         return self._peak(exact=True).at(self.numbers, step)
+
+    def timeline(self, step: str = "steady") -> list[tuple[str, str | None, dict[str, int]]]:
+        """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
+        each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
+        creates the optimizer state)."""
+        self._peak()  # the same refusals as the peak
+        assert self.step is not None
+        return self.step(dict(self.numbers), timeline=step)
 
     def live_at_peak(self, step: str = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,

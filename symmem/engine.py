@@ -142,8 +142,12 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
 
     cache: dict[Any, Any] = {}
 
-    def compute(at: Mapping[sympy.Symbol, int] | None = None) -> peak.Peak:
-        # ``at``: numbers for the layer counts, when they lie outside the symbolic formula's domain
+    def compute(at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
+        # ``at``: numbers for the layer counts, when they lie outside the symbolic formula's domain;
+        # ``timeline`` ("first" or "steady"): the step written out at ``at`` (every symbol a number), op by op
+        if timeline is not None:
+            assert at is not None
+            return peak.timeline(model.graph, conv, options, regime, subs, at, assignments, timeline == "first")
         key = None if at is None else tuple(sorted((s.name, v) for s, v in at.items()))
         if key not in cache:
             fixed = dict(subs)

@@ -395,3 +395,33 @@ def _max(moments: list[Moment]) -> sympy.Expr:
     if len(exprs) == 1:
         return exprs[0]
     return sympy.Max(*exprs, evaluate=False)
+
+
+def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+             subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
+             branches: Sequence[Branch | None], first: bool) -> list[tuple[str, str | None, dict[str, int]]]:
+    """The step at ``numbers``, op by op: (phase, op, live bytes per category) after each op's allocations.
+
+    Repeated blocks are written out their full number of times; the branch (a size-dependent copy) is the one
+    ``numbers`` select.
+    """
+    full = {s: sympy.Integer(v) for s, v in numbers.items()}
+    counts = {}
+    for name, b in graph.blocks.items():
+        count = b.count.xreplace(dict(subs)).xreplace(full)
+        if not count.is_number:
+            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
+        counts[name] = int(count)
+    # the branch whose conditions hold at these numbers
+    chosen = next((b for b in branches if b is None or all(
+        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
+    g = unroll(graph, counts) if graph.blocks else graph
+    tl = simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits)
+    out = []
+    for e, live in zip(tl.events, tl.live(), strict=True):
+        values = {}
+        for c, expr in live.items():
+            v = sympy.sympify(expr.xreplace(dict(subs)).xreplace(full))
+            values[c] = int(v) if v.is_number else 0
+        out.append((e.phase, template(e.node) if e.node else None, values))
+    return out
