@@ -1,0 +1,115 @@
+"""The conditions PyTorch assumed while tracing, in the declared symbols, and what they imply.
+
+Every time PyTorch branches on a symbolic size (``if S > 512``, a kernel choice, ``x.view(2, -1)``) the
+ShapeEnv records a *guard*: the formula is valid only where every guard holds.  Guards are recorded with
+the module and op running (the ShapeEnv's guard list is replaced by one that notes the recorder's place on
+every append) and translated from ShapeEnv symbols (``s44``) into the declared ones.
+
+- A guard that pins a declared symbol to a value (``Eq(B, 2)``, or a ShapeEnv replacement ``s44 -> 2``)
+  means the module specialized on the size: the traced formula would be a constant.  :func:`pinned` finds
+  those; the tracer then retraces at other sizes or fits.
+- Range guards (``S <= 512``: BERT's position table) are the formula's domain; so are guards that did not
+  change the formula (``B < 16``: a CPU convolution backend choice) — they are reported, not judged.
+- Every symbol is also ≥ 2: PyTorch specializes sizes 0 and 1, so size 1 is its own trace.
+
+>>> import sympy
+>>> from symmem.symbols import B, S
+>>> domain_of([B, S], [sympy.Le(S, 512)])
+(B >= 2) & (S >= 2) & (S <= 512)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from .records import Guard
+
+
+class GuardLog(list):  # type: ignore[type-arg]
+    """A list the ShapeEnv appends guards to; notes where each was appended (``site()``)."""
+
+    def __init__(self, site: Any) -> None:
+        super().__init__()
+        self.site = site
+        self.sites: list[tuple[str, str]] = []
+
+    def append(self, guard: Any) -> None:  # noqa: D102
+        super().append(guard)
+        self.sites.append(self.site())
+
+
+def to_declared(expr: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol]) -> Any:
+    """A ShapeEnv expression in the declared symbols."""
+    return sympy.sympify(expr).xreplace({s: symbols[n] for s, n in env_symbols.items()})
+
+
+def collect(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol]) -> list[Guard]:
+    """The ShapeEnv's guards as :class:`Guard` records (duplicates and always-true ones dropped)."""
+    sites = getattr(env.guards, "sites", [])
+    out: list[Guard] = []
+    seen: set[Any] = set()
+    for i, g in enumerate(env.guards):
+        expr = to_declared(g.expr, env_symbols, symbols)
+        if expr is sympy.true or expr in seen:
+            continue
+        seen.add(expr)
+        module, op = sites[i] if i < len(sites) else ("", "")
+        out.append(Guard(expr, str(expr), module, op, str(getattr(g, "sloc", ""))))
+    return out
+
+
+def pinned(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol],
+           guards: list[Guard]) -> dict[str, int]:
+    """Declared symbols the trace specialized to a number: name -> value."""
+    out: dict[str, int] = {}
+    for sym, name in env_symbols.items():
+        rep = env.replacements.get(sym)
+        if rep is not None and sympy.sympify(rep).is_number:
+            out[name] = int(rep)
+        vr = env.var_to_range.get(sym)
+        if vr is not None and vr.lower == vr.upper and getattr(vr.lower, "is_number", True):
+            out[name] = int(vr.lower)
+    by_symbol = {v: k for k, v in symbols.items()}
+    for g in guards:
+        e = g.expr
+        if isinstance(e, sympy.Eq):
+            for a, b in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
+                if a in by_symbol and b.is_number:
+                    out[by_symbol[a]] = int(b)
+    return out
+
+
+def unified(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol]) -> list[Any]:
+    """Equalities between declared symbols the trace assumed (``Eq(Hi, Wi)``)."""
+    out = []
+    for sym, name in env_symbols.items():
+        rep = env.replacements.get(sym)
+        if rep is not None and not sympy.sympify(rep).is_number:
+            out.append(sympy.Eq(symbols[name], to_declared(rep, env_symbols, symbols)))
+    return out
+
+
+def bounds(env: Any, env_symbols: dict[Any, str]) -> dict[str, tuple[int, int | None]]:
+    """The value range the ShapeEnv ended with for every declared symbol: (lower, upper or None)."""
+    out: dict[str, tuple[int, int | None]] = {}
+    for sym, name in env_symbols.items():
+        vr = env.var_to_range.get(sym)
+        if vr is None:
+            continue
+        out[name] = (max(_finite(vr.lower) or 2, 2), _finite(vr.upper))
+    return out
+
+
+def _finite(x: Any) -> int | None:
+    """An int, or None for (torch's integer) infinity."""
+    try:
+        return int(x) if sympy.sympify(x).is_Integer else None
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
+def domain_of(symbols: list[sympy.Symbol], exprs: list[Any]) -> Any:
+    """Where the formula holds: every symbol ≥ 2 and every guard."""
+    return sympy.And(*[s >= 2 for s in symbols], *exprs)
