@@ -48,15 +48,25 @@ def overrides() -> dict[Any, Any]:
 
 @dataclass
 class FakeWorld:
-    """The mode, its ShapeEnv and the ShapeEnv symbol of each declared symbol name."""
+    """The mode, its ShapeEnv, and how its symbols stand for the declared ones.
+
+    A declared size ``Hi`` with ``multiple_of={"Hi": 32}`` is traced as ``32 * k`` for a ShapeEnv symbol
+    ``k``: floor divisions by the strides then stay exact polynomials.
+    """
 
     mode: Any
     env: Any
     sizes: dict[str, Any]  # name -> SymInt (or int for a concrete trace)
     env_symbols: dict[Any, str]  # ShapeEnv sympy symbol -> declared name
+    scale: dict[str, int]  # declared name -> the multiple it is traced as (1 by default)
+
+    def mapping(self, symbols: dict[str, Any]) -> dict[Any, Any]:
+        """ShapeEnv symbol -> the expression in declared symbols it stands for (``Hi/32``)."""
+        return {s: symbols[n] / self.scale.get(n, 1) for s, n in self.env_symbols.items()}
 
 
-def make_world(examples: dict[str, int], symbolic: bool = True) -> FakeWorld:
+def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dict[str, int] | None = None
+               ) -> FakeWorld:
     """A FakeTensorMode on a fresh ShapeEnv and one SymInt per declared symbol (plain ints if not symbolic)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,14 +76,18 @@ def make_world(examples: dict[str, int], symbolic: bool = True) -> FakeWorld:
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     sizes: dict[str, Any] = {}
     env_symbols: dict[Any, str] = {}
+    scale = dict(multiple_of or {})
     for name, value in examples.items():
         if not symbolic:
             sizes[name] = value
             continue
-        sym = env.create_symbol(value, ConstantSource(f"symmem_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
-        sizes[name] = env.create_symintnode(sym, hint=value, source=ConstantSource(f"symmem_{name}"))
+        m = scale.get(name, 1)
+        source = ConstantSource(f"symmem_{name}")
+        sym = env.create_symbol(value // m, source, dynamic_dim=DimDynamic.DYNAMIC)
+        k = env.create_symintnode(sym, hint=value // m, source=source)
+        sizes[name] = k * m if m != 1 else k
         env_symbols[sym] = name
-    return FakeWorld(mode, env, sizes, env_symbols)
+    return FakeWorld(mode, env, sizes, env_symbols, scale)
 
 
 def fake_like(t: Any, sizes: list[Any], device: str) -> Any:

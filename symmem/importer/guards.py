@@ -40,18 +40,18 @@ class GuardLog(list):  # type: ignore[type-arg]
         self.sites.append(self.site())
 
 
-def to_declared(expr: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol]) -> Any:
-    """A ShapeEnv expression in the declared symbols."""
-    return sympy.sympify(expr).xreplace({s: symbols[n] for s, n in env_symbols.items()})
+def to_declared(expr: Any, mapping: dict[Any, Any]) -> Any:
+    """A ShapeEnv expression in the declared symbols (``mapping``: ShapeEnv symbol -> declared expression)."""
+    return sympy.sympify(expr).xreplace(mapping)
 
 
-def collect(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol]) -> list[Guard]:
+def collect(env: Any, mapping: dict[Any, Any]) -> list[Guard]:
     """The ShapeEnv's guards as :class:`Guard` records (duplicates and always-true ones dropped)."""
     sites = getattr(env.guards, "sites", [])
     out: list[Guard] = []
     seen: set[Any] = set()
     for i, g in enumerate(env.guards):
-        expr = to_declared(g.expr, env_symbols, symbols)
+        expr = to_declared(g.expr, mapping)
         if expr is sympy.true or expr in seen:
             continue
         seen.add(expr)
@@ -60,17 +60,17 @@ def collect(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symb
     return out
 
 
-def pinned(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol],
-           guards: list[Guard]) -> dict[str, int]:
+def pinned(env: Any, world: Any, symbols: dict[str, sympy.Symbol], guards: list[Guard]) -> dict[str, int]:
     """Declared symbols the trace specialized to a number: name -> value."""
     out: dict[str, int] = {}
-    for sym, name in env_symbols.items():
+    for sym, name in world.env_symbols.items():
+        m = world.scale.get(name, 1)
         rep = env.replacements.get(sym)
         if rep is not None and sympy.sympify(rep).is_number:
-            out[name] = int(rep)
+            out[name] = int(rep) * m
         vr = env.var_to_range.get(sym)
-        if vr is not None and vr.lower == vr.upper and getattr(vr.lower, "is_number", True):
-            out[name] = int(vr.lower)
+        if vr is not None and _finite(vr.lower) is not None and _finite(vr.lower) == _finite(vr.upper):
+            out[name] = int(vr.lower) * m
     by_symbol = {v: k for k, v in symbols.items()}
     for g in guards:
         e = g.expr
@@ -81,24 +81,27 @@ def pinned(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbo
     return out
 
 
-def unified(env: Any, env_symbols: dict[Any, str], symbols: dict[str, sympy.Symbol]) -> list[Any]:
+def unified(env: Any, world: Any, symbols: dict[str, sympy.Symbol]) -> list[Any]:
     """Equalities between declared symbols the trace assumed (``Eq(Hi, Wi)``)."""
+    mapping = world.mapping(symbols)
     out = []
-    for sym, name in env_symbols.items():
+    for sym in world.env_symbols:
         rep = env.replacements.get(sym)
         if rep is not None and not sympy.sympify(rep).is_number:
-            out.append(sympy.Eq(symbols[name], to_declared(rep, env_symbols, symbols)))
+            out.append(sympy.Eq(mapping[sym], to_declared(rep, mapping)))
     return out
 
 
-def bounds(env: Any, env_symbols: dict[Any, str]) -> dict[str, tuple[int, int | None]]:
+def bounds(env: Any, world: Any) -> dict[str, tuple[int, int | None]]:
     """The value range the ShapeEnv ended with for every declared symbol: (lower, upper or None)."""
     out: dict[str, tuple[int, int | None]] = {}
-    for sym, name in env_symbols.items():
+    for sym, name in world.env_symbols.items():
         vr = env.var_to_range.get(sym)
         if vr is None:
             continue
-        out[name] = (max(_finite(vr.lower) or 2, 2), _finite(vr.upper))
+        m = world.scale.get(name, 1)
+        hi = _finite(vr.upper)
+        out[name] = (max((_finite(vr.lower) or 2) * m, 2), hi * m if hi is not None else None)
     return out
 
 

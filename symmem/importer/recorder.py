@@ -48,6 +48,7 @@ class Packed:
     kind: str
     birth: tuple[int, str, str] | None  # (seq, aten op, module) of the op that created the storage
     label: str | None = None  # the parameter, buffer or input name, for those kinds
+    saver: int = -1  # autograd sequence number of the node being built when it was packed
 
 
 @dataclass
@@ -88,31 +89,18 @@ def _leaves(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
         yield from _leaves(obj.to_tuple(), seen)
 
 
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
-
-
-def _saved_tensors(node: Any) -> list[Any]:
-    """The packed objects a grad_fn node keeps (unpacking returns what the pack hook returned)."""
-    attrs = _SAVED_ATTRS.get(type(node))
-    if attrs is None:
-        attrs = tuple(a for a in dir(node) if a.startswith("_saved_") and not a.endswith(("_sym_sizes",
-                                                                                            "_sym_strides")))
-        _SAVED_ATTRS[type(node)] = attrs
-    out: list[Any] = []
-    for a in attrs:
-        try:
-            v = getattr(node, a)
-        except (RuntimeError, AttributeError):
+def _node_names(roots: list[Any]) -> dict[int, str]:
+    """Autograd sequence number -> node name for every node reachable from ``roots``."""
+    out: dict[int, str] = {}
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
             continue
-        if isinstance(v, list | tuple):
-            out.extend(v)
-        else:
-            out.append(v)
-    if hasattr(node, "saved_tensors"):  # a custom autograd.Function (ctx.save_for_backward)
-        try:
-            out.extend(node.saved_tensors)
-        except RuntimeError:
-            pass
+        seen.add(id(node))
+        out[node._sequence_nr()] = node.name()
+        todo.extend(fn for fn, _ in node.next_functions)
     return out
 
 
@@ -137,6 +125,7 @@ class Recorder:
         self.default_read = default_read
         self.shape_env = shape_env
         self.stack: list[str] = []
+        self.quiet = False  # inside the pack hook: its own ops are not the forward's
         self.fn = "?"
         self.aten = "?"
         self.seq = 0
@@ -192,6 +181,8 @@ class Recorder:
 
         class Functions(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if rec.quiet:
+                    return func(*args, **(kwargs or {}))
                 before = rec.fn
                 rec.fn = getattr(func, "__name__", str(func))
                 try:
@@ -202,6 +193,8 @@ class Recorder:
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 kwargs = kwargs or {}
+                if rec.quiet:
+                    return func(*args, **kwargs)
                 seq = rec.seq
                 rec.seq += 1
                 rec.op_modules.append(rec.current)
@@ -261,12 +254,19 @@ class Recorder:
 
     # --- saved tensors -----------------------------------------------------------------------------
     def _pack(self, t: Any) -> Any:
-        d = t.detach()
+        # The node that saves t was created just before (autograd numbers nodes as it builds them; nothing
+        # below autograd builds one), so the next sequence number minus one is the saver's.
+        saver = self._peek() - 1
+        self.quiet = True
+        try:
+            d = t.detach()
+        finally:
+            self.quiet = False
         st = t.untyped_storage()
         key = st._cdata
         kind = "parameter" if key in self.params else "input" if key in self.inputs else "activation"
         rec = Packed(key, st.nbytes(), tuple(t.shape), dtype_name(t.dtype), self.current, self.fn, kind,
-                     self.births.get(key), self.params.get(key) or self.inputs.get(key))
+                     self.births.get(key), self.params.get(key) or self.inputs.get(key), saver)
         self.packed.append((weakref.ref(d), rec))
         return d
 
@@ -275,40 +275,27 @@ class Recorder:
         """Run ``call()`` (the forward) under all recorders and return what it kept."""
         import torch
 
+        self._peek = torch.autograd._get_sequence_nr
         functions, ops = self._modes()
         with self._module_hooks(), functions, ops, \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x):
             out = self._guarded(call)
+        # keep the outputs' grad_fn (the graph a loss would backpropagate through), drop the outputs
         roots = [t.grad_fn for t in _leaves(out) if getattr(t, "grad_fn", None) is not None]
         if not keep_output:
             out = None
-        gc.collect()
+        gc.collect(1)  # young generations: packed tensors have no cycles; a full collection costs ~0.5 s
+        names = _node_names(roots)  # autograd sequence number -> grad_fn name, for the live graph
         alive: dict[int, Kept] = {}
-        order: list[int] = []
         for ref, rec in self.packed:
-            d = ref()
-            if d is None or rec.nbytes == 0:
+            if ref() is None or rec.nbytes == 0:
                 continue
-            if rec.key not in alive:
-                alive[rec.key] = Kept(rec)
-                order.append(rec.key)
-        # who keeps what: walk the graph from the outputs
-        seen: set[int] = set()
-        todo = list(roots)
-        while todo:
-            node = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            aseq = node._sequence_nr()
-            for x in _saved_tensors(node):
-                # unpacking a tensor that requires grad re-wraps it: match by storage (unique among live ones)
-                key = storage_key(x) if isinstance(x, torch.Tensor) else None
-                if key in alive and (aseq, node.name()) not in {(s[2], s[1]) for s in alive[key].savers}:
-                    alive[key].savers.append((self.autograd_to_op.get(aseq), node.name(), aseq))
-            todo.extend(fn for fn, _ in node.next_functions)
-        del roots, todo
-        kept = [alive[k] for k in order]
+            kept = alive.setdefault(rec.key, Kept(rec))
+            saver = (self.autograd_to_op.get(rec.saver), names.get(rec.saver, "?"), rec.saver)
+            if saver not in kept.savers:
+                kept.savers.append(saver)
+        del roots  # only now: the roots keep the graph, and what it saved, alive
+        kept = list(alive.values())
         for k in kept:
             k.savers.sort(key=lambda s: (s[0] if s[0] is not None else -1, s[2]))
         return Outcome(kept, self.seq, list(self.reads), out)

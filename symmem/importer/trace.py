@@ -139,11 +139,13 @@ def real_run(module: Any, inputs: Inputs) -> Outcome:
 
 
 def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol], device: str,
-             replay: list[tuple[str, Any]] | None, symbolic: bool = True) -> Run:
+             replay: list[tuple[str, Any]] | None, symbolic: bool = True,
+             multiple_of: dict[str, int] | None = None) -> Run:
     """One forward on fake tensors: declared sizes symbolic (or concrete at ``values``)."""
     import torch
 
-    world = make_world(values, symbolic=symbolic)
+    world = make_world(values, symbolic=symbolic, multiple_of=multiple_of)
+    mapping = world.mapping(symbols)
     at = _resized(inputs, values) if not symbolic else inputs
     with world.mode:
         fin = fake_inputs(world, at, device)
@@ -164,15 +166,35 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
 
     def convert(x: Any) -> Any:
         if isinstance(x, torch.SymInt):
-            return sympy.expand(to_declared(env.replace(x.node.expr), world.env_symbols, symbols))
+            return sympy.expand(to_declared(tidy(env.replace(x.node.expr), env), mapping))
         return sympy.Integer(int(x))
 
     storages = to_storages(outcome, convert, rec.op_modules)
-    guards = collect(env, world.env_symbols, symbols) if symbolic else []
+    guards = collect(env, mapping) if symbolic else []
     notes = list(rec.assumed)
-    return Run(storages, outcome.ops, guards, pinned(env, world.env_symbols, symbols, guards) if symbolic else {},
-               unified(env, world.env_symbols, symbols) if symbolic else [],
-               bounds(env, world.env_symbols) if symbolic else {}, notes)
+    return Run(storages, outcome.ops, guards, pinned(env, world, symbols, guards) if symbolic else {},
+               unified(env, world, symbols) if symbolic else [], bounds(env, world) if symbolic else {}, notes)
+
+
+def tidy(expr: Any, env: Any) -> Any:
+    """Resolve ``Max``/``Min`` the ShapeEnv's value ranges decide (``Max(1, Hi//4)`` once ``Hi >= 4``)."""
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    def resolve(e: Any) -> Any:
+        args = list(e.args)
+        ranges = [bound_sympy(a, env.var_to_range) for a in args]
+        pick_max = isinstance(e, sympy.Max)
+        for i, r in enumerate(ranges):
+            others = [o for j, o in enumerate(ranges) if j != i]
+            if pick_max and all(r.lower >= o.upper for o in others):
+                return args[i]
+            if not pick_max and all(r.upper <= o.lower for o in others):
+                return args[i]
+        return e
+
+    if not expr.has(sympy.Max, sympy.Min):
+        return expr
+    return expr.replace(lambda e: isinstance(e, sympy.Max | sympy.Min), resolve)
 
 
 def _resized(inputs: Inputs, values: dict[str, int]) -> Inputs:
@@ -224,16 +246,20 @@ def _differences(traced: list[Storage], measured: list[Storage], subs: dict[symp
 
 
 def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, device: str = "cpu",
-                 training: bool = True, method: str = "auto", check: bool = True, size_one: bool = False) -> Trace:
+                 training: bool = True, method: str = "auto", check: bool = True, size_one: bool = False,
+                 multiple_of: dict[str, int] | None = None) -> Trace:
     """The exact formula of what one eager forward keeps for backward, in the declared symbols.
 
     ``example_inputs`` is a tuple (positional) or dict (keyword) of tensors and plain values; ``dims``
     maps a symbol name to its (input position or keyword, dimension) pairs, e.g. ``{"B": [(0, 0)]}`` or
-    ``{"B": [("input_ids", 0)], "S": [("input_ids", 1)]}``.  ``method``: ``auto`` (symbolic, falling back to
-    a fit where the module specializes on a size), ``symbolic`` (never fit) or ``fit`` (concrete sizes
-    only: for modules fake tensors cannot run).  ``check`` runs one real forward at the example sizes and
-    raises :class:`SymmemError` if the formula disagrees there.  ``size_one`` also traces every symbol at 1
-    (its own branch: PyTorch specializes size 1), noted in ``Trace.extra["at_one"]``.
+    ``{"B": [("input_ids", 0)], "S": [("input_ids", 1)]}``.  ``method``: ``auto`` (symbolic, retraced at
+    other sizes where the module specializes on a size, fitted if it specializes again), ``symbolic`` (never
+    fit) or ``fit`` (concrete sizes only: for modules fake tensors cannot run).  ``check`` runs one real
+    forward at the traced sizes and raises :class:`SymmemError` if the formula disagrees there.
+    ``size_one`` also traces every symbol at 1 (its own branch: PyTorch specializes size 1), given in
+    ``Trace.extra["at_one"]``.  ``multiple_of`` (``{"Hi": 32, "Wi": 32}``) traces those sizes as multiples of
+    a number: stride arithmetic (``(Hi - 1)//2 + 1``, Swin's window padding) then stays polynomial and the
+    formula holds on those multiples (the domain says so); examples must be at least twice the multiple.
 
     >>> import torch
     >>> t = trace_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.zeros(2, 4),),
@@ -249,82 +275,124 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
     device = check_device(device)
     inputs = check_inputs(example_inputs, dims)
     symbols = {name: sym_for(name) for name in inputs.examples}
+    multiple_of = _check_multiples(multiple_of, inputs.examples)
     params, buffers = parameters_of(module)
     notes: list[str] = []
-    subs = {symbols[n]: v for n, v in inputs.examples.items()}
 
     with training_mode(module, training):
         why_not = _can_run_real(module, inputs, device) if check else "check=False"
-        real = real_run(module, inputs) if why_not is None else None
-        if real is None:
+        if why_not is not None:
             notes.append(f"no real forward to check against: {why_not}")
-        replay = real.reads if real is not None else None
+        real = why_not is None
         if method == "fit":
             from .fit import fit_trace
 
-            result, used = fit_trace(module, inputs, symbols, device, real is not None), "fitted"
+            result, used, at = fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples
+            outcome = real_run(module, inputs) if real else None
         else:
-            result, used = _symbolic(module, inputs, symbols, device, replay, method, notes)
+            result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of)
         extra: dict[str, Any] = {}
         if size_one:
             extra["at_one"] = _at_one(module, inputs, symbols, device)
 
-    domain_exprs = [g.expr for g in result.guards] + result.unified
-    domain = domain_of(list(symbols.values()), domain_exprs)
+    divisible = [sympy.Eq(sympy.Mod(symbols[n], m), 0) for n, m in multiple_of.items()]
+    domain = domain_of(list(symbols.values()), divisible + [g.expr for g in result.guards] + result.unified)
     storages = tuple(result.storages)
+    subs = {symbols[n]: v for n, v in at.items()}
     chk = None
-    if real is not None:
-        real_storages = to_storages(real, lambda x: sympy.Integer(int(x)), real.op_modules)  # type: ignore[attr-defined]
+    if outcome is not None:
+        real_storages = to_storages(outcome, lambda x: sympy.Integer(int(x)), outcome.op_modules)  # type: ignore[attr-defined]
         measured = _totals(real_storages, {})
-        if not bool(domain.xreplace(subs)):
-            notes.append("the example sizes lie outside the traced formula's domain; no check")
-        else:
-            traced = _totals(storages, subs)
-            chk = Check(tuple(sorted(inputs.examples.items())), tuple(sorted(traced.items())),
-                        tuple(sorted(measured.items())))
-            if not chk.exact:
-                raise SymmemError(
-                    f"the traced formula disagrees with a real eager forward at {dict(chk.values)}: traced "
-                    f"{traced}, real {measured} (bytes). The fake-tensor run took another code path; "
-                    f"differences: {_differences(list(storages), real_storages, subs)}")
+        traced = _totals(storages, subs)
+        chk = Check(tuple(sorted(at.items())), tuple(sorted(traced.items())), tuple(sorted(measured.items())))
+        if not chk.exact:
+            raise SymmemError(
+                f"the traced formula disagrees with a real eager forward at {dict(chk.values)}: traced "
+                f"{traced}, real {measured} (bytes). The fake-tensor run took another code path; "
+                f"differences: {_differences(list(storages), real_storages, subs)}")
     from .structure import repeats
 
     reps = repeats(module, storages, subs)
     return Trace(module=type(module).__name__,
-                 symbols=tuple(TracedSymbol(n, symbols[n], inputs.examples[n], inputs.positions[n])
-                               for n in inputs.examples),
+                 symbols=tuple(TracedSymbol(n, symbols[n], at[n], inputs.positions[n]) for n in inputs.examples),
                  storages=storages, parameters=params, buffers=buffers, guards=tuple(result.guards),
                  domain=domain, bounds=tuple((n, lo, hi) for n, (lo, hi) in result.bounds.items()),
                  method=used, device=device, training=training, repeats=reps, check=chk,
                  notes=tuple(notes + result.notes), ops=result.ops, extra=extra)
 
 
-def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str,
-              replay: list[tuple[str, Any]] | None, method: str, notes: list[str]) -> tuple[Run, str]:
-    """The symbolic trace, retraced at other sizes if it pinned a symbol, fitted if it pins again."""
-    run = fake_run(module, inputs, inputs.examples, symbols, device, replay)
-    if not run.pinned:
-        return run, "symbolic"
-    text = ", ".join(f"{n} = {v}" for n, v in run.pinned.items())
-    where = "; ".join(f"{g.text} at {g.module or '<top>'} {g.op}" for g in run.guards
-                      if isinstance(g.expr, sympy.Eq))
-    if method == "symbolic":
-        raise SymmemError(f"the module specializes on {text} (guards: {where or 'a size read as a constant'}); "
-                          "the symbolic trace would be a constant: use method='auto' or method='fit'")
-    values = {n: (2 * v if n in run.pinned else v) for n, v in inputs.examples.items()}
-    notes.append(f"the first trace pinned {text} ({where or 'a size read as a constant'}); retraced at "
-                 + ", ".join(f"{n} = {values[n]}" for n in run.pinned))
+def _check_multiples(multiple_of: Any, examples: dict[str, int]) -> dict[str, int]:
+    if multiple_of is None:
+        return {}
+    if not isinstance(multiple_of, dict):
+        raise SymmemError(f"multiple_of must map symbol names to integers, got {type(multiple_of).__name__}")
+    for name, m in multiple_of.items():
+        if name not in examples:
+            raise SymmemError(f"multiple_of names {name!r}, which is not a declared symbol "
+                              f"({', '.join(examples) or 'none'})")
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise SymmemError(f"multiple_of[{name!r}] must be a positive integer, got {m!r}")
+        if examples[name] % m or examples[name] // m < 2:
+            raise SymmemError(f"{name} = {examples[name]} must be a multiple of {m} and at least {2 * m} "
+                              "(a multiple of 1 would be specialized)")
+    return dict(multiple_of)
+
+
+def specializations(run: Run, symbols: dict[str, sympy.Symbol]) -> list[Any]:
+    """Equalities the trace assumed on the declared sizes (not between two of them): candidate pins."""
+    out = [g.expr for g in run.guards if isinstance(g.expr, sympy.Eq)
+           and not all(isinstance(side, sympy.Symbol) for side in (g.expr.lhs, g.expr.rhs))]
+    out += [sympy.Eq(symbols[n], v) for n, v in run.pinned.items() if sympy.Eq(symbols[n], v) not in out]
+    return out
+
+
+def _holds(exprs: list[Any], symbols: dict[str, sympy.Symbol], values: dict[str, int]) -> bool:
+    subs = {symbols[n]: v for n, v in values.items()}
+    return all(bool(sympy.sympify(e).xreplace(subs)) for e in exprs)
+
+
+def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str, real: bool,
+              method: str, notes: list[str], multiple_of: dict[str, int]
+              ) -> tuple[Run, str, dict[str, int], Outcome | None]:
+    """The symbolic trace; retraced at other sizes where it specialized, fitted if it specializes again.
+
+    An equality guard on the declared sizes (``Eq(S, 8)``, ``Eq((Hi - 1)//32 + 1, 1)``: an intermediate
+    size was 1) either holds everywhere that matters (``Eq(Mod(S, 4), 0)``) or pins the formula to the
+    example.  The trace is repeated with those symbols doubled: guards of the first trace that fail there
+    were pins; a retrace whose own equalities hold at the first sizes too is used instead.
+    """
+    from .fit import resized_real
+
+    outcome = real_run(module, inputs) if real else None
+    run = fake_run(module, inputs, inputs.examples, symbols, device, outcome.reads if outcome else None,
+                   multiple_of=multiple_of)
+    spec = specializations(run, symbols)
+    if not spec:
+        return run, "symbolic", inputs.examples, outcome
+    involved = {n for n, s in symbols.items() if any(s in sympy.sympify(e).free_symbols for e in spec)}
+    values = {n: (2 * v if n in involved else v) for n, v in inputs.examples.items()}
+    if _holds(spec, symbols, values):  # equalities that hold at other sizes too: part of the domain
+        return run, "symbolic", inputs.examples, outcome
+    text = ", ".join(str(e) for e in spec)
+    notes.append(f"the trace at {inputs.examples} assumed {text}; retraced at {values}")
     try:
-        again = fake_run(module, _resized(inputs, values), values, symbols, device, None)
+        bigger = resized_real(inputs, values) if real else _resized(inputs, values)
+        outcome2 = real_run(module, bigger) if real else None
+        again = fake_run(module, _resized(inputs, values), values, symbols, device,
+                         outcome2.reads if outcome2 else None, multiple_of=multiple_of)
     except SymmemError as e:
-        again = None
-        notes.append(f"the retrace failed: {e}")
-    if again is not None and not again.pinned:
-        return again, "symbolic"
+        notes.append(f"the retrace failed ({e}); the formula holds where its guards do")
+        return run, "symbolic", inputs.examples, outcome
+    spec2 = specializations(again, symbols)
+    if _holds(spec2, symbols, inputs.examples):
+        return again, "symbolic", values, outcome2
+    if method == "symbolic":
+        raise SymmemError(f"the module specializes on its sizes at every example ({text}; then "
+                          f"{', '.join(str(e) for e in spec2)}): use method='auto' or method='fit'")
     from .fit import fit_trace
 
     notes.append("the module specializes at every example size: the formula is fitted from concrete traces")
-    return fit_trace(module, inputs, symbols, device, replay is not None), "fitted"
+    return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
 
 
 def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str) -> dict[str, Any]:
