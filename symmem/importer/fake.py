@@ -46,6 +46,15 @@ def overrides() -> dict[Any, Any]:
     return {aten.constant_pad_nd.default: torch._refs.constant_pad_nd}
 
 
+def opaque_ops() -> frozenset[Any]:
+    """aten ops whose fake kernels do not know what the real kernel saves: oneDNN's RNN layer (CPU LSTM/GRU)
+    returns a workspace whose size oneDNN decides at run time; its meta kernel returns an empty one."""
+    import torch
+
+    packet = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
+    return frozenset({packet.default}) if packet is not None else frozenset()
+
+
 @dataclass
 class FakeWorld:
     """The mode, its ShapeEnv, and how its symbols stand for the declared ones.
@@ -65,9 +74,10 @@ class FakeWorld:
         return {s: symbols[n] / self.scale.get(n, 1) for s, n in self.env_symbols.items()}
 
 
-def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dict[str, int] | None = None
-               ) -> FakeWorld:
-    """A FakeTensorMode on a fresh ShapeEnv and one SymInt per declared symbol (plain ints if not symbolic)."""
+def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dict[str, int] | None = None,
+               concrete: tuple[str, ...] = ()) -> FakeWorld:
+    """A FakeTensorMode on a fresh ShapeEnv and one SymInt per declared symbol (plain ints for ``concrete``
+    names, or all of them if not ``symbolic``)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -78,7 +88,7 @@ def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dic
     env_symbols: dict[Any, str] = {}
     scale = dict(multiple_of or {})
     for name, value in examples.items():
-        if not symbolic:
+        if not symbolic or name in concrete:
             sizes[name] = value
             continue
         m = scale.get(name, 1)

@@ -116,7 +116,7 @@ class Recorder:
     def __init__(self, module: Any, *, params: dict[int, str], inputs: dict[int, str],
                  overrides: dict[Any, Callable[..., Any]] | None = None,
                  replay: list[tuple[str, Any]] | None = None, default_read: bool | None = None,
-                 shape_env: Any = None) -> None:
+                 shape_env: Any = None, opaque: frozenset[Any] = frozenset()) -> None:
         self.module = module
         self.params = params
         self.inputs = inputs
@@ -124,8 +124,10 @@ class Recorder:
         self.replay = replay
         self.default_read = default_read
         self.shape_env = shape_env
+        self.opaque = opaque
         self.stack: list[str] = []
         self.quiet = False  # inside the pack hook: its own ops are not the forward's
+        self.failed_at: str | None = None  # where the first error was raised (innermost op)
         self.fn = "?"
         self.aten = "?"
         self.seq = 0
@@ -158,7 +160,7 @@ class Recorder:
 
         for name, sub in self.module.named_modules():
             handles.append(sub.register_forward_pre_hook(pre(name)))
-            handles.append(sub.register_forward_hook(post, always_call=True))
+            handles.append(sub.register_forward_hook(post))  # not always_call: an error keeps its module
         try:
             yield
         finally:
@@ -187,6 +189,9 @@ class Recorder:
                 rec.fn = getattr(func, "__name__", str(func))
                 try:
                     return func(*args, **(kwargs or {}))
+                except Exception:
+                    rec.failed_at = rec.failed_at or rec.where
+                    raise
                 finally:
                     rec.fn = before
 
@@ -202,8 +207,18 @@ class Recorder:
                 rec.aten = str(func)
                 if func is local_scalar:
                     return rec._scalar(func, args, kwargs)
+                if func in rec.opaque:
+                    raise OpaqueKernel(
+                        f"{func} at {rec.where} keeps a oneDNN workspace whose size only oneDNN knows (its fake "
+                        "kernel says 0) and which is rounded to 4 KiB pages: no exact formula. Trace (and train) "
+                        "under torch.backends.mkldnn.flags(enabled=False), where the CPU LSTM/GRU runs "
+                        "PyTorch's own cells and traces exactly")
                 impl = rec.overrides.get(func)
-                out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
+                try:
+                    out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
+                except Exception:
+                    rec.failed_at = rec.failed_at or rec.where
+                    raise
                 birth = (seq, str(func), rec.current)
                 for t in _leaves(out):
                     try:
@@ -307,20 +322,33 @@ class Recorder:
         except SymmemError:
             raise
         except Exception as e:
+            where = self.failed_at or self.where
             name = type(e).__name__
             text = str(e).strip().splitlines()[0] if str(e).strip() else name
+            low = text.lower()
             if name in ("DynamicOutputShapeException",):
-                raise SymmemError(f"the forward has a data-dependent output shape at {self.where} ({text}); "
+                raise SymmemError(f"the forward has a data-dependent output shape at {where} ({text}); "
                                   "fake tensors cannot trace it: use method='fit' (concrete sizes)") from e
             if name in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
-                        "PendingUnbackedSymbolNotFound") or "data-dependent" in text.lower() \
-                    or "data dependent" in text.lower():
-                raise SymmemError(f"the forward depends on tensor data at {self.where} ({name}: {text}); fake "
+                        "PendingUnbackedSymbolNotFound") or "data-dependent" in low or "data dependent" in low:
+                raise SymmemError(f"the forward depends on tensor data at {where} ({name}: {text}); fake "
                                   "tensors have none: use method='fit' (concrete sizes)") from e
+            if "symbolic sizes" in low or "symbolic shapes" in low:
+                raise SymbolicSizesUnsupported(
+                    f"a kernel cannot run with symbolic sizes at {where} ({text}); method='auto' fits it from "
+                    "concrete sizes, or use method='fit'") from e
             if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
-                raise SymmemError(f"the forward runs an op fake tensors do not support at {self.where} ({text}); "
+                raise SymmemError(f"the forward runs an op fake tensors do not support at {where} ({text}); "
                                   "use method='fit' (concrete sizes, real tensors)") from e
-            raise SymmemError(f"the forward failed at {self.where}: {name}: {text}") from e
+            raise SymmemError(f"the forward failed at {where}: {name}: {text}") from e
+
+
+class OpaqueKernel(SymmemError):
+    """An op whose fake kernel cannot know what the real one saves (oneDNN's RNN workspace)."""
+
+
+class SymbolicSizesUnsupported(SymmemError):
+    """A kernel reads concrete sizes (``numel()`` in C++): the trace needs concrete sizes."""
 
 
 def _aliases_input(key: int, args: Any) -> bool:

@@ -24,11 +24,11 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
-from .fake import check_device, fake_inputs, fake_state, make_world, overrides
+from .fake import check_device, fake_inputs, fake_state, make_world, opaque_ops, overrides
 from .guards import GuardLog, bounds, collect, domain_of, pinned, to_declared, unified
 from .hf import eager_predicates
 from .inputs import Inputs, check_inputs, sym_for
-from .recorder import Outcome, Recorder, _leaves, dtype_name, storage_key
+from .recorder import Outcome, Recorder, SymbolicSizesUnsupported, _leaves, dtype_name, storage_key
 from .records import Check, Parameter, Save, Storage, Trace, TracedSymbol
 
 METHODS = ("auto", "symbolic", "fit")
@@ -140,20 +140,21 @@ def real_run(module: Any, inputs: Inputs) -> Outcome:
 
 def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol], device: str,
              replay: list[tuple[str, Any]] | None, symbolic: bool = True,
-             multiple_of: dict[str, int] | None = None) -> Run:
-    """One forward on fake tensors: declared sizes symbolic (or concrete at ``values``)."""
+             multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = ()) -> Run:
+    """One forward on fake tensors: declared sizes symbolic (those in ``concrete``, or all if not ``symbolic``,
+    at their ``values``)."""
     import torch
 
-    world = make_world(values, symbolic=symbolic, multiple_of=multiple_of)
+    world = make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete)
     mapping = world.mapping(symbols)
-    at = _resized(inputs, values) if not symbolic else inputs
+    at = _resized(inputs, values) if not symbolic or concrete else inputs
     with world.mode:
         fin = fake_inputs(world, at, device)
         params, buffers = fake_state(module, device)
     pkeys = _keys([*params.items(), *buffers.items()])
     rec = Recorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
                    replay=replay if replay is not None else [], default_read=True if replay is None else None,
-                   shape_env=world.env)
+                   shape_env=world.env, opaque=opaque_ops())
     world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
     args, kwargs = at.rebuild(fin)
 
@@ -364,8 +365,16 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     from .fit import resized_real
 
     outcome = real_run(module, inputs) if real else None
-    run = fake_run(module, inputs, inputs.examples, symbols, device, outcome.reads if outcome else None,
-                   multiple_of=multiple_of)
+    try:
+        run = fake_run(module, inputs, inputs.examples, symbols, device, outcome.reads if outcome else None,
+                       multiple_of=multiple_of)
+    except SymbolicSizesUnsupported as e:
+        if method == "symbolic":
+            raise
+        from .fit import fit_trace
+
+        notes.append(f"no symbolic trace ({e}); the formula is fitted from traces at concrete sizes")
+        return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
     spec = specializations(run, symbols)
     if not spec:
         return run, "symbolic", inputs.examples, outcome
@@ -392,7 +401,12 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     from .fit import fit_trace
 
     notes.append("the module specializes at every example size: the formula is fitted from concrete traces")
-    return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
+    pins = tuple(n for n in inputs.examples if n in involved)
+    # both symbolic traces specialized on exactly these sizes: they are the fit's first two grid points
+    seed = {tuple(inputs.examples[n] for n in pins): run, tuple(values[n] for n in pins): again} \
+        if set(run.pinned) == set(pins) == set(again.pinned) else {}
+    return (fit_trace(module, inputs, symbols, device, real, pins, multiple_of, seed), "fitted", inputs.examples,
+            outcome)
 
 
 def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str) -> dict[str, Any]:
