@@ -142,7 +142,8 @@ class Recorder:
     @property
     def where(self) -> str:
         """The module path and op running now (for error messages)."""
-        return f"module {self.stack[-1] if self.stack else '<top>'!r}, op {self.fn} ({self.aten})"
+        module = self.stack[-1] if self.stack and self.stack[-1] else "<top>"
+        return f"module {module!r}, op {self.fn} ({self.aten})"
 
     # --- module paths ----------------------------------------------------------------------------
     @contextmanager
@@ -198,7 +199,7 @@ class Recorder:
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 kwargs = kwargs or {}
-                if rec.quiet:
+                if rec.quiet or _metadata(func):  # size/device queries are not ops of the forward
                     return func(*args, **kwargs)
                 seq = rec.seq
                 rec.seq += 1
@@ -220,6 +221,8 @@ class Recorder:
                     rec.failed_at = rec.failed_at or rec.where
                     raise
                 birth = (seq, str(func), rec.current)
+                if rec.shape_env is not None:
+                    rec._data_dependent_sizes(func, out)
                 for t in _leaves(out):
                     try:
                         key = storage_key(t)
@@ -231,6 +234,17 @@ class Recorder:
 
         return Functions(), Ops()
 
+    def _data_dependent_sizes(self, func: Any, out: Any) -> None:
+        """Refuse outputs whose sizes depend on data (``nonzero``, ``masked_select``: unbacked SymInts)."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        for t in _leaves(out):
+            if free_unbacked_symbols(tuple(t.shape)):
+                raise SymmemError(f"{func} at {self.where} returns a tensor whose size depends on the data "
+                                  f"({tuple(t.shape)}); a formula in the declared sizes cannot say how big it is. "
+                                  "method='fit' traces real tensors at concrete sizes (the sizes then come from "
+                                  "the example data)")
+
     def _scalar(self, func: Any, args: Any, kwargs: Any) -> Any:
         """A data-dependent read (``bool(t)``, ``t.item()``): record it, or answer it on the fake run."""
         from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -241,6 +255,8 @@ class Recorder:
             self.reads.append((dtype_name(t.dtype), value))
             return value
         index = len(self.reads)
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
         try:
             value = func(*args, **kwargs)  # a fake tensor with a known constant answers itself
         except (DataDependentOutputException, RuntimeError) as e:
@@ -248,6 +264,8 @@ class Recorder:
                     and "DataDependent" not in type(e).__name__:
                 raise
             value = None
+        if value is not None and hasattr(value, "node") and free_unbacked_symbols(value.node.expr):
+            value = None  # an unbacked symbol: the value is unknown
         if value is None:
             if index < len(self.replay):
                 dt, value = self.replay[index]
@@ -349,6 +367,16 @@ class OpaqueKernel(SymmemError):
 
 class SymbolicSizesUnsupported(SymmemError):
     """A kernel reads concrete sizes (``numel()`` in C++): the trace needs concrete sizes."""
+
+
+_METADATA = frozenset({"is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense", "size", "stride",
+                       "numel", "dim", "storage_offset"})
+
+
+def _metadata(func: Any) -> bool:
+    """Whether an op only asks about metadata (``prim.device``, ``aten.sym_size`` …)."""
+    name = func.__name__.split(".")[0]
+    return func.namespace == "prim" or name.startswith("sym_") or name in _METADATA
 
 
 def _aliases_input(key: int, args: Any) -> bool:

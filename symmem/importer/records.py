@@ -133,6 +133,15 @@ class Repeat:
                 return i
         return None
 
+    def child_of(self, storage: Storage) -> int | None:
+        """The child a storage belongs to: the one whose op first saved it, unless ops of several children
+        save it (Llama's rotary ``cos``/``sin``, made once and kept by every layer): then none."""
+        i = self.owns(storage.module)
+        if i is None:
+            return None
+        others = {self.owns(s.module) for s in storage.saved_by if s.module}
+        return None if len(others - {None, i}) else i
+
 
 @dataclass(frozen=True)
 class Check:
@@ -256,15 +265,16 @@ class Trace:
         layer: list[Any] = []
         first_seq: int | None = None
         for s in self.of_kind("activation"):
-            i = rep.owns(s.module)
+            i = rep.child_of(s)
             if i is not None:
                 if i == 0:
                     layer.append(s.bytes)
                 seq = s.first_saved
                 first_seq = seq if first_seq is None else min(first_seq, seq)
         for s in self.of_kind("activation"):
-            if rep.owns(s.module) is None:
-                (stem if first_seq is not None and s.first_saved < first_seq else head).append(s.bytes)
+            if rep.child_of(s) is None:  # outside the stack, or shared by its blocks: by when it was made
+                when = s.born if s.born is not None and rep.owns(s.module) is not None else s.first_saved
+                (stem if first_seq is not None and when < first_seq else head).append(s.bytes)
         return {"stem": sympy.expand(sympy.Add(*stem)), "layer": sympy.expand(sympy.Add(*layer)),
                 "head": sympy.expand(sympy.Add(*head)), "count": rep.count}
 

@@ -2,7 +2,8 @@
 
 A storage belongs to the module of the op that first saved it, so the residual stream a block passes on
 is counted in the next block (whose layer norm keeps it), and the last block's output in the head: every
-block of a transformer stack then keeps the same storages.  Two children are identical when their storages,
+block of a transformer stack then keeps the same storages.  A storage kept by several children (Llama's rotary
+``cos``/``sin``, made once before the stack) belongs to none of them.  Two children are identical when their storages,
 named relative to the child, have the same dtypes and byte formulas.  Runs of at least two consecutive
 identical children are reported, largest total first (at the example sizes).
 """
@@ -20,11 +21,18 @@ def _under(module: str, child: str) -> bool:
     return module == child or module.startswith(child + ".")
 
 
-def signature(storages: list[Storage], child: str) -> tuple[tuple[str, str, str], ...]:
+def _own(s: Storage, child: str, siblings: list[str]) -> bool:
+    """Whether ``s`` belongs to ``child``: first saved there, and not also saved by a sibling."""
+    if not _under(s.module, child):
+        return False
+    return not any(_under(v.module, o) for v in s.saved_by if v.module for o in siblings if o != child)
+
+
+def signature(storages: list[Storage], child: str, siblings: list[str]) -> tuple[tuple[str, str, str], ...]:
     """The child's activation storages, named relative to the child, with dtype and byte formula."""
     out = []
     for s in storages:
-        if s.kind == "activation" and _under(s.module, child):
+        if s.kind == "activation" and _own(s, child, siblings):
             out.append((s.name[len(child):], s.dtype, sympy.srepr(sympy.expand(s.bytes))))
     return tuple(sorted(out))
 
@@ -40,14 +48,14 @@ def repeats(module: Any, storages: tuple[Storage, ...] | list[Storage],
         if not isinstance(container, torch.nn.ModuleList | torch.nn.Sequential) or len(container) < 2:
             continue
         children = [f"{path}.{name}" if path else name for name, _ in container.named_children()]
-        sigs = [signature(acts, c) for c in children]
+        sigs = [signature(acts, c, children) for c in children]
         i = 0
         while i < len(children):
             j = i + 1
             while j < len(children) and sigs[j] == sigs[i]:
                 j += 1
             if j - i >= 2 and sigs[i]:
-                first = [s for s in acts if _under(s.module, children[i])]
+                first = [s for s in acts if _own(s, children[i], children)]
                 found.append(Repeat(path, tuple(children[i:j]), tuple(s.name for s in first),
                                     sympy.expand(sympy.Add(*[s.bytes for s in first]))))
             i = j
