@@ -40,9 +40,33 @@ class GuardLog(list):  # type: ignore[type-arg]
         self.sites.append(self.site())
 
 
+def standard(expr: Any) -> Any:
+    """torch's own sympy functions (``FloorDiv``, ``PythonMod``, its ``Max`` …) as plain sympy ones
+    (``floor``, ``Mod``, ``Max``), so formulas print, compare and lambdify like any other sympy expression."""
+    try:
+        import torch.utils._sympy.functions as F
+    except ImportError:  # pragma: no cover - only torch makes such expressions
+        return expr
+    table = {
+        "FloorDiv": lambda a, b: sympy.floor(a / b), "CleanDiv": lambda a, b: a / b,
+        "CeilDiv": lambda a, b: sympy.ceiling(a / b), "IntTrueDiv": lambda a, b: a / b,
+        "PythonMod": sympy.Mod, "Mod": sympy.Mod, "Max": sympy.Max, "Min": sympy.Min,
+        "ModularIndexing": lambda x, d, m: sympy.Mod(sympy.floor(x / d), m),
+        "PowByNatural": lambda a, b: a**b, "FloorToInt": sympy.floor, "CeilToInt": sympy.ceiling,
+        "TruncToInt": lambda x: sympy.sign(x) * sympy.floor(abs(x)), "Identity": lambda x: x,
+        "Where": lambda c, a, b: sympy.Piecewise((a, c), (b, True)),
+    }
+    classes = {getattr(F, n): f for n, f in table.items() if isinstance(getattr(F, n, None), type)}
+    for cls, f in classes.items():
+        if expr.has(cls):
+            expr = expr.replace(lambda e, cls=cls: isinstance(e, cls), lambda e, f=f: f(*e.args))
+    return expr
+
+
 def to_declared(expr: Any, mapping: dict[Any, Any]) -> Any:
-    """A ShapeEnv expression in the declared symbols (``mapping``: ShapeEnv symbol -> declared expression)."""
-    return sympy.sympify(expr).xreplace(mapping)
+    """A ShapeEnv expression in the declared symbols (``mapping``: ShapeEnv symbol -> declared expression),
+    written with plain sympy functions."""
+    return standard(sympy.sympify(expr)).xreplace(mapping)
 
 
 def collect(env: Any, mapping: dict[Any, Any]) -> list[Guard]:

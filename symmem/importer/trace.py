@@ -179,12 +179,13 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
 
 def tidy(expr: Any, env: Any) -> Any:
     """Resolve ``Max``/``Min`` the ShapeEnv's value ranges decide (``Max(1, Hi//4)`` once ``Hi >= 4``)."""
+    from torch.utils._sympy.functions import Max, Min
     from torch.utils._sympy.value_ranges import bound_sympy
 
     def resolve(e: Any) -> Any:
         args = list(e.args)
         ranges = [bound_sympy(a, env.var_to_range) for a in args]
-        pick_max = isinstance(e, sympy.Max)
+        pick_max = isinstance(e, sympy.Max | Max)
         for i, r in enumerate(ranges):
             others = [o for j, o in enumerate(ranges) if j != i]
             if pick_max and all(r.lower >= o.upper for o in others):
@@ -193,9 +194,9 @@ def tidy(expr: Any, env: Any) -> Any:
                 return args[i]
         return e
 
-    if not expr.has(sympy.Max, sympy.Min):
+    if not expr.has(sympy.Max, sympy.Min, Max, Min):
         return expr
-    return expr.replace(lambda e: isinstance(e, sympy.Max | sympy.Min), resolve)
+    return expr.replace(lambda e: isinstance(e, sympy.Max | sympy.Min | Max | Min), resolve)
 
 
 def _resized(inputs: Inputs, values: dict[str, int]) -> Inputs:

@@ -1,0 +1,105 @@
+"""Speed of ``symmem.importer.trace_module`` against one real forward (run by hand: ``python
+benchmarks/bench_trace.py``; needs torch==2.13.0 and transformers==5.23.0; results in docs/importer.md).
+
+Targets: GPT-2 124M (default config) and a ResNet-50-sized Hugging Face ResNet trace in < 5 s on 2 cores; a
+7B Llama config built on the ``meta`` device traces in < 30 s without allocating weights.
+
+For every configuration: the wall and CPU time of ``trace_module`` (with its real check forward at the
+example sizes, and without: ``check=False``), the time of one real training-mode forward at the same
+example sizes, and the ratio trace / forward.  Wall times on a shared machine are noisy; CPU time (this
+process) is the steadier number.  Each trace runs once (a second run is faster: imports, caches, oneDNN
+kernels), so the numbers include first-run costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any
+
+import torch
+import transformers as tf
+
+from symmem.importer import trace_module
+
+TEXT = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
+IMAGE = {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]}
+
+
+def timed(fn: Any) -> tuple[float, float, Any]:
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w, time.process_time() - c, out
+
+
+def forward(module: Any, inputs: Any) -> None:
+    module.train()
+    out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
+    del out
+
+
+def gpt2(attn: str) -> Any:
+    cfg = tf.GPT2Config()
+    cfg._attn_implementation = attn
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def llama7b() -> Any:
+    cfg = tf.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return tf.LlamaForCausalLM(cfg)
+
+
+def ids(vocab: int, b: int = 2, s: int = 32) -> dict[str, Any]:
+    return {"input_ids": torch.randint(0, vocab, (b, s))}
+
+
+# name, builder, inputs, dims, options
+CASES: list[tuple[str, Any, Any, dict[str, Any], dict[str, Any]]] = [
+    ("gpt2-124M sdpa", lambda: gpt2("sdpa"), lambda: ids(50257), TEXT, {}),
+    ("gpt2-124M eager", lambda: gpt2("eager"), lambda: ids(50257), TEXT, {}),
+    ("bert-base", lambda: tf.BertForMaskedLM(tf.BertConfig()), lambda: ids(30522), TEXT, {}),
+    ("resnet-50 (HF)", lambda: tf.ResNetForImageClassification(tf.ResNetConfig()),
+     lambda: (torch.randn(2, 3, 64, 64),), IMAGE, {"multiple_of": {"Hi": 32, "Wi": 32}}),
+    ("vit-base (HF)", lambda: tf.ViTForImageClassification(tf.ViTConfig()),
+     lambda: (torch.randn(2, 3, 224, 224),), {"B": [(0, 0)]}, {}),
+    ("mobilenetv2 (HF, fitted)", lambda: tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config()),
+     lambda: (torch.randn(2, 3, 64, 64),), IMAGE, {}),
+    ("llama-7B on meta", llama7b, lambda: ids(32000, 2, 16), TEXT, {}),
+]
+
+
+def main(argv: list[str]) -> int:
+    only = set(argv)
+    print(f"torch {torch.__version__}, transformers {tf.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'model':<26}{'trace wall':>11}{'cpu':>8}{'no check':>10}{'forward':>9}{'ratio':>7}  "
+          f"method    activations")
+    for name, build, make, dims, options in CASES:
+        if only and not any(o in name for o in only):
+            continue
+        torch.manual_seed(0)
+        module = build()
+        inputs = make()
+        meta = any(p.device.type == "meta" for p in module.parameters())
+        w, c, t = timed(lambda module=module, inputs=inputs: trace_module(module, inputs, dims, **options))
+        w2, _, _ = timed(lambda module=module, inputs=inputs: trace_module(module, inputs, dims, check=False,
+                                                                              **options))
+        if meta:
+            fw = None
+        else:
+            with contextlib.suppress(Exception):
+                forward(module, inputs)  # warm: oneDNN kernels, allocator
+            fw, _, _ = timed(lambda module=module, inputs=inputs: forward(module, inputs))
+        ratio = f"{w2 / fw:6.1f}x" if fw else "   n/a"
+        fws = f"{fw:8.3f}s" if fw else "     n/a"
+        expr = str(t.activations)
+        print(f"{name:<26}{w:>10.2f}s{c:>7.2f}s{w2:>9.2f}s{fws}{ratio}  {t.method:<9} "
+              f"{expr if len(expr) < 70 else expr[:67] + '...'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
