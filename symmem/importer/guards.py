@@ -69,13 +69,14 @@ def to_declared(expr: Any, mapping: dict[Any, Any]) -> Any:
     return standard(sympy.sympify(expr)).xreplace(mapping)
 
 
-def collect(env: Any, mapping: dict[Any, Any]) -> list[Guard]:
-    """The ShapeEnv's guards as :class:`Guard` records (duplicates and always-true ones dropped)."""
+def collect(env: Any, mapping: dict[Any, Any], tidy: Any = None) -> list[Guard]:
+    """The ShapeEnv's guards as :class:`Guard` records (duplicates and always-true ones dropped);
+    ``tidy(expr, env)`` simplifies each first (``Max``/``Min`` the value ranges decide)."""
     sites = getattr(env.guards, "sites", [])
     out: list[Guard] = []
     seen: set[Any] = set()
     for i, g in enumerate(env.guards):
-        expr = to_declared(g.expr, mapping)
+        expr = to_declared(tidy(g.expr, env) if tidy is not None else g.expr, mapping)
         if expr is sympy.true or expr in seen:
             continue
         seen.add(expr)

@@ -171,7 +171,7 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
         return sympy.Integer(int(x))
 
     storages = to_storages(outcome, convert, rec.op_modules)
-    guards = collect(env, mapping) if symbolic else []
+    guards = collect(env, mapping, tidy) if symbolic else []
     notes = list(rec.assumed)
     return Run(storages, outcome.ops, guards, pinned(env, world, symbols, guards) if symbolic else {},
                unified(env, world, symbols) if symbolic else [], bounds(env, world) if symbolic else {}, notes)
