@@ -13,9 +13,9 @@ kernels), so the numbers include first-run costs.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -84,15 +84,12 @@ def main(argv: list[str]) -> int:
         module = build()
         inputs = make()
         meta = any(p.device.type == "meta" for p in module.parameters())
-        w, c, t = timed(lambda module=module, inputs=inputs: trace_module(module, inputs, dims, **options))
-        w2, _, _ = timed(lambda module=module, inputs=inputs: trace_module(module, inputs, dims, check=False,
-                                                                              **options))
-        if meta:
-            fw = None
-        else:
-            with contextlib.suppress(Exception):
-                forward(module, inputs)  # warm: oneDNN kernels, allocator
-            fw, _, _ = timed(lambda module=module, inputs=inputs: forward(module, inputs))
+        w, c, t = timed(partial(trace_module, module, inputs, dims, **options))
+        w2, _, _ = timed(partial(trace_module, module, inputs, dims, check=False, **options))
+        fw = None
+        if not meta:
+            forward(module, inputs)  # warm: oneDNN kernels, allocator
+            fw, _, _ = timed(partial(forward, module, inputs))
         ratio = f"{w2 / fw:6.1f}x" if fw else "   n/a"
         fws = f"{fw:8.3f}s" if fw else "     n/a"
         expr = str(t.activations)

@@ -96,7 +96,7 @@ def concrete(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
             raise
     # fake tensors cannot run it (data-dependent, or a kernel whose fake does not know its workspace): real ones
     outcome = real_run(module, resized_real(inputs, values))
-    storages = to_storages(outcome, lambda x: sympy.Integer(int(x)), outcome.op_modules)  # type: ignore[attr-defined]
+    storages = to_storages(outcome, lambda x: sympy.Integer(int(x)))
     return Run(storages, outcome.ops, [], {}, [], {}, [])
 
 

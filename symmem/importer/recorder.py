@@ -67,6 +67,7 @@ class Outcome:
     ops: int
     reads: list[tuple[str, Any]]
     output: Any = None
+    op_modules: list[str] = field(default_factory=list)  # the module running each aten op, by sequence number
 
 
 def _leaves(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
@@ -331,7 +332,7 @@ class Recorder:
         kept = list(alive.values())
         for k in kept:
             k.savers.sort(key=lambda s: (s[0] if s[0] is not None else -1, s[2]))
-        return Outcome(kept, self.seq, list(self.reads), out)
+        return Outcome(kept, self.seq, list(self.reads), out, self.op_modules)
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         """Run the forward; turn what fake tensors cannot do into a SymmemError naming where it happened."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -77,10 +77,11 @@ class Run:
     notes: list[str]
 
 
-def to_storages(outcome: Outcome, convert: Any, op_modules: list[str]) -> list[Storage]:
+def to_storages(outcome: Outcome, convert: Any) -> list[Storage]:
     """Kept storages as :class:`Storage` records with stable names (``module:op``, ``#2`` … for repeats)."""
     import torch
 
+    op_modules = outcome.op_modules
     counts: dict[str, int] = {}
     out: list[Storage] = []
     for k in outcome.kept:
@@ -92,7 +93,7 @@ def to_storages(outcome: Outcome, convert: Any, op_modules: list[str]) -> list[S
             counts[base] = counts.get(base, 0) + 1
             name = base if counts[base] == 1 else f"{base}#{counts[base]}"
         nbytes = convert(p.nbytes)
-        itemsize = torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
+        itemsize = getattr(torch, p.dtype).itemsize
         saves = tuple(Save(seq, node, aseq, op_modules[seq] if seq is not None and seq < len(op_modules) else "")
                       for seq, node, aseq in k.savers)
         birth = p.birth if p.kind == "activation" else None
@@ -134,7 +135,6 @@ def real_run(module: Any, inputs: Inputs) -> Outcome:
             with torch.no_grad():
                 for b, v in saved_buffers:
                     b.copy_(v)
-    outcome.op_modules = rec.op_modules  # type: ignore[attr-defined]
     return outcome
 
 
@@ -170,7 +170,7 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
             return sympy.expand(to_declared(tidy(env.replace(x.node.expr), env), mapping))
         return sympy.Integer(int(x))
 
-    storages = to_storages(outcome, convert, rec.op_modules)
+    storages = to_storages(outcome, convert)
     guards = collect(env, mapping, tidy) if symbolic else []
     notes = list(rec.assumed)
     return Run(storages, outcome.ops, guards, pinned(env, world, symbols, guards) if symbolic else {},
@@ -303,7 +303,7 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
     subs = {symbols[n]: v for n, v in at.items()}
     chk = None
     if outcome is not None:
-        real_storages = to_storages(outcome, lambda x: sympy.Integer(int(x)), outcome.op_modules)  # type: ignore[attr-defined]
+        real_storages = to_storages(outcome, lambda x: sympy.Integer(int(x)))
         measured = _totals(real_storages, {})
         traced = _totals(storages, subs)
         chk = Check(tuple(sorted(at.items())), tuple(sorted(traced.items())), tuple(sorted(measured.items())))
@@ -421,8 +421,3 @@ def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], devic
         out[name] = {k: sympy.expand(sympy.Add(*[s.bytes for s in run.storages if s.kind == k]))
                      for k in ("activation", "input")}
     return out
-
-
-def with_storages(trace: Trace, storages: tuple[Storage, ...]) -> Trace:
-    """A copy of ``trace`` with other storages (used by tests and the fit)."""
-    return replace(trace, storages=storages)
