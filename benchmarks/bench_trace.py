@@ -4,11 +4,11 @@ benchmarks/bench_trace.py``; needs torch==2.13.0 and transformers==5.23.0; resul
 Targets: GPT-2 124M (default config) and a ResNet-50-sized Hugging Face ResNet trace in < 5 s on 2 cores; a
 7B Llama config built on the ``meta`` device traces in < 30 s without allocating weights.
 
-For every configuration: the wall and CPU time of ``trace_module`` (with its real check forward at the
-example sizes, and without: ``check=False``), the time of one real training-mode forward at the same
-example sizes, and the ratio trace / forward.  Wall times on a shared machine are noisy; CPU time (this
-process) is the steadier number.  Each trace runs once (a second run is faster: imports, caches, oneDNN
-kernels), so the numbers include first-run costs.
+For every configuration: the wall and CPU time of ``trace_module`` (first run, with its real check forward
+at the example sizes; then again with ``check=False``), one real training-mode forward at the same example
+sizes (warm, best of 3) and the ratio of CPU times trace (no check) / forward.  Wall times on a shared
+machine are noisy; CPU time (this process, all threads) is the steadier number.  The first trace includes
+first-run costs (the real forward's oneDNN kernels, sympy caches).
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ CASES: list[tuple[str, Any, Any, dict[str, Any], dict[str, Any]]] = [
 def main(argv: list[str]) -> int:
     only = set(argv)
     print(f"torch {torch.__version__}, transformers {tf.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'model':<26}{'trace wall':>11}{'cpu':>8}{'no check':>10}{'forward':>9}{'ratio':>7}  "
-          f"method    activations")
+    print(f"{'model':<26}{'trace (wall/cpu)':>17}{'no check':>15}{'forward':>15}{'ratio':>7}  method    activations")
     for name, build, make, dims, options in CASES:
         if only and not any(o in name for o in only):
             continue
@@ -85,16 +84,17 @@ def main(argv: list[str]) -> int:
         inputs = make()
         meta = any(p.device.type == "meta" for p in module.parameters())
         w, c, t = timed(partial(trace_module, module, inputs, dims, **options))
-        w2, _, _ = timed(partial(trace_module, module, inputs, dims, check=False, **options))
-        fw = None
+        w2, c2, _ = timed(partial(trace_module, module, inputs, dims, check=False, **options))
+        fw = fc = None
         if not meta:
             forward(module, inputs)  # warm: oneDNN kernels, allocator
-            fw, _, _ = timed(partial(forward, module, inputs))
-        ratio = f"{w2 / fw:6.1f}x" if fw else "   n/a"
-        fws = f"{fw:8.3f}s" if fw else "     n/a"
+            fw, fc = (min(x) for x in zip(*[timed(partial(forward, module, inputs))[:2] for _ in range(3)],
+                                          strict=True))
+        ratio = f"{c2 / fc:6.1f}x" if fc else "   n/a"
+        fws = f"{fw:6.2f}/{fc:5.2f}s" if fw else f"{'n/a':>14}"
         expr = str(t.activations)
-        print(f"{name:<26}{w:>10.2f}s{c:>7.2f}s{w2:>9.2f}s{fws}{ratio}  {t.method:<9} "
-              f"{expr if len(expr) < 70 else expr[:67] + '...'}")
+        print(f"{name:<26}{w:>9.2f}/{c:5.2f}s{w2:>7.2f}/{c2:5.2f}s{fws:>15}{ratio}  {t.method:<9} "
+              f"{expr if len(expr) < 60 else expr[:57] + '...'}")
     return 0
 
 
