@@ -16,7 +16,6 @@ import pytest
 import sympy
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer import Trace, trace_module  # noqa: E402
@@ -83,6 +82,11 @@ def image(b: int, hi: int, wi: int, c: int = 3) -> tuple[Any]:
     return (torch.randn(b, c, hi, wi, generator=g),)
 
 
+def tf() -> Any:
+    """transformers, or skip: the torch.nn tests run without it."""
+    return pytest.importorskip("transformers")
+
+
 def hf(config: Any, cls: Any, attn: str | None = None) -> Any:
     if attn is not None:
         config._attn_implementation = attn
@@ -91,17 +95,17 @@ def hf(config: Any, cls: Any, attn: str | None = None) -> Any:
 
 
 def gpt2(attn: str, p: float, layers: int = 2) -> Any:
-    cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
+    cfg = tf().GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
                                   resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0)
-    return hf(cfg, transformers.GPT2LMHeadModel, attn)
+    return hf(cfg, tf().GPT2LMHeadModel, attn)
 
 
 def llama(attn: str = "sdpa", device: str | None = None) -> Any:
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = tf().LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
                                    bos_token_id=0, eos_token_id=0)
     with torch.device(device) if device else contextlib.nullcontext():
-        return hf(cfg, transformers.LlamaForCausalLM, attn)
+        return hf(cfg, tf().LlamaForCausalLM, attn)
 
 
 # --- Hugging Face language models ------------------------------------------------------------------------
@@ -171,9 +175,9 @@ def test_gpt2_parameters_tied_once(gpt2_traces):
 
 @pytest.fixture(scope="module")
 def bert_trace():
-    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+    cfg = tf().BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                                   vocab_size=VOCAB, max_position_embeddings=24)
-    m = hf(cfg, transformers.BertForMaskedLM, "sdpa")
+    m = hf(cfg, tf().BertForMaskedLM, "sdpa")
     return m, trace_module(m, ids(2, 8), TEXT)
 
 
@@ -238,31 +242,31 @@ def test_weights_on_meta_trace_without_allocating(llama_traces):
 
 # --- Hugging Face vision models ----------------------------------------------------------------------------
 def _vit():
-    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_hidden_layers=2, hidden_size=32,
+    cfg = tf().ViTConfig(image_size=32, patch_size=8, num_hidden_layers=2, hidden_size=32,
                                  num_attention_heads=4, intermediate_size=64, num_labels=10)
-    return hf(cfg, transformers.ViTForImageClassification)
+    return hf(cfg, tf().ViTForImageClassification)
 
 
 def _resnet():
-    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 2, 1, 1],
+    cfg = tf().ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 2, 1, 1],
                                     num_labels=10)
-    return hf(cfg, transformers.ResNetForImageClassification)
+    return hf(cfg, tf().ResNetForImageClassification)
 
 
 def _convnext():
-    cfg = transformers.ConvNextConfig(hidden_sizes=[8, 16, 16, 32], depths=[1, 2, 1, 1], num_labels=10)
-    return hf(cfg, transformers.ConvNextForImageClassification)
+    cfg = tf().ConvNextConfig(hidden_sizes=[8, 16, 16, 32], depths=[1, 2, 1, 1], num_labels=10)
+    return hf(cfg, tf().ConvNextForImageClassification)
 
 
 def _swin():
-    cfg = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
+    cfg = tf().SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[2, 2], num_heads=[2, 2],
                                   window_size=2, num_labels=10)
-    return hf(cfg, transformers.SwinForImageClassification)
+    return hf(cfg, tf().SwinForImageClassification)
 
 
 def _mobilenet():
-    cfg = transformers.MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=10)
-    return hf(cfg, transformers.MobileNetV2ForImageClassification)
+    cfg = tf().MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=10)
+    return hf(cfg, tf().MobileNetV2ForImageClassification)
 
 
 # name, builder, dims, example sizes, multiple_of, sizes to check (B, Hi, Wi)

@@ -263,7 +263,7 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
     a number: stride arithmetic (``(Hi - 1)//2 + 1``, Swin's window padding) then stays polynomial and the
     formula holds on those multiples (the domain says so); examples must be at least twice the multiple.
 
-    >>> import torch
+    >>> import pytest; torch = pytest.importorskip("torch")  # the example needs PyTorch
     >>> t = trace_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.zeros(2, 4),),
     ...                  {"B": [(0, 0)]})
     >>> t.activations, t.input  # the ReLU's output, B*3 float32; the Linear keeps its input, B*4 float32
