@@ -14,8 +14,9 @@ Only the symbols that specialize are made concrete: the others stay symbolic in 
 they can and on real tensors (the module's own weights, inputs tiled to size, every symbol concrete) when
 they cannot.
 
-The result is exact on the multiples of the example sizes the checks cover; it says nothing about sizes
-whose conv arithmetic rounds differently (``Trace.method == "fitted"`` and a note say so).
+The result is exact on the multiples of the example sizes the checks cover.  One more trace, every fitted
+size one above its example, tells whether it also holds off the multiples (an LSTM's ``B*S``); if not (stride
+arithmetic that rounds differently: MobileNetV2's TF padding), the domain says ``Mod(Hi, example) = 0``.
 
 >>> from fractions import Fraction
 >>> inverse([[1, 1], [1, 2]])
@@ -59,7 +60,7 @@ def tile(t: Any, dim: int, size: int) -> Any:
     n = t.shape[dim]
     reps = [1] * t.dim()
     reps[dim] = -(-size // n)
-    return t.repeat(*reps).narrow(dim, 0, size).contiguous()
+    return t.repeat(*reps).narrow(dim, 0, size).clone()  # its own storage, exactly the size
 
 
 def resized_real(inputs: Inputs, values: dict[str, int]) -> Inputs:
@@ -206,14 +207,28 @@ def fit_trace(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
                 if not (sympy.sympify(g.expr).free_symbols & fitted_syms) and g.expr not in seen:
                     seen.add(g.expr)
                     guards.append(g)
+        # off the grid: one more trace with every fitted size one above its example.  If the fit holds there
+        # too it is taken to hold for all sizes; if not (stride arithmetic rounds differently), the domain
+        # says the multiples of the examples, where it was checked
+        off = tuple(base[n] + 1 for n in names)
+        try:
+            got = _quantities(at(off).storages, grouped)
+            subs = {symbols[n]: v for n, v in zip(names, off, strict=True)}
+            general = sorted(got) == sorted(keys) and all(_same(tuple(e.xreplace(subs) for e in fits[k]), got[k])
+                                                          for k in keys)
+        except SymmemError:
+            general = False
+        conditions = [] if general else [sympy.Eq(sympy.Mod(symbols[n], base[n]), 0) for n in names]
         kept = [n for n in base if n not in names]
         note = (f"fitted: polynomial of degree <= {degree} in each of {', '.join(names)} through {len(grid)} "
                 f"traces at multiples of the example sizes ({', '.join(f'{n} = {base[n]}' for n in names)}), "
                 f"checked at {len(checks)} more" + (f"; {', '.join(kept)} symbolic in every trace" if kept else "")
                 + ("; the number of storages grows with the sizes: one entry per (module, op, kind, dtype)"
-                   if grouped else ""))
+                   if grouped else "")
+                + ("; it also holds one above the examples" if general else
+                   "; it does not hold off the multiples (checked one above the examples): the domain says so"))
         bounds = {n: b for n, b in first.bounds.items() if n not in names}
-        return Run(out, first.ops, guards, {}, [], bounds, [note])
+        return Run(out, first.ops, guards, {}, conditions, bounds, [note])
     raise SymmemError(f"no exact polynomial of degree <= 3 fits the traces at concrete sizes: {last_error}")
 
 

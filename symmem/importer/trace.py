@@ -72,7 +72,7 @@ class Run:
     ops: int
     guards: list[Any]
     pinned: dict[str, int]
-    unified: list[Any]
+    unified: list[Any]  # conditions for the domain besides the guards: equalities between symbols, a fit's multiples
     bounds: dict[str, tuple[int, int | None]]
     notes: list[str]
 
@@ -295,7 +295,7 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
             result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of)
         extra: dict[str, Any] = {}
         if size_one:
-            extra["at_one"] = _at_one(module, inputs, symbols, device)
+            extra["at_one"] = _at_one(module, inputs, symbols, device, multiple_of)
 
     divisible = [sympy.Eq(sympy.Mod(symbols[n], m), 0) for n, m in multiple_of.items()]
     domain = domain_of(list(symbols.values()), divisible + [g.expr for g in result.guards] + result.unified)
@@ -410,14 +410,16 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
             outcome)
 
 
-def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str) -> dict[str, Any]:
+def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str,
+            multiple_of: dict[str, int]) -> dict[str, Any]:
     """Activation and input bytes with one symbol at 1 (the others symbolic), per symbol."""
     out: dict[str, Any] = {}
     for name in inputs.examples:
         one = _resized(inputs, {**inputs.examples, name: 1})
         rest = {n: v for n, v in inputs.examples.items() if n != name}
         sub = Inputs(one.args, one.kwargs, {n: p for n, p in inputs.positions.items() if n != name}, rest)
-        run = fake_run(module, sub, rest, symbols, device, None)
+        run = fake_run(module, sub, rest, symbols, device, None,
+                       multiple_of={n: m for n, m in multiple_of.items() if n != name})
         out[name] = {k: sympy.expand(sympy.Add(*[s.bytes for s in run.storages if s.kind == k]))
                      for k in ("activation", "input")}
     return out
