@@ -95,6 +95,8 @@ def main(argv: list[str]) -> int:
         expr = str(t.activations)
         print(f"{name:<26}{w:>9.2f}/{c:5.2f}s{w2:>7.2f}/{c2:5.2f}s{fws:>15}{ratio}  {t.method:<9} "
               f"{expr if len(expr) < 60 else expr[:57] + '...'}")
+        if t.layers is not None:
+            print(f"{'':<26}{t.ops} aten ops; {t.layers.path} x {t.layers.count}: {t.layers.bytes} bytes per layer")
     return 0
 
 

@@ -138,7 +138,6 @@ class Recorder:
         self.packed: list[tuple[Any, Packed]] = []  # (weakref to the packed tensor, record)
         self.reads: list[tuple[str, Any]] = []
         self.assumed: list[str] = []
-        self.guard_sites: list[tuple[str, str]] = []
 
     @property
     def where(self) -> str:
