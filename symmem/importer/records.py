@@ -134,13 +134,13 @@ class Repeat:
         return None
 
     def child_of(self, storage: Storage) -> int | None:
-        """The child a storage belongs to: the one whose op first saved it, unless ops of several children
-        save it (Llama's rotary ``cos``/``sin``, made once and kept by every layer): then none."""
+        """The child a storage belongs to: the one whose op first saved it — unless it was made outside the
+        children and ops of several children keep it (Llama's rotary ``cos``/``sin``): then none."""
         i = self.owns(storage.module)
         if i is None:
             return None
-        others = {self.owns(s.module) for s in storage.saved_by if s.module}
-        return None if len(others - {None, i}) else i
+        others = {self.owns(s.module) for s in storage.saved_by if s.module} - {None, i}
+        return None if others and self.owns(storage.producer_module) is None else i
 
 
 @dataclass(frozen=True)

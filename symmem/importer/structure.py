@@ -2,8 +2,10 @@
 
 A storage belongs to the module of the op that first saved it, so the residual stream a block passes on
 is counted in the next block (whose layer norm keeps it), and the last block's output in the head: every
-block of a transformer stack then keeps the same storages.  A storage kept by several children (Llama's rotary
-``cos``/``sin``, made once before the stack) belongs to none of them.  Two children are identical when their storages,
+block of a transformer stack then keeps the same storages.  A storage made outside the children and kept by
+several of them (Llama's rotary ``cos``/``sin``, made once before the stack) belongs to none of them; one made
+in a child and kept by the next too (a residual block's output, kept by its own ReLU and the next block's
+convolution) belongs to the first that saved it.  Two children are identical when their storages,
 named relative to the child, have the same dtypes and byte formulas.  Runs of at least two consecutive
 identical children are reported, largest total first (at the example sizes).
 """
@@ -22,10 +24,12 @@ def _under(module: str, child: str) -> bool:
 
 
 def _own(s: Storage, child: str, siblings: list[str]) -> bool:
-    """Whether ``s`` belongs to ``child``: first saved there, and not also saved by a sibling."""
+    """Whether ``s`` belongs to ``child``: first saved there, unless it was made outside the children and
+    siblings keep it too (a table made once before the stack)."""
     if not _under(s.module, child):
         return False
-    return not any(_under(v.module, o) for v in s.saved_by if v.module for o in siblings if o != child)
+    shared = any(_under(v.module, o) for v in s.saved_by if v.module for o in siblings if o != child)
+    return not shared or any(_under(s.producer_module, o) for o in siblings)
 
 
 def signature(storages: list[Storage], child: str, siblings: list[str]) -> tuple[tuple[str, str, str], ...]:
