@@ -248,7 +248,7 @@ def _vit():
 
 
 def _resnet():
-    cfg = tf().ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 2, 1, 1],
+    cfg = tf().ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 3, 1, 1],
                                     num_labels=10)
     return hf(cfg, tf().ResNetForImageClassification)
 
@@ -302,6 +302,12 @@ def test_vision_formulas_are_polynomials_on_multiples(vision_traces):
     _, resnet = vision_traces["resnet"]
     assert resnet.method == "symbolic" and resnet.activations.is_polynomial(B, hi, wi)
     assert sympy.Eq(sympy.Mod(hi, 32), 0) in resnet.domain.args
+    # a block's output is kept by its own ReLU and by the next block's convolution: it belongs to the block,
+    # so the blocks after a stage's first are identical and fold
+    rep = resnet.layers
+    assert rep.path == "resnet.encoder.stages.1.layers" and rep.count == 2
+    parts = resnet.split()
+    assert sympy.expand(parts["stem"] + 2 * parts["layer"] + parts["head"] - resnet.activations) == 0
     _, swin = vision_traces["swin"]
     assert swin.activations.is_polynomial(B, hi, wi)
     _, vit = vision_traces["vit"]
