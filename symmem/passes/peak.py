@@ -108,33 +108,28 @@ def layout(regime: Regime) -> tuple[int, int, int]:
     return period, edge, base
 
 
-def _counts(tl: Timeline) -> list[tuple[Counter, ...] | None]:
-    """For each event, the live storages as one Counter of byte sizes per category -- only where the next
+def _counts(tl: Timeline) -> list[Counter | None]:
+    """For each event, the live storages as one Counter of (category index, byte size) -- only where the next
     moment could be smaller (the event frees something, or is the last); None elsewhere, since without a free
     the next moment holds all this one does."""
-    live = [Counter() for _ in CATEGORIES]
     index = {c: i for i, c in enumerate(CATEGORIES)}
     where = [(index[s.category], s.nbytes) for s in tl.storages]
-    for i in tl.start:
-        c, e = where[i]
-        live[c][e] += 1
-    out: list[tuple[Counter, ...] | None] = []
+    live: Counter = Counter(where[i] for i in tl.start)
+    out: list[Counter | None] = []
     last = len(tl.events) - 1
     for k, e in enumerate(tl.events):
         for i in e.born:
-            c, x = where[i]
-            live[c][x] += 1
-        out.append(tuple(Counter(+x) for x in live) if (e.freed or k == last) else None)
+            live[where[i]] += 1
+        out.append(+live if (e.freed or k == last) else None)
         for i in e.freed:
-            c, x = where[i]
-            live[c][x] -= 1
+            live[where[i]] -= 1
     return out
 
 
 def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
-           ) -> dict[tuple[Any, ...], tuple[Counter, ...] | None]:
+           ) -> dict[tuple[Any, ...], Counter | None]:
     """Each event's key (phase, template node, layer label, occurrence) and its live storages (:func:`_counts`)."""
-    out: dict[tuple[Any, ...], tuple[Counter, ...] | None] = {}
+    out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
     for e, live in zip(tl.events, _counts(tl), strict=True):
         node = e.node
@@ -155,17 +150,18 @@ class _Candidate:
 
     key: tuple[Any, ...]
     step: str
-    parts: tuple[dict[sympy.Expr, tuple[int, tuple[int, ...]]], ...]
+    #: (category index, byte size) -> (count at the base layer counts, change per step of each symbolic count)
+    parts: dict[tuple[int, sympy.Expr], tuple[int, tuple[int, ...]]]
 
     def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr], base: int = BASE,
              period: int = 1) -> dict[str, sympy.Expr]:
+        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
+        for (c, size), (n0, ds) in self.parts.items():
+            n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
+            terms[c].append(size * n)
         out = {}
-        for c, part in zip(CATEGORIES, self.parts, strict=True):
-            terms = []
-            for size, (n0, ds) in part.items():
-                n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
-                terms.append(size * n)
-            out[c] = sympy.expand(sympy.Add(*terms).xreplace(dict(subs)))
+        for i, c in enumerate(CATEGORIES):
+            out[c] = sympy.expand(sympy.Add(*terms[i]).xreplace(dict(subs)))
         return out
 
 
@@ -215,12 +211,10 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
                 if live is None:
                     continue
                 others = [runs[(n,)][first].get(key) for n in names]
-                parts = []
-                for c in range(len(CATEGORIES)):
-                    sizes = set(live[c]).union(*(set(o[c]) for o in others if o is not None))
-                    parts.append({x: (live[c][x], tuple((o[c][x] if o is not None else live[c][x]) - live[c][x]
-                                                        for o in others)) for x in sizes})
-                cands.append(_Candidate(key, "first" if first else "steady", tuple(parts)))
+                sizes = set(live).union(*(set(o) for o in others if o is not None))
+                parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
+                         for x in sizes}
+                cands.append(_Candidate(key, "first" if first else "steady", parts))
             kept = _prune_all(cands, syms, subs, numbers, base, period)
             found.append([Moment(k.key[0], k.key[1], k.key[2], k.step, k.live(syms, subs, base, period))
                           for k in kept])
@@ -304,8 +298,7 @@ class _Algebra:
             per: list[list[tuple[tuple, Any]]] = []
             for s, lp in zip(self.counts, self.prime, strict=True):
                 known = self.subs.get(s)
-                if known is not None and not isinstance(known, sympy.Basic | type(None)) or (
-                        isinstance(known, sympy.Basic) and known.is_number):
+                if known is not None and sympy.sympify(known).is_number:
                     steps = (int(known) - self.base) // self.period  # a stack of known length
                     per.append([(mono, c * steps) for mono, c in items])
                 else:
@@ -317,30 +310,28 @@ class _Algebra:
     def total(self, cand: _Candidate) -> dict[tuple, Any]:
         """The candidate's bytes, shifted (a polynomial in x' and L')."""
         out: dict[tuple, Any] = defaultdict(int)
-        for part in cand.parts:
-            for size, (n0, ds) in part.items():
-                items, per = self._keys(size)
-                if n0:
-                    for mono, c in items:
-                        out[mono] += c * n0
-                for d, terms in zip(ds, per, strict=True):
-                    if d:
-                        for mono, c in terms:
-                            out[mono] += c * d
+        for (_, size), (n0, ds) in cand.parts.items():
+            items, per = self._keys(size)
+            if n0:
+                for mono, c in items:
+                    out[mono] += c * n0
+            for d, terms in zip(ds, per, strict=True):
+                if d:
+                    for mono, c in terms:
+                        out[mono] += c * d
         return {k: v for k, v in out.items() if v}
 
     def value(self, cand: _Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
         total = Fraction(0)
-        for part in cand.parts:
-            for size, (n0, ds) in part.items():
-                if size not in memo:
-                    v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}))
-                    memo[size] = Fraction(int(v.p), int(v.q)) if v.is_Rational else None
-                if memo[size] is None:
-                    return None
-                n = n0 + sum(d * ((int(numbers.get(s, self.base)) - self.base) // self.period)
-                             for d, s in zip(ds, self.counts, strict=True))
-                total += n * memo[size]
+        for (_, size), (n0, ds) in cand.parts.items():
+            if size not in memo:
+                v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}))
+                memo[size] = Fraction(int(v.p), int(v.q)) if v.is_Rational else None
+            if memo[size] is None:
+                return None
+            n = n0 + sum(d * ((int(numbers.get(s, self.base)) - self.base) // self.period)
+                         for d, s in zip(ds, self.counts, strict=True))
+            total += n * memo[size]
         return total
 
 
@@ -359,7 +350,7 @@ def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapp
     domain (:class:`_Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
-    sizes = list(dict.fromkeys(x for c in cands for part in c.parts for x in part))
+    sizes = list(dict.fromkeys(x for c in cands for _, x in c.parts))
     alg = _Algebra(sizes, subs, syms, base, period)
     if numbers:
         memo: dict = {}
@@ -413,6 +404,33 @@ def _max(moments: list[Moment]) -> sympy.Expr:
     return sympy.Max(*exprs, evaluate=False)
 
 
+def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+              subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
+              branches: Sequence[Branch | None], first: bool, block: int = 512) -> int:
+    """The peak at ``numbers`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
+    rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces)."""
+    tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
+    values = {s: sympy.sympify(e).xreplace(full) for s, e in subs.items()}
+    return max(tl.totals_at({**values, **full}, block), default=0)
+
+
+def _written_out(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+                 subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
+                 branches: Sequence[Branch | None], first: bool) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
+    """The step at ``numbers`` with every repeated block written out, in the branch ``numbers`` select."""
+    full = {s: sympy.Integer(v) for s, v in numbers.items()}
+    counts = {}
+    for name, b in graph.blocks.items():
+        count = b.count.xreplace(dict(subs)).xreplace(full)
+        if not count.is_number:
+            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
+        counts[name] = int(count)
+    chosen = next((b for b in branches if b is None or all(
+        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
+    g = unroll(graph, counts) if graph.blocks else graph
+    return simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits), full
+
+
 def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
              subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
              branches: Sequence[Branch | None], first: bool) -> list[tuple[str, str | None, dict[str, int]]]:
@@ -421,18 +439,7 @@ def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     Repeated blocks are written out their full number of times; the branch (a size-dependent copy) is the one
     ``numbers`` select.
     """
-    full = {s: sympy.Integer(v) for s, v in numbers.items()}
-    counts = {}
-    for name, b in graph.blocks.items():
-        count = b.count.xreplace(dict(subs)).xreplace(full)
-        if not count.is_number:
-            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
-        counts[name] = int(count)
-    # the branch whose conditions hold at these numbers
-    chosen = next((b for b in branches if b is None or all(
-        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
-    g = unroll(graph, counts) if graph.blocks else graph
-    tl = simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits)
+    tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
     out = []
     for e, live in zip(tl.events, tl.live(), strict=True):
         values = {}
