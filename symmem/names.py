@@ -50,9 +50,9 @@ PRECISIONS: dict[str, str] = {
     "mixed-full-copies": "FP16 mixed precision with FP32 copies",
 }
 
-#: Short names of the conventions, for legends and axis labels.
+#: Short names of the conventions, for legends and axis labels (``paper``: the FP32 analysis's accounting).
 CONVENTIONS: dict[str, str] = {
-    "paper": "FP32-analysis accounting",
+    "paper": "FP32 analysis",
     "pytorch": "PyTorch autograd",
     "megatron": "Korthikanti et al.",
     "cs231n": "CS231n rule",
