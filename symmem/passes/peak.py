@@ -32,7 +32,7 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
-from ..training import Regime
+from ..training import Regime, checkpoint_every
 from .schedule import CATEGORIES, Timeline, simulate
 from .storage import Branch
 from .unroll import iteration, template, unroll
@@ -84,21 +84,28 @@ class Peak:
         return all(bool(c.xreplace(dict(numbers))) for c in self.domain)
 
 
-def _label(name: str | None, count: int | None, symbolic: bool) -> str:
+def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:
     """The layer of an unrolled node: its number for a block repeated a number of times; for a symbolic count,
-    1, 2, L-1 or L, and ``mid`` for the layers in between (their moments repeat layer 2's)."""
+    the first ``edge`` layers by number and the last ``edge`` as ``L``, ``L-1`` ..., and ``mid`` for the layers
+    in between (their moments repeat those of the layers ``edge`` before)."""
     k = iteration(name) if name else 0
     if not k or count is None or count == 1:
         return ""
-    if not symbolic:
+    if not symbolic or k <= edge:
         return str(k)
-    if k <= 2:
-        return str(k)
-    if k == count:
-        return "L"
-    if k == count - 1:
-        return "L-1"
+    if k > count - edge:
+        return "L" if k == count else f"L-{count - k}"
     return "mid"
+
+
+def layout(regime: Regime) -> tuple[int, int, int]:
+    """(period, edge, base): the step repeats every ``period`` layers (K with every-K checkpointing, else 1);
+    ``edge`` layers at each end of a stack are moments of their own; a symbolic stack is written out ``base``
+    and ``base + period`` times, and the formulas hold for counts ``base + j * period``."""
+    period = (checkpoint_every(regime.checkpoint) or 1) if regime.checkpoint.startswith("every-") else 1
+    edge = max(2, period)
+    base = -(-2 * edge // period) * period
+    return period, edge, base
 
 
 def _counts(tl: Timeline) -> list[tuple[Counter, ...] | None]:
@@ -124,7 +131,7 @@ def _counts(tl: Timeline) -> list[tuple[Counter, ...] | None]:
     return out
 
 
-def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any
+def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
            ) -> dict[tuple[Any, ...], tuple[Counter, ...] | None]:
     """Each event's key (phase, template node, layer label, occurrence) and its live storages (:func:`_counts`)."""
     out: dict[tuple[Any, ...], tuple[Counter, ...] | None] = {}
@@ -132,7 +139,7 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
     for e, live in zip(tl.events, _counts(tl), strict=True):
         node = e.node
         block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
-        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic)
+        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
         if label == "mid":
             continue
         key = (e.phase, template(node) if node else None, label)
@@ -150,12 +157,13 @@ class _Candidate:
     step: str
     parts: tuple[dict[sympy.Expr, tuple[int, tuple[int, ...]]], ...]
 
-    def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr]) -> dict[str, sympy.Expr]:
+    def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr], base: int = BASE,
+             period: int = 1) -> dict[str, sympy.Expr]:
         out = {}
         for c, part in zip(CATEGORIES, self.parts, strict=True):
             terms = []
             for size, (n0, ds) in part.items():
-                n = n0 + sympy.Add(*(d * (s - BASE) for d, s in zip(ds, symbols, strict=True)))
+                n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
                 terms.append(size * n)
             out[c] = sympy.expand(sympy.Add(*terms).xreplace(dict(subs)))
         return out
@@ -169,12 +177,13 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
     ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise``)."""
     blocks = graph.blocks
     blocks_of = {m: b.name for b in blocks.values() for m in graph.order() if graph.node(m).block == b.name}
+    period, edge, base = layout(regime)
     symbolic: dict[str, sympy.Symbol] = {}
     fixed = {}
     many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
     for name, b in blocks.items():
         count = b.count.xreplace(dict(subs))
-        if count.is_number and int(count) > BASE + 1:
+        if count.is_number and int(count) > base + period and (int(count) - base) % period == 0:
             symbolic[name] = sympy.Dummy(f"n_{name}", positive=True, integer=True)
             many[symbolic[name]] = int(count)
         elif count.is_number:
@@ -185,16 +194,19 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
             raise SymmemError(f"block {name!r} repeats {count} times: the peak needs a symbol or a number")
     names = list(symbolic)
     syms = [symbolic[n] for n in names]
-    domain = tuple(sympy.Ge(s, BASE) for s in dict.fromkeys(syms) if s not in many)
+    domain = tuple(sympy.Ge(s, base) for s in dict.fromkeys(syms) if s not in many)
+    if period > 1:
+        domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
     per_branch: list[tuple[list[Moment], list[Moment]]] = []
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
-            counts = {**fixed, **{n: BASE + (1 if n in bump else 0) for n in symbolic}}
+            counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
             g = unroll(graph, counts) if blocks else graph
             runs[bump] = {first: _keyed(simulate(g, conv, options, regime, branch, first_step=first,
-                                                 keep_logits=regime.keep_logits), counts, blocks_of, symbolic)
+                                                 keep_logits=regime.keep_logits), counts, blocks_of, symbolic,
+                                        edge)
                           for first in (False, True)}
         found = []
         for first in (False, True):
@@ -209,8 +221,9 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
                     parts.append({x: (live[c][x], tuple((o[c][x] if o is not None else live[c][x]) - live[c][x]
                                                         for o in others)) for x in sizes})
                 cands.append(_Candidate(key, "first" if first else "steady", tuple(parts)))
-            kept = _prune_all(cands, syms, subs, numbers)
-            found.append([Moment(k.key[0], k.key[1], k.key[2], k.step, k.live(syms, subs)) for k in kept])
+            kept = _prune_all(cands, syms, subs, numbers, base, period)
+            found.append([Moment(k.key[0], k.key[1], k.key[2], k.step, k.live(syms, subs, base, period))
+                          for k in kept])
         per_branch.append((found[0], found[1]))
     exprs = [(_max(steady), _max(first)) for steady, first in per_branch]
     if len(per_branch) == 1 or merge is None:
@@ -237,7 +250,8 @@ class _Algebra:
     """
 
     def __init__(self, sizes: Sequence[sympy.Expr], subs: Mapping[sympy.Symbol, sympy.Expr],
-                 counts: Sequence[sympy.Symbol]) -> None:
+                 counts: Sequence[sympy.Symbol], base: int = BASE, period: int = 1) -> None:
+        self.base, self.period = base, period
         self.subs = dict(subs)
         self.counts = list(counts)
         self.prime = [sympy.Symbol(f"{s.name}'") for s in counts]
@@ -292,7 +306,8 @@ class _Algebra:
                 known = self.subs.get(s)
                 if known is not None and not isinstance(known, sympy.Basic | type(None)) or (
                         isinstance(known, sympy.Basic) and known.is_number):
-                    per.append([(mono, c * (int(known) - BASE)) for mono, c in items])  # a stack of known length
+                    steps = (int(known) - self.base) // self.period  # a stack of known length
+                    per.append([(mono, c * steps) for mono, c in items])
                 else:
                     per.append([(tuple(sorted(mono + ((lp, 1),), key=_key)), c) for mono, c in items])
             found = (items, per)
@@ -323,7 +338,8 @@ class _Algebra:
                     memo[size] = Fraction(int(v.p), int(v.q)) if v.is_Rational else None
                 if memo[size] is None:
                     return None
-                n = n0 + sum(d * (int(numbers.get(s, BASE)) - BASE) for d, s in zip(ds, self.counts, strict=True))
+                n = n0 + sum(d * ((int(numbers.get(s, self.base)) - self.base) // self.period)
+                             for d, s in zip(ds, self.counts, strict=True))
                 total += n * memo[size]
         return total
 
@@ -337,14 +353,14 @@ def _at_least(a: Mapping[tuple, Fraction], b: Mapping[tuple, Fraction]) -> bool:
 
 
 def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr],
-               numbers: Mapping[sympy.Symbol, int] | None) -> list[_Candidate]:
+               numbers: Mapping[sympy.Symbol, int] | None, base: int = BASE, period: int = 1) -> list[_Candidate]:
     """The candidates no other provably exceeds, largest first at ``numbers``: one that holds every storage
     of another exceeds it; so does one whose bytes minus the other's have no negative coefficient on the
     domain (:class:`_Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
     sizes = list(dict.fromkeys(x for c in cands for part in c.parts for x in part))
-    alg = _Algebra(sizes, subs, syms)
+    alg = _Algebra(sizes, subs, syms, base, period)
     if numbers:
         memo: dict = {}
         values = {c.key: alg.value(c, numbers, memo) for c in cands}
