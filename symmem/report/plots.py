@@ -292,27 +292,45 @@ def timeline(d: Derivation, step: str = "steady", output: str | Path | None = No
 
 def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = None, name: str = "B",
             budget: int | str | None = None, values: Sequence[int] | None = None,
-            output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """Totals of several derivations against ``name`` on one axes, the budget line and each largest fit."""
+            output: str | Path | None = None, unit: str = "GiB", fits: Sequence[Any] | None = None) -> Any:
+    """What must fit (the peak where the convention models the step, else the total) of several derivations
+    against ``name`` on one axes, the budget line and each largest fit ("nothing fits" in the legend where
+    ``name`` = 1 is already over the budget).  ``fits``: the :func:`symmem.fit.largest` answers (None where
+    nothing fits) when the caller has them already; their formulas are the curves."""
     import numpy as np
 
-    from ..fit import largest
+    from ..errors import NothingFits
+    from ..fit import largest, polynomial
+
+    def fit_of(d: Derivation) -> Any:
+        try:
+            return largest(d, name, cap)
+        except NothingFits:
+            return None
 
     plt = _plt()
     scale = UNITS[unit]
     labels = list(labels) if labels is not None else [_label(d, ", ") for d in derivations]
     cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
-    fits = [largest(d, name, cap) if cap is not None else None for d in derivations]
+    if fits is None:
+        fits = [fit_of(d) if cap is not None else None for d in derivations]
+    curves = []
+    for d, fit in zip(derivations, fits, strict=True):
+        if fit is not None:
+            sym = next(s for s in d.numbers if s.name == name)
+            curves.append((sym, fit.formula))
+        else:
+            curves.append(polynomial(d, name))
     if values is None:
-        top = max([int(1.3 * f.max) for f in fits if f is not None] + [2 * d.numbers[_function(d, name)[0]]
-                                                                       for d in derivations] + [8])
+        top = max([int(1.3 * f.max) for f in fits if f is not None]
+                  + [2 * d.numbers[sym] for d, (sym, _) in zip(derivations, curves, strict=True)] + [8])
         values = np.unique(np.linspace(1, top, 200).astype(int))
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
-    for d, label, fit in zip(derivations, labels, fits, strict=True):
-        sym, total, _, _ = _function(d, name)
-        f = sympy.lambdify(sym, total / scale, "numpy")
-        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label)
+    for (sym, expr), label, fit in zip(curves, labels, fits, strict=True):
+        f = sympy.lambdify(sym, expr / scale, "numpy")
+        nothing = cap is not None and fit is None and float(expr.subs(sym, 1)) > cap
+        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label + (" (nothing fits)" if nothing else ""))
         if fit is not None:
             ax.plot([fit.max], [fit.total_at_max / scale], "o", color=line.get_color())
             ax.annotate(f"{fit.max:,}", (fit.max, fit.total_at_max / scale), textcoords="offset points",
