@@ -300,7 +300,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     import numpy as np
 
     from ..errors import NothingFits
-    from ..fit import largest, polynomial
+    from ..fit import default_quantity, largest, polynomial
 
     def fit_of(d: Derivation) -> Any:
         try:
@@ -337,8 +337,11 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
                         xytext=(4, -12), color=line.get_color(), fontsize=8)
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
+    quantities = {default_quantity(d) for d in derivations}
+    what = {frozenset({"peak"}): "peak of a training step", frozenset({"total"}): "training memory (total)"}.get(
+        frozenset(quantities), "training memory (peak or total)")
     ax.set_xlabel(_axis(name))
-    ax.set_ylabel(f"training memory ({unit})")
+    ax.set_ylabel(f"{what} ({unit})")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0, top=None if cap is None else 1.4 * cap / scale)
     ax.grid(alpha=0.3)
