@@ -1,7 +1,8 @@
 """ResNets as torchvision builds them (``resnet18`` ... ``resnet152``), and ``resnet50-v1``.
 
-torchvision's Bottleneck puts the stride on the 3x3 conv ("ResNet v1.5"); the original paper and the seed
-paper's stage accounting put it on the first 1x1 conv of each stage's first block (``resnet50-v1``).
+torchvision's Bottleneck puts the stride on the 3x3 conv ("ResNet v1.5"); the original paper and the stage
+accounting of the FP32 analysis of ResNet-50 and ViT-B/16 (Bandyopadhyay, 2024) put it on the first 1x1 conv of
+each stage's first block (``resnet50-v1``).
 Identical blocks after the first of each stage are one repeated block.
 
 Roles: ``stem`` (conv1 output), ``stem_pool`` (max-pool output), ``main_path`` (the convs of a block),
