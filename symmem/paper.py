@@ -460,24 +460,25 @@ def _pytorch_section(spec: Spec, rs: list[Row], torch_ds: dict[str, Any], why: s
     who = "The FP32 analysis's accounting" if analysis else {
         "paper": "The FP32 analysis's accounting", "megatron": "Korthikanti et al.'s accounting",
         "cs231n": "The CS231n memory rule"}.get(spec.convention, f"The {spec.convention} convention")
+    inner = who[0].lower() + who[1:] if who.startswith("The ") else who  # "the FP32 analysis's accounting"
     out = [rf"\section{{{who} versus PyTorch autograd}}"]
     if not torch_ds:
         return out + [
-            f"This section compares {who[0].lower() + who[1:]} with what PyTorch's autograd keeps (the "
+            f"This section compares {inner} with what PyTorch's autograd keeps (the "
             "\\texttt{pytorch} convention). It is generated automatically once that convention derives every "
             f"model; in this build it cannot yet: \\texttt{{{escape(why[:160])}}}."]
     ratios = ", ".join(f"{escape(r.label)} {torch_ds[r.label].value('total') / r.d.value('total'):.2f}" for r in rs)
     out += [
         "The \\texttt{pytorch} convention keeps what eager PyTorch's autograd saves (one rule per op, each "
         f"storage counted once, the input batch apart). Table~\\ref{{tab:pytorch}} sets it beside "
-        f"{who[0].lower() + who[1:]}; \\emph{{Other}} is the input batch, which PyTorch keeps for the first layer.",
+        f"{inner}; \\emph{{Other}} is the input batch, which PyTorch keeps for the first layer.",
         r"\input{generated/pytorch.tex}"]
     if analysis:
         out.append(f"PyTorch needs more than the analysis counts (total ratios: {ratios}): autograd keeps every "
                    "op's inputs, the inputs of every linear layer and normalization (with its statistics) and the "
                    "GELU input.")
     else:
-        out.append(f"PyTorch's totals relative to {who[0].lower() + who[1:]}: {ratios}.")
+        out.append(f"PyTorch's totals relative to {inner}: {ratios}.")
     if any(r.model == "vit-b16" and r.analysis for r in rs):
         layers = {att: derive("vit-b16", convention="pytorch", attention=att, per_layer=True).activations
                   for att in ("naive", "sdpa")}
@@ -652,7 +653,10 @@ def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
     body += _scaling(fits, spec.budget)
     files["generated/body.tex"] = "\n\n".join(body)
     titles = [escape(_title(rs, m)) for m in _by_model(rs)]
-    title = f"{escape(names.precision(spec.precision))} Training Memory of {_and(titles)}, Derived"
+    if spec.precision == "fp32":
+        title = f"FP32 Training Memory of {_and(titles)}, Derived"
+    else:
+        title = f"Training Memory of {_and(titles)} in {escape(names.precision(spec.precision))}, Derived"
     files["main.tex"] = MAIN % {"version": __version__, "title": title, "abstract": _abstract(spec, rs, analysis)}
     fig = scaling([r.d for r in rs], [r.label for r in rs], "B", spec.budget,
                   fits=[f if hasattr(f, "formula") else None for _, f in fits])
