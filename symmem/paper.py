@@ -12,6 +12,11 @@ model with its formulas, the comparison table, the scaling figure and, where the
 step (``pytorch``), the peak of a step beside the total.  Rows in the analysis's own configuration (``paper``
 convention, FP32, AdamW, its sizes) keep its figures beside the recomputed ones; under an accounting convention
 the paper also sets the same rows beside what PyTorch's autograd keeps, with the peak of a real step.
+
+>>> [r.label for r in rows(Spec())]
+['ResNet-50', 'ViT-B/16 naive MHA', 'ViT-B/16 SDPA/Flash']
+>>> [r.label for r in rows(Spec.make(["vit-b16"], ["naive", "sdpa"], convention="pytorch"))]
+['ViT-B/16 (naive attention)', 'ViT-B/16 (SDPA)']
 """
 
 from __future__ import annotations
