@@ -200,6 +200,8 @@ class Derivation:
     #: computes the peak of the training step (:mod:`symmem.passes.peak`) on first use; None where the
     #: convention does not model the step (an accounting by role) or for one layer
     step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    #: where the formulas hold beyond every size being a positive integer (a traced module's guards: S <= 512)
+    domain: Any = sympy.true
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property

@@ -130,8 +130,10 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
+    domain = model.graph.graph.get("domain", sympy.true)
     return Derivation(model.name, conv.name, regime, tuple(storages), kept_symbols, numbers,
-                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step)
+                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step,
+                      domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain)
 
 
 def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,

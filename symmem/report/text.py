@@ -84,6 +84,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
             for t in d.terms
         ],
     }
+    if d.domain is not sympy.true:
+        out["domain"] = str(d.domain)
     if step is not None:
         out["values"].update(step["values"])
         out["expressions"].update(step["expressions"])
@@ -211,6 +213,8 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
     formula = max(width - name - 14, 20)
     lines = wrap(title, width) + wrap(symbols, width)
+    if d.domain is not sympy.true:
+        lines += wrap(f"holds where: {d.domain}", width)
     lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
         cells = _cell(str(rounded(expr)), formula, cut)
