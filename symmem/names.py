@@ -56,6 +56,7 @@ CONVENTIONS: dict[str, str] = {
     "pytorch": "PyTorch autograd",
     "megatron": "Korthikanti et al.",
     "cs231n": "CS231n rule",
+    "traced": "traced from PyTorch",
 }
 
 #: What each convention counts, in one phrase (the paper's prose).
@@ -64,6 +65,7 @@ CONVENTION_PHRASES: dict[str, str] = {
     "pytorch": "what eager PyTorch's autograd keeps for backward",
     "megatron": "the accounting of Korthikanti et al. (2022)",
     "cs231n": SOURCES["cs231n"],
+    "traced": "what PyTorch's autograd keeps, traced from the module itself",
 }
 
 
