@@ -6,9 +6,11 @@ code can keep different storages for different sizes.  HF's ``repeat_kv`` is the
 dimension, which is only possible without a copy when ``G = 1`` (multi-query attention); then every head is a
 stride-0 view of one (B, 1, S, d) tensor, and a kernel that keeps the view keeps B*S*d elements, not B*h*S*d.
 
-A builder states such a decision as a sympy condition in an op attribute instead of a bool (``reshape(...,
-copy=Ne(G, 1))``, a matmul's ``copy_inputs=((1, Eq(G, 1)),)``, attention's ``v_contiguous=Ne(G, 1)``).
-This module is the algebra of such conditions; :mod:`symmem.passes.branches` finds the conditions of a graph
+Such a decision is a sympy condition instead of a bool.  The op rules derive it from the strides
+(:mod:`symmem.layout`: repeat_kv's reshape copies where ``Ne(G, 1) & Ne(h/G, 1)``) and keep it in the node's
+``facts``; a builder may also state one in an attribute (``reshape(..., copy=Ne(B, 1))``, a matmul's
+``copy_inputs=((1, Eq(G, 1)),)``, attention's ``v_contiguous=Ne(G, 1)``).  This module is the algebra of such
+conditions; :mod:`symmem.passes.branches` finds the conditions of a graph
 that the symbols left free do not decide, and the derivation works out the kept storages once per truth
 assignment and merges them into ``Piecewise`` expressions (equal branches collapse, so a model whose total
 does not depend on the decision shows no ``Piecewise`` in its total).
@@ -59,6 +61,9 @@ def canonical(cond: Boolean) -> tuple[Boolean, bool]:
 
 def reshape_copies(shape: Sequence[Any], broadcast: Iterable[int], new_shape: Sequence[Any]) -> Any:
     """When ``reshape(new_shape)`` of a tensor of ``shape`` whose ``broadcast`` dims have stride 0 must copy.
+
+    (The rules now take this from the strides themselves, :func:`symmem.layout.reshaped`; this shortcut for a
+    contiguous tensor with stride-0 dimensions stays for code that builds conditions by hand.)
 
     PyTorch's ``computeStride`` (``aten/src/ATen/TensorUtils.cpp``) can view a group of dimensions merged into
     one only if each dimension's stride is the next one's stride times its size, size-1 dimensions aside.  A

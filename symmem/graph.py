@@ -2,8 +2,9 @@
 
 A node is one op: a frozen :class:`Node` holding its kind, its ordered inputs, its attributes (checked against
 the kind's schema in :mod:`symmem.ops`), its output :class:`~symmem.tensor.TensorSpec`, its parameters (name ->
-shape), which input's storage its output is a view of, its group and repeated block, and a ``meta`` dict where
-analyses (:mod:`symmem.passes`) keep facts that depend on the graph alone.  Edges follow the inputs; the
+shape), which input's storage its output is a view of, the storage decisions its rule took from the input
+strides (``facts``: does a reshape copy; :mod:`symmem.layout`), its group and repeated block, and a ``meta`` dict
+where analyses (:mod:`symmem.passes`) keep facts that depend on the graph alone.  Edges follow the inputs; the
 graph is the only mutable thing.  A stack of identical layers is built once inside :meth:`GraphBuilder.repeat`
 and carries its count (``L``, a symbol) instead of being unrolled.
 
@@ -40,7 +41,8 @@ from .tensor import TensorSpec
 @dataclass(frozen=True, eq=False)
 class Node:
     """One op of a graph (see the module docstring).  ``count`` is how many copies a repeated block makes of
-    it (``L``), 1 elsewhere; ``meta`` holds graph-only facts that passes compute once (storage, grad)."""
+    it (``L``), 1 elsewhere; ``facts`` are the rule's storage decisions (``copy``, ``copy_inputs``, ``q_bshd``,
+    ``v_contiguous``: see :mod:`symmem.ops`); ``meta`` holds graph-only facts that passes compute once (grad)."""
 
     name: str
     kind: str
@@ -53,16 +55,23 @@ class Node:
     block: str | None = None
     count: sympy.Expr = sympy.Integer(1)
     buffers: Mapping[str, TensorSpec] = field(default_factory=dict)
+    facts: Mapping[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
+        object.__setattr__(self, "facts", MappingProxyType(dict(self.facts)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "buffers", MappingProxyType(dict(self.buffers)))
 
     @property
     def role(self) -> str | None:
         return self.out.role
+
+    def fact(self, name: str, default: Any = None) -> Any:
+        """A storage decision of the rule (``facts``), or for a node made without one (``Node(...)`` by hand) the
+        attribute of that name a builder stated, else ``default``."""
+        return self.facts[name] if name in self.facts else self.attrs.get(name, default)
 
     def with_(self, **changes: Any) -> Node:
         """A copy with some fields changed and an empty ``meta``."""
@@ -285,7 +294,7 @@ class GraphBuilder:
         self.graph.add(Node(
             full, kind, tuple(inputs), attrs, info.out.with_(role=role), info.params, info.view_of,
             self._group[-1] if self._group else "model", block.name if block else None,
-            block.count if block else sympy.Integer(1), info.buffers))
+            block.count if block else sympy.Integer(1), info.buffers, info.facts))
         for lhs, rhs in info.assumptions:
             self.graph.assumptions.append((full, lhs, rhs))
         return full

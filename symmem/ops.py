@@ -1,7 +1,16 @@
-"""The op-rule registry: for each op kind, its output shape, its parameters and whether it is a view.
+"""The op-rule registry: for each op kind, its output shape and strides, its parameters and whether it is a view.
 
 One small function per op kind, looked up by name (like torch.fx's ``run_node``).  What an op *keeps* for
 backward is not here: that depends on the convention (see :mod:`symmem.conventions`).
+
+Layouts (:mod:`symmem.layout`).  Every rule gives its output's strides: views rearrange their input's
+(``transpose``, ``permute``, ``select``, ``slice``, ``expand``, ``identity``, ``block_input``), elementwise ops
+follow their inputs' memory order as PyTorch's ``TensorIterator`` does, ``clone``/``to_dtype``/``cast`` keep it
+(``empty_like``), and every other op makes a contiguous tensor.  Storage decisions come from the input strides
+and are the rule's ``facts``: whether ``reshape``/``flatten``/``contiguous`` copies (``copy``), which operands a
+batched ``matmul`` copies to fold into ``bmm`` (``copy_inputs``), and the layout ``attention`` sees
+(``q_bshd``, ``v_contiguous``).  A builder may still state these as attributes (``copy=``, ``copy_inputs=``,
+``q_layout=``, ``v_contiguous=``); a stated value wins over the derived one (graphs built before strides).
 
 >>> from symmem.symbols import B, S, H
 >>> from symmem.tensor import TensorSpec
@@ -20,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
+from sympy.logic.boolalg import to_nnf
 
+from . import layout
 from .branches import is_condition
 from .errors import SymmemError
 from .shapes import broadcast, fmt, numel, same
@@ -37,7 +48,8 @@ class OpInfo:
 
     ``view_of`` is the index of the input whose storage the output shares (a view), or None for a new
     storage.  ``assumptions`` are pairs of expressions the rule could not prove equal; the graph keeps them and
-    checks them with numbers.
+    checks them with numbers.  ``facts`` are the storage decisions the rule took from its inputs' strides (module
+    docstring): each True, False or a condition on the sizes (``Ne(G, 1) & Ne(h/G, 1)``; :mod:`symmem.branches`).
     """
 
     out: TensorSpec
@@ -46,6 +58,7 @@ class OpInfo:
     assumptions: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
     #: state the module keeps that is not learned (batch norm's running statistics): name -> spec
     buffers: Mapping[str, TensorSpec] = field(default_factory=dict)
+    facts: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -315,38 +328,105 @@ def _dropout(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     p = a.get("p", 0.5)
     if not 0 <= p <= 1:
         raise OpError(f"dropout probability {p} is not in [0, 1]")
-    identity = p == 0 or not a.get("training", True)
-    return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype), view_of=0 if identity else None)
-
-
-@rule("relu", "relu6", "silu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "rotary", "clone", "to_dtype",
-      attrs=INPLACE)
-@rule("gelu", attrs={**INPLACE, "approximate": _a(_one_of("none", "tanh"), "'none' or 'tanh'")})
-@rule("softmax", "log_softmax", attrs={"dim": AXIS, "dtype": DTYPE})
-@rule("pow", attrs={**INPLACE, "exponent": _a(_is_number, "a number", True)})
-@rule("scale", attrs={**INPLACE, "factor": _a(_is_number, "a number", True)})
-@rule("contiguous", attrs={"copy": FLAG, "dtype": DTYPE})
-def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
+    if p == 0 or not a.get("training", True):
+        return OpInfo(TensorSpec(x.shape, x.dtype, strides=x.strides), view_of=0)
+    # x * noise, the noise empty_like(x): the layout TensorIterator gives x alone
+    return OpInfo(TensorSpec(x.shape, x.dtype, strides=layout.elementwise(x.shape, [(x.shape, x.strides)])))
+
+
+def _unary(ins: list[TensorSpec], a: Mapping[str, Any], strides: layout.Strides | None) -> OpInfo:
+    x = ins[0]
+    if a.get("inplace", False):
+        return OpInfo(TensorSpec(x.shape, a.get("dtype", x.dtype), strides=x.strides), view_of=0)
+    return OpInfo(TensorSpec(x.shape, a.get("dtype", x.dtype), strides=strides))
+
+
+@rule("relu", "relu6", "silu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "rotary", attrs=INPLACE)
+@rule("gelu", attrs={**INPLACE, "approximate": _a(_one_of("none", "tanh"), "'none' or 'tanh'")})
+@rule("pow", attrs={**INPLACE, "exponent": _a(_is_number, "a number", True)})
+def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # TensorIterator: a new output in the memory order of the input (a transposed input gives a transposed
+    # output, a strided view a dense one in the same order)
+    x = ins[0]
+    return _unary(ins, a, layout.elementwise(x.shape, [(x.shape, x.strides)]))
+
+
+@rule("scale", attrs={**INPLACE, "factor": _a(_is_number, "a number", True)})
+def _scale(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]  # x * factor: the number is an operand too (no fast set-up)
+    return _unary(ins, a, layout.elementwise(x.shape, [(x.shape, x.strides)], scalar=True))
+
+
+@rule("clone", "to_dtype", attrs=INPLACE)
+def _copy_like(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]  # empty_like(x) then a copy: x's memory order, dense
+    return _unary(ins, a, layout.like(x.shape, x.strides))
+
+
+@rule("softmax", "log_softmax", attrs={"dim": AXIS, "dtype": DTYPE})
+def _softmax(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    x = ins[0]  # the softmax kernels write a contiguous output whatever the input's layout
     if "dim" in a:
         _dim(x, a["dim"])
-    dtype = a.get("dtype", x.dtype)
-    inplace = bool(a.get("inplace", False))
-    # ``contiguous`` returns its input when it is contiguous already: ``copy`` may say when it is not
-    # (a condition on the symbols, resolved per branch by the derivation; symmem.branches).
-    return OpInfo(TensorSpec(x.shape, dtype), view_of=0 if inplace or is_condition(a.get("copy")) else None)
+    return OpInfo(TensorSpec(x.shape, a.get("dtype", x.dtype)))
 
 
-@rule("add", "mul", "sub", "div", "masked_fill", "where", arity=2, attrs=INPLACE)
-def _binary(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+def _copy_flag(a: Mapping[str, Any], derived: layout.Flag) -> layout.Flag:
+    """Whether the output is a copy: a builder's ``copy=`` if it gave one (graphs written before strides; it
+    wins), else what the input's strides decide."""
+    copy = a.get("copy", derived)
+    return bool(copy) if copy in (sympy.true, sympy.false) else copy
+
+
+def _view_or_copy(out: TensorSpec, copy: layout.Flag, **info: Any) -> OpInfo:
+    # A copy is a new (contiguous) storage.  A condition is a view in the graph, a copy in the branches where it
+    # holds (symmem.branches); its strides are the view's, contiguous in the cases that copy.
+    if copy is True:
+        return OpInfo(out.with_(strides=None), facts={"copy": True}, **info)
+    return OpInfo(out, view_of=0, facts={"copy": copy}, **info)
+
+
+@rule("contiguous", attrs={"copy": FLAG, "dtype": DTYPE})
+def _contiguous(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # ``contiguous()`` returns its input when that is contiguous already (layout.made_contiguous)
+    x = ins[0]
+    strides, copies = layout.made_contiguous(x.shape, x.strides)
+    return _view_or_copy(TensorSpec(x.shape, a.get("dtype", x.dtype), strides=strides), _copy_flag(a, copies))
+
+
+def _binary(ins: list[TensorSpec], a: Mapping[str, Any], operands: list[int] | None, scalar: bool = False
+            ) -> OpInfo:
+    # ``operands``: the inputs in the order PyTorch passes them to TensorIterator (None: a contiguous result)
     x, y = ins
     out = broadcast(x.shape, y.shape)
     if out is None:
         raise OpError(f"shapes {fmt(x.shape)} and {fmt(y.shape)} do not broadcast")
-    if bool(a.get("inplace", False)) and out != x.shape:
-        raise OpError(f"in-place result {fmt(out)} does not fit its first input {fmt(x.shape)}")
-    dtype = x.dtype if x.dtype == ACT or y.dtype != ACT else y.dtype
-    return OpInfo(TensorSpec(out, a.get("dtype", dtype)), view_of=0 if a.get("inplace") else None)
+    dtype = a.get("dtype", x.dtype if x.dtype == ACT or y.dtype != ACT else y.dtype)
+    if bool(a.get("inplace", False)):
+        if out != x.shape:
+            raise OpError(f"in-place result {fmt(out)} does not fit its first input {fmt(x.shape)}")
+        return OpInfo(TensorSpec(out, dtype, strides=x.strides), view_of=0)
+    strides = None if operands is None else layout.elementwise(
+        out, [(ins[i].shape, ins[i].strides) for i in operands], scalar=scalar)
+    return OpInfo(TensorSpec(out, dtype, strides=strides))
+
+
+@rule("add", "mul", "sub", "div", arity=2, attrs=INPLACE)
+def _arithmetic(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    return _binary(ins, a, [0, 1])
+
+
+@rule("where", arity=2, attrs=INPLACE)
+def _where(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # torch.where(mask, x, number): the mask (input 1 here) is the first operand, then x, then a number
+    return _binary(ins, a, [1, 0], scalar=True)
+
+
+@rule("masked_fill", arity=2, attrs=INPLACE)
+def _masked_fill(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # x.masked_fill(mask, v) fills a contiguous clone of x
+    return _binary(ins, a, None)
 
 
 @rule("conv2d", attrs={"out_channels": REQ_DIM, "kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR,
@@ -450,7 +530,10 @@ def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if end < start:
         raise OpError(f"end_dim {end} before start_dim {start}")
     shape = x.shape[:start] + (numel(x.shape[start:end + 1]),) + x.shape[end + 1:]
-    return OpInfo(TensorSpec(shape, x.dtype), view_of=None if a.get("copy") else 0)
+    if start == end:  # flatten of one dimension returns its input
+        return _view_or_copy(TensorSpec(shape, x.dtype, strides=x.strides), _copy_flag(a, False))
+    strides, copies = layout.reshaped(x.shape, x.strides, shape)
+    return _view_or_copy(TensorSpec(shape, x.dtype, strides=strides), _copy_flag(a, copies))
 
 
 @rule("reshape", attrs={"shape": SHAPE, "copy": FLAG})
@@ -458,19 +541,23 @@ def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     shape = as_shape(a["shape"])
     assumptions = _check_eq(numel(shape), numel(x.shape), f"reshape {fmt(x.shape)} -> {fmt(shape)}")
-    # ``copy`` may be a condition on the symbols (symmem.branches): a view in the graph, resolved per branch.
-    copy = a.get("copy", False)
-    return OpInfo(TensorSpec(shape, x.dtype), view_of=0 if is_condition(copy) or not copy else None,
-                  assumptions=assumptions)
+    # a view where PyTorch's computeStride finds one, else a copy; a condition where that depends on the sizes
+    strides, copies = layout.reshaped(x.shape, x.strides, shape)
+    return _view_or_copy(TensorSpec(shape, x.dtype, strides=strides), _copy_flag(a, copies), assumptions=assumptions)
 
 
 @rule("transpose", attrs={"dim0": AXIS, "dim1": AXIS})
 def _transpose(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     i, j = _dim(x, a.get("dim0", -2)), _dim(x, a.get("dim1", -1))
-    shape = list(x.shape)
-    shape[i], shape[j] = shape[j], shape[i]
-    return OpInfo(TensorSpec(tuple(shape), x.dtype), view_of=0)
+    dims = list(range(x.rank))
+    dims[i], dims[j] = dims[j], dims[i]
+    return _permuted(x, dims)
+
+
+def _permuted(x: TensorSpec, dims: list[int]) -> OpInfo:
+    strides = layout.permuted(x.shape, x.strides, dims)
+    return OpInfo(TensorSpec(tuple(x.shape[d] for d in dims), x.dtype, strides=strides), view_of=0)
 
 
 @rule("permute", attrs={"dims": _a(_is_ints, "a permutation of the dimensions", True)})
@@ -479,7 +566,7 @@ def _permute(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     dims = [_dim(x, d) for d in a["dims"]]
     if sorted(dims) != list(range(x.rank)):
         raise OpError(f"permutation {a['dims']} does not fit rank {x.rank}")
-    return OpInfo(TensorSpec(tuple(x.shape[d] for d in dims), x.dtype), view_of=0)
+    return _permuted(x, dims)
 
 
 @rule("expand", attrs={"shape": SHAPE})
@@ -488,7 +575,7 @@ def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     shape = as_shape(a["shape"])
     if broadcast(x.shape, shape) is None or len(shape) < x.rank:
         raise OpError(f"cannot expand {fmt(x.shape)} to {fmt(shape)}")
-    return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
+    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.expanded(x.shape, x.strides, shape)), view_of=0)
 
 
 @rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM, "split": BOOL})
@@ -501,14 +588,15 @@ def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if length.is_number and length <= 0:
         raise OpError(f"empty slice [{start}:{stop}] of dimension {d}")
     shape = x.shape[:d] + (length,) + x.shape[d + 1:]
-    return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
+    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.sliced(x.shape, x.strides, shape)), view_of=0)
 
 
 @rule("select", attrs={"dim": AXIS, "index": AXIS, "split": BOOL})
 def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
-    return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype), view_of=0)
+    return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype, strides=layout.selected(x.shape, x.strides, d)),
+                  view_of=0)
 
 
 @rule("concat", arity=None, attrs={"dim": AXIS})
@@ -554,7 +642,14 @@ def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     batch = broadcast(x.shape[:-2], y.shape[:-2])
     if batch is None:
         raise OpError(f"batch dimensions of {fmt(x.shape)} @ {fmt(y.shape)} do not broadcast")
-    return OpInfo(TensorSpec(batch + (x.shape[-2], y.shape[-1]), x.dtype), assumptions=assumptions)
+    if "copy_inputs" in a:  # a builder's statement wins (graphs written before strides)
+        copies = tuple(a["copy_inputs"])
+    else:
+        # an operand whose batch cannot be folded into bmm's by a view is copied (layout.matmul_copies)
+        flags = layout.matmul_copies((x.shape, x.strides), (y.shape, y.strides))
+        copies = tuple(i if f is True else (i, f) for i, f in enumerate(flags) if f is not False)
+    return OpInfo(TensorSpec(batch + (x.shape[-2], y.shape[-1]), x.dtype), assumptions=assumptions,
+                  facts={"copy_inputs": copies})
 
 
 @rule("attention", arity=3, attrs={"causal": BOOL, "dropout": _a(_is_prob, "a probability in [0, 1]"),
@@ -572,7 +667,25 @@ def _attention(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
         ratio = q.shape[-3] / k.shape[-3]
         if ratio.is_number and not ratio.is_integer:
             raise OpError(f"query heads {q.shape[-3]} are not a multiple of key/value heads {k.shape[-3]}")
-    return OpInfo(TensorSpec(q.shape[:-1] + (v.shape[-1],), q.dtype), assumptions=tuple(found))
+    return OpInfo(TensorSpec(q.shape[:-1] + (v.shape[-1],), q.dtype), assumptions=tuple(found),
+                  facts=_attention_facts(q, k, v, a))
+
+
+def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str, Any]) -> dict[str, Any]:
+    """What scaled_dot_product_attention's kernels do with the layouts they are given (a builder's
+    ``q_layout``/``v_contiguous`` win): ``q_bshd``, the CPU flash kernel's output is ``empty_like(q)``, which is
+    (B, S, h, d) in memory when q is a head split of (B, S, H); ``v_contiguous``, the CPU math kernel's
+    ``matmul(probs, v)`` folds v into bmm without a copy."""
+    if "q_layout" in a:
+        q_bshd: layout.Flag = a["q_layout"] == "bshd"
+    else:
+        q_bshd = layout.heads_outer(q.shape, q.strides)
+    if "v_contiguous" in a:
+        v_contiguous = a["v_contiguous"]
+    else:
+        copy = layout.matmul_copies((q.shape[:-1] + (k.shape[-2],), None), (v.shape, v.strides))[1]
+        v_contiguous = copy is False if isinstance(copy, bool) else to_nnf(sympy.Not(copy))
+    return {"q_bshd": q_bshd, "v_contiguous": v_contiguous}
 
 
 @rule("embedding", attrs={"num_embeddings": REQ_DIM, "dim": REQ_DIM, "padding_idx": AXIS})
@@ -602,14 +715,22 @@ def _constant(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 
 @rule("scalar_add", attrs={"value": NUMBER})
 def _scalar_add(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
-    return OpInfo(TensorSpec(ins[0].shape, ins[0].dtype))
+    x = ins[0]  # x + number: TensorIterator with the number as an operand
+    strides = layout.elementwise(x.shape, [(x.shape, x.strides)], scalar=True)
+    return OpInfo(TensorSpec(x.shape, x.dtype, strides=strides))
 
 
 @rule("cast", attrs={"dtype": _a(_is_dtype, "a dtype name", True)})
 def _cast(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # ``tensor.to(dtype)`` returns the tensor itself when the dtype already matches: recorded as a view, and
     # the derivation treats it as a new storage when the regime's activation dtype makes the dtypes differ.
-    return OpInfo(TensorSpec(ins[0].shape, a.get("dtype", ins[0].dtype)), view_of=0)
+    x = ins[0]
+    dtype = a.get("dtype", x.dtype)
+    # a conversion the graph already sees (two different concrete dtypes) is ``empty_like(x)``; one that depends
+    # on the regime's activation dtype keeps the view's strides
+    converts = ACT not in (x.dtype, dtype) and x.dtype != dtype
+    return OpInfo(TensorSpec(x.shape, dtype, strides=layout.like(x.shape, x.strides) if converts else x.strides),
+                  view_of=0)
 
 
 @rule("mean", attrs={"dim": AXIS, "keepdim": BOOL})

@@ -65,6 +65,31 @@ Psi = _dim("Psi", r"\Psi", "parameter count (a model given by its counts, ZeRO's
 Nact = _dim("Nact", r"N_{\mathrm{act}}", "activation values per sample (a model given by its counts)")
 
 
+@dataclass(frozen=True)
+class UnitSize:
+    """A size that is 1 in configurations people train, and the substitution that makes it 1."""
+
+    size: sympy.Expr
+    one: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    meaning: str
+
+    @property
+    def atom(self) -> sympy.Basic:
+        """The condition that the size is 1, as storage decisions state it (``Eq(G, 1)``)."""
+        return sympy.Eq(self.size, 1)
+
+
+#: Sizes that may be 1, which storage decisions keep open as conditions (:mod:`symmem.layout`): PyTorch views a
+#: tensor differently when a dimension has size 1, and these are 1 in real models.  Every other symbolic size
+#: is taken to be at least 2 there, as :func:`symmem.shapes.same` takes distinct symbols to differ.  B is not
+#: among them: a batched matmul of head views copies its operands for B >= 2 only, and the formulas take a batch
+#: of at least 2 there (the causal-LM loss states its B = 1 case itself, :mod:`symmem.loss`).
+UNIT_SIZES: tuple[UnitSize, ...] = (
+    UnitSize(G, ((G, sympy.Integer(1)),), "multi-query attention: one key/value head"),
+    UnitSize(h / G, ((h, G),), "multi-head attention: as many key/value heads as query heads"),
+)
+
+
 def symbol(name: str) -> sympy.Symbol:
     """The canonical symbol called ``name``; a :class:`SymmemError` lists the known ones otherwise.
 

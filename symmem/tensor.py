@@ -12,6 +12,14 @@ B*H*S
 4*B*H*S
 >>> TensorSpec((B, S), "int64").nbytes()
 8*B*S
+
+``strides`` is the memory layout, in elements per dimension; None is contiguous row-major, the layout of
+every new tensor.  View rules set it (:mod:`symmem.layout`), and storage decisions follow from it.
+
+>>> TensorSpec((S, B), strides=(1, S)) == TensorSpec((S, B))     # a transposed (B, S) tensor
+False
+>>> TensorSpec((B, S), strides=(S, 1)).strides is None          # contiguous strides are stored as None
+True
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 import sympy
 
 from .errors import SymmemError
+from .layout import contiguous
 
 #: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.
 DTYPE_BYTES: dict[str, int] = {
@@ -70,16 +79,23 @@ def as_shape(shape: Iterable[object]) -> tuple[sympy.Expr, ...]:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor: symbolic shape, dtype and a role that conventions may key on."""
+    """A tensor: symbolic shape, dtype, a role that conventions may key on, and its strides (None: contiguous)."""
 
     shape: tuple[sympy.Expr, ...]
     dtype: str = ACT
     role: str | None = None
+    strides: tuple[sympy.Expr, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", as_shape(self.shape))
         if self.dtype != ACT and self.dtype not in DTYPE_BYTES:
             raise SymmemError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+        if self.strides is not None:
+            strides = tuple(sympy.sympify(st, strict=True) for st in self.strides)
+            if len(strides) != len(self.shape):
+                raise SymmemError(f"strides {strides} do not fit the shape {self.shape}")
+            # one spelling per layout, so that equal tensors compare equal: contiguous is None
+            object.__setattr__(self, "strides", None if strides == contiguous(self.shape) else strides)
 
     @property
     def rank(self) -> int:
@@ -94,7 +110,7 @@ class TensorSpec:
 
     def with_(self, **changes: object) -> TensorSpec:
         """A copy with some fields changed."""
-        fields = {"shape": self.shape, "dtype": self.dtype, "role": self.role}
+        fields = {"shape": self.shape, "dtype": self.dtype, "role": self.role, "strides": self.strides}
         fields.update(changes)
         return TensorSpec(**fields)  # type: ignore[arg-type]
 

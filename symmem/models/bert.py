@@ -43,15 +43,15 @@ def _self_attention(g: GraphBuilder, x: str, mask: str | None, kind: str, dropou
     if kind == "naive":
         assert mask is not None
         kt = g.op("transpose", k, name="key_t", dim0=-1, dim1=-2)
-        # q and k^T are strided views of the projections: the batched matmul keeps contiguous copies.
-        s = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0, 1))
+        # q and k^T are strided views of the projections: the batched matmul keeps contiguous copies (strides)
+        s = g.op("matmul", q, kt, name="scores", role="attn_scores")
         s = g.op("scale", s, name="scaled", factor=hd ** -0.5)
         s = g.op("add", s, mask, name="masked")
         s = g.op("softmax", s, name="softmax", role="attn_probs", dim=-1)
         s = g.op("dropout", s, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", s, v, name="attn_v", copy_inputs=(1,))
+        out = g.op("matmul", s, v, name="attn_v")
     else:
-        out = g.op("attention", q, k, v, name="sdpa", role="attention", dropout=dropout, q_layout="bshd")
+        out = g.op("attention", q, k, v, name="sdpa", role="attention", dropout=dropout)
     out = g.op("permute", out, name="merge_t", dims=(0, 2, 1, 3))
     out = g.op("contiguous", out, name="merge", role="proj_input")
     return g.op("reshape", out, name="merge_view", shape=(B, S, H))

@@ -59,8 +59,8 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
     q, k, v = heads
     if kind == "naive":
         kt = g.op("transpose", k, name="key_t", dim0=-1, dim1=-2)
-        # q and k^T are strided views of c_attn's output: the batched matmul keeps contiguous copies.
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0, 1))
+        # q and k^T are strided views of c_attn's output: the batched matmul keeps contiguous copies (strides)
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores")
         root = g.op("constant", name="sqrt_d", shape=(), dtype="act")  # torch.full([], d ** 0.5)
         w = g.op("div", w, root, name="scaled")
         bias = g.op("buffer", name="bias", shape=(1, 1, POSITIONS, POSITIONS), dtype="bool")
@@ -70,12 +70,11 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
         w = g.op("where", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1)
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=(1,))
+        out = g.op("matmul", w, v, name="attn_v")
     else:
         # GPT2SdpaAttention keeps the eager attention's causal-mask buffer (module state; unused here)
         g.op("buffer", name="bias", shape=(1, 1, POSITIONS, POSITIONS), dtype="bool")
-        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
-                   q_layout="bshd")
+        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout)
     out = g.op("permute", out, name="merge_t", dims=(0, 2, 1, 3))
     out = g.op("contiguous", out, name="merge", role="proj_input")
     out = g.op("reshape", out, name="merge_view", shape=(B, S, H))

@@ -11,11 +11,12 @@ untied LM head.
 Defaults are Llama-2-7B: H=4096, h=32, G=32 (set G < h for grouped-query attention, e.g. G=8 as in
 Llama-2-70B), L=32, F=11008, V=32000, S=4096.  ``repeat_kv`` is a copy to h heads unless G = 1 or G = h:
 its ``reshape`` merges the G heads with the stride-0 repeat dimension of size h/G, which PyTorch can do as a
-view only if one of them is 1 (``REPEAT_COPIES``, from :func:`symmem.branches.reshape_copies`; for G = h HF
-returns the tensor itself, the same view).  Then the fused attention kernel keeps the key and value it is
-given (for G = 1 the (B, 1, S, d) tensors: B*S*d elements each, not B*h*S*d), while the eager matmuls and the
-CPU math kernel copy them; the formula is a ``Piecewise`` where the branches differ (measured on the CPU for
-G = 1, 2 and h).  The casts
+view only if one of them is 1 (the reshape's rule finds ``Ne(G, 1) & Ne(h/G, 1)`` in the strides,
+:mod:`symmem.layout`; for G = h HF returns the tensor itself, the same view).  Then the fused attention kernel
+keeps the key and value it is given (for G = 1 the (B, 1, S, d) tensors: B*S*d elements each, not B*h*S*d),
+while the eager matmuls and the CPU math kernel copy them (a stride-0 or (B, S, h, d)-ordered key does not fold
+into bmm's batch); the formula is a ``Piecewise`` where the branches differ (measured on the CPU for G = 1, 2
+and h).  The casts
 (RMSNorm's ``to(float32)``, the float32 softmax's ``.to(dtype)``) are views in FP32 and copies in 16-bit, as in
 PyTorch (see :func:`symmem.passes.storage.converts`).
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import sympy
 
-from ..branches import reshape_copies
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, G, H, L, S, V, h
 from . import Option, register
@@ -67,16 +67,12 @@ def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
         return g.op("add", a, b, name="add")
 
 
-#: When ``repeat_kv``'s reshape copies: it merges the G heads with the stride-0 repeat dimension of size h/G,
-#: which PyTorch can view only if one of them is 1 (``Ne(G, 1) & Ne(h/G, 1)``; symmem.branches.reshape_copies).
-REPEAT_COPIES = reshape_copies((B, G, h / G, S, H / h), {2}, (B, h, S, H / h))
-
-
 def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
     hd = H / h
     x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
     x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
-    return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=REPEAT_COPIES)
+    # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.layout)
+    return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd))
 
 
 def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float) -> str:
@@ -95,18 +91,17 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         assert mask is not None
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
         # a key that is still a view (stride 0 for G = 1, the rotary output's (B, S, h, d) layout for G = h)
-        # cannot be folded into bmm's batch: the matmul keeps its own copy
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=((1, ~REPEAT_COPIES),))
+        # cannot be folded into bmm's batch: the matmul keeps its own copy (read from the strides)
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores")
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=((1, ~REPEAT_COPIES),))
+        out = g.op("matmul", w, v, name="attn_v")
     else:
-        # q after the rotary ops keeps the (B, S, h, d) layout of the q_proj view it came from.
-        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
-                   v_contiguous=REPEAT_COPIES, q_layout="bshd")
+        # q after the rotary ops keeps the (B, S, h, d) layout of the q_proj view it came from (TensorIterator)
+        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout)
     out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
     out = g.op("contiguous", out, name="merge", role="proj_input")
     out = g.op("reshape", out, name="merge_view", shape=(B, S, H))

@@ -43,16 +43,17 @@ def attention(g: GraphBuilder, x: str, *, kind: str, attn_drop: float, proj_drop
     if kind == "naive":
         q = g.op("scale", q, name="q_scaled", factor=sympy.sqrt(hd) ** -1)
         kt = g.op("transpose", k, name="k_t", dim0=-2, dim1=-1)
-        # q and k^T are strided views of the QKV output: the batched matmul keeps contiguous copies.
-        scores = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0, 1))
+        # q (scaled in the QKV output's memory order) and k^T are strided views of it: the batched matmul keeps
+        # contiguous copies (the matmul's rule sees it in their strides)
+        scores = g.op("matmul", q, kt, name="scores", role="attn_scores")
         probs = g.op("softmax", scores, name="softmax", role="attn_probs", dim=-1)
         probs = g.op("dropout", probs, name="attn_drop", role="attn_dropout", p=attn_drop)
-        out = g.op("matmul", probs, v, name="attn_v", copy_inputs=(1,))
+        out = g.op("matmul", probs, v, name="attn_v")
     else:
-        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=causal, dropout=attn_drop,
-                   q_layout="bshd")
+        out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=causal, dropout=attn_drop)
+    # merging the heads of a transposed tensor copies (its strides say so)
     out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
-    out = g.op("reshape", out, name="merge", role="proj_input", shape=(B, S, H), copy=True)
+    out = g.op("reshape", out, name="merge", role="proj_input", shape=(B, S, H))
     out = g.op("linear", out, name="proj", out_features=H)
     return g.op("dropout", out, name="proj_drop", p=proj_drop)
 

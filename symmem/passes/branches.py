@@ -1,7 +1,7 @@
 """Storage decisions that depend on the sizes, per branch: find the open conditions, enumerate, merge.
 
-:func:`conditions` finds the conditions (:mod:`symmem.branches`) in a graph's attributes that the symbols left
-free do not decide; the derivation works out the kept storages once per truth assignment
+:func:`conditions` finds the conditions (:mod:`symmem.branches`) in a graph's attributes and storage facts that
+the symbols left free do not decide; the derivation works out the kept storages once per truth assignment
 (:func:`assignments`) and :func:`merge` joins them into one list whose expressions are ``Piecewise`` over the
 conditions (equal branches collapse).
 
@@ -37,11 +37,13 @@ def _walk(value: Any) -> Iterable[Boolean]:
 
 def conditions(graph: Graph, nodes: Iterable[str], subs: Mapping[sympy.Symbol, sympy.Expr]
                ) -> tuple[list[Boolean], dict[Boolean, bool]]:
-    """The conditions in the attributes of ``nodes``: (still open after ``subs``, decided by ``subs``)."""
+    """The conditions in the attributes and the storage facts of ``nodes`` (a reshape that copies unless G = 1 or
+    G = h): (still open after ``subs``, decided by ``subs``)."""
     open_: list[Boolean] = []
     decided: dict[Boolean, bool] = {}
     for n in nodes:
-        for value in graph.node(n).attrs.values():
+        node = graph.node(n)
+        for value in (*node.attrs.values(), *node.facts.values()):
             for cond in _walk(value):
                 base, _ = canonical(cond)
                 if base in decided or base in open_:

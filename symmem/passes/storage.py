@@ -3,7 +3,8 @@
 Views (``view_of``) share their input's storage, so a kept view keeps its base.  A repeated layer's input
 (``block_input``) is the block's source in the first iteration and the previous iteration's output in the
 others.  A ``cast`` is a view unless the regime's activation dtype makes it change the dtype, and a view whose
-``copy`` attribute is a condition on the sizes (:mod:`symmem.branches`) is a copy where the branch says so.
+``copy`` fact is a condition on the sizes (a reshape of a stride-0 repeat; :mod:`symmem.layout`,
+:mod:`symmem.branches`) is a copy where the branch says so.
 
 >>> from symmem.models import build
 >>> g = build("vit-b16").graph
@@ -39,7 +40,7 @@ def is_view(graph: Graph, name: str, act_dtype: str | None = None, branch: Branc
     """Whether ``name``'s output shares its input's storage under the regime's dtype and the branch."""
     node = graph.node(name)
     return (node.view_of is not None and not converts(graph, name, act_dtype)
-            and not holds(node.attrs.get("copy", False), branch))
+            and not holds(node.fact("copy", False), branch))
 
 
 def resolve(graph: Graph, name: str, steady: bool = False, act_dtype: str | None = None,

@@ -20,7 +20,8 @@ divisor needs no gradient).  Kernels that pick what to keep at run time:
   input's dtype on the CPU; weight and bias are parameters.
 * ``matmul`` of batched operands folds them to ``bmm`` with ``reshape``: a strided view (a head split by
   ``permute``, a transposed key) cannot be folded in place, so the product keeps a contiguous copy.  The
-  builder marks such operands with ``copy_inputs``; the copy is a storage only the matmul holds.
+  matmul's rule finds such operands from their strides (the ``copy_inputs`` fact, :mod:`symmem.layout`); the
+  copy is a storage only the matmul holds.
 
 Measured on the CPU (``tests/test_pytorch_sequence.py``) for ViT, GPT-2, BERT and Llama at several B and S.
 
@@ -117,7 +118,7 @@ def _matmul(ctx: RuleContext) -> list[Saved]:
     # An entry is an index, or (index, condition) for an operand that is foldable only for some sizes
     # (a stride-0 repeat of heads; symmem.branches).
     branch = ctx.options.get("branch")
-    copies = {i for i, cond in (e if isinstance(e, tuple) else (e, True) for e in ctx.attrs.get("copy_inputs", ()))
+    copies = {i for i, cond in (e if isinstance(e, tuple) else (e, True) for e in ctx.node.fact("copy_inputs", ()))
               if holds(cond, branch)}
     found = []
     for i, other in ((0, 1), (1, 0)):
@@ -157,10 +158,16 @@ def _attention(ctx: RuleContext) -> list[Saved]:
         rows = 32 * sympy.ceiling(q.shape[-2] / 32)
         lse = ctx.new("logsumexp", q.shape[:-2] + (rows,), "float32", "attn_lse")
     # The fused kernels write the output as (B, S, h, d) and return it transposed (CUDA always; the CPU
-    # flash kernel when q itself is a head-split view, ``q_layout="bshd"``), so the builders' merge
-    # ``transpose(1, 2).reshape(B, S, H)`` is a view of it; the graph shows the merge as a copy the output
-    # projection keeps, which then *is* this storage: the output is not counted twice.
-    merged_view = (ctx.device == "cuda" or ctx.attrs.get("q_layout", "bhsd") == "bshd") and _merged_by_copy(ctx)
+    # flash kernel when q itself is a head split of (B, S, H) memory: it makes the output with empty_like(q),
+    # the ``q_bshd`` fact the rule reads from q's strides), so the builders' merge ``transpose(1, 2).reshape(B,
+    # S, H)`` is a view of it; the graph shows the merge as a copy the output projection keeps, which then *is*
+    # this storage: the output is not counted twice.
+    branch = ctx.options.get("branch")
+    if "q_layout" in ctx.attrs or "q_bshd" not in ctx.node.facts:
+        q_bshd = ctx.attrs.get("q_layout", "bhsd") == "bshd"
+    else:
+        q_bshd = holds(ctx.node.facts["q_bshd"], branch)
+    merged_view = (ctx.device == "cuda" or q_bshd) and _merged_by_copy(ctx)
     out = [] if merged_view else [ctx.output()]
     if ctx.device == "cuda":
         return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse, ctx.new("philox", (2,), "int64", "rng_state")]
@@ -176,7 +183,7 @@ def _attention(ctx: RuleContext) -> list[Saved]:
              ctx.new("probs", scores, dt, "attn_probs"),
              ctx.new("noise", scores, dt, "dropout_mask"),
              ctx.new("dropped", scores, dt, "attn_dropout")]
-    if holds(ctx.attrs.get("v_contiguous", False), ctx.options.get("branch")) and not low:
+    if holds(ctx.node.fact("v_contiguous", False), branch) and not low:
         found.append(ctx.input(2))
     else:
         found.append(ctx.new("v_copy", v.shape, dt, "matmul_copy"))
