@@ -31,6 +31,7 @@ import sympy
 
 from .branches import fold
 from .errors import SymmemError
+from .evaluator import evaluator
 from .training import Regime
 from .units import format_bytes, to_unit
 
@@ -170,6 +171,10 @@ def _view(name: str) -> Callable[[Derivation], Any]:
     return _VIEWS[name]
 
 
+#: Cached properties of a :class:`Derivation` that do not depend on its numbers, kept by :meth:`Derivation.at`.
+_NUMBER_FREE = frozenset({"terms", "activations", "input", "loss", "parameter_memory", "transient", "total"})
+
+
 def positive_int(name: str, value: Any) -> int:
     """``value`` as a positive int (a :class:`SymmemError` naming ``name`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int | sympy.Integer):
@@ -263,16 +268,16 @@ class Derivation:
 
     # -- numbers --------------------------------------------------------------------------------------
     def evaluate(self, expr: sympy.Expr) -> int:
-        """``expr`` at the derivation's numbers (defaults overridden by what was set)."""
-        expr = sympy.sympify(expr)
-        missing = expr.free_symbols - set(self.numbers)
+        """``expr`` at the derivation's numbers (defaults overridden by what was set): exact integer bytes, rounded
+        up where the formula has a fraction of a byte.  The expression is compiled once and cached
+        (:mod:`symmem.evaluator`), so evaluating it at many numbers (``at(...)``) does not rebuild it."""
+        f = evaluator(expr)
+        numbers = self.numbers
+        missing = [s for s in f.symbols if s not in numbers]
         if missing:
             names = ", ".join(sorted(s.name for s in missing))
             raise SymmemError(f"no value for {names}; set one (e.g. --set {sorted(missing, key=str)[0]}=...)")
-        value = sympy.sympify(expr.xreplace(dict(self.numbers)))
-        if not value.is_number:
-            raise SymmemError(f"{expr} did not evaluate to a number")
-        return int(value) if value.is_integer else int(sympy.ceiling(value))
+        return f(*[numbers[s] for s in f.symbols])
 
     def try_evaluate(self, expr: sympy.Expr) -> int | None:
         """:meth:`evaluate`, or None where a symbol has no value."""
@@ -284,6 +289,44 @@ class Derivation:
     def value(self, key: str) -> int:
         """Integer bytes of a named quantity (``parameters`` is a count)."""
         return self.evaluate(self.expression(key))
+
+    def values(self, key: str | sympy.Expr = "total", **values: Any) -> Any:
+        """A named quantity (or an expression) at many configurations at once, exactly.
+
+        Give arrays (numpy arrays or lists of positive integers) for some of the :attr:`free` symbols; they are
+        broadcast together (``B=[1, 2, 4]`` with ``S=[128, 256, 512]`` is three configurations; ``B=b[:, None]``
+        with ``S=s[None, :]`` a grid) and every other symbol takes its number.  The result has the broadcast
+        shape: an int64 array when no intermediate value can overflow, an object array of Python ints otherwise
+        (see :mod:`symmem.evaluator`).
+
+        >>> from symmem import derive
+        >>> d = derive("vit-b16", attention="sdpa")
+        >>> d.values("total", B=[1, 64]).tolist() == [d.at(B=1).value("total"), d.value("total")]
+        True
+        >>> d.values("activations", B=[[1], [2]], S=[197, 577]).tolist()
+        [[65965056, 193207296], [131930112, 386414592]]
+        """
+        import numpy as np
+
+        expr = self.expression(key) if isinstance(key, str) else sympy.sympify(key)
+        by_name = {s.name: s for s in self.free}
+        for name in values:
+            if name not in by_name:
+                raise SymmemError(f"{name!r} is not a symbol of this formula (it is in "
+                                  f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
+                                  f"values={{{name!r}: ...}}")
+        f = evaluator(expr)
+        args = []
+        for s in f.symbols:
+            if s.name in values:
+                args.append(values[s.name])
+            elif s in self.numbers:
+                args.append(self.numbers[s])
+            else:
+                raise SymmemError(f"no value for {s.name}; set one (e.g. --set {s.name}=...)")
+        out = f.many(*args)
+        shape = np.broadcast_shapes(out.shape, *(np.shape(v) for v in values.values()))
+        return out if out.shape == shape else np.broadcast_to(out, shape).copy()
 
     def size(self, key: str, unit: str = "GiB") -> float:
         """A named quantity in ``unit`` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB).
@@ -312,7 +355,10 @@ class Derivation:
                                   f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
                                   f"values={{{name!r}: {v!r}}}")
             nums[by_name[name]] = positive_int(name, v)
-        return replace(self, numbers=nums)
+        new = replace(self, numbers=nums)
+        # The expressions do not depend on the numbers: the new derivation keeps the ones already worked out.
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k in _NUMBER_FREE})
+        return new
 
     # -- views ----------------------------------------------------------------------------------------
     def title(self) -> str:

@@ -1,4 +1,4 @@
-"""The typed graph: :class:`Node` values in a networkx :class:`Graph`, built by :class:`GraphBuilder`.
+"""The typed graph: :class:`Node` values in a :class:`Graph` (networkx's layout), built by :class:`GraphBuilder`.
 
 A node is one op: a frozen :class:`Node` holding its kind, its ordered inputs, its attributes (checked against
 the kind's schema in :mod:`symmem.ops`), its output :class:`~symmem.tensor.TensorSpec`, its parameters (name ->
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-import networkx as nx
 import sympy
 
 from . import ops, roles
+from .digraph import CycleError, DiGraph, topological_order
 from .errors import SymmemError, node_error
 from .shapes import fmt, numel, same
 from .tensor import TensorSpec
@@ -78,8 +78,11 @@ class Block:
     source: str
 
 
-class Graph(nx.DiGraph):
-    """A networkx ``DiGraph`` whose nodes hold :class:`Node` values (``graph.node(name)``).
+class Graph(DiGraph):
+    """A directed graph whose nodes hold :class:`Node` values (``graph.node(name)``).
+
+    It has ``networkx.DiGraph``'s layout and API without importing networkx until an attribute symmem does
+    not implement is used (:mod:`symmem.digraph`); ``to_networkx()`` copies it into a real one.
 
     Graph-level facts live in ``graph.graph``: ``blocks`` (name -> :class:`Block`), ``assumptions`` (node, lhs,
     rhs) checked with numbers, and flags a builder sets (``causal_lm``, ``no_loss``).
@@ -126,9 +129,11 @@ class Graph(nx.DiGraph):
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            found = tuple(nx.topological_sort(self))
-        except nx.NetworkXUnfeasible:
-            cycle = nx.find_cycle(self)
+            found = topological_order(self)
+        except CycleError:
+            import networkx as nx
+
+            cycle = nx.find_cycle(self.to_networkx())
             path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
             raise SymmemError(f"the graph has a cycle: {path}") from None
         self.graph["_order"] = (key, found)
@@ -140,6 +145,8 @@ class Graph(nx.DiGraph):
     def copy(self, as_view: bool = False) -> Graph:  # type: ignore[override]
         """A copy with its own nodes (empty ``meta``), blocks and assumptions."""
         if as_view:
+            import networkx as nx
+
             return nx.graphviews.generic_graph_view(self)  # type: ignore[return-value]
         g = Graph()
         g.graph.update({k: v for k, v in self.graph.items() if k != "_order"})

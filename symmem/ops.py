@@ -119,12 +119,47 @@ def check_attrs(kind: str, attrs: Mapping[str, Any]) -> None:
 
 def infer(kind: str, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> OpInfo:
     """Check the attributes and apply the rule for ``kind``; raises OpError (bad attributes or shapes) or
-    SymmemError (unknown kind)."""
+    SymmemError (unknown kind).
+
+    A rule is a pure function of the inputs and the attributes, so results are remembered by (rule, inputs,
+    attributes): a graph repeats the same op on the same shapes many times, and :func:`symmem.graph.lint`
+    re-infers every node it was just built with.
+    """
     fn, arity, _ = _lookup(kind)
+    key = _memo_key(fn, inputs, attrs)
+    if key is not None:
+        found = _MEMO.get(key)
+        if found is not None:
+            return found
     check_attrs(kind, attrs)
     if arity is not None and len(inputs) != arity:
         raise OpError(f"takes {arity} input(s), got {len(inputs)}")
-    return fn(inputs, attrs)
+    info = fn(inputs, attrs)
+    if key is not None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[key] = info
+    return info
+
+
+_MEMO: dict[Any, OpInfo] = {}
+_MEMO_SIZE = 65536
+
+
+def _frozen(value: Any) -> Any:
+    # The type goes into the key: True == 1 == 1.0 == sympy.Integer(1), but their checks differ.
+    if isinstance(value, tuple | list):
+        return (type(value), tuple(_frozen(v) for v in value))
+    return (type(value), value)
+
+
+def _memo_key(fn: Rule, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> Any:
+    try:
+        key = (fn, tuple(inputs), tuple((k, _frozen(v)) for k, v in attrs.items()))
+        hash(key)
+    except TypeError:  # an unhashable attribute (a dict): not remembered
+        return None
+    return key
 
 
 # -- attribute checks ------------------------------------------------------------------------------------
@@ -279,6 +314,17 @@ def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str) -> tuple[tuple[sympy.Expr
 def _window(size: sympy.Expr, k: sympy.Expr, s: sympy.Expr, pad: sympy.Expr, dil: sympy.Expr,
             ceil_mode: bool = False) -> sympy.Expr:
     # PyTorch's output-size formula for conv and pool windows.
+    if size.is_Symbol and all(v.is_Integer for v in (k, s, pad, dil)):
+        # An image side (a positive integer symbol) and integer window sizes: the common case of a first layer.
+        # sympy's floor evaluation costs 5-20 ms here; its result is known: floor((x + c)/s) with s | c is
+        # floor(x/s) + c/s (unevaluated floor: sympy cannot decide x/s), and x + c for s = 1.
+        c = int(2 * pad - dil * (k - 1) - 1)
+        step = int(s)
+        if step == 1:
+            return size + (c + 1)
+        if c % step == 0:
+            inner = sympy.ceiling(size / s, evaluate=False) if ceil_mode else sympy.floor(size / s, evaluate=False)
+            return inner + (c // step + 1)
     span = size + 2 * pad - dil * (k - 1) - 1
     out = (sympy.ceiling(span / s) if ceil_mode else sympy.floor(span / s)) + 1
     if out.is_number and out < 1:

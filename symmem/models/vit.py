@@ -16,16 +16,9 @@ import sympy
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, F, H, Hi, K, L, S, Wi, h
-from . import Option, register
 from .transformer import prenorm_layer
 
 _SIZES = {"ti": (192, 3, 12), "s": (384, 6, 12), "b": (768, 12, 12), "l": (1024, 16, 24)}
-_OPTIONS = {
-    "attention": Option("sdpa", ("naive", "sdpa"),
-                        "naive materializes the B*h*S^2 probabilities; sdpa is the fused kernel"),
-    "dropout": Option(0.0, None, "dropout probability (attention, projection, MLP, position embedding)"),
-    "patch": Option(16, None, "patch size in pixels"),
-}
 
 
 def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.0, patch: int = 16) -> Model:
@@ -57,6 +50,3 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
     return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="blocks",
                  options={"attention": attention, "dropout": dropout, "patch": patch})
 
-
-for _size in _SIZES:
-    register(f"vit-{_size}16", build_vit, f"ViT-{_size.upper()}/16 (timm; DeiT shares it)", _OPTIONS, size=_size)
