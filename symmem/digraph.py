@@ -172,10 +172,17 @@ class DiGraph:
     def is_multigraph(self) -> bool:
         return False
 
-    def _clear_cache(self) -> None:
-        cache = self.__dict__.get("__networkx_cache__")
+    # The number of edges is kept in networkx's cache dict: networkx's own mutators (reached through
+    # __getattr__) clear that dict, so a count they could make stale is recounted; the mutators here keep it.
+    _EDGES = "symmem_edges"
+
+    def _clear_cache(self, edges: int = 0) -> None:
+        cache = self.__networkx_cache__
+        count = cache.get(self._EDGES)
         if cache:
             cache.clear()
+        if count is not None:
+            cache[self._EDGES] = count + edges
 
     def add_node(self, node_for_adding: Hashable, **attr: Any) -> None:
         n = node_for_adding
@@ -205,11 +212,14 @@ class DiGraph:
                 self._succ[n] = {}
                 self._pred[n] = {}
                 self._node[n] = {}
-        datadict = self._adj[u].get(v, {})
+        datadict = self._adj[u].get(v)
+        new = datadict is None
+        if new:
+            datadict = {}
         datadict.update(attr)
         self._succ[u][v] = datadict
         self._pred[v][u] = datadict
-        self._clear_cache()
+        self._clear_cache(1 if new else 0)
 
     def add_edges_from(self, ebunch_to_add: Iterable[Any], **attr: Any) -> None:
         for e in ebunch_to_add:
@@ -219,12 +229,14 @@ class DiGraph:
     def remove_node(self, n: Hashable) -> None:
         if n not in self._node:
             raise _not_in_graph(n)
+        gone = len(self._succ[n]) + len(self._pred[n]) - (n in self._succ[n])
         for u in self._succ[n]:
             del self._pred[u][n]
         for u in self._pred[n]:
-            del self._succ[u][n]
+            if u != n:
+                del self._succ[u][n]
         del self._succ[n], self._pred[n], self._node[n]
-        self._clear_cache()
+        self._clear_cache(-gone)
 
     def remove_edge(self, u: Hashable, v: Hashable) -> None:
         try:
@@ -234,7 +246,7 @@ class DiGraph:
             import networkx as nx
 
             raise nx.NetworkXError(f"The edge {u}-{v} not in graph.") from None
-        self._clear_cache()
+        self._clear_cache(-1)
 
     def successors(self, n: Hashable) -> Iterator[Hashable]:
         try:
@@ -254,9 +266,14 @@ class DiGraph:
         return len(self._node)
 
     def number_of_edges(self, u: Hashable | None = None, v: Hashable | None = None) -> int:
-        if u is None:
-            return sum(len(nbrs) for nbrs in self._succ.values())
-        return int(self.has_edge(u, v))
+        """The number of edges (in constant time), or whether the edge u -> v exists."""
+        if u is not None:
+            return int(self.has_edge(u, v))
+        count = self.__networkx_cache__.get(self._EDGES)
+        if count is None:
+            count = sum(len(nbrs) for nbrs in self._succ.values())
+            self.__networkx_cache__[self._EDGES] = count
+        return count
 
     def to_networkx(self) -> Any:
         """A real ``networkx.DiGraph`` with the same nodes, edges and attributes (attribute dicts copied)."""

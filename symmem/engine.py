@@ -27,7 +27,7 @@ from .conventions import Convention
 from .conventions import convention as get_convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import SymmemError
-from .graph import Model, parameter_count
+from .graph import Model, parameter_count, paused_gc
 from .passes import branches, regimes, saved
 from .training import Regime
 
@@ -78,6 +78,13 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
                free: tuple[str, ...] | None = None) -> Derivation:
     """The core: the storages ``convention`` keeps for ``model`` under ``regime``, with their lifetimes."""
+    with paused_gc():
+        return _derivation(model, convention, regime, values, options=options, per_layer=per_layer, free=free)
+
+
+def _derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
+                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
+                free: tuple[str, ...] | None = None) -> Derivation:
     conv = convention
     conv_options = dict(conv.options)
     for key, v in (options or {}).items():
@@ -123,7 +130,9 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
         kept += conv.extra_storages(kept, conv_options)
         results.append((branch, kept))
     storages = branches.merge(open_, results) + regimes.parameters(graph, nodes, regime, per_layer)
-    storages = [_substituted(s, subs) for s in storages]
+    if subs:
+        done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
+        storages = [_substituted(s, subs, done) for s in storages]
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
@@ -131,9 +140,19 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
                       param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options})
 
 
-def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr]) -> Storage:
-    return s.with_(expr=s.expr.xreplace(subs), count=s.count.xreplace(subs), shards=s.shards.xreplace(subs),
-                   elements=None if s.elements is None else s.elements.xreplace(subs))
+def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict[sympy.Expr, sympy.Expr]
+                 ) -> Storage:
+    def sub(e: sympy.Expr) -> sympy.Expr:
+        found = done.get(e)
+        if found is None:
+            found = done[e] = e.xreplace(subs)
+        return found
+
+    expr, count, shards = sub(s.expr), sub(s.count), sub(s.shards)
+    elements = None if s.elements is None else sub(s.elements)
+    if expr is s.expr and count is s.count and shards is s.shards and elements is s.elements:
+        return s
+    return s.with_(expr=expr, count=count, shards=shards, elements=elements)
 
 
 def _effective(model: Model, values: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, sympy.Expr]:

@@ -189,9 +189,16 @@ class _Codegen:
         return nums, (const, names)
 
     def add(self, values: list[tuple[Any, ...]]) -> tuple[Any, ...]:
-        if all(v[0] == "int" for v in values):
-            return ("int", self.tmp(" + ".join(v[1] for v in values)))
-        nums, den = self.common(values)
+        # Terms over the same denominator are summed first, then the sums are brought over a common one.
+        groups: dict[_Den, list[str]] = {}
+        for v in values:
+            num, den = self.as_frac(v)
+            groups.setdefault(den, []).append(num)
+        sums = [(den, nums[0] if len(nums) == 1 else self.tmp(" + ".join(nums))) for den, nums in groups.items()]
+        if len(sums) == 1:
+            den, num = sums[0]
+            return self.frac(num, den)
+        nums, den = self.common([self.frac(num, den) for den, num in sums])
         return self.frac(self.tmp(" + ".join(nums)), den)
 
     def neg(self, v: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -214,16 +221,20 @@ class _Codegen:
         if k == 0:
             return ("int", "1")
         if k > 0:
-            up = num if k == 1 else self.tmp(f"{num} ** {k}")
+            up = num if k == 1 else self.tmp(self.raised(num, k))
             return self.frac(up, (c ** k, tuple(sorted(names * k))))
         m = -k
-        down = num if m == 1 else self.tmp(f"{num} ** {m}")
+        down = num if m == 1 else self.tmp(self.raised(num, m))
         if down not in self.args.values():  # a symbol is positive; a computed value is checked
             self.positive(down)
         top = self.den_code((c, names))
         if top != "1" and m != 1:
-            top = self.tmp(f"{top} ** {m}")
+            top = self.tmp(self.raised(top, m))
         return ("frac", top, (1, (down,)))
+
+    def raised(self, code: str, k: int) -> str:
+        # numpy's integer power is slower than a few multiplications
+        return " * ".join([code] * k) if self.mode == "vector" and k <= 4 else f"{code} ** {k}"
 
     def round(self, v: tuple[Any, ...], up: bool) -> tuple[Any, ...]:
         if v[0] == "int":
@@ -317,7 +328,9 @@ class _Codegen:
             raise Unsupported("a condition, not a number")
         num, den = self.as_frac(v)
         if self.mode == "bound":
-            self.emit(f"return max([1, {', '.join(self.args.values()) or '1'}, {', '.join(self.temps) or '1'}])")
+            # the caller rounds a fraction up as (num + den - 1) // den: that sum is bounded too
+            every = [*self.args.values(), *self.temps, f"{num} + {self.den_code(den)}"]
+            self.emit(f"return max([1, {', '.join(every)}])")
         elif den == _ONE:
             self.emit(f"return {num}, 1")
         else:
@@ -419,46 +432,63 @@ class Evaluator:
 
     # -- many configurations ---------------------------------------------------------------------------
     def many(self, *args: Any, **values: Any) -> Any:
-        """The values at many configurations: each argument a number or an array-like of positive integers,
-        broadcast together (numpy rules); an int64 array when no intermediate can overflow, an object array of
-        Python ints otherwise."""
+        """The values at many configurations: each argument a positive integer or an array-like of them,
+        broadcast together (numpy rules).  The result is an int64 array when a bound on every intermediate value
+        proves that int64 cannot overflow, an object array of Python ints otherwise."""
         import numpy as np
 
-        arrays = []
+        inputs: list[Any] = []
+        biggest: list[int] = []
+        exact_objects = False
         for s, v in zip(self.symbols, self._args(args, values), strict=True):
-            a = np.asarray(v)
-            if a.dtype.kind not in "iuO" or a.dtype.kind == "O" and not all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in a.flat):
+            if isinstance(v, int | np.integer) and not isinstance(v, bool):
+                if v <= 0:
+                    raise SymmemError(f"{s.name}: values must be positive integers, got {v}")
+                inputs.append(int(v))
+                biggest.append(int(v))
+                continue
+            a = v if isinstance(v, np.ndarray) else np.asarray(v)
+            kind = a.dtype.kind
+            if kind == "O":
+                items = a.ravel().tolist()
+                if not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+                    raise SymmemError(f"{s.name}: values must be integers")
+                lo, hi = (min(items), max(items)) if items else (1, 1)
+                exact_objects = True
+            elif kind in "iu":
+                lo, hi = (int(a.min()), int(a.max())) if a.size else (1, 1)
+            else:
                 raise SymmemError(f"{s.name}: values must be integers, got {a.dtype}")
-            if a.size and (a.min() <= 0):
-                raise SymmemError(f"{s.name}: values must be positive integers")
-            arrays.append(a)
+            if lo <= 0:
+                raise SymmemError(f"{s.name}: values must be positive integers, got {lo}")
+            inputs.append(a)
+            biggest.append(hi)
+        shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
         if self.source is None:
-            return self._elementwise(arrays)
+            return self._elementwise(inputs, shape)
         if self._vector is None:
             self._vector = _compile(_Codegen(self.symbols, "vector").function(self.expr), _vector_namespace())
             self._bound = _compile(_Codegen(self.symbols, "bound").function(self.expr), {})
-        biggest = [int(a.max()) if a.size else 1 for a in arrays]
-        small = self._bound(*biggest) <= INT64_MAX and all(a.dtype.kind != "O" for a in arrays)
-        inputs = [a.astype(np.int64, copy=False) if small else a.astype(object) for a in arrays]
+        small = not exact_objects and self._bound(*biggest) <= INT64_MAX
+        dtype = np.int64 if small else object
+        inputs = [a.astype(dtype, copy=False) if isinstance(a, np.ndarray) else a for a in inputs]
         try:
-            with np.errstate(all="raise"):
-                num, den = self._vector(*inputs)
+            num, den = self._vector(*inputs)
         except _Fallback:
-            return self._elementwise(arrays)
+            return self._elementwise(inputs, shape)
         except _NoBranch:
             raise SymmemError(f"{self.expr} did not evaluate to a number at some of the values") from None
-        num = np.asarray(num, dtype=np.int64 if small else object)
-        shape = np.broadcast_shapes(*(a.shape for a in arrays)) if arrays else ()
         if not isinstance(den, int) or den != 1:
-            num = -((-num) // den)
-        return np.broadcast_to(num, shape).copy() if num.shape != shape else num
+            num = (num + den - 1) // den  # the ceiling: every denominator is positive
+        out = np.asarray(num, dtype=dtype)
+        return out if out.shape == shape else np.broadcast_to(out, shape).copy()
 
-    def _elementwise(self, arrays: list[Any]) -> Any:
+    def _elementwise(self, inputs: list[Any], shape: tuple[int, ...]) -> Any:
+        """One configuration at a time (an expression the compiler does not translate, a denominator that is not
+        positive somewhere): slow, and exact."""
         import numpy as np
 
-        grid = np.broadcast_arrays(*arrays) if arrays else []
-        shape = grid[0].shape if grid else ()
+        grid = [np.broadcast_to(np.asarray(a, dtype=object), shape) for a in inputs]
         out = np.empty(shape, dtype=object)
         for index in np.ndindex(shape):
             out[index] = self(*(int(g[index]) for g in grid))

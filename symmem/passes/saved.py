@@ -44,8 +44,17 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
     storages: dict[str, list[tuple[str, str, Saved]]] = {}
     order: list[str] = []
 
-    def size(spec: TensorSpec) -> sympy.Expr:
-        return spec.numel * dtype_bytes(spec.dtype, act_dtype)
+    # Layers repeat their shapes: each (count, shape, dtype) is multiplied out once.
+    sizes: dict[tuple[sympy.Expr, tuple[sympy.Expr, ...], str], sympy.Expr] = {}
+
+    def size(spec: TensorSpec, count: sympy.Expr | int = 1) -> sympy.Expr:
+        """``count`` copies of ``spec``, in bytes."""
+        key = (count, spec.shape, spec.dtype)
+        got = sizes.get(key)
+        if got is None:
+            one = size(spec) if count != 1 else spec.numel * dtype_bytes(spec.dtype, act_dtype)
+            got = sizes[key] = one if count == 1 else count * one
+        return got
 
     # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks) and the branch.
     rule_options = {**options, "activation_dtype": act_dtype, "branch": branch}
@@ -58,7 +67,7 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
                 assert spec is not None
                 born, dies = lifetime(graph, name, "activation", [(name, "same")])
                 cat = "loss" if node.group == "loss" else "activation"
-                found.append(Storage(f"{name}.{ref.label}", node.group, cat, count * size(spec),
+                found.append(Storage(f"{name}.{ref.label}", node.group, cat, size(spec, count),
                                      ref.role or spec.role, name, spec.dtype, spec.numel, count, (name,), born, dies))
                 continue
             target = name if ref.source == "output" else node.inputs[ref.index]
@@ -67,7 +76,7 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
                 cat = category(graph.node(target))
                 label = name if ref.source == "output" else f"{name}.{ref.label or 'input'}"
                 born, dies = lifetime(graph, name, cat, [(name, "same")])
-                found.append(Storage(label, node.group, cat, count * size(spec), ref.role or spec.role, name,
+                found.append(Storage(label, node.group, cat, size(spec, count), ref.role or spec.role, name,
                                      spec.dtype, spec.numel, count, (name,), born, dies))
                 continue
             for storage, mode in resolve(graph, target, per_layer, act_dtype, branch):
@@ -91,6 +100,6 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
         group = "input" if cat == "input" else node.group
         keepers = tuple(dict.fromkeys(s for s, _, _ in savers))
         born, dies = lifetime(graph, storage, cat, [(s, mode) for s, mode, _ in savers])
-        found.append(Storage(storage, group, cat, count * size(node.out), role, storage, node.out.dtype,
+        found.append(Storage(storage, group, cat, size(node.out, count), role, storage, node.out.dtype,
                              node.out.numel, count, keepers, born, dies))
     return found
