@@ -31,6 +31,7 @@ over integers and caches it:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from functools import lru_cache, reduce
@@ -336,7 +337,49 @@ class _Codegen:
         else:
             self.emit(f"return {num}, {self.den_code(den)}")
         head = f"def _f({', '.join(self.args.values())}):"
-        return "\n".join([head, *self.lines])
+        return "\n".join([head, *(_inlined(self.lines) if self.mode == "vector" else self.lines)])
+
+
+_TEMP = re.compile(r"\bt\d+\b")
+
+
+def _inlined(lines: list[str]) -> list[str]:
+    """Straight-line vector code with every temporary used once written into its one use, and the others deleted
+    after their last use.  numpy then frees each intermediate array as soon as it is consumed, as one nested
+    expression does: keeping them all alive until the function returns costs 3x (fresh pages on every call)."""
+    lines = list(lines)
+    uses: dict[str, int] = {}
+    for line in lines:
+        body = line.split(" = ", 1)[1] if _is_assignment(line) else line
+        for name in _TEMP.findall(body):
+            uses[name] = uses.get(name, 0) + 1
+    out: list[str] = []
+    pending: dict[str, str] = {}  # temporaries used once, not yet written into their use
+    for line in lines:
+        indent = line[: len(line) - len(line.lstrip())]
+        target, body = (line.strip().split(" = ", 1) if _is_assignment(line) else (None, line.strip()))
+        body = _TEMP.sub(lambda m: f"({pending.pop(m.group())})" if m.group() in pending else m.group(), body)
+        if target is not None and uses.get(target, 0) == 1:
+            pending[target] = body
+        else:
+            out.append(indent + (f"{target} = {body}" if target is not None else body))
+    # delete a temporary used more than once after the line that uses it last
+    last: dict[str, int] = {}
+    for i, line in enumerate(out):
+        for name in _TEMP.findall(line.split(" = ", 1)[1] if _is_assignment(line) else line):
+            last[name] = i
+    final: list[str] = []
+    for i, line in enumerate(out):
+        final.append(line)
+        gone = [n for n, j in last.items() if j == i and uses.get(n, 0) > 1]
+        if gone and not line.strip().startswith("return"):
+            final.append(line[: len(line) - len(line.lstrip())] + "del " + ", ".join(sorted(gone)))
+    return final
+
+
+def _is_assignment(line: str) -> bool:
+    head = line.strip().split(" = ", 1)[0]
+    return " = " in line and _TEMP.fullmatch(head) is not None
 
 
 def _vector_namespace() -> dict[str, Any]:
@@ -463,7 +506,8 @@ class Evaluator:
                 raise SymmemError(f"{s.name}: values must be positive integers, got {lo}")
             inputs.append(a)
             biggest.append(hi)
-        shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+        shapes = {a.shape for a in inputs if isinstance(a, np.ndarray)}
+        shape = next(iter(shapes)) if len(shapes) == 1 else np.broadcast_shapes(*shapes) if shapes else ()
         if self.source is None:
             return self._elementwise(inputs, shape)
         if self._vector is None:
