@@ -44,6 +44,8 @@ class OpInfo:
     params: Mapping[str, tuple[sympy.Expr, ...]] = field(default_factory=dict)
     view_of: int | None = None
     assumptions: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
+    #: state the module keeps that is not learned (batch norm's running statistics): name -> spec
+    buffers: Mapping[str, TensorSpec] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -431,7 +433,9 @@ def _batchnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
         raise OpError(f"batchnorm needs (N, C, ...), got {fmt(x.shape)}")
     c = x.shape[1]
     params = {"weight": (c,), "bias": (c,)} if a.get("affine", True) else {}
-    return OpInfo(TensorSpec(x.shape, x.dtype), params)
+    buffers = {"running_mean": TensorSpec((c,), "float32"), "running_var": TensorSpec((c,), "float32"),
+               "num_batches_tracked": TensorSpec((), "int64")}
+    return OpInfo(TensorSpec(x.shape, x.dtype), params, buffers=buffers)
 
 
 @rule("layernorm", attrs={"affine": BOOL, "bias": BOOL, "eps": NUMBER})
@@ -528,7 +532,7 @@ def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
 
 
-@rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM})
+@rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM, "split": BOOL})
 def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
@@ -541,7 +545,7 @@ def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0)
 
 
-@rule("select", attrs={"dim": AXIS, "index": AXIS})
+@rule("select", attrs={"dim": AXIS, "index": AXIS, "split": BOOL})
 def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))

@@ -1,0 +1,443 @@
+"""The training step op by op: every storage's birth and death, and the live bytes after every op.
+
+The step PyTorch runs (``zero_grad(set_to_none=True)`` at the end of the previous one)::
+
+    loss = loss_fn(model(x), y)     # forward: the graph in program order
+    loss.backward()                 # backward: the graph in reverse
+    optimizer.step()                # per parameter (for-loop) or all at once (foreach, fused)
+    optimizer.zero_grad()           # the gradients are freed
+
+is simulated on an unrolled graph (:mod:`.unroll`) whose shapes are symbolic.  Live memory after each op is
+what exists when its outputs have been allocated and before anything it was the last to use is freed (the
+most the op needs):
+
+* **forward** -- a new output is born when its op runs; it dies after its last use, unless the convention
+  says an op keeps it for backward (then it dies once the last of its keepers has run backward) or the caller
+  holds it (the loss; the logits with ``keep_logits``);
+* **backward** -- an op's backward allocates what its rule says (:mod:`symmem.conventions.pytorch.backward`):
+  a gradient per input that requires grad (new, or an alias of the gradient it received), its parameters'
+  gradients and temporaries; a value used twice sums its gradients out of place; the gradient an op received
+  is freed after its backward unless an alias of it still waits; saved tensors die after their last keeper;
+* **step** -- the optimizer's temporaries, and in the first step its state, which it creates lazily
+  (:func:`step_events`); **zero_grad** frees the gradients.
+
+:class:`Timeline` holds the storages and, after every event, the live bytes per category as exact sympy sums.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from ..conventions import Convention
+from ..errors import SymmemError
+from ..graph import Graph, Node
+from ..tensor import TensorSpec, dtype_bytes
+from ..training import Regime
+from .grad import requires_grad
+from .saved import kept
+from .storage import Branch, is_view
+
+#: Categories of live memory, in the order breakdowns list them.
+CATEGORIES = ("parameter", "optimizer_state", "gradient", "input", "activation", "loss", "activation_grad",
+              "temporary")
+
+
+@dataclass(frozen=True)
+class Live:
+    """One storage of the step: its name, category, bytes, and the (unrolled) node that made it."""
+
+    name: str
+    category: str
+    nbytes: sympy.Expr
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One op of the step: what it allocates and what is freed once it has run."""
+
+    phase: str
+    node: str | None
+    born: tuple[int, ...]
+    freed: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The storages of one training step and its events, in order; ``start`` are the storages alive before
+    the first event (weights, the batch, optimizer state in the steady state)."""
+
+    storages: tuple[Live, ...]
+    start: tuple[int, ...]
+    events: tuple[Event, ...]
+
+    def live(self) -> list[dict[str, sympy.Expr]]:
+        """Live bytes per category after each event's allocations (before its frees)."""
+        sums: dict[str, Counter] = {c: Counter() for c in CATEGORIES}
+        parts = [_terms(s.nbytes) for s in self.storages]
+
+        def add(i: int, sign: int) -> None:
+            target = sums[self.storages[i].category]
+            for k, v in parts[i].items():
+                target[k] += sign * v
+
+        for i in self.start:
+            add(i, 1)
+        out = []
+        for e in self.events:
+            for i in e.born:
+                add(i, 1)
+            out.append({c: _expr(sums[c]) for c in CATEGORIES})
+            for i in e.freed:
+                add(i, -1)
+        return out
+
+    def alive_after(self, index: int) -> list[Live]:
+        """The storages alive after event ``index``'s allocations."""
+        alive = set(self.start)
+        for e in self.events[:index + 1]:
+            alive |= set(e.born)
+            if e is not self.events[index]:
+                alive -= set(e.freed)
+        return [self.storages[i] for i in sorted(alive)]
+
+
+def _terms(e: sympy.Expr) -> dict[sympy.Expr, sympy.Expr]:
+    return dict(sympy.expand(e).as_coefficients_dict())
+
+
+def _expr(c: Counter) -> sympy.Expr:
+    return sympy.Add(*(k * v for k, v in c.items() if v != 0))
+
+
+@dataclass
+class _Builder:
+    storages: list[Live] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    start: list[int] = field(default_factory=list)
+
+    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None) -> int:
+        self.storages.append(Live(name, category, nbytes, node))
+        return len(self.storages) - 1
+
+    def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
+        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
+
+
+def optimizer_impl(regime: Regime, device: str) -> str:
+    """The implementation PyTorch's optimizers pick: for-loop on the CPU, foreach on CUDA (unless the regime
+    names one)."""
+    impl = getattr(regime, "optimizer_impl", "auto")
+    if impl != "auto":
+        return impl
+    return "foreach" if device == "cuda" else "for-loop"
+
+
+def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+             branch: Branch | None = None, *, first_step: bool = False, keep_logits: bool = False) -> Timeline:
+    """The timeline of one training step of the (unrolled) ``graph``: ``first_step`` creates the optimizer
+    state inside the step; otherwise it exists from the start (the steady state)."""
+    act = regime.activation_dtype
+    order = list(graph.program_order())
+    pos = {n: i for i, n in enumerate(order)}
+    b = _Builder()
+
+    def size(spec: TensorSpec) -> sympy.Expr:
+        return spec.numel * dtype_bytes(spec.dtype, act)
+
+    # -- what the convention keeps, and who keeps it -------------------------------------------------------
+    rule_options = {**options, "activation_dtype": act, "branch": branch}
+    saved = kept(graph, conv, options, act, order, False, branch)
+    keepers: dict[str, tuple[str, ...]] = {s.name: s.keepers for s in saved}
+
+    # -- storage identity of every value: views lead to their base ------------------------------------------
+    base: dict[str, str] = {}
+    for n in order:
+        node = graph.node(n)
+        if node.view_of is not None and is_view(graph, n, act, branch):
+            base[n] = base[node.inputs[node.view_of]]
+        else:
+            base[n] = n
+    uses: dict[str, list[str]] = defaultdict(list)
+    for n in order:
+        for i in graph.node(n).inputs:
+            uses[base[i]].append(n)
+
+    # -- the parameter side and the batch ------------------------------------------------------------------
+    weights_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind != "gradients")
+    grad_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind == "gradients")
+    owner: dict[str, int] = {}     # storage name -> id, for values alive across the step
+    params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
+    for n in order:
+        node = graph.node(n)
+        if node.kind == "parameter":
+            params.append((n, node.params["value"]))
+        else:
+            params += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
+        if node.kind in ("input", "buffer"):
+            cat = "input" if node.kind == "input" else "parameter"
+            owner[n] = b.new(n, cat, size(node.out), n)
+            b.start.append(owner[n])
+        for bname, spec in node.buffers.items():
+            b.start.append(b.new(f"{n}.{bname}", "parameter", size(spec), n))
+    numel = {name: sympy.Mul(*shape) if shape else sympy.Integer(1) for name, shape in params}
+    for name, _ in params:
+        b.start.append(b.new(f"{name}.weights", "parameter", numel[name] * weights_bytes))
+    state_ids: dict[str, list[int]] = {}
+    for name, shape in params:
+        ids = [b.new(f"{name}.{s}", "optimizer_state", e) for s, e in regime.optimizer_spec.state_bytes(shape)]
+        if regime.optimizer in ("adam", "adamw") and ids:  # a 0-dim float32 step count per parameter
+            ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4)))
+        state_ids[name] = ids
+        if not first_step:
+            b.start += ids
+
+    # -- forward -------------------------------------------------------------------------------------------
+    held_to_end: set[str] = set()
+    outputs = [n for n in order if graph.out_degree(n) == 0
+               and graph.node(n).kind not in ("input", "parameter", "buffer", "constant")]
+    final = outputs[-1] if outputs else order[-1]
+    held_to_end.add(base[final])
+    if keep_logits:
+        out = _model_output(graph)
+        if out is not None:
+            held_to_end.add(base[out])
+    last_use = {s: max(pos[u] for u in us) for s, us in uses.items()}
+    dies_forward: dict[int, list[str]] = defaultdict(list)
+    for s in set(base.values()):
+        if s in keepers or s in held_to_end or graph.node(s).kind in ("input", "parameter", "buffer"):
+            continue
+        dies_forward[last_use.get(s, pos[s])].append(s)
+    new_saved: dict[str, list[int]] = defaultdict(list)
+    for n in order:
+        node = graph.node(n)
+        if node.kind in ("input", "parameter", "buffer"):
+            continue
+        born = []
+        if base[n] == n:
+            cat = "loss" if node.group == "loss" else ("activation" if n in keepers else "temporary")
+            owner[n] = b.new(n, cat, size(node.out), n)
+            born.append(owner[n])
+        for ref in conv.saved(graph, node, rule_options):
+            if ref.source == "new":
+                assert ref.spec is not None
+                sid = b.new(f"{n}.{ref.label}", "loss" if node.group == "loss" else "activation", size(ref.spec), n)
+                new_saved[n].append(sid)
+                born.append(sid)
+        b.event("forward", n, born, [owner[s] for s in dies_forward.get(pos[n], []) if s in owner])
+
+    if graph.node(final).group != "loss":
+        # no loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward
+        total = b.new("output.sum", "loss", size(TensorSpec((), "float32")))
+        drop = [] if base[final] in held_to_end - {base[final]} or keep_logits or base[final] in keepers \
+            else [owner[base[final]]]
+        held_to_end.discard(base[final]) if drop else None
+        b.event("forward", "sum", [total], drop)
+
+    # -- backward ------------------------------------------------------------------------------------------
+    needs = _needs_grad(graph, order, final)
+    grad_of: dict[str, int] = {}
+    refs: Counter = Counter()
+    freed_at: dict[str, list[int]] = defaultdict(list)   # saved storages, freed after their last keeper's backward
+    for s, ks in keepers.items():
+        if s in owner and s not in held_to_end and graph.node(s.split(".")[0] if s not in graph else s).kind not in (
+                "input", "parameter", "buffer"):
+            last = min((k for k in ks if k in needs), key=pos.__getitem__, default=None)
+            freed_at[last or ""].append(owner[s])
+    seed = b.new("loss.grad", "activation_grad", size(TensorSpec((), "float32")))
+    grad_of[final] = seed
+    refs[seed] += 2  # the engine holds the root's gradient until backward ends
+    b.event("backward", None, [seed], [])
+    param_grad: dict[str, int] = {}
+    groups = _splits(graph, order)
+    tied_to = _tied(graph, order)
+    param_uses = _param_uses(graph, order, needs, tied_to)
+    waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
+    for n in reversed(order):
+        node = graph.node(n)
+        if n not in grad_of or n not in needs:
+            continue
+        group = groups.get(n)
+        if group is not None and n != group[0]:
+            continue  # a part of a split: the first part gathers every part's gradient
+        g = conv.grads(graph, node, rule_options)
+        if g is None:
+            raise SymmemError(f"the {conv.name} convention does not model the backward pass, so it has no peak")
+        # 1. the backward formula allocates the inputs' gradients, the parameters' and its temporaries
+        born: list[int] = []
+        handoff: list[tuple[str, int]] = []
+        incoming = [grad_of[m] for m in (group or [n]) if m in grad_of]
+        params_out: list[tuple[str, int]] = []
+        for i, x in enumerate(node.inputs):
+            xn = graph.node(x)
+            if not requires_grad(graph, x) or (group is not None and i > 0):
+                continue
+            if xn.kind == "parameter":
+                pid = b.new(f"{x}.grad", "gradient", numel[x] * grad_bytes, n)
+                born.append(pid)
+                params_out.append((x, pid))
+                continue
+            if group is None and g.of(i) == "alias":
+                sid = grad_of[n]
+            else:
+                sid = b.new(f"{n}.grad_input{i}", "activation_grad", size(xn.out), n)
+                born.append(sid)
+            refs[sid] += 1
+            handoff.append((x, sid))
+        for key in [f"{n}.{p}" for p in node.params] + ([tied_to[n]] if n in tied_to else []):
+            pid = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
+            born.append(pid)
+            params_out.append((key, pid))
+        temps = [b.new(f"{n}.temp", "temporary", size(spec), n) for spec in g.temps]
+        freed = list(temps)
+        for sid in incoming:
+            refs[sid] -= 1
+            if refs[sid] == 0:
+                freed.append(sid)
+        freed += freed_at.get(n, []) + new_saved.get(n, [])
+        b.event("backward", n, born + temps, freed)
+        # 2. then each gradient goes to its value's buffer; a second one there is summed out of place.  A weight
+        # used by several ops (tied) gathers its gradients the same way; the last sum becomes its .grad.
+        sums: list[int] = []
+        dropped: list[int] = []
+        for x, sid in handoff:
+            if x not in grad_of:
+                grad_of[x] = sid
+                continue
+            total = b.new(f"{x}.grad_sum", "activation_grad", size(graph.node(x).out), n)
+            sums.append(total)
+            for old in (grad_of[x], sid):
+                refs[old] -= 1
+                if refs[old] == 0:
+                    dropped.append(old)
+            grad_of[x] = total
+            refs[total] += 1
+        for key, pid in params_out:
+            param_uses[key] -= 1
+            if key in waiting:
+                total = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
+                sums.append(total)
+                dropped += [waiting.pop(key), pid]
+                pid = total
+            if param_uses[key] > 0:
+                waiting[key] = pid
+            else:
+                param_grad[key] = pid
+        if sums or dropped:
+            b.event("backward", n, sums, dropped)
+    b.event("backward", None, [], [*freed_at.get("", []), *(owner[s] for s in held_to_end if s in owner)]
+            + [sid for sid, r in refs.items() if r > 0])
+
+    # -- optimizer step and zero_grad ----------------------------------------------------------------------
+    grads = [param_grad[name] for name, _ in params if name in param_grad]
+    impl = optimizer_impl(regime, str(options.get("device", "cpu")))
+    pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
+    for label, born_states, temp_bytes, frees in step_events(regime, impl, params, numel, state_ids, first_step):
+        temps = [b.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
+        pending += temps
+        freed, pending = _oldest_first(pending, frees, temps)
+        b.event("step", label, [*born_states, *temps], freed)
+    b.event("zero_grad", None, [], grads)
+    return Timeline(tuple(b.storages), tuple(b.start), tuple(b.events))
+
+
+def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.Expr, ...]]],
+                numel: Mapping[str, sympy.Expr], state_ids: Mapping[str, list[int]], first_step: bool
+                ) -> list[tuple[str, list[int], list[sympy.Expr], int]]:
+    """(label, optimizer state born, temporaries born, how many of the earlier temporaries are freed after it)
+    for each event of ``optimizer.step()``, as PyTorch 2.13 runs it on the CPU (measured; docs/peak.md).
+
+    Every optimizer creates its state in the first step, for all parameters before the first update (the
+    for-loop implementations too).  SGD, with or without momentum, updates in place (momentum's first step
+    clones the gradient into the state).  Adam and AdamW, for-loop: per parameter, ``exp_avg_sq.sqrt()`` and
+    its division by ``bias_correction2_sqrt`` are two temporaries of the parameter's size alive together, the
+    second kept as ``denom`` until the next parameter's replaces it.  Foreach: ``_foreach_sqrt`` of every
+    state at once -- one copy of all parameters.  Fused: no temporaries.
+    """
+    adam = regime.optimizer in ("adam", "adamw")
+    born = [i for p, _ in params for i in state_ids[p]] if first_step else []
+    out: list[tuple[str, list[int], list[sympy.Expr], int]] = []
+    if born or not (adam and impl == "for-loop"):
+        temps = [sympy.Add(*(numel[p] * 4 for p, _ in params))] if adam and impl == "foreach" else []
+        out.append(("init" if impl == "for-loop" else impl, born, temps, len(temps)))
+    if adam and impl == "for-loop":
+        for i, (p, _) in enumerate(params):
+            # sqrt and denom born; afterwards sqrt is freed, and the previous denom once denom is reassigned
+            out.append((p, [], [numel[p] * 4, numel[p] * 4], 1 if i == 0 else 2))
+        if params:
+            out.append(("done", [], [], 1))
+    return out
+
+
+def _oldest_first(pending: list[int], count: int, new: list[int]) -> tuple[list[int], list[int]]:
+    """Free ``count`` temporaries: the sqrt just made first (it is freed at once), then the oldest."""
+    if count == 0:
+        return [], pending
+    order = ([new[0]] if new else []) + [p for p in pending if p not in new[:1]]
+    freed = order[:count]
+    return freed, [p for p in pending if p not in freed]
+
+
+def _needs_grad(graph: Graph, order: list[str], final: str) -> set[str]:
+    """Nodes whose backward runs: they require grad and the loss depends on them."""
+    found = {final}
+    for n in reversed(order):
+        if n in found:
+            found.update(i for i in graph.node(n).inputs if requires_grad(graph, i))
+    return {n for n in found if requires_grad(graph, n)}
+
+
+def _splits(graph: Graph, order: list[str]) -> dict[str, list[str]]:
+    """Parts of one split/unbind (``split=True`` slices or selects of one input): node -> the parts, first first."""
+    parts: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for n in order:
+        node = graph.node(n)
+        if node.kind in ("slice", "select") and node.attrs.get("split"):
+            parts[(node.inputs[0], node.kind)].append(n)
+    return {n: group for group in parts.values() for n in group}
+
+
+def _param_uses(graph: Graph, order: list[str], needs: set[str], tied_to: Mapping[str, str]) -> Counter:
+    """How many backward ops produce a gradient for each weight (2 for a tied embedding)."""
+    found: Counter = Counter()
+    for n in order:
+        if n not in needs:
+            continue
+        node = graph.node(n)
+        found.update(f"{n}.{p}" for p in node.params)
+        if n in tied_to:
+            found[tied_to[n]] += 1
+        found.update(x for x in node.inputs if graph.node(x).kind == "parameter")
+    return found
+
+
+def _tied(graph: Graph, order: list[str]) -> dict[str, str]:
+    """Linear layers whose weight is an embedding's (``tied=True``): node -> that weight's parameter key."""
+    found = {}
+    for n in order:
+        node = graph.node(n)
+        if node.kind == "linear" and node.attrs.get("tied"):
+            shape = (node.attrs["out_features"], graph.node(node.inputs[0]).out.shape[-1])
+            owner = next((f"{e}.weight" for e in order if graph.node(e).kind == "embedding"
+                          and tuple(graph.node(e).params["weight"]) == tuple(shape)), None)
+            if owner is not None:
+                found[n] = owner
+    return found
+
+
+def _model_output(graph: Graph) -> str | None:
+    """The model's output: what a loss appended by :mod:`symmem.loss` scores, else the last output node."""
+    if "model_output" in graph.graph:
+        return graph.graph["model_output"]
+    outs = [n for n in graph.program_order()
+            if graph.out_degree(n) == 0 and graph.node(n).kind not in ("input", "parameter")]
+    return outs[-1] if outs else None
+
+
+def node_of(graph: Graph, name: str) -> Node:
+    return graph.node(name)
