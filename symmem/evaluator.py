@@ -31,6 +31,7 @@ over integers and caches it:
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -382,6 +383,55 @@ def _is_assignment(line: str) -> bool:
     return " = " in line and _TEMP.fullmatch(head) is not None
 
 
+_RELATION_OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+                 ">=": operator.ge}
+
+
+def _interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction | bool:
+    """``e`` at ``env``, exactly, by walking the tree once (what the first configuration uses)."""
+    if e.is_Integer:
+        return int(e)
+    if e.is_Rational:
+        return Fraction(int(e.p), int(e.q))
+    if e.is_Symbol:
+        return env[e]
+    if e.is_Add:
+        return sum((_interpret(a, env) for a in e.args), 0)
+    if e.is_Mul:
+        return math.prod(_interpret(a, env) for a in e.args)
+    if e.is_Pow:
+        if not e.exp.is_Integer:
+            raise Unsupported(f"power {e.exp}")
+        base, k = _interpret(e.base, env), int(e.exp)
+        return base**k if k >= 0 else 1 / Fraction(base) ** -k
+    if isinstance(e, sympy.floor | sympy.ceiling):
+        v = _interpret(e.args[0], env)
+        return (math.ceil if isinstance(e, sympy.ceiling) else math.floor)(v)
+    if isinstance(e, sympy.Max | sympy.Min):
+        return (max if isinstance(e, sympy.Max) else min)(_interpret(a, env) for a in e.args)
+    if isinstance(e, sympy.Mod):
+        a, b = (_interpret(x, env) for x in e.args)
+        return a - b * math.floor(Fraction(a) / b)
+    if isinstance(e, sympy.Piecewise):
+        for expr, cond in e.args:
+            if _interpret(cond, env):
+                return _interpret(expr, env)
+        raise _NoBranch
+    if e.is_Relational:
+        if e.rel_op not in _RELATION_OPS:
+            raise Unsupported(f"relation {e.rel_op}")
+        return _RELATION_OPS[e.rel_op](_interpret(e.lhs, env), _interpret(e.rhs, env))
+    if e is sympy.true or e is sympy.false:
+        return e is sympy.true
+    if isinstance(e, sympy.And):
+        return all(_interpret(a, env) for a in e.args)
+    if isinstance(e, sympy.Or):
+        return any(_interpret(a, env) for a in e.args)
+    if isinstance(e, sympy.Not):
+        return not _interpret(e.args[0], env)
+    raise Unsupported(type(e).__name__)
+
+
 def _vector_namespace() -> dict[str, Any]:
     import numpy as np
 
@@ -416,16 +466,31 @@ class Evaluator:
         self.expr = sympy.sympify(expr)
         self.symbols: tuple[sympy.Symbol, ...] = tuple(
             sorted(self.expr.free_symbols, key=lambda s: s.name) if symbols is None else symbols)
-        self._names = {s.name: i for i, s in enumerate(self.symbols)}
-        try:
-            gen = _Codegen(self.symbols, "scalar")
-            self.source: str | None = gen.function(self.expr)
-        except Unsupported:
-            self.source = None
-        self._scalar = None if self.source is None else _compile(self.source, {"_Fallback": _Fallback,
-                                                                               "_NoBranch": _NoBranch})
+        # The first configuration is interpreted (a few microseconds per node of the expression); compiling costs
+        # about 0.5 ms, which pays off from the second configuration on.
+        self._uses = 0
+        self._compiled = False
+        self._source: str | None = None
+        self._scalar: Any = None
         self._vector: Any = None
         self._bound: Any = None
+
+    @property
+    def source(self) -> str | None:
+        """The generated Python source of one configuration (None: evaluated by sympy substitution)."""
+        self._compile()
+        return self._source
+
+    def _compile(self) -> None:
+        if self._compiled:
+            return
+        try:
+            self._source = _Codegen(self.symbols, "scalar").function(self.expr)
+        except Unsupported:
+            self._source = None
+        else:
+            self._scalar = _compile(self._source, {"_Fallback": _Fallback, "_NoBranch": _NoBranch})
+        self._compiled = True
 
     # -- arguments -------------------------------------------------------------------------------------
     def _args(self, args: tuple[Any, ...], values: Mapping[str, Any]) -> list[Any]:
@@ -443,15 +508,20 @@ class Evaluator:
 
     # -- one configuration ---------------------------------------------------------------------------
     def _pair(self, args: list[Any]) -> tuple[int, int]:
-        if self._scalar is not None:
-            try:
-                out = self._scalar(*args)
-            except _Fallback:
-                pass
-            except _NoBranch:
-                raise SymmemError(f"{self.expr} did not evaluate to a number") from None
-            else:
-                return out
+        self._uses += 1
+        try:
+            if self._uses == 1 and not self._compiled:
+                value = _interpret(self.expr, dict(zip(self.symbols, args, strict=True)))
+                if isinstance(value, bool):
+                    raise Unsupported("a condition, not a number")
+                return (value, 1) if isinstance(value, int) else (value.numerator, value.denominator)
+            self._compile()
+            if self._scalar is not None:
+                return self._scalar(*args)
+        except (_Fallback, Unsupported, ZeroDivisionError):
+            pass
+        except _NoBranch:
+            raise SymmemError(f"{self.expr} did not evaluate to a number") from None
         value = sympy.sympify(self.expr.xreplace({s: sympy.Integer(v) for s, v in zip(self.symbols, args,
                                                                                         strict=True)}))
         if not value.is_number or not value.is_finite:

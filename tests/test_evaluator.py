@@ -17,7 +17,7 @@ import sympy
 from symmem import SymmemError, derive
 from symmem.conventions import names as convention_names
 from symmem.derivation import QUANTITIES
-from symmem.evaluator import INT64_MAX, evaluator
+from symmem.evaluator import INT64_MAX, Evaluator, evaluator
 from symmem.models import available
 from symmem.symbols import B, G, H, L, N, S, h, t
 
@@ -74,6 +74,22 @@ def test_every_quantity_and_term_equals_sympy_substitution(label, d):
             assert e.value(key) == truth(d.expression(key), e.numbers), (label, config, key)
         for term in d.terms:
             assert e.evaluate(term.expr) == truth(term.expr, e.numbers), (label, config, term.name)
+
+
+@pytest.mark.parametrize("label, d", DERIVATIONS[::3], ids=[x[0] for x in DERIVATIONS[::3]])
+def test_interpreted_first_configuration_equals_compiled(label, d):
+    # A fresh evaluator interprets its first configuration and compiles for the next ones: both paths agree.
+    for expr in (d.total, d.activations, d.parameters):
+        first, second = Evaluator(expr), Evaluator(expr)
+        second._compile()
+        values = [d.numbers[s] for s in first.symbols]
+        assert first.exact(*values) == second.exact(*values) == Fraction(truth_fraction(expr, d.numbers))
+        assert first._compiled is False and second._scalar is not None or second.source is None
+
+
+def truth_fraction(expr: sympy.Expr, numbers) -> Fraction:
+    value = sympy.sympify(sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in numbers.items()}))
+    return Fraction(int(value.p), int(value.q))
 
 
 @pytest.mark.parametrize("label, d", DERIVATIONS[::7], ids=[x[0] for x in DERIVATIONS[::7]])

@@ -157,7 +157,10 @@ def convention(name: str | Convention) -> Convention:
     """The convention called ``name``; a :class:`SymmemError` lists the known ones otherwise."""
     if isinstance(name, Convention):
         return name
-    _load_builtin()
+    if isinstance(name, str) and name not in _REGISTRY and name in _builtin_modules():
+        importlib.import_module(f"{__name__}.{name}")  # only the module of the convention asked for
+    if name not in _REGISTRY:
+        _load_builtin()
     try:
         found = _REGISTRY[name]
     except (KeyError, TypeError):
@@ -169,18 +172,26 @@ def convention(name: str | Convention) -> Convention:
 
 
 def names() -> tuple[str, ...]:
-    """Every known convention name."""
-    _load_builtin()
-    return tuple(_REGISTRY)
+    """Every known convention name: the built-in modules (each registers the convention of its own name; listing
+    them imports none) and whatever else was registered."""
+    return tuple(dict.fromkeys([*_builtin_modules(), *_REGISTRY]))
 
 
 _LOADED: list[bool] = []
+_MODULES: list[str] = []
+
+
+def _builtin_modules() -> list[str]:
+    # Every module of this package is a convention that registers itself, under its module's name, on import:
+    # no list to keep.
+    if not _MODULES:
+        _MODULES.extend(sorted(info.name for info in pkgutil.iter_modules(__path__)))
+    return _MODULES
 
 
 def _load_builtin() -> None:
-    # Every module of this package is a convention that registers itself on import: no list to keep.
     if _LOADED:
         return
     _LOADED.append(True)
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        importlib.import_module(f"{__name__}.{info.name}")
+    for name in _builtin_modules():
+        importlib.import_module(f"{__name__}.{name}")
