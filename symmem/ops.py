@@ -306,10 +306,13 @@ def _dim(t: TensorSpec, d: int) -> int:
     return d % t.rank
 
 
-def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
+def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str | Callable[[], str]
+              ) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
+    """() when ``a`` = ``b``, the pair as an assumption when undecided; ``what`` (text, or a function making it:
+    printing shapes costs more than comparing them) names the check in the error when they differ."""
     verdict = same(a, b)
     if verdict is False:
-        raise OpError(f"{what}: {a} != {b}")
+        raise OpError(f"{what() if callable(what) else what}: {a} != {b}")
     return () if verdict else ((a, b),)
 
 
@@ -498,7 +501,7 @@ def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     shape = as_shape(a["shape"])
-    assumptions = _check_eq(numel(shape), numel(x.shape), f"reshape {fmt(x.shape)} -> {fmt(shape)}")
+    assumptions = _check_eq(numel(shape), numel(x.shape), lambda: f"reshape {fmt(x.shape)} -> {fmt(shape)}")
     # ``copy`` may be a condition on the symbols (symmem.branches): a view in the graph, resolved per branch.
     copy = a.get("copy", False)
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0 if is_condition(copy) or not copy else None,
@@ -591,7 +594,8 @@ def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x, y = ins
     if x.rank < 2 or y.rank < 2:
         raise OpError(f"matmul needs rank >= 2, got {fmt(x.shape)} @ {fmt(y.shape)}")
-    assumptions = _check_eq(x.shape[-1], y.shape[-2], f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
+    assumptions = _check_eq(x.shape[-1], y.shape[-2],
+                            lambda: f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
     batch = broadcast(x.shape[:-2], y.shape[:-2])
     if batch is None:
         raise OpError(f"batch dimensions of {fmt(x.shape)} @ {fmt(y.shape)} do not broadcast")

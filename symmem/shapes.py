@@ -13,6 +13,8 @@ the graph records it as an assumption, checked with numbers when numbers come.
 
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 
@@ -20,12 +22,18 @@ def same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
     """True, False, or None when sympy cannot decide."""
     if a == b:
         return True
+    return _same(a, b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
+    # remembered: a graph compares the same sizes again and again (every layer, and lint once more)
     d = sympy.expand(a - b)
     if d == 0:
         return True
-    if d.is_number:
+    if d.is_number or not d.atoms(sympy.Function):
         return False
-    if d.is_positive or d.is_negative or not d.atoms(sympy.Function):
+    if d.is_positive or d.is_negative:
         return False
     return None
 

@@ -12,8 +12,6 @@ to the image size by its default ``floor(Hi/16)*floor(Wi/16) + 1`` (setting ``Hi
 
 from __future__ import annotations
 
-import sympy
-
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, F, H, Hi, K, L, S, Wi, h
 from .transformer import prenorm_layer
@@ -27,6 +25,7 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
     img = g.input("image", (B, C, Hi, Wi))
     with g.group("embed"):
         x = g.op("conv2d", img, name="patch_embed.proj", out_channels=H, kernel=patch, stride=patch)
+        _, _, rows, cols = g.spec(x).shape  # floor(Hi/patch), floor(Wi/patch): the grid of patches
         x = g.op("reshape", x, name="patch_embed.flatten", shape=(B, H, S - 1))
         x = g.op("transpose", x, name="patch_embed.transpose", dim0=1, dim1=2)
         cls = g.parameter("cls_token", (1, 1, H))
@@ -43,8 +42,7 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
         x = g.op("select", x, name="cls_pool", dim=1, index=0)
         x = g.op("dropout", x, name="head_drop", p=dropout)
         g.op("linear", x, name="head", out_features=K)
-    grid = sympy.floor(Hi / patch) * sympy.floor(Wi / patch)
-    defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: grid + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
+    defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: rows * cols + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
     desc = (f"ViT-{size.upper()}/{patch} (timm VisionTransformer, class token; {attention} attention): "
             f"H={hidden}, h={heads}, L={layers}")
     return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="blocks",
