@@ -38,7 +38,8 @@ from .units import format_bytes, to_unit
 #: ``transient``: memory alive only during part of backward (a recomputed layer, CS231n's x2 for backward).
 CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
 #: The named quantities a derivation sums (``parameters`` is a count, not bytes).
-QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters")
+QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters", "peak",
+              "peak_first_step")
 #: Phases of a training step, in order; a moment at node None is the start of its phase.
 PHASES = ("start", "forward", "backward", "step", "end")
 
@@ -201,6 +202,9 @@ class Derivation:
     per_layer: bool = False
     layer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: computes the peak of the training step (:mod:`symmem.passes.peak`) on first use; None where the
+    #: convention does not model the step (an accounting by role) or for one layer
+    step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -254,10 +258,50 @@ class Derivation:
 
     def expression(self, key: str) -> sympy.Expr:
         """The expression for ``activations``, ``parameter_memory``, ``total``, ``input``, ``loss``,
-        ``transient`` or ``parameters`` (a count)."""
+        ``transient``, ``peak``, ``peak_first_step`` or ``parameters`` (a count)."""
         if key not in QUANTITIES:
             raise SymmemError(f"unknown quantity {key!r}; known: {', '.join(QUANTITIES)}")
         return getattr(self, key)
+
+    # -- the peak over a training step ----------------------------------------------------------------
+    @property
+    def has_peak(self) -> bool:
+        """Whether the convention models the training step (``pytorch``), so that there is a peak."""
+        return self.step is not None
+
+    def _peak(self, exact: bool = False) -> Any:
+        if self.step is None:
+            why = "one layer" if self.per_layer else f"the {self.convention} convention (an accounting by role)"
+            raise SymmemError(f"no peak for {why}: the peak follows the training step op by op, which the "
+                              "pytorch convention models (--convention pytorch)")
+        found = self.step()
+        if exact and not found.holds_at(self.numbers):
+            # layer counts below the formula's domain: the step written out with them as numbers
+            counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in found.domain)}
+            found = self.step(counts)
+        return found
+
+    @property
+    def peak(self) -> sympy.Expr:
+        """The most live memory at any moment of a steady training step (forward, backward, optimizer step,
+        zero_grad), in bytes: a ``Max`` over the moments that can be largest (:mod:`symmem.passes.peak`)."""
+        return self._peak().expr
+
+    @property
+    def peak_first_step(self) -> sympy.Expr:
+        """The peak of the first training step, in which the optimizer creates its state."""
+        return self._peak().first
+
+    def peak_at(self, step: str = "steady") -> Any:
+        """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the
+        phase, the op, the layer and the live bytes by category."""
+        return self._peak(exact=True).at(self.numbers, step)
+
+    def live_at_peak(self, step: str = "steady") -> dict[str, int]:
+        """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,
+        activation_grad, temporary), at the derivation's numbers."""
+        m = self.peak_at(step)
+        return {c: self.evaluate(e) for c, e in m.live.items() if self.evaluate(e)}
 
     def groups(self) -> dict[str, sympy.Expr]:
         """Bytes per group, in the order the groups first appear."""
@@ -288,6 +332,9 @@ class Derivation:
 
     def value(self, key: str) -> int:
         """Integer bytes of a named quantity (``parameters`` is a count)."""
+        if key in ("peak", "peak_first_step"):
+            found = self._peak(exact=True)
+            return self.evaluate(found.expr if key == "peak" else found.first)
         return self.evaluate(self.expression(key))
 
     def values(self, key: str | sympy.Expr = "total", **values: Any) -> Any:
@@ -308,13 +355,15 @@ class Derivation:
         """
         import numpy as np
 
-        expr = self.expression(key) if isinstance(key, str) else sympy.sympify(key)
         by_name = {s.name: s for s in self.free}
         for name in values:
             if name not in by_name:
                 raise SymmemError(f"{name!r} is not a symbol of this formula (it is in "
                                   f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
                                   f"values={{{name!r}: ...}}")
+        if key in ("peak", "peak_first_step"):
+            return self._peak_values(key, values)
+        expr = self.expression(key) if isinstance(key, str) else sympy.sympify(key)
         f = evaluator(expr)
         args = []
         for s in f.symbols:
@@ -329,6 +378,31 @@ class Derivation:
             return out  # every array given went into the formula: it has their shape
         shape = np.broadcast_shapes(out.shape, *(np.shape(v) for v in values.values()))
         return out if out.shape == shape else np.broadcast_to(out, shape).copy()
+
+    def _peak_values(self, key: str, values: Mapping[str, Any]) -> Any:
+        """:meth:`values` of the peak: its formula where the configurations lie in the formula's domain
+        (``L >= 4``), :meth:`value` one configuration at a time where they do not."""
+        import numpy as np
+
+        found = self._peak()
+        limits = sorted({s.name for c in found.domain for s in c.free_symbols} & set(values))
+        if not limits:  # the domain's symbols keep this derivation's numbers: one formula holds for all
+            exact = self._peak(exact=True)
+            return self.values(exact.expr if key == "peak" else exact.first, **values)
+        out = self.values(found.expr if key == "peak" else found.first, **values)
+        grid = {n: np.broadcast_to(np.asarray(v), out.shape) for n, v in values.items()}
+        by_name = {s.name: s for s in self.free}
+        outside = np.zeros(out.shape, dtype=bool)
+        for combo in np.unique(np.stack([grid[n].ravel() for n in limits], axis=-1), axis=0):
+            if not found.holds_at({**self.numbers, **{by_name[n]: int(v) for n, v in zip(limits, combo,
+                                                                                           strict=True)}}):
+                outside |= np.logical_and.reduce([grid[n] == v for n, v in zip(limits, combo, strict=True)])
+        if not outside.any():
+            return out
+        out = out.astype(object)
+        for index in zip(*np.nonzero(outside), strict=True):
+            out[index] = self.at(**{n: int(g[index]) for n, g in grid.items()}).value(key)
+        return out.astype(np.int64) if all(abs(x) <= 2**63 - 1 for x in out.flat) else out
 
     def size(self, key: str, unit: str = "GiB") -> float:
         """A named quantity in ``unit`` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB).

@@ -133,11 +133,36 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     if subs:
         done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
         storages = [_substituted(s, subs, done) for s in storages]
+    step = None
+    if not per_layer and type(conv).grads is not Convention.grads:
+        step = _step(model, conv, conv_options, regime, subs, open_, [b for b, _ in results], numbers)
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
     return Derivation(model.name, conv.name, regime, tuple(storages), kept_symbols, numbers,
-                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options})
+                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step)
+
+
+def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,
+          subs: Mapping[sympy.Symbol, sympy.Expr], open_: list, assignments: list,
+          numbers: Mapping[sympy.Symbol, int]) -> Any:
+    """The peak of the training step, computed on first use (once per derivation and its ``at`` copies)."""
+    from .passes import peak
+
+    cache: dict[Any, Any] = {}
+
+    def compute(at: Mapping[sympy.Symbol, int] | None = None) -> peak.Peak:
+        # ``at``: numbers for the layer counts, when they lie outside the symbolic formula's domain
+        key = None if at is None else tuple(sorted((s.name, v) for s, v in at.items()))
+        if key not in cache:
+            fixed = dict(subs)
+            if at is not None:
+                fixed.update({s: sympy.Integer(v) for s, v in at.items()})
+            join = branches.joiner(open_, assignments) if len(assignments) > 1 else None
+            cache[key] = peak.peak(model.graph, conv, options, regime, fixed, assignments, join, numbers)
+        return cache[key]
+
+    return compute
 
 
 def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict[sympy.Expr, sympy.Expr]

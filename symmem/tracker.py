@@ -758,7 +758,7 @@ def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimiz
 
 def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, compute_loss: Callable[[Any], Any],
          opt: Any, params: list[Any], steps: int, set_to_none: bool, tracker: LiveTracker | None,
-         allocator: bool) -> Any:
+         allocator: bool, keep_output: bool = True, micro_batches: int = 1) -> Any:
     """The training loop, under ``tracker`` (if any) and the profiler (if ``allocator``); returns the profiler."""
     import torch
 
@@ -796,21 +796,24 @@ def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, 
             stack.enter_context(_module_names(tracker, module))
             stack.enter_context(tracker)
         for step in range(1, steps + 1):
-            with phase(step, "forward"), saving():
-                out = module(*inputs, target) if takes_labels else module(*inputs)
-            with phase(step, "loss"), saving():
-                value = out if takes_labels else compute_loss(out)
-            with phase(step, "backward"):
-                handles = []
-                if tracker is not None:
-                    tracker.label(_tensors(out) + [value], "output")
-                    handles = tracker.watch_backward(value)
-                value.backward()
-                for h in handles:
-                    h.remove()
-                if tracker is not None:
-                    tracker.label([p.grad for p in params], "gradient")
-                del out, value, handles
+            for _ in range(micro_batches):  # gradient accumulation: the gradients add up over the passes
+                with phase(step, "forward"), saving():
+                    out = module(*inputs, target) if takes_labels else module(*inputs)
+                with phase(step, "loss"), saving():
+                    value = out if takes_labels else compute_loss(out)
+                    if not keep_output:
+                        out = None  # the loop does not hold the model's output: loss = f(model(x), y)
+                with phase(step, "backward"):
+                    handles = []
+                    if tracker is not None:
+                        tracker.label(_tensors(out) + [value] if out is not None else [value], "output")
+                        handles = tracker.watch_backward(value)
+                    value.backward()
+                    for h in handles:
+                        h.remove()
+                    if tracker is not None:
+                        tracker.label([p.grad for p in params], "gradient")
+                    del out, value, handles
             with phase(step, "step"):
                 if tracker is not None:  # ops on these storages serve that parameter
                     tracker.name_parameters([(name, t) for name, p in module.named_parameters()
@@ -835,12 +838,15 @@ def _distinct_bytes(tensors: Iterable[Any]) -> int:
 
 def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "sgd",
                impl: str = "for-loop", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
-               target: Any = None, allocator: bool = False) -> StepTrace:
+               target: Any = None, allocator: bool = False, keep_output: bool = True,
+               micro_batches: int = 1) -> StepTrace:
     """Run ``steps`` training steps of ``module`` on ``inputs`` (a tensor or a tuple) under a :class:`LiveTracker`.
 
     Each step is: ``forward`` (``out = module(*inputs)``), ``loss`` (``out.sum()``, cross-entropy against
     ``target`` over the last dimension, or ``loss(out)``), ``backward`` (``loss.backward()``, after which the
-    output and the loss are dropped), ``step`` (``optimizer.step()``), ``zero_grad``
+    output and the loss are dropped; with ``keep_output=False`` the output is dropped as soon as the loss is
+    computed, as in ``loss = f(module(x), y)``; ``micro_batches`` forward/loss/backward passes accumulate
+    gradients before each step), ``step`` (``optimizer.step()``), ``zero_grad``
     (``optimizer.zero_grad(set_to_none=zero_grad_set_to_none)``).  A module with ``takes_labels`` (the GPT-2
     and Llama references) computes its own loss as ``module(*inputs, target)`` in the forward (its ``loss``
     phase is empty).  Without ``target``, cross-entropy draws class indices (seeded) shaped like the output
@@ -864,7 +870,7 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
     tracker.name_parameters(module.named_parameters())
     prof = _run(module, inputs, target, takes_labels, compute_loss, opt, params, steps, zero_grad_set_to_none,
-                tracker, allocator)
+                tracker, allocator, keep_output, micro_batches)
     peaks = _allocator_peaks(prof, tracker._start_bytes()) if prof is not None else None
     return tracker.trace(steps, peaks)
 

@@ -295,21 +295,14 @@ def _require_torch() -> None:
                           "(the CPU build), or pip install 'symmem[torch]'") from None
 
 
-def verify(derivation: Derivation) -> Comparison:
-    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare."""
+def _reference(derivation: Derivation) -> tuple[Any, tuple[Any, ...], str, Any]:
+    """The reference module at the derivation's numbers, its inputs (a loss target last when the derivation
+    has a loss), the device, and the loss the step uses."""
     _require_torch()
     import torch
 
     from .reference import reference
 
-    if derivation.per_layer:
-        raise SymmemError("verify measures whole models; drop --per-layer")
-    if derivation.regime.activation_dtype != "float32":
-        raise SymmemError("verify measures fp32 training; use --precision fp32")
-    regime = derivation.regime
-    if regime.checkpoint != "none" or regime.tensor_parallel or regime.sequence_parallel \
-            or regime.pipeline_parallel:
-        raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
     numbers = {s.name: v for s, v in derivation.numbers.items()}
     options = dict(derivation.options)
     device = options.get("device", "cpu")
@@ -319,11 +312,102 @@ def verify(derivation: Derivation) -> Comparison:
     module = module.to(device)
     inputs = tuple(x.to(device) for x in inputs)
     loss = options.get("loss")
+    target = None
     if loss:
         with torch.no_grad():
             logits = module(*inputs)
-        target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]), device=device)
+        target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]), device=device,
+                               generator=torch.Generator(device).manual_seed(0))
+        del logits
+    return module, inputs, device, target
+
+
+def verify(derivation: Derivation) -> Comparison:
+    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare."""
+    _require_torch()
+
+    if derivation.per_layer:
+        raise SymmemError("verify measures whole models; drop --per-layer")
+    if derivation.regime.activation_dtype != "float32":
+        raise SymmemError("verify measures fp32 training; use --precision fp32")
+    regime = derivation.regime
+    if regime.checkpoint != "none" or regime.tensor_parallel or regime.sequence_parallel \
+            or regime.pipeline_parallel:
+        raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
+    module, inputs, device, target = _reference(derivation)
+    loss = derivation.options.get("loss")
+    if loss:
         if not getattr(module, "takes_labels", False):  # a language model computes its own loss from labels
             module = with_loss(module, str(loss))
         inputs = (*inputs, target)
     return compare(derivation, measure(module, *inputs))
+
+
+@dataclass(frozen=True)
+class PeakComparison:
+    """The derived peak of a training step next to the live bytes a real step holds, first and steady step."""
+
+    model: str
+    predicted: int
+    measured: int
+    predicted_first: int
+    measured_first: int
+    predicted_where: str
+    measured_where: str
+    predicted_live: tuple[tuple[str, int], ...]
+    measured_live: tuple[tuple[str, int], ...]
+
+    @property
+    def exact(self) -> bool:
+        return self.predicted == self.measured and self.predicted_first == self.measured_first
+
+    @property
+    def error(self) -> float:
+        """The larger relative error of the two steps' peaks."""
+        return max(abs(self.predicted - self.measured) / self.measured,
+                   abs(self.predicted_first - self.measured_first) / self.measured_first)
+
+    def report(self) -> str:
+        lines = [f"{self.model}: peak of a training step (live tensor bytes)",
+                 f"  {'':<14}{'predicted':>16}{'measured':>16}{'difference':>14}",
+                 f"  {'first step':<14}{self.predicted_first:>16,}{self.measured_first:>16,}"
+                 f"{self.measured_first - self.predicted_first:>+14,}",
+                 f"  {'steady step':<14}{self.predicted:>16,}{self.measured:>16,}"
+                 f"{self.measured - self.predicted:>+14,}",
+                 f"  where (steady): predicted {self.predicted_where}; measured {self.measured_where}",
+                 f"  alive at the steady peak {'predicted':>18}{'measured':>16}"]
+        measured = dict(self.measured_live)
+        predicted = dict(self.predicted_live)
+        for cat in dict.fromkeys([*predicted, *measured]):
+            lines.append(f"    {cat:<22}{predicted.get(cat, 0):>16,}{measured.get(cat, 0):>16,}")
+        lines.append("  exact" if self.exact else f"  NOT EXACT ({100 * self.error:.3f}%)")
+        return "\n".join(lines)
+
+
+def verify_peak(derivation: Derivation) -> PeakComparison:
+    """Run two real training steps of the reference module at the derivation's numbers under the live-bytes
+    tracker (:mod:`symmem.tracker`) and compare their peaks with the derived ``peak_first_step`` and ``peak``.
+
+    The step is forward, the loss (the derivation's, else ``output.sum()``), backward, ``optimizer.step()`` with
+    the regime's optimizer and implementation, ``zero_grad(set_to_none=True)``.
+    """
+    from .passes.schedule import optimizer_impl
+    from .tracker import track_step
+
+    regime = derivation.regime
+    if derivation.per_layer:
+        raise SymmemError("verify measures whole models; drop --per-layer")
+    if regime.activation_dtype != "float32" or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw"):
+        raise SymmemError("verify --peak runs fp32 training with sgd, sgd-momentum, adam or adamw")
+    if regime.checkpoint != "none" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+        raise SymmemError("verify --peak runs one device's training step: no checkpointing or parallelism")
+    module, inputs, device, target = _reference(derivation)
+    impl = optimizer_impl(regime, device)
+    loss = "cross-entropy" if derivation.options.get("loss") else "sum"
+    trace = track_step(module, inputs, loss=loss, target=target, optimizer=regime.optimizer, impl=impl, steps=2,
+                       keep_output=regime.keep_logits, micro_batches=regime.micro_batches)
+    at = derivation.peak_at()
+    live = tuple((c, n) for c, n in derivation.live_at_peak().items())
+    return PeakComparison(derivation.model, derivation.value("peak"), trace.steady.bytes,
+                          derivation.value("peak_first_step"), trace.first.bytes, at.where(), trace.steady.where,
+                          live, tuple(trace.steady.by_category))

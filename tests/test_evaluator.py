@@ -71,9 +71,27 @@ def test_every_quantity_and_term_equals_sympy_substitution(label, d):
         except (SymmemError, AssertionError):
             continue  # values the model's assumptions refuse (G must divide h ...)
         for key in QUANTITIES:
+            if key.startswith("peak"):
+                continue  # below, for the derivations that have one
             assert e.value(key) == truth(d.expression(key), e.numbers), (label, config, key)
         for term in d.terms:
             assert e.evaluate(term.expr) == truth(term.expr, e.numbers), (label, config, term.name)
+
+
+PEAKS = [(label, d) for label, d in DERIVATIONS if d.has_peak][::4]
+
+
+@pytest.mark.parametrize("label, d", PEAKS, ids=[x[0] for x in PEAKS])
+def test_peak_equals_sympy_substitution(label, d):
+    names = {s.name for s in d.free}
+    for config in [{}, {k: v for k, v in CONFIGS[1].items() if k in names}]:
+        e = d.at(**config)
+        try:
+            found = e._peak(exact=True)
+        except SymmemError as exc:
+            pytest.skip(f"no peak here: {exc}")
+        assert e.value("peak") == truth(found.expr, e.numbers), (label, config)
+        assert e.value("peak_first_step") == truth(found.first, e.numbers), (label, config)
 
 
 @pytest.mark.parametrize("label, d", DERIVATIONS[::3], ids=[x[0] for x in DERIVATIONS[::3]])
@@ -187,3 +205,12 @@ def test_at_keeps_the_worked_out_expressions():
     d = derive("llama", loss="cross-entropy")
     total = d.total
     assert d.at(B=2).__dict__["total"] is total
+
+
+def test_peak_values_inside_and_outside_the_formulas_domain():
+    d = derive("mlp", widths="symbolic", convention="pytorch")
+    assert d._peak().domain  # L >= 4: fewer layers are written out one configuration at a time
+    layers, batches = np.array([1, 2, 3, 4, 5, 8])[None, :], np.array([1, 7])[:, None]
+    got = d.values("peak", L=layers, B=batches)
+    assert got.tolist() == [[d.at(L=int(x), B=int(b)).value("peak") for x in layers[0]] for b in (1, 7)]
+    assert d.values("peak_first_step", B=[1, 3]).tolist() == [d.at(B=b).value("peak_first_step") for b in (1, 3)]

@@ -130,6 +130,20 @@ def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "paper",
                         help="with --tensor-parallel: split the remaining activations over t too")
     regime.add_argument("--pipeline-parallel", action="store_true",
                         help="p pipeline stages, 1F1B schedule (the first stage's memory)")
+    add_step_options(regime)
+
+
+def add_step_options(p: Any) -> None:
+    """How the training loop runs its step: what the peak depends on beyond the kept tensors."""
+    from ..training import IMPLS
+
+    p.add_argument("--optimizer-impl", default="auto", choices=list(IMPLS),
+                   help="how optimizer.step() runs (default: auto = PyTorch's choice: for-loop on CPU, foreach "
+                        "on CUDA)")
+    p.add_argument("--keep-logits", action="store_true",
+                   help="the loop holds the model's output through backward (HF output objects; out = model(x))")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                   help="gradient accumulation: K forward/backward passes per optimizer step (default: 1)")
 
 
 def derivation_from_args(args: argparse.Namespace) -> Any:

@@ -142,6 +142,12 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
              branch: Branch | None = None, *, first_step: bool = False, keep_logits: bool = False) -> Timeline:
     """The timeline of one training step of the (unrolled) ``graph``: ``first_step`` creates the optimizer
     state inside the step; otherwise it exists from the start (the steady state)."""
+    if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+        raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
+                          "parallelism are not modelled there (the kept memory and total are)")
+    if regime.checkpoint not in ("none",):
+        raise SymmemError("the peak with activation checkpointing is not modelled yet (the kept memory and "
+                          "total are); derive without --checkpoint for the peak")
     act = regime.activation_dtype
     order = list(graph.program_order())
     pos = {n: i for i, n in enumerate(order)}
@@ -213,127 +219,144 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
         if s in keepers or s in held_to_end or graph.node(s).kind in ("input", "parameter", "buffer"):
             continue
         dies_forward[last_use.get(s, pos[s])].append(s)
-    new_saved: dict[str, list[int]] = defaultdict(list)
-    for n in order:
-        node = graph.node(n)
-        if node.kind in ("input", "parameter", "buffer"):
-            continue
-        born = []
-        if base[n] == n:
-            cat = "loss" if node.group == "loss" else ("activation" if n in keepers else "temporary")
-            owner[n] = b.new(n, cat, size(node.out), n)
-            born.append(owner[n])
-        for ref in conv.saved(graph, node, rule_options):
-            if ref.source == "new":
-                assert ref.spec is not None
-                sid = b.new(f"{n}.{ref.label}", "loss" if node.group == "loss" else "activation", size(ref.spec), n)
-                new_saved[n].append(sid)
-                born.append(sid)
-        b.event("forward", n, born, [owner[s] for s in dies_forward.get(pos[n], []) if s in owner])
-
-    if graph.node(final).group != "loss":
-        # no loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward
-        total = b.new("output.sum", "loss", size(TensorSpec((), "float32")))
-        drop = [] if base[final] in held_to_end - {base[final]} or keep_logits or base[final] in keepers \
-            else [owner[base[final]]]
-        held_to_end.discard(base[final]) if drop else None
-        b.event("forward", "sum", [total], drop)
-
-    # -- backward ------------------------------------------------------------------------------------------
     needs = _needs_grad(graph, order, final)
-    grad_of: dict[str, int] = {}
-    refs: Counter = Counter()
-    freed_at: dict[str, list[int]] = defaultdict(list)   # saved storages, freed after their last keeper's backward
-    for s, ks in keepers.items():
-        if s in owner and s not in held_to_end and graph.node(s.split(".")[0] if s not in graph else s).kind not in (
-                "input", "parameter", "buffer"):
-            last = min((k for k in ks if k in needs), key=pos.__getitem__, default=None)
-            freed_at[last or ""].append(owner[s])
-    seed = b.new("loss.grad", "activation_grad", size(TensorSpec((), "float32")))
-    grad_of[final] = seed
-    refs[seed] += 2  # the engine holds the root's gradient until backward ends
-    b.event("backward", None, [seed], [])
-    param_grad: dict[str, int] = {}
     groups = _splits(graph, order)
     tied_to = _tied(graph, order)
-    param_uses = _param_uses(graph, order, needs, tied_to)
-    waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
-    for n in reversed(order):
-        node = graph.node(n)
-        if n not in grad_of or n not in needs:
-            continue
-        group = groups.get(n)
-        if group is not None and n != group[0]:
-            continue  # a part of a split: the first part gathers every part's gradient
-        g = conv.grads(graph, node, rule_options)
-        if g is None:
-            raise SymmemError(f"the {conv.name} convention does not model the backward pass, so it has no peak")
-        # 1. the backward formula allocates the inputs' gradients, the parameters' and its temporaries
-        born: list[int] = []
-        handoff: list[tuple[str, int]] = []
-        incoming = [grad_of[m] for m in (group or [n]) if m in grad_of]
-        params_out: list[tuple[str, int]] = []
-        for i, x in enumerate(node.inputs):
-            xn = graph.node(x)
-            if not requires_grad(graph, x) or (group is not None and i > 0):
+    param_grad: dict[str, int] = {}  # weight -> its .grad
+
+    def micro_batch() -> None:
+        """One forward and backward pass; with gradients from an earlier micro-batch, each weight's new
+        gradient is added into its .grad in place and freed."""
+        new_saved: dict[str, list[int]] = defaultdict(list)
+        for n in order:
+            node = graph.node(n)
+            if node.kind in ("input", "parameter", "buffer"):
                 continue
-            if xn.kind == "parameter":
-                pid = b.new(f"{x}.grad", "gradient", numel[x] * grad_bytes, n)
+            born = []
+            if base[n] == n:
+                cat = "loss" if node.group == "loss" else ("activation" if n in keepers else "temporary")
+                owner[n] = b.new(n, cat, size(node.out), n)
+                born.append(owner[n])
+            for ref in conv.saved(graph, node, rule_options):
+                if ref.source == "new":
+                    assert ref.spec is not None
+                    sid = b.new(f"{n}.{ref.label}", "loss" if node.group == "loss" else "activation", size(ref.spec), n)
+                    new_saved[n].append(sid)
+                    born.append(sid)
+            b.event("forward", n, born, [owner[s] for s in dies_forward.get(pos[n], []) if s in owner])
+
+        if graph.node(final).group != "loss":
+            # no loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward
+            total = b.new("output.sum", "loss", size(TensorSpec((), "float32")))
+            owner["output.sum"] = total
+            held_to_end.add("output.sum")
+            out = base[final]
+            drop = []
+            if not keep_logits and graph.node(out).kind not in ("input", "parameter", "buffer"):
+                held_to_end.discard(out)  # loss = model(x).sum(): the output lives on only if an op keeps it
+                if out not in keepers:
+                    drop.append(owner[out])
+            b.event("forward", "sum", [total], drop)
+
+        # -- backward ------------------------------------------------------------------------------------------
+        grad_of: dict[str, int] = {}
+        refs: Counter = Counter()
+        freed_at: dict[str, list[int]] = defaultdict(list)   # saved storages, freed after their last keeper's backward
+        for s, ks in keepers.items():
+            if s in owner and s not in held_to_end and graph.node(s).kind not in ("input", "parameter", "buffer"):
+                last = min((k for k in ks if k in needs), key=pos.__getitem__, default=None)
+                freed_at[last or ""].append(owner[s])
+        seed = b.new("loss.grad", "activation_grad", size(TensorSpec((), "float32")))
+        grad_of[final] = seed
+        refs[seed] += 2  # the engine holds the root's gradient until backward ends
+        b.event("backward", None, [seed], [])
+        param_uses = _param_uses(graph, order, needs, tied_to)
+        waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
+        for n in reversed(order):
+            node = graph.node(n)
+            if n not in grad_of or n not in needs:
+                continue
+            group = groups.get(n)
+            if group is not None and n != group[0]:
+                continue  # a part of a split: the first part gathers every part's gradient
+            g = conv.grads(graph, node, rule_options)
+            if g is None:
+                raise SymmemError(f"the {conv.name} convention does not model the backward pass, so it has no peak")
+            # 1. the backward formula allocates the inputs' gradients, the parameters' and its temporaries
+            born: list[int] = []
+            handoff: list[tuple[str, int]] = []
+            incoming = [grad_of[m] for m in (group or [n]) if m in grad_of]
+            params_out: list[tuple[str, int]] = []
+            for i, x in enumerate(node.inputs):
+                xn = graph.node(x)
+                if not requires_grad(graph, x) or (group is not None and i > 0):
+                    continue
+                if xn.kind == "parameter":
+                    pid = b.new(f"{x}.grad", "gradient", numel[x] * grad_bytes, n)
+                    born.append(pid)
+                    params_out.append((x, pid))
+                    continue
+                if group is None and g.of(i) == "alias":
+                    sid = grad_of[n]
+                else:
+                    sid = b.new(f"{n}.grad_input{i}", "activation_grad", size(xn.out), n)
+                    born.append(sid)
+                refs[sid] += 1
+                handoff.append((x, sid))
+            for key in [f"{n}.{p}" for p in node.params] + ([tied_to[n]] if n in tied_to else []):
+                pid = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
                 born.append(pid)
-                params_out.append((x, pid))
-                continue
-            if group is None and g.of(i) == "alias":
-                sid = grad_of[n]
-            else:
-                sid = b.new(f"{n}.grad_input{i}", "activation_grad", size(xn.out), n)
-                born.append(sid)
-            refs[sid] += 1
-            handoff.append((x, sid))
-        for key in [f"{n}.{p}" for p in node.params] + ([tied_to[n]] if n in tied_to else []):
-            pid = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
-            born.append(pid)
-            params_out.append((key, pid))
-        temps = [b.new(f"{n}.temp", "temporary", size(spec), n) for spec in g.temps]
-        freed = list(temps)
-        for sid in incoming:
-            refs[sid] -= 1
-            if refs[sid] == 0:
-                freed.append(sid)
-        freed += freed_at.get(n, []) + new_saved.get(n, [])
-        b.event("backward", n, born + temps, freed)
-        # 2. then each gradient goes to its value's buffer; a second one there is summed out of place.  A weight
-        # used by several ops (tied) gathers its gradients the same way; the last sum becomes its .grad.
-        sums: list[int] = []
-        dropped: list[int] = []
-        for x, sid in handoff:
-            if x not in grad_of:
-                grad_of[x] = sid
-                continue
-            total = b.new(f"{x}.grad_sum", "activation_grad", size(graph.node(x).out), n)
-            sums.append(total)
-            for old in (grad_of[x], sid):
-                refs[old] -= 1
-                if refs[old] == 0:
-                    dropped.append(old)
-            grad_of[x] = total
-            refs[total] += 1
-        for key, pid in params_out:
-            param_uses[key] -= 1
-            if key in waiting:
-                total = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
+                params_out.append((key, pid))
+            temps = [b.new(f"{n}.temp", "temporary", size(spec), n) for spec in g.temps]
+            freed = list(temps)
+            for sid in incoming:
+                refs[sid] -= 1
+                if refs[sid] == 0:
+                    freed.append(sid)
+            freed += freed_at.get(n, []) + new_saved.get(n, [])
+            b.event("backward", n, born + temps, freed)
+            # 2. then each gradient goes to its value's buffer; a second one there is summed out of place.  A weight
+            # used by several ops (tied) gathers its gradients the same way; the last sum becomes its .grad.
+            sums: list[int] = []
+            dropped: list[int] = []
+            for x, sid in handoff:
+                if x not in grad_of:
+                    grad_of[x] = sid
+                    continue
+                total = b.new(f"{x}.grad_sum", "activation_grad", size(graph.node(x).out), n)
                 sums.append(total)
-                dropped += [waiting.pop(key), pid]
-                pid = total
-            if param_uses[key] > 0:
-                waiting[key] = pid
-            else:
-                param_grad[key] = pid
-        if sums or dropped:
-            b.event("backward", n, sums, dropped)
-    b.event("backward", None, [], [*freed_at.get("", []), *(owner[s] for s in held_to_end if s in owner)]
-            + [sid for sid, r in refs.items() if r > 0])
+                for old in (grad_of[x], sid):
+                    refs[old] -= 1
+                    if refs[old] == 0:
+                        dropped.append(old)
+                grad_of[x] = total
+                refs[total] += 1
+            for key, pid in params_out:
+                param_uses[key] -= 1
+                if key in waiting:
+                    total = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
+                    sums.append(total)
+                    dropped += [waiting.pop(key), pid]
+                    pid = total
+                if param_uses[key] > 0:
+                    waiting[key] = pid
+                elif key in param_grad:
+                    dropped.append(pid)  # an earlier micro-batch's .grad: added into it in place
+                else:
+                    param_grad[key] = pid
+            if sums or dropped:
+                b.event("backward", n, sums, dropped)
+        b.event("backward", None, [], [*freed_at.get("", []), *(owner[s] for s in held_to_end if s in owner)]
+                + [sid for sid, r in refs.items() if r > 0])
+
+    for _ in range(regime.micro_batches):
+        micro_batch()
 
     # -- optimizer step and zero_grad ----------------------------------------------------------------------
+    # model.parameters() lists a module's own parameters before its submodules': free-standing ones (a class
+    # token, a position table) first, then the layers' in the order they run
+    free = {n for n in order if graph.node(n).kind == "parameter"}
+    params.sort(key=lambda p: p[0] not in free)
     grads = [param_grad[name] for name, _ in params if name in param_grad]
     impl = optimizer_impl(regime, str(options.get("device", "cpu")))
     pending: list[int] = []  # optimizer temporaries not freed yet, oldest first

@@ -11,12 +11,13 @@ iteration k's is iteration k - 1's output.  Every node of the result has count 1
 ['hidden.fc#1', 'hidden.fc#2', 'hidden.fc#3']
 >>> g.node("hidden.input#2").inputs
 ('hidden.drop#1',)
->>> template("hidden.fc#2"), iteration("hidden.fc#2"), iteration("fc_out")
-('hidden.fc', 2, 0)
+>>> template("hidden.fc#2"), iteration("hidden.fc#2"), iteration("fc_out"), template("hidden.fc#3.weight")
+('hidden.fc', 2, 0, 'hidden.fc.weight')
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import sympy
@@ -24,15 +25,18 @@ import sympy
 from ..errors import SymmemError
 from ..graph import Graph
 
+_MARK = re.compile(r"#(\d+)")
+
 
 def template(name: str) -> str:
-    """The template node an unrolled node was copied from."""
-    return name.split("#", 1)[0]
+    """The template name of an unrolled node (or of a name built on it, ``fc#2.weight`` -> ``fc.weight``)."""
+    return _MARK.sub("", name, count=1)
 
 
 def iteration(name: str) -> int:
     """The iteration of an unrolled node (0 outside repeated blocks)."""
-    return int(name.split("#", 1)[1]) if "#" in name else 0
+    m = _MARK.search(name)
+    return int(m.group(1)) if m else 0
 
 
 def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
