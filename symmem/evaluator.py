@@ -1,8 +1,10 @@
 """Exact evaluation of memory formulas, compiled once per expression.
 
 ``Derivation.evaluate`` used to substitute numbers into the sympy expression, which rebuilds the expression tree
-for every configuration (0.1-2 ms each).  :func:`evaluator` translates an expression once into Python code
-over integers and caches it:
+for every configuration (0.1-2 ms each).  :func:`evaluator` keeps one :class:`Evaluator` per expression: its
+first configuration is interpreted by one walk over the tree (microseconds: a table that shows each value once
+pays no more), and from the second on it runs the expression translated into Python code over integers
+(compiled once, about 0.5 ms):
 
 * **exact**: every value is a Python int or an exact fraction held as (numerator, denominator) ints -- never a
   float; the result is the int when the value is an integer and its ceiling otherwise, as
@@ -578,11 +580,15 @@ class Evaluator:
             biggest.append(hi)
         shapes = {a.shape for a in inputs if isinstance(a, np.ndarray)}
         shape = next(iter(shapes)) if len(shapes) == 1 else np.broadcast_shapes(*shapes) if shapes else ()
-        if self.source is None:
-            return self._elementwise(inputs, shape)
         if self._vector is None:
-            self._vector = _compile(_Codegen(self.symbols, "vector").function(self.expr), _vector_namespace())
-            self._bound = _compile(_Codegen(self.symbols, "bound").function(self.expr), {})
+            try:
+                vector = _compile(_Codegen(self.symbols, "vector").function(self.expr), _vector_namespace())
+                bound = _compile(_Codegen(self.symbols, "bound").function(self.expr), {})
+            except Unsupported:
+                vector = bound = False
+            self._vector, self._bound = vector, bound
+        if self._vector is False:
+            return self._elementwise(inputs, shape)
         small = not exact_objects and self._bound(*biggest) <= INT64_MAX
         dtype = np.int64 if small else object
         inputs = [a.astype(dtype, copy=False) if isinstance(a, np.ndarray) else a for a in inputs]

@@ -465,7 +465,8 @@ class Model:
         """Every symbol the model's shapes, counts or defaults use, in a stable order."""
         found: set[sympy.Symbol] = set(self.defaults)
         seen: set[sympy.Expr] = set()  # layers repeat their sizes: each size's symbols are collected once
-        for node in self.graph.nodes_in_order():
+        for data in self.graph.nodes.values():  # any order: the result is sorted
+            node = data["node"]
             for d in (*node.out.shape, node.count):
                 if d not in seen:
                     seen.add(d)

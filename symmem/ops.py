@@ -80,6 +80,11 @@ def kinds() -> tuple[str, ...]:
     return tuple(_RULES)
 
 
+def known(kind: object) -> bool:
+    """Whether ``kind`` is a registered op kind."""
+    return isinstance(kind, str) and kind in _RULES
+
+
 def schema(kind: str) -> Schema:
     """The attributes ``kind`` takes.
 

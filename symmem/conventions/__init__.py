@@ -21,6 +21,7 @@ themselves on import; :func:`convention` finds them by name.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -55,8 +56,14 @@ class Saved:
             raise SymmemError(f"a saved tensor's source is 'input', 'output' or 'new', not {self.source!r}")
         if self.source == "new" and self.spec is None:
             raise SymmemError(f"the new saved tensor {self.label!r} needs a spec (its shape and dtype)")
-        if self.role not in ops.kinds():  # a layer without a role may be shown by its op kind
+        if not ops.known(self.role):  # a layer without a role may be shown by its op kind
             roles.check(self.role)
+
+
+@functools.lru_cache(maxsize=256)
+def _saved_output(role: str | None) -> Saved:
+    # one value per role: a graph of many layers keeps the same few references again and again
+    return Saved("output", role=role)
 
 
 class Convention:
@@ -129,7 +136,7 @@ class RoleConvention(Convention):
         role = node.role
         found: list[Saved] = []
         if role in self.keep_outputs:
-            found.append(Saved("output", role=role))
+            found.append(_saved_output(role))
         for i in self.keep_inputs.get(role or "", ()):
             found.append(Saved("input", index=i, label=f"input {i}", role=f"{role}_input"))
         for extra in self.extras.get(node.kind, ()):

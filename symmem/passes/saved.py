@@ -52,8 +52,16 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
         key = (count, spec.shape, spec.dtype)
         got = sizes.get(key)
         if got is None:
-            one = size(spec) if count != 1 else spec.numel * dtype_bytes(spec.dtype, act_dtype)
+            one = size(spec) if count != 1 else elements(spec) * dtype_bytes(spec.dtype, act_dtype)
             got = sizes[key] = one if count == 1 else count * one
+        return got
+
+    numels: dict[tuple[sympy.Expr, ...], sympy.Expr] = {}
+
+    def elements(spec: TensorSpec) -> sympy.Expr:
+        got = numels.get(spec.shape)
+        if got is None:
+            got = numels[spec.shape] = spec.numel
         return got
 
     # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks) and the branch.
@@ -68,16 +76,18 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
                 born, dies = lifetime(graph, name, "activation", [(name, "same")])
                 cat = "loss" if node.group == "loss" else "activation"
                 found.append(Storage(f"{name}.{ref.label}", node.group, cat, size(spec, count),
-                                     ref.role or spec.role, name, spec.dtype, spec.numel, count, (name,), born, dies))
+                                     ref.role or spec.role, name, spec.dtype, elements(spec), count, (name,), born,
+                                     dies))
                 continue
             target = name if ref.source == "output" else node.inputs[ref.index]
             if not conv.dedup:
-                spec = graph.node(target).out
-                cat = category(graph.node(target))
+                kept_node = node if target == name else graph.node(target)
+                spec = kept_node.out
+                cat = category(kept_node)
                 label = name if ref.source == "output" else f"{name}.{ref.label or 'input'}"
                 born, dies = lifetime(graph, name, cat, [(name, "same")])
                 found.append(Storage(label, node.group, cat, size(spec, count), ref.role or spec.role, name,
-                                     spec.dtype, spec.numel, count, (name,), born, dies))
+                                     spec.dtype, elements(spec), count, (name,), born, dies))
                 continue
             for storage, mode in resolve(graph, target, per_layer, act_dtype, branch):
                 if storage not in storages:
