@@ -389,7 +389,7 @@ _RELATION_OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": o
                  ">=": operator.ge}
 
 
-def _interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction | bool:
+def interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction | bool:
     """``e`` at ``env``, exactly, by walking the tree once (what the first configuration uses)."""
     if e.is_Integer:
         return int(e)
@@ -398,39 +398,39 @@ def _interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fractio
     if e.is_Symbol:
         return env[e]
     if e.is_Add:
-        return sum((_interpret(a, env) for a in e.args), 0)
+        return sum((interpret(a, env) for a in e.args), 0)
     if e.is_Mul:
-        return math.prod(_interpret(a, env) for a in e.args)
+        return math.prod(interpret(a, env) for a in e.args)
     if e.is_Pow:
         if not e.exp.is_Integer:
             raise Unsupported(f"power {e.exp}")
-        base, k = _interpret(e.base, env), int(e.exp)
+        base, k = interpret(e.base, env), int(e.exp)
         return base**k if k >= 0 else 1 / Fraction(base) ** -k
     if isinstance(e, sympy.floor | sympy.ceiling):
-        v = _interpret(e.args[0], env)
+        v = interpret(e.args[0], env)
         return (math.ceil if isinstance(e, sympy.ceiling) else math.floor)(v)
     if isinstance(e, sympy.Max | sympy.Min):
-        return (max if isinstance(e, sympy.Max) else min)(_interpret(a, env) for a in e.args)
+        return (max if isinstance(e, sympy.Max) else min)(interpret(a, env) for a in e.args)
     if isinstance(e, sympy.Mod):
-        a, b = (_interpret(x, env) for x in e.args)
+        a, b = (interpret(x, env) for x in e.args)
         return a - b * math.floor(Fraction(a) / b)
     if isinstance(e, sympy.Piecewise):
         for expr, cond in e.args:
-            if _interpret(cond, env):
-                return _interpret(expr, env)
+            if interpret(cond, env):
+                return interpret(expr, env)
         raise _NoBranch
     if e.is_Relational:
         if e.rel_op not in _RELATION_OPS:
             raise Unsupported(f"relation {e.rel_op}")
-        return _RELATION_OPS[e.rel_op](_interpret(e.lhs, env), _interpret(e.rhs, env))
+        return _RELATION_OPS[e.rel_op](interpret(e.lhs, env), interpret(e.rhs, env))
     if e is sympy.true or e is sympy.false:
         return e is sympy.true
     if isinstance(e, sympy.And):
-        return all(_interpret(a, env) for a in e.args)
+        return all(interpret(a, env) for a in e.args)
     if isinstance(e, sympy.Or):
-        return any(_interpret(a, env) for a in e.args)
+        return any(interpret(a, env) for a in e.args)
     if isinstance(e, sympy.Not):
-        return not _interpret(e.args[0], env)
+        return not interpret(e.args[0], env)
     raise Unsupported(type(e).__name__)
 
 
@@ -513,7 +513,7 @@ class Evaluator:
         self._uses += 1
         try:
             if self._uses == 1 and not self._compiled:
-                value = _interpret(self.expr, dict(zip(self.symbols, args, strict=True)))
+                value = interpret(self.expr, dict(zip(self.symbols, args, strict=True)))
                 if isinstance(value, bool):
                     raise Unsupported("a condition, not a number")
                 return (value, 1) if isinstance(value, int) else (value.numerator, value.denominator)

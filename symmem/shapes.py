@@ -33,9 +33,34 @@ def _same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
         return True
     if d.is_number or not d.atoms(sympy.Function):
         return False
+    if _both_signs(d):
+        return None  # sympy cannot prove a sign it does not have: its answer would be None (and costs 5 ms)
     if d.is_positive or d.is_negative:
         return False
     return None
+
+
+def _both_signs(d: sympy.Expr) -> bool:
+    """Whether ``d`` is positive at some positive integers and negative at others (found by trying a few: each
+    symbol large with the others small, and small with the others large).  False when not found."""
+    from .evaluator import Unsupported, interpret
+
+    symbols = sorted(d.free_symbols, key=lambda s: s.name)
+    if not all(s.is_integer and s.is_positive for s in symbols):
+        return False
+    probes = [dict.fromkeys(symbols, 1), dict.fromkeys(symbols, 1000)]
+    for s in symbols:
+        probes += [{**dict.fromkeys(symbols, 1), s: 10**6}, {**dict.fromkeys(symbols, 1000), s: 1}]
+    positive = negative = False
+    for values in probes:
+        try:
+            v = interpret(d, values)
+        except (Unsupported, ZeroDivisionError, TypeError):
+            return False
+        positive, negative = positive or v > 0, negative or v < 0
+        if positive and negative:
+            return True
+    return False
 
 
 def broadcast(a: tuple[sympy.Expr, ...], b: tuple[sympy.Expr, ...]) -> tuple[sympy.Expr, ...] | None:
