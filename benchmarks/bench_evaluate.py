@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import sympy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's symmem, not an installed one
 
 from symmem import derive
 

@@ -14,7 +14,6 @@ backward is not here: that depends on the convention (see :mod:`symmem.conventio
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +106,8 @@ def check_attrs(kind: str, attrs: Mapping[str, Any]) -> None:
     _, _, spec = _lookup(kind)
     for key in attrs:
         if key not in spec:
+            import difflib  # only for the error message
+
             close = difflib.get_close_matches(str(key), list(spec), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             takes = ", ".join(sorted(spec)) or "no attributes"
