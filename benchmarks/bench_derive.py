@@ -8,7 +8,8 @@ Targets: each built-in model derives in < 1 s; ``lint`` and ``derive`` of a synt
 For each synthetic graph: ``build`` (GraphBuilder, including the lint ``finish()`` runs), ``lint`` of the built
 graph, ``full lint`` of a copy (new nodes: every output inferred again, with the op rules' memo), ``derive``
 (``symmem.derive``: storages with lifetimes) and ``total`` (the first ``value("total")`` of a derivation: the
-kept view, its sum and the evaluation); best of 3 except ``build``.
+kept view, its sum and the evaluation); best of 3 except ``build``.  Times are CPU seconds of this (single-threaded)
+process, which other work on a shared machine barely moves; on an idle machine wall time is the same.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def _time(fn, repeat: int = 3) -> tuple[float, float]:
     """(first, best) wall time: the first run pays sympy's cold caches, later runs show the steady state."""
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return times[0], min(times)
 
 
@@ -74,21 +75,21 @@ def main() -> int:
           "growth of full lint / derive")
     previous = None
     for n in SIZES + ((100_000,) if "--big" in sys.argv else ()):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         model = synthetic(n)
-        build = time.perf_counter() - t0
+        build = time.process_time() - t0
         copy = model.graph.copy()  # new nodes: lint infers every output again
         times = {"lint": [], "full": [], "derive": [], "total": []}
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             lint(model.graph)
-            t1 = time.perf_counter()
+            t1 = time.process_time()
             lint(copy)
-            t2 = time.perf_counter()
+            t2 = time.process_time()
             d = derive(model, convention="paper")
-            t3 = time.perf_counter()
+            t3 = time.process_time()
             d.value("total")
-            t4 = time.perf_counter()
+            t4 = time.process_time()
             for key, t in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 times[key].append(t)
             del d

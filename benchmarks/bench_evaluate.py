@@ -8,10 +8,14 @@ the same int64 arrays, exact where lambdify rounds.
 * ``substitution``: what ``Derivation.evaluate`` did before: ``sympify(expr.xreplace(numbers))`` rounded up,
   per configuration (distinct configurations, so sympy's cache does not help);
 * ``at().value()``: ``d.at(B=b, ...).value("total")`` per configuration, evaluator compiled and cached;
+* ``evaluator 1``: the compiled evaluator of the total called at one configuration (what ``value`` runs);
 * ``lambdify 1``: the lambdified function called with Python ints at one configuration (floats inside);
 * ``values 10k`` / ``lambdify 10k``: 10,000 configurations as int64 arrays, best of several runs;
 * ``rounded``: how many of the 10,000 lambdify gets wrong (its float result, rounded up, is not the exact
   integer).
+
+Times are CPU time of this single-threaded process (``time.process_time``), which other work on a shared machine
+barely moves.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sympy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's symmem, not an installed one
 
 from symmem import derive
+from symmem.evaluator import evaluator
 
 CASES = [
     ("vit-b16 naive", "vit-b16", {"attention": "naive"}),
@@ -47,9 +52,9 @@ def _substitution(d, expr, numbers) -> int:
 def _best(fn, repeat: int = 15) -> float:
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return min(times)
 
 
@@ -65,21 +70,25 @@ def case(label: str, name: str, options: dict) -> dict[str, float]:
     rows = [{k: int(v[i]) for k, v in few.items()} for i in range(200)]
     symbols = {s.name: s for s in d.free}
     # substitution, the old evaluate
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     old = [_substitution(d, expr, {**d.numbers, **{symbols[k]: v for k, v in row.items()}}) for row in rows]
-    t_old = (time.perf_counter() - t0) / len(rows)
+    t_old = (time.process_time() - t0) / len(rows)
     # at().value(), compiled once (the first call compiles: timed apart)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     d.at(**rows[0]).value("total")
-    t_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t_first = time.process_time() - t0
+    t0 = time.process_time()
     new = [d.at(**row).value("total") for row in rows]
-    t_new = (time.perf_counter() - t0) / len(rows)
+    t_new = (time.process_time() - t0) / len(rows)
     assert new == old, label
     # lambdify at one configuration
     f = sympy.lambdify(d.free, expr, "numpy")
     args = [rows[0][s.name] for s in d.free]
     t_lam1 = _best(lambda: [f(*args) for _ in range(100)]) / 100
+    compiled = evaluator(expr)
+    compiled_args = [rows[0].get(s.name, d.numbers.get(s)) for s in compiled.symbols]
+    compiled(*compiled_args)
+    t_ev1 = _best(lambda: [compiled(*compiled_args) for _ in range(100)]) / 100
     # 10,000 configurations
     many = _configs(d, 10_000, rng)
     arrays = [many[s.name] for s in d.free]
@@ -89,21 +98,23 @@ def case(label: str, name: str, options: dict) -> dict[str, float]:
     approx = np.asarray(f(*arrays), dtype=float)
     rounded = int(np.sum(np.ceil(approx) != exact.astype(float))) if exact.dtype != object else -1
     # the old evaluate at 10,000 configurations, extrapolated from 200
-    return {"label": label, "old": t_old, "first": t_first, "new": t_new, "lam1": t_lam1, "values": t_values,
+    return {"label": label, "old": t_old, "first": t_first, "new": t_new, "lam1": t_lam1, "ev1": t_ev1,
+            "values": t_values,
             "lam": t_lam, "rounded": rounded, "dtype": str(exact.dtype)}
 
 
 def main() -> int:
     print("per configuration: substitution (old evaluate) / at().value() (compiled) / lambdify at 1 config;")
     print("10,000 configurations: values() / lambdify (numpy, same int64 arrays); lambdify wrong after rounding up")
-    print(f"  {'formula':<26} {'substitution':>12} {'at().value':>11} {'speed-up':>9} {'lambdify 1':>11} "
-          f"{'values 10k':>11} {'lambdify 10k':>13} {'ratio':>6} {'vs old':>9} {'rounded':>8}")
+    print(f"  {'formula':<26} {'substitution':>12} {'at().value':>11} {'speed-up':>9} {'evaluator 1':>11} "
+          f"{'lambdify 1':>11} {'values 10k':>11} {'lambdify 10k':>13} {'ratio':>6} {'vs old':>9} {'rounded':>8}")
     for label, name, options in CASES:
         r = case(label, name, options)
         print(f"  {r['label']:<26} {r['old'] * 1e6:9.0f} us {r['new'] * 1e6:8.1f} us {r['old'] / r['new']:8.0f}x "
-              f"{r['lam1'] * 1e6:8.1f} us {r['values'] * 1e6:8.0f} us {r['lam'] * 1e6:10.0f} us "
-              f"{r['values'] / r['lam']:5.2f}x {r['old'] * 10_000 / r['values']:8.0f}x {r['rounded']:>8}")
-        print(f"  {'':<26} (first value(), compiling: {r['first'] * 1e3:.1f} ms; values dtype {r['dtype']})")
+              f"{r['ev1'] * 1e6:8.1f} us {r['lam1'] * 1e6:8.1f} us {r['values'] * 1e6:8.0f} us "
+              f"{r['lam'] * 1e6:10.0f} us {r['values'] / r['lam']:5.2f}x {r['old'] * 10_000 / r['values']:8.0f}x "
+              f"{r['rounded']:>8}")
+        print(f"  {'':<26} (first value(), interpreted: {r['first'] * 1e3:.1f} ms; values dtype {r['dtype']})")
     return 0
 
 
