@@ -42,6 +42,11 @@ CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
 #: The named quantities a derivation sums (``parameters`` is a count, not bytes).
 QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters", "peak",
               "peak_first_step")
+#: What ``torch.cuda.max_memory_allocated`` adds to the allocated peak, measured on an H100 (torch 2.11): a
+#: 32 MiB cuBLAS workspace per handle -- the forward's thread and autograd's backward thread each make one at
+#: their first matmul -- and 0 to 105 MiB of kernel scratch (cuDNN convolution workspaces, large reductions).
+#: A band, not a formula: it depends on the library versions and the kernels picked.
+CUDA_WORKSPACES = {"cublas": 2 * 32 * 2**20, "scratch": (0, 105 * 2**20)}
 #: Phases of a training step, in order; a moment at node None is the start of its phase.
 PHASES = ("start", "forward", "backward", "step", "end")
 
@@ -216,6 +221,8 @@ class Derivation:
     #: computes the peak of the training step (:mod:`symmem.passes.peak`) on first use; None where the
     #: convention does not model the step (an accounting by role) or for one layer
     step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    #: where the formulas hold beyond every size being a positive integer (a traced module's guards: S <= 512)
+    domain: Any = sympy.true
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -303,10 +310,32 @@ class Derivation:
         """The peak of the first training step, in which the optimizer creates its state."""
         return self._peak().first
 
+    def peak_formula(self, step: str = "steady") -> sympy.Expr:
+        """The peak's formula that holds at the derivation's numbers: :attr:`peak` (or the first step's), or,
+        where a layer count lies below that formula's domain, the one written out with that count."""
+        found = self._peak(exact=True)
+        return found.expr if step == "steady" else found.first
+
     def peak_at(self, step: str = "steady") -> Any:
         """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the
         phase, the op, the layer and the live bytes by category."""
         return self._peak(exact=True).at(self.numbers, step)
+
+    def timeline(self, step: str = "steady") -> list[tuple[str, str | None, dict[str, int]]]:
+        """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
+        each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
+        creates the optimizer state)."""
+        self._peak()  # the same refusals as the peak
+        assert self.step is not None
+        return self.step(dict(self.numbers), timeline=step)
+
+    def peak_allocated(self, step: str = "steady") -> int:
+        """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
+        to 512 bytes (``torch.cuda.max_memory_allocated`` adds library workspaces on top: see
+        :data:`CUDA_WORKSPACES`)."""
+        self._peak()
+        assert self.step is not None
+        return self.step(dict(self.numbers), timeline=f"allocated-{step}")
 
     def live_at_peak(self, step: str = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,

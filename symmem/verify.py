@@ -308,7 +308,7 @@ def _reference(derivation: Derivation) -> tuple[Any, tuple[Any, ...], str, Any]:
     device = options.get("device", "cpu")
     if device != "cpu" and not torch.cuda.is_available():
         raise SymmemError(f"verify on {device} needs that device; this torch has no CUDA (use --device cpu)")
-    module, inputs = reference(derivation.model, numbers, options)
+    module, inputs = reference(derivation.model, numbers, {**options, "checkpoint": derivation.regime.checkpoint})
     module = module.to(device)
     inputs = tuple(x.to(device) for x in inputs)
     loss = options.get("loss")
@@ -399,8 +399,9 @@ def verify_peak(derivation: Derivation) -> PeakComparison:
         raise SymmemError("verify measures whole models; drop --per-layer")
     if regime.activation_dtype != "float32" or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw"):
         raise SymmemError("verify --peak runs fp32 training with sgd, sgd-momentum, adam or adamw")
-    if regime.checkpoint != "none" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
-        raise SymmemError("verify --peak runs one device's training step: no checkpointing or parallelism")
+    if regime.checkpoint == "selective" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+        raise SymmemError("verify --peak runs one device's training step: full or every-K checkpointing, no "
+                          "selective recomputation, no parallelism")
     module, inputs, device, target = _reference(derivation)
     impl = optimizer_impl(regime, device)
     loss = "cross-entropy" if derivation.options.get("loss") else "sum"

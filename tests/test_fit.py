@@ -59,8 +59,15 @@ def test_smallest_budget_is_the_seed_total(resnet):
     assert smallest_budget(resnet, "B", 64) / GiB == pytest.approx(3.0246, abs=5e-5)
 
 
+def test_nothing_fits_is_an_answer(capsys):
+    """Exit 1 (an answer), not the 2 of bad input; one line that says how much the smallest size needs."""
+    assert main(["fit", "resnet50-v1", "--budget", "100MiB"]) == 1
+    err = capsys.readouterr().err.strip()
+    need = symmem.derive("resnet50-v1").at(B=1).value("total")
+    assert err.startswith("symmem: nothing fits") and f"{need:,} B" in err and "\n" not in err
+
+
 @pytest.mark.parametrize("args, message", [
-    (["fit", "resnet50-v1", "--budget", "100MiB"], "nothing fits"),
     (["fit", "mlp", "--budget", "1GiB", "--set", "B=1"], "does not grow"),
     (["fit", "resnet50-v1", "--budget", "80 parsecs"], "unknown unit"),
     (["fit", "resnet50-v1", "--budget", "80GiB", "--solve", "S"], "no symbol 'S'"),

@@ -71,6 +71,7 @@ CASES = [
     ("mean", [T(B, S, H)], dict(dim=-1, keepdim=True), (B, S, 1), 0, False),
     ("mean", [T(B, S, H)], dict(dim=1), (B, H), 0, False),
     ("rope_table", [T(1, S, dtype="int64")], dict(dim=H / h), (1, S, H / h), 0, False),
+    ("traced", [], dict(shape=(B, S, H), dtype="float32", op="mm", module="h.0.attn"), (B, S, H), 0, False),
 ]
 
 

@@ -52,6 +52,24 @@ def test_gradient_accumulation(name, values, optimizer):
     assert result.exact, result.report()
 
 
+@pytest.mark.parametrize("name, values, kw", [
+    ("vit-ti16", {"B": 16, "Hi": 64, "Wi": 64, "L": 4, "K": 10}, {"attention": "naive", "checkpoint": "full"}),
+    ("gpt2", {**TINY_GPT, "B": 4, "L": 6}, {"attention": "naive", "dropout": 0.1, "loss": "cross-entropy",
+                                          "checkpoint": "every-3"}),
+    ("bert-base", {**TINY_GPT, "B": 4, "L": 5}, {"attention": "naive", "checkpoint": "full"}),
+    ("llama", {**TINY_GPT, "B": 2, "L": 5, "G": 2, "F": 128}, {"attention": "sdpa", "loss": "cross-entropy",
+                                                            "checkpoint": "every-2"}),
+], ids=["vit-full", "gpt2-every3", "bert-full", "llama-every2"])
+def test_checkpointing_at_its_real_time(name, values, kw):
+    """Checkpointed layers keep only their inputs; each is recomputed when its backward starts."""
+    d = derive(name, convention="pytorch", device="cpu", optimizer="sgd", values=values, **kw)
+    result = verify_peak(d)
+    assert result.exact, result.report()
+    plain = derive(name, convention="pytorch", device="cpu", optimizer="sgd", values=values,
+                   **{k: v for k, v in kw.items() if k != "checkpoint"})
+    assert d.value("peak") < plain.value("peak")
+
+
 def test_keep_logits_holds_the_output_through_backward():
     values = {**TINY_GPT, "B": 4}
     plain = derive("gpt2", convention="pytorch", device="cpu", optimizer="sgd", values=values, free=("B",),

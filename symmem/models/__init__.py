@@ -73,7 +73,8 @@ def _builtin() -> dict[str, Entry]:
     found = [Entry(f"resnet{d}", ".resnet:build_resnet", f"ResNet-{d} (torchvision, stride on the 3x3)",
                    fixed={"depth": d}) for d in (18, 34, 50, 101, 152)]
     found.append(Entry("resnet50-v1", ".resnet:build_resnet",
-                       "ResNet-50 v1: stride on the first 1x1 of each stage (the seed paper's geometry)",
+                       "ResNet-50 v1: stride on the first 1x1 of each stage (the geometry of the FP32 analysis of "
+                       "ResNet-50 and ViT-B/16, Bandyopadhyay 2024)",
                        fixed={"depth": 50, "v1": True}))
     for d in (11, 13, 16, 19):
         found.append(Entry(f"vgg{d}", ".vgg:build_vgg", f"VGG-{d} (torchvision)", _VGG, {"depth": d}))
@@ -85,7 +86,8 @@ def _builtin() -> dict[str, Entry]:
         "dropout": Option(0.0, None, "dropout after each hidden activation"),
     }))
     for size in ("ti", "s", "b", "l"):
-        found.append(Entry(f"vit-{size}16", ".vit:build_vit", f"ViT-{size.upper()}/16 (timm; DeiT shares it)", _VIT,
+        title = {"ti": "Ti", "s": "S", "b": "B", "l": "L"}[size]  # ViT-Ti/16, ViT-S/16 ...
+        found.append(Entry(f"vit-{size}16", ".vit:build_vit", f"ViT-{title}/16 (timm; DeiT shares it)", _VIT,
                            {"size": size}))
     found.append(Entry("gpt2", ".gpt:build_gpt2",
                        "GPT-2 small (Hugging Face GPT2LMHeadModel, tied embeddings, gelu_new)", {

@@ -16,6 +16,7 @@ from ..graph import GraphBuilder, Model
 from ..symbols import B, C, F, H, Hi, K, L, S, Wi, h
 from .transformer import prenorm_layer
 
+_TITLES = {"ti": "Ti", "s": "S", "b": "B", "l": "L"}  # ViT-Ti/16, ViT-S/16 ...
 _SIZES = {"ti": (192, 3, 12), "s": (384, 6, 12), "b": (768, 12, 12), "l": (1024, 16, 24)}
 
 
@@ -43,7 +44,7 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
         x = g.op("dropout", x, name="head_drop", p=dropout)
         g.op("linear", x, name="head", out_features=K)
     defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: rows * cols + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
-    desc = (f"ViT-{size.upper()}/{patch} (timm VisionTransformer, class token; {attention} attention): "
+    desc = (f"ViT-{_TITLES[size]}/{patch} (timm VisionTransformer, class token; {attention} attention): "
             f"H={hidden}, h={heads}, L={layers}")
     return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="blocks",
                  options={"attention": attention, "dropout": dropout, "patch": patch})

@@ -37,7 +37,7 @@ from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph, Node
 from ..tensor import TensorSpec, dtype_bytes
-from ..training import Regime
+from ..training import Regime, checkpoint_every
 from .grad import requires_grad
 from .saved import kept
 from .storage import Branch, is_view
@@ -97,6 +97,23 @@ class Timeline:
                 add(i, -1)
         return out
 
+    def totals_at(self, numbers: Mapping[sympy.Symbol, Any], block: int = 1) -> list[int]:
+        """Live bytes after each event's allocations at ``numbers``, each storage rounded up to a multiple of
+        ``block`` bytes (512: what CUDA's caching allocator hands out, so what ``max_memory_allocated``
+        sees)."""
+        sizes = []
+        for st in self.storages:
+            v = sympy.sympify(st.nbytes.xreplace(dict(numbers)))
+            n = int(v) if v.is_number else 0
+            sizes.append(-(-n // block) * block if n else 0)
+        live = sum(sizes[i] for i in self.start)
+        out = []
+        for e in self.events:
+            live += sum(sizes[i] for i in e.born)
+            out.append(live)
+            live -= sum(sizes[i] for i in e.freed)
+        return out
+
     def alive_after(self, index: int) -> list[Live]:
         """The storages alive after event ``index``'s allocations."""
         alive = set(self.start)
@@ -145,9 +162,9 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
         raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
                           "parallelism are not modelled there (the kept memory and total are)")
-    if regime.checkpoint not in ("none",):
-        raise SymmemError("the peak with activation checkpointing is not modelled yet (the kept memory and "
-                          "total are); derive without --checkpoint for the peak")
+    if regime.checkpoint == "selective":
+        raise SymmemError("the peak with selective recomputation is not modelled (the kept memory and total are); "
+                          "full and every-K checkpointing are")
     act = regime.activation_dtype
     order = list(graph.program_order())
     pos = {n: i for i, n in enumerate(order)}
@@ -159,7 +176,11 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     # -- what the convention keeps, and who keeps it -------------------------------------------------------
     rule_options = {**options, "activation_dtype": act, "branch": branch}
     saved = kept(graph, conv, options, act, order, False, branch)
-    keepers: dict[str, tuple[str, ...]] = {s.name: s.keepers for s in saved}
+    segment_of = _segments(graph, regime)  # checkpointed node -> its segment (one layer, or K)
+    # inside a checkpointed segment no op keeps a tensor (checkpoint packs a handle): only keepers outside do
+    all_keepers: dict[str, tuple[str, ...]] = {s.name: s.keepers for s in saved}
+    keepers = {k: tuple(x for x in v if x not in segment_of) for k, v in all_keepers.items()}
+    keepers = {k: v for k, v in keepers.items() if v}
 
     # -- storage identity of every value: views lead to their base ------------------------------------------
     base: dict[str, str] = {}
@@ -220,6 +241,18 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
             continue
         dies_forward[last_use.get(s, pos[s])].append(s)
     needs = _needs_grad(graph, order, final)
+    segments: dict[Any, list[Node]] = defaultdict(list)
+    for n in order:
+        if n in segment_of:
+            segments[segment_of[n]].append(graph.node(n))
+    # the segment's last node to run backward: its first node in program order that runs backward
+    segment_end = {sg: next((m.name for m in nodes if m.name in needs), None) for sg, nodes in segments.items()}
+    # what each segment's checkpoint holds: every storage made outside it that its ops read
+    frame_inputs: dict[Any, list[str]] = {}
+    for sg, nodes in segments.items():
+        inside = {m.name for m in nodes}
+        found = dict.fromkeys(base[x] for m in nodes for x in m.inputs if base[x] not in inside)
+        frame_inputs[sg] = [x for x in found if graph.node(x).kind not in ("input", "parameter", "buffer")]
     groups = _splits(graph, order)
     tied_to = _tied(graph, order)
     param_grad: dict[str, int] = {}  # weight -> its .grad
@@ -228,6 +261,9 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
         """One forward and backward pass; with gradients from an earlier micro-batch, each weight's new
         gradient is added into its .grad in place and freed."""
         new_saved: dict[str, list[int]] = defaultdict(list)
+        # checkpoint keeps each segment's inputs (the layer input, and masks or tables passed to it) until the
+        # segment's backward is done
+        frame_held = {x for sg in segments for x in frame_inputs[sg]}
         for n in order:
             node = graph.node(n)
             if node.kind in ("input", "parameter", "buffer"):
@@ -237,13 +273,18 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
                 cat = "loss" if node.group == "loss" else ("activation" if n in keepers else "temporary")
                 owner[n] = b.new(n, cat, size(node.out), n)
                 born.append(owner[n])
+            freed = [owner[s] for s in dies_forward.get(pos[n], []) if s in owner and s not in frame_held]
             for ref in conv.saved(graph, node, rule_options):
                 if ref.source == "new":
                     assert ref.spec is not None
-                    sid = b.new(f"{n}.{ref.label}", "loss" if node.group == "loss" else "activation", size(ref.spec), n)
-                    new_saved[n].append(sid)
+                    cat = "loss" if node.group == "loss" else "activation"
+                    sid = b.new(f"{n}.{ref.label}", cat if n not in segment_of else "temporary", size(ref.spec), n)
                     born.append(sid)
-            b.event("forward", n, born, [owner[s] for s in dies_forward.get(pos[n], []) if s in owner])
+                    if n in segment_of:
+                        freed.append(sid)  # checkpointed: not kept, recomputed in backward
+                    else:
+                        new_saved[n].append(sid)
+            b.event("forward", n, born, freed)
 
         if graph.node(final).group != "loss":
             # no loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward
@@ -266,16 +307,77 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
             if s in owner and s not in held_to_end and graph.node(s).kind not in ("input", "parameter", "buffer"):
                 last = min((k for k in ks if k in needs), key=pos.__getitem__, default=None)
                 freed_at[last or ""].append(owner[s])
+        def _recompute(nodes: list[Node]) -> None:
+            """Re-run a checkpointed segment's forward, up to the last op that saves a tensor (PyTorch stops
+            there): what is saved lives until its keeper's backward, the rest dies at its last use."""
+            names = [m.name for m in nodes]
+            inside = set(names)
+            savers = [m for m in nodes if conv.saved(graph, m, rule_options)]
+            if not savers:
+                return
+            last = savers[-1]
+            only_inputs = all(r.source == "input" for r in conv.saved(graph, last, rule_options))
+            run = names[:names.index(last.name) + (0 if only_inputs else 1)]
+            seg_keep: dict[str, list[str]] = defaultdict(list)
+            for st, ks in all_keepers.items():
+                for k in ks:
+                    if k in inside:
+                        seg_keep[st].append(k)
+            local_use: dict[str, int] = {}
+            for i, m in enumerate(names):
+                for x in graph.node(m).inputs:
+                    if base[x] in inside and m in run:
+                        local_use[base[x]] = i
+            alive: list[str] = []
+            for i, m in enumerate(names):
+                node_m = graph.node(m)
+                born_r: list[int] = []
+                freed_r: list[int] = []
+                if m in run:
+                    if base[m] == m and node_m.kind not in ("input", "parameter", "buffer"):
+                        cat = "activation" if m in seg_keep else "temporary"
+                        owner[m] = b.new(m, cat, size(node_m.out), m)
+                        born_r.append(owner[m])
+                        if m in seg_keep:
+                            first = min(seg_keep[m], key=pos.__getitem__)
+                            freed_at[first].append(owner[m])
+                        else:
+                            alive.append(m)
+                    for ref in conv.saved(graph, node_m, rule_options):
+                        if ref.source == "new":
+                            assert ref.spec is not None
+                            sid = b.new(f"{m}.{ref.label}", "activation", size(ref.spec), m)
+                            born_r.append(sid)
+                            new_saved[m].append(sid)
+                elif m != last.name:
+                    continue
+                for x in list(alive):
+                    if local_use.get(x, -1) <= i:
+                        freed_r.append(owner[x])
+                        alive.remove(x)
+                if m == last.name or m == run[-1]:
+                    freed_r += [owner[x] for x in alive]  # the early stop drops the rest
+                    alive.clear()
+                b.event("backward", f"{m}:recompute", born_r, freed_r)
+                if m == last.name or m == run[-1]:
+                    break
+
         seed = b.new("loss.grad", "activation_grad", size(TensorSpec((), "float32")))
         grad_of[final] = seed
         refs[seed] += 2  # the engine holds the root's gradient until backward ends
         b.event("backward", None, [seed], [])
         param_uses = _param_uses(graph, order, needs, tied_to)
         waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
+        recomputed: set[Any] = set()
+        done: set[Any] = set()  # segments whose backward has finished
         for n in reversed(order):
             node = graph.node(n)
             if n not in grad_of or n not in needs:
                 continue
+            sg = segment_of.get(n)
+            if sg is not None and sg not in recomputed:
+                recomputed.add(sg)
+                _recompute(segments[sg])
             group = groups.get(n)
             if group is not None and n != group[0]:
                 continue  # a part of a split: the first part gathers every part's gradient
@@ -303,17 +405,29 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
                     born.append(sid)
                 refs[sid] += 1
                 handoff.append((x, sid))
+            late: list[int] = []
             for key in [f"{n}.{p}" for p in node.params] + ([tied_to[n]] if n in tied_to else []):
                 pid = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
-                born.append(pid)
+                # a recomputed (checkpointed) input is dropped once the weight's gradient used it, before a
+                # linear's bias gradient is summed (measured): that one comes after the free
+                (late if sg is not None and node.kind == "linear" and key.endswith(".bias") else born).append(pid)
                 params_out.append((key, pid))
             temps = [b.new(f"{n}.temp", "temporary", size(spec), n) for spec in g.temps]
+            if late:
+                b.event("backward", n, born + temps, list(freed_at.pop(n, [])))
+                born, temps = late, []
             freed = list(temps)
             for sid in incoming:
                 refs[sid] -= 1
                 if refs[sid] == 0:
                     freed.append(sid)
             freed += freed_at.get(n, []) + new_saved.get(n, [])
+            if sg is not None and n == segment_end.get(sg):
+                for src in frame_inputs[sg]:  # the checkpoint frame lets its inputs go
+                    if src in owner and src not in keepers and src not in held_to_end and not any(
+                            src in frame_inputs[other] for other in segments if other != sg and other not in done):
+                        freed.append(owner[src])
+                done.add(sg)
             b.event("backward", n, born + temps, freed)
             # 2. then each gradient goes to its value's buffer; a second one there is summed out of place.  A weight
             # used by several ops (tied) gathers its gradients the same way; the last sum becomes its .grad.
@@ -404,6 +518,15 @@ def _oldest_first(pending: list[int], count: int, new: list[int]) -> tuple[list[
     order = ([new[0]] if new else []) + [p for p in pending if p not in new[:1]]
     freed = order[:count]
     return freed, [p for p in pending if p not in freed]
+
+
+def _segments(graph: Graph, regime: Regime) -> dict[str, tuple[str, int]]:
+    """Checkpointed nodes of an unrolled graph -> their segment: (block, first layer) for every layer
+    (``full``) or every K layers (``every-K``) of each repeated block; nothing without checkpointing."""
+    if regime.checkpoint in ("none", "selective"):
+        return {}
+    every = checkpoint_every(regime.checkpoint) or 1
+    return {n: (block, (k - 1) // every) for n, (block, k) in graph.graph.get("iterations", {}).items()}
 
 
 def _needs_grad(graph: Graph, order: list[str], final: str) -> set[str]:

@@ -52,6 +52,8 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
     out.graph["assumptions"] = list(graph.assumptions)
     order = graph.program_order()
     renamed: dict[str, str] = {}
+    # unrolled node -> (block, iteration), for passes that act per layer (activation checkpointing)
+    iterations: dict[str, tuple[str, int]] = out.graph.setdefault("iterations", {})
     i = 0
     while i < len(order):
         node = graph.node(order[i])
@@ -73,6 +75,7 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
                 inputs = tuple(previous if m == block.input else local.get(x, renamed.get(x, x))
                                for x in member.inputs)
                 out.add(member.with_(name=local[m], inputs=inputs, block=None, count=sympy.Integer(1)))
+                iterations[local[m]] = (block.name, k)
             previous = local[block.output]
         for m in members:
             renamed[m] = f"{m}#{n}"

@@ -28,6 +28,6 @@ def _latex(d: Derivation) -> Any:
 
 
 register_view("dict", text.to_dict)
-register_view("table", text.table)
+register_view("table", text.summary)
 register_view("html", _html)
 register_view("latex", _latex)

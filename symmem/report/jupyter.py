@@ -37,8 +37,15 @@ def _size(n: int | None) -> str:
 
 
 def title(d: Derivation) -> str:
+    """``ViT-B/16 (vit-b16) — FP32 analysis (paper convention), FP32 + AdamW``."""
+    from .. import names
+
     scope = f", one layer ({d.layer})" if d.per_layer else ""
-    return f"{d.model} \u2014 convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}"
+    shown = names.model(d.model)
+    model = shown if shown == d.model else f"{shown} ({d.model})"
+    conv = names.convention(d.convention)
+    conv = f"{conv} ({d.convention} convention)" if conv != d.convention else f"{conv} convention"
+    return f"{model} \u2014 {conv}, {names.regime(d.regime.precision, d.regime.optimizer)}{scope}"
 
 
 def latex(d: Derivation) -> str:

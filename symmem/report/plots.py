@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
+from .. import names
 from ..errors import SymmemError
 from ..units import UNITS, parse_size
 
@@ -53,16 +54,68 @@ def _save(fig: Any, output: str | Path | None) -> None:
 
 
 def _label(d: Derivation, sep: str = "\n") -> str:
+    """``ViT-B/16 (naive)`` + ``sep`` + the convention's short name (``PyTorch autograd``)."""
     attention = d.options.get("attention")
-    return f"{d.model}" + (f" ({attention})" if attention else "") + f"{sep}{d.convention}"
+    return (f"{names.model(d.model)}" + (f" ({attention})" if attention else "")
+            + f"{sep}{names.convention(d.convention)}")
 
 
-def segments(d: Derivation) -> list[tuple[str, int]]:
+def _regime(d: Derivation) -> str:
+    return names.regime(d.regime.precision, d.regime.optimizer)
+
+
+#: The parts of a transformer layer, in the order they are stacked, and the roles that belong to each.
+PARTS: tuple[str, ...] = ("residual stream", "norms", "attention", "MLP", "other")
+_PART_OF_ROLE = {
+    "residual": "residual stream",
+    "attn_input": "norms", "mlp_input": "norms", "norm_stats": "norms",
+    **dict.fromkeys(("qkv", "attn_scores", "attn_probs", "attn_dropout", "attention", "proj_input",
+                     "attn_dropout_mask", "attn_lse", "rng_state", "matmul_copy"), "attention"),
+    **dict.fromkeys(("mlp_hidden", "mlp_act", "mlp_gate_act"), "MLP"),
+}
+# For a tensor without one of those roles, words of its name (module path), tried in this order.
+_PART_WORDS = (("norms", ("norm", "ln_")),
+               ("attention", ("attn", "attention", "rope", "scores", "softmax", "sdpa", "qkv", "proj", "repeat")),
+               ("MLP", ("mlp", "fc", "intermediate", "gelu", "act", "output", "drop")),
+               ("residual stream", ("add", "input")))
+
+
+def part(name: str, role: str | None) -> str:
+    """Which part of a transformer layer a kept tensor belongs to: ``residual stream``, ``norms``,
+    ``attention``, ``MLP`` or ``other`` -- by its role, else by the words of its name.
+
+    >>> part("blocks.softmax", "attn_probs"), part("h.mlp.gelu.tanh", None), part("layers.add2", None)
+    ('attention', 'MLP', 'residual stream')
+    """
+    if role in _PART_OF_ROLE:
+        return _PART_OF_ROLE[role]
+    words = [w.lower() for w in name.split(".")[1:]] or [name.lower()]
+    for found, keys in _PART_WORDS:
+        if any(k in w for w in words for k in keys):
+            return found
+    return "other"
+
+
+def segments(d: Derivation, parts: bool = True) -> list[tuple[str, int]]:
     """(label, bytes) stacked in a breakdown bar: activations per group, inputs, then the parameter side
-    per component (weights, gradients, optimizer states)."""
+    per component (weights, gradients, optimizer states).  With ``parts``, a group of repeated transformer
+    layers is split into its parts (:func:`part`: residual stream, norms, attention, MLP), labelled
+    ``layer: attention`` ...; a group whose tensors are not a transformer layer's stays whole."""
     out: list[tuple[str, int]] = []
     for group in d.groups():
-        expr = sympy.Add(*(t.expr for t in d.terms if t.group == group and t.category != "parameter"))
+        terms = [t for t in d.terms if t.group == group and t.category != "parameter"]
+        split: dict[str, list[Any]] = {}
+        for t in terms:
+            split.setdefault(part(t.name, t.role), []).append(t.expr)
+        repeated = d.per_layer or any(t.count != 1 for t in terms)
+        if parts and repeated and len(set(split) - {"other"}) >= 2:
+            for p in PARTS:
+                if p in split:
+                    value = d.evaluate(sympy.Add(*split[p]))
+                    if value:
+                        out.append((f"{group}: {p}", value))
+            continue
+        expr = sympy.Add(*(t.expr for t in terms))
         if expr != 0:
             out.append((group, d.evaluate(expr)))
     for t in d.terms:
@@ -72,22 +125,26 @@ def segments(d: Derivation) -> list[tuple[str, int]]:
 
 
 def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = None,
-              output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """One stacked bar per derivation (model x convention), segments as in :func:`segments`."""
+              output: str | Path | None = None, unit: str = "GiB", parts: bool = True) -> Any:
+    """One stacked bar per derivation (model x convention), segments as in :func:`segments` (``parts``: a
+    transformer layer split into residual stream, norms, attention and MLP)."""
     plt = _plt()
     scale = UNITS[unit]
     labels = list(labels) if labels is not None else [_label(d) for d in derivations]
-    parts = [segments(d) for d in derivations]
+    stacks = [segments(d, parts) for d in derivations]
     side = {t.name for d in derivations for t in d.terms if t.category == "parameter"}
-    names: list[str] = []
-    for p in parts:  # activation groups first, the parameter side last, in the legend as in the bars
-        names += [n for n, _ in p if n not in names and n not in side]
-    for p in parts:
-        names += [n for n, _ in p if n not in names]
+    order: list[str] = []
+    for p in stacks:  # activation groups first, the parameter side last, in the legend as in the bars
+        order += [n for n, _ in p if n not in order and n not in side]
+    groups = list(dict.fromkeys(n.split(": ")[0] for n in order))  # a layer's parts stacked as in PARTS
+    order.sort(key=lambda n: (groups.index(n.split(": ")[0]),
+                              PARTS.index(n.split(": ")[1]) if ": " in n and n.split(": ")[1] in PARTS else -1))
+    for p in stacks:
+        order += [n for n, _ in p if n not in order]
     cmap = plt.get_cmap("tab20")
-    colors = {n: cmap(i % 20) for i, n in enumerate(names)}
+    colors = {n: cmap(i % 20) for i, n in enumerate(order)}
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(derivations) + 2.5), 4.5))
-    for i, p in enumerate(parts):
+    for i, p in enumerate(stacks):
         bottom = 0.0
         for name, value in p:
             ax.bar(i, value / scale, bottom=bottom, color=colors[name], edgecolor="white", linewidth=0.5,
@@ -95,48 +152,64 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
             bottom += value / scale
         ax.text(i, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=9)
     found = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=False))
-    ordered = [n for n in reversed(names) if n in found]  # top of the stack first, as the bars read
+    ordered = [n for n in reversed(order) if n in found]  # top of the stack first, as the bars read
     ax.legend([found[n] for n in ordered], ordered, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               frameon=False)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set_ylabel(f"training memory ({unit})")
-    ax.set_title(f"{derivations[0].regime.precision.upper()} + {derivations[0].regime.optimizer} breakdown")
+    ax.set_title(f"{_regime(derivations[0])}: training memory by part")
     ax.margins(y=0.1)
     fig.tight_layout()
     _save(fig, output)
     return fig
 
 
+def _axis(name: str) -> str:
+    what = {"B": "batch size", "S": "sequence length"}.get(name)
+    return f"{name} ({what})" if what else name
+
+
 def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(symbol, what must fit, the total, the parameter side) as functions of ``name`` alone."""
     from ..fit import polynomial
 
-    sym, total = polynomial(d, name)
+    sym, fits = polynomial(d, name)
+    _, total = polynomial(d, name, "total")
     others = {s: v for s, v in d.numbers.items() if s != sym}
-    act = sympy.expand((d.total - d.parameter_memory).xreplace(others))
     par = sympy.expand(d.parameter_memory.xreplace(others))
-    return sym, total, act, par
+    return sym, fits, total, par
 
 
 def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
           budget: int | str | None = None, output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """Total, activation and parameter-side memory against ``name`` (``B`` or ``S``), with the budget as a
-    horizontal line and the largest fitting value marked."""
+    """Memory against ``name`` (``B`` or ``S``): the peak of a training step (where the convention models
+    the step), the total (kept at the end of the forward pass + parameter side) and the parameter side, with
+    the budget as a horizontal line and the largest fitting value marked -- or "nothing fits" written on it."""
     import numpy as np
 
-    from ..fit import largest
+    from ..errors import NothingFits
+    from ..fit import default_quantity, largest
 
     plt = _plt()
     scale = UNITS[unit]
-    sym, total, act, par = _function(d, name)
+    sym, fits, total, par = _function(d, name)
+    quantity = default_quantity(d)
     cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
-    fit = largest(d, name, cap) if cap is not None else None
+    fit, nothing = None, None
+    if cap is not None:
+        try:
+            fit = largest(d, name, cap)
+        except NothingFits as exc:
+            nothing = exc
     if values is None:
         top = max(2 * fit.max if fit is not None else 0, 2 * d.numbers[sym], 8)
         values = np.unique(np.linspace(1, top, 200).astype(int))
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for expr, label, style in ((total, "total", "-"), (act, "all but the parameter side", "--"),
-                               (par, "parameter side", ":")):
+    curves = [(total, "total (kept at the end of forward + parameter side)", "--"), (par, "parameter side", ":")]
+    if quantity == "peak":
+        curves.insert(0, (fits, "peak of a training step", "-"))
+    for expr, label, style in curves:
         f = sympy.lambdify(sym, expr / scale, "numpy")
         ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)
     if cap is not None:
@@ -145,9 +218,12 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
         ax.plot([fit.max], [fit.total_at_max / scale], "o", color="crimson")
         ax.annotate(f"largest {name} = {fit.max:,}", (fit.max, fit.total_at_max / scale),
                     textcoords="offset points", xytext=(-8, 10), ha="right", color="crimson")
-    ax.set_xlabel(f"{name} ({'batch size' if name == 'B' else 'sequence length' if name == 'S' else name})")
+    if nothing is not None:
+        ax.text(0.5, 0.5, f"nothing fits: {name} = 1 needs more than the budget", transform=ax.transAxes,
+                ha="center", color="crimson")
+    ax.set_xlabel(_axis(name))
     ax.set_ylabel(f"memory ({unit})")
-    ax.set_title(f"{_label(d, ', ')}: memory vs {name}")
+    ax.set_title(f"{_label(d, ', ')}, {_regime(d)}: memory vs {name}")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -157,37 +233,115 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     return fig
 
 
-def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = None, name: str = "B",
-            budget: int | str | None = None, values: Sequence[int] | None = None,
-            output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """Totals of several derivations against ``name`` on one axes, the budget line and each largest fit."""
+#: colours of the live-memory categories, as PyTorch's memory snapshot viewer groups them
+_CATEGORY_COLORS = {"parameter": "#4c72b0", "optimizer_state": "#8172b2", "gradient": "#64b5cd",
+                    "input": "#ccb974", "activation": "#dd8452", "loss": "#c44e52", "activation_grad": "#55a868",
+                    "temporary": "#937860"}
+
+
+def timeline(d: Derivation, step: str = "steady", output: str | Path | None = None, unit: str = "GiB") -> Any:
+    """Live memory over one training step, op by op, stacked by category, with the peak marked and the
+    phases (forward, backward, optimizer step) shaded -- the picture of PyTorch's memory snapshots, drawn from
+    the formula at the derivation's numbers (``step``: ``steady`` or ``first``, which creates the optimizer
+    state)."""
     import numpy as np
 
-    from ..fit import largest
+    plt = _plt()
+    scale = UNITS[unit]
+    events = d.timeline(step)
+    cats = [c for c in _CATEGORY_COLORS if any(v.get(c, 0) for _, _, v in events)]
+    xs = np.arange(len(events))
+    ys = np.array([[v.get(c, 0) / scale for _, _, v in events] for c in cats])
+    fig, ax = plt.subplots(figsize=(9.0, 4.2))
+    ax.stackplot(xs, ys, labels=[c.replace("_", " ") for c in cats], colors=[_CATEGORY_COLORS[c] for c in cats],
+                 step="post", alpha=0.9, linewidth=0)
+    totals = ys.sum(axis=0)
+    top = int(np.argmax(totals))
+    phases: list[tuple[str, int, int]] = []
+    for i, (phase, _, _) in enumerate(events):
+        if phases and phases[-1][0] == phase:
+            phases[-1] = (phase, phases[-1][1], i)
+        else:
+            phases.append((phase, i, i))
+    narrow = []
+    for k, (phase, a, b) in enumerate(phases):
+        if k % 2:
+            ax.axvspan(a, b + 1, color="grey", alpha=0.08, lw=0)
+        if b + 1 - a < 0.06 * len(events):  # too narrow to name on its own: named together at the end
+            narrow.append(phase.replace("_", " "))
+            continue
+        ax.text((a + b + 1) / 2, 1.0, phase.replace("_", " "), transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=8)
+    if narrow:
+        ax.text(1.0, 1.0, " + ".join(narrow), transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
+    phase, node, _ = events[top]
+    ax.plot([top], [totals[top]], "o", color="crimson")
+    ax.annotate(f"peak {totals[top]:.3f} {unit}\n{phase} {node or ''}", (top, totals[top]),
+                textcoords="offset points", xytext=(6, -24), color="crimson", fontsize=8)
+    ax.set_xlim(0, len(events))
+    ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
+    ax.set_xlabel("ops of one training step")
+    ax.set_ylabel(f"live memory ({unit})")
+    which = "the first training step" if step == "first" else "a steady training step"
+    ax.set_title(f"{_label(d, ', ')}, {_regime(d)}: live memory over {which}", pad=16)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    _save(fig, output)
+    return fig
+
+
+def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = None, name: str = "B",
+            budget: int | str | None = None, values: Sequence[int] | None = None,
+            output: str | Path | None = None, unit: str = "GiB", fits: Sequence[Any] | None = None) -> Any:
+    """What must fit (the peak where the convention models the step, else the total) of several derivations
+    against ``name`` on one axes, the budget line and each largest fit ("nothing fits" in the legend where
+    ``name`` = 1 is already over the budget).  ``fits``: the :func:`symmem.fit.largest` answers (None where
+    nothing fits) when the caller has them already; their formulas are the curves."""
+    import numpy as np
+
+    from ..errors import NothingFits
+    from ..fit import default_quantity, largest, polynomial
+
+    def fit_of(d: Derivation) -> Any:
+        try:
+            return largest(d, name, cap)
+        except NothingFits:
+            return None
 
     plt = _plt()
     scale = UNITS[unit]
     labels = list(labels) if labels is not None else [_label(d, ", ") for d in derivations]
     cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
-    fits = [largest(d, name, cap) if cap is not None else None for d in derivations]
+    if fits is None:
+        fits = [fit_of(d) if cap is not None else None for d in derivations]
+    curves = []
+    for d, fit in zip(derivations, fits, strict=True):
+        if fit is not None:
+            sym = next(s for s in d.numbers if s.name == name)
+            curves.append((sym, fit.formula))
+        else:
+            curves.append(polynomial(d, name))
     if values is None:
-        top = max([int(1.3 * f.max) for f in fits if f is not None] + [2 * d.numbers[_function(d, name)[0]]
-                                                                       for d in derivations] + [8])
+        top = max([int(1.3 * f.max) for f in fits if f is not None]
+                  + [2 * d.numbers[sym] for d, (sym, _) in zip(derivations, curves, strict=True)] + [8])
         values = np.unique(np.linspace(1, top, 200).astype(int))
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
-    for d, label, fit in zip(derivations, labels, fits, strict=True):
-        sym, total, _, _ = _function(d, name)
-        f = sympy.lambdify(sym, total / scale, "numpy")
-        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label)
+    for (sym, expr), label, fit in zip(curves, labels, fits, strict=True):
+        f = sympy.lambdify(sym, expr / scale, "numpy")
+        nothing = cap is not None and fit is None and float(expr.subs(sym, 1)) > cap
+        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label + (" (nothing fits)" if nothing else ""))
         if fit is not None:
             ax.plot([fit.max], [fit.total_at_max / scale], "o", color=line.get_color())
             ax.annotate(f"{fit.max:,}", (fit.max, fit.total_at_max / scale), textcoords="offset points",
                         xytext=(4, -12), color=line.get_color(), fontsize=8)
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
-    ax.set_xlabel(name)
-    ax.set_ylabel(f"training memory ({unit})")
+    quantities = {default_quantity(d) for d in derivations}
+    what = {frozenset({"peak"}): "peak of a training step", frozenset({"total"}): "training memory (total)"}.get(
+        frozenset(quantities), "training memory (peak or total)")
+    ax.set_xlabel(_axis(name))
+    ax.set_ylabel(f"{what} ({unit})")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0, top=None if cap is None else 1.4 * cap / scale)
     ax.grid(alpha=0.3)

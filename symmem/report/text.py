@@ -84,6 +84,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
             for t in d.terms
         ],
     }
+    if d.domain is not sympy.true:
+        out["domain"] = str(d.domain)
     if step is not None:
         out["values"].update(step["values"])
         out["expressions"].update(step["expressions"])
@@ -211,6 +213,8 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
     formula = max(width - name - 14, 20)
     lines = wrap(title, width) + wrap(symbols, width)
+    if d.domain is not sympy.true:
+        lines += wrap(f"holds where: {d.domain}", width)
     lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
         cells = _cell(str(rounded(expr)), formula, cut)
@@ -231,8 +235,15 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ",
                      str(rounded(d.parameters)),
                      width, cut)
-    lines += _peak_lines(d, width, cut)
     return "\n".join(ln.rstrip() for ln in lines)
+
+
+def summary(d: Derivation, width: int | None = None, fold: bool = False, cut: bool = False) -> str:
+    """:func:`table`, then the peak of a training step where the convention models the step (what
+    ``symmem derive`` prints and ``str(derivation)`` shows)."""
+    width = terminal_width() if width is None else width
+    lines = _peak_lines(d, width, cut)
+    return table(d, width, fold, cut) + ("\n" + "\n".join(ln.rstrip() for ln in lines) if lines else "")
 
 
 def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
@@ -241,8 +252,8 @@ def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
     step = peak(d)
     if step is None:
         return []
-    lines = ["", "total = kept at the end of the forward pass + parameter side; the peak is the most memory alive "
-             "at any moment of a training step:"]
+    lines = ["", *wrap("total = kept at the end of the forward pass + parameter side; peak = the most memory "
+                       "alive at any moment of a training step (forward, backward, optimizer step):", width)]
     at = d.peak_at()
     first_at = d.peak_at("first")
     for key, moment in (("peak", at), ("peak_first_step", first_at)):
