@@ -353,8 +353,9 @@ class Derivation:
     # -- numbers --------------------------------------------------------------------------------------
     def evaluate(self, expr: sympy.Expr) -> int:
         """``expr`` at the derivation's numbers (defaults overridden by what was set): exact integer bytes, rounded
-        up where the formula has a fraction of a byte.  The expression is compiled once and cached
-        (:mod:`symmem.evaluator`), so evaluating it at many numbers (``at(...)``) does not rebuild it."""
+        up where the formula has a fraction of a byte.  The expression's evaluator is cached
+        (:mod:`symmem.evaluator`: interpreted at its first numbers, compiled from the second), so evaluating it at
+        many numbers (``at(...)``) does not rebuild it."""
         f = evaluator(expr)
         numbers = self.numbers
         missing = [s for s in f.symbols if s not in numbers]
@@ -440,8 +441,9 @@ class Derivation:
         if not outside.any():
             return out
         out = out.astype(object)
-        for index in zip(*np.nonzero(outside), strict=True):
-            out[index] = self.at(**{n: int(g[index]) for n, g in grid.items()}).value(key)
+        for index in np.ndindex(out.shape):
+            if outside[index]:
+                out[index] = self.at(**{n: int(g[index]) for n, g in grid.items()}).value(key)
         return out.astype(np.int64) if all(abs(x) <= 2**63 - 1 for x in out.flat) else out
 
     def size(self, key: str, unit: str = "GiB") -> float:

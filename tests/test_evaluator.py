@@ -214,3 +214,8 @@ def test_peak_values_inside_and_outside_the_formulas_domain():
     got = d.values("peak", L=layers, B=batches)
     assert got.tolist() == [[d.at(L=int(x), B=int(b)).value("peak") for x in layers[0]] for b in (1, 7)]
     assert d.values("peak_first_step", B=[1, 3]).tolist() == [d.at(B=b).value("peak_first_step") for b in (1, 3)]
+
+
+def test_peak_values_at_one_configuration_given_as_numbers():
+    d = derive("mlp", widths="symbolic", convention="pytorch")
+    assert d.values("peak", L=2, B=3).tolist() == d.at(L=2, B=3).value("peak")
