@@ -22,8 +22,8 @@ def test_html_table(resnet):
     html = resnet._repr_html_()
     for t in resnet.terms:
         assert f"<code>{t.name}</code>" in html
-    # The seed's stage-1 conv1 (49.00 MiB) and conv1 stem (196.00 MiB) figures, and the exact 3.025 GiB total.
-    assert "196.00 MiB" in html and "49.00 MiB" in html and "3.025 GiB" in html
+    # The FP32 analysis's stage-1 conv1 (49 MiB) and conv1 stem (196 MiB) figures, and the exact 3.025 GiB total.
+    assert "196.000 MiB" in html and "49.000 MiB" in html and "3.025 GiB" in html
     rows = re.findall(r"<tr>", html)
     assert len(rows) >= len(resnet.terms) + 3
 
