@@ -30,6 +30,7 @@ are interpolated moment by moment into formulas in ``L`` and checked against a r
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -195,6 +196,7 @@ class _StepRecorder(Recorder):
         self.events: list[tuple[Any, ...]] = []
         self.step_no, self.phase, self.where_now, self.module_now = 1, "start", "", ""
         self.param_names: dict[int, str] = {}
+        self.last_param = ""
         self.closed = False
         self.observe = self._after
 
@@ -205,8 +207,8 @@ class _StepRecorder(Recorder):
         raw = n.node.expr if hasattr(n, "node") else int(n)
         sid = len(self.items)
         where = self.where_now if op is not None else ""
-        self.items.append({"raw": raw, "raw0": raw, "labels": set(), "dtype": dtype_name(t.dtype), "op": op, "where": where,
-                           "module": self.module_now if op is not None else "", "step": self.step_no,
+        self.items.append({"raw": raw, "raw0": raw, "labels": set(), "dtype": dtype_name(t.dtype), "op": op,
+                           "where": where, "module": self.module_now if op is not None else "", "step": self.step_no,
                            "phase": self.phase if op is not None else "start"})
         key = st._cdata
         f = weakref.finalize(st, self._freed, key, sid)
@@ -220,6 +222,7 @@ class _StepRecorder(Recorder):
             return
         if self.by_key.get(key) == sid:
             del self.by_key[key]
+            self.param_names.pop(key, None)  # the address may be reused by another storage
         self.events.append(("free", sid))
 
     def register(self, tensors: Any, category: str) -> None:
@@ -282,19 +285,23 @@ class _StepRecorder(Recorder):
             if op.startswith("aten._foreach") or op.startswith("aten._fused"):
                 where = "foreach"
             else:
+                # an op on a parameter's tensors serves that parameter, and what it makes belongs to it; one on
+                # none of them (Adam's step count, made from a Python number) to the parameter served last
+                name = None
                 for a in _leaves([args, kwargs]):
                     try:
                         name = self.param_names.get(storage_key(a))
                     except (RuntimeError, NotImplementedError):
                         continue
                     if name is not None:
-                        where = name
-                        for t in outs:
-                            try:
-                                self.param_names[storage_key(t)] = name
-                            except (RuntimeError, NotImplementedError):
-                                pass
                         break
+                where = name if name is not None else self.last_param
+                self.last_param = where
+                for t in outs:
+                    try:
+                        self.param_names.setdefault(storage_key(t), where)
+                    except (RuntimeError, NotImplementedError):
+                        pass
         elif self.phase in ("forward", "loss"):
             where = self.current
         self.events.append(("op", self.step_no, self.phase, op, where,
@@ -486,6 +493,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
 
     notes: list[str] = []
     world = make_world(values, multiple_of=multiple_of, concrete=concrete)
+    world.mode.cache_enabled = False
     mapping = world.mapping(symbols)
     at = resized(inputs, values) if concrete else inputs
     with ExitStack() as stack:
@@ -530,7 +538,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
         for _ in range(options.micro_batches):
             rec.reads = []
             with rec.in_phase(1, "forward"), rec.saving(), autocasting(options.autocast, device):
-                out = rec._guarded(lambda: module(*args, **kwargs))
+                out = rec._guarded(functools.partial(module, *args, **kwargs))
             with rec.in_phase(1, "loss"), rec.saving(), autocasting(options.autocast, device):
                 if options.loss == "cross-entropy" and target is None:
                     rec.quiet = True
@@ -553,7 +561,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                 del out, value, handles
         for step in (1, 2):
             with rec.in_phase(step, "step"):
-                rec.param_names = {}
+                rec.param_names, rec.last_param = {}, ""
                 for p in trainable:
                     for t in (p, p.grad, *opt.state.get(p, {}).values()):
                         if isinstance(t, torch.Tensor):
