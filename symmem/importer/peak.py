@@ -247,12 +247,20 @@ class StepPeak:
             self._peaks[None] = found
         return self._peaks[None]
 
+    def lazy(self) -> Any:
+        """The peak, computed when its formulas are first read: whether numbers lie in its domain is known before
+        (a layer count below 4 is recorded at that count without folding first)."""
+        domain = self._domain()
+        if self.repeat is not None and self.symbol is not None:
+            domain = (sympy.Ge(self.symbol, COUNTS[0]), *domain)
+        return _LazyPeak(domain, self.peak)
+
     def __call__(self, at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
         """``Derivation.step``: the :class:`~symmem.passes.peak.Peak` (symbolic), or with ``at`` the peak with those
         numbers for the layer count and for sizes at 1 (the rest symbolic), or with ``timeline`` (``first`` or
         ``steady``) the step at ``at`` op by op: (phase, where, live bytes per category)."""
         if at is None:
-            return self.peak()
+            return self.peak() if None in self._peaks else self.lazy()
         count = at.get(self.symbol) if self.symbol is not None else None
         by_symbol = {s: n for n, s in self.symbols.items()}
         ones = tuple(sorted(by_symbol[s] for s, v in at.items() if s in by_symbol and v == 1))
@@ -265,3 +273,41 @@ class StepPeak:
             layers = rec.layers if rec.layers is not None else self.layer_map()
             self._peaks[key] = peak_of(rec, subs=self.subs, numbers={**self.numbers, **dict(at)}, layers=layers)
         return self._peaks[key]
+
+
+def _lazy_base() -> type:
+    from ..passes.peak import Peak
+
+    return Peak
+
+
+class _LazyPeak(_lazy_base()):  # type: ignore[misc]
+    """A :class:`~symmem.passes.peak.Peak` whose formulas are computed on first use.  Its domain is known before:
+    :meth:`holds_at` answers False without computing anything where a number lies below it (the derivation then
+    asks for the step at those numbers), and otherwise computes the peak and asks the real one (a fold that
+    failed holds at the module's own layer count only)."""
+
+    def __init__(self, domain: tuple[Any, ...], compute: Any) -> None:  # noqa: D107 - a frozen dataclass
+        object.__setattr__(self, "domain", domain)
+        object.__setattr__(self, "_compute", compute)
+        object.__setattr__(self, "_done", None)
+
+    def _force(self) -> Any:
+        if self._done is None:
+            found = self._compute()
+            object.__setattr__(self, "_done", found)
+            object.__setattr__(self, "domain", found.domain)
+        return self._done
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("expr", "first", "moments"):
+            return getattr(self._force(), name)
+        raise AttributeError(name)
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        if not all(bool(c.xreplace(dict(numbers))) for c in self.domain):
+            return False
+        return self._force().holds_at(numbers)
+
+    def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Any:
+        return self._force().at(numbers, step)

@@ -19,7 +19,8 @@ can be applied by hand to a real module, so that a measurement sees the same cod
   inputs) and is recomputed when its backward starts;
 - :func:`with_layers`: a run of identical children (a repeat) written out ``count`` times: the first ``count``
   of them, or all of them and copies of the last (copies hold ``meta`` parameters, which a fake run replaces;
-  an integer attribute ``layer_idx`` is renumbered, as Hugging Face caches index layers by it).
+  an integer attribute ``layer_idx`` is renumbered, as Hugging Face caches index layers by it, and a
+  ``config.num_hidden_layers`` equal to the container's length follows it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from ..errors import SymmemError
 AUTOCAST = ("bfloat16", "float16")
 #: attributes that number a layer inside its stack (Hugging Face attention modules index their cache by it)
 LAYER_INDEX = ("layer_idx",)
+#: configuration attributes that count the layers (Hugging Face caches make one slot per layer)
+LAYER_COUNT = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 def autocast_dtype(name: str | None) -> Any:
@@ -161,15 +164,37 @@ def with_layers(module: Any, container: str, children: Sequence[str], count: int
                 _renumber(child, base + k)
     layers = originals[:first] + new_run + originals[last + 1:]
     saved = dict(parent._modules)
+    configs = _layer_counts(module, len(originals))
     parent._modules.clear()
     for i, m in enumerate(layers):
         parent._modules[str(i)] = m
+    for cfg, attr in configs:
+        setattr(cfg, attr, len(layers))
     prefix = f"{container}." if container else ""
     try:
         yield {f"{prefix}{first + k}": k for k in range(len(new_run))}
     finally:
         parent._modules.clear()
         parent._modules.update(saved)
+        for cfg, attr in configs:
+            setattr(cfg, attr, len(originals))
+
+
+def _layer_counts(module: Any, count: int) -> list[tuple[Any, str]]:
+    """(config, attribute) pairs that hold the number of layers (a Hugging Face ``config.num_hidden_layers``:
+    its caches make one slot per layer), where they equal ``count``."""
+    found: list[tuple[Any, str]] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        for attr in LAYER_COUNT:
+            if getattr(cfg, attr, None) == count and isinstance(getattr(cfg, attr), int):
+                found.append((cfg, attr))
+                break
+    return found
 
 
 def _index(child: Any) -> int | None:
