@@ -209,7 +209,10 @@ class Recorder:
                 rec.autograd_to_op.setdefault(peek() - 1, seq)
                 rec.aten = str(func)
                 if func is local_scalar:
-                    return rec._scalar(func, args, kwargs)
+                    value = rec._scalar(func, args, kwargs)
+                    if rec.observe is not None:
+                        rec.observe(func, args, kwargs, value)
+                    return value
                 if func in rec.opaque:
                     raise OpaqueKernel(
                         f"{func} at {rec.where} keeps a oneDNN workspace whose size only oneDNN knows (its fake "

@@ -493,7 +493,6 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
 
     notes: list[str] = []
     world = make_world(values, multiple_of=multiple_of, concrete=concrete)
-    world.mode.cache_enabled = False
     mapping = world.mapping(symbols)
     at = resized(inputs, values) if concrete else inputs
     with ExitStack() as stack:
