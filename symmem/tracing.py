@@ -9,9 +9,16 @@ JSON, LaTeX, plots, ``fit``, optimizers, precisions and ZeRO on the parameter si
 
 >>> import pytest; torch = pytest.importorskip("torch")
 >>> net = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
->>> d = trace(net, (torch.zeros(2, 784),), {"B": [(0, 0)]}, optimizer="adam")
+>>> d = trace(net, (torch.zeros(2, 784),), {"B": [(0, 0)]}, optimizer="adam", loss="cross-entropy")
 >>> d.activations, d.input, d.value("parameters")
 (1024*B, 3136*B, 203530)
+
+The peak is the module's own training step, traced on fake tensors op by op (:mod:`symmem.importer.peak`):
+
+>>> d.peak      # Adam's for-loop step: sqrt and its division of the largest weight, alive together
+Max(3144*B + 4862128, 6216*B + 2452664)
+>>> d.at(B=1024).peak_at().where()
+'backward aten.threshold_backward.default (ReluBackward0) in 1, steady step'
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The same wrappers apply to every run of a trace (the real check, the fake forward, the fake training step) and
 can be applied by hand to a real module, so that a measurement sees the same code path:
 
->>> import torch
+>>> import pytest; torch = pytest.importorskip("torch")
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
 >>> find_repeat(net)
 ('', ('0', '1', '2'))
