@@ -149,6 +149,9 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
         # ``timeline`` ("first" or "steady"): the step written out at ``at`` (every symbol a number), op by op
         if timeline is not None:
             assert at is not None
+            if timeline.startswith("allocated"):
+                return peak.allocated(model.graph, conv, options, regime, subs, at, assignments,
+                                      timeline.endswith("first"))
             return peak.timeline(model.graph, conv, options, regime, subs, at, assignments, timeline == "first")
         key = None if at is None else tuple(sorted((s.name, v) for s, v in at.items()))
         if key not in cache:
