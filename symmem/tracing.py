@@ -169,8 +169,7 @@ def model_of(trace: Any, name: str | None = None, size_one: bool = False) -> Mod
     options = {"traced": trace.module, "method": trace.method}
     if size_one:
         options["size_one"] = True
-    title = f"{name or trace.module} ({trace.method})"
-    return Model(title, graph, defaults, free, f"{trace.module}, traced ({trace.method})",
+    return Model(name or trace.module, graph, defaults, free, f"{trace.module}, traced ({trace.method})",
                  layer=layer, options=options)
 
 

@@ -84,13 +84,18 @@ def _keyed(record: StepRecord, step: str) -> dict[tuple[Any, ...], tuple[StepOp,
 def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[sympy.Symbol, Any],
           numbers: Mapping[sympy.Symbol, int] | None, domain: tuple[Any, ...], names: Mapping[Any, tuple[str, str]]
           ) -> Any:
-    from ..passes.peak import BASE, Moment, Peak, _max, _prune_all
+    """The first and steady steps' candidates pruned by :mod:`symmem.passes.peak`'s algebra (one for both: the
+    sizes repeat), as a :class:`~symmem.passes.peak.Peak`."""
+    from ..passes.peak import BASE, Moment, Peak, _Algebra, _max, _prune_all
 
+    sizes = list(dict.fromkeys(x for cs in cands.values() for c in cs for _, x in c.parts))
+    alg = _Algebra(sizes, subs, syms, BASE, 1)
+    memo: dict = {}
     found: dict[str, list[Any]] = {}
     for step in ("steady", "first"):
-        kept = _prune_all(cands[step], syms, subs, numbers, BASE, 1)
-        found[step] = [Moment(k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step,
-                              k.live(syms, subs, BASE, 1)) for k in kept]
+        kept = _prune_all(cands[step], alg, numbers, memo)
+        found[step] = [Moment(k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step, alg.live(k))
+                       for k in kept]
     return Peak(_max(found["steady"]), _max(found["first"]), tuple(found["steady"] + found["first"]), domain)
 
 
@@ -110,7 +115,7 @@ def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = Non
                 continue
             place, k = _locate(o, layers if layers is not None else record.layers)
             key = (o.phase, o.index)
-            parts = tuple({x: (n, ()) for x, n in live[c].items()} for c in range(len(CATEGORIES)))
+            parts = {(c, x): (n, ()) for c in range(len(CATEGORIES)) for x, n in live[c].items()}
             cands[step].append(_Candidate(key, step, parts))
             names[(step, key)] = (_node(o, place), "" if k is None else str(k + 1))
     return _peak(cands, [], subs or {}, numbers, domain, names)
@@ -143,18 +148,16 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
             _, lc, cand_c, _ = kc[key]
             if not (cand_a or cand_b or cand_c):
                 continue
-            parts = []
+            parts = {}
             for i in range(len(CATEGORIES)):
-                part = {}
                 for x in set(la[i]) | set(lb[i]) | set(lc[i]):
                     n0, d = la[i][x], lb[i][x] - la[i][x]
                     if d % step_b or n0 + d // step_b * step_c != lc[i][x]:
                         raise FoldError(f"{_node(o, place)} ({step} step): {x} bytes are alive {la[i][x]}, "
                                         f"{lb[i][x]}, {lc[i][x]} times at {COUNTS} layers: not one more set per "
                                         "layer")
-                    part[x] = (n0, (d // step_b,))
-                parts.append(part)
-            cands[step].append(_Candidate(key, step, tuple(parts)))
+                    parts[(i, x)] = (n0, (d // step_b,))
+            cands[step].append(_Candidate(key, step, parts))
             names[(step, key)] = (_node(o, place), key[2])
     return _peak(cands, [symbol], subs or {}, numbers, domain, names)
 
