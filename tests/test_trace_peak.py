@@ -64,6 +64,7 @@ def test_cnn_peak_equals_real_steps(cnn, layers, b, hi, wi):
     d, optimizer, impl = cnn
     L = symmem.symbol("L")
     assert d.peak.has(L) and "interpolated in L" in " ".join(d.step.notes)
+    assert len(d.step.module.blocks) == 4  # the stack was written out at 4, 5 and 6 layers and put back
     torch.manual_seed(1)
     real = real_peaks(Net(layers), torch.randn(b, 3, hi, wi), loss="cross-entropy", optimizer=optimizer, impl=impl)
     assert peaks(d, B=b, Hi=hi, Wi=wi, L=layers) == real
@@ -262,3 +263,14 @@ def test_a_step_that_does_not_fold_is_given_at_its_own_layer_count():
     for layers, b in [(2, 3), (5, 2)]:
         real = real_peaks(Dense(layers), torch.randn(b, 4), optimizer="sgd")
         assert peaks(d, B=b, L=layers) == real
+
+
+def test_regimes_the_step_does_not_run_are_refused_or_absent():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    x = (torch.randn(2, 4),)
+    mixed = symmem.trace(net, x, {"B": [(0, 0)]}, precision="mixed")
+    with pytest.raises(symmem.SymmemError, match="autocast"):
+        _ = mixed.peak
+    assert not symmem.trace(net, x, {"B": [(0, 0)]}, optimizer="lion").has_peak  # not a torch.optim optimizer
+    with pytest.raises(symmem.SymmemError, match="every-K"):
+        symmem.trace(net, x, {"B": [(0, 0)]}, checkpoint="every-2")

@@ -143,10 +143,9 @@ class StepRecord:
         if step == "steady":
             for i in self.state():
                 state[where[i][0]][where[i][1]] += 1
-        mine = [o.index for o in self.ops if self.in_step(o, step)]
-        last = mine[-1] if mine else -1
-        ends = {last} | {o.index for o in self.ops if o.phase == "step" and o.index == max(
-            (p.index for p in self.ops if p.phase == "step" and p.step == o.step), default=-1)}
+        ends = {o.step: o.index for o in self.ops if o.phase == "step"}  # the last op of each optimizer step
+        ends = set(ends.values()) | {max((o.index for o in self.ops if self.in_step(o, step)), default=-1)}
+        steady = step == "steady"
         out: list[tuple[StepOp, tuple[Counter, ...], bool]] = []
         for o in self.ops:
             for i in o.born:
@@ -157,11 +156,12 @@ class StepRecord:
                 live[c][new] += 1
                 where[sid] = (c, new)
             if self.in_step(o, step):
-                candidate = bool(o.freed) or (o.index in ends and self.in_step(o, step))
+                candidate = bool(o.freed) or o.index in ends
                 if candidate or every:
-                    extra = state if o.phase != "step" else None
-                    snap = tuple(Counter(+(c + e) if extra is not None else +c)
-                                 for c, e in zip(live, extra or live, strict=True))
+                    if steady and o.phase != "step":
+                        snap = tuple(+(c + e) for c, e in zip(live, state, strict=True))
+                    else:
+                        snap = tuple(+c for c in live)
                     out.append((o, snap, candidate))
             for i in o.freed:
                 live[where[i][0]][where[i][1]] -= 1
@@ -583,4 +583,4 @@ def _checkpointed_children(children: Sequence[str], layers: tuple[str, tuple[str
     children were checkpointed, plus any other child named."""
     run = set(layers[1])
     others = tuple(c for c in children if c not in run)
-    return (*others, *(index or {}))
+    return (*others, *(index or {} if run & set(children) else ()))
