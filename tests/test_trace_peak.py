@@ -274,3 +274,10 @@ def test_regimes_the_step_does_not_run_are_refused_or_absent():
     assert not symmem.trace(net, x, {"B": [(0, 0)]}, optimizer="lion").has_peak  # not a torch.optim optimizer
     with pytest.raises(symmem.SymmemError, match="every-K"):
         symmem.trace(net, x, {"B": [(0, 0)]}, checkpoint="every-2")
+
+
+def test_allocated_peak_rounds_every_storage(cnn):
+    d, _, _ = cnn
+    at = d.at(B=3, Hi=10, Wi=6, L=2)
+    assert at.value("peak") <= at.peak_allocated() <= at.value("peak") + 512 * 200
+    assert at.peak_allocated() % 512 == 0

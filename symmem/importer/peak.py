@@ -261,7 +261,8 @@ class StepPeak:
     def __call__(self, at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
         """``Derivation.step``: the :class:`~symmem.passes.peak.Peak` (symbolic), or with ``at`` the peak with those
         numbers for the layer count and for sizes at 1 (the rest symbolic), or with ``timeline`` (``first`` or
-        ``steady``) the step at ``at`` op by op: (phase, where, live bytes per category)."""
+        ``steady``) the step at ``at`` op by op: (phase, where, live bytes per category); ``allocated-first`` or
+        ``allocated-steady``: the peak with every storage rounded up to 512 bytes."""
         if at is None:
             return self.peak() if None in self._peaks else self.lazy()
         count = at.get(self.symbol) if self.symbol is not None else None
@@ -270,7 +271,10 @@ class StepPeak:
         rec = self.record(int(count) if count is not None else None, ones)
         if timeline is not None:
             values = {**{s: v for s, v in self.numbers.items()}, **dict(at)}
-            return rec.timeline(timeline, {s: values[s] for s in self.symbols.values() if s in values})
+            values = {s: values[s] for s in self.symbols.values() if s in values}
+            if timeline.startswith("allocated-"):  # Derivation.peak_allocated: blocks rounded as CUDA's allocator
+                return rec.allocated(timeline.removeprefix("allocated-"), values)
+            return rec.timeline(timeline, values)
         key = (count, ones)
         if key not in self._peaks:
             layers = rec.layers if rec.layers is not None else self.layer_map()

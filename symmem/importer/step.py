@@ -167,6 +167,20 @@ class StepRecord:
                 live[where[i][0]][where[i][1]] -= 1
         return out
 
+    def allocated(self, step: str, values: Mapping[sympy.Symbol, int], block: int = 512) -> int:
+        """The peak of ``step`` at ``values`` with every storage rounded up to ``block`` bytes, as CUDA's caching
+        allocator rounds its blocks (what ``torch.cuda.max_memory_allocated`` reports before workspaces)."""
+        memo: dict[Any, int] = {}
+
+        def num(x: Any) -> int:
+            if x not in memo:
+                n = int(sympy.sympify(x).xreplace({k: sympy.Integer(v) for k, v in values.items()}))
+                memo[x] = -(-n // block) * block
+            return memo[x]
+
+        return max((sum(num(x) * n for part in live for x, n in part.items()) for _, live, _ in self.live(step)),
+                   default=0)
+
     def timeline(self, step: str, values: Mapping[sympy.Symbol, int]) -> list[tuple[str, str | None, dict[str, int]]]:
         """(phase, where, live bytes per zoo category) after every op of ``step``, at ``values``."""
         from ..passes.schedule import CATEGORIES
