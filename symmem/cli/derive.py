@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from .common import add_derive_options, derivation_from_args
 
@@ -39,6 +38,8 @@ def _width(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     d = derivation_from_args(args)
     if args.format == "json":
+        import json
+
         print(json.dumps(d.to_dict(), indent=2))
     elif args.format == "latex":
         from ..report.latex import align
