@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -65,6 +66,11 @@ def contiguous(shape: Sequence[sympy.Expr]) -> Strides:
     >>> contiguous((B, S, H))
     (H*S, H, 1)
     """
+    return _contiguous(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape: tuple[sympy.Expr, ...]) -> Strides:
     out = []
     acc: sympy.Expr = _ONE
     for d in reversed(tuple(shape)):
@@ -108,24 +114,38 @@ def _vector(found: dict[sympy.Basic, sympy.Expr]) -> tuple[tuple[sympy.Basic, sy
     return tuple(sorted(((b, x) for b, x in found.items() if x != 0), key=lambda kv: sympy.default_sort_key(kv[0])))
 
 
-def _plus(v: tuple[tuple[sympy.Basic, sympy.Expr], ...], w: tuple[tuple[sympy.Basic, sympy.Expr], ...],
-          sign: int = 1) -> tuple[tuple[sympy.Basic, sympy.Expr], ...]:
-    found = dict(v)
-    for b, x in w:
-        found[b] = found.get(b, 0) + sign * x
-    return _vector(found)
-
-
 @functools.lru_cache(maxsize=256)
-def _products(sizes: tuple[sympy.Expr, ...]) -> frozenset[tuple[tuple[sympy.Basic, sympy.Expr], ...]]:
-    """The products of up to four of ``sizes`` (as power vectors): the quantities known to be at least 2."""
-    vectors = {_powers(d)[1] for d in sizes if not d.is_number} - {()}
-    found: set[tuple[tuple[sympy.Basic, sympy.Expr], ...]] = set()
-    frontier: set[tuple[tuple[sympy.Basic, sympy.Expr], ...]] = {()}
-    for _ in range(4):
-        frontier = {_plus(v, w) for v in frontier for w in vectors} - found
-        found |= frontier
-    return frozenset(found - {()})
+def _vocabulary(sizes: tuple[sympy.Expr, ...]) -> tuple[dict[sympy.Basic, int], int, tuple[tuple[int, ...], ...]]:
+    """The sizes as integer exponent vectors: (an index of the bases they are powers of, the common denominator
+    of the exponents, the vectors)."""
+    powers = [dict(_powers(d)[1]) for d in sizes if not d.is_number]
+    index = {b: i for i, b in enumerate(sorted({b for p in powers for b in p}, key=sympy.default_sort_key))}
+    den = math.lcm(1, *(int(sympy.Rational(x).q) for p in powers for x in p.values()))
+    vectors = {tuple(int(p.get(b, 0) * den) for b in index) for p in powers}
+    return index, den, tuple(sorted(v for v in vectors if any(v)))
+
+
+@functools.lru_cache(maxsize=16384)
+def _reaches(vectors: tuple[tuple[int, ...], ...], target: tuple[int, ...], depth: int) -> bool:
+    # is ``target`` a sum of at most ``depth`` of ``vectors`` (repeats allowed)?
+    if not any(target):
+        return True
+    if depth == 0:
+        return False
+    return any(_reaches(vectors, tuple(t - x for t, x in zip(target, v, strict=True)), depth - 1) for v in vectors)
+
+
+def _is_product(vector: tuple[tuple[sympy.Basic, sympy.Expr], ...], sizes: tuple[sympy.Expr, ...],
+                sign: int = 1) -> bool:
+    """Whether the power ``vector`` (times ``sign``) is a product of up to four of ``sizes``: at least 2."""
+    index, den, vectors = _vocabulary(sizes)
+    if any(b not in index for b, _ in vector):
+        return False
+    found = dict(vector)
+    target = [sign * found.get(b, 0) * den for b in index]
+    if any(not sympy.sympify(t).is_integer for t in target):
+        return False
+    return _reaches(vectors, tuple(int(t) for t in target), 4)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -134,19 +154,20 @@ def _cmp(a: sympy.Expr, b: sympy.Expr, sizes: tuple[sympy.Expr, ...]) -> int | N
     symbolic size among ``sizes`` is at least 2 and no two are equal by accident; None when that leaves it open
     (``S`` against ``h``).
 
-    ``b/a`` is more than 1 when it is a product of the sizes: d*h against d is h against 1.
+    ``a/b`` is more than 1 when it is a product of the sizes: d*h against d is h against 1.
     """
     if _eq(a, b):
         return 0
     if a == 0 or b == 0:
         return -1 if a == 0 else 1
-    coeff, vector = _powers(sympy.cancel(a / b))
+    coeff, vector = _powers(a / b)  # products of sizes divide by themselves; a sum needs cancel
+    if any(base.is_Add for base, _ in vector):
+        coeff, vector = _powers(sympy.cancel(a / b))
     if not vector:
         return 1 if coeff > 1 else -1
-    known = _products(sizes)
-    if vector in known:
+    if _is_product(vector, sizes):
         return 1
-    if _plus((), vector, -1) in known:
+    if _is_product(vector, sizes, -1):
         return -1
     return None
 
