@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from .common import add_derive_options, derivation_from_args
+from .common import add_derive_options, derivation_from_args, emit
 
 NAME = "derive"
 HELP = "derive a model's training-memory formula"
@@ -18,13 +17,5 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    d = derivation_from_args(args)
-    if args.format == "json":
-        print(json.dumps(d.to_dict(), indent=2))
-    elif args.format == "latex":
-        from ..report.latex import align
-
-        print(align(d))
-    else:
-        print(d.table())
+    emit(derivation_from_args(args), args.format)
     return 0
