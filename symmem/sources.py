@@ -4,7 +4,7 @@
 
 - ``package.module:callable`` or ``path/to/file.py:callable``: a callable (no arguments) returning a
   ``torch.nn.Module``, or a ``(module, example_inputs)`` pair.  A module alone needs its example inputs from
-  ``--input 2x3x32x32`` (float) or ``--input 2x8:int64`` (zeros).  A path is imported from that file with
+  ``--example 2x3x32x32`` (float) or ``--example 2x8:int64`` (zeros).  A path is imported from that file with
   :mod:`importlib`; a dotted name with :func:`importlib.import_module`.  The text is never evaluated.
 - ``hf:MODEL_TYPE``: the defaults of that ``transformers`` config class
   (``transformers.AutoConfig.for_model(model_type)``), overridden by ``--config key=value``.  Text models are
@@ -189,7 +189,7 @@ def load(spec: str, *, config: dict[str, Any] | None = None, loss: str | None = 
         raise SymmemError("--config sets keys of a transformers config: it applies to hf:MODEL_TYPE only")
     if prefix == "hf":
         if inputs:
-            raise SymmemError("--input gives example inputs to a callable that returns a module alone; hf: models "
+            raise SymmemError("--example gives example inputs to a callable that returns a module alone; hf: models "
                               "get theirs from the config")
         return _hf(spec, rest, config or {}, loss)
     if loss is not None:
@@ -197,7 +197,7 @@ def load(spec: str, *, config: dict[str, Any] | None = None, loss: str | None = 
                           "labels); compute your module's loss inside its forward instead")
     if prefix in ("torchvision", "timm"):
         if inputs:
-            raise SymmemError(f"--input: {prefix}: models get an image batch at their own input size")
+            raise SymmemError(f"--example: {prefix}: models get an image batch at their own input size")
         return _vision_zoo(spec, prefix, rest)
     return _callable(spec, inputs)
 
@@ -271,11 +271,11 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
     if isinstance(result, torch.nn.Module):
         if not inputs:
             raise SymmemError(f"{spec}: {attr}() returned a module without example inputs: give them with "
-                              "--input 2x784 (float) or --input 2x8:int64, or return (module, example_inputs)")
+                              "--example 2x784 (float) or --example 2x8:int64, or return (module, example_inputs)")
         return Loaded(spec, result, tuple(_example(text) for text in inputs))
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
         if inputs:
-            raise SymmemError(f"{spec}: {attr}() returns its example inputs; drop --input")
+            raise SymmemError(f"{spec}: {attr}() returns its example inputs; drop --example")
         module, example = result
         if isinstance(example, torch.Tensor):
             example = (example,)
@@ -288,16 +288,16 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
 
 
 def _example(text: str) -> Any:
-    """``--input 2x3x32x32`` (float32, random) or ``2x8:int64`` (zeros)."""
+    """``--example 2x3x32x32`` (float32, random) or ``2x8:int64`` (zeros)."""
     import torch
 
     m = _SHAPE.match(text.strip())
     if not m:
-        raise SymmemError(f"--input {text!r}: expected sizes like 2x3x32x32, optionally :int64 or :float32")
+        raise SymmemError(f"--example {text!r}: expected sizes like 2x3x32x32, optionally :int64 or :float32")
     sizes = tuple(int(x) for x in m.group(1).split("x"))
     dtype = getattr(torch, m.group(2) or "float32", None)
     if not isinstance(dtype, torch.dtype):
-        raise SymmemError(f"--input {text!r}: unknown dtype {m.group(2)!r}")
+        raise SymmemError(f"--example {text!r}: unknown dtype {m.group(2)!r}")
     if dtype.is_floating_point:
         return torch.randn(sizes, generator=torch.Generator().manual_seed(0)).to(dtype)
     return torch.zeros(sizes, dtype=dtype)

@@ -95,12 +95,13 @@ def model_option_names() -> set[str]:
 
 
 def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "paper", device: str | None = None,
-                       regime: bool = True) -> None:
+                       regime: bool = True, optional_model: bool = False) -> None:
     """The options every command that derives a formula shares; ``regime=False`` leaves out the training regime
-    (a command that measures one forward pass has none to take)."""
+    (a command that measures one forward pass has none to take); ``optional_model``: the model may be left out
+    (``verify --module``)."""
     from ..conventions import names as convention_names
 
-    p.add_argument("model", help="a built-in model (see `symmem models`)")
+    p.add_argument("model", help="a built-in model (see `symmem models`)", **({"nargs": "?"} if optional_model else {}))
     p.add_argument("--convention", default=convention, choices=convention_names(),
                    help="which tensors are kept (default: %(default)s)")
     add_formula_options(p, device=device, regime=regime)
@@ -208,7 +209,7 @@ def emit(d: Any, fmt: str) -> None:
 
 # -- a module traced from a SPEC (symmem trace, symmem verify --module) ------------------------------------
 def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
-    """Where the module comes from and how it is traced: ``--dims``, ``--config``, ``--input``, ``--method``,
+    """Where the module comes from and how it is traced: ``--dims``, ``--config``, ``--example``, ``--method``,
     ``--multiple-of``, ``--no-check``."""
     p.add_argument("--dims", required=dims_required, metavar="B,S | B=INPUT:DIM,...",
                    help="the sizes to keep symbolic: conventional positions on the first tensor input (B 0; tokens "
@@ -216,9 +217,9 @@ def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="hf: override a key of the transformers config (int, float, true/false or a string; "
                         "repeatable), e.g. --config n_layer=2; attn_implementation=eager|sdpa picks the attention")
-    p.add_argument("--input", action="append", default=[], metavar="SIZES[:DTYPE]",
-                   help="example inputs for a callable that returns a module alone, e.g. --input 2x3x32x32 "
-                        "(float, random) or --input 2x8:int64 (zeros); repeatable, positional")
+    p.add_argument("--example", action="append", default=[], metavar="SIZES[:DTYPE]",
+                   help="example inputs for a callable that returns a module alone, e.g. --example 2x3x32x32 "
+                        "(float, random) or --example 2x8:int64 (zeros); repeatable, positional")
     p.add_argument("--method", default="auto", choices=["auto", "symbolic", "fit"],
                    help="auto: symbolic, retraced or fitted where the module specializes on a size; symbolic: "
                         "never fit; fit: concrete sizes only (default: %(default)s)")
@@ -233,7 +234,7 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     """The loaded module, its declared sizes and the :class:`~symmem.derivation.Derivation` of its trace."""
     from .. import sources
 
-    loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=args.loss, inputs=args.input)
+    loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=args.loss, inputs=args.example)
     for note in loaded.notes:
         import sys
 
