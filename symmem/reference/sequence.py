@@ -244,12 +244,13 @@ class GPT2LMHeadModel(nn.Module):
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's loss with labels: ``LlamaForCausalLM`` (4.4x) upcasts, shifts by one token, flattens (GPT-2 the same,
-    without the upcast before 4.46, which is the same tensor in FP32)."""
+    """HF's loss with labels, transformers 5.23 ``ForCausalLMLoss``: upcast, pad the labels with -100, shift by
+    one token, flatten, ``cross_entropy(..., ignore_index=-100)``."""
     logits = logits.float()
-    shift_logits = logits[..., :-1, :].contiguous()
+    labels = nn.functional.pad(labels, (0, 1), value=-100)
     shift_labels = labels[..., 1:].contiguous()
-    return nn.CrossEntropyLoss()(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+    logits = logits.view(-1, logits.size(-1))
+    return nn.functional.cross_entropy(logits, shift_labels.view(-1), ignore_index=-100)
 
 
 # -- Hugging Face BERT -----------------------------------------------------------------------------------
