@@ -36,9 +36,28 @@ def _median(fn, runs: int = 3) -> float:
     return statistics.median(times)
 
 
+def every_model() -> None:
+    """The target: every built-in model's peak (steady and first step) derives in < 1 s, default sizes."""
+    from symmem import available_models
+
+    times = {}
+    for name in available_models():
+        if name == "counts":
+            continue
+        for kw in ({}, {"loss": "cross-entropy"}) if name in ("gpt2", "llama") else ({},):
+            t = time.perf_counter()
+            d = derive(name, convention="pytorch", device="cpu", **kw)
+            d.value("peak"), d.value("peak_first_step")
+            times[name + (" + loss" if kw else "")] = time.perf_counter() - t
+    slowest = max(times, key=times.get)
+    print(f"every built-in model, derive + peak + first-step peak (first call): median "
+          f"{statistics.median(times.values()):.2f}s, slowest {slowest} {times[slowest]:.2f}s")
+
+
 def main() -> None:
     from symmem.tracker import track_step
 
+    every_model()
     print(f"{'model':<10} {'derive + peak':>14} {'new config':>11} {'tracked step':>13} {'ratio':>7}")
     for name, values, kw in CASES:
         derived = _median(lambda name=name, values=values, kw=kw: derive(

@@ -392,9 +392,20 @@ class Derivation:
 
     # -- views ----------------------------------------------------------------------------------------
     def title(self) -> str:
-        """One line naming what was derived: model, convention, precision and optimizer, scope."""
+        """The one header every view prints: model, convention, precision and optimizer, scope.
+
+        >>> from symmem import derive
+        >>> derive("vit-b16", convention="pytorch").title()
+        'ViT-B/16 (vit-b16) — PyTorch autograd (pytorch convention), FP32 + AdamW'
+        """
+        from . import names
+
         scope = f", one layer ({self.layer})" if self.per_layer else ""
-        return f"{self.model} - convention {self.convention}, {self.regime.precision} + {self.regime.optimizer}{scope}"
+        shown = names.model(self.model)
+        model = shown if shown == self.model else f"{shown} ({self.model})"
+        conv = names.convention(self.convention)
+        conv = f"{conv} ({self.convention} convention)" if conv != self.convention else f"{conv} convention"
+        return f"{model} — {conv}, {names.regime(self.regime.precision, self.regime.optimizer)}{scope}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the README)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import sympy
 
 from .errors import SymmemError
+from .shapes import numel
 
 #: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.
 DTYPE_BYTES: dict[str, int] = {
@@ -87,7 +88,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> sympy.Expr:
-        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+        return numel(self.shape)
 
     def nbytes(self, activation_dtype: str = "float32") -> sympy.Expr:
         return self.numel * dtype_bytes(self.dtype, activation_dtype)

@@ -10,7 +10,7 @@ import pytest
 from symmem import derive
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "pytorch-vs-seed.md").read_text()
-ROW = re.compile(r"^\| (?P<model>[\w-]+)(?: \((?P<att>naive|sdpa|seed geometry|torchvision)\))? \| "
+ROW = re.compile(r"^\| (?P<model>[\w-]+)(?: \((?P<att>naive|sdpa|analysis geometry|torchvision)\))? \| "
                  r"(?P<conv>paper|pytorch, cuda|pytorch, cpu) \| (?P<mib>[\d,]+\.\d\d) \|", re.M)
 ROWS = [m.groupdict() for m in ROW.finditer(DOC)]
 

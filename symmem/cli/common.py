@@ -193,18 +193,44 @@ def regime_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}
 
 
-def emit(d: Any, fmt: str) -> None:
-    """Print a derivation as ``symmem derive`` does: the text table, LaTeX (``align*``) or JSON."""
+def add_output_options(p: argparse.ArgumentParser) -> None:
+    """``--format`` and the text/LaTeX layout options of ``symmem derive`` (and ``symmem trace``)."""
+    p.add_argument("--format", choices=["text", "latex", "json"], default="text")
+    view = p.add_argument_group("text and LaTeX layout")
+    view.add_argument("--width", type=_width, default=None, metavar="COLUMNS",
+                      help="text table width (default: the terminal's, else 100)")
+    view.add_argument("--fold", action="store_true", help="text: one row per group, without its terms")
+    view.add_argument("--cut", action="store_true",
+                      help="text: each formula on one line, cut with an ellipsis (information lost)")
+    view.add_argument("--latex-form", choices=["compact", "terms"], default="compact",
+                      help="LaTeX: one line per group, a repeated layer once times its count (compact), or one "
+                           "line per kept tensor (terms)")
+
+
+def _width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--width takes a number of columns, not {text!r}") from None
+    if not 40 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"--width must be between 40 and 1000 columns, not {value}")
+    return value
+
+
+def emit(d: Any, args: argparse.Namespace) -> None:
+    """Print a derivation as the output options say: the text table, LaTeX (``align*``) or JSON."""
     import json
 
-    if fmt == "json":
+    if args.format == "json":
         print(json.dumps(d.to_dict(), indent=2))
-    elif fmt == "latex":
+    elif args.format == "latex":
         from ..report.latex import align
 
-        print(align(d))
+        print(align(d, form=args.latex_form))
     else:
-        print(d.table())
+        from ..report.text import table
+
+        print(table(d, width=args.width, fold=args.fold, cut=args.cut))
 
 
 # -- a module traced from a SPEC (symmem trace, symmem verify --module) ------------------------------------

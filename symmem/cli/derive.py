@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_derive_options, derivation_from_args, emit
+from .common import add_derive_options, add_output_options, derivation_from_args, emit
 
 NAME = "derive"
 HELP = "derive a model's training-memory formula"
@@ -13,9 +13,9 @@ ORDER = 20
 
 def configure(p: argparse.ArgumentParser) -> None:
     add_derive_options(p)
-    p.add_argument("--format", choices=["text", "latex", "json"], default="text")
+    add_output_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    emit(derivation_from_args(args), args.format)
+    emit(derivation_from_args(args), args)
     return 0

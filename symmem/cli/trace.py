@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_formula_options, add_trace_options, emit, regime_from_args, traced_from_args
+from .common import add_formula_options, add_output_options, add_trace_options, emit, regime_from_args, traced_from_args
 
 NAME = "trace"
 HELP = "trace a PyTorch module (yours, hf:, torchvision:, timm:) into its training-memory formula"
@@ -26,10 +26,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         device_help="the device whose kernels are traced (default: cpu; cuda needs a CUDA build)",
                         loss_help="hf: causal language models: give them labels, so the model computes its own "
                                   "loss and the trace keeps what that loss keeps")
-    p.add_argument("--format", choices=["text", "latex", "json"], default="text")
+    add_output_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     _, _, d = traced_from_args(args, per_layer=args.per_layer, **regime_from_args(args))
-    emit(d, args.format)
+    emit(d, args)
     return 0

@@ -194,7 +194,7 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
     if period > 1:
         domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
-    per_branch: list[tuple[list[Moment], list[Moment]]] = []
+    groups: list[tuple[list[_Candidate], list[_Candidate]]] = []
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
@@ -215,10 +215,17 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
                 parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
                          for x in sizes}
                 cands.append(_Candidate(key, "first" if first else "steady", parts))
-            kept = _prune_all(cands, syms, subs, numbers, base, period)
-            found.append([Moment(k.key[0], k.key[1], k.key[2], k.step, k.live(syms, subs, base, period))
-                          for k in kept])
-        per_branch.append((found[0], found[1]))
+            found.append(cands)
+        groups.append((found[0], found[1]))
+    # one algebra for every group: the sizes repeat across branches and steps
+    alg = _Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
+                   subs, syms, base, period)
+    memo: dict = {}
+    per_branch: list[tuple[list[Moment], list[Moment]]] = []
+    for group in groups:
+        kept = [_prune_all(cands, alg, numbers, memo) for cands in group]
+        per_branch.append(tuple([Moment(k.key[0], k.key[1], k.key[2], k.step, alg.live(k))
+                                 for k in ks] for ks in kept))
     exprs = [(_max(steady), _max(first)) for steady, first in per_branch]
     if len(per_branch) == 1 or merge is None:
         expr_steady, expr_first = exprs[0]
@@ -259,8 +266,21 @@ class _Algebra:
         self.shifted = {b for t in terms.values() for mono in t for b, _ in mono
                         if isinstance(b, sympy.Symbol) and b not in bad}
         self.rep = {e: self._shift(t) for e, t in terms.items()}
+        # positive scaling keeps every comparison: integer coefficients are faster than Fractions
+        self.scale = math.lcm(*(c.denominator for t in self.rep.values() for c in t.values()
+                                if isinstance(c, Fraction)))
         self.exprs = exprs
+        self.monomials: list[tuple] = []  # id -> monomial; totals are keyed by id (hashing sympy tuples is slow)
+        self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
+        self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
+
+    def _id(self, mono: tuple) -> int:
+        found = self._ids.get(mono)
+        if found is None:
+            found = self._ids[mono] = len(self.monomials)
+            self.monomials.append(mono)
+        return found
 
     @staticmethod
     def _terms(e: sympy.Expr) -> dict[tuple, Fraction]:
@@ -290,26 +310,48 @@ class _Algebra:
                 out[key] += c * n
         return {k: v for k, v in out.items() if v}
 
-    def _keys(self, size: sympy.Expr) -> tuple[list[tuple[tuple, Any]], list[list[tuple[tuple, Any]]]]:
-        """The size's terms, and for each count symbol the same terms times that count's L' (cached)."""
+    def _keys(self, size: sympy.Expr) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]]]:
+        """The size's terms (monomial id, scaled integer coefficient), and for each count symbol the same terms
+        times that count's L' (cached)."""
         found = self._memo.get(size)
         if found is None:
-            items = list(self.rep[size].items())
-            per: list[list[tuple[tuple, Any]]] = []
+            items = [(mono, int(c * self.scale)) for mono, c in self.rep[size].items()]
+            per: list[list[tuple[int, int]]] = []
             for s, lp in zip(self.counts, self.prime, strict=True):
                 known = self.subs.get(s)
                 if known is not None and sympy.sympify(known).is_number:
                     steps = (int(known) - self.base) // self.period  # a stack of known length
-                    per.append([(mono, c * steps) for mono, c in items])
+                    per.append([(self._id(mono), c * steps) for mono, c in items])
                 else:
-                    per.append([(tuple(sorted(mono + ((lp, 1),), key=_key)), c) for mono, c in items])
-            found = (items, per)
+                    per.append([(self._id(tuple(sorted(mono + ((lp, 1),), key=_key))), c) for mono, c in items])
+            found = ([(self._id(mono), c) for mono, c in items], per)
             self._memo[size] = found
         return found
 
-    def total(self, cand: _Candidate) -> dict[tuple, Any]:
-        """The candidate's bytes, shifted (a polynomial in x' and L')."""
-        out: dict[tuple, Any] = defaultdict(int)
+    def live(self, cand: _Candidate) -> dict[str, sympy.Expr]:
+        """The candidate's live bytes per category, expanded (the same as :meth:`_Candidate.live`, from the
+        expanded sizes: a number times an expanded sum distributes without calling ``expand``)."""
+        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
+        for (c, size), (n0, ds) in cand.parts.items():
+            e = self.exprs[size]
+            const = n0 - sympy.Rational(sum(ds) * self.base, self.period)
+            if const:
+                terms[c].append(const * e)
+            for d, s in zip(ds, self.counts, strict=True):
+                if d:
+                    terms[c].append(sympy.Rational(d, self.period) * self._times(s, size))
+        return {cat: sympy.Add(*terms[i]) for i, cat in enumerate(CATEGORIES)}
+
+    def _times(self, count: sympy.Symbol, size: sympy.Expr) -> sympy.Expr:
+        key = (count, size)
+        found = self._products.get(key)
+        if found is None:
+            found = self._products[key] = sympy.expand(count.xreplace(self.subs) * self.exprs[size])
+        return found
+
+    def total(self, cand: _Candidate) -> dict[int, int]:
+        """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id."""
+        out: dict[int, int] = defaultdict(int)
         for (_, size), (n0, ds) in cand.parts.items():
             items, per = self._keys(size)
             if n0:
@@ -322,20 +364,20 @@ class _Algebra:
         return {k: v for k, v in out.items() if v}
 
     def value(self, cand: _Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
-        total = Fraction(0)
+        steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
+        total: Any = 0
         for (_, size), (n0, ds) in cand.parts.items():
             if size not in memo:
                 v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}))
-                memo[size] = Fraction(int(v.p), int(v.q)) if v.is_Rational else None
+                memo[size] = (int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))) if v.is_Rational else None
             if memo[size] is None:
                 return None
-            n = n0 + sum(d * ((int(numbers.get(s, self.base)) - self.base) // self.period)
-                         for d, s in zip(ds, self.counts, strict=True))
+            n = n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
             total += n * memo[size]
         return total
 
 
-def _at_least(a: Mapping[tuple, Fraction], b: Mapping[tuple, Fraction]) -> bool:
+def _at_least(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
     """``a >= b`` on the domain: every coefficient of ``a - b`` (shifted) is >= 0."""
     for k, v in b.items():
         if a.get(k, 0) < v:
@@ -343,24 +385,22 @@ def _at_least(a: Mapping[tuple, Fraction], b: Mapping[tuple, Fraction]) -> bool:
     return True
 
 
-def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr],
-               numbers: Mapping[sympy.Symbol, int] | None, base: int = BASE, period: int = 1) -> list[_Candidate]:
+def _prune_all(cands: list[_Candidate], alg: _Algebra, numbers: Mapping[sympy.Symbol, int] | None,
+               memo: dict) -> list[_Candidate]:
     """The candidates no other provably exceeds, largest first at ``numbers``: one that holds every storage
     of another exceeds it; so does one whose bytes minus the other's have no negative coefficient on the
     domain (:class:`_Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
-    sizes = list(dict.fromkeys(x for c in cands for _, x in c.parts))
-    alg = _Algebra(sizes, subs, syms, base, period)
     if numbers:
-        memo: dict = {}
         values = {c.key: alg.value(c, numbers, memo) for c in cands}
         if all(v is not None for v in values.values()):
             cands = sorted(cands, key=lambda c: -values[c.key])
     totals = {c.key: alg.total(c) for c in cands}
-    bases = {b for t in totals.values() for mono in t for b, _ in mono}
+    used = set().union(*totals.values())
+    bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:
-        return _envelope(cands, totals)
+        return _envelope(cands, {k: {alg.monomials[i]: v for i, v in t.items()} for k, t in totals.items()})
     survivors: list[_Candidate] = []
     for c in cands:
         if not any(_at_least(totals[k.key], totals[c.key]) for k in survivors):
@@ -368,7 +408,7 @@ def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapp
     return survivors
 
 
-def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, Fraction]]) -> list[_Candidate]:
+def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, int]]) -> list[_Candidate]:
     """With at most one symbol x (shifted: x' = x - 1 >= 0) and lines a x' + c, the lines on the upper envelope
     over the integers x' >= 0 (each kept once: the first of equal lines)."""
     lines: dict[tuple[Fraction, Fraction], _Candidate] = {}
