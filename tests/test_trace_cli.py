@@ -88,7 +88,7 @@ def test_causal_lm_loss_and_explicit_dims(capsys):
 def test_a_callable_by_module_path_or_file(capsys, spec):
     code, out, _ = run(capsys, "trace", spec, "--dims", "B", "--optimizer", "sgd")
     assert code == 0
-    assert out.splitlines()[0] == f"{spec} - convention traced, fp32 + sgd"
+    assert out.splitlines()[0] == f"{spec} — traced from PyTorch (traced convention), FP32 + SGD"
     # the ReLU keeps its (B, 32) output; the first Linear keeps the (B, 16) batch (input)
     assert "activations" in out and "= 128*B" in out and "input" in out and "= 64*B" in out
     assert "parameters                    676   = 676" in out
