@@ -118,6 +118,21 @@ def test_reference_parameter_counts_match_the_graph():
         assert sum(p.numel() for p in module.parameters()) == d.value("parameters"), name
 
 
+@pytest.mark.parametrize("name, values, opts", [
+    ("gpt2", TINY, {"attention": "sdpa", "dropout": 0.0}), ("gpt2", TINY, {"attention": "naive", "dropout": 0.1}),
+    ("llama", {"H": 32, "h": 4, "G": 2, "L": 2, "V": 50, "F": 24}, {"attention": "sdpa", "dropout": 0.1}),
+])
+def test_use_cache_false(name, values, opts):
+    """``cache="none"`` (``use_cache=False``): no DynamicCache copies; GPT-2's SDPA then keeps views of c_attn."""
+    d = derive(name, convention="pytorch", options={"device": "cpu"}, values={**values, "B": 2, "S": 8},
+               cache="none", **opts)
+    assert _measured(d) == d.value("activations")
+    with_cache = derive(name, convention="pytorch", options={"device": "cpu"}, values={**values, "B": 2, "S": 8},
+                        **opts)
+    extra = 2 * 4 * 2 * 8 * values["H"] * values["L"] if opts == {"attention": "sdpa", "dropout": 0.0} else 0
+    assert with_cache.value("activations") - d.value("activations") == extra
+
+
 def test_grouped_query_attention_keeps_the_G_key_value_heads():
     """transformers 5.23 gives SDPA the G key/value heads (``enable_gqa``): the fused kernel keeps (B, G, S, d) key
     and value tensors for every G -- no branch on G.  The eager path's ``repeat_kv`` copies for 1 < G < h and is

@@ -68,9 +68,9 @@ def ids(labels: bool = False) -> dict[str, Any]:
     return {"input_ids": x, "labels": x.clone()} if labels else {"input_ids": x}
 
 
-def gpt2(attn: str, p: float) -> Any:
+def gpt2(attn: str, p: float, use_cache: bool = True) -> Any:
     return hf("GPT2LMHeadModel", attn, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=1024,
-              resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0)
+              resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0, use_cache=use_cache)
 
 
 def bert(attn: str, p: float) -> Any:
@@ -92,6 +92,8 @@ LLAMA = {"H": 32, "h": 4, "G": 2, "V": VOCAB, "L": 2, "F": 64}
 LANGUAGE = [
     ("gpt2-eager-dropout", lambda: gpt2("eager", 0.1), "gpt2", GPT2, {"attention": "naive", "dropout": 0.1}, False),
     ("gpt2-sdpa", lambda: gpt2("sdpa", 0.0), "gpt2", GPT2, {"attention": "sdpa", "dropout": 0.0}, False),
+    ("gpt2-sdpa-use-cache-false", lambda: gpt2("sdpa", 0.0, use_cache=False), "gpt2", GPT2,
+     {"attention": "sdpa", "dropout": 0.0, "cache": "none"}, False),
     ("gpt2-sdpa-dropout-loss", lambda: gpt2("sdpa", 0.1), "gpt2", GPT2, {"attention": "sdpa", "dropout": 0.1}, True),
     ("bert-sdpa", lambda: bert("sdpa", 0.0), "bert-base", BERT, {"attention": "sdpa", "dropout": 0.0}, False),
     ("llama-gqa-sdpa", lambda: llama("sdpa", 0.0), "llama", LLAMA, {"attention": "sdpa", "dropout": 0.0}, False),

@@ -32,8 +32,8 @@ POSITIONS, TYPES = 512, 2
 _SIZES = {"base": (768, 12, 12), "large": (1024, 16, 24)}
 _OPTIONS = {
     "attention": Option("naive", ("naive", "sdpa"),
-                        "naive is the eager BertSelfAttention (B*h*S^2 probabilities kept); sdpa is "
-                        "BertSdpaSelfAttention"),
+                        "naive is eager_attention_forward (B*h*S^2 probabilities kept); sdpa is "
+                        "sdpa_attention_forward"),
     "dropout": Option(0.1, None, "hidden_dropout_prob = attention_probs_dropout_prob (HF default 0.1)"),
 }
 

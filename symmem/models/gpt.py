@@ -41,7 +41,8 @@ POSITIONS = 1024  # n_positions: rows of wpe and the side of the causal-mask buf
 
 _OPTIONS = {
     "attention": Option("naive", ("naive", "sdpa"),
-                        "naive is the eager GPT2Attention (B*h*S^2 scores kept); sdpa is GPT2SdpaAttention"),
+                        "naive is eager_attention_forward (B*h*S^2 probabilities kept); sdpa is "
+                        "sdpa_attention_forward"),
     "dropout": Option(0.1, None, "embd_pdrop = attn_pdrop = resid_pdrop (HF default 0.1)"),
     "gelu": Option("new", ("new", "fused"), "new: HF gelu_new written out in ops; fused: F.gelu(tanh)"),
     "cache": Option("dynamic", ("dynamic", "none"),
