@@ -135,6 +135,8 @@ BAD = [
     (["trace", "hf:bert", "--config", "num_hidden_layers=1", "--dims", "B,S", "--loss", "cross-entropy"],
      "not as a causal language model"),
     (["trace", "hf:vit", "--config", "num_hidden_layers=1", "--dims", "B,S"], "S is a position of tokens"),
+    (["trace", "hf:gpt2", *TINY_GPT2, "--loss", "cross-entropy", "--dims", "B=input_ids:0,S=input_ids:1"],
+     "declare it on 'labels' too"),
     (["verify", "--module", "tests.trace_helpers:mlp_with_inputs"], "--module needs --dims"),
     (["verify", "gpt2", "--dims", "B"], "apply to --module SPEC"),
     (["verify", "--module", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--set", "L=3"], "--set L"),
