@@ -27,7 +27,8 @@ from .conventions import Convention
 from .conventions import convention as get_convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import SymmemError
-from .graph import Model, parameter_count
+from .evaluator import Unsupported, interpret
+from .graph import Model, parameter_count, paused_gc
 from .passes import branches, regimes, saved
 from .training import Regime
 
@@ -78,6 +79,13 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
                free: tuple[str, ...] | None = None) -> Derivation:
     """The core: the storages ``convention`` keeps for ``model`` under ``regime``, with their lifetimes."""
+    with paused_gc():
+        return _derivation(model, convention, regime, values, options=options, per_layer=per_layer, free=free)
+
+
+def _derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
+                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
+                free: tuple[str, ...] | None = None) -> Derivation:
     conv = convention
     conv_options = dict(conv.options)
     for key, v in (options or {}).items():
@@ -123,7 +131,9 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
         kept += conv.extra_storages(kept, conv_options)
         results.append((branch, kept))
     storages = branches.merge(open_, results) + regimes.parameters(graph, nodes, regime, per_layer)
-    storages = [_substituted(s, subs) for s in storages]
+    if subs:
+        done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
+        storages = [_substituted(s, subs, done) for s in storages]
     step = None
     if not per_layer and type(conv).grads is not Convention.grads:
         step = _step(model, conv, conv_options, regime, subs, open_, [b for b, _ in results], numbers)
@@ -165,9 +175,19 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
     return compute
 
 
-def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr]) -> Storage:
-    return s.with_(expr=s.expr.xreplace(subs), count=s.count.xreplace(subs), shards=s.shards.xreplace(subs),
-                   elements=None if s.elements is None else s.elements.xreplace(subs))
+def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict[sympy.Expr, sympy.Expr]
+                 ) -> Storage:
+    def sub(e: sympy.Expr) -> sympy.Expr:
+        found = done.get(e)
+        if found is None:
+            found = done[e] = e.xreplace(subs)
+        return found
+
+    expr, count, shards = sub(s.expr), sub(s.count), sub(s.shards)
+    elements = None if s.elements is None else sub(s.elements)
+    if expr is s.expr and count is s.count and shards is s.shards and elements is s.elements:
+        return s
+    return s.with_(expr=expr, count=count, shards=shards, elements=elements)
 
 
 def _effective(model: Model, values: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, sympy.Expr]:
@@ -207,12 +227,27 @@ def _numbers(eff: Mapping[sympy.Symbol, sympy.Expr]) -> dict[sympy.Symbol, int]:
 
 def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
     for node, lhs, rhs in model.graph.assumptions:
-        # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
-        a, b = (sympy.sympify(e.xreplace(dict(numbers))) for e in (lhs, rhs))
-        if a.is_number and b.is_number and a != b:
+        a, b = _number(lhs, numbers), _number(rhs, numbers)
+        if a is None or b is None:
+            # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
+            a, b = (sympy.sympify(e.xreplace(dict(numbers))) for e in (lhs, rhs))
+            if not (a.is_number and b.is_number):
+                continue
+        if a != b:
             kind = model.graph.node(node).kind
             raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but the values give "
                               f"{a} != {b}; set the symbols consistently")
+
+
+def _number(e: sympy.Expr, numbers: Mapping[sympy.Symbol, int]) -> Any:
+    """``e`` at ``numbers``, exactly, without building sympy objects; None when a symbol has no number or ``e``
+    has a part the interpreter does not know (then sympy decides)."""
+    if not e.free_symbols <= numbers.keys():
+        return None
+    try:
+        return interpret(e, numbers)
+    except (Unsupported, ZeroDivisionError, TypeError):
+        return None
 
 
 def _pick_layer(model: Model) -> str:

@@ -95,6 +95,13 @@ class TensorSpec:
 
     def with_(self, **changes: object) -> TensorSpec:
         """A copy with some fields changed."""
+        if changes.keys() == {"role"} and (changes["role"] is None or isinstance(changes["role"], str)):
+            # only the role: the shape and dtype are checked already (every op's output is made this way)
+            spec = object.__new__(TensorSpec)
+            object.__setattr__(spec, "shape", self.shape)
+            object.__setattr__(spec, "dtype", self.dtype)
+            object.__setattr__(spec, "role", changes["role"])
+            return spec
         fields = {"shape": self.shape, "dtype": self.dtype, "role": self.role}
         fields.update(changes)
         return TensorSpec(**fields)  # type: ignore[arg-type]

@@ -35,20 +35,8 @@ import sympy
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, H, L, S, V, h
-from . import Option, register
 
 POSITIONS = 1024  # n_positions: rows of wpe and the side of the causal-mask buffer
-
-_OPTIONS = {
-    "attention": Option("naive", ("naive", "sdpa"),
-                        "naive is eager_attention_forward (B*h*S^2 probabilities kept); sdpa is "
-                        "sdpa_attention_forward"),
-    "dropout": Option(0.1, None, "embd_pdrop = attn_pdrop = resid_pdrop (HF default 0.1)"),
-    "gelu": Option("new", ("new", "fused"), "new: HF gelu_new written out in ops; fused: F.gelu(tanh)"),
-    "cache": Option("dynamic", ("dynamic", "none"),
-                    "dynamic: use_cache=True (the config default), a DynamicCache copies keys and values with "
-                    "torch.cat; none: use_cache=False"),
-}
 
 
 def gelu_new(g: GraphBuilder, x: str) -> str:
@@ -130,6 +118,3 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
     return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="h",
                  options={"attention": attention, "dropout": dropout, "gelu": gelu, "cache": cache})
 
-
-register("gpt2", build_gpt2, "GPT-2 small (Hugging Face GPT2LMHeadModel, transformers 5.23: tied embeddings, gelu_new)",
-         _OPTIONS)

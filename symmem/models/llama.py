@@ -41,16 +41,6 @@ import sympy
 from ..branches import reshape_copies
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, G, H, L, S, V, h
-from . import Option, register
-
-_OPTIONS = {
-    "attention": Option("sdpa", ("naive", "sdpa"),
-                        "naive is the eager attention (B*h*S^2 probabilities kept); sdpa is sdpa_attention_forward"),
-    "dropout": Option(0.0, None, "attention_dropout (HF default 0.0)"),
-    "cache": Option("dynamic", ("dynamic", "none"),
-                    "dynamic: use_cache=True (the config default), a DynamicCache copies keys and values with "
-                    "torch.cat; none: use_cache=False"),
-}
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -177,7 +167,3 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     return Model(name, g.finish(), defaults, (B, S, H, h, G, L, F, V), desc, layer="layers",
                  options={"attention": attention, "dropout": dropout, "cache": cache})
 
-
-register("llama", build_llama, "Llama (Hugging Face LlamaForCausalLM, transformers 5.23: RMSNorm, SwiGLU, rotary, GQA, "
-         "untied head)",
-         _OPTIONS)
