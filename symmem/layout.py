@@ -592,6 +592,28 @@ def matmul_copies(a: tuple[Shape, Strides | None], b: tuple[Shape, Strides | Non
     return flags[0], flags[1]
 
 
+@_memo(_no)
+def attention_keeps_value(probs_shape: Shape, shape: Shape, strides: Strides | None) -> Flag:
+    """Whether the CPU math kernel of ``scaled_dot_product_attention`` keeps the value itself: it has the query's
+    heads (grouped heads are repeated to them first, ``repeat_interleave``: a copy) and ``probs @ v`` folds it
+    into ``bmm`` without a copy."""
+    probs_shape, shape = _exprs(probs_shape), _exprs(shape)
+    st = of(shape, strides)
+
+    def one(c: Case) -> bool:
+        ps, vs, vt = c.all(probs_shape), c.all(shape), c.all(st)
+        if len(vs) >= 3 and len(ps) >= 3 and not _eq(vs[-3], ps[-3]):
+            return False
+        batch = broadcast(ps[:-2], vs[:-2])
+        if batch is None:
+            return False
+        full = batch + vs[-2:]
+        return compute_stride(full, _expand(vs, vt, full), (sympy.Mul(*batch),) + vs[-2:]) is not None
+
+    cs, values = _each(_flat(probs_shape, shape, st), one)
+    return _flag(cs, values)
+
+
 @_memo(lambda shape, strides: False if strides is None or len(shape) != 4 else _MISS)
 def heads_outer(shape: Shape, strides: Strides | None) -> Flag:
     """Whether ``empty_like(q)`` of a (B, h, S, d) query is (B, S, h, d) in memory -- what CPU flash attention

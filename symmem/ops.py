@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
-from sympy.logic.boolalg import to_nnf
 
 from . import layout
 from .branches import is_condition
@@ -413,10 +412,13 @@ def _scale(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return _unary(ins, a, layout.elementwise(x.shape, [(x.shape, x.strides)], scalar=True))
 
 
-@rule("clone", "to_dtype", attrs=INPLACE)
+@rule("clone", attrs={**INPLACE, "memory_format": _a(_one_of("preserve", "contiguous"), "'preserve' or 'contiguous'")})
+@rule("to_dtype", attrs=INPLACE)
 def _copy_like(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
-    x = ins[0]  # empty_like(x) then a copy: x's memory order, dense
-    return _unary(ins, a, layout.like(x.shape, x.strides))
+    # empty_like(x) then a copy: x's memory order, dense; ``memory_format="contiguous"`` (torch.contiguous_format,
+    # and what torch.cat makes) a contiguous copy
+    x = ins[0]
+    return _unary(ins, a, None if a.get("memory_format") == "contiguous" else layout.like(x.shape, x.strides))
 
 
 @rule("softmax", "log_softmax", attrs={"dim": AXIS, "dtype": DTYPE})
@@ -730,8 +732,8 @@ def _attention(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str, Any]) -> dict[str, Any]:
     """What scaled_dot_product_attention's kernels do with the layouts they are given (a builder's
     ``q_layout``/``v_contiguous`` win): ``q_bshd``, the CPU flash kernel's output is ``empty_like(q)``, which is
-    (B, S, h, d) in memory when q is a head split of (B, S, H); ``v_contiguous``, the CPU math kernel's
-    ``matmul(probs, v)`` folds v into bmm without a copy."""
+    (B, S, h, d) in memory when q is a head split of (B, S, H); ``v_contiguous``, the CPU math kernel keeps v
+    itself: v has q's heads (grouped heads are repeated first) and ``matmul(probs, v)`` folds it without a copy."""
     if "q_layout" in a:
         q_bshd: layout.Flag = a["q_layout"] == "bshd"
     else:
@@ -739,8 +741,7 @@ def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str
     if "v_contiguous" in a:
         v_contiguous = a["v_contiguous"]
     else:
-        copy = layout.matmul_copies((q.shape[:-1] + (k.shape[-2],), None), (v.shape, v.strides))[1]
-        v_contiguous = copy is False if isinstance(copy, bool) else to_nnf(sympy.Not(copy))
+        v_contiguous = layout.attention_keeps_value(q.shape[:-1] + (k.shape[-2],), v.shape, v.strides)
     return {"q_bshd": q_bshd, "v_contiguous": v_contiguous}
 
 

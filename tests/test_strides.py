@@ -65,7 +65,8 @@ def _torch_op(t: Any, kind: str, a: dict[str, Any]) -> Any:
     if kind == "scalar_add":
         return t + a["value"]
     if kind == "clone":
-        return t.clone()
+        contiguous = a.get("memory_format") == "contiguous"
+        return t.clone(memory_format=torch.contiguous_format if contiguous else torch.preserve_format)
     if kind == "to_dtype":
         return t.to(torch.float64)
     if kind == "softmax":
@@ -231,7 +232,8 @@ HEADS = [("reshape", dict(shape=(B, S, h, d))), ("transpose", dict(dim0=1, dim1=
 QKV = [("reshape", dict(shape=(B, S, 3, h, d))), ("permute", dict(dims=(2, 0, 3, 1, 4))),
        ("select", dict(dim=0, index=0))]  # not dense
 UNARY = [("relu", {}), ("gelu", {}), ("pow", dict(exponent=2)), ("scale", dict(factor=0.5)),
-         ("scalar_add", dict(value=1.0)), ("clone", {}), ("to_dtype", {}), ("softmax", dict(dim=-1)),
+         ("scalar_add", dict(value=1.0)), ("clone", {}), ("clone", dict(memory_format="contiguous")),
+         ("to_dtype", {}), ("softmax", dict(dim=-1)),
          ("dropout", dict(p=0.3)), ("contiguous", {})]
 INPUTS = [("head split", (B, S, H), HEADS), ("q of a packed qkv", (B, S, 3 * H), QKV),
           ("a size-1 head", (B, S, d), [("reshape", dict(shape=(B, S, 1, d))), ("transpose", dict(dim0=1, dim1=2))]),
@@ -357,6 +359,22 @@ def test_attention_layout_facts(label, shape, chain):
     assert _holds(facts["v_contiguous"], at) is (v.untyped_storage().data_ptr() in saved), label
 
 
+@pytest.mark.parametrize("at", [GENERIC, *UNITS], ids=["generic", "G=1", "G=h"])
+def test_attention_keeps_a_grouped_value_only_when_its_heads_are_the_querys(at):
+    """Grouped-query attention (enable_gqa): the CPU math kernel repeats G key/value heads to h, a copy, unless
+    G = h -- then it keeps a contiguous value itself (Llama's cache copy)."""
+    g = GraphBuilder("gqa")
+    q = g.input("q", (B, h, S, d))
+    v = g.input("v", (B, G, S, d))
+    out = g.op("attention", q, v, v, causal=True, dropout=0.2)
+    kept = g.graph.node(out).facts["v_contiguous"]
+    n = {k: int(v) for k, v in at.items()}
+    tq = torch.zeros(n[B], n[h], n[S], n[H] // n[h], requires_grad=True)
+    tv = torch.zeros(n[B], n[G], n[S], n[H] // n[h], requires_grad=True)
+    saved = _saved_storages(lambda v: F.scaled_dot_product_attention(tq, v, v, dropout_p=0.2, enable_gqa=True), tv)
+    assert _holds(kept, at) is (tv.untyped_storage().data_ptr() in saved)
+
+
 def test_rotary_keeps_the_head_split_layout():
     """HF Llama's rotary embedding on a head split: the sum keeps the (B, S, h, d) memory order, so SDPA's CPU
     flash output is already merged, and the eager matmul copies q to fold it (measured here)."""
@@ -389,16 +407,35 @@ def test_rotary_keeps_the_head_split_layout():
 
 # -- the zoo: storage facts come from strides, not from annotations ---------------------------------------------
 def test_the_zoo_states_no_storage_facts():
+    """Only Llama's eager matmuls state their copies (a simplification for the same bytes; see EAGER_COPIES)."""
+    import itertools
+
     from symmem.models import available, build
 
     for name, entry in available().items():
         if name == "counts":
             continue
-        for attention in entry.options["attention"].choices if "attention" in entry.options else (None,):
-            graph = build(name, **({"attention": attention} if attention else {})).graph
+        choices = {k: o.choices for k, o in entry.options.items() if k in ("attention", "cache")}
+        for combo in itertools.product(*choices.values()):
+            graph = build(name, **dict(zip(choices, combo, strict=True))).graph
             for n in graph.order():
                 stated = {"copy", "copy_inputs", "q_layout", "v_contiguous"} & set(graph.node(n).attrs)
-                assert not stated, (name, attention, n, stated)
+                if name == "llama" and n in ("layers.self_attn.scores", "layers.self_attn.attn_v"):
+                    assert stated == {"copy_inputs"}
+                    continue
+                assert not stated, (name, combo, n, stated)
+
+
+def test_llama_states_what_repeat_kv_derives():
+    """Llama's stated eager copies are where its repeat_kv reshape is a view, which the strides derive."""
+    from symmem.branches import canonical
+    from symmem.models import build
+    from symmem.models.llama import EAGER_COPIES
+
+    graph = build("llama", attention="naive", cache="none").graph
+    derived = graph.node("layers.self_attn.k_repeat").facts["copy"]
+    assert canonical(derived)[0] == canonical(EAGER_COPIES[0][1])[0]
+    assert canonical(derived)[1] is not canonical(EAGER_COPIES[0][1])[1]
 
 
 def test_explicit_attributes_still_win():

@@ -3,7 +3,7 @@
 A :class:`~symmem.importer.step.StepRecord` gives the live storages after every op of one first and one steady
 training step, their bytes in the declared symbols.  The candidate moments are the ops after which something
 is freed (and the last of each step): between two of them memory only grows.  Moments another provably exceeds
-are dropped by :mod:`symmem.passes.peak`'s own comparison (``_prune_all``: every coefficient of the difference
+are dropped by :mod:`symmem.passes.peak`'s own comparison (``prune``: every coefficient of the difference
 ≥ 0 once each symbol is written ``x' + 1``; one symbol: the upper envelope), and the peak is the ``Max`` of the
 rest -- :class:`symmem.passes.peak.Peak`, what the zoo's derivations return.
 
@@ -86,17 +86,17 @@ def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[s
           ) -> Any:
     """The first and steady steps' candidates pruned by :mod:`symmem.passes.peak`'s algebra (one for both: the
     sizes repeat), as a :class:`~symmem.passes.peak.Peak`."""
-    from ..passes.peak import BASE, Moment, Peak, _Algebra, _max, _prune_all
+    from ..passes.peak import BASE, Algebra, Moment, Peak, peak_max, prune
 
     sizes = list(dict.fromkeys(x for cs in cands.values() for c in cs for _, x in c.parts))
-    alg = _Algebra(sizes, subs, syms, BASE, 1)
+    alg = Algebra(sizes, subs, syms, BASE, 1)
     memo: dict = {}
     found: dict[str, list[Any]] = {}
     for step in ("steady", "first"):
-        kept = _prune_all(cands[step], alg, numbers, memo)
+        kept = prune(cands[step], alg, numbers, memo)
         found[step] = [Moment(k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step, alg.live(k))
                        for k in kept]
-    return Peak(_max(found["steady"]), _max(found["first"]), tuple(found["steady"] + found["first"]), domain)
+    return Peak(peak_max(found["steady"]), peak_max(found["first"]), tuple(found["steady"] + found["first"]), domain)
 
 
 def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = None,
@@ -104,7 +104,7 @@ def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = Non
             layers: Mapping[str, int] | None = None) -> Any:
     """The peak of one recorded step (sizes symbolic, the layer count a number): a
     :class:`symmem.passes.peak.Peak`.  ``layers`` (child path -> index) names the layer of each moment."""
-    from ..passes.peak import _Candidate
+    from ..passes.peak import Candidate
     from ..passes.schedule import CATEGORIES
 
     cands: dict[str, list[Any]] = {"steady": [], "first": []}
@@ -116,7 +116,7 @@ def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = Non
             place, k = _locate(o, layers if layers is not None else record.layers)
             key = (o.phase, o.index)
             parts = {(c, x): (n, ()) for c in range(len(CATEGORIES)) for x, n in live[c].items()}
-            cands[step].append(_Candidate(key, step, parts))
+            cands[step].append(Candidate(key, step, parts))
             names[(step, key)] = (_node(o, place), "" if k is None else str(k + 1))
     return _peak(cands, [], subs or {}, numbers, domain, names)
 
@@ -130,7 +130,7 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
                 domain: tuple[Any, ...] = ()) -> Any:
     """The peak in the layer count ``symbol`` from records at :data:`COUNTS` layers (interpolated from the first
     two, checked at the third); a :class:`FoldError` if they do not line up."""
-    from ..passes.peak import _Candidate
+    from ..passes.peak import Candidate
     from ..passes.schedule import CATEGORIES
 
     a, b, c = (records[n] for n in COUNTS)
@@ -157,7 +157,7 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
                                         f"{lb[i][x]}, {lc[i][x]} times at {COUNTS} layers: not one more set per "
                                         "layer")
                     parts[(i, x)] = (n0, (d // step_b,))
-            cands[step].append(_Candidate(key, step, parts))
+            cands[step].append(Candidate(key, step, parts))
             names[(step, key)] = (_node(o, place), key[2])
     return _peak(cands, [symbol], subs or {}, numbers, domain, names)
 
@@ -200,10 +200,17 @@ class StepPeak:
             values = {n: (1 if n in ones else v) for n, v in self.values.items()}
             layers = (self.repeat[0], self.repeat[1], count) if self.repeat is not None else None
             replay = None if ones else self.replay
-            rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
-                              replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
-                                                          if n not in ones},
-                              concrete=ones, layers=layers)
+            try:
+                rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
+                                  replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
+                                                              if n not in ones},
+                                  concrete=ones, layers=layers)
+            except SymmemError:
+                raise
+            except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise SymmemError(f"the training step of this module cannot run on fake tensors: "
+                                  f"{type(exc).__name__}: {first}") from exc
             self._check(rec, ones)
             self._records[key] = rec
         return self._records[key]

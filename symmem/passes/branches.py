@@ -6,7 +6,7 @@ the symbols left free do not decide; the derivation works out the kept storages 
 conditions (equal branches collapse).
 
 >>> from symmem.models import build
->>> g = build("llama").graph
+>>> g = build("llama", attention="naive").graph
 >>> open_, decided = conditions(g, list(g.order()), {})
 >>> open_
 [Eq(G, 1) | Eq(h/G, 1)]
