@@ -31,6 +31,7 @@ import sympy
 
 from .branches import fold
 from .errors import SymmemError
+from .tensor import MAX_SIZE
 from .training import Regime
 from .units import format_bytes, to_unit
 
@@ -176,7 +177,16 @@ def positive_int(name: str, value: Any) -> int:
         raise SymmemError(f"{name} must be a positive integer, got {value!r}")
     if int(value) <= 0:
         raise SymmemError(f"{name} must be a positive integer, got {value}")
+    if int(value) > MAX_SIZE:
+        raise SymmemError(f"{name} = {_digits(int(value))} is more than the largest size PyTorch allows (2**63 - 1)")
     return int(value)
+
+
+def _digits(n: int) -> str:
+    """``n`` for a message: the number itself, or its first digits and its length when it is long."""
+    if n.bit_length() < 200:
+        return str(n)
+    return f"a {int(n.bit_length() * 0.30103) + 1}-digit number"
 
 
 @dataclass(frozen=True)
@@ -264,7 +274,10 @@ class Derivation:
     # -- numbers --------------------------------------------------------------------------------------
     def evaluate(self, expr: sympy.Expr) -> int:
         """``expr`` at the derivation's numbers (defaults overridden by what was set)."""
-        expr = sympy.sympify(expr)
+        try:
+            expr = sympy.sympify(expr, strict=True)  # never parse a string: that would evaluate text
+        except sympy.SympifyError:
+            raise SymmemError(f"evaluate takes a sympy expression, not {expr!r}") from None
         missing = expr.free_symbols - set(self.numbers)
         if missing:
             names = ", ".join(sorted(s.name for s in missing))

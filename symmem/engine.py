@@ -18,7 +18,7 @@ as keywords.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -29,6 +29,7 @@ from .derivation import Derivation, Storage, positive_int
 from .errors import SymmemError
 from .graph import Model, parameter_count
 from .passes import branches, regimes, saved
+from .shapes import fmt
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` takes as keywords.
@@ -50,6 +51,15 @@ def derive(model: Model | str, convention: str | Convention = "paper", regime: R
     a mapping.  ``loss`` (``"cross-entropy"``) appends a loss after the model's output, as its own group; its
     kept tensors are the category ``loss``.
     """
+    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords)
+    return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+
+
+def _setup(model: Model | str, convention: str | Convention, regime: Regime | None,
+           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any]
+           ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
+    """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
+    the convention's options."""
     conv = get_convention(convention)
     regime_options = {k: keywords.pop(k) for k in REGIME_FIELDS if k in keywords}
     if regime is None:
@@ -58,12 +68,16 @@ def derive(model: Model | str, convention: str | Convention = "paper", regime: R
         raise SymmemError(f"regime must be a symmem Regime, got {regime!r}; give optimizer=... as a keyword")
     elif regime_options:
         raise SymmemError(f"give the regime once: as regime=... or as {', '.join(sorted(regime_options))}")
+    if options is not None and not isinstance(options, Mapping):
+        raise SymmemError(f"options must map convention options to values, got {options!r}")
     conv_options = dict(options or {})
     conv_options.update({k: keywords.pop(k) for k in list(keywords) if k in conv.options})
     if isinstance(model, str):
         from .models import build
 
         model = build(model, **keywords)
+    elif not isinstance(model, Model):
+        raise SymmemError(f"model must be a built-in model's name or a symmem Model, got {type(model).__name__}")
     elif keywords:
         raise SymmemError(f"unknown options {sorted(keywords)}: not a regime field ({', '.join(REGIME_FIELDS)}), "
                           f"not an option of the {conv.name} convention, and builder options need a model name")
@@ -71,7 +85,61 @@ def derive(model: Model | str, convention: str | Convention = "paper", regime: R
         from .loss import with_loss
 
         model = with_loss(model, loss)
-    return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+    return model, conv, regime, conv_options
+
+
+def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
+             loss: str | None = None, convention: str | Convention = "paper",
+             **keywords: Any) -> Callable[[str, int], str | None]:
+    """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
+    ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
+    deriving.  Arguments are :func:`derive`'s.  :func:`symmem.fit.largest` uses it to answer only with values
+    the model accepts.
+
+    >>> accepts = acceptor("gpt2")
+    >>> accepts("h", 12) is None
+    True
+    >>> print(accepts("h", 13))
+    node 'h.attn.query_split' (reshape): needs h to divide H (Mod(H, h) = 0), which fails at H=768, h=13; ...
+    """
+    model, _, regime, _ = _setup(model, convention, regime, None, loss, dict(keywords))
+    base = dict(values or {})
+    tied = {s.name: e for s, e in model.defaults.items() if not e.is_number}
+
+    def accepts(name: str, value: int) -> str | None:
+        try:
+            _values(model, regime, {**base, name: value})
+        except SymmemError as exc:
+            if name in tied and tied[name].free_symbols:
+                return (f"{name} follows from {', '.join(sorted(str(x) for x in tied[name].free_symbols))} "
+                        f"(its default is {tied[name]}): {exc}")
+            return str(exc)
+        return None
+
+    return accepts
+
+
+def _values(model: Model, regime: Regime, values: Mapping[str, int] | None
+            ) -> tuple[dict[str, sympy.Symbol], dict[sympy.Symbol, sympy.Expr], dict[sympy.Symbol, int]]:
+    """Check ``values`` the way :func:`derivation` does: (symbols by name, every symbol's value or expression,
+    the symbols that have numbers).  One place checks every value: names, positive integers within PyTorch's
+    sizes, the model's assumptions, the regime's requirements and every size of every tensor."""
+    by_name = {s.name: s for s in model.symbols + regimes.symbols(regime)}
+    if values is not None and not isinstance(values, Mapping):
+        raise SymmemError(f"values must map symbol names to positive integers ({{'B': 32}}), got {values!r}")
+    user: dict[sympy.Symbol, int] = {}
+    for name, v in (values or {}).items():
+        if name not in by_name:
+            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}"
+                              + regimes.hint(name))
+        user[by_name[name]] = positive_int(name, v)
+    eff = _effective(model, user)
+    for s in regimes.symbols(regime):
+        eff.setdefault(s, sympy.Integer(regimes.DEFAULTS[s]))
+    numbers = _numbers(eff)
+    _check_assumptions(model, numbers, regimes.requirements(model.graph, model.symbols, regime))
+    _check_sizes(model, numbers)
+    return by_name, eff, numbers
 
 
 def derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
@@ -86,13 +154,9 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
                               f"{', '.join(sorted(conv_options)) or 'none'}")
         conv_options[key] = v
 
-    by_name = {s.name: s for s in model.symbols + regimes.symbols(regime)}
-    user: dict[sympy.Symbol, int] = {}
-    for name, v in (values or {}).items():
-        if name not in by_name:
-            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}"
-                              + regimes.hint(name))
-        user[by_name[name]] = positive_int(name, v)
+    if isinstance(free, str) or (free is not None and not all(isinstance(n, str) for n in free)):
+        raise SymmemError(f"free must be a tuple of symbol names (('B', 'S')), got {free!r}")
+    by_name, eff, numbers = _values(model, regime, values)
     if free is None:
         keep = set(model.free) | set(regimes.symbols(regime))
     else:
@@ -100,12 +164,7 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
         if unknown:
             raise SymmemError(f"{model.name} has no symbol {unknown[0]!r}; it has {', '.join(sorted(by_name))}")
         keep = {by_name[n] for n in free}
-    eff = _effective(model, user)
-    for s in regimes.symbols(regime):
-        eff.setdefault(s, sympy.Integer(regimes.DEFAULTS[s]))
     subs = _substitute_all(eff, keep)
-    numbers = _numbers(eff)
-    _check_assumptions(model, numbers)
 
     graph = model.graph
     layer = None
@@ -167,18 +226,85 @@ def _numbers(eff: Mapping[sympy.Symbol, sympy.Expr]) -> dict[sympy.Symbol, int]:
         if e.is_number:
             if not (e.is_integer and e > 0):
                 raise SymmemError(f"{s} evaluates to {e}, which is not a positive integer")
-            out[s] = int(e)
+            out[s] = positive_int(str(s), int(e))  # defaults too stay within PyTorch's sizes
     return out
 
 
-def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
-    for node, lhs, rhs in model.graph.assumptions:
-        # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
-        a, b = (sympy.sympify(e.xreplace(dict(numbers))) for e in (lhs, rhs))
+def _given(exprs: tuple[sympy.Basic, ...], numbers: Mapping[sympy.Symbol, int]) -> str:
+    """The values of the symbols in ``exprs``, for a message: ``H=768, h=5``."""
+    syms = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
+    return ", ".join(f"{x}={numbers[x]}" for x in syms if x in numbers)
+
+
+def _describe(cond: sympy.Basic) -> str:
+    """A condition as a person writes it: ``h divides H`` for ``Eq(Mod(H, h), 0)``."""
+    if isinstance(cond, sympy.Eq) and cond.rhs == 0 and isinstance(cond.lhs, sympy.Mod):
+        return f"{cond.lhs.args[1]} to divide {cond.lhs.args[0]} ({cond.lhs} = 0)"
+    return str(cond)
+
+
+def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int],
+                       requirements: Sequence[tuple[str, sympy.Basic, sympy.Basic | None]] = ()) -> None:
+    """Every assumption of the graph (``(node, lhs, rhs)``: lhs = rhs; ``(node, condition, None)``) and every
+    requirement of the regime, checked at the numbers: a :class:`SymmemError` names the node and the values."""
+    graph = model.graph
+    subs = dict(numbers)
+    for node, lhs, rhs in [*graph.assumptions, *requirements]:
+        kind = graph.node(node).kind if node in graph else "regime"
+        if rhs is None:
+            # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
+            verdict = sympy.sympify(lhs.xreplace(subs))
+            if verdict is sympy.false:
+                raise SymmemError(f"node {node!r} ({kind}): needs {_describe(lhs)}, which fails at "
+                                  f"{_given((lhs,), numbers)}; set the symbols consistently")
+            continue
+        if isinstance(lhs, sympy.Mod) and rhs == 0:
+            verdict = sympy.sympify(sympy.Eq(lhs, 0).xreplace(subs))
+            if verdict is sympy.false:
+                raise SymmemError(f"node {node!r} ({kind}): needs {_describe(sympy.Eq(lhs, 0))}, which fails at "
+                                  f"{_given((lhs,), numbers)}; set the symbols consistently")
+            continue
+        a, b = (sympy.sympify(e.xreplace(subs)) for e in (lhs, rhs))
         if a.is_number and b.is_number and a != b:
-            kind = model.graph.node(node).kind
-            raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but the values give "
-                              f"{a} != {b}; set the symbols consistently")
+            raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but "
+                              f"{_given((lhs, rhs), numbers)} give {a} != {b}; set the symbols consistently")
+
+
+def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
+    """Every size of every tensor, parameter and repeat count must be a positive integer at the numbers: an image
+    too small for the network, heads that do not divide the hidden size or a slice past its end is an error
+    naming the node, not a formula with a zero, negative or fractional size."""
+    graph = model.graph
+    subs = dict(numbers)
+    known = set(numbers)
+    verdicts: dict[sympy.Expr, sympy.Expr | None] = {}
+
+    def bad(d: sympy.Expr) -> sympy.Expr | None:
+        if d not in verdicts:
+            v = None
+            if d.free_symbols <= known:
+                v = sympy.sympify(d.xreplace(subs))
+                v = None if v.is_integer and v > 0 else v
+            verdicts[d] = v
+        return verdicts[d]
+
+    for name in graph.order():
+        node = graph.node(name)
+        shapes = [("output", node.out.shape), *((f"parameter {p!r}", s) for p, s in node.params.items())]
+        for what, shape in shapes:
+            for d in shape:
+                if d.is_Integer or d.is_Symbol:
+                    continue
+                v = bad(d)
+                if v is not None:
+                    hint = (" (the input is too small for this op)" if v.is_number and v <= 0
+                            else " (a size that does not divide, such as heads that do not divide the hidden size)")
+                    raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} has a size {d} = {v} "
+                                      f"at {_given((d,), numbers)}, not a positive integer{hint}")
+        if node.count != 1 and bad(node.count) is not None:
+            raise SymmemError(f"node {name!r} ({node.kind}): its block is repeated {node.count} = "
+                              f"{bad(node.count)} times at {_given((node.count,), numbers)}, not a positive number "
+                              "of times")
 
 
 def _pick_layer(model: Model) -> str:

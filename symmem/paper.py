@@ -238,31 +238,49 @@ networks' graphs with symbolic shapes. At $B = 64$ they give %(rtotal)s\,GiB for
 """
 
 
-def write(directory: str | Path, compile: bool = True) -> Paper:
-    """Write the paper's sources into ``directory`` and compile them when LaTeX is installed."""
-    from . import __version__
-    from .report.latex import table
-    from .report.plots import scaling
+def write(directory: str | Path, compile: bool = True, force: bool = False) -> Paper:
+    """Write the paper's sources into ``directory`` and compile them when LaTeX is installed.
 
-    out = Path(directory)
-    (out / "generated").mkdir(parents=True, exist_ok=True)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
+    ``directory`` may not exist yet (its parent must).  An existing ``main.tex`` there is never overwritten
+    unless ``force``; everything is derived and drawn before the first file is written, and each file is
+    written whole or not at all (:mod:`symmem.files`).
+    """
+    from . import __version__
+    from .files import output_path, write_text
+    from .report.latex import table
+    from .report.plots import save, scaling
+
+    out = output_path(directory, what="paper's output", directory=True)
+    tex = out / "main.tex"
+    if not force and (tex.exists() or tex.is_symlink()):
+        raise SymmemError(f"{str(tex)[:80]!r} exists: the paper would overwrite it; choose another directory or "
+                          "give --force (force=True)")
     ds = _derivations()
     torch_ds, why = _pytorch()
-    (out / "generated" / "table1.tex").write_text(
-        table(list(ds.items()), caption="FP32 training memory, B = 64, AdamW") + "\n")  # type: ignore[arg-type]
-    (out / "generated" / "fit.tex").write_text(_fit_table(ds, "80GiB") + "\n")
+    files = {
+        "generated/table1.tex": table(list(ds.items()), caption="FP32 training memory, B = 64, AdamW"),  # type: ignore[arg-type]
+        "generated/fit.tex": _fit_table(ds, "80GiB"),
+    }
     if torch_ds:
         rows = [(k, v) for k in ds for v in (ds[k], torch_ds[k])]
-        (out / "generated" / "pytorch.tex").write_text(
-            table(rows, caption="Seed accounting vs PyTorch autograd, B = 64", label="tab:pytorch") + "\n")  # type: ignore[arg-type]
-    (out / "generated" / "body.tex").write_text(_body(ds, torch_ds, why) + "\n")
-    fig = scaling(list(ds.values()), list(ds), "B", "80GiB", output=out / "figures" / "scaling.pdf")  # type: ignore[arg-type]
+        files["generated/pytorch.tex"] = table(rows, caption="Seed accounting vs PyTorch autograd, B = 64",  # type: ignore[arg-type]
+                                               label="tab:pytorch")
+    files["generated/body.tex"] = _body(ds, torch_ds, why)
+    fig = scaling(list(ds.values()), list(ds), "B", "80GiB")  # type: ignore[arg-type]
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
-    tex = out / "main.tex"
-    tex.write_text(MAIN % ({"version": __version__} | _numbers(ds)))
+    try:
+        for sub in ("", "generated", "figures"):
+            try:
+                (out / sub).mkdir(exist_ok=True)
+            except OSError as exc:
+                raise SymmemError(f"cannot create {str(out / sub)[:80]!r}: {exc.strerror or exc}") from None
+        for name, text in files.items():
+            write_text(out / name, text + "\n")
+        save(fig, out / "figures" / "scaling.pdf")
+    finally:
+        plt.close(fig)
+    write_text(tex, MAIN % ({"version": __version__} | _numbers(ds)))
     pdf, note = (_compile(tex) if compile else (None, "not compiled (compile=False)"))
     return Paper(out, tex, pdf, bool(torch_ds), note)
 
@@ -276,8 +294,15 @@ def _compile(tex: Path) -> tuple[Path | None, str]:
         return None, "no latexmk or pdflatex on PATH: wrote the .tex files only"
     runs = 2 if cmd[0] == "pdflatex" else 1  # pdflatex needs a second pass for the references
     for _ in range(runs):
-        done = subprocess.run(cmd, cwd=tex.parent, capture_output=True, text=True, timeout=300)
+        try:
+            done = subprocess.run(cmd, cwd=tex.parent, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise SymmemError(f"{cmd[0]} ran for more than 300 s on {tex}; the sources are written, compile "
+                              "them by hand") from None
+        except OSError as exc:
+            raise SymmemError(f"{cmd[0]} could not run on {tex}: {exc.strerror or exc}") from None
         if done.returncode != 0:
-            tail = "\n".join(done.stdout.splitlines()[-20:])
-            raise SymmemError(f"{cmd[0]} failed on {tex}:\n{tail}")
+            errors = [ln for ln in done.stdout.splitlines() if ln.startswith("!")]
+            first = errors[0] if errors else (done.stdout.strip().splitlines() or ["no output"])[-1]
+            raise SymmemError(f"{cmd[0]} failed on {tex} (see {tex.with_suffix('.log')}): {first[:200]}")
     return tex.with_suffix(".pdf"), f"compiled with {cmd[0]}"

@@ -40,6 +40,8 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 ACT = "act"
+#: The largest size a dimension (or any symbol's value) may have: PyTorch sizes are int64.
+MAX_SIZE = 2**63 - 1
 
 
 def dtype_bytes(dtype: str, activation_dtype: str = "float32") -> int:

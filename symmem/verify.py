@@ -295,8 +295,58 @@ def _require_torch() -> None:
                           "(the CPU build), or pip install 'symmem[torch]'") from None
 
 
-def verify(derivation: Derivation) -> Comparison:
-    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare."""
+#: The share of the machine's memory (RAM for ``cpu``, the GPU's for ``cuda``) ``verify`` may use by default.
+MEMORY_SHARE = 0.5
+
+
+def machine_memory(device: str = "cpu") -> int | None:
+    """Bytes of memory of ``device`` (physical RAM for ``cpu``), or None where it cannot be told."""
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    try:
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def needed_memory(derivation: Derivation) -> int:
+    """Bytes one measured forward pass holds, from the formula: the FP32 weights, the kept activations, the
+    loss and the inputs (a lower bound: temporaries the forward frees are not counted)."""
+    return (4 * derivation.value("parameters") + derivation.value("activations") + derivation.value("loss")
+            + derivation.value("input"))
+
+
+def check_memory(derivation: Derivation, max_memory: int | None = None) -> int:
+    """The bytes :func:`verify` would allocate, refused with a :class:`SymmemError` beyond ``max_memory`` (default:
+    :data:`MEMORY_SHARE` of the device's memory) before anything is allocated."""
+    from .units import format_bytes
+
+    device = str(derivation.options.get("device", "cpu"))
+    need = needed_memory(derivation)
+    limit = max_memory
+    if limit is None:
+        total = machine_memory(device)
+        limit = None if total is None else int(total * MEMORY_SHARE)
+    if limit is not None and need > limit:
+        raise SymmemError(f"verify would allocate at least {format_bytes(need)} ({need:,} B: FP32 weights, kept "
+                          f"activations and inputs of {derivation.model} at "
+                          f"{', '.join(f'{s}={v}' for s, v in sorted(derivation.numbers.items(), key=str))}), "
+                          f"more than the limit {format_bytes(limit)}; measure smaller sizes (e.g. --set B=2 "
+                          f"--set L=2) or raise --max-memory")
+    return need
+
+
+def verify(derivation: Derivation, max_memory: int | None = None) -> Comparison:
+    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare.
+
+    The memory the measurement needs is derived first and refused beyond ``max_memory`` bytes (see
+    :func:`check_memory`)."""
     _require_torch()
     import torch
 
@@ -315,6 +365,7 @@ def verify(derivation: Derivation) -> Comparison:
     device = options.get("device", "cpu")
     if device != "cpu" and not torch.cuda.is_available():
         raise SymmemError(f"verify on {device} needs that device; this torch has no CUDA (use --device cpu)")
+    check_memory(derivation, max_memory)
     module, inputs = reference(derivation.model, numbers, options)
     module = module.to(device)
     inputs = tuple(x.to(device) for x in inputs)

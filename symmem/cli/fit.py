@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..errors import SymmemError
-from .common import add_derive_options, derivation_from_args
+from .common import acceptor_from_args, add_derive_options, derivation_from_args
 
 NAME = "fit"
 HELP = "the largest batch size (or sequence length) that fits a memory budget"
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{d.model} ({d.convention}) at {args.solve} = {value:,} needs {format_bytes(need)} ({need:,} B)")
         return 0
-    r = largest(d, args.solve, args.budget)
+    accepts = acceptor_from_args(args)
+    r = largest(d, args.solve, args.budget, accepts=lambda value: accepts(args.solve, value))
     print(json.dumps(r.to_dict(), indent=2) if args.format == "json" else str(r))
     return 0

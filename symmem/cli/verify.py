@@ -14,6 +14,9 @@ ORDER = 30
 def configure(p: argparse.ArgumentParser) -> None:
     add_derive_options(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="refuse to measure when the model needs more than this (e.g. 16GiB); default: half of the "
+                        "device's memory")
     p.set_defaults(convention="pytorch")
 
 
@@ -23,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.device is None and "device" in convention(args.convention).options:
         args.device = "cpu"  # the formula for the device the measurement runs on
-    result = verify(derivation_from_args(args))
+    from ..units import parse_size
+
+    limit = None if args.max_memory is None else parse_size(args.max_memory)
+    result = verify(derivation_from_args(args), max_memory=limit)
     print(result.report(verbose=args.verbose))
     return 0 if result.exact else 1

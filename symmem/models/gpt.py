@@ -55,6 +55,8 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
     for i, part in enumerate(("query", "key", "value")):
         t = g.op("slice", qkv, name=part, dim=2, start=i * H, stop=(i + 1) * H)
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
+        if part == "query":
+            g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
         heads.append(g.op("permute", t, name=f"{part}_heads", dims=(0, 2, 1, 3)))
     q, k, v = heads
     if kind == "naive":
@@ -104,7 +106,7 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
     # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
-    g.graph.assumptions.append(("wpe", sympy.Min(S, POSITIONS), S))
+    g.graph.assume("wpe", sympy.Le(S, POSITIONS))
     with g.group("head"):
         x = g.op("layernorm", layer.result, name="ln_f", eps=1e-5)
         g.op("linear", x, name="lm_head", out_features=V, bias=False, tied=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from ..errors import SymmemError
+from ..files import output_path, write_atomically
 from ..units import UNITS, parse_size
 
 if TYPE_CHECKING:
@@ -42,14 +43,20 @@ def _interactive() -> bool:
     return get_ipython() is not None
 
 
-def _save(fig: Any, output: str | Path | None) -> None:
+def check_output(output: str | Path | None) -> Path | None:
+    """``output`` checked before anything is drawn (a suffix of :data:`FORMATS`, a directory that exists ...)."""
+    return None if output is None else output_path(output, FORMATS)
+
+
+def save(fig: Any, output: str | Path | None) -> None:
+    """Write ``fig`` to ``output`` (``.png``, ``.pdf`` or ``.svg``), whole or not at all."""
     if output is None:
         return
-    path = Path(output)
-    if path.suffix.lower() not in FORMATS:
-        raise SymmemError(f"cannot write {path.name!r}: use one of {', '.join(FORMATS)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=150, metadata={"Date": None} if path.suffix == ".svg" else None)
+    path = output_path(output, FORMATS)
+    fmt = path.suffix.lower().lstrip(".")
+    # drawn into a temporary file and renamed: a failure leaves no half-written figure
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, bbox_inches="tight", dpi=150,
+                                                   metadata={"Date": None} if fmt == "svg" else None))
 
 
 def _label(d: Derivation, sep: str = "\n") -> str:
@@ -103,7 +110,7 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
     ax.set_title(f"{derivations[0].regime.precision.upper()} + {derivations[0].regime.optimizer} breakdown")
     ax.margins(y=0.1)
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -115,6 +122,11 @@ def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sy
     act = sympy.expand((d.total - d.parameter_memory).xreplace(others))
     par = sympy.expand(d.parameter_memory.xreplace(others))
     return sym, total, act, par
+
+
+def _lambdify(sym: sympy.Symbol, expr: sympy.Expr) -> Any:
+    # Float coefficients: an integer beyond int64 would make numpy compute with Python objects (and fail).
+    return sympy.lambdify(sym, expr.evalf(), "numpy")
 
 
 def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
@@ -137,7 +149,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for expr, label, style in ((total, "total", "-"), (act, "all but the parameter side", "--"),
                                (par, "parameter side", ":")):
-        f = sympy.lambdify(sym, expr / scale, "numpy")
+        f = _lambdify(sym, expr / scale)
         ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
@@ -153,7 +165,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -178,7 +190,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
     for d, label, fit in zip(derivations, labels, fits, strict=True):
         sym, total, _, _ = _function(d, name)
-        f = sympy.lambdify(sym, total / scale, "numpy")
+        f = _lambdify(sym, total / scale)
         (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label)
         if fit is not None:
             ax.plot([fit.max], [fit.total_at_max / scale], "o", color=line.get_color())
@@ -193,7 +205,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -222,7 +234,7 @@ def profile(d: Derivation, output: str | Path | None = None, unit: str = "MiB") 
     ax.margins(x=0.15)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
