@@ -173,15 +173,17 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
         layer = _pick_layer(model)
         nodes = [n for n in nodes if graph.node(n).block == layer]
     act_dtype = regime.activation_dtype
-    # Views that copy for some sizes only (symmem.branches): the kept storages once per truth assignment.
+    # Views that copy for some sizes only (symmem.branches): the kept storages per truth assignment of the
+    # conditions that interact, merged into Piecewise expressions.
     open_, decided = branches.conditions(graph, nodes, subs)
-    results = []
-    for branch in branches.assignments(open_, decided):
+
+    def run(branch: Mapping[sympy.Basic, bool]) -> list[Storage]:
         kept = saved.kept(graph, conv, conv_options, act_dtype, nodes, per_layer, branch)
         kept = regimes.activations(graph, kept, regime, act_dtype, per_layer, conv.dedup)
-        kept += conv.extra_storages(kept, conv_options)
-        results.append((branch, kept))
-    storages = branches.merge(open_, results) + regimes.parameters(graph, nodes, regime, per_layer)
+        return kept + conv.extra_storages(kept, conv_options)
+
+    storages = branches.combine(graph, nodes, open_, decided, run)
+    storages += regimes.parameters(graph, nodes, regime, per_layer)
     storages = [_substituted(s, subs) for s in storages]
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
