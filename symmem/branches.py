@@ -73,8 +73,8 @@ def reshape_copies(shape: Sequence[Any], broadcast: Iterable[int], new_shape: Se
     >>> reshape_copies((B, 1, h, S), {2}, (B, h, S))
     False
     """
-    old = [sympy.sympify(d) for d in shape]
-    new = [sympy.sympify(d) for d in new_shape]
+    old = [sympy.sympify(d, strict=True) for d in shape]
+    new = [sympy.sympify(d, strict=True) for d in new_shape]
     stride0 = set(broadcast)
     bounds_new = set()
     run = sympy.Integer(1)
@@ -119,7 +119,7 @@ def slice_copies(shape: Sequence[Any], dim: int) -> Any:
     >>> slice_copies((B, S, V), 1)
     Ne(B, 1)
     """
-    lead = sympy.Mul(*(sympy.sympify(d) for d in shape[:dim % len(shape)]))
+    lead = sympy.Mul(*(sympy.sympify(d, strict=True) for d in shape[:dim % len(shape)]))
     return sympy.Ne(lead, 1)
 
 

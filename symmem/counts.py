@@ -136,7 +136,7 @@ def from_counts(activations: int, parameters: int, input_shape: tuple[int, ...],
     return CountsReport(asker, answer, correct, lower, differences)
 
 
-_SHAPE = re.compile(r"^\s*([1-9][0-9]*)\s*[xX*]\s*([1-9][0-9]*)\s*[xX*]\s*([1-9][0-9]*)\s*$")
+_SHAPE = re.compile(r"^\s*([1-9][0-9]{0,17})\s*[xX*]\s*([1-9][0-9]{0,17})\s*[xX*]\s*([1-9][0-9]{0,17})\s*$")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

@@ -282,7 +282,7 @@ class Derivation:
         if missing:
             names = ", ".join(sorted(s.name for s in missing))
             raise SymmemError(f"no value for {names}; set one (e.g. --set {sorted(missing, key=str)[0]}=...)")
-        value = sympy.sympify(expr.xreplace(dict(self.numbers)))
+        value = sympy.sympify(expr.xreplace(dict(self.numbers)), strict=True)
         if not value.is_number:
             raise SymmemError(f"{expr} did not evaluate to a number")
         return int(value) if value.is_integer else int(sympy.ceiling(value))

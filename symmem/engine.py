@@ -255,18 +255,18 @@ def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int],
         kind = graph.node(node).kind if node in graph else "regime"
         if rhs is None:
             # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
-            verdict = sympy.sympify(lhs.xreplace(subs))
+            verdict = sympy.sympify(lhs.xreplace(subs), strict=True)
             if verdict is sympy.false:
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(lhs)}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
             continue
         if isinstance(lhs, sympy.Mod) and rhs == 0:
-            verdict = sympy.sympify(sympy.Eq(lhs, 0).xreplace(subs))
+            verdict = sympy.sympify(sympy.Eq(lhs, 0).xreplace(subs), strict=True)
             if verdict is sympy.false:
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(sympy.Eq(lhs, 0))}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
             continue
-        a, b = (sympy.sympify(e.xreplace(subs)) for e in (lhs, rhs))
+        a, b = (sympy.sympify(e.xreplace(subs), strict=True) for e in (lhs, rhs))
         if a.is_number and b.is_number and a != b:
             raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but "
                               f"{_given((lhs, rhs), numbers)} give {a} != {b}; set the symbols consistently")
@@ -285,7 +285,7 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
         if d not in verdicts:
             v = None
             if d.free_symbols <= known:
-                v = sympy.sympify(d.xreplace(subs))
+                v = sympy.sympify(d.xreplace(subs), strict=True)
                 v = None if v.is_integer and v > 0 else v
             verdicts[d] = v
         return verdicts[d]

@@ -395,9 +395,12 @@ def _symbolic(what: str, value: Any) -> sympy.Expr:
     if isinstance(value, str | bool) or value is None:
         raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}")
     try:
-        return sympy.sympify(value, strict=True)
+        e = sympy.sympify(value, strict=True)
     except sympy.SympifyError:
         raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}") from None
+    if not isinstance(e, sympy.Basic):
+        raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}")
+    return e
 
 
 @dataclass(frozen=True)
@@ -425,6 +428,9 @@ class Model:
             if not isinstance(sym, sympy.Symbol):
                 raise SymmemError(f"model {self.name!r}: default keys must be sympy symbols, got {sym!r}")
             defaults[sym] = _symbolic(f"model {self.name!r}: the default of {sym}", value)
+            if not isinstance(defaults[sym], sympy.Expr):
+                raise SymmemError(f"model {self.name!r}: the default of {sym} must be a number or an expression, "
+                                  f"not {value!r}")
         object.__setattr__(self, "defaults", defaults)
         free = tuple(self.free)
         for sym in free:

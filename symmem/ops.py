@@ -135,7 +135,12 @@ def _sym(x: Any) -> sympy.Expr:
         raise OpError(f"values are ints or sympy expressions, not the string {x!r}")
     if isinstance(x, bool) or x is None:
         raise OpError("not a number or a sympy expression")
-    return sympy.sympify(x, strict=True)
+    e = sympy.sympify(x, strict=True)
+    if not isinstance(e, sympy.Expr):  # a condition, a tuple: not a size
+        raise OpError(f"not a number or a sympy expression: {x!r}")
+    if e.has(sympy.nan, sympy.oo, -sympy.oo, sympy.zoo):
+        raise OpError(f"not a finite number: {x!r}")
+    return e
 
 
 def _is_dim(x: Any) -> None:
@@ -435,8 +440,11 @@ def _rmsnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape, x.dtype), {"weight": (x.shape[-1],)} if a.get("affine", True) else {})
 
 
-@rule("maxpool2d", "avgpool2d", attrs={"kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR,
-                                        "padding": PAD, "dilation": PAIR, "ceil_mode": BOOL})
+_POOL = {"kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR, "padding": PAD, "ceil_mode": BOOL}
+
+
+@rule("maxpool2d", attrs={**_POOL, "dilation": PAIR})
+@rule("avgpool2d", attrs=_POOL)  # F.avg_pool2d takes no dilation
 def _pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     _need_rank(x, 4)
@@ -470,7 +478,9 @@ def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if end < start:
         raise OpError(f"end_dim {end} before start_dim {start}")
     shape = x.shape[:start] + (numel(x.shape[start:end + 1]),) + x.shape[end + 1:]
-    return OpInfo(TensorSpec(shape, x.dtype), view_of=None if a.get("copy") else 0)
+    copy = a.get("copy", False)
+    # ``copy`` may be a condition on the symbols (symmem.branches): a view in the graph, resolved per branch.
+    return OpInfo(TensorSpec(shape, x.dtype), view_of=0 if is_condition(copy) or not copy else None)
 
 
 @rule("reshape", attrs={"shape": SHAPE, "copy": FLAG})

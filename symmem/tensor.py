@@ -63,7 +63,12 @@ def as_shape(shape: Iterable[object]) -> tuple[sympy.Expr, ...]:
     for d in shape:
         if isinstance(d, str):
             raise SymmemError(f"shape entries must be ints or sympy expressions, not the string {d!r}")
-        e = sympy.sympify(d, strict=True)
+        try:
+            e = sympy.sympify(d, strict=True)
+        except sympy.SympifyError:
+            raise SymmemError(f"shape entries must be ints or sympy expressions, not {d!r}") from None
+        if not isinstance(e, sympy.Expr) or isinstance(d, bool):
+            raise SymmemError(f"shape entries must be ints or sympy expressions, not {d!r}")
         if e.is_number and not (e.is_integer and e.is_positive):
             raise SymmemError(f"shape {tuple(shape)} has a dimension {e} that is not a positive integer")
         out.append(e)

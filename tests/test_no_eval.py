@@ -1,0 +1,87 @@
+"""No code from text, anywhere: nothing a user types or passes as data is evaluated as Python.
+
+sympy's ``sympify`` of a string runs ``eval``; every ``sympify`` in the package is ``strict=True`` (which refuses
+strings), and no module calls ``eval``, ``exec`` or ``parse_expr``.  The LaTeX reader
+(:func:`symmem.report.latex.parse`) uses sympy's lark grammar, which builds expressions from a parse tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import sympy
+
+import symmem
+from symmem import GraphBuilder, SymmemError, derive
+from symmem.graph import Model
+from symmem.symbols import B, H
+
+PACKAGE = pathlib.Path(symmem.__file__).parent
+
+
+def _calls(name: str):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                if called == name:
+                    yield path.relative_to(PACKAGE.parent), node
+
+
+def test_every_sympify_is_strict():
+    loose = [f"{p}:{n.lineno}" for p, n in _calls("sympify")
+             if not any(k.arg == "strict" and isinstance(k.value, ast.Constant) and k.value.value is True
+                        for k in n.keywords)]
+    assert not loose, loose
+
+
+@pytest.mark.parametrize("name", ["eval", "exec", "parse_expr", "S"])
+def test_no_evaluation_of_text(name):
+    found = [f"{p}:{n.lineno}" for p, n in _calls(name)]
+    assert not found, found
+
+
+def _marker(tmp_path):
+    flag = tmp_path / "ran"
+    return flag, f"__import__('pathlib').Path({str(flag)!r}).touch()"
+
+
+def test_strings_are_refused_not_run(tmp_path):
+    flag, code = _marker(tmp_path)
+    d = derive("mlp")
+    attempts = [
+        lambda: derive("mlp", values={"B": code}),
+        lambda: d.evaluate(code),
+        lambda: d.at(B=code),
+        lambda: Model("m", GraphBuilder("m").finish(), {B: code}, (B,)),
+        lambda: GraphBuilder("m").input("x", (B, code)),
+        lambda: GraphBuilder("m").repeat("r", code, "x").__enter__(),
+    ]
+    g = GraphBuilder("m")
+    x = g.input("x", (B, H))
+    attempts += [lambda: g.op("linear", x, out_features=code), lambda: g.op("scale", x, factor=code),
+                 lambda: g.graph.assume(x, code)]
+    for attempt in attempts:
+        with pytest.raises(SymmemError):
+            attempt()
+    assert not flag.exists()
+
+
+@pytest.mark.parametrize("text", [
+    r"\text{{{code}}}", r"\operatorname{{{code}}}(B)", r"{code}", r"\mathrm{{{code}}} + B",
+    r"\begin{{cases}} {code} & \text{{otherwise}} \end{{cases}}", r"B \cdot \left({code}\right)",
+])
+def test_latex_parse_never_runs_code(tmp_path, text):
+    from symmem.report.latex import parse
+
+    flag, code = _marker(tmp_path)
+    try:
+        result = parse(text.format(code=code))
+    except Exception:  # noqa: BLE001  (a parse error of any kind is fine; running the text is not)
+        result = None
+    assert result is None or isinstance(result, sympy.Basic)
+    assert not flag.exists()
