@@ -88,9 +88,34 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
     return model, conv, regime, conv_options
 
 
+class Acceptor:
+    """``accepts(name, value)``: why the model refuses ``value`` for the symbol ``name`` (with ``values`` for the
+    others), or None when it accepts it (see :func:`acceptor`).  ``model`` and ``convention`` are what it
+    checks for."""
+
+    def __init__(self, model: Model, convention: Convention, regime: Regime, values: Mapping[str, int]) -> None:
+        self.model, self.convention, self.regime, self.values = model, convention, regime, dict(values)
+        self._tied = {s.name: e for s, e in model.defaults.items() if not e.is_number}
+
+    def __call__(self, name: str, value: int) -> str | None:
+        try:
+            _values(self.model, self.regime, {**self.values, name: value})
+        except SymmemError as exc:
+            tied = self._tied.get(name)
+            if tied is not None and tied.free_symbols:
+                return (f"{name} follows from {', '.join(sorted(str(x) for x in tied.free_symbols))} "
+                        f"(its default is {tied}): {exc}")
+            return str(exc)
+        return None
+
+    def counts_nothing(self) -> str | None:
+        """Why the convention keeps nothing in this model (a role convention and a graph without its roles)."""
+        why = self.convention.finds_nothing(self.model.graph)
+        return None if why is None else f"{self.model.name}: {why}"
+
+
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
-             loss: str | None = None, convention: str | Convention = "paper",
-             **keywords: Any) -> Callable[[str, int], str | None]:
+             loss: str | None = None, convention: str | Convention = "paper", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
     ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
     deriving.  Arguments are :func:`derive`'s.  :func:`symmem.fit.largest` uses it to answer only with values
@@ -102,21 +127,10 @@ def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, reg
     >>> print(accepts("h", 13))
     node 'h.attn.query_split' (reshape): needs h to divide H (Mod(H, h) = 0), which fails at H=768, h=13; ...
     """
-    model, _, regime, _ = _setup(model, convention, regime, None, loss, dict(keywords))
-    base = dict(values or {})
-    tied = {s.name: e for s, e in model.defaults.items() if not e.is_number}
-
-    def accepts(name: str, value: int) -> str | None:
-        try:
-            _values(model, regime, {**base, name: value})
-        except SymmemError as exc:
-            if name in tied and tied[name].free_symbols:
-                return (f"{name} follows from {', '.join(sorted(str(x) for x in tied[name].free_symbols))} "
-                        f"(its default is {tied[name]}): {exc}")
-            return str(exc)
-        return None
-
-    return accepts
+    model, conv, regime, _ = _setup(model, convention, regime, None, loss, dict(keywords))
+    if values is not None and not isinstance(values, Mapping):
+        raise SymmemError(f"values must map symbol names to positive integers ({{'B': 32}}), got {values!r}")
+    return Acceptor(model, conv, regime, values or {})
 
 
 def _values(model: Model, regime: Regime, values: Mapping[str, int] | None

@@ -75,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.kind == "profile":
         fig = plots.profile(d, output=args.output)
     else:
+        from .common import acceptor_from_args
+
+        nothing = acceptor_from_args(args).counts_nothing()
+        if nothing:
+            raise SymmemError(nothing)
         name = "B" if args.kind == "batch" else "S"
         if name not in {s.name for s in d.free}:
             if not any(s.name == name for s in d.numbers):
