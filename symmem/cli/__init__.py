@@ -56,6 +56,15 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and other control characters escaped, so that an error is one line.
+
+    >>> print(one_line("unrecognized arguments: a" + chr(10) + "b"))
+    unrecognized arguments: a\\nb
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``symmem`` command; returns the exit status."""
     args_in = list(sys.argv[1:] if argv is None else argv)
@@ -63,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser(args_in).parse_args(args_in)
         return int(args.run(args))
     except SymmemError as exc:
-        print(f"symmem: error: {exc}", file=sys.stderr)
+        print(f"symmem: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0
