@@ -38,7 +38,8 @@ from .units import format_bytes, to_unit
 #: ``transient``: memory alive only during part of backward (a recomputed layer, CS231n's x2 for backward).
 CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
 #: The named quantities a derivation sums (``parameters`` is a count, not bytes).
-QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters")
+QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters", "peak",
+              "peak_first_step")
 #: Phases of a training step, in order; a moment at node None is the start of its phase.
 PHASES = ("start", "forward", "backward", "step", "end")
 
@@ -206,6 +207,9 @@ class Derivation:
     per_layer: bool = False
     layer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: computes the peak of the training step (:mod:`symmem.passes.peak`) on first use; None where the
+    #: convention does not model the step (an accounting by role) or for one layer
+    step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -259,10 +263,64 @@ class Derivation:
 
     def expression(self, key: str) -> sympy.Expr:
         """The expression for ``activations``, ``parameter_memory``, ``total``, ``input``, ``loss``,
-        ``transient`` or ``parameters`` (a count)."""
+        ``transient``, ``peak``, ``peak_first_step`` or ``parameters`` (a count)."""
         if key not in QUANTITIES:
             raise SymmemError(f"unknown quantity {key!r}; known: {', '.join(QUANTITIES)}")
         return getattr(self, key)
+
+    # -- the peak over a training step ----------------------------------------------------------------
+    @property
+    def has_peak(self) -> bool:
+        """Whether the convention models the training step (``pytorch``), so that there is a peak."""
+        return self.step is not None
+
+    def _peak(self, exact: bool = False) -> Any:
+        if self.step is None:
+            why = "one layer" if self.per_layer else f"the {self.convention} convention (an accounting by role)"
+            raise SymmemError(f"no peak for {why}: the peak follows the training step op by op, which the "
+                              "pytorch convention models (--convention pytorch)")
+        found = self.step()
+        if exact and not found.holds_at(self.numbers):
+            # layer counts below the formula's domain: the step written out with them as numbers
+            counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in found.domain)}
+            found = self.step(counts)
+        return found
+
+    @property
+    def peak(self) -> sympy.Expr:
+        """The most live memory at any moment of a steady training step (forward, backward, optimizer step,
+        zero_grad), in bytes: a ``Max`` over the moments that can be largest (:mod:`symmem.passes.peak`)."""
+        return self._peak().expr
+
+    @property
+    def peak_first_step(self) -> sympy.Expr:
+        """The peak of the first training step, in which the optimizer creates its state."""
+        return self._peak().first
+
+    def peak_formula(self, step: str = "steady") -> sympy.Expr:
+        """The peak's formula that holds at the derivation's numbers: :attr:`peak` (or the first step's), or,
+        where a layer count lies below that formula's domain, the one written out with that count."""
+        found = self._peak(exact=True)
+        return found.expr if step == "steady" else found.first
+
+    def peak_at(self, step: str = "steady") -> Any:
+        """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the
+        phase, the op, the layer and the live bytes by category."""
+        return self._peak(exact=True).at(self.numbers, step)
+
+    def timeline(self, step: str = "steady") -> list[tuple[str, str | None, dict[str, int]]]:
+        """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
+        each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
+        creates the optimizer state)."""
+        self._peak()  # the same refusals as the peak
+        assert self.step is not None
+        return self.step(dict(self.numbers), timeline=step)
+
+    def live_at_peak(self, step: str = "steady") -> dict[str, int]:
+        """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,
+        activation_grad, temporary), at the derivation's numbers."""
+        m = self.peak_at(step)
+        return {c: self.evaluate(e) for c, e in m.live.items() if self.evaluate(e)}
 
     def groups(self) -> dict[str, sympy.Expr]:
         """Bytes per group, in the order the groups first appear."""
@@ -296,6 +354,9 @@ class Derivation:
 
     def value(self, key: str) -> int:
         """Integer bytes of a named quantity (``parameters`` is a count)."""
+        if key in ("peak", "peak_first_step"):
+            found = self._peak(exact=True)
+            return self.evaluate(found.expr if key == "peak" else found.first)
         return self.evaluate(self.expression(key))
 
     def size(self, key: str, unit: str = "GiB") -> float:

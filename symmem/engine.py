@@ -148,12 +148,37 @@ def _values(model: Model, regime: Regime, values: Mapping[str, int] | None
                               + regimes.hint(name))
         user[by_name[name]] = positive_int(name, v)
     eff = _effective(model, user)
+    required = regimes.requirements(model.graph, model.symbols, regime)
     for s in regimes.symbols(regime):
-        eff.setdefault(s, sympy.Integer(regimes.DEFAULTS[s]))
+        if s in user:
+            continue
+        # A regime size nobody set takes its default (t = 8 ...) or, where the model refuses that (ViT-B's 12
+        # heads over t = 8), the largest halving of it the model accepts (t = 4).
+        for candidate in _halvings(regimes.DEFAULTS[s]):
+            eff[s] = sympy.Integer(candidate)
+            try:
+                _check_assumptions(model, _numbers(eff), [r for r in required if s in r[1].free_symbols])
+                break
+            except SymmemError:
+                continue
+        else:
+            eff[s] = sympy.Integer(regimes.DEFAULTS[s])
     numbers = _numbers(eff)
-    _check_assumptions(model, numbers, regimes.requirements(model.graph, model.symbols, regime))
+    _check_assumptions(model, numbers, required)
     _check_sizes(model, numbers)
     return by_name, eff, numbers
+
+
+def _halvings(n: int) -> list[int]:
+    """``n``, ``n // 2``, ... down to 1.
+
+    >>> _halvings(8)
+    [8, 4, 2, 1]
+    """
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
 
 
 def derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
@@ -199,11 +224,40 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
     storages = branches.combine(graph, nodes, open_, decided, run)
     storages += regimes.parameters(graph, nodes, regime, per_layer)
     storages = [_substituted(s, subs) for s in storages]
+    step = None
+    if not per_layer and type(conv).grads is not Convention.grads:
+        step = _step(model, conv, conv_options, regime, subs, open_, branches.assignments(open_, decided), numbers)
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
     return Derivation(model.name, conv.name, regime, tuple(storages), kept_symbols, numbers,
-                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options})
+                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step)
+
+
+def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,
+          subs: Mapping[sympy.Symbol, sympy.Expr], open_: list, assignments: list,
+          numbers: Mapping[sympy.Symbol, int]) -> Any:
+    """The peak of the training step, computed on first use (once per derivation and its ``at`` copies)."""
+    from .passes import peak
+
+    cache: dict[Any, Any] = {}
+
+    def compute(at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
+        # ``at``: numbers for the layer counts, when they lie outside the symbolic formula's domain;
+        # ``timeline`` ("first" or "steady"): the step written out at ``at`` (every symbol a number), op by op
+        if timeline is not None:
+            assert at is not None
+            return peak.timeline(model.graph, conv, options, regime, subs, at, assignments, timeline == "first")
+        key = None if at is None else tuple(sorted((s.name, v) for s, v in at.items()))
+        if key not in cache:
+            fixed = dict(subs)
+            if at is not None:
+                fixed.update({s: sympy.Integer(v) for s, v in at.items()})
+            join = branches.joiner(open_, assignments) if len(assignments) > 1 else None
+            cache[key] = peak.peak(model.graph, conv, options, regime, fixed, assignments, join, numbers)
+        return cache[key]
+
+    return compute
 
 
 def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr]) -> Storage:

@@ -10,6 +10,10 @@ class SymmemError(ValueError):
     """
 
 
+class NothingFits(SymmemError):
+    """An answer, not bad input: not even the smallest size fits the budget (the command line exits 1)."""
+
+
 def node_error(node: str, kind: str, message: str, shapes: object = None) -> SymmemError:
     """A :class:`SymmemError` that names the node, its op kind and (optionally) the shapes involved.
 

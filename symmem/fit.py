@@ -1,15 +1,19 @@
 """Will it fit: the largest batch size (or sequence length) whose training memory fits a budget.
 
-The answer is solved from the derived total: every other symbol takes its value, the total becomes a
-polynomial ``f(x)`` in the solved symbol, the largest real root of ``f(x) = budget`` is found exactly, and the
-integer below it is checked at the boundary, ``f(max) <= budget < f(max + 1)``, in integer arithmetic.
+What must fit is the **peak** of a training step (:attr:`~symmem.derivation.Derivation.peak`) where the
+convention models the step (``pytorch``), else the derived **total** (kept at the end of the forward pass +
+parameter side).  Every other symbol takes its value; the quantity becomes a function ``f(x)`` of the solved
+symbol -- a polynomial, or a ``Max`` of polynomials for the peak (each moment of the step) -- the largest real
+root of ``f(x) = budget`` is found exactly for each polynomial, and the integer below the smallest is checked
+at the boundary, ``f(max) <= budget < f(max + 1)``, in integer arithmetic.
 
 >>> from symmem import derive
->>> r = largest(derive("resnet50-v1"), "B", "80GiB")
->>> r.max, r.total_at_max <= r.budget < r.total_above
-(1927, True)
->>> smallest_budget(derive("resnet50-v1"), "B", 64) / 2**30 == derive("resnet50-v1").value("total") / 2**30
-True
+>>> r = largest(derive("resnet50-v1", convention="paper"), "B", "80GiB")
+>>> r.quantity, r.max, r.total_at_max <= r.budget < r.total_above
+('total', 1927, True)
+>>> r = largest(derive("resnet50", convention="pytorch"), "B", "80GiB")
+>>> r.quantity, r.max
+('peak', 987)
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from .errors import SymmemError
+from .errors import NothingFits, SymmemError
 from .tensor import MAX_SIZE
 from .units import format_bytes, parse_size
 
@@ -46,20 +50,27 @@ class Fit:
     total_at_max: int
     total_above: int
     formula: sympy.Expr
+    #: what had to fit: ``peak`` (of a training step) or ``total``
+    quantity: str = "total"
     bound: int | None = None
     refused: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON contract of ``symmem fit --format json``."""
-        return {"model": self.model, "convention": self.convention, "symbol": self.symbol, "max": self.max,
-                "budget": self.budget, "total_at_max": self.total_at_max, "total_above": self.total_above,
-                "headroom": self.budget - self.total_at_max, "formula": str(self.formula),
-                "bound": self.max if self.bound is None else self.bound, "refused": self.refused}
+        """The JSON contract of ``symmem fit --format json`` (``total_at_max``/``total_above`` are the
+        quantity's bytes, the peak's where ``quantity`` is ``peak``; ``bound`` the largest value that fits,
+        ``refused`` why the model refuses the values between ``max`` and ``bound``)."""
+        return {"model": self.model, "convention": self.convention, "quantity": self.quantity,
+                "symbol": self.symbol, "max": self.max, "budget": self.budget, "total_at_max": self.total_at_max,
+                "total_above": self.total_above, "headroom": self.budget - self.total_at_max,
+                "formula": str(self.formula), "bound": self.max if self.bound is None else self.bound,
+                "refused": self.refused}
 
     def __str__(self) -> str:
+        what = "peak of a training step" if self.quantity == "peak" else "total"
         bound = self.max if self.bound is None else self.bound
-        text = (f"{self.model} ({self.convention}): largest {self.symbol} = {self.max:,} fits "
-                f"{format_bytes(self.budget)}: total {format_bytes(self.total_at_max)} ({self.total_at_max:,} B); ")
+        text = (f"{self.model} ({self.convention}): largest {self.symbol} = {self.max:,} whose {what} fits "
+                f"{format_bytes(self.budget)}: {self.quantity} {format_bytes(self.total_at_max)} "
+                f"({self.total_at_max:,} B); ")
         if bound != self.max:
             span = f"{self.max + 1:,}" + ("" if bound == self.max + 1 else f" to {bound:,}")
             text += f"{self.symbol} = {span} would fit but the model refuses it ({self.refused}); "
@@ -80,8 +91,17 @@ def _budget(budget: int | str) -> int:
     return budget
 
 
-def polynomial(d: Derivation, name: str) -> tuple[sympy.Symbol, sympy.Expr]:
-    """The total as a function of the symbol ``name`` alone: every other symbol at its value."""
+def default_quantity(d: Derivation) -> str:
+    """``peak`` where the convention models the training step, else ``total``."""
+    return "peak" if d.has_peak else "total"
+
+
+def polynomial(d: Derivation, name: str, quantity: str | None = None) -> tuple[sympy.Symbol, sympy.Expr]:
+    """``quantity`` (``peak``, ``total``, default :func:`default_quantity`) as a function of the symbol ``name``
+    alone: every other symbol at its value."""
+    quantity = quantity or default_quantity(d)
+    if quantity not in ("peak", "total"):
+        raise SymmemError(f"what must fit is the 'peak' or the 'total', not {quantity!r}")
     sym = next((s for s in d.free if s.name == name), None)
     if sym is None:
         if any(s.name == name for s in d.numbers):
@@ -89,6 +109,11 @@ def polynomial(d: Derivation, name: str) -> tuple[sympy.Symbol, sympy.Expr]:
                               f" derive with free=(..., {name!r}) or --free {name}")
         raise SymmemError(f"{d.model} has no symbol {name!r}; it has {', '.join(sorted(s.name for s in d.numbers))}")
     others = {s: v for s, v in d.numbers.items() if s != sym}
+    if quantity == "peak":
+        peak = d.peak_formula()
+        if isinstance(peak, sympy.Max):
+            return sym, sympy.Max(*(sympy.expand(a.xreplace(others)) for a in peak.args))
+        return sym, sympy.expand(peak.xreplace(others))
     return sym, sympy.expand(d.total.xreplace(others))
 
 
@@ -123,32 +148,36 @@ def _search(f: sympy.Expr, sym: sympy.Symbol, cap: int, model: str, name: str) -
     return lo
 
 
-def largest(d: Derivation, name: str, budget: int | str,
+def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = None,
             accepts: Callable[[int], str | None] | None = None) -> Fit:
-    """The largest positive integer value of ``name`` (``B``, ``S``, ...) whose total fits ``budget``.
+    """The largest positive integer value of ``name`` (``B``, ``S``, ...) whose peak (or total: ``quantity``)
+    fits ``budget``; :class:`~symmem.errors.NothingFits` when not even 1 does.
 
     ``accepts(value)`` says why the model refuses ``value`` for ``name`` (None: accepted; see
     :func:`symmem.engine.acceptor`); the answer is then the largest accepted value that fits.
     """
     cap = _budget(budget)
-    sym, f = polynomial(d, name)
+    quantity = quantity or default_quantity(d)
+    sym, f = polynomial(d, name, quantity)
     if sym not in f.free_symbols:
-        raise SymmemError(f"the total of {d.model} does not grow with {name} (it is {format_bytes(int(f))} "
-                          f"whatever {name} is), so there is no largest {name}")
-    poly = _poly(f, sym)
-    if poly is not None and (poly.LC() <= 0 or any(r >= 1 for r in sympy.real_roots(poly.diff(sym)))):
-        raise SymmemError(f"the total of {d.model} does not grow with {name} for {name} >= 1: {f}")
+        raise SymmemError(f"the {quantity} of {d.model} does not grow with {name} (it is "
+                          f"{format_bytes(_total(f, sym, 1))} whatever {name} is), so there is no largest {name}")
+    pieces = f.args if isinstance(f, sympy.Max) else (f,)
+    polys = [_poly(p, sym) for p in pieces]
+    for poly in polys:
+        if poly is not None and (poly.LC() < 0 or any(r >= 1 for r in sympy.real_roots(poly.diff(sym)))):
+            raise SymmemError(f"the {quantity} of {d.model} does not grow with {name} for {name} >= 1: {f}")
     at_one = _total(f, sym, 1)
     if at_one > cap:
-        raise SymmemError(f"nothing fits: {d.model} needs {format_bytes(at_one)} ({at_one:,} B) at {name}=1, "
-                          f"more than the budget {format_bytes(cap)} ({cap:,} B)")
-    if poly is not None:
-        # f grows on [1, oo) and f(1) <= cap, so exactly one root lies there; the integer below it is the answer.
-        best = int(sympy.floor(max(r for r in sympy.real_roots(poly - cap) if r >= 1)))
+        raise NothingFits(f"nothing fits: {d.model} needs {format_bytes(at_one)} ({at_one:,} B) at {name} = 1 "
+                          f"({quantity}), more than the budget {format_bytes(cap)} ({cap:,} B)")
+    if all(p is not None for p in polys):
+        # each moment grows on [1, oo): the largest x under the budget is the smallest over the moments
+        best = min(_root(poly, sym, cap) for poly in polys)
     else:
         best = _search(f, sym, cap, d.model, name)
-    # Guard the exact boundary against any rounding in floor(root): integer totals decide.
-    while _total(f, sym, best) > cap:
+    # Guard the exact boundary against any rounding in floor(root): integer values decide.
+    while best > 1 and _total(f, sym, best) > cap:
         best -= 1
     while _total(f, sym, best + 1) <= cap:
         best += 1
@@ -159,7 +188,7 @@ def largest(d: Derivation, name: str, budget: int | str,
     if accepts is not None:
         chosen, refused = _accepted(accepts, best, d.model, name)
     return Fit(d.model, d.convention, name, chosen, cap, _total(f, sym, chosen), _total(f, sym, best + 1), f,
-               best, refused)
+               quantity, best, refused)
 
 
 def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name: str) -> tuple[int, str | None]:
@@ -181,9 +210,17 @@ def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name:
     return lo, why
 
 
-def smallest_budget(d: Derivation, name: str, value: int) -> int:
-    """Bytes the total needs when ``name`` = ``value`` (the smallest budget that fits that size)."""
-    sym, f = polynomial(d, name)
+def _root(poly: sympy.Poly, sym: sympy.Symbol, cap: int) -> int:
+    """The largest integer x >= 1 with poly(x) <= cap (poly grows on [1, oo); a constant never passes)."""
+    if poly.degree() < 1:
+        return 2**62 if poly.LC() <= cap else 0
+    roots = [r for r in sympy.real_roots(poly - cap) if r >= 1]
+    return int(sympy.floor(max(roots))) if roots else 0
+
+
+def smallest_budget(d: Derivation, name: str, value: int, quantity: str | None = None) -> int:
+    """Bytes the peak (or total) needs when ``name`` = ``value`` (the smallest budget that fits that size)."""
+    sym, f = polynomial(d, name, quantity)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SymmemError(f"{name} must be a positive integer, got {value!r}")
     return _total(f, sym, value)

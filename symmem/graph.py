@@ -52,11 +52,13 @@ class Node:
     group: str = "model"
     block: str | None = None
     count: sympy.Expr = sympy.Integer(1)
+    buffers: Mapping[str, TensorSpec] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "buffers", MappingProxyType(dict(self.buffers)))
 
     @property
     def role(self) -> str | None:
@@ -152,6 +154,24 @@ class Graph(nx.DiGraph):
         self.graph["_order"] = (key, found)
         return found
 
+    def program_order(self) -> tuple[str, ...]:
+        """The nodes in the order they were added -- the order a forward pass runs them, with a repeated block's
+        nodes together -- when that is a topological order (always, for :class:`GraphBuilder`); else
+        :meth:`order`."""
+        key = (self.number_of_nodes(), self.number_of_edges())
+        cached = self.graph.get("_program")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        seen: set[str] = set()
+        found = tuple(self._node)
+        for name in found:
+            if any(p not in seen for p in self._pred[name]):
+                found = self.order()
+                break
+            seen.add(name)
+        self.graph["_program"] = (key, found)
+        return found
+
     def nodes_in_order(self) -> list[Node]:
         return [self.node(n) for n in self.order()]
 
@@ -160,10 +180,10 @@ class Graph(nx.DiGraph):
         if as_view:
             return nx.graphviews.generic_graph_view(self)  # type: ignore[return-value]
         g = Graph()
-        g.graph.update({k: v for k, v in self.graph.items() if k != "_order"})
+        g.graph.update({k: v for k, v in self.graph.items() if not k.startswith("_")})
         g.graph["blocks"] = dict(self.blocks)
         g.graph["assumptions"] = list(self.assumptions)
-        for name in self.order():
+        for name in self.program_order():
             g.add(self.node(name).with_())
         return g
 
@@ -283,7 +303,7 @@ class GraphBuilder:
         self.graph.add(Node(
             full, kind, tuple(inputs), attrs, info.out.with_(role=role), info.params, info.view_of,
             self._group[-1] if self._group else "model", block.name if block else None,
-            block.count if block else sympy.Integer(1)))
+            block.count if block else sympy.Integer(1), info.buffers))
         for lhs, rhs in info.assumptions:
             self.graph.assumptions.append((full, lhs, rhs))
         return full

@@ -35,7 +35,8 @@ LOSS_GROUP = "loss"
 def model_output(model: Model) -> str:
     """The model's one output node: the node nothing consumes that is not an input or a parameter."""
     graph = model.graph
-    outs = [n for n in graph.order() if graph.out_degree(n) == 0 and graph.node(n).kind not in ("input", "parameter")]
+    outs = [n for n in graph.order()
+            if graph.out_degree(n) == 0 and graph.node(n).kind not in ("input", "parameter", "buffer", "constant")]
     if len(outs) != 1:
         raise SymmemError(f"{model.name}: a loss needs exactly one output node, found {outs or 'none'}")
     return outs[0]
@@ -52,6 +53,7 @@ def with_loss(model: Model, loss: str) -> Model:
     g = GraphBuilder(model.name)
     graph = model.graph.copy()
     g.graph = graph
+    graph.graph["model_output"] = out
     logits = graph.node(out).out
     if logits.rank < 1:
         raise SymmemError(f"{model.name}: output {out!r} is a scalar, not logits")

@@ -45,6 +45,8 @@ class OpInfo:
     params: Mapping[str, tuple[sympy.Expr, ...]] = field(default_factory=dict)
     view_of: int | None = None
     assumptions: tuple[tuple[sympy.Basic, sympy.Expr | None], ...] = ()
+    #: state the module keeps that is not learned (batch norm's running statistics): name -> spec
+    buffers: Mapping[str, TensorSpec] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -415,7 +417,9 @@ def _batchnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
         raise OpError(f"batchnorm in training needs more than one value per channel, got {fmt(x.shape)}")
     if not (per_channel - 1).is_positive:
         found = ((sympy.Gt(per_channel, 1), None),)
-    return OpInfo(TensorSpec(x.shape, x.dtype), params, assumptions=found)
+    buffers = {"running_mean": TensorSpec((c,), "float32"), "running_var": TensorSpec((c,), "float32"),
+               "num_batches_tracked": TensorSpec((), "int64")}
+    return OpInfo(TensorSpec(x.shape, x.dtype), params, assumptions=found, buffers=buffers)
 
 
 @rule("layernorm", attrs={"affine": BOOL, "bias": BOOL, "eps": NUMBER})
@@ -548,7 +552,7 @@ def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(tuple(out), x.dtype), view_of=0, assumptions=tuple(found))
 
 
-@rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM})
+@rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM, "split": BOOL})
 def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
@@ -570,7 +574,7 @@ def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0, assumptions=found)
 
 
-@rule("select", attrs={"dim": AXIS, "index": AXIS})
+@rule("select", attrs={"dim": AXIS, "index": AXIS, "split": BOOL})
 def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))

@@ -59,10 +59,10 @@ t = _dim("t", "t", "tensor-parallel size")
 p = _dim("p", "p", "pipeline-parallel size")
 N = _dim("N", "N", "data-parallel size")
 m = _dim("m", "m", "micro-batches in flight per pipeline stage")
-# LaTeX names stay within what sympy's lark parser reads back (lower-case Greek, plain subscripts): ZeRO's
-# upper-case Psi and \mathrm subscripts would not round-trip (see symmem.report.latex.parse).
-Psi = _dim("Psi", r"\psi", "parameter count (a model given by its counts, ZeRO's Psi)")
-Nact = _dim("Nact", r"N_{act}", "activation values per sample (a model given by its counts)")
+# sympy's lark parser reads neither upper-case Greek nor \mathrm subscripts: symmem.report.latex.parse maps these
+# two names to names it reads before parsing, so they round-trip too.
+Psi = _dim("Psi", r"\Psi", "parameter count (a model given by its counts, ZeRO's Psi)")
+Nact = _dim("Nact", r"N_{\mathrm{act}}", "activation values per sample (a model given by its counts)")
 
 
 def symbol(name: str) -> sympy.Symbol:

@@ -153,6 +153,8 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 CHECKPOINTS = ("none", "full", "selective", "every-K")
+#: How ``optimizer.step()`` runs (``auto``: PyTorch's default for the device).
+IMPLS = ("auto", "for-loop", "foreach", "fused")
 _EVERY = re.compile(r"^every-([1-9][0-9]*)$")
 
 
@@ -197,6 +199,14 @@ class Regime:
     tensor_parallel: bool = False
     sequence_parallel: bool = False
     pipeline_parallel: bool = False
+    #: how ``optimizer.step()`` runs: PyTorch's choice for the device (``auto``: for-loop on CPU, foreach on
+    #: CUDA), ``for-loop``, ``foreach`` or ``fused``
+    optimizer_impl: str = "auto"
+    #: whether the training loop holds the model's output (logits) through backward, as Hugging Face's output
+    #: objects and ``out = model(x); loss = f(out, y)`` do
+    keep_logits: bool = False
+    #: micro-batches whose gradients are accumulated before each optimizer step
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         _lookup(PRECISIONS, self.precision, "precision")
@@ -209,6 +219,10 @@ class Regime:
                 raise SymmemError(f"{flag} is True or False, got {getattr(self, flag)!r}")
         if self.sequence_parallel and not self.tensor_parallel:
             raise SymmemError("sequence parallelism splits over the tensor-parallel group: add tensor parallelism")
+        if self.optimizer_impl not in IMPLS:
+            raise SymmemError(f"unknown optimizer implementation {self.optimizer_impl!r}; known: {', '.join(IMPLS)}")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise SymmemError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
 
     @property
     def precision_spec(self) -> Precision:

@@ -315,31 +315,63 @@ def machine_memory(device: str = "cpu") -> int | None:
         return None
 
 
-def needed_memory(derivation: Derivation) -> int:
-    """Bytes one measured forward pass holds, from the formula: the FP32 weights, the kept activations, the
-    loss and the inputs (a lower bound: temporaries the forward frees are not counted)."""
+def needed_memory(derivation: Derivation, step: bool = False) -> int:
+    """Bytes the measurement holds, from the formula: for one forward pass the FP32 weights, the kept
+    activations, the loss and the inputs (a lower bound: temporaries the forward frees are not counted); for a
+    training step (``step``) the derived peak."""
+    if step:
+        return derivation.value("peak")
     return (4 * derivation.value("parameters") + derivation.value("activations") + derivation.value("loss")
             + derivation.value("input"))
 
 
-def check_memory(derivation: Derivation, max_memory: int | None = None) -> int:
-    """The bytes :func:`verify` would allocate, refused with a :class:`SymmemError` beyond ``max_memory`` (default:
-    :data:`MEMORY_SHARE` of the device's memory) before anything is allocated."""
+def check_memory(derivation: Derivation, max_memory: int | None = None, step: bool = False) -> int:
+    """The bytes :func:`verify` (``step``: :func:`verify_peak`) would allocate, refused with a
+    :class:`SymmemError` beyond ``max_memory`` (default: :data:`MEMORY_SHARE` of the device's memory) before
+    anything is allocated."""
     from .units import format_bytes
 
     device = str(derivation.options.get("device", "cpu"))
-    need = needed_memory(derivation)
+    need = needed_memory(derivation, step)
     limit = max_memory
     if limit is None:
         total = machine_memory(device)
         limit = None if total is None else int(total * MEMORY_SHARE)
     if limit is not None and need > limit:
-        raise SymmemError(f"verify would allocate at least {format_bytes(need)} ({need:,} B: FP32 weights, kept "
-                          f"activations and inputs of {derivation.model} at "
+        raise SymmemError(f"verify would allocate at least {format_bytes(need)} ({need:,} B: "
+                          f"{'the peak of a training step' if step else 'FP32 weights, kept activations and inputs'}"
+                          f" of {derivation.model} at "
                           f"{', '.join(f'{s}={v}' for s, v in sorted(derivation.numbers.items(), key=str))}), "
                           f"more than the limit {format_bytes(limit)}; measure smaller sizes (e.g. --set B=2 "
                           f"--set L=2) or raise --max-memory")
     return need
+
+
+def _reference(derivation: Derivation) -> tuple[Any, tuple[Any, ...], str, Any]:
+    """The reference module at the derivation's numbers, its inputs (a loss target last when the derivation
+    has a loss), the device, and the loss the step uses."""
+    _require_torch()
+    import torch
+
+    from .reference import reference
+
+    numbers = {s.name: v for s, v in derivation.numbers.items()}
+    options = dict(derivation.options)
+    device = options.get("device", "cpu")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise SymmemError(f"verify on {device} needs that device; this torch has no CUDA (use --device cpu)")
+    module, inputs = reference(derivation.model, numbers, {**options, "checkpoint": derivation.regime.checkpoint})
+    module = module.to(device)
+    inputs = tuple(x.to(device) for x in inputs)
+    loss = options.get("loss")
+    target = None
+    if loss:
+        with torch.no_grad():
+            logits = module(*inputs)
+        target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]), device=device,
+                               generator=torch.Generator(device).manual_seed(0))
+        del logits
+    return module, inputs, device, target
 
 
 def verify(derivation: Derivation, max_memory: int | None = None) -> Comparison:
@@ -348,9 +380,6 @@ def verify(derivation: Derivation, max_memory: int | None = None) -> Comparison:
     The memory the measurement needs is derived first and refused beyond ``max_memory`` bytes (see
     :func:`check_memory`)."""
     _require_torch()
-    import torch
-
-    from .reference import reference
 
     if derivation.per_layer:
         raise SymmemError("verify measures whole models; drop --per-layer")
@@ -360,21 +389,83 @@ def verify(derivation: Derivation, max_memory: int | None = None) -> Comparison:
     if regime.checkpoint != "none" or regime.tensor_parallel or regime.sequence_parallel \
             or regime.pipeline_parallel:
         raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
-    numbers = {s.name: v for s, v in derivation.numbers.items()}
-    options = dict(derivation.options)
-    device = options.get("device", "cpu")
-    if device != "cpu" and not torch.cuda.is_available():
-        raise SymmemError(f"verify on {device} needs that device; this torch has no CUDA (use --device cpu)")
     check_memory(derivation, max_memory)
-    module, inputs = reference(derivation.model, numbers, options)
-    module = module.to(device)
-    inputs = tuple(x.to(device) for x in inputs)
-    loss = options.get("loss")
+    module, inputs, device, target = _reference(derivation)
+    loss = derivation.options.get("loss")
     if loss:
-        with torch.no_grad():
-            logits = module(*inputs)
-        target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]), device=device)
         if not getattr(module, "takes_labels", False):  # a language model computes its own loss from labels
             module = with_loss(module, str(loss))
         inputs = (*inputs, target)
     return compare(derivation, measure(module, *inputs))
+
+
+@dataclass(frozen=True)
+class PeakComparison:
+    """The derived peak of a training step next to the live bytes a real step holds, first and steady step."""
+
+    model: str
+    predicted: int
+    measured: int
+    predicted_first: int
+    measured_first: int
+    predicted_where: str
+    measured_where: str
+    predicted_live: tuple[tuple[str, int], ...]
+    measured_live: tuple[tuple[str, int], ...]
+
+    @property
+    def exact(self) -> bool:
+        return self.predicted == self.measured and self.predicted_first == self.measured_first
+
+    @property
+    def error(self) -> float:
+        """The larger relative error of the two steps' peaks."""
+        return max(abs(self.predicted - self.measured) / self.measured,
+                   abs(self.predicted_first - self.measured_first) / self.measured_first)
+
+    def report(self) -> str:
+        lines = [f"{self.model}: peak of a training step (live tensor bytes)",
+                 f"  {'':<14}{'predicted':>16}{'measured':>16}{'difference':>14}",
+                 f"  {'first step':<14}{self.predicted_first:>16,}{self.measured_first:>16,}"
+                 f"{self.measured_first - self.predicted_first:>+14,}",
+                 f"  {'steady step':<14}{self.predicted:>16,}{self.measured:>16,}"
+                 f"{self.measured - self.predicted:>+14,}",
+                 f"  where (steady): predicted {self.predicted_where}; measured {self.measured_where}",
+                 f"  alive at the steady peak {'predicted':>18}{'measured':>16}"]
+        measured = dict(self.measured_live)
+        predicted = dict(self.predicted_live)
+        for cat in dict.fromkeys([*predicted, *measured]):
+            lines.append(f"    {cat:<22}{predicted.get(cat, 0):>16,}{measured.get(cat, 0):>16,}")
+        lines.append("  exact" if self.exact else f"  NOT EXACT ({100 * self.error:.3f}%)")
+        return "\n".join(lines)
+
+
+def verify_peak(derivation: Derivation, max_memory: int | None = None) -> PeakComparison:
+    """Run two real training steps of the reference module at the derivation's numbers under the live-bytes
+    tracker (:mod:`symmem.tracker`) and compare their peaks with the derived ``peak_first_step`` and ``peak``.
+
+    The step is forward, the loss (the derivation's, else ``output.sum()``), backward, ``optimizer.step()`` with
+    the regime's optimizer and implementation, ``zero_grad(set_to_none=True)``.
+    """
+    from .passes.schedule import optimizer_impl
+    from .tracker import track_step
+
+    regime = derivation.regime
+    if derivation.per_layer:
+        raise SymmemError("verify measures whole models; drop --per-layer")
+    if regime.activation_dtype != "float32" or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw"):
+        raise SymmemError("verify --peak runs fp32 training with sgd, sgd-momentum, adam or adamw")
+    if regime.checkpoint == "selective" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+        raise SymmemError("verify --peak runs one device's training step: full or every-K checkpointing, no "
+                          "selective recomputation, no parallelism")
+    check_memory(derivation, max_memory, step=True)
+    module, inputs, device, target = _reference(derivation)
+    impl = optimizer_impl(regime, device)
+    loss = "cross-entropy" if derivation.options.get("loss") else "sum"
+    trace = track_step(module, inputs, loss=loss, target=target, optimizer=regime.optimizer, impl=impl, steps=2,
+                       keep_output=regime.keep_logits, micro_batches=regime.micro_batches)
+    at = derivation.peak_at()
+    live = tuple((c, n) for c, n in derivation.live_at_peak().items())
+    return PeakComparison(derivation.model, derivation.value("peak"), trace.steady.bytes,
+                          derivation.value("peak_first_step"), trace.first.bytes, at.where(), trace.steady.where,
+                          live, tuple(trace.steady.by_category))

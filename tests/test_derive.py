@@ -138,7 +138,7 @@ def test_text_and_latex_output(capsys):
     assert "stage 2" in text and "784.00" in text and "3.025 GiB" in text
     assert main(["derive", "vit-b16", "--attention", "naive", "--per-layer", "--format", "latex"]) == 0
     tex = capsys.readouterr().out
-    assert r"\begin{align*}" in tex and r"B \cdot H \cdot S \cdot \left(36 + \frac{4 \cdot S \cdot h}{H}\right)" in tex
+    assert r"\begin{align*}" in tex and r"B H S {\left(36 + \frac{4 S h}{H}\right)}" in tex
 
 
 def test_models_listing(capsys):

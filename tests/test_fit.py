@@ -79,8 +79,15 @@ def test_smallest_budget_is_the_seed_total(resnet):
     assert smallest_budget(resnet, "B", 64) / GiB == pytest.approx(3.0246, abs=5e-5)
 
 
+def test_nothing_fits_is_an_answer(capsys):
+    """Exit 1 (an answer), not the 2 of bad input; one line that says how much the smallest size needs."""
+    assert main(["fit", "resnet50-v1", "--budget", "100MiB"]) == 1
+    err = capsys.readouterr().err.strip()
+    need = symmem.derive("resnet50-v1").at(B=1).value("total")
+    assert err.startswith("symmem: nothing fits") and f"{need:,} B" in err and "\n" not in err
+
+
 @pytest.mark.parametrize("args, message", [
-    (["fit", "resnet50-v1", "--budget", "100MiB"], "nothing fits"),
     # the paper convention keeps tensors by the seed's roles, none of which an MLP has: not "does not grow"
     (["fit", "mlp", "--budget", "1GiB", "--set", "B=1"], "keeps nothing; use --convention pytorch"),
     (["fit", "resnet50-v1", "--budget", "80 parsecs"], "unknown unit"),
@@ -119,7 +126,7 @@ def test_fit_against_pytorch(k):
 
     at_k, params = kept(k)
     d = symmem.derive("mlp", convention="pytorch", device="cpu", widths=widths)
-    r = largest(d, "B", at_k + 16 * params)
+    r = largest(d, "B", at_k + 16 * params, quantity="total")  # what is kept at the end of the forward
     assert (r.max, r.total_at_max, r.total_above) == (k, at_k + 16 * params, kept(k + 1)[0] + 16 * params)
 
 

@@ -30,7 +30,7 @@ def test_html_table(resnet):
 
 def test_latex_repr(resnet):
     text = resnet._repr_latex_()
-    assert text.startswith("$$") and text.endswith("$$") and "44355584 \\cdot B" in text
+    assert text.startswith("$$") and text.endswith("$$") and "44355584 B + 16 \\Psi" in text
 
 
 def test_show_without_ipython(capsys):

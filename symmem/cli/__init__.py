@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from ..errors import SymmemError
+from ..errors import NothingFits, SymmemError
 
 VERSION = "0.1.0"
 
@@ -71,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser(args_in).parse_args(args_in)
         return int(args.run(args))
+    except NothingFits as exc:  # an answer: exit 1, not the 2 of bad input
+        print(f"symmem: {exc}", file=sys.stderr)
+        return 1
     except SymmemError as exc:
         print(f"symmem: error: {one_line(str(exc))}", file=sys.stderr)
         return 2

@@ -66,32 +66,84 @@ def parse_free(text: str | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
-def add_derive_options(p: argparse.ArgumentParser) -> None:
-    """The options every command that derives a formula shares."""
+def _option_type(key: str, defaults: list[Any]) -> Any:
+    """How to read a builder option from the command line, from the type of its defaults."""
+    kinds = {type(d) for d in defaults}
+    if kinds <= {int} and not any(isinstance(d, bool) for d in defaults):
+        return int
+    if kinds <= {int, float}:
+        return float
+    if kinds <= {tuple}:
+        def sizes(text: str) -> tuple[int, ...]:
+            parts = re.split(r"[x,]", text.strip())
+            if not parts or not all(_INT.match(x) and int(x) > 0 for x in parts):
+                raise SymmemError(f"--{key} {text!r}: expected positive integers like 3,224,224")
+            return tuple(int(x) for x in parts)
+
+        return sizes
+    return str
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """One option per builder option of the built-in models (``symmem models -v`` lists them)."""
+    from ..models import available
+
+    uses: dict[str, list[tuple[str, Any]]] = {}
+    for name, e in sorted(available().items()):
+        for key, o in e.options.items():
+            uses.setdefault(key, []).append((name, o))
+    group = p.add_argument_group("model options (each applies to the models named; see `symmem models -v`)")
+    for key, found in sorted(uses.items()):
+        options = [o for _, o in found]
+        choices = None
+        if all(o.choices for o in options):
+            choices = list(dict.fromkeys(c for o in options for c in o.choices or ()))
+        models = sorted({m for m, _ in found})
+        shown = ", ".join(models) if len(models) <= 4 else f"{', '.join(models[:3])} and {len(models) - 3} more"
+        defaults = sorted({str(o.default) for o in options})
+        default = defaults[0] if len(defaults) == 1 else "per model"
+        group.add_argument(f"--{key.replace('_', '-')}", dest=key, type=_option_type(key, [o.default for o in options]),
+                           choices=choices, default=None,
+                           help=f"{_help(key, options)} ({shown}; default: {default})")
+
+
+def _help(key: str, options: list[Any]) -> str:
+    helps = {o.help for o in options}
+    return helps.pop() if len(helps) == 1 else f"the {key} of each model (`symmem models -v` says what it sets)"
+
+
+def model_option_names() -> set[str]:
+    from ..models import available
+
+    return {key for e in available().values() for key in e.options}
+
+
+def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "paper", device: str | None = None,
+                       regime: bool = True) -> None:
+    """The options every command that derives a formula shares; ``regime=False`` leaves out the training regime
+    (a command that measures one forward pass has none to take)."""
     from ..conventions import names as convention_names
-    from ..models import entry
     from ..training import OPTIMIZERS, PRECISIONS
 
     p.add_argument("model", help="a built-in model (see `symmem models`)")
-    p.add_argument("--convention", default="paper", choices=convention_names(),
-                   help="which tensors are kept (default: paper)")
-    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="default: adamw")
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="default: fp32")
-    p.add_argument("--attention", choices=["naive", "sdpa"], default=None,
-                   help="transformers: naive keeps the B*h*S^2 probabilities, sdpa does not")
-    p.add_argument("--dropout", type=float, default=None, help="dropout probability (sequence models)")
-    gelu = entry("gpt2").options["gelu"]
-    p.add_argument("--gelu", choices=list(gelu.choices or ()), default=None,
-                   help=f"models with a GELU option (gpt2): {gelu.help} (default: {gelu.default})")
+    p.add_argument("--convention", default=convention, choices=convention_names(),
+                   help="which tensors are kept (default: %(default)s)")
+    if regime:
+        p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="default: %(default)s")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="default: %(default)s")
+    add_model_options(p)
     p.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
                    help="give a symbol a value, e.g. --set B=32 (repeatable)")
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="pytorch convention: the device whose kernels decide what is kept (default: cuda)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=device,
+                   help="pytorch convention: the device whose kernels decide what is kept (default: "
+                        f"{device or 'cuda'})")
     p.add_argument("--loss", choices=["cross-entropy"], default=None,
                    help="append the loss after the model's output, as its own group (default: no loss)")
+    if not regime:
+        return
     regime = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
     regime.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
                         help="activation checkpointing of the repeated layers (default: none)")
@@ -102,6 +154,20 @@ def add_derive_options(p: argparse.ArgumentParser) -> None:
                         help="with --tensor-parallel: split the remaining activations over t too")
     regime.add_argument("--pipeline-parallel", action="store_true",
                         help="p pipeline stages, 1F1B schedule (the first stage's memory)")
+    add_step_options(regime)
+
+
+def add_step_options(p: Any) -> None:
+    """How the training loop runs its step: what the peak depends on beyond the kept tensors."""
+    from ..training import IMPLS
+
+    p.add_argument("--optimizer-impl", default="auto", choices=list(IMPLS),
+                   help="how optimizer.step() runs (default: auto = PyTorch's choice: for-loop on CPU, foreach "
+                        "on CUDA)")
+    p.add_argument("--keep-logits", action="store_true",
+                   help="the loop holds the model's output through backward (HF output objects; out = model(x))")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                   help="gradient accumulation: K forward/backward passes per optimizer step (default: 1)")
 
 
 def derivation_from_args(args: argparse.Namespace) -> Any:
@@ -127,11 +193,11 @@ def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
     from ..models import entry
 
     e = entry(args.model)
-    model_options = {k: getattr(args, k) for k in ("attention", "dropout", "gelu")
-                     if getattr(args, k) is not None}
+    model_options = {k: getattr(args, k) for k in sorted(model_option_names()) if getattr(args, k, None) is not None}
     unknown = [k for k in model_options if k not in e.options]
     if unknown:
-        raise SymmemError(f"model {args.model!r} has no option --{unknown[0]}")
+        has = ", ".join(f"--{k.replace('_', '-')}" for k in e.options) or "none"
+        raise SymmemError(f"model {args.model!r} has no option --{unknown[0].replace('_', '-')}; its options: {has}")
     free = parse_free(args.free)
     conv_options = {"device": args.device} if args.device is not None else {}
     # every regime field has an option of the same name: a new regime knob needs its option above, nothing here

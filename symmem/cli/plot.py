@@ -10,13 +10,16 @@ from ..tensor import MAX_SIZE
 from .common import add_derive_options, derivation_from_args
 
 NAME = "plot"
-HELP = "plot a breakdown, memory vs batch size or sequence length, or a per-layer profile"
+HELP = "plot a breakdown, memory vs batch size or sequence length, a per-layer profile, or a step's timeline"
 ORDER = 50
-KINDS = ("breakdown", "batch", "seq", "profile")
+KINDS = ("breakdown", "batch", "seq", "profile", "timeline")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=KINDS, help="breakdown | batch | seq | profile")
+    p.add_argument("kind", choices=KINDS, help="breakdown | batch | seq | profile | timeline (live memory over a "
+                                              "training step; needs --convention pytorch)")
+    p.add_argument("--step", choices=["steady", "first"], default="steady",
+                   help="timeline: the steady step, or the first (which creates the optimizer state)")
     add_derive_options(p)
     p.add_argument("--output", "-o", required=True, help="file to write: .png, .pdf or .svg")
     p.add_argument("--budget", default=None, metavar="SIZE", help="GPU budget line, e.g. 80GiB (batch/seq)")
@@ -74,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         fig = plots.breakdown(ds, output=args.output)
     elif args.kind == "profile":
         fig = plots.profile(d, output=args.output)
+    elif args.kind == "timeline":
+        fig = plots.timeline(d, args.step, output=args.output)
     else:
         from .common import acceptor_from_args
 
@@ -87,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
             args.free = ",".join([s.name for s in d.free] + [name])
             d = derivation_from_args(args)
         fig = plots.sweep(d, name, values, args.budget, output=args.output)
+        if args.budget is not None:
+            from ..fit import largest
+
+            plots.close(fig)
+            print(args.output)
+            largest(d, name, args.budget)  # "nothing fits" is an answer: exit 1, after drawing it
+            return 0
     plots.close(fig)
     print(args.output)
     return 0

@@ -76,6 +76,11 @@ class Convention:
     def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
         raise NotImplementedError
 
+    def grads(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> Any:
+        """What ``node``'s backward allocates (a :class:`~symmem.conventions.pytorch.backward.Grads`), or None
+        for an accounting that does not model the training step (then it has no peak)."""
+        return None
+
     def extra_storages(self, storages: list[Storage], options: Mapping[str, Any]) -> list[Storage]:
         """Storages the accounting adds on top of the kept tensors (CS231n's x2 for backward); none by
         default."""

@@ -53,7 +53,7 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
     qkv = g.op("linear", x, name="c_attn", role="qkv", out_features=3 * H)
     heads = []
     for i, part in enumerate(("query", "key", "value")):
-        t = g.op("slice", qkv, name=part, dim=2, start=i * H, stop=(i + 1) * H)
+        t = g.op("slice", qkv, name=part, dim=2, start=i * H, stop=(i + 1) * H, split=True)  # qkv.split(H, 2)
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
         if part == "query":
             g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
@@ -74,6 +74,8 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
         out = g.op("matmul", w, v, name="attn_v", copy_inputs=(1,))
     else:
+        # GPT2SdpaAttention keeps the eager attention's causal-mask buffer (module state; unused here)
+        g.op("buffer", name="bias", shape=(1, 1, POSITIONS, POSITIONS), dtype="bool")
         out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
                    q_layout="bshd")
     out = g.op("permute", out, name="merge_t", dims=(0, 2, 1, 3))

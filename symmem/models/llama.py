@@ -122,6 +122,7 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Mod
     with g.group("embed"):
         x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
         pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
+        g.op("buffer", name="rotary_emb.inv_freq", shape=(H / h / 2,), dtype="float32")  # module state
         cos = g.op("rope_table", pos, name="rotary_emb.cos", dim=H / h)
         sin = g.op("rope_table", pos, name="rotary_emb.sin", dim=H / h)
         cos = g.op("reshape", cos, name="cos_unsqueeze", shape=(1, 1, S, H / h))

@@ -38,9 +38,9 @@ def attention(g: GraphBuilder, x: str, *, kind: str, attn_drop: float, proj_drop
     qkv = g.op("reshape", qkv, name="qkv_heads", shape=(B, S, 3, h, hd))
     g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
     qkv = g.op("permute", qkv, name="qkv_perm", dims=(2, 0, 3, 1, 4))
-    q = g.op("select", qkv, name="q", dim=0, index=0)
-    k = g.op("select", qkv, name="k", dim=0, index=1)
-    v = g.op("select", qkv, name="v", dim=0, index=2)
+    q = g.op("select", qkv, name="q", dim=0, index=0, split=True)  # qkv.unbind(0)
+    k = g.op("select", qkv, name="k", dim=0, index=1, split=True)
+    v = g.op("select", qkv, name="v", dim=0, index=2, split=True)
     if kind == "naive":
         q = g.op("scale", q, name="q_scaled", factor=sympy.sqrt(hd) ** -1)
         kt = g.op("transpose", k, name="k_t", dim0=-2, dim1=-1)

@@ -161,6 +161,36 @@ def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
     return {}
 
 
+def joiner(open_: Sequence[Boolean], branches: Sequence[Branch]) -> Callable[[list[sympy.Expr]], sympy.Expr]:
+    """A function that joins one value per branch into a ``Piecewise`` over the branches' conditions (the value
+    itself where every branch has the same)."""
+    guards = []
+    for branch in branches:
+        parts = [c if branch[c] else sympy.Not(c) for c in open_]
+        subs: dict[sympy.Symbol, sympy.Expr] = {}
+        for c in open_:
+            subs.update(_given(c, branch[c]))
+        guards.append((sympy.And(*parts), subs))
+
+    def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
+        # Most terms are the same in every branch; sympy's Piecewise simplification is slow, so skip it there.
+        if all(v == values[0] for v in values[1:]):
+            return values[0]
+        pieces = [(_replace(v, subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
+        pieces[-1] = (pieces[-1][0], sympy.true)
+        return sympy.Piecewise(*pieces, evaluate=False)
+
+    return piecewise
+
+
+def _replace(value: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
+    """``value.xreplace(subs)``, leaving a ``Max`` unevaluated (sympy's pairwise Max simplification is slow and
+    proves nothing the peak's pruning did not)."""
+    if isinstance(value, sympy.Max):
+        return sympy.Max(*(a.xreplace(dict(subs)) for a in value.args), evaluate=False)
+    return value.xreplace(dict(subs))
+
+
 def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Storage]]]) -> list[Storage]:
     """One list of storages from the storages of every branch: an expression is a ``Piecewise`` over them.
 
@@ -173,21 +203,7 @@ def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Storag
     for i, (_, terms) in enumerate(branches):
         for key, t in _keyed(terms).items():
             keyed.setdefault(key, {})[i] = t
-    guards = []
-    for branch, _ in branches:
-        parts = [c if branch[c] else sympy.Not(c) for c in open_]
-        subs: dict[sympy.Symbol, sympy.Expr] = {}
-        for c in open_:
-            subs.update(_given(c, branch[c]))
-        guards.append((sympy.And(*parts), subs))
-
-    def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
-        # Most terms are the same in every branch; sympy's Piecewise simplification is slow, so skip it there.
-        if all(v == values[0] for v in values[1:]):
-            return values[0]
-        pieces = [(v.xreplace(subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
-        pieces[-1] = (pieces[-1][0], sympy.true)
-        return sympy.Piecewise(*pieces, evaluate=False)
+    piecewise = joiner(open_, [branch for branch, _ in branches])
 
     out: list[Storage] = []
     for by_branch in keyed.values():

@@ -59,8 +59,7 @@ def resolve(graph: Graph, name: str, steady: bool = False, act_dtype: str | None
             continue
         seen.add((n, mode))
         node = graph.node(n)
-        if node.kind == "block_input":
-            assert node.block is not None
+        if node.kind == "block_input" and node.block is not None:
             block = graph.blocks[node.block]
             if not steady:
                 stack.append((node.inputs[0], "first"))

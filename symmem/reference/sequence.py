@@ -28,6 +28,31 @@ from ..errors import SymmemError
 from . import register
 
 
+def run_layers(layers: Any, x: torch.Tensor, checkpoint: str, *args: Any) -> torch.Tensor:
+    """``x`` through ``layers`` in turn; with ``checkpoint`` ``full`` each layer, with ``every-K`` each run of K
+    layers, under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (what the training regime's
+    activation checkpointing means)."""
+    if checkpoint == "none":
+        for layer in layers:
+            x = layer(x, *args)
+        return x
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    if checkpoint != "full" and not checkpoint.startswith("every-"):
+        raise SymmemError(f"the references checkpoint 'full' or 'every-K', not {checkpoint!r}")
+    k = 1 if checkpoint == "full" else int(checkpoint.removeprefix("every-"))
+    layers = list(layers)
+
+    def segment(x: torch.Tensor, *a: Any, part: list[Any]) -> torch.Tensor:
+        for layer in part:
+            x = layer(x, *a)
+        return x
+
+    for i in range(0, len(layers), k):
+        x = ckpt(segment, x, *args, part=layers[i:i + k], use_reentrant=False)
+    return x
+
+
 # -- timm VisionTransformer ----------------------------------------------------------------------------
 class VitAttention(nn.Module):
     """timm ``Attention`` (qk_norm off): fused SDPA or the explicit softmax path."""
@@ -75,6 +100,9 @@ class VitBlock(nn.Module):
 class VisionTransformer(nn.Module):
     """timm ``VisionTransformer``: patch conv, class token, position embedding, blocks, norm, token head."""
 
+    #: activation checkpointing of the layers: none, full or every-K (:func:`run_layers`)
+    checkpoint = "none"
+
     def __init__(self, image: tuple[int, int], patch: int, chans: int, dim: int, depth: int, heads: int,
                  mlp: int, classes: int, drop: float, fused: bool) -> None:
         super().__init__()
@@ -92,7 +120,7 @@ class VisionTransformer(nn.Module):
         x = self.proj(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = self.pos_drop(x + self.pos_embed)
-        x = self.norm(self.blocks(x))
+        x = self.norm(run_layers(self.blocks, x, self.checkpoint))
         return self.head(self.head_drop(x[:, 0]))
 
 
@@ -185,6 +213,9 @@ class GPT2Block(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
+    #: activation checkpointing of the layers: none, full or every-K (:func:`run_layers`)
+    checkpoint = "none"
+
     def __init__(self, vocab: int, positions: int, dim: int, depth: int, heads: int, inner: int, drop: float,
                  sdpa: bool, gelu: str) -> None:
         super().__init__()
@@ -202,8 +233,7 @@ class GPT2LMHeadModel(nn.Module):
         position_ids = torch.arange(0, input_ids.size(-1), dtype=torch.long, device=input_ids.device).unsqueeze(0)
         hidden_states = self.wte(input_ids) + self.wpe(position_ids)
         hidden_states = self.drop(hidden_states)
-        for block in self.h:
-            hidden_states = block(hidden_states)
+        hidden_states = run_layers(self.h, hidden_states, self.checkpoint)
         lm_logits = self.lm_head(self.ln_f(hidden_states))
         return lm_logits if labels is None else causal_lm_loss(lm_logits, labels)
 
@@ -298,6 +328,9 @@ class BertLayer(nn.Module):
 
 
 class BertModel(nn.Module):
+    #: activation checkpointing of the layers: none, full or every-K (:func:`run_layers`)
+    checkpoint = "none"
+
     def __init__(self, vocab: int, dim: int, depth: int, heads: int, inner: int, drop: float, sdpa: bool,
                  positions: int = 512, types: int = 2) -> None:
         super().__init__()
@@ -315,8 +348,7 @@ class BertModel(nn.Module):
         else:
             extended = attention_mask[:, None, None, :].to(hidden_states.dtype)
             extended = (1.0 - extended) * torch.finfo(hidden_states.dtype).min
-        for layer in self.layer:
-            hidden_states = layer(hidden_states, extended)
+        hidden_states = run_layers(self.layer, hidden_states, self.checkpoint, extended)
         return torch.tanh(self.pooler(hidden_states[:, 0]))
 
 
@@ -435,6 +467,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    #: activation checkpointing of the layers: none, full or every-K (:func:`run_layers`)
+    checkpoint = "none"
+
     def __init__(self, vocab: int, dim: int, depth: int, heads: int, kv_heads: int, inner: int, drop: float,
                  sdpa: bool) -> None:
         super().__init__()
@@ -464,8 +499,7 @@ class LlamaForCausalLM(nn.Module):
             causal_mask = causal_mask[None, None, :, :].expand(inputs_embeds.shape[0], 1, -1, -1)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, causal_mask)
+        hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings, causal_mask)
         logits = self.lm_head(self.norm(hidden_states))
         return logits if labels is None else causal_lm_loss(logits, labels)
 
@@ -512,6 +546,7 @@ def reference(model: str, values: Mapping[str, int], **options: Any) -> tuple[nn
             m = LlamaForCausalLM(vocab, hidden, layers, heads, kv, inner, dropout, sdpa)
         else:
             raise SymmemError(f"no sequence reference for model {model!r}")
+    m.checkpoint = str(options.get("checkpoint", "none"))  # activation checkpointing of the layers
     m.train()
     return m, inputs
 

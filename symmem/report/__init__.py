@@ -9,6 +9,6 @@ from ..derivation import register_view
 from . import jupyter, text
 
 register_view("dict", text.to_dict)
-register_view("table", text.table)
+register_view("table", text.summary)
 register_view("html", jupyter.html)
 register_view("latex", jupyter.latex)

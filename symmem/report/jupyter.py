@@ -15,7 +15,7 @@ import html as _html
 from typing import TYPE_CHECKING, Any
 
 from ..units import UNITS, format_bytes
-from .latex import expression, lines
+from .latex import expression, lines, rows
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -42,10 +42,16 @@ def title(d: Derivation) -> str:
 
 
 def latex(d: Derivation) -> str:
-    """The total as one displayed equation, its value beside it."""
+    """The total as one displayed equation, its value beside it: factored around its leading term, the
+    parameter side in :math:`\\Psi` (the parameter count, defined below it) as ``align`` prints it."""
     total = _value(d, d.total)
     value = "" if total is None else rf"\quad (\text{{{format_bytes(total)}}})"
-    return rf"$$M = {expression(d.total)}\ \text{{bytes}}{value}$$"
+    table = rows(d)
+    line = rf"M &= {table[-1].tex}\ \text{{bytes}}{value}"
+    psi = [r for r in table if r.label == r"\Psi"]
+    if psi:
+        line += rf" \\ \Psi &= {psi[0].tex}"
+    return rf"$$\begin{{aligned}} {line} \end{{aligned}}$$"
 
 
 def html(d: Derivation) -> str:
@@ -53,7 +59,7 @@ def html(d: Derivation) -> str:
     esc = _html.escape
     nums = ", ".join(f"{s.name}={v:,}" for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name))
     out = [f"<div class='symmem'><p><b>{esc(title(d))}</b><br><small>{esc(nums)}</small></p>",
-           f"<p>$$M = {esc(expression(d.total))}\\ \\text{{bytes}}$$</p>",
+           f"<p>{esc(latex(d))}</p>",
            "<table><thead><tr><th>group</th><th>term</th><th>role</th><th>formula (bytes)</th>"
            "<th>size</th></tr></thead><tbody>"]
     for t in d.terms:

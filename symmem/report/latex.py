@@ -1,44 +1,192 @@
-"""LaTeX through sympy's printer, with symbol names from the symbol table.
+"""LaTeX through sympy's printer, with symbol names from the symbol table, laid out to paste into a paper.
 
-Products are printed with an explicit ``\\cdot``: LaTeX that juxtaposes factors (``192 H^{2} L``) is
-ambiguous to read back (sympy's lark parser rejects it after a power and reads ``\\left`` as ``\\le ft``),
-and every expression symmem emits must parse back to itself (:func:`parse`).
+Products are juxtaposed (``9 B H S``), in an order that sympy's lark LaTeX parser reads back: it reads a
+run of single-symbol factors only when everything after the first power, floor or parenthesis is one more
+factor (``L H^{2}``, not ``H^{2} L``).  So plain symbols come first, then the rest; a factor that opens with
+``\\left`` (which the parser may also read as ``\\le ft``) and a run of several such factors are wrapped in
+braces, which print nothing (``4 B V {\\left(S - 1\\right)}``, ``B L {H^{2} \\cdot S^{2}}``), and ``\\cdot``
+stays only between two numbers, between factors that cannot be juxtaposed (two powers), and in the
+``L \\cdot \\left(...\\right)`` of a repeated layer in :func:`align` (a parenthesis that may be broken across
+lines cannot sit in braces, and ``L \\left(`` reads two ways).  Floors and
+ceilings of a quotient print inline (``\\lceil H_{i}/4 \\rceil``), two of them side by side.  Every
+expression symmem emits parses back to itself with :func:`parse`, which hands the text to
+``sympy.parsing.latex.parse_latex(..., backend="lark")`` after renaming the two symbol names that parser
+does not read (``\\Psi``, ``N_{\\mathrm{act}}``) and rejects an ambiguous reading.
 
->>> from symmem.symbols import B, S, H, Hi
+:func:`align` writes a derivation as ``align*`` blocks that fit a page: by default compactly (one line per
+group, a repeated layer once times its count, the parameter side in :math:`\\Psi`, the parameter count),
+or one line per term (``form="terms"``); long sums are broken across lines and long blocks split, for a
+text width given in points (345 pt: ``article`` at 10 pt).  :func:`read` parses such a block back.
+
+>>> from symmem.symbols import B, S, H, Hi, h
 >>> expression(9 * B * S * H)
-'9 \\\\cdot B \\\\cdot H \\\\cdot S'
->>> expression(Hi * B)
-'B \\\\cdot H_{i}'
+'9 B H S'
+>>> expression(B * h * S**2)
+'B h S^{2}'
 >>> parse(expression(Hi * B)) == Hi * B
 True
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import sympy
+from sympy.printing.latex import LatexPrinter
 
 from ..symbols import dims, latex_names
 
 if TYPE_CHECKING:
-    from ..derivation import Derivation
+    from ..derivation import Derivation, Term
 
 # Roles of the small kept tensors the seed's Table 1 puts in its own column ("Indices / Masks").
 AUX_ROLES = ("indices", "mask", "dropout_mask")
 
+#: ``\\textwidth`` of ``\\documentclass{article}`` at 10 pt, in points: the default width :func:`align` fits.
+TEXT_WIDTH = 345.0
+#: Lines per ``align*`` block at most (a block does not break across pages).
+MAX_LINES = 40
+
+_GREEK = ("alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|kappa|lambda|mu|nu|xi|rho|varrho|"
+          "tau|upsilon|phi|varphi|chi|psi|omega")
+# What the lark parser reads as one symbol: a letter or lower-case Greek letter, with a plain subscript.
+_ONE_SYMBOL = re.compile(rf"(?:[a-zA-Z]|\\(?:{_GREEK}))(?:_(?:[A-Za-z0-9]|\{{(?:[A-Za-z0-9]|[a-zA-Z]+)\}}))?")
+
+
+@functools.cache
+def _aliases() -> dict[str, str]:
+    """LaTeX names of symmem's symbols that the parser does not read -> a one-symbol name it reads."""
+    out = {}
+    for d in dims():
+        if not _ONE_SYMBOL.fullmatch(d.latex):
+            out[d.latex] = f"Y_{{{_letters(len(out))}}}"
+    return out
+
+
+def _letters(i: int) -> str:
+    """0 -> 'a', 25 -> 'z', 26 -> 'ba': a subscript the parser reads (it takes one digit, or letters)."""
+    s = ""
+    while True:
+        s = chr(ord("a") + i % 26) + s
+        i //= 26
+        if i == 0:
+            return s
+
+
+class _Printer(LatexPrinter):
+    """sympy's LaTeX printer with juxtaposed products and inline floors (see the module docstring)."""
+
+    def _simple(self, factor: sympy.Expr, tex: str) -> bool:
+        return bool(factor.is_Symbol and (_ONE_SYMBOL.fullmatch(tex) or tex in _aliases()))
+
+    def _product(self, factors: Sequence[sympy.Expr]) -> str:
+        numbers = [f for f in factors if f.is_Number]
+        symbols = [f for f in factors if f.is_Symbol and self._simple(f, self._print(f))]
+        others = [f for f in factors if f not in numbers and f not in symbols]
+        ordered = numbers + symbols + others
+        texs = []
+        for i, f in enumerate(ordered):
+            tex = self._print(f)
+            if self._needs_mul_brackets(f, first=(i == 0), last=(i == len(ordered) - 1)):
+                tex = rf"\left({tex}\right)"
+            texs.append(tex)
+        if len(numbers) > 1 or any(not re.fullmatch(r"\d+", t) for t in texs[:len(numbers)]):
+            return r" \cdot ".join(texs)  # several numbers, or a fraction among them: the plain, safe form
+        head, tail = texs[:len(numbers) + len(symbols)], texs[len(numbers) + len(symbols):]
+        if not tail:
+            return " ".join(head)
+        rounding = all(isinstance(f, sympy.floor | sympy.ceiling) for f in others) and not any(
+            t.startswith(r"\left") for t in tail)
+        if len(tail) == 1 or (len(tail) == 2 and rounding):
+            rest = " ".join(tail)
+            if head and tail[0].startswith((r"\left", "(")):
+                rest = f"{{{rest}}}"
+        else:
+            rest = r" \cdot ".join(tail)
+            if head:
+                rest = f"{{{rest}}}"
+        return " ".join([*head, rest])
+
+    def _convert(self, expr: sympy.Expr) -> str:
+        if not expr.is_Mul:
+            return str(self._print(expr))
+        return self._product(list(expr.as_ordered_factors()))
+
+    def _print_Mul(self, expr: sympy.Expr) -> str:
+        from sympy.simplify import fraction
+
+        # An unevaluated product keeps its factors (a factored form; unit factors are shown as they are).
+        if isinstance(expr, sympy.Mul) and (expr.args[0] is sympy.S.One or any(
+                isinstance(a, sympy.Number) for a in expr.args[1:])):
+            return r" \cdot ".join(self._print(a) if not self._needs_mul_brackets(a) else
+                                   rf"\left({self._print(a)}\right)" for a in expr.args)
+        tex = ""
+        include_parens = False
+        if expr.could_extract_minus_sign():
+            expr = -expr
+            tex = "- "
+            if expr.is_Add:
+                tex += "("
+                include_parens = True
+        numer, denom = fraction(expr, exact=True)
+        if denom is sympy.S.One and sympy.Pow(1, -1, evaluate=False) not in expr.args:
+            tex += self._convert(expr)
+        else:
+            tex += rf"\frac{{{self._convert(numer)}}}{{{self._convert(denom)}}}"
+        if include_parens:
+            tex += ")"
+        return tex
+
+    def _inline(self, arg: sympy.Expr) -> str | None:
+        """``arg`` as ``x/n`` for a floor or ceiling, or None where it does not read well that way."""
+        num, den = sympy.fraction(sympy.together(arg))
+        if not (den.is_Integer and den > 0):
+            return None
+        if num.is_Symbol or isinstance(num, sympy.floor | sympy.ceiling):
+            top = self._print(num)
+        elif num.is_Add:
+            top = f"({self._print(num)})"
+        else:
+            return None
+        return top if den == 1 else f"{top}/{den}"
+
+    def _rounding(self, expr: sympy.Expr, exp: str | None, left: str, right: str) -> str:
+        inline = self._inline(expr.args[0])
+        if inline is None:
+            tex = rf"\left{left}{{{self._print(expr.args[0])}}}\right{right}"
+        else:
+            tex = rf"{left} {inline} {right}"
+        return tex if exp is None else f"{tex}^{{{exp}}}"
+
+    def _print_floor(self, expr: sympy.Expr, exp: str | None = None) -> str:
+        return self._rounding(expr, exp, r"\lfloor", r"\rfloor")
+
+    def _print_ceiling(self, expr: sympy.Expr, exp: str | None = None) -> str:
+        return self._rounding(expr, exp, r"\lceil", r"\rceil")
+
 
 def expression(expr: sympy.Expr) -> str:
-    """LaTeX for one expression (no surrounding ``$``); parses back with :func:`parse`."""
-    return sympy.latex(expr, symbol_names=latex_names(), mul_symbol="dot")
+    """LaTeX for one expression (no surrounding ``$``); parses back with :func:`parse`.
+
+    >>> from symmem.symbols import B, H, L, S, V
+    >>> expression(192 * H**2 * L + 4 * B * V * (S - 1))
+    '4 B V {\\\\left(S - 1\\\\right)} + 192 L H^{2}'
+    """
+    return _Printer({"symbol_names": latex_names(), "mul_symbol": "dot"}).doprint(expr)
 
 
+@functools.lru_cache(maxsize=4096)
 def parse(text: str) -> sympy.Expr:
     """Read LaTeX that :func:`expression` wrote back into an expression in symmem's symbols.
 
     The parser makes plain symbols; they are mapped back by their LaTeX name (``H_{i}`` -> ``Hi``), so
-    the result compares equal to the original.
+    the result compares equal to the original.  Names the parser does not read (``\\Psi``) are renamed
+    first.  A text the parser reads in two ways is an error, even when both give the same value.  Results are
+    cached by text (the parser takes tens of milliseconds a formula).
 
     >>> from symmem.symbols import B, H, S, h
     >>> e = 9 * B * S * H + B * h * S**2
@@ -49,33 +197,55 @@ def parse(text: str) -> sympy.Expr:
 
     if r"\begin{cases}" in text:
         return _parse_cases(text)
+    aliases = _aliases()
+    for name, alias in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(name, f" {alias} ")
     parsed = parse_latex(text, backend="lark")
+    if not isinstance(parsed, sympy.Basic):
+        raise ValueError(f"the LaTeX parser reads {text!r} in more than one way")
     by_latex = {d.name: d.symbol for d in dims()}
     # The parser names a symbol by its LaTeX, without the backslash of a Greek letter (\\psi -> psi).
     by_latex.update({d.latex.removeprefix("\\"): d.symbol for d in dims()})
+    by_latex.update({alias: by_latex[name.removeprefix("\\")] for name, alias in aliases.items()})
     return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
 
 
-def _top_level(text: str, sep: str) -> list[str]:
-    """``text`` split at ``sep`` outside braces and ``\\left( ... \\right)``."""
-    parts, depth, start, i = [], 0, 0, 0
+_OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}")
+_CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}")
+
+
+def _depths(text: str) -> list[int]:
+    """The nesting depth (braces, ``\\left``/``\\right``, environments) before each character of ``text``."""
+    out, depth, i = [], 0, 0
     while i < len(text):
-        for opener in ("{", r"\left("):
-            if text.startswith(opener, i):
-                depth += 1
-                i += len(opener) - 1
-                break
+        m = _OPEN.match(text, i) if text[i] in "{\\" else None
+        c = _CLOSE.match(text, i) if text[i] in "}\\" else None
+        if text.startswith(("\\{", "\\}"), i):  # a literal brace
+            out += [depth, depth]
+            i += 2
+        elif m:
+            out += [depth] * (m.end() - i)
+            depth += 1
+            i = m.end()
+        elif c:
+            depth -= 1
+            out += [depth] * (c.end() - i)
+            i = c.end()
         else:
-            for closer in ("}", r"\right)"):
-                if text.startswith(closer, i):
-                    depth -= 1
-                    i += len(closer) - 1
-                    break
-            else:
-                if depth == 0 and text.startswith(sep, i):
-                    parts.append(text[start:i])
-                    start = i + len(sep)
-                    i = start - 1
+            out.append(depth)
+            i += 1
+    return out
+
+
+def _top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside braces, ``\\left ... \\right`` and environments."""
+    depth = _depths(text)
+    parts, start, i = [], 0, 0
+    while i < len(text):
+        if depth[i] == 0 and text.startswith(sep, i):
+            parts.append(text[start:i])
+            start = i = i + len(sep)
+            continue
         i += 1
     return [*parts, text[start:]]
 
@@ -108,44 +278,563 @@ def _parse_cases(text: str) -> sympy.Expr:
             truth = sympy.true if cond == r"\text{otherwise}" else _parse_condition(
                 cond.removeprefix(r"\text{for}\:"))
             pieces.append((parse(value), truth))
-        mark = sympy.Symbol(f"Z_{{{len(blocks)}}}")  # a placeholder name no symmem symbol has
-        blocks[mark] = sympy.Piecewise(*pieces)
-        text = f"{text[:i]} Z_{{{len(blocks) - 1}}} {text[j + len(end):]}"
+        name = f"Z_{{{_letters(len(blocks))}}}"  # a placeholder name no symmem symbol has
+        blocks[sympy.Symbol(name)] = sympy.Piecewise(*pieces)
+        text = f"{text[:i]} {name} {text[j + len(end):]}"
     return parse(text).xreplace(blocks)
 
 
+_ESCAPES = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "#": r"\#", "$": r"\$", "{": r"\{",
+            "}": r"\}"}
+
+
 def escape(text: str) -> str:
-    """``text`` safe inside LaTeX text mode."""
-    return (text.replace("\\", r"\textbackslash{}").replace("_", r"\_").replace("&", r"\&")
-            .replace("%", r"\%").replace("#", r"\#").replace("$", r"\$"))
+    """``text`` safe inside LaTeX text mode.
+
+    >>> escape("h.attn.ln_1 {50%}")
+    'h.attn.ln\\\\_1 \\\\{50\\\\%\\\\}'
+    """
+    return "".join(_ESCAPES.get(ch, ch) for ch in text)
 
 
 def _label(text: str) -> str:
     return rf"\text{{{escape(text)}}}"
 
 
+# -- widths -----------------------------------------------------------------------------------------------
+# Rough glyph widths in points at 10 pt (Computer Modern), a little generous, so that a line estimated to
+# fit does fit; tests/test_latex.py compiles the output and checks the log for overfull boxes.
+_MATH_CHARS = {"+": 12.3, "-": 12.3, "=": 13.4, "<": 13.4, ">": 13.4, "/": 5.0, "(": 3.9, ")": 3.9,
+               "[": 2.8, "]": 2.8, ",": 4.5, ".": 2.8, "'": 2.8, "|": 2.8, "!": 2.8, ":": 2.8, ";": 2.8}
+_COMMANDS = {"cdot": 7.3, "quad": 10.0, "qquad": 20.0, ",": 1.7, ":": 2.3, ";": 2.8, "!": -1.7, " ": 3.4,
+             "lfloor": 4.5, "rfloor": 4.5, "lceil": 4.5, "rceil": 4.5, "wedge": 11.2, "vee": 11.2, "neg": 6.7,
+             "neq": 13.4, "ne": 13.4, "leq": 13.4, "geq": 13.4, "le": 13.4, "ge": 13.4, "times": 12.3,
+             "Psi": 7.8, "_": 5.0, "%": 8.4, "&": 7.8, "#": 8.4, "{": 5.0, "}": 5.0, "infty": 10.0}
+_TEXT_COMMANDS = ("text", "mathrm", "textrm", "textit", "mathit", "textbf", "mathbf", "operatorname")
+
+
+def _group(tex: str, i: int) -> tuple[str, int]:
+    """The argument starting at ``tex[i]`` (a ``{...}`` group or one token) and the index after it."""
+    while i < len(tex) and tex[i] == " ":
+        i += 1
+    if i >= len(tex):
+        return "", i
+    if tex[i] == "{":
+        depth = 0
+        for j in range(i, len(tex)):
+            if tex[j] == "\\":
+                continue
+            if tex[j] == "{" and tex[j - 1] != "\\":
+                depth += 1
+            elif tex[j] == "}" and tex[j - 1] != "\\":
+                depth -= 1
+                if depth == 0:
+                    return tex[i + 1:j], j + 1
+        return tex[i + 1:], len(tex)
+    m = re.match(r"\\(?:[a-zA-Z]+|.)", tex[i:])
+    if m:
+        return m.group(0), i + m.end()
+    return tex[i], i + 1
+
+
+# Computer Modern at 10 pt: roman (text) and math italic glyph widths, the latter with italic correction.
+_ROMAN = dict(zip("abcdefghijklmnopqrstuvwxyz", (
+    5.0, 5.6, 4.4, 5.6, 4.4, 3.1, 5.0, 5.6, 2.8, 3.1, 5.3, 2.8, 8.3, 5.6, 5.0, 5.6, 5.3, 3.9, 4.0, 3.9, 5.6, 5.3,
+    7.2, 5.3, 5.3, 4.4), strict=True))
+_ITALIC = dict(zip("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz", (
+    7.5, 7.6, 7.7, 8.3, 7.4, 7.0, 7.9, 8.9, 4.9, 6.0, 8.9, 6.8, 9.7, 8.9, 7.6, 6.9, 7.9, 7.6, 6.6, 6.4, 7.5, 6.6,
+    9.9, 8.6, 6.6, 7.3, 5.3, 4.3, 4.3, 5.2, 4.7, 5.8, 4.8, 5.8, 3.5, 4.6, 5.2, 3.0, 8.8, 6.0, 4.9, 5.0, 4.6, 4.5,
+    4.7, 3.6, 5.7, 4.9, 7.2, 5.7, 5.0, 4.7), strict=True))
+
+
+def _text_width(text: str) -> float:
+    text = re.sub(r"\\([_%&#{}$])", r"\1", text)
+    text = re.sub(r"\$[^$]*\$", "xxx", text)
+    w = 0.0
+    for ch in text:
+        w += _ROMAN.get(ch) or (7.5 if ch.isupper() else 5.0 if ch.isdigit() else 3.4 if ch == " " else 2.8 if
+                               ch in ".,:;" else 3.9 if ch in "()" else 5.0)
+    return w
+
+
+def width(tex: str) -> float:
+    """Estimated width in points of LaTeX math ``tex`` set in display style at 10 pt (generous).
+
+    >>> 50 < width("9 B H S + B h S^{2}") < 90
+    True
+    """
+    w, i = 0.0, 0
+    while i < len(tex):
+        ch = tex[i]
+        if ch in " \n\t{}&":
+            if ch in "{}":
+                inner, i = _group(tex, i)
+                w += width(inner)
+                continue
+            i += 1
+            continue
+        if ch in "^_":
+            arg, i = _group(tex, i + 1)
+            w += 0.75 * width(arg) + 0.6
+            continue
+        if ch == "\\":
+            m = re.match(r"\\([a-zA-Z]+|.)", tex[i:])
+            name = m.group(1) if m else ""
+            i += m.end() if m else 1
+            if name == "frac":
+                a, i = _group(tex, i)
+                b, i = _group(tex, i)
+                w += max(width(a), width(b)) + 2.4
+            elif name in _TEXT_COMMANDS:
+                arg, i = _group(tex, i)
+                w += _text_width(arg) if name.startswith("text") or name == "mathrm" else width(arg)
+            elif name in ("left", "right"):
+                delim, i = _group(tex, i)
+                w += 1.2 if delim == "." else 6.5
+            elif name == "begin":
+                env, i = _group(tex, i)
+                j = tex.find(rf"\end{{{env}}}", i)
+                j = len(tex) if j < 0 else j
+                body, i = tex[i:j], j + len(rf"\end{{{env}}}")
+                rows = [_top_level(r, "&") for r in _top_level(body, r"\\")]
+                cols = max(len(r) for r in rows)
+                widths = [max((width(r[c]) for r in rows if c < len(r)), default=0.0) for c in range(cols)]
+                w += 10.0 + sum(widths) + 10.0 * (cols - 1)
+            elif name == "\\":
+                pass
+            else:
+                w += _COMMANDS.get(name, 7.0)
+            continue
+        if ch.isalpha():
+            w += 1.04 * _ITALIC.get(ch, 8.0)
+        elif ch.isdigit():
+            w += 5.0
+        else:
+            w += _MATH_CHARS.get(ch, 5.0)
+        i += 1
+    return w
+
+
+def _height(tex: str) -> float:
+    """Estimated height in points of one ``align*`` line holding ``tex`` (baseline skip and ``\\jot``)."""
+    h = 16.0
+    if r"\frac" in tex:
+        h += 11.0
+    if r"\begin{cases}" in tex:
+        rows = max(len(_top_level(tex[tex.index(r"\begin{cases}"):], r"\\")), 2)
+        h = max(h, 14.0 * rows + 8.0 + (10.0 if r"\frac" in tex else 0.0))
+    return h
+
+
+# -- rows -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """One equation of an :func:`align` block: ``label = tex``.
+
+    ``expr`` is what ``tex`` says (in :math:`\\Psi` where the block defines it); ``value`` is the quantity of the
+    derivation it equals (the same expression with :math:`\\Psi` replaced by the parameter count, up to
+    the floor and ceiling rewriting of :func:`symmem.simplify.rounded`).  ``group`` is the derivation's group
+    (a heading in the per-term form) and ``note`` a LaTeX comment written after the line (the term's full name).
+    """
+
+    label: str
+    tex: str
+    expr: sympy.Expr
+    value: sympy.Expr
+    group: str = ""
+    note: str = ""
+
+
+def _sum_tex(texs: Iterable[str]) -> str:
+    out = ""
+    for t in texs:
+        if not t or t == "0":
+            continue
+        if not out:
+            out = t
+        elif t.startswith("- "):
+            out += " " + t
+        else:
+            out += " + " + t
+    return out or "0"
+
+
+def _factored(expr: sympy.Expr, values: dict | None) -> tuple[str, sympy.Expr]:
+    """``expr`` factored around its leading term (the part all branches share; the branches apart)."""
+    from ..simplify import common_branches, factor_leading
+
+    common, rest = common_branches(expr)
+    f = factor_leading(common, values) if common != 0 else sympy.Integer(0)
+    if isinstance(f, sympy.Add) and isinstance(f.args[0], sympy.Mul) and any(a.is_Add for a in f.args[0].args):
+        texs = [expression(f.args[0]), expression(sympy.Add(*f.args[1:]))]
+    else:
+        texs = [expression(f)]
+    if rest != 0:
+        texs.append(expression(rest))
+    return _sum_tex(texs), sympy.Add(f, rest, evaluate=False) if rest != 0 else f
+
+
+def _parameter_count(d: Derivation) -> sympy.Expr | None:
+    """The parameter count :math:`\\Psi` stands for, or None where it cannot stand for it."""
+    from ..symbols import Psi
+
+    count = d.parameters
+    if count == 0 or (Psi in count.free_symbols and count != Psi):
+        return None
+    return count
+
+
+def _in_psi(d: Derivation, t: Term, count: sympy.Expr | None) -> sympy.Expr:
+    """A parameter-side term as a multiple of :math:`\\Psi` (``16 Psi / N``) where it is one, else as it is."""
+    from ..symbols import N, Psi, p
+    from ..symbols import t as tp
+
+    if count is None:
+        return t.expr
+    ratio = sympy.cancel(t.expr / count)
+    if ratio != 0 and ratio.free_symbols <= {N, p, tp}:
+        return ratio * Psi
+    return t.expr
+
+
+_FIRST = ("input", "stem", "embed", "embedding", "embeddings", "model")
+_LAST = ("head", "pooler", "classifier", "loss", "pipeline", "backward", "parameters")
+
+
+def _group_order(d: Derivation) -> list[str]:
+    """Groups in the order a reader expects (input, stem/embed, layers, head, loss, parameters), else as found."""
+    seen = list(dict.fromkeys(t.group for t in d.terms))
+
+    def key(g: str) -> tuple[int, int]:
+        if g in _FIRST:
+            return (0, _FIRST.index(g))
+        if g in _LAST:
+            return (2, _LAST.index(g))
+        return (1, seen.index(g))
+
+    return sorted(seen, key=key)
+
+
+def _group_row(group: str, terms: list[Term]) -> Row:
+    """A group's bytes: a part kept ``c`` times (``c`` a symbol, the layer count ``L``) written once times ``c``."""
+    from ..branches import fold
+    from ..simplify import rounded
+
+    by_count: dict[sympy.Expr, list[sympy.Expr]] = {}
+    for t in terms:
+        by_count.setdefault(t.count, []).append(t.expr)
+    value = fold(sympy.Add(*(t.expr for t in terms)))
+    texs, exprs, rest = [], [], []
+    for c, parts in by_count.items():
+        s = fold(sympy.Add(*parts))
+        per = sympy.expand(sympy.cancel(s / c)) if not (c.is_number or c.has(sympy.Piecewise)) else None
+        if per is None or per.has(sympy.Piecewise) or len(sympy.Add.make_args(per)) < 2 or (
+                sympy.denom(sympy.together(per)).free_symbols & c.free_symbols):
+            rest.append(s)
+            continue
+        per = rounded(per)
+        ctex = expression(c)
+        if c.is_Add:
+            ctex = rf"\left({ctex}\right)"
+        texs.append(rf"{ctex} \cdot \left({expression(per)}\right)")
+        exprs.append(sympy.Mul(c, per, evaluate=False))
+    if rest:
+        r = rounded(fold(sympy.Add(*rest)))
+        texs.append(expression(r))
+        exprs.append(r)
+    expr = exprs[0] if len(exprs) == 1 else sympy.Add(*exprs, evaluate=False)
+    return Row(_label(group), _sum_tex(texs), expr, value, group, f"group {group}")
+
+
+def labels(d: Derivation) -> dict[str, str]:
+    """A short readable label per term: the end of its dotted name that no other term's name ends with.
+
+    It keeps at least the submodule of a nested name (``h.mlp.c_fc`` -> ``mlp.c_fc``) and the node of a tensor an
+    op saves besides its output (``maxpool.indices``), and terms under one parent get ends of one length
+    (``scores.input0_copy``, ``scores.input1_copy``).  Labels are unique within the derivation; the group is
+    what :func:`align` heads them with.
+
+    >>> from symmem import derive
+    >>> names = labels(derive("vit-b16", attention="naive"))
+    >>> names["blocks.softmax"], names["pos_add"]
+    ('softmax', 'pos_add')
+    """
+    terms = list({t.name: t for t in d.terms}.values())
+    names = [t.name for t in terms]
+
+    def unique(n: str, k: int) -> bool:
+        end = ".".join(n.split(".")[-k:])
+        return not any(m != n and (m == end or m.endswith("." + end)) for m in names)
+
+    length: dict[str, int] = {}
+    for t in terms:
+        parts = t.name.split(".")
+        k = 1 if len(parts) <= 2 else 2
+        if t.node and t.name != t.node and t.name.startswith(t.node + "."):
+            k = max(k, len(parts) - len(t.node.split(".")) + 1)
+        k = min(k, len(parts))
+        while k < len(parts) and not unique(t.name, k):
+            k += 1
+        length[t.name] = k
+    parent: dict[str, int] = {}
+    for n, k in length.items():
+        key = n.rpartition(".")[0]
+        parent[key] = max(parent.get(key, 0), k)
+    return {n: ".".join(n.split(".")[-max(k, min(parent[n.rpartition(".")[0]], len(n.split("."))) ):])
+            for n, k in length.items()}
+
+
+def rows(d: Derivation, form: str = "compact") -> list[Row]:
+    """The equations :func:`align` writes, before layout: ``form`` is ``"compact"`` or ``"terms"``.
+
+    ``compact``: one row per activation group (a part kept ``L`` times written once, times ``L``), the
+    activations factored around their leading term, inputs, loss and transients where present,
+    :math:`\\Psi` (the parameter count), the parameter side in :math:`\\Psi`, and the total.  ``terms``: one
+    row per term under its group, with a short label (:func:`labels`), then the same totals.
+    """
+    from ..branches import fold
+    from ..simplify import rounded
+    from ..symbols import Psi
+
+    if form not in ("compact", "terms"):
+        raise ValueError(f"form must be 'compact' or 'terms', not {form!r}")
+    count = _parameter_count(d)
+    values = dict(d.numbers)
+    order = _group_order(d)
+    out: list[Row] = []
+    params = [t for t in d.terms if t.category == "parameter"]
+    if form == "compact":
+        acts = [t for t in d.terms if t.category == "activation"]
+        groups = [g for g in order if any(t.group == g for t in acts)]
+        repeated = any(not t.count.is_number for t in acts)
+        if len(groups) > 1 or repeated:
+            out += [_group_row(g, [t for t in acts if t.group == g]) for g in groups]
+    else:
+        names = labels(d)
+        for g in order:
+            for t in d.terms:
+                if t.group != g or t.category == "parameter":
+                    continue
+                e = rounded(t.expr)
+                note = t.name + (f" [{t.role}]" if t.role else "")
+                out.append(Row(_label(names[t.name]), expression(e), e, t.expr, g, note))
+    tex, expr = _factored(rounded(d.activations), values)
+    out.append(Row(_label("activations"), tex, expr, d.activations, "totals", "activations"))
+    for key in ("input", "loss", "transient"):
+        e = d.expression(key)
+        if e != 0:
+            r = rounded(e)
+            out.append(Row(_label(key), expression(r), r, e, "totals", key))
+    if count is not None and count != Psi:
+        group = "parameters" if form == "terms" else "totals"
+        out.append(Row(r"\Psi", expression(count), count, count, group, "Psi: the parameter count"))
+    if form == "terms":
+        names = labels(d)
+        for t in params:
+            e = _in_psi(d, t, count)
+            out.append(Row(_label(names[t.name]), expression(e), e, t.expr, "parameters", t.name))
+    param = sympy.Add(*(_in_psi(d, t, count) for t in params))
+    out.append(Row(_label("parameter memory"), expression(param), param, d.parameter_memory, "totals",
+                   "parameter memory (weights, gradients, optimizer state)"))
+    rest = fold(sympy.Add(*(t.expr for t in d.terms if t.category != "parameter")))
+    tex, expr = _factored(rounded(rest), values)
+    total = sympy.Add(expr, param, evaluate=False) if param != 0 else expr
+    out.append(Row(_label("total"), _sum_tex([tex, expression(param)]), total, d.total, "totals", "total"))
+    if form == "terms":  # the totals after the terms, parameters with the terms
+        out = [r for r in out if r.group != "totals"] + [r for r in out if r.group == "totals"]
+    return out
+
+
 def lines(d: Derivation) -> list[tuple[str, sympy.Expr]]:
-    """(name, bytes) for every term, then the totals: what :func:`align` prints, one line each."""
+    """(name, bytes) for every term, then the totals (activations factored): the quantities of ``align``'s
+    per-term form, by the terms' full names and without :math:`\\Psi`."""
     from ..simplify import factored
 
-    rows = [(t.name, t.expr) for t in d.terms]
-    rows.append(("activations", factored(d.activations)))
-    rows.append(("parameter memory", d.parameter_memory))
+    out = [(t.name, t.expr) for t in d.terms]
+    out.append(("activations", factored(d.activations)))
+    out.append(("parameter memory", d.parameter_memory))
     for key in ("input", "loss", "transient"):
         if d.expression(key) != 0:
-            rows.append((key, d.expression(key)))
-    rows.append(("total", d.total))
-    return rows
+            out.append((key, d.expression(key)))
+    out.append(("total", d.total))
+    return out
 
 
-def align(d: Derivation) -> str:
-    """An ``align*`` block with one named line per term and the totals, in bytes, ready to paste."""
-    rows = [rf"  {_label(name)} &= {expression(e)} \\" for name, e in lines(d)]
-    rows[-1] = rows[-1].removesuffix(r" \\")
+# -- layout ---------------------------------------------------------------------------------------------------
+_BREAK = r"\right."
+_RESUME = r"\left."
+
+
+def _terms_of(tex: str) -> list[str]:
+    """``tex`` cut before each binary ``+``/``-`` outside braces and delimiters: ``['a', '+ b', '- c']``."""
+    depth = _depths(tex)
+    cuts = [i for i in range(1, len(tex) - 1)
+            if depth[i] == 0 and tex[i] in "+-" and tex[i - 1] == " " and tex[i + 1] == " "]
+    bounds = [0, *cuts, len(tex)]
+    return [tex[a:b].strip() for a, b in zip(bounds, bounds[1:], strict=False) if tex[a:b].strip()]
+
+
+def _fill(pieces: list[str], first: float, rest: float) -> list[str]:
+    """Pieces packed greedily into lines no wider than ``first`` (the first line) and ``rest`` points."""
+    out: list[str] = []
+    cur = ""
+    for p in pieces:
+        cand = f"{cur} {p}" if cur else p
+        if not cur or width(cand) <= (rest if out else first):
+            cur = cand
+        else:
+            out.append(cur)
+            cur = p
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _inside(line: str, first: float, rest: float) -> list[str] | None:
+    """A line ending in ``\\cdot \\left( ... \\right)`` broken inside the parentheses, or None."""
+    if not line.endswith(r"\right)"):
+        return None
+    depth = _depths(line)
+    start = line.rfind(r"\left(")
+    while start > 0 and depth[start] != 0:
+        start = line.rfind(r"\left(", 0, start)
+    if start <= 0 or not line[:start].rstrip().endswith(r"\cdot") or depth[len(line) - len(r"\right)")] != 1:
+        return None
+    head, inner = line[:start + len(r"\left(")], line[start + len(r"\left("):-len(r"\right)")]
+    pieces = _terms_of(inner)
+    if len(pieces) < 2:
+        return None
+    pieces[0] = f"{head}{pieces[0]}"
+    packed = _fill(pieces, first - 6.0, rest - 12.0)
+    if len(packed) < 2:
+        return None
+    out = [f"{packed[0]} {_BREAK}"]
+    out += [f"{_RESUME} {{}} {p} {_BREAK}" for p in packed[1:-1]]
+    out.append(f"{_RESUME} {{}} {packed[-1]}\\right)")
+    return out
+
+
+def _layout(tex: str, avail: float) -> list[str]:
+    """The right-hand side ``tex`` as lines of at most ``avail`` points: the first after ``=``, the others
+    after a ``\\quad``, each continuation starting with its ``+``/``-`` (after ``{}``, so it spaces as binary)."""
+    first, rest = avail - 13.4, avail - 10.0
+    lines = _fill(_terms_of(tex), first, rest)
+    out: list[str] = []
+    for k, line in enumerate(lines):
+        text = line if k == 0 else f"{{}} {line}"
+        limit = first if k == 0 else rest
+        broken = _inside(text, limit, rest) if width(text) > limit else None
+        out += broken or [text]
+    return out
+
+
+@dataclass
+class _Block:
+    lines: list[tuple[str, str, bool]]  # (LaTeX, note, is a heading)
+    height: float = 0.0
+    count: int = 0
+
+    def add(self, code: str, note: str = "", heading: bool = False, height: float = 0.0) -> None:
+        self.lines.append((code, note, heading))
+        self.count += 1
+        self.height += height
+
+    def text(self) -> str:
+        out = []
+        for k, (code, note, heading) in enumerate(self.lines):
+            if not heading and k < len(self.lines) - 1:
+                code += r" \\"
+            out.append(f"  {code}" + (f" % {note}" if note else ""))
+        return "\n".join(out)
+
+
+def _heading(group: str, continued: bool) -> str:
+    return rf"\intertext{{{escape(group)}{' (continued)' if continued else ''}}}"
+
+
+def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, max_lines: int = MAX_LINES,
+          page_pt: float = 500.0) -> str:
+    """``align*`` blocks of the derivation's equations, in bytes, ready to paste (needs ``amsmath``).
+
+    ``form="compact"`` (the default): one line per group (a repeated layer once, times its count ``L``), the
+    activations factored around their leading term, :math:`\\Psi` (the parameter count) with the parameter
+    side as multiples of it (``16 \\Psi``, ``\\frac{16 \\Psi}{N}`` under ZeRO-3), and the total.
+    ``form="terms"``: one line per term with a short label (:func:`labels`) under a heading per group (the
+    full name in a comment after it), then the same totals.  Long right-hand sides are broken before a
+    ``+`` so that no line is wider than ``width_pt`` points (345: ``article`` at 10 pt); a block longer than
+    ``max_lines`` lines or about ``page_pt`` points goes on in another block (an ``align*`` does not break
+    across pages).  :func:`read` parses the output back.
+    """
+    table = rows(d, form)
+    lhs = max(width(r.label) for r in table)
+    avail = 0.96 * width_pt - lhs - 4.0
+    headed = form == "terms"
+    blocks = [_Block([])]
+    group = None
+    for r in table:
+        parts = _layout(r.tex, avail)
+        new_group = headed and r.group != group
+        need = len(parts) + (1 if new_group else 0)
+        height = sum(_height(p) for p in parts) + (34.0 if new_group else 0.0)
+        b = blocks[-1]
+        if b.count and (b.count + need > max_lines or b.height + height > page_pt):
+            b = _Block([])
+            blocks.append(b)
+            if headed and not new_group:
+                b.add(_heading(r.group, True), heading=True, height=34.0)
+        if new_group:
+            b.add(_heading(r.group, False), heading=True, height=34.0)
+        group = r.group
+        for k, p in enumerate(parts):
+            code = f"{r.label} &= {p}" if k == 0 else f"&\\quad {p}"
+            b.add(code, r.note if k == 0 else "", height=_height(p))
     scope = f", one layer ({d.layer})" if d.per_layer else ""
-    head = (f"% {d.model}, convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}; "
-            f"bytes, in {', '.join(s.name for s in d.free) or 'numbers only'}")
-    return "\n".join([head, r"% needs \usepackage{amsmath}", r"\begin{align*}", *rows, r"\end{align*}"])
+    out = [f"% {d.model}, convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}; "
+           f"bytes, in {', '.join(s.name for s in d.free) or 'numbers only'}"]
+    if any(r.label == r"\Psi" for r in table):
+        out.append(r"% \Psi is the parameter count; the parameter side is written in it")
+    if form == "compact" and any(r" \cdot \left(" in r.tex for r in table):
+        out.append("% a part kept once per layer is written once, times its count")
+    out.append(r"% needs \usepackage{amsmath}")
+    for b in blocks:
+        out += [r"\begin{align*}", b.text(), r"\end{align*}"]
+    return "\n".join(out)
+
+
+def equations(text: str) -> list[tuple[str, str]]:
+    """The equations of :func:`align`'s output as (label, right-hand side) LaTeX, in order: comments and
+    headings dropped, continuation lines joined back into the one-line right-hand side."""
+    found: list[tuple[str, str]] = []
+    for block in re.findall(r"\\begin\{align\*\}(.*?)\\end\{align\*\}", text, re.S):
+        body = "\n".join(re.sub(r"(?<!\\)%.*$", "", ln) for ln in block.splitlines())
+        body = re.sub(r"\\intertext\{(?:[^{}]|\{[^{}]*\})*\}", "", body)
+        for row in _top_level(body, r"\\"):
+            row = row.strip()
+            if not row:
+                continue
+            lhs, _, rhs = row.partition("&")
+            rhs = rhs.strip()
+            if lhs.strip():
+                found.append((lhs.strip(), rhs.removeprefix("=").strip()))
+                continue
+            rhs = rhs.removeprefix(r"\quad").strip()
+            label, prev = found[-1]
+            if rhs.startswith(_RESUME):
+                prev, rhs = prev.removesuffix(_BREAK).rstrip(), rhs.removeprefix(_RESUME).strip()
+            found[-1] = (label, f"{prev} {rhs.removeprefix('{}').strip()}")
+    return found
+
+
+def read(text: str) -> list[tuple[str, sympy.Expr]]:
+    """The equations of :func:`align`'s output parsed back: (label, expression) per row, in order, with
+    :math:`\\Psi` replaced by the parameter count the block defines (continuation lines re-joined)."""
+    from ..symbols import Psi
+
+    exprs = [(label, parse(rhs)) for label, rhs in equations(text)]
+    count = next((e for label, e in exprs if label == r"\Psi"), None)
+    if count is not None:
+        exprs = [(label, e if label == r"\Psi" else e.xreplace({Psi: count})) for label, e in exprs]
+    return exprs
 
 
 def equation(name: str, expr: sympy.Expr, label: str | None = None) -> str:

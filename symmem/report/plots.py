@@ -115,13 +115,14 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
 
 
 def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(symbol, what must fit, the total, the parameter side) as functions of ``name`` alone."""
     from ..fit import polynomial
 
-    sym, total = polynomial(d, name)
+    sym, fits = polynomial(d, name)
+    _, total = polynomial(d, name, "total")
     others = {s: v for s, v in d.numbers.items() if s != sym}
-    act = sympy.expand((d.total - d.parameter_memory).xreplace(others))
     par = sympy.expand(d.parameter_memory.xreplace(others))
-    return sym, total, act, par
+    return sym, fits, total, par
 
 
 def _lambdify(sym: sympy.Symbol, expr: sympy.Expr) -> Any:
@@ -131,24 +132,34 @@ def _lambdify(sym: sympy.Symbol, expr: sympy.Expr) -> Any:
 
 def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
           budget: int | str | None = None, output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """Total, activation and parameter-side memory against ``name`` (``B`` or ``S``), with the budget as a
-    horizontal line and the largest fitting value marked."""
+    """Memory against ``name`` (``B`` or ``S``): the peak of a training step (where the convention models
+    the step), the total (kept at the end of the forward pass + parameter side) and the parameter side, with
+    the budget as a horizontal line and the largest fitting value marked -- or "nothing fits" written on it."""
     import numpy as np
 
-    from ..fit import largest
+    from ..errors import NothingFits
+    from ..fit import default_quantity, largest
 
     plt = _plt()
     scale = UNITS[unit]
-    sym, total, act, par = _function(d, name)
+    sym, fits, total, par = _function(d, name)
+    quantity = default_quantity(d)
     cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
-    fit = largest(d, name, cap) if cap is not None else None
+    fit, nothing = None, None
+    if cap is not None:
+        try:
+            fit = largest(d, name, cap)
+        except NothingFits as exc:
+            nothing = exc
     if values is None:
         top = max(2 * fit.max if fit is not None else 0, 2 * d.numbers[sym], 8)
         values = np.unique(np.linspace(1, top, 200).astype(int))
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for expr, label, style in ((total, "total", "-"), (act, "all but the parameter side", "--"),
-                               (par, "parameter side", ":")):
+    curves = [(total, "total (kept at the end of forward + parameter side)", "--"), (par, "parameter side", ":")]
+    if quantity == "peak":
+        curves.insert(0, (fits, "peak of a training step", "-"))
+    for expr, label, style in curves:
         f = _lambdify(sym, expr / scale)
         ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)
     if cap is not None:
@@ -157,6 +168,9 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
         ax.plot([fit.max], [fit.total_at_max / scale], "o", color="crimson")
         ax.annotate(f"largest {name} = {fit.max:,}", (fit.max, fit.total_at_max / scale),
                     textcoords="offset points", xytext=(-8, 10), ha="right", color="crimson")
+    if nothing is not None:
+        ax.text(0.5, 0.5, f"nothing fits: {name} = 1 needs more than the budget", transform=ax.transAxes,
+                ha="center", color="crimson")
     ax.set_xlabel(f"{name} ({'batch size' if name == 'B' else 'sequence length' if name == 'S' else name})")
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(f"{_label(d, ', ')}: memory vs {name}")
@@ -164,6 +178,63 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    save(fig, output)
+    return fig
+
+
+#: colours of the live-memory categories, as PyTorch's memory snapshot viewer groups them
+_CATEGORY_COLORS = {"parameter": "#4c72b0", "optimizer_state": "#8172b2", "gradient": "#64b5cd",
+                    "input": "#ccb974", "activation": "#dd8452", "loss": "#c44e52", "activation_grad": "#55a868",
+                    "temporary": "#937860"}
+
+
+def timeline(d: Derivation, step: str = "steady", output: str | Path | None = None, unit: str = "GiB") -> Any:
+    """Live memory over one training step, op by op, stacked by category, with the peak marked and the
+    phases (forward, backward, optimizer step) shaded -- the picture of PyTorch's memory snapshots, drawn from
+    the formula at the derivation's numbers (``step``: ``steady`` or ``first``, which creates the optimizer
+    state)."""
+    import numpy as np
+
+    plt = _plt()
+    scale = UNITS[unit]
+    events = d.timeline(step)
+    cats = [c for c in _CATEGORY_COLORS if any(v.get(c, 0) for _, _, v in events)]
+    xs = np.arange(len(events))
+    ys = np.array([[v.get(c, 0) / scale for _, _, v in events] for c in cats])
+    fig, ax = plt.subplots(figsize=(9.0, 4.2))
+    ax.stackplot(xs, ys, labels=[c.replace("_", " ") for c in cats], colors=[_CATEGORY_COLORS[c] for c in cats],
+                 step="post", alpha=0.9, linewidth=0)
+    totals = ys.sum(axis=0)
+    top = int(np.argmax(totals))
+    phases: list[tuple[str, int, int]] = []
+    for i, (phase, _, _) in enumerate(events):
+        if phases and phases[-1][0] == phase:
+            phases[-1] = (phase, phases[-1][1], i)
+        else:
+            phases.append((phase, i, i))
+    narrow = []
+    for k, (phase, a, b) in enumerate(phases):
+        if k % 2:
+            ax.axvspan(a, b + 1, color="grey", alpha=0.08, lw=0)
+        if b + 1 - a < 0.06 * len(events):  # too narrow to name on its own: named together at the end
+            narrow.append(phase.replace("_", " "))
+            continue
+        ax.text((a + b + 1) / 2, 1.0, phase.replace("_", " "), transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=8)
+    if narrow:
+        ax.text(1.0, 1.0, " + ".join(narrow), transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
+    phase, node, _ = events[top]
+    ax.plot([top], [totals[top]], "o", color="crimson")
+    ax.annotate(f"peak {totals[top]:.3f} {unit}\n{phase} {node or ''}", (top, totals[top]),
+                textcoords="offset points", xytext=(6, -24), color="crimson", fontsize=8)
+    ax.set_xlim(0, len(events))
+    ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
+    ax.set_xlabel("ops of one training step")
+    ax.set_ylabel(f"live memory ({unit})")
+    which = "the first training step" if step == "first" else "a steady training step"
+    ax.set_title(f"{_label(d, ', ')}: live memory over {which}", pad=16)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     save(fig, output)
     return fig

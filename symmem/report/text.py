@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..simplify import factored
+import sympy
+
+from ..simplify import factored, rounded
 from ..units import UNITS
 from .latex import expression
 
@@ -22,22 +24,43 @@ KEYS = ("activations", "parameter_memory", "total")
 EXTRA_KEYS = ("input", "loss", "transient")
 
 
+#: the JSON contract's version: 2 added the peak, the full regime and the schema version itself
+SCHEMA_VERSION = 2
+
+
 def _safe_value(d: Derivation, expr: Any) -> int | None:
+    return d.try_evaluate(expr)
+
+
+def peak(d: Derivation) -> dict[str, Any] | None:
+    """The peak of the training step for the JSON contract (None where the convention has no step model):
+    the steady and first step's bytes and formulas, where the steady peak occurs and what is alive then."""
+    if not d.has_peak:
+        return None
     from ..errors import SymmemError
 
     try:
-        return d.evaluate(expr)
+        steady, first = d.value("peak"), d.value("peak_first_step")
+        at = d.peak_at()
     except SymmemError:
         return None
+    return {"values": {"peak": steady, "peak_first_step": first},
+            "expressions": {"peak": str(d.peak), "peak_first_step": str(d.peak_first_step)},
+            "peak_at": {"phase": at.phase, "node": at.node, "layer": at.layer or None, "step": at.step},
+            "live_at_peak": d.live_at_peak()}
 
 
 def to_dict(d: Derivation) -> dict[str, Any]:
     """The stable JSON contract: see "JSON output" in the README."""
+    import dataclasses
+
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     exprs = {k: d.expression(k) for k in keys}
     values: dict[str, int | None] = {k: _safe_value(d, e) for k, e in exprs.items()}
     values["parameters"] = _safe_value(d, d.parameters)
-    return {
+    step = peak(d)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
         "model": d.model,
         "convention": d.convention,
         "optimizer": d.regime.optimizer,
@@ -52,10 +75,7 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "latex": {k: expression(e) for k, e in exprs.items()} | {"parameters": expression(d.parameters)},
         "values": values,
         "bytes_per_parameter": dict(d.regime.components()),
-        "regime": {"precision": d.regime.precision, "optimizer": d.regime.optimizer,
-                   "checkpoint": d.regime.checkpoint, "zero": d.regime.zero,
-                   "tensor_parallel": d.regime.tensor_parallel, "sequence_parallel": d.regime.sequence_parallel,
-                   "pipeline_parallel": d.regime.pipeline_parallel},
+        "regime": dataclasses.asdict(d.regime),
         "parameter_breakdown": parameter_breakdown(d),
         "breakdown": [
             {"name": t.name, "group": t.group, "category": t.category, "role": t.role, "dtype": t.dtype,
@@ -64,6 +84,12 @@ def to_dict(d: Derivation) -> dict[str, Any]:
             for t in d.terms
         ],
     }
+    if step is not None:
+        out["values"].update(step["values"])
+        out["expressions"].update(step["expressions"])
+        out["peak_at"] = step["peak_at"]
+        out["live_at_peak"] = step["live_at_peak"]
+    return out
 
 
 def parameter_breakdown(d: Derivation) -> list[dict[str, Any]]:
@@ -87,26 +113,165 @@ def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / UNITS['MiB']:12.2f}"
 
 
-def table(d: Derivation) -> str:
-    """Groups and terms with their formulas and MiB, then the totals in MiB and GiB."""
+#: Width of :func:`table` when it is not written to a terminal.
+WIDTH = 100
+_NAME = 44  # the widest name column
+
+
+def terminal_width(default: int = WIDTH) -> int:
+    """The terminal's width in columns when standard output is a terminal, else ``default``."""
+    import shutil
+    import sys
+
+    try:
+        if sys.stdout.isatty():
+            return shutil.get_terminal_size((default, 24)).columns
+    except (AttributeError, ValueError, OSError):
+        pass
+    return default
+
+
+def _breaks(text: str) -> list[tuple[int, int, int, int]]:
+    """Where ``text`` (a sympy ``str``) may go on to a new line: (index the next line starts at, index this line
+    ends at, bracket depth, kind): before a binary ``+``/``-`` (kind 0), after ``, `` (1) or after ``*`` (2)."""
+    out, depth = [], 0
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch in "+-" and 0 < i < len(text) - 1 and text[i - 1] == " " and text[i + 1] == " ":
+            out.append((i, i - 1, depth, 0))
+        elif ch == "," and i + 1 < len(text) and text[i + 1] == " ":
+            out.append((i + 2, i + 1, depth, 1))
+        elif ch == "*" and text[i + 1:i + 2] != "*" and text[i - 1:i] != "*":
+            out.append((i + 1, i + 1, depth, 2))
+    return out
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """``text`` (a formula) on lines of at most ``width`` characters, cut only where a new line may start:
+    before a ``+``/``-`` (the line after starts with it), after ``, `` or, failing those, after ``*``; at the
+    shallowest bracket depth that still fills a third of the line.  Joining the lines with single spaces gives
+    a text that parses to the same formula.  A piece with no place to cut within ``width`` characters stays
+    whole (longer than ``width``).
+
+    >>> wrap("192*H**2*L + 208*H*L + 16*H*S + 28352*H + 16000", 30)
+    ['192*H**2*L + 208*H*L + 16*H*S', '+ 28352*H + 16000']
+    """
+    width = max(width, 8)
+    lines, start = [], 0
+    cuts = _breaks(text)
+    while len(text) - start > width:
+        fits = [c for c in cuts if start < c[1] and c[1] - start <= width]
+        if not fits:
+            later = [c for c in cuts if c[1] > start]
+            if not later:
+                break
+            nxt, end = later[0][:2]
+        else:
+            # the shallowest, best kind of cut that still fills a third of the line; the last such one
+            full = [c for c in fits if 3 * (c[1] - start) >= width] or fits
+            best = min((c[2], c[3]) for c in full)
+            nxt, end = max(c for c in full if (c[2], c[3]) == best)[:2]
+        lines.append(text[start:end].rstrip())
+        start = nxt
+    lines.append(text[start:].strip())
+    return [ln for ln in lines if ln]
+
+
+def _cell(text: str, width: int, cut: bool) -> list[str]:
+    if not cut:
+        return wrap(text, width)
+    return [text if len(text) <= width else text[:width - 1] + "…"]
+
+
+def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool = False) -> str:
+    """Groups and terms with their formulas and MiB, then the totals in MiB and GiB.
+
+    No line is wider than ``width`` columns (default: the terminal's width on a terminal, else 100): a long
+    formula goes on over continuation lines (nothing is cut), and a name too long for its column gets a line
+    of its own.  ``fold=True`` shows one row per group without its terms; ``cut=True`` cuts each formula to
+    one line, marking the cut with ``…`` (narrow output, information lost).  Rows are in the
+    derivation's order.
+    """
+    width = terminal_width() if width is None else width
     scope = f" (one layer: {d.layer})" if d.per_layer else ""
-    lines = [f"{d.model} - convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}",
-             "symbols: " + ", ".join(f"{s.name}={v}" for s, v in sorted(d.numbers.items(),
-                                                                           key=lambda kv: kv[0].name)),
-             "", f"{'group / term':<44} {'formula (bytes)':<34} {'MiB':>12}", "-" * 92]
+    title = f"{d.model} - convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}"
+    symbols = "symbols: " + ", ".join(f"{s.name}={v}" for s, v in sorted(d.numbers.items(),
+                                                                         key=lambda kv: kv[0].name))
+    rows: list[tuple[str, sympy.Expr]] = []
     for group, expr in d.groups().items():
-        lines.append(f"{group:<44} {str(expr)[:34]:<34} {_mib(_safe_value(d, expr))}")
+        rows.append((group, expr))
+        if fold:
+            continue
         for t in d.terms:
             if t.group == group and t.category != "parameter" and group != "input":
-                label = f"  {t.name}" + (f" [{t.role}]" if t.role else "")
-                lines.append(f"{label[:44]:<44} {str(t.expr)[:34]:<34} {_mib(_safe_value(d, t.expr))}")
-    lines.append("-" * 92)
+                rows.append((f"  {t.name}" + (f" [{t.role}]" if t.role else ""), t.expr))
+    name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
+    formula = max(width - name - 14, 20)
+    lines = wrap(title, width) + wrap(symbols, width)
+    lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
+    for label, expr in rows:
+        cells = _cell(str(rounded(expr)), formula, cut)
+        if len(label) > name:  # a long name on a line of its own (in pieces if it is wider than the table)
+            lines += [label[i:i + width] for i in range(0, len(label), width)]
+            label = ""
+        lines.append(f"{label:<{name}} {cells[0]:<{formula}} {_mib(_safe_value(d, expr))}")
+        lines += [f"{'':<{name}} {c}" for c in cells[1:]]
+    lines.append("-" * (name + formula + 14))
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     for key in keys:
         e = d.expression(key)
         v = _safe_value(d, e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        shown = factored(e) if key == "activations" else e
-        lines.append(f"{key:<20} {_mib(v)} MiB {gib}   = {shown}")
-    lines.append(f"{'parameters':<20} {_safe_value(d, d.parameters):>12,}   = {d.parameters}")
-    return "\n".join(lines)
+        shown = factored(rounded(e)) if key == "activations" else rounded(e)
+        lines += _totals(f"{key:<20} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
+    params = _safe_value(d, d.parameters)
+    lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ",
+                     str(rounded(d.parameters)),
+                     width, cut)
+    return "\n".join(ln.rstrip() for ln in lines)
+
+
+def summary(d: Derivation, width: int | None = None, fold: bool = False, cut: bool = False) -> str:
+    """:func:`table`, then the peak of a training step where the convention models the step (what
+    ``symmem derive`` prints and ``str(derivation)`` shows)."""
+    width = terminal_width() if width is None else width
+    lines = _peak_lines(d, width, cut)
+    return table(d, width, fold, cut) + ("\n" + "\n".join(ln.rstrip() for ln in lines) if lines else "")
+
+
+def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
+    """The peak of the training step: its bytes, where it occurs, and the formula of that moment (the peak's
+    formula is a Max over moments; the one shown is the largest at these sizes)."""
+    step = peak(d)
+    if step is None:
+        return []
+    lines = ["", *wrap("total = kept at the end of the forward pass + parameter side; peak = the most memory "
+                       "alive at any moment of a training step (forward, backward, optimizer step):", width)]
+    at = d.peak_at()
+    first_at = d.peak_at("first")
+    for key, moment in (("peak", at), ("peak_first_step", first_at)):
+        v = step["values"][key]
+        label = "peak" if key == "peak" else "peak (first step)"
+        where = moment.where().removesuffix(", steady step").removesuffix(", first step")
+        lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", where, width, cut)
+    expr = d.peak
+    count = len(expr.args) if isinstance(expr, sympy.Max) else 1
+    head = f"{'':<20} {'':>12}       = "
+    shown = str(rounded(at.total))
+    if count > 1:
+        lines += _totals(head, f"{shown}   (the largest of {count} moments at these sizes)", width, cut)
+    else:
+        lines += _totals(head, shown, width, cut)
+    return lines
+
+
+def _totals(head: str, formula: str, width: int, cut: bool) -> list[str]:
+    """``head`` then ``formula`` on as many lines as it takes, continuation lines indented under it."""
+    room = width - len(head)
+    if room < 24:  # a narrow terminal: the formula on lines of its own
+        return [head.rstrip()] + [f"    {c}" for c in _cell(formula, width - 4, cut)]
+    cells = _cell(formula, room, cut)
+    return [head + cells[0]] + [" " * len(head) + c for c in cells[1:]]

@@ -106,7 +106,14 @@ class PytorchConvention(Convention):
         ctx = RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options)
         return rule(ctx)
 
+    def grads(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> Any:
+        """What ``node``'s backward allocates (:mod:`.backward`)."""
+        rule = backward.rule(node.kind)
+        if rule is None:
+            raise node_error(node.name, node.kind, "the pytorch convention has no backward rule for this op kind")
+        return rule(RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options))
+
 
 register("pytorch", PytorchConvention())
 
-from . import common, sequence, vision  # noqa: E402,F401  (rules register themselves on import)
+from . import backward, common, sequence, vision  # noqa: E402,F401  (rules register themselves on import)

@@ -1,0 +1,11 @@
+"""Trace a user's ``torch.nn.Module`` into exact symbolic formulas of what training keeps (issue 9).
+
+:func:`trace_module` runs the module once on fake tensors whose batch/sequence/image sizes are symbols and
+returns a :class:`Trace`: every storage autograd keeps for backward with its byte formula, the guards
+PyTorch assumed (the formula's domain), the parameters, and the repeated blocks folded.  Needs ``torch``.
+"""
+
+from .records import Check, Guard, Parameter, Repeat, Save, Storage, Trace, TracedSymbol
+from .trace import trace_module
+
+__all__ = ["Check", "Guard", "Parameter", "Repeat", "Save", "Storage", "Trace", "TracedSymbol", "trace_module"]

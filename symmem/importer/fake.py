@@ -1,0 +1,149 @@
+"""Fake tensors with symbolic sizes: the ShapeEnv, the fake inputs, parameters and buffers, op overrides.
+
+One ``ShapeEnv(duck_shape=False)`` (with duck shaping, B and S with equal example values would merge into
+one symbol) and one ``FakeTensorMode`` on it.  Every declared symbol gets one backed SymInt (hint = its
+example value); every input tensor is rebuilt as a contiguous fake tensor whose declared dimensions are
+those SymInts, so all positions of a symbol share it.  Parameters and buffers become fake tensors of the
+same shape, stride and dtype (``empty_strided`` under the mode: nothing is allocated, a module built on
+``meta`` works the same).
+
+Op overrides, for the fake run only (eager and the real check are untouched): ``aten.constant_pad_nd``'s
+fake kernel runs C++ that reads concrete sizes and adds guards such as ``Eq(B, 2)``; it is routed to its
+Python decomposition (``torch._refs``), which keeps the sizes symbolic.  The Python dispatcher is *not*
+switched on globally: that would swap eager's C++ decompositions (``matmul``, SDPA) and change what is saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+from .inputs import Inputs, Key
+
+
+def check_device(device: str) -> str:
+    """``cpu`` or ``cuda`` (``cuda:0`` …); CUDA fake tensors need a CUDA build of torch."""
+    import torch
+
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise SymmemError(f"device={device!r}: fake CUDA tracing needs a CUDA build of torch; this torch "
+                              f"({torch.__version__}) is CPU-only. Trace with device='cpu' or install a CUDA build")
+        return str(device)
+    raise SymmemError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def overrides() -> dict[Any, Any]:
+    """aten op -> Python implementation, used for fake tensors only."""
+    import torch
+    import torch._refs
+
+    aten = torch.ops.aten
+    return {aten.constant_pad_nd.default: torch._refs.constant_pad_nd}
+
+
+def opaque_ops() -> frozenset[Any]:
+    """aten ops whose fake kernels do not know what the real kernel saves: oneDNN's RNN layer (CPU LSTM/GRU)
+    returns a workspace whose size oneDNN decides at run time; its meta kernel returns an empty one."""
+    import torch
+
+    packet = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
+    return frozenset({packet.default}) if packet is not None else frozenset()
+
+
+@dataclass
+class FakeWorld:
+    """The mode, its ShapeEnv, and how its symbols stand for the declared ones.
+
+    A declared size ``Hi`` with ``multiple_of={"Hi": 32}`` is traced as ``32 * k`` for a ShapeEnv symbol
+    ``k``: floor divisions by the strides then stay exact polynomials.
+    """
+
+    mode: Any
+    env: Any
+    sizes: dict[str, Any]  # name -> SymInt (or int for a concrete trace)
+    env_symbols: dict[Any, str]  # ShapeEnv sympy symbol -> declared name
+    scale: dict[str, int]  # declared name -> the multiple it is traced as (1 by default)
+
+    def mapping(self, symbols: dict[str, Any]) -> dict[Any, Any]:
+        """ShapeEnv symbol -> the expression in declared symbols it stands for (``Hi/32``)."""
+        return {s: symbols[n] / self.scale.get(n, 1) for s, n in self.env_symbols.items()}
+
+
+def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dict[str, int] | None = None,
+               concrete: tuple[str, ...] = ()) -> FakeWorld:
+    """A FakeTensorMode on a fresh ShapeEnv and one SymInt per declared symbol (plain ints for ``concrete``
+    names, or all of them if not ``symbolic``)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(duck_shape=False, assume_static_by_default=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    sizes: dict[str, Any] = {}
+    env_symbols: dict[Any, str] = {}
+    scale = dict(multiple_of or {})
+    for name, value in examples.items():
+        if not symbolic or name in concrete:
+            sizes[name] = value
+            continue
+        m = scale.get(name, 1)
+        source = ConstantSource(f"symmem_{name}")
+        sym = env.create_symbol(value // m, source, dynamic_dim=DimDynamic.DYNAMIC)
+        k = env.create_symintnode(sym, hint=value // m, source=source)
+        sizes[name] = k * m if m != 1 else k
+        env_symbols[sym] = name
+    return FakeWorld(mode, env, sizes, env_symbols, scale)
+
+
+def fake_like(t: Any, sizes: list[Any], device: str) -> Any:
+    """A fresh contiguous fake tensor (call under the mode) with ``t``'s dtype and requires_grad."""
+    import torch
+
+    out = torch.empty(sizes, dtype=t.dtype, device=device)
+    if t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def fake_inputs(world: FakeWorld, inputs: Inputs, device: str) -> dict[Key, Any]:
+    """Fake versions of the tensor inputs (under the mode), declared dimensions symbolic."""
+    import torch
+
+    out: dict[Key, Any] = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            where = inputs.sizes_at(key)
+            sizes = [world.sizes[where[d]] if d in where else int(n) for d, n in enumerate(value.shape)]
+            out[key] = fake_like(value, sizes, device)
+        else:
+            out[key] = _fake_nested(value, device)
+    return out
+
+
+def _fake_nested(value: Any, device: str) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return fake_like(value, list(value.shape), device)
+    if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_fake_nested(v, device) for v in value)
+    return value
+
+
+def fake_state(module: Any, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fake parameters and buffers (call under the mode), by name; tied ones appear once."""
+    import torch
+
+    params: dict[str, Any] = {}
+    for name, p in module.named_parameters():
+        f = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device=device)
+        params[name] = f.requires_grad_(p.requires_grad)
+    buffers: dict[str, Any] = {}
+    for name, b in module.named_buffers():
+        buffers[name] = torch.empty_strided(tuple(b.shape), tuple(b.stride()), dtype=b.dtype, device=device)
+    return params, buffers

@@ -1,0 +1,390 @@
+"""Record one forward pass: every storage autograd packs for backward, who made it, who keeps it.
+
+The same recorder runs on fake tensors (the symbolic trace) and on real ones (the check, and
+:func:`symmem.importer.truth.measure_eager`):
+
+- forward pre/post hooks on every submodule give the innermost module running;
+- a ``TorchFunctionMode`` gives the outermost torch function running (``matmul``, ``layer_norm``);
+- a ``TorchDispatchMode`` numbers every aten op in forward order, notes which op created each storage
+  (its *birth*), maps autograd sequence numbers to that order, can replace an op's implementation (for
+  the fake run only) and records or replays data-dependent scalar reads;
+- ``saved_tensors_hooks`` see every packed tensor.  The hook packs ``t.detach()`` (a new tensor object on
+  the same storage, no ``grad_fn``): returning ``t`` itself would make ``t -> grad_fn -> t`` cycles that keep
+  discarded branches alive.  After the forward the outputs are dropped (their ``grad_fn`` roots kept) and
+  only packed tensors still alive count; walking the graph from the roots gives the nodes that keep them.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SymmemError
+
+
+def storage_key(t: Any) -> int:
+    """Identity of a tensor's storage (the StorageImpl address; unique while the storage lives)."""
+    return t.untyped_storage()._cdata
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Packed:
+    """One packed tensor, as seen by the pack hook."""
+
+    key: int
+    nbytes: Any  # int or SymInt
+    shape: tuple[Any, ...]
+    dtype: str
+    module: str
+    op: str
+    kind: str
+    birth: tuple[int, str, str] | None  # (seq, aten op, module) of the op that created the storage
+    label: str | None = None  # the parameter, buffer or input name, for those kinds
+    saver: int = -1  # autograd sequence number of the node being built when it was packed
+
+
+@dataclass
+class Kept:
+    """A storage still kept at the end of the forward: its first packed tensor and the nodes that keep it."""
+
+    first: Packed
+    savers: list[tuple[int | None, str, int]] = field(default_factory=list)  # (op seq, node name, autograd seq)
+
+
+@dataclass
+class Outcome:
+    """What one recorded forward left: kept storages in order of first packing, ops run, scalar reads."""
+
+    kept: list[Kept]
+    ops: int
+    reads: list[tuple[str, Any]]
+    output: Any = None
+    op_modules: list[str] = field(default_factory=list)  # the module running each aten op, by sequence number
+
+
+def _leaves(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
+    """Tensors inside nested tuples, lists, dicts and dataclass-like outputs (Hugging Face ModelOutput)."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v, seen)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _leaves(v, seen)
+    elif hasattr(obj, "to_tuple"):
+        yield from _leaves(obj.to_tuple(), seen)
+
+
+def _node_names(roots: list[Any]) -> dict[int, str]:
+    """Autograd sequence number -> node name for every node reachable from ``roots``."""
+    out: dict[int, str] = {}
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out[node._sequence_nr()] = node.name()
+        todo.extend(fn for fn, _ in node.next_functions)
+    return out
+
+
+class Recorder:
+    """One recorded forward.  ``params``/``inputs`` map storage keys of parameters+buffers and of inputs to names.
+
+    ``overrides`` maps an aten op to a replacement implementation (fake run only); ``replay`` is a list of
+    scalar reads recorded by a real run of the same code path, answered in order on the fake run
+    (``None``: record them); ``default_read`` answers a boolean read when there is nothing to replay
+    (None: raise).
+    """
+
+    def __init__(self, module: Any, *, params: dict[int, str], inputs: dict[int, str],
+                 overrides: dict[Any, Callable[..., Any]] | None = None,
+                 replay: list[tuple[str, Any]] | None = None, default_read: bool | None = None,
+                 shape_env: Any = None, opaque: frozenset[Any] = frozenset()) -> None:
+        self.module = module
+        self.params = params
+        self.inputs = inputs
+        self.overrides = overrides or {}
+        self.replay = replay
+        self.default_read = default_read
+        self.shape_env = shape_env
+        self.opaque = opaque
+        self.stack: list[str] = []
+        self.quiet = False  # inside the pack hook: its own ops are not the forward's
+        self.failed_at: str | None = None  # where the first error was raised (innermost op)
+        self.fn = "?"
+        self.aten = "?"
+        self.seq = 0
+        self.births: dict[int, tuple[int, str, str]] = {}
+        self.op_modules: list[str] = []  # the module running each aten op, by op sequence number
+        self.autograd_to_op: dict[int, int] = {}
+        self.packed: list[tuple[Any, Packed]] = []  # (weakref to the packed tensor, record)
+        self.reads: list[tuple[str, Any]] = []
+        self.assumed: list[str] = []
+
+    @property
+    def where(self) -> str:
+        """The module path and op running now (for error messages)."""
+        module = self.stack[-1] if self.stack and self.stack[-1] else "<top>"
+        return f"module {module!r}, op {self.fn} ({self.aten})"
+
+    # --- module paths ----------------------------------------------------------------------------
+    @contextmanager
+    def _module_hooks(self) -> Iterator[None]:
+        handles = []
+
+        def pre(name: str) -> Callable[..., None]:
+            def hook(mod: Any, args: Any) -> None:
+                self.stack.append(name)
+            return hook
+
+        def post(mod: Any, args: Any, out: Any) -> None:
+            if self.stack:
+                self.stack.pop()
+
+        for name, sub in self.module.named_modules():
+            handles.append(sub.register_forward_pre_hook(pre(name)))
+            handles.append(sub.register_forward_hook(post))  # not always_call: an error keeps its module
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    # --- modes -------------------------------------------------------------------------------------
+    def _modes(self) -> tuple[Any, Any]:
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+        local_scalar = torch.ops.aten._local_scalar_dense.default
+        peek = torch.autograd._get_sequence_nr
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if rec.quiet:
+                    return func(*args, **(kwargs or {}))
+                before = rec.fn
+                rec.fn = getattr(func, "__name__", str(func))
+                try:
+                    return func(*args, **(kwargs or {}))
+                except Exception:
+                    rec.failed_at = rec.failed_at or rec.where
+                    raise
+                finally:
+                    rec.fn = before
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                if rec.quiet or _metadata(func):  # size/device queries are not ops of the forward
+                    return func(*args, **kwargs)
+                seq = rec.seq
+                rec.seq += 1
+                rec.op_modules.append(rec.current)
+                rec.autograd_to_op.setdefault(peek() - 1, seq)
+                rec.aten = str(func)
+                if func is local_scalar:
+                    return rec._scalar(func, args, kwargs)
+                if func in rec.opaque:
+                    raise OpaqueKernel(
+                        f"{func} at {rec.where} keeps a oneDNN workspace whose size only oneDNN knows (its fake "
+                        "kernel says 0) and which is rounded to 4 KiB pages: no exact formula. Trace (and train) "
+                        "under torch.backends.mkldnn.flags(enabled=False), where the CPU LSTM/GRU runs "
+                        "PyTorch's own cells and traces exactly")
+                impl = rec.overrides.get(func)
+                try:
+                    out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
+                except Exception:
+                    rec.failed_at = rec.failed_at or rec.where
+                    raise
+                birth = (seq, str(func), rec.current)
+                if rec.shape_env is not None:
+                    rec._data_dependent_sizes(func, out)
+                for t in _leaves(out):
+                    try:
+                        key = storage_key(t)
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    if key not in rec.births or not _aliases_input(key, args):
+                        rec.births[key] = birth
+                return out
+
+        return Functions(), Ops()
+
+    def _data_dependent_sizes(self, func: Any, out: Any) -> None:
+        """Refuse outputs whose sizes depend on data (``nonzero``, ``masked_select``: unbacked SymInts)."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        for t in _leaves(out):
+            if free_unbacked_symbols(tuple(t.shape)):
+                raise SymmemError(f"{func} at {self.where} returns a tensor whose size depends on the data "
+                                  f"({tuple(t.shape)}); a formula in the declared sizes cannot say how big it is. "
+                                  "method='fit' traces real tensors at concrete sizes (the sizes then come from "
+                                  "the example data)")
+
+    def _scalar(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A data-dependent read (``bool(t)``, ``t.item()``): record it, or answer it on the fake run."""
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+
+        t = args[0]
+        if self.replay is None:  # a real run: read and record
+            value = func(*args, **kwargs)
+            self.reads.append((dtype_name(t.dtype), value))
+            return value
+        index = len(self.reads)
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        try:
+            value = func(*args, **kwargs)  # a fake tensor with a known constant answers itself
+        except (DataDependentOutputException, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and "data-dependent" not in str(e).lower() \
+                    and "DataDependent" not in type(e).__name__:
+                raise
+            value = None
+        if value is not None and hasattr(value, "node") and free_unbacked_symbols(value.node.expr):
+            value = None  # an unbacked symbol: the value is unknown
+        if value is None:
+            if index < len(self.replay):
+                dt, value = self.replay[index]
+                if dt != dtype_name(t.dtype):
+                    raise SymmemError(f"the traced forward reads a {dtype_name(t.dtype)} value where the real "
+                                      f"forward read a {dt} one ({self.where}); the code paths differ")
+                if dt != "bool":
+                    raise SymmemError(f"the forward reads the value of a {dt} tensor ({self.where}): its sizes may "
+                                      "depend on data; trace it with method='fit' (concrete sizes)")
+            elif self.default_read is not None and dtype_name(t.dtype) == "bool":
+                value = self.default_read
+                self.assumed.append(f"{self.where}: a data-dependent bool read answered {value} "
+                                    "(no real forward to replay; assumes unpadded, unpacked inputs)")
+            else:
+                raise SymmemError(f"the forward reads tensor data ({self.where}); fake tensors have none. Trace "
+                                  "with real weights (a real forward is replayed) or with method='fit'")
+        self.reads.append((dtype_name(t.dtype), value))
+        return value
+
+    # --- saved tensors -----------------------------------------------------------------------------
+    def _pack(self, t: Any) -> Any:
+        # The node that saves t was created just before (autograd numbers nodes as it builds them; nothing
+        # below autograd builds one), so the next sequence number minus one is the saver's.
+        saver = self._peek() - 1
+        self.quiet = True
+        try:
+            d = t.detach()
+        finally:
+            self.quiet = False
+        st = t.untyped_storage()
+        key = st._cdata
+        kind = "parameter" if key in self.params else "input" if key in self.inputs else "activation"
+        rec = Packed(key, st.nbytes(), tuple(t.shape), dtype_name(t.dtype), self.current, self.fn, kind,
+                     self.births.get(key), self.params.get(key) or self.inputs.get(key), saver)
+        self.packed.append((weakref.ref(d), rec))
+        return d
+
+    # --- the run -----------------------------------------------------------------------------------
+    def run(self, call: Callable[[], Any], keep_output: bool = False) -> Outcome:
+        """Run ``call()`` (the forward) under all recorders and return what it kept."""
+        import torch
+
+        self._peek = torch.autograd._get_sequence_nr
+        functions, ops = self._modes()
+        with self._module_hooks(), functions, ops, \
+                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x):
+            out = self._guarded(call)
+        # keep the outputs' grad_fn (the graph a loss would backpropagate through), drop the outputs
+        roots = [t.grad_fn for t in _leaves(out) if getattr(t, "grad_fn", None) is not None]
+        if not keep_output:
+            out = None
+        gc.collect(1)  # young generations: packed tensors have no cycles; a full collection costs ~0.5 s
+        names = _node_names(roots)  # autograd sequence number -> grad_fn name, for the live graph
+        alive: dict[int, Kept] = {}
+        for ref, rec in self.packed:
+            if ref() is None or rec.nbytes == 0:
+                continue
+            kept = alive.setdefault(rec.key, Kept(rec))
+            saver = (self.autograd_to_op.get(rec.saver), names.get(rec.saver, "?"), rec.saver)
+            if saver not in kept.savers:
+                kept.savers.append(saver)
+        del roots  # only now: the roots keep the graph, and what it saved, alive
+        kept = list(alive.values())
+        for k in kept:
+            k.savers.sort(key=lambda s: (s[0] if s[0] is not None else -1, s[2]))
+        return Outcome(kept, self.seq, list(self.reads), out, self.op_modules)
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
+        """Run the forward; turn what fake tensors cannot do into a SymmemError naming where it happened."""
+        try:
+            return call()
+        except SymmemError:
+            raise
+        except Exception as e:
+            where = self.failed_at or self.where
+            name = type(e).__name__
+            text = str(e).strip().splitlines()[0] if str(e).strip() else name
+            low = text.lower()
+            if name in ("DynamicOutputShapeException",):
+                raise SymmemError(f"the forward has a data-dependent output shape at {where} ({text}); "
+                                  "fake tensors cannot trace it: use method='fit' (concrete sizes)") from e
+            if name in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+                        "PendingUnbackedSymbolNotFound") or "data-dependent" in low or "data dependent" in low:
+                raise SymmemError(f"the forward depends on tensor data at {where} ({name}: {text}); fake "
+                                  "tensors have none: use method='fit' (concrete sizes)") from e
+            if "symbolic sizes" in low or "symbolic shapes" in low:
+                raise SymbolicSizesUnsupported(
+                    f"a kernel cannot run with symbolic sizes at {where} ({text}); method='auto' fits it from "
+                    "concrete sizes, or use method='fit'") from e
+            if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
+                raise SymmemError(f"the forward runs an op fake tensors do not support at {where} ({text}); "
+                                  "use method='fit' (concrete sizes, real tensors)") from e
+            raise SymmemError(f"the forward failed at {where}: {name}: {text}") from e
+
+
+class OpaqueKernel(SymmemError):
+    """An op whose fake kernel cannot know what the real one saves (oneDNN's RNN workspace)."""
+
+
+class SymbolicSizesUnsupported(SymmemError):
+    """A kernel reads concrete sizes (``numel()`` in C++): the trace needs concrete sizes."""
+
+
+_METADATA = frozenset({"is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense", "size", "stride",
+                       "numel", "dim", "storage_offset"})
+
+
+def _metadata(func: Any) -> bool:
+    """Whether an op only asks about metadata (``prim.device``, ``aten.sym_size`` …)."""
+    name = func.__name__.split(".")[0]
+    return func.namespace == "prim" or name.startswith("sym_") or name in _METADATA
+
+
+def _aliases_input(key: int, args: Any) -> bool:
+    """Whether ``key`` is the storage of one of the op's inputs (a view or in-place result: not a new birth)."""
+    for t in _leaves(args):
+        try:
+            if storage_key(t) == key:
+                return True
+        except (RuntimeError, NotImplementedError):
+            continue
+    return False

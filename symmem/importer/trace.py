@@ -1,0 +1,425 @@
+"""``trace_module``: run a module once on fake tensors with symbolic sizes and keep what autograd saves.
+
+See ``docs/importer.md`` for the mechanism and the traps it handles.  In short:
+
+1. check the example inputs and declared sizes (:mod:`.inputs`);
+2. run one *real* eager forward at the example sizes when the weights are real: it records the values the
+   forward reads from tensors (mask checks) and what it keeps, for the check at the end;
+3. run the forward once on fake tensors whose declared sizes are SymInts (:mod:`.fake`), under the
+   recorder (:mod:`.recorder`), with transformers' fake-tensor predicates switched off (:mod:`.hf`);
+4. translate storage sizes and guards into the declared symbols (:mod:`.guards`); if a guard pinned a
+   declared size to its example value, retrace at other sizes, and if it pins again fit the exact
+   polynomial from concrete traces (:mod:`.fit`);
+5. fold identical repeated blocks (:mod:`.structure`) and compare the formula at the example sizes with the
+   real forward: a difference raises :class:`~symmem.errors.SymmemError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from .fake import check_device, fake_inputs, fake_state, make_world, opaque_ops, overrides
+from .guards import GuardLog, bounds, collect, domain_of, pinned, to_declared, unified
+from .hf import eager_predicates
+from .inputs import Inputs, check_inputs, sym_for
+from .recorder import Outcome, Recorder, SymbolicSizesUnsupported, _leaves, dtype_name, storage_key
+from .records import Check, Parameter, Save, Storage, Trace, TracedSymbol
+
+METHODS = ("auto", "symbolic", "fit")
+
+
+def _require_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise SymmemError("tracing runs PyTorch, which is not installed: pip install torch==2.13.0") from None
+    return torch
+
+
+@contextmanager
+def training_mode(module: Any, training: bool) -> Iterator[None]:
+    """Put every submodule in training (or eval) mode, and restore each one's flag afterwards."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def parameters_of(module: Any) -> tuple[tuple[Parameter, ...], tuple[Parameter, ...]]:
+    """Parameters (tied ones once) and buffers: name, shape, dtype, numel."""
+    ps = tuple(Parameter(n, tuple(int(d) for d in p.shape), dtype_name(p.dtype), int(p.numel()), p.requires_grad)
+               for n, p in module.named_parameters())
+    bs = tuple(Parameter(n, tuple(int(d) for d in b.shape), dtype_name(b.dtype), int(b.numel()), False)
+               for n, b in module.named_buffers())
+    return ps, bs
+
+
+# --- one recorded forward -> storages -----------------------------------------------------------------
+@dataclass
+class Run:
+    """One forward (fake or real) turned into storages, with what the ShapeEnv learned."""
+
+    storages: list[Storage]
+    ops: int
+    guards: list[Any]
+    pinned: dict[str, int]
+    unified: list[Any]  # conditions for the domain besides the guards: equalities between symbols, a fit's multiples
+    bounds: dict[str, tuple[int, int | None]]
+    notes: list[str]
+
+
+def to_storages(outcome: Outcome, convert: Any) -> list[Storage]:
+    """Kept storages as :class:`Storage` records with stable names (``module:op``, ``#2`` … for repeats)."""
+    import torch
+
+    op_modules = outcome.op_modules
+    counts: dict[str, int] = {}
+    out: list[Storage] = []
+    for k in outcome.kept:
+        p = k.first
+        if p.label is not None:  # a parameter, buffer or input: its own name
+            name = p.label
+        else:
+            base = f"{p.module}:{p.op}"
+            counts[base] = counts.get(base, 0) + 1
+            name = base if counts[base] == 1 else f"{base}#{counts[base]}"
+        nbytes = convert(p.nbytes)
+        itemsize = getattr(torch, p.dtype).itemsize
+        saves = tuple(Save(seq, node, aseq, op_modules[seq] if seq is not None and seq < len(op_modules) else "")
+                      for seq, node, aseq in k.savers)
+        birth = p.birth if p.kind == "activation" else None
+        out.append(Storage(name=name, module=p.module, op=p.op, dtype=p.dtype,
+                           shape=tuple(convert(d) for d in p.shape), elements=sympy.expand(nbytes / itemsize),
+                           bytes=nbytes, kind=p.kind, producer=birth[1] if birth else None,
+                           producer_module=birth[2] if birth else "", born=birth[0] if birth else None,
+                           saved_by=saves))
+    return out
+
+
+def _keys(named: Any) -> dict[int, str]:
+    """storage key -> name for (name, tensor-or-nested) pairs (first name wins)."""
+    keys: dict[int, str] = {}
+    for name, value in named:
+        for t in _leaves(value):
+            try:
+                keys.setdefault(storage_key(t), str(name))
+            except (RuntimeError, NotImplementedError):
+                pass
+    return keys
+
+
+def _input_names(inputs: Inputs, values: dict[Any, Any] | None = None) -> list[tuple[str, Any]]:
+    return [(f"input:{k}", (values or {}).get(k, v)) for k, v in inputs.items()]
+
+
+def real_run(module: Any, inputs: Inputs) -> Outcome:
+    """One real eager forward on the example inputs (RNG state and buffers restored afterwards)."""
+    import torch
+
+    params = _keys([*module.named_parameters(), *module.named_buffers()])
+    rec = Recorder(module, params=params, inputs=_keys(_input_names(inputs)))
+    saved_buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            outcome = rec.run(lambda: module(*inputs.args, **inputs.kwargs))
+        finally:
+            with torch.no_grad():
+                for b, v in saved_buffers:
+                    b.copy_(v)
+    return outcome
+
+
+def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol], device: str,
+             replay: list[tuple[str, Any]] | None, symbolic: bool = True,
+             multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = ()) -> Run:
+    """One forward on fake tensors: declared sizes symbolic (those in ``concrete``, or all if not ``symbolic``,
+    at their ``values``)."""
+    import torch
+
+    world = make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete)
+    mapping = world.mapping(symbols)
+    at = _resized(inputs, values) if not symbolic or concrete else inputs
+    with world.mode:
+        fin = fake_inputs(world, at, device)
+        params, buffers = fake_state(module, device)
+    pkeys = _keys([*params.items(), *buffers.items()])
+    rec = Recorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
+                   replay=replay if replay is not None else [], default_read=True if replay is None else None,
+                   shape_env=world.env, opaque=opaque_ops())
+    world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
+    args, kwargs = at.rebuild(fin)
+
+    def call() -> Any:
+        with world.mode, eager_predicates():
+            return torch.func.functional_call(module, {**params, **buffers}, args, kwargs, tie_weights=True)
+
+    outcome = rec.run(call)
+    env = world.env
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.SymInt):
+            return sympy.expand(to_declared(tidy(env.replace(x.node.expr), env), mapping))
+        return sympy.Integer(int(x))
+
+    storages = to_storages(outcome, convert)
+    guards = collect(env, mapping, tidy) if symbolic else []
+    notes = list(rec.assumed)
+    return Run(storages, outcome.ops, guards, pinned(env, world, symbols, guards) if symbolic else {},
+               unified(env, world, symbols) if symbolic else [], bounds(env, world) if symbolic else {}, notes)
+
+
+def tidy(expr: Any, env: Any) -> Any:
+    """Resolve ``Max``/``Min`` the ShapeEnv's value ranges decide (``Max(1, Hi//4)`` once ``Hi >= 4``)."""
+    from torch.utils._sympy.functions import Max, Min
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    def resolve(e: Any) -> Any:
+        args = list(e.args)
+        ranges = [bound_sympy(a, env.var_to_range) for a in args]
+        pick_max = isinstance(e, sympy.Max | Max)
+        for i, r in enumerate(ranges):
+            others = [o for j, o in enumerate(ranges) if j != i]
+            if pick_max and all(r.lower >= o.upper for o in others):
+                return args[i]
+            if not pick_max and all(r.upper <= o.lower for o in others):
+                return args[i]
+        return e
+
+    if not expr.has(sympy.Max, sympy.Min, Max, Min):
+        return expr
+    return expr.replace(lambda e: isinstance(e, sympy.Max | sympy.Min | Max | Min), resolve)
+
+
+def _resized(inputs: Inputs, values: dict[str, int]) -> Inputs:
+    """The example inputs with every declared dimension at ``values`` (shapes only matter on fake tensors)."""
+    import torch
+
+    new: dict[Any, Any] = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            where = inputs.sizes_at(key)
+            if where:
+                shape = [values[where[d]] if d in where else n for d, n in enumerate(value.shape)]
+                new[key] = torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+    args, kwargs = inputs.rebuild(new)
+    return Inputs(args, kwargs, inputs.positions, dict(values))
+
+
+def _can_run_real(module: Any, inputs: Inputs, device: str) -> str | None:
+    """None if a real forward can run on the example inputs, else why not."""
+    import torch
+
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type == "meta":
+            return "the module's weights are on the meta device"
+        if t.device.type != device.split(":")[0]:
+            return f"the module is on {t.device}, the trace is for {device}"
+    for t in _leaves([inputs.args, inputs.kwargs]):
+        if t.device.type != device.split(":")[0]:
+            return f"an example input is on {t.device}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "no CUDA device here"
+    return None
+
+
+def _totals(storages: list[Storage] | tuple[Storage, ...], subs: dict[sympy.Symbol, int]) -> dict[str, int]:
+    out = {"activation": 0, "input": 0}
+    for s in storages:
+        if s.kind in out:
+            out[s.kind] += int(sympy.sympify(s.bytes).xreplace(subs))
+    return out
+
+
+def _differences(traced: list[Storage], measured: list[Storage], subs: dict[sympy.Symbol, int]) -> str:
+    a = {s.name: int(sympy.sympify(s.bytes).xreplace(subs)) for s in traced if s.kind != "parameter"}
+    b = {s.name: int(s.bytes) for s in measured if s.kind != "parameter"}
+    rows = [f"{n}: traced {a.get(n, 0):,} vs real {b.get(n, 0):,}" for n in sorted(set(a) | set(b), key=str)
+            if a.get(n, 0) != b.get(n, 0)]
+    return "; ".join(rows[:6]) + (f"; … {len(rows) - 6} more" if len(rows) > 6 else "")
+
+
+def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, device: str = "cpu",
+                 training: bool = True, method: str = "auto", check: bool = True, size_one: bool = False,
+                 multiple_of: dict[str, int] | None = None) -> Trace:
+    """The exact formula of what one eager forward keeps for backward, in the declared symbols.
+
+    ``example_inputs`` is a tuple (positional) or dict (keyword) of tensors and plain values; ``dims``
+    maps a symbol name to its (input position or keyword, dimension) pairs, e.g. ``{"B": [(0, 0)]}`` or
+    ``{"B": [("input_ids", 0)], "S": [("input_ids", 1)]}``.  ``method``: ``auto`` (symbolic, retraced at
+    other sizes where the module specializes on a size, fitted if it specializes again), ``symbolic`` (never
+    fit) or ``fit`` (concrete sizes only: for modules fake tensors cannot run).  ``check`` runs one real
+    forward at the traced sizes and raises :class:`SymmemError` if the formula disagrees there.
+    ``size_one`` also traces every symbol at 1 (its own branch: PyTorch specializes size 1), given in
+    ``Trace.extra["at_one"]``.  ``multiple_of`` (``{"Hi": 32, "Wi": 32}``) traces those sizes as multiples of
+    a number: stride arithmetic (``(Hi - 1)//2 + 1``, Swin's window padding) then stays polynomial and the
+    formula holds on those multiples (the domain says so); examples must be at least twice the multiple.
+
+    >>> import pytest; torch = pytest.importorskip("torch")  # the example needs PyTorch
+    >>> t = trace_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.zeros(2, 4),),
+    ...                  {"B": [(0, 0)]})
+    >>> t.activations, t.input  # the ReLU's output, B*3 float32; the Linear keeps its input, B*4 float32
+    (12*B, 16*B)
+    """
+    torch = _require_torch()
+    if not isinstance(module, torch.nn.Module):
+        raise SymmemError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
+    if method not in METHODS:
+        raise SymmemError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    device = check_device(device)
+    inputs = check_inputs(example_inputs, dims)
+    symbols = {name: sym_for(name) for name in inputs.examples}
+    multiple_of = _check_multiples(multiple_of, inputs.examples)
+    params, buffers = parameters_of(module)
+    notes: list[str] = []
+
+    with training_mode(module, training):
+        why_not = _can_run_real(module, inputs, device) if check else "check=False"
+        if why_not is not None:
+            notes.append(f"no real forward to check against: {why_not}")
+        real = why_not is None
+        if method == "fit":
+            from .fit import fit_trace
+
+            result, used, at = fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples
+            outcome = real_run(module, inputs) if real else None
+        else:
+            result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of)
+        extra: dict[str, Any] = {}
+        if size_one:
+            extra["at_one"] = _at_one(module, inputs, symbols, device, multiple_of)
+
+    divisible = [sympy.Eq(sympy.Mod(symbols[n], m), 0) for n, m in multiple_of.items()]
+    domain = domain_of(list(symbols.values()), divisible + [g.expr for g in result.guards] + result.unified)
+    storages = tuple(result.storages)
+    subs = {symbols[n]: v for n, v in at.items()}
+    chk = None
+    if outcome is not None:
+        real_storages = to_storages(outcome, lambda x: sympy.Integer(int(x)))
+        measured = _totals(real_storages, {})
+        traced = _totals(storages, subs)
+        chk = Check(tuple(sorted(at.items())), tuple(sorted(traced.items())), tuple(sorted(measured.items())))
+        if not chk.exact:
+            raise SymmemError(
+                f"the traced formula disagrees with a real eager forward at {dict(chk.values)}: traced "
+                f"{traced}, real {measured} (bytes). The fake-tensor run took another code path; "
+                f"differences: {_differences(list(storages), real_storages, subs)}")
+    from .structure import repeats
+
+    reps = repeats(module, storages, subs)
+    return Trace(module=type(module).__name__,
+                 symbols=tuple(TracedSymbol(n, symbols[n], at[n], inputs.positions[n]) for n in inputs.examples),
+                 storages=storages, parameters=params, buffers=buffers, guards=tuple(result.guards),
+                 domain=domain, bounds=tuple((n, lo, hi) for n, (lo, hi) in result.bounds.items()),
+                 method=used, device=device, training=training, repeats=reps, check=chk,
+                 notes=tuple(notes + result.notes), ops=result.ops, extra=extra)
+
+
+def _check_multiples(multiple_of: Any, examples: dict[str, int]) -> dict[str, int]:
+    if multiple_of is None:
+        return {}
+    if not isinstance(multiple_of, dict):
+        raise SymmemError(f"multiple_of must map symbol names to integers, got {type(multiple_of).__name__}")
+    for name, m in multiple_of.items():
+        if name not in examples:
+            raise SymmemError(f"multiple_of names {name!r}, which is not a declared symbol "
+                              f"({', '.join(examples) or 'none'})")
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise SymmemError(f"multiple_of[{name!r}] must be a positive integer, got {m!r}")
+        if examples[name] % m or examples[name] // m < 2:
+            raise SymmemError(f"{name} = {examples[name]} must be a multiple of {m} and at least {2 * m} "
+                              "(a multiple of 1 would be specialized)")
+    return dict(multiple_of)
+
+
+def specializations(run: Run, symbols: dict[str, sympy.Symbol]) -> list[Any]:
+    """Equalities the trace assumed on the declared sizes (not between two of them): candidate pins."""
+    out = [g.expr for g in run.guards if isinstance(g.expr, sympy.Eq)
+           and not all(isinstance(side, sympy.Symbol) for side in (g.expr.lhs, g.expr.rhs))]
+    out += [sympy.Eq(symbols[n], v) for n, v in run.pinned.items() if sympy.Eq(symbols[n], v) not in out]
+    return out
+
+
+def _holds(exprs: list[Any], symbols: dict[str, sympy.Symbol], values: dict[str, int]) -> bool:
+    subs = {symbols[n]: v for n, v in values.items()}
+    return all(bool(sympy.sympify(e).xreplace(subs)) for e in exprs)
+
+
+def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str, real: bool,
+              method: str, notes: list[str], multiple_of: dict[str, int]
+              ) -> tuple[Run, str, dict[str, int], Outcome | None]:
+    """The symbolic trace; retraced at other sizes where it specialized, fitted if it specializes again.
+
+    An equality guard on the declared sizes (``Eq(S, 8)``, ``Eq((Hi - 1)//32 + 1, 1)``: an intermediate
+    size was 1) either holds everywhere that matters (``Eq(Mod(S, 4), 0)``) or pins the formula to the
+    example.  The trace is repeated with those symbols doubled: guards of the first trace that fail there
+    were pins; a retrace whose own equalities hold at the first sizes too is used instead.
+    """
+    from .fit import resized_real
+
+    outcome = real_run(module, inputs) if real else None
+    try:
+        run = fake_run(module, inputs, inputs.examples, symbols, device, outcome.reads if outcome else None,
+                       multiple_of=multiple_of)
+    except SymbolicSizesUnsupported as e:
+        if method == "symbolic":
+            raise
+        from .fit import fit_trace
+
+        notes.append(f"no symbolic trace ({e}); the formula is fitted from traces at concrete sizes")
+        return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
+    spec = specializations(run, symbols)
+    if not spec:
+        return run, "symbolic", inputs.examples, outcome
+    involved = {n for n, s in symbols.items() if any(s in sympy.sympify(e).free_symbols for e in spec)}
+    values = {n: (2 * v if n in involved else v) for n, v in inputs.examples.items()}
+    if _holds(spec, symbols, values):  # equalities that hold at other sizes too: part of the domain
+        return run, "symbolic", inputs.examples, outcome
+    text = ", ".join(str(e) for e in spec)
+    notes.append(f"the trace at {inputs.examples} assumed {text}; retraced at {values}")
+    try:
+        bigger = resized_real(inputs, values) if real else _resized(inputs, values)
+        outcome2 = real_run(module, bigger) if real else None
+        again = fake_run(module, _resized(inputs, values), values, symbols, device,
+                         outcome2.reads if outcome2 else None, multiple_of=multiple_of)
+    except SymmemError as e:
+        notes.append(f"the retrace failed ({e}); the formula holds where its guards do")
+        return run, "symbolic", inputs.examples, outcome
+    spec2 = specializations(again, symbols)
+    if _holds(spec2, symbols, inputs.examples):
+        return again, "symbolic", values, outcome2
+    if method == "symbolic":
+        raise SymmemError(f"the module specializes on its sizes at every example ({text}; then "
+                          f"{', '.join(str(e) for e in spec2)}): use method='auto' or method='fit'")
+    from .fit import fit_trace
+
+    notes.append("the module specializes at every example size: the formula is fitted from concrete traces")
+    pins = tuple(n for n in inputs.examples if n in involved)
+    # both symbolic traces specialized on exactly these sizes: they are the fit's first two grid points
+    seed = {tuple(inputs.examples[n] for n in pins): run, tuple(values[n] for n in pins): again} \
+        if set(run.pinned) == set(pins) == set(again.pinned) else {}
+    return (fit_trace(module, inputs, symbols, device, real, pins, multiple_of, seed), "fitted", inputs.examples,
+            outcome)
+
+
+def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str,
+            multiple_of: dict[str, int]) -> dict[str, Any]:
+    """Activation and input bytes with one symbol at 1 (the others symbolic), per symbol."""
+    out: dict[str, Any] = {}
+    for name in inputs.examples:
+        one = _resized(inputs, {**inputs.examples, name: 1})
+        rest = {n: v for n, v in inputs.examples.items() if n != name}
+        sub = Inputs(one.args, one.kwargs, {n: p for n, p in inputs.positions.items() if n != name}, rest)
+        run = fake_run(module, sub, rest, symbols, device, None,
+                       multiple_of={n: m for n, m in multiple_of.items() if n != name})
+        out[name] = {k: sympy.expand(sympy.Add(*[s.bytes for s in run.storages if s.kind == k]))
+                     for k in ("activation", "input")}
+    return out

@@ -1,0 +1,444 @@
+"""The peak of live memory over a training step, as a formula: the maximum over the step's moments.
+
+:mod:`.schedule` gives the live bytes after every op of one step of a graph whose repeated blocks are written
+out a given number of times.  A block repeated ``L`` times (``L`` a symbol) changes the live set by the same
+amount from one layer to the next, so every moment's live bytes are affine in ``L`` (for ``L`` >= 4: the
+first two and the last two layers are moments of their own, the layers between them repeat the second's
+pattern).  The step is simulated with the block written out 4 and 5 times and each moment's bytes
+interpolated; moments whose bytes another moment provably exceeds (every coefficient of the difference >= 0,
+in ``L - 4`` and the other positive symbols) are dropped, and the peak is the ``Max`` of the rest.  Counts that
+are numbers are written out as they are.
+
+>>> from symmem import derive
+>>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="sgd")
+>>> d.peak    # which layer's backward is the peak depends on B
+Max(7232*B + 14909528, 15424*B + 11694168, 19520*B + 7495768)
+>>> d.peak_at().where(), d.value("peak")
+('backward fc1, steady step', 15372376)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import sympy
+
+from ..conventions import Convention
+from ..errors import SymmemError
+from ..graph import Graph
+from ..training import Regime, checkpoint_every
+from .schedule import CATEGORIES, Timeline, simulate
+from .storage import Branch
+from .unroll import iteration, template, unroll
+
+#: Layers a symbolic block is written out with; formulas hold for counts from this on.
+BASE = 4
+
+
+@dataclass(frozen=True)
+class Moment:
+    """A moment of the step: ``phase`` (forward, backward, step, zero_grad), the op (a template node, or a
+    parameter in the step), which layer of its repeated block (``1``, ``2``, ``L-1``, ``L``; empty outside a
+    block), which step (``first`` creates the optimizer state; ``steady`` is every later one), and the live bytes
+    per category."""
+
+    phase: str
+    node: str | None
+    layer: str
+    step: str
+    live: Mapping[str, sympy.Expr] = field(compare=False)
+
+    @property
+    def total(self) -> sympy.Expr:
+        return sympy.Add(*self.live.values())
+
+    def where(self) -> str:
+        layer = f" (layer {self.layer})" if self.layer else ""
+        return f"{self.phase} {self.node or ''}{layer}, {self.step} step".replace("  ", " ")
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The peak of a training step: the steady-state formula (``expr``, step >= 2), the first step's (``first``,
+    which creates the optimizer state), both a ``Max`` of the moments that can be largest, those moments, and
+    the domain the formulas hold on (``L >= 4`` for a symbolic layer count)."""
+
+    expr: sympy.Expr
+    first: sympy.Expr
+    moments: tuple[Moment, ...]
+    domain: tuple[sympy.Basic, ...] = ()
+
+    def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Moment:
+        """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``."""
+        found = [m for m in self.moments if m.step == step]
+        return max(found, key=lambda m: sympy.sympify(m.total.xreplace(dict(numbers)), strict=True))
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        """Whether ``numbers`` lie in the domain of the formulas."""
+        return all(bool(c.xreplace(dict(numbers))) for c in self.domain)
+
+
+def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:
+    """The layer of an unrolled node: its number for a block repeated a number of times; for a symbolic count,
+    the first ``edge`` layers by number and the last ``edge`` as ``L``, ``L-1`` ..., and ``mid`` for the layers
+    in between (their moments repeat those of the layers ``edge`` before)."""
+    k = iteration(name) if name else 0
+    if not k or count is None or count == 1:
+        return ""
+    if not symbolic or k <= edge:
+        return str(k)
+    if k > count - edge:
+        return "L" if k == count else f"L-{count - k}"
+    return "mid"
+
+
+def layout(regime: Regime) -> tuple[int, int, int]:
+    """(period, edge, base): the step repeats every ``period`` layers (K with every-K checkpointing, else 1);
+    ``edge`` layers at each end of a stack are moments of their own; a symbolic stack is written out ``base``
+    and ``base + period`` times, and the formulas hold for counts ``base + j * period``."""
+    period = (checkpoint_every(regime.checkpoint) or 1) if regime.checkpoint.startswith("every-") else 1
+    edge = max(2, period)
+    base = -(-2 * edge // period) * period
+    return period, edge, base
+
+
+def _counts(tl: Timeline) -> list[tuple[Counter, ...] | None]:
+    """For each event, the live storages as one Counter of byte sizes per category -- only where the next
+    moment could be smaller (the event frees something, or is the last); None elsewhere, since without a free
+    the next moment holds all this one does."""
+    live = [Counter() for _ in CATEGORIES]
+    index = {c: i for i, c in enumerate(CATEGORIES)}
+    where = [(index[s.category], s.nbytes) for s in tl.storages]
+    for i in tl.start:
+        c, e = where[i]
+        live[c][e] += 1
+    out: list[tuple[Counter, ...] | None] = []
+    last = len(tl.events) - 1
+    for k, e in enumerate(tl.events):
+        for i in e.born:
+            c, x = where[i]
+            live[c][x] += 1
+        out.append(tuple(Counter(+x) for x in live) if (e.freed or k == last) else None)
+        for i in e.freed:
+            c, x = where[i]
+            live[c][x] -= 1
+    return out
+
+
+def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
+           ) -> dict[tuple[Any, ...], tuple[Counter, ...] | None]:
+    """Each event's key (phase, template node, layer label, occurrence) and its live storages (:func:`_counts`)."""
+    out: dict[tuple[Any, ...], tuple[Counter, ...] | None] = {}
+    seen: Counter = Counter()
+    for e, live in zip(tl.events, _counts(tl), strict=True):
+        node = e.node
+        block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
+        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
+        if label == "mid":
+            continue
+        key = (e.phase, template(node) if node else None, label)
+        seen[key] += 1
+        out[(*key, seen[key])] = live
+    return out
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A moment's live storages: per category, byte size -> (count at the base layer counts, change per extra
+    layer of each symbolic count)."""
+
+    key: tuple[Any, ...]
+    step: str
+    parts: tuple[dict[sympy.Expr, tuple[int, tuple[int, ...]]], ...]
+
+    def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr], base: int = BASE,
+             period: int = 1) -> dict[str, sympy.Expr]:
+        out = {}
+        for c, part in zip(CATEGORIES, self.parts, strict=True):
+            terms = []
+            for size, (n0, ds) in part.items():
+                n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
+                terms.append(size * n)
+            out[c] = sympy.expand(sympy.Add(*terms).xreplace(dict(subs)))
+        return out
+
+
+def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+         subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
+         merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
+         numbers: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+    """The steady-state and first-step peak of one training step of ``graph`` (one branch per entry of
+    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise``)."""
+    blocks = graph.blocks
+    blocks_of = {m: b.name for b in blocks.values() for m in graph.order() if graph.node(m).block == b.name}
+    period, edge, base = layout(regime)
+    symbolic: dict[str, sympy.Symbol] = {}
+    fixed = {}
+    many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
+    for name, b in blocks.items():
+        count = b.count.xreplace(dict(subs))
+        if count.is_number and int(count) > base + period and (int(count) - base) % period == 0:
+            symbolic[name] = sympy.Dummy(f"n_{name}", positive=True, integer=True)
+            many[symbolic[name]] = int(count)
+        elif count.is_number:
+            fixed[name] = int(count)
+        elif count.is_Symbol:
+            symbolic[name] = count
+        else:
+            raise SymmemError(f"block {name!r} repeats {count} times: the peak needs a symbol or a number")
+    names = list(symbolic)
+    syms = [symbolic[n] for n in names]
+    domain = tuple(sympy.Ge(s, base) for s in dict.fromkeys(syms) if s not in many)
+    if period > 1:
+        domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
+    subs = {**dict(subs), **many}
+    per_branch: list[tuple[list[Moment], list[Moment]]] = []
+    for branch in branches:
+        runs: dict[tuple[str, ...], dict[bool, dict]] = {}
+        for bump in [()] + [(n,) for n in names]:
+            counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
+            g = unroll(graph, counts) if blocks else graph
+            runs[bump] = {first: _keyed(simulate(g, conv, options, regime, branch, first_step=first,
+                                                 keep_logits=regime.keep_logits), counts, blocks_of, symbolic,
+                                        edge)
+                          for first in (False, True)}
+        found = []
+        for first in (False, True):
+            cands = []
+            for key, live in runs[()][first].items():
+                if live is None:
+                    continue
+                others = [runs[(n,)][first].get(key) for n in names]
+                parts = []
+                for c in range(len(CATEGORIES)):
+                    sizes = set(live[c]).union(*(set(o[c]) for o in others if o is not None))
+                    parts.append({x: (live[c][x], tuple((o[c][x] if o is not None else live[c][x]) - live[c][x]
+                                                        for o in others)) for x in sizes})
+                cands.append(_Candidate(key, "first" if first else "steady", tuple(parts)))
+            kept = _prune_all(cands, syms, subs, numbers, base, period)
+            found.append([Moment(k.key[0], k.key[1], k.key[2], k.step, k.live(syms, subs, base, period))
+                          for k in kept])
+        per_branch.append((found[0], found[1]))
+    exprs = [(_max(steady), _max(first)) for steady, first in per_branch]
+    if len(per_branch) == 1 or merge is None:
+        expr_steady, expr_first = exprs[0]
+    else:
+        expr_steady = merge([e for e, _ in exprs])
+        expr_first = merge([e for _, e in exprs])
+    moments_all = tuple(itertools.chain.from_iterable(s + f for s, f in per_branch))
+    return Peak(expr_steady, expr_first, moments_all, domain)
+
+
+def _key(kv: tuple[Any, Any]) -> str:
+    return str(kv[0])
+
+
+class _Algebra:
+    """Exact polynomials in Python dicts, for comparing many candidate moments fast.
+
+    A size expression becomes {monomial: Fraction}; a monomial is a sorted tuple of (base, exponent), where a
+    base is a symbol or a non-polynomial factor (``floor(Hi/16)``, a symbol under a negative power) kept whole.
+    Comparisons happen after writing each polynomial symbol x >= 1 as x' + 1 and each layer count L >= 4 as
+    L' + 4 (here the count's own part is already in L' = L - 4), so a polynomial whose coefficients are all
+    >= 0 is >= 0 on the domain.
+    """
+
+    def __init__(self, sizes: Sequence[sympy.Expr], subs: Mapping[sympy.Symbol, sympy.Expr],
+                 counts: Sequence[sympy.Symbol], base: int = BASE, period: int = 1) -> None:
+        self.base, self.period = base, period
+        self.subs = dict(subs)
+        self.counts = list(counts)
+        self.prime = [sympy.Symbol(f"{s.name}'") for s in counts]
+        exprs = {e: sympy.expand(e.xreplace(self.subs)) for e in sizes}
+        terms = {e: self._terms(x) for e, x in exprs.items()}
+        # symbols that appear with non-negative integer powers only: shifted by 1
+        bad: set[Any] = set()
+        for t in terms.values():
+            for mono in t:
+                bad.update(b for b, k in mono if not (isinstance(b, sympy.Symbol) and k.is_integer and k >= 0))
+        self.shifted = {b for t in terms.values() for mono in t for b, _ in mono
+                        if isinstance(b, sympy.Symbol) and b not in bad}
+        self.rep = {e: self._shift(t) for e, t in terms.items()}
+        self.exprs = exprs
+        self._memo: dict[sympy.Expr, Any] = {}
+
+    @staticmethod
+    def _terms(e: sympy.Expr) -> dict[tuple, Fraction]:
+        out: dict[tuple, Any] = defaultdict(int)
+        for term, coeff in e.as_coefficients_dict().items():
+            c, mono = term.as_coeff_Mul()
+            powers = tuple(sorted(mono.as_powers_dict().items(), key=_key))
+            if mono == 1:
+                powers = ()
+            q = coeff * c
+            out[powers] += int(q.p) if q.q == 1 else Fraction(int(q.p), int(q.q))
+        return dict(out)
+
+    def _shift(self, t: dict[tuple, Any]) -> dict[tuple, Any]:
+        out: dict[tuple, Any] = defaultdict(int)
+        for mono, c in t.items():
+            parts: list[dict[tuple, int]] = [{(): 1}]
+            for base, k in mono:
+                if base in self.shifted:
+                    k = int(k)
+                    parts.append({((base, j),) if j else (): math.comb(k, j) for j in range(k + 1)})
+                else:
+                    parts.append({((base, k),): 1})
+            for combo in itertools.product(*(p.items() for p in parts)):
+                key = tuple(sorted((x for m, _ in combo for x in m), key=_key))
+                n = math.prod(v for _, v in combo)
+                out[key] += c * n
+        return {k: v for k, v in out.items() if v}
+
+    def _keys(self, size: sympy.Expr) -> tuple[list[tuple[tuple, Any]], list[list[tuple[tuple, Any]]]]:
+        """The size's terms, and for each count symbol the same terms times that count's L' (cached)."""
+        found = self._memo.get(size)
+        if found is None:
+            items = list(self.rep[size].items())
+            per: list[list[tuple[tuple, Any]]] = []
+            for s, lp in zip(self.counts, self.prime, strict=True):
+                known = self.subs.get(s)
+                if known is not None and not isinstance(known, sympy.Basic | type(None)) or (
+                        isinstance(known, sympy.Basic) and known.is_number):
+                    steps = (int(known) - self.base) // self.period  # a stack of known length
+                    per.append([(mono, c * steps) for mono, c in items])
+                else:
+                    per.append([(tuple(sorted(mono + ((lp, 1),), key=_key)), c) for mono, c in items])
+            found = (items, per)
+            self._memo[size] = found
+        return found
+
+    def total(self, cand: _Candidate) -> dict[tuple, Any]:
+        """The candidate's bytes, shifted (a polynomial in x' and L')."""
+        out: dict[tuple, Any] = defaultdict(int)
+        for part in cand.parts:
+            for size, (n0, ds) in part.items():
+                items, per = self._keys(size)
+                if n0:
+                    for mono, c in items:
+                        out[mono] += c * n0
+                for d, terms in zip(ds, per, strict=True):
+                    if d:
+                        for mono, c in terms:
+                            out[mono] += c * d
+        return {k: v for k, v in out.items() if v}
+
+    def value(self, cand: _Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
+        total = Fraction(0)
+        for part in cand.parts:
+            for size, (n0, ds) in part.items():
+                if size not in memo:
+                    v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}),
+                                     strict=True)
+                    memo[size] = Fraction(int(v.p), int(v.q)) if v.is_Rational else None
+                if memo[size] is None:
+                    return None
+                n = n0 + sum(d * ((int(numbers.get(s, self.base)) - self.base) // self.period)
+                             for d, s in zip(ds, self.counts, strict=True))
+                total += n * memo[size]
+        return total
+
+
+def _at_least(a: Mapping[tuple, Fraction], b: Mapping[tuple, Fraction]) -> bool:
+    """``a >= b`` on the domain: every coefficient of ``a - b`` (shifted) is >= 0."""
+    for k, v in b.items():
+        if a.get(k, 0) < v:
+            return False
+    return True
+
+
+def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr],
+               numbers: Mapping[sympy.Symbol, int] | None, base: int = BASE, period: int = 1) -> list[_Candidate]:
+    """The candidates no other provably exceeds, largest first at ``numbers``: one that holds every storage
+    of another exceeds it; so does one whose bytes minus the other's have no negative coefficient on the
+    domain (:class:`_Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
+    if not cands:
+        return []
+    sizes = list(dict.fromkeys(x for c in cands for part in c.parts for x in part))
+    alg = _Algebra(sizes, subs, syms, base, period)
+    if numbers:
+        memo: dict = {}
+        values = {c.key: alg.value(c, numbers, memo) for c in cands}
+        if all(v is not None for v in values.values()):
+            cands = sorted(cands, key=lambda c: -values[c.key])
+    totals = {c.key: alg.total(c) for c in cands}
+    bases = {b for t in totals.values() for mono in t for b, _ in mono}
+    if len(bases) <= 1:
+        return _envelope(cands, totals)
+    survivors: list[_Candidate] = []
+    for c in cands:
+        if not any(_at_least(totals[k.key], totals[c.key]) for k in survivors):
+            survivors = [k for k in survivors if not _at_least(totals[c.key], totals[k.key])] + [c]
+    return survivors
+
+
+def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, Fraction]]) -> list[_Candidate]:
+    """With at most one symbol x (shifted: x' = x - 1 >= 0) and lines a x' + c, the lines on the upper envelope
+    over the integers x' >= 0 (each kept once: the first of equal lines)."""
+    lines: dict[tuple[Fraction, Fraction], _Candidate] = {}
+    for c in cands:
+        t = totals[c.key]
+        if any(len(m) > 1 or (m and m[0][1] != 1) for m in t):
+            return cands
+        key = (sum((v for m, v in t.items() if m), Fraction(0)), t.get((), Fraction(0)))
+        lines.setdefault(key, c)
+    best: dict[Fraction, Fraction] = {}
+    for a, b in lines:
+        best[a] = max(best.get(a, b), b)
+    hull: list[tuple[Fraction, Fraction]] = []  # the upper envelope, slopes ascending
+
+    def useless(l1: tuple[Fraction, Fraction], l2: tuple[Fraction, Fraction], l3: tuple[Fraction, Fraction]) -> bool:
+        # l2 never exceeds both: l3 overtakes l1 no later than l2 does
+        return (l3[1] - l1[1]) * (l2[0] - l1[0]) >= (l2[1] - l1[1]) * (l3[0] - l1[0])
+
+    for line in sorted(best.items()):
+        while len(hull) >= 2 and useless(hull[-2], hull[-1], line):
+            hull.pop()
+        hull.append(line)
+    # only x' >= 0: drop lines whose stretch of the envelope ends before 0
+    while len(hull) >= 2 and hull[1][1] >= hull[0][1]:
+        hull.pop(0)
+    return [lines[(a, b)] for a, b in hull] or cands
+
+
+def _max(moments: list[Moment]) -> sympy.Expr:
+    exprs = list(dict.fromkeys(m.total for m in moments))
+    if len(exprs) == 1:
+        return exprs[0]
+    return sympy.Max(*exprs, evaluate=False)
+
+
+def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+             subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
+             branches: Sequence[Branch | None], first: bool) -> list[tuple[str, str | None, dict[str, int]]]:
+    """The step at ``numbers``, op by op: (phase, op, live bytes per category) after each op's allocations.
+
+    Repeated blocks are written out their full number of times; the branch (a size-dependent copy) is the one
+    ``numbers`` select.
+    """
+    full = {s: sympy.Integer(v) for s, v in numbers.items()}
+    counts = {}
+    for name, b in graph.blocks.items():
+        count = b.count.xreplace(dict(subs)).xreplace(full)
+        if not count.is_number:
+            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
+        counts[name] = int(count)
+    # the branch whose conditions hold at these numbers
+    chosen = next((b for b in branches if b is None or all(
+        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
+    g = unroll(graph, counts) if graph.blocks else graph
+    tl = simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits)
+    out = []
+    for e, live in zip(tl.events, tl.live(), strict=True):
+        values = {}
+        for c, expr in live.items():
+            v = sympy.sympify(expr.xreplace(dict(subs)).xreplace(full), strict=True)
+            values[c] = int(v) if v.is_number else 0
+        out.append((e.phase, template(e.node) if e.node else None, values))
+    return out

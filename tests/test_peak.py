@@ -1,0 +1,92 @@
+"""The derived peak of a training step against the live bytes of real training steps (symmem.tracker).
+
+Every case runs two real steps (the first creates the optimizer state; the second is the steady state) of the
+project's PyTorch reference at sizes never used to derive the formula, and compares both peaks with
+``peak_first_step`` and ``peak`` evaluated there.  Cases rotate through the optimizers and their for-loop and
+foreach implementations so that each model meets several of them at three batch sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from symmem import derive  # noqa: E402
+from symmem.verify import verify_peak  # noqa: E402
+
+OPTIMIZERS = [("sgd", "for-loop"), ("sgd-momentum", "foreach"), ("adam", "for-loop"), ("adamw", "foreach"),
+              ("sgd", "foreach"), ("sgd-momentum", "for-loop"), ("adam", "foreach"), ("adamw", "for-loop")]
+TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
+
+#: (model, values, derive keywords) -- batch sizes filled in below
+MODELS = [
+    ("mlp", {}, {}),
+    ("resnet18", {"Hi": 32, "Wi": 32, "K": 10}, {}),
+    ("resnet50", {"Hi": 32, "Wi": 32, "K": 10}, {}),
+    ("vit-ti16", {"Hi": 32, "Wi": 32, "L": 2, "K": 10}, {"attention": "naive"}),
+    ("vit-ti16", {"Hi": 32, "Wi": 32, "L": 2, "K": 10}, {"attention": "sdpa"}),
+    ("gpt2", TINY_GPT, {"attention": "naive", "dropout": 0.1, "loss": "cross-entropy"}),
+    ("gpt2", TINY_GPT, {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}),
+]
+CASES = [(name, {**values, "B": b}, kw, *OPTIMIZERS[(i * 3 + j) % len(OPTIMIZERS)])
+         for i, (name, values, kw) in enumerate(MODELS) for j, b in enumerate((2, 5, 8))]
+
+
+@pytest.mark.parametrize("name, values, kw, optimizer, impl", CASES,
+                         ids=[f"{c[0]}-{c[2].get('attention', '')}-B{c[1]['B']}-{c[3]}-{c[4]}" for c in CASES])
+def test_peak_equals_real_step(name, values, kw, optimizer, impl):
+    d = derive(name, convention="pytorch", device="cpu", optimizer=optimizer, optimizer_impl=impl, values=values,
+               free=("B",), **kw)
+    result = verify_peak(d)
+    assert result.exact, result.report()
+
+
+@pytest.mark.parametrize("name, values, optimizer", [("mlp", {"B": 4}, "sgd"),
+                                                     ("gpt2", {**TINY_GPT, "B": 4}, "adam")])
+def test_gradient_accumulation(name, values, optimizer):
+    kw = {"loss": "cross-entropy", "attention": "sdpa", "dropout": 0.0} if name == "gpt2" else {}
+    d = derive(name, convention="pytorch", device="cpu", optimizer=optimizer, values=values, free=("B",),
+               micro_batches=3, **kw)
+    result = verify_peak(d)
+    assert result.exact, result.report()
+
+
+@pytest.mark.parametrize("name, values, kw", [
+    ("vit-ti16", {"B": 16, "Hi": 64, "Wi": 64, "L": 4, "K": 10}, {"attention": "naive", "checkpoint": "full"}),
+    ("gpt2", {**TINY_GPT, "B": 4, "L": 6}, {"attention": "naive", "dropout": 0.1, "loss": "cross-entropy",
+                                          "checkpoint": "every-3"}),
+    ("bert-base", {**TINY_GPT, "B": 4, "L": 5}, {"attention": "naive", "checkpoint": "full"}),
+    ("llama", {**TINY_GPT, "B": 2, "L": 5, "G": 2, "F": 128}, {"attention": "sdpa", "loss": "cross-entropy",
+                                                            "checkpoint": "every-2"}),
+], ids=["vit-full", "gpt2-every3", "bert-full", "llama-every2"])
+def test_checkpointing_at_its_real_time(name, values, kw):
+    """Checkpointed layers keep only their inputs; each is recomputed when its backward starts."""
+    d = derive(name, convention="pytorch", device="cpu", optimizer="sgd", values=values, **kw)
+    result = verify_peak(d)
+    assert result.exact, result.report()
+    plain = derive(name, convention="pytorch", device="cpu", optimizer="sgd", values=values,
+                   **{k: v for k, v in kw.items() if k != "checkpoint"})
+    assert d.value("peak") < plain.value("peak")
+
+
+def test_keep_logits_holds_the_output_through_backward():
+    values = {**TINY_GPT, "B": 4}
+    plain = derive("gpt2", convention="pytorch", device="cpu", optimizer="sgd", values=values, free=("B",),
+                   attention="sdpa", dropout=0.0)
+    held = derive("gpt2", convention="pytorch", device="cpu", optimizer="sgd", values=values, free=("B",),
+                  attention="sdpa", dropout=0.0, keep_logits=True)
+    for d in (plain, held):
+        result = verify_peak(d)
+        assert result.exact, result.report()
+    assert held.value("peak") > plain.value("peak")
+
+
+def test_peak_moment_names_the_op_and_what_is_alive():
+    d = derive("mlp", convention="pytorch", device="cpu", optimizer="sgd", values={"B": 4})
+    m = d.peak_at()
+    live = d.live_at_peak()
+    assert (m.phase, m.node) == ("backward", "fc1")
+    assert sum(live.values()) == d.value("peak")
+    # the weights and all the gradients are alive when the first layer's weight gradient is made
+    assert live["parameter"] == live["gradient"] == 4 * d.value("parameters")

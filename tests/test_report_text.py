@@ -1,0 +1,163 @@
+"""The text table never cuts a formula: every formula cell, its continuation lines joined, parses back to the
+derivation's expression, and no line is wider than the table's width."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import sympy
+from sympy.parsing.sympy_parser import parse_expr, standard_transformations
+
+import symmem
+from symmem.report.text import table, wrap
+from symmem.simplify import factored, rounded
+from symmem.symbols import dims
+
+# What a formula may name: symmem's symbols and the few functions sympy writes in a formula, nothing else
+# (the text is checked against this list before sympy's parser sees it).
+NAMES = {d.name: d.symbol for d in dims()} | {
+    "Piecewise": sympy.Piecewise, "Eq": sympy.Eq, "Ne": sympy.Ne, "And": sympy.And, "Or": sympy.Or,
+    "Not": sympy.Not, "floor": sympy.floor, "ceiling": sympy.ceiling, "True": sympy.true, "False": sympy.false}
+PARSER = {"Integer": sympy.Integer, "Rational": sympy.Rational, "Float": sympy.Float, "Symbol": sympy.Symbol}
+
+
+def formula(text: str) -> sympy.Expr:
+    unknown = set(re.findall(r"[A-Za-z_]\w*", text)) - set(NAMES)
+    assert not unknown, f"{text!r} names {unknown}"
+    return parse_expr(text, local_dict=dict(NAMES), global_dict={"__builtins__": {}, **PARSER},
+                      transformations=standard_transformations)
+
+
+def same(a: sympy.Expr, b: sympy.Expr) -> bool:
+    return a == b or sympy.simplify(a - b) == 0
+
+
+def read(text: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+    """The table parsed back: (label, formula, MiB) per row, continuation lines joined; (key, formula) per total."""
+    lines = text.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("group / term"))
+    start = lines[header].index("formula (bytes)")
+    mib = len(lines[header]) - 12
+    rule = [i for i, ln in enumerate(lines) if ln and set(ln) == {"-"}]
+    assert rule[0] == header + 1 and len(rule) == 2
+    rows: list[list[str]] = []
+    pending = ""
+    for ln in lines[rule[0] + 1:rule[1]]:
+        if len(ln) <= mib and ln[:start].strip() == "" and rows and not pending:  # a continuation line
+            rows[-1][1] += " " + ln.strip()
+        elif len(ln) < len(lines[header]) or not re.search(r"\d\.\d\d$|\?$", ln):  # a long name, alone
+            pending += ln
+        else:
+            label = (pending or ln[:start]).strip()
+            rows.append([label, ln[start:mib].strip(), ln[mib:].strip()])
+            pending = ""
+    totals: list[list[str]] = []
+    for ln in lines[rule[1] + 1:]:
+        if ln.startswith(" "):
+            totals[-1][1] += " " + ln.strip()
+        else:
+            key, _, rest = ln.partition("   = ")
+            totals.append([key.split()[0], rest.strip()])
+    return [tuple(r) for r in rows], [tuple(t) for t in totals]
+
+
+def expected(d: symmem.Derivation, fold: bool) -> list[tuple[str, sympy.Expr]]:
+    out = []
+    for group, expr in d.groups().items():
+        out.append((group, expr))
+        if not fold:
+            out += [(t.name, t.expr) for t in d.terms
+                    if t.group == group and t.category != "parameter" and group != "input"]
+    return out
+
+
+CASES = [
+    ("vit-b16", dict(attention="naive")),
+    ("gpt2", dict(convention="pytorch", loss="cross-entropy")),  # ~40 rows, Piecewise in B
+    ("bert-base", dict(convention="pytorch")),                   # names longer than the name column
+    ("llama", dict(convention="pytorch")),                       # Piecewise in G
+    ("resnet50-v1", dict(free=("B", "Hi", "Wi"))),               # floors of the image size
+    ("vit-b16", dict(zero=3, tensor_parallel=True)),
+    ("counts", dict(zero=2)),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in CASES])
+def derivation(request):
+    name, options = request.param
+    return symmem.derive(name, **options)
+
+
+@pytest.mark.parametrize("width", [100, 60, 140])
+@pytest.mark.parametrize("fold", [False, True])
+def test_every_formula_parses_back_and_fits(derivation, width, fold):
+    d = derivation
+    text = table(d, width=width, fold=fold)
+    assert max(len(ln) for ln in text.splitlines()) <= width, text
+    rows, totals = read(text)
+    want = expected(d, fold)
+    assert len(rows) == len(want)                                     # rows in the derivation's order
+    for (label, cell, mib), (name, expr) in zip(rows, want, strict=True):
+        assert name in label, (label, name)
+        assert same(formula(cell), rounded(expr)), (label, cell)
+        value = d.evaluate(expr) if not (expr.free_symbols - set(d.numbers)) else None
+        assert mib == ("?" if value is None else f"{value / 2**20:.2f}")
+    keys = ["activations", "parameter_memory", "total"] + [k for k in ("input", "loss", "transient")
+                                                          if d.expression(k) != 0]
+    assert [k for k, _ in totals] == [*keys, "parameters"]
+    for key, cell in totals:
+        e = d.expression(key)
+        e = rounded(e)  # floors merged where they nest; tests/test_latex.py checks that this keeps the values
+        assert same(formula(cell), factored(e) if key == "activations" else e), (key, cell)
+
+
+def test_readme_case_is_no_longer_cut():
+    """The README's ViT-B/16 table cut the parameter formula after ``16*H*S + 28``; now it is whole."""
+    d = symmem.derive("vit-b16", attention="naive")
+    text = table(d, width=100)
+    assert "192*H**2*L + 208*H*L + 16*H*S + 28352*H + 16000" in text
+    assert table(d) == text  # not a terminal: 100 columns
+
+
+def test_width_follows_the_terminal(monkeypatch):
+    """On a terminal the table takes its width; elsewhere (a pipe, a file, pytest's capture) 100 columns."""
+    import io
+    import os
+    import shutil
+    import sys
+
+    from symmem.report.text import terminal_width
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert terminal_width() == 100
+    monkeypatch.setattr(sys, "stdout", Tty())
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(100, 24): os.terminal_size((72, 24)))
+    d = symmem.derive("vit-b16", attention="naive")
+    assert terminal_width() == 72 and max(len(ln) for ln in table(d).splitlines()) <= 72
+
+
+def test_fold_is_one_row_per_group():
+    d = symmem.derive("gpt2", convention="pytorch", loss="cross-entropy")
+    rows, _ = read(table(d, fold=True))
+    assert [r[0] for r in rows] == list(d.groups())
+    assert len(read(table(d))[0]) > 3 * len(rows)
+
+
+def test_cut_marks_what_it_cuts():
+    d = symmem.derive("gpt2", convention="pytorch", loss="cross-entropy")
+    text = table(d, width=80, cut=True)
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    assert "\u2026" in text
+    assert "\u2026" not in table(d, width=80)
+
+
+def test_wrap_joins_back():
+    text = str(symmem.derive("gpt2", convention="pytorch", loss="cross-entropy").total)
+    for width in (20, 37, 64):
+        pieces = wrap(text, width)
+        assert all(len(p) <= width for p in pieces)
+        assert formula(" ".join(pieces)) == formula(text)
