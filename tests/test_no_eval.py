@@ -8,6 +8,7 @@ strings), and no module calls ``eval``, ``exec`` or ``parse_expr``.  The LaTeX r
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -21,24 +22,40 @@ from symmem.symbols import B, H
 PACKAGE = pathlib.Path(symmem.__file__).parent
 
 
+class _Calls(ast.NodeVisitor):
+    """Every call in a module, with the name of the function it is made in."""
+
+    def __init__(self) -> None:
+        self.stack = ["<module>"]
+        self.found: list[tuple[str | None, str, ast.Call]] = []
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # noqa: N815
+
+    def visit_Call(self, node: ast.Call) -> None:
+        f = node.func
+        called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        self.found.append((called, self.stack[-1], node))
+        self.generic_visit(node)
+
+
+@functools.cache
+def _all_calls() -> list[tuple[str | None, str, str, ast.Call]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        v = _Calls()
+        v.visit(ast.parse(path.read_text(), str(path)))
+        out += [(called, str(path.relative_to(PACKAGE.parent)), fn, node) for called, fn, node in v.found]
+    return out
+
+
 def _calls(name: str):
     """(path, enclosing function, call node) of every call of ``name`` in the package."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        for fn in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))]:
-            body = ast.Module(body=fn.body, type_ignores=[]) if fn is not tree else tree
-            for node in ast.walk(body):
-                if isinstance(node, ast.Call) and _innermost(fn, node, tree):
-                    f = node.func
-                    called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-                    if called == name:
-                        yield str(path.relative_to(PACKAGE.parent)), getattr(fn, "name", "<module>"), node
-
-
-def _innermost(fn, call, tree) -> bool:
-    inner = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n is not fn
-             and any(c is call for c in ast.walk(n)) and any(n is m for m in ast.walk(fn))]
-    return not inner
+    return [(path, fn, node) for called, path, fn, node in _all_calls() if called == name]
 
 
 #: sympify of torch's own symbolic-shape objects (ShapeEnv expressions, guard replacements, value ranges), never of
