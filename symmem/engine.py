@@ -29,7 +29,8 @@ from .derivation import Derivation, Storage, positive_int
 from .errors import SymmemError
 from .graph import Model, parameter_count
 from .passes import branches, regimes, saved
-from .shapes import fmt
+from .shapes import fmt, numel
+from .tensor import MAX_SIZE
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` takes as keywords.
@@ -348,6 +349,7 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
     subs = dict(numbers)
     known = set(numbers)
     verdicts: dict[sympy.Expr, sympy.Expr | None] = {}
+    elements: dict[sympy.Expr, int] = {}
 
     def bad(d: sympy.Expr) -> sympy.Expr | None:
         if d not in verdicts:
@@ -371,6 +373,13 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
                             else " (a size that does not divide, such as heads that do not divide the hidden size)")
                     raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} has a size {d} = {v} "
                                       f"at {_given((d,), numbers)}, not a positive integer{hint}")
+            n = numel(shape)
+            if n not in elements:
+                elements[n] = int(sympy.sympify(n.xreplace(subs), strict=True)) if n.free_symbols <= known else 0
+            if elements[n] > MAX_SIZE:
+                raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} holds {elements[n]:,} "
+                                  f"elements at {_given((n,), numbers) or 'these sizes'}, more than PyTorch allows in "
+                                  "one tensor (2**63 - 1)")
         if node.count != 1 and bad(node.count) is not None:
             raise SymmemError(f"node {name!r} ({node.kind}): its block is repeated {node.count} = "
                               f"{bad(node.count)} times at {_given((node.count,), numbers)}, not a positive number "

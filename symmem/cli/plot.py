@@ -60,6 +60,21 @@ def _range(text: str | None) -> list[int] | None:
     return list(range(start, stop + 1, step))
 
 
+#: The most ops a timeline writes out (every layer's ops, op by op): about half a minute on a 2-core machine.
+MAX_TIMELINE_OPS = 10_000
+
+
+def _check_timeline_size(args: argparse.Namespace, d: object) -> None:
+    """Refuse a timeline that would write out more ops than :data:`MAX_TIMELINE_OPS` (``--set L=100000``)."""
+    from .common import acceptor_from_args
+
+    graph = acceptor_from_args(args).model.graph
+    ops = sum(d.evaluate(graph.node(n).count) for n in graph.order())  # type: ignore[attr-defined]
+    if ops > MAX_TIMELINE_OPS:
+        raise SymmemError(f"the timeline writes out every op of every layer: {ops:,} ops at these sizes, more than "
+                          f"{MAX_TIMELINE_OPS:,}; plot fewer layers (--set L=...) or use `plot batch`")
+
+
 def run(args: argparse.Namespace) -> int:
     import copy
 
@@ -78,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.kind == "profile":
         fig = plots.profile(d, output=args.output)
     elif args.kind == "timeline":
+        _check_timeline_size(args, d)
         fig = plots.timeline(d, args.step, output=args.output)
     else:
         from .common import acceptor_from_args
