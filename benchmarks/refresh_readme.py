@@ -1,6 +1,8 @@
-"""Re-run every ``$ symmem ...`` example of the README and write its current output back in place.
+"""Re-run every ``$ symmem ...`` example of the README (or of the files named) and write its current output
+back in place.
 
-    python benchmarks/refresh_readme.py          # then review `git diff README.md`
+    python benchmarks/refresh_readme.py                              # then review `git diff README.md`
+    python benchmarks/refresh_readme.py docs/jupyter-latex-plots.md  # any file with such examples
 
 tests/test_readme.py fails when an example's output is stale; this is how to refresh them after a change
 that is meant to alter what the command prints.
@@ -30,4 +32,7 @@ def refresh(text: str) -> str:
 
 
 if __name__ == "__main__":
-    README.write_text(refresh(README.read_text()))
+    import sys
+
+    for path in [Path(a) for a in sys.argv[1:]] or [README]:
+        path.write_text(refresh(path.read_text()))

@@ -1,4 +1,4 @@
-"""Seed accounting (``paper``) against real PyTorch (``pytorch``, CUDA and CPU kernels) at the seed's B = 64.
+"""The FP32 analysis's accounting (``paper``) against real PyTorch (``pytorch``, CUDA and CPU kernels) at its B = 64.
 
 Every number comes out of the engine; the ``pytorch`` convention is the one the tests check byte for byte
 against measured PyTorch.  Run by hand:  ``PYTHONPATH=$PWD python benchmarks/seed_vs_pytorch.py``
@@ -39,7 +39,7 @@ def kind_of_term(model, term) -> str:
 
 
 def main() -> None:
-    print("| model | accounting | activations at B=64 (MiB) | per-sample bytes (formula) | ratio to seed |")
+    print("| model | accounting | activations at B=64 (MiB) | per-sample bytes (formula) | ratio to the analysis |")
     print("|---|---|---:|---|---:|")
     breakdowns = {}
     for name, opts in MODELS:

@@ -23,6 +23,7 @@ _PUBLIC = {
     "Storage": ("derivation", "Storage"),
     "Term": ("derivation", "Term"),
     "derive": ("engine", "derive"),
+    "trace": ("tracing", "trace"),
     "Regime": ("training", "Regime"),
     "GraphBuilder": ("graph", "GraphBuilder"),
     "Model": ("graph", "Model"),

@@ -40,6 +40,11 @@ CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
 #: The named quantities a derivation sums (``parameters`` is a count, not bytes).
 QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters", "peak",
               "peak_first_step")
+#: What ``torch.cuda.max_memory_allocated`` adds to the allocated peak, measured on an H100 (torch 2.11): a
+#: 32 MiB cuBLAS workspace per handle -- the forward's thread and autograd's backward thread each make one at
+#: their first matmul -- and 0 to 105 MiB of kernel scratch (cuDNN convolution workspaces, large reductions).
+#: A band, not a formula: it depends on the library versions and the kernels picked.
+CUDA_WORKSPACES = {"cublas": 2 * 32 * 2**20, "scratch": (0, 105 * 2**20)}
 #: Phases of a training step, in order; a moment at node None is the start of its phase.
 PHASES = ("start", "forward", "backward", "step", "end")
 
@@ -210,6 +215,8 @@ class Derivation:
     #: computes the peak of the training step (:mod:`symmem.passes.peak`) on first use; None where the
     #: convention does not model the step (an accounting by role) or for one layer
     step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    #: where the formulas hold beyond every size being a positive integer (a traced module's guards: S <= 512)
+    domain: Any = sympy.true
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -316,6 +323,14 @@ class Derivation:
         assert self.step is not None
         return self.step(dict(self.numbers), timeline=step)
 
+    def peak_allocated(self, step: str = "steady") -> int:
+        """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
+        to 512 bytes (``torch.cuda.max_memory_allocated`` adds library workspaces on top: see
+        :data:`CUDA_WORKSPACES`)."""
+        self._peak()
+        assert self.step is not None
+        return self.step(dict(self.numbers), timeline=f"allocated-{step}")
+
     def live_at_peak(self, step: str = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,
         activation_grad, temporary), at the derivation's numbers."""
@@ -390,9 +405,20 @@ class Derivation:
 
     # -- views ----------------------------------------------------------------------------------------
     def title(self) -> str:
-        """One line naming what was derived: model, convention, precision and optimizer, scope."""
+        """The one header every view prints: model, convention, precision and optimizer, scope.
+
+        >>> from symmem import derive
+        >>> derive("vit-b16", convention="pytorch").title()
+        'ViT-B/16 (vit-b16) — PyTorch autograd (pytorch convention), FP32 + AdamW'
+        """
+        from . import names
+
         scope = f", one layer ({self.layer})" if self.per_layer else ""
-        return f"{self.model} - convention {self.convention}, {self.regime.precision} + {self.regime.optimizer}{scope}"
+        shown = names.model(self.model)
+        model = shown if shown == self.model else f"{shown} ({self.model})"
+        conv = names.convention(self.convention)
+        conv = f"{conv} ({self.convention} convention)" if conv != self.convention else f"{conv} convention"
+        return f"{model} — {conv}, {names.regime(self.regime.precision, self.regime.optimizer)}{scope}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the README)."""

@@ -231,8 +231,10 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
+    domain = model.graph.graph.get("domain", sympy.true)
     return Derivation(model.name, conv.name, regime, tuple(storages), kept_symbols, numbers,
-                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step)
+                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step,
+                      domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain)
 
 
 def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,
@@ -248,6 +250,9 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
         # ``timeline`` ("first" or "steady"): the step written out at ``at`` (every symbol a number), op by op
         if timeline is not None:
             assert at is not None
+            if timeline.startswith("allocated"):
+                return peak.allocated(model.graph, conv, options, regime, subs, at, assignments,
+                                      timeline.endswith("first"))
             return peak.timeline(model.graph, conv, options, regime, subs, at, assignments, timeline == "first")
         key = None if at is None else tuple(sorted((s.name, v) for s, v in at.items()))
         if key not in cache:

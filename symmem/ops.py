@@ -239,6 +239,11 @@ def _any(x: Any) -> None:
     return None
 
 
+def _is_text(x: Any) -> None:
+    if not isinstance(x, str):
+        raise OpError("not a string")
+
+
 def _a(check: Callable[[Any], None], what: str, required: bool = False) -> Attr:
     return Attr(check, what, required)
 
@@ -716,6 +721,14 @@ def _mean(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
         return OpInfo(TensorSpec((), x.dtype))
     one = (sympy.Integer(1),) if a.get("keepdim", False) else ()
     return OpInfo(TensorSpec(x.shape[:d] + one + x.shape[d + 1:], x.dtype))
+
+
+@rule("traced", arity=0, attrs={"shape": SHAPE, "dtype": DTYPE, "op": _a(_is_text, "the op that saved it"),
+                                "module": _a(_is_text, "the module that saved it"),
+                                "seen": _a(_any, "the shape of the first tensor saved from it")})
+def _traced(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # a storage a traced module keeps (symmem.importer): its bytes are known, its op semantics are PyTorch's
+    return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
 
 
 @rule("rope_table", attrs={"dim": REQ_DIM, "dtype": DTYPE})

@@ -132,8 +132,8 @@ PRECISIONS: dict[str, Precision] = {
         # The FP32 gradient copy feeds the optimizer step: Megatron's distributed optimizer shards it with the
         # optimizer state (4 + 16/d bytes for FP16 params and grads), so it is on the optimizer side.
         _c("gradients_fp32", 4, "optimizer", "FP32 copy of the gradients (optimizer side)")),
-        "mixed precision with FP16 and FP32 copies of both weights and gradients (seed 002's accounting: 20 "
-        "bytes per parameter with AdamW); 16-bit activations"),
+        "mixed precision with FP16 and FP32 copies of both weights and gradients (as a transformer activation "
+        "breakdown counts it: 20 bytes per parameter with AdamW); 16-bit activations"),
 }
 
 OPTIMIZERS: dict[str, Optimizer] = {

@@ -93,23 +93,24 @@ def test_batch_scales_activations():
     assert d.value("activations") == 64 * 4 * 15_237_608
 
 
-# -- seed 001 ---------------------------------------------------------------------------------------------
+# -- a Q&A about CS231n estimates (seed 001) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def seed001():
     return from_counts(activations=532_752, parameters=19_072_984, input_shape=(180, 50, 1), batch=128)
 
 
 def test_seed001_asker(seed001):
-    parts = dict(seed001.asker.parts)
+    assert seed001.reproduces_qa and seed001.asker is seed001.one_image  # the former name still answers
+    parts = dict(seed001.one_image.parts)
     assert round(parts["activations of one image x4 B"] / 2**20, 2) == 2.03
     assert round(parts["parameters x3 (weights, gradients, cache) x4 B"] / 2**20, 2) == 218.27
     assert round(parts["input batch (128 images) x4 B"] / 2**20, 2) == 4.39
-    assert seed001.asker.printed == 224.69
+    assert seed001.one_image.printed == 224.69
 
 
 def test_seed001_answer(seed001):
-    assert seed001.answer.printed == 742.34
-    assert round(seed001.answer.total / 2**20, 2) == 742.93  # without rounding 4.0646 to 4.06 first
+    assert seed001.per_batch.printed == 742.34
+    assert round(seed001.per_batch.total / 2**20, 2) == 742.93  # without rounding 4.0646 to 4.06 first
 
 
 def test_seed001_correct(seed001):
@@ -127,6 +128,18 @@ def test_seed001_cli(capsys):
                  "--batch", "128"]) == 0
     out = capsys.readouterr().out
     assert "224.69" in out and "742.34" in out and "820.09 MiB" in out
+    assert "a Q&A about CS231n estimates" in out and "the question's figure" in out and "the answer's" in out
+    assert "asker" not in out and "seed" not in out
+
+
+def test_counts_on_your_own_numbers_speak_of_your_network(capsys):
+    assert main(["counts", "--activations", "1000000", "--parameters", "5000000", "--batch", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("your network: 1,000,000 activation values per image, 5,000,000 parameters")
+    for word in ("Q&A", "question", "answer", "asker", "printed", "seed"):
+        assert word not in out, word
+    r = from_counts(activations=1_000_000, parameters=5_000_000, input_shape=(224, 224, 3), batch=32)
+    assert not r.reproduces_qa and r.one_image.name.startswith("CS231n recipe")
 
 
 def test_counts_cli_errors(capsys):

@@ -224,7 +224,7 @@ def test_hf_fake_tensor_predicates_would_change_the_formula(monkeypatch, extra, 
     fake-tensor predicate switched off (and the mask reads replayed) the trace is the eager formula (the Llama
     tests above: sdpa without cache, eager with a mask); without, the check against the real forward at the
     example size refuses the other code path."""
-    import symmem.importer.trace as tr
+    import symmem.importer.runs as tr
 
     monkeypatch.setattr(tr, "eager_predicates", contextlib.nullcontext)
     with pytest.raises(SymmemError, match="disagrees with a real eager forward"):
@@ -430,7 +430,7 @@ def test_constant_pad_nd_stays_symbolic(monkeypatch):
     x = torch.randn(2, 6, 4)
     t = trace_module(_Pad(), (x,), SEQ, method="symbolic")
     assert t.activations == 16 * B * S + 16 * B and t.guards == ()
-    import symmem.importer.trace as tr
+    import symmem.importer.runs as tr
 
     monkeypatch.setattr(tr, "overrides", dict)
     with pytest.raises(SymmemError, match="specializes"):

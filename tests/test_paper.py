@@ -1,4 +1,9 @@
-"""The paper: regenerated from the engine, compiled to PDF where LaTeX is installed, and read back."""
+"""The paper: regenerated from the engine, compiled to PDF where LaTeX is installed, and read back.
+
+The default paper reproduces the FP32 analysis of ResNet-50 and ViT-B/16; a paper on other models (GPT-2 and
+BERT-base under the pytorch convention) adapts its sections, tables, figure and the peak of a training step, and
+quotes the numbers the engine derives.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import subprocess
 import pytest
 
 import symmem
-from symmem.paper import write
+from symmem.fit import largest
+from symmem.paper import Spec, write
 from symmem.report.latex import expression, parse
 
 HAVE_LATEX = shutil.which("latexmk") or shutil.which("pdflatex")
@@ -69,8 +75,80 @@ def test_pdf(paper):
         assert "??" not in text  # every reference resolved
 
 
+def _generated(paper) -> str:
+    return "\n".join(p.read_text() for p in [paper.tex, *sorted((paper.directory / "generated").glob("*.tex"))])
+
+
+def test_names_its_source(paper):
+    text = _generated(paper)
+    assert "FP32 analysis of ResNet-50 and ViT-B/16 by Bandyopadhyay (2024)" in text
+    assert "seed" not in text.lower()
+
+
+def test_pytorch_peak_beside_the_total(paper):
+    if not paper.pytorch:
+        pytest.skip("the pytorch convention cannot derive the paper's models in this build")
+    table = (paper.directory / "generated" / "pytorchpeak.tex").read_text()
+    d = symmem.derive("vit-b16", convention="pytorch", attention="naive")
+    assert f"{d.value('total') / 2**30:.3f} & {d.value('peak') / 2**30:.3f}" in table
+
+
 def test_cli_no_pdf(tmp_path, capsys):
     from symmem.cli import main
 
-    assert main(["paper", "--output", str(tmp_path), "--no-pdf"]) == 0
+    assert main(["paper", "--output", str(tmp_path), "--model", "mlp", "--no-pdf"]) == 0
     assert (tmp_path / "main.tex").exists() and not (tmp_path / "main.pdf").exists()
+    # never over a user's main.tex without --force
+    (tmp_path / "main.tex").write_text("% mine\n")
+    assert main(["paper", "--output", str(tmp_path), "--model", "mlp", "--no-pdf"]) == 2
+    assert "--force" in capsys.readouterr().err and (tmp_path / "main.tex").read_text() == "% mine\n"
+    assert main(["paper", "--output", str(tmp_path), "--model", "mlp", "--no-pdf", "--force"]) == 0
+    assert "MLP" in (tmp_path / "main.tex").read_text()
+
+
+def test_cli_bad_options(tmp_path, capsys):
+    from symmem.cli import main
+
+    assert main(["paper", "-o", str(tmp_path), "--model", "nosuch", "--no-pdf"]) == 2
+    assert main(["paper", "-o", str(tmp_path), "--model", "resnet50", "--set", "S=128", "--no-pdf"]) == 2
+    assert "no model of the paper has the symbol 'S'" in capsys.readouterr().err
+
+
+# -- a paper on other models: GPT-2 and BERT-base under the pytorch convention -------------------------------
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    out = tmp_path_factory.mktemp("other")
+    return write(out, Spec.make(["gpt2", "bert-base"], convention="pytorch"), compile=bool(HAVE_LATEX))
+
+
+def test_other_paper_quotes_the_engine(other):
+    body = (other.directory / "generated" / "body.tex").read_text()
+    main_tex = other.tex.read_text()
+    table = (other.directory / "generated" / "table1.tex").read_text()
+    peaks = (other.directory / "generated" / "peak.tex").read_text()
+    fits = (other.directory / "generated" / "fit.tex").read_text()
+    assert "FP32 Training Memory of GPT-2 and BERT-base, Derived" in main_tex
+    assert "\\section{GPT-2}" in body and "\\section{BERT-base}" in body and "ResNet" not in body
+    assert "pytorch.tex" not in body  # a pytorch paper has no accounting to set beside PyTorch
+    for model in ("gpt2", "bert-base"):
+        d = symmem.derive(model, convention="pytorch")
+        total, peak, first = (f"{d.value(k) / 2**30:.3f}" for k in ("total", "peak", "peak_first_step"))
+        assert total in table and total in main_tex
+        assert f"{total} & {peak} & {first}" in peaks
+        assert f"peaks at {peak}" in body
+        fit = largest(d, "B", "80GiB")
+        assert fit.quantity == "peak"
+        assert f"& {fit.max:,} & {fit.total_at_max / 2**30:.3f}" in fits
+    assert (other.directory / "figures" / "scaling.pdf").read_bytes()[:4] == b"%PDF"
+    assert "seed" not in _generated(other).lower()
+
+
+@pytest.mark.skipif(not HAVE_LATEX, reason="no latexmk or pdflatex installed: the PDF cannot be compiled here")
+def test_other_paper_compiles(other):
+    assert other.pdf is not None and other.pdf.read_bytes()[:5] == b"%PDF-"
+    if shutil.which("pdftotext"):
+        text = subprocess.run(["pdftotext", str(other.pdf), "-"], capture_output=True, text=True, check=True).stdout
+        d = symmem.derive("bert-base", convention="pytorch")
+        for needle in ("GPT-2", "BERT-base", f"{d.value('peak') / 2**30:.3f}", "Scaling"):
+            assert needle in text, needle
+        assert "??" not in text

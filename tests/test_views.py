@@ -22,8 +22,8 @@ def test_html_table(resnet):
     html = resnet._repr_html_()
     for t in resnet.terms:
         assert f"<code>{t.name}</code>" in html
-    # The seed's stage-1 conv1 (49.00 MiB) and conv1 stem (196.00 MiB) figures, and the exact 3.025 GiB total.
-    assert "196.00 MiB" in html and "49.00 MiB" in html and "3.025 GiB" in html
+    # The FP32 analysis's stage-1 conv1 (49 MiB) and conv1 stem (196 MiB) figures, and the exact 3.025 GiB total.
+    assert "196.000 MiB" in html and "49.000 MiB" in html and "3.025 GiB" in html
     rows = re.findall(r"<tr>", html)
     assert len(rows) >= len(resnet.terms) + 3
 
@@ -65,3 +65,18 @@ def test_sweep_marks_the_fit():
     fig = sweep(d, "B", budget="80GiB")
     marked = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o"]
     assert marked[0].get_xdata()[0] == largest(d, "B", "80GiB").max
+
+
+def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():
+    from symmem.report.plots import breakdown, close, segments
+
+    d = symmem.derive("vit-b16", convention="pytorch", attention="naive")
+    parts = dict(segments(d))
+    assert {"layer: residual stream", "layer: norms", "layer: attention", "layer: MLP"} <= set(parts)
+    assert "layer" not in parts and sum(parts.values()) == d.value("total")   # the parts add up to the total
+    assert [n for n, _ in segments(symmem.derive("resnet50-v1"))][:2] == ["stem", "stage 1"]  # no layer to split
+    fig = breakdown([d])
+    ax = fig.axes[0]
+    assert ax.get_title() == "FP32 + AdamW: training memory by part"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ViT-B/16 (naive)\nPyTorch autograd"]
+    close(fig)

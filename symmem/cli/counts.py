@@ -7,7 +7,8 @@ import argparse
 from ..tensor import MAX_SIZE
 
 NAME = "counts"
-HELP = "memory of a network given only by its activation and parameter counts (CS231n recipe)"
+HELP = ("memory of your network given only by its activation and parameter counts: the CS231n memory rule and "
+        "an exact FP32 + Adam accounting")
 ORDER = 70
 
 
@@ -28,7 +29,8 @@ _positive.__name__ = "positive integer"  # argparse names the type in its messag
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--activations", type=_positive, required=True, help="activation values per sample")
+    p.add_argument("--activations", type=_positive, required=True,
+                   help="activation values per image (every layer's output volume added up)")
     p.add_argument("--parameters", type=_positive, required=True, help="parameter count")
     p.add_argument("--input", default="224x224x3", help="input WIDTHxHEIGHTxDEPTH (default 224x224x3)")
     p.add_argument("--batch", type=_positive, default=1, help="mini-batch size")

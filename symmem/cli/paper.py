@@ -1,24 +1,54 @@
-"""``symmem paper``: write (and compile) the LaTeX paper on ResNet-50 and ViT-B/16 memory."""
+"""``symmem paper``: write (and compile) a LaTeX paper on the training memory of the models named.
+
+Without ``--model`` it is the paper on ResNet-50 and ViT-B/16 that reproduces the FP32 analysis of ResNet-50 and
+ViT-B/16 (Bandyopadhyay, 2024).
+"""
 
 from __future__ import annotations
 
 import argparse
 
 NAME = "paper"
-HELP = "write (and compile) the LaTeX paper on ResNet-50 and ViT-B/16 memory"
+HELP = "write (and compile) a LaTeX paper on the training memory of the models named (default: ResNet-50 and ViT-B/16)"
 ORDER = 60
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from ..conventions import names as convention_names
+    from ..training import CHECKPOINTS, OPTIMIZERS, PRECISIONS
+
     p.add_argument("--output", "-o", required=True, metavar="DIR", help="directory for main.tex and the PDF")
+    p.add_argument("--model", "-m", action="append", default=None, metavar="MODEL",
+                   help="a built-in model to write about (repeatable; default: resnet50-v1 and vit-b16, the FP32 "
+                        "analysis of ResNet-50 and ViT-B/16)")
+    p.add_argument("--attention", action="append", default=None, choices=["naive", "sdpa"],
+                   help="attention kernel of the models that take one (repeatable: one row each; default: naive and "
+                        "sdpa for the default models, else each model's own)")
+    p.add_argument("--convention", default=None, choices=convention_names(),
+                   help="which tensors are kept (default: paper; pytorch adds the peak of a training step)")
+    p.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS), help="default: adamw")
+    p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="default: fp32")
+    p.add_argument("--checkpoint", default=None, metavar="|".join(CHECKPOINTS),
+                   help="activation checkpointing of the repeated layers (default: none)")
+    p.add_argument("--loss", default=None, choices=["cross-entropy"], help="append a loss after each model")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                   help="pytorch convention: the device whose kernels decide what is kept")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="give a symbol a value in every model that has it, e.g. --set B=16 (repeatable)")
+    p.add_argument("--budget", default=None, metavar="SIZE", help="budget of the scaling figure (default: 80GiB)")
     p.add_argument("--no-pdf", action="store_true", help="write the .tex files only")
     p.add_argument("--force", action="store_true", help="overwrite an existing main.tex in DIR")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..paper import write
+    from ..paper import Spec, write
+    from .common import parse_assignment
 
-    p = write(args.output, compile=not args.no_pdf, force=args.force)
+    values = dict(parse_assignment(s) for s in args.set)
+    spec = Spec.make(args.model, args.attention, convention=args.convention, optimizer=args.optimizer,
+                     precision=args.precision, checkpoint=args.checkpoint, loss=args.loss, device=args.device,
+                     values=values or None, budget=args.budget)
+    p = write(args.output, spec, compile=not args.no_pdf, force=args.force)
     print(p.pdf if p.pdf is not None else p.tex)
     if p.note and p.pdf is None:
         print(f"note: {p.note}")

@@ -41,8 +41,8 @@ LAYER_KINDS = frozenset({"conv2d", "linear", "maxpool2d", "avgpool2d", "batchnor
 class CS231n(Convention):
     name: str = "cs231n"
     description: str = (
-        "CS231n (Karpathy): every layer's output volume (CONV/RELU, POOL, FC) plus the input, counted once "
-        "each; x2 for the backward pass as its own term")
+        "The CS231n memory rule (Karpathy's course notes): every layer's output volume (CONV/RELU, POOL, FC) "
+        "plus the input, counted once each; x2 for the backward pass as its own term")
     dedup: bool = False
     options: Mapping[str, Any] = None  # type: ignore[assignment]
 

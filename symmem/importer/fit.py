@@ -84,7 +84,7 @@ def concrete(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
              device: str, real: bool, fitted: tuple[str, ...], multiple_of: dict[str, int]) -> Any:
     """One forward with the ``fitted`` sizes concrete (the others symbolic): fake tensors, or real ones
     (everything concrete) when fake tensors cannot run the module."""
-    from .trace import Run, fake_run, real_run, to_storages
+    from .runs import Run, fake_run, real_run, to_storages
 
     symbolic = len(fitted) < len(values)
     try:
@@ -123,7 +123,7 @@ def fit_trace(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     """A :class:`~symmem.importer.trace.Run` whose formulas are polynomials fitted in the ``fitted`` symbols
     (all by default); the other symbols stay symbolic in every trace of the grid.  ``seed``: runs already
     made, by point (the symbolic traces that specialized are such runs)."""
-    from .trace import Run
+    from .runs import Run
 
     names = list(fitted or inputs.examples)
     base = inputs.examples

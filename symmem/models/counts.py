@@ -1,8 +1,9 @@
 """A model given only by its counts: ``Nact`` activation values per sample, ``Psi`` parameters, an input image.
 
-For questions asked in counts (seed 001: "532,752 activations and 19,072,984 parameters") and for the ZeRO
-paper's model of Psi parameters.  The graph is an input image (B, C, Hi, Wi), one tensor of ``Nact`` values per
-sample standing for every layer output (role ``activations``) and one parameter tensor of ``Psi`` elements.
+For questions asked in counts (a Q&A about CS231n estimates: "532,752 activations and 19,072,984
+parameters") and for the ZeRO paper's model of Psi parameters.  The graph is an input image (B, C, Hi, Wi),
+one tensor of ``Nact`` values per sample standing for every layer output (role ``activations``) and one
+parameter tensor of ``Psi`` elements.
 
 >>> from symmem import derive
 >>> d = derive("counts", optimizer="adam", free=("Psi",))

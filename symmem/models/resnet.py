@@ -1,7 +1,8 @@
 """ResNets as torchvision builds them (``resnet18`` ... ``resnet152``), and ``resnet50-v1``.
 
-torchvision's Bottleneck puts the stride on the 3x3 conv ("ResNet v1.5"); the original paper and the seed
-paper's stage accounting put it on the first 1x1 conv of each stage's first block (``resnet50-v1``).
+torchvision's Bottleneck puts the stride on the 3x3 conv ("ResNet v1.5"); the original paper and the stage
+accounting of the FP32 analysis of ResNet-50 and ViT-B/16 (Bandyopadhyay, 2024) put it on the first 1x1 conv of
+each stage's first block (``resnet50-v1``).
 Identical blocks after the first of each stage are one repeated block.
 
 Roles: ``stem`` (conv1 output), ``stem_pool`` (max-pool output), ``main_path`` (the convs of a block),
@@ -81,7 +82,8 @@ def build_resnet(name: str, depth: int, v1: bool = False, num_classes: int = 100
         x = g.op("adaptive_avgpool2d", x, name="avgpool", output_size=1)
         x = g.op("flatten", x, name="flatten", start_dim=1)
         x = g.op("linear", x, name="fc", out_features=K)
-    desc = (f"ResNet-{depth}{' v1 (stride on the first 1x1, as in the original paper and the seed)' if v1 else ''}"
+    v1_note = " v1 (stride on the first 1x1, as in the original paper and the FP32 analysis)"
+    desc = (f"ResNet-{depth}{v1_note if v1 else ''}"
             f" as torchvision builds it, {num_classes} classes")
     return Model(name, g.finish(), {B: 64, C: 3, Hi: 224, Wi: 224, K: num_classes}, (B,), desc,
                  options={"depth": depth, "v1": v1})
@@ -91,4 +93,5 @@ for _depth in _LAYOUTS:
     register(f"resnet{_depth}", build_resnet, f"ResNet-{_depth} (torchvision, stride on the 3x3)",
              depth=_depth)
 register("resnet50-v1", build_resnet,
-         "ResNet-50 v1: stride on the first 1x1 of each stage (the seed paper's geometry)", depth=50, v1=True)
+         "ResNet-50 v1: stride on the first 1x1 of each stage (the geometry of the FP32 analysis of ResNet-50 "
+         "and ViT-B/16, Bandyopadhyay 2024)", depth=50, v1=True)

@@ -19,6 +19,7 @@ from ..symbols import B, C, F, H, Hi, K, L, S, Wi, h
 from . import Option, register
 from .transformer import prenorm_layer
 
+_TITLES = {"ti": "Ti", "s": "S", "b": "B", "l": "L"}  # ViT-Ti/16, ViT-S/16 ...
 _SIZES = {"ti": (192, 3, 12), "s": (384, 6, 12), "b": (768, 12, 12), "l": (1024, 16, 24)}
 _OPTIONS = {
     "attention": Option("sdpa", ("naive", "sdpa"),
@@ -52,11 +53,11 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
         g.op("linear", x, name="head", out_features=K)
     grid = sympy.floor(Hi / patch) * sympy.floor(Wi / patch)
     defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: grid + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
-    desc = (f"ViT-{size.upper()}/{patch} (timm VisionTransformer, class token; {attention} attention): "
+    desc = (f"ViT-{_TITLES[size]}/{patch} (timm VisionTransformer, class token; {attention} attention): "
             f"H={hidden}, h={heads}, L={layers}")
     return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="blocks",
                  options={"attention": attention, "dropout": dropout, "patch": patch})
 
 
 for _size in _SIZES:
-    register(f"vit-{_size}16", build_vit, f"ViT-{_size.upper()}/16 (timm; DeiT shares it)", _OPTIONS, size=_size)
+    register(f"vit-{_size}16", build_vit, f"ViT-{_TITLES[_size]}/16 (timm; DeiT shares it)", _OPTIONS, size=_size)

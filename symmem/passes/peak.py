@@ -108,33 +108,28 @@ def layout(regime: Regime) -> tuple[int, int, int]:
     return period, edge, base
 
 
-def _counts(tl: Timeline) -> list[tuple[Counter, ...] | None]:
-    """For each event, the live storages as one Counter of byte sizes per category -- only where the next
+def _counts(tl: Timeline) -> list[Counter | None]:
+    """For each event, the live storages as one Counter of (category index, byte size) -- only where the next
     moment could be smaller (the event frees something, or is the last); None elsewhere, since without a free
     the next moment holds all this one does."""
-    live = [Counter() for _ in CATEGORIES]
     index = {c: i for i, c in enumerate(CATEGORIES)}
     where = [(index[s.category], s.nbytes) for s in tl.storages]
-    for i in tl.start:
-        c, e = where[i]
-        live[c][e] += 1
-    out: list[tuple[Counter, ...] | None] = []
+    live: Counter = Counter(where[i] for i in tl.start)
+    out: list[Counter | None] = []
     last = len(tl.events) - 1
     for k, e in enumerate(tl.events):
         for i in e.born:
-            c, x = where[i]
-            live[c][x] += 1
-        out.append(tuple(Counter(+x) for x in live) if (e.freed or k == last) else None)
+            live[where[i]] += 1
+        out.append(+live if (e.freed or k == last) else None)
         for i in e.freed:
-            c, x = where[i]
-            live[c][x] -= 1
+            live[where[i]] -= 1
     return out
 
 
 def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
-           ) -> dict[tuple[Any, ...], tuple[Counter, ...] | None]:
+           ) -> dict[tuple[Any, ...], Counter | None]:
     """Each event's key (phase, template node, layer label, occurrence) and its live storages (:func:`_counts`)."""
-    out: dict[tuple[Any, ...], tuple[Counter, ...] | None] = {}
+    out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
     for e, live in zip(tl.events, _counts(tl), strict=True):
         node = e.node
@@ -155,17 +150,18 @@ class _Candidate:
 
     key: tuple[Any, ...]
     step: str
-    parts: tuple[dict[sympy.Expr, tuple[int, tuple[int, ...]]], ...]
+    #: (category index, byte size) -> (count at the base layer counts, change per step of each symbolic count)
+    parts: dict[tuple[int, sympy.Expr], tuple[int, tuple[int, ...]]]
 
     def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr], base: int = BASE,
              period: int = 1) -> dict[str, sympy.Expr]:
+        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
+        for (c, size), (n0, ds) in self.parts.items():
+            n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
+            terms[c].append(size * n)
         out = {}
-        for c, part in zip(CATEGORIES, self.parts, strict=True):
-            terms = []
-            for size, (n0, ds) in part.items():
-                n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
-                terms.append(size * n)
-            out[c] = sympy.expand(sympy.Add(*terms).xreplace(dict(subs)))
+        for i, c in enumerate(CATEGORIES):
+            out[c] = sympy.expand(sympy.Add(*terms[i]).xreplace(dict(subs)))
         return out
 
 
@@ -198,7 +194,7 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
     if period > 1:
         domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
-    per_branch: list[tuple[list[Moment], list[Moment]]] = []
+    groups: list[tuple[list[_Candidate], list[_Candidate]]] = []
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
@@ -215,16 +211,21 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
                 if live is None:
                     continue
                 others = [runs[(n,)][first].get(key) for n in names]
-                parts = []
-                for c in range(len(CATEGORIES)):
-                    sizes = set(live[c]).union(*(set(o[c]) for o in others if o is not None))
-                    parts.append({x: (live[c][x], tuple((o[c][x] if o is not None else live[c][x]) - live[c][x]
-                                                        for o in others)) for x in sizes})
-                cands.append(_Candidate(key, "first" if first else "steady", tuple(parts)))
-            kept = _prune_all(cands, syms, subs, numbers, base, period)
-            found.append([Moment(k.key[0], k.key[1], k.key[2], k.step, k.live(syms, subs, base, period))
-                          for k in kept])
-        per_branch.append((found[0], found[1]))
+                sizes = set(live).union(*(set(o) for o in others if o is not None))
+                parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
+                         for x in sizes}
+                cands.append(_Candidate(key, "first" if first else "steady", parts))
+            found.append(cands)
+        groups.append((found[0], found[1]))
+    # one algebra for every group: the sizes repeat across branches and steps
+    alg = _Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
+                   subs, syms, base, period)
+    memo: dict = {}
+    per_branch: list[tuple[list[Moment], list[Moment]]] = []
+    for group in groups:
+        kept = [_prune_all(cands, alg, numbers, memo) for cands in group]
+        per_branch.append(tuple([Moment(k.key[0], k.key[1], k.key[2], k.step, alg.live(k))
+                                 for k in ks] for ks in kept))
     exprs = [(_max(steady), _max(first)) for steady, first in per_branch]
     if len(per_branch) == 1 or merge is None:
         expr_steady, expr_first = exprs[0]
@@ -265,8 +266,21 @@ class _Algebra:
         self.shifted = {b for t in terms.values() for mono in t for b, _ in mono
                         if isinstance(b, sympy.Symbol) and b not in bad}
         self.rep = {e: self._shift(t) for e, t in terms.items()}
+        # positive scaling keeps every comparison: integer coefficients are faster than Fractions
+        self.scale = math.lcm(*(c.denominator for t in self.rep.values() for c in t.values()
+                                if isinstance(c, Fraction)))
         self.exprs = exprs
+        self.monomials: list[tuple] = []  # id -> monomial; totals are keyed by id (hashing sympy tuples is slow)
+        self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
+        self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
+
+    def _id(self, mono: tuple) -> int:
+        found = self._ids.get(mono)
+        if found is None:
+            found = self._ids[mono] = len(self.monomials)
+            self.monomials.append(mono)
+        return found
 
     @staticmethod
     def _terms(e: sympy.Expr) -> dict[tuple, Fraction]:
@@ -296,56 +310,75 @@ class _Algebra:
                 out[key] += c * n
         return {k: v for k, v in out.items() if v}
 
-    def _keys(self, size: sympy.Expr) -> tuple[list[tuple[tuple, Any]], list[list[tuple[tuple, Any]]]]:
-        """The size's terms, and for each count symbol the same terms times that count's L' (cached)."""
+    def _keys(self, size: sympy.Expr) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]]]:
+        """The size's terms (monomial id, scaled integer coefficient), and for each count symbol the same terms
+        times that count's L' (cached)."""
         found = self._memo.get(size)
         if found is None:
-            items = list(self.rep[size].items())
-            per: list[list[tuple[tuple, Any]]] = []
+            items = [(mono, int(c * self.scale)) for mono, c in self.rep[size].items()]
+            per: list[list[tuple[int, int]]] = []
             for s, lp in zip(self.counts, self.prime, strict=True):
                 known = self.subs.get(s)
-                if known is not None and not isinstance(known, sympy.Basic | type(None)) or (
-                        isinstance(known, sympy.Basic) and known.is_number):
+                if known is not None and sympy.sympify(known).is_number:
                     steps = (int(known) - self.base) // self.period  # a stack of known length
-                    per.append([(mono, c * steps) for mono, c in items])
+                    per.append([(self._id(mono), c * steps) for mono, c in items])
                 else:
-                    per.append([(tuple(sorted(mono + ((lp, 1),), key=_key)), c) for mono, c in items])
-            found = (items, per)
+                    per.append([(self._id(tuple(sorted(mono + ((lp, 1),), key=_key))), c) for mono, c in items])
+            found = ([(self._id(mono), c) for mono, c in items], per)
             self._memo[size] = found
         return found
 
-    def total(self, cand: _Candidate) -> dict[tuple, Any]:
-        """The candidate's bytes, shifted (a polynomial in x' and L')."""
-        out: dict[tuple, Any] = defaultdict(int)
-        for part in cand.parts:
-            for size, (n0, ds) in part.items():
-                items, per = self._keys(size)
-                if n0:
-                    for mono, c in items:
-                        out[mono] += c * n0
-                for d, terms in zip(ds, per, strict=True):
-                    if d:
-                        for mono, c in terms:
-                            out[mono] += c * d
+    def live(self, cand: _Candidate) -> dict[str, sympy.Expr]:
+        """The candidate's live bytes per category, expanded (the same as :meth:`_Candidate.live`, from the
+        expanded sizes: a number times an expanded sum distributes without calling ``expand``)."""
+        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
+        for (c, size), (n0, ds) in cand.parts.items():
+            e = self.exprs[size]
+            const = n0 - sympy.Rational(sum(ds) * self.base, self.period)
+            if const:
+                terms[c].append(const * e)
+            for d, s in zip(ds, self.counts, strict=True):
+                if d:
+                    terms[c].append(sympy.Rational(d, self.period) * self._times(s, size))
+        return {cat: sympy.Add(*terms[i]) for i, cat in enumerate(CATEGORIES)}
+
+    def _times(self, count: sympy.Symbol, size: sympy.Expr) -> sympy.Expr:
+        key = (count, size)
+        found = self._products.get(key)
+        if found is None:
+            found = self._products[key] = sympy.expand(count.xreplace(self.subs) * self.exprs[size])
+        return found
+
+    def total(self, cand: _Candidate) -> dict[int, int]:
+        """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id."""
+        out: dict[int, int] = defaultdict(int)
+        for (_, size), (n0, ds) in cand.parts.items():
+            items, per = self._keys(size)
+            if n0:
+                for mono, c in items:
+                    out[mono] += c * n0
+            for d, terms in zip(ds, per, strict=True):
+                if d:
+                    for mono, c in terms:
+                        out[mono] += c * d
         return {k: v for k, v in out.items() if v}
 
     def value(self, cand: _Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
-        total = Fraction(0)
-        for part in cand.parts:
-            for size, (n0, ds) in part.items():
-                if size not in memo:
-                    v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}),
-                                     strict=True)
-                    memo[size] = Fraction(int(v.p), int(v.q)) if v.is_Rational else None
-                if memo[size] is None:
-                    return None
-                n = n0 + sum(d * ((int(numbers.get(s, self.base)) - self.base) // self.period)
-                             for d, s in zip(ds, self.counts, strict=True))
-                total += n * memo[size]
+        steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
+        total: Any = 0
+        for (_, size), (n0, ds) in cand.parts.items():
+            if size not in memo:
+                v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}),
+                                  strict=True)
+                memo[size] = (int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))) if v.is_Rational else None
+            if memo[size] is None:
+                return None
+            n = n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
+            total += n * memo[size]
         return total
 
 
-def _at_least(a: Mapping[tuple, Fraction], b: Mapping[tuple, Fraction]) -> bool:
+def _at_least(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
     """``a >= b`` on the domain: every coefficient of ``a - b`` (shifted) is >= 0."""
     for k, v in b.items():
         if a.get(k, 0) < v:
@@ -353,24 +386,22 @@ def _at_least(a: Mapping[tuple, Fraction], b: Mapping[tuple, Fraction]) -> bool:
     return True
 
 
-def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr],
-               numbers: Mapping[sympy.Symbol, int] | None, base: int = BASE, period: int = 1) -> list[_Candidate]:
+def _prune_all(cands: list[_Candidate], alg: _Algebra, numbers: Mapping[sympy.Symbol, int] | None,
+               memo: dict) -> list[_Candidate]:
     """The candidates no other provably exceeds, largest first at ``numbers``: one that holds every storage
     of another exceeds it; so does one whose bytes minus the other's have no negative coefficient on the
     domain (:class:`_Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
-    sizes = list(dict.fromkeys(x for c in cands for part in c.parts for x in part))
-    alg = _Algebra(sizes, subs, syms, base, period)
     if numbers:
-        memo: dict = {}
         values = {c.key: alg.value(c, numbers, memo) for c in cands}
         if all(v is not None for v in values.values()):
             cands = sorted(cands, key=lambda c: -values[c.key])
     totals = {c.key: alg.total(c) for c in cands}
-    bases = {b for t in totals.values() for mono in t for b, _ in mono}
+    used = set().union(*totals.values())
+    bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:
-        return _envelope(cands, totals)
+        return _envelope(cands, {k: {alg.monomials[i]: v for i, v in t.items()} for k, t in totals.items()})
     survivors: list[_Candidate] = []
     for c in cands:
         if not any(_at_least(totals[k.key], totals[c.key]) for k in survivors):
@@ -378,7 +409,7 @@ def _prune_all(cands: list[_Candidate], syms: Sequence[sympy.Symbol], subs: Mapp
     return survivors
 
 
-def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, Fraction]]) -> list[_Candidate]:
+def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, int]]) -> list[_Candidate]:
     """With at most one symbol x (shifted: x' = x - 1 >= 0) and lines a x' + c, the lines on the upper envelope
     over the integers x' >= 0 (each kept once: the first of equal lines)."""
     lines: dict[tuple[Fraction, Fraction], _Candidate] = {}
@@ -414,6 +445,33 @@ def _max(moments: list[Moment]) -> sympy.Expr:
     return sympy.Max(*exprs, evaluate=False)
 
 
+def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+              subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
+              branches: Sequence[Branch | None], first: bool, block: int = 512) -> int:
+    """The peak at ``numbers`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
+    rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces)."""
+    tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
+    values = {s: sympy.sympify(e).xreplace(full) for s, e in subs.items()}
+    return max(tl.totals_at({**values, **full}, block), default=0)
+
+
+def _written_out(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+                 subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
+                 branches: Sequence[Branch | None], first: bool) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
+    """The step at ``numbers`` with every repeated block written out, in the branch ``numbers`` select."""
+    full = {s: sympy.Integer(v) for s, v in numbers.items()}
+    counts = {}
+    for name, b in graph.blocks.items():
+        count = b.count.xreplace(dict(subs)).xreplace(full)
+        if not count.is_number:
+            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
+        counts[name] = int(count)
+    chosen = next((b for b in branches if b is None or all(
+        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
+    g = unroll(graph, counts) if graph.blocks else graph
+    return simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits), full
+
+
 def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
              subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
              branches: Sequence[Branch | None], first: bool) -> list[tuple[str, str | None, dict[str, int]]]:
@@ -422,18 +480,7 @@ def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     Repeated blocks are written out their full number of times; the branch (a size-dependent copy) is the one
     ``numbers`` select.
     """
-    full = {s: sympy.Integer(v) for s, v in numbers.items()}
-    counts = {}
-    for name, b in graph.blocks.items():
-        count = b.count.xreplace(dict(subs)).xreplace(full)
-        if not count.is_number:
-            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
-        counts[name] = int(count)
-    # the branch whose conditions hold at these numbers
-    chosen = next((b for b in branches if b is None or all(
-        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
-    g = unroll(graph, counts) if graph.blocks else graph
-    tl = simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits)
+    tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
     out = []
     for e, live in zip(tl.events, tl.live(), strict=True):
         values = {}

@@ -97,6 +97,23 @@ class Timeline:
                 add(i, -1)
         return out
 
+    def totals_at(self, numbers: Mapping[sympy.Symbol, Any], block: int = 1) -> list[int]:
+        """Live bytes after each event's allocations at ``numbers``, each storage rounded up to a multiple of
+        ``block`` bytes (512: what CUDA's caching allocator hands out, so what ``max_memory_allocated``
+        sees)."""
+        sizes = []
+        for st in self.storages:
+            v = sympy.sympify(st.nbytes.xreplace(dict(numbers)))
+            n = int(v) if v.is_number else 0
+            sizes.append(-(-n // block) * block if n else 0)
+        live = sum(sizes[i] for i in self.start)
+        out = []
+        for e in self.events:
+            live += sum(sizes[i] for i in e.born)
+            out.append(live)
+            live -= sum(sizes[i] for i in e.freed)
+        return out
+
     def alive_after(self, index: int) -> list[Live]:
         """The storages alive after event ``index``'s allocations."""
         alive = set(self.start)

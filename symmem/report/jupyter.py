@@ -14,37 +14,26 @@ from __future__ import annotations
 import html as _html
 from typing import TYPE_CHECKING, Any
 
-from ..units import UNITS, format_bytes
+from ..units import format_bytes
 from .latex import expression, lines, rows
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
 
 
-def _value(d: Derivation, expr: Any) -> int | None:
-    from ..errors import SymmemError
-
-    try:
-        return d.evaluate(expr)
-    except SymmemError:
-        return None
-
-
 def _size(n: int | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / UNITS['GiB']:.3f} GiB" if n >= UNITS["GiB"] else f"{n / UNITS['MiB']:.2f} MiB"
+    return "?" if n is None else format_bytes(n)
 
 
 def title(d: Derivation) -> str:
-    scope = f", one layer ({d.layer})" if d.per_layer else ""
-    return f"{d.model} \u2014 convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}"
+    """``ViT-B/16 (vit-b16) — FP32 analysis (paper convention), FP32 + AdamW`` (:meth:`Derivation.title`)."""
+    return d.title()
 
 
 def latex(d: Derivation) -> str:
     """The total as one displayed equation, its value beside it: factored around its leading term, the
     parameter side in :math:`\\Psi` (the parameter count, defined below it) as ``align`` prints it."""
-    total = _value(d, d.total)
+    total = d.try_evaluate(d.total)
     value = "" if total is None else rf"\quad (\text{{{format_bytes(total)}}})"
     table = rows(d)
     line = rf"M &= {table[-1].tex}\ \text{{bytes}}{value}"
@@ -65,13 +54,13 @@ def html(d: Derivation) -> str:
     for t in d.terms:
         out.append(f"<tr><td>{esc(t.group)}</td><td><code>{esc(t.name)}</code></td><td>{esc(t.role or '')}</td>"
                    f"<td>${esc(expression(t.expr))}$</td>"
-                   f"<td style='text-align:right'>{_size(_value(d, t.expr))}</td></tr>")
+                   f"<td style='text-align:right'>{_size(d.try_evaluate(t.expr))}</td></tr>")
     out.append("</tbody><tbody>")
     totals = lines(d)[len(d.terms):]
     for name, e in totals:
         out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(name)}</th>"
-                   f"<td>${esc(expression(e))}$</td><th style='text-align:right'>{_size(_value(d, e))}</th></tr>")
-    params = _value(d, d.parameters)
+                   f"<td>${esc(expression(e))}$</td><th style='text-align:right'>{_size(d.try_evaluate(e))}</th></tr>")
+    params = d.try_evaluate(d.parameters)
     out.append(f"<tr><td colspan='3'>parameters (count)</td><td>${esc(expression(d.parameters))}$</td>"
                f"<td style='text-align:right'>{'?' if params is None else f'{params:,}'}</td></tr>")
     out.append("</tbody></table></div>")

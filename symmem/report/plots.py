@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
+from .. import names
 from ..errors import SymmemError
 from ..files import output_path, write_atomically
 from ..units import UNITS, parse_size
@@ -60,16 +61,68 @@ def save(fig: Any, output: str | Path | None) -> None:
 
 
 def _label(d: Derivation, sep: str = "\n") -> str:
+    """``ViT-B/16 (naive)`` + ``sep`` + the convention's short name (``PyTorch autograd``)."""
     attention = d.options.get("attention")
-    return f"{d.model}" + (f" ({attention})" if attention else "") + f"{sep}{d.convention}"
+    return (f"{names.model(d.model)}" + (f" ({attention})" if attention else "")
+            + f"{sep}{names.convention(d.convention)}")
 
 
-def segments(d: Derivation) -> list[tuple[str, int]]:
+def _regime(d: Derivation) -> str:
+    return names.regime(d.regime.precision, d.regime.optimizer)
+
+
+#: The parts of a transformer layer, in the order they are stacked, and the roles that belong to each.
+PARTS: tuple[str, ...] = ("residual stream", "norms", "attention", "MLP", "other")
+_PART_OF_ROLE = {
+    "residual": "residual stream",
+    "attn_input": "norms", "mlp_input": "norms", "norm_stats": "norms",
+    **dict.fromkeys(("qkv", "attn_scores", "attn_probs", "attn_dropout", "attention", "proj_input",
+                     "attn_dropout_mask", "attn_lse", "rng_state", "matmul_copy"), "attention"),
+    **dict.fromkeys(("mlp_hidden", "mlp_act", "mlp_gate_act"), "MLP"),
+}
+# For a tensor without one of those roles, words of its name (module path), tried in this order.
+_PART_WORDS = (("norms", ("norm", "ln_")),
+               ("attention", ("attn", "attention", "rope", "scores", "softmax", "sdpa", "qkv", "proj", "repeat")),
+               ("MLP", ("mlp", "fc", "intermediate", "gelu", "act", "output", "drop")),
+               ("residual stream", ("add", "input")))
+
+
+def part(name: str, role: str | None) -> str:
+    """Which part of a transformer layer a kept tensor belongs to: ``residual stream``, ``norms``,
+    ``attention``, ``MLP`` or ``other`` -- by its role, else by the words of its name.
+
+    >>> part("blocks.softmax", "attn_probs"), part("h.mlp.gelu.tanh", None), part("layers.add2", None)
+    ('attention', 'MLP', 'residual stream')
+    """
+    if role in _PART_OF_ROLE:
+        return _PART_OF_ROLE[role]
+    words = [w.lower() for w in name.split(".")[1:]] or [name.lower()]
+    for found, keys in _PART_WORDS:
+        if any(k in w for w in words for k in keys):
+            return found
+    return "other"
+
+
+def segments(d: Derivation, parts: bool = True) -> list[tuple[str, int]]:
     """(label, bytes) stacked in a breakdown bar: activations per group, inputs, then the parameter side
-    per component (weights, gradients, optimizer states)."""
+    per component (weights, gradients, optimizer states).  With ``parts``, a group of repeated transformer
+    layers is split into its parts (:func:`part`: residual stream, norms, attention, MLP), labelled
+    ``layer: attention`` ...; a group whose tensors are not a transformer layer's stays whole."""
     out: list[tuple[str, int]] = []
     for group in d.groups():
-        expr = sympy.Add(*(t.expr for t in d.terms if t.group == group and t.category != "parameter"))
+        terms = [t for t in d.terms if t.group == group and t.category != "parameter"]
+        split: dict[str, list[Any]] = {}
+        for t in terms:
+            split.setdefault(part(t.name, t.role), []).append(t.expr)
+        repeated = d.per_layer or any(t.count != 1 for t in terms)
+        if parts and repeated and len(set(split) - {"other"}) >= 2:
+            for p in PARTS:
+                if p in split:
+                    value = d.evaluate(sympy.Add(*split[p]))
+                    if value:
+                        out.append((f"{group}: {p}", value))
+            continue
+        expr = sympy.Add(*(t.expr for t in terms))
         if expr != 0:
             out.append((group, d.evaluate(expr)))
     for t in d.terms:
@@ -79,22 +132,26 @@ def segments(d: Derivation) -> list[tuple[str, int]]:
 
 
 def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = None,
-              output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """One stacked bar per derivation (model x convention), segments as in :func:`segments`."""
+              output: str | Path | None = None, unit: str = "GiB", parts: bool = True) -> Any:
+    """One stacked bar per derivation (model x convention), segments as in :func:`segments` (``parts``: a
+    transformer layer split into residual stream, norms, attention and MLP)."""
     plt = _plt()
     scale = UNITS[unit]
     labels = list(labels) if labels is not None else [_label(d) for d in derivations]
-    parts = [segments(d) for d in derivations]
+    stacks = [segments(d, parts) for d in derivations]
     side = {t.name for d in derivations for t in d.terms if t.category == "parameter"}
-    names: list[str] = []
-    for p in parts:  # activation groups first, the parameter side last, in the legend as in the bars
-        names += [n for n, _ in p if n not in names and n not in side]
-    for p in parts:
-        names += [n for n, _ in p if n not in names]
+    order: list[str] = []
+    for p in stacks:  # activation groups first, the parameter side last, in the legend as in the bars
+        order += [n for n, _ in p if n not in order and n not in side]
+    groups = list(dict.fromkeys(n.split(": ")[0] for n in order))  # a layer's parts stacked as in PARTS
+    order.sort(key=lambda n: (groups.index(n.split(": ")[0]),
+                              PARTS.index(n.split(": ")[1]) if ": " in n and n.split(": ")[1] in PARTS else -1))
+    for p in stacks:
+        order += [n for n, _ in p if n not in order]
     cmap = plt.get_cmap("tab20")
-    colors = {n: cmap(i % 20) for i, n in enumerate(names)}
+    colors = {n: cmap(i % 20) for i, n in enumerate(order)}
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(derivations) + 2.5), 4.5))
-    for i, p in enumerate(parts):
+    for i, p in enumerate(stacks):
         bottom = 0.0
         for name, value in p:
             ax.bar(i, value / scale, bottom=bottom, color=colors[name], edgecolor="white", linewidth=0.5,
@@ -102,16 +159,21 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
             bottom += value / scale
         ax.text(i, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=9)
     found = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=False))
-    ordered = [n for n in reversed(names) if n in found]  # top of the stack first, as the bars read
+    ordered = [n for n in reversed(order) if n in found]  # top of the stack first, as the bars read
     ax.legend([found[n] for n in ordered], ordered, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               frameon=False)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set_ylabel(f"training memory ({unit})")
-    ax.set_title(f"{derivations[0].regime.precision.upper()} + {derivations[0].regime.optimizer} breakdown")
+    ax.set_title(f"{_regime(derivations[0])}: training memory by part")
     ax.margins(y=0.1)
     fig.tight_layout()
     save(fig, output)
     return fig
+
+
+def _axis(name: str) -> str:
+    what = {"B": "batch size", "S": "sequence length"}.get(name)
+    return f"{name} ({what})" if what else name
 
 
 def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sympy.Expr]:
@@ -171,9 +233,9 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     if nothing is not None:
         ax.text(0.5, 0.5, f"nothing fits: {name} = 1 needs more than the budget", transform=ax.transAxes,
                 ha="center", color="crimson")
-    ax.set_xlabel(f"{name} ({'batch size' if name == 'B' else 'sequence length' if name == 'S' else name})")
+    ax.set_xlabel(_axis(name))
     ax.set_ylabel(f"memory ({unit})")
-    ax.set_title(f"{_label(d, ', ')}: memory vs {name}")
+    ax.set_title(f"{_label(d, ', ')}, {_regime(d)}: memory vs {name}")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -233,7 +295,7 @@ def timeline(d: Derivation, step: str = "steady", output: str | Path | None = No
     ax.set_xlabel("ops of one training step")
     ax.set_ylabel(f"live memory ({unit})")
     which = "the first training step" if step == "first" else "a steady training step"
-    ax.set_title(f"{_label(d, ', ')}: live memory over {which}", pad=16)
+    ax.set_title(f"{_label(d, ', ')}, {_regime(d)}: live memory over {which}", pad=16)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     save(fig, output)
@@ -242,35 +304,56 @@ def timeline(d: Derivation, step: str = "steady", output: str | Path | None = No
 
 def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = None, name: str = "B",
             budget: int | str | None = None, values: Sequence[int] | None = None,
-            output: str | Path | None = None, unit: str = "GiB") -> Any:
-    """Totals of several derivations against ``name`` on one axes, the budget line and each largest fit."""
+            output: str | Path | None = None, unit: str = "GiB", fits: Sequence[Any] | None = None) -> Any:
+    """What must fit (the peak where the convention models the step, else the total) of several derivations
+    against ``name`` on one axes, the budget line and each largest fit ("nothing fits" in the legend where
+    ``name`` = 1 is already over the budget).  ``fits``: the :func:`symmem.fit.largest` answers (None where
+    nothing fits) when the caller has them already; their formulas are the curves."""
     import numpy as np
 
-    from ..fit import largest
+    from ..errors import NothingFits
+    from ..fit import default_quantity, largest, polynomial
+
+    def fit_of(d: Derivation) -> Any:
+        try:
+            return largest(d, name, cap)
+        except NothingFits:
+            return None
 
     plt = _plt()
     scale = UNITS[unit]
     labels = list(labels) if labels is not None else [_label(d, ", ") for d in derivations]
     cap = None if budget is None else (parse_size(budget) if isinstance(budget, str) else int(budget))
-    fits = [largest(d, name, cap) if cap is not None else None for d in derivations]
+    if fits is None:
+        fits = [fit_of(d) if cap is not None else None for d in derivations]
+    curves = []
+    for d, fit in zip(derivations, fits, strict=True):
+        if fit is not None:
+            sym = next(s for s in d.numbers if s.name == name)
+            curves.append((sym, fit.formula))
+        else:
+            curves.append(polynomial(d, name))
     if values is None:
-        top = max([int(1.3 * f.max) for f in fits if f is not None] + [2 * d.numbers[_function(d, name)[0]]
-                                                                       for d in derivations] + [8])
+        top = max([int(1.3 * f.max) for f in fits if f is not None]
+                  + [2 * d.numbers[sym] for d, (sym, _) in zip(derivations, curves, strict=True)] + [8])
         values = np.unique(np.linspace(1, top, 200).astype(int))
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
-    for d, label, fit in zip(derivations, labels, fits, strict=True):
-        sym, total, _, _ = _function(d, name)
-        f = _lambdify(sym, total / scale)
-        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label)
+    for (sym, expr), label, fit in zip(curves, labels, fits, strict=True):
+        f = _lambdify(sym, expr / scale)
+        nothing = cap is not None and fit is None and float(expr.subs(sym, 1)) > cap
+        (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label + (" (nothing fits)" if nothing else ""))
         if fit is not None:
             ax.plot([fit.max], [fit.total_at_max / scale], "o", color=line.get_color())
             ax.annotate(f"{fit.max:,}", (fit.max, fit.total_at_max / scale), textcoords="offset points",
                         xytext=(4, -12), color=line.get_color(), fontsize=8)
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
-    ax.set_xlabel(name)
-    ax.set_ylabel(f"training memory ({unit})")
+    quantities = {default_quantity(d) for d in derivations}
+    what = {frozenset({"peak"}): "peak of a training step", frozenset({"total"}): "training memory (total)"}.get(
+        frozenset(quantities), "training memory (peak or total)")
+    ax.set_xlabel(_axis(name))
+    ax.set_ylabel(f"{what} ({unit})")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0, top=None if cap is None else 1.4 * cap / scale)
     ax.grid(alpha=0.3)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -26,10 +27,6 @@ EXTRA_KEYS = ("input", "loss", "transient")
 
 #: the JSON contract's version: 2 added the peak, the full regime and the schema version itself
 SCHEMA_VERSION = 2
-
-
-def _safe_value(d: Derivation, expr: Any) -> int | None:
-    return d.try_evaluate(expr)
 
 
 def peak(d: Derivation) -> dict[str, Any] | None:
@@ -56,8 +53,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
 
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     exprs = {k: d.expression(k) for k in keys}
-    values: dict[str, int | None] = {k: _safe_value(d, e) for k, e in exprs.items()}
-    values["parameters"] = _safe_value(d, d.parameters)
+    values: dict[str, int | None] = {k: d.try_evaluate(e) for k, e in exprs.items()}
+    values["parameters"] = d.try_evaluate(d.parameters)
     step = peak(d)
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -80,10 +77,12 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "breakdown": [
             {"name": t.name, "group": t.group, "category": t.category, "role": t.role, "dtype": t.dtype,
              "count": str(t.count), "expr": str(t.expr), "latex": expression(t.expr),
-             "bytes": _safe_value(d, t.expr)}
+             "bytes": d.try_evaluate(t.expr)}
             for t in d.terms
         ],
     }
+    if d.domain is not sympy.true:
+        out["domain"] = str(d.domain)
     if step is not None:
         out["values"].update(step["values"])
         out["expressions"].update(step["expressions"])
@@ -97,12 +96,12 @@ def parameter_breakdown(d: Derivation) -> list[dict[str, Any]]:
     elementwise: Adafactor's factored statistics, 8-bit block scales), what ZeRO shards it by, its formula,
     its bytes on one device and its bytes per model parameter."""
     nominal = dict(d.regime.components())
-    params = _safe_value(d, d.parameters)
+    params = d.try_evaluate(d.parameters)
     out = []
     for t in d.terms:
         if t.category != "parameter":
             continue
-        b = _safe_value(d, t.expr)
+        b = d.try_evaluate(t.expr)
         out.append({"name": t.name, "class": d.regime.kind_of(t.name), "bytes_per_element": nominal.get(t.name),
                     "sharded_by": "N" if d.regime.shard(t.name) else None, "expr": str(t.expr), "bytes": b,
                     "per_parameter": None if b is None or not params else b / params})
@@ -196,8 +195,7 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     derivation's order.
     """
     width = terminal_width() if width is None else width
-    scope = f" (one layer: {d.layer})" if d.per_layer else ""
-    title = f"{d.model} - convention {d.convention}, {d.regime.precision} + {d.regime.optimizer}{scope}"
+    title = d.title()
     symbols = "symbols: " + ", ".join(f"{s.name}={v}" for s, v in sorted(d.numbers.items(),
                                                                          key=lambda kv: kv[0].name))
     rows: list[tuple[str, sympy.Expr]] = []
@@ -210,24 +208,26 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
                 rows.append((f"  {t.name}" + (f" [{t.role}]" if t.role else ""), t.expr))
     name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
     formula = max(width - name - 14, 20)
-    lines = wrap(title, width) + wrap(symbols, width)
+    lines = textwrap.wrap(title, width) + wrap(symbols, width)
+    if d.domain is not sympy.true:
+        lines += wrap(f"holds where: {d.domain}", width)
     lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
         cells = _cell(str(rounded(expr)), formula, cut)
         if len(label) > name:  # a long name on a line of its own (in pieces if it is wider than the table)
             lines += [label[i:i + width] for i in range(0, len(label), width)]
             label = ""
-        lines.append(f"{label:<{name}} {cells[0]:<{formula}} {_mib(_safe_value(d, expr))}")
+        lines.append(f"{label:<{name}} {cells[0]:<{formula}} {_mib(d.try_evaluate(expr))}")
         lines += [f"{'':<{name}} {c}" for c in cells[1:]]
     lines.append("-" * (name + formula + 14))
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     for key in keys:
         e = d.expression(key)
-        v = _safe_value(d, e)
+        v = d.try_evaluate(e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
         shown = factored(rounded(e)) if key == "activations" else rounded(e)
         lines += _totals(f"{key:<20} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
-    params = _safe_value(d, d.parameters)
+    params = d.try_evaluate(d.parameters)
     lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ",
                      str(rounded(d.parameters)),
                      width, cut)
