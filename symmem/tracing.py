@@ -38,7 +38,7 @@ def _spec(storage: Any) -> TensorSpec:
     if dtype is None:
         raise SymmemError(f"traced storage {storage.name!r} has dtype {storage.dtype!r}, which symmem does not "
                           f"size; known: {', '.join(DTYPE_BYTES)}")
-    shape = tuple(sympy.sympify(d) for d in storage.shape)
+    shape = tuple(sympy.sympify(d, strict=True) for d in storage.shape)
     whole = sympy.expand(sympy.Mul(*shape) - storage.elements) == 0 if shape else storage.elements == 1
     return TensorSpec(shape if whole and shape else (storage.elements,), dtype)
 

@@ -319,7 +319,7 @@ class _Algebra:
             per: list[list[tuple[int, int]]] = []
             for s, lp in zip(self.counts, self.prime, strict=True):
                 known = self.subs.get(s)
-                if known is not None and sympy.sympify(known).is_number:
+                if known is not None and sympy.sympify(known, strict=True).is_number:
                     steps = (int(known) - self.base) // self.period  # a stack of known length
                     per.append([(self._id(mono), c * steps) for mono, c in items])
                 else:
@@ -451,7 +451,7 @@ def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime
     """The peak at ``numbers`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
     rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces)."""
     tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
-    values = {s: sympy.sympify(e).xreplace(full) for s, e in subs.items()}
+    values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
     return max(tl.totals_at({**values, **full}, block), default=0)
 
 

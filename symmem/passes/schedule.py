@@ -103,7 +103,7 @@ class Timeline:
         sees)."""
         sizes = []
         for st in self.storages:
-            v = sympy.sympify(st.nbytes.xreplace(dict(numbers)))
+            v = sympy.sympify(st.nbytes.xreplace(dict(numbers)), strict=True)
             n = int(v) if v.is_number else 0
             sizes.append(-(-n // block) * block if n else 0)
         live = sum(sizes[i] for i in self.start)
