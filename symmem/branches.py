@@ -80,19 +80,27 @@ def reshape_copies(shape: Sequence[Any], broadcast: Iterable[int], new_shape: Se
     run = sympy.Integer(1)
     for d in new:
         run = run * d
-        bounds_new.add(sympy.simplify(run))
+        bounds_new.add(_canonical_size(run))
     copies: list[Boolean] = []
     group: list[int] = []
     run = sympy.Integer(1)
     for i, d in enumerate(old):
         run = run * d
         group.append(i)
-        if sympy.simplify(run) in bounds_new or i == len(old) - 1:
+        if _canonical_size(run) in bounds_new or i == len(old) - 1:
             expanded = sympy.Mul(*(old[j] for j in group if j in stride0))
             other = sympy.Mul(*(old[j] for j in group if j not in stride0))
             copies.append(sympy.And(sympy.Ne(expanded, 1), sympy.Ne(other, 1)))
             group = []
     return sympy.Or(*copies)
+
+
+def _canonical_size(e: sympy.Expr) -> sympy.Expr:
+    """One form per size: a product of dimensions as a cancelled ratio of expanded polynomials.
+
+    (Not ``sympy.simplify``: it imports ``sympy.physics.units``, 0.1-0.25 s, and this runs when a model module
+    is imported.)"""
+    return sympy.cancel(e)
 
 
 def holds(flag: Any, branch: Branch | None) -> bool:

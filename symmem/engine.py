@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import sympy
@@ -27,7 +28,8 @@ from .conventions import Convention
 from .conventions import convention as get_convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import SymmemError
-from .graph import Model, parameter_count
+from .evaluator import Unsupported, interpret
+from .graph import Model, parameter_count, paused_gc
 from .passes import branches, regimes, saved
 from .shapes import fmt, numel
 from .tensor import MAX_SIZE
@@ -186,6 +188,13 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
                free: tuple[str, ...] | None = None) -> Derivation:
     """The core: the storages ``convention`` keeps for ``model`` under ``regime``, with their lifetimes."""
+    with paused_gc():
+        return _derivation(model, convention, regime, values, options=options, per_layer=per_layer, free=free)
+
+
+def _derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
+                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
+                free: tuple[str, ...] | None = None) -> Derivation:
     conv = convention
     conv_options = dict(conv.options)
     for key, v in (options or {}).items():
@@ -224,7 +233,9 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
 
     storages = branches.combine(graph, nodes, open_, decided, run)
     storages += regimes.parameters(graph, nodes, regime, per_layer)
-    storages = [_substituted(s, subs) for s in storages]
+    if subs:
+        done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
+        storages = [_substituted(s, subs, done) for s in storages]
     step = None
     if not per_layer and type(conv).grads is not Convention.grads:
         step = _step(model, conv, conv_options, regime, subs, open_, branches.assignments(open_, decided), numbers)
@@ -266,9 +277,19 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
     return compute
 
 
-def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr]) -> Storage:
-    return s.with_(expr=s.expr.xreplace(subs), count=s.count.xreplace(subs), shards=s.shards.xreplace(subs),
-                   elements=None if s.elements is None else s.elements.xreplace(subs))
+def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict[sympy.Expr, sympy.Expr]
+                 ) -> Storage:
+    def sub(e: sympy.Expr) -> sympy.Expr:
+        found = done.get(e)
+        if found is None:
+            found = done[e] = e.xreplace(subs)
+        return found
+
+    expr, count, shards = sub(s.expr), sub(s.count), sub(s.shards)
+    elements = None if s.elements is None else sub(s.elements)
+    if expr is s.expr and count is s.count and shards is s.shards and elements is s.elements:
+        return s
+    return s.with_(expr=expr, count=count, shards=shards, elements=elements)
 
 
 def _effective(model: Model, values: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, sympy.Expr]:
@@ -340,8 +361,12 @@ def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int],
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(sympy.Eq(lhs, 0))}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
             continue
-        a, b = (sympy.sympify(e.xreplace(subs), strict=True) for e in (lhs, rhs))
-        if a.is_number and b.is_number and a != b:
+        a, b = _number(lhs, numbers), _number(rhs, numbers)
+        if a is None or b is None:
+            a, b = (sympy.sympify(e.xreplace(subs), strict=True) for e in (lhs, rhs))
+            if not (a.is_number and b.is_number):
+                continue
+        if a != b:
             raise SymmemError(f"node {node!r} ({kind}): the shapes need {lhs} = {rhs}, but "
                               f"{_given((lhs, rhs), numbers)} give {a} != {b}; set the symbols consistently")
 
@@ -353,15 +378,19 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
     graph = model.graph
     subs = dict(numbers)
     known = set(numbers)
-    verdicts: dict[sympy.Expr, sympy.Expr | None] = {}
+    verdicts: dict[sympy.Expr, Any] = {}
     elements: dict[sympy.Expr, int] = {}
 
-    def bad(d: sympy.Expr) -> sympy.Expr | None:
+    def bad(d: sympy.Expr) -> Any:
         if d not in verdicts:
-            v = None
+            v: Any = None
             if d.free_symbols <= known:
-                v = sympy.sympify(d.xreplace(subs), strict=True)
-                v = None if v.is_integer and v > 0 else v
+                v = _number(d, numbers)
+                if v is None:
+                    v = sympy.sympify(d.xreplace(subs), strict=True)
+                    v = None if v.is_integer and v > 0 else v
+                elif isinstance(v, int | Fraction) and v == int(v) and v > 0:
+                    v = None
             verdicts[d] = v
         return verdicts[d]
 
@@ -380,7 +409,10 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
                                       f"at {_given((d,), numbers)}, not a positive integer{hint}")
             n = numel(shape)
             if n not in elements:
-                elements[n] = int(sympy.sympify(n.xreplace(subs), strict=True)) if n.free_symbols <= known else 0
+                found = _number(n, numbers) if n.free_symbols <= known else 0
+                if found is None:
+                    found = sympy.sympify(n.xreplace(subs), strict=True)
+                elements[n] = int(found)
             if elements[n] > MAX_SIZE:
                 raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} holds {elements[n]:,} "
                                   f"elements at {_given((n,), numbers) or 'these sizes'}, more than PyTorch allows in "
@@ -389,6 +421,17 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
             raise SymmemError(f"node {name!r} ({node.kind}): its block is repeated {node.count} = "
                               f"{bad(node.count)} times at {_given((node.count,), numbers)}, not a positive number "
                               "of times")
+
+
+def _number(e: sympy.Expr, numbers: Mapping[sympy.Symbol, int]) -> Any:
+    """``e`` at ``numbers``, exactly, without building sympy objects; None when a symbol has no number or ``e``
+    has a part the interpreter does not know (then sympy decides)."""
+    if not e.free_symbols <= numbers.keys():
+        return None
+    try:
+        return interpret(e, numbers)
+    except (Unsupported, ZeroDivisionError, TypeError):
+        return None
 
 
 def _pick_layer(model: Model) -> str:

@@ -1,4 +1,4 @@
-"""The typed graph: :class:`Node` values in a networkx :class:`Graph`, built by :class:`GraphBuilder`.
+"""The typed graph: :class:`Node` values in a :class:`Graph` (networkx's layout), built by :class:`GraphBuilder`.
 
 A node is one op: a frozen :class:`Node` holding its kind, its ordered inputs, its attributes (checked against
 the kind's schema in :mod:`symmem.ops`), its output :class:`~symmem.tensor.TensorSpec`, its parameters (name ->
@@ -22,19 +22,23 @@ and carries its count (``L``, a symbol) instead of being unrolled.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-import networkx as nx
 import sympy
 
 from . import ops, roles
+from .digraph import CycleError, DiGraph, topological_order
 from .errors import SymmemError, node_error
 from .shapes import fmt, numel, same
 from .tensor import TensorSpec
+
+#: ``Node.meta`` key: the input specs GraphBuilder inferred the node's output from (lint need not again).
+INFERRED_FROM = "inferred_from"
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,8 +84,11 @@ class Block:
     source: str
 
 
-class Graph(nx.DiGraph):
-    """A networkx ``DiGraph`` whose nodes hold :class:`Node` values (``graph.node(name)``).
+class Graph(DiGraph):
+    """A directed graph whose nodes hold :class:`Node` values (``graph.node(name)``).
+
+    It has ``networkx.DiGraph``'s layout and API without importing networkx until an attribute symmem does
+    not implement is used (:mod:`symmem.digraph`); ``to_networkx()`` copies it into a real one.
 
     Graph-level facts live in ``graph.graph``: ``blocks`` (name -> :class:`Block`), ``assumptions`` (node, lhs,
     rhs) checked with numbers, and flags a builder sets (``causal_lm``, ``no_loss``).
@@ -146,9 +153,11 @@ class Graph(nx.DiGraph):
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            found = tuple(nx.topological_sort(self))
-        except nx.NetworkXUnfeasible:
-            cycle = nx.find_cycle(self)
+            found = topological_order(self)
+        except CycleError:
+            import networkx as nx
+
+            cycle = nx.find_cycle(self.to_networkx())
             path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
             raise SymmemError(f"the graph has a cycle: {path}") from None
         self.graph["_order"] = (key, found)
@@ -178,6 +187,8 @@ class Graph(nx.DiGraph):
     def copy(self, as_view: bool = False) -> Graph:  # type: ignore[override]
         """A copy with its own nodes (empty ``meta``), blocks and assumptions."""
         if as_view:
+            import networkx as nx
+
             return nx.graphviews.generic_graph_view(self)  # type: ignore[return-value]
         g = Graph()
         g.graph.update({k: v for k, v in self.graph.items() if not k.startswith("_")})
@@ -212,7 +223,11 @@ def parameter_count(graph: Graph, nodes: list[str] | tuple[str, ...] | None = No
     >>> parameter_count(m.graph).xreplace(dict(m.defaults))
     25557032
     """
-    return sympy.Add(*(c * numel(s) for _, _, c, s in parameter_shapes(graph, nodes, per_layer)))
+    # grouped by (count, shape): a graph of many layers has few shapes, and sympy sums k equal terms as k * term
+    groups: dict[tuple[sympy.Expr, tuple[sympy.Expr, ...]], int] = {}
+    for _, _, c, s in parameter_shapes(graph, nodes, per_layer):
+        groups[(c, s)] = groups.get((c, s), 0) + 1
+    return sympy.Add(*(k * c * numel(s) for (c, s), k in groups.items()))
 
 
 class _RepeatHandle:
@@ -300,10 +315,11 @@ class GraphBuilder:
         specs = [self.graph.node(src).out for src in inputs]
         info = _infer(full, kind, specs, attrs)
         block = self._block
-        self.graph.add(Node(
-            full, kind, tuple(inputs), attrs, info.out.with_(role=role), info.params, info.view_of,
-            self._group[-1] if self._group else "model", block.name if block else None,
-            block.count if block else sympy.Integer(1), info.buffers))
+        node = Node(full, kind, tuple(inputs), attrs, info.out.with_(role=role), info.params, info.view_of,
+                    self._group[-1] if self._group else "model", block.name if block else None,
+                    block.count if block else sympy.Integer(1), info.buffers)
+        node.meta[INFERRED_FROM] = tuple(specs)
+        self.graph.add(node)
         for lhs, rhs in info.assumptions:
             self.graph.assumptions.append((full, lhs, rhs))
         return full
@@ -362,8 +378,26 @@ class GraphBuilder:
 
     def finish(self) -> Graph:
         """Check the graph (see :func:`lint`) and return it."""
-        lint(self.graph)
+        with paused_gc():
+            lint(self.graph)
         return self.graph
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cycle collector paused while a graph is checked or derived.
+
+    A large graph is hundreds of thousands of small objects that all stay alive; the collector would scan them
+    again and again (40% of deriving a 30,000-op graph).  Whatever garbage with cycles is made meanwhile is
+    collected once the collector runs again.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _infer(name: str, kind: str, specs: list[TensorSpec], attrs: Mapping[str, Any]) -> ops.OpInfo:
@@ -376,7 +410,9 @@ def _infer(name: str, kind: str, specs: list[TensorSpec], attrs: Mapping[str, An
 def lint(graph: Graph) -> None:
     """Check a graph: acyclic, known op kinds, and shapes that agree on every edge.
 
-    Every node's output is inferred again from its inputs and compared with what the node says it holds.
+    Every node's output is inferred again from its inputs and compared with what the node says it holds,
+    except a node that :class:`GraphBuilder` inferred from the very input specs it has now (``Node`` and
+    ``TensorSpec`` are immutable: a node or an input replaced since is checked again).
 
     >>> g = Graph(); g.add_edge("a", "b"); g.add_edge("b", "a")
     >>> lint(g)
@@ -398,6 +434,9 @@ def lint(graph: Graph) -> None:
             raise node_error(name, node.kind, f"inputs {list(node.inputs)} do not match the graph's edges "
                              f"{sorted(preds)}")
         specs = [graph.node(i).out for i in node.inputs]
+        made = node.meta.get(INFERRED_FROM)
+        if made is not None and len(made) == len(specs) and all(a is b for a, b in zip(made, specs, strict=True)):
+            continue  # GraphBuilder inferred this very node from these very (immutable) inputs
         info = _infer(name, node.kind, specs, node.attrs)
         have = node.out.shape
         if len(have) != len(info.out.shape) or any(
@@ -465,8 +504,11 @@ class Model:
     def symbols(self) -> tuple[sympy.Symbol, ...]:
         """Every symbol the model's shapes, counts or defaults use, in a stable order."""
         found: set[sympy.Symbol] = set(self.defaults)
-        for node in self.graph.nodes_in_order():
-            for d in node.out.shape:
-                found |= d.free_symbols
-            found |= node.count.free_symbols
+        seen: set[sympy.Expr] = set()  # layers repeat their sizes: each size's symbols are collected once
+        for data in self.graph.nodes.values():  # any order: the result is sorted
+            node = data["node"]
+            for d in (*node.out.shape, node.count):
+                if d not in seen:
+                    seen.add(d)
+                    found |= d.free_symbols
         return tuple(sorted(found, key=lambda s: s.name))

@@ -14,7 +14,6 @@ backward is not here: that depends on the convention (see :mod:`symmem.conventio
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +80,11 @@ def kinds() -> tuple[str, ...]:
     return tuple(_RULES)
 
 
+def known(kind: object) -> bool:
+    """Whether ``kind`` is a registered op kind."""
+    return isinstance(kind, str) and kind in _RULES
+
+
 def schema(kind: str) -> Schema:
     """The attributes ``kind`` takes.
 
@@ -103,6 +107,8 @@ def check_attrs(kind: str, attrs: Mapping[str, Any]) -> None:
     _, _, spec = _lookup(kind)
     for key in attrs:
         if key not in spec:
+            import difflib  # only for the error message
+
             close = difflib.get_close_matches(str(key), list(spec), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             takes = ", ".join(sorted(spec)) or "no attributes"
@@ -122,12 +128,47 @@ def check_attrs(kind: str, attrs: Mapping[str, Any]) -> None:
 
 def infer(kind: str, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> OpInfo:
     """Check the attributes and apply the rule for ``kind``; raises OpError (bad attributes or shapes) or
-    SymmemError (unknown kind)."""
+    SymmemError (unknown kind).
+
+    A rule is a pure function of the inputs and the attributes, so results are remembered by (rule, inputs,
+    attributes): a graph repeats the same op on the same shapes many times, and :func:`symmem.graph.lint`
+    re-infers every node it was just built with.
+    """
     fn, arity, _ = _lookup(kind)
+    key = _memo_key(fn, inputs, attrs)
+    if key is not None:
+        found = _MEMO.get(key)
+        if found is not None:
+            return found
     check_attrs(kind, attrs)
     if arity is not None and len(inputs) != arity:
         raise OpError(f"takes {arity} input(s), got {len(inputs)}")
-    return fn(inputs, attrs)
+    info = fn(inputs, attrs)
+    if key is not None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[key] = info
+    return info
+
+
+_MEMO: dict[Any, OpInfo] = {}
+_MEMO_SIZE = 65536
+
+
+def _frozen(value: Any) -> Any:
+    # The type goes into the key: True == 1 == 1.0 == sympy.Integer(1), but their checks differ.
+    if isinstance(value, tuple | list):
+        return (type(value), tuple(_frozen(v) for v in value))
+    return (type(value), value)
+
+
+def _memo_key(fn: Rule, inputs: list[TensorSpec], attrs: Mapping[str, Any]) -> Any:
+    try:
+        key = (fn, tuple(inputs), tuple((k, _frozen(v)) for k, v in attrs.items()))
+        hash(key)
+    except TypeError:  # an unhashable attribute (a dict): not remembered
+        return None
+    return key
 
 
 # -- attribute checks ------------------------------------------------------------------------------------
@@ -292,16 +333,29 @@ def _reduce_dim(t: TensorSpec, d: int) -> int | None:
     return _dim(t, d)
 
 
-def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
+def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str | Callable[[], str]
+              ) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
+    """() when ``a`` = ``b``, the pair as an assumption when undecided; ``what`` (text, or a function making it:
+    printing shapes costs more than comparing them) names the check in the error when they differ."""
     verdict = same(a, b)
     if verdict is False:
-        raise OpError(f"{what}: {a} != {b}")
+        raise OpError(f"{what() if callable(what) else what}: {a} != {b}")
     return () if verdict else ((a, b),)
 
 
 def _window(size: sympy.Expr, k: sympy.Expr, s: sympy.Expr, pad: sympy.Expr, dil: sympy.Expr,
             ceil_mode: bool = False) -> sympy.Expr:
     # PyTorch's output-size formula for conv and pool windows.
+    if size.is_Symbol and not ceil_mode and all(v.is_Integer for v in (k, s, pad, dil)):
+        # An image side (a positive integer symbol) and integer window sizes: the common case of a first layer.
+        # sympy's floor evaluation costs 5-20 ms here; its result is known: floor((x + c)/s) with s | c is
+        # floor(x/s) + c/s (unevaluated floor: sympy cannot decide x/s), and x + c for s = 1.
+        c = int(2 * pad - dil * (k - 1) - 1)
+        step = int(s)
+        if step == 1:
+            return size + (c + 1)
+        if c % step == 0:  # (ceil_mode takes the general path: PyTorch may drop its last window)
+            return sympy.floor(size / s, evaluate=False) + (c // step + 1)
     span = size + 2 * pad - dil * (k - 1) - 1
     out = (sympy.ceiling(span / s) if ceil_mode else sympy.floor(span / s)) + 1
     if ceil_mode:
@@ -496,7 +550,7 @@ def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     shape = as_shape(a["shape"])
-    assumptions = _check_eq(numel(shape), numel(x.shape), f"reshape {fmt(x.shape)} -> {fmt(shape)}")
+    assumptions = _check_eq(numel(shape), numel(x.shape), lambda: f"reshape {fmt(x.shape)} -> {fmt(shape)}")
     # ``copy`` may be a condition on the symbols (symmem.branches): a view in the graph, resolved per branch.
     copy = a.get("copy", False)
     return OpInfo(TensorSpec(shape, x.dtype), view_of=0 if is_condition(copy) or not copy else None,
@@ -635,7 +689,8 @@ def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x, y = ins
     if x.rank < 2 or y.rank < 2:
         raise OpError(f"matmul needs rank >= 2, got {fmt(x.shape)} @ {fmt(y.shape)}")
-    assumptions = _check_eq(x.shape[-1], y.shape[-2], f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
+    assumptions = _check_eq(x.shape[-1], y.shape[-2],
+                            lambda: f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
     batch = broadcast(x.shape[:-2], y.shape[:-2])
     if batch is None:
         raise OpError(f"batch dimensions of {fmt(x.shape)} @ {fmt(y.shape)} do not broadcast")

@@ -13,6 +13,8 @@ the graph records it as an assumption, checked with numbers when numbers come.
 
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 
@@ -20,14 +22,45 @@ def same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
     """True, False, or None when sympy cannot decide."""
     if a == b:
         return True
+    return _same(a, b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
+    # remembered: a graph compares the same sizes again and again (every layer, and lint once more)
     d = sympy.expand(a - b)
     if d == 0:
         return True
-    if d.is_number:
+    if d.is_number or not d.atoms(sympy.Function):
         return False
-    if d.is_positive or d.is_negative or not d.atoms(sympy.Function):
+    if _both_signs(d):
+        return None  # sympy cannot prove a sign it does not have: its answer would be None (and costs 5 ms)
+    if d.is_positive or d.is_negative:
         return False
     return None
+
+
+def _both_signs(d: sympy.Expr) -> bool:
+    """Whether ``d`` is positive at some positive integers and negative at others (found by trying a few: each
+    symbol large with the others small, and small with the others large).  False when not found."""
+    from .evaluator import Unsupported, interpret
+
+    symbols = sorted(d.free_symbols, key=lambda s: s.name)
+    if not all(s.is_integer and s.is_positive for s in symbols):
+        return False
+    probes = [dict.fromkeys(symbols, 1), dict.fromkeys(symbols, 1000)]
+    for s in symbols:
+        probes += [{**dict.fromkeys(symbols, 1), s: 10**6}, {**dict.fromkeys(symbols, 1000), s: 1}]
+    positive = negative = False
+    for values in probes:
+        try:
+            v = interpret(d, values)
+        except (Unsupported, ZeroDivisionError, TypeError):
+            return False
+        positive, negative = positive or v > 0, negative or v < 0
+        if positive and negative:
+            return True
+    return False
 
 
 def broadcast(a: tuple[sympy.Expr, ...], b: tuple[sympy.Expr, ...]) -> tuple[sympy.Expr, ...] | None:

@@ -14,6 +14,8 @@ B*S*(9*H + S*h)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import sympy
 
 
@@ -201,3 +203,22 @@ def common_branches(expr: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     common = sympy.Add(*shared)
     rest = sympy.Piecewise(*[(sympy.expand(e - common), c) for e, c in expr.args])
     return common, rest
+
+
+def max_of(args: Iterable[sympy.Expr]) -> sympy.Expr:
+    """``Max`` of ``args`` unevaluated, in the order given (duplicates dropped).
+
+    sympy's own unevaluated ``Max`` still sorts its arguments canonically, which for long polynomials costs
+    more than the rest of a peak; the peak's moments come largest-first at the default sizes, a deterministic
+    order worth keeping.
+
+    >>> from symmem.symbols import B
+    >>> max_of([2*B + 1, B + 7, 2*B + 1]).args    # printing sorts them as sympy does
+    (2*B + 1, B + 7)
+    """
+    unique = list(dict.fromkeys(sympy.sympify(a, strict=True) for a in args))
+    if len(unique) == 1:
+        return unique[0]
+    obj = sympy.Expr.__new__(sympy.Max, *unique)
+    obj._argset = frozenset(unique)
+    return obj

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import sympy
 
 from .errors import SymmemError
+from .shapes import numel
 
 #: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.
 DTYPE_BYTES: dict[str, int] = {
@@ -94,13 +95,20 @@ class TensorSpec:
 
     @property
     def numel(self) -> sympy.Expr:
-        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+        return numel(self.shape)
 
     def nbytes(self, activation_dtype: str = "float32") -> sympy.Expr:
         return self.numel * dtype_bytes(self.dtype, activation_dtype)
 
     def with_(self, **changes: object) -> TensorSpec:
         """A copy with some fields changed."""
+        if changes.keys() == {"role"} and (changes["role"] is None or isinstance(changes["role"], str)):
+            # only the role: the shape and dtype are checked already (every op's output is made this way)
+            spec = object.__new__(TensorSpec)
+            object.__setattr__(spec, "shape", self.shape)
+            object.__setattr__(spec, "dtype", self.dtype)
+            object.__setattr__(spec, "role", changes["role"])
+            return spec
         fields = {"shape": self.shape, "dtype": self.dtype, "role": self.role}
         fields.update(changes)
         return TensorSpec(**fields)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import sympy
 
 from .errors import SymmemError
+from .shapes import numel
 
 #: What ZeRO shards each component class by: stage 1 the optimizer side (states and FP32 master weights),
 #: stage 2 also the gradients, stage 3 also the weights (Rajbhandari et al. 2020, section 5).
@@ -82,7 +83,7 @@ class Optimizer:
         >>> OPTIMIZERS["adam-8bit"].state_bytes((4096, 4096))
         [('exp_avg', 16777216), ('exp_avg.absmax', 32768), ('exp_avg_sq', 16777216), ('exp_avg_sq.absmax', 32768)]
         """
-        n = sympy.Mul(*shape) if shape else sympy.Integer(1)
+        n = numel(shape)
         if self.factored:
             # Adafactor (Shazeer & Stern 2018; HF transformers' Adafactor, beta1=None): a matrix keeps the
             # row means (shape[:-1]) and column means (shape[:-2] + shape[-1:]) of the squared gradient;
@@ -266,7 +267,7 @@ class Regime:
         """Bytes per component, summed over parameters given as (count, shape) pairs (before ZeRO)."""
         totals: dict[str, list[sympy.Expr]] = {}
         for count, shape in shapes:
-            n = sympy.Mul(*shape) if shape else sympy.Integer(1)
+            n = numel(shape)
             for name, b in self.precision_spec.components:
                 totals.setdefault(name, []).append(count * n * b)
             for name, e in self.optimizer_spec.state_bytes(shape):

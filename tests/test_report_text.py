@@ -161,3 +161,37 @@ def test_wrap_joins_back():
         pieces = wrap(text, width)
         assert all(len(p) <= width for p in pieces)
         assert formula(" ".join(pieces)) == formula(text)
+
+
+@pytest.mark.parametrize("argv, check", [
+    (["--fold", "--width", "80"], lambda d, out: [r[0] for r in read(out)[0]] == list(d.groups())
+     and max(map(len, out.splitlines())) <= 80),
+    (["--cut", "--width", "60"], lambda d, out: "\u2026" in out and max(map(len, out.splitlines())) <= 60),
+    (["--width", "64"], lambda d, out: max(map(len, out.splitlines())) <= 64 and all(
+        same(formula(r[1]), e) for r, (_, e) in zip(read(out)[0], expected(d, False), strict=True))),
+])
+def test_cli_layout_options(capsys, argv, check):
+    """``symmem derive`` exposes the table's width, folding and cutting."""
+    from symmem.cli import main
+
+    assert main(["derive", "gpt2", "--convention", "pytorch", "--loss", "cross-entropy", *argv]) == 0
+    d = symmem.derive("gpt2", convention="pytorch", loss="cross-entropy")
+    assert check(d, capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("form", ["compact", "terms"])
+def test_cli_latex_form(capsys, form):
+    from symmem.cli import main
+    from symmem.report.latex import align
+
+    assert main(["derive", "vit-b16", "--format", "latex", "--latex-form", form]) == 0
+    assert capsys.readouterr().out == align(symmem.derive("vit-b16"), form=form) + "\n"
+
+
+@pytest.mark.parametrize("width", ["10", "wide", "5000"])
+def test_cli_width_is_checked(capsys, width):
+    from symmem.cli import main
+
+    assert main(["derive", "mlp", "--width", width]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("symmem: error: argument --width")

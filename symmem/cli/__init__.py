@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
@@ -63,6 +64,22 @@ def one_line(text: str) -> str:
     unrecognized arguments: a\\nb
     """
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def entry() -> None:
+    """The ``symmem`` console script: :func:`main`, then exit without tearing the interpreter down.
+
+    Tearing down frees sympy's objects one by one, about a third of a second's start-up again (0.1 s on the
+    2-core machine); the operating system reclaims the memory at once.  Standard output and error are flushed
+    first; no command leaves a file open or registers work to do at exit.
+    """
+    status = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # a reader that went away (``| head``), a closed stream
+            pass
+    os._exit(status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

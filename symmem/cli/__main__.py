@@ -1,7 +1,5 @@
 """``python -m symmem.cli``: the same as the ``symmem`` command."""
 
-import sys
+from . import entry
 
-from . import main
-
-sys.exit(main())
+entry()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..errors import SymmemError
 from .common import acceptor_from_args, add_derive_options, derivation_from_args
@@ -23,6 +22,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+
     from ..fit import largest, smallest_budget
     from ..units import format_bytes
 

@@ -21,6 +21,7 @@ themselves on import; :func:`convention` finds them by name.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -55,8 +56,14 @@ class Saved:
             raise SymmemError(f"a saved tensor's source is 'input', 'output' or 'new', not {self.source!r}")
         if self.source == "new" and self.spec is None:
             raise SymmemError(f"the new saved tensor {self.label!r} needs a spec (its shape and dtype)")
-        if self.role not in ops.kinds():  # a layer without a role may be shown by its op kind
+        if not ops.known(self.role):  # a layer without a role may be shown by its op kind
             roles.check(self.role)
+
+
+@functools.lru_cache(maxsize=256)
+def _saved_output(role: str | None) -> Saved:
+    # one value per role: a graph of many layers keeps the same few references again and again
+    return Saved("output", role=role)
 
 
 class Convention:
@@ -129,7 +136,7 @@ class RoleConvention(Convention):
         role = node.role
         found: list[Saved] = []
         if role in self.keep_outputs:
-            found.append(Saved("output", role=role))
+            found.append(_saved_output(role))
         for i in self.keep_inputs.get(role or "", ()):
             found.append(Saved("input", index=i, label=f"input {i}", role=f"{role}_input"))
         for extra in self.extras.get(node.kind, ()):
@@ -157,7 +164,10 @@ def convention(name: str | Convention) -> Convention:
     """The convention called ``name``; a :class:`SymmemError` lists the known ones otherwise."""
     if isinstance(name, Convention):
         return name
-    _load_builtin()
+    if isinstance(name, str) and name not in _REGISTRY and name in _builtin_modules():
+        importlib.import_module(f"{__name__}.{name}")  # only the module of the convention asked for
+    if name not in _REGISTRY:
+        _load_builtin()
     try:
         found = _REGISTRY[name]
     except (KeyError, TypeError):
@@ -169,18 +179,26 @@ def convention(name: str | Convention) -> Convention:
 
 
 def names() -> tuple[str, ...]:
-    """Every known convention name."""
-    _load_builtin()
-    return tuple(_REGISTRY)
+    """Every known convention name: the built-in modules (each registers the convention of its own name; listing
+    them imports none) and whatever else was registered."""
+    return tuple(dict.fromkeys([*_builtin_modules(), *_REGISTRY]))
 
 
 _LOADED: list[bool] = []
+_MODULES: list[str] = []
+
+
+def _builtin_modules() -> list[str]:
+    # Every module of this package is a convention that registers itself, under its module's name, on import:
+    # no list to keep.
+    if not _MODULES:
+        _MODULES.extend(sorted(info.name for info in pkgutil.iter_modules(__path__)))
+    return _MODULES
 
 
 def _load_builtin() -> None:
-    # Every module of this package is a convention that registers itself on import: no list to keep.
     if _LOADED:
         return
     _LOADED.append(True)
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        importlib.import_module(f"{__name__}.{info.name}")
+    for name in _builtin_modules():
+        importlib.import_module(f"{__name__}.{name}")

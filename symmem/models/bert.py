@@ -20,16 +20,9 @@ import sympy
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, H, L, S, V, h
-from . import Option, register
 
 POSITIONS, TYPES = 512, 2
 _SIZES = {"base": (768, 12, 12), "large": (1024, 16, 24)}
-_OPTIONS = {
-    "attention": Option("naive", ("naive", "sdpa"),
-                        "naive is the eager BertSelfAttention (B*h*S^2 probabilities kept); sdpa is "
-                        "BertSdpaSelfAttention"),
-    "dropout": Option(0.1, None, "hidden_dropout_prob = attention_probs_dropout_prob (HF default 0.1)"),
-}
 
 
 def _self_attention(g: GraphBuilder, x: str, mask: str | None, kind: str, dropout: float) -> str:
@@ -108,7 +101,3 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
     return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="layer",
                  options={"attention": attention, "dropout": dropout})
 
-
-for _size in _SIZES:
-    register(f"bert-{_size}", build_bert, f"BERT-{_size} (Hugging Face BertModel with pooler, post-LN)",
-             _OPTIONS, size=_size)

@@ -17,13 +17,6 @@ from ..errors import SymmemError
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, Hi, Psi, Wi
 from ..symbols import Nact as Acts
-from . import Option, register
-
-_OPTIONS = {
-    "activations": Option(532_752, None, "activation values per sample (Nact)"),
-    "parameters": Option(19_072_984, None, "parameter count (Psi)"),
-    "input": Option((1, 50, 180), None, "input (channels, height, width)"),
-}
 
 
 def build_counts(name: str, activations: int = 532_752, parameters: int = 19_072_984,
@@ -43,5 +36,3 @@ def build_counts(name: str, activations: int = 532_752, parameters: int = 19_072
                  f"a model given by counts: {activations:,} activations per sample, {parameters:,} parameters",
                  options={"activations": activations, "parameters": parameters})
 
-
-register("counts", build_counts, "a model given only by counts (activations Nact, parameters Psi)", _OPTIONS)

@@ -24,16 +24,8 @@ import sympy
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, H, L, S, V, h
-from . import Option, register
 
 POSITIONS = 1024  # n_positions: rows of wpe and the side of the causal-mask buffer
-
-_OPTIONS = {
-    "attention": Option("naive", ("naive", "sdpa"),
-                        "naive is the eager GPT2Attention (B*h*S^2 scores kept); sdpa is GPT2SdpaAttention"),
-    "dropout": Option(0.1, None, "embd_pdrop = attn_pdrop = resid_pdrop (HF default 0.1)"),
-    "gelu": Option("new", ("new", "fused"), "new: HF gelu_new written out in ops; fused: F.gelu(tanh)"),
-}
 
 
 def gelu_new(g: GraphBuilder, x: str) -> str:
@@ -119,5 +111,3 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
     return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="h",
                  options={"attention": attention, "dropout": dropout, "gelu": gelu})
 
-
-register("gpt2", build_gpt2, "GPT-2 small (Hugging Face GPT2LMHeadModel, tied embeddings, gelu_new)", _OPTIONS)

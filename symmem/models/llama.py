@@ -31,13 +31,6 @@ import sympy
 from ..branches import reshape_copies
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, G, H, L, S, V, h
-from . import Option, register
-
-_OPTIONS = {
-    "attention": Option("sdpa", ("naive", "sdpa"),
-                        "naive is the eager LlamaAttention (B*h*S^2 probabilities kept); sdpa is LlamaSdpaAttention"),
-    "dropout": Option(0.0, None, "attention_dropout (HF default 0.0)"),
-}
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -156,6 +149,3 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Mod
     return Model(name, g.finish(), defaults, (B, S, H, h, G, L, F, V), desc, layer="layers",
                  options={"attention": attention, "dropout": dropout})
 
-
-register("llama", build_llama, "Llama (Hugging Face LlamaForCausalLM: RMSNorm, SwiGLU, rotary, GQA, untied head)",
-         _OPTIONS)

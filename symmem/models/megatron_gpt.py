@@ -20,16 +20,11 @@ from __future__ import annotations
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, H, L, S, V, h
-from . import Option, register
 from .transformer import attention
 
 #: hidden, heads, layers (Korthikanti et al. 2022, Table 3; micro-batch 4 for 22B, 1 for the others).
 SIZES = {"22b": (6144, 64, 48, 4), "175b": (12288, 96, 96, 1), "530b": (20480, 128, 105, 1),
          "1t": (25600, 160, 128, 1)}
-_OPTIONS = {
-    "size": Option("175b", tuple(SIZES), "Korthikanti et al. 2022 Table 3 model"),
-    "dropout": Option(0.1, None, "dropout probability (embedding, attention, hidden); > 0 keeps 1-byte masks"),
-}
 
 
 def _layer(g: GraphBuilder, x: str, dropout: float) -> str:
@@ -67,5 +62,3 @@ def build_gpt_megatron(name: str, size: str = "175b", dropout: float = 0.1) -> M
     return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="layers",
                  options={"size": size, "dropout": dropout})
 
-
-register("gpt-megatron", build_gpt_megatron, "GPT as Megatron-LM builds it (Korthikanti et al. 2022)", _OPTIONS)

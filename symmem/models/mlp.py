@@ -15,13 +15,6 @@ from __future__ import annotations
 from ..errors import SymmemError
 from ..graph import GraphBuilder, Model
 from ..symbols import B, H, K, L
-from . import Option, register
-
-_OPTIONS = {
-    "widths": Option("784,1024,1024,10", None,
-                     "comma-separated layer widths (input first, classes last), or 'symbolic'"),
-    "dropout": Option(0.0, None, "dropout after each hidden activation"),
-}
 
 
 def _widths(text: str) -> list[int]:
@@ -63,5 +56,3 @@ def build_mlp(name: str, widths: str = "784,1024,1024,10", dropout: float = 0.0)
     return Model(name, g.finish(), {B: 64}, (B,), f"MLP {widths}, ReLU, dropout {dropout}",
                  options={"widths": widths, "dropout": dropout})
 
-
-register("mlp", build_mlp, "multilayer perceptron of any widths", _OPTIONS)

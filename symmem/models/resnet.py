@@ -21,7 +21,6 @@ from typing import Any
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, Hi, K, Wi
-from . import register
 
 _LAYOUTS = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3)),
             101: ("bottleneck", (3, 4, 23, 3)), 152: ("bottleneck", (3, 8, 36, 3))}
@@ -88,10 +87,3 @@ def build_resnet(name: str, depth: int, v1: bool = False, num_classes: int = 100
     return Model(name, g.finish(), {B: 64, C: 3, Hi: 224, Wi: 224, K: num_classes}, (B,), desc,
                  options={"depth": depth, "v1": v1})
 
-
-for _depth in _LAYOUTS:
-    register(f"resnet{_depth}", build_resnet, f"ResNet-{_depth} (torchvision, stride on the 3x3)",
-             depth=_depth)
-register("resnet50-v1", build_resnet,
-         "ResNet-50 v1: stride on the first 1x1 of each stage (the geometry of the FP32 analysis of ResNet-50 "
-         "and ViT-B/16, Bandyopadhyay 2024)", depth=50, v1=True)

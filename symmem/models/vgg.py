@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, Hi, K, Wi
-from . import Option, register
 
 CONFIGS: dict[int, tuple[int | str, ...]] = {
     11: (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
@@ -22,7 +21,6 @@ CONFIGS: dict[int, tuple[int | str, ...]] = {
     16: (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"),
     19: (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"),
 }
-_OPTIONS = {"dropout": Option(0.5, None, "classifier dropout probability")}
 
 
 def build_vgg(name: str, depth: int, batch_norm: bool = False, dropout: float = 0.5) -> Model:
@@ -57,8 +55,3 @@ def build_vgg(name: str, depth: int, batch_norm: bool = False, dropout: float = 
     return Model(name, g.finish(), {B: 64, C: 3, Hi: 224, Wi: 224, K: 1000}, (B,), desc,
                  options={"depth": depth, "batch_norm": batch_norm, "dropout": dropout})
 
-
-for _depth in CONFIGS:
-    register(f"vgg{_depth}", build_vgg, f"VGG-{_depth} (torchvision)", _OPTIONS, depth=_depth)
-    register(f"vgg{_depth}_bn", build_vgg, f"VGG-{_depth} with BatchNorm (torchvision)", _OPTIONS,
-             depth=_depth, batch_norm=True)

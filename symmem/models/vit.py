@@ -12,21 +12,12 @@ to the image size by its default ``floor(Hi/16)*floor(Wi/16) + 1`` (setting ``Hi
 
 from __future__ import annotations
 
-import sympy
-
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, F, H, Hi, K, L, S, Wi, h
-from . import Option, register
 from .transformer import prenorm_layer
 
 _TITLES = {"ti": "Ti", "s": "S", "b": "B", "l": "L"}  # ViT-Ti/16, ViT-S/16 ...
 _SIZES = {"ti": (192, 3, 12), "s": (384, 6, 12), "b": (768, 12, 12), "l": (1024, 16, 24)}
-_OPTIONS = {
-    "attention": Option("sdpa", ("naive", "sdpa"),
-                        "naive materializes the B*h*S^2 probabilities; sdpa is the fused kernel"),
-    "dropout": Option(0.0, None, "dropout probability (attention, projection, MLP, position embedding)"),
-    "patch": Option(16, None, "patch size in pixels"),
-}
 
 
 def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.0, patch: int = 16) -> Model:
@@ -35,6 +26,7 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
     img = g.input("image", (B, C, Hi, Wi))
     with g.group("embed"):
         x = g.op("conv2d", img, name="patch_embed.proj", out_channels=H, kernel=patch, stride=patch)
+        _, _, rows, cols = g.spec(x).shape  # floor(Hi/patch), floor(Wi/patch): the grid of patches
         x = g.op("reshape", x, name="patch_embed.flatten", shape=(B, H, S - 1))
         x = g.op("transpose", x, name="patch_embed.transpose", dim0=1, dim1=2)
         cls = g.parameter("cls_token", (1, 1, H))
@@ -51,13 +43,9 @@ def build_vit(name: str, size: str, attention: str = "sdpa", dropout: float = 0.
         x = g.op("select", x, name="cls_pool", dim=1, index=0)
         x = g.op("dropout", x, name="head_drop", p=dropout)
         g.op("linear", x, name="head", out_features=K)
-    grid = sympy.floor(Hi / patch) * sympy.floor(Wi / patch)
-    defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: grid + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
+    defaults = {B: 64, C: 3, Hi: 224, Wi: 224, S: rows * cols + 1, H: hidden, h: heads, L: layers, F: 4 * H, K: 1000}
     desc = (f"ViT-{_TITLES[size]}/{patch} (timm VisionTransformer, class token; {attention} attention): "
             f"H={hidden}, h={heads}, L={layers}")
     return Model(name, g.finish(), defaults, (B, S, H, h, L), desc, layer="blocks",
                  options={"attention": attention, "dropout": dropout, "patch": patch})
 
-
-for _size in _SIZES:
-    register(f"vit-{_size}16", build_vit, f"ViT-{_TITLES[_size]}/16 (timm; DeiT shares it)", _OPTIONS, size=_size)

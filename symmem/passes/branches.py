@@ -25,6 +25,7 @@ from sympy.logic.boolalg import Boolean, BooleanAtom
 from ..branches import Branch, canonical, is_condition
 from ..derivation import Storage
 from ..graph import Graph
+from ..simplify import max_of
 
 
 def _walk(value: Any) -> Iterable[Boolean]:
@@ -187,7 +188,7 @@ def _replace(value: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr]) -> symp
     """``value.xreplace(subs)``, leaving a ``Max`` unevaluated (sympy's pairwise Max simplification is slow and
     proves nothing the peak's pruning did not)."""
     if isinstance(value, sympy.Max):
-        return sympy.Max(*(a.xreplace(dict(subs)) for a in value.args), evaluate=False)
+        return max_of(a.xreplace(dict(subs)) for a in value.args)
     return value.xreplace(dict(subs))
 
 

@@ -32,6 +32,7 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
+from ..simplify import max_of
 from ..training import Regime, checkpoint_every
 from .schedule import CATEGORIES, Timeline, simulate
 from .storage import Branch
@@ -439,10 +440,7 @@ def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, int
 
 
 def _max(moments: list[Moment]) -> sympy.Expr:
-    exprs = list(dict.fromkeys(m.total for m in moments))
-    if len(exprs) == 1:
-        return exprs[0]
-    return sympy.Max(*exprs, evaluate=False)
+    return max_of(m.total for m in moments)
 
 
 def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,

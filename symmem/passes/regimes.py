@@ -227,21 +227,63 @@ def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) 
     appear as their op runs backward and last until the step; optimizer state exists from the first step on.
     """
     found = []
+    # Every parameter of one (count, shape) has the same components and bytes: worked out once per shape (a
+    # graph of many layers has few shapes), only the names and moments are per parameter.
+    per_shape: dict[tuple[sympy.Expr, bool, tuple[sympy.Expr, ...]], list[tuple[str, sympy.Expr, sympy.Expr,
+                                                                              sympy.Expr, bool]]] = {}
+    step = Moment("step")
     for node, pname, count, shape in parameter_shapes(graph, nodes, per_layer):
-        if regime.pipeline_parallel and not per_layer and node.block is not None:
-            count = count / p
-        if regime.tensor_parallel and len(shape) >= 2:
-            count = count / t
-        n = numel(shape)
-        parts = [(name, n * b) for name, b in regime.precision_spec.components]
-        parts += regime.optimizer_spec.state_bytes(shape)
-        for component, each in parts:
-            shards = N if regime.shard(component) else sympy.Integer(1)
-            kind = regime.kind_of(component)
+        key = (count, node.block is not None, shape)
+        parts = per_shape.get(key)
+        if parts is None:
+            parts = per_shape[key] = [
+                (component, gradient, Storage(component, "parameters", "parameter", expr, component, None, None, None,
+                                              each_count, born=START, dies=END, shards=shards))
+                for component, expr, each_count, shards, gradient in
+                _parameter_parts(regime, count, node.block is not None, per_layer, shape)]
+        backward = None
+        for component, gradient, template in parts:
             born, dies = START, END
-            if kind == "gradients":
-                born, dies = Moment("backward", node.name), Moment("step")
-            found.append(Storage(f"{node.name}.{pname}.{component}", "parameters", "parameter",
-                                 count * each / shards, component, node.name, None, None, count,
-                                 born=born, dies=dies, shards=shards))
+            if gradient:
+                if backward is None:
+                    backward = Moment("backward", node.name)
+                born, dies = backward, step
+            found.append(_like(template, f"{node.name}.{pname}.{component}", node.name, born, dies))
     return found
+
+
+#: Whether a Storage can be copied field by field: it has neither ``__post_init__`` nor ``__slots__``.
+_COPYABLE = not hasattr(Storage, "__post_init__") and not hasattr(Storage, "__slots__")
+
+
+def _like(template: Storage, name: str, node: str, born: Moment, dies: Moment) -> Storage:
+    """``template`` with its name, node and moments changed.
+
+    The parameter side of a large graph is 100,000s of storages that differ only in these four fields; a
+    field-by-field copy of one made by the constructor costs a fifth of the frozen dataclass's ``__init__``
+    (Storage checks nothing in ``__post_init__``; if it ever does, this falls back to ``replace``).
+    """
+    if not _COPYABLE:
+        return replace(template, name=name, node=node, born=born, dies=dies)
+    s = object.__new__(Storage)
+    fields = s.__dict__
+    fields.update(template.__dict__)
+    fields["name"], fields["node"], fields["born"], fields["dies"] = name, node, born, dies
+    return s
+
+
+def _parameter_parts(regime: Regime, count: sympy.Expr, in_block: bool, per_layer: bool,
+                     shape: tuple[sympy.Expr, ...]) -> list[tuple[str, sympy.Expr, sympy.Expr, sympy.Expr, bool]]:
+    """(component, bytes, count, shards, whether it is a gradient) of one parameter of ``shape``."""
+    if regime.pipeline_parallel and not per_layer and in_block:
+        count = count / p
+    if regime.tensor_parallel and len(shape) >= 2:
+        count = count / t
+    n = numel(shape)
+    parts = [(name, n * b) for name, b in regime.precision_spec.components]
+    parts += regime.optimizer_spec.state_bytes(shape)
+    out = []
+    for component, each in parts:
+        shards = N if regime.shard(component) else sympy.Integer(1)
+        out.append((component, count * each / shards, count, shards, regime.kind_of(component) == "gradients"))
+    return out

@@ -44,8 +44,25 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
     storages: dict[str, list[tuple[str, str, Saved]]] = {}
     order: list[str] = []
 
-    def size(spec: TensorSpec) -> sympy.Expr:
-        return spec.numel * dtype_bytes(spec.dtype, act_dtype)
+    # Layers repeat their shapes: each (count, shape, dtype) is multiplied out once.
+    sizes: dict[tuple[sympy.Expr, tuple[sympy.Expr, ...], str], sympy.Expr] = {}
+
+    def size(spec: TensorSpec, count: sympy.Expr | int = 1) -> sympy.Expr:
+        """``count`` copies of ``spec``, in bytes."""
+        key = (count, spec.shape, spec.dtype)
+        got = sizes.get(key)
+        if got is None:
+            one = size(spec) if count != 1 else elements(spec) * dtype_bytes(spec.dtype, act_dtype)
+            got = sizes[key] = one if count == 1 else count * one
+        return got
+
+    numels: dict[tuple[sympy.Expr, ...], sympy.Expr] = {}
+
+    def elements(spec: TensorSpec) -> sympy.Expr:
+        got = numels.get(spec.shape)
+        if got is None:
+            got = numels[spec.shape] = spec.numel
+        return got
 
     # Rules may depend on the regime's activation dtype (which attention kernel CUDA picks) and the branch.
     rule_options = {**options, "activation_dtype": act_dtype, "branch": branch}
@@ -58,17 +75,19 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
                 assert spec is not None
                 born, dies = lifetime(graph, name, "activation", [(name, "same")])
                 cat = "loss" if node.group == "loss" else "activation"
-                found.append(Storage(f"{name}.{ref.label}", node.group, cat, count * size(spec),
-                                     ref.role or spec.role, name, spec.dtype, spec.numel, count, (name,), born, dies))
+                found.append(Storage(f"{name}.{ref.label}", node.group, cat, size(spec, count),
+                                     ref.role or spec.role, name, spec.dtype, elements(spec), count, (name,), born,
+                                     dies))
                 continue
             target = name if ref.source == "output" else node.inputs[ref.index]
             if not conv.dedup:
-                spec = graph.node(target).out
-                cat = category(graph.node(target))
+                kept_node = node if target == name else graph.node(target)
+                spec = kept_node.out
+                cat = category(kept_node)
                 label = name if ref.source == "output" else f"{name}.{ref.label or 'input'}"
                 born, dies = lifetime(graph, name, cat, [(name, "same")])
-                found.append(Storage(label, node.group, cat, count * size(spec), ref.role or spec.role, name,
-                                     spec.dtype, spec.numel, count, (name,), born, dies))
+                found.append(Storage(label, node.group, cat, size(spec, count), ref.role or spec.role, name,
+                                     spec.dtype, elements(spec), count, (name,), born, dies))
                 continue
             for storage, mode in resolve(graph, target, per_layer, act_dtype, branch):
                 if storage not in storages:
@@ -95,6 +114,6 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
         group = "input" if cat == "input" else node.group
         keepers = tuple(dict.fromkeys(s for s, _, _ in savers))
         born, dies = lifetime(graph, storage, cat, [(s, mode) for s, mode, _ in savers])
-        found.append(Storage(storage, group, cat, count * size(node.out), role, storage, node.out.dtype,
+        found.append(Storage(storage, group, cat, size(node.out, count), role, storage, node.out.dtype,
                              node.out.numel, count, keepers, born, dies))
     return found

@@ -36,6 +36,7 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph, Node
+from ..shapes import numel as shape_numel
 from ..tensor import TensorSpec, dtype_bytes
 from ..training import Regime, checkpoint_every
 from .grad import requires_grad
@@ -215,7 +216,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
             b.start.append(owner[n])
         for bname, spec in node.buffers.items():
             b.start.append(b.new(f"{n}.{bname}", "parameter", size(spec), n))
-    numel = {name: sympy.Mul(*shape) if shape else sympy.Integer(1) for name, shape in params}
+    numel = {name: shape_numel(shape) for name, shape in params}
     for name, _ in params:
         b.start.append(b.new(f"{name}.weights", "parameter", numel[name] * weights_bytes))
     state_ids: dict[str, list[int]] = {}

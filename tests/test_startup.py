@@ -1,0 +1,116 @@
+"""What the command line and the zoo import, and the pieces that keep start-up light (no timings here: those are
+in benchmarks/bench_startup.py).
+
+Oracles: ``sys.modules`` of a fresh interpreter; networkx's own topological sort; the builder modules' own tables.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from symmem.conventions import _REGISTRY, _builtin_modules, _load_builtin, names
+from symmem.models import available, build
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules_after(code: str) -> set[str]:
+    script = f"import sys, io, contextlib, json\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+RUN = "from symmem.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):\n    main({argv!r})"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_help_and_version_import_neither_sympy_nor_the_zoo(argv):
+    code = ("from symmem.cli import main\ntry:\n    with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"        main({argv!r})\nexcept SystemExit:\n    pass")
+    loaded = _modules_after(code)
+    assert "sympy" not in loaded and "symmem.models" not in loaded and "symmem.graph" not in loaded
+
+
+def test_derive_imports_one_builder_and_nothing_heavy():
+    loaded = _modules_after(RUN.format(argv=["derive", "vit-b16"]))
+    builders = {m for m in loaded if m.startswith("symmem.models.")}
+    assert builders == {"symmem.models.vit", "symmem.models.transformer"}
+    for heavy in ("networkx", "matplotlib", "torch", "numpy", "sympy.physics", "symmem.report.jupyter",
+                  "symmem.conventions.pytorch", "symmem.tracker"):
+        assert heavy not in loaded, heavy
+
+
+def test_building_every_model_needs_no_sympy_simplify():
+    loaded = _modules_after("from symmem.models import available, build\n"
+                            "for name in available():\n    build(name)")
+    assert "sympy.physics" not in loaded and "networkx" not in loaded
+
+
+def test_zoo_table_matches_the_builders():
+    from symmem.models import bert, megatron_gpt, resnet, vgg, vit
+
+    names = set(available())
+    assert {f"resnet{d}" for d in resnet._LAYOUTS} | {"resnet50-v1"} <= names
+    assert {f"vgg{d}{bn}" for d in vgg.CONFIGS for bn in ("", "_bn")} <= names
+    assert {f"vit-{s}16" for s in vit._SIZES} <= names and {f"bert-{s}" for s in bert._SIZES} <= names
+    assert available()["gpt-megatron"].options["size"].choices == tuple(megatron_gpt.SIZES)
+    for name, entry in available().items():
+        # every option a builder takes, with the default the builder itself has
+        import inspect
+
+        params = inspect.signature(entry.builder).parameters
+        for key, option in entry.options.items():
+            assert params[key].default == option.default, (name, key)
+        assert set(entry.fixed) <= set(params), name
+
+
+def test_convention_names_without_importing_them():
+    assert names() == tuple(_builtin_modules())
+    _load_builtin()
+    assert set(_builtin_modules()) <= set(_REGISTRY)  # each module registers its own name
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+def test_topological_order_is_networkx_order(name):
+    import networkx as nx
+
+    graph = build(name).graph
+    assert graph.order() == tuple(nx.topological_sort(graph.to_networkx()))
+    assert graph.number_of_edges() == graph.to_networkx().number_of_edges()
+
+
+def _same_by_sympy(a, b):
+    """symmem.shapes.same as it was: sympy's assumptions decide every difference with a function in it."""
+    import sympy
+
+    if a == b:
+        return True
+    d = sympy.expand(a - b)
+    if d == 0:
+        return True
+    if d.is_number:
+        return False
+    if d.is_positive or d.is_negative or not d.atoms(sympy.Function):
+        return False
+    return None
+
+
+def test_same_sizes_as_sympy_decides():
+    import itertools
+
+    import sympy
+
+    from symmem.shapes import same
+    from symmem.symbols import B, H, Hi, S, Wi, h
+
+    f, g = sympy.floor(Hi / 16), sympy.floor(Wi / 16)
+    sizes = [S, S - 1, S + 1, f * g, f * g + 1, B * H * (S - 1), B * H * f * g, f, f + 1, sympy.ceiling(Hi / 3),
+             sympy.floor(Hi / 3) + 1, sympy.Min(S, 1024), S + sympy.floor(Hi / 2), S + sympy.floor(Hi / 2) + 1,
+             H / h, 64 * f, sympy.floor(Hi / 2 - sympy.Rational(1, 2)) + 1, sympy.Max(S, H), 7]
+    for a, b in itertools.product(sizes, repeat=2):
+        assert same(a, b) is _same_by_sympy(a, b), (a, b)
