@@ -403,7 +403,8 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
                     continue
                 v = bad(d)
                 if v is not None:
-                    hint = (" (the input is too small for this op)" if v.is_number and v <= 0
+                    small = isinstance(v, int | Fraction) or getattr(v, "is_number", False)
+                    hint = (" (the input is too small for this op)" if small and v <= 0
                             else " (a size that does not divide, such as heads that do not divide the hidden size)")
                     raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} has a size {d} = {v} "
                                       f"at {_given((d,), numbers)}, not a positive integer{hint}")

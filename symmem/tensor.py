@@ -23,6 +23,7 @@ import sympy
 
 from .errors import SymmemError
 from .shapes import numel
+from .units import MAX_SIZE as _MAX_SIZE
 
 #: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.
 DTYPE_BYTES: dict[str, int] = {
@@ -41,8 +42,9 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 ACT = "act"
-#: The largest size a dimension (or any symbol's value) may have: PyTorch sizes are int64.
-MAX_SIZE = 2**63 - 1
+#: The largest size a dimension (or any symbol's value) may have: PyTorch sizes are int64 (in :mod:`symmem.units`,
+#: which the command line reads without importing sympy).
+MAX_SIZE = _MAX_SIZE
 
 
 def dtype_bytes(dtype: str, activation_dtype: str = "float32") -> int:

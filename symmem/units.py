@@ -28,6 +28,9 @@ _CANON = {k.lower(): k for k in UNITS if k != "KB"}
 _SIZE = re.compile(r"^\s*([0-9]+(?:_[0-9]+)*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+#: The largest size a dimension, a symbol's value or a tensor's element count may have: PyTorch sizes are int64.
+MAX_SIZE = 2**63 - 1
+
 #: The longest number :func:`parse_size` reads: Python refuses to convert longer digit strings to int (4300
 #: digits by default), and no memory is that large anyway.
 MAX_DIGITS = 400

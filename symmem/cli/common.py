@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SymmemError
-from ..tensor import MAX_SIZE
+from ..units import MAX_SIZE
 
 _SET = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 _INT = re.compile(r"^[+]?[0-9][0-9_]*$")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..tensor import MAX_SIZE
+from ..units import MAX_SIZE
 
 NAME = "counts"
 HELP = ("memory of your network given only by its activation and parameter counts: the CS231n memory rule and "

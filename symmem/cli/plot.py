@@ -6,7 +6,7 @@ import argparse
 import re
 
 from ..errors import SymmemError
-from ..tensor import MAX_SIZE
+from ..units import MAX_SIZE
 from .common import add_derive_options, derivation_from_args
 
 NAME = "plot"
