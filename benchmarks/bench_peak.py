@@ -1,6 +1,6 @@
 """The peak of a training step as a formula, against the empirical route: tracking one real step.
 
-    python benchmarks/bench_peak.py            # prints a table (seconds on this machine, medians of 3)
+    python benchmarks/bench_peak.py            # prints a table (seconds on this machine; derive + peak: first call)
 
 For every built-in model with a PyTorch reference: the time to derive the model and its symbolic peak (first
 call, then cached), the time to evaluate the peak at a new configuration, and the time one real training step
@@ -57,11 +57,10 @@ def every_model() -> None:
 def main() -> None:
     from symmem.tracker import track_step
 
-    every_model()
     print(f"{'model':<10} {'derive + peak':>14} {'new config':>11} {'tracked step':>13} {'ratio':>7}")
     for name, values, kw in CASES:
         derived = _median(lambda name=name, values=values, kw=kw: derive(
-            name, convention="pytorch", device="cpu", optimizer="adamw", values=values, **kw).peak)
+            name, convention="pytorch", device="cpu", optimizer="adamw", values=values, **kw).peak, 1)
         d = derive(name, convention="pytorch", device="cpu", optimizer="adamw", values=values, **kw)
         d.peak  # noqa: B018 (computed once)
         b = next(s for s in d.free if s.name == "B")
@@ -71,6 +70,7 @@ def main() -> None:
         tracked = _median(lambda m=module, i=inputs, lo=loss, t=target: track_step(
             m, i, loss=lo, target=t, optimizer="adamw", steps=1, keep_output=False), 1)
         print(f"{name:<10} {derived:>13.2f}s {evaluate * 1000:>9.1f}ms {tracked:>12.2f}s {tracked / derived:>6.1f}x")
+    every_model()
 
 
 if __name__ == "__main__":

@@ -512,7 +512,10 @@ class Derivation:
         model = shown if shown == self.model else f"{shown} ({self.model})"
         conv = names.convention(self.convention)
         conv = f"{conv} ({self.convention} convention)" if conv != self.convention else f"{conv} convention"
-        return f"{model} — {conv}, {names.regime(self.regime.precision, self.regime.optimizer)}{scope}"
+        # a traced module says how its formula was found: symbolic, retraced (at other sizes) or fitted
+        how = f", {self.options['method']} formula" if self.convention == "traced" and "method" in self.options \
+            else ""
+        return f"{model} — {conv}, {names.regime(self.regime.precision, self.regime.optimizer)}{scope}{how}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the README)."""

@@ -6,11 +6,13 @@ reports the loss's kept tensors under the category ``loss``.
 
 A builder can say how its model is trained through graph attributes.  ``graph.graph["causal_lm"]``: a language
 model whose logits (..., S, V) are scored against the next token, as Hugging Face's ``GPT2LMHeadModel`` and
-``LlamaForCausalLM`` do with ``labels``: ``logits.float()``, ``logits[..., :-1, :].contiguous()``,
-``labels[..., 1:].contiguous()``, both flattened, then ``cross_entropy``.  What that keeps (measured): the float32
-log-probabilities (B (S-1), V), the shifted labels' contiguous copy (B (S-1) int64, a new tensor, so ``loss``
-and not ``input``) and the 0-dim ``total_weight``; the shifted logits' copy is not kept (``log_softmax`` keeps
-its output).  ``graph.graph["no_loss"]``: why the model has no logits to score (an error names it).
+``LlamaForCausalLM`` do with ``labels`` (transformers 5.23, ``loss_utils.ForCausalLMLoss``): ``logits.float()``
+flattened, the labels padded with ``-100`` (``F.pad(labels, (0, 1))``) and shifted,
+``labels[..., 1:].contiguous()``, then ``cross_entropy(..., ignore_index=-100)``.  What that keeps (measured):
+the float32 log-probabilities (B S, V), the shifted labels' contiguous copy (B S int64, a new tensor, so
+``loss`` and not ``input``; for B = 1 the padded (1, S + 1) labels themselves) and the 0-dim ``total_weight``.
+Releases before 4.46 sliced the logits to S - 1 positions instead (``logits[..., :-1, :]``).
+``graph.graph["no_loss"]``: why the model has no logits to score (an error names it).
 
 >>> from symmem.models import build
 >>> m = with_loss(build("mlp"), "cross-entropy")
@@ -67,19 +69,21 @@ def with_loss(model: Model, loss: str) -> Model:
 
 
 def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str, str]:
-    """HF's next-token shift: float32 logits of positions 0..S-2 against the labels of positions 1..S-1."""
+    """transformers 5.23 ``ForCausalLMLoss``: ``logits.float()`` flattened to (B S, V); the labels padded with one
+    ``-100`` on the right (``F.pad``, a new (..., S + 1) tensor) and shifted, ``labels[..., 1:].contiguous()``, as
+    the target of every position (the last one ignored); ``cross_entropy(..., ignore_index=-100)``."""
     spec = g.spec(logits)
     if spec.rank < 2:
         raise SymmemError(f"{model.name}: a causal LM loss needs logits (..., S, V), got {spec}")
     *lead, seq, vocab = spec.shape
-    rows = numel(tuple(lead)) * (seq - 1)
+    rows = numel(tuple(lead)) * seq
     x = g.op("cast", logits, name="logits_float", dtype="float32")  # logits.float(): a view in FP32
-    x = g.op("slice", x, name="shift_logits", dim=-2, start=0, stop=seq - 1)
-    x = g.op("contiguous", x, name="shift_logits_contiguous", copy=slice_copies(spec.shape, -2))
-    x = g.op("reshape", x, name="shift_logits_view", shape=(rows, vocab))
-    y = g.op("slice", labels, name="shift_labels", dim=-1, start=1, stop=seq)
-    # a copy for B >= 2; for B = 1 the slice is contiguous already and nll_loss keeps the labels themselves
+    x = g.op("reshape", x, name="logits_view", shape=(rows, vocab))
+    pad = g.op("constant", name="ignore_index", shape=(*lead, 1), dtype="int64")
+    y = g.op("concat", labels, pad, name="labels_padded", dim=-1)  # F.pad(labels, (0, 1), value=-100)
+    y = g.op("slice", y, name="shift_labels", dim=-1, start=1, stop=seq + 1)
+    # a copy for B >= 2; for B = 1 the slice is contiguous already and nll_loss keeps the padded labels
     y = g.op("contiguous", y, name="shift_labels_contiguous", role="target",
-             copy=slice_copies(g.spec(labels).shape, -1))
+             copy=slice_copies((*lead, seq + 1), -1))
     y = g.op("reshape", y, name="shift_labels_view", shape=(rows,))
     return x, y

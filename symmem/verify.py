@@ -139,12 +139,13 @@ def _key(t: Any) -> tuple[str, int]:
     return (str(t.device), st.data_ptr())
 
 
-def measure(module: Any, *inputs: Any) -> Measurement:
-    """Run ``module(*inputs)`` once in training mode and record every tensor autograd saves for backward.
+def measure(module: Any, *inputs: Any, **keyword_inputs: Any) -> Measurement:
+    """Run ``module(*inputs, **keyword_inputs)`` once in training mode and record every tensor autograd saves
+    for backward.
 
-    Parameters and buffers of ``module`` count as ``parameter``; the storages of ``inputs`` (tensors, also
-    inside lists/tuples) as ``input``; everything else saved is ``activation``.  The module is left in
-    training mode.
+    Parameters and buffers of ``module`` count as ``parameter``; the storages of the inputs (tensors, also
+    inside lists/tuples; positional or keyword) as ``input``; everything else saved is ``activation``.  The
+    module is left in training mode.
     """
     _require_torch()
     import torch
@@ -154,7 +155,7 @@ def measure(module: Any, *inputs: Any) -> Measurement:
     module.train()
     params = {_key(p) for p in module.parameters()} | {_key(b) for b in module.buffers()}
     flat: list[Any] = []
-    for x in inputs:
+    for x in (*inputs, *keyword_inputs.values()):
         flat.extend(x if isinstance(x, list | tuple) else [x])
     given = {_key(x) for x in flat if isinstance(x, torch.Tensor)}
     records: list[SavedInfo] = []
@@ -171,7 +172,7 @@ def measure(module: Any, *inputs: Any) -> Measurement:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(*inputs)
+            out = module(*inputs, **keyword_inputs)
     del out
     keep.clear()
     return Measurement(tuple(records))

@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: test modules that run PyTorch, a Jupyter kernel or LaTeX end to end
 SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.py", "test_peak.py",
-        "test_pytorch_sequence.py", "test_pytorch_vision.py", "test_trace_derivation.py", "test_tracker.py",
-        "test_verify.py"}
+        "test_pytorch_sequence.py", "test_pytorch_vision.py", "test_trace_derivation.py", "test_trace_peak.py",
+        "test_tracker.py", "test_verify.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -127,7 +127,7 @@ def test_verify_without_torch_says_how_to_install(monkeypatch, capsys):
     (["derive", "gpt2", "--set", "h=5"], ["node 'h.attn.query_split'", "h to divide H", "H=768, h=5"]),
     (["derive", "bert-base", "--set", "H=7"], ["layer.attention.query_split", "h to divide H", "H=7, h=12"]),
     (["derive", "vit-b16", "--set", "h=5"], ["blocks.qkv_heads", "h to divide H"]),
-    (["derive", "llama", "--set", "G=3"], ["k_expand", "G to divide h", "G=3, h=32"]),
+    (["derive", "llama", "--set", "G=3"], ["layers.self_attn.k_proj", "G to divide h", "G=3, h=32"]),
     (["derive", "gpt2", "--set", "S=2000"], ["S <= 1024", "S=2000"]),
     (["derive", "gpt2", "--tensor-parallel", "--set", "t=5"], ["t to divide h", "h=12, t=5"]),
     (["derive", "gpt2", "--tensor-parallel", "--sequence-parallel", "--set", "t=3", "--set", "S=1000"],

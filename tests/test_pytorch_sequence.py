@@ -118,20 +118,35 @@ def test_reference_parameter_counts_match_the_graph():
         assert sum(p.numel() for p in module.parameters()) == d.value("parameters"), name
 
 
-def test_multi_query_attention_is_a_piecewise_in_G():
-    """G = 1: the fused kernel keeps the stride-0 views of k and v (B*S*d each), not h-head copies."""
+@pytest.mark.parametrize("name, values, opts", [
+    ("gpt2", TINY, {"attention": "sdpa", "dropout": 0.0}), ("gpt2", TINY, {"attention": "naive", "dropout": 0.1}),
+    ("llama", {"H": 32, "h": 4, "G": 2, "L": 2, "V": 50, "F": 24}, {"attention": "sdpa", "dropout": 0.1}),
+])
+def test_use_cache_false(name, values, opts):
+    """``cache="none"`` (``use_cache=False``): no DynamicCache copies; GPT-2's SDPA then keeps views of c_attn."""
+    d = derive(name, convention="pytorch", options={"device": "cpu"}, values={**values, "B": 2, "S": 8},
+               cache="none", **opts)
+    assert _measured(d) == d.value("activations")
+    with_cache = derive(name, convention="pytorch", options={"device": "cpu"}, values={**values, "B": 2, "S": 8},
+                        **opts)
+    extra = 2 * 4 * 2 * 8 * values["H"] * values["L"] if opts == {"attention": "sdpa", "dropout": 0.0} else 0
+    assert with_cache.value("activations") - d.value("activations") == extra
+
+
+def test_grouped_query_attention_keeps_the_G_key_value_heads():
+    """transformers 5.23 gives SDPA the G key/value heads (``enable_gqa``): the fused kernel keeps (B, G, S, d) key
+    and value tensors for every G -- no branch on G.  The eager path's ``repeat_kv`` copies for 1 < G < h and is
+    a view the matmul copies for G = 1: the same bytes, so no ``Piecewise`` either."""
     B, S, H, h, G = (sympy.Symbol(n, positive=True, integer=True) for n in ("B", "S", "H", "h", "G"))
     layer = {att: derive("llama", convention="pytorch", options={"device": "cpu"}, attention=att, per_layer=True)
              for att in ("sdpa", "naive")}
     sdpa = layer["sdpa"].activations
-    # repeat_kv's reshape is a view when G = 1 or G = h (then the kept k and v have G heads)
-    assert isinstance(sdpa, sympy.Piecewise) and sdpa.args[0][1] == sympy.Eq(G, 1) | sympy.Eq(h / G, 1)
-    view, copy = sdpa.args[0][0], sdpa.args[1][0]
-    assert sympy.expand(copy - view - 2 * 4 * B * S * (H / h) * (h - G)) == 0
-    assert not layer["naive"].activations.has(sympy.Piecewise)  # the eager matmuls copy either way
-    # G decided by the values when it is not free: no Piecewise, the branch the number picks
+    assert not sdpa.has(sympy.Piecewise) and not layer["naive"].activations.has(sympy.Piecewise)
+    # the cache's copies of k and v, G heads each, kept by the kernel: 2 * 4 * B * S * G * d bytes
+    at_h = sdpa.subs(G, h)
+    assert sympy.expand(at_h - sdpa - 2 * 4 * B * S * (H / h) * (h - G)) == 0
+    # G decided by the values when it is not free: the same formula at that number
     fixed = derive("llama", convention="pytorch", options={"device": "cpu"}, values={"G": 1}, free=("B", "S"))
-    assert not fixed.activations.has(sympy.Piecewise)
     full = derive("llama", convention="pytorch", options={"device": "cpu"})
     assert full.at(G=1).value("activations") == fixed.value("activations") < full.value("activations")
 

@@ -59,6 +59,6 @@ def test_views_work_on_a_traced_module(traced):
     assert "holds where" in traced.table()
     from symmem.fit import largest
 
-    fit = largest(traced, "B", "1GiB")
-    assert fit.quantity == "total" and traced.at(B=fit.max).value("total") <= 2**30 < traced.at(
-        B=fit.max + 1).value("total")
+    fit = largest(traced, "B", "1GiB")  # the traced step's peak: what a training step needs
+    assert fit.quantity == "peak" and traced.at(B=fit.max).value("peak") <= 2**30 < traced.at(
+        B=fit.max + 1).value("peak")

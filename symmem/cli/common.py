@@ -119,42 +119,54 @@ def model_option_names() -> set[str]:
 
 
 def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "paper", device: str | None = None,
-                       regime: bool = True) -> None:
+                       regime: bool = True, optional_model: bool = False) -> None:
     """The options every command that derives a formula shares; ``regime=False`` leaves out the training regime
-    (a command that measures one forward pass has none to take)."""
+    (a command that measures one forward pass has none to take); ``optional_model``: the model may be left out
+    (``verify --module``)."""
     from ..conventions import names as convention_names
-    from ..training import OPTIMIZERS, PRECISIONS
 
-    p.add_argument("model", help="a built-in model (see `symmem models`)")
+    p.add_argument("model", help="a built-in model (see `symmem models`)", **({"nargs": "?"} if optional_model else {}))
     p.add_argument("--convention", default=convention, choices=convention_names(),
                    help="which tensors are kept (default: %(default)s)")
+    add_formula_options(p, device=device, regime=regime)
+
+
+def add_formula_options(p: argparse.ArgumentParser, *, device: str | None = None, regime: bool = True,
+                        model_options: bool = True, device_help: str | None = None,
+                        loss_help: str | None = None) -> None:
+    """What every command that derives shares past the model: optimizer and precision, the builder options
+    (``model_options``), ``--set``/``--free``/``--per-layer``, ``--device``, ``--loss`` and the training
+    regime (``regime``).  ``symmem trace`` takes them without the builder options."""
+    from ..training import OPTIMIZERS, PRECISIONS
+
     if regime:
         p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="default: %(default)s")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="default: %(default)s")
-    add_model_options(p)
+    if model_options:
+        add_model_options(p)
     p.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
                    help="give a symbol a value, e.g. --set B=32 (repeatable)")
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
     p.add_argument("--device", choices=["cuda", "cpu"], default=device,
-                   help="pytorch convention: the device whose kernels decide what is kept (default: "
-                        f"{device or 'cuda'})")
+                   help=device_help or "pytorch convention: the device whose kernels decide what is kept (default: "
+                                       f"{device or 'cuda'})")
     p.add_argument("--loss", choices=["cross-entropy"], default=None,
-                   help="append the loss after the model's output, as its own group (default: no loss)")
+                   help=loss_help or "append the loss after the model's output, as its own group (default: no loss)")
     if not regime:
         return
-    regime = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
-    regime.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
-                        help="activation checkpointing of the repeated layers (default: none)")
-    regime.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                        help="ZeRO stage over N data-parallel ranks (3 = FSDP full sharding)")
-    regime.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
-    regime.add_argument("--sequence-parallel", action="store_true",
-                        help="with --tensor-parallel: split the remaining activations over t too")
-    regime.add_argument("--pipeline-parallel", action="store_true",
-                        help="p pipeline stages, 1F1B schedule (the first stage's memory)")
-    add_step_options(regime)
+    group = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
+    group.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
+                       help="activation checkpointing of the repeated layers (default: none)")
+    group.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                       help="ZeRO stage over N data-parallel ranks (3 = FSDP full sharding)")
+    group.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="with --tensor-parallel: split the remaining activations over t too")
+    group.add_argument("--pipeline-parallel", action="store_true",
+                       help="p pipeline stages, 1F1B schedule (the first stage's memory)")
+    add_step_options(group)
 
 
 def add_step_options(p: Any) -> None:
@@ -189,7 +201,6 @@ def acceptor_from_args(args: argparse.Namespace) -> Any:
 
 def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`symmem.engine.derive` that the shared options give."""
-    from ..engine import REGIME_FIELDS
     from ..models import entry
 
     e = entry(args.model)
@@ -198,9 +209,104 @@ def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         has = ", ".join(f"--{k.replace('_', '-')}" for k in e.options) or "none"
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0].replace('_', '-')}; its options: {has}")
-    free = parse_free(args.free)
     conv_options = {"device": args.device} if args.device is not None else {}
+    return dict(convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
+                free=free_from_args(args), options=conv_options, loss=args.loss, **regime_from_args(args),
+                **model_options)
+
+
+def free_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--free B,S`` as names (None: the model's own)."""
+    return parse_free(args.free)
+
+
+def values_from_args(args: argparse.Namespace) -> dict[str, int]:
+    """``--set NAME=VALUE`` items as a dict."""
+    return _parse_sets(args.set)
+
+
+def regime_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The training regime's fields from their options (each field has an option of the same name)."""
+    from ..engine import REGIME_FIELDS
+
     # every regime field has an option of the same name: a new regime knob needs its option above, nothing here
-    regime = {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}
-    return dict(convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set), free=free,
-                options=conv_options, loss=args.loss, **regime, **model_options)
+    return {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}
+
+
+def add_output_options(p: argparse.ArgumentParser) -> None:
+    """``--format`` and the text/LaTeX layout options of ``symmem derive`` (and ``symmem trace``)."""
+    p.add_argument("--format", choices=["text", "latex", "json"], default="text")
+    view = p.add_argument_group("text and LaTeX layout")
+    view.add_argument("--width", type=_width, default=None, metavar="COLUMNS",
+                      help="text table width (default: the terminal's, else 100)")
+    view.add_argument("--fold", action="store_true", help="text: one row per group, without its terms")
+    view.add_argument("--cut", action="store_true",
+                      help="text: each formula on one line, cut with an ellipsis (information lost)")
+    view.add_argument("--latex-form", choices=["compact", "terms"], default="compact",
+                      help="LaTeX: one line per group, a repeated layer once times its count (compact), or one "
+                           "line per kept tensor (terms)")
+
+
+def _width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--width takes a number of columns, not {text!r}") from None
+    if not 40 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"--width must be between 40 and 1000 columns, not {value}")
+    return value
+
+
+def emit(d: Any, args: argparse.Namespace) -> None:
+    """Print a derivation as the output options say: the text table, LaTeX (``align*``) or JSON."""
+    import json
+
+    if args.format == "json":
+        print(json.dumps(d.to_dict(), indent=2))
+    elif args.format == "latex":
+        from ..report.latex import align
+
+        print(align(d, form=args.latex_form))
+    else:
+        from ..report.text import table
+
+        print(table(d, width=args.width, fold=args.fold, cut=args.cut))
+
+
+# -- a module traced from a SPEC (symmem trace, symmem verify --module) ------------------------------------
+def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
+    """Where the module comes from and how it is traced: ``--dims``, ``--config``, ``--example``, ``--method``,
+    ``--multiple-of``, ``--no-check``."""
+    p.add_argument("--dims", required=dims_required, metavar="B,S | B=INPUT:DIM,...",
+                   help="the sizes to keep symbolic: conventional positions on the first tensor input (B 0; tokens "
+                        "S 1; images C 1, Hi 2, Wi 3) or explicit pairs, e.g. B=input_ids:0,S=input_ids:1")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="hf: override a key of the transformers config (int, float, true/false or a string; "
+                        "repeatable), e.g. --config n_layer=2; attn_implementation=eager|sdpa picks the attention")
+    p.add_argument("--example", action="append", default=[], metavar="SIZES[:DTYPE]",
+                   help="example inputs for a callable that returns a module alone, e.g. --example 2x3x32x32 "
+                        "(float, random) or --example 2x8:int64 (zeros); repeatable, positional")
+    p.add_argument("--method", default="auto", choices=["auto", "symbolic", "fit"],
+                   help="auto: symbolic, retraced or fitted where the module specializes on a size; symbolic: "
+                        "never fit; fit: concrete sizes only (default: %(default)s)")
+    p.add_argument("--multiple-of", default=None, metavar="Hi=32,Wi=32",
+                   help="trace those sizes as multiples of a number (stride arithmetic stays polynomial; the "
+                        "domain says so)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the real forward at the example sizes that checks the formula")
+
+
+def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[Any, Any, Any]:
+    """The loaded module, its declared sizes and the :class:`~symmem.derivation.Derivation` of its trace."""
+    from .. import sources
+
+    loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=args.loss, inputs=args.example)
+    for note in loaded.notes:
+        import sys
+
+        print(f"symmem: note: {note}", file=sys.stderr)
+    dims = sources.parse_dims(args.dims, loaded)
+    d = sources.trace(loaded, dims, method=args.method, check=not args.no_check,
+                      multiple_of=sources.parse_multiples(args.multiple_of), device=args.device or "cpu",
+                      values=values_from_args(args), free=free_from_args(args), **derive_options)
+    return loaded, dims, d

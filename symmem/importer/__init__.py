@@ -3,6 +3,11 @@
 :func:`trace_module` runs the module once on fake tensors whose batch/sequence/image sizes are symbols and
 returns a :class:`Trace`: every storage autograd keeps for backward with its byte formula, the guards
 PyTorch assumed (the formula's domain), the parameters, and the repeated blocks folded.  Needs ``torch``.
+
+The whole training step (forward, loss, backward, optimizer step, ``zero_grad``) runs on fake tensors too:
+:mod:`.step` records the live bytes after every op, :mod:`.peak` turns them into the peak's formula (what
+:func:`symmem.trace` attaches to its derivation), :mod:`.wrap` runs a module under autocast, activation
+checkpointing or another layer count.
 """
 
 from .records import Check, Guard, Parameter, Repeat, Save, Storage, Trace, TracedSymbol

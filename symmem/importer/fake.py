@@ -9,7 +9,9 @@ same shape, stride and dtype (``empty_strided`` under the mode: nothing is alloc
 
 Op overrides, for the fake run only (eager and the real check are untouched): ``aten.constant_pad_nd``'s
 fake kernel runs C++ that reads concrete sizes and adds guards such as ``Eq(B, 2)``; it is routed to its
-Python decomposition (``torch._refs``), which keeps the sizes symbolic.  The Python dispatcher is *not*
+Python decomposition (``torch._refs``), which keeps the sizes symbolic.  Layer, group and batch norm with a
+16-bit input and float32 weights (autocast) save float32 statistics on CPU; their meta kernels say 16-bit, so
+the outputs are remade in float32.  The Python dispatcher is *not*
 switched on globally: that would swap eager's C++ decompositions (``matmul``, SDPA) and change what is saved.
 """
 
@@ -43,7 +45,28 @@ def overrides() -> dict[Any, Any]:
     import torch._refs
 
     aten = torch.ops.aten
-    return {aten.constant_pad_nd.default: torch._refs.constant_pad_nd}
+    return {aten.constant_pad_nd.default: torch._refs.constant_pad_nd,
+            aten.native_layer_norm.default: _mixed(aten.native_layer_norm.default, (2, 3)),
+            aten.native_group_norm.default: _mixed(aten.native_group_norm.default, (1, 2)),
+            aten.native_batch_norm.default: _mixed(aten.native_batch_norm.default, (1, 2, 3, 4))}
+
+
+def _mixed(op: Any, params: tuple[int, ...]) -> Any:
+    """``op`` (a normalization returning ``(out, mean, rstd)``) with the CPU kernels' mixed-type rule: a 16-bit
+    input with float32 weights (autocast keeps normalizations' parameters in float32) saves its statistics in
+    float32 -- the meta kernels make them 16-bit, half the bytes."""
+    import torch
+
+    def impl(*args: Any, **kwargs: Any) -> Any:
+        out = op(*args, **kwargs)
+        x = args[0]
+        p = next((args[i] for i in params if i < len(args) and isinstance(args[i], torch.Tensor)), None)
+        if (p is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+                and p.dtype == torch.float32):
+            return (out[0], *(t.new_empty(t.shape, dtype=p.dtype) for t in out[1:3]), *out[3:])
+        return out
+
+    return impl
 
 
 def opaque_ops() -> frozenset[Any]:
@@ -84,6 +107,9 @@ def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dic
 
     env = ShapeEnv(duck_shape=False, assume_static_by_default=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    # The dispatch cache pays off over many runs of the same graph; one trace with symbolic sizes mostly misses, and
+    # building and replaying its entries costs symbolic arithmetic: without it a trace runs ~1.8x faster.
+    mode.cache_enabled = False
     sizes: dict[str, Any] = {}
     env_symbols: dict[Any, str] = {}
     scale = dict(multiple_of or {})

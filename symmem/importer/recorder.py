@@ -138,6 +138,8 @@ class Recorder:
         self.packed: list[tuple[Any, Packed]] = []  # (weakref to the packed tensor, record)
         self.reads: list[tuple[str, Any]] = []
         self.assumed: list[str] = []
+        #: called after every counted op with (func, args, kwargs, out): the step's live-bytes recorder
+        self.observe: Callable[[Any, Any, Any, Any], None] | None = None
 
     @property
     def where(self) -> str:
@@ -207,7 +209,10 @@ class Recorder:
                 rec.autograd_to_op.setdefault(peek() - 1, seq)
                 rec.aten = str(func)
                 if func is local_scalar:
-                    return rec._scalar(func, args, kwargs)
+                    value = rec._scalar(func, args, kwargs)
+                    if rec.observe is not None:
+                        rec.observe(func, args, kwargs, value)
+                    return value
                 if func in rec.opaque:
                     raise OpaqueKernel(
                         f"{func} at {rec.where} keeps a oneDNN workspace whose size only oneDNN knows (its fake "
@@ -230,6 +235,8 @@ class Recorder:
                         continue
                     if key not in rec.births or not _aliases_input(key, args):
                         rec.births[key] = birth
+                if rec.observe is not None:
+                    rec.observe(func, args, kwargs, out)
                 return out
 
         return Functions(), Ops()

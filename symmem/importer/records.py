@@ -160,7 +160,8 @@ class Check:
 class Trace:
     """The symbolic record of one training-mode forward: what autograd keeps, as formulas in the declared symbols.
 
-    ``method`` is ``symbolic`` (one trace on fake tensors with symbolic sizes) or ``fitted`` (the exact
+    ``method`` is ``symbolic`` (one trace on fake tensors with symbolic sizes), ``retraced`` (the trace at the
+    example sizes specialized on a size; a symbolic trace at other sizes did not) or ``fitted`` (the exact
     polynomial through traces at several concrete sizes, checked at more).  ``guards`` are the conditions
     PyTorch assumed; ``domain`` is where the formulas hold: every declared symbol ≥ 2 and every guard.
     ``repeats`` are the folded runs of identical blocks, largest first.  ``check`` compares the formulas at

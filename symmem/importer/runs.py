@@ -120,17 +120,28 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
 
     outcome = rec.run(call)
     env = world.env
-
-    def convert(x: Any) -> Any:
-        if isinstance(x, torch.SymInt):
-            return sympy.expand(to_declared(tidy(env.replace(x.node.expr), env), mapping))
-        return sympy.Integer(int(x))
-
+    convert = converter(env, mapping)
     storages = to_storages(outcome, convert)
     guards = collect(env, mapping, tidy) if symbolic else []
     notes = list(rec.assumed)
     return Run(storages, outcome.ops, guards, pinned(env, world, symbols, guards) if symbolic else {},
                unified(env, world, symbols) if symbolic else [], bounds(env, world) if symbolic else {}, notes)
+
+
+def converter(env: Any, mapping: dict[Any, Any]) -> Any:
+    """A function from a size (an int, a SymInt, or a ShapeEnv sympy expression) to an expanded sympy
+    expression in the declared symbols, after the ShapeEnv's replacements (``mapping``: ShapeEnv symbol ->
+    declared expression)."""
+    import torch
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.SymInt):
+            x = x.node.expr
+        if isinstance(x, sympy.Basic):
+            return sympy.expand(to_declared(tidy(env.replace(x), env), mapping))
+        return sympy.Integer(int(x))
+
+    return convert
 
 
 def tidy(expr: Any, env: Any) -> Any:

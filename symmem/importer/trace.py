@@ -29,6 +29,7 @@ from .inputs import Inputs, check_inputs, sym_for
 from .recorder import Outcome, SymbolicSizesUnsupported, _leaves, dtype_name
 from .records import Check, Parameter, Storage, Trace, TracedSymbol
 from .runs import Run, fake_run, real_run, resized, to_storages
+from .wrap import autocast_dtype, autocasting, checkpointed, find_repeat
 
 METHODS = ("auto", "symbolic", "fit")
 
@@ -97,7 +98,8 @@ def _differences(traced: list[Storage], measured: list[Storage], subs: dict[symp
 
 def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, device: str = "cpu",
                  training: bool = True, method: str = "auto", check: bool = True, size_one: bool = False,
-                 multiple_of: dict[str, int] | None = None) -> Trace:
+                 multiple_of: dict[str, int] | None = None, autocast: str | None = None,
+                 checkpoint: str | list[str] | tuple[str, ...] | None = None) -> Trace:
     """The exact formula of what one eager forward keeps for backward, in the declared symbols.
 
     ``example_inputs`` is a tuple (positional) or dict (keyword) of tensors and plain values; ``dims``
@@ -110,6 +112,10 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
     ``Trace.extra["at_one"]``.  ``multiple_of`` (``{"Hi": 32, "Wi": 32}``) traces those sizes as multiples of
     a number: stride arithmetic (``(Hi - 1)//2 + 1``, Swin's window padding) then stays polynomial and the
     formula holds on those multiples (the domain says so); examples must be at least twice the multiple.
+    ``autocast`` (``"bfloat16"``) runs every forward under ``torch.autocast``; ``checkpoint`` runs children
+    under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: ``"full"`` the longest run of
+    identical children of a ``ModuleList``/``Sequential`` (:func:`~symmem.importer.wrap.find_repeat`), a
+    container's path (each of its children), or a list of child paths (``Trace.extra["checkpoint"]`` lists them).
 
     >>> import pytest; torch = pytest.importorskip("torch")  # the example needs PyTorch
     >>> t = trace_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.zeros(2, 4),),
@@ -128,8 +134,10 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
     multiple_of = _check_multiples(multiple_of, inputs.examples)
     params, buffers = parameters_of(module)
     notes: list[str] = []
+    wrapped = checkpoint_children(module, checkpoint)
+    autocast_dtype(autocast)
 
-    with training_mode(module, training):
+    with training_mode(module, training), checkpointed(module, wrapped), autocasting(autocast, device):
         why_not = _can_run_real(module, inputs, device) if check else "check=False"
         if why_not is not None:
             notes.append(f"no real forward to check against: {why_not}")
@@ -141,7 +149,11 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
             outcome = real_run(module, inputs) if real else None
         else:
             result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"reads": list(outcome.reads) if outcome is not None else None}
+        if wrapped:
+            extra["checkpoint"] = wrapped
+        if autocast is not None:
+            extra["autocast"] = autocast
         if size_one:
             extra["at_one"] = _at_one(module, inputs, symbols, device, multiple_of)
 
@@ -169,6 +181,24 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
                  domain=domain, bounds=tuple((n, lo, hi) for n, (lo, hi) in result.bounds.items()),
                  method=used, device=device, training=training, repeats=reps, check=chk,
                  notes=tuple(notes + result.notes), ops=result.ops, extra=extra)
+
+
+def checkpoint_children(module: Any, checkpoint: Any) -> tuple[str, ...]:
+    """The child paths a ``checkpoint=`` option names (see :func:`trace_module`)."""
+    if checkpoint is None or checkpoint == "none":
+        return ()
+    if checkpoint == "full":
+        return find_repeat(module)[1]
+    if isinstance(checkpoint, str):
+        try:
+            container = module.get_submodule(checkpoint)
+        except AttributeError:
+            raise SymmemError(f"checkpoint={checkpoint!r}: no such submodule; use 'full' (the repeated blocks), "
+                              "a container's path or a list of child paths") from None
+        return tuple(f"{checkpoint}.{n}" if checkpoint else n for n, _ in container.named_children())
+    if isinstance(checkpoint, list | tuple) and all(isinstance(c, str) for c in checkpoint):
+        return tuple(checkpoint)
+    raise SymmemError(f"checkpoint must be 'full', a submodule path or a list of paths, got {checkpoint!r}")
 
 
 def _check_multiples(multiple_of: Any, examples: dict[str, int]) -> dict[str, int]:
@@ -243,7 +273,7 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
         return run, "symbolic", inputs.examples, outcome
     spec2 = specializations(again, symbols)
     if _holds(spec2, symbols, inputs.examples):
-        return again, "symbolic", values, outcome2
+        return again, "retraced", values, outcome2
     if method == "symbolic":
         raise SymmemError(f"the module specializes on its sizes at every example ({text}; then "
                           f"{', '.join(str(e) for e in spec2)}): use method='auto' or method='fit'")
@@ -260,7 +290,8 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
 
 def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str,
             multiple_of: dict[str, int]) -> dict[str, Any]:
-    """Activation and input bytes with one symbol at 1 (the others symbolic), per symbol."""
+    """Activation and input bytes with one symbol at 1 (the others symbolic), per symbol; also the storages and
+    the guards of that trace."""
     out: dict[str, Any] = {}
     for name in inputs.examples:
         one = resized(inputs, {**inputs.examples, name: 1})
@@ -270,4 +301,6 @@ def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], devic
                        multiple_of={n: m for n, m in multiple_of.items() if n != name})
         out[name] = {k: sympy.expand(sympy.Add(*[s.bytes for s in run.storages if s.kind == k]))
                      for k in ("activation", "input")}
+        out[name]["storages"] = tuple(run.storages)
+        out[name]["guards"] = tuple(g.expr for g in run.guards) + tuple(run.unified)
     return out

@@ -61,10 +61,13 @@ _VIT = {
 }
 _VGG = {"dropout": Option(0.5, None, "classifier dropout probability")}
 _BERT = {
-    "attention": Option("naive", _ATTENTION, "naive is the eager BertSelfAttention (B*h*S^2 probabilities kept); sdpa "
-                        "is BertSdpaSelfAttention"),
+    "attention": Option("naive", _ATTENTION, "naive is eager_attention_forward (B*h*S^2 probabilities kept); sdpa "
+                        "is sdpa_attention_forward"),
     "dropout": Option(0.1, None, "hidden_dropout_prob = attention_probs_dropout_prob (HF default 0.1)"),
 }
+#: use_cache of transformers 5.23 (gpt2, llama): the config default keeps a DynamicCache in training too
+_CACHE = Option("dynamic", ("dynamic", "none"), "dynamic: use_cache=True (the config default), a DynamicCache copies "
+                "keys and values with torch.cat; none: use_cache=False")
 
 
 def _builtin() -> dict[str, Entry]:
@@ -90,20 +93,24 @@ def _builtin() -> dict[str, Entry]:
         found.append(Entry(f"vit-{size}16", ".vit:build_vit", f"ViT-{title}/16 (timm; DeiT shares it)", _VIT,
                            {"size": size}))
     found.append(Entry("gpt2", ".gpt:build_gpt2",
-                       "GPT-2 small (Hugging Face GPT2LMHeadModel, tied embeddings, gelu_new)", {
-        "attention": Option("naive", _ATTENTION,
-                            "naive is the eager GPT2Attention (B*h*S^2 scores kept); sdpa is GPT2SdpaAttention"),
+                       "GPT-2 small (Hugging Face GPT2LMHeadModel, transformers 5.23: tied embeddings, gelu_new)", {
+        "attention": Option("naive", _ATTENTION, "naive is eager_attention_forward (B*h*S^2 probabilities kept); "
+                            "sdpa is sdpa_attention_forward"),
         "dropout": Option(0.1, None, "embd_pdrop = attn_pdrop = resid_pdrop (HF default 0.1)"),
         "gelu": Option("new", ("new", "fused"), "new: HF gelu_new written out in ops; fused: F.gelu(tanh)"),
+        "cache": _CACHE,
     }))
     for size in ("base", "large"):
         found.append(Entry(f"bert-{size}", ".bert:build_bert",
-                           f"BERT-{size} (Hugging Face BertModel with pooler, post-LN)", _BERT, {"size": size}))
+                           f"BERT-{size} (Hugging Face BertModel with pooler, post-LN, transformers 5.23)", _BERT,
+                           {"size": size}))
     found.append(Entry("llama", ".llama:build_llama",
-                       "Llama (Hugging Face LlamaForCausalLM: RMSNorm, SwiGLU, rotary, GQA, untied head)", {
-        "attention": Option("sdpa", _ATTENTION, "naive is the eager LlamaAttention (B*h*S^2 probabilities kept); "
-                            "sdpa is LlamaSdpaAttention"),
+                       "Llama (Hugging Face LlamaForCausalLM, transformers 5.23: RMSNorm, SwiGLU, rotary, GQA, untied "
+                       "head)", {
+        "attention": Option("sdpa", _ATTENTION, "naive is eager_attention_forward (repeat_kv; B*h*S^2 probabilities "
+                            "kept); sdpa is sdpa_attention_forward (enable_gqa)"),
         "dropout": Option(0.0, None, "attention_dropout (HF default 0.0)"),
+        "cache": _CACHE,
     }))
     found.append(Entry("gpt-megatron", ".megatron_gpt:build_gpt_megatron",
                        "GPT as Megatron-LM builds it (Korthikanti et al. 2022)", {

@@ -1,11 +1,17 @@
-"""BERT as Hugging Face builds it (``BertModel`` with its pooler, transformers 4.3x/4.4x ``modeling_bert.py``).
+"""BERT as Hugging Face builds it: ``BertModel`` with its pooler, **transformers 5.23** (``modeling_bert.py``).
 
-Embeddings: word (V) + token type (2 types, ids from a zero buffer) + position (512 positions, ids from a
-buffer), LayerNorm, dropout.  ``L`` post-LN layers: Q, K, V linears split into heads, attention
-(``attention="naive"``: ``Q K^T / sqrt(d)`` + the extended all-ones mask, softmax, dropout, ``@ V``;
-``"sdpa"``: ``BertSdpaSelfAttention``, whose all-ones mask is dropped), output dense, dropout,
-``LayerNorm(x + input)``; intermediate dense, exact GELU, output dense, dropout, ``LayerNorm(x + input)``.
-The pooler is ``tanh(dense(x[:, 0]))``.  No MLM head.
+Embeddings: word (V) + token type (2 types) + position (512 positions, ids a slice of a buffer), LayerNorm,
+dropout.  The token-type ids are made in the forward: ``torch.gather`` of the zero ``token_type_ids`` buffer
+at the position ids gives a new (1, S) int64 tensor, expanded to (B, S), which the embedding keeps (8·S
+bytes).  ``L`` post-LN layers: Q, K, V linears split into heads, attention (``attention="naive"``:
+``eager_attention_forward``, ``(Q K^T) * scaling``, softmax, dropout, ``@ V``; ``"sdpa"``:
+``sdpa_attention_forward``; without an attention mask ``create_bidirectional_mask`` gives none to either),
+output dense, dropout, ``LayerNorm(x + input)``; intermediate dense, exact GELU, output dense, dropout,
+``LayerNorm(x + input)``.  The pooler is ``tanh(dense(x[:, 0]))``.  No MLM head.
+
+Checked against transformers 5.23.0 on the CPU by tracing ``BertModel`` (``tests/test_zoo_drift.py``).
+Earlier releases (4.3x/4.4x, which this builder followed before) sliced the token-type buffer (a view of
+module state, kept by nothing) and added an extended all-ones (B, 1, 1, S) mask in the eager path.
 
 ``bert-base``: H=768, h=12, L=12; ``bert-large``: H=1024, h=16, L=24; F=4H, V=30522, S=512.
 
@@ -25,7 +31,7 @@ POSITIONS, TYPES = 512, 2
 _SIZES = {"base": (768, 12, 12), "large": (1024, 16, 24)}
 
 
-def _self_attention(g: GraphBuilder, x: str, mask: str | None, kind: str, dropout: float) -> str:
+def _self_attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
     hd = H / h
     heads = []
     for part in ("query", "key", "value"):
@@ -33,21 +39,19 @@ def _self_attention(g: GraphBuilder, x: str, mask: str | None, kind: str, dropou
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
         if part == "query":
             g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
-        heads.append(g.op("permute", t, name=f"{part}_heads", dims=(0, 2, 1, 3)))
+        heads.append(g.op("transpose", t, name=f"{part}_heads", dim0=1, dim1=2))
     q, k, v = heads
     if kind == "naive":
-        assert mask is not None
         kt = g.op("transpose", k, name="key_t", dim0=-1, dim1=-2)
         # q and k^T are strided views of the projections: the batched matmul keeps contiguous copies.
         s = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0, 1))
         s = g.op("scale", s, name="scaled", factor=hd ** -0.5)
-        s = g.op("add", s, mask, name="masked")
         s = g.op("softmax", s, name="softmax", role="attn_probs", dim=-1)
         s = g.op("dropout", s, name="attn_dropout", role="attn_dropout", p=dropout)
         out = g.op("matmul", s, v, name="attn_v", copy_inputs=(1,))
     else:
         out = g.op("attention", q, k, v, name="sdpa", role="attention", dropout=dropout, q_layout="bshd")
-    out = g.op("permute", out, name="merge_t", dims=(0, 2, 1, 3))
+    out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
     out = g.op("contiguous", out, name="merge", role="proj_input")
     return g.op("reshape", out, name="merge_view", shape=(B, S, H))
 
@@ -58,25 +62,21 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
     ids = g.input("input_ids", (B, S), dtype="int64")
     with g.group("embed"), g.scope("embeddings"):
         word = g.op("embedding", ids, name="word_embeddings", num_embeddings=V, dim=H)
-        types = g.op("buffer", name="token_type_ids", shape=(1, POSITIONS), dtype="int64")
-        types = g.op("slice", types, name="token_type_slice", dim=1, start=0, stop=S)
+        g.op("buffer", name="token_type_ids", shape=(1, POSITIONS), dtype="int64")
+        # torch.gather(token_type_ids.expand(1, -1), 1, position_ids): a new (1, S) tensor made in the forward
+        types = g.op("constant", name="token_type_gather", shape=(1, S), dtype="int64")
         types = g.op("expand", types, name="token_type_expand", shape=(B, S))
         types = g.op("embedding", types, name="token_type_embeddings", num_embeddings=TYPES, dim=H)
         x = g.op("add", word, types, name="add_types")
         pos = g.op("buffer", name="position_ids", shape=(1, POSITIONS), dtype="int64")
         pos = g.op("slice", pos, name="position_slice", dim=1, start=0, stop=S)
         pos = g.op("embedding", pos, name="position_embeddings", num_embeddings=POSITIONS, dim=H)
-        x = g.op("add", x, pos, name="add_positions", inplace=True)
+        x = g.op("add", x, pos, name="add_positions")
         x = g.op("layernorm", x, name="LayerNorm", eps=1e-12)
         x = g.op("dropout", x, name="dropout", p=dropout)
-    mask = None
-    if attention == "naive":
-        with g.group("embed"):
-            # get_extended_attention_mask of the default all-ones mask: (1 - m)[:, None, None, :] * min
-            mask = g.op("constant", name="extended_attention_mask", shape=(B, 1, 1, S), dtype="act")
     with g.group("layer"), g.repeat("layer", L, x, input_role="attn_input") as layer:
         with g.scope("attention"):
-            a = _self_attention(g, layer.input, mask, attention, dropout)
+            a = _self_attention(g, layer.input, attention, dropout)
             a = g.op("linear", a, name="output.dense", out_features=H)
             a = g.op("dropout", a, name="output.dropout", p=dropout)
             a = g.op("add", a, layer.input, name="output.add", role="residual")
@@ -97,7 +97,7 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
     g.graph.graph["no_loss"] = ("HF BertModel has no LM head (its output is the pooled (B, H) tensor, not logits "
                                 "over a vocabulary); use gpt2 or llama for a language-model loss")
     defaults = {B: 32, S: 512, H: hidden, h: heads, L: layers, F: 4 * H, V: 30522}
-    desc = f"BERT-{size} (HF BertModel with pooler; {attention} attention, dropout {dropout})"
+    desc = f"BERT-{size} (HF BertModel with pooler, transformers 5.23; {attention} attention, dropout {dropout})"
     return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="layer",
                  options={"attention": attention, "dropout": dropout})
 

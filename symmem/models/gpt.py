@@ -1,13 +1,24 @@
-"""GPT-2 as Hugging Face builds it (``GPT2LMHeadModel``, transformers 4.3x/4.4x ``modeling_gpt2.py``).
+"""GPT-2 as Hugging Face builds it: ``GPT2LMHeadModel`` of **transformers 5.23** (``modeling_gpt2.py``).
 
 Token and position embeddings (``wte`` + ``wpe`` of 1024 positions), embedding dropout, ``L`` pre-LN blocks
 [``ln_1``, ``c_attn`` (a ``Conv1D``: ``addmm`` on the flattened tokens), split into Q, K, V and heads,
 attention, ``c_proj``, dropout, residual; ``ln_2``, ``c_fc``, GELU, ``c_proj``, dropout, residual], ``ln_f``
-and the LM head tied to ``wte``.  ``attention="naive"`` is the eager ``GPT2Attention._attn``: ``Q K^T``
-divided by a 0-dim tensor ``sqrt(d)``, ``torch.where`` with the causal-mask buffer, softmax, dropout,
-``@ V``; ``"sdpa"`` is ``GPT2SdpaAttention`` (``scaled_dot_product_attention(..., is_causal=True)``).
+and the LM head tied to ``wte``.  ``attention="naive"`` is ``eager_attention_forward``: ``(Q K^T) * scaling``
+(a Python float: no tensor kept), the additive causal mask (kept by nothing), softmax, dropout, ``@ V``;
+``"sdpa"`` is ``sdpa_attention_forward`` (``scaled_dot_product_attention(..., is_causal=True)``).
 ``gelu="new"`` writes out HF's ``gelu_new`` op by op, ``0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))``;
 ``"fused"`` is ``gelu_pytorch_tanh`` (one ``F.gelu`` call).
+
+``cache="dynamic"`` is the config's ``use_cache=True``, which a training forward also takes: ``GPT2Model``
+makes a ``DynamicCache`` whose ``update`` stores ``torch.cat([empty, k], -2)``, a contiguous copy of each
+layer's key and value, and attention reads those copies.  SDPA keeps them (two (B, h, S, d) tensors per layer
+more than views of ``c_attn``'s output); the eager matmuls keep them instead of copies of their own (the same
+bytes).  ``cache="none"`` is ``use_cache=False`` (what gradient checkpointing sets).
+
+Checked against transformers 5.23.0 on the CPU by tracing ``GPT2LMHeadModel`` (``tests/test_zoo_drift.py``).
+Earlier releases (4.3x/4.4x, which this builder followed before) divided the scores by a 0-dim tensor
+``torch.full([], sqrt(d))`` that ``div`` kept (4 bytes a layer), read a (1, 1, 1024, 1024) bool causal-mask
+buffer, and built no cache in SDPA's path.
 
 Defaults are GPT-2 small: H=768, h=12, L=12, F=4H, V=50257, S=1024.
 
@@ -40,7 +51,7 @@ def gelu_new(g: GraphBuilder, x: str) -> str:
     return g.op("mul", half, t, name="gelu.out", role="mlp_act")
 
 
-def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
+def _attention(g: GraphBuilder, x: str, kind: str, dropout: float, cache: bool) -> str:
     hd = H / h
     qkv = g.op("linear", x, name="c_attn", role="qkv", out_features=3 * H)
     heads = []
@@ -49,35 +60,33 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
         if part == "query":
             g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
-        heads.append(g.op("permute", t, name=f"{part}_heads", dims=(0, 2, 1, 3)))
+        heads.append(g.op("transpose", t, name=f"{part}_heads", dim0=1, dim1=2))
     q, k, v = heads
+    if cache:  # DynamicLayer.update: torch.cat([empty, states], dim=-2), a contiguous copy
+        k = g.op("clone", k, name="cache_key")
+        v = g.op("clone", v, name="cache_value")
     if kind == "naive":
         kt = g.op("transpose", k, name="key_t", dim0=-1, dim1=-2)
-        # q and k^T are strided views of c_attn's output: the batched matmul keeps contiguous copies.
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0, 1))
-        root = g.op("constant", name="sqrt_d", shape=(), dtype="act")  # torch.full([], d ** 0.5)
-        w = g.op("div", w, root, name="scaled")
-        bias = g.op("buffer", name="bias", shape=(1, 1, POSITIONS, POSITIONS), dtype="bool")
-        mask = g.op("slice", bias, name="causal_rows", dim=2, start=0, stop=S)
-        mask = g.op("slice", mask, name="causal_mask", dim=3, start=0, stop=S)
-        # torch.where(causal_mask, w, min): keeps only the condition, like masked_fill.
-        w = g.op("where", w, mask, name="masked")
+        # q (and, without the cache, k^T and v) are strided views of c_attn's output: the batched matmul keeps
+        # contiguous copies; the cache's copies are contiguous and are kept themselves
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=(0,) if cache else (0, 1))
+        w = g.op("scale", w, name="scaled", factor=hd ** -0.5)  # * scaling, a Python float
+        # + the (B, 1, S, S) additive causal mask of create_causal_mask: add keeps nothing
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1)
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=(1,))
+        out = g.op("matmul", w, v, name="attn_v", copy_inputs=() if cache else (1,))
     else:
-        # GPT2SdpaAttention keeps the eager attention's causal-mask buffer (module state; unused here)
-        g.op("buffer", name="bias", shape=(1, 1, POSITIONS, POSITIONS), dtype="bool")
         out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
-                   q_layout="bshd")
-    out = g.op("permute", out, name="merge_t", dims=(0, 2, 1, 3))
+                   q_layout="bshd", v_contiguous=cache)
+    out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
     out = g.op("contiguous", out, name="merge", role="proj_input")
     out = g.op("reshape", out, name="merge_view", shape=(B, S, H))
     out = g.op("linear", out, name="c_proj", out_features=H)
     return g.op("dropout", out, name="resid_dropout", p=dropout)
 
 
-def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: str = "new") -> Model:
+def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: str = "new",
+               cache: str = "dynamic") -> Model:
     g = GraphBuilder(name)
     ids = g.input("input_ids", (B, S), dtype="int64")
     with g.group("embed"):
@@ -89,7 +98,7 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
     with g.group("layer"), g.repeat("h", L, x, input_role="residual") as layer:
         with g.scope("attn"):
             a = g.op("layernorm", layer.input, name="ln_1", role="attn_input", eps=1e-5)
-            a = _attention(g, a, attention, dropout)
+            a = _attention(g, a, attention, dropout, cache == "dynamic")
         x = g.op("add", a, layer.input, name="add1", role="residual")
         with g.scope("mlp"):
             m = g.op("layernorm", x, name="ln_2", role="mlp_input", eps=1e-5)
@@ -106,8 +115,8 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
         g.op("linear", x, name="lm_head", out_features=V, bias=False, tied=True)
     g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     defaults = {B: 8, S: 1024, H: 768, h: 12, L: 12, F: 4 * H, V: 50257}
-    desc = (f"GPT-2 small (HF GPT2LMHeadModel, tied head; {attention} attention, gelu {gelu}, "
-            f"dropout {dropout})")
+    desc = (f"GPT-2 small (HF GPT2LMHeadModel, transformers 5.23, tied head; {attention} attention, gelu {gelu}, "
+            f"dropout {dropout}, cache {cache})")
     return Model(name, g.finish(), defaults, (B, S, H, h, L, F, V), desc, layer="h",
-                 options={"attention": attention, "dropout": dropout, "gelu": gelu})
+                 options={"attention": attention, "dropout": dropout, "gelu": gelu, "cache": cache})
 

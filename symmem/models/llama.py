@@ -1,21 +1,31 @@
-"""Llama as Hugging Face builds it (``LlamaForCausalLM``, transformers 4.4x ``modeling_llama.py``).
+"""Llama as Hugging Face builds it: ``LlamaForCausalLM`` of **transformers 5.23** (``modeling_llama.py``).
 
 Token embedding (no position embedding), ``L`` pre-norm layers [``LlamaRMSNorm`` written out as HF does
 (``to(float32)``, ``pow(2).mean(-1)``, ``+ eps``, ``rsqrt``, ``*``, ``to(dtype)``, ``weight *``); Q (h heads),
 K and V (G heads) without bias, rotary embeddings ``q*cos + rotate_half(q)*sin`` with the cos/sin tables made
-once per forward, ``repeat_kv`` to h heads, attention (``naive``: eager ``Q K^T / sqrt(d)`` + the additive
-causal mask, float32 softmax, dropout, ``@ V``; ``sdpa``: ``scaled_dot_product_attention(is_causal=True)``),
-``o_proj``, residual; RMSNorm, SwiGLU ``down(silu(gate(x)) * up(x))``, residual], a final RMSNorm and an
-untied LM head.
+once per forward, the ``DynamicCache`` update (below), attention (``naive``: ``eager_attention_forward``,
+``repeat_kv`` to h heads, ``(Q K^T) * scaling`` + the additive causal mask, float32 softmax, dropout, ``@ V``;
+``sdpa``: ``sdpa_attention_forward``, ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on the
+G key/value heads, no ``repeat_kv``), ``o_proj``, residual; RMSNorm, SwiGLU ``down(silu(gate(x)) * up(x))``,
+residual], a final RMSNorm and an untied LM head.
+
+``cache="dynamic"`` is the config's ``use_cache=True``, which a training forward also takes: each layer's key
+and value go through ``DynamicLayer.update``, ``torch.cat([empty, states], -2)``, a contiguous copy that
+attention then reads (the same bytes as the tensors it replaces); ``cache="none"`` is ``use_cache=False``.
+
+Checked against transformers 5.23.0 on the CPU by tracing ``LlamaForCausalLM`` (``tests/test_zoo_drift.py``).
+Earlier releases (4.4x, which this builder followed before) ran ``repeat_kv`` before SDPA too: for
+1 < G < h the fused kernel then kept (B, h, S, d) copies of the key and value instead of the (B, G, S, d)
+tensors 5.23 passes with ``enable_gqa`` (8·B·S·d·(h - G) bytes a layer in FP32 more than 5.23 keeps).
 
 Defaults are Llama-2-7B: H=4096, h=32, G=32 (set G < h for grouped-query attention, e.g. G=8 as in
-Llama-2-70B), L=32, F=11008, V=32000, S=4096.  ``repeat_kv`` is a copy to h heads unless G = 1 or G = h:
-its ``reshape`` merges the G heads with the stride-0 repeat dimension of size h/G, which PyTorch can do as a
-view only if one of them is 1 (``REPEAT_COPIES``, from :func:`symmem.branches.reshape_copies`; for G = h HF
-returns the tensor itself, the same view).  Then the fused attention kernel keeps the key and value it is
-given (for G = 1 the (B, 1, S, d) tensors: B*S*d elements each, not B*h*S*d), while the eager matmuls and the
-CPU math kernel copy them; the formula is a ``Piecewise`` where the branches differ (measured on the CPU for
-G = 1, 2 and h).  The casts
+Llama-2-70B), L=32, F=11008, V=32000, S=4096.  In the eager path ``repeat_kv`` is a copy to h heads unless
+G = 1 or G = h: its ``reshape`` merges the G heads with the stride-0 repeat dimension of size h/G, which PyTorch
+can do as a view only if one of them is 1 (``REPEAT_COPIES``, from :func:`symmem.branches.reshape_copies`; for
+G = h HF returns the tensor itself).  The eager matmuls copy a key or value that is still a view they cannot
+fold into ``bmm``'s batch (stride 0 for G = 1; without the cache, the rotary output's layout for G = h); the
+formula is a ``Piecewise`` where the branches differ.  With SDPA the fused kernels keep the (B, G, S, d) key
+and value they are given; the CPU math kernel (dropout > 0) expands them to h heads itself.  The casts
 (RMSNorm's ``to(float32)``, the float32 softmax's ``.to(dtype)``) are views in FP32 and copies in 16-bit, as in
 PyTorch (see :func:`symmem.passes.storage.converts`).
 
@@ -72,7 +82,8 @@ def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
     return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=REPEAT_COPIES)
 
 
-def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float) -> str:
+def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float,
+               cache: bool) -> str:
     hd = H / h
     states = []
     for part, heads in (("q", h), ("k", G), ("v", G)):
@@ -85,49 +96,58 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     q, k, v = states
     q = _rotary(g, q, cos, sin, "q_rope")
     k = _rotary(g, k, cos, sin, "k_rope")
-    k = _repeat_kv(g, k, "k")
-    v = _repeat_kv(g, v, "v")
+    if cache:  # DynamicLayer.update: torch.cat([empty, states], dim=-2), a contiguous copy
+        k = g.op("clone", k, name="cache_key")
+        v = g.op("clone", v, name="cache_value")
     if kind == "naive":
         assert mask is not None
+        k = _repeat_kv(g, k, "k")
+        v = _repeat_kv(g, v, "v")
+        # the matmuls copy a key or value that is still a view they cannot fold into bmm's batch: repeat_kv's
+        # stride-0 view for G = 1; without the cache the rotary output / v_proj view for G = h.  With the cache
+        # and G = h they keep the cache's contiguous copy itself: the same (B, h, S, d) bytes as the copy counted
+        # here, which keeps the formula free of a branch on G
+        folds = ~REPEAT_COPIES
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
-        # a key that is still a view (stride 0 for G = 1, the rotary output's (B, S, h, d) layout for G = h)
-        # cannot be folded into bmm's batch: the matmul keeps its own copy
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=((1, ~REPEAT_COPIES),))
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=((1, folds),))
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=((1, ~REPEAT_COPIES),))
+        out = g.op("matmul", w, v, name="attn_v", copy_inputs=((1, folds),))
     else:
-        # q after the rotary ops keeps the (B, S, h, d) layout of the q_proj view it came from.
+        # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
+        # of the q_proj view it came from.  The CPU math kernel (dropout > 0) keeps v itself only when it is
+        # contiguous (the cache's copy) and not expanded to h heads (G = h)
         out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout,
-                   v_contiguous=REPEAT_COPIES, q_layout="bshd")
+                   v_contiguous=sympy.Eq(h / G, 1) if cache else False, q_layout="bshd")
     out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
     out = g.op("contiguous", out, name="merge", role="proj_input")
     out = g.op("reshape", out, name="merge_view", shape=(B, S, H))
     return g.op("linear", out, name="o_proj", out_features=H, bias=False)
 
 
-def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Model:
+def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache: str = "dynamic") -> Model:
     g = GraphBuilder(name)
     ids = g.input("input_ids", (B, S), dtype="int64")
     with g.group("embed"):
         x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
         pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
         g.op("buffer", name="rotary_emb.inv_freq", shape=(H / h / 2,), dtype="float32")  # module state
+        g.op("buffer", name="rotary_emb.original_inv_freq", shape=(H / h / 2,), dtype="float32")
         cos = g.op("rope_table", pos, name="rotary_emb.cos", dim=H / h)
         sin = g.op("rope_table", pos, name="rotary_emb.sin", dim=H / h)
         cos = g.op("reshape", cos, name="cos_unsqueeze", shape=(1, 1, S, H / h))
         sin = g.op("reshape", sin, name="sin_unsqueeze", shape=(1, 1, S, H / h))
         mask = None
-        if attention == "naive":  # _update_causal_mask: an additive float mask, expanded to (B, 1, S, S)
+        if attention == "naive":  # create_causal_mask: an additive float mask (B, 1, S, S); kept by nothing
             mask = g.op("constant", name="causal_mask", shape=(1, 1, S, S), dtype="act")
             mask = g.op("expand", mask, name="causal_mask_expand", shape=(B, 1, S, S))
     with g.group("layer"), g.repeat("layers", L, x, input_role="residual") as layer:
         a = rmsnorm(g, layer.input, "input_layernorm", role="attn_input")
         with g.scope("self_attn"):
-            a = _attention(g, a, cos, sin, mask, attention, dropout)
+            a = _attention(g, a, cos, sin, mask, attention, dropout, cache == "dynamic")
         x = g.op("add", layer.input, a, name="add1", role="residual")
         m = rmsnorm(g, x, "post_attention_layernorm", role="mlp_input")
         with g.scope("mlp"):
@@ -138,14 +158,15 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0) -> Mod
             m = g.op("linear", m, name="down_proj", out_features=H, bias=False)
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
-    # repeat_kv needs G | h; checked with numbers when the model is derived.
-    g.graph.assume("layers.self_attn.k_expand", sympy.Eq(sympy.Mod(h, G), 0))
+    # G must divide h (num_key_value_groups = h // G); checked with numbers when the model is derived.
+    g.graph.assume("layers.self_attn.k_proj", sympy.Eq(sympy.Mod(h, G), 0))
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
         g.op("linear", x, name="lm_head", out_features=V, bias=False)
     g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     defaults = {B: 1, S: 4096, H: 4096, h: 32, G: 32, L: 32, F: 11008, V: 32000}
-    desc = f"Llama (HF LlamaForCausalLM, Llama-2-7B defaults; {attention} attention, dropout {dropout})"
+    desc = (f"Llama (HF LlamaForCausalLM, transformers 5.23, Llama-2-7B defaults; {attention} attention, dropout "
+            f"{dropout}, cache {cache})")
     return Model(name, g.finish(), defaults, (B, S, H, h, G, L, F, V), desc, layer="layers",
-                 options={"attention": attention, "dropout": dropout})
+                 options={"attention": attention, "dropout": dropout, "cache": cache})
 

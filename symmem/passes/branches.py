@@ -6,7 +6,7 @@ free do not decide; the derivation works out the kept storages once per truth as
 conditions (equal branches collapse).
 
 >>> from symmem.models import build
->>> g = build("llama").graph
+>>> g = build("llama", attention="naive").graph
 >>> open_, decided = conditions(g, list(g.order()), {})
 >>> open_
 [Eq(G, 1) | Eq(h/G, 1)]

@@ -145,7 +145,7 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class Candidate:
     """A moment's live storages: per category, byte size -> (count at the base layer counts, change per extra
     layer of each symbolic count)."""
 
@@ -195,7 +195,7 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
     if period > 1:
         domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
-    groups: list[tuple[list[_Candidate], list[_Candidate]]] = []
+    groups: list[tuple[list[Candidate], list[Candidate]]] = []
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
@@ -215,19 +215,19 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
                 sizes = set(live).union(*(set(o) for o in others if o is not None))
                 parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
                          for x in sizes}
-                cands.append(_Candidate(key, "first" if first else "steady", parts))
+                cands.append(Candidate(key, "first" if first else "steady", parts))
             found.append(cands)
         groups.append((found[0], found[1]))
     # one algebra for every group: the sizes repeat across branches and steps
-    alg = _Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
+    alg = Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
                    subs, syms, base, period)
     memo: dict = {}
     per_branch: list[tuple[list[Moment], list[Moment]]] = []
     for group in groups:
-        kept = [_prune_all(cands, alg, numbers, memo) for cands in group]
+        kept = [prune(cands, alg, numbers, memo) for cands in group]
         per_branch.append(tuple([Moment(k.key[0], k.key[1], k.key[2], k.step, alg.live(k))
                                  for k in ks] for ks in kept))
-    exprs = [(_max(steady), _max(first)) for steady, first in per_branch]
+    exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_branch]
     if len(per_branch) == 1 or merge is None:
         expr_steady, expr_first = exprs[0]
     else:
@@ -241,7 +241,7 @@ def _key(kv: tuple[Any, Any]) -> str:
     return str(kv[0])
 
 
-class _Algebra:
+class Algebra:
     """Exact polynomials in Python dicts, for comparing many candidate moments fast.
 
     A size expression becomes {monomial: Fraction}; a monomial is a sorted tuple of (base, exponent), where a
@@ -329,8 +329,8 @@ class _Algebra:
             self._memo[size] = found
         return found
 
-    def live(self, cand: _Candidate) -> dict[str, sympy.Expr]:
-        """The candidate's live bytes per category, expanded (the same as :meth:`_Candidate.live`, from the
+    def live(self, cand: Candidate) -> dict[str, sympy.Expr]:
+        """The candidate's live bytes per category, expanded (the same as :meth:`Candidate.live`, from the
         expanded sizes: a number times an expanded sum distributes without calling ``expand``)."""
         terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
         for (c, size), (n0, ds) in cand.parts.items():
@@ -350,7 +350,7 @@ class _Algebra:
             found = self._products[key] = sympy.expand(count.xreplace(self.subs) * self.exprs[size])
         return found
 
-    def total(self, cand: _Candidate) -> dict[int, int]:
+    def total(self, cand: Candidate) -> dict[int, int]:
         """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id."""
         out: dict[int, int] = defaultdict(int)
         for (_, size), (n0, ds) in cand.parts.items():
@@ -364,7 +364,7 @@ class _Algebra:
                         out[mono] += c * d
         return {k: v for k, v in out.items() if v}
 
-    def value(self, cand: _Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
+    def value(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
         steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
         total: Any = 0
         for (_, size), (n0, ds) in cand.parts.items():
@@ -387,11 +387,11 @@ def _at_least(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
     return True
 
 
-def _prune_all(cands: list[_Candidate], alg: _Algebra, numbers: Mapping[sympy.Symbol, int] | None,
-               memo: dict) -> list[_Candidate]:
+def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, int] | None,
+               memo: dict) -> list[Candidate]:
     """The candidates no other provably exceeds, largest first at ``numbers``: one that holds every storage
     of another exceeds it; so does one whose bytes minus the other's have no negative coefficient on the
-    domain (:class:`_Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
+    domain (:class:`Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
     if numbers:
@@ -403,17 +403,17 @@ def _prune_all(cands: list[_Candidate], alg: _Algebra, numbers: Mapping[sympy.Sy
     bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:
         return _envelope(cands, {k: {alg.monomials[i]: v for i, v in t.items()} for k, t in totals.items()})
-    survivors: list[_Candidate] = []
+    survivors: list[Candidate] = []
     for c in cands:
         if not any(_at_least(totals[k.key], totals[c.key]) for k in survivors):
             survivors = [k for k in survivors if not _at_least(totals[c.key], totals[k.key])] + [c]
     return survivors
 
 
-def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, int]]) -> list[_Candidate]:
+def _envelope(cands: list[Candidate], totals: Mapping[tuple, Mapping[tuple, int]]) -> list[Candidate]:
     """With at most one symbol x (shifted: x' = x - 1 >= 0) and lines a x' + c, the lines on the upper envelope
     over the integers x' >= 0 (each kept once: the first of equal lines)."""
-    lines: dict[tuple[Fraction, Fraction], _Candidate] = {}
+    lines: dict[tuple[Fraction, Fraction], Candidate] = {}
     for c in cands:
         t = totals[c.key]
         if any(len(m) > 1 or (m and m[0][1] != 1) for m in t):
@@ -439,7 +439,7 @@ def _envelope(cands: list[_Candidate], totals: Mapping[tuple, Mapping[tuple, int
     return [lines[(a, b)] for a, b in hull] or cands
 
 
-def _max(moments: list[Moment]) -> sympy.Expr:
+def peak_max(moments: list[Moment]) -> sympy.Expr:
     return max_of(m.total for m in moments)
 
 

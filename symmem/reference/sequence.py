@@ -2,12 +2,15 @@
 
 Each class mirrors the original ``forward`` op by op (the ops decide what autograd keeps), not the original's
 configuration machinery: timm ``vision_transformer.py`` (``Attention``, ``Block``, ``VisionTransformer`` with
-class-token pooling), transformers ``modeling_gpt2.py`` (``Conv1D``, ``GPT2Attention._attn``,
-``GPT2SdpaAttention``, ``NewGELUActivation``), ``modeling_bert.py`` (``BertEmbeddings`` with its
-position/token-type buffers, eager and SDPA self-attention, post-LN, pooler) and ``modeling_llama.py``
-(``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv``, eager and SDPA
-attention, SwiGLU MLP, untied head).  :func:`reference` builds one from symbol values, in training mode,
-with its inputs.  Needs the ``torch`` extra.
+class-token pooling) and, from **transformers 5.23**, ``modeling_gpt2.py`` (``Conv1D``, ``GPT2Attention`` with
+``eager_attention_forward`` or ``sdpa_attention_forward``, ``NewGELUActivation``), ``modeling_bert.py``
+(``BertEmbeddings`` with its gathered token-type ids, eager and SDPA self-attention, post-LN, pooler) and
+``modeling_llama.py`` (``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv`` in
+the eager path, SDPA with ``enable_gqa``, SwiGLU MLP, untied head), with the ``DynamicCache`` update that a
+training forward with the default ``use_cache=True`` runs (:func:`cache_update`).  Not mirrored, because
+autograd keeps none of it: HF's output objects and the additive (B, 1, S, S) causal mask made once per forward
+(GPT-2 builds a (1, 1, S, S) one per layer here).  :func:`reference` builds one from symbol values, in training
+mode, with its inputs.  Needs the ``torch`` extra.
 
 >>> module, inputs = reference("gpt2", {"B": 2, "S": 8, "H": 16, "h": 2, "L": 1, "V": 50})
 >>> tuple(module(*inputs).shape)
@@ -147,57 +150,59 @@ class NewGELU(nn.Module):
         return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
 
 
+def cache_update(states: torch.Tensor) -> torch.Tensor:
+    """transformers 5.23 ``DynamicLayer.update`` on an empty cache: ``torch.cat([empty, states], dim=-2)``, a
+    contiguous copy (``use_cache=True``, the config default, also in a training forward)."""
+    return torch.cat([torch.tensor([], dtype=states.dtype, device=states.device), states], dim=-2)
+
+
 class GPT2Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, positions: int, drop: float, sdpa: bool) -> None:
+    """transformers 5.23 ``GPT2Attention`` with ``eager_attention_forward`` or ``sdpa_attention_forward``."""
+
+    def __init__(self, dim: int, heads: int, drop: float, sdpa: bool, cache: bool) -> None:
         super().__init__()
-        self.register_buffer("bias", torch.tril(torch.ones((positions, positions), dtype=torch.bool)).view(
-            1, 1, positions, positions), persistent=False)
         self.embed_dim, self.num_heads, self.head_dim = dim, heads, dim // heads
         self.split_size = dim
-        self.sdpa = sdpa
+        self.scaling = self.head_dim ** -0.5
+        self.sdpa, self.cache = sdpa, cache
         self.c_attn = Conv1D(3 * dim, dim)
         self.c_proj = Conv1D(dim, dim)
         self.attn_dropout = nn.Dropout(drop)
         self.resid_dropout = nn.Dropout(drop)
 
     def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        attn_weights = torch.matmul(query, key.transpose(-1, -2))
-        attn_weights = attn_weights / torch.full([], value.size(-1) ** 0.5, dtype=attn_weights.dtype,
-                                                 device=attn_weights.device)
-        query_length, key_length = query.size(-2), key.size(-2)
-        causal_mask = self.bias[:, :, key_length - query_length: key_length, :key_length]
-        mask_value = torch.finfo(attn_weights.dtype).min
-        mask_value = torch.full([], mask_value, dtype=attn_weights.dtype).to(attn_weights.device)
-        attn_weights = torch.where(causal_mask, attn_weights.to(attn_weights.dtype), mask_value)
+        attn_weights = torch.matmul(query, key.transpose(-1, -2)) * self.scaling
+        # create_causal_mask's additive mask (HF makes it (B, 1, S, S) once per forward; add keeps nothing)
+        s = query.size(-2)
+        causal = torch.full((s, s), torch.finfo(attn_weights.dtype).min, dtype=attn_weights.dtype).triu(1)
+        attn_weights = attn_weights + causal
         attn_weights = nn.functional.softmax(attn_weights, dim=-1)
         attn_weights = attn_weights.type(value.dtype)
         attn_weights = self.attn_dropout(attn_weights)
-        return torch.matmul(attn_weights, value)
-
-    def _split_heads(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.view(tensor.size()[:-1] + (self.num_heads, self.head_dim))
-        return tensor.permute(0, 2, 1, 3)
+        return torch.matmul(attn_weights, value).transpose(1, 2)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
-        query, key, value = self._split_heads(query), self._split_heads(key), self._split_heads(value)
+        shape = (*query.shape[:-1], -1, self.head_dim)
+        query, key, value = (t.view(shape).transpose(1, 2) for t in (query, key, value))
+        if self.cache:
+            key, value = cache_update(key), cache_update(value)
         if self.sdpa:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=None,
                                                  dropout_p=self.attn_dropout.p if self.training else 0.0,
-                                                 is_causal=query.size(-2) > 1)
+                                                 scale=self.scaling, is_causal=query.size(-2) > 1)
+            out = out.transpose(1, 2).contiguous()
         else:
             out = self._attn(query, key, value)
-        out = out.permute(0, 2, 1, 3).contiguous()
-        out = out.view(out.size()[:-2] + (self.embed_dim,))
+        out = out.reshape(*out.shape[:-2], -1).contiguous()
         return self.resid_dropout(self.c_proj(out))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, dim: int, heads: int, inner: int, positions: int, drop: float, sdpa: bool,
-                 gelu: str) -> None:
+    def __init__(self, dim: int, heads: int, inner: int, drop: float, sdpa: bool, gelu: str, cache: bool) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim, eps=1e-5)
-        self.attn = GPT2Attention(dim, heads, positions, drop, sdpa)
+        self.attn = GPT2Attention(dim, heads, drop, sdpa, cache)
         self.ln_2 = nn.LayerNorm(dim, eps=1e-5)
         self.c_fc, self.c_proj = Conv1D(inner, dim), Conv1D(dim, inner)
         self.act: nn.Module = NewGELU() if gelu == "new" else nn.GELU(approximate="tanh")
@@ -217,11 +222,11 @@ class GPT2LMHeadModel(nn.Module):
     checkpoint = "none"
 
     def __init__(self, vocab: int, positions: int, dim: int, depth: int, heads: int, inner: int, drop: float,
-                 sdpa: bool, gelu: str) -> None:
+                 sdpa: bool, gelu: str, cache: bool = True) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
         self.drop = nn.Dropout(drop)
-        self.h = nn.ModuleList(GPT2Block(dim, heads, inner, positions, drop, sdpa, gelu) for _ in range(depth))
+        self.h = nn.ModuleList(GPT2Block(dim, heads, inner, drop, sdpa, gelu, cache) for _ in range(depth))
         self.ln_f = nn.LayerNorm(dim, eps=1e-5)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
@@ -230,7 +235,7 @@ class GPT2LMHeadModel(nn.Module):
     takes_labels = True
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        position_ids = torch.arange(0, input_ids.size(-1), dtype=torch.long, device=input_ids.device).unsqueeze(0)
+        position_ids = torch.arange(input_ids.size(-1), device=input_ids.device).unsqueeze(0)
         hidden_states = self.wte(input_ids) + self.wpe(position_ids)
         hidden_states = self.drop(hidden_states)
         hidden_states = run_layers(self.h, hidden_states, self.checkpoint)
@@ -239,12 +244,13 @@ class GPT2LMHeadModel(nn.Module):
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's loss with labels: ``LlamaForCausalLM`` (4.4x) upcasts, shifts by one token, flattens (GPT-2 the same,
-    without the upcast before 4.46, which is the same tensor in FP32)."""
+    """HF's loss with labels, transformers 5.23 ``ForCausalLMLoss``: upcast, pad the labels with -100, shift by
+    one token, flatten, ``cross_entropy(..., ignore_index=-100)``."""
     logits = logits.float()
-    shift_logits = logits[..., :-1, :].contiguous()
+    labels = nn.functional.pad(labels, (0, 1), value=-100)
     shift_labels = labels[..., 1:].contiguous()
-    return nn.CrossEntropyLoss()(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+    logits = logits.view(-1, logits.size(-1))
+    return nn.functional.cross_entropy(logits, shift_labels.view(-1), ignore_index=-100)
 
 
 # -- Hugging Face BERT -----------------------------------------------------------------------------------
@@ -263,48 +269,45 @@ class BertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         batch, seq_length = input_ids.size()
         position_ids = self.position_ids[:, 0: seq_length]
-        token_type_ids = self.token_type_ids[:, :seq_length].expand(batch, seq_length)
+        # transformers 5.23: the zero buffer gathered at the position ids, a new (1, S) tensor, then expanded
+        buffered = torch.gather(self.token_type_ids.expand(position_ids.shape[0], -1), dim=1, index=position_ids)
+        token_type_ids = buffered.expand(batch, seq_length)
         embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        embeddings += self.position_embeddings(position_ids)
+        embeddings = embeddings + self.position_embeddings(position_ids)
         return self.dropout(self.LayerNorm(embeddings))
 
 
 class BertSelfAttention(nn.Module):
+    """transformers 5.23 ``BertSelfAttention`` with ``eager_attention_forward`` or ``sdpa_attention_forward``
+    (no attention mask: ``create_bidirectional_mask`` gives none for unpadded input)."""
+
     def __init__(self, dim: int, heads: int, drop: float, sdpa: bool) -> None:
         super().__init__()
         self.num_attention_heads, self.attention_head_size = heads, dim // heads
         self.all_head_size = dim
+        self.scaling = self.attention_head_size ** -0.5
         self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.dropout = nn.Dropout(drop)
         self.dropout_prob = drop
         self.sdpa = sdpa
 
-    def transpose_for_scores(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.view(x.size()[:-1] + (self.num_attention_heads, self.attention_head_size))
-        return x.permute(0, 2, 1, 3)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+        query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
         if self.sdpa:
-            bsz, tgt_len, _ = hidden_states.size()
-            query_layer = self.transpose_for_scores(self.query(hidden_states))
-            key_layer = self.transpose_for_scores(self.key(hidden_states))
-            value_layer = self.transpose_for_scores(self.value(hidden_states))
-            attn_output = F.scaled_dot_product_attention(query_layer, key_layer, value_layer, attn_mask=None,
-                                                         dropout_p=self.dropout_prob if self.training else 0.0,
-                                                         is_causal=False)
-            return attn_output.transpose(1, 2).reshape(bsz, tgt_len, self.all_head_size)
-        mixed_query_layer = self.query(hidden_states)
-        key_layer = self.transpose_for_scores(self.key(hidden_states))
-        value_layer = self.transpose_for_scores(self.value(hidden_states))
-        query_layer = self.transpose_for_scores(mixed_query_layer)
-        attention_scores = torch.matmul(query_layer, key_layer.transpose(-1, -2))
-        attention_scores = attention_scores / math.sqrt(self.attention_head_size)
-        attention_scores = attention_scores + attention_mask
-        attention_probs = nn.functional.softmax(attention_scores, dim=-1)
-        attention_probs = self.dropout(attention_probs)
-        context_layer = torch.matmul(attention_probs, value_layer)
-        context_layer = context_layer.permute(0, 2, 1, 3).contiguous()
-        return context_layer.view(context_layer.size()[:-2] + (self.all_head_size,))
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=None,
+                                                 dropout_p=self.dropout_prob if self.training else 0.0,
+                                                 scale=self.scaling, is_causal=False)
+            out = out.transpose(1, 2).contiguous()
+        else:
+            attn_weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
+            attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+            attn_weights = self.dropout(attn_weights)
+            out = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+        return out.reshape(*input_shape, -1).contiguous()
 
 
 class BertLayer(nn.Module):
@@ -319,8 +322,8 @@ class BertLayer(nn.Module):
         self.out_dense, self.out_dropout = nn.Linear(inner, dim), nn.Dropout(drop)
         self.out_LayerNorm = nn.LayerNorm(dim, eps=1e-12)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        a = self.attn_dropout(self.attn_dense(self.self(hidden_states, attention_mask)))
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        a = self.attn_dropout(self.attn_dense(self.self(hidden_states)))
         a = self.attn_LayerNorm(a + hidden_states)
         m = nn.functional.gelu(self.intermediate(a))
         m = self.out_dropout(self.out_dense(m))
@@ -341,14 +344,8 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The pooled output (HF also returns the last hidden states, which the pooler already consumed)."""
-        attention_mask = torch.ones(input_ids.shape, device=input_ids.device)
         hidden_states = self.embeddings(input_ids)
-        if self.sdpa:
-            extended = None  # _prepare_4d_attention_mask_for_sdpa: an all-ones mask becomes None
-        else:
-            extended = attention_mask[:, None, None, :].to(hidden_states.dtype)
-            extended = (1.0 - extended) * torch.finfo(hidden_states.dtype).min
-        hidden_states = run_layers(self.layer, hidden_states, self.checkpoint, extended)
+        hidden_states = run_layers(self.layer, hidden_states, self.checkpoint)
         return torch.tanh(self.pooler(hidden_states[:, 0]))
 
 
@@ -372,6 +369,7 @@ class LlamaRotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)  # transformers 5.23
         self.attention_scaling = 1.0
 
     @torch.no_grad()
@@ -405,12 +403,16 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, drop: float, sdpa: bool) -> None:
+    """transformers 5.23 ``LlamaAttention``: the ``DynamicCache`` update, then ``eager_attention_forward``
+    (``repeat_kv``) or ``sdpa_attention_forward`` (``enable_gqa`` for G < h, no ``repeat_kv``)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, drop: float, sdpa: bool, cache: bool = True) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_key_value_heads = heads, dim // heads, kv_heads
         self.num_key_value_groups = heads // kv_heads
+        self.scaling = self.head_dim ** -0.5
         self.attention_dropout = drop
-        self.sdpa = sdpa
+        self.sdpa, self.cache = sdpa, cache
         self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
@@ -418,35 +420,39 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
-        bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads,
-                                                     self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads,
-                                                       self.head_dim).transpose(1, 2)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        key_states = repeat_kv(key_states, self.num_key_value_groups)
-        value_states = repeat_kv(value_states, self.num_key_value_groups)
+        if self.cache:
+            key_states, value_states = cache_update(key_states), cache_update(value_states)
         p = self.attention_dropout if self.training else 0.0
         if self.sdpa:
+            gqa = {"enable_gqa": True} if self.num_key_value_groups > 1 else {}
             attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, attn_mask=None,
-                                                         dropout_p=p, is_causal=q_len > 1)
+                                                         dropout_p=p, scale=self.scaling,
+                                                         is_causal=query_states.shape[2] > 1, **gqa)
+            attn_output = attn_output.transpose(1, 2).contiguous()
         else:
-            attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(self.head_dim)
+            key_states = repeat_kv(key_states, self.num_key_value_groups)
+            value_states = repeat_kv(value_states, self.num_key_value_groups)
+            attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
             attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
             attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
             attn_weights = nn.functional.dropout(attn_weights, p=p, training=self.training)
-            attn_output = torch.matmul(attn_weights, value_states)
-        attn_output = attn_output.transpose(1, 2).contiguous()
-        attn_output = attn_output.reshape(bsz, q_len, -1)
+            attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, inner: int, drop: float, sdpa: bool) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, inner: int, drop: float, sdpa: bool,
+                 cache: bool = True) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, drop, sdpa)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, drop, sdpa, cache)
         self.gate_proj = nn.Linear(dim, inner, bias=False)
         self.up_proj = nn.Linear(dim, inner, bias=False)
         self.down_proj = nn.Linear(inner, dim, bias=False)
@@ -471,10 +477,10 @@ class LlamaForCausalLM(nn.Module):
     checkpoint = "none"
 
     def __init__(self, vocab: int, dim: int, depth: int, heads: int, kv_heads: int, inner: int, drop: float,
-                 sdpa: bool) -> None:
+                 sdpa: bool, cache: bool = True) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, inner, drop, sdpa)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, inner, drop, sdpa, cache)
                                     for _ in range(depth))
         self.norm = LlamaRMSNorm(dim)
         self.rotary_emb = LlamaRotaryEmbedding(dim // heads)
@@ -489,7 +495,7 @@ class LlamaForCausalLM(nn.Module):
         cache_position = torch.arange(0, seq, device=inputs_embeds.device)
         position_ids = cache_position.unsqueeze(0)
         causal_mask = None
-        if not self.sdpa:  # LlamaModel._update_causal_mask: an additive (B, 1, S, S) mask for eager attention
+        if not self.sdpa:  # create_causal_mask: an additive (B, 1, S, S) mask for eager attention
             min_dtype = torch.finfo(inputs_embeds.dtype).min
             # built on the input's device (HF does too): a CPU mask would not mix with a model on CUDA
             causal_mask = torch.full((seq, seq), fill_value=min_dtype, dtype=inputs_embeds.dtype,
@@ -536,14 +542,15 @@ def reference(model: str, values: Mapping[str, int], **options: Any) -> tuple[nn
         inputs = (ids,)
         if model == "gpt2":
             m = GPT2LMHeadModel(vocab, 1024, hidden, layers, heads, inner, dropout, sdpa,
-                                options.get("gelu", "new"))
+                                options.get("gelu", "new"), options.get("cache", "dynamic") == "dynamic")
         elif model.startswith("bert"):
             m = BertModel(vocab, hidden, layers, heads, inner, dropout, sdpa)
         elif model == "llama":
             kv = int(values.get("G", heads))
             if heads % kv:
                 raise SymmemError(f"llama: h={heads} query heads are not a multiple of G={kv} key/value heads")
-            m = LlamaForCausalLM(vocab, hidden, layers, heads, kv, inner, dropout, sdpa)
+            m = LlamaForCausalLM(vocab, hidden, layers, heads, kv, inner, dropout, sdpa,
+                                 options.get("cache", "dynamic") == "dynamic")
         else:
             raise SymmemError(f"no sequence reference for model {model!r}")
     m.checkpoint = str(options.get("checkpoint", "none"))  # activation checkpointing of the layers

@@ -698,7 +698,7 @@ def _inside(line: str, first: float, rest: float) -> list[str] | None:
     start = line.rfind(r"\left(")
     while start > 0 and depth[start] != 0:
         start = line.rfind(r"\left(", 0, start)
-    if start <= 0 or not line[:start].rstrip().endswith(r"\cdot") or depth[len(line) - len(r"\right)")] != 1:
+    if start <= 0 or not line[:start].rstrip().endswith(r"\cdot") or depth[len(line) - len(r"\right)") - 1] != 1:
         return None
     head, inner = line[:start + len(r"\left(")], line[start + len(r"\left("):-len(r"\right)")]
     pieces = _terms_of(inner)

@@ -168,16 +168,20 @@ def _attention(ctx: RuleContext) -> list[Saved]:
         return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse]
     # CPU math fallback: scaled q and k^T are new tensors the batched matmul keeps.  With 16-bit inputs it
     # computes in float32 (q, k, v upcast first; measured), so every tensor it keeps is float32.
+    # Grouped-query inputs (``enable_gqa``: G key/value heads for h query heads) are expanded to h heads first
+    # (``repeat_interleave``, a new tensor), so the scaled key and the value it keeps have the query's heads.
     low = ctx.options.get("activation_dtype") in ("float16", "bfloat16")
     dt = "float32" if low else q.dtype
     scores = q.shape[:-1] + (k.shape[-2],)
+    k_shape, v_shape = (t.shape[:-3] + (q.shape[-3],) + t.shape[-2:] if t.rank >= 3 and q.rank == t.rank
+                        else t.shape for t in (k, v))
     found = [ctx.new("q_scaled", q.shape, dt, "matmul_copy"),
-             ctx.new("k_scaled", k.shape, dt, "matmul_copy"),
+             ctx.new("k_scaled", k_shape, dt, "matmul_copy"),
              ctx.new("probs", scores, dt, "attn_probs"),
              ctx.new("noise", scores, dt, "dropout_mask"),
              ctx.new("dropped", scores, dt, "attn_dropout")]
     if holds(ctx.attrs.get("v_contiguous", False), ctx.options.get("branch")) and not low:
         found.append(ctx.input(2))
     else:
-        found.append(ctx.new("v_copy", v.shape, dt, "matmul_copy"))
+        found.append(ctx.new("v_copy", v_shape, dt, "matmul_copy"))
     return found

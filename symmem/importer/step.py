@@ -1,0 +1,600 @@
+"""A whole training step of a real module on fake tensors: the live bytes after every op, as sympy sums.
+
+:func:`record_step` runs what :func:`symmem.tracker.track_step` runs on real tensors -- the forward, the loss
+(``sum``, ``cross-entropy`` against a target, or the module's own: ``output``), ``backward()``,
+``optimizer.step()`` (sgd, sgd-momentum, adam, adamw; for-loop, foreach or fused) and
+``zero_grad(set_to_none=True)`` -- on fake tensors whose declared sizes are symbols (:mod:`.fake`), with the
+parameters, buffers and optimizer state fake too.  A live-bytes recorder like the tracker's sees every aten op
+(the :class:`~symmem.importer.recorder.Recorder`'s dispatch mode, which also numbers ops, answers value reads
+and routes ``constant_pad_nd`` to its decomposition): each new storage is registered once with its symbolic
+``nbytes()`` and freed through ``weakref.finalize`` on its ``UntypedStorage``.  Fake storages are real
+``StorageImpl`` objects (on the meta device, with symbolic sizes) that PyTorch keeps paired with their Python
+objects as for real ones, so the finalizers fire when the last reference goes -- the same moments as on real
+tensors (``test_fake_storages_are_freed_like_real_ones``).
+
+Categories follow the tracker (a storage keeps the first that applies over its whole life: parameter, buffer,
+input, optimizer_state, gradient, saved, output, activation_grad, temporary) and are reported in the zoo's
+(``symmem.passes.schedule.CATEGORIES``: buffer counts as parameter, saved as activation, output -- the
+module's output and the loss, held by the loop -- as loss).
+
+One recorded run gives both steps: the forward and backward are run once (``micro_batches`` times), then
+``optimizer.step()`` twice on the same gradients -- the first creates the state, the second is a steady step --
+then ``zero_grad``.  A steady step's forward and backward hold what the first's did plus the optimizer state.
+
+:func:`peak_of` turns one or more records into a :class:`symmem.passes.peak.Peak`: every op after which
+something is freed (and the last) is a candidate moment; those another provably exceeds are dropped with
+``symmem.passes.peak``'s own comparison (coefficients after shifting every symbol to ``x' + 1``), and the peak is
+the ``Max`` of the rest.  Records at 4 and 5 layers of the repeated blocks (:func:`symmem.importer.wrap.with_layers`)
+are interpolated moment by moment into formulas in ``L`` and checked against a record at 6 layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from .inputs import Inputs
+from .recorder import Recorder, _leaves, dtype_name, storage_key
+
+#: the tracker's categories, in priority order (a storage takes the first that applies)
+TRACKER = ("parameter", "buffer", "input", "optimizer_state", "gradient", "saved", "output", "activation_grad",
+           "temporary", "external")
+_RANK = {c: i for i, c in enumerate(TRACKER)}
+#: a tracker category -> the zoo's (``symmem.passes.schedule.CATEGORIES``)
+ZOO = {"parameter": "parameter", "buffer": "parameter", "input": "input", "optimizer_state": "optimizer_state",
+       "gradient": "gradient", "saved": "activation", "output": "loss", "activation_grad": "activation_grad",
+       "temporary": "temporary", "external": "temporary"}
+LOSSES = ("sum", "cross-entropy", "output")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+IMPLS = ("for-loop", "foreach", "fused")
+_BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")
+_MODULE_KEY = "symmem.module"
+
+
+@dataclass(frozen=True)
+class LiveStorage:
+    """One storage of the step: bytes (sympy, in the declared symbols), category (the tracker's), and where it
+    was made (None: live at the start)."""
+
+    sid: int
+    nbytes: Any
+    category: str
+    dtype: str
+    op: str | None
+    where: str
+    module: str
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class StepOp:
+    """One aten op of the step: where it ran, the storages it made, and those freed after it (before the next)."""
+
+    index: int
+    step: int
+    phase: str
+    op: str
+    where: str
+    module: str
+    born: tuple[int, ...]
+    freed: tuple[int, ...]
+    resized: tuple[tuple[int, Any], ...] = ()  # (sid, new bytes): storages an op grew in place
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one recorded step did: its storages, what was live at the start, and every op in order.
+
+    Ops of phase ``forward``, ``loss`` and ``backward`` are one forward and backward (step 1); ``step`` ops of
+    step 1 are the first ``optimizer.step()`` (which creates the state), of step 2 a steady one.
+    ``layers`` maps a child of the repeated blocks (its path) to its index in the run, when the run was
+    written out (``count`` children).
+    """
+
+    storages: tuple[LiveStorage, ...]
+    start: tuple[int, ...]
+    ops: tuple[StepOp, ...]
+    freed_first: tuple[int, ...] = ()  # freed before the first op
+    layers: Mapping[str, int] | None = None
+    count: int | None = None
+    notes: tuple[str, ...] = ()
+    guards: tuple[Any, ...] = ()
+
+    def category(self, sid: int) -> str:
+        return ZOO[self.storages[sid].category]
+
+    def in_step(self, o: StepOp, step: str) -> bool:
+        """Whether op ``o`` belongs to the ``first`` or the ``steady`` step (the forward and backward to both)."""
+        if o.phase != "step":
+            return True
+        return o.step == (1 if step == "first" else 2)
+
+    def state(self) -> list[int]:
+        """The optimizer state alive after the first ``optimizer.step()``."""
+        alive = set(self.start) - set(self.freed_first)
+        last = max((o.index for o in self.ops if o.phase == "step" and o.step == 1), default=-1)
+        for o in self.ops[:last + 1]:
+            alive |= set(o.born)
+            alive -= set(o.freed)
+        return sorted(i for i in alive if self.storages[i].category == "optimizer_state")
+
+    def live(self, step: str, every: bool = False) -> list[tuple[StepOp, tuple[Counter, ...], bool]]:
+        """For the ops of ``step`` (``first`` or ``steady``) that are candidates for the peak -- something is freed
+        after them, or they end their step -- (every op with ``every``): the op, the live storages right after
+        it as one Counter of byte sizes per zoo category, and whether it is a candidate.  A steady step's
+        forward and backward hold the optimizer state from the start."""
+        from ..passes.schedule import CATEGORIES
+
+        index = {c: i for i, c in enumerate(CATEGORIES)}
+        where = [(index[self.category(s.sid)], s.nbytes) for s in self.storages]
+        live = [Counter() for _ in CATEGORIES]
+        for i in set(self.start) - set(self.freed_first):
+            live[where[i][0]][where[i][1]] += 1
+        state = [Counter() for _ in CATEGORIES]
+        if step == "steady":
+            for i in self.state():
+                state[where[i][0]][where[i][1]] += 1
+        ends = {o.step: o.index for o in self.ops if o.phase == "step"}  # the last op of each optimizer step
+        ends = set(ends.values()) | {max((o.index for o in self.ops if self.in_step(o, step)), default=-1)}
+        steady = step == "steady"
+        out: list[tuple[StepOp, tuple[Counter, ...], bool]] = []
+        for o in self.ops:
+            for i in o.born:
+                live[where[i][0]][where[i][1]] += 1
+            for sid, new in o.resized:
+                c, old = where[sid]
+                live[c][old] -= 1
+                live[c][new] += 1
+                where[sid] = (c, new)
+            if self.in_step(o, step):
+                candidate = bool(o.freed) or o.index in ends
+                if candidate or every:
+                    if steady and o.phase != "step":
+                        snap = tuple(+(c + e) for c, e in zip(live, state, strict=True))
+                    else:
+                        snap = tuple(+c for c in live)
+                    out.append((o, snap, candidate))
+            for i in o.freed:
+                live[where[i][0]][where[i][1]] -= 1
+        return out
+
+    def allocated(self, step: str, values: Mapping[sympy.Symbol, int], block: int = 512) -> int:
+        """The peak of ``step`` at ``values`` with every storage rounded up to ``block`` bytes, as CUDA's caching
+        allocator rounds its blocks (what ``torch.cuda.max_memory_allocated`` reports before workspaces)."""
+        memo: dict[Any, int] = {}
+
+        def num(x: Any) -> int:
+            if x not in memo:
+                n = int(sympy.sympify(x).xreplace({k: sympy.Integer(v) for k, v in values.items()}))
+                memo[x] = -(-n // block) * block
+            return memo[x]
+
+        return max((sum(num(x) * n for part in live for x, n in part.items()) for _, live, _ in self.live(step)),
+                   default=0)
+
+    def timeline(self, step: str, values: Mapping[sympy.Symbol, int]) -> list[tuple[str, str | None, dict[str, int]]]:
+        """(phase, where, live bytes per zoo category) after every op of ``step``, at ``values``."""
+        from ..passes.schedule import CATEGORIES
+
+        memo: dict[Any, int] = {}
+
+        def num(x: Any) -> int:
+            if x not in memo:
+                memo[x] = int(sympy.sympify(x).xreplace({k: sympy.Integer(v) for k, v in values.items()}))
+            return memo[x]
+
+        out = []
+        for o, live, _ in self.live(step, every=True):
+            out.append((o.phase, o.where or None,
+                        {c: sum(num(x) * n for x, n in part.items()) for c, part in zip(CATEGORIES, live,
+                                                                                        strict=True)}))
+        return out
+
+
+class _StepRecorder(Recorder):
+    """The forward recorder, plus live storages with symbolic bytes, phases and the tracker's labels."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.by_key: dict[int, int] = {}
+        self.items: list[dict[str, Any]] = []  # per storage: raw nbytes, labels, dtype, op, where, module, ...
+        self.events: list[tuple[Any, ...]] = []
+        self.step_no, self.phase, self.where_now, self.module_now = 1, "start", "", ""
+        self.param_names: dict[int, str] = {}
+        self.last_param = ""
+        self.closed = False
+        self.observe = self._after
+
+    # registration
+    def new(self, t: Any, op: str | None) -> int:
+        st = t.untyped_storage()
+        n = st.nbytes()
+        raw = n.node.expr if hasattr(n, "node") else int(n)
+        sid = len(self.items)
+        where = self.where_now if op is not None else ""
+        self.items.append({"raw": raw, "raw0": raw, "labels": set(), "dtype": dtype_name(t.dtype), "op": op,
+                           "where": where, "module": self.module_now if op is not None else "", "step": self.step_no,
+                           "phase": self.phase if op is not None else "start"})
+        key = st._cdata
+        f = weakref.finalize(st, self._freed, key, sid)
+        f.atexit = False
+        self.items[-1]["finalizer"] = f
+        self.by_key[key] = sid
+        return sid
+
+    def _freed(self, key: int, sid: int) -> None:
+        if self.closed:
+            return
+        if self.by_key.get(key) == sid:
+            del self.by_key[key]
+            self.param_names.pop(key, None)  # the address may be reused by another storage
+        self.events.append(("free", sid))
+
+    def register(self, tensors: Any, category: str) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            key = storage_key(t)
+            sid = self.by_key.get(key)
+            if sid is None:
+                sid = self.new(t, None)
+                self.events.append(("start", sid))
+            self.items[sid]["labels"].add(category)
+
+    def label(self, tensors: Any, category: str) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            try:
+                sid = self.by_key.get(storage_key(t))
+            except (RuntimeError, NotImplementedError):
+                continue
+            if sid is not None:
+                self.items[sid]["labels"].add(category)
+
+    def _after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        op = str(func)
+        if op.startswith("profiler."):
+            return
+        births: list[int] = []
+        resized: list[tuple[int, Any]] = []
+        inputs: set[int] | None = None
+        outs = list(_leaves(out))
+        for t in outs:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = st._cdata
+            sid = self.by_key.get(key)
+            if sid is None:
+                if inputs is None:
+                    inputs = set()
+                    for a in _leaves([args, kwargs]):
+                        try:
+                            inputs.add(storage_key(a))
+                        except (RuntimeError, NotImplementedError):
+                            pass
+                sid = self.new(t, op)
+                if key in inputs and op not in _BIRTH_OPS:
+                    self.items[sid]["labels"].add("external")
+                births.append(sid)
+            else:
+                n = st.nbytes()
+                raw = n.node.expr if hasattr(n, "node") else int(n)
+                if raw != self.items[sid]["raw"]:
+                    resized.append((sid, raw))
+                    self.items[sid]["raw"] = raw
+        where = self.where_now
+        if self.phase in ("step", "zero_grad") and self.param_names:
+            if op.startswith("aten._foreach") or op.startswith("aten._fused"):
+                where = "foreach"
+            else:
+                # an op on a parameter's tensors serves that parameter, and what it makes belongs to it; one on
+                # none of them (Adam's step count, made from a Python number) to the parameter served last
+                name = None
+                for a in _leaves([args, kwargs]):
+                    try:
+                        name = self.param_names.get(storage_key(a))
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    if name is not None:
+                        break
+                where = name if name is not None else self.last_param
+                self.last_param = where
+                for t in outs:
+                    try:
+                        self.param_names.setdefault(storage_key(t), where)
+                    except (RuntimeError, NotImplementedError):
+                        pass
+        elif self.phase in ("forward", "loss"):
+            where = self.current
+        self.events.append(("op", self.step_no, self.phase, op, where,
+                            self.current if self.phase in ("forward", "loss") else self.module_now,
+                            tuple(births), tuple(resized)))
+
+    @contextmanager
+    def in_phase(self, step: int, phase: str) -> Iterator[None]:
+        self.step_no, self.phase, self.where_now, self.module_now = step, phase, "", ""
+        try:
+            yield
+        finally:
+            self.where_now = self.module_now = ""
+
+    # autograd hooks, as the tracker's
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        import torch
+
+        def pack(t: Any) -> Any:
+            self.label([t], "saved")
+            return self._pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            yield
+
+    def watch_backward(self, root: Any) -> list[Any]:
+        handles: list[Any] = []
+        seen: set[int] = set()
+        todo = [root.grad_fn] if root.grad_fn is not None else []
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            name = node.name().removeprefix("torch::autograd::")
+
+            def pre(grad_outputs: Any, name: str = name, node: Any = node) -> None:
+                self.where_now = name
+                self.module_now = node.metadata.get(_MODULE_KEY, self.module_now)
+                self.label(_leaves(grad_outputs), "activation_grad")
+
+            def post(grad_inputs: Any, grad_outputs: Any) -> None:
+                self.label(_leaves(grad_inputs), "activation_grad")
+
+            handles.append(node.register_prehook(pre))
+            handles.append(node.register_hook(post))
+            todo.extend(n for n, _ in node.next_functions)
+        return handles
+
+    @contextmanager
+    def tagging(self) -> Iterator[None]:
+        """Tag each module output's autograd node with the module (the innermost), for the backward's names."""
+        handles = []
+
+        def post(name: str) -> Callable[..., None]:
+            def hook(mod: Any, args: Any, out: Any) -> None:
+                for t in _leaves(out):
+                    if getattr(t, "grad_fn", None) is not None:
+                        t.grad_fn.metadata.setdefault(_MODULE_KEY, name)
+            return hook
+
+        for name, sub in self.module.named_modules():
+            handles.append(sub.register_forward_hook(post(name)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def close(self) -> None:
+        if not self.closed:
+            for it in self.items:
+                it["finalizer"].detach()
+            self.closed = True
+
+    def record(self, convert: Callable[[Any], Any], layers: Mapping[str, int] | None, count: int | None,
+               notes: list[str], guards: list[Any]) -> StepRecord:
+        self.close()
+        memo: dict[Any, Any] = {}
+
+        def conv(raw: Any) -> Any:
+            if raw not in memo:
+                memo[raw] = convert(raw)
+            return memo[raw]
+
+        storages = []
+        for sid, it in enumerate(self.items):
+            labels = it["labels"]
+            cat = min(labels, key=_RANK.__getitem__) if labels else "temporary"
+            storages.append(LiveStorage(sid, conv(it["raw0"]), cat, it["dtype"],
+                                        it["op"], it["where"], it["module"], it["step"], it["phase"]))
+        start: list[int] = []
+        freed_first: list[int] = []
+        ops: list[StepOp] = []
+        pending: list[int] = []
+        for ev in self.events:
+            if ev[0] == "start":
+                start.append(ev[1])
+            elif ev[0] == "free":
+                if ops:
+                    pending.append(ev[1])
+                else:
+                    freed_first.append(ev[1])
+            else:
+                if ops and pending:
+                    ops[-1] = _with_freed(ops[-1], pending)
+                pending = []
+                _, step, phase, op, where, module, born, resized = ev
+                ops.append(StepOp(len(ops), step, phase, op, where, module, born, (),
+                                  tuple((s, conv(r)) for s, r in resized)))
+        if ops and pending:
+            ops[-1] = _with_freed(ops[-1], pending)
+        return StepRecord(tuple(storages), tuple(start), tuple(ops), tuple(freed_first), layers, count,
+                          tuple(notes), tuple(guards))
+
+
+def _with_freed(o: StepOp, freed: list[int]) -> StepOp:
+    return StepOp(o.index, o.step, o.phase, o.op, o.where, o.module, o.born, o.freed + tuple(freed), o.resized)
+
+
+def make_optimizer(params: Sequence[Any], optimizer: str, impl: str) -> Any:
+    """The optimizer :func:`symmem.tracker.make_optimizer` builds (the same hyperparameters)."""
+    if optimizer not in OPTIMIZERS:
+        raise SymmemError(f"the step of a traced module runs torch.optim: optimizer must be one of "
+                          f"{', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if impl not in IMPLS:
+        raise SymmemError(f"optimizer implementation must be one of {', '.join(IMPLS)}, got {impl!r}")
+    from ..tracker import make_optimizer as real
+
+    return real(list(params), optimizer, impl)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step runs: the loss, the optimizer, what the loop holds, and how the module is wrapped."""
+
+    loss: str | Callable[[Any], Any] = "sum"
+    optimizer: str = "sgd"
+    impl: str = "for-loop"
+    keep_output: bool = True
+    micro_batches: int = 1
+    autocast: str | None = None
+    checkpoint: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss) and self.loss not in LOSSES:
+            raise SymmemError(f"loss must be one of {', '.join(LOSSES)} or a callable, got {self.loss!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise SymmemError(f"the step of a traced module runs torch.optim: optimizer must be one of "
+                              f"{', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.impl not in IMPLS:
+            raise SymmemError(f"optimizer implementation must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+
+
+def _loss_value(options: StepOptions, out: Any, target: Any) -> Any:
+    import torch
+
+    if callable(options.loss):
+        return options.loss(out)
+    if options.loss == "output":
+        value = getattr(out, "loss", None)
+        value = out if value is None else value
+        if not isinstance(value, torch.Tensor):
+            raise SymmemError("loss='output': the module's output is neither a tensor nor has a .loss tensor "
+                              "(Hugging Face models compute it when given labels)")
+        return value
+    if options.loss == "sum":
+        return out.sum()
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],
+                options: StepOptions, *, device: str = "cpu", replay: list[tuple[str, Any]] | None = None,
+                multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (),
+                layers: tuple[str, tuple[str, ...], int] | None = None) -> StepRecord:
+    """One training step (forward, loss, backward, two optimizer steps, zero_grad) of ``module`` on fake tensors
+    whose declared sizes are symbolic (those in ``concrete`` at their ``values``).  ``layers`` =
+    (container, children, count) writes the run of repeated children out ``count`` times; ``replay`` answers
+    the forward's value reads (from a real forward at the example sizes)."""
+    import torch
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides
+    from .guards import GuardLog, collect
+    from .hf import eager_predicates
+    from .runs import _input_names, _keys, converter, resized, tidy
+    from .wrap import autocasting, checkpointed, with_layers
+
+    notes: list[str] = []
+    world = make_world(values, multiple_of=multiple_of, concrete=concrete)
+    mapping = world.mapping(symbols)
+    at = resized(inputs, values) if concrete else inputs
+    with ExitStack() as stack:
+        index: dict[str, int] | None = None
+        if layers is not None:
+            container, children, count = layers
+            index = stack.enter_context(with_layers(module, container, children, count))
+            if count > len(children):
+                replay = None  # copies of a layer may read values the real forward never read
+        with world.mode:
+            fin = fake_inputs(world, at, device)
+            params, buffers = fake_state(module, device)
+        pkeys = _keys([*params.items(), *buffers.items()])
+        rec = _StepRecorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
+                            replay=replay if replay is not None else [],
+                            default_read=True if replay is None else None, shape_env=world.env,
+                            opaque=opaque_ops())
+        world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
+        args, kwargs = at.rebuild(fin)
+        trainable = [p for p in params.values() if p.requires_grad]
+        opt = make_optimizer(trainable, options.optimizer, options.impl)
+        names = {id(p): n for n, p in params.items()}
+        rec.register(params.values(), "parameter")
+        rec.register(buffers.values(), "buffer")
+        rec.register([t for t in _leaves([args, kwargs])], "input")
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: rec.label([p.grad], "gradient"))
+                      for p in trainable]
+        stack.callback(lambda: [h.remove() for h in grad_hooks])
+        if options.checkpoint:
+            stack.enter_context(checkpointed(module, options.checkpoint if layers is None else
+                                             _checkpointed_children(options.checkpoint, layers, index)))
+        stack.enter_context(_reparametrize_module(module, {**params, **buffers}, tie_weights=True))
+        stack.enter_context(rec._module_hooks())
+        stack.enter_context(rec.tagging())
+        functions, ops = rec._modes()
+        rec._peek = torch.autograd._get_sequence_nr
+        stack.enter_context(functions)
+        stack.enter_context(ops)
+        stack.enter_context(world.mode)
+        stack.enter_context(eager_predicates())
+        target = None
+        for _ in range(options.micro_batches):
+            rec.reads = []
+            with rec.in_phase(1, "forward"), rec.saving(), autocasting(options.autocast, device):
+                out = rec._guarded(functools.partial(module, *args, **kwargs))
+            with rec.in_phase(1, "loss"), rec.saving(), autocasting(options.autocast, device):
+                if options.loss == "cross-entropy" and target is None:
+                    rec.quiet = True
+                    try:
+                        target = torch.empty(tuple(out.shape[:-1]), dtype=torch.long, device=device)
+                    finally:
+                        rec.quiet = False
+                    rec.register([target], "input")
+                    rec.events.insert(0, rec.events.pop())  # the target exists from the start, as the batch
+                value = _loss_value(options, out, target)
+                if not options.keep_output:
+                    out = None
+            with rec.in_phase(1, "backward"):
+                rec.label([*(_leaves(out) if out is not None else []), value], "output")
+                handles = rec.watch_backward(value)
+                rec._guarded(value.backward)
+                for h in handles:
+                    h.remove()
+                rec.label([p.grad for p in trainable], "gradient")
+                del out, value, handles
+        for step in (1, 2):
+            with rec.in_phase(step, "step"):
+                rec.param_names, rec.last_param = {}, ""
+                for p in trainable:
+                    for t in (p, p.grad, *opt.state.get(p, {}).values()):
+                        if isinstance(t, torch.Tensor):
+                            rec.param_names[storage_key(t)] = names[id(p)]
+                rec._guarded(opt.step)
+                rec.label([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+                          "optimizer_state")
+        with rec.in_phase(2, "zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        del opt, trainable, params, buffers, fin, args, kwargs, target
+    guards = collect(world.env, mapping, tidy)
+    convert = converter(world.env, mapping)
+    notes += rec.assumed
+    return rec.record(convert, index, layers[2] if layers is not None else None, notes, guards)
+
+
+def _checkpointed_children(children: Sequence[str], layers: tuple[str, tuple[str, ...], int],
+                           index: Mapping[str, int] | None) -> tuple[str, ...]:
+    """The children to checkpoint once the repeat is written out: every child of the run if the original run's
+    children were checkpointed, plus any other child named."""
+    run = set(layers[1])
+    others = tuple(c for c in children if c not in run)
+    return (*others, *(index or {} if run & set(children) else ()))

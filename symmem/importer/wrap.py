@@ -1,0 +1,214 @@
+"""Run a module the way it is trained: autocast, activation checkpointing of its repeated blocks, a layer count.
+
+The same wrappers apply to every run of a trace (the real check, the fake forward, the fake training step) and
+can be applied by hand to a real module, so that a measurement sees the same code path:
+
+>>> import pytest; torch = pytest.importorskip("torch")
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+>>> find_repeat(net)
+('', ('0', '1', '2'))
+>>> with checkpointed(net, ["1", "2"]):
+...     wrapped = "forward" in vars(net[1])
+>>> wrapped, "forward" in vars(net[1])
+(True, False)
+
+- :func:`autocasting`: ``torch.autocast(device, dtype)`` around the forward and the loss (``"bfloat16"`` on
+  CPU; ``"float16"`` where the device supports it);
+- :func:`checkpointed`: each named child's ``forward`` runs under
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: it keeps only what the checkpoint saves (its
+  inputs) and is recomputed when its backward starts;
+- :func:`with_layers`: a run of identical children (a repeat) written out ``count`` times: the first ``count``
+  of them, or all of them and copies of the last (copies hold ``meta`` parameters, which a fake run replaces;
+  an integer attribute ``layer_idx`` is renumbered, as Hugging Face caches index layers by it, and a
+  ``config.num_hidden_layers`` equal to the container's length follows it).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import SymmemError
+
+AUTOCAST = ("bfloat16", "float16")
+#: attributes that number a layer inside its stack (Hugging Face attention modules index their cache by it)
+LAYER_INDEX = ("layer_idx",)
+#: configuration attributes that count the layers (Hugging Face caches make one slot per layer)
+LAYER_COUNT = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def autocast_dtype(name: str | None) -> Any:
+    """The torch dtype of an ``autocast=`` option (None: no autocast)."""
+    if name is None or name in ("none", "off", False):
+        return None
+    import torch
+
+    if name not in AUTOCAST:
+        raise SymmemError(f"autocast must be one of {', '.join(AUTOCAST)} (or None), got {name!r}")
+    return getattr(torch, name)
+
+
+@contextmanager
+def autocasting(name: str | None, device: str = "cpu") -> Iterator[None]:
+    """``torch.autocast(device, dtype=name)`` while active (nothing for None)."""
+    dtype = autocast_dtype(name)
+    if dtype is None:
+        yield
+        return
+    import torch
+
+    with torch.autocast(device_type=device.split(":")[0], dtype=dtype):
+        yield
+
+
+def _checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+@contextmanager
+def checkpointed(module: Any, children: Sequence[str]) -> Iterator[None]:
+    """Run each named submodule under non-reentrant activation checkpointing while active."""
+    subs = []
+    for path in children:
+        try:
+            sub = module.get_submodule(path)
+        except AttributeError:
+            raise SymmemError(f"checkpoint: {type(module).__name__} has no submodule {path!r}") from None
+        if "forward" in vars(sub):
+            raise SymmemError(f"checkpoint: {path!r} already has its own forward attribute")
+        subs.append(sub)
+    try:
+        for sub in subs:
+            sub.forward = functools.partial(_checkpoint, type(sub).forward.__get__(sub))
+        yield
+    finally:
+        for sub in subs:
+            vars(sub).pop("forward", None)
+
+
+def _signature(child: Any) -> tuple[Any, ...]:
+    return (type(child), tuple((n, tuple(p.shape), p.dtype) for n, p in child.named_parameters()))
+
+
+def find_repeat(module: Any) -> tuple[str, tuple[str, ...]]:
+    """The longest run of consecutive children of one ``ModuleList``/``Sequential`` with the same class and
+    parameter shapes (the most parameters on a tie): ``(container path, child paths)``.  A traced module's
+    repeated blocks (what ``checkpoint="full"`` wraps) are found this way, before tracing."""
+    import torch
+
+    best: tuple[int, int, str, tuple[str, ...]] | None = None
+    for path, container in module.named_modules():
+        if not isinstance(container, torch.nn.ModuleList | torch.nn.Sequential) or len(container) < 2:
+            continue
+        names = [n for n, _ in container.named_children()]
+        sigs = [_signature(c) for _, c in container.named_children()]
+        i = 0
+        while i < len(names):
+            j = i + 1
+            while j < len(names) and sigs[j] == sigs[i]:
+                j += 1
+            if j - i >= 2:
+                child = container.get_submodule(names[i])
+                size = sum(p.numel() for p in child.parameters()) * (j - i)
+                run = tuple(f"{path}.{n}" if path else n for n in names[i:j])
+                key = (j - i, size, path, run)
+                if best is None or key[:2] > best[:2]:
+                    best = key
+            i = j
+    if best is None:
+        raise SymmemError(f"{type(module).__name__} has no run of identical children in a ModuleList or "
+                          "Sequential to checkpoint; name the children: checkpoint=['layers.0', ...]")
+    return best[2], best[3]
+
+
+def _copy(child: Any) -> Any:
+    """A copy of ``child`` whose parameters and buffers are ``meta`` tensors (no memory is copied)."""
+    import torch
+
+    memo: dict[int, Any] = {}
+    for p in child.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in child.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(child, memo)
+
+
+@contextmanager
+def with_layers(module: Any, container: str, children: Sequence[str], count: int) -> Iterator[dict[str, int]]:
+    """The run ``children`` of ``container`` written out ``count`` times while active; yields new child path ->
+    index in the run.  Children outside the run stay where they are."""
+    import torch
+
+    parent = module.get_submodule(container) if container else module
+    if not isinstance(parent, torch.nn.ModuleList | torch.nn.Sequential):
+        raise SymmemError(f"{container!r} is not a ModuleList or Sequential")
+    names = [n for n, _ in parent.named_children()]
+    local = [c[len(container) + 1:] if container else c for c in children]
+    if not all(n.isdigit() for n in names) or any(n not in names for n in local):
+        raise SymmemError(f"the children of {container!r} are not numbered: its layer count cannot be changed")
+    first, last = names.index(local[0]), names.index(local[-1])
+    originals = [parent[int(n)] for n in names]
+    run = originals[first:last + 1]
+    if count <= len(run):
+        new_run = run[:count]
+    else:
+        new_run = list(run) + [_copy(run[-1]) for _ in range(count - len(run))]
+        base = _index(run[-1])
+        for k, child in enumerate(new_run[len(run):], start=1):
+            if base is not None:
+                _renumber(child, base + k)
+    layers = originals[:first] + new_run + originals[last + 1:]
+    saved = dict(parent._modules)
+    configs = _layer_counts(module, len(originals))
+    parent._modules.clear()
+    for i, m in enumerate(layers):
+        parent._modules[str(i)] = m
+    for cfg, attr in configs:
+        setattr(cfg, attr, len(layers))
+    prefix = f"{container}." if container else ""
+    try:
+        yield {f"{prefix}{first + k}": k for k in range(len(new_run))}
+    finally:
+        parent._modules.clear()
+        parent._modules.update(saved)
+        for cfg, attr in configs:
+            setattr(cfg, attr, len(originals))
+
+
+def _layer_counts(module: Any, count: int) -> list[tuple[Any, str]]:
+    """(config, attribute) pairs that hold the number of layers (a Hugging Face ``config.num_hidden_layers``:
+    its caches make one slot per layer), where they equal ``count``."""
+    found: list[tuple[Any, str]] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        for attr in LAYER_COUNT:
+            if getattr(cfg, attr, None) == count and isinstance(getattr(cfg, attr), int):
+                found.append((cfg, attr))
+                break
+    return found
+
+
+def _index(child: Any) -> int | None:
+    for m in child.modules():
+        for attr in LAYER_INDEX:
+            v = getattr(m, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _renumber(child: Any, index: int) -> None:
+    for m in child.modules():
+        for attr in LAYER_INDEX:
+            v = getattr(m, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(m, attr, index)

@@ -1,0 +1,480 @@
+"""Where a module to trace comes from: a SPEC string, its example inputs, and the sizes declared on them.
+
+``symmem trace SPEC`` and ``symmem verify --module SPEC`` take the same forms:
+
+- ``package.module:callable`` or ``path/to/file.py:callable``: a callable (no arguments) returning a
+  ``torch.nn.Module``, or a ``(module, example_inputs)`` pair.  A module alone needs its example inputs from
+  ``--example 2x3x32x32`` (float) or ``--example 2x8:int64`` (zeros).  A path is imported from that file with
+  :mod:`importlib`; a dotted name with :func:`importlib.import_module`.  The text is never evaluated.
+- ``hf:MODEL_TYPE``: the defaults of that ``transformers`` config class
+  (``transformers.AutoConfig.for_model(model_type)``), overridden by ``--config key=value``.  Text models are
+  built as the causal LM where transformers has one and the model type has no masked-LM head (``gpt2``,
+  ``llama``: ``AutoModelForCausalLM``), else as the base model (``bert``: ``BertModel`` with its pooler);
+  vision models (a config with ``image_size`` and ``num_channels``) as the image classifier (``vit``:
+  ``ViTForImageClassification``).  Text models get ``input_ids`` (batch 2, 8 tokens), vision ones
+  ``pixel_values`` (batch 2, the config's image size); a causal LM traced with a loss also gets ``labels``
+  (the model computes its own loss).  ``--config attn_implementation=eager`` picks the attention code.
+  A model with more than :data:`REAL_WEIGHTS_MAX` parameters is built on the ``meta`` device: no weights are
+  allocated, and the trace runs without its check forward (a note says so).
+- ``torchvision:NAME`` / ``timm:NAME``: ``torchvision.models.get_model(NAME)`` /
+  ``timm.create_model(NAME)`` with an image batch of 2 at the model's input size, where those packages import.
+
+Declared sizes (``--dims``): ``B,S`` gives each symbol its conventional position on the first tensor input --
+``B`` dimension 0; tokens ``S`` dimension 1; images ``C`` 1, ``Hi`` 2, ``Wi`` 3 -- and on the inputs built
+with the same layout (the ``labels`` of ``hf:`` causal LMs); ``B=input_ids:0,S=input_ids:1`` names the
+(input, dimension) pairs itself (an input by keyword or by position, ``B=0:0``; a symbol may be named more
+than once).
+
+>>> parse_value("12"), parse_value("0.1"), parse_value("true"), parse_value("eager")
+(12, 0.1, True, 'eager')
+>>> parse_dims("B=input_ids:0,S=input_ids:1,B=labels:0", None)
+{'B': [('input_ids', 0), ('labels', 0)], 'S': [('input_ids', 1)]}
+>>> parse_multiples("Hi=32,Wi=32")
+{'Hi': 32, 'Wi': 32}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SymmemError
+
+#: hf: models with more parameters than this are built on the meta device (no weights allocated, no check)
+REAL_WEIGHTS_MAX = 200_000_000
+#: tokens in the example batch of hf: text models
+EXAMPLE_TOKENS = 8
+#: the example batch size
+EXAMPLE_BATCH = 2
+#: conventional positions: symbol -> (dimension, the input ranks it applies to, what it means)
+CONVENTIONAL = {"B": (0, None, "the batch"), "S": (1, (2, 3), "tokens: (B, S) token ids or (B, S, H)"),
+                "C": (1, (4,), "images: (B, C, Hi, Wi)"), "Hi": (2, (4,), "images: (B, C, Hi, Wi)"),
+                "Wi": (3, (4,), "images: (B, C, Hi, Wi)")}
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_INT = re.compile(r"^[+-]?[0-9][0-9_]*$")
+_FLOAT = re.compile(r"^[+-]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]+)?$")
+_SHAPE = re.compile(r"^([0-9]+(?:x[0-9]+)*)(?::([a-z0-9]+))?$")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A module and its example inputs, from a SPEC."""
+
+    spec: str
+    module: Any
+    example_inputs: Any  # a tuple (positional) or a dict (keyword)
+    #: inputs built with the first input's layout (hf: labels): conventional dims apply to them too
+    follow: tuple[Any, ...] = ()
+    notes: tuple[str, ...] = ()
+    #: the model computes its own loss (hf: causal LM given labels)
+    loss: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def on_meta(self) -> bool:
+        return any(p.device.type == "meta" for p in self.module.parameters())
+
+
+def parse_value(text: str) -> Any:
+    """A ``--config`` value: an integer, a float, true/false, none, or the plain string (never evaluated)."""
+    t = text.strip()
+    if _INT.match(t):
+        return int(t.replace("_", ""))
+    if _FLOAT.match(t):
+        return float(t)
+    if t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    if t.lower() in ("none", "null"):
+        return None
+    return t
+
+
+def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
+    """``--config key=value`` items as a dict (later ones win)."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise SymmemError(f"--config {item!r}: expected key=value, e.g. --config n_layer=2")
+        out[key] = parse_value(value)
+    return out
+
+
+def parse_multiples(text: str | None) -> dict[str, int] | None:
+    """``Hi=32,Wi=32`` -> ``{"Hi": 32, "Wi": 32}``."""
+    if not text:
+        return None
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name.isidentifier() or not _INT.match(value) or int(value) <= 0:
+            raise SymmemError(f"--multiple-of {text!r}: expected NAME=POSITIVE_INT pairs, e.g. Hi=32,Wi=32")
+        out[name] = int(value)
+    return out
+
+
+def _first_tensor(example_inputs: Any) -> tuple[Any, Any]:
+    import torch
+
+    items = example_inputs.items() if isinstance(example_inputs, dict) else enumerate(example_inputs)
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            return key, value
+    raise SymmemError("the example inputs hold no tensor to declare sizes on")
+
+
+def parse_dims(text: str, loaded: Loaded | None) -> dict[str, list[tuple[Any, int]]]:
+    """``--dims``: ``B,S`` (conventional positions on the first tensor input) or ``B=input_ids:0,S=input_ids:1``
+    (explicit; a keyword or a position, ``B=0:0``).  The forms mix: ``B,S=input_ids:1``."""
+    if not text or not text.strip():
+        raise SymmemError("--dims names no symbol; e.g. --dims B,S or --dims B=input_ids:0,S=input_ids:1")
+    out: dict[str, list[tuple[Any, int]]] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise SymmemError(f"--dims {text!r}: an empty entry")
+        name, sep, where = part.partition("=")
+        name = name.strip()
+        if not name.isidentifier():
+            raise SymmemError(f"--dims {text!r}: {name!r} is not a symbol name")
+        if sep:
+            key, colon, dim = where.strip().rpartition(":")
+            if not colon or not key or not _INT.match(dim.strip()):
+                raise SymmemError(f"--dims {part!r}: expected NAME=INPUT:DIMENSION, e.g. S=input_ids:1")
+            key = key.strip()
+            pos: Any = int(key) if _INT.match(key) else key
+            if isinstance(pos, str) and not pos.isidentifier():
+                raise SymmemError(f"--dims {part!r}: {key!r} is neither an input keyword nor a position")
+            out.setdefault(name, []).append((pos, int(dim)))
+            continue
+        if name not in CONVENTIONAL:
+            raise SymmemError(f"--dims: {name} has no conventional position (those are "
+                              f"{', '.join(CONVENTIONAL)}); name its input and dimension: {name}=INPUT:DIMENSION")
+        if loaded is None:
+            raise SymmemError("--dims with conventional names needs the example inputs")
+        key, first = _first_tensor(loaded.example_inputs)
+        dim, ranks, what = CONVENTIONAL[name]
+        ids = first.dim() == 2 and not (first.is_floating_point() or first.is_complex())
+        if ranks is not None and (first.dim() not in ranks or (name == "S" and first.dim() == 2 and not ids)):
+            raise SymmemError(f"--dims: {name} is a position of {what}; the first tensor input {key!r} has shape "
+                              f"{tuple(first.shape)}: name its dimension, {name}={key}:DIMENSION")
+        for k in (key, *loaded.follow):
+            out.setdefault(name, []).append((k, dim))
+    if loaded is not None and loaded.follow:
+        # inputs built with the first input's layout (labels) must carry the same symbols, or the module sees
+        # a fixed-size companion of a symbolic input and the trace only holds where their sizes agree
+        key, _ = _first_tensor(loaded.example_inputs)
+        for name, pairs in out.items():
+            for d in [dim for k, dim in pairs if k == key]:
+                missing = [f for f in loaded.follow if (f, d) not in pairs]
+                if missing:
+                    raise SymmemError(f"--dims: {name} is dimension {d} of {key!r}; declare it on "
+                                      f"{', '.join(repr(m) for m in missing)} too ({name}={missing[0]}:{d}), which "
+                                      f"has the same layout, or write --dims B,S")
+    return out
+
+
+# -- loading ----------------------------------------------------------------------------------------------
+def load(spec: str, *, config: dict[str, Any] | None = None, loss: str | None = None,
+         inputs: Sequence[str] = ()) -> Loaded:
+    """The module and example inputs ``spec`` names (module docstring)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SymmemError("tracing runs PyTorch, which is not installed: pip install torch==2.13.0") from None
+    if not isinstance(spec, str) or ":" not in spec:
+        raise SymmemError(f"unknown SPEC {spec!r}: expected package.module:callable, path/to/file.py:callable, "
+                          "hf:MODEL_TYPE, torchvision:NAME or timm:NAME")
+    prefix, _, rest = spec.partition(":")
+    if config and prefix != "hf":
+        raise SymmemError("--config sets keys of a transformers config: it applies to hf:MODEL_TYPE only")
+    if prefix == "hf":
+        if inputs:
+            raise SymmemError("--example gives example inputs to a callable that returns a module alone; hf: models "
+                              "get theirs from the config")
+        return _hf(spec, rest, config or {}, loss)
+    if loss is not None:
+        raise SymmemError(f"--loss {loss}: only hf: causal language models take it (they compute the loss from "
+                          "labels); compute your module's loss inside its forward instead")
+    if prefix in ("torchvision", "timm"):
+        if inputs:
+            raise SymmemError(f"--example: {prefix}: models get an image batch at their own input size")
+        return _vision_zoo(spec, prefix, rest)
+    return _callable(spec, inputs)
+
+
+def _vision_zoo(spec: str, package: str, name: str) -> Loaded:
+    import torch
+
+    try:
+        lib = importlib.import_module(package)
+    except Exception as exc:  # ImportError, or a build that does not match this torch
+        raise SymmemError(f"{spec}: {package} is not importable here ({type(exc).__name__}: "
+                          f"{_first_line(exc)}); install a {package} built for this torch, or trace the module "
+                          "through package.module:callable") from None
+    if not name:
+        raise SymmemError(f"{spec}: name a model, e.g. {package}:resnet18")
+    try:
+        if package == "torchvision":
+            module = lib.models.get_model(name, weights=None)
+            size = (3, 224, 224)
+        else:
+            module = lib.create_model(name, pretrained=False)
+            size = tuple(getattr(module, "pretrained_cfg", {}).get("input_size", (3, 224, 224)))
+    except Exception as exc:
+        raise SymmemError(f"{spec}: {package} cannot build {name!r}: {_first_line(exc)}") from None
+    g = torch.Generator().manual_seed(0)
+    return Loaded(spec, module, (torch.randn(EXAMPLE_BATCH, *size, generator=g),))
+
+
+def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
+    import torch
+
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr or not _NAME.match(attr):
+        raise SymmemError(f"unknown SPEC {spec!r}: expected package.module:callable or path/to/file.py:callable")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise SymmemError(f"{spec}: no file {where}")
+        name = f"symmem_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+        try:
+            found = importlib.util.spec_from_file_location(name, path)
+            if found is None or found.loader is None:
+                raise ImportError(f"cannot load {where}")
+            mod = importlib.util.module_from_spec(found)
+            sys.modules[name] = mod
+            found.loader.exec_module(mod)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise SymmemError(f"{spec}: {where} does not import: {type(exc).__name__}: {_first_line(exc)}") from None
+    else:
+        if not _NAME.match(where):
+            raise SymmemError(f"unknown SPEC {spec!r}: {where!r} is not a module path (package.module) or a .py file")
+        try:
+            mod = importlib.import_module(where)
+        except Exception as exc:
+            raise SymmemError(f"{spec}: module {where!r} does not import: {type(exc).__name__}: "
+                              f"{_first_line(exc)}") from None
+    target: Any = mod
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            known = sorted(n for n, v in vars(mod).items() if not n.startswith("_") and callable(v)
+                           and getattr(v, "__module__", None) == mod.__name__)
+            raise SymmemError(f"{spec}: {where} has no {attr!r}; its callables: {', '.join(known[:12]) or 'none'}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise SymmemError(f"{spec}: {attr} is a {type(target).__name__}, not a callable")
+    try:
+        result = target()
+    except Exception as exc:
+        raise SymmemError(f"{spec}: calling {attr}() failed: {type(exc).__name__}: {_first_line(exc)}") from None
+    if isinstance(result, torch.nn.Module):
+        if not inputs:
+            raise SymmemError(f"{spec}: {attr}() returned a module without example inputs: give them with "
+                              "--example 2x784 (float) or --example 2x8:int64, or return (module, example_inputs)")
+        return Loaded(spec, result, tuple(_example(text) for text in inputs))
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
+        if inputs:
+            raise SymmemError(f"{spec}: {attr}() returns its example inputs; drop --example")
+        module, example = result
+        if isinstance(example, torch.Tensor):
+            example = (example,)
+        if not isinstance(example, tuple | list | dict):
+            raise SymmemError(f"{spec}: {attr}() returned example inputs of type {type(example).__name__}; expected "
+                              "a tuple (positional) or a dict (keyword) of tensors and values")
+        return Loaded(spec, module, tuple(example) if isinstance(example, list) else example)
+    raise SymmemError(f"{spec}: {attr}() returned {type(result).__name__}, not a torch.nn.Module or a "
+                      "(module, example_inputs) pair")
+
+
+def _example(text: str) -> Any:
+    """``--example 2x3x32x32`` (float32, random) or ``2x8:int64`` (zeros)."""
+    import torch
+
+    m = _SHAPE.match(text.strip())
+    if not m:
+        raise SymmemError(f"--example {text!r}: expected sizes like 2x3x32x32, optionally :int64 or :float32")
+    sizes = tuple(int(x) for x in m.group(1).split("x"))
+    dtype = getattr(torch, m.group(2) or "float32", None)
+    if not isinstance(dtype, torch.dtype):
+        raise SymmemError(f"--example {text!r}: unknown dtype {m.group(2)!r}")
+    if dtype.is_floating_point:
+        return torch.randn(sizes, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return torch.zeros(sizes, dtype=dtype)
+
+
+# -- Hugging Face ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_transformers(transformers: Any) -> Iterator[None]:
+    """transformers' own warnings (config checks, weight initialisation) off while a model is built."""
+    logging = transformers.utils.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _hf(spec: str, model_type: str, config: dict[str, Any], loss: str | None) -> Loaded:
+    import torch
+
+    try:
+        import transformers
+        from transformers.models.auto import modeling_auto
+    except Exception as exc:
+        raise SymmemError(f"{spec}: transformers is not importable here ({type(exc).__name__}: "
+                          f"{_first_line(exc)}); pip install transformers==5.23.0") from None
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, known, n=4)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. gpt2, bert, llama, vit"
+        raise SymmemError(f"unknown model type {model_type!r} for transformers {transformers.__version__}{hint}")
+    overrides = dict(config)
+    attn = overrides.pop("attn_implementation", None)
+    with _quiet_transformers(transformers):
+        default = transformers.AutoConfig.for_model(model_type)
+        for key in overrides:
+            if not hasattr(default, key):
+                keys = sorted(k for k in default.to_dict() if not k.startswith("_"))
+                close = difflib.get_close_matches(key, keys, n=3)
+                hint = f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(keys[:20])} …"
+                raise SymmemError(f"--config {key}: the {model_type} config ({type(default).__name__}) has no key "
+                                  f"{key!r}; {hint}")
+        try:
+            cfg = transformers.AutoConfig.for_model(model_type, **overrides)
+        except Exception as exc:
+            raise SymmemError(f"--config: the {model_type} config refuses {overrides}: {_first_line(exc)}") from None
+    vision = hasattr(cfg, "image_size") and hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
+    causal = (not vision and model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+              and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    if vision and model_type in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        auto = transformers.AutoModelForImageClassification
+    elif causal:
+        auto = transformers.AutoModelForCausalLM
+    else:
+        auto = transformers.AutoModel
+    if loss is not None and not causal:
+        raise SymmemError(f"--loss {loss}: hf:{model_type} is built with {auto.__name__}, not as a causal language "
+                          "model; only causal LMs compute their loss from labels here")
+    kwargs = {"attn_implementation": attn} if attn is not None else {}
+    notes = []
+    with _quiet_transformers(transformers):
+        try:
+            with torch.device("meta"):
+                module = auto.from_config(cfg, **kwargs)
+            count = sum(p.numel() for p in module.parameters())
+            if count <= REAL_WEIGHTS_MAX:
+                torch.manual_seed(0)
+                module = auto.from_config(cfg, **kwargs)
+            else:
+                notes.append(f"built on the meta device: {count:,} parameters > {REAL_WEIGHTS_MAX:,}; no weights "
+                             "allocated, no check forward")
+        except Exception as exc:
+            raise SymmemError(f"{spec}: transformers cannot build {auto.__name__}.from_config: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from None
+    g = torch.Generator().manual_seed(0)
+    if vision:
+        side = cfg.image_size
+        hi, wi = (side, side) if isinstance(side, int) else tuple(side)
+        example: dict[str, Any] = {"pixel_values": torch.randn(EXAMPLE_BATCH, cfg.num_channels, hi, wi, generator=g)}
+        follow: tuple[str, ...] = ()
+    else:
+        vocab = getattr(cfg, "vocab_size", None)
+        if not isinstance(vocab, int):
+            raise SymmemError(f"hf:{model_type}: its config has neither a vocabulary (text) nor an image size "
+                              "(vision); trace it from Python with symmem.trace")
+        tokens = EXAMPLE_TOKENS
+        limit = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(limit, int) and limit >= 2:
+            tokens = min(tokens, limit)
+        ids = torch.randint(0, vocab, (EXAMPLE_BATCH, tokens), generator=g)
+        example = {"input_ids": ids}
+        follow = ()
+        if loss is not None:
+            example["labels"] = ids.clone()
+            follow = ("labels",)
+    return Loaded(spec, module, example, follow, tuple(notes), loss if not vision else None,
+                  {"config": cfg, "class": type(module).__name__})
+
+
+def _first_line(exc: BaseException) -> str:
+    """The start of an exception's message on one line (a message ending in ':' takes its next line too)."""
+    lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return text[:300]
+
+
+# -- tracing and measuring -------------------------------------------------------------------------------
+def trace(loaded: Loaded, dims: dict[str, Any], *, method: str = "auto", check: bool = True,
+          multiple_of: dict[str, int] | None = None, device: str = "cpu", **options: Any) -> Any:
+    """:func:`symmem.tracing.trace` of a loaded module; a module that fails on fake tensors (an error that is
+    not symmem's own) is a :class:`SymmemError` naming the exception."""
+    from .tracing import trace as trace_module
+
+    try:
+        return trace_module(loaded.module, loaded.example_inputs, dims, method=method, check=check,
+                            multiple_of=multiple_of, device=device, name=loaded.spec, **options)
+    except SymmemError:
+        raise
+    except Exception as exc:
+        raise SymmemError(f"{loaded.spec} cannot be traced on fake tensors: {type(exc).__name__}: "
+                          f"{_first_line(exc)} (try --method fit, which runs real tensors)") from None
+
+
+def _tile(t: Any, dim: int, size: int) -> Any:
+    n = t.shape[dim]
+    reps = [1] * t.dim()
+    reps[dim] = -(-size // n)
+    return t.repeat(*reps).narrow(dim, 0, size).clone()
+
+
+def resized(loaded: Loaded, dims: dict[str, Any], values: dict[str, int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example inputs with every declared dimension at ``values`` (tiled: token ids and masks keep their
+    patterns), as positional and keyword arguments."""
+    import torch
+
+    from .importer.inputs import normalize_dims
+
+    wanted: dict[Any, dict[int, int]] = {}
+    for name, pairs in normalize_dims(dims).items():
+        for key, dim in pairs:
+            wanted.setdefault(key, {})[dim] = values[name]
+    ex = loaded.example_inputs
+    items = list(ex.items()) if isinstance(ex, dict) else list(enumerate(ex))
+    out = []
+    for key, value in items:
+        if isinstance(value, torch.Tensor) and key in wanted:
+            t = value.detach()
+            for dim, size in wanted[key].items():
+                t = _tile(t, dim % t.dim(), size)
+            value = t.requires_grad_(value.requires_grad) if value.is_floating_point() else t
+        out.append((key, value))
+    if isinstance(ex, dict):
+        return (), dict(out)
+    return tuple(v for _, v in out), {}
+
+
+def verify_module(loaded: Loaded, derivation: Any, dims: dict[str, Any]) -> Any:
+    """Measure one real training-mode forward of the loaded module at the derivation's numbers and compare
+    with its formula (:func:`symmem.verify.compare`)."""
+    from .verify import compare, measure
+
+    if loaded.on_meta:
+        raise SymmemError(f"{loaded.spec}: the weights are on the meta device; there is no real forward to measure")
+    numbers = {s.name: int(v) for s, v in derivation.numbers.items()}
+    args, kwargs = resized(loaded, dims, numbers)
+    return compare(derivation, measure(loaded.module, *args, **kwargs))

@@ -1,0 +1,173 @@
+"""``symmem trace SPEC`` and ``symmem verify --module SPEC``: the forms of SPEC, the output formats, and bad input.
+
+Oracle for the formulas: ``verify --module`` measures one real forward (``symmem.verify.measure``) at sizes the
+module was not traced at and compares; the tiny GPT-2 is ``hf:gpt2`` with ``--config`` overrides.  Every bad
+input is one line ``symmem: error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from symmem import sources  # noqa: E402
+from symmem.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPERS = "tests/trace_helpers.py"
+TINY_GPT2 = ["--config", "n_layer=2", "--config", "n_embd=64", "--config", "n_head=4", "--config", "vocab_size=128",
+             "--config", "n_positions=64"]
+
+
+@pytest.fixture(autouse=True)
+def _at_root(monkeypatch):
+    """SPECs name tests/trace_helpers.py relative to the repository root, and tests.trace_helpers as a module."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tf():
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gpt2_json():
+    """The tiny hf:gpt2 traced once, as JSON, at B=8, S=64 (module-scoped: shared by the tests below)."""
+    tf()
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["trace", "hf:gpt2", *TINY_GPT2, "--dims", "B,S", "--set", "B=8", "--set", "S=64",
+                     "--format", "json"])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+def test_hf_gpt2_json_is_the_derive_contract(gpt2_json):
+    d = gpt2_json
+    assert d["model"] == "hf:gpt2" and d["convention"] == "traced"
+    assert d["symbols"] == {"B": 8, "L": 2, "S": 64}
+    # SDPA with the config's dropout 0.1 runs the math kernel on the CPU: the S^2 terms are kept
+    assert d["expressions"]["activations"] == "48*B*L*S**2 + 7696*B*L*S + 776*B*S + 8*S"
+    assert d["expressions"]["input"] == "8*B*S"
+    assert d["values"]["parameters"] == 112384
+    assert "S >= 2" in d["domain"] and {"expressions", "values", "breakdown", "latex"} <= set(d)
+
+
+def test_formula_equals_a_real_forward_at_other_sizes(capsys):
+    tf()
+    code, out, err = run(capsys, "verify", "--module", "hf:gpt2", *TINY_GPT2, "--dims", "B,S", "--set", "B=3",
+                         "--set", "S=13")
+    assert code == 0 and out.rstrip().endswith("exact") and err == ""
+    assert "activations          679,328         679,328" in out
+
+
+def test_causal_lm_loss_and_explicit_dims(capsys):
+    tf()
+    code, out, _ = run(capsys, "verify", "--module", "hf:llama", "--config", "num_hidden_layers=2",
+                       "--config", "hidden_size=32", "--config", "intermediate_size=48", "--config",
+                       "num_attention_heads=4", "--config", "num_key_value_heads=2", "--config", "vocab_size=50",
+                       "--loss", "cross-entropy", "--dims", "B=input_ids:0,B=labels:0,S=input_ids:1,S=labels:1",
+                       "--set", "B=3", "--set", "S=5")
+    assert code == 0 and out.rstrip().endswith("exact"), out
+
+
+@pytest.mark.parametrize("spec", ["tests.trace_helpers:mlp_with_inputs", f"{HELPERS}:mlp_with_inputs"])
+def test_a_callable_by_module_path_or_file(capsys, spec):
+    code, out, _ = run(capsys, "trace", spec, "--dims", "B", "--optimizer", "sgd")
+    assert code == 0
+    assert out.splitlines()[0] == f"{spec} — traced from PyTorch (traced convention), FP32 + SGD"
+    # the ReLU keeps its (B, 32) output; the first Linear keeps the (B, 16) batch (input)
+    assert "activations" in out and "= 128*B" in out and "input" in out and "= 64*B" in out
+    assert "parameters                    676   = 676" in out
+
+
+def test_a_module_alone_takes_example_inputs(capsys):
+    code, out, _ = run(capsys, "trace", "tests.trace_helpers:mlp", "--example", "2x16", "--dims", "B=0:0",
+                       "--format", "latex")
+    assert code == 0 and "\\begin{align*}" in out
+
+
+def test_meta_device_for_big_configs(capsys, monkeypatch):
+    """Above REAL_WEIGHTS_MAX parameters a model is built on meta: traced without weights and without a check."""
+    tf()
+    monkeypatch.setattr(sources, "REAL_WEIGHTS_MAX", 10_000)
+    code, out, err = run(capsys, "trace", "hf:llama", "--config", "num_hidden_layers=2", "--config",
+                         "hidden_size=32", "--config", "intermediate_size=48", "--config", "num_attention_heads=4",
+                         "--config", "vocab_size=50", "--dims", "B,S")
+    assert code == 0 and "built on the meta device" in err and "no check forward" in err
+    assert "symbols: B=2, L=2, S=8" in out
+
+
+BAD = [
+    (["trace", "resnet18", "--dims", "B"], "unknown SPEC 'resnet18'"),
+    (["trace", "no_such_package.models:net", "--dims", "B"], "module 'no_such_package.models' does not import"),
+    (["trace", "tests/no_such_file.py:net", "--dims", "B"], "no file tests/no_such_file.py"),
+    (["trace", "tests.trace_helpers:not_a_module", "--dims", "B"], "returned int, not a torch.nn.Module"),
+    (["trace", "tests.trace_helpers:nothing_here", "--dims", "B"], "has no 'nothing_here'"),
+    (["trace", "tests.trace_helpers:mlp", "--dims", "B"], "without example inputs"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B=x:0"], "unknown input 'x'"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B=0:2"], "dimension 2 is out of range"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "Hi"], "Hi is a position of images"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "T"], "T has no conventional position"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--multiple-of", "B=x"], "--multiple-of"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--loss", "cross-entropy"],
+     "only hf: causal language models"),
+    (["trace", "tests.trace_helpers:data_dependent", "--dims", "B"], "size depends on the data"),
+    (["trace", "tests.trace_helpers:broken", "--dims", "B"], "mat1 and mat2 shapes cannot be multiplied"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--checkpoint", "full"],
+     "checkpointing of a traced module is traced"),
+    (["trace", "hf:gpt3", "--dims", "B,S"], "unknown model type 'gpt3'"),
+    (["trace", "hf:gpt2", "--config", "n_layers=2", "--dims", "B,S"], "has no key 'n_layers'; did you mean n_layer"),
+    (["trace", "hf:gpt2", "--config", "n_layer=two", "--dims", "B,S"], "the gpt2 config refuses"),
+    (["trace", "hf:bert", "--config", "num_hidden_layers=1", "--dims", "B,S", "--loss", "cross-entropy"],
+     "not as a causal language model"),
+    (["trace", "hf:vit", "--config", "num_hidden_layers=1", "--dims", "B,S"], "S is a position of tokens"),
+    (["trace", "hf:gpt2", *TINY_GPT2, "--loss", "cross-entropy", "--dims", "B=input_ids:0,S=input_ids:1"],
+     "declare it on 'labels' too"),
+    (["verify", "--module", "tests.trace_helpers:mlp_with_inputs"], "--module needs --dims"),
+    (["verify", "gpt2", "--dims", "B"], "apply to --module SPEC"),
+    (["verify", "--module", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--set", "L=3"], "--set L"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", BAD, ids=[" ".join(a[:3]) + f"-{i}" for i, (a, _) in enumerate(BAD)])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, fragment):
+    if argv[1].startswith("hf:"):
+        tf()
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("symmem: error: ") and err.count("\n") == 1, err
+    assert fragment in err
+
+
+@pytest.mark.parametrize("package", ["torchvision", "timm"])
+def test_vision_zoos_that_do_not_import_say_so(capsys, package):
+    try:
+        __import__(package)
+    except Exception:
+        pass
+    else:
+        pytest.skip(f"{package} imports here")
+    code, _, err = run(capsys, "trace", f"{package}:resnet18", "--dims", "B")
+    assert code == 2 and f"{package} is not importable here" in err and err.count("\n") == 1
+
+
+def test_specs_never_evaluate_text(capsys, tmp_path):
+    """A SPEC is a module path and an attribute name: an expression is refused before anything runs."""
+    marker = tmp_path / "ran"
+    code, _, err = run(capsys, "trace", f"os:system('touch {marker}')", "--dims", "B")
+    assert code == 2 and "unknown SPEC" in err and not marker.exists()
+    assert sources.parse_value("__import__('os')") == "__import__('os')"

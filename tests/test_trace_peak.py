@@ -1,0 +1,283 @@
+"""The peak of a traced module's training step (symmem.trace) against real steps (symmem.tracker.track_step), and the
+traced formulas under autocast, a bfloat16 module, activation checkpointing and at size one against real forwards.
+
+Every module is traced once at small example sizes; the formulas are compared with real PyTorch at sizes (and layer
+counts) never traced.  Tiny configs: the fake step costs ~1.5 ms per aten op.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sympy  # noqa: E402
+
+import symmem  # noqa: E402
+from symmem.importer.inputs import check_inputs  # noqa: E402
+from symmem.importer.step import StepOptions, record_step  # noqa: E402
+from symmem.importer.wrap import autocasting, checkpointed  # noqa: E402
+from symmem.tracker import track_step  # noqa: E402
+from symmem.verify import measure  # noqa: E402
+
+SEQ = {"B": [(0, 0)], "S": [(0, 1)]}
+IMAGE = {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]}
+
+
+def peaks(d, **values):
+    at = d.at(**values)
+    return at.value("peak_first_step"), at.value("peak")
+
+
+def real_peaks(module, inputs, **kw):
+    t = track_step(module, inputs, keep_output=False, **kw)
+    return t.first.bytes, t.steady.bytes
+
+
+# --- a small CNN: the peak folds to L ----------------------------------------------------------------------------
+class Net(torch.nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU()) for _ in range(n))
+        self.head = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    optimizer, impl = "adam", "for-loop"
+    torch.manual_seed(0)
+    d = symmem.trace(Net(), (torch.randn(2, 3, 8, 8),), IMAGE, optimizer=optimizer, optimizer_impl=impl,
+                     loss="cross-entropy")
+    return d, optimizer, impl
+
+
+@pytest.mark.parametrize("layers, b, hi, wi", [(6, 5, 12, 16), (2, 3, 9, 9)])
+def test_cnn_peak_equals_real_steps(cnn, layers, b, hi, wi):
+    d, optimizer, impl = cnn
+    L = symmem.symbol("L")
+    assert d.peak.has(L) and "interpolated in L" in " ".join(d.step.notes)
+    assert len(d.step.module.blocks) == 4  # the stack was written out at 4, 5 and 6 layers and put back
+    torch.manual_seed(1)
+    real = real_peaks(Net(layers), torch.randn(b, 3, hi, wi), loss="cross-entropy", optimizer=optimizer, impl=impl)
+    assert peaks(d, B=b, Hi=hi, Wi=wi, L=layers) == real
+
+
+def test_peak_moment_and_views(cnn):
+    d, _, _ = cnn
+    at = d.at(B=3, Hi=10, Wi=6, L=6)
+    moment = at.peak_at()
+    assert moment.phase == "backward" and moment.layer == "L" and moment.step == "steady"
+    assert sum(at.live_at_peak().values()) == at.value("peak")
+    timeline = at.timeline()
+    assert max(sum(v.values()) for _, _, v in timeline) == at.value("peak")
+    out = d.to_dict()
+    assert out["options"]["method"] == "symbolic" and out["values"]["peak"] == d.value("peak")
+    assert d.table().splitlines()[0].endswith("symbolic formula")  # the header says how the formula was found
+
+
+# --- Hugging Face GPT-2 with its LM loss ---------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2(layers: int = 2):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=96, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class LM(torch.nn.Module):
+    """``model(input_ids=..., labels=...)`` with positional inputs, for the tracker; the loss is HF's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):  # type: ignore[no-untyped-def]
+        return self.model(input_ids=ids, labels=labels)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    transformers.logging.set_verbosity_error()
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    dims = {"B": [("input_ids", 0), ("labels", 0)], "S": [("input_ids", 1), ("labels", 1)]}
+    return symmem.trace(gpt2(), {"input_ids": ids, "labels": ids.clone()}, dims, loss="output", optimizer="adamw",
+                        optimizer_impl="foreach")
+
+
+@pytest.mark.parametrize("b, s", [(3, 5), (4, 11)])
+def test_gpt2_peak_equals_real_steps(gpt, b, s):
+    ids = torch.randint(0, 96, (b, s), generator=torch.Generator().manual_seed(b))
+    real = real_peaks(LM(gpt2()), (ids, ids.clone()), loss=lambda out: out.loss, optimizer="adamw", impl="foreach")
+    assert peaks(gpt, B=b, S=s) == real  # L = 2: below the fold's domain, the step is recorded at 2 layers
+
+
+# --- torch.nn.TransformerEncoder: plain, checkpointed, autocast, bfloat16 --------------------------------------------
+class Encoder(torch.nn.Module):
+    def __init__(self, n: int = 2, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=dropout, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, n, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(self.proj(x))
+
+
+def encoder(n: int = 2, dtype: torch.dtype = torch.float32) -> Encoder:
+    torch.manual_seed(0)
+    return Encoder(n).to(dtype)
+
+
+class Autocast(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(x)
+
+
+def autocast_sum(out: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return out.sum()
+
+
+REGIMES = {"plain": {"optimizer": "sgd-momentum", "optimizer_impl": "foreach"},
+           "checkpoint": {"checkpoint": "full", "optimizer": "sgd"}, "autocast": {"autocast": "bfloat16",
+                                                                                 "optimizer": "adamw"},
+           "bfloat16": {"optimizer": "sgd"}}
+
+
+@pytest.fixture(scope="module", params=list(REGIMES))
+def regime(request):
+    dtype = torch.bfloat16 if request.param == "bfloat16" else torch.float32
+    d = symmem.trace(encoder(2, dtype), (torch.randn(2, 8, 8, dtype=dtype),), SEQ, **REGIMES[request.param])
+    return request.param, dtype, d
+
+
+@pytest.mark.parametrize("layers, b, s", [(2, 3, 5), (2, 4, 11)])
+def test_regimes_equal_real_forwards_and_steps(regime, layers, b, s):
+    name, dtype, d = regime
+    optimizer = REGIMES[name]["optimizer"]
+    impl = REGIMES[name].get("optimizer_impl", "for-loop")
+    m = encoder(layers, dtype)
+    x = torch.randn(b, s, 8, dtype=dtype)
+    children = [f"enc.layers.{i}" for i in range(layers)] if name == "checkpoint" else []
+    with checkpointed(m, children), autocasting("bfloat16" if name == "autocast" else None):
+        kept = measure(m, x)
+    at = d.at(B=b, S=s, L=layers)
+    assert (at.value("activations"), at.value("input")) == (kept.activations, kept.input)
+    with checkpointed(m, children):
+        if name == "autocast":
+            real = real_peaks(Autocast(m), x, loss=autocast_sum, optimizer=optimizer, impl=impl)
+        else:
+            real = real_peaks(m, x, optimizer=optimizer, impl=impl)
+    assert peaks(d, B=b, S=s, L=layers) == real
+
+
+def test_regimes_show_in_the_derivation(regime):
+    name, _, d = regime
+    L, B, S = symmem.symbol("L"), symmem.symbol("B"), symmem.symbol("S")
+    if name == "checkpoint":  # each block keeps its input, nothing else
+        assert d.activations == 32 * B * L * S and d.options["checkpoint"] == "enc.layers.0, enc.layers.1"
+    if name == "autocast":
+        assert d.options["autocast"] == "bfloat16"
+        assert any(t.dtype == "bfloat16" for t in d.terms)
+
+
+# --- size one ----------------------------------------------------------------------------------------------------
+class MHA(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x)[0]
+
+
+def test_size_one_is_exact_and_its_own_piece():
+    torch.manual_seed(0)
+    m = MHA()
+    d = symmem.trace(m, (torch.randn(2, 8, 16),), SEQ, size_one=True, optimizer="sgd")
+    B, S = symmem.symbol("B"), symmem.symbol("S")
+    assert d.activations.has(sympy.Piecewise) and d.options["size_one"] is True
+    # a reshape that copies for B >= 2 is a view at B = 1
+    assert d.activations.subs({B: 1, S: 7}) == 16 * 7**2 + 320 * 7 != (16 * 7**2 + 384 * 7)
+    assert d.domain.subs({B: 1, S: 5}) is sympy.true
+    for b, s in [(1, 3), (1, 7), (3, 5), (2, 1)]:
+        x = torch.randn(b, s, 16)
+        kept = measure(m, x)
+        at = d.at(B=b, S=s)
+        assert (at.value("activations"), at.value("input")) == (kept.activations, kept.input)
+        assert at.value("peak") == real_peaks(m, x, optimizer="sgd")[1]
+
+
+# --- the recorder itself ------------------------------------------------------------------------------------------
+def test_fake_storages_are_freed_like_real_ones():
+    """One fake step, op by op, equals the tracker's real one: weakref.finalize fires on fake storages at the same
+    moments as on real ones."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    inputs = check_inputs((torch.randn(2, 4),), {"B": [(0, 0)]})
+    B = symmem.symbol("B")
+    rec = record_step(net, inputs, {"B": 2}, {"B": B}, StepOptions(loss="cross-entropy", optimizer="adam",
+                                                                   keep_output=False))
+    real = track_step(net, torch.randn(5, 4), loss="cross-entropy", optimizer="adam", keep_output=False)
+    ours = [(phase, sum(v.values())) for phase, _, v in rec.timeline("first", {B: 5})]
+    theirs = [(r.phase, r.live) for r in real.records if r.step == 1]
+    assert ours == theirs
+
+
+class Dense(torch.nn.Module):
+    """Every layer's output is kept for one concatenation: a storage whose size grows with the layer count."""
+
+    def __init__(self, n: int = 2) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            outs.append(x)
+        return torch.cat(outs, -1)
+
+
+def test_a_step_that_does_not_fold_is_given_at_its_own_layer_count():
+    torch.manual_seed(0)
+    d = symmem.trace(Dense(), (torch.randn(2, 4),), {"B": [(0, 0)]}, optimizer="sgd")
+    L = symmem.symbol("L")
+    assert not d.peak.has(L) and "not folded" in " ".join(d.step.notes)
+    for layers, b in [(2, 3), (5, 2)]:
+        real = real_peaks(Dense(layers), torch.randn(b, 4), optimizer="sgd")
+        assert peaks(d, B=b, L=layers) == real
+
+
+def test_regimes_the_step_does_not_run_are_refused_or_absent():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    x = (torch.randn(2, 4),)
+    mixed = symmem.trace(net, x, {"B": [(0, 0)]}, precision="mixed")
+    with pytest.raises(symmem.SymmemError, match="autocast"):
+        _ = mixed.peak
+    assert not symmem.trace(net, x, {"B": [(0, 0)]}, optimizer="lion").has_peak  # not a torch.optim optimizer
+    with pytest.raises(symmem.SymmemError, match="every-K"):
+        symmem.trace(net, x, {"B": [(0, 0)]}, checkpoint="every-2")
+
+
+def test_allocated_peak_rounds_every_storage(cnn):
+    d, _, _ = cnn
+    at = d.at(B=3, Hi=10, Wi=6, L=2)
+    assert at.value("peak") <= at.peak_allocated() <= at.value("peak") + 512 * 200
+    assert at.peak_allocated() % 512 == 0
