@@ -426,6 +426,8 @@ def trace(loaded: Loaded, dims: dict[str, Any], *, method: str = "auto", check: 
     from .tracing import trace as trace_module
 
     try:
+        if loaded.loss is not None:  # the model computes its loss from the labels: the step is that loss
+            options.setdefault("loss", "output")
         return trace_module(loaded.module, loaded.example_inputs, dims, method=method, check=check,
                             multiple_of=multiple_of, device=device, name=loaded.spec, **options)
     except SymmemError:

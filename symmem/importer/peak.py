@@ -200,10 +200,17 @@ class StepPeak:
             values = {n: (1 if n in ones else v) for n, v in self.values.items()}
             layers = (self.repeat[0], self.repeat[1], count) if self.repeat is not None else None
             replay = None if ones else self.replay
-            rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
-                              replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
-                                                          if n not in ones},
-                              concrete=ones, layers=layers)
+            try:
+                rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
+                                  replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
+                                                              if n not in ones},
+                                  concrete=ones, layers=layers)
+            except SymmemError:
+                raise
+            except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise SymmemError(f"the training step of this module cannot run on fake tensors: "
+                                  f"{type(exc).__name__}: {first}") from exc
             self._check(rec, ones)
             self._records[key] = rec
         return self._records[key]

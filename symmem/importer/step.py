@@ -483,9 +483,25 @@ def _loss_value(options: StepOptions, out: Any, target: Any) -> Any:
             raise SymmemError("loss='output': the module's output is neither a tensor nor has a .loss tensor "
                               "(Hugging Face models compute it when given labels)")
         return value
+    out = _first_tensor(out)
     if options.loss == "sum":
         return out.sum()
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _first_tensor(out: Any) -> Any:
+    """The tensor a loss reduces: the output itself, or the first tensor of a tuple, list or mapping (a Hugging
+    Face ``ModelOutput``'s logits or last hidden state)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            return item
+    raise SymmemError(f"the module returns {type(out).__name__}, with no tensor to reduce for the loss: pass "
+                      "loss= a callable taking the output, or 'output' for a module that returns its loss")
 
 
 def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],
