@@ -402,6 +402,8 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
                 if d.is_Integer or d.is_Symbol:
                     continue
                 v = bad(d)
+                if v is not None and v == 0 and d.has(sympy.Piecewise):
+                    continue  # a storage that exists for some sizes only (a traced module's size-one branch)
                 if v is not None:
                     small = isinstance(v, int | Fraction) or getattr(v, "is_number", False)
                     hint = (" (the input is too small for this op)" if small and v <= 0

@@ -66,6 +66,7 @@ TORCH_OBJECTS = {
     ("symmem/importer/fit.py", "fit_trace"), ("symmem/importer/structure.py", "size"),
     ("symmem/importer/trace.py", "_totals"), ("symmem/importer/trace.py", "_differences"),
     ("symmem/importer/trace.py", "_holds"), ("symmem/importer/trace.py", "_symbolic"),
+    ("symmem/importer/step.py", "num"),
 }
 
 
