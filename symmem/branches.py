@@ -78,8 +78,8 @@ def reshape_copies(shape: Sequence[Any], broadcast: Iterable[int], new_shape: Se
     >>> reshape_copies((B, 1, h, S), {2}, (B, h, S))
     False
     """
-    old = [sympy.sympify(d) for d in shape]
-    new = [sympy.sympify(d) for d in new_shape]
+    old = [sympy.sympify(d, strict=True) for d in shape]
+    new = [sympy.sympify(d, strict=True) for d in new_shape]
     stride0 = set(broadcast)
     bounds_new = set()
     run = sympy.Integer(1)
@@ -132,10 +132,44 @@ def slice_copies(shape: Sequence[Any], dim: int) -> Any:
     >>> slice_copies((B, S, V), 1)
     Ne(B, 1)
     """
-    lead = sympy.Mul(*(sympy.sympify(d) for d in shape[:dim % len(shape)]))
+    lead = sympy.Mul(*(sympy.sympify(d, strict=True) for d in shape[:dim % len(shape)]))
     return sympy.Ne(lead, 1)
 
 
 def fold(expr: sympy.Expr) -> sympy.Expr:
-    """A sum of ``Piecewise`` terms as one ``Piecewise`` (equal branches collapse); other sums unchanged."""
-    return sympy.piecewise_fold(expr) if expr.has(sympy.Piecewise) else expr
+    """A sum of ``Piecewise`` terms as one ``Piecewise`` (equal branches collapse); other sums unchanged.
+
+    Terms whose conditions share no relation are independent: each group of terms that share one is folded on
+    its own, so k independent conditions give k ``Piecewise`` terms, not one of 2**k pieces.
+
+    >>> from symmem.symbols import B, G, S
+    >>> e = sympy.Piecewise((S, sympy.Eq(B, 1)), (2 * S, True)) + sympy.Piecewise((1, sympy.Eq(G, 1)), (2, True))
+    >>> fold(e + 3 * S)
+    3*S + Piecewise((1, Eq(G, 1)), (2, True)) + Piecewise((S, Eq(B, 1)), (2*S, True))
+    """
+    if not expr.has(sympy.Piecewise):
+        return expr
+    terms = sympy.Add.make_args(sympy.piecewise_fold(expr)) if not isinstance(expr, sympy.Add) else expr.args
+    groups: list[tuple[set[sympy.Basic], list[sympy.Expr]]] = []
+    rest: list[sympy.Expr] = []
+    for term in terms:
+        atoms = _relations(term)
+        if not atoms:
+            rest.append(term)
+            continue
+        joined = [g for g in groups if g[0] & atoms]
+        for g in joined:
+            groups.remove(g)
+        groups.append((atoms.union(*(g[0] for g in joined)), [x for g in joined for x in g[1]] + [term]))
+    if len(groups) <= 1:
+        return sympy.piecewise_fold(expr)
+    return sympy.Add(*rest, *(sympy.piecewise_fold(sympy.Add(*g[1])) for g in groups))
+
+
+def _relations(expr: sympy.Expr) -> set[sympy.Basic]:
+    """The relations (``Eq(G, 1)`` ...) in the conditions of the ``Piecewise`` terms of ``expr``."""
+    found: set[sympy.Basic] = set()
+    for pw in expr.atoms(sympy.Piecewise):
+        for _, cond in pw.args:
+            found |= {canonical(r)[0] for r in cond.atoms(Relational)}
+    return found

@@ -180,7 +180,7 @@ def from_counts(activations: int, parameters: int, input_shape: tuple[int, ...],
     return CountsReport(one_image, per_batch, correct, lower, differences, network, qa)
 
 
-_SHAPE = re.compile(r"^\s*([1-9][0-9]*)\s*[xX*]\s*([1-9][0-9]*)\s*[xX*]\s*([1-9][0-9]*)\s*$")
+_SHAPE = re.compile(r"^\s*([1-9][0-9]{0,17})\s*[xX*]\s*([1-9][0-9]{0,17})\s*[xX*]\s*([1-9][0-9]{0,17})\s*$")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

@@ -34,6 +34,7 @@ import sympy
 from .branches import fold
 from .errors import SymmemError
 from .evaluator import evaluator
+from .tensor import MAX_SIZE
 from .training import Regime
 from .units import format_bytes, to_unit
 
@@ -198,7 +199,16 @@ def positive_int(name: str, value: Any) -> int:
         raise SymmemError(f"{name} must be a positive integer, got {value!r}")
     if int(value) <= 0:
         raise SymmemError(f"{name} must be a positive integer, got {value}")
+    if int(value) > MAX_SIZE:
+        raise SymmemError(f"{name} = {_digits(int(value))} is more than the largest size PyTorch allows (2**63 - 1)")
     return int(value)
+
+
+def _digits(n: int) -> str:
+    """``n`` for a message: the number itself, or its first digits and its length when it is long."""
+    if n.bit_length() < 200:
+        return str(n)
+    return f"a {int(n.bit_length() * 0.30103) + 1}-digit number"
 
 
 @dataclass(frozen=True)
@@ -404,7 +414,7 @@ class Derivation:
                                   f"values={{{name!r}: ...}}")
         if key in ("peak", "peak_first_step"):
             return self._peak_values(key, values)
-        expr = self.expression(key) if isinstance(key, str) else sympy.sympify(key)
+        expr = self.expression(key) if isinstance(key, str) else sympy.sympify(key, strict=True)
         f = evaluator(expr)
         args = []
         for s in f.symbols:

@@ -465,7 +465,7 @@ class Evaluator:
     (by name, or positionally in the order of :attr:`symbols`)."""
 
     def __init__(self, expr: sympy.Basic, symbols: Sequence[sympy.Symbol] | None = None) -> None:
-        self.expr = sympy.sympify(expr)
+        self.expr = _expression(expr)
         self.symbols: tuple[sympy.Symbol, ...] = tuple(
             sorted(self.expr.free_symbols, key=lambda s: s.name) if symbols is None else symbols)
         # The first configuration is interpreted (a few microseconds per node of the expression); compiling costs
@@ -525,7 +525,7 @@ class Evaluator:
         except _NoBranch:
             raise SymmemError(f"{self.expr} did not evaluate to a number") from None
         value = sympy.sympify(self.expr.xreplace({s: sympy.Integer(v) for s, v in zip(self.symbols, args,
-                                                                                        strict=True)}))
+                                                                                        strict=True)}), strict=True)
         if not value.is_number or not value.is_finite:
             raise SymmemError(f"{self.expr} did not evaluate to a number")
         if not value.is_Rational:
@@ -623,4 +623,12 @@ def _cached(expr: sympy.Basic, symbols: tuple[sympy.Symbol, ...] | None) -> Eval
 def evaluator(expr: sympy.Basic, symbols: Sequence[sympy.Symbol] | None = None) -> Evaluator:
     """The compiled evaluator of ``expr`` (cached per expression and symbols); ``symbols`` fixes the order of
     positional arguments (default: the expression's free symbols by name)."""
-    return _cached(sympy.sympify(expr), None if symbols is None else tuple(symbols))
+    return _cached(_expression(expr), None if symbols is None else tuple(symbols))
+
+
+def _expression(expr: Any) -> sympy.Basic:
+    """``expr`` as a sympy object; a string is refused, never parsed (sympify would run it as Python)."""
+    try:
+        return sympy.sympify(expr, strict=True)
+    except sympy.SympifyError:
+        raise SymmemError(f"a formula is a sympy expression or a number, not {expr!r}") from None

@@ -18,12 +18,14 @@ at the boundary, ``f(max) <= budget < f(max + 1)``, in integer arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
 
 from .errors import NothingFits, SymmemError
+from .tensor import MAX_SIZE
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
@@ -33,7 +35,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Fit:
     """The largest value ``max`` of ``symbol`` whose total fits ``budget`` (bytes), with the totals either
-    side of the boundary and the polynomial it was solved from."""
+    side of the boundary and the polynomial it was solved from.
+
+    ``bound`` is the largest value whose total fits; ``max`` is the largest value up to ``bound`` that the model
+    accepts (the same unless the model refuses some values, e.g. heads that do not divide the hidden size:
+    ``refused`` then says why).  ``total_above`` is the total at ``bound + 1``, which does not fit.
+    """
 
     model: str
     convention: str
@@ -45,21 +52,35 @@ class Fit:
     formula: sympy.Expr
     #: what had to fit: ``peak`` (of a training step) or ``total``
     quantity: str = "total"
+    bound: int | None = None
+    refused: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract of ``symmem fit --format json`` (``total_at_max``/``total_above`` are the
-        quantity's bytes, the peak's where ``quantity`` is ``peak``)."""
+        quantity's bytes, the peak's where ``quantity`` is ``peak``; ``bound`` the largest value that fits,
+        ``refused`` why the model refuses the values between ``max`` and ``bound``)."""
         return {"model": self.model, "convention": self.convention, "quantity": self.quantity,
                 "symbol": self.symbol, "max": self.max, "budget": self.budget, "total_at_max": self.total_at_max,
                 "total_above": self.total_above, "headroom": self.budget - self.total_at_max,
-                "formula": str(self.formula)}
+                "formula": str(self.formula), "bound": self.max if self.bound is None else self.bound,
+                "refused": self.refused}
 
     def __str__(self) -> str:
         what = "peak of a training step" if self.quantity == "peak" else "total"
-        return (f"{self.model} ({self.convention}): largest {self.symbol} = {self.max:,} whose {what} fits "
+        bound = self.max if self.bound is None else self.bound
+        text = (f"{self.model} ({self.convention}): largest {self.symbol} = {self.max:,} whose {what} fits "
                 f"{format_bytes(self.budget)}: {self.quantity} {format_bytes(self.total_at_max)} "
-                f"({self.total_at_max:,} B); {self.symbol} = {self.max + 1:,} needs "
-                f"{format_bytes(self.total_above)} ({self.total_above:,} B)")
+                f"({self.total_at_max:,} B); ")
+        if bound != self.max:
+            span = f"{self.max + 1:,}" + ("" if bound == self.max + 1 else f" to {bound:,}")
+            text += f"{self.symbol} = {span} would fit but the model refuses it ({self.refused}); "
+        return text + (f"{self.symbol} = {bound + 1:,} needs {format_bytes(self.total_above)} "
+                       f"({self.total_above:,} B)")
+
+
+#: How many values below the budget's bound :func:`largest` tries one by one before it bisects for one the model
+#: accepts (divisibility refuses a few values in a row; a limit such as S <= 1024 refuses a long run).
+SCAN = 64
 
 
 def _budget(budget: int | str) -> int:
@@ -115,7 +136,10 @@ def _search(f: sympy.Expr, sym: sympy.Symbol, cap: int, model: str, name: str) -
     bisection on exact integer totals (f must not decrease; floors make it grow in steps)."""
     lo, hi = 1, 2
     while _total(f, sym, hi) <= cap:
-        if hi > 2**48:  # a total that never passes the budget does not grow with the symbol
+        if hi > MAX_SIZE:
+            if _total(f, sym, hi) > _total(f, sym, 1):
+                raise SymmemError(f"the budget fits {name} beyond the largest size PyTorch allows (2**63 - 1): "
+                                  f"it is no limit on {name}")
             raise SymmemError(f"the total of {model} does not grow with {name}: {f}")
         lo, hi = hi, hi * 2
     while hi - lo > 1:
@@ -124,9 +148,14 @@ def _search(f: sympy.Expr, sym: sympy.Symbol, cap: int, model: str, name: str) -
     return lo
 
 
-def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = None) -> Fit:
+def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = None,
+            accepts: Callable[[int], str | None] | None = None) -> Fit:
     """The largest positive integer value of ``name`` (``B``, ``S``, ...) whose peak (or total: ``quantity``)
-    fits ``budget``; :class:`~symmem.errors.NothingFits` when not even 1 does."""
+    fits ``budget``; :class:`~symmem.errors.NothingFits` when not even 1 does.
+
+    ``accepts(value)`` says why the model refuses ``value`` for ``name`` (None: accepted; see
+    :func:`symmem.engine.acceptor`); the answer is then the largest accepted value that fits.
+    """
     cap = _budget(budget)
     quantity = quantity or default_quantity(d)
     sym, f = polynomial(d, name, quantity)
@@ -152,7 +181,33 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
         best -= 1
     while _total(f, sym, best + 1) <= cap:
         best += 1
-    return Fit(d.model, d.convention, name, best, cap, _total(f, sym, best), _total(f, sym, best + 1), f, quantity)
+    if best > MAX_SIZE:
+        raise SymmemError(f"the budget {format_bytes(cap)} fits {name} beyond the largest size PyTorch allows "
+                          f"(2**63 - 1): it is no limit on {name}")
+    chosen, refused = best, None
+    if accepts is not None:
+        chosen, refused = _accepted(accepts, best, d.model, name)
+    return Fit(d.model, d.convention, name, chosen, cap, _total(f, sym, chosen), _total(f, sym, best + 1), f,
+               quantity, best, refused)
+
+
+def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name: str) -> tuple[int, str | None]:
+    """The largest value up to ``best`` that ``accepts`` takes, and why ``best`` was refused (None if it was
+    not): the values just below one by one, then a bisection for the largest accepted value (for a limit)."""
+    why = accepts(best)
+    if why is None:
+        return best, None
+    lowest = max(1, best - SCAN + 1)
+    for x in range(best - 1, lowest - 1, -1):
+        if accepts(x) is None:
+            return x, why
+    lo, hi = 1, lowest  # hi is refused
+    if lowest == 1 or accepts(lo) is not None:
+        raise SymmemError(f"{model} accepts no value of {name} up to {best:,} that fits: {why}")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if accepts(mid) is None else (lo, mid)
+    return lo, why
 
 
 def _root(poly: sympy.Poly, sym: sympy.Symbol, cap: int) -> int:

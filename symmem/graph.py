@@ -131,8 +131,26 @@ class Graph(DiGraph):
         return self.graph["blocks"]
 
     @property
-    def assumptions(self) -> list[tuple[str, sympy.Expr, sympy.Expr]]:
+    def assumptions(self) -> list[tuple[str, sympy.Basic, sympy.Expr | None]]:
         return self.graph["assumptions"]
+
+    def assume(self, node: str, condition: Any, rhs: Any = None) -> None:
+        """Record what ``node`` needs of the symbols' values, checked with numbers when the model is derived.
+
+        ``assume(node, lhs, rhs)``: ``lhs = rhs``; ``assume(node, condition)``: a sympy relation or a
+        combination of relations, such as ``sympy.Le(p, L)`` or ``sympy.Eq(sympy.Mod(H, h), 0)`` (h divides H).
+        """
+        if node not in self:
+            raise SymmemError(f"an assumption names node {node!r}, which is not in the graph")
+        if rhs is None:
+            cond = _symbolic(f"the assumption of node {node!r}", condition)
+            if not isinstance(cond, sympy.logic.boolalg.Boolean) or isinstance(cond, sympy.Symbol):
+                raise SymmemError(f"the assumption of node {node!r} must be a relation such as Le(p, L), "
+                                  f"got {condition!r}")
+            self.assumptions.append((node, cond, None))
+        else:
+            self.assumptions.append((node, _symbolic(f"the assumption of node {node!r}", condition),
+                                     _symbolic(f"the assumption of node {node!r}", rhs)))
 
     def order(self) -> tuple[str, ...]:
         """Node names in a topological order (inputs first), computed once per graph size.
@@ -315,6 +333,17 @@ class GraphBuilder:
             self.graph.assumptions.append((full, lhs, rhs))
         return full
 
+    def assume(self, condition: Any, rhs: Any = None, node: str | None = None) -> None:
+        """What the model needs of its symbols' values (``h`` divides ``H``, ``S <= 1024``), checked with numbers
+        when it is derived; ``node`` (default: the last node added) is named when the values break it.  See
+        :meth:`Graph.assume`."""
+        if node is None:
+            order = list(self.graph.nodes)
+            if not order:
+                raise SymmemError("an assumption needs a node to name: add one first")
+            node = order[-1]
+        self.graph.assume(node, condition, rhs)
+
     @contextmanager
     def repeat(self, name: str, count: Any, source: str, input_role: str | None = None
                ) -> Iterator[_RepeatHandle]:
@@ -325,10 +354,15 @@ class GraphBuilder:
         """
         if self._block is not None:
             raise SymmemError(f"repeat {name!r} is nested inside {self._block.name!r}; nest by flattening")
-        if isinstance(count, str | bool | float):
+        if isinstance(count, str | bool | float) or count is None:
             raise SymmemError(f"repeat {name!r}: count {count!r} is not a positive integer or a symbol")
-        count = sympy.sympify(count, strict=True)
-        if count.is_number and not (count.is_integer and count >= 1):
+        try:
+            count = sympy.sympify(count, strict=True)
+        except sympy.SympifyError:
+            raise SymmemError(f"repeat {name!r}: count {count!r} is not a positive integer or a symbol") from None
+        if not isinstance(count, sympy.Expr) or count.is_positive is False or count.is_integer is False or (
+                count.is_number and not (count.is_integer and count >= 1)):
+            # a count that cannot be positive (-L) or an integer (L/2 is checked with numbers when derived)
             raise SymmemError(f"repeat {name!r}: count {count} is not a positive integer")
         if name in self.graph.blocks:
             raise SymmemError(f"repeat {name!r} is defined twice")
@@ -429,9 +463,12 @@ def _symbolic(what: str, value: Any) -> sympy.Expr:
     if isinstance(value, str | bool) or value is None:
         raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}")
     try:
-        return sympy.sympify(value, strict=True)
+        e = sympy.sympify(value, strict=True)
     except sympy.SympifyError:
         raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}") from None
+    if not isinstance(e, sympy.Basic):
+        raise SymmemError(f"{what} must be a number or a sympy expression, not {value!r}")
+    return e
 
 
 @dataclass(frozen=True)
@@ -459,6 +496,9 @@ class Model:
             if not isinstance(sym, sympy.Symbol):
                 raise SymmemError(f"model {self.name!r}: default keys must be sympy symbols, got {sym!r}")
             defaults[sym] = _symbolic(f"model {self.name!r}: the default of {sym}", value)
+            if not isinstance(defaults[sym], sympy.Expr):
+                raise SymmemError(f"model {self.name!r}: the default of {sym} must be a number or an expression, "
+                                  f"not {value!r}")
         object.__setattr__(self, "defaults", defaults)
         free = tuple(self.free)
         for sym in free:

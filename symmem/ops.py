@@ -45,15 +45,16 @@ class OpInfo:
     """What a rule infers: the output, the parameters (name -> shape), and whether the output is a view.
 
     ``view_of`` is the index of the input whose storage the output shares (a view), or None for a new
-    storage.  ``assumptions`` are pairs of expressions the rule could not prove equal; the graph keeps them and
-    checks them with numbers.  ``facts`` are the storage decisions the rule took from its inputs' strides (module
-    docstring): each True, False or a condition on the sizes (``Ne(G, 1) & Ne(h/G, 1)``; :mod:`symmem.branches`).
+    storage.  ``assumptions`` are what the rule could not decide without numbers: pairs of expressions that
+    must be equal, or ``(condition, None)`` (a slice's ``stop <= size``); the graph keeps them and checks them
+    with numbers.  ``facts`` are the storage decisions the rule took from its inputs' strides (module docstring):
+    each True, False or a condition on the sizes (``Ne(G, 1) & Ne(h/G, 1)``; :mod:`symmem.branches`).
     """
 
     out: TensorSpec
     params: Mapping[str, tuple[sympy.Expr, ...]] = field(default_factory=dict)
     view_of: int | None = None
-    assumptions: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
+    assumptions: tuple[tuple[sympy.Basic, sympy.Expr | None], ...] = ()
     #: state the module keeps that is not learned (batch norm's running statistics): name -> spec
     buffers: Mapping[str, TensorSpec] = field(default_factory=dict)
     facts: Mapping[str, Any] = field(default_factory=dict)
@@ -189,7 +190,12 @@ def _sym(x: Any) -> sympy.Expr:
         raise OpError(f"values are ints or sympy expressions, not the string {x!r}")
     if isinstance(x, bool) or x is None:
         raise OpError("not a number or a sympy expression")
-    return sympy.sympify(x, strict=True)
+    e = sympy.sympify(x, strict=True)
+    if not isinstance(e, sympy.Expr):  # a condition, a tuple: not a size
+        raise OpError(f"not a number or a sympy expression: {x!r}")
+    if e.has(sympy.nan, sympy.oo, -sympy.oo, sympy.zoo):
+        raise OpError(f"not a finite number: {x!r}")
+    return e
 
 
 def _is_dim(x: Any) -> None:
@@ -329,6 +335,16 @@ def _dim(t: TensorSpec, d: int) -> int:
     return d % t.rank
 
 
+def _reduce_dim(t: TensorSpec, d: int) -> int | None:
+    """``_dim`` for ops that take a dimension of a 0-dim tensor too (softmax, mean: PyTorch wraps dims of a scalar
+    as if it had one dimension); None for a scalar."""
+    if t.rank == 0:
+        if d not in (-1, 0):
+            raise OpError(f"dimension {d} is out of range for a 0-dim tensor")
+        return None
+    return _dim(t, d)
+
+
 def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str | Callable[[], str]
               ) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
     """() when ``a`` = ``b``, the pair as an assumption when undecided; ``what`` (text, or a function making it:
@@ -342,7 +358,7 @@ def _check_eq(a: sympy.Expr, b: sympy.Expr, what: str | Callable[[], str]
 def _window(size: sympy.Expr, k: sympy.Expr, s: sympy.Expr, pad: sympy.Expr, dil: sympy.Expr,
             ceil_mode: bool = False) -> sympy.Expr:
     # PyTorch's output-size formula for conv and pool windows.
-    if size.is_Symbol and all(v.is_Integer for v in (k, s, pad, dil)):
+    if size.is_Symbol and not ceil_mode and all(v.is_Integer for v in (k, s, pad, dil)):
         # An image side (a positive integer symbol) and integer window sizes: the common case of a first layer.
         # sympy's floor evaluation costs 5-20 ms here; its result is known: floor((x + c)/s) with s | c is
         # floor(x/s) + c/s (unevaluated floor: sympy cannot decide x/s), and x + c for s = 1.
@@ -350,11 +366,17 @@ def _window(size: sympy.Expr, k: sympy.Expr, s: sympy.Expr, pad: sympy.Expr, dil
         step = int(s)
         if step == 1:
             return size + (c + 1)
-        if c % step == 0:
-            inner = sympy.ceiling(size / s, evaluate=False) if ceil_mode else sympy.floor(size / s, evaluate=False)
-            return inner + (c // step + 1)
+        if c % step == 0:  # (ceil_mode takes the general path: PyTorch may drop its last window)
+            return sympy.floor(size / s, evaluate=False) + (c // step + 1)
     span = size + 2 * pad - dil * (k - 1) - 1
     out = (sympy.ceiling(span / s) if ceil_mode else sympy.floor(span / s)) + 1
+    if ceil_mode:
+        # PyTorch (pooling_output_shape) drops the last window when it would start in the right padding
+        last = (out - 1) * s >= size + pad
+        if last is sympy.true:
+            out -= 1
+        elif last is not sympy.false:
+            out = sympy.Piecewise((out - 1, last), (out, True))
     if out.is_number and out < 1:
         raise OpError(f"window {k} with stride {s}, padding {pad} leaves no output on size {size}")
     return out
@@ -425,7 +447,7 @@ def _copy_like(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 def _softmax(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]  # the softmax kernels write a contiguous output whatever the input's layout
     if "dim" in a:
-        _dim(x, a["dim"])
+        _reduce_dim(x, a["dim"])
     return OpInfo(TensorSpec(x.shape, a.get("dtype", x.dtype)))
 
 
@@ -529,9 +551,16 @@ def _batchnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
         raise OpError(f"batchnorm needs (N, C, ...), got {fmt(x.shape)}")
     c = x.shape[1]
     params = {"weight": (c,), "bias": (c,)} if a.get("affine", True) else {}
+    # training needs more than one value per channel to take statistics (PyTorch refuses one)
+    per_channel = numel(x.shape) / c
+    found: tuple[tuple[sympy.Basic, None], ...] = ()
+    if (per_channel - 1).is_nonpositive or (per_channel.is_number and per_channel <= 1):
+        raise OpError(f"batchnorm in training needs more than one value per channel, got {fmt(x.shape)}")
+    if not (per_channel - 1).is_positive:
+        found = ((sympy.Gt(per_channel, 1), None),)
     buffers = {"running_mean": TensorSpec((c,), "float32"), "running_var": TensorSpec((c,), "float32"),
                "num_batches_tracked": TensorSpec((), "int64")}
-    return OpInfo(TensorSpec(x.shape, x.dtype), params, buffers=buffers)
+    return OpInfo(TensorSpec(x.shape, x.dtype), params, assumptions=found, buffers=buffers)
 
 
 @rule("layernorm", attrs={"affine": BOOL, "bias": BOOL, "eps": NUMBER})
@@ -556,8 +585,11 @@ def _rmsnorm(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape, x.dtype), {"weight": (x.shape[-1],)} if a.get("affine", True) else {})
 
 
-@rule("maxpool2d", "avgpool2d", attrs={"kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR,
-                                        "padding": PAD, "dilation": PAIR, "ceil_mode": BOOL})
+_POOL = {"kernel": _a(_pair_of(_is_dim), "a kernel size", True), "stride": PAIR, "padding": PAD, "ceil_mode": BOOL}
+
+
+@rule("maxpool2d", attrs={**_POOL, "dilation": PAIR})
+@rule("avgpool2d", attrs=_POOL)  # F.avg_pool2d takes no dilation
 def _pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     _need_rank(x, 4)
@@ -567,6 +599,10 @@ def _pool(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     ph, pw = _pair(a.get("padding", 0))
     dh, dw = _pair(a.get("dilation", 1))
     ceil_mode = bool(a.get("ceil_mode", False))
+    for k, pad in ((kh, ph), (kw, pw)):
+        # PyTorch: "pad should be at most half of effective kernel size" (pool2d_shape_check: k/2 >= pad)
+        if (pad - sympy.floor(k / 2)).is_positive:
+            raise OpError(f"padding {pad} is more than half the kernel {k}")
     out = (n, c, _window(hh, kh, sh, ph, dh, ceil_mode), _window(ww, kw, sw, pw, dw, ceil_mode))
     return OpInfo(TensorSpec(out, x.dtype))
 
@@ -626,34 +662,83 @@ def _permute(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return _permuted(x, dims)
 
 
-@rule("expand", attrs={"shape": SHAPE})
+def _is_expand_shape(x: Any) -> None:
+    if not isinstance(x, tuple | list):
+        raise OpError("not a tuple of sizes")
+    for d in x:
+        if not (isinstance(d, int) and not isinstance(d, bool) and d == -1):
+            _is_dim(d)
+
+
+@rule("expand", attrs={"shape": _a(_is_expand_shape, "a tuple of sizes (-1 keeps a dimension)", True)})
 def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
+    # PyTorch: only size-1 dimensions expand, -1 keeps the input's size, new dimensions go in front.
     x = ins[0]
-    shape = as_shape(a["shape"])
-    if broadcast(x.shape, shape) is None or len(shape) < x.rank:
-        raise OpError(f"cannot expand {fmt(x.shape)} to {fmt(shape)}")
-    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.expanded(x.shape, x.strides, shape)), view_of=0)
+    target = list(a["shape"])
+    if len(target) < x.rank:
+        raise OpError(f"cannot expand {fmt(x.shape)} to {len(target)} dimensions")
+    lead = len(target) - x.rank
+    out: list[sympy.Expr] = []
+    found: list[tuple[sympy.Expr, sympy.Expr]] = []
+    for i, t in enumerate(target):
+        if isinstance(t, int) and t == -1:
+            if i < lead:
+                raise OpError(f"-1 is not allowed for a new leading dimension (expand to {tuple(target)})")
+            out.append(x.shape[i - lead])
+            continue
+        t = _expr(t)
+        if i >= lead:
+            have = x.shape[i - lead]
+            if have != 1:
+                if same(have, t) is False:
+                    raise OpError(f"cannot expand {fmt(x.shape)} to {tuple(target)}: dimension {i - lead} of size "
+                                  f"{have} is not 1")
+                found += _check_eq(have, t, "expand")
+        out.append(t)
+    shape = tuple(out)
+    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.expanded(x.shape, x.strides, shape)), view_of=0,
+                  assumptions=tuple(found))
 
 
 @rule("slice", attrs={"dim": AXIS, "start": _a(_is_nonneg, "a start index"), "stop": DIM, "split": BOOL})
 def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
+    size = x.shape[d]
     start = _expr(a.get("start", 0))
-    stop = _expr(a.get("stop", x.shape[d]))
+    stop = _expr(a.get("stop", size))
+    found: tuple[tuple[sympy.Basic, None], ...] = ()
+    # PyTorch clamps a stop past the end to the size; when sympy cannot tell, the formula assumes stop <= size
+    # (checked with numbers when derived)
+    over = sympy.expand(stop - size)
+    if over.is_positive or (over.is_number and over > 0):
+        stop = size
+    elif not (over.is_nonpositive or (over.is_number and over <= 0)):
+        found = ((sympy.Le(stop, size), None),)
     length = stop - start
     if length.is_number and length <= 0:
-        raise OpError(f"empty slice [{start}:{stop}] of dimension {d}")
+        raise OpError(f"empty slice [{start}:{stop}] of dimension {d} (size {size})")
     shape = x.shape[:d] + (length,) + x.shape[d + 1:]
-    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.sliced(x.shape, x.strides, shape)), view_of=0)
+    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.sliced(x.shape, x.strides, shape)), view_of=0,
+                  assumptions=found)
 
 
 @rule("select", attrs={"dim": AXIS, "index": AXIS, "split": BOOL})
 def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
     d = _dim(x, a.get("dim", 0))
-    return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype, strides=layout.selected(x.shape, x.strides, d)),
-                  view_of=0)
+    index = _expr(a.get("index", 0))
+    size = x.shape[d]
+    # PyTorch: -size <= index < size; decided now when the numbers allow, else checked with numbers later
+    found: tuple[tuple[sympy.Basic, None], ...] = ()
+    low, high = (index + size, size - 1 - index) if index < 0 else (index, size - 1 - index)
+    for gap in (low, high):
+        if gap.is_negative or (gap.is_number and gap < 0):
+            raise OpError(f"index {index} is out of range for dimension {d} of size {size}")
+        if not (gap.is_nonnegative or (gap.is_number and gap >= 0)):
+            found += ((sympy.Ge(gap, 0), None),)
+    strides = layout.selected(x.shape, x.strides, d)
+    return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype, strides=strides), view_of=0, assumptions=found)
 
 
 @rule("concat", arity=None, attrs={"dim": AXIS})
@@ -720,16 +805,26 @@ def _attention(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
             raise OpError(f"attention needs (..., heads, seq, dim), got {fmt(t.shape)}")
     found = list(_check_eq(q.shape[-1], k.shape[-1], "query/key head dims"))
     found += _check_eq(k.shape[-2], v.shape[-2], "key/value sequence lengths")
-    if q.rank == k.rank and same(q.shape[-3], k.shape[-3]) is False:
-        # Grouped-query attention: the query heads are a multiple of the key/value heads.
-        ratio = q.shape[-3] / k.shape[-3]
-        if ratio.is_number and not ratio.is_integer:
-            raise OpError(f"query heads {q.shape[-3]} are not a multiple of key/value heads {k.shape[-3]}")
-    return OpInfo(TensorSpec(q.shape[:-1] + (v.shape[-1],), q.dtype), assumptions=tuple(found),
-                  facts=_attention_facts(q, k, v, a))
+    kv_lead = [k.shape[:-2], v.shape[:-2]]
+    heads = q.shape[-3]
+    for i, t in enumerate((k, v)):
+        if t.shape[-3] != 1 and same(heads, t.shape[-3]) is False:
+            # Grouped-query attention: the query heads are a multiple of the key/value heads, which repeat.
+            ratio = heads / t.shape[-3]
+            if ratio.is_number and not ratio.is_integer:
+                raise OpError(f"query heads {heads} are not a multiple of key/value heads {t.shape[-3]}")
+            kv_lead[i] = t.shape[:-3] + (heads,)
+    # the other leading dimensions broadcast, as in scaled_dot_product_attention
+    lead = broadcast(q.shape[:-2], kv_lead[0])
+    lead = None if lead is None else broadcast(lead, kv_lead[1])
+    if lead is None:
+        raise OpError(f"batch dimensions of {fmt(q.shape)}, {fmt(k.shape)}, {fmt(v.shape)} do not broadcast")
+    return OpInfo(TensorSpec(lead + (q.shape[-2], v.shape[-1]), q.dtype), assumptions=tuple(found),
+                  facts=_attention_facts(q, k, v, a, lead))
 
 
-def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str, Any]) -> dict[str, Any]:
+def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str, Any],
+                     lead: tuple[sympy.Expr, ...]) -> dict[str, Any]:
     """What scaled_dot_product_attention's kernels do with the layouts they are given (a builder's
     ``q_layout``/``v_contiguous`` win): ``q_bshd``, the CPU flash kernel's output is ``empty_like(q)``, which is
     (B, S, h, d) in memory when q is a head split of (B, S, H); ``v_contiguous``, the CPU math kernel keeps v
@@ -741,7 +836,7 @@ def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str
     if "v_contiguous" in a:
         v_contiguous = a["v_contiguous"]
     else:
-        v_contiguous = layout.attention_keeps_value(q.shape[:-1] + (k.shape[-2],), v.shape, v.strides)
+        v_contiguous = layout.attention_keeps_value(lead + (q.shape[-2], k.shape[-2]), v.shape, v.strides)
     return {"q_bshd": q_bshd, "v_contiguous": v_contiguous}
 
 
@@ -751,12 +846,19 @@ def _embedding(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if ids.dtype not in ("int64", "int32"):
         raise OpError(f"embedding needs integer ids, got dtype {ids.dtype}")
     num, dim = _expr(a["num_embeddings"]), _expr(a["dim"])
+    if a.get("padding_idx") is not None:
+        pad = _expr(a["padding_idx"])
+        low, high = (pad + num, num - 1 - pad) if pad < 0 else (pad, num - 1 - pad)
+        if (low.is_number and low < 0) or (high.is_number and high < 0):
+            raise OpError(f"padding_idx {pad} is out of range for {num} embeddings")
     return OpInfo(TensorSpec(ids.shape + (dim,), ACT), {"weight": (num, dim)})
 
 
 @rule("cross_entropy", arity=2, attrs={"reduction": _a(_one_of("mean", "sum"), "'mean' or 'sum'")})
 def _cross_entropy(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     logits, target = ins
+    if logits.rank < 1:
+        raise OpError("cross-entropy needs logits with a class dimension, got a 0-dim tensor")
     assumptions = _check_eq(numel(logits.shape[:-1]), numel(target.shape), "cross-entropy targets")
     return OpInfo(TensorSpec((), "float32" if logits.dtype != ACT else ACT), assumptions=assumptions)
 
@@ -793,7 +895,9 @@ def _cast(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 @rule("mean", attrs={"dim": AXIS, "keepdim": BOOL})
 def _mean(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]
-    d = _dim(x, a.get("dim", -1))
+    d = _reduce_dim(x, a.get("dim", -1))
+    if d is None:
+        return OpInfo(TensorSpec((), x.dtype))
     one = (sympy.Integer(1),) if a.get("keepdim", False) else ()
     return OpInfo(TensorSpec(x.shape[:d] + one + x.shape[d + 1:], x.dtype))
 

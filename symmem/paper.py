@@ -671,28 +671,35 @@ def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
 def write(directory: str | Path, spec: Spec | None = None, compile: bool = True, force: bool = False) -> Paper:
     """Write the paper's sources into ``directory`` and compile them when LaTeX is installed.
 
-    ``spec`` names the models and options (default: the paper on ResNet-50 and ViT-B/16).  An existing
-    ``main.tex`` in ``directory`` is never overwritten unless ``force``; everything is derived and drawn before
-    the first file is written.
+    ``spec`` names the models and options (default: the paper on ResNet-50 and ViT-B/16).  ``directory`` may not
+    exist yet (its parent must).  An existing ``main.tex`` in ``directory`` is never overwritten unless
+    ``force``; everything is derived and drawn before the first file is written, and each file is written whole
+    or not at all (:mod:`symmem.files`).
     """
     import matplotlib.pyplot as plt
 
-    out = Path(directory)
+    from .files import output_path, write_text
+    from .report.plots import save
+
+    out = output_path(directory, what="paper's output", directory=True)
     tex = out / "main.tex"
     if not force and (tex.exists() or tex.is_symlink()):
         raise SymmemError(f"{str(tex)[:80]!r} exists: the paper would overwrite it; choose another directory or "
                           "give --force (force=True)")
     files, fig, pytorch = sources(spec)
     try:
-        for sub in ("generated", "figures"):
-            (out / sub).mkdir(parents=True, exist_ok=True)
+        for sub in ("", "generated", "figures"):
+            try:
+                (out / sub).mkdir(exist_ok=True)
+            except OSError as exc:
+                raise SymmemError(f"cannot create {str(out / sub)[:80]!r}: {exc.strerror or exc}") from None
         for name, text in files.items():
             if name != "main.tex":
-                (out / name).write_text(text + "\n")
-        fig.savefig(out / "figures" / "scaling.pdf", bbox_inches="tight", dpi=150)
+                write_text(out / name, text + "\n")
+        save(fig, out / "figures" / "scaling.pdf")
     finally:
         plt.close(fig)
-    tex.write_text(files["main.tex"])
+    write_text(tex, files["main.tex"])
     pdf, note = (_compile(tex) if compile else (None, "not compiled (compile=False)"))
     return Paper(out, tex, pdf, pytorch, note)
 
@@ -706,8 +713,15 @@ def _compile(tex: Path) -> tuple[Path | None, str]:
         return None, "no latexmk or pdflatex on PATH: wrote the .tex files only"
     runs = 2 if cmd[0] == "pdflatex" else 1  # pdflatex needs a second pass for the references
     for _ in range(runs):
-        done = subprocess.run(cmd, cwd=tex.parent, capture_output=True, text=True, timeout=300)
+        try:
+            done = subprocess.run(cmd, cwd=tex.parent, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise SymmemError(f"{cmd[0]} ran for more than 300 s on {tex}; the sources are written, compile "
+                              "them by hand") from None
+        except OSError as exc:
+            raise SymmemError(f"{cmd[0]} could not run on {tex}: {exc.strerror or exc}") from None
         if done.returncode != 0:
-            tail = "\n".join(done.stdout.splitlines()[-20:])
-            raise SymmemError(f"{cmd[0]} failed on {tex}:\n{tail}")
+            errors = [ln for ln in done.stdout.splitlines() if ln.startswith("!")]
+            first = errors[0] if errors else (done.stdout.strip().splitlines() or ["no output"])[-1]
+            raise SymmemError(f"{cmd[0]} failed on {tex} (see {tex.with_suffix('.log')}): {first[:200]}")
     return tex.with_suffix(".pdf"), f"compiled with {cmd[0]}"

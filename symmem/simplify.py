@@ -216,7 +216,7 @@ def max_of(args: Iterable[sympy.Expr]) -> sympy.Expr:
     >>> max_of([2*B + 1, B + 7, 2*B + 1]).args    # printing sorts them as sympy does
     (2*B + 1, B + 7)
     """
-    unique = list(dict.fromkeys(sympy.sympify(a) for a in args))
+    unique = list(dict.fromkeys(sympy.sympify(a, strict=True) for a in args))
     if len(unique) == 1:
         return unique[0]
     obj = sympy.Expr.__new__(sympy.Max, *unique)

@@ -32,6 +32,7 @@ import sympy
 from .errors import SymmemError
 from .layout import contiguous
 from .shapes import numel
+from .units import MAX_SIZE as _MAX_SIZE
 
 #: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.
 DTYPE_BYTES: dict[str, int] = {
@@ -50,6 +51,9 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 ACT = "act"
+#: The largest size a dimension (or any symbol's value) may have: PyTorch sizes are int64 (in :mod:`symmem.units`,
+#: which the command line reads without importing sympy).
+MAX_SIZE = _MAX_SIZE
 
 
 def dtype_bytes(dtype: str, activation_dtype: str = "float32") -> int:
@@ -71,7 +75,12 @@ def as_shape(shape: Iterable[object]) -> tuple[sympy.Expr, ...]:
     for d in shape:
         if isinstance(d, str):
             raise SymmemError(f"shape entries must be ints or sympy expressions, not the string {d!r}")
-        e = sympy.sympify(d, strict=True)
+        try:
+            e = sympy.sympify(d, strict=True)
+        except sympy.SympifyError:
+            raise SymmemError(f"shape entries must be ints or sympy expressions, not {d!r}") from None
+        if not isinstance(e, sympy.Expr) or isinstance(d, bool):
+            raise SymmemError(f"shape entries must be ints or sympy expressions, not {d!r}")
         if e.is_number and not (e.is_integer and e.is_positive):
             raise SymmemError(f"shape {tuple(shape)} has a dimension {e} that is not a positive integer")
         out.append(e)

@@ -45,7 +45,7 @@ def _spec(storage: Any) -> TensorSpec:
     if dtype is None:
         raise SymmemError(f"traced storage {storage.name!r} has dtype {storage.dtype!r}, which symmem does not "
                           f"size; known: {', '.join(DTYPE_BYTES)}")
-    shape = tuple(sympy.sympify(d) for d in storage.shape)
+    shape = tuple(sympy.sympify(d, strict=True) for d in storage.shape)
     whole = sympy.expand(sympy.Mul(*shape) - storage.elements) == 0 if shape else storage.elements == 1
     return TensorSpec(shape if whole and shape else (storage.elements,), dtype)
 
@@ -62,7 +62,7 @@ def _one_piece(storages: tuple[Any, ...], at_one: dict[str, Any]) -> dict[str, A
         for label in list(out):
             general = out[label]
             at1 = one.get(label, sympy.Integer(0))
-            if sympy.expand(sympy.sympify(general).xreplace({sym: 1}) - at1) != 0:
+            if sympy.expand(sympy.sympify(general, strict=True).xreplace({sym: 1}) - at1) != 0:
                 out[label] = sympy.Piecewise((at1, sympy.Eq(sym, 1)), (general, True))
         for label, b in one.items():
             if label not in out:
@@ -117,7 +117,7 @@ def model_of(trace: Any, name: str | None = None, size_one: bool = False) -> Mod
         spec = _spec(s)
         if s.name in pieces and pieces[s.name] is not s.bytes:
             itemsize = DTYPE_BYTES[spec.dtype]
-            spec = TensorSpec((sympy.sympify(pieces[s.name]) / itemsize,), spec.dtype)
+            spec = TensorSpec((sympy.sympify(pieces[s.name], strict=True) / itemsize,), spec.dtype)
         when = float(s.born if s.born is not None else s.first_saved)
         in_block = i == 0
         label = local(s.name, s.module) if in_block else s.name

@@ -162,7 +162,7 @@ _EVERY = re.compile(r"^every-([1-9][0-9]*)$")
 def _lookup(table: dict, name: str, what: str):  # type: ignore[no-untyped-def]
     try:
         return table[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value (a list) is no name either
         raise SymmemError(f"unknown {what} {name!r}; known: {', '.join(table)}") from None
 
 
@@ -172,8 +172,12 @@ def checkpoint_every(mode: str) -> int | None:
     >>> checkpoint_every("every-4"), checkpoint_every("full")
     (4, None)
     """
+    if not isinstance(mode, str):
+        raise SymmemError(f"checkpointing is a name (none, full, selective or every-K), got {mode!r}")
     m = _EVERY.match(mode)
     if m:
+        if len(m.group(1)) > 18:  # more layers than any model has, and more digits than int() may parse
+            raise SymmemError(f"checkpointing {mode[:40]!r}: K is too large")
         return int(m.group(1))
     if mode not in ("none", "full", "selective"):
         raise SymmemError(f"unknown checkpointing {mode!r}; use none, full, selective or every-K (e.g. every-4)")
@@ -209,8 +213,11 @@ class Regime:
         _lookup(PRECISIONS, self.precision, "precision")
         _lookup(OPTIMIZERS, self.optimizer, "optimizer")
         checkpoint_every(self.checkpoint)
-        if self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise SymmemError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        for flag in ("tensor_parallel", "sequence_parallel", "pipeline_parallel"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SymmemError(f"{flag} is True or False, got {getattr(self, flag)!r}")
         if self.sequence_parallel and not self.tensor_parallel:
             raise SymmemError("sequence parallelism splits over the tensor-parallel group: add tensor parallelism")
         if self.optimizer_impl not in IMPLS:

@@ -13,6 +13,7 @@ have 80 GiB-ish of usable memory).  Sizes are parsed, never ``eval``'d.
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -27,12 +28,25 @@ _CANON = {k.lower(): k for k in UNITS if k != "KB"}
 _SIZE = re.compile(r"^\s*([0-9]+(?:_[0-9]+)*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+#: The largest size a dimension, a symbol's value or a tensor's element count may have: PyTorch sizes are int64.
+MAX_SIZE = 2**63 - 1
+
+#: The longest number :func:`parse_size` reads: Python refuses to convert longer digit strings to int (4300
+#: digits by default), and no memory is that large anyway.
+MAX_DIGITS = 400
+
+
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``80GiB``, ``40 GB``, ``512MiB`` or ``1024`` (bytes); rounds down."""
-    m = _SIZE.match(text or "")
+    if not isinstance(text, str):
+        raise SymmemError(f"a size is text such as 80GiB, got {text!r}")
+    m = _SIZE.match(text)
     if not m:
-        raise SymmemError(f"{text!r} is not a size; write e.g. 80GiB, 40GB, 512MiB or 1024 (bytes)")
+        shown = text if len(text) <= 60 else text[:40] + "..."
+        raise SymmemError(f"{shown!r} is not a size; write e.g. 80GiB, 40GB, 512MiB or 1024 (bytes)")
     number, unit = m.groups()
+    if len(number) > MAX_DIGITS:
+        raise SymmemError(f"size {text[:40]!r}...: {len(number)} digits are more than the {MAX_DIGITS} symmem reads")
     unit = unit or "B"
     canon = _CANON.get(unit.lower(), unit)
     if canon.lower() == "bytes" or canon.lower() == "byte":
@@ -40,25 +54,46 @@ def parse_size(text: str) -> int:
     if canon not in UNITS:
         raise SymmemError(f"unknown unit {unit!r} in {text!r}; use one of {', '.join(_CANON.values())}")
     value = Fraction(number.replace("_", "")) * UNITS[canon]
-    if value <= 0:
-        raise SymmemError(f"size {text!r} must be positive")
+    if int(value) <= 0:
+        raise SymmemError(f"size {text!r} is less than one byte" if value > 0 else f"size {text!r} must be positive")
     return int(value)
 
 
+def _exact(nbytes: int | float | Fraction) -> Fraction:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int | float | Fraction):
+        raise SymmemError(f"a number of bytes is a number, got {nbytes!r}")
+    if isinstance(nbytes, float) and not math.isfinite(nbytes):
+        raise SymmemError(f"a number of bytes is finite, got {nbytes!r}")
+    return Fraction(nbytes)
+
+
 def to_unit(nbytes: int | float, unit: str) -> float:
-    """``nbytes`` expressed in ``unit``."""
+    """``nbytes`` expressed in ``unit`` (a float; a :class:`SymmemError` when it is too large for one)."""
     if unit not in UNITS:
         raise SymmemError(f"unknown unit {unit!r}; use one of {', '.join(UNITS)}")
-    return float(Fraction(int(nbytes)) / UNITS[unit]) if float(nbytes).is_integer() else nbytes / UNITS[unit]
+    try:
+        return float(_exact(nbytes) / UNITS[unit])
+    except OverflowError:
+        raise SymmemError(f"{format_bytes(nbytes)} is too large to express as a float in {unit}") from None
 
 
 def format_bytes(nbytes: int | float, binary: bool = True) -> str:
-    """A readable size with three decimals: ``2.596 GiB``, ``49.000 MiB``, ``1.29 GB``."""
+    """A readable size with three decimals: ``2.596 GiB``, ``49.000 MiB``, ``1.29 GB``.
+
+    Computed exactly (no float), so any integer prints; beyond the largest unit the number of that unit grows.
+
+    >>> format_bytes(10**30)
+    '909494701772928237.915 TiB'
+    """
     steps = ("B", "KiB", "MiB", "GiB", "TiB") if binary else ("B", "kB", "MB", "GB", "TB")
+    value = _exact(nbytes)
     unit = steps[0]
     for u in steps:
-        if abs(nbytes) >= UNITS[u]:
+        if abs(value) >= UNITS[u]:
             unit = u
     if unit == "B":
-        return f"{int(nbytes)} B"
-    return f"{nbytes / UNITS[unit]:.3f} {unit}"
+        return f"{int(value)} B"
+    thousandths = round(value * 1000 / UNITS[unit])  # round half to even, as float formatting does
+    sign = "-" if thousandths < 0 else ""
+    whole, frac = divmod(abs(thousandths), 1000)
+    return f"{sign}{whole}.{frac:03d} {unit}"

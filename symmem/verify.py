@@ -296,6 +296,58 @@ def _require_torch() -> None:
                           "(the CPU build), or pip install 'symmem[torch]'") from None
 
 
+#: The share of the machine's memory (RAM for ``cpu``, the GPU's for ``cuda``) ``verify`` may use by default.
+MEMORY_SHARE = 0.5
+
+
+def machine_memory(device: str = "cpu") -> int | None:
+    """Bytes of memory of ``device`` (physical RAM for ``cpu``), or None where it cannot be told."""
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    try:
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def needed_memory(derivation: Derivation, step: bool = False) -> int:
+    """Bytes the measurement holds, from the formula: for one forward pass the FP32 weights, the kept
+    activations, the loss and the inputs (a lower bound: temporaries the forward frees are not counted); for a
+    training step (``step``) the derived peak."""
+    if step:
+        return derivation.value("peak")
+    return (4 * derivation.value("parameters") + derivation.value("activations") + derivation.value("loss")
+            + derivation.value("input"))
+
+
+def check_memory(derivation: Derivation, max_memory: int | None = None, step: bool = False) -> int:
+    """The bytes :func:`verify` (``step``: :func:`verify_peak`) would allocate, refused with a
+    :class:`SymmemError` beyond ``max_memory`` (default: :data:`MEMORY_SHARE` of the device's memory) before
+    anything is allocated."""
+    from .units import format_bytes
+
+    device = str(derivation.options.get("device", "cpu"))
+    need = needed_memory(derivation, step)
+    limit = max_memory
+    if limit is None:
+        total = machine_memory(device)
+        limit = None if total is None else int(total * MEMORY_SHARE)
+    if limit is not None and need > limit:
+        raise SymmemError(f"verify would allocate at least {format_bytes(need)} ({need:,} B: "
+                          f"{'the peak of a training step' if step else 'FP32 weights, kept activations and inputs'}"
+                          f" of {derivation.model} at "
+                          f"{', '.join(f'{s}={v}' for s, v in sorted(derivation.numbers.items(), key=str))}), "
+                          f"more than the limit {format_bytes(limit)}; measure smaller sizes (e.g. --set B=2 "
+                          f"--set L=2) or raise --max-memory")
+    return need
+
+
 def _reference(derivation: Derivation) -> tuple[Any, tuple[Any, ...], str, Any]:
     """The reference module at the derivation's numbers, its inputs (a loss target last when the derivation
     has a loss), the device, and the loss the step uses."""
@@ -323,8 +375,11 @@ def _reference(derivation: Derivation) -> tuple[Any, tuple[Any, ...], str, Any]:
     return module, inputs, device, target
 
 
-def verify(derivation: Derivation) -> Comparison:
-    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare."""
+def verify(derivation: Derivation, max_memory: int | None = None) -> Comparison:
+    """Build the reference module of ``derivation``'s model at its numbers, measure it on CPU, compare.
+
+    The memory the measurement needs is derived first and refused beyond ``max_memory`` bytes (see
+    :func:`check_memory`)."""
     _require_torch()
 
     if derivation.per_layer:
@@ -335,6 +390,7 @@ def verify(derivation: Derivation) -> Comparison:
     if regime.checkpoint != "none" or regime.tensor_parallel or regime.sequence_parallel \
             or regime.pipeline_parallel:
         raise SymmemError("verify measures one plain forward pass: no checkpointing or model parallelism")
+    check_memory(derivation, max_memory)
     module, inputs, device, target = _reference(derivation)
     loss = derivation.options.get("loss")
     if loss:
@@ -385,7 +441,7 @@ class PeakComparison:
         return "\n".join(lines)
 
 
-def verify_peak(derivation: Derivation) -> PeakComparison:
+def verify_peak(derivation: Derivation, max_memory: int | None = None) -> PeakComparison:
     """Run two real training steps of the reference module at the derivation's numbers under the live-bytes
     tracker (:mod:`symmem.tracker`) and compare their peaks with the derived ``peak_first_step`` and ``peak``.
 
@@ -403,6 +459,7 @@ def verify_peak(derivation: Derivation) -> PeakComparison:
     if regime.checkpoint == "selective" or regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
         raise SymmemError("verify --peak runs one device's training step: full or every-K checkpointing, no "
                           "selective recomputation, no parallelism")
+    check_memory(derivation, max_memory, step=True)
     module, inputs, device, target = _reference(derivation)
     impl = optimizer_impl(regime, device)
     loss = "cross-entropy" if derivation.options.get("loss") else "sum"

@@ -121,3 +121,52 @@ def test_verify_without_torch_says_how_to_install(monkeypatch, capsys):
     assert main(["verify", "resnet18", "--set", "B=2"]) == 2
     err = capsys.readouterr().err
     assert "pip install torch==2.13.0" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["derive", "gpt2", "--set", "h=5"], ["node 'h.attn.query_split'", "h to divide H", "H=768, h=5"]),
+    (["derive", "bert-base", "--set", "H=7"], ["layer.attention.query_split", "h to divide H", "H=7, h=12"]),
+    (["derive", "vit-b16", "--set", "h=5"], ["blocks.qkv_heads", "h to divide H"]),
+    (["derive", "llama", "--set", "G=3"], ["layers.self_attn.k_proj", "G to divide h", "G=3, h=32"]),
+    (["derive", "gpt2", "--set", "S=2000"], ["S <= 1024", "S=2000"]),
+    (["derive", "gpt2", "--tensor-parallel", "--set", "t=5"], ["t to divide h", "h=12, t=5"]),
+    (["derive", "gpt2", "--tensor-parallel", "--sequence-parallel", "--set", "t=3", "--set", "S=1000"],
+     ["t to divide S", "S=1000, t=3"]),
+    (["derive", "gpt2", "--pipeline-parallel", "--set", "p=13"], ["p <= L", "L=12, p=13"]),
+    (["derive", "gpt2", "--checkpoint", "every-13"], ["13 <= L", "L=12"]),
+    (["derive", "resnet50", "--tensor-parallel"], ["tensor parallelism", "resnet50 has no such layers"]),
+    (["derive", "vgg16", "--set", "Wi=1"], ["node 'features.4' (maxpool2d)", "Wi=1", "too small"]),
+    (["derive", "vit-b16", "--set", "Hi=8", "--set", "Wi=8"], ["patch_embed.proj", "Hi=8", "too small"]),
+    (["derive", "vit-b16", "--set", "B=1", "--set", "B=2"], ["--set B is given twice"]),
+    (["derive", "vit-b16", "--set", "B=9223372036854775808"], ["largest size PyTorch allows"]),
+    (["derive", "vit-b16", "--set", "B=1" + "0" * 5000], ["largest size PyTorch allows"]),
+    (["derive", "mlp", "--free", ",,"], ["--free", "symbol names"]),
+    (["fit", "vit-b16", "--budget", "80GiB", "--solve", "S"], ["S follows from Hi, Wi", "patch_embed.flatten"]),
+    (["fit", "vit-b16", "--budget", "1" + "0" * 100], ["beyond the largest size"]),
+    (["verify", "llama"], ["verify would allocate", "more than the limit", "--max-memory"]),
+])
+def test_values_the_model_refuses(argv, fragments, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: ") and err.count("\n") == 1
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_defaults_of_regime_sizes_fit_the_model():
+    """Nobody set t: ViT-B's 12 heads take t = 4, the largest halving of the default 8 that divides them."""
+    d = derive("vit-b16", tensor_parallel=True)
+    assert {s.name: v for s, v in d.numbers.items()}["t"] == 4
+    assert {s.name: v for s, v in derive("gpt2", tensor_parallel=True, values={"h": 16}).numbers.items()}["t"] == 8
+
+
+def test_verify_refuses_before_allocating():
+    pytest.importorskip("torch")
+    from symmem.verify import check_memory, needed_memory
+
+    d = derive("mlp", convention="pytorch", device="cpu", values={"B": 2})
+    need = needed_memory(d)
+    assert need == 4 * d.value("parameters") + d.value("activations") + d.value("input")
+    assert check_memory(d, need) == need
+    with pytest.raises(SymmemError, match="more than the limit"):
+        check_memory(d, need - 1)

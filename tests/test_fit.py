@@ -1,20 +1,40 @@
 """Will it fit: the largest B or S under a budget, solved from the formula and checked at the boundary.
 
 Oracles: the seed's own per-image figures (ResNet-50 keeps 2658.25 + 49 MiB of activations at B = 64, and
-16 bytes per parameter for 25,557,032 parameters), and totals re-derived at the answer with ``Derivation.at``.
+16 bytes per parameter for 25,557,032 parameters); the formula evaluated independently of the engine's
+evaluation (plain Python integers and fractions from the polynomial's coefficients, :func:`plain_total`); and
+real PyTorch, whose measured bytes at B = k make a budget whose answer must be k.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 
 import pytest
+import sympy
 
 import symmem
 from symmem.cli import main
 from symmem.fit import largest, smallest_budget
 
 MiB, GiB = 2**20, 2**30
+
+
+def plain_total(d, name, x):
+    """``d.total`` at ``name = x`` (other symbols at the derivation's numbers), in plain Python arithmetic: the
+    sum of coefficient x product of value**exponent over the polynomial's terms, rounded up as bytes are.
+    Independent of ``Derivation.evaluate``, ``value`` and ``at`` (and of sympy's substitution)."""
+    free = sorted(d.total.free_symbols, key=str)
+    values = [x if s.name == name else d.numbers[s] for s in free]
+    total = Fraction(0)
+    for exponents, coeff in sympy.Poly(d.total, *free).terms():
+        term = Fraction(int(coeff.p), int(coeff.q))
+        for v, e in zip(values, exponents, strict=True):
+            term *= v ** e
+        total += term
+    return math.ceil(total)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +52,7 @@ def test_resnet_batch_from_seed_figures(resnet, budget, nbytes):
     expected = int((nbytes - fixed) // per_image)
     r = largest(resnet, "B", budget)
     assert (r.max, r.budget) == (expected, nbytes)
-    assert r.total_at_max == resnet.at(B=r.max).value("total") <= nbytes < resnet.at(B=r.max + 1).value("total")
+    assert r.total_at_max == plain_total(resnet, "B", r.max) <= nbytes < plain_total(resnet, "B", r.max + 1)
 
 
 @pytest.mark.parametrize("model, options, solve, budget", [
@@ -45,8 +65,8 @@ def test_resnet_batch_from_seed_figures(resnet, budget, nbytes):
 def test_boundary(model, options, solve, budget):
     d = symmem.derive(model, **options)
     r = largest(d, solve, budget)
-    assert r.total_at_max == d.at(**{solve: r.max}).value("total") <= r.budget
-    assert d.at(**{solve: r.max + 1}).value("total") > r.budget
+    assert r.total_at_max == plain_total(d, solve, r.max) <= r.budget < plain_total(d, solve, r.max + 1)
+    assert r.total_above == plain_total(d, solve, r.max + 1)
 
 
 def test_vit_sequence_quadratic():
@@ -68,7 +88,8 @@ def test_nothing_fits_is_an_answer(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["fit", "mlp", "--budget", "1GiB", "--set", "B=1"], "does not grow"),
+    # the paper convention keeps tensors by the seed's roles, none of which an MLP has: not "does not grow"
+    (["fit", "mlp", "--budget", "1GiB", "--set", "B=1"], "keeps nothing; use --convention pytorch"),
     (["fit", "resnet50-v1", "--budget", "80 parsecs"], "unknown unit"),
     (["fit", "resnet50-v1", "--budget", "80GiB", "--solve", "S"], "no symbol 'S'"),
 ])
@@ -83,8 +104,43 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["symbol"] == "B" and out["budget"] == 80 * GiB
     d = symmem.derive("vit-b16", attention="naive")
-    assert out["total_at_max"] == d.at(B=out["max"]).value("total") <= out["budget"]
-    assert out["total_above"] == d.at(B=out["max"] + 1).value("total") > out["budget"]
+    assert out["total_at_max"] == plain_total(d, "B", out["max"]) <= out["budget"]
+    assert out["total_above"] == plain_total(d, "B", out["max"] + 1) > out["budget"]
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_fit_against_pytorch(k):
+    """A budget of exactly what PyTorch keeps at B = k (measured) plus the AdamW parameter side (16 bytes per
+    parameter PyTorch counts) fits B = k and not B = k + 1: the answer is k."""
+    torch = pytest.importorskip("torch")
+    from symmem.reference import reference
+    from symmem.verify import measure
+
+    widths = "784,256,128,10"
+
+    def kept(b):
+        module, inputs = reference("mlp", {"B": b}, {"widths": widths, "dropout": 0.0})
+        torch.manual_seed(0)
+        m = measure(module, *inputs)
+        return m.activations + m.input, sum(p.numel() for p in module.parameters())
+
+    at_k, params = kept(k)
+    d = symmem.derive("mlp", convention="pytorch", device="cpu", widths=widths)
+    r = largest(d, "B", at_k + 16 * params, quantity="total")  # what is kept at the end of the forward
+    assert (r.max, r.total_at_max, r.total_above) == (k, at_k + 16 * params, kept(k + 1)[0] + 16 * params)
+
+
+def test_solve_only_values_the_model_accepts(capsys):
+    """gpt2 with H = 768: the budget's bound on h is 201, but h must divide H; S is tied to the image in ViT."""
+    d = symmem.derive("gpt2", free=("B", "S", "H", "h", "L", "F", "V"))
+    bound = largest(d, "h", "80GiB").max
+    assert main(["fit", "gpt2", "--budget", "80GiB", "--solve", "h", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = max(x for x in range(1, bound + 1) if 768 % x == 0)
+    assert (out["bound"], out["max"]) == (bound, best) and out["max"] < bound and "divide" in out["refused"]
+    assert out["total_at_max"] == plain_total(d, "h", best)
+    assert main(["fit", "vit-b16", "--budget", "80GiB", "--solve", "S"]) == 2
+    assert "S follows from Hi, Wi" in capsys.readouterr().err
 
 
 def test_cli_smallest_budget(capsys):

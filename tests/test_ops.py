@@ -75,6 +75,39 @@ CASES = [
     ("mean", [T(B, S, H)], dict(dim=-1, keepdim=True), (B, S, 1), 0, False),
     ("mean", [T(B, S, H)], dict(dim=1), (B, H), 0, False),
     ("rope_table", [T(1, S, dtype="int64")], dict(dim=H / h), (1, S, H / h), 0, False),
+    # elementwise kinds: same shape, a new tensor (a view when in place)
+    ("tanh", [T(B, H)], {}, (B, H), 0, False),
+    ("sigmoid", [T(B, S, H)], dict(inplace=True), (B, S, H), 0, True),
+    ("exp", [T(B, h, S, S)], {}, (B, h, S, S), 0, False),
+    ("neg", [T(B, S, H / 2)], {}, (B, S, H / 2), 0, False),
+    ("rsqrt", [T(B, S, 1)], {}, (B, S, 1), 0, False),
+    ("sqrt", [T(1)], {}, (1,), 0, False),
+    ("pow", [T(B, S, F)], dict(exponent=3), (B, S, F), 0, False),
+    ("clone", [T(B, S, H)], {}, (B, S, H), 0, False),
+    ("to_dtype", [T(B, S, H)], dict(dtype="bfloat16"), (B, S, H), 0, False),
+    ("rotary", [T(B, h, S, 64)], {}, (B, h, S, 64), 0, False),
+    ("log_softmax", [T(B, S, V)], dict(dim=-1, dtype="float32"), (B, S, V), 0, False),
+    ("log_softmax", [T()], dict(dim=0), (), 0, False),  # a 0-dim tensor takes dim 0 or -1, as in PyTorch
+    # binary kinds: broadcast
+    ("sub", [T(B, S, H), T(H)], {}, (B, S, H), 0, False),
+    ("div", [T(B, h, S, S), T()], {}, (B, h, S, S), 0, False),
+    ("div", [T(B, S, H), T(B, S, 1)], dict(inplace=True), (B, S, H), 0, True),
+    ("masked_fill", [T(B, h, S, S), T(1, 1, S, S, dtype="bool")], {}, (B, h, S, S), 0, False),
+    ("where", [T(B, h, S, S), T(1, 1, S, S, dtype="bool")], {}, (B, h, S, S), 0, False),
+    # aliases: the same storage
+    ("block_input", [T(B, S, H)], {}, (B, S, H), 0, True),
+    ("identity", [T(B, H)], {}, (B, H), 0, True),
+    # PyTorch's rules where they differ from the obvious formula
+    ("maxpool2d", [T(B, 1, 5, 5)], dict(kernel=2, stride=2, padding=1, ceil_mode=True), (B, 1, 3, 3), 0, False),
+    ("maxpool2d", [T(B, 1, 10, 10)], dict(kernel=3, stride=1, dilation=2), (B, 1, 6, 6), 0, False),
+    ("avgpool2d", [T(B, 3, 2, 2)], dict(kernel=1, stride=2, ceil_mode=True), (B, 3, 1, 1), 0, False),
+    ("slice", [T(B, 1024)], dict(dim=1, start=0, stop=2000), (B, 1024), 0, True),  # clamped to the size
+    ("select", [T(B, 3, H)], dict(dim=1, index=-1), (B, H), 0, True),
+    ("expand", [T(1, 3, 1)], dict(shape=(B, -1, H)), (B, 3, H), 0, True),
+    ("expand", [T(3, 1)], dict(shape=(2, 3, 4)), (2, 3, 4), 0, True),
+    ("attention", [T(1, h, S, 64), T(B, 1, S, 64), T(B, 1, S, 32)], {}, (B, h, S, 32), 0, False),
+    ("flatten", [T(B, 3, 4, 5)], dict(start_dim=1, end_dim=2), (B, 12, 5), 0, True),
+    ("concat", [T(B, 2, H), T(B, 3, H), T(B, 1, H)], dict(dim=-2), (B, 6, H), 0, False),
     ("traced", [], dict(shape=(B, S, H), dtype="float32", op="mm", module="h.0.attn"), (B, S, H), 0, False),
 ]
 
@@ -89,8 +122,20 @@ def test_rule(kind, inputs, attrs, shape, n_params, view):
 
 
 def test_every_kind_has_a_row():
-    covered = {c[0] for c in CASES}
-    untested = set(ops.kinds()) - covered
-    # elementwise kinds share one rule with relu/gelu; binary ones with add/mul.
-    assert untested <= {"tanh", "sigmoid", "log_softmax", "pow", "rotary", "exp", "neg", "rsqrt", "sqrt", "clone",
-                        "to_dtype", "sub", "div", "masked_fill", "where", "block_input", "identity"}
+    assert set(ops.kinds()) <= {c[0] for c in CASES}
+
+
+@pytest.mark.parametrize("kind, inputs, attrs, fragment", [
+    ("maxpool2d", [T(B, 1, 5, 5)], dict(kernel=2, padding=2), "more than half the kernel"),
+    ("select", [T(B, 3)], dict(dim=1, index=3), "out of range"),
+    ("select", [T(B, 3)], dict(dim=1, index=-4), "out of range"),
+    ("expand", [T(B, 3)], dict(shape=(B, 4)), "is not 1"),
+    ("expand", [T(3)], dict(shape=(-1, 3)), "-1 is not allowed"),
+    ("slice", [T(B, 4)], dict(dim=1, start=4), "empty slice"),
+    ("cross_entropy", [T(), T(dtype="int64")], {}, "class dimension"),
+    ("embedding", [T(B, dtype="int64")], dict(num_embeddings=5, dim=4, padding_idx=5), "out of range"),
+    ("batchnorm", [T(1, 8, 1, 1)], {}, "more than one value per channel"),
+])
+def test_rule_refuses_what_pytorch_refuses(kind, inputs, attrs, fragment):
+    with pytest.raises(ops.OpError, match=fragment):
+        ops.infer(kind, inputs, attrs)

@@ -65,7 +65,9 @@ def test_pdf(paper):
     if shutil.which("pdfinfo"):
         info = subprocess.run(["pdfinfo", str(pdf)], capture_output=True, text=True, check=True).stdout
         pages = int(re.search(r"Pages:\s+(\d+)", info).group(1))
-    assert 2 <= pages <= 6 or pages == 0  # compressed object streams hide /Type /Page from the regex
+    elif pages == 0:  # compressed object streams hide /Type /Page from the regex: no count, no claim
+        pytest.skip("pages cannot be counted without pdfinfo (poppler) in this PDF")
+    assert 2 <= pages <= 6
     if shutil.which("pdftotext"):
         text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True, check=True).stdout
         for needle in ("ResNet-50", "3.0246", "588.00", "Table 1", "Scaling"):

@@ -152,7 +152,7 @@ def test_cli_verify_exit_status(capsys, monkeypatch):
     net, inputs = reference("mlp", {"B": 2}, {})
     bad = compare(derive("mlp", convention="paper", values={"B": 2}), measure(net, *inputs))
     assert not bad.exact
-    monkeypatch.setattr(v, "verify", lambda d: bad)
+    monkeypatch.setattr(v, "verify", lambda d, **kw: bad)
     assert main(["verify", "mlp", "--set", "B=2"]) == 1
 
 

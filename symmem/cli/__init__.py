@@ -57,6 +57,15 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and other control characters escaped, so that an error is one line.
+
+    >>> print(one_line("unrecognized arguments: a" + chr(10) + "b"))
+    unrecognized arguments: a\\nb
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def entry() -> None:
     """The ``symmem`` console script: :func:`main`, then exit without tearing the interpreter down.
 
@@ -83,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"symmem: {exc}", file=sys.stderr)
         return 1
     except SymmemError as exc:
-        print(f"symmem: error: {exc}", file=sys.stderr)
+        print(f"symmem: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

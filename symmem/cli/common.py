@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SymmemError
+from ..units import MAX_SIZE
 
 _SET = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 _INT = re.compile(r"^[+]?[0-9][0-9_]*$")
@@ -29,17 +30,40 @@ def parse_assignment(text: str) -> tuple[str, int]:
     if not m:
         raise SymmemError(f"--set {text!r}: expected NAME=VALUE, e.g. --set B=32")
     name, raw = m.groups()
-    if not _INT.match(raw) or int(raw.replace("_", "")) <= 0:
-        raise SymmemError(f"--set {text}: {raw!r} is not a positive integer")
-    return name, int(raw.replace("_", ""))
+    shown = raw if len(raw) <= 40 else f"{raw[:20]}...({len(raw)} characters)"
+    if not _INT.match(raw):
+        raise SymmemError(f"--set {name}={shown}: {shown!r} is not a positive integer")
+    digits = raw.replace("_", "").lstrip("+").lstrip("0")
+    if len(digits) > len(str(MAX_SIZE)) or (digits and int(digits) > MAX_SIZE):
+        # checked on the digits first: Python refuses to convert more than 4300 of them
+        raise SymmemError(f"--set {name}={shown}: more than the largest size PyTorch allows (2**63 - 1)")
+    if not digits:
+        raise SymmemError(f"--set {name}={shown}: {shown!r} is not a positive integer")
+    return name, int(digits)
 
 
 def _parse_sets(items: Sequence[str] | None) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items or ():
         name, value = parse_assignment(item)
+        if name in out:
+            raise SymmemError(f"--set {name} is given twice ({name}={out[name]} and {name}={value}); give it once")
         out[name] = value
     return out
+
+
+def parse_free(text: str | None) -> tuple[str, ...] | None:
+    """``--free B,S`` as names; None when the option is absent.
+
+    >>> parse_free("B, S")
+    ('B', 'S')
+    """
+    if text is None:
+        return None
+    names = tuple(x.strip() for x in text.split(","))
+    if not names or any(not n.isidentifier() for n in names):
+        raise SymmemError(f"--free {text[:60]!r}: expected symbol names separated by commas, e.g. --free B,S")
+    return tuple(dict.fromkeys(names))
 
 
 def _option_type(key: str, defaults: list[Any]) -> Any:
@@ -161,6 +185,22 @@ def add_step_options(p: Any) -> None:
 def derivation_from_args(args: argparse.Namespace) -> Any:
     """The derivation the shared options describe."""
     from ..engine import derive
+
+    return derive(args.model, **derive_arguments(args))
+
+
+def acceptor_from_args(args: argparse.Namespace) -> Any:
+    """:func:`symmem.engine.acceptor` for the model, values and regime the shared options describe."""
+    from ..engine import acceptor
+
+    kw = derive_arguments(args)
+    for key in ("per_layer", "free", "options"):
+        kw.pop(key)
+    return acceptor(args.model, **kw)
+
+
+def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`symmem.engine.derive` that the shared options give."""
     from ..models import entry
 
     e = entry(args.model)
@@ -170,14 +210,14 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
         has = ", ".join(f"--{k.replace('_', '-')}" for k in e.options) or "none"
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0].replace('_', '-')}; its options: {has}")
     conv_options = {"device": args.device} if args.device is not None else {}
-    return derive(args.model, convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
-                  free=free_from_args(args), options=conv_options, loss=args.loss, **regime_from_args(args),
-                  **model_options)
+    return dict(convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
+                free=free_from_args(args), options=conv_options, loss=args.loss, **regime_from_args(args),
+                **model_options)
 
 
 def free_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
     """``--free B,S`` as names (None: the model's own)."""
-    return tuple(x.strip() for x in args.free.split(",") if x.strip()) if args.free else None
+    return parse_free(args.free)
 
 
 def values_from_args(args: argparse.Namespace) -> dict[str, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import SymmemError
+from ..units import MAX_SIZE
 
 NAME = "counts"
 HELP = ("memory of your network given only by its activation and parameter counts: the CS231n memory rule and "
@@ -13,10 +13,19 @@ ORDER = 70
 
 
 def _positive(text: str) -> int:
-    raw = text.replace("_", "").replace(",", "")
-    if not raw.isdigit() or int(raw) <= 0:
-        raise SymmemError(f"{text!r} is not a positive integer")
+    """A positive integer (``1_000`` and ``1,000`` allowed) within PyTorch's sizes."""
+    raw = text.replace("_", "").replace(",", "").strip()
+    shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+    if not raw.isascii() or not raw.isdigit():
+        raise argparse.ArgumentTypeError(f"{shown!r} is not a positive integer")
+    if len(raw.lstrip("0")) > len(str(MAX_SIZE)) or int(raw) > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{shown!r} is more than the largest size PyTorch allows (2**63 - 1)")
+    if int(raw) <= 0:
+        raise argparse.ArgumentTypeError(f"{shown!r} is not a positive integer")
     return int(raw)
+
+
+_positive.__name__ = "positive integer"  # argparse names the type in its message
 
 
 def configure(p: argparse.ArgumentParser) -> None:

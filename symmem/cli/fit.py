@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import SymmemError
-from .common import add_derive_options, derivation_from_args
+from .common import acceptor_from_args, add_derive_options, derivation_from_args
 
 NAME = "fit"
 HELP = "the largest batch size (or sequence length) that fits a memory budget"
@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from ..units import format_bytes
 
     d = derivation_from_args(args)
+    accepts = acceptor_from_args(args)
+    nothing = accepts.counts_nothing()
+    if nothing:  # its formula would not grow with B: say why rather than "nothing to solve"
+        raise SymmemError(nothing)
     if args.solve not in {s.name for s in d.free} and args.free is None:
         # Keep the solved symbol in the formula even when the model writes it as a number by default.
         args.free = ",".join([s.name for s in d.free] + [args.solve])
@@ -43,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{d.model} ({d.convention}) at {args.solve} = {value:,} needs {format_bytes(need)} ({need:,} B)")
         return 0
-    r = largest(d, args.solve, args.budget)
+    r = largest(d, args.solve, args.budget, accepts=lambda value: accepts(args.solve, value))
     print(json.dumps(r.to_dict(), indent=2) if args.format == "json" else str(r))
     return 0

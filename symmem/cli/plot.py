@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..errors import SymmemError
+from ..units import MAX_SIZE
 from .common import add_derive_options, derivation_from_args
 
 NAME = "plot"
@@ -26,17 +28,51 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="breakdown: more conventions, one bar each")
 
 
+#: The most values one sweep plots.
+MAX_POINTS = 10_000
+_NUMBER = re.compile(r"^\s*[0-9][0-9_]*\s*$")
+
+
 def _range(text: str | None) -> list[int] | None:
+    """``START:STOP[:STEP]`` as the values to sweep, STOP included.
+
+    >>> _range("1:10:4")
+    [1, 5, 9]
+    """
     if text is None:
         return None
+    shown = text if len(text) <= 60 else text[:40] + "..."
     parts = text.split(":")
-    try:
-        nums = [int(p) for p in parts]
-    except ValueError:
-        raise SymmemError(f"--range {text!r}: expected START:STOP or START:STOP:STEP in integers") from None
-    if len(nums) not in (2, 3) or nums[0] < 1 or nums[1] < nums[0]:
-        raise SymmemError(f"--range {text!r}: expected 1 <= START <= STOP")
-    return list(range(nums[0], nums[1] + 1, nums[2] if len(nums) == 3 and nums[2] > 0 else 1))
+    if len(parts) not in (2, 3) or not all(_NUMBER.match(p) for p in parts):
+        raise SymmemError(f"--range {shown!r}: expected START:STOP or START:STOP:STEP in positive integers")
+    if any(len(p.strip().replace("_", "").lstrip("0")) > len(str(MAX_SIZE)) for p in parts):
+        raise SymmemError(f"--range {shown!r}: more than the largest size PyTorch allows (2**63 - 1)")
+    nums = [int(p.replace("_", "")) for p in parts]
+    start, stop, step = nums[0], nums[1], nums[2] if len(nums) == 3 else 1
+    if start < 1 or stop < start or step < 1:
+        raise SymmemError(f"--range {shown!r}: expected 1 <= START <= STOP and STEP >= 1")
+    if stop > MAX_SIZE:
+        raise SymmemError(f"--range {shown!r}: STOP is more than the largest size PyTorch allows (2**63 - 1)")
+    points = (stop - start) // step + 1
+    if points > MAX_POINTS:
+        raise SymmemError(f"--range {shown!r} has {points:,} values, more than the {MAX_POINTS:,} a plot shows; "
+                          "give a STEP")
+    return list(range(start, stop + 1, step))
+
+
+#: The most ops a timeline writes out (every layer's ops, op by op): about half a minute on a 2-core machine.
+MAX_TIMELINE_OPS = 10_000
+
+
+def _check_timeline_size(args: argparse.Namespace, d: object) -> None:
+    """Refuse a timeline that would write out more ops than :data:`MAX_TIMELINE_OPS` (``--set L=100000``)."""
+    from .common import acceptor_from_args
+
+    graph = acceptor_from_args(args).model.graph
+    ops = sum(d.evaluate(graph.node(n).count) for n in graph.order())  # type: ignore[attr-defined]
+    if ops > MAX_TIMELINE_OPS:
+        raise SymmemError(f"the timeline writes out every op of every layer: {ops:,} ops at these sizes, more than "
+                          f"{MAX_TIMELINE_OPS:,}; plot fewer layers (--set L=...) or use `plot batch`")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..report import plots
 
+    plots.check_output(args.output)  # before any work: a path that cannot be written is an error now
+    values = _range(args.range)
     d = derivation_from_args(args)
     if args.kind == "breakdown":
         ds = [d]
@@ -55,15 +93,21 @@ def run(args: argparse.Namespace) -> int:
     elif args.kind == "profile":
         fig = plots.profile(d, output=args.output)
     elif args.kind == "timeline":
+        _check_timeline_size(args, d)
         fig = plots.timeline(d, args.step, output=args.output)
     else:
+        from .common import acceptor_from_args
+
+        nothing = acceptor_from_args(args).counts_nothing()
+        if nothing:
+            raise SymmemError(nothing)
         name = "B" if args.kind == "batch" else "S"
         if name not in {s.name for s in d.free}:
             if not any(s.name == name for s in d.numbers):
                 raise SymmemError(f"{d.model} has no symbol {name}, so there is no {args.kind} sweep")
             args.free = ",".join([s.name for s in d.free] + [name])
             d = derivation_from_args(args)
-        fig = plots.sweep(d, name, _range(args.range), args.budget, output=args.output)
+        fig = plots.sweep(d, name, values, args.budget, output=args.output)
         if args.budget is not None:
             from ..fit import largest
 

@@ -22,6 +22,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
     add_derive_options(p, convention="pytorch", device="cpu", regime=False, optional_model=True)
     p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="refuse to measure when the model needs more than this (e.g. 16GiB); default: half of the "
+                        "device's memory")
     step = p.add_argument_group("--peak: two real training steps under the live-bytes tracker")
     step.add_argument("--peak", action="store_true",
                       help="compare the derived peak of a training step (first and steady) with real steps")
@@ -52,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
     traced_only += ["--method"] if args.method != "auto" else []
     if traced_only:
         raise SymmemError(f"{', '.join(traced_only)} apply to --module SPEC, not to a built-in model")
+    from ..units import parse_size
+
+    limit = None if args.max_memory is None else parse_size(args.max_memory)
     d = derivation_from_args(args)
-    result = verify_peak(d) if args.peak else verify(d)
+    result = verify_peak(d, max_memory=limit) if args.peak else verify(d, max_memory=limit)
     print(result.report() if args.peak else result.report(verbose=args.verbose))
     return 0 if result.exact else 1
 
@@ -82,6 +88,10 @@ def _module(args: argparse.Namespace) -> int:
         raise SymmemError("--set L: the module has the layers it was built with; verify measures it as built "
                           "(hf: --config n_layer=...)")
     loaded, dims, d = traced_from_args(args)
+    from ..units import parse_size
+    from ..verify import check_memory
+
+    check_memory(d, None if args.max_memory is None else parse_size(args.max_memory))  # before the real forward
     result = sources.verify_module(loaded, d, dims)
     print(result.report(verbose=args.verbose))
     return 0 if result.exact else 1

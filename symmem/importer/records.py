@@ -233,7 +233,10 @@ class Trace:
         for name, v in values.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SymmemError(f"{name} must be a positive integer, got {v!r}")
-        return sympy.sympify(expr).xreplace(subs)
+        try:
+            return sympy.sympify(expr, strict=True).xreplace(subs)  # never parse a string: that would run it
+        except sympy.SympifyError:
+            raise SymmemError(f"evaluate takes a sympy expression, not {expr!r}") from None
 
     def holds_at(self, **values: int) -> bool:
         """Whether the sizes lie in the formula's domain (each symbol ≥ 2 and every guard)."""

@@ -37,6 +37,8 @@ def _self_attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
     for part in ("query", "key", "value"):
         t = g.op("linear", x, name=part, role="qkv", out_features=H)
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
+        if part == "query":
+            g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
         heads.append(g.op("transpose", t, name=f"{part}_heads", dim0=1, dim1=2))
     q, k, v = heads
     if kind == "naive":
@@ -87,7 +89,7 @@ def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 
         layer.output(g.op("layernorm", m, name="output.LayerNorm", eps=1e-12))
     assert layer.result is not None
     # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
-    g.graph.assumptions.append(("embeddings.position_embeddings", sympy.Min(S, POSITIONS), S))
+    g.graph.assume("embeddings.position_embeddings", sympy.Le(S, POSITIONS))
     with g.group("pooler"), g.scope("pooler"):
         first = g.op("select", layer.result, name="first_token", dim=1, index=0)
         p = g.op("linear", first, name="dense", out_features=H)

@@ -13,6 +13,7 @@ parameter tensor of ``Psi`` elements.
 
 from __future__ import annotations
 
+from ..errors import SymmemError
 from ..graph import GraphBuilder, Model
 from ..symbols import B, C, Hi, Psi, Wi
 from ..symbols import Nact as Acts
@@ -26,6 +27,9 @@ def build_counts(name: str, activations: int = 532_752, parameters: int = 19_072
     # A tied, bias-free linear map stands for "the layers": it makes Nact values per sample and owns no weights.
     g.op("linear", x, name="activations", role="activations", out_features=Acts, bias=False, tied=True)
     g.parameter("parameters", (Psi,))
+    if not isinstance(input, tuple | list) or len(input) != 3 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in input):
+        raise SymmemError(f"counts: input is (channels, height, width), three positive integers, got {input!r}")
     c, hh, ww = input
     defaults = {B: 128, C: c, Hi: hh, Wi: ww, Acts: activations, Psi: parameters}
     return Model(name, g.finish(), defaults, (B, Acts, Psi),

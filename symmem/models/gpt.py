@@ -58,6 +58,8 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float, cache: bool) 
     for i, part in enumerate(("query", "key", "value")):
         t = g.op("slice", qkv, name=part, dim=2, start=i * H, stop=(i + 1) * H, split=True)  # qkv.split(H, 2)
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, h, hd))
+        if part == "query":
+            g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
         heads.append(g.op("transpose", t, name=f"{part}_heads", dim0=1, dim1=2))
     q, k, v = heads
     if cache:  # DynamicLayer.update: torch.cat([empty, states], dim=-2), a contiguous copy
@@ -106,7 +108,7 @@ def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: 
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
     # position embeddings have {POSITIONS} rows: S may not exceed them (checked with numbers when derived)
-    g.graph.assumptions.append(("wpe", sympy.Min(S, POSITIONS), S))
+    g.graph.assume("wpe", sympy.Le(S, POSITIONS))
     with g.group("head"):
         x = g.op("layernorm", layer.result, name="ln_f", eps=1e-5)
         g.op("linear", x, name="lm_head", out_features=V, bias=False, tied=True)

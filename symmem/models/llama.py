@@ -91,6 +91,9 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     for part, heads in (("q", h), ("k", G), ("v", G)):
         t = g.op("linear", x, name=f"{part}_proj", role="qkv", out_features=heads * hd, bias=False)
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, heads, hd))
+        if part == "q":
+            g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
+            g.assume(sympy.Eq(sympy.Mod(H / h, 2), 0))  # rotate_half splits the head dimension in two
         states.append(g.op("transpose", t, name=f"{part}_heads", dim0=1, dim1=2))
     q, k, v = states
     q = _rotary(g, q, cos, sin, "q_rope")
@@ -154,7 +157,7 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
         layer.output(g.op("add", x, m, name="add2"))
     assert layer.result is not None
     # G must divide h (num_key_value_groups = h // G); checked with numbers when the model is derived.
-    g.graph.assumptions.append(("layers.self_attn.k_proj", sympy.Mod(h, G), sympy.Integer(0)))
+    g.graph.assume("layers.self_attn.k_proj", sympy.Eq(sympy.Mod(h, G), 0))
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
         g.op("linear", x, name="lm_head", out_features=V, bias=False)

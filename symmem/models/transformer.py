@@ -36,6 +36,7 @@ def attention(g: GraphBuilder, x: str, *, kind: str, attn_drop: float, proj_drop
     hd = H / h
     qkv = g.op("linear", x, name="qkv", role="qkv", out_features=3 * H, bias=qkv_bias)
     qkv = g.op("reshape", qkv, name="qkv_heads", shape=(B, S, 3, h, hd))
+    g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
     qkv = g.op("permute", qkv, name="qkv_perm", dims=(2, 0, 3, 1, 4))
     q = g.op("select", qkv, name="q", dim=0, index=0, split=True)  # qkv.unbind(0)
     k = g.op("select", qkv, name="k", dim=0, index=1, split=True)

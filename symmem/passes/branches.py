@@ -63,6 +63,101 @@ def assignments(open_: Sequence[Boolean], decided: Branch) -> list[dict[sympy.Ba
             for values in itertools.product((True, False), repeat=len(open_))]
 
 
+def carriers(graph: Graph, nodes: Iterable[str], open_: Sequence[Boolean]) -> dict[Boolean, set[str]]:
+    """The nodes whose attributes or storage facts hold each open condition (or its negation)."""
+    found: dict[Boolean, set[str]] = {c: set() for c in open_}
+    for n in nodes:
+        node = graph.node(n)
+        for value in (*node.attrs.values(), *node.facts.values()):
+            for cond in _walk(value):
+                base, _ = canonical(cond)
+                if base in found:
+                    found[base].add(n)
+    return found
+
+
+#: Up to this many open conditions, every truth assignment of all of them is derived (2**k runs); beyond, only
+#: the assignments of the conditions that interact (:func:`combine`).
+EXHAUSTIVE_UP_TO = 2
+
+
+def combine(graph: Graph, nodes: Sequence[str], open_: Sequence[Boolean], decided: Branch,
+            run: Callable[[Branch], list[Storage]]) -> list[Storage]:
+    """The storages of every branch of the open conditions, merged (see :func:`merge`), without 2**k runs.
+
+    ``run(branch)`` gives the storages of one truth assignment.  Conditions interact when their footprints
+    overlap: the storages that change when the condition alone flips, and those made or kept by the nodes that
+    carry it.  Each group of interacting conditions is enumerated on its own, the others held false, and a
+    storage takes its ``Piecewise`` from the one group it depends on: independent conditions cost a run or two
+    each, and k of them give k small ``Piecewise`` terms, not one of 2**k pieces.
+    """
+    if len(open_) <= EXHAUSTIVE_UP_TO:
+        return merge(open_, [(b, run(b)) for b in assignments(open_, decided)])
+    base = {**dict(decided), **{c: False for c in open_}}
+    base_run = _keyed(run(base))
+    held = carriers(graph, nodes, open_)
+    flips = {c: _keyed(run({**base, c: True})) for c in open_}
+    footprint: dict[Boolean, set[tuple[Any, ...]]] = {}
+    for c in open_:
+        changed = {k for k in base_run.keys() | flips[c].keys() if base_run.get(k) != flips[c].get(k)}
+        touched = {k for k, s in (base_run | flips[c]).items() if s.node in held[c] or set(s.keepers) & held[c]}
+        footprint[c] = changed | touched
+    groups = _groups(open_, footprint)
+    while True:
+        merged: list[tuple[list[Boolean], dict[tuple[Any, ...], Storage], set[tuple[Any, ...]]]] = []
+        for group in groups:
+            if len(group) == 1:
+                c = group[0]
+                runs = [({**base, c: True}, flips[c]), (base, base_run)]
+            else:
+                runs = [(b, _keyed(run({**base, **b}))) for b in assignments(group, {})]
+            differs = {k for _, r in runs for k in r if any(o.get(k) != r[k] for _, o in runs)}
+            out = merge(group, [({**base, **b}, list(r.values())) for b, r in runs])
+            merged.append((group, _keyed(out), differs))
+        claimed: dict[tuple[Any, ...], int] = {}
+        clash = None
+        for i, (_, _, differs) in enumerate(merged):
+            for k in differs:
+                if k in claimed and claimed[k] != i:
+                    clash = (claimed[k], i)
+                claimed.setdefault(k, i)
+        if clash is None:
+            break
+        # a storage that two groups change: they interact after all, so they are one group
+        i, j = clash
+        groups = [g for n, g in enumerate(groups) if n not in (i, j)] + [groups[i] + groups[j]]
+    order = list(dict.fromkeys([*base_run, *(k for _, keyed, _ in merged for k in keyed)]))
+    out: list[Storage] = []
+    for k in order:
+        if k in claimed:
+            out.append(merged[claimed[k]][1][k])
+        elif k in base_run:
+            out.append(base_run[k])
+    return out
+
+
+def _groups(open_: Sequence[Boolean], footprint: Mapping[Boolean, set[Any]]) -> list[list[Boolean]]:
+    """The conditions in groups whose footprints overlap (connected components), in the order of ``open_``."""
+    groups: list[list[Boolean]] = []
+    for c in open_:
+        joined = [g for g in groups if any(footprint[c] & footprint[o] for o in g)]
+        for g in joined:
+            groups.remove(g)
+        groups.append([x for x in open_ if x == c or any(x in g for g in joined)])
+    return sorted(groups, key=lambda g: open_.index(g[0]))
+
+
+def _keyed(storages: Iterable[Storage]) -> dict[tuple[Any, ...], Storage]:
+    """Storages by (name, group, category, occurrence), the key :func:`merge` matches branches by."""
+    out: dict[tuple[Any, ...], Storage] = {}
+    seen: dict[tuple[Any, ...], int] = {}
+    for t in storages:
+        base = (t.name, t.group, t.category)
+        seen[base] = seen.get(base, 0) + 1
+        out[(*base, seen[base])] = t
+    return out
+
+
 def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
     """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1), to write the branch's formula plainly."""
     if value and isinstance(cond, sympy.Eq) and isinstance(cond.lhs, sympy.Symbol) and cond.rhs.is_number:
@@ -110,11 +205,8 @@ def merge(open_: Sequence[Boolean], branches: Sequence[tuple[Branch, list[Storag
         return list(branches[0][1])
     keyed: dict[tuple[Any, ...], dict[int, Storage]] = {}
     for i, (_, terms) in enumerate(branches):
-        seen: dict[tuple[Any, ...], int] = {}
-        for t in terms:
-            base = (t.name, t.group, t.category)
-            seen[base] = seen.get(base, 0) + 1
-            keyed.setdefault((*base, seen[base]), {})[i] = t
+        for key, t in _keyed(terms).items():
+            keyed.setdefault(key, {})[i] = t
     piecewise = joiner(open_, [branch for branch, _ in branches])
 
     out: list[Storage] = []

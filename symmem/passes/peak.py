@@ -78,7 +78,7 @@ class Peak:
     def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Moment:
         """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``."""
         found = [m for m in self.moments if m.step == step]
-        return max(found, key=lambda m: sympy.sympify(m.total.xreplace(dict(numbers))))
+        return max(found, key=lambda m: sympy.sympify(m.total.xreplace(dict(numbers)), strict=True))
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         """Whether ``numbers`` lie in the domain of the formulas."""
@@ -320,7 +320,7 @@ class Algebra:
             per: list[list[tuple[int, int]]] = []
             for s, lp in zip(self.counts, self.prime, strict=True):
                 known = self.subs.get(s)
-                if known is not None and sympy.sympify(known).is_number:
+                if known is not None and sympy.sympify(known, strict=True).is_number:
                     steps = (int(known) - self.base) // self.period  # a stack of known length
                     per.append([(self._id(mono), c * steps) for mono, c in items])
                 else:
@@ -369,7 +369,8 @@ class Algebra:
         total: Any = 0
         for (_, size), (n0, ds) in cand.parts.items():
             if size not in memo:
-                v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}))
+                v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}),
+                                  strict=True)
                 memo[size] = (int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))) if v.is_Rational else None
             if memo[size] is None:
                 return None
@@ -448,7 +449,7 @@ def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime
     """The peak at ``numbers`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
     rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces)."""
     tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
-    values = {s: sympy.sympify(e).xreplace(full) for s, e in subs.items()}
+    values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
     return max(tl.totals_at({**values, **full}, block), default=0)
 
 
@@ -482,7 +483,7 @@ def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     for e, live in zip(tl.events, tl.live(), strict=True):
         values = {}
         for c, expr in live.items():
-            v = sympy.sympify(expr.xreplace(dict(subs)).xreplace(full))
+            v = sympy.sympify(expr.xreplace(dict(subs)).xreplace(full), strict=True)
             values[c] = int(v) if v.is_number else 0
         out.append((e.phase, template(e.node) if e.node else None, values))
     return out

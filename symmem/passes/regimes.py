@@ -27,11 +27,13 @@ The derivation first lists what a convention keeps (:mod:`.saved`), then hands t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import sympy
 
 from ..derivation import END, START, Moment, Storage
+from ..errors import SymmemError
 from ..graph import Graph, parameter_shapes
 from ..shapes import numel
 from ..symbols import N, p, t
@@ -70,6 +72,42 @@ def hint(name: str) -> str:
     flags = {"N": "ZeRO: --zero 1|2|3", "t": "tensor parallelism: --tensor-parallel",
              "p": "pipeline parallelism: --pipeline-parallel"}
     return f" ({name} comes with {flags[name]})" if name in flags else ""
+
+
+def requirements(graph: Graph, symbols: Sequence[sympy.Symbol], regime: Regime
+                 ) -> list[tuple[str, sympy.Basic, None]]:
+    """What the regime needs of the model and its symbols, as (node, condition, None) checked with numbers.
+
+    Tensor parallelism splits attention heads and MLP widths (Megatron-LM's column/row-parallel linears), so it
+    needs layers with those roles and ``t`` dividing the heads ``h``, the key/value heads ``G`` and the MLP
+    width ``F``; sequence parallelism splits ``S`` over ``t`` too.  Pipeline parallelism needs repeated layers
+    and at most as many stages as layers.  Checkpointing every K layers needs K <= the layers of a block.
+    """
+    found: list[tuple[str, sympy.Basic, None]] = []
+    names = {s.name: s for s in symbols}
+    if regime.tensor_parallel:
+        split = next((n for n in graph.order() if graph.node(n).role in TP_ROLES), None)
+        if split is None:
+            raise SymmemError(f"tensor parallelism splits attention heads and MLP widths (Megatron-LM); "
+                              f"{graph.graph.get('name', 'this model')} has no such layers (no op with a role in "
+                              f"{', '.join(sorted(TP_ROLES))})")
+        for name in ("h", "G", "F"):
+            if name in names:
+                found.append((split, sympy.Eq(sympy.Mod(names[name], t), 0), None))
+        if regime.sequence_parallel and "S" in names:
+            found.append((split, sympy.Eq(sympy.Mod(names["S"], t), 0), None))
+    blocks = list(graph.blocks.values())
+    if regime.pipeline_parallel:
+        if not blocks:
+            raise SymmemError(f"pipeline parallelism splits repeated layers into stages; "
+                              f"{graph.graph.get('name', 'this model')} has no repeated layers")
+        found.append((blocks[0].input, sympy.Le(p, sympy.Add(*(b.count for b in blocks))), None))
+    every = checkpoint_every(regime.checkpoint)
+    if every is not None:
+        for b in blocks:
+            if not b.count.is_number:
+                found.append((b.input, sympy.Le(every, b.count), None))
+    return found
 
 
 def _role(graph: Graph, term: Storage) -> str | None:

@@ -100,6 +100,10 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
             continue
         savers = storages[storage]
         if per_layer:
+            if node.block != graph.node(savers[0][0]).block:
+                # Made outside the layer (Llama's rotary cos/sin tables, made once and kept by every layer): the
+                # whole model counts it once, so it is no part of one layer's memory.
+                continue
             count = sympy.Integer(1)
         else:
             count = multiplicity(graph, storage, [(s, mode) for s, mode, _ in savers])

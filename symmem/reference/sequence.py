@@ -497,9 +497,11 @@ class LlamaForCausalLM(nn.Module):
         causal_mask = None
         if not self.sdpa:  # create_causal_mask: an additive (B, 1, S, S) mask for eager attention
             min_dtype = torch.finfo(inputs_embeds.dtype).min
-            causal_mask = torch.full((seq, seq), fill_value=min_dtype, dtype=inputs_embeds.dtype)
+            # built on the input's device (HF does too): a CPU mask would not mix with a model on CUDA
+            causal_mask = torch.full((seq, seq), fill_value=min_dtype, dtype=inputs_embeds.dtype,
+                                     device=inputs_embeds.device)
             causal_mask = torch.triu(causal_mask, diagonal=1)
-            causal_mask *= torch.arange(seq) > cache_position.reshape(-1, 1)
+            causal_mask *= torch.arange(seq, device=inputs_embeds.device) > cache_position.reshape(-1, 1)
             causal_mask = causal_mask[None, None, :, :].expand(inputs_embeds.shape[0], 1, -1, -1)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)

@@ -16,6 +16,7 @@ import sympy
 
 from .. import names
 from ..errors import SymmemError
+from ..files import output_path, write_atomically
 from ..units import UNITS, parse_size
 
 if TYPE_CHECKING:
@@ -43,14 +44,20 @@ def _interactive() -> bool:
     return get_ipython() is not None
 
 
-def _save(fig: Any, output: str | Path | None) -> None:
+def check_output(output: str | Path | None) -> Path | None:
+    """``output`` checked before anything is drawn (a suffix of :data:`FORMATS`, a directory that exists ...)."""
+    return None if output is None else output_path(output, FORMATS)
+
+
+def save(fig: Any, output: str | Path | None) -> None:
+    """Write ``fig`` to ``output`` (``.png``, ``.pdf`` or ``.svg``), whole or not at all."""
     if output is None:
         return
-    path = Path(output)
-    if path.suffix.lower() not in FORMATS:
-        raise SymmemError(f"cannot write {path.name!r}: use one of {', '.join(FORMATS)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=150, metadata={"Date": None} if path.suffix == ".svg" else None)
+    path = output_path(output, FORMATS)
+    fmt = path.suffix.lower().lstrip(".")
+    # drawn into a temporary file and renamed: a failure leaves no half-written figure
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, bbox_inches="tight", dpi=150,
+                                                   metadata={"Date": None} if fmt == "svg" else None))
 
 
 def _label(d: Derivation, sep: str = "\n") -> str:
@@ -160,7 +167,7 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
     ax.set_title(f"{_regime(derivations[0])}: training memory by part")
     ax.margins(y=0.1)
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -178,6 +185,11 @@ def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sy
     others = {s: v for s, v in d.numbers.items() if s != sym}
     par = sympy.expand(d.parameter_memory.xreplace(others))
     return sym, fits, total, par
+
+
+def _lambdify(sym: sympy.Symbol, expr: sympy.Expr) -> Any:
+    # Float coefficients: an integer beyond int64 would make numpy compute with Python objects (and fail).
+    return sympy.lambdify(sym, expr.evalf(), "numpy")
 
 
 def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
@@ -210,7 +222,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     if quantity == "peak":
         curves.insert(0, (fits, "peak of a training step", "-"))
     for expr, label, style in curves:
-        f = sympy.lambdify(sym, expr / scale, "numpy")
+        f = _lambdify(sym, expr / scale)
         ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
@@ -229,7 +241,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -286,7 +298,7 @@ def timeline(d: Derivation, step: str = "steady", output: str | Path | None = No
     ax.set_title(f"{_label(d, ', ')}, {_regime(d)}: live memory over {which}", pad=16)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -328,7 +340,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
     for (sym, expr), label, fit in zip(curves, labels, fits, strict=True):
-        f = sympy.lambdify(sym, expr / scale, "numpy")
+        f = _lambdify(sym, expr / scale)
         nothing = cap is not None and fit is None and float(expr.subs(sym, 1)) > cap
         (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label + (" (nothing fits)" if nothing else ""))
         if fit is not None:
@@ -347,7 +359,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 
@@ -376,7 +388,7 @@ def profile(d: Derivation, output: str | Path | None = None, unit: str = "MiB") 
     ax.margins(x=0.15)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    _save(fig, output)
+    save(fig, output)
     return fig
 
 

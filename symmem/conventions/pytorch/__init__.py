@@ -56,7 +56,7 @@ class RuleContext:
         return Saved("output", role=role)
 
     def new(self, label: str, shape: tuple[Any, ...], dtype: str, role: str | None = None) -> Saved:
-        return Saved("new", label=label, spec=TensorSpec(tuple(sympy.sympify(d) for d in shape), dtype,
+        return Saved("new", label=label, spec=TensorSpec(tuple(sympy.sympify(d, strict=True) for d in shape), dtype,
                                                          role or label), role=role or label)
 
     @property
