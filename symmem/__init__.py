@@ -1,8 +1,10 @@
 """symmem: closed-form formulas for the memory a neural network needs to train.
 
 >>> import symmem
->>> d = symmem.derive("vit-b16", attention="naive", per_layer=True)
+>>> d = symmem.derive("vit-b16", attention="naive", per_layer=True)    # what PyTorch autograd keeps
 >>> d.activations / 4
+16*B*H*S + B*S**2*h + 4*B*S
+>>> symmem.derive("vit-b16", convention="paper", attention="naive", per_layer=True).activations / 4
 9*B*H*S + B*S**2*h
 
 The public names are imported on first use, so that ``import symmem`` (and ``symmem --help``) stays fast.

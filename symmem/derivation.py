@@ -233,6 +233,11 @@ class Derivation:
     step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     #: where the formulas hold beyond every size being a positive integer (a traced module's guards: S <= 512)
     domain: Any = sympy.true
+    #: what a reader must know before trusting the numbers (a convention that finds nothing to count here)
+    notes: tuple[str, ...] = ()
+    #: free symbols whose model default follows from other symbols (ViT's S from Hi, Wi), as that expression:
+    #: solving for Hi moves S with it, and ``at(Hi=...)`` gives S its new number
+    tied: Mapping[sympy.Symbol, sympy.Expr] = field(default_factory=dict, compare=False, repr=False)
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -402,7 +407,7 @@ class Derivation:
         >>> d.values("total", B=[1, 64]).tolist() == [d.at(B=1).value("total"), d.value("total")]
         True
         >>> d.values("activations", B=[[1], [2]], S=[197, 577]).tolist()
-        [[65965056, 193207296], [131930112, 386414592]]
+        [[117574312, 344339336], [235148432, 688678480]]
         """
         import numpy as np
 
@@ -483,10 +488,17 @@ class Derivation:
                                   f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
                                   f"values={{{name!r}: {v!r}}}")
             nums[by_name[name]] = positive_int(name, v)
+        tied = self.tied
+        if tied:
+            set_ = {by_name[name] for name in values}
+            tied = {t: e for t, e in tied.items() if t not in set_}  # a number set by hand unties it
+            for t, e in tied.items():
+                if e.free_symbols & set_:
+                    nums[t] = int(e.xreplace({x: nums[x] for x in e.free_symbols}))
         # The expressions do not depend on the numbers: the new derivation keeps the ones already worked out.
         keep = _copied_fields(type(self))
         if keep is None:  # a __post_init__ to run: the constructor
-            new = replace(self, numbers=nums)
+            new = replace(self, numbers=nums, tied=tied)
             new.__dict__.update({k: v for k, v in self.__dict__.items() if k in _NUMBER_FREE})
             return new
         new = object.__new__(type(self))  # a field-by-field copy: a fifth of replace()'s cost, in a loop over sizes
@@ -495,6 +507,7 @@ class Derivation:
             if k in keep:
                 state[k] = v
         state["numbers"] = nums
+        state["tied"] = tied
         return new
 
     # -- views ----------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ as keywords.
 >>> d = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True)
 >>> d.activations / 4
 9*B*H*S
->>> d = derive("resnet50-v1")
->>> round(d.value("total") / 2**30, 4)
+>>> round(derive("resnet50-v1", convention="paper").value("total") / 2**30, 4)
 3.0246
+>>> derive("resnet50-v1").convention                   # the default: what PyTorch autograd keeps
+'pytorch'
 >>> derive("resnet18", convention="pytorch", device="cpu").options["device"]
 'cpu'
 """
@@ -18,6 +19,7 @@ as keywords.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -27,7 +29,7 @@ import sympy
 from .conventions import Convention
 from .conventions import convention as get_convention
 from .derivation import Derivation, Storage, positive_int
-from .errors import SymmemError
+from .errors import NothingCounted, SymmemError
 from .evaluator import Unsupported, interpret
 from .graph import Model, parameter_count, paused_gc
 from .passes import branches, regimes, saved
@@ -39,7 +41,7 @@ from .training import Regime
 REGIME_FIELDS = tuple(f.name for f in dataclasses.fields(Regime))
 
 
-def derive(model: Model | str, convention: str | Convention = "paper", regime: Regime | None = None,
+def derive(model: Model | str, convention: str | Convention = "pytorch", regime: Regime | None = None,
            values: Mapping[str, int] | None = None, *, per_layer: bool = False,
            free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
            loss: str | None = None, **keywords: Any) -> Derivation:
@@ -118,7 +120,7 @@ class Acceptor:
 
 
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
-             loss: str | None = None, convention: str | Convention = "paper", **keywords: Any) -> Acceptor:
+             loss: str | None = None, convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
     ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
     deriving.  Arguments are :func:`derive`'s.  :func:`symmem.fit.largest` uses it to answer only with values
@@ -167,8 +169,19 @@ def _values(model: Model, regime: Regime, values: Mapping[str, int] | None
         else:
             eff[s] = sympy.Integer(regimes.DEFAULTS[s])
     numbers = _numbers(eff)
-    _check_assumptions(model, numbers, required)
-    _check_sizes(model, numbers)
+    try:
+        _check_assumptions(model, numbers, required)
+        _check_sizes(model, numbers)
+    except SymmemError as exc:
+        tied = [(s, model.defaults[s]) for s in user
+                if s in model.defaults and model.defaults[s].free_symbols and s.name in str(exc)]
+        if not tied:
+            raise
+        # a size set by hand that the model derives from others (ViT's S from the image): name what to set
+        s, default = tied[0]
+        sources = sorted(str(x) for x in default.free_symbols)
+        raise SymmemError(f"{s} follows from {', '.join(sources)} (its default is {default}): set "
+                          f"{' and '.join(sources)} instead of {s}; {exc}") from None
     return by_name, eff, numbers
 
 
@@ -231,7 +244,7 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
         kept = regimes.activations(graph, kept, regime, act_dtype, per_layer, conv.dedup)
         return kept + conv.extra_storages(kept, conv_options)
 
-    storages = branches.combine(graph, nodes, open_, decided, run)
+    storages = _in_graph_order(graph, branches.combine(graph, nodes, open_, decided, run))
     storages += regimes.parameters(graph, nodes, regime, per_layer)
     if subs:
         done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
@@ -242,10 +255,30 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
+    base = {x for x, e in eff.items() if e.is_number}
+    resolved = _substitute_all(eff, base)
+    tied = {x: resolved[x] for x in kept_symbols if x in resolved and resolved[x].free_symbols}
     domain = model.graph.graph.get("domain", sympy.true)
+    notes: tuple[str, ...] = ()
+    why = None if any(s.category == "activation" and s.expr != 0 for s in storages) else conv.finds_nothing(graph)
+    if why is not None:
+        # a 0 that means "this convention cannot see the graph", not "nothing is kept": say so wherever it shows
+        notes = (f"{model.name}: {why}",)
+        warnings.warn(notes[0], NothingCounted, stacklevel=4)
     return Derivation(model.name, conv.name, regime, tuple(storages), kept_symbols, numbers,
                       param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step,
-                      domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain)
+                      domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain, notes, tied)
+
+
+def _in_graph_order(graph: Any, storages: list[Storage]) -> list[Storage]:
+    """Storages in the order their nodes run (a node's own output before what it saves beside it), so that
+    every view lists them as the model reads; conventions append their extras wherever they find them."""
+    index = {n: i for i, n in enumerate(graph.order())}
+
+    def key(s: Storage) -> tuple[int, bool]:
+        return index.get(s.node, -1 if s.category == "input" else len(index)), s.name != s.node
+
+    return sorted(storages, key=key)
 
 
 def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,

@@ -24,3 +24,8 @@ def node_error(node: str, kind: str, message: str, shapes: object = None) -> Sym
     if shapes is not None:
         text += f"; shapes: {shapes}"
     return SymmemError(text)
+
+
+class NothingCounted(UserWarning):
+    """A convention found nothing it counts in a graph (a role convention and a graph without those roles): its
+    activations are 0 because it cannot see them, not because none are kept."""

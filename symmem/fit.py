@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from .errors import NothingFits, SymmemError
+from .simplify import max_of
 from .tensor import MAX_SIZE
 from .units import format_bytes, parse_size
 
@@ -108,13 +109,33 @@ def polynomial(d: Derivation, name: str, quantity: str | None = None) -> tuple[s
             raise SymmemError(f"{name} is not kept in {d.model}'s formula (it has {', '.join(s.name for s in d.free)});"
                               f" derive with free=(..., {name!r}) or --free {name}")
         raise SymmemError(f"{d.model} has no symbol {name!r}; it has {', '.join(sorted(s.name for s in d.numbers))}")
+    # A symbol that follows from the solved one (ViT's S from Hi) moves with it; the rest keep their numbers.
     others = {s: v for s, v in d.numbers.items() if s != sym}
+    for s, e in d.tied.items():
+        if sym in e.free_symbols:
+            others[s] = e.xreplace({x: d.numbers[x] for x in e.free_symbols if x != sym})
     if quantity == "peak":
         peak = d.peak_formula()
         if isinstance(peak, sympy.Max):
-            return sym, sympy.Max(*(sympy.expand(a.xreplace(others)) for a in peak.args))
+            return sym, _upper(sym, [sympy.expand(a.xreplace(others)) for a in peak.args])
         return sym, sympy.expand(peak.xreplace(others))
     return sym, sympy.expand(d.total.xreplace(others))
+
+
+def _upper(sym: sympy.Symbol, pieces: list[sympy.Expr]) -> sympy.Expr:
+    """The Max of ``pieces`` (functions of ``sym`` alone) without the ones another bounds on [1, oo).
+
+    sympy's own ``Max`` compares every pair symbolically (seconds for GPT-2's moments); pieces linear in
+    ``sym`` compare by their value at 1 and their slope, anything else stays in.
+    """
+    lines: dict[sympy.Expr, tuple[sympy.Rational, sympy.Rational]] = {}
+    for p in dict.fromkeys(pieces):
+        poly = _poly(p, sym)
+        if poly is not None and poly.degree() <= 1:
+            lines[p] = (sum(poly.coeffs(), sympy.Integer(0)), poly.coeff_monomial(sym))  # value at 1, slope
+    kept = [p for p in dict.fromkeys(pieces) if p not in lines or not any(
+        q != p and lines[q][0] >= lines[p][0] and lines[q][1] >= lines[p][1] for q in lines)]
+    return max_of(kept)
 
 
 def _total(f: sympy.Expr, sym: sympy.Symbol, x: int) -> int:

@@ -349,7 +349,7 @@ def _vit_section(group: list[Row]) -> list[str]:
     from .simplify import factored
     from .symbols import B, H, S
 
-    layers = {r.attention: derive("vit-b16", attention=r.attention, per_layer=True) for r in group}
+    layers = {r.attention: derive("vit-b16", convention="paper", attention=r.attention, per_layer=True) for r in group}
     first = next(iter(layers.values()))
     bsh = first.evaluate(B * S * H)
     words = {"naive": "with naive attention (softmax probabilities materialized)",

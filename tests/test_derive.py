@@ -60,28 +60,29 @@ def test_per_layer_and_symbolic_parameters():
 
 
 def test_values_and_free_symbols():
-    d = derive("vit-b16", attention="sdpa", values={"B": 32})
+    d = derive("vit-b16", convention="paper", attention="sdpa", values={"B": 32})
     assert d.numbers[B] == 32
-    assert d.value("activations") * 2 == derive("vit-b16", attention="sdpa").value("activations")
-    only_b = derive("vit-b16", attention="sdpa", free=("B",))
+    assert d.value("activations") * 2 == derive("vit-b16", convention="paper", attention="sdpa").value("activations")
+    only_b = derive("vit-b16", convention="paper", attention="sdpa", free=("B",))
     assert only_b.activations.free_symbols == {B}
-    assert only_b.evaluate(only_b.activations) == derive("vit-b16", attention="sdpa").value("activations")
+    whole = derive("vit-b16", convention="paper", attention="sdpa")
+    assert only_b.evaluate(only_b.activations) == whole.value("activations")
 
 
 def test_non_free_override_enters_the_formula():
     # F is not a free symbol of vit-b16 (its default is 4H); setting it puts the number in the formula.
-    d = derive("vit-b16", attention="sdpa", per_layer=True, values={"F": 1000})
+    d = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True, values={"F": 1000})
     assert sympy.expand(d.activations / 4 - (5 * B * sympy.Symbol("S", positive=True, integer=True) * H
                                              + 1000 * B * sympy.Symbol("S", positive=True, integer=True))) == 0
 
 
 def test_image_size_moves_the_token_count():
-    d = derive("vit-b16", values={"Hi": 384, "Wi": 384})
+    d = derive("vit-b16", convention="paper", values={"Hi": 384, "Wi": 384})
     assert d.numbers[sympy.Symbol("S", positive=True, integer=True)] == 577
 
 
 def test_size_units():
-    d = derive("resnet50-v1")
+    d = derive("resnet50-v1", convention="paper")
     assert d.size("total", "GiB") == pytest.approx(3.0246, abs=5e-5)
     assert d.size("parameter_memory", "MB") == pytest.approx(25_557_032 * 16 / 1e6)
 
@@ -107,7 +108,8 @@ def test_format_and_convert():
 
 
 def test_json_contract(capsys):
-    assert main(["derive", "vit-b16", "--attention", "naive", "--per-layer", "--format", "json"]) == 0
+    assert main(["derive", "vit-b16", "--convention", "paper", "--attention", "naive", "--per-layer",
+                 "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "vit-b16" and out["convention"] == "paper" and out["per_layer"] is True
     assert out["expressions"]["activations"] == "36*B*H*S + 4*B*S**2*h"
@@ -123,7 +125,7 @@ def test_json_contract(capsys):
 
 
 def test_json_whole_model_values(capsys):
-    assert main(["derive", "resnet50-v1", "--format", "json", "--set", "B=128"]) == 0
+    assert main(["derive", "resnet50-v1", "--convention", "paper", "--format", "json", "--set", "B=128"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["symbols"]["B"] == 128
     assert out["values"]["parameters"] == 25_557_032
@@ -133,10 +135,11 @@ def test_json_whole_model_values(capsys):
 
 
 def test_text_and_latex_output(capsys):
-    assert main(["derive", "resnet50-v1"]) == 0
+    assert main(["derive", "resnet50-v1", "--convention", "paper"]) == 0
     text = capsys.readouterr().out
     assert "stage 2" in text and "784.00" in text and "3.025 GiB" in text
-    assert main(["derive", "vit-b16", "--attention", "naive", "--per-layer", "--format", "latex"]) == 0
+    assert main(["derive", "vit-b16", "--convention", "paper", "--attention", "naive", "--per-layer",
+                 "--format", "latex"]) == 0
     tex = capsys.readouterr().out
     assert r"\begin{align*}" in tex and r"B H S {\left(36 + \frac{4 S h}{H}\right)}" in tex
 
@@ -150,9 +153,9 @@ def test_models_listing(capsys):
 
 
 def test_at_only_moves_free_symbols():
-    d = derive("vit-b16", attention="sdpa")
+    d = derive("vit-b16", convention="paper", attention="sdpa")
     assert d.at(B=32).value("activations") * 2 == d.value("activations")
     with pytest.raises(Exception, match="'Hi' is not a symbol of this formula"):
         d.at(Hi=384)  # S follows the image size only when deriving again
-    again = derive("vit-b16", attention="sdpa", values={"Hi": 384, "Wi": 384})
+    again = derive("vit-b16", convention="paper", attention="sdpa", values={"Hi": 384, "Wi": 384})
     assert {s.name: v for s, v in again.numbers.items()}["S"] == 577

@@ -142,6 +142,8 @@ def test_verify_without_torch_says_how_to_install(monkeypatch, capsys):
     (["derive", "vit-b16", "--set", "B=1" + "0" * 5000], ["largest size PyTorch allows"]),
     (["derive", "mlp", "--free", ",,"], ["--free", "symbol names"]),
     (["fit", "vit-b16", "--budget", "80GiB", "--solve", "S"], ["S follows from Hi, Wi", "patch_embed.flatten"]),
+    (["derive", "vit-b16", "--set", "S=577"], ["S follows from Hi, Wi", "set Hi and Wi instead of S",
+                                                "patch_embed.flatten"]),
     (["fit", "vit-b16", "--budget", "1" + "0" * 100], ["beyond the largest size"]),
     (["verify", "llama"], ["verify would allocate", "more than the limit", "--max-memory"]),
 ])

@@ -18,6 +18,7 @@ import sympy
 import symmem
 from symmem.cli import main
 from symmem.fit import largest, smallest_budget
+from symmem.units import parse_size
 
 MiB, GiB = 2**20, 2**30
 
@@ -39,7 +40,7 @@ def plain_total(d, name, x):
 
 @pytest.fixture(scope="module")
 def resnet():
-    return symmem.derive("resnet50-v1")
+    return symmem.derive("resnet50-v1", convention="paper")
 
 
 @pytest.mark.parametrize("budget, nbytes", [
@@ -63,7 +64,7 @@ def test_resnet_batch_from_seed_figures(resnet, budget, nbytes):
     ("vgg16", {}, "B", "16GiB"),
 ])
 def test_boundary(model, options, solve, budget):
-    d = symmem.derive(model, **options)
+    d = symmem.derive(model, convention="paper", **options)
     r = largest(d, solve, budget)
     assert r.total_at_max == plain_total(d, solve, r.max) <= r.budget < plain_total(d, solve, r.max + 1)
     assert r.total_above == plain_total(d, solve, r.max + 1)
@@ -71,7 +72,7 @@ def test_boundary(model, options, solve, budget):
 
 def test_vit_sequence_quadratic():
     """S solved from 4 B h L S^2 + ...: the seed's ViT-B/16 at B = 64 fits S = 197 in 8 GiB, not in 6 GiB."""
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     assert largest(d, "S", "8GiB").max >= 197 > largest(d, "S", "6GiB").max
 
 
@@ -81,17 +82,18 @@ def test_smallest_budget_is_the_seed_total(resnet):
 
 def test_nothing_fits_is_an_answer(capsys):
     """Exit 1 (an answer), not the 2 of bad input; one line that says how much the smallest size needs."""
-    assert main(["fit", "resnet50-v1", "--budget", "100MiB"]) == 1
+    assert main(["fit", "resnet50-v1", "--convention", "paper", "--budget", "100MiB"]) == 1
     err = capsys.readouterr().err.strip()
-    need = symmem.derive("resnet50-v1").at(B=1).value("total")
+    need = symmem.derive("resnet50-v1", convention="paper").at(B=1).value("total")
     assert err.startswith("symmem: nothing fits") and f"{need:,} B" in err and "\n" not in err
 
 
 @pytest.mark.parametrize("args, message", [
     # the paper convention keeps tensors by the seed's roles, none of which an MLP has: not "does not grow"
-    (["fit", "mlp", "--budget", "1GiB", "--set", "B=1"], "keeps nothing; use --convention pytorch"),
-    (["fit", "resnet50-v1", "--budget", "80 parsecs"], "unknown unit"),
-    (["fit", "resnet50-v1", "--budget", "80GiB", "--solve", "S"], "no symbol 'S'"),
+    (["fit", "mlp", "--convention", "paper", "--budget", "1GiB", "--set", "B=1"],
+     "keeps nothing; use --convention pytorch"),
+    (["fit", "resnet50-v1", "--convention", "paper", "--budget", "80 parsecs"], "unknown unit"),
+    (["fit", "resnet50-v1", "--convention", "paper", "--budget", "80GiB", "--solve", "S"], "no symbol 'S'"),
 ])
 def test_errors(capsys, args, message):
     assert main(args) == 2
@@ -99,11 +101,11 @@ def test_errors(capsys, args, message):
 
 
 def test_cli_json(capsys):
-    assert main(["fit", "vit-b16", "--attention", "naive", "--budget", "80GiB", "--solve", "B",
+    assert main(["fit", "vit-b16", "--convention", "paper", "--attention", "naive", "--budget", "80GiB", "--solve", "B",
                  "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["symbol"] == "B" and out["budget"] == 80 * GiB
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     assert out["total_at_max"] == plain_total(d, "B", out["max"]) <= out["budget"]
     assert out["total_above"] == plain_total(d, "B", out["max"] + 1) > out["budget"]
 
@@ -132,18 +134,35 @@ def test_fit_against_pytorch(k):
 
 def test_solve_only_values_the_model_accepts(capsys):
     """gpt2 with H = 768: the budget's bound on h is 201, but h must divide H; S is tied to the image in ViT."""
-    d = symmem.derive("gpt2", free=("B", "S", "H", "h", "L", "F", "V"))
+    d = symmem.derive("gpt2", convention="paper", free=("B", "S", "H", "h", "L", "F", "V"))
     bound = largest(d, "h", "80GiB").max
-    assert main(["fit", "gpt2", "--budget", "80GiB", "--solve", "h", "--format", "json"]) == 0
+    assert main(["fit", "gpt2", "--convention", "paper", "--budget", "80GiB", "--solve", "h", "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     best = max(x for x in range(1, bound + 1) if 768 % x == 0)
     assert (out["bound"], out["max"]) == (bound, best) and out["max"] < bound and "divide" in out["refused"]
     assert out["total_at_max"] == plain_total(d, "h", best)
-    assert main(["fit", "vit-b16", "--budget", "80GiB", "--solve", "S"]) == 2
+    assert main(["fit", "vit-b16", "--convention", "paper", "--budget", "80GiB", "--solve", "S"]) == 2
     assert "S follows from Hi, Wi" in capsys.readouterr().err
 
 
 def test_cli_smallest_budget(capsys):
-    assert main(["fit", "resnet50-v1", "--set", "B=64", "--format", "json"]) == 0
+    assert main(["fit", "resnet50-v1", "--convention", "paper", "--set", "B=64", "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["smallest_budget"] == symmem.derive("resnet50-v1").value("total")
+    assert out["smallest_budget"] == symmem.derive("resnet50-v1", convention="paper").value("total")
+
+
+@pytest.mark.parametrize("model, solve, values, budget", [
+    ("vit-b16", "Hi", {"B": 8}, "80GiB"),        # S = floor(Hi/16) floor(Wi/16) + 1 moves with Hi
+    ("vit-b16", "Wi", {"B": 2}, "24GiB"),
+    ("vit-ti16", "Hi", {"B": 64, "Wi": 384}, "40GiB"),
+])
+def test_a_symbol_that_follows_moves_with_the_solved_one(model, solve, values, budget):
+    """The answer's boundary against fresh derivations at the model's own sizes (S from the image, not 197)."""
+    d = symmem.derive(model, values=values, free=("B", "S", solve))
+    r = largest(d, solve, budget)
+    cap = parse_size(budget)
+    at = {**values, solve: r.max}
+    above = {**values, solve: r.max + 1}
+    assert symmem.derive(model, values=at).value("peak") == r.total_at_max <= cap
+    assert symmem.derive(model, values=above).value("peak") == r.total_above > cap
+    assert d.at(**{solve: r.max}).value("peak") == r.total_at_max  # at() moves S too

@@ -196,7 +196,7 @@ def test_rounded_keeps_the_values(name):
 
 def test_compact_vit():
     """The seed's ViT-B/16: the layer once, times L (9BSH + BhS^2 elements, in bytes), Psi and its multiple."""
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     text = align(d)
     assert r"\text{layer} &= L \cdot \left(36 B H S + 4 B h S^{2}\right)" in text
     assert r"\Psi &= 12 L H^{2} + 13 H L + H S + 1772 H + 1000" in text
@@ -211,14 +211,14 @@ def test_compact_vit():
 @pytest.mark.parametrize("zero, side", [(1, r"8 \Psi + \frac{8 \Psi}{N}"), (2, r"4 \Psi + \frac{12 \Psi}{N}"),
                                         (3, r"\frac{16 \Psi}{N}")])
 def test_zero_in_psi(zero, side):
-    d = symmem.derive("vit-b16", attention="naive", zero=zero)
+    d = symmem.derive("vit-b16", convention="paper", attention="naive", zero=zero)
     text = align(d)
     assert rf"\text{{parameter memory}} &= {side}" in text
     assert _equal(parse(side).xreplace({Psi: d.parameters}), d.parameter_memory)
 
 
 def test_terms_form_one_labelled_line_per_term():
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     text = align(d, form="terms")
     got = read(text)
     # every term, Psi, then activations (factored), parameter memory and total
@@ -296,9 +296,9 @@ def test_align_compiles_without_overfull_lines(tmp_path):
 
 def test_table1_booktabs():
     """The seed's Table 1, recomputed: its rounded figures (GiB, 3 decimals) appear in the rows."""
-    rows_ = [("ResNet-50", symmem.derive("resnet50-v1")),
-             ("ViT-B/16 naive MHA", symmem.derive("vit-b16", attention="naive")),
-             ("ViT-B/16 SDPA/Flash", symmem.derive("vit-b16", attention="sdpa"))]
+    rows_ = [("ResNet-50", symmem.derive("resnet50-v1", convention="paper")),
+             ("ViT-B/16 naive MHA", symmem.derive("vit-b16", convention="paper", attention="naive")),
+             ("ViT-B/16 SDPA/Flash", symmem.derive("vit-b16", convention="paper", attention="sdpa"))]
     text = table(rows_)
     assert "\\toprule" in text and "\\midrule" in text and "\\bottomrule" in text
     body = [ln for ln in text.splitlines() if ln.strip().endswith("\\\\") and "Model" not in ln]
@@ -316,9 +316,9 @@ def test_table1_booktabs():
 def test_cli_latex(capsys):
     from symmem.cli import main
 
-    assert main(["derive", "resnet50-v1", "--format", "latex"]) == 0
+    assert main(["derive", "resnet50-v1", "--convention", "paper", "--format", "latex"]) == 0
     out = capsys.readouterr().out
-    d = symmem.derive("resnet50-v1")
+    d = symmem.derive("resnet50-v1", convention="paper")
     assert out == align(d) + "\n"
     assert "\\begin{align*}" in out and r"\Psi &= 25557032" in out and r"\text{stage 1} &=" in out
     got = dict(read(out))

@@ -29,7 +29,7 @@ def paper(tmp_path_factory):
 
 def test_sources(paper):
     body = (paper.directory / "generated" / "body.tex").read_text()
-    resnet = symmem.derive("resnet50-v1")
+    resnet = symmem.derive("resnet50-v1", convention="paper")
     assert expression(resnet.total) in body                      # equation (1) is the derived formula
     for figure in ("588.00", "196.00", "441.00", "98.00", "110.25", "3.0246", "446.14", "332.44"):
         assert figure in body, figure                              # corrected splits and exact totals
@@ -37,7 +37,7 @@ def test_sources(paper):
     assert "\\toprule" in table and "3.025" in table and "6.554" in table and "5.222" in table
     assert (paper.directory / "figures" / "scaling.pdf").read_bytes()[:4] == b"%PDF"
     # Every inline formula of the ViT section parses back to the derivation's expression.
-    vit = symmem.derive("vit-b16", attention="naive")
+    vit = symmem.derive("vit-b16", convention="paper", attention="naive")
     par = re.search(r"M_\{\\mathrm\{par\}\} &= (.*)\.", body).group(1)
     assert parse(par) == vit.parameter_memory
 

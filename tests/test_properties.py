@@ -176,7 +176,7 @@ def test_parse_size_is_exact(n, unit):
 @bounded(25)
 @given(st.integers(2 * 2**30, 2**50))
 def test_largest_is_the_boundary(budget):
-    d = derive("vit-b16", attention="naive")
+    d = derive("vit-b16", convention="paper", attention="naive")
     free = sorted(d.total.free_symbols, key=str)
 
     def plain(x):

@@ -28,7 +28,8 @@ Psi = sympy.Symbol("Psi", positive=True, integer=True)
 
 def _model_states(precision, optimizer, zero=0, **values):
     free = ("Psi", "N") if zero else ("Psi",)
-    return derive("counts", precision=precision, optimizer=optimizer, zero=zero, values=values, free=free)
+    return derive("counts", convention="paper", precision=precision, optimizer=optimizer, zero=zero, values=values,
+                  free=free)
 
 
 # ZeRO Figure 1: (stage, formula in the paper, GB as printed with one decimal)
@@ -84,7 +85,7 @@ def test_adafactor_factors_matrices():
     opt = OPTIMIZERS["adafactor"]
     assert sum(b for _, b in opt.state_bytes((H, 4 * H))) == 4 * (H + 4 * H)
     assert sum(b for _, b in opt.state_bytes((H,))) == 4 * H
-    d = derive("vit-b16", optimizer="adafactor", per_layer=True)
+    d = derive("vit-b16", convention="paper", optimizer="adafactor", per_layer=True)
     states = d.sum(category="parameter") - d.sum(role="weights") - d.sum(role="gradients")
     # per layer: qkv (3H x H), proj (H x H), fc1 (4H x H), fc2 (H x 4H) -> rows + columns; vectors in full
     matrices = (3 * H + H) + (H + H) + (4 * H + H) + (H + 4 * H)
@@ -99,38 +100,38 @@ def test_adam_8bit_small_tensors_stay_fp32():
 
 
 def test_mixed_activations_are_16_bit():
-    fp32 = derive("vit-b16", per_layer=True)
+    fp32 = derive("vit-b16", convention="paper", per_layer=True)
     for name in ("mixed", "mixed-megatron", "mixed-full-copies"):
         assert PRECISIONS[name].activation_dtype in ("float16", "bfloat16")
-        assert derive("vit-b16", precision=name, per_layer=True).activations * 2 == fp32.activations
+        assert derive("vit-b16", convention="paper", precision=name, per_layer=True).activations * 2 == fp32.activations
 
 
 # -- checkpointing on any graph -------------------------------------------------------------------------
 def test_full_checkpoint_vit():
-    d = derive("vit-b16", checkpoint="full")
+    d = derive("vit-b16", convention="paper", checkpoint="full")
     assert next(x for x in d.terms if x.name == "blocks.checkpoint").expr == 4 * B * S * H * L
     assert d.transient == 36 * B * S * H  # one layer (9BSH at 4 bytes) alive again during backward
     assert d.total == d.activations + d.parameter_memory + d.transient + d.input + d.loss
 
 
 def test_every_k_checkpoint():
-    d = derive("vit-b16", checkpoint="every-3")
+    d = derive("vit-b16", convention="paper", checkpoint="every-3")
     ck = next(x for x in d.terms if x.name == "blocks.checkpoint")
     assert ck.count == sympy.ceiling(L / 3)
     assert d.transient == 3 * 36 * B * S * H
-    assert d.value("activations") < derive("vit-b16", checkpoint="full").value("activations")
+    assert d.value("activations") < derive("vit-b16", convention="paper", checkpoint="full").value("activations")
 
 
 def test_selective_checkpoint_drops_attention_core():
-    naive = derive("vit-b16", attention="naive", per_layer=True)
-    sel = derive("vit-b16", attention="naive", per_layer=True, checkpoint="selective")
+    naive = derive("vit-b16", convention="paper", attention="naive", per_layer=True)
+    sel = derive("vit-b16", convention="paper", attention="naive", per_layer=True, checkpoint="selective")
     assert sympy.expand(naive.activations - sel.activations) == 4 * B * h * S**2
     assert sel.transient == 4 * B * h * S**2
 
 
 def test_checkpoint_storage_convention_counts_first_input_once():
     # resnet's repeated blocks under the paper convention: full checkpointing keeps fewer bytes than none.
-    none, full = derive("resnet50-v1"), derive("resnet50-v1", checkpoint="full")
+    none, full = derive("resnet50-v1", convention="paper"), derive("resnet50-v1", convention="paper", checkpoint="full")
     assert full.value("activations") < none.value("activations")
     assert full.value("transient") > 0
 
@@ -146,8 +147,8 @@ def test_pipeline_1f1b_first_stage():
 
 
 def test_tensor_parallel_parameters():
-    full = derive("gpt-megatron", precision="mixed-megatron", optimizer="adam", per_layer=True)
-    tp = derive("gpt-megatron", precision="mixed-megatron", optimizer="adam", per_layer=True,
+    full = derive("gpt-megatron", convention="paper", precision="mixed-megatron", optimizer="adam", per_layer=True)
+    tp = derive("gpt-megatron", convention="paper", precision="mixed-megatron", optimizer="adam", per_layer=True,
                 tensor_parallel=True)
     # 12H^2 matrix elements per layer split over t; 13H vector elements replicated
     assert sympy.expand(tp.parameter_memory - 18 * (12 * H**2 / t + 13 * H)) == 0
@@ -156,11 +157,11 @@ def test_tensor_parallel_parameters():
 
 def test_regime_errors():
     with pytest.raises(SymmemError, match="every-K"):
-        derive("vit-b16", checkpoint="sometimes")
+        derive("vit-b16", convention="paper", checkpoint="sometimes")
     with pytest.raises(SymmemError, match="ZeRO"):
-        derive("vit-b16", zero=4)
+        derive("vit-b16", convention="paper", zero=4)
     with pytest.raises(SymmemError, match="tensor parallelism"):
-        derive("vit-b16", sequence_parallel=True)
+        derive("vit-b16", convention="paper", sequence_parallel=True)
 
 
 # -- CLI ------------------------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def test_cli_regime_errors(argv, capsys):
 
 def test_regime_symbol_hint():
     with pytest.raises(SymmemError, match="--tensor-parallel"):
-        derive("vit-b16", values={"t": 8})
+        derive("vit-b16", convention="paper", values={"t": 8})
 
 
 def test_checkpoint_in_storage_counting_convention():

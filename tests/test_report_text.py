@@ -54,6 +54,8 @@ def read(text: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
             pending = ""
     totals: list[list[str]] = []
     for ln in lines[rule[1] + 1:]:
+        if not ln:  # the peak of a training step follows (symmem derive's summary)
+            break
         if ln.startswith(" "):
             totals[-1][1] += " " + ln.strip()
         else:
@@ -114,7 +116,7 @@ def test_every_formula_parses_back_and_fits(derivation, width, fold):
 
 def test_readme_case_is_no_longer_cut():
     """The README's ViT-B/16 table cut the parameter formula after ``16*H*S + 28``; now it is whole."""
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     text = table(d, width=100)
     assert "192*H**2*L + 208*H*L + 16*H*S + 28352*H + 16000" in text
     assert table(d) == text  # not a terminal: 100 columns
@@ -136,7 +138,7 @@ def test_width_follows_the_terminal(monkeypatch):
     assert terminal_width() == 100
     monkeypatch.setattr(sys, "stdout", Tty())
     monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(100, 24): os.terminal_size((72, 24)))
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     assert terminal_width() == 72 and max(len(ln) for ln in table(d).splitlines()) <= 72
 
 
@@ -184,14 +186,33 @@ def test_cli_latex_form(capsys, form):
     from symmem.cli import main
     from symmem.report.latex import align
 
-    assert main(["derive", "vit-b16", "--format", "latex", "--latex-form", form]) == 0
-    assert capsys.readouterr().out == align(symmem.derive("vit-b16"), form=form) + "\n"
+    assert main(["derive", "vit-b16", "--convention", "paper", "--format", "latex", "--latex-form", form]) == 0
+    assert capsys.readouterr().out == align(symmem.derive("vit-b16", convention="paper"), form=form) + "\n"
 
 
 @pytest.mark.parametrize("width", ["10", "wide", "5000"])
 def test_cli_width_is_checked(capsys, width):
     from symmem.cli import main
 
-    assert main(["derive", "mlp", "--width", width]) == 2
+    assert main(["derive", "mlp", "--convention", "paper", "--width", width]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("symmem: error: argument --width")
+
+
+@pytest.mark.parametrize("model", ["vit-b16", "resnet18", "mlp"])
+def test_derive_prints_the_peak_and_where(capsys, model):
+    """The default convention models the step: `symmem derive` ends with the peak, where it occurs and the
+    formula of that moment, which parses back to the moment's bytes."""
+    from symmem.cli import main
+
+    assert main(["derive", model, "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    d = symmem.derive(model)
+    tail = out[out.index("\ntotal = kept at the end"):].splitlines()
+    steady = next(i for i, ln in enumerate(tail) if ln.startswith("peak "))
+    mib = f"{d.value('peak') / 2**20:.2f} MiB"
+    assert mib in tail[steady] and tail[steady].endswith("at " + d.peak_at().where().removesuffix(", steady step"))
+    shown = " ".join(ln.strip() for ln in tail[steady + 1:] if not ln.startswith("peak"))
+    shown = shown.removeprefix("= ").split("   (the largest")[0]
+    assert d.evaluate(formula(shown)) == d.value("peak")
+    assert any(ln.startswith("peak (first step)") and f"{d.value('peak_first_step') / 2**20:.2f}" in ln for ln in tail)

@@ -75,7 +75,7 @@ def test_resnet_totals(resnet):
 ])
 def test_vit(vit, attention, per_layer_mib, total_act_gib, total_gib):
     d = vit[attention]
-    layer = derive("vit-b16", attention=attention, per_layer=True)
+    layer = derive("vit-b16", convention="paper", attention=attention, per_layer=True)
     assert layer.value("activations") / MiB == pytest.approx(per_layer_mib, abs=0.005)
     assert _mib(d, d.sum(role="patch_embed")) == pytest.approx(36.94, abs=0.005)
     assert d.value("activations") / GiB == pytest.approx(total_act_gib, abs=5e-4)
@@ -86,14 +86,14 @@ def test_vit(vit, attention, per_layer_mib, total_act_gib, total_gib):
 
 def test_vit_per_layer_formulas():
     """Per layer 9BSH + BhS^2 (naive) and 9BSH (SDPA), in elements, by sympy equality."""
-    naive = derive("vit-b16", attention="naive", per_layer=True).activations / 4
-    sdpa = derive("vit-b16", attention="sdpa", per_layer=True).activations / 4
+    naive = derive("vit-b16", convention="paper", attention="naive", per_layer=True).activations / 4
+    sdpa = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True).activations / 4
     assert sympy.expand(naive - (9 * B * S * H + B * h * S**2)) == 0
     assert sympy.expand(sdpa - 9 * B * S * H) == 0
 
 
 def test_bsh_constant():
-    d = derive("vit-b16")
+    d = derive("vit-b16", convention="paper")
     assert d.evaluate(B * S * H) == 9_682_944
 
 

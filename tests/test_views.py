@@ -15,7 +15,7 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def resnet():
-    return symmem.derive("resnet50-v1")
+    return symmem.derive("resnet50-v1", convention="paper")
 
 
 def test_html_table(resnet):
@@ -61,7 +61,7 @@ def test_sweep_marks_the_fit():
     from symmem.fit import largest
     from symmem.report.plots import sweep
 
-    d = symmem.derive("vit-b16", attention="naive")
+    d = symmem.derive("vit-b16", convention="paper", attention="naive")
     fig = sweep(d, "B", budget="80GiB")
     marked = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o"]
     assert marked[0].get_xdata()[0] == largest(d, "B", "80GiB").max
@@ -74,7 +74,8 @@ def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():
     parts = dict(segments(d))
     assert {"layer: residual stream", "layer: norms", "layer: attention", "layer: MLP"} <= set(parts)
     assert "layer" not in parts and sum(parts.values()) == d.value("total")   # the parts add up to the total
-    assert [n for n, _ in segments(symmem.derive("resnet50-v1"))][:2] == ["stem", "stage 1"]  # no layer to split
+    resnet = symmem.derive("resnet50-v1", convention="paper")
+    assert [n for n, _ in segments(resnet)][:2] == ["stem", "stage 1"]  # no layer to split
     fig = breakdown([d])
     ax = fig.axes[0]
     assert ax.get_title() == "FP32 + AdamW: training memory by part"

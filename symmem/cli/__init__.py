@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from ..errors import NothingFits, SymmemError
+from ..errors import NothingCounted, NothingFits, SymmemError
 
 VERSION = "0.1.0"
 
@@ -84,10 +84,22 @@ def entry() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``symmem`` command; returns the exit status."""
+    import warnings
+
     args_in = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser(args_in).parse_args(args_in)
-        return int(args.run(args))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NothingCounted)
+            args = _parser(args_in).parse_args(args_in)
+            status = int(args.run(args))
+        # a convention that sees nothing in the graph: one line on stderr whatever the format (the text table says
+        # so too), so that a 0 piped into a script is never silent
+        for note in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, NothingCounted)):
+            print(f"symmem: warning: {one_line(note)}", file=sys.stderr)
+        for w in caught:  # recording took every warning: the others go where they would have gone
+            if not issubclass(w.category, NothingCounted):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+        return status
     except NothingFits as exc:  # an answer: exit 1, not the 2 of bad input
         print(f"symmem: {exc}", file=sys.stderr)
         return 1

@@ -118,7 +118,7 @@ def model_option_names() -> set[str]:
     return {key for e in available().values() for key in e.options}
 
 
-def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "paper", device: str | None = None,
+def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "pytorch", device: str | None = None,
                        regime: bool = True, optional_model: bool = False) -> None:
     """The options every command that derives a formula shares; ``regime=False`` leaves out the training regime
     (a command that measures one forward pass has none to take); ``optional_model``: the model may be left out
@@ -268,9 +268,9 @@ def emit(d: Any, args: argparse.Namespace) -> None:
 
         print(align(d, form=args.latex_form))
     else:
-        from ..report.text import table
+        from ..report.text import summary
 
-        print(table(d, width=args.width, fold=args.fold, cut=args.cut))
+        print(summary(d, width=args.width, fold=args.fold, cut=args.cut))
 
 
 # -- a module traced from a SPEC (symmem trace, symmem verify --module) ------------------------------------

@@ -94,7 +94,8 @@ class Convention:
         return []
 
     def finds_nothing(self, graph: Graph) -> str | None:
-        """Why this convention cannot count anything in ``graph`` (None when it can)."""
+        """Why this convention cannot count anything in ``graph`` (None when it can); asked when a derivation
+        kept no activation at all, to tell "nothing is kept" from "the convention cannot see this graph"."""
         return None
 
 
@@ -145,8 +146,8 @@ class RoleConvention(Convention):
         return found
 
     def finds_nothing(self, graph: Graph) -> str | None:
-        used = {graph.node(n).role for n in graph.order()}
-        if used & self.keyed_roles or any(graph.node(n).kind in self.extras for n in graph.order()):
+        # the engine asks only when nothing was kept: extras (dropout masks) alone are no sign of sight
+        if {graph.node(n).role for n in graph.order()} & self.keyed_roles:
             return None
         return (f"the {self.name} convention counts tensors by role ({', '.join(sorted(self.keyed_roles))}) and "
                 f"no node of this graph has one of them, so it keeps nothing; use --convention pytorch")

@@ -29,5 +29,11 @@ class TracedConvention(Convention):
     def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
         return [Saved("output")] if node.kind in ("traced", "input") else []
 
+    def finds_nothing(self, graph: Graph) -> str | None:
+        if any(graph.node(n).kind == "traced" for n in graph.order()):
+            return None
+        return ("the traced convention counts what symmem.trace recorded of a real module, and this graph was "
+                "not traced, so it keeps nothing; use --convention pytorch (or symmem trace for your module)")
+
 
 register("traced", TracedConvention())

@@ -48,6 +48,7 @@ def html(d: Derivation) -> str:
     esc = _html.escape
     nums = ", ".join(f"{s.name}={v:,}" for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name))
     out = [f"<div class='symmem'><p><b>{esc(title(d))}</b><br><small>{esc(nums)}</small></p>",
+           *(f"<p><b>Note:</b> {esc(n)}</p>" for n in d.notes),
            f"<p>{esc(latex(d))}</p>",
            "<table><thead><tr><th>group</th><th>term</th><th>role</th><th>formula (bytes)</th>"
            "<th>size</th></tr></thead><tbody>"]

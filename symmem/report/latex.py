@@ -789,6 +789,7 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
             code = f"{r.label} &= {p}" if k == 0 else f"&\\quad {p}"
             b.add(code, r.note if k == 0 else "", height=_height(p))
     out = [f"% {d.title()}; bytes, in {', '.join(s.name for s in d.free) or 'numbers only'}"]
+    out += [f"% NOTE: {n}" for n in d.notes]
     if any(r.label == r"\Psi" for r in table):
         out.append(r"% \Psi is the parameter count; the parameter side is written in it")
     if form == "compact" and any(r" \cdot \left(" in r.tex for r in table):

@@ -187,9 +187,15 @@ def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sy
     return sym, fits, total, par
 
 
-def _lambdify(sym: sympy.Symbol, expr: sympy.Expr) -> Any:
+def _lambdify(sym: sympy.Symbol, expr: sympy.Expr, scale: int = 1) -> Any:
+    """``expr / scale`` as a numpy function of ``sym``; a peak's ``Max`` piece by piece (sympy would compare its
+    pieces symbolically again on the way, for seconds)."""
+    import numpy as np
+
     # Float coefficients: an integer beyond int64 would make numpy compute with Python objects (and fail).
-    return sympy.lambdify(sym, expr.evalf(), "numpy")
+    pieces = expr.args if isinstance(expr, sympy.Max) else (expr,)
+    fs = [sympy.lambdify(sym, (p / scale).evalf(), "numpy") for p in pieces]
+    return lambda x: np.maximum.reduce([np.broadcast_to(f(x), np.shape(x)).astype(float) for f in fs])
 
 
 def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
@@ -222,7 +228,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     if quantity == "peak":
         curves.insert(0, (fits, "peak of a training step", "-"))
     for expr, label, style in curves:
-        f = _lambdify(sym, expr / scale)
+        f = _lambdify(sym, expr, scale)
         ax.plot(xs, np.broadcast_to(f(xs), xs.shape), style, label=label)
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
@@ -340,7 +346,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
     for (sym, expr), label, fit in zip(curves, labels, fits, strict=True):
-        f = _lambdify(sym, expr / scale)
+        f = _lambdify(sym, expr, scale)
         nothing = cap is not None and fit is None and float(expr.subs(sym, 1)) > cap
         (line,) = ax.plot(xs, np.broadcast_to(f(xs), xs.shape), label=label + (" (nothing fits)" if nothing else ""))
         if fit is not None:

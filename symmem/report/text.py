@@ -1,7 +1,7 @@
 """Plain views of a derivation: the JSON contract and a text table.
 
 >>> from symmem import derive
->>> d = derive("resnet50-v1")
+>>> d = derive("resnet50-v1", convention="paper")
 >>> out = d.to_dict()
 >>> out["values"]["parameters"], out["expressions"]["activations"]
 (25557032, '44355584*B')
@@ -83,6 +83,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
     }
     if d.domain is not sympy.true:
         out["domain"] = str(d.domain)
+    if d.notes:
+        out["notes"] = list(d.notes)
     if step is not None:
         out["values"].update(step["values"])
         out["expressions"].update(step["expressions"])
@@ -211,6 +213,8 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     lines = textwrap.wrap(title, width) + wrap(symbols, width)
     if d.domain is not sympy.true:
         lines += wrap(f"holds where: {d.domain}", width)
+    for note in d.notes:
+        lines += textwrap.wrap(f"NOTE: {note}", width)
     lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
         cells = _cell(str(rounded(expr)), formula, cut)
@@ -248,23 +252,20 @@ def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
     step = peak(d)
     if step is None:
         return []
-    lines = ["", *wrap("total = kept at the end of the forward pass + parameter side; peak = the most memory "
-                       "alive at any moment of a training step (forward, backward, optimizer step):", width)]
+    lines = ["", *textwrap.wrap("total = kept at the end of the forward pass + parameter side; peak = the most "
+                                "memory alive at any moment of a training step (forward, backward, optimizer "
+                                "step):", max(width, 40))]
     at = d.peak_at()
-    first_at = d.peak_at("first")
-    for key, moment in (("peak", at), ("peak_first_step", first_at)):
+    expr = d.peak
+    count = len(expr.args) if isinstance(expr, sympy.Max) else 1
+    shown = str(rounded(at.total)) + (f"   (the largest of {count} moments at these sizes)" if count > 1 else "")
+    for key, moment in (("peak", at), ("peak_first_step", d.peak_at("first"))):
         v = step["values"][key]
         label = "peak" if key == "peak" else "peak (first step)"
         where = moment.where().removesuffix(", steady step").removesuffix(", first step")
         lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", where, width, cut)
-    expr = d.peak
-    count = len(expr.args) if isinstance(expr, sympy.Max) else 1
-    head = f"{'':<20} {'':>12}       = "
-    shown = str(rounded(at.total))
-    if count > 1:
-        lines += _totals(head, f"{shown}   (the largest of {count} moments at these sizes)", width, cut)
-    else:
-        lines += _totals(head, shown, width, cut)
+        if key == "peak":
+            lines += _totals(f"{'':<20} {'':>12}       = ", shown, width, cut)
     return lines
 
 
