@@ -143,7 +143,7 @@ def _is_product(vector: tuple[tuple[sympy.Basic, sympy.Expr], ...], sizes: tuple
         return False
     found = dict(vector)
     target = [sign * found.get(b, 0) * den for b in index]
-    if any(not sympy.sympify(t).is_integer for t in target):
+    if any(not sympy.sympify(t, strict=True).is_integer for t in target):
         return False
     return _reaches(vectors, tuple(int(t) for t in target), 4)
 
@@ -270,7 +270,7 @@ def _strides(cs: Sequence[Case], values: Sequence[Strides | None]) -> Strides:
 
 
 def _flat(*parts: Sequence[Any]) -> tuple[sympy.Expr, ...]:
-    return tuple(sympy.sympify(e) for part in parts for e in part)
+    return tuple(sympy.sympify(e, strict=True) for part in parts for e in part)
 
 
 # -- PyTorch's checks, in one case -----------------------------------------------------------------------------
