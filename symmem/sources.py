@@ -50,6 +50,8 @@ from .errors import SymmemError
 
 #: hf: models with more parameters than this are built on the meta device (no weights allocated, no check)
 REAL_WEIGHTS_MAX = 200_000_000
+#: more layers than the largest published models (Llama 3.1 405B: 126) are refused: tracing grows with them
+MAX_TRACED_LAYERS = 256
 #: tokens in the example batch of hf: text models
 EXAMPLE_TOKENS = 8
 #: the example batch size
@@ -356,6 +358,13 @@ def _hf(spec: str, model_type: str, config: dict[str, Any], loss: str | None) ->
             cfg = transformers.AutoConfig.for_model(model_type, **overrides)
         except Exception as exc:
             raise SymmemError(f"--config: the {model_type} config refuses {overrides}: {_first_line(exc)}") from None
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_TRACED_LAYERS:
+        # each layer is built and traced (about 0.15 s a layer for GPT-2), yet the formula has them as L
+        raise SymmemError(f"hf:{model_type} with {layers:,} layers would take minutes to build and trace; trace "
+                          f"it with a few (--config num_hidden_layers=2): the layers that repeat stay symbolic "
+                          f"(L), and --set L={layers} evaluates the formula at {layers:,} (at most "
+                          f"{MAX_TRACED_LAYERS} layers are traced)")
     vision = hasattr(cfg, "image_size") and hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
     causal = (not vision and model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
               and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)

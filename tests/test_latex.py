@@ -21,6 +21,7 @@ import sympy
 
 import symmem
 from symmem.conventions import names as convention_names
+from symmem.errors import SymmemError
 from symmem.models import available
 from symmem.report.latex import MAX_LINES, align, equations, expression, labels, lines, parse, read, rows, split, table
 from symmem.simplify import rounded
@@ -169,8 +170,15 @@ def test_symbol_names_map_back():
 
 def test_ambiguous_text_is_refused():
     """``B \\left(`` also reads as ``B \\le ft(``: the printer never writes it, and parse refuses it."""
-    with pytest.raises(ValueError, match="more than one way"):
+    with pytest.raises(SymmemError, match="more than one way"):
         parse(r"B \left(S - 1\right)")
+
+
+@pytest.mark.parametrize("text", [r"\frac{", "B +", "", r"\foo{B}", r"B \cdot \cdot"])
+def test_unreadable_text_is_a_symmem_error(text):
+    with pytest.raises(SymmemError, match="cannot read") as info:
+        parse(text)
+    assert "\n" not in str(info.value)
 
 
 def test_nested_floors_merge():

@@ -138,6 +138,7 @@ BAD = [
     (["trace", "hf:vit", "--config", "num_hidden_layers=1", "--dims", "B,S"], "S is a position of tokens"),
     (["trace", "hf:gpt2", *TINY_GPT2, "--loss", "cross-entropy", "--dims", "B=input_ids:0,S=input_ids:1"],
      "declare it on 'labels' too"),
+    (["trace", "hf:gpt2", "--config", "n_layer=100000", "--dims", "B,S"], "--set L=100000 evaluates the formula"),
     (["verify", "--module", "tests.trace_helpers:mlp_with_inputs"], "--module needs --dims"),
     (["verify", "gpt2", "--dims", "B"], "apply to --module SPEC"),
     (["verify", "--module", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--set", "L=3"], "--set L"),
@@ -172,3 +173,13 @@ def test_specs_never_evaluate_text(capsys, tmp_path):
     code, _, err = run(capsys, "trace", f"os:system('touch {marker}')", "--dims", "B")
     assert code == 2 and "unknown SPEC" in err and not marker.exists()
     assert sources.parse_value("__import__('os')") == "__import__('os')"
+
+
+def test_a_run_of_too_many_ops_is_refused_with_the_way_out(capsys, monkeypatch):
+    """Tracing grows with the ops a pass runs: beyond MAX_OPS it stops, naming where and what to do."""
+    from symmem.importer import recorder
+
+    monkeypatch.setattr(recorder, "MAX_OPS", 3)
+    code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B")
+    assert code == 2 and err.startswith("symmem: error: the module runs more than 3 ops in one pass")
+    assert "--set L=N" in err and err.count("\n") == 1

@@ -105,6 +105,11 @@ def _node_names(roots: list[Any]) -> dict[int, str]:
     return out
 
 
+#: more ops than this in one recorded run and tracing would take many minutes (GPT-2 runs ~40 a layer): refused
+#: with the way out, since repeated layers stay symbolic anyway
+MAX_OPS = 60_000
+
+
 class Recorder:
     """One recorded forward.  ``params``/``inputs`` map storage keys of parameters+buffers and of inputs to names.
 
@@ -204,6 +209,12 @@ class Recorder:
                 if rec.quiet or _metadata(func):  # size/device queries are not ops of the forward
                     return func(*args, **kwargs)
                 seq = rec.seq
+                if seq >= MAX_OPS:
+                    raise SymmemError(
+                        f"the module runs more than {MAX_OPS:,} ops in one pass (now at {rec.where}); tracing it "
+                        "would take many minutes. Trace it with fewer repeated layers (hf: --config n_layer=2 or "
+                        "num_hidden_layers=2): the layers that repeat stay symbolic (L), and --set L=N evaluates "
+                        "the formula at your count")
                 rec.seq += 1
                 rec.op_modules.append(rec.current)
                 rec.autograd_to_op.setdefault(peek() - 1, seq)

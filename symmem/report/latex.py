@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import sympy
 from sympy.printing.latex import LatexPrinter
 
+from ..errors import SymmemError
 from ..symbols import dims, latex_names
 
 if TYPE_CHECKING:
@@ -200,9 +201,13 @@ def parse(text: str) -> sympy.Expr:
     aliases = _aliases()
     for name, alias in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(name, f" {alias} ")
-    parsed = parse_latex(text, backend="lark")
+    try:
+        parsed = parse_latex(text, backend="lark")
+    except Exception as exc:  # lark's own exceptions, which name grammar terminals: one line that names the text
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SymmemError(f"cannot read {text.strip()!r} as a formula: {first}") from None
     if not isinstance(parsed, sympy.Basic):
-        raise ValueError(f"the LaTeX parser reads {text!r} in more than one way")
+        raise SymmemError(f"the LaTeX parser reads {text!r} in more than one way")
     by_latex = {d.name: d.symbol for d in dims()}
     # The parser names a symbol by its LaTeX, without the backslash of a Greek letter (\\psi -> psi).
     by_latex.update({d.latex.removeprefix("\\"): d.symbol for d in dims()})
