@@ -100,16 +100,11 @@ class Acceptor:
 
     def __init__(self, model: Model, convention: Convention, regime: Regime, values: Mapping[str, int]) -> None:
         self.model, self.convention, self.regime, self.values = model, convention, regime, dict(values)
-        self._tied = {s.name: e for s, e in model.defaults.items() if not e.is_number}
 
     def __call__(self, name: str, value: int) -> str | None:
-        try:
+        try:  # _values names what to set instead of a size that follows from others (ViT's S)
             _values(self.model, self.regime, {**self.values, name: value})
         except SymmemError as exc:
-            tied = self._tied.get(name)
-            if tied is not None and tied.free_symbols:
-                return (f"{name} follows from {', '.join(sorted(str(x) for x in tied.free_symbols))} "
-                        f"(its default is {tied}): {exc}")
             return str(exc)
         return None
 

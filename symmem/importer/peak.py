@@ -86,7 +86,7 @@ def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[s
           ) -> Any:
     """The first and steady steps' candidates pruned by :mod:`symmem.passes.peak`'s algebra (one for both: the
     sizes repeat), as a :class:`~symmem.passes.peak.Peak`."""
-    from ..passes.peak import BASE, Algebra, Moment, Peak, peak_max, prune
+    from ..passes.peak import BASE, Algebra, Peak, peak_max, prune
 
     sizes = list(dict.fromkeys(x for cs in cands.values() for c in cs for _, x in c.parts))
     alg = Algebra(sizes, subs, syms, BASE, 1)
@@ -94,7 +94,7 @@ def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[s
     found: dict[str, list[Any]] = {}
     for step in ("steady", "first"):
         kept = prune(cands[step], alg, numbers, memo)
-        found[step] = [Moment(k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step, alg.live(k))
+        found[step] = [alg.moment(k, k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step)
                        for k in kept]
     return Peak(peak_max(found["steady"]), peak_max(found["first"]), tuple(found["steady"] + found["first"]), domain)
 

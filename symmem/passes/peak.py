@@ -28,9 +28,11 @@ from fractions import Fraction
 from typing import Any
 
 import sympy
+from sympy.core.add import _addsort
 
 from ..conventions import Convention
 from ..errors import SymmemError
+from ..evaluator import interpret
 from ..graph import Graph
 from ..simplify import max_of
 from ..training import Regime, checkpoint_every
@@ -40,6 +42,28 @@ from .unroll import iteration, template, unroll
 
 #: Layers a symbolic block is written out with; formulas hold for counts from this on.
 BASE = 4
+
+
+class Lazy(Mapping):
+    """A mapping built on first use: most moments are only ever summed (the peak's Max), a few looked into."""
+
+    def __init__(self, make: Callable[[], Mapping[str, sympy.Expr]]) -> None:
+        self._make: Callable[[], Mapping[str, sympy.Expr]] | None = make
+        self._data: Mapping[str, sympy.Expr] = {}
+
+    def _get(self) -> Mapping[str, sympy.Expr]:
+        if self._make is not None:
+            self._data, self._make = self._make(), None
+        return self._data
+
+    def __getitem__(self, key: str) -> sympy.Expr:
+        return self._get()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 @dataclass(frozen=True)
@@ -54,10 +78,12 @@ class Moment:
     layer: str
     step: str
     live: Mapping[str, sympy.Expr] = field(compare=False)
+    #: the live bytes' sum where the builder has it directly (the per-category split is then built on demand)
+    summed: sympy.Expr | None = field(default=None, compare=False, repr=False)
 
     @property
     def total(self) -> sympy.Expr:
-        return sympy.Add(*self.live.values())
+        return self.summed if self.summed is not None else sympy.Add(*self.live.values())
 
     def where(self) -> str:
         layer = f" (layer {self.layer})" if self.layer else ""
@@ -78,7 +104,9 @@ class Peak:
     def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Moment:
         """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``."""
         found = [m for m in self.moments if m.step == step]
-        return max(found, key=lambda m: sympy.sympify(m.total.xreplace(dict(numbers)), strict=True))
+        env = dict(numbers)
+        # one walk of each live expression (no sympy tree built per moment): exact integers or fractions
+        return max(found, key=lambda m: interpret(m.total, env))
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         """Whether ``numbers`` lie in the domain of the formulas."""
@@ -225,8 +253,7 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
     per_branch: list[tuple[list[Moment], list[Moment]]] = []
     for group in groups:
         kept = [prune(cands, alg, numbers, memo) for cands in group]
-        per_branch.append(tuple([Moment(k.key[0], k.key[1], k.key[2], k.step, alg.live(k))
-                                 for k in ks] for ks in kept))
+        per_branch.append(tuple([alg.moment(k, k.key[0], k.key[1], k.key[2]) for k in ks] for ks in kept))
     exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_branch]
     if len(per_branch) == 1 or merge is None:
         expr_steady, expr_first = exprs[0]
@@ -271,6 +298,7 @@ class Algebra:
         self.scale = math.lcm(*(c.denominator for t in self.rep.values() for c in t.values()
                                 if isinstance(c, Fraction)))
         self.exprs = exprs
+        self._coeffs: dict[sympy.Expr, list[tuple[sympy.Expr, int | Fraction]]] = {}
         self.monomials: list[tuple] = []  # id -> monomial; totals are keyed by id (hashing sympy tuples is slow)
         self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
@@ -329,19 +357,46 @@ class Algebra:
             self._memo[size] = found
         return found
 
+    def moment(self, cand: Candidate, phase: str, node: str | None, layer: str, step: str | None = None) -> Moment:
+        """The candidate as a :class:`Moment`: its total now, its split by category on demand."""
+        return Moment(phase, node, layer, step or cand.step, Lazy(lambda: self.live(cand)), self._summed(cand))
+
     def live(self, cand: Candidate) -> dict[str, sympy.Expr]:
-        """The candidate's live bytes per category, expanded (the same as :meth:`Candidate.live`, from the
-        expanded sizes: a number times an expanded sum distributes without calling ``expand``)."""
-        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
+        """The candidate's live bytes per category, expanded (the same as :meth:`Candidate.live`)."""
+        return {cat: self._summed(cand, i) for i, cat in enumerate(CATEGORIES)}
+
+    def _summed(self, cand: Candidate, category: int | None = None) -> sympy.Expr:
+        """The candidate's bytes (of one category, or all), summed monomial by monomial in exact fractions from
+        the expanded sizes: sympy only builds the result (multiplying sums by numbers and merging them is most
+        of a peak's time otherwise)."""
+        acc: dict[sympy.Expr, int | Fraction] = defaultdict(int)  # ints while they can be: 5x Fraction's speed
         for (c, size), (n0, ds) in cand.parts.items():
-            e = self.exprs[size]
-            const = n0 - sympy.Rational(sum(ds) * self.base, self.period)
+            if category is not None and c != category:
+                continue
+            const = _number(_number(n0) - Fraction(sum(ds) * self.base, self.period))
             if const:
-                terms[c].append(const * e)
+                for mono, k in self._coefficients(self.exprs[size]):
+                    acc[mono] += const * k
             for d, s in zip(ds, self.counts, strict=True):
                 if d:
-                    terms[c].append(sympy.Rational(d, self.period) * self._times(s, size))
-        return {cat: sympy.Add(*terms[i]) for i, cat in enumerate(CATEGORIES)}
+                    scale = _number(Fraction(d, self.period))
+                    for mono, k in self._coefficients(self._times(s, size)):
+                        acc[mono] += scale * k
+        terms = [(sympy.Integer(k) if isinstance(k, int) else sympy.Rational(k.numerator, k.denominator)) * mono
+                 for mono, k in acc.items() if k]
+        if len(terms) < 2:
+            return terms[0] if terms else sympy.Integer(0)
+        # distinct monomials with their coefficients: nothing left to collect, so the sum is built in sympy's own
+        # order without its flatten (the same object Add(*terms) gives)
+        _addsort(terms)
+        return sympy.Add._from_args(terms, is_commutative=True)
+
+    def _coefficients(self, expr: sympy.Expr) -> list[tuple[sympy.Expr, int | Fraction]]:
+        found = self._coeffs.get(expr)
+        if found is None:
+            found = self._coeffs[expr] = [(mono, _number(k)) for k, mono in
+                                          (t.as_coeff_Mul() for t in sympy.Add.make_args(expr))]
+        return found
 
     def _times(self, count: sympy.Symbol, size: sympy.Expr) -> sympy.Expr:
         key = (count, size)
@@ -437,6 +492,15 @@ def _envelope(cands: list[Candidate], totals: Mapping[tuple, Mapping[tuple, int]
     while len(hull) >= 2 and hull[1][1] >= hull[0][1]:
         hull.pop(0)
     return [lines[(a, b)] for a, b in hull] or cands
+
+
+def _number(x: Any) -> int | Fraction:
+    """An int, Fraction or sympy Rational as an int where it is whole, else a Fraction."""
+    if isinstance(x, sympy.Rational):
+        x = Fraction(int(x.p), int(x.q))
+    if isinstance(x, Fraction) and x.denominator == 1:
+        return x.numerator
+    return x
 
 
 def peak_max(moments: list[Moment]) -> sympy.Expr:
