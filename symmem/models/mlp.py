@@ -6,7 +6,7 @@ symbols ``H`` (hidden width, repeated ``L`` times) with ``--widths symbolic``.
 >>> from symmem import derive
 >>> derive("mlp", widths="784,256,10").value("parameters")
 203530
->>> derive("mlp", widths="symbolic", convention="paper").parameters
+>>> derive("mlp", widths="symbolic").parameters
 H**2*L + H*L + 795*H + 10
 """
 
