@@ -108,10 +108,6 @@ class Acceptor:
             return str(exc)
         return None
 
-    def counts_nothing(self) -> str | None:
-        """Why the convention keeps nothing in this model (a role convention and a graph without its roles)."""
-        why = self.convention.finds_nothing(self.model.graph)
-        return None if why is None else f"{self.model.name}: {why}"
 
 
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,

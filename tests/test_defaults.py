@@ -55,6 +55,8 @@ CASES = [  # model, convention, whether it finds nothing to count
     ("mlp", "megatron", True),
     ("resnet18", "megatron", True),
     ("mlp", "pytorch", False),
+    ("counts", "pytorch", True),                   # a stand-in for a network: no real op keeps anything
+    ("counts", "cs231n", False),
     ("mlp", "cs231n", False),
     ("vit-b16", "paper", False),
     ("gpt2", "megatron", False),

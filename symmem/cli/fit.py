@@ -29,9 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     d = derivation_from_args(args)
     accepts = acceptor_from_args(args)
-    nothing = accepts.counts_nothing()
-    if nothing:  # its formula would not grow with B: say why rather than "nothing to solve"
-        raise SymmemError(nothing)
+    if d.notes:  # a convention that sees nothing: say why rather than "does not grow" or a size of the input alone
+        raise SymmemError(d.notes[0])
     if args.solve not in {s.name for s in d.free} and args.free is None:
         # Keep the solved symbol in the formula even when the model writes it as a number by default.
         args.free = ",".join([s.name for s in d.free] + [args.solve])

@@ -96,11 +96,8 @@ def run(args: argparse.Namespace) -> int:
         _check_timeline_size(args, d)
         fig = plots.timeline(d, args.step, output=args.output)
     else:
-        from .common import acceptor_from_args
-
-        nothing = acceptor_from_args(args).counts_nothing()
-        if nothing:
-            raise SymmemError(nothing)
+        if d.notes:  # a convention that sees nothing: its flat curve would answer nothing
+            raise SymmemError(d.notes[0])
         name = "B" if args.kind == "batch" else "S"
         if name not in {s.name for s in d.free}:
             if not any(s.name == name for s in d.numbers):

@@ -6,7 +6,7 @@ one tensor of ``Nact`` values per sample standing for every layer output (role `
 parameter tensor of ``Psi`` elements.
 
 >>> from symmem import derive
->>> d = derive("counts", optimizer="adam", free=("Psi",))
+>>> d = derive("counts", convention="cs231n", optimizer="adam", free=("Psi",))
 >>> d.parameter_memory
 16*Psi
 """

@@ -116,6 +116,16 @@ class PytorchConvention(Convention):
         return rule(RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options))
 
 
+    def finds_nothing(self, graph: Graph) -> str | None:
+        # asked only when nothing was kept: a network that trains keeps something for backward
+        if any(graph.node(n).role == "activations" for n in graph.order()):
+            return ("the pytorch convention follows real ops, and this graph only stands for a network by its "
+                    "activation count, so autograd keeps nothing in it; use --convention cs231n (every layer's "
+                    "output, twice for backward) or trace the real module (symmem trace)")
+        return ("autograd keeps no activation for backward in this graph (no op whose backward needs a "
+                "tensor): the formula is the parameter side and the input alone")
+
+
 register("pytorch", PytorchConvention())
 
 from . import backward, common, sequence, vision  # noqa: E402,F401  (rules register themselves on import)
