@@ -216,3 +216,16 @@ def test_derive_prints_the_peak_and_where(capsys, model):
     shown = shown.removeprefix("= ").split("   (the largest")[0]
     assert d.evaluate(formula(shown)) == d.value("peak")
     assert any(ln.startswith("peak (first step)") and f"{d.value('peak_first_step') / 2**20:.2f}" in ln for ln in tail)
+
+
+@pytest.mark.parametrize("model, convention", [("vit-b16", "pytorch"), ("resnet50-v1", "pytorch"),
+                                               ("gpt2", "pytorch"), ("resnet50-v1", "paper"), ("llama", "pytorch")])
+def test_rows_follow_the_graph(model, convention):
+    """The table lists kept tensors in the order the model runs them (a node's own output before what it saves
+    beside it), as the graph's topological order says."""
+    from symmem.models import build
+
+    d = symmem.derive(model, convention=convention)
+    order = {n: i for i, n in enumerate(build(model).graph.order())}
+    rows = [(order[t.node], t.name != t.node) for t in d.terms if t.category != "parameter" and t.node in order]
+    assert rows == sorted(rows) and len(rows) > 3
