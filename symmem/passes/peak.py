@@ -229,10 +229,9 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
         for bump in [()] + [(n,) for n in names]:
             counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
             g = unroll(graph, counts) if blocks else graph
-            runs[bump] = {first: _keyed(simulate(g, conv, options, regime, branch, first_step=first,
-                                                 keep_logits=regime.keep_logits), counts, blocks_of, symbolic,
-                                        edge)
-                          for first in (False, True)}
+            both = simulate(g, conv, options, regime, branch, first_step=None, keep_logits=regime.keep_logits)
+            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge)
+                          for first, tl in zip((False, True), both, strict=True)}
         found = []
         for first in (False, True):
             cands = []

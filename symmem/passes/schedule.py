@@ -160,9 +160,11 @@ def optimizer_impl(regime: Regime, device: str) -> str:
 
 
 def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-             branch: Branch | None = None, *, first_step: bool = False, keep_logits: bool = False) -> Timeline:
+             branch: Branch | None = None, *, first_step: bool | None = False, keep_logits: bool = False
+             ) -> Any:
     """The timeline of one training step of the (unrolled) ``graph``: ``first_step`` creates the optimizer
-    state inside the step; otherwise it exists from the start (the steady state)."""
+    state inside the step; otherwise it exists from the start (the steady state).  ``first_step=None`` gives
+    both, (steady, first), from one walk: they differ only in the state alive at the start and in the step."""
     if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
         raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
                           "parallelism are not modelled there (the kept memory and total are)")
@@ -225,8 +227,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
         if regime.optimizer in ("adam", "adamw") and ids:  # a 0-dim float32 step count per parameter
             ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4)))
         state_ids[name] = ids
-        if not first_step:
-            b.start += ids
+    states = [i for name, _ in params for i in state_ids[name]]  # alive from the start in the steady state
 
     # -- forward -------------------------------------------------------------------------------------------
     held_to_end: set[str] = set()
@@ -481,14 +482,24 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     params.sort(key=lambda p: p[0] not in free)
     grads = [param_grad[name] for name, _ in params if name in param_grad]
     impl = optimizer_impl(regime, str(options.get("device", "cpu")))
-    pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
-    for label, born_states, temp_bytes, frees in step_events(regime, impl, params, numel, state_ids, first_step):
-        temps = [b.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
-        pending += temps
-        freed, pending = _oldest_first(pending, frees, temps)
-        b.event("step", label, [*born_states, *temps], freed)
-    b.event("zero_grad", None, [], grads)
-    return Timeline(tuple(b.storages), tuple(b.start), tuple(b.events))
+    before = (list(b.storages), list(b.events), list(b.start))
+
+    def finish(first: bool) -> Timeline:
+        b.storages, b.events, b.start = list(before[0]), list(before[1]), list(before[2])
+        if not first:
+            b.start += states
+        pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
+        for label, born_states, temp_bytes, frees in step_events(regime, impl, params, numel, state_ids, first):
+            temps = [b.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
+            pending += temps
+            freed, pending = _oldest_first(pending, frees, temps)
+            b.event("step", label, [*born_states, *temps], freed)
+        b.event("zero_grad", None, [], grads)
+        return Timeline(tuple(b.storages), tuple(b.start), tuple(b.events))
+
+    if first_step is None:
+        return finish(False), finish(True)
+    return finish(first_step)
 
 
 def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.Expr, ...]]],
