@@ -331,6 +331,14 @@ class Derivation:
         found = self._peak(exact=True)
         return found.expr if step == "steady" else found.first
 
+    def peak_candidates(self, step: str = "steady") -> int:
+        """How many moments of the step can be the largest (the ``Max``'s arguments), at these numbers."""
+        found = self._peak(exact=True)
+        if found.value(self.numbers, step) is not None:  # a Max of its moments: count them without building it
+            return sum(1 for m in found.moments if m.step == step)
+        expr = found.formula(step)
+        return len(expr.args) if isinstance(expr, sympy.Max) else 1
+
     def peak_at(self, step: str = "steady") -> Any:
         """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the
         phase, the op, the layer and the live bytes by category."""
@@ -390,7 +398,9 @@ class Derivation:
         """Integer bytes of a named quantity (``parameters`` is a count)."""
         if key in ("peak", "peak_first_step"):
             found = self._peak(exact=True)
-            return self.evaluate(found.expr if key == "peak" else found.first)
+            step = "steady" if key == "peak" else "first"
+            fast = found.value(self.numbers, step) if all(s in self.numbers for s in self.free) else None
+            return fast if fast is not None else self.evaluate(found.formula(step))
         return self.evaluate(self.expression(key))
 
     def values(self, key: str | sympy.Expr = "total", **values: Any) -> Any:

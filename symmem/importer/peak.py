@@ -86,7 +86,7 @@ def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[s
           ) -> Any:
     """The first and steady steps' candidates pruned by :mod:`symmem.passes.peak`'s algebra (one for both: the
     sizes repeat), as a :class:`~symmem.passes.peak.Peak`."""
-    from ..passes.peak import BASE, Algebra, Peak, peak_max, prune
+    from ..passes.peak import BASE, Algebra, Peak, prune
 
     sizes = list(dict.fromkeys(x for cs in cands.values() for c in cs for _, x in c.parts))
     alg = Algebra(sizes, subs, syms, BASE, 1)
@@ -96,7 +96,7 @@ def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[s
         kept = prune(cands[step], alg, numbers, memo)
         found[step] = [alg.moment(k, k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step)
                        for k in kept]
-    return Peak(peak_max(found["steady"]), peak_max(found["first"]), tuple(found["steady"] + found["first"]), domain)
+    return Peak(None, None, tuple(found["steady"] + found["first"]), domain)  # each Max built when asked for
 
 
 def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = None,
@@ -325,3 +325,9 @@ class _LazyPeak(_lazy_base()):  # type: ignore[misc]
 
     def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Any:
         return self._force().at(numbers, step)
+
+    def formula(self, step: str = "steady") -> Any:
+        return self._force().formula(step)
+
+    def value(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Any:
+        return self._force().value(numbers, step)

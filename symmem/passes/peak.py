@@ -78,35 +78,77 @@ class Moment:
     layer: str
     step: str
     live: Mapping[str, sympy.Expr] = field(compare=False)
-    #: the live bytes' sum where the builder has it directly (the per-category split is then built on demand)
-    summed: sympy.Expr | None = field(default=None, compare=False, repr=False)
+    #: how the builder sums the live bytes on demand (the per-category split is built on demand too)
+    make: Callable[[], sympy.Expr] | None = field(default=None, compare=False, repr=False)
+    #: the builder's exact bytes at given sizes without building the sum (None where it cannot tell)
+    measure: Callable[[Mapping[sympy.Symbol, int]], Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total(self) -> sympy.Expr:
-        return self.summed if self.summed is not None else sympy.Add(*self.live.values())
+        found = self.__dict__.get("_total")
+        if found is None:
+            found = self.make() if self.make is not None else sympy.Add(*self.live.values())
+            object.__setattr__(self, "_total", found)  # a cache on a frozen value
+        return found
+
+    def value(self, numbers: Mapping[sympy.Symbol, int]) -> int | Fraction:
+        """The live bytes at ``numbers``, exactly."""
+        v = self.measure(numbers) if self.measure is not None else None
+        return v if v is not None else interpret(self.total, dict(numbers))
 
     def where(self) -> str:
         layer = f" (layer {self.layer})" if self.layer else ""
         return f"{self.phase} {self.node or ''}{layer}, {self.step} step".replace("  ", " ")
 
 
-@dataclass(frozen=True)
 class Peak:
     """The peak of a training step: the steady-state formula (``expr``, step >= 2), the first step's (``first``,
     which creates the optimizer state), both a ``Max`` of the moments that can be largest, those moments, and
-    the domain the formulas hold on (``L >= 4`` for a symbolic layer count)."""
+    the domain the formulas hold on (``L >= 4`` for a symbolic layer count).
 
-    expr: sympy.Expr
-    first: sympy.Expr
-    moments: tuple[Moment, ...]
-    domain: tuple[sympy.Basic, ...] = ()
+    ``expr`` or ``first`` given as None is the ``Max`` of that step's moments, built on first use: the peak's
+    bytes at given sizes (:meth:`value`) need no sympy expression at all.
+    """
+
+    def __init__(self, expr: sympy.Expr | None, first: sympy.Expr | None, moments: tuple[Moment, ...],
+                 domain: tuple[sympy.Basic, ...] = ()) -> None:
+        self._exprs = {"steady": expr, "first": first}
+        self._of_moments = {step: e is None for step, e in self._exprs.items()}  # a plain Max of its moments
+        self.moments = moments
+        self.domain = domain
+
+    def formula(self, step: str = "steady") -> sympy.Expr:
+        found = self._exprs[step]
+        if found is None:
+            found = self._exprs[step] = peak_max([m for m in self.moments if m.step == step])
+        return found
+
+    @property
+    def expr(self) -> sympy.Expr:
+        return self.formula("steady")
+
+    @property
+    def first(self) -> sympy.Expr:
+        return self.formula("first")
+
+    def value(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> int | None:
+        """The peak's bytes at ``numbers`` (rounded up) where it is the largest of its moments; None where it is
+        a formula of another shape (a ``Piecewise`` over size conditions), to be evaluated instead."""
+        if not self._of_moments[step]:
+            return None
+        v = self.at(numbers, step).value(numbers)
+        return int(v) if isinstance(v, int) else math.ceil(v)
 
     def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Moment:
         """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``."""
-        found = [m for m in self.moments if m.step == step]
-        env = dict(numbers)
-        # one walk of each live expression (no sympy tree built per moment): exact integers or fractions
-        return max(found, key=lambda m: interpret(m.total, env))
+        key = (step, tuple(sorted((s.name, int(v)) for s, v in numbers.items())))
+        cache = self.__dict__.setdefault("_at", {})
+        found = cache.get(key)
+        if found is None:  # the table asks for the value, the moment and the count at the same numbers
+            if len(cache) > 64:
+                cache.clear()
+            found = cache[key] = max((m for m in self.moments if m.step == step), key=lambda m: m.value(numbers))
+        return found
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         """Whether ``numbers`` lie in the domain of the formulas."""
@@ -253,13 +295,15 @@ def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Reg
     for group in groups:
         kept = [prune(cands, alg, numbers, memo) for cands in group]
         per_branch.append(tuple([alg.moment(k, k.key[0], k.key[1], k.key[2]) for k in ks] for ks in kept))
+    moments_all = tuple(itertools.chain.from_iterable(s + f for s, f in per_branch))
+    if len(per_branch) == 1:  # the Max of the moments, built when asked for
+        return Peak(None, None, moments_all, domain)
     exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_branch]
-    if len(per_branch) == 1 or merge is None:
+    if merge is None:
         expr_steady, expr_first = exprs[0]
     else:
         expr_steady = merge([e for e, _ in exprs])
         expr_first = merge([e for _, e in exprs])
-    moments_all = tuple(itertools.chain.from_iterable(s + f for s, f in per_branch))
     return Peak(expr_steady, expr_first, moments_all, domain)
 
 
@@ -282,6 +326,8 @@ class Algebra:
         self.base, self.period = base, period
         self.subs = dict(subs)
         self.counts = list(counts)
+        #: layer counts written in as numbers (long stacks of known length)
+        self.many = {c: int(self.subs[c]) for c in self.counts if c in self.subs}
         self.prime = [sympy.Symbol(f"{s.name}'") for s in counts]
         exprs = {e: sympy.expand(e.xreplace(self.subs)) for e in sizes}
         terms = {e: self._terms(x) for e, x in exprs.items()}
@@ -298,6 +344,7 @@ class Algebra:
                                 if isinstance(c, Fraction)))
         self.exprs = exprs
         self._coeffs: dict[sympy.Expr, list[tuple[sympy.Expr, int | Fraction]]] = {}
+        self._measured: dict[tuple, dict] = {}
         self.monomials: list[tuple] = []  # id -> monomial; totals are keyed by id (hashing sympy tuples is slow)
         self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
@@ -358,7 +405,19 @@ class Algebra:
 
     def moment(self, cand: Candidate, phase: str, node: str | None, layer: str, step: str | None = None) -> Moment:
         """The candidate as a :class:`Moment`: its total now, its split by category on demand."""
-        return Moment(phase, node, layer, step or cand.step, Lazy(lambda: self.live(cand)), self._summed(cand))
+        return Moment(phase, node, layer, step or cand.step, Lazy(lambda: self.live(cand)),
+                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers))
+
+    def measure(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int]) -> Any:
+        """The candidate's exact bytes at ``numbers`` (the sizes' values kept per set of numbers)."""
+        numbers = {**self.many, **numbers}
+        key = tuple(sorted(((s.name, int(v)) for s, v in numbers.items())))
+        memo = self._measured.get(key)
+        if memo is None:
+            if len(self._measured) > 64:  # a sweep over many sizes: keep the memory bounded
+                self._measured.clear()
+            memo = self._measured[key] = {}
+        return self.value(cand, numbers, memo)
 
     def live(self, cand: Candidate) -> dict[str, sympy.Expr]:
         """The candidate's live bytes per category, expanded (the same as :meth:`Candidate.live`)."""

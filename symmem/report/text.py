@@ -16,7 +16,6 @@ import sympy
 
 from ..simplify import factored, rounded
 from ..units import UNITS
-from .latex import expression
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -50,6 +49,8 @@ def peak(d: Derivation) -> dict[str, Any] | None:
 def to_dict(d: Derivation) -> dict[str, Any]:
     """The stable JSON contract: see "JSON output" in the README."""
     import dataclasses
+
+    from .latex import expression  # the text table needs no LaTeX printer
 
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     exprs = {k: d.expression(k) for k in keys}
@@ -262,8 +263,7 @@ def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
                                 "memory alive at any moment of a training step (forward, backward, optimizer "
                                 "step):", max(width, 40))]
     at = d.peak_at()
-    expr = d.peak
-    count = len(expr.args) if isinstance(expr, sympy.Max) else 1
+    count = d.peak_candidates()
     shown = str(rounded(at.total)) + (f"   (the largest of {count} moments at these sizes)" if count > 1 else "")
     for key, moment in (("peak", at), ("peak_first_step", d.peak_at("first"))):
         v = values[key]
