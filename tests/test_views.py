@@ -28,6 +28,23 @@ def test_html_table(resnet):
     assert len(rows) >= len(resnet.terms) + 3
 
 
+@pytest.mark.parametrize("model, values", [("mlp", {"B": 4}), ("resnet18", {"B": 2, "Hi": 64, "Wi": 64})])
+def test_html_shows_the_peak_a_real_step_reaches(model, values):
+    """Under the default convention a notebook's display ends with the peak of a training step, first and steady:
+    the live bytes two real training steps reach (symmem.tracker), in the units the display uses."""
+    pytest.importorskip("torch")
+    from symmem.units import format_bytes
+    from symmem.verify import verify_peak
+
+    d = symmem.derive(model, device="cpu", values=values)
+    html = d._repr_html_()
+    real = verify_peak(d)
+    steady = re.search(r"peak of a training step</th><td>at ([^<]+)</td><th[^>]*>([^<]+)</th>", html)
+    first = re.search(r"peak \(first step\)</th><td>at ([^<]+)</td><th[^>]*>([^<]+)</th>", html)
+    assert steady and first, html[-600:]
+    assert steady.group(2) == format_bytes(real.measured) and first.group(2) == format_bytes(real.measured_first)
+
+
 def test_latex_repr(resnet):
     text = resnet._repr_latex_()
     assert text.startswith("$$") and text.endswith("$$") and "44355584 B + 16 \\Psi" in text

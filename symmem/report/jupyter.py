@@ -64,8 +64,29 @@ def html(d: Derivation) -> str:
     params = d.try_evaluate(d.parameters)
     out.append(f"<tr><td colspan='3'>parameters (count)</td><td>${esc(expression(d.parameters))}$</td>"
                f"<td style='text-align:right'>{'?' if params is None else f'{params:,}'}</td></tr>")
-    out.append("</tbody></table></div>")
+    out += [*_peak_rows(d), "</tbody></table></div>"]
     return "\n".join(out)
+
+
+def _peak_rows(d: Derivation) -> list[str]:
+    """The peak of a training step, steady and first, with where it occurs (what must fit on a device; the
+    totals above are kept at the end of the forward pass + the parameter side)."""
+    from ..errors import SymmemError
+
+    if not d.has_peak:
+        return []
+    try:
+        found = [(label, d.value(key), d.peak_at(step)) for label, key, step in
+                 (("peak of a training step", "peak", "steady"), ("peak (first step)", "peak_first_step", "first"))]
+    except SymmemError:
+        return []
+    esc = _html.escape
+    out = ["</tbody><tbody>"]
+    for label, v, at in found:
+        where = at.where().removesuffix(", steady step").removesuffix(", first step")
+        out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(label)}</th><td>at {esc(where)}</td>"
+                   f"<th style='text-align:right'>{_size(v)}</th></tr>")
+    return out
 
 
 def show(model: Any, **kwargs: Any) -> None:
