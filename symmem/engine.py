@@ -242,7 +242,7 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
         storages = [_substituted(s, subs, done) for s in storages]
     step = None
     if not per_layer and type(conv).grads is not Convention.grads:
-        step = _step(model, conv, conv_options, regime, subs, open_, branches.assignments(open_, decided), numbers)
+        step = _step(model, conv, conv_options, regime, subs, open_, decided, numbers)
     param_count = parameter_count(graph, nodes, per_layer)
     kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
         s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
@@ -272,30 +272,49 @@ def _in_graph_order(graph: Any, storages: list[Storage]) -> list[Storage]:
     return sorted(storages, key=key)
 
 
+#: Up to this many size conditions (a view that copies unless a size is 1) the peak is one formula over every
+#: truth assignment (2**k steps); beyond, it is the step of the assignment the numbers select, and its domain
+#: says where that holds (other numbers derive that step's own formula).
+PEAK_CONDITIONS = 3
+
+
 def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,
-          subs: Mapping[sympy.Symbol, sympy.Expr], open_: list, assignments: list,
+          subs: Mapping[sympy.Symbol, sympy.Expr], open_: list, decided: Mapping[sympy.Basic, bool],
           numbers: Mapping[sympy.Symbol, int]) -> Any:
     """The peak of the training step, computed on first use (once per derivation and its ``at`` copies)."""
     from .passes import peak
 
     cache: dict[Any, Any] = {}
+    every = len(open_) <= PEAK_CONDITIONS
+    all_assignments = branches.assignments(open_, decided) if every else []
+
+    def selected(at: Mapping[sympy.Symbol, int] | None) -> tuple[list, tuple]:
+        """The assignments to derive, and the conditions they need (the peak's domain beyond the sizes)."""
+        if every:
+            return all_assignments, ()
+        env = {s: sympy.Integer(v) for s, v in {**numbers, **(at or {})}.items()}
+        truth = {c: bool(sympy.sympify(c, strict=True).xreplace(dict(subs)).xreplace(env)) for c in open_}
+        return [{**dict(decided), **truth}], tuple(c if v else sympy.Not(c) for c, v in truth.items())
 
     def compute(at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
         # ``at``: numbers for the layer counts, when they lie outside the symbolic formula's domain;
         # ``timeline`` ("first" or "steady"): the step written out at ``at`` (every symbol a number), op by op
+        assignments, conditions = selected(at)
         if timeline is not None:
             assert at is not None
             if timeline.startswith("allocated"):
                 return peak.allocated(model.graph, conv, options, regime, subs, at, assignments,
                                       timeline.endswith("first"))
             return peak.timeline(model.graph, conv, options, regime, subs, at, assignments, timeline == "first")
-        key = None if at is None else tuple(sorted((s.name, v) for s, v in at.items()))
+        key = (None if at is None else tuple(sorted((s.name, v) for s, v in at.items())), conditions)
         if key not in cache:
             fixed = dict(subs)
             if at is not None:
                 fixed.update({s: sympy.Integer(v) for s, v in at.items()})
             join = branches.joiner(open_, assignments) if len(assignments) > 1 else None
-            cache[key] = peak.peak(model.graph, conv, options, regime, fixed, assignments, join, numbers)
+            found = peak.peak(model.graph, conv, options, regime, fixed, assignments, join, numbers)
+            found.domain = tuple(found.domain) + conditions
+            cache[key] = found
         return cache[key]
 
     return compute

@@ -145,6 +145,24 @@ def test_twelve_independent_conditions_are_fast():
         len(p.args) == 2 for p in total.atoms(sympy.Piecewise))  # 12 small Piecewise terms, not 4096 pieces
 
 
+def test_the_peak_with_many_conditions_is_the_selected_step(monkeypatch):
+    """Beyond PEAK_CONDITIONS size conditions the peak is the step the numbers select (not 2**k steps merged):
+    at every point its bytes equal the merge over every assignment, and its domain names the conditions."""
+    from symmem import engine
+
+    model, xs = _conditional(5)
+    selected = derive(model, convention="pytorch", options={"device": "cpu"})
+    monkeypatch.setattr(engine, "PEAK_CONDITIONS", 99)
+    merged = derive(model, convention="pytorch", options={"device": "cpu"})
+    for point in [(1, 2, 2, 2, 2), (2, 1, 1, 2, 3), (3, 3, 3, 3, 3), (1, 1, 1, 1, 1)]:
+        values = {s.name: v for s, v in zip(xs, point, strict=True)}
+        a, m = selected.at(**values), merged.at(**values)
+        assert (a.value("peak"), a.value("peak_first_step")) == (m.value("peak"), m.value("peak_first_step"))
+    assert len(selected._peak().domain) == 5 and len(merged._peak().domain) == 0
+    many, _ = _conditional(12)
+    assert derive(many, convention="pytorch", options={"device": "cpu"}).value("peak") > 0  # 4096 steps before
+
+
 # -- numbers --------------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::symmem.errors.NothingCounted")  # sweeps meet conventions that see nothing
 @bounded(25)
