@@ -150,6 +150,8 @@ def test_the_peak_with_many_conditions_is_the_selected_step(monkeypatch):
     at every point its bytes equal the merge over every assignment, and its domain names the conditions."""
     from symmem import engine
 
+    many, _ = _conditional(12)
+    assert derive(many, convention="pytorch", options={"device": "cpu"}).value("peak") > 0  # 4096 steps before
     model, xs = _conditional(5)
     selected = derive(model, convention="pytorch", options={"device": "cpu"})
     monkeypatch.setattr(engine, "PEAK_CONDITIONS", 99)
@@ -159,8 +161,6 @@ def test_the_peak_with_many_conditions_is_the_selected_step(monkeypatch):
         a, m = selected.at(**values), merged.at(**values)
         assert (a.value("peak"), a.value("peak_first_step")) == (m.value("peak"), m.value("peak_first_step"))
     assert len(selected._peak().domain) == 5 and len(merged._peak().domain) == 0
-    many, _ = _conditional(12)
-    assert derive(many, convention="pytorch", options={"device": "cpu"}).value("peak") > 0  # 4096 steps before
 
 
 # -- numbers --------------------------------------------------------------------------------------------
