@@ -333,11 +333,7 @@ class Derivation:
 
     def peak_candidates(self, step: str = "steady") -> int:
         """How many moments of the step can be the largest (the ``Max``'s arguments), at these numbers."""
-        found = self._peak(exact=True)
-        if found.value(self.numbers, step) is not None:  # a Max of its moments: count them without building it
-            return sum(1 for m in found.moments if m.step == step)
-        expr = found.formula(step)
-        return len(expr.args) if isinstance(expr, sympy.Max) else 1
+        return self._peak(exact=True).candidates(step)
 
     def peak_at(self, step: str = "steady") -> Any:
         """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the

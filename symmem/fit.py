@@ -128,12 +128,13 @@ def _upper(sym: sympy.Symbol, pieces: list[sympy.Expr]) -> sympy.Expr:
     sympy's own ``Max`` compares every pair symbolically (seconds for GPT-2's moments); pieces linear in
     ``sym`` compare by their value at 1 and their slope, anything else stays in.
     """
+    unique = list(dict.fromkeys(pieces))
     lines: dict[sympy.Expr, tuple[sympy.Rational, sympy.Rational]] = {}
-    for p in dict.fromkeys(pieces):
+    for p in unique:
         poly = _poly(p, sym)
         if poly is not None and poly.degree() <= 1:
             lines[p] = (sum(poly.coeffs(), sympy.Integer(0)), poly.coeff_monomial(sym))  # value at 1, slope
-    kept = [p for p in dict.fromkeys(pieces) if p not in lines or not any(
+    kept = [p for p in unique if p not in lines or not any(
         q != p and lines[q][0] >= lines[p][0] and lines[q][1] >= lines[p][1] for q in lines)]
     return max_of(kept)
 

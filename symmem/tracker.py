@@ -64,7 +64,7 @@ CATEGORIES: tuple[str, ...] = ("parameter", "buffer", "input", "optimizer_state"
 PHASES: tuple[str, ...] = ("forward", "loss", "backward", "step", "zero_grad")
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 _BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")  # torch.tensor(...) data made before dispatch
-_MODULE_KEY = "symmem.module"  # autograd node metadata: the module whose output the node made
+MODULE_KEY = "symmem.module"  # autograd node metadata: the module whose output the node made
 
 
 @dataclass(frozen=True)
@@ -299,6 +299,29 @@ def _require_torch() -> Any:
     return torch
 
 
+def hook_backward(root: Any, enter: Callable[[str, Any, Any], None], leave: Callable[[Any], None]) -> list[Any]:
+    """Hooks on every node of the autograd graph behind ``root``: ``enter(name, node, grad_outputs)`` before the
+    node runs, ``leave(grad_inputs)`` after.  Returns the hook handles (remove them after backward).  The live-bytes
+    tracker and the importer's fake step both name and label the backward this way."""
+    handles: list[Any] = []
+    seen: set[int] = set()
+    todo = [root.grad_fn] if root.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = node.name().removeprefix("torch::autograd::")
+
+        def pre(grad_outputs: Any, name: str = name, node: Any = node) -> None:
+            enter(name, node, grad_outputs)
+
+        handles.append(node.register_prehook(pre))
+        handles.append(node.register_hook(lambda grad_inputs, grad_outputs: leave(grad_inputs)))
+        todo.extend(n for n, _ in node.next_functions)
+    return handles
+
+
 def _tensors(obj: Any) -> list[Any]:
     """Every tensor in a (nested) op output or argument."""
     import torch
@@ -504,28 +527,13 @@ class LiveTracker:
     def watch_backward(self, root: Any) -> list[Any]:
         """Hooks on every node of the graph behind ``root``: name the running node, label the gradients it receives
         and the gradients it produces ``activation_grad``.  Returns the hook handles (remove them after backward)."""
-        handles: list[Any] = []
-        seen: set[int] = set()
-        todo = [root.grad_fn] if root.grad_fn is not None else []
-        while todo:
-            node = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            name = node.name().removeprefix("torch::autograd::")
+        def enter(name: str, node: Any, grad_outputs: Any) -> None:
+            self.where = name
+            self.module = node.metadata.get(MODULE_KEY, self.module)
+            self.label(_tensors(grad_outputs), "activation_grad")
 
-            def pre(grad_outputs: Any, name: str = name, node: Any = node) -> None:
-                self.where = name
-                self.module = node.metadata.get(_MODULE_KEY, self.module)
-                self.label(_tensors(grad_outputs), "activation_grad")
-
-            def post(grad_inputs: Any, grad_outputs: Any) -> None:  # before the engine sums them at a fork
-                self.label(_tensors(grad_inputs), "activation_grad")
-
-            handles.append(node.register_prehook(pre))
-            handles.append(node.register_hook(post))
-            todo.extend(n for n, _ in node.next_functions)
-        return handles
+        # post: before the engine sums the gradients at a fork
+        return hook_backward(root, enter, lambda grad_inputs: self.label(_tensors(grad_inputs), "activation_grad"))
 
     def watch_gradients(self, params: Iterable[Any]) -> list[Any]:
         """Label each parameter's ``.grad`` ``gradient`` when it is accumulated; returns the hook handles."""
@@ -655,7 +663,7 @@ def _module_names(tracker: LiveTracker, module: Any) -> Iterator[None]:
             name = stack.pop()
             for t in _tensors(out):  # the innermost module whose output this node makes
                 if t.grad_fn is not None:
-                    t.grad_fn.metadata.setdefault(_MODULE_KEY, name)
+                    t.grad_fn.metadata.setdefault(MODULE_KEY, name)
         tracker.where = tracker.module = stack[-1] if stack else ""
 
     for name, sub in module.named_modules():

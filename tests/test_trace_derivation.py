@@ -6,38 +6,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from trace_helpers import cnn  # noqa: E402
+
 import symmem  # noqa: E402
 from symmem.verify import measure  # noqa: E402
-
-
-class Net(torch.nn.Module):
-    """A small user module: conv, batch norm, ReLU, pool, a stack of identical blocks, a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU()) for _ in range(4))
-        self.head = torch.nn.Linear(8, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x.mean((2, 3)))
 
 
 @pytest.fixture(scope="module")
 def traced():
     torch.manual_seed(0)
-    return symmem.trace(Net(), (torch.randn(2, 3, 8, 8),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
+    return symmem.trace(cnn(), (torch.randn(2, 3, 8, 8),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
                         optimizer="adam")
 
 
 @pytest.mark.parametrize("b, hi, wi", [(3, 10, 6), (5, 12, 16)])
 def test_formula_equals_real_forwards_at_new_sizes(traced, b, hi, wi):
     torch.manual_seed(1)
-    net = Net()
+    net = cnn()
     real = measure(net, torch.randn(b, 3, hi, wi))
     d = traced.at(B=b, Hi=hi, Wi=wi)
     assert (d.value("activations"), d.value("input")) == (real.activations, real.input)
@@ -48,7 +33,7 @@ def test_layers_fold_to_a_symbol_and_the_parameter_side_follows_the_regime(trace
     assert L in traced.free and traced.numbers[L] == 4
     layer = traced.sum(group="layer")
     assert layer.has(L)
-    params = sum(p.numel() for p in Net().parameters())
+    params = sum(p.numel() for p in cnn().parameters())
     assert traced.value("parameters") == params
     assert traced.value("parameter_memory") == 16 * params  # fp32 + Adam: weights, gradients, two moments
 

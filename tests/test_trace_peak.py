@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import sympy  # noqa: E402
+from trace_helpers import cnn as user_cnn  # noqa: E402
 
 import symmem  # noqa: E402
 from symmem.importer.inputs import check_inputs  # noqa: E402
@@ -35,26 +36,13 @@ def real_peaks(module, inputs, **kw):
 
 
 # --- a small CNN: the peak folds to L ----------------------------------------------------------------------------
-class Net(torch.nn.Module):
-    def __init__(self, n: int = 4) -> None:
-        super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU()) for _ in range(n))
-        self.head = torch.nn.Linear(8, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x.mean((2, 3)))
 
 
 @pytest.fixture(scope="module")
 def cnn():
     optimizer, impl = "adam", "for-loop"
     torch.manual_seed(0)
-    d = symmem.trace(Net(), (torch.randn(2, 3, 8, 8),), IMAGE, optimizer=optimizer, optimizer_impl=impl,
+    d = symmem.trace(user_cnn(), (torch.randn(2, 3, 8, 8),), IMAGE, optimizer=optimizer, optimizer_impl=impl,
                      loss="cross-entropy")
     return d, optimizer, impl
 
@@ -66,7 +54,7 @@ def test_cnn_peak_equals_real_steps(cnn, layers, b, hi, wi):
     assert d.peak.has(L) and "interpolated in L" in " ".join(d.step.notes)
     assert len(d.step.module.blocks) == 4  # the stack was written out at 4, 5 and 6 layers and put back
     torch.manual_seed(1)
-    real = real_peaks(Net(layers), torch.randn(b, 3, hi, wi), loss="cross-entropy", optimizer=optimizer, impl=impl)
+    real = real_peaks(user_cnn(layers), torch.randn(b, 3, hi, wi), loss="cross-entropy", optimizer=optimizer, impl=impl)
     assert peaks(d, B=b, Hi=hi, Wi=wi, L=layers) == real
 
 

@@ -44,3 +44,26 @@ def broken() -> Any:
     import torch
 
     return torch.nn.Linear(4, 4), (torch.randn(2, 5),)
+
+
+def cnn(n: int = 4) -> Any:
+    """A small user module: conv, batch norm, ReLU, a ModuleList of ``n`` identical conv blocks, a mean pool, a
+    head (tests/test_trace_derivation.py and tests/test_trace_peak.py trace it)."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                            torch.nn.ReLU())
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU()) for _ in range(n))
+            self.head = torch.nn.Linear(8, 10)
+
+        def forward(self, x: Any) -> Any:
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean((2, 3)))
+
+    return Net()

@@ -329,5 +329,8 @@ class _LazyPeak(_lazy_base()):  # type: ignore[misc]
     def formula(self, step: str = "steady") -> Any:
         return self._force().formula(step)
 
+    def candidates(self, step: str = "steady") -> int:
+        return self._force().candidates(step)
+
     def value(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Any:
         return self._force().value(numbers, step)

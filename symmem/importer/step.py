@@ -41,6 +41,7 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
+from ..tracker import MODULE_KEY, hook_backward
 from .inputs import Inputs
 from .recorder import Recorder, _leaves, dtype_name, storage_key
 
@@ -56,7 +57,6 @@ LOSSES = ("sum", "cross-entropy", "output")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 IMPLS = ("for-loop", "foreach", "fused")
 _BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")
-_MODULE_KEY = "symmem.module"
 
 
 @dataclass(frozen=True)
@@ -343,28 +343,12 @@ class _StepRecorder(Recorder):
             yield
 
     def watch_backward(self, root: Any) -> list[Any]:
-        handles: list[Any] = []
-        seen: set[int] = set()
-        todo = [root.grad_fn] if root.grad_fn is not None else []
-        while todo:
-            node = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            name = node.name().removeprefix("torch::autograd::")
+        def enter(name: str, node: Any, grad_outputs: Any) -> None:
+            self.where_now = name
+            self.module_now = node.metadata.get(MODULE_KEY, self.module_now)
+            self.label(_leaves(grad_outputs), "activation_grad")
 
-            def pre(grad_outputs: Any, name: str = name, node: Any = node) -> None:
-                self.where_now = name
-                self.module_now = node.metadata.get(_MODULE_KEY, self.module_now)
-                self.label(_leaves(grad_outputs), "activation_grad")
-
-            def post(grad_inputs: Any, grad_outputs: Any) -> None:
-                self.label(_leaves(grad_inputs), "activation_grad")
-
-            handles.append(node.register_prehook(pre))
-            handles.append(node.register_hook(post))
-            todo.extend(n for n, _ in node.next_functions)
-        return handles
+        return hook_backward(root, enter, lambda grad_inputs: self.label(_leaves(grad_inputs), "activation_grad"))
 
     @contextmanager
     def tagging(self) -> Iterator[None]:
@@ -375,7 +359,7 @@ class _StepRecorder(Recorder):
             def hook(mod: Any, args: Any, out: Any) -> None:
                 for t in _leaves(out):
                     if getattr(t, "grad_fn", None) is not None:
-                        t.grad_fn.metadata.setdefault(_MODULE_KEY, name)
+                        t.grad_fn.metadata.setdefault(MODULE_KEY, name)
             return hook
 
         for name, sub in self.module.named_modules():

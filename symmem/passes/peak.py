@@ -96,9 +96,10 @@ class Moment:
         v = self.measure(numbers) if self.measure is not None else None
         return v if v is not None else interpret(self.total, dict(numbers))
 
-    def where(self) -> str:
+    def where(self, step: bool = True) -> str:
+        """``backward blocks.fc2 (layer L), steady step`` (without the step where a label already says it)."""
         layer = f" (layer {self.layer})" if self.layer else ""
-        return f"{self.phase} {self.node or ''}{layer}, {self.step} step".replace("  ", " ")
+        return (f"{self.phase} {self.node or ''}{layer}" + (f", {self.step} step" if step else "")).replace("  ", " ")
 
 
 class Peak:
@@ -138,6 +139,13 @@ class Peak:
             return None
         v = self.at(numbers, step).value(numbers)
         return int(v) if isinstance(v, int) else math.ceil(v)
+
+    def candidates(self, step: str = "steady") -> int:
+        """How many moments of ``step`` can be the largest (the ``Max``'s arguments)."""
+        if self._of_moments[step]:  # counted without building the Max
+            return sum(1 for m in self.moments if m.step == step)
+        expr = self.formula(step)
+        return len(expr.args) if isinstance(expr, sympy.Max) else 1
 
     def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Moment:
         """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``."""

@@ -71,21 +71,17 @@ def html(d: Derivation) -> str:
 def _peak_rows(d: Derivation) -> list[str]:
     """The peak of a training step, steady and first, with where it occurs (what must fit on a device; the
     totals above are kept at the end of the forward pass + the parameter side)."""
-    from ..errors import SymmemError
+    from .text import step_peaks
 
-    if not d.has_peak:
-        return []
-    try:
-        found = [(label, d.value(key), d.peak_at(step)) for label, key, step in
-                 (("peak of a training step", "peak", "steady"), ("peak (first step)", "peak_first_step", "first"))]
-    except SymmemError:
+    found = step_peaks(d)
+    if not found:
         return []
     esc = _html.escape
     out = ["</tbody><tbody>"]
-    for label, v, at in found:
-        where = at.where().removesuffix(", steady step").removesuffix(", first step")
-        out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(label)}</th><td>at {esc(where)}</td>"
-                   f"<th style='text-align:right'>{_size(v)}</th></tr>")
+    for key, v, at in found:
+        label = "peak of a training step" if key == "peak" else "peak (first step)"
+        out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(label)}</th><td>at {esc(at.where(step=False))}"
+                   f"</td><th style='text-align:right'>{_size(v)}</th></tr>")
     return out
 
 

@@ -28,18 +28,27 @@ EXTRA_KEYS = ("input", "loss", "transient")
 SCHEMA_VERSION = 2
 
 
-def peak(d: Derivation) -> dict[str, Any] | None:
-    """The peak of the training step for the JSON contract (None where the convention has no step model):
-    the steady and first step's bytes and formulas, where the steady peak occurs and what is alive then."""
+def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
+    """``(key, bytes, moment)`` of the steady (``peak``) and first step's (``peak_first_step``) peak at the
+    derivation's numbers; empty where the convention has no step model or the step cannot be evaluated there."""
     if not d.has_peak:
-        return None
+        return []
     from ..errors import SymmemError
 
     try:
-        steady, first = d.value("peak"), d.value("peak_first_step")
-        at = d.peak_at()
+        return [(key, d.value(key), d.peak_at(step)) for key, step in (("peak", "steady"),
+                                                                        ("peak_first_step", "first"))]
     except SymmemError:
+        return []
+
+
+def peak(d: Derivation) -> dict[str, Any] | None:
+    """The peak of the training step for the JSON contract (None where the convention has no step model):
+    the steady and first step's bytes and formulas, where the steady peak occurs and what is alive then."""
+    found = step_peaks(d)
+    if not found:
         return None
+    (_, steady, at), (_, first, _) = found
     return {"values": {"peak": steady, "peak_first_step": first},
             "expressions": {"peak": str(d.peak), "peak_first_step": str(d.peak_first_step)},
             "peak_at": {"phase": at.phase, "node": at.node, "layer": at.layer or None, "step": at.step},
@@ -250,27 +259,20 @@ def summary(d: Derivation, width: int | None = None, fold: bool = False, cut: bo
 def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
     """The peak of the training step: its bytes, where it occurs, and the formula of that moment (the peak's
     formula is a Max over moments; the one shown is the largest at these sizes)."""
-    if not d.has_peak:
-        return []
-    from ..errors import SymmemError
-
-    try:  # only the values and moments: the JSON helper also prints the whole Max, a tenth of a second
-        values = {"peak": d.value("peak"), "peak_first_step": d.value("peak_first_step")}
-        d.peak_at()
-    except SymmemError:
+    found = step_peaks(d)  # the values and moments only: the JSON's whole Max is a tenth of a second to print
+    if not found:
         return []
     lines = ["", *textwrap.wrap("total = kept at the end of the forward pass + parameter side; peak = the most "
                                 "memory alive at any moment of a training step (forward, backward, optimizer "
                                 "step):", max(width, 40))]
-    at = d.peak_at()
     count = d.peak_candidates()
-    shown = str(rounded(at.total)) + (f"   (the largest of {count} moments at these sizes)" if count > 1 else "")
-    for key, moment in (("peak", at), ("peak_first_step", d.peak_at("first"))):
-        v = values[key]
+    for key, v, moment in found:
         label = "peak" if key == "peak" else "peak (first step)"
-        where = moment.where().removesuffix(", steady step").removesuffix(", first step")
-        lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", where, width, cut)
+        lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
+                         width, cut)
         if key == "peak":
+            shown = str(rounded(moment.total)) + (
+                f"   (the largest of {count} moments at these sizes)" if count > 1 else "")
             lines += _totals(f"{'':<20} {'':>12}       = ", shown, width, cut)
     return lines
 
