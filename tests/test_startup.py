@@ -45,6 +45,22 @@ def test_derive_imports_one_builder_and_nothing_heavy():
         assert heavy not in loaded, heavy
 
 
+def test_only_the_script_changes_the_garbage_collector():
+    """The ``symmem`` script raises the collector's young threshold; importing symmem and calling ``main`` (the
+    library route, a notebook) leave the interpreter's own setting alone.  Oracle: ``gc.get_threshold()``."""
+    code = ("import gc, sys, io, contextlib, json\nbefore = gc.get_threshold()\n"
+            "from symmem.cli import main, entry\nimport symmem.engine\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['models'])\n"
+            "after_main = gc.get_threshold()\nsys.argv = ['symmem', '--version']\n"
+            "import symmem.cli as c\n"
+            "c.main = lambda: print(json.dumps([before, after_main, gc.get_threshold()])) or 0\n"
+            "entry()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    before, after_main, in_script = json.loads(out.stdout)
+    assert before == after_main
+    assert in_script[0] == 200_000 and in_script[0] > before[0]
+
+
 def test_building_every_model_needs_no_sympy_simplify():
     loaded = _modules_after("from symmem.models import available, build\n"
                             "for name in available():\n    build(name)")
