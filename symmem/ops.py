@@ -828,7 +828,13 @@ def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str
     """What scaled_dot_product_attention's kernels do with the layouts they are given (a builder's
     ``q_layout``/``v_contiguous`` win): ``q_bshd``, the CPU flash kernel's output is ``empty_like(q)``, which is
     (B, S, h, d) in memory when q is a head split of (B, S, H); ``v_contiguous``, the CPU math kernel keeps v
-    itself: v has q's heads (grouped heads are repeated first) and ``matmul(probs, v)`` folds it without a copy."""
+    itself: v has q's heads (grouped heads are repeated first) and ``matmul(probs, v)`` folds it without a copy;
+    ``gqa``, the key has fewer heads than the query (a condition where symbols decide, ``Ne(h/G, 1)``): CUDA's
+    memory-efficient kernel takes equal head counts only."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    gqa: layout.Flag = False
+    if same(heads, kv_heads) is not True:
+        gqa = True if (heads - kv_heads).is_number else sympy.Ne(heads / kv_heads, 1)
     if "q_layout" in a:
         q_bshd: layout.Flag = a["q_layout"] == "bshd"
     else:
@@ -837,7 +843,7 @@ def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str
         v_contiguous = a["v_contiguous"]
     else:
         v_contiguous = layout.attention_keeps_value(lead + (q.shape[-2], k.shape[-2]), v.shape, v.strides)
-    return {"q_bshd": q_bshd, "v_contiguous": v_contiguous}
+    return {"q_bshd": q_bshd, "v_contiguous": v_contiguous, "gqa": gqa}
 
 
 @rule("embedding", attrs={"num_embeddings": REQ_DIM, "dim": REQ_DIM, "padding_idx": AXIS})

@@ -749,7 +749,8 @@ def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimiz
                 probe = module(*inputs)
             shape, classes = tuple(probe.shape[:-1]), int(probe.shape[-1])
             del probe
-        target = torch.randint(0, classes, shape, generator=torch.Generator().manual_seed(0))
+        # drawn on the CPU (the same target on every device), then put where the module's output is
+        target = torch.randint(0, classes, shape, generator=torch.Generator().manual_seed(0)).to(inputs[0].device)
 
     def compute_loss(out: Any) -> Any:
         if callable(loss):

@@ -42,7 +42,9 @@ class Saved:
     """One tensor an op keeps: ``source`` is ``"input"`` (with ``index``), ``"output"`` or ``"new"``.
 
     ``new`` tensors are storages only this op holds; ``spec`` gives their shape and dtype, ``label`` names
-    them (``indices``, ``mask``, ``mean`` ...).  ``role`` overrides the role shown in breakdowns.
+    them (``indices``, ``mask``, ``mean`` ...).  ``role`` overrides the role shown in breakdowns.  ``host``
+    marks a new tensor a CUDA kernel keeps in host memory (the memory-efficient attention's Philox seed and
+    offset): it is counted as kept, but not in what CUDA's allocator holds (``Derivation.peak_allocated``).
     """
 
     source: str
@@ -50,6 +52,7 @@ class Saved:
     label: str = ""
     spec: TensorSpec | None = None
     role: str | None = None
+    host: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in ("input", "output", "new"):

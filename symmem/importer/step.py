@@ -62,7 +62,8 @@ _BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")
 @dataclass(frozen=True)
 class LiveStorage:
     """One storage of the step: bytes (sympy, in the declared symbols), category (the tracker's), and where it
-    was made (None: live at the start)."""
+    was made (None: live at the start); ``host``: a CPU tensor of a step that runs on CUDA (Adam's step counts,
+    the memory-efficient attention's Philox scalars), outside what CUDA's allocator counts."""
 
     sid: int
     nbytes: Any
@@ -73,6 +74,7 @@ class LiveStorage:
     module: str
     step: int
     phase: str
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,15 +129,18 @@ class StepRecord:
             alive -= set(o.freed)
         return sorted(i for i in alive if self.storages[i].category == "optimizer_state")
 
-    def live(self, step: str, every: bool = False) -> list[tuple[StepOp, tuple[Counter, ...], bool]]:
+    def live(self, step: str, every: bool = False, device_only: bool = False
+             ) -> list[tuple[StepOp, tuple[Counter, ...], bool]]:
         """For the ops of ``step`` (``first`` or ``steady``) that are candidates for the peak -- something is freed
         after them, or they end their step -- (every op with ``every``): the op, the live storages right after
         it as one Counter of byte sizes per zoo category, and whether it is a candidate.  A steady step's
-        forward and backward hold the optimizer state from the start."""
+        forward and backward hold the optimizer state from the start; ``device_only`` counts storages in host
+        memory as empty."""
         from ..passes.schedule import CATEGORIES
 
         index = {c: i for i, c in enumerate(CATEGORIES)}
-        where = [(index[self.category(s.sid)], s.nbytes) for s in self.storages]
+        zero = sympy.Integer(0)
+        where = [(index[self.category(s.sid)], zero if device_only and s.host else s.nbytes) for s in self.storages]
         live = [Counter() for _ in CATEGORIES]
         for i in set(self.start) - set(self.freed_first):
             live[where[i][0]][where[i][1]] += 1
@@ -152,6 +157,7 @@ class StepRecord:
                 live[where[i][0]][where[i][1]] += 1
             for sid, new in o.resized:
                 c, old = where[sid]
+                new = zero if device_only and self.storages[sid].host else new
                 live[c][old] -= 1
                 live[c][new] += 1
                 where[sid] = (c, new)
@@ -178,8 +184,8 @@ class StepRecord:
                 memo[x] = -(-n // block) * block
             return memo[x]
 
-        return max((sum(num(x) * n for part in live for x, n in part.items()) for _, live, _ in self.live(step)),
-                   default=0)
+        return max((sum(num(x) * n for part in live for x, n in part.items())
+                    for _, live, _ in self.live(step, device_only=True)), default=0)
 
     def timeline(self, step: str, values: Mapping[sympy.Symbol, int]) -> list[tuple[str, str | None, dict[str, int]]]:
         """(phase, where, live bytes per zoo category) after every op of ``step``, at ``values``."""
@@ -212,6 +218,7 @@ class _StepRecorder(Recorder):
         self.param_names: dict[int, str] = {}
         self.last_param = ""
         self.closed = False
+        self.on_gpu = False  # the step's device is not the CPU: its CPU tensors are host memory
         self.observe = self._after
 
     # registration
@@ -222,6 +229,7 @@ class _StepRecorder(Recorder):
         sid = len(self.items)
         where = self.where_now if op is not None else ""
         self.items.append({"raw": raw, "raw0": raw, "labels": set(), "dtype": dtype_name(t.dtype), "op": op,
+                           "host": t.device.type == "cpu",
                            "where": where, "module": self.module_now if op is not None else "", "step": self.step_no,
                            "phase": self.phase if op is not None else "start"})
         key = st._cdata
@@ -390,8 +398,8 @@ class _StepRecorder(Recorder):
         for sid, it in enumerate(self.items):
             labels = it["labels"]
             cat = min(labels, key=_RANK.__getitem__) if labels else "temporary"
-            storages.append(LiveStorage(sid, conv(it["raw0"]), cat, it["dtype"],
-                                        it["op"], it["where"], it["module"], it["step"], it["phase"]))
+            storages.append(LiveStorage(sid, conv(it["raw0"]), cat, it["dtype"], it["op"], it["where"],
+                                        it["module"], it["step"], it["phase"], it["host"] and self.on_gpu))
         start: list[int] = []
         freed_first: list[int] = []
         ops: list[StepOp] = []
@@ -524,6 +532,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                             replay=replay if replay is not None else [],
                             default_read=True if replay is None else None, shape_env=world.env,
                             opaque=opaque_ops())
+        rec.on_gpu = not str(device).startswith("cpu")
         world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
         args, kwargs = at.rebuild(fin)
         trainable = [p for p in params.values() if p.requires_grad]

@@ -577,10 +577,11 @@ def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime
               subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
               branches: Sequence[Branch | None], first: bool, block: int = 512) -> int:
     """The peak at ``numbers`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
-    rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces)."""
+    rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces); storages in host
+    memory (Adam's step counts, the memory-efficient attention's Philox scalars) are left out."""
     tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
     values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
-    return max(tl.totals_at({**values, **full}, block), default=0)
+    return max(tl.totals_at({**values, **full}, block, device_only=True), default=0)
 
 
 def _written_out(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,

@@ -50,12 +50,15 @@ CATEGORIES = ("parameter", "optimizer_state", "gradient", "input", "activation",
 
 @dataclass(frozen=True)
 class Live:
-    """One storage of the step: its name, category, bytes, and the (unrolled) node that made it."""
+    """One storage of the step: its name, category, bytes, and the (unrolled) node that made it; ``host``: held in
+    host memory while the step runs on CUDA (Adam's step counts, the memory-efficient attention's Philox seed and
+    offset), so not in what CUDA's allocator counts."""
 
     name: str
     category: str
     nbytes: sympy.Expr
     node: str | None = None
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,16 @@ class Timeline:
                 add(i, -1)
         return out
 
-    def totals_at(self, numbers: Mapping[sympy.Symbol, Any], block: int = 1) -> list[int]:
+    def totals_at(self, numbers: Mapping[sympy.Symbol, Any], block: int = 1, device_only: bool = False
+                  ) -> list[int]:
         """Live bytes after each event's allocations at ``numbers``, each storage rounded up to a multiple of
         ``block`` bytes (512: what CUDA's caching allocator hands out, so what ``max_memory_allocated``
-        sees)."""
+        sees); ``device_only`` leaves out the storages in host memory."""
         sizes = []
         for st in self.storages:
+            if device_only and st.host:
+                sizes.append(0)
+                continue
             v = sympy.sympify(st.nbytes.xreplace(dict(numbers)), strict=True)
             n = int(v) if v.is_number else 0
             sizes.append(-(-n // block) * block if n else 0)
@@ -142,8 +149,8 @@ class _Builder:
     events: list[Event] = field(default_factory=list)
     start: list[int] = field(default_factory=list)
 
-    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None) -> int:
-        self.storages.append(Live(name, category, nbytes, node))
+    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
+        self.storages.append(Live(name, category, nbytes, node, host))
         return len(self.storages) - 1
 
     def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
@@ -204,6 +211,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     # -- the parameter side and the batch ------------------------------------------------------------------
     weights_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind != "gradients")
     grad_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind == "gradients")
+    step_on_host = optimizer_impl(regime, str(options.get("device", "cpu"))) != "fused"
     owner: dict[str, int] = {}     # storage name -> id, for values alive across the step
     params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
     for n in order:
@@ -224,8 +232,9 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     state_ids: dict[str, list[int]] = {}
     for name, shape in params:
         ids = [b.new(f"{name}.{s}", "optimizer_state", e) for s, e in regime.optimizer_spec.state_bytes(shape)]
-        if regime.optimizer in ("adam", "adamw") and ids:  # a 0-dim float32 step count per parameter
-            ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4)))
+        if regime.optimizer in ("adam", "adamw") and ids:
+            # a 0-dim float32 step count per parameter: a CPU tensor unless the fused implementation runs
+            ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))
         state_ids[name] = ids
     states = [i for name, _ in params for i in state_ids[name]]  # alive from the start in the steady state
 
@@ -283,7 +292,8 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
                 if ref.source == "new":
                     assert ref.spec is not None
                     cat = "loss" if node.group == "loss" else "activation"
-                    sid = b.new(f"{n}.{ref.label}", cat if n not in segment_of else "temporary", size(ref.spec), n)
+                    sid = b.new(f"{n}.{ref.label}", cat if n not in segment_of else "temporary", size(ref.spec), n,
+                                ref.host)
                     born.append(sid)
                     if n in segment_of:
                         freed.append(sid)  # checkpointed: not kept, recomputed in backward
@@ -351,7 +361,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
                     for ref in conv.saved(graph, node_m, rule_options):
                         if ref.source == "new":
                             assert ref.spec is not None
-                            sid = b.new(f"{m}.{ref.label}", "activation", size(ref.spec), m)
+                            sid = b.new(f"{m}.{ref.label}", "activation", size(ref.spec), m, ref.host)
                             born_r.append(sid)
                             new_saved[m].append(sid)
                 elif m != last.name:
@@ -513,13 +523,14 @@ def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.E
     clones the gradient into the state).  Adam and AdamW, for-loop: per parameter, ``exp_avg_sq.sqrt()`` and
     its division by ``bias_correction2_sqrt`` are two temporaries of the parameter's size alive together, the
     second kept as ``denom`` until the next parameter's replaces it.  Foreach: ``_foreach_sqrt`` of every
-    state at once -- one copy of all parameters.  Fused: no temporaries.
+    state at once -- one copy of every parameter, each its own tensor.  Fused: no temporaries.
     """
     adam = regime.optimizer in ("adam", "adamw")
     born = [i for p, _ in params for i in state_ids[p]] if first_step else []
     out: list[tuple[str, list[int], list[sympy.Expr], int]] = []
     if born or not (adam and impl == "for-loop"):
-        temps = [sympy.Add(*(numel[p] * 4 for p, _ in params))] if adam and impl == "foreach" else []
+        # one temporary per parameter (each its own allocator block on CUDA), all alive together
+        temps = [numel[p] * 4 for p, _ in params] if adam and impl == "foreach" else []
         out.append(("init" if impl == "for-loop" else impl, born, temps, len(temps)))
     if adam and impl == "for-loop":
         for i, (p, _) in enumerate(params):

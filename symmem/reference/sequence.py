@@ -174,7 +174,8 @@ class GPT2Attention(nn.Module):
         attn_weights = torch.matmul(query, key.transpose(-1, -2)) * self.scaling
         # create_causal_mask's additive mask (HF makes it (B, 1, S, S) once per forward; add keeps nothing)
         s = query.size(-2)
-        causal = torch.full((s, s), torch.finfo(attn_weights.dtype).min, dtype=attn_weights.dtype).triu(1)
+        causal = torch.full((s, s), torch.finfo(attn_weights.dtype).min, dtype=attn_weights.dtype,
+                            device=attn_weights.device).triu(1)  # on the model's device, as HF builds it
         attn_weights = attn_weights + causal
         attn_weights = nn.functional.softmax(attn_weights, dim=-1)
         attn_weights = attn_weights.type(value.dtype)

@@ -269,6 +269,15 @@ def _parse_condition(text: str) -> sympy.Basic:
     return parse(text)
 
 
+def _unaligned(value: str) -> str:
+    """A ``cases`` branch that :func:`align` broke over lines (an ``aligned`` of its own) as one line."""
+    if _ALIGNED[0] not in value:
+        return value
+    body = value.replace(_ALIGNED[0], " ").replace(_ALIGNED[1], " ")
+    return " ".join(p.strip().removeprefix("&").strip().removeprefix(r"\quad").strip().removeprefix("{}")
+                    for p in body.split(r"\\"))
+
+
 def _parse_cases(text: str) -> sympy.Expr:
     """LaTeX with ``\\begin{cases}`` blocks (a ``Piecewise``): each block read on its own, the rest around it."""
     begin, end = r"\begin{cases}", r"\end{cases}"
@@ -279,6 +288,7 @@ def _parse_cases(text: str) -> sympy.Expr:
         pieces = []
         for row in _top_level(text[i + len(begin):j], r"\\"):
             value, cond = _top_level(row, "&")
+            value = _unaligned(value)
             cond = cond.strip()
             truth = sympy.true if cond == r"\text{otherwise}" else _parse_condition(
                 cond.removeprefix(r"\text{for}\:"))
@@ -426,7 +436,9 @@ def _height(tex: str) -> float:
     if r"\frac" in tex:
         h += 11.0
     if r"\begin{cases}" in tex:
-        rows = max(len(_top_level(tex[tex.index(r"\begin{cases}"):], r"\\")), 2)
+        # every line of the block, a branch broken over lines (an ``aligned`` inside it) included
+        block = tex[tex.index(r"\begin{cases}"):]
+        rows = max(block[:block.find(r"\end{cases}")].count(r"\\") + 1, 2)
         h = max(h, 14.0 * rows + 8.0 + (10.0 if r"\frac" in tex else 0.0))
     return h
 
@@ -719,9 +731,38 @@ def _inside(line: str, first: float, rest: float) -> list[str] | None:
     return out
 
 
+_CASES = (r"\begin{cases}", r"\end{cases}")
+_ALIGNED = (r"\begin{aligned}[t]", r"\end{aligned}")
+_ROW = r" \\ "
+
+
+def _cases_broken(line: str, limit: float) -> str | None:
+    """A line holding a ``cases`` block too wide for ``limit`` points, each too-wide branch broken before a ``+``
+    into an ``aligned`` of its own (:func:`parse` reads it back), or None where that does not help."""
+    begin, end = _CASES
+    if begin not in line or end not in line:
+        return None
+    i, j = line.index(begin), line.index(end)
+    rows = [_top_level(r, "&") for r in _top_level(line[i + len(begin):j], r"\\")]
+    if any(len(r) != 2 for r in rows):
+        return None
+    outside = width(line[:i] + line[j + len(end):])
+    budget = limit - outside - max(width(c) for _, c in rows) - 24.0
+    out = []
+    for value, cond in rows:
+        if width(value) > budget:
+            pieces = _fill(_terms_of(value.strip()), budget, budget - 10.0)
+            if len(pieces) > 1:
+                lines = [f"& {pieces[0]}", *(f"&\\quad {{}} {p}" for p in pieces[1:])]
+                value = f"{_ALIGNED[0]} {_ROW.join(lines)} {_ALIGNED[1]} "
+        out.append(f"{value.strip()} & {cond.strip()}")
+    return f"{line[:i]}{begin} {_ROW.join(out)} {end}{line[j + len(end):]}"
+
+
 def _layout(tex: str, avail: float) -> list[str]:
     """The right-hand side ``tex`` as lines of at most ``avail`` points: the first after ``=``, the others
-    after a ``\\quad``, each continuation starting with its ``+``/``-`` (after ``{}``, so it spaces as binary)."""
+    after a ``\\quad``, each continuation starting with its ``+``/``-`` (after ``{}``, so it spaces as binary);
+    a ``cases`` block wider than that has its wide branches broken inside it."""
     first, rest = avail - 13.4, avail - 10.0
     lines = _fill(_terms_of(tex), first, rest)
     out: list[str] = []
@@ -729,6 +770,9 @@ def _layout(tex: str, avail: float) -> list[str]:
         text = line if k == 0 else f"{{}} {line}"
         limit = first if k == 0 else rest
         broken = _inside(text, limit, rest) if width(text) > limit else None
+        if broken is None and width(text) > limit:
+            cases = _cases_broken(text, limit)
+            broken = [cases] if cases is not None else None
         out += broken or [text]
     return out
 

@@ -55,9 +55,10 @@ class RuleContext:
     def output(self, role: str | None = None) -> Saved:
         return Saved("output", role=role)
 
-    def new(self, label: str, shape: tuple[Any, ...], dtype: str, role: str | None = None) -> Saved:
+    def new(self, label: str, shape: tuple[Any, ...], dtype: str, role: str | None = None, host: bool = False
+            ) -> Saved:
         return Saved("new", label=label, spec=TensorSpec(tuple(sympy.sympify(d, strict=True) for d in shape), dtype,
-                                                         role or label), role=role or label)
+                                                         role or label), role=role or label, host=host)
 
     @property
     def device(self) -> str:

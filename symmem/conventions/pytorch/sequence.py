@@ -12,10 +12,13 @@ divisor needs no gradient).  Kernels that pick what to keep at run time:
   and ``k^T*sqrt(scale)`` (new tensors kept by the batched matmul), the softmax output, the dropout noise,
   the dropped probabilities, and ``v`` (a contiguous copy when ``v`` is a strided view).  On CUDA the
   flash kernel (16-bit) and the memory-efficient kernel (FP32) keep q, k, v, the output, a float32
-  log-sum-exp and the Philox seed and offset (two int64 scalars, host memory outside CUDA-graph capture).
-  Which kernel runs follows the regime's activation dtype: 16-bit runs flash (log-sum-exp (B, h, S));
-  FP32 runs the memory-efficient kernel (``_efficient_attention_forward``), whose log-sum-exp is
-  (B, h, 32*ceil(S/32)).
+  log-sum-exp and the Philox seed and offset (two int64 scalars: on the GPU from flash, in host memory from
+  the memory-efficient kernel outside CUDA-graph capture).  Which kernel runs follows the regime's activation
+  dtype: 16-bit runs flash (log-sum-exp (B, h, S)); FP32 runs the memory-efficient kernel
+  (``_efficient_attention_forward``), whose log-sum-exp is (B, h, 32*ceil(S/32)), unless the key and value
+  have fewer heads than the query (grouped-query attention, G < h): that kernel takes equal head counts only,
+  and FP32 falls back to the math kernel as the CPU does with dropout (its dropout keeps a bool mask on CUDA).
+  Measured on an H100 (``benchmarks/check_cuda.py``, docs/cuda.md).
 * ``native_layer_norm`` keeps input, mean and rstd (B, ..., 1): float32 on CUDA (the accumulate type), the
   input's dtype on the CPU; weight and bias are parameters.
 * ``matmul`` of batched operands folds them to ``bmm`` with ``reshape``: a strided view (a head split by
@@ -169,24 +172,37 @@ def _attention(ctx: RuleContext) -> list[Saved]:
         q_bshd = holds(ctx.node.facts["q_bshd"], branch)
     merged_view = (ctx.device == "cuda" or q_bshd) and _merged_by_copy(ctx)
     out = [] if merged_view else [ctx.output()]
-    if ctx.device == "cuda":
-        return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse, ctx.new("philox", (2,), "int64", "rng_state")]
-    if dropout == 0:
+    low = ctx.options.get("activation_dtype") in ("float16", "bfloat16")
+    # grouped-query inputs (G key/value heads for h query heads): the memory-efficient kernel takes equal head
+    # counts only (sdp_utils: check_batch_size_and_num_heads_dense<supports_gqa=false>), so FP32 on CUDA falls
+    # back to the math kernel when G != h; flash (16-bit) reads the G heads itself
+    gqa = holds(ctx.node.fact("gqa", False), branch)
+    if ctx.device == "cuda" and (low or not gqa):
+        # the Philox seed and offset: two int64 scalars, on the GPU from flash, in host memory from the
+        # memory-efficient kernel (``at::scalar_tensor`` outside CUDA-graph capture; measured on an H100)
+        philox = [ctx.new(f"philox_{part}", (), "int64", "rng_state", host=not low) for part in ("seed", "offset")]
+        return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse, *philox]
+    if dropout == 0 and ctx.device != "cuda":
         return [ctx.input(0), ctx.input(1), ctx.input(2), *out, lse]
-    # CPU math fallback: scaled q and k^T are new tensors the batched matmul keeps.  With 16-bit inputs it
+    # the math kernel: scaled q and k^T are new tensors the batched matmul keeps.  With 16-bit inputs the CPU's
     # computes in float32 (q, k, v upcast first; measured), so every tensor it keeps is float32.
     # Grouped-query inputs (``enable_gqa``: G key/value heads for h query heads) are expanded to h heads first
     # (``repeat_interleave``, a new tensor), so the scaled key and the value it keeps have the query's heads.
-    low = ctx.options.get("activation_dtype") in ("float16", "bfloat16")
+    # Dropout is ``at::dropout``: the CPU keeps float noise, CUDA (``native_dropout``) a bool mask; without
+    # dropout the product keeps the softmax output itself.
     dt = "float32" if low else q.dtype
     scores = q.shape[:-1] + (k.shape[-2],)
     k_shape, v_shape = (t.shape[:-3] + (q.shape[-3],) + t.shape[-2:] if t.rank >= 3 and q.rank == t.rank
                         else t.shape for t in (k, v))
     found = [ctx.new("q_scaled", q.shape, dt, "matmul_copy"),
              ctx.new("k_scaled", k_shape, dt, "matmul_copy"),
-             ctx.new("probs", scores, dt, "attn_probs"),
-             ctx.new("noise", scores, dt, "dropout_mask"),
-             ctx.new("dropped", scores, dt, "attn_dropout")]
+             ctx.new("probs", scores, dt, "attn_probs")]
+    if dropout:
+        found += [ctx.new("mask", scores, "bool", "dropout_mask") if ctx.device == "cuda"
+                  else ctx.new("noise", scores, dt, "dropout_mask"),
+                  ctx.new("dropped", scores, dt, "attn_dropout")]
+    if ctx.device == "cuda":  # only grouped-query FP32 gets here: the value expanded to h heads is new
+        return [*found, ctx.new("v_copy", v_shape, dt, "matmul_copy")]
     if holds(ctx.node.fact("v_contiguous", False), branch) and not low:
         found.append(ctx.input(2))
     else:

@@ -1,0 +1,61 @@
+"""The zoo's CUDA formulas against what PyTorch measured on an H100 (no GPU needed here).
+
+Oracle: ``tests/data/cuda_h100.json``, written by ``benchmarks/check_cuda.py --json`` on an NVIDIA H100 (torch
+2.11 + CUDA 13, transformers 5.23): for each row, the bytes autograd saved in one forward of the project's
+reference module or of the third-party module the zoo describes (torchvision's ResNets, timm's ViT, Hugging
+Face's GPT-2, BERT and Llama), the live-bytes peak of two real training steps under the tracker, and
+``torch.cuda.max_memory_allocated`` of those steps.  Each row's ``spec`` says how to derive the prediction
+again; it is derived here and compared with the measurement, so a change to a CUDA save rule or to the step's
+schedule that the hardware would not agree with fails here, on a machine without one.  docs/cuda.md has the
+table and what each row means.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from symmem import derive
+from symmem.derivation import CUDA_WORKSPACES
+
+DATA = json.loads((Path(__file__).parent / "data" / "cuda_h100.json").read_text())
+ROWS = [r for r in DATA["rows"] if "spec" in r]
+#: the caching allocator hands out a cached block of the large pool whole when less than 1 MiB would be left
+#: over (it does not split it), so max_memory_allocated may exceed the blocks the step asks for by up to that
+NO_SPLIT = 2**20
+
+
+def _derivation(spec: dict):
+    kw = {"optimizer": spec["optimizer"]} if "optimizer" in spec else {}
+    return derive(spec["model"], convention="pytorch", options={"device": "cuda"}, values=spec["values"],
+                  **spec["options"], **kw)
+
+
+def _predicted(spec: dict) -> int:
+    d = _derivation(spec)
+    q = spec["quantity"]
+    if q == "kept":  # what a measured forward sees: the kept activations (the loss's too) and the batch
+        return d.value("activations") + d.value("loss") + d.value("input")
+    if q.startswith("allocated_"):
+        return d.peak_allocated(q.removeprefix("allocated_"))
+    return d.value(q)
+
+
+def test_the_measurements_are_of_cuda():
+    assert "H100" in DATA["device"] and "+cu" in DATA["versions"]["torch"]
+    assert len(ROWS) >= 60 and {r["section"] for r in ROWS} == {"reference", "third", "peak", "allocated"}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"{r['section']}: {r['case']}" for r in ROWS])
+def test_formula_equals_the_h100(row):
+    spec, measured = row["spec"], row["measured"]
+    predicted = _predicted(spec)
+    if spec.get("scratch"):  # cuDNN's convolution workspace comes on top, inside an op
+        low, high = CUDA_WORKSPACES["scratch"]
+        assert low <= measured - predicted <= high, (predicted, measured)
+    elif spec["quantity"].startswith("allocated_") and not row["ok"]:
+        assert 0 < measured - predicted < NO_SPLIT, (predicted, measured)
+    else:
+        assert predicted == measured
