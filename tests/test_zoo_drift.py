@@ -10,7 +10,9 @@ none.  Parameter counts are compared too.
 What cannot be compared by construction is pinned instead: the zoo's ViT follows timm (an MLP dropout after
 GELU and a head dropout that HF's ``ViTForImageClassification`` does not have), so with dropout > 0 the
 difference is exactly those tensors; torchvision cannot be imported with this torch, so the zoo's ResNet-18
-(torchvision's layout) is compared with HF's ResNet of the same layout.
+(torchvision's layout) is compared with HF's ResNet of the same layout.  Where torchvision and timm do import
+(torch 2.14.1 with torchvision 0.29.1 and timm 1.0.31 here, in a separate environment), the zoo's ResNet-18/50
+and ViT-Ti are compared with theirs too; elsewhere those tests skip.
 """
 
 from __future__ import annotations
@@ -175,3 +177,41 @@ def test_resnet18_equals_hf_resnet_of_the_same_layout():
     on_multiples = {Hi: 32 * a, Wi: 32 * b}
     assert not drift(traced.activations.subs(on_multiples), zoo.activations.subs(on_multiples), (B, a, b))
     assert traced.value("parameters") == zoo.value("parameters") == 11_689_512
+
+
+# --- torchvision and timm themselves, where they import -------------------------------------------------------------
+def _vision_zoo(name: str) -> Any:
+    try:
+        return __import__(name)
+    except Exception as exc:  # torchvision's compiled ops do not load with every torch build (this project's CPU one)
+        pytest.skip(f"{name} is not importable here ({type(exc).__name__})")
+
+
+@pytest.mark.parametrize("depth", [18, 50])
+def test_resnet_equals_torchvision(depth):
+    """The zoo's ResNets follow torchvision's: the formula traced from torchvision's own module, on image sides
+    that are multiples of 32, is the zoo's term by term (torchvision imports beside torch 2.14.1, not 2.13.0)."""
+    tv = _vision_zoo("torchvision")
+    torch.manual_seed(0)
+    module = getattr(tv.models, f"resnet{depth}")()
+    traced = symmem.trace(module, (torch.randn(2, 3, 64, 64),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
+                          multiple_of={"Hi": 32, "Wi": 32})
+    zoo = derive(f"resnet{depth}", convention="pytorch", options={"device": "cpu"}, free=("B", "Hi", "Wi"))
+    a, b = (sympy.Symbol(n, positive=True, integer=True) for n in ("a", "b"))
+    # a run of identical bottlenecks is folded to L in the trace: its length, as the module has it
+    on_multiples = {Hi: 32 * a, Wi: 32 * b, **{s: v for s, v in traced.numbers.items() if s == L}}
+    assert not drift(traced.activations.subs(on_multiples), zoo.activations.subs(on_multiples), (B, a, b))
+    assert not drift(traced.input.subs(on_multiples), zoo.input.subs(on_multiples), (B, a, b))
+    assert traced.value("parameters") == zoo.value("parameters") == sum(p.numel() for p in module.parameters())
+
+
+def test_vit_equals_timm():
+    """The zoo's ViT follows timm's: ViT-Ti/16 at 224 x 224, traced with B free and its 12 blocks folded to L."""
+    timm = _vision_zoo("timm")
+    torch.manual_seed(0)
+    module = timm.create_model("vit_tiny_patch16_224")
+    traced = symmem.trace(module, (torch.randn(2, 3, 224, 224),), {"B": [(0, 0)]})
+    zoo = derive("vit-ti16", convention="pytorch", options={"device": "cpu"}, free=("B", "L"), attention="sdpa",
+                 dropout=0.0)
+    assert not drift(traced.activations, zoo.activations, (B, L))
+    assert traced.value("parameters") == zoo.value("parameters") == sum(p.numel() for p in module.parameters())
