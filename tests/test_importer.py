@@ -517,6 +517,32 @@ def test_data_dependent_modules_name_the_op_and_the_way_out():
     assert t.method == "fitted" and t.check.exact and t.input == 16 * B
 
 
+class _Pinned(nn.Module):
+    """Reads its batch size as a Python integer: every trace specializes on it (as torch 2.11's ``linear`` does
+    with a 3-D input's sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc(x).reshape(int(x.shape[0]), 2, 2)
+
+
+@pytest.mark.parametrize("version, says", [("2.11.0+cu130", True), ("2.13.0+cpu", False), ("2.14.1", False)])
+def test_a_torch_that_pins_sizes_is_named(monkeypatch, version, says):
+    """Oracle: the version string itself; with a release before 2.13 the fallback to a fit (and the refusal under
+    method='symbolic') say that torch pins the sizes."""
+    monkeypatch.setattr(torch, "__version__", version)
+    x = torch.randn(3, 4)
+    t = trace_module(_Pinned(), (x,), {"B": [(0, 0)]})
+    assert t.method == "fitted" and t.check.exact
+    assert any(f"torch {version} reads the sizes" in n for n in t.notes) is says
+    with pytest.raises(SymmemError, match="specializes on its sizes at every example") as info:
+        trace_module(_Pinned(), (x,), {"B": [(0, 0)]}, method="symbolic")
+    assert (f"torch {version}" in str(info.value)) is says
+
+
 @pytest.mark.parametrize("inputs, dims, message", [
     ((torch.zeros(2, 4),), {"B": [(1, 0)]}, "input position 1 does not exist"),
     ((torch.zeros(2, 4),), {"B": [("x", 0)]}, "unknown input 'x'"),

@@ -218,6 +218,26 @@ def _check_multiples(multiple_of: Any, examples: dict[str, int]) -> dict[str, in
     return dict(multiple_of)
 
 
+#: torch releases before this one answer ``at::linear`` of a 3-D input with integer sizes (it asks ``aten.size``,
+#: which fake tensors can only answer by specializing): seen with 2.11 on HF GPT-2 and ``nn.TransformerEncoder``
+#: (on an H100's image, docs/cuda.md), which 2.13 and 2.14 trace symbolically
+SYMBOLIC_LINEAR = (2, 13)
+
+
+def old_torch() -> str | None:
+    """Why a module may specialize with this torch (a release before :data:`SYMBOLIC_LINEAR`), or None."""
+    import torch
+
+    try:
+        release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+    if release >= SYMBOLIC_LINEAR:
+        return None
+    return (f"torch {torch.__version__} reads the sizes of a 3-D input to linear as integers, which pins them; "
+            f"torch >= {'.'.join(map(str, SYMBOLIC_LINEAR))} traces such modules symbolically")
+
+
 def specializations(run: Run, symbols: dict[str, sympy.Symbol]) -> list[Any]:
     """Equalities the trace assumed on the declared sizes (not between two of them): candidate pins."""
     out = [g.expr for g in run.guards if isinstance(g.expr, sympy.Eq)
@@ -275,11 +295,15 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     if _holds(spec2, symbols, inputs.examples):
         return again, "retraced", values, outcome2
     if method == "symbolic":
+        old = old_torch()
         raise SymmemError(f"the module specializes on its sizes at every example ({text}; then "
-                          f"{', '.join(str(e) for e in spec2)}): use method='auto' or method='fit'")
+                          f"{', '.join(str(e) for e in spec2)}): use method='auto' or method='fit'"
+                          + (f" ({old})" if old else ""))
     from .fit import fit_trace
 
     notes.append("the module specializes at every example size: the formula is fitted from concrete traces")
+    if old_torch():
+        notes.append(old_torch() or "")
     pins = tuple(n for n in inputs.examples if n in involved)
     # both symbolic traces specialized on exactly these sizes: they are the fit's first two grid points
     seed = {tuple(inputs.examples[n] for n in pins): run, tuple(values[n] for n in pins): again} \
