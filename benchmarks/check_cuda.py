@@ -492,6 +492,38 @@ def traced_peak_rows() -> None:
         guarded("peak", f"traced {name}", one)
 
 
+#: 16-bit models (cast with ``.to(torch.bfloat16)``, as the zoo's ``precision`` with bfloat16 activations means):
+#: flash attention, float32 layer-norm statistics on CUDA, bool dropout masks
+BF16 = [(m, v, {"attention": att, "dropout": p}) for m, v in (
+    ("gpt2", {"B": 2, "S": 64, "H": 64, "h": 4, "L": 2, "V": 100}),
+    ("bert-base", {"B": 2, "S": 40, "H": 64, "h": 4, "L": 2, "V": 100}),
+    ("llama", {"B": 2, "S": 40, "H": 64, "h": 4, "G": 2, "L": 2, "V": 100, "F": 128}),
+    ("llama", {"B": 2, "S": 40, "H": 64, "h": 4, "G": 4, "L": 2, "V": 100, "F": 128}),
+    ("vit-ti16", {"B": 4, "Hi": 64, "Wi": 64, "L": 2, **IMAGE})) for att in ("naive", "sdpa") for p in (0.0, 0.1)]
+
+
+def bf16_rows() -> None:
+    """Bytes a bfloat16 model keeps in one forward (activations), against the zoo with bfloat16 activations."""
+    import torch
+
+    from symmem.reference import reference
+    from symmem.verify import measure
+
+    for model, values, options in BF16:
+        def one(model: str = model, values: dict = values, options: dict = options) -> None:
+            d = derive(model, convention="pytorch", options={"device": DEVICE}, values=values,
+                       precision="mixed-megatron", **options)
+            torch.manual_seed(0)
+            module, inputs = reference(model, {s.name: v for s, v in d.numbers.items()}, options)
+            module = module.to(DEVICE).to(torch.bfloat16)
+            inputs = tuple((x.to(torch.bfloat16) if x.is_floating_point() else x).to(DEVICE) for x in inputs)
+            m = measure(module, *inputs)
+            row("bf16", _label(model, options, values), d.value("activations"), m.activations,
+                spec={"model": model, "values": values, "options": options, "precision": "mixed-megatron",
+                      "quantity": "activations"})
+        guarded("bf16", _label(model, options, values), one)
+
+
 def devices_rows() -> None:
     """Where the attention kernels keep what they save (host or GPU), and why a causal SDPA specializes."""
     import torch
@@ -539,7 +571,8 @@ def devices_rows() -> None:
 
 
 SECTIONS = {"reference": reference_rows, "third": third_rows, "traced": traced_rows,
-            "peak": lambda: peak_rows(big=True), "traced-peak": traced_peak_rows, "devices": devices_rows}
+            "peak": lambda: peak_rows(big=True), "traced-peak": traced_peak_rows, "bf16": bf16_rows,
+            "devices": devices_rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 Oracle: ``tests/data/cuda_h100.json``, written by ``benchmarks/check_cuda.py --json`` on an NVIDIA H100 (torch
 2.11 + CUDA 13, transformers 5.23): for each row, the bytes autograd saved in one forward of the project's
 reference module or of the third-party module the zoo describes (torchvision's ResNets, timm's ViT, Hugging
-Face's GPT-2, BERT and Llama), the live-bytes peak of two real training steps under the tracker, and
-``torch.cuda.max_memory_allocated`` of those steps.  Each row's ``spec`` says how to derive the prediction
+Face's GPT-2, BERT and Llama), the live-bytes peak of two real training steps under the tracker,
+``torch.cuda.max_memory_allocated`` of those steps, and what bfloat16 models keep (flash attention).  Each row's ``spec`` says how to derive the prediction
 again; it is derived here and compared with the measurement, so a change to a CUDA save rule or to the step's
 schedule that the hardware would not agree with fails here, on a machine without one.  docs/cuda.md has the
 table and what each row means.
@@ -28,7 +28,7 @@ NO_SPLIT = 2**20
 
 
 def _derivation(spec: dict):
-    kw = {"optimizer": spec["optimizer"]} if "optimizer" in spec else {}
+    kw = {k: spec[k] for k in ("optimizer", "precision") if k in spec}
     return derive(spec["model"], convention="pytorch", options={"device": "cuda"}, values=spec["values"],
                   **spec["options"], **kw)
 
@@ -38,6 +38,8 @@ def _predicted(spec: dict) -> int:
     q = spec["quantity"]
     if q == "kept":  # what a measured forward sees: the kept activations (the loss's too) and the batch
         return d.value("activations") + d.value("loss") + d.value("input")
+    if q == "activations":  # a bfloat16 model: its kept activations alone
+        return d.value("activations")
     if q.startswith("allocated_"):
         return d.peak_allocated(q.removeprefix("allocated_"))
     return d.value(q)
@@ -45,7 +47,7 @@ def _predicted(spec: dict) -> int:
 
 def test_the_measurements_are_of_cuda():
     assert "H100" in DATA["device"] and "+cu" in DATA["versions"]["torch"]
-    assert len(ROWS) >= 60 and {r["section"] for r in ROWS} == {"reference", "third", "peak", "allocated"}
+    assert len(ROWS) >= 90 and {r["section"] for r in ROWS} == {"reference", "third", "peak", "allocated", "bf16"}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r['section']}: {r['case']}" for r in ROWS])
