@@ -4,10 +4,10 @@ Oracle: ``tests/data/cuda_h100.json``, written by ``benchmarks/check_cuda.py --j
 2.11 + CUDA 13, transformers 5.23): for each row, the bytes autograd saved in one forward of the project's
 reference module or of the third-party module the zoo describes (torchvision's ResNets, timm's ViT, Hugging
 Face's GPT-2, BERT and Llama), the live-bytes peak of two real training steps under the tracker,
-``torch.cuda.max_memory_allocated`` of those steps, and what bfloat16 models keep (flash attention).  Each row's ``spec`` says how to derive the prediction
-again; it is derived here and compared with the measurement, so a change to a CUDA save rule or to the step's
-schedule that the hardware would not agree with fails here, on a machine without one.  docs/cuda.md has the
-table and what each row means.
+``torch.cuda.max_memory_allocated`` of those steps, and what bfloat16 models keep (flash attention).  Each
+row's ``spec`` says how to derive the prediction again; it is derived here and compared with the measurement, so
+a change to a CUDA save rule or to the step's schedule that the hardware would not agree with fails here, on a
+machine without one.  docs/cuda.md has the table and what each row means.
 """
 
 from __future__ import annotations
