@@ -42,7 +42,7 @@ import importlib.util
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,27 @@ class Loaded:
     @property
     def on_meta(self) -> bool:
         return any(p.device.type == "meta" for p in self.module.parameters())
+
+    def to(self, device: str) -> Loaded:
+        """The module (moved in place, as ``nn.Module.to`` does) and its tensor inputs on ``device`` where that
+        device is here; otherwise (and for a module built on the meta device) unchanged: a CUDA build of torch
+        traces fake CUDA tensors without a GPU, and what needs real ones (the check forward, ``verify``) says
+        so."""
+        import torch
+
+        if self.on_meta or device == "cpu" or (device.startswith("cuda") and not torch.cuda.is_available()):
+            return self
+
+        def move(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            if isinstance(x, list | tuple):
+                return type(x)(move(v) for v in x)
+            return x
+
+        ex = self.example_inputs
+        inputs = {k: move(v) for k, v in ex.items()} if isinstance(ex, dict) else tuple(move(v) for v in ex)
+        return replace(self, module=self.module.to(device), example_inputs=inputs)
 
 
 def parse_value(text: str) -> Any:
@@ -486,6 +507,11 @@ def verify_module(loaded: Loaded, derivation: Any, dims: dict[str, Any]) -> Any:
 
     if loaded.on_meta:
         raise SymmemError(f"{loaded.spec}: the weights are on the meta device; there is no real forward to measure")
+    device = str(derivation.options.get("device", "cpu"))
+    where = {p.device.type for p in loaded.module.parameters()} or {"cpu"}
+    if where != {device.split(":")[0]}:
+        raise SymmemError(f"the formula is for {device} and the module is on {', '.join(sorted(where))}: measuring "
+                          f"it there would compare another device's kernels (verify on {device} needs that device)")
     numbers = {s.name: int(v) for s, v in derivation.numbers.items()}
     args, kwargs = resized(loaded, dims, numbers)
     return compare(derivation, measure(loaded.module, *args, **kwargs))

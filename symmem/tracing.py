@@ -225,6 +225,7 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     if autocast is not None:
         extra["autocast"] = autocast
     extra["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
+    extra["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
     step = _step(module, recorded, d, example_inputs, dims, loss, autocast, multiple_of, device, options)
     return dataclasses.replace(d, step=step, options={**dict(d.options), **extra})
 

@@ -183,3 +183,25 @@ def test_a_run_of_too_many_ops_is_refused_with_the_way_out(capsys, monkeypatch):
     code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B")
     assert code == 2 and err.startswith("symmem: error: the module runs more than 3 ops in one pass")
     assert "--set L=N" in err and err.count("\n") == 1
+
+
+def test_a_module_is_measured_on_the_device_its_formula_is_for():
+    """``--device cuda`` moves the module and its example inputs to the GPU where there is one; without one they
+    stay, and measuring a CUDA formula on the CPU's kernels is refused rather than compared.  Oracle: where the
+    module's parameters are, and the refusal."""
+    import dataclasses
+
+    import symmem
+
+    torch = pytest.importorskip("torch")
+    moved = sources.load("tests.trace_helpers:mlp_with_inputs").to("cuda")  # nn.Module.to: in place
+    assert {p.device.type for p in moved.module.parameters()} == ({"cuda"} if torch.cuda.is_available() else {"cpu"})
+    loaded = sources.load("tests.trace_helpers:mlp_with_inputs")
+    assert loaded.to("cpu") is loaded
+    dims = sources.parse_dims("B", loaded)
+    d = symmem.trace(loaded.module, loaded.example_inputs, dims)
+    assert d.options["device"] == "cpu"
+    as_cuda = dataclasses.replace(d, options={**d.options, "device": "cuda"})
+    with pytest.raises(symmem.SymmemError, match="the formula is for cuda and the module is on cpu"):
+        sources.verify_module(loaded, as_cuda, dims)
+    assert sources.verify_module(loaded, d, dims).exact

@@ -301,6 +301,7 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     from .. import sources
 
     loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=args.loss, inputs=args.example)
+    loaded = loaded.to(args.device or "cpu")  # traced for a device, checked and measured there
     for note in loaded.notes:
         import sys
 
