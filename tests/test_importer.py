@@ -529,6 +529,18 @@ class _Pinned(nn.Module):
         return self.fc(x).reshape(int(x.shape[0]), 2, 2)
 
 
+class _PinnedQuartic(nn.Module):
+    """Pins its batch size and keeps 4*B**4 bytes: no polynomial fit of degree <= 3 holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> Any:
+        n = int(x.shape[0])
+        return (self.fc(x).sum() * torch.ones(n**4)).sum()
+
+
 @pytest.mark.parametrize("version, says", [("2.11.0+cu130", True), ("2.13.0+cpu", False), ("2.14.1", False)])
 def test_a_torch_that_pins_sizes_is_named(monkeypatch, version, says):
     """Oracle: the version string itself; with a release before 2.13 the fallback to a fit (and the refusal under
@@ -540,6 +552,9 @@ def test_a_torch_that_pins_sizes_is_named(monkeypatch, version, says):
     assert any(f"torch {version} reads the sizes" in n for n in t.notes) is says
     with pytest.raises(SymmemError, match="specializes on its sizes at every example") as info:
         trace_module(_Pinned(), (x,), {"B": [(0, 0)]}, method="symbolic")
+    assert (f"torch {version}" in str(info.value)) is says
+    with pytest.raises(SymmemError, match="no exact polynomial") as info:  # the fit fails too: why it was tried
+        trace_module(_PinnedQuartic(), (x,), {"B": [(0, 0)]})
     assert (f"torch {version}" in str(info.value)) is says
 
 

@@ -302,14 +302,20 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     from .fit import fit_trace
 
     notes.append("the module specializes at every example size: the formula is fitted from concrete traces")
-    if old_torch():
-        notes.append(old_torch() or "")
+    old = old_torch()
+    if old:
+        notes.append(old)
     pins = tuple(n for n in inputs.examples if n in involved)
     # both symbolic traces specialized on exactly these sizes: they are the fit's first two grid points
     seed = {tuple(inputs.examples[n] for n in pins): run, tuple(values[n] for n in pins): again} \
         if set(run.pinned) == set(pins) == set(again.pinned) else {}
-    return (fit_trace(module, inputs, symbols, device, real, pins, multiple_of, seed), "fitted", inputs.examples,
-            outcome)
+    try:
+        fitted = fit_trace(module, inputs, symbols, device, real, pins, multiple_of, seed)
+    except SymmemError as exc:
+        if old:  # the fit was only tried because this torch pinned the sizes: say so
+            raise SymmemError(f"{exc} ({old})") from None
+        raise
+    return fitted, "fitted", inputs.examples, outcome
 
 
 def _at_one(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str,
