@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -38,12 +39,12 @@ import symmem
 from symmem import derive
 from symmem.derivation import CUDA_WORKSPACES
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# the small Hugging Face models and the formula comparison tests/test_zoo_drift.py uses too
+from trace_helpers import BERT, GPT2, LLAMA, VOCAB, at_least_two, bert, cnn, drift, gpt2, llama  # noqa: E402
+
 ROWS: list[dict[str, Any]] = []
 DEVICE = "cuda"
-VOCAB = 96
-GPT2 = {"H": 32, "h": 4, "V": VOCAB, "L": 2}
-BERT = {"H": 32, "h": 4, "V": VOCAB, "L": 2, "F": 128}
-LLAMA = {"H": 32, "h": 4, "G": 2, "V": VOCAB, "L": 2, "F": 64}
 
 
 def row(section: str, case: str, predicted: int, measured: int, note: str = "", ok: bool | None = None,
@@ -103,34 +104,6 @@ def reference_rows() -> None:
 
 
 # -- the zoo against third-party modules ---------------------------------------------------------------------------
-def hf(cls: str, attn: str, **config: Any) -> Any:
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    name = cls.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config").replace("Model", "Config")
-    cfg = getattr(transformers, name)(**config)
-    cfg._attn_implementation = attn
-    torch.manual_seed(0)
-    return getattr(transformers, cls)(cfg)
-
-
-def gpt2(attn: str, p: float) -> Any:
-    return hf("GPT2LMHeadModel", attn, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=1024,
-              resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0)
-
-
-def bert(attn: str, p: float) -> Any:
-    return hf("BertModel", attn, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-              vocab_size=VOCAB, max_position_embeddings=512, hidden_dropout_prob=p, attention_probs_dropout_prob=p)
-
-
-def llama(attn: str, p: float) -> Any:
-    return hf("LlamaForCausalLM", attn, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-              attention_dropout=p, bos_token_id=0, eos_token_id=0)
-
-
 # id, module builder, zoo model, zoo values, zoo options
 LANGUAGE = [
     ("hf gpt2 eager p=0.1", lambda: gpt2("eager", 0.1), "gpt2", GPT2, {"attention": "naive", "dropout": 0.1}),
@@ -206,24 +179,6 @@ def third_rows() -> None:
 
 # -- the importer on fake CUDA tensors -----------------------------------------------------------------------------
 TEXT = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
-
-
-def drift(traced: sympy.Expr, zoo: sympy.Expr, symbols: tuple[sympy.Symbol, ...]) -> dict[str, tuple[int, int]]:
-    """Monomial -> (traced, zoo) bytes where the two polynomials differ (``ceiling(S/32)``, the memory-efficient
-    kernel's padded rows, is a variable of its own)."""
-    rows = sympy.Symbol("ceil32")
-    pad = {sympy.ceiling(x / 32): rows for x in symbols}
-    traced, zoo = sympy.expand(traced).xreplace(pad), sympy.expand(zoo).xreplace(pad)
-    symbols = (*symbols, rows)
-    a = sympy.Poly(sympy.expand(traced), *symbols).as_dict()
-    b = sympy.Poly(sympy.expand(zoo), *symbols).as_dict()
-    return {str(sympy.Mul(*(x**e for x, e in zip(symbols, k, strict=True)))): (int(a.get(k, 0)), int(b.get(k, 0)))
-            for k in set(a) | set(b) if a.get(k, 0) != b.get(k, 0)}
-
-
-def at_least_two(expr: sympy.Expr) -> sympy.Expr:
-    """The zoo's formula for B >= 2 (a trace's domain): a ``Piecewise`` in ``Eq(B, 1)`` resolved to its last branch."""
-    return sympy.piecewise_fold(expr).replace(lambda e: isinstance(e, sympy.Piecewise), lambda pw: pw.args[-1][0])
 
 
 def traced_rows() -> None:
@@ -366,12 +321,12 @@ def _has_conv(model: str) -> bool:
     return model.startswith(("resnet", "vit", "vgg"))
 
 
-def _allocated_row(label: str, model: str, want: int, got: int, spec: dict[str, Any] | None = None) -> None:
-    """Exact for models without convolutions; with them, cuDNN's workspace inside a convolution (the band's
-    scratch) comes on top."""
+def _allocated_row(label: str, conv: bool, want: int, got: int, spec: dict[str, Any] | None = None) -> None:
+    """Exact for models without convolutions; with them (``conv``), cuDNN's workspace inside a convolution (the
+    band's scratch) comes on top."""
     scratch = CUDA_WORKSPACES["scratch"]
     over = got - want
-    if _has_conv(model):
+    if conv:
         row("allocated", label, want, got, f"{over / 2**20:+.2f} MiB over the blocks: cuDNN scratch "
             f"({scratch[0] / 2**20:.0f}-{scratch[1] / 2**20:.0f} MiB)", ok=scratch[0] <= over <= scratch[1],
             spec=spec and {**spec, "scratch": True})
@@ -397,7 +352,8 @@ def peak_rows(big: bool) -> None:
             if DEVICE.startswith("cuda"):
                 real = allocated(lambda: _fresh(d), d.regime.optimizer, "foreach")
                 for step, got in zip(("first", "steady"), real, strict=True):
-                    _allocated_row(f"{_label(model, options, values)} {step}", model, d.peak_allocated(step), got,
+                    _allocated_row(f"{_label(model, options, values)} {step}", _has_conv(model),
+                                   d.peak_allocated(step), got,
                                    spec={**spec, "quantity": f"allocated_{step}"})
         guarded("peak", _label(model, options, values), one)
     if not (big and DEVICE.startswith("cuda")):
@@ -410,8 +366,9 @@ def peak_rows(big: bool) -> None:
             for step, got in zip(("first", "steady"), real, strict=True):
                 want = d.peak_allocated(step)
                 label = f"{_label(model, options, values)} SGD {step} ({want / 2**30:.3f} GiB)"
-                _allocated_row(label, model, want, got, spec={"model": model, "values": values, "options": options,
-                                                               "optimizer": "sgd", "quantity": f"allocated_{step}"})
+                spec = {"model": model, "values": values, "options": options, "optimizer": "sgd",
+                        "quantity": f"allocated_{step}"}
+                _allocated_row(label, _has_conv(model), want, got, spec=spec)
         guarded("allocated", f"{_label(model, options, values)} SGD", one)
 
 
@@ -422,9 +379,6 @@ def traced_peak_rows() -> None:
     import torch
 
     from symmem.tracker import track_step
-
-    sys.path.insert(0, "tests")
-    from trace_helpers import cnn
 
     class LM(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:
@@ -485,10 +439,8 @@ def traced_peak_rows() -> None:
                         return model, batch, target
 
                     real = allocated(fresh, "adamw", "foreach", loss=real_loss if callable(real_loss) else None)
-                    # the CNN's convolutions: cuDNN may take scratch on top (a band); the rest exact
-                    for step, got in zip(("first", "steady"), real, strict=True):
-                        _allocated_row(f"{label} {step}", "resnet" if "cnn" in name else "gpt2",
-                                       at.peak_allocated(step), got)
+                    for step, got in zip(("first", "steady"), real, strict=True):  # the CNN: cuDNN's scratch
+                        _allocated_row(f"{label} {step}", "cnn" in name, at.peak_allocated(step), got)
         guarded("peak", f"traced {name}", one)
 
 

@@ -25,16 +25,12 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 
-class _Nodes(Mapping):
-    """``g.nodes``: node -> its attribute dict (``g.nodes[n]["node"]``); ``g.nodes(data=True)`` as networkx."""
+class _NodeSet:
+    """Iteration, length and membership over the nodes in ``_node``, as networkx's graphs and node views have them
+    (an unhashable object is not a node, not an error)."""
 
-    __slots__ = ("_node",)
-
-    def __init__(self, node: dict[Hashable, dict[str, Any]]) -> None:
-        self._node = node
-
-    def __getitem__(self, n: Hashable) -> dict[str, Any]:
-        return self._node[n]
+    __slots__ = ()
+    _node: dict[Hashable, dict[str, Any]]
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._node)
@@ -47,6 +43,18 @@ class _Nodes(Mapping):
             return n in self._node
         except TypeError:
             return False
+
+
+class _Nodes(_NodeSet, Mapping):
+    """``g.nodes``: node -> its attribute dict (``g.nodes[n]["node"]``); ``g.nodes(data=True)`` as networkx."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: dict[Hashable, dict[str, Any]]) -> None:
+        self._node = node
+
+    def __getitem__(self, n: Hashable) -> dict[str, Any]:
+        return self._node[n]
 
     def __call__(self, data: bool | str = False, default: Any = None) -> Any:
         if data is False:
@@ -96,7 +104,7 @@ def _not_in_graph(n: Hashable) -> Exception:
     return nx.NetworkXError(f"The node {n} is not in the digraph.")
 
 
-class DiGraph:
+class DiGraph(_NodeSet):
     """A directed graph stored as ``networkx.DiGraph`` stores one (see the module docstring)."""
 
     #: networkx's dispatcher takes a graph whose backend is "networkx" as one of its own.
@@ -144,18 +152,6 @@ class DiGraph:
     @property
     def out_degree(self) -> _Degree:
         return _Degree(self._succ)
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter(self._node)
-
-    def __len__(self) -> int:
-        return len(self._node)
-
-    def __contains__(self, n: object) -> bool:
-        try:
-            return n in self._node
-        except TypeError:
-            return False
 
     def __getitem__(self, n: Hashable) -> dict[Hashable, dict[str, Any]]:
         return self._adj[n]

@@ -25,70 +25,20 @@ import sympy
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from trace_helpers import BERT, GPT2, LLAMA, VOCAB, at_least_two, bert, drift, gpt2, hf, llama  # noqa: E402
+
 import symmem  # noqa: E402
 from symmem import derive  # noqa: E402
 
 B, S, L, Hi, Wi = (symmem.symbol(n) for n in ("B", "S", "L", "Hi", "Wi"))
 TEXT = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
 WITH_LABELS = {"B": [("input_ids", 0), ("labels", 0)], "S": [("input_ids", 1), ("labels", 1)]}
-VOCAB = 96
-
-
-def drift(traced: sympy.Expr, zoo: sympy.Expr, symbols: tuple[sympy.Symbol, ...] = (B, S, L)
-          ) -> dict[str, tuple[int, int]]:
-    """Monomial -> (traced coefficient, zoo coefficient), for every term where they differ (bytes)."""
-    a = sympy.Poly(sympy.expand(traced), *symbols).as_dict()
-    b = sympy.Poly(sympy.expand(zoo), *symbols).as_dict()
-    out = {}
-    for exps in sorted(set(a) | set(b), reverse=True):
-        if a.get(exps, 0) != b.get(exps, 0):
-            mono = sympy.Mul(*(s**e for s, e in zip(symbols, exps, strict=True)))
-            out[str(mono)] = (int(a.get(exps, 0)), int(b.get(exps, 0)))
-    return out
-
-
-def at_least_two(expr: sympy.Expr) -> sympy.Expr:
-    """The zoo's formula for B >= 2 (the traces' domain): its ``Piecewise`` in ``Eq(B, 1)`` (the loss's labels)
-    resolved to the other branch."""
-    def branch(pw: sympy.Piecewise) -> sympy.Expr:
-        assert all(cond == sympy.Eq(B, 1) for _, cond in pw.args[:-1]), pw
-        return pw.args[-1][0]
-
-    return sympy.piecewise_fold(expr).replace(lambda e: isinstance(e, sympy.Piecewise), branch)
-
-
-def hf(cls: Any, attn: str, **config: Any) -> Any:
-    cfg = getattr(transformers, cls.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config")
-                  .replace("ForImageClassification", "Config").replace("Model", "Config"))(**config)
-    cfg._attn_implementation = attn
-    torch.manual_seed(0)
-    return getattr(transformers, cls)(cfg)
 
 
 def ids(labels: bool = False) -> dict[str, Any]:
     x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     return {"input_ids": x, "labels": x.clone()} if labels else {"input_ids": x}
 
-
-def gpt2(attn: str, p: float, use_cache: bool = True) -> Any:
-    return hf("GPT2LMHeadModel", attn, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=1024,
-              resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0, use_cache=use_cache)
-
-
-def bert(attn: str, p: float) -> Any:
-    return hf("BertModel", attn, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-              vocab_size=VOCAB, max_position_embeddings=512, hidden_dropout_prob=p, attention_probs_dropout_prob=p)
-
-
-def llama(attn: str, p: float) -> Any:
-    return hf("LlamaForCausalLM", attn, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-              attention_dropout=p, bos_token_id=0, eos_token_id=0)
-
-
-GPT2 = {"H": 32, "h": 4, "V": VOCAB, "L": 2}
-BERT = {"H": 32, "h": 4, "V": VOCAB, "L": 2, "F": 128}
-LLAMA = {"H": 32, "h": 4, "G": 2, "V": VOCAB, "L": 2, "F": 64}
 
 # id, HF module, zoo model, zoo values, zoo options, with labels (the model computes its own loss)
 LANGUAGE = [

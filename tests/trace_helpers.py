@@ -1,8 +1,12 @@
-"""Callables for ``symmem trace package.module:callable`` in tests/test_trace_cli.py (torch imported inside)."""
+"""Callables for ``symmem trace package.module:callable`` in tests/test_trace_cli.py (torch imported inside), and
+the small Hugging Face models and the formula comparison that tests/test_zoo_drift.py and
+benchmarks/check_cuda.py share."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import sympy
 
 
 def mlp_with_inputs() -> Any:
@@ -67,3 +71,76 @@ def cnn(n: int = 4) -> Any:
             return self.head(x.mean((2, 3)))
 
     return Net()
+
+
+# -- small Hugging Face models and the zoo's values for them ----------------------------------------------------------
+VOCAB = 96
+GPT2 = {"H": 32, "h": 4, "V": VOCAB, "L": 2}
+BERT = {"H": 32, "h": 4, "V": VOCAB, "L": 2, "F": 128}
+LLAMA = {"H": 32, "h": 4, "G": 2, "V": VOCAB, "L": 2, "F": 64}
+
+
+def hf(cls: str, attn: str, **config: Any) -> Any:
+    """``transformers.<cls>`` from its config class with ``config``, attention ``attn``, seeded."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = getattr(transformers, cls.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config")
+                  .replace("ForImageClassification", "Config").replace("Model", "Config"))(**config)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return getattr(transformers, cls)(cfg)
+
+
+def gpt2(attn: str, p: float, use_cache: bool = True) -> Any:
+    return hf("GPT2LMHeadModel", attn, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=1024,
+              resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0, use_cache=use_cache)
+
+
+def bert(attn: str, p: float) -> Any:
+    return hf("BertModel", attn, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+              vocab_size=VOCAB, max_position_embeddings=512, hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+
+
+def llama(attn: str, p: float) -> Any:
+    return hf("LlamaForCausalLM", attn, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+              attention_dropout=p, bos_token_id=0, eos_token_id=0)
+
+
+# -- comparing two formulas -----------------------------------------------------------------------------------------
+def drift(traced: sympy.Expr, zoo: sympy.Expr, symbols: tuple[sympy.Symbol, ...] | None = None
+          ) -> dict[str, tuple[int, int]]:
+    """Monomial -> (traced coefficient, zoo coefficient), for every term where they differ (bytes), as
+    polynomials in ``symbols`` (default B, S, L).  ``ceiling(X/32)`` (CUDA's memory-efficient attention pads its
+    rows to 32) is a variable of its own."""
+    from symmem import symbol
+
+    symbols = symbols or tuple(symbol(n) for n in ("B", "S", "L"))
+    rows = sympy.Symbol("ceil32")
+    pad = {sympy.ceiling(x / 32): rows for x in symbols}
+    traced, zoo = sympy.expand(traced).xreplace(pad), sympy.expand(zoo).xreplace(pad)
+    gens = (*symbols, rows)
+    a = sympy.Poly(traced, *gens).as_dict()
+    b = sympy.Poly(zoo, *gens).as_dict()
+    out = {}
+    for exps in sorted(set(a) | set(b), reverse=True):
+        if a.get(exps, 0) != b.get(exps, 0):
+            mono = sympy.Mul(*(s**e for s, e in zip(gens, exps, strict=True)))
+            out[str(mono)] = (int(a.get(exps, 0)), int(b.get(exps, 0)))
+    return out
+
+
+def at_least_two(expr: sympy.Expr) -> sympy.Expr:
+    """The zoo's formula for B >= 2 (a trace's domain): its ``Piecewise`` in ``Eq(B, 1)`` (the loss's labels)
+    resolved to the other branch."""
+    from symmem import symbol
+
+    one = sympy.Eq(symbol("B"), 1)
+
+    def branch(pw: sympy.Piecewise) -> sympy.Expr:
+        assert all(cond == one for _, cond in pw.args[:-1]), pw
+        return pw.args[-1][0]
+
+    return sympy.piecewise_fold(expr).replace(lambda e: isinstance(e, sympy.Piecewise), branch)
