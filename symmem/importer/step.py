@@ -209,7 +209,7 @@ class StepRecord:
 class _StepRecorder(Recorder):
     """The forward recorder, plus live storages with symbolic bytes, phases and the tracker's labels."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_gpu: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.by_key: dict[int, int] = {}
         self.items: list[dict[str, Any]] = []  # per storage: raw nbytes, labels, dtype, op, where, module, ...
@@ -218,7 +218,7 @@ class _StepRecorder(Recorder):
         self.param_names: dict[int, str] = {}
         self.last_param = ""
         self.closed = False
-        self.on_gpu = False  # the step's device is not the CPU: its CPU tensors are host memory
+        self.on_gpu = on_gpu  # the step runs on a GPU: its CPU tensors are host memory
         self.observe = self._after
 
     # registration
@@ -531,8 +531,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
         rec = _StepRecorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
                             replay=replay if replay is not None else [],
                             default_read=True if replay is None else None, shape_env=world.env,
-                            opaque=opaque_ops())
-        rec.on_gpu = not str(device).startswith("cpu")
+                            opaque=opaque_ops(), on_gpu=not str(device).startswith("cpu"))
         world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
         args, kwargs = at.rebuild(fin)
         trainable = [p for p in params.values() if p.requires_grad]

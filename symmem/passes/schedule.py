@@ -211,7 +211,10 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     # -- the parameter side and the batch ------------------------------------------------------------------
     weights_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind != "gradients")
     grad_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind == "gradients")
-    step_on_host = optimizer_impl(regime, str(options.get("device", "cpu"))) != "fused"
+    device = str(options.get("device", "cpu"))
+    impl = optimizer_impl(regime, device)
+    # Adam's step counts are CPU tensors unless the fused implementation runs: host memory beside a CUDA step
+    step_on_host = device == "cuda" and impl != "fused"
     owner: dict[str, int] = {}     # storage name -> id, for values alive across the step
     params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
     for n in order:
@@ -233,8 +236,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     for name, shape in params:
         ids = [b.new(f"{name}.{s}", "optimizer_state", e) for s, e in regime.optimizer_spec.state_bytes(shape)]
         if regime.optimizer in ("adam", "adamw") and ids:
-            # a 0-dim float32 step count per parameter: a CPU tensor unless the fused implementation runs
-            ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))
+            ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # 0-dim fp32
         state_ids[name] = ids
     states = [i for name, _ in params for i in state_ids[name]]  # alive from the start in the steady state
 
@@ -491,7 +493,6 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     free = {n for n in order if graph.node(n).kind == "parameter"}
     params.sort(key=lambda p: p[0] not in free)
     grads = [param_grad[name] for name, _ in params if name in param_grad]
-    impl = optimizer_impl(regime, str(options.get("device", "cpu")))
     before = (list(b.storages), list(b.events), list(b.start))
 
     def finish(first: bool) -> Timeline:
