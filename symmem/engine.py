@@ -114,7 +114,7 @@ def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, reg
              loss: str | None = None, convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
     ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
-    deriving.  Arguments are :func:`derive`'s.  :func:`symmem.fit.largest` uses it to answer only with values
+    deriving.  Arguments are :func:`derive`'s.  :func:`symmem.apps.budget.largest` uses it to answer only with values
     the model accepts.
 
     >>> accepts = acceptor("gpt2")

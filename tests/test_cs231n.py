@@ -12,8 +12,8 @@ import pytest
 import sympy
 
 from symmem import derive
+from symmem.apps.from_counts import from_counts
 from symmem.cli import main
-from symmem.counts import from_counts
 
 # (CS231n row, torchvision node, memory (values per image), weights without biases)
 VGG16_TABLE = [

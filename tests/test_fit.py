@@ -16,8 +16,8 @@ import pytest
 import sympy
 
 import symmem
+from symmem.apps.budget import largest, smallest_budget
 from symmem.cli import main
-from symmem.fit import largest, smallest_budget
 from symmem.units import parse_size
 
 MiB, GiB = 2**20, 2**30

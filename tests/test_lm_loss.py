@@ -1,6 +1,6 @@
 """Language-model loss and the --gelu option against real PyTorch on the CPU.
 
-Oracle: the faithful references (symmem/reference/sequence.py) measured by :func:`symmem.verify.verify`; the
+Oracle: the faithful references (symmem/reference/sequence_models.py) measured by :func:`symmem.verify.verify`; the
 references compute HF's loss from labels as transformers 5.23 does (``logits.float()``, labels padded with -100
 and shifted, ``.contiguous()``, flatten, cross-entropy).  What the loss keeps is the measured difference between
 the model with and without the loss.

@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 import symmem
-from symmem.fit import largest
-from symmem.paper import Spec, write
+from symmem.apps.article import Spec, write
+from symmem.apps.budget import largest
 from symmem.report.latex import expression, parse
 
 HAVE_LATEX = shutil.which("latexmk") or shutil.which("pdflatex")

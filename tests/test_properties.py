@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from symmem import GraphBuilder, derive
+from symmem.apps.budget import largest
 from symmem.conventions import names as conventions
-from symmem.fit import largest
 from symmem.graph import Model
 from symmem.models import available, build
 from symmem.passes import branches

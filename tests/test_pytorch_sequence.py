@@ -1,6 +1,6 @@
 """The ``pytorch`` convention for sequence models against what real eager PyTorch keeps (CPU).
 
-Oracle: the project's faithful references (symmem/reference/sequence.py, mirrored from timm and Hugging
+Oracle: the project's faithful references (symmem/reference/sequence_models.py, mirrored from timm and Hugging
 Face) measured by :func:`symmem.verify.verify` (``saved_tensors_hooks``; every packed storage counted once,
 parameters, buffers and the inputs apart); the op table and the bfloat16 cases use the small ``_measure``
 here.  The formula of ``--convention pytorch --device cpu`` must give the measured activation bytes exactly,
@@ -21,7 +21,7 @@ from symmem import derive  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.graph import GraphBuilder, Model  # noqa: E402
 from symmem.models.gpt import gelu_new  # noqa: E402
-from symmem.reference.sequence import reference  # noqa: E402
+from symmem.reference.sequence_models import reference  # noqa: E402
 from symmem.verify import verify  # noqa: E402
 
 

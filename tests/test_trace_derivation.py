@@ -42,7 +42,7 @@ def test_views_work_on_a_traced_module(traced):
     out = traced.to_dict()
     assert out["convention"] == "traced" and out["values"]["activations"] == traced.value("activations")
     assert "holds where" in traced.table()
-    from symmem.fit import largest
+    from symmem.apps.budget import largest
 
     fit = largest(traced, "B", "1GiB")  # the traced step's peak: what a training step needs
     assert fit.quantity == "peak" and traced.at(B=fit.max).value("peak") <= 2**30 < traced.at(

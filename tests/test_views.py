@@ -75,7 +75,7 @@ def test_plot_bad_suffix(tmp_path, capsys):
 
 
 def test_sweep_marks_the_fit():
-    from symmem.fit import largest
+    from symmem.apps.budget import largest
     from symmem.report.plots import sweep
 
     d = symmem.derive("vit-b16", convention="paper", attention="naive")

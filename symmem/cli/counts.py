@@ -37,7 +37,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..counts import from_counts, parse_shape
+    from ..apps.from_counts import from_counts, parse_shape
 
     report = from_counts(args.activations, args.parameters, parse_shape(args.input), args.batch)
     print(report.text())

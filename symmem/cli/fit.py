@@ -24,7 +24,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..fit import largest, smallest_budget
+    from ..apps.budget import largest, smallest_budget
     from ..units import format_bytes
 
     d = derivation_from_args(args)

@@ -41,7 +41,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..paper import Spec, write
+    from ..apps.article import Spec, write
     from .common import parse_assignment
 
     values = dict(parse_assignment(s) for s in args.set)

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             d = derivation_from_args(args)
         fig = plots.sweep(d, name, values, args.budget, output=args.output)
         if args.budget is not None:
-            from ..fit import largest
+            from ..apps.budget import largest
 
             plots.close(fig)
             print(args.output)

@@ -143,7 +143,7 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
             notes.append(f"no real forward to check against: {why_not}")
         real = why_not is None
         if method == "fit":
-            from .fit import fit_trace
+            from .polyfit import fit_trace
 
             result, used, at = fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples
             outcome = real_run(module, inputs) if real else None
@@ -261,7 +261,7 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     example.  The trace is repeated with those symbols doubled: guards of the first trace that fail there
     were pins; a retrace whose own equalities hold at the first sizes too is used instead.
     """
-    from .fit import resized_real
+    from .polyfit import resized_real
 
     outcome = real_run(module, inputs) if real else None
     try:
@@ -270,7 +270,7 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     except SymbolicSizesUnsupported as e:
         if method == "symbolic":
             raise
-        from .fit import fit_trace
+        from .polyfit import fit_trace
 
         notes.append(f"no symbolic trace ({e}); the formula is fitted from traces at concrete sizes")
         return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
@@ -299,7 +299,7 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
         raise SymmemError(f"the module specializes on its sizes at every example ({text}; then "
                           f"{', '.join(str(e) for e in spec2)}): use method='auto' or method='fit'"
                           + (f" ({old})" if old else ""))
-    from .fit import fit_trace
+    from .polyfit import fit_trace
 
     notes.append("the module specializes at every example size: the formula is fitted from concrete traces")
     old = old_torch()

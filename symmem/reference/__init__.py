@@ -30,7 +30,7 @@ from ..errors import SymmemError
 
 Factory = Callable[[Mapping[str, int], Mapping[str, Any]], tuple[Any, tuple[Any, ...]]]
 _FACTORIES: dict[str, Factory] = {}
-_MODULES = ("vision", "sequence")
+_MODULES = ("vision_models", "sequence_models")
 
 
 def register(names: str | Iterable[str], factory: Factory) -> None:

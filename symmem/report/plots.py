@@ -1,7 +1,7 @@
 """Plots of derived memory: a stacked breakdown, memory against batch size or sequence length, a profile.
 
 matplotlib is imported inside the functions (Agg backend) so ``import symmem`` stays light.  Sweeps
-evaluate the derived total with ``sympy.lambdify``; the largest fitting value comes from :mod:`symmem.fit`.
+evaluate the derived total with ``sympy.lambdify``; the largest fitting value comes from :mod:`symmem.apps.budget`.
 Each function returns the matplotlib figure and writes it when given ``output`` (``.png``, ``.pdf`` or
 ``.svg``).
 """
@@ -178,7 +178,7 @@ def _axis(name: str) -> str:
 
 def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sympy.Expr]:
     """(symbol, what must fit, the total, the parameter side) as functions of ``name`` alone."""
-    from ..fit import polynomial
+    from ..apps.budget import polynomial
 
     sym, fits = polynomial(d, name)
     _, total = polynomial(d, name, "total")
@@ -205,8 +205,8 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     the budget as a horizontal line and the largest fitting value marked -- or "nothing fits" written on it."""
     import numpy as np
 
+    from ..apps.budget import default_quantity, largest
     from ..errors import NothingFits
-    from ..fit import default_quantity, largest
 
     plt = _plt()
     scale = UNITS[unit]
@@ -313,12 +313,12 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
             output: str | Path | None = None, unit: str = "GiB", fits: Sequence[Any] | None = None) -> Any:
     """What must fit (the peak where the convention models the step, else the total) of several derivations
     against ``name`` on one axes, the budget line and each largest fit ("nothing fits" in the legend where
-    ``name`` = 1 is already over the budget).  ``fits``: the :func:`symmem.fit.largest` answers (None where
+    ``name`` = 1 is already over the budget).  ``fits``: the :func:`symmem.apps.budget.largest` answers (None where
     nothing fits) when the caller has them already; their formulas are the curves."""
     import numpy as np
 
+    from ..apps.budget import default_quantity, largest, polynomial
     from ..errors import NothingFits
-    from ..fit import default_quantity, largest, polynomial
 
     def fit_of(d: Derivation) -> Any:
         try:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from .errors import NothingFits, SymmemError
-from .simplify import max_of
-from .tensor import MAX_SIZE
-from .units import format_bytes, parse_size
+from ..errors import NothingFits, SymmemError
+from ..simplify import max_of
+from ..tensor import MAX_SIZE
+from ..units import format_bytes, parse_size
 
 if TYPE_CHECKING:
-    from .derivation import Derivation
+    from ..derivation import Derivation
 
 
 @dataclass(frozen=True)

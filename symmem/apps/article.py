@@ -30,9 +30,9 @@ from typing import Any
 
 import sympy
 
-from . import names
-from .errors import NothingFits, SymmemError
-from .units import UNITS
+from .. import names
+from ..errors import NothingFits, SymmemError
+from ..units import UNITS
 
 MiB, GiB = UNITS["MiB"], UNITS["GiB"]
 
@@ -102,21 +102,21 @@ class Paper:
 
 # -- rows ---------------------------------------------------------------------------------------------------
 def _entry(model: str) -> Any:
-    from .models import entry
+    from ..models import entry
 
     return entry(model)
 
 
 def _symbols(model: str, attention: str | None) -> dict[str, Any]:
     """The model's symbols by name, with their defaults."""
-    from .models import build
+    from ..models import build
 
     options = {"attention": attention} if attention else {}
     return {s.name: v for s, v in build(model, **options).defaults.items()}
 
 
 def _derive(spec: Spec, model: str, attention: str | None, convention: str | None = None) -> Any:
-    from .engine import derive
+    from ..engine import derive
 
     known = _symbols(model, attention)
     values = {k: v for k, v in spec.values.items() if k in known}
@@ -198,7 +198,7 @@ _PHASES = {"forward": "the forward pass", "loss": "the loss", "backward": "the b
 
 def _peak(d: Any) -> dict[str, Any] | None:
     """The peak of a training step, where the convention follows the step and the regime is modelled."""
-    from .report.latex import escape
+    from ..report.latex import escape
 
     if not d.has_peak:
         return None
@@ -215,7 +215,7 @@ def _peak(d: Any) -> dict[str, Any] | None:
 
 
 def _where(text: str) -> str:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     return escape(text.replace(", steady step", ""))
 
@@ -233,7 +233,7 @@ def _title(rs: list[Row], model: str) -> str:
 
 
 def _bytes_phrase(d: Any) -> str:
-    from .tensor import dtype_bytes
+    from ..tensor import dtype_bytes
 
     act = d.regime.activation_dtype
     bpp = d.regime.bytes_per_parameter
@@ -243,7 +243,7 @@ def _bytes_phrase(d: Any) -> str:
 
 # -- tables -------------------------------------------------------------------------------------------------
 def _stage_table(d: Any) -> str:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     out = []
     stem = d.groups()["stem"]
@@ -264,7 +264,7 @@ def _stage_table(d: Any) -> str:
 
 
 def _fit_rows(rs: list[Row], budget: str) -> list[tuple[Row, Any]]:
-    from .fit import largest
+    from .budget import largest
 
     out: list[tuple[Row, Any]] = []
     for r in rs:
@@ -278,7 +278,7 @@ def _fit_rows(rs: list[Row], budget: str) -> list[tuple[Row, Any]]:
 
 
 def _fit_table(fits: list[tuple[Row, Any]], budget: str) -> str:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     peak = any(hasattr(f, "quantity") and f.quantity == "peak" for _, f in fits)
     out = []
@@ -299,7 +299,7 @@ def _fit_table(fits: list[tuple[Row, Any]], budget: str) -> str:
 
 
 def _peak_table(items: list[tuple[str, Any, dict[str, Any]]], caption: str, label: str) -> str:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     out = [rf"  {escape(name)} & {_gib(d.value('total'))} & {_gib(p['peak'])} & {_gib(p['first'])} & "
            rf"{_where(p['where'])} \\" for name, d, p in items]
@@ -325,7 +325,7 @@ def _analysis_numbers(rs: list[Row]) -> dict[str, str]:
 
 
 def _resnet_section(r: Row, n: dict[str, str]) -> list[str]:
-    from .report.latex import equation
+    from ..report.latex import equation
 
     return [
         r"\section{ResNet-50}",
@@ -344,10 +344,10 @@ def _resnet_section(r: Row, n: dict[str, str]) -> list[str]:
 
 
 def _vit_section(group: list[Row]) -> list[str]:
-    from .engine import derive
-    from .report.latex import expression
-    from .simplify import factored
-    from .symbols import B, H, S
+    from ..engine import derive
+    from ..report.latex import expression
+    from ..simplify import factored
+    from ..symbols import B, H, S
 
     layers = {r.attention: derive("vit-b16", convention="paper", attention=r.attention, per_layer=True) for r in group}
     first = next(iter(layers.values()))
@@ -376,8 +376,8 @@ def _vit_section(group: list[Row]) -> list[str]:
 def _peak_in_b(d: Any, fit: Any) -> str:
     """The peak as a function of the batch size, every other symbol at its value, when it is short (the formula
     the largest batch was solved from, where there is one)."""
-    from .fit import polynomial
-    from .report.latex import expression, width
+    from ..report.latex import expression, width
+    from .budget import polynomial
 
     if hasattr(fit, "quantity") and fit.quantity == "peak":
         f = fit.formula
@@ -396,7 +396,7 @@ def _peak_in_b(d: Any, fit: Any) -> str:
 
 
 def _generic_section(spec: Spec, group: list[Row], title: str, fits: dict[str, Any]) -> list[str]:
-    from .report.latex import align, escape
+    from ..report.latex import align, escape
 
     e = _entry(group[0].model)
     d0 = group[0].d
@@ -428,7 +428,7 @@ def _generic_section(spec: Spec, group: list[Row], title: str, fits: dict[str, A
 
 
 def _comparison(spec: Spec, rs: list[Row], analysis: bool) -> list[str]:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     out = [r"\section{Side by side}"]
     if analysis:
@@ -459,8 +459,8 @@ def _comparison(spec: Spec, rs: list[Row], analysis: bool) -> list[str]:
 
 
 def _pytorch_section(spec: Spec, rs: list[Row], torch_ds: dict[str, Any], why: str, analysis: bool) -> list[str]:
-    from .engine import derive
-    from .report.latex import escape, expression
+    from ..engine import derive
+    from ..report.latex import escape, expression
 
     who = "The FP32 analysis's accounting" if analysis else {
         "paper": "The FP32 analysis's accounting", "megatron": "Korthikanti et al.'s accounting",
@@ -505,7 +505,7 @@ def _budget(budget: str) -> str:
     """``80GiB`` -> ``80\\,GiB``."""
     import re
 
-    from .report.latex import escape
+    from ..report.latex import escape
 
     return re.sub(r"([0-9])\s*([A-Za-z])", r"\1\\,\2", escape(budget))
 
@@ -530,7 +530,7 @@ def _scaling(fits: list[tuple[Row, Any]], budget: str) -> list[str]:
 
 
 def _intro(spec: Spec, rs: list[Row], analysis: bool) -> str:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     d = rs[0].d
     models = _and([escape(_title(rs, m)) for m in _by_model(rs)])
@@ -560,7 +560,7 @@ def _intro(spec: Spec, rs: list[Row], analysis: bool) -> str:
 
 
 def _abstract(spec: Spec, rs: list[Row], analysis: bool) -> str:
-    from .report.latex import escape
+    from ..report.latex import escape
 
     groups = _by_model(rs)
     pieces = []
@@ -610,9 +610,9 @@ MAIN = r"""\documentclass[11pt]{article}
 def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
     """Everything the paper writes, by path under its directory (LaTeX text), the scaling figure, and whether
     the ``pytorch`` comparison could be derived."""
-    from . import __version__
-    from .report.latex import escape, table
-    from .report.plots import scaling
+    from .. import __version__
+    from ..report.latex import escape, table
+    from ..report.plots import scaling
 
     spec = spec or Spec()
     rs = rows(spec)
@@ -678,8 +678,8 @@ def write(directory: str | Path, spec: Spec | None = None, compile: bool = True,
     """
     import matplotlib.pyplot as plt
 
-    from .files import output_path, write_text
-    from .report.plots import save
+    from ..files import output_path, write_text
+    from ..report.plots import save
 
     out = output_path(directory, what="paper's output", directory=True)
     tex = out / "main.tex"
