@@ -677,7 +677,7 @@ def lines(d: Derivation) -> list[tuple[str, sympy.Expr]]:
     return out
 
 
-# -- layout ---------------------------------------------------------------------------------------------------
+# -- line breaking ---------------------------------------------------------------------------------------------
 _BREAK = r"\right."
 _RESUME = r"\left."
 
@@ -759,7 +759,7 @@ def _cases_broken(line: str, limit: float) -> str | None:
     return f"{line[:i]}{begin} {_ROW.join(out)} {end}{line[j + len(end):]}"
 
 
-def _layout(tex: str, avail: float) -> list[str]:
+def _break_lines(tex: str, avail: float) -> list[str]:
     """The right-hand side ``tex`` as lines of at most ``avail`` points: the first after ``=``, the others
     after a ``\\quad``, each continuation starting with its ``+``/``-`` (after ``{}``, so it spaces as binary);
     a ``cases`` block wider than that has its wide branches broken inside it."""
@@ -821,7 +821,7 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     blocks = [_Block([])]
     group = None
     for r in table:
-        parts = _layout(r.tex, avail)
+        parts = _break_lines(r.tex, avail)
         new_group = headed and r.group != group
         need = len(parts) + (1 if new_group else 0)
         height = sum(_height(p) for p in parts) + (34.0 if new_group else 0.0)
