@@ -179,7 +179,7 @@ def measure(module: Any, *inputs: Any, **keyword_inputs: Any) -> Measurement:
 
 
 @dataclass(frozen=True)
-class Row:
+class SizeRow:
     """Storages of one (dtype, bytes) size: how many the formula predicts and how many were measured."""
 
     dtype: str
@@ -199,7 +199,7 @@ class Comparison:
     measured: int
     predicted_input: int
     measured_input: int
-    rows: tuple[Row, ...]
+    rows: tuple[SizeRow, ...]
     #: measured activation bytes per saving torch function (``conv2d``, ``batch_norm`` ...)
     by_op: tuple[tuple[str, int], ...] = ()
 
@@ -212,7 +212,7 @@ class Comparison:
     def exact(self) -> bool:
         return self.predicted == self.measured and self.predicted_input == self.measured_input
 
-    def differences(self) -> list[Row]:
+    def differences(self) -> list[SizeRow]:
         return [r for r in self.rows if r.predicted != r.measured]
 
     def report(self, verbose: bool = False) -> str:
@@ -259,7 +259,7 @@ def compare(derivation: Derivation, measurement: Measurement) -> Comparison:
     for s in measurement.storages("activation"):
         measured[(s.dtype, s.nbytes)] += 1
         mnames.setdefault((s.dtype, s.nbytes), []).append(s.label)
-    rows = tuple(Row(d, b, predicted[(d, b)], measured[(d, b)], tuple(pnames.get((d, b), ())),
+    rows = tuple(SizeRow(d, b, predicted[(d, b)], measured[(d, b)], tuple(pnames.get((d, b), ())),
                      tuple(mnames.get((d, b), ())))
                  for d, b in sorted(set(predicted) | set(measured), key=lambda k: (-k[1], k[0])))
     return Comparison(derivation.model, derivation.value("activations") + derivation.value("loss"),

@@ -78,7 +78,7 @@ class Spec:
 
 
 @dataclass(frozen=True)
-class Row:
+class ModelRow:
     """One row of the paper: a model, with an attention kernel where it has the option, and its derivation."""
 
     label: str
@@ -137,7 +137,7 @@ def _is_analysis(spec: Spec, model: str, attention: str | None) -> bool:
     return all(known.get(k, v) == v for k, v in spec.values.items())
 
 
-def rows(spec: Spec) -> list[Row]:
+def rows(spec: Spec) -> list[ModelRow]:
     """One row per model, or per model and attention kernel for the models that take one."""
     out = []
     unknown = set(spec.values) - {k for m in spec.models for k in _symbols(m, None)}
@@ -156,11 +156,11 @@ def rows(spec: Spec) -> list[Row]:
                 label = ANALYSIS_LABELS[(model, att)]
             else:
                 label = names.model(model) + (f" ({ATTENTION_LABELS.get(att, att)})" if att else "")
-            out.append(Row(label, model, att, d, analysis))
+            out.append(ModelRow(label, model, att, d, analysis))
     return out
 
 
-def _pytorch(spec: Spec, rs: list[Row]) -> tuple[dict[str, Any], str]:
+def _pytorch(spec: Spec, rs: list[ModelRow]) -> tuple[dict[str, Any], str]:
     """The same rows under the ``pytorch`` convention, or why they cannot be derived."""
     try:
         return {r.label: _derive(spec, r.model, r.attention, "pytorch") for r in rs}, ""
@@ -173,7 +173,7 @@ def _gib(n: int, digits: int = 3) -> str:
     return f"{n / GiB:.{digits}f}"
 
 
-def _sizes(spec: Spec, r: Row) -> str:
+def _sizes(spec: Spec, r: ModelRow) -> str:
     """``$B = 64$`` or ``$B = 8$, $S = 1024$``: the batch, a sequence length given as a number, and the symbols
     the spec sets."""
     shown = []
@@ -220,14 +220,14 @@ def _where(text: str) -> str:
     return escape(text.replace(", steady step", ""))
 
 
-def _by_model(rs: list[Row]) -> dict[str, list[Row]]:
-    out: dict[str, list[Row]] = {}
+def _by_model(rs: list[ModelRow]) -> dict[str, list[ModelRow]]:
+    out: dict[str, list[ModelRow]] = {}
     for r in rs:
         out.setdefault(r.model, []).append(r)
     return out
 
 
-def _title(rs: list[Row], model: str) -> str:
+def _title(rs: list[ModelRow], model: str) -> str:
     group = _by_model(rs)[model]
     return "ResNet-50" if group[0].analysis and model == "resnet50-v1" else names.model(model)
 
@@ -263,10 +263,10 @@ def _stage_table(d: Any) -> str:
         r"  \bottomrule", r"  \end{tabular}", r"\end{table}"])
 
 
-def _fit_rows(rs: list[Row], budget: str) -> list[tuple[Row, Any]]:
+def _fit_rows(rs: list[ModelRow], budget: str) -> list[tuple[ModelRow, Any]]:
     from .budget import largest
 
-    out: list[tuple[Row, Any]] = []
+    out: list[tuple[ModelRow, Any]] = []
     for r in rs:
         try:
             out.append((r, largest(r.d, "B", budget)))
@@ -277,7 +277,7 @@ def _fit_rows(rs: list[Row], budget: str) -> list[tuple[Row, Any]]:
     return out
 
 
-def _fit_table(fits: list[tuple[Row, Any]], budget: str) -> str:
+def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
     from ..report.latex import escape
 
     peak = any(hasattr(f, "quantity") and f.quantity == "peak" for _, f in fits)
@@ -311,7 +311,7 @@ def _peak_table(items: list[tuple[str, Any, dict[str, Any]]], caption: str, labe
 
 
 # -- sections -----------------------------------------------------------------------------------------------
-def _analysis_numbers(rs: list[Row]) -> dict[str, str]:
+def _analysis_numbers(rs: list[ModelRow]) -> dict[str, str]:
     """The figures the analysis's sections quote, each printed from a derivation."""
     by = {r.label: r.d for r in rs if r.analysis}
     out: dict[str, str] = {}
@@ -324,7 +324,7 @@ def _analysis_numbers(rs: list[Row]) -> dict[str, str]:
     return out
 
 
-def _resnet_section(r: Row, n: dict[str, str]) -> list[str]:
+def _resnet_section(r: ModelRow, n: dict[str, str]) -> list[str]:
     from ..report.latex import equation
 
     return [
@@ -343,7 +343,7 @@ def _resnet_section(r: Row, n: dict[str, str]) -> list[str]:
     ]
 
 
-def _vit_section(group: list[Row]) -> list[str]:
+def _vit_section(group: list[ModelRow]) -> list[str]:
     from ..engine import derive
     from ..report.latex import expression
     from ..simplify import factored
@@ -395,7 +395,7 @@ def _peak_in_b(d: Any, fit: Any) -> str:
             f"\\[ M_{{\\mathrm{{peak}}}}(B) = {tex}. \\]")
 
 
-def _generic_section(spec: Spec, group: list[Row], title: str, fits: dict[str, Any]) -> list[str]:
+def _generic_section(spec: Spec, group: list[ModelRow], title: str, fits: dict[str, Any]) -> list[str]:
     from ..report.latex import align, escape
 
     e = _entry(group[0].model)
@@ -427,7 +427,7 @@ def _generic_section(spec: Spec, group: list[Row], title: str, fits: dict[str, A
     return out
 
 
-def _comparison(spec: Spec, rs: list[Row], analysis: bool) -> list[str]:
+def _comparison(spec: Spec, rs: list[ModelRow], analysis: bool) -> list[str]:
     from ..report.latex import escape
 
     out = [r"\section{Side by side}"]
@@ -458,7 +458,7 @@ def _comparison(spec: Spec, rs: list[Row], analysis: bool) -> list[str]:
     return out
 
 
-def _pytorch_section(spec: Spec, rs: list[Row], torch_ds: dict[str, Any], why: str, analysis: bool) -> list[str]:
+def _pytorch_section(spec: Spec, rs: list[ModelRow], torch_ds: dict[str, Any], why: str, analysis: bool) -> list[str]:
     from ..engine import derive
     from ..report.latex import escape, expression
 
@@ -510,7 +510,7 @@ def _budget(budget: str) -> str:
     return re.sub(r"([0-9])\s*([A-Za-z])", r"\1\\,\2", escape(budget))
 
 
-def _scaling(fits: list[tuple[Row, Any]], budget: str) -> list[str]:
+def _scaling(fits: list[tuple[ModelRow, Any]], budget: str) -> list[str]:
     peak = any(hasattr(f, "quantity") and f.quantity == "peak" for _, f in fits)
     what = "peak of a training step" if peak else "training memory"
     grows = ("The peak is the largest of a few functions of $B$, each linear in it"
@@ -529,7 +529,7 @@ def _scaling(fits: list[tuple[Row, Any]], budget: str) -> list[str]:
     ]
 
 
-def _intro(spec: Spec, rs: list[Row], analysis: bool) -> str:
+def _intro(spec: Spec, rs: list[ModelRow], analysis: bool) -> str:
     from ..report.latex import escape
 
     d = rs[0].d
@@ -559,7 +559,7 @@ def _intro(spec: Spec, rs: list[Row], analysis: bool) -> str:
     return text
 
 
-def _abstract(spec: Spec, rs: list[Row], analysis: bool) -> str:
+def _abstract(spec: Spec, rs: list[ModelRow], analysis: bool) -> str:
     from ..report.latex import escape
 
     groups = _by_model(rs)

@@ -445,7 +445,7 @@ def _height(tex: str) -> float:
 
 # -- rows -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Row:
+class Equation:
     """One equation of an :func:`align` block: ``label = tex``.
 
     ``expr`` is what ``tex`` says (in :math:`\\Psi` where the block defines it); ``value`` is the quantity of the
@@ -532,7 +532,7 @@ def _group_order(d: Derivation) -> list[str]:
     return sorted(seen, key=key)
 
 
-def _group_row(group: str, terms: list[Term]) -> Row:
+def _group_row(group: str, terms: list[Term]) -> Equation:
     """A group's bytes: a part kept ``c`` times (``c`` a symbol, the layer count ``L``) written once times ``c``."""
     from ..branches import fold
     from ..simplify import rounded
@@ -560,7 +560,7 @@ def _group_row(group: str, terms: list[Term]) -> Row:
         texs.append(expression(r))
         exprs.append(r)
     expr = exprs[0] if len(exprs) == 1 else sympy.Add(*exprs, evaluate=False)
-    return Row(_label(group), _sum_tex(texs), expr, value, group, f"group {group}")
+    return Equation(_label(group), _sum_tex(texs), expr, value, group, f"group {group}")
 
 
 def labels(d: Derivation) -> dict[str, str]:
@@ -601,7 +601,7 @@ def labels(d: Derivation) -> dict[str, str]:
             for n, k in length.items()}
 
 
-def rows(d: Derivation, form: str = "compact") -> list[Row]:
+def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     """The equations :func:`align` writes, before layout: ``form`` is ``"compact"`` or ``"terms"``.
 
     ``compact``: one row per activation group (a part kept ``L`` times written once, times ``L``), the
@@ -618,7 +618,7 @@ def rows(d: Derivation, form: str = "compact") -> list[Row]:
     count = _parameter_count(d)
     values = dict(d.numbers)
     order = _group_order(d)
-    out: list[Row] = []
+    out: list[Equation] = []
     params = [t for t in d.terms if t.category == "parameter"]
     if form == "compact":
         acts = [t for t in d.terms if t.category == "activation"]
@@ -634,29 +634,29 @@ def rows(d: Derivation, form: str = "compact") -> list[Row]:
                     continue
                 e = rounded(t.expr)
                 note = t.name + (f" [{t.role}]" if t.role else "")
-                out.append(Row(_label(names[t.name]), expression(e), e, t.expr, g, note))
+                out.append(Equation(_label(names[t.name]), expression(e), e, t.expr, g, note))
     tex, expr = _factored(rounded(d.activations), values)
-    out.append(Row(_label("activations"), tex, expr, d.activations, "totals", "activations"))
+    out.append(Equation(_label("activations"), tex, expr, d.activations, "totals", "activations"))
     for key in ("input", "loss", "transient"):
         e = d.expression(key)
         if e != 0:
             r = rounded(e)
-            out.append(Row(_label(key), expression(r), r, e, "totals", key))
+            out.append(Equation(_label(key), expression(r), r, e, "totals", key))
     if count is not None and count != Psi:
         group = "parameters" if form == "terms" else "totals"
-        out.append(Row(r"\Psi", expression(count), count, count, group, "Psi: the parameter count"))
+        out.append(Equation(r"\Psi", expression(count), count, count, group, "Psi: the parameter count"))
     if form == "terms":
         names = labels(d)
         for t in params:
             e = _in_psi(d, t, count)
-            out.append(Row(_label(names[t.name]), expression(e), e, t.expr, "parameters", t.name))
+            out.append(Equation(_label(names[t.name]), expression(e), e, t.expr, "parameters", t.name))
     param = sympy.Add(*(_in_psi(d, t, count) for t in params))
-    out.append(Row(_label("parameter memory"), expression(param), param, d.parameter_memory, "totals",
+    out.append(Equation(_label("parameter memory"), expression(param), param, d.parameter_memory, "totals",
                    "parameter memory (weights, gradients, optimizer state)"))
     rest = fold(sympy.Add(*(t.expr for t in d.terms if t.category != "parameter")))
     tex, expr = _factored(rounded(rest), values)
     total = sympy.Add(expr, param, evaluate=False) if param != 0 else expr
-    out.append(Row(_label("total"), _sum_tex([tex, expression(param)]), total, d.total, "totals", "total"))
+    out.append(Equation(_label("total"), _sum_tex([tex, expression(param)]), total, d.total, "totals", "total"))
     if form == "terms":  # the totals after the terms, parameters with the terms
         out = [r for r in out if r.group != "totals"] + [r for r in out if r.group == "totals"]
     return out
