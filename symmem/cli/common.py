@@ -118,8 +118,8 @@ def model_option_names() -> set[str]:
     return {key for e in available().values() for key in e.options}
 
 
-def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "pytorch", device: str | None = None,
-                       regime: bool = True, optional_model: bool = False) -> None:
+def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "pytorch", regime: bool = True,
+                       optional_model: bool = False) -> None:
     """The options every command that derives a formula shares; ``regime=False`` leaves out the training regime
     (a command that measures one forward pass has none to take); ``optional_model``: the model may be left out
     (``verify --module``)."""
@@ -128,20 +128,21 @@ def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "pytorch
     p.add_argument("model", help="a built-in model (see `symmem models`)", **({"nargs": "?"} if optional_model else {}))
     p.add_argument("--convention", default=convention, choices=convention_names(),
                    help="which tensors are kept (default: %(default)s)")
-    add_formula_options(p, device=device, regime=regime)
+    add_formula_options(p, regime=regime)
 
 
-def add_formula_options(p: argparse.ArgumentParser, *, device: str | None = None, regime: bool = True,
-                        model_options: bool = True, device_help: str | None = None,
-                        loss_help: str | None = None) -> None:
+def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, model_options: bool = True,
+                        front: str = "derive") -> None:
     """What every command that derives shares past the model: optimizer and precision, the builder options
     (``model_options``), ``--set``/``--free``/``--per-layer``, ``--device``, ``--loss`` and the training
-    regime (``regime``).  ``symmem trace`` takes them without the builder options."""
-    from ..training import OPTIMIZERS, PRECISIONS
+    regime (``regime``).  ``symmem trace`` takes them without the builder options.  ``--precision``,
+    ``--device`` and ``--loss`` mean what :mod:`symmem.options` says, with its defaults, in every command."""
+    from ..options import add_arguments
+    from ..training import OPTIMIZERS
 
     if regime:
         p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="default: %(default)s")
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="default: %(default)s")
+    add_arguments(p, front, ("precision",))
     if model_options:
         add_model_options(p)
     p.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
@@ -149,16 +150,13 @@ def add_formula_options(p: argparse.ArgumentParser, *, device: str | None = None
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=device,
-                   help=device_help or "pytorch convention: the device whose kernels decide what is kept (default: "
-                                       f"{device or 'cuda'})")
-    p.add_argument("--loss", choices=["cross-entropy"], default=None,
-                   help=loss_help or "append the loss after the model's output, as its own group (default: no loss)")
+    add_arguments(p, front, ("device", "loss"))
     if not regime:
         return
     group = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
-    group.add_argument("--checkpoint", default="none", metavar="none|full|selective|every-K",
-                       help="activation checkpointing of the repeated layers (default: none)")
+    from ..options import add_arguments
+
+    add_arguments(group, "derive", ("checkpoint",))
     group.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                        help="ZeRO stage over N data-parallel ranks (3 = FSDP full sharding)")
     group.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
@@ -211,8 +209,8 @@ def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0].replace('_', '-')}; its options: {has}")
     conv_options = {"device": args.device} if args.device is not None else {}
     return dict(convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
-                free=free_from_args(args), options=conv_options, loss=args.loss, **regime_from_args(args),
-                **model_options)
+                free=free_from_args(args), options=conv_options, loss=None if args.loss == "sum" else args.loss,
+                **regime_from_args(args), **model_options)
 
 
 def free_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
@@ -300,7 +298,12 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     """The loaded module, its declared sizes and the :class:`~symmem.derivation.Derivation` of its trace."""
     from .. import sources
 
-    loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=args.loss, inputs=args.example)
+    # --loss means what it means everywhere (symmem.options); an hf: causal LM computes its cross-entropy (or its
+    # own loss) from labels, which loading it with a loss gives it
+    hf_loss = args.loss if args.spec.startswith("hf:") and args.loss != "sum" else None
+    if hf_loss is None and args.loss != "sum":
+        derive_options.setdefault("loss", args.loss)
+    loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=hf_loss, inputs=args.example)
     loaded = loaded.to(args.device or "cpu")  # traced for a device, checked and measured there
     for note in loaded.notes:
         import sys

@@ -15,7 +15,8 @@ ORDER = 60
 
 def configure(p: argparse.ArgumentParser) -> None:
     from ..conventions import names as convention_names
-    from ..training import CHECKPOINTS, OPTIMIZERS, PRECISIONS
+    from ..options import add_arguments
+    from ..training import OPTIMIZERS
 
     p.add_argument("--output", "-o", required=True, metavar="DIR", help="directory for main.tex and the PDF")
     p.add_argument("--model", "-m", action="append", default=None, metavar="MODEL",
@@ -27,12 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--convention", default=None, choices=convention_names(),
                    help="which tensors are kept (default: paper; pytorch adds the peak of a training step)")
     p.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS), help="default: adamw")
-    p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="default: fp32")
-    p.add_argument("--checkpoint", default=None, metavar="|".join(CHECKPOINTS),
-                   help="activation checkpointing of the repeated layers (default: none)")
-    p.add_argument("--loss", default=None, choices=["cross-entropy"], help="append a loss after each model")
-    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
-                   help="pytorch convention: the device whose kernels decide what is kept")
+    add_arguments(p, "derive", ("precision", "checkpoint", "loss", "device"))
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="give a symbol a value in every model that has it, e.g. --set B=16 (repeatable)")
     p.add_argument("--budget", default=None, metavar="SIZE", help="budget of the scaling figure (default: 80GiB)")
@@ -46,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     values = dict(parse_assignment(s) for s in args.set)
     spec = Spec.make(args.model, args.attention, convention=args.convention, optimizer=args.optimizer,
-                     precision=args.precision, checkpoint=args.checkpoint, loss=args.loss, device=args.device,
-                     values=values or None, budget=args.budget)
+                     precision=args.precision, checkpoint=args.checkpoint, device=args.device,
+                     loss=None if args.loss == "sum" else args.loss, values=values or None, budget=args.budget)
     p = write(args.output, spec, compile=not args.no_pdf, force=args.force)
     print(p.pdf if p.pdf is not None else p.tex)
     if p.note and p.pdf is None:

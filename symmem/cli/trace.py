@@ -22,10 +22,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="package.module:callable, path/to/file.py:callable, hf:MODEL_TYPE, torchvision:NAME or "
                         "timm:NAME")
     add_trace_options(p)
-    add_formula_options(p, device="cpu", model_options=False,
-                        device_help="the device whose kernels are traced (default: cpu; cuda needs a CUDA build)",
-                        loss_help="hf: causal language models: give them labels, so the model computes its own "
-                                  "loss and the trace keeps what that loss keeps")
+    add_formula_options(p, model_options=False, front="trace")
     add_output_options(p)
 
 

@@ -20,7 +20,7 @@ ORDER = 30
 def configure(p: argparse.ArgumentParser) -> None:
     from ..training import OPTIMIZERS
 
-    add_derive_options(p, convention="pytorch", device="cpu", regime=False, optional_model=True)
+    add_derive_options(p, convention="pytorch", regime=False, optional_model=True)
     p.add_argument("-v", "--verbose", action="store_true", help="also show the measured bytes per saving op")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="refuse to measure when the model needs more than this (e.g. 16GiB); default: half of the "
@@ -40,6 +40,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..verify import verify, verify_peak
+
+    if args.device is None:
+        args.device = "cpu"  # the module's own device: references are built, and modules loaded, on the CPU
 
     if not args.peak and (args.optimizer != "adamw" or args.optimizer_impl != "auto" or args.keep_logits
                           or args.micro_batches != 1):

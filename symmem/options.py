@@ -1,0 +1,109 @@
+"""The options every front shares -- ``derive``, ``trace`` and the command line: one meaning and one default each.
+
+========== =========== ===================================================================================
+option     default     meaning
+========== =========== ===================================================================================
+device     None        whose kernels decide what is kept (``cuda``, ``cpu``): None is the module's own device
+                       (a traced module's parameters'); a built-in model is on no device and is sized for cuda
+loss       ``sum``     what the step backpropagates from: ``sum`` (the output's sum: no loss tensor is kept),
+                       ``cross-entropy`` (a built-in model's, appended as its own group; a causal LM's is the
+                       shifted one), ``output`` (the module's own: it returns its loss, a transformers causal
+                       LM given labels) or, traced only, a callable of the output
+checkpoint ``none``    activation checkpointing: ``full``; ``selective`` and ``every-K`` (built-in models);
+                       a container's path or a list of child paths (traced modules)
+precision  ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it
+autocast   None        a traced module's forward and loss under ``torch.autocast`` to this dtype
+========== =========== ===================================================================================
+
+>>> resolve("derive", loss=None).loss, resolve("trace").device
+('sum', None)
+>>> resolve("derive", autocast="bfloat16")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+symmem.errors.SymmemError: autocast='bfloat16' runs a traced module's forward under torch.autocast; a built-in ...
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import SymmemError
+
+Front = Literal["derive", "trace"]
+
+DEVICES = ("cuda", "cpu")
+LOSSES = ("sum", "cross-entropy", "output")
+AUTOCASTS = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Shared:
+    """The shared options of one call, checked: what :func:`resolve` gives."""
+
+    device: str | None = None
+    loss: str | Callable[[Any], Any] = "sum"
+    checkpoint: Any = "none"
+    precision: str = "fp32"
+    autocast: str | None = None
+
+
+def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", checkpoint: Any = "none",
+            precision: str = "fp32", autocast: str | None = None) -> Shared:
+    """The shared options as ``front`` takes them, each checked once: a clear :class:`SymmemError` names what a
+    front cannot do (a callable loss for a built-in model, autocast without a module to run)."""
+    if device is not None and not (isinstance(device, str) and (device in DEVICES or device.startswith("cuda:"))):
+        raise SymmemError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if loss is None:
+        loss = "sum"  # no loss named: the step backpropagates from the output's sum
+    if callable(loss) and not isinstance(loss, str):
+        if front == "derive":
+            raise SymmemError("a callable loss runs on a traced module's output; a built-in model takes "
+                              f"loss={' or '.join(repr(x) for x in LOSSES[:2])}")
+    elif loss not in LOSSES or (front == "derive" and loss == "output"):
+        known = LOSSES if front == "trace" else LOSSES[:2]
+        raise SymmemError(f"loss must be one of {', '.join(known)}{' or a callable' if front == 'trace' else ''}, "
+                          f"got {loss!r}")
+    if checkpoint is None:
+        checkpoint = "none"
+    if autocast is not None:
+        if front == "derive":
+            raise SymmemError(f"autocast={autocast!r} runs a traced module's forward under torch.autocast; a "
+                              "built-in model's activations follow precision= (mixed: 16-bit)")
+        if autocast not in AUTOCASTS:
+            raise SymmemError(f"autocast must be one of {', '.join(AUTOCASTS)}, got {autocast!r}")
+    return Shared(device, loss, checkpoint, precision, autocast)
+
+
+HELP = {
+    "device": "the device whose kernels decide what is kept (default: the module's own; a built-in model: cuda)",
+    "loss": "what the step backpropagates from: sum of the output (no loss tensor kept), cross-entropy (a causal "
+            "LM's shifted one; hf: causal LMs get labels), output (the module returns its loss) (default: sum)",
+    "checkpoint": "activation checkpointing: none, full, selective, every-K (built-in models) or a container's "
+                  "path (traced modules) (default: none)",
+    "precision": "the parameter side's copies and, for a built-in model, the activations' dtype (default: fp32)",
+    "autocast": "traced modules: run the forward and the loss under torch.autocast to this dtype (default: none)",
+}
+
+
+def add_arguments(p: Any, front: Front, names: tuple[str, ...] = ("precision", "device", "loss")) -> None:
+    """The command-line options for ``names``, with the meaning and default :func:`resolve` gives them (the
+    choices a front takes)."""
+    from .training import PRECISIONS
+
+    for name in names:
+        flag = f"--{name}"
+        if name == "device":
+            p.add_argument(flag, choices=list(DEVICES), default=None, help=HELP[name])
+        elif name == "loss":
+            p.add_argument(flag, choices=list(LOSSES if front == "trace" else LOSSES[:2]), default="sum",
+                           help=HELP[name])
+        elif name == "precision":
+            p.add_argument(flag, choices=list(PRECISIONS), default="fp32", help=HELP[name])
+        elif name == "checkpoint":
+            p.add_argument(flag, default="none", metavar="none|full|selective|every-K", help=HELP[name])
+        elif name == "autocast":
+            p.add_argument(flag, choices=list(AUTOCASTS), default=None, help=HELP[name])
+        else:
+            raise argparse.ArgumentError(None, f"no shared option {name!r}")
