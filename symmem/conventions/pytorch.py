@@ -40,9 +40,9 @@ class PytorchConvention(Convention):
 
     def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
         rule = ops.entry(node.kind).saves
-        if isinstance(rule, ops.Unsupported) or rule is None:
-            why = rule.reason if rule is not None else "it has none"
-            raise node_error(node.name, node.kind, f"the pytorch convention has no rule for this op kind: {why}")
+        if isinstance(rule, ops.Unsupported):  # every other kind has a rule (symmem.ops checks on import)
+            raise node_error(node.name, node.kind,
+                             f"the pytorch convention has no rule for this op kind: {rule.reason}")
         if options.get("device", "cuda") not in ("cuda", "cpu"):
             raise node_error(node.name, node.kind, f"device {options.get('device')!r} is not 'cuda' or 'cpu'")
         return rule(self._context(graph, node, options))
@@ -50,7 +50,7 @@ class PytorchConvention(Convention):
     def grads(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> ops.Grads:
         """What ``node``'s backward allocates (the gradient rule of its kind, :mod:`symmem.ops.autograd`)."""
         rule = ops.entry(node.kind).grads
-        if isinstance(rule, ops.Unsupported) or rule is None:
+        if isinstance(rule, ops.Unsupported):
             raise node_error(node.name, node.kind, "the pytorch convention has no backward rule for this op kind")
         return rule(self._context(graph, node, options))
 

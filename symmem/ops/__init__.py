@@ -31,18 +31,18 @@ batched ``matmul`` copies to fold into ``bmm`` (``copy_inputs``), and the layout
 from . import convnet, layers, tensors  # noqa: F401  (each family registers its op kinds on import)
 from .autograd import ALIAS, NEW, Grads, RuleContext, Saved, requires_grad
 from .registry import (
-                       Attr,
-                       OpError,
-                       OpInfo,
-                       OpKind,
-                       Unsupported,
-                       check_attrs,
-                       check_complete,
-                       entry,
-                       infer,
-                       kinds,
-                       known,
-                       schema,
+    Attr,
+    OpError,
+    OpInfo,
+    OpKind,
+    Unsupported,
+    check_attrs,
+    check_complete,
+    entry,
+    infer,
+    kinds,
+    known,
+    schema,
 )
 
 __all__ = ["ALIAS", "NEW", "Attr", "Grads", "OpError", "OpInfo", "OpKind", "RuleContext", "Saved", "Unsupported",

@@ -112,7 +112,7 @@ def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if x.rank < 2 or y.rank < 2:
         raise OpError(f"matmul needs rank >= 2, got {fmt(x.shape)} @ {fmt(y.shape)}")
     assumptions = check_eq(x.shape[-1], y.shape[-2],
-                            lambda: f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
+                           lambda: f"inner dimensions of {fmt(x.shape)} @ {fmt(y.shape)}")
     batch = broadcast(x.shape[:-2], y.shape[:-2])
     if batch is None:
         raise OpError(f"batch dimensions of {fmt(x.shape)} @ {fmt(y.shape)} do not broadcast")

@@ -370,7 +370,7 @@ def wrap_dim(t: TensorSpec, d: int) -> int:
 
 
 def check_eq(a: sympy.Expr, b: sympy.Expr, what: str | Callable[[], str]
-              ) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
+             ) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
     """() when ``a`` = ``b``, the pair as an assumption when undecided; ``what`` (text, or a function making it:
     printing shapes costs more than comparing them) names the check in the error when they differ."""
     verdict = same(a, b)

@@ -138,8 +138,8 @@ def _is_expand_shape(x: Any) -> None:
 
 def _expand_grads(ctx: RuleContext) -> Grads:
     """``expand`` sums the gradient back to the input's size (new) where it really broadcast."""
-    same = numel(ctx.inputs[0].shape) == numel(ctx.out.shape)
-    return Grads({0: ALIAS if same else NEW})
+    as_big = numel(ctx.inputs[0].shape) == numel(ctx.out.shape)
+    return Grads({0: ALIAS if as_big else NEW})
 
 
 @op("expand", attrs={"shape": attr(_is_expand_shape, "a tuple of sizes (-1 keeps a dimension)", True)},
@@ -297,8 +297,8 @@ def _cast_grads(ctx: RuleContext) -> Grads:
     """``x.to(dtype)`` converts the gradient back (new) when the dtype changed; else it is the same tensor."""
     src, dst = ctx.inputs[0].dtype, ctx.out.dtype
     act = ctx.options.get("activation_dtype", "float32")
-    same = (act if src == "act" else src) == (act if dst == "act" else dst)
-    return Grads({0: ALIAS if same else NEW})
+    unchanged = (act if src == "act" else src) == (act if dst == "act" else dst)
+    return Grads({0: ALIAS if unchanged else NEW})
 
 
 @op("clone", attrs={**INPLACE, "memory_format": attr(one_of("preserve", "contiguous"), "'preserve' or 'contiguous'")},
@@ -458,8 +458,8 @@ def _add_grads(ctx: RuleContext) -> Grads:
     ``a - b`` negates it for ``b`` (new)."""
     found = {}
     for i, x in enumerate(ctx.inputs):
-        broadcast = numel(x.shape) != numel(ctx.out.shape)
-        found[i] = NEW if broadcast or (ctx.kind == "sub" and i == 1) else ALIAS
+        was_broadcast = numel(x.shape) != numel(ctx.out.shape)
+        found[i] = NEW if was_broadcast or (ctx.kind == "sub" and i == 1) else ALIAS
     return Grads(found)
 
 
