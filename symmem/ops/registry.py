@@ -45,7 +45,7 @@ class OpInfo:
     ``view_of`` is the index of the input whose storage the output shares (a view), or None for a new
     storage.  ``assumptions`` are what the rule could not decide without numbers: pairs of expressions that
     must be equal, or ``(condition, None)`` (a slice's ``stop <= size``); the graph keeps them and checks them
-    with numbers.  ``facts`` are the storage decisions the rule took from its inputs' strides (module docstring):
+    with numbers.  ``facts`` are the storage decisions the rule took from its inputs' strides (:mod:`symmem.ops`):
     each True, False or a condition on the sizes (``Ne(G, 1) & Ne(h/G, 1)``; :mod:`symmem.branches`).
     """
 
