@@ -7,8 +7,8 @@ Everything else is a view of the storages:
 
 * :attr:`Derivation.terms`, what is kept at the end of the forward pass plus the parameter side, summed into
   ``activations``, ``input``, ``loss``, ``parameter_memory``, ``transient`` and ``total``;
-* the text table, JSON, LaTeX and Jupyter displays (:mod:`symmem.report`, plugged in through
-  :func:`register_view`; the core knows them only by name).
+* the text table, JSON, LaTeX and Jupyter displays (:mod:`symmem.report`, imported by the methods that show
+  them, when first used).
 
 >>> from symmem import derive
 >>> d = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True)
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -163,24 +162,6 @@ def kept_terms(storages: tuple[Storage, ...] | list[Storage]) -> tuple[Term, ...
             expr = sympy.Add(*(p.expr for p in parts))
         terms.append(Term(item, parts[0].group, "parameter", expr, item))
     return tuple(terms)
-
-
-_VIEWS: dict[str, Callable[[Derivation], Any]] = {}
-
-
-def register_view(name: str, fn: Callable[[Derivation], Any]) -> None:
-    """Plug a view into :class:`Derivation` (``table``, ``dict``, ``html``, ``latex``).
-
-    The default views (:mod:`symmem.report`) register themselves when imported; the core loads them by name
-    on first use, as pandas loads its plotting backend, so that it never imports a view module itself.
-    """
-    _VIEWS[name] = fn
-
-
-def _view(name: str) -> Callable[[Derivation], Any]:
-    if name not in _VIEWS:
-        importlib.import_module("symmem.report")
-    return _VIEWS[name]
 
 
 #: Cached properties of a :class:`Derivation` that do not depend on its numbers, kept by :meth:`Derivation.at`.
@@ -539,19 +520,29 @@ class Derivation:
             else ""
         return f"{model} — {conv}, {names.regime(self.regime.precision, self.regime.optimizer)}{scope}{how}"
 
+    # The views are imported when first asked for, as sympy's ``Printable.__str__`` imports its printer: the
+    # core does not need them to derive, and a command line never shows the Jupyter ones.
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the README)."""
-        return _view("dict")(self)
+        from .report.text import to_dict
+
+        return to_dict(self)
 
     def table(self) -> str:
         """A readable text table in MiB/GiB."""
-        return _view("table")(self)
+        from .report.text import summary
+
+        return summary(self)
 
     def _repr_latex_(self) -> str:
-        return _view("latex")(self)
+        from .report.jupyter import latex
+
+        return latex(self)
 
     def _repr_html_(self) -> str:
-        return _view("html")(self)
+        from .report.jupyter import html
+
+        return html(self)
 
     def __str__(self) -> str:
         return self.table()

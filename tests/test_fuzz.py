@@ -80,7 +80,7 @@ def graphs(draw):
                                                   "stide"]), max_size=4, unique=True)):
             hostile = key not in GOOD or draw(st.integers(0, 9)) == 0
             attrs[key] = draw(hostile_value if hostile else GOOD[key])
-        arity = ops._lookup(kind)[1] if kind in KINDS else 1
+        arity = ops.entry(kind).arity if kind in KINDS else 1
         count = arity if arity is not None and draw(st.integers(0, 9)) else draw(st.integers(0, 3))
         inputs = draw(st.lists(st.sampled_from(names[-4:]), min_size=count, max_size=count))
         role = draw(st.sampled_from([None, None, "qkv", "mlp_hiden", "hidden"]))

@@ -7,8 +7,9 @@ mask, normalization statistics).  Two families:
 * **role conventions** (:class:`RoleConvention`: ``paper``, ``megatron``) are data: the tensor roles that are
   kept (from the declared vocabulary, :mod:`symmem.roles`), plus extra tensors per op kind.  They count
   tensors as the accounting they reproduce does, with no storage sharing.
-* **rule conventions** (``pytorch``) have one rule per op kind and count every storage once; a rule
-  convention lists the op kinds it has no rule for, with the reason (:attr:`Convention.unsupported`).
+* **rule conventions** (``pytorch``) apply the rule each op kind registers with its shape rule
+  (:mod:`symmem.ops`) and count every storage once; a kind with no rule says why
+  (:attr:`Convention.unsupported`).
 
 A convention that needs code beyond its data is a subclass that says so in its docstring (``megatron``'s
 dropout masks, ``cs231n``'s x2 for backward).  Conventions live one per module in this package and register
@@ -28,39 +29,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import ops, roles
+from .. import roles
 from ..errors import SymmemError
+from ..ops import Saved
 from ..tensor import TensorSpec
 
 if TYPE_CHECKING:
     from ..derivation import Storage
     from ..graph import Graph, Node
-
-
-@dataclass(frozen=True)
-class Saved:
-    """One tensor an op keeps: ``source`` is ``"input"`` (with ``index``), ``"output"`` or ``"new"``.
-
-    ``new`` tensors are storages only this op holds; ``spec`` gives their shape and dtype, ``label`` names
-    them (``indices``, ``mask``, ``mean`` ...).  ``role`` overrides the role shown in breakdowns.  ``host``
-    marks a new tensor a CUDA kernel keeps in host memory (the memory-efficient attention's Philox seed and
-    offset): it is counted as kept, but not in what CUDA's allocator holds (``Derivation.peak_allocated``).
-    """
-
-    source: str
-    index: int = 0
-    label: str = ""
-    spec: TensorSpec | None = None
-    role: str | None = None
-    host: bool = False
-
-    def __post_init__(self) -> None:
-        if self.source not in ("input", "output", "new"):
-            raise SymmemError(f"a saved tensor's source is 'input', 'output' or 'new', not {self.source!r}")
-        if self.source == "new" and self.spec is None:
-            raise SymmemError(f"the new saved tensor {self.label!r} needs a spec (its shape and dtype)")
-        if not ops.known(self.role):  # a layer without a role may be shown by its op kind
-            roles.check(self.role)
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,7 +63,7 @@ class Convention:
         raise NotImplementedError
 
     def grads(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> Any:
-        """What ``node``'s backward allocates (a :class:`~symmem.conventions.pytorch.backward.Grads`), or None
+        """What ``node``'s backward allocates (a :class:`~symmem.ops.autograd.Grads`), or None
         for an accounting that does not model the training step (then it has no peak)."""
         return None
 

@@ -36,10 +36,10 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph, Node
+from ..ops import requires_grad
 from ..shapes import numel as shape_numel
 from ..tensor import TensorSpec, dtype_bytes
 from ..training import Regime, checkpoint_every
-from .grad import requires_grad
 from .saved import kept
 from .storage import Branch, is_view
 

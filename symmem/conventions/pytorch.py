@@ -1,0 +1,71 @@
+"""The ``pytorch`` convention: what eager PyTorch 2.x autograd saves for backward, by the rule of each op kind.
+
+The rules live with the op kinds (:mod:`symmem.ops`): each kind registers, with its shape rule, the tensors its
+backward needs (inputs, the output, or new tensors only the op holds: indices, masks, statistics) and what its
+backward allocates.  This convention applies them: it counts every storage once, resolves views to their base
+storage, and leaves parameters and the input batch apart.  A kind with no rule says why
+(:attr:`PytorchConvention.unsupported`).
+
+>>> from symmem.conventions import convention
+>>> convention("pytorch").dedup
+True
+>>> sorted(convention("pytorch").unsupported)
+['rotary', 'traced']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .. import ops
+from ..errors import node_error
+from . import Convention, Saved, register
+
+if TYPE_CHECKING:
+    from ..graph import Graph, Node
+
+
+class PytorchConvention(Convention):
+    name = "pytorch"
+    description = ("What eager PyTorch 2.x autograd keeps for backward, op by op, each storage counted once "
+                   "(see symmem/ops/ for the rule of every op kind and its source).")
+    dedup = True
+    options: Mapping[str, Any] = {"device": "cuda"}
+
+    @property
+    def unsupported(self) -> Mapping[str, str]:  # type: ignore[override]
+        """Op kinds with no save rule, and why."""
+        return {k: e.saves.reason for k in ops.kinds() if isinstance((e := ops.entry(k)).saves, ops.Unsupported)}
+
+    def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
+        rule = ops.entry(node.kind).saves
+        if isinstance(rule, ops.Unsupported):  # every other kind has a rule (symmem.ops checks on import)
+            raise node_error(node.name, node.kind,
+                             f"the pytorch convention has no rule for this op kind: {rule.reason}")
+        if options.get("device", "cuda") not in ("cuda", "cpu"):
+            raise node_error(node.name, node.kind, f"device {options.get('device')!r} is not 'cuda' or 'cpu'")
+        return rule(self._context(graph, node, options))
+
+    def grads(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> ops.Grads:
+        """What ``node``'s backward allocates (the gradient rule of its kind, :mod:`symmem.ops.autograd`)."""
+        rule = ops.entry(node.kind).grads
+        if isinstance(rule, ops.Unsupported):
+            raise node_error(node.name, node.kind, "the pytorch convention has no backward rule for this op kind")
+        return rule(self._context(graph, node, options))
+
+    @staticmethod
+    def _context(graph: Graph, node: Node, options: Mapping[str, Any]) -> ops.RuleContext:
+        return ops.RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options)
+
+    def finds_nothing(self, graph: Graph) -> str | None:
+        # asked only when nothing was kept: a network that trains keeps something for backward
+        if any(graph.node(n).role == "activations" for n in graph.order()):
+            return ("the pytorch convention follows real ops, and this graph only stands for a network by its "
+                    "activation count, so autograd keeps nothing in it; use --convention cs231n (every layer's "
+                    "output, twice for backward) or trace the real module (symmem trace)")
+        return ("autograd keeps no activation for backward in this graph (no op whose backward needs a "
+                "tensor): the formula is the parameter side and the input alone")
+
+
+register("pytorch", PytorchConvention())
