@@ -5,7 +5,7 @@ size of that input (``mm`` for a linear's input, ``threshold_backward`` for a Re
 slice's), passes the gradient it received on as an **alias** (a view of the same storage: ``add``, views,
 ``clone``), and which **temporaries** it allocates and frees inside (``pow``'s ``x^(c-1)``, the optimizer-free
 part of a formula).  Parameters always receive a new gradient of their own size.  Sources:
-``tools/autograd/derivatives.yaml`` and the measured timelines of :mod:`symmem.tracker` (docs/peak.md).
+``tools/autograd/derivatives.yaml`` and the measured timelines of :mod:`symmem.record.steps` (docs/peak.md).
 
 Two facts of the autograd engine apply to every op (measured with torch 2.13 on CPU): a value used by several
 ops receives one gradient per use, summed **out of place** (``aten.add``: a new tensor the size of the value,
