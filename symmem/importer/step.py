@@ -210,6 +210,7 @@ class _StepRecorder(SavedRecorder):
         self.live = live
         self.on_gpu = on_gpu  # the step runs on a GPU: its CPU tensors are host memory
         self.observe = live.observe
+        # what record_step drives is the live recorder's
         self.register, self.label, self.in_phase = live.register, live.label, live.phase
         self.saving, self.watch_backward, self.events = live.saving, live.watch_backward, live.events
 

@@ -111,7 +111,8 @@ def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, 
         if tracker is not None:
             grad_hooks = tracker.watch_gradients(params)
             stack.callback(lambda: [h.remove() for h in grad_hooks])
-            stack.enter_context(tracker.modules)
+            if tracker.modules is not None:
+                stack.enter_context(tracker.modules)
             stack.enter_context(tracker)
         for step in range(1, steps + 1):
             for _ in range(micro_batches):  # gradient accumulation: the gradients add up over the passes
