@@ -55,7 +55,7 @@ def every_model() -> None:
 
 
 def main() -> None:
-    from symmem.tracker import track_step
+    from symmem.record.steps import track_step
 
     print(f"{'model':<10} {'derive + peak':>14} {'new config':>11} {'tracked step':>13} {'ratio':>7}")
     for name, values, kw in CASES:

@@ -13,7 +13,7 @@ fitted to:
                two sizes never traced, and symbolically against the zoo's CUDA formula (``drift``: the monomials where
                the two differ).
 ``peak``       the derived peak of a training step (first and steady) against two real steps under the live-bytes
-               tracker (:func:`symmem.verify.verify_peak`; traced modules: :func:`symmem.tracker.track_step`), and
+               tracker (:func:`symmem.verify.verify_peak`; traced modules: :func:`symmem.record.steps.track_step`), and
                ``torch.cuda.max_memory_allocated`` of the same steps against :meth:`Derivation.peak_allocated` (storages
                rounded to the caching allocator's 512-byte blocks) plus the library workspaces' band
                (:data:`symmem.derivation.CUDA_WORKSPACES`).
@@ -271,7 +271,7 @@ def _steps(module: Any, inputs: tuple[Any, ...], target: Any, optimizer: str, im
            loss: Callable[[Any], Any] | None, steps: int, base: int | None) -> list[int]:
     import torch
 
-    from symmem.tracker import make_optimizer
+    from symmem.record.optim import make_optimizer
 
     module.train()
     opt = make_optimizer([p for p in module.parameters() if p.requires_grad], optimizer, impl)
@@ -378,7 +378,7 @@ def traced_peak_rows() -> None:
     module's sizes) has no step to compare: its row says so."""
     import torch
 
-    from symmem.tracker import track_step
+    from symmem.record.steps import track_step
 
     class LM(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:

@@ -1,7 +1,7 @@
 """Measure the peak of live memory over real training steps of the zoo's PyTorch references (CPU, FP32).
 
-Every number comes from :func:`symmem.tracker.track_step` (a dispatch mode counting storages op by op) and,
-for the allocator table, the profiler's allocation events (:class:`symmem.tracker.AllocatorPeaks`).  Prints the
+Every number comes from :func:`symmem.record.steps.track_step` (a dispatch mode counting storages op by op) and,
+for the allocator table, the profiler's allocation events (:class:`symmem.record.steptrace.AllocatorPeaks`).  Prints the
 Markdown of `docs/peak-measurements.md`'s tables and facts.  Run by hand from the repository root
 (a few minutes on 2 cores)::
 
@@ -16,8 +16,9 @@ import sys
 import time
 from collections.abc import Iterable
 
+from symmem.record.steps import track_step
+from symmem.record.steptrace import StepTrace
 from symmem.reference import reference
-from symmem.tracker import StepTrace, track_step
 
 IMAGE = {"C": 3, "K": 1000}
 #: (model, label, numbers, options) -- small enough to run in seconds

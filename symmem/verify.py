@@ -18,8 +18,6 @@ built-in model (:mod:`symmem.reference`).  Needs ``torch`` (the ``torch`` extra)
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +33,8 @@ class SavedInfo:
     ``op`` is the torch function being run when it was saved (``conv2d``, ``batch_norm`` ...), ``module``
     the qualified name of the innermost module running, ``producer`` the tensor's own ``grad_fn`` (None for a
     tensor that needs no gradient: a mask, indices, statistics, the batch).  ``storage`` identifies the
-    storage; ``nbytes`` is the whole storage's size; ``kind`` is ``activation``, ``input`` or ``parameter``
-    (parameters and buffers).
+    storage (:func:`symmem.record.tensors.storage_key`); ``nbytes`` is the whole storage's size; ``kind`` is
+    ``activation``, ``input`` or ``parameter`` (parameters and buffers).
     """
 
     op: str
@@ -45,7 +43,7 @@ class SavedInfo:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    storage: tuple[str, int]
+    storage: int
     kind: str
 
     @property
@@ -61,7 +59,7 @@ class Measurement:
 
     def storages(self, kind: str | None = None) -> list[SavedInfo]:
         """The first saved tensor of every distinct storage (optionally of one ``kind``)."""
-        seen: dict[tuple[str, int], SavedInfo] = {}
+        seen: dict[int, SavedInfo] = {}
         for s in self.saved:
             if s.nbytes > 0 and s.storage not in seen:
                 seen[s.storage] = s
@@ -88,94 +86,36 @@ class Measurement:
         return out
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")  # torch.float32 -> float32, symmem's own dtype names
-
-
-@contextmanager
-def _tracking(module: Any) -> Iterator[dict[str, str]]:
-    """Track the innermost running module and the outermost torch function, for labelling saved tensors."""
-    from torch.overrides import TorchFunctionMode
-
-    state = {"module": "", "op": "?"}
-    stack: list[str] = []
-    handles = []
-
-    def pre(name: str):  # type: ignore[no-untyped-def]
-        def hook(mod, args):  # type: ignore[no-untyped-def]
-            stack.append(name)
-            state["module"] = name
-
-        return hook
-
-    def post(mod, args, out):  # type: ignore[no-untyped-def]
-        stack.pop()
-        state["module"] = stack[-1] if stack else ""
-
-    for name, sub in module.named_modules():
-        handles.append(sub.register_forward_pre_hook(pre(name)))
-        handles.append(sub.register_forward_hook(post))
-
-    class Mode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            # Inside a mode's handler the mode is off, so nested torch calls keep the outer name.
-            before = state["op"]
-            state["op"] = getattr(func, "__name__", str(func))
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                state["op"] = before
-
-    try:
-        with Mode():
-            yield state
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _key(t: Any) -> tuple[str, int]:
-    st = t.untyped_storage()
-    return (str(t.device), st.data_ptr())
-
-
 def measure(module: Any, *inputs: Any, **keyword_inputs: Any) -> Measurement:
     """Run ``module(*inputs, **keyword_inputs)`` once in training mode and record every tensor autograd saves
     for backward.
 
     Parameters and buffers of ``module`` count as ``parameter``; the storages of the inputs (tensors, also
     inside lists/tuples; positional or keyword) as ``input``; everything else saved is ``activation``.  The
-    module is left in training mode.
+    module is left in training mode.  The recorder is the importer's (:class:`~symmem.record.saved.SavedRecorder`,
+    without its dispatch mode), holding every packed tensor until the pass ends so that no storage is freed and
+    its identity reused.
     """
     _require_torch()
     import torch
 
+    from .record.saved import SavedRecorder
+    from .record.tensors import storage_key
+
     if not isinstance(module, torch.nn.Module):
         raise SymmemError(f"measure needs a torch.nn.Module, got {type(module).__name__}")
     module.train()
-    params = {_key(p) for p in module.parameters()} | {_key(b) for b in module.buffers()}
+    params = {storage_key(t): "" for t in (*module.parameters(), *module.buffers())}
     flat: list[Any] = []
     for x in (*inputs, *keyword_inputs.values()):
         flat.extend(x if isinstance(x, list | tuple) else [x])
-    given = {_key(x) for x in flat if isinstance(x, torch.Tensor)}
-    records: list[SavedInfo] = []
-    keep: list[Any] = []  # hold every packed tensor until the pass ends, so no storage is freed and reused
-
-    with _tracking(module) as state:
-        def pack(t: Any) -> Any:
-            key = _key(t)
-            kind = "parameter" if key in params else "input" if key in given else "activation"
-            producer = t.grad_fn.name() if t.grad_fn is not None else None
-            records.append(SavedInfo(state["op"], state["module"], producer, tuple(t.shape), _dtype_name(t.dtype),
-                                     t.untyped_storage().nbytes(), key, kind))
-            keep.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(*inputs, **keyword_inputs)
+    given = {storage_key(x): "" for x in flat if isinstance(x, torch.Tensor)}
+    rec = SavedRecorder(module, params=params, inputs=given, hold=True)
+    with rec.recording(dispatch=False):
+        out = module(*inputs, **keyword_inputs)
     del out
-    keep.clear()
-    return Measurement(tuple(records))
+    return Measurement(tuple(SavedInfo(p.op, p.module, p.producer, p.shape, p.dtype, int(p.nbytes), p.key, p.kind)
+                             for _, p in rec.packed))
 
 
 @dataclass(frozen=True)
@@ -443,13 +383,13 @@ class PeakComparison:
 
 def verify_peak(derivation: Derivation, max_memory: int | None = None) -> PeakComparison:
     """Run two real training steps of the reference module at the derivation's numbers under the live-bytes
-    tracker (:mod:`symmem.tracker`) and compare their peaks with the derived ``peak_first_step`` and ``peak``.
+    tracker (:mod:`symmem.record.steps`) and compare their peaks with the derived ``peak_first_step`` and ``peak``.
 
     The step is forward, the loss (the derivation's, else ``output.sum()``), backward, ``optimizer.step()`` with
     the regime's optimizer and implementation, ``zero_grad(set_to_none=True)``.
     """
     from .passes.schedule import optimizer_impl
-    from .tracker import track_step
+    from .record.steps import track_step
 
     regime = derivation.regime
     if derivation.per_layer:

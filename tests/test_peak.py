@@ -1,4 +1,4 @@
-"""The derived peak of a training step against the live bytes of real training steps (symmem.tracker).
+"""The derived peak of a training step against the live bytes of real training steps (symmem.record.steps).
 
 Every case runs two real steps (the first creates the optimizer state; the second is the steady state) of the
 project's PyTorch reference at sizes never used to derive the formula, and compares both peaks with

@@ -41,7 +41,7 @@ def test_derive_imports_one_builder_and_nothing_heavy():
     builders = {m for m in loaded if m.startswith("symmem.models.")}
     assert builders == {"symmem.models.vit", "symmem.models.transformer"}
     for heavy in ("networkx", "matplotlib", "torch", "numpy", "sympy.physics", "symmem.report.jupyter",
-                  "symmem.conventions.paper", "symmem.conventions.cs231n", "symmem.tracker"):
+                  "symmem.conventions.paper", "symmem.conventions.cs231n", "symmem.record"):
         assert heavy not in loaded, heavy
 
 

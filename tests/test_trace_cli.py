@@ -191,9 +191,9 @@ def test_specs_never_evaluate_text(capsys, tmp_path):
 
 def test_a_run_of_too_many_ops_is_refused_with_the_way_out(capsys, monkeypatch):
     """Tracing grows with the ops a pass runs: beyond MAX_OPS it stops, naming where and what to do."""
-    from symmem.importer import recorder
+    from symmem.record import saved
 
-    monkeypatch.setattr(recorder, "MAX_OPS", 3)
+    monkeypatch.setattr(saved, "MAX_OPS", 3)
     code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B")
     assert code == 2 and err.startswith("symmem: error: the module runs more than 3 ops in one pass")
     assert "--set L=N" in err and err.count("\n") == 1

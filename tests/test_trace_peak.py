@@ -1,5 +1,6 @@
-"""The peak of a traced module's training step (symmem.trace) against real steps (symmem.tracker.track_step), and the
-traced formulas under autocast, a bfloat16 module, activation checkpointing and at size one against real forwards.
+"""The peak of a traced module's training step (symmem.trace) against real steps
+(symmem.record.steps.track_step), and the traced formulas under autocast, a bfloat16 module, activation
+checkpointing and at size one against real forwards.
 
 Every module is traced once at small example sizes; the formulas are compared with real PyTorch at sizes (and layer
 counts) never traced.  Tiny configs: the fake step costs ~1.5 ms per aten op.
@@ -18,7 +19,7 @@ import symmem  # noqa: E402
 from symmem.importer.inputs import check_inputs  # noqa: E402
 from symmem.importer.step import StepOptions, record_step  # noqa: E402
 from symmem.importer.wrap import autocasting, checkpointed  # noqa: E402
-from symmem.tracker import track_step  # noqa: E402
+from symmem.record.steps import track_step  # noqa: E402
 from symmem.verify import measure  # noqa: E402
 
 SEQ = {"B": [(0, 0)], "S": [(0, 1)]}

@@ -12,8 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from symmem.categories import RECORDED  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
-from symmem.tracker import CATEGORIES, LiveTracker, allocator_step, track_step  # noqa: E402
+from symmem.record.live import LiveTracker  # noqa: E402
+from symmem.record.steps import allocator_step, track_step  # noqa: E402
 
 F = 4  # bytes per float32
 
@@ -238,7 +240,7 @@ def test_backward_runs_under_the_mode_and_storages_die_in_it():
     assert saved and all(t.records[s.died].phase == "backward" for s in saved)   # released by the engine
     for r in t.records:                                               # categories partition the live bytes
         assert sum(n for _, n in r.by_category) == r.live
-        assert {c for c, _ in r.by_category} <= set(CATEGORIES)
+        assert {c for c, _ in r.by_category} <= set(RECORDED)
     assert not [s for s in t.storages if s.category == "external"]
 
 

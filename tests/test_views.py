@@ -31,7 +31,7 @@ def test_html_table(resnet):
 @pytest.mark.parametrize("model, values", [("mlp", {"B": 4}), ("resnet18", {"B": 2, "Hi": 64, "Wi": 64})])
 def test_html_shows_the_peak_a_real_step_reaches(model, values):
     """Under the default convention a notebook's display ends with the peak of a training step, first and steady:
-    the live bytes two real training steps reach (symmem.tracker), in the units the display uses."""
+    the live bytes two real training steps reach (symmem.record.steps), in the units the display uses."""
     pytest.importorskip("torch")
     from symmem.units import format_bytes
     from symmem.verify import verify_peak

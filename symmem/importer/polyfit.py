@@ -32,8 +32,8 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
+from ..record.saved import OpaqueKernel
 from .inputs import Inputs
-from .recorder import OpaqueKernel
 from .records import Storage
 
 MAX_POINTS = 300

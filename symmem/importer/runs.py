@@ -11,11 +11,12 @@ from typing import Any
 
 import sympy
 
+from ..record.saved import Outcome, SavedRecorder
+from ..record.tensors import storage_key, tensors
 from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides
 from .guards import GuardLog, bounds, collect, pinned, to_declared, unified
 from .hf import eager_predicates
 from .inputs import Inputs
-from .recorder import Outcome, Recorder, _leaves, storage_key
 from .records import Save, Storage
 
 
@@ -65,7 +66,7 @@ def _keys(named: Any) -> dict[int, str]:
     """storage key -> name for (name, tensor-or-nested) pairs (first name wins)."""
     keys: dict[int, str] = {}
     for name, value in named:
-        for t in _leaves(value):
+        for t in tensors(value):
             try:
                 keys.setdefault(storage_key(t), str(name))
             except (RuntimeError, NotImplementedError):
@@ -82,7 +83,7 @@ def real_run(module: Any, inputs: Inputs) -> Outcome:
     import torch
 
     params = _keys([*module.named_parameters(), *module.named_buffers()])
-    rec = Recorder(module, params=params, inputs=_keys(_input_names(inputs)))
+    rec = SavedRecorder(module, params=params, inputs=_keys(_input_names(inputs)))
     saved_buffers = [(b, b.detach().clone()) for b in module.buffers()]
     with torch.random.fork_rng(devices=[]):
         try:
@@ -108,7 +109,7 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
         fin = fake_inputs(world, at, device)
         params, buffers = fake_state(module, device)
     pkeys = _keys([*params.items(), *buffers.items()])
-    rec = Recorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
+    rec = SavedRecorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
                    replay=replay if replay is not None else [], default_read=True if replay is None else None,
                    shape_env=world.env, opaque=opaque_ops())
     world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))

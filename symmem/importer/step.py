@@ -1,21 +1,21 @@
 """A whole training step of a real module on fake tensors: the live bytes after every op, as sympy sums.
 
-:func:`record_step` runs what :func:`symmem.tracker.track_step` runs on real tensors -- the forward, the loss
+:func:`record_step` runs what :func:`symmem.record.steps.track_step` runs on real tensors -- the forward, the loss
 (``sum``, ``cross-entropy`` against a target, or the module's own: ``output``), ``backward()``,
 ``optimizer.step()`` (sgd, sgd-momentum, adam, adamw; for-loop, foreach or fused) and
 ``zero_grad(set_to_none=True)`` -- on fake tensors whose declared sizes are symbols (:mod:`.fake`), with the
-parameters, buffers and optimizer state fake too.  A live-bytes recorder like the tracker's sees every aten op
-(the :class:`~symmem.importer.recorder.Recorder`'s dispatch mode, which also numbers ops, answers value reads
-and routes ``constant_pad_nd`` to its decomposition): each new storage is registered once with its symbolic
+parameters, buffers and optimizer state fake too.  The tracker's live-bytes recorder
+(:class:`~symmem.record.live.LiveRecorder`, reading symbolic sizes) sees every aten op (through the
+:class:`~symmem.record.saved.SavedRecorder`'s dispatch mode, which also numbers ops, answers value reads and
+routes ``constant_pad_nd`` to its decomposition): each new storage is registered once with its symbolic
 ``nbytes()`` and freed through ``weakref.finalize`` on its ``UntypedStorage``.  Fake storages are real
 ``StorageImpl`` objects (on the meta device, with symbolic sizes) that PyTorch keeps paired with their Python
 objects as for real ones, so the finalizers fire when the last reference goes -- the same moments as on real
 tensors (``test_fake_storages_are_freed_like_real_ones``).
 
-Categories follow the tracker (a storage keeps the first that applies over its whole life: parameter, buffer,
-input, optimizer_state, gradient, saved, output, activation_grad, temporary) and are reported in the zoo's
-(``symmem.passes.schedule.CATEGORIES``: buffer counts as parameter, saved as activation, output -- the
-module's output and the loss, held by the loop -- as loss).
+Categories follow the tracker (:data:`symmem.categories.RECORDED`: a storage keeps the first that applies over its
+whole life) and are reported in the zoo's (:data:`symmem.categories.RECORDED_TO_STEP`: buffer counts as parameter,
+saved as activation, output -- the module's output and the loss, held by the loop -- as loss).
 
 One recorded run gives both steps: the forward and backward are run once (``micro_batches`` times), then
 ``optimizer.step()`` twice on the same gradients -- the first creates the state, the second is a steady step --
@@ -31,32 +31,25 @@ are interpolated moment by moment into formulas in ``L`` and checked against a r
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import sympy
 
+from ..categories import RECORDED_TO_STEP
 from ..errors import SymmemError
-from ..tracker import MODULE_KEY, hook_backward
+from ..record.live import LiveRecorder
+from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer
+from ..record.saved import SavedRecorder
+from ..record.tensors import storage_key, symbolic_nbytes
+from ..record.tensors import tensors as _leaves
 from .inputs import Inputs
-from .recorder import Recorder, _leaves, dtype_name, storage_key
 
-#: the tracker's categories, in priority order (a storage takes the first that applies)
-TRACKER = ("parameter", "buffer", "input", "optimizer_state", "gradient", "saved", "output", "activation_grad",
-           "temporary", "external")
-_RANK = {c: i for i, c in enumerate(TRACKER)}
-#: a tracker category -> the zoo's (``symmem.passes.schedule.CATEGORIES``)
-ZOO = {"parameter": "parameter", "buffer": "parameter", "input": "input", "optimizer_state": "optimizer_state",
-       "gradient": "gradient", "saved": "activation", "output": "loss", "activation_grad": "activation_grad",
-       "temporary": "temporary", "external": "temporary"}
+#: the losses of a traced step: the tracker's, or the module's own (``output``)
 LOSSES = ("sum", "cross-entropy", "output")
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
-IMPLS = ("for-loop", "foreach", "fused")
-_BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")
 
 
 @dataclass(frozen=True)
@@ -112,7 +105,7 @@ class StepRecord:
     guards: tuple[Any, ...] = ()
 
     def category(self, sid: int) -> str:
-        return ZOO[self.storages[sid].category]
+        return RECORDED_TO_STEP[self.storages[sid].category]
 
     def in_step(self, o: StepOp, step: str) -> bool:
         """Whether op ``o`` belongs to the ``first`` or the ``steady`` step (the forward and backward to both)."""
@@ -206,187 +199,40 @@ class StepRecord:
         return out
 
 
-class _StepRecorder(Recorder):
-    """The forward recorder, plus live storages with symbolic bytes, phases and the tracker's labels."""
+class _StepRecorder(SavedRecorder):
+    """One training step on fake tensors: the saved-tensor recorder runs the step (numbers ops, answers value reads,
+    routes overrides) and a live-bytes recorder with symbolic sizes observes every op."""
 
     def __init__(self, *args: Any, on_gpu: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.by_key: dict[int, int] = {}
-        self.items: list[dict[str, Any]] = []  # per storage: raw nbytes, labels, dtype, op, where, module, ...
-        self.events: list[tuple[Any, ...]] = []
-        self.step_no, self.phase, self.where_now, self.module_now = 1, "start", "", ""
-        self.param_names: dict[int, str] = {}
-        self.last_param = ""
-        self.closed = False
+        self.modules.tag = True  # the backward's ops are named after the module whose output a node made
+        live = LiveRecorder(symbolic_nbytes, self.modules, unnamed_to_last=True, phase="start", pack=self._pack)
+        self.live = live
         self.on_gpu = on_gpu  # the step runs on a GPU: its CPU tensors are host memory
-        self.observe = self._after
+        self.observe = live.observe
+        # what record_step drives is the live recorder's
+        self.register, self.label, self.in_phase = live.register, live.label, live.phase
+        self.saving, self.watch_backward, self.events = live.saving, live.watch_backward, live.events
 
-    # registration
-    def new(self, t: Any, op: str | None) -> int:
-        st = t.untyped_storage()
-        n = st.nbytes()
-        raw = n.node.expr if hasattr(n, "node") else int(n)
-        sid = len(self.items)
-        where = self.where_now if op is not None else ""
-        self.items.append({"raw": raw, "raw0": raw, "labels": set(), "dtype": dtype_name(t.dtype), "op": op,
-                           "host": t.device.type == "cpu",
-                           "where": where, "module": self.module_now if op is not None else "", "step": self.step_no,
-                           "phase": self.phase if op is not None else "start"})
-        key = st._cdata
-        f = weakref.finalize(st, self._freed, key, sid)
-        f.atexit = False
-        self.items[-1]["finalizer"] = f
-        self.by_key[key] = sid
-        return sid
+    @property
+    def param_names(self) -> dict[int, str]:
+        return self.live.param_names
 
-    def _freed(self, key: int, sid: int) -> None:
-        if self.closed:
-            return
-        if self.by_key.get(key) == sid:
-            del self.by_key[key]
-            self.param_names.pop(key, None)  # the address may be reused by another storage
-        self.events.append(("free", sid))
+    @param_names.setter
+    def param_names(self, names: dict[int, str]) -> None:
+        self.live.param_names = names
 
-    def register(self, tensors: Any, category: str) -> None:
-        for t in tensors:
-            if t is None:
-                continue
-            key = storage_key(t)
-            sid = self.by_key.get(key)
-            if sid is None:
-                sid = self.new(t, None)
-                self.events.append(("start", sid))
-            self.items[sid]["labels"].add(category)
+    @property
+    def last_param(self) -> str:
+        return self.live.last_param
 
-    def label(self, tensors: Any, category: str) -> None:
-        for t in tensors:
-            if t is None:
-                continue
-            try:
-                sid = self.by_key.get(storage_key(t))
-            except (RuntimeError, NotImplementedError):
-                continue
-            if sid is not None:
-                self.items[sid]["labels"].add(category)
-
-    def _after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        op = str(func)
-        if op.startswith("profiler."):
-            return
-        births: list[int] = []
-        resized: list[tuple[int, Any]] = []
-        inputs: set[int] | None = None
-        outs = list(_leaves(out))
-        for t in outs:
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            key = st._cdata
-            sid = self.by_key.get(key)
-            if sid is None:
-                if inputs is None:
-                    inputs = set()
-                    for a in _leaves([args, kwargs]):
-                        try:
-                            inputs.add(storage_key(a))
-                        except (RuntimeError, NotImplementedError):
-                            pass
-                sid = self.new(t, op)
-                if key in inputs and op not in _BIRTH_OPS:
-                    self.items[sid]["labels"].add("external")
-                births.append(sid)
-            else:
-                n = st.nbytes()
-                raw = n.node.expr if hasattr(n, "node") else int(n)
-                if raw != self.items[sid]["raw"]:
-                    resized.append((sid, raw))
-                    self.items[sid]["raw"] = raw
-        where = self.where_now
-        if self.phase in ("step", "zero_grad") and self.param_names:
-            if op.startswith("aten._foreach") or op.startswith("aten._fused"):
-                where = "foreach"
-            else:
-                # an op on a parameter's tensors serves that parameter, and what it makes belongs to it; one on
-                # none of them (Adam's step count, made from a Python number) to the parameter served last
-                name = None
-                for a in _leaves([args, kwargs]):
-                    try:
-                        name = self.param_names.get(storage_key(a))
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    if name is not None:
-                        break
-                where = name if name is not None else self.last_param
-                self.last_param = where
-                for t in outs:
-                    try:
-                        self.param_names.setdefault(storage_key(t), where)
-                    except (RuntimeError, NotImplementedError):
-                        pass
-        elif self.phase in ("forward", "loss"):
-            where = self.current
-        self.events.append(("op", self.step_no, self.phase, op, where,
-                            self.current if self.phase in ("forward", "loss") else self.module_now,
-                            tuple(births), tuple(resized)))
-
-    @contextmanager
-    def in_phase(self, step: int, phase: str) -> Iterator[None]:
-        self.step_no, self.phase, self.where_now, self.module_now = step, phase, "", ""
-        try:
-            yield
-        finally:
-            self.where_now = self.module_now = ""
-
-    # autograd hooks, as the tracker's
-    @contextmanager
-    def saving(self) -> Iterator[None]:
-        import torch
-
-        def pack(t: Any) -> Any:
-            self.label([t], "saved")
-            return self._pack(t)
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            yield
-
-    def watch_backward(self, root: Any) -> list[Any]:
-        def enter(name: str, node: Any, grad_outputs: Any) -> None:
-            self.where_now = name
-            self.module_now = node.metadata.get(MODULE_KEY, self.module_now)
-            self.label(_leaves(grad_outputs), "activation_grad")
-
-        return hook_backward(root, enter, lambda grad_inputs: self.label(_leaves(grad_inputs), "activation_grad"))
-
-    @contextmanager
-    def tagging(self) -> Iterator[None]:
-        """Tag each module output's autograd node with the module (the innermost), for the backward's names."""
-        handles = []
-
-        def post(name: str) -> Callable[..., None]:
-            def hook(mod: Any, args: Any, out: Any) -> None:
-                for t in _leaves(out):
-                    if getattr(t, "grad_fn", None) is not None:
-                        t.grad_fn.metadata.setdefault(MODULE_KEY, name)
-            return hook
-
-        for name, sub in self.module.named_modules():
-            handles.append(sub.register_forward_hook(post(name)))
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def close(self) -> None:
-        if not self.closed:
-            for it in self.items:
-                it["finalizer"].detach()
-            self.closed = True
+    @last_param.setter
+    def last_param(self, name: str) -> None:
+        self.live.last_param = name
 
     def record(self, convert: Callable[[Any], Any], layers: Mapping[str, int] | None, count: int | None,
                notes: list[str], guards: list[Any]) -> StepRecord:
-        self.close()
+        self.live.close()
         memo: dict[Any, Any] = {}
 
         def conv(raw: Any) -> Any:
@@ -394,17 +240,13 @@ class _StepRecorder(Recorder):
                 memo[raw] = convert(raw)
             return memo[raw]
 
-        storages = []
-        for sid, it in enumerate(self.items):
-            labels = it["labels"]
-            cat = min(labels, key=_RANK.__getitem__) if labels else "temporary"
-            storages.append(LiveStorage(sid, conv(it["raw0"]), cat, it["dtype"], it["op"], it["where"],
-                                        it["module"], it["step"], it["phase"], it["host"] and self.on_gpu))
+        storages = [LiveStorage(s.sid, conv(s.first), s.category(), s.dtype, s.op, s.where, s.module, s.step,
+                                s.phase, s.host and self.on_gpu) for s in self.live.storages]
         start: list[int] = []
         freed_first: list[int] = []
         ops: list[StepOp] = []
         pending: list[int] = []
-        for ev in self.events:
+        for ev in self.live.events:
             if ev[0] == "start":
                 start.append(ev[1])
             elif ev[0] == "free":
@@ -412,7 +254,7 @@ class _StepRecorder(Recorder):
                     pending.append(ev[1])
                 else:
                     freed_first.append(ev[1])
-            else:
+            elif ev[0] == "op":
                 if ops and pending:
                     ops[-1] = _with_freed(ops[-1], pending)
                 pending = []
@@ -427,18 +269,6 @@ class _StepRecorder(Recorder):
 
 def _with_freed(o: StepOp, freed: list[int]) -> StepOp:
     return StepOp(o.index, o.step, o.phase, o.op, o.where, o.module, o.born, o.freed + tuple(freed), o.resized)
-
-
-def make_optimizer(params: Sequence[Any], optimizer: str, impl: str) -> Any:
-    """The optimizer :func:`symmem.tracker.make_optimizer` builds (the same hyperparameters)."""
-    if optimizer not in OPTIMIZERS:
-        raise SymmemError(f"the step of a traced module runs torch.optim: optimizer must be one of "
-                          f"{', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    if impl not in IMPLS:
-        raise SymmemError(f"optimizer implementation must be one of {', '.join(IMPLS)}, got {impl!r}")
-    from ..tracker import make_optimizer as real
-
-    return real(list(params), optimizer, impl)
 
 
 @dataclass(frozen=True)
@@ -547,8 +377,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
             stack.enter_context(checkpointed(module, options.checkpoint if layers is None else
                                              _checkpointed_children(options.checkpoint, layers, index)))
         stack.enter_context(_reparametrize_module(module, {**params, **buffers}, tie_weights=True))
-        stack.enter_context(rec._module_hooks())
-        stack.enter_context(rec.tagging())
+        stack.enter_context(rec.modules)
         functions, ops = rec._modes()
         rec._peek = torch.autograd._get_sequence_nr
         stack.enter_context(functions)

@@ -5,8 +5,8 @@ See ``docs/importer.md`` for the mechanism and the traps it handles.  In short:
 1. check the example inputs and declared sizes (:mod:`.inputs`);
 2. run one *real* eager forward at the example sizes when the weights are real: it records the values the
    forward reads from tensors (mask checks) and what it keeps, for the check at the end;
-3. run the forward once on fake tensors whose declared sizes are SymInts (:mod:`.fake`), under the
-   recorder (:mod:`.recorder`), with transformers' fake-tensor predicates switched off (:mod:`.hf`);
+3. run the forward once on fake tensors whose declared sizes are SymInts (:mod:`.fake`), under the saved-tensor
+   recorder (:mod:`symmem.record.saved`), with transformers' fake-tensor predicates switched off (:mod:`.hf`);
 4. translate storage sizes and guards into the declared symbols (:mod:`.guards`); if a guard pinned a
    declared size to its example value, retrace at other sizes, and if it pins again fit the exact
    polynomial from concrete traces (:mod:`.fit`);
@@ -23,10 +23,11 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
+from ..record.saved import Outcome, SymbolicSizesUnsupported
+from ..record.tensors import dtype_name, tensors
 from .fake import check_device
 from .guards import domain_of
 from .inputs import Inputs, check_inputs, sym_for
-from .recorder import Outcome, SymbolicSizesUnsupported, _leaves, dtype_name
 from .records import Check, Parameter, Storage, Trace, TracedSymbol
 from .runs import Run, fake_run, real_run, resized, to_storages
 from .wrap import autocast_dtype, autocasting, checkpointed, find_repeat
@@ -72,7 +73,7 @@ def _can_run_real(module: Any, inputs: Inputs, device: str) -> str | None:
             return "the module's weights are on the meta device"
         if t.device.type != device.split(":")[0]:
             return f"the module is on {t.device}, the trace is for {device}"
-    for t in _leaves([inputs.args, inputs.kwargs]):
+    for t in tensors([inputs.args, inputs.kwargs]):
         if t.device.type != device.split(":")[0]:
             return f"an example input is on {t.device}"
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -11,7 +11,7 @@ for every input that requires grad, whether the backward makes a **new** gradien
 (``mm`` for a linear's input, ``threshold_backward`` for a ReLU's, ``zeros`` + copy for a slice's), passes the
 gradient it received on as an **alias** (a view of the same storage: ``add``, views, ``clone``), and which
 **temporaries** it allocates and frees inside (``pow``'s ``x^(c-1)``).  Parameters always receive a new gradient
-of their own size.  Sources: ``derivatives.yaml`` and the measured timelines of :mod:`symmem.tracker`
+of their own size.  Sources: ``derivatives.yaml`` and the measured timelines of :mod:`symmem.record.steps`
 (docs/peak.md).
 
 Two facts of the autograd engine apply to every op (measured with torch 2.13 on CPU): a value used by several

@@ -1,9 +1,10 @@
-"""Record one forward pass: every storage autograd packs for backward, who made it, who keeps it.
+"""The saved-tensor recorder: one forward pass, every storage autograd packs for backward, who made it, who keeps it.
 
-The same recorder runs on fake tensors (the symbolic trace) and on real ones (the check, and
-:func:`symmem.importer.truth.measure_eager`):
+The same recorder runs on fake tensors (the symbolic trace, :mod:`symmem.importer`) and on real ones (the
+importer's check, and :func:`symmem.verify.measure`); only the sizes it reads differ (``nbytes()`` is an ``int``
+or a ``SymInt``):
 
-- forward pre/post hooks on every submodule give the innermost module running;
+- a :class:`~symmem.record.modules.ModuleTracker` gives the innermost module running;
 - a ``TorchFunctionMode`` gives the outermost torch function running (``matmul``, ``layer_norm``);
 - a ``TorchDispatchMode`` numbers every aten op in forward order, notes which op created each storage
   (its *birth*), maps autograd sequence numbers to that order, can replace an op's implementation (for
@@ -19,20 +20,13 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SymmemError
-
-
-def storage_key(t: Any) -> int:
-    """Identity of a tensor's storage (the StorageImpl address; unique while the storage lives)."""
-    return t.untyped_storage()._cdata
-
-
-def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+from .modules import ModuleTracker
+from .tensors import dtype_name, storage_key, tensors
 
 
 @dataclass
@@ -49,6 +43,7 @@ class Packed:
     birth: tuple[int, str, str] | None  # (seq, aten op, module) of the op that created the storage
     label: str | None = None  # the parameter, buffer or input name, for those kinds
     saver: int = -1  # autograd sequence number of the node being built when it was packed
+    producer: str | None = None  # the packed tensor's own grad_fn (None for one that needs no gradient)
 
 
 @dataclass
@@ -69,25 +64,6 @@ class Outcome:
     output: Any = None
     op_modules: list[str] = field(default_factory=list)  # the module running each aten op, by sequence number
 
-
-def _leaves(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
-    """Tensors inside nested tuples, lists, dicts and dataclass-like outputs (Hugging Face ModelOutput)."""
-    import torch
-
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v, seen)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _leaves(v, seen)
-    elif hasattr(obj, "to_tuple"):
-        yield from _leaves(obj.to_tuple(), seen)
 
 
 def _node_names(roots: list[Any]) -> dict[int, str]:
@@ -110,19 +86,21 @@ def _node_names(roots: list[Any]) -> dict[int, str]:
 MAX_OPS = 60_000
 
 
-class Recorder:
+class SavedRecorder:
     """One recorded forward.  ``params``/``inputs`` map storage keys of parameters+buffers and of inputs to names.
 
     ``overrides`` maps an aten op to a replacement implementation (fake run only); ``replay`` is a list of
     scalar reads recorded by a real run of the same code path, answered in order on the fake run
     (``None``: record them); ``default_read`` answers a boolean read when there is nothing to replay
-    (None: raise).
+    (None: raise).  ``hold`` keeps every packed tensor alive until the recorder goes (so that no storage is
+    freed and its address reused during the pass: one key, one storage, for a record of everything packed).
+    ``modules.tag`` also tags each module output's autograd node with the module, for a backward's names.
     """
 
     def __init__(self, module: Any, *, params: dict[int, str], inputs: dict[int, str],
                  overrides: dict[Any, Callable[..., Any]] | None = None,
                  replay: list[tuple[str, Any]] | None = None, default_read: bool | None = None,
-                 shape_env: Any = None, opaque: frozenset[Any] = frozenset()) -> None:
+                 shape_env: Any = None, opaque: frozenset[Any] = frozenset(), hold: bool = False) -> None:
         self.module = module
         self.params = params
         self.inputs = inputs
@@ -131,7 +109,7 @@ class Recorder:
         self.default_read = default_read
         self.shape_env = shape_env
         self.opaque = opaque
-        self.stack: list[str] = []
+        self.modules = ModuleTracker(module)
         self.quiet = False  # inside the pack hook: its own ops are not the forward's
         self.failed_at: str | None = None  # where the first error was raised (innermost op)
         self.fn = "?"
@@ -141,6 +119,7 @@ class Recorder:
         self.op_modules: list[str] = []  # the module running each aten op, by op sequence number
         self.autograd_to_op: dict[int, int] = {}
         self.packed: list[tuple[Any, Packed]] = []  # (weakref to the packed tensor, record)
+        self.held: list[Any] | None = [] if hold else None
         self.reads: list[tuple[str, Any]] = []
         self.assumed: list[str] = []
         #: called after every counted op with (func, args, kwargs, out): the step's live-bytes recorder
@@ -149,35 +128,12 @@ class Recorder:
     @property
     def where(self) -> str:
         """The module path and op running now (for error messages)."""
-        module = self.stack[-1] if self.stack and self.stack[-1] else "<top>"
-        return f"module {module!r}, op {self.fn} ({self.aten})"
-
-    # --- module paths ----------------------------------------------------------------------------
-    @contextmanager
-    def _module_hooks(self) -> Iterator[None]:
-        handles = []
-
-        def pre(name: str) -> Callable[..., None]:
-            def hook(mod: Any, args: Any) -> None:
-                self.stack.append(name)
-            return hook
-
-        def post(mod: Any, args: Any, out: Any) -> None:
-            if self.stack:
-                self.stack.pop()
-
-        for name, sub in self.module.named_modules():
-            handles.append(sub.register_forward_pre_hook(pre(name)))
-            handles.append(sub.register_forward_hook(post))  # not always_call: an error keeps its module
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+        return f"module {self.modules.current or '<top>'!r}, op {self.fn} ({self.aten})"
 
     @property
     def current(self) -> str:
-        return self.stack[-1] if self.stack else ""
+        """The innermost module running."""
+        return self.modules.current
 
     # --- modes -------------------------------------------------------------------------------------
     def _modes(self) -> tuple[Any, Any]:
@@ -186,6 +142,7 @@ class Recorder:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         rec = self
+        stack = self.modules.stack  # read inline below: this runs for every op
         local_scalar = torch.ops.aten._local_scalar_dense.default
         peek = torch.autograd._get_sequence_nr
 
@@ -216,7 +173,8 @@ class Recorder:
                         "num_hidden_layers=2): the layers that repeat stay symbolic (L), and --set L=N evaluates "
                         "the formula at your count")
                 rec.seq += 1
-                rec.op_modules.append(rec.current)
+                current = stack[-1] if stack else ""
+                rec.op_modules.append(current)
                 rec.autograd_to_op.setdefault(peek() - 1, seq)
                 rec.aten = str(func)
                 if func is local_scalar:
@@ -236,10 +194,10 @@ class Recorder:
                 except Exception:
                     rec.failed_at = rec.failed_at or rec.where
                     raise
-                birth = (seq, str(func), rec.current)
+                birth = (seq, str(func), current)
                 if rec.shape_env is not None:
                     rec._data_dependent_sizes(func, out)
-                for t in _leaves(out):
+                for t in tensors(out):
                     try:
                         key = storage_key(t)
                     except (RuntimeError, NotImplementedError):
@@ -256,7 +214,7 @@ class Recorder:
         """Refuse outputs whose sizes depend on data (``nonzero``, ``masked_select``: unbacked SymInts)."""
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-        for t in _leaves(out):
+        for t in tensors(out):
             if free_unbacked_symbols(tuple(t.shape)):
                 raise SymmemError(f"{func} at {self.where} returns a tensor whose size depends on the data "
                                   f"({tuple(t.shape)}); a formula in the declared sizes cannot say how big it is. "
@@ -316,23 +274,37 @@ class Recorder:
         st = t.untyped_storage()
         key = st._cdata
         kind = "parameter" if key in self.params else "input" if key in self.inputs else "activation"
-        rec = Packed(key, st.nbytes(), tuple(t.shape), dtype_name(t.dtype), self.current, self.fn, kind,
-                     self.births.get(key), self.params.get(key) or self.inputs.get(key), saver)
+        rec = Packed(key, st.nbytes(), tuple(t.shape), dtype_name(t.dtype), self.modules.current, self.fn, kind,
+                     self.births.get(key), self.params.get(key) or self.inputs.get(key), saver,
+                     t.grad_fn.name() if t.grad_fn is not None else None)
         self.packed.append((weakref.ref(d), rec))
+        if self.held is not None:
+            self.held.append(d)
         return d
 
     # --- the run -----------------------------------------------------------------------------------
-    def run(self, call: Callable[[], Any], keep_output: bool = False) -> Outcome:
-        """Run ``call()`` (the forward) under all recorders and return what it kept."""
+    @contextmanager
+    def recording(self, dispatch: bool = True) -> Iterator[None]:
+        """Record what runs inside: modules, torch functions, packed tensors, and with ``dispatch`` every aten op
+        (numbered, births noted, overrides and value reads answered)."""
         import torch
 
         self._peek = torch.autograd._get_sequence_nr
         functions, ops = self._modes()
-        with self._module_hooks(), functions, ops, \
-                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x):
+        with ExitStack() as stack:
+            stack.enter_context(self.modules)
+            stack.enter_context(functions)
+            if dispatch:
+                stack.enter_context(ops)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x))
+            yield
+
+    def run(self, call: Callable[[], Any], keep_output: bool = False) -> Outcome:
+        """Run ``call()`` (the forward) under all recorders and return what it kept."""
+        with self.recording():
             out = self._guarded(call)
         # keep the outputs' grad_fn (the graph a loss would backpropagate through), drop the outputs
-        roots = [t.grad_fn for t in _leaves(out) if getattr(t, "grad_fn", None) is not None]
+        roots = [t.grad_fn for t in tensors(out) if getattr(t, "grad_fn", None) is not None]
         if not keep_output:
             out = None
         gc.collect(1)  # young generations: packed tensors have no cycles; a full collection costs ~0.5 s
@@ -399,7 +371,7 @@ def _metadata(func: Any) -> bool:
 
 def _aliases_input(key: int, args: Any) -> bool:
     """Whether ``key`` is the storage of one of the op's inputs (a view or in-place result: not a new birth)."""
-    for t in _leaves(args):
+    for t in tensors(args):
         try:
             if storage_key(t) == key:
                 return True

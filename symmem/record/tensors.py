@@ -1,0 +1,65 @@
+"""What a recorder reads off a tensor: its storage's identity and size, its dtype's name, the tensors inside an
+output.  The identity holds for real and fake tensors; the size is where the two differ (:func:`concrete_nbytes`,
+:func:`symbolic_nbytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import SymmemError
+
+
+def storage_key(t: Any) -> int:
+    """Identity of a tensor's storage: the address of its ``StorageImpl``, shared by every view and unique while
+    the storage lives (real tensors, and fake ones, whose storages are real ``StorageImpl`` objects on meta).
+    Raises ``RuntimeError``/``NotImplementedError`` for a tensor without a storage (sparse, nested)."""
+    return t.untyped_storage()._cdata
+
+
+def concrete_nbytes(storage: Any) -> int:
+    """The bytes of a real storage."""
+    return int(storage.nbytes())
+
+
+def symbolic_nbytes(storage: Any) -> Any:
+    """The bytes of a fake storage: the sympy expression behind its ``SymInt`` (in the ShapeEnv's symbols), or an
+    ``int`` where the size is concrete."""
+    n = storage.nbytes()
+    return n.node.expr if hasattr(n, "node") else int(n)
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` -> ``float32``: symmem's own dtype names."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensors(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
+    """Tensors inside nested tuples, lists, dicts and dataclass-like outputs (Hugging Face ``ModelOutput``)."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v, seen)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from tensors(v, seen)
+    elif hasattr(obj, "to_tuple"):
+        yield from tensors(obj.to_tuple(), seen)
+
+
+def require_torch() -> Any:
+    """``torch``, or the error saying how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise SymmemError("tracking runs PyTorch, which is not installed: pip install torch==2.13.0 "
+                          "(the CPU build), or pip install 'symmem[torch]'") from None
+    return torch
