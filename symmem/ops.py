@@ -908,14 +908,6 @@ def _mean(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(x.shape[:d] + one + x.shape[d + 1:], x.dtype))
 
 
-@rule("traced", arity=0, attrs={"shape": SHAPE, "dtype": DTYPE, "op": _a(_is_text, "the op that saved it"),
-                                "module": _a(_is_text, "the module that saved it"),
-                                "seen": _a(_any, "the shape of the first tensor saved from it")})
-def _traced(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
-    # a storage a traced module keeps (symmem.importer): its bytes are known, its op semantics are PyTorch's
-    return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
-
-
 @rule("rope_table", attrs={"dim": REQ_DIM, "dtype": DTYPE})
 def _rope_table(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # cos or sin of the rotary angles for position ids (..., S): (..., S, dim), computed without gradient.

@@ -95,8 +95,6 @@ class PytorchConvention(Convention):
     unsupported: Mapping[str, str] = {
         "rotary": "a fused rotary-embedding kernel differs per library; build rotary from mul, slice, neg, "
                   "concat and add as Hugging Face does (symmem.models.llama)",
-        "traced": "a storage a traced module keeps carries no op to apply a rule to: derive a traced graph with "
-                  "the traced convention (symmem.trace does)",
     }
 
     def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:

@@ -67,7 +67,7 @@ def rule(kind: str) -> GradRule | None:
     return _GRADS.get(kind)
 
 
-@grads("input", "parameter", "buffer", "constant", "rope_table", "traced")
+@grads("input", "parameter", "buffer", "constant", "rope_table")
 def _leaf(ctx: RuleContext) -> Grads:
     """Leaves: nothing runs backward."""
     return Grads()
