@@ -8,7 +8,6 @@ import pytest
 
 import symmem
 from symmem.cli import main
-from symmem.report import jupyter
 
 MiB = 2**20
 
