@@ -63,7 +63,9 @@ class Ledger:
 
     ``storages`` are what the training step keeps besides the parameter side (activations, inputs, what a loss
     keeps, transients of recomputation or of an accounting), in the order the model runs, with sizes as
-    sympy expressions in every symbol (not yet substituted).  ``free`` are the symbols formulas keep,
+    sympy expressions in every symbol (not yet substituted), under the regime's activation side: a graph's
+    front applies checkpointing and tensor and pipeline parallelism per branch of the sizes (they change what
+    is kept), a traced module was traced checkpointed.  ``free`` are the symbols formulas keep,
     ``defaults`` every symbol's value or expression (the model's defaults with what was set), ``numbers`` the
     symbols that have numbers.  ``repeats`` maps each repeated block to its count, ``layer`` is the block a
     per-layer ledger describes.  ``options`` are what the derivation shows it was made with; ``notes`` what a
