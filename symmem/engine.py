@@ -1,150 +1,143 @@
-"""Graph + convention + training regime -> a :class:`~symmem.derivation.Derivation`.
+"""The core path: a built graph under a convention -> a :class:`~symmem.ledger.Ledger`, and any ledger + training
+regime -> a :class:`~symmem.derivation.Derivation`.
 
-:func:`derivation` is the core: a built :class:`~symmem.graph.Model`, a :class:`~symmem.conventions.Convention`
-and a :class:`~symmem.training.Regime` value, with symbol values.  :func:`derive` is the front users and the
-command line call: a model by name with its builder options, the regime's fields and the convention's options
-as keywords.
+:func:`ledger_of` is the graph's front: a built :class:`~symmem.graph.Model`, a
+:class:`~symmem.conventions.Convention` and a :class:`~symmem.training.Regime` value, with symbol values, give the
+storages the convention keeps (the regime's activation side applied) and the graph's parameters.
+:func:`derivation_of` is the one back half every front shares: the parameter side, the substitution of the
+symbols that are not kept, and the :class:`~symmem.derivation.Derivation` with its training step.
+:func:`derivation` is both, for a built graph.  The fronts users call (``derive`` by name, ``trace``, ``show``)
+are :mod:`symmem.api`; the checks of every number against what a front holds (:func:`symbol_values`) are here.
 
->>> d = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True)
+>>> from symmem.conventions import convention
+>>> from symmem.models import build
+>>> d = derivation(build("vit-b16", attention="sdpa"), convention("paper"), Regime(), per_layer=True)
 >>> d.activations / 4
 9*B*H*S
->>> round(derive("resnet50-v1", convention="paper").value("total") / 2**30, 4)
-3.0246
->>> derive("resnet50-v1").convention                   # the default: what PyTorch autograd keeps
-'pytorch'
->>> derive("resnet18", convention="pytorch", device="cpu").options["device"]
-'cpu'
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 import sympy
 
 from .conventions import Convention
-from .conventions import convention as get_convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import NothingCounted, SymmemError
 from .evaluator import Unsupported, interpret
-from .graph import Model, parameter_count, paused_gc
+from .graph import Model, parameter_shapes, paused_gc
+from .ledger import Ledger, Parameter
 from .passes import branches, regimes, saved
 from .shapes import fmt, numel
 from .tensor import MAX_SIZE
 from .training import Regime
 
-#: The regime's fields, which :func:`derive` takes as keywords.
-REGIME_FIELDS = tuple(f.name for f in dataclasses.fields(Regime))
+#: One thing whose sizes a front checks: (node, op kind, [(what, shape)], how many times it is repeated).
+Sized = tuple[str, str, Sequence[tuple[str, tuple[sympy.Expr, ...]]], sympy.Expr]
 
 
-def derive(model: Model | str, convention: str | Convention = "pytorch", regime: Regime | None = None,
-           values: Mapping[str, int] | None = None, *, per_layer: bool = False,
-           free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
-           loss: str | None = None, **keywords: Any) -> Derivation:
-    """Derive the training memory of ``model``.
+class Sizes(Protocol):
+    """What a front's numbers are checked against (:func:`symbol_values`): the symbols and their defaults, the
+    assumptions the sizes need, what the regime needs, and every size that must be a positive integer."""
 
-    ``model`` is a :class:`~symmem.graph.Model` or a built-in name.  Keywords are, by name: a field of the
-    training regime (``optimizer``, ``precision``, ``checkpoint`` (none, full, selective, every-K), ``zero``
-    (0-3), ``tensor_parallel`` ...; see :class:`~symmem.training.Regime`), an option of the convention
-    (``device="cpu"``), or an option of the model's builder (``attention="naive"``).  ``regime`` gives the
-    regime as one value instead.  ``values`` override symbol values for evaluation (``{"B": 32}``); ``free``
-    names the symbols to keep in the formula (default: the model's).  ``options`` are convention options as
-    a mapping.  ``loss`` (``"cross-entropy"``) appends a loss after the model's output, as its own group; its
-    kept tensors are the category ``loss``.
-    """
-    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords)
-    return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+    name: str
+    defaults: Mapping[sympy.Symbol, sympy.Expr]
+    free: tuple[sympy.Symbol, ...]
+
+    @property
+    def symbols(self) -> tuple[sympy.Symbol, ...]: ...
+
+    def assumptions(self) -> Sequence[tuple[str, sympy.Basic, sympy.Basic | None]]: ...
+
+    def requirements(self, regime: Regime) -> list[tuple[str, sympy.Basic, None]]: ...
+
+    def kind(self, node: str) -> str: ...
+
+    def sized(self) -> Iterable[Sized]: ...
 
 
-def _setup(model: Model | str, convention: str | Convention, regime: Regime | None,
-           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any]
-           ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
-    """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
-    the convention's options."""
-    conv = get_convention(convention)
-    regime_options = {k: keywords.pop(k) for k in REGIME_FIELDS if k in keywords}
-    if regime is None:
-        regime = Regime(**regime_options)
-    elif not isinstance(regime, Regime):
-        raise SymmemError(f"regime must be a symmem Regime, got {regime!r}; give optimizer=... as a keyword")
-    elif regime_options:
-        raise SymmemError(f"give the regime once: as regime=... or as {', '.join(sorted(regime_options))}")
-    if options is not None and not isinstance(options, Mapping):
-        raise SymmemError(f"options must map convention options to values, got {options!r}")
-    conv_options = dict(options or {})
-    conv_options.update({k: keywords.pop(k) for k in list(keywords) if k in conv.options})
-    if isinstance(model, str):
-        from .models import build
+class GraphSizes:
+    """:class:`Sizes` of a built model: its graph's nodes, assumptions and repeated blocks."""
 
-        model = build(model, **keywords)
-    elif not isinstance(model, Model):
-        raise SymmemError(f"model must be a built-in model's name or a symmem Model, got {type(model).__name__}")
-    elif keywords:
-        raise SymmemError(f"unknown options {sorted(keywords)}: not a regime field ({', '.join(REGIME_FIELDS)}), "
-                          f"not an option of the {conv.name} convention, and builder options need a model name")
-    if loss is not None:
-        from .loss import with_loss
+    def __init__(self, model: Model) -> None:
+        self.model, self.name, self.defaults, self.free = model, model.name, model.defaults, model.free
 
-        model = with_loss(model, loss)
-    return model, conv, regime, conv_options
+    @property
+    def symbols(self) -> tuple[sympy.Symbol, ...]:
+        return self.model.symbols
+
+    def assumptions(self) -> Sequence[tuple[str, sympy.Basic, sympy.Basic | None]]:
+        return self.model.graph.assumptions
+
+    def requirements(self, regime: Regime) -> list[tuple[str, sympy.Basic, None]]:
+        return regimes.requirements(self.model.graph, self.model.symbols, regime)
+
+    def kind(self, node: str) -> str:
+        graph = self.model.graph
+        return graph.node(node).kind if node in graph else "regime"
+
+    def sized(self) -> Iterable[Sized]:
+        graph = self.model.graph
+        for name in graph.order():
+            node = graph.node(name)
+            yield (name, node.kind, [("output", node.out.shape), *((f"parameter {p!r}", s)
+                                                                   for p, s in node.params.items())], node.count)
 
 
 class Acceptor:
     """``accepts(name, value)``: why the model refuses ``value`` for the symbol ``name`` (with ``values`` for the
-    others), or None when it accepts it (see :func:`acceptor`).  ``model`` and ``convention`` are what it
-    checks for."""
+    others), or None when it accepts it (see :func:`symmem.api.acceptor`).  ``model`` and ``convention`` are what
+    it checks for."""
 
     def __init__(self, model: Model, convention: Convention, regime: Regime, values: Mapping[str, int]) -> None:
         self.model, self.convention, self.regime, self.values = model, convention, regime, dict(values)
 
     def __call__(self, name: str, value: int) -> str | None:
         try:  # _values names what to set instead of a size that follows from others (ViT's S)
-            _values(self.model, self.regime, {**self.values, name: value})
+            _values(GraphSizes(self.model), self.regime, {**self.values, name: value})
         except SymmemError as exc:
             return str(exc)
         return None
 
 
-
-def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
-             loss: str | None = None, convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
-    """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
-    ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
-    deriving.  Arguments are :func:`derive`'s.  :func:`symmem.apps.budget.largest` uses it to answer only with values
-    the model accepts.
-
-    >>> accepts = acceptor("gpt2")
-    >>> accepts("h", 12) is None
-    True
-    >>> print(accepts("h", 13))
-    node 'h.attn.query_split' (reshape): needs h to divide H (Mod(H, h) = 0), which fails at H=768, h=13; ...
-    """
-    model, conv, regime, _ = _setup(model, convention, regime, None, loss, dict(keywords))
-    if values is not None and not isinstance(values, Mapping):
-        raise SymmemError(f"values must map symbol names to positive integers ({{'B': 32}}), got {values!r}")
-    return Acceptor(model, conv, regime, values or {})
+def symbol_values(sizes: Sizes, regime: Regime, values: Mapping[str, int] | None, free: tuple[str, ...] | None
+                  ) -> tuple[set[sympy.Symbol], dict[sympy.Symbol, sympy.Expr], dict[sympy.Symbol, int]]:
+    """The symbols formulas keep (``free`` by name; default: the front's and the regime's), every symbol's value
+    or expression, and the symbols that have numbers, every number checked (:func:`_values`)."""
+    if isinstance(free, str) or (free is not None and not all(isinstance(n, str) for n in free)):
+        raise SymmemError(f"free must be a tuple of symbol names (('B', 'S')), got {free!r}")
+    by_name, eff, numbers = _values(sizes, regime, values)
+    if free is None:
+        keep = set(sizes.free) | set(regimes.symbols(regime))
+    else:
+        unknown = [n for n in free if n not in by_name]
+        if unknown:
+            raise SymmemError(f"{sizes.name} has no symbol {unknown[0]!r}; it has {', '.join(sorted(by_name))}")
+        keep = {by_name[n] for n in free}
+    return keep, eff, numbers
 
 
-def _values(model: Model, regime: Regime, values: Mapping[str, int] | None
+def _values(sizes: Sizes, regime: Regime, values: Mapping[str, int] | None
             ) -> tuple[dict[str, sympy.Symbol], dict[sympy.Symbol, sympy.Expr], dict[sympy.Symbol, int]]:
     """Check ``values`` the way :func:`derivation` does: (symbols by name, every symbol's value or expression,
     the symbols that have numbers).  One place checks every value: names, positive integers within PyTorch's
     sizes, the model's assumptions, the regime's requirements and every size of every tensor."""
-    by_name = {s.name: s for s in model.symbols + regimes.symbols(regime)}
+    by_name = {s.name: s for s in sizes.symbols + regimes.symbols(regime)}
     if values is not None and not isinstance(values, Mapping):
         raise SymmemError(f"values must map symbol names to positive integers ({{'B': 32}}), got {values!r}")
     user: dict[sympy.Symbol, int] = {}
     for name, v in (values or {}).items():
         if name not in by_name:
-            raise SymmemError(f"{model.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}"
+            raise SymmemError(f"{sizes.name} has no symbol {name!r}; it has {', '.join(sorted(by_name))}"
                               + regimes.hint(name))
         user[by_name[name]] = positive_int(name, v)
-    eff = _effective(model, user)
-    required = regimes.requirements(model.graph, model.symbols, regime)
+    eff = _effective(sizes.defaults, user)
+    required = sizes.requirements(regime)
     for s in regimes.symbols(regime):
         if s in user:
             continue
@@ -153,7 +146,7 @@ def _values(model: Model, regime: Regime, values: Mapping[str, int] | None
         for candidate in _halvings(regimes.DEFAULTS[s]):
             eff[s] = sympy.Integer(candidate)
             try:
-                _check_assumptions(model, _numbers(eff), [r for r in required if s in r[1].free_symbols])
+                _check_assumptions(sizes, _numbers(eff), [r for r in required if s in r[1].free_symbols])
                 break
             except SymmemError:
                 continue
@@ -161,11 +154,11 @@ def _values(model: Model, regime: Regime, values: Mapping[str, int] | None
             eff[s] = sympy.Integer(regimes.DEFAULTS[s])
     numbers = _numbers(eff)
     try:
-        _check_assumptions(model, numbers, required)
-        _check_sizes(model, numbers)
+        _check_assumptions(sizes, numbers, required)
+        _check_sizes(sizes, numbers)
     except SymmemError as exc:
-        tied = [(s, model.defaults[s]) for s in user
-                if s in model.defaults and model.defaults[s].free_symbols and s.name in str(exc)]
+        tied = [(s, sizes.defaults[s]) for s in user
+                if s in sizes.defaults and sizes.defaults[s].free_symbols and s.name in str(exc)]
         if not tied:
             raise
         # a size set by hand that the model derives from others (ViT's S from the image): name what to set
@@ -191,7 +184,9 @@ def _halvings(n: int) -> list[int]:
 def derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
                *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
                free: tuple[str, ...] | None = None) -> Derivation:
-    """The core: the storages ``convention`` keeps for ``model`` under ``regime``, with their lifetimes."""
+    """The core path of a built graph: its ledger under ``convention`` and ``regime`` (:func:`ledger_of`), with
+    the peak of its training step where the convention models the step, through the back half
+    (:func:`derivation_of`)."""
     with paused_gc():
         return _derivation(model, convention, regime, values, options=options, per_layer=per_layer, free=free)
 
@@ -199,25 +194,52 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
 def _derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
                 *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
                 free: tuple[str, ...] | None = None) -> Derivation:
-    conv = convention
+    front = _front(model, convention, regime, values, options, per_layer, free)
+    step = None
+    if not per_layer and type(convention).grads is not Convention.grads:
+        step = _step(model, convention, front.options, regime, front.subs, front.open, front.decided,
+                     front.ledger.numbers)
+    return derivation_of(front.ledger, regime, step)
+
+
+def ledger_of(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
+              *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
+              free: tuple[str, ...] | None = None) -> Ledger:
+    """The ledger of a built graph: the storages ``convention`` keeps for ``model`` under ``regime`` (its
+    checkpointing, tensor and pipeline parallelism applied), with their lifetimes, and the graph's parameters.
+
+    >>> from symmem.conventions import convention
+    >>> from symmem.models import build
+    >>> ledger = ledger_of(build("mlp"), convention("pytorch"), Regime(), options={"device": "cpu"})
+    >>> [s.name for s in ledger.storages], [f"{p.owner}.{p.name}" for p in ledger.parameters][:2]
+    (['x', 'act1', 'act2'], ['fc1.weight', 'fc1.bias'])
+    """
+    with paused_gc():
+        return _front(model, convention, regime, values, options, per_layer, free).ledger
+
+
+@dataclass(frozen=True)
+class _Front:
+    """A graph's ledger with what its training step is worked out from: the convention's options, the
+    substitution of the symbols not kept, and the size conditions still open and those decided."""
+
+    ledger: Ledger
+    options: dict[str, Any]
+    subs: dict[sympy.Symbol, sympy.Expr]
+    open: list[Any]
+    decided: dict[sympy.Basic, bool]
+
+
+def _front(model: Model, conv: Convention, regime: Regime, values: Mapping[str, int] | None,
+           options: Mapping[str, Any] | None, per_layer: bool, free: tuple[str, ...] | None) -> _Front:
     conv_options = dict(conv.options)
     for key, v in (options or {}).items():
         if key not in conv_options:
             raise SymmemError(f"convention {conv.name!r} has no option {key!r}; it has "
                               f"{', '.join(sorted(conv_options)) or 'none'}")
         conv_options[key] = v
-
-    if isinstance(free, str) or (free is not None and not all(isinstance(n, str) for n in free)):
-        raise SymmemError(f"free must be a tuple of symbol names (('B', 'S')), got {free!r}")
-    by_name, eff, numbers = _values(model, regime, values)
-    if free is None:
-        keep = set(model.free) | set(regimes.symbols(regime))
-    else:
-        unknown = [n for n in free if n not in by_name]
-        if unknown:
-            raise SymmemError(f"{model.name} has no symbol {unknown[0]!r}; it has {', '.join(sorted(by_name))}")
-        keep = {by_name[n] for n in free}
-    subs = _substitute_all(eff, keep)
+    keep, eff, numbers = symbol_values(GraphSizes(model), regime, values, free)
+    subs = substitute_all(eff, keep)
 
     graph = model.graph
     layer = None
@@ -236,29 +258,40 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
         return kept + conv.extra_storages(kept, conv_options)
 
     storages = _in_graph_order(graph, branches.combine(graph, nodes, open_, decided, run))
-    storages += regimes.parameters(graph, nodes, regime, per_layer)
-    if subs:
-        done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
-        storages = [_substituted(s, subs, done) for s in storages]
-    step = None
-    if not per_layer and type(conv).grads is not Convention.grads:
-        step = _step(model, conv, conv_options, regime, subs, open_, decided, numbers)
-    param_count = parameter_count(graph, nodes, per_layer)
-    kept_symbols = tuple(s for s in sorted(keep, key=lambda s: s.name) if any(
-        s in x.expr.free_symbols for x in storages)) or tuple(sorted(keep, key=lambda s: s.name))
-    base = {x for x, e in eff.items() if e.is_number}
-    resolved = _substitute_all(eff, base)
-    tied = {x: resolved[x] for x in kept_symbols if x in resolved and resolved[x].free_symbols}
-    domain = model.graph.graph.get("domain", sympy.true)
     notes: tuple[str, ...] = ()
-    why = None if any(s.category == "activation" and s.expr != 0 for s in storages) else conv.finds_nothing(graph)
+    seen = any(s.category == "activation" and s.expr.xreplace(subs) != 0 for s in storages)
+    why = None if seen else conv.finds_nothing(graph)
     if why is not None:
         # a 0 that means "this convention cannot see the graph", not "nothing is kept": say so wherever it shows
         notes = (f"{model.name}: {why}",)
-        warnings.warn(notes[0], NothingCounted, stacklevel=4)
-    return Derivation(model.name, conv.name, regime, tuple(storages), kept_symbols, numbers,
-                      param_count.xreplace(subs), per_layer, layer, {**dict(model.options), **conv_options}, step,
-                      domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain, notes, tied)
+        warnings.warn(notes[0], NothingCounted, stacklevel=5)
+    parameters = tuple(Parameter(node.name, pname, shape, count, node.block, node.group)
+                       for node, pname, count, shape in parameter_shapes(graph, nodes, per_layer))
+    domain = graph.graph.get("domain", sympy.true)
+    ledger = Ledger(model.name, conv.name, tuple(storages), parameters, tuple(sorted(keep, key=lambda s: s.name)),
+                    eff, numbers, {**dict(model.options), **conv_options}, per_layer, layer,
+                    {b.name: b.count for b in graph.blocks.values()}, domain, notes)
+    return _Front(ledger, conv_options, subs, open_, decided)
+
+
+def derivation_of(ledger: Ledger, regime: Regime, step: Callable[..., Any] | None = None) -> Derivation:
+    """The back half every front shares: a ledger's storages with the parameter side of its trainable parameters
+    under ``regime`` (:func:`symmem.passes.regimes.parameters`), every symbol the ledger does not keep replaced by
+    its value, as the :class:`~symmem.derivation.Derivation` whose training step is ``step``."""
+    keep = tuple(sorted(ledger.free, key=lambda s: s.name))
+    subs = substitute_all(ledger.defaults, set(keep))
+    storages = [*ledger.storages, *regimes.parameters(ledger.parameters, regime, ledger.per_layer)]
+    if subs:
+        done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
+        storages = [_substituted(s, subs, done) for s in storages]
+    kept_symbols = tuple(s for s in keep if any(s in x.expr.free_symbols for x in storages)) or keep
+    base = {x for x, e in ledger.defaults.items() if e.is_number}
+    resolved = substitute_all(ledger.defaults, base)
+    tied = {x: resolved[x] for x in kept_symbols if x in resolved and resolved[x].free_symbols}
+    domain = ledger.domain
+    return Derivation(ledger.model, ledger.convention, regime, tuple(storages), kept_symbols, ledger.numbers,
+                      ledger.parameter_count.xreplace(subs), ledger.per_layer, ledger.layer, dict(ledger.options),
+                      step, domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain, ledger.notes, tied)
 
 
 def _in_graph_order(graph: Any, storages: list[Storage]) -> list[Storage]:
@@ -320,6 +353,8 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
     return compute
 
 
+
+
 def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict[sympy.Expr, sympy.Expr]
                  ) -> Storage:
     def sub(e: sympy.Expr) -> sympy.Expr:
@@ -335,13 +370,14 @@ def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict
     return s.with_(expr=expr, count=count, shards=shards, elements=elements)
 
 
-def _effective(model: Model, values: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, sympy.Expr]:
-    eff = dict(model.defaults)
+def _effective(defaults: Mapping[sympy.Symbol, sympy.Expr], values: Mapping[sympy.Symbol, int]
+               ) -> dict[sympy.Symbol, sympy.Expr]:
+    eff = dict(defaults)
     eff.update({s: sympy.Integer(v) for s, v in values.items()})
     return eff
 
 
-def _substitute_all(eff: Mapping[sympy.Symbol, sympy.Expr], keep: set[sympy.Symbol]) -> dict:
+def substitute_all(eff: Mapping[sympy.Symbol, sympy.Expr], keep: set[sympy.Symbol]) -> dict:
     """Resolve every symbol not in ``keep`` to an expression in ``keep`` (defaults may chain)."""
     out: dict[sympy.Symbol, sympy.Expr] = {}
     for sym in eff:
@@ -360,7 +396,7 @@ def _substitute_all(eff: Mapping[sympy.Symbol, sympy.Expr], keep: set[sympy.Symb
 
 
 def _numbers(eff: Mapping[sympy.Symbol, sympy.Expr]) -> dict[sympy.Symbol, int]:
-    resolved = _substitute_all(eff, set())
+    resolved = substitute_all(eff, set())
     out: dict[sympy.Symbol, int] = {}
     for s, e in resolved.items():
         if e.is_number:
@@ -383,14 +419,13 @@ def _describe(cond: sympy.Basic) -> str:
     return str(cond)
 
 
-def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int],
+def _check_assumptions(sizes: Sizes, numbers: Mapping[sympy.Symbol, int],
                        requirements: Sequence[tuple[str, sympy.Basic, sympy.Basic | None]] = ()) -> None:
-    """Every assumption of the graph (``(node, lhs, rhs)``: lhs = rhs; ``(node, condition, None)``) and every
+    """Every assumption of the front (``(node, lhs, rhs)``: lhs = rhs; ``(node, condition, None)``) and every
     requirement of the regime, checked at the numbers: a :class:`SymmemError` names the node and the values."""
-    graph = model.graph
     subs = dict(numbers)
-    for node, lhs, rhs in [*graph.assumptions, *requirements]:
-        kind = graph.node(node).kind if node in graph else "regime"
+    for node, lhs, rhs in [*sizes.assumptions(), *requirements]:
+        kind = sizes.kind(node)
         if rhs is None:
             # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
             verdict = sympy.sympify(lhs.xreplace(subs), strict=True)
@@ -414,11 +449,10 @@ def _check_assumptions(model: Model, numbers: Mapping[sympy.Symbol, int],
                               f"{_given((lhs, rhs), numbers)} give {a} != {b}; set the symbols consistently")
 
 
-def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
+def _check_sizes(sizes: Sizes, numbers: Mapping[sympy.Symbol, int]) -> None:
     """Every size of every tensor, parameter and repeat count must be a positive integer at the numbers: an image
     too small for the network, heads that do not divide the hidden size or a slice past its end is an error
     naming the node, not a formula with a zero, negative or fractional size."""
-    graph = model.graph
     subs = dict(numbers)
     known = set(numbers)
     verdicts: dict[sympy.Expr, Any] = {}
@@ -437,9 +471,7 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
             verdicts[d] = v
         return verdicts[d]
 
-    for name in graph.order():
-        node = graph.node(name)
-        shapes = [("output", node.out.shape), *((f"parameter {p!r}", s) for p, s in node.params.items())]
+    for name, kind, shapes, count in sizes.sized():
         for what, shape in shapes:
             for d in shape:
                 if d.is_Integer or d.is_Symbol:
@@ -451,7 +483,7 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
                     small = isinstance(v, int | Fraction) or getattr(v, "is_number", False)
                     hint = (" (the input is too small for this op)" if small and v <= 0
                             else " (a size that does not divide, such as heads that do not divide the hidden size)")
-                    raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} has a size {d} = {v} "
+                    raise SymmemError(f"node {name!r} ({kind}): its {what} {fmt(shape)} has a size {d} = {v} "
                                       f"at {_given((d,), numbers)}, not a positive integer{hint}")
             n = numel(shape)
             if n not in elements:
@@ -460,12 +492,12 @@ def _check_sizes(model: Model, numbers: Mapping[sympy.Symbol, int]) -> None:
                     found = sympy.sympify(n.xreplace(subs), strict=True)
                 elements[n] = int(found)
             if elements[n] > MAX_SIZE:
-                raise SymmemError(f"node {name!r} ({node.kind}): its {what} {fmt(shape)} holds {elements[n]:,} "
+                raise SymmemError(f"node {name!r} ({kind}): its {what} {fmt(shape)} holds {elements[n]:,} "
                                   f"elements at {_given((n,), numbers) or 'these sizes'}, more than PyTorch allows in "
                                   "one tensor (2**63 - 1)")
-        if node.count != 1 and bad(node.count) is not None:
-            raise SymmemError(f"node {name!r} ({node.kind}): its block is repeated {node.count} = "
-                              f"{bad(node.count)} times at {_given((node.count,), numbers)}, not a positive number "
+        if count != 1 and bad(count) is not None:
+            raise SymmemError(f"node {name!r} ({kind}): its block is repeated {count} = "
+                              f"{bad(count)} times at {_given((count,), numbers)}, not a positive number "
                               "of times")
 
 

@@ -1,7 +1,7 @@
 """Appending a training loss to a built model: the loss is not part of the model, so it is its own group.
 
 :func:`with_loss` copies a model's graph and feeds its single output into a loss op (group ``loss``), with
-the target as a new graph input; :func:`symmem.engine.derive` does this for ``loss="cross-entropy"`` and
+the target as a new graph input; :func:`symmem.api.derive` does this for ``loss="cross-entropy"`` and
 reports the loss's kept tensors under the category ``loss``.
 
 A builder can say how its model is trained through graph attributes.  ``graph.graph["causal_lm"]``: a language

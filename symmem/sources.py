@@ -451,9 +451,9 @@ def _first_line(exc: BaseException) -> str:
 # -- tracing and measuring -------------------------------------------------------------------------------
 def trace(loaded: Loaded, dims: dict[str, Any], *, method: str = "auto", check: bool = True,
           multiple_of: dict[str, int] | None = None, device: str = "cpu", **options: Any) -> Any:
-    """:func:`symmem.tracing.trace` of a loaded module; a module that fails on fake tensors (an error that is
+    """:func:`symmem.api.trace` of a loaded module; a module that fails on fake tensors (an error that is
     not symmem's own) is a :class:`SymmemError` naming the exception."""
-    from .tracing import trace as trace_module
+    from .api import trace as trace_module
 
     try:
         if loaded.loss is not None:  # the model computes its loss from the labels: the step is that loss

@@ -1,35 +1,38 @@
-"""``symmem.trace``: the exact training-memory formula of the user's own ``nn.Module``, as a Derivation.
+"""A traced module's front: what :func:`symmem.importer.trace_module` recorded, as a :class:`~symmem.ledger.Ledger`.
 
-:func:`symmem.importer.trace_module` runs the module once on fake tensors whose declared sizes are symbols and
-records every storage autograd keeps.  :func:`model_of` turns that record into a graph like the zoo's -- one
-``traced`` node per kept storage (symbolic shape, dtype, the op and module that saved it), one ``parameter``
-node per parameter, a repeated block of identical layers folded to ``L`` copies -- and :func:`trace` derives
-it under the ``traced`` convention with the training regime asked for, so every view works on it: the table,
-JSON, LaTeX, plots, ``fit``, optimizers, precisions and ZeRO on the parameter side.
+The trace ran the module once on fake tensors whose declared sizes are symbols and recorded every storage
+autograd keeps.  :func:`ledger_of` lists those storages as they were made (symbolic bytes, dtype, the module that
+saved them), the module's parameters, and a repeated block of identical layers folded to ``L`` copies; the back
+half (:func:`symmem.engine.derivation_of`) makes it a derivation under the training regime asked for, so every
+view works on it: the table, JSON, LaTeX, plots, ``fit``, optimizers, precisions and ZeRO on the parameter side.
+:func:`step_of` is its training step, traced on fake tensors op by op (:mod:`symmem.importer.peak`).
+:func:`symmem.trace` (:func:`symmem.api.trace`) is the front users call.
 
 >>> import pytest; torch = pytest.importorskip("torch")
+>>> from symmem.importer import trace_module
+>>> from symmem.training import Regime
 >>> net = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
->>> d = trace(net, (torch.zeros(2, 784),), {"B": [(0, 0)]}, optimizer="adam", loss="cross-entropy")
->>> d.activations, d.input, d.value("parameters")
-(1024*B, 3136*B, 203530)
-
-The peak is the module's own training step, traced on fake tensors op by op (:mod:`symmem.importer.peak`):
-
->>> d.peak      # Adam's for-loop step: sqrt and its division of the largest weight, alive together
-Max(3144*B + 4862128, 6216*B + 2452664)
->>> d.at(B=1024).peak_at().where()
-'backward aten.threshold_backward.default (ReluBackward0) in 1, steady step'
+>>> ledger = ledger_of(trace_module(net, (torch.zeros(2, 784),), {"B": [(0, 0)]}), Regime())
+>>> [(s.name, s.expr) for s in ledger.storages]
+[('input:0', 3136*B), ('1:relu', 1024*B)]
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy
 
-from .errors import SymmemError
-from .graph import Block, Graph, Model, Node, lint
-from .tensor import DTYPE_BYTES, TensorSpec
+from .derivation import START, Moment, Storage
+from .engine import Sized, substitute_all, symbol_values
+from .errors import NothingCounted, SymmemError
+from .ledger import Ledger, Parameter
+from .passes import regimes
+from .tensor import DTYPE_BYTES, TensorSpec, dtype_bytes
+from .training import Regime
 
 
 def _group(module: str) -> str:
@@ -71,22 +74,61 @@ def _one_piece(storages: tuple[Any, ...], at_one: dict[str, Any]) -> dict[str, A
     return {label: out[label] for label in order}
 
 
-def model_of(trace: Any, name: str | None = None, size_one: bool = False) -> Model:
-    """The graph of a :class:`~symmem.importer.Trace`: kept storages as ``traced`` and ``input`` nodes in
-    the order they were made, parameters as ``parameter`` nodes, and the largest run of identical layers
-    folded to one layer that stands for ``L`` (the symbol; its default is the run's length).
+@dataclass(frozen=True)
+class _Entry:
+    """One thing of a trace in the order the step holds it: a kept storage (``kind`` ``traced`` or ``input``) or
+    a trainable parameter (``parameter``), named as the formula shows it, with its size."""
 
-    With ``size_one`` (a trace made with ``size_one=True``) each storage's bytes are also right where one
-    declared size is 1 (PyTorch specializes size 1, so that is a trace of its own): a ``Piecewise`` in
-    ``Eq(X, 1)`` where the value differs, and storages kept only at size 1 are nodes of their own."""
-    from .symbols import L
+    label: str
+    kind: str
+    spec: TensorSpec
+    group: str
+    in_block: bool
+    count: sympy.Expr
+    parameter: Parameter | None = None
 
-    declared = {s.symbol for s in trace.symbols}
+
+class _TraceSizes:
+    """:class:`~symmem.engine.Sizes` of a trace: its storages' and parameters' shapes, no assumptions (its
+    guards are the domain), the folded layers as the one repeated block."""
+
+    def __init__(self, name: str, entries: list[_Entry], defaults: dict[sympy.Symbol, sympy.Expr],
+                 free: tuple[sympy.Symbol, ...], block_input: str | None) -> None:
+        self.name, self.entries, self.defaults, self.free = name, entries, defaults, free
+        self.kinds = {e.label: e.kind for e in entries}
+        self.blocks = [] if block_input is None else [(block_input, next(e.count for e in entries if e.in_block))]
+
+    @property
+    def symbols(self) -> tuple[sympy.Symbol, ...]:
+        found: set[sympy.Symbol] = set(self.defaults)
+        for e in self.entries:
+            for d in (*e.spec.shape, e.count):
+                found |= d.free_symbols
+        return tuple(sorted(found, key=lambda s: s.name))
+
+    def assumptions(self) -> list[tuple[str, sympy.Basic, sympy.Basic | None]]:
+        return []
+
+    def requirements(self, regime: Regime) -> list[tuple[str, sympy.Basic, None]]:
+        # no op of a trace has a role that tensor parallelism splits
+        return regimes.needs(self.name, lambda: None, self.blocks, self.symbols, regime)
+
+    def kind(self, node: str) -> str:
+        return self.kinds.get(node, "regime")
+
+    def sized(self) -> Iterator[Sized]:
+        for e in self.entries:
+            shapes = [("output", e.spec.shape)]
+            if e.parameter is not None:
+                shapes.append(("parameter 'value'", e.spec.shape))
+            yield e.label, e.kind, shapes, e.count
+
+
+def _entries(trace: Any, size_one: bool, layers: sympy.Symbol) -> tuple[list[_Entry], list[Parameter]]:
+    """The kept storages and trainable parameters of ``trace`` in the order the step holds them (parameters
+    first, then storages as they were made), the largest run of identical layers folded to its first, counted
+    ``layers`` times; and every parameter, frozen ones too."""
     rep = trace.layers
-    layers = L if L not in declared else sympy.Symbol("L_layers", positive=True, integer=True)
-    graph = Graph(name=name or trace.module)
-    nodes: list[tuple[float, Node]] = []
-    block_nodes: list[str] = []
     pieces: dict[str, Any] = {}
     extra_one: list[Any] = []
     if size_one:
@@ -99,15 +141,13 @@ def model_of(trace: Any, name: str | None = None, size_one: bool = False) -> Mod
         by_name = {st.name: st for v in at_one.values() for st in v.get("storages", ())}
         extra_one = [by_name[n] for n in pieces if n not in names]
 
-    def child(module: str) -> int | None:
-        return rep.owns(module) if rep is not None else None
-
-    def local(label: str, module: str) -> str:
+    def local(label: str) -> str:
         # a folded layer's storage named without the child index: transformer.h.0.attn:mm -> transformer.h.L.attn:mm
         assert rep is not None
         first = rep.children[0]
         return f"{rep.path}.L{label[len(first):]}" if label.startswith(first) else label
 
+    found: list[tuple[float, _Entry]] = []
     for s in [*trace.storages, *extra_one]:
         if s.kind == "parameter":
             continue
@@ -118,42 +158,79 @@ def model_of(trace: Any, name: str | None = None, size_one: bool = False) -> Mod
         if s.name in pieces and pieces[s.name] is not s.bytes:
             itemsize = DTYPE_BYTES[spec.dtype]
             spec = TensorSpec((sympy.sympify(pieces[s.name], strict=True) / itemsize,), spec.dtype)
-        when = float(s.born if s.born is not None else s.first_saved)
-        in_block = i == 0
-        label = local(s.name, s.module) if in_block else s.name
-        attrs = {"shape": spec.shape, "dtype": spec.dtype, "op": s.op, "module": s.module,
-                 "seen": tuple(str(d) for d in s.shape)}
         kind = "input" if s.kind == "input" else "traced"
-        if kind == "input":
-            attrs = {"shape": spec.shape, "dtype": spec.dtype}
-        node = Node(label, kind, (), attrs, spec.with_(role="input" if kind == "input" else None),
-                    group="layer" if in_block else ("input" if kind == "input" else _group(s.module)),
-                    block="layers" if in_block else None, count=layers if in_block else sympy.Integer(1))
-        nodes.append((when, node))
-        if in_block:
-            block_nodes.append(label)
-    for p in trace.parameters:
-        i = child(p.name.rsplit(".", 1)[0]) if "." in p.name else None
-        if i not in (None, 0) or not p.requires_grad:
-            continue
         in_block = i == 0
-        label = (local(p.name, p.name) if in_block else p.name) + ":param"
+        group = "layer" if in_block else ("input" if kind == "input" else _group(s.module))
+        entry = _Entry(local(s.name) if in_block else s.name, kind,
+                       spec.with_(role="input" if kind == "input" else None), group, in_block,
+                       layers if in_block else sympy.Integer(1))
+        found.append((float(s.born if s.born is not None else s.first_saved), entry))
+    parameters: list[Parameter] = []
+    for p in trace.parameters:
+        i = rep.owns(p.name.rsplit(".", 1)[0]) if rep is not None and "." in p.name else None
+        if i not in (None, 0):
+            continue  # another copy of the folded layer
+        in_block = i == 0
+        label = (local(p.name) if in_block else p.name) + ":param"
         shape = tuple(sympy.Integer(d) for d in p.shape) or (sympy.Integer(1),)
-        node = Node(label, "parameter", (), {"shape": shape}, TensorSpec(shape), {"value": shape},
-                    group="layer" if in_block else _group(p.name), block="layers" if in_block else None,
-                    count=layers if in_block else sympy.Integer(1))
-        nodes.append((-1.0, node))
-    for _, node in sorted(nodes, key=lambda x: x[0]):
-        graph.add(node)
-    defaults: dict[sympy.Symbol, Any] = {s.symbol: s.example for s in trace.symbols}
-    free = tuple(s.symbol for s in trace.symbols)
+        count = layers if in_block else sympy.Integer(1)
+        param = Parameter(label, "value", shape, count, "layers" if in_block else None,
+                          "layer" if in_block else _group(p.name), p.dtype, p.requires_grad)
+        parameters.append(param)
+        if p.requires_grad:  # a frozen parameter has no gradient: the step holds its weights only
+            found.append((-1.0, _Entry(label, "parameter", TensorSpec(shape), param.group, in_block, count, param)))
+    return [e for _, e in sorted(found, key=lambda x: x[0])], parameters
+
+
+def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: bool = False,
+              values: Mapping[str, int] | None = None, free: tuple[str, ...] | None = None,
+              per_layer: bool = False, shown: Mapping[str, Any] | None = None) -> Ledger:
+    """The ledger of a :class:`~symmem.importer.Trace`: the storages it kept in the order they were made, its
+    parameters, and the largest run of identical layers folded to one layer that stands for ``L`` (the symbol;
+    its default is the run's length).  ``values``, ``free`` and ``per_layer`` are :func:`symmem.api.derive`'s;
+    ``shown`` are options the derivation shows besides the trace's own.
+
+    With ``size_one`` (a trace made with ``size_one=True``) each storage's bytes are also right where one
+    declared size is 1 (PyTorch specializes size 1, so that is a trace of its own): a ``Piecewise`` in
+    ``Eq(X, 1)`` where the value differs, and storages kept only at size 1 are storages of their own."""
+    from .symbols import L
+
+    declared = {s.symbol for s in trace.symbols}
+    rep = trace.layers
+    layers = L if L not in declared else sympy.Symbol("L_layers", positive=True, integer=True)
+    entries, parameters = _entries(trace, size_one, layers)
+    model = name or trace.module
+    defaults: dict[sympy.Symbol, sympy.Expr] = {s.symbol: sympy.Integer(s.example) for s in trace.symbols}
+    free_symbols = tuple(s.symbol for s in trace.symbols)
+    block = [e for e in entries if e.in_block]
     layer = None
-    if rep is not None and block_nodes:
-        members = [n for n in graph.program_order() if graph.node(n).block == "layers"]
-        graph.blocks["layers"] = Block("layers", layers, members[0], members[-1], members[0])
-        defaults[layers] = rep.count
-        free = (*free, layers)
+    if rep is not None and any(e.kind != "parameter" for e in block):
+        defaults[layers] = sympy.Integer(rep.count)
+        free_symbols = (*free_symbols, layers)
         layer = "layers"
+    sizes = _TraceSizes(model, entries, defaults, free_symbols, block[0].label if layer else None)
+    keep, eff, numbers = symbol_values(sizes, regime, values, free)
+    if regime.checkpoint != "none":
+        raise SymmemError("a traced module is checkpointed as it is traced: give checkpoint= to symmem.trace, "
+                          "not in the regime")
+    if per_layer:
+        if layer is None:
+            raise SymmemError(f"{model} has no repeated layer, so there is no per-layer formula")
+        entries = block
+        parameters = [replace(p, count=sympy.Integer(1)) for p in parameters if p.block is not None]
+    storages = [_kept(e, regime.activation_dtype, per_layer) for e in entries if e.kind != "parameter"]
+    if regime.pipeline_parallel and not per_layer:
+        in_block = {e.label for e in entries if e.in_block}
+        storages = regimes.pipeline(storages, lambda x: layer if x.node in in_block else None)
+    notes: tuple[str, ...] = ()
+    subs = substitute_all(eff, keep)
+    if not any(s.category == "activation" and s.expr.xreplace(subs) != 0 for s in storages) and not any(
+            e.kind == "traced" for e in sizes.entries):
+        # the words of the identity convention a trace was once derived under
+        notes = (f"{model}: the traced convention counts what symmem.trace recorded of a real module, and this "
+                 "graph was not traced, so it keeps nothing; use --convention pytorch (or symmem trace for your "
+                 "module)",)
+        warnings.warn(notes[0], NothingCounted, stacklevel=3)
     domain = trace.domain
     if size_one:
         from .importer.guards import domain_of
@@ -162,19 +239,28 @@ def model_of(trace: Any, name: str | None = None, size_one: bool = False) -> Mod
             sym = trace.symbol(n)
             others = [s.symbol for s in trace.symbols if s.symbol != sym]
             domain = sympy.Or(domain, sympy.And(sympy.Eq(sym, 1), domain_of(others, list(v.get("guards", ())))))
-    graph.graph["domain"] = domain
-    lint(graph)
-    graph.graph["trace"] = {"method": trace.method, "module": trace.module, "device": trace.device,
-                            "layers": rep.path if rep is not None else None, "notes": trace.notes}
-    options = {"traced": trace.module, "method": trace.method}
+    options: dict[str, Any] = {"traced": trace.module, "method": trace.method}
     if size_one:
         options["size_one"] = True
-    return Model(name or trace.module, graph, defaults, free, f"{trace.module}, traced ({trace.method})",
-                 layer=layer, options=options)
+    return Ledger(model, "traced", tuple(storages), tuple(parameters), tuple(sorted(keep, key=lambda s: s.name)),
+                  eff, numbers, {**options, **dict(shown or {})}, per_layer, layer if per_layer else None,
+                  {layer: layers} if layer else {}, domain, notes)
 
 
-def _checkpoint_option(value: Any) -> Any:
-    """``checkpoint=`` of :func:`trace` as :func:`~symmem.importer.trace_module` takes it."""
+def _kept(entry: _Entry, act_dtype: str, per_layer: bool) -> Storage:
+    """The storage of a kept entry: it keeps itself, from its making (the start, for an input) to its backward."""
+    spec = entry.spec
+    count = sympy.Integer(1) if per_layer else entry.count
+    category = "input" if entry.kind == "input" else ("loss" if entry.group == "loss" else "activation")
+    one = spec.numel * dtype_bytes(spec.dtype, act_dtype)
+    born = START if category == "input" else Moment("forward", entry.label)
+    return Storage(entry.label, "input" if category == "input" else entry.group, category,
+                   one if count == 1 else count * one, spec.role, entry.label, spec.dtype, spec.numel, count,
+                   (entry.label,), born, Moment("backward", entry.label))
+
+
+def checkpoint_option(value: Any) -> Any:
+    """``checkpoint=`` of :func:`symmem.api.trace` as :func:`~symmem.importer.trace_module` takes it."""
     if value in (None, "none"):
         return None
     if value == "selective" or (isinstance(value, str) and value.startswith("every-")):
@@ -184,60 +270,13 @@ def _checkpoint_option(value: Any) -> Any:
     return value
 
 
-def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str = "auto", check: bool = True,
-          multiple_of: dict[str, int] | None = None, device: str = "cpu", training: bool = True,
-          name: str | None = None, loss: Any = "sum", autocast: str | None = None, size_one: bool = False,
-          **options: Any) -> Any:
-    """The training memory of ``module`` as a :class:`~symmem.derivation.Derivation`, its formula in the
-    declared symbols (see :func:`symmem.importer.trace_module` for ``example_inputs``, ``dims``, ``method``,
-    ``check`` and ``multiple_of``).  Keywords go to :func:`symmem.engine.derive`: the training regime
-    (``optimizer``, ``precision``, ``zero``, ``optimizer_impl``, ``keep_logits``, ``micro_batches`` ...),
-    ``values`` (sizes to evaluate at; default: the examples) and ``free``.  Precision of the activations is
-    the module's: trace a ``bfloat16`` module for 16-bit ones, or give ``autocast="bfloat16"``
-    (``torch.autocast`` around the forward and the loss).  ``checkpoint="full"`` runs each repeated block
-    under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (or name the children: a
-    container's path or a list of paths); the kept storages and the peak then show it.
-
-    The derivation's :attr:`~symmem.derivation.Derivation.peak` is the peak of the module's real training step,
-    traced on fake tensors (:mod:`symmem.importer.peak`): the forward, the ``loss`` (``"sum"`` of the output,
-    ``"cross-entropy"`` against a drawn target over the last dimension, ``"output"``: the module's own, e.g. a
-    Hugging Face model given ``labels``, or a callable of the output), ``backward()``, ``optimizer.step()`` and
-    ``zero_grad(set_to_none=True)``.  ``size_one=True`` also traces every size at 1 and makes the formulas
-    exact there (a ``Piecewise`` in ``Eq(X, 1)`` where the value differs).
-    """
-    import dataclasses
-
-    from .conventions import convention
-    from .engine import derive
-    from .importer import trace_module
-
-    if "convention" in options:
-        raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")
-    checkpoint = _checkpoint_option(options.pop("checkpoint", "none"))
-    recorded = trace_module(module, example_inputs, dims, device=device, training=training, method=method,
-                            check=check, multiple_of=multiple_of, autocast=autocast, checkpoint=checkpoint,
-                            size_one=size_one)
-    model = model_of(recorded, name, size_one=size_one)
-    d = derive(model, convention("traced"), **options)
-    extra: dict[str, Any] = {}
-    if recorded.extra.get("checkpoint"):
-        extra["checkpoint"] = ", ".join(recorded.extra["checkpoint"])
-    if autocast is not None:
-        extra["autocast"] = autocast
-    extra["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
-    extra["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
-    step = _step(module, recorded, d, example_inputs, dims, loss, autocast, multiple_of, device, options)
-    return dataclasses.replace(d, step=step, options={**dict(d.options), **extra})
-
-
-def _step(module: Any, recorded: Any, d: Any, example_inputs: Any, dims: Any, loss: Any, autocast: Any,
-          multiple_of: Any, device: str, options: dict[str, Any]) -> Any:
+def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.Symbol, int], example_inputs: Any,
+            dims: Any, loss: Any, autocast: Any, multiple_of: Any, device: str, free: tuple[str, ...] | None) -> Any:
     """The derivation's ``step``: the peak of the module's training step (None where it cannot be traced)."""
     from .importer.inputs import check_inputs
     from .importer.peak import StepPeak
     from .importer.step import OPTIMIZERS, StepOptions
 
-    regime = d.regime
     if recorded.method == "fitted" or not recorded.training:
         return None  # concrete traces only (or no training step): no symbolic step to follow
     if regime.optimizer not in OPTIMIZERS:
@@ -266,9 +305,8 @@ def _step(module: Any, recorded: Any, d: Any, example_inputs: Any, dims: Any, lo
         from .symbols import L
 
         sym = L if L not in set(symbols.values()) else sympy.Symbol("L_layers", positive=True, integer=True)
-        sym = sym if sym in d.numbers else None
-    free = options.get("free")
-    subs = {} if free is None else {s: d.numbers[s] for n, s in symbols.items() if n not in free and s in d.numbers}
+        sym = sym if sym in numbers else None
+    subs = {} if free is None else {s: numbers[s] for n, s in symbols.items() if n not in free and s in numbers}
     return StepPeak(module, inputs, symbols, dict(recorded.values), step_options, device, multiple_of,
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
-                    dict(d.numbers))
+                    dict(numbers))

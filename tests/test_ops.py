@@ -108,7 +108,6 @@ CASES = [
     ("attention", [T(1, h, S, 64), T(B, 1, S, 64), T(B, 1, S, 32)], {}, (B, h, S, 32), 0, False),
     ("flatten", [T(B, 3, 4, 5)], dict(start_dim=1, end_dim=2), (B, 12, 5), 0, True),
     ("concat", [T(B, 2, H), T(B, 3, H), T(B, 1, H)], dict(dim=-2), (B, 6, H), 0, False),
-    ("traced", [], dict(shape=(B, S, H), dtype="float32", op="mm", module="h.0.attn"), (B, S, H), 0, False),
 ]
 
 

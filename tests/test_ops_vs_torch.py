@@ -208,7 +208,6 @@ CASES = {
         _patch_torch),
     **{k: (shape(0, 3).map(lambda s: ([], dict(shape=s))), lambda xs, a: meta(a["shape"]))
        for k in ("input", "parameter", "constant", "buffer")},
-    "traced": (shape(0, 3).map(lambda s: ([], dict(shape=s, op="mm", module="m"))), lambda xs, a: meta(a["shape"])),
     **{k: (_same_shape(), lambda xs, a: xs[0].clone()) for k in ELEMENTWISE if k != "cast"},
     "cast": (_same_shape().map(lambda c: (c[0], dict(dtype="float32"))), lambda xs, a: xs[0].float()),
 }

@@ -47,3 +47,29 @@ def test_views_work_on_a_traced_module(traced):
     fit = largest(traced, "B", "1GiB")  # the traced step's peak: what a training step needs
     assert fit.quantity == "peak" and traced.at(B=fit.max).value("peak") <= 2**30 < traced.at(
         B=fit.max + 1).value("peak")
+
+
+def test_a_traced_module_is_a_ledger_not_a_graph():
+    """The trace becomes a ledger directly (no graph of stand-in nodes): its kept storages are the derivation's,
+    its parameters include the frozen ones (which get no gradient or optimizer state), and neither a ``traced``
+    op kind nor a ``traced`` convention exists; the derivation still says ``traced``."""
+    from symmem import ops
+    from symmem.conventions import names
+    from symmem.engine import derivation_of
+    from symmem.importer import trace_module
+    from symmem.tracing import ledger_of
+    from symmem.training import Regime
+
+    torch.manual_seed(0)
+    net = cnn()
+    net.head.requires_grad_(False)
+    recorded = trace_module(net, (torch.randn(2, 3, 8, 8),), {"B": [(0, 0)]})
+    ledger = ledger_of(recorded, Regime())
+    d = derivation_of(ledger, Regime())
+    assert d.convention == "traced" and "traced" not in names() and "traced" not in ops.kinds()
+    assert [s for s in d.storages if s.category != "parameter"] == list(ledger.storages)
+    frozen = [p.owner for p in ledger.parameters if not p.trainable]
+    assert frozen == ["head.weight:param", "head.bias:param"]
+    assert not any(s.node in frozen for s in d.storages)
+    assert d.value("parameters") == sum(p.numel() for p in net.parameters() if p.requires_grad)
+    assert ledger.repeats == {"layers": symmem.symbol("L")} and d.layer is None

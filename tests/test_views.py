@@ -8,7 +8,6 @@ import pytest
 
 import symmem
 from symmem.cli import main
-from symmem.report import jupyter
 
 MiB = 2**20
 
@@ -51,7 +50,7 @@ def test_latex_repr(resnet):
 
 
 def test_show_without_ipython(capsys):
-    jupyter.show("vit-b16", attention="naive")
+    symmem.show("vit-b16", attention="naive")
     out = capsys.readouterr().out
     assert "vit-b16" in out and "blocks.softmax" in out
 

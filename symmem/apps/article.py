@@ -116,7 +116,7 @@ def _symbols(model: str, attention: str | None) -> dict[str, Any]:
 
 
 def _derive(spec: Spec, model: str, attention: str | None, convention: str | None = None) -> Any:
-    from ..engine import derive
+    from ..api import derive
 
     known = _symbols(model, attention)
     values = {k: v for k, v in spec.values.items() if k in known}
@@ -344,7 +344,7 @@ def _resnet_section(r: ModelRow, n: dict[str, str]) -> list[str]:
 
 
 def _vit_section(group: list[ModelRow]) -> list[str]:
-    from ..engine import derive
+    from ..api import derive
     from ..report.latex import expression
     from ..simplify import factored
     from ..symbols import B, H, S
@@ -459,7 +459,7 @@ def _comparison(spec: Spec, rs: list[ModelRow], analysis: bool) -> list[str]:
 
 
 def _pytorch_section(spec: Spec, rs: list[ModelRow], torch_ds: dict[str, Any], why: str, analysis: bool) -> list[str]:
-    from ..engine import derive
+    from ..api import derive
     from ..report.latex import escape, expression
 
     who = "The FP32 analysis's accounting" if analysis else {

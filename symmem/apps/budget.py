@@ -176,7 +176,7 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
     fits ``budget``; :class:`~symmem.errors.NothingFits` when not even 1 does.
 
     ``accepts(value)`` says why the model refuses ``value`` for ``name`` (None: accepted; see
-    :func:`symmem.engine.acceptor`); the answer is then the largest accepted value that fits.
+    :func:`symmem.api.acceptor`); the answer is then the largest accepted value that fits.
     """
     cap = _budget(budget)
     quantity = quantity or default_quantity(d)

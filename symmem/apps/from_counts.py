@@ -106,7 +106,7 @@ def from_counts(activations: int, parameters: int, input_shape: tuple[int, ...],
     are those of the Q&A about CS231n estimates (:data:`QA`), the first two figures are its question's and its
     answer's, and the report says so; otherwise it speaks of your network.
     """
-    from ..engine import derive
+    from ..api import derive
 
     for name, v in (("activations", activations), ("parameters", parameters), ("batch", batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

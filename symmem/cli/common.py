@@ -182,14 +182,14 @@ def add_step_options(p: Any) -> None:
 
 def derivation_from_args(args: argparse.Namespace) -> Any:
     """The derivation the shared options describe."""
-    from ..engine import derive
+    from ..api import derive
 
     return derive(args.model, **derive_arguments(args))
 
 
 def acceptor_from_args(args: argparse.Namespace) -> Any:
-    """:func:`symmem.engine.acceptor` for the model, values and regime the shared options describe."""
-    from ..engine import acceptor
+    """:func:`symmem.api.acceptor` for the model, values and regime the shared options describe."""
+    from ..api import acceptor
 
     kw = derive_arguments(args)
     for key in ("per_layer", "free", "options"):
@@ -198,7 +198,7 @@ def acceptor_from_args(args: argparse.Namespace) -> Any:
 
 
 def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`symmem.engine.derive` that the shared options give."""
+    """The keyword arguments of :func:`symmem.api.derive` that the shared options give."""
     from ..models import entry
 
     e = entry(args.model)
@@ -225,7 +225,7 @@ def values_from_args(args: argparse.Namespace) -> dict[str, int]:
 
 def regime_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The training regime's fields from their options (each field has an option of the same name)."""
-    from ..engine import REGIME_FIELDS
+    from ..api import REGIME_FIELDS
 
     # every regime field has an option of the same name: a new regime knob needs its option above, nothing here
     return {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}

@@ -10,7 +10,7 @@ storage, and leaves parameters and the input batch apart.  A kind with no rule s
 >>> convention("pytorch").dedup
 True
 >>> sorted(convention("pytorch").unsupported)
-['rotary', 'traced']
+['rotary']
 """
 
 from __future__ import annotations

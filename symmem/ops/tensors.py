@@ -50,7 +50,6 @@ from .registry import (
     OpError,
     OpInfo,
     Unsupported,
-    any_value,
     attr,
     check_eq,
     expr,
@@ -60,7 +59,6 @@ from .registry import (
     is_nonneg,
     is_number,
     is_prob,
-    is_text,
     one_of,
     op,
     wrap_dim,
@@ -84,17 +82,6 @@ def _constant(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # ``constant``: a tensor the forward makes that needs no gradient (position ids, an additive mask, a
     # 0-dim divisor); an activation if some op saves it.  ``buffer``: module state (a registered causal
     # mask), reported like parameters but with no parameter count.
-    return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
-
-
-@op("traced", arity=0, attrs={"shape": SHAPE, "dtype": DTYPE, "op": attr(is_text, "the op that saved it"),
-                              "module": attr(is_text, "the module that saved it"),
-                              "seen": attr(any_value, "the shape of the first tensor saved from it")},
-    saves=Unsupported("a storage a traced module keeps carries no op to apply a rule to: derive a traced graph "
-                      "with the traced convention (symmem.trace does)"),
-    grads=no_backward)
-def _traced(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
-    # a storage a traced module keeps (symmem.importer): its bytes are known, its op semantics are PyTorch's
     return OpInfo(TensorSpec(a["shape"], a.get("dtype", ACT)))
 
 

@@ -27,19 +27,23 @@ The derivation first lists what a convention keeps (:mod:`.saved`), then hands t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import sympy
 
 from ..derivation import END, START, Moment, Storage
 from ..errors import SymmemError
-from ..graph import Graph, parameter_shapes
+from ..graph import Graph
 from ..shapes import numel
 from ..symbols import N, p, t
 from ..tensor import dtype_bytes
 from ..training import Regime, checkpoint_every
 from .storage import resolve
+
+if TYPE_CHECKING:
+    from ..ledger import Parameter
 
 #: Activations Megatron-LM splits across the tensor-parallel group (column-parallel outputs and what follows).
 TP_ROLES = frozenset({"qkv", "attn_scores", "attn_probs", "attn_dropout", "attention", "proj_input",
@@ -83,30 +87,39 @@ def requirements(graph: Graph, symbols: Sequence[sympy.Symbol], regime: Regime
     width ``F``; sequence parallelism splits ``S`` over ``t`` too.  Pipeline parallelism needs repeated layers
     and at most as many stages as layers.  Checkpointing every K layers needs K <= the layers of a block.
     """
+    def split() -> str | None:
+        return next((n for n in graph.order() if graph.node(n).role in TP_ROLES), None)
+
+    blocks = [(b.input, b.count) for b in graph.blocks.values()]
+    return needs(graph.graph.get("name", "this model"), split, blocks, symbols, regime)
+
+
+def needs(model: str, split: Callable[[], str | None], blocks: Sequence[tuple[str, sympy.Expr]],
+          symbols: Sequence[sympy.Symbol], regime: Regime) -> list[tuple[str, sympy.Basic, None]]:
+    """:func:`requirements` of any front: ``split()`` is the first node that tensor parallelism splits (None:
+    none), ``blocks`` the repeated blocks as (input node, count)."""
     found: list[tuple[str, sympy.Basic, None]] = []
     names = {s.name: s for s in symbols}
     if regime.tensor_parallel:
-        split = next((n for n in graph.order() if graph.node(n).role in TP_ROLES), None)
-        if split is None:
+        first = split()
+        if first is None:
             raise SymmemError(f"tensor parallelism splits attention heads and MLP widths (Megatron-LM); "
-                              f"{graph.graph.get('name', 'this model')} has no such layers (no op with a role in "
-                              f"{', '.join(sorted(TP_ROLES))})")
+                              f"{model} has no such layers (no op with a role in {', '.join(sorted(TP_ROLES))})")
         for name in ("h", "G", "F"):
             if name in names:
-                found.append((split, sympy.Eq(sympy.Mod(names[name], t), 0), None))
+                found.append((first, sympy.Eq(sympy.Mod(names[name], t), 0), None))
         if regime.sequence_parallel and "S" in names:
-            found.append((split, sympy.Eq(sympy.Mod(names["S"], t), 0), None))
-    blocks = list(graph.blocks.values())
+            found.append((first, sympy.Eq(sympy.Mod(names["S"], t), 0), None))
     if regime.pipeline_parallel:
         if not blocks:
-            raise SymmemError(f"pipeline parallelism splits repeated layers into stages; "
-                              f"{graph.graph.get('name', 'this model')} has no repeated layers")
-        found.append((blocks[0].input, sympy.Le(p, sympy.Add(*(b.count for b in blocks))), None))
+            raise SymmemError(f"pipeline parallelism splits repeated layers into stages; {model} has no repeated "
+                              "layers")
+        found.append((blocks[0][0], sympy.Le(p, sympy.Add(*(count for _, count in blocks))), None))
     every = checkpoint_every(regime.checkpoint)
     if every is not None:
-        for b in blocks:
-            if not b.count.is_number:
-                found.append((b.input, sympy.Le(every, b.count), None))
+        for node, count in blocks:
+            if not count.is_number:
+                found.append((node, sympy.Le(every, count), None))
     return found
 
 
@@ -145,7 +158,7 @@ def activations(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
     if regime.checkpoint != "none":
         out = _checkpoint(graph, out, regime, act_dtype, per_layer, dedup)
     if regime.pipeline_parallel and not per_layer:
-        out = _pipeline(graph, out)
+        out = pipeline(out, lambda x: _block(graph, x))
     return out
 
 
@@ -204,11 +217,13 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
     return out + alive_again
 
 
-def _pipeline(graph: Graph, terms: list[Storage]) -> list[Storage]:
+def pipeline(terms: list[Storage], block: Callable[[Storage], str | None]) -> list[Storage]:
+    """The activations of one pipeline stage: a repeated block's (``block(storage)``: its block, or None) divided
+    over the ``p`` stages, and the micro-batches in flight."""
     out: list[Storage] = []
     stage: list[sympy.Expr] = []
     for x in terms:
-        if x.category == "activation" and _block(graph, x) is not None:
+        if x.category == "activation" and block(x) is not None:
             x = replace(x, expr=x.expr / p, count=x.count / p)
             stage.append(x.expr)
         out.append(x)
@@ -219,8 +234,9 @@ def _pipeline(graph: Graph, terms: list[Storage]) -> list[Storage]:
     return out
 
 
-def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) -> list[Storage]:
-    """The parameter side, one storage per parameter and component (weights, gradients, optimizer states).
+def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> list[Storage]:
+    """The parameter side of a ledger's trainable parameters (:class:`~symmem.ledger.Parameter`, in the order
+    the model holds them), one storage per parameter and component (weights, gradients, optimizer states).
 
     One device holds: tensor parallelism splits matrices (rank >= 2) over t, pipeline parallelism the repeated
     layers over p; the ZeRO stage divides each component it shards by N.  Weights exist all step; gradients
@@ -232,23 +248,26 @@ def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) 
     per_shape: dict[tuple[sympy.Expr, bool, tuple[sympy.Expr, ...]], list[tuple[str, sympy.Expr, sympy.Expr,
                                                                               sympy.Expr, bool]]] = {}
     step = Moment("step")
-    for node, pname, count, shape in parameter_shapes(graph, nodes, per_layer):
-        key = (count, node.block is not None, shape)
+    for param in params:
+        if not param.trainable:
+            continue  # a frozen parameter has no gradient or optimizer state (and, as before, no weights here)
+        owner, in_block = param.owner, param.block is not None
+        key = (param.count, in_block, param.shape)
         parts = per_shape.get(key)
         if parts is None:
             parts = per_shape[key] = [
                 (component, gradient, Storage(component, "parameters", "parameter", expr, component, None, None, None,
                                               each_count, born=START, dies=END, shards=shards))
                 for component, expr, each_count, shards, gradient in
-                _parameter_parts(regime, count, node.block is not None, per_layer, shape)]
+                _parameter_parts(regime, param.count, in_block, per_layer, param.shape)]
         backward = None
         for component, gradient, template in parts:
             born, dies = START, END
             if gradient:
                 if backward is None:
-                    backward = Moment("backward", node.name)
+                    backward = Moment("backward", owner)
                 born, dies = backward, step
-            found.append(_like(template, f"{node.name}.{pname}.{component}", node.name, born, dies))
+            found.append(_like(template, f"{owner}.{param.name}.{component}", owner, born, dies))
     return found
 
 

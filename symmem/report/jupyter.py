@@ -1,6 +1,6 @@
 """Rich display in Jupyter: a derivation shows its formula, a per-term table and its totals.
 
-``Derivation._repr_latex_`` and ``_repr_html_`` call these; :func:`show` derives and displays in one call.
+``Derivation._repr_latex_`` and ``_repr_html_`` call these; :func:`symmem.show` derives and displays in one call.
 Every number shown is the derivation's own expression evaluated at its numbers.
 
 >>> from symmem import derive
@@ -12,7 +12,7 @@ True
 from __future__ import annotations
 
 import html as _html
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..units import format_bytes
 from .latex import expression, lines, rows
@@ -83,25 +83,3 @@ def _peak_rows(d: Derivation) -> list[str]:
         out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(label)}</th><td>at {esc(at.where(step=False))}"
                    f"</td><th style='text-align:right'>{_size(v)}</th></tr>")
     return out
-
-
-def show(model: Any, **kwargs: Any) -> None:
-    """Derive ``model`` (a name, a :class:`~symmem.graph.Model` or a derivation; options as for ``derive``)
-    and display it: rich output in IPython, the text table elsewhere.
-
-    It returns nothing, so a notebook shows the result once; ``derive`` returns the object, which displays
-    itself too.
-    """
-    from ..derivation import Derivation
-    from ..engine import derive
-
-    d = model if isinstance(model, Derivation) else derive(model, **kwargs)
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:  # IPython is optional: fall back to the text table
-        get_ipython = None  # type: ignore[assignment]
-    if get_ipython is not None and get_ipython() is not None:
-        display(d)
-    else:
-        print(d.table())

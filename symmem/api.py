@@ -1,0 +1,208 @@
+"""The fronts users call: :func:`derive` a built-in model by name (or a built one), :func:`trace` their own
+``nn.Module``, :func:`show` either in a notebook.
+
+They sit above the core: each reads its arguments -- a model's builder options, the regime's fields, the
+convention's options, as keywords -- makes a :class:`~symmem.ledger.Ledger` through its front (a graph under a
+convention, :func:`symmem.engine.ledger_of`; a traced module, :func:`symmem.tracing.ledger_of`), and hands it to
+the one back half (:func:`symmem.engine.derivation_of`).  The core never imports this module, the zoo or the
+views.
+
+>>> d = derive("vit-b16", convention="paper", attention="sdpa", per_layer=True)
+>>> d.activations / 4
+9*B*H*S
+>>> round(derive("resnet50-v1", convention="paper").value("total") / 2**30, 4)
+3.0246
+>>> derive("resnet50-v1").convention                   # the default: what PyTorch autograd keeps
+'pytorch'
+>>> derive("resnet18", convention="pytorch", device="cpu").options["device"]
+'cpu'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from .conventions import Convention
+from .conventions import convention as get_convention
+from .derivation import Derivation
+from .engine import Acceptor, derivation, derivation_of
+from .errors import SymmemError
+from .graph import Model
+from .training import Regime
+
+#: The regime's fields, which :func:`derive` and :func:`trace` take as keywords.
+REGIME_FIELDS = tuple(f.name for f in dataclasses.fields(Regime))
+
+
+def derive(model: Model | str, convention: str | Convention = "pytorch", regime: Regime | None = None,
+           values: Mapping[str, int] | None = None, *, per_layer: bool = False,
+           free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
+           loss: str | None = None, **keywords: Any) -> Derivation:
+    """Derive the training memory of ``model``.
+
+    ``model`` is a :class:`~symmem.graph.Model` or a built-in name.  Keywords are, by name: a field of the
+    training regime (``optimizer``, ``precision``, ``checkpoint`` (none, full, selective, every-K), ``zero``
+    (0-3), ``tensor_parallel`` ...; see :class:`~symmem.training.Regime`), an option of the convention
+    (``device="cpu"``), or an option of the model's builder (``attention="naive"``).  ``regime`` gives the
+    regime as one value instead.  ``values`` override symbol values for evaluation (``{"B": 32}``); ``free``
+    names the symbols to keep in the formula (default: the model's).  ``options`` are convention options as
+    a mapping.  ``loss`` (``"cross-entropy"``) appends a loss after the model's output, as its own group; its
+    kept tensors are the category ``loss``.
+    """
+    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords)
+    return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+
+
+def _regime(regime: Regime | None, keywords: dict[str, Any]) -> Regime:
+    """The regime ``regime`` gives, or the one its fields among ``keywords`` give (taken out of them)."""
+    regime_options = {k: keywords.pop(k) for k in REGIME_FIELDS if k in keywords}
+    if regime is None:
+        return Regime(**regime_options)
+    if not isinstance(regime, Regime):
+        raise SymmemError(f"regime must be a symmem Regime, got {regime!r}; give optimizer=... as a keyword")
+    if regime_options:
+        raise SymmemError(f"give the regime once: as regime=... or as {', '.join(sorted(regime_options))}")
+    return regime
+
+
+def _options(options: Mapping[str, Any] | None, known: Mapping[str, Any], keywords: dict[str, Any]
+             ) -> dict[str, Any]:
+    """The convention's options: ``options`` and those of ``keywords`` the convention knows (taken out)."""
+    if options is not None and not isinstance(options, Mapping):
+        raise SymmemError(f"options must map convention options to values, got {options!r}")
+    found = dict(options or {})
+    found.update({k: keywords.pop(k) for k in list(keywords) if k in known})
+    return found
+
+
+def _unknown(keywords: Mapping[str, Any], convention: str) -> SymmemError:
+    return SymmemError(f"unknown options {sorted(keywords)}: not a regime field ({', '.join(REGIME_FIELDS)}), "
+                       f"not an option of the {convention} convention, and builder options need a model name")
+
+
+def _setup(model: Model | str, convention: str | Convention, regime: Regime | None,
+           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any]
+           ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
+    """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
+    the convention's options."""
+    conv = get_convention(convention)
+    regime = _regime(regime, keywords)
+    conv_options = _options(options, conv.options, keywords)
+    if isinstance(model, str):
+        from .models import build
+
+        model = build(model, **keywords)
+    elif not isinstance(model, Model):
+        raise SymmemError(f"model must be a built-in model's name or a symmem Model, got {type(model).__name__}")
+    elif keywords:
+        raise _unknown(keywords, conv.name)
+    if loss is not None:
+        from .loss import with_loss
+
+        model = with_loss(model, loss)
+    return model, conv, regime, conv_options
+
+
+def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
+             loss: str | None = None, convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
+    """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
+    ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
+    deriving.  Arguments are :func:`derive`'s.  :func:`symmem.apps.budget.largest` uses it to answer only with values
+    the model accepts.
+
+    >>> accepts = acceptor("gpt2")
+    >>> accepts("h", 12) is None
+    True
+    >>> print(accepts("h", 13))
+    node 'h.attn.query_split' (reshape): needs h to divide H (Mod(H, h) = 0), which fails at H=768, h=13; ...
+    """
+    model, conv, regime, _ = _setup(model, convention, regime, None, loss, dict(keywords))
+    if values is not None and not isinstance(values, Mapping):
+        raise SymmemError(f"values must map symbol names to positive integers ({{'B': 32}}), got {values!r}")
+    return Acceptor(model, conv, regime, values or {})
+
+
+def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str = "auto", check: bool = True,
+          multiple_of: dict[str, int] | None = None, device: str = "cpu", training: bool = True,
+          name: str | None = None, loss: Any = "sum", autocast: str | None = None, size_one: bool = False,
+          **options: Any) -> Derivation:
+    """The training memory of ``module`` as a :class:`~symmem.derivation.Derivation`, its formula in the
+    declared symbols (see :func:`symmem.importer.trace_module` for ``example_inputs``, ``dims``, ``method``,
+    ``check`` and ``multiple_of``).  Keywords are :func:`derive`'s: the training regime (``optimizer``,
+    ``precision``, ``zero``, ``optimizer_impl``, ``keep_logits``, ``micro_batches`` ...), ``values`` (sizes to
+    evaluate at; default: the examples) and ``free``.  Precision of the activations is the module's: trace a
+    ``bfloat16`` module for 16-bit ones, or give ``autocast="bfloat16"`` (``torch.autocast`` around the forward
+    and the loss).  ``checkpoint="full"`` runs each repeated block under
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (or name the children: a container's path
+    or a list of paths); the kept storages and the peak then show it.
+
+    The derivation's :attr:`~symmem.derivation.Derivation.peak` is the peak of the module's real training step,
+    traced on fake tensors (:mod:`symmem.importer.peak`): the forward, the ``loss`` (``"sum"`` of the output,
+    ``"cross-entropy"`` against a drawn target over the last dimension, ``"output"``: the module's own, e.g. a
+    Hugging Face model given ``labels``, or a callable of the output), ``backward()``, ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)``.  ``size_one=True`` also traces every size at 1 and makes the formulas
+    exact there (a ``Piecewise`` in ``Eq(X, 1)`` where the value differs).
+
+    >>> import pytest; torch = pytest.importorskip("torch")
+    >>> net = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    >>> d = trace(net, (torch.zeros(2, 784),), {"B": [(0, 0)]}, optimizer="adam", loss="cross-entropy")
+    >>> d.activations, d.input, d.value("parameters")
+    (1024*B, 3136*B, 203530)
+
+    The peak is the module's own training step, traced on fake tensors op by op (:mod:`symmem.importer.peak`):
+
+    >>> d.peak      # Adam's for-loop step: sqrt and its division of the largest weight, alive together
+    Max(3144*B + 4862128, 6216*B + 2452664)
+    >>> d.at(B=1024).peak_at().where()
+    'backward aten.threshold_backward.default (ReluBackward0) in 1, steady step'
+    """
+    from . import tracing
+    from .importer import trace_module
+
+    if "convention" in options:
+        raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")
+    checkpoint = tracing.checkpoint_option(options.pop("checkpoint", "none"))
+    recorded = trace_module(module, example_inputs, dims, device=device, training=training, method=method,
+                            check=check, multiple_of=multiple_of, autocast=autocast, checkpoint=checkpoint,
+                            size_one=size_one)
+    keywords = dict(options)
+    values, per_layer, free = keywords.pop("values", None), keywords.pop("per_layer", False), keywords.pop("free", None)
+    regime = _regime(keywords.pop("regime", None), keywords)
+    conv_options = _options(keywords.pop("options", None), {}, keywords)  # what PyTorch kept has no options
+    if keywords:
+        raise _unknown(keywords, "traced")
+    if conv_options:
+        raise SymmemError(f"convention 'traced' has no option {next(iter(conv_options))!r}; it has none")
+    shown: dict[str, Any] = {}
+    if recorded.extra.get("checkpoint"):
+        shown["checkpoint"] = ", ".join(recorded.extra["checkpoint"])
+    if autocast is not None:
+        shown["autocast"] = autocast
+    shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
+    shown["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
+    ledger = tracing.ledger_of(recorded, regime, name=name, size_one=size_one, values=values, free=free,
+                               per_layer=per_layer, shown=shown)
+    step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
+                           multiple_of, device, free)
+    return derivation_of(ledger, regime, step)
+
+
+def show(model: Any, **kwargs: Any) -> None:
+    """Derive ``model`` (a name, a :class:`~symmem.graph.Model` or a derivation; options as for :func:`derive`)
+    and display it: rich output in IPython, the text table elsewhere.
+
+    It returns nothing, so a notebook shows the result once; ``derive`` returns the object, which displays
+    itself too.
+    """
+    d = model if isinstance(model, Derivation) else derive(model, **kwargs)
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # IPython is optional: fall back to the text table
+        get_ipython = None  # type: ignore[assignment]
+    if get_ipython is not None and get_ipython() is not None:
+        display(d)
+    else:
+        print(d.table())
