@@ -63,7 +63,7 @@ def _calls(name: str):
 TORCH_OBJECTS = {
     ("symmem/importer/guards.py", "to_declared"), ("symmem/importer/guards.py", "pinned"),
     ("symmem/importer/guards.py", "unified"), ("symmem/importer/guards.py", "_finite"),
-    ("symmem/importer/fit.py", "fit_trace"), ("symmem/importer/structure.py", "size"),
+    ("symmem/importer/polyfit.py", "fit_trace"), ("symmem/importer/structure.py", "size"),
     ("symmem/importer/trace.py", "_totals"), ("symmem/importer/trace.py", "_differences"),
     ("symmem/importer/trace.py", "_holds"), ("symmem/importer/trace.py", "_symbolic"),
     ("symmem/importer/step.py", "num"),
