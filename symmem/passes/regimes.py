@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import sympy
 
-from ..derivation import END, START, Moment, Storage
+from ..derivation import END, START, Storage
 from ..errors import SymmemError
 from ..graph import Graph, parameter_shapes
 from ..shapes import numel
@@ -170,7 +170,7 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
         group = graph.node(block.input).group
         one_layer = sympy.Add(*(_per_layer(x) for x in gone))
         # recomputed during the block's backward, freed as that backward proceeds
-        during = {"born": Moment("backward", block.output), "dies": Moment("backward", block.input)}
+        during = {"born": "backward", "dies": "backward"}
         if regime.checkpoint == "selective":
             alive_again.append(Storage(f"{name}.recompute", "recompute", "transient", one_layer, "recompute",
                                        block.input, count=sympy.Integer(1), **during))
@@ -191,8 +191,7 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
         if kept != 0:
             out.append(Storage(f"{name}.checkpoint", group, "activation",
                                kept * elements * dtype_bytes(spec.dtype, act_dtype), "checkpoint", block.input,
-                               spec.dtype, elements, kept, (block.input,), Moment("forward", block.input),
-                               Moment("backward", block.input)))
+                               spec.dtype, elements, kept, (block.input,), "forward", "backward"))
         alive = k if every is None or not block.count.is_number else sympy.Min(k, block.count)
         alive_again.append(Storage(f"{name}.recompute", "recompute", "transient", alive * one_layer, "recompute",
                                    block.input, count=alive, **during))
@@ -200,7 +199,7 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
         # Backward recomputes one block at a time: the peak is the largest, not the sum.
         peak = sympy.Max(*(x.expr for x in alive_again))
         alive_again = [Storage("recompute", "recompute", "transient", peak, "recompute",
-                               born=Moment("backward"), dies=Moment("step"))]
+                               born="backward", dies="step")]
     return out + alive_again
 
 
@@ -215,7 +214,7 @@ def _pipeline(graph: Graph, terms: list[Storage]) -> list[Storage]:
     if stage:
         # the other micro-batches' activations are alive from their forward to their backward
         out.append(Storage("pipeline.in_flight", "pipeline", "activation", (p - 1) * sympy.Add(*stage),
-                           "in_flight", None, count=p - 1, born=Moment("forward"), dies=Moment("backward")))
+                           "in_flight", None, count=p - 1, born="forward", dies="backward"))
     return out
 
 
@@ -231,7 +230,6 @@ def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) 
     # graph of many layers has few shapes), only the names and moments are per parameter.
     per_shape: dict[tuple[sympy.Expr, bool, tuple[sympy.Expr, ...]], list[tuple[str, sympy.Expr, sympy.Expr,
                                                                               sympy.Expr, bool]]] = {}
-    step = Moment("step")
     for node, pname, count, shape in parameter_shapes(graph, nodes, per_layer):
         key = (count, node.block is not None, shape)
         parts = per_shape.get(key)
@@ -241,13 +239,9 @@ def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) 
                                               each_count, born=START, dies=END, shards=shards))
                 for component, expr, each_count, shards, gradient in
                 _parameter_parts(regime, count, node.block is not None, per_layer, shape)]
-        backward = None
         for component, gradient, template in parts:
-            born, dies = START, END
-            if gradient:
-                if backward is None:
-                    backward = Moment("backward", node.name)
-                born, dies = backward, step
+            # gradients appear as their op runs backward and last until the step
+            born, dies = ("backward", "step") if gradient else (START, END)
             found.append(_like(template, f"{node.name}.{pname}.{component}", node.name, born, dies))
     return found
 
@@ -256,8 +250,8 @@ def parameters(graph: Graph, nodes: list[str], regime: Regime, per_layer: bool) 
 _COPYABLE = not hasattr(Storage, "__post_init__") and not hasattr(Storage, "__slots__")
 
 
-def _like(template: Storage, name: str, node: str, born: Moment, dies: Moment) -> Storage:
-    """``template`` with its name, node and moments changed.
+def _like(template: Storage, name: str, node: str, born: str, dies: str) -> Storage:
+    """``template`` with its name, node and phases changed.
 
     The parameter side of a large graph is 100,000s of storages that differ only in these four fields; a
     field-by-field copy of one made by the constructor costs a fifth of the frozen dataclass's ``__init__``
