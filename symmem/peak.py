@@ -168,17 +168,6 @@ class Candidate:
     #: (category index, byte size) -> (count at the base layer counts, change per step of each symbolic count)
     parts: dict[tuple[int, sympy.Expr], tuple[int, tuple[int, ...]]]
 
-    def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr], base: int = BASE,
-             period: int = 1) -> dict[str, sympy.Expr]:
-        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(STEP))}
-        for (c, size), (n0, ds) in self.parts.items():
-            n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
-            terms[c].append(size * n)
-        out = {}
-        for i, c in enumerate(STEP):
-            out[c] = sympy.expand(sympy.Add(*terms[i]).xreplace(dict(subs)))
-        return out
-
 
 def _key(kv: tuple[Any, Any]) -> str:
     return str(kv[0])
@@ -293,7 +282,7 @@ class Algebra:
         return self.value(cand, numbers, memo)
 
     def live(self, cand: Candidate) -> dict[str, sympy.Expr]:
-        """The candidate's live bytes per category, expanded (the same as :meth:`Candidate.live`)."""
+        """The candidate's live bytes per category, expanded."""
         return {cat: self._summed(cand, i) for i, cat in enumerate(STEP)}
 
     def _summed(self, cand: Candidate, category: int | None = None) -> sympy.Expr:

@@ -5,6 +5,10 @@ simulated) and a traced module (:class:`symmem.importer.peak.StepPeak`: the step
 give a :class:`~symmem.peak.Peak` from the one peak algebra (:mod:`symmem.peak`) and a
 :class:`~symmem.timeline.Timeline` at numbers; :class:`~symmem.derivation.Derivation` asks only this interface.
 
+>>> from symmem import derive, symbol
+>>> step = derive("mlp", device="cpu", optimizer="sgd").step
+>>> type(step).__name__, step.peak() is step.peak(), step.allocated("steady", {symbol("B"): 1})
+('GraphStep', True, 14919168)
 >>> step = Refused("not modelled here")
 >>> step.peak()
 Traceback (most recent call last):

@@ -54,14 +54,14 @@ class GraphStep:
     numbers: Mapping[sympy.Symbol, int]
     every: bool = True
     _cache: dict[Any, Peak] = field(default_factory=dict, repr=False)
+    _all: list | None = field(default=None, repr=False)  # every truth assignment, worked out once
 
     def _selected(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[list, tuple]:
         """The assignments to derive, and the conditions they need (the peak's domain beyond the sizes)."""
         if self.every:
-            found = self.__dict__.get("_all")
-            if found is None:
-                found = self.__dict__["_all"] = size_branches.assignments(self.open_, self.decided)
-            return found, ()
+            if self._all is None:
+                self._all = size_branches.assignments(self.open_, self.decided)
+            return self._all, ()
         env = {s: sympy.Integer(v) for s, v in {**self.numbers, **(at or {})}.items()}
         truth = {c: bool(sympy.sympify(c, strict=True).xreplace(dict(self.subs)).xreplace(env)) for c in self.open_}
         return [{**dict(self.decided), **truth}], tuple(c if v else sympy.Not(c) for c, v in truth.items())
