@@ -103,6 +103,24 @@ class Timeline:
                 live[where[i]] -= 1
         return out
 
+    def live(self) -> list[dict[str, sympy.Expr]]:
+        """Live bytes per category after each moment's allocations, as exact sympy sums.
+
+        >>> B = sympy.Symbol("B", positive=True, integer=True)
+        >>> tl = Timeline((Live("x", "activation", 8 * B), Live("t", "temporary", 4 * B)), (),
+        ...               (Event("forward", "f", (0, 1), (1,)), Event("backward", "f", (), (0,))))
+        >>> [(m["activation"], m["temporary"]) for m in tl.live()]
+        [(8*B, 4*B), (8*B, 0)]
+        """
+        out = []
+        for _, live, _ in self.counts(every=True):
+            assert live is not None
+            terms: list[list[sympy.Expr]] = [[] for _ in STEP]
+            for (c, size), n in live.items():
+                terms[c].append(n * size)
+            out.append({cat: sympy.Add(*terms[i]) for i, cat in enumerate(STEP)})
+        return out
+
     def _totals(self, values: Mapping[sympy.Symbol, Any], block: int, device_only: bool
                 ) -> list[tuple[int, list[int]]]:
         """(event index, live bytes per category) after each moment's allocations at ``values``, every storage
