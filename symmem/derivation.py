@@ -337,14 +337,12 @@ class Derivation:
         """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
         each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
         creates the optimizer state)."""
-        self._peak()  # the same refusals as the peak
         return self._step().timeline(step, dict(self.numbers))
 
     def peak_allocated(self, step: Which = "steady") -> int:
         """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
         to 512 bytes (``torch.cuda.max_memory_allocated`` adds library workspaces on top: see
         :data:`CUDA_WORKSPACES`)."""
-        self._peak()
         return self._step().allocated(step, dict(self.numbers))
 
     def live_at_peak(self, step: Which = "steady") -> dict[str, int]:

@@ -50,7 +50,7 @@ class Step(Protocol):
 
     def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
         """The ``which`` step at ``at`` (every symbol a number), op by op: (phase, op, live bytes per category)
-        after each op's allocations."""
+        after each op's allocations.  It refuses what :meth:`peak` refuses, with the same words."""
         ...
 
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:

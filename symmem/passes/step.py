@@ -100,7 +100,9 @@ class GraphStep:
     def _written_out(self, which: Which, at: Mapping[sympy.Symbol, int]
                      ) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
         """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
-        size-dependent copy) ``at`` selects, and every symbol's value."""
+        size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
+        what the peak refuses, with the peak's words."""
+        self.peak()
         assignments, _ = self._selected(at)
         subs = self.subs
         full = {s: sympy.Integer(v) for s, v in at.items()}
