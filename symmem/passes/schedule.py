@@ -71,13 +71,13 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     # (tests/test_properties.py::test_micro_batches_repeat checks it against every pass written out).
     for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
         sim.micro_batch()
-    return sim.optimizer_step(first=False), sim.optimizer_step(first=True)
+    return sim.timeline(first=False), sim.timeline(first=True)
 
 
 class Simulation:
-    """One training step of an unrolled graph, walked phase by phase: each method is one phase (forward, the
-    loss, backward, a checkpointed segment's recomputation, the optimizer step with zero_grad), and the walk's
-    state -- storages and events so far, who owns what, which gradients wait -- is fields."""
+    """One training step of an unrolled graph, walked phase by phase: each method is one phase (a micro-batch's
+    forward, loss and backward, a checkpointed segment's recomputation, the optimizer step, zero_grad), and the
+    walk's state -- storages and events so far, who owns what, which gradients wait -- is fields."""
 
     def __init__(self, graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                  branch: Branch | None, keep_logits: bool) -> None:
@@ -443,29 +443,39 @@ class Simulation:
             if ends:
                 break
 
-    def optimizer_step(self, first: bool) -> Timeline:
-        """The step so far, then ``optimizer.step()`` (the ``first`` creates the state; otherwise it exists from
-        the start) and ``zero_grad``, which frees the gradients.  The walk itself is left as it was, so that both
-        steps follow from one walk."""
-        # model.parameters() lists a module's own parameters before its submodules': free-standing ones (a class
-        # token, a position table) first, then the layers' in the order they run
-        free = {n for n in self.order if self.graph.node(n).kind == "parameter"}
-        params = sorted(self.params, key=lambda p: p[0] not in free)
-        grads = [self.param_grad[name] for name, _ in params if name in self.param_grad]
+    def timeline(self, first: bool) -> Timeline:
+        """The walk so far, then the optimizer step and zero_grad: the ``first`` step creates the optimizer state,
+        a steady one has it from the start.  The walk itself is left as it was, so that both steps follow from
+        one walk."""
         storages, events, start = list(self.storages), list(self.events), list(self.start)
         if not first:
             self.start += self.states
+        self.optimizer_step(first)
+        self.zero_grad()
+        found = Timeline(tuple(self.storages), tuple(self.start), tuple(self.events))
+        self.storages, self.events, self.start = storages, events, start
+        return found
+
+    def _listed(self) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
+        """The parameters as model.parameters() lists them: a module's own parameters before its submodules'
+        (free-standing ones -- a class token, a position table -- first, then the layers' in the order they run)."""
+        free = {n for n in self.order if self.graph.node(n).kind == "parameter"}
+        return sorted(self.params, key=lambda p: p[0] not in free)
+
+    def optimizer_step(self, first: bool) -> None:
+        """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
         pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
-        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, params, self.numel,
+        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(), self.numel,
                                                                  self.state_ids, first):
             temps = [self.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
             pending += temps
             freed, pending = _oldest_first(pending, frees, temps)
             self.event("step", label, [*born_states, *temps], freed)
-        self.event("zero_grad", None, [], grads)
-        found = Timeline(tuple(self.storages), tuple(self.start), tuple(self.events))
-        self.storages, self.events, self.start = storages, events, start
-        return found
+
+    def zero_grad(self) -> None:
+        """``zero_grad(set_to_none=True)``: every weight's .grad is freed."""
+        self.event("zero_grad", None, [], [self.param_grad[name] for name, _ in self._listed()
+                                           if name in self.param_grad])
 
 
 def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.Expr, ...]]],
