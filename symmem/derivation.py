@@ -2,7 +2,7 @@
 
 A :class:`Derivation` holds every :class:`Storage` a training step of one model under one convention and
 regime keeps: its bytes as a sympy expression (all copies: ``count`` x ``elements`` x bytes per element), its
-producer, the nodes that keep it, and when it is born and dies on the step's schedule (:class:`Moment`).
+producer, the nodes that keep it, and the phases of the step in which it is born and dies (:data:`PHASES`).
 Everything else is a view of the storages:
 
 * :attr:`Derivation.terms`, what is kept at the end of the forward pass plus the parameter side, summed into
@@ -16,17 +16,17 @@ Everything else is a view of the storages:
 9*B*H*S
 >>> s = d.storage("blocks.qkv")
 >>> s.born, s.dies
-(Moment(phase='forward', node='blocks.qkv', lag=0), Moment(phase='backward', node='blocks.qkv', lag=0))
+('forward', 'backward')
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 
@@ -37,8 +37,11 @@ from .tensor import MAX_SIZE
 from .training import Regime
 from .units import format_bytes, to_unit
 
-#: ``transient``: memory alive only during part of backward (a recomputed layer, CS231n's x2 for backward).
-CATEGORIES = ("activation", "input", "loss", "parameter", "transient")
+if TYPE_CHECKING:
+    from .peak import Moment, Peak
+    from .step import Step
+    from .timeline import Row, Which
+
 #: The named quantities a derivation sums (``parameters`` is a count, not bytes).
 QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "transient", "parameters", "peak",
               "peak_first_step")
@@ -50,29 +53,13 @@ QUANTITIES = ("activations", "parameter_memory", "total", "input", "loss", "tran
 #: workspaces exist, the peak of a model without convolutions is ``peak_allocated()`` to the byte
 #: (``benchmarks/check_cuda.py``).
 CUDA_WORKSPACES = {"cublas": 2 * 32 * 2**20 + 2**20, "scratch": (0, 105 * 2**20)}
-#: Phases of a training step, in order; a moment at node None is the start of its phase.
+#: Phases of a training step, in order: what a storage's ``born`` and ``dies`` name (the step's op-by-op time is
+#: its :class:`~symmem.timeline.Timeline`; here only which phase matters: what is alive when the forward ends).
 PHASES = ("start", "forward", "backward", "step", "end")
-
-
-@dataclass(frozen=True)
-class Moment:
-    """An instant of the training step: right after ``node`` runs in ``phase`` (``node`` None: the phase's
-    start).  ``lag`` counts iterations of a repeated block after the storage's own (the output of layer i is
-    kept by layer i + 1: it dies in the backward of the next iteration, ``lag=1``)."""
-
-    phase: str
-    node: str | None = None
-    lag: int = 0
-
-    def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise SymmemError(f"unknown phase {self.phase!r}; phases: {', '.join(PHASES)}")
-
-
-START = Moment("start")
-END = Moment("end")
-#: The end of the forward pass: what is alive here is "kept for backward".
-FORWARD_END = Moment("backward")
+START = "start"
+END = "end"
+#: The end of the forward pass, as the phase that follows it: what is born here is not "kept for backward".
+FORWARD_END = "backward"
 
 
 @dataclass(frozen=True)
@@ -98,9 +85,9 @@ class Term:
 class Storage:
     """One storage of the training step (or ``count`` identical ones, one per layer), with its lifetime.
 
-    ``keepers`` are the nodes that keep it for backward; ``born`` and ``dies`` are moments of the step's
-    schedule.  ``shards`` is what a sharding regime divided ``expr`` by (ZeRO's N), so that views can print a
-    component as one fraction.
+    ``keepers`` are the nodes that keep it for backward; ``born`` and ``dies`` are the phases of the step
+    (:data:`PHASES`) in which it is born and dies.  ``shards`` is what a sharding regime divided ``expr`` by (ZeRO's
+    N), so that views can print a component as one fraction.
     """
 
     name: str
@@ -113,15 +100,15 @@ class Storage:
     elements: sympy.Expr | None = None
     count: sympy.Expr = sympy.Integer(1)
     keepers: tuple[str, ...] = ()
-    born: Moment = START
-    dies: Moment = END
+    born: str = START
+    dies: str = END
     shards: sympy.Expr = sympy.Integer(1)
 
     @property
     def kept_at_forward_end(self) -> bool:
         """Whether it is alive when the forward pass ends (born in forward or before, dies in backward or
         later)."""
-        return self.born.phase in ("start", "forward") and self.dies.phase in ("backward", "step", "end")
+        return self.born in ("start", "forward") and self.dies in ("backward", "step", "end")
 
     def term(self) -> Term:
         return Term(self.name, self.group, self.category, self.expr, self.role, self.node, self.dtype,
@@ -212,9 +199,9 @@ class Derivation:
     per_layer: bool = False
     layer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
-    #: computes the peak of the training step (:mod:`symmem.passes.peak`) on first use; None where the
-    #: convention does not model the step (an accounting by role) or for one layer
-    step: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    #: the training step, which computes its peak (:mod:`symmem.peak`) on first use; None where the convention
+    #: does not model the step (an accounting by role) or for one layer
+    step: Step | None = field(default=None, compare=False, repr=False)
     #: where the formulas hold beyond every size being a positive integer (a traced module's guards: S <= 512)
     domain: Any = sympy.true
     #: what a reader must know before trusting the numbers (a convention that finds nothing to count here)
@@ -286,22 +273,25 @@ class Derivation:
         """Whether the convention models the training step (``pytorch``), so that there is a peak."""
         return self.step is not None
 
-    def _peak(self, exact: bool = False) -> Any:
+    def _step(self) -> Step:
         if self.step is None:
             why = "one layer" if self.per_layer else f"the {self.convention} convention (an accounting by role)"
             raise SymmemError(f"no peak for {why}: the peak follows the training step op by op, which the "
                               "pytorch convention models (--convention pytorch)")
-        found = self.step()
-        if exact and not found.holds_at(self.numbers):
+        return self.step
+
+    def _peak(self, exact: bool = False) -> Peak:
+        step = self._step()
+        if exact and not step.holds_at(self.numbers):
             # layer counts below the formula's domain: the step written out with them as numbers
-            counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in found.domain)}
-            found = self.step(counts)
-        return found
+            counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in step.domain())}
+            return step.peak(counts)
+        return step.peak()
 
     @property
     def peak(self) -> sympy.Expr:
         """The most live memory at any moment of a steady training step (forward, backward, optimizer step,
-        zero_grad), in bytes: a ``Max`` over the moments that can be largest (:mod:`symmem.passes.peak`)."""
+        zero_grad), in bytes: a ``Max`` over the moments that can be largest (:mod:`symmem.peak`)."""
         return self._peak().expr
 
     @property
@@ -309,38 +299,34 @@ class Derivation:
         """The peak of the first training step, in which the optimizer creates its state."""
         return self._peak().first
 
-    def peak_formula(self, step: str = "steady") -> sympy.Expr:
+    def peak_formula(self, step: Which = "steady") -> sympy.Expr:
         """The peak's formula that holds at the derivation's numbers: :attr:`peak` (or the first step's), or,
         where a layer count lies below that formula's domain, the one written out with that count."""
         found = self._peak(exact=True)
         return found.expr if step == "steady" else found.first
 
-    def peak_candidates(self, step: str = "steady") -> int:
+    def peak_candidates(self, step: Which = "steady") -> int:
         """How many moments of the step can be the largest (the ``Max``'s arguments), at these numbers."""
         return self._peak(exact=True).candidates(step)
 
-    def peak_at(self, step: str = "steady") -> Any:
-        """Where the peak occurs at the derivation's numbers: a :class:`~symmem.passes.peak.Moment` with the
+    def peak_at(self, step: Which = "steady") -> Moment:
+        """Where the peak occurs at the derivation's numbers: a :class:`~symmem.peak.Moment` with the
         phase, the op, the layer and the live bytes by category."""
         return self._peak(exact=True).at(self.numbers, step)
 
-    def timeline(self, step: str = "steady") -> list[tuple[str, str | None, dict[str, int]]]:
+    def timeline(self, step: Which = "steady") -> list[Row]:
         """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
         each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
         creates the optimizer state)."""
-        self._peak()  # the same refusals as the peak
-        assert self.step is not None
-        return self.step(dict(self.numbers), timeline=step)
+        return self._step().timeline(step, dict(self.numbers))
 
-    def peak_allocated(self, step: str = "steady") -> int:
+    def peak_allocated(self, step: Which = "steady") -> int:
         """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
         to 512 bytes (``torch.cuda.max_memory_allocated`` adds library workspaces on top: see
         :data:`CUDA_WORKSPACES`)."""
-        self._peak()
-        assert self.step is not None
-        return self.step(dict(self.numbers), timeline=f"allocated-{step}")
+        return self._step().allocated(step, dict(self.numbers))
 
-    def live_at_peak(self, step: str = "steady") -> dict[str, int]:
+    def live_at_peak(self, step: Which = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,
         activation_grad, temporary), at the derivation's numbers."""
         m = self.peak_at(step)
@@ -430,17 +416,18 @@ class Derivation:
         (``L >= 4``), :meth:`value` one configuration at a time where they do not."""
         import numpy as np
 
-        found = self._peak()
-        limits = sorted({s.name for c in found.domain for s in c.free_symbols} & set(values))
+        step = self._step()
+        limits = sorted({s.name for c in step.domain() for s in c.free_symbols} & set(values))
         if not limits:  # the domain's symbols keep this derivation's numbers: one formula holds for all
             exact = self._peak(exact=True)
             return self.values(exact.expr if key == "peak" else exact.first, **values)
+        found = self._peak()
         out = self.values(found.expr if key == "peak" else found.first, **values)
         grid = {n: np.broadcast_to(np.asarray(v), out.shape) for n, v in values.items()}
         by_name = {s.name: s for s in self.free}
         outside = np.zeros(out.shape, dtype=bool)
         for combo in np.unique(np.stack([grid[n].ravel() for n in limits], axis=-1), axis=0):
-            if not found.holds_at({**self.numbers, **{by_name[n]: int(v) for n, v in zip(limits, combo,
+            if not step.holds_at({**self.numbers, **{by_name[n]: int(v) for n, v in zip(limits, combo,
                                                                                            strict=True)}}):
                 outside |= np.logical_and.reduce([grid[n] == v for n, v in zip(limits, combo, strict=True)])
         if not outside.any():

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sympy
 
@@ -36,6 +36,9 @@ from .passes import branches, regimes, saved
 from .shapes import fmt, numel
 from .tensor import MAX_SIZE
 from .training import Regime
+
+if TYPE_CHECKING:
+    from .step import Step
 
 #: One thing whose sizes a front checks: (node, op kind, [(what, shape)], how many times it is repeated).
 Sized = tuple[str, str, Sequence[tuple[str, tuple[sympy.Expr, ...]]], sympy.Expr]
@@ -313,44 +316,13 @@ PEAK_CONDITIONS = 3
 
 def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Regime,
           subs: Mapping[sympy.Symbol, sympy.Expr], open_: list, decided: Mapping[sympy.Basic, bool],
-          numbers: Mapping[sympy.Symbol, int]) -> Any:
-    """The peak of the training step, computed on first use (once per derivation and its ``at`` copies)."""
-    from .passes import peak
+          numbers: Mapping[sympy.Symbol, int]) -> Step:
+    """The training step of the built graph (its peak computed on first use, once per derivation and its ``at``
+    copies)."""
+    from .passes.step import GraphStep
 
-    cache: dict[Any, Any] = {}
-    every = len(open_) <= PEAK_CONDITIONS
-    all_assignments = branches.assignments(open_, decided) if every else []
-
-    def selected(at: Mapping[sympy.Symbol, int] | None) -> tuple[list, tuple]:
-        """The assignments to derive, and the conditions they need (the peak's domain beyond the sizes)."""
-        if every:
-            return all_assignments, ()
-        env = {s: sympy.Integer(v) for s, v in {**numbers, **(at or {})}.items()}
-        truth = {c: bool(sympy.sympify(c, strict=True).xreplace(dict(subs)).xreplace(env)) for c in open_}
-        return [{**dict(decided), **truth}], tuple(c if v else sympy.Not(c) for c, v in truth.items())
-
-    def compute(at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
-        # ``at``: numbers for the layer counts, when they lie outside the symbolic formula's domain;
-        # ``timeline`` ("first" or "steady"): the step written out at ``at`` (every symbol a number), op by op
-        assignments, conditions = selected(at)
-        if timeline is not None:
-            assert at is not None
-            if timeline.startswith("allocated"):
-                return peak.allocated(model.graph, conv, options, regime, subs, at, assignments,
-                                      timeline.endswith("first"))
-            return peak.timeline(model.graph, conv, options, regime, subs, at, assignments, timeline == "first")
-        key = (None if at is None else tuple(sorted((s.name, v) for s, v in at.items())), conditions)
-        if key not in cache:
-            fixed = dict(subs)
-            if at is not None:
-                fixed.update({s: sympy.Integer(v) for s, v in at.items()})
-            join = branches.joiner(open_, assignments) if len(assignments) > 1 else None
-            found = peak.peak(model.graph, conv, options, regime, fixed, assignments, join, numbers)
-            found.domain = tuple(found.domain) + conditions
-            cache[key] = found
-        return cache[key]
-
-    return compute
+    return GraphStep(model.graph, conv, options, regime, subs, open_, decided, numbers,
+                     every=len(open_) <= PEAK_CONDITIONS)
 
 
 

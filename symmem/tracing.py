@@ -289,9 +289,9 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
     if why is not None:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise SymmemError(why)
-        return refuse
+        from .step import Refused
+
+        return Refused(why)
     impl = regime.optimizer_impl if regime.optimizer_impl != "auto" else (
         "foreach" if device.startswith("cuda") else "for-loop")
     step_options = StepOptions(loss=loss, optimizer=regime.optimizer, impl=impl, keep_output=regime.keep_logits,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from ..derivation import FORWARD_END, Moment, Storage
+from ..derivation import FORWARD_END, Storage
 from . import Convention, Saved, register
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class CS231n(Convention):
         if forward == 0:
             return []
         return [Storage("backward", "backward", "transient", forward, "activation_gradients",
-                        born=FORWARD_END, dies=Moment("step"))]
+                        born=FORWARD_END, dies="step")]
 
     def finds_nothing(self, graph: Graph) -> str | None:
         if any(graph.node(n).kind in LAYER_KINDS for n in graph.order()):

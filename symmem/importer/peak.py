@@ -1,11 +1,11 @@
 """The peak of a traced module's training step, as a formula: the ``Max`` over the step's moments.
 
-A :class:`~symmem.importer.step.StepRecord` gives the live storages after every op of one first and one steady
-training step, their bytes in the declared symbols.  The candidate moments are the ops after which something
-is freed (and the last of each step): between two of them memory only grows.  Moments another provably exceeds
-are dropped by :mod:`symmem.passes.peak`'s own comparison (``prune``: every coefficient of the difference
-≥ 0 once each symbol is written ``x' + 1``; one symbol: the upper envelope), and the peak is the ``Max`` of the
-rest -- :class:`symmem.passes.peak.Peak`, what the zoo's derivations return.
+A :class:`~symmem.importer.step.StepRecord` gives one first and one steady training step as
+:class:`~symmem.timeline.Timeline` values, their bytes in the declared symbols.  The candidate moments are the
+ops after which something is freed (and the last of each step): between two of them memory only grows.  Moments
+another provably exceeds are dropped by the one peak algebra (:func:`symmem.peak.summarize`: every coefficient
+of the difference ≥ 0 once each symbol is written ``x' + 1``; one symbol: the upper envelope), and the peak is
+the ``Max`` of the rest -- :class:`symmem.peak.Peak`, what the zoo's derivations return.
 
 Repeated blocks: the step is recorded with the run of identical children written out 4, 5 and 6 times
 (:func:`symmem.importer.wrap.with_layers`).  Ops are matched across the records by (phase, module or parameter
@@ -16,7 +16,7 @@ interpolated from 4 and 5 layers -- a count per byte size, ``n(L) = n₄ + (n₅
 interpolation must give the record at 6 layers exactly, else the peak is given at the module's own layer
 count only (and a note says so).  The formulas hold for ``L ≥ 4``; below, the step is recorded at that count.
 
-:class:`StepPeak` is the ``step`` callable a traced :class:`~symmem.derivation.Derivation` carries.
+:class:`StepPeak` is the :class:`~symmem.step.Step` a traced :class:`~symmem.derivation.Derivation` carries.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
+from ..peak import BASE, Candidate, Peak, summarize
+from ..timeline import Row, Which
 from .inputs import Inputs
 from .step import StepOp, StepOptions, StepRecord, record_step
 
@@ -66,13 +68,15 @@ def _node(o: StepOp, place: str) -> str:
     return f"{o.op} in {place or 'the module'}" if o.phase != "step" else f"{o.op} on {place or 'all parameters'}"
 
 
-def _keyed(record: StepRecord, step: str) -> dict[tuple[Any, ...], tuple[StepOp, tuple[Counter, ...], bool, str]]:
-    """Every op of ``step`` outside the middle layers, by a key that names the same op at another layer count."""
-    out: dict[tuple[Any, ...], tuple[StepOp, tuple[Counter, ...], bool, str]] = {}
+def _keyed(record: StepRecord, step: Which) -> dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]]:
+    """Every op of ``step`` outside the middle layers, by a key that names the same op at another layer count, with
+    its live storages (a Counter of (category index, bytes)) and whether it is a candidate."""
+    out: dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]] = {}
     seen: Counter = Counter()
-    for o, live, candidate in record.live(step, every=True):
-        place, k = _locate(o, record.layers)
-        label = _label(k, record.count)
+    for k, live, candidate in record.as_timeline(step).counts(every=True):
+        o = record.ops[k]
+        place, index = _locate(o, record.layers)
+        label = _label(index, record.count)
         if label == "mid":
             continue
         base = (o.phase, place, label, o.op)
@@ -81,43 +85,31 @@ def _keyed(record: StepRecord, step: str) -> dict[tuple[Any, ...], tuple[StepOp,
     return out
 
 
-def _peak(cands: dict[str, list[Any]], syms: list[sympy.Symbol], subs: Mapping[sympy.Symbol, Any],
+def _peak(cands: dict[str, list[Candidate]], syms: list[sympy.Symbol], subs: Mapping[sympy.Symbol, Any],
           numbers: Mapping[sympy.Symbol, int] | None, domain: tuple[Any, ...], names: Mapping[Any, tuple[str, str]]
-          ) -> Any:
-    """The first and steady steps' candidates pruned by :mod:`symmem.passes.peak`'s algebra (one for both: the
-    sizes repeat), as a :class:`~symmem.passes.peak.Peak`."""
-    from ..passes.peak import BASE, Algebra, Peak, prune
-
-    sizes = list(dict.fromkeys(x for cs in cands.values() for c in cs for _, x in c.parts))
-    alg = Algebra(sizes, subs, syms, BASE, 1)
-    memo: dict = {}
-    found: dict[str, list[Any]] = {}
-    for step in ("steady", "first"):
-        kept = prune(cands[step], alg, numbers, memo)
-        found[step] = [alg.moment(k, k.key[0], names[(step, k.key)][0], names[(step, k.key)][1], step)
-                       for k in kept]
-    return Peak(None, None, tuple(found["steady"] + found["first"]), domain)  # each Max built when asked for
+          ) -> Peak:
+    """The first and steady steps' candidates as a :class:`~symmem.peak.Peak` (each ``Max`` built when asked
+    for)."""
+    return summarize([(cands["steady"], cands["first"])], lambda k: (k.key[0], *names[(k.step, k.key)]), subs, syms,
+                     numbers, domain, base=BASE)
 
 
 def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = None,
             numbers: Mapping[sympy.Symbol, int] | None = None, domain: tuple[Any, ...] = (),
-            layers: Mapping[str, int] | None = None) -> Any:
-    """The peak of one recorded step (sizes symbolic, the layer count a number): a
-    :class:`symmem.passes.peak.Peak`.  ``layers`` (child path -> index) names the layer of each moment."""
-    from ..passes.peak import Candidate
-    from ..passes.schedule import CATEGORIES
-
-    cands: dict[str, list[Any]] = {"steady": [], "first": []}
+            layers: Mapping[str, int] | None = None) -> Peak:
+    """The peak of one recorded step (sizes symbolic, the layer count a number): a :class:`symmem.peak.Peak`.
+    ``layers`` (child path -> index) names the layer of each moment."""
+    cands: dict[str, list[Candidate]] = {"steady": [], "first": []}
     names: dict[Any, tuple[str, str]] = {}
-    for step in cands:
-        for o, live, candidate in record.live(step):
+    for step in ("steady", "first"):
+        for k, live, candidate in record.as_timeline(step).counts():
             if not candidate:
                 continue
-            place, k = _locate(o, layers if layers is not None else record.layers)
+            o = record.ops[k]
+            place, index = _locate(o, layers if layers is not None else record.layers)
             key = (o.phase, o.index)
-            parts = {(c, x): (n, ()) for c in range(len(CATEGORIES)) for x, n in live[c].items()}
-            cands[step].append(Candidate(key, step, parts))
-            names[(step, key)] = (_node(o, place), "" if k is None else str(k + 1))
+            cands[step].append(Candidate(key, step, {x: (n, ()) for x, n in live.items()}))
+            names[(step, key)] = (_node(o, place), "" if index is None else str(index + 1))
     return _peak(cands, [], subs or {}, numbers, domain, names)
 
 
@@ -127,18 +119,15 @@ class FoldError(SymmemError):
 
 def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
                 subs: Mapping[sympy.Symbol, Any] | None = None, numbers: Mapping[sympy.Symbol, int] | None = None,
-                domain: tuple[Any, ...] = ()) -> Any:
+                domain: tuple[Any, ...] = ()) -> Peak:
     """The peak in the layer count ``symbol`` from records at :data:`COUNTS` layers (interpolated from the first
     two, checked at the third); a :class:`FoldError` if they do not line up."""
-    from ..passes.peak import Candidate
-    from ..passes.schedule import CATEGORIES
-
     a, b, c = (records[n] for n in COUNTS)
     step_b = COUNTS[1] - COUNTS[0]
     step_c = COUNTS[2] - COUNTS[0]
-    cands: dict[str, list[Any]] = {"steady": [], "first": []}
+    cands: dict[str, list[Candidate]] = {"steady": [], "first": []}
     names: dict[Any, tuple[str, str]] = {}
-    for step in cands:
+    for step in ("steady", "first"):
         ka, kb, kc = _keyed(a, step), _keyed(b, step), _keyed(c, step)
         if set(ka) != set(kb) or set(ka) != set(kc):
             odd = sorted(set(ka) ^ set(kb) | set(ka) ^ set(kc), key=str)[:3]
@@ -149,14 +138,12 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
             if not (cand_a or cand_b or cand_c):
                 continue
             parts = {}
-            for i in range(len(CATEGORIES)):
-                for x in set(la[i]) | set(lb[i]) | set(lc[i]):
-                    n0, d = la[i][x], lb[i][x] - la[i][x]
-                    if d % step_b or n0 + d // step_b * step_c != lc[i][x]:
-                        raise FoldError(f"{_node(o, place)} ({step} step): {x} bytes are alive {la[i][x]}, "
-                                        f"{lb[i][x]}, {lc[i][x]} times at {COUNTS} layers: not one more set per "
-                                        "layer")
-                    parts[(i, x)] = (n0, (d // step_b,))
+            for x in sorted(set(la) | set(lb) | set(lc), key=lambda x: x[0]):
+                n0, d = la[x], lb[x] - la[x]
+                if d % step_b or n0 + d // step_b * step_c != lc[x]:
+                    raise FoldError(f"{_node(o, place)} ({step} step): {x[1]} bytes are alive {la[x]}, "
+                                    f"{lb[x]}, {lc[x]} times at {COUNTS} layers: not one more set per layer")
+                parts[x] = (n0, (d // step_b,))
             cands[step].append(Candidate(key, step, parts))
             names[(step, key)] = (_node(o, place), key[2])
     return _peak(cands, [symbol], subs or {}, numbers, domain, names)
@@ -164,8 +151,8 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
 
 @dataclass
 class StepPeak:
-    """The ``step`` of a traced :class:`~symmem.derivation.Derivation`: computes the peak of the module's training
-    step on first use (see :meth:`__call__`); records are cached.
+    """The :class:`~symmem.step.Step` of a traced :class:`~symmem.derivation.Derivation`: computes the peak of the
+    module's training step on first use; records are cached.
 
     ``repeat`` is (container, children) of the folded repeated blocks and ``symbol`` the layer count's symbol in
     the derivation (None: no fold).  ``notes`` says how the peak was found.
@@ -185,7 +172,7 @@ class StepPeak:
     numbers: dict[sympy.Symbol, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _records: dict[tuple[Any, ...], StepRecord] = field(default_factory=dict, repr=False)
-    _peaks: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
 
     @property
     def count(self) -> int | None:
@@ -233,7 +220,7 @@ class StepPeak:
     def _domain(self) -> tuple[Any, ...]:
         return tuple(sympy.Ge(s, 2) for s in self.symbols.values())
 
-    def peak(self) -> Any:
+    def _symbolic(self) -> Peak:
         """The peak as formulas in the declared sizes (and the layer count, where the blocks fold)."""
         if None not in self._peaks:
             found = None
@@ -257,80 +244,49 @@ class StepPeak:
             self._peaks[None] = found
         return self._peaks[None]
 
-    def lazy(self) -> Any:
-        """The peak, computed when its formulas are first read: whether numbers lie in its domain is known before
-        (a layer count below 4 is recorded at that count without folding first)."""
+    def domain(self) -> tuple[Any, ...]:
+        """Where the symbolic peak holds: known before it is computed (a layer count below 4 is recorded at that
+        count without folding first); once computed, its own (a fold that failed holds at the module's own layer
+        count only)."""
+        if None in self._peaks:
+            return tuple(self._peaks[None].domain)
         domain = self._domain()
         if self.repeat is not None and self.symbol is not None:
             domain = (sympy.Ge(self.symbol, COUNTS[0]), *domain)
-        return _LazyPeak(domain, self.peak)
+        return domain
 
-    def __call__(self, at: Mapping[sympy.Symbol, int] | None = None, timeline: str | None = None) -> Any:
-        """``Derivation.step``: the :class:`~symmem.passes.peak.Peak` (symbolic), or with ``at`` the peak with those
-        numbers for the layer count and for sizes at 1 (the rest symbolic), or with ``timeline`` (``first`` or
-        ``steady``) the step at ``at`` op by op: (phase, where, live bytes per category); ``allocated-first`` or
-        ``allocated-steady``: the peak with every storage rounded up to 512 bytes."""
-        if at is None:
-            return self.peak() if None in self._peaks else self.lazy()
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        if not all(bool(c.xreplace(dict(numbers))) for c in self.domain()):
+            return False  # without computing the peak
+        return self._symbolic().holds_at(numbers)
+
+    def _at(self, at: Mapping[sympy.Symbol, int]) -> tuple[StepRecord, Any, tuple[str, ...]]:
+        """The record with ``at``'s number for the layer count and its sizes at 1 (the rest symbolic)."""
         count = at.get(self.symbol) if self.symbol is not None else None
         by_symbol = {s: n for n, s in self.symbols.items()}
         ones = tuple(sorted(by_symbol[s] for s, v in at.items() if s in by_symbol and v == 1))
-        rec = self.record(int(count) if count is not None else None, ones)
-        if timeline is not None:
-            values = {**{s: v for s, v in self.numbers.items()}, **dict(at)}
-            values = {s: values[s] for s in self.symbols.values() if s in values}
-            if timeline.startswith("allocated-"):  # Derivation.peak_allocated: blocks rounded as CUDA's allocator
-                return rec.allocated(timeline.removeprefix("allocated-"), values)
-            return rec.timeline(timeline, values)
+        return self.record(int(count) if count is not None else None, ones), count, ones
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        """The :class:`~symmem.peak.Peak` (symbolic), or with ``at`` the peak with those numbers for the layer
+        count and for sizes at 1 (the rest symbolic)."""
+        if at is None:
+            return self._symbolic()
+        rec, count, ones = self._at(at)
         key = (count, ones)
         if key not in self._peaks:
             layers = rec.layers if rec.layers is not None else self.layer_map()
             self._peaks[key] = peak_of(rec, subs=self.subs, numbers={**self.numbers, **dict(at)}, layers=layers)
         return self._peaks[key]
 
+    def _values(self, at: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
+        values = {**self.numbers, **dict(at)}
+        return {s: values[s] for s in self.symbols.values() if s in values}
 
-def _lazy_base() -> type:
-    from ..passes.peak import Peak
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        """The step at ``at`` op by op: (phase, where, live bytes per category)."""
+        return self._at(at)[0].timeline(which, self._values(at))
 
-    return Peak
-
-
-class _LazyPeak(_lazy_base()):  # type: ignore[misc]
-    """A :class:`~symmem.passes.peak.Peak` whose formulas are computed on first use.  Its domain is known before:
-    :meth:`holds_at` answers False without computing anything where a number lies below it (the derivation then
-    asks for the step at those numbers), and otherwise computes the peak and asks the real one (a fold that
-    failed holds at the module's own layer count only)."""
-
-    def __init__(self, domain: tuple[Any, ...], compute: Any) -> None:  # noqa: D107 - a frozen dataclass
-        object.__setattr__(self, "domain", domain)
-        object.__setattr__(self, "_compute", compute)
-        object.__setattr__(self, "_done", None)
-
-    def _force(self) -> Any:
-        if self._done is None:
-            found = self._compute()
-            object.__setattr__(self, "_done", found)
-            object.__setattr__(self, "domain", found.domain)
-        return self._done
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("expr", "first", "moments"):
-            return getattr(self._force(), name)
-        raise AttributeError(name)
-
-    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        if not all(bool(c.xreplace(dict(numbers))) for c in self.domain):
-            return False
-        return self._force().holds_at(numbers)
-
-    def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Any:
-        return self._force().at(numbers, step)
-
-    def formula(self, step: str = "steady") -> Any:
-        return self._force().formula(step)
-
-    def candidates(self, step: str = "steady") -> int:
-        return self._force().candidates(step)
-
-    def value(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Any:
-        return self._force().value(numbers, step)
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        """The peak at ``at`` with every storage rounded up to 512 bytes, as CUDA's caching allocator rounds."""
+        return self._at(at)[0].allocated(which, self._values(at))

@@ -13,17 +13,19 @@ routes ``constant_pad_nd`` to its decomposition): each new storage is registered
 objects as for real ones, so the finalizers fire when the last reference goes -- the same moments as on real
 tensors (``test_fake_storages_are_freed_like_real_ones``).
 
-Categories follow the tracker (:data:`symmem.categories.RECORDED`: a storage keeps the first that applies over its
-whole life) and are reported in the zoo's (:data:`symmem.categories.RECORDED_TO_STEP`: buffer counts as parameter,
-saved as activation, output -- the module's output and the loss, held by the loop -- as loss).
+Categories follow the tracker (a storage keeps the first that applies over its whole life: parameter, buffer,
+input, optimizer_state, gradient, saved, output, activation_grad, temporary) and are reported in the step's
+(:data:`symmem.categories.RECORDED_TO_STEP`: buffer counts as parameter, saved as activation, output -- the
+module's output and the loss, held by the loop -- as loss).
 
 One recorded run gives both steps: the forward and backward are run once (``micro_batches`` times), then
 ``optimizer.step()`` twice on the same gradients -- the first creates the state, the second is a steady step --
 then ``zero_grad``.  A steady step's forward and backward hold what the first's did plus the optimizer state.
+:meth:`StepRecord.as_timeline` gives either step as a :class:`~symmem.timeline.Timeline`, the one model of time.
 
-:func:`peak_of` turns one or more records into a :class:`symmem.passes.peak.Peak`: every op after which
-something is freed (and the last) is a candidate moment; those another provably exceeds are dropped with
-``symmem.passes.peak``'s own comparison (coefficients after shifting every symbol to ``x' + 1``), and the peak is
+:func:`symmem.importer.peak.peak_of` turns one or more records into a :class:`symmem.peak.Peak`: every op after
+which something is freed (and the last) is a candidate moment; those another provably exceeds are dropped with
+the one peak algebra (:mod:`symmem.peak`: coefficients after shifting every symbol to ``x' + 1``), and the peak is
 the ``Max`` of the rest.  Records at 4 and 5 layers of the repeated blocks (:func:`symmem.importer.wrap.with_layers`)
 are interpolated moment by moment into formulas in ``L`` and checked against a record at 6 layers.
 """
@@ -31,7 +33,6 @@ are interpolated moment by moment into formulas in ``L`` and checked against a r
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer
 from ..record.saved import SavedRecorder
 from ..record.tensors import storage_key, symbolic_nbytes
 from ..record.tensors import tensors as _leaves
+from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
 from .inputs import Inputs
 
 #: the losses of a traced step: the tracker's, or the module's own (``output``)
@@ -105,9 +107,10 @@ class StepRecord:
     guards: tuple[Any, ...] = ()
 
     def category(self, sid: int) -> str:
+        """Storage ``sid``'s category in the step's vocabulary (:data:`symmem.categories.STEP`)."""
         return RECORDED_TO_STEP[self.storages[sid].category]
 
-    def in_step(self, o: StepOp, step: str) -> bool:
+    def in_step(self, o: StepOp, step: Which) -> bool:
         """Whether op ``o`` belongs to the ``first`` or the ``steady`` step (the forward and backward to both)."""
         if o.phase != "step":
             return True
@@ -122,81 +125,33 @@ class StepRecord:
             alive -= set(o.freed)
         return sorted(i for i in alive if self.storages[i].category == "optimizer_state")
 
-    def live(self, step: str, every: bool = False, device_only: bool = False
-             ) -> list[tuple[StepOp, tuple[Counter, ...], bool]]:
-        """For the ops of ``step`` (``first`` or ``steady``) that are candidates for the peak -- something is freed
-        after them, or they end their step -- (every op with ``every``): the op, the live storages right after
-        it as one Counter of byte sizes per zoo category, and whether it is a candidate.  A steady step's
-        forward and backward hold the optimizer state from the start; ``device_only`` counts storages in host
-        memory as empty."""
-        from ..passes.schedule import CATEGORIES
+    def as_timeline(self, step: Which) -> Timeline:
+        """The ``first`` or ``steady`` step as a :class:`~symmem.timeline.Timeline`, one event per op (cached).
 
-        index = {c: i for i, c in enumerate(CATEGORIES)}
-        zero = sympy.Integer(0)
-        where = [(index[self.category(s.sid)], zero if device_only and s.host else s.nbytes) for s in self.storages]
-        live = [Counter() for _ in CATEGORIES]
-        for i in set(self.start) - set(self.freed_first):
-            live[where[i][0]][where[i][1]] += 1
-        state = [Counter() for _ in CATEGORIES]
-        if step == "steady":
-            for i in self.state():
-                state[where[i][0]][where[i][1]] += 1
-        ends = {o.step: o.index for o in self.ops if o.phase == "step"}  # the last op of each optimizer step
-        ends = set(ends.values()) | {max((o.index for o in self.ops if self.in_step(o, step)), default=-1)}
-        steady = step == "steady"
-        out: list[tuple[StepOp, tuple[Counter, ...], bool]] = []
-        for o in self.ops:
-            for i in o.born:
-                live[where[i][0]][where[i][1]] += 1
-            for sid, new in o.resized:
-                c, old = where[sid]
-                new = zero if device_only and self.storages[sid].host else new
-                live[c][old] -= 1
-                live[c][new] += 1
-                where[sid] = (c, new)
-            if self.in_step(o, step):
-                candidate = bool(o.freed) or o.index in ends
-                if candidate or every:
-                    if steady and o.phase != "step":
-                        snap = tuple(+(c + e) for c, e in zip(live, state, strict=True))
-                    else:
-                        snap = tuple(+c for c in live)
-                    out.append((o, snap, candidate))
-            for i in o.freed:
-                live[where[i][0]][where[i][1]] -= 1
-        return out
+        The run holds one forward and backward and two optimizer steps: the first step's timeline runs the second
+        optimizer step without showing it; a steady one starts with the optimizer state the first step made (so
+        its forward and backward hold it) and runs the first optimizer step without showing it.
+        """
+        cache = self.__dict__.setdefault("_timelines", {})
+        if step not in cache:
+            state = set(self.state()) if step == "steady" else set()
+            gone = set(self.freed_first)
+            storages = tuple(Live(str(s.sid), self.category(s.sid), s.nbytes, s.where or None, s.host)
+                             for s in self.storages)
+            start = tuple(dict.fromkeys([*(i for i in self.start if i not in gone), *sorted(state)]))
+            events = tuple(Event(o.phase, o.where or None, tuple(i for i in o.born if i not in state), o.freed,
+                                 o.resized, self.in_step(o, step)) for o in self.ops)
+            cache[step] = Timeline(storages, start, events)
+        return cache[step]
 
-    def allocated(self, step: str, values: Mapping[sympy.Symbol, int], block: int = 512) -> int:
+    def allocated(self, step: Which, values: Mapping[sympy.Symbol, int], block: int = CUDA_BLOCK) -> int:
         """The peak of ``step`` at ``values`` with every storage rounded up to ``block`` bytes, as CUDA's caching
         allocator rounds its blocks (what ``torch.cuda.max_memory_allocated`` reports before workspaces)."""
-        memo: dict[Any, int] = {}
+        return self.as_timeline(step).allocated(values, block)
 
-        def num(x: Any) -> int:
-            if x not in memo:
-                n = int(sympy.sympify(x).xreplace({k: sympy.Integer(v) for k, v in values.items()}))
-                memo[x] = -(-n // block) * block
-            return memo[x]
-
-        return max((sum(num(x) * n for part in live for x, n in part.items())
-                    for _, live, _ in self.live(step, device_only=True)), default=0)
-
-    def timeline(self, step: str, values: Mapping[sympy.Symbol, int]) -> list[tuple[str, str | None, dict[str, int]]]:
-        """(phase, where, live bytes per zoo category) after every op of ``step``, at ``values``."""
-        from ..passes.schedule import CATEGORIES
-
-        memo: dict[Any, int] = {}
-
-        def num(x: Any) -> int:
-            if x not in memo:
-                memo[x] = int(sympy.sympify(x).xreplace({k: sympy.Integer(v) for k, v in values.items()}))
-            return memo[x]
-
-        out = []
-        for o, live, _ in self.live(step, every=True):
-            out.append((o.phase, o.where or None,
-                        {c: sum(num(x) * n for x, n in part.items()) for c, part in zip(CATEGORIES, live,
-                                                                                        strict=True)}))
-        return out
+    def timeline(self, step: Which, values: Mapping[sympy.Symbol, int]) -> list[Row]:
+        """(phase, where, live bytes per category) after every op of ``step``, at ``values``."""
+        return self.as_timeline(step).rows(values)
 
 
 class _StepRecorder(SavedRecorder):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import sympy
 
-from ..derivation import END, START, Moment, Storage
+from ..derivation import END, START, Storage
 from ..errors import SymmemError
 from ..graph import Graph
 from ..shapes import numel
@@ -183,7 +183,7 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
         group = graph.node(block.input).group
         one_layer = sympy.Add(*(_per_layer(x) for x in gone))
         # recomputed during the block's backward, freed as that backward proceeds
-        during = {"born": Moment("backward", block.output), "dies": Moment("backward", block.input)}
+        during = {"born": "backward", "dies": "backward"}
         if regime.checkpoint == "selective":
             alive_again.append(Storage(f"{name}.recompute", "recompute", "transient", one_layer, "recompute",
                                        block.input, count=sympy.Integer(1), **during))
@@ -204,8 +204,7 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
         if kept != 0:
             out.append(Storage(f"{name}.checkpoint", group, "activation",
                                kept * elements * dtype_bytes(spec.dtype, act_dtype), "checkpoint", block.input,
-                               spec.dtype, elements, kept, (block.input,), Moment("forward", block.input),
-                               Moment("backward", block.input)))
+                               spec.dtype, elements, kept, (block.input,), "forward", "backward"))
         alive = k if every is None or not block.count.is_number else sympy.Min(k, block.count)
         alive_again.append(Storage(f"{name}.recompute", "recompute", "transient", alive * one_layer, "recompute",
                                    block.input, count=alive, **during))
@@ -213,7 +212,7 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
         # Backward recomputes one block at a time: the peak is the largest, not the sum.
         peak = sympy.Max(*(x.expr for x in alive_again))
         alive_again = [Storage("recompute", "recompute", "transient", peak, "recompute",
-                               born=Moment("backward"), dies=Moment("step"))]
+                               born="backward", dies="step")]
     return out + alive_again
 
 
@@ -230,7 +229,7 @@ def pipeline(terms: list[Storage], block: Callable[[Storage], str | None]) -> li
     if stage:
         # the other micro-batches' activations are alive from their forward to their backward
         out.append(Storage("pipeline.in_flight", "pipeline", "activation", (p - 1) * sympy.Add(*stage),
-                           "in_flight", None, count=p - 1, born=Moment("forward"), dies=Moment("backward")))
+                           "in_flight", None, count=p - 1, born="forward", dies="backward"))
     return out
 
 
@@ -247,7 +246,6 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
     # graph of many layers has few shapes), only the names and moments are per parameter.
     per_shape: dict[tuple[sympy.Expr, bool, tuple[sympy.Expr, ...]], list[tuple[str, sympy.Expr, sympy.Expr,
                                                                               sympy.Expr, bool]]] = {}
-    step = Moment("step")
     for param in params:
         if not param.trainable:
             continue  # a frozen parameter has no gradient or optimizer state (and, as before, no weights here)
@@ -260,13 +258,9 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
                                               each_count, born=START, dies=END, shards=shards))
                 for component, expr, each_count, shards, gradient in
                 _parameter_parts(regime, param.count, in_block, per_layer, param.shape)]
-        backward = None
         for component, gradient, template in parts:
-            born, dies = START, END
-            if gradient:
-                if backward is None:
-                    backward = Moment("backward", owner)
-                born, dies = backward, step
+            # gradients appear as their op runs backward and last until the step
+            born, dies = ("backward", "step") if gradient else (START, END)
             found.append(_like(template, f"{owner}.{param.name}.{component}", owner, born, dies))
     return found
 
@@ -275,8 +269,8 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
 _COPYABLE = not hasattr(Storage, "__post_init__") and not hasattr(Storage, "__slots__")
 
 
-def _like(template: Storage, name: str, node: str, born: Moment, dies: Moment) -> Storage:
-    """``template`` with its name, node and moments changed.
+def _like(template: Storage, name: str, node: str, born: str, dies: str) -> Storage:
+    """``template`` with its name, node and phases changed.
 
     The parameter side of a large graph is 100,000s of storages that differ only in these four fields; a
     field-by-field copy of one made by the constructor costs a fifth of the frozen dataclass's ``__init__``

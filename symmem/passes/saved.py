@@ -1,4 +1,4 @@
-"""What the convention keeps, as storages: each with its bytes, its copies, its keepers and its lifetime.
+"""What the convention keeps, as storages: each with its bytes, its copies, its keepers and the phases it lives in.
 
 For every node the convention lists what the op keeps (:class:`~symmem.conventions.Saved`).  A
 storage-counting convention (``dedup``) resolves every kept tensor to its storage
@@ -25,8 +25,14 @@ from ..conventions import Convention, Saved
 from ..derivation import Storage
 from ..graph import Graph, Node
 from ..tensor import TensorSpec, dtype_bytes
-from .lifetimes import lifetime
 from .storage import Branch, multiplicity, resolve
+
+
+def born(category: str) -> str:
+    """The phase a kept storage is born in: inputs exist from the start, the rest is made in the forward; every
+    kept storage dies in the backward, once its last keeper has run (the step's op-by-op time is the schedule's
+    :class:`~symmem.timeline.Timeline`)."""
+    return "start" if category == "input" else "forward"
 
 
 def category(node: Node) -> str:
@@ -73,11 +79,10 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None
-                born, dies = lifetime(graph, name, "activation", [(name, "same")])
                 cat = "loss" if node.group == "loss" else "activation"
                 found.append(Storage(f"{name}.{ref.label}", node.group, cat, size(spec, count),
-                                     ref.role or spec.role, name, spec.dtype, elements(spec), count, (name,), born,
-                                     dies))
+                                     ref.role or spec.role, name, spec.dtype, elements(spec), count, (name,),
+                                     "forward", "backward"))
                 continue
             target = name if ref.source == "output" else node.inputs[ref.index]
             if not conv.dedup:
@@ -85,9 +90,8 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
                 spec = kept_node.out
                 cat = category(kept_node)
                 label = name if ref.source == "output" else f"{name}.{ref.label or 'input'}"
-                born, dies = lifetime(graph, name, cat, [(name, "same")])
                 found.append(Storage(label, node.group, cat, size(spec, count), ref.role or spec.role, name,
-                                     spec.dtype, elements(spec), count, (name,), born, dies))
+                                     spec.dtype, elements(spec), count, (name,), born(cat), "backward"))
                 continue
             for storage, mode in resolve(graph, target, per_layer, act_dtype, branch):
                 if storage not in storages:
@@ -113,7 +117,6 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
         role = next((r.role for _, _, r in savers if r.role), None) or node.role
         group = "input" if cat == "input" else node.group
         keepers = tuple(dict.fromkeys(s for s, _, _ in savers))
-        born, dies = lifetime(graph, storage, cat, [(s, mode) for s, mode, _ in savers])
         found.append(Storage(storage, group, cat, size(node.out, count), role, storage, node.out.dtype,
-                             node.out.numel, count, keepers, born, dies))
+                             node.out.numel, count, keepers, born(cat), "backward"))
     return found

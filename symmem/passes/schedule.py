@@ -21,14 +21,14 @@ most the op needs):
 * **step** -- the optimizer's temporaries, and in the first step its state, which it creates lazily
   (:func:`step_events`); **zero_grad** frees the gradients.
 
-:class:`Timeline` holds the storages and, after every event, the live bytes per category as exact sympy sums.
+:class:`Simulation` walks the step one phase per method; what it gives is a :class:`~symmem.timeline.Timeline`,
+the one model of time (the recorded step of a traced module gives one too).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -39,122 +39,15 @@ from ..graph import Graph, Node
 from ..ops import requires_grad
 from ..shapes import numel as shape_numel
 from ..tensor import TensorSpec, dtype_bytes
+from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
 from .saved import kept
 from .storage import Branch, is_view
 
-#: Categories of live memory, in the order breakdowns list them.
-CATEGORIES = ("parameter", "optimizer_state", "gradient", "input", "activation", "loss", "activation_grad",
-              "temporary")
-
-
-@dataclass(frozen=True)
-class Live:
-    """One storage of the step: its name, category, bytes, and the (unrolled) node that made it; ``host``: held in
-    host memory while the step runs on CUDA (Adam's step counts, the memory-efficient attention's Philox seed and
-    offset), so not in what CUDA's allocator counts."""
-
-    name: str
-    category: str
-    nbytes: sympy.Expr
-    node: str | None = None
-    host: bool = False
-
-
-@dataclass(frozen=True)
-class Event:
-    """One op of the step: what it allocates and what is freed once it has run."""
-
-    phase: str
-    node: str | None
-    born: tuple[int, ...]
-    freed: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """The storages of one training step and its events, in order; ``start`` are the storages alive before
-    the first event (weights, the batch, optimizer state in the steady state)."""
-
-    storages: tuple[Live, ...]
-    start: tuple[int, ...]
-    events: tuple[Event, ...]
-
-    def live(self) -> list[dict[str, sympy.Expr]]:
-        """Live bytes per category after each event's allocations (before its frees)."""
-        sums: dict[str, Counter] = {c: Counter() for c in CATEGORIES}
-        parts = [_terms(s.nbytes) for s in self.storages]
-
-        def add(i: int, sign: int) -> None:
-            target = sums[self.storages[i].category]
-            for k, v in parts[i].items():
-                target[k] += sign * v
-
-        for i in self.start:
-            add(i, 1)
-        out = []
-        for e in self.events:
-            for i in e.born:
-                add(i, 1)
-            out.append({c: _expr(sums[c]) for c in CATEGORIES})
-            for i in e.freed:
-                add(i, -1)
-        return out
-
-    def totals_at(self, numbers: Mapping[sympy.Symbol, Any], block: int = 1, device_only: bool = False
-                  ) -> list[int]:
-        """Live bytes after each event's allocations at ``numbers``, each storage rounded up to a multiple of
-        ``block`` bytes (512: what CUDA's caching allocator hands out, so what ``max_memory_allocated``
-        sees); ``device_only`` leaves out the storages in host memory."""
-        sizes = []
-        for st in self.storages:
-            if device_only and st.host:
-                sizes.append(0)
-                continue
-            v = sympy.sympify(st.nbytes.xreplace(dict(numbers)), strict=True)
-            n = int(v) if v.is_number else 0
-            sizes.append(-(-n // block) * block if n else 0)
-        live = sum(sizes[i] for i in self.start)
-        out = []
-        for e in self.events:
-            live += sum(sizes[i] for i in e.born)
-            out.append(live)
-            live -= sum(sizes[i] for i in e.freed)
-        return out
-
-    def alive_after(self, index: int) -> list[Live]:
-        """The storages alive after event ``index``'s allocations."""
-        alive = set(self.start)
-        for e in self.events[:index + 1]:
-            alive |= set(e.born)
-            if e is not self.events[index]:
-                alive -= set(e.freed)
-        return [self.storages[i] for i in sorted(alive)]
-
-
 #: Micro-batches of gradient accumulation written out in a step's schedule (later ones repeat the second).
 MICRO_BATCH_PASSES = 3
-
-def _terms(e: sympy.Expr) -> dict[sympy.Expr, sympy.Expr]:
-    return dict(sympy.expand(e).as_coefficients_dict())
-
-
-def _expr(c: Counter) -> sympy.Expr:
-    return sympy.Add(*(k * v for k, v in c.items() if v != 0))
-
-
-@dataclass
-class _Builder:
-    storages: list[Live] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    start: list[int] = field(default_factory=list)
-
-    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
-        self.storages.append(Live(name, category, nbytes, node, host))
-        return len(self.storages) - 1
-
-    def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
-        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
+#: Nodes that exist before the step: neither made in the forward nor freed.
+_HELD = ("input", "parameter", "buffer")
 
 
 def optimizer_impl(regime: Regime, device: str) -> str:
@@ -167,350 +60,422 @@ def optimizer_impl(regime: Regime, device: str) -> str:
 
 
 def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-             branch: Branch | None = None, *, first_step: bool | None = False, keep_logits: bool = False
-             ) -> Any:
-    """The timeline of one training step of the (unrolled) ``graph``: ``first_step`` creates the optimizer
-    state inside the step; otherwise it exists from the start (the steady state).  ``first_step=None`` gives
-    both, (steady, first), from one walk: they differ only in the state alive at the start and in the step."""
-    if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
-        raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
-                          "parallelism are not modelled there (the kept memory and total are)")
-    if regime.checkpoint == "selective":
-        raise SymmemError("the peak with selective recomputation is not modelled (the kept memory and total are); "
-                          "full and every-K checkpointing are")
-    act = regime.activation_dtype
-    order = list(graph.program_order())
-    pos = {n: i for i, n in enumerate(order)}
-    b = _Builder()
-
-    def size(spec: TensorSpec) -> sympy.Expr:
-        return spec.numel * dtype_bytes(spec.dtype, act)
-
-    # -- what the convention keeps, and who keeps it -------------------------------------------------------
-    rule_options = {**options, "activation_dtype": act, "branch": branch}
-    saved = kept(graph, conv, options, act, order, False, branch)
-    segment_of = _segments(graph, regime)  # checkpointed node -> its segment (one layer, or K)
-    # inside a checkpointed segment no op keeps a tensor (checkpoint packs a handle): only keepers outside do
-    all_keepers: dict[str, tuple[str, ...]] = {s.name: s.keepers for s in saved}
-    keepers = {k: tuple(x for x in v if x not in segment_of) for k, v in all_keepers.items()}
-    keepers = {k: v for k, v in keepers.items() if v}
-
-    # -- storage identity of every value: views lead to their base ------------------------------------------
-    base: dict[str, str] = {}
-    for n in order:
-        node = graph.node(n)
-        if node.view_of is not None and is_view(graph, n, act, branch):
-            base[n] = base[node.inputs[node.view_of]]
-        else:
-            base[n] = n
-    uses: dict[str, list[str]] = defaultdict(list)
-    for n in order:
-        for i in graph.node(n).inputs:
-            uses[base[i]].append(n)
-
-    # -- the parameter side and the batch ------------------------------------------------------------------
-    weights_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind != "gradients")
-    grad_bytes = sum(c.bytes for c in regime.precision_spec.parts if c.kind == "gradients")
-    device = str(options.get("device", "cpu"))
-    impl = optimizer_impl(regime, device)
-    # Adam's step counts are CPU tensors unless the fused implementation runs: host memory beside a CUDA step
-    step_on_host = device == "cuda" and impl != "fused"
-    owner: dict[str, int] = {}     # storage name -> id, for values alive across the step
-    params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
-    for n in order:
-        node = graph.node(n)
-        if node.kind == "parameter":
-            params.append((n, node.params["value"]))
-        else:
-            params += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
-        if node.kind in ("input", "buffer"):
-            cat = "input" if node.kind == "input" else "parameter"
-            owner[n] = b.new(n, cat, size(node.out), n)
-            b.start.append(owner[n])
-        for bname, spec in node.buffers.items():
-            b.start.append(b.new(f"{n}.{bname}", "parameter", size(spec), n))
-    numel = {name: shape_numel(shape) for name, shape in params}
-    for name, _ in params:
-        b.start.append(b.new(f"{name}.weights", "parameter", numel[name] * weights_bytes))
-    state_ids: dict[str, list[int]] = {}
-    for name, shape in params:
-        ids = [b.new(f"{name}.{s}", "optimizer_state", e) for s, e in regime.optimizer_spec.state_bytes(shape)]
-        if regime.optimizer in ("adam", "adamw") and ids:
-            ids.append(b.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # 0-dim fp32
-        state_ids[name] = ids
-    states = [i for name, _ in params for i in state_ids[name]]  # alive from the start in the steady state
-
-    # -- forward -------------------------------------------------------------------------------------------
-    held_to_end: set[str] = set()
-    outputs = [n for n in order if graph.out_degree(n) == 0
-               and graph.node(n).kind not in ("input", "parameter", "buffer", "constant")]
-    final = outputs[-1] if outputs else order[-1]
-    held_to_end.add(base[final])
-    if keep_logits:
-        out = _model_output(graph)
-        if out is not None:
-            held_to_end.add(base[out])
-    last_use = {s: max(pos[u] for u in us) for s, us in uses.items()}
-    dies_forward: dict[int, list[str]] = defaultdict(list)
-    for s in set(base.values()):
-        if s in keepers or s in held_to_end or graph.node(s).kind in ("input", "parameter", "buffer"):
-            continue
-        dies_forward[last_use.get(s, pos[s])].append(s)
-    needs = _needs_grad(graph, order, final)
-    segments: dict[Any, list[Node]] = defaultdict(list)
-    for n in order:
-        if n in segment_of:
-            segments[segment_of[n]].append(graph.node(n))
-    # the segment's last node to run backward: its first node in program order that runs backward
-    segment_end = {sg: next((m.name for m in nodes if m.name in needs), None) for sg, nodes in segments.items()}
-    # what each segment's checkpoint holds: every storage made outside it that its ops read
-    frame_inputs: dict[Any, list[str]] = {}
-    for sg, nodes in segments.items():
-        inside = {m.name for m in nodes}
-        found = dict.fromkeys(base[x] for m in nodes for x in m.inputs if base[x] not in inside)
-        frame_inputs[sg] = [x for x in found if graph.node(x).kind not in ("input", "parameter", "buffer")]
-    groups = _splits(graph, order)
-    tied_to = _tied(graph, order)
-    param_grad: dict[str, int] = {}  # weight -> its .grad
-
-    def micro_batch() -> None:
-        """One forward and backward pass; with gradients from an earlier micro-batch, each weight's new
-        gradient is added into its .grad in place and freed."""
-        new_saved: dict[str, list[int]] = defaultdict(list)
-        # checkpoint keeps each segment's inputs (the layer input, and masks or tables passed to it) until the
-        # segment's backward is done
-        frame_held = {x for sg in segments for x in frame_inputs[sg]}
-        for n in order:
-            node = graph.node(n)
-            if node.kind in ("input", "parameter", "buffer"):
-                continue
-            born = []
-            if base[n] == n:
-                cat = "loss" if node.group == "loss" else ("activation" if n in keepers else "temporary")
-                owner[n] = b.new(n, cat, size(node.out), n)
-                born.append(owner[n])
-            freed = [owner[s] for s in dies_forward.get(pos[n], []) if s in owner and s not in frame_held]
-            for ref in conv.saved(graph, node, rule_options):
-                if ref.source == "new":
-                    assert ref.spec is not None
-                    cat = "loss" if node.group == "loss" else "activation"
-                    sid = b.new(f"{n}.{ref.label}", cat if n not in segment_of else "temporary", size(ref.spec), n,
-                                ref.host)
-                    born.append(sid)
-                    if n in segment_of:
-                        freed.append(sid)  # checkpointed: not kept, recomputed in backward
-                    else:
-                        new_saved[n].append(sid)
-            b.event("forward", n, born, freed)
-
-        if graph.node(final).group != "loss":
-            # no loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward
-            total = b.new("output.sum", "loss", size(TensorSpec((), "float32")))
-            owner["output.sum"] = total
-            held_to_end.add("output.sum")
-            out = base[final]
-            drop = []
-            if not keep_logits and graph.node(out).kind not in ("input", "parameter", "buffer"):
-                held_to_end.discard(out)  # loss = model(x).sum(): the output lives on only if an op keeps it
-                if out not in keepers:
-                    drop.append(owner[out])
-            b.event("forward", "sum", [total], drop)
-
-        # -- backward ------------------------------------------------------------------------------------------
-        grad_of: dict[str, int] = {}
-        refs: Counter = Counter()
-        freed_at: dict[str, list[int]] = defaultdict(list)   # saved storages, freed after their last keeper's backward
-        for s, ks in keepers.items():
-            if s in owner and s not in held_to_end and graph.node(s).kind not in ("input", "parameter", "buffer"):
-                last = min((k for k in ks if k in needs), key=pos.__getitem__, default=None)
-                freed_at[last or ""].append(owner[s])
-        def _recompute(nodes: list[Node]) -> None:
-            """Re-run a checkpointed segment's forward, up to the last op that saves a tensor (PyTorch stops
-            there): what is saved lives until its keeper's backward, the rest dies at its last use."""
-            names = [m.name for m in nodes]
-            inside = set(names)
-            savers = [m for m in nodes if conv.saved(graph, m, rule_options)]
-            if not savers:
-                return
-            last = savers[-1]
-            only_inputs = all(r.source == "input" for r in conv.saved(graph, last, rule_options))
-            run = names[:names.index(last.name) + (0 if only_inputs else 1)]
-            seg_keep: dict[str, list[str]] = defaultdict(list)
-            for st, ks in all_keepers.items():
-                for k in ks:
-                    if k in inside:
-                        seg_keep[st].append(k)
-            local_use: dict[str, int] = {}
-            for i, m in enumerate(names):
-                for x in graph.node(m).inputs:
-                    if base[x] in inside and m in run:
-                        local_use[base[x]] = i
-            alive: list[str] = []
-            for i, m in enumerate(names):
-                node_m = graph.node(m)
-                born_r: list[int] = []
-                freed_r: list[int] = []
-                if m in run:
-                    if base[m] == m and node_m.kind not in ("input", "parameter", "buffer"):
-                        cat = "activation" if m in seg_keep else "temporary"
-                        owner[m] = b.new(m, cat, size(node_m.out), m)
-                        born_r.append(owner[m])
-                        if m in seg_keep:
-                            first = min(seg_keep[m], key=pos.__getitem__)
-                            freed_at[first].append(owner[m])
-                        else:
-                            alive.append(m)
-                    for ref in conv.saved(graph, node_m, rule_options):
-                        if ref.source == "new":
-                            assert ref.spec is not None
-                            sid = b.new(f"{m}.{ref.label}", "activation", size(ref.spec), m, ref.host)
-                            born_r.append(sid)
-                            new_saved[m].append(sid)
-                elif m != last.name:
-                    continue
-                for x in list(alive):
-                    if local_use.get(x, -1) <= i:
-                        freed_r.append(owner[x])
-                        alive.remove(x)
-                if m == last.name or m == run[-1]:
-                    freed_r += [owner[x] for x in alive]  # the early stop drops the rest
-                    alive.clear()
-                b.event("backward", f"{m}:recompute", born_r, freed_r)
-                if m == last.name or m == run[-1]:
-                    break
-
-        seed = b.new("loss.grad", "activation_grad", size(TensorSpec((), "float32")))
-        grad_of[final] = seed
-        refs[seed] += 2  # the engine holds the root's gradient until backward ends
-        b.event("backward", None, [seed], [])
-        param_uses = _param_uses(graph, order, needs, tied_to)
-        waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
-        recomputed: set[Any] = set()
-        done: set[Any] = set()  # segments whose backward has finished
-        for n in reversed(order):
-            node = graph.node(n)
-            if n not in grad_of or n not in needs:
-                continue
-            sg = segment_of.get(n)
-            if sg is not None and sg not in recomputed:
-                recomputed.add(sg)
-                _recompute(segments[sg])
-            group = groups.get(n)
-            if group is not None and n != group[0]:
-                continue  # a part of a split: the first part gathers every part's gradient
-            g = conv.grads(graph, node, rule_options)
-            if g is None:
-                raise SymmemError(f"the {conv.name} convention does not model the backward pass, so it has no peak")
-            # 1. the backward formula allocates the inputs' gradients, the parameters' and its temporaries
-            born: list[int] = []
-            handoff: list[tuple[str, int]] = []
-            incoming = [grad_of[m] for m in (group or [n]) if m in grad_of]
-            params_out: list[tuple[str, int]] = []
-            for i, x in enumerate(node.inputs):
-                xn = graph.node(x)
-                if not requires_grad(graph, x) or (group is not None and i > 0):
-                    continue
-                if xn.kind == "parameter":
-                    pid = b.new(f"{x}.grad", "gradient", numel[x] * grad_bytes, n)
-                    born.append(pid)
-                    params_out.append((x, pid))
-                    continue
-                if group is None and g.of(i) == "alias":
-                    sid = grad_of[n]
-                else:
-                    sid = b.new(f"{n}.grad_input{i}", "activation_grad", size(xn.out), n)
-                    born.append(sid)
-                refs[sid] += 1
-                handoff.append((x, sid))
-            late: list[int] = []
-            for key in [f"{n}.{p}" for p in node.params] + ([tied_to[n]] if n in tied_to else []):
-                pid = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
-                # a recomputed (checkpointed) input is dropped once the weight's gradient used it, before a
-                # linear's bias gradient is summed (measured): that one comes after the free
-                (late if sg is not None and node.kind == "linear" and key.endswith(".bias") else born).append(pid)
-                params_out.append((key, pid))
-            temps = [b.new(f"{n}.temp", "temporary", size(spec), n) for spec in g.temps]
-            if late:
-                b.event("backward", n, born + temps, list(freed_at.pop(n, [])))
-                born, temps = late, []
-            freed = list(temps)
-            for sid in incoming:
-                refs[sid] -= 1
-                if refs[sid] == 0:
-                    freed.append(sid)
-            freed += freed_at.get(n, []) + new_saved.get(n, [])
-            if sg is not None and n == segment_end.get(sg):
-                for src in frame_inputs[sg]:  # the checkpoint frame lets its inputs go
-                    if src in owner and src not in keepers and src not in held_to_end and not any(
-                            src in frame_inputs[other] for other in segments if other != sg and other not in done):
-                        freed.append(owner[src])
-                done.add(sg)
-            b.event("backward", n, born + temps, freed)
-            # 2. then each gradient goes to its value's buffer; a second one there is summed out of place.  A weight
-            # used by several ops (tied) gathers its gradients the same way; the last sum becomes its .grad.
-            sums: list[int] = []
-            dropped: list[int] = []
-            for x, sid in handoff:
-                if x not in grad_of:
-                    grad_of[x] = sid
-                    continue
-                total = b.new(f"{x}.grad_sum", "activation_grad", size(graph.node(x).out), n)
-                sums.append(total)
-                for old in (grad_of[x], sid):
-                    refs[old] -= 1
-                    if refs[old] == 0:
-                        dropped.append(old)
-                grad_of[x] = total
-                refs[total] += 1
-            for key, pid in params_out:
-                param_uses[key] -= 1
-                if key in waiting:
-                    total = b.new(f"{key}.grad", "gradient", numel[key] * grad_bytes, n)
-                    sums.append(total)
-                    dropped += [waiting.pop(key), pid]
-                    pid = total
-                if param_uses[key] > 0:
-                    waiting[key] = pid
-                elif key in param_grad:
-                    dropped.append(pid)  # an earlier micro-batch's .grad: added into it in place
-                else:
-                    param_grad[key] = pid
-            if sums or dropped:
-                b.event("backward", n, sums, dropped)
-        b.event("backward", None, [], [*freed_at.get("", []), *(owner[s] for s in held_to_end if s in owner)]
-                + [sid for sid, r in refs.items() if r > 0])
-
+             branch: Branch | None = None, *, keep_logits: bool = False) -> tuple[Timeline, Timeline]:
+    """The timelines (steady, first) of one training step of the (unrolled) ``graph``, from one walk: the first
+    step creates the optimizer state inside the step, a steady one has it from the start; they differ only
+    there."""
+    sim = Simulation(graph, conv, options, regime, branch, keep_logits)
     # From the second micro-batch on every pass starts from the same live storages (each .grad exists and takes
     # the new gradient in place), so the third and later passes repeat the second: written out up to
     # MICRO_BATCH_PASSES times, the peak is exact for any K, and K = 10**6 does not take a million passes
     # (tests/test_properties.py::test_micro_batches_repeat checks it against every pass written out).
     for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
-        micro_batch()
+        sim.micro_batch()
+    return sim.timeline(first=False), sim.timeline(first=True)
 
-    # -- optimizer step and zero_grad ----------------------------------------------------------------------
-    # model.parameters() lists a module's own parameters before its submodules': free-standing ones (a class
-    # token, a position table) first, then the layers' in the order they run
-    free = {n for n in order if graph.node(n).kind == "parameter"}
-    params.sort(key=lambda p: p[0] not in free)
-    grads = [param_grad[name] for name, _ in params if name in param_grad]
-    before = (list(b.storages), list(b.events), list(b.start))
 
-    def finish(first: bool) -> Timeline:
-        b.storages, b.events, b.start = list(before[0]), list(before[1]), list(before[2])
+class Simulation:
+    """One training step of an unrolled graph, walked phase by phase: each method is one phase (a micro-batch's
+    forward, loss and backward, a checkpointed segment's recomputation, the optimizer step, zero_grad), and the
+    walk's state -- storages and events so far, who owns what, which gradients wait -- is fields."""
+
+    def __init__(self, graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+                 branch: Branch | None, keep_logits: bool) -> None:
+        if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+            raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
+                              "parallelism are not modelled there (the kept memory and total are)")
+        if regime.checkpoint == "selective":
+            raise SymmemError("the peak with selective recomputation is not modelled (the kept memory and total "
+                              "are); full and every-K checkpointing are")
+        self.graph, self.conv, self.regime = graph, conv, regime
+        self.act = regime.activation_dtype
+        self.order = list(graph.program_order())
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        self.storages: list[Live] = []
+        self.events: list[Event] = []
+        self.start: list[int] = []
+        self.rule_options = {**options, "activation_dtype": self.act, "branch": branch}
+        self._keepers(options, branch)
+        self._identities(branch)
+        self._parameter_side(str(options.get("device", "cpu")))
+        self._plan(keep_logits)
+
+    # -- building blocks -----------------------------------------------------------------------------------
+    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
+        self.storages.append(Live(name, category, nbytes, node, host))
+        return len(self.storages) - 1
+
+    def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
+        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
+
+    def size(self, spec: TensorSpec) -> sympy.Expr:
+        return spec.numel * dtype_bytes(spec.dtype, self.act)
+
+    # -- what holds what, worked out once ------------------------------------------------------------------
+    def _keepers(self, options: Mapping[str, Any], branch: Branch | None) -> None:
+        """What the convention keeps, and who keeps it."""
+        saved = kept(self.graph, self.conv, options, self.act, self.order, False, branch)
+        self.segment_of = _segments(self.graph, self.regime)  # checkpointed node -> its segment (one layer, or K)
+        # inside a checkpointed segment no op keeps a tensor (checkpoint packs a handle): only keepers outside do
+        self.all_keepers: dict[str, tuple[str, ...]] = {s.name: s.keepers for s in saved}
+        keepers = {k: tuple(x for x in v if x not in self.segment_of) for k, v in self.all_keepers.items()}
+        self.keepers = {k: v for k, v in keepers.items() if v}
+
+    def _identities(self, branch: Branch | None) -> None:
+        """The storage of every value (views lead to their base) and the ops that read each storage."""
+        graph = self.graph
+        self.base: dict[str, str] = {}
+        for n in self.order:
+            node = graph.node(n)
+            if node.view_of is not None and is_view(graph, n, self.act, branch):
+                self.base[n] = self.base[node.inputs[node.view_of]]
+            else:
+                self.base[n] = n
+        self.uses: dict[str, list[str]] = defaultdict(list)
+        for n in self.order:
+            for i in graph.node(n).inputs:
+                self.uses[self.base[i]].append(n)
+
+    def _parameter_side(self, device: str) -> None:
+        """The weights, buffers and the batch (alive from the start), and the optimizer state of each weight."""
+        regime, graph = self.regime, self.graph
+        parts = regime.precision_spec.parts
+        weights_bytes = sum(c.bytes for c in parts if c.kind != "gradients")
+        self.grad_bytes = sum(c.bytes for c in parts if c.kind == "gradients")
+        self.impl = optimizer_impl(regime, device)
+        # Adam's step counts are CPU tensors unless the fused implementation runs: host memory beside a CUDA step
+        step_on_host = device == "cuda" and self.impl != "fused"
+        self.owner: dict[str, int] = {}     # storage name -> id, for values alive across the step
+        params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
+        for n in self.order:
+            node = graph.node(n)
+            if node.kind == "parameter":
+                params.append((n, node.params["value"]))
+            else:
+                params += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
+            if node.kind in ("input", "buffer"):
+                cat = "input" if node.kind == "input" else "parameter"
+                self.owner[n] = self.new(n, cat, self.size(node.out), n)
+                self.start.append(self.owner[n])
+            for bname, spec in node.buffers.items():
+                self.start.append(self.new(f"{n}.{bname}", "parameter", self.size(spec), n))
+        self.numel = {name: shape_numel(shape) for name, shape in params}
+        for name, _ in params:
+            self.start.append(self.new(f"{name}.weights", "parameter", self.numel[name] * weights_bytes))
+        self.state_ids: dict[str, list[int]] = {}
+        for name, shape in params:
+            ids = [self.new(f"{name}.{s}", "optimizer_state", e) for s, e in regime.optimizer_spec.state_bytes(shape)]
+            if regime.optimizer in ("adam", "adamw") and ids:
+                ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # fp32
+            self.state_ids[name] = ids
+        self.params = params
+        self.states = [i for name, _ in params for i in self.state_ids[name]]  # from the start in the steady state
+
+    def _plan(self, keep_logits: bool) -> None:
+        """When forward values die, which nodes run backward, the checkpointed segments and what they hold."""
+        graph, base, pos = self.graph, self.base, self.pos
+        self.held_to_end: set[str] = set()
+        outputs = [n for n in self.order if graph.out_degree(n) == 0
+                   and graph.node(n).kind not in ("input", "parameter", "buffer", "constant")]
+        self.final = outputs[-1] if outputs else self.order[-1]
+        self.keep_logits = keep_logits
+        self.held_to_end.add(base[self.final])
+        if keep_logits:
+            out = _model_output(graph)
+            if out is not None:
+                self.held_to_end.add(base[out])
+        last_use = {s: max(pos[u] for u in us) for s, us in self.uses.items()}
+        self.dies_forward: dict[int, list[str]] = defaultdict(list)
+        for s in set(base.values()):
+            if s in self.keepers or s in self.held_to_end or graph.node(s).kind in _HELD:
+                continue
+            self.dies_forward[last_use.get(s, pos[s])].append(s)
+        self.needs = _needs_grad(graph, self.order, self.final)
+        self.segments: dict[Any, list[Node]] = defaultdict(list)
+        for n in self.order:
+            if n in self.segment_of:
+                self.segments[self.segment_of[n]].append(graph.node(n))
+        # the segment's last node to run backward: its first node in program order that runs backward
+        self.segment_end = {sg: next((m.name for m in nodes if m.name in self.needs), None)
+                            for sg, nodes in self.segments.items()}
+        # what each segment's checkpoint holds: every storage made outside it that its ops read
+        self.frame_inputs: dict[Any, list[str]] = {}
+        for sg, nodes in self.segments.items():
+            inside = {m.name for m in nodes}
+            found = dict.fromkeys(base[x] for m in nodes for x in m.inputs if base[x] not in inside)
+            self.frame_inputs[sg] = [x for x in found if graph.node(x).kind not in _HELD]
+        self.groups = _splits(graph, self.order)
+        self.tied_to = _tied(graph, self.order)
+        self.param_grad: dict[str, int] = {}  # weight -> its .grad
+
+    # -- the phases ----------------------------------------------------------------------------------------
+    def micro_batch(self) -> None:
+        """One forward and backward pass; with gradients from an earlier micro-batch, each weight's new
+        gradient is added into its .grad in place and freed."""
+        self.new_saved: dict[str, list[int]] = defaultdict(list)
+        self.forward()
+        if self.graph.node(self.final).group != "loss":
+            self.loss()
+        self.backward()
+
+    def forward(self) -> None:
+        """The graph in program order: each op's output and what it saves are born, values at their last use die
+        (checkpoint keeps each segment's inputs -- the layer input, masks or tables passed to it -- until the
+        segment's backward is done)."""
+        graph, base = self.graph, self.base
+        frame_held = {x for sg in self.segments for x in self.frame_inputs[sg]}
+        for n in self.order:
+            node = graph.node(n)
+            if node.kind in _HELD:
+                continue
+            born = []
+            if base[n] == n:
+                cat = "loss" if node.group == "loss" else ("activation" if n in self.keepers else "temporary")
+                self.owner[n] = self.new(n, cat, self.size(node.out), n)
+                born.append(self.owner[n])
+            freed = [self.owner[s] for s in self.dies_forward.get(self.pos[n], [])
+                     if s in self.owner and s not in frame_held]
+            for ref in self.conv.saved(graph, node, self.rule_options):
+                if ref.source == "new":
+                    assert ref.spec is not None
+                    cat = "loss" if node.group == "loss" else "activation"
+                    checkpointed = n in self.segment_of
+                    sid = self.new(f"{n}.{ref.label}", "temporary" if checkpointed else cat, self.size(ref.spec),
+                                   n, ref.host)
+                    born.append(sid)
+                    if checkpointed:
+                        freed.append(sid)  # not kept, recomputed in backward
+                    else:
+                        self.new_saved[n].append(sid)
+            self.event("forward", n, born, freed)
+
+    def loss(self) -> None:
+        """No loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward."""
+        total = self.new("output.sum", "loss", self.size(TensorSpec((), "float32")))
+        self.owner["output.sum"] = total
+        self.held_to_end.add("output.sum")
+        out = self.base[self.final]
+        drop = []
+        if not self.keep_logits and self.graph.node(out).kind not in _HELD:
+            self.held_to_end.discard(out)  # loss = model(x).sum(): the output lives on only if an op keeps it
+            if out not in self.keepers:
+                drop.append(self.owner[out])
+        self.event("forward", "sum", [total], drop)
+
+    def backward(self) -> None:
+        """The graph in reverse, from the loss's gradient; checkpointed segments are recomputed first."""
+        graph = self.graph
+        self.grad_of: dict[str, int] = {}
+        self.refs: Counter = Counter()
+        self.freed_at: dict[str, list[int]] = defaultdict(list)  # saved storages, freed after their last keeper
+        for s, ks in self.keepers.items():
+            if s in self.owner and s not in self.held_to_end and graph.node(s).kind not in _HELD:
+                last = min((k for k in ks if k in self.needs), key=self.pos.__getitem__, default=None)
+                self.freed_at[last or ""].append(self.owner[s])
+        seed = self.new("loss.grad", "activation_grad", self.size(TensorSpec((), "float32")))
+        self.grad_of[self.final] = seed
+        self.refs[seed] += 2  # the engine holds the root's gradient until backward ends
+        self.event("backward", None, [seed], [])
+        self.param_uses = _param_uses(graph, self.order, self.needs, self.tied_to)
+        self.waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
+        self.recomputed: set[Any] = set()
+        self.done: set[Any] = set()  # segments whose backward has finished
+        for n in reversed(self.order):
+            if n not in self.grad_of or n not in self.needs:
+                continue
+            sg = self.segment_of.get(n)
+            if sg is not None and sg not in self.recomputed:
+                self.recomputed.add(sg)
+                self.recompute(self.segments[sg])
+            group = self.groups.get(n)
+            if group is not None and n != group[0]:
+                continue  # a part of a split: the first part gathers every part's gradient
+            handoff, params_out = self._backward_op(n, sg, group)
+            self._gather(n, handoff, params_out)
+        self.event("backward", None, [], [*self.freed_at.get("", []),
+                                          *(self.owner[s] for s in self.held_to_end if s in self.owner)]
+                   + [sid for sid, r in self.refs.items() if r > 0])
+
+    def _backward_op(self, n: str, sg: Any, group: list[str] | None
+                     ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """One op's backward formula: it allocates the inputs' gradients, the parameters' and its temporaries;
+        then what it received and what it kept are freed.  Gives the gradients to hand to their values and the
+        weights' gradients."""
+        graph, numel = self.graph, self.numel
+        node = graph.node(n)
+        g = self.conv.grads(graph, node, self.rule_options)
+        if g is None:
+            raise SymmemError(f"the {self.conv.name} convention does not model the backward pass, so it has no peak")
+        born: list[int] = []
+        handoff: list[tuple[str, int]] = []
+        incoming = [self.grad_of[m] for m in (group or [n]) if m in self.grad_of]
+        params_out: list[tuple[str, int]] = []
+        for i, x in enumerate(node.inputs):
+            xn = graph.node(x)
+            if not requires_grad(graph, x) or (group is not None and i > 0):
+                continue
+            if xn.kind == "parameter":
+                pid = self.new(f"{x}.grad", "gradient", numel[x] * self.grad_bytes, n)
+                born.append(pid)
+                params_out.append((x, pid))
+                continue
+            if group is None and g.of(i) == "alias":
+                sid = self.grad_of[n]
+            else:
+                sid = self.new(f"{n}.grad_input{i}", "activation_grad", self.size(xn.out), n)
+                born.append(sid)
+            self.refs[sid] += 1
+            handoff.append((x, sid))
+        late: list[int] = []
+        for key in [f"{n}.{p}" for p in node.params] + ([self.tied_to[n]] if n in self.tied_to else []):
+            pid = self.new(f"{key}.grad", "gradient", numel[key] * self.grad_bytes, n)
+            # a recomputed (checkpointed) input is dropped once the weight's gradient used it, before a
+            # linear's bias gradient is summed (measured): that one comes after the free
+            (late if sg is not None and node.kind == "linear" and key.endswith(".bias") else born).append(pid)
+            params_out.append((key, pid))
+        temps = [self.new(f"{n}.temp", "temporary", self.size(spec), n) for spec in g.temps]
+        if late:
+            self.event("backward", n, born + temps, list(self.freed_at.pop(n, [])))
+            born, temps = late, []
+        freed = list(temps)
+        for sid in incoming:
+            self.refs[sid] -= 1
+            if self.refs[sid] == 0:
+                freed.append(sid)
+        freed += self.freed_at.get(n, []) + self.new_saved.get(n, [])
+        if sg is not None and n == self.segment_end.get(sg):
+            for src in self.frame_inputs[sg]:  # the checkpoint frame lets its inputs go
+                if src in self.owner and src not in self.keepers and src not in self.held_to_end and not any(
+                        src in self.frame_inputs[other] for other in self.segments
+                        if other != sg and other not in self.done):
+                    freed.append(self.owner[src])
+            self.done.add(sg)
+        self.event("backward", n, born + temps, freed)
+        return handoff, params_out
+
+    def _gather(self, n: str, handoff: list[tuple[str, int]], params_out: list[tuple[str, int]]) -> None:
+        """Each gradient goes to its value's buffer; a second one there is summed out of place.  A weight used
+        by several ops (tied) gathers its gradients the same way; the last sum becomes its .grad."""
+        refs = self.refs
+        sums: list[int] = []
+        dropped: list[int] = []
+        for x, sid in handoff:
+            if x not in self.grad_of:
+                self.grad_of[x] = sid
+                continue
+            total = self.new(f"{x}.grad_sum", "activation_grad", self.size(self.graph.node(x).out), n)
+            sums.append(total)
+            for old in (self.grad_of[x], sid):
+                refs[old] -= 1
+                if refs[old] == 0:
+                    dropped.append(old)
+            self.grad_of[x] = total
+            refs[total] += 1
+        for key, pid in params_out:
+            self.param_uses[key] -= 1
+            if key in self.waiting:
+                total = self.new(f"{key}.grad", "gradient", self.numel[key] * self.grad_bytes, n)
+                sums.append(total)
+                dropped += [self.waiting.pop(key), pid]
+                pid = total
+            if self.param_uses[key] > 0:
+                self.waiting[key] = pid
+            elif key in self.param_grad:
+                dropped.append(pid)  # an earlier micro-batch's .grad: added into it in place
+            else:
+                self.param_grad[key] = pid
+        if sums or dropped:
+            self.event("backward", n, sums, dropped)
+
+    def recompute(self, nodes: list[Node]) -> None:
+        """Re-run a checkpointed segment's forward, up to the last op that saves a tensor (PyTorch stops
+        there): what is saved lives until its keeper's backward, the rest dies at its last use."""
+        graph, conv, base = self.graph, self.conv, self.base
+        names = [m.name for m in nodes]
+        inside = set(names)
+        savers = [m for m in nodes if conv.saved(graph, m, self.rule_options)]
+        if not savers:
+            return
+        last = savers[-1]
+        only_inputs = all(r.source == "input" for r in conv.saved(graph, last, self.rule_options))
+        run = names[:names.index(last.name) + (0 if only_inputs else 1)]
+        seg_keep: dict[str, list[str]] = defaultdict(list)
+        for st, ks in self.all_keepers.items():
+            for k in ks:
+                if k in inside:
+                    seg_keep[st].append(k)
+        local_use: dict[str, int] = {}
+        for i, m in enumerate(names):
+            for x in graph.node(m).inputs:
+                if base[x] in inside and m in run:
+                    local_use[base[x]] = i
+        alive: list[str] = []
+        for i, m in enumerate(names):
+            node_m = graph.node(m)
+            born: list[int] = []
+            freed: list[int] = []
+            if m in run:
+                if base[m] == m and node_m.kind not in _HELD:
+                    self.owner[m] = self.new(m, "activation" if m in seg_keep else "temporary", self.size(node_m.out),
+                                             m)
+                    born.append(self.owner[m])
+                    if m in seg_keep:
+                        self.freed_at[min(seg_keep[m], key=self.pos.__getitem__)].append(self.owner[m])
+                    else:
+                        alive.append(m)
+                for ref in conv.saved(graph, node_m, self.rule_options):
+                    if ref.source == "new":
+                        assert ref.spec is not None
+                        sid = self.new(f"{m}.{ref.label}", "activation", self.size(ref.spec), m, ref.host)
+                        born.append(sid)
+                        self.new_saved[m].append(sid)
+            elif m != last.name:
+                continue
+            for x in list(alive):
+                if local_use.get(x, -1) <= i:
+                    freed.append(self.owner[x])
+                    alive.remove(x)
+            ends = m == last.name or m == run[-1]
+            if ends:
+                freed += [self.owner[x] for x in alive]  # the early stop drops the rest
+                alive.clear()
+            self.event("backward", f"{m}:recompute", born, freed)
+            if ends:
+                break
+
+    def timeline(self, first: bool) -> Timeline:
+        """The walk so far, then the optimizer step and zero_grad: the ``first`` step creates the optimizer state,
+        a steady one has it from the start.  The walk itself is left as it was, so that both steps follow from
+        one walk."""
+        storages, events, start = list(self.storages), list(self.events), list(self.start)
         if not first:
-            b.start += states
+            self.start += self.states
+        self.optimizer_step(first)
+        self.zero_grad()
+        found = Timeline(tuple(self.storages), tuple(self.start), tuple(self.events))
+        self.storages, self.events, self.start = storages, events, start
+        return found
+
+    def _listed(self) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
+        """The parameters as model.parameters() lists them: a module's own parameters before its submodules'
+        (free-standing ones -- a class token, a position table -- first, then the layers' in the order they run)."""
+        free = {n for n in self.order if self.graph.node(n).kind == "parameter"}
+        return sorted(self.params, key=lambda p: p[0] not in free)
+
+    def optimizer_step(self, first: bool) -> None:
+        """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
         pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
-        for label, born_states, temp_bytes, frees in step_events(regime, impl, params, numel, state_ids, first):
-            temps = [b.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
+        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(), self.numel,
+                                                                 self.state_ids, first):
+            temps = [self.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
             pending += temps
             freed, pending = _oldest_first(pending, frees, temps)
-            b.event("step", label, [*born_states, *temps], freed)
-        b.event("zero_grad", None, [], grads)
-        return Timeline(tuple(b.storages), tuple(b.start), tuple(b.events))
+            self.event("step", label, [*born_states, *temps], freed)
 
-    if first_step is None:
-        return finish(False), finish(True)
-    return finish(first_step)
+    def zero_grad(self) -> None:
+        """``zero_grad(set_to_none=True)``: every weight's .grad is freed."""
+        self.event("zero_grad", None, [], [self.param_grad[name] for name, _ in self._listed()
+                                           if name in self.param_grad])
 
 
 def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.Expr, ...]]],

@@ -1,13 +1,14 @@
-"""The peak of live memory over a training step, as a formula: the maximum over the step's moments.
+"""The one peak algebra: the peak of live memory over a training step, as a formula -- the ``Max`` over the
+step's moments that can be largest.
 
-:mod:`.schedule` gives the live bytes after every op of one step of a graph whose repeated blocks are written
-out a given number of times.  A block repeated ``L`` times (``L`` a symbol) changes the live set by the same
-amount from one layer to the next, so every moment's live bytes are affine in ``L`` (for ``L`` >= 4: the
-first two and the last two layers are moments of their own, the layers between them repeat the second's
-pattern).  The step is simulated with the block written out 4 and 5 times and each moment's bytes
-interpolated; moments whose bytes another moment provably exceeds (every coefficient of the difference >= 0,
-in ``L - 4`` and the other positive symbols) are dropped, and the peak is the ``Max`` of the rest.  Counts that
-are numbers are written out as they are.
+A :class:`~symmem.timeline.Timeline` gives the live storages after every op; its candidate moments are the ops
+after which something is freed (between two of them memory only grows).  A front turns each candidate into a
+:class:`Candidate`: its live storages as counts per byte size, each count affine in the symbolic layer counts
+(a built graph simulated with its blocks written out at two counts, :mod:`symmem.passes.step`; a traced module
+recorded at 4, 5 and 6 layers, :mod:`symmem.importer.peak`).  :func:`summarize` drops the moments another
+provably exceeds (every coefficient of the difference >= 0 once each symbol x >= 1 is written x' + 1 and each
+layer count L >= 4 as L' + 4; with one symbol left, the upper envelope) and gives the :class:`Peak`: the ``Max``
+of the rest, with where each moment is and what is alive there.
 
 >>> from symmem import derive
 >>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="sgd")
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -30,15 +31,9 @@ from typing import Any
 import sympy
 from sympy.core.add import _addsort
 
-from ..conventions import Convention
-from ..errors import SymmemError
-from ..evaluator import interpret
-from ..graph import Graph
-from ..simplify import max_of
-from ..training import Regime, checkpoint_every
-from .schedule import CATEGORIES, Timeline, simulate
-from .storage import Branch
-from .unroll import iteration, template, unroll
+from .categories import STEP
+from .evaluator import interpret
+from .simplify import max_of
 
 #: Layers a symbolic block is written out with; formulas hold for counts from this on.
 BASE = 4
@@ -163,65 +158,6 @@ class Peak:
         return all(bool(c.xreplace(dict(numbers))) for c in self.domain)
 
 
-def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:
-    """The layer of an unrolled node: its number for a block repeated a number of times; for a symbolic count,
-    the first ``edge`` layers by number and the last ``edge`` as ``L``, ``L-1`` ..., and ``mid`` for the layers
-    in between (their moments repeat those of the layers ``edge`` before)."""
-    k = iteration(name) if name else 0
-    if not k or count is None or count == 1:
-        return ""
-    if not symbolic or k <= edge:
-        return str(k)
-    if k > count - edge:
-        return "L" if k == count else f"L-{count - k}"
-    return "mid"
-
-
-def layout(regime: Regime) -> tuple[int, int, int]:
-    """(period, edge, base): the step repeats every ``period`` layers (K with every-K checkpointing, else 1);
-    ``edge`` layers at each end of a stack are moments of their own; a symbolic stack is written out ``base``
-    and ``base + period`` times, and the formulas hold for counts ``base + j * period``."""
-    period = (checkpoint_every(regime.checkpoint) or 1) if regime.checkpoint.startswith("every-") else 1
-    edge = max(2, period)
-    base = -(-2 * edge // period) * period
-    return period, edge, base
-
-
-def _counts(tl: Timeline) -> list[Counter | None]:
-    """For each event, the live storages as one Counter of (category index, byte size) -- only where the next
-    moment could be smaller (the event frees something, or is the last); None elsewhere, since without a free
-    the next moment holds all this one does."""
-    index = {c: i for i, c in enumerate(CATEGORIES)}
-    where = [(index[s.category], s.nbytes) for s in tl.storages]
-    live: Counter = Counter(where[i] for i in tl.start)
-    out: list[Counter | None] = []
-    last = len(tl.events) - 1
-    for k, e in enumerate(tl.events):
-        for i in e.born:
-            live[where[i]] += 1
-        out.append(+live if (e.freed or k == last) else None)
-        for i in e.freed:
-            live[where[i]] -= 1
-    return out
-
-
-def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
-           ) -> dict[tuple[Any, ...], Counter | None]:
-    """Each event's key (phase, template node, layer label, occurrence) and its live storages (:func:`_counts`)."""
-    out: dict[tuple[Any, ...], Counter | None] = {}
-    seen: Counter = Counter()
-    for e, live in zip(tl.events, _counts(tl), strict=True):
-        node = e.node
-        block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
-        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
-        if label == "mid":
-            continue
-        key = (e.phase, template(node) if node else None, label)
-        seen[key] += 1
-        out[(*key, seen[key])] = live
-    return out
-
-
 @dataclass(frozen=True)
 class Candidate:
     """A moment's live storages: per category, byte size -> (count at the base layer counts, change per extra
@@ -231,88 +167,6 @@ class Candidate:
     step: str
     #: (category index, byte size) -> (count at the base layer counts, change per step of each symbolic count)
     parts: dict[tuple[int, sympy.Expr], tuple[int, tuple[int, ...]]]
-
-    def live(self, symbols: Sequence[sympy.Symbol], subs: Mapping[sympy.Symbol, sympy.Expr], base: int = BASE,
-             period: int = 1) -> dict[str, sympy.Expr]:
-        terms: dict[int, list[sympy.Expr]] = {i: [] for i in range(len(CATEGORIES))}
-        for (c, size), (n0, ds) in self.parts.items():
-            n = n0 + sympy.Add(*(d * (s - base) / period for d, s in zip(ds, symbols, strict=True)))
-            terms[c].append(size * n)
-        out = {}
-        for i, c in enumerate(CATEGORIES):
-            out[c] = sympy.expand(sympy.Add(*terms[i]).xreplace(dict(subs)))
-        return out
-
-
-def peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-         subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
-         merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-         numbers: Mapping[sympy.Symbol, int] | None = None) -> Peak:
-    """The steady-state and first-step peak of one training step of ``graph`` (one branch per entry of
-    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise``)."""
-    blocks = graph.blocks
-    blocks_of = {m: b.name for b in blocks.values() for m in graph.order() if graph.node(m).block == b.name}
-    period, edge, base = layout(regime)
-    symbolic: dict[str, sympy.Symbol] = {}
-    fixed = {}
-    many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
-    for name, b in blocks.items():
-        count = b.count.xreplace(dict(subs))
-        if count.is_number and int(count) > base + period and (int(count) - base) % period == 0:
-            symbolic[name] = sympy.Dummy(f"n_{name}", positive=True, integer=True)
-            many[symbolic[name]] = int(count)
-        elif count.is_number:
-            fixed[name] = int(count)
-        elif count.is_Symbol:
-            symbolic[name] = count
-        else:
-            raise SymmemError(f"block {name!r} repeats {count} times: the peak needs a symbol or a number")
-    names = list(symbolic)
-    syms = [symbolic[n] for n in names]
-    domain = tuple(sympy.Ge(s, base) for s in dict.fromkeys(syms) if s not in many)
-    if period > 1:
-        domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
-    subs = {**dict(subs), **many}
-    groups: list[tuple[list[Candidate], list[Candidate]]] = []
-    for branch in branches:
-        runs: dict[tuple[str, ...], dict[bool, dict]] = {}
-        for bump in [()] + [(n,) for n in names]:
-            counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
-            g = unroll(graph, counts) if blocks else graph
-            both = simulate(g, conv, options, regime, branch, first_step=None, keep_logits=regime.keep_logits)
-            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge)
-                          for first, tl in zip((False, True), both, strict=True)}
-        found = []
-        for first in (False, True):
-            cands = []
-            for key, live in runs[()][first].items():
-                if live is None:
-                    continue
-                others = [runs[(n,)][first].get(key) for n in names]
-                sizes = set(live).union(*(set(o) for o in others if o is not None))
-                parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
-                         for x in sizes}
-                cands.append(Candidate(key, "first" if first else "steady", parts))
-            found.append(cands)
-        groups.append((found[0], found[1]))
-    # one algebra for every group: the sizes repeat across branches and steps
-    alg = Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
-                   subs, syms, base, period)
-    memo: dict = {}
-    per_branch: list[tuple[list[Moment], list[Moment]]] = []
-    for group in groups:
-        kept = [prune(cands, alg, numbers, memo) for cands in group]
-        per_branch.append(tuple([alg.moment(k, k.key[0], k.key[1], k.key[2]) for k in ks] for ks in kept))
-    moments_all = tuple(itertools.chain.from_iterable(s + f for s, f in per_branch))
-    if len(per_branch) == 1:  # the Max of the moments, built when asked for
-        return Peak(None, None, moments_all, domain)
-    exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_branch]
-    if merge is None:
-        expr_steady, expr_first = exprs[0]
-    else:
-        expr_steady = merge([e for e, _ in exprs])
-        expr_first = merge([e for _, e in exprs])
-    return Peak(expr_steady, expr_first, moments_all, domain)
 
 
 def _key(kv: tuple[Any, Any]) -> str:
@@ -428,8 +282,8 @@ class Algebra:
         return self.value(cand, numbers, memo)
 
     def live(self, cand: Candidate) -> dict[str, sympy.Expr]:
-        """The candidate's live bytes per category, expanded (the same as :meth:`Candidate.live`)."""
-        return {cat: self._summed(cand, i) for i, cat in enumerate(CATEGORIES)}
+        """The candidate's live bytes per category, expanded."""
+        return {cat: self._summed(cand, i) for i, cat in enumerate(STEP)}
 
     def _summed(self, cand: Candidate, category: int | None = None) -> sympy.Expr:
         """The candidate's bytes (of one category, or all), summed monomial by monomial in exact fractions from
@@ -573,48 +427,27 @@ def peak_max(moments: list[Moment]) -> sympy.Expr:
     return max_of(m.total for m in moments)
 
 
-def allocated(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-              subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
-              branches: Sequence[Branch | None], first: bool, block: int = 512) -> int:
-    """The peak at ``numbers`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
-    rounds blocks (what ``torch.cuda.max_memory_allocated`` reports, before library workspaces); storages in host
-    memory (Adam's step counts, the memory-efficient attention's Philox scalars) are left out."""
-    tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
-    values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
-    return max(tl.totals_at({**values, **full}, block, device_only=True), default=0)
 
-
-def _written_out(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-                 subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
-                 branches: Sequence[Branch | None], first: bool) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
-    """The step at ``numbers`` with every repeated block written out, in the branch ``numbers`` select."""
-    full = {s: sympy.Integer(v) for s, v in numbers.items()}
-    counts = {}
-    for name, b in graph.blocks.items():
-        count = b.count.xreplace(dict(subs)).xreplace(full)
-        if not count.is_number:
-            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
-        counts[name] = int(count)
-    chosen = next((b for b in branches if b is None or all(
-        bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), branches[0])
-    g = unroll(graph, counts) if graph.blocks else graph
-    return simulate(g, conv, options, regime, chosen, first_step=first, keep_logits=regime.keep_logits), full
-
-
-def timeline(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-             subs: Mapping[sympy.Symbol, Any], numbers: Mapping[sympy.Symbol, int],
-             branches: Sequence[Branch | None], first: bool) -> list[tuple[str, str | None, dict[str, int]]]:
-    """The step at ``numbers``, op by op: (phase, op, live bytes per category) after each op's allocations.
-
-    Repeated blocks are written out their full number of times; the branch (a size-dependent copy) is the one
-    ``numbers`` select.
-    """
-    tl, full = _written_out(graph, conv, options, regime, subs, numbers, branches, first)
-    out = []
-    for e, live in zip(tl.events, tl.live(), strict=True):
-        values = {}
-        for c, expr in live.items():
-            v = sympy.sympify(expr.xreplace(dict(subs)).xreplace(full), strict=True)
-            values[c] = int(v) if v.is_number else 0
-        out.append((e.phase, template(e.node) if e.node else None, values))
-    return out
+def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
+              where: Callable[[Candidate], tuple[str, Any, str]], subs: Mapping[sympy.Symbol, Any],
+              counts: Sequence[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None,
+              domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
+              merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None) -> Peak:
+    """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
+    ``merge`` joins the groups' formulas into one ``Piecewise``).  ``where`` names a candidate's moment: (phase,
+    op, layer); ``counts`` are the symbolic layer counts the candidates' parts change with."""
+    # one algebra for every group: the sizes repeat across branches and steps
+    alg = Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
+                  subs, counts, base, period)
+    memo: dict = {}
+    per_group: list[tuple[list[Moment], ...]] = []
+    for group in groups:
+        kept = [prune(cands, alg, numbers, memo) for cands in group]
+        per_group.append(tuple([alg.moment(k, *where(k)) for k in ks] for ks in kept))
+    moments = tuple(itertools.chain.from_iterable(s + f for s, f in per_group))
+    if len(per_group) == 1:  # the Max of the moments, built when asked for
+        return Peak(None, None, moments, domain)
+    exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_group]
+    if merge is None:
+        return Peak(*exprs[0], moments, domain)
+    return Peak(merge([e for e, _ in exprs]), merge([e for _, e in exprs]), moments, domain)

@@ -1,0 +1,218 @@
+"""The training step of a built graph, behind :class:`symmem.step.Step`: its peak as formulas, and its
+:class:`~symmem.timeline.Timeline` at numbers.
+
+:mod:`.schedule` gives the timeline of one step of a graph whose repeated blocks are written out a given number
+of times.  A block repeated ``L`` times (``L`` a symbol) changes the live set by the same amount from one layer
+to the next, so every moment's live bytes are affine in ``L`` (for ``L`` >= 4: the first two and the last two
+layers are moments of their own, the layers between them repeat the second's pattern).  The step is simulated
+with the block written out 4 and 5 times and each moment's live storages interpolated into a
+:class:`~symmem.peak.Candidate`; :func:`symmem.peak.summarize` keeps those no other provably exceeds.  Counts that
+are numbers are written out as they are.
+
+>>> from symmem import derive
+>>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="sgd")
+>>> d.peak_at("first").where(), d.peak_allocated("first")
+('backward fc1, first step', 15374336)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from ..conventions import Convention
+from ..errors import SymmemError
+from ..graph import Graph
+from ..peak import Candidate, Peak, summarize
+from ..timeline import Row, Timeline, Which
+from ..training import Regime, checkpoint_every
+from . import branches as size_branches
+from .schedule import simulate
+from .storage import Branch
+from .unroll import iteration, template, unroll
+
+
+@dataclass(eq=False)
+class GraphStep:
+    """The :class:`~symmem.step.Step` of a built graph under a convention and regime (``subs``: the symbols
+    resolved to the kept ones; ``open_`` and ``decided``: the size conditions of views that copy for some sizes
+    only).  With ``every``, the peak is one formula over every truth assignment of the open conditions; else it is
+    the step of the assignment the numbers select, and its domain says where that holds.  Peaks are computed on
+    first use, once per derivation and its ``at`` copies."""
+
+    graph: Graph
+    conv: Convention
+    options: Mapping[str, Any]
+    regime: Regime
+    subs: Mapping[sympy.Symbol, sympy.Expr]
+    open_: list
+    decided: Mapping[sympy.Basic, bool]
+    numbers: Mapping[sympy.Symbol, int]
+    every: bool = True
+    _cache: dict[Any, Peak] = field(default_factory=dict, repr=False)
+    _all: list | None = field(default=None, repr=False)  # every truth assignment, worked out once
+
+    def _selected(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[list, tuple]:
+        """The assignments to derive, and the conditions they need (the peak's domain beyond the sizes)."""
+        if self.every:
+            if self._all is None:
+                self._all = size_branches.assignments(self.open_, self.decided)
+            return self._all, ()
+        env = {s: sympy.Integer(v) for s, v in {**self.numbers, **(at or {})}.items()}
+        truth = {c: bool(sympy.sympify(c, strict=True).xreplace(dict(self.subs)).xreplace(env)) for c in self.open_}
+        return [{**dict(self.decided), **truth}], tuple(c if v else sympy.Not(c) for c, v in truth.items())
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        """The peak as formulas; ``at``: numbers for the layer counts, where they lie outside the symbolic
+        formula's domain."""
+        assignments, conditions = self._selected(at)
+        key = (None if at is None else tuple(sorted((s.name, v) for s, v in at.items())), conditions)
+        if key not in self._cache:
+            fixed = dict(self.subs)
+            if at is not None:
+                fixed.update({s: sympy.Integer(v) for s, v in at.items()})
+            join = size_branches.joiner(self.open_, assignments) if len(assignments) > 1 else None
+            found = symbolic_peak(self.graph, self.conv, self.options, self.regime, fixed, assignments, join,
+                                  self.numbers)
+            found.domain = tuple(found.domain) + conditions
+            self._cache[key] = found
+        return self._cache[key]
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        return self.peak().holds_at(numbers)
+
+    def domain(self) -> tuple[sympy.Basic, ...]:
+        return tuple(self.peak().domain)
+
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        """The step written out at ``at`` (every symbol a number), op by op (ops named by their template node)."""
+        tl, values = self._written_out(which, at)
+        return [(phase, template(node) if node else None, live) for phase, node, live in tl.rows(values)]
+
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        tl, values = self._written_out(which, at)
+        return tl.allocated(values)
+
+    def _written_out(self, which: Which, at: Mapping[sympy.Symbol, int]
+                     ) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
+        """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
+        size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
+        what the peak refuses, with the peak's words."""
+        self.peak()
+        assignments, _ = self._selected(at)
+        subs = self.subs
+        full = {s: sympy.Integer(v) for s, v in at.items()}
+        counts = {}
+        for name, b in self.graph.blocks.items():
+            count = b.count.xreplace(dict(subs)).xreplace(full)
+            if not count.is_number:
+                raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
+            counts[name] = int(count)
+        chosen = next((b for b in assignments if b is None or all(
+            bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), assignments[0])
+        g = unroll(self.graph, counts) if self.graph.blocks else self.graph
+        steady, first = simulate(g, self.conv, self.options, self.regime, chosen, keep_logits=self.regime.keep_logits)
+        values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
+        return (first if which == "first" else steady), {**values, **full}
+
+
+def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:
+    """The layer of an unrolled node: its number for a block repeated a number of times; for a symbolic count,
+    the first ``edge`` layers by number and the last ``edge`` as ``L``, ``L-1`` ..., and ``mid`` for the layers
+    in between (their moments repeat those of the layers ``edge`` before)."""
+    k = iteration(name) if name else 0
+    if not k or count is None or count == 1:
+        return ""
+    if not symbolic or k <= edge:
+        return str(k)
+    if k > count - edge:
+        return "L" if k == count else f"L-{count - k}"
+    return "mid"
+
+
+def layout(regime: Regime) -> tuple[int, int, int]:
+    """(period, edge, base): the step repeats every ``period`` layers (K with every-K checkpointing, else 1);
+    ``edge`` layers at each end of a stack are moments of their own; a symbolic stack is written out ``base``
+    and ``base + period`` times, and the formulas hold for counts ``base + j * period``."""
+    period = (checkpoint_every(regime.checkpoint) or 1) if regime.checkpoint.startswith("every-") else 1
+    edge = max(2, period)
+    base = -(-2 * edge // period) * period
+    return period, edge, base
+
+
+def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
+           ) -> dict[tuple[Any, ...], Counter | None]:
+    """Each moment's key (phase, template node, layer label, occurrence) and its live storages where it is a
+    candidate (:meth:`~symmem.timeline.Timeline.counts`)."""
+    out: dict[tuple[Any, ...], Counter | None] = {}
+    seen: Counter = Counter()
+    for k, live, _ in tl.counts():
+        e = tl.events[k]
+        node = e.node
+        block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
+        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
+        if label == "mid":
+            continue
+        key = (e.phase, template(node) if node else None, label)
+        seen[key] += 1
+        out[(*key, seen[key])] = live
+    return out
+
+
+def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+                  subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
+                  merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
+                  numbers: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+    """The steady-state and first-step peak of one training step of ``graph`` (one branch per entry of
+    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise``)."""
+    blocks = graph.blocks
+    blocks_of = {m: b.name for b in blocks.values() for m in graph.program_order() if graph.node(m).block == b.name}
+    period, edge, base = layout(regime)
+    symbolic: dict[str, sympy.Symbol] = {}
+    fixed = {}
+    many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
+    for name, b in blocks.items():
+        count = b.count.xreplace(dict(subs))
+        if count.is_number and int(count) > base + period and (int(count) - base) % period == 0:
+            symbolic[name] = sympy.Dummy(f"n_{name}", positive=True, integer=True)
+            many[symbolic[name]] = int(count)
+        elif count.is_number:
+            fixed[name] = int(count)
+        elif count.is_Symbol:
+            symbolic[name] = count
+        else:
+            raise SymmemError(f"block {name!r} repeats {count} times: the peak needs a symbol or a number")
+    names = list(symbolic)
+    syms = [symbolic[n] for n in names]
+    domain = tuple(sympy.Ge(s, base) for s in dict.fromkeys(syms) if s not in many)
+    if period > 1:
+        domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
+    subs = {**dict(subs), **many}
+    groups: list[tuple[list[Candidate], list[Candidate]]] = []
+    for branch in branches:
+        runs: dict[tuple[str, ...], dict[bool, dict]] = {}
+        for bump in [()] + [(n,) for n in names]:
+            counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
+            g = unroll(graph, counts) if blocks else graph
+            both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits)
+            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge)
+                          for first, tl in zip((False, True), both, strict=True)}
+        found = []
+        for first in (False, True):
+            cands = []
+            for key, live in runs[()][first].items():
+                if live is None:
+                    continue
+                others = [runs[(n,)][first].get(key) for n in names]
+                sizes = set(live).union(*(set(o) for o in others if o is not None))
+                parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
+                         for x in sizes}
+                cands.append(Candidate(key, "first" if first else "steady", parts))
+            found.append(cands)
+        groups.append((found[0], found[1]))
+    return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
+                     merge=merge)

@@ -1,0 +1,167 @@
+"""One model of time: the live storages of a training step and its events, in order.
+
+Both fronts produce a :class:`Timeline`: the schedule of a built graph (:mod:`symmem.passes.schedule` simulates
+it op by op) and the recorded step of a traced module (:meth:`symmem.importer.step.StepRecord.as_timeline`).  The
+peak algebra (:mod:`symmem.peak`) reads its candidate moments (:meth:`Timeline.counts`); the views read its live
+bytes at numbers (:meth:`Timeline.rows`, :meth:`Timeline.allocated`).
+
+An event allocates (``born``), may grow storages in place (``resized``), is a moment of the step -- live memory
+is read right after its allocations, the most the op needs -- and then frees (``freed``).  An event with
+``moment=False`` happens without being a moment of this step: a recorded run holds two optimizer steps, and a
+steady step's timeline runs through the first one (whose state it keeps) without showing it.
+
+>>> import sympy
+>>> B = sympy.Symbol("B", positive=True, integer=True)
+>>> tl = Timeline((Live("w", "parameter", sympy.Integer(40)), Live("x", "activation", 8 * B)), (0,),
+...               (Event("forward", "fc", (1,), ()), Event("backward", "fc", (), (1,))))
+>>> tl.rows({B: 100})[0]
+('forward', 'fc', {'parameter': 40, 'optimizer_state': 0, 'gradient': 0, 'input': 0, 'activation': 800, \
+'loss': 0, 'activation_grad': 0, 'temporary': 0})
+>>> tl.allocated({B: 100})    # each storage rounded up to CUDA's 512-byte blocks
+1536
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sympy
+
+from .categories import STEP
+
+#: Which training step: the ``first`` creates the optimizer state; a ``steady`` one (step >= 2) starts with it.
+Which = Literal["steady", "first"]
+#: One row of a timeline at numbers: (phase, op, live bytes per category) after the op's allocations.
+Row = tuple[str, str | None, dict[str, int]]
+#: What CUDA's caching allocator rounds every block up to (what ``max_memory_allocated`` sees).
+CUDA_BLOCK = 512
+
+_INDEX = {c: i for i, c in enumerate(STEP)}
+_ZERO = sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class Live:
+    """One storage of the step: its name, category (:data:`symmem.categories.STEP`), bytes, and the node or module
+    that made it; ``host``: held in host memory while the step runs on CUDA (Adam's step counts, the
+    memory-efficient attention's Philox seed and offset), so not in what CUDA's allocator counts."""
+
+    name: str
+    category: str
+    nbytes: sympy.Expr
+    node: str | None = None
+    host: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """One op of the step: what it allocates, what it grows in place (storage, new bytes), and what is freed once
+    it has run; ``moment``: whether the step shows it (see the module's note)."""
+
+    phase: str
+    node: str | None
+    born: tuple[int, ...]
+    freed: tuple[int, ...]
+    resized: tuple[tuple[int, Any], ...] = ()
+    moment: bool = True
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The storages of one training step and its events, in order; ``start`` are the storages alive before
+    the first event (weights, the batch, optimizer state in the steady state)."""
+
+    storages: tuple[Live, ...]
+    start: tuple[int, ...]
+    events: tuple[Event, ...]
+
+    def counts(self, every: bool = False, device_only: bool = False
+               ) -> list[tuple[int, Counter | None, bool]]:
+        """For each moment: (its event's index, the live storages as one Counter of (category index in
+        :data:`~symmem.categories.STEP`, bytes), whether it is a candidate for the peak).  A candidate frees
+        something after it, or is the last moment: between candidates memory only grows, so the Counter is given
+        for candidates only (for every moment with ``every``).  ``device_only`` counts host storages as empty."""
+        where = [(_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes) for s in self.storages]
+        live: Counter = Counter(where[i] for i in self.start)
+        last = max((k for k, e in enumerate(self.events) if e.moment), default=-1)
+        out: list[tuple[int, Counter | None, bool]] = []
+        for k, e in enumerate(self.events):
+            for i in e.born:
+                live[where[i]] += 1
+            for sid, new in e.resized:
+                c, old = where[sid]
+                live[(c, old)] -= 1
+                where[sid] = (c, _ZERO if device_only and self.storages[sid].host else new)
+                live[where[sid]] += 1
+            if e.moment:
+                candidate = bool(e.freed) or k == last
+                out.append((k, +live if candidate or every else None, candidate))
+            for i in e.freed:
+                live[where[i]] -= 1
+        return out
+
+    def live(self) -> list[dict[str, sympy.Expr]]:
+        """Live bytes per category after each moment's allocations, as exact sympy sums.
+
+        >>> B = sympy.Symbol("B", positive=True, integer=True)
+        >>> tl = Timeline((Live("x", "activation", 8 * B), Live("t", "temporary", 4 * B)), (),
+        ...               (Event("forward", "f", (0, 1), (1,)), Event("backward", "f", (), (0,))))
+        >>> [(m["activation"], m["temporary"]) for m in tl.live()]
+        [(8*B, 4*B), (8*B, 0)]
+        """
+        out = []
+        for _, live, _ in self.counts(every=True):
+            assert live is not None
+            terms: list[list[sympy.Expr]] = [[] for _ in STEP]
+            for (c, size), n in live.items():
+                terms[c].append(n * size)
+            out.append({cat: sympy.Add(*terms[i]) for i, cat in enumerate(STEP)})
+        return out
+
+    def _totals(self, values: Mapping[sympy.Symbol, Any], block: int, device_only: bool
+                ) -> list[tuple[int, list[int]]]:
+        """(event index, live bytes per category) after each moment's allocations at ``values``, every storage
+        rounded up to a multiple of ``block`` bytes."""
+        subs = {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
+        memo: dict[Any, int] = {}
+
+        def num(x: Any) -> int:
+            found = memo.get(x)
+            if found is None:
+                v = sympy.sympify(sympy.sympify(x, strict=True).xreplace(subs), strict=True)
+                n = int(v) if v.is_number else 0
+                found = memo[x] = -(-n // block) * block if n else 0
+            return found
+
+        size = [0 if device_only and s.host else num(s.nbytes) for s in self.storages]
+        cat = [_INDEX[s.category] for s in self.storages]
+        live = [0] * len(STEP)
+        for i in self.start:
+            live[cat[i]] += size[i]
+        out = []
+        for k, e in enumerate(self.events):
+            for i in e.born:
+                live[cat[i]] += size[i]
+            for sid, new in e.resized:
+                live[cat[sid]] -= size[sid]
+                size[sid] = 0 if device_only and self.storages[sid].host else num(new)
+                live[cat[sid]] += size[sid]
+            if e.moment:
+                out.append((k, list(live)))
+            for i in e.freed:
+                live[cat[i]] -= size[i]
+        return out
+
+    def rows(self, values: Mapping[sympy.Symbol, Any]) -> list[Row]:
+        """(phase, op, live bytes per category) after each moment's allocations at ``values``."""
+        return [(self.events[k].phase, self.events[k].node, dict(zip(STEP, live, strict=True)))
+                for k, live in self._totals(values, 1, False)]
+
+    def allocated(self, values: Mapping[sympy.Symbol, Any], block: int = CUDA_BLOCK) -> int:
+        """The peak at ``values`` with every storage rounded up to ``block`` bytes, as CUDA's caching allocator
+        rounds its blocks (what ``torch.cuda.max_memory_allocated`` reports before library workspaces); storages
+        in host memory are left out."""
+        return max((sum(live) for _, live in self._totals(values, block, True)), default=0)
