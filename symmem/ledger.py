@@ -8,10 +8,10 @@ branch of the sizes), and a traced module (:func:`symmem.tracing.ledger_of`: wha
 on fake tensors).  The parameter side is the back half's: it reads :attr:`Ledger.parameters`, never a graph.
 
 >>> import sympy
->>> from symmem.derivation import Moment, Storage
+>>> from symmem.derivation import Storage
 >>> from symmem.symbols import B, H
 >>> x = Storage("x", "input", "input", 4 * B * H, "input", "x", "float32", B * H, keepers=("fc",),
-...             dies=Moment("backward", "fc"))
+...             dies="backward")
 >>> ledger = Ledger("toy", "pytorch", (x,), (Parameter("fc", "weight", (H, H)),), (B, H),
 ...                 {B: sympy.Integer(2), H: sympy.Integer(8)}, {B: 2, H: 8})
 >>> ledger.trainable[0].elements

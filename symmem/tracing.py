@@ -26,7 +26,7 @@ from typing import Any
 
 import sympy
 
-from .derivation import START, Moment, Storage
+from .derivation import START, Storage
 from .engine import Sized, substitute_all, symbol_values
 from .errors import NothingCounted, SymmemError
 from .ledger import Ledger, Parameter
@@ -253,10 +253,10 @@ def _kept(entry: _Entry, act_dtype: str, per_layer: bool) -> Storage:
     count = sympy.Integer(1) if per_layer else entry.count
     category = "input" if entry.kind == "input" else ("loss" if entry.group == "loss" else "activation")
     one = spec.numel * dtype_bytes(spec.dtype, act_dtype)
-    born = START if category == "input" else Moment("forward", entry.label)
+    born = START if category == "input" else "forward"
     return Storage(entry.label, "input" if category == "input" else entry.group, category,
                    one if count == 1 else count * one, spec.role, entry.label, spec.dtype, spec.numel, count,
-                   (entry.label,), born, Moment("backward", entry.label))
+                   (entry.label,), born, "backward")
 
 
 def checkpoint_option(value: Any) -> Any:
