@@ -14,7 +14,7 @@ import statistics
 import time
 
 from symmem import derive
-from symmem.verify import _reference
+from symmem.record.verify import _reference
 
 CASES = [
     ("mlp", {"B": 32}, {}),

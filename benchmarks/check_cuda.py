@@ -6,14 +6,15 @@ Every row compares a number symmem derives with one PyTorch measures on the devi
 fitted to:
 
 ``reference``  the zoo's formula (``pytorch`` convention, ``device="cuda"``) against the project's reference module:
-               bytes autograd saves in one training-mode forward (:func:`symmem.verify.verify`).
+               bytes autograd saves in one training-mode forward (:func:`symmem.record.verify.verify`).
 ``third``      the zoo's formula against the third-party module it describes (torchvision's ResNet, timm's ViT, Hugging
                Face's GPT-2, BERT and Llama built from small configs), measured the same way.
 ``traced``     :func:`symmem.trace` on fake CUDA tensors (``device="cuda"``): its formula against a real CUDA forward at
                two sizes never traced, and symbolically against the zoo's CUDA formula (``drift``: the monomials where
                the two differ).
 ``peak``       the derived peak of a training step (first and steady) against two real steps under the live-bytes
-               tracker (:func:`symmem.verify.verify_peak`; traced modules: :func:`symmem.record.steps.track_step`), and
+               tracker (:func:`symmem.record.verify.verify_peak`; traced modules:
+               :func:`symmem.record.steps.track_step`), and
                ``torch.cuda.max_memory_allocated`` of the same steps against :meth:`Derivation.peak_allocated` (storages
                rounded to the caching allocator's 512-byte blocks) plus the library workspaces' band
                (:data:`symmem.derivation.CUDA_WORKSPACES`).
@@ -89,7 +90,7 @@ def _label(model: str, options: dict[str, Any], values: dict[str, Any] | None = 
 
 
 def reference_rows() -> None:
-    from symmem.verify import verify
+    from symmem.record.verify import verify
 
     for model, values, options in REFERENCE:
         def one(model: str = model, values: dict = values, options: dict = options) -> None:
@@ -147,7 +148,7 @@ def _vision() -> list[tuple[str, Callable[[], Any], str, dict[str, Any], dict[st
 def third_rows() -> None:
     import torch
 
-    from symmem.verify import compare, measure
+    from symmem.record.verify import compare, measure
 
     for case, build, model, values, options in LANGUAGE:
         for b, s in TEXT_SIZES:
@@ -184,7 +185,7 @@ TEXT = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
 def traced_rows() -> None:
     import torch
 
-    from symmem.verify import measure
+    from symmem.record.verify import measure
 
     B, S, L = (symmem.symbol(n) for n in ("B", "S", "L"))
     for case, build, model, values, options in LANGUAGE:
@@ -310,7 +311,7 @@ def allocated(build: Callable[[], tuple[Any, tuple[Any, ...], Any]], optimizer: 
 
 def _fresh(d: Any) -> tuple[Any, tuple[Any, ...], Any]:
     """The project's reference module of ``d`` on the device, its inputs and its loss target (if any)."""
-    from symmem.verify import _reference
+    from symmem.record.verify import _reference
 
     module, inputs, _, target = _reference(d)
     return module, inputs, target
@@ -335,7 +336,7 @@ def _allocated_row(label: str, conv: bool, want: int, got: int, spec: dict[str, 
 
 
 def peak_rows(big: bool) -> None:
-    from symmem.verify import verify_peak
+    from symmem.record.verify import verify_peak
 
     if DEVICE.startswith("cuda"):
         warm_cublas()
@@ -458,8 +459,8 @@ def bf16_rows() -> None:
     """Bytes a bfloat16 model keeps in one forward (activations), against the zoo with bfloat16 activations."""
     import torch
 
+    from symmem.record.verify import measure
     from symmem.reference import reference
-    from symmem.verify import measure
 
     for model, values, options in BF16:
         def one(model: str = model, values: dict = values, options: dict = options) -> None:
@@ -481,7 +482,7 @@ def devices_rows() -> None:
     import torch
     import torch.nn.functional as F
 
-    from symmem.verify import measure
+    from symmem.record.verify import measure
 
     class Att(torch.nn.Module):
         def __init__(self, kv_heads: int, p: float) -> None:

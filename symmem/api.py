@@ -3,7 +3,7 @@
 
 They sit above the core: each reads its arguments -- a model's builder options, the regime's fields, the
 convention's options, as keywords -- makes a :class:`~symmem.ledger.Ledger` through its front (a graph under a
-convention, :func:`symmem.engine.ledger_of`; a traced module, :func:`symmem.tracing.ledger_of`), and hands it to
+convention, :func:`symmem.engine.ledger_of`; a traced module, :func:`symmem.importer.traced.ledger_of`), and hands it to
 the one back half (:func:`symmem.engine.derivation_of`).  The core never imports this module, the zoo or the
 views.
 
@@ -139,7 +139,7 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     or a list of paths); the kept storages and the peak then show it.
 
     The derivation's :attr:`~symmem.derivation.Derivation.peak` is the peak of the module's real training step,
-    traced on fake tensors (:mod:`symmem.importer.peak`): the forward, the ``loss`` (``"sum"`` of the output,
+    traced on fake tensors (:mod:`symmem.importer.traced_step`): the forward, the ``loss`` (``"sum"`` of the output,
     ``"cross-entropy"`` against a drawn target over the last dimension, ``"output"``: the module's own, e.g. a
     Hugging Face model given ``labels``, or a callable of the output), ``backward()``, ``optimizer.step()`` and
     ``zero_grad(set_to_none=True)``.  ``size_one=True`` also traces every size at 1 and makes the formulas
@@ -151,15 +151,15 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     >>> d.activations, d.input, d.value("parameters")
     (1024*B, 3136*B, 203530)
 
-    The peak is the module's own training step, traced on fake tensors op by op (:mod:`symmem.importer.peak`):
+    The peak is the module's own training step, traced on fake tensors op by op (:mod:`symmem.importer.traced_step`):
 
     >>> d.peak      # Adam's for-loop step: sqrt and its division of the largest weight, alive together
     Max(3144*B + 4862128, 6216*B + 2452664)
     >>> d.at(B=1024).peak_at().where()
     'backward aten.threshold_backward.default (ReluBackward0) in 1, steady step'
     """
-    from . import tracing
     from .importer import trace_module
+    from .importer import traced as tracing
 
     if "convention" in options:
         raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from .branches import fold
+from .conditions import fold
 from .errors import SymmemError
 from .evaluator import evaluator
 from .tensor import MAX_SIZE

@@ -251,7 +251,7 @@ def _front(model: Model, conv: Convention, regime: Regime, values: Mapping[str, 
         layer = _pick_layer(model)
         nodes = [n for n in nodes if graph.node(n).block == layer]
     act_dtype = regime.activation_dtype
-    # Views that copy for some sizes only (symmem.branches): the kept storages per truth assignment of the
+    # Views that copy for some sizes only (symmem.conditions): the kept storages per truth assignment of the
     # conditions that interact, merged into Piecewise expressions.
     open_, decided = branches.conditions(graph, nodes, subs)
 
@@ -319,7 +319,7 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
           numbers: Mapping[sympy.Symbol, int]) -> Step:
     """The training step of the built graph (its peak computed on first use, once per derivation and its ``at``
     copies)."""
-    from .passes.step import GraphStep
+    from .passes.graph_step import GraphStep
 
     return GraphStep(model.graph, conv, options, regime, subs, open_, decided, numbers,
                      every=len(open_) <= PEAK_CONDITIONS)

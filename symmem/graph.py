@@ -3,7 +3,7 @@
 A node is one op: a frozen :class:`Node` holding its kind, its ordered inputs, its attributes (checked against
 the kind's schema in :mod:`symmem.ops`), its output :class:`~symmem.tensor.TensorSpec`, its parameters (name ->
 shape), which input's storage its output is a view of, the storage decisions its rule took from the input
-strides (``facts``: does a reshape copy; :mod:`symmem.layout`), its group and repeated block, and a ``meta`` dict
+strides (``facts``: does a reshape copy; :mod:`symmem.strides`), its group and repeated block, and a ``meta`` dict
 where analyses (:mod:`symmem.passes`) keep facts that depend on the graph alone.  Edges follow the inputs; the
 graph is the only mutable thing.  A stack of identical layers is built once inside :meth:`GraphBuilder.repeat`
 and carries its count (``L``, a symbol) instead of being unrolled.

@@ -4,7 +4,7 @@ domain -- one :class:`Ledger`, which one back half (:func:`symmem.engine.derivat
 
 Two fronts make ledgers: a built graph under a convention (:func:`symmem.engine.ledger_of`: the convention's kept
 storages, with the regime's activation side -- checkpointing, tensor and pipeline parallelism -- applied per
-branch of the sizes), and a traced module (:func:`symmem.tracing.ledger_of`: what PyTorch itself kept, recorded
+branch of the sizes), and a traced module (:func:`symmem.importer.traced.ledger_of`: what PyTorch itself kept, recorded
 on fake tensors).  The parameter side is the back half's: it reads :attr:`Ledger.parameters`, never a graph.
 
 >>> import sympy

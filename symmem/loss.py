@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .branches import slice_copies
+from .conditions import slice_copies
 from .errors import SymmemError
 from .graph import GraphBuilder, Model, lint
 from .shapes import numel
@@ -83,7 +83,7 @@ def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str
     y = g.op("concat", labels, pad, name="labels_padded", dim=-1)  # F.pad(labels, (0, 1), value=-100)
     y = g.op("slice", y, name="shift_labels", dim=-1, start=1, stop=seq + 1)
     # a copy for B >= 2; for B = 1 the slice is contiguous already and nll_loss keeps the padded labels.  ``copy``
-    # stated, not left to the strides: layouts take B >= 2 (symmem.layout), and the loss is exact at B = 1 too
+    # stated, not left to the strides: layouts take B >= 2 (symmem.strides), and the loss is exact at B = 1 too
     y = g.op("contiguous", y, name="shift_labels_contiguous", role="target",
              copy=slice_copies((*lead, seq + 1), -1))
     y = g.op("reshape", y, name="shift_labels_view", shape=(rows,))

@@ -4,8 +4,8 @@ step's moments that can be largest.
 A :class:`~symmem.timeline.Timeline` gives the live storages after every op; its candidate moments are the ops
 after which something is freed (between two of them memory only grows).  A front turns each candidate into a
 :class:`Candidate`: its live storages as counts per byte size, each count affine in the symbolic layer counts
-(a built graph simulated with its blocks written out at two counts, :mod:`symmem.passes.step`; a traced module
-recorded at 4, 5 and 6 layers, :mod:`symmem.importer.peak`).  :func:`summarize` drops the moments another
+(a built graph simulated with its blocks written out at two counts, :mod:`symmem.passes.graph_step`; a traced module
+recorded at 4, 5 and 6 layers, :mod:`symmem.importer.traced_step`).  :func:`summarize` drops the moments another
 provably exceeds (every coefficient of the difference >= 0 once each symbol x >= 1 is written x' + 1 and each
 layer count L >= 4 as L' + 4; with one symbol left, the upper envelope) and gives the :class:`Peak`: the ``Max``
 of the rest, with where each moment is and what is alive there.

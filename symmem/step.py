@@ -1,7 +1,7 @@
 """The training step behind a derivation's peak: one typed interface, :class:`Step`, with no string modes.
 
-Two fronts implement it: a built graph under a convention (:class:`symmem.passes.step.GraphStep`: the schedule
-simulated) and a traced module (:class:`symmem.importer.peak.StepPeak`: the step recorded on fake tensors).  Both
+Two fronts implement it: a built graph under a convention (:class:`symmem.passes.graph_step.GraphStep`: the schedule
+simulated) and a traced module (:class:`symmem.importer.traced_step.StepPeak`: the step recorded on fake tensors).  Both
 give a :class:`~symmem.peak.Peak` from the one peak algebra (:mod:`symmem.peak`) and a
 :class:`~symmem.timeline.Timeline` at numbers; :class:`~symmem.derivation.Derivation` asks only this interface.
 

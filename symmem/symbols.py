@@ -79,7 +79,7 @@ class UnitSize:
         return sympy.Eq(self.size, 1)
 
 
-#: Sizes that may be 1, which storage decisions keep open as conditions (:mod:`symmem.layout`): PyTorch views a
+#: Sizes that may be 1, which storage decisions keep open as conditions (:mod:`symmem.strides`): PyTorch views a
 #: tensor differently when a dimension has size 1, and these are 1 in real models.  Every other symbolic size
 #: is taken to be at least 2 there, as :func:`symmem.shapes.same` takes distinct symbols to differ.  B is not
 #: among them: a batched matmul of head views copies its operands for B >= 2 only, and the formulas take a batch

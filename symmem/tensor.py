@@ -14,7 +14,7 @@ B*H*S
 8*B*S
 
 ``strides`` is the memory layout, in elements per dimension; None is contiguous row-major, the layout of
-every new tensor.  View rules set it (:mod:`symmem.layout`), and storage decisions follow from it.
+every new tensor.  View rules set it (:mod:`symmem.strides`), and storage decisions follow from it.
 
 >>> TensorSpec((S, B), strides=(1, S)) == TensorSpec((S, B))     # a transposed (B, S) tensor
 False
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import sympy
 
 from .errors import SymmemError
-from .layout import contiguous
 from .shapes import numel
+from .strides import contiguous
 from .units import MAX_SIZE as _MAX_SIZE
 
 #: Bytes per element.  ``act`` is the regime's activation dtype and is resolved by :func:`dtype_bytes`.

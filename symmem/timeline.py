@@ -1,7 +1,7 @@
 """One model of time: the live storages of a training step and its events, in order.
 
 Both fronts produce a :class:`Timeline`: the schedule of a built graph (:mod:`symmem.passes.schedule` simulates
-it op by op) and the recorded step of a traced module (:meth:`symmem.importer.step.StepRecord.as_timeline`).  The
+it op by op) and the recorded step of a traced module (:meth:`symmem.importer.recording.StepRecord.as_timeline`).  The
 peak algebra (:mod:`symmem.peak`) reads its candidate moments (:meth:`Timeline.counts`); the views read its live
 bytes at numbers (:meth:`Timeline.rows`, :meth:`Timeline.allocated`).
 

@@ -1,4 +1,4 @@
-"""Views that copy for some sizes only (symmem/branches.py), against what ``torch.reshape`` does."""
+"""Views that copy for some sizes only (symmem/conditions.py), against what ``torch.reshape`` does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sympy
 
 torch = pytest.importorskip("torch")
 
-from symmem.branches import canonical, holds, reshape_copies  # noqa: E402
+from symmem.conditions import canonical, holds, reshape_copies  # noqa: E402
 from symmem.symbols import B, G, S, h  # noqa: E402
 
 # shape of the expanded tensor, its stride-0 dimensions, the new shape
@@ -43,7 +43,7 @@ def test_symbolic_repeat_kv_condition():
 def test_piecewise_latex_parses_back():
     """The LaTeX of a Piecewise formula (``\\begin{cases}``) reads back to it, with one or two conditions."""
     from symmem import derive
-    from symmem.branches import fold
+    from symmem.conditions import fold
     from symmem.report.latex import expression, parse
 
     layer = derive("llama", convention="pytorch", attention="sdpa", per_layer=True).activations  # G

@@ -27,7 +27,7 @@ def test_the_command_line_defaults_to_pytorch(argv, capsys):
 def test_the_default_is_what_autograd_keeps():
     """mlp under the default convention against the tensors real autograd saves (the paper convention keeps 0)."""
     pytest.importorskip("torch")
-    from symmem.verify import verify
+    from symmem.record.verify import verify
 
     d = symmem.derive("mlp", device="cpu", values={"B": 3})
     assert d.convention == "pytorch" and d.value("activations") > 0

@@ -164,7 +164,7 @@ def test_defaults_of_regime_sizes_fit_the_model():
 
 def test_verify_refuses_before_allocating():
     pytest.importorskip("torch")
-    from symmem.verify import check_memory, needed_memory
+    from symmem.record.verify import check_memory, needed_memory
 
     d = derive("mlp", convention="pytorch", device="cpu", values={"B": 2})
     need = needed_memory(d)

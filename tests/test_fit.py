@@ -115,8 +115,8 @@ def test_fit_against_pytorch(k):
     """A budget of exactly what PyTorch keeps at B = k (measured) plus the AdamW parameter side (16 bytes per
     parameter PyTorch counts) fits B = k and not B = k + 1: the answer is k."""
     torch = pytest.importorskip("torch")
+    from symmem.record.verify import measure
     from symmem.reference import reference
-    from symmem.verify import measure
 
     widths = "784,256,128,10"
 

@@ -1,7 +1,7 @@
 """``symmem.importer.trace_module`` against real eager PyTorch: exact bytes at sizes that were not traced.
 
 Oracle: one real training-mode forward (real tensors, CPU) with every tensor autograd packs recorded, storages
-counted once, parameters/buffers and inputs apart — :func:`symmem.verify.measure` for positional inputs, the
+counted once, parameters/buffers and inputs apart — :func:`symmem.record.verify.measure` for positional inputs, the
 same rule for keyword inputs in :func:`measured` below.  Each model is traced once at small example sizes
 (module-scoped fixtures); its formula is evaluated at other sizes inside its domain and must equal the
 measurement there, activation bytes and input bytes.
@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer import Trace, trace_module  # noqa: E402
+from symmem.record.verify import measure  # noqa: E402
 from symmem.symbols import B, L, S  # noqa: E402
-from symmem.verify import measure  # noqa: E402
 
 nn = torch.nn
 TEXT = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}

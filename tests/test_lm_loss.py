@@ -1,9 +1,9 @@
 """Language-model loss and the --gelu option against real PyTorch on the CPU.
 
-Oracle: the faithful references (symmem/reference/sequence_models.py) measured by :func:`symmem.verify.verify`; the
-references compute HF's loss from labels as transformers 5.23 does (``logits.float()``, labels padded with -100
-and shifted, ``.contiguous()``, flatten, cross-entropy).  What the loss keeps is the measured difference between
-the model with and without the loss.
+Oracle: the faithful references (symmem/reference/sequence_models.py) measured by
+:func:`symmem.record.verify.verify`; the references compute HF's loss from labels as transformers 5.23 does
+(``logits.float()``, labels padded with -100 and shifted, ``.contiguous()``, flatten, cross-entropy).  What the
+loss keeps is the measured difference between the model with and without the loss.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
-from symmem.verify import verify  # noqa: E402
+from symmem.record.verify import verify  # noqa: E402
 
 TINY = {"H": 16, "h": 2, "L": 2, "V": 50}
 LLAMA = {"H": 32, "h": 4, "L": 1, "V": 50, "F": 24}

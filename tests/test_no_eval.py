@@ -66,7 +66,7 @@ TORCH_OBJECTS = {
     ("symmem/importer/polyfit.py", "fit_trace"), ("symmem/importer/structure.py", "size"),
     ("symmem/importer/trace.py", "_totals"), ("symmem/importer/trace.py", "_differences"),
     ("symmem/importer/trace.py", "_holds"), ("symmem/importer/trace.py", "_symbolic"),
-    ("symmem/importer/step.py", "num"),
+    ("symmem/importer/recording.py", "num"),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from symmem import derive  # noqa: E402
-from symmem.verify import verify_peak  # noqa: E402
+from symmem.record.verify import verify_peak  # noqa: E402
 
 OPTIMIZERS = [("sgd", "for-loop"), ("sgd-momentum", "foreach"), ("adam", "for-loop"), ("adamw", "foreach"),
               ("sgd", "foreach"), ("sgd-momentum", "for-loop"), ("adam", "foreach"), ("adamw", "for-loop")]

@@ -1,7 +1,7 @@
 """The ``pytorch`` convention for sequence models against what real eager PyTorch keeps (CPU).
 
 Oracle: the project's faithful references (symmem/reference/sequence_models.py, mirrored from timm and Hugging
-Face) measured by :func:`symmem.verify.verify` (``saved_tensors_hooks``; every packed storage counted once,
+Face) measured by :func:`symmem.record.verify.verify` (``saved_tensors_hooks``; every packed storage counted once,
 parameters, buffers and the inputs apart); the op table and the bfloat16 cases use the small ``_measure``
 here.  The formula of ``--convention pytorch --device cpu`` must give the measured activation bytes exactly,
 at two or more values of B (>= 2) and of S, for naive and SDPA attention, with and without dropout.
@@ -21,8 +21,8 @@ from symmem import derive  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.graph import GraphBuilder, Model  # noqa: E402
 from symmem.models.gpt import gelu_new  # noqa: E402
+from symmem.record.verify import verify  # noqa: E402
 from symmem.reference.sequence_models import reference  # noqa: E402
-from symmem.verify import verify  # noqa: E402
 
 
 def _measure(module, inputs) -> int:
@@ -56,7 +56,7 @@ FAMILIES = [
     ("bert-base", TINY, [(2, 8), (3, 5), (2, 11)], {}),
     ("llama", {"H": 32, "h": 4, "G": 2, "L": 2, "V": 50, "F": 24}, [(2, 8), (3, 5), (2, 11)], {}),
     ("llama", {"H": 32, "h": 4, "G": 4, "L": 1, "V": 50, "F": 24}, [(2, 8), (3, 5)], {}),
-    # G = 1: repeat_kv's reshape of the stride-0 expand is a view (symmem.branches)
+    # G = 1: repeat_kv's reshape of the stride-0 expand is a view (symmem.conditions)
     ("llama", {"H": 32, "h": 4, "G": 1, "L": 2, "V": 50, "F": 24}, [(2, 8), (3, 5)], {}),
     # ViT: S follows the image (S = (Hi/16)*(Wi/16) + 1): 5, 10 and 17 tokens
     ("vit-ti16", {"H": 16, "h": 2, "L": 2, "K": 10}, [(2, (32, 32)), (3, (32, 64)), (2, (64, 64))], {}),

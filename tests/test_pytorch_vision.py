@@ -1,5 +1,5 @@
 """One table row per op kind the vision models use: a one-op graph under the ``pytorch`` convention against
-the same op measured in PyTorch on CPU (:func:`symmem.verify.measure`), at two batch sizes.
+the same op measured in PyTorch on CPU (:func:`symmem.record.verify.measure`), at two batch sizes.
 
 The graph's input stands for the op's input activation; in torch it is a leaf that requires grad, so both
 sides report it under ``input`` and the op's own tensors (indices, masks, statistics, outputs) under
@@ -18,8 +18,8 @@ from torch import nn  # noqa: E402
 
 from symmem import derive, ops  # noqa: E402
 from symmem.graph import GraphBuilder, Model  # noqa: E402
+from symmem.record.verify import compare, measure  # noqa: E402
 from symmem.symbols import B, C, Hi, Wi  # noqa: E402
-from symmem.verify import compare, measure  # noqa: E402
 
 IMG = (B, C, Hi, Wi)
 DEFAULTS = {C: 3, Hi: 9, Wi: 8}

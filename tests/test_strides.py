@@ -1,4 +1,4 @@
-"""Strides on TensorSpec and the storage decisions taken from them (symmem/layout.py), against real PyTorch.
+"""Strides on TensorSpec and the storage decisions taken from them (symmem/strides.py), against real PyTorch.
 
 Oracle: PyTorch on the CPU.  Each case is a chain of ops from a contiguous tensor, written once as data and run
 twice: through :class:`~symmem.graph.GraphBuilder` and on real tensors.  What is compared:
@@ -26,9 +26,9 @@ import sympy
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from symmem import layout  # noqa: E402
-from symmem.branches import is_condition  # noqa: E402
+from symmem.conditions import is_condition  # noqa: E402
 from symmem.graph import GraphBuilder  # noqa: E402
+from symmem.strides import of as strides_of  # noqa: E402
 from symmem.symbols import B, G, H, S, h  # noqa: E402
 from symmem.tensor import TensorSpec  # noqa: E402
 
@@ -88,7 +88,7 @@ def _numbers(value: Any, at: dict[sympy.Symbol, int]) -> Any:
 
 def _strides(spec: TensorSpec, at: dict[sympy.Symbol, int]) -> tuple[int, ...]:
     # Piecewise strides (a reshape that copies unless G = 1) take their value at the numbers
-    return tuple(int(sympy.sympify(s).xreplace(at)) for s in layout.of(spec.shape, spec.strides))
+    return tuple(int(sympy.sympify(s).xreplace(at)) for s in strides_of(spec.shape, spec.strides))
 
 
 def _holds(flag: Any, at: dict[sympy.Symbol, int]) -> bool:
@@ -222,7 +222,7 @@ def test_views_with_symbols(label, shape, chain, at):
 
 
 def test_repeat_kv_condition_is_the_branch_condition():
-    """The condition the strides give is the one the derivation branches on (symmem.branches)."""
+    """The condition the strides give is the one the derivation branches on (symmem.conditions)."""
     g, names, _ = _run_chain((B, S, G * d), _view("repeat_kv (HF Llama)"), GENERIC, symbolic=True)
     assert g.graph.node(names[-1]).facts["copy"] == sympy.Ne(G, 1) & sympy.Ne(h / G, 1)
 
@@ -428,7 +428,7 @@ def test_the_zoo_states_no_storage_facts():
 
 def test_llama_states_what_repeat_kv_derives():
     """Llama's stated eager copies are where its repeat_kv reshape is a view, which the strides derive."""
-    from symmem.branches import canonical
+    from symmem.conditions import canonical
     from symmem.models import build
     from symmem.models.llama import EAGER_COPIES
 

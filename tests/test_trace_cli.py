@@ -1,6 +1,6 @@
 """``symmem trace SPEC`` and ``symmem verify --module SPEC``: the forms of SPEC, the output formats, and bad input.
 
-Oracle for the formulas: ``verify --module`` measures one real forward (``symmem.verify.measure``) at sizes the
+Oracle for the formulas: ``verify --module`` measures one real forward (``symmem.record.verify.measure``) at sizes the
 module was not traced at and compares; the tiny GPT-2 is ``hf:gpt2`` with ``--config`` overrides.  Every bad
 input is one line ``symmem: error: ...`` and exit status 2.
 """

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from trace_helpers import cnn  # noqa: E402
 
 import symmem  # noqa: E402
-from symmem.verify import measure  # noqa: E402
+from symmem.record.verify import measure  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_a_traced_module_is_a_ledger_not_a_graph():
     from symmem.conventions import names
     from symmem.engine import derivation_of
     from symmem.importer import trace_module
-    from symmem.tracing import ledger_of
+    from symmem.importer.traced import ledger_of
     from symmem.training import Regime
 
     torch.manual_seed(0)

@@ -17,10 +17,10 @@ from trace_helpers import cnn as user_cnn  # noqa: E402
 
 import symmem  # noqa: E402
 from symmem.importer.inputs import check_inputs  # noqa: E402
-from symmem.importer.step import StepOptions, record_step  # noqa: E402
+from symmem.importer.recording import StepOptions, record_step  # noqa: E402
 from symmem.importer.wrap import autocasting, checkpointed  # noqa: E402
 from symmem.record.steps import track_step  # noqa: E402
-from symmem.verify import measure  # noqa: E402
+from symmem.record.verify import measure  # noqa: E402
 
 SEQ = {"B": [(0, 0)], "S": [(0, 1)]}
 IMAGE = {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]}

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from symmem.categories import RECORDED  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
-from symmem.record.live import LiveTracker  # noqa: E402
+from symmem.record.live_bytes import LiveTracker  # noqa: E402
 from symmem.record.steps import allocator_step, track_step  # noqa: E402
 
 F = 4  # bytes per float32

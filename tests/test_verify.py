@@ -1,6 +1,6 @@
 """The measurement harness, and the ``pytorch`` convention against real PyTorch for the vision zoo.
 
-Oracle: what eager PyTorch (CPU) really packs for backward, measured by :func:`symmem.verify.measure` on the
+Oracle: what eager PyTorch (CPU) really packs for backward, measured by :func:`symmem.record.verify.measure` on the
 project's reference modules.  The formula of the ``pytorch`` convention with ``device=cpu`` must give the
 same bytes exactly, at two batch sizes (B >= 2) and small images.
 """
@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
+from symmem.record.verify import compare, measure, verify  # noqa: E402
 from symmem.reference import reference  # noqa: E402
-from symmem.verify import compare, measure, verify  # noqa: E402
 
 SMALL = {"Hi": 32, "Wi": 32}
 
@@ -148,7 +148,7 @@ def test_cli_verify_exit_status(capsys, monkeypatch):
     assert main(["verify", "resnet18", "--set", "B=2", "--set", "Hi=32", "--set", "Wi=32", "-v"]) == 0
     out = capsys.readouterr().out
     assert "exact" in out and "activations" in out and "batch_norm" in out
-    import symmem.verify as v
+    import symmem.record.verify as v
 
     net, inputs = reference("mlp", {"B": 2}, {})
     bad = compare(derive("mlp", convention="paper", values={"B": 2}), measure(net, *inputs))

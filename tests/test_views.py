@@ -32,8 +32,8 @@ def test_html_shows_the_peak_a_real_step_reaches(model, values):
     """Under the default convention a notebook's display ends with the peak of a training step, first and steady:
     the live bytes two real training steps reach (symmem.record.steps), in the units the display uses."""
     pytest.importorskip("torch")
+    from symmem.record.verify import verify_peak
     from symmem.units import format_bytes
-    from symmem.verify import verify_peak
 
     d = symmem.derive(model, device="cpu", values=values)
     html = d._repr_html_()

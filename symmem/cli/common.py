@@ -296,7 +296,7 @@ def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
 
 def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[Any, Any, Any]:
     """The loaded module, its declared sizes and the :class:`~symmem.derivation.Derivation` of its trace."""
-    from .. import sources
+    from ..importer import sources
 
     # --loss means what it means everywhere (symmem.options); an hf: causal LM computes its cross-entropy (or its
     # own loss) from labels, which loading it with a loss gives it

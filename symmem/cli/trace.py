@@ -2,7 +2,7 @@
 
 ``SPEC`` is ``package.module:callable``, ``path/to/file.py:callable``, ``hf:MODEL_TYPE`` (a transformers
 config's defaults, ``--config key=value`` to change them), ``torchvision:NAME`` or ``timm:NAME``
-(:mod:`symmem.sources`).  The module runs once on fake tensors whose ``--dims`` are symbols
+(:mod:`symmem.importer.sources`).  The module runs once on fake tensors whose ``--dims`` are symbols
 (:func:`symmem.trace`); the formula prints as ``symmem derive`` prints a zoo model's.
 """
 

@@ -39,7 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..verify import verify, verify_peak
+    from ..record.verify import verify, verify_peak
 
     if args.device is None:
         args.device = "cpu"  # the module's own device: references are built, and modules loaded, on the CPU
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _module(args: argparse.Namespace) -> int:
-    from .. import sources
+    from ..importer import sources
     from .common import model_option_names, values_from_args
 
     if args.model is not None:
@@ -91,8 +91,8 @@ def _module(args: argparse.Namespace) -> int:
         raise SymmemError("--set L: the module has the layers it was built with; verify measures it as built "
                           "(hf: --config n_layer=...)")
     loaded, dims, d = traced_from_args(args)
+    from ..record.verify import check_memory
     from ..units import parse_size
-    from ..verify import check_memory
 
     check_memory(d, None if args.max_memory is None else parse_size(args.max_memory))  # before the real forward
     result = sources.verify_module(loaded, d, dims)

@@ -32,7 +32,7 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
-from ..record.saved import OpaqueKernel
+from ..record.saved_tensors import OpaqueKernel
 from .inputs import Inputs
 from .records import Storage
 

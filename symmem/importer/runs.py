@@ -11,8 +11,8 @@ from typing import Any
 
 import sympy
 
-from ..record.saved import Outcome, SavedRecorder
-from ..record.tensors import storage_key, tensors
+from ..record.identity import storage_key, tensors
+from ..record.saved_tensors import Outcome, SavedRecorder
 from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides
 from .guards import GuardLog, bounds, collect, pinned, to_declared, unified
 from .hf import eager_predicates

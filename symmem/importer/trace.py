@@ -6,7 +6,7 @@ See ``docs/importer.md`` for the mechanism and the traps it handles.  In short:
 2. run one *real* eager forward at the example sizes when the weights are real: it records the values the
    forward reads from tensors (mask checks) and what it keeps, for the check at the end;
 3. run the forward once on fake tensors whose declared sizes are SymInts (:mod:`.fake`), under the saved-tensor
-   recorder (:mod:`symmem.record.saved`), with transformers' fake-tensor predicates switched off (:mod:`.hf`);
+   recorder (:mod:`symmem.record.saved_tensors`), with transformers' fake-tensor predicates switched off (:mod:`.hf`);
 4. translate storage sizes and guards into the declared symbols (:mod:`.guards`); if a guard pinned a
    declared size to its example value, retrace at other sizes, and if it pins again fit the exact
    polynomial from concrete traces (:mod:`.fit`);
@@ -23,8 +23,8 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
-from ..record.saved import Outcome, SymbolicSizesUnsupported
-from ..record.tensors import dtype_name, tensors
+from ..record.identity import dtype_name, tensors
+from ..record.saved_tensors import Outcome, SymbolicSizesUnsupported
 from .fake import check_device
 from .guards import domain_of
 from .inputs import Inputs, check_inputs, sym_for

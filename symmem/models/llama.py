@@ -22,7 +22,7 @@ Defaults are Llama-2-7B: H=4096, h=32, G=32 (set G < h for grouped-query attenti
 Llama-2-70B), L=32, F=11008, V=32000, S=4096.  In the eager path ``repeat_kv`` is a copy to h heads unless
 G = 1 or G = h: its ``reshape`` merges the G heads with the stride-0 repeat dimension of size h/G, which PyTorch
 can do as a view only if one of them is 1 (the reshape's rule finds ``Ne(G, 1) & Ne(h/G, 1)`` in the strides,
-:mod:`symmem.layout`; for G = h HF returns the tensor itself).  The eager matmuls copy a key or value that is
+:mod:`symmem.strides`; for G = h HF returns the tensor itself).  The eager matmuls copy a key or value that is
 still a view they cannot fold into ``bmm``'s batch (stride 0 for G = 1; without the cache, the rotary output's
 layout for G = h); the formula is a ``Piecewise`` where the branches differ.  With SDPA the fused kernels keep the
 (B, G, S, d) key and value they are given; the CPU math kernel (dropout > 0) expands them to h heads itself.  The
@@ -80,7 +80,7 @@ def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
     hd = H / h
     x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
     x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
-    # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.layout)
+    # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.strides)
     return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd))
 
 

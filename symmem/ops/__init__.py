@@ -10,7 +10,7 @@ the save and gradient rules speak is :mod:`.autograd`; the registry and the attr
 (:class:`Unsupported`).  What a role convention (``paper``, ``megatron``) keeps is data of its own
 (:mod:`symmem.conventions`).
 
-Layouts (:mod:`symmem.layout`).  Every shape rule gives its output's strides: views rearrange their input's
+Layouts (:mod:`symmem.strides`).  Every shape rule gives its output's strides: views rearrange their input's
 (``transpose``, ``permute``, ``select``, ``slice``, ``expand``, ``identity``, ``block_input``), elementwise ops
 follow their inputs' memory order as PyTorch's ``TensorIterator`` does, ``clone``/``to_dtype``/``cast`` keep it
 (``empty_like``), and every other op makes a contiguous tensor.  Storage decisions come from the input strides

@@ -4,7 +4,7 @@ rules (:mod:`symmem.ops.autograd`).
 
 Every save rule cites the ``tools/autograd/derivatives.yaml`` entry (PyTorch 2.x) whose backward formula names the
 tensors autograd saves, and the ATen function that decides which entry runs.  Each rule was checked against a
-measurement on CPU (``symmem.verify.measure``); CUDA differences are written next to the rule.
+measurement on CPU (``symmem.record.verify.measure``); CUDA differences are written next to the rule.
 
 >>> from symmem import derive
 >>> d = derive("resnet18", convention="pytorch", options={"device": "cpu"})

@@ -22,7 +22,7 @@ reads.  Kernels that pick what to keep at run time:
   input's dtype on the CPU; weight and bias are parameters.
 * ``matmul`` of batched operands folds them to ``bmm`` with ``reshape``: a strided view (a head split by
   ``permute``, a transposed key) cannot be folded in place, so the product keeps a contiguous copy.  The
-  matmul's rule finds such operands from their strides (the ``copy_inputs`` fact, :mod:`symmem.layout`); the
+  matmul's rule finds such operands from their strides (the ``copy_inputs`` fact, :mod:`symmem.strides`); the
   copy is a storage only the matmul holds.
 
 Measured on the CPU (``tests/test_pytorch_sequence.py``) for ViT, GPT-2, BERT and Llama at several B and S.
@@ -42,10 +42,10 @@ from typing import Any
 
 import sympy
 
-from .. import layout
-from ..branches import holds
+from ..conditions import holds
 from ..errors import node_error
 from ..shapes import broadcast, fmt, numel, same
+from ..strides import Flag, attention_keeps_value, heads_outer, matmul_copies
 from ..tensor import ACT, TensorSpec
 from .autograd import ALIAS, Grads, RuleContext, Saved, keeps_input, keeps_nothing, new_grads, no_backward
 from .registry import (
@@ -89,7 +89,7 @@ def _linear(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 def _matmul_saves(ctx: RuleContext) -> list[Saved]:
     """Each operand is kept if the other requires grad; ``copy_inputs`` operands as a contiguous copy."""
     # An entry is an index, or (index, condition) for an operand that is foldable only for some sizes
-    # (a stride-0 repeat of heads; symmem.branches).
+    # (a stride-0 repeat of heads; symmem.conditions).
     branch = ctx.options.get("branch")
     copies = {i for i, cond in (e if isinstance(e, tuple) else (e, True) for e in ctx.node.fact("copy_inputs", ()))
               if holds(cond, branch)}
@@ -119,8 +119,8 @@ def _matmul(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if "copy_inputs" in a:  # a builder's statement wins (graphs written before strides)
         copies = tuple(a["copy_inputs"])
     else:
-        # an operand whose batch cannot be folded into bmm's by a view is copied (layout.matmul_copies)
-        flags = layout.matmul_copies((x.shape, x.strides), (y.shape, y.strides))
+        # an operand whose batch cannot be folded into bmm's by a view is copied (matmul_copies)
+        flags = matmul_copies((x.shape, x.strides), (y.shape, y.strides))
         copies = tuple(i if f is True else (i, f) for i, f in enumerate(flags) if f is not False)
     return OpInfo(TensorSpec(batch + (x.shape[-2], y.shape[-1]), x.dtype), assumptions=assumptions,
                   facts={"copy_inputs": copies})
@@ -238,17 +238,17 @@ def _attention_facts(q: TensorSpec, k: TensorSpec, v: TensorSpec, a: Mapping[str
     ``gqa``, the key has fewer heads than the query (a condition where symbols decide, ``Ne(h/G, 1)``): CUDA's
     memory-efficient kernel takes equal head counts only."""
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    gqa: layout.Flag = False
+    gqa: Flag = False
     if same(heads, kv_heads) is not True:
         gqa = True if (heads - kv_heads).is_number else sympy.Ne(heads / kv_heads, 1)
     if "q_layout" in a:
-        q_bshd: layout.Flag = a["q_layout"] == "bshd"
+        q_bshd: Flag = a["q_layout"] == "bshd"
     else:
-        q_bshd = layout.heads_outer(q.shape, q.strides)
+        q_bshd = heads_outer(q.shape, q.strides)
     if "v_contiguous" in a:
         v_contiguous = a["v_contiguous"]
     else:
-        v_contiguous = layout.attention_keeps_value(lead + (q.shape[-2], k.shape[-2]), v.shape, v.strides)
+        v_contiguous = attention_keeps_value(lead + (q.shape[-2], k.shape[-2]), v.shape, v.strides)
     return {"q_bshd": q_bshd, "v_contiguous": v_contiguous, "gqa": gqa}
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from ..branches import is_condition
+from ..conditions import is_condition
 from ..errors import SymmemError
 from ..shapes import fmt, same
 from ..tensor import ACT, DTYPE_BYTES, TensorSpec
@@ -46,7 +46,7 @@ class OpInfo:
     storage.  ``assumptions`` are what the rule could not decide without numbers: pairs of expressions that
     must be equal, or ``(condition, None)`` (a slice's ``stop <= size``); the graph keeps them and checks them
     with numbers.  ``facts`` are the storage decisions the rule took from its inputs' strides (:mod:`symmem.ops`):
-    each True, False or a condition on the sizes (``Ne(G, 1) & Ne(h/G, 1)``; :mod:`symmem.branches`).
+    each True, False or a condition on the sizes (``Ne(G, 1) & Ne(h/G, 1)``; :mod:`symmem.conditions`).
     """
 
     out: TensorSpec
@@ -295,7 +295,7 @@ def is_dtype(x: Any) -> None:
 
 
 def is_flag(x: Any) -> None:
-    # a bool, or a condition on the symbols (a view that copies for some sizes only; symmem.branches)
+    # a bool, or a condition on the symbols (a view that copies for some sizes only; symmem.conditions)
     if not (isinstance(x, bool) or is_condition(x) or x in (sympy.true, sympy.false)):
         raise OpError("not True, False or a sympy condition")
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import sympy
 
-from .. import layout
 from ..shapes import broadcast, fmt, numel, same
+from ..strides import Flag, Strides, elementwise, expanded, made_contiguous, permuted, reshaped, selected, sliced
+from ..strides import like as strides_like
 from ..tensor import ACT, TensorSpec, as_shape
 from .autograd import (
     ALIAS,
@@ -101,7 +102,7 @@ def _transpose(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
 
 
 def _permuted(x: TensorSpec, dims: list[int]) -> OpInfo:
-    strides = layout.permuted(x.shape, x.strides, dims)
+    strides = permuted(x.shape, x.strides, dims)
     return OpInfo(TensorSpec(tuple(x.shape[d] for d in dims), x.dtype, strides=strides), view_of=0)
 
 
@@ -156,7 +157,7 @@ def _expand(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
                 found += check_eq(have, t, "expand")
         out.append(t)
     shape = tuple(out)
-    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.expanded(x.shape, x.strides, shape)), view_of=0,
+    return OpInfo(TensorSpec(shape, x.dtype, strides=expanded(x.shape, x.strides, shape)), view_of=0,
                   assumptions=tuple(found))
 
 
@@ -186,7 +187,7 @@ def _slice(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if length.is_number and length <= 0:
         raise OpError(f"empty slice [{start}:{stop}] of dimension {d} (size {size})")
     shape = x.shape[:d] + (length,) + x.shape[d + 1:]
-    return OpInfo(TensorSpec(shape, x.dtype, strides=layout.sliced(x.shape, x.strides, shape)), view_of=0,
+    return OpInfo(TensorSpec(shape, x.dtype, strides=sliced(x.shape, x.strides, shape)), view_of=0,
                   assumptions=found)
 
 
@@ -204,20 +205,20 @@ def _select(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
             raise OpError(f"index {index} is out of range for dimension {d} of size {size}")
         if not (gap.is_nonnegative or (gap.is_number and gap >= 0)):
             found += ((sympy.Ge(gap, 0), None),)
-    strides = layout.selected(x.shape, x.strides, d)
+    strides = selected(x.shape, x.strides, d)
     return OpInfo(TensorSpec(x.shape[:d] + x.shape[d + 1:], x.dtype, strides=strides), view_of=0, assumptions=found)
 
 
-def _copy_flag(a: Mapping[str, Any], derived: layout.Flag) -> layout.Flag:
+def _copy_flag(a: Mapping[str, Any], derived: Flag) -> Flag:
     """Whether the output is a copy: a builder's ``copy=`` if it gave one (graphs written before strides; it
     wins), else what the input's strides decide."""
     copy = a.get("copy", derived)
     return bool(copy) if copy in (sympy.true, sympy.false) else copy
 
 
-def _view_or_copy(out: TensorSpec, copy: layout.Flag, **info: Any) -> OpInfo:
+def _view_or_copy(out: TensorSpec, copy: Flag, **info: Any) -> OpInfo:
     # A copy is a new (contiguous) storage.  A condition is a view in the graph, a copy in the branches where it
-    # holds (symmem.branches); its strides are the view's, contiguous in the cases that copy.
+    # holds (symmem.conditions); its strides are the view's, contiguous in the cases that copy.
     if copy is True:
         return OpInfo(out.with_(strides=None), facts={"copy": True}, **info)
     return OpInfo(out, view_of=0, facts={"copy": copy}, **info)
@@ -229,7 +230,7 @@ def _reshape(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     shape = as_shape(a["shape"])
     assumptions = check_eq(numel(shape), numel(x.shape), lambda: f"reshape {fmt(x.shape)} -> {fmt(shape)}")
     # a view where PyTorch's computeStride finds one, else a copy; a condition where that depends on the sizes
-    strides, copies = layout.reshaped(x.shape, x.strides, shape)
+    strides, copies = reshaped(x.shape, x.strides, shape)
     return _view_or_copy(TensorSpec(shape, x.dtype, strides=strides), _copy_flag(a, copies), assumptions=assumptions)
 
 
@@ -243,15 +244,15 @@ def _flatten(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     shape = x.shape[:start] + (numel(x.shape[start:end + 1]),) + x.shape[end + 1:]
     if start == end:  # flatten of one dimension returns its input
         return _view_or_copy(TensorSpec(shape, x.dtype, strides=x.strides), _copy_flag(a, False))
-    strides, copies = layout.reshaped(x.shape, x.strides, shape)
+    strides, copies = reshaped(x.shape, x.strides, shape)
     return _view_or_copy(TensorSpec(shape, x.dtype, strides=strides), _copy_flag(a, copies))
 
 
 @op("contiguous", attrs={"copy": FLAG, "dtype": DTYPE}, saves=keeps_nothing, grads=passes_on)
 def _contiguous(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
-    # ``contiguous()`` returns its input when that is contiguous already (layout.made_contiguous)
+    # ``contiguous()`` returns its input when that is contiguous already (made_contiguous)
     x = ins[0]
-    strides, copies = layout.made_contiguous(x.shape, x.strides)
+    strides, copies = made_contiguous(x.shape, x.strides)
     return _view_or_copy(TensorSpec(x.shape, a.get("dtype", x.dtype), strides=strides), _copy_flag(a, copies))
 
 
@@ -273,7 +274,7 @@ def _concat(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     return OpInfo(TensorSpec(shape, first.dtype), assumptions=tuple(assumptions))
 
 
-def _unary(ins: list[TensorSpec], a: Mapping[str, Any], strides: layout.Strides | None) -> OpInfo:
+def _unary(ins: list[TensorSpec], a: Mapping[str, Any], strides: Strides | None) -> OpInfo:
     x = ins[0]
     if a.get("inplace", False):
         return OpInfo(TensorSpec(x.shape, a.get("dtype", x.dtype), strides=x.strides), view_of=0)
@@ -295,7 +296,7 @@ def _copy_like(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # empty_like(x) then a copy: x's memory order, dense; ``memory_format="contiguous"`` (torch.contiguous_format,
     # and what torch.cat makes) a contiguous copy
     x = ins[0]
-    return _unary(ins, a, None if a.get("memory_format") == "contiguous" else layout.like(x.shape, x.strides))
+    return _unary(ins, a, None if a.get("memory_format") == "contiguous" else strides_like(x.shape, x.strides))
 
 
 @op("cast", attrs={"dtype": attr(is_dtype, "a dtype name", True)}, saves=keeps_nothing, grads=_cast_grads)
@@ -307,7 +308,7 @@ def _cast(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # a conversion the graph already sees (two different concrete dtypes) is ``empty_like(x)``; one that depends
     # on the regime's activation dtype keeps the view's strides
     converts = ACT not in (x.dtype, dtype) and x.dtype != dtype
-    return OpInfo(TensorSpec(x.shape, dtype, strides=layout.like(x.shape, x.strides) if converts else x.strides),
+    return OpInfo(TensorSpec(x.shape, dtype, strides=strides_like(x.shape, x.strides) if converts else x.strides),
                   view_of=0)
 
 
@@ -354,7 +355,7 @@ def _dropout(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     if p == 0 or not a.get("training", True):
         return OpInfo(TensorSpec(x.shape, x.dtype, strides=x.strides), view_of=0)
     # x * noise, the noise empty_like(x): the layout TensorIterator gives x alone
-    return OpInfo(TensorSpec(x.shape, x.dtype, strides=layout.elementwise(x.shape, [(x.shape, x.strides)])))
+    return OpInfo(TensorSpec(x.shape, x.dtype, strides=elementwise(x.shape, [(x.shape, x.strides)])))
 
 
 # -- elementwise -----------------------------------------------------------------------------------------
@@ -407,19 +408,19 @@ def _elementwise(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     # TensorIterator: a new output in the memory order of the input (a transposed input gives a transposed
     # output, a strided view a dense one in the same order)
     x = ins[0]
-    return _unary(ins, a, layout.elementwise(x.shape, [(x.shape, x.strides)]))
+    return _unary(ins, a, elementwise(x.shape, [(x.shape, x.strides)]))
 
 
 @op("scale", attrs={**INPLACE, "factor": attr(is_number, "a number", True)}, saves=keeps_nothing, grads=new_grads)
 def _scale(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]  # x * factor: the number is an operand too (no fast set-up)
-    return _unary(ins, a, layout.elementwise(x.shape, [(x.shape, x.strides)], scalar=True))
+    return _unary(ins, a, elementwise(x.shape, [(x.shape, x.strides)], scalar=True))
 
 
 @op("scalar_add", attrs={"value": NUMBER}, saves=keeps_nothing, grads=passes_on)
 def _scalar_add(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]  # x + number: TensorIterator with the number as an operand
-    strides = layout.elementwise(x.shape, [(x.shape, x.strides)], scalar=True)
+    strides = elementwise(x.shape, [(x.shape, x.strides)], scalar=True)
     return OpInfo(TensorSpec(x.shape, x.dtype, strides=strides))
 
 
@@ -435,7 +436,7 @@ def _binary(ins: list[TensorSpec], a: Mapping[str, Any], operands: list[int] | N
         if out != x.shape:
             raise OpError(f"in-place result {fmt(out)} does not fit its first input {fmt(x.shape)}")
         return OpInfo(TensorSpec(out, dtype, strides=x.strides), view_of=0)
-    strides = None if operands is None else layout.elementwise(
+    strides = None if operands is None else elementwise(
         out, [(ins[i].shape, ins[i].strides) for i in operands], scalar=scalar)
     return OpInfo(TensorSpec(out, dtype, strides=strides))
 

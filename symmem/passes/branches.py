@@ -1,6 +1,6 @@
 """Storage decisions that depend on the sizes, per branch: find the open conditions, enumerate, merge.
 
-:func:`conditions` finds the conditions (:mod:`symmem.branches`) in a graph's attributes and storage facts that
+:func:`conditions` finds the conditions (:mod:`symmem.conditions`) in a graph's attributes and storage facts that
 the symbols left free do not decide; the derivation works out the kept storages once per truth assignment
 (:func:`assignments`) and :func:`merge` joins them into one list whose expressions are ``Piecewise`` over the
 conditions (equal branches collapse).
@@ -22,7 +22,7 @@ from typing import Any
 import sympy
 from sympy.logic.boolalg import Boolean, BooleanAtom
 
-from ..branches import Branch, canonical, is_condition
+from ..conditions import Branch, canonical, is_condition
 from ..derivation import Storage
 from ..graph import Graph
 from ..simplify import max_of

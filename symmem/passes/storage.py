@@ -3,8 +3,8 @@
 Views (``view_of``) share their input's storage, so a kept view keeps its base.  A repeated layer's input
 (``block_input``) is the block's source in the first iteration and the previous iteration's output in the
 others.  A ``cast`` is a view unless the regime's activation dtype makes it change the dtype, and a view whose
-``copy`` fact is a condition on the sizes (a reshape of a stride-0 repeat; :mod:`symmem.layout`,
-:mod:`symmem.branches`) is a copy where the branch says so.
+``copy`` fact is a condition on the sizes (a reshape of a stride-0 repeat; :mod:`symmem.strides`,
+:mod:`symmem.conditions`) is a copy where the branch says so.
 
 >>> from symmem.models import build
 >>> g = build("vit-b16").graph
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import sympy
 
-from ..branches import holds
+from ..conditions import holds
 from ..graph import Graph
 
 Branch = Mapping[sympy.Basic, bool]

@@ -64,7 +64,7 @@ def allocator_peaks(prof: Any, live_at_start: int) -> AllocatorPeaks:
 
 def distinct_bytes(tensors: Any) -> int:
     """The bytes of the distinct storages of ``tensors`` (``None`` skipped)."""
-    from .tensors import storage_key
+    from .identity import storage_key
 
     seen: dict[int, int] = {}
     for t in tensors:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .tensors import tensors
+from .identity import tensors
 
 #: autograd node metadata: the module whose output the node made
 MODULE_KEY = "symmem.module"

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SymmemError
-from .tensors import require_torch
+from .identity import require_torch
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "sgd-momentum", "adam", "adamw")
 IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")

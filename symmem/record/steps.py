@@ -1,7 +1,7 @@
 """Whole training steps of a real module under the live-bytes recorder: :func:`track_step` (op by op, and
 optionally the allocator's view) and :func:`allocator_step` (the profiler alone).
 
-:func:`track_step` runs whole training steps under a :class:`~symmem.record.live.LiveTracker` and returns a
+:func:`track_step` runs whole training steps under a :class:`~symmem.record.live_bytes.LiveTracker` and returns a
 :class:`~symmem.record.steptrace.StepTrace`: one record per op with the live bytes right after the op (its outputs
 counted; its inputs are still referenced while it runs, so that is the most the op needs) and the bytes per
 category; frees between ops lower the next record.  The trace gives the peak and where it occurs, the peak of the
@@ -27,11 +27,11 @@ from typing import Any
 
 from ..errors import SymmemError
 from .allocator import allocator_peaks, distinct_bytes
-from .live import LiveTracker
+from .identity import require_torch, tensors
+from .live_bytes import LiveTracker
 from .modules import ModuleTracker
 from .optim import make_optimizer, state_tensors
 from .steptrace import AllocatorPeaks, StepTrace
-from .tensors import require_torch, tensors
 
 #: the losses :func:`track_step` computes from the module's output (or pass a callable)
 LOSSES: tuple[str, ...] = ("sum", "cross-entropy")

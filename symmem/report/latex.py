@@ -534,7 +534,7 @@ def _group_order(d: Derivation) -> list[str]:
 
 def _group_row(group: str, terms: list[Term]) -> Equation:
     """A group's bytes: a part kept ``c`` times (``c`` a symbol, the layer count ``L``) written once times ``c``."""
-    from ..branches import fold
+    from ..conditions import fold
     from ..simplify import rounded
 
     by_count: dict[sympy.Expr, list[sympy.Expr]] = {}
@@ -609,7 +609,7 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     :math:`\\Psi` (the parameter count), the parameter side in :math:`\\Psi`, and the total.  ``terms``: one
     row per term under its group, with a short label (:func:`labels`), then the same totals.
     """
-    from ..branches import fold
+    from ..conditions import fold
     from ..simplify import rounded
     from ..symbols import Psi
 

@@ -7,7 +7,7 @@ dimension, which is only possible without a copy when ``G = 1`` (multi-query att
 stride-0 view of one (B, 1, S, d) tensor, and a kernel that keeps the view keeps B*S*d elements, not B*h*S*d.
 
 Such a decision is a sympy condition instead of a bool.  The op rules derive it from the strides
-(:mod:`symmem.layout`: repeat_kv's reshape copies where ``Ne(G, 1) & Ne(h/G, 1)``) and keep it in the node's
+(:mod:`symmem.strides`: repeat_kv's reshape copies where ``Ne(G, 1) & Ne(h/G, 1)``) and keep it in the node's
 ``facts``; a builder may also state one in an attribute (``reshape(..., copy=Ne(B, 1))``, a matmul's
 ``copy_inputs=((1, Eq(G, 1)),)``, attention's ``v_contiguous=Ne(G, 1)``).  This module is the algebra of such
 conditions; :mod:`symmem.passes.branches` finds the conditions of a graph
@@ -62,7 +62,7 @@ def canonical(cond: Boolean) -> tuple[Boolean, bool]:
 def reshape_copies(shape: Sequence[Any], broadcast: Iterable[int], new_shape: Sequence[Any]) -> Any:
     """When ``reshape(new_shape)`` of a tensor of ``shape`` whose ``broadcast`` dims have stride 0 must copy.
 
-    (The rules now take this from the strides themselves, :func:`symmem.layout.reshaped`; this shortcut for a
+    (The rules now take this from the strides themselves, :func:`symmem.strides.reshaped`; this shortcut for a
     contiguous tensor with stride-0 dimensions stays for code that builds conditions by hand.)
 
     PyTorch's ``computeStride`` (``aten/src/ATen/TensorUtils.cpp``) can view a group of dimensions merged into

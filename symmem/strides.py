@@ -17,7 +17,7 @@ sizes are 1.  A symbolic size is taken to be at least 2 -- generic, as :func:`sy
 symbols to differ -- except the sizes :data:`symmem.symbols.UNIT_SIZES` names (G = 1, multi-query attention; h/G
 = 1, multi-head).  Where their symbols appear, a layout is worked out once per :class:`Case` (each such size 1
 or not); a decision that differs between cases is a condition over ``Eq(G, 1)`` and ``Eq(h/G, 1)``, which the
-derivation resolves per branch (:mod:`symmem.branches`), and strides that differ are ``Piecewise`` over the same
+derivation resolves per branch (:mod:`symmem.conditions`), and strides that differ are ``Piecewise`` over the same
 conditions.  Comparisons the sizes leave open (``S`` against ``h``) count as unequal, and an order between them
 as undecided.
 

@@ -1,16 +1,16 @@
 """The live-bytes recorder: the exact live memory of a training step, op by op, on real or fake tensors.
 
 :class:`LiveRecorder` is told every ATen op that runs (by a ``TorchDispatchMode``: :class:`LiveTracker`'s own on
-real tensors, the saved-tensor recorder's on fake ones, :mod:`symmem.importer.step`) -- the forward, the backward
+real tensors, the saved-tensor recorder's on fake ones, :mod:`symmem.importer.recording`) -- the forward, the backward
 (on CPU the autograd engine runs in the calling thread and carries the mode with it) and the optimizer step.
 After each op it registers every output storage it has not seen (keyed by the storage's identity,
-:func:`~symmem.record.tensors.storage_key`, so views and in-place ops add nothing) and attaches a
+:func:`~symmem.record.identity.storage_key`, so views and in-place ops add nothing) and attaches a
 ``weakref.finalize`` to the storage's Python object; since PyTorch keeps a storage's Python object alive exactly
 as long as the C++ storage (PyObject preservation, fake storages included), the finalizer fires when the memory
 is released, whoever held it last (a view, autograd's saved variables, the engine's gradient buffers).
 Storages that exist before recording (parameters, buffers, the batch) are registered explicitly as *live at
 start*.  The byte reader is the only difference between real and fake tensors: an ``int``
-(:func:`~symmem.record.tensors.concrete_nbytes`) or a sympy size (:func:`~symmem.record.tensors.symbolic_nbytes`).
+(:func:`~symmem.record.identity.concrete_nbytes`) or a sympy size (:func:`~symmem.record.identity.symbolic_nbytes`).
 
 Every storage gets one **category** for its whole life, the first of :data:`symmem.categories.RECORDED` that
 applies:
@@ -50,9 +50,9 @@ from typing import Any
 
 from ..categories import RECORDED
 from ..errors import SymmemError
+from .identity import concrete_nbytes, dtype_name, require_torch, storage_key, tensors
 from .modules import MODULE_KEY, ModuleTracker, hook_backward
 from .steptrace import AllocatorPeaks, Boundary, OpRecord, StepTrace, StorageInfo
-from .tensors import concrete_nbytes, dtype_name, require_torch, storage_key, tensors
 
 _RANK = {c: i for i, c in enumerate(RECORDED)}
 _BIRTH_OPS = ("aten.lift_fresh.default", "aten.lift.default")  # torch.tensor(...) data made before dispatch

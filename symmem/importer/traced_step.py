@@ -1,6 +1,6 @@
 """The peak of a traced module's training step, as a formula: the ``Max`` over the step's moments.
 
-A :class:`~symmem.importer.step.StepRecord` gives one first and one steady training step as
+A :class:`~symmem.importer.recording.StepRecord` gives one first and one steady training step as
 :class:`~symmem.timeline.Timeline` values, their bytes in the declared symbols.  The candidate moments are the
 ops after which something is freed (and the last of each step): between two of them memory only grows.  Moments
 another provably exceeds are dropped by the one peak algebra (:func:`symmem.peak.summarize`: every coefficient
@@ -32,7 +32,7 @@ from ..errors import SymmemError
 from ..peak import BASE, Candidate, Peak, summarize
 from ..timeline import Row, Which
 from .inputs import Inputs
-from .step import StepOp, StepOptions, StepRecord, record_step
+from .recording import StepOp, StepOptions, StepRecord, record_step
 
 #: layer counts the repeated blocks are written out at: interpolated from the first two, checked at the third
 COUNTS = (4, 5, 6)

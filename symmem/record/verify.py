@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import SymmemError
+from ..errors import SymmemError
 
 if TYPE_CHECKING:
-    from .derivation import Derivation
+    from ..derivation import Derivation
 
 @dataclass(frozen=True)
 class SavedInfo:
@@ -33,7 +33,7 @@ class SavedInfo:
     ``op`` is the torch function being run when it was saved (``conv2d``, ``batch_norm`` ...), ``module``
     the qualified name of the innermost module running, ``producer`` the tensor's own ``grad_fn`` (None for a
     tensor that needs no gradient: a mask, indices, statistics, the batch).  ``storage`` identifies the
-    storage (:func:`symmem.record.tensors.storage_key`); ``nbytes`` is the whole storage's size; ``kind`` is
+    storage (:func:`symmem.record.identity.storage_key`); ``nbytes`` is the whole storage's size; ``kind`` is
     ``activation``, ``input`` or ``parameter`` (parameters and buffers).
     """
 
@@ -92,15 +92,16 @@ def measure(module: Any, *inputs: Any, **keyword_inputs: Any) -> Measurement:
 
     Parameters and buffers of ``module`` count as ``parameter``; the storages of the inputs (tensors, also
     inside lists/tuples; positional or keyword) as ``input``; everything else saved is ``activation``.  The
-    module is left in training mode.  The recorder is the importer's (:class:`~symmem.record.saved.SavedRecorder`,
+    module is left in training mode.  The recorder is the importer's
+    (:class:`~symmem.record.saved_tensors.SavedRecorder`,
     without its dispatch mode), holding every packed tensor until the pass ends so that no storage is freed and
     its identity reused.
     """
     _require_torch()
     import torch
 
-    from .record.saved import SavedRecorder
-    from .record.tensors import storage_key
+    from .identity import storage_key
+    from .saved_tensors import SavedRecorder
 
     if not isinstance(module, torch.nn.Module):
         raise SymmemError(f"measure needs a torch.nn.Module, got {type(module).__name__}")
@@ -180,7 +181,7 @@ def compare(derivation: Derivation, measurement: Measurement) -> Comparison:
 
     Activations are compared with the loss included (a measurement of a model with a loss sees both).
     """
-    from .tensor import dtype_bytes
+    from ..tensor import dtype_bytes
 
     act_dtype = derivation.regime.activation_dtype
     predicted: Counter[tuple[str, int]] = Counter()
@@ -270,7 +271,7 @@ def check_memory(derivation: Derivation, max_memory: int | None = None, step: bo
     """The bytes :func:`verify` (``step``: :func:`verify_peak`) would allocate, refused with a
     :class:`SymmemError` beyond ``max_memory`` (default: :data:`MEMORY_SHARE` of the device's memory) before
     anything is allocated."""
-    from .units import format_bytes
+    from ..units import format_bytes
 
     device = str(derivation.options.get("device", "cpu"))
     need = needed_memory(derivation, step)
@@ -294,7 +295,7 @@ def _reference(derivation: Derivation) -> tuple[Any, tuple[Any, ...], str, Any]:
     _require_torch()
     import torch
 
-    from .reference import reference
+    from ..reference import reference
 
     numbers = {s.name: v for s, v in derivation.numbers.items()}
     options = dict(derivation.options)
@@ -388,8 +389,8 @@ def verify_peak(derivation: Derivation, max_memory: int | None = None) -> PeakCo
     The step is forward, the loss (the derivation's, else ``output.sum()``), backward, ``optimizer.step()`` with
     the regime's optimizer and implementation, ``zero_grad(set_to_none=True)``.
     """
-    from .passes.schedule import optimizer_impl
-    from .record.steps import track_step
+    from ..passes.schedule import optimizer_impl
+    from .steps import track_step
 
     regime = derivation.regime
     if derivation.per_layer:

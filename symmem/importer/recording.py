@@ -5,8 +5,8 @@
 ``optimizer.step()`` (sgd, sgd-momentum, adam, adamw; for-loop, foreach or fused) and
 ``zero_grad(set_to_none=True)`` -- on fake tensors whose declared sizes are symbols (:mod:`.fake`), with the
 parameters, buffers and optimizer state fake too.  The tracker's live-bytes recorder
-(:class:`~symmem.record.live.LiveRecorder`, reading symbolic sizes) sees every aten op (through the
-:class:`~symmem.record.saved.SavedRecorder`'s dispatch mode, which also numbers ops, answers value reads and
+(:class:`~symmem.record.live_bytes.LiveRecorder`, reading symbolic sizes) sees every aten op (through the
+:class:`~symmem.record.saved_tensors.SavedRecorder`'s dispatch mode, which also numbers ops, answers value reads and
 routes ``constant_pad_nd`` to its decomposition): each new storage is registered once with its symbolic
 ``nbytes()`` and freed through ``weakref.finalize`` on its ``UntypedStorage``.  Fake storages are real
 ``StorageImpl`` objects (on the meta device, with symbolic sizes) that PyTorch keeps paired with their Python
@@ -23,7 +23,7 @@ One recorded run gives both steps: the forward and backward are run once (``micr
 then ``zero_grad``.  A steady step's forward and backward hold what the first's did plus the optimizer state.
 :meth:`StepRecord.as_timeline` gives either step as a :class:`~symmem.timeline.Timeline`, the one model of time.
 
-:func:`symmem.importer.peak.peak_of` turns one or more records into a :class:`symmem.peak.Peak`: every op after
+:func:`symmem.importer.traced_step.peak_of` turns one or more records into a :class:`symmem.peak.Peak`: every op after
 which something is freed (and the last) is a candidate moment; those another provably exceeds are dropped with
 the one peak algebra (:mod:`symmem.peak`: coefficients after shifting every symbol to ``x' + 1``), and the peak is
 the ``Max`` of the rest.  Records at 4 and 5 layers of the repeated blocks (:func:`symmem.importer.wrap.with_layers`)
@@ -42,11 +42,11 @@ import sympy
 
 from ..categories import RECORDED_TO_STEP
 from ..errors import SymmemError
-from ..record.live import LiveRecorder
+from ..record.identity import storage_key, symbolic_nbytes
+from ..record.identity import tensors as _leaves
+from ..record.live_bytes import LiveRecorder
 from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer
-from ..record.saved import SavedRecorder
-from ..record.tensors import storage_key, symbolic_nbytes
-from ..record.tensors import tensors as _leaves
+from ..record.saved_tensors import SavedRecorder
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
 from .inputs import Inputs
 

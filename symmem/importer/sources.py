@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import SymmemError
+from ..errors import SymmemError
 
 #: hf: models with more parameters than this are built on the meta device (no weights allocated, no check)
 REAL_WEIGHTS_MAX = 200_000_000
@@ -453,7 +453,7 @@ def trace(loaded: Loaded, dims: dict[str, Any], *, method: str = "auto", check: 
           multiple_of: dict[str, int] | None = None, device: str = "cpu", **options: Any) -> Any:
     """:func:`symmem.api.trace` of a loaded module; a module that fails on fake tensors (an error that is
     not symmem's own) is a :class:`SymmemError` naming the exception."""
-    from .api import trace as trace_module
+    from ..api import trace as trace_module
 
     try:
         if loaded.loss is not None:  # the model computes its loss from the labels: the step is that loss
@@ -479,7 +479,7 @@ def resized(loaded: Loaded, dims: dict[str, Any], values: dict[str, int]) -> tup
     patterns), as positional and keyword arguments."""
     import torch
 
-    from .importer.inputs import normalize_dims
+    from .inputs import normalize_dims
 
     wanted: dict[Any, dict[int, int]] = {}
     for name, pairs in normalize_dims(dims).items():
@@ -502,8 +502,8 @@ def resized(loaded: Loaded, dims: dict[str, Any], values: dict[str, int]) -> tup
 
 def verify_module(loaded: Loaded, derivation: Any, dims: dict[str, Any]) -> Any:
     """Measure one real training-mode forward of the loaded module at the derivation's numbers and compare
-    with its formula (:func:`symmem.verify.compare`)."""
-    from .verify import compare, measure
+    with its formula (:func:`symmem.record.verify.compare`)."""
+    from ..record.verify import compare, measure
 
     if loaded.on_meta:
         raise SymmemError(f"{loaded.spec}: the weights are on the meta device; there is no real forward to measure")

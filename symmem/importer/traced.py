@@ -5,7 +5,7 @@ autograd keeps.  :func:`ledger_of` lists those storages as they were made (symbo
 saved them), the module's parameters, and a repeated block of identical layers folded to ``L`` copies; the back
 half (:func:`symmem.engine.derivation_of`) makes it a derivation under the training regime asked for, so every
 view works on it: the table, JSON, LaTeX, plots, ``fit``, optimizers, precisions and ZeRO on the parameter side.
-:func:`step_of` is its training step, traced on fake tensors op by op (:mod:`symmem.importer.peak`).
+:func:`step_of` is its training step, traced on fake tensors op by op (:mod:`symmem.importer.traced_step`).
 :func:`symmem.trace` (:func:`symmem.api.trace`) is the front users call.
 
 >>> import pytest; torch = pytest.importorskip("torch")
@@ -26,13 +26,13 @@ from typing import Any
 
 import sympy
 
-from .derivation import START, Storage
-from .engine import Sized, substitute_all, symbol_values
-from .errors import NothingCounted, SymmemError
-from .ledger import Ledger, Parameter
-from .passes import regimes
-from .tensor import DTYPE_BYTES, TensorSpec, dtype_bytes
-from .training import Regime
+from ..derivation import START, Storage
+from ..engine import Sized, substitute_all, symbol_values
+from ..errors import NothingCounted, SymmemError
+from ..ledger import Ledger, Parameter
+from ..passes import regimes
+from ..tensor import DTYPE_BYTES, TensorSpec, dtype_bytes
+from ..training import Regime
 
 
 def _group(module: str) -> str:
@@ -193,7 +193,7 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     With ``size_one`` (a trace made with ``size_one=True``) each storage's bytes are also right where one
     declared size is 1 (PyTorch specializes size 1, so that is a trace of its own): a ``Piecewise`` in
     ``Eq(X, 1)`` where the value differs, and storages kept only at size 1 are storages of their own."""
-    from .symbols import L
+    from ..symbols import L
 
     declared = {s.symbol for s in trace.symbols}
     rep = trace.layers
@@ -233,7 +233,7 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
         warnings.warn(notes[0], NothingCounted, stacklevel=3)
     domain = trace.domain
     if size_one:
-        from .importer.guards import domain_of
+        from .guards import domain_of
 
         for n, v in trace.extra["at_one"].items():
             sym = trace.symbol(n)
@@ -273,9 +273,9 @@ def checkpoint_option(value: Any) -> Any:
 def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.Symbol, int], example_inputs: Any,
             dims: Any, loss: Any, autocast: Any, multiple_of: Any, device: str, free: tuple[str, ...] | None) -> Any:
     """The derivation's ``step``: the peak of the module's training step (None where it cannot be traced)."""
-    from .importer.inputs import check_inputs
-    from .importer.peak import StepPeak
-    from .importer.step import OPTIMIZERS, StepOptions
+    from .inputs import check_inputs
+    from .recording import OPTIMIZERS, StepOptions
+    from .traced_step import StepPeak
 
     if recorded.method == "fitted" or not recorded.training:
         return None  # concrete traces only (or no training step): no symbolic step to follow
@@ -289,7 +289,7 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
     if why is not None:
-        from .step import Refused
+        from ..step import Refused
 
         return Refused(why)
     impl = regime.optimizer_impl if regime.optimizer_impl != "auto" else (
@@ -302,7 +302,7 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     rep = recorded.layers
     sym = None
     if rep is not None:
-        from .symbols import L
+        from ..symbols import L
 
         sym = L if L not in set(symbols.values()) else sympy.Symbol("L_layers", positive=True, integer=True)
         sym = sym if sym in numbers else None

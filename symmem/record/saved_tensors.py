@@ -1,7 +1,7 @@
 """The saved-tensor recorder: one forward pass, every storage autograd packs for backward, who made it, who keeps it.
 
 The same recorder runs on fake tensors (the symbolic trace, :mod:`symmem.importer`) and on real ones (the
-importer's check, and :func:`symmem.verify.measure`); only the sizes it reads differ (``nbytes()`` is an ``int``
+importer's check, and :func:`symmem.record.verify.measure`); only the sizes it reads differ (``nbytes()`` is an ``int``
 or a ``SymInt``):
 
 - a :class:`~symmem.record.modules.ModuleTracker` gives the innermost module running;
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SymmemError
+from .identity import dtype_name, storage_key, tensors
 from .modules import ModuleTracker
-from .tensors import dtype_name, storage_key, tensors
 
 
 @dataclass
