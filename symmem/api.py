@@ -30,6 +30,7 @@ from .derivation import Derivation
 from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
+from .options import resolve
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` and :func:`trace` take as keywords.
@@ -39,7 +40,7 @@ REGIME_FIELDS = tuple(f.name for f in dataclasses.fields(Regime))
 def derive(model: Model | str, convention: str | Convention = "pytorch", regime: Regime | None = None,
            values: Mapping[str, int] | None = None, *, per_layer: bool = False,
            free: tuple[str, ...] | None = None, options: Mapping[str, Any] | None = None,
-           loss: str | None = None, **keywords: Any) -> Derivation:
+           loss: str | None = "sum", **keywords: Any) -> Derivation:
     """Derive the training memory of ``model``.
 
     ``model`` is a :class:`~symmem.graph.Model` or a built-in name.  Keywords are, by name: a field of the
@@ -49,7 +50,9 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     regime as one value instead.  ``values`` override symbol values for evaluation (``{"B": 32}``); ``free``
     names the symbols to keep in the formula (default: the model's).  ``options`` are convention options as
     a mapping.  ``loss`` (``"cross-entropy"``) appends a loss after the model's output, as its own group; its
-    kept tensors are the category ``loss``.
+    kept tensors are the category ``loss``; the default, ``"sum"``, appends none (the step backpropagates from
+    the output's sum).  ``device``, ``loss``, ``checkpoint``, ``precision`` and ``autocast`` mean what they mean
+    in :func:`trace` and on the command line (:mod:`symmem.options`).
     """
     model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords)
     return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
@@ -87,6 +90,10 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
            ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
     """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
     the convention's options."""
+    shared = resolve("derive", device=keywords.pop("device", None), loss=loss,
+                     autocast=keywords.pop("autocast", None))
+    if shared.device is not None:
+        keywords["device"] = shared.device  # the pytorch convention's option (another convention refuses it)
     conv = get_convention(convention)
     regime = _regime(regime, keywords)
     conv_options = _options(options, conv.options, keywords)
@@ -98,15 +105,15 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
         raise SymmemError(f"model must be a built-in model's name or a symmem Model, got {type(model).__name__}")
     elif keywords:
         raise _unknown(keywords, conv.name)
-    if loss is not None:
+    if shared.loss != "sum":
         from .loss import with_loss
 
-        model = with_loss(model, loss)
+        model = with_loss(model, shared.loss)
     return model, conv, regime, conv_options
 
 
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
-             loss: str | None = None, convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
+             loss: str | None = "sum", convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with
     ``values`` for the others), or None when it accepts it: the checks :func:`derive` makes of numbers, without
     deriving.  Arguments are :func:`derive`'s.  :func:`symmem.apps.budget.largest` uses it to answer only with values
@@ -125,7 +132,7 @@ def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, reg
 
 
 def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str = "auto", check: bool = True,
-          multiple_of: dict[str, int] | None = None, device: str = "cpu", training: bool = True,
+          multiple_of: dict[str, int] | None = None, device: str | None = None, training: bool = True,
           name: str | None = None, loss: Any = "sum", autocast: str | None = None, size_one: bool = False,
           **options: Any) -> Derivation:
     """The training memory of ``module`` as a :class:`~symmem.derivation.Derivation`, its formula in the
@@ -136,7 +143,8 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     ``bfloat16`` module for 16-bit ones, or give ``autocast="bfloat16"`` (``torch.autocast`` around the forward
     and the loss).  ``checkpoint="full"`` runs each repeated block under
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (or name the children: a container's path
-    or a list of paths); the kept storages and the peak then show it.
+    or a list of paths); the kept storages and the peak then show it.  ``device`` is whose kernels are traced:
+    by default the module's own (where its parameters are; the CPU for a module without any).
 
     The derivation's :attr:`~symmem.derivation.Derivation.peak` is the peak of the module's real training step,
     traced on fake tensors (:mod:`symmem.importer.traced_step`): the forward, the ``loss`` (``"sum"`` of the output,
@@ -163,7 +171,11 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
 
     if "convention" in options:
         raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")
-    checkpoint = tracing.checkpoint_option(options.pop("checkpoint", "none"))
+    shared = resolve("trace", device=device, loss=loss, checkpoint=options.pop("checkpoint", "none"),
+                     autocast=autocast)
+    device = shared.device or _device_of(module)
+    loss = shared.loss
+    checkpoint = tracing.checkpoint_option(shared.checkpoint)
     recorded = trace_module(module, example_inputs, dims, device=device, training=training, method=method,
                             check=check, multiple_of=multiple_of, autocast=autocast, checkpoint=checkpoint,
                             size_one=size_one)
@@ -187,6 +199,13 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
                            multiple_of, device, free)
     return derivation_of(ledger, regime, step)
+
+
+def _device_of(module: Any) -> str:
+    """Where a module is: its first parameter's (or buffer's) device type; the CPU for one with neither."""
+    for t in (*module.parameters(), *module.buffers()):
+        return "cpu" if t.device.type == "meta" else t.device.type
+    return "cpu"
 
 
 def show(model: Any, **kwargs: Any) -> None:

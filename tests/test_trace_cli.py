@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import symmem  # noqa: E402
-from symmem import sources  # noqa: E402
 from symmem.cli import main  # noqa: E402
+from symmem.importer import sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = "tests/trace_helpers.py"
@@ -191,7 +191,7 @@ def test_specs_never_evaluate_text(capsys, tmp_path):
 
 def test_a_run_of_too_many_ops_is_refused_with_the_way_out(capsys, monkeypatch):
     """Tracing grows with the ops a pass runs: beyond MAX_OPS it stops, naming where and what to do."""
-    from symmem.record import saved
+    from symmem.record import saved_tensors as saved
 
     monkeypatch.setattr(saved, "MAX_OPS", 3)
     code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B")

@@ -209,7 +209,7 @@ def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
         raise SymmemError(f"model {args.model!r} has no option --{unknown[0].replace('_', '-')}; its options: {has}")
     conv_options = {"device": args.device} if args.device is not None else {}
     return dict(convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
-                free=free_from_args(args), options=conv_options, loss=None if args.loss == "sum" else args.loss,
+                free=free_from_args(args), options=conv_options, loss=args.loss,
                 **regime_from_args(args), **model_options)
 
 
@@ -301,7 +301,7 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     # --loss means what it means everywhere (symmem.options); an hf: causal LM computes its cross-entropy (or its
     # own loss) from labels, which loading it with a loss gives it
     hf_loss = args.loss if args.spec.startswith("hf:") and args.loss != "sum" else None
-    if hf_loss is None and args.loss != "sum":
+    if hf_loss is None:
         derive_options.setdefault("loss", args.loss)
     loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=hf_loss, inputs=args.example)
     loaded = loaded.to(args.device or "cpu")  # traced for a device, checked and measured there
