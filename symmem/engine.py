@@ -29,7 +29,7 @@ import sympy
 from .conventions import Convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import NothingCounted, SymmemError
-from .evaluator import Unsupported, interpret
+from .evaluator import NotCompilable, interpret
 from .graph import Model, parameter_shapes, paused_gc
 from .ledger import Ledger, Parameter
 from .passes import branches, regimes, saved
@@ -480,7 +480,7 @@ def _number(e: sympy.Expr, numbers: Mapping[sympy.Symbol, int]) -> Any:
         return None
     try:
         return interpret(e, numbers)
-    except (Unsupported, ZeroDivisionError, TypeError):
+    except (NotCompilable, ZeroDivisionError, TypeError):
         return None
 
 

@@ -50,7 +50,7 @@ INT64_MAX = 2**63 - 1
 _RELATIONS = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}
 
 
-class Unsupported(Exception):
+class NotCompilable(Exception):
     """A part of the expression that the compiler does not translate (a float, a square root ...)."""
 
 
@@ -142,7 +142,7 @@ class _Codegen:
             return self.mul([self.value(a) for a in e.args])
         if e.is_Pow:
             if not e.exp.is_Integer:
-                raise Unsupported(f"power {e.exp}")
+                raise NotCompilable(f"power {e.exp}")
             return self.power(self.value(e.base), int(e.exp))
         if isinstance(e, sympy.floor | sympy.ceiling):
             return self.round(self.value(e.args[0]), isinstance(e, sympy.ceiling))
@@ -156,7 +156,7 @@ class _Codegen:
             return self.piecewise(e)
         if e.is_Relational:
             if e.rel_op not in _RELATIONS:
-                raise Unsupported(f"relation {e.rel_op}")
+                raise NotCompilable(f"relation {e.rel_op}")
             return self.compare(self.value(e.lhs), self.value(e.rhs), e.rel_op)
         if e is sympy.true or e is sympy.false:
             return ("bool", "True" if e is sympy.true else "False")
@@ -165,14 +165,14 @@ class _Codegen:
         if isinstance(e, sympy.Not):
             (a,) = (self.value(x) for x in e.args)
             return ("bool", self.tmp({"scalar": f"not {a[1]}", "vector": f"_not({a[1]})"}.get(self.mode, "0")))
-        raise Unsupported(type(e).__name__)
+        raise NotCompilable(type(e).__name__)
 
     def as_frac(self, v: tuple[Any, ...]) -> tuple[str, _Den]:
         if v[0] == "int":
             return v[1], _ONE
         if v[0] == "frac":
             return v[1], v[2]
-        raise Unsupported("a condition used as a number")
+        raise NotCompilable("a condition used as a number")
 
     def common(self, values: list[tuple[Any, ...]]) -> tuple[list[str], _Den]:
         """The numerators of ``values`` over one common denominator (the lcm of the constants, the union of the
@@ -265,7 +265,7 @@ class _Codegen:
 
     def logic(self, values: list[tuple[Any, ...]], op: str) -> tuple[Any, ...]:
         if any(v[0] != "bool" for v in values):
-            raise Unsupported("a number used as a condition")
+            raise NotCompilable("a number used as a condition")
         if self.mode == "bound":
             return ("bool", "0")
         if self.mode == "scalar":
@@ -278,7 +278,7 @@ class _Codegen:
             conds = [self.value(c) for _, c in pairs]
             vals = [self.value(x) for x, _ in pairs]
             if any(c[0] != "bool" for c in conds):
-                raise Unsupported("a Piecewise condition that is not a condition")
+                raise NotCompilable("a Piecewise condition that is not a condition")
             fracs = [self.as_frac(v) for v in vals]
             if self.mode == "bound":
                 num = self.tmp(f"max({', '.join(n for n, _ in fracs)})")
@@ -306,7 +306,7 @@ class _Codegen:
                 break
             c = self.value(cond)
             if c[0] != "bool":
-                raise Unsupported("a Piecewise condition that is not a condition")
+                raise NotCompilable("a Piecewise condition that is not a condition")
             self.emit(f"if {c[1]}:")
             self.indent += 1
             outside = dict(self.memo)
@@ -329,7 +329,7 @@ class _Codegen:
     def function(self, e: sympy.Basic) -> str:
         v = self.value(e)
         if v[0] == "bool":
-            raise Unsupported("a condition, not a number")
+            raise NotCompilable("a condition, not a number")
         num, den = self.as_frac(v)
         if self.mode == "bound":
             # the caller rounds a fraction up as (num + den - 1) // den: that sum is bounded too
@@ -403,7 +403,7 @@ def interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction
         return math.prod(interpret(a, env) for a in e.args)
     if e.is_Pow:
         if not e.exp.is_Integer:
-            raise Unsupported(f"power {e.exp}")
+            raise NotCompilable(f"power {e.exp}")
         base, k = interpret(e.base, env), int(e.exp)
         return base**k if k >= 0 else 1 / Fraction(base) ** -k
     if isinstance(e, sympy.floor | sympy.ceiling):
@@ -421,7 +421,7 @@ def interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction
         raise _NoBranch
     if e.is_Relational:
         if e.rel_op not in _RELATION_OPS:
-            raise Unsupported(f"relation {e.rel_op}")
+            raise NotCompilable(f"relation {e.rel_op}")
         return _RELATION_OPS[e.rel_op](interpret(e.lhs, env), interpret(e.rhs, env))
     if e is sympy.true or e is sympy.false:
         return e is sympy.true
@@ -431,7 +431,7 @@ def interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction
         return any(interpret(a, env) for a in e.args)
     if isinstance(e, sympy.Not):
         return not interpret(e.args[0], env)
-    raise Unsupported(type(e).__name__)
+    raise NotCompilable(type(e).__name__)
 
 
 def _vector_namespace() -> dict[str, Any]:
@@ -488,7 +488,7 @@ class Evaluator:
             return
         try:
             self._source = _Codegen(self.symbols, "scalar").function(self.expr)
-        except Unsupported:
+        except NotCompilable:
             self._source = None
         else:
             self._scalar = _compile(self._source, {"_Fallback": _Fallback, "_NoBranch": _NoBranch})
@@ -515,12 +515,12 @@ class Evaluator:
             if self._uses == 1 and not self._compiled:
                 value = interpret(self.expr, dict(zip(self.symbols, args, strict=True)))
                 if isinstance(value, bool):
-                    raise Unsupported("a condition, not a number")
+                    raise NotCompilable("a condition, not a number")
                 return (value, 1) if isinstance(value, int) else (value.numerator, value.denominator)
             self._compile()
             if self._scalar is not None:
                 return self._scalar(*args)
-        except (_Fallback, Unsupported, ZeroDivisionError):
+        except (_Fallback, NotCompilable, ZeroDivisionError):
             pass
         except _NoBranch:
             raise SymmemError(f"{self.expr} did not evaluate to a number") from None
@@ -584,7 +584,7 @@ class Evaluator:
             try:
                 vector = _compile(_Codegen(self.symbols, "vector").function(self.expr), _vector_namespace())
                 bound = _compile(_Codegen(self.symbols, "bound").function(self.expr), {})
-            except Unsupported:
+            except NotCompilable:
                 vector = bound = False
             self._vector, self._bound = vector, bound
         if self._vector is False:

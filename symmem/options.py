@@ -61,10 +61,10 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
         if front == "derive":
             raise SymmemError("a callable loss runs on a traced module's output; a built-in model takes "
                               f"loss={' or '.join(repr(x) for x in LOSSES[:2])}")
-    elif loss not in LOSSES or (front == "derive" and loss == "output"):
-        known = LOSSES if front == "trace" else LOSSES[:2]
-        raise SymmemError(f"loss must be one of {', '.join(known)}{' or a callable' if front == 'trace' else ''}, "
-                          f"got {loss!r}")
+    elif front == "trace" and loss not in LOSSES:
+        raise SymmemError(f"loss must be one of {', '.join(LOSSES)} or a callable, got {loss!r}")
+    elif front == "derive" and loss not in LOSSES[:2]:
+        raise SymmemError(f"unknown loss {loss!r}; known: {', '.join(LOSSES[:2])}")
     if checkpoint is None:
         checkpoint = "none"
     if autocast is not None:

@@ -43,7 +43,7 @@ def _same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
 def _both_signs(d: sympy.Expr) -> bool:
     """Whether ``d`` is positive at some positive integers and negative at others (found by trying a few: each
     symbol large with the others small, and small with the others large).  False when not found."""
-    from .evaluator import Unsupported, interpret
+    from .evaluator import NotCompilable, interpret
 
     symbols = sorted(d.free_symbols, key=lambda s: s.name)
     if not all(s.is_integer and s.is_positive for s in symbols):
@@ -55,7 +55,7 @@ def _both_signs(d: sympy.Expr) -> bool:
     for values in probes:
         try:
             v = interpret(d, values)
-        except (Unsupported, ZeroDivisionError, TypeError):
+        except (NotCompilable, ZeroDivisionError, TypeError):
             return False
         positive, negative = positive or v > 0, negative or v < 0
         if positive and negative:

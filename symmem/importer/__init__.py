@@ -5,12 +5,14 @@ returns a :class:`Trace`: every storage autograd keeps for backward with its byt
 PyTorch assumed (the formula's domain), the parameters, and the repeated blocks folded.  Needs ``torch``.
 
 The whole training step (forward, loss, backward, optimizer step, ``zero_grad``) runs on fake tensors too:
-:mod:`.step` records the live bytes after every op, :mod:`.peak` turns them into the peak's formula (what
-:func:`symmem.trace` attaches to its derivation), :mod:`.wrap` runs a module under autocast, activation
-checkpointing or another layer count.
+:mod:`.recording` records the live bytes after every op, :mod:`.traced_step` turns them into the peak's formula
+(what :func:`symmem.trace` attaches to its derivation), :mod:`.wrap` runs a module under autocast, activation
+checkpointing or another layer count.  :mod:`.traced` makes the traced module's ledger, :mod:`.sources` loads a
+module from a SPEC (``hf:gpt2``, ``pkg.mod:fn``).
 """
 
-from .records import Check, Guard, Parameter, Repeat, Save, Storage, Trace, TracedSymbol
+from .records import Check, Guard, Repeat, Save, Trace, TracedParameter, TracedStorage, TracedSymbol
 from .trace import trace_module
 
-__all__ = ["Check", "Guard", "Parameter", "Repeat", "Save", "Storage", "Trace", "TracedSymbol", "trace_module"]
+__all__ = ["Check", "Guard", "Repeat", "Save", "Trace", "TracedParameter", "TracedStorage", "TracedSymbol",
+           "trace_module"]

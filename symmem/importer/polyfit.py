@@ -34,7 +34,7 @@ import sympy
 from ..errors import SymmemError
 from ..record.saved_tensors import OpaqueKernel
 from .inputs import Inputs
-from .records import Storage
+from .records import TracedStorage
 
 MAX_POINTS = 300
 
@@ -101,7 +101,7 @@ def concrete(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
     return Run(storages, outcome.ops, [], {}, [], {}, [])
 
 
-def _quantities(storages: list[Storage], grouped: bool = False) -> dict[tuple[str, ...], tuple[Any, ...]]:
+def _quantities(storages: list[TracedStorage], grouped: bool = False) -> dict[tuple[str, ...], tuple[Any, ...]]:
     """(name, kind) -> (bytes, *shape); ``grouped``: (module, op, kind, dtype) -> (total bytes,), for modules
     whose number of storages grows with a size (an RNN unrolled over time steps keeps some per step)."""
     if not grouped:
@@ -195,7 +195,7 @@ def fit_trace(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
             cols = fits[key]
             itemsize = sympy.sympify(s.bytes) / s.elements if s.elements != 0 else 1
             name = (s.name if s.kind != "activation" else f"{s.module}:{s.op}") if grouped else s.name
-            out.append(Storage(name=name, module=s.module, op=s.op, dtype=s.dtype,
+            out.append(TracedStorage(name=name, module=s.module, op=s.op, dtype=s.dtype,
                                shape=() if grouped else cols[1:], elements=sympy.expand(cols[0] / itemsize),
                                bytes=cols[0], kind=s.kind, producer=s.producer, producer_module=s.producer_module,
                                born=s.born, saved_by=s.saved_by))

@@ -5,7 +5,7 @@ Everything here is plain data (sympy expressions, strings, integers); nothing ho
 
 >>> import sympy
 >>> from symmem.symbols import B, S
->>> st = Storage(name="h.0.attn:matmul", module="h.0.attn", op="matmul", dtype="float32", shape=(B, S, S),
+>>> st = TracedStorage(name="h.0.attn:matmul", module="h.0.attn", op="matmul", dtype="float32", shape=(B, S, S),
 ...              elements=B * S**2, bytes=4 * B * S**2, kind="activation")
 >>> t = Trace(module="Toy", symbols=(TracedSymbol("B", B, 2, ((0, 0),)), TracedSymbol("S", S, 8, ((0, 1),))),
 ...           storages=(st,))
@@ -42,7 +42,7 @@ class TracedSymbol:
 class Save:
     """One autograd node that keeps a storage for backward.
 
-    ``seq`` is the node's position in forward order on the same counter as :attr:`Storage.born` (the
+    ``seq`` is the node's position in forward order on the same counter as :attr:`TracedStorage.born` (the
     index of the aten op that ran under it; None when no op could be matched), ``node`` the grad_fn name
     (``MmBackward0``), ``autograd_seq`` autograd's own sequence number of the node.
     """
@@ -54,7 +54,7 @@ class Save:
 
 
 @dataclass(frozen=True)
-class Storage:
+class TracedStorage:
     """One storage autograd keeps for backward, counted once however many tensors (views) were saved from it.
 
     ``name`` is stable across runs (``transformer.h.0.attn:matmul``; ``#2``, ``#3`` … for the second and
@@ -98,7 +98,7 @@ class Guard:
 
 
 @dataclass(frozen=True)
-class Parameter:
+class TracedParameter:
     """A parameter of the module (tied parameters listed once, under their first name)."""
 
     name: str
@@ -133,7 +133,7 @@ class Repeat:
                 return i
         return None
 
-    def child_of(self, storage: Storage) -> int | None:
+    def child_of(self, storage: TracedStorage) -> int | None:
         """The child a storage belongs to: the one whose op first saved it — unless it was made outside the
         children and ops of several children keep it (Llama's rotary ``cos``/``sin``): then none."""
         i = self.owns(storage.module)
@@ -170,9 +170,9 @@ class Trace:
 
     module: str
     symbols: tuple[TracedSymbol, ...]
-    storages: tuple[Storage, ...]
-    parameters: tuple[Parameter, ...] = ()
-    buffers: tuple[Parameter, ...] = ()
+    storages: tuple[TracedStorage, ...]
+    parameters: tuple[TracedParameter, ...] = ()
+    buffers: tuple[TracedParameter, ...] = ()
     guards: tuple[Guard, ...] = ()
     domain: Any = sympy.true
     bounds: tuple[tuple[str, int, int | None], ...] = ()
@@ -198,7 +198,7 @@ class Trace:
         raise SymmemError(f"the trace has no symbol {name!r}; it has {', '.join(self.values) or 'none'}")
 
     # --- totals --------------------------------------------------------------------------------------
-    def of_kind(self, kind: str) -> tuple[Storage, ...]:
+    def of_kind(self, kind: str) -> tuple[TracedStorage, ...]:
         if kind not in KINDS:
             raise SymmemError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
         return tuple(s for s in self.storages if s.kind == kind)

@@ -1,7 +1,7 @@
 """One recorded forward turned into storages: a real eager run (the check's truth) or a fake run with symbolic
 sizes, and the translation of what the recorder saw into :class:`~symmem.importer.records.Storage` values.
 
-Used by :mod:`.trace` (the symbolic trace) and :mod:`.fit` (traces at concrete sizes).
+Used by :mod:`.trace` (the symbolic trace) and :mod:`.polyfit` (traces at concrete sizes).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides
 from .guards import GuardLog, bounds, collect, pinned, to_declared, unified
 from .hf import eager_predicates
 from .inputs import Inputs
-from .records import Save, Storage
+from .records import Save, TracedStorage
 
 
 # --- one recorded forward -> storages -----------------------------------------------------------------
@@ -25,7 +25,7 @@ from .records import Save, Storage
 class Run:
     """One forward (fake or real) turned into storages, with what the ShapeEnv learned."""
 
-    storages: list[Storage]
+    storages: list[TracedStorage]
     ops: int
     guards: list[Any]
     pinned: dict[str, int]
@@ -34,13 +34,13 @@ class Run:
     notes: list[str]
 
 
-def to_storages(outcome: Outcome, convert: Any) -> list[Storage]:
-    """Kept storages as :class:`Storage` records with stable names (``module:op``, ``#2`` … for repeats)."""
+def to_storages(outcome: Outcome, convert: Any) -> list[TracedStorage]:
+    """Kept storages as :class:`TracedStorage` records with stable names (``module:op``, ``#2`` … for repeats)."""
     import torch
 
     op_modules = outcome.op_modules
     counts: dict[str, int] = {}
-    out: list[Storage] = []
+    out: list[TracedStorage] = []
     for k in outcome.kept:
         p = k.first
         if p.label is not None:  # a parameter, buffer or input: its own name
@@ -54,7 +54,7 @@ def to_storages(outcome: Outcome, convert: Any) -> list[Storage]:
         saves = tuple(Save(seq, node, aseq, op_modules[seq] if seq is not None and seq < len(op_modules) else "")
                       for seq, node, aseq in k.savers)
         birth = p.birth if p.kind == "activation" else None
-        out.append(Storage(name=name, module=p.module, op=p.op, dtype=p.dtype,
+        out.append(TracedStorage(name=name, module=p.module, op=p.op, dtype=p.dtype,
                            shape=tuple(convert(d) for d in p.shape), elements=sympy.expand(nbytes / itemsize),
                            bytes=nbytes, kind=p.kind, producer=birth[1] if birth else None,
                            producer_module=birth[2] if birth else "", born=birth[0] if birth else None,

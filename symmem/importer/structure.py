@@ -16,14 +16,14 @@ from typing import Any
 
 import sympy
 
-from .records import Repeat, Storage
+from .records import Repeat, TracedStorage
 
 
 def _under(module: str, child: str) -> bool:
     return module == child or module.startswith(child + ".")
 
 
-def _own(s: Storage, child: str, siblings: list[str]) -> bool:
+def _own(s: TracedStorage, child: str, siblings: list[str]) -> bool:
     """Whether ``s`` belongs to ``child``: first saved there, unless it was made outside the children and
     siblings keep it too (a table made once before the stack)."""
     if not _under(s.module, child):
@@ -32,7 +32,7 @@ def _own(s: Storage, child: str, siblings: list[str]) -> bool:
     return not shared or any(_under(s.producer_module, o) for o in siblings)
 
 
-def signature(storages: list[Storage], child: str, siblings: list[str]) -> tuple[tuple[str, str, str], ...]:
+def signature(storages: list[TracedStorage], child: str, siblings: list[str]) -> tuple[tuple[str, str, str], ...]:
     """The child's activation storages, named relative to the child, with dtype and byte formula."""
     out = []
     for s in storages:
@@ -41,7 +41,7 @@ def signature(storages: list[Storage], child: str, siblings: list[str]) -> tuple
     return tuple(sorted(out))
 
 
-def repeats(module: Any, storages: tuple[Storage, ...] | list[Storage],
+def repeats(module: Any, storages: tuple[TracedStorage, ...] | list[TracedStorage],
             values: dict[sympy.Symbol, int] | None = None) -> tuple[Repeat, ...]:
     """Runs of identical children in every ``ModuleList``/``Sequential`` of ``module``."""
     import torch

@@ -9,7 +9,7 @@ See ``docs/importer.md`` for the mechanism and the traps it handles.  In short:
    recorder (:mod:`symmem.record.saved_tensors`), with transformers' fake-tensor predicates switched off (:mod:`.hf`);
 4. translate storage sizes and guards into the declared symbols (:mod:`.guards`); if a guard pinned a
    declared size to its example value, retrace at other sizes, and if it pins again fit the exact
-   polynomial from concrete traces (:mod:`.fit`);
+   polynomial from concrete traces (:mod:`.polyfit`);
 5. fold identical repeated blocks (:mod:`.structure`) and compare the formula at the example sizes with the
    real forward: a difference raises :class:`~symmem.errors.SymmemError`.
 """
@@ -28,7 +28,7 @@ from ..record.saved_tensors import Outcome, SymbolicSizesUnsupported
 from .fake import check_device
 from .guards import domain_of
 from .inputs import Inputs, check_inputs, sym_for
-from .records import Check, Parameter, Storage, Trace, TracedSymbol
+from .records import Check, Trace, TracedParameter, TracedStorage, TracedSymbol
 from .runs import Run, fake_run, real_run, resized, to_storages
 from .wrap import autocast_dtype, autocasting, checkpointed, find_repeat
 
@@ -55,11 +55,11 @@ def training_mode(module: Any, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-def parameters_of(module: Any) -> tuple[tuple[Parameter, ...], tuple[Parameter, ...]]:
+def parameters_of(module: Any) -> tuple[tuple[TracedParameter, ...], tuple[TracedParameter, ...]]:
     """Parameters (tied ones once) and buffers: name, shape, dtype, numel."""
-    ps = tuple(Parameter(n, tuple(int(d) for d in p.shape), dtype_name(p.dtype), int(p.numel()), p.requires_grad)
+    ps = tuple(TracedParameter(n, tuple(int(d) for d in p.shape), dtype_name(p.dtype), int(p.numel()), p.requires_grad)
                for n, p in module.named_parameters())
-    bs = tuple(Parameter(n, tuple(int(d) for d in b.shape), dtype_name(b.dtype), int(b.numel()), False)
+    bs = tuple(TracedParameter(n, tuple(int(d) for d in b.shape), dtype_name(b.dtype), int(b.numel()), False)
                for n, b in module.named_buffers())
     return ps, bs
 
@@ -81,7 +81,7 @@ def _can_run_real(module: Any, inputs: Inputs, device: str) -> str | None:
     return None
 
 
-def _totals(storages: list[Storage] | tuple[Storage, ...], subs: dict[sympy.Symbol, int]) -> dict[str, int]:
+def _totals(storages: list[TracedStorage] | tuple[TracedStorage, ...], subs: dict[sympy.Symbol, int]) -> dict[str, int]:
     out = {"activation": 0, "input": 0}
     for s in storages:
         if s.kind in out:
@@ -89,7 +89,7 @@ def _totals(storages: list[Storage] | tuple[Storage, ...], subs: dict[sympy.Symb
     return out
 
 
-def _differences(traced: list[Storage], measured: list[Storage], subs: dict[sympy.Symbol, int]) -> str:
+def _differences(traced: list[TracedStorage], measured: list[TracedStorage], subs: dict[sympy.Symbol, int]) -> str:
     a = {s.name: int(sympy.sympify(s.bytes).xreplace(subs)) for s in traced if s.kind != "parameter"}
     b = {s.name: int(s.bytes) for s in measured if s.kind != "parameter"}
     rows = [f"{n}: traced {a.get(n, 0):,} vs real {b.get(n, 0):,}" for n in sorted(set(a) | set(b), key=str)

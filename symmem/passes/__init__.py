@@ -7,7 +7,7 @@
 5. :mod:`.regimes` -- checkpointing, tensor/sequence/pipeline parallelism, and the parameter side (ZeRO).
 
 The training step, for its peak (computed on first use): :mod:`.unroll` writes repeated blocks out,
-:mod:`.schedule` simulates the step op by op into a :class:`~symmem.timeline.Timeline`, and :mod:`.step` folds the
+:mod:`.schedule` simulates the step op by op into a :class:`~symmem.timeline.Timeline`, and :mod:`.graph_step` folds the
 timelines into the peak's formulas (:class:`~symmem.step.Step`, the algebra in :mod:`symmem.peak`).
 
 Shapes are inferred when the graph is built (:mod:`symmem.ops`, :func:`symmem.graph.lint`); the accounting of

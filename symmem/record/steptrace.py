@@ -78,7 +78,7 @@ class Boundary:
 
 
 @dataclass(frozen=True)
-class Peak:
+class MeasuredPeak:
     """The largest live bytes and where: the record, and every storage alive then."""
 
     bytes: int
@@ -164,26 +164,26 @@ class StepTrace:
         """Live bytes at the end of ``phase`` of ``step``."""
         return self.boundary(step, phase).live
 
-    def peak_of(self, step: int | None = None, phase: str | None = None) -> Peak:
+    def peak_of(self, step: int | None = None, phase: str | None = None) -> MeasuredPeak:
         """The peak over all records, or over one step, or one phase of one step (the first record if tied)."""
         chosen = [r for r in self.records if (step is None or r.step == step) and (phase is None or r.phase == phase)]
         if not chosen:
             raise SymmemError(f"no ops recorded for step {step}, phase {phase!r}")
         best = max(chosen, key=lambda r: (r.live, -r.index))
-        return Peak(best.live, best, self.alive_at(best.index))
+        return MeasuredPeak(best.live, best, self.alive_at(best.index))
 
     @property
-    def peak(self) -> Peak:
+    def peak(self) -> MeasuredPeak:
         """The peak of the whole run."""
         return self.peak_of()
 
     @property
-    def first(self) -> Peak:
+    def first(self) -> MeasuredPeak:
         """The peak of the first step (optimizer state is created inside it)."""
         return self.peak_of(1)
 
     @property
-    def steady(self) -> Peak:
+    def steady(self) -> MeasuredPeak:
         """The peak of the last step (the steady state when ``steps >= 2``)."""
         return self.peak_of(self.steps)
 
