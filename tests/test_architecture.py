@@ -104,3 +104,21 @@ def test_a_kind_without_a_rule_fails_the_check(monkeypatch):
                                                                          None, ops.Unsupported("no")))
     with pytest.raises(SymmemError, match="op kinds without a save rule .*: nothing_said"):
         registry.check_complete()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet18", "llama"])
+def test_architectures_stay_graphs_networkx_accepts(name):
+    """What the card asks for: networkx's own algorithms take the graph as it is, ``to_networkx()`` is a real
+    ``nx.DiGraph``, and the nodes carry symbolic shapes (oracle: networkx itself)."""
+    import networkx as nx
+    import sympy
+
+    import symmem
+
+    graph = symmem.build(name).graph
+    order = list(nx.topological_sort(graph))
+    real = graph.to_networkx()
+    assert type(real) is nx.DiGraph and nx.is_directed_acyclic_graph(graph)
+    assert sorted(order) == sorted(real.nodes) and set(graph.edges) == set(real.edges)
+    assert all(order.index(u) < order.index(v) for u, v in real.edges)
+    assert any(isinstance(d, sympy.Expr) and d.free_symbols for n in order for d in graph.node(n).out.shape)
