@@ -73,3 +73,18 @@ def test_a_traced_module_is_a_ledger_not_a_graph():
     assert not any(s.node in frozen for s in d.storages)
     assert d.value("parameters") == sum(p.numel() for p in net.parameters() if p.requires_grad)
     assert ledger.repeats == {"layers": symmem.symbol("L")} and d.layer is None
+
+
+def test_a_module_that_keeps_no_activation_says_nothing_wrong():
+    """A lone Linear keeps only its input (autograd's saved tensors: the oracle): activations 0, input 4*B*4 bytes,
+    and no note that the trace "was not traced" -- what PyTorch kept is the truth, not a convention's blind spot."""
+    import warnings
+
+    import torch
+
+    import symmem
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = symmem.trace(torch.nn.Linear(4, 3), (torch.zeros(2, 4),), {"B": [(0, 0)]})
+    assert d.activations == 0 and d.input == 16 * symmem.symbol("B") and d.notes == ()

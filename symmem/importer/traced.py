@@ -19,7 +19,6 @@ view works on it: the table, JSON, LaTeX, plots, ``fit``, optimizers, precisions
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,8 +26,8 @@ from typing import Any
 import sympy
 
 from ..derivation import START, Storage
-from ..engine import Sized, substitute_all, symbol_values
-from ..errors import NothingCounted, SymmemError
+from ..engine import Sized, symbol_values
+from ..errors import SymmemError
 from ..ledger import Ledger, Parameter
 from ..passes import regimes
 from ..tensor import DTYPE_BYTES, TensorSpec, dtype_bytes
@@ -222,15 +221,9 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     if regime.pipeline_parallel and not per_layer:
         in_block = {e.label for e in entries if e.in_block}
         storages = regimes.pipeline(storages, lambda x: layer if x.node in in_block else None)
+    # What PyTorch itself kept needs no "the convention cannot see this" note: a module that keeps no activation
+    # (a lone Linear keeps only its input) keeps none.
     notes: tuple[str, ...] = ()
-    subs = substitute_all(eff, keep)
-    if not any(s.category == "activation" and s.expr.xreplace(subs) != 0 for s in storages) and not any(
-            e.kind == "traced" for e in sizes.entries):
-        # the words of the identity convention a trace was once derived under
-        notes = (f"{model}: the traced convention counts what symmem.trace recorded of a real module, and this "
-                 "graph was not traced, so it keeps nothing; use --convention pytorch (or symmem trace for your "
-                 "module)",)
-        warnings.warn(notes[0], NothingCounted, stacklevel=3)
     domain = trace.domain
     if size_one:
         from .guards import domain_of
