@@ -270,3 +270,35 @@ def test_allocated_peak_rounds_every_storage(cnn):
     at = d.at(B=3, Hi=10, Wi=6, L=2)
     assert at.value("peak") <= at.peak_allocated() <= at.value("peak") + 512 * 200
     assert at.peak_allocated() % 512 == 0
+
+
+class _Pair(torch.nn.Module):
+    """A module whose output is a tuple, a dict or a Hugging Face ModelOutput: a loss reduces its first tensor."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.fc, self.head = kind, torch.nn.Linear(8, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        logits = self.head(h)
+        if self.kind == "tuple":
+            return logits, h
+        if self.kind == "dict":
+            return {"logits": logits, "hidden": h}
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=logits, hidden_states=(h,))
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "model-output"])
+@pytest.mark.parametrize("loss", ["cross-entropy", "sum"])
+def test_a_loss_reduces_the_first_tensor_of_any_output(kind, loss):
+    """Issue 22 item 13: cross-entropy (or sum) on a module returning a tuple, a dict or a ModelOutput crashed when
+    the peak was asked for; the traced peak now equals two real tracked steps (the truth) at other sizes."""
+    if kind == "model-output":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    d = symmem.trace(_Pair(kind), (torch.randn(2, 8),), {"B": [(0, 0)]}, loss=loss, optimizer="adam")
+    torch.manual_seed(0)
+    assert peaks(d, B=7) == real_peaks(_Pair(kind), torch.randn(7, 8), loss=loss, optimizer="adam")

@@ -42,11 +42,12 @@ import sympy
 
 from ..categories import RECORDED_TO_STEP
 from ..errors import SymmemError
-from ..record.identity import storage_key, symbolic_nbytes
+from ..record.identity import first_tensor, storage_key, symbolic_nbytes
 from ..record.identity import tensors as _leaves
 from ..record.live_bytes import LiveRecorder
 from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer
 from ..record.saved_tensors import SavedRecorder
+from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
 from .inputs import Inputs
 
@@ -248,39 +249,6 @@ class StepOptions:
             raise SymmemError(f"optimizer implementation must be one of {', '.join(IMPLS)}, got {self.impl!r}")
 
 
-def _loss_value(options: StepOptions, out: Any, target: Any) -> Any:
-    import torch
-
-    if callable(options.loss):
-        return options.loss(out)
-    if options.loss == "output":
-        value = getattr(out, "loss", None)
-        value = out if value is None else value
-        if not isinstance(value, torch.Tensor):
-            raise SymmemError("loss='output': the module's output is neither a tensor nor has a .loss tensor "
-                              "(Hugging Face models compute it when given labels)")
-        return value
-    out = _first_tensor(out)
-    if options.loss == "sum":
-        return out.sum()
-    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-
-
-def _first_tensor(out: Any) -> Any:
-    """The tensor a loss reduces: the output itself, or the first tensor of a tuple, list or mapping (a Hugging
-    Face ``ModelOutput``'s logits or last hidden state)."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            return item
-    raise SymmemError(f"the module returns {type(out).__name__}, with no tensor to reduce for the loss: pass "
-                      "loss= a callable taking the output, or 'output' for a module that returns its loss")
-
-
 def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],
                 options: StepOptions, *, device: str = "cpu", replay: list[tuple[str, Any]] | None = None,
                 multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (),
@@ -348,12 +316,12 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                 if options.loss == "cross-entropy" and target is None:
                     rec.quiet = True
                     try:
-                        target = torch.empty(tuple(out.shape[:-1]), dtype=torch.long, device=device)
+                        target = torch.empty(tuple(first_tensor(out).shape[:-1]), dtype=torch.long, device=device)
                     finally:
                         rec.quiet = False
                     rec.register([target], "input")
                     rec.events.insert(0, rec.events.pop())  # the target exists from the start, as the batch
-                value = _loss_value(options, out, target)
+                value = loss_value(options.loss, out, target)
                 if not options.keep_output:
                     out = None
             with rec.in_phase(1, "backward"):

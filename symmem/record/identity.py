@@ -55,6 +55,21 @@ def tensors(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
         yield from tensors(obj.to_tuple(), seen)
 
 
+def first_tensor(out: Any) -> Any:
+    """The tensor a loss reduces: the output itself, or the first tensor of a tuple, list or mapping (a Hugging
+    Face ``ModelOutput``'s logits or last hidden state)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            return item
+    raise SymmemError(f"the module returns {type(out).__name__}, with no tensor to reduce for the loss: pass "
+                      "loss= a callable taking the output, or 'output' for a module that returns its loss")
+
+
 def require_torch() -> Any:
     """``torch``, or the error saying how to install it."""
     try:

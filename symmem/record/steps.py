@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import SymmemError
 from .allocator import allocator_peaks, distinct_bytes
-from .identity import require_torch, tensors
+from .identity import first_tensor, require_torch, tensors
 from .live_bytes import LiveTracker
 from .modules import ModuleTracker
 from .optim import make_optimizer, state_tensors
@@ -35,6 +35,28 @@ from .steptrace import AllocatorPeaks, StepTrace
 
 #: the losses :func:`track_step` computes from the module's output (or pass a callable)
 LOSSES: tuple[str, ...] = ("sum", "cross-entropy")
+
+
+def loss_value(loss: str | Callable[[Any], Any], out: Any, target: Any) -> Any:
+    """The loss of one step, on real or fake tensors alike: ``loss(out)`` for a callable; ``output``: the module's
+    own (the output, or its ``.loss``, a Hugging Face model given labels); else the ``sum`` of the output's first
+    tensor (:func:`~symmem.record.identity.first_tensor`), or its ``cross-entropy`` against ``target`` over the last
+    dimension."""
+    import torch
+
+    if callable(loss):
+        return loss(out)
+    if loss == "output":
+        value = getattr(out, "loss", None)
+        value = out if value is None else value
+        if not isinstance(value, torch.Tensor):
+            raise SymmemError("loss='output': the module's output is neither a tensor nor has a .loss tensor "
+                              "(Hugging Face models compute it when given labels)")
+        return value
+    first = first_tensor(out)
+    if loss == "sum":
+        return first.sum()
+    return torch.nn.functional.cross_entropy(first.reshape(-1, first.shape[-1]), target.reshape(-1))
 
 
 def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimizer: str, impl: str, lr: float,
@@ -55,18 +77,14 @@ def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimiz
             classes = int(getattr(getattr(module, "lm_head", None), "out_features", 0)) or int(inputs[0].max()) + 1
         else:
             with torch.no_grad():
-                probe = module(*inputs)
+                probe = first_tensor(module(*inputs))
             shape, classes = tuple(probe.shape[:-1]), int(probe.shape[-1])
             del probe
         # drawn on the CPU (the same target on every device), then put where the module's output is
         target = torch.randint(0, classes, shape, generator=torch.Generator().manual_seed(0)).to(inputs[0].device)
 
     def compute_loss(out: Any) -> Any:
-        if callable(loss):
-            return loss(out)
-        if loss == "sum":
-            return out.sum()
-        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+        return loss_value(loss, out, target)
 
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
