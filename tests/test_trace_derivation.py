@@ -88,3 +88,33 @@ def test_a_module_that_keeps_no_activation_says_nothing_wrong():
         warnings.simplefilter("error")
         d = symmem.trace(torch.nn.Linear(4, 3), (torch.zeros(2, 4),), {"B": [(0, 0)]})
     assert d.activations == 0 and d.input == 16 * symmem.symbol("B") and d.notes == ()
+
+
+@pytest.mark.parametrize("mode, options", [("mean", {}), ("sum", {}), ("max", {}), ("sum", {"padding_idx": 3}),
+                                           ("mean", {"include_last_offset": True})])
+def test_embedding_bag_keeps_what_the_cpu_kernel_keeps(mode, options):
+    """Issue 22 item 16: the CPU ``_embedding_bag`` keeps offset2bag in a storage one element longer than the
+    indices (and bag_size one per offset with include_last_offset), which its meta kernel does not: both ``auto`` and
+    ``fit`` refused the module.  The traced formula now equals what autograd really keeps at other sizes."""
+    import torch
+
+    import symmem
+    from symmem.record.verify import measure
+
+    class Bags(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bags, self.fc = torch.nn.EmbeddingBag(50, 8, mode=mode, **options), torch.nn.Linear(8, 3)
+
+        def forward(self, x, offsets):
+            return self.fc(self.bags(x, offsets))
+
+    def batch(b: int, s: int):
+        last = s if "include_last_offset" in options else 0
+        return torch.randint(0, 50, (b * s,)), torch.arange(0, b * s + last, s)
+
+    # T indices in all, cut into bags by B offsets (B + 1 with include_last_offset)
+    d = symmem.trace(Bags(), batch(4, 6), {"T": [(0, 0)], "B": [(1, 0)]},
+                     values={"T": 35, "B": 6 if options.get("include_last_offset") else 5})
+    real = measure(Bags(), *batch(5, 7))
+    assert d.value("activations") + d.value("input") == real.activations + real.input

@@ -11,7 +11,8 @@ Op overrides, for the fake run only (eager and the real check are untouched): ``
 fake kernel runs C++ that reads concrete sizes and adds guards such as ``Eq(B, 2)``; it is routed to its
 Python decomposition (``torch._refs``), which keeps the sizes symbolic.  Layer, group and batch norm with a
 16-bit input and float32 weights (autocast) save float32 statistics on CPU; their meta kernels say 16-bit, so
-the outputs are remade in float32.  The Python dispatcher is *not*
+the outputs are remade in float32.  The CPU ``_embedding_bag`` keeps one element more of ``offset2bag`` (and of
+``bag_size`` with ``include_last_offset``) in its storages than its meta kernel makes.  The Python dispatcher is *not*
 switched on globally: that would swap eager's C++ decompositions (``matmul``, SDPA) and change what is saved.
 """
 
@@ -48,7 +49,8 @@ def overrides() -> dict[Any, Any]:
     return {aten.constant_pad_nd.default: torch._refs.constant_pad_nd,
             aten.native_layer_norm.default: _mixed(aten.native_layer_norm.default, (2, 3)),
             aten.native_group_norm.default: _mixed(aten.native_group_norm.default, (1, 2)),
-            aten.native_batch_norm.default: _mixed(aten.native_batch_norm.default, (1, 2, 3, 4))}
+            aten.native_batch_norm.default: _mixed(aten.native_batch_norm.default, (1, 2, 3, 4)),
+            aten._embedding_bag.default: _embedding_bag_cpu(aten._embedding_bag.default)}
 
 
 def _mixed(op: Any, params: tuple[int, ...]) -> Any:
@@ -65,6 +67,28 @@ def _mixed(op: Any, params: tuple[int, ...]) -> Any:
                 and p.dtype == torch.float32):
             return (out[0], *(t.new_empty(t.shape, dtype=p.dtype) for t in out[1:3]), *out[3:])
         return out
+
+    return impl
+
+
+def _embedding_bag_cpu(op: Any) -> Any:
+    """``_embedding_bag`` with the CPU kernel's storages (``EmbeddingBag.cpp``): ``make_offset2bag`` sizes
+    ``offset2bag`` for one element more than the indices and then narrows the tensor, not its storage (numel + 1
+    elements kept for backward); with ``include_last_offset`` the ``bag_size`` storage has one element per offset
+    (bags + 1).  The meta kernel sizes both exactly, 8 bytes short each."""
+    def impl(*args: Any, **kwargs: Any) -> Any:
+        out = op(*args, **kwargs)
+        weight, offsets = args[0], args[2]
+        if weight.device.type != "cpu":
+            return out
+        last = args[7] if len(args) > 7 else kwargs.get("include_last_offset", False)
+        o2b, bag = out[1], out[2]
+        n = o2b.shape[0]
+        if not (isinstance(n, int) and n == 0):  # mode sum without padding keeps no offset2bag at all
+            o2b = o2b.new_empty((n + 1,))[:n]
+        if last:
+            bag = bag.new_empty((offsets.shape[0],))[:bag.shape[0]]
+        return (out[0], o2b, bag, *out[3:])
 
     return impl
 
