@@ -594,3 +594,29 @@ def test_trace_leaves_the_module_as_it_was():
     trace_module(m, image(2, 8, 8), IMAGE)
     assert not m.training and all(not sub.training for sub in m.modules())
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # BN statistics restored
+
+
+def test_a_fitted_domain_restricts_only_the_sizes_that_round():
+    """Issue 22 item 19: a fit whose check off the examples' multiples failed put every fitted size on those
+    multiples (``Mod(B, 2) = 0`` too), though only the image sides round in a stride-2 convolution.  Now each size is
+    tried off its multiples alone: the domain names Hi and Wi, and the formula equals autograd's saved bytes at odd
+    batches (the truth)."""
+    import symmem
+    from symmem.record.verify import measure
+
+    class Strided(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+    d = symmem.trace(Strided(), (torch.randn(2, 3, 6, 6),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
+                     method="fit")
+    Hi, Wi = symmem.symbol("Hi"), symmem.symbol("Wi")
+    mods = {a.args[0] for a in d.domain.atoms(sympy.Eq) if isinstance(a.args[0], sympy.Mod)}
+    assert {m.args[0] for m in mods} == {Hi, Wi}
+    for b, hi, wi in [(3, 12, 18), (5, 6, 12)]:
+        at, real = d.at(B=b, Hi=hi, Wi=wi), measure(Strided(), torch.randn(b, 3, hi, wi))
+        assert at.value("activations") + at.value("input") == real.activations + real.input

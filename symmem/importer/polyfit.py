@@ -210,15 +210,15 @@ def fit_trace(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
         # off the grid: one more trace with every fitted size one above its example.  If the fit holds there
         # too it is taken to hold for all sizes; if not (stride arithmetic rounds differently), the domain
         # says the multiples of the examples, where it was checked
-        off = tuple(base[n] + 1 for n in names)
-        try:
-            got = _quantities(at(off).storages, grouped)
-            subs = {symbols[n]: v for n, v in zip(names, off, strict=True)}
-            general = sorted(got) == sorted(keys) and all(_same(tuple(e.xreplace(subs) for e in fits[k]), got[k])
-                                                          for k in keys)
-        except SymmemError:
-            general = False
-        conditions = [] if general else [sympy.Eq(sympy.Mod(symbols[n], base[n]), 0) for n in names]
+        def holds_at(off: tuple[int, ...], keys: Any = keys, fits: Any = fits, grouped: bool = grouped) -> bool:
+            return _holds(at, off, {symbols[n]: v for n, v in zip(names, off, strict=True)}, keys, fits, grouped)
+
+        general = holds_at(tuple(base[n] + 1 for n in names))
+        # where it does not, each size is tried off its multiples alone: only those that fail are restricted
+        # (a CNN's image sides round in the strides; its batch does not)
+        restricted = [] if general else [n for n in names if len(names) == 1 or not holds_at(
+            tuple(base[m] + (m == n) for m in names))] or list(names)
+        conditions = [sympy.Eq(sympy.Mod(symbols[n], base[n]), 0) for n in restricted]
         kept = [n for n in base if n not in names]
         note = (f"fitted: polynomial of degree <= {degree} in each of {', '.join(names)} through {len(grid)} "
                 f"traces at multiples of the example sizes ({', '.join(f'{n} = {base[n]}' for n in names)}), "
@@ -226,10 +226,20 @@ def fit_trace(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
                 + ("; the number of storages grows with the sizes: one entry per (module, op, kind, dtype)"
                    if grouped else "")
                 + ("; it also holds one above the examples" if general else
-                   "; it does not hold off the multiples (checked one above the examples): the domain says so"))
+                   f"; it does not hold off the multiples of {', '.join(restricted)} (checked one above the examples): "
+                   "the domain says so"))
         bounds = {n: b for n, b in first.bounds.items() if n not in names}
         return Run(out, first.ops, guards, {}, conditions, bounds, [note])
     raise SymmemError(f"no exact polynomial of degree <= 3 fits the traces at concrete sizes: {last_error}")
+
+
+def _holds(at: Any, off: tuple[int, ...], subs: dict[sympy.Symbol, int], keys: Any, fits: Any, grouped: bool) -> bool:
+    """Whether the fitted formulas ``fits`` give every storage of the trace at ``off`` (sizes ``subs``)."""
+    try:
+        got = _quantities(at(off).storages, grouped)
+    except SymmemError:
+        return False
+    return sorted(got) == sorted(keys) and all(_same(tuple(e.xreplace(subs) for e in fits[k]), got[k]) for k in keys)
 
 
 def _prod(xs: Any) -> Fraction:
