@@ -620,3 +620,24 @@ def test_a_fitted_domain_restricts_only_the_sizes_that_round():
     for b, hi, wi in [(3, 12, 18), (5, 6, 12)]:
         at, real = d.at(B=b, Hi=hi, Wi=wi), measure(Strided(), torch.randn(b, 3, hi, wi))
         assert at.value("activations") + at.value("input") == real.activations + real.input
+
+
+def test_a_module_fake_tensors_cannot_run_is_fitted_by_auto():
+    """Issue 22 item 17: Mixtral's grouped-mm experts in FP32 fail on fake tensors (the fake kernel wants bfloat16;
+    the CPU kernel runs float32).  ``auto`` now falls back to real traces at concrete sizes, and the formula equals
+    autograd's saved bytes at sizes never traced; ``symbolic`` says to use ``fit``."""
+    transformers = tf()
+    import symmem
+    from symmem.record.verify import measure
+
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=96, num_local_experts=4,
+                     num_experts_per_tok=2)
+    model = hf(config, transformers.MixtralForCausalLM, "sdpa")
+    ids = torch.randint(0, 96, (2, 8))
+    seq = {"B": [(0, 0)], "S": [(0, 1)]}
+    with pytest.raises(symmem.SymmemError, match="_grouped_mm.*method='fit' traces real tensors"):
+        symmem.trace(model, (ids,), seq, method="symbolic")
+    d = symmem.trace(model, (ids,), seq)
+    at, real = d.at(B=3, S=11), measure(model, torch.randint(0, 96, (3, 11)))
+    assert at.value("activations") + at.value("input") == real.activations + real.input

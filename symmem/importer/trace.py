@@ -24,7 +24,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..record.identity import dtype_name, tensors
-from ..record.saved_tensors import Outcome, SymbolicSizesUnsupported
+from ..record.saved_tensors import FakeKernelFailed, Outcome, SymbolicSizesUnsupported
 from .fake import check_device
 from .guards import domain_of
 from .inputs import Inputs, check_inputs, sym_for
@@ -274,6 +274,17 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
         from .polyfit import fit_trace
 
         notes.append(f"no symbolic trace ({e}); the formula is fitted from traces at concrete sizes")
+        return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
+    except FakeKernelFailed as e:
+        # the real forward ran (or was not tried): a failure on fake tensors only is a fake kernel's limit
+        if method == "symbolic" or not real:
+            why = "" if real else " (it needs a real forward: check=True, weights not on the meta device)"
+            raise SymmemError(f"{str(e).rstrip('.')}; fake tensors cannot run this module here: method='fit' traces "
+                              f"real tensors at concrete sizes{why}") from None
+        from .polyfit import fit_trace
+
+        notes.append(f"fake tensors cannot run the module ({e}); the formula is fitted from real traces at "
+                     "concrete sizes")
         return fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples, outcome
     spec = specializations(run, symbols)
     if not spec:

@@ -348,7 +348,12 @@ class SavedRecorder:
             if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
                 raise SymmemError(f"the forward runs an op fake tensors do not support at {where} ({text}); "
                                   "use method='fit' (concrete sizes, real tensors)") from e
-            raise SymmemError(f"the forward failed at {where}: {name}: {text}") from e
+            raise FakeKernelFailed(f"the forward failed at {where}: {name}: {text}") from e
+
+
+class FakeKernelFailed(SymmemError):
+    """The forward failed inside a kernel on the recorder's tensors (a fake kernel stricter than the real one:
+    grouped matmuls' dtypes), where nothing more specific was recognised."""
 
 
 class OpaqueKernel(SymmemError):
