@@ -631,8 +631,8 @@ def test_a_module_fake_tensors_cannot_run_is_fitted_by_auto():
     from symmem.record.verify import measure
 
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=96, num_local_experts=4,
-                     num_experts_per_tok=2)
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                        num_local_experts=4, num_experts_per_tok=2)
     model = hf(config, transformers.MixtralForCausalLM, "sdpa")
     ids = torch.randint(0, 96, (2, 8))
     seq = {"B": [(0, 0)], "S": [(0, 1)]}
