@@ -318,3 +318,33 @@ def test_a_stack_with_per_layer_types_folds_in_L():
     d = symmem.trace(build(6), (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
     assert symmem.symbol("L") in d.peak.free_symbols
     assert peaks(d, B=3, S=7, L=5) == real_peaks(build(5), torch.randint(0, 96, (3, 7)), loss="sum", optimizer="adamw")
+
+
+def test_a_sequential_of_named_blocks_folds_in_L():
+    """Issue 22 item 15: torchvision's VisionTransformer keeps its blocks in a Sequential of named children
+    (``encoder_layer_0`` ...), whose layer count the fold could not change: no peak.  The same shape here: the
+    traced peak folds in L and equals two real tracked steps of a model with another layer count (the truth)."""
+    from collections import OrderedDict
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + torch.relu(self.fc(self.ln(x)))
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(OrderedDict((f"encoder_layer_{i}", Block()) for i in range(n)))
+            self.head = torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(self.layers(x).mean(1))
+
+    d = symmem.trace(Encoder(6), (torch.randn(2, 5, 16),), SEQ, optimizer="adam")
+    L = symmem.symbol("L")
+    # the first block keeps the batch itself (its residual input), the other five are the repeated run: L = 5
+    assert L in d.peak.free_symbols and d.numbers[L] == 5
+    assert peaks(d, B=3, S=7, L=4) == real_peaks(Encoder(5), torch.randn(3, 7, 16), optimizer="adam")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -149,10 +150,10 @@ def with_layers(module: Any, container: str, children: Sequence[str], count: int
         raise SymmemError(f"{container!r} is not a ModuleList or Sequential")
     names = [n for n, _ in parent.named_children()]
     local = [c[len(container) + 1:] if container else c for c in children]
-    if not all(n.isdigit() for n in names) or any(n not in names for n in local):
-        raise SymmemError(f"the children of {container!r} are not numbered: its layer count cannot be changed")
+    if any(n not in names for n in local):
+        raise SymmemError(f"{', '.join(n for n in local if n not in names)} are not children of {container!r}")
     first, last = names.index(local[0]), names.index(local[-1])
-    originals = [parent[int(n)] for n in names]
+    originals = [parent._modules[n] for n in names]
     run = originals[first:last + 1]
     if count <= len(run):
         new_run = run[:count]
@@ -163,21 +164,40 @@ def with_layers(module: Any, container: str, children: Sequence[str], count: int
             if base is not None:
                 _renumber(child, base + k)
     layers = originals[:first] + new_run + originals[last + 1:]
+    new_names = _run_names(names, first, last, count, container)
     saved = dict(parent._modules)
     configs = _layer_counts(module, len(originals))
     parent._modules.clear()
-    for i, m in enumerate(layers):
-        parent._modules[str(i)] = m
+    for n, m in zip(new_names, layers, strict=True):
+        parent._modules[n] = m
     for cfg, attr in configs:
         setattr(cfg, attr, len(layers))
     prefix = f"{container}." if container else ""
     try:
-        yield {f"{prefix}{first + k}": k for k in range(len(new_run))}
+        yield {f"{prefix}{new_names[first + k]}": k for k in range(len(new_run))}
     finally:
         parent._modules.clear()
         parent._modules.update(saved)
         for cfg, attr in configs:
             setattr(cfg, attr, len(originals))
+
+
+def _run_names(names: list[str], first: int, last: int, count: int, container: str) -> list[str]:
+    """The children's names with the run ``names[first:last + 1]`` written out ``count`` times: numbered children
+    (a ModuleList's, a plain Sequential's) renumbered in order; named ones (torchvision's ``encoder_layer_0`` ...)
+    keep their names, the run's continuing its numbering."""
+    if all(n.isdigit() for n in names):
+        return [str(i) for i in range(len(names) - (last + 1 - first) + count)]
+    run = [re.fullmatch(r"(.*?)(\d+)", n) for n in names[first:last + 1]]
+    if not all(run) or len({m.group(1) for m in run}) != 1:  # type: ignore[union-attr]
+        raise SymmemError(f"the children of {container!r} in the repeated run are not numbered "
+                          f"({', '.join(names[first:last + 1][:3])} ...): its layer count cannot be changed")
+    stem, start = run[0].group(1), int(run[0].group(2))  # type: ignore[union-attr]
+    written = [f"{stem}{start + k}" for k in range(count)]
+    taken = set(names[:first] + names[last + 1:])
+    if taken & set(written):
+        raise SymmemError(f"{container!r}: writing its run out {count} times would reuse a sibling's name")
+    return names[:first] + written + names[last + 1:]
 
 
 def _layer_counts(module: Any, count: int) -> list[tuple[Any, str]]:
