@@ -218,7 +218,7 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         for t in d.terms:
             if t.group == group and t.category != "parameter" and group != "input":
                 rows.append((f"  {t.name}" + (f" [{t.role}]" if t.role else ""), t.expr))
-    name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
+    name = max(len("group / term"), min(_NAME, max((len(label) for label, _ in rows), default=0), width - 14 - 20))
     formula = max(width - name - 14, 20)
     lines = textwrap.wrap(title, width) + wrap(symbols, width)
     if d.domain is not sympy.true:
