@@ -316,6 +316,8 @@ class GraphBuilder:
     def op(self, kind: str, *inputs: str, name: str | None = None, role: str | None = None,
            **attrs: Any) -> str:
         """Add an op fed by ``inputs``; returns its node name."""
+        if not isinstance(kind, str):
+            raise SymmemError(f"an op's kind is its name, a string such as 'linear', not {kind!r}")
         full = self._name(name, kind)
         roles.check(role)
         for src in inputs:

@@ -284,10 +284,15 @@ def _parse_cases(text: str) -> sympy.Expr:
     blocks: dict[sympy.Symbol, sympy.Expr] = {}
     while begin in text:
         i = text.index(begin)
-        j = text.index(end, i)
+        j = text.find(end, i)
+        if j < 0:
+            raise SymmemError(f"cannot read {_cut(text)!r} as a formula: a \\begin{{cases}} without its \\end{{cases}}")
         pieces = []
         for row in _top_level(text[i + len(begin):j], r"\\"):
-            value, cond = _top_level(row, "&")
+            cells = _top_level(row, "&")
+            if len(cells) != 2:
+                raise SymmemError(f"cannot read {_cut(row)!r} as a row of cases: expected VALUE & CONDITION")
+            value, cond = cells
             value = _unaligned(value)
             cond = cond.strip()
             truth = sympy.true if cond == r"\text{otherwise}" else _parse_condition(
@@ -301,6 +306,12 @@ def _parse_cases(text: str) -> sympy.Expr:
 
 _ESCAPES = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "#": r"\#", "$": r"\$", "{": r"\{",
             "}": r"\}"}
+
+
+def _cut(text: str, n: int = 80) -> str:
+    """``text`` stripped, cut to ``n`` characters for an error message."""
+    text = text.strip()
+    return text if len(text) <= n else f"{text[:n - 3]}..."
 
 
 def escape(text: str) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
+from ..errors import SymmemError
 from ..simplify import factored, rounded
 from ..units import UNITS
 
@@ -207,6 +208,8 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     derivation's order.
     """
     width = terminal_width() if width is None else width
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise SymmemError(f"width is a number of columns, a positive integer, not {width!r}")
     title = d.title()
     symbols = "symbols: " + ", ".join(f"{s.name}={v}" for s, v in sorted(d.numbers.items(),
                                                                          key=lambda kv: kv[0].name))
