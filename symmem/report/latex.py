@@ -196,8 +196,13 @@ def parse(text: str) -> sympy.Expr:
     """
     from sympy.parsing.latex import parse_latex
 
+    if len(text) > MAX_TEXT:
+        raise SymmemError(f"cannot read {_cut(text)!r} as a formula: it has {len(text):,} characters, more than "
+                          f"{MAX_TEXT:,}")
     if r"\begin{cases}" in text:
         return _parse_cases(text)
+    if len(text) > AT_ONCE:
+        return _parse_long(text)
     aliases = _aliases()
     for name, alias in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(name, f" {alias} ")
@@ -215,8 +220,75 @@ def parse(text: str) -> sympy.Expr:
     return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
 
 
-_OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}")
-_CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}")
+_OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}|\\l(?:floor|ceil)(?![a-zA-Z])")
+_CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}|\\r(?:floor|ceil)(?![a-zA-Z])")
+
+#: Texts up to this many characters go to the parser whole (every formula symmem prints is shorter: 373 at
+#: most in the test sample).  The parser's time grows faster than the length -- a product of 80 symbols takes
+#: 0.8 s, of 320 symbols 8 s, of 1,000 about two minutes -- so a longer text is read in pieces
+#: (:func:`_parse_long`): a sum term by term, a parenthesised sum after a ``\cdot`` or in braces on its own.
+AT_ONCE = 400
+#: The longest piece of a long text (a term that is not a sum) read at all; a longer one is refused.
+MAX_PIECE = 200
+#: The longest text read at all (about 20 s of terms).
+MAX_TEXT = 20_000
+# what keeps a long text from being cut into its terms: a relation or a list at the top level
+_UNSPLIT = re.compile(r"[=<>,&]|\\\\|\\(?:le|ge|leq|geq|neq|ne|lt|gt|approx|equiv|sim|wedge|vee|neg|pm|mp)(?![a-zA-Z])")
+# before a parenthesis that is a factor of its own (not a function's argument): the start, a sign, \cdot, {
+_FACTOR_BEFORE = re.compile(r"(?:^|[+\-{(]|\\cdot)\s*$")
+
+
+def _matching_right(text: str, i: int, depth: list[int]) -> int:
+    """The index of the ``\\right`` that closes the ``\\left`` at ``i`` (-1: none)."""
+    for j in range(i + 1, len(text)):
+        if depth[j] == depth[i] and text.startswith("\\right", j):
+            return j
+    return -1
+
+
+def _parse_long(text: str) -> sympy.Expr:
+    """A text longer than :data:`AT_ONCE`, read in pieces that each parse fast: every ``\\left( ... \\right)``
+    that is a factor of its own (after the start, a sign, ``\\cdot`` or ``{``) is read on its own and stands for
+    a placeholder; then the text is cut at its top-level ``+`` and ``-`` and each term read on its own (the
+    same expression: a top-level sign binds loosest).  A piece still longer than :data:`MAX_PIECE` (a product of
+    hundreds of factors, a relation) is refused."""
+    groups: dict[sympy.Symbol, sympy.Expr] = {}
+    start = 0
+    while (i := text.find("\\left(", start)) >= 0:
+        depth = _depths(text)
+        j = _matching_right(text, i, depth)
+        if j < 0 or not text.startswith("\\right)", j):
+            break  # unbalanced: the parser says what is wrong
+        if not _FACTOR_BEFORE.search(text[:i]) or j - i < 40:
+            start = i + 1
+            continue
+        name = f"X_{{{_letters(len(groups))}}}"  # a placeholder name no symmem symbol has
+        groups[sympy.Symbol(name)] = parse(text[i + len("\\left("):j])
+        text = text[:i] + f" {name} " + text[j + len(r"\right)"):]
+        start = i + len(name) + 2
+    depth = _depths(text)
+    top = "".join(c if d == 0 else " " for c, d in zip(text, depth, strict=True))
+    terms: list[tuple[int, str]] = []
+    if _UNSPLIT.search(top):
+        terms.append((1, text))
+    else:  # signs between terms; a run of signs (``a + - b``) multiplies
+        sign, begin = 1, 0
+        for k, c in enumerate(top):
+            if c in "+-":
+                if text[begin:k].strip():
+                    terms.append((sign, text[begin:k]))
+                    sign = 1
+                sign *= -1 if c == "-" else 1
+                begin = k + 1
+        terms.append((sign, text[begin:]))
+    total: sympy.Expr = sympy.Integer(0)
+    for sign, term in terms:
+        if len(term.strip()) > MAX_PIECE:
+            raise SymmemError(f"cannot read {_cut(term)!r} as a formula: a term of {len(term.strip()):,} characters "
+                              f"(a product, a relation) is more than the {MAX_PIECE} read at once")
+        total += sign * parse(term.strip())
+    return total.xreplace(groups) if groups else total
+
 
 
 def _depths(text: str) -> list[int]:
