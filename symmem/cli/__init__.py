@@ -177,6 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # the reader went away (``| head -c1``): quiet, as Unix tools are
         return 0
+    except UnicodeEncodeError as exc:  # a stream main was handed (entry makes the console's replace)
+        bad = exc.object[exc.start:exc.end]
+        print(f"symmem: error: the output's encoding ({exc.encoding}) cannot write {bad!r}; use UTF-8 "
+              "(PYTHONIOENCODING=utf-8)", file=sys.stderr)
+        return 2
     except OSError as exc:  # the output cannot be written (a full disk, a closed standard output)
         where = exc.filename if exc.filename is not None else "cannot write the output"
         print(f"symmem: error: {one_line(f'{where}: {exc.strerror or exc}')}", file=sys.stderr)
