@@ -277,6 +277,10 @@ def test_a_closed_or_full_output_is_one_line_and_exit_2():
     if os.path.exists("/dev/full"):
         code, out, err = _cli("SYMMEM derive mlp >/dev/full")
         assert (code, err) == (2, b"symmem: error: cannot write the output: No space left on device\n")
+        code, out, err = _cli("SYMMEM --version >/dev/full")  # argparse's own print dropped the failure
+        assert (code, err) == (2, b"symmem: error: cannot write the output: No space left on device\n")
+    code, out, err = _cli("SYMMEM --help >&-")
+    assert (code, out, err) == (2, b"", b"symmem: error: cannot write the output: standard output is closed\n")
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly():

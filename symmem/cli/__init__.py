@@ -21,6 +21,7 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from ..errors import NothingCounted, NothingFits, SymmemError
 
@@ -32,6 +33,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SymmemError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """``--help`` and ``--version`` as argparse prints them, except that a write that fails (a closed or full
+        standard output) is said, where argparse drops it silently."""
+        if message:
+            (file or sys.stderr).write(message)
 
 
 def commands() -> dict[str, ModuleType]:
@@ -84,12 +91,24 @@ def entry() -> None:
 
     gc.set_threshold(200_000, 30, 30)
     _usable_streams()
-    status = main()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a reader that went away (``| head``), a full disk, a closed stream: said
-            pass
+    try:
+        status = main()
+    except SystemExit as exc:  # --help and --version
+        status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader that went away (``| head``)
+        pass
+    except OSError as exc:  # a full disk under the help's few lines
+        if status == 0:
+            print(f"symmem: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+            status = 2
+    except ValueError:  # a closed stream
+        pass
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
     os._exit(status)
 
 
