@@ -411,3 +411,15 @@ def test_malformed_cases_are_symmem_errors(text, message):
     with pytest.raises(SymmemError, match=message) as info:
         parse(text)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"width_pt": 0}, "width_pt must be a positive number, not 0"),
+    ({"width_pt": float("nan")}, "width_pt must be a positive number, not nan"),
+    ({"max_lines": 0}, "max_lines must be a positive integer, not 0"),
+    ({"form": "bogus"}, "form must be 'compact' or 'terms', not 'bogus'"),
+])
+def test_align_options_out_of_range_are_symmem_errors(kwargs, message):
+    """Before: a zero width printed anyway, a bad form was a ValueError."""
+    with pytest.raises(SymmemError, match=re.escape(message)):
+        align(symmem.derive("mlp"), **kwargs)

@@ -697,7 +697,7 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     from ..symbols import Psi
 
     if form not in ("compact", "terms"):
-        raise ValueError(f"form must be 'compact' or 'terms', not {form!r}")
+        raise SymmemError(f"form must be 'compact' or 'terms', not {form!r}")
     count = _parameter_count(d)
     values = dict(d.numbers)
     order = _group_order(d)
@@ -897,6 +897,11 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     ``max_lines`` lines or about ``page_pt`` points goes on in another block (an ``align*`` does not break
     across pages).  :func:`read` parses the output back.
     """
+    for name, value, integer in (("width_pt", width_pt, False), ("page_pt", page_pt, False),
+                                 ("max_lines", max_lines, True)):
+        kinds = int if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < float("inf"):
+            raise SymmemError(f"{name} must be a positive {'integer' if integer else 'number'}, not {value!r}")
     table = rows(d, form)
     lhs = max(width(r.label) for r in table)
     avail = 0.96 * width_pt - lhs - 4.0
