@@ -299,3 +299,12 @@ def test_a_module_that_keeps_nothing_prints_its_zeros(capsys):
     for key in ("activations", "parameter_memory", "total"):
         assert lines[key].split("=")[-1].strip() == "0", lines[key]
     assert lines["parameters"].split() == ["parameters", "0", "=", "0"]
+
+
+def test_a_module_without_parameters_has_no_step_peak():
+    """Before: 'cannot run on fake tensors: ValueError: optimizer got an empty parameter list'."""
+    d = symmem.trace(torch.nn.ReLU(), (torch.randn(2, 3),), {"B": [(0, 0)]})
+    assert d.value("total") == 0
+    with pytest.raises(symmem.SymmemError, match=r"^the module has no parameter: a training step has nothing to "
+                                                 r"update"):
+        d.peak
