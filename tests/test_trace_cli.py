@@ -307,4 +307,4 @@ def test_a_module_without_parameters_has_no_step_peak():
     assert d.value("total") == 0
     with pytest.raises(symmem.SymmemError, match=r"^the module has no parameter: a training step has nothing to "
                                                  r"update"):
-        d.peak
+        _ = d.peak
