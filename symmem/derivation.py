@@ -408,7 +408,11 @@ class Derivation:
         out = f.many(*args)
         if all(s.name in values for s in f.symbols) and len(values) == len(f.symbols):
             return out  # every array given went into the formula: it has their shape
-        shape = np.broadcast_shapes(out.shape, *(np.shape(v) for v in values.values()))
+        try:
+            shape = np.broadcast_shapes(out.shape, *(np.shape(v) for v in values.values()))
+        except ValueError:  # a ragged list, or shapes that do not broadcast, among values the formula does not use
+            raise SymmemError("the values do not broadcast together: " + ", ".join(
+                f"{name} = {str(v)[:40]}" for name, v in values.items())) from None
         return out if out.shape == shape else np.broadcast_to(out, shape).copy()
 
     def _peak_values(self, key: str, values: Mapping[str, Any]) -> Any:

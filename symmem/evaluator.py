@@ -562,7 +562,11 @@ class Evaluator:
                 inputs.append(int(v))
                 biggest.append(int(v))
                 continue
-            a = v if isinstance(v, np.ndarray) else np.asarray(v)
+            try:
+                a = v if isinstance(v, np.ndarray) else np.asarray(v)
+            except ValueError:  # a ragged list: rows of different lengths
+                raise SymmemError(f"{s.name}: values must be an array of integers (a number, a list, or lists of "
+                                  f"equal lengths), not {_shown(v)}") from None
             kind = a.dtype.kind
             if kind == "O":
                 items = a.ravel().tolist()
@@ -579,7 +583,12 @@ class Evaluator:
             inputs.append(a)
             biggest.append(hi)
         shapes = {a.shape for a in inputs if isinstance(a, np.ndarray)}
-        shape = next(iter(shapes)) if len(shapes) == 1 else np.broadcast_shapes(*shapes) if shapes else ()
+        try:
+            shape = next(iter(shapes)) if len(shapes) == 1 else np.broadcast_shapes(*shapes) if shapes else ()
+        except ValueError:
+            given = [(s.name, a.shape) for s, a in zip(self.symbols, inputs, strict=True) if isinstance(a, np.ndarray)]
+            raise SymmemError("the values do not broadcast together: "
+                              + ", ".join(f"{name} has shape {shape}" for name, shape in given)) from None
         if self._vector is None:
             try:
                 vector = _compile(_Codegen(self.symbols, "vector").function(self.expr), _vector_namespace())
@@ -632,3 +641,9 @@ def _expression(expr: Any) -> sympy.Basic:
         return sympy.sympify(expr, strict=True)
     except sympy.SympifyError:
         raise SymmemError(f"a formula is a sympy expression or a number, not {expr!r}") from None
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."

@@ -316,6 +316,8 @@ class GraphBuilder:
     def op(self, kind: str, *inputs: str, name: str | None = None, role: str | None = None,
            **attrs: Any) -> str:
         """Add an op fed by ``inputs``; returns its node name."""
+        if not isinstance(kind, str):
+            raise SymmemError(f"an op's kind is its name, a string such as 'linear', not {kind!r}")
         full = self._name(name, kind)
         roles.check(role)
         for src in inputs:
@@ -471,6 +473,10 @@ def _symbolic(what: str, value: Any) -> sympy.Expr:
     return e
 
 
+#: node kinds that hold a value and compute nothing
+_LEAVES = ("input", "parameter", "buffer", "constant")
+
+
 @dataclass(frozen=True)
 class Model:
     """A built architecture: its graph, default values for its symbols, and the symbols formulas keep.
@@ -508,6 +514,12 @@ class Model:
         if self.layer is not None and self.layer not in self.graph.blocks:
             raise SymmemError(f"model {self.name!r}: layer {self.layer!r} is not a repeated block "
                               f"({', '.join(self.graph.blocks) or 'none'})")
+        if not any(data["node"].kind not in _LEAVES for data in self.graph.nodes.values()):
+            # a training step runs ops: with none (no node, or inputs and parameters alone) the schedule has no
+            # output to backpropagate from
+            raise SymmemError(f"model {self.name!r}: the graph has no op ("
+                              f"{'no node at all' if not self.graph.nodes else 'only inputs and parameters'}), "
+                              "so there is no step to train; add ops with GraphBuilder.op")
 
     @property
     def symbols(self) -> tuple[sympy.Symbol, ...]:

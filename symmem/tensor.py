@@ -71,6 +71,8 @@ def dtype_bytes(dtype: str, activation_dtype: str = "float32") -> int:
 
 def as_shape(shape: Iterable[object]) -> tuple[sympy.Expr, ...]:
     """A shape as a tuple of sympy expressions; ints and symbols are accepted, strings are not."""
+    if isinstance(shape, str) or not isinstance(shape, Iterable):
+        raise SymmemError(f"a shape is a tuple of sizes (ints or sympy expressions), not {shape!r}")
     out = []
     for d in shape:
         if isinstance(d, str):
@@ -101,6 +103,8 @@ class TensorSpec:
         if self.dtype != ACT and self.dtype not in DTYPE_BYTES:
             raise SymmemError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
         if self.strides is not None:
+            if isinstance(self.strides, str) or not isinstance(self.strides, Iterable):
+                raise SymmemError(f"strides are a tuple (one per dimension) or None, not {self.strides!r}")
             strides = tuple(sympy.sympify(st, strict=True) for st in self.strides)
             if len(strides) != len(self.shape):
                 raise SymmemError(f"strides {strides} do not fit the shape {self.shape}")

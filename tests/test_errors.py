@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from symmem import GraphBuilder, SymmemError, derive
@@ -172,3 +174,124 @@ def test_verify_refuses_before_allocating():
     assert check_memory(d, need) == need
     with pytest.raises(SymmemError, match="more than the limit"):
         check_memory(d, need - 1)
+
+
+# -- issue 22 ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("build, fragment", [
+    (lambda g: None, "the graph has no op (no node at all)"),
+    (lambda g: g.input("x", (B, H)), "the graph has no op (only inputs and parameters)"),
+    (lambda g: g.parameter("w", (H, H)), "the graph has no op (only inputs and parameters)"),
+    (lambda g: (g.input("x", (B, H)), g.parameter("w", (H, H))), "the graph has no op (only inputs and parameters)"),
+])
+def test_a_graph_without_ops_is_refused(build, fragment):
+    """Before: derive's schedule crashed on them (IndexError: list index out of range; KeyError: 'w.value')."""
+    from symmem.graph import Model
+
+    g = GraphBuilder("empty")
+    build(g)
+    with pytest.raises(SymmemError, match=r"model 'empty': " + re.escape(fragment)):
+        Model("empty", g.finish(), {B: 2, H: 3}, (B, H))
+
+
+def test_a_graph_with_one_op_still_derives():
+    """The smallest graph that computes: the peak of x -> relu at B=2, H=3 by hand.  The relu's output (24 B)
+    and its gradient (24 B) are alive together in the backward, besides the input (24 B) ... the value derive gave
+    before the empty graph was refused."""
+    from symmem.graph import Model
+
+    g = GraphBuilder("one")
+    g.op("relu", g.input("x", (B, H)))
+    d = derive(Model("one", g.finish(), {B: 2, H: 3}, (B, H)))
+    assert d.value("total") == 24 and d.value("peak") == 56
+
+
+def _pyerr(call) -> str:
+    with pytest.raises(SymmemError) as info:
+        call()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_plain_exceptions_are_symmem_errors():
+    """Issue 22, item 12: each raised TypeError, ValueError or AttributeError before."""
+    from symmem.apps.budget import largest
+    from symmem.models import build
+    from symmem.record.verify import compare
+    from symmem.report import latex, text
+
+    d = derive("mlp")
+    assert "a \\begin{cases} without its \\end{cases}" in _pyerr(lambda: latex.parse(r"\begin{cases}"))
+    assert _pyerr(lambda: text.table(d, width=0)) == "width is a number of columns, a positive integer, not 0"
+    g = GraphBuilder("t")
+    x = g.input("x", (B, H))
+    assert _pyerr(lambda: g.op((3, 3), x)) == "an op's kind is its name, a string such as 'linear', not (3, 3)"
+    assert _pyerr(lambda: build("mlp", widths=5)) == \
+        "model 'mlp': option widths must be a string like '784,1024,1024,10', not 5"
+    assert _pyerr(lambda: build("vit-b16", patch="16")) == \
+        "model 'vit-b16': option patch must be an integer like 16, not '16'"
+    assert _pyerr(lambda: TensorSpec(5)) == "a shape is a tuple of sizes (ints or sympy expressions), not 5"
+    assert _pyerr(lambda: d.values(B=[[1, 2], [3]])) == \
+        "B: values must be an array of integers (a number, a list, or lists of equal lengths), not [[1, 2], [3]]"
+    assert "compare takes a Derivation" in _pyerr(lambda: compare(None, None))
+    assert _pyerr(lambda: largest(d, "B", "1GiB", accepts=5)).startswith("accepts must be a function of the value")
+    assert build("mlp", widths="16,4").name == "mlp"  # the right types still build
+
+
+def test_values_that_do_not_broadcast():
+    d = derive("vit-b16")
+    assert _pyerr(lambda: d.values("activations", B=[1, 2], S=[1, 2, 3])) == \
+        "the values do not broadcast together: B has shape (2,), S has shape (3,)"
+
+
+# -- output streams (issue 22, item 9): the console script, in a process of its own -------------------------
+def _cli(shell: str, **env: str) -> tuple[int, bytes, bytes]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = shell.replace("SYMMEM", f"{sys.executable} -m symmem.cli")
+    done = subprocess.run(["sh", "-c", cmd], capture_output=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root), **env})
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_an_ascii_terminal_gets_the_output_with_its_dashes_replaced(capsys):
+    """``PYTHONIOENCODING=ascii``: before, a UnicodeEncodeError on the title's em dash."""
+    assert main(["derive", "mlp"]) == 0
+    utf8 = capsys.readouterr().out
+    assert "\u2014" in utf8
+    code, out, err = _cli("SYMMEM derive mlp", PYTHONIOENCODING="ascii")
+    assert (code, err) == (0, b"")
+    assert out.decode("ascii") == utf8.encode("ascii", "replace").decode("ascii")
+
+
+def test_a_closed_or_full_output_is_one_line_and_exit_2():
+    """``>&-`` (before: an AttributeError at exit, the output silently dropped) and ``/dev/full`` (before: an
+    OSError traceback)."""
+    import os
+
+    code, out, err = _cli("SYMMEM derive mlp >&-")
+    assert (code, out, err) == (2, b"", b"symmem: error: cannot write the output: standard output is closed\n")
+    if os.path.exists("/dev/full"):
+        code, out, err = _cli("SYMMEM derive mlp >/dev/full")
+        assert (code, err) == (2, b"symmem: error: cannot write the output: No space left on device\n")
+        code, out, err = _cli("SYMMEM --version >/dev/full")  # argparse's own print dropped the failure
+        assert (code, err) == (2, b"symmem: error: cannot write the output: No space left on device\n")
+    code, out, err = _cli("SYMMEM --help >&-")
+    assert (code, out, err) == (2, b"", b"symmem: error: cannot write the output: standard output is closed\n")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """``| head -c1`` as Unix tools do: no traceback, no message, exit 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "symmem.cli", "derive", "vgg16"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    proc.stdout.close()  # the reader goes away before anything is written: the write meets a broken pipe
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (0, b"")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -286,3 +287,134 @@ def test_derive_api_refuses_bad_arguments():
     for kwargs in bad:
         with pytest.raises(SymmemError):
             derive(**kwargs)
+
+
+# -- issue 22's families: output streams that fail, user code that exits, empty and degenerate modules, sizes
+# that overflow.  Each is a handful of cases, in process (a few seconds in all).
+class _Failing(io.TextIOBase):
+    """A standard output that fails on every write as a full disk (ENOSPC), a closed descriptor (EBADF) or a
+    reader that went away (EPIPE) does."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        import errno
+
+        if self.how == "pipe":
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+        raise OSError(*{"full": (errno.ENOSPC, "No space left on device"),
+                        "closed": (errno.EBADF, "Bad file descriptor")}[self.how])
+
+
+STREAM_ARGV = [["derive", "mlp"], ["derive", "mlp", "--format", "json"], ["derive", "mlp", "--format", "latex"],
+               ["models"], ["counts", "--activations", "10", "--parameters", "10"]]
+
+
+@pytest.mark.parametrize("how", ["full", "closed", "pipe", "ascii"])
+@pytest.mark.parametrize("argv", STREAM_ARGV, ids=[" ".join(a) for a in STREAM_ARGV])
+def test_output_streams_that_fail(argv, how):
+    """A failing write is one line on stderr and exit 2 (a reader that went away: quiet, exit 0), never a
+    traceback; an encoding that cannot write symmem's characters is one line too (the console script itself
+    replaces them instead: tests/test_errors.py)."""
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii") if how == "ascii" else _Failing(how)
+    err = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+        try:
+            out.flush()
+        except (UnicodeEncodeError, OSError):
+            pass
+    if how == "pipe":
+        assert (code, err.getvalue()) == (0, "")
+    elif how == "ascii":
+        assert code in (0, 2) and "Traceback" not in err.getvalue()
+        if code == 2:
+            assert err.getvalue().startswith("symmem: error: the output's encoding (ascii) cannot write ")
+    else:
+        assert code == 2 and err.getvalue().startswith("symmem: error: cannot write the output: ")
+        assert err.getvalue().count("\n") == 1
+
+
+def _torch_or_skip():
+    return pytest.importorskip("torch")
+
+
+TRACE_FAMILIES = [
+    # user code that exits, or interrupts itself
+    (["trace", "sys:exit", "--dims", "B"], 2), (["trace", "tests.trace_helpers:exits", "--dims", "B"], 2),
+    (["trace", "tests.trace_helpers:interrupts", "--dims", "B"], 2),
+    (["trace", "tests.trace_helpers:exits_when_built", "--dims", "B"], 2),
+    # empty and degenerate modules: nothing kept, nothing to train (an answer of zeros)
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--example", "2x3"], 0),
+    (["trace", "torch.nn:Identity", "--dims", "B", "--example", "2x3", "--format", "json"], 0),
+    (["trace", "torch.nn:Flatten", "--dims", "B", "--example", "2x3x4", "--format", "latex"], 0),
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--example", "1x3"], 2),
+    # sizes that overflow, or are not numbers
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--example", "9" * 30 + "x3"], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--example", f"{2**62}x{2**62}"], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--example", "2x" + BIG], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B=0:" + BIG, "--example", "2x3"], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B=0:0_", "--example", "2x3"], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--multiple-of", "B=" + BIG, "--example", "2x3"], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--multiple-of", "B=_2", "--example", "2x3"], 2),
+    (["trace", "torch.nn:ReLU", "--dims", "B", "--example", "2x3", "--set", f"B={2**63}"], 2),
+]
+
+
+@pytest.mark.parametrize("argv, expected", TRACE_FAMILIES, ids=[" ".join(a)[:60] for a, _ in TRACE_FAMILIES])
+def test_user_code_degenerate_modules_and_overflowing_sizes(argv, expected, monkeypatch):
+    _torch_or_skip()
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    code, out, err = run_cli(argv)
+    assert code == expected, (argv, code, err[-300:])
+    assert "Traceback" not in err and "Traceback" not in out
+    if code == 2:
+        assert_one_error_line(argv, code, err)
+    else:  # an answer, and no number in it negative (these modules keep nothing: zeros)
+        assert out and not re.search(r"(?<![\w.])-[0-9]", out), out[-300:]
+
+
+@pytest.mark.filterwarnings("ignore::symmem.errors.NothingCounted")
+@pytest.mark.parametrize("conv", ["paper", "pytorch", "cs231n", "megatron"])
+def test_degenerate_graphs(conv):
+    """No node, inputs alone, parameters alone: refused with one line; one op on an input: non-negative numbers
+    under every convention, the peak included where the convention models it."""
+    for build in (lambda g: None, lambda g: g.input("x", (B, H)), lambda g: g.parameter("w", (H, H)),
+                  lambda g: (g.input("x", (B, H)), g.parameter("w", (H, H)))):
+        g = GraphBuilder("degenerate")
+        build(g)
+        with pytest.raises(SymmemError, match="the graph has no op"):
+            Model("degenerate", g.finish(), {B: 2, H: 3}, (B, H))
+    g = GraphBuilder("one")
+    g.op("relu", g.input("x", (B, H)))
+    d = derive(Model("one", g.finish(), {B: 2, H: 3}, (B, H)), convention=conv)
+    _all_numbers_ok(d)
+    str(d)  # the text table of a derivation that may keep nothing
+
+
+@pytest.mark.parametrize("call", [
+    lambda d: d.values(B=[2**63]), lambda d: d.values(B=[[1, 2], [3]]), lambda d: d.values(B=[1, 2], S=[1, 2, 3]),
+    lambda d: d.values(B=[0]), lambda d: d.at(B=2**63), lambda d: d.at(B=10**5000),
+    lambda d: GraphBuilder("t").input("x", (10**30,)), lambda d: GraphBuilder("t").input("x", (2**63, 2**63)),
+], ids=["values-2^63", "values-ragged", "values-no-broadcast", "values-0", "at-2^63", "at-10^5000",
+        "input-10^30", "input-2^63-squared"])
+def test_python_sizes_that_overflow(call):
+    d = derive("vit-b16")
+    try:
+        got = call(d)
+    except SymmemError as exc:
+        assert "\n" not in str(exc)
+        return
+    import numpy as np
+
+    if isinstance(got, np.ndarray):
+        assert all(isinstance(v, int | np.integer) and v >= 0 for v in got.ravel().tolist())

@@ -349,3 +349,77 @@ def test_docs_examples_are_current(capsys):
     for command, shown in examples:
         assert main(shlex.split(command)) == 0
         assert capsys.readouterr().out == shown, command
+
+
+# -- long texts (issue 22, item 11) and malformed cases (item 12) -------------------------------------------
+def _long_sum(n: int) -> tuple[str, sympy.Expr]:
+    """``n`` distinct terms of the forms symmem prints (juxtaposed products, powers, a ceiling, a parenthesis in
+    braces), every seventh subtracted, as one text, and the expression it means (built by hand, not parsed)."""
+    pool = [("B H S", B * H * S), ("B h S^{2}", B * h * S**2), (r"B \lceil H_{i}/4 \rceil", B * sympy.ceiling(Hi / 4)),
+            (r"B V {\left(S - 1\right)}", B * V * (S - 1)), (r"L {H^{2} \cdot S^{2}}", L * H**2 * S**2)]
+    parts, expected = [], sympy.Integer(0)
+    for k in range(n):
+        tex, e = pool[k % len(pool)]
+        sign = -1 if k % 7 == 3 else 1
+        parts.append(f"{'-' if sign < 0 else '+'} {k + 1} {tex}")
+        expected += sign * (k + 1) * e
+    return " ".join(parts).removeprefix("+ "), expected
+
+
+def test_a_long_sum_is_read_term_by_term(monkeypatch):
+    """The lark parser's time grows faster than the text (a product of 320 symbols: 8 s; 1,000: minutes): a text
+    over AT_ONCE characters reaches it in pieces no longer than AT_ONCE, and means the same."""
+    import sympy.parsing.latex as sympy_latex
+
+    from symmem.report import latex
+
+    seen: list[int] = []
+    real = sympy_latex.parse_latex
+
+    def counting(text, **kw):
+        seen.append(len(text))
+        return real(text, **kw)
+
+    monkeypatch.setattr(sympy_latex, "parse_latex", counting)
+    text, expected = _long_sum(40)
+    assert len(text) > 2 * latex.AT_ONCE
+    assert sympy.expand(parse(text) - expected) == 0
+    assert seen and max(seen) <= latex.AT_ONCE
+    # a long parenthesised sum after \cdot is read on its own (the L of a repeated layer in align's compact form)
+    inner, inner_expected = _long_sum(25)
+    seen.clear()
+    assert sympy.expand(parse(rf"2 + L \cdot \left({inner}\right) - 3 B") - (2 + L * inner_expected - 3 * B)) == 0
+    assert max(seen) <= latex.AT_ONCE
+
+
+def test_texts_too_long_to_read_fast_are_refused():
+    from symmem.report import latex
+
+    with pytest.raises(SymmemError, match=r"a term of 1,999 characters .* more than the 200 read at once"):
+        parse(" ".join(["B"] * 1000))  # one product of 1,000 symbols: about two minutes whole
+    with pytest.raises(SymmemError, match=rf"it has {latex.MAX_TEXT + 1:,} characters, more than {latex.MAX_TEXT:,}"):
+        parse("B" * (latex.MAX_TEXT + 1))
+    assert parse(" + ".join(["B"] * 1000)) == 1000 * B  # 1,000 symbols in a sum: read term by term
+
+
+@pytest.mark.parametrize("text, message", [
+    (r"\begin{cases}", r"a \\begin\{cases\} without its \\end\{cases\}"),
+    (r"\begin{cases} B \end{cases}", "as a row of cases: expected VALUE & CONDITION"),
+    (r"\begin{cases} B & S & H \end{cases}", "as a row of cases: expected VALUE & CONDITION"),
+])
+def test_malformed_cases_are_symmem_errors(text, message):
+    with pytest.raises(SymmemError, match=message) as info:
+        parse(text)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"width_pt": 0}, "width_pt must be a positive number, not 0"),
+    ({"width_pt": float("nan")}, "width_pt must be a positive number, not nan"),
+    ({"max_lines": 0}, "max_lines must be a positive integer, not 0"),
+    ({"form": "bogus"}, "form must be 'compact' or 'terms', not 'bogus'"),
+])
+def test_align_options_out_of_range_are_symmem_errors(kwargs, message):
+    """Before: a zero width printed anyway, a bad form was a ValueError."""
+    with pytest.raises(SymmemError, match=re.escape(message)):
+        align(symmem.derive("mlp"), **kwargs)

@@ -219,3 +219,92 @@ def test_a_module_is_measured_on_the_device_its_formula_is_for():
     with pytest.raises(symmem.SymmemError, match="the formula is for cuda and the module is on cpu"):
         sources.verify_module(loaded, as_cuda, dims)
     assert sources.verify_module(loaded, d, dims).exact
+
+
+# -- issue 22: numbers that are not numbers, sizes that overflow, user code that exits, modules that keep nothing
+OVERSIZED = [
+    (["--dims", "B=0:0_"], "--dims 'B=0:0_': expected NAME=INPUT:DIMENSION"),
+    (["--dims", "B=0:1__0"], "--dims 'B=0:1__0': expected NAME=INPUT:DIMENSION"),
+    (["--dims", "B=0:" + "9" * 5000], "the dimension: 99999999999999999999...(5000 characters) is more than 63"),
+    (["--dims", "B", "--multiple-of", "B=32_"], "--multiple-of 'B=32_': expected NAME=POSITIVE_INT pairs"),
+    (["--dims", "B", "--multiple-of", "B=" + "9" * 5000], "--multiple-of B: 9999"),
+    (["--dims", "B", "--example", "99999999999999999999999x16"],
+     "--example 99999999999999999999999x16: a size: 99999999999999999999999 is more than 9,223,372,036,854,775,807"),
+    (["--dims", "B", "--example", "2_x16"], "--example 2_x16: expected sizes like 2x3x32x32"),
+    (["--dims", "B", "--example", "4611686018427387904x4"], "more than this machine's memory"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", OVERSIZED, ids=[" ".join(a)[:40] for a, _ in OVERSIZED])
+def test_malformed_and_oversized_numbers_are_one_line(capsys, argv, fragment):
+    code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp", *(["--example", "2x16"] if "--example" not in
+                                                                      argv else []), *argv)
+    assert (code, out) == (2, "") and err.startswith("symmem: error: ") and err.count("\n") == 1, err
+    assert fragment in err, err
+
+
+def test_underscores_between_digits_are_numbers(capsys):
+    """``1_6`` is 16 where Python reads it so: the same trace as ``16``."""
+    a = run(capsys, "trace", "tests.trace_helpers:mlp", "--example", "2x1_6", "--dims", "B=0:0_0", "--no-check")
+    b = run(capsys, "trace", "tests.trace_helpers:mlp", "--example", "2x16", "--dims", "B=0:0", "--no-check")
+    assert a[0] == 0 and a[1] == b[1]
+
+
+def test_an_example_the_machine_cannot_allocate(capsys, monkeypatch):
+    real = torch.randn
+
+    def refuse(*args, **kwargs):  # the example's tensor (drawn from its own generator) fails, as a huge one does
+        if "generator" not in kwargs:
+            return real(*args, **kwargs)
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 640 GB")
+
+    monkeypatch.setattr(torch, "randn", refuse)
+    code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp", "--example", "2x16", "--dims", "B")
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith("symmem: error: --example 2x16: cannot allocate a tensor of 128 bytes: RuntimeError: "
+                          "DefaultCPUAllocator: can't allocate memory"), err
+
+
+EXITS = [
+    ("sys:exit", "sys:exit: calling exit(): the code called sys.exit(None)"),
+    ("tests.trace_helpers:exits_when_built", "calling exits_when_built(): the code called sys.exit(None)"),
+    ("tests.trace_helpers:exits", "tests.trace_helpers:exits: tracing the module: the code called sys.exit(3)"),
+    ("tests.trace_helpers:interrupts", "tests.trace_helpers:interrupts: tracing the module: the code raised "
+                                       "KeyboardInterrupt itself (no Ctrl-C was pressed)"),
+]
+
+
+@pytest.mark.parametrize("spec, fragment", EXITS, ids=[s for s, _ in EXITS])
+def test_user_code_that_exits_is_one_line(capsys, spec, fragment):
+    """Before: ``sys:exit`` exited 0 without a word, a forward's sys.exit(3) exited 3, a KeyboardInterrupt
+    printed a traceback."""
+    code, out, err = run(capsys, "trace", spec, "--dims", "B")
+    assert (code, out) == (2, "") and err.startswith("symmem: error: ") and err.count("\n") == 1, err
+    assert fragment in err, err
+
+
+def test_a_real_ctrl_c_still_interrupts(capsys):
+    code, out, err = run(capsys, "trace", "tests.trace_helpers:ctrl_c", "--dims", "B")
+    assert (code, out, err) == (130, "", "symmem: interrupted\n")
+
+
+def test_a_module_that_keeps_nothing_prints_its_zeros(capsys):
+    """A lone ReLU on an input that needs no gradient: nothing requires grad, so autograd saves nothing and there
+    are no parameters (before: the text table crashed on its empty rows, ``max() arg is an empty sequence``)."""
+    net, x = torch.nn.ReLU(), torch.randn(2, 3)
+    assert not x.requires_grad and not list(net.parameters())
+    code, out, err = run(capsys, "trace", "torch.nn:ReLU", "--dims", "B", "--example", "2x3")
+    assert code == 0 and "Traceback" not in err
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    for key in ("activations", "parameter_memory", "total"):
+        assert lines[key].split("=")[-1].strip() == "0", lines[key]
+    assert lines["parameters"].split() == ["parameters", "0", "=", "0"]
+
+
+def test_a_module_without_parameters_has_no_step_peak():
+    """Before: 'cannot run on fake tensors: ValueError: optimizer got an empty parameter list'."""
+    d = symmem.trace(torch.nn.ReLU(), (torch.randn(2, 3),), {"B": [(0, 0)]})
+    assert d.value("total") == 0
+    with pytest.raises(symmem.SymmemError, match=r"^the module has no parameter: a training step has nothing to "
+                                                 r"update"):
+        _ = d.peak

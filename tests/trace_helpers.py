@@ -144,3 +144,51 @@ def at_least_two(expr: sympy.Expr) -> sympy.Expr:
         return pw.args[-1][0]
 
     return sympy.piecewise_fold(expr).replace(lambda e: isinstance(e, sympy.Piecewise), branch)
+
+
+def exits() -> Any:
+    """A module whose forward calls ``sys.exit(3)`` (user code that exits while it is traced)."""
+    import sys
+
+    import torch
+
+    class Exits(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            sys.exit(3)
+
+    return Exits(), (torch.randn(2, 4),)
+
+
+def interrupts() -> Any:
+    """A module whose forward raises ``KeyboardInterrupt`` itself (no Ctrl-C is pressed)."""
+    import torch
+
+    class Interrupts(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            raise KeyboardInterrupt
+
+    return Interrupts(), (torch.randn(2, 4),)
+
+
+def ctrl_c() -> Any:
+    """A module whose forward gets a real SIGINT (what Ctrl-C sends) while it runs."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    class Pressed(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the signal interrupts the sleep
+            return x
+
+    return Pressed(), (torch.randn(2, 4),)
+
+
+def exits_when_built() -> None:
+    """A callable that calls ``sys.exit()`` instead of returning a module."""
+    import sys
+
+    sys.exit()

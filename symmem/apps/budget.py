@@ -178,6 +178,9 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
     ``accepts(value)`` says why the model refuses ``value`` for ``name`` (None: accepted; see
     :func:`symmem.api.acceptor`); the answer is then the largest accepted value that fits.
     """
+    if accepts is not None and not callable(accepts):
+        raise SymmemError(f"accepts must be a function of the value (None when it is accepted, else why not), "
+                          f"not {type(accepts).__name__} {accepts!r}")
     cap = _budget(budget)
     quantity = quantity or default_quantity(d)
     sym, f = polynomial(d, name, quantity)

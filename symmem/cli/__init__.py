@@ -13,12 +13,15 @@ integers.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import io
 import os
 import pkgutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from ..errors import NothingCounted, NothingFits, SymmemError
 
@@ -30,6 +33,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SymmemError(message)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """``--help`` and ``--version`` as argparse prints them, except that a write that fails (a closed or full
+        standard output) is said, where argparse drops it silently."""
+        if message:
+            (file or sys.stderr).write(message)
 
 
 def commands() -> dict[str, ModuleType]:
@@ -81,13 +90,83 @@ def entry() -> None:
     import gc
 
     gc.set_threshold(200_000, 30, 30)
-    status = main()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # a reader that went away (``| head``), a closed stream
-            pass
+    _usable_streams()
+    try:
+        status = main()
+    except SystemExit as exc:  # --help and --version
+        status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader that went away (``| head``)
+        pass
+    except OSError as exc:  # a full disk under the help's few lines
+        if status == 0:
+            print(f"symmem: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+            status = 2
+    except ValueError:  # a closed stream
+        pass
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
     os._exit(status)
+
+
+class _Closed(io.TextIOBase):
+    """Standard output when the command was started with it closed (``>&-``): writing to it is an error, as
+    writing to a closed descriptor is, where Python would drop the text silently (``sys.stdout`` is None)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
+
+
+def _writable(fd: int) -> bool:
+    """Whether descriptor ``fd`` is open for writing (a closed one may have been taken by a file opened to read
+    before symmem started: a shell script's own, with ``2>&-``)."""
+    try:
+        import fcntl
+    except ImportError:  # not Unix: whether it is open is all that can be asked
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+        return True
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError:
+        return False
+
+
+def _usable_streams() -> None:
+    """Standard output and error as the command can use them.
+
+    A stream started closed keeps its descriptor taken (by ``/dev/null``), so that a file the command opens
+    never becomes descriptor 1 or 2; a closed standard output then fails on the first write (one line on
+    standard error, exit 2) and a closed standard error drops what is written to it.  A stream whose encoding
+    cannot write every character symmem prints (``PYTHONIOENCODING=ascii``: the title's em dash, the ``…`` of a
+    cut formula) replaces those it cannot (``?``) instead of failing half-way through the output.
+    """
+    for fd in (1, 2):
+        if _writable(fd):
+            continue
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if fd == 1:
+            sys.stdout = _Closed()
+        else:
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- for the command's whole life
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None)
+        if encoding and isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            try:
+                "\u2014\u2026\u2248".encode(encoding)
+            except (UnicodeEncodeError, LookupError):
+                stream.reconfigure(errors="replace")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("always", NothingCounted)
             args = _parser(args_in).parse_args(args_in)
             status = int(args.run(args))
+            sys.stdout.flush()  # a full disk or a closed output fails here, while it can still be said
         # a convention that sees nothing in the graph: one line on stderr whatever the format (the text table says
         # so too), so that a 0 piped into a script is never silent
         for note in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, NothingCounted)):
@@ -114,5 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SymmemError as exc:
         print(f"symmem: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader went away (``| head -c1``): quiet, as Unix tools are
         return 0
+    except UnicodeEncodeError as exc:  # a stream main was handed (entry makes the console's replace)
+        bad = exc.object[exc.start:exc.end]
+        print(f"symmem: error: the output's encoding ({exc.encoding}) cannot write {bad!r}; use UTF-8 "
+              "(PYTHONIOENCODING=utf-8)", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the output cannot be written (a full disk, a closed standard output)
+        where = exc.filename if exc.filename is not None else "cannot write the output"
+        print(f"symmem: error: {one_line(f'{where}: {exc.strerror or exc}')}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C
+        print("symmem: interrupted", file=sys.stderr)
+        return 130

@@ -39,6 +39,8 @@ import contextlib
 import difflib
 import importlib
 import importlib.util
+import math
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SymmemError
+from ..units import MAX_SIZE
 
 #: hf: models with more parameters than this are built on the meta device (no weights allocated, no check)
 REAL_WEIGHTS_MAX = 200_000_000
@@ -64,7 +67,11 @@ CONVENTIONAL = {"B": (0, None, "the batch"), "S": (1, (2, 3), "tokens: (B, S) to
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _INT = re.compile(r"^[+-]?[0-9][0-9_]*$")
 _FLOAT = re.compile(r"^[+-]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]+)?$")
-_SHAPE = re.compile(r"^([0-9]+(?:x[0-9]+)*)(?::([a-z0-9]+))?$")
+_SHAPE = re.compile(r"^([0-9_]+(?:x[0-9_]+)*)(?::([a-z0-9]+))?$")
+#: a whole number as Python writes one: underscores only between digits (``1_000``; not ``0_`` nor ``1__0``)
+_WHOLE = re.compile(r"^\+?[0-9]+(?:_[0-9]+)*$")
+#: the most dimensions a tensor has (PyTorch's limit is 64)
+_MAX_DIMS = 64
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,19 @@ def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
+def _whole(text: str, what: str, limit: int) -> int | None:
+    """``text`` as a whole number in 0..``limit``, or None when it is not one; a number over ``limit`` is an
+    error naming ``what`` (its digits are counted first: Python refuses to convert more than 4300 of them)."""
+    text = text.strip()
+    if not _WHOLE.match(text):
+        return None
+    digits = text.replace("_", "").lstrip("+").lstrip("0") or "0"
+    if len(digits) > len(str(limit)) or int(digits) > limit:
+        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+        raise SymmemError(f"{what}: {shown} is more than {limit:,}")
+    return int(digits)
+
+
 def parse_multiples(text: str | None) -> dict[str, int] | None:
     """``Hi=32,Wi=32`` -> ``{"Hi": 32, "Wi": 32}``."""
     if not text:
@@ -141,9 +161,10 @@ def parse_multiples(text: str | None) -> dict[str, int] | None:
     for part in text.split(","):
         name, sep, value = part.partition("=")
         name, value = name.strip(), value.strip()
-        if not sep or not name.isidentifier() or not _INT.match(value) or int(value) <= 0:
+        number = _whole(value, f"--multiple-of {name}", MAX_SIZE) if sep else None
+        if not sep or not name.isidentifier() or not number:
             raise SymmemError(f"--multiple-of {text!r}: expected NAME=POSITIVE_INT pairs, e.g. Hi=32,Wi=32")
-        out[name] = int(value)
+        out[name] = number
     return out
 
 
@@ -172,13 +193,15 @@ def parse_dims(text: str, loaded: Loaded | None) -> dict[str, list[tuple[Any, in
             raise SymmemError(f"--dims {text!r}: {name!r} is not a symbol name")
         if sep:
             key, colon, dim = where.strip().rpartition(":")
-            if not colon or not key or not _INT.match(dim.strip()):
+            number = _whole(dim, f"--dims {part!r}: the dimension", _MAX_DIMS - 1) if colon else None
+            if not colon or not key or number is None:
                 raise SymmemError(f"--dims {part!r}: expected NAME=INPUT:DIMENSION, e.g. S=input_ids:1")
             key = key.strip()
-            pos: Any = int(key) if _INT.match(key) else key
+            index = _whole(key, f"--dims {part!r}: the position", 10**6)
+            pos: Any = key if index is None else index
             if isinstance(pos, str) and not pos.isidentifier():
                 raise SymmemError(f"--dims {part!r}: {key!r} is neither an input keyword nor a position")
-            out.setdefault(name, []).append((pos, int(dim)))
+            out.setdefault(name, []).append((pos, number))
             continue
         if name not in CONVENTIONAL:
             raise SymmemError(f"--dims: {name} has no conventional position (those are "
@@ -277,7 +300,11 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
                 raise ImportError(f"cannot load {where}")
             mod = importlib.util.module_from_spec(found)
             sys.modules[name] = mod
-            found.loader.exec_module(mod)
+            with user_code(f"{spec}: importing {where}"):
+                found.loader.exec_module(mod)
+        except SymmemError:
+            sys.modules.pop(name, None)
+            raise
         except Exception as exc:
             sys.modules.pop(name, None)
             raise SymmemError(f"{spec}: {where} does not import: {type(exc).__name__}: {_first_line(exc)}") from None
@@ -285,7 +312,10 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
         if not _NAME.match(where):
             raise SymmemError(f"unknown SPEC {spec!r}: {where!r} is not a module path (package.module) or a .py file")
         try:
-            mod = importlib.import_module(where)
+            with user_code(f"{spec}: importing {where}"):
+                mod = importlib.import_module(where)
+        except SymmemError:
+            raise
         except Exception as exc:
             raise SymmemError(f"{spec}: module {where!r} does not import: {type(exc).__name__}: "
                               f"{_first_line(exc)}") from None
@@ -299,7 +329,10 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
     if not callable(target):
         raise SymmemError(f"{spec}: {attr} is a {type(target).__name__}, not a callable")
     try:
-        result = target()
+        with user_code(f"{spec}: calling {attr}()"):
+            result = target()
+    except SymmemError:
+        raise
     except Exception as exc:
         raise SymmemError(f"{spec}: calling {attr}() failed: {type(exc).__name__}: {_first_line(exc)}") from None
     if isinstance(result, torch.nn.Module):
@@ -328,13 +361,33 @@ def _example(text: str) -> Any:
     m = _SHAPE.match(text.strip())
     if not m:
         raise SymmemError(f"--example {text!r}: expected sizes like 2x3x32x32, optionally :int64 or :float32")
-    sizes = tuple(int(x) for x in m.group(1).split("x"))
+    shown = text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
+    found = [_whole(x, f"--example {shown}: a size", MAX_SIZE) for x in m.group(1).split("x")]
+    if any(x is None for x in found):
+        raise SymmemError(f"--example {shown}: expected sizes like 2x3x32x32 (underscores only between digits)")
+    sizes = tuple(int(x) for x in found if x is not None)
     dtype = getattr(torch, m.group(2) or "float32", None)
     if not isinstance(dtype, torch.dtype):
-        raise SymmemError(f"--example {text!r}: unknown dtype {m.group(2)!r}")
-    if dtype.is_floating_point:
-        return torch.randn(sizes, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return torch.zeros(sizes, dtype=dtype)
+        raise SymmemError(f"--example {shown}: unknown dtype {m.group(2)!r}")
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if nbytes > _memory():
+        raise SymmemError(f"--example {shown}: a tensor of {nbytes:,} bytes, more than this machine's memory "
+                          f"({_memory():,} bytes); give smaller example sizes (the formula keeps them symbolic)")
+    try:
+        if dtype.is_floating_point:
+            return torch.randn(sizes, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return torch.zeros(sizes, dtype=dtype)
+    except (RuntimeError, MemoryError) as exc:
+        raise SymmemError(f"--example {shown}: cannot allocate a tensor of {nbytes:,} bytes: "
+                          f"{type(exc).__name__}: {_first_line(exc)[:160]}") from None
+
+
+def _memory() -> int:
+    """This machine's physical memory in bytes (the largest size PyTorch allows where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return MAX_SIZE
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------------
@@ -439,6 +492,43 @@ def _hf(spec: str, model_type: str, config: dict[str, Any], loss: str | None) ->
                   {"config": cfg, "class": type(module).__name__})
 
 
+@contextlib.contextmanager
+def user_code(what: str) -> Iterator[None]:
+    """Run the user's code (a module's import, its callable, its forward): a ``sys.exit`` in it, or a
+    ``KeyboardInterrupt`` it raises itself, is a :class:`SymmemError` naming ``what`` and what the code did,
+    instead of a silent exit or a traceback.  A real Ctrl-C (SIGINT while it runs) still interrupts: a SIGINT
+    handler notes it, then does what the one before it did."""
+    import signal
+    import threading
+
+    pressed: list[int] = []
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+
+        def noted(signum: int, frame: Any) -> None:
+            pressed.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, noted)
+    try:
+        yield
+    except SystemExit as exc:
+        raise SymmemError(f"{what}: the code called sys.exit({exc.code!r}); symmem runs it and needs it to return "
+                          "(exit only under if __name__ == '__main__')") from None
+    except KeyboardInterrupt:
+        if pressed:  # Ctrl-C
+            raise
+        raise SymmemError(f"{what}: the code raised KeyboardInterrupt itself (no Ctrl-C was pressed); symmem runs "
+                          "it and needs it to return") from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _first_line(exc: BaseException) -> str:
     """The start of an exception's message on one line (a message ending in ':' takes its next line too)."""
     lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
@@ -458,8 +548,9 @@ def trace(loaded: Loaded, dims: dict[str, Any], *, method: str = "auto", check: 
     try:
         if loaded.loss is not None:  # the model computes its loss from the labels: the step is that loss
             options.setdefault("loss", "output")
-        return trace_module(loaded.module, loaded.example_inputs, dims, method=method, check=check,
-                            multiple_of=multiple_of, device=device, name=loaded.spec, **options)
+        with user_code(f"{loaded.spec}: tracing the module"):
+            return trace_module(loaded.module, loaded.example_inputs, dims, method=method, check=check,
+                                multiple_of=multiple_of, device=device, name=loaded.spec, **options)
     except SymmemError:
         raise
     except Exception as exc:
@@ -514,4 +605,6 @@ def verify_module(loaded: Loaded, derivation: Any, dims: dict[str, Any]) -> Any:
                           f"it there would compare another device's kernels (verify on {device} needs that device)")
     numbers = {s.name: int(v) for s, v in derivation.numbers.items()}
     args, kwargs = resized(loaded, dims, numbers)
-    return compare(derivation, measure(loaded.module, *args, **kwargs))
+    with user_code(f"{loaded.spec}: measuring the module"):
+        measured = measure(loaded.module, *args, **kwargs)
+    return compare(derivation, measured)

@@ -183,6 +183,10 @@ class StepPeak:
         and the sizes in ``ones`` at 1."""
         count = self.count if count is None else count
         key = (count, ones)
+        if key not in self._records and next(iter(self.module.parameters()), None) is None:
+            raise SymmemError("the module has no parameter: a training step has nothing to update (an "
+                              "optimizer refuses an empty parameter list), so there is no peak of one; what is kept "
+                              "for backward stands")
         if key not in self._records:
             values = {n: (1 if n in ones else v) for n, v in self.values.items()}
             layers = (self.repeat[0], self.repeat[1], count) if self.repeat is not None else None

@@ -15,6 +15,7 @@ True
 from __future__ import annotations
 
 import importlib
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -168,8 +169,32 @@ def build(name: str, **options: Any) -> Model:
         if key not in e.options:
             known = ", ".join(sorted(e.options)) or "none"
             raise SymmemError(f"model {name!r} has no option {key!r}; its options: {known}")
+        _check_type(name, key, value, e.options[key].default)
         allowed = e.options[key].choices
         if allowed is not None and value not in allowed:
             raise SymmemError(f"model {name!r}: option {key}={value!r} is not one of {list(allowed)}")
         chosen[key] = value
     return e.builder(name=name, **e.fixed, **chosen)
+
+
+def _check_type(model: str, key: str, value: Any, default: Any) -> None:
+    """A builder option has its default's type: a string where the default is one (``widths='784,10'``), a
+    number where it is a number (an int also where the default is a float; never a bool), a tuple of positive
+    integers where it is a tuple."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    elif isinstance(default, tuple):
+        ok = isinstance(value, tuple | list) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                                     and v > 0 for v in value)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        kind = {bool: "true or false", int: "an integer", float: "a number", tuple: "a tuple of positive integers",
+                str: "a string"}[type(default)]
+        raise SymmemError(f"model {model!r}: option {key} must be {kind} like {default!r}, not {value!r}")

@@ -181,8 +181,15 @@ def compare(derivation: Derivation, measurement: Measurement) -> Comparison:
 
     Activations are compared with the loss included (a measurement of a model with a loss sees both).
     """
+    from ..derivation import Derivation
     from ..tensor import dtype_bytes
 
+    if not isinstance(derivation, Derivation):
+        raise SymmemError(f"compare takes a Derivation (symmem.derive or symmem.trace) and a Measurement, not "
+                          f"{type(derivation).__name__} as the derivation")
+    if not isinstance(measurement, Measurement):
+        raise SymmemError(f"compare takes a Derivation and a Measurement (symmem.record.verify.measure), not "
+                          f"{type(measurement).__name__} as the measurement")
     act_dtype = derivation.regime.activation_dtype
     predicted: Counter[tuple[str, int]] = Counter()
     pnames: dict[tuple[str, int], list[str]] = {}

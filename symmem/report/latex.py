@@ -196,8 +196,13 @@ def parse(text: str) -> sympy.Expr:
     """
     from sympy.parsing.latex import parse_latex
 
+    if len(text) > MAX_TEXT:
+        raise SymmemError(f"cannot read {_cut(text)!r} as a formula: it has {len(text):,} characters, more than "
+                          f"{MAX_TEXT:,}")
     if r"\begin{cases}" in text:
         return _parse_cases(text)
+    if len(text) > AT_ONCE:
+        return _parse_long(text)
     aliases = _aliases()
     for name, alias in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(name, f" {alias} ")
@@ -215,8 +220,76 @@ def parse(text: str) -> sympy.Expr:
     return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
 
 
-_OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}")
-_CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}")
+_OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}|\\l(?:floor|ceil)(?![a-zA-Z])")
+_CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}|\\r(?:floor|ceil)(?![a-zA-Z])")
+
+#: Texts up to this many characters go to the parser whole (every formula symmem prints is shorter: 373 at
+#: most in the test sample).  The parser's time grows faster than the length -- a product of 80 symbols takes
+#: 0.8 s, of 320 symbols 8 s, of 1,000 about two minutes -- so a longer text is read in pieces
+#: (:func:`_parse_long`): a sum term by term, a parenthesised sum after a ``\cdot`` or in braces on its own.
+AT_ONCE = 400
+#: The longest piece of a long text (a term that is not a sum) read at all; a longer one is refused.
+MAX_PIECE = 200
+#: The longest text read at all: the parser takes about 3 ms a character however the text is cut (a sum of 200
+#: distinct terms, 4,649 characters: 14 to 27 s on the 2-core machine), so a longer one would take minutes.
+MAX_TEXT = 10_000
+# what keeps a long text from being cut into its terms: a relation or a list at the top level
+_UNSPLIT = re.compile(r"[=<>,&]|\\\\|\\(?:le|ge|leq|geq|neq|ne|lt|gt|approx|equiv|sim|wedge|vee|neg|pm|mp)(?![a-zA-Z])")
+# before a parenthesis that is a factor of its own (not a function's argument): the start, a sign, \cdot, {
+_FACTOR_BEFORE = re.compile(r"(?:^|[+\-{(]|\\cdot)\s*$")
+
+
+def _matching_right(text: str, i: int, depth: list[int]) -> int:
+    """The index of the ``\\right`` that closes the ``\\left`` at ``i`` (-1: none)."""
+    for j in range(i + 1, len(text)):
+        if depth[j] == depth[i] and text.startswith("\\right", j):
+            return j
+    return -1
+
+
+def _parse_long(text: str) -> sympy.Expr:
+    """A text longer than :data:`AT_ONCE`, read in pieces that each parse fast: every ``\\left( ... \\right)``
+    that is a factor of its own (after the start, a sign, ``\\cdot`` or ``{``) is read on its own and stands for
+    a placeholder; then the text is cut at its top-level ``+`` and ``-`` and each term read on its own (the
+    same expression: a top-level sign binds loosest).  A piece still longer than :data:`MAX_PIECE` (a product of
+    hundreds of factors, a relation) is refused."""
+    groups: dict[sympy.Symbol, sympy.Expr] = {}
+    start = 0
+    while (i := text.find("\\left(", start)) >= 0:
+        depth = _depths(text)
+        j = _matching_right(text, i, depth)
+        if j < 0 or not text.startswith("\\right)", j):
+            break  # unbalanced: the parser says what is wrong
+        if not _FACTOR_BEFORE.search(text[:i]) or j - i < 40:
+            start = i + 1
+            continue
+        name = f"X_{{{_letters(len(groups))}}}"  # a placeholder name no symmem symbol has
+        groups[sympy.Symbol(name)] = parse(text[i + len("\\left("):j])
+        text = text[:i] + f" {name} " + text[j + len(r"\right)"):]
+        start = i + len(name) + 2
+    depth = _depths(text)
+    top = "".join(c if d == 0 else " " for c, d in zip(text, depth, strict=True))
+    terms: list[tuple[int, str]] = []
+    if _UNSPLIT.search(top):
+        terms.append((1, text))
+    else:  # signs between terms; a run of signs (``a + - b``) multiplies
+        sign, begin = 1, 0
+        for k, c in enumerate(top):
+            if c in "+-":
+                if text[begin:k].strip():
+                    terms.append((sign, text[begin:k]))
+                    sign = 1
+                sign *= -1 if c == "-" else 1
+                begin = k + 1
+        terms.append((sign, text[begin:]))
+    total: sympy.Expr = sympy.Integer(0)
+    for sign, term in terms:
+        if len(term.strip()) > MAX_PIECE:
+            raise SymmemError(f"cannot read {_cut(term)!r} as a formula: a term of {len(term.strip()):,} characters "
+                              f"(a product, a relation) is more than the {MAX_PIECE} read at once")
+        total += sign * parse(term.strip())
+    return total.xreplace(groups) if groups else total
+
 
 
 def _depths(text: str) -> list[int]:
@@ -284,10 +357,15 @@ def _parse_cases(text: str) -> sympy.Expr:
     blocks: dict[sympy.Symbol, sympy.Expr] = {}
     while begin in text:
         i = text.index(begin)
-        j = text.index(end, i)
+        j = text.find(end, i)
+        if j < 0:
+            raise SymmemError(f"cannot read {_cut(text)!r} as a formula: a \\begin{{cases}} without its \\end{{cases}}")
         pieces = []
         for row in _top_level(text[i + len(begin):j], r"\\"):
-            value, cond = _top_level(row, "&")
+            cells = _top_level(row, "&")
+            if len(cells) != 2:
+                raise SymmemError(f"cannot read {_cut(row)!r} as a row of cases: expected VALUE & CONDITION")
+            value, cond = cells
             value = _unaligned(value)
             cond = cond.strip()
             truth = sympy.true if cond == r"\text{otherwise}" else _parse_condition(
@@ -301,6 +379,12 @@ def _parse_cases(text: str) -> sympy.Expr:
 
 _ESCAPES = {"\\": r"\textbackslash{}", "_": r"\_", "&": r"\&", "%": r"\%", "#": r"\#", "$": r"\$", "{": r"\{",
             "}": r"\}"}
+
+
+def _cut(text: str, n: int = 80) -> str:
+    """``text`` stripped, cut to ``n`` characters for an error message."""
+    text = text.strip()
+    return text if len(text) <= n else f"{text[:n - 3]}..."
 
 
 def escape(text: str) -> str:
@@ -614,7 +698,7 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     from ..symbols import Psi
 
     if form not in ("compact", "terms"):
-        raise ValueError(f"form must be 'compact' or 'terms', not {form!r}")
+        raise SymmemError(f"form must be 'compact' or 'terms', not {form!r}")
     count = _parameter_count(d)
     values = dict(d.numbers)
     order = _group_order(d)
@@ -814,6 +898,11 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     ``max_lines`` lines or about ``page_pt`` points goes on in another block (an ``align*`` does not break
     across pages).  :func:`read` parses the output back.
     """
+    for name, value, integer in (("width_pt", width_pt, False), ("page_pt", page_pt, False),
+                                 ("max_lines", max_lines, True)):
+        kinds = int if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < float("inf"):
+            raise SymmemError(f"{name} must be a positive {'integer' if integer else 'number'}, not {value!r}")
     table = rows(d, form)
     lhs = max(width(r.label) for r in table)
     avail = 0.96 * width_pt - lhs - 4.0

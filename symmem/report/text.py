@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
+from ..errors import SymmemError
 from ..simplify import factored, rounded
 from ..units import UNITS
 
@@ -207,6 +208,8 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     derivation's order.
     """
     width = terminal_width() if width is None else width
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise SymmemError(f"width is a number of columns, a positive integer, not {width!r}")
     title = d.title()
     symbols = "symbols: " + ", ".join(f"{s.name}={v}" for s, v in sorted(d.numbers.items(),
                                                                          key=lambda kv: kv[0].name))
@@ -218,7 +221,7 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         for t in d.terms:
             if t.group == group and t.category != "parameter" and group != "input":
                 rows.append((f"  {t.name}" + (f" [{t.role}]" if t.role else ""), t.expr))
-    name = max(len("group / term"), min(_NAME, max(len(label) for label, _ in rows), width - 14 - 20))
+    name = max(len("group / term"), min(_NAME, max((len(label) for label, _ in rows), default=0), width - 14 - 20))
     formula = max(width - name - 14, 20)
     lines = textwrap.wrap(title, width) + wrap(symbols, width)
     if d.domain is not sympy.true:
