@@ -28,7 +28,7 @@ from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Candidate, Peak, summarize
-from ..timeline import Row, Timeline, Which
+from ..timeline import Row, Timeline, Which, checked
 from ..training import Regime, checkpoint_every
 from . import branches as size_branches
 from .schedule import simulate
@@ -55,6 +55,9 @@ class GraphStep:
     every: bool = True
     _cache: dict[Any, Peak] = field(default_factory=dict, repr=False)
     _all: list | None = field(default=None, repr=False)  # every truth assignment, worked out once
+    #: the last step written out: (its numbers, (steady, first), the symbols' values); a view asks for both
+    #: steps, their rows and their allocated peaks at the same numbers
+    _written: tuple | None = field(default=None, repr=False)
 
     def _selected(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[list, tuple]:
         """The assignments to derive, and the conditions they need (the peak's domain beyond the sizes)."""
@@ -75,9 +78,12 @@ class GraphStep:
             fixed = dict(self.subs)
             if at is not None:
                 fixed.update({s: sympy.Integer(v) for s, v in at.items()})
-            join = size_branches.joiner(self.open_, assignments) if len(assignments) > 1 else None
+            join, guards = None, ()
+            if len(assignments) > 1:
+                join = size_branches.joiner(self.open_, assignments)
+                guards = tuple(size_branches.guards(self.open_, assignments))
             found = symbolic_peak(self.graph, self.conv, self.options, self.regime, fixed, assignments, join,
-                                  self.numbers)
+                                  self.numbers, guards)
             found.domain = tuple(found.domain) + conditions
             self._cache[key] = found
         return self._cache[key]
@@ -102,6 +108,11 @@ class GraphStep:
         """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
         size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
         what the peak refuses, with the peak's words."""
+        checked(which)
+        key = tuple(sorted((s.name, int(v)) for s, v in at.items()))
+        if self._written is not None and self._written[0] == key:
+            _, (steady, first), values = self._written
+            return (first if which == "first" else steady), values
         self.peak()
         assignments, _ = self._selected(at)
         subs = self.subs
@@ -117,7 +128,8 @@ class GraphStep:
         g = unroll(self.graph, counts) if self.graph.blocks else self.graph
         steady, first = simulate(g, self.conv, self.options, self.regime, chosen, keep_logits=self.regime.keep_logits)
         values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
-        return (first if which == "first" else steady), {**values, **full}
+        self._written = (key, (steady, first), {**values, **full})
+        return (first if which == "first" else steady), self._written[2]
 
 
 def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:
@@ -166,9 +178,10 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
 def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                   subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
                   merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-                  numbers: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+                  numbers: Mapping[sympy.Symbol, int] | None = None, guards: Sequence[sympy.Basic] = ()) -> Peak:
     """The steady-state and first-step peak of one training step of ``graph`` (one branch per entry of
-    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise``)."""
+    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise`` over ``guards``, the condition
+    each branch is taken under, :func:`symmem.passes.branches.guards`)."""
     blocks = graph.blocks
     blocks_of = {m: b.name for b in blocks.values() for m in graph.program_order() if graph.node(m).block == b.name}
     period, edge, base = layout(regime)
@@ -215,4 +228,4 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
             found.append(cands)
         groups.append((found[0], found[1]))
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
-                     merge=merge)
+                     merge=merge, guards=guards)
