@@ -83,6 +83,9 @@ def test_llama_peak_is_the_moment_of_its_own_branch(optimizer, steady, first, ph
     assert agree(d, "steady") == steady
     assert agree(d, "first") == first
     assert d.peak_at().phase == phase
+    out = d.to_dict()  # what `symmem derive llama --format json` prints
+    assert sum(out["live_at_peak"].values()) == out["values"]["peak"] == steady
+    assert out["peak_at"]["phase"] == phase
     assert d.peak_candidates() == sum(1 for m in d.step.peak().moments if m.step == "steady" and m.branch == 0)
 
 
