@@ -376,16 +376,18 @@ class Algebra:
 
     def value(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
         steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
+        one = steps[0] if len(steps) == 1 else None
         total: Any = 0
         for (_, size), (n0, ds) in cand.parts.items():
-            if size not in memo:
-                v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}),
+            v = memo.get(size, memo)  # (the memo itself: not measured yet)
+            if v is memo:
+                x = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(k) for s, k in numbers.items()}),
                                   strict=True)
-                memo[size] = (int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))) if v.is_Rational else None
-            if memo[size] is None:
+                v = memo[size] = (int(x.p) if x.q == 1 else Fraction(int(x.p), int(x.q))) if x.is_Rational else None
+            if v is None:
                 return None
-            n = n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
-            total += n * memo[size]
+            n = n0 + ds[0] * one if one is not None else n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
+            total += n * v
         return total
 
 

@@ -175,6 +175,24 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
     return out
 
 
+def _parts(live: Counter, others: Sequence[Counter | None]) -> dict[Any, tuple[int, tuple[int, ...]]]:
+    """A moment's live storages at the base counts (``live``) and with one more layer of each symbolic count
+    (``others``; None where the moment is not one there): per storage, (count, change per layer of each)."""
+    if len(others) == 1 and others[0] is not None:  # one symbolic count: most models, most of the time
+        other = others[0]
+        out = {x: (n, (other.get(x, 0) - n,)) for x, n in live.items()}
+        for x, n in other.items():
+            if x not in out:
+                out[x] = (0, (n,))
+        return out
+    out = {x: (n, tuple((n if o is None else o.get(x, 0)) - n for o in others)) for x, n in live.items()}
+    for o in others:
+        for x in o or ():
+            if x not in out:
+                out[x] = (0, tuple(0 if p is None else p.get(x, 0) for p in others))
+    return out
+
+
 def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                   subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
                   merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
@@ -221,10 +239,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                 if live is None:
                     continue
                 others = [runs[(n,)][first].get(key) for n in names]
-                sizes = set(live).union(*(set(o) for o in others if o is not None))
-                parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
-                         for x in sizes}
-                cands.append(Candidate(key, "first" if first else "steady", parts))
+                cands.append(Candidate(key, "first" if first else "steady", _parts(live, others)))
             found.append(cands)
         groups.append((found[0], found[1]))
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
