@@ -34,6 +34,7 @@ from .conditions import fold
 from .errors import SymmemError
 from .evaluator import evaluator
 from .tensor import MAX_SIZE
+from .timeline import checked
 from .training import Regime
 from .units import format_bytes, to_unit
 
@@ -302,34 +303,33 @@ class Derivation:
     def peak_formula(self, step: Which = "steady") -> sympy.Expr:
         """The peak's formula that holds at the derivation's numbers: :attr:`peak` (or the first step's), or,
         where a layer count lies below that formula's domain, the one written out with that count."""
-        found = self._peak(exact=True)
-        return found.expr if step == "steady" else found.first
+        return self._peak(exact=True).formula(checked(step))
 
     def peak_candidates(self, step: Which = "steady") -> int:
         """How many moments of the step can be the largest (the ``Max``'s arguments), at these numbers."""
-        return self._peak(exact=True).candidates(step)
+        return self._peak(exact=True).candidates(checked(step), self.numbers)
 
     def peak_at(self, step: Which = "steady") -> Moment:
         """Where the peak occurs at the derivation's numbers: a :class:`~symmem.peak.Moment` with the
         phase, the op, the layer and the live bytes by category."""
-        return self._peak(exact=True).at(self.numbers, step)
+        return self._peak(exact=True).at(self.numbers, checked(step))
 
     def timeline(self, step: Which = "steady") -> list[Row]:
         """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
         each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
         creates the optimizer state)."""
-        return self._step().timeline(step, dict(self.numbers))
+        return self._step().timeline(checked(step), dict(self.numbers))
 
     def peak_allocated(self, step: Which = "steady") -> int:
         """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
         to 512 bytes (``torch.cuda.max_memory_allocated`` adds library workspaces on top: see
         :data:`CUDA_WORKSPACES`)."""
-        return self._step().allocated(step, dict(self.numbers))
+        return self._step().allocated(checked(step), dict(self.numbers))
 
     def live_at_peak(self, step: Which = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,
         activation_grad, temporary), at the derivation's numbers."""
-        m = self.peak_at(step)
+        m = self.peak_at(checked(step))
         return {c: self.evaluate(e) for c, e in m.live.items() if self.evaluate(e)}
 
     def groups(self) -> dict[str, sympy.Expr]:

@@ -32,8 +32,10 @@ import sympy
 from sympy.core.add import _addsort
 
 from .categories import STEP
+from .errors import SymmemError
 from .evaluator import interpret
 from .simplify import max_of
+from .timeline import checked
 
 #: Layers a symbolic block is written out with; formulas hold for counts from this on.
 BASE = 4
@@ -77,6 +79,8 @@ class Moment:
     make: Callable[[], sympy.Expr] | None = field(default=None, compare=False, repr=False)
     #: the builder's exact bytes at given sizes without building the sum (None where it cannot tell)
     measure: Callable[[Mapping[sympy.Symbol, int]], Any] | None = field(default=None, compare=False, repr=False)
+    #: which branch of the size conditions (:attr:`Peak.guards`) the moment belongs to (0 where there is one)
+    branch: int = 0
 
     @property
     def total(self) -> sympy.Expr:
@@ -104,17 +108,43 @@ class Peak:
 
     ``expr`` or ``first`` given as None is the ``Max`` of that step's moments, built on first use: the peak's
     bytes at given sizes (:meth:`value`) need no sympy expression at all.
+
+    Where the step differs between branches of size conditions (a view that copies unless ``G = h``), ``guards``
+    holds one condition per branch, in the order of the formulas' ``Piecewise`` (the first that holds is taken;
+    the last is ``True``), and each moment's :attr:`Moment.branch` says which it belongs to: the moments that
+    can be largest at given sizes are those of the branch the sizes select, never another branch's.
     """
 
     def __init__(self, expr: sympy.Expr | None, first: sympy.Expr | None, moments: tuple[Moment, ...],
-                 domain: tuple[sympy.Basic, ...] = ()) -> None:
+                 domain: tuple[sympy.Basic, ...] = (), guards: tuple[sympy.Basic, ...] = ()) -> None:
         self._exprs = {"steady": expr, "first": first}
         self._of_moments = {step: e is None for step, e in self._exprs.items()}  # a plain Max of its moments
         self.moments = moments
         self.domain = domain
+        self.guards = guards
+
+    def branch(self, numbers: Mapping[sympy.Symbol, int]) -> int:
+        """The branch of the size conditions that ``numbers`` select (0 where there is one)."""
+        if len(self.guards) < 2:
+            return 0
+        env = {s: sympy.Integer(int(v)) for s, v in numbers.items()}
+        for i, guard in enumerate(self.guards):
+            now = sympy.sympify(guard, strict=True).xreplace(env)
+            if now is sympy.true:
+                return i
+            if now is not sympy.false:
+                raise SymmemError(f"the peak depends on {guard}, which these sizes do not decide: give "
+                                  f"{', '.join(sorted(s.name for s in now.free_symbols))} a number")
+        raise SymmemError(f"no branch of the peak holds at these sizes ({', '.join(map(str, self.guards))})")
+
+    def _of(self, step: str, numbers: Mapping[sympy.Symbol, int] | None) -> list[Moment]:
+        """The moments of ``step``; with ``numbers``, those of the branch they select only."""
+        checked(step)
+        branch = None if numbers is None or len(self.guards) < 2 else self.branch(numbers)
+        return [m for m in self.moments if m.step == step and (branch is None or m.branch == branch)]
 
     def formula(self, step: str = "steady") -> sympy.Expr:
-        found = self._exprs[step]
+        found = self._exprs[checked(step)]
         if found is None:
             found = self._exprs[step] = peak_max([m for m in self.moments if m.step == step])
         return found
@@ -128,29 +158,32 @@ class Peak:
         return self.formula("first")
 
     def value(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> int | None:
-        """The peak's bytes at ``numbers`` (rounded up) where it is the largest of its moments; None where it is
-        a formula of another shape (a ``Piecewise`` over size conditions), to be evaluated instead."""
-        if not self._of_moments[step]:
+        """The peak's bytes at ``numbers`` (rounded up) where it is the largest of its moments (of the branch
+        ``numbers`` select, where the formula is a ``Piecewise`` over size conditions); None where it is a
+        formula of another shape, to be evaluated instead."""
+        if not self._of_moments[checked(step)] and len(self.guards) < 2:
             return None
         v = self.at(numbers, step).value(numbers)
         return int(v) if isinstance(v, int) else math.ceil(v)
 
-    def candidates(self, step: str = "steady") -> int:
-        """How many moments of ``step`` can be the largest (the ``Max``'s arguments)."""
-        if self._of_moments[step]:  # counted without building the Max
-            return sum(1 for m in self.moments if m.step == step)
+    def candidates(self, step: str = "steady", numbers: Mapping[sympy.Symbol, int] | None = None) -> int:
+        """How many moments of ``step`` can be the largest (the ``Max``'s arguments); with ``numbers``, in the
+        branch of the size conditions they select."""
+        if self._of_moments[checked(step)] or (numbers is not None and len(self.guards) > 1):
+            return len(self._of(step, numbers))  # counted without building the Max
         expr = self.formula(step)
         return len(expr.args) if isinstance(expr, sympy.Max) else 1
 
     def at(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> Moment:
-        """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``."""
-        key = (step, tuple(sorted((s.name, int(v)) for s, v in numbers.items())))
+        """The moment of ``step`` (``steady`` or ``first``) that is largest at ``numbers``, in the branch of the
+        size conditions they select."""
+        key = (checked(step), tuple(sorted((s.name, int(v)) for s, v in numbers.items())))
         cache = self.__dict__.setdefault("_at", {})
         found = cache.get(key)
         if found is None:  # the table asks for the value, the moment and the count at the same numbers
             if len(cache) > 64:
                 cache.clear()
-            found = cache[key] = max((m for m in self.moments if m.step == step), key=lambda m: m.value(numbers))
+            found = cache[key] = max(self._of(step, numbers), key=lambda m: m.value(numbers))
         return found
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
@@ -265,10 +298,12 @@ class Algebra:
             self._memo[size] = found
         return found
 
-    def moment(self, cand: Candidate, phase: str, node: str | None, layer: str, step: str | None = None) -> Moment:
-        """The candidate as a :class:`Moment`: its total now, its split by category on demand."""
+    def moment(self, cand: Candidate, phase: str, node: str | None, layer: str, step: str | None = None,
+               branch: int = 0) -> Moment:
+        """The candidate as a :class:`Moment` (of ``branch`` of the size conditions): its total now, its split by
+        category on demand."""
         return Moment(phase, node, layer, step or cand.step, Lazy(lambda: self.live(cand)),
-                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers))
+                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers), branch)
 
     def measure(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int]) -> Any:
         """The candidate's exact bytes at ``numbers`` (the sizes' values kept per set of numbers)."""
@@ -341,16 +376,18 @@ class Algebra:
 
     def value(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
         steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
+        one = steps[0] if len(steps) == 1 else None
         total: Any = 0
         for (_, size), (n0, ds) in cand.parts.items():
-            if size not in memo:
-                v = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(x) for s, x in numbers.items()}),
+            v = memo.get(size, memo)  # (the memo itself: not measured yet)
+            if v is memo:
+                x = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(k) for s, k in numbers.items()}),
                                   strict=True)
-                memo[size] = (int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))) if v.is_Rational else None
-            if memo[size] is None:
+                v = memo[size] = (int(x.p) if x.q == 1 else Fraction(int(x.p), int(x.q))) if x.is_Rational else None
+            if v is None:
                 return None
-            n = n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
-            total += n * memo[size]
+            n = n0 + ds[0] * one if one is not None else n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
+            total += n * v
         return total
 
 
@@ -432,10 +469,14 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
               where: Callable[[Candidate], tuple[str, Any, str]], subs: Mapping[sympy.Symbol, Any],
               counts: Sequence[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None,
               domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
-              merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None) -> Peak:
+              merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
+              guards: Sequence[sympy.Basic] = ()) -> Peak:
     """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
-    ``merge`` joins the groups' formulas into one ``Piecewise``).  ``where`` names a candidate's moment: (phase,
-    op, layer); ``counts`` are the symbolic layer counts the candidates' parts change with."""
+    ``merge`` joins the groups' formulas into one ``Piecewise`` whose conditions are ``guards``, one per group).
+    ``where`` names a candidate's moment: (phase, op, layer); ``counts`` are the symbolic layer counts the
+    candidates' parts change with."""
+    if len(groups) > 1 and merge is not None and len(guards) != len(groups):
+        raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
     alg = Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
                   subs, counts, base, period)
@@ -443,11 +484,12 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
     per_group: list[tuple[list[Moment], ...]] = []
     for group in groups:
         kept = [prune(cands, alg, numbers, memo) for cands in group]
-        per_group.append(tuple([alg.moment(k, *where(k)) for k in ks] for ks in kept))
+        per_group.append(tuple([alg.moment(k, *where(k), branch=len(per_group)) for k in ks] for ks in kept))
     moments = tuple(itertools.chain.from_iterable(s + f for s, f in per_group))
     if len(per_group) == 1:  # the Max of the moments, built when asked for
         return Peak(None, None, moments, domain)
     exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_group]
-    if merge is None:
-        return Peak(*exprs[0], moments, domain)
-    return Peak(merge([e for e, _ in exprs]), merge([e for _, e in exprs]), moments, domain)
+    if merge is None:  # the first group's formulas: its moments only
+        return Peak(*exprs[0], tuple(per_group[0][0] + per_group[0][1]), domain)
+    conds = tuple(sympy.sympify(g, strict=True).xreplace(dict(subs)) for g in guards)
+    return Peak(merge([e for e, _ in exprs]), merge([e for _, e in exprs]), moments, domain, conds)

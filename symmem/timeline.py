@@ -31,9 +31,12 @@ from typing import Any, Literal
 import sympy
 
 from .categories import STEP
+from .errors import SymmemError
 
 #: Which training step: the ``first`` creates the optimizer state; a ``steady`` one (step >= 2) starts with it.
 Which = Literal["steady", "first"]
+#: The steps a derivation's peak and timeline know, in the order they are named.
+STEPS: tuple[str, ...] = ("steady", "first")
 #: One row of a timeline at numbers: (phase, op, live bytes per category) after the op's allocations.
 Row = tuple[str, str | None, dict[str, int]]
 #: What CUDA's caching allocator rounds every block up to (what ``max_memory_allocated`` sees).
@@ -41,6 +44,21 @@ CUDA_BLOCK = 512
 
 _INDEX = {c: i for i, c in enumerate(STEP)}
 _ZERO = sympy.Integer(0)
+
+
+def checked(step: Any) -> Which:
+    """``step`` where it names a step (:data:`STEPS`), else a :class:`~symmem.errors.SymmemError` naming them.
+
+    >>> checked("first")
+    'first'
+    >>> checked("bogus")
+    Traceback (most recent call last):
+      ...
+    symmem.errors.SymmemError: unknown step 'bogus'; known: steady, first
+    """
+    if not isinstance(step, str) or step not in STEPS:
+        raise SymmemError(f"unknown step {step!r}; known: {', '.join(STEPS)}")
+    return step  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -165,23 +165,31 @@ def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
     return {}
 
 
+def guards(open_: Sequence[Boolean], branches: Sequence[Branch]) -> list[Boolean]:
+    """The condition under which each branch is the one taken, as the ``Piecewise`` of :func:`joiner` reads
+    them: in order, the first that holds, the last being ``True`` (whatever the earlier ones leave)."""
+    found: list[Boolean] = [sympy.And(*(c if branch[c] else sympy.Not(c) for c in open_)) for branch in branches]
+    if found:
+        found[-1] = sympy.true
+    return found
+
+
 def joiner(open_: Sequence[Boolean], branches: Sequence[Branch]) -> Callable[[list[sympy.Expr]], sympy.Expr]:
     """A function that joins one value per branch into a ``Piecewise`` over the branches' conditions (the value
     itself where every branch has the same)."""
-    guards = []
+    given = []
     for branch in branches:
-        parts = [c if branch[c] else sympy.Not(c) for c in open_]
         subs: dict[sympy.Symbol, sympy.Expr] = {}
         for c in open_:
             subs.update(_given(c, branch[c]))
-        guards.append((sympy.And(*parts), subs))
+        given.append(subs)
+    conds = guards(open_, branches)
 
     def piecewise(values: list[sympy.Expr]) -> sympy.Expr:
         # Most terms are the same in every branch; sympy's Piecewise simplification is slow, so skip it there.
         if all(v == values[0] for v in values[1:]):
             return values[0]
-        pieces = [(_replace(v, subs), cond) for v, (cond, subs) in zip(values, guards, strict=True)]
-        pieces[-1] = (pieces[-1][0], sympy.true)
+        pieces = [(_replace(v, subs), cond) for v, subs, cond in zip(values, given, conds, strict=True)]
         return sympy.Piecewise(*pieces, evaluate=False)
 
     return piecewise

@@ -28,7 +28,7 @@ from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Candidate, Peak, summarize
-from ..timeline import Row, Timeline, Which
+from ..timeline import Row, Timeline, Which, checked
 from ..training import Regime, checkpoint_every
 from . import branches as size_branches
 from .schedule import simulate
@@ -55,6 +55,9 @@ class GraphStep:
     every: bool = True
     _cache: dict[Any, Peak] = field(default_factory=dict, repr=False)
     _all: list | None = field(default=None, repr=False)  # every truth assignment, worked out once
+    #: the last step written out: (its numbers, (steady, first), the symbols' values); a view asks for both
+    #: steps, their rows and their allocated peaks at the same numbers
+    _written: tuple | None = field(default=None, repr=False)
 
     def _selected(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[list, tuple]:
         """The assignments to derive, and the conditions they need (the peak's domain beyond the sizes)."""
@@ -75,9 +78,12 @@ class GraphStep:
             fixed = dict(self.subs)
             if at is not None:
                 fixed.update({s: sympy.Integer(v) for s, v in at.items()})
-            join = size_branches.joiner(self.open_, assignments) if len(assignments) > 1 else None
+            join, guards = None, ()
+            if len(assignments) > 1:
+                join = size_branches.joiner(self.open_, assignments)
+                guards = tuple(size_branches.guards(self.open_, assignments))
             found = symbolic_peak(self.graph, self.conv, self.options, self.regime, fixed, assignments, join,
-                                  self.numbers)
+                                  self.numbers, guards)
             found.domain = tuple(found.domain) + conditions
             self._cache[key] = found
         return self._cache[key]
@@ -102,6 +108,11 @@ class GraphStep:
         """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
         size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
         what the peak refuses, with the peak's words."""
+        checked(which)
+        key = tuple(sorted((s.name, int(v)) for s, v in at.items()))
+        if self._written is not None and self._written[0] == key:
+            _, (steady, first), values = self._written
+            return (first if which == "first" else steady), values
         self.peak()
         assignments, _ = self._selected(at)
         subs = self.subs
@@ -117,7 +128,8 @@ class GraphStep:
         g = unroll(self.graph, counts) if self.graph.blocks else self.graph
         steady, first = simulate(g, self.conv, self.options, self.regime, chosen, keep_logits=self.regime.keep_logits)
         values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
-        return (first if which == "first" else steady), {**values, **full}
+        self._written = (key, (steady, first), {**values, **full})
+        return (first if which == "first" else steady), self._written[2]
 
 
 def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:
@@ -163,12 +175,31 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
     return out
 
 
+def _parts(live: Counter, others: Sequence[Counter | None]) -> dict[Any, tuple[int, tuple[int, ...]]]:
+    """A moment's live storages at the base counts (``live``) and with one more layer of each symbolic count
+    (``others``; None where the moment is not one there): per storage, (count, change per layer of each)."""
+    if len(others) == 1 and others[0] is not None:  # one symbolic count: most models, most of the time
+        other = others[0]
+        out = {x: (n, (other.get(x, 0) - n,)) for x, n in live.items()}
+        for x, n in other.items():
+            if x not in out:
+                out[x] = (0, (n,))
+        return out
+    out = {x: (n, tuple((n if o is None else o.get(x, 0)) - n for o in others)) for x, n in live.items()}
+    for o in others:
+        for x in o or ():
+            if x not in out:
+                out[x] = (0, tuple(0 if p is None else p.get(x, 0) for p in others))
+    return out
+
+
 def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                   subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
                   merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-                  numbers: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+                  numbers: Mapping[sympy.Symbol, int] | None = None, guards: Sequence[sympy.Basic] = ()) -> Peak:
     """The steady-state and first-step peak of one training step of ``graph`` (one branch per entry of
-    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise``)."""
+    ``branches``; ``merge`` joins per-branch expressions into one ``Piecewise`` over ``guards``, the condition
+    each branch is taken under, :func:`symmem.passes.branches.guards`)."""
     blocks = graph.blocks
     blocks_of = {m: b.name for b in blocks.values() for m in graph.program_order() if graph.node(m).block == b.name}
     period, edge, base = layout(regime)
@@ -208,11 +239,8 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                 if live is None:
                     continue
                 others = [runs[(n,)][first].get(key) for n in names]
-                sizes = set(live).union(*(set(o) for o in others if o is not None))
-                parts = {x: (live[x], tuple((o[x] if o is not None else live[x]) - live[x] for o in others))
-                         for x in sizes}
-                cands.append(Candidate(key, "first" if first else "steady", parts))
+                cands.append(Candidate(key, "first" if first else "steady", _parts(live, others)))
             found.append(cands)
         groups.append((found[0], found[1]))
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
-                     merge=merge)
+                     merge=merge, guards=guards)

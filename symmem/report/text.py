@@ -274,9 +274,13 @@ def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
         lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
                          width, cut)
         if key == "peak":
-            shown = str(rounded(moment.total)) + (
-                f"   (the largest of {count} moments at these sizes)" if count > 1 else "")
-            lines += _totals(f"{'':<20} {'':>12}       = ", shown, width, cut)
+            head, shown = f"{'':<20} {'':>12}       = ", str(rounded(moment.total))
+            note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
+            found = _totals(head, shown + (f"   {note}" if note else ""), width, cut)
+            if note and max(map(len, found)) > width:  # the note on a line of its own where it does not fit
+                found = _totals(head, shown, width, cut)
+                found.append((" " * len(head) if len(head) + len(note) <= width else "    ") + note)
+            lines += found
     return lines
 
 
