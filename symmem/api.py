@@ -198,7 +198,7 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
                                per_layer=per_layer, shown=shown)
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
                            multiple_of, device, free)
-    return derivation_of(ledger, regime, step)
+    return derivation_of(ledger, regime, step, tracing.no_step(recorded, regime))
 
 
 def _device_of(module: Any) -> str:

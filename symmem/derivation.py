@@ -210,6 +210,8 @@ class Derivation:
     #: free symbols whose model default follows from other symbols (ViT's S from Hi, Wi), as that expression:
     #: solving for Hi moves S with it, and ``at(Hi=...)`` gives S its new number
     tied: Mapping[sympy.Symbol, sympy.Expr] = field(default_factory=dict, compare=False, repr=False)
+    #: why a front that models the step has none here (a traced module fitted at concrete sizes): the refusal's words
+    no_step: str | None = field(default=None, compare=False, repr=False)
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -275,6 +277,8 @@ class Derivation:
         return self.step is not None
 
     def _step(self) -> Step:
+        if self.step is None and self.no_step is not None:
+            raise SymmemError(f"no peak: {self.no_step}")
         if self.step is None:
             why = "one layer" if self.per_layer else f"the {self.convention} convention (an accounting by role)"
             raise SymmemError(f"no peak for {why}: the peak follows the training step op by op, which the "

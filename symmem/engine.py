@@ -277,10 +277,12 @@ def _front(model: Model, conv: Convention, regime: Regime, values: Mapping[str, 
     return _Front(ledger, conv_options, subs, open_, decided)
 
 
-def derivation_of(ledger: Ledger, regime: Regime, step: Callable[..., Any] | None = None) -> Derivation:
+def derivation_of(ledger: Ledger, regime: Regime, step: Callable[..., Any] | None = None,
+                  no_step: str | None = None) -> Derivation:
     """The back half every front shares: a ledger's storages with the parameter side of its trainable parameters
     under ``regime`` (:func:`symmem.passes.regimes.parameters`), every symbol the ledger does not keep replaced by
-    its value, as the :class:`~symmem.derivation.Derivation` whose training step is ``step``."""
+    its value, as the :class:`~symmem.derivation.Derivation` whose training step is ``step`` (``no_step``: why
+    there is none, where the front models one)."""
     keep = tuple(sorted(ledger.free, key=lambda s: s.name))
     subs = substitute_all(ledger.defaults, set(keep))
     storages = [*ledger.storages, *regimes.parameters(ledger.parameters, regime, ledger.per_layer)]
@@ -294,7 +296,8 @@ def derivation_of(ledger: Ledger, regime: Regime, step: Callable[..., Any] | Non
     domain = ledger.domain
     return Derivation(ledger.model, ledger.convention, regime, tuple(storages), kept_symbols, ledger.numbers,
                       ledger.parameter_count.xreplace(subs), ledger.per_layer, ledger.layer, dict(ledger.options),
-                      step, domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain, ledger.notes, tied)
+                      step, domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain, ledger.notes, tied,
+                      no_step)
 
 
 def _in_graph_order(graph: Any, storages: list[Storage]) -> list[Storage]:

@@ -118,3 +118,21 @@ def test_embedding_bag_keeps_what_the_cpu_kernel_keeps(mode, options):
                      values={"T": 35, "B": 6 if options.get("include_last_offset") else 5})
     real = measure(Bags(), *batch(5, 7))
     assert d.value("activations") + d.value("input") == real.activations + real.input
+
+
+@pytest.mark.parametrize("how, says", [({"method": "fit"}, "fitted from traces at concrete sizes"),
+                                       ({"optimizer": "lion"}, "optimizer='lion' is not among them"),
+                                       ({"training": False}, "traced in eval mode")])
+def test_a_traced_module_without_a_step_says_why(how, says):
+    """Issue 22 item 18: a traced module with no step to follow pointed to --convention pytorch, which trace
+    refuses; it now says why there is no peak, in one line."""
+    import torch
+
+    import symmem
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    d = symmem.trace(net, (torch.randn(2, 4),), {"B": [(0, 0)]}, **how)
+    assert not d.has_peak
+    with pytest.raises(symmem.SymmemError, match=says) as e:
+        d.value("peak")
+    assert "--convention" not in str(e.value) and "\n" not in str(e.value)

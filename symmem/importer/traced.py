@@ -263,16 +263,29 @@ def checkpoint_option(value: Any) -> Any:
     return value
 
 
+def no_step(recorded: Any, regime: Regime) -> str | None:
+    """Why a traced module has no training step to follow (None where it has one)."""
+    from .recording import OPTIMIZERS
+
+    if recorded.method == "fitted":
+        return ("the formula was fitted from traces at concrete sizes (method='fit', or 'auto' where fake tensors "
+                "could not run the module), and the training step is recorded only by a symbolic trace")
+    if not recorded.training:
+        return "the module was traced in eval mode (training=False): there is no training step to follow"
+    if regime.optimizer not in OPTIMIZERS:
+        return (f"the traced step runs torch.optim's {', '.join(OPTIMIZERS)}; optimizer={regime.optimizer!r} is "
+                "not among them (its parameter side is counted)")
+    return None
+
+
 def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.Symbol, int], example_inputs: Any,
             dims: Any, loss: Any, autocast: Any, multiple_of: Any, device: str, free: tuple[str, ...] | None) -> Any:
     """The derivation's ``step``: the peak of the module's training step (None where it cannot be traced)."""
     from .inputs import check_inputs
-    from .recording import OPTIMIZERS, StepOptions
+    from .recording import StepOptions
     from .traced_step import StepPeak
 
-    if recorded.method == "fitted" or not recorded.training:
-        return None  # concrete traces only (or no training step): no symbolic step to follow
-    if regime.optimizer not in OPTIMIZERS:
+    if no_step(recorded, regime) is not None:
         return None
     why = None
     if regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
