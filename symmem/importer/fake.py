@@ -18,6 +18,9 @@ switched on globally: that would swap eager's C++ decompositions (``matmul``, SD
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +94,19 @@ def _embedding_bag_cpu(op: Any) -> Any:
         return (out[0], o2b, bag, *out[3:])
 
     return impl
+
+
+@contextmanager
+def quiet_meta_errors() -> Iterator[None]:
+    """PyTorch logs every exception a meta kernel raises (``log.exception`` in ``fake_tensor.py``) before raising
+    it; symmem reports it in one line (or falls back to real traces), so the log is only noise on stderr."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def opaque_ops() -> frozenset[Any]:

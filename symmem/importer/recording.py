@@ -260,7 +260,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
     import torch
     from torch.nn.utils.stateless import _reparametrize_module
 
-    from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides
+    from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides, quiet_meta_errors
     from .guards import GuardLog, collect
     from .hf import eager_predicates
     from .runs import _input_names, _keys, converter, resized, tidy
@@ -307,6 +307,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
         stack.enter_context(ops)
         stack.enter_context(world.mode)
         stack.enter_context(eager_predicates())
+        stack.enter_context(quiet_meta_errors())
         target = None
         for _ in range(options.micro_batches):
             rec.reads = []

@@ -13,7 +13,7 @@ import sympy
 
 from ..record.identity import storage_key, tensors
 from ..record.saved_tensors import Outcome, SavedRecorder
-from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides
+from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides, quiet_meta_errors
 from .guards import GuardLog, bounds, collect, pinned, to_declared, unified
 from .hf import eager_predicates
 from .inputs import Inputs
@@ -116,7 +116,7 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
     args, kwargs = at.rebuild(fin)
 
     def call() -> Any:
-        with world.mode, eager_predicates():
+        with world.mode, eager_predicates(), quiet_meta_errors():
             return torch.func.functional_call(module, {**params, **buffers}, args, kwargs, tie_weights=True)
 
     outcome = rec.run(call)
