@@ -30,7 +30,7 @@ from .derivation import Derivation
 from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
-from .options import resolve
+from .options import check_effect, resolve
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` and :func:`trace` take as keywords.
@@ -54,7 +54,7 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     the output's sum).  ``device``, ``loss``, ``checkpoint``, ``precision`` and ``autocast`` mean what they mean
     in :func:`trace` and on the command line (:mod:`symmem.options`).
     """
-    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords)
+    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords, per_layer)
     return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
 
 
@@ -86,10 +86,10 @@ def _unknown(keywords: Mapping[str, Any], convention: str) -> SymmemError:
 
 
 def _setup(model: Model | str, convention: str | Convention, regime: Regime | None,
-           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any]
+           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any], per_layer: bool = False
            ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
     """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
-    the convention's options."""
+    the convention's options; an option that would have no effect is refused (:func:`symmem.options.check_effect`)."""
     shared = resolve("derive", device=keywords.pop("device", None), loss=loss,
                      autocast=keywords.pop("autocast", None))
     if shared.device is not None:
@@ -97,6 +97,7 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
     conv = get_convention(convention)
     regime = _regime(regime, keywords)
     conv_options = _options(options, conv.options, keywords)
+    builder = dict(keywords)
     if isinstance(model, str):
         from .models import build
 
@@ -105,6 +106,8 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
         raise SymmemError(f"model must be a built-in model's name or a symmem Model, got {type(model).__name__}")
     elif keywords:
         raise _unknown(keywords, conv.name)
+    check_effect(conv, regime, model=model.name, repeated=bool(model.graph.blocks), builder=builder,
+                 loss=shared.loss, per_layer=per_layer)
     if shared.loss != "sum":
         from .loss import with_loss
 

@@ -25,7 +25,7 @@ symmem.errors.SymmemError: autocast='bfloat16' runs a traced module's forward un
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -74,6 +74,43 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
         if autocast not in AUTOCASTS:
             raise SymmemError(f"autocast must be one of {', '.join(AUTOCASTS)}, got {autocast!r}")
     return Shared(device, loss, checkpoint, precision, autocast)
+
+
+#: The regime's fields that only the training step reads (its peak), with their defaults.
+STEP_FIELDS = (("optimizer_impl", "auto"), ("keep_logits", False), ("micro_batches", 1))
+
+
+def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, builder: Mapping[str, Any],
+                 loss: Any = "sum", per_layer: bool = False) -> None:
+    """Refuse an option a derivation would accept with no effect, naming why and the way out: an option of the
+    step where no step is modelled (a convention that counts by role, one layer), checkpointing of a model with no
+    repeated layer, and a builder option or a loss the convention does not see (``convention.blind_to``).
+
+    >>> from symmem.conventions import convention
+    >>> from symmem.training import Regime
+    >>> check_effect(convention("paper"), Regime(keep_logits=True), model="gpt2", repeated=True, builder={})
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: keep_logits=True shapes the training step's peak, which the paper convention ...
+    """
+    no_step = "one layer (per_layer)" if per_layer else (
+        None if convention.models_step else f"the {convention.name} convention (an accounting with no step)")
+    for name, default in STEP_FIELDS:
+        value = getattr(regime, name)
+        if value != default and no_step is not None:
+            out = "" if per_layer else ", or use convention pytorch"
+            raise SymmemError(f"{name}={value!r} shapes the training step's peak, which {no_step} does not "
+                              f"model: leave it out{out}")
+    if regime.checkpoint != "none" and not repeated:
+        raise SymmemError(f"checkpoint={regime.checkpoint!r} recomputes repeated layers, and {model} has none: "
+                          "leave it out")
+    given = dict(builder)
+    if loss != "sum":
+        given["loss"] = loss
+    for name, value in given.items():
+        why = convention.blind_to.get(name)
+        if why is not None:
+            raise SymmemError(f"{name}={value!r} has no effect under the {convention.name} convention ({why}): "
+                              "leave it out, or use convention pytorch")
 
 
 HELP = {

@@ -1,0 +1,133 @@
+"""Options accepted with no effect are refused (issue 22, item 4), and the refusals are honest.
+
+An option a derivation would accept and ignore -- a step option where no step is modelled, checkpointing of a
+model with no repeated layer, a builder option or a loss the convention does not count -- is one line
+``symmem: error: ...`` with exit status 2 (a :class:`SymmemError` in Python) naming why and the way out.  The
+truth each refusal is checked against is the derivation itself, made through the engine without the front's
+check: with the option, it is the derivation without it (so the option had no effect), while under the pytorch
+convention the same option changes the numbers (so the refusal is the convention's, not the option's).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from symmem import SymmemError, derive
+from symmem.cli import main
+from symmem.conventions import convention, names
+from symmem.engine import derivation
+from symmem.models import available, build
+from symmem.training import Regime
+
+#: a value of each builder option other than every model's default, and a model that has the option
+OTHER = {"dropout": ("gpt2", 0.0), "cache": ("gpt2", "none"), "gelu": ("gpt2", "fused"),
+         "attention": ("vit-b16", "naive")}
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def terms(model, conv: str, regime: Regime = Regime()) -> list[tuple[str, str]]:
+    """The derivation's terms, made by the engine without the front's checks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = derivation(model, convention(conv), regime)
+    return sorted((t.name, str(t.expr)) for t in d.terms)
+
+
+BLIND = [(c, o) for c in names() for o in sorted(convention(c).blind_to)]
+
+
+def test_every_convention_says_what_it_does_not_see():
+    assert {c: sorted(convention(c).blind_to) for c in names()} == {
+        "cs231n": ["attention", "cache", "dropout", "gelu", "loss"],
+        "megatron": ["cache", "loss"],
+        "paper": ["cache", "dropout", "gelu", "loss"],
+        "pytorch": [],
+    }
+
+
+@pytest.mark.parametrize("conv, option", BLIND, ids=[f"{c}-{o}" for c, o in BLIND])
+def test_an_option_the_convention_does_not_see_is_refused(capsys, conv, option):
+    why = convention(conv).blind_to[option]
+    if option == "loss":
+        model, value, flag = "vgg16", "cross-entropy", ["--loss", "cross-entropy"]
+        built, plain = build(model), build(model)
+        from symmem.loss import with_loss
+
+        built = with_loss(built, value)
+    else:
+        model, value = OTHER[option]
+        flag = [f"--{option}", str(value)]
+        built, plain = build(model, **{option: value}), build(model)
+    code, out, err = cli(capsys, "derive", model, "--convention", conv, *flag)
+    assert code == 2 and out == ""
+    assert err == (f"symmem: error: {option}={value!r} has no effect under the {conv} convention ({why}): leave "
+                   "it out, or use convention pytorch\n")
+    with pytest.raises(SymmemError, match=f"^{option}="):
+        derive(model, convention=conv, **{option: value})
+    # honest: the convention's terms with the option are its terms without; pytorch's differ
+    assert terms(built, conv) == terms(plain, conv)
+    assert terms(built, "pytorch") != terms(plain, "pytorch")
+
+
+STEP = [("--keep-logits", "keep_logits=True", {"keep_logits": True}),
+        ("--micro-batches=2", "micro_batches=2", {"micro_batches": 2}),
+        ("--optimizer-impl=fused", "optimizer_impl='fused'", {"optimizer_impl": "fused"})]
+
+
+@pytest.mark.parametrize("conv", [c for c in names() if not convention(c).models_step])
+@pytest.mark.parametrize("flag, shown, field", STEP, ids=[s[0] for s in STEP])
+def test_step_options_without_a_step_are_refused(capsys, conv, flag, shown, field):
+    code, out, err = cli(capsys, "derive", "gpt2", "--convention", conv, flag)
+    assert code == 2 and out == ""
+    assert err == (f"symmem: error: {shown} shapes the training step's peak, which the {conv} convention (an "
+                   "accounting with no step) does not model: leave it out, or use convention pytorch\n")
+    with pytest.raises(SymmemError, match="does not model"):
+        derive("gpt2", convention=conv, **field)
+    # honest: such a convention has no step (no peak) at all, while under pytorch the option moves the peak
+    assert not derivation(build("gpt2"), convention(conv), Regime(**field)).has_peak
+
+
+def test_step_options_move_pytorchs_peak():
+    """The other side of the refusals: where the step is modelled each option changes the peak.  ResNet-18 at its
+    defaults (B = 64, 1000 classes): the held logits are 64 x 1000 FP32 values, 256,000 bytes."""
+    base = derive("resnet18").value("peak")
+    assert derive("resnet18", keep_logits=True).value("peak") - base == 64 * 1000 * 4
+    assert derive("resnet18", micro_batches=2).value("peak") > base
+    assert derive("mlp", optimizer_impl="for-loop").value("peak") != derive("mlp").value("peak")
+
+
+def test_step_options_for_one_layer_are_refused(capsys):
+    code, _, err = cli(capsys, "derive", "gpt2", "--per-layer", "--keep-logits")
+    assert code == 2 and err == ("symmem: error: keep_logits=True shapes the training step's peak, which one layer "
+                                 "(per_layer) does not model: leave it out\n")
+
+
+@pytest.mark.parametrize("model", [m for m in available() if m != "counts" and not build(m).graph.blocks])
+def test_checkpointing_a_model_without_a_repeated_layer_is_refused(capsys, model):
+    code, out, err = cli(capsys, "derive", model, "--checkpoint", "full")
+    assert code == 2 and out == ""
+    assert err == (f"symmem: error: checkpoint='full' recomputes repeated layers, and {model} has none: leave it "
+                   "out\n")
+    # honest: the engine, asked anyway, keeps the same terms and the same peak
+    with_ckpt = derivation(build(model), convention("pytorch"), Regime(checkpoint="full"))
+    without = derivation(build(model), convention("pytorch"), Regime())
+    assert sorted(map(str, (t.expr for t in with_ckpt.terms))) == sorted(map(str, (t.expr for t in without.terms)))
+    assert with_ckpt.value("peak") == without.value("peak")
+
+
+def test_what_has_an_effect_stays_accepted(capsys):
+    """The documented uses: the paper convention with naive attention, Megatron's dropout masks, the pytorch
+    convention with every option, checkpointing a model with repeated layers."""
+    assert cli(capsys, "derive", "vit-b16", "--convention", "paper", "--attention", "naive")[0] == 0
+    assert derive("gpt2", convention="megatron", dropout=0.0).value("activations") < derive(
+        "gpt2", convention="megatron").value("activations")
+    assert cli(capsys, "derive", "gpt2", "--dropout", "0.0", "--cache", "none", "--gelu", "fused", "--loss",
+               "cross-entropy", "--keep-logits", "--micro-batches", "2", "--optimizer-impl", "fused")[0] == 0
+    assert cli(capsys, "derive", "resnet18", "--convention", "paper", "--checkpoint", "full")[0] == 0
