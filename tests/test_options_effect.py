@@ -32,11 +32,11 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def terms(model, conv: str, regime: Regime = Regime()) -> list[tuple[str, str]]:
-    """The derivation's terms, made by the engine without the front's checks."""
+def terms(model, conv: str) -> list[tuple[str, str]]:
+    """The derivation's terms under the default regime, made by the engine without the front's checks."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d = derivation(model, convention(conv), regime)
+        d = derivation(model, convention(conv), Regime())
     return sorted((t.name, str(t.expr)) for t in d.terms)
 
 
