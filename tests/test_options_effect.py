@@ -131,3 +131,25 @@ def test_what_has_an_effect_stays_accepted(capsys):
     assert cli(capsys, "derive", "gpt2", "--dropout", "0.0", "--cache", "none", "--gelu", "fused", "--loss",
                "cross-entropy", "--keep-logits", "--micro-batches", "2", "--optimizer-impl", "fused")[0] == 0
     assert cli(capsys, "derive", "resnet18", "--convention", "paper", "--checkpoint", "full")[0] == 0
+
+
+# -- --width is honoured (issue 22, item 5) ------------------------------------------------------------------
+def test_width_is_honoured(capsys):
+    """``derive vgg11 --width 70`` printed a 98-column line: the peak's formula with its note in words, which
+    the formula wrapper cannot cut.  Every line now fits, and nothing is lost: the note is all there."""
+    code, out, _ = cli(capsys, "derive", "vgg11", "--width", "70")
+    assert code == 0 and max(len(line) for line in out.splitlines()) <= 70
+    assert "(the largest of 2 moments at these sizes)" in " ".join(x.strip() for x in out.splitlines())
+
+
+@pytest.mark.parametrize("model, options", [("vgg11", {}), ("llama", {}), ("resnet50", {}), ("mlp", {}),
+                                            ("gpt2", {"zero": 3, "tensor_parallel": True})])
+def test_no_line_is_wider_than_the_width(model, options):
+    from symmem.report.text import summary
+
+    d = derive(model, **options)
+    for width in (40, 41, 45, 46, 50, 57, 70, 85, 95, 100, 120):
+        for cut in (False, True):
+            for fold in (False, True):
+                text = summary(d, width=width, cut=cut, fold=fold)
+                assert max(len(line) for line in text.splitlines()) <= width, (width, cut, fold)
