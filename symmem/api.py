@@ -24,6 +24,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import sympy
+
 from .conventions import Convention
 from .conventions import convention as get_convention
 from .derivation import Derivation
@@ -55,7 +57,33 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     in :func:`trace` and on the command line (:mod:`symmem.options`).
     """
     model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords, per_layer)
-    return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+    d = derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+    return _where_it_holds(d, conv, model)
+
+
+#: What a derivation says where its numbers lie outside the convention's domain (:meth:`holds`).
+OUTSIDE = ("at these sizes the formulas count a copy PyTorch does not make (at B = 1 a batched matmul folds a head "
+           "view into its batch and keeps the view's base): they hold where {domain} (docs/pytorch-sequence.md, "
+           "Known gaps)")
+
+
+def _where_it_holds(d: Derivation, conv: Convention, model: Model) -> Derivation:
+    """``d`` with the convention's own domain (:meth:`~symmem.conventions.pytorch.PytorchConvention.holds`: where
+    its rules give what PyTorch keeps) added to its domain, in its free symbols, and a note where its numbers lie
+    outside."""
+    holds = getattr(conv, "holds", None)
+    where = holds(model.graph) if holds is not None else True
+    if where is True or where == sympy.true:
+        return d
+    others = {s: sympy.Integer(v) for s, v in d.numbers.items() if s not in d.free}
+    where = where.xreplace(others)
+    if where == sympy.true:
+        return d
+    notes = d.notes
+    if where.xreplace({s: sympy.Integer(v) for s, v in d.numbers.items()}) == sympy.false:
+        notes = (*notes, OUTSIDE.format(domain=where))
+    domain = where if d.domain == sympy.true else sympy.And(d.domain, where)
+    return dataclasses.replace(d, domain=domain, notes=notes)
 
 
 def _regime(regime: Regime | None, keywords: dict[str, Any]) -> Regime:

@@ -58,6 +58,49 @@ class PytorchConvention(Convention):
     def _context(graph: Graph, node: Node, options: Mapping[str, Any]) -> ops.RuleContext:
         return ops.RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options)
 
+    def holds(self, graph: Graph) -> Any:
+        """Where the rules give the bytes PyTorch keeps, beyond every size being a positive integer: a condition
+        on the sizes (``sympy.true``: everywhere).
+
+        The stride rules take a symbolic size as at least 2 (:mod:`symmem.strides`); B is not a unit size.  At
+        B = 1 a batched matmul folds an operand's head view into ``bmm``'s batch without the copy the rule keeps
+        (B merges with the heads), and keeps the view's base instead: where the base is not the copy's size
+        (GPT-2's eager attention keeps ``c_attn``'s whole (1, S, 3H) output, not a (1, h, S, d) copy), the
+        formulas hold for B >= 2 only (docs/pytorch-sequence.md, "Known gaps")."""
+        import sympy
+
+        from ..strides import matmul_copies
+        from ..symbols import B
+
+        def at_one(spec: Any) -> tuple[Any, Any]:
+            strides = None if spec.strides is None else tuple(sympy.sympify(x).xreplace({B: 1}) for x in spec.strides)
+            return tuple(sympy.sympify(d).xreplace({B: 1}) for d in spec.shape), strides
+
+        def base(name: str) -> Any:
+            node = graph.node(name)
+            while node.view_of is not None:
+                node = graph.node(node.inputs[node.view_of])
+            return node.out
+
+        found: list[Any] = []
+        for name in graph.order():
+            node = graph.node(name)
+            copies = node.fact("copy_inputs", ()) if node.kind == "matmul" else ()
+            if not copies or B not in {x for i in node.inputs for d in graph.node(i).out.shape
+                                       for x in sympy.sympify(d).free_symbols}:
+                continue
+            ins = [graph.node(i).out for i in node.inputs]
+            folded = matmul_copies(*(at_one(x) for x in ins))
+            for c in copies:
+                i, when = c if isinstance(c, tuple) else (c, sympy.true)
+                if folded[i] is not False:
+                    continue
+                copy, kept = (sympy.sympify(x.numel).xreplace({B: 1}) for x in (ins[i], base(node.inputs[i])))
+                ratio = sympy.simplify(copy / kept)
+                if ratio != 1:
+                    found.append(sympy.simplify_logic(sympy.Or(sympy.Ge(B, 2), sympy.Not(when), sympy.Eq(ratio, 1))))
+        return sympy.And(*dict.fromkeys(found))
+
     def finds_nothing(self, graph: Graph) -> str | None:
         # asked only when nothing was kept: a network that trains keeps something for backward
         if any(graph.node(n).role == "activations" for n in graph.order()):
