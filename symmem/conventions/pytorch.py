@@ -72,9 +72,11 @@ class PytorchConvention(Convention):
         from ..strides import matmul_copies
         from ..symbols import B
 
+        def one(x: Any) -> Any:
+            return sympy.sympify(x, strict=True).xreplace({B: 1})
+
         def at_one(spec: Any) -> tuple[Any, Any]:
-            strides = None if spec.strides is None else tuple(sympy.sympify(x).xreplace({B: 1}) for x in spec.strides)
-            return tuple(sympy.sympify(d).xreplace({B: 1}) for d in spec.shape), strides
+            return tuple(one(d) for d in spec.shape), None if spec.strides is None else tuple(map(one, spec.strides))
 
         def base(name: str) -> Any:
             node = graph.node(name)
@@ -87,7 +89,7 @@ class PytorchConvention(Convention):
             node = graph.node(name)
             copies = node.fact("copy_inputs", ()) if node.kind == "matmul" else ()
             if not copies or B not in {x for i in node.inputs for d in graph.node(i).out.shape
-                                       for x in sympy.sympify(d).free_symbols}:
+                                       for x in sympy.sympify(d, strict=True).free_symbols}:
                 continue
             ins = [graph.node(i).out for i in node.inputs]
             folded = matmul_copies(*(at_one(x) for x in ins))
@@ -95,7 +97,7 @@ class PytorchConvention(Convention):
                 i, when = c if isinstance(c, tuple) else (c, sympy.true)
                 if folded[i] is not False:
                     continue
-                copy, kept = (sympy.sympify(x.numel).xreplace({B: 1}) for x in (ins[i], base(node.inputs[i])))
+                copy, kept = one(ins[i].numel), one(base(node.inputs[i]).numel)
                 ratio = sympy.simplify(copy / kept)
                 if ratio != 1:
                     found.append(sympy.simplify_logic(sympy.Or(sympy.Ge(B, 2), sympy.Not(when), sympy.Eq(ratio, 1))))

@@ -93,7 +93,9 @@ def requirements(graph: Graph, symbols: Sequence[sympy.Symbol], regime: Regime
     Tensor parallelism splits attention heads and MLP widths (Megatron-LM's column/row-parallel linears), so it
     needs layers with those roles and ``t`` dividing the heads ``h``, the key/value heads ``G`` and the MLP
     width ``F``; sequence parallelism splits ``S`` over ``t`` too.  Pipeline parallelism needs repeated layers
-    and at most as many stages as layers.  Checkpointing every K layers needs K <= the layers of a block.
+    and at most as many stages as layers, and ``p`` dividing the layers (an even split, as Megatron-LM's).  A
+    dimension of the model's own named N, t or p under the regime that brings that size is refused (the two
+    would be one symbol).  Checkpointing every K layers needs K <= the layers of a block.
     """
     def split() -> str | None:
         return next((n for n in graph.order() if graph.node(n).role in TP_ROLES), None)
