@@ -98,9 +98,10 @@ class PytorchConvention(Convention):
                 if folded[i] is not False:
                     continue
                 copy, kept = one(ins[i].numel), one(base(node.inputs[i]).numel)
-                ratio = sympy.simplify(copy / kept)
+                ratio = sympy.cancel(copy / kept)
                 if ratio != 1:
-                    found.append(sympy.simplify_logic(sympy.Or(sympy.Ge(B, 2), sympy.Not(when), sympy.Eq(ratio, 1))))
+                    where = sympy.Or(sympy.Ge(B, 2), sympy.Not(when), sympy.Eq(ratio, 1))
+                    found.append(where if when is sympy.true else _logic(where))
         return sympy.And(*dict.fromkeys(found))
 
     def finds_nothing(self, graph: Graph) -> str | None:
@@ -111,6 +112,18 @@ class PytorchConvention(Convention):
                     "output, twice for backward) or trace the real module (symmem trace)")
         return ("autograd keeps no activation for backward in this graph (no op whose backward needs a "
                 "tensor): the formula is the parameter side and the input alone")
+
+
+def _logic(condition: Any) -> Any:
+    """``condition`` simplified as Boolean logic over its relations, each taken as an atom (``Ne(x, 1)`` as
+    ``~Eq(x, 1)``): what sympy's ``simplify_logic`` gives without simplifying every relation on the way."""
+    import sympy
+
+    relations = condition.atoms(sympy.Eq, sympy.Ne, sympy.Ge, sympy.Gt, sympy.Le, sympy.Lt)
+    atoms = {a: sympy.Dummy() for a in {sympy.Eq(*r.args) if isinstance(r, sympy.Ne) else r for r in relations}}
+    as_atoms = {r: sympy.Not(atoms[sympy.Eq(*r.args)]) if isinstance(r, sympy.Ne) else atoms[r] for r in relations}
+    simple = sympy.simplify_logic(condition.xreplace(as_atoms))
+    return simple.xreplace({d: a for a, d in atoms.items()})
 
 
 register("pytorch", PytorchConvention())
