@@ -13,6 +13,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from symmem import SymmemError, derive
 from symmem.cli import main
@@ -153,3 +155,32 @@ def test_no_line_is_wider_than_the_width(model, options):
             for fold in (False, True):
                 text = summary(d, width=width, cut=cut, fold=fold)
                 assert max(len(line) for line in text.splitlines()) <= width, (width, cut, fold)
+
+
+# -- the family the fuzz corpus found: options under every convention ----------------------------------------
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(model=st.sampled_from(["mlp", "vgg11", "resnet18", "vit-ti16", "gpt2", "bert-base", "llama"]),
+       conv=st.sampled_from(["pytorch", "paper", "megatron", "cs231n"]),
+       flags=st.lists(st.sampled_from([("--keep-logits",), ("--micro-batches", "2"), ("--optimizer-impl", "fused"),
+                                       ("--checkpoint", "full"), ("--loss", "cross-entropy"), ("--dropout", "0.2"),
+                                       ("--cache", "none"), ("--gelu", "fused"), ("--attention", "naive"),
+                                       ("--per-layer",), ("--device", "cpu")]), max_size=3, unique=True))
+def test_options_under_every_convention_answer_or_refuse_in_one_line(model, conv, flags):
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        small = ["--set", "B=2"] + (["--set", "L=2"] if model not in ("mlp", "vgg11", "resnet18") else [])
+        code = main(["derive", model, "--convention", conv, *small, *[x for f in flags for x in f]])
+    if code == 2:
+        assert out.getvalue() == "" and err.getvalue().startswith("symmem: error: ")
+        assert err.getvalue().count("\n") == 1
+    else:
+        assert code == 0 and out.getvalue()
+        given_ = {f[0] for f in flags}
+        # what is refused under a convention never passes
+        assert not ({"--keep-logits", "--micro-batches", "--optimizer-impl"} & given_
+                    and (conv != "pytorch" or "--per-layer" in given_))
+        assert not any(f"--{o}" in given_ for o in convention(conv).blind_to if o != "loss")
