@@ -32,7 +32,7 @@ from .derivation import Derivation
 from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
-from .options import check_effect, resolve
+from .options import check_effect, check_step, resolve
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` and :func:`trace` take as keywords.
@@ -229,6 +229,7 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
                                per_layer=per_layer, shown=shown)
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
                            multiple_of, device, free)
+    check_step(regime, step)
     return derivation_of(ledger, regime, step)
 
 

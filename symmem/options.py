@@ -92,12 +92,17 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
     Traceback (most recent call last):
     symmem.errors.SymmemError: keep_logits=True shapes the training step's peak, which the paper convention ...
     """
-    no_step = "one layer (per_layer)" if per_layer else (
-        None if convention.models_step else f"the {convention.name} convention (an accounting with no step)")
+    no_step, out = None, ""
+    if per_layer:
+        no_step = "one layer (per_layer)"
+    elif not convention.models_step:
+        no_step, out = f"the {convention.name} convention (an accounting with no step)", ", or use convention pytorch"
+    elif regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
+        # the step is one device's, op by op (passes/schedule.Simulation refuses a model split over devices)
+        no_step = "the pytorch convention under ZeRO, tensor or pipeline parallelism (it follows one device)"
     for name, default in STEP_FIELDS:
         value = getattr(regime, name)
         if value != default and no_step is not None:
-            out = "" if per_layer else ", or use convention pytorch"
             raise SymmemError(f"{name}={value!r} shapes the training step's peak, which {no_step} does not "
                               f"model: leave it out{out}")
     if regime.checkpoint != "none" and not repeated:
@@ -111,6 +116,21 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
         if why is not None:
             raise SymmemError(f"{name}={value!r} has no effect under the {convention.name} convention ({why}): "
                               "leave it out, or use convention pytorch")
+
+
+def check_step(regime: Any, step: Any) -> None:
+    """Refuse the step's options (``optimizer_impl``, ``keep_logits``, ``micro_batches``) where the derivation's
+    step is refused (:class:`~symmem.step.Refused`: a traced module under ZeRO, tensor or pipeline parallelism, or
+    a precision its step does not run): they would change nothing."""
+    from .step import Refused
+
+    if not isinstance(step, Refused):
+        return
+    for name, default in STEP_FIELDS:
+        value = getattr(regime, name)
+        if value != default:
+            raise SymmemError(f"{name}={value!r} shapes the training step's peak, which is not modelled here "
+                              f"({step.why}): leave it out")
 
 
 HELP = {

@@ -184,3 +184,33 @@ def test_options_under_every_convention_answer_or_refuse_in_one_line(model, conv
         assert not ({"--keep-logits", "--micro-batches", "--optimizer-impl"} & given_
                     and (conv != "pytorch" or "--per-layer" in given_))
         assert not any(f"--{o}" in given_ for o in convention(conv).blind_to if o != "loss")
+
+
+def test_step_options_where_the_step_is_refused_are_refused(capsys, monkeypatch):
+    """Under ZeRO, tensor or pipeline parallelism the step (one device's, op by op) is not modelled, in a built
+    graph or a traced module, and a traced module's step runs its own dtypes: the step's options change nothing
+    there (no peak at all), and are refused."""
+    from symmem.report.text import step_peaks
+
+    assert step_peaks(derive("gpt2", zero=3)) == []  # honest: no peak under ZeRO to shape
+    for flags in (["--zero", "3"], ["--tensor-parallel"], ["--pipeline-parallel"]):
+        code, _, err = cli(capsys, "derive", "gpt2", *flags, "--keep-logits")
+        assert code == 2 and err == (
+            "symmem: error: keep_logits=True shapes the training step's peak, which the pytorch convention under "
+            "ZeRO, tensor or pipeline parallelism (it follows one device) does not model: leave it out\n")
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    import symmem
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from tests.trace_helpers import mlp_with_inputs
+
+    net, inputs = mlp_with_inputs()
+
+    with pytest.raises(SymmemError, match=r"^micro_batches=2 shapes the training step's peak, which is not modelled "
+                                          r"here \(the peak follows one device's training step op by op; ZeRO"):
+        symmem.trace(net, inputs, {"B": [(0, 0)]}, zero=2, micro_batches=2)
+    with pytest.raises(SymmemError, match=r"^keep_logits=True shapes the training step's peak, which is not "
+                                          r"modelled here \(precision='mixed' sets the parameter side only"):
+        symmem.trace(net, inputs, {"B": [(0, 0)]}, precision="mixed", keep_logits=True)
