@@ -24,13 +24,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import sympy
+
 from .conventions import Convention
 from .conventions import convention as get_convention
 from .derivation import Derivation
 from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
-from .options import resolve
+from .options import check_effect, check_step, resolve
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` and :func:`trace` take as keywords.
@@ -54,8 +56,34 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     the output's sum).  ``device``, ``loss``, ``checkpoint``, ``precision`` and ``autocast`` mean what they mean
     in :func:`trace` and on the command line (:mod:`symmem.options`).
     """
-    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords)
-    return derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+    model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords, per_layer)
+    d = derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
+    return _where_it_holds(d, conv, model)
+
+
+#: What a derivation says where its numbers lie outside the convention's domain (:meth:`holds`).
+OUTSIDE = ("at these sizes the formulas count a copy PyTorch does not make (at B = 1 a batched matmul folds a head "
+           "view into its batch and keeps the view's base): they hold where {domain} (docs/pytorch-sequence.md, "
+           "Known gaps)")
+
+
+def _where_it_holds(d: Derivation, conv: Convention, model: Model) -> Derivation:
+    """``d`` with the convention's own domain (:meth:`~symmem.conventions.pytorch.PytorchConvention.holds`: where
+    its rules give what PyTorch keeps) added to its domain, in its free symbols, and a note where its numbers lie
+    outside."""
+    holds = getattr(conv, "holds", None)
+    where = holds(model.graph) if holds is not None else True
+    if where is True or where == sympy.true:
+        return d
+    others = {s: sympy.Integer(v) for s, v in d.numbers.items() if s not in d.free}
+    where = where.xreplace(others)
+    if where == sympy.true:
+        return d
+    notes = d.notes
+    if where.xreplace({s: sympy.Integer(v) for s, v in d.numbers.items()}) == sympy.false:
+        notes = (*notes, OUTSIDE.format(domain=where))
+    domain = where if d.domain == sympy.true else sympy.And(d.domain, where)
+    return dataclasses.replace(d, domain=domain, notes=notes)
 
 
 def _regime(regime: Regime | None, keywords: dict[str, Any]) -> Regime:
@@ -86,10 +114,10 @@ def _unknown(keywords: Mapping[str, Any], convention: str) -> SymmemError:
 
 
 def _setup(model: Model | str, convention: str | Convention, regime: Regime | None,
-           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any]
+           options: Mapping[str, Any] | None, loss: str | None, keywords: dict[str, Any], per_layer: bool = False
            ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
     """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
-    the convention's options."""
+    the convention's options; an option that would have no effect is refused (:func:`symmem.options.check_effect`)."""
     shared = resolve("derive", device=keywords.pop("device", None), loss=loss,
                      autocast=keywords.pop("autocast", None))
     if shared.device is not None:
@@ -97,6 +125,7 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
     conv = get_convention(convention)
     regime = _regime(regime, keywords)
     conv_options = _options(options, conv.options, keywords)
+    builder = dict(keywords)
     if isinstance(model, str):
         from .models import build
 
@@ -105,6 +134,8 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
         raise SymmemError(f"model must be a built-in model's name or a symmem Model, got {type(model).__name__}")
     elif keywords:
         raise _unknown(keywords, conv.name)
+    check_effect(conv, regime, model=model.name, repeated=bool(model.graph.blocks), builder=builder,
+                 loss=shared.loss, per_layer=per_layer)
     if shared.loss != "sum":
         from .loss import with_loss
 
@@ -198,6 +229,7 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
                                per_layer=per_layer, shown=shown)
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
                            multiple_of, device, free)
+    check_step(regime, step)
     return derivation_of(ledger, regime, step, tracing.no_step(recorded, regime))
 
 

@@ -25,7 +25,7 @@ symmem.errors.SymmemError: autocast='bfloat16' runs a traced module's forward un
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -74,6 +74,63 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
         if autocast not in AUTOCASTS:
             raise SymmemError(f"autocast must be one of {', '.join(AUTOCASTS)}, got {autocast!r}")
     return Shared(device, loss, checkpoint, precision, autocast)
+
+
+#: The regime's fields that only the training step reads (its peak), with their defaults.
+STEP_FIELDS = (("optimizer_impl", "auto"), ("keep_logits", False), ("micro_batches", 1))
+
+
+def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, builder: Mapping[str, Any],
+                 loss: Any = "sum", per_layer: bool = False) -> None:
+    """Refuse an option a derivation would accept with no effect, naming why and the way out: an option of the
+    step where no step is modelled (a convention that counts by role, one layer), checkpointing of a model with no
+    repeated layer, and a builder option or a loss the convention does not see (``convention.blind_to``).
+
+    >>> from symmem.conventions import convention
+    >>> from symmem.training import Regime
+    >>> check_effect(convention("paper"), Regime(keep_logits=True), model="gpt2", repeated=True, builder={})
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: keep_logits=True shapes the training step's peak, which the paper convention ...
+    """
+    no_step, out = None, ""
+    if per_layer:
+        no_step = "one layer (per_layer)"
+    elif not convention.models_step:
+        no_step, out = f"the {convention.name} convention (an accounting with no step)", ", or use convention pytorch"
+    elif regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
+        # the step is one device's, op by op (passes/schedule.Simulation refuses a model split over devices)
+        no_step = "the pytorch convention under ZeRO, tensor or pipeline parallelism (it follows one device)"
+    for name, default in STEP_FIELDS:
+        value = getattr(regime, name)
+        if value != default and no_step is not None:
+            raise SymmemError(f"{name}={value!r} shapes the training step's peak, which {no_step} does not "
+                              f"model: leave it out{out}")
+    if regime.checkpoint != "none" and not repeated:
+        raise SymmemError(f"checkpoint={regime.checkpoint!r} recomputes repeated layers, and {model} has none: "
+                          "leave it out")
+    given = dict(builder)
+    if loss != "sum":
+        given["loss"] = loss
+    for name, value in given.items():
+        why = convention.blind_to.get(name)
+        if why is not None:
+            raise SymmemError(f"{name}={value!r} has no effect under the {convention.name} convention ({why}): "
+                              "leave it out, or use convention pytorch")
+
+
+def check_step(regime: Any, step: Any) -> None:
+    """Refuse the step's options (``optimizer_impl``, ``keep_logits``, ``micro_batches``) where the derivation's
+    step is refused (:class:`~symmem.step.Refused`: a traced module under ZeRO, tensor or pipeline parallelism, or
+    a precision its step does not run): they would change nothing."""
+    from .step import Refused
+
+    if not isinstance(step, Refused):
+        return
+    for name, default in STEP_FIELDS:
+        value = getattr(regime, name)
+        if value != default:
+            raise SymmemError(f"{name}={value!r} shapes the training step's peak, which is not modelled here "
+                              f"({step.why}): leave it out")
 
 
 HELP = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import sympy
 
 from symmem import GraphBuilder, SymmemError, derive
 from symmem.cli import main
@@ -295,3 +296,66 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     proc.stdout.close()  # the reader goes away before anything is written: the write meets a broken pipe
     err = proc.stderr.read()
     assert (proc.wait(timeout=120), err) == (0, b"")
+
+
+# -- issue 22, item 6: plot's sweep, the B = 1 domain, --config numbers --------------------------------------
+def test_plot_refuses_the_sizes_derive_refuses(capsys, tmp_path):
+    """``plot batch`` swept B up to 2**63 - 1, which derive refuses (a tensor of more elements than PyTorch
+    allows): the sweep refuses it with derive's own reason."""
+    out = str(tmp_path / "b.png")
+    assert main(["derive", "gpt2", "--set", "B=9223372036854775800"]) == 2
+    reason = capsys.readouterr().err.removeprefix("symmem: error: ")
+    # the sweep 9223372036854775000, ...100, ..., ...800: its largest is refused first, as derive refuses it
+    assert main(["plot", "batch", "gpt2", "--range", "9223372036854775000:9223372036854775807:100", "-o", out]) == 2
+    err = capsys.readouterr().err
+    assert err == f"symmem: error: the sweep's B = 9,223,372,036,854,775,800 is a size derive refuses: {reason}"
+    assert err.count("\n") == 1
+    from symmem.report.plots import _swept
+
+    with pytest.raises(SymmemError, match=r"the sweep's B = 9,223,372,036,854,775,808 is a size derive refuses"):
+        _swept("B", [1, 2**63], 0, 8, None)
+    # the default sweep (a budget no B reaches) keeps to the values derive accepts
+    from symmem.api import acceptor
+
+    accepts = acceptor("gpt2")
+    swept = _swept("B", None, 2**62, 8, lambda v: accepts("B", v))
+    assert swept and all(accepts("B", v) is None for v in swept) and accepts("B", 2 * max(swept)) is not None
+
+
+def test_where_pytorchs_formulas_hold_at_b_1(capsys):
+    """At B = 1 a batched matmul folds a head view of a fused QKV projection into its batch without the copy the
+    formulas count and keeps the projection's whole output (docs/pytorch-sequence.md, Known gaps): real PyTorch
+    differs there, so derive says where the formulas hold (B >= 2) and notes it when B = 1.  Where the base is the
+    copy's size (BERT, SDPA), nothing changes and no domain is added."""
+    torch = pytest.importorskip("torch")  # noqa: F841
+    small = ["--set", "L=1", "--set", "S=64", "--device", "cpu"]
+    assert main(["verify", "gpt2", "--set", "B=1", *small]) == 1  # real PyTorch: not exact at B = 1
+    assert main(["verify", "gpt2", "--set", "B=2", *small]) == 0
+    assert main(["verify", "bert-base", "--set", "B=1", *small]) == 0
+    capsys.readouterr()
+    one = derive("gpt2", values={"B": 1})
+    assert str(one.domain) == "B >= 2" and one.notes == (
+        "at these sizes the formulas count a copy PyTorch does not make (at B = 1 a batched matmul folds a head "
+        "view into its batch and keeps the view's base): they hold where B >= 2 (docs/pytorch-sequence.md, "
+        "Known gaps)",)
+    assert derive("gpt2").notes == () and str(derive("gpt2").domain) == "B >= 2"
+    for model, options in (("bert-base", {}), ("gpt2", {"attention": "sdpa"}), ("llama", {"attention": "naive"})):
+        d = derive(model, values={"B": 1}, **options)
+        assert d.notes == (), model
+    assert derive("bert-base").domain is sympy.true and derive("gpt2", attention="sdpa").domain is sympy.true
+    # Llama's eager attention: a copy of the repeated key/value heads only where G = 1 (< h)
+    assert derive("llama", attention="naive", values={"B": 1, "G": 1, "h": 32}).notes != ()
+    assert main(["derive", "gpt2", "--set", "B=1"]) == 0
+    assert "holds where: B >= 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("1e400", "1e400 is beyond the range of a float (it would be inf); give a finite number"),
+    ("-1e400", "-1e400 is beyond the range of a float (it would be -inf); give a finite number"),
+    ("1e-400", "1e-400 is below the smallest float (it would be 0.0); give a larger number or 0"),
+    ("9" * 5000, "an integer of 5,000 characters is more than a config holds; give a smaller number"),
+])
+def test_config_numbers_python_cannot_hold_are_refused(capsys, value, fragment):
+    assert main(["trace", "hf:gpt2", "--config", f"x={value}", "--dims", "B,S"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: --config x=") and err.endswith(f": {fragment}\n") and err.count("\n") == 1

@@ -219,3 +219,24 @@ def test_checkpoint_in_storage_counting_convention():
     assert sympy.expand(full.activations - 4 * B * H * (L - 1)) == 0
     assert full.input == 4 * B * H
     assert sympy.expand(full.transient) == 4 * (B * H + 4 * B * H)
+
+
+# -- pipeline stages split the layers evenly (issue 22, item 3) --------------------------------------------
+def test_pipeline_stages_must_divide_the_layers(capsys):
+    """Megatron-LM splits the layers evenly (``get_num_layers_to_build`` asserts num_layers % p == 0), and the
+    formulas divide the layers' terms by p: 12 layers over 5 stages (2.4 a stage) is refused in one line."""
+    with pytest.raises(SymmemError) as e:
+        derive("gpt2", pipeline_parallel=True, values={"p": 5})
+    assert str(e.value) == ("node 'h.input' (block_input): needs p to divide L (Mod(L, p) = 0), which fails at "
+                            "L=12, p=5; set the symbols consistently")
+    assert main(["derive", "gpt2", "--pipeline-parallel", "--set", "L=10", "--set", "p=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: ") and err.count("\n") == 1 and "fails at L=10, p=4" in err
+    # p dividing L: each stage holds L/p whole layers (12 / 4 = 3 of GPT-2's per-layer activations, plus the
+    # p - 1 micro-batches in flight of the same 3 layers)
+    per_layer = derive("gpt2", per_layer=True).activations
+    d = derive("gpt2", pipeline_parallel=True, values={"p": 4})
+    stage, in_flight = (d.sum(group=g).subs({p: 4, L: 12}) for g in ("layer", "pipeline"))
+    assert sympy.expand(stage - 3 * per_layer) == 0 and sympy.expand(in_flight - 3 * 3 * per_layer) == 0
+    # p left to its default (4) where 4 does not divide L = 10: the largest halving that does (2)
+    assert derive("gpt2", pipeline_parallel=True, values={"L": 10}).numbers[p] == 2

@@ -308,3 +308,30 @@ def test_a_module_without_parameters_has_no_step_peak():
     with pytest.raises(symmem.SymmemError, match=r"^the module has no parameter: a training step has nothing to "
                                                  r"update"):
         _ = d.peak
+
+
+@pytest.mark.parametrize("name, flags, what", [
+    ("N", ["--zero", "3"], "the data-parallel size N (ZeRO: --zero 1|2|3)"),
+    ("t", ["--tensor-parallel"], "the tensor-parallel size t (tensor parallelism: --tensor-parallel)"),
+    ("p", ["--pipeline-parallel"], "the number of pipeline stages p (pipeline parallelism: --pipeline-parallel)"),
+])
+def test_a_dimension_named_like_a_parallel_size_does_not_merge_with_it(capsys, name, flags, what):
+    """``--dims N=0:0 --zero 3`` gave ``parameter_memory = 10816/N`` with N the batch: the user's dimension and the
+    regime's size were one symbol.  N, t and p mean the regime's sizes in every formula and option, so the
+    dimension is refused with the way out; under no regime that brings the name, N is the batch as declared."""
+    code, out, err = run(capsys, "trace", "tests.trace_helpers:mlp_with_inputs", "--dims", f"{name}=0:0", *flags)
+    assert code == 2 and out == ""
+    assert err == (f"symmem: error: dimension {name!r} of tests.trace_helpers:mlp_with_inputs is named like {what}, "
+                   "and the formula would merge the two: give the dimension another name (--dims B=..., "
+                   "dims={'B': ...} in Python)\n")
+    from tests.trace_helpers import mlp_with_inputs
+
+    net, inputs = mlp_with_inputs()
+    with pytest.raises(symmem.SymmemError, match=f"dimension {name!r} of Sequential is named like"):
+        symmem.trace(net, inputs, {name: [(0, 0)]}, zero=3 if name == "N" else 0,
+                     tensor_parallel=name == "t", pipeline_parallel=name == "p")
+    # without the regime the name is the user's: 16 inputs of 4 bytes a sample; 16*32 + 32 + 32*4 + 4 = 676
+    # parameters of 16 bytes (FP32 + AdamW), none divided by anything
+    d = symmem.trace(net, inputs, {name: [(0, 0)]})
+    sym = d.free[0]
+    assert sym.name == name and d.input == 64 * sym and d.parameter_memory == 676 * 16

@@ -104,13 +104,24 @@ def run(args: argparse.Namespace) -> int:
                 raise SymmemError(f"{d.model} has no symbol {name}, so there is no {args.kind} sweep")
             args.free = ",".join([s.name for s in d.free] + [name])
             d = derivation_from_args(args)
-        fig = plots.sweep(d, name, values, args.budget, output=args.output)
+        from .common import acceptor_from_args
+
+        check = acceptor_from_args(args)  # the checks derive makes of a size: the sweep plots only those it accepts
+
+        def accepts(value: int) -> str | None:
+            return check(name, value)
+
+        if any(s.name == name for s in d.tied):
+            # a size that follows from others (ViT's S from the image) moves with them along the sweep, which
+            # derive's checks of the size alone refuse: the sweep is then held to PyTorch's largest size only
+            accepts = None  # type: ignore[assignment]
+        fig = plots.sweep(d, name, values, args.budget, output=args.output, accepts=accepts)
         if args.budget is not None:
             from ..apps.budget import largest
 
             plots.close(fig)
             print(args.output)
-            largest(d, name, args.budget)  # "nothing fits" is an answer: exit 1, after drawing it
+            largest(d, name, args.budget, accepts=accepts)  # "nothing fits" is an answer: exit 1, after drawing it
             return 0
     plots.close(fig)
     print(args.output)

@@ -58,6 +58,15 @@ class Convention:
     dedup: bool
     options: Mapping[str, Any]
     unsupported: Mapping[str, str] = {}
+    #: options of a built model (builder options and ``loss``) that this accounting does not see, and why: they
+    #: are refused under it rather than accepted with no effect (:func:`symmem.options.check_effect`)
+    blind_to: Mapping[str, str] = {}
+
+    @property
+    def models_step(self) -> bool:
+        """Whether the convention models the training step (what backward allocates), so that a derivation has a
+        peak and the options of the step (``optimizer_impl``, ``keep_logits``, ``micro_batches``) mean something."""
+        return type(self).grads is not Convention.grads
 
     def saved(self, graph: Graph, node: Node, options: Mapping[str, Any]) -> list[Saved]:
         raise NotImplementedError
@@ -99,6 +108,7 @@ class RoleConvention(Convention):
     extras: Mapping[str, tuple[Extra, ...]] = field(default_factory=dict)
     dedup: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    blind_to: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for role in (*self.keep_outputs, *self.keep_inputs):

@@ -21,7 +21,7 @@ does not list as layers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -45,6 +45,12 @@ class CS231n(Convention):
         "plus the input, counted once each; x2 for the backward pass as its own term")
     dedup: bool = False
     options: Mapping[str, Any] = None  # type: ignore[assignment]
+    blind_to: Mapping[str, str] = field(default_factory=lambda: {
+        "dropout": "it counts layer outputs, and a dropout is no layer in its table",
+        "cache": "it counts layer outputs, and the key/value cache copies are none",
+        "gelu": "it counts layer outputs, and an activation works in place in its rule",
+        "attention": "it counts layer outputs, and attention's internals are none",
+        "loss": "it counts layer outputs, and the loss is none"})
 
     def __post_init__(self) -> None:
         if self.options is None:

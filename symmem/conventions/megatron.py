@@ -49,6 +49,7 @@ MEGATRON = _Megatron(
     keep_outputs=frozenset({"residual", "attn_input", "qkv", "attn_probs", "attn_dropout", "proj_input",
                             "mlp_input", "mlp_hidden", "mlp_act"}),
     extras={"dropout": (Extra("mask", "uint8", "dropout_mask"),)},
+    blind_to={"cache": "it counts no key/value cache copy", "loss": "it counts nothing of the loss"},
 )
 
 register("megatron", MEGATRON)

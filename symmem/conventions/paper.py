@@ -24,6 +24,8 @@ PAPER = RoleConvention(
                             "patch_embed"}),
     keep_inputs={"downsample": (0,)},
     extras={"maxpool2d": (Extra("indices", "int32", "indices"),)},
+    blind_to={"dropout": "it counts no dropout mask or output", "cache": "it counts no key/value cache copy",
+              "gelu": "it counts the MLP hidden whichever GELU follows", "loss": "it counts nothing of the loss"},
 )
 
 register("paper", PAPER)

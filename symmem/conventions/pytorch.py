@@ -58,6 +58,52 @@ class PytorchConvention(Convention):
     def _context(graph: Graph, node: Node, options: Mapping[str, Any]) -> ops.RuleContext:
         return ops.RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options)
 
+    def holds(self, graph: Graph) -> Any:
+        """Where the rules give the bytes PyTorch keeps, beyond every size being a positive integer: a condition
+        on the sizes (``sympy.true``: everywhere).
+
+        The stride rules take a symbolic size as at least 2 (:mod:`symmem.strides`); B is not a unit size.  At
+        B = 1 a batched matmul folds an operand's head view into ``bmm``'s batch without the copy the rule keeps
+        (B merges with the heads), and keeps the view's base instead: where the base is not the copy's size
+        (GPT-2's eager attention keeps ``c_attn``'s whole (1, S, 3H) output, not a (1, h, S, d) copy), the
+        formulas hold for B >= 2 only (docs/pytorch-sequence.md, "Known gaps")."""
+        import sympy
+
+        from ..strides import matmul_copies
+        from ..symbols import B
+
+        def one(x: Any) -> Any:
+            return sympy.sympify(x, strict=True).xreplace({B: 1})
+
+        def at_one(spec: Any) -> tuple[Any, Any]:
+            return tuple(one(d) for d in spec.shape), None if spec.strides is None else tuple(map(one, spec.strides))
+
+        def base(name: str) -> Any:
+            node = graph.node(name)
+            while node.view_of is not None:
+                node = graph.node(node.inputs[node.view_of])
+            return node.out
+
+        found: list[Any] = []
+        for name in graph.order():
+            node = graph.node(name)
+            copies = node.fact("copy_inputs", ()) if node.kind == "matmul" else ()
+            if not copies or B not in {x for i in node.inputs for d in graph.node(i).out.shape
+                                       for x in sympy.sympify(d, strict=True).free_symbols}:
+                continue
+            ins = [graph.node(i).out for i in node.inputs]
+            folded = matmul_copies(*(at_one(x) for x in ins))
+            for c in copies:
+                i, when = c if isinstance(c, tuple) else (c, sympy.true)
+                if folded[i] is not False:
+                    continue
+                copy, kept = one(ins[i].numel), one(base(node.inputs[i]).numel)
+                ratio = sympy.cancel(copy / kept)
+                if ratio != 1:
+                    where = sympy.Or(sympy.Ge(B, 2), sympy.Not(when), sympy.Eq(ratio, 1))
+                    found.append(where if when is sympy.true else _logic(where))
+        return sympy.And(*dict.fromkeys(found))
+
     def finds_nothing(self, graph: Graph) -> str | None:
         # asked only when nothing was kept: a network that trains keeps something for backward
         if any(graph.node(n).role == "activations" for n in graph.order()):
@@ -66,6 +112,18 @@ class PytorchConvention(Convention):
                     "output, twice for backward) or trace the real module (symmem trace)")
         return ("autograd keeps no activation for backward in this graph (no op whose backward needs a "
                 "tensor): the formula is the parameter side and the input alone")
+
+
+def _logic(condition: Any) -> Any:
+    """``condition`` simplified as Boolean logic over its relations, each taken as an atom (``Ne(x, 1)`` as
+    ``~Eq(x, 1)``): what sympy's ``simplify_logic`` gives without simplifying every relation on the way."""
+    import sympy
+
+    relations = condition.atoms(sympy.Eq, sympy.Ne, sympy.Ge, sympy.Gt, sympy.Le, sympy.Lt)
+    atoms = {a: sympy.Dummy() for a in {sympy.Eq(*r.args) if isinstance(r, sympy.Ne) else r for r in relations}}
+    as_atoms = {r: sympy.Not(atoms[sympy.Eq(*r.args)]) if isinstance(r, sympy.Ne) else atoms[r] for r in relations}
+    simple = sympy.simplify_logic(condition.xreplace(as_atoms))
+    return simple.xreplace({d: a for a, d in atoms.items()})
 
 
 register("pytorch", PytorchConvention())

@@ -129,14 +129,37 @@ def parse_value(text: str) -> Any:
 
 
 def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
-    """``--config key=value`` items as a dict (later ones win)."""
+    """``--config key=value`` items as a dict (later ones win); a number Python cannot hold as written (``1e400``
+    would be infinity, ``1e-400`` zero, an integer of more digits than ``int()`` reads) is refused.
+
+    >>> parse_config(["n_layer=2", "layer_norm_epsilon=1e-5"])
+    {'n_layer': 2, 'layer_norm_epsilon': 1e-05}
+    >>> parse_config(["x=1e400"])
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: --config x=1e400: 1e400 is beyond the range of a float (it would be inf); give a ...
+    """
+    import math
+
     out: dict[str, Any] = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
-            raise SymmemError(f"--config {item!r}: expected key=value, e.g. --config n_layer=2")
-        out[key] = parse_value(value)
+            raise SymmemError(f"--config {item[:60]!r}: expected key=value, e.g. --config n_layer=2")
+        text = value.strip()
+        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+        try:
+            parsed = parse_value(value)
+        except ValueError:  # more digits than int() converts
+            raise SymmemError(f"--config {key}={shown}: an integer of {len(text):,} characters is more than "
+                              "a config holds; give a smaller number") from None
+        if isinstance(parsed, float) and not math.isfinite(parsed):
+            raise SymmemError(f"--config {key}={shown}: {shown} is beyond the range of a float (it would be "
+                              f"{parsed}); give a finite number")
+        if isinstance(parsed, float) and parsed == 0 and re.search(r"[1-9]", re.split(r"[eE]", value)[0]):
+            raise SymmemError(f"--config {key}={shown}: {shown} is below the smallest float (it would be 0.0); give "
+                              "a larger number or 0")
+        out[key] = parsed
     return out
 
 

@@ -55,8 +55,18 @@ SELECTIVE_ROLES = frozenset({"attn_scores", "attn_probs", "attn_dropout"})
 DEFAULTS: dict[sympy.Symbol, int] = {N: 8, t: 8, p: 4}
 
 
+#: What each regime symbol stands for, and the option that brings it.
+MEANINGS = {"N": "data-parallel size N", "t": "tensor-parallel size t", "p": "number of pipeline stages p"}
+FLAGS = {"N": "ZeRO: --zero 1|2|3", "t": "tensor parallelism: --tensor-parallel",
+         "p": "pipeline parallelism: --pipeline-parallel"}
+
+
 def symbols(regime: Regime) -> tuple[sympy.Symbol, ...]:
     """The symbols a regime brings: N with ZeRO, t with tensor parallelism, p with pipeline parallelism."""
+    return _brought(regime)
+
+
+def _brought(regime: Regime) -> tuple[sympy.Symbol, ...]:
     found = []
     if regime.zero:
         found.append(N)
@@ -73,9 +83,7 @@ def hint(name: str) -> str:
     >>> hint("t")
     ' (t comes with tensor parallelism: --tensor-parallel)'
     """
-    flags = {"N": "ZeRO: --zero 1|2|3", "t": "tensor parallelism: --tensor-parallel",
-             "p": "pipeline parallelism: --pipeline-parallel"}
-    return f" ({name} comes with {flags[name]})" if name in flags else ""
+    return f" ({name} comes with {FLAGS[name]})" if name in FLAGS else ""
 
 
 def requirements(graph: Graph, symbols: Sequence[sympy.Symbol], regime: Regime
@@ -85,7 +93,9 @@ def requirements(graph: Graph, symbols: Sequence[sympy.Symbol], regime: Regime
     Tensor parallelism splits attention heads and MLP widths (Megatron-LM's column/row-parallel linears), so it
     needs layers with those roles and ``t`` dividing the heads ``h``, the key/value heads ``G`` and the MLP
     width ``F``; sequence parallelism splits ``S`` over ``t`` too.  Pipeline parallelism needs repeated layers
-    and at most as many stages as layers.  Checkpointing every K layers needs K <= the layers of a block.
+    and at most as many stages as layers, and ``p`` dividing the layers (an even split, as Megatron-LM's).  A
+    dimension of the model's own named N, t or p under the regime that brings that size is refused (the two
+    would be one symbol).  Checkpointing every K layers needs K <= the layers of a block.
     """
     def split() -> str | None:
         return next((n for n in graph.order() if graph.node(n).role in TP_ROLES), None)
@@ -100,6 +110,13 @@ def needs(model: str, split: Callable[[], str | None], blocks: Sequence[tuple[st
     none), ``blocks`` the repeated blocks as (input node, count)."""
     found: list[tuple[str, sympy.Basic, None]] = []
     names = {s.name: s for s in symbols}
+    for own in _brought(regime):
+        if own.name in names:
+            # N, t and p mean the regime's sizes in every formula, option (--set t=8) and view; a dimension of
+            # the model's own under the same name would merge with it (10816/N, N the batch)
+            raise SymmemError(f"dimension {own.name!r} of {model} is named like the {MEANINGS[own.name]} "
+                              f"({FLAGS[own.name]}), and the formula would merge the two: give the dimension "
+                              f"another name (--dims B=..., dims={{'B': ...}} in Python)")
     if regime.tensor_parallel:
         first = split()
         if first is None:
@@ -114,7 +131,11 @@ def needs(model: str, split: Callable[[], str | None], blocks: Sequence[tuple[st
         if not blocks:
             raise SymmemError(f"pipeline parallelism splits repeated layers into stages; {model} has no repeated "
                               "layers")
-        found.append((blocks[0][0], sympy.Le(p, sympy.Add(*(count for _, count in blocks))), None))
+        layers = sympy.Add(*(count for _, count in blocks))
+        found.append((blocks[0][0], sympy.Le(p, layers), None))
+        # an even split, as Megatron-LM's (get_num_layers_to_build asserts num_layers % p == 0): a stage holds
+        # L/p layers, which the formulas divide by
+        found.append((blocks[0][0], sympy.Eq(sympy.Mod(layers, p), 0), None))
     every = checkpoint_every(regime.checkpoint)
     if every is not None:
         for node, count in blocks:

@@ -8,7 +8,7 @@ Each function returns the matplotlib figure and writes it when given ``output`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,10 +199,16 @@ def _lambdify(sym: sympy.Symbol, expr: sympy.Expr, scale: int = 1) -> Any:
 
 
 def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
-          budget: int | str | None = None, output: str | Path | None = None, unit: str = "GiB") -> Any:
+          budget: int | str | None = None, output: str | Path | None = None, unit: str = "GiB",
+          accepts: Callable[[int], str | None] | None = None) -> Any:
     """Memory against ``name`` (``B`` or ``S``): the peak of a training step (where the convention models
     the step), the total (kept at the end of the forward pass + parameter side) and the parameter side, with
-    the budget as a horizontal line and the largest fitting value marked -- or "nothing fits" written on it."""
+    the budget as a horizontal line and the largest fitting value marked -- or "nothing fits" written on it.
+
+    ``accepts(value)`` says why the model refuses ``value`` for ``name`` (None: accepted;
+    :func:`symmem.api.acceptor`): ``values`` the model refuses are refused as :func:`symmem.derive` refuses them,
+    and the default sweep keeps to the values it accepts.  Without it, values are checked against PyTorch's
+    largest size (2**63 - 1) only."""
     import numpy as np
 
     from ..apps.budget import default_quantity, largest
@@ -216,12 +222,10 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     fit, nothing = None, None
     if cap is not None:
         try:
-            fit = largest(d, name, cap)
+            fit = largest(d, name, cap, accepts=accepts)
         except NothingFits as exc:
             nothing = exc
-    if values is None:
-        top = max(2 * fit.max if fit is not None else 0, 2 * d.numbers[sym], 8)
-        values = np.unique(np.linspace(1, top, 200).astype(int))
+    values = _swept(name, values, fit.max if fit is not None else 0, d.numbers[sym], accepts)
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     curves = [(total, "total (kept at the end of forward + parameter side)", "--"), (par, "parameter side", ":")]
@@ -249,6 +253,45 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     fig.tight_layout()
     save(fig, output)
     return fig
+
+
+def _swept(name: str, values: Sequence[int] | None, fit: int, at: int, accepts: Callable[[int], str | None] | None
+           ) -> list[int]:
+    """The values a sweep plots: ``values``, each one a size :func:`symmem.derive` accepts (a refused one is a
+    :class:`SymmemError` with derive's reason), or by default 200 values up to twice the largest fitting value
+    and the derivation's own, those the model accepts."""
+    import numpy as np
+
+    from ..units import MAX_SIZE
+
+    def why(v: int) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or not 1 <= v <= MAX_SIZE:
+            return f"{name} must be a positive integer up to the largest size PyTorch allows (2**63 - 1)"
+        return None if accepts is None else accepts(int(v))
+
+    if values is not None:
+        values = list(values)
+        for x in [*values[-1:], *values]:  # the largest first: where a size outgrows PyTorch's largest tensor
+            reason = why(x)
+            if reason is not None:
+                shown = f"{x:,}" if isinstance(x, int | np.integer) else repr(x)
+                raise SymmemError(f"the sweep's {name} = {shown} is a size derive refuses: {reason}")
+        return values
+    top = min(max(2 * fit, 2 * at, 8), MAX_SIZE)
+    if why(top) is not None and why(1) is None:
+        # beyond the sizes the model accepts (a tensor past PyTorch's largest): up to the largest it accepts
+        lo, hi = 1, top
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if why(mid) is None else (lo, mid)
+        top = lo
+    # 200 values from 1 to top (in integers where a float would round them)
+    grid = np.unique(np.linspace(1, top, 200).astype(int)).tolist() if top < 2**53 else sorted(
+        {1 + (top - 1) * i // 199 for i in range(200)})
+    found = [v for v in grid if why(v) is None]
+    if not found:
+        raise SymmemError(f"no value of {name} up to {top:,} is a size the model accepts")
+    return found
 
 
 #: colours of the live-memory categories, as PyTorch's memory snapshot viewer groups them

@@ -193,8 +193,14 @@ def wrap(text: str, width: int) -> list[str]:
 
 
 def _cell(text: str, width: int, cut: bool) -> list[str]:
+    """``text`` on lines of at most ``width`` characters: :func:`wrap`, and where a piece has no place to cut
+    (a long number, a note in words), that piece wrapped at its spaces, a word wider than ``width`` in pieces; with
+    ``cut``, one line cut with an ellipsis."""
     if not cut:
-        return wrap(text, width)
+        out: list[str] = []
+        for line in wrap(text, width):
+            out += [line] if len(line) <= width else textwrap.wrap(line, max(width, 1), break_on_hyphens=False)
+        return out
     return [text if len(text) <= width else text[:width - 1] + "…"]
 
 
@@ -222,13 +228,14 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
             if t.group == group and t.category != "parameter" and group != "input":
                 rows.append((f"  {t.name}" + (f" [{t.role}]" if t.role else ""), t.expr))
     name = max(len("group / term"), min(_NAME, max((len(label) for label, _ in rows), default=0), width - 14 - 20))
-    formula = max(width - name - 14, 20)
-    lines = textwrap.wrap(title, width) + wrap(symbols, width)
+    formula = max(width - name - 14, 20 if width >= 46 else 14)  # 12 + 14 + 14 = 40 columns, the narrowest
+    lines = textwrap.wrap(title, width) + _cell(symbols, width, False)
     if d.domain is not sympy.true:
-        lines += wrap(f"holds where: {d.domain}", width)
+        lines += _cell(f"holds where: {d.domain}", width, False)
     for note in d.notes:
         lines += textwrap.wrap(f"NOTE: {note}", width)
-    lines += ["", f"{'group / term':<{name}} {'formula (bytes)':<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
+    header = "formula (bytes)" if formula >= 15 else "bytes"
+    lines += ["", f"{'group / term':<{name}} {header:<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
         cells = _cell(str(rounded(expr)), formula, cut)
         if len(label) > name:  # a long name on a line of its own (in pieces if it is wider than the table)
@@ -274,20 +281,24 @@ def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
         lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
                          width, cut)
         if key == "peak":
-            head, shown = f"{'':<20} {'':>12}       = ", str(rounded(moment.total))
+            head, formula = f"{'':<20} {'':>12}       = ", str(rounded(moment.total))
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
-            found = _totals(head, shown + (f"   {note}" if note else ""), width, cut)
-            if note and max(map(len, found)) > width:  # the note on a line of its own where it does not fit
-                found = _totals(head, shown, width, cut)
-                found.append((" " * len(head) if len(head) + len(note) <= width else "    ") + note)
-            lines += found
+            room = width - len(head) if width - len(head) >= 24 else width - 4  # as _totals lays it out
+            if not note or cut or all(len(x) <= room for x in wrap(f"{formula}   {note}", room)):
+                lines += _totals(head, formula + (f"   {note}" if note else ""), width, cut)
+            else:
+                # the note in words on lines of its own, under the formula, where it does not fit beside it
+                lines += _totals(head, formula, width, cut)
+                indent = " " * (width - room)
+                lines += textwrap.wrap(note, width, initial_indent=indent, subsequent_indent=indent)
     return lines
 
 
 def _totals(head: str, formula: str, width: int, cut: bool) -> list[str]:
     """``head`` then ``formula`` on as many lines as it takes, continuation lines indented under it."""
     room = width - len(head)
-    if room < 24:  # a narrow terminal: the formula on lines of its own
-        return [head.rstrip()] + [f"    {c}" for c in _cell(formula, width - 4, cut)]
+    if room < 24:  # a narrow terminal: the formula on lines of its own (and the head on two, if need be)
+        heads = [head.rstrip()] if len(head.rstrip()) <= width else textwrap.wrap(head, width)
+        return heads + [f"    {c}" for c in _cell(formula, width - 4, cut)]
     cells = _cell(formula, room, cut)
     return [head + cells[0]] + [" " * len(head) + c for c in cells[1:]]
