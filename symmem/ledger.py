@@ -36,9 +36,9 @@ class Parameter:
 
     The parameter side names its storages ``{owner}.{name}.{component}`` (``fc1.weight.weights``) and lets a
     gradient be born when ``owner`` runs backward.  ``block`` is the repeated block it belongs to (pipeline
-    parallelism splits those), ``trainable`` says whether it gets a gradient and optimizer state: a frozen
-    parameter is carried for what it holds, and the parameter side counts trainable ones only.  ``tied`` names
-    the other parameters that share its storage (counted once, here).
+    parallelism splits those), ``trainable`` says whether it gets a gradient and optimizer state: the parameter
+    side counts a frozen parameter's weights only.  ``tied`` names the other parameters that share its storage
+    (counted once, here).
     """
 
     owner: str

@@ -51,8 +51,8 @@ def test_views_work_on_a_traced_module(traced):
 
 def test_a_traced_module_is_a_ledger_not_a_graph():
     """The trace becomes a ledger directly (no graph of stand-in nodes): its kept storages are the derivation's,
-    its parameters include the frozen ones (which get no gradient or optimizer state), and neither a ``traced``
-    op kind nor a ``traced`` convention exists; the derivation still says ``traced``."""
+    its parameters include the frozen ones (their weights only: no gradient or optimizer state), and neither a
+    ``traced`` op kind nor a ``traced`` convention exists; the derivation still says ``traced``."""
     from symmem import ops
     from symmem.conventions import names
     from symmem.engine import derivation_of
@@ -70,7 +70,7 @@ def test_a_traced_module_is_a_ledger_not_a_graph():
     assert [s for s in d.storages if s.category != "parameter"] == list(ledger.storages)
     frozen = [p.owner for p in ledger.parameters if not p.trainable]
     assert frozen == ["head.weight:param", "head.bias:param"]
-    assert not any(s.node in frozen for s in d.storages)
+    assert sorted(s.role for s in d.storages if s.node in frozen) == ["weights", "weights"]
     assert d.value("parameters") == sum(p.numel() for p in net.parameters() if p.requires_grad)
     assert ledger.repeats == {"layers": symmem.symbol("L")} and d.layer is None
 
@@ -136,3 +136,22 @@ def test_a_traced_module_without_a_step_says_why(how, says):
     with pytest.raises(symmem.SymmemError, match=says) as e:
         d.value("peak")
     assert "--convention" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("optimizer, states", [("adamw", 2), ("sgd", 0)])
+def test_a_frozen_layer_keeps_its_weights(optimizer, states):
+    """A frozen layer (fine-tuning, a frozen backbone) holds its weights and no gradient or optimizer state; the
+    parameter side left its weights out (issue 21: the peak counted them, the total did not).  Oracle: PyTorch's own
+    sizes of the module's parameters."""
+    import torch
+
+    import symmem
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for p in net[0].parameters():
+        p.requires_grad_(False)
+    d = symmem.trace(net, (torch.randn(2, 16),), {"B": [(0, 0)]}, optimizer=optimizer)
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    assert d.parameter_memory == weights + (1 + states) * trainable
+    assert d.value("parameters") == sum(p.numel() for p in net.parameters() if p.requires_grad)

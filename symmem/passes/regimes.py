@@ -255,8 +255,9 @@ def pipeline(terms: list[Storage], block: Callable[[Storage], str | None]) -> li
 
 
 def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> list[Storage]:
-    """The parameter side of a ledger's trainable parameters (:class:`~symmem.ledger.Parameter`, in the order
-    the model holds them), one storage per parameter and component (weights, gradients, optimizer states).
+    """The parameter side of a ledger's parameters (:class:`~symmem.ledger.Parameter`, in the order the model
+    holds them), one storage per parameter and component (weights, gradients, optimizer states; a frozen
+    parameter's weights only).
 
     One device holds: tensor parallelism splits matrices (rank >= 2) over t, pipeline parallelism the repeated
     layers over p; the ZeRO stage divides each component it shards by N.  Weights exist all step; gradients
@@ -265,20 +266,20 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
     found = []
     # Every parameter of one (count, shape) has the same components and bytes: worked out once per shape (a
     # graph of many layers has few shapes), only the names and moments are per parameter.
-    per_shape: dict[tuple[sympy.Expr, bool, tuple[sympy.Expr, ...]], list[tuple[str, sympy.Expr, sympy.Expr,
-                                                                              sympy.Expr, bool]]] = {}
+    per_shape: dict[tuple[sympy.Expr, bool, tuple[sympy.Expr, ...], bool],
+                    list[tuple[str, bool, Storage]]] = {}
     for param in params:
-        if not param.trainable:
-            continue  # a frozen parameter has no gradient or optimizer state (and, as before, no weights here)
         owner, in_block = param.owner, param.block is not None
-        key = (param.count, in_block, param.shape)
+        key = (param.count, in_block, param.shape, param.trainable)
         parts = per_shape.get(key)
         if parts is None:
+            # a frozen parameter keeps its weights and has no gradient, master copy or optimizer state
             parts = per_shape[key] = [
                 (component, gradient, Storage(component, "parameters", "parameter", expr, component, None, None, None,
                                               each_count, born=START, dies=END, shards=shards))
                 for component, expr, each_count, shards, gradient in
-                _parameter_parts(regime, param.count, in_block, per_layer, param.shape)]
+                _parameter_parts(regime, param.count, in_block, per_layer, param.shape)
+                if param.trainable or regime.kind_of(component) == "weights"]
         for component, gradient, template in parts:
             # gradients appear as their op runs backward and last until the step
             born, dies = ("backward", "step") if gradient else (START, END)
