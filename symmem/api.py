@@ -33,6 +33,7 @@ from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
 from .options import check_effect, check_step, resolve
+from .step import Refused
 from .training import Regime
 
 #: The regime's fields, which :func:`derive` and :func:`trace` take as keywords.
@@ -229,8 +230,9 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
                                per_layer=per_layer, shown=shown)
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
                            multiple_of, device, free)
-    check_step(regime, step)
-    return derivation_of(ledger, regime, step, tracing.no_step(recorded, regime))
+    no_step = tracing.no_step(recorded, regime)
+    check_step(regime, no_step or (step.why if isinstance(step, Refused) else None))
+    return derivation_of(ledger, regime, step, no_step)
 
 
 def _device_of(module: Any) -> str:

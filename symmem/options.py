@@ -100,11 +100,10 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
     elif regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
         # the step is one device's, op by op (passes/schedule.Simulation refuses a model split over devices)
         no_step = "the pytorch convention under ZeRO, tensor or pipeline parallelism (it follows one device)"
-    for name, default in STEP_FIELDS:
-        value = getattr(regime, name)
-        if value != default and no_step is not None:
-            raise SymmemError(f"{name}={value!r} shapes the training step's peak, which {no_step} does not "
-                              f"model: leave it out{out}")
+    given = _step_option(regime)
+    if given is not None and no_step is not None:
+        raise SymmemError(f"{given} shapes the training step's peak, which {no_step} does not model: leave it "
+                          f"out{out}")
     if regime.checkpoint != "none" and not repeated:
         raise SymmemError(f"checkpoint={regime.checkpoint!r} recomputes repeated layers, and {model} has none: "
                           "leave it out")
@@ -118,19 +117,22 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
                               "leave it out, or use convention pytorch")
 
 
-def check_step(regime: Any, step: Any) -> None:
-    """Refuse the step's options (``optimizer_impl``, ``keep_logits``, ``micro_batches``) where the derivation's
-    step is refused (:class:`~symmem.step.Refused`: a traced module under ZeRO, tensor or pipeline parallelism, or
-    a precision its step does not run): they would change nothing."""
-    from .step import Refused
+def check_step(regime: Any, why: str | None) -> None:
+    """Refuse the step's options (``optimizer_impl``, ``keep_logits``, ``micro_batches``) where a traced module has
+    no step to follow (``why``: fitted at concrete sizes, under ZeRO, tensor or pipeline parallelism, a precision
+    or an optimizer its step does not run): they would change nothing."""
+    given = _step_option(regime)
+    if given is not None and why is not None:
+        raise SymmemError(f"{given} shapes the training step's peak, which is not modelled here ({why}): leave it out")
 
-    if not isinstance(step, Refused):
-        return
+
+def _step_option(regime: Any) -> str | None:
+    """The first option of the step (:data:`STEP_FIELDS`) ``regime`` sets away from its default, as ``name=value``."""
     for name, default in STEP_FIELDS:
         value = getattr(regime, name)
         if value != default:
-            raise SymmemError(f"{name}={value!r} shapes the training step's peak, which is not modelled here "
-                              f"({step.why}): leave it out")
+            return f"{name}={value!r}"
+    return None
 
 
 HELP = {

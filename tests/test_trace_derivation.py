@@ -136,6 +136,8 @@ def test_a_traced_module_without_a_step_says_why(how, says):
     with pytest.raises(symmem.SymmemError, match=says) as e:
         d.value("peak")
     assert "--convention" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(symmem.SymmemError, match=f"micro_batches=4 shapes the training step's peak.*{says}"):
+        symmem.trace(net, (torch.randn(2, 4),), {"B": [(0, 0)]}, micro_batches=4, **how)
 
 
 @pytest.mark.parametrize("optimizer, states", [("adamw", 2), ("sgd", 0)])

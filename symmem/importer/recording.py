@@ -42,6 +42,7 @@ import sympy
 
 from ..categories import RECORDED_TO_STEP
 from ..errors import SymmemError
+from ..options import LOSSES
 from ..record.identity import first_tensor, storage_key, symbolic_nbytes
 from ..record.identity import tensors as _leaves
 from ..record.live_bytes import LiveRecorder
@@ -50,9 +51,6 @@ from ..record.saved_tensors import SavedRecorder
 from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
 from .inputs import Inputs
-
-#: the losses of a traced step: the tracker's, or the module's own (``output``)
-LOSSES = ("sum", "cross-entropy", "output")
 
 
 @dataclass(frozen=True)
