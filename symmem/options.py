@@ -45,14 +45,14 @@ class Shared:
     device: str | None = None
     loss: str | Callable[[Any], Any] = "sum"
     checkpoint: Any = "none"
-    precision: str = "fp32"
     autocast: str | None = None
 
 
 def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", checkpoint: Any = "none",
-            precision: str = "fp32", autocast: str | None = None) -> Shared:
+            autocast: str | None = None) -> Shared:
     """The shared options as ``front`` takes them, each checked once: a clear :class:`SymmemError` names what a
-    front cannot do (a callable loss for a built-in model, autocast without a module to run)."""
+    front cannot do (a callable loss for a built-in model, autocast without a module to run).  ``precision`` is a
+    field of the training regime, which :class:`~symmem.training.Regime` checks for every front."""
     if device is not None and not (isinstance(device, str) and (device in DEVICES or device.startswith("cuda:"))):
         raise SymmemError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if loss is None:
@@ -73,7 +73,7 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
                               "built-in model's activations follow precision= (mixed: 16-bit)")
         if autocast not in AUTOCASTS:
             raise SymmemError(f"autocast must be one of {', '.join(AUTOCASTS)}, got {autocast!r}")
-    return Shared(device, loss, checkpoint, precision, autocast)
+    return Shared(device, loss, checkpoint, autocast)
 
 
 #: The regime's fields that only the training step reads (its peak), with their defaults.
