@@ -1,5 +1,5 @@
-"""The vocabularies of memory, in one place: what a derivation sums, what a training step's timeline shows, what
-a recorder sees on real or fake tensors, and the phases of a step.
+"""The vocabularies of memory, in one place: what a training step's timeline shows, what a recorder sees on real or
+fake tensors, and the phases of a recorded step.
 
 >>> RECORDED_TO_STEP["saved"], RECORDED_TO_STEP["buffer"]
 ('activation', 'parameter')
@@ -8,10 +8,6 @@ True
 """
 
 from __future__ import annotations
-
-#: What the kept view sums, by category: ``transient`` is memory alive only during part of backward (a
-#: recomputed layer, CS231n's x2 for backward).
-KEPT: tuple[str, ...] = ("activation", "input", "loss", "parameter", "transient")
 
 #: Categories of live memory over a training step, in the order breakdowns list them.
 STEP: tuple[str, ...] = ("parameter", "optimizer_state", "gradient", "input", "activation", "loss",
