@@ -263,13 +263,15 @@ def _stage_table(d: Any) -> str:
         r"  \bottomrule", r"  \end{tabular}", r"\end{table}"])
 
 
-def _fit_rows(rs: list[ModelRow], budget: str) -> list[tuple[ModelRow, Any]]:
+def _fit_rows(rs: list[ModelRow], budget: str, ds: dict[str, Any] | None = None) -> list[tuple[ModelRow, Any]]:
+    """The largest batch of every row under ``budget``, solved from ``ds[label]`` (the derivation whose peak
+    sizes the batch) or the row's own derivation."""
     from .budget import largest
 
     out: list[tuple[ModelRow, Any]] = []
     for r in rs:
         try:
-            out.append((r, largest(r.d, "B", budget)))
+            out.append((r, largest((ds or {}).get(r.label, r.d), "B", budget)))
         except NothingFits:
             out.append((r, None))
         except SymmemError:  # memory that does not grow with B: every batch fits, or none does
@@ -289,9 +291,9 @@ def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
             out.append(rf"  {escape(r.label)} & \multicolumn{{3}}{{l}}{{does not grow with $B$}} \\")
         else:
             out.append(rf"  {escape(r.label)} & {f.max:,} & {f.total_at_max / GiB:.3f} & {f.total_above / GiB:.3f} \\")
-    what = "peak of a training step" if peak else "total"
+    what = "peak of a training step (PyTorch)" if peak else "total"
     return "\n".join([
-        r"\begin{table}[ht]", r"  \centering",
+        r"\begin{table}[H]", r"  \centering",
         rf"  \caption{{Largest batch size whose {what} fits {_budget(budget)}, solved from the formulas and "
         r"checked at the boundary (GiB).}", r"  \label{tab:fit}", r"  \begin{tabular}{lrrr}", r"  \toprule",
         r"  Model & $B_{\max}$ & $M(B_{\max})$ & $M(B_{\max}+1)$ \\", r"  \midrule", *out, r"  \bottomrule",
@@ -510,23 +512,55 @@ def _budget(budget: str) -> str:
     return re.sub(r"([0-9])\s*([A-Za-z])", r"\1\\,\2", escape(budget))
 
 
-def _scaling(fits: list[tuple[ModelRow, Any]], budget: str) -> list[str]:
+def _scaling(fits: list[tuple[ModelRow, Any]], budget: str, spec: Spec, rs: list[ModelRow]) -> list[str]:
+    """What fits: the largest batch solved from the peak of a PyTorch training step where there is one (the
+    accounting's own answer is quoted after it, labelled), the figure beside its text (never a page of its
+    own: ``[H]``, and a paragraph follows it)."""
+    from ..report.latex import escape
+
     peak = any(hasattr(f, "quantity") and f.quantity == "peak" for _, f in fits)
     what = "peak of a training step" if peak else "training memory"
     grows = ("The peak is the largest of a few functions of $B$, each linear in it"
              if peak else "Memory grows linearly in $B$")
     if any(r.attention == "naive" for r, _ in fits):
         grows += "; with naive attention it also grows as $S^2$"
-    return [
+    source = ""
+    if peak and spec.convention != "pytorch":
+        source = (" What must fit is what is alive at once, so the batch is sized from the peak of a PyTorch "
+                  "training step (the \\texttt{pytorch} convention), not from the accounting.")
+    out = [
         r"\section{Scaling}",
-        f"{grows}. Figure~\\ref{{fig:scaling}} and Table~\\ref{{tab:fit}} give the largest batch whose {what} "
-        f"fits {_budget(budget)}, solved from the formulas.",
-        "\n".join([r"\begin{figure}[ht]", r"  \centering",
-                   r"  \includegraphics[width=0.8\linewidth]{figures/scaling.pdf}",
+        f"{grows}.{source} Figure~\\ref{{fig:scaling}} and Table~\\ref{{tab:fit}} give the largest batch whose "
+        f"{what} fits {_budget(budget)}, solved from the formulas.",
+        "\n".join([r"\begin{figure}[H]", r"  \centering",
+                   r"  \includegraphics[width=0.75\linewidth]{figures/scaling.pdf}",
                    rf"  \caption{{{what[0].upper() + what[1:]} against batch size with a budget of {_budget(budget)}; "
                    r"dots mark the largest batch that fits.}", r"  \label{fig:scaling}", r"\end{figure}"]),
         r"\input{generated/fit.tex}",
     ]
+    sized = [(r, f) for r, f in fits if hasattr(f, "max")]
+    if peak and spec.convention != "pytorch" and sized:
+        from .budget import largest
+
+        counted, over = [], []
+        for r, f in sized:
+            try:
+                b = largest(r.d, "B", budget, quantity="total").max
+            except SymmemError:  # nothing fits, or no growth in B: no batch to quote
+                continue
+            counted.append(f"{b:,} for {escape(r.label)} (the peak allows {f.max:,})")
+            over.append(b > f.max)
+        if counted:
+            who = escape(names.CONVENTION_PHRASES.get(spec.convention, spec.convention))
+            why = ("more than fits: the accounting leaves out tensors autograd keeps and the temporaries of the "
+                   "backward pass and the optimizer step" if all(over) else
+                   "not what fits: an accounting says what is kept, not what is alive at once")
+            out.append(f"Sized from the total counted as {who} instead, the largest batch would be "
+                       f"{_and(counted)}; {why}.")
+    else:
+        out.append(f"Every batch up to these sizes fits {_budget(budget)}; the next one does not (the last two "
+                   "columns of Table~\\ref{tab:fit}).")
+    return out
 
 
 def _intro(spec: Spec, rs: list[ModelRow], analysis: bool) -> str:
@@ -594,6 +628,11 @@ MAIN = r"""\documentclass[11pt]{article}
 \allowdisplaybreaks
 \usepackage{booktabs}
 \usepackage{graphicx}
+\usepackage{float}
+%% Floats sit with their text: no page of floats alone unless it is nearly full.
+\renewcommand{\topfraction}{0.85}
+\renewcommand{\textfraction}{0.1}
+\renewcommand{\floatpagefraction}{0.8}
 \title{%(title)s}
 \author{Generated by symmem %(version)s}
 \date{}
@@ -631,7 +670,12 @@ def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
     body = [_intro(spec, rs, analysis)]
     body[0] = r"\section{Introduction}" + "\n\n" + body[0]
     numbers = _analysis_numbers(rs)
-    fits = _fit_rows(rs, spec.budget)
+    torch_ds: dict[str, Any] = {}
+    why = ""
+    if spec.convention != "pytorch":
+        torch_ds, why = _pytorch(spec, rs)
+    # What fits is sized from the peak of a PyTorch step: the pytorch derivations where the paper counts another way.
+    fits = _fit_rows(rs, spec.budget, {k: v for k, v in torch_ds.items() if _peak(v)})
     for model, group in _by_model(rs).items():
         if group[0].analysis and model == "resnet50-v1":
             body += _resnet_section(group[0], numbers)
@@ -640,9 +684,7 @@ def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
         else:
             body += _generic_section(spec, group, _title(rs, model), {r.label: f for r, f in fits})
     body += _comparison(spec, rs, analysis)
-    torch_ds: dict[str, Any] = {}
     if spec.convention != "pytorch":
-        torch_ds, why = _pytorch(spec, rs)
         if torch_ds:
             pairs = [(k, v) for r in rs for k, v in ((r.label, r.d), (r.label, torch_ds[r.label]))]
             who = "The FP32 analysis's accounting" if analysis else names.convention(spec.convention)
@@ -655,7 +697,7 @@ def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
                     "the peak of a training step under PyTorch (GiB).", "tab:pytorchpeak")
         body += _pytorch_section(spec, rs, torch_ds, why, analysis)
     files["generated/fit.tex"] = _fit_table(fits, spec.budget)
-    body += _scaling(fits, spec.budget)
+    body += _scaling(fits, spec.budget, spec, rs)
     files["generated/body.tex"] = "\n\n".join(body)
     titles = [escape(_title(rs, m)) for m in _by_model(rs)]
     if spec.precision == "fp32":
@@ -663,8 +705,8 @@ def sources(spec: Spec | None = None) -> tuple[dict[str, str], Any, bool]:
     else:
         title = f"Training Memory of {_and(titles)} in {escape(names.precision(spec.precision))}, Derived"
     files["main.tex"] = MAIN % {"version": __version__, "title": title, "abstract": _abstract(spec, rs, analysis)}
-    fig = scaling([r.d for r in rs], [r.label for r in rs], "B", spec.budget,
-                  fits=[f if hasattr(f, "formula") else None for _, f in fits])
+    fig = scaling([torch_ds.get(r.label, r.d) if _peak(torch_ds.get(r.label, r.d)) else r.d for r in rs],
+                  [r.label for r in rs], "B", spec.budget, fits=[f if hasattr(f, "formula") else None for _, f in fits])
     return files, fig, bool(torch_ds)
 
 
