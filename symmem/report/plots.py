@@ -71,6 +71,64 @@ def _regime(d: Derivation) -> str:
     return names.regime(d.regime.precision, d.regime.optimizer)
 
 
+#: One colour per kind of memory, the same in every figure: the live-memory categories (as PyTorch's memory snapshot
+#: viewer groups them; the timeline), which the breakdown's parameter side and input use too, and the parts of a
+#: transformer layer, kept tensors in the activations' warm hues (breakdown, profile).
+COLORS = {"parameter": "#4c72b0", "optimizer_state": "#8172b2", "gradient": "#64b5cd",
+          "input": "#ccb974", "activation": "#dd8452", "loss": "#c44e52", "activation_grad": "#55a868",
+          "temporary": "#937860",
+          "residual stream": "#e6a26b", "norms": "#f0c987", "attention": "#c0504d", "MLP": "#d9743c",
+          "other": "#b08060"}
+_CATEGORY_COLORS = {c: COLORS[c] for c in ("parameter", "optimizer_state", "gradient", "input", "activation", "loss",
+                                            "activation_grad", "temporary")}
+_CATEGORY_OF_CLASS = {"weights": "parameter", "gradients": "gradient", "optimizer": "optimizer_state"}
+
+
+def _shade(color: str, k: int) -> Any:
+    """The ``k``-th shade of ``color``, darkest first: each a fifth nearer white, at most 60 % (several segments of
+    one category stay one hue, and the ``k``-th is the same in every figure)."""
+    from matplotlib.colors import to_rgb
+
+    mix = min(0.6, 0.2 * k)
+    return tuple(c + (1 - c) * mix for c in to_rgb(color))
+
+
+# Activation groups that are not a layer's parts (stem, stages, head): warm hues, dark and light in turn so that
+# neighbours in a stack stay apart; the first is the activations' own colour.
+_WARM = ("#dd8452", "#f3c19b", "#b5622f", "#f7dcc4", "#e39a6b", "#8f4a22", "#fae7d8", "#c97b4b")
+
+# Copies the optimizer holds (mixed precision) come after its states, so exp_avg is the optimizer's colour itself.
+_COPIES = ("master_weights", "main_weights", "gradients_fp32")
+
+
+def colors_of(names: Sequence[str], kinds: dict[str, str] | None = None) -> dict[str, Any]:
+    """The colour of every segment of a breakdown (or group of a profile), from :data:`COLORS`: a parameter-side
+    component by its class (``kinds``: name -> weights, gradients or optimizer), ``input`` as the input, a layer's
+    part (``layer: attention``) by the part, any other activation group a shade of the activations' colour.
+
+    >>> c = colors_of(["input", "layer: attention", "stem", "head", "weights", "exp_avg"],
+    ...               {"weights": "weights", "exp_avg": "optimizer"})
+    >>> c["weights"] == _shade(COLORS["parameter"], 0), c["layer: attention"] == _shade(COLORS["attention"], 0)
+    (True, True)
+    """
+    kinds = kinds or {}
+    family: dict[str, str] = {}
+    for n in names:
+        if n in kinds:
+            family[n] = _CATEGORY_OF_CLASS.get(kinds[n], "optimizer_state")
+        elif n == "input":
+            family[n] = "input"
+        elif ": " in n and n.split(": ", 1)[1] in PARTS:
+            family[n] = n.split(": ", 1)[1]
+        else:
+            family[n] = "activation"
+    members: dict[str, list[str]] = {}
+    for n in sorted(names, key=lambda n: n in _COPIES):  # stable: the states keep their order, copies go last
+        members.setdefault(family[n], []).append(n)
+    return {n: _WARM[members["activation"].index(n) % len(_WARM)] if family[n] == "activation"
+            else _shade(COLORS[family[n]], members[family[n]].index(n)) for n in names}
+
+
 #: The parts of a transformer layer, in the order they are stacked, and the roles that belong to each.
 PARTS: tuple[str, ...] = ("residual stream", "norms", "attention", "MLP", "other")
 _PART_OF_ROLE = {
@@ -148,8 +206,8 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
                               PARTS.index(n.split(": ")[1]) if ": " in n and n.split(": ")[1] in PARTS else -1))
     for p in stacks:
         order += [n for n, _ in p if n not in order]
-    cmap = plt.get_cmap("tab20")
-    colors = {n: cmap(i % 20) for i, n in enumerate(order)}
+    colors = colors_of(order, {t.name: d.regime.kind_of(t.name) for d in derivations for t in d.terms
+                               if t.category == "parameter"})
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(derivations) + 2.5), 4.5))
     for i, p in enumerate(stacks):
         bottom = 0.0
@@ -172,8 +230,17 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
 
 
 def _axis(name: str) -> str:
-    what = {"B": "batch size", "S": "sequence length"}.get(name)
-    return f"{name} ({what})" if what else name
+    """An axis label in words, the symbol after them: ``batch size B``, ``input image height Hi``.
+
+    >>> _axis("B"), _axis("S"), _axis("Hi"), _axis("X")
+    ('batch size B', 'sequence length S (tokens)', 'input image height Hi', 'X')
+    """
+    from ..symbols import dims
+
+    words = {"B": "batch size", "S": "sequence length"}.get(name)
+    if words is None:
+        words = next((d.meaning.split(" (")[0] for d in dims() if d.name == name), "")
+    return f"{words} {name}" + (" (tokens)" if name == "S" else "") if words else name
 
 
 def _function(d: Derivation, name: str) -> tuple[Any, sympy.Expr, sympy.Expr, sympy.Expr]:
@@ -294,10 +361,6 @@ def _swept(name: str, values: Sequence[int] | None, fit: int, at: int, accepts: 
     return found
 
 
-#: colours of the live-memory categories, as PyTorch's memory snapshot viewer groups them
-_CATEGORY_COLORS = {"parameter": "#4c72b0", "optimizer_state": "#8172b2", "gradient": "#64b5cd",
-                    "input": "#ccb974", "activation": "#dd8452", "loss": "#c44e52", "activation_grad": "#55a868",
-                    "temporary": "#937860"}
 
 
 def timeline(d: Derivation, step: str = "steady", output: str | Path | None = None, unit: str = "GiB") -> Any:
@@ -421,12 +484,12 @@ def profile(d: Derivation, output: str | Path | None = None, unit: str = "MiB") 
     if not terms:
         raise SymmemError(f"{d.model} keeps no activations under {d.convention}: nothing to profile")
     groups = list(dict.fromkeys(t.group for t in terms))
-    cmap = plt.get_cmap("tab10")
+    colors = colors_of(groups)
     fig, ax = plt.subplots(figsize=(7.0, max(3.0, 0.22 * len(terms) + 1.2)))
     for i, t in enumerate(terms):
         count = d.evaluate(t.count)
         one = d.evaluate(t.expr) / count
-        ax.barh(i, one / scale, color=cmap(groups.index(t.group) % 10),
+        ax.barh(i, one / scale, color=colors[t.group],
                 label=t.group if t.group not in ax.get_legend_handles_labels()[1] else None)
         tag = "" if count == 1 else f" \u00d7{count}" if t.count.is_number else f" \u00d7{t.count} ({t.count}={count})"
         ax.text(one / scale, i, f" {one / scale:.1f}{tag}", va="center", fontsize=7)
