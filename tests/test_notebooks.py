@@ -52,6 +52,17 @@ def test_names_sources_by_what_they_are(path):
         assert word not in text, f"{path.name}: {word!r}"
 
 
+def test_tells_one_story():
+    """Notebook 04 traces a module of the user's own and sizes its batch from the traced peak, checked against a
+    real step (its own assert, run by test_runs); no leftover cell for a feature 'not available yet'; no sweep of
+    GPT-2 past its 1,024 positions."""
+    texts = {p.name[:2]: "\n".join("".join(c.source) for c in nbformat.read(p, as_version=4).cells) for p in NOTEBOOKS}
+    assert "symmem.trace(" in texts["04"] and "track_step(" in texts["04"] and 'convention="paper"' not in texts["04"]
+    assert all("not available yet" not in t for t in texts.values())
+    assert "4097" not in texts["03"] and "range(64, 1025" in texts["03"]
+    assert '"paper convention' not in texts["05"] or 'convention": "paper"' in texts["05"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_stored_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
