@@ -3,17 +3,26 @@
 ========== =========== ===================================================================================
 option     default     meaning
 ========== =========== ===================================================================================
-device     None        whose kernels decide what is kept (``cuda``, ``cpu``): None is the module's own device
-                       (a traced module's parameters'); a built-in model is on no device and is sized for cuda
+device     None        whose kernels decide what is kept (``cuda``, ``cpu``): None is where the model runs --
+                       a traced module's own device (its parameters', the CPU for a module just built, as every
+                       SPEC the command line loads), a built-in model's cuda (it has no device; training runs there)
 loss       ``sum``     what the step backpropagates from: ``sum`` (the output's sum: no loss tensor is kept),
                        ``cross-entropy`` (a built-in model's, appended as its own group; a causal LM's is the
                        shifted one), ``output`` (the module's own: it returns its loss, a transformers causal
                        LM given labels) or, traced only, a callable of the output
 checkpoint ``none``    activation checkpointing: ``full``; ``selective`` and ``every-K`` (built-in models);
                        a container's path or a list of child paths (traced modules)
-precision  ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it
+precision  ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it; a
+                       traced module with FP32 weights refuses any other (its activations would stay FP32):
+                       PyTorch's mixed precision is ``autocast`` over FP32 weights
 autocast   None        a traced module's forward and loss under ``torch.autocast`` to this dtype
+keep_logits False      whether the loop holds the model's output through backward (``keep_logits`` of the
+                       regime, ``keep_output`` of ``track_step``): no, as Hugging Face's ``Trainer`` and
+                       Lightning's ``training_step`` return the loss and let the output go
 ========== =========== ===================================================================================
+
+The device default in one sentence (:data:`DEVICE_DEFAULT`): the kernels that run decide what autograd keeps, so
+a traced module is followed on its own device and a built-in model, which has none, on cuda, where training runs.
 
 >>> resolve("derive", loss=None).loss, resolve("trace").device
 ('sum', None)
@@ -76,6 +85,32 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
     return Shared(device, loss, checkpoint, autocast)
 
 
+#: The device default, said once (docs, ``--help``, ``symmem models -v``).
+DEVICE_DEFAULT = ("the model's own: a traced module's device (the CPU for a module just built, as every SPEC "
+                  "loaded here), a built-in model's cuda (it has no device; training runs there)")
+
+
+def check_precision(precision: str, autocast: str | None, dtypes: set[Any]) -> None:
+    """Refuse a 16-bit ``precision`` for a traced module whose floating weights (``dtypes``) are all FP32: its
+    activations would stay FP32 while the header said "mixed" (PyTorch's mixed precision is ``torch.autocast``
+    over FP32 weights: ``autocast=``).
+
+    >>> torch = getattr(__import__("pytest"), "importorskip")("torch")
+    >>> check_precision("mixed", None, {torch.float32})
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: precision='mixed' counts 16-bit weight copies and runs 16-bit activations, but this ...
+    >>> check_precision("mixed-megatron", None, {torch.bfloat16})   # a module cast to bfloat16: its own dtypes
+    """
+    import torch
+
+    if precision == "fp32" or (dtypes and dtypes != {torch.float32}):
+        return
+    also = f" (autocast={autocast!r} is given: leave precision fp32)" if autocast is not None else ""
+    raise SymmemError(f"precision={precision!r} counts 16-bit weight copies and runs 16-bit activations, but this "
+                      "module's weights are FP32: for PyTorch's mixed precision (torch.autocast over FP32 weights) "
+                      f"give autocast='bfloat16' or 'float16' (--autocast){also}, or cast the module to bfloat16")
+
+
 #: The regime's fields that only the training step reads (its peak), with their defaults.
 STEP_FIELDS = (("optimizer_impl", "auto"), ("keep_logits", False), ("micro_batches", 1))
 
@@ -136,13 +171,15 @@ def _step_option(regime: Any) -> str | None:
 
 
 HELP = {
-    "device": "the device whose kernels decide what is kept (default: the module's own; a built-in model: cuda)",
+    "device": f"the device whose kernels decide what is kept (default: {DEVICE_DEFAULT})",
     "loss": "what the step backpropagates from: sum of the output (no loss tensor kept), cross-entropy (a causal "
             "LM's shifted one; hf: causal LMs get labels), output (the module returns its loss) (default: sum)",
     "checkpoint": "activation checkpointing: none, full, selective, every-K (built-in models) or a container's "
                   "path (traced modules) (default: none)",
-    "precision": "the parameter side's copies and, for a built-in model, the activations' dtype (default: fp32)",
-    "autocast": "traced modules: run the forward and the loss under torch.autocast to this dtype (default: none)",
+    "precision": "the parameter side's copies and, for a built-in model, the activations' dtype; a traced module "
+                 "with FP32 weights takes fp32 only: use --autocast for PyTorch's mixed precision (default: fp32)",
+    "autocast": "traced modules: run the forward and the loss under torch.autocast to this dtype, over FP32 "
+                "weights (PyTorch's mixed precision); a built-in model follows --precision instead (default: none)",
 }
 
 

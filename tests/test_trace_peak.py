@@ -257,7 +257,10 @@ def test_a_step_that_does_not_fold_is_given_at_its_own_layer_count():
 def test_regimes_the_step_does_not_run_are_refused_or_absent():
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
     x = (torch.randn(2, 4),)
-    mixed = symmem.trace(net, x, {"B": [(0, 0)]}, precision="mixed")
+    with pytest.raises(symmem.SymmemError, match="^precision='mixed' .* FP32: .* autocast"):
+        symmem.trace(net, x, {"B": [(0, 0)]}, precision="mixed")  # activations would stay FP32: refused
+    half = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).to(torch.bfloat16)
+    mixed = symmem.trace(half, tuple(t.to(torch.bfloat16) for t in x), {"B": [(0, 0)]}, precision="mixed")
     with pytest.raises(symmem.SymmemError, match="autocast"):
         _ = mixed.peak
     assert not symmem.trace(net, x, {"B": [(0, 0)]}, optimizer="lion").has_peak  # not a torch.optim optimizer
