@@ -229,6 +229,9 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
         shown["autocast"] = autocast
     shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
     shown["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
+    attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if isinstance(attention, str):  # a transformers model: the attention kernel it ran (the header says it)
+        shown["attention"] = attention
     ledger = tracing.ledger_of(recorded, regime, name=name, size_one=size_one, values=values, free=free,
                                per_layer=per_layer, shown=shown)
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
