@@ -928,6 +928,7 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
             b.add(code, r.note if k == 0 else "", height=_height(p))
     out = [f"% {d.title()}; bytes, in {', '.join(s.name for s in d.free) or 'numbers only'}"]
     out += [f"% NOTE: {n}" for n in d.notes]
+    out += headline(d)
     if any(r.label == r"\Psi" for r in table):
         out.append(r"% \Psi is the parameter count; the parameter side is written in it")
     if form == "compact" and any(r" \cdot \left(" in r.tex for r in table):
@@ -936,6 +937,23 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     for b in blocks:
         out += [r"\begin{align*}", b.text(), r"\end{align*}"]
     return "\n".join(out)
+
+
+def headline(d: Derivation) -> list[str]:
+    """The lines :func:`align` leads with: the peak of a training step, the number that must fit, and where it
+    occurs (or why there is none), as a comment and as a sentence in text mode (outside the ``align*`` blocks,
+    which :func:`read` parses)."""
+    from ..units import format_bytes
+    from .text import PEAK_LABEL, peak_state
+
+    found, why = peak_state(d)
+    if not found:
+        return [f"% {why}", rf"\noindent {escape(why or 'no peak')}."]
+    _, v, moment = found[0]
+    where = moment.where(step=False)
+    return [f"% {PEAK_LABEL}: {format_bytes(v)} ({v:,} bytes) at {where}",
+            rf"\noindent\textbf{{{escape(PEAK_LABEL[0].upper() + PEAK_LABEL[1:])}:}} "
+            rf"{escape(format_bytes(v))} at {escape(where)}."]
 
 
 def equations(text: str) -> list[tuple[str, str]]:

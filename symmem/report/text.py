@@ -33,13 +33,16 @@ SCHEMA_VERSION = 2
 #: at the end of the forward pass plus the parameter side, not what must fit (the peak is; it can be larger or
 #: smaller: ViT-B/16's is smaller).
 LABELS = {"total": "kept after forward + parameters"}
+#: the same, where the table is too narrow for them (under :data:`_KEY` + 62 columns)
+SHORT_LABELS = {"total": "kept + parameters"}
 #: What the headline of every view says of the peak (it is the number that must fit on the device).
 PEAK_LABEL = "peak of a training step (what must fit)"
 
 
-def name_of(key: str) -> str:
-    """The name a view gives a total: ``total`` -> ``kept after forward + parameters``; others as they are."""
-    return LABELS.get(key, key)
+def name_of(key: str, short: bool = False) -> str:
+    """The name a view gives a total: ``total`` -> ``kept after forward + parameters`` (``short``: ``kept +
+    parameters``); others as they are."""
+    return (SHORT_LABELS if short else LABELS).get(key, key)
 
 
 def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
@@ -287,15 +290,17 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         lines.append(f"{label:<{name}} {cells[0]:<{formula}} {_mib(d.try_evaluate(expr))}")
         lines += [f"{'':<{name}} {c}" for c in cells[1:]]
     lines.append("-" * (name + formula + 14))
+    short = width < _KEY + 62  # the long names leave a formula fewer than 24 columns: the short ones
+    key_width = 20 if short else _KEY
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     for key in keys:
         e = d.expression(key)
         v = d.try_evaluate(e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
         shown = factored(rounded(e)) if key == "activations" else rounded(e)
-        lines += _totals(f"{name_of(key):<{_KEY}} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
+        lines += _totals(f"{name_of(key, short):<{key_width}} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
     params = d.try_evaluate(d.parameters)
-    lines += _totals(f"{'parameters':<{_KEY}} {'?' if params is None else f'{params:,}':>12}   = ",
+    lines += _totals(f"{'parameters':<{key_width}} {'?' if params is None else f'{params:,}':>12}   = ",
                      str(rounded(d.parameters)),
                      width, cut)
     return "\n".join(ln.rstrip() for ln in lines)
@@ -316,16 +321,18 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
     found, why = state
     if not found:
         return []  # the headline said why
-    lines = ["", *textwrap.wrap(f"{name_of('total')} = the tensors kept at the end of the forward pass + the "
+    short = width < _KEY + 62
+    key_width = 20 if short else _KEY
+    lines = ["", *textwrap.wrap(f"{name_of('total', short)} = the tensors kept at the end of the forward pass + the "
                                 "parameter side; peak = the most memory alive at any moment of a training step "
                                 "(forward, backward, optimizer step), what must fit:", max(width, 40))]
     count = d.peak_candidates()
     for key, v, moment in found:
         name = "peak" if key == "peak" else "peak (first step)"
-        lines += _totals(f"{name:<{_KEY}} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
+        lines += _totals(f"{name:<{key_width}} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
                          width, cut)
         if key == "peak":
-            head, formula = f"{'':<{_KEY}} {'':>12}       = ", str(rounded(moment.total))
+            head, formula = f"{'':<{key_width}} {'':>12}       = ", str(rounded(moment.total))
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
             room = width - len(head) if width - len(head) >= 24 else width - 4  # as _totals lays it out
             if not note or cut or all(len(x) <= room for x in wrap(f"{formula}   {note}", room)):
