@@ -90,6 +90,27 @@ DEVICE_DEFAULT = ("the model's own: a traced module's device (the CPU for a modu
                   "loaded here), a built-in model's cuda (it has no device; training runs there)")
 
 
+def defaults() -> list[tuple[str, str]]:
+    """(option, its default and why) for every option the fronts share, as ``symmem models -v`` says them.
+
+    >>> dict(defaults())["loss"]
+    'sum: the step backpropagates from the output's sum (no loss tensor kept)'
+    """
+    return [
+        ("convention", "pytorch: what PyTorch's autograd keeps, with the peak of a training step"),
+        ("device", DEVICE_DEFAULT),
+        ("loss", "sum: the step backpropagates from the output's sum (no loss tensor kept)"),
+        ("keep_logits", "off: the loop lets the model's output go once the loss is computed, as Hugging Face's "
+                        "Trainer and Lightning do (track_step's keep_output=False)"),
+        ("precision", "fp32 (a traced module with FP32 weights takes fp32 only: --autocast is PyTorch's mixed "
+                      "precision)"),
+        ("autocast", "none (traced modules: bfloat16 or float16 runs the forward and the loss under "
+                     "torch.autocast)"),
+        ("attention", "what the library a built-in model follows does by default: SDPA for gpt2, bert-*, llama "
+                      "(transformers' attn_implementation) and vit-* (timm's fused attention)"),
+    ]
+
+
 def check_precision(precision: str, autocast: str | None, dtypes: set[Any]) -> None:
     """Refuse a 16-bit ``precision`` for a traced module whose floating weights (``dtypes``) are all FP32: its
     activations would stay FP32 while the header said "mixed" (PyTorch's mixed precision is ``torch.autocast``

@@ -89,6 +89,8 @@ def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimiz
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
+    if impl == "auto":  # PyTorch's own choice, as derive and trace take it: foreach on CUDA, a for-loop on the CPU
+        impl = "foreach" if any(p.device.type == "cuda" for p in params) else "for-loop"
     return inputs, target, takes_labels, compute_loss, make_optimizer(params, optimizer, impl, lr), params
 
 
@@ -165,8 +167,8 @@ def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, 
 
 
 
-def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "sgd",
-               impl: str = "for-loop", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
+def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "adamw",
+               impl: str = "auto", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
                target: Any = None, allocator: bool = False, keep_output: bool = False,
                micro_batches: int = 1) -> StepTrace:
     """Run ``steps`` training steps of ``module`` on ``inputs`` (a tensor or a tuple) under a :class:`LiveTracker`.
@@ -177,7 +179,8 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     (:mod:`symmem.options`: Hugging Face's ``Trainer.compute_loss`` and Lightning's ``training_step`` return the
     loss and let the output go before ``backward``); ``keep_output=True`` holds it through backward, as a loop
     with ``out = module(x)`` in scope does (``keep_logits=True`` in :func:`symmem.trace`); ``micro_batches`` forward/loss/backward passes accumulate
-    gradients before each step), ``step`` (``optimizer.step()``), ``zero_grad``
+    gradients before each step), ``step`` (``optimizer.step()``; by default AdamW as PyTorch picks its
+    implementation, ``impl="auto"``: the defaults of :func:`symmem.derive` and :func:`symmem.trace`), ``zero_grad``
     (``optimizer.zero_grad(set_to_none=zero_grad_set_to_none)``).  A module with ``takes_labels`` (the GPT-2
     and Llama references) computes its own loss as ``module(*inputs, target)`` in the forward (its ``loss``
     phase is empty).  Without ``target``, cross-entropy draws class indices (seeded) shaped like the output
@@ -206,8 +209,8 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     return tracker.trace(steps, peaks)
 
 
-def allocator_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "sgd",
-                   impl: str = "for-loop", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
+def allocator_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "adamw",
+                   impl: str = "auto", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
                    target: Any = None, keep_output: bool = False) -> AllocatorPeaks:
     """The same steps as :func:`track_step` under the profiler alone: no dispatch mode, no hooks.
 
