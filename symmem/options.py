@@ -93,8 +93,8 @@ DEVICE_DEFAULT = ("the model's own: a traced module's device (the CPU for a modu
 def defaults() -> list[tuple[str, str]]:
     """(option, its default and why) for every option the fronts share, as ``symmem models -v`` says them.
 
-    >>> dict(defaults())["loss"]
-    'sum: the step backpropagates from the output's sum (no loss tensor kept)'
+    >>> print(dict(defaults())["loss"])
+    sum: the step backpropagates from the output's sum (no loss tensor kept)
     """
     return [
         ("convention", "pytorch: what PyTorch's autograd keeps, with the peak of a training step"),
