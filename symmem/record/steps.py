@@ -178,9 +178,10 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     dropped as soon as the loss is computed, as in ``loss = f(module(x), y)``, the default of every front
     (:mod:`symmem.options`: Hugging Face's ``Trainer.compute_loss`` and Lightning's ``training_step`` return the
     loss and let the output go before ``backward``); ``keep_output=True`` holds it through backward, as a loop
-    with ``out = module(x)`` in scope does (``keep_logits=True`` in :func:`symmem.trace`); ``micro_batches`` forward/loss/backward passes accumulate
-    gradients before each step), ``step`` (``optimizer.step()``; by default AdamW as PyTorch picks its
-    implementation, ``impl="auto"``: the defaults of :func:`symmem.derive` and :func:`symmem.trace`), ``zero_grad``
+    with ``out = module(x)`` in scope does (``keep_logits=True`` in :func:`symmem.trace`); ``micro_batches``
+    forward/loss/backward passes accumulate gradients before each step), ``step`` (``optimizer.step()``; by
+    default AdamW as PyTorch picks its implementation, ``impl="auto"``: the defaults of :func:`symmem.derive`
+    and :func:`symmem.trace`), ``zero_grad``
     (``optimizer.zero_grad(set_to_none=zero_grad_set_to_none)``).  A module with ``takes_labels`` (the GPT-2
     and Llama references) computes its own loss as ``module(*inputs, target)`` in the forward (its ``loss``
     phase is empty).  Without ``target``, cross-entropy draws class indices (seeded) shaped like the output

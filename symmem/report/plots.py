@@ -69,7 +69,13 @@ def _label(d: Derivation, sep: str = "\n") -> str:
 
 
 def _regime(d: Derivation) -> str:
-    return names.regime(d.regime.precision, d.regime.optimizer)
+    """``FP32 + AdamW``, with what ran where the derivation says it: ``under bfloat16 autocast``, ``on cpu``."""
+    regime = names.regime(d.regime.precision, d.regime.optimizer)
+    if d.options.get("autocast"):
+        regime += f" under {d.options['autocast']} autocast"
+    if d.options.get("device") and d.options["device"] != "cuda":  # cuda: the default of every plot so far
+        regime += f" on {d.options['device']}"
+    return regime
 
 
 #: The parts of a transformer layer, in the order they are stacked, and the roles that belong to each.

@@ -65,6 +65,10 @@ def peak_state(d: Derivation) -> tuple[list[tuple[str, int, Any]], str | None]:
                                                                         ("peak_first_step", "first"))], None
     except SymmemError as e:
         why = " ".join(str(e).split())
+        if "grad can be implicitly created only for scalar outputs" in why:
+            # backward() of a loss that is not a number: say what to change rather than where autograd failed
+            why = (f"loss={d.options.get('loss', '?')!r} is not a scalar here, so backward() cannot run: give "
+                   "loss='sum' or 'cross-entropy', or a module that returns its loss")
         return [], why if why.startswith("no peak") else f"no peak: {why}"
 
 
@@ -238,10 +242,10 @@ def headline(d: Derivation, width: int, state: tuple[list[Any], str | None] | No
     occurs; or, where there is none, why (:func:`peak_state`), in one line (wrapped at ``width``)."""
     found, why = peak_state(d) if state is None else state
     if not found:
-        return textwrap.wrap(f"{why}", width)  # "no peak: ..." in one line (wrapped)
+        return textwrap.wrap(f"{why}", width, break_on_hyphens=False)  # "no peak: ..." in one line (wrapped)
     _, v, moment = found[0]
     return textwrap.wrap(f"{PEAK_LABEL}: {v / UNITS['GiB']:.3f} GiB ({v / UNITS['MiB']:.2f} MiB) at "
-                         f"{moment.where(step=False)}", width)
+                         f"{moment.where(step=False)}", width, break_on_hyphens=False)
 
 
 #: the width of a total's name in the table's last lines (the longest: ``kept after forward + parameters``)
@@ -329,8 +333,8 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
     count = d.peak_candidates()
     for key, v, moment in found:
         name = "peak" if key == "peak" else "peak (first step)"
-        lines += _totals(f"{name:<{key_width}} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
-                         width, cut)
+        lines += _totals(f"{name:<{key_width}} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ",
+                         moment.where(step=False), width, cut)
         if key == "peak":
             head, formula = f"{'':<{key_width}} {'':>12}       = ", str(rounded(moment.total))
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
