@@ -12,7 +12,8 @@ from sympy.parsing.sympy_parser import parse_expr, standard_transformations
 
 import symmem
 from symmem.errors import NothingCounted
-from symmem.report.text import LABELS, SHORT_LABELS, table, wrap
+from symmem.report.headline import LABELS, SHORT_LABELS
+from symmem.report.text import table, wrap
 from symmem.simplify import factored, rounded
 from symmem.symbols import dims
 

@@ -65,8 +65,8 @@ def latex(d: Derivation) -> str:
     """The peak of a training step (the formula of its moment at these sizes, its value beside it) or why there
     is none, then what is kept at the end of the forward pass + the parameter side, factored around its leading
     term, the parameter side in :math:`\\Psi` (the parameter count, defined below it) as ``align`` prints it."""
+    from .headline import peak_state
     from .latex import escape, rows
-    from .text import peak_state
 
     found, why = peak_state(d)
     if found:
@@ -90,7 +90,7 @@ def _formula(expr: Any) -> str:
 
 def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -> str:
     """The first line under the title: the peak of a training step and where it occurs, or why there is none."""
-    from .text import PEAK_LABEL, peak_state
+    from .headline import PEAK_LABEL, peak_state
 
     found, why = peak_state(d) if state is None else state
     esc = _html.escape
@@ -104,7 +104,7 @@ def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -
 def html(d: Derivation) -> str:
     """A header, the peak (or why there is none), the totals, and every term (group, name, role, formula,
     size) folded under ``<details>``."""
-    from .text import name_of, peak_state
+    from .headline import name_of, peak_state
 
     esc = _html.escape
     state = peak_state(d)

@@ -944,7 +944,7 @@ def headline(d: Derivation) -> list[str]:
     occurs (or why there is none), as a comment and as a sentence in text mode (outside the ``align*`` blocks,
     which :func:`read` parses)."""
     from ..units import format_bytes
-    from .text import PEAK_LABEL, peak_state
+    from .headline import PEAK_LABEL, peak_state
 
     found, why = peak_state(d)
     if not found:

@@ -18,7 +18,7 @@ from .. import names
 from ..errors import SymmemError
 from ..files import output_path, write_atomically
 from ..units import UNITS, parse_size
-from .text import peak_state
+from .headline import peak_state
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
