@@ -72,6 +72,9 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
                               f"loss={' or '.join(repr(x) for x in LOSSES[:2])}")
     elif front == "trace" and loss not in LOSSES:
         raise SymmemError(f"loss must be one of {', '.join(LOSSES)} or a callable, got {loss!r}")
+    elif front == "derive" and loss == "output":
+        raise SymmemError("loss='output' is the module's own loss (a traced module that returns it); a built-in "
+                          f"model takes loss={' or '.join(repr(x) for x in LOSSES[:2])}")
     elif front == "derive" and loss not in LOSSES[:2]:
         raise SymmemError(f"unknown loss {loss!r}; known: {', '.join(LOSSES[:2])}")
     if checkpoint is None:
@@ -214,8 +217,8 @@ def add_arguments(p: Any, front: Front, names: tuple[str, ...] = ("precision", "
         if name == "device":
             p.add_argument(flag, choices=list(DEVICES), default=None, help=HELP[name])
         elif name == "loss":
-            p.add_argument(flag, choices=list(LOSSES if front == "trace" else LOSSES[:2]), default="sum",
-                           help=HELP[name])
+            # one set of choices for every command (a built-in model refuses 'output' in one line: resolve)
+            p.add_argument(flag, choices=list(LOSSES), default="sum", help=HELP[name])
         elif name == "precision":
             p.add_argument(flag, choices=list(PRECISIONS), default="fp32", help=HELP[name])
         elif name == "checkpoint":

@@ -252,6 +252,9 @@ def test_autocast_on_the_command_line(capsys):
     (["derive", "gpt2", "--autocast", "bfloat16"],
      "symmem: error: autocast='bfloat16' runs a traced module's forward under torch.autocast; a built-in model's "
      "activations follow precision= (mixed: 16-bit)\n"),
+    (["derive", "gpt2", "--loss", "output"],
+     "symmem: error: loss='output' is the module's own loss (a traced module that returns it); a built-in model "
+     "takes loss='sum' or 'cross-entropy'\n"),
     (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--precision", "mixed"],
      "symmem: error: precision='mixed' counts 16-bit weight copies and runs 16-bit activations, but this module's "
      "weights are FP32: for PyTorch's mixed precision (torch.autocast over FP32 weights) give autocast='bfloat16' "
