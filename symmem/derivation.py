@@ -554,4 +554,5 @@ class Derivation:
     def __repr__(self) -> str:
         total = self.try_evaluate(self.total)
         size = "?" if total is None else format_bytes(total)
-        return f"<Derivation {self.title()}: total {size}>"
+        # the kept memory only: a repr does not run the step (the peak leads every view that shows the table)
+        return f"<Derivation {self.title()}: kept after forward + parameters {size}>"
