@@ -246,6 +246,9 @@ def test_autocast_on_the_command_line(capsys):
         m = measure(net, torch.randn(3, 16))
     assert compare(d, m).exact, compare(d, m).report()
     assert {t.dtype for t in d.terms if t.category == "activation"} >= {"bfloat16"}  # it ran under autocast
+    # verify --module measures the real forward under the same autocast
+    assert main(["verify", "--module", spec, "--dims", "B", "--autocast", "bfloat16"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("exact")
 
 
 @pytest.mark.parametrize("argv, message", [
