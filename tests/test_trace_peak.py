@@ -69,7 +69,7 @@ def test_peak_moment_and_views(cnn):
     assert max(sum(v.values()) for _, _, v in timeline) == at.value("peak")
     out = d.to_dict()
     assert out["options"]["method"] == "symbolic" and out["values"]["peak"] == d.value("peak")
-    assert d.table().splitlines()[0].endswith("symbolic formula")  # the header says how the formula was found
+    assert d.table().splitlines()[0].endswith("symbolic formula; on cpu")  # how the formula was found, and where
 
 
 # --- Hugging Face GPT-2 with its LM loss ---------------------------------------------------------------------------
