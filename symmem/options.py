@@ -1,25 +1,25 @@
 """The options every front shares -- ``derive``, ``trace`` and the command line: one meaning and one default each.
 
-========== =========== ===================================================================================
-option     default     meaning
-========== =========== ===================================================================================
-device     None        whose kernels decide what is kept (``cuda``, ``cpu``): None is where the model runs --
-                       a traced module's own device (its parameters', the CPU for a module just built, as every
-                       SPEC the command line loads), a built-in model's cuda (it has no device; training runs there)
-loss       ``sum``     what the step backpropagates from: ``sum`` (the output's sum: no loss tensor is kept),
-                       ``cross-entropy`` (a built-in model's, appended as its own group; a causal LM's is the
-                       shifted one), ``output`` (the module's own: it returns its loss, a transformers causal
-                       LM given labels) or, traced only, a callable of the output
-checkpoint ``none``    activation checkpointing: ``full``; ``selective`` and ``every-K`` (built-in models);
-                       a container's path or a list of child paths (traced modules)
-precision  ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it; a
-                       traced module with FP32 weights refuses any other (its activations would stay FP32):
-                       PyTorch's mixed precision is ``autocast`` over FP32 weights
-autocast   None        a traced module's forward and loss under ``torch.autocast`` to this dtype
-keep_logits False      whether the loop holds the model's output through backward (``keep_logits`` of the
-                       regime, ``keep_output`` of ``track_step``): no, as Hugging Face's ``Trainer`` and
-                       Lightning's ``training_step`` return the loss and let the output go
-========== =========== ===================================================================================
+=========== =========== ===================================================================================
+option      default     meaning
+=========== =========== ===================================================================================
+device      None        whose kernels decide what is kept (``cuda``, ``cpu``): None is where the model runs --
+                        a traced module's own device (its parameters', the CPU for a module just built, as every
+                        SPEC the command line loads), a built-in model's cuda (it has no device; training runs there)
+loss        ``sum``     what the step backpropagates from: ``sum`` (the output's sum: no loss tensor is kept),
+                        ``cross-entropy`` (a built-in model's, appended as its own group; a causal LM's is the
+                        shifted one), ``output`` (the module's own: it returns its loss, a transformers causal
+                        LM given labels) or, traced only, a callable of the output
+checkpoint  ``none``    activation checkpointing: ``full``; ``selective`` and ``every-K`` (built-in models);
+                        a container's path or a list of child paths (traced modules)
+precision   ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it; a
+                        traced module with FP32 weights refuses any other (its activations would stay FP32):
+                        PyTorch's mixed precision is ``autocast`` over FP32 weights
+autocast    None        a traced module's forward and loss under ``torch.autocast`` to this dtype
+keep_logits False       whether the loop holds the model's output through backward (``keep_logits`` of the
+                        regime, ``keep_output`` of ``track_step``): no, as Hugging Face's ``Trainer`` and
+                        Lightning's ``training_step`` return the loss and let the output go
+=========== =========== ===================================================================================
 
 The device default in one sentence (:data:`DEVICE_DEFAULT`): the kernels that run decide what autograd keeps, so
 a traced module is followed on its own device and a built-in model, which has none, on cuda, where training runs.
