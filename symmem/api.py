@@ -32,7 +32,7 @@ from .derivation import Derivation
 from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
-from .options import check_effect, check_step, resolve
+from .options import check_effect, check_precision, check_step, resolve
 from .step import Refused
 from .training import Regime
 
@@ -207,6 +207,9 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
                      autocast=autocast)
     device = shared.device or _device_of(module)
     loss = shared.loss
+    regime_given = options.get("regime")
+    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
+                    {p.dtype for p in module.parameters() if p.is_floating_point()})
     checkpoint = tracing.checkpoint_option(shared.checkpoint)
     recorded = trace_module(module, example_inputs, dims, device=device, training=training, method=method,
                             check=check, multiple_of=multiple_of, autocast=autocast, checkpoint=checkpoint,
@@ -226,6 +229,9 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
         shown["autocast"] = autocast
     shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
     shown["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
+    attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if isinstance(attention, str):  # a transformers model: the attention kernel it ran (the header says it)
+        shown["attention"] = attention
     ledger = tracing.ledger_of(recorded, regime, name=name, size_one=size_one, values=values, free=free,
                                per_layer=per_layer, shown=shown)
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,

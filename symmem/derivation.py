@@ -497,11 +497,12 @@ class Derivation:
 
     # -- views ----------------------------------------------------------------------------------------
     def title(self) -> str:
-        """The one header every view prints: model, convention, precision and optimizer, scope.
+        """The one header every view prints: model, convention, precision (and autocast) and optimizer, scope,
+        and what ran: the device whose kernels are followed and the attention kernel, where they apply.
 
         >>> from symmem import derive
         >>> derive("vit-b16", convention="pytorch").title()
-        'ViT-B/16 (vit-b16) — PyTorch autograd (pytorch convention), FP32 + AdamW'
+        'ViT-B/16 (vit-b16) — PyTorch autograd (pytorch convention), FP32 + AdamW; on cuda, fused attention (SDPA)'
         """
         from . import names
 
@@ -513,7 +514,15 @@ class Derivation:
         # a traced module says how its formula was found: symbolic, retraced (at other sizes) or fitted
         how = f", {self.options['method']} formula" if self.convention == "traced" and "method" in self.options \
             else ""
-        return f"{model} — {conv}, {names.regime(self.regime.precision, self.regime.optimizer)}{scope}{how}"
+        regime = names.regime(self.regime.precision, self.regime.optimizer)
+        autocast = self.options.get("autocast")
+        if autocast:  # the weights stay as the precision says; the forward computes in the autocast dtype
+            regime = (f"{names.precision(self.regime.precision)} weights under {autocast} autocast + "
+                      f"{names.optimizer(self.regime.optimizer)}")
+        ran = [f"on {self.options['device']}"] if self.options.get("device") else []
+        if self.options.get("attention"):
+            ran.append(names.attention(str(self.options["attention"])))
+        return f"{model} — {conv}, {regime}{scope}{how}" + (f"; {', '.join(ran)}" if ran else "")
 
     # The views are imported when first asked for, as sympy's ``Printable.__str__`` imports its printer: the
     # core does not need them to derive, and a command line never shows the Jupyter ones.
@@ -545,4 +554,5 @@ class Derivation:
     def __repr__(self) -> str:
         total = self.try_evaluate(self.total)
         size = "?" if total is None else format_bytes(total)
-        return f"<Derivation {self.title()}: total {size}>"
+        # the kept memory only: a repr does not run the step (the peak leads every view that shows the table)
+        return f"<Derivation {self.title()}: kept after forward + parameters {size}>"

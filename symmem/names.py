@@ -98,4 +98,5 @@ def attention(name: str | None) -> str:
     """``naive`` -> ``naive attention``; ``sdpa`` -> ``fused attention (SDPA)``."""
     if not name:
         return ""
-    return {"naive": "naive attention", "sdpa": "fused attention (SDPA)"}.get(name, f"{name} attention")
+    return {"naive": "naive attention", "eager": "naive attention (eager)", "sdpa": "fused attention (SDPA)",
+            "flash_attention_2": "FlashAttention-2"}.get(name, f"{name} attention")

@@ -1,19 +1,28 @@
 """The options every front shares -- ``derive``, ``trace`` and the command line: one meaning and one default each.
 
-========== =========== ===================================================================================
-option     default     meaning
-========== =========== ===================================================================================
-device     None        whose kernels decide what is kept (``cuda``, ``cpu``): None is the module's own device
-                       (a traced module's parameters'); a built-in model is on no device and is sized for cuda
-loss       ``sum``     what the step backpropagates from: ``sum`` (the output's sum: no loss tensor is kept),
-                       ``cross-entropy`` (a built-in model's, appended as its own group; a causal LM's is the
-                       shifted one), ``output`` (the module's own: it returns its loss, a transformers causal
-                       LM given labels) or, traced only, a callable of the output
-checkpoint ``none``    activation checkpointing: ``full``; ``selective`` and ``every-K`` (built-in models);
-                       a container's path or a list of child paths (traced modules)
-precision  ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it
-autocast   None        a traced module's forward and loss under ``torch.autocast`` to this dtype
-========== =========== ===================================================================================
+=========== =========== ===================================================================================
+option      default     meaning
+=========== =========== ===================================================================================
+device      None        whose kernels decide what is kept (``cuda``, ``cpu``): None is where the model runs --
+                        a traced module's own device (its parameters', the CPU for a module just built, as every
+                        SPEC the command line loads), a built-in model's cuda (it has no device; training runs there)
+loss        ``sum``     what the step backpropagates from: ``sum`` (the output's sum: no loss tensor is kept),
+                        ``cross-entropy`` (a built-in model's, appended as its own group; a causal LM's is the
+                        shifted one), ``output`` (the module's own: it returns its loss, a transformers causal
+                        LM given labels) or, traced only, a callable of the output
+checkpoint  ``none``    activation checkpointing: ``full``; ``selective`` and ``every-K`` (built-in models);
+                        a container's path or a list of child paths (traced modules)
+precision   ``fp32``    the parameter side's copies (``mixed`` ...); a built-in model's activations follow it; a
+                        traced module with FP32 weights refuses any other (its activations would stay FP32):
+                        PyTorch's mixed precision is ``autocast`` over FP32 weights
+autocast    None        a traced module's forward and loss under ``torch.autocast`` to this dtype
+keep_logits False       whether the loop holds the model's output through backward (``keep_logits`` of the
+                        regime, ``keep_output`` of ``track_step``): no, as Hugging Face's ``Trainer`` and
+                        Lightning's ``training_step`` return the loss and let the output go
+=========== =========== ===================================================================================
+
+The device default in one sentence (:data:`DEVICE_DEFAULT`): the kernels that run decide what autograd keeps, so
+a traced module is followed on its own device and a built-in model, which has none, on cuda, where training runs.
 
 >>> resolve("derive", loss=None).loss, resolve("trace").device
 ('sum', None)
@@ -63,6 +72,9 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
                               f"loss={' or '.join(repr(x) for x in LOSSES[:2])}")
     elif front == "trace" and loss not in LOSSES:
         raise SymmemError(f"loss must be one of {', '.join(LOSSES)} or a callable, got {loss!r}")
+    elif front == "derive" and loss == "output":
+        raise SymmemError("loss='output' is the module's own loss (a traced module that returns it); a built-in "
+                          f"model takes loss={' or '.join(repr(x) for x in LOSSES[:2])}")
     elif front == "derive" and loss not in LOSSES[:2]:
         raise SymmemError(f"unknown loss {loss!r}; known: {', '.join(LOSSES[:2])}")
     if checkpoint is None:
@@ -74,6 +86,53 @@ def resolve(front: Front, *, device: str | None = None, loss: Any = "sum", check
         if autocast not in AUTOCASTS:
             raise SymmemError(f"autocast must be one of {', '.join(AUTOCASTS)}, got {autocast!r}")
     return Shared(device, loss, checkpoint, autocast)
+
+
+#: The device default, said once (docs, ``--help``, ``symmem models -v``).
+DEVICE_DEFAULT = ("the model's own: a traced module's device (the CPU for a module just built, as every SPEC "
+                  "loaded here), a built-in model's cuda (it has no device; training runs there)")
+
+
+def defaults() -> list[tuple[str, str]]:
+    """(option, its default and why) for every option the fronts share, as ``symmem models -v`` says them.
+
+    >>> print(dict(defaults())["loss"])
+    sum: the step backpropagates from the output's sum (no loss tensor kept)
+    """
+    return [
+        ("convention", "pytorch: what PyTorch's autograd keeps, with the peak of a training step"),
+        ("device", DEVICE_DEFAULT),
+        ("loss", "sum: the step backpropagates from the output's sum (no loss tensor kept)"),
+        ("keep_logits", "off: the loop lets the model's output go once the loss is computed, as Hugging Face's "
+                        "Trainer and Lightning do (track_step's keep_output=False)"),
+        ("precision", "fp32 (a traced module with FP32 weights takes fp32 only: --autocast is PyTorch's mixed "
+                      "precision)"),
+        ("autocast", "none (traced modules: bfloat16 or float16 runs the forward and the loss under "
+                     "torch.autocast)"),
+        ("attention", "what the library a built-in model follows does by default: SDPA for gpt2, bert-*, llama "
+                      "(transformers' attn_implementation) and vit-* (timm's fused attention)"),
+    ]
+
+
+def check_precision(precision: str, autocast: str | None, dtypes: set[Any]) -> None:
+    """Refuse a 16-bit ``precision`` for a traced module whose floating weights (``dtypes``) are all FP32: its
+    activations would stay FP32 while the header said "mixed" (PyTorch's mixed precision is ``torch.autocast``
+    over FP32 weights: ``autocast=``).
+
+    >>> torch = getattr(__import__("pytest"), "importorskip")("torch")
+    >>> check_precision("mixed", None, {torch.float32})
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: precision='mixed' counts 16-bit weight copies and runs 16-bit activations, but this ...
+    >>> check_precision("mixed-megatron", None, {torch.bfloat16})   # a module cast to bfloat16: its own dtypes
+    """
+    import torch
+
+    if precision == "fp32" or (dtypes and dtypes != {torch.float32}):
+        return
+    also = f" (autocast={autocast!r} is given: leave precision fp32)" if autocast is not None else ""
+    raise SymmemError(f"precision={precision!r} counts 16-bit weight copies and runs 16-bit activations, but this "
+                      "module's weights are FP32: for PyTorch's mixed precision (torch.autocast over FP32 weights) "
+                      f"give autocast='bfloat16' or 'float16' (--autocast){also}, or cast the module to bfloat16")
 
 
 #: The regime's fields that only the training step reads (its peak), with their defaults.
@@ -136,13 +195,15 @@ def _step_option(regime: Any) -> str | None:
 
 
 HELP = {
-    "device": "the device whose kernels decide what is kept (default: the module's own; a built-in model: cuda)",
+    "device": f"the device whose kernels decide what is kept (default: {DEVICE_DEFAULT})",
     "loss": "what the step backpropagates from: sum of the output (no loss tensor kept), cross-entropy (a causal "
             "LM's shifted one; hf: causal LMs get labels), output (the module returns its loss) (default: sum)",
     "checkpoint": "activation checkpointing: none, full, selective, every-K (built-in models) or a container's "
                   "path (traced modules) (default: none)",
-    "precision": "the parameter side's copies and, for a built-in model, the activations' dtype (default: fp32)",
-    "autocast": "traced modules: run the forward and the loss under torch.autocast to this dtype (default: none)",
+    "precision": "the parameter side's copies and, for a built-in model, the activations' dtype; a traced module "
+                 "with FP32 weights takes fp32 only: use --autocast for PyTorch's mixed precision (default: fp32)",
+    "autocast": "traced modules: run the forward and the loss under torch.autocast to this dtype, over FP32 "
+                "weights (PyTorch's mixed precision); a built-in model follows --precision instead (default: none)",
 }
 
 
@@ -156,8 +217,8 @@ def add_arguments(p: Any, front: Front, names: tuple[str, ...] = ("precision", "
         if name == "device":
             p.add_argument(flag, choices=list(DEVICES), default=None, help=HELP[name])
         elif name == "loss":
-            p.add_argument(flag, choices=list(LOSSES if front == "trace" else LOSSES[:2]), default="sum",
-                           help=HELP[name])
+            # one set of choices for every command (a built-in model refuses 'output' in one line: resolve)
+            p.add_argument(flag, choices=list(LOSSES), default="sum", help=HELP[name])
         elif name == "precision":
             p.add_argument(flag, choices=list(PRECISIONS), default="fp32", help=HELP[name])
         elif name == "checkpoint":

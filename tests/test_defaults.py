@@ -92,3 +92,178 @@ def test_nothing_counted_shows_in_every_view(capsys):
     assert main(["derive", "mlp", "--format", "json"]) == 0
     out, err = capsys.readouterr()
     assert "notes" not in json.loads(out) and err == ""
+
+
+# --- one set of defaults across the fronts (issue 21, item 3) ------------------------------------------------------
+#: the defaults every front shares: what the step backpropagates from, whether the loop holds the output through
+#: backward, the optimizer and its implementation, the precision and autocast
+SHARED = {"loss": "sum", "keep_output": False, "optimizer": "adamw", "impl": "auto", "precision": "fp32",
+          "autocast": None}
+
+
+def _python_front(name: str) -> dict:
+    import inspect
+
+    from symmem.api import derive, trace
+    from symmem.options import resolve
+    from symmem.training import Regime
+
+    regime = Regime()
+    common = {"keep_output": regime.keep_logits, "optimizer": regime.optimizer, "impl": regime.optimizer_impl,
+              "precision": regime.precision}
+    if name == "derive":
+        return {**common, "loss": inspect.signature(derive).parameters["loss"].default,
+                "autocast": resolve("derive").autocast}
+    if name == "trace":
+        signature = inspect.signature(trace).parameters
+        return {**common, "loss": signature["loss"].default, "autocast": signature["autocast"].default}
+    from symmem.record.steps import track_step
+
+    signature = inspect.signature(track_step).parameters  # a real module: its own dtypes, no autocast of its own
+    return {"loss": signature["loss"].default, "keep_output": signature["keep_output"].default,
+            "optimizer": signature["optimizer"].default, "impl": signature["impl"].default}
+
+
+def _cli_front(argv: list[str]) -> dict:
+    from symmem.cli import _parser
+
+    args = _parser(argv).parse_args(argv)
+    found = {"loss": args.loss, "keep_output": args.keep_logits, "optimizer": args.optimizer,
+             "impl": args.optimizer_impl, "precision": args.precision, "autocast": args.autocast}
+    assert args.device is None  # the model's own (options.DEVICE_DEFAULT), as in Python
+    return found
+
+
+FRONTS = {
+    "derive": lambda: _python_front("derive"),
+    "trace": lambda: _python_front("trace"),
+    "track_step": lambda: _python_front("track_step"),
+    "symmem derive": lambda: _cli_front(["derive", "mlp"]),
+    "symmem trace": lambda: _cli_front(["trace", "m.py:build", "--dims", "B"]),
+    "symmem verify --peak": lambda: _cli_front(["verify", "mlp", "--peak"]),
+}
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_every_front_has_the_same_defaults(front):
+    found = FRONTS[front]()
+    assert found == {k: v for k, v in SHARED.items() if k in found}
+    assert {"loss", "keep_output", "optimizer", "impl"} <= set(found)
+
+
+def test_the_device_default_is_said_once_and_followed():
+    """The device default is the model's own: a built-in model's cuda, a traced module's (the CPU for one just
+    built, as every SPEC the command line loads); `--help` and `symmem models -v` say it in the same words."""
+    torch = pytest.importorskip("torch")
+    from symmem.options import DEVICE_DEFAULT, HELP
+
+    assert DEVICE_DEFAULT in HELP["device"]
+    assert symmem.derive("mlp").options["device"] == "cuda"
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    d = symmem.trace(net, (torch.zeros(2, 4),), {"B": [(0, 0)]})
+    assert d.options["device"] == "cpu" and d.title().endswith("; on cpu")
+
+
+def test_models_verbose_says_the_defaults(capsys):
+    from symmem.options import DEVICE_DEFAULT
+
+    assert main(["models", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert DEVICE_DEFAULT in out and "SDPA for gpt2, bert-*" in out and "loss         sum" in out
+    assert "--attention sdpa (naive|sdpa): sdpa is sdpa_attention_forward (transformers' default" in out
+
+
+def test_the_default_step_lets_the_output_go():
+    """track_step's default is the loop that lets the output go once the loss is computed (HF Trainer, Lightning),
+    as derive and trace assume: Linear(4, 3) on a (2, 4) batch with SGD peaks at W 48 + b 12 + x 32 + loss 4 +
+    seed 4 + dW 48 + db 12 = 160 bytes; holding the output (keep_output=True) adds y's 24."""
+    torch = pytest.importorskip("torch")
+    from symmem.record.steps import track_step
+
+    def linear():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    assert track_step(linear(), torch.zeros(2, 4), optimizer="sgd", steps=1).peak.bytes == 160
+    assert track_step(linear(), torch.zeros(2, 4), optimizer="sgd", steps=1, keep_output=True).peak.bytes == 184
+
+
+def test_trace_and_derive_defaults_are_a_real_default_step():
+    """With every option left out, the traced peak and the built-in mlp's peak (on the CPU) are what two real
+    training steps of track_step with ITS defaults reach (AdamW as PyTorch picks it, the output's sum, the output
+    let go)."""
+    torch = pytest.importorskip("torch")
+    from symmem.record.steps import track_step
+    from symmem.reference import reference
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(3, 16)
+    d = symmem.trace(net, (x,), {"B": [(0, 0)]})
+    real = track_step(net, x)
+    assert (d.value("peak_first_step"), d.value("peak")) == (real.first.bytes, real.steady.bytes)
+
+    built = symmem.derive("mlp", device="cpu", widths="16,32,4", values={"B": 3})
+    module, inputs = reference("mlp", {s.name: v for s, v in built.numbers.items()}, built.options)
+    real = track_step(module, inputs)
+    assert (built.value("peak_first_step"), built.value("peak")) == (real.first.bytes, real.steady.bytes)
+
+
+def test_built_in_transformers_follow_transformers_default_attention():
+    """gpt2 and bert-* default to what transformers runs by default (its attn_implementation: sdpa); the new
+    default is checked against the real GPT-2 in tests/test_zoo_drift.py (gpt2-sdpa-dropout-loss)."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from symmem.models import entry
+
+    tiny = {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0}
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(**tiny))
+    bert = transformers.BertModel(transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                                          intermediate_size=32, vocab_size=64))
+    for name, model in (("gpt2", gpt2), ("bert-base", bert)):
+        assert entry(name).options["attention"].default == model.config._attn_implementation == "sdpa"
+        assert symmem.derive(name).options["attention"] == "sdpa"
+    assert "fused attention (SDPA)" in symmem.derive("gpt2").title()
+
+
+def test_autocast_on_the_command_line(capsys):
+    """`--autocast bfloat16` is Python's autocast=: the traced activations are what a real forward under
+    torch.autocast saves, storage by storage, and the header says it ran under bfloat16 autocast."""
+    torch = pytest.importorskip("torch")
+    from symmem.record.verify import compare, measure
+
+    spec = "tests.trace_helpers:mlp_with_inputs"
+    assert main(["trace", spec, "--dims", "B", "--autocast", "bfloat16", "--set", "B=3", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["options"]["autocast"] == "bfloat16"
+    from tests.trace_helpers import mlp_with_inputs
+
+    net, (x,) = mlp_with_inputs()
+    d = symmem.trace(net, (x,), {"B": [(0, 0)]}, autocast="bfloat16", values={"B": 3})
+    assert out["expressions"]["activations"] == str(d.activations)
+    assert "FP32 weights under bfloat16 autocast + AdamW" in d.title()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m = measure(net, torch.randn(3, 16))
+    assert compare(d, m).exact, compare(d, m).report()
+    assert {t.dtype for t in d.terms if t.category == "activation"} >= {"bfloat16"}  # it ran under autocast
+    # verify --module measures the real forward under the same autocast
+    assert main(["verify", "--module", spec, "--dims", "B", "--autocast", "bfloat16"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("exact")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["derive", "gpt2", "--autocast", "bfloat16"],
+     "symmem: error: autocast='bfloat16' runs a traced module's forward under torch.autocast; a built-in model's "
+     "activations follow precision= (mixed: 16-bit)\n"),
+    (["derive", "gpt2", "--loss", "output"],
+     "symmem: error: loss='output' is the module's own loss (a traced module that returns it); a built-in model "
+     "takes loss='sum' or 'cross-entropy'\n"),
+    (["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--precision", "mixed"],
+     "symmem: error: precision='mixed' counts 16-bit weight copies and runs 16-bit activations, but this module's "
+     "weights are FP32: for PyTorch's mixed precision (torch.autocast over FP32 weights) give autocast='bfloat16' "
+     "or 'float16' (--autocast), or cast the module to bfloat16\n"),
+])
+def test_precision_and_autocast_mean_one_thing(argv, message, capsys):
+    pytest.importorskip("torch")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == message

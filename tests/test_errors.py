@@ -328,25 +328,26 @@ def test_where_pytorchs_formulas_hold_at_b_1(capsys):
     differs there, so derive says where the formulas hold (B >= 2) and notes it when B = 1.  Where the base is the
     copy's size (BERT, SDPA), nothing changes and no domain is added."""
     torch = pytest.importorskip("torch")  # noqa: F841
-    small = ["--set", "L=1", "--set", "S=64", "--device", "cpu"]
+    small = ["--set", "L=1", "--set", "S=64", "--device", "cpu", "--attention", "naive"]  # eager attention
     assert main(["verify", "gpt2", "--set", "B=1", *small]) == 1  # real PyTorch: not exact at B = 1
     assert main(["verify", "gpt2", "--set", "B=2", *small]) == 0
     assert main(["verify", "bert-base", "--set", "B=1", *small]) == 0
     capsys.readouterr()
-    one = derive("gpt2", values={"B": 1})
+    one = derive("gpt2", values={"B": 1}, attention="naive")
     assert str(one.domain) == "B >= 2" and one.notes == (
         "at these sizes the formulas count a copy PyTorch does not make (at B = 1 a batched matmul folds a head "
         "view into its batch and keeps the view's base): they hold where B >= 2 (docs/pytorch-sequence.md, "
         "Known gaps)",)
-    assert derive("gpt2").notes == () and str(derive("gpt2").domain) == "B >= 2"
+    assert derive("gpt2", attention="naive").notes == () and str(derive("gpt2", attention="naive").domain) == "B >= 2"
     for model, options in (("bert-base", {}), ("gpt2", {"attention": "sdpa"}), ("llama", {"attention": "naive"})):
         d = derive(model, values={"B": 1}, **options)
         assert d.notes == (), model
     assert derive("bert-base").domain is sympy.true and derive("gpt2", attention="sdpa").domain is sympy.true
     # Llama's eager attention: a copy of the repeated key/value heads only where G = 1 (< h)
     assert derive("llama", attention="naive", values={"B": 1, "G": 1, "h": 32}).notes != ()
-    assert main(["derive", "gpt2", "--set", "B=1"]) == 0
+    assert main(["derive", "gpt2", "--attention", "naive", "--set", "B=1"]) == 0
     assert "holds where: B >= 2" in capsys.readouterr().out
+    assert derive("gpt2").domain is sympy.true  # the default is transformers' own: SDPA
 
 
 @pytest.mark.parametrize("value, fragment", [

@@ -198,7 +198,7 @@ def test_step_options_where_the_step_is_refused_are_refused(capsys, monkeypatch)
         assert code == 2 and err == (
             "symmem: error: keep_logits=True shapes the training step's peak, which the pytorch convention under "
             "ZeRO, tensor or pipeline parallelism (it follows one device) does not model: leave it out\n")
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     from pathlib import Path
 
     import symmem
@@ -213,4 +213,5 @@ def test_step_options_where_the_step_is_refused_are_refused(capsys, monkeypatch)
         symmem.trace(net, inputs, {"B": [(0, 0)]}, zero=2, micro_batches=2)
     with pytest.raises(SymmemError, match=r"^keep_logits=True shapes the training step's peak, which is not "
                                           r"modelled here \(precision='mixed' sets the parameter side only"):
-        symmem.trace(net, inputs, {"B": [(0, 0)]}, precision="mixed", keep_logits=True)
+        symmem.trace(net.to(torch.bfloat16), tuple(x.to(torch.bfloat16) for x in inputs), {"B": [(0, 0)]},
+                     precision="mixed", keep_logits=True)  # a 16-bit module: the precision is its own

@@ -12,6 +12,7 @@ from sympy.parsing.sympy_parser import parse_expr, standard_transformations
 
 import symmem
 from symmem.errors import NothingCounted
+from symmem.report.headline import LABELS, SHORT_LABELS
 from symmem.report.text import table, wrap
 from symmem.simplify import factored, rounded
 from symmem.symbols import dims
@@ -62,7 +63,9 @@ def read(text: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
             totals[-1][1] += " " + ln.strip()
         else:
             key, _, rest = ln.partition("   = ")
-            totals.append([key.split()[0], rest.strip()])
+            key = next((k for names in (LABELS, SHORT_LABELS) for k, shown in names.items() if key.startswith(shown)),
+                       key.split()[0])
+            totals.append([key, rest.strip()])
     return [tuple(r) for r in rows], [tuple(t) for t in totals]
 
 
@@ -212,12 +215,12 @@ def test_derive_prints_the_peak_and_where(capsys, model):
     assert main(["derive", model, "--width", "100"]) == 0
     out = capsys.readouterr().out
     d = symmem.derive(model)
-    tail = out[out.index("\ntotal = kept at the end"):].splitlines()
+    tail = out[out.index("\nkept after forward + parameters = the tensors kept at the end"):].splitlines()
     steady = next(i for i, ln in enumerate(tail) if ln.startswith("peak "))
     mib = f"{d.value('peak') / 2**20:.2f} MiB"
     assert mib in tail[steady] and tail[steady].endswith("at " + d.peak_at().where().removesuffix(", steady step"))
     shown = " ".join(ln.strip() for ln in tail[steady + 1:] if not ln.startswith("peak"))
-    shown = shown.removeprefix("= ").split("   (the largest")[0]
+    shown = shown.removeprefix("= ").split("(the largest")[0].strip()
     assert d.evaluate(formula(shown)) == d.value("peak")
     assert any(ln.startswith("peak (first step)") and f"{d.value('peak_first_step') / 2**20:.2f}" in ln for ln in tail)
 

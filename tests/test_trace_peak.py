@@ -69,7 +69,7 @@ def test_peak_moment_and_views(cnn):
     assert max(sum(v.values()) for _, _, v in timeline) == at.value("peak")
     out = d.to_dict()
     assert out["options"]["method"] == "symbolic" and out["values"]["peak"] == d.value("peak")
-    assert d.table().splitlines()[0].endswith("symbolic formula")  # the header says how the formula was found
+    assert d.table().splitlines()[0].endswith("symbolic formula; on cpu")  # how the formula was found, and where
 
 
 # --- Hugging Face GPT-2 with its LM loss ---------------------------------------------------------------------------
@@ -257,7 +257,10 @@ def test_a_step_that_does_not_fold_is_given_at_its_own_layer_count():
 def test_regimes_the_step_does_not_run_are_refused_or_absent():
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
     x = (torch.randn(2, 4),)
-    mixed = symmem.trace(net, x, {"B": [(0, 0)]}, precision="mixed")
+    with pytest.raises(symmem.SymmemError, match="^precision='mixed' .* FP32: .* autocast"):
+        symmem.trace(net, x, {"B": [(0, 0)]}, precision="mixed")  # activations would stay FP32: refused
+    half = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).to(torch.bfloat16)
+    mixed = symmem.trace(half, tuple(t.to(torch.bfloat16) for t in x), {"B": [(0, 0)]}, precision="mixed")
     with pytest.raises(symmem.SymmemError, match="autocast"):
         _ = mixed.peak
     assert not symmem.trace(net, x, {"B": [(0, 0)]}, optimizer="lion").has_peak  # not a torch.optim optimizer

@@ -1,5 +1,8 @@
 """The live-bytes tracker against cases small enough to count by hand.
 
+The hand counts below hold the output through backward (``keep_output=True``, a loop with ``out = module(x)`` in
+scope); the default lets it go (tests/test_defaults.py counts that case).
+
 Every oracle below is arithmetic on float32 (4 bytes) shapes, written out in the comments; the tracker has to
 agree to the byte.  Conventions used in the comments: ``x`` the batch, ``y`` the module output, ``W``/``b``
 weights and biases, ``dW`` a weight gradient, ``seed`` the 4-byte ``ones_like(loss)`` that ``backward()`` starts
@@ -31,7 +34,7 @@ def allocations(trace, step: int, phase: str) -> list[tuple[str, int]]:
 
 
 def test_linear_sgd_every_byte():
-    t = track_step(linear(), torch.zeros(2, 4), optimizer="sgd")
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="sgd", keep_output=True)
     W, b, x, y = 3 * 4 * F, 3 * F, 2 * 4 * F, 2 * 3 * F          # 48, 12, 32, 24
     start = W + b + x                                              # 92
     assert (t.start.live, t.start.bytes("parameter"), t.start.bytes("input")) == (start, W + b, x)
@@ -60,7 +63,7 @@ def test_linear_sgd_every_byte():
 
 
 def test_sgd_momentum_first_step_clones_the_gradient():
-    t = track_step(linear(), torch.zeros(2, 4), optimizer="sgd-momentum")
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="sgd-momentum", keep_output=True)
     W, b, x, y = 48, 12, 32, 24
     start = W + b + x
     # step 1: buf = grad.detach().clone() for W then b, inside the step
@@ -82,7 +85,7 @@ def test_sgd_momentum_first_step_clones_the_gradient():
 def test_two_layer_mlp_with_relu():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    t = track_step(net, torch.zeros(2, 4), optimizer="sgd", steps=1)
+    t = track_step(net, torch.zeros(2, 4), optimizer="sgd", steps=1, keep_output=True)
     W1, b1, W2, b2 = 8 * 4 * F, 8 * F, 3 * 8 * F, 3 * F             # 128, 32, 96, 12
     P = W1 + b1 + W2 + b2                                             # 268
     x, h, y = 2 * 4 * F, 2 * 8 * F, 2 * 3 * F                         # 32, 64, 24
@@ -110,7 +113,7 @@ def test_two_layer_mlp_with_relu():
 
 
 def test_adam_states_and_for_loop_temporaries():
-    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="for-loop")
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="for-loop", keep_output=True)
     W, b, x = 48, 12, 32
     start, state = W + b + x, 2 * (W + b) + 2 * F                    # exp_avg, exp_avg_sq, float32 step each
     # step 1, _init_group: per parameter torch.tensor(0.) (lift_fresh) and two zeros_like
@@ -128,7 +131,7 @@ def test_adam_states_and_for_loop_temporaries():
 
 
 def test_adam_foreach_allocates_one_copy_of_the_parameters():
-    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="foreach")
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="foreach", keep_output=True)
     W, b, x = 48, 12, 32
     start, state = W + b + x, 2 * (W + b) + 2 * F
     # steps += torch.tensor(1.0) (4 bytes, gone before the update), then _foreach_sqrt(exp_avg_sqs): W + b
@@ -144,18 +147,18 @@ def test_adam_for_loop_keeps_the_previous_denominator():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
     P = 128                                                           # both weights are 32 floats
-    loop = track_step(net, torch.zeros(2, 4), optimizer="adam", impl="for-loop", steps=1)
+    loop = track_step(net, torch.zeros(2, 4), optimizer="adam", impl="for-loop", steps=1, keep_output=True)
     assert loop.peak.record.bytes("temporary") == 3 * P               # denom(W1) + sqrt(W2) + sqrt(W2)/c
     assert (loop.peak.op, loop.peak.where) == ("aten.div.Tensor", "1.weight")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
-    each = track_step(net, torch.zeros(2, 4), optimizer="adam", impl="foreach", steps=1)
+    each = track_step(net, torch.zeros(2, 4), optimizer="adam", impl="foreach", steps=1, keep_output=True)
     assert each.peak.record.bytes("temporary") == 2 * P               # one copy of all parameters
     assert loop.peak.bytes - each.peak.bytes == P
 
 
 def test_fused_adam_needs_no_temporaries():
-    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="fused")
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="fused", keep_output=True)
     W, b, x, y = 48, 12, 32, 24
     state = 2 * (W + b) + 2 * F
     assert allocations(t, 2, "step") == []                           # _fused_adam_ updates in place
@@ -164,8 +167,8 @@ def test_fused_adam_needs_no_temporaries():
 
 
 def test_adamw_decays_in_place():
-    loop = track_step(linear(), torch.zeros(2, 4), optimizer="adamw", impl="for-loop")
-    adam = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="for-loop")
+    loop = track_step(linear(), torch.zeros(2, 4), optimizer="adamw", impl="for-loop", keep_output=True)
+    adam = track_step(linear(), torch.zeros(2, 4), optimizer="adam", impl="for-loop", keep_output=True)
     assert [r.live for r in loop.records if r.allocated] == [r.live for r in adam.records if r.allocated]
     def muls(t):  # exp_avg_sq.mul_(beta2), and for AdamW first p.mul_(1 - lr * wd)
         return [r.op for r in t.records if r.step == 2 and r.where == "weight" and r.op.startswith("aten.mul_")]
@@ -176,7 +179,8 @@ def test_adamw_decays_in_place():
 def test_cross_entropy_holds_four_logits_at_the_start_of_backward():
     torch.manual_seed(0)
     B, K = 4, 50
-    t = track_step(torch.nn.Linear(2, K), torch.zeros(B, 2), loss="cross-entropy", optimizer="sgd", steps=1)
+    t = track_step(torch.nn.Linear(2, K), torch.zeros(B, 2), loss="cross-entropy", optimizer="sgd", steps=1,
+                   keep_output=True)
     W, b, x, target, logits = K * 2 * F, K * F, B * 2 * F, B * 8, B * K * F   # 400, 200, 32, 32 (int64), 800
     start = W + b + x + target                                        # 664
     assert allocations(t, 1, "loss") == [("aten._log_softmax.default", logits),
@@ -202,7 +206,7 @@ def test_residual_fork_sums_two_gradients():
             return self.c(torch.relu(self.b(h))) + h
 
     torch.manual_seed(0)
-    t = track_step(Res(), torch.zeros(2, 4), optimizer="sgd", steps=1)
+    t = track_step(Res(), torch.zeros(2, 4), optimizer="sgd", steps=1, keep_output=True)
     W, act = 64, 32                                                    # 4x4 weights; 2x4 activations
     add = next(r for r in t.records if r.phase == "backward" and r.op == "aten.add.Tensor")
     # h's gradient from the branch (dh_b = dr W_b, 32 B) meets the identity path's gradient (the seed expanded:
@@ -217,9 +221,9 @@ def test_residual_fork_sums_two_gradients():
 
 
 def test_zero_grad_set_to_none_or_not():
-    t = track_step(linear(), torch.zeros(2, 4), optimizer="sgd")
+    t = track_step(linear(), torch.zeros(2, 4), optimizer="sgd", keep_output=True)
     assert all(r.bytes("gradient") == 0 for r in t.records if r.phase == "forward")
-    kept = track_step(linear(), torch.zeros(2, 4), optimizer="sgd", zero_grad_set_to_none=False)
+    kept = track_step(linear(), torch.zeros(2, 4), optimizer="sgd", zero_grad_set_to_none=False, keep_output=True)
     W, b = 48, 12
     assert all(r.bytes("gradient") == W + b for r in kept.records if r.step == 2 and r.phase == "forward")
     # step 2's backward makes dW and db as before, then AccumulateGrad adds them into the zeroed .grad in place
@@ -233,7 +237,7 @@ def test_zero_grad_set_to_none_or_not():
 def test_backward_runs_under_the_mode_and_storages_die_in_it():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    t = track_step(net, torch.zeros(2, 4), optimizer="sgd", steps=1)
+    t = track_step(net, torch.zeros(2, 4), optimizer="sgd", steps=1, keep_output=True)
     back = [r for r in t.records if r.phase == "backward"]
     assert {r.where for r in back} >= {"SumBackward0", "AddmmBackward0", "ReluBackward0", "AccumulateGrad"}
     saved = [s for s in t.storages if s.category == "saved"]
@@ -286,7 +290,7 @@ def test_a_zoo_language_model_computes_its_own_loss():
     from symmem.reference import reference
 
     module, inputs = reference("gpt2", {"B": 2, "S": 8, "H": 16, "h": 2, "L": 1, "V": 50})
-    t = track_step(module, inputs, loss="cross-entropy", optimizer="sgd")
+    t = track_step(module, inputs, loss="cross-entropy", optimizer="sgd", keep_output=True)
     ids = 2 * 8 * 8                                                   # int64 input ids and labels
     assert t.start.bytes("input") == 2 * ids
     wte, wpe = 50 * 16 * F, 1024 * 16 * F                              # lm_head is tied to wte: counted once

@@ -94,6 +94,7 @@ def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():
     assert [n for n, _ in segments(resnet)][:2] == ["stem", "stage 1"]  # no layer to split
     fig = breakdown([d])
     ax = fig.axes[0]
-    assert ax.get_title() == "FP32 + AdamW: training memory by part"
+    assert ax.get_title() == ("FP32 + AdamW: training memory by part\n(bars: kept after forward + parameters; line: "
+                              "peak of a training step, what must fit)")
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ViT-B/16 (naive)\nPyTorch autograd"]
     close(fig)

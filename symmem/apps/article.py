@@ -409,7 +409,7 @@ def _generic_section(spec: Spec, group: list[ModelRow], title: str, fits: dict[s
     for r in group:
         if len(group) > 1:
             out.append(f"With {escape(ATTENTION_LABELS.get(r.attention, str(r.attention)))}:")
-        out.append("\n".join(ln for ln in align(r.d).splitlines() if not ln.startswith("%")))
+        out.append("\n".join(ln for ln in align(r.d, lead=False).splitlines() if not ln.startswith("%")))
         d = r.d
         sentence = (f"At {_sizes(spec, r)} that is {_gib(d.value('activations'))}\\,GiB of activations, "
                     f"{_gib(d.value('parameter_memory'))}\\,GiB of parameter side and a total of "

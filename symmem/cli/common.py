@@ -150,7 +150,7 @@ def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, mode
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")
-    add_arguments(p, front, ("device", "loss"))
+    add_arguments(p, front, ("device", "loss", "autocast"))
     if not regime:
         return
     group = p.add_argument_group("training regime (docs/regimes.md); sizes are symbols N, t, p: --set t=8")
@@ -210,7 +210,13 @@ def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
     conv_options = {"device": args.device} if args.device is not None else {}
     return dict(convention=args.convention, per_layer=args.per_layer, values=_parse_sets(args.set),
                 free=free_from_args(args), options=conv_options, loss=args.loss,
-                **regime_from_args(args), **model_options)
+                **regime_from_args(args), **model_options, **autocast_from_args(args))
+
+
+def autocast_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--autocast DTYPE`` as the keyword every front takes (none when it is not given)."""
+    autocast = getattr(args, "autocast", None)
+    return {} if autocast is None else {"autocast": autocast}
 
 
 def free_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
@@ -303,6 +309,7 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     hf_loss = args.loss if args.spec.startswith("hf:") and args.loss != "sum" else None
     if hf_loss is None:
         derive_options.setdefault("loss", args.loss)
+    derive_options.update(autocast_from_args(args))
     loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=hf_loss, inputs=args.example)
     loaded = loaded.to(args.device or "cpu")  # traced for a device, checked and measured there
     for note in loaded.notes:

@@ -17,6 +17,13 @@ def run(args: argparse.Namespace) -> int:
     from ..models import available, build
 
     pad = " " * 15
+    if args.verbose:
+        from ..options import defaults
+
+        print("defaults every command and symmem.derive/trace/track_step share:")
+        for option, said in defaults():
+            print(f"  {option:<12} {said}")
+        print()
     for name, e in sorted(available().items()):
         m = build(name)
         defaults = ", ".join(f"{s.name}={m.defaults[s]}" for s in m.symbols if s in m.defaults)

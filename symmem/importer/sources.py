@@ -628,6 +628,9 @@ def verify_module(loaded: Loaded, derivation: Any, dims: dict[str, Any]) -> Any:
                           f"it there would compare another device's kernels (verify on {device} needs that device)")
     numbers = {s.name: int(v) for s, v in derivation.numbers.items()}
     args, kwargs = resized(loaded, dims, numbers)
-    with user_code(f"{loaded.spec}: measuring the module"):
+    from .wrap import autocasting
+
+    # measured as it was traced: under the derivation's autocast (--autocast), else the module's own dtypes
+    with user_code(f"{loaded.spec}: measuring the module"), autocasting(derivation.options.get("autocast"), device):
         measured = measure(loaded.module, *args, **kwargs)
     return compare(derivation, measured)

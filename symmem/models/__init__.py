@@ -62,8 +62,8 @@ _VIT = {
 }
 _VGG = {"dropout": Option(0.5, None, "classifier dropout probability")}
 _BERT = {
-    "attention": Option("naive", _ATTENTION, "naive is eager_attention_forward (B*h*S^2 probabilities kept); sdpa "
-                        "is sdpa_attention_forward"),
+    "attention": Option("sdpa", _ATTENTION, "sdpa is sdpa_attention_forward (transformers' default "
+                        "attn_implementation); naive is eager_attention_forward (B*h*S^2 probabilities kept)"),
     "dropout": Option(0.1, None, "hidden_dropout_prob = attention_probs_dropout_prob (HF default 0.1)"),
 }
 #: use_cache of transformers 5.23 (gpt2, llama): the config default keeps a DynamicCache in training too
@@ -95,8 +95,8 @@ def _builtin() -> dict[str, Entry]:
                            {"size": size}))
     found.append(Entry("gpt2", ".gpt:build_gpt2",
                        "GPT-2 small (Hugging Face GPT2LMHeadModel, transformers 5.23: tied embeddings, gelu_new)", {
-        "attention": Option("naive", _ATTENTION, "naive is eager_attention_forward (B*h*S^2 probabilities kept); "
-                            "sdpa is sdpa_attention_forward"),
+        "attention": Option("sdpa", _ATTENTION, "sdpa is sdpa_attention_forward (transformers' default "
+                            "attn_implementation); naive is eager_attention_forward (B*h*S^2 probabilities kept)"),
         "dropout": Option(0.1, None, "embd_pdrop = attn_pdrop = resid_pdrop (HF default 0.1)"),
         "gelu": Option("new", ("new", "fused"), "new: HF gelu_new written out in ops; fused: F.gelu(tanh)"),
         "cache": _CACHE,

@@ -3,10 +3,10 @@
 Embeddings: word (V) + token type (2 types) + position (512 positions, ids a slice of a buffer), LayerNorm,
 dropout.  The token-type ids are made in the forward: ``torch.gather`` of the zero ``token_type_ids`` buffer
 at the position ids gives a new (1, S) int64 tensor, expanded to (B, S), which the embedding keeps (8·S
-bytes).  ``L`` post-LN layers: Q, K, V linears split into heads, attention (``attention="naive"``:
-``eager_attention_forward``, ``(Q K^T) * scaling``, softmax, dropout, ``@ V``; ``"sdpa"``:
-``sdpa_attention_forward``; without an attention mask ``create_bidirectional_mask`` gives none to either),
-output dense, dropout, ``LayerNorm(x + input)``; intermediate dense, exact GELU, output dense, dropout,
+bytes).  ``L`` post-LN layers: Q, K, V linears split into heads, attention (``attention="sdpa"``, the default as
+in transformers: ``sdpa_attention_forward``; ``"naive"``: ``eager_attention_forward``, ``(Q K^T) * scaling``,
+softmax, dropout, ``@ V``; without an attention mask ``create_bidirectional_mask`` gives none to either), output
+dense, dropout, ``LayerNorm(x + input)``; intermediate dense, exact GELU, output dense, dropout,
 ``LayerNorm(x + input)``.  The pooler is ``tanh(dense(x[:, 0]))``.  No MLM head.
 
 Checked against transformers 5.23.0 on the CPU by tracing ``BertModel`` (``tests/test_zoo_drift.py``).
@@ -56,7 +56,7 @@ def _self_attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
     return g.op("reshape", out, name="merge_view", shape=(B, S, H))
 
 
-def build_bert(name: str, size: str, attention: str = "naive", dropout: float = 0.1) -> Model:
+def build_bert(name: str, size: str, attention: str = "sdpa", dropout: float = 0.1) -> Model:
     hidden, heads, layers = _SIZES[size]
     g = GraphBuilder(name)
     ids = g.input("input_ids", (B, S), dtype="int64")

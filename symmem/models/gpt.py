@@ -3,9 +3,10 @@
 Token and position embeddings (``wte`` + ``wpe`` of 1024 positions), embedding dropout, ``L`` pre-LN blocks
 [``ln_1``, ``c_attn`` (a ``Conv1D``: ``addmm`` on the flattened tokens), split into Q, K, V and heads,
 attention, ``c_proj``, dropout, residual; ``ln_2``, ``c_fc``, GELU, ``c_proj``, dropout, residual], ``ln_f``
-and the LM head tied to ``wte``.  ``attention="naive"`` is ``eager_attention_forward``: ``(Q K^T) * scaling``
+and the LM head tied to ``wte``.  ``attention="sdpa"`` (the default, as transformers' ``attn_implementation``
+defaults to ``"sdpa"``) is ``sdpa_attention_forward``; ``"naive"`` is ``eager_attention_forward``: ``(Q K^T) * scaling``
 (a Python float: no tensor kept), the additive causal mask (kept by nothing), softmax, dropout, ``@ V``;
-``"sdpa"`` is ``sdpa_attention_forward`` (``scaled_dot_product_attention(..., is_causal=True)``).
+``"sdpa"`` calls ``scaled_dot_product_attention(..., is_causal=True)``.
 ``gelu="new"`` writes out HF's ``gelu_new`` op by op, ``0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3)))``;
 ``"fused"`` is ``gelu_pytorch_tanh`` (one ``F.gelu`` call).
 
@@ -84,7 +85,7 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float, cache: bool) 
     return g.op("dropout", out, name="resid_dropout", p=dropout)
 
 
-def build_gpt2(name: str, attention: str = "naive", dropout: float = 0.1, gelu: str = "new",
+def build_gpt2(name: str, attention: str = "sdpa", dropout: float = 0.1, gelu: str = "new",
                cache: str = "dynamic") -> Model:
     g = GraphBuilder(name)
     ids = g.input("input_ids", (B, S), dtype="int64")

@@ -13,8 +13,8 @@ it).
 
 >>> torch = getattr(__import__("pytest"), "importorskip")("torch")
 >>> trace = track_step(torch.nn.Linear(4, 3), torch.zeros(2, 4), optimizer="sgd", steps=1)
->>> trace.start.live, trace.peak.bytes   # W 48 + b 12 + x 32; peak: + y 24 + loss 4 + seed 4 + dW 48 + db 12
-(92, 184)
+>>> trace.start.live, trace.peak.bytes   # W 48 + b 12 + x 32; peak: + loss 4 + seed 4 + dW 48 + db 12 (y let go)
+(92, 160)
 >>> trace.peak.phase, trace.peak.op, trace.peak.record.bytes("gradient")   # db is born last: sum over the batch
 ('backward', 'aten.sum.dim_IntList', 60)
 """
@@ -89,12 +89,14 @@ def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimiz
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
+    if impl == "auto":  # PyTorch's own choice, as derive and trace take it: foreach on CUDA, a for-loop on the CPU
+        impl = "foreach" if any(p.device.type == "cuda" for p in params) else "for-loop"
     return inputs, target, takes_labels, compute_loss, make_optimizer(params, optimizer, impl, lr), params
 
 
 def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, compute_loss: Callable[[Any], Any],
          opt: Any, params: list[Any], steps: int, set_to_none: bool, tracker: LiveTracker | None,
-         allocator: bool, keep_output: bool = True, micro_batches: int = 1) -> Any:
+         allocator: bool, keep_output: bool = False, micro_batches: int = 1) -> Any:
     """The training loop, under ``tracker`` (if any) and the profiler (if ``allocator``); returns the profiler."""
     import torch
 
@@ -165,17 +167,21 @@ def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, 
 
 
 
-def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "sgd",
-               impl: str = "for-loop", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
-               target: Any = None, allocator: bool = False, keep_output: bool = True,
+def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "adamw",
+               impl: str = "auto", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
+               target: Any = None, allocator: bool = False, keep_output: bool = False,
                micro_batches: int = 1) -> StepTrace:
     """Run ``steps`` training steps of ``module`` on ``inputs`` (a tensor or a tuple) under a :class:`LiveTracker`.
 
     Each step is: ``forward`` (``out = module(*inputs)``), ``loss`` (``out.sum()``, cross-entropy against
-    ``target`` over the last dimension, or ``loss(out)``), ``backward`` (``loss.backward()``, after which the
-    output and the loss are dropped; with ``keep_output=False`` the output is dropped as soon as the loss is
-    computed, as in ``loss = f(module(x), y)``; ``micro_batches`` forward/loss/backward passes accumulate
-    gradients before each step), ``step`` (``optimizer.step()``), ``zero_grad``
+    ``target`` over the last dimension, or ``loss(out)``), ``backward`` (``loss.backward()``; the output is
+    dropped as soon as the loss is computed, as in ``loss = f(module(x), y)``, the default of every front
+    (:mod:`symmem.options`: Hugging Face's ``Trainer.compute_loss`` and Lightning's ``training_step`` return the
+    loss and let the output go before ``backward``); ``keep_output=True`` holds it through backward, as a loop
+    with ``out = module(x)`` in scope does (``keep_logits=True`` in :func:`symmem.trace`); ``micro_batches``
+    forward/loss/backward passes accumulate gradients before each step), ``step`` (``optimizer.step()``; by
+    default AdamW as PyTorch picks its implementation, ``impl="auto"``: the defaults of :func:`symmem.derive`
+    and :func:`symmem.trace`), ``zero_grad``
     (``optimizer.zero_grad(set_to_none=zero_grad_set_to_none)``).  A module with ``takes_labels`` (the GPT-2
     and Llama references) computes its own loss as ``module(*inputs, target)`` in the forward (its ``loss``
     phase is empty).  Without ``target``, cross-entropy draws class indices (seeded) shaped like the output
@@ -204,9 +210,9 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     return tracker.trace(steps, peaks)
 
 
-def allocator_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "sgd",
-                   impl: str = "for-loop", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
-                   target: Any = None) -> AllocatorPeaks:
+def allocator_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "adamw",
+                   impl: str = "auto", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
+                   target: Any = None, keep_output: bool = False) -> AllocatorPeaks:
     """The same steps as :func:`track_step` under the profiler alone: no dispatch mode, no hooks.
 
     Its peaks show what the tracker's instrumentation changes (nothing, in every case measured) and what the
@@ -218,5 +224,5 @@ def allocator_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any]
     start = distinct_bytes([*module.parameters(), *module.buffers(),
                              *(x for x in (*inputs, target) if isinstance(x, torch.Tensor))])
     prof = _run(module, inputs, target, takes_labels, compute_loss, opt, params, steps, zero_grad_set_to_none, None,
-                True)
+                True, keep_output)
     return allocator_peaks(prof, start)

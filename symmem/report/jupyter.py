@@ -1,24 +1,35 @@
-"""Rich display in Jupyter: a derivation shows its formula, a per-term table and its totals.
+"""Rich display in Jupyter: a derivation shows the peak of a training step (what must fit) first, then its totals,
+and its per-term table folded under ``<details>``.
 
 ``Derivation._repr_latex_`` and ``_repr_html_`` call these; :func:`symmem.show` derives and displays in one call.
-Every number shown is the derivation's own expression evaluated at its numbers.
+Every number shown is the derivation's own expression evaluated at its numbers.  The HTML fits a 1,400-pixel
+window: formulas are text that wraps (``overflow-wrap``), not one-line LaTeX, and the container is at most
+:data:`MAX_WIDTH` pixels wide; term names read as ``blocks.L.ln1 · layer_norm (2nd)`` (:func:`display_name`; the
+JSON keeps the names).
 
 >>> from symmem import derive
 >>> html = derive("vit-b16", attention="naive")._repr_html_()
->>> "blocks.softmax" in html and "GiB" in html
+>>> "blocks.softmax" in html and "GiB" in html and "<details>" in html
 True
 """
 
 from __future__ import annotations
 
 import html as _html
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Any
 
+from ..simplify import rounded
 from ..units import format_bytes
-from .latex import expression, lines, rows
+from .latex import expression, lines
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
+
+#: the widest the display may be, in pixels (a 1,400-pixel window less Jupyter's margins)
+MAX_WIDTH = 1300
+#: a formula cell wraps rather than widen the table (text, not LaTeX: MathJax does not break lines)
+_WRAP = "white-space:normal;overflow-wrap:anywhere;word-break:break-word"
 
 
 def _size(n: int | None) -> str:
@@ -30,56 +41,107 @@ def title(d: Derivation) -> str:
     return d.title()
 
 
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def display_name(name: str) -> str:
+    """A term's name as the display shows it: ``module path · op``, a later storage of the same op numbered in
+    words; names without a path are unchanged.
+
+    >>> display_name("blocks.L.ln1:layer_norm#2"), display_name("h.attn:matmul"), display_name("blocks.softmax")
+    ('blocks.L.ln1 · layer_norm (2nd)', 'h.attn · matmul', 'blocks.softmax')
+    """
+    path, sep, op = name.rpartition(":")
+    if not sep:
+        return name
+    m = re.fullmatch(r"(.*)#(\d+)", op)
+    if m:
+        op = f"{m.group(1)} ({_ordinal(int(m.group(2)))})"
+    return f"{path} · {op}" if path else op
+
+
 def latex(d: Derivation) -> str:
-    """The total as one displayed equation, its value beside it: factored around its leading term, the
-    parameter side in :math:`\\Psi` (the parameter count, defined below it) as ``align`` prints it."""
+    """The peak of a training step (the formula of its moment at these sizes, its value beside it) or why there
+    is none, then what is kept at the end of the forward pass + the parameter side, factored around its leading
+    term, the parameter side in :math:`\\Psi` (the parameter count, defined below it) as ``align`` prints it."""
+    from .headline import peak_state
+    from .latex import escape, rows
+
+    found, why = peak_state(d)
+    if found:
+        _, v, moment = found[0]
+        head = rf"M_{{\text{{peak}}}} &= {expression(moment.total)}\ \text{{bytes}}\quad (\text{{{format_bytes(v)}}})"
+    else:
+        head = rf"&\text{{{escape(why or 'no peak')}}}"
     total = d.try_evaluate(d.total)
     value = "" if total is None else rf"\quad (\text{{{format_bytes(total)}}})"
     table = rows(d)
-    line = rf"M &= {table[-1].tex}\ \text{{bytes}}{value}"
+    line = rf"{head} \\ M_{{\text{{kept}}}} &= {table[-1].tex}\ \text{{bytes}}{value}"
     psi = [r for r in table if r.label == r"\Psi"]
     if psi:
         line += rf" \\ \Psi &= {psi[0].tex}"
     return rf"$$\begin{{aligned}} {line} \end{{aligned}}$$"
 
 
-def html(d: Derivation) -> str:
-    """A header, the formula, a table of every term (group, name, role, formula, size) and the totals."""
+def _formula(expr: Any) -> str:
+    return f"<code style='{_WRAP}'>{_html.escape(str(rounded(expr)))}</code>"
+
+
+def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -> str:
+    """The first line under the title: the peak of a training step and where it occurs, or why there is none."""
+    from .headline import PEAK_LABEL, peak_state
+
+    found, why = peak_state(d) if state is None else state
     esc = _html.escape
+    if not found:
+        return f"<p><b>{esc(why or 'no peak')}</b></p>"
+    _, v, moment = found[0]
+    return (f"<p><b>{esc(PEAK_LABEL)}: {esc(format_bytes(v))}</b> at {esc(moment.where(step=False))}<br>"
+            f"<small>= {_formula(moment.total)} bytes</small></p>")
+
+
+def html(d: Derivation) -> str:
+    """A header, the peak (or why there is none), the totals, and every term (group, name, role, formula,
+    size) folded under ``<details>``."""
+    from .headline import name_of, peak_state
+
+    esc = _html.escape
+    state = peak_state(d)
     nums = ", ".join(f"{s.name}={v:,}" for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name))
-    out = [f"<div class='symmem'><p><b>{esc(title(d))}</b><br><small>{esc(nums)}</small></p>",
-           *(f"<p><b>Note:</b> {esc(n)}</p>" for n in d.notes),
-           f"<p>{esc(latex(d))}</p>",
-           "<table><thead><tr><th>group</th><th>term</th><th>role</th><th>formula (bytes)</th>"
-           "<th>size</th></tr></thead><tbody>"]
-    for t in d.terms:
-        out.append(f"<tr><td>{esc(t.group)}</td><td><code>{esc(t.name)}</code></td><td>{esc(t.role or '')}</td>"
-                   f"<td>${esc(expression(t.expr))}$</td>"
-                   f"<td style='text-align:right'>{_size(d.try_evaluate(t.expr))}</td></tr>")
-    out.append("</tbody><tbody>")
+    out = [f"<div class='symmem' style='max-width:{MAX_WIDTH}px'><p><b>{esc(title(d))}</b><br>"
+           f"<small style='{_WRAP}'>{esc(nums)}</small></p>",
+           *(f"<p style='{_WRAP}'><b>Note:</b> {esc(n)}</p>" for n in d.notes),
+           headline(d, state),
+           f"<table style='table-layout:auto;max-width:{MAX_WIDTH}px'><tbody>"]
     totals = lines(d)[len(d.terms):]
     for name, e in totals:
-        out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(name)}</th>"
-                   f"<td>${esc(expression(e))}$</td><th style='text-align:right'>{_size(d.try_evaluate(e))}</th></tr>")
+        out.append(f"<tr><th style='text-align:left'>{esc(name_of(name))}</th><td style='{_WRAP}'>{_formula(e)}"
+                   f"</td><th style='text-align:right;white-space:nowrap'>{_size(d.try_evaluate(e))}</th></tr>")
     params = d.try_evaluate(d.parameters)
-    out.append(f"<tr><td colspan='3'>parameters (count)</td><td>${esc(expression(d.parameters))}$</td>"
+    out.append(f"<tr><td>parameters (count)</td><td style='{_WRAP}'>{_formula(d.parameters)}</td>"
                f"<td style='text-align:right'>{'?' if params is None else f'{params:,}'}</td></tr>")
-    out += [*_peak_rows(d), "</tbody></table></div>"]
+    out += [*_peak_rows(state), "</tbody></table>"]
+    out += [f"<details><summary>every kept tensor and the parameter side ({len(d.terms)} terms)</summary>",
+            f"<table style='table-layout:auto;max-width:{MAX_WIDTH}px'><thead><tr><th>group</th><th>term</th>"
+            "<th>role</th><th>formula (bytes)</th><th>size</th></tr></thead><tbody>"]
+    for t in d.terms:
+        out.append(f"<tr><td>{esc(t.group)}</td><td style='{_WRAP}' title='{esc(t.name)}'>"
+                   f"<code>{esc(display_name(t.name))}</code></td><td>{esc(t.role or '')}</td>"
+                   f"<td style='{_WRAP}'>{_formula(t.expr)}</td>"
+                   f"<td style='text-align:right;white-space:nowrap'>{_size(d.try_evaluate(t.expr))}</td></tr>")
+    out.append("</tbody></table></details></div>")
     return "\n".join(out)
 
 
-def _peak_rows(d: Derivation) -> list[str]:
+def _peak_rows(state: tuple[list[Any], str | None]) -> list[str]:
     """The peak of a training step, steady and first, with where it occurs (what must fit on a device; the
     totals above are kept at the end of the forward pass + the parameter side)."""
-    from .text import step_peaks
-
-    found = step_peaks(d)
-    if not found:
-        return []
+    found, _ = state
     esc = _html.escape
-    out = ["</tbody><tbody>"]
+    out = []
     for key, v, at in found:
         label = "peak of a training step" if key == "peak" else "peak (first step)"
-        out.append(f"<tr><th colspan='3' style='text-align:left'>{esc(label)}</th><td>at {esc(at.where(step=False))}"
+        out.append(f"<tr><th style='text-align:left'>{esc(label)}</th><td>at {esc(at.where(step=False))}"
                    f"</td><th style='text-align:right'>{_size(v)}</th></tr>")
     return out

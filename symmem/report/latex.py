@@ -886,7 +886,7 @@ def _heading(group: str, continued: bool) -> str:
 
 
 def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, max_lines: int = MAX_LINES,
-          page_pt: float = 500.0) -> str:
+          page_pt: float = 500.0, lead: bool = True) -> str:
     """``align*`` blocks of the derivation's equations, in bytes, ready to paste (needs ``amsmath``).
 
     ``form="compact"`` (the default): one line per group (a repeated layer once, times its count ``L``), the
@@ -896,7 +896,9 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     full name in a comment after it), then the same totals.  Long right-hand sides are broken before a
     ``+`` so that no line is wider than ``width_pt`` points (345: ``article`` at 10 pt); a block longer than
     ``max_lines`` lines or about ``page_pt`` points goes on in another block (an ``align*`` does not break
-    across pages).  :func:`read` parses the output back.
+    across pages).  :func:`read` parses the output back.  ``lead``: the peak of a training step (or why there is
+    none) first, as a comment and a sentence (:func:`headline`); a document that says it in its own words (the
+    generated paper) leaves it out.
     """
     for name, value, integer in (("width_pt", width_pt, False), ("page_pt", page_pt, False),
                                  ("max_lines", max_lines, True)):
@@ -928,6 +930,7 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
             b.add(code, r.note if k == 0 else "", height=_height(p))
     out = [f"% {d.title()}; bytes, in {', '.join(s.name for s in d.free) or 'numbers only'}"]
     out += [f"% NOTE: {n}" for n in d.notes]
+    out += headline(d) if lead else []
     if any(r.label == r"\Psi" for r in table):
         out.append(r"% \Psi is the parameter count; the parameter side is written in it")
     if form == "compact" and any(r" \cdot \left(" in r.tex for r in table):
@@ -936,6 +939,23 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     for b in blocks:
         out += [r"\begin{align*}", b.text(), r"\end{align*}"]
     return "\n".join(out)
+
+
+def headline(d: Derivation) -> list[str]:
+    """The lines :func:`align` leads with: the peak of a training step, the number that must fit, and where it
+    occurs (or why there is none), as a comment and as a sentence in text mode (outside the ``align*`` blocks,
+    which :func:`read` parses)."""
+    from ..units import format_bytes
+    from .headline import PEAK_LABEL, peak_state
+
+    found, why = peak_state(d)
+    if not found:
+        return [f"% {why}", rf"\noindent {escape(why or 'no peak')}."]
+    _, v, moment = found[0]
+    where = moment.where(step=False)
+    return [f"% {PEAK_LABEL}: {format_bytes(v)} ({v:,} bytes) at {where}",
+            rf"\noindent\textbf{{{escape(PEAK_LABEL[0].upper() + PEAK_LABEL[1:])}:}} "
+            rf"{escape(format_bytes(v))} at {escape(where)}."]
 
 
 def equations(text: str) -> list[tuple[str, str]]:

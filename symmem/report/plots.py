@@ -18,6 +18,7 @@ from .. import names
 from ..errors import SymmemError
 from ..files import output_path, write_atomically
 from ..units import UNITS, parse_size
+from .headline import peak_state
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -68,7 +69,13 @@ def _label(d: Derivation, sep: str = "\n") -> str:
 
 
 def _regime(d: Derivation) -> str:
-    return names.regime(d.regime.precision, d.regime.optimizer)
+    """``FP32 + AdamW``, with what ran where the derivation says it: ``under bfloat16 autocast``, ``on cpu``."""
+    regime = names.regime(d.regime.precision, d.regime.optimizer)
+    if d.options.get("autocast"):
+        regime += f" under {d.options['autocast']} autocast"
+    if d.options.get("device") and d.options["device"] != "cuda":  # cuda: the default of every plot so far
+        regime += f" on {d.options['device']}"
+    return regime
 
 
 #: One colour per kind of memory, the same in every figure: the live-memory categories (as PyTorch's memory snapshot
@@ -215,18 +222,44 @@ def breakdown(derivations: Sequence[Derivation], labels: Sequence[str] | None = 
             ax.bar(i, value / scale, bottom=bottom, color=colors[name], edgecolor="white", linewidth=0.5,
                    label=name)
             bottom += value / scale
-        ax.text(i, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=9)
+        top = bottom
+        steps, _ = peak_state(derivations[i])
+        if steps:  # the number that must fit leads: a line across the bar at the peak, its value above
+            peak = steps[0][1] / scale
+            ax.hlines(peak, i - 0.45, i + 0.45, colors="black", linewidth=2, zorder=5)
+            top = max(top, peak)
+            ax.text(i, top, f"peak {peak:.2f}\n(kept {bottom:.2f})", ha="center", va="bottom", fontsize=8)
+        else:
+            ax.text(i, top, f"kept {bottom:.2f}\n(no peak)", ha="center", va="bottom", fontsize=8)
     found = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=False))
     ordered = [n for n in reversed(order) if n in found]  # top of the stack first, as the bars read
     ax.legend([found[n] for n in ordered], ordered, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               frameon=False)
     ax.set_xticks(range(len(labels)), labels, fontsize=9)
     ax.set_ylabel(f"training memory ({unit})")
-    ax.set_title(f"{_regime(derivations[0])}: training memory by part")
+    ax.set_title(f"{_regime(derivations[0])}: training memory by part\n(bars: kept after forward + parameters; "
+                 "line: peak of a training step, what must fit)", fontsize=10)
     ax.margins(y=0.1)
     fig.tight_layout()
+    _no_peak_note(fig, derivations, labels)
     save(fig, output)
     return fig
+
+
+def _no_peak_note(fig: Any, derivations: Sequence[Derivation], labels: Sequence[str]) -> None:
+    """Under the axes (after ``tight_layout``), one line per derivation that has no peak, saying why
+    (:func:`~symmem.report.text.peak_state`)."""
+    import textwrap
+
+    notes = []
+    for d, label in zip(derivations, labels, strict=True):
+        why = peak_state(d)[1]
+        if why is not None:
+            notes.append(f"{' '.join(str(label).split())}: {why}")
+    if notes:
+        text = "\n".join(textwrap.shorten(n, 160, placeholder=" ...") for n in notes)
+        fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.04 * len(notes))
+        fig.text(0.01, 0.005, text, fontsize=6.5, va="bottom", ha="left")
 
 
 def _axis(name: str) -> str:
@@ -295,7 +328,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     values = _swept(name, values, fit.max if fit is not None else 0, d.numbers[sym], accepts)
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    curves = [(total, "total (kept at the end of forward + parameter side)", "--"), (par, "parameter side", ":")]
+    curves = [(total, "kept after forward + parameters", "--"), (par, "parameter side", ":")]
     if quantity == "peak":
         curves.insert(0, (fits, "peak of a training step", "-"))
     for expr, label, style in curves:
@@ -318,6 +351,7 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
+    _no_peak_note(fig, [d], [_label(d, ", ")])
     save(fig, output)
     return fig
 
@@ -462,8 +496,9 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     if cap is not None:
         ax.axhline(cap / scale, color="crimson", lw=1, label=f"budget {cap / scale:.2f} {unit}")
     quantities = {default_quantity(d) for d in derivations}
-    what = {frozenset({"peak"}): "peak of a training step", frozenset({"total"}): "training memory (total)"}.get(
-        frozenset(quantities), "training memory (peak or total)")
+    what = {frozenset({"peak"}): "peak of a training step",
+            frozenset({"total"}): "kept after forward + parameters"}.get(
+        frozenset(quantities), "peak, or kept after forward + parameters")
     ax.set_xlabel(_axis(name))
     ax.set_ylabel(f"{what} ({unit})")
     ax.set_xlim(left=0)
@@ -471,6 +506,7 @@ def scaling(derivations: Sequence[Derivation], labels: Sequence[str] | None = No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
+    _no_peak_note(fig, derivations, labels)
     save(fig, output)
     return fig
 

@@ -17,6 +17,7 @@ import sympy
 from ..errors import SymmemError
 from ..simplify import factored, rounded
 from ..units import UNITS
+from .headline import LABELS, PEAK_LABEL, name_of, peak_state
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -31,21 +32,14 @@ SCHEMA_VERSION = 2
 
 def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
     """``(key, bytes, moment)`` of the steady (``peak``) and first step's (``peak_first_step``) peak at the
-    derivation's numbers; empty where the convention has no step model or the step cannot be evaluated there."""
-    if not d.has_peak:
-        return []
-    from ..errors import SymmemError
-
-    try:
-        return [(key, d.value(key), d.peak_at(step)) for key, step in (("peak", "steady"),
-                                                                        ("peak_first_step", "first"))]
-    except SymmemError:
-        return []
+    derivation's numbers; empty where the convention has no step model or the step cannot be evaluated there
+    (:func:`peak_state` says why)."""
+    return peak_state(d)[0]
 
 
 def peak(d: Derivation) -> dict[str, Any] | None:
-    """The peak of the training step for the JSON contract (None where the convention has no step model):
-    the steady and first step's bytes and formulas, where the steady peak occurs and what is alive then."""
+    """The peak of the training step for the JSON contract (None where there is none: :func:`peak_state`): the
+    steady and first step's bytes and formulas, where the steady peak occurs and what is alive then."""
     found = step_peaks(d)
     if not found:
         return None
@@ -96,7 +90,11 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         out["domain"] = str(d.domain)
     if d.notes:
         out["notes"] = list(d.notes)
-    if step is not None:
+    if step is None:
+        # the number that must fit, absent: null, and why in one line (as every other view says it)
+        out["values"].update({"peak": None, "peak_first_step": None})
+        out["peak_refused"] = peak_state(d)[1]
+    else:
         out["values"].update(step["values"])
         out["expressions"].update(step["expressions"])
         out["peak_at"] = step["peak_at"]
@@ -204,7 +202,23 @@ def _cell(text: str, width: int, cut: bool) -> list[str]:
     return [text if len(text) <= width else text[:width - 1] + "…"]
 
 
-def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool = False) -> str:
+def headline(d: Derivation, width: int, state: tuple[list[Any], str | None] | None = None) -> list[str]:
+    """The first line after the title: the peak of a training step, the number that must fit, and where it
+    occurs; or, where there is none, why (:func:`peak_state`), in one line (wrapped at ``width``)."""
+    found, why = peak_state(d) if state is None else state
+    if not found:
+        return textwrap.wrap(f"{why}", width, break_on_hyphens=False)  # "no peak: ..." in one line (wrapped)
+    _, v, moment = found[0]
+    return textwrap.wrap(f"{PEAK_LABEL}: {v / UNITS['GiB']:.3f} GiB ({v / UNITS['MiB']:.2f} MiB) at "
+                         f"{moment.where(step=False)}", width, break_on_hyphens=False)
+
+
+#: the width of a total's name in the table's last lines (the longest: ``kept after forward + parameters``)
+_KEY = max(20, *(len(x) for x in LABELS.values()))
+
+
+def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool = False,
+          state: tuple[list[Any], str | None] | None = None) -> str:
     """Groups and terms with their formulas and MiB, then the totals in MiB and GiB.
 
     No line is wider than ``width`` columns (default: the terminal's width on a terminal, else 100): a long
@@ -234,6 +248,7 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         lines += _cell(f"holds where: {d.domain}", width, False)
     for note in d.notes:
         lines += textwrap.wrap(f"NOTE: {note}", width)
+    lines += headline(d, width, state)
     header = "formula (bytes)" if formula >= 15 else "bytes"
     lines += ["", f"{'group / term':<{name}} {header:<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
@@ -244,15 +259,17 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         lines.append(f"{label:<{name}} {cells[0]:<{formula}} {_mib(d.try_evaluate(expr))}")
         lines += [f"{'':<{name}} {c}" for c in cells[1:]]
     lines.append("-" * (name + formula + 14))
+    short = width < _KEY + 62  # the long names leave a formula fewer than 24 columns: the short ones
+    key_width = 20 if short else _KEY
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     for key in keys:
         e = d.expression(key)
         v = d.try_evaluate(e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
         shown = factored(rounded(e)) if key == "activations" else rounded(e)
-        lines += _totals(f"{key:<20} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
+        lines += _totals(f"{name_of(key, short):<{key_width}} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
     params = d.try_evaluate(d.parameters)
-    lines += _totals(f"{'parameters':<20} {'?' if params is None else f'{params:,}':>12}   = ",
+    lines += _totals(f"{'parameters':<{key_width}} {'?' if params is None else f'{params:,}':>12}   = ",
                      str(rounded(d.parameters)),
                      width, cut)
     return "\n".join(ln.rstrip() for ln in lines)
@@ -262,26 +279,29 @@ def summary(d: Derivation, width: int | None = None, fold: bool = False, cut: bo
     """:func:`table`, then the peak of a training step where the convention models the step (what
     ``symmem derive`` prints and ``str(derivation)`` shows)."""
     width = terminal_width() if width is None else width
-    lines = _peak_lines(d, width, cut)
-    return table(d, width, fold, cut) + ("\n" + "\n".join(ln.rstrip() for ln in lines) if lines else "")
+    state = peak_state(d)  # the values and moments only: the JSON's whole Max is a tenth of a second to print
+    lines = _peak_lines(d, width, cut, state)
+    return table(d, width, fold, cut, state) + ("\n" + "\n".join(ln.rstrip() for ln in lines) if lines else "")
 
 
-def _peak_lines(d: Derivation, width: int, cut: bool) -> list[str]:
+def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], str | None]) -> list[str]:
     """The peak of the training step: its bytes, where it occurs, and the formula of that moment (the peak's
-    formula is a Max over moments; the one shown is the largest at these sizes)."""
-    found = step_peaks(d)  # the values and moments only: the JSON's whole Max is a tenth of a second to print
+    formula is a Max over moments; the one shown is the largest at these sizes); where there is none, why."""
+    found, why = state
     if not found:
-        return []
-    lines = ["", *textwrap.wrap("total = kept at the end of the forward pass + parameter side; peak = the most "
-                                "memory alive at any moment of a training step (forward, backward, optimizer "
-                                "step):", max(width, 40))]
+        return []  # the headline said why
+    short = width < _KEY + 62
+    key_width = 20 if short else _KEY
+    lines = ["", *textwrap.wrap(f"{name_of('total', short)} = the tensors kept at the end of the forward pass + the "
+                                "parameter side; peak = the most memory alive at any moment of a training step "
+                                "(forward, backward, optimizer step), what must fit:", max(width, 40))]
     count = d.peak_candidates()
     for key, v, moment in found:
-        label = "peak" if key == "peak" else "peak (first step)"
-        lines += _totals(f"{label:<20} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ", moment.where(step=False),
-                         width, cut)
+        name = "peak" if key == "peak" else "peak (first step)"
+        lines += _totals(f"{name:<{key_width}} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ",
+                         moment.where(step=False), width, cut)
         if key == "peak":
-            head, formula = f"{'':<20} {'':>12}       = ", str(rounded(moment.total))
+            head, formula = f"{'':<{key_width}} {'':>12}       = ", str(rounded(moment.total))
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
             room = width - len(head) if width - len(head) >= 24 else width - 4  # as _totals lays it out
             if not note or cut or all(len(x) <= room for x in wrap(f"{formula}   {note}", room)):

@@ -1,0 +1,51 @@
+"""What every view leads with: the peak of a training step, the number that must fit, or the one line saying why
+there is none; and the names the views give the totals (the JSON keeps the quantities' names).
+
+>>> from symmem import derive
+>>> name_of("total"), peak_state(derive("mlp", zero=3))[1][:60]
+('kept after forward + parameters', "no peak: the peak follows one device's training step op by o")
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SymmemError
+
+if TYPE_CHECKING:
+    from ..derivation import Derivation
+
+#: What each total is, as the views name it (the JSON keys stay the quantities' names): ``total`` is what is kept
+#: at the end of the forward pass plus the parameter side, not what must fit (the peak is; it can be larger or
+#: smaller: ViT-B/16's is smaller).
+LABELS = {"total": "kept after forward + parameters"}
+#: the same, where the text table is too narrow for them
+SHORT_LABELS = {"total": "kept + parameters"}
+#: What the headline of every view says of the peak (it is the number that must fit on the device).
+PEAK_LABEL = "peak of a training step (what must fit)"
+
+
+def name_of(key: str, short: bool = False) -> str:
+    """The name a view gives a total: ``total`` -> ``kept after forward + parameters`` (``short``: ``kept +
+    parameters``); others as they are."""
+    return (SHORT_LABELS if short else LABELS).get(key, key)
+
+
+def peak_state(d: Derivation) -> tuple[list[tuple[str, int, Any]], str | None]:
+    """:func:`step_peaks` and None, or nothing and the one line every view prints where there is no peak
+    (``no peak: ...``: a convention that counts by role, ZeRO, a fitted trace, a loss that cannot be run ...).
+
+    >>> from symmem import derive
+    >>> peak_state(derive("mlp", zero=3))[1]  # doctest: +ELLIPSIS
+    "no peak: the peak follows one device's training step op by op; ZeRO and tensor and pipeline parallelism ..."
+    """
+    try:
+        return [(key, d.value(key), d.peak_at(step)) for key, step in (("peak", "steady"),
+                                                                        ("peak_first_step", "first"))], None
+    except SymmemError as e:
+        why = " ".join(str(e).split())
+        if "grad can be implicitly created only for scalar outputs" in why:
+            # backward() of a loss that is not a number: say what to change rather than where autograd failed
+            why = (f"loss={d.options.get('loss', '?')!r} is not a scalar here, so backward() cannot run: give "
+                   "loss='sum' or 'cross-entropy', or a module that returns its loss")
+        return [], why if why.startswith("no peak") else f"no peak: {why}"
