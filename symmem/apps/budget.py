@@ -70,10 +70,13 @@ class Fit:
                 "refused": self.refused, "held": dict(self.held)}
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, origins: dict[str, str] | None = None) -> str:
+        """The answer in words, then the sizes it held (``origins``: where each value came from, e.g. ``--set``)."""
         what = "peak of a training step" if self.quantity == "peak" else "total"
         bound = self.max if self.bound is None else self.bound
-        held = f" at {held_text(self.held)}" if self.held else ""
-        text = (f"{self.model} ({self.convention}){held}: largest {self.symbol} = {self.max:,} whose {what} fits "
+        text = (f"{self.model} ({self.convention}): largest {self.symbol} = {self.max:,} whose {what} fits "
                 f"{format_bytes(self.budget)}: {self.quantity} {format_bytes(self.total_at_max)} "
                 f"({self.total_at_max:,} B); ")
         if bound != self.max:
@@ -81,8 +84,32 @@ class Fit:
             why = self.refused or ""
             why = f"they are {why}" if why.startswith(LIMITS) else f"the model refuses it ({why})"
             text += f"capped at {self.symbol} = {self.max:,}: {self.symbol} = {span} would fit but {why}; "
-        return text + (f"{self.symbol} = {bound + 1:,} needs {format_bytes(self.total_above)} "
-                       f"({self.total_above:,} B)")
+        text += f"{self.symbol} = {bound + 1:,} needs {format_bytes(self.total_above)} ({self.total_above:,} B)"
+        return f"{text}\n{held_line(self.held, origins)}"
+
+
+def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None = None) -> str:
+    """``held: S = 16 (the example input); L = 2 (the traced module's layers); --set S=... answers at another S``:
+    the sizes an answer holds at, grouped by where their values come from (``origins``, where known).
+
+    >>> print(held_line((("S", 512), ("L", 12)), {"S": "--set", "L": "the model's default"}))
+    held: S = 512 (--set); L = 12 (the model's default); --set L=... answers at another L
+    >>> print(held_line((("S", 512), ("L", 12))))
+    held: S = 512, L = 12
+    """
+    if not held:
+        return "held: nothing (the formula has no other size)"
+    if origins is None:
+        return f"held: {held_text(held)}"
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for name, value in held:
+        groups.setdefault(origins.get(name, "?"), []).append((name, value))
+    parts = "; ".join(f"{held_text(tuple(items))} ({origin}{'s' if len(items) > 1 and origin != '--set' else ''})"
+                      for origin, items in groups.items())
+    unset = [n for n, _ in held if origins.get(n) != "--set"]
+    example = next((n for n in ("S", "Hi", "B", "L") if n in unset), unset[0] if unset else None)
+    tail = f"; --set {example}=... answers at another {example}" if example else ""
+    return f"held: {parts}{tail}"
 
 
 #: How a refusal that is a limit of the formulas or of the model (not of one value) begins: the answer is capped there
@@ -99,11 +126,10 @@ def held_text(held: tuple[tuple[str, int], ...]) -> str:
 
 
 def held_sizes(d: Derivation, name: str) -> tuple[tuple[str, int], ...]:
-    """The derivation's free symbols other than ``name`` and those that move with it (ViT's S with Hi), at their
-    values: what an answer for ``name`` holds at."""
+    """Every symbol of the derivation but ``name`` and those that move with it (ViT's S with Hi), at its value
+    (the free symbols' and those written as numbers, an image size): what an answer for ``name`` holds at."""
     moving = {s for s, e in d.tied.items() if any(x.name == name for x in e.free_symbols)}
-    return tuple((s.name, int(d.numbers[s])) for s in d.free if s.name != name and s not in moving
-                 and s in d.numbers)
+    return tuple((s.name, int(v)) for s, v in d.numbers.items() if s.name != name and s not in moving)
 
 
 def domain_check(d: Derivation, sym: sympy.Symbol) -> Callable[[int], str | None] | None:

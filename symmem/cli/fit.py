@@ -24,7 +24,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..apps.budget import held_sizes, largest, smallest_budget
+    from ..apps.budget import held_line, held_sizes, largest, smallest_budget
     from ..units import format_bytes
 
     if is_spec(args.model) and args.free is not None and args.solve not in parse_free(args.free):
@@ -50,14 +50,13 @@ def run(args: argparse.Namespace) -> int:
                              indent=2))
         else:
             print(f"{d.model} ({d.convention}) at {args.solve} = {value:,} needs {format_bytes(need)} ({need:,} B)")
-            print(_held_line(held, where))
+            print(held_line(held, where))
         return 0
     r = largest(d, args.solve, args.budget, accepts=lambda value: accepts(args.solve, value))
     if args.format == "json":
         print(json.dumps({**r.to_dict(), "held_from": where}, indent=2))
     else:
-        print(r)
-        print(_held_line(held, where))
+        print(r.text(where))
     return 0
 
 
@@ -78,18 +77,3 @@ def _held_from(args: argparse.Namespace, d: object, held: tuple[tuple[str, int],
         else:
             out[name] = "the traced module's layers"
     return out
-
-
-def _held_line(held: tuple[tuple[str, int], ...], where: dict[str, str]) -> str:
-    """``held: S = 16 (the example input); L = 2 (the traced module's layers); --set S=... answers at another S``:
-    the sizes the answer holds at, grouped by where their values come from."""
-    if not held:
-        return "held: nothing (the formula has no other size)"
-    groups: dict[str, list[str]] = {}
-    for name, value in held:
-        groups.setdefault(where[name], []).append(f"{name} = {value:,}")
-    parts = "; ".join(f"{', '.join(items)} ({origin})" for origin, items in groups.items())
-    unset = [n for n, _ in held if where[n] != "--set"]
-    example = next((n for n in ("S", "Hi", "B", "L") if n in unset), unset[0] if unset else None)
-    tail = f"; --set {example}=... answers at another {example}" if example else ""
-    return f"held: {parts}{tail}"
