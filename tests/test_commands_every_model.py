@@ -181,6 +181,16 @@ def test_verify_peak_outside_the_domain_differs_and_exits_1(capsys, net):
     assert code == 1 and "NOT EXACT" in out and "B = 16 lies outside" in err
 
 
+def test_paper_takes_a_file_module_and_says_where_it_capped(capsys, net, tmp_path):
+    code, out, err = run(capsys, "paper", "-o", str(tmp_path), "--model", f"{net}:guarded", "--dims", "B", "--no-pdf")
+    assert code == 0, err
+    body = (tmp_path / "generated" / "body.tex").read_text()
+    fit = (tmp_path / "generated" / "fit.tex").read_text()
+    assert "traced from PyTorch" in body
+    assert "15$^{\\dagger}$" in fit and "to $" in fit
+    assert "would fit, but they are outside the formulas' domain (B < 16)" in fit
+
+
 # -- a Hugging Face config: the model's position table ----------------------------------------------------------
 def test_fit_of_an_hf_model_caps_at_its_position_table(capsys):
     """n_positions = 64: S = 65 is past GPT-2's position table (PyTorch refuses it), so the answer is capped at 64
@@ -213,6 +223,12 @@ def test_fit_of_an_hf_model_caps_at_its_position_table(capsys):
      "--convention paper: a traced module has its own convention (what PyTorch kept); drop --convention"),
     (["derive", "{net}:plain", "--dims", "B", "--attention", "sdpa"],
      "--attention is an option of the built-in models; a module's own options are its code (hf: --config key=value)"),
+    (["paper", "-o", "x", "--model", "gpt2", "--dims", "B"],
+     "--dims applies to a module traced from a SPEC (package.module:callable, path/to/file.py:callable, "
+     "hf:MODEL_TYPE, torchvision:NAME or timm:NAME), not to the built-in model 'gpt2'"),
+    (["paper", "-o", "x", "--model", "{net}:plain", "--dims", "B", "--convention", "paper"],
+     "--convention paper: a traced module has its own convention (what PyTorch kept), the pytorch one; drop "
+     "--convention"),
     (["plot", "breakdown", "{net}:plain", "--dims", "B", "--compare", "paper", "-o", "x.png"],
      "--compare: a traced module has one convention (what PyTorch kept); drop --compare"),
 ])
