@@ -28,7 +28,7 @@ import sympy
 
 from .conventions import Convention
 from .conventions import convention as get_convention
-from .derivation import Derivation
+from .derivation import Derivation, warn_outside
 from .engine import Acceptor, derivation, derivation_of
 from .errors import SymmemError
 from .graph import Model
@@ -58,8 +58,11 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     in :func:`trace` and on the command line (:mod:`symmem.options`).
     """
     model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords, per_layer)
-    d = derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer, free=free)
-    return _where_it_holds(d, conv, model)
+    d = _where_it_holds(derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer,
+                                   free=free), conv, model)
+    if values:  # numbers asked for outside the formulas' domain: said, never printed silently
+        warn_outside(d.domain, d.numbers)
+    return d
 
 
 #: What a derivation says where its numbers lie outside the convention's domain (:meth:`holds`).
@@ -238,7 +241,10 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
                            multiple_of, device, free)
     no_step = tracing.no_step(recorded, regime)
     check_step(regime, no_step or (step.why if isinstance(step, Refused) else None))
-    return derivation_of(ledger, regime, step, no_step)
+    d = derivation_of(ledger, regime, step, no_step)
+    if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
+        warn_outside(d.domain, d.numbers)
+    return d
 
 
 def _device_of(module: Any) -> str:

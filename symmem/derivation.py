@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from .conditions import fold
-from .errors import SymmemError
+from .errors import OutsideDomain, SymmemError
 from .evaluator import evaluator
 from .tensor import MAX_SIZE
 from .timeline import checked
@@ -455,6 +455,24 @@ class Derivation:
         """
         return to_unit(self.value(key), unit)
 
+    def outside(self, reasons: Mapping[Any, str] | None = None) -> tuple[str, ...]:
+        """Where the derivation's numbers lie outside its :attr:`domain`: one sentence per condition that fails
+        there (``reasons`` names a condition's origin, e.g. the model's position table); empty inside it.
+
+        >>> import warnings
+        >>> from symmem import derive
+        >>> d = derive("mlp")
+        >>> B = next(s for s in d.free if s.name == "B")
+        >>> with warnings.catch_warnings(record=True) as said:   # at() says so too (OutsideDomain)
+        ...     warnings.simplefilter("always")
+        ...     far = dataclasses.replace(d, domain=B < 16).at(B=64)
+        >>> print(*far.outside())
+        B = 64 lies outside the formulas' domain (B < 16 fails): they are not known to hold there
+        >>> [str(w.message) for w in said] == list(far.outside())
+        True
+        """
+        return outside(self.domain, self.numbers, reasons)
+
     def at(self, **values: int) -> Derivation:
         """The same derivation evaluated at other numbers (expressions unchanged).
 
@@ -480,6 +498,8 @@ class Derivation:
             for t, e in tied.items():
                 if e.free_symbols & set_:
                     nums[t] = int(e.xreplace({x: nums[x] for x in e.free_symbols}))
+        if self.domain is not sympy.true and any(by_name[n] in self.domain.free_symbols for n in values):
+            warn_outside(self.domain, nums, stacklevel=3)
         # The expressions do not depend on the numbers: the new derivation keeps the ones already worked out.
         keep = _copied_fields(type(self))
         if keep is None:  # a __post_init__ to run: the constructor
@@ -556,3 +576,51 @@ class Derivation:
         size = "?" if total is None else format_bytes(total)
         # the kept memory only: a repr does not run the step (the peak leads every view that shows the table)
         return f"<Derivation {self.title()}: kept after forward + parameters {size}>"
+
+
+def outside(domain: Any, numbers: Mapping[sympy.Symbol, int], reasons: Mapping[Any, str] | None = None
+            ) -> tuple[str, ...]:
+    """The one reading of "these numbers lie outside the formulas' domain": a sentence per condition of ``domain``
+    (each argument of an ``And``) that is false at ``numbers``; a condition with a symbol without a number is not
+    judged.  ``reasons`` (condition -> why it is there) is said with it.
+
+    >>> B = sympy.Symbol("B", positive=True, integer=True)
+    >>> outside(sympy.And(B >= 2, B < 16), {B: 64}, {B < 16: "a guard"})
+    ("B = 64 lies outside the formulas' domain (B < 16 fails: a guard): they are not known to hold there",)
+    >>> outside(sympy.And(B >= 2, B < 16), {B: 8})
+    ()
+    """
+    found = []
+    for cond in failing(domain, numbers):
+        symbols = sorted(cond.free_symbols, key=lambda s: s.name)
+        at = ", ".join(f"{s.name} = {numbers[s]:,}" for s in symbols)
+        why = (reasons or {}).get(cond)
+        verb = "lies" if len(symbols) == 1 else "lie"
+        found.append(f"{at} {verb} outside the formulas' domain ({cond} fails{f': {why}' if why else ''}): they are "
+                     "not known to hold there")
+    return tuple(found)
+
+
+def failing(domain: Any, numbers: Mapping[sympy.Symbol, int]) -> list[Any]:
+    """The conditions of ``domain`` (each argument of an ``And``) that are false at ``numbers`` (one with a symbol
+    without a number is not judged)."""
+    if domain is sympy.true or not isinstance(domain, sympy.Basic):
+        return []
+    out = []
+    for cond in domain.args if isinstance(domain, sympy.And) else (domain,):
+        symbols = cond.free_symbols
+        if symbols and all(s in numbers for s in symbols) \
+                and cond.xreplace({s: sympy.Integer(numbers[s]) for s in symbols}) is sympy.false:
+            out.append(cond)
+    return out
+
+
+def warn_outside(domain: Any, numbers: Mapping[sympy.Symbol, int], reasons: Mapping[Any, str] | None = None,
+                 stacklevel: int = 2) -> None:
+    """An :class:`~symmem.errors.OutsideDomain` warning for each condition of ``domain`` false at ``numbers``
+    (:func:`outside`): what :func:`symmem.derive`, :func:`symmem.trace`, :meth:`Derivation.at` and the commands
+    say where numbers lie outside the formulas' domain (the command line: one line each on standard error)."""
+    import warnings
+
+    for text in outside(domain, numbers, reasons):
+        warnings.warn(OutsideDomain(text), stacklevel=stacklevel + 1)

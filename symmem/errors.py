@@ -29,3 +29,9 @@ def node_error(node: str, kind: str, message: str, shapes: object = None) -> Sym
 class NothingCounted(UserWarning):
     """A convention found nothing it counts in a graph (a role convention and a graph without those roles): its
     activations are 0 because it cannot see them, not because none are kept."""
+
+
+class OutsideDomain(UserWarning):
+    """Numbers outside the formulas' domain (:attr:`symmem.derivation.Derivation.domain`: a traced module's guards
+    such as ``B < 16``, a model's position table): the formulas are not known to hold there, so the numbers printed
+    at them are an extrapolation (the command line says so in one line on standard error)."""

@@ -44,7 +44,7 @@ def test_no_import_cycles():
 #: What the core may not reach, at module level or inside a function: the zoo, the views, the applications, the
 #: fronts, the CLI and the torch glue (the recorders and the importer sit above the core and read it).
 ABOVE_THE_CORE = ("symmem.models", "symmem.report", "symmem.api", "symmem.options", "symmem.cli", "symmem.apps",
-                  "symmem.reference", "symmem.record", "symmem.importer")
+                  "symmem.reference", "symmem.record", "symmem.importer", "symmem.__main__")  # __main__: the CLI
 
 
 #: The one way down from the core to a view: a Derivation shows itself (``table()``, ``to_dict()``, Jupyter's

@@ -155,7 +155,7 @@ BAD = [
      "declare it on 'labels' too"),
     (["trace", "hf:gpt2", "--config", "n_layer=100000", "--dims", "B,S"], "--set L=100000 evaluates the formula"),
     (["verify", "--module", "tests.trace_helpers:mlp_with_inputs"], "--module needs --dims"),
-    (["verify", "gpt2", "--dims", "B"], "apply to --module SPEC"),
+    (["verify", "gpt2", "--dims", "B"], "--dims applies to a module traced from a SPEC"),
     (["verify", "--module", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--set", "L=3"], "--set L"),
 ]
 

@@ -26,6 +26,7 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import sympy
@@ -62,6 +63,9 @@ class Spec:
     loss: str | None = None
     device: str | None = None
     budget: str = "80GiB"
+    #: modules traced from a SPEC (``symmem paper --model net.py:build --dims B``): SPEC -> its derivation, named
+    #: among ``models`` (issue 21: every command takes every model)
+    traced: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def make(cls, models: Sequence[str] | None = None, attention: Sequence[str] | None = None,
@@ -101,16 +105,20 @@ class Paper:
 
 
 # -- rows ---------------------------------------------------------------------------------------------------
-def _entry(model: str) -> Any:
+def _entry(model: str, spec: Spec | None = None) -> Any:
     from ..models import entry
 
+    if spec is not None and model in spec.traced:  # a traced module: described by its SPEC, no builder options
+        return SimpleNamespace(description=f"The module {model}, traced from PyTorch", options={})
     return entry(model)
 
 
-def _symbols(model: str, attention: str | None) -> dict[str, Any]:
+def _symbols(model: str, attention: str | None, spec: Spec | None = None) -> dict[str, Any]:
     """The model's symbols by name, with their defaults."""
     from ..models import build
 
+    if spec is not None and model in spec.traced:
+        return {s.name: v for s, v in spec.traced[model].numbers.items()}
     options = {"attention": attention} if attention else {}
     return {s.name: v for s, v in build(model, **options).defaults.items()}
 
@@ -118,6 +126,8 @@ def _symbols(model: str, attention: str | None) -> dict[str, Any]:
 def _derive(spec: Spec, model: str, attention: str | None, convention: str | None = None) -> Any:
     from ..api import derive
 
+    if model in spec.traced:  # traced with the spec's values already: what PyTorch kept, whatever the convention
+        return spec.traced[model]
     known = _symbols(model, attention)
     values = {k: v for k, v in spec.values.items() if k in known}
     options = {"device": spec.device} if spec.device else {}
@@ -140,11 +150,11 @@ def _is_analysis(spec: Spec, model: str, attention: str | None) -> bool:
 def rows(spec: Spec) -> list[ModelRow]:
     """One row per model, or per model and attention kernel for the models that take one."""
     out = []
-    unknown = set(spec.values) - {k for m in spec.models for k in _symbols(m, None)}
+    unknown = set(spec.values) - {k for m in spec.models for k in _symbols(m, None, spec)}
     if unknown:
         raise SymmemError(f"no model of the paper has the symbol {sorted(unknown)[0]!r}")
     for model in spec.models:
-        e = _entry(model)
+        e = _entry(model, spec)
         kernels: Iterable[str | None] = [None]
         if "attention" in e.options:
             allowed = e.options["attention"].choices or ()
@@ -177,7 +187,7 @@ def _sizes(spec: Spec, r: ModelRow) -> str:
     """``$B = 64$`` or ``$B = 8$, $S = 1024$``: the batch, a sequence length given as a number, and the symbols
     the spec sets."""
     shown = []
-    defaults = _symbols(r.model, r.attention)
+    defaults = _symbols(r.model, r.attention, spec)
     for s, v in sorted(r.d.numbers.items(), key=lambda kv: kv[0].name):
         default = defaults.get(s.name)
         plain = isinstance(default, int) or bool(getattr(default, "is_Integer", False))
@@ -281,17 +291,27 @@ def _fit_rows(rs: list[ModelRow], budget: str, ds: dict[str, Any] | None = None)
 
 def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
     from ..report.latex import escape
+    from .budget import LIMITS
 
     peak = any(hasattr(f, "quantity") and f.quantity == "peak" for _, f in fits)
-    out = []
+    out: list[str] = []
+    caps: list[str] = []
     for r, f in fits:
         if f is None:
             out.append(rf"  {escape(r.label)} & \multicolumn{{3}}{{l}}{{nothing fits at $B = 1$}} \\")
         elif f == "flat":
             out.append(rf"  {escape(r.label)} & \multicolumn{{3}}{{l}}{{does not grow with $B$}} \\")
+        elif f.bound is not None and f.bound != f.max:  # capped below what the budget fits: say where and why
+            why = f.refused or ""
+            why = f"they are {why}" if why.startswith(LIMITS) else f"the model refuses them ({why})"
+            caps.append(rf"{escape(r.label)}: $B = {f.max + 1:,}$ to ${f.bound:,}$ would fit, but {escape(why)}")
+            out.append(rf"  {escape(r.label)} & {f.max:,}$^{{\dagger}}$ & {f.total_at_max / GiB:.3f} & capped \\")
         else:
             out.append(rf"  {escape(r.label)} & {f.max:,} & {f.total_at_max / GiB:.3f} & {f.total_above / GiB:.3f} \\")
     what = "peak of a training step (PyTorch)" if peak else "total"
+    if caps:
+        out.append(r"  \midrule")
+        out.extend(rf"  \multicolumn{{4}}{{p{{0.9\linewidth}}}}{{\footnotesize $^{{\dagger}}$ {c}}} \\" for c in caps)
     return "\n".join([
         r"\begin{table}[H]", r"  \centering",
         rf"  \caption{{Largest batch size whose {what} fits {_budget(budget)}, solved from the formulas and "
@@ -400,7 +420,7 @@ def _peak_in_b(d: Any, fit: Any) -> str:
 def _generic_section(spec: Spec, group: list[ModelRow], title: str, fits: dict[str, Any]) -> list[str]:
     from ..report.latex import align, escape
 
-    e = _entry(group[0].model)
+    e = _entry(group[0].model, spec)
     d0 = group[0].d
     out = [rf"\section{{{escape(title)}}}",
            f"{escape(e.description)}: {d0.value('parameters'):,} parameters. In bytes, with "

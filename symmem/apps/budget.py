@@ -55,6 +55,9 @@ class Fit:
     quantity: str = "total"
     bound: int | None = None
     refused: str | None = None
+    #: the derivation's other sizes, held at their values while ``symbol`` moved (``(("S", 512),)``): the answer
+    #: holds at those sizes only
+    held: tuple[tuple[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract of ``symmem fit --format json`` (``total_at_max``/``total_above`` are the
@@ -64,9 +67,13 @@ class Fit:
                 "symbol": self.symbol, "max": self.max, "budget": self.budget, "total_at_max": self.total_at_max,
                 "total_above": self.total_above, "headroom": self.budget - self.total_at_max,
                 "formula": str(self.formula), "bound": self.max if self.bound is None else self.bound,
-                "refused": self.refused}
+                "refused": self.refused, "held": dict(self.held)}
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, origins: dict[str, str] | None = None) -> str:
+        """The answer in words, then the sizes it held (``origins``: where each value came from, e.g. ``--set``)."""
         what = "peak of a training step" if self.quantity == "peak" else "total"
         bound = self.max if self.bound is None else self.bound
         text = (f"{self.model} ({self.convention}): largest {self.symbol} = {self.max:,} whose {what} fits "
@@ -74,9 +81,84 @@ class Fit:
                 f"({self.total_at_max:,} B); ")
         if bound != self.max:
             span = f"{self.max + 1:,}" + ("" if bound == self.max + 1 else f" to {bound:,}")
-            text += f"{self.symbol} = {span} would fit but the model refuses it ({self.refused}); "
-        return text + (f"{self.symbol} = {bound + 1:,} needs {format_bytes(self.total_above)} "
-                       f"({self.total_above:,} B)")
+            why = self.refused or ""
+            why = f"they are {why}" if why.startswith(LIMITS) else f"the model refuses it ({why})"
+            text += f"capped at {self.symbol} = {self.max:,}: {self.symbol} = {span} would fit but {why}; "
+        text += f"{self.symbol} = {bound + 1:,} needs {format_bytes(self.total_above)} ({self.total_above:,} B)"
+        return f"{text}\n{held_line(self.held, origins)}"
+
+
+def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None = None) -> str:
+    """``held: S = 16 (the example input); L = 2 (the traced module's layers); --set S=... answers at another S``:
+    the sizes an answer holds at, grouped by where their values come from (``origins``, where known).
+
+    >>> print(held_line((("S", 512), ("L", 12)), {"S": "--set", "L": "the model's default"}))
+    held: S = 512 (--set); L = 12 (the model's default); --set L=... answers at another L
+    >>> print(held_line((("S", 512), ("L", 12))))
+    held: S = 512, L = 12
+    """
+    if not held:
+        return "held: nothing (the formula has no other size)"
+    if origins is None:
+        return f"held: {held_text(held)}"
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for name, value in held:
+        groups.setdefault(origins.get(name, "?"), []).append((name, value))
+    parts = "; ".join(f"{held_text(tuple(items))} ({origin}{'s' if len(items) > 1 and origin != '--set' else ''})"
+                      for origin, items in groups.items())
+    unset = [n for n, _ in held if origins.get(n) != "--set"]
+    example = next((n for n in ("S", "Hi", "B", "L") if n in unset), unset[0] if unset else None)
+    tail = f"; --set {example}=... answers at another {example}" if example else ""
+    return f"held: {parts}{tail}"
+
+
+#: How a refusal that is a limit of the formulas or of the model (not of one value) begins: the answer is capped there
+LIMITS = ("outside the formulas' domain", "past the model's")
+
+
+def held_text(held: tuple[tuple[str, int], ...]) -> str:
+    """``S = 512, L = 12``: the sizes an answer holds at.
+
+    >>> held_text((("S", 512), ("L", 12)))
+    'S = 512, L = 12'
+    """
+    return ", ".join(f"{name} = {value:,}" for name, value in held)
+
+
+def held_sizes(d: Derivation, name: str) -> tuple[tuple[str, int], ...]:
+    """Every symbol of the derivation but ``name`` and those that move with it (ViT's S with Hi), at its value
+    (the free symbols' and those written as numbers, an image size): what an answer for ``name`` holds at."""
+    moving = {s for s, e in d.tied.items() if any(x.name == name for x in e.free_symbols)}
+    return tuple((s.name, int(v)) for s, v in d.numbers.items() if s.name != name and s not in moving)
+
+
+def domain_check(d: Derivation, sym: sympy.Symbol) -> Callable[[int], str | None] | None:
+    """Why a value of ``sym`` lies outside the derivation's domain (None inside it), every other symbol at its
+    number (those tied to ``sym`` moving with it); None where the domain is everything."""
+    from ..derivation import failing
+
+    if d.domain is sympy.true:
+        return None
+    numbers = dict(d.numbers)
+    tied = [(s, e) for s, e in d.tied.items() if sym in e.free_symbols]
+    moving = {sym, *(s for s, _ in tied)}
+    fixed = [c for c in failing(d.domain, numbers) if not c.free_symbols & moving]
+    if fixed:  # the held sizes themselves lie outside: no value of sym brings them back
+        at = ", ".join(f"{s.name} = {numbers[s]:,}" for s in sorted(set().union(*(c.free_symbols for c in fixed)),
+                                                                    key=lambda s: s.name))
+        raise SymmemError(f"{at} lies outside the formulas' domain ({' & '.join(map(str, fixed))}), where they are not "
+                          f"known to hold, whatever {sym.name} is: answer at sizes inside it (--set)")
+
+    def check(value: int) -> str | None:
+        nums = {**numbers, sym: value}
+        for s, e in tied:
+            nums[s] = int(e.xreplace({x: sympy.Integer(nums[x]) for x in e.free_symbols}))
+        found = failing(d.domain, nums)
+        if not found:
+            return None
+        return f"outside the formulas' domain ({' & '.join(map(str, found))}), where they are not known to hold"
+
+    return check
 
 
 #: How many values below the budget's bound :func:`largest` tries one by one before it bisects for one the model
@@ -210,10 +292,15 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
         raise SymmemError(f"the budget {format_bytes(cap)} fits {name} beyond the largest size PyTorch allows "
                           f"(2**63 - 1): it is no limit on {name}")
     chosen, refused = best, None
-    if accepts is not None:
-        chosen, refused = _accepted(accepts, best, d.model, name)
+    domain = domain_check(d, sym)
+    if accepts is not None or domain is not None:
+        def either(value: int) -> str | None:  # the model's refusal first, then the formulas' domain
+            why = accepts(value) if accepts is not None else None
+            return why if why is not None or domain is None else domain(value)
+
+        chosen, refused = _accepted(either, best, d.model, name)
     return Fit(d.model, d.convention, name, chosen, cap, _total(f, sym, chosen), _total(f, sym, best + 1), f,
-               quantity, best, refused)
+               quantity, best, refused, held_sizes(d, name))
 
 
 def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name: str) -> tuple[int, str | None]:
@@ -226,8 +313,10 @@ def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name:
     for x in range(best - 1, lowest - 1, -1):
         if accepts(x) is None:
             return x, why
-    lo, hi = 1, lowest  # hi is refused
-    if lowest == 1 or accepts(lo) is not None:
+    # the smallest accepted value (a domain may start above 1: B >= 2), then a bisection up to the refused ``lowest``
+    lo = next((x for x in range(1, min(SCAN, lowest - 1) + 1) if accepts(x) is None), None)
+    hi = lowest
+    if lo is None:
         raise SymmemError(f"{model} accepts no value of {name} up to {best:,} that fits: {why}")
     while hi - lo > 1:
         mid = (lo + hi) // 2

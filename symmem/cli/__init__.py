@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from ..errors import NothingCounted, NothingFits, SymmemError
+from ..errors import NothingCounted, NothingFits, OutsideDomain, SymmemError
 
 VERSION = "0.1.0"
 
@@ -177,15 +177,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NothingCounted)
+            warnings.simplefilter("always", OutsideDomain)
             args = _parser(args_in).parse_args(args_in)
             status = int(args.run(args))
             sys.stdout.flush()  # a full disk or a closed output fails here, while it can still be said
         # a convention that sees nothing in the graph: one line on stderr whatever the format (the text table says
         # so too), so that a 0 piped into a script is never silent
-        for note in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, NothingCounted)):
+        # numbers outside the formulas' domain (--set B=64 on a trace that holds where B < 16): the same one line
+        ours = (NothingCounted, OutsideDomain)
+        for note in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, ours)):
             print(f"symmem: warning: {one_line(note)}", file=sys.stderr)
         for w in caught:  # recording took every warning: the others go where they would have gone
-            if not issubclass(w.category, NothingCounted):
+            if not issubclass(w.category, ours):
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
         return status
     except NothingFits as exc:  # an answer: exit 1, not the 2 of bad input

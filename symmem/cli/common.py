@@ -13,6 +13,9 @@ from typing import Any
 from ..errors import SymmemError
 from ..units import MAX_SIZE
 
+#: the forms of a SPEC, a module to trace (``symmem trace``; :mod:`symmem.importer.sources`)
+SPEC_FORMS = "package.module:callable, path/to/file.py:callable, hf:MODEL_TYPE, torchvision:NAME or timm:NAME"
+
 _SET = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 _INT = re.compile(r"^[+]?[0-9][0-9_]*$")
 
@@ -125,10 +128,13 @@ def add_derive_options(p: argparse.ArgumentParser, *, convention: str = "pytorch
     (``verify --module``)."""
     from ..conventions import names as convention_names
 
-    p.add_argument("model", help="a built-in model (see `symmem models`)", **({"nargs": "?"} if optional_model else {}))
+    p.add_argument("model", help=f"a built-in model (see `symmem models`) or a module to trace: "
+                   f"{SPEC_FORMS} (with --dims)", **({"nargs": "?"} if optional_model else {}))
     p.add_argument("--convention", default=convention, choices=convention_names(),
-                   help="which tensors are kept (default: %(default)s)")
+                   help="which tensors are kept (default: %(default)s; a traced module: what PyTorch kept)")
     add_formula_options(p, regime=regime)
+    add_trace_options(p.add_argument_group("a module traced from a SPEC (the forms of `symmem trace`)"),
+                      dims_required=False)
 
 
 def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, model_options: bool = True,
@@ -181,16 +187,23 @@ def add_step_options(p: Any) -> None:
 
 
 def derivation_from_args(args: argparse.Namespace) -> Any:
-    """The derivation the shared options describe."""
+    """The derivation the shared options describe: a built-in model derived, or a SPEC traced
+    (:func:`traced_derivation`)."""
     from ..api import derive
 
+    if is_spec(args.model):
+        return traced_derivation(args)
+    builtin_only(args)
     return derive(args.model, **derive_arguments(args))
 
 
 def acceptor_from_args(args: argparse.Namespace) -> Any:
-    """:func:`symmem.api.acceptor` for the model, values and regime the shared options describe."""
+    """:func:`symmem.api.acceptor` for the model, values and regime the shared options describe (for a traced
+    SPEC: the model's own limits, :func:`traced_derivation`)."""
     from ..api import acceptor
 
+    if is_spec(args.model):
+        return _limit_acceptor(getattr(args, "limits", {}))
     kw = derive_arguments(args)
     for key in ("per_layer", "free", "options"):
         kw.pop(key)
@@ -321,3 +334,112 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
                       multiple_of=sources.parse_multiples(args.multiple_of), device=args.device or "cpu",
                       values=values_from_args(args), free=free_from_args(args), **derive_options)
     return loaded, dims, d
+
+
+# -- a SPEC given where a built-in model's name goes (derive, fit, plot, verify) -------------------------------
+def is_spec(text: str | None) -> bool:
+    """Whether ``text`` names a module to trace (a SPEC: it has a ``:`` or names a ``.py`` file) rather than a
+    built-in model, whose names are plain words.
+
+    >>> is_spec("hf:gpt2"), is_spec("models/net.py:build"), is_spec("net.py"), is_spec("gpt2")
+    (True, True, True, False)
+    """
+    return isinstance(text, str) and (":" in text or text.endswith(".py"))
+
+
+#: the options that say how a SPEC is traced: (argument name, what it is when not given)
+TRACE_ONLY = (("dims", None), ("config", []), ("example", []), ("method", "auto"), ("multiple_of", None),
+              ("no_check", False))
+
+
+def builtin_only(args: argparse.Namespace) -> None:
+    """Refuse the trace options for a built-in model (they say how a SPEC is traced)."""
+    given = [f"--{k.replace('_', '-')}" for k, unset in TRACE_ONLY if getattr(args, k, unset) != unset]
+    if given:
+        raise SymmemError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a module traced from a "
+                          f"SPEC ({SPEC_FORMS}), not to the built-in model {args.model!r}")
+
+
+def traced_derivation(args: argparse.Namespace) -> Any:
+    """The derivation of the module ``args.model`` (a SPEC) names, traced as ``symmem trace`` traces it, with the
+    model's own limits (a position table: :func:`model_limits`) added to its domain; ``args.limits`` keeps them
+    (condition -> why) for :func:`acceptor_from_args`."""
+    if args.model.endswith(".py"):
+        raise SymmemError(f"{args.model}: name the callable that builds the module, e.g. {args.model}:build")
+    if getattr(args, "dims", None) is None:
+        raise SymmemError(f"{args.model}: a traced module needs --dims, the sizes to keep symbolic, e.g. --dims B,S")
+    if getattr(args, "convention", "pytorch") != "pytorch":
+        raise SymmemError(f"--convention {args.convention}: a traced module has its own convention (what PyTorch "
+                          "kept); drop --convention")
+    given = [k for k in sorted(model_option_names()) if getattr(args, k, None) is not None]
+    if given:
+        raise SymmemError(f"--{given[0].replace('_', '-')} is an option of the built-in models; a module's own "
+                          "options are its code (hf: --config key=value)")
+    args.spec = args.model
+    loaded, dims, d = traced_from_args(args, per_layer=getattr(args, "per_layer", False), **regime_from_args(args))
+    args.limits = model_limits(loaded, dims, d)
+    args.dims_symbols = tuple(dims)  # the sizes declared on the inputs (fit says where each held size comes from)
+    return with_limits(d, args.limits)
+
+
+def model_limits(loaded: Any, dims: dict[str, Any], d: Any) -> dict[Any, str]:
+    """The sizes a loaded module cannot take whatever the memory, as conditions of its derivation's symbols, each
+    with why: a Hugging Face text model's absolute position table (an embedding with the config's
+    ``max_position_embeddings`` rows) bounds the symbol on its tokens' dimension.  (Rotary positions have no
+    table, hence no limit.)"""
+    import sympy
+    import torch
+
+    from ..importer.inputs import normalize_dims
+
+    cfg = loaded.extra.get("config") if isinstance(loaded.extra, dict) else None
+    rows = getattr(cfg, "max_position_embeddings", None)
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        return {}
+    get_tokens = getattr(loaded.module, "get_input_embeddings", None)
+    tokens = get_tokens() if callable(get_tokens) else None  # the token table, whatever its rows
+    tables = [n for n, m in loaded.module.named_modules() if isinstance(m, torch.nn.Embedding)
+              and m.num_embeddings == rows and m is not tokens]
+    if not tables:
+        return {}
+    key = next((k for k, v in cfg.to_dict().items() if v == rows and ("position" in k or k in ("n_ctx",))), "")
+    ex = loaded.example_inputs
+    items = ex if isinstance(ex, dict) else dict(enumerate(ex))
+    by_name = {s.name: s for s in d.free}
+    found = {}
+    for name, pairs in normalize_dims(dims).items():
+        tokens = any(dim == 1 and isinstance(items.get(k), torch.Tensor) and items[k].dim() == 2
+                     and not items[k].is_floating_point() for k, dim in pairs)
+        if tokens and name in by_name:
+            found[sympy.Le(by_name[name], rows)] = (f"past the model's position table: {tables[0]} has {rows:,} rows"
+                                                   + (f" ({key} = {rows:,})" if key else ""))
+    return found
+
+
+def with_limits(d: Any, limits: dict[Any, str]) -> Any:
+    """``d`` with ``limits`` in its domain, said where its numbers lie past them (:func:`symmem.derivation.
+    warn_outside`)."""
+    import dataclasses
+
+    import sympy
+
+    from ..derivation import warn_outside
+
+    if not limits:
+        return d
+    warn_outside(sympy.And(*limits), d.numbers, limits)
+    return dataclasses.replace(d, domain=sympy.And(d.domain, *limits))
+
+
+def _limit_acceptor(limits: dict[Any, str]) -> Any:
+    """``accepts(name, value)`` for a traced module: why ``value`` of ``name`` lies past the model's limits."""
+    import sympy
+
+    def accepts(name: str, value: int) -> str | None:
+        for cond, why in limits.items():
+            sym = next(iter(cond.free_symbols))
+            if sym.name == name and cond.xreplace({sym: sympy.Integer(value)}) is sympy.false:
+                return why
+        return None
+
+    return accepts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import SymmemError
-from .common import acceptor_from_args, add_derive_options, derivation_from_args
+from .common import acceptor_from_args, add_derive_options, derivation_from_args, is_spec, parse_free, values_from_args
 
 NAME = "fit"
 HELP = "the largest batch size (or sequence length) that fits a memory budget"
@@ -24,17 +24,21 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..apps.budget import largest, smallest_budget
+    from ..apps.budget import held_line, held_sizes, largest, smallest_budget
     from ..units import format_bytes
 
+    if is_spec(args.model) and args.free is not None and args.solve not in parse_free(args.free):
+        args.free = f"{args.free},{args.solve}"  # keep the solved symbol in the formula (one trace, not two)
     d = derivation_from_args(args)
-    accepts = acceptor_from_args(args)
     if d.notes:  # a convention that sees nothing: say why rather than "does not grow" or a size of the input alone
         raise SymmemError(d.notes[0])
-    if args.solve not in {s.name for s in d.free} and args.free is None:
+    if args.solve not in {s.name for s in d.free} and args.free is None and not is_spec(args.model):
         # Keep the solved symbol in the formula even when the model writes it as a number by default.
         args.free = ",".join([s.name for s in d.free] + [args.solve])
         d = derivation_from_args(args)
+    accepts = acceptor_from_args(args)
+    held = held_sizes(d, args.solve)
+    where = _held_from(args, d, held)
     if args.budget is None:
         value = next((v for s, v in d.numbers.items() if s.name == args.solve), None)
         if value is None:
@@ -42,10 +46,34 @@ def run(args: argparse.Namespace) -> int:
         need = smallest_budget(d, args.solve, value)
         if args.format == "json":
             print(json.dumps({"model": d.model, "convention": d.convention, "symbol": args.solve,
-                              "value": value, "smallest_budget": need}, indent=2))
+                              "value": value, "smallest_budget": need, "held": dict(held), "held_from": where},
+                             indent=2))
         else:
             print(f"{d.model} ({d.convention}) at {args.solve} = {value:,} needs {format_bytes(need)} ({need:,} B)")
+            print(held_line(held, where))
         return 0
     r = largest(d, args.solve, args.budget, accepts=lambda value: accepts(args.solve, value))
-    print(json.dumps(r.to_dict(), indent=2) if args.format == "json" else str(r))
+    if args.format == "json":
+        print(json.dumps({**r.to_dict(), "held_from": where}, indent=2))
+    else:
+        print(r.text(where))
     return 0
+
+
+def _held_from(args: argparse.Namespace, d: object, held: tuple[tuple[str, int], ...]) -> dict[str, str]:
+    """Where each held size's value comes from: ``--set``, the trace's example inputs, the traced layers, or the
+    built-in model's default."""
+    given = values_from_args(args)
+    traced = is_spec(args.model)
+    dims = set(getattr(args, "dims_symbols", ()) or ())
+    out = {}
+    for name, _ in held:
+        if name in given:
+            out[name] = "--set"
+        elif not traced:
+            out[name] = "the model's default"
+        elif name in dims:
+            out[name] = "the example input"
+        else:
+            out[name] = "the traced module's layers"
+    return out

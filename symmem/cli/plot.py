@@ -7,7 +7,7 @@ import re
 
 from ..errors import SymmemError
 from ..units import MAX_SIZE
-from .common import add_derive_options, derivation_from_args
+from .common import add_derive_options, derivation_from_args, is_spec
 
 NAME = "plot"
 HELP = "plot a breakdown, memory vs batch size or sequence length, a per-layer profile, or a step's timeline"
@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     plots.check_output(args.output)  # before any work: a path that cannot be written is an error now
     values = _range(args.range)
+    if is_spec(args.model) and args.compare:
+        raise SymmemError("--compare: a traced module has one convention (what PyTorch kept); drop --compare")
     d = derivation_from_args(args)
     if args.kind == "breakdown":
         ds = [d]
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.kind == "profile":
         fig = plots.profile(d, output=args.output)
     elif args.kind == "timeline":
-        _check_timeline_size(args, d)
+        if not is_spec(args.model):  # a traced step was run op by op on fake tensors: it has its ops already
+            _check_timeline_size(args, d)
         fig = plots.timeline(d, args.step, output=args.output)
     else:
         if d.notes:  # a convention that sees nothing: its flat curve would answer nothing
@@ -104,12 +107,16 @@ def run(args: argparse.Namespace) -> int:
                 raise SymmemError(f"{d.model} has no symbol {name}, so there is no {args.kind} sweep")
             args.free = ",".join([s.name for s in d.free] + [name])
             d = derivation_from_args(args)
+        from ..apps.budget import domain_check
         from .common import acceptor_from_args
 
         check = acceptor_from_args(args)  # the checks derive makes of a size: the sweep plots only those it accepts
+        sym = next(s for s in d.free if s.name == name)
+        inside = domain_check(d, sym)  # and only where the formulas hold (a traced module's guards)
 
         def accepts(value: int) -> str | None:
-            return check(name, value)
+            why = check(name, value)
+            return why if why is not None or inside is None else inside(value)
 
         if any(s.name == name for s in d.tied):
             # a size that follows from others (ViT's S from the image) moves with them along the sweep, which

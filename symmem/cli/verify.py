@@ -1,16 +1,27 @@
 """``symmem verify``: measure the project's PyTorch reference of a model and compare with its formula.
 
-``symmem verify --module SPEC --dims B,S`` does the same for any module (the forms of ``symmem trace``): it is
-traced, then one real training-mode forward at the derivation's numbers (``--set B=4 --set S=16``; default
-the example sizes) is measured and compared with the traced formula there.
+``symmem verify SPEC --dims B,S`` (or ``--module SPEC``) does the same for any module (the forms of ``symmem
+trace``): it is traced, then one real training-mode forward at the derivation's numbers (``--set B=4 --set S=16``;
+default the example sizes) is measured and compared with the traced formula there; with ``--peak``, two real
+training steps of the module under the live-bytes tracker (:func:`symmem.record.steps.track_step`) against its
+traced peak.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..errors import SymmemError
-from .common import add_derive_options, add_step_options, add_trace_options, derivation_from_args, traced_from_args
+from .common import (
+    SPEC_FORMS,
+    add_derive_options,
+    add_step_options,
+    builtin_only,
+    derivation_from_args,
+    is_spec,
+    traced_from_args,
+)
 
 NAME = "verify"
 HELP = "measure the project's PyTorch reference of a model (or any module: --module SPEC) and compare with its formula"
@@ -31,11 +42,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     step.add_argument("--optimizer", default="adamw", choices=[o for o in OPTIMIZERS if o in (
         "sgd", "sgd-momentum", "adam", "adamw")], help="with --peak (default: %(default)s)")
     add_step_options(step)
-    module = p.add_argument_group("--module SPEC: trace any module and measure it (the SPEC forms of symmem trace)")
-    module.add_argument("--module", dest="spec", default=None, metavar="SPEC",
-                        help="package.module:callable, path/to/file.py:callable, hf:MODEL_TYPE, torchvision:NAME "
-                             "or timm:NAME, instead of a built-in model")
-    add_trace_options(module, dims_required=False)
+    p.add_argument("--module", dest="spec", default=None, metavar="SPEC",
+                   help=f"a module to trace and measure, as the MODEL|SPEC argument takes it: {SPEC_FORMS}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,15 +57,17 @@ def run(args: argparse.Namespace) -> int:
         raise SymmemError("--optimizer, --optimizer-impl, --keep-logits and --micro-batches shape the training "
                           "step: add --peak (without it verify measures what one forward pass keeps)")
     if args.spec is not None:
+        if args.model is not None:
+            raise SymmemError(f"give a built-in model ({args.model!r}) or --module SPEC, not both")
+        if args.dims is None:
+            raise SymmemError("--module needs --dims: the sizes to keep symbolic, e.g. --dims B,S")
         return _module(args)
     if args.model is None:
-        raise SymmemError("name a built-in model (see `symmem models`) or a module: --module SPEC --dims B,S")
-    traced_only = [f"--{k.replace('_', '-')}" for k in ("dims", "multiple_of") if getattr(args, k)]
-    traced_only += [f"--{k}" for k in ("config", "example") if getattr(args, k)]
-    traced_only += ["--no-check"] if args.no_check else []
-    traced_only += ["--method"] if args.method != "auto" else []
-    if traced_only:
-        raise SymmemError(f"{', '.join(traced_only)} apply to --module SPEC, not to a built-in model")
+        raise SymmemError("name a built-in model (see `symmem models`) or a module: SPEC --dims B,S")
+    if is_spec(args.model):
+        args.spec = args.model
+        return _module(args)
+    builtin_only(args)
     from ..units import parse_size
 
     limit = None if args.max_memory is None else parse_size(args.max_memory)
@@ -71,13 +81,10 @@ def _module(args: argparse.Namespace) -> int:
     from ..importer import sources
     from .common import model_option_names, values_from_args
 
-    if args.model is not None:
-        raise SymmemError(f"give a built-in model ({args.model!r}) or --module SPEC, not both")
+    if args.spec.endswith(".py"):
+        raise SymmemError(f"{args.spec}: name the callable that builds the module, e.g. {args.spec}:build")
     if args.dims is None:
-        raise SymmemError("--module needs --dims: the sizes to keep symbolic, e.g. --dims B,S")
-    if args.peak:
-        raise SymmemError("--peak measures the project's references of built-in models; --module measures one "
-                          "forward pass")
+        raise SymmemError(f"{args.spec}: a traced module needs --dims, the sizes to keep symbolic, e.g. --dims B,S")
     if args.convention != "pytorch" or args.per_layer:
         raise SymmemError("--module: a traced module has its own convention (what PyTorch kept) and is measured "
                           "whole: drop --convention and --per-layer")
@@ -90,11 +97,66 @@ def _module(args: argparse.Namespace) -> int:
     if "L" in values_from_args(args):
         raise SymmemError("--set L: the module has the layers it was built with; verify measures it as built "
                           "(hf: --config n_layer=...)")
-    loaded, dims, d = traced_from_args(args)
     from ..record.verify import check_memory
     from ..units import parse_size
 
-    check_memory(d, None if args.max_memory is None else parse_size(args.max_memory))  # before the real forward
+    limit = None if args.max_memory is None else parse_size(args.max_memory)
+    if args.peak:
+        from .common import regime_from_args
+
+        loaded, dims, d = traced_from_args(args, **regime_from_args(args))
+        check_memory(d, limit, step=True)  # before the real steps
+        peak = _module_peak(loaded, d, dims)
+        print(peak.report())
+        return 0 if peak.exact else 1
+    loaded, dims, d = traced_from_args(args)
+    check_memory(d, limit)  # before the real forward
     result = sources.verify_module(loaded, d, dims)
     print(result.report(verbose=args.verbose))
     return 0 if result.exact else 1
+
+
+def _module_peak(loaded: Any, d: Any, dims: dict[str, Any]) -> Any:
+    """Two real training steps of the loaded module at the derivation's numbers under the live-bytes tracker
+    (:func:`symmem.record.steps.track_step`: the loss, optimizer, implementation, kept output and micro-batches the
+    traced step ran) against the traced peak (:func:`symmem.record.verify.peak_comparison`)."""
+    import torch
+
+    from ..importer import sources
+    from ..record.steps import track_step
+    from ..record.verify import peak_comparison
+
+    if loaded.on_meta:
+        raise SymmemError(f"{loaded.spec}: the weights are on the meta device; there is no real step to measure")
+    regime = d.regime
+    device = str(d.options.get("device", "cpu"))
+    numbers = {s.name: int(v) for s, v in d.numbers.items()}
+    args, kwargs = sources.resized(loaded, dims, numbers)
+    names = list(kwargs)
+
+    class _Keywords(torch.nn.Module):
+        """The module called with its keyword inputs given in order (the tracker passes positional ones)."""
+
+        def __init__(self, module: Any) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *values: Any) -> Any:
+            return self.module(*values[:len(args)], **dict(zip(names, values[len(args):], strict=True)))
+
+    module = _Keywords(loaded.module) if names else loaded.module
+    loss = d.options.get("loss", "sum")
+    step_loss: Any = _own_loss if loss == "output" else loss
+    impl = regime.optimizer_impl if regime.optimizer_impl != "auto" else (
+        "foreach" if device.startswith("cuda") else "for-loop")
+    with sources.user_code(f"{loaded.spec}: running real training steps"):
+        trace = track_step(module, (*args, *kwargs.values()), loss=step_loss, optimizer=regime.optimizer, impl=impl,
+                           steps=2, keep_output=regime.keep_logits, micro_batches=regime.micro_batches)
+    return peak_comparison(d, trace)
+
+
+def _own_loss(out: Any) -> Any:
+    """The module's own loss (``loss='output'``): a Hugging Face model given labels returns it as ``.loss``."""
+    from ..record.steps import loss_value
+
+    return loss_value("output", out, None)

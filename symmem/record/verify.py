@@ -413,6 +413,12 @@ def verify_peak(derivation: Derivation, max_memory: int | None = None) -> PeakCo
     loss = "cross-entropy" if derivation.options.get("loss") else "sum"
     trace = track_step(module, inputs, loss=loss, target=target, optimizer=regime.optimizer, impl=impl, steps=2,
                        keep_output=regime.keep_logits, micro_batches=regime.micro_batches)
+    return peak_comparison(derivation, trace)
+
+
+def peak_comparison(derivation: Derivation, trace: Any) -> PeakComparison:
+    """The derived peaks of ``derivation`` (first and steady step) next to those of real steps (``trace``: a
+    :class:`~symmem.record.steptrace.StepTrace` of two steps from :func:`~symmem.record.steps.track_step`)."""
     at = derivation.peak_at()
     live = tuple((c, n) for c, n in derivation.live_at_peak().items())
     return PeakComparison(derivation.model, derivation.value("peak"), trace.steady.bytes,
