@@ -57,8 +57,7 @@ DEFAULTS: dict[sympy.Symbol, int] = {N: 8, t: 8, p: 4}
 
 #: What each regime symbol stands for, and the option that brings it.
 MEANINGS = {"N": "data-parallel size N", "t": "tensor-parallel size t", "p": "number of pipeline stages p"}
-FLAGS = {"N": "ZeRO or a data-parallel engine: --zero 1|2|3, --data-parallel ENGINE",
-         "t": "tensor parallelism: --tensor-parallel",
+FLAGS = {"N": "ZeRO: --zero 1|2|3", "t": "tensor parallelism: --tensor-parallel",
          "p": "pipeline parallelism: --pipeline-parallel"}
 
 
