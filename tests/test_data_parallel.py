@@ -8,8 +8,7 @@ directory, so parallel test workers cannot collide on a port.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 
 import pytest
 
@@ -19,6 +18,7 @@ if not dist.is_available():  # pragma: no cover - a torch built without distribu
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 from symmem import derive  # noqa: E402
+from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.record.distributed import Job, compare, job_of, measure_jobs, measure_ranks  # noqa: E402
 
@@ -120,14 +120,16 @@ def test_world_size_and_engine_checked_before_spawning():
             measure_ranks([d], world=world)
 
 
-def test_cli_engine_option():
-    run = [sys.executable, "-m", "symmem.cli", "derive", "mlp", "--convention", "pytorch", "--device", "cpu",
-           "--set", "B=4", "--set", "N=8"]
-    ok = subprocess.run([*run, "--data-parallel", "ddp"], capture_output=True, text=True, timeout=60)
-    assert ok.returncode == 0 and "peak" in ok.stdout and "per rank of N" in ok.stdout, ok.stderr
-    bad = subprocess.run([*run, "--data-parallel", "ddp", "--zero", "3"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
-    assert bad.stderr.startswith("symmem: error: data_parallel='ddp' is an engine and zero=3")
+def test_cli_engine_option(capsys):
+    run = ["derive", "mlp", "--convention", "pytorch", "--device", "cpu", "--set", "B=4", "--set", "N=8"]
+    assert main([*run, "--data-parallel", "ddp", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["regime"]["data_parallel"] == "ddp" and out["values"]["peak"] == derive(
+        "mlp", convention="pytorch", device="cpu", values={"B": 4, "N": 8}, data_parallel="ddp").value("peak")
+    assert any("per rank of N" in n for n in out["notes"])
+    assert main([*run, "--data-parallel", "ddp", "--zero", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: data_parallel='ddp' is an engine and zero=3") and err.count("\n") == 1
 
 
 def test_traced_module_refuses_the_peak():
