@@ -16,7 +16,7 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 
 >>> from symmem.training import Regime
 >>> ddp, view = Regime(data_parallel="ddp"), Regime(data_parallel="ddp-bucket-view")
->>> notes(ddp)[0][:60]
+>>> notes(ddp)[0][:61]
 'per rank of N: every rank of DistributedDataParallel holds th'
 >>> buckets(ddp, [("fc.weight", (4, 3))], {"fc.weight": 12}, 4), grads_in_buckets(view), grads_in_buckets(ddp)
 ([('ddp.buckets', 48)], True, False)
