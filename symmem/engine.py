@@ -32,7 +32,7 @@ from .errors import NothingCounted, SymmemError
 from .evaluator import NotCompilable, interpret
 from .graph import Model, parameter_shapes, paused_gc
 from .ledger import Ledger, Parameter
-from .passes import branches, data_parallel, regimes, saved
+from .passes import branches, regimes, saved
 from .shapes import fmt, numel
 from .tensor import MAX_SIZE
 from .training import Regime
@@ -296,8 +296,7 @@ def derivation_of(ledger: Ledger, regime: Regime, step: Callable[..., Any] | Non
     domain = ledger.domain
     return Derivation(ledger.model, ledger.convention, regime, tuple(storages), kept_symbols, ledger.numbers,
                       ledger.parameter_count.xreplace(subs), ledger.per_layer, ledger.layer, dict(ledger.options),
-                      step, domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain,
-                      (*ledger.notes, *data_parallel.notes(regime)), tied,
+                      step, domain.xreplace(subs) if isinstance(domain, sympy.Basic) else domain, ledger.notes, tied,
                       no_step)
 
 

@@ -16,8 +16,6 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 
 >>> from symmem.training import Regime
 >>> ddp, view = Regime(data_parallel="ddp"), Regime(data_parallel="ddp-bucket-view")
->>> notes(ddp)[0][:61]
-'per rank of N: every rank of DistributedDataParallel holds th'
 >>> buckets(ddp, [("fc.weight", (4, 3))], {"fc.weight": 12}, 4), grads_in_buckets(view), grads_in_buckets(ddp)
 ([('ddp.buckets', 48)], True, False)
 """
@@ -48,14 +46,3 @@ def grads_in_buckets(regime: Regime) -> bool:
     reducer has copied it there (as a second micro-batch's gradient is, once added into ``.grad``)."""
     return regime.data_parallel == "ddp-bucket-view"
 
-
-#: The PyTorch API each modelled engine is.
-_API = {"ddp": "DistributedDataParallel", "ddp-bucket-view": "DistributedDataParallel(gradient_as_bucket_view=True)"}
-
-
-def notes(regime: Regime) -> tuple[str, ...]:
-    """What a derivation under a data-parallel engine says of its numbers: which rank they are."""
-    if regime.data_parallel in _BUCKETED:
-        return (f"per rank of N: every rank of {_API[regime.data_parallel]} holds the same (the whole model, its "
-                "gradient buckets, its own batch B); the peak is any rank's",)
-    return ()
