@@ -281,6 +281,8 @@ class Regime:
         for c in self.precision_spec.parts:
             if c.name == component:
                 return c.kind
+        if component == "ddp_buckets":  # DDP's copy of the gradients (passes/data_parallel.py)
+            return "gradients"
         return "optimizer"
 
     def shard(self, component: str) -> bool:

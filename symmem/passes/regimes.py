@@ -325,5 +325,7 @@ def _parameter_parts(regime: Regime, count: sympy.Expr, in_block: bool, per_laye
     out = []
     for component, each in parts:
         shards = N if regime.shard(component) else sympy.Integer(1)
-        out.append((component, count * each / shards, count, shards, regime.kind_of(component) == "gradients"))
+        # a gradient lives from its op's backward to the step; DDP's buckets live all step
+        gradient = regime.kind_of(component) == "gradients" and component != "ddp_buckets"
+        out.append((component, count * each / shards, count, shards, gradient))
     return out
