@@ -17,7 +17,8 @@ recorder starts -- is first seen by the recorder when an op writes into it (the 
 the largest of the later steps' (DDP rebuilds its buckets in step 2).
 
 What the recorder cannot see: gloo's own buffers for a collective (its worker threads allocate outside the
-dispatcher; an all-reduce of a contiguous CPU tensor runs in place) and, on GPUs, NCCL's communicator buffers:
+dispatcher; an all-reduce of a contiguous CPU tensor runs in place; the copy of a reduce-scatter's input it
+makes, which the recorder does see, is left out of FSDP's peaks) and, on GPUs, NCCL's communicator buffers:
 like the CUDA workspaces they are a band outside tensor accounting (docs/regimes.md).  Needs ``torch`` with
 ``torch.distributed`` (imported lazily).
 """
