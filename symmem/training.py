@@ -154,6 +154,13 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 CHECKPOINTS = ("none", "full", "selective", "every-K")
+#: The data-parallel engines over N ranks, named after the PyTorch API a user calls (docs/regimes.md):
+#: ``DistributedDataParallel`` (``ddp``; ``ddp-bucket-view``: ``gradient_as_bucket_view=True``),
+#: ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard`` (``fsdp``; ``fsdp-no-reshard``:
+#: ``reshard_after_forward=False``) and FSDP1 (``FULL_SHARD``, ``SHARD_GRAD_OP``).
+DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
+#: The engines whose per-rank step is modelled and checked against real ``torch.distributed`` runs.
+DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view")
 #: How ``optimizer.step()`` runs (``auto``: PyTorch's default for the device).
 IMPLS = ("auto", "for-loop", "foreach", "fused")
 _EVERY = re.compile(r"^every-([1-9][0-9]*)$")
@@ -208,6 +215,9 @@ class Regime:
     keep_logits: bool = False
     #: micro-batches whose gradients are accumulated before each optimizer step
     micro_batches: int = 1
+    #: the data-parallel engine each of N ranks runs (:data:`DATA_PARALLEL`; None: one device); B stays the batch
+    #: one rank processes.  ``zero`` is the papers' accounting of the same idea, not an engine.
+    data_parallel: str | None = None
 
     def __post_init__(self) -> None:
         _lookup(PRECISIONS, self.precision, "precision")
@@ -224,6 +234,25 @@ class Regime:
             raise SymmemError(f"unknown optimizer implementation {self.optimizer_impl!r}; known: {', '.join(IMPLS)}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise SymmemError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """A known, modelled engine, alone: ``zero`` is the papers' accounting of sharding, not an engine."""
+        dp = self.data_parallel
+        if dp is None:
+            return
+        if not isinstance(dp, str) or dp not in DATA_PARALLEL:
+            raise SymmemError(f"unknown data-parallel engine {dp!r}; known: {', '.join(DATA_PARALLEL)}")
+        if dp not in DATA_PARALLEL_MODELLED:
+            raise SymmemError(f"data-parallel engine {dp!r} is not modelled yet (modelled and checked against real "
+                              f"torch.distributed runs: {', '.join(DATA_PARALLEL_MODELLED)}); --zero K gives the "
+                              "papers' accounting of sharding")
+        if self.zero:
+            raise SymmemError(f"data_parallel={dp!r} is an engine and zero={self.zero} the papers' accounting of "
+                              "sharding: give one of them")
+        if self.tensor_parallel or self.pipeline_parallel:
+            raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "
+                              "of them")
 
     @property
     def precision_spec(self) -> Precision:
@@ -252,6 +281,8 @@ class Regime:
         for c in self.precision_spec.parts:
             if c.name == component:
                 return c.kind
+        if component == "ddp_buckets":  # DDP's copy of the gradients (passes/data_parallel.py)
+            return "gradients"
         return "optimizer"
 
     def shard(self, component: str) -> bool:

@@ -165,6 +165,11 @@ def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, mode
     add_arguments(group, "derive", ("checkpoint",))
     group.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                        help="ZeRO stage over N data-parallel ranks (3 = FSDP full sharding)")
+    from ..training import DATA_PARALLEL
+
+    group.add_argument("--data-parallel", default=None, choices=list(DATA_PARALLEL), metavar="ENGINE",
+                       help="the data-parallel engine each of N ranks runs, per rank (docs/regimes.md): "
+                            f"{', '.join(DATA_PARALLEL)}; B is one rank's batch")
     group.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="with --tensor-parallel: split the remaining activations over t too")

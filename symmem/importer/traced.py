@@ -291,6 +291,9 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
         why = ("the peak follows one device's training step op by op; ZeRO and tensor and pipeline parallelism "
                "are not traced (the kept memory and total are)")
+    elif regime.data_parallel:
+        why = (f"the peak under data_parallel={regime.data_parallel!r} is modelled for built-in models; a traced "
+               "module's step is not yet (the kept memory and total are)")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")

@@ -68,7 +68,7 @@ def symbols(regime: Regime) -> tuple[sympy.Symbol, ...]:
 
 def _brought(regime: Regime) -> tuple[sympy.Symbol, ...]:
     found = []
-    if regime.zero:
+    if regime.zero or getattr(regime, "data_parallel", None):
         found.append(N)
     if regime.tensor_parallel:
         found.append(t)
@@ -281,8 +281,9 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
                 _parameter_parts(regime, param.count, in_block, per_layer, param.shape)
                 if param.trainable or regime.kind_of(component) == "weights"]
         for component, gradient, template in parts:
-            # gradients appear as their op runs backward and last until the step
-            born, dies = ("backward", "step") if gradient else (START, END)
+            # gradients appear as their op runs backward and last until the step (DDP's bucket views all step)
+            born, dies = ("backward", "step") if gradient and regime.data_parallel != "ddp-bucket-view" else (
+                START, END)
             found.append(_like(template, f"{owner}.{param.name}.{component}", owner, born, dies))
     return found
 
@@ -317,8 +318,14 @@ def _parameter_parts(regime: Regime, count: sympy.Expr, in_block: bool, per_laye
     n = numel(shape)
     parts = [(name, n * b) for name, b in regime.precision_spec.components]
     parts += regime.optimizer_spec.state_bytes(shape)
+    if regime.data_parallel == "ddp":
+        # DistributedDataParallel's gradient buckets beside the gradients (passes/data_parallel.py)
+        parts.append(("ddp_buckets", n * sum(b for name, b in regime.precision_spec.components
+                                             if regime.kind_of(name) == "gradients")))
     out = []
     for component, each in parts:
         shards = N if regime.shard(component) else sympy.Integer(1)
-        out.append((component, count * each / shards, count, shards, regime.kind_of(component) == "gradients"))
+        # a gradient lives from its op's backward to the step; DDP's buckets live all step
+        gradient = regime.kind_of(component) == "gradients" and component != "ddp_buckets"
+        out.append((component, count * each / shards, count, shards, gradient))
     return out

@@ -41,6 +41,7 @@ from ..shapes import numel as shape_numel
 from ..tensor import TensorSpec, dtype_bytes
 from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
+from . import data_parallel
 from .saved import kept
 from .storage import Branch, is_view
 
@@ -170,6 +171,10 @@ class Simulation:
             self.state_ids[name] = ids
         self.params = params
         self.states = [i for name, _ in params for i in self.state_ids[name]]  # from the start in the steady state
+        # a data-parallel engine's buffers made when the model is wrapped (DDP's gradient buckets)
+        for name, nbytes in data_parallel.buckets(regime, params, self.numel, self.grad_bytes):
+            self.start.append(self.new(name, "gradient", nbytes))
+        self.grads_in_buckets = data_parallel.grads_in_buckets(regime)
 
     def _plan(self, keep_logits: bool) -> None:
         """When forward values die, which nodes run backward, the checkpointed segments and what they hold."""
@@ -380,8 +385,10 @@ class Simulation:
                 pid = total
             if self.param_uses[key] > 0:
                 self.waiting[key] = pid
-            elif key in self.param_grad:
-                dropped.append(pid)  # an earlier micro-batch's .grad: added into it in place
+            elif key in self.param_grad or self.grads_in_buckets:
+                # an earlier micro-batch's .grad: added into it in place; or copied into DDP's bucket, whose view
+                # becomes the .grad
+                dropped.append(pid)
             else:
                 self.param_grad[key] = pid
         if sums or dropped:

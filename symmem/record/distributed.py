@@ -1,0 +1,250 @@
+"""The truth for data-parallel engines: real multi-process ``torch.distributed`` training steps on the CPU, each
+rank under the live-bytes recorder.
+
+:func:`measure_ranks` takes derivations under a data-parallel regime (``derive(..., data_parallel="ddp")``) and
+runs each one's reference module (:mod:`symmem.reference`) wrapped in the engine the regime names, on ``world``
+processes: one ``torch.multiprocessing`` spawn per world size runs every derivation in turn inside the workers (the
+processes and their ``import torch`` are paid once).  The ranks meet through a ``FileStore`` in a temporary
+directory (no port to pick, so parallel test workers cannot collide) and gloo talks over the loopback device only
+(``GLOO_SOCKET_IFNAME=lo``: 127.0.0.1); every wait is bounded (``timeout`` seconds for the whole run, the same for
+each collective), and a run that overruns is killed and refused with one line.
+
+Each rank runs ``steps`` training steps (forward, the loss, backward, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``, as :func:`symmem.record.steps.track_step` does, which runs them) and reports its
+peak per step.  Memory an engine allocated when the model was wrapped -- DDP's gradient buckets, made before the
+recorder starts -- is first seen by the recorder when an op writes into it (the recorder labels such a storage
+``external``); it is counted here as live from the start, which it is.  ``first`` is step 1's peak, ``steady``
+the largest of the later steps' (DDP rebuilds its buckets in step 2).
+
+What the recorder cannot see: gloo's own buffers for a collective (its worker threads allocate outside the
+dispatcher; an all-reduce of a contiguous CPU tensor runs in place; the copy of a reduce-scatter's input it
+makes, which the recorder does see, is left out of FSDP's peaks) and, on GPUs, NCCL's communicator buffers:
+like the CUDA workspaces they are a band outside tensor accounting (docs/regimes.md).  Needs ``torch`` with
+``torch.distributed`` (imported lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SymmemError
+
+if TYPE_CHECKING:
+    from ..derivation import Derivation
+
+#: The engines :func:`measure_ranks` runs, with the wrapper each builds.
+ENGINES = ("ddp", "ddp-bucket-view")
+#: FSDP2 (``fully_shard`` on every repeated block and the root; ``reshard_after_forward`` True or False), measured
+#: by :func:`measure_jobs` though not modelled yet (docs/regimes.md gives the figures).
+SHARDED = ("fsdp", "fsdp-no-reshard")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One measurement, picklable for the workers: the reference model at its numbers and the step to run."""
+
+    model: str
+    numbers: tuple[tuple[str, int], ...]
+    options: tuple[tuple[str, Any], ...]
+    engine: str
+    optimizer: str
+    impl: str
+    loss: bool
+    keep_logits: bool
+    steps: int
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's measured step: its peak in each step (``per_step[0]`` is step 1), the live bytes at the start
+    (memory made before the first op included), and where the steady peak occurred."""
+
+    rank: int
+    per_step: tuple[int, ...]
+    start: int
+    where: str
+
+    @property
+    def first(self) -> int:
+        return self.per_step[0]
+
+    @property
+    def steady(self) -> int:
+        return max(self.per_step[1:])
+
+
+def job_of(derivation: Derivation, steps: int = 3) -> Job:
+    """The measurement of ``derivation``'s regime on its model's reference (FP32, a torch optimizer, no
+    checkpointing: what the recorded step runs)."""
+    regime = derivation.regime
+    if regime.data_parallel not in ENGINES:
+        raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
+                          f"data_parallel={regime.data_parallel!r}")
+    if derivation.per_layer or regime.activation_dtype != "float32" or regime.checkpoint != "none" \
+            or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") or regime.micro_batches != 1:
+        raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
+                          "micro-batch, no checkpointing")
+    if steps < 2:
+        raise SymmemError(f"measure_ranks needs at least 2 steps (a first and a steady one), not {steps}")
+    from ..passes.schedule import optimizer_impl
+
+    options = {k: v for k, v in derivation.options.items() if k != "loss"}
+    return Job(derivation.model, tuple(sorted((s.name, int(v)) for s, v in derivation.numbers.items())),
+               tuple(sorted(options.items())), regime.data_parallel, regime.optimizer,
+               optimizer_impl(regime, "cpu"), bool(derivation.options.get("loss")), regime.keep_logits, steps)
+
+
+def measure_ranks(derivations: Sequence[Derivation], world: int = 2, *, steps: int = 3, timeout: float = 120.0
+                  ) -> list[tuple[RankPeak, ...]]:
+    """Run every derivation's engine on ``world`` CPU processes (one spawn for all of them); per derivation, each
+    rank's :class:`RankPeak`, rank 0 first."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise SymmemError(f"the world size is a positive integer, got {world!r}")
+    return measure_jobs([job_of(d, steps) for d in derivations], world, timeout=timeout)
+
+
+def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0) -> list[tuple[RankPeak, ...]]:
+    """:func:`measure_ranks` for jobs given as they are (FSDP2's among them)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise SymmemError(f"the world size is a positive integer, got {world!r}")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
+        ctx = mp.start_processes(_worker, args=(world, tmp, jobs, timeout), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise SymmemError(f"the {world}-process run did not finish within {timeout:g} s")
+        except mp.ProcessRaisedException as e:
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else "no message"
+            raise SymmemError(f"a rank of the {world}-process run failed: {last}") from None
+        except mp.ProcessExitedException as e:
+            raise SymmemError(f"a rank of the {world}-process run exited: {e}") from None
+        finally:
+            for p in ctx.processes:  # only the processes this call started
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        found = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                found.append([RankPeak(**r) for r in json.load(f)])
+    return [tuple(found[rank][i] for rank in range(world)) for i in range(len(jobs))]
+
+
+def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float) -> None:
+    """One rank: join the group, run every job, write its peaks to ``rank{rank}.json``."""
+    from datetime import timedelta
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # 127.0.0.1 only
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    try:
+        out = [_run_job(job, rank).__dict__ for job in jobs]
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}.json.part"), "w") as f:
+        json.dump(out, f)
+    os.replace(os.path.join(tmp, f"rank{rank}.json.part"), os.path.join(tmp, f"rank{rank}.json"))
+
+
+def _run_job(job: Job, rank: int) -> RankPeak:
+    """Wrap the reference in the engine and record ``job.steps`` steps."""
+    from unittest import mock
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from . import steps as steps_module
+    from .live_bytes import LiveTracker
+
+    module, inputs, target = _reference(job)
+    if job.engine in SHARDED:
+        return _run_sharded(job, rank, module, inputs, target)
+    wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view")
+    before: list[set[int]] = []
+
+    class Tracker(LiveTracker):
+        """The recorder, noting before it closes which storages were made before it started (``external``)."""
+
+        def trace(self, *args: Any, **kwargs: Any) -> Any:
+            before.append({s.sid for s in self.storages if "external" in s.labels})
+            return super().trace(*args, **kwargs)
+
+    # track_step builds its own recorder: this worker process swaps in the one that notes pre-existing memory
+    with mock.patch.object(steps_module, "LiveTracker", Tracker):
+        trace = steps_module.track_step(wrapped, inputs, loss="cross-entropy" if job.loss else "sum",
+                                        target=target, optimizer=job.optimizer, impl=job.impl, steps=job.steps,
+                                        keep_output=job.keep_logits)
+    return _peaks(trace, before[0], rank)
+
+
+def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], target: Any) -> RankPeak:
+    from .sharded import run_sharded
+
+    trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
+                        steps=job.steps, reshard=job.engine == "fsdp")
+    # storages first seen as an op's aliased output here are gloo's copies inside a collective (the reduce-scatter
+    # input, split on the way out): outside tensor accounting, as NCCL's buffers are on a GPU; left out
+    gloo = {s.sid for s in trace.storages if s.category == "external"}
+    return _peaks(trace, set(), rank, gloo)
+
+
+def _reference(job: Job) -> tuple[Any, tuple[Any, ...], Any]:
+    """The job's reference module, its inputs and the class targets of its loss (None: the module takes labels,
+    or the loss is the output's sum)."""
+    import torch
+
+    from ..reference import reference
+
+    module, inputs = reference(job.model, dict(job.numbers), dict(job.options))
+    target = None
+    if job.loss and not getattr(module, "takes_labels", False):
+        with torch.no_grad():
+            logits = module(*inputs)
+        target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]),
+                               generator=torch.Generator().manual_seed(0))
+        del logits
+    return module, inputs, target
+
+
+def _peaks(trace: Any, made_before: set[int], rank: int, left_out: set[int] = frozenset()) -> RankPeak:
+    """Per-step peaks with the storages made before recording counted from the start, and those ``left_out`` not
+    counted at all."""
+    extra = [(s.born, s.nbytes) for s in trace.storages if s.sid in made_before and s.born is not None]
+    out = [(s.born, len(trace.records) if s.died is None else s.died, s.nbytes) for s in trace.storages
+           if s.sid in left_out and s.born is not None]
+    per_step: dict[int, tuple[int, str]] = {}
+    for r in trace.records:
+        live = r.live + sum(n for born, n in extra if born > r.index)
+        live -= sum(n for born, died, n in out if born <= r.index < died)
+        if live > per_step.get(r.step, (-1, ""))[0]:
+            per_step[r.step] = (live, f"{r.phase} {r.where}".strip())
+    steady = max(range(2, trace.steps + 1), key=lambda s: per_step[s][0])
+    return RankPeak(rank, tuple(per_step[s][0] for s in range(1, trace.steps + 1)),
+                    trace.start.live + sum(n for _, n in extra), per_step[steady][1])
+
+
+def compare(derivation: Derivation, ranks: Sequence[RankPeak], steady_gap: int = 0) -> list[str]:
+    """Where the derivation's per-rank peaks differ from the measured ranks (empty: equal to the byte); a known
+    ``steady_gap`` (derived minus measured) is taken out of the steady peak first."""
+    want = {"first": derivation.value("peak_first_step"), "steady": derivation.value("peak") - steady_gap}
+    return [f"rank {r.rank} {which}: derived {v}, measured {getattr(r, which)} (at {r.where})"
+            for r in ranks for which, v in want.items() if getattr(r, which) != v]
+
+
+def summary(ranks: Sequence[RankPeak]) -> Mapping[str, Any]:
+    """The measured ranks as plain values (for docs and reports)."""
+    return {f"rank{r.rank}": {"first": r.first, "steady": r.steady, "start": r.start, "where": r.where}
+            for r in ranks}

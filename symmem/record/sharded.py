@@ -1,0 +1,151 @@
+"""One rank's training step under FSDP2 (``fully_shard``), recorded with the live-bytes recorder made to see what
+FSDP and DTensor do (used by :mod:`symmem.record.distributed` inside a worker process).
+
+What the plain recorder misses, and how this one sees it:
+
+* a ``DTensor`` parameter, gradient or optimizer state is a wrapper whose storage reports the *global* size and
+  holds no data: the local shard (``to_local()``) is what a rank holds, so that is what is registered and
+  labelled;
+* DTensor runs an op on its local tensors inside its own ``__torch_dispatch__``; a dispatch mode that handled the
+  DTensor op would hide them, so this recorder's mode declines every op on a tensor subclass (returns
+  ``NotImplemented``): the subclass runs it and its local ops come back through the mode, real storages and all
+  (funcol's ``AsyncCollectiveTensor`` likewise);
+* FSDP frees and re-allocates the unsharded parameters with ``untyped_storage().resize_()``, which is no ATen op:
+  ``UntypedStorage.resize_`` is wrapped while recording, and each call is an event that grows or shrinks a known
+  storage (one made before recording is registered when first resized).
+
+Needs ``torch`` with ``torch.distributed`` (imported lazily).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .live_bytes import LiveTracker
+
+
+def local(t: Any) -> Any:
+    """The tensor a rank holds: a DTensor's local shard, else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class ShardTracker(LiveTracker):
+    """A :class:`LiveTracker` whose mode lets tensor subclasses run their own ops, and that follows
+    ``UntypedStorage.resize_`` (see the module's docstring)."""
+
+    def __enter__(self) -> ShardTracker:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        if not self._started:
+            self.events.append(("boundary", 0, "start"))
+            self._started = True
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        observe = self.observe
+        plain = (torch.Tensor, torch.nn.Parameter)
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(issubclass(t, FakeTensor) for t in types):
+                    return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: no memory
+                if any(t not in plain for t in types):
+                    return NotImplemented  # the subclass runs it; its local ops come back here
+                out = func(*args, **(kwargs or {}))
+                observe(func, args, kwargs, out)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    @contextmanager
+    def resizes(self) -> Iterator[None]:
+        """Record every ``UntypedStorage.resize_`` inside as an event of the running phase."""
+        import torch
+
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: Any, size: int) -> Any:
+            out = original(storage, size)
+            tracker.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+    def resized(self, storage: Any) -> None:
+        import torch
+
+        sid = self.by_key.get(storage._cdata)
+        n = int(storage.nbytes())
+        born: tuple[int, ...] = ()
+        if sid is None:
+            if n == 0:
+                return
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # a handle to name the storage by, not an op of the step
+                t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            sid = self._new(t, storage, "storage.resize_", self.where, self.module)
+            born = (sid,)
+            changed: tuple[tuple[int, int], ...] = ()
+        else:
+            changed = ((sid, n),) if n != self.storages[sid].nbytes else ()
+            self.storages[sid].nbytes = n
+        self.events.append(("op", self.step, self.phase_name, "storage.resize_", self.where, self.module, born,
+                            changed))
+        self.ops += 1
+
+
+def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
+                steps: int, reshard: bool) -> Any:
+    """Shard ``module`` with FSDP2 (every block of a ``ModuleList``, or every child of a ``Sequential`` that has
+    parameters, then the root) and record ``steps`` steps; returns the :class:`StepTrace`."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from .optim import make_optimizer, state_tensors
+    from .steps import loss_value
+
+    blocks = [m for lst in module.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    if not blocks and isinstance(module, torch.nn.Sequential):
+        blocks = [m for m in module if any(True for _ in m.parameters())]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(module, reshard_after_forward=reshard)
+    module.train()
+    takes_labels = bool(getattr(module, "takes_labels", False)) and loss
+    if takes_labels and target is None:
+        classes = int(module.lm_head.out_features)
+        target = torch.randint(0, classes, tuple(inputs[0].shape), generator=torch.Generator().manual_seed(0))
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(params, optimizer, impl)
+    tracker = ShardTracker()
+    tracker.register([local(p) for p in params], "parameter")
+    tracker.register([local(b) for b in module.buffers()], "buffer")
+    tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
+    with tracker.resizes(), tracker:
+        for step in range(1, steps + 1):
+            with tracker.phase(step, "forward"), tracker.saving():
+                out = module(*inputs, target) if takes_labels else module(*inputs)
+            with tracker.phase(step, "loss"), tracker.saving():
+                value = out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
+                out = None
+            with tracker.phase(step, "backward"):
+                value.backward()
+                tracker.label([local(p.grad) for p in params if p.grad is not None], "gradient")
+                del value
+            with tracker.phase(step, "step"):
+                opt.step()
+                tracker.label([local(t) for t in state_tensors(opt)], "optimizer_state")
+            with tracker.phase(step, "zero_grad"):
+                opt.zero_grad(set_to_none=True)
+    return tracker.trace(steps)

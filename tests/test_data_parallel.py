@@ -1,0 +1,151 @@
+"""Data-parallel engines against real ``torch.distributed`` runs: each rank's peak, derived per rank, equals the
+live bytes measured inside that rank of a real gloo run on the CPU (symmem.record.distributed), to the byte.
+
+One spawn of two processes runs every case in turn (the cost is the workers' ``import torch``, paid once), inside
+one test, so that pytest-xdist never splits it into two spawns; the ranks meet through a file store in a temporary
+directory, so parallel test workers cannot collide on a port.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():  # pragma: no cover - a torch built without distributed
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from symmem import derive  # noqa: E402
+from symmem.cli import main  # noqa: E402
+from symmem.errors import SymmemError  # noqa: E402
+from symmem.record.distributed import Job, compare, job_of, measure_jobs, measure_ranks  # noqa: E402
+
+TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
+GPT = {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}
+#: (model, values, keywords): the MLP peaks in the optimizer step, GPT-2 and Llama in backward under the bucket
+#: view (the buckets hold every gradient from the start) and in the step under plain DDP
+MODELS = [
+    ("mlp", {"B": 4}, {"widths": "64,128,128,10", "loss": "cross-entropy"}),
+    ("gpt2", {**TINY_GPT, "B": 2}, GPT),
+    ("llama", {**TINY_GPT, "B": 2, "G": 2, "F": 128}, {"attention": "sdpa", "loss": "cross-entropy"}),
+]
+ENGINES = ("ddp", "ddp-bucket-view")
+#: Derived minus measured steady peak where they differ (docs/regimes.md, "Data parallel", known gaps): Llama's
+#: bucket-view peak is the cross-entropy's backward, where the simulated step frees the NLL's saved target and
+#: total weight (B*S*8 + 4 bytes) after the whole loss's backward; NllLossBackward0 frees them before
+#: LogSoftmaxBackward0 allocates.  A single device never peaks there, so only this engine shows it.
+KNOWN_GAPS = {("llama", "ddp-bucket-view"): 2 * 32 * 8 + 4}
+
+
+def _derive(name, values, kw, engine, **more):
+    return derive(name, convention="pytorch", device="cpu", optimizer="adamw", values=values, data_parallel=engine,
+                  **kw, **more)
+
+
+#: FSDP2 (measured, not modelled yet): an MLP whose first layer has 127 rows, which fully_shard pads to 128
+FSDP_WIDTHS = (64, 127, 10)
+FSDP_JOB = Job("mlp", (("B", 4),), (("widths", ",".join(map(str, FSDP_WIDTHS))),), "fsdp", "adamw", "for-loop",
+               True, False, 3)
+
+
+def test_every_rank_peak_equals_a_real_gloo_run():
+    cases = [(name, engine, _derive(name, values, kw, engine)) for name, values, kw in MODELS for engine in ENGINES]
+    *measured, fsdp = measure_jobs([*(job_of(d) for _, _, d in cases), FSDP_JOB], world=2, timeout=150)
+    _check_fsdp_shards(fsdp)
+    wrong = []
+    for (name, engine, d), ranks in zip(cases, measured, strict=True):
+        assert len(ranks) == 2
+        gap = KNOWN_GAPS.get((name, engine), 0)
+        wrong += [f"{name} {engine}: {w}" for w in compare(d, ranks, steady_gap=gap)]
+        # the buckets exist before the first op: weights and buckets, 4 bytes per parameter each, beside the batch
+        psi = d.evaluate(d.parameters)
+        wrong += [f"{name} {engine} rank {r.rank}: start {r.start} < {8 * psi}" for r in ranks if r.start < 8 * psi]
+        wrong += [f"{name} {engine}: ranks start apart" for r in ranks if r.start != ranks[0].start]
+    assert not wrong, "\n".join(wrong)
+
+
+def _check_fsdp_shards(ranks):
+    """FSDP2's shards by hand: each parameter's dim 0 padded to a multiple of N and split evenly, every rank's
+    storage the padded shard; the optimizer state (two FP32 moments) follows the unpadded rows, so the last rank,
+    whose shard holds the padding, keeps less."""
+    n = len(ranks)
+    shapes = [s for a, b in zip(FSDP_WIDTHS, FSDP_WIDTHS[1:], strict=False) for s in ((b, a), (b,))]
+    rows = [-(-s[0] // n) for s in shapes]  # rows per rank, padded
+    rest = [s[1] if len(s) > 1 else 1 for s in shapes]
+    batch = 4 * FSDP_WIDTHS[0] * 4 + 4 * 8  # the batch and its int64 targets
+    assert [r.start for r in ranks] == [4 * sum(k * m for k, m in zip(rows, rest, strict=True)) + batch] * n
+    held = [sum(max(0, min(k, s[0] - r * k)) * m for k, m, s in zip(rows, rest, shapes, strict=True)) for r in range(n)]
+    assert ranks[0].steady - ranks[-1].steady == 2 * 4 * (held[0] - held[-1]) == 520
+
+
+def test_what_each_engine_adds_to_one_device():
+    """A hand count: DDP's buckets are one more copy of the gradients, live the whole step; under the bucket view
+    the gradients are the buckets, so the optimizer step (where every gradient is alive anyway) is one device's."""
+    name, values, kw = MODELS[0]
+    one, ddp, view = (_derive(name, values, kw, e) for e in (None, *ENGINES))
+    psi = one.evaluate(one.parameters)
+    assert ddp.value("total") - one.value("total") == 4 * psi
+    assert view.value("total") == one.value("total")
+    assert ddp.value("peak") - one.value("peak") == 4 * psi
+    assert one.peak_at().phase == view.peak_at().phase == "step" and view.value("peak") == one.value("peak")
+    # GPT-2's bucket-view peak is in backward: every gradient's bytes are live there, not only those made so far
+    name, values, kw = MODELS[1]
+    one, view = _derive(name, values, kw, None), _derive(name, values, kw, "ddp-bucket-view")
+    assert view.peak_at().phase == "backward" and view.value("peak") > one.value("peak")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"data_parallel": "horovod"}, "unknown data-parallel engine 'horovod'; known: ddp, ddp-bucket-view, "),
+    ({"data_parallel": "fsdp"}, "data-parallel engine 'fsdp' is not modelled yet"),
+    ({"data_parallel": "ddp", "zero": 2}, "data_parallel='ddp' is an engine and zero=2 the papers' accounting"),
+    ({"data_parallel": "ddp", "tensor_parallel": True}, "with tensor or pipeline parallelism is not modelled"),
+    ({"data_parallel": ["ddp"]}, "unknown data-parallel engine ['ddp']"),
+])
+def test_bad_engines_are_one_line_errors(kw, message):
+    with pytest.raises(SymmemError) as e:
+        derive("mlp", convention="pytorch", device="cpu", **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_world_size_and_engine_checked_before_spawning():
+    d = derive("mlp", convention="pytorch", device="cpu", values={"B": 2})
+    with pytest.raises(SymmemError, match="measure_ranks runs the data-parallel engines"):
+        measure_ranks([d])
+    d = _derive(*MODELS[0], "ddp")
+    for world in (0, -1, True, 1.5):
+        with pytest.raises(SymmemError, match="the world size is a positive integer"):
+            measure_ranks([d], world=world)
+
+
+def test_cli_engine_option(capsys):
+    run = ["derive", "mlp", "--convention", "pytorch", "--device", "cpu", "--set", "B=4", "--set", "N=8"]
+    assert main([*run, "--data-parallel", "ddp", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["regime"]["data_parallel"] == "ddp" and out["values"]["peak"] == derive(
+        "mlp", convention="pytorch", device="cpu", values={"B": 4, "N": 8}, data_parallel="ddp").value("peak")
+    assert main([*run, "--data-parallel", "ddp", "--zero", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: data_parallel='ddp' is an engine and zero=3") and err.count("\n") == 1
+
+
+def test_fit_under_an_engine(capsys):
+    """The largest per-rank batch that fits: DDP's buckets (4 bytes per parameter) leave less room than one
+    device has, and the answer is the largest B whose derived per-rank peak fits."""
+    run = ["fit", "gpt2", "--convention", "pytorch", "--budget", "4GiB", "--set", "S=256", "--set", "N=8"]
+    assert main([*run, "--data-parallel", "ddp"]) == 0
+    text = capsys.readouterr().out
+    b = int(text.split("largest B = ")[1].split()[0])
+    peak = [derive("gpt2", convention="pytorch", values={"S": 256, "N": 8, "B": n}, data_parallel="ddp").value("peak")
+            for n in (b, b + 1)]
+    assert peak[0] <= 4 * 2**30 < peak[1]
+
+
+def test_traced_module_refuses_the_peak():
+    from symmem import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    d = trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="ddp")
+    with pytest.raises(SymmemError, match="modelled for built-in models; a traced module's step is not yet"):
+        d.value("peak")
