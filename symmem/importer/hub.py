@@ -138,20 +138,50 @@ def config_file(repo_id: str) -> Path:
         raise SymmemError(f"hf:{repo_id}: its config.json is not in the Hugging Face cache ({shown}) and "
                           "HF_HUB_OFFLINE is set: set HF_HUB_OFFLINE=0 to fetch it, or download its config.json and "
                           "pass the path (hf:path/to/config.json)")
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    unreachable = (f"hf:{repo_id}: its config.json is not in the Hugging Face cache ({shown}) and the Hub "
+                   f"({endpoint}) cannot be reached")
+    way_out = "download its config.json and pass the path (hf:path/to/config.json)"
+    why = _unreachable(endpoint)
+    if why is not None:  # at once: huggingface_hub retries a refused connection for half a minute
+        raise SymmemError(f"{unreachable} ({why}): {way_out}")
     try:
-        return Path(hf_hub_download(repo_id, "config.json", cache_dir=where,
-                                    endpoint=os.environ.get("HF_ENDPOINT") or None))
+        return Path(hf_hub_download(repo_id, "config.json", cache_dir=where, endpoint=endpoint))
+    except errors.LocalEntryNotFoundError as exc:  # the Hub did not answer (a subclass of EntryNotFoundError)
+        raise SymmemError(f"{unreachable} ({_first_line(exc)}): {way_out}") from None
     except errors.GatedRepoError:
         raise SymmemError(f"hf:{repo_id}: the repository is gated; accept its terms on the Hub and log in "
-                          "(hf auth login), or download its config.json and pass the path") from None
+                          f"(hf auth login), or {way_out}") from None
     except errors.RepositoryNotFoundError:
         raise SymmemError(f"hf:{repo_id}: no such repository on the Hub (or it is private: log in with hf auth "
                           "login); check the id, e.g. hf:openai-community/gpt2") from None
-    except (errors.EntryNotFoundError, errors.RemoteEntryNotFoundError):
+    except errors.EntryNotFoundError:
         raise SymmemError(f"hf:{repo_id}: the repository has no config.json (not a transformers model)") from None
     except Exception as exc:
-        raise SymmemError(f"hf:{repo_id}: its config.json is not in the Hugging Face cache ({shown}) and the Hub "
-                          f"cannot be reached ({type(exc).__name__}): download its config.json and pass the path "
-                          "(hf:path/to/config.json)") from None
+        raise SymmemError(f"{unreachable} ({type(exc).__name__}: {_first_line(exc)}): {way_out}") from None
+
+
+def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+    """Why a connection to ``endpoint`` cannot be opened (no network, an unknown host, a refused port), or None."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return None  # through a proxy: only the request itself can tell
+    parts = urlsplit(endpoint)
+    if not parts.hostname:
+        return f"HF_ENDPOINT {endpoint!r} names no host"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
