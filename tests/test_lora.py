@@ -32,13 +32,13 @@ VARIANTS = {"fp32": (torch.float32, "none"), "bf16-base": (torch.bfloat16, "none
                                                                                                   "full")}
 
 
-def lora_llama(dtype: torch.dtype = torch.float32):
+def lora_llama(dtype: torch.dtype = torch.float32, dropout: float = 0.1):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=dropout)
     return peft.get_peft_model(base, config)
 
 
@@ -102,6 +102,44 @@ def test_the_peak_is_a_real_steps(traced):
     with checkpointed(model, children if checkpoint == "full" else []):
         real = track_step(LM(model), (x, x.clone()), loss=lambda out: out.loss, optimizer="adamw", keep_output=False)
     assert (d.value("peak_first_step"), d.value("peak")) == (real.first.bytes, real.steady.bytes)
+
+
+TINY = [f"--config={k}={v}" for k, v in (("num_hidden_layers", 2), ("hidden_size", 32), ("intermediate_size", 64),
+                                         ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 96),
+                                         ("max_position_embeddings", 64))]
+
+
+def test_the_command_line_fine_tunes_with_lora(capsys):
+    """``symmem trace hf:llama --lora ...``: the same parameter side and peak as PyTorch's own step of that model."""
+    import json
+
+    from symmem.cli import main
+
+    assert main(["trace", "hf:llama", *TINY, "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--dims", "B,S",
+                 "--loss", "cross-entropy", "--optimizer", "adamw", "--set", "B=3", "--set", "S=5",
+                 "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert "LoRA (r=4, lora_alpha=8, target_modules=['q_proj', 'v_proj']): 896 trainable of 25,632" in err
+    values = json.loads(out)["values"]
+    held, trainable = held_after_a_real_step(lora_llama(dropout=0.0))  # peft's default dropout: none
+    assert (values["parameters"], values["parameter_memory"]) == (trainable, held)
+    x = ids(AT["B"], AT["S"], seed=1)
+    real = track_step(LM(lora_llama(dropout=0.0)), (x, x.clone()), loss=lambda out: out.loss, optimizer="adamw",
+                      keep_output=False)
+    assert (values["peak_first_step"], values["peak"]) == (real.first.bytes, real.steady.bytes)
+
+
+@pytest.mark.parametrize("lora, says", [("rank=8", "--lora rank=8: unknown key 'rank'; the keys are r, alpha"),
+                                        ("alpha=16", "give the rank, e.g. --lora r=8"),
+                                        ("r=0", "the rank r is a positive whole number"),
+                                        ("r=4,dropout=1.5", "dropout is a probability in [0, 1)"),
+                                        ("r=4,targets=nope", "Target modules {'nope'} not found")])
+def test_a_bad_lora_is_one_line(capsys, lora, says):
+    from symmem.cli import main
+
+    assert main(["trace", "hf:llama", *TINY, "--lora", lora, "--dims", "B,S"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("symmem: error: ") and err.count("\n") == 1 and says in err, err
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "fine-tuning.md"

@@ -168,6 +168,81 @@ def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
+#: ``--lora`` keys: the name users write -> peft.LoraConfig's keyword
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
+_MODULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
+
+
+def parse_lora(text: str | None) -> dict[str, Any] | None:
+    """``--lora r=8,alpha=16,targets=q_proj,v_proj`` (``dropout=0.05`` too) as ``peft.LoraConfig``'s keywords: a
+    part without ``=`` continues the targets; targets left out are peft's defaults for the model type.
+
+    >>> parse_lora("r=8,alpha=16,targets=q_proj,v_proj")
+    {'r': 8, 'lora_alpha': 16, 'target_modules': ['q_proj', 'v_proj']}
+    >>> parse_lora("rank=8")
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: --lora rank=8: unknown key 'rank'; the keys are r, alpha, dropout, targets
+    """
+    if text is None:
+        return None
+    out: dict[str, Any] = {}
+    key = None
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep and key == "target_modules" and _MODULE_NAME.match(part):
+            out[key].append(part)
+            continue
+        name, value = name.strip(), value.strip()
+        if not sep or name not in LORA_KEYS:
+            why = f"unknown key {name!r}" if sep else f"{part!r} is not KEY=VALUE"
+            raise SymmemError(f"--lora {part}: {why}; the keys are {', '.join(LORA_KEYS)}")
+        key = LORA_KEYS[name]
+        if key == "target_modules":
+            if not _MODULE_NAME.match(value):
+                raise SymmemError(f"--lora {part}: {value!r} is not a module name (e.g. targets=q_proj,v_proj)")
+            out[key] = [value]
+        elif key == "r":
+            number = _whole(value, f"--lora {part}", 2**20)
+            if not number:
+                raise SymmemError(f"--lora {part}: the rank r is a positive whole number, e.g. r=8")
+            out[key] = number
+        else:
+            number = parse_value(value)
+            if isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(number) \
+                    or number < 0 or (key == "lora_dropout" and number >= 1):
+                what = "a probability in [0, 1)" if key == "lora_dropout" else "a number >= 0"
+                raise SymmemError(f"--lora {part}: {name} is {what}")
+            out[key] = number
+    if "r" not in out:
+        raise SymmemError(f"--lora {text}: give the rank, e.g. --lora r=8,alpha=16,targets=q_proj,v_proj")
+    return out
+
+
+def with_lora(loaded: Loaded, lora: dict[str, Any] | None) -> Loaded:
+    """The loaded module wrapped by ``peft.get_peft_model`` with ``LoraConfig(**lora)`` (in place: its weights
+    frozen, adapters added, on the weights' device); unchanged for None.  The adapters are then the only trainable
+    parameters (:func:`symmem.trace` counts the frozen weights as weights alone)."""
+    if lora is None:
+        return loaded
+    try:
+        import peft
+    except Exception as exc:
+        raise SymmemError(f"--lora: peft is not importable here ({type(exc).__name__}: {_first_line(exc)}); "
+                          "pip install peft==0.21.2") from None
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # peft 0.21 asks transformers 5.23 a deprecated question (FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            model = peft.get_peft_model(loaded.module, peft.LoraConfig(**lora))
+    except Exception as exc:
+        raise SymmemError(f"--lora: peft cannot wrap {loaded.spec}: {type(exc).__name__}: {_first_line(exc)}"
+                          ) from None
+    trainable, total = model.get_nb_trainable_parameters()
+    note = f"LoRA ({', '.join(f'{k}={v}' for k, v in lora.items())}): {trainable:,} trainable of {total:,} parameters"
+    return replace(loaded, module=model, notes=(*loaded.notes, note), extra={**loaded.extra, "lora": dict(lora)})
+
+
 def _whole(text: str, what: str, limit: int) -> int | None:
     """``text`` as a whole number in 0..``limit``, or None when it is not one; a number over ``limit`` is an
     error naming ``what`` (its digits are counted first: Python refuses to convert more than 4300 of them)."""
