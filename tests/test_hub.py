@@ -153,9 +153,14 @@ def test_a_config_in_another_dtype_builds_in_it_and_says_so(tmp_path, offline):
     assert {p.dtype for p in fp32.module.parameters()} == {torch.float32}
 
 
-def test_the_forms_of_hf_targets():
+def test_the_forms_of_hf_targets(tmp_path, monkeypatch):
     assert [hub.kind_of(t) for t in ("gpt2", "openai-community/gpt2", "a/b/config.json", "./m", "x.json")] == [
         "model type", "hub", "path", "path", "path"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt2").mkdir()  # a directory named like a model type, without a config.json: not a model
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text(json.dumps(BART))
+    assert [hub.kind_of(t) for t in ("gpt2", "mine", "gpt2/")] == ["model type", "path", "path"]
 
 
 def errors_of(tmp_path):

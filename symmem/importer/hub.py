@@ -2,8 +2,9 @@
 
 ``hf:TARGET`` is read as (first match wins):
 
-- a local directory holding a ``config.json`` (``hf:./my-model``), or the path of a JSON file
-  (``hf:path/to/config.json``): its keys, read as JSON (never evaluated);
+- a local directory holding a ``config.json`` (``hf:./my-model``; a directory given with a ``/`` in its path
+  must hold one), or the path of a JSON file (``hf:path/to/config.json``): its keys, read as JSON (never
+  evaluated);
 - a path that is not there (it ends in ``.json``, starts with ``.``, ``/`` or ``~``, or has more than one ``/``):
   an error naming it;
 - a Hub id ``org/name`` (``hf:openai-community/gpt2``): its ``config.json`` from the local Hugging Face cache
@@ -49,8 +50,9 @@ class HubConfig:
 def kind_of(target: str) -> str:
     """``path``, ``hub`` or ``model type``: how ``hf:TARGET`` is read (module docstring)."""
     path = Path(target).expanduser()
-    if path.exists() or target.endswith(".json") or target.startswith((".", "/", "~", "\\")) \
-            or target.count("/") > 1 or "\\" in target:
+    if path.is_file() or (path.is_dir() and ("/" in target or (path / "config.json").is_file())):
+        return "path"  # a directory named like a model type (gpt2/) without a config.json is not one
+    if target.endswith(".json") or target.startswith((".", "/", "~")) or target.count("/") > 1 or "\\" in target:
         return "path"
     return "hub" if "/" in target else "model type"
 
