@@ -316,6 +316,9 @@ def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
                         "domain says so)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the real forward at the example sizes that checks the formula")
+    p.add_argument("--lora", default=None, metavar="r=8,alpha=16,targets=q_proj,v_proj",
+                   help="fine-tune with LoRA adapters (peft): the weights frozen, the adapters the only trainable "
+                        "parameters; targets default to peft's for the model type (docs/fine-tuning.md)")
 
 
 def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[Any, Any, Any]:
@@ -330,6 +333,7 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     derive_options.update(autocast_from_args(args))
     loaded = sources.load(args.spec, config=sources.parse_config(args.config), loss=hf_loss, inputs=args.example)
     loaded = loaded.to(args.device or "cpu")  # traced for a device, checked and measured there
+    loaded = sources.with_lora(loaded, sources.parse_lora(getattr(args, "lora", None)))
     for note in loaded.notes:
         import sys
 

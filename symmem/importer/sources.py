@@ -6,14 +6,19 @@
   ``torch.nn.Module``, or a ``(module, example_inputs)`` pair.  A module alone needs its example inputs from
   ``--example 2x3x32x32`` (float) or ``--example 2x8:int64`` (zeros).  A path is imported from that file with
   :mod:`importlib`; a dotted name with :func:`importlib.import_module`.  The text is never evaluated.
-- ``hf:MODEL_TYPE``: the defaults of that ``transformers`` config class
-  (``transformers.AutoConfig.for_model(model_type)``), overridden by ``--config key=value``.  Text models are
-  built as the causal LM where transformers has one and the model type has no masked-LM head (``gpt2``,
-  ``llama``: ``AutoModelForCausalLM``), else as the base model (``bert``: ``BertModel`` with its pooler);
-  vision models (a config with ``image_size`` and ``num_channels``) as the image classifier (``vit``:
-  ``ViTForImageClassification``).  Text models get ``input_ids`` (batch 2, 8 tokens), vision ones
-  ``pixel_values`` (batch 2, the config's image size); a causal LM traced with a loss also gets ``labels``
-  (the model computes its own loss).  ``--config attn_implementation=eager`` picks the attention code.
+- ``hf:MODEL_TYPE``, ``hf:org/name``, ``hf:path/to/dir`` or ``hf:path/to/config.json``: a ``transformers``
+  config -- the defaults of the config class of a model type (``transformers.AutoConfig.for_model``), or the
+  keys of a ``config.json``: a Hub id's from the local Hugging Face cache, else fetched (that file alone, never
+  weights; refused offline), a local directory's or the file given (:mod:`symmem.importer.hub`) -- overridden by
+  ``--config key=value``.  Text models are built as the causal LM where transformers has one and the model type
+  has no masked-LM head (``gpt2``, ``llama``: ``AutoModelForCausalLM``), encoder-decoders as the
+  sequence-to-sequence LM (``t5``, ``bart``: ``AutoModelForSeq2SeqLM``), else as the base model (``bert``:
+  ``BertModel`` with its pooler); vision models (a config with ``image_size`` and ``num_channels``) as the image
+  classifier (``vit``: ``ViTForImageClassification``).  Text models get ``input_ids`` (batch 2, 8 tokens),
+  encoder-decoders also ``decoder_input_ids`` of the same shape, vision ones ``pixel_values`` (batch 2, the
+  config's image size); a causal or sequence-to-sequence LM traced with a loss also gets ``labels`` (the model
+  computes its own loss).  ``--config attn_implementation=eager`` picks the attention code.  The weights take
+  the config's dtype, as ``from_config`` gives them (a Hub config's ``torch_dtype``; a note says so).
   A model with more than :data:`REAL_WEIGHTS_MAX` parameters is built on the ``meta`` device: no weights are
   allocated, and the trace runs without its check forward (a note says so).
 - ``torchvision:NAME`` / ``timm:NAME``: ``torchvision.models.get_model(NAME)`` /
@@ -21,9 +26,9 @@
 
 Declared sizes (``--dims``): ``B,S`` gives each symbol its conventional position on the first tensor input --
 ``B`` dimension 0; tokens ``S`` dimension 1; images ``C`` 1, ``Hi`` 2, ``Wi`` 3 -- and on the inputs built
-with the same layout (the ``labels`` of ``hf:`` causal LMs); ``B=input_ids:0,S=input_ids:1`` names the
-(input, dimension) pairs itself (an input by keyword or by position, ``B=0:0``; a symbol may be named more
-than once).
+with the same layout (the ``labels`` and ``decoder_input_ids`` of ``hf:`` language models);
+``B=input_ids:0,S=input_ids:1`` names the (input, dimension) pairs itself (an input by keyword or by position,
+``B=0:0``; a symbol may be named more than once).
 
 >>> parse_value("12"), parse_value("0.1"), parse_value("true"), parse_value("eager")
 (12, 0.1, True, 'eager')
@@ -163,6 +168,81 @@ def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
+#: ``--lora`` keys: the name users write -> peft.LoraConfig's keyword
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
+_MODULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
+
+
+def parse_lora(text: str | None) -> dict[str, Any] | None:
+    """``--lora r=8,alpha=16,targets=q_proj,v_proj`` (``dropout=0.05`` too) as ``peft.LoraConfig``'s keywords: a
+    part without ``=`` continues the targets; targets left out are peft's defaults for the model type.
+
+    >>> parse_lora("r=8,alpha=16,targets=q_proj,v_proj")
+    {'r': 8, 'lora_alpha': 16, 'target_modules': ['q_proj', 'v_proj']}
+    >>> parse_lora("rank=8")
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: --lora rank=8: unknown key 'rank'; the keys are r, alpha, dropout, targets
+    """
+    if text is None:
+        return None
+    out: dict[str, Any] = {}
+    key = None
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep and key == "target_modules" and _MODULE_NAME.match(part):
+            out[key].append(part)
+            continue
+        name, value = name.strip(), value.strip()
+        if not sep or name not in LORA_KEYS:
+            why = f"unknown key {name!r}" if sep else f"{part!r} is not KEY=VALUE"
+            raise SymmemError(f"--lora {part}: {why}; the keys are {', '.join(LORA_KEYS)}")
+        key = LORA_KEYS[name]
+        if key == "target_modules":
+            if not _MODULE_NAME.match(value):
+                raise SymmemError(f"--lora {part}: {value!r} is not a module name (e.g. targets=q_proj,v_proj)")
+            out[key] = [value]
+        elif key == "r":
+            number = _whole(value, f"--lora {part}", 2**20)
+            if not number:
+                raise SymmemError(f"--lora {part}: the rank r is a positive whole number, e.g. r=8")
+            out[key] = number
+        else:
+            number = parse_value(value)
+            if isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(number) \
+                    or number < 0 or (key == "lora_dropout" and number >= 1):
+                what = "a probability in [0, 1)" if key == "lora_dropout" else "a number >= 0"
+                raise SymmemError(f"--lora {part}: {name} is {what}")
+            out[key] = number
+    if "r" not in out:
+        raise SymmemError(f"--lora {text}: give the rank, e.g. --lora r=8,alpha=16,targets=q_proj,v_proj")
+    return out
+
+
+def with_lora(loaded: Loaded, lora: dict[str, Any] | None) -> Loaded:
+    """The loaded module wrapped by ``peft.get_peft_model`` with ``LoraConfig(**lora)`` (in place: its weights
+    frozen, adapters added, on the weights' device); unchanged for None.  The adapters are then the only trainable
+    parameters (:func:`symmem.trace` counts the frozen weights as weights alone)."""
+    if lora is None:
+        return loaded
+    try:
+        import peft
+    except Exception as exc:
+        raise SymmemError(f"--lora: peft is not importable here ({type(exc).__name__}: {_first_line(exc)}); "
+                          "pip install peft==0.21.2") from None
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # peft 0.21 asks transformers 5.23 a deprecated question (FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            model = peft.get_peft_model(loaded.module, peft.LoraConfig(**lora))
+    except Exception as exc:
+        raise SymmemError(f"--lora: peft cannot wrap {loaded.spec}: {type(exc).__name__}: {_first_line(exc)}"
+                          ) from None
+    trainable, total = model.get_nb_trainable_parameters()
+    note = f"LoRA ({', '.join(f'{k}={v}' for k, v in lora.items())}): {trainable:,} trainable of {total:,} parameters"
+    return replace(loaded, module=model, notes=(*loaded.notes, note), extra={**loaded.extra, "lora": dict(lora)})
+
+
 def _whole(text: str, what: str, limit: int) -> int | None:
     """``text`` as a whole number in 0..``limit``, or None when it is not one; a number over ``limit`` is an
     error naming ``what`` (its digits are counted first: Python refuses to convert more than 4300 of them)."""
@@ -263,10 +343,10 @@ def load(spec: str, *, config: dict[str, Any] | None = None, loss: str | None = 
         raise SymmemError("tracing runs PyTorch, which is not installed: pip install torch==2.13.0") from None
     if not isinstance(spec, str) or ":" not in spec:
         raise SymmemError(f"unknown SPEC {spec!r}: expected package.module:callable, path/to/file.py:callable, "
-                          "hf:MODEL_TYPE, torchvision:NAME or timm:NAME")
+                          "hf:MODEL_TYPE (or hf:org/name, hf:path/to/config.json), torchvision:NAME or timm:NAME")
     prefix, _, rest = spec.partition(":")
     if config and prefix != "hf":
-        raise SymmemError("--config sets keys of a transformers config: it applies to hf:MODEL_TYPE only")
+        raise SymmemError("--config sets keys of a transformers config: it applies to hf: models only")
     if prefix == "hf":
         if inputs:
             raise SymmemError("--example gives example inputs to a callable that returns a module alone; hf: models "
@@ -426,56 +506,91 @@ def _quiet_transformers(transformers: Any) -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def _hf(spec: str, model_type: str, config: dict[str, Any], loss: str | None) -> Loaded:
-    import torch
-
+def _transformers(spec: str) -> Any:
     try:
         import transformers
-        from transformers.models.auto import modeling_auto
     except Exception as exc:
         raise SymmemError(f"{spec}: transformers is not importable here ({type(exc).__name__}: "
                           f"{_first_line(exc)}); pip install transformers==5.23.0") from None
+    return transformers
+
+
+def _hf_config(transformers: Any, found: Any, overrides: dict[str, Any]) -> Any:
+    """The transformers config: the class's defaults (a model type) or the file's keys, then ``--config``."""
+    model_type, where = found.model_type, found.target
     known = list(transformers.CONFIG_MAPPING.keys())
     if model_type not in known:
         close = difflib.get_close_matches(model_type, known, n=4)
         hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. gpt2, bert, llama, vit"
-        raise SymmemError(f"unknown model type {model_type!r} for transformers {transformers.__version__}{hint}")
-    overrides = dict(config)
-    attn = overrides.pop("attn_implementation", None)
+        hub = "" if found.origin != "model type" else " (a Hub id is org/name: hf:openai-community/gpt2)"
+        of = "" if found.origin == "model type" else f" (the model_type of {found.origin})"
+        raise SymmemError(f"unknown model type {model_type!r}{of} for transformers {transformers.__version__}{hint}"
+                          f"{hub}")
+    cls = transformers.CONFIG_MAPPING[model_type]
     with _quiet_transformers(transformers):
-        default = transformers.AutoConfig.for_model(model_type)
+        try:
+            default = cls(**found.values)
+        except Exception as exc:
+            raise SymmemError(f"hf:{where}: transformers' {cls.__name__} refuses the keys of {found.origin}: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from None
         for key in overrides:
             if not hasattr(default, key):
                 keys = sorted(k for k in default.to_dict() if not k.startswith("_"))
                 close = difflib.get_close_matches(key, keys, n=3)
                 hint = f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(keys[:20])} …"
-                raise SymmemError(f"--config {key}: the {model_type} config ({type(default).__name__}) has no key "
+                raise SymmemError(f"--config {key}: the {model_type} config ({cls.__name__}) has no key "
                                   f"{key!r}; {hint}")
-        try:
-            cfg = transformers.AutoConfig.for_model(model_type, **overrides)
+        if not overrides:
+            return default
+        try:  # given to the class, as the file's keys are: values derived from them (head_dim) follow
+            return cls(**{**found.values, **overrides})
         except Exception as exc:
             raise SymmemError(f"--config: the {model_type} config refuses {overrides}: {_first_line(exc)}") from None
+
+
+def _hf_class(transformers: Any, model_type: str, cfg: Any) -> tuple[str, Any]:
+    """How the model is built: ``vision``, ``seq2seq`` (encoder-decoder), ``causal`` or ``base``, and its auto
+    class."""
+    from transformers.models.auto import modeling_auto
+
+    vision = hasattr(cfg, "image_size") and hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
+    if vision and model_type in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return "vision", transformers.AutoModelForImageClassification
+    if vision:
+        return "vision", transformers.AutoModel
+    seq2seq = modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    if getattr(cfg, "is_encoder_decoder", False) and model_type in seq2seq:
+        return "seq2seq", transformers.AutoModelForSeq2SeqLM
+    if (model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return "causal", transformers.AutoModelForCausalLM
+    return "base", transformers.AutoModel
+
+
+def _hf(spec: str, target: str, config: dict[str, Any], loss: str | None) -> Loaded:
+    import torch
+
+    from .hub import locate
+
+    transformers = _transformers(spec)
+    found = locate(target)
+    overrides = dict(config)
+    attn = overrides.pop("attn_implementation", None)
+    cfg = _hf_config(transformers, found, overrides)
+    model_type = found.model_type
     layers = getattr(cfg, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > MAX_TRACED_LAYERS:
         # each layer is built and traced (about 0.15 s a layer for GPT-2), yet the formula has them as L
-        raise SymmemError(f"hf:{model_type} with {layers:,} layers would take minutes to build and trace; trace "
+        raise SymmemError(f"hf:{target} with {layers:,} layers would take minutes to build and trace; trace "
                           f"it with a few (--config num_hidden_layers=2): the layers that repeat stay symbolic "
                           f"(L), and --set L={layers} evaluates the formula at {layers:,} (at most "
                           f"{MAX_TRACED_LAYERS} layers are traced)")
-    vision = hasattr(cfg, "image_size") and hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
-    causal = (not vision and model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-              and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-    if vision and model_type in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
-        auto = transformers.AutoModelForImageClassification
-    elif causal:
-        auto = transformers.AutoModelForCausalLM
-    else:
-        auto = transformers.AutoModel
-    if loss is not None and not causal:
-        raise SymmemError(f"--loss {loss}: hf:{model_type} is built with {auto.__name__}, not as a causal language "
-                          "model; only causal LMs compute their loss from labels here")
+    kind, auto = _hf_class(transformers, model_type, cfg)
+    if loss is not None and kind not in ("causal", "seq2seq"):
+        raise SymmemError(f"--loss {loss}: hf:{target} is built with {auto.__name__}, not as a causal language "
+                          "model nor a sequence-to-sequence one; only those compute their loss from labels here")
     kwargs = {"attn_implementation": attn} if attn is not None else {}
-    notes = []
+    notes = [] if found.origin == "model type" else [f"config: {found.origin}"]
     with _quiet_transformers(transformers):
         try:
             with torch.device("meta"):
@@ -490,29 +605,44 @@ def _hf(spec: str, model_type: str, config: dict[str, Any], loss: str | None) ->
         except Exception as exc:
             raise SymmemError(f"{spec}: transformers cannot build {auto.__name__}.from_config: "
                               f"{type(exc).__name__}: {_first_line(exc)}") from None
+    dtypes = {p.dtype for p in module.parameters()}
+    if dtypes and dtypes != {torch.float32}:
+        # from_config builds in the config's dtype (a Hub config's "torch_dtype"), as transformers does
+        notes.append(f"built in {', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}, the config's "
+                     "dtype (--config dtype=float32 for FP32 weights)")
+    example, follow = _hf_inputs(target, kind, cfg, loss)
+    return Loaded(spec, module, example, follow, tuple(notes), loss if kind != "vision" else None,
+                  {"config": cfg, "class": type(module).__name__, "origin": found.origin})
+
+
+def _hf_inputs(target: str, kind: str, cfg: Any, loss: str | None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The example inputs of an ``hf:`` model and those built with the first input's layout: ``pixel_values``
+    (vision), ``input_ids`` (text), with ``decoder_input_ids`` for an encoder-decoder and ``labels`` (shaped like
+    the tokens the model predicts) for a loss."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
-    if vision:
+    if kind == "vision":
         side = cfg.image_size
         hi, wi = (side, side) if isinstance(side, int) else tuple(side)
-        example: dict[str, Any] = {"pixel_values": torch.randn(EXAMPLE_BATCH, cfg.num_channels, hi, wi, generator=g)}
-        follow: tuple[str, ...] = ()
-    else:
-        vocab = getattr(cfg, "vocab_size", None)
-        if not isinstance(vocab, int):
-            raise SymmemError(f"hf:{model_type}: its config has neither a vocabulary (text) nor an image size "
-                              "(vision); trace it from Python with symmem.trace")
-        tokens = EXAMPLE_TOKENS
-        limit = getattr(cfg, "max_position_embeddings", None)
-        if isinstance(limit, int) and limit >= 2:
-            tokens = min(tokens, limit)
-        ids = torch.randint(0, vocab, (EXAMPLE_BATCH, tokens), generator=g)
-        example = {"input_ids": ids}
-        follow = ()
-        if loss is not None:
-            example["labels"] = ids.clone()
-            follow = ("labels",)
-    return Loaded(spec, module, example, follow, tuple(notes), loss if not vision else None,
-                  {"config": cfg, "class": type(module).__name__})
+        return {"pixel_values": torch.randn(EXAMPLE_BATCH, cfg.num_channels, hi, wi, generator=g)}, ()
+    vocab = getattr(cfg, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise SymmemError(f"hf:{target}: its config has neither a vocabulary (text) nor an image size "
+                          "(vision); trace it from Python with symmem.trace")
+    tokens = EXAMPLE_TOKENS
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit >= 2:
+        tokens = min(tokens, limit)
+    ids = torch.randint(0, vocab, (EXAMPLE_BATCH, tokens), generator=g)
+    example: dict[str, Any] = {"input_ids": ids}
+    if kind == "seq2seq":
+        # as a seq2seq data collator does: the decoder's inputs given, not shifted from the labels by the model
+        # (T5's config has no decoder_start_token_id to shift with unless its file sets one)
+        example["decoder_input_ids"] = torch.randint(0, vocab, (EXAMPLE_BATCH, tokens), generator=g)
+    if loss is not None:
+        example["labels"] = ids.clone() if kind != "seq2seq" else example["decoder_input_ids"].clone()
+    return example, tuple(k for k in example if k != "input_ids")
 
 
 @contextlib.contextmanager

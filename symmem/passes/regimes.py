@@ -270,13 +270,14 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
                     list[tuple[str, bool, Storage]]] = {}
     for param in params:
         owner, in_block = param.owner, param.block is not None
-        key = (param.count, in_block, param.shape, param.trainable)
+        scale = _own_dtype(regime, param.dtype)
+        key = (param.count, in_block, param.shape, param.trainable, scale)
         parts = per_shape.get(key)
         if parts is None:
             # a frozen parameter keeps its weights and has no gradient, master copy or optimizer state
             parts = per_shape[key] = [
-                (component, gradient, Storage(component, "parameters", "parameter", expr, component, None, None, None,
-                                              each_count, born=START, dies=END, shards=shards))
+                (component, gradient, Storage(component, "parameters", "parameter", expr * scale, component, None,
+                                              None, None, each_count, born=START, dies=END, shards=shards))
                 for component, expr, each_count, shards, gradient in
                 _parameter_parts(regime, param.count, in_block, per_layer, param.shape)
                 if param.trainable or regime.kind_of(component) == "weights"]
@@ -286,6 +287,17 @@ def parameters(params: Sequence[Parameter], regime: Regime, per_layer: bool) -> 
                 START, END)
             found.append(_like(template, f"{owner}.{param.name}.{component}", owner, born, dies))
     return found
+
+
+def _own_dtype(regime: Regime, dtype: str | None) -> sympy.Rational:
+    """The bytes of a parameter held in a dtype of its own (a traced bfloat16 module, trained as it is: precision
+    fp32, the module's own) over FP32's: its weights, gradient and torch.optim's states (``zeros_like`` the
+    parameter) are in its dtype.  1 for a built model's parameters (no dtype), a mixed precision (its own byte
+    table) and an optimizer whose states keep their own format (8-bit, factored)."""
+    spec = regime.optimizer_spec
+    if dtype is None or regime.precision != "fp32" or spec.block or spec.factored:
+        return sympy.Integer(1)
+    return sympy.Rational(dtype_bytes(dtype), 4)
 
 
 #: Whether a Storage can be copied field by field: it has neither ``__post_init__`` nor ``__slots__``.
