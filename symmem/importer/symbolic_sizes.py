@@ -213,17 +213,28 @@ def _check_divisible(div: dict[str, Any], sizes: dict[str, int]) -> dict[str, st
 Key = tuple[str, str]
 
 
+def _itemsize(s: TracedStorage) -> Any:
+    return sympy.sympify(s.bytes) / s.elements if s.elements != 0 else sympy.Integer(1)
+
+
 def _quantities(trace: Trace) -> dict[Key, tuple[Any, ...]]:
-    """Every quantity of a trace by a name stable across sizes: a storage's (bytes, *shape), a parameter's or
-    buffer's shape."""
+    """Every quantity of a trace by a name stable across sizes: a storage's shape after what its bytes hold beyond
+    that shape (0 for a whole storage: nothing to fit), a parameter's or buffer's shape."""
     out: dict[Key, tuple[Any, ...]] = {}
     for s in trace.storages:
-        out[("storage", s.name)] = (sympy.sympify(s.bytes), *(sympy.sympify(d) for d in s.shape))
+        shape = tuple(sympy.sympify(d) for d in s.shape)
+        rest = sympy.expand(sympy.sympify(s.bytes) - _itemsize(s) * sympy.Mul(*shape))
+        out[("storage", s.name)] = (rest, *shape)
     for p in trace.parameters:
         out[("parameter", p.name)] = tuple(sympy.Integer(d) for d in p.shape)
     for b in trace.buffers:
         out[("buffer", b.name)] = tuple(sympy.Integer(d) for d in b.shape)
     return out
+
+
+def _bytes(s: TracedStorage, formula: tuple[Any, ...]) -> Any:
+    """A storage's bytes from its fitted (rest, *shape)."""
+    return sympy.expand(formula[0] + _itemsize(s) * sympy.Mul(*formula[1:]))
 
 
 def _degree(ys: list[Any], xs: tuple[int, ...]) -> int:
@@ -305,23 +316,24 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
     fitted = [v for v in plan.variables if not v.fixed]
     base = plan.base
     first = traces.at(base)
-    keys = list(_quantities(first))
+    ranks = _quantities(first)
+    keys = list(ranks)
 
     def point(changes: Mapping[int, int]) -> tuple[int, ...]:
         return tuple(changes.get(i, x) for i, x in enumerate(base))
 
     index = {v.name: i for i, v in enumerate(plan.variables)}
     # probes: each variable at its three values, the others at the base
-    degrees: dict[Key, dict[int, int]] = {k: {} for k in keys}
+    # each component of each quantity on its own grid: the variables it depends on, at the degree it has
+    degrees: dict[tuple[Key, int], dict[int, int]] = {(k, q): {} for k in keys for q in range(len(ranks[k]))}
     for v in fitted:
         i = index[v.name]
         runs = [_checked(traces.at(point({i: x})), keys, first, plan, point({i: x})) for x in v.values[:3]]
-        for k in keys:
-            for q in range(len(runs[0][k])):
-                e = _degree([r[k][q] for r in runs], v.values[:3])
-                if e:
-                    degrees[k][i] = max(degrees[k].get(i, 0), e)
-    grids = {k: sorted(degrees[k].items()) for k in keys}
+        for k, q in degrees:
+            e = _degree([r[k][q] for r in runs], v.values[:3])
+            if e:
+                degrees[(k, q)][i] = e
+    grids = {c: sorted(d.items()) for c, d in degrees.items()}
     needed = {point(dict(zip([i for i, _ in g], combo, strict=True)))
               for g in grids.values() for combo in itertools.product(
                   *[plan.variables[i].values[:e + 1] for i, e in g])}
@@ -329,10 +341,13 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         raise SymmemError(f"the sizes need {len(needed) + 2} traces to pin every term (more than {MAX_TRACES}): "
                           "declare fewer sizes symbolic")
     quantities = {p: _checked(traces.at(p), keys, first, plan, p) for p in sorted(needed)}
-    formulas = {k: _interpolate(k, grids[k], plan, base, quantities) for k in keys}
+    formulas = {k: tuple(_interpolate(k, q, grids[(k, q)], plan, base, quantities) for q in range(len(ranks[k])))
+                for k in keys}
     back = plan.back()
     formulas = {k: tuple(sympy.expand(sympy.sympify(e).xreplace(back)) for e in f) for k, f in formulas.items()}
-    _verify(plan, traces, keys, formulas, first)
+    reads = {k: sorted({plan.variables[i].name for (kk, _), g in grids.items() if kk == k for i, _ in g})
+             for k in keys}
+    _verify(plan, traces, keys, formulas, first, reads)
     return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds)
 
 
@@ -352,21 +367,19 @@ def _checked(t: Trace, keys: list[Key], first: Trace, plan: Plan, p: tuple[int, 
     return q
 
 
-def _interpolate(key: Key, grid: list[tuple[int, int]], plan: Plan, base: tuple[int, ...],
-                 quantities: dict[tuple[int, ...], dict[Key, tuple[Any, ...]]]) -> tuple[Any, ...]:
-    """The tensor-product Lagrange interpolation of one quantity over its grid."""
+def _interpolate(key: Key, q: int, grid: list[tuple[int, int]], plan: Plan, base: tuple[int, ...],
+                 quantities: dict[tuple[int, ...], dict[Key, tuple[Any, ...]]]) -> Any:
+    """The tensor-product Lagrange interpolation of one component of one quantity over its grid."""
     idx = [i for i, _ in grid]
     nodes = [plan.variables[i].values[:e + 1] for i, e in grid]
-    n = len(next(iter(quantities.values()))[key])
-    out = [sympy.Integer(0)] * n
+    out = sympy.Integer(0)
     for combo in itertools.product(*[range(len(ns)) for ns in nodes]):
         p = tuple(base[i] if i not in idx else nodes[idx.index(i)][combo[idx.index(i)]] for i in range(len(base)))
         weight = sympy.Integer(1)
         for j, i in enumerate(idx):
             weight *= _basis(plan.variables[i].symbol, nodes[j], combo[j])
-        ys = quantities[p][key]
-        out = [o + weight * y for o, y in zip(out, ys, strict=True)]
-    return tuple(sympy.expand(o) for o in out)
+        out += weight * quantities[p][key][q]
+    return sympy.expand(out)
 
 
 def _subs_at(plan: Plan, point: tuple[int, ...], layers: int) -> dict[sympy.Symbol, int]:
@@ -374,7 +387,8 @@ def _subs_at(plan: Plan, point: tuple[int, ...], layers: int) -> dict[sympy.Symb
     return {sym_for(n): v for n, v in sizes.items()}
 
 
-def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tuple[Any, ...]], first: Trace) -> None:
+def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tuple[Any, ...]], first: Trace,
+            reads: dict[Key, list[str]]) -> None:
     """Two configurations never fitted: every quantity at the first (the layer count as traced), the totals at the
     second (every variable moved, the layer count too)."""
     fitted = [v for v in plan.variables if not v.fixed]
@@ -395,7 +409,7 @@ def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tu
                               "which ops run; keep that size fixed")
         want = tuple(sympy.expand(e.xreplace(subs)) for e in formulas[k])
         if any(sympy.expand(a - b) != 0 for a, b in zip(want, got[k], strict=True)):
-            raise SymmemError(_miss(k, want, got[k], plan.sizes_at(one), first))
+            raise SymmemError(_miss(k, want, got[k], plan.sizes_at(one), first, reads[k]))
     if set(got) != set(keys):
         extra = sorted(set(got) - set(keys))[0]
         raise SymmemError(f"at the check {plan.sizes_at(one)} the module keeps {extra[0]} {extra[1]}, which the "
@@ -411,15 +425,19 @@ def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tu
                               "read in a way no polynomial of degree <= 2 expresses: keep that size fixed")
 
 
-def _miss(k: Key, want: tuple[Any, ...], got: tuple[Any, ...], sizes: dict[str, int], first: Trace) -> str:
+def _miss(k: Key, want: tuple[Any, ...], got: tuple[Any, ...], sizes: dict[str, int], first: Trace,
+          reads: list[str]) -> str:
     """Which op and which size: the quantity whose fit missed the check."""
     where = k[1]
     op = next((s.op for s in first.storages if s.name == k[1]), None) if k[0] == "storage" else None
-    what = "bytes" if k[0] == "storage" and want[0] != got[0] else "shape"
-    return (f"{k[0]} {where}{f' (op {op})' if op else ''}: its {what} at {sizes} is {got} traced, {want} by the "
-            "polynomial fitted through the other configurations: it reads a size in a way no polynomial of degree "
-            "<= 2 in each size expresses (rounding, a branch, a power); keep that size fixed or declare it "
-            "divisible={...}")
+    shape = want[1:] if k[0] == "storage" else want
+    real = got[1:] if k[0] == "storage" else got
+    said = (f"its shape is {tuple(real)} traced, {tuple(shape)} by the polynomial" if shape != real else
+            f"its bytes beyond its shape are {got[0]} traced, {want[0]} by the polynomial")
+    return (f"{k[0]} {where}{f' (op {op})' if op else ''} reads {', '.join(reads) or 'a size'} in a way no "
+            f"polynomial of degree <= 2 in each size expresses (rounding, a branch, a root): at {sizes} {said} "
+            "fitted through the other configurations; keep that size fixed (out of the symbolic sizes) or declare "
+            "what divides it (divisible=)")
 
 
 def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, real: Trace
@@ -440,7 +458,7 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
         for s in first.of_kind(kind):
             i = rep.child_of(s) if rep is not None else None
             n = 1 if i is None else (layers if i == 0 else 0)
-            want += n * formulas[("storage", s.name)][0]
+            want += n * _bytes(s, formulas[("storage", s.name)])
         out.append((f"{kind} bytes", want, real.bytes(kind)))
     want = sympy.Integer(0)
     for p in first.parameters:
@@ -455,8 +473,8 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
     storages = []
     for s in first.storages:
         f = formulas[("storage", s.name)]
-        itemsize = sympy.sympify(s.bytes) / s.elements if s.elements != 0 else 1
-        storages.append(replace(s, bytes=f[0], shape=f[1:], elements=sympy.expand(f[0] / itemsize)))
+        b = _bytes(s, f)
+        storages.append(replace(s, bytes=b, shape=f[1:], elements=sympy.expand(b / _itemsize(s))))
     params = tuple(_param(p, formulas[("parameter", p.name)]) for p in first.parameters)
     buffers = tuple(_param(b, formulas[("buffer", b.name)]) for b in first.buffers)
     reps = tuple(replace(r, bytes=sympy.expand(sympy.Add(*[s.bytes for s in storages if s.name in r.storages])))
@@ -471,8 +489,9 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
             "configurations never fitted" + (f"; traced with {fixed} only" if fixed else "")
             + (f"; the layers traced at {LAYER_VALUES[0]} and checked at {LAYER_VALUES[1]}" if plan.has_layers else ""))
     extra = {**first.extra, "sizes": {"traces": count, "seconds": seconds, "plan": plan}}
+    notes = tuple(n for n in first.notes if "check=False" not in n)  # the fit's own checks replace it
     return replace(first, storages=tuple(storages), parameters=params, buffers=buffers, repeats=reps,
-                   symbols=symbols, domain=domain, notes=(*first.notes, note), extra=extra, check=None)
+                   symbols=symbols, domain=domain, notes=(*notes, note), extra=extra, check=None)
 
 
 def _param(p: TracedParameter, shape: tuple[Any, ...]) -> TracedParameter:
