@@ -147,24 +147,60 @@ def test_hf_unknown_config_key_is_one_line() -> None:
                             "you mean hidden_size, hidden_act?")
 
 
-def test_hf_llama_in_its_sizes_equals_real_pytorch() -> None:
+#: (zoo model, hf spec, symbol -> config key, config, zoo attention): the zoo's own symbols, its default kernel
+ZOO = {
+    "gpt2": ("gpt2", "hf:gpt2", {"H": "n_embd", "h": "n_head", "F": "n_inner", "V": "vocab_size", "L": "n_layer"},
+             {"n_inner": 3072, "attn_implementation": "eager"}, "naive"),
+    "llama": ("llama", "hf:llama", {"H": "hidden_size", "h": "num_attention_heads", "G": "num_key_value_heads",
+                                    "F": "intermediate_size", "V": "vocab_size", "L": "num_hidden_layers"},
+              {"num_key_value_heads": 8, "attn_implementation": "sdpa"}, "sdpa"),
+    "bert": ("bert-base", "hf:bert", {"H": "hidden_size", "h": "num_attention_heads", "F": "intermediate_size",
+                                      "V": "vocab_size", "L": "num_hidden_layers"},
+             {"attn_implementation": "eager"}, "naive"),
+}
+_FITS: dict[str, tuple[object, object]] = {}
+
+
+def _fit(name: str) -> tuple[object, object]:
+    """The hf: model in every size (traced once per session) and its hf_sizes."""
     pytest.importorskip("transformers")
     from symmem.importer.hf_sizes import hf_sizes
 
-    model = hf_sizes("hf:llama", {"H": "hidden_size", "h": "num_attention_heads", "G": "num_key_value_heads",
-                                  "F": "intermediate_size"},
-                     {"num_key_value_heads": 2, "num_attention_heads": 4, "hidden_size": 32, "vocab_size": 40,
-                      "intermediate_size": 24, "num_hidden_layers": 2}, None)
-    assert model.divisible == {"H": "h", "h": "G"} and model.keys["L"] == "num_hidden_layers"
-    d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes=model.sizes,
-              divisible=model.divisible, optimizer="adamw")
-    # never traced: head size 12 (fitted 4, 6, 10), F = 44, 3 layers with G = 3 groups of 2 heads
-    at = {"H": 72, "h": 6, "G": 3, "F": 44, "L": 3}
-    loaded = model.load({k: v for k, v in at.items()})
-    ids = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(0))
+    if name not in _FITS:
+        _, spec, keys, config, _ = ZOO[name]
+        model = hf_sizes(spec, keys, config, None)
+        d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes=model.sizes,
+                  divisible=model.divisible, optimizer="adamw", device="cpu")
+        _FITS[name] = (d, model)
+    return _FITS[name]
+
+
+def _plain(e: sympy.Expr) -> sympy.Expr:
+    return sympy.sympify(e).xreplace({s: sympy.Symbol(s.name) for s in sympy.sympify(e).free_symbols})
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_and_trace_agree_in_every_size(name: str) -> None:
+    """The traced formula in all sizes is the zoo's pytorch formula, symbol for symbol (same kernel, CPU)."""
+    import symmem
+
+    d, _ = _fit(name)
+    zoo_name, _, keys, _, attention = ZOO[name]
+    z = symmem.derive(zoo_name, device="cpu", attention=attention, optimizer="adamw")
+    assert {s.name for s in d.free} == {s.name for s in z.free} == {*keys, "B", "S"}
+    for what in ("activations", "input", "parameter_memory", "total"):
+        assert sympy.simplify(_plain(getattr(d, what)) - _plain(getattr(z, what))) == 0, what
+
+
+def test_hf_llama_in_its_sizes_equals_real_pytorch() -> None:
+    d, model = _fit("llama")
+    # never traced: head size 12 (fitted at 4, 6; checked at 10, 8), F = 44, G = 3 groups of 2 heads, 3 layers
+    at = {"H": 72, "h": 6, "G": 3, "F": 44, "V": 50, "L": 3}
+    loaded = model.load(at)
+    ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(0))
     real = measure(loaded.module, input_ids=ids)
     e = d.at(B=3, S=5, **at)
     assert e.value("activations") == real.activations
+    assert e.value("input") == real.input
     assert e.value("parameters") == sum(p.numel() for p in loaded.module.parameters())
-    symbols = {s.name for s in d.free}
-    assert {"H", "h", "G", "F", "L", "B", "S"} <= symbols
+    assert model.divisible == {"H": "h", "h": "G"}

@@ -13,8 +13,16 @@ import argparse
 import sys
 from typing import Any
 
-from .common import (add_formula_options, add_output_options, add_trace_options, emit, free_from_args,
-                     regime_from_args, traced_from_args, values_from_args)
+from .common import (
+    add_formula_options,
+    add_output_options,
+    add_trace_options,
+    emit,
+    free_from_args,
+    regime_from_args,
+    traced_from_args,
+    values_from_args,
+)
 
 NAME = "trace"
 HELP = "trace a PyTorch module (yours, hf:, torchvision:, timm:) into its training-memory formula"

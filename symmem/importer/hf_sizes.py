@@ -8,9 +8,9 @@ the heads (a whole head size) and the heads of the key/value groups, where both 
 
 >>> parse_symbolic("H=hidden_size, h=num_attention_heads")
 {'H': 'hidden_size', 'h': 'num_attention_heads'}
->>> parse_symbolic("H=hidden size")
+>>> parse_symbolic("H=a b")
 Traceback (most recent call last):
-symmem.errors.SymmemError: --symbolic 'H=hidden size': expected SYMBOL=config_key,... e.g. --symbolic H=hidden_size,L=num_hidden_layers
+symmem.errors.SymmemError: --symbolic 'H=a b': expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LAYERS_KEYS = ("num_hidden_layers",)
 def parse_symbolic(text: str) -> dict[str, str]:
     """``--symbolic H=hidden_size,...`` as symbol -> config key."""
     out: dict[str, str] = {}
-    usage = "expected SYMBOL=config_key,... e.g. --symbolic H=hidden_size,L=num_hidden_layers"
+    usage = "expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers"
     for part in (x.strip() for x in text.split(",")):
         m = _PAIR.match(part)
         if not m:
@@ -103,9 +103,10 @@ def hf_sizes(spec: str, keys: Mapping[str, str], config: Mapping[str, Any], loss
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SymmemError(f"--symbolic {s}={key}: {key} is {value!r} in the {model_type} config, not a size (a "
                               "positive integer); set it with --config or name another key")
-        canonical[s] = getattr(default, "attribute_map", {}).get(key, key)
-    layer_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(default, k)), None)
-    layer_syms = [s for s, c in canonical.items() if c in LAYERS_KEYS or keys[s] == layer_key]
+        aliases = getattr(default, "attribute_map", {})  # alias -> the key it stands for (gpt2: hidden_size -> n_embd)
+        canonical[s] = key if key in aliases else {v: a for a, v in aliases.items()}.get(key, key)
+    layer_key = "num_hidden_layers" if hasattr(default, "num_hidden_layers") else None
+    layer_syms = [s for s, c in canonical.items() if c in LAYERS_KEYS]
     if layer_syms and layer_syms[0] != "L":
         raise SymmemError(f"--symbolic {layer_syms[0]}={keys[layer_syms[0]]}: the layer count is the symbol L "
                           f"(the folded blocks): write L={keys[layer_syms[0]]}")

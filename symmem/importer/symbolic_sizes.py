@@ -237,12 +237,16 @@ def _bytes(s: TracedStorage, formula: tuple[Any, ...]) -> Any:
     return sympy.expand(formula[0] + _itemsize(s) * sympy.Mul(*formula[1:]))
 
 
+class Miss(SymmemError):
+    """The polynomials missed a configuration never fitted."""
+
+
 def _degree(ys: list[Any], xs: tuple[int, ...]) -> int:
-    """The degree (0, 1 or 2) of the polynomial through (xs[i], ys[i]), three points."""
-    d1 = [sympy.expand((ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])) for i in range(2)]
-    if d1[0] == 0 and d1[1] == 0:
+    """The degree (0, 1 or 2) of the polynomial through (xs[i], ys[i]), two or three points."""
+    d1 = [sympy.expand((ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])) for i in range(len(xs) - 1)]
+    if all(d == 0 for d in d1):
         return 0
-    return 1 if sympy.expand(d1[1] - d1[0]) == 0 else 2
+    return 1 if len(d1) == 1 or sympy.expand(d1[1] - d1[0]) == 0 else 2
 
 
 def _basis(symbol: sympy.Symbol, nodes: tuple[int, ...], i: int) -> sympy.Expr:
@@ -323,31 +327,38 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         return tuple(changes.get(i, x) for i, x in enumerate(base))
 
     index = {v.name: i for i, v in enumerate(plan.variables)}
-    # probes: each variable at its three values, the others at the base
-    # each component of each quantity on its own grid: the variables it depends on, at the degree it has
-    degrees: dict[tuple[Key, int], dict[int, int]] = {(k, q): {} for k in keys for q in range(len(ranks[k]))}
-    for v in fitted:
-        i = index[v.name]
-        runs = [_checked(traces.at(point({i: x})), keys, first, plan, point({i: x})) for x in v.values[:3]]
-        for k, q in degrees:
-            e = _degree([r[k][q] for r in runs], v.values[:3])
-            if e:
-                degrees[(k, q)][i] = e
-    grids = {c: sorted(d.items()) for c, d in degrees.items()}
-    needed = {point(dict(zip([i for i, _ in g], combo, strict=True)))
-              for g in grids.values() for combo in itertools.product(
-                  *[plan.variables[i].values[:e + 1] for i, e in g])}
-    if len(needed) + 2 > MAX_TRACES:
-        raise SymmemError(f"the sizes need {len(needed) + 2} traces to pin every term (more than {MAX_TRACES}): "
-                          "declare fewer sizes symbolic")
-    quantities = {p: _checked(traces.at(p), keys, first, plan, p) for p in sorted(needed)}
-    formulas = {k: tuple(_interpolate(k, q, grids[(k, q)], plan, base, quantities) for q in range(len(ranks[k])))
-                for k in keys}
-    back = plan.back()
-    formulas = {k: tuple(sympy.expand(sympy.sympify(e).xreplace(back)) for e in f) for k, f in formulas.items()}
-    reads = {k: sorted({plan.variables[i].name for (kk, _), g in grids.items() if kk == k for i, _ in g})
-             for k in keys}
-    _verify(plan, traces, keys, formulas, first, reads)
+    for probes in (2, 3):
+        # probes: each variable at two values (degree <= 1, what a shape's sizes have), then three (<= 2) where
+        # the lines miss the check; each component of each quantity on its own grid: the variables it depends on
+        degrees: dict[tuple[Key, int], dict[int, int]] = {(k, q): {} for k in keys for q in range(len(ranks[k]))}
+        for v in fitted:
+            i = index[v.name]
+            xs = v.values[:probes]
+            runs = [_checked(traces.at(point({i: x})), keys, first, plan, point({i: x})) for x in xs]
+            for k, q in degrees:
+                e = _degree([r[k][q] for r in runs], xs)
+                if e:
+                    degrees[(k, q)][i] = e
+        grids = {c: sorted(d.items()) for c, d in degrees.items()}
+        needed = {point(dict(zip([i for i, _ in g], combo, strict=True)))
+                  for g in grids.values() for combo in itertools.product(
+                      *[plan.variables[i].values[:e + 1] for i, e in g])}
+        if len(needed) + 2 > MAX_TRACES:
+            raise SymmemError(f"the sizes need {len(needed) + 2} traces to pin every term (more than {MAX_TRACES}): "
+                              "declare fewer sizes symbolic")
+        quantities = {p: _checked(traces.at(p), keys, first, plan, p) for p in sorted(needed)}
+        formulas = {k: tuple(_interpolate(k, q, grids[(k, q)], plan, base, quantities)
+                             for q in range(len(ranks[k]))) for k in keys}
+        back = plan.back()
+        formulas = {k: tuple(sympy.expand(sympy.sympify(e).xreplace(back)) for e in f) for k, f in formulas.items()}
+        reads = {k: sorted({plan.variables[i].name for (kk, _), g in grids.items() if kk == k for i, _ in g})
+                 for k in keys}
+        try:
+            _verify(plan, traces, keys, formulas, first, reads)
+            break
+        except Miss:
+            if probes == 3:
+                raise
     return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds)
 
 
@@ -409,7 +420,7 @@ def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tu
                               "which ops run; keep that size fixed")
         want = tuple(sympy.expand(e.xreplace(subs)) for e in formulas[k])
         if any(sympy.expand(a - b) != 0 for a, b in zip(want, got[k], strict=True)):
-            raise SymmemError(_miss(k, want, got[k], plan.sizes_at(one), first, reads[k]))
+            raise Miss(_miss(k, want, got[k], plan.sizes_at(one), first, reads[k]))
     if set(got) != set(keys):
         extra = sorted(set(got) - set(keys))[0]
         raise SymmemError(f"at the check {plan.sizes_at(one)} the module keeps {extra[0]} {extra[1]}, which the "
@@ -420,7 +431,7 @@ def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tu
     for what, want, real in _totals(first, formulas, layers, t2):
         w = sympy.expand(want.xreplace(subs))
         if sympy.expand(w - real) != 0:
-            raise SymmemError(f"the formula in the sizes misses the trace at {plan.sizes_at(two, layers)}: {what} "
+            raise Miss(f"the formula in the sizes misses the trace at {plan.sizes_at(two, layers)}: {what} "
                               f"{w} fitted vs {real} traced; the repeated layers do not fold to L, or a size is "
                               "read in a way no polynomial of degree <= 2 expresses: keep that size fixed")
 
