@@ -204,3 +204,54 @@ def test_hf_llama_in_its_sizes_equals_real_pytorch() -> None:
     assert e.value("input") == real.input
     assert e.value("parameters") == sum(p.numel() for p in loaded.module.parameters())
     assert model.divisible == {"H": "h", "h": "G"}
+
+
+# -- the command line -----------------------------------------------------------------------------------------
+def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    from symmem.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.CaptureFixture) -> None:
+    """``--symbolic V=vocab_size`` (L implicit) then ``--set V=200 --set L=3``: sizes never traced; the JSON's numbers
+    are a real forward's saved bytes and the real module's parameter count there."""
+    import json
+
+    pytest.importorskip("transformers")
+    from symmem.importer import sources
+
+    config = ["--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=2"]
+    code, out, _ = _main(capsys, "trace", "hf:gpt2", "--dims", "B,S", "--symbolic", "V=vocab_size", *config,
+                         "--set", "V=200", "--set", "L=3", "--set", "B=3", "--set", "S=5", "--format", "json")
+    assert code == 0
+    got = json.loads(out)
+    assert got["symbols"] == {"B": 3, "L": 3, "S": 5, "V": 200}
+    assert got["notes"][0].startswith("symbols: V = vocab_size, L = num_hidden_layers (config keys of hf:gpt2")
+    loaded = sources.load("hf:gpt2", config={"n_layer": 3, "n_embd": 32, "n_head": 2, "vocab_size": 200})
+    real = measure(loaded.module, input_ids=torch.randint(0, 200, (3, 5), generator=torch.Generator().manual_seed(1)))
+    assert got["values"]["activations"] == real.activations
+    assert got["values"]["input"] == real.input
+    assert got["values"]["parameters"] == sum(p.numel() for p in loaded.module.parameters())
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["tests/trace_helpers.py:mlp", "--symbolic", "H=hidden_size"],
+     "symmem: error: --symbolic maps symbols to keys of a transformers config: it applies to hf:MODEL_TYPE; from "
+     "Python, symmem.trace(build, dims=..., sizes={...}) takes any module built from sizes"),
+    (["hf:gpt2", "--symbolic", "H=n_embd,h"],
+     "symmem: error: --symbolic 'H=n_embd,h': expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers"),
+    (["hf:gpt2", "--symbolic", "N=n_layer"],
+     "symmem: error: --symbolic N=n_layer: the layer count is the symbol L (the folded blocks): write L=n_layer"),
+    (["hf:gpt2", "--symbolic", "F=n_inner"],
+     "symmem: error: --symbolic F=n_inner: n_inner is None in the gpt2 config, not a size (a positive integer); "
+     "set it with --config or name another key"),
+])
+def test_cli_symbolic_bad_input_is_one_line(capsys: pytest.CaptureFixture, argv: list[str], message: str) -> None:
+    if argv[0].startswith("hf:"):
+        pytest.importorskip("transformers")
+    code, out, err = _main(capsys, "trace", argv[0], "--dims", "B,S", *argv[1:])
+    assert code == 2 and out == ""
+    assert err.strip() == message

@@ -10,7 +10,7 @@ H=hidden_size,...`` makes config keys of an ``hf:`` model symbols too (:mod:`sym
 from __future__ import annotations
 
 import argparse
-import sys
+import dataclasses
 from typing import Any
 
 from .common import (
@@ -73,15 +73,17 @@ def symbolic_from_args(args: argparse.Namespace, **derive_options: Any) -> Any:
         first = model.load(plan.sizes_at(plan.base))
     dims = sources.parse_dims(args.dims, first)
     meaning = ", ".join(f"{s} = {k}" for s, k in model.keys.items())
-    print(f"symmem: note: symbols: {meaning} (at the config's values: "
-          f"{', '.join(f'{s}={v}' for s, v in model.sizes.items())})", file=sys.stderr)
     try:
         with sources.user_code(f"{args.spec}: tracing the module"):
-            return trace(model.build, dims=dims, sizes=model.sizes, divisible=model.divisible, method=args.method,
-                         device=args.device or "cpu", name=args.spec, values=values_from_args(args),
-                         free=free_from_args(args), **derive_options)
+            d = trace(model.build, dims=dims, sizes=model.sizes, divisible=model.divisible, method=args.method,
+                      device=args.device or "cpu", name=args.spec, values=values_from_args(args),
+                      free=free_from_args(args), **derive_options)
     except SymmemError:
         raise
     except Exception as exc:
         raise SymmemError(f"{args.spec} cannot be traced on fake tensors: {type(exc).__name__}: "
                           f"{str(exc).strip()[:200]}") from None
+    inputs = ", ".join(f"{n} = {', '.join(f'{k}:{i}' for k, i in pairs)}" for n, pairs in dims.items())
+    said = (f"symbols: {meaning} (config keys of {args.spec}; the config's values: "
+            f"{', '.join(f'{s}={v}' for s, v in model.sizes.items())}); {inputs} (input dimensions)")
+    return dataclasses.replace(d, notes=(said, *d.notes))
