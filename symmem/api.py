@@ -263,7 +263,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                  options: dict[str, Any]) -> Derivation:
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
-    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak
+    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak, per_layer_note
 
     if sizes is None:
         raise SymmemError("divisible= goes with sizes=: the sizes the module is built from, e.g. "
@@ -297,7 +297,9 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     why = no_peak(recorded)
     check_step(regime, why)
     d = derivation_of(ledger, regime, Refused(why))
-    return dataclasses.replace(d, notes=(*d.notes, *recorded.notes))
+    layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
+    said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
+    return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))
 
 
 def _device_of(module: Any) -> str:

@@ -514,3 +514,25 @@ def no_peak(trace: Trace) -> str:
     return ("the peak of the training step is recorded op by op at one configuration; in every size only the memory "
             "kept for backward and the parameter side are derived: trace without sizes= (or symmem trace without "
             "--symbolic) at the sizes you want for the peak")
+
+
+def readable(expr: Any) -> Any:
+    """A formula the way the field writes it: the largest common monomial outside, the rest expanded.
+
+    >>> B, S, H, h = sympy.symbols("B S H h", positive=True)
+    >>> readable(34 * B * S * H + 5 * B * h * S**2)
+    B*S*(34*H + 5*S*h)
+    """
+    return sympy.factor_terms(sympy.expand(expr))
+
+
+def per_layer_note(storages: Any, layer_count: Any, parameters: Any) -> str | None:
+    """One layer's kept bytes and parameters, factored the field's way (None without a repeated layer).
+    ``storages``: the derivation's; ``parameters``: the parameter count with the layers counted by ``layer_count``."""
+    kept = [s.expr for s in storages if s.group == "layer" and s.category == "activation"]
+    if not kept or layer_count is None:
+        return None
+    one = sympy.expand(sympy.Add(*kept) / layer_count)
+    params = sympy.expand(sympy.sympify(parameters)).coeff(layer_count)
+    return (f"per layer: {readable(one)} bytes kept for backward"
+            + (f", {readable(params)} parameters" if params != 0 else ""))
