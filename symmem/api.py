@@ -296,7 +296,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                                shown=shown)
     why = no_peak(recorded)
     check_step(regime, why)
-    d = derivation_of(ledger, regime, Refused(why))
+    d = derivation_of(ledger, regime, None, why)  # no step: fit solves the total, the peak says why not
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
     return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))

@@ -255,3 +255,17 @@ def test_cli_symbolic_bad_input_is_one_line(capsys: pytest.CaptureFixture, argv:
     code, out, err = _main(capsys, "trace", argv[0], "--dims", "B,S", *argv[1:])
     assert code == 2 and out == ""
     assert err.strip() == message
+
+
+def test_fit_solves_for_a_size_inside_the_domain(attention: object) -> None:
+    """``fit`` solving for H: the largest H whose total fits, among those with a whole, even head size."""
+    from symmem.apps.budget import largest
+    from symmem.importer.symbolic_sizes import in_domain
+
+    d = attention
+    r = largest(d, "H", "80GiB", accepts=in_domain(d, "H"))
+    assert r.max % 24 == 0 and r.max > 0  # h = 12 divides H, and the head size is even
+    assert d.at(H=r.max).value("total") <= 80 * 2**30 < d.at(H=r.max + 24).value("total")
+    assert largest(d, "L", "80GiB").max == 1505
+    assert in_domain(d, "H")(14065) == ("H = 14065 lies outside the formula's domain ((H >= 24) & "
+                                        "Eq(Mod(H, 12), 0) & Eq(Mod(H, 24), 0))")

@@ -536,3 +536,20 @@ def per_layer_note(storages: Any, layer_count: Any, parameters: Any) -> str | No
     params = sympy.expand(sympy.sympify(parameters)).coeff(layer_count)
     return (f"per layer: {readable(one)} bytes kept for backward"
             + (f", {readable(params)} parameters" if params != 0 else ""))
+
+
+def in_domain(d: Any, name: str) -> Callable[[int], str | None]:
+    """``accepts(value)`` for :func:`symmem.apps.budget.largest`: why ``value`` of the size ``name`` lies outside the
+    derivation's domain (a head size that is not whole), the other sizes at their numbers; None inside it."""
+    sym = next((s for s in d.numbers if s.name == name), None)
+    if sym is None:
+        raise SymmemError(f"{d.model} has no symbol {name!r}; it has {', '.join(sorted(s.name for s in d.numbers))}")
+    others = {s: sympy.Integer(v) for s, v in d.numbers.items() if s != sym}
+    domain = sympy.sympify(d.domain).xreplace(others)
+
+    def accepts(value: int) -> str | None:
+        if bool(domain.xreplace({sym: sympy.Integer(value)})):
+            return None
+        return f"{name} = {value} lies outside the formula's domain ({domain})"
+
+    return accepts
