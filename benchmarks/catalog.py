@@ -20,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: decoder-only, MoE, encoder-only, vision: each built as symmem trace hf:TYPE builds it
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt_neox", "opt",
-               "bloom", "falcon", "gptj", "olmo", "stablelm", "starcoder2", "mixtral", "qwen2_moe", "bert",
-               "roberta", "distilbert", "albert", "electra", "megatron-bert", "vit")
+               "bloom", "falcon", "gptj", "codegen", "olmo", "olmo2", "stablelm", "starcoder2", "granite", "cohere",
+               "gpt_bigcode", "gpt_neo", "biogpt", "xglm", "helium", "glm", "smollm3", "mixtral", "qwen2_moe", "bert",
+               "roberta", "xlm-roberta", "camembert", "distilbert", "albert", "electra", "ernie", "megatron-bert",
+               "vit", "deit", "dinov2")
+#: config values a tiny configuration needs: a padding id inside a small vocabulary, rotary over the whole head
+OVERRIDES: dict[str, dict[str, object]] = {"phi3": {"pad_token_id": 0}, "gptj": {"rotary_dim": None},
+                                           "codegen": {"rotary_dim": None}}
 CANONICAL = {"H": "hidden_size", "F": "intermediate_size", "h": "num_attention_heads", "G": "num_key_value_heads",
              "V": "vocab_size", "L": "num_hidden_layers"}
 MEANING = {"H": "hidden size", "F": "MLP size", "h": "attention heads", "G": "key/value groups", "V": "vocabulary",
@@ -38,7 +43,7 @@ def symbols_of(model_type: str) -> tuple[dict[str, str], dict[str, object]]:
         value = getattr(cfg, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             keys[s] = key
-    config: dict[str, object] = {}
+    config: dict[str, object] = dict(OVERRIDES.get(model_type, {}))
     if "G" in keys and "h" in keys and cfg.num_key_value_heads == cfg.num_attention_heads:
         config["num_key_value_heads"] = max(1, cfg.num_attention_heads // 4)  # grouped, so G is a symbol of its own
     return keys, config
