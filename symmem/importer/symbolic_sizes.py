@@ -214,7 +214,7 @@ Key = tuple[str, str]
 
 
 def _itemsize(s: TracedStorage) -> Any:
-    return sympy.sympify(s.bytes) / s.elements if s.elements != 0 else sympy.Integer(1)
+    return sympy.sympify(s.bytes, strict=True) / s.elements if s.elements != 0 else sympy.Integer(1)
 
 
 def _quantities(trace: Trace) -> dict[Key, tuple[Any, ...]]:
@@ -222,8 +222,8 @@ def _quantities(trace: Trace) -> dict[Key, tuple[Any, ...]]:
     that shape (0 for a whole storage: nothing to fit), a parameter's or buffer's shape."""
     out: dict[Key, tuple[Any, ...]] = {}
     for s in trace.storages:
-        shape = tuple(sympy.sympify(d) for d in s.shape)
-        rest = sympy.expand(sympy.sympify(s.bytes) - _itemsize(s) * sympy.Mul(*shape))
+        shape = tuple(sympy.sympify(d, strict=True) for d in s.shape)
+        rest = sympy.expand(sympy.sympify(s.bytes, strict=True) - _itemsize(s) * sympy.Mul(*shape))
         out[("storage", s.name)] = (rest, *shape)
     for p in trace.parameters:
         out[("parameter", p.name)] = tuple(sympy.Integer(d) for d in p.shape)
@@ -350,7 +350,8 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         formulas = {k: tuple(_interpolate(k, q, grids[(k, q)], plan, base, quantities)
                              for q in range(len(ranks[k]))) for k in keys}
         back = plan.back()
-        formulas = {k: tuple(sympy.expand(sympy.sympify(e).xreplace(back)) for e in f) for k, f in formulas.items()}
+        formulas = {k: tuple(sympy.expand(sympy.sympify(e, strict=True).xreplace(back)) for e in f)
+                    for k, f in formulas.items()}
         reads = {k: sorted({plan.variables[i].name for (kk, _), g in grids.items() if kk == k for i, _ in g})
                  for k in keys}
         try:
@@ -533,7 +534,7 @@ def per_layer_note(storages: Any, layer_count: Any, parameters: Any) -> str | No
     if not kept or layer_count is None:
         return None
     one = sympy.expand(sympy.Add(*kept) / layer_count)
-    params = sympy.expand(sympy.sympify(parameters)).coeff(layer_count)
+    params = sympy.expand(sympy.sympify(parameters, strict=True)).coeff(layer_count)
     return (f"per layer: {readable(one)} bytes kept for backward"
             + (f", {readable(params)} parameters" if params != 0 else ""))
 
@@ -545,7 +546,7 @@ def in_domain(d: Any, name: str) -> Callable[[int], str | None]:
     if sym is None:
         raise SymmemError(f"{d.model} has no symbol {name!r}; it has {', '.join(sorted(s.name for s in d.numbers))}")
     others = {s: sympy.Integer(v) for s, v in d.numbers.items() if s != sym}
-    domain = sympy.sympify(d.domain).xreplace(others)
+    domain = sympy.sympify(d.domain, strict=True).xreplace(others)
 
     def accepts(value: int) -> str | None:
         if bool(domain.xreplace({sym: sympy.Integer(value)})):
