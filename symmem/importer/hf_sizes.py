@@ -85,12 +85,16 @@ def hf_sizes(spec: str, keys: Mapping[str, str], config: Mapping[str, Any], loss
                               "another symbol")
     import transformers
 
-    default = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
-                                                               if k != "attn_implementation"}) \
-        if model_type in transformers.CONFIG_MAPPING else None
-    if default is None:
+    if model_type not in transformers.CONFIG_MAPPING:
         load(spec, config=dict(config), loss=loss)  # says what is wrong with the model type
         raise SymmemError(f"{spec}: unknown model type")
+    try:
+        default = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
+                                                                   if k != "attn_implementation"})
+    except Exception as exc:
+        lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()] or [type(exc).__name__]
+        first = (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:300]
+        raise SymmemError(f"--config: the {model_type} config refuses {dict(config)}: {first}") from None
     canonical = {}
     for s, key in keys.items():
         if not hasattr(default, key):
