@@ -24,9 +24,9 @@ MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", 
                "gpt_bigcode", "gpt_neo", "biogpt", "xglm", "helium", "glm", "smollm3", "mixtral", "qwen2_moe", "bert",
                "roberta", "xlm-roberta", "camembert", "distilbert", "albert", "electra", "ernie", "megatron-bert",
                "vit", "deit", "dinov2")
-#: config values a tiny configuration needs: a padding id inside a small vocabulary, rotary over the whole head
-OVERRIDES: dict[str, dict[str, object]] = {"phi3": {"pad_token_id": 0}, "gptj": {"rotary_dim": None},
-                                           "codegen": {"rotary_dim": None}}
+#: config values a tiny configuration needs: a padding id inside a small vocabulary, rotary within the smallest head
+OVERRIDES: dict[str, dict[str, object]] = {"phi3": {"pad_token_id": 0}, "gptj": {"rotary_dim": 4},
+                                           "codegen": {"rotary_dim": 4}}
 CANONICAL = {"H": "hidden_size", "F": "intermediate_size", "h": "num_attention_heads", "G": "num_key_value_heads",
              "V": "vocab_size", "L": "num_hidden_layers"}
 MEANING = {"H": "hidden size", "F": "MLP size", "h": "attention heads", "G": "key/value groups", "V": "vocabulary",
