@@ -166,10 +166,11 @@ def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, reg
     return Acceptor(model, conv, regime, values or {})
 
 
-def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str = "auto", check: bool = True,
-          multiple_of: dict[str, int] | None = None, device: str | None = None, training: bool = True,
-          name: str | None = None, loss: Any = "sum", autocast: str | None = None, size_one: bool = False,
-          **options: Any) -> Derivation:
+def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None = None, *, method: str = "auto",
+          check: bool = True, multiple_of: dict[str, int] | None = None, device: str | None = None,
+          training: bool = True, name: str | None = None, loss: Any = "sum", autocast: str | None = None,
+          size_one: bool = False, sizes: Mapping[str, int] | None = None,
+          divisible: Mapping[str, str | int] | None = None, **options: Any) -> Derivation:
     """The training memory of ``module`` as a :class:`~symmem.derivation.Derivation`, its formula in the
     declared symbols (see :func:`symmem.importer.trace_module` for ``example_inputs``, ``dims``, ``method``,
     ``check`` and ``multiple_of``).  Keywords are :func:`derive`'s: the training regime (``optimizer``,
@@ -200,6 +201,22 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     Max(3144*B + 4862128, 6216*B + 2452664)
     >>> d.at(B=1024).peak_at().where()
     'backward aten.threshold_backward.default (ReluBackward0) in 1, steady step'
+
+    **Every size symbolic** (:mod:`symmem.importer.symbolic_sizes`): give ``module`` as a callable that builds the
+    module and its example inputs from keyword sizes, and ``sizes`` (name -> the value the formula is evaluated
+    at; ``L`` is the count of the repeated blocks).  The module is traced at small configurations and each
+    quantity recovered as the exact polynomial in the sizes, checked at two configurations never fitted;
+    ``divisible`` maps a size to the size (or integer) that divides it (``{"H": "h"}``: a whole head size).  The
+    peak of a step is not derived in the sizes (the kept memory and the parameter side are).
+
+    >>> def build(H, F, L):
+    ...     torch.manual_seed(0)
+    ...     blocks = [torch.nn.Sequential(torch.nn.Linear(H, F), torch.nn.ReLU(), torch.nn.Linear(F, H))
+    ...               for _ in range(L)]
+    ...     return torch.nn.Sequential(torch.nn.Linear(H, H), *blocks), (torch.zeros(2, H),)
+    >>> d = trace(build, dims={"B": [(0, 0)]}, sizes={"H": 512, "F": 2048, "L": 4}, optimizer="sgd")
+    >>> d.activations, d.parameters
+    (4*B*F*L + 4*B*H*L, 2*F*H*L + F*L + H**2 + H*L + H)
     """
     from .importer import trace_module
     from .importer import traced as tracing
@@ -208,12 +225,18 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
         raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")
     shared = resolve("trace", device=device, loss=loss, checkpoint=options.pop("checkpoint", "none"),
                      autocast=autocast)
-    device = shared.device or _device_of(module)
     loss = shared.loss
     regime_given = options.get("regime")
     check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
                     {p.dtype for p in module.parameters() if p.is_floating_point()})
     checkpoint = tracing.checkpoint_option(shared.checkpoint)
+    if sizes is not None or divisible is not None:
+        return _trace_sizes(module, example_inputs, dims, sizes, divisible, shared.device or "cpu", dict(
+            method=method, training=training, autocast=autocast, checkpoint=checkpoint), multiple_of, size_one,
+            name, loss, options)
+    if dims is None:
+        raise SymmemError("trace needs dims: the input sizes to keep symbolic, e.g. {'B': [(0, 0)]}")
+    device = shared.device or _device_of(module)
     recorded = trace_module(module, example_inputs, dims, device=device, training=training, method=method,
                             check=check, multiple_of=multiple_of, autocast=autocast, checkpoint=checkpoint,
                             size_one=size_one)
@@ -245,6 +268,50 @@ def trace(module: Any, example_inputs: Any, dims: dict[str, Any], *, method: str
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
         warn_outside(d.domain, d.numbers)
     return d
+
+
+def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisible: Any, device: str,
+                 trace_options: dict[str, Any], multiple_of: Any, size_one: bool, name: str | None, loss: Any,
+                 options: dict[str, Any]) -> Derivation:
+    """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
+    from .importer import traced as tracing
+    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak, per_layer_note
+
+    if sizes is None:
+        raise SymmemError("divisible= goes with sizes=: the sizes the module is built from, e.g. "
+                          "sizes={'H': 4096, 'h': 32}, divisible={'H': 'h'}")
+    if not callable(build) or hasattr(build, "parameters"):
+        raise SymmemError("with sizes=, give a callable that builds (module, example_inputs) from the sizes as "
+                          "keywords, not a module: build(H=..., h=...) -> (module, inputs)")
+    if example_inputs is not None:
+        raise SymmemError("with sizes=, the build callable returns the example inputs: leave example_inputs out")
+    if dims is None:
+        raise SymmemError("trace needs dims: the input sizes to keep symbolic, e.g. {'B': [(0, 0)]}")
+    if multiple_of or size_one:
+        raise SymmemError("multiple_of and size_one do not go with sizes=: trace with the sizes fixed for them")
+    recorded = fit_sizes(build, sizes, dims, divisible=divisible, device=device, **trace_options)
+    keywords = dict(options)
+    values, per_layer, free = keywords.pop("values", None), keywords.pop("per_layer", False), keywords.pop("free", None)
+    if LAYERS in sizes and recorded.layers is not None:
+        values = {LAYERS: sizes[LAYERS], **dict(values or {})}  # the folded blocks' count: the sizes' L
+    regime = _regime(keywords.pop("regime", None), keywords)
+    if keywords:
+        raise _unknown(keywords, "traced")
+    shown: dict[str, Any] = {}
+    if recorded.extra.get("checkpoint"):
+        shown["checkpoint"] = ", ".join(recorded.extra["checkpoint"])
+    if trace_options.get("autocast") is not None:
+        shown["autocast"] = trace_options["autocast"]
+    shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
+    shown["device"] = recorded.device
+    ledger = tracing.ledger_of(recorded, regime, name=name, values=values, free=free, per_layer=per_layer,
+                               shown=shown)
+    why = no_peak(recorded)
+    check_step(regime, why)
+    d = derivation_of(ledger, regime, None, why)  # no step: fit solves the total, the peak says why not
+    layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
+    said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
+    return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))
 
 
 def _device_of(module: Any) -> str:

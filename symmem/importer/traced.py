@@ -171,7 +171,7 @@ def _entries(trace: Any, size_one: bool, layers: sympy.Symbol) -> tuple[list[_En
             continue  # another copy of the folded layer
         in_block = i == 0
         label = (local(p.name) if in_block else p.name) + ":param"
-        shape = tuple(sympy.Integer(d) for d in p.shape) or (sympy.Integer(1),)
+        shape = tuple(sympy.sympify(d, strict=True) for d in p.shape) or (sympy.Integer(1),)  # symbolic: symbolic_sizes
         count = layers if in_block else sympy.Integer(1)
         param = Parameter(label, "value", shape, count, "layers" if in_block else None,
                           "layer" if in_block else _group(p.name), p.dtype, p.requires_grad)

@@ -1,0 +1,133 @@
+"""``symmem trace hf:TYPE --symbolic H=hidden_size,...``: a transformers model's sizes as the symbols of its formula.
+
+Each symbol names a key of the model's config; the model is built (:func:`symmem.importer.sources.load`) at the
+small configurations :mod:`symmem.importer.symbolic_sizes` chooses, every other key at its value (the config's
+default, or ``--config``).  The keys' meanings give the divisibility the fit needs: the hidden size is a multiple of
+the heads (a whole head size) and the heads of the key/value groups, where both are symbols.  The layer count
+(``num_hidden_layers``, ``n_layer`` ...) is always traced at 2 and 3 layers and is the symbol ``L``.
+
+>>> parse_symbolic("H=hidden_size, h=num_attention_heads")
+{'H': 'hidden_size', 'h': 'num_attention_heads'}
+>>> parse_symbolic("H=a b")
+Traceback (most recent call last):
+symmem.errors.SymmemError: --symbolic 'H=a b': expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+
+_PAIR = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=([A-Za-z_][A-Za-z0-9_]*)$")
+#: what a config key means, by transformers' canonical attribute name
+HIDDEN = ("hidden_size", "d_model", "n_embd", "dim")
+HEADS = ("num_attention_heads",)
+GROUPS = ("num_key_value_heads",)
+LAYERS_KEYS = ("num_hidden_layers",)
+
+
+def parse_symbolic(text: str) -> dict[str, str]:
+    """``--symbolic H=hidden_size,...`` as symbol -> config key."""
+    out: dict[str, str] = {}
+    usage = "expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers"
+    for part in (x.strip() for x in text.split(",")):
+        m = _PAIR.match(part)
+        if not m:
+            raise SymmemError(f"--symbolic {text[:80]!r}: {usage}")
+        sym, key = m.groups()
+        if sym in out:
+            raise SymmemError(f"--symbolic names {sym} twice ({sym}={out[sym]} and {sym}={key}); give it once")
+        if key in out.values():
+            raise SymmemError(f"--symbolic gives the config key {key} two symbols; give it one")
+        out[sym] = key
+    return out
+
+
+@dataclass(frozen=True)
+class HfSizes:
+    """A transformers model as a build callable of its sizes."""
+
+    spec: str
+    keys: dict[str, str]  # symbol -> config key
+    sizes: dict[str, int]  # symbol -> the config's value
+    divisible: dict[str, str]
+    config: dict[str, Any]
+    loss: str | None
+
+    def load(self, sizes: Mapping[str, int]) -> Any:
+        from .sources import load
+
+        return load(self.spec, config={**self.config, **{self.keys[s]: v for s, v in sizes.items()}}, loss=self.loss)
+
+    @property
+    def build(self) -> Callable[..., Any]:
+        def build(**sizes: int) -> tuple[Any, Any]:
+            loaded = self.load(sizes)
+            return loaded.module, loaded.example_inputs
+
+        return build
+
+
+def hf_sizes(spec: str, keys: Mapping[str, str], config: Mapping[str, Any], loss: str | None) -> HfSizes:
+    """The build callable, sizes (their defaults: the config's values) and divisibility of ``spec``'s model."""
+    from .sources import load
+
+    model_type = spec.partition(":")[2]
+    keys = dict(keys)
+    for s in keys:
+        if s in ("B", "S"):
+            raise SymmemError(f"--symbolic {s}={keys[s]}: {s} is an input size (--dims); name the config's size "
+                              "another symbol")
+    import transformers
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        load(spec, config=dict(config), loss=loss)  # says what is wrong with the model type
+        raise SymmemError(f"{spec}: unknown model type")
+    try:
+        default = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
+                                                                   if k != "attn_implementation"})
+    except Exception as exc:
+        lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()] or [type(exc).__name__]
+        first = (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:300]
+        raise SymmemError(f"--config: the {model_type} config refuses {dict(config)}: {first}") from None
+    canonical = {}
+    for s, key in keys.items():
+        if not hasattr(default, key):
+            names = sorted(k for k in default.to_dict() if not k.startswith("_"))
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(names[:20])} …"
+            raise SymmemError(f"--symbolic {s}={key}: the {model_type} config ({type(default).__name__}) has no key "
+                              f"{key!r}; {hint}")
+        value = getattr(default, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SymmemError(f"--symbolic {s}={key}: {key} is {value!r} in the {model_type} config, not a size (a "
+                              "positive integer); set it with --config or name another key")
+        aliases = getattr(default, "attribute_map", {})  # alias -> the key it stands for (gpt2: hidden_size -> n_embd)
+        canonical[s] = key if key in aliases else {v: a for a, v in aliases.items()}.get(key, key)
+    layer_key = "num_hidden_layers" if hasattr(default, "num_hidden_layers") else None
+    layer_syms = [s for s, c in canonical.items() if c in LAYERS_KEYS]
+    if layer_syms and layer_syms[0] != "L":
+        raise SymmemError(f"--symbolic {layer_syms[0]}={keys[layer_syms[0]]}: the layer count is the symbol L "
+                          f"(the folded blocks): write L={keys[layer_syms[0]]}")
+    if "L" in keys and not layer_syms:
+        raise SymmemError(f"--symbolic L={keys['L']}: L is the layer count; name {keys['L']} another symbol")
+    if not layer_syms and layer_key is not None and isinstance(getattr(default, layer_key), int):
+        keys["L"], canonical["L"] = layer_key, "num_hidden_layers"  # traced at 2 and 3 layers, evaluated at its own
+    sizes = {s: int(getattr(default, k)) for s, k in keys.items()}
+    role = {c: s for s, c in canonical.items()}
+    hidden = next((role[c] for c in HIDDEN if c in role), None)
+    heads = next((role[c] for c in HEADS if c in role), None)
+    groups = next((role[c] for c in GROUPS if c in role), None)
+    divisible: dict[str, str] = {}
+    head_dim = getattr(default, "head_dim", None)
+    if hidden and heads and (head_dim is None or head_dim * sizes[heads] == sizes[hidden]) \
+            and "head_dim" not in config:
+        divisible[hidden] = heads
+    if heads and groups:
+        divisible[heads] = groups
+    return HfSizes(spec, keys, sizes, divisible, dict(config), loss)
