@@ -144,6 +144,29 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
     return model, conv, regime, conv_options
 
 
+def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches: int = 1,
+                    values: Mapping[str, int] | None = None, loss: str | None = "sum", **keywords: Any) -> Any:
+    """Each pipeline stage's memory under ``torch.distributed.pipelining`` (``schedule`` ``1f1b`` or ``gpipe``,
+    ``micro_batches`` M per step, ``p`` stages: ``values={"p": 4}``), as a
+    :class:`~symmem.passes.model_parallel.Pipeline`; the other arguments are :func:`derive`'s (one device: the
+    stages are cut from its storages; the pytorch convention)."""
+    from .passes.model_parallel import Pipeline, pipeline_peaks, requires, stages
+    from .passes.regimes import DEFAULTS
+
+    keywords = {k: v for k, v in keywords.items() if k not in ("pipeline_parallel", "pipeline_schedule")}
+    given = dict(values or {})
+    p_value = given.pop("p", DEFAULTS[sympy.Symbol("p", positive=True, integer=True)])
+    built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
+    d = derivation(built, conv, regime, given, options=conv_options)
+    numbers = {s.name: int(v) for s, v in d.numbers.items()}
+    requires(p_value, numbers.get("L"))
+    found = stages(built.graph, d.storages, regime, schedule=schedule, micro_batches=micro_batches)
+    numbers = {**numbers, "p": int(p_value)}
+    peaks = tuple(pipeline_peaks(built.graph, conv, conv_options, regime, numbers, found, schedule=schedule,
+                                 micro_batches=micro_batches))
+    return Pipeline(found, numbers, schedule, micro_batches, peaks)
+
+
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
              loss: str | None = "sum", convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with

@@ -1,0 +1,509 @@
+"""One pipeline stage's memory as ``torch.distributed.pipelining`` holds it: ScheduleGPipe and Schedule1F1B.
+
+The papers' accounting (:func:`symmem.passes.regimes.pipeline`: a stage holds ``L/p`` layers and ``p``
+micro-batches in flight, the embedding and the head on the one stage shown) is not what the engine does.
+Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``tests/test_model_parallel.py``):
+
+* **the split** -- the embedding (and what the model computes before its layers) is on the first stage, the final
+  norm, the head and the loss on the last, ``L/p`` layers on each; a tied head is a copy of the embedding on the
+  last stage (its own weights, gradient and optimizer state);
+* **micro-batches in flight** -- GPipe runs every forward before any backward: every stage holds ``M``
+  micro-batches' saved activations; 1F1B holds ``min(p - s, M)`` on stage ``s`` (the first stage the most, the
+  last one);
+* **per micro-batch in flight** -- what the stage's ops save (the single-device derivation's storages, split by
+  group: ``embed`` on the first stage, the layers', ``head`` and ``loss`` on the last) less the stage's output,
+  which no op of the stage keeps; a stage that is not the last also holds that output (``fwd_cache``) until the
+  micro-batch's backward;
+* **held between steps** -- a receive buffer per micro-batch for the activation from the stage before (stages
+  after the first) and for the gradient from the stage after (stages before the last), made once and kept; the
+  last stage keeps every micro-batch's logits (``output_chunks``, ``M`` x the model's output) until the next step
+  begins; Adam's 4-byte ``step`` per parameter tensor;
+* **the optimizer step** (``for-loop`` Adam/AdamW, the CPU default) -- every gradient, and per parameter two
+  temporaries of its size beside the previous parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`).
+
+A :class:`StageMemory` holds each part as a formula in the model's sizes and ``p`` (``M`` and the schedule are
+numbers: the micro-batch count is an option, as gradient accumulation's is).  ``step_peak`` is the live memory
+at the optimizer step's largest moment, exact; ``held`` is what the pipeline phase holds at its most
+micro-batches in flight before any backward op runs (a lower bound of that phase's peak: the backward of one
+micro-batch adds its gradients and transients on top, measured in ``docs/regimes.md``).
+
+>>> from symmem.api import pipeline_stages
+>>> plan = pipeline_stages("gpt2", schedule="gpipe", micro_batches=4, loss="cross-entropy", attention="naive",
+...                        dropout=0.0,
+...                        values={"B": 2, "S": 8, "H": 32, "h": 2, "L": 2, "V": 64, "F": 128, "p": 2})
+>>> [(s.name, s.in_flight) for s in plan.stages]
+[('first', 4), ('middle', 4), ('last', 4)]
+>>> plan.values("first")["saved"], plan.values("last")["parameters"]
+(234752, 59264)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import sympy
+
+from ..derivation import Storage
+from ..errors import SymmemError
+from ..graph import Graph
+from ..shapes import numel
+from ..symbols import p
+from ..tensor import dtype_bytes
+from ..training import SCHEDULES, Regime
+
+#: The parts of a stage's memory, in the order the table shows them.
+PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "saved", "in_flight_outputs",
+         "step_temporaries")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's memory, by part (bytes as formulas; see the module's note)."""
+
+    name: str                       # first, middle (the second stage: the most in flight among the middle) or last
+    index: sympy.Expr               # the stage index s
+    in_flight: sympy.Expr           # micro-batches whose activations the stage holds at once
+    parameters: sympy.Expr          # weights
+    gradients: sympy.Expr
+    optimizer_state: sympy.Expr     # including Adam's 4-byte step per parameter tensor
+    buffers: sympy.Expr             # receive buffers, kept for the stage's life
+    inputs: sympy.Expr              # the batch (first stage) or the labels (last stage), all M micro-batches
+    outputs: sympy.Expr             # the last stage's logits of every micro-batch, kept until the next step
+    saved_per_micro_batch: sympy.Expr
+    saved: sympy.Expr               # in_flight x saved_per_micro_batch
+    in_flight_outputs: sympy.Expr   # the stage's output per micro-batch in flight (not the last stage)
+    step_temporaries: sympy.Expr    # the optimizer step's largest temporaries
+
+    @property
+    def at_rest(self) -> sympy.Expr:
+        """What lives between steps (after ``zero_grad``)."""
+        return self.parameters + self.optimizer_state + self.buffers + self.inputs + self.outputs
+
+    @property
+    def step_peak(self) -> sympy.Expr:
+        """Live bytes at the optimizer step's largest moment: at rest, every gradient and the step's temporaries."""
+        return self.at_rest + self.gradients + self.step_temporaries
+
+    @property
+    def held(self) -> sympy.Expr:
+        """What the pipeline phase holds with the most micro-batches in flight, before their backward."""
+        return self.at_rest + self.saved + self.in_flight_outputs
+
+    def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
+        """Every part and total at ``numbers`` (symbol name -> value), as integers."""
+        subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        out = {}
+        for f in fields(self):
+            if f.name != "name":
+                out[f.name] = _integer(getattr(self, f.name), subs, f.name)
+        for name in ("at_rest", "step_peak", "held"):
+            out[name] = _integer(getattr(self, name), subs, name)
+        return out
+
+
+def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
+    value = sympy.sympify(expr).xreplace(subs)
+    if not value.is_number:
+        raise SymmemError(f"the stage's {name} needs values for {', '.join(sorted(map(str, value.free_symbols)))}")
+    return int(sympy.ceiling(value))
+
+
+def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedule: str = "1f1b",
+           micro_batches: int = 1) -> tuple[StageMemory, ...]:
+    """The first stage, a middle one (the second: with ``p = 2`` it does not exist, but its formula is given for
+    ``p >= 3``) and the last, for the single-device ``storages`` of ``graph`` (a derivation without pipeline
+    parallelism, the pytorch convention) under ``regime``'s precision and optimizer.
+
+    Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
+    """
+    if schedule not in SCHEDULES:
+        raise SymmemError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise SymmemError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    blocks = list(graph.blocks.values())
+    if len(blocks) != 1:
+        raise SymmemError(f"pipeline stages split one repeated block of layers; {graph.graph.get('name', 'this model')}"
+                          f" has {len(blocks)}")
+    block = blocks[0]
+    layers = block.count
+    act = regime.activation_dtype
+    boundary = _bytes(graph, block.output, act)
+    output = _model_output(graph)
+    logits = _bytes(graph, output, act) if output is not None else sympy.Integer(0)
+    per_group = _saved_by_group(storages, layers)
+    out_kept = _kept_per_layer(storages, block.output, layers)
+    per_stage = layers / p
+    m = sympy.Integer(micro_batches)
+    batch = sum((s.expr for s in storages if s.category == "input" and s.group == "input"), sympy.Integer(0))
+    labels = _label_bytes(graph)
+    params = _parameter_sides(graph, regime, per_stage)
+    found = []
+    for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
+        first, last = name == "first", name == "last"
+        flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else sympy.Min(p - index, m))
+        saved = per_stage * per_group["layer"] - (0 if last else out_kept)
+        if first:
+            saved += per_group["embed"]
+        if last:
+            saved += per_group["head"] + per_group["loss"]
+        weights, grads, state, temps = params[name]
+        # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after
+        buffers = (0 if first else 1) * m * boundary + (0 if last else 1) * m * boundary
+        found.append(StageMemory(
+            name, index, flight, weights, grads, state, sympy.sympify(buffers),
+            m * batch if first else (m * labels if last else sympy.Integer(0)),
+            m * logits if last else sympy.Integer(0), saved, flight * saved,
+            sympy.Integer(0) if last else flight * boundary, temps))
+    return tuple(found)
+
+
+def _bytes(graph: Graph, node: str, act: str) -> sympy.Expr:
+    spec = graph.node(node).out
+    return spec.numel * dtype_bytes(spec.dtype, act)
+
+
+def _model_output(graph: Graph) -> str | None:
+    """The model's output: the last node outside the loss that no other node outside the loss reads."""
+    order = list(graph.program_order())
+    inside = [n for n in order if graph.node(n).group != "loss"]
+    read = {i for n in inside for i in graph.node(n).inputs}
+    found = [n for n in inside if n not in read and graph.node(n).kind not in ("input", "parameter", "buffer",
+                                                                                  "constant")]
+    return found[-1] if found else None
+
+
+def _label_bytes(graph: Graph) -> sympy.Expr:
+    """The labels the last stage is given: the loss's input nodes (int64 ids)."""
+    total = sympy.Integer(0)
+    for n in graph.program_order():
+        node = graph.node(n)
+        if node.kind == "input" and node.group == "loss":
+            total += _bytes(graph, n, "float32")
+    return total
+
+
+def _saved_by_group(storages: Iterable[Storage], layers: sympy.Expr) -> dict[str, sympy.Expr]:
+    """Bytes one micro-batch's ops keep, by group: ``layer`` is one layer's."""
+    out = {g: sympy.Integer(0) for g in ("embed", "layer", "head", "loss")}
+    for s in storages:
+        if s.category in ("activation", "loss") and s.group in out:
+            out[s.group] += s.expr / layers if s.group == "layer" else s.expr
+    return out
+
+
+def _kept_per_layer(storages: Iterable[Storage], output: str, layers: sympy.Expr) -> sympy.Expr:
+    """Bytes of one layer's output that the next op keeps (a stage's output, which no op of that stage keeps)."""
+    return sum((s.expr / layers for s in storages if s.node == output and s.category == "activation"
+                and s.group == "layer"), sympy.Integer(0))
+
+
+def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr
+                     ) -> dict[str, tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]]:
+    """(weights, gradients, optimizer state, the optimizer step's largest temporaries) of each stage."""
+    owned: dict[str, list[tuple[sympy.Expr, tuple[sympy.Expr, ...]]]] = {"first": [], "layer": [], "last": []}
+    for n in graph.program_order():
+        node = graph.node(n)
+        where = "layer" if node.block is not None else ("last" if node.group in ("head", "loss") else "first")
+        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
+                                                                                  node.params.values()]
+        if node.kind == "linear" and node.attrs.get("tied"):
+            # the last stage's own copy of the tied embedding (Megatron-LM, torchtitan)
+            shapes.append((node.attrs["out_features"], graph.node(node.inputs[0]).out.shape[-1]))
+        owned[where] += [(sympy.Integer(1), shape) for shape in shapes]
+    layer = [shape for _, shape in owned["layer"]]
+    first = [shape for _, shape in owned["first"]]
+    last = [shape for _, shape in owned["last"]]
+    return {"first": _side(regime, first, layer, [], per_stage), "middle": _side(regime, [], layer, [], per_stage),
+            "last": _side(regime, [], layer, last, per_stage)}
+
+
+def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
+          after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr
+          ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
+    x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them."""
+    weights = grads = state = sympy.Integer(0)
+    for count, shape in [*((sympy.Integer(1), s) for s in before + after), *((layers, s) for s in layer)]:
+        n = numel(shape)
+        for c in regime.precision_spec.parts:
+            if c.kind == "gradients":
+                grads += count * n * c.bytes
+            elif c.kind == "weights":
+                weights += count * n * c.bytes
+            else:
+                state += count * n * c.bytes
+        state += count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0))
+        if regime.optimizer in ("adam", "adamw"):
+            state += count * 4  # the step count: a 0-dim FP32 tensor per parameter
+    return weights, grads, state, _step_temporaries(regime, before, layer, after, layers)
+
+
+def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
+                      after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr) -> sympy.Expr:
+    """The for-loop Adam step's largest temporaries: ``sqrt`` and ``denom`` of one parameter beside the previous
+    parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`), in the order the stage lists them."""
+    if regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in ("auto", "for-loop"):
+        raise SymmemError("pipeline stages model the for-loop Adam/AdamW step (the CPU default); "
+                          f"got {regime.optimizer} with {regime.optimizer_impl}")
+    size = [numel(shape) * 4 for shape in before + layer + after]
+    if not size:
+        return sympy.Integer(0)
+    candidates = [2 * size[0]] + [prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False)]
+    if layer:
+        # with two or more layers a layer's first parameter follows the last of the layer before
+        k = len(before)
+        again = size[k + len(layer) - 1] + 2 * size[k]
+        candidates.append(sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True)))
+    return sympy.Max(*candidates)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The stages of one model under one schedule, and the numbers they are evaluated at (``p`` included)."""
+
+    stages: tuple[StageMemory, ...]
+    numbers: Mapping[str, int]
+    schedule: str
+    micro_batches: int
+    #: every stage's steady-step peak at the numbers (:func:`pipeline_peaks`)
+    peaks: tuple[Any, ...] = ()
+
+    def shown(self) -> tuple[StageMemory, ...]:
+        """The stages that exist at these numbers: no middle one with two stages."""
+        return tuple(s for s in self.stages if s.name != "middle" or self.numbers.get("p", 3) >= 3)
+
+    def values(self, name: str) -> dict[str, int]:
+        """Stage ``name``'s parts at the numbers."""
+        return next(s for s in self.stages if s.name == name).at(self.numbers)
+
+    def peak(self) -> tuple[str, int]:
+        """The largest stage's optimizer-step peak and which stage (the phase this module gives exactly)."""
+        best = max(self.shown(), key=lambda s: s.at(self.numbers)["step_peak"])
+        return best.name, best.at(self.numbers)["step_peak"]
+
+    def table(self) -> str:
+        return table(self.shown(), self.numbers, self.schedule, self.micro_batches)
+
+
+def table(found: Sequence[StageMemory], numbers: Mapping[str, int], schedule: str, micro_batches: int) -> str:
+    """The stages at ``numbers`` as text: one column per stage, one row per part."""
+    values = [s.at(numbers) for s in found]
+    rows = [("in flight", [str(v["in_flight"]) for v in values])]
+    rows += [(part.replace("_", " "), [f"{v[part]:,}" for v in values]) for part in (*PARTS, "held", "step_peak")]
+    head = f"pipeline stages ({schedule}, M={micro_batches}, p={numbers.get('p', '?')}): bytes per stage"
+    width = max(len(r[0]) for r in rows)
+    cols = [max(len(s.name), *(len(r[1][i]) for r in rows)) for i, s in enumerate(found)]
+    lines = [head, " " * width + "  " + "  ".join(s.name.rjust(c) for s, c in zip(found, cols, strict=True))]
+    lines += [name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(vals, cols, strict=True))
+              for name, vals in rows]
+    return "\n".join(lines)
+
+
+def requires(p_value: Any, layers: Any) -> None:
+    """Refuse stage counts the engine refuses: ``p >= 2`` dividing the layers."""
+    if isinstance(p_value, int) and p_value < 2:
+        raise SymmemError(f"pipeline parallelism needs p >= 2 stages, got p={p_value}")
+    if isinstance(p_value, int) and isinstance(layers, int) and layers % p_value:
+        raise SymmemError(f"p={p_value} pipeline stages do not divide the L={layers} layers (an even split)")
+
+
+# -- the pipeline phase, op by op ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePeak:
+    """One stage's steady-step peak at numbers: its bytes, and where (``phase``: ``pipeline`` or ``step``; the op
+    and the micro-batch in the pipeline phase)."""
+
+    stage: int
+    bytes: int
+    phase: str
+    node: str | None
+    micro_batch: int | None
+    pipeline: int   # the pipeline phase's largest moment
+    step: int       # the optimizer step's largest moment
+
+
+def order(schedule: str, stage: int, p_value: int, m: int) -> list[tuple[str, int]]:
+    """The forwards and backwards stage ``stage`` runs, in order: ``("F", i)``, ``("B", i)`` (torch 2.13's
+    ``ScheduleGPipe`` and ``Schedule1F1B._step_microbatches``).
+
+    >>> order("1f1b", 0, 2, 3)
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    >>> order("gpipe", 1, 2, 2)
+    [('F', 0), ('F', 1), ('B', 0), ('B', 1)]
+    """
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(m, p_value - stage)
+    out = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while True:
+        out.append(("B", b))
+        b += 1
+        if f == m:
+            break
+        out.append(("F", f))
+        f += 1
+    out += [("B", i) for i in range(b, m)]
+    return out
+
+
+def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                   numbers: Mapping[str, int], found: Sequence[StageMemory], *, schedule: str,
+                   micro_batches: int) -> list[StagePeak]:
+    """Every stage's steady-step peak at ``numbers`` (``p`` and ``L`` included), from the single-device step's
+    timeline (:class:`~symmem.passes.schedule.Simulation`, two micro-batches: the first makes the gradients, the
+    second adds into them) cut by stage and replayed in the schedule's order (:func:`order`).
+
+    What the engine does beyond the single-device step (see the module's note): a stage's output lives until its
+    micro-batch's backward ends (``fwd_cache``); the gradient a stage sends back lives until the send is waited on
+    (GPipe: the end of the backward phase; 1F1B: the end of the next backward); the last stage keeps each
+    micro-batch's logits and loss to the end of the phase, then concatenates the logits (``merge_chunks``).
+    """
+    from dataclasses import replace as _replace
+
+    from . import branches as size_branches
+    from .schedule import Simulation
+    from .unroll import iteration, unroll
+
+    p_value, layers = int(numbers["p"]), int(numbers["L"])
+    per = layers // p_value
+    block = next(iter(graph.blocks.values()))
+    g = unroll(graph, {block.name: layers})
+    subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+    # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
+    open_, decided = size_branches.conditions(g, g.program_order(), subs)
+    branch = {**decided, **{c: bool(c.xreplace(subs)) for c in open_}}
+    sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), branch, False)
+    sim.micro_batch()
+    sim.micro_batch()
+    tl = sim.timeline(first=False)
+    cache: dict[sympy.Expr, int] = {}
+
+    def size(sid: int) -> int:
+        e = tl.storages[sid].nbytes
+        if e not in cache:
+            cache[e] = _integer(e, subs, tl.storages[sid].name)
+        return cache[e]
+
+    def stage_of(node: str | None) -> int:
+        if node is None:
+            return p_value - 1  # the loss's gradient seed
+        k = iteration(node)
+        if k:
+            return (k - 1) // per
+        return p_value - 1 if g.node(node).group in ("head", "loss") else 0
+
+    output = _model_output(g)
+    keep = {output, "loss"}  # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+    passes = _passes(tl)
+    frees: dict[int, int] = {}
+    for k, e in enumerate(tl.events):
+        for sid in e.freed:
+            frees.setdefault(sid, k)
+    peaks = []
+    for s in range(p_value):
+        memory = found[0] if s == 0 else found[-1] if s == p_value - 1 else found[1]
+        at = memory.at(numbers)
+        base = at["at_rest"] - at["outputs"]  # the last step's logits are dropped as the step begins
+        best = (base, "pipeline", None, None)
+        live = base
+        alive: dict[tuple[int, int], int] = {}
+        later: list[tuple[int, tuple[int, int]]] = []  # sent gradients: (the backward after which they go, key)
+        backwards = 0
+        deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its micro-batch's backward
+        for kind, mb in order(schedule, s, p_value, micro_batches):
+            events = passes[0 if mb == 0 else 1][kind]
+            mine = [(k, e) for k, e in events if stage_of(e.node) == s or (e.node is None and kind == "B"
+                                                                              and s == p_value - 1 and e.born)]
+            indices = {k for k, _ in mine}
+            ends: list[tuple[int, int]] = []
+            for k, e in mine:
+                for sid in e.born:
+                    st = tl.storages[sid]
+                    if st.category in ("parameter", "optimizer_state", "input") or stage_of(st.node) != s:
+                        continue
+                    alive[(mb, sid)] = size(sid)
+                    live += size(sid)
+                    if st.category == "gradient" and mb > 0 and frees.get(sid) not in indices:
+                        # a tied weight's gradient waits for its other use on one device; a stage's own copy
+                        # adds the new gradient into .grad at once
+                        live -= alive.pop((mb, sid))
+                        if live + size(sid) > best[0]:
+                            best = (live + size(sid), "pipeline", e.node, mb)
+                        continue
+                    if st.category == "gradient" or st.name in keep:
+                        continue  # to the step (gradients) or the end of the phase
+                    if frees.get(sid) not in indices:
+                        ends.append((mb, sid))
+                if live > best[0]:
+                    best = (live, "pipeline", e.node, mb)
+                for sid in e.freed:
+                    if (mb, sid) in alive and frees.get(sid) == k and tl.storages[sid].name not in keep:
+                        live -= alive.pop((mb, sid))
+            if kind == "F":
+                # the stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's
+                # warmup holds the one before its last in ``send_work`` until the steady loop ends
+                sent_on = [x for x in ends if _sent_on(x[1], stage_of, frees, tl, s)]
+                warmup = min(micro_batches, p_value - s)
+                if schedule == "gpipe":
+                    ends = [x for x in ends if x not in sent_on]
+                elif warmup >= 2 and mb == warmup - 2:
+                    # freed once both its backward (the (mb + 1)-th) and the steady loop are done
+                    later += [(max(mb + 1, micro_batches - warmup + 1), x) for x in sent_on]
+                    ends = [x for x in ends if x not in sent_on]
+                deferred[mb] = ends
+            else:
+                ends += deferred.pop(mb, [])
+                backwards += 1
+                sent = [x for x in ends if _sent_back(tl.storages[x[1]], stage_of, frees, tl, s)]
+                for key in ends:
+                    if key in alive and key not in sent:
+                        live -= alive.pop(key)
+                last = micro_batches * 2 if schedule == "gpipe" else backwards + 1
+                later += [(last, key) for key in sent]
+                for _, key in [x for x in later if x[0] <= backwards]:
+                    live -= alive.pop(key, 0)
+                later = [x for x in later if x[0] > backwards]
+        if s == p_value - 1 and at["outputs"]:
+            live += at["outputs"]  # merge_chunks: the logits of every micro-batch concatenated
+            if live > best[0]:
+                best = (live, "pipeline", "merge_chunks", None)
+        step = at["step_peak"]
+        top = best if best[0] >= step else (step, "step", None, None)
+        peaks.append(StagePeak(s, top[0], top[1], top[2], top[3], best[0], step))
+    return peaks
+
+
+def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
+    """Whether storage ``sid`` is stage ``s``'s output: single-device, an op of a later stage frees it."""
+    k = frees.get(sid)
+    node = tl.events[k].node if k is not None else None
+    return node is not None and stage_of(node) > s
+
+
+def _sent_back(storage: Any, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
+    """Whether ``storage`` is the gradient stage ``s`` sends to the stage before: single-device, an op of an
+    earlier stage frees it."""
+    sid = tl.storages.index(storage)
+    k = frees.get(sid)
+    if storage.category != "activation_grad" or k is None or s == 0:
+        return False
+    node = tl.events[k].node
+    return node is not None and stage_of(node) < s
+
+
+def _passes(tl: Any) -> list[dict[str, list[tuple[int, Any]]]]:
+    """The two micro-batch passes of a simulated step: each pass's forward and backward events (with their index
+    in the timeline)."""
+    out: list[dict[str, list[tuple[int, Any]]]] = []
+    previous = None
+    for k, e in enumerate(tl.events):
+        if e.phase not in ("forward", "backward"):
+            continue
+        if e.phase == "forward" and previous != "forward":
+            out.append({"F": [], "B": []})
+        out[-1]["F" if e.phase == "forward" else "B"].append((k, e))
+        previous = e.phase
+    return out
