@@ -159,7 +159,7 @@ def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches
     built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
     d = derivation(built, conv, regime, given, options=conv_options)
     numbers = {s.name: int(v) for s, v in d.numbers.items()}
-    requires(p_value, numbers.get("L"))
+    requires(p_value, numbers.get("L"), schedule, micro_batches)
     found = stages(built.graph, d.storages, regime, schedule=schedule, micro_batches=micro_batches)
     numbers = {**numbers, "p": int(p_value)}
     peaks = tuple(pipeline_peaks(built.graph, conv, conv_options, regime, numbers, found, schedule=schedule,

@@ -284,7 +284,13 @@ class Pipeline:
         return best.name, best.at(self.numbers)["step_peak"]
 
     def table(self) -> str:
-        return table(self.shown(), self.numbers, self.schedule, self.micro_batches)
+        text = table(self.shown(), self.numbers, self.schedule, self.micro_batches)
+        if not self.peaks:
+            return text
+        top = max(self.peaks, key=lambda x: x.bytes)
+        each = ", ".join(f"{x.stage}: {x.bytes:,}" for x in self.peaks)
+        return (f"{text}\npeak per device: {top.bytes:,} bytes, stage {top.stage} of {len(self.peaks)} at {top.where}"
+                f"\nsteady-step peak of each stage: {each}")
 
 
 def table(found: Sequence[StageMemory], numbers: Mapping[str, int], schedule: str, micro_batches: int) -> str:
@@ -301,8 +307,12 @@ def table(found: Sequence[StageMemory], numbers: Mapping[str, int], schedule: st
     return "\n".join(lines)
 
 
-def requires(p_value: Any, layers: Any) -> None:
-    """Refuse stage counts the engine refuses: ``p >= 2`` dividing the layers."""
+def requires(p_value: Any, layers: Any, schedule: str = "gpipe", micro_batches: int = 1) -> None:
+    """Refuse what the engine refuses: ``p >= 2`` stages dividing the layers; 1F1B with fewer micro-batches than
+    stages (``Schedule1F1B`` raises)."""
+    if schedule == "1f1b" and isinstance(p_value, int) and micro_batches < p_value:
+        raise SymmemError(f"the 1F1B schedule needs at least as many micro-batches as stages (Schedule1F1B): "
+                          f"M={micro_batches} < p={p_value}; give --micro-batches {p_value} or more, or gpipe")
     if isinstance(p_value, int) and p_value < 2:
         raise SymmemError(f"pipeline parallelism needs p >= 2 stages, got p={p_value}")
     if isinstance(p_value, int) and isinstance(layers, int) and layers % p_value:
@@ -322,6 +332,18 @@ class StagePeak:
     micro_batch: int | None
     pipeline: int   # the pipeline phase's largest moment
     step: int       # the optimizer step's largest moment
+
+    @property
+    def where(self) -> str:
+        """Where the peak is, in words: ``the optimizer step``, or the op, its layer and the micro-batch."""
+        if self.phase == "step":
+            return "the optimizer step"
+        if self.node is None or self.micro_batch is None:
+            return "the end of the schedule" if self.node == "merge_chunks" else "the schedule's start"
+        from .unroll import iteration, template
+
+        layer = f" of layer {iteration(self.node)}" if iteration(self.node) else ""
+        return f"{template(self.node)}{layer}, micro-batch {self.micro_batch}"
 
 
 def order(schedule: str, stage: int, p_value: int, m: int) -> list[tuple[str, int]]:
@@ -388,15 +410,16 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
         return cache[e]
 
     def stage_of(node: str | None) -> int:
-        if node is None:
-            return p_value - 1  # the loss's gradient seed
+        if node is None or node not in g:
+            return p_value - 1  # the loss's gradient seed; the output's sum (no loss in the graph)
         k = iteration(node)
         if k:
             return (k - 1) // per
         return p_value - 1 if g.node(node).group in ("head", "loss") else 0
 
     output = _model_output(g)
-    keep = {output, "loss"}  # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+    # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+    keep = {output, "loss", "output.sum"}
     passes = _passes(tl)
     frees: dict[int, int] = {}
     for k, e in enumerate(tl.events):

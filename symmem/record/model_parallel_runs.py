@@ -115,8 +115,13 @@ def _buffers(stage: Any) -> list[Any]:
     return found
 
 
+def _sum_loss(out: Any, target: Any) -> Any:
+    """The loss ``sum``: the output's sum (the target is not read)."""
+    return out.sum()
+
+
 def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, schedule: str, m: int,
-              static: bool = True) -> StageRun:
+              loss: str = "cross-entropy", static: bool = True) -> StageRun:
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -143,10 +148,11 @@ def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, sche
             given["input_grads"] = hidden()
     stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, m, loss_fn=causal_lm_loss)
+    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, v, (b * m, s), generator=gen)
-    labels = torch.randint(0, v, (b * m, s), generator=gen)
+    # the loss sum reads no labels: an empty target (the schedule splits one per micro-batch all the same)
+    labels = torch.randint(0, v, (b * m, s), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
     params = list(module.parameters())
     opt = make_optimizer(params, "adamw", "for-loop")
     tracker = LiveTracker()
@@ -199,7 +205,7 @@ def _summary(trace: Any, rank: int, schedule: str, m: int, parameters: int) -> S
 
 
 def _rank_main(rank: int, world: int, port: int, model: str, values: dict[str, int],
-               cases: list[tuple[str, int]], out: Any) -> None:
+               cases: list[tuple[Any, ...]], out: Any) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -208,7 +214,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, values: dict[str, i
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         try:
-            runs = [_one_case(model, values, rank, world, schedule, m) for schedule, m in cases]
+            runs = [_one_case(model, values, rank, world, *case) for case in cases]
         finally:
             dist.destroy_process_group()
         out.put((rank, runs))
@@ -219,8 +225,9 @@ def _rank_main(rank: int, world: int, port: int, model: str, values: dict[str, i
 
 
 def pipeline_runs(model: str, values: Mapping[str, int], world: int,
-                  cases: Sequence[tuple[str, int]]) -> list[list[StageRun]]:
-    """Per rank, one :class:`StageRun` per case ``(schedule, M)``: ``world`` stages of ``model`` at ``values``
+                  cases: Sequence[tuple[Any, ...]]) -> list[list[StageRun]]:
+    """Per rank, one :class:`StageRun` per case ``(schedule, M)`` or ``(schedule, M, loss)`` (``cross-entropy``,
+    the default: the causal LM's shifted one; ``sum``): ``world`` stages of ``model`` at ``values``
     (``B`` is one micro-batch) trained two steps on gloo.  A rank that fails or hangs is a :class:`SymmemError`."""
     import multiprocessing
 

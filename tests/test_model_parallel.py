@@ -1,0 +1,128 @@
+"""Pipeline stages against the real engine: ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B) on gloo.
+
+The truth is two real processes (127.0.0.1, a free port, bounded time), each training its stage of the GPT-2
+reference two steps with FP32 AdamW under the live-bytes recorder (``symmem.record.model_parallel_runs``): per
+rank, the steady step's peak, the largest moments of the schedule and of the optimizer step, the most saved
+activations alive at once, what lives between steps, and the parameter bytes.  symmem's side is
+``symmem.api.pipeline_stages``: formulas cut from the single-device derivation and the single-device step's
+timeline replayed in the schedule's order.  Every value is compared to the byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from symmem.errors import SymmemError
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("torch.distributed.pipelining")
+
+#: Small enough to run in seconds, large enough that the pipeline phase is the peak on some stages and the
+#: optimizer step (the 1024-row position table's Adam temporaries) on others.
+SIZES = {"B": 2, "S": 32, "H": 32, "h": 2, "L": 2, "V": 64}
+OPTIONS = {"attention": "naive", "dropout": 0.0, "device": "cpu"}
+#: (schedule, micro-batches, loss): GPipe holds every micro-batch, 1F1B min(p - s, M); the loss ``sum`` keeps
+#: no loss tensors
+CASES = [("gpipe", 1, "cross-entropy"), ("gpipe", 4, "cross-entropy"), ("1f1b", 4, "cross-entropy"),
+         ("gpipe", 2, "sum")]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.model_parallel_runs import pipeline_runs
+
+    return pipeline_runs("gpt2", SIZES, 2, CASES)
+
+
+def _plan(schedule: str, m: int, loss: str):
+    from symmem.api import pipeline_stages
+
+    return pipeline_stages("gpt2", schedule=schedule, micro_batches=m, loss=loss, values={**SIZES, "F": 128, "p": 2},
+                           **OPTIONS)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{s}-M{m}-{loss}" for s, m, loss in CASES])
+def test_every_stage_to_the_byte(measured, case):
+    schedule, m, loss = CASES[case]
+    plan = _plan(schedule, m, loss)
+    for rank, memory in enumerate(plan.shown()):
+        real = measured[rank][case]
+        ours = memory.at(plan.numbers)
+        peak = plan.peaks[rank]
+        assert (peak.bytes, peak.pipeline, peak.step) == (real.peak, real.pipeline_peak, real.step_peak), rank
+        assert ours["parameters"] == real.parameters
+        assert ours["saved"] == real.saved  # the most saved activations alive at once: in flight x one's
+        start = dict(real.start)
+        assert ours["at_rest"] == sum(start.values())
+        assert (ours["parameters"], ours["optimizer_state"], ours["buffers"], ours["inputs"], ours["outputs"]) == (
+            start.get("parameter", 0), start.get("optimizer_state", 0), start.get("buffer", 0),
+            start.get("input", 0), start.get("output", 0))
+        assert peak.phase == ("step" if real.peak_at[0] == "step" else "pipeline")
+
+
+def test_what_the_engine_holds(measured):
+    """The engine's own memory, as numbers a reader can check by hand at these sizes: the stage boundary is
+    B*S*H*4 = 8192 bytes, the logits B*S*V*4 = 16384."""
+    gpipe = {r: measured[r][1] for r in (0, 1)}  # GPipe, M = 4
+    assert dict(gpipe[0].start)["buffer"] == 4 * 8192  # a gradient receive buffer per micro-batch
+    assert dict(gpipe[1].start)["buffer"] == 4 * 8192  # an activation receive buffer per micro-batch
+    assert dict(gpipe[1].start)["output"] == 4 * 16384  # every micro-batch's logits, kept past the step
+    # Adam's step count: 4 bytes per parameter tensor (2 + 12 on the first stage, 12 + 3 on the last)
+    assert dict(gpipe[0].start)["optimizer_state"] == 2 * 190080 + 4 * 14
+    assert dict(gpipe[1].start)["optimizer_state"] == 2 * 59264 + 4 * 15
+    # GPipe's first stage holds all M micro-batches, 1F1B's min(p, M) = 2; the last stage one under 1F1B
+    assert gpipe[0].saved == 4 * measured[0][0].saved
+    assert measured[0][2].saved == 2 * measured[0][0].saved
+    assert measured[1][2].saved == measured[1][0].saved
+
+
+def test_the_papers_stage_is_not_the_engines():
+    """Korthikanti's and Narayanan's first stage holds the embedding, the head and p micro-batches; the engine's
+    first stage has no head, and its last stage keeps the logits (derive's pipeline term vs the stages)."""
+    plan = _plan("1f1b", 4, "cross-entropy")
+    first, _, last = plan.stages
+    values = first.at(plan.numbers)
+    assert values["in_flight"] == 2 and last.at(plan.numbers)["in_flight"] == 1
+    assert last.at(plan.numbers)["outputs"] == 4 * 2 * 32 * 64 * 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"schedule": "1f1b", "micro_batches": 1}, "the 1F1B schedule needs at least as many micro-batches as stages"),
+    ({"schedule": "gpipe", "values": {"p": 5}}, "p=5 pipeline stages do not divide the L=12 layers"),
+    ({"schedule": "gpipe", "values": {"p": 1}}, "pipeline parallelism needs p >= 2 stages"),
+    ({"schedule": "zero-bubble"}, "unknown pipeline schedule 'zero-bubble'"),
+    ({"schedule": "gpipe", "micro_batches": 0}, "micro_batches must be a positive integer"),
+])
+def test_bad_input(kwargs, message):
+    from symmem.api import pipeline_stages
+
+    with pytest.raises(SymmemError, match=message.replace("(", r"\(")):
+        pipeline_stages("gpt2", **kwargs)
+
+
+def test_regime_schedule():
+    from symmem.training import Regime
+
+    assert Regime(pipeline_parallel=True, pipeline_schedule="gpipe").pipeline_schedule == "gpipe"
+    with pytest.raises(SymmemError, match="pipeline schedule 'gpipe' needs pipeline parallelism"):
+        Regime(pipeline_schedule="gpipe")
+    with pytest.raises(SymmemError, match="unknown pipeline schedule"):
+        Regime(pipeline_parallel=True, pipeline_schedule="interleaved")
+
+
+def test_cli(capsys):
+    from symmem.cli import main
+
+    sets = [a for k, v in {**SIZES, "F": 128, "p": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["stages", "gpt2", "--pipeline-parallel", "--micro-batches", "4", "--loss", "cross-entropy",
+                 "--attention", "naive", "--dropout", "0", "--device", "cpu", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline stages (1f1b, M=4, p=2)" in out
+    assert "peak per device: 1,379,384 bytes, stage 0 of 2 at h.mlp.gelu.out of layer 1, micro-batch 1" in out
+    assert main(["stages", "gpt2", "--set", "p=2"]) == 2
+    assert capsys.readouterr().err.startswith("symmem: error: symmem stages splits the model into pipeline stages")
+    # derive keeps the papers' accounting under --pipeline-parallel, with the schedule named
+    assert main(["derive", "gpt2", "--pipeline-parallel", "gpipe", "--convention", "megatron"]) == 0
