@@ -167,6 +167,19 @@ def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches
     return Pipeline(found, numbers, schedule, micro_batches, peaks)
 
 
+def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None = None, **keywords: Any) -> Any:
+    """One tensor-parallel rank's memory under DTensor's standard plan (``parallelize_module``), as a
+    :class:`~symmem.passes.model_parallel.TensorRank` of formulas in ``t``; arguments are :func:`derive`'s (one
+    device: the rank is worked out from its storages; the pytorch convention, FP32 AdamW)."""
+    from .passes.model_parallel import tensor_rank
+
+    keywords = {k: v for k, v in keywords.items() if k not in ("tensor_parallel", "sequence_parallel")}
+    loss = keywords.pop("loss", "sum")
+    built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
+    d = derivation(built, conv, regime, values, options=conv_options)
+    return tensor_rank(built.graph, d.storages, regime)
+
+
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
              loss: str | None = "sum", convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with

@@ -28,13 +28,27 @@ CASES = [("gpipe", 1, "cross-entropy"), ("gpipe", 4, "cross-entropy"), ("1f1b", 
          ("gpipe", 2, "sum")]
 
 
+#: Tensor parallelism (DTensor, Llama's standard plan) over two ranks: grouped-query eager attention, and
+#: multi-head SDPA with two layers.
+TENSOR = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"}),
+          ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 4, "L": 2, "V": 64, "F": 96}, {"attention": "sdpa"})]
+
+
 @pytest.fixture(scope="module")
-def measured():
+def everything():
+    """One gloo process group of two ranks runs every pipeline case and every tensor-parallel step."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
-    from symmem.record.model_parallel_runs import pipeline_runs
+    from symmem.record.model_parallel_runs import runs
 
-    return pipeline_runs("gpt2", SIZES, 2, CASES)
+    jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
+    jobs += [("tensor", "llama", values, options) for values, options in TENSOR]
+    return runs(2, jobs)
+
+
+@pytest.fixture(scope="module")
+def measured(everything):
+    return [rank[:len(CASES)] for rank in everything]
 
 
 def _plan(schedule: str, m: int, loss: str):
@@ -126,3 +140,25 @@ def test_cli(capsys):
     assert capsys.readouterr().err.startswith("symmem: error: symmem stages splits the model into pipeline stages")
     # derive keeps the papers' accounting under --pipeline-parallel, with the schedule named
     assert main(["derive", "gpt2", "--pipeline-parallel", "gpipe", "--convention", "megatron"]) == 0
+
+
+@pytest.mark.parametrize("case", range(len(TENSOR)), ids=["gqa-eager", "mha-sdpa-2-layers"])
+def test_tensor_parallel_rank_to_the_byte(everything, case):
+    """Each rank's saved activations (a DTensor's local shard), parameters, gradients and Adam state."""
+    from symmem import derive
+    from symmem.api import tensor_parallel_rank
+
+    values, options = TENSOR[case]
+    ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
+    for rank in everything:
+        real = rank[len(CASES) + case]
+        assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
+            real.saved, real.parameters, real.gradients, real.optimizer_state)
+    # Megatron-LM's accounting (derive --tensor-parallel) keeps the query after its rotary embedding, the keys and
+    # values the attention keeps (repeated to h heads by eager attention, the cache's copies by SDPA) and the
+    # SiLU output whole on every rank; DTensor splits them: B*S*(3H + F)*4 bytes a layer, half of it on each rank
+    papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+    v = values
+    assert papers.value("activations") - ours["saved"] == v["B"] * v["S"] * (3 * v["H"] + v["F"]) * 4 * v["L"] // 2
+    # and the embedding's gradient comes back whole (V x H) while its weight is split
+    assert ours["gradients"] - ours["parameters"] == 4 * v["V"] * v["H"] // 2

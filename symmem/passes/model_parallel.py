@@ -530,3 +530,72 @@ def _passes(tl: Any) -> list[dict[str, list[tuple[int, Any]]]]:
         out[-1]["F" if e.phase == "forward" else "B"].append((k, e))
         previous = e.phase
     return out
+
+
+# -- tensor parallelism as DTensor runs it ---------------------------------------------------------------------
+#: Dimensions a tensor-parallel plan splits: the attention heads (query and key/value) and the MLP width.
+SPLIT_DIMS = ("h", "G", "F")
+
+
+@dataclass(frozen=True)
+class TensorRank:
+    """One tensor-parallel rank's memory under DTensor's standard plan (formulas in ``t``): the activations
+    autograd keeps, the parameters' local shards, their gradients (the embedding's comes back whole), Adam's
+    state (the local shards, and a 4-byte step per parameter tensor)."""
+
+    saved: sympy.Expr
+    parameters: sympy.Expr
+    gradients: sympy.Expr
+    optimizer_state: sympy.Expr
+
+    def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
+        subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        return {f.name: _integer(getattr(self, f.name), subs, f.name) for f in fields(self)}
+
+
+def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime) -> TensorRank:
+    """One rank of ``t`` under ``parallelize_module`` with the standard plan (the embedding row-wise, q/k/v and
+    the MLP's gate/up column-wise, o/down row-wise, the head column-wise), from the single-device ``storages``
+    of ``graph`` (the pytorch convention, no tensor parallelism in ``regime``).
+
+    What DTensor splits is every tensor between a column-parallel linear and the row-parallel one after it:
+    whatever has a head or MLP-width dimension (:data:`SPLIT_DIMS`) -- the rotary query, the repeated keys and
+    values kept by the attention's matmuls, the SiLU output -- beside the roles Megatron-LM's accounting splits
+    (:data:`symmem.passes.regimes.TP_ROLES`); everything else is whole on every rank.
+    """
+    from ..symbols import t
+    from .regimes import TP_ROLES
+
+    saved = sympy.Integer(0)
+    for s in storages:
+        if s.category not in ("activation", "loss"):
+            continue
+        split = s.role in TP_ROLES or (s.node is not None and s.node in graph
+                                       and _splits(graph, s.node, s.name))
+        saved += s.expr / t if split else s.expr
+    weights = grads = state = sympy.Integer(0)
+    for n in graph.program_order():
+        node = graph.node(n)
+        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(x) for x in
+                                                                                  node.params.values()]
+        for shape in shapes:
+            count = node.count
+            local = numel(shape) / t if len(shape) >= 2 else numel(shape)
+            weights += count * local * 4
+            # the embedding's gradient comes back whole: embedding_dense_backward of the replicated ids
+            grads += count * (numel(shape) if node.kind == "embedding" else local) * 4
+            state += count * (2 * local * 4 + (4 if regime.optimizer in ("adam", "adamw") else 0))
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
+        raise SymmemError("the tensor-parallel ranks are modelled for FP32 Adam/AdamW, as measured")
+    return TensorRank(saved, weights, grads, state)
+
+
+def _splits(graph: Graph, node: str, name: str) -> bool:
+    """Whether the tensor a storage holds has a head or MLP-width dimension (an input copy: that input's)."""
+    spec = graph.node(node).out
+    suffix = name[len(node):] if name.startswith(node) else ""
+    if suffix.startswith(".input") and suffix.endswith("_copy"):
+        index = int(suffix[len(".input"):-len("_copy")])
+        spec = graph.node(graph.node(node).inputs[index]).out
+    names = {str(x) for d in spec.shape for x in sympy.sympify(d).free_symbols}
+    return graph.node(node).block is not None and bool(names & set(SPLIT_DIMS))

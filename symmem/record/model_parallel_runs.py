@@ -204,8 +204,90 @@ def _summary(trace: Any, rank: int, schedule: str, m: int, parameters: int) -> S
                     max(r.live for r in records if r.phase == "step"))
 
 
-def _rank_main(rank: int, world: int, port: int, model: str, values: dict[str, int],
-               cases: list[tuple[Any, ...]], out: Any) -> None:
+@dataclass(frozen=True)
+class TensorRun:
+    """One rank's measurement of a tensor-parallel step (DTensor, the standard Llama plan): the bytes autograd
+    keeps after the forward (each storage once, a DTensor's local shard), the parameters' local bytes, the
+    gradients' after backward, the optimizer state's after AdamW's first step; and the saved storages as
+    (bytes, shape, the tensor's type)."""
+
+    rank: int
+    saved: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    saved_storages: tuple[tuple[int, tuple[int, ...], str], ...]
+
+
+def llama_plan(module: Any, world: int) -> dict[str, Any]:
+    """The standard tensor-parallel plan of a Llama (torchtitan's, the PyTorch tutorial's): the embedding
+    row-wise, q/k/v/gate/up column-wise, o/down row-wise, the head column-wise with its output replicated; the
+    attention's head counts divided by the group size."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(module.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "gate_proj", "up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+        layer.self_attn.num_heads //= world
+        layer.self_attn.num_key_value_heads //= world
+    return plan
+
+
+def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]
+                 ) -> TensorRun:
+    import weakref
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ..reference.sequence_models import reference
+    from .optim import make_optimizer, state_tensors
+
+    if model != "llama":
+        raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
+    torch.manual_seed(0)
+    module, (ids,) = reference(model, values, **options)
+    parallelize_module(module, init_device_mesh("cpu", (world,)), llama_plan(module, world))
+
+    def local(t: Any) -> Any:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    params = list(module.parameters())
+    held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
+    saved: dict[int, tuple[int, tuple[int, ...], str]] = {}
+
+    def pack(t: Any) -> Any:
+        # a DTensor is a wrapper without data: its local shard is what the rank holds
+        st = local(t).untyped_storage()
+        key = st._cdata
+        if key not in saved and key not in held:
+            saved[key] = (st.nbytes(), tuple(local(t).shape), type(t).__name__)
+            weakref.finalize(st, saved.pop, key, None)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(ids)
+    kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
+    total = sum(v[0] for v in kept)
+    out.sum().backward()
+    opt = make_optimizer(params, "adamw", "for-loop")
+    opt.step()
+
+    def nbytes(ts: Any) -> int:
+        return sum(local(t).numel() * local(t).element_size() for t in ts)
+
+    return TensorRun(rank, total, nbytes(params), nbytes(p.grad for p in params if p.grad is not None),
+                     nbytes(state_tensors(opt)), kept)
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], out: Any) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -214,14 +296,17 @@ def _rank_main(rank: int, world: int, port: int, model: str, values: dict[str, i
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         try:
-            runs = [_one_case(model, values, rank, world, *case) for case in cases]
+            runs = []
+            for kind, model, values, case in jobs:
+                if kind == "pipeline":
+                    runs.append(_one_case(model, values, rank, world, *case))
+                else:
+                    runs.append(_tensor_case(model, values, rank, world, case))
         finally:
             dist.destroy_process_group()
         out.put((rank, runs))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         out.put((rank, traceback.format_exc()))
-    finally:
-        pass
 
 
 def pipeline_runs(model: str, values: Mapping[str, int], world: int,
@@ -229,22 +314,28 @@ def pipeline_runs(model: str, values: Mapping[str, int], world: int,
     """Per rank, one :class:`StageRun` per case ``(schedule, M)`` or ``(schedule, M, loss)`` (``cross-entropy``,
     the default: the causal LM's shifted one; ``sum``): ``world`` stages of ``model`` at ``values``
     (``B`` is one micro-batch) trained two steps on gloo.  A rank that fails or hangs is a :class:`SymmemError`."""
+    return runs(world, [("pipeline", model, dict(values), tuple(case)) for case in cases])
+
+
+def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) -> list[list[Any]]:
+    """Per rank, the result of every job in one process group: ``("pipeline", model, values, (schedule, M[,
+    loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model, dict(values), list(cases), out))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, [(k, m, dict(v), c) for k, m, v, c in jobs], out))
              for r in range(world)]
     for proc in procs:
         proc.start()
     found: dict[int, Any] = {}
     try:
         for _ in procs:
-            rank, runs = out.get(timeout=TIMEOUT_S * 2)
-            found[rank] = runs
+            rank, result = out.get(timeout=TIMEOUT_S * 2)
+            found[rank] = result
     except Exception as e:  # queue.Empty: a rank hung
-        raise SymmemError(f"the pipeline run did not finish in {TIMEOUT_S * 2} s") from e
+        raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from e
     finally:
         for proc in procs:
             proc.join(timeout=5)
