@@ -169,15 +169,17 @@ def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches
 
 def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None = None, **keywords: Any) -> Any:
     """One tensor-parallel rank's memory under DTensor's standard plan (``parallelize_module``), as a
-    :class:`~symmem.passes.model_parallel.TensorRank` of formulas in ``t``; arguments are :func:`derive`'s (one
+    :class:`~symmem.passes.model_parallel.TensorRank` of formulas in ``t`` (``sequence_parallel=True``: with
+    DTensor's sequence parallelism); arguments are :func:`derive`'s (one
     device: the rank is worked out from its storages; the pytorch convention, FP32 AdamW)."""
     from .passes.model_parallel import tensor_rank
 
-    keywords = {k: v for k, v in keywords.items() if k not in ("tensor_parallel", "sequence_parallel")}
+    sequence = bool(keywords.pop("sequence_parallel", False))
+    keywords = {k: v for k, v in keywords.items() if k != "tensor_parallel"}
     loss = keywords.pop("loss", "sum")
     built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
     d = derivation(built, conv, regime, values, options=conv_options)
-    return tensor_rank(built.graph, d.storages, regime)
+    return tensor_rank(built.graph, d.storages, regime, sequence)
 
 
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,

@@ -32,6 +32,8 @@ CASES = [("gpipe", 1, "cross-entropy"), ("gpipe", 4, "cross-entropy"), ("1f1b", 
 #: multi-head SDPA with two layers.
 TENSOR = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"}),
           ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 4, "L": 2, "V": 64, "F": 96}, {"attention": "sdpa"})]
+#: The same with sequence parallelism (torchtitan's plan: SequenceParallel norms, S split between the layers)
+SEQUENCE = [(values, {**options, "sequence_parallel": True}) for values, options in TENSOR]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def everything():
     from symmem.record.model_parallel_runs import runs
 
     jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
-    jobs += [("tensor", "llama", values, options) for values, options in TENSOR]
+    jobs += [("tensor", "llama", values, options) for values, options in TENSOR + SEQUENCE]
     return runs(2, jobs)
 
 
@@ -162,3 +164,20 @@ def test_tensor_parallel_rank_to_the_byte(everything, case):
     assert papers.value("activations") - ours["saved"] == v["B"] * v["S"] * (3 * v["H"] + v["F"]) * 4 * v["L"] // 2
     # and the embedding's gradient comes back whole (V x H) while its weight is split
     assert ours["gradients"] - ours["parameters"] == 4 * v["V"] * v["H"] // 2
+
+
+@pytest.mark.parametrize("case", range(len(SEQUENCE)), ids=["gqa-eager", "mha-sdpa-2-layers"])
+def test_sequence_parallel_rank_to_the_byte(everything, case):
+    """With sequence parallelism the hidden stream is split over S, but each column-parallel linear keeps its
+    all-gathered input whole: Korthikanti's accounting (derive --sequence-parallel) splits it."""
+    from symmem import derive
+    from symmem.api import tensor_parallel_rank
+
+    values, options = SEQUENCE[case]
+    ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
+    for rank in everything:
+        real = rank[len(CASES) + len(TENSOR) + case]
+        assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
+            real.saved, real.parameters, real.gradients, real.optimizer_state)
+    papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+    assert papers.value("activations") < ours["saved"]

@@ -553,7 +553,7 @@ class TensorRank:
         return {f.name: _integer(getattr(self, f.name), subs, f.name) for f in fields(self)}
 
 
-def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime) -> TensorRank:
+def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, sequence: bool = False) -> TensorRank:
     """One rank of ``t`` under ``parallelize_module`` with the standard plan (the embedding row-wise, q/k/v and
     the MLP's gate/up column-wise, o/down row-wise, the head column-wise), from the single-device ``storages``
     of ``graph`` (the pytorch convention, no tensor parallelism in ``regime``).
@@ -562,6 +562,12 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime) -> Te
     whatever has a head or MLP-width dimension (:data:`SPLIT_DIMS`) -- the rotary query, the repeated keys and
     values kept by the attention's matmuls, the SiLU output -- beside the roles Megatron-LM's accounting splits
     (:data:`symmem.passes.regimes.TP_ROLES`); everything else is whole on every rank.
+
+    With ``sequence`` (DTensor's ``SequenceParallel`` norms, the layer input split over S between the row-parallel
+    outputs' reduce-scatter and the column-parallel inputs' all-gather) the rest of the hidden stream -- every
+    (B, S, ...) tensor, the embedding's output, the norms', the residual sums -- is split over S too, except what
+    a column-parallel linear keeps: the all-gathered input, whole, once per all-gather (the attention gathers
+    once for q, k and v; linears outside it each gather their own).  Korthikanti's accounting splits those too.
     """
     from ..symbols import t
     from .regimes import TP_ROLES
@@ -572,7 +578,18 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime) -> Te
             continue
         split = s.role in TP_ROLES or (s.node is not None and s.node in graph
                                        and _splits(graph, s.node, s.name))
-        saved += s.expr / t if split else s.expr
+        if split:
+            saved += s.expr / t
+        elif sequence and s.node in graph:
+            gathers = _gathers(graph, s.keepers)
+            if gathers:
+                saved += gathers * s.expr  # the all-gathered full-S input of column-parallel linears
+            elif _stream(graph, s.node):
+                saved += s.expr / t
+            else:
+                saved += s.expr
+        else:
+            saved += s.expr
     weights = grads = state = sympy.Integer(0)
     for n in graph.program_order():
         node = graph.node(n)
@@ -588,6 +605,21 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime) -> Te
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
         raise SymmemError("the tensor-parallel ranks are modelled for FP32 Adam/AdamW, as measured")
     return TensorRank(saved, weights, grads, state)
+
+
+def _gathers(graph: Graph, keepers: Iterable[str]) -> int:
+    """How many all-gathered copies of a tensor column-parallel linears keep under sequence parallelism: one for
+    the attention's q/k/v, one each for the others (the MLP's gate and up, the head)."""
+    colwise = [k for k in keepers if k in graph and graph.node(k).kind == "linear" and (
+        graph.node(k).role in ("qkv", "mlp_hidden") or graph.node(k).group == "head")]
+    attention = [k for k in colwise if graph.node(k).role == "qkv"]
+    return (1 if attention else 0) + len(colwise) - len(attention)
+
+
+def _stream(graph: Graph, node: str) -> bool:
+    """Whether ``node``'s output is of the hidden stream: (B, S, ...), which sequence parallelism splits over S."""
+    shape = [str(d) for d in graph.node(node).out.shape]
+    return shape[:2] == ["B", "S"]
 
 
 def _splits(graph: Graph, node: str, name: str) -> bool:

@@ -238,6 +238,53 @@ def llama_plan(module: Any, world: int) -> dict[str, Any]:
     return plan
 
 
+def llama_sequence_plan(module: Any, world: int) -> dict[str, Any]:
+    """The standard plan with sequence parallelism (torchtitan's): the norms ``SequenceParallel``, the layer input
+    split over S between the row-parallel output's reduce-scatter and the column-parallel inputs' all-gather."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, Any] = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                            "norm": SequenceParallel(),
+                            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i, layer in enumerate(module.layers):
+        plan[f"layers.{i}.input_layernorm"] = SequenceParallel()
+        plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
+        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                           desired_input_layouts=(Replicate(), None, None))
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        # the reference's MLP is no module of its own: gate and up each all-gather the normed input
+        for name in ("gate_proj", "up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel(input_layouts=Shard(1))
+        for name in ("self_attn.o_proj", "down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+        layer.self_attn.num_heads //= world
+        layer.self_attn.num_key_value_heads //= world
+    return plan
+
+
+def _sequence_forward(module: Any) -> Any:
+    """The Llama reference's forward with the sequence length of the ids, not of the (split) embedding output:
+    the rotary tables and the mask cover the whole sequence (torchtitan precomputes them)."""
+    import torch
+
+    def forward(input_ids: Any) -> Any:
+        hidden = module.embed_tokens(input_ids)
+        seq = input_ids.shape[1]
+        position_ids = torch.arange(seq).unsqueeze(0)
+        mask = None
+        if not module.sdpa:
+            mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None].expand(
+                input_ids.shape[0], 1, -1, -1)
+        embeddings = module.rotary_emb(hidden, position_ids)
+        for layer in module.layers:
+            hidden = layer(hidden, embeddings, mask)
+        return module.lm_head(module.norm(hidden))
+
+    return forward
+
+
 def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]
                  ) -> TensorRun:
     import weakref
@@ -253,8 +300,12 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
     torch.manual_seed(0)
+    options = dict(options)
+    sequence = bool(options.pop("sequence_parallel", False))
     module, (ids,) = reference(model, values, **options)
-    parallelize_module(module, init_device_mesh("cpu", (world,)), llama_plan(module, world))
+    plan = (llama_sequence_plan if sequence else llama_plan)(module, world)
+    parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
+    run = _sequence_forward(module) if sequence else module
 
     def local(t: Any) -> Any:
         return t._local_tensor if isinstance(t, DTensor) else t
@@ -273,7 +324,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(ids)
+        out = run(ids)
     kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
     total = sum(v[0] for v in kept)
     out.sum().backward()
