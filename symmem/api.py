@@ -160,9 +160,12 @@ def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches
     d = derivation(built, conv, regime, given, options=conv_options)
     numbers = {s.name: int(v) for s, v in d.numbers.items()}
     requires(p_value, numbers.get("L"), schedule, micro_batches)
-    found = stages(built.graph, d.storages, regime, schedule=schedule, micro_batches=micro_batches)
+    # the convention's options as the derivation resolved them (a built-in model's device is cuda unless given)
+    resolved = {k: d.options[k] for k in conv.options if k in d.options}
+    found = stages(built.graph, d.storages, regime, schedule=schedule, micro_batches=micro_batches,
+                   device=str(resolved.get("device", "cpu")))
     numbers = {**numbers, "p": int(p_value)}
-    peaks = tuple(pipeline_peaks(built.graph, conv, conv_options, regime, numbers, found, schedule=schedule,
+    peaks = tuple(pipeline_peaks(built.graph, conv, resolved, regime, numbers, found, schedule=schedule,
                                  micro_batches=micro_batches))
     return Pipeline(found, numbers, schedule, micro_batches, peaks)
 

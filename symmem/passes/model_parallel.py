@@ -111,13 +111,16 @@ def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: st
 
 
 def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedule: str = "1f1b",
-           micro_batches: int = 1) -> tuple[StageMemory, ...]:
+           micro_batches: int = 1, device: str = "cpu") -> tuple[StageMemory, ...]:
     """The first stage, a middle one (the second: with ``p = 2`` it does not exist, but its formula is given for
     ``p >= 3``) and the last, for the single-device ``storages`` of ``graph`` (a derivation without pipeline
     parallelism, the pytorch convention) under ``regime``'s precision and optimizer.
 
     Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
     """
+    if regime.tensor_parallel or regime.zero or regime.checkpoint != "none" or regime.precision != "fp32":
+        raise SymmemError("pipeline stages are modelled for FP32 without checkpointing, ZeRO or tensor parallelism "
+                          "(what was measured)")
     if schedule not in SCHEDULES:
         raise SymmemError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -126,7 +129,18 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     if len(blocks) != 1:
         raise SymmemError(f"pipeline stages split one repeated block of layers; {graph.graph.get('name', 'this model')}"
                           f" has {len(blocks)}")
+    from .schedule import optimizer_impl
+
+    impl = optimizer_impl(regime, device)  # for-loop on the CPU (measured), foreach on CUDA, unless given
     block = blocks[0]
+    shared = sorted({i for n in graph.program_order() if graph.node(n).block is not None
+                     for i in graph.node(n).inputs if graph.node(i).block is None and i != block.source
+                     and graph.node(i).kind not in ("parameter", "buffer", "constant")})
+    if shared:
+        # Llama's rotary tables and mask: every stage would make its own (torchtitan), which is not modelled
+        raise SymmemError(f"pipeline stages are modelled for layers that read only the layer before; the layers of "
+                          f"{graph.graph.get('name', 'this model')} also read {', '.join(shared[:3])}, which every "
+                          "stage would have to make")
     layers = block.count
     act = regime.activation_dtype
     boundary = _bytes(graph, block.output, act)
@@ -138,7 +152,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     m = sympy.Integer(micro_batches)
     batch = sum((s.expr for s in storages if s.category == "input" and s.group == "input"), sympy.Integer(0))
     labels = _label_bytes(graph)
-    params = _parameter_sides(graph, regime, per_stage)
+    params = _parameter_sides(graph, regime, per_stage, impl)
     found = []
     for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
         first, last = name == "first", name == "last"
@@ -199,7 +213,7 @@ def _kept_per_layer(storages: Iterable[Storage], output: str, layers: sympy.Expr
                 and s.group == "layer"), sympy.Integer(0))
 
 
-def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr
+def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr, impl: str
                      ) -> dict[str, tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]]:
     """(weights, gradients, optimizer state, the optimizer step's largest temporaries) of each stage."""
     owned: dict[str, list[tuple[sympy.Expr, tuple[sympy.Expr, ...]]]] = {"first": [], "layer": [], "last": []}
@@ -215,12 +229,13 @@ def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr
     layer = [shape for _, shape in owned["layer"]]
     first = [shape for _, shape in owned["first"]]
     last = [shape for _, shape in owned["last"]]
-    return {"first": _side(regime, first, layer, [], per_stage), "middle": _side(regime, [], layer, [], per_stage),
-            "last": _side(regime, [], layer, last, per_stage)}
+    return {"first": _side(regime, first, layer, [], per_stage, impl),
+            "middle": _side(regime, [], layer, [], per_stage, impl),
+            "last": _side(regime, [], layer, last, per_stage, impl)}
 
 
 def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
-          after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr
+          after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str
           ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
     """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
     x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them."""
@@ -237,19 +252,22 @@ def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tupl
         state += count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0))
         if regime.optimizer in ("adam", "adamw"):
             state += count * 4  # the step count: a 0-dim FP32 tensor per parameter
-    return weights, grads, state, _step_temporaries(regime, before, layer, after, layers)
+    return weights, grads, state, _step_temporaries(regime, before, layer, after, layers, impl)
 
 
 def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
-                      after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr) -> sympy.Expr:
+                      after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str) -> sympy.Expr:
     """The for-loop Adam step's largest temporaries: ``sqrt`` and ``denom`` of one parameter beside the previous
     parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`), in the order the stage lists them."""
-    if regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in ("auto", "for-loop"):
-        raise SymmemError("pipeline stages model the for-loop Adam/AdamW step (the CPU default); "
-                          f"got {regime.optimizer} with {regime.optimizer_impl}")
+    if regime.optimizer not in ("adam", "adamw"):
+        raise SymmemError(f"pipeline stages model the Adam/AdamW step; got {regime.optimizer}")
     size = [numel(shape) * 4 for shape in before + layer + after]
-    if not size:
+    if not size or impl == "fused":
         return sympy.Integer(0)
+    if impl == "foreach":
+        # _foreach_sqrt of every state at once: one copy of every parameter (step_events)
+        return sympy.Add(*size[:len(before)], layers * sympy.Add(*size[len(before):len(before) + len(layer)]),
+                         *size[len(before) + len(layer):])
     candidates = [2 * size[0]] + [prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False)]
     if layer:
         # with two or more layers a layer's first parameter follows the last of the layer before
