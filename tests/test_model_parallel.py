@@ -111,12 +111,25 @@ def test_the_papers_stage_is_not_the_engines():
     ({"schedule": "gpipe", "values": {"p": 1}}, "pipeline parallelism needs p >= 2 stages"),
     ({"schedule": "zero-bubble"}, "unknown pipeline schedule 'zero-bubble'"),
     ({"schedule": "gpipe", "micro_batches": 0}, "micro_batches must be a positive integer"),
+    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32 without checkpointing"),
+    ({"schedule": "gpipe", "checkpoint": "full"}, "pipeline stages are modelled for FP32 without checkpointing"),
+    ({"schedule": "gpipe", "optimizer": "sgd"}, "pipeline stages model the Adam/AdamW step; got sgd"),
 ])
 def test_bad_input(kwargs, message):
     from symmem.api import pipeline_stages
 
     with pytest.raises(SymmemError, match=message.replace("(", r"\(")):
         pipeline_stages("gpt2", **kwargs)
+
+
+def test_layers_that_read_more_than_the_layer_before():
+    """Llama's layers read the rotary tables and the mask made before them: every stage would make its own."""
+    from symmem.api import pipeline_stages
+
+    with pytest.raises(SymmemError, match="the layers of llama also read cos_unsqueeze, sin_unsqueeze"):
+        pipeline_stages("llama", schedule="gpipe")
+    with pytest.raises(SymmemError, match="pipeline stages split one repeated block of layers; mlp has 0"):
+        pipeline_stages("mlp", schedule="gpipe")
 
 
 def test_regime_schedule():
