@@ -18,6 +18,8 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``
   after the first) and for the gradient from the stage after (stages before the last), made once and kept; the
   last stage keeps every micro-batch's logits (``output_chunks``, ``M`` x the model's output) until the next step
   begins; Adam's 4-byte ``step`` per parameter tensor;
+* **what the layers read besides the layer before** (Llama's rotary tables, eager attention's mask) -- every
+  stage makes its own for each micro-batch (:func:`shared_nodes`), and holds the rotary frequencies;
 * **the optimizer step** (``for-loop`` Adam/AdamW, the CPU default) -- every gradient, and per parameter two
   temporaries of its size beside the previous parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`).
 
@@ -133,14 +135,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
 
     impl = optimizer_impl(regime, device)  # for-loop on the CPU (measured), foreach on CUDA, unless given
     block = blocks[0]
-    shared = sorted({i for n in graph.program_order() if graph.node(n).block is not None
-                     for i in graph.node(n).inputs if graph.node(i).block is None and i != block.source
-                     and graph.node(i).kind not in ("parameter", "buffer", "constant")})
-    if shared:
-        # Llama's rotary tables and mask: every stage would make its own (torchtitan), which is not modelled
-        raise SymmemError(f"pipeline stages are modelled for layers that read only the layer before; the layers of "
-                          f"{graph.graph.get('name', 'this model')} also read {', '.join(shared[:3])}, which every "
-                          "stage would have to make")
+    shared = shared_nodes(graph)
     layers = block.count
     act = regime.activation_dtype
     boundary = _bytes(graph, block.output, act)
@@ -153,6 +148,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     batch = sum((s.expr for s in storages if s.category == "input" and s.group == "input"), sympy.Integer(0))
     labels = _label_bytes(graph)
     params = _parameter_sides(graph, regime, per_stage, impl)
+    module_buffers = _module_buffers(graph, act)
     found = []
     for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
         first, last = name == "first", name == "last"
@@ -160,17 +156,57 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
         saved = per_stage * per_group["layer"] - (0 if last else out_kept)
         if first:
             saved += per_group["embed"]
+        else:
+            saved += sum((x.expr for x in storages if x.node in shared and x.category == "activation"),
+                         sympy.Integer(0))
         if last:
             saved += per_group["head"] + per_group["loss"]
         weights, grads, state, temps = params[name]
-        # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after
+        # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after;
+        # and the module's own buffers (a stage that makes the rotary tables holds their frequencies)
         buffers = (0 if first else 1) * m * boundary + (0 if last else 1) * m * boundary
+        buffers += module_buffers["layer"] * per_stage + (module_buffers["first"] if first or shared else 0) + (
+            module_buffers["last"] if last else 0)
         found.append(StageMemory(
             name, index, flight, weights, grads, state, sympy.sympify(buffers),
             m * batch if first else (m * labels if last else sympy.Integer(0)),
             m * logits if last else sympy.Integer(0), saved, flight * saved,
             sympy.Integer(0) if last else flight * boundary, temps))
     return tuple(found)
+
+
+def shared_nodes(graph: Graph) -> set[str]:
+    """What the layers read besides the layer before, and what it is made from: every stage makes its own
+    (Llama's rotary tables and eager attention's mask, made before the layers).  One made from the model's
+    input or the embedding could not be: refused."""
+    block = next(iter(graph.blocks.values()))
+    todo = [i for n in graph.program_order() if graph.node(n).block is not None for i in graph.node(n).inputs
+            if graph.node(i).block is None and i != block.source]
+    found: set[str] = set()
+    while todo:
+        n = todo.pop()
+        node = graph.node(n)
+        if n in found or node.kind in ("parameter", "buffer"):
+            continue
+        if node.kind == "input" or n == block.source or node.kind == "embedding":
+            raise SymmemError(f"the layers of {graph.graph.get('name', 'this model')} read what the model makes "
+                              f"from its input before them ({n}): a pipeline stage could not make it")
+        found.add(n)
+        todo += list(node.inputs)
+    return found
+
+
+def _module_buffers(graph: Graph, act: str) -> dict[str, sympy.Expr]:
+    """Bytes of the modules' buffers before the layers (``first``), in one layer, and after them (``last``)."""
+    out = {k: sympy.Integer(0) for k in ("first", "layer", "last")}
+    for n in graph.program_order():
+        node = graph.node(n)
+        where = "layer" if node.block is not None else ("last" if node.group in ("head", "loss") else "first")
+        if node.kind == "buffer":
+            out[where] += _bytes(graph, n, act)
+        for spec in node.buffers.values():
+            out[where] += spec.numel * dtype_bytes(spec.dtype, act)
+    return out
 
 
 def _bytes(graph: Graph, node: str, act: str) -> sympy.Expr:
@@ -427,6 +463,11 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
             cache[e] = _integer(e, subs, tl.storages[sid].name)
         return cache[e]
 
+    shared = shared_nodes(graph)
+
+    def on(node: str | None, s: int) -> bool:
+        return node in shared or stage_of(node) == s
+
     def stage_of(node: str | None) -> int:
         if node is None or node not in g:
             return p_value - 1  # the loss's gradient seed; the output's sum (no loss in the graph)
@@ -439,6 +480,7 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
     # the last stage keeps its logits (output_chunks) and losses to the end of the phase
     keep = {output, "loss", "output.sum"}
     passes = _passes(tl)
+    forwards = {k for pass_ in passes for k, _ in pass_["F"]}
     frees: dict[int, int] = {}
     for k, e in enumerate(tl.events):
         for sid in e.freed:
@@ -456,14 +498,15 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
         deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its micro-batch's backward
         for kind, mb in order(schedule, s, p_value, micro_batches):
             events = passes[0 if mb == 0 else 1][kind]
-            mine = [(k, e) for k, e in events if stage_of(e.node) == s or (e.node is None and kind == "B"
-                                                                              and s == p_value - 1 and e.born)]
+            mine = [(k, e) for k, e in events if on(e.node, s) or (e.node is None and kind == "B"
+                                                                      and s == p_value - 1 and e.born)]
             indices = {k for k, _ in mine}
             ends: list[tuple[int, int]] = []
+            done: list[tuple[int, int]] = []
             for k, e in mine:
                 for sid in e.born:
                     st = tl.storages[sid]
-                    if st.category in ("parameter", "optimizer_state", "input") or stage_of(st.node) != s:
+                    if st.category in ("parameter", "optimizer_state", "input") or not on(st.node, s):
                         continue
                     alive[(mb, sid)] = size(sid)
                     live += size(sid)
@@ -476,13 +519,18 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
                         continue
                     if st.category == "gradient" or st.name in keep:
                         continue  # to the step (gradients) or the end of the phase
-                    if frees.get(sid) not in indices:
+                    if frees.get(sid) in forwards and kind == "F":
+                        done.append((mb, sid))  # last read by a later stage's forward: gone with this forward
+                    elif frees.get(sid) not in indices:
                         ends.append((mb, sid))
                 if live > best[0]:
                     best = (live, "pipeline", e.node, mb)
                 for sid in e.freed:
                     if (mb, sid) in alive and frees.get(sid) == k and tl.storages[sid].name not in keep:
                         live -= alive.pop((mb, sid))
+            for key in done:
+                if key in alive:
+                    live -= alive.pop(key)
             if kind == "F":
                 # the stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's
                 # warmup holds the one before its last in ``send_work`` until the steady loop ends

@@ -61,7 +61,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int) -> Any:
+def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
+    """A Llama stage (torchtitan's split): every stage makes its own rotary tables (and eager attention's mask)
+    for the whole sequence, as the reference's forward does before its layers."""
+    import torch
+    from torch import nn
+
+    first, last = rank == 0, rank == world - 1
+
+    class LlamaStage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if first:
+                self.embed_tokens = full.embed_tokens
+            self.layers = nn.ModuleList(full.layers[rank * each:(rank + 1) * each])
+            self.rotary_emb, self.sdpa = full.rotary_emb, full.sdpa
+            if last:
+                self.norm, self.lm_head = full.norm, full.lm_head
+
+        def forward(self, x: Any) -> Any:
+            hidden = self.embed_tokens(x) if first else x
+            seq = hidden.shape[1]
+            cache_position = torch.arange(0, seq, device=hidden.device)
+            position_ids = cache_position.unsqueeze(0)
+            mask = None
+            if not self.sdpa:  # the reference's create_causal_mask
+                mask = torch.full((seq, seq), fill_value=torch.finfo(hidden.dtype).min, dtype=hidden.dtype,
+                                  device=hidden.device)
+                mask = torch.triu(mask, diagonal=1)
+                mask *= torch.arange(seq, device=hidden.device) > cache_position.reshape(-1, 1)
+                mask = mask[None, None, :, :].expand(hidden.shape[0], 1, -1, -1)
+            embeddings = self.rotary_emb(hidden, position_ids)
+            for layer in self.layers:
+                hidden = layer(hidden, embeddings, mask)
+            return self.lm_head(self.norm(hidden)) if last else hidden
+
+    return LlamaStage()
+
+
+def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]) -> Any:
     """Rank ``rank``'s stage of the reference ``model``: embedding on stage 0, norm and head on the last."""
     import torch
     from torch import nn
@@ -69,14 +107,18 @@ def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int) 
     from ..reference.sequence_models import reference
 
     torch.manual_seed(0)
-    full, _ = reference(model, values)
+    full, _ = reference(model, values, **options)
     layers = int(values["L"])
     if layers % world:
         raise SymmemError(f"{world} pipeline stages do not divide the L={layers} layers")
     each = layers // world
     first, last = rank == 0, rank == world - 1
+    if model == "llama":
+        stage = _llama_stage(full, rank, world, each)
+        stage.train()
+        return stage
     if model != "gpt2":
-        raise SymmemError(f"no pipeline stages for {model!r} (gpt2 only)")
+        raise SymmemError(f"no pipeline stages for {model!r} (gpt2 and llama)")
 
     class GPT2Stage(nn.Module):
         def __init__(self) -> None:
@@ -121,7 +163,7 @@ def _sum_loss(out: Any, target: Any) -> Any:
 
 
 def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, schedule: str, m: int,
-              loss: str = "cross-entropy", static: bool = True) -> StageRun:
+              loss: str = "cross-entropy", options: Mapping[str, Any] | None = None, static: bool = True) -> StageRun:
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -130,7 +172,7 @@ def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, sche
     from .live_bytes import LiveTracker
     from .optim import make_optimizer, state_tensors
 
-    module = _stage_module(model, values, rank, world)
+    module = _stage_module(model, values, rank, world, options or {})
     b, s, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
     meta = torch.device("meta")
     # static shapes, as torchtitan gives them: the dynamic mode's shape inference runs the stage once more in the
@@ -157,6 +199,7 @@ def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, sche
     opt = make_optimizer(params, "adamw", "for-loop")
     tracker = LiveTracker()
     tracker.register(params, "parameter")
+    tracker.register(list(module.buffers()), "buffer")  # Llama's rotary frequencies, on every stage
     # each stage holds the data it is given: the first the batch, the last the labels
     tracker.register([ids] if rank == 0 else [labels] if rank == world - 1 else [], "input")
     hooks = tracker.watch_gradients(params)
