@@ -437,132 +437,166 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
     (GPipe: the end of the backward phase; 1F1B: the end of the next backward); the last stage keeps each
     micro-batch's logits and loss to the end of the phase, then concatenates the logits (``merge_chunks``).
     """
-    from dataclasses import replace as _replace
+    cut = _Cut(graph, conv, options, regime, numbers)
+    peaks = []
+    for s in range(cut.p):
+        memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+        peaks.append(_Replay(cut, s, memory.at(numbers), schedule, micro_batches).run())
+    return peaks
 
-    from . import branches as size_branches
-    from .schedule import Simulation
-    from .unroll import iteration, unroll
 
-    p_value, layers = int(numbers["p"]), int(numbers["L"])
-    per = layers // p_value
-    block = next(iter(graph.blocks.values()))
-    g = unroll(graph, {block.name: layers})
-    subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
-    # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
-    open_, decided = size_branches.conditions(g, g.program_order(), subs)
-    branch = {**decided, **{c: bool(c.xreplace(subs)) for c in open_}}
-    sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), branch, False)
-    sim.micro_batch()
-    sim.micro_batch()
-    tl = sim.timeline(first=False)
-    cache: dict[sympy.Expr, int] = {}
+class _Cut:
+    """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage."""
 
-    def size(sid: int) -> int:
-        e = tl.storages[sid].nbytes
-        if e not in cache:
-            cache[e] = _integer(e, subs, tl.storages[sid].name)
-        return cache[e]
+    def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                 numbers: Mapping[str, int]) -> None:
+        from dataclasses import replace as _replace
 
-    shared = shared_nodes(graph)
+        from . import branches as size_branches
+        from .schedule import Simulation
+        from .unroll import unroll
 
-    def on(node: str | None, s: int) -> bool:
-        return node in shared or stage_of(node) == s
+        self.p, layers = int(numbers["p"]), int(numbers["L"])
+        self.per = layers // self.p
+        block = next(iter(graph.blocks.values()))
+        self.g = g = unroll(graph, {block.name: layers})
+        self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
+        open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
+        branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
+        sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), branch, False)
+        sim.micro_batch()
+        sim.micro_batch()
+        self.tl = sim.timeline(first=False)
+        self.cache: dict[sympy.Expr, int] = {}
+        self.shared = shared_nodes(graph)
+        # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+        self.keep = {_model_output(g), "loss", "output.sum"}
+        self.passes = _passes(self.tl)
+        self.forwards = {k for pass_ in self.passes for k, _ in pass_["F"]}
+        self.frees: dict[int, int] = {}
+        for k, e in enumerate(self.tl.events):
+            for sid in e.freed:
+                self.frees.setdefault(sid, k)
 
-    def stage_of(node: str | None) -> int:
-        if node is None or node not in g:
-            return p_value - 1  # the loss's gradient seed; the output's sum (no loss in the graph)
+    def size(self, sid: int) -> int:
+        e = self.tl.storages[sid].nbytes
+        if e not in self.cache:
+            self.cache[e] = _integer(e, self.subs, self.tl.storages[sid].name)
+        return self.cache[e]
+
+    def stage_of(self, node: str | None) -> int:
+        from .unroll import iteration
+
+        if node is None or node not in self.g:
+            return self.p - 1  # the loss's gradient seed; the output's sum (no loss in the graph)
         k = iteration(node)
         if k:
-            return (k - 1) // per
-        return p_value - 1 if g.node(node).group in ("head", "loss") else 0
+            return (k - 1) // self.per
+        return self.p - 1 if self.g.node(node).group in ("head", "loss") else 0
 
-    output = _model_output(g)
-    # the last stage keeps its logits (output_chunks) and losses to the end of the phase
-    keep = {output, "loss", "output.sum"}
-    passes = _passes(tl)
-    forwards = {k for pass_ in passes for k, _ in pass_["F"]}
-    frees: dict[int, int] = {}
-    for k, e in enumerate(tl.events):
-        for sid in e.freed:
-            frees.setdefault(sid, k)
-    peaks = []
-    for s in range(p_value):
-        memory = found[0] if s == 0 else found[-1] if s == p_value - 1 else found[1]
-        at = memory.at(numbers)
-        base = at["at_rest"] - at["outputs"]  # the last step's logits are dropped as the step begins
-        best = (base, "pipeline", None, None)
-        live = base
-        alive: dict[tuple[int, int], int] = {}
-        later: list[tuple[int, tuple[int, int]]] = []  # sent gradients: (the backward after which they go, key)
-        backwards = 0
-        deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its micro-batch's backward
-        for kind, mb in order(schedule, s, p_value, micro_batches):
-            events = passes[0 if mb == 0 else 1][kind]
-            mine = [(k, e) for k, e in events if on(e.node, s) or (e.node is None and kind == "B"
-                                                                      and s == p_value - 1 and e.born)]
-            indices = {k for k, _ in mine}
-            ends: list[tuple[int, int]] = []
-            done: list[tuple[int, int]] = []
-            for k, e in mine:
-                for sid in e.born:
-                    st = tl.storages[sid]
-                    if st.category in ("parameter", "optimizer_state", "input") or not on(st.node, s):
-                        continue
-                    alive[(mb, sid)] = size(sid)
-                    live += size(sid)
-                    if st.category == "gradient" and mb > 0 and frees.get(sid) not in indices:
-                        # a tied weight's gradient waits for its other use on one device; a stage's own copy
-                        # adds the new gradient into .grad at once
-                        live -= alive.pop((mb, sid))
-                        if live + size(sid) > best[0]:
-                            best = (live + size(sid), "pipeline", e.node, mb)
-                        continue
-                    if st.category == "gradient" or st.name in keep:
-                        continue  # to the step (gradients) or the end of the phase
-                    if frees.get(sid) in forwards and kind == "F":
-                        done.append((mb, sid))  # last read by a later stage's forward: gone with this forward
-                    elif frees.get(sid) not in indices:
-                        ends.append((mb, sid))
-                if live > best[0]:
-                    best = (live, "pipeline", e.node, mb)
-                for sid in e.freed:
-                    if (mb, sid) in alive and frees.get(sid) == k and tl.storages[sid].name not in keep:
-                        live -= alive.pop((mb, sid))
-            for key in done:
-                if key in alive:
-                    live -= alive.pop(key)
+    def on(self, node: str | None, s: int) -> bool:
+        """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
+        return node in self.shared or self.stage_of(node) == s
+
+
+class _Replay:
+    """One stage's forwards and backwards in the schedule's order: the live bytes after every op, the largest."""
+
+    def __init__(self, cut: _Cut, s: int, at: Mapping[str, int], schedule: str, m: int) -> None:
+        self.cut, self.s, self.at, self.schedule, self.m = cut, s, at, schedule, m
+        self.live = at["at_rest"] - at["outputs"]  # the last step's logits are dropped as the step begins
+        self.best: tuple[int, str, str | None, int | None] = (self.live, "pipeline", None, None)
+        self.alive: dict[tuple[int, int], int] = {}
+        self.later: list[tuple[int, tuple[int, int]]] = []  # (the backward after which it goes, key)
+        self.backwards = 0
+        self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
+
+    def run(self) -> StagePeak:
+        cut, s = self.cut, self.s
+        for kind, mb in order(self.schedule, s, cut.p, self.m):
+            ends = self.segment(kind, mb)
             if kind == "F":
-                # the stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's
-                # warmup holds the one before its last in ``send_work`` until the steady loop ends
-                sent_on = [x for x in ends if _sent_on(x[1], stage_of, frees, tl, s)]
-                warmup = min(micro_batches, p_value - s)
-                if schedule == "gpipe":
-                    ends = [x for x in ends if x not in sent_on]
-                elif warmup >= 2 and mb == warmup - 2:
-                    # freed once both its backward (the (mb + 1)-th) and the steady loop are done
-                    later += [(max(mb + 1, micro_batches - warmup + 1), x) for x in sent_on]
-                    ends = [x for x in ends if x not in sent_on]
-                deferred[mb] = ends
+                self.end_forward(mb, ends)
             else:
-                ends += deferred.pop(mb, [])
-                backwards += 1
-                sent = [x for x in ends if _sent_back(tl.storages[x[1]], stage_of, frees, tl, s)]
-                for key in ends:
-                    if key in alive and key not in sent:
-                        live -= alive.pop(key)
-                last = micro_batches * 2 if schedule == "gpipe" else backwards + 1
-                later += [(last, key) for key in sent]
-                for _, key in [x for x in later if x[0] <= backwards]:
-                    live -= alive.pop(key, 0)
-                later = [x for x in later if x[0] > backwards]
-        if s == p_value - 1 and at["outputs"]:
-            live += at["outputs"]  # merge_chunks: the logits of every micro-batch concatenated
-            if live > best[0]:
-                best = (live, "pipeline", "merge_chunks", None)
-        step = at["step_peak"]
-        top = best if best[0] >= step else (step, "step", None, None)
-        peaks.append(StagePeak(s, top[0], top[1], top[2], top[3], best[0], step))
-    return peaks
+                self.end_backward(mb, ends)
+        if s == cut.p - 1 and self.at["outputs"]:
+            self.moment(self.live + self.at["outputs"], "merge_chunks", None)  # every micro-batch's logits
+        step = self.at["step_peak"]
+        top = self.best if self.best[0] >= step else (step, "step", None, None)
+        return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step)
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        if live > self.best[0]:
+            self.best = (live, "pipeline", node, mb)
+
+    def free(self, key: tuple[int, int]) -> None:
+        self.live -= self.alive.pop(key, 0)
+
+    def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
+        cut, s, tl = self.cut, self.s, self.cut.tl
+        events = cut.passes[0 if mb == 0 else 1][kind]
+        mine = [(k, e) for k, e in events if cut.on(e.node, s) or (e.node is None and kind == "B"
+                                                                    and s == cut.p - 1 and e.born)]
+        indices = {k for k, _ in mine}
+        ends: list[tuple[int, int]] = []
+        done: list[tuple[int, int]] = []
+        for k, e in mine:
+            for sid in e.born:
+                st = tl.storages[sid]
+                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
+                    continue
+                self.alive[(mb, sid)] = cut.size(sid)
+                self.live += cut.size(sid)
+                freed = cut.frees.get(sid)
+                if st.category == "gradient" and mb > 0 and freed not in indices:
+                    # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
+                    # new gradient into .grad at once
+                    self.moment(self.live, e.node, mb)
+                    self.free((mb, sid))
+                elif st.category == "gradient" or st.name in cut.keep:
+                    continue  # to the step (gradients) or the end of the phase
+                elif freed in cut.forwards and kind == "F":
+                    done.append((mb, sid))  # last read by a later stage's forward: gone with this forward
+                elif freed not in indices:
+                    ends.append((mb, sid))
+            self.moment(self.live, e.node, mb)
+            for sid in e.freed:
+                if (mb, sid) in self.alive and cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep:
+                    self.free((mb, sid))
+        for key in done:
+            self.free(key)
+        return ends
+
+    def end_forward(self, mb: int, ends: list[tuple[int, int]]) -> None:
+        """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup
+        holds the one before its last in ``send_work`` until the steady loop ends."""
+        cut, s = self.cut, self.s
+        sent_on = [x for x in ends if _sent_on(x[1], cut.stage_of, cut.frees, cut.tl, s)]
+        warmup = min(self.m, cut.p - s)
+        if self.schedule == "gpipe":
+            ends = [x for x in ends if x not in sent_on]
+        elif warmup >= 2 and mb == warmup - 2:
+            # freed once both its backward (the (mb + 1)-th) and the steady loop are done
+            self.later += [(max(mb + 1, self.m - warmup + 1), x) for x in sent_on]
+            ends = [x for x in ends if x not in sent_on]
+        self.deferred[mb] = ends
+
+    def end_backward(self, mb: int, ends: list[tuple[int, int]]) -> None:
+        """What dies with the micro-batch's backward; the gradient sent back lives until its send is waited on."""
+        cut, s = self.cut, self.s
+        ends = ends + self.deferred.pop(mb, [])
+        self.backwards += 1
+        sent = [x for x in ends if _sent_back(cut.tl.storages[x[1]], cut.stage_of, cut.frees, cut.tl, s)]
+        for key in ends:
+            if key not in sent:
+                self.free(key)
+        last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
+        self.later += [(last, key) for key in sent]
+        for _, key in [x for x in self.later if x[0] <= self.backwards]:
+            self.free(key)
+        self.later = [x for x in self.later if x[0] > self.backwards]
 
 
 def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
