@@ -106,7 +106,7 @@ class StageMemory:
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
-    value = sympy.sympify(expr).xreplace(subs)
+    value = sympy.sympify(expr, strict=True).xreplace(subs)
     if not value.is_number:
         raise SymmemError(f"the stage's {name} needs values for {', '.join(sorted(map(str, value.free_symbols)))}")
     return int(sympy.ceiling(value))
@@ -168,7 +168,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
         buffers += module_buffers["layer"] * per_stage + (module_buffers["first"] if first or shared else 0) + (
             module_buffers["last"] if last else 0)
         found.append(StageMemory(
-            name, index, flight, weights, grads, state, sympy.sympify(buffers),
+            name, index, flight, weights, grads, state, sympy.sympify(buffers, strict=True),
             m * batch if first else (m * labels if last else sympy.Integer(0)),
             m * logits if last else sympy.Integer(0), saved, flight * saved,
             sympy.Integer(0) if last else flight * boundary, temps))
@@ -729,5 +729,5 @@ def _splits(graph: Graph, node: str, name: str) -> bool:
     if suffix.startswith(".input") and suffix.endswith("_copy"):
         index = int(suffix[len(".input"):-len("_copy")])
         spec = graph.node(graph.node(node).inputs[index]).out
-    names = {str(x) for d in spec.shape for x in sympy.sympify(d).free_symbols}
+    names = {str(x) for d in spec.shape for x in sympy.sympify(d, strict=True).free_symbols}
     return graph.node(node).block is not None and bool(names & set(SPLIT_DIMS))
