@@ -177,6 +177,9 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
     device: the rank is worked out from its storages; the pytorch convention, FP32 AdamW)."""
     from .passes.model_parallel import tensor_rank
 
+    if model != "llama":
+        raise SymmemError(f"the standard tensor-parallel plan is Llama's (q/k/v, gate/up, o/down), measured on the "
+                          f"Llama reference; not {model if isinstance(model, str) else 'this model'}")
     sequence = bool(keywords.pop("sequence_parallel", False))
     keywords = {k: v for k, v in keywords.items() if k != "tensor_parallel"}
     loss = keywords.pop("loss", "sum")

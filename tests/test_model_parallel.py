@@ -215,3 +215,20 @@ def test_llama_stages(everything, case):
             real.saved, real.parameters, sum(dict(real.start).values()), real.step_peak)
         gap = LLAMA["B"] * LLAMA["S"] * 8 + 4 if (rank == 1 and loss == "cross-entropy") else 0
         assert (peak.bytes - real.peak, peak.pipeline - real.pipeline_peak) == (gap, gap)
+
+
+def test_ranks_cli_and_refusals(capsys):
+    from symmem.api import tensor_parallel_rank
+    from symmem.cli import main
+
+    values, options = TENSOR[0]
+    sets = [a for k, v in {**values, "t": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["ranks", "llama", "--tensor-parallel", "--attention", "naive", "--device", "cpu", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "saved                      32,448" in out and "gradients                  31,104" in out
+    assert main(["ranks", "llama", "--set", "t=2"]) == 2
+    assert "add --tensor-parallel" in capsys.readouterr().err
+    with pytest.raises(SymmemError, match="t=3 does not divide h=4"):
+        tensor_parallel_rank("llama", values=values, device="cpu").at({**values, "t": 3})
+    with pytest.raises(SymmemError, match="the standard tensor-parallel plan is Llama's"):
+        tensor_parallel_rank("gpt2")

@@ -649,6 +649,15 @@ class TensorRank:
     optimizer_state: sympy.Expr
 
     def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
+        """Every part at ``numbers`` (``t`` included), which must split evenly: ``t`` divides the heads, the MLP
+        width and the vocabulary (DTensor would pad uneven shards: not modelled)."""
+        size = numbers.get("t")
+        if isinstance(size, int) and size < 1:
+            raise SymmemError(f"the tensor-parallel size t must be at least 1, got t={size}")
+        for name in ("h", "G", "F", "V"):
+            if isinstance(size, int) and name in numbers and numbers[name] % size:
+                raise SymmemError(f"t={size} does not divide {name}={numbers[name]}: the plan splits the heads (h, "
+                                  "G), the MLP width (F) and the vocabulary (V) evenly over the ranks")
         subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         return {f.name: _integer(getattr(self, f.name), subs, f.name) for f in fields(self)}
 
