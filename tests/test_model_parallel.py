@@ -39,9 +39,9 @@ TENSOR = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, 
 SEQUENCE = [(values, {**options, "sequence_parallel": True}) for values, options in TENSOR]
 
 
-@pytest.fixture(scope="module")
-def everything():
-    """One gloo process group of two ranks runs every pipeline case and every tensor-parallel step."""
+def test_against_the_engines():
+    """One gloo process group of two ranks runs every pipeline case and every tensor-parallel step (one test, so
+    that pytest-xdist runs the processes once), then each comparison below."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem.record.model_parallel_runs import runs
@@ -49,12 +49,17 @@ def everything():
     jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
     jobs += [("tensor", "llama", values, options) for values, options in TENSOR + SEQUENCE]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
-    return runs(2, jobs)
-
-
-@pytest.fixture(scope="module")
-def measured(everything):
-    return [rank[:len(CASES)] for rank in everything]
+    everything = runs(2, jobs)
+    measured = [rank[:len(CASES)] for rank in everything]
+    for case in range(len(CASES)):
+        every_stage_to_the_byte(measured, case)
+    what_the_engine_holds(measured)
+    for case in range(len(TENSOR)):
+        tensor_parallel_rank_to_the_byte(everything, case)
+    for case in range(len(SEQUENCE)):
+        sequence_parallel_rank_to_the_byte(everything, case)
+    for case in range(len(LLAMA_CASES)):
+        llama_stages(everything, case)
 
 
 def _plan(schedule: str, m: int, loss: str):
@@ -64,15 +69,15 @@ def _plan(schedule: str, m: int, loss: str):
                            **OPTIONS)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{s}-M{m}-{loss}" for s, m, loss in CASES])
-def test_every_stage_to_the_byte(measured, case):
+def every_stage_to_the_byte(measured, case):
     schedule, m, loss = CASES[case]
     plan = _plan(schedule, m, loss)
     for rank, memory in enumerate(plan.shown()):
         real = measured[rank][case]
         ours = memory.at(plan.numbers)
         peak = plan.peaks[rank]
-        assert (peak.bytes, peak.pipeline, peak.step) == (real.peak, real.pipeline_peak, real.step_peak), rank
+        assert (peak.bytes, peak.pipeline, peak.step) == (real.peak, real.pipeline_peak, real.step_peak), (
+            CASES[case], rank)
         assert ours["parameters"] == real.parameters
         assert ours["saved"] == real.saved  # the most saved activations alive at once: in flight x one's
         start = dict(real.start)
@@ -83,7 +88,7 @@ def test_every_stage_to_the_byte(measured, case):
         assert peak.phase == ("step" if real.peak_at[0] == "step" else "pipeline")
 
 
-def test_what_the_engine_holds(measured):
+def what_the_engine_holds(measured):
     """The engine's own memory, as numbers a reader can check by hand at these sizes: the stage boundary is
     B*S*H*4 = 8192 bytes, the logits B*S*V*4 = 16384."""
     gpipe = {r: measured[r][1] for r in (0, 1)}  # GPipe, M = 4
@@ -158,8 +163,7 @@ def test_cli(capsys):
     assert main(["derive", "gpt2", "--pipeline-parallel", "gpipe", "--convention", "megatron"]) == 0
 
 
-@pytest.mark.parametrize("case", range(len(TENSOR)), ids=["gqa-eager", "mha-sdpa-2-layers"])
-def test_tensor_parallel_rank_to_the_byte(everything, case):
+def tensor_parallel_rank_to_the_byte(everything, case):
     """Each rank's saved activations (a DTensor's local shard), parameters, gradients and Adam state."""
     from symmem import derive
     from symmem.api import tensor_parallel_rank
@@ -180,8 +184,7 @@ def test_tensor_parallel_rank_to_the_byte(everything, case):
     assert ours["gradients"] - ours["parameters"] == 4 * v["V"] * v["H"] // 2
 
 
-@pytest.mark.parametrize("case", range(len(SEQUENCE)), ids=["gqa-eager", "mha-sdpa-2-layers"])
-def test_sequence_parallel_rank_to_the_byte(everything, case):
+def sequence_parallel_rank_to_the_byte(everything, case):
     """With sequence parallelism the hidden stream is split over S, but each column-parallel linear keeps its
     all-gathered input whole: Korthikanti's accounting (derive --sequence-parallel) splits it."""
     from symmem import derive
@@ -197,8 +200,7 @@ def test_sequence_parallel_rank_to_the_byte(everything, case):
     assert papers.value("activations") < ours["saved"]
 
 
-@pytest.mark.parametrize("case", range(len(LLAMA_CASES)), ids=["gpipe-M2-cross-entropy-sdpa", "1f1b-M4-sum-eager"])
-def test_llama_stages(everything, case):
+def llama_stages(everything, case):
     """Llama's stages each make the rotary tables (and eager attention's mask) for their micro-batches, and hold
     the rotary frequencies.  Exact, but for one moment symmem's single-device step takes as one op: the causal-LM
     loss's backward, where nll_loss's backward frees the shifted labels' copy and the total weight (B*S*8 + 4
