@@ -37,6 +37,9 @@ micro-batch adds its gradients and transients on top, measured in ``docs/regimes
 [('first', 4), ('middle', 4), ('last', 4)]
 >>> plan.values("first")["saved"], plan.values("last")["parameters"]
 (234752, 59264)
+>>> top = plan.peak()
+>>> top.bytes, top.stage, top.where
+(1039416, 0, 'the optimizer step')
 """
 
 from __future__ import annotations
@@ -332,16 +335,17 @@ class Pipeline:
         """Stage ``name``'s parts at the numbers."""
         return next(s for s in self.stages if s.name == name).at(self.numbers)
 
-    def peak(self) -> tuple[str, int]:
-        """The largest stage's optimizer-step peak and which stage (the phase this module gives exactly)."""
-        best = max(self.shown(), key=lambda s: s.at(self.numbers)["step_peak"])
-        return best.name, best.at(self.numbers)["step_peak"]
+    def peak(self) -> StagePeak:
+        """The peak per device: the largest stage's steady-step peak, which stage and where."""
+        if not self.peaks:
+            raise SymmemError("these stages were made without their peaks (pipeline_peaks)")
+        return max(self.peaks, key=lambda x: x.bytes)
 
     def table(self) -> str:
         text = table(self.shown(), self.numbers, self.schedule, self.micro_batches)
         if not self.peaks:
             return text
-        top = max(self.peaks, key=lambda x: x.bytes)
+        top = self.peak()
         each = ", ".join(f"{x.stage}: {x.bytes:,}" for x in self.peaks)
         return (f"{text}\npeak per device: {top.bytes:,} bytes, stage {top.stage} of {len(self.peaks)} at {top.where}"
                 f"\nsteady-step peak of each stage: {each}")
