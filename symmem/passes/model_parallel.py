@@ -31,7 +31,7 @@ micro-batch adds its gradients and transients on top, measured in ``docs/regimes
 
 >>> from symmem.api import pipeline_stages
 >>> plan = pipeline_stages("gpt2", schedule="gpipe", micro_batches=4, loss="cross-entropy", attention="naive",
-...                        dropout=0.0,
+...                        dropout=0.0, device="cpu",
 ...                        values={"B": 2, "S": 8, "H": 32, "h": 2, "L": 2, "V": 64, "F": 128, "p": 2})
 >>> [(s.name, s.in_flight) for s in plan.stages]
 [('first', 4), ('middle', 4), ('last', 4)]
