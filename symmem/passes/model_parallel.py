@@ -25,9 +25,10 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``
 
 A :class:`StageMemory` holds each part as a formula in the model's sizes and ``p`` (``M`` and the schedule are
 numbers: the micro-batch count is an option, as gradient accumulation's is).  ``step_peak`` is the live memory
-at the optimizer step's largest moment, exact; ``held`` is what the pipeline phase holds at its most
-micro-batches in flight before any backward op runs (a lower bound of that phase's peak: the backward of one
-micro-batch adds its gradients and transients on top, measured in ``docs/regimes.md``).
+at the optimizer step's largest moment; ``held`` is what the pipeline phase holds at its most micro-batches in
+flight before any backward op runs (a lower bound of that phase's peak).  The phase's peak itself, op by op, is
+:func:`pipeline_peaks` at numbers: the single-device step's timeline cut by stage and replayed in the schedule's
+order; :meth:`Pipeline.peak` is the largest stage's, with where.
 
 >>> from symmem.api import pipeline_stages
 >>> plan = pipeline_stages("gpt2", schedule="gpipe", micro_batches=4, loss="cross-entropy", attention="naive",
