@@ -147,6 +147,50 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
     return model, conv, regime, conv_options
 
 
+def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches: int = 1,
+                    values: Mapping[str, int] | None = None, loss: str | None = "sum", **keywords: Any) -> Any:
+    """Each pipeline stage's memory under ``torch.distributed.pipelining`` (``schedule`` ``1f1b`` or ``gpipe``,
+    ``micro_batches`` M per step, ``p`` stages: ``values={"p": 4}``), as a
+    :class:`~symmem.passes.model_parallel.Pipeline`; the other arguments are :func:`derive`'s (one device: the
+    stages are cut from its storages; the pytorch convention)."""
+    from .passes.model_parallel import Pipeline, pipeline_peaks, requires, stages
+    from .passes.regimes import DEFAULTS
+
+    keywords = {k: v for k, v in keywords.items() if k not in ("pipeline_parallel", "pipeline_schedule")}
+    given = dict(values or {})
+    p_value = given.pop("p", DEFAULTS[sympy.Symbol("p", positive=True, integer=True)])
+    built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
+    d = derivation(built, conv, regime, given, options=conv_options)
+    numbers = {s.name: int(v) for s, v in d.numbers.items()}
+    requires(p_value, numbers.get("L"), schedule, micro_batches)
+    # the convention's options as the derivation resolved them (a built-in model's device is cuda unless given)
+    resolved = {k: d.options[k] for k in conv.options if k in d.options}
+    found = stages(built.graph, d.storages, regime, schedule=schedule, micro_batches=micro_batches,
+                   device=str(resolved.get("device", "cpu")))
+    numbers = {**numbers, "p": int(p_value)}
+    peaks = tuple(pipeline_peaks(built.graph, conv, resolved, regime, numbers, found, schedule=schedule,
+                                 micro_batches=micro_batches))
+    return Pipeline(found, numbers, schedule, micro_batches, peaks)
+
+
+def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None = None, **keywords: Any) -> Any:
+    """One tensor-parallel rank's memory under DTensor's standard plan (``parallelize_module``), as a
+    :class:`~symmem.passes.model_parallel.TensorRank` of formulas in ``t`` (``sequence_parallel=True``: with
+    DTensor's sequence parallelism); arguments are :func:`derive`'s (one
+    device: the rank is worked out from its storages; the pytorch convention, FP32 AdamW)."""
+    from .passes.model_parallel import tensor_rank
+
+    if model != "llama":
+        raise SymmemError(f"the standard tensor-parallel plan is Llama's (q/k/v, gate/up, o/down), measured on the "
+                          f"Llama reference; not {model if isinstance(model, str) else 'this model'}")
+    sequence = bool(keywords.pop("sequence_parallel", False))
+    keywords = {k: v for k, v in keywords.items() if k != "tensor_parallel"}
+    loss = keywords.pop("loss", "sum")
+    built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
+    d = derivation(built, conv, regime, values, options=conv_options)
+    return tensor_rank(built.graph, d.storages, regime, sequence)
+
+
 def acceptor(model: Model | str, values: Mapping[str, int] | None = None, *, regime: Regime | None = None,
              loss: str | None = "sum", convention: str | Convention = "pytorch", **keywords: Any) -> Acceptor:
     """A function ``accepts(name, value)`` saying why the model refuses ``value`` for the symbol ``name`` (with

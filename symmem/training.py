@@ -161,6 +161,9 @@ CHECKPOINTS = ("none", "full", "selective", "every-K")
 DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
 #: The engines whose per-rank step is modelled and checked against real ``torch.distributed`` runs.
 DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view")
+#: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
+#: (``ScheduleGPipe``).
+SCHEDULES = ("1f1b", "gpipe")
 #: How ``optimizer.step()`` runs (``auto``: PyTorch's default for the device).
 IMPLS = ("auto", "for-loop", "foreach", "fused")
 _EVERY = re.compile(r"^every-([1-9][0-9]*)$")
@@ -218,6 +221,8 @@ class Regime:
     #: the data-parallel engine each of N ranks runs (:data:`DATA_PARALLEL`; None: one device); B stays the batch
     #: one rank processes.  ``zero`` is the papers' accounting of the same idea, not an engine.
     data_parallel: str | None = None
+    #: with ``pipeline_parallel``: the schedule the stages run (:data:`SCHEDULES`)
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         _lookup(PRECISIONS, self.precision, "precision")
@@ -230,6 +235,10 @@ class Regime:
                 raise SymmemError(f"{flag} is True or False, got {getattr(self, flag)!r}")
         if self.sequence_parallel and not self.tensor_parallel:
             raise SymmemError("sequence parallelism splits over the tensor-parallel group: add tensor parallelism")
+        if not isinstance(self.pipeline_schedule, str) or self.pipeline_schedule not in SCHEDULES:
+            raise SymmemError(f"unknown pipeline schedule {self.pipeline_schedule!r}; known: {', '.join(SCHEDULES)}")
+        if self.pipeline_schedule != "1f1b" and not self.pipeline_parallel:
+            raise SymmemError(f"pipeline schedule {self.pipeline_schedule!r} needs pipeline parallelism")
         if self.optimizer_impl not in IMPLS:
             raise SymmemError(f"unknown optimizer implementation {self.optimizer_impl!r}; known: {', '.join(IMPLS)}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:

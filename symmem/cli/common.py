@@ -173,8 +173,10 @@ def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, mode
     group.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="with --tensor-parallel: split the remaining activations over t too")
-    group.add_argument("--pipeline-parallel", action="store_true",
-                       help="p pipeline stages, 1F1B schedule (the first stage's memory)")
+    group.add_argument("--pipeline-parallel", nargs="?", const="1f1b", default=None, choices=["1f1b", "gpipe"],
+                       metavar="SCHEDULE",
+                       help="p pipeline stages, schedule 1f1b (no value) or gpipe; derive shows the first stage as "
+                            "the papers count it, symmem stages every stage as torch.distributed.pipelining runs it")
     add_step_options(group)
 
 
@@ -252,7 +254,12 @@ def regime_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from ..api import REGIME_FIELDS
 
     # every regime field has an option of the same name: a new regime knob needs its option above, nothing here
-    return {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}
+    found = {f: getattr(args, f) for f in REGIME_FIELDS if hasattr(args, f)}
+    if "pipeline_parallel" in found:  # --pipeline-parallel [SCHEDULE]: the flag and the schedule in one option
+        schedule = found.pop("pipeline_parallel")
+        found["pipeline_parallel"] = schedule is not None
+        found["pipeline_schedule"] = schedule or "1f1b"
+    return found
 
 
 def add_output_options(p: argparse.ArgumentParser) -> None:

@@ -83,8 +83,10 @@ class Simulation:
     def __init__(self, graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                  branch: Branch | None, keep_logits: bool) -> None:
         if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+            stages = ("; each pipeline stage's peak as torch.distributed.pipelining runs it: symmem stages"
+                      if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero) else "")
             raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
-                              "parallelism are not modelled there (the kept memory and total are)")
+                              f"parallelism are not modelled there (the kept memory and total are){stages}")
         if regime.checkpoint == "selective":
             raise SymmemError("the peak with selective recomputation is not modelled (the kept memory and total "
                               "are); full and every-K checkpointing are")

@@ -1,0 +1,747 @@
+"""One pipeline stage's memory as ``torch.distributed.pipelining`` holds it: ScheduleGPipe and Schedule1F1B.
+
+The papers' accounting (:func:`symmem.passes.regimes.pipeline`: a stage holds ``L/p`` layers and ``p``
+micro-batches in flight, the embedding and the head on the one stage shown) is not what the engine does.
+Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``tests/test_model_parallel.py``):
+
+* **the split** -- the embedding (and what the model computes before its layers) is on the first stage, the final
+  norm, the head and the loss on the last, ``L/p`` layers on each; a tied head is a copy of the embedding on the
+  last stage (its own weights, gradient and optimizer state);
+* **micro-batches in flight** -- GPipe runs every forward before any backward: every stage holds ``M``
+  micro-batches' saved activations; 1F1B holds ``min(p - s, M)`` on stage ``s`` (the first stage the most, the
+  last one);
+* **per micro-batch in flight** -- what the stage's ops save (the single-device derivation's storages, split by
+  group: ``embed`` on the first stage, the layers', ``head`` and ``loss`` on the last) less the stage's output,
+  which no op of the stage keeps; a stage that is not the last also holds that output (``fwd_cache``) until the
+  micro-batch's backward;
+* **held between steps** -- a receive buffer per micro-batch for the activation from the stage before (stages
+  after the first) and for the gradient from the stage after (stages before the last), made once and kept; the
+  last stage keeps every micro-batch's logits (``output_chunks``, ``M`` x the model's output) until the next step
+  begins; Adam's 4-byte ``step`` per parameter tensor;
+* **what the layers read besides the layer before** (Llama's rotary tables, eager attention's mask) -- every
+  stage makes its own for each micro-batch (:func:`shared_nodes`), and holds the rotary frequencies;
+* **the optimizer step** (``for-loop`` Adam/AdamW, the CPU default) -- every gradient, and per parameter two
+  temporaries of its size beside the previous parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`).
+
+A :class:`StageMemory` holds each part as a formula in the model's sizes and ``p`` (``M`` and the schedule are
+numbers: the micro-batch count is an option, as gradient accumulation's is).  ``step_peak`` is the live memory
+at the optimizer step's largest moment; ``held`` is what the pipeline phase holds at its most micro-batches in
+flight before any backward op runs (a lower bound of that phase's peak).  The phase's peak itself, op by op, is
+:func:`pipeline_peaks` at numbers: the single-device step's timeline cut by stage and replayed in the schedule's
+order; :meth:`Pipeline.peak` is the largest stage's, with where.
+
+>>> from symmem.api import pipeline_stages
+>>> plan = pipeline_stages("gpt2", schedule="gpipe", micro_batches=4, loss="cross-entropy", attention="naive",
+...                        dropout=0.0, device="cpu",
+...                        values={"B": 2, "S": 8, "H": 32, "h": 2, "L": 2, "V": 64, "F": 128, "p": 2})
+>>> [(s.name, s.in_flight) for s in plan.stages]
+[('first', 4), ('middle', 4), ('last', 4)]
+>>> plan.values("first")["saved"], plan.values("last")["parameters"]
+(234752, 59264)
+>>> top = plan.peak()
+>>> top.bytes, top.stage, top.where
+(1039416, 0, 'the optimizer step')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import sympy
+
+from ..derivation import Storage
+from ..errors import SymmemError
+from ..graph import Graph
+from ..shapes import numel
+from ..symbols import p
+from ..tensor import dtype_bytes
+from ..training import SCHEDULES, Regime
+
+#: The parts of a stage's memory, in the order the table shows them.
+PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "saved", "in_flight_outputs",
+         "step_temporaries")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's memory, by part (bytes as formulas; see the module's note)."""
+
+    name: str                       # first, middle (the second stage: the most in flight among the middle) or last
+    index: sympy.Expr               # the stage index s
+    in_flight: sympy.Expr           # micro-batches whose activations the stage holds at once
+    parameters: sympy.Expr          # weights
+    gradients: sympy.Expr
+    optimizer_state: sympy.Expr     # including Adam's 4-byte step per parameter tensor
+    buffers: sympy.Expr             # receive buffers, kept for the stage's life
+    inputs: sympy.Expr              # the batch (first stage) or the labels (last stage), all M micro-batches
+    outputs: sympy.Expr             # the last stage's logits of every micro-batch, kept until the next step
+    saved_per_micro_batch: sympy.Expr
+    saved: sympy.Expr               # in_flight x saved_per_micro_batch
+    in_flight_outputs: sympy.Expr   # the stage's output per micro-batch in flight (not the last stage)
+    step_temporaries: sympy.Expr    # the optimizer step's largest temporaries
+
+    @property
+    def at_rest(self) -> sympy.Expr:
+        """What lives between steps (after ``zero_grad``)."""
+        return self.parameters + self.optimizer_state + self.buffers + self.inputs + self.outputs
+
+    @property
+    def step_peak(self) -> sympy.Expr:
+        """Live bytes at the optimizer step's largest moment: at rest, every gradient and the step's temporaries."""
+        return self.at_rest + self.gradients + self.step_temporaries
+
+    @property
+    def held(self) -> sympy.Expr:
+        """What the pipeline phase holds with the most micro-batches in flight, before their backward."""
+        return self.at_rest + self.saved + self.in_flight_outputs
+
+    def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
+        """Every part and total at ``numbers`` (symbol name -> value), as integers."""
+        subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        out = {}
+        for f in fields(self):
+            if f.name != "name":
+                out[f.name] = _integer(getattr(self, f.name), subs, f.name)
+        for name in ("at_rest", "step_peak", "held"):
+            out[name] = _integer(getattr(self, name), subs, name)
+        return out
+
+
+def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
+    value = sympy.sympify(expr, strict=True).xreplace(subs)
+    if not value.is_number:
+        raise SymmemError(f"the stage's {name} needs values for {', '.join(sorted(map(str, value.free_symbols)))}")
+    return int(sympy.ceiling(value))
+
+
+def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedule: str = "1f1b",
+           micro_batches: int = 1, device: str = "cpu") -> tuple[StageMemory, ...]:
+    """The first stage, a middle one (the second: with ``p = 2`` it does not exist, but its formula is given for
+    ``p >= 3``) and the last, for the single-device ``storages`` of ``graph`` (a derivation without pipeline
+    parallelism, the pytorch convention) under ``regime``'s precision and optimizer.
+
+    Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
+    """
+    if regime.tensor_parallel or regime.zero or regime.checkpoint != "none" or regime.precision != "fp32":
+        raise SymmemError("pipeline stages are modelled for FP32 without checkpointing, ZeRO or tensor parallelism "
+                          "(what was measured)")
+    if schedule not in SCHEDULES:
+        raise SymmemError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise SymmemError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    blocks = list(graph.blocks.values())
+    if len(blocks) != 1:
+        raise SymmemError(f"pipeline stages split one repeated block of layers; {graph.graph.get('name', 'this model')}"
+                          f" has {len(blocks)}")
+    from .schedule import optimizer_impl
+
+    impl = optimizer_impl(regime, device)  # for-loop on the CPU (measured), foreach on CUDA, unless given
+    block = blocks[0]
+    shared = shared_nodes(graph)
+    layers = block.count
+    act = regime.activation_dtype
+    boundary = _bytes(graph, block.output, act)
+    output = _model_output(graph)
+    logits = _bytes(graph, output, act) if output is not None else sympy.Integer(0)
+    per_group = _saved_by_group(storages, layers)
+    out_kept = _kept_per_layer(storages, block.output, layers)
+    per_stage = layers / p
+    m = sympy.Integer(micro_batches)
+    batch = sum((s.expr for s in storages if s.category == "input" and s.group == "input"), sympy.Integer(0))
+    labels = _label_bytes(graph)
+    params = _parameter_sides(graph, regime, per_stage, impl)
+    module_buffers = _module_buffers(graph, act)
+    found = []
+    for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
+        first, last = name == "first", name == "last"
+        flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else sympy.Min(p - index, m))
+        saved = per_stage * per_group["layer"] - (0 if last else out_kept)
+        if first:
+            saved += per_group["embed"]
+        else:
+            saved += sum((x.expr for x in storages if x.node in shared and x.category == "activation"),
+                         sympy.Integer(0))
+        if last:
+            saved += per_group["head"] + per_group["loss"]
+        weights, grads, state, temps = params[name]
+        # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after;
+        # and the module's own buffers (a stage that makes the rotary tables holds their frequencies)
+        buffers = (0 if first else 1) * m * boundary + (0 if last else 1) * m * boundary
+        buffers += module_buffers["layer"] * per_stage + (module_buffers["first"] if first or shared else 0) + (
+            module_buffers["last"] if last else 0)
+        found.append(StageMemory(
+            name, index, flight, weights, grads, state, sympy.sympify(buffers, strict=True),
+            m * batch if first else (m * labels if last else sympy.Integer(0)),
+            m * logits if last else sympy.Integer(0), saved, flight * saved,
+            sympy.Integer(0) if last else flight * boundary, temps))
+    return tuple(found)
+
+
+def shared_nodes(graph: Graph) -> set[str]:
+    """What the layers read besides the layer before, and what it is made from: every stage makes its own
+    (Llama's rotary tables and eager attention's mask, made before the layers).  One made from the model's
+    input or the embedding could not be: refused."""
+    block = next(iter(graph.blocks.values()))
+    todo = [i for n in graph.program_order() if graph.node(n).block is not None for i in graph.node(n).inputs
+            if graph.node(i).block is None and i != block.source]
+    found: set[str] = set()
+    while todo:
+        n = todo.pop()
+        node = graph.node(n)
+        if n in found or node.kind in ("parameter", "buffer"):
+            continue
+        if node.kind == "input" or n == block.source or node.kind == "embedding":
+            raise SymmemError(f"the layers of {graph.graph.get('name', 'this model')} read what the model makes "
+                              f"from its input before them ({n}): a pipeline stage could not make it")
+        found.add(n)
+        todo += list(node.inputs)
+    return found
+
+
+def _module_buffers(graph: Graph, act: str) -> dict[str, sympy.Expr]:
+    """Bytes of the modules' buffers before the layers (``first``), in one layer, and after them (``last``)."""
+    out = {k: sympy.Integer(0) for k in ("first", "layer", "last")}
+    for n in graph.program_order():
+        node = graph.node(n)
+        where = "layer" if node.block is not None else ("last" if node.group in ("head", "loss") else "first")
+        if node.kind == "buffer":
+            out[where] += _bytes(graph, n, act)
+        for spec in node.buffers.values():
+            out[where] += spec.numel * dtype_bytes(spec.dtype, act)
+    return out
+
+
+def _bytes(graph: Graph, node: str, act: str) -> sympy.Expr:
+    spec = graph.node(node).out
+    return spec.numel * dtype_bytes(spec.dtype, act)
+
+
+def _model_output(graph: Graph) -> str | None:
+    """The model's output: the last node outside the loss that no other node outside the loss reads."""
+    order = list(graph.program_order())
+    inside = [n for n in order if graph.node(n).group != "loss"]
+    read = {i for n in inside for i in graph.node(n).inputs}
+    found = [n for n in inside if n not in read and graph.node(n).kind not in ("input", "parameter", "buffer",
+                                                                                  "constant")]
+    return found[-1] if found else None
+
+
+def _label_bytes(graph: Graph) -> sympy.Expr:
+    """The labels the last stage is given: the loss's input nodes (int64 ids)."""
+    total = sympy.Integer(0)
+    for n in graph.program_order():
+        node = graph.node(n)
+        if node.kind == "input" and node.group == "loss":
+            total += _bytes(graph, n, "float32")
+    return total
+
+
+def _saved_by_group(storages: Iterable[Storage], layers: sympy.Expr) -> dict[str, sympy.Expr]:
+    """Bytes one micro-batch's ops keep, by group: ``layer`` is one layer's."""
+    out = {g: sympy.Integer(0) for g in ("embed", "layer", "head", "loss")}
+    for s in storages:
+        if s.category in ("activation", "loss") and s.group in out:
+            out[s.group] += s.expr / layers if s.group == "layer" else s.expr
+    return out
+
+
+def _kept_per_layer(storages: Iterable[Storage], output: str, layers: sympy.Expr) -> sympy.Expr:
+    """Bytes of one layer's output that the next op keeps (a stage's output, which no op of that stage keeps)."""
+    return sum((s.expr / layers for s in storages if s.node == output and s.category == "activation"
+                and s.group == "layer"), sympy.Integer(0))
+
+
+def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr, impl: str
+                     ) -> dict[str, tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]]:
+    """(weights, gradients, optimizer state, the optimizer step's largest temporaries) of each stage."""
+    owned: dict[str, list[tuple[sympy.Expr, tuple[sympy.Expr, ...]]]] = {"first": [], "layer": [], "last": []}
+    for n in graph.program_order():
+        node = graph.node(n)
+        where = "layer" if node.block is not None else ("last" if node.group in ("head", "loss") else "first")
+        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
+                                                                                  node.params.values()]
+        if node.kind == "linear" and node.attrs.get("tied"):
+            # the last stage's own copy of the tied embedding (Megatron-LM, torchtitan)
+            shapes.append((node.attrs["out_features"], graph.node(node.inputs[0]).out.shape[-1]))
+        owned[where] += [(sympy.Integer(1), shape) for shape in shapes]
+    layer = [shape for _, shape in owned["layer"]]
+    first = [shape for _, shape in owned["first"]]
+    last = [shape for _, shape in owned["last"]]
+    return {"first": _side(regime, first, layer, [], per_stage, impl),
+            "middle": _side(regime, [], layer, [], per_stage, impl),
+            "last": _side(regime, [], layer, last, per_stage, impl)}
+
+
+def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
+          after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str
+          ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
+    x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them."""
+    weights = grads = state = sympy.Integer(0)
+    for count, shape in [*((sympy.Integer(1), s) for s in before + after), *((layers, s) for s in layer)]:
+        n = numel(shape)
+        for c in regime.precision_spec.parts:
+            if c.kind == "gradients":
+                grads += count * n * c.bytes
+            elif c.kind == "weights":
+                weights += count * n * c.bytes
+            else:
+                state += count * n * c.bytes
+        state += count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0))
+        if regime.optimizer in ("adam", "adamw"):
+            state += count * 4  # the step count: a 0-dim FP32 tensor per parameter
+    return weights, grads, state, _step_temporaries(regime, before, layer, after, layers, impl)
+
+
+def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
+                      after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str) -> sympy.Expr:
+    """The for-loop Adam step's largest temporaries: ``sqrt`` and ``denom`` of one parameter beside the previous
+    parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`), in the order the stage lists them."""
+    if regime.optimizer not in ("adam", "adamw"):
+        raise SymmemError(f"pipeline stages model the Adam/AdamW step; got {regime.optimizer}")
+    size = [numel(shape) * 4 for shape in before + layer + after]
+    if not size or impl == "fused":
+        return sympy.Integer(0)
+    if impl == "foreach":
+        # _foreach_sqrt of every state at once: one copy of every parameter (step_events)
+        return sympy.Add(*size[:len(before)], layers * sympy.Add(*size[len(before):len(before) + len(layer)]),
+                         *size[len(before) + len(layer):])
+    candidates = [2 * size[0]] + [prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False)]
+    if layer:
+        # with two or more layers a layer's first parameter follows the last of the layer before
+        k = len(before)
+        again = size[k + len(layer) - 1] + 2 * size[k]
+        candidates.append(sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True)))
+    return sympy.Max(*candidates)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The stages of one model under one schedule, and the numbers they are evaluated at (``p`` included)."""
+
+    stages: tuple[StageMemory, ...]
+    numbers: Mapping[str, int]
+    schedule: str
+    micro_batches: int
+    #: every stage's steady-step peak at the numbers (:func:`pipeline_peaks`)
+    peaks: tuple[Any, ...] = ()
+
+    def shown(self) -> tuple[StageMemory, ...]:
+        """The stages that exist at these numbers: no middle one with two stages."""
+        return tuple(s for s in self.stages if s.name != "middle" or self.numbers.get("p", 3) >= 3)
+
+    def values(self, name: str) -> dict[str, int]:
+        """Stage ``name``'s parts at the numbers."""
+        return next(s for s in self.stages if s.name == name).at(self.numbers)
+
+    def peak(self) -> StagePeak:
+        """The peak per device: the largest stage's steady-step peak, which stage and where."""
+        if not self.peaks:
+            raise SymmemError("these stages were made without their peaks (pipeline_peaks)")
+        return max(self.peaks, key=lambda x: x.bytes)
+
+    def table(self) -> str:
+        text = table(self.shown(), self.numbers, self.schedule, self.micro_batches)
+        if not self.peaks:
+            return text
+        top = self.peak()
+        each = ", ".join(f"{x.stage}: {x.bytes:,}" for x in self.peaks)
+        return (f"{text}\npeak per device: {top.bytes:,} bytes, stage {top.stage} of {len(self.peaks)} at {top.where}"
+                f"\nsteady-step peak of each stage: {each}")
+
+
+def table(found: Sequence[StageMemory], numbers: Mapping[str, int], schedule: str, micro_batches: int) -> str:
+    """The stages at ``numbers`` as text: one column per stage, one row per part."""
+    values = [s.at(numbers) for s in found]
+    rows = [("in flight", [str(v["in_flight"]) for v in values])]
+    rows += [(part.replace("_", " "), [f"{v[part]:,}" for v in values]) for part in (*PARTS, "held", "step_peak")]
+    head = f"pipeline stages ({schedule}, M={micro_batches}, p={numbers.get('p', '?')}): bytes per stage"
+    width = max(len(r[0]) for r in rows)
+    cols = [max(len(s.name), *(len(r[1][i]) for r in rows)) for i, s in enumerate(found)]
+    lines = [head, " " * width + "  " + "  ".join(s.name.rjust(c) for s, c in zip(found, cols, strict=True))]
+    lines += [name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(vals, cols, strict=True))
+              for name, vals in rows]
+    return "\n".join(lines)
+
+
+def requires(p_value: Any, layers: Any, schedule: str = "gpipe", micro_batches: int = 1) -> None:
+    """Refuse what the engine refuses: ``p >= 2`` stages dividing the layers; 1F1B with fewer micro-batches than
+    stages (``Schedule1F1B`` raises)."""
+    if schedule == "1f1b" and isinstance(p_value, int) and micro_batches < p_value:
+        raise SymmemError(f"the 1F1B schedule needs at least as many micro-batches as stages (Schedule1F1B): "
+                          f"M={micro_batches} < p={p_value}; give --micro-batches {p_value} or more, or gpipe")
+    if isinstance(p_value, int) and p_value < 2:
+        raise SymmemError(f"pipeline parallelism needs p >= 2 stages, got p={p_value}")
+    if isinstance(p_value, int) and isinstance(layers, int) and layers % p_value:
+        raise SymmemError(f"p={p_value} pipeline stages do not divide the L={layers} layers (an even split)")
+
+
+# -- the pipeline phase, op by op ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePeak:
+    """One stage's steady-step peak at numbers: its bytes, and where (``phase``: ``pipeline`` or ``step``; the op
+    and the micro-batch in the pipeline phase)."""
+
+    stage: int
+    bytes: int
+    phase: str
+    node: str | None
+    micro_batch: int | None
+    pipeline: int   # the pipeline phase's largest moment
+    step: int       # the optimizer step's largest moment
+
+    @property
+    def where(self) -> str:
+        """Where the peak is, in words: ``the optimizer step``, or the op, its layer and the micro-batch."""
+        if self.phase == "step":
+            return "the optimizer step"
+        if self.node is None or self.micro_batch is None:
+            return "the end of the schedule" if self.node == "merge_chunks" else "the schedule's start"
+        from .unroll import iteration, template
+
+        layer = f" of layer {iteration(self.node)}" if iteration(self.node) else ""
+        return f"{template(self.node)}{layer}, micro-batch {self.micro_batch}"
+
+
+def order(schedule: str, stage: int, p_value: int, m: int) -> list[tuple[str, int]]:
+    """The forwards and backwards stage ``stage`` runs, in order: ``("F", i)``, ``("B", i)`` (torch 2.13's
+    ``ScheduleGPipe`` and ``Schedule1F1B._step_microbatches``).
+
+    >>> order("1f1b", 0, 2, 3)
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    >>> order("gpipe", 1, 2, 2)
+    [('F', 0), ('F', 1), ('B', 0), ('B', 1)]
+    """
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(m, p_value - stage)
+    out = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while True:
+        out.append(("B", b))
+        b += 1
+        if f == m:
+            break
+        out.append(("F", f))
+        f += 1
+    out += [("B", i) for i in range(b, m)]
+    return out
+
+
+def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                   numbers: Mapping[str, int], found: Sequence[StageMemory], *, schedule: str,
+                   micro_batches: int) -> list[StagePeak]:
+    """Every stage's steady-step peak at ``numbers`` (``p`` and ``L`` included), from the single-device step's
+    timeline (:class:`~symmem.passes.schedule.Simulation`, two micro-batches: the first makes the gradients, the
+    second adds into them) cut by stage and replayed in the schedule's order (:func:`order`).
+
+    What the engine does beyond the single-device step (see the module's note): a stage's output lives until its
+    micro-batch's backward ends (``fwd_cache``); the gradient a stage sends back lives until the send is waited on
+    (GPipe: the end of the backward phase; 1F1B: the end of the next backward); the last stage keeps each
+    micro-batch's logits and loss to the end of the phase, then concatenates the logits (``merge_chunks``).
+    """
+    cut = _Cut(graph, conv, options, regime, numbers)
+    peaks = []
+    for s in range(cut.p):
+        memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+        peaks.append(_Replay(cut, s, memory.at(numbers), schedule, micro_batches).run())
+    return peaks
+
+
+class _Cut:
+    """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage."""
+
+    def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                 numbers: Mapping[str, int]) -> None:
+        from dataclasses import replace as _replace
+
+        from . import branches as size_branches
+        from .schedule import Simulation
+        from .unroll import unroll
+
+        self.p, layers = int(numbers["p"]), int(numbers["L"])
+        self.per = layers // self.p
+        block = next(iter(graph.blocks.values()))
+        self.g = g = unroll(graph, {block.name: layers})
+        self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
+        open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
+        branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
+        sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), branch, False)
+        sim.micro_batch()
+        sim.micro_batch()
+        self.tl = sim.timeline(first=False)
+        self.cache: dict[sympy.Expr, int] = {}
+        self.shared = shared_nodes(graph)
+        # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+        self.keep = {_model_output(g), "loss", "output.sum"}
+        self.passes = _passes(self.tl)
+        self.forwards = {k for pass_ in self.passes for k, _ in pass_["F"]}
+        self.frees: dict[int, int] = {}
+        for k, e in enumerate(self.tl.events):
+            for sid in e.freed:
+                self.frees.setdefault(sid, k)
+
+    def size(self, sid: int) -> int:
+        e = self.tl.storages[sid].nbytes
+        if e not in self.cache:
+            self.cache[e] = _integer(e, self.subs, self.tl.storages[sid].name)
+        return self.cache[e]
+
+    def stage_of(self, node: str | None) -> int:
+        from .unroll import iteration
+
+        if node is None or node not in self.g:
+            return self.p - 1  # the loss's gradient seed; the output's sum (no loss in the graph)
+        k = iteration(node)
+        if k:
+            return (k - 1) // self.per
+        return self.p - 1 if self.g.node(node).group in ("head", "loss") else 0
+
+    def on(self, node: str | None, s: int) -> bool:
+        """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
+        return node in self.shared or self.stage_of(node) == s
+
+
+class _Replay:
+    """One stage's forwards and backwards in the schedule's order: the live bytes after every op, the largest."""
+
+    def __init__(self, cut: _Cut, s: int, at: Mapping[str, int], schedule: str, m: int) -> None:
+        self.cut, self.s, self.at, self.schedule, self.m = cut, s, at, schedule, m
+        self.live = at["at_rest"] - at["outputs"]  # the last step's logits are dropped as the step begins
+        self.best: tuple[int, str, str | None, int | None] = (self.live, "pipeline", None, None)
+        self.alive: dict[tuple[int, int], int] = {}
+        self.later: list[tuple[int, tuple[int, int]]] = []  # (the backward after which it goes, key)
+        self.backwards = 0
+        self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
+
+    def run(self) -> StagePeak:
+        cut, s = self.cut, self.s
+        for kind, mb in order(self.schedule, s, cut.p, self.m):
+            ends = self.segment(kind, mb)
+            if kind == "F":
+                self.end_forward(mb, ends)
+            else:
+                self.end_backward(mb, ends)
+        if s == cut.p - 1 and self.at["outputs"]:
+            self.moment(self.live + self.at["outputs"], "merge_chunks", None)  # every micro-batch's logits
+        step = self.at["step_peak"]
+        top = self.best if self.best[0] >= step else (step, "step", None, None)
+        return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step)
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        if live > self.best[0]:
+            self.best = (live, "pipeline", node, mb)
+
+    def free(self, key: tuple[int, int]) -> None:
+        self.live -= self.alive.pop(key, 0)
+
+    def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
+        cut, s, tl = self.cut, self.s, self.cut.tl
+        events = cut.passes[0 if mb == 0 else 1][kind]
+        mine = [(k, e) for k, e in events if cut.on(e.node, s) or (e.node is None and kind == "B"
+                                                                    and s == cut.p - 1 and e.born)]
+        indices = {k for k, _ in mine}
+        ends: list[tuple[int, int]] = []
+        done: list[tuple[int, int]] = []
+        for k, e in mine:
+            for sid in e.born:
+                st = tl.storages[sid]
+                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
+                    continue
+                self.alive[(mb, sid)] = cut.size(sid)
+                self.live += cut.size(sid)
+                freed = cut.frees.get(sid)
+                if st.category == "gradient" and mb > 0 and freed not in indices:
+                    # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
+                    # new gradient into .grad at once
+                    self.moment(self.live, e.node, mb)
+                    self.free((mb, sid))
+                elif st.category == "gradient" or st.name in cut.keep:
+                    continue  # to the step (gradients) or the end of the phase
+                elif freed in cut.forwards and kind == "F":
+                    done.append((mb, sid))  # last read by a later stage's forward: gone with this forward
+                elif freed not in indices:
+                    ends.append((mb, sid))
+            self.moment(self.live, e.node, mb)
+            for sid in e.freed:
+                if (mb, sid) in self.alive and cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep:
+                    self.free((mb, sid))
+        for key in done:
+            self.free(key)
+        return ends
+
+    def end_forward(self, mb: int, ends: list[tuple[int, int]]) -> None:
+        """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup
+        holds the one before its last in ``send_work`` until the steady loop ends."""
+        cut, s = self.cut, self.s
+        sent_on = [x for x in ends if _sent_on(x[1], cut.stage_of, cut.frees, cut.tl, s)]
+        warmup = min(self.m, cut.p - s)
+        if self.schedule == "gpipe":
+            ends = [x for x in ends if x not in sent_on]
+        elif warmup >= 2 and mb == warmup - 2:
+            # freed once both its backward (the (mb + 1)-th) and the steady loop are done
+            self.later += [(max(mb + 1, self.m - warmup + 1), x) for x in sent_on]
+            ends = [x for x in ends if x not in sent_on]
+        self.deferred[mb] = ends
+
+    def end_backward(self, mb: int, ends: list[tuple[int, int]]) -> None:
+        """What dies with the micro-batch's backward; the gradient sent back lives until its send is waited on."""
+        cut, s = self.cut, self.s
+        ends = ends + self.deferred.pop(mb, [])
+        self.backwards += 1
+        sent = [x for x in ends if _sent_back(cut.tl.storages[x[1]], cut.stage_of, cut.frees, cut.tl, s)]
+        for key in ends:
+            if key not in sent:
+                self.free(key)
+        last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
+        self.later += [(last, key) for key in sent]
+        for _, key in [x for x in self.later if x[0] <= self.backwards]:
+            self.free(key)
+        self.later = [x for x in self.later if x[0] > self.backwards]
+
+
+def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
+    """Whether storage ``sid`` is stage ``s``'s output: single-device, an op of a later stage frees it."""
+    k = frees.get(sid)
+    node = tl.events[k].node if k is not None else None
+    return node is not None and stage_of(node) > s
+
+
+def _sent_back(storage: Any, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
+    """Whether ``storage`` is the gradient stage ``s`` sends to the stage before: single-device, an op of an
+    earlier stage frees it."""
+    sid = tl.storages.index(storage)
+    k = frees.get(sid)
+    if storage.category != "activation_grad" or k is None or s == 0:
+        return False
+    node = tl.events[k].node
+    return node is not None and stage_of(node) < s
+
+
+def _passes(tl: Any) -> list[dict[str, list[tuple[int, Any]]]]:
+    """The two micro-batch passes of a simulated step: each pass's forward and backward events (with their index
+    in the timeline)."""
+    out: list[dict[str, list[tuple[int, Any]]]] = []
+    previous = None
+    for k, e in enumerate(tl.events):
+        if e.phase not in ("forward", "backward"):
+            continue
+        if e.phase == "forward" and previous != "forward":
+            out.append({"F": [], "B": []})
+        out[-1]["F" if e.phase == "forward" else "B"].append((k, e))
+        previous = e.phase
+    return out
+
+
+# -- tensor parallelism as DTensor runs it ---------------------------------------------------------------------
+#: Dimensions a tensor-parallel plan splits: the attention heads (query and key/value) and the MLP width.
+SPLIT_DIMS = ("h", "G", "F")
+
+
+@dataclass(frozen=True)
+class TensorRank:
+    """One tensor-parallel rank's memory under DTensor's standard plan (formulas in ``t``): the activations
+    autograd keeps, the parameters' local shards, their gradients (the embedding's comes back whole), Adam's
+    state (the local shards, and a 4-byte step per parameter tensor)."""
+
+    saved: sympy.Expr
+    parameters: sympy.Expr
+    gradients: sympy.Expr
+    optimizer_state: sympy.Expr
+
+    def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
+        """Every part at ``numbers`` (``t`` included), which must split evenly: ``t`` divides the heads, the MLP
+        width and the vocabulary (DTensor would pad uneven shards: not modelled)."""
+        size = numbers.get("t")
+        if isinstance(size, int) and size < 1:
+            raise SymmemError(f"the tensor-parallel size t must be at least 1, got t={size}")
+        for name in ("h", "G", "F", "V"):
+            if isinstance(size, int) and name in numbers and numbers[name] % size:
+                raise SymmemError(f"t={size} does not divide {name}={numbers[name]}: the plan splits the heads (h, "
+                                  "G), the MLP width (F) and the vocabulary (V) evenly over the ranks")
+        subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        return {f.name: _integer(getattr(self, f.name), subs, f.name) for f in fields(self)}
+
+
+def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, sequence: bool = False) -> TensorRank:
+    """One rank of ``t`` under ``parallelize_module`` with the standard plan (the embedding row-wise, q/k/v and
+    the MLP's gate/up column-wise, o/down row-wise, the head column-wise), from the single-device ``storages``
+    of ``graph`` (the pytorch convention, no tensor parallelism in ``regime``).
+
+    What DTensor splits is every tensor between a column-parallel linear and the row-parallel one after it:
+    whatever has a head or MLP-width dimension (:data:`SPLIT_DIMS`) -- the rotary query, the repeated keys and
+    values kept by the attention's matmuls, the SiLU output -- beside the roles Megatron-LM's accounting splits
+    (:data:`symmem.passes.regimes.TP_ROLES`); everything else is whole on every rank.
+
+    With ``sequence`` (DTensor's ``SequenceParallel`` norms, the layer input split over S between the row-parallel
+    outputs' reduce-scatter and the column-parallel inputs' all-gather) the rest of the hidden stream -- every
+    (B, S, ...) tensor, the embedding's output, the norms', the residual sums -- is split over S too, except what
+    a column-parallel linear keeps: the all-gathered input, whole, once per all-gather (the attention gathers
+    once for q, k and v; linears outside it each gather their own).  Korthikanti's accounting splits those too.
+    """
+    from ..symbols import t
+    from .regimes import TP_ROLES
+
+    saved = sympy.Integer(0)
+    for s in storages:
+        if s.category not in ("activation", "loss"):
+            continue
+        split = s.role in TP_ROLES or (s.node is not None and s.node in graph
+                                       and _splits(graph, s.node, s.name))
+        if split:
+            saved += s.expr / t
+        elif sequence and s.node in graph:
+            gathers = _gathers(graph, s.keepers)
+            if gathers:
+                saved += gathers * s.expr  # the all-gathered full-S input of column-parallel linears
+            elif _stream(graph, s.node):
+                saved += s.expr / t
+            else:
+                saved += s.expr
+        else:
+            saved += s.expr
+    weights = grads = state = sympy.Integer(0)
+    for n in graph.program_order():
+        node = graph.node(n)
+        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(x) for x in
+                                                                                  node.params.values()]
+        for shape in shapes:
+            count = node.count
+            local = numel(shape) / t if len(shape) >= 2 else numel(shape)
+            weights += count * local * 4
+            # the embedding's gradient comes back whole: embedding_dense_backward of the replicated ids
+            grads += count * (numel(shape) if node.kind == "embedding" else local) * 4
+            state += count * (2 * local * 4 + (4 if regime.optimizer in ("adam", "adamw") else 0))
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
+        raise SymmemError("the tensor-parallel ranks are modelled for FP32 Adam/AdamW, as measured")
+    return TensorRank(saved, weights, grads, state)
+
+
+def _gathers(graph: Graph, keepers: Iterable[str]) -> int:
+    """How many all-gathered copies of a tensor column-parallel linears keep under sequence parallelism: one for
+    the attention's q/k/v, one each for the others (the MLP's gate and up, the head)."""
+    colwise = [k for k in keepers if k in graph and graph.node(k).kind == "linear" and (
+        graph.node(k).role in ("qkv", "mlp_hidden") or graph.node(k).group == "head")]
+    attention = [k for k in colwise if graph.node(k).role == "qkv"]
+    return (1 if attention else 0) + len(colwise) - len(attention)
+
+
+def _stream(graph: Graph, node: str) -> bool:
+    """Whether ``node``'s output is of the hidden stream: (B, S, ...), which sequence parallelism splits over S."""
+    shape = [str(d) for d in graph.node(node).out.shape]
+    return shape[:2] == ["B", "S"]
+
+
+def _splits(graph: Graph, node: str, name: str) -> bool:
+    """Whether the tensor a storage holds has a head or MLP-width dimension (an input copy: that input's)."""
+    spec = graph.node(node).out
+    suffix = name[len(node):] if name.startswith(node) else ""
+    if suffix.startswith(".input") and suffix.endswith("_copy"):
+        index = int(suffix[len(".input"):-len("_copy")])
+        spec = graph.node(graph.node(node).inputs[index]).out
+    names = {str(x) for d in spec.shape for x in sympy.sympify(d, strict=True).free_symbols}
+    return graph.node(node).block is not None and bool(names & set(SPLIT_DIMS))

@@ -1,0 +1,441 @@
+"""Real model-parallel training steps, measured per rank: ``torch.distributed.pipelining`` on gloo (CPU, 127.0.0.1).
+
+:func:`pipeline_runs` starts ``world`` processes (forked: no second import of torch), joins them in one gloo
+process group on a free 127.0.0.1 port with a timeout, and in each rank runs every case asked for -- a schedule
+(``gpipe``: ``ScheduleGPipe``, ``1f1b``: ``Schedule1F1B``) and a micro-batch count ``M`` -- as two training steps
+(the pipeline's forward and backward of ``M`` micro-batches, AdamW's step, ``zero_grad``) of that rank's stage
+of a reference model (:mod:`symmem.reference.sequence_models`), under the live-bytes recorder
+(:class:`~symmem.record.live_bytes.LiveTracker`, every storage autograd packs labelled ``saved``).  A stage is
+what real pipelines build (torchtitan's ``pipeline_llm``, Megatron-LM): the embedding on the first stage, the
+final norm and the head on the last, ``L/p`` layers each; GPT-2's tied head is a copy of the embedding on the last
+stage (Megatron-LM keeps the word embeddings on both ends and all-reduces their gradients).
+
+Each rank reports, per case: its parameter bytes, the largest live bytes of each step and the bytes by category
+there, and the largest bytes autograd keeps saved at once.  Needs ``torch`` (with ``torch.distributed``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+
+#: How long a rank waits for the others (process group and every collective), and for all of them to finish.
+TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One rank's measurement of one case: parameter bytes, the peak of each step and what was live then, and
+    the largest saved (autograd-packed) bytes alive at once over the steps."""
+
+    rank: int
+    schedule: str
+    micro_batches: int
+    parameters: int
+    peak: int
+    at_peak: tuple[tuple[str, int], ...]
+    saved: int
+    #: the saved storages alive when ``saved`` was reached: (bytes, op, category, shape)
+    saved_storages: tuple[tuple[int, str, str, tuple[int, ...]], ...]
+    #: where the step peaked: (phase, op, where)
+    peak_at: tuple[str, str, str]
+    #: live bytes by category when the step starts
+    start: tuple[tuple[str, int], ...]
+    #: every storage alive at the peak
+    peak_storages: tuple[tuple[int, str, str, tuple[int, ...]], ...]
+    #: the largest live bytes while the schedule runs (forwards and backwards), and in the optimizer step
+    pipeline_peak: int = 0
+    step_peak: int = 0
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
+    """A Llama stage (torchtitan's split): every stage makes its own rotary tables (and eager attention's mask)
+    for the whole sequence, as the reference's forward does before its layers."""
+    import torch
+    from torch import nn
+
+    first, last = rank == 0, rank == world - 1
+
+    class LlamaStage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if first:
+                self.embed_tokens = full.embed_tokens
+            self.layers = nn.ModuleList(full.layers[rank * each:(rank + 1) * each])
+            self.rotary_emb, self.sdpa = full.rotary_emb, full.sdpa
+            if last:
+                self.norm, self.lm_head = full.norm, full.lm_head
+
+        def forward(self, x: Any) -> Any:
+            hidden = self.embed_tokens(x) if first else x
+            seq = hidden.shape[1]
+            cache_position = torch.arange(0, seq, device=hidden.device)
+            position_ids = cache_position.unsqueeze(0)
+            mask = None
+            if not self.sdpa:  # the reference's create_causal_mask
+                mask = torch.full((seq, seq), fill_value=torch.finfo(hidden.dtype).min, dtype=hidden.dtype,
+                                  device=hidden.device)
+                mask = torch.triu(mask, diagonal=1)
+                mask *= torch.arange(seq, device=hidden.device) > cache_position.reshape(-1, 1)
+                mask = mask[None, None, :, :].expand(hidden.shape[0], 1, -1, -1)
+            embeddings = self.rotary_emb(hidden, position_ids)
+            for layer in self.layers:
+                hidden = layer(hidden, embeddings, mask)
+            return self.lm_head(self.norm(hidden)) if last else hidden
+
+    return LlamaStage()
+
+
+def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]) -> Any:
+    """Rank ``rank``'s stage of the reference ``model``: embedding on stage 0, norm and head on the last."""
+    import torch
+    from torch import nn
+
+    from ..reference.sequence_models import reference
+
+    torch.manual_seed(0)
+    full, _ = reference(model, values, **options)
+    layers = int(values["L"])
+    if layers % world:
+        raise SymmemError(f"{world} pipeline stages do not divide the L={layers} layers")
+    each = layers // world
+    first, last = rank == 0, rank == world - 1
+    if model == "llama":
+        stage = _llama_stage(full, rank, world, each)
+        stage.train()
+        return stage
+    if model != "gpt2":
+        raise SymmemError(f"no pipeline stages for {model!r} (gpt2 and llama)")
+
+    class GPT2Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if first:
+                self.wte, self.wpe, self.drop = full.wte, full.wpe, full.drop
+            self.h = nn.ModuleList(full.h[rank * each:(rank + 1) * each])
+            if last:
+                self.ln_f = full.ln_f
+                # untied: the last stage holds its own copy of the embedding as the head
+                self.lm_head = nn.Linear(full.wte.weight.shape[1], full.wte.weight.shape[0], bias=False)
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(full.wte.weight)
+
+        def forward(self, x: Any) -> Any:
+            if first:
+                position_ids = torch.arange(x.size(-1), device=x.device).unsqueeze(0)
+                x = self.drop(self.wte(x) + self.wpe(position_ids))
+            for block in self.h:
+                x = block(x)
+            if last:
+                x = self.lm_head(self.ln_f(x))
+            return x
+
+    stage = GPT2Stage()
+    stage.train()
+    return stage
+
+
+def _buffers(stage: Any) -> list[Any]:
+    """The receive buffers a ``PipelineStage`` made: one per micro-batch and input (activations) or output
+    (gradients), kept for the stage's life."""
+    found = []
+    for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+        found += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return found
+
+
+def _sum_loss(out: Any, target: Any) -> Any:
+    """The loss ``sum``: the output's sum (the target is not read)."""
+    return out.sum()
+
+
+def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, schedule: str, m: int,
+              loss: str = "cross-entropy", options: Mapping[str, Any] | None = None, static: bool = True) -> StageRun:
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from ..reference.sequence_models import causal_lm_loss
+    from .identity import tensors
+    from .live_bytes import LiveTracker
+    from .optim import make_optimizer, state_tensors
+
+    module = _stage_module(model, values, rank, world, options or {})
+    b, s, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    meta = torch.device("meta")
+    # static shapes, as torchtitan gives them: the dynamic mode's shape inference runs the stage once more in the
+    # first step and leaves part of that graph alive on the first stage
+    given: dict[str, Any] = {}
+    if static:
+        def hidden() -> Any:
+            return torch.empty(b, s, h, device=meta, requires_grad=True)
+
+        given["input_args"] = torch.empty(b, s, dtype=torch.long, device=meta) if rank == 0 else hidden()
+        given["output_args"] = torch.empty(b, s, v, device=meta, requires_grad=True) if rank == world - 1 else hidden()
+        if rank < world - 1:
+            given["output_grads"] = hidden()
+        if rank > 0:
+            given["input_grads"] = hidden()
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v, (b * m, s), generator=gen)
+    # the loss sum reads no labels: an empty target (the schedule splits one per micro-batch all the same)
+    labels = torch.randint(0, v, (b * m, s), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    params = list(module.parameters())
+    opt = make_optimizer(params, "adamw", "for-loop")
+    tracker = LiveTracker()
+    tracker.register(params, "parameter")
+    tracker.register(list(module.buffers()), "buffer")  # Llama's rotary frequencies, on every stage
+    # each stage holds the data it is given: the first the batch, the last the labels
+    tracker.register([ids] if rank == 0 else [labels] if rank == world - 1 else [], "input")
+    hooks = tracker.watch_gradients(params)
+    with tracker:
+        for step in (1, 2):
+            with tracker.phase(step, "forward"), tracker.saving():
+                losses: list[Any] = []
+                if rank == 0:
+                    merged = sched.step(ids)
+                elif rank == world - 1:
+                    merged = sched.step(target=labels, losses=losses)
+                else:
+                    merged = sched.step()
+                # what the stage keeps between steps: its receive buffers (activations from the stage before,
+                # gradients from the stage after), the last stage's logits of every micro-batch
+                tracker.label(_buffers(stage), "buffer")
+                tracker.label([t for out in stage.output_chunks for t in tensors(out)], "output")
+                del merged, losses
+            with tracker.phase(step, "step"):
+                opt.step()
+                tracker.label(state_tensors(opt), "optimizer_state")
+            with tracker.phase(step, "zero_grad"):
+                opt.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    trace = tracker.trace()
+    return _summary(trace, rank, schedule, m, sum(p.numel() * p.element_size() for p in params))
+
+
+def _summary(trace: Any, rank: int, schedule: str, m: int, parameters: int) -> StageRun:
+    """The steady step (the second: the first also runs the stage's shape inference and makes the buffers)."""
+    records = [r for r in trace.records if r.step == 2]
+    top = max(records, key=lambda r: r.live)
+    top_saved = max(records, key=lambda r: r.bytes("saved"))
+    start = next(b for b in trace.boundaries if b.step == 1 and b.phase == "zero_grad")
+
+    def alive(index: int, category: str | None) -> tuple[tuple[int, str, str, tuple[int, ...]], ...]:
+        return tuple((s.nbytes, s.op or "", s.category, tuple(s.shape)) for s in trace.storages
+                     if (category is None or s.category == category) and (s.born or 0) <= index
+                     and (s.died is None or s.died > index))
+
+    return StageRun(rank, schedule, m, parameters, top.live, top.by_category, top_saved.bytes("saved"),
+                    alive(top_saved.index, "saved"), (top.phase, top.op, top.where), start.by_category,
+                    alive(top.index, None), max(r.live for r in records if r.phase == "forward"),
+                    max(r.live for r in records if r.phase == "step"))
+
+
+@dataclass(frozen=True)
+class TensorRun:
+    """One rank's measurement of a tensor-parallel step (DTensor, the standard Llama plan): the bytes autograd
+    keeps after the forward (each storage once, a DTensor's local shard), the parameters' local bytes, the
+    gradients' after backward, the optimizer state's after AdamW's first step; and the saved storages as
+    (bytes, shape, the tensor's type)."""
+
+    rank: int
+    saved: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    saved_storages: tuple[tuple[int, tuple[int, ...], str], ...]
+
+
+def llama_plan(module: Any, world: int) -> dict[str, Any]:
+    """The standard tensor-parallel plan of a Llama (torchtitan's, the PyTorch tutorial's): the embedding
+    row-wise, q/k/v/gate/up column-wise, o/down row-wise, the head column-wise with its output replicated; the
+    attention's head counts divided by the group size."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(module.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "gate_proj", "up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+        layer.self_attn.num_heads //= world
+        layer.self_attn.num_key_value_heads //= world
+    return plan
+
+
+def llama_sequence_plan(module: Any, world: int) -> dict[str, Any]:
+    """The standard plan with sequence parallelism (torchtitan's): the norms ``SequenceParallel``, the layer input
+    split over S between the row-parallel output's reduce-scatter and the column-parallel inputs' all-gather."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, Any] = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                            "norm": SequenceParallel(),
+                            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i, layer in enumerate(module.layers):
+        plan[f"layers.{i}.input_layernorm"] = SequenceParallel()
+        plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
+        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                           desired_input_layouts=(Replicate(), None, None))
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        # the reference's MLP is no module of its own: gate and up each all-gather the normed input
+        for name in ("gate_proj", "up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel(input_layouts=Shard(1))
+        for name in ("self_attn.o_proj", "down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+        layer.self_attn.num_heads //= world
+        layer.self_attn.num_key_value_heads //= world
+    return plan
+
+
+def _sequence_forward(module: Any) -> Any:
+    """The Llama reference's forward with the sequence length of the ids, not of the (split) embedding output:
+    the rotary tables and the mask cover the whole sequence (torchtitan precomputes them)."""
+    import torch
+
+    def forward(input_ids: Any) -> Any:
+        hidden = module.embed_tokens(input_ids)
+        seq = input_ids.shape[1]
+        position_ids = torch.arange(seq).unsqueeze(0)
+        mask = None
+        if not module.sdpa:
+            mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None].expand(
+                input_ids.shape[0], 1, -1, -1)
+        embeddings = module.rotary_emb(hidden, position_ids)
+        for layer in module.layers:
+            hidden = layer(hidden, embeddings, mask)
+        return module.lm_head(module.norm(hidden))
+
+    return forward
+
+
+def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]
+                 ) -> TensorRun:
+    import weakref
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ..reference.sequence_models import reference
+    from .optim import make_optimizer, state_tensors
+
+    if model != "llama":
+        raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
+    torch.manual_seed(0)
+    options = dict(options)
+    sequence = bool(options.pop("sequence_parallel", False))
+    module, (ids,) = reference(model, values, **options)
+    plan = (llama_sequence_plan if sequence else llama_plan)(module, world)
+    parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
+    run = _sequence_forward(module) if sequence else module
+
+    def local(t: Any) -> Any:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    params = list(module.parameters())
+    held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
+    saved: dict[int, tuple[int, tuple[int, ...], str]] = {}
+
+    def pack(t: Any) -> Any:
+        # a DTensor is a wrapper without data: its local shard is what the rank holds
+        st = local(t).untyped_storage()
+        key = st._cdata
+        if key not in saved and key not in held:
+            saved[key] = (st.nbytes(), tuple(local(t).shape), type(t).__name__)
+            weakref.finalize(st, saved.pop, key, None)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run(ids)
+    kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
+    total = sum(v[0] for v in kept)
+    out.sum().backward()
+    opt = make_optimizer(params, "adamw", "for-loop")
+    opt.step()
+
+    def nbytes(ts: Any) -> int:
+        return sum(local(t).numel() * local(t).element_size() for t in ts)
+
+    return TensorRun(rank, total, nbytes(params), nbytes(p.grad for p in params if p.grad is not None),
+                     nbytes(state_tensors(opt)), kept)
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], out: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        try:
+            runs = []
+            for kind, model, values, case in jobs:
+                if kind == "pipeline":
+                    runs.append(_one_case(model, values, rank, world, *case))
+                else:
+                    runs.append(_tensor_case(model, values, rank, world, case))
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, runs))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        out.put((rank, traceback.format_exc()))
+
+
+def pipeline_runs(model: str, values: Mapping[str, int], world: int,
+                  cases: Sequence[tuple[Any, ...]]) -> list[list[StageRun]]:
+    """Per rank, one :class:`StageRun` per case ``(schedule, M)`` or ``(schedule, M, loss)`` (``cross-entropy``,
+    the default: the causal LM's shifted one; ``sum``): ``world`` stages of ``model`` at ``values``
+    (``B`` is one micro-batch) trained two steps on gloo.  A rank that fails or hangs is a :class:`SymmemError`."""
+    return runs(world, [("pipeline", model, dict(values), tuple(case)) for case in cases])
+
+
+def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) -> list[list[Any]]:
+    """Per rank, the result of every job in one process group: ``("pipeline", model, values, (schedule, M[,
+    loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, [(k, m, dict(v), c) for k, m, v, c in jobs], out))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    found: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, result = out.get(timeout=TIMEOUT_S * 2)
+            found[rank] = result
+    except Exception as e:  # queue.Empty: a rank hung
+        raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from e
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    for rank in sorted(found):
+        if isinstance(found[rank], str):
+            raise SymmemError(f"rank {rank} failed:\n{found[rank]}")
+    return [found[r] for r in range(world)]

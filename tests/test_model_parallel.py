@@ -1,0 +1,236 @@
+"""Pipeline stages against the real engine: ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B) on gloo.
+
+The truth is two real processes (127.0.0.1, a free port, bounded time), each training its stage of the GPT-2
+reference two steps with FP32 AdamW under the live-bytes recorder (``symmem.record.model_parallel_runs``): per
+rank, the steady step's peak, the largest moments of the schedule and of the optimizer step, the most saved
+activations alive at once, what lives between steps, and the parameter bytes.  symmem's side is
+``symmem.api.pipeline_stages``: formulas cut from the single-device derivation and the single-device step's
+timeline replayed in the schedule's order.  Every value is compared to the byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from symmem.errors import SymmemError
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("torch.distributed.pipelining")
+
+#: Small enough to run in seconds, large enough that the pipeline phase is the peak on some stages and the
+#: optimizer step (the 1024-row position table's Adam temporaries) on others.
+SIZES = {"B": 2, "S": 32, "H": 32, "h": 2, "L": 2, "V": 64}
+OPTIONS = {"attention": "naive", "dropout": 0.0, "device": "cpu"}
+#: (schedule, micro-batches, loss): GPipe holds every micro-batch, 1F1B min(p - s, M); the loss ``sum`` keeps
+#: no loss tensors
+CASES = [("gpipe", 1, "cross-entropy"), ("gpipe", 4, "cross-entropy"), ("1f1b", 4, "cross-entropy"),
+         ("gpipe", 2, "sum")]
+
+
+#: Llama's stages (every stage makes its own rotary tables and mask): sizes, and (schedule, M, loss, options)
+LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64}
+LLAMA_CASES = [("gpipe", 2, "cross-entropy", {"attention": "sdpa"}), ("1f1b", 4, "sum", {"attention": "naive"})]
+#: Tensor parallelism (DTensor, Llama's standard plan) over two ranks: grouped-query eager attention, and
+#: multi-head SDPA with two layers.
+TENSOR = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"}),
+          ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 4, "L": 2, "V": 64, "F": 96}, {"attention": "sdpa"})]
+#: The same with sequence parallelism (torchtitan's plan: SequenceParallel norms, S split between the layers)
+SEQUENCE = [(values, {**options, "sequence_parallel": True}) for values, options in TENSOR]
+
+
+def test_against_the_engines():
+    """One gloo process group of two ranks runs every pipeline case and every tensor-parallel step (one test, so
+    that pytest-xdist runs the processes once), then each comparison below."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.model_parallel_runs import runs
+
+    jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
+    jobs += [("tensor", "llama", values, options) for values, options in TENSOR + SEQUENCE]
+    jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
+    everything = runs(2, jobs)
+    measured = [rank[:len(CASES)] for rank in everything]
+    for case in range(len(CASES)):
+        every_stage_to_the_byte(measured, case)
+    what_the_engine_holds(measured)
+    for case in range(len(TENSOR)):
+        tensor_parallel_rank_to_the_byte(everything, case)
+    for case in range(len(SEQUENCE)):
+        sequence_parallel_rank_to_the_byte(everything, case)
+    for case in range(len(LLAMA_CASES)):
+        llama_stages(everything, case)
+
+
+def _plan(schedule: str, m: int, loss: str):
+    from symmem.api import pipeline_stages
+
+    return pipeline_stages("gpt2", schedule=schedule, micro_batches=m, loss=loss, values={**SIZES, "F": 128, "p": 2},
+                           **OPTIONS)
+
+
+def every_stage_to_the_byte(measured, case):
+    schedule, m, loss = CASES[case]
+    plan = _plan(schedule, m, loss)
+    for rank, memory in enumerate(plan.shown()):
+        real = measured[rank][case]
+        ours = memory.at(plan.numbers)
+        peak = plan.peaks[rank]
+        assert (peak.bytes, peak.pipeline, peak.step) == (real.peak, real.pipeline_peak, real.step_peak), (
+            CASES[case], rank)
+        assert ours["parameters"] == real.parameters
+        assert ours["saved"] == real.saved  # the most saved activations alive at once: in flight x one's
+        start = dict(real.start)
+        assert ours["at_rest"] == sum(start.values())
+        assert (ours["parameters"], ours["optimizer_state"], ours["buffers"], ours["inputs"], ours["outputs"]) == (
+            start.get("parameter", 0), start.get("optimizer_state", 0), start.get("buffer", 0),
+            start.get("input", 0), start.get("output", 0))
+        assert peak.phase == ("step" if real.peak_at[0] == "step" else "pipeline")
+
+
+def what_the_engine_holds(measured):
+    """The engine's own memory, as numbers a reader can check by hand at these sizes: the stage boundary is
+    B*S*H*4 = 8192 bytes, the logits B*S*V*4 = 16384."""
+    gpipe = {r: measured[r][1] for r in (0, 1)}  # GPipe, M = 4
+    assert dict(gpipe[0].start)["buffer"] == 4 * 8192  # a gradient receive buffer per micro-batch
+    assert dict(gpipe[1].start)["buffer"] == 4 * 8192  # an activation receive buffer per micro-batch
+    assert dict(gpipe[1].start)["output"] == 4 * 16384  # every micro-batch's logits, kept past the step
+    # Adam's step count: 4 bytes per parameter tensor (2 + 12 on the first stage, 12 + 3 on the last)
+    assert dict(gpipe[0].start)["optimizer_state"] == 2 * 190080 + 4 * 14
+    assert dict(gpipe[1].start)["optimizer_state"] == 2 * 59264 + 4 * 15
+    # GPipe's first stage holds all M micro-batches, 1F1B's min(p, M) = 2; the last stage one under 1F1B
+    assert gpipe[0].saved == 4 * measured[0][0].saved
+    assert measured[0][2].saved == 2 * measured[0][0].saved
+    assert measured[1][2].saved == measured[1][0].saved
+
+
+def test_the_papers_stage_is_not_the_engines():
+    """Korthikanti's and Narayanan's first stage holds the embedding, the head and p micro-batches; the engine's
+    first stage has no head, and its last stage keeps the logits (derive's pipeline term vs the stages)."""
+    plan = _plan("1f1b", 4, "cross-entropy")
+    first, _, last = plan.stages
+    values = first.at(plan.numbers)
+    assert values["in_flight"] == 2 and last.at(plan.numbers)["in_flight"] == 1
+    assert last.at(plan.numbers)["outputs"] == 4 * 2 * 32 * 64 * 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"schedule": "1f1b", "micro_batches": 1}, "the 1F1B schedule needs at least as many micro-batches as stages"),
+    ({"schedule": "gpipe", "values": {"p": 5}}, "p=5 pipeline stages do not divide the L=12 layers"),
+    ({"schedule": "gpipe", "values": {"p": 1}}, "pipeline parallelism needs p >= 2 stages"),
+    ({"schedule": "zero-bubble"}, "unknown pipeline schedule 'zero-bubble'"),
+    ({"schedule": "gpipe", "micro_batches": 0}, "micro_batches must be a positive integer"),
+    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32 without checkpointing"),
+    ({"schedule": "gpipe", "checkpoint": "full"}, "pipeline stages are modelled for FP32 without checkpointing"),
+    ({"schedule": "gpipe", "optimizer": "sgd"}, "pipeline stages model the Adam/AdamW step; got sgd"),
+])
+def test_bad_input(kwargs, message):
+    from symmem.api import pipeline_stages
+
+    with pytest.raises(SymmemError, match=message.replace("(", r"\(")):
+        pipeline_stages("gpt2", **kwargs)
+
+
+def test_stages_need_one_block():
+    from symmem.api import pipeline_stages
+
+    with pytest.raises(SymmemError, match="pipeline stages split one repeated block of layers; mlp has 0"):
+        pipeline_stages("mlp", schedule="gpipe")
+
+
+def test_regime_schedule():
+    from symmem.training import Regime
+
+    assert Regime(pipeline_parallel=True, pipeline_schedule="gpipe").pipeline_schedule == "gpipe"
+    with pytest.raises(SymmemError, match="pipeline schedule 'gpipe' needs pipeline parallelism"):
+        Regime(pipeline_schedule="gpipe")
+    with pytest.raises(SymmemError, match="unknown pipeline schedule"):
+        Regime(pipeline_parallel=True, pipeline_schedule="interleaved")
+
+
+def test_cli(capsys):
+    from symmem.cli import main
+
+    sets = [a for k, v in {**SIZES, "F": 128, "p": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["stages", "gpt2", "--pipeline-parallel", "--micro-batches", "4", "--loss", "cross-entropy",
+                 "--attention", "naive", "--dropout", "0", "--device", "cpu", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline stages (1f1b, M=4, p=2)" in out
+    assert "peak per device: 1,379,384 bytes, stage 0 of 2 at h.mlp.gelu.out of layer 1, micro-batch 1" in out
+    assert main(["stages", "gpt2", "--set", "p=2"]) == 2
+    assert capsys.readouterr().err.startswith("symmem: error: symmem stages splits the model into pipeline stages")
+    # derive keeps the papers' accounting under --pipeline-parallel, with the schedule named
+    assert main(["derive", "gpt2", "--pipeline-parallel", "gpipe", "--convention", "megatron"]) == 0
+
+
+def tensor_parallel_rank_to_the_byte(everything, case):
+    """Each rank's saved activations (a DTensor's local shard), parameters, gradients and Adam state."""
+    from symmem import derive
+    from symmem.api import tensor_parallel_rank
+
+    values, options = TENSOR[case]
+    ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
+    for rank in everything:
+        real = rank[len(CASES) + case]
+        assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
+            real.saved, real.parameters, real.gradients, real.optimizer_state)
+    # Megatron-LM's accounting (derive --tensor-parallel) keeps the query after its rotary embedding, the keys and
+    # values the attention keeps (repeated to h heads by eager attention, the cache's copies by SDPA) and the
+    # SiLU output whole on every rank; DTensor splits them: B*S*(3H + F)*4 bytes a layer, half of it on each rank
+    papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+    v = values
+    assert papers.value("activations") - ours["saved"] == v["B"] * v["S"] * (3 * v["H"] + v["F"]) * 4 * v["L"] // 2
+    # and the embedding's gradient comes back whole (V x H) while its weight is split
+    assert ours["gradients"] - ours["parameters"] == 4 * v["V"] * v["H"] // 2
+
+
+def sequence_parallel_rank_to_the_byte(everything, case):
+    """With sequence parallelism the hidden stream is split over S, but each column-parallel linear keeps its
+    all-gathered input whole: Korthikanti's accounting (derive --sequence-parallel) splits it."""
+    from symmem import derive
+    from symmem.api import tensor_parallel_rank
+
+    values, options = SEQUENCE[case]
+    ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
+    for rank in everything:
+        real = rank[len(CASES) + len(TENSOR) + case]
+        assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
+            real.saved, real.parameters, real.gradients, real.optimizer_state)
+    papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+    assert papers.value("activations") < ours["saved"]
+
+
+def llama_stages(everything, case):
+    """Llama's stages each make the rotary tables (and eager attention's mask) for their micro-batches, and hold
+    the rotary frequencies.  Exact, but for one moment symmem's single-device step takes as one op: the causal-LM
+    loss's backward, where nll_loss's backward frees the shifted labels' copy and the total weight (B*S*8 + 4
+    bytes) before log_softmax's backward allocates -- the last stage's peak under the cross-entropy."""
+    from symmem.api import pipeline_stages
+
+    schedule, m, loss, options = LLAMA_CASES[case]
+    plan = pipeline_stages("llama", schedule=schedule, micro_batches=m, loss=loss, values={**LLAMA, "p": 2},
+                           device="cpu", **options)
+    for rank, memory in enumerate(plan.shown()):
+        real = everything[rank][len(CASES) + len(TENSOR) + len(SEQUENCE) + case]
+        ours, peak = memory.at(plan.numbers), plan.peaks[rank]
+        assert (ours["saved"], ours["parameters"], ours["at_rest"], peak.step) == (
+            real.saved, real.parameters, sum(dict(real.start).values()), real.step_peak)
+        gap = LLAMA["B"] * LLAMA["S"] * 8 + 4 if (rank == 1 and loss == "cross-entropy") else 0
+        assert (peak.bytes - real.peak, peak.pipeline - real.pipeline_peak) == (gap, gap)
+
+
+def test_ranks_cli_and_refusals(capsys):
+    from symmem.api import tensor_parallel_rank
+    from symmem.cli import main
+
+    values, options = TENSOR[0]
+    sets = [a for k, v in {**values, "t": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["ranks", "llama", "--tensor-parallel", "--attention", "naive", "--device", "cpu", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "saved                      32,448" in out and "gradients                  31,104" in out
+    assert main(["ranks", "llama", "--set", "t=2"]) == 2
+    assert "add --tensor-parallel" in capsys.readouterr().err
+    with pytest.raises(SymmemError, match="t=3 does not divide h=4"):
+        tensor_parallel_rank("llama", values=values, device="cpu").at({**values, "t": 3})
+    with pytest.raises(SymmemError, match="the standard tensor-parallel plan is Llama's"):
+        tensor_parallel_rank("gpt2")
