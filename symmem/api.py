@@ -271,13 +271,15 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
                      autocast=autocast)
     loss = shared.loss
     regime_given = options.get("regime")
-    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
-                    {p.dtype for p in module.parameters() if p.is_floating_point()})
     checkpoint = tracing.checkpoint_option(shared.checkpoint)
-    if sizes is not None or divisible is not None:
+    if sizes is not None or divisible is not None:  # module builds a module per configuration: no weights to read yet
         return _trace_sizes(module, example_inputs, dims, sizes, divisible, shared.device or "cpu", dict(
             method=method, training=training, autocast=autocast, checkpoint=checkpoint), multiple_of, size_one,
             name, loss, options)
+    if not hasattr(module, "parameters"):
+        raise SymmemError(f"trace needs an nn.Module, or a callable that builds one with sizes=: got {type(module).__name__}")
+    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
+                    {p.dtype for p in module.parameters() if p.is_floating_point()})
     if dims is None:
         raise SymmemError("trace needs dims: the input sizes to keep symbolic, e.g. {'B': [(0, 0)]}")
     device = shared.device or _device_of(module)
