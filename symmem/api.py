@@ -277,7 +277,8 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
             method=method, training=training, autocast=autocast, checkpoint=checkpoint), multiple_of, size_one,
             name, loss, options)
     if not hasattr(module, "parameters"):
-        raise SymmemError(f"trace needs an nn.Module, or a callable that builds one with sizes=: got {type(module).__name__}")
+        raise SymmemError("trace needs an nn.Module, or a callable that builds one with sizes=: got "
+                          f"{type(module).__name__}")
     check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
                     {p.dtype for p in module.parameters() if p.is_floating_point()})
     if dims is None:

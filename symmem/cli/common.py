@@ -14,7 +14,8 @@ from ..errors import SymmemError
 from ..units import MAX_SIZE
 
 #: the forms of a SPEC, a module to trace (``symmem trace``; :mod:`symmem.importer.sources`)
-SPEC_FORMS = "package.module:callable, path/to/file.py:callable, hf:MODEL_TYPE, torchvision:NAME or timm:NAME"
+SPEC_FORMS = ("package.module:callable, path/to/file.py:callable, hf:MODEL_TYPE | hf:org/name | hf:DIR | "
+              "hf:path/config.json, torchvision:NAME or timm:NAME")
 
 _SET = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 _INT = re.compile(r"^[+]?[0-9][0-9_]*$")
@@ -365,7 +366,7 @@ def is_spec(text: str | None) -> bool:
 
 #: the options that say how a SPEC is traced: (argument name, what it is when not given)
 TRACE_ONLY = (("dims", None), ("config", []), ("example", []), ("method", "auto"), ("multiple_of", None),
-              ("no_check", False))
+              ("no_check", False), ("lora", None))
 
 
 def builtin_only(args: argparse.Namespace) -> None:

@@ -1,7 +1,8 @@
 """``symmem trace``: the training-memory formula of a module that is not in the zoo, traced from PyTorch.
 
-``SPEC`` is ``package.module:callable``, ``path/to/file.py:callable``, ``hf:MODEL_TYPE`` (a transformers
-config's defaults, ``--config key=value`` to change them), ``torchvision:NAME`` or ``timm:NAME``
+``SPEC`` is ``package.module:callable``, ``path/to/file.py:callable``, ``hf:MODEL_TYPE``, ``hf:org/name``,
+``hf:DIR`` or ``hf:path/config.json`` (a transformers config, ``--config key=value`` to change them),
+``torchvision:NAME`` or ``timm:NAME``
 (:mod:`symmem.importer.sources`).  The module runs once on fake tensors whose ``--dims`` are symbols
 (:func:`symmem.trace`); the formula prints as ``symmem derive`` prints a zoo model's.  ``--symbolic
 H=hidden_size,...`` makes config keys of an ``hf:`` model symbols too (:mod:`symmem.importer.hf_sizes`).
@@ -14,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from .common import (
+    SPEC_FORMS,
     add_formula_options,
     add_output_options,
     add_trace_options,
@@ -31,8 +33,7 @@ ORDER = 25
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", metavar="SPEC",
-                   help="package.module:callable, path/to/file.py:callable, hf:MODEL_TYPE, torchvision:NAME or "
-                        "timm:NAME")
+                   help=SPEC_FORMS)
     add_trace_options(p)
     p.add_argument("--symbolic", default=None, metavar="SYM=config_key,...",
                    help="hf: make config keys symbols of the formula too, e.g. --symbolic H=hidden_size,"
