@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import SymmemError
 from .identity import dtype_name, storage_key, tensors
 from .modules import ModuleTracker
+from .shape_cache import ShapeCache
 
 
 @dataclass
@@ -81,6 +82,9 @@ def _node_names(roots: list[Any]) -> dict[int, str]:
     return out
 
 
+#: fake runs compute a repeated op's output shapes once (:mod:`.shape_cache`); False runs every op (for comparisons)
+CACHE_SHAPES = True
+
 #: more ops than this in one recorded run and tracing would take many minutes (GPT-2 runs ~40 a layer): refused
 #: with the way out, since repeated layers stay symbolic anyway
 MAX_OPS = 60_000
@@ -124,6 +128,8 @@ class SavedRecorder:
         self.assumed: list[str] = []
         #: called after every counted op with (func, args, kwargs, out): the step's live-bytes recorder
         self.observe: Callable[[Any, Any, Any, Any], None] | None = None
+        #: a fake run's ops by their inputs' symbolic metadata: a repeated block's shapes are computed once
+        self.shapes: ShapeCache | None = ShapeCache() if shape_env is not None and CACHE_SHAPES else None
 
     @property
     def where(self) -> str:
@@ -189,8 +195,14 @@ class SavedRecorder:
                         "under torch.backends.mkldnn.flags(enabled=False), where the CPU LSTM/GRU runs "
                         "PyTorch's own cells and traces exactly")
                 impl = rec.overrides.get(func)
+                shapes = rec.shapes
+                key = shapes.key(func, args, kwargs) if shapes is not None else None
                 try:
-                    out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
+                    out = shapes.get(key) if key is not None else None
+                    if out is None:
+                        out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
+                        if key is not None:
+                            shapes.store(func, key, args, kwargs, out)
                 except Exception:
                     rec.failed_at = rec.failed_at or rec.where
                     raise

@@ -1,0 +1,79 @@
+"""The fake runs' shape cache (symmem.record.shape_cache) changes nothing a trace or a recorded step gives.
+
+Oracle: the same trace and step recorded with every op run through PyTorch's fake kernels (the cache off), whose
+results the importer and traced-peak tests check against real PyTorch.  The cache must also be used (hits), and
+refuse what it cannot remake: views and in-place ops (outputs on an input's storage), a storage larger than its
+tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import trace_helpers as th  # noqa: E402
+
+import symmem  # noqa: E402
+from symmem.record import saved_tensors  # noqa: E402
+from symmem.record.shape_cache import ShapeCache  # noqa: E402
+
+SEQ = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
+
+
+def _everything(cache: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
+    monkeypatch.setattr(saved_tensors, "CACHE_SHAPES", cache)
+    torch.manual_seed(0)
+    module = th.gpt2("eager", 0.1)
+    ids = torch.randint(0, th.VOCAB, (2, 8))
+    d = symmem.trace(module, {"input_ids": ids}, SEQ)
+    step = d.step
+    rec = step.record(step.count)
+    return (d.expression("activations"), d.expression("total"), d.domain, step.peak({step.symbol: step.count}).expr,
+            [(s.sid, s.nbytes, s.category, s.dtype, s.op, s.where, s.module, s.phase) for s in rec.storages],
+            [(o.phase, o.op, o.where, o.born, o.freed) for o in rec.ops], [g.expr for g in rec.guards],
+            d.table())
+
+
+def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    hits: list[int] = []
+    inner = ShapeCache.get
+
+    def counted(self: ShapeCache, key: object) -> object:
+        out = inner(self, key)
+        hits.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ShapeCache, "get", counted)
+    with_cache = _everything(True, monkeypatch)
+    assert sum(hits) > 100  # the second layer and the step's layer counts reuse the first's shapes
+    without = _everything(False, monkeypatch)
+    for a, b in zip(with_cache, without, strict=True):
+        assert a == b
+
+
+def test_cache_refuses_aliases_and_larger_storages() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    aten = torch.ops.aten
+    with mode:
+        x = torch.empty(4, 6)
+        cache = ShapeCache()
+        view = aten.view.default(x, [6, 4])
+        key = cache.key(aten.view.default, (x, [6, 4]), {})
+        cache.store(aten.view.default, key, (x, [6, 4]), {}, view)
+        assert cache.get(key) is None and cache.key(aten.view.default, (x, [6, 4]), {}) is None
+        big = torch.empty(8)[:3]  # a storage of 8 elements under a tensor of 3
+        key = cache.key(aten.clone.default, (x,), {})
+        cache.store(aten.clone.default, key, (x,), {}, big)
+        assert cache.get(key) is None
+        y = aten.mul.Tensor(x, x)
+        key = cache.key(aten.mul.Tensor, (x, x), {})
+        cache.store(aten.mul.Tensor, key, (x, x), {}, y)
+        again = cache.get(key)
+        assert again.shape == y.shape and again.stride() == y.stride() and again.dtype == y.dtype
+        assert again.untyped_storage()._cdata != y.untyped_storage()._cdata
+        assert cache.key(aten.mul.Tensor, (x, True), {}) != cache.key(aten.mul.Tensor, (x, 1), {})
