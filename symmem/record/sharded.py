@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .live_bytes import LiveTracker
+from .live_bytes import LiveTracker, tensors
 
 
 def local(t: Any) -> Any:
@@ -55,6 +55,8 @@ class ShardTracker(LiveTracker):
                 if any(t not in plain for t in types):
                     return NotImplemented  # the subclass runs it; its local ops come back here
                 out = func(*args, **(kwargs or {}))
+                if any(isinstance(t, FakeTensor) for t in tensors(out)):
+                    return out  # a factory run for DTensor's sharding propagation (global shapes): no memory
                 observe(func, args, kwargs, out)
                 return out
 
