@@ -507,8 +507,8 @@ class Simulation:
     def optimizer_step(self, first: bool) -> None:
         """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
         pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
-        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(), self.step_numel,
-                                                                 self.state_ids, first):
+        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(),
+                                                                 self.step_numel, self.state_ids, first):
             temps = [self.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
             pending += temps
             freed, pending = _oldest_first(pending, frees, temps)
