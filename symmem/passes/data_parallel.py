@@ -69,6 +69,23 @@ def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tup
     return (rows, *shape[1:])
 
 
+#: Built-in models whose linear layers are Hugging Face ``Conv1D`` modules: the weight is stored (in, out), so
+#: FSDP's dim 0 -- the one it pads and splits -- is the input features.
+_CONV1D = ("gpt2",)
+
+
+def stored_shapes(graph: Any, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]]
+                  ) -> dict[str, tuple[sympy.Expr, ...]]:
+    """Each parameter's shape as the module stores it (the dim FSDP shards first)."""
+    conv1d = graph.graph.get("name") in _CONV1D
+    out = {}
+    for name, shape in params:
+        node, _, part = name.rpartition(".")
+        linear = bool(node) and node in graph and graph.node(node).kind == "linear"
+        out[name] = tuple(reversed(shape)) if conv1d and linear and part == "weight" and len(shape) == 2 else shape
+    return out
+
+
 class Fsdp:
     """FSDP2's buffers in one rank's step, as the schedule walks it (measured on gloo runs; docs/regimes.md).
 
@@ -99,8 +116,8 @@ class Fsdp:
         for name, _ in sim.params:
             node = name.rsplit(".", 1)[0]
             self.params[self.unit_of.get(node) if node in self.unit_of else None].append(name)
-        shapes = dict(sim.params)
-        self.shard = {name: shard_rows(shape, world) * sympy.Mul(*shape[1:]) for name, shape in sim.params}
+        shapes = stored_shapes(graph, sim.params)
+        self.shard = {name: shard_rows(shape, world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
         self.world, self.wb = world, weight_bytes
         self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
         self.total = {u: e * weight_bytes for u, e in self.unit_numel.items()}

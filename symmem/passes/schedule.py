@@ -167,11 +167,12 @@ class Simulation:
         self.params = params
         self.fsdp = self._sharding(weights_bytes)
         # what each rank's optimizer holds and steps on: the whole parameter, or under FSDP its shard
-        held = {name: data_parallel.held_shape(shape, N, 0) if self.fsdp else shape for name, shape in params}
+        stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
+        held = {name: data_parallel.held_shape(stored[name], N, 0) if self.fsdp else shape for name, shape in params}
         self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
         for name, _ in params:
-            stored = self.fsdp.shard[name] if self.fsdp else self.numel[name]
-            self.start.append(self.new(f"{name}.weights", "parameter", stored * weights_bytes))
+            each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
+            self.start.append(self.new(f"{name}.weights", "parameter", each * weights_bytes))
         self.state_ids: dict[str, list[int]] = {}
         for name, _ in params:
             ids = [self.new(f"{name}.{s}", "optimizer_state", e)
