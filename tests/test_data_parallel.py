@@ -20,7 +20,8 @@ if not dist.is_available():  # pragma: no cover - a torch built without distribu
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
-from symmem.record.distributed import Job, compare, job_of, measure_jobs, measure_ranks  # noqa: E402
+from symmem.passes.data_parallel import rank_peaks  # noqa: E402
+from symmem.record.distributed import compare, job_of, measure_jobs, measure_ranks  # noqa: E402
 
 TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
 GPT = {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}
@@ -44,11 +45,8 @@ def _derive(name, values, kw, engine, **more):
                   **kw, **more)
 
 
-#: FSDP2 (measured, not modelled yet): an MLP whose first layer has 127 rows, which fully_shard pads to 128
+#: an MLP whose first layer has 127 rows, which fully_shard pads to 128 at N=2
 FSDP_WIDTHS = (64, 127, 10)
-FSDP_JOB = Job("mlp", (("B", 4),), (("widths", ",".join(map(str, FSDP_WIDTHS))),), "fsdp", "adamw", "for-loop",
-               True, False, 3)
-
 
 #: FSDP2 cases derived at N=2 (the run's world): fully_shard per block and the root, and the MLP without resharding
 #: after forward (GPT-2's and Llama's no-reshard peaks sit in the loss, where the single-device step is a few hundred
@@ -62,8 +60,14 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     sharded = [(name, engine, _derive(name, {**kws[name][0], "N": 2}, kws[name][1], engine))
                for name, engine in SHARDED_CASES]
     # the FSDP2 runs first: a Llama first step run after DDP's in the same process allocates 49,664 bytes more
-    *measured, fsdp = measure_jobs([*(job_of(d) for _, _, d in sharded + cases), FSDP_JOB], world=2, timeout=150)
+    padded = _derive("mlp", {"B": 4, "N": 2}, {"widths": ",".join(map(str, FSDP_WIDTHS)), "loss": "cross-entropy"},
+                     "fsdp")
+    *measured, fsdp = measure_jobs([*(job_of(d) for _, _, d in sharded + cases), job_of(padded)], world=2,
+                                   timeout=150)
     _check_fsdp_shards(fsdp)
+    # per rank where the padding makes them differ: each rank's first and steady peak, derived, to the byte
+    per_rank = rank_peaks(padded)
+    assert per_rank == {r.rank: (r.first, min(r.per_step[1:])) for r in fsdp}, (per_rank, fsdp)
     wrong = []
     for (name, engine, d), ranks in zip(sharded, measured[:len(sharded)], strict=True):
         # the largest rank's peak (rank 0: the padding sits on the last rank), first and steady step, to the byte.

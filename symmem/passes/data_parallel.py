@@ -261,3 +261,28 @@ class Fsdp:
                 self.last_backward.setdefault(u, n)
         self.started_backward, self.done_backward = set(), set()
         self.reduce_in = None
+
+
+#: The option (inside the step's options, not a user's) naming the rank whose FSDP step is walked; 0 by default.
+RANK_OPTION = "_data_parallel_rank"
+
+
+def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
+    """Under FSDP with a number for ``N``: ``{rank: (first-step peak, steady peak)}`` of rank 0 (the largest: it
+    holds whole shards) and the last rank (the padding's rows are missing from its optimizer state), where they
+    differ; None otherwise (another engine, ``N`` a symbol, or every rank alike)."""
+    import dataclasses
+
+    from ..symbols import N
+
+    step = getattr(derivation, "step", None)
+    world = derivation.numbers.get(N)
+    if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:
+        return None
+    found = {}
+    for rank in (0, int(world) - 1):
+        options = {**step.options, RANK_OPTION: rank}
+        d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={}, _all=None,
+                                                                     _written=None))
+        found[rank] = (int(d.value("peak_first_step")), int(d.value("peak")))
+    return found if len(set(found.values())) > 1 else None

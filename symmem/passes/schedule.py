@@ -168,7 +168,9 @@ class Simulation:
         self.fsdp = self._sharding(weights_bytes)
         # what each rank's optimizer holds and steps on: the whole parameter, or under FSDP its shard
         stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
-        held = {name: data_parallel.held_shape(stored[name], N, 0) if self.fsdp else shape for name, shape in params}
+        rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
+        held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
+                for name, shape in params}
         self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
         for name, _ in params:
             each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
