@@ -187,6 +187,12 @@ def test_fit_under_an_engine(capsys):
     peak = [derive("gpt2", convention="pytorch", values={"S": 256, "N": 8, "B": n}, data_parallel="ddp").value("peak")
             for n in (b, b + 1)]
     assert peak[0] <= 4 * 2**30 < peak[1]
+    # under FSDP (N=8) the largest B whose rank-0 peak fits
+    assert main([*run, "--data-parallel", "fsdp"]) == 0
+    b = int(capsys.readouterr().out.split("largest B = ")[1].split()[0])
+    peak = [derive("gpt2", convention="pytorch", values={"S": 256, "N": 8, "B": n}, data_parallel="fsdp").value("peak")
+            for n in (b, b + 1)]
+    assert peak[0] <= 4 * 2**30 < peak[1]
 
 
 def test_traced_module_refuses_the_peak():
@@ -196,3 +202,22 @@ def test_traced_module_refuses_the_peak():
     d = trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="ddp")
     with pytest.raises(SymmemError, match="modelled for built-in models; a traced module's step is not yet"):
         d.value("peak")
+
+
+def test_fsdp_per_rank_in_json_and_table(capsys):
+    """Where FSDP's ranks differ (127 rows padded to 128 at N=2: the last rank's AdamW state lacks a row) the
+    JSON's peak is rank 0's and ``values.peak_per_rank`` gives each (rank_peaks, checked against the gloo run
+    above); the table says both."""
+    run = ["derive", "mlp", "--convention", "pytorch", "--device", "cpu", "--optimizer", "adamw", "--set", "B=4",
+           "--set", "N=2", "--widths", ",".join(map(str, FSDP_WIDTHS)), "--loss", "cross-entropy",
+           "--data-parallel", "fsdp"]
+    assert main([*run, "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = _derive("mlp", {"B": 4, "N": 2}, {"widths": ",".join(map(str, FSDP_WIDTHS)), "loss": "cross-entropy"}, "fsdp")
+    ranks = rank_peaks(d)
+    assert out["values"]["peak_per_rank"] == {str(r): {"peak": s, "peak_first_step": f} for r, (f, s) in ranks.items()}
+    assert out["values"]["peak"] == ranks[0][1] > ranks[1][1] and out["peak_at"]["rank"] == 0
+    assert main(run) == 0
+    assert f"rank 1: {ranks[1][0]:,} / {ranks[1][1]:,} B" in capsys.readouterr().out.replace("\n", " ")
+    # where every rank holds the same (64 and 10 rows split evenly) there is no per-rank line
+    assert rank_peaks(_derive("mlp", {"B": 4, "N": 2}, {"widths": "64,128,10"}, "fsdp")) is None

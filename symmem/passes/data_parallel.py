@@ -142,6 +142,9 @@ class Fsdp:
         self.sharded_grads: list[int] = []
         self.done_backward: set[Any] = set()
         self.started_backward: set[Any] = set()
+        # the node each event is named after: the op it comes before or after (a step's moments are matched across
+        # layer counts by node, passes/graph_step.py)
+        self.at: str | None = None
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))
@@ -156,24 +159,26 @@ class Fsdp:
             self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.world * self.shard[p] * self.wb)
                                     for p in self.params[unit]]
             born += self.unsharded[unit]
-        sim.event(phase, f"fsdp.unshard[{unit}]", born, [])
+        sim.event(phase, self.at, born, [])
 
     def _free_gather(self, unit: Any, phase: str) -> None:
         if unit in self.gathered:
-            self.sim.event(phase, f"fsdp.copy_out[{unit}]", [], [self.gathered.pop(unit)])
+            self.sim.event(phase, self.at, [], [self.gathered.pop(unit)])
 
     def _reshard(self, unit: Any, phase: str) -> None:
         if unit in self.unsharded:
-            self.sim.event(phase, f"fsdp.reshard[{unit}]", [], self.unsharded.pop(unit))
+            self.sim.event(phase, self.at, [], self.unsharded.pop(unit))
 
     # -- forward --------------------------------------------------------------------------------------------
     def start_forward(self) -> None:
+        self.at = self.sim.order[0] if self.sim.order else None
         if self._has(None):
             self._gather(None, "forward")
             self.pending = None
             self._last_gather = None
 
     def before_forward(self, n: str) -> None:
+        self.at = n
         unit = self.first_node.get(n)
         if unit is None or not self._has(unit):
             return
@@ -183,6 +188,7 @@ class Fsdp:
             self._free_gather(u, "forward")
 
     def after_forward(self, n: str) -> None:
+        self.at = n
         unit = self.last_node.get(n)
         if unit is not None and self.reshard:
             self._reshard(unit, "forward")
@@ -214,6 +220,7 @@ class Fsdp:
             self._gather(nxt, "backward", with_params=False)
 
     def before_backward(self, n: str) -> None:
+        self.at = n
         unit = self.unit_of.get(n)
         if not self.loss_inside and self.sim.graph.node(n).group != "loss":
             self.pre_backward(None)  # the root's output has its gradient
@@ -227,24 +234,26 @@ class Fsdp:
         sim = self.sim
         self._reshard(unit, "backward")
         if self.reduce_in is not None:
-            sim.event("backward", f"fsdp.reduce_scatter[{unit}]", [], [self.reduce_in])
+            sim.event("backward", self.at, [], [self.reduce_in])
         self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.world * self.total[unit])
-        sim.event("backward", f"fsdp.reduce_scatter[{unit}]", [self.reduce_in], [])
+        sim.event("backward", self.at, [self.reduce_in], [])
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
         g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", self.unit_numel[unit] * sim.grad_bytes)
         self.sharded_grads.append(g)
-        sim.event("backward", f"fsdp.reduce_scatter[{unit}]", [], grads[:-1])
-        sim.event("backward", f"fsdp.reduce_scatter[{unit}]", [g], [])
+        sim.event("backward", self.at, [], grads[:-1])
+        sim.event("backward", self.at, [g], [])
         self.last_grad = grads[-1:]
 
     def after_backward(self, n: str) -> None:
+        self.at = n
         unit = self.unit_of.get(n)
         if unit is not None and unit in self.last_backward and self.last_backward[unit] == n:
             self.post_backward(unit)
-            self.sim.event("backward", f"fsdp.post_backward[{unit}]", [], self.last_grad)
+            self.sim.event("backward", self.at, [], self.last_grad)
 
     def end_backward(self) -> list[int]:
         """The root's post-backward (the final callback); what the backward's end frees."""
+        self.at = None
         self.pre_backward(None)
         self.post_backward(None)
         out = [self.reduce_in] if self.reduce_in is not None else []

@@ -313,6 +313,7 @@ class Simulation:
         if fsdp:
             fsdp.plan_backward(self.needs)
             if fsdp.loss_inside:
+                fsdp.at = None
                 fsdp.pre_backward(None)  # the root's output is the loss
         self.param_uses = _param_uses(graph, self.order, self.needs, self.tied_to)
         self.waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
