@@ -133,9 +133,10 @@ def test_bad_engines_are_one_line_errors(kw, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_fsdp_peak_refuses_what_it_does_not_model():
-    d = derive("mlp", convention="pytorch", device="cpu", data_parallel="fsdp", micro_batches=2)
-    with pytest.raises(SymmemError, match="is modelled for one micro-batch without checkpointing") as e:
+@pytest.mark.parametrize("kw", [{"micro_batches": 2}, {"checkpoint": "full"}, {"precision": "mixed"}])
+def test_fsdp_peak_refuses_what_it_does_not_model(kw):
+    d = derive("gpt2", convention="pytorch", data_parallel="fsdp", **kw)
+    with pytest.raises(SymmemError, match="is modelled for one micro-batch without checkpointing in fp32") as e:
         d.value("peak")
     assert "\n" not in str(e.value)
 

@@ -192,9 +192,9 @@ class Simulation:
         """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""
         if self.regime.data_parallel not in data_parallel.SHARDED:
             return None
-        if self.regime.micro_batches != 1 or self.regime.checkpoint != "none":
+        if self.regime.micro_batches != 1 or self.regime.checkpoint != "none" or self.regime.precision != "fp32":
             raise SymmemError(f"the peak under data_parallel={self.regime.data_parallel!r} is modelled for one "
-                              "micro-batch without checkpointing")
+                              "micro-batch without checkpointing in fp32 (FSDP2's mixed-precision policy is not)")
         return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[self.regime.data_parallel])
 
     def _plan(self, keep_logits: bool) -> None:
