@@ -14,6 +14,10 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
   the bucket); ``zero_grad(set_to_none=True)`` drops the views, not the buckets, so the gradients' bytes are live
   the whole step, forward included.
 
+* ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` per repeated block and the root: :class:`Fsdp` (padded
+  shards, all-gather outputs, unsharded parameters, prefetch, reduce-scatter buffers); :func:`rank_peaks` gives
+  rank 0's and the last rank's peaks where the padding makes them differ.
+
 >>> from symmem.training import Regime
 >>> ddp, view = Regime(data_parallel="ddp"), Regime(data_parallel="ddp-bucket-view")
 >>> buckets(ddp, [("fc.weight", (4, 3))], {"fc.weight": 12}, 4), grads_in_buckets(view), grads_in_buckets(ddp)
@@ -55,13 +59,21 @@ SHARDED = {"fsdp": True, "fsdp-no-reshard": False}
 
 
 def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
-    """Rows of dim 0 each rank's shard storage has: dim 0 padded to a multiple of ``world``, split evenly."""
+    """Rows of dim 0 each rank's shard storage has: dim 0 padded to a multiple of ``world``, split evenly.
+
+    >>> shard_rows((127, 64), 2), shard_rows((10,), 4)
+    (64, 3)
+    """
     return sympy.ceiling(shape[0] / world) if shape else sympy.Integer(1)
 
 
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
     """The unpadded part of ``rank``'s shard (what the optimizer's ``zeros_like`` state follows): the padding sits
-    at the end, so the last ranks hold fewer rows (rank 0 holds a whole shard)."""
+    at the end, so the last ranks hold fewer rows (rank 0 holds a whole shard).
+
+    >>> [held_shape((10, 128), 4, r)[0] for r in range(4)]
+    [3, 3, 3, 1]
+    """
     if not shape:
         return ()
     k = shard_rows(shape, world)

@@ -10,6 +10,8 @@ What the plain recorder misses, and how this one sees it:
   DTensor op would hide them, so this recorder's mode declines every op on a tensor subclass (returns
   ``NotImplemented``): the subclass runs it and its local ops come back through the mode, real storages and all
   (funcol's ``AsyncCollectiveTensor`` likewise);
+* DTensor's sharding propagation runs factories (``empty_strided`` of the global shape) on fake tensors: not
+  memory, so an op whose outputs are fake tensors is not recorded;
 * FSDP frees and re-allocates the unsharded parameters with ``untyped_storage().resize_()``, which is no ATen op:
   ``UntypedStorage.resize_`` is wrapped while recording, and each call is an event that grows or shrinks a known
   storage (one made before recording is registered when first resized).
