@@ -160,7 +160,7 @@ CHECKPOINTS = ("none", "full", "selective", "every-K")
 #: ``reshard_after_forward=False``) and FSDP1 (``FULL_SHARD``, ``SHARD_GRAD_OP``).
 DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
 #: The engines whose per-rank step is modelled and checked against real ``torch.distributed`` runs.
-DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view")
+DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view", "fsdp", "fsdp-no-reshard")
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")
@@ -295,7 +295,10 @@ class Regime:
         return "optimizer"
 
     def shard(self, component: str) -> bool:
-        """Whether this regime's ZeRO stage partitions ``component`` over the N data-parallel ranks."""
+        """Whether this regime's ZeRO stage partitions ``component`` over the N data-parallel ranks (FSDP shards
+        every component)."""
+        if getattr(self, "data_parallel", None) in ("fsdp", "fsdp-no-reshard"):
+            return True
         return self.zero >= ZERO_STAGE_OF_CLASS[self.kind_of(component)]
 
     @property

@@ -14,6 +14,10 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
   the bucket); ``zero_grad(set_to_none=True)`` drops the views, not the buckets, so the gradients' bytes are live
   the whole step, forward included.
 
+* ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` per repeated block and the root: :class:`Fsdp` (padded
+  shards, all-gather outputs, unsharded parameters, prefetch, reduce-scatter buffers); :func:`rank_peaks` gives
+  rank 0's and the last rank's peaks where the padding makes them differ.
+
 >>> from symmem.training import Regime
 >>> ddp, view = Regime(data_parallel="ddp"), Regime(data_parallel="ddp-bucket-view")
 >>> buckets(ddp, [("fc.weight", (4, 3))], {"fc.weight": 12}, 4), grads_in_buckets(view), grads_in_buckets(ddp)
@@ -23,6 +27,7 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import sympy
 
@@ -46,3 +51,259 @@ def grads_in_buckets(regime: Regime) -> bool:
     reducer has copied it there (as a second micro-batch's gradient is, once added into ``.grad``)."""
     return regime.data_parallel == "ddp-bucket-view"
 
+
+
+#: FSDP2 (``fully_shard`` on every repeated block, or every child with parameters of a Sequential, then the
+#: root), with ``reshard_after_forward`` True or False.
+SHARDED = {"fsdp": True, "fsdp-no-reshard": False}
+
+
+def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
+    """Rows of dim 0 each rank's shard storage has: dim 0 padded to a multiple of ``world``, split evenly.
+
+    >>> shard_rows((127, 64), 2), shard_rows((10,), 4)
+    (64, 3)
+    """
+    return sympy.ceiling(shape[0] / world) if shape else sympy.Integer(1)
+
+
+def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
+    """The unpadded part of ``rank``'s shard (what the optimizer's ``zeros_like`` state follows): the padding sits
+    at the end, so the last ranks hold fewer rows (rank 0 holds a whole shard).
+
+    >>> [held_shape((10, 128), 4, r)[0] for r in range(4)]
+    [3, 3, 3, 1]
+    """
+    if not shape:
+        return ()
+    k = shard_rows(shape, world)
+    rows = k if rank == 0 else sympy.Max(0, sympy.Min(k, shape[0] - rank * k))
+    return (rows, *shape[1:])
+
+
+#: Built-in models whose linear layers are Hugging Face ``Conv1D`` modules: the weight is stored (in, out), so
+#: FSDP's dim 0 -- the one it pads and splits -- is the input features.
+_CONV1D = ("gpt2",)
+
+
+def stored_shapes(graph: Any, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]]
+                  ) -> dict[str, tuple[sympy.Expr, ...]]:
+    """Each parameter's shape as the module stores it (the dim FSDP shards first)."""
+    conv1d = graph.graph.get("name") in _CONV1D
+    out = {}
+    for name, shape in params:
+        node, _, part = name.rpartition(".")
+        linear = bool(node) and node in graph and graph.node(node).kind == "linear"
+        out[name] = tuple(reversed(shape)) if conv1d and linear and part == "weight" and len(shape) == 2 else shape
+    return out
+
+
+class Fsdp:
+    """FSDP2's buffers in one rank's step, as the schedule walks it (measured on gloo runs; docs/regimes.md).
+
+    Per unit ``u`` (the root holds every parameter outside a unit), with ``S_u`` the bytes of its padded shards:
+    the all-gather output ``A_u`` (``N*S_u``) and the unsharded parameters ``P_u`` (each padded, ``N`` shards)
+    appear at its pre-forward, ``A`` of the unit before is freed once ``u``'s copy-out is done, ``P_u`` goes at
+    its post-forward when resharding (the root's post-forward then frees the last ``A``).  Backward: the unit's
+    pre-backward all-gathers it again (unless prefetched) and prefetches the next unit in backward order; its
+    post-backward frees ``P_u``, frees the previous reduce-scatter input and makes ``R_u`` (``N*S_u``), frees the
+    unit's unsharded gradients (the last parameter's once the reduce-scatter ran) and makes the sharded
+    gradients ``G_u`` (``S_u``), which ``zero_grad`` frees.  The root's post-backward runs at the end of the
+    backward; the last ``R`` dies with it.
+    """
+
+    def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
+        self.sim, self.reshard = sim, reshard
+        graph, order = sim.graph, sim.order
+        iterations = graph.graph.get("iterations", {})
+        self.unit_of: dict[str, Any] = {}  # node -> unit key (None: the root)
+        for n in order:
+            node = graph.node(n)
+            if iterations:
+                self.unit_of[n] = iterations.get(n)
+            else:
+                self.unit_of[n] = n if node.params else None
+        self.units: list[Any] = list(dict.fromkeys(u for u in self.unit_of.values() if u is not None))
+        self.params: dict[Any, list[str]] = {u: [] for u in [None, *self.units]}
+        for name, _ in sim.params:
+            node = name.rsplit(".", 1)[0]
+            self.params[self.unit_of.get(node) if node in self.unit_of else None].append(name)
+        shapes = stored_shapes(graph, sim.params)
+        self.shard = {name: shard_rows(shape, world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
+        self.world, self.wb = world, weight_bytes
+        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
+        self.total = {u: e * weight_bytes for u, e in self.unit_numel.items()}
+        self.shapes = shapes
+        first: dict[Any, str] = {}
+        last: dict[Any, str] = {}
+        for n in order:
+            u = self.unit_of[n]
+            if u is not None:
+                first.setdefault(u, n)
+                last[u] = n
+        self.first_node = {n: u for u, n in first.items()}
+        self.last_node = {n: u for u, n in last.items()}
+        # a causal LM's reference computes its loss inside forward (the root's post-forward follows the loss)
+        self.loss_inside = bool(graph.graph.get("causal_lm"))
+        model = [n for n in order if graph.node(n).group != "loss"]
+        self.root_end = order[-1] if self.loss_inside or not model else model[-1]
+        self.unsharded: dict[Any, list[int]] = {}   # unit -> its P storages while alive
+        self.gathered: dict[Any, int] = {}          # unit -> its all-gather output while alive
+        self.pending: int | None = None             # the all-gather output to free after the next copy-out
+        self.reduce_in: int | None = None
+        self.sharded_grads: list[int] = []
+        self.done_backward: set[Any] = set()
+        self.started_backward: set[Any] = set()
+        # the node each event is named after: the op it comes before or after (a step's moments are matched across
+        # layer counts by node, passes/graph_step.py)
+        self.at: str | None = None
+
+    def _has(self, unit: Any) -> bool:
+        return bool(self.params.get(unit))
+
+    def _gather(self, unit: Any, phase: str, with_params: bool = True) -> None:
+        sim = self.sim
+        born = []
+        if unit not in self.gathered:
+            self.gathered[unit] = sim.new(f"fsdp.all_gather[{unit}]", "temporary", self.world * self.total[unit])
+            born.append(self.gathered[unit])
+        if with_params and unit not in self.unsharded:
+            self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.world * self.shard[p] * self.wb)
+                                    for p in self.params[unit]]
+            born += self.unsharded[unit]
+        sim.event(phase, self.at, born, [])
+
+    def _free_gather(self, unit: Any, phase: str) -> None:
+        if unit in self.gathered:
+            self.sim.event(phase, self.at, [], [self.gathered.pop(unit)])
+
+    def _reshard(self, unit: Any, phase: str) -> None:
+        if unit in self.unsharded:
+            self.sim.event(phase, self.at, [], self.unsharded.pop(unit))
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        self.at = self.sim.order[0] if self.sim.order else None
+        if self._has(None):
+            self._gather(None, "forward")
+            self.pending = None
+            self._last_gather = None
+
+    def before_forward(self, n: str) -> None:
+        self.at = n
+        unit = self.first_node.get(n)
+        if unit is None or not self._has(unit):
+            return
+        before = [u for u in self.gathered]
+        self._gather(unit, "forward")
+        for u in before:
+            self._free_gather(u, "forward")
+
+    def after_forward(self, n: str) -> None:
+        self.at = n
+        unit = self.last_node.get(n)
+        if unit is not None and self.reshard:
+            self._reshard(unit, "forward")
+        if n == self.root_end:
+            self.end_forward()
+
+    def end_forward(self) -> None:
+        """The root's post-forward: reshard the root, free the last all-gather output."""
+        if self.reshard:
+            self._reshard(None, "forward")
+        for u in list(self.gathered):
+            self._free_gather(u, "forward")
+
+    # -- backward -------------------------------------------------------------------------------------------
+    def _next_backward(self, unit: Any) -> Any:
+        order = self.units[::-1]
+        i = order.index(unit) + 1 if unit is not None else 0
+        return order[i] if i < len(order) else None
+
+    def pre_backward(self, unit: Any) -> None:
+        if unit in self.started_backward or not self._has(unit):
+            return
+        self.started_backward.add(unit)
+        if unit not in self.unsharded:
+            self._gather(unit, "backward")
+            self._free_gather(unit, "backward")
+        nxt = self._next_backward(unit)
+        if nxt is not None and nxt not in self.unsharded and nxt not in self.gathered:
+            self._gather(nxt, "backward", with_params=False)
+
+    def before_backward(self, n: str) -> None:
+        self.at = n
+        unit = self.unit_of.get(n)
+        if not self.loss_inside and self.sim.graph.node(n).group != "loss":
+            self.pre_backward(None)  # the root's output has its gradient
+        if unit is not None:
+            self.pre_backward(unit)
+
+    def post_backward(self, unit: Any) -> None:
+        if unit in self.done_backward or not self._has(unit):
+            return
+        self.done_backward.add(unit)
+        sim = self.sim
+        self._reshard(unit, "backward")
+        if self.reduce_in is not None:
+            sim.event("backward", self.at, [], [self.reduce_in])
+        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.world * self.total[unit])
+        sim.event("backward", self.at, [self.reduce_in], [])
+        grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
+        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", self.unit_numel[unit] * sim.grad_bytes)
+        self.sharded_grads.append(g)
+        sim.event("backward", self.at, [], grads[:-1])
+        sim.event("backward", self.at, [g], [])
+        self.last_grad = grads[-1:]
+
+    def after_backward(self, n: str) -> None:
+        self.at = n
+        unit = self.unit_of.get(n)
+        if unit is not None and unit in self.last_backward and self.last_backward[unit] == n:
+            self.post_backward(unit)
+            self.sim.event("backward", self.at, [], self.last_grad)
+
+    def end_backward(self) -> list[int]:
+        """The root's post-backward (the final callback); what the backward's end frees."""
+        self.at = None
+        self.pre_backward(None)
+        self.post_backward(None)
+        out = [self.reduce_in] if self.reduce_in is not None else []
+        out += getattr(self, "last_grad", []) if self._has(None) else []
+        self.reduce_in = None
+        return out
+
+    def plan_backward(self, needs: set[str]) -> None:
+        """Each unit's last node to run backward: its first in program order that runs backward."""
+        self.last_backward: dict[Any, str] = {}
+        for n in self.sim.order:
+            u = self.unit_of.get(n)
+            if u is not None and n in needs:
+                self.last_backward.setdefault(u, n)
+        self.started_backward, self.done_backward = set(), set()
+        self.reduce_in = None
+
+
+#: The option (inside the step's options, not a user's) naming the rank whose FSDP step is walked; 0 by default.
+RANK_OPTION = "_data_parallel_rank"
+
+
+def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
+    """Under FSDP with a number for ``N``: ``{rank: (first-step peak, steady peak)}`` of rank 0 (the largest: it
+    holds whole shards) and the last rank (the padding's rows are missing from its optimizer state), where they
+    differ; None otherwise (another engine, ``N`` a symbol, or every rank alike)."""
+    import dataclasses
+
+    from ..symbols import N
+
+    step = getattr(derivation, "step", None)
+    world = derivation.numbers.get(N)
+    if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:
+        return None
+    found = {}
+    for rank in (0, int(world) - 1):
+        options = {**step.options, RANK_OPTION: rank}
+        d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={}, _all=None,
+                                                                     _written=None))
+        found[rank] = (int(d.value("peak_first_step")), int(d.value("peak")))
+    return found if len(set(found.values())) > 1 else None

@@ -38,6 +38,7 @@ from ..errors import SymmemError
 from ..graph import Graph, Node
 from ..ops import requires_grad
 from ..shapes import numel as shape_numel
+from ..symbols import N
 from ..tensor import TensorSpec, dtype_bytes
 from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
@@ -163,20 +164,38 @@ class Simulation:
             for bname, spec in node.buffers.items():
                 self.start.append(self.new(f"{n}.{bname}", "parameter", self.size(spec), n))
         self.numel = {name: shape_numel(shape) for name, shape in params}
+        self.params = params
+        self.fsdp = self._sharding(weights_bytes)
+        # what each rank's optimizer holds and steps on: the whole parameter, or under FSDP its shard
+        stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
+        rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
+        held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
+                for name, shape in params}
+        self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
         for name, _ in params:
-            self.start.append(self.new(f"{name}.weights", "parameter", self.numel[name] * weights_bytes))
+            each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
+            self.start.append(self.new(f"{name}.weights", "parameter", each * weights_bytes))
         self.state_ids: dict[str, list[int]] = {}
-        for name, shape in params:
-            ids = [self.new(f"{name}.{s}", "optimizer_state", e) for s, e in regime.optimizer_spec.state_bytes(shape)]
+        for name, _ in params:
+            ids = [self.new(f"{name}.{s}", "optimizer_state", e)
+                   for s, e in regime.optimizer_spec.state_bytes(held[name])]
             if regime.optimizer in ("adam", "adamw") and ids:
                 ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # fp32
             self.state_ids[name] = ids
-        self.params = params
         self.states = [i for name, _ in params for i in self.state_ids[name]]  # from the start in the steady state
         # a data-parallel engine's buffers made when the model is wrapped (DDP's gradient buckets)
         for name, nbytes in data_parallel.buckets(regime, params, self.numel, self.grad_bytes):
             self.start.append(self.new(name, "gradient", nbytes))
         self.grads_in_buckets = data_parallel.grads_in_buckets(regime)
+
+    def _sharding(self, weights_bytes: int) -> data_parallel.Fsdp | None:
+        """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""
+        if self.regime.data_parallel not in data_parallel.SHARDED:
+            return None
+        if self.regime.micro_batches != 1 or self.regime.checkpoint != "none" or self.regime.precision != "fp32":
+            raise SymmemError(f"the peak under data_parallel={self.regime.data_parallel!r} is modelled for one "
+                              "micro-batch without checkpointing in fp32 (FSDP2's mixed-precision policy is not)")
+        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[self.regime.data_parallel])
 
     def _plan(self, keep_logits: bool) -> None:
         """When forward values die, which nodes run backward, the checkpointed segments and what they hold."""
@@ -231,10 +250,15 @@ class Simulation:
         segment's backward is done)."""
         graph, base = self.graph, self.base
         frame_held = {x for sg in self.segments for x in self.frame_inputs[sg]}
+        fsdp = self.fsdp
+        if fsdp:
+            fsdp.start_forward()
         for n in self.order:
             node = graph.node(n)
             if node.kind in _HELD:
                 continue
+            if fsdp:
+                fsdp.before_forward(n)
             born = []
             if base[n] == n:
                 cat = "loss" if node.group == "loss" else ("activation" if n in self.keepers else "temporary")
@@ -255,6 +279,8 @@ class Simulation:
                     else:
                         self.new_saved[n].append(sid)
             self.event("forward", n, born, freed)
+            if fsdp:
+                fsdp.after_forward(n)
 
     def loss(self) -> None:
         """No loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward."""
@@ -283,6 +309,12 @@ class Simulation:
         self.grad_of[self.final] = seed
         self.refs[seed] += 2  # the engine holds the root's gradient until backward ends
         self.event("backward", None, [seed], [])
+        fsdp = self.fsdp
+        if fsdp:
+            fsdp.plan_backward(self.needs)
+            if fsdp.loss_inside:
+                fsdp.at = None
+                fsdp.pre_backward(None)  # the root's output is the loss
         self.param_uses = _param_uses(graph, self.order, self.needs, self.tied_to)
         self.waiting: dict[str, int] = {}  # a weight's gradients that wait for its other uses
         self.recomputed: set[Any] = set()
@@ -297,9 +329,14 @@ class Simulation:
             group = self.groups.get(n)
             if group is not None and n != group[0]:
                 continue  # a part of a split: the first part gathers every part's gradient
+            if fsdp:
+                fsdp.before_backward(n)
             handoff, params_out = self._backward_op(n, sg, group)
             self._gather(n, handoff, params_out)
-        self.event("backward", None, [], [*self.freed_at.get("", []),
+            if fsdp:
+                fsdp.after_backward(n)
+        ended = fsdp.end_backward() if fsdp else []
+        self.event("backward", None, [], [*ended, *self.freed_at.get("", []),
                                           *(self.owner[s] for s in self.held_to_end if s in self.owner)]
                    + [sid for sid, r in self.refs.items() if r > 0])
 
@@ -474,8 +511,8 @@ class Simulation:
     def optimizer_step(self, first: bool) -> None:
         """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
         pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
-        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(), self.numel,
-                                                                 self.state_ids, first):
+        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(),
+                                                                 self.step_numel, self.state_ids, first):
             temps = [self.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
             pending += temps
             freed, pending = _oldest_first(pending, frees, temps)
@@ -484,7 +521,7 @@ class Simulation:
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=True)``: every weight's .grad is freed."""
         self.event("zero_grad", None, [], [self.param_grad[name] for name, _ in self._listed()
-                                           if name in self.param_grad])
+                                           if name in self.param_grad] + (self.fsdp.sharded_grads if self.fsdp else []))
 
 
 def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.Expr, ...]]],

@@ -39,10 +39,9 @@ if TYPE_CHECKING:
     from ..derivation import Derivation
 
 #: The engines :func:`measure_ranks` runs, with the wrapper each builds.
-ENGINES = ("ddp", "ddp-bucket-view")
-#: FSDP2 (``fully_shard`` on every repeated block and the root; ``reshard_after_forward`` True or False), measured
-#: by :func:`measure_jobs` though not modelled yet (docs/regimes.md gives the figures).
+#: FSDP2 (``fully_shard`` on every repeated block and the root; ``reshard_after_forward`` True or False).
 SHARDED = ("fsdp", "fsdp-no-reshard")
+ENGINES = ("ddp", "ddp-bucket-view", *SHARDED)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ What the plain recorder misses, and how this one sees it:
   DTensor op would hide them, so this recorder's mode declines every op on a tensor subclass (returns
   ``NotImplemented``): the subclass runs it and its local ops come back through the mode, real storages and all
   (funcol's ``AsyncCollectiveTensor`` likewise);
+* DTensor's sharding propagation runs factories (``empty_strided`` of the global shape) on fake tensors: not
+  memory, so an op whose outputs are fake tensors is not recorded;
 * FSDP frees and re-allocates the unsharded parameters with ``untyped_storage().resize_()``, which is no ATen op:
   ``UntypedStorage.resize_`` is wrapped while recording, and each call is an event that grows or shrinks a known
   storage (one made before recording is registered when first resized).
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .live_bytes import LiveTracker
+from .live_bytes import LiveTracker, tensors
 
 
 def local(t: Any) -> Any:
@@ -55,6 +57,8 @@ class ShardTracker(LiveTracker):
                 if any(t not in plain for t in types):
                     return NotImplemented  # the subclass runs it; its local ops come back here
                 out = func(*args, **(kwargs or {}))
+                if any(isinstance(t, FakeTensor) for t in tensors(out)):
+                    return out  # a factory run for DTensor's sharding propagation (global shapes): no memory
                 observe(func, args, kwargs, out)
                 return out
 

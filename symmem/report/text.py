@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from ..errors import SymmemError
+from ..passes.data_parallel import rank_peaks
 from ..simplify import factored, rounded
 from ..units import UNITS
 from .headline import LABELS, PEAK_LABEL, name_of, peak_state
@@ -44,10 +45,15 @@ def peak(d: Derivation) -> dict[str, Any] | None:
     if not found:
         return None
     (_, steady, at), (_, first, _) = found
-    return {"values": {"peak": steady, "peak_first_step": first},
-            "expressions": {"peak": str(d.peak), "peak_first_step": str(d.peak_first_step)},
-            "peak_at": {"phase": at.phase, "node": at.node, "layer": at.layer or None, "step": at.step},
-            "live_at_peak": d.live_at_peak()}
+    out = {"values": {"peak": steady, "peak_first_step": first},
+           "expressions": {"peak": str(d.peak), "peak_first_step": str(d.peak_first_step)},
+           "peak_at": {"phase": at.phase, "node": at.node, "layer": at.layer or None, "step": at.step},
+           "live_at_peak": d.live_at_peak()}
+    ranks = rank_peaks(d)
+    if ranks:  # FSDP's ranks differ (padding): the peak is rank 0's, the largest (passes/data_parallel.py)
+        out["values"]["peak_per_rank"] = {str(r): {"peak": s, "peak_first_step": f} for r, (f, s) in ranks.items()}
+        out["peak_at"]["rank"] = 0
+    return out
 
 
 def to_dict(d: Derivation) -> dict[str, Any]:
@@ -311,6 +317,11 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
                 lines += _totals(head, formula, width, cut)
                 indent = " " * (width - room)
                 lines += textwrap.wrap(note, width, initial_indent=indent, subsequent_indent=indent)
+    ranks = rank_peaks(d)
+    if ranks:  # FSDP's ranks differ (padding): the lines above are rank 0's, the largest
+        lines += textwrap.wrap("peak per rank (first step / steady): " + "; ".join(
+            f"rank {r}: {f:,} / {v:,} B" for r, (f, v) in ranks.items())
+            + " (the peak above is rank 0's, the largest)", max(width, 40))
     return lines
 
 
