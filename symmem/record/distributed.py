@@ -239,8 +239,11 @@ def compare(derivation: Derivation, ranks: Sequence[RankPeak], steady_gap: int =
     """Where the derivation's per-rank peaks differ from the measured ranks (empty: equal to the byte); a known
     ``steady_gap`` (derived minus measured) is taken out of the steady peak first."""
     want = {"first": derivation.value("peak_first_step"), "steady": derivation.value("peak") - steady_gap}
-    return [f"rank {r.rank} {which}: derived {v}, measured {getattr(r, which)} (at {r.where})"
-            for r in ranks for which, v in want.items() if getattr(r, which) != v]
+    # gloo's worker threads drop a finished collective's buffers when the load lets them: a late free reads as more
+    # memory, never less, so the steady peak compared is the lowest of the identical steady steps
+    got = {r.rank: {"first": r.first, "steady": min(r.per_step[1:])} for r in ranks}
+    return [f"rank {r.rank} {which}: derived {v}, measured {got[r.rank][which]} (at {r.where})"
+            for r in ranks for which, v in want.items() if got[r.rank][which] != v]
 
 
 def summary(ranks: Sequence[RankPeak]) -> Mapping[str, Any]:
