@@ -17,7 +17,7 @@ import sympy
 from ..errors import SymmemError
 from ..simplify import factored, rounded
 from ..units import UNITS
-from .headline import LABELS, PEAK_LABEL, name_of, peak_state
+from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -99,6 +99,10 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         out["expressions"].update(step["expressions"])
         out["peak_at"] = step["peak_at"]
         out["live_at_peak"] = step["live_at_peak"]
+        each = per_device(d)
+        if each is not None:  # pipeline stages: every stage's peak, the largest is values.peak
+            out["values"]["peak_per_stage"] = each["peak_per_stage"]
+            out["peak_at"]["stage"] = each["peak_stage"]
     return out
 
 
@@ -311,6 +315,10 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
                 lines += _totals(head, formula, width, cut)
                 indent = " " * (width - room)
                 lines += textwrap.wrap(note, width, initial_indent=indent, subsequent_indent=indent)
+    each = per_device(d)
+    if each is not None:
+        stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each["peak_per_stage"]))
+        lines += _totals(f"{'peak per stage (MiB)':<{key_width}} {'':>12}           ", stages, width, cut)
     return lines
 
 
