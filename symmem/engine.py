@@ -200,9 +200,29 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     front = _front(model, convention, regime, values, options, per_layer, free)
     step = None
     if not per_layer and type(convention).grads is not Convention.grads:
-        step = _step(model, convention, front.options, regime, front.subs, front.open, front.decided,
-                     front.ledger.numbers)
+        if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero):
+            step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
+        else:
+            step = _step(model, convention, front.options, regime, front.subs, front.open, front.decided,
+                         front.ledger.numbers)
     return derivation_of(front.ledger, regime, step)
+
+
+def _pipeline_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+                   options: Mapping[str, Any] | None, free: tuple[str, ...] | None,
+                   numbers: Mapping[sympy.Symbol, int]) -> Step:
+    """The step of ``model`` split into pipeline stages: the largest stage's peak, cut from the single-device
+    derivation (:mod:`symmem.passes.pipeline_step`)."""
+    from dataclasses import replace
+
+    from .passes.pipeline_step import PipelineStep
+
+    one = replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
+    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k != "p"},
+                         options=options, free=None if free is None else tuple(f for f in free if f != "p"))
+    resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    return PipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
+                        regime.pipeline_schedule, regime.micro_batches)
 
 
 def ledger_of(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,

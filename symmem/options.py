@@ -160,6 +160,9 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
         # the step is one device's, op by op (passes/schedule.Simulation refuses a model split over devices)
         no_step = "the pytorch convention under ZeRO, tensor or pipeline parallelism (it follows one device)"
     given = _step_option(regime)
+    if (regime.pipeline_parallel and not (regime.zero or regime.tensor_parallel) and not per_layer
+            and convention.models_step and given == f"micro_batches={regime.micro_batches!r}"):
+        given = None  # the pipeline's micro-batches per step (passes/pipeline_step.py)
     if given is not None and no_step is not None:
         raise SymmemError(f"{given} shapes the training step's peak, which {no_step} does not model: leave it "
                           f"out{out}")

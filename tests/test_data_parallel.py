@@ -33,11 +33,9 @@ MODELS = [
     ("llama", {**TINY_GPT, "B": 2, "G": 2, "F": 128}, {"attention": "sdpa", "loss": "cross-entropy"}),
 ]
 ENGINES = ("ddp", "ddp-bucket-view")
-#: Derived minus measured steady peak where they differ (docs/regimes.md, "Data parallel", known gaps): Llama's
-#: bucket-view peak is the cross-entropy's backward, where the simulated step frees the NLL's saved target and
-#: total weight (B*S*8 + 4 bytes) after the whole loss's backward; NllLossBackward0 frees them before
-#: LogSoftmaxBackward0 allocates.  A single device never peaks there, so only this engine shows it.
-KNOWN_GAPS = {("llama", "ddp-bucket-view"): 2 * 32 * 8 + 4}
+#: Derived minus measured steady peak where they differ: none since the cross-entropy's backward is two events
+#: (NllLossBackward0 frees the target's copy and total weight before LogSoftmaxBackward0 allocates)
+KNOWN_GAPS: dict[tuple[str, str], int] = {}
 
 
 def _derive(name, values, kw, engine, **more):

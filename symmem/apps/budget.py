@@ -197,6 +197,11 @@ def polynomial(d: Derivation, name: str, quantity: str | None = None) -> tuple[s
         if sym in e.free_symbols:
             others[s] = e.xreplace({x: d.numbers[x] for x in e.free_symbols if x != sym})
     if quantity == "peak":
+        # a peak worked out at numbers (pipeline stages replayed: a formula in B alone) holds at its sizes only
+        only = [c for c in d.step.domain() if isinstance(c, sympy.Eq) and sym in c.free_symbols]
+        if only:
+            raise SymmemError(f"the peak here is a formula in B, the other sizes at their numbers ({only[0]}): "
+                              f"{name} cannot be solved for; give {name} a number (--set) and solve for B")
         peak = d.peak_formula()
         if isinstance(peak, sympy.Max):
             return sym, _upper(sym, [sympy.expand(a.xreplace(others)) for a in peak.args])

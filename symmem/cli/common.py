@@ -177,7 +177,8 @@ def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, mode
     group.add_argument("--pipeline-parallel", nargs="?", const="1f1b", default=None, choices=["1f1b", "gpipe"],
                        metavar="SCHEDULE",
                        help="p pipeline stages, schedule 1f1b (no value) or gpipe; derive shows the first stage as "
-                            "the papers count it, symmem stages every stage as torch.distributed.pipelining runs it")
+                            "the papers count it and the peak of the largest stage as torch.distributed.pipelining "
+                            "runs it (--micro-batches M per step), symmem stages every stage")
     add_step_options(group)
 
 

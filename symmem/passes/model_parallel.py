@@ -442,12 +442,20 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
     (GPipe: the end of the backward phase; 1F1B: the end of the next backward); the last stage keeps each
     micro-batch's logits and loss to the end of the phase, then concatenates the logits (``merge_chunks``).
     """
+    return [r.run() for r in replays(graph, conv, options, regime, numbers, found, schedule=schedule,
+                                     micro_batches=micro_batches)]
+
+
+def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, numbers: Mapping[str, int],
+            found: Sequence[StageMemory], *, schedule: str, micro_batches: int) -> list[_Replay]:
+    """Every stage's replay at ``numbers`` (not yet run: :meth:`_Replay.run` gives its peak and fills
+    :attr:`_Replay.moments`, every moment of its step; :mod:`.pipeline_step` makes formulas of them)."""
     cut = _Cut(graph, conv, options, regime, numbers)
-    peaks = []
+    out = []
     for s in range(cut.p):
         memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
-        peaks.append(_Replay(cut, s, memory.at(numbers), schedule, micro_batches).run())
-    return peaks
+        out.append(_Replay(cut, s, memory.at(numbers), schedule, micro_batches))
+    return out
 
 
 class _Cut:
@@ -516,6 +524,8 @@ class _Replay:
         self.later: list[tuple[int, tuple[int, int]]] = []  # (the backward after which it goes, key)
         self.backwards = 0
         self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
+        #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
+        self.moments: list[tuple[int, str | None, int | None]] = []
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -528,10 +538,12 @@ class _Replay:
         if s == cut.p - 1 and self.at["outputs"]:
             self.moment(self.live + self.at["outputs"], "merge_chunks", None)  # every micro-batch's logits
         step = self.at["step_peak"]
+        self.moments.append((step, None, None))
         top = self.best if self.best[0] >= step else (step, "step", None, None)
         return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step)
 
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        self.moments.append((live, node, mb))
         if live > self.best[0]:
             self.best = (live, "pipeline", node, mb)
 

@@ -378,10 +378,13 @@ class Simulation:
             (late if sg is not None and node.kind == "linear" and key.endswith(".bias") else born).append(pid)
             params_out.append((key, pid))
         temps = [self.new(f"{n}.temp", "temporary", self.size(spec), n) for spec in g.temps]
+        made: list[int] = []  # temporaries an earlier node of the op made (cross-entropy's nll_loss backward)
+        if node.kind == "cross_entropy" and temps and not late and self._nll_backward(n, temps):
+            made, temps = temps, []
         if late:
             self.event("backward", n, born + temps, list(self.freed_at.pop(n, [])))
             born, temps = late, []
-        freed = list(temps)
+        freed = list(temps) + made
         for sid in incoming:
             self.refs[sid] -= 1
             if self.refs[sid] == 0:
@@ -396,6 +399,23 @@ class Simulation:
             self.done.add(sg)
         self.event("backward", n, born + temps, freed)
         return handoff, params_out
+
+    def _nll_backward(self, n: str, temps: list[int]) -> bool:
+        """Cross-entropy's backward is two autograd nodes: ``NllLossBackward`` makes its zero gradient, then
+        releases what it saved -- the target's copy and ``total_weight`` -- before ``LogSoftmaxBackward`` makes the
+        logits' gradient (measured: the log-probabilities stay, kept by ``LogSoftmaxBackward`` too).  The first
+        node is an event of its own (True: it was)."""
+        mine = [sid for sid in self.freed_at.get(n, []) + self.new_saved.get(n, [])
+                if not self.storages[sid].name.endswith(".log_probs")]
+        if not mine:
+            return False
+        for sid in mine:
+            if sid in self.freed_at.get(n, []):
+                self.freed_at[n].remove(sid)
+            else:
+                self.new_saved[n].remove(sid)
+        self.event("backward", n, temps, mine)
+        return True
 
     def _gather(self, n: str, handoff: list[tuple[str, int]], params_out: list[tuple[str, int]]) -> None:
         """Each gradient goes to its value's buffer; a second one there is summed out of place.  A weight used

@@ -49,3 +49,15 @@ def peak_state(d: Derivation) -> tuple[list[tuple[str, int, Any]], str | None]:
             why = (f"loss={d.options.get('loss', '?')!r} is not a scalar here, so backward() cannot run: give "
                    "loss='sum' or 'cross-entropy', or a module that returns its loss")
         return [], why if why.startswith("no peak") else f"no peak: {why}"
+
+
+def per_device(d: Derivation) -> dict[str, Any] | None:
+    """What a step split over devices says per device at the derivation's numbers (pipeline parallelism: each
+    stage's steady-step peak, ``peak_per_stage``, and the largest stage, ``peak_stage``); None for one device."""
+    each = getattr(d.step, "per_stage", None)
+    if each is None:
+        return None
+    try:
+        return each(d.numbers)
+    except SymmemError:
+        return None  # the peak line says why

@@ -97,8 +97,13 @@ def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -
     if not found:
         return f"<p><b>{esc(why or 'no peak')}</b></p>"
     _, v, moment = found[0]
+    from .headline import per_device
+
+    each = per_device(d)
+    stages = "" if each is None else "<br><small>peak per stage: " + esc(", ".join(
+        f"{i}: {format_bytes(x)}" for i, x in enumerate(each["peak_per_stage"]))) + "</small>"
     return (f"<p><b>{esc(PEAK_LABEL)}: {esc(format_bytes(v))}</b> at {esc(moment.where(step=False))}<br>"
-            f"<small>= {_formula(moment.total)} bytes</small></p>")
+            f"<small>= {_formula(moment.total)} bytes</small>{stages}</p>")
 
 
 def html(d: Derivation) -> str:

@@ -18,7 +18,7 @@ from ..errors import SymmemError
 from ..passes.data_parallel import rank_peaks
 from ..simplify import factored, rounded
 from ..units import UNITS
-from .headline import LABELS, PEAK_LABEL, name_of, peak_state
+from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -105,6 +105,10 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         out["expressions"].update(step["expressions"])
         out["peak_at"] = step["peak_at"]
         out["live_at_peak"] = step["live_at_peak"]
+        each = per_device(d)
+        if each is not None:  # pipeline stages: every stage's peak, the largest is values.peak
+            out["values"]["peak_per_stage"] = each["peak_per_stage"]
+            out["peak_at"]["stage"] = each["peak_stage"]
     return out
 
 
@@ -322,6 +326,10 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         lines += textwrap.wrap("peak per rank (first step / steady): " + "; ".join(
             f"rank {r}: {f:,} / {v:,} B" for r, (f, v) in ranks.items())
             + " (the peak above is rank 0's, the largest)", max(width, 40))
+    each = per_device(d)
+    if each is not None:
+        stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each["peak_per_stage"]))
+        lines += _totals(f"{'peak per stage (MiB)':<{key_width}} {'':>12}           ", stages, width, cut)
     return lines
 
 

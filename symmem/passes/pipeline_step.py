@@ -1,0 +1,178 @@
+"""The peak per device under pipeline parallelism, behind :class:`symmem.step.Step`: the largest stage's.
+
+``torch.distributed.pipelining`` runs each stage on its own device; the number that must fit is the largest
+stage's steady-step peak (:func:`symmem.passes.model_parallel.pipeline_peaks`: the single-device step cut by
+stage and replayed in the schedule's order, checked to the byte against gloo runs).  That replay works at numbers;
+every moment of it is a sum of storages, each affine in the batch ``B`` (one micro-batch) at fixed other sizes,
+so the replay at ``B``, ``B + 1`` gives each moment as a line in ``B``, checked at ``B + 2``.  The peak is the
+``Max`` of the lines no other bounds on ``B >= 1`` (what ``fit`` solves), the other sizes numbers: the formulas'
+domain is those numbers (``S = 1024``, ...), and other numbers replay again.
+
+The first step differs in one thing symmem models: no optimizer state exists during its pipeline phase (Adam makes
+it in the step); its optimizer step is taken as the steady one's (an upper bound: the first step makes the state
+parameter by parameter).  The engine's first step also runs its shape inference, which the gloo runs leave out.
+
+>>> from symmem import derive
+>>> d = derive("gpt2", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=4, loss="cross-entropy",
+...            attention="naive", dropout=0.0, device="cpu",
+...            values={"B": 2, "S": 32, "H": 32, "h": 2, "L": 2, "V": 64, "F": 128, "p": 2})
+>>> d.value("peak"), d.step.per_stage(d.numbers)["peak_per_stage"]
+(1708088, [1708088, 1432668])
+>>> d.peak_at().where(step=False)
+'stage 0 of 2: pipeline h.mlp.gelu.out (layer 1), micro-batch 0'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..graph import Graph
+from ..peak import Moment, Peak
+from ..timeline import Row, Which
+from ..training import Regime
+
+#: the symbol the lines are in: the batch one device processes at once (one micro-batch)
+BATCH = "B"
+
+
+@dataclass(frozen=True)
+class StageMoment(Moment):
+    """A moment of one stage's step (``phase``: ``pipeline`` or ``step``), with the stage and the micro-batch."""
+
+    stage: int = 0
+    stages: int = 1
+    micro_batch: int | None = None
+
+    def where(self, step: bool = True) -> str:
+        layer = f" (layer {self.layer})" if self.layer else ""
+        mb = f", micro-batch {self.micro_batch}" if self.micro_batch is not None else ""
+        what = "the optimizer step" if self.phase == "step" else f"pipeline {self.node or ''}{layer}{mb}"
+        if self.node == "merge_chunks":
+            what = "the end of the schedule (every micro-batch's logits concatenated)"
+        return f"stage {self.stage} of {self.stages}: {what}" + (f", {self.step} step" if step else "")
+
+
+@dataclass(eq=False)
+class PipelineStep:
+    """The step of a model split into ``p`` stages (``numbers``: the derivation's, ``p`` included) under
+    ``schedule`` with ``micro_batches`` per step; ``storages`` and ``options`` are the single-device
+    derivation's (pytorch convention), ``regime`` without pipeline parallelism."""
+
+    graph: Graph
+    conv: Any
+    options: Mapping[str, Any]
+    regime: Regime
+    storages: Sequence[Any]
+    numbers: Mapping[sympy.Symbol, int]
+    schedule: str
+    micro_batches: int
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _stages(self) -> Any:
+        if "stages" not in self._cache:
+            from .model_parallel import stages
+
+            self._cache["stages"] = stages(self.graph, self.storages, self.regime, schedule=self.schedule,
+                                           micro_batches=self.micro_batches,
+                                           device=str(self.options.get("device", "cpu")))
+        return self._cache["stages"]
+
+    def _replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        """Every stage's replay, run, at ``numbers`` (names -> values)."""
+        key = tuple(sorted(numbers.items()))
+        if key not in self._cache:
+            from .model_parallel import replays, requires
+
+            requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+            found = replays(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
+                            schedule=self.schedule, micro_batches=self.micro_batches)
+            for r in found:
+                r.peak = r.run()
+            if len(self._cache) > 16:
+                self._cache = {"stages": self._stages()}
+            self._cache[key] = found
+        return self._cache[key]
+
+    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
+        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
+
+    def per_stage(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
+        """Each stage's steady-step peak at ``numbers`` (the largest is ``values.peak``), and which stage that is,
+        for the views."""
+        found = [r.peak for r in self._replays(self._named(numbers))]
+        top = max(found, key=lambda x: x.bytes)
+        return {"peak_per_stage": [x.bytes for x in found], "peak_stage": top.stage,
+                "peak_where": top.where, "pipeline_schedule": self.schedule, "micro_batches": self.micro_batches}
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        named = self._named(at)
+        key = ("peak", tuple(sorted(named.items())))
+        if key not in self._cache:
+            self._cache[key] = self._peak(named)
+        return self._cache[key]
+
+    def _peak(self, named: dict[str, int]) -> Peak:
+        from .unroll import iteration, template
+
+        if BATCH not in named:
+            raise SymmemError("the pipeline peak is worked out in the batch B, which this model has not")
+        b = named[BATCH]
+        runs = [self._replays({**named, BATCH: b + k}) for k in range(3)]
+        batch = sympy.Symbol(BATCH, positive=True, integer=True)
+        p = len(runs[0])
+        steady: list[Moment] = []
+        first: list[Moment] = []
+        for s in range(p):
+            rows = [r[s].moments for r in runs]
+            state = runs[0][s].at["optimizer_state"]
+            if len({len(x) for x in rows}) != 1:
+                raise SymmemError(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
+                                  "in B here")
+            lines: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
+            for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
+                if v2 - v1 != v1 - v0:
+                    raise SymmemError(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
+                lines.setdefault((v0 - b * (v1 - v0), v1 - v0, node is None and mb is None), (node, mb))
+            for (a, c, is_step), (node, mb) in _upper(lines).items():
+                label = None if node in (None, "merge_chunks") else node
+                layer = str(iteration(label)) if label and iteration(label) else ""
+                common = dict(node=template(label) if label else node, layer=layer, stage=s, stages=p,
+                              micro_batch=mb)
+                phase = "step" if is_step else "pipeline"
+                steady.append(StageMoment(phase, step="steady", live={"live": a + c * batch}, **common))
+                # the first step: no optimizer state during its pipeline phase (see the module's note)
+                first.append(StageMoment(phase, step="first", live={"live": a - (0 if is_step else state) + c * batch},
+                                         **common))
+        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+                       if n != BATCH and n in {s.name for s in self.numbers})
+        return Peak(None, None, tuple(steady + first), others)
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        return self.peak().holds_at(numbers)
+
+    def domain(self) -> tuple[sympy.Basic, ...]:
+        return tuple(self.peak().domain)
+
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        raise SymmemError("a pipeline step's timeline is each stage's own: symmem stages gives every stage's "
+                          "memory and peak")
+
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        raise SymmemError("the pipeline peak in CUDA's 512-byte blocks is not modelled: the peak per device is in "
+                          "bytes of tensors")
+
+
+def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, bool], Any]:
+    """The lines ``a + c*B`` no other bounds for every ``B >= 1`` (one at least as large at 1 and as steep)."""
+    kept = {}
+    steepest = None
+    for k in sorted(lines, key=lambda k: (-(k[0] + k[1]), -k[1])):
+        if steepest is None or k[1] > steepest:
+            kept[k] = lines[k]
+            steepest = k[1]
+    return kept
