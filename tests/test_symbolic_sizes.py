@@ -354,3 +354,28 @@ def test_hf_gpt2_peak_in_its_vocabulary_equals_a_real_step() -> None:
     real = track_step(loaded.module, (ids,), optimizer="adamw", impl="for-loop", keep_output=False)
     e = d.at(V=200, B=3, S=5)
     assert (e.value("peak_first_step"), e.value("peak")) == (real.first.bytes, real.steady.bytes)
+
+
+def test_table_and_json_factor_the_fields_way(stepped: object) -> None:
+    """By hand: each block keeps its Linear's input (B x H) and its ReLU's output (B x F), float32: 4B(F + H) a
+    layer, shown with the common monomial outside (not B*F*L*(4 + 4*H/F))."""
+    assert "   = 4*B*L*(F + H)\n" in stepped.table()
+    assert stepped.to_dict()["factored"]["activations"] == "4*B*L*(F + H)"
+
+
+@pytest.mark.skipif(not __import__("shutil").which("pdflatex"), reason="pdflatex is not installed")
+def test_llama_in_every_size_latex_compiles_within_the_page(tmp_path: object) -> None:
+    import re
+
+    from symmem.report.latex import align
+
+    d, _ = _fit("llama")
+    blocks = [b for form in ("compact", "terms")
+              for b in re.findall(r"\\begin\{align\*\}.*?\\end\{align\*\}", align(d, form=form), re.S)]
+    doc = "\n".join([r"\documentclass{article}", r"\usepackage{amsmath}", r"\begin{document}", *blocks,
+                     r"\end{document}"])
+    (tmp_path / "t.tex").write_text(doc)
+    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "t.log").read_text(errors="replace")
+    assert run.returncode == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
