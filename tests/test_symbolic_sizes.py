@@ -241,6 +241,8 @@ def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.Ca
     (["tests/trace_helpers.py:mlp", "--symbolic", "H=hidden_size"],
      "symmem: error: --symbolic maps symbols to keys of a transformers config: it applies to hf:MODEL_TYPE; from "
      "Python, symmem.trace(build, dims=..., sizes={...}) takes any module built from sizes"),
+    (["tests/trace_helpers.py:mlp", "--symbolic-peak"],
+     "symmem: error: --symbolic-peak goes with --symbolic: without it the peak is traced at the sizes given"),
     (["hf:gpt2", "--symbolic", "H=n_embd,h"],
      "symmem: error: --symbolic 'H=n_embd,h': expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers"),
     (["hf:gpt2", "--symbolic", "N=n_layer"],
