@@ -381,3 +381,20 @@ def test_llama_in_every_size_latex_compiles_within_the_page(tmp_path: object) ->
                          capture_output=True, text=True, timeout=120)
     log = (tmp_path / "t.log").read_text(errors="replace")
     assert run.returncode == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
+
+
+def test_a_step_that_runs_other_ops_at_other_sizes_is_refused_in_one_line() -> None:
+    """The bias trains below H = 40 only: the forward keeps the same tensors, the step frees others at H = 48."""
+    def build(H: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU())
+        net[0].bias.requires_grad_(H < 40)
+        return net, (torch.zeros(2, H),)
+
+    d = trace(build, dims={"B": [(0, 0)]}, sizes={"H": 64}, peak=True, optimizer="sgd")
+    with pytest.raises(SymmemError) as e:
+        _ = d.peak
+    assert str(e.value) == ("the training step runs differently at {'H': 48} than at {'H': 24} (op 10 of the step, "
+                            "backward aten.t.default in AddmmBackward0, frees other storages): a size decides which "
+                            "ops run, so the step's moments do not line up in the sizes; keep that size fixed, or "
+                            "trace without sizes= at the sizes you want for the peak")

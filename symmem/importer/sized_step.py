@@ -62,6 +62,9 @@ def _parting(a: StepRecord, b: StepRecord) -> str:
         x = oa[i] if i < len(oa) else None
         y = ob[i] if i < len(ob) else None
         if x != y:
+            if x and y and x[:3] == y[:3]:  # the same op: what it makes or frees differs
+                what = "makes" if x[5] != y[5] else ("frees" if x[6] != y[6] else "grows")
+                return f"op {i} of the step, {x[1]} {x[2]} in {x[3] or x[4] or 'the module'}, {what} other storages"
             return (f"op {i} of the step: {x[1] + ' ' + x[2] if x else 'none'} vs "
                     f"{y[1] + ' ' + y[2] if y else 'none'}")
     return "the storages the ops make"
