@@ -154,7 +154,7 @@ class SizedStep:
                 want = sum(((la[x] + (lb[x] - la[x]) * (CHECKED - FITTED[0])) * x[1] for x in set(la) | set(lb)),
                            sympy.Integer(0))
                 got = sum((n * x[1] for x, n in kc[key][1].items()), sympy.Integer(0))
-                if sympy.expand(sympy.sympify(want).xreplace(subs) - got) != 0:
+                if sympy.expand(sympy.sympify(want, strict=True).xreplace(subs) - got) != 0:
                     raise SymmemError(f"the peak in every size misses the step at {self.plan.sizes_at(two)} with "
                                       f"{CHECKED} layers after {_node(o, place)} ({step} step): the layers do not "
                                       "fold to L in every size; trace without sizes= for the peak")
@@ -166,7 +166,7 @@ class SizedStep:
         return self._domain((sympy.Ge(self.symbol, FITTED[0]),) if self.folds else ())
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        return all(bool(sympy.sympify(c).xreplace(dict(numbers))) for c in self.domain())
+        return all(bool(sympy.sympify(c, strict=True).xreplace(dict(numbers))) for c in self.domain())
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
         if at is None:
@@ -174,7 +174,7 @@ class SizedStep:
         at = dict(at)
         count = at.get(self.symbol) if self.folds else None
         rest = [c for c in self.domain() if not (self.symbol is not None and c.has(self.symbol))]
-        failing = [c for c in rest if not bool(sympy.sympify(c).xreplace(at))]
+        failing = [c for c in rest if not bool(sympy.sympify(c, strict=True).xreplace(at))]
         if failing:
             raise SymmemError(f"the peak in every size holds where {' & '.join(map(str, failing))}, which these "
                               "sizes are not: trace without sizes= at them for the peak")
