@@ -83,6 +83,8 @@ class SizedStep:
     repeat: tuple[str, tuple[str, ...]] | None
     symbol: sympy.Symbol | None
     numbers: dict[sympy.Symbol, int] = field(default_factory=dict)
+    #: the symbols kept at their numbers (those not in ``free=``), written into the peak's formulas
+    subs: dict[sympy.Symbol, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _steps: dict[tuple[int, ...], StepPeak] = field(default_factory=dict, repr=False)
     _fits: dict[int | None, StepRecord] = field(default_factory=dict, repr=False)
@@ -127,11 +129,12 @@ class SizedStep:
                 a, b = (self.fitted(n) for n in FITTED)
                 self._check_fold(a, b)
                 self._peaks[None] = _folded(a, b, self.symbol, self.numbers,
-                                            self._domain((sympy.Ge(self.symbol, FITTED[0]),)))
+                                            self._domain((sympy.Ge(self.symbol, FITTED[0]),)), self.subs)
                 how = (f"the layers written out {FITTED[0]} and {FITTED[1]} times, folded to {self.symbol} and "
                        f"checked at {CHECKED} (holds for {self.symbol} >= {FITTED[0]})")
             else:
-                self._peaks[None] = peak_of(self.fitted(None), numbers=self.numbers, domain=self._domain(()))
+                self._peaks[None] = peak_of(self.fitted(None), subs=self.subs, numbers=self.numbers,
+                                            domain=self._domain(()))
                 how = "the module's own layers"
             self.notes.append(f"peak in every size: the training step recorded at {len(self._steps)} small "
                               f"configurations ({self.records} records, {how}), each storage the exact polynomial "
@@ -184,7 +187,8 @@ class SizedStep:
         if key not in self._peaks:
             rec = self.fitted(key)
             layers = rec.layers
-            self._peaks[key] = peak_of(rec, numbers={**self.numbers, **at},
+            self._peaks[key] = peak_of(rec, subs={k: v for k, v in self.subs.items() if k != self.symbol},
+                                       numbers={**self.numbers, **at},
                                        domain=self._domain((sympy.Eq(self.symbol, key),)), layers=layers)
         return self._peaks[key]
 
@@ -257,7 +261,7 @@ def _fit(plan: Plan, record: Callable[[tuple[int, ...]], StepRecord]) -> StepRec
 
 
 def _folded(a: StepRecord, b: StepRecord, symbol: sympy.Symbol, numbers: Mapping[sympy.Symbol, int],
-            domain: tuple[Any, ...]) -> Peak:
+            domain: tuple[Any, ...], subs: Mapping[sympy.Symbol, int] | None = None) -> Peak:
     """The peak in ``symbol`` from fitted records at :data:`FITTED` layers: each moment's storages one more set
     per layer (checked at :data:`CHECKED` by :meth:`SizedStep._check_fold`)."""
     cands: dict[str, list[Candidate]] = {"steady": [], "first": []}
@@ -274,7 +278,7 @@ def _folded(a: StepRecord, b: StepRecord, symbol: sympy.Symbol, numbers: Mapping
             parts = {x: (la[x], (lb[x] - la[x],)) for x in sorted(set(la) | set(lb), key=lambda x: (x[0], str(x[1])))}
             cands[step].append(Candidate(key, step, parts))
             names[(step, key)] = (_node(o, place), key[2])
-    return _peak(cands, [symbol], {}, numbers, domain, names)
+    return _peak(cands, [symbol], dict(subs or {}), numbers, domain, names)
 
 
 def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: Mapping[sympy.Symbol, int],
@@ -293,4 +297,4 @@ def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: M
     rep = recorded.layers
     return SizedStep(build, dict(dims), plan, found.options, device, recorded.training,
                      (rep.path, rep.children) if rep is not None else None, layers if rep is not None else None,
-                     dict(numbers))
+                     dict(numbers), {} if free is None else {s: v for s, v in numbers.items() if s.name not in free})
