@@ -18,12 +18,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: decoder-only, MoE, encoder-only, vision: each built as symmem trace hf:TYPE builds it
+#: decoder-only, MoE, encoder-only, vision, encoder-decoder: each built as symmem trace hf:TYPE builds it
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt_neox", "opt",
                "bloom", "falcon", "gptj", "codegen", "olmo", "olmo2", "stablelm", "starcoder2", "granite", "cohere",
                "gpt_bigcode", "gpt_neo", "biogpt", "xglm", "helium", "glm", "smollm3", "mixtral", "qwen2_moe", "bert",
                "roberta", "xlm-roberta", "camembert", "distilbert", "albert", "electra", "ernie", "megatron-bert",
-               "vit", "deit", "dinov2")
+               "vit", "deit", "dinov2", "t5", "bart")
 #: config values a tiny configuration needs: a padding id inside a small vocabulary, rotary within the smallest head
 OVERRIDES: dict[str, dict[str, object]] = {"phi3": {"pad_token_id": 0}, "gptj": {"rotary_dim": 4},
                                            "codegen": {"rotary_dim": 4}}
@@ -97,8 +97,10 @@ def render(rows: list[dict[str, object]], failed: list[tuple[str, str]]) -> str:
            "configurations and **checked at two configurations never fitted** (the fit refuses otherwise); bytes "
            "in FP32, the CPU's kernels (sdpa where transformers picks it), the step backpropagating from the "
            "output's sum.  Per layer: what one repeated layer keeps for backward, and its parameters.  The peak "
-           "of a training step is not derived in every size yet (issue 20): `symmem trace hf:TYPE` without "
-           "`--symbolic` gives it at one configuration.", "",
+           "of a training step in every size is `symmem trace hf:TYPE --symbolic ... --symbolic-peak` (the step "
+           "recorded at every fitted configuration, its layers written out 4 and 5 times: minutes for all these "
+           "sizes, so not in this table); `symmem trace hf:TYPE` without `--symbolic` gives it at one "
+           "configuration.", "",
            "Symbols: " + ", ".join(f"{s} = {m}" for s, m in MEANING.items()) + "; the domain of every row includes "
            "each divisibility it needs (H by h, h by G) and each size at least 2.", "",
            "| type | class | symbols | activations per layer (bytes) | parameters per layer | parameters | traces |",

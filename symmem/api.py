@@ -250,8 +250,10 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     module and its example inputs from keyword sizes, and ``sizes`` (name -> the value the formula is evaluated
     at; ``L`` is the count of the repeated blocks).  The module is traced at small configurations and each
     quantity recovered as the exact polynomial in the sizes, checked at two configurations never fitted;
-    ``divisible`` maps a size to the size (or integer) that divides it (``{"H": "h"}``: a whole head size).  The
-    peak of a step is not derived in the sizes (the kept memory and the parameter side are).
+    ``divisible`` maps a size to the size (or integer) that divides it (``{"H": "h"}``: a whole head size).
+    ``peak=True`` also derives the peak of the training step in every size (:mod:`symmem.importer.sized_step`:
+    the step recorded at the fit's configurations with the layers written out 4 and 5 times, each storage's
+    bytes the exact polynomial in the sizes; two records per configuration, so it costs several times the fit).
 
     >>> def build(H, F, L):
     ...     torch.manual_seed(0)
@@ -273,6 +275,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     regime_given = options.get("regime")
     checkpoint = tracing.checkpoint_option(shared.checkpoint)
     if sizes is not None or divisible is not None:  # module builds a module per configuration: no weights to read yet
+        options["step"] = options.pop("peak", False)
         return _trace_sizes(module, example_inputs, dims, sizes, divisible, shared.device or "cpu", dict(
             method=method, training=training, autocast=autocast, checkpoint=checkpoint), multiple_of, size_one,
             name, loss, options)
@@ -322,6 +325,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                  options: dict[str, Any]) -> Derivation:
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
+    from .importer.sized_step import sized_step
     from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak, per_layer_note
 
     if sizes is None:
@@ -339,6 +343,9 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     recorded = fit_sizes(build, sizes, dims, divisible=divisible, device=device, **trace_options)
     keywords = dict(options)
     values, per_layer, free = keywords.pop("values", None), keywords.pop("per_layer", False), keywords.pop("free", None)
+    with_step = keywords.pop("step", False)
+    if not isinstance(with_step, bool):
+        raise SymmemError(f"peak must be True or False, got {with_step!r}")
     if LAYERS in sizes and recorded.layers is not None:
         values = {LAYERS: sizes[LAYERS], **dict(values or {})}  # the folded blocks' count: the sizes' L
     regime = _regime(keywords.pop("regime", None), keywords)
@@ -353,9 +360,11 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     shown["device"] = recorded.device
     ledger = tracing.ledger_of(recorded, regime, name=name, values=values, free=free, per_layer=per_layer,
                                shown=shown)
-    why = no_peak(recorded)
-    check_step(regime, why)
-    d = derivation_of(ledger, regime, None, why)  # no step: fit solves the total, the peak says why not
+    layers = next(iter(ledger.repeats.values()), None)
+    step = sized_step(build, recorded, regime, ledger.numbers, dims, loss, device, layers, free) if with_step else None
+    why = tracing.no_step(recorded, regime) or (None if with_step else no_peak(recorded))
+    check_step(regime, why or (step.why if isinstance(step, Refused) else None))
+    d = derivation_of(ledger, regime, step, why)
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
     return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))

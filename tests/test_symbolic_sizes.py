@@ -241,6 +241,8 @@ def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.Ca
     (["tests/trace_helpers.py:mlp", "--symbolic", "H=hidden_size"],
      "symmem: error: --symbolic maps symbols to keys of a transformers config: it applies to hf:MODEL_TYPE; from "
      "Python, symmem.trace(build, dims=..., sizes={...}) takes any module built from sizes"),
+    (["tests/trace_helpers.py:mlp", "--symbolic-peak"],
+     "symmem: error: --symbolic-peak goes with --symbolic: without it the peak is traced at the sizes given"),
     (["hf:gpt2", "--symbolic", "H=n_embd,h"],
      "symmem: error: --symbolic 'H=n_embd,h': expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers"),
     (["hf:gpt2", "--symbolic", "N=n_layer"],
@@ -269,3 +271,130 @@ def test_fit_solves_for_a_size_inside_the_domain(attention: object) -> None:
     assert largest(d, "L", "80GiB").max == 1505
     assert in_domain(d, "H")(14065) == ("H = 14065 lies outside the formula's domain ((H >= 24) & "
                                         "Eq(Mod(H, 12), 0) & Eq(Mod(H, 24), 0))")
+
+
+# -- the peak in every size (peak=True): real training steps at configurations never traced ----------------------
+def mlp(H: int, F: int, L: int, B: int = 2) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(H, F), torch.nn.ReLU(), torch.nn.Linear(F, H)) for _ in range(L)]
+    return torch.nn.Sequential(torch.nn.Tanh(), *blocks), (torch.randn(B, H),)
+
+
+STEP = {"optimizer": "adam", "optimizer_impl": "for-loop", "loss": "cross-entropy"}
+
+
+@pytest.fixture(scope="module")
+def stepped() -> object:
+    return trace(mlp, dims={"B": [(0, 0)]}, sizes={"H": 4096, "F": 16384, "L": 32}, peak=True, **STEP)
+
+
+def _real_peaks(H: int, F: int, L: int, B: int) -> tuple[int, int]:
+    from symmem.record.steps import track_step
+
+    module, (x,) = mlp(H, F, L, B)
+    t = track_step(module, x, optimizer="adam", impl="for-loop", loss="cross-entropy", keep_output=False)
+    return t.first.bytes, t.steady.bytes
+
+
+def test_peak_in_every_size_equals_real_steps_at_an_untraced_configuration(stepped: object) -> None:
+    d = stepped
+    assert {s.name for s in d.peak.free_symbols} == {"B", "H", "F", "L"}
+    # H = 40, F = 56 and 7 layers were never traced (H: 24, 32, 48, 36; F: 40, 48, 64, 52; layers 2-6)
+    e = d.at(H=40, F=56, L=7, B=3)
+    assert (e.value("peak_first_step"), e.value("peak")) == _real_peaks(40, 56, 7, 3)
+    assert any(n.startswith("peak in every size: the training step recorded at") for n in d.step.notes)
+    assert "L >= 4" in str(d.step.domain())
+
+
+def test_fit_solves_for_a_size_on_the_peak_as_real_steps_measure(stepped: object) -> None:
+    """``fit`` solving for H on the peak in every size: the real step at that H fits, one more does not."""
+    from symmem.apps.budget import largest
+
+    d = stepped.at(F=56, L=5, B=3)
+    budget = 600_000
+    r = largest(d, "H", budget, quantity="peak")
+    assert _real_peaks(r.max, 56, 5, 3)[1] <= budget < _real_peaks(r.max + 1, 56, 5, 3)[1]
+
+
+def test_peak_in_every_size_in_the_views(stepped: object) -> None:
+    e = stepped.at(H=40, F=56, L=7, B=3)
+    peak = e.value("peak")
+    assert e.to_dict()["values"]["peak"] == peak
+    assert peak == 531_272  # the real step's, above
+    assert "peak of a training step (what must fit): 0.000 GiB (0.51 MiB) at step" in e.table()
+    with pytest.raises(SymmemError, match="^the op-by-op step of a formula in every size is given at one "):
+        e.timeline()
+
+
+def test_without_peak_true_the_peak_says_how_to_get_it(attention: object) -> None:
+    with pytest.raises(SymmemError, match=r"give peak=True \(symmem trace --symbolic ... --symbolic-peak\)"):
+        _ = attention.peak
+
+
+def test_fit_finds_the_largest_valid_size_a_period_below(attention: object) -> None:
+    """A divisibility longer than fit's scan (head size even at h = 128: H a multiple of 256): the largest multiple
+    that fits, not an error (round 1 bisected as for a limit and found none)."""
+    from symmem.apps.budget import largest
+
+    d = attention.at(H=1024, h=128)
+    r = largest(d, "H", "80GiB")
+    assert r.max % 256 == 0
+    assert d.at(H=r.max).value("total") <= 80 * 2**30 < d.at(H=r.max + 256).value("total")
+
+
+def test_hf_gpt2_peak_in_its_vocabulary_equals_a_real_step() -> None:
+    """Hugging Face GPT-2, V symbolic (2 layers): the peak at V = 200 (never traced) is a real step's."""
+    pytest.importorskip("transformers")
+    from symmem.importer.hf_sizes import hf_sizes
+    from symmem.record.steps import track_step
+
+    model = hf_sizes("hf:gpt2", {"V": "vocab_size"}, {"n_layer": 2, "n_embd": 16, "n_head": 2}, None)
+    d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes={"V": model.sizes["V"]},
+              peak=True, optimizer="adamw", optimizer_impl="for-loop", device="cpu")
+    loaded = model.load({"V": 200})
+    ids = torch.randint(0, 200, (3, 5), generator=torch.Generator().manual_seed(0))
+    real = track_step(loaded.module, (ids,), optimizer="adamw", impl="for-loop", keep_output=False)
+    e = d.at(V=200, B=3, S=5)
+    assert (e.value("peak_first_step"), e.value("peak")) == (real.first.bytes, real.steady.bytes)
+
+
+def test_table_and_json_factor_the_fields_way(stepped: object) -> None:
+    """By hand: each block keeps its Linear's input (B x H) and its ReLU's output (B x F), float32: 4B(F + H) a
+    layer, shown with the common monomial outside (not B*F*L*(4 + 4*H/F))."""
+    assert "   = 4*B*L*(F + H)\n" in stepped.table()
+    assert stepped.to_dict()["factored"]["activations"] == "4*B*L*(F + H)"
+
+
+@pytest.mark.skipif(not __import__("shutil").which("pdflatex"), reason="pdflatex is not installed")
+def test_llama_in_every_size_latex_compiles_within_the_page(tmp_path: object) -> None:
+    import re
+
+    from symmem.report.latex import align
+
+    d, _ = _fit("llama")
+    blocks = [b for form in ("compact", "terms")
+              for b in re.findall(r"\\begin\{align\*\}.*?\\end\{align\*\}", align(d, form=form), re.S)]
+    doc = "\n".join([r"\documentclass{article}", r"\usepackage{amsmath}", r"\begin{document}", *blocks,
+                     r"\end{document}"])
+    (tmp_path / "t.tex").write_text(doc)
+    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "t.log").read_text(errors="replace")
+    assert run.returncode == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
+
+
+def test_a_step_that_runs_other_ops_at_other_sizes_is_refused_in_one_line() -> None:
+    """The bias trains below H = 40 only: the forward keeps the same tensors, the step frees others at H = 48."""
+    def build(H: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU())
+        net[0].bias.requires_grad_(H < 40)
+        return net, (torch.zeros(2, H),)
+
+    d = trace(build, dims={"B": [(0, 0)]}, sizes={"H": 64}, peak=True, optimizer="sgd")
+    with pytest.raises(SymmemError) as e:
+        _ = d.peak
+    assert str(e.value) == ("the training step runs differently at {'H': 48} than at {'H': 24} (op 10 of the step, "
+                            "backward aten.t.default in AddmmBackward0, frees other storages): a size decides which "
+                            "ops run, so the step's moments do not line up in the sizes; keep that size fixed, or "
+                            "trace without sizes= at the sizes you want for the peak")

@@ -18,6 +18,7 @@ at the boundary, ``f(max) <= budget < f(max + 1)``, in integer arithmetic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -303,18 +304,34 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
             why = accepts(value) if accepts is not None else None
             return why if why is not None or domain is None else domain(value)
 
-        chosen, refused = _accepted(either, best, d.model, name)
+        chosen, refused = _accepted(either, best, d.model, name, _period(d, sym))
     return Fit(d.model, d.convention, name, chosen, cap, _total(f, sym, chosen), _total(f, sym, best + 1), f,
                quantity, best, refused, held_sizes(d, name))
 
 
-def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name: str) -> tuple[int, str | None]:
+def _period(d: Derivation, sym: sympy.Symbol) -> int:
+    """The period of the domain's divisibility conditions in ``sym`` (``Mod(H, 2*h) = 0`` at h = 128: 256), the
+    other sizes at their numbers; 1 without any.  Every run of that many values holds each residue once, so the
+    largest valid value below a bound lies within one period of it (a bisection would assume a limit instead)."""
+    others = {s: sympy.Integer(v) for s, v in d.numbers.items() if s != sym}
+    out = 1
+    for m in sympy.sympify(d.domain, strict=True).atoms(sympy.Mod):
+        if sym in m.args[0].free_symbols:
+            k = m.args[1].xreplace(others)
+            if k.is_Integer and 0 < int(k) <= MAX_SIZE:
+                out = math.lcm(out, int(k))
+    return out
+
+
+def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name: str, period: int = 1
+              ) -> tuple[int, str | None]:
     """The largest value up to ``best`` that ``accepts`` takes, and why ``best`` was refused (None if it was
-    not): the values just below one by one, then a bisection for the largest accepted value (for a limit)."""
+    not): the values just below one by one (at least one ``period`` of the domain's divisibility), then a
+    bisection for the largest accepted value (for a limit)."""
     why = accepts(best)
     if why is None:
         return best, None
-    lowest = max(1, best - SCAN + 1)
+    lowest = max(1, best - max(SCAN, period) + 1)
     for x in range(best - 1, lowest - 1, -1):
         if accepts(x) is None:
             return x, why

@@ -40,14 +40,21 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "F=intermediate_size,h=num_attention_heads,G=num_key_value_heads,V=vocab_size,"
                         "L=num_hidden_layers (traced at small configurations, fitted exactly, checked at two "
                         "more; --set H=5120 evaluates)")
+    p.add_argument("--symbolic-peak", action="store_true",
+                   help="with --symbolic: also the peak of the training step in every size (the step recorded at "
+                        "each fitted configuration, its layers written out 4 and 5 times: several times slower)")
     add_formula_options(p, model_options=False, front="trace")
     add_output_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.symbolic is not None:
-        d = symbolic_from_args(args, per_layer=args.per_layer, **regime_from_args(args))
+        d = symbolic_from_args(args, per_layer=args.per_layer, peak=args.symbolic_peak, **regime_from_args(args))
     else:
+        if args.symbolic_peak:
+            from ..errors import SymmemError
+
+            raise SymmemError("--symbolic-peak goes with --symbolic: without it the peak is traced at the sizes given")
         _, _, d = traced_from_args(args, per_layer=args.per_layer, **regime_from_args(args))
     emit(d, args)
     return 0

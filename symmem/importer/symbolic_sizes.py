@@ -279,22 +279,27 @@ class _Traces:
         return self.made[key]
 
 
-def trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any], options: dict[str, Any]
-             ) -> Trace:
-    """One trace of the module ``build(**sizes)`` makes, its input sizes symbolic."""
-    from .trace import trace_module
-
+def built(build: Callable[..., Any], sizes: dict[str, int]) -> tuple[Any, Any]:
+    """``build(**sizes)``: the module and its example inputs, or a one-line :class:`SymmemError`."""
     try:
-        built = build(**sizes)
+        made = build(**sizes)
     except SymmemError as e:
         raise SymmemError(f"building the module at {sizes}: {e}") from None
     except Exception as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise SymmemError(f"building the module at {sizes} failed ({type(e).__name__}: {first}); sizes that must "
                           "divide one another need divisible={...}") from None
-    if not (isinstance(built, tuple) and len(built) == 2):
-        raise SymmemError(f"build(**sizes) must return (module, example_inputs), got {type(built).__name__}")
-    module, inputs = built
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise SymmemError(f"build(**sizes) must return (module, example_inputs), got {type(made).__name__}")
+    return made
+
+
+def trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any], options: dict[str, Any]
+             ) -> Trace:
+    """One trace of the module ``build(**sizes)`` makes, its input sizes symbolic."""
+    from .trace import trace_module
+
+    module, inputs = built(build, sizes)
     try:
         t = trace_module(module, inputs, dims, check=False, **options)
     except SymmemError as e:
@@ -512,9 +517,9 @@ def _param(p: TracedParameter, shape: tuple[Any, ...]) -> TracedParameter:
 
 def no_peak(trace: Trace) -> str:
     """Why a formula in the sizes has no peak of the step (yet): the kept memory and the parameter side have it."""
-    return ("the peak of the training step is recorded op by op at one configuration; in every size only the memory "
-            "kept for backward and the parameter side are derived: trace without sizes= (or symmem trace without "
-            "--symbolic) at the sizes you want for the peak")
+    return ("the peak of the training step in every size records the step at each fitted configuration, which "
+            "was not asked for: give peak=True (symmem trace --symbolic ... --symbolic-peak), or trace without "
+            "sizes= at the sizes you want")
 
 
 def readable(expr: Any) -> Any:

@@ -31,6 +31,15 @@ EXTRA_KEYS = ("input", "loss", "transient")
 SCHEMA_VERSION = 2
 
 
+def field_form(d: Derivation, e: sympy.Expr) -> sympy.Expr:
+    """A quantity factored for the table: around its leading term (``B*H*L*S*(36 + 4/L + 4*S*h/H)``); a formula in
+    every size (:mod:`symmem.importer.symbolic_sizes`) the field's way, the largest common monomial outside and the
+    sizes inside (``4*B*L*(F + H)``, not ``B*F*L*(4 + 4*H/F)``)."""
+    if any(n.startswith("every size symbolic") for n in d.notes):
+        return sympy.factor_terms(sympy.expand(e))
+    return factored(e)
+
+
 def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
     """``(key, bytes, moment)`` of the steady (``peak``) and first step's (``peak_first_step``) peak at the
     derivation's numbers; empty where the convention has no step model or the step cannot be evaluated there
@@ -79,7 +88,7 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "free": [s.name for s in d.free],
         "symbols": {s.name: v for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name)},
         "expressions": {k: str(e) for k, e in exprs.items()} | {"parameters": str(d.parameters)},
-        "factored": {k: str(factored(e)) for k, e in exprs.items()},
+        "factored": {k: str(field_form(d, e)) for k, e in exprs.items()},
         "latex": {k: expression(e) for k, e in exprs.items()} | {"parameters": expression(d.parameters)},
         "values": values,
         "bytes_per_parameter": dict(d.regime.components()),
@@ -276,7 +285,7 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         e = d.expression(key)
         v = d.try_evaluate(e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        shown = factored(rounded(e)) if key == "activations" else rounded(e)
+        shown = field_form(d, rounded(e)) if key == "activations" else rounded(e)
         lines += _totals(f"{name_of(key, short):<{key_width}} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
     params = d.try_evaluate(d.parameters)
     lines += _totals(f"{'parameters':<{key_width}} {'?' if params is None else f'{params:,}':>12}   = ",
