@@ -279,8 +279,8 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     if not hasattr(module, "parameters"):
         raise SymmemError("trace needs an nn.Module, or a callable that builds one with sizes=: got "
                           f"{type(module).__name__}")
-    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
-                    {p.dtype for p in module.parameters() if p.is_floating_point()})
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast, dtypes)
     if dims is None:
         raise SymmemError("trace needs dims: the input sizes to keep symbolic, e.g. {'B': [(0, 0)]}")
     device = shared.device or _device_of(module)
@@ -300,6 +300,8 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
         shown["checkpoint"] = ", ".join(recorded.extra["checkpoint"])
     if autocast is not None:
         shown["autocast"] = autocast
+    if len(dtypes) == 1 and str(next(iter(dtypes))) != "torch.float32":  # the header names the module's own dtype
+        shown["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
     shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
     shown["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
     attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
