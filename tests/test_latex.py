@@ -110,7 +110,7 @@ def test_round_trip_all_symbols_free(name, conv):
     d = symmem.derive(model, convention=conv, free=tuple(s.name for s in model.symbols))
     assert _equal(_parse(expression(d.total)), d.total)           # the JSON's form: nested floors
     total = rows(d)[-1]                                           # align's: merged (numerically equal)
-    assert total.label == r"\text{total}" and _equal(_parse(total.tex), total.expr)
+    assert total.label == r"\text{kept after forward + parameters}" and _equal(_parse(total.tex), total.expr)
     assert _equal(total.expr.xreplace({Psi: d.parameters}), rounded(d.total))
 
 
@@ -210,10 +210,11 @@ def test_compact_vit():
     assert r"\text{layer} &= L \cdot \left(36 B H S + 4 B h S^{2}\right)" in text
     assert r"\Psi &= 12 L H^{2} + 13 H L + H S + 1772 H + 1000" in text
     assert r"\text{parameter memory} &= 16 \Psi" in text
-    assert r"\text{total} &= B H L S {\left(36 + \frac{4}{L} + \frac{4 S h}{H}\right)} + 16 \Psi" in text
+    assert (r"\text{kept after forward + parameters} &= B H L S {\left(36 + \frac{4}{L} + \frac{4 S h}{H}\right)}"
+            r" + 16 \Psi") in text
     assert r"\cdot" not in text.replace(r"L \cdot \left(", "")
     got = dict(read(text))
-    assert _equal(got[r"\text{total}"], d.total) and got[r"\Psi"] == d.parameters
+    assert _equal(got[r"\text{kept after forward + parameters}"], d.total) and got[r"\Psi"] == d.parameters
     assert sympy.expand(got[r"\text{layer}"] / L / 4) == 9 * B * S * H + B * h * S**2
 
 
@@ -332,7 +333,7 @@ def test_cli_latex(capsys):
     assert out == align(d) + "\n"
     assert "\\begin{align*}" in out and r"\Psi &= 25557032" in out and r"\text{stage 1} &=" in out
     got = dict(read(out))
-    assert _equal(got[r"\text{total}"], d.total)
+    assert _equal(got[r"\text{kept after forward + parameters}"], d.total)
     assert _equal(got[r"\text{activations}"], d.activations)
 
 
