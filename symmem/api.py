@@ -262,8 +262,13 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     >>> d.activations, d.parameters
     (4*B*F*L + 4*B*H*L, 2*F*H*L + F*L + H**2 + H*L + H)
     """
+    import dataclasses
+
+    import sympy
+
     from .importer import trace_module
     from .importer import traced as tracing
+    from .importer.limits import model_limits
 
     if "convention" in options:
         raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")
@@ -314,8 +319,12 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     no_step = tracing.no_step(recorded, regime)
     check_step(regime, no_step or (step.why if isinstance(step, Refused) else None))
     d = derivation_of(ledger, regime, step, no_step)
+    # the model's own limits (a position table, an image size) join the domain, each said with why past it
+    limits = model_limits(module, example_inputs, dims, d.domain, d.free)
+    if limits:
+        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits))
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
-        warn_outside(d.domain, d.numbers)
+        warn_outside(d.domain, d.numbers, limits)
     return d
 
 

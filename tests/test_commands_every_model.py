@@ -215,7 +215,8 @@ def test_fit_of_an_hf_model_caps_at_its_position_table(capsys):
     (["derive", "gpt3"], "unknown model 'gpt3'"),
     (["fit", "gpt2", "--dims", "B", "--budget", "1GiB"],
      "--dims applies to a module traced from a SPEC (package.module:callable, path/to/file.py:callable, "
-     "hf:MODEL_TYPE, torchvision:NAME or timm:NAME), not to the built-in model 'gpt2'"),
+     "hf:MODEL_TYPE | hf:org/name | hf:DIR | hf:path/config.json, torchvision:NAME or timm:NAME), not to the "
+     "built-in model 'gpt2'"),
     (["derive", "{net}:plain"],
      "{net}:plain: a traced module needs --dims, the sizes to keep symbolic, e.g. --dims B,S"),
     (["fit", "{net}", "--dims", "B"], "{net}: name the callable that builds the module, e.g. {net}:build"),
@@ -225,7 +226,8 @@ def test_fit_of_an_hf_model_caps_at_its_position_table(capsys):
      "--attention is an option of the built-in models; a module's own options are its code (hf: --config key=value)"),
     (["paper", "-o", "x", "--model", "gpt2", "--dims", "B"],
      "--dims applies to a module traced from a SPEC (package.module:callable, path/to/file.py:callable, "
-     "hf:MODEL_TYPE, torchvision:NAME or timm:NAME), not to the built-in model 'gpt2'"),
+     "hf:MODEL_TYPE | hf:org/name | hf:DIR | hf:path/config.json, torchvision:NAME or timm:NAME), not to the "
+     "built-in model 'gpt2'"),
     (["paper", "-o", "x", "--model", "{net}:plain", "--dims", "B", "--convention", "paper"],
      "--convention paper: a traced module has its own convention (what PyTorch kept), the pytorch one; drop "
      "--convention"),
