@@ -43,3 +43,47 @@ def test_verify_peak_under_autocast_runs_a_real_autocast_step(capsys):
     assert track_step(net, x).steady.bytes == 238_040  # FP32 activations: autocast is what made the difference
     with pytest.raises(symmem.SymmemError, match="^unknown autocast 'int8'; choose from bfloat16, float16$"):
         track_step(net, x, autocast="int8")
+
+
+def test_python_trace_of_a_transformers_model_has_its_position_table_in_the_domain():
+    """symmem.trace of a GPT-2 with 64 positions, as the commands do: S <= 64 joins the domain, and S = 65 is said
+    to lie past the position table; the truth: PyTorch's GPT-2 refuses 65 tokens."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import sympy
+
+    from symmem.errors import OutsideDomain
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    dims = {"B": [(0, 0)], "S": [(0, 1)]}
+    with pytest.warns(OutsideDomain) as said:
+        d = symmem.trace(model, (ids,), dims, values={"B": 2, "S": 65})
+    S = sympy.Symbol("S", integer=True, positive=True)
+    assert sympy.Le(S, 64) in d.domain.args
+    assert [str(w.message) for w in said] == [
+        "S = 65 lies outside the formulas' domain (S <= 64 fails: past the model's position table: transformer.wpe "
+        "has 64 rows (n_positions = 64)): they are not known to hold there"]
+    model(torch.zeros(1, 64, dtype=torch.long))
+    with pytest.raises(IndexError):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_an_hf_vision_model_is_held_at_its_image_size(capsys):
+    """A ViT takes its config's image size only (PyTorch's forward refuses 64x64 for image_size 32): --set
+    Hi=64 is said to lie past it, with why."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tiny = ["--config", "num_hidden_layers=1", "--config", "hidden_size=32", "--config", "num_attention_heads=2",
+            "--config", "intermediate_size=64", "--config", "image_size=32", "--config", "patch_size=8"]
+    assert main(["trace", "hf:vit", *tiny, "--dims", "B,Hi,Wi", "--set", "Hi=64", "--format", "json"]) == 0
+    err = capsys.readouterr().err
+    assert ("symmem: warning: Hi = 64 lies outside the formulas' domain (Eq(Hi, 32) fails: the model takes 32x32 "
+            "images only (image_size = 32; its forward refuses others)): they are not known to hold there") in err
+    cfg = transformers.ViTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                 image_size=32, patch_size=8)
+    model = transformers.ViTModel(cfg)
+    model(torch.zeros(1, 3, 32, 32))
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 3, 64, 64))
