@@ -87,3 +87,49 @@ def test_an_hf_vision_model_is_held_at_its_image_size(capsys):
     model(torch.zeros(1, 3, 32, 32))
     with pytest.raises(ValueError):
         model(torch.zeros(1, 3, 64, 64))
+
+
+MEGATRON_TINY = {"H": 64, "L": 2, "S": 128, "h": 4, "V": 512}
+
+
+def test_fit_is_stopped_only_by_a_convention_that_sees_nothing(capsys):
+    """gpt-megatron's default B = 1 lies outside its pytorch formulas' domain (B >= 2): a note, not a reason to
+    refuse solving for B, so fit answers as Python's largest() does; a convention that sees nothing still refuses,
+    in one line."""
+    import warnings
+
+    from symmem.apps.budget import largest
+
+    argv = ["fit", "gpt-megatron", *(f"--set={k}={v}" for k, v in MEGATRON_TINY.items()), "--budget", "1GiB",
+            "--format", "json"]
+    assert main(argv) == 0
+    import json
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = symmem.derive("gpt-megatron", values=MEGATRON_TINY)
+    assert d.notes  # the informational note that once stopped the fit
+    assert json.loads(capsys.readouterr().out)["max"] == largest(d, "B", "1GiB").max == 342
+    assert main(["fit", "resnet50-v1", "--convention", "megatron", "--budget", "24GiB"]) == 2
+    assert capsys.readouterr().err == (
+        "symmem: error: resnet50-v1: the megatron convention counts tensors by role (attn_dropout, attn_input, "
+        "attn_probs, mlp_act, mlp_hidden, mlp_input, proj_input, qkv, residual) and no node of this graph has one of "
+        "them, so it keeps nothing; use --convention pytorch\n")
+
+
+def test_the_paper_fit_table_says_when_only_a_size_outside_the_domain_fits():
+    """A budget between the peaks at B = 1 and B = 2 of a model whose formulas hold for B >= 2: the row says B = 1
+    fits outside the domain (not "does not grow with B", which is false: the peak grows by 3 MiB from B = 1 to 2)."""
+    import warnings
+
+    from symmem.apps import article
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = symmem.derive("gpt-megatron", values=MEGATRON_TINY)
+        one, two = d.at(B=1).value("peak"), d.at(B=2).value("peak")  # B = 1: said to lie outside the domain
+    assert one < two
+    rows = article._fit_rows([article.ModelRow("GPT", "gpt-megatron", None, d, False)], str(one))
+    table = article._fit_table(rows, str(one))
+    assert r"GPT & \multicolumn{3}{l}{$B = 1$ fits, outside the formulas' domain (B >= 2)} \\" in table
+    assert "whose peak of a training step (PyTorch) fits" in table

@@ -205,6 +205,25 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
     return derive(args.model, **derive_arguments(args))
 
 
+def sees_nothing(d: Any) -> str | None:
+    """The note that says the convention sees nothing of the model (its activations are 0 because it cannot see
+    the graph: the engine's ``NothingCounted``, "model: why"), or None.  Other notes (the domain at the numbers
+    given, per rank, how a trace was found) inform: they do not stop a fit or a sweep, which solve for a size.
+
+    >>> import warnings
+    >>> from symmem import derive
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     sees_nothing(derive("resnet50-v1", convention="megatron"))[:51]
+    'resnet50-v1: the megatron convention counts tensors'
+    >>> sees_nothing(derive("gpt-megatron")) is None   # a note on B = 1, its default, outside its domain
+    True
+    """
+    if d.activations != 0:
+        return None
+    return next((n for n in d.notes if n.startswith(f"{d.model}: ")), None)
+
+
 def acceptor_from_args(args: argparse.Namespace) -> Any:
     """:func:`symmem.api.acceptor` for the model, values and regime the shared options describe (for a traced
     SPEC: the model's own limits, :func:`traced_derivation`)."""
