@@ -133,3 +133,18 @@ def test_the_paper_fit_table_says_when_only_a_size_outside_the_domain_fits():
     table = article._fit_table(rows, str(one))
     assert r"GPT & \multicolumn{3}{l}{$B = 1$ fits, outside the formulas' domain (B >= 2)} \\" in table
     assert "whose peak of a training step (PyTorch) fits" in table
+
+
+def test_a_fixed_length_embedding_bag_formula_has_no_unit_floor():
+    """EmbeddingBag on a (B, S) batch: its offsets are ceil(B*S/S) = B long, which sympy wrote as
+    B + 1 + floor(-1/S); for a positive integer S that floor is -1, so the formula is plain, and it equals what
+    autograd really keeps at other sizes."""
+    torch = pytest.importorskip("torch")
+    from symmem.record.verify import measure
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.EmbeddingBag(50, 8, mode="mean"), torch.nn.Linear(8, 3))
+    d = symmem.trace(net, (torch.randint(0, 50, (4, 6)),), {"B": [(0, 0)], "S": [(0, 1)]}, values={"B": 5, "S": 7})
+    assert not d.activations.has(__import__("sympy").floor), d.activations
+    real = measure(net, torch.randint(0, 50, (5, 7)))
+    assert d.value("activations") + d.value("input") == real.activations + real.input
