@@ -148,3 +148,15 @@ def test_a_fixed_length_embedding_bag_formula_has_no_unit_floor():
     assert not d.activations.has(__import__("sympy").floor), d.activations
     real = measure(net, torch.randint(0, 50, (5, 7)))
     assert d.value("activations") + d.value("input") == real.activations + real.input
+
+
+def test_the_paper_fit_table_says_at_which_sizes_a_traced_module_is_held():
+    """A traced module's other sizes are its example's (here S = 6), not a model's defaults: the fit table's caption
+    says them, as `fit` does ("held: S = 6")."""
+    torch = pytest.importorskip("torch")
+    from symmem.apps import article
+
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
+    d = symmem.trace(net, (torch.zeros(2, 6, dtype=torch.long),), {"B": [(0, 0)], "S": [(0, 1)]})
+    table = article._fit_table(article._fit_rows([article.ModelRow("net", "net", None, d, False)], "1GiB"), "1GiB")
+    assert r"Other sizes held: net at $S = 6$ (\texttt{--set} answers at others).}" in table

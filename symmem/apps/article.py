@@ -315,13 +315,17 @@ def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
         else:
             out.append(rf"  {escape(r.label)} & {f.max:,} & {f.total_at_max / GiB:.3f} & {f.total_above / GiB:.3f} \\")
     what = "peak of a training step (PyTorch)" if peak else "total"
+    # a traced module's other sizes are its example's (S = 16), not a model's defaults: said, never held silently
+    held = [f"{escape(r.label)} at " + ", ".join(f"${n} = {v:,}$" for n, v in f.held) for r, f in fits
+            if getattr(f, "held", None) and r.d.convention == "traced"]
+    said = rf" Other sizes held: {'; '.join(held)} (\texttt{{--set}} answers at others)." if held else ""
     if caps:
         out.append(r"  \midrule")
         out.extend(rf"  \multicolumn{{4}}{{p{{0.9\linewidth}}}}{{\footnotesize $^{{\dagger}}$ {c}}} \\" for c in caps)
     return "\n".join([
         r"\begin{table}[H]", r"  \centering",
         rf"  \caption{{Largest batch size whose {what} fits {_budget(budget)}, solved from the formulas and "
-        r"checked at the boundary (GiB).}", r"  \label{tab:fit}", r"  \begin{tabular}{lrrr}", r"  \toprule",
+        rf"checked at the boundary (GiB).{said}}}", r"  \label{tab:fit}", r"  \begin{tabular}{lrrr}", r"  \toprule",
         r"  Model & $B_{\max}$ & $M(B_{\max})$ & $M(B_{\max}+1)$ \\", r"  \midrule", *out, r"  \bottomrule",
         r"  \end{tabular}", r"\end{table}"])
 
