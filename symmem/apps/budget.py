@@ -116,9 +116,10 @@ def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None 
 LIMITS = ("outside the formulas' domain", "past the model's")
 
 
-class NoneAccepted(NothingFits):
+class NoneAccepted(SymmemError):
     """What fits the budget lies only where the model or its formulas refuse it (``B = 1`` under a domain
-    ``B >= 2``): an answer, said with ``why``, as :class:`~symmem.errors.NothingFits` is."""
+    ``B >= 2``, or a size the model derives from others), said with ``why``; the command line exits 2 as for
+    any refusal (a size to set another way), the paper's fit table says it in its row."""
 
     def __init__(self, message: str, best: int, why: str) -> None:
         super().__init__(message)
