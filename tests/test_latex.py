@@ -338,18 +338,23 @@ def test_cli_latex(capsys):
 
 
 def test_docs_examples_are_current(capsys):
-    """docs/jupyter-latex-plots.md shows real output: its `$ symmem derive ...` examples are re-run."""
+    """docs/jupyter-latex-plots.md shows real output: its `$ symmem derive ...` and `$ symmem fit ...` examples are
+    re-run, and its Python block runs on its own (plain Python: `symmem.show` prints the text table)."""
     import shlex
     from pathlib import Path
 
     from symmem.cli import main
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "jupyter-latex-plots.md").read_text()
-    examples = re.findall(r"```\n\$ symmem (derive .*?)\n(.*?)```", doc, re.S)
-    assert len(examples) >= 2
+    examples = re.findall(r"```\n\$ symmem ((?:derive|fit) .*?)\n(.*?)```", doc, re.S)
+    assert len(examples) >= 5
     for command, shown in examples:
         assert main(shlex.split(command)) == 0
         assert capsys.readouterr().out == shown, command
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "jupyter-latex-plots.md", "exec"), {})  # noqa: S102 - the page's own example
+    assert capsys.readouterr().out.startswith("ViT-B/16 (vit-b16) — PyTorch autograd (pytorch convention)")
 
 
 # -- long texts (issue 22, item 11) and malformed cases (item 12) -------------------------------------------
