@@ -26,7 +26,7 @@ def model_limits(module: Any, example_inputs: Any, dims: Any, domain: Any, free:
         return {}
     items = example_inputs if isinstance(example_inputs, dict) else dict(enumerate(example_inputs))
     # a size the trace pinned (a ViT's image side) is no longer free: its symbol is the domain's
-    by_name = {s.name: s for s in (*sympy.sympify(domain).free_symbols, *free)}
+    by_name = {s.name: s for s in (*getattr(domain, "free_symbols", ()), *free)}
     found: dict[Any, str] = {}
     positions = _position_table(module, cfg)
     side = getattr(cfg, "image_size", None)
