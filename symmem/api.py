@@ -264,8 +264,13 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     >>> d.activations, d.parameters
     (4*B*F*L + 4*B*H*L, 2*F*H*L + F*L + H**2 + H*L + H)
     """
+    import dataclasses
+
+    import sympy
+
     from .importer import trace_module
     from .importer import traced as tracing
+    from .importer.limits import model_limits
 
     if "convention" in options:
         raise SymmemError("a traced module is derived under the traced convention: what PyTorch itself kept")
@@ -282,8 +287,8 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     if not hasattr(module, "parameters"):
         raise SymmemError("trace needs an nn.Module, or a callable that builds one with sizes=: got "
                           f"{type(module).__name__}")
-    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast,
-                    {p.dtype for p in module.parameters() if p.is_floating_point()})
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    check_precision(options.get("precision", getattr(regime_given, "precision", "fp32")), autocast, dtypes)
     if dims is None:
         raise SymmemError("trace needs dims: the input sizes to keep symbolic, e.g. {'B': [(0, 0)]}")
     device = shared.device or _device_of(module)
@@ -303,6 +308,8 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
         shown["checkpoint"] = ", ".join(recorded.extra["checkpoint"])
     if autocast is not None:
         shown["autocast"] = autocast
+    if len(dtypes) == 1 and str(next(iter(dtypes))) != "torch.float32":  # the header names the module's own dtype
+        shown["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
     shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
     shown["device"] = recorded.device  # whose kernels the formula follows (verify measures there)
     attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
@@ -315,8 +322,12 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     no_step = tracing.no_step(recorded, regime)
     check_step(regime, no_step or (step.why if isinstance(step, Refused) else None))
     d = derivation_of(ledger, regime, step, no_step)
+    # the model's own limits (a position table, an image size) join the domain, each said with why past it
+    limits = model_limits(module, example_inputs, dims, d.domain, d.free)
+    if limits:
+        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits))
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
-        warn_outside(d.domain, d.numbers)
+        warn_outside(d.domain, d.numbers, limits)
     return d
 
 

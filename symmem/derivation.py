@@ -534,20 +534,35 @@ class Derivation:
         # a traced module says how its formula was found: symbolic, retraced (at other sizes) or fitted
         how = f", {self.options['method']} formula" if self.convention == "traced" and "method" in self.options \
             else ""
-        regime = names.regime(self.regime.precision, self.regime.optimizer)
-        autocast = self.options.get("autocast")
-        if autocast:  # the weights stay as the precision says; the forward computes in the autocast dtype
-            regime = (f"{names.precision(self.regime.precision)} weights under {autocast} autocast + "
-                      f"{names.optimizer(self.regime.optimizer)}")
+        regime = self.regime_label()
         ran = [f"on {self.options['device']}"] if self.options.get("device") else []
         if self.options.get("attention"):
             ran.append(names.attention(str(self.options["attention"])))
         return f"{model} — {conv}, {regime}{scope}{how}" + (f"; {', '.join(ran)}" if ran else "")
 
+    def regime_label(self) -> str:
+        """``FP32 + AdamW``; a traced module cast to another dtype names its own (``bfloat16 weights + AdamW``: the
+        regime's ``fp32`` only says no 16-bit copies are added), and autocast says what the forward computes in.
+
+        >>> from symmem import derive
+        >>> derive("gpt2").regime_label()
+        'FP32 + AdamW'
+        """
+        from . import names
+
+        dtype = self.options.get("dtype")  # set by trace for a module whose weights are not FP32
+        own = bool(dtype) and self.regime.precision == "fp32"
+        precision = str(dtype) if own else names.precision(self.regime.precision)
+        optimizer = names.optimizer(self.regime.optimizer)
+        autocast = self.options.get("autocast")
+        if autocast:  # the weights stay as the precision says; the forward computes in the autocast dtype
+            return f"{precision} weights under {autocast} autocast + {optimizer}"
+        return f"{precision} weights + {optimizer}" if own else f"{precision} + {optimizer}"
+
     # The views are imported when first asked for, as sympy's ``Printable.__str__`` imports its printer: the
     # core does not need them to derive, and a command line never shows the Jupyter ones.
     def to_dict(self) -> dict[str, Any]:
-        """The JSON contract (see the README)."""
+        """The JSON contract (see "JSON output" in docs/reference.md)."""
         from .report.text import to_dict
 
         return to_dict(self)

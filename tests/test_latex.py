@@ -110,7 +110,7 @@ def test_round_trip_all_symbols_free(name, conv):
     d = symmem.derive(model, convention=conv, free=tuple(s.name for s in model.symbols))
     assert _equal(_parse(expression(d.total)), d.total)           # the JSON's form: nested floors
     total = rows(d)[-1]                                           # align's: merged (numerically equal)
-    assert total.label == r"\text{total}" and _equal(_parse(total.tex), total.expr)
+    assert total.label == r"\text{kept after forward + parameters}" and _equal(_parse(total.tex), total.expr)
     assert _equal(total.expr.xreplace({Psi: d.parameters}), rounded(d.total))
 
 
@@ -210,10 +210,11 @@ def test_compact_vit():
     assert r"\text{layer} &= L \cdot \left(36 B H S + 4 B h S^{2}\right)" in text
     assert r"\Psi &= 12 L H^{2} + 13 H L + H S + 1772 H + 1000" in text
     assert r"\text{parameter memory} &= 16 \Psi" in text
-    assert r"\text{total} &= B H L S {\left(36 + \frac{4}{L} + \frac{4 S h}{H}\right)} + 16 \Psi" in text
+    assert (r"\text{kept after forward + parameters} &= B H L S {\left(36 + \frac{4}{L} + \frac{4 S h}{H}\right)}"
+            r" + 16 \Psi") in text
     assert r"\cdot" not in text.replace(r"L \cdot \left(", "")
     got = dict(read(text))
-    assert _equal(got[r"\text{total}"], d.total) and got[r"\Psi"] == d.parameters
+    assert _equal(got[r"\text{kept after forward + parameters}"], d.total) and got[r"\Psi"] == d.parameters
     assert sympy.expand(got[r"\text{layer}"] / L / 4) == 9 * B * S * H + B * h * S**2
 
 
@@ -332,23 +333,28 @@ def test_cli_latex(capsys):
     assert out == align(d) + "\n"
     assert "\\begin{align*}" in out and r"\Psi &= 25557032" in out and r"\text{stage 1} &=" in out
     got = dict(read(out))
-    assert _equal(got[r"\text{total}"], d.total)
+    assert _equal(got[r"\text{kept after forward + parameters}"], d.total)
     assert _equal(got[r"\text{activations}"], d.activations)
 
 
 def test_docs_examples_are_current(capsys):
-    """docs/jupyter-latex-plots.md shows real output: its `$ symmem derive ...` examples are re-run."""
+    """docs/jupyter-latex-plots.md shows real output: its `$ symmem derive ...` and `$ symmem fit ...` examples are
+    re-run, and its Python block runs on its own (plain Python: `symmem.show` prints the text table)."""
     import shlex
     from pathlib import Path
 
     from symmem.cli import main
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "jupyter-latex-plots.md").read_text()
-    examples = re.findall(r"```\n\$ symmem (derive .*?)\n(.*?)```", doc, re.S)
-    assert len(examples) >= 2
+    examples = re.findall(r"```\n\$ symmem ((?:derive|fit) .*?)\n(.*?)```", doc, re.S)
+    assert len(examples) >= 5
     for command, shown in examples:
         assert main(shlex.split(command)) == 0
         assert capsys.readouterr().out == shown, command
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "jupyter-latex-plots.md", "exec"), {})  # noqa: S102 - the page's own example
+    assert capsys.readouterr().out.startswith("ViT-B/16 (vit-b16) — PyTorch autograd (pytorch convention)")
 
 
 # -- long texts (issue 22, item 11) and malformed cases (item 12) -------------------------------------------

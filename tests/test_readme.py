@@ -14,7 +14,7 @@ from symmem.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("tour", "your-model", "reference",
-                                                                       "fp32-analysis"))]
+                                                                       "fp32-analysis", "importer"))]
 README = PAGES[0]
 EXAMPLES = [(page.name, command, shown) for page in PAGES
             for command, shown in re.findall(r"```\n\$ symmem (.*?)\n(.*?)```", page.read_text(), re.S)]

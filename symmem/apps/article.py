@@ -276,12 +276,14 @@ def _stage_table(d: Any) -> str:
 def _fit_rows(rs: list[ModelRow], budget: str, ds: dict[str, Any] | None = None) -> list[tuple[ModelRow, Any]]:
     """The largest batch of every row under ``budget``, solved from ``ds[label]`` (the derivation whose peak
     sizes the batch) or the row's own derivation."""
-    from .budget import largest
+    from .budget import NoneAccepted, largest
 
     out: list[tuple[ModelRow, Any]] = []
     for r in rs:
         try:
             out.append((r, largest((ds or {}).get(r.label, r.d), "B", budget)))
+        except NoneAccepted as e:  # what fits lies outside the domain (B = 1 where the formulas hold for B >= 2)
+            out.append((r, e))
         except NothingFits:
             out.append((r, None))
         except SymmemError:  # memory that does not grow with B: every batch fits, or none does
@@ -291,7 +293,7 @@ def _fit_rows(rs: list[ModelRow], budget: str, ds: dict[str, Any] | None = None)
 
 def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
     from ..report.latex import escape
-    from .budget import LIMITS
+    from .budget import LIMITS, NoneAccepted
 
     peak = any(hasattr(f, "quantity") and f.quantity == "peak" for _, f in fits)
     out: list[str] = []
@@ -299,7 +301,11 @@ def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
     for r, f in fits:
         if f is None:
             out.append(rf"  {escape(r.label)} & \multicolumn{{3}}{{l}}{{nothing fits at $B = 1$}} \\")
-        elif f == "flat":
+        elif isinstance(f, NoneAccepted):
+            said = "$B = 1$ fits" if f.best == 1 else rf"only $B \le {f.best:,}$ fit"
+            why = escape(f.why.split(", where")[0])
+            out.append(rf"  {escape(r.label)} & \multicolumn{{3}}{{l}}{{{said}, {why}}} \\")
+        elif isinstance(f, str) and f == "flat":
             out.append(rf"  {escape(r.label)} & \multicolumn{{3}}{{l}}{{does not grow with $B$}} \\")
         elif f.bound is not None and f.bound != f.max:  # capped below what the budget fits: say where and why
             why = f.refused or ""
@@ -309,13 +315,17 @@ def _fit_table(fits: list[tuple[ModelRow, Any]], budget: str) -> str:
         else:
             out.append(rf"  {escape(r.label)} & {f.max:,} & {f.total_at_max / GiB:.3f} & {f.total_above / GiB:.3f} \\")
     what = "peak of a training step (PyTorch)" if peak else "total"
+    # a traced module's other sizes are its example's (S = 16), not a model's defaults: said, never held silently
+    held = [f"{escape(r.label)} at " + ", ".join(f"${n} = {v:,}$" for n, v in f.held) for r, f in fits
+            if getattr(f, "held", None) and r.d.convention == "traced"]
+    said = rf" Other sizes held: {'; '.join(held)} (\texttt{{--set}} answers at others)." if held else ""
     if caps:
         out.append(r"  \midrule")
         out.extend(rf"  \multicolumn{{4}}{{p{{0.9\linewidth}}}}{{\footnotesize $^{{\dagger}}$ {c}}} \\" for c in caps)
     return "\n".join([
         r"\begin{table}[H]", r"  \centering",
         rf"  \caption{{Largest batch size whose {what} fits {_budget(budget)}, solved from the formulas and "
-        r"checked at the boundary (GiB).}", r"  \label{tab:fit}", r"  \begin{tabular}{lrrr}", r"  \toprule",
+        rf"checked at the boundary (GiB).{said}}}", r"  \label{tab:fit}", r"  \begin{tabular}{lrrr}", r"  \toprule",
         r"  Model & $B_{\max}$ & $M(B_{\max})$ & $M(B_{\max}+1)$ \\", r"  \midrule", *out, r"  \bottomrule",
         r"  \end{tabular}", r"\end{table}"])
 

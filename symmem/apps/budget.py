@@ -117,6 +117,16 @@ def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None 
 LIMITS = ("outside the formulas' domain", "past the model's")
 
 
+class NoneAccepted(SymmemError):
+    """What fits the budget lies only where the model or its formulas refuse it (``B = 1`` under a domain
+    ``B >= 2``, or a size the model derives from others), said with ``why``; the command line exits 2 as for
+    any refusal (a size to set another way), the paper's fit table says it in its row."""
+
+    def __init__(self, message: str, best: int, why: str) -> None:
+        super().__init__(message)
+        self.best, self.why, self.quantity = best, why, ""
+
+
 def held_text(held: tuple[tuple[str, int], ...]) -> str:
     """``S = 512, L = 12``: the sizes an answer holds at.
 
@@ -304,7 +314,11 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
             why = accepts(value) if accepts is not None else None
             return why if why is not None or domain is None else domain(value)
 
-        chosen, refused = _accepted(either, best, d.model, name, _period(d, sym))
+        try:
+            chosen, refused = _accepted(either, best, d.model, name, _period(d, sym))
+        except NoneAccepted as e:
+            e.quantity = quantity  # what was solved for (a table says "peak" or "total" over it)
+            raise
     return Fit(d.model, d.convention, name, chosen, cap, _total(f, sym, chosen), _total(f, sym, best + 1), f,
                quantity, best, refused, held_sizes(d, name))
 
@@ -339,7 +353,7 @@ def _accepted(accepts: Callable[[int], str | None], best: int, model: str, name:
     lo = next((x for x in range(1, min(SCAN, lowest - 1) + 1) if accepts(x) is None), None)
     hi = lowest
     if lo is None:
-        raise SymmemError(f"{model} accepts no value of {name} up to {best:,} that fits: {why}")
+        raise NoneAccepted(f"{model} accepts no value of {name} up to {best:,} that fits: {why}", best, why)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if accepts(mid) is None else (lo, mid)

@@ -206,6 +206,25 @@ def derivation_from_args(args: argparse.Namespace) -> Any:
     return derive(args.model, **derive_arguments(args))
 
 
+def sees_nothing(d: Any) -> str | None:
+    """The note that says the convention sees nothing of the model (its activations are 0 because it cannot see
+    the graph: the engine's ``NothingCounted``, "model: why"), or None.  Other notes (the domain at the numbers
+    given, per rank, how a trace was found) inform: they do not stop a fit or a sweep, which solve for a size.
+
+    >>> import warnings
+    >>> from symmem import derive
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     sees_nothing(derive("resnet50-v1", convention="megatron"))[:51]
+    'resnet50-v1: the megatron convention counts tensors'
+    >>> sees_nothing(derive("gpt-megatron")) is None   # a note on B = 1, its default, outside its domain
+    True
+    """
+    if d.activations != 0:
+        return None
+    return next((n for n in d.notes if n.startswith(f"{d.model}: ")), None)
+
+
 def acceptor_from_args(args: argparse.Namespace) -> Any:
     """:func:`symmem.api.acceptor` for the model, values and regime the shared options describe (for a traced
     SPEC: the model's own limits, :func:`traced_derivation`)."""
@@ -395,58 +414,17 @@ def traced_derivation(args: argparse.Namespace) -> Any:
                           "options are its code (hf: --config key=value)")
     args.spec = args.model
     loaded, dims, d = traced_from_args(args, per_layer=getattr(args, "per_layer", False), **regime_from_args(args))
-    args.limits = model_limits(loaded, dims, d)
+    args.limits = model_limits(loaded, dims, d)  # already in d's domain (symmem.trace adds them), said there
     args.dims_symbols = tuple(dims)  # the sizes declared on the inputs (fit says where each held size comes from)
-    return with_limits(d, args.limits)
+    return d
 
 
 def model_limits(loaded: Any, dims: dict[str, Any], d: Any) -> dict[Any, str]:
-    """The sizes a loaded module cannot take whatever the memory, as conditions of its derivation's symbols, each
-    with why: a Hugging Face text model's absolute position table (an embedding with the config's
-    ``max_position_embeddings`` rows) bounds the symbol on its tokens' dimension.  (Rotary positions have no
-    table, hence no limit.)"""
-    import sympy
-    import torch
+    """The sizes a loaded module cannot take whatever the memory, each with why
+    (:func:`symmem.importer.limits.model_limits`, which :func:`symmem.trace` adds to the domain too)."""
+    from ..importer.limits import model_limits as limits
 
-    from ..importer.inputs import normalize_dims
-
-    cfg = loaded.extra.get("config") if isinstance(loaded.extra, dict) else None
-    rows = getattr(cfg, "max_position_embeddings", None)
-    if not isinstance(rows, int) or isinstance(rows, bool):
-        return {}
-    get_tokens = getattr(loaded.module, "get_input_embeddings", None)
-    tokens = get_tokens() if callable(get_tokens) else None  # the token table, whatever its rows
-    tables = [n for n, m in loaded.module.named_modules() if isinstance(m, torch.nn.Embedding)
-              and m.num_embeddings == rows and m is not tokens]
-    if not tables:
-        return {}
-    key = next((k for k, v in cfg.to_dict().items() if v == rows and ("position" in k or k in ("n_ctx",))), "")
-    ex = loaded.example_inputs
-    items = ex if isinstance(ex, dict) else dict(enumerate(ex))
-    by_name = {s.name: s for s in d.free}
-    found = {}
-    for name, pairs in normalize_dims(dims).items():
-        tokens = any(dim == 1 and isinstance(items.get(k), torch.Tensor) and items[k].dim() == 2
-                     and not items[k].is_floating_point() for k, dim in pairs)
-        if tokens and name in by_name:
-            found[sympy.Le(by_name[name], rows)] = (f"past the model's position table: {tables[0]} has {rows:,} rows"
-                                                   + (f" ({key} = {rows:,})" if key else ""))
-    return found
-
-
-def with_limits(d: Any, limits: dict[Any, str]) -> Any:
-    """``d`` with ``limits`` in its domain, said where its numbers lie past them (:func:`symmem.derivation.
-    warn_outside`)."""
-    import dataclasses
-
-    import sympy
-
-    from ..derivation import warn_outside
-
-    if not limits:
-        return d
-    warn_outside(sympy.And(*limits), d.numbers, limits)
-    return dataclasses.replace(d, domain=sympy.And(d.domain, *limits))
+    return limits(loaded.module, loaded.example_inputs, dims, d.domain, d.free)
 
 
 def _limit_acceptor(limits: dict[Any, str]) -> Any:

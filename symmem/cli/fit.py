@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 
 from ..errors import SymmemError
-from .common import acceptor_from_args, add_derive_options, derivation_from_args, is_spec, parse_free, values_from_args
+from .common import (
+    acceptor_from_args,
+    add_derive_options,
+    derivation_from_args,
+    is_spec,
+    parse_free,
+    sees_nothing,
+    values_from_args,
+)
 
 NAME = "fit"
 HELP = "the largest batch size (or sequence length) that fits a memory budget"
@@ -30,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
     if is_spec(args.model) and args.free is not None and args.solve not in parse_free(args.free):
         args.free = f"{args.free},{args.solve}"  # keep the solved symbol in the formula (one trace, not two)
     d = derivation_from_args(args)
-    if d.notes:  # a convention that sees nothing: say why rather than "does not grow" or a size of the input alone
-        raise SymmemError(d.notes[0])
+    if sees_nothing(d):  # a convention that sees nothing: say why rather than "does not grow" or the input alone
+        raise SymmemError(sees_nothing(d))
     if args.solve not in {s.name for s in d.free} and args.free is None and not is_spec(args.model):
         # Keep the solved symbol in the formula even when the model writes it as a number by default.
         args.free = ",".join([s.name for s in d.free] + [args.solve])

@@ -7,7 +7,7 @@ import re
 
 from ..errors import SymmemError
 from ..units import MAX_SIZE
-from .common import add_derive_options, derivation_from_args, is_spec
+from .common import add_derive_options, derivation_from_args, is_spec, sees_nothing
 
 NAME = "plot"
 HELP = "plot a breakdown, memory vs batch size or sequence length, a per-layer profile, or a step's timeline"
@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
             _check_timeline_size(args, d)
         fig = plots.timeline(d, args.step, output=args.output)
     else:
-        if d.notes:  # a convention that sees nothing: its flat curve would answer nothing
-            raise SymmemError(d.notes[0])
+        if sees_nothing(d):  # a convention that sees nothing: its flat curve would answer nothing
+            raise SymmemError(sees_nothing(d))
         name = "B" if args.kind == "batch" else "S"
         if name not in {s.name for s in d.free}:
             if not any(s.name == name for s in d.numbers):

@@ -151,7 +151,8 @@ def _module_peak(loaded: Any, d: Any, dims: dict[str, Any]) -> Any:
         "foreach" if device.startswith("cuda") else "for-loop")
     with sources.user_code(f"{loaded.spec}: running real training steps"):
         trace = track_step(module, (*args, *kwargs.values()), loss=step_loss, optimizer=regime.optimizer, impl=impl,
-                           steps=2, keep_output=regime.keep_logits, micro_batches=regime.micro_batches)
+                           steps=2, keep_output=regime.keep_logits, micro_batches=regime.micro_batches,
+                           autocast=d.options.get("autocast"))
     return peak_comparison(d, trace)
 
 

@@ -66,7 +66,40 @@ def standard(expr: Any) -> Any:
 def to_declared(expr: Any, mapping: dict[Any, Any]) -> Any:
     """A ShapeEnv expression in the declared symbols (``mapping``: ShapeEnv symbol -> declared expression),
     written with plain sympy functions."""
-    return standard(sympy.sympify(expr)).xreplace(mapping)
+    return unit_roundings(standard(sympy.sympify(expr)).xreplace(mapping))
+
+
+def unit_roundings(expr: Any) -> Any:
+    """``floor(c/x)`` as -1 for -1 <= c < 0 and ``ceiling(c/x)`` as 1 for 0 < c <= 1, where ``x`` is a positive
+    integer (symmem's sizes are): ``ceil(B*S/S)`` becomes ``B + 1 + floor(-1/S)`` in sympy, which is ``B``.
+
+    >>> S = sympy.Symbol("S", integer=True, positive=True)
+    >>> unit_roundings(sympy.floor((3*S + S - 1) / S)), unit_roundings(sympy.ceiling(1 / S) + sympy.floor(-2 / S))
+    (3, floor(-2/S) + 1)
+    """
+    if not isinstance(expr, sympy.Basic) or not expr.has(sympy.floor, sympy.ceiling):
+        return expr
+
+    def atom(e: Any) -> Any:  # floor(c/x) -> -1, ceiling(c/x) -> 1, or None
+        if not isinstance(e, sympy.floor | sympy.ceiling):
+            return None
+        c, rest = e.args[0].as_coeff_Mul()
+        x = 1 / rest
+        if not (c.is_Rational and x.is_integer and x.is_positive):
+            return None
+        if isinstance(e, sympy.floor) and -1 <= c < 0:
+            return sympy.Integer(-1)
+        if isinstance(e, sympy.ceiling) and 0 < c <= 1:
+            return sympy.Integer(1)
+        return None
+
+    def unit(e: Any) -> Any:  # the rounding with its integer part taken out, where that leaves a unit one
+        split = e.func(sympy.expand(e.args[0]))  # floor((4*S - 1)/S) = 4 + floor(-1/S)
+        done = split.replace(lambda a: atom(a) is not None, atom)
+        return done if done != split else None
+
+    # only a rounding that sheds a unit one is rewritten: every other formula prints as before
+    return expr.replace(lambda e: isinstance(e, sympy.floor | sympy.ceiling) and unit(e) is not None, unit)
 
 
 def collect(env: Any, mapping: dict[Any, Any], tidy: Any = None) -> list[Guard]:

@@ -94,10 +94,25 @@ def _prepare(module: Any, inputs: Any, loss: str | Callable[[Any], Any], optimiz
     return inputs, target, takes_labels, compute_loss, make_optimizer(params, optimizer, impl, lr), params
 
 
+def _autocast(module: Any, autocast: str | None) -> Callable[[], Any]:
+    """A fresh ``torch.autocast`` context for each forward and loss (or none), on the parameters' device."""
+    import torch
+
+    if autocast is None:
+        return ExitStack
+    if autocast not in ("bfloat16", "float16"):
+        raise SymmemError(f"unknown autocast {autocast!r}; choose from bfloat16, float16")
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    dtype = getattr(torch, autocast)
+    return lambda: torch.autocast(device, dtype=dtype)
+
+
 def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, compute_loss: Callable[[Any], Any],
          opt: Any, params: list[Any], steps: int, set_to_none: bool, tracker: LiveTracker | None,
-         allocator: bool, keep_output: bool = False, micro_batches: int = 1) -> Any:
-    """The training loop, under ``tracker`` (if any) and the profiler (if ``allocator``); returns the profiler."""
+         allocator: bool, keep_output: bool = False, micro_batches: int = 1,
+         autocast: Callable[[], Any] = ExitStack) -> Any:
+    """The training loop, under ``tracker`` (if any) and the profiler (if ``allocator``); returns the profiler.
+    ``autocast`` makes the context forward and loss run under (``torch.autocast``, or nothing)."""
     import torch
 
     with ExitStack() as stack:
@@ -136,9 +151,9 @@ def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, 
             stack.enter_context(tracker)
         for step in range(1, steps + 1):
             for _ in range(micro_batches):  # gradient accumulation: the gradients add up over the passes
-                with phase(step, "forward"), saving():
+                with phase(step, "forward"), saving(), autocast():
                     out = module(*inputs, target) if takes_labels else module(*inputs)
-                with phase(step, "loss"), saving():
+                with phase(step, "loss"), saving(), autocast():
                     value = out if takes_labels else compute_loss(out)
                     if not keep_output:
                         out = None  # the loop does not hold the model's output: loss = f(model(x), y)
@@ -170,7 +185,7 @@ def _run(module: Any, inputs: tuple[Any, ...], target: Any, takes_labels: bool, 
 def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "sum", optimizer: str = "adamw",
                impl: str = "auto", steps: int = 2, zero_grad_set_to_none: bool = True, lr: float = 1e-3,
                target: Any = None, allocator: bool = False, keep_output: bool = False,
-               micro_batches: int = 1) -> StepTrace:
+               micro_batches: int = 1, autocast: str | None = None) -> StepTrace:
     """Run ``steps`` training steps of ``module`` on ``inputs`` (a tensor or a tuple) under a :class:`LiveTracker`.
 
     Each step is: ``forward`` (``out = module(*inputs)``), ``loss`` (``out.sum()``, cross-entropy against
@@ -187,7 +202,9 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     phase is empty).  Without ``target``, cross-entropy draws class indices (seeded) shaped like the output
     without its last dimension, from one ``no_grad`` forward before tracking.  The optimizer is built by
     :func:`make_optimizer`.  The module is put in training mode; its parameters are updated.  ``allocator=True``
-    also records the CPU allocator's events with the profiler into :attr:`StepTrace.allocator`.
+    also records the CPU allocator's events with the profiler into :attr:`StepTrace.allocator`.  ``autocast``
+    (``"bfloat16"`` or ``"float16"``) runs forward and loss under ``torch.autocast`` on the parameters' device, as a
+    mixed-precision loop does (``backward`` and ``step`` outside it, as PyTorch's recipe says).
 
     >>> torch = getattr(__import__("pytest"), "importorskip")("torch")
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
@@ -205,7 +222,7 @@ def track_step(module: Any, inputs: Any, *, loss: str | Callable[[Any], Any] = "
     tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
     tracker.name_parameters(module.named_parameters())
     prof = _run(module, inputs, target, takes_labels, compute_loss, opt, params, steps, zero_grad_set_to_none,
-                tracker, allocator, keep_output, micro_batches)
+                tracker, allocator, keep_output, micro_batches, _autocast(module, autocast))
     peaks = allocator_peaks(prof, tracker.start_bytes()) if prof is not None else None
     return tracker.trace(steps, peaks)
 

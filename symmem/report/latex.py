@@ -396,6 +396,10 @@ def escape(text: str) -> str:
     return "".join(_ESCAPES.get(ch, ch) for ch in text)
 
 
+#: The label of the total's row: what it is (the peak, which must fit, leads the block).
+KEPT = "kept after forward + parameters"
+
+
 def _label(text: str) -> str:
     return rf"\text{{{escape(text)}}}"
 
@@ -740,7 +744,9 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     rest = fold(sympy.Add(*(t.expr for t in d.terms if t.category != "parameter")))
     tex, expr = _factored(rounded(rest), values)
     total = sympy.Add(expr, param, evaluate=False) if param != 0 else expr
-    out.append(Equation(_label("total"), _sum_tex([tex, expression(param)]), total, d.total, "totals", "total"))
+    # "total" is what is kept at the end of the forward pass + the parameter side, named so: the peak leads
+    out.append(Equation(_label(KEPT), _sum_tex([tex, expression(param)]), total, d.total, "totals",
+                        "kept at the end of forward + the parameter side (the total; not the peak)"))
     if form == "terms":  # the totals after the terms, parameters with the terms
         out = [r for r in out if r.group != "totals"] + [r for r in out if r.group == "totals"]
     return out

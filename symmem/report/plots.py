@@ -70,9 +70,7 @@ def _label(d: Derivation, sep: str = "\n") -> str:
 
 def _regime(d: Derivation) -> str:
     """``FP32 + AdamW``, with what ran where the derivation says it: ``under bfloat16 autocast``, ``on cpu``."""
-    regime = names.regime(d.regime.precision, d.regime.optimizer)
-    if d.options.get("autocast"):
-        regime += f" under {d.options['autocast']} autocast"
+    regime = d.regime_label()
     if d.options.get("device") and d.options["device"] != "cuda":  # cuda: the default of every plot so far
         regime += f" on {d.options['device']}"
     return regime

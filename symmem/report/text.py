@@ -66,7 +66,7 @@ def peak(d: Derivation) -> dict[str, Any] | None:
 
 
 def to_dict(d: Derivation) -> dict[str, Any]:
-    """The stable JSON contract: see "JSON output" in the README."""
+    """The stable JSON contract: see "JSON output" in docs/reference.md."""
     import dataclasses
 
     from .latex import expression  # the text table needs no LaTeX printer
