@@ -1,4 +1,6 @@
-"""The fake runs' shape cache (symmem.record.shape_cache) changes nothing a trace or a recorded step gives.
+"""The fake runs' shape cache (symmem.record.shape_cache) changes nothing a trace or a recorded step gives; nor does
+PyTorch's fake-op cache in the optimizer step (symmem.importer.recording.CACHE_STEP), nor the file set that names a
+guard's source location without importing torch.export (symmem.importer.torch_files: equal to torch's own).
 
 Oracle: the same trace and step recorded with every op run through PyTorch's fake kernels (the cache off), whose
 results the importer and traced-peak tests check against real PyTorch.  The cache must also be used (hits), and
@@ -16,6 +18,7 @@ pytest.importorskip("transformers")
 import trace_helpers as th  # noqa: E402
 
 import symmem  # noqa: E402
+from symmem.importer import recording, torch_files  # noqa: E402
 from symmem.record import saved_tensors  # noqa: E402
 from symmem.record.shape_cache import ShapeCache  # noqa: E402
 
@@ -24,6 +27,7 @@ SEQ = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
 
 def _everything(cache: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
     monkeypatch.setattr(saved_tensors, "CACHE_SHAPES", cache)
+    monkeypatch.setattr(recording, "CACHE_STEP", cache)
     torch.manual_seed(0)
     module = th.gpt2("eager", 0.1)
     ids = torch.randint(0, th.VOCAB, (2, 8))
@@ -33,7 +37,7 @@ def _everything(cache: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, .
     return (d.expression("activations"), d.expression("total"), d.domain, step.peak({step.symbol: step.count}).expr,
             [(s.sid, s.nbytes, s.category, s.dtype, s.op, s.where, s.module, s.phase) for s in rec.storages],
             [(o.phase, o.op, o.where, o.born, o.freed) for o in rec.ops], [g.expr for g in rec.guards],
-            d.table())
+            d.table(), rec.as_timeline("steady"), rec.as_timeline("first"), [g.where for g in rec.guards])
 
 
 def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,3 +81,18 @@ def test_cache_refuses_aliases_and_larger_storages() -> None:
         assert again.shape == y.shape and again.stride() == y.stride() and again.dtype == y.dtype
         assert again.untyped_storage()._cdata != y.untyped_storage()._cdata
         assert cache.key(aten.mul.Tensor, (x, True), {}) != cache.key(aten.mul.Tensor, (x, 1), {})
+
+
+def test_guard_locations_skip_the_same_torch_files_as_torch() -> None:
+    """torch_files' set equals torch's own symbolic_shapes.uninteresting_files() (which imports torch.export): every
+    guard's source location is the one torch would name."""
+    from torch.fx.experimental import symbolic_shapes
+
+    torch_files.install()
+    current = symbolic_shapes.uninteresting_files
+    theirs = getattr(current, "torch", current)()
+    if torch.__version__.startswith(torch_files.VERSIONS):
+        assert torch_files.uninteresting_files() == theirs and len(theirs) > 20
+        assert current() == theirs
+    else:  # another torch: its own function stays
+        assert not getattr(current, "symmem", False)

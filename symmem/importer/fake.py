@@ -145,6 +145,9 @@ def make_world(examples: dict[str, int], symbolic: bool = True, multiple_of: dic
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+    from .torch_files import install
+
+    install()  # the first symbol would import torch.export (~400 modules) for file names only
     env = ShapeEnv(duck_shape=False, assume_static_by_default=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     # The dispatch cache pays off over many runs of the same graph; one trace with symbolic sizes mostly misses, and

@@ -52,6 +52,9 @@ from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
 from .inputs import Inputs
 
+#: the optimizer step's fake ops go through PyTorch's fake-op cache (False: every op computed, for comparisons)
+CACHE_STEP = True
+
 
 @dataclass(frozen=True)
 class LiveStorage:
@@ -331,6 +334,10 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                     h.remove()
                 rec.label([p.grad for p in trainable], "gradient")
                 del out, value, handles
+        # The optimizer step repeats one elementwise update per parameter: where parameters share a shape (a
+        # block's), PyTorch's fake-op cache answers the repeats (make_world turns it off for the forward, whose
+        # symbolic shapes mostly miss it); it remakes the same metadata, so the step's storages are the same.
+        world.mode.cache_enabled = CACHE_STEP
         for step in (1, 2):
             with rec.in_phase(step, "step"):
                 rec.param_names, rec.last_param = {}, ""

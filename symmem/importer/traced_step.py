@@ -15,6 +15,8 @@ layer 2 plus a whole number of layers, so an end layer exceeds them).  Each mome
 interpolated from 4 and 5 layers -- a count per byte size, ``n(L) = n₄ + (n₅ - n₄)(L - 4)`` -- and the
 interpolation must give the record at 6 layers exactly, else the peak is given at the module's own layer
 count only (and a note says so).  The formulas hold for ``L ≥ 4``; below, the step is recorded at that count.
+An op outside the blocks that runs once per layer in every record (a loop over the layers in the container's own
+code: transformers' ``DynamicCache`` makes one cache layer per decoder layer) is labelled by its run like a layer.
 
 :class:`StepPeak` is the :class:`~symmem.step.Step` a traced :class:`~symmem.derivation.Derivation` carries.
 """
@@ -68,14 +70,39 @@ def _node(o: StepOp, place: str) -> str:
     return f"{o.op} in {place or 'the module'}" if o.phase != "step" else f"{o.op} on {place or 'all parameters'}"
 
 
-def _keyed(record: StepRecord, step: Which) -> dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]]:
+def _bases(record: StepRecord, step: Which) -> Counter:
+    """How many times each op of ``step`` runs outside the repeated blocks, by (phase, place, op)."""
+    out: Counter = Counter()
+    for k, _, _ in record.as_timeline(step).counts(every=True):
+        o = record.ops[k]
+        place, index = _locate(o, record.layers)
+        if index is None:
+            out[(o.phase, place, o.op)] += 1
+    return out
+
+
+def _per_layer(records: list[StepRecord], step: Which) -> set[tuple[str, str, str]]:
+    """The ops outside the repeated blocks that run once per layer in every record: a loop over the layers in the
+    container's own code (transformers' ``DynamicCache`` makes one cache layer, and for a sliding window one tensor,
+    per decoder layer before the first runs).  Their runs are labelled like layers (:func:`_label`)."""
+    totals = [_bases(r, step) for r in records]
+    return {b for b in totals[0] if all(t[b] == r.count for t, r in zip(totals, records, strict=True))}
+
+
+def _keyed(record: StepRecord, step: Which, per_layer: set[tuple[str, str, str]] | frozenset[Any] = frozenset()
+           ) -> dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]]:
     """Every op of ``step`` outside the middle layers, by a key that names the same op at another layer count, with
-    its live storages (a Counter of (category index, bytes)) and whether it is a candidate."""
+    its live storages (a Counter of (category index, bytes)) and whether it is a candidate.  An op outside the blocks
+    that runs once per layer (``per_layer``) is labelled by its run like a layer; its middle runs are left out."""
     out: dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]] = {}
     seen: Counter = Counter()
+    runs: Counter = Counter()
     for k, live, candidate in record.as_timeline(step).counts(every=True):
         o = record.ops[k]
         place, index = _locate(o, record.layers)
+        if index is None and (o.phase, place, o.op) in per_layer:
+            index = runs[(o.phase, place, o.op)]
+            runs[(o.phase, place, o.op)] += 1
         label = _label(index, record.count)
         if label == "mid":
             continue
@@ -128,7 +155,8 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
     cands: dict[str, list[Candidate]] = {"steady": [], "first": []}
     names: dict[Any, tuple[str, str]] = {}
     for step in ("steady", "first"):
-        ka, kb, kc = _keyed(a, step), _keyed(b, step), _keyed(c, step)
+        per_layer = _per_layer([a, b, c], step)
+        ka, kb, kc = (_keyed(r, step, per_layer) for r in (a, b, c))
         if set(ka) != set(kb) or set(ka) != set(kc):
             odd = sorted(set(ka) ^ set(kb) | set(ka) ^ set(kc), key=str)[:3]
             raise FoldError(f"the {step} step's ops differ between {COUNTS} layers (e.g. {odd})")
