@@ -8,6 +8,7 @@ directory, so parallel test workers cannot collide on a port.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -60,8 +61,12 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     # the FSDP2 runs first: a Llama first step run after DDP's in the same process allocates 49,664 bytes more
     padded = _derive("mlp", {"B": 4, "N": 2}, {"widths": ",".join(map(str, FSDP_WIDTHS)), "loss": "cross-entropy"},
                      "fsdp")
-    *measured, fsdp = measure_jobs([*(job_of(d) for _, _, d in sharded + cases), job_of(padded)], world=2,
-                                   timeout=150)
+    # every FSDP2 job runs twice, before DDP's: a late free by gloo's worker threads (above) can land in a first
+    # step too, where no second steady step can stand in; it only ever adds, so the lower of the two runs counts
+    jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
+    runs = measure_jobs([*jobs, *jobs, *(job_of(d) for _, _, d in cases)], world=2, timeout=150)
+    *measured, fsdp = [_lowest(a, b) for a, b in zip(runs[:len(jobs)], runs[len(jobs):2 * len(jobs)], strict=True)]
+    measured += runs[2 * len(jobs):]
     _check_fsdp_shards(fsdp)
     # per rank where the padding makes them differ: each rank's first and steady peak, derived, to the byte
     per_rank = rank_peaks(padded)
@@ -86,6 +91,12 @@ def test_every_rank_peak_equals_a_real_gloo_run():
         wrong += [f"{name} {engine} rank {r.rank}: start {r.start} < {8 * psi}" for r in ranks if r.start < 8 * psi]
         wrong += [f"{name} {engine}: ranks start apart" for r in ranks if r.start != ranks[0].start]
     assert not wrong, "\n".join(wrong)
+
+
+def _lowest(one, other):
+    """Two runs of one job, rank by rank: each step's lower peak (a late free reads as more, never less)."""
+    return [dataclasses.replace(a, per_step=tuple(map(min, a.per_step, b.per_step)))
+            for a, b in zip(one, other, strict=True)]
 
 
 def _check_fsdp_shards(ranks):
