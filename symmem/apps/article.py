@@ -441,16 +441,18 @@ def _generic_section(spec: Spec, group: list[ModelRow], title: str, fits: dict[s
             out.append(f"With {escape(ATTENTION_LABELS.get(r.attention, str(r.attention)))}:")
         out.append("\n".join(ln for ln in align(r.d, lead=False).splitlines() if not ln.startswith("%")))
         d = r.d
-        sentence = (f"At {_sizes(spec, r)} that is {_gib(d.value('activations'))}\\,GiB of activations, "
-                    f"{_gib(d.value('parameter_memory'))}\\,GiB of parameter side and a total of "
-                    f"{_gib(d.value('total'))}\\,GiB.")
+        kept = (f"{_gib(d.value('activations'))}\\,GiB of activations kept at the end of forward and "
+                f"{_gib(d.value('parameter_memory'))}\\,GiB of parameter side, {_gib(d.value('total'))}\\,GiB "
+                "together")
         p = _peak(d)
-        if p is not None:
+        if p is None:
+            sentence = f"At {_sizes(spec, r)} that is {kept}."
+        else:  # the number that must fit leads; the kept memory is what it is made of at the end of forward
             live = ", ".join(f"{escape(c.replace('_', ' '))} {_gib(b)}" for c, b in p["live"].items()
                              if b >= 0.0005 * GiB)
-            sentence += (f" A steady training step peaks at {_gib(p['peak'])}\\,GiB, in {p['during_tex']}"
-                         f" (alive then, GiB: {live}); the first step, which creates the optimizer state, at "
-                         f"{_gib(p['first'])}\\,GiB.")
+            sentence = (f"At {_sizes(spec, r)} a steady training step peaks at {_gib(p['peak'])}\\,GiB, in "
+                        f"{p['during_tex']} (alive then, GiB: {live}); the first step, which creates the optimizer "
+                        f"state, at {_gib(p['first'])}\\,GiB. Beside it: {kept}.")
         out.append(sentence)
         if p is not None:
             formula = _peak_in_b(d, fits.get(r.label))
