@@ -373,6 +373,59 @@ def traced_from_args(args: argparse.Namespace, **derive_options: Any) -> tuple[A
     return loaded, dims, d
 
 
+def add_symbolic_options(p: Any) -> None:
+    """``--symbolic`` and ``--symbolic-peak``: config keys of an ``hf:`` model as symbols of the formula
+    (:func:`symbolic_from_args`; ``symmem trace``, and a SPEC given to ``derive``, ``fit`` and ``plot``)."""
+    p.add_argument("--symbolic", default=None, metavar="SYM=config_key,...",
+                   help="hf: make config keys symbols of the formula too, e.g. --symbolic H=hidden_size,"
+                        "F=intermediate_size,h=num_attention_heads,G=num_key_value_heads,V=vocab_size,"
+                        "L=num_hidden_layers (traced at small configurations, fitted exactly, checked at two "
+                        "more; --set H=5120 evaluates)")
+    p.add_argument("--symbolic-peak", action="store_true",
+                   help="with --symbolic: also the peak of the training step in every size (the step recorded at "
+                        "each fitted configuration, its layers written out 4 and 5 times: several times slower)")
+
+
+def symbolic_from_args(args: argparse.Namespace, **derive_options: Any) -> Any:
+    """The derivation of an ``hf:`` model with the ``--symbolic`` config keys as symbols; ``args.dims_symbols``
+    keeps the sizes declared on the inputs."""
+    import dataclasses
+
+    from ..api import trace
+    from ..importer import sources
+    from ..importer.hf_sizes import hf_sizes, parse_symbolic
+    from ..importer.symbolic_sizes import Plan
+
+    if not args.spec.startswith("hf:"):
+        raise SymmemError("--symbolic maps symbols to keys of a transformers config: it applies to hf:MODEL_TYPE; "
+                          "from Python, symmem.trace(build, dims=..., sizes={...}) takes any module built from sizes")
+    if args.multiple_of is not None:
+        raise SymmemError("--multiple-of does not go with --symbolic: trace the image sides without it")
+    hf_loss = args.loss if args.loss != "sum" else None
+    derive_options["loss"] = "output" if hf_loss is not None else args.loss
+    model = hf_sizes(args.spec, parse_symbolic(args.symbolic), sources.parse_config(args.config), hf_loss)
+    plan = Plan.of(model.sizes, model.divisible)
+    with sources.user_code(f"{args.spec}: building the module"):
+        first = model.load(plan.sizes_at(plan.base))
+    dims = sources.parse_dims(args.dims, first)
+    args.dims_symbols = tuple(dims)
+    meaning = ", ".join(f"{s} = {k}" for s, k in model.keys.items())
+    try:
+        with sources.user_code(f"{args.spec}: tracing the module"):
+            d = trace(model.build, dims=dims, sizes=model.sizes, divisible=model.divisible, method=args.method,
+                      device=args.device or "cpu", name=args.spec, values=values_from_args(args),
+                      free=free_from_args(args), **derive_options)
+    except SymmemError:
+        raise
+    except Exception as exc:
+        raise SymmemError(f"{args.spec} cannot be traced on fake tensors: {type(exc).__name__}: "
+                          f"{str(exc).strip()[:200]}") from None
+    inputs = ", ".join(f"{n} = {', '.join(f'{k}:{i}' for k, i in pairs)}" for n, pairs in dims.items())
+    said = (f"symbols: {meaning} (config keys of {args.spec}; the config's values: "
+            f"{', '.join(f'{s}={v}' for s, v in model.sizes.items())}); {inputs} (input dimensions)")
+    return dataclasses.replace(d, notes=(said, *d.notes))
+
+
 # -- a SPEC given where a built-in model's name goes (derive, fit, plot, verify) -------------------------------
 def is_spec(text: str | None) -> bool:
     """Whether ``text`` names a module to trace (a SPEC: it has a ``:`` or names a ``.py`` file) rather than a
@@ -386,7 +439,7 @@ def is_spec(text: str | None) -> bool:
 
 #: the options that say how a SPEC is traced: (argument name, what it is when not given)
 TRACE_ONLY = (("dims", None), ("config", []), ("example", []), ("method", "auto"), ("multiple_of", None),
-              ("no_check", False), ("lora", None))
+              ("no_check", False), ("lora", None), ("symbolic", None), ("symbolic_peak", False))
 
 
 def builtin_only(args: argparse.Namespace) -> None:
@@ -413,6 +466,12 @@ def traced_derivation(args: argparse.Namespace) -> Any:
         raise SymmemError(f"--{given[0].replace('_', '-')} is an option of the built-in models; a module's own "
                           "options are its code (hf: --config key=value)")
     args.spec = args.model
+    if getattr(args, "symbolic", None) is not None:  # config keys as symbols: traced as `symmem trace` does
+        args.limits = {}  # the fitted sizes' limits are in d's domain already
+        return symbolic_from_args(args, per_layer=getattr(args, "per_layer", False),
+                                  peak=getattr(args, "symbolic_peak", False), **regime_from_args(args))
+    if getattr(args, "symbolic_peak", False):
+        raise SymmemError("--symbolic-peak goes with --symbolic: without it the peak is traced at the sizes given")
     loaded, dims, d = traced_from_args(args, per_layer=getattr(args, "per_layer", False), **regime_from_args(args))
     args.limits = model_limits(loaded, dims, d)  # already in d's domain (symmem.trace adds them), said there
     args.dims_symbols = tuple(dims)  # the sizes declared on the inputs (fit says where each held size comes from)

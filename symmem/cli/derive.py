@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_derive_options, add_output_options, derivation_from_args, emit
+from .common import add_derive_options, add_output_options, add_symbolic_options, derivation_from_args, emit
 
 NAME = "derive"
 HELP = "derive a model's training-memory formula"
@@ -13,6 +13,7 @@ ORDER = 20
 
 def configure(p: argparse.ArgumentParser) -> None:
     add_derive_options(p)
+    add_symbolic_options(p)
     add_output_options(p)
 
 

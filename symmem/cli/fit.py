@@ -8,6 +8,7 @@ from ..errors import SymmemError
 from .common import (
     acceptor_from_args,
     add_derive_options,
+    add_symbolic_options,
     derivation_from_args,
     is_spec,
     parse_free,
@@ -22,6 +23,7 @@ ORDER = 40
 
 def configure(p: argparse.ArgumentParser) -> None:
     add_derive_options(p)
+    add_symbolic_options(p)
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="memory budget: 80GiB, 40GB, 512MiB, 1024 (bytes); without it, print the memory the "
                         "current value of --solve needs")

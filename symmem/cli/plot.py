@@ -7,7 +7,7 @@ import re
 
 from ..errors import SymmemError
 from ..units import MAX_SIZE
-from .common import add_derive_options, derivation_from_args, is_spec, sees_nothing
+from .common import add_derive_options, add_symbolic_options, derivation_from_args, is_spec, sees_nothing
 
 NAME = "plot"
 HELP = "plot a breakdown, memory vs batch size or sequence length, a per-layer profile, or a step's timeline"
@@ -21,6 +21,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", choices=["steady", "first"], default="steady",
                    help="timeline: the steady step, or the first (which creates the optimizer state)")
     add_derive_options(p)
+    add_symbolic_options(p)
     p.add_argument("--output", "-o", required=True, help="file to write: .png, .pdf or .svg")
     p.add_argument("--budget", default=None, metavar="SIZE", help="GPU budget line, e.g. 80GiB (batch/seq)")
     p.add_argument("--range", default=None, metavar="START:STOP[:STEP]", help="values to sweep (batch/seq)")
