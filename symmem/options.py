@@ -156,9 +156,10 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
         no_step = "one layer (per_layer)"
     elif not convention.models_step:
         no_step, out = f"the {convention.name} convention (an accounting with no step)", ", or use convention pytorch"
-    elif regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
-        # the step is one device's, op by op (passes/schedule.Simulation refuses a model split over devices)
-        no_step = "the pytorch convention under ZeRO, tensor or pipeline parallelism (it follows one device)"
+    elif regime.tensor_parallel or regime.pipeline_parallel:
+        # the step is one device's, op by op (passes/schedule.Simulation refuses a model split over devices;
+        # ZeRO alone is the papers' accounting of that step, shards divided by N)
+        no_step = "the pytorch convention under tensor or pipeline parallelism (it follows one device)"
     given = _step_option(regime)
     if (regime.pipeline_parallel and not (regime.zero or regime.tensor_parallel) and not per_layer
             and convention.models_step and given == f"micro_batches={regime.micro_batches!r}"):

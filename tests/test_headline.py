@@ -61,8 +61,8 @@ def _fitted():
 
 
 NO_PEAK = {
-    "zero 3": (lambda: symmem.derive("mlp", zero=3), ["derive", "mlp", "--zero", "3"],
-               "no peak: the peak follows one device's training step op by op; ZeRO"),
+    "tensor parallel": (lambda: symmem.derive("gpt2", tensor_parallel=True), ["derive", "gpt2", "--tensor-parallel"],
+                        "no peak: the peak follows one device's training step op by op; tensor and pipeline"),
     "paper": (lambda: symmem.derive("vit-b16", convention="paper"), ["derive", "vit-b16", "--convention", "paper"],
               "no peak for the paper convention (an accounting by role)"),
     "fitted": (_fitted, ["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--method", "fit"],

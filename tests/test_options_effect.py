@@ -187,17 +187,19 @@ def test_options_under_every_convention_answer_or_refuse_in_one_line(model, conv
 
 
 def test_step_options_where_the_step_is_refused_are_refused(capsys, monkeypatch):
-    """Under ZeRO, tensor or pipeline parallelism the step (one device's, op by op) is not modelled, in a built
-    graph or a traced module, and a traced module's step runs its own dtypes: the step's options change nothing
-    there (no peak at all), and are refused."""
+    """Under tensor or pipeline parallelism the step (one device's, op by op) is not modelled, in a built graph or
+    a traced module (ZeRO too), and a traced module's step runs its own dtypes: the step's options change nothing
+    there (no peak at all), and are refused. A built graph under ZeRO alone has its peak (the papers' accounting
+    of one device's step), which the step's options shape."""
     from symmem.report.text import step_peaks
 
-    assert step_peaks(derive("gpt2", zero=3)) == []  # honest: no peak under ZeRO to shape
-    for flags in (["--zero", "3"], ["--tensor-parallel"], ["--pipeline-parallel"]):
+    assert step_peaks(derive("gpt2", zero=3, values={"N": 8}))  # ZeRO's peak: tests/test_regimes.py
+    assert step_peaks(derive("gpt2", tensor_parallel=True)) == []  # honest: no peak under TP to shape
+    for flags in (["--tensor-parallel"], ["--pipeline-parallel"]):
         code, _, err = cli(capsys, "derive", "gpt2", *flags, "--keep-logits")
         assert code == 2 and err == (
             "symmem: error: keep_logits=True shapes the training step's peak, which the pytorch convention under "
-            "ZeRO, tensor or pipeline parallelism (it follows one device) does not model: leave it out\n")
+            "tensor or pipeline parallelism (it follows one device) does not model: leave it out\n")
     torch = pytest.importorskip("torch")
     from pathlib import Path
 

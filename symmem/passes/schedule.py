@@ -83,10 +83,10 @@ class Simulation:
 
     def __init__(self, graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                  branch: Branch | None, keep_logits: bool) -> None:
-        if regime.tensor_parallel or regime.pipeline_parallel or regime.zero:
+        if regime.tensor_parallel or regime.pipeline_parallel:
             stages = ("; each pipeline stage's peak as torch.distributed.pipelining runs it: symmem stages"
                       if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero) else "")
-            raise SymmemError("the peak follows one device's training step op by op; ZeRO and tensor and pipeline "
+            raise SymmemError("the peak follows one device's training step op by op; tensor and pipeline "
                               f"parallelism are not modelled there (the kept memory and total are){stages}")
         if regime.checkpoint == "selective":
             raise SymmemError("the peak with selective recomputation is not modelled (the kept memory and total "
@@ -145,7 +145,10 @@ class Simulation:
         regime, graph = self.regime, self.graph
         parts = regime.precision_spec.parts
         weights_bytes = sum(c.bytes for c in parts if c.kind != "gradients")
-        self.grad_bytes = sum(c.bytes for c in parts if c.kind == "gradients")
+        # --zero K is the papers' (and DeepSpeed's estimators') accounting: each component its stage shards is
+        # divided by N, nothing else added (no all-gather buffers: --data-parallel fsdp models the engines')
+        self.grad_bytes = sum(c.bytes / self.zero_shards(c.name) for c in parts if c.kind == "gradients")
+        zero_weights = sum(c.bytes / self.zero_shards(c.name) for c in parts if c.kind != "gradients")
         self.impl = optimizer_impl(regime, device)
         # Adam's step counts are CPU tensors unless the fused implementation runs: host memory beside a CUDA step
         step_on_host = device == "cuda" and self.impl != "fused"
@@ -174,11 +177,12 @@ class Simulation:
         self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
         for name, _ in params:
             each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
-            self.start.append(self.new(f"{name}.weights", "parameter", each * weights_bytes))
+            self.start.append(self.new(f"{name}.weights", "parameter", each * zero_weights))
         self.state_ids: dict[str, list[int]] = {}
         for name, _ in params:
-            ids = [self.new(f"{name}.{s}", "optimizer_state", e)
+            ids = [self.new(f"{name}.{s}", "optimizer_state", e / self.zero_shards(s))
                    for s, e in regime.optimizer_spec.state_bytes(held[name])]
+            # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
             if regime.optimizer in ("adam", "adamw") and ids:
                 ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # fp32
             self.state_ids[name] = ids
@@ -187,6 +191,10 @@ class Simulation:
         for name, nbytes in data_parallel.buckets(regime, params, self.numel, self.grad_bytes):
             self.start.append(self.new(name, "gradient", nbytes))
         self.grads_in_buckets = data_parallel.grads_in_buckets(regime)
+
+    def zero_shards(self, component: str) -> sympy.Expr:
+        """N where the regime's ZeRO stage shards ``component`` (training.ZERO_STAGE_OF_CLASS), else 1."""
+        return N if self.regime.zero and self.regime.shard(component) else sympy.Integer(1)
 
     def _sharding(self, weights_bytes: int) -> data_parallel.Fsdp | None:
         """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""

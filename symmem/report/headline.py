@@ -2,7 +2,7 @@
 there is none; and the names the views give the totals (the JSON keeps the quantities' names).
 
 >>> from symmem import derive
->>> name_of("total"), peak_state(derive("mlp", zero=3))[1][:60]
+>>> name_of("total"), peak_state(derive("gpt2", tensor_parallel=True))[1][:60]
 ('kept after forward + parameters', "no peak: the peak follows one device's training step op by o")
 """
 
@@ -33,11 +33,11 @@ def name_of(key: str, short: bool = False) -> str:
 
 def peak_state(d: Derivation) -> tuple[list[tuple[str, int, Any]], str | None]:
     """:func:`step_peaks` and None, or nothing and the one line every view prints where there is no peak
-    (``no peak: ...``: a convention that counts by role, ZeRO, a fitted trace, a loss that cannot be run ...).
+    (``no peak: ...``: a convention counting by role, tensor parallel, a fitted trace, a loss that cannot be run ...).
 
     >>> from symmem import derive
-    >>> peak_state(derive("mlp", zero=3))[1]  # doctest: +ELLIPSIS
-    "no peak: the peak follows one device's training step op by op; ZeRO and tensor and pipeline parallelism ..."
+    >>> peak_state(derive("gpt2", tensor_parallel=True))[1]  # doctest: +ELLIPSIS
+    "no peak: the peak follows one device's training step op by op; tensor and pipeline parallelism are not ..."
     """
     try:
         return [(key, d.value(key), d.peak_at(step)) for key, step in (("peak", "steady"),
