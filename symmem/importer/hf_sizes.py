@@ -15,7 +15,6 @@ symmem.errors.SymmemError: --symbolic 'H=a b': expected SYMBOL=config_key,... e.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -98,11 +97,10 @@ def hf_sizes(spec: str, keys: Mapping[str, str], config: Mapping[str, Any], loss
     canonical = {}
     for s, key in keys.items():
         if not hasattr(default, key):
-            names = sorted(k for k in default.to_dict() if not k.startswith("_"))
-            close = difflib.get_close_matches(key, names, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(names[:20])} …"
+            from .sources import key_hint
+
             raise SymmemError(f"--symbolic {s}={key}: the {model_type} config ({type(default).__name__}) has no key "
-                              f"{key!r}; {hint}")
+                              f"{key!r}; {key_hint(default, key)}")
         value = getattr(default, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SymmemError(f"--symbolic {s}={key}: {key} is {value!r} in the {model_type} config, not a size (a "

@@ -535,11 +535,8 @@ def _hf_config(transformers: Any, found: Any, overrides: dict[str, Any]) -> Any:
                               f"{type(exc).__name__}: {_first_line(exc)}") from None
         for key in overrides:
             if not hasattr(default, key):
-                keys = sorted(k for k in default.to_dict() if not k.startswith("_"))
-                close = difflib.get_close_matches(key, keys, n=3)
-                hint = f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(keys[:20])} …"
                 raise SymmemError(f"--config {key}: the {model_type} config ({cls.__name__}) has no key "
-                                  f"{key!r}; {hint}")
+                                  f"{key!r}; {key_hint(default, key)}")
         if not overrides:
             return default
         try:  # given to the class, as the file's keys are: values derived from them (head_dim) follow
@@ -680,6 +677,13 @@ def user_code(what: str) -> Iterator[None]:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def key_hint(config: Any, key: str) -> str:
+    """What to say of a ``key`` a transformers ``config`` does not have: the close names, else its first keys."""
+    keys = sorted(k for k in config.to_dict() if not k.startswith("_"))
+    close = difflib.get_close_matches(key, keys, n=3)
+    return f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(keys[:20])} …"
 
 
 def _first_line(exc: BaseException) -> str:
