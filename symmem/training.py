@@ -161,6 +161,7 @@ CHECKPOINTS = ("none", "full", "selective", "every-K")
 DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
 #: The engines whose per-rank step is modelled and checked against real ``torch.distributed`` runs.
 DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view", "fsdp", "fsdp-no-reshard")
+DATA_PARALLEL_MODELLED += ("zero-redundancy",)  # DDP + ZeroRedundancyOptimizer (passes/zero_redundancy.py)
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")

@@ -34,7 +34,7 @@ import sympy
 from ..training import Regime
 
 #: The engines whose reducer keeps gradient buckets.
-_BUCKETED = ("ddp", "ddp-bucket-view")
+_BUCKETED = ("ddp", "ddp-bucket-view", "zero-redundancy")
 
 
 def buckets(regime: Regime, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]], numel: Mapping[str, sympy.Expr],
@@ -295,7 +295,11 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     import dataclasses
 
     from ..symbols import N
+    from .zero_redundancy import engaged
+    from .zero_redundancy import rank_peaks as zero_rank_peaks
 
+    if engaged(derivation.regime):  # ZeroRedundancyOptimizer: every rank (passes/zero_redundancy.py)
+        return zero_rank_peaks(derivation)
     step = getattr(derivation, "step", None)
     world = derivation.numbers.get(N)
     if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:

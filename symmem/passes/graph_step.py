@@ -31,6 +31,7 @@ from ..peak import Candidate, Peak, summarize
 from ..timeline import Row, Timeline, Which, checked
 from ..training import Regime, checkpoint_every
 from . import branches as size_branches
+from . import zero_redundancy
 from .schedule import simulate
 from .storage import Branch
 from .unroll import iteration, template, unroll
@@ -72,6 +73,8 @@ class GraphStep:
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
         """The peak as formulas; ``at``: numbers for the layer counts, where they lie outside the symbolic
         formula's domain."""
+        if zero_redundancy.every_rank(self):  # ZeRO-1: the largest rank's, each rank's step its own
+            return zero_redundancy.ranks_peak(self, at)
         assignments, conditions = self._selected(at)
         key = (None if at is None else tuple(sorted((s.name, v) for s, v in at.items())), conditions)
         if key not in self._cache:
@@ -126,7 +129,8 @@ class GraphStep:
         chosen = next((b for b in assignments if b is None or all(
             bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), assignments[0])
         g = unroll(self.graph, counts) if self.graph.blocks else self.graph
-        steady, first = simulate(g, self.conv, self.options, self.regime, chosen, keep_logits=self.regime.keep_logits)
+        options = zero_redundancy.written_options(self, full)
+        steady, first = simulate(g, self.conv, options, self.regime, chosen, keep_logits=self.regime.keep_logits)
         values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
         self._written = (key, (steady, first), {**values, **full})
         return (first if which == "first" else steady), self._written[2]
@@ -206,9 +210,10 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
     symbolic: dict[str, sympy.Symbol] = {}
     fixed = {}
     many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
+    whole = zero_redundancy.engaged(regime)  # ZeRO-1 partitions every layer's parameters: written out whole
     for name, b in blocks.items():
         count = b.count.xreplace(dict(subs))
-        if count.is_number and int(count) > base + period and (int(count) - base) % period == 0:
+        if count.is_number and not whole and int(count) > base + period and (int(count) - base) % period == 0:
             symbolic[name] = sympy.Dummy(f"n_{name}", positive=True, integer=True)
             many[symbolic[name]] = int(count)
         elif count.is_number:

@@ -42,7 +42,7 @@ from ..symbols import N
 from ..tensor import TensorSpec, dtype_bytes
 from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
-from . import data_parallel
+from . import data_parallel, zero_redundancy
 from .saved import kept
 from .storage import Branch, is_view
 
@@ -175,13 +175,17 @@ class Simulation:
         held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
                 for name, shape in params}
         self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
+        # ZeroRedundancyOptimizer: this rank's local optimizer holds and steps the whole parameters it owns
+        self.owned = zero_redundancy.owned(regime, self._listed(), self.rule_options)
+        stepped = None if self.owned is None else {name for name, _ in self.owned}
         for name, _ in params:
             each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
             self.start.append(self.new(f"{name}.weights", "parameter", each * zero_weights))
         self.state_ids: dict[str, list[int]] = {}
         for name, _ in params:
             ids = [self.new(f"{name}.{s}", "optimizer_state", e / self.zero_shards(s))
-                   for s, e in regime.optimizer_spec.state_bytes(held[name])]
+                   for s, e in regime.optimizer_spec.state_bytes(held[name])] if stepped is None or name in stepped \
+                else []
             # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
             if regime.optimizer in ("adam", "adamw") and ids:
                 ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # fp32
@@ -539,7 +543,8 @@ class Simulation:
     def optimizer_step(self, first: bool) -> None:
         """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
         pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
-        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, self._listed(),
+        stepped = self._listed() if self.owned is None else self.owned
+        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, stepped,
                                                                  self.step_numel, self.state_ids, first):
             temps = [self.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
             pending += temps

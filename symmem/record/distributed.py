@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 #: The engines :func:`measure_ranks` runs, with the wrapper each builds.
 #: FSDP2 (``fully_shard`` on every repeated block and the root; ``reshard_after_forward`` True or False).
 SHARDED = ("fsdp", "fsdp-no-reshard")
-ENGINES = ("ddp", "ddp-bucket-view", *SHARDED)
+#: ``DistributedDataParallel(model)`` with ``ZeroRedundancyOptimizer(params, optimizer_class=...)`` (ZeRO-1)
+ZERO = "zero-redundancy"
+ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED)
 
 
 @dataclass(frozen=True)
@@ -181,12 +183,28 @@ def _run_job(job: Job, rank: int) -> RankPeak:
             before.append({s.sid for s in self.storages if "external" in s.labels})
             return super().trace(*args, **kwargs)
 
-    # track_step builds its own recorder: this worker process swaps in the one that notes pre-existing memory
-    with mock.patch.object(steps_module, "LiveTracker", Tracker):
+    # track_step builds its own recorder (and optimizer): this worker process swaps in the one that notes
+    # pre-existing memory (and ZeroRedundancyOptimizer around the optimizer make_optimizer picks)
+    with mock.patch.object(steps_module, "LiveTracker", Tracker), \
+            mock.patch.object(steps_module, "make_optimizer", zero_optimizer if job.engine == ZERO
+                              else steps_module.make_optimizer):
         trace = steps_module.track_step(wrapped, inputs, loss="cross-entropy" if job.loss else "sum",
                                         target=target, optimizer=job.optimizer, impl=job.impl, steps=job.steps,
                                         keep_output=job.keep_logits)
     return _peaks(trace, before[0], rank)
+
+
+def zero_optimizer(params: Sequence[Any], optimizer: str, impl: str, lr: float) -> Any:
+    """``ZeroRedundancyOptimizer(params, optimizer_class=...)`` around the optimizer :func:`make_optimizer` picks,
+    with its settings (each rank's local optimizer steps the whole parameters it owns)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from .optim import make_optimizer
+
+    ref = make_optimizer(params, optimizer, impl, lr)  # the class and settings, no state yet
+    keys = ("lr", "momentum", "weight_decay", "foreach", "fused")
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(ref),
+                                   **{k: ref.defaults[k] for k in keys if ref.defaults.get(k) is not None})
 
 
 def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], target: Any) -> RankPeak:

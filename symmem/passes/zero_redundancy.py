@@ -1,0 +1,242 @@
+"""``--data-parallel zero-redundancy``: ``DistributedDataParallel(model)`` with
+``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)`` (ZeRO-1 as PyTorch runs it), one
+rank's step as the schedule (:mod:`.schedule`) walks it.
+
+What the engine does (torch 2.13, ``zero_redundancy_optimizer.py``; measured per rank on gloo runs,
+``tests/test_zero_redundancy.py``, docs/regimes.md):
+
+* ``_partition_parameters`` assigns **whole parameters** to ranks: ``model.parameters()`` sorted by ``numel``,
+  largest first (a stable sort: equal sizes keep their order), each to the rank with the fewest elements so far
+  (the lowest such rank on a tie).  So the optimizer state is not ``1/N`` of the whole: the rank that owns the
+  largest tensor holds most (the MLP at ``N = 4``: 8.4 MB / 6.4 MB / 82 kB / 16 kB of AdamW state);
+* each rank's local optimizer (``optimizer_class`` over its own parameters, in that sorted order) creates state
+  for those only and steps only them (the for-loop AdamW's ``sqrt``/``denom`` temporaries follow that order);
+* after the step every parameter is broadcast from its owner into ``param.data`` in place (gloo allocates
+  nothing the recorder sees for it); ``zero_grad`` frees every gradient;
+* DDP is unchanged: gradient buckets of 4 bytes per parameter for the whole step (:mod:`.data_parallel`), every
+  rank computes every gradient;
+* a rank that owns nothing (more ranks than parameters) runs an empty local optimizer: it works (measured).
+
+The partition needs numbers while the formulas may keep symbols: the parameters' sizes (and how many there are:
+the layer counts) and ``N`` are taken at the derivation's numbers, every rank's step is walked with the blocks
+written out, and the peak is the ``Max`` over every rank's moments -- a formula in the sizes the parameters do not
+depend on (``B``, ``S``), its domain those numbers (``N = 4``, ``H = 768``, ...: other numbers partition again).
+
+>>> partition([6, 10, 6, 1], 2)        # sizes in model.parameters() order -> indices per rank
+[[1, 3], [0, 2]]
+>>> from symmem import derive
+>>> d = derive("mlp", convention="pytorch", device="cpu", values={"B": 4, "N": 4}, data_parallel="zero-redundancy")
+>>> {r: s for r, (f, s) in rank_peaks(d).items()}
+{0: 39154076, 1: 35221916, 2: 22540700, 3: 22409724}
+>>> d.value("peak"), d.peak_at().rank, d.peak_at().where()
+(39154076, 0, 'rank 0 of 4: step fc2.weight, steady step')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..peak import Moment, Peak
+from ..shapes import numel as shape_numel
+from ..symbols import N
+from ..training import Regime
+
+#: The option naming the rank whose step is walked: :data:`symmem.passes.data_parallel.RANK_OPTION`'s key (not
+#: imported: that module hands ZeRO-1's per-rank peaks to this one)
+RANK_OPTION = "_data_parallel_rank"
+
+#: The engine's name (:data:`symmem.training.DATA_PARALLEL`).
+ENGINE = "zero-redundancy"
+#: The option (inside the step's options, not a user's) holding the numbers the partition is computed at.
+NUMBERS_OPTION = "_zero_redundancy_numbers"
+
+
+def partition(sizes: Sequence[int], world: int) -> list[list[int]]:
+    """``ZeroRedundancyOptimizer._partition_parameters``: the indices of ``sizes`` (element counts, in
+    ``model.parameters()`` order) each rank owns, in the order its local optimizer lists them.
+
+    >>> partition([802816, 1024, 1048576, 1024, 10240, 10], 4)   # the MLP's (fc1.weight, fc1.bias, ...)
+    [[2], [0], [4], [1, 3, 5]]
+    """
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    held = [0] * world
+    for i in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        rank = held.index(min(held))
+        ranks[rank].append(i)
+        held[rank] += sizes[i]
+    return ranks
+
+
+def listed(graph: Any) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
+    """The parameters of a (written out) graph as ``model.parameters()`` lists them, as the schedule names them:
+    free-standing ones first, then the layers' in the order they run."""
+    order = list(graph.program_order())
+    free, layers = [], []
+    for n in order:
+        node = graph.node(n)
+        if node.kind == "parameter":
+            free.append((n, node.params["value"]))
+        else:
+            layers += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
+    return free + layers
+
+
+def engaged(regime: Regime) -> bool:
+    return getattr(regime, "data_parallel", None) == ENGINE
+
+
+def owned(regime: Regime, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]],
+          options: Mapping[str, Any]) -> list[tuple[str, tuple[sympy.Expr, ...]]] | None:
+    """The parameters this rank's local optimizer steps, in its order (None: not this engine): ``params`` in
+    ``model.parameters()`` order, partitioned at the numbers in the step's options."""
+    if not engaged(regime):
+        return None
+    env = options.get(NUMBERS_OPTION)
+    if env is None:
+        raise SymmemError("ZeroRedundancyOptimizer's partition needs the sizes as numbers")
+    sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
+    rank = int(options.get(RANK_OPTION, 0))
+    return [params[i] for i in partition(sizes, int(env[N]))[rank]]
+
+
+def every_rank(step: Any) -> bool:
+    """Whether ``step`` (a :class:`~symmem.passes.graph_step.GraphStep`) is ZeRO-1's with no rank chosen: its
+    peak is the largest rank's (:func:`ranks_peak`)."""
+    return engaged(step.regime) and RANK_OPTION not in step.options
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMoment(Moment):
+    """A moment of one rank's step (the lowest of the ranks whose steps are alike)."""
+
+    rank: int = 0
+    ranks: int = 1
+
+    def where(self, step: bool = True) -> str:
+        return f"rank {self.rank} of {self.ranks}: " + Moment.where(self, step)
+
+
+class RanksPeak(Peak):
+    """The peak over every rank (the ``Max`` of their moments), with each rank's own :class:`Peak`."""
+
+    per_rank: dict[int, Peak]
+
+
+def _fixed(step: Any, numbers: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
+    """The numbers the partition depends on: ``N``, the layer counts and the parameters' sizes."""
+    subs = dict(step.subs)
+    needed: set[sympy.Symbol] = {N}
+    for b in step.graph.blocks.values():
+        needed |= sympy.sympify(b.count).xreplace(subs).free_symbols
+    for n in step.graph.program_order():
+        for shape in step.graph.node(n).params.values():
+            for x in shape:
+                needed |= sympy.sympify(x).xreplace(subs).free_symbols
+    missing = sorted(s.name for s in needed if s not in numbers)
+    if missing:
+        raise SymmemError(f"ZeroRedundancyOptimizer partitions whole parameters by their sizes: give "
+                          f"{', '.join(missing)} a number (--set {missing[0]}=...)")
+    world = numbers[N]
+    if isinstance(world, bool) or int(world) != world or int(world) < 1:
+        raise SymmemError(f"the world size N is a positive integer, got {world!r}")
+    return {s: int(numbers[s]) for s in sorted(needed, key=lambda s: s.name)}
+
+
+def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
+    """The largest rank's peak: every rank's step walked at the numbers the partition needs (ranks that own
+    parameters of the same sizes in the same order step alike: walked once), their moments tagged with the rank,
+    a moment another rank's same moment provably exceeds dropped."""
+    key = ("ranks", None if at is None else tuple(sorted((s.name, int(v)) for s, v in at.items())))
+    if key in step._cache:
+        return step._cache[key]
+    from .unroll import unroll
+
+    fixed = _fixed(step, {**step.numbers, **(at or {})})
+    env = _env(step, fixed)
+    world = fixed[N]
+    counts = {name: int(sympy.sympify(b.count).xreplace(env)) for name, b in step.graph.blocks.items()}
+    params = listed(unroll(step.graph, counts) if step.graph.blocks else step.graph)
+    sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, idx in enumerate(partition(sizes, world)):
+        groups.setdefault(tuple(sizes[i] for i in idx), []).append(rank)
+    at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
+    per_rank: dict[int, Peak] = {}
+    moments: list[RankMoment] = []
+    for ranks in groups.values():
+        one = dataclasses.replace(step, options={**step.options, NUMBERS_OPTION: env, RANK_OPTION: ranks[0]},
+                                  _cache={}, _written=None)
+        found = one.peak(at_all)
+        per_rank.update({r: found for r in ranks})
+        moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
+                               rank=ranks[0], ranks=world) for m in found.moments]
+    domain = tuple(sympy.Eq(s, v) for s, v in fixed.items())
+    out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
+    out.per_rank = dict(sorted(per_rank.items()))
+    if len(step._cache) > 16:
+        step._cache.clear()
+    step._cache[key] = out
+    return out
+
+
+def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
+    """Each moment unless another rank's same moment (phase, op, layer, step, branch) is larger by a number
+    (ranks differ in their optimizer state, numbers at these sizes; their forward and backward are the same)."""
+    by: dict[tuple[Any, ...], list[RankMoment]] = {}
+    for m in moments:
+        by.setdefault((m.phase, m.node, m.layer, m.step, m.branch), []).append(m)
+    out = []
+    for same in by.values():
+        kept: list[RankMoment] = []
+        for m in same:
+            if any(_exceeds(k, m) for k in kept):
+                continue
+            kept = [k for k in kept if not _exceeds(m, k)] + [m]
+        out += kept
+    return out
+
+
+def _exceeds(a: Moment, b: Moment) -> bool:
+    d = sympy.expand(a.total - b.total)
+    return bool(d.is_number and d >= 0)
+
+
+def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
+    """Under ZeRO-1: ``{rank: (first-step peak, steady peak)}`` of every rank at the derivation's numbers; None
+    under another engine."""
+    if not engaged(derivation.regime) or getattr(derivation, "step", None) is None:
+        return None
+    found = derivation._peak(exact=True)
+    per_rank = getattr(found, "per_rank", None)
+    if per_rank is None:
+        return None
+    numbers = derivation.numbers
+    return {r: (_value(p, numbers, "first"), _value(p, numbers, "steady")) for r, p in per_rank.items()}
+
+
+def _value(peak: Peak, numbers: Mapping[sympy.Symbol, int], step: str) -> int:
+    v = peak.value(numbers, step)
+    if v is None:
+        v = sympy.ceiling(peak.formula(step).xreplace({s: sympy.Integer(x) for s, x in numbers.items()}))
+    return int(v)
+
+
+def written_options(step: Any, at: Mapping[sympy.Symbol, int]) -> Mapping[str, Any]:
+    """The options a step written out at ``at`` runs with: under ZeRO-1 with no rank chosen, the partition's
+    numbers and the rank whose steady step peaks highest there (its first step is that rank's too)."""
+    if not every_rank(step):
+        return step.options
+    fixed = _fixed(step, {**step.numbers, **at})
+    rank = ranks_peak(step, {s: v for s, v in at.items() if s in fixed}).at(at, "steady").rank
+    return {**step.options, NUMBERS_OPTION: _env(step, fixed), RANK_OPTION: rank}
+
+
+def _env(step: Any, fixed: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, sympy.Expr]:
+    """Every graph symbol the parameters' sizes use, at ``fixed`` (the kept symbols' numbers)."""
+    nums = {s: sympy.Integer(v) for s, v in fixed.items()}
+    return {**{s: sympy.sympify(e).xreplace(nums) for s, e in step.subs.items()}, **nums}
