@@ -300,6 +300,8 @@ class Regime:
         every component)."""
         if getattr(self, "data_parallel", None) in ("fsdp", "fsdp-no-reshard"):
             return True
+        if getattr(self, "data_parallel", None) == "zero-redundancy":  # ZeRO-1: the optimizer side, as the papers
+            return self.kind_of(component) == "optimizer"                # count it (the peak: whole parameters)
         return self.zero >= ZERO_STAGE_OF_CLASS[self.kind_of(component)]
 
     @property

@@ -330,7 +330,7 @@ def _parameter_parts(regime: Regime, count: sympy.Expr, in_block: bool, per_laye
     n = numel(shape)
     parts = [(name, n * b) for name, b in regime.precision_spec.components]
     parts += regime.optimizer_spec.state_bytes(shape)
-    if regime.data_parallel == "ddp":
+    if regime.data_parallel in ("ddp", "zero-redundancy"):
         # DistributedDataParallel's gradient buckets beside the gradients (passes/data_parallel.py)
         parts.append(("ddp_buckets", n * sum(b for name, b in regime.precision_spec.components
                                              if regime.kind_of(name) == "gradients")))

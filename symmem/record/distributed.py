@@ -59,6 +59,9 @@ class Job:
     loss: bool
     keep_logits: bool
     steps: int
+    #: ranks per process group (0: the whole world): a world of 4 runs a 2-rank job twice at once, on ranks
+    #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group)
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,8 @@ def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
     try:
-        out = [_run_job(job, rank).__dict__ for job in jobs]
+        groups: dict[int, Any] = {}
+        out = [_run_job(job, rank, _group(job.group, world, rank, groups)).__dict__ for job in jobs]
     finally:
         dist.destroy_process_group()
     with open(os.path.join(tmp, f"rank{rank}.json.part"), "w") as f:
@@ -161,10 +165,27 @@ def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float
     os.replace(os.path.join(tmp, f"rank{rank}.json.part"), os.path.join(tmp, f"rank{rank}.json"))
 
 
-def _run_job(job: Job, rank: int) -> RankPeak:
-    """Wrap the reference in the engine and record ``job.steps`` steps."""
+def _group(size: int, world: int, rank: int, made: dict[int, Any]) -> Any:
+    """This rank's process group of ``size`` consecutive ranks (None: the whole world); every rank makes every
+    group, in the same order, once per size."""
+    if not size or size == world:
+        return None
+    if size < 1 or world % size:
+        raise SymmemError(f"a group of {size} ranks does not divide a world of {world}")
+    if size not in made:
+        import torch.distributed as dist
+
+        mine = [dist.new_group(list(range(i, i + size))) for i in range(0, world, size)]
+        made[size] = mine[rank // size]
+    return made[size]
+
+
+def _run_job(job: Job, rank: int, group: Any = None) -> RankPeak:
+    """Wrap the reference in the engine and record ``job.steps`` steps (in ``group``: None, the world)."""
+    import functools
     from unittest import mock
 
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from . import steps as steps_module
@@ -172,8 +193,12 @@ def _run_job(job: Job, rank: int) -> RankPeak:
 
     module, inputs, target = _reference(job)
     if job.engine in SHARDED:
+        if group is not None:
+            raise SymmemError("FSDP2's runs take the whole world, not a group of it")
         return _run_sharded(job, rank, module, inputs, target)
-    wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view")
+    wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view",
+                                      process_group=group)
+    rank = dist.get_rank(group)
     before: list[set[int]] = []
 
     class Tracker(LiveTracker):
@@ -186,7 +211,8 @@ def _run_job(job: Job, rank: int) -> RankPeak:
     # track_step builds its own recorder (and optimizer): this worker process swaps in the one that notes
     # pre-existing memory (and ZeroRedundancyOptimizer around the optimizer make_optimizer picks)
     with mock.patch.object(steps_module, "LiveTracker", Tracker), \
-            mock.patch.object(steps_module, "make_optimizer", zero_optimizer if job.engine == ZERO
+            mock.patch.object(steps_module, "make_optimizer", functools.partial(zero_optimizer, group=group)
+                              if job.engine == ZERO
                               else steps_module.make_optimizer):
         trace = steps_module.track_step(wrapped, inputs, loss="cross-entropy" if job.loss else "sum",
                                         target=target, optimizer=job.optimizer, impl=job.impl, steps=job.steps,
@@ -194,7 +220,7 @@ def _run_job(job: Job, rank: int) -> RankPeak:
     return _peaks(trace, before[0], rank)
 
 
-def zero_optimizer(params: Sequence[Any], optimizer: str, impl: str, lr: float) -> Any:
+def zero_optimizer(params: Sequence[Any], optimizer: str, impl: str, lr: float, group: Any = None) -> Any:
     """``ZeroRedundancyOptimizer(params, optimizer_class=...)`` around the optimizer :func:`make_optimizer` picks,
     with its settings (each rank's local optimizer steps the whole parameters it owns)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -203,7 +229,7 @@ def zero_optimizer(params: Sequence[Any], optimizer: str, impl: str, lr: float) 
 
     ref = make_optimizer(params, optimizer, impl, lr)  # the class and settings, no state yet
     keys = ("lr", "momentum", "weight_decay", "foreach", "fused")
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(ref),
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(ref), process_group=group,
                                    **{k: ref.defaults[k] for k in keys if ref.defaults.get(k) is not None})
 
 

@@ -16,6 +16,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import rank_peaks
+from ..passes.zero_redundancy import state_per_rank
 from ..simplify import factored, rounded
 from ..units import UNITS
 from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
@@ -61,7 +62,10 @@ def peak(d: Derivation) -> dict[str, Any] | None:
     ranks = rank_peaks(d)
     if ranks:  # FSDP's ranks differ (padding): the peak is rank 0's, the largest (passes/data_parallel.py)
         out["values"]["peak_per_rank"] = {str(r): {"peak": s, "peak_first_step": f} for r, (f, s) in ranks.items()}
-        out["peak_at"]["rank"] = 0
+        out["peak_at"]["rank"] = getattr(at, "rank", 0)  # ZeRO-1's moments say which rank (passes/zero_redundancy)
+        state = state_per_rank(d)
+        if state:
+            out["values"]["optimizer_state_per_rank"] = {str(r): v for r, v in enumerate(state)}
     return out
 
 
@@ -334,7 +338,7 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
     if ranks:  # FSDP's ranks differ (padding): the lines above are rank 0's, the largest
         lines += textwrap.wrap("peak per rank (first step / steady): " + "; ".join(
             f"rank {r}: {f:,} / {v:,} B" for r, (f, v) in ranks.items())
-            + " (the peak above is rank 0's, the largest)", max(width, 40))
+            + f" (the peak above is rank {getattr(d.peak_at(), 'rank', 0)}'s, the largest)", max(width, 40))
     each = per_device(d)
     if each is not None:
         stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each["peak_per_stage"]))
