@@ -131,7 +131,7 @@ def test_what_each_engine_adds_to_one_device():
 
 @pytest.mark.parametrize("kw, message", [
     ({"data_parallel": "horovod"}, "unknown data-parallel engine 'horovod'; known: ddp, ddp-bucket-view, "),
-    ({"data_parallel": "zero-redundancy"}, "data-parallel engine 'zero-redundancy' is not modelled yet"),
+    ({"data_parallel": "fsdp1-grad-op"}, "data-parallel engine 'fsdp1-grad-op' is not modelled yet"),
     ({"data_parallel": "ddp", "zero": 2}, "data_parallel='ddp' is an engine and zero=2 the papers' accounting"),
     ({"data_parallel": "ddp", "tensor_parallel": True}, "with tensor or pipeline parallelism is not modelled"),
     ({"data_parallel": ["ddp"]}, "unknown data-parallel engine ['ddp']"),

@@ -67,12 +67,14 @@ class Job:
 @dataclass(frozen=True)
 class RankPeak:
     """One rank's measured step: its peak in each step (``per_step[0]`` is step 1), the live bytes at the start
-    (memory made before the first op included), and where the steady peak occurred."""
+    (memory made before the first op included), where the steady peak occurred, and what step 1 left."""
 
     rank: int
     per_step: tuple[int, ...]
     start: int
     where: str
+    #: what the first step leaves alive (its end less the start): the optimizer state it made
+    kept: int = 0
 
     @property
     def first(self) -> int:
@@ -275,8 +277,10 @@ def _peaks(trace: Any, made_before: set[int], rank: int, left_out: set[int] = fr
         if live > per_step.get(r.step, (-1, ""))[0]:
             per_step[r.step] = (live, f"{r.phase} {r.where}".strip())
     steady = max(range(2, trace.steps + 1), key=lambda s: per_step[s][0])
+    end = trace.boundary(1, "zero_grad")
+    kept = end.live - trace.start.live - sum(n for born, n in extra if born <= end.index)
     return RankPeak(rank, tuple(per_step[s][0] for s in range(1, trace.steps + 1)),
-                    trace.start.live + sum(n for _, n in extra), per_step[steady][1])
+                    trace.start.live + sum(n for _, n in extra), per_step[steady][1], kept)
 
 
 def compare(derivation: Derivation, ranks: Sequence[RankPeak], steady_gap: int = 0) -> list[str]:

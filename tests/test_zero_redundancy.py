@@ -1,0 +1,201 @@
+"""``--data-parallel zero-redundancy`` (DDP + ``ZeroRedundancyOptimizer``, ZeRO-1) against real ``torch.distributed``
+runs: every rank's first and steady peak, derived per rank, equals the live bytes measured inside that rank of a
+real gloo run on the CPU (symmem.record.distributed), to the byte; each rank's optimizer state equals what the
+run's first step leaves alive; the partition is torch's own.
+
+One spawn of four processes runs every case: the world of 4 (N = 4), then each N = 2 case twice at once, on the
+groups {0, 1} and {2, 3} (a late free by gloo's worker threads only ever adds, so the lower of the two counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():  # pragma: no cover - a torch built without distributed
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from symmem import derive  # noqa: E402
+from symmem.cli import main  # noqa: E402
+from symmem.errors import SymmemError  # noqa: E402
+from symmem.passes import data_parallel, zero_redundancy  # noqa: E402
+from symmem.passes.zero_redundancy import partition, rank_peaks, state_per_rank  # noqa: E402
+from symmem.record.distributed import job_of, measure_jobs  # noqa: E402
+
+TINY = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
+#: (model, values, keywords): the issue's MLP (784-1024-1024-10), GPT-2 and Llama (tied and untied embeddings)
+MODELS = [
+    ("mlp", {"B": 4}, {"loss": "cross-entropy"}),
+    ("gpt2", {**TINY, "B": 2}, {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}),
+    ("llama", {**TINY, "B": 2, "G": 2, "F": 128}, {"attention": "sdpa", "loss": "cross-entropy"}),
+]
+#: two parameters over four ranks: ranks 2 and 3 own nothing, and ZeroRedundancyOptimizer runs them (an empty
+#: local optimizer)
+TWO_PARAMETERS = ("mlp", {"B": 4}, {"widths": "8,4", "loss": "cross-entropy"})
+#: widths 6,8,8,6 at N = 2: rank 0 owns the 64-element weight and three biases (86 elements), rank 1 the two
+#: 48-element weights (96): the largest rank is rank 1
+RANK_1_LARGEST = ("mlp", {"B": 4}, {"widths": "6,8,8,6", "loss": "cross-entropy"})
+
+
+def _derive(name, values, kw, world, **more):
+    return derive(name, convention="pytorch", device="cpu", optimizer="adamw", values={**values, "N": world},
+                  data_parallel="zero-redundancy", **kw, **more)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 on two groups at once."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the two-parameter MLP keeps no activation (NothingCounted)
+        fours = [_derive(*case, 4) for case in [*MODELS, TWO_PARAMETERS]]
+    twos = [_derive(*case, 2) for case in [*MODELS, RANK_1_LARGEST]]
+    jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2) for d in twos]
+    runs = measure_jobs(jobs, world=4, timeout=240)
+    out = list(zip(fours, runs[:len(fours)], strict=True))
+    for d, ranks in zip(twos, runs[len(fours):], strict=True):
+        # ranks 0, 1 then 2, 3 (each its rank in its group): the lower of the two runs, step by step
+        pairs = zip(ranks[:2], ranks[2:], strict=True)
+        out.append((d, tuple(dataclasses.replace(a, per_step=tuple(map(min, a.per_step, b.per_step)))
+                             for a, b in pairs)))
+    return out
+
+
+def test_every_rank_peak_equals_a_real_gloo_run(measured):
+    wrong = []
+    for d, ranks in measured:
+        name = f"{d.model} N={d.numbers[zero_redundancy.N]}"
+        derived = rank_peaks(d)
+        got = {r.rank: (r.first, min(r.per_step[1:])) for r in ranks}
+        wrong += [f"{name}: derived {derived}, measured {got}"] if derived != got else []
+        # the peak is the largest rank's, first step and steady
+        wrong += [f"{name}: peak {d.value('peak')}"] if d.value("peak") != max(s for _, s in got.values()) else []
+        wrong += [f"{name}: first {d.value('peak_first_step')}"] if d.value("peak_first_step") != max(
+            f for f, _ in got.values()) else []
+        top = d.peak_at().rank
+        wrong += [f"{name}: peak at rank {top}"] if got[top][1] != max(s for _, s in got.values()) else []
+        wrong += [f"{name}: ranks start apart" for r in ranks if r.start != ranks[0].start]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_optimizer_state_per_rank_is_what_the_first_step_leaves(measured):
+    """AdamW's two moments and step count of the whole parameters a rank owns: the issue's MLP at N = 4 holds
+    8.4 MB / 6.4 MB / 82 kB / 16 kB, not 16 bytes x 1,863,690 / 4 = 3.7 MB each; a rank that owns nothing, 0."""
+    for d, ranks in measured:
+        assert state_per_rank(d) == [r.kept for r in ranks], (d.model, [r.kept for r in ranks])
+    mlp = measured[0]
+    assert [r.kept for r in mlp[1]] == [8 * 1024 * 1024 + 4, 8 * 784 * 1024 + 4, 8 * 10 * 1024 + 4,
+                                        8 * (1024 + 1024 + 10) + 3 * 4]
+    assert [r.kept for r in measured[3][1]] == [8 * 32 + 4, 8 * 4 + 4, 0, 0]
+
+
+def _torch_partition(sizes, world):
+    """torch's own ``ZeroRedundancyOptimizer._partition_parameters`` on tensors of ``sizes`` (no process group:
+    the method reads only these attributes)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Zero
+
+    params = [torch.empty(n) for n in sizes]
+    stub = types.SimpleNamespace(_partition_parameters_cache=[], world_size=world, param_groups=[{"params": params}])
+    stub._get_min_index = functools.partial(Zero._get_min_index, stub)
+    stub._partition_param_group = functools.partial(Zero._partition_param_group, stub)
+    found = Zero._partition_parameters(stub)
+    index = {id(p): i for i, p in enumerate(params)}
+    return [[index[id(p)] for g in groups for p in g["params"]] for groups in found]
+
+
+@pytest.mark.parametrize("sizes, world", [
+    ([802816, 1024, 1048576, 1024, 10240, 10], 4),  # the MLP
+    ([6, 10, 6, 1], 2),                             # rank 1 ends larger than rank 0
+    ([5, 5, 5, 5, 3, 3], 3),                        # ties keep model.parameters() order
+    ([4, 1], 4),                                    # ranks that own nothing
+])
+def test_partition_is_torchs(sizes, world):
+    assert partition(sizes, world) == _torch_partition(sizes, world)
+
+
+def test_the_largest_rank_need_not_be_rank_0(measured):
+    """Widths 6,8,8,6 at N = 2 (checked against its gloo run above): rank 1's optimizer state is the larger (two
+    48-element weights against a 64-element weight and three biases), and so is its peak."""
+    d, ranks = measured[-1]
+    assert d.options["widths"] == "6,8,8,6" and d.numbers[zero_redundancy.N] == 2
+    assert state_per_rank(d) == [8 * (64 + 8 + 8 + 6) + 4 * 4, 8 * (48 + 48) + 2 * 4]
+    found = rank_peaks(d)
+    assert d.peak_at().rank == 1 and d.value("peak") == found[1][1] > found[0][1]
+    assert d.peak_at().where() == "rank 1 of 2: step fc3.weight, steady step"
+
+
+def test_json_and_table_name_every_rank(capsys):
+    run = ["derive", "mlp", "--convention", "pytorch", "--device", "cpu", "--loss", "cross-entropy", "--set", "B=4",
+           "--set", "N=4", "--data-parallel", "zero-redundancy"]
+    assert main([*run, "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = _derive(*MODELS[0], 4)
+    ranks = rank_peaks(d)
+    assert out["values"]["peak_per_rank"] == {str(r): {"peak": s, "peak_first_step": f} for r, (f, s) in ranks.items()}
+    assert out["values"]["optimizer_state_per_rank"] == {str(r): v for r, v in enumerate(state_per_rank(d))}
+    assert out["values"]["peak"] == max(s for _, s in ranks.values()) and out["peak_at"]["rank"] == 0
+    assert out["regime"]["data_parallel"] == "zero-redundancy"
+    assert main(run) == 0
+    text = capsys.readouterr().out.replace("\n", " ")
+    assert f"rank 3: {ranks[3][0]:,} / {ranks[3][1]:,} B" in text and "at rank 0 of 4: step fc2.weight" in text
+
+
+def test_the_formula_is_in_the_batch_at_the_partitions_numbers():
+    """The partition is computed at the numbers (N, the layer count, the parameters' sizes): the formula is in B
+    and S, its domain those numbers; another H partitions again, and equals a derivation made at that H."""
+    values = {**TINY, "N": 4, "F": 256}
+    d = derive("gpt2", convention="pytorch", data_parallel="zero-redundancy", values=values)
+    names = {s.name for s in d.peak.free_symbols}
+    assert names <= {"B", "S", "h"} and "B" in names
+    assert {str(c) for c in d.step.domain()} == {"Eq(F, 256)", "Eq(H, 64)", "Eq(L, 2)", "Eq(N, 4)", "Eq(V, 100)"}
+    other = {**values, "H": 32, "F": 128, "h": 2, "B": 3}
+    assert d.at(H=32, F=128, h=2, B=3).value("peak") == derive(
+        "gpt2", convention="pytorch", data_parallel="zero-redundancy", values=other).value("peak")
+
+
+def test_fit_under_zero_redundancy(capsys):
+    """``fit`` solves the largest rank's formula in B: the answer's peak fits, one more does not."""
+    run = ["fit", "gpt2", "--convention", "pytorch", "--budget", "80GiB", "--set", "N=8",
+           "--data-parallel", "zero-redundancy"]
+    assert main(run) == 0
+    b = int(capsys.readouterr().out.split("largest B = ")[1].split()[0])
+    d = derive("gpt2", convention="pytorch", values={"N": 8}, data_parallel="zero-redundancy")
+    assert d.at(B=b).value("peak") <= 80 * 2**30 < d.at(B=b + 1).value("peak")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"data_parallel": "zero-redundancy", "tensor_parallel": True},
+     "data_parallel='zero-redundancy' with tensor or pipeline parallelism is not modelled"),
+    ({"data_parallel": "zero-redundancy", "pipeline_parallel": True},
+     "data_parallel='zero-redundancy' with tensor or pipeline parallelism is not modelled"),
+    ({"data_parallel": "zero-redundancy", "zero": 1},
+     "data_parallel='zero-redundancy' is an engine and zero=1 the papers' accounting"),
+    ({"data_parallel": "zero-redundancy", "values": {"N": 0}}, "N"),
+])
+def test_bad_input_is_one_line(kw, message):
+    with pytest.raises(SymmemError) as e:
+        derive("gpt2", convention="pytorch", **kw).value("peak")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_refusals_of_the_peak(capsys):
+    d = derive("gpt2", convention="pytorch", data_parallel="zero-redundancy", precision="mixed")
+    with pytest.raises(SymmemError, match="modelled in fp32") as e:
+        d.value("peak")
+    assert "\n" not in str(e.value)
+    # a size the partition needs without a number
+    d = derive("gpt2", convention="pytorch", data_parallel="zero-redundancy")
+    step = dataclasses.replace(d.step, numbers={s: v for s, v in d.numbers.items() if s.name != "V"}, _cache={})
+    with pytest.raises(SymmemError, match=r"partitions whole parameters by their sizes: give V a number \(--set V="):
+        step.peak()
+    assert main(["derive", "gpt2", "--data-parallel", "zero-redundancy", "--set", "N=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symmem: error: ") and err.count("\n") == 1
+    assert zero_redundancy.RANK_OPTION == data_parallel.RANK_OPTION
