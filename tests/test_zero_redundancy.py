@@ -129,6 +129,9 @@ def test_the_largest_rank_need_not_be_rank_0(measured):
     found = rank_peaks(d)
     assert d.peak_at().rank == 1 and d.value("peak") == found[1][1] > found[0][1]
     assert d.peak_at().where() == "rank 1 of 2: step fc3.weight, steady step"
+    # the step written out (plot timeline) is the largest rank's: its moments reach that rank's peak
+    assert max(sum(live.values()) for _, _, live in d.timeline()) == found[1][1]
+    assert d.timeline()[0][2]["optimizer_state"] == state_per_rank(d)[1]
 
 
 def test_json_and_table_name_every_rank(capsys):

@@ -160,10 +160,12 @@ def layout(regime: Regime) -> tuple[int, int, int]:
     return period, edge, base
 
 
-def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int
-           ) -> dict[tuple[Any, ...], Counter | None]:
+def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int,
+           interior: bool = False) -> dict[tuple[Any, ...], Counter | None]:
     """Each moment's key (phase, template node, layer label, occurrence) and its live storages where it is a
-    candidate (:meth:`~symmem.timeline.Timeline.counts`)."""
+    candidate (:meth:`~symmem.timeline.Timeline.counts`).  ``interior``: blocks written out whole (ZeRO-1) leave
+    out the forward and backward moments of their layers between the ``edge`` ones (each op's moments are affine
+    in the layer there, so the largest is at an end), not the optimizer step's (each parameter's own)."""
     out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
     for k, live, _ in tl.counts():
@@ -172,6 +174,8 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
         block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
         label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
         if label == "mid":
+            continue
+        if interior and block and e.phase in ("forward", "backward") and edge < int(label or 0) <= counts[block] - edge:
             continue
         key = (e.phase, template(node) if node else None, label)
         seen[key] += 1
@@ -235,7 +239,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
             counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
             g = unroll(graph, counts) if blocks else graph
             both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits)
-            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge)
+            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole)
                           for first, tl in zip((False, True), both, strict=True)}
         found = []
         for first in (False, True):
