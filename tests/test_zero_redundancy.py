@@ -144,10 +144,11 @@ def test_json_and_table_name_every_rank(capsys):
     assert out["values"]["peak_per_rank"] == {str(r): {"peak": s, "peak_first_step": f} for r, (f, s) in ranks.items()}
     assert out["values"]["optimizer_state_per_rank"] == {str(r): v for r, v in enumerate(state_per_rank(d))}
     assert out["values"]["peak"] == max(s for _, s in ranks.values()) and out["peak_at"]["rank"] == 0
-    assert out["regime"]["data_parallel"] == "zero-redundancy"
+    assert out["regime"]["data_parallel"] == "zero-redundancy" and out["peak_at"]["partition_at"] == {"N": 4}
     assert main(run) == 0
     text = capsys.readouterr().out.replace("\n", " ")
     assert f"rank 3: {ranks[3][0]:,} / {ranks[3][1]:,} B" in text and "at rank 0 of 4: step fc2.weight" in text
+    assert "ZeroRedundancyOptimizer's partition, and these formulas, at N = 4" in text
 
 
 def test_the_formula_is_in_the_batch_at_the_partitions_numbers():
@@ -157,6 +158,7 @@ def test_the_formula_is_in_the_batch_at_the_partitions_numbers():
     d = derive("gpt2", convention="pytorch", data_parallel="zero-redundancy", values=values)
     names = {s.name for s in d.peak.free_symbols}
     assert names <= {"B", "S", "h"} and "B" in names
+    assert zero_redundancy.partition_at(d) == {"F": 256, "H": 64, "L": 2, "N": 4, "V": 100}
     assert {str(c) for c in d.step.domain()} == {"Eq(F, 256)", "Eq(H, 64)", "Eq(L, 2)", "Eq(N, 4)", "Eq(V, 100)"}
     other = {**values, "H": 32, "F": 128, "h": 2, "B": 3}
     assert d.at(H=32, F=128, h=2, B=3).value("peak") == derive(

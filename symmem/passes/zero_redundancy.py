@@ -247,6 +247,20 @@ def state_per_rank(derivation: Any) -> list[int] | None:
     return list(getattr(derivation._peak(exact=True), "state", None) or []) or None
 
 
+def partition_at(derivation: Any) -> dict[str, int] | None:
+    """Under ZeRO-1: the numbers the partition (and so the peak's formula) is computed at, by name (None under
+    another engine).
+
+    >>> from symmem import derive
+    >>> partition_at(derive("gpt2", convention="pytorch", values={"N": 4}, data_parallel="zero-redundancy"))
+    {'F': 3072, 'H': 768, 'L': 12, 'N': 4, 'V': 50257}
+    """
+    if not engaged(derivation.regime) or getattr(derivation, "step", None) is None:
+        return None
+    found = derivation._peak(exact=True)
+    return {c.lhs.name: int(c.rhs) for c in found.domain if isinstance(c, sympy.Eq)} or None
+
+
 def _value(peak: Peak, numbers: Mapping[sympy.Symbol, int], step: str) -> int:
     v = peak.value(numbers, step)
     if v is None:

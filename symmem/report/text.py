@@ -16,7 +16,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import rank_peaks
-from ..passes.zero_redundancy import state_per_rank
+from ..passes.zero_redundancy import partition_at, state_per_rank
 from ..simplify import factored, rounded
 from ..units import UNITS
 from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
@@ -66,6 +66,7 @@ def peak(d: Derivation) -> dict[str, Any] | None:
         state = state_per_rank(d)
         if state:
             out["values"]["optimizer_state_per_rank"] = {str(r): v for r, v in enumerate(state)}
+            out["peak_at"]["partition_at"] = partition_at(d)  # the numbers the formulas hold at
     return out
 
 
@@ -338,12 +339,23 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
     if ranks:  # FSDP's ranks differ (padding): the lines above are rank 0's, the largest
         lines += textwrap.wrap("peak per rank (first step / steady): " + "; ".join(
             f"rank {r}: {f:,} / {v:,} B" for r, (f, v) in ranks.items())
-            + f" (the peak above is rank {getattr(d.peak_at(), 'rank', 0)}'s, the largest)", max(width, 40))
+            + f" (the peak above is rank {getattr(d.peak_at(), 'rank', 0)}'s, the largest)" + _partition_note(d),
+            max(width, 40))
     each = per_device(d)
     if each is not None:
         stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each["peak_per_stage"]))
         lines += _totals(f"{'peak per stage (MiB)':<{key_width}} {'':>12}           ", stages, width, cut)
     return lines
+
+
+def _partition_note(d: Derivation) -> str:
+    """Where ZeRO-1's peak holds: the numbers its partition is computed at ('' under another engine)."""
+    at = partition_at(d)
+    return f"; ZeroRedundancyOptimizer's partition, and these formulas, at {_listing(at)}" if at else ""
+
+
+def _listing(values: dict[str, int]) -> str:
+    return ", ".join(f"{k} = {v:,}" for k, v in values.items())
 
 
 def _totals(head: str, formula: str, width: int, cut: bool) -> list[str]:
