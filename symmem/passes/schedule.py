@@ -66,6 +66,14 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     """The timelines (steady, first) of one training step of the (unrolled) ``graph``, from one walk: the first
     step creates the optimizer state inside the step, a steady one has it from the start; they differ only
     there."""
+    # ZeRO-1's ranks differ only in the optimizer's state and step: one walk of forward and backward serves them
+    walks = options.get(zero_redundancy.WALKS_OPTION)
+    key = (None if branch is None else tuple(sorted((str(c), v) for c, v in branch.items())),
+           len(graph.program_order()), keep_logits)
+    sim = walks.get(key) if walks is not None else None
+    if sim is not None:
+        sim.choose(options)
+        return sim.timeline(first=False), sim.timeline(first=True)
     sim = Simulation(graph, conv, options, regime, branch, keep_logits)
     # From the second micro-batch on every pass starts from the same live storages (each .grad exists and takes
     # the new gradient in place), so the third and later passes repeat the second: written out up to
@@ -73,6 +81,8 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     # (tests/test_properties.py::test_micro_batches_repeat checks it against every pass written out).
     for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
         sim.micro_batch()
+    if walks is not None:
+        walks[key] = sim
     return sim.timeline(first=False), sim.timeline(first=True)
 
 
@@ -175,26 +185,30 @@ class Simulation:
         held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
                 for name, shape in params}
         self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
-        # ZeroRedundancyOptimizer: this rank's local optimizer holds and steps the whole parameters it owns
-        self.owned = zero_redundancy.owned(regime, self._listed(), self.rule_options)
-        stepped = None if self.owned is None else {name for name, _ in self.owned}
         for name, _ in params:
             each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
             self.start.append(self.new(f"{name}.weights", "parameter", each * zero_weights))
         self.state_ids: dict[str, list[int]] = {}
         for name, _ in params:
             ids = [self.new(f"{name}.{s}", "optimizer_state", e / self.zero_shards(s))
-                   for s, e in regime.optimizer_spec.state_bytes(held[name])] if stepped is None or name in stepped \
-                else []
+                   for s, e in regime.optimizer_spec.state_bytes(held[name])]
             # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
             if regime.optimizer in ("adam", "adamw") and ids:
                 ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # fp32
             self.state_ids[name] = ids
-        self.states = [i for name, _ in params for i in self.state_ids[name]]  # from the start in the steady state
+        self.choose(self.rule_options)
         # a data-parallel engine's buffers made when the model is wrapped (DDP's gradient buckets)
         for name, nbytes in data_parallel.buckets(regime, params, self.numel, self.grad_bytes):
             self.start.append(self.new(name, "gradient", nbytes))
         self.grads_in_buckets = data_parallel.grads_in_buckets(regime)
+
+    def choose(self, options: Mapping[str, Any]) -> None:
+        """The state alive from the start of a steady step (every parameter's), and under ZeroRedundancyOptimizer
+        the rank's (the ``options`` name it) -- its local optimizer holds and steps the whole parameters it owns;
+        the others' state storages are never born."""
+        self.owned = zero_redundancy.owned(self.regime, self._listed(), options)
+        mine = None if self.owned is None else {name for name, _ in self.owned}
+        self.states = [i for name, _ in self.params for i in self.state_ids[name] if mine is None or name in mine]
 
     def zero_shards(self, component: str) -> sympy.Expr:
         """N where the regime's ZeRO stage shards ``component`` (training.ZERO_STAGE_OF_CLASS), else 1."""

@@ -55,6 +55,8 @@ RANK_OPTION = "_data_parallel_rank"
 ENGINE = "zero-redundancy"
 #: The option (inside the step's options, not a user's) holding the numbers the partition is computed at.
 NUMBERS_OPTION = "_zero_redundancy_numbers"
+#: The option holding the walks of forward and backward the ranks share (:func:`symmem.passes.schedule.simulate`)
+WALKS_OPTION = "_zero_redundancy_walks"
 
 
 def partition(sizes: Sequence[int], world: int) -> list[list[int]]:
@@ -183,9 +185,10 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
     per_rank: dict[int, Peak] = {}
     moments: list[RankMoment] = []
+    walks: dict[Any, Any] = {}  # one walk of forward and backward per branch, for every rank
     for ranks in groups.values():
-        one = dataclasses.replace(step, options={**step.options, NUMBERS_OPTION: env, RANK_OPTION: ranks[0]},
-                                  _cache={}, _written=None)
+        one = dataclasses.replace(step, options={**step.options, NUMBERS_OPTION: env, RANK_OPTION: ranks[0],
+                                                 WALKS_OPTION: walks}, _cache={}, _written=None)
         found = one.peak(at_all)
         per_rank.update({r: found for r in ranks})
         moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
