@@ -153,10 +153,6 @@ def _fixed(step: Any, numbers: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol,
     if missing:
         raise SymmemError(f"ZeroRedundancyOptimizer partitions whole parameters by their sizes: give "
                           f"{', '.join(missing)} a number (--set {missing[0]}=...)")
-    if step.regime.precision != "fp32":
-        raise SymmemError(f"the peak under data_parallel={ENGINE!r} is modelled in fp32 (torch.optim keeps no "
-                          f"master weights to partition; precision={step.regime.precision!r} is the papers' "
-                          "accounting: --zero 1)")
     world = numbers[N]
     if isinstance(world, bool) or int(world) != world or int(world) < 1:
         raise SymmemError(f"the world size N is a positive integer, got {world!r}")
@@ -170,6 +166,10 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     key = ("ranks", None if at is None else tuple(sorted((s.name, int(v)) for s, v in at.items())))
     if key in step._cache:
         return step._cache[key]
+    if step.regime.precision != "fp32":
+        raise SymmemError(f"the peak under data_parallel={ENGINE!r} is modelled in fp32 (torch.optim keeps no "
+                          f"master weights to partition; precision={step.regime.precision!r} is the papers' "
+                          "accounting: --zero 1)")
     from .unroll import unroll
 
     fixed = _fixed(step, {**step.numbers, **(at or {})})
