@@ -3,8 +3,9 @@ runs: every rank's first and steady peak, derived per rank, equals the live byte
 real gloo run on the CPU (symmem.record.distributed), to the byte; each rank's optimizer state equals what the
 run's first step leaves alive; the partition is torch's own.
 
-One spawn of four processes runs every case: the world of 4 (N = 4), then each N = 2 case twice at once, on the
-groups {0, 1} and {2, 3} (a late free by gloo's worker threads only ever adds, so the lower of the two counts).
+One spawn of four processes, in one test, runs every case: the world of 4 (N = 4), then each N = 2 case twice at
+once, on the groups {0, 1} and {2, 3} (a late free by gloo's worker threads only ever adds, so the lower of the two
+counts).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def _derive(name, values, kw, world, **more):
                   data_parallel="zero-redundancy", **kw, **more)
 
 
-@pytest.fixture(scope="module")
-def measured():
+def _measured():
     """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 on two groups at once."""
     import warnings
 
@@ -68,7 +68,16 @@ def measured():
     return out
 
 
-def test_every_rank_peak_equals_a_real_gloo_run(measured):
+def test_every_rank_equals_a_real_gloo_run():
+    """One test (pytest-xdist never splits it into two spawns): every rank's peaks, the optimizer state each rank
+    keeps, and the largest rank (not always rank 0), each derived and measured."""
+    measured = _measured()
+    _check_peaks(measured)
+    _check_state(measured)
+    _check_largest_rank(measured[-1])
+
+
+def _check_peaks(measured):
     wrong = []
     for d, ranks in measured:
         name = f"{d.model} N={d.numbers[zero_redundancy.N]}"
@@ -85,7 +94,7 @@ def test_every_rank_peak_equals_a_real_gloo_run(measured):
     assert not wrong, "\n".join(wrong)
 
 
-def test_optimizer_state_per_rank_is_what_the_first_step_leaves(measured):
+def _check_state(measured):
     """AdamW's two moments and step count of the whole parameters a rank owns: the issue's MLP at N = 4 holds
     8.4 MB / 6.4 MB / 82 kB / 16 kB, not 16 bytes x 1,863,690 / 4 = 3.7 MB each; a rank that owns nothing, 0."""
     for d, ranks in measured:
@@ -94,6 +103,20 @@ def test_optimizer_state_per_rank_is_what_the_first_step_leaves(measured):
     assert [r.kept for r in mlp[1]] == [8 * 1024 * 1024 + 4, 8 * 784 * 1024 + 4, 8 * 10 * 1024 + 4,
                                         8 * (1024 + 1024 + 10) + 3 * 4]
     assert [r.kept for r in measured[3][1]] == [8 * 32 + 4, 8 * 4 + 4, 0, 0]
+
+
+def _check_largest_rank(case):
+    """Widths 6,8,8,6 at N = 2 (checked against its gloo run above): rank 1's optimizer state is the larger (two
+    48-element weights against a 64-element weight and three biases), and so is its peak."""
+    d, _ = case
+    assert d.options["widths"] == "6,8,8,6" and d.numbers[zero_redundancy.N] == 2
+    assert state_per_rank(d) == [8 * (64 + 8 + 8 + 6) + 4 * 4, 8 * (48 + 48) + 2 * 4]
+    found = rank_peaks(d)
+    assert d.peak_at().rank == 1 and d.value("peak") == found[1][1] > found[0][1]
+    assert d.peak_at().where() == "rank 1 of 2: step fc3.weight, steady step"
+    # the step written out (plot timeline) is the largest rank's: its moments reach that rank's peak
+    assert max(sum(live.values()) for _, _, live in d.timeline()) == found[1][1]
+    assert d.timeline()[0][2]["optimizer_state"] == state_per_rank(d)[1]
 
 
 def _torch_partition(sizes, world):
@@ -118,20 +141,6 @@ def _torch_partition(sizes, world):
 ])
 def test_partition_is_torchs(sizes, world):
     assert partition(sizes, world) == _torch_partition(sizes, world)
-
-
-def test_the_largest_rank_need_not_be_rank_0(measured):
-    """Widths 6,8,8,6 at N = 2 (checked against its gloo run above): rank 1's optimizer state is the larger (two
-    48-element weights against a 64-element weight and three biases), and so is its peak."""
-    d, ranks = measured[-1]
-    assert d.options["widths"] == "6,8,8,6" and d.numbers[zero_redundancy.N] == 2
-    assert state_per_rank(d) == [8 * (64 + 8 + 8 + 6) + 4 * 4, 8 * (48 + 48) + 2 * 4]
-    found = rank_peaks(d)
-    assert d.peak_at().rank == 1 and d.value("peak") == found[1][1] > found[0][1]
-    assert d.peak_at().where() == "rank 1 of 2: step fc3.weight, steady step"
-    # the step written out (plot timeline) is the largest rank's: its moments reach that rank's peak
-    assert max(sum(live.values()) for _, _, live in d.timeline()) == found[1][1]
-    assert d.timeline()[0][2]["optimizer_state"] == state_per_rank(d)[1]
 
 
 def test_json_and_table_name_every_rank(capsys):

@@ -144,11 +144,11 @@ def _fixed(step: Any, numbers: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol,
     subs = dict(step.subs)
     needed: set[sympy.Symbol] = {N}
     for b in step.graph.blocks.values():
-        needed |= sympy.sympify(b.count).xreplace(subs).free_symbols
+        needed |= sympy.sympify(b.count, strict=True).xreplace(subs).free_symbols
     for n in step.graph.program_order():
         for shape in step.graph.node(n).params.values():
             for x in shape:
-                needed |= sympy.sympify(x).xreplace(subs).free_symbols
+                needed |= sympy.sympify(x, strict=True).xreplace(subs).free_symbols
     missing = sorted(s.name for s in needed if s not in numbers)
     if missing:
         raise SymmemError(f"ZeroRedundancyOptimizer partitions whole parameters by their sizes: give "
@@ -175,7 +175,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     fixed = _fixed(step, {**step.numbers, **(at or {})})
     env = _env(step, fixed)
     world = fixed[N]
-    counts = {name: int(sympy.sympify(b.count).xreplace(env)) for name, b in step.graph.blocks.items()}
+    counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
     params = listed(unroll(step.graph, counts) if step.graph.blocks else step.graph)
     sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -284,4 +284,4 @@ def written_options(step: Any, at: Mapping[sympy.Symbol, int]) -> Mapping[str, A
 def _env(step: Any, fixed: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, sympy.Expr]:
     """Every graph symbol the parameters' sizes use, at ``fixed`` (the kept symbols' numbers)."""
     nums = {s: sympy.Integer(v) for s, v in fixed.items()}
-    return {**{s: sympy.sympify(e).xreplace(nums) for s, e in step.subs.items()}, **nums}
+    return {**{s: sympy.sympify(e, strict=True).xreplace(nums) for s, e in step.subs.items()}, **nums}
