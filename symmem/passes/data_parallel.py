@@ -14,6 +14,9 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
   the bucket); ``zero_grad(set_to_none=True)`` drops the views, not the buckets, so the gradients' bytes are live
   the whole step, forward included.
 
+* ``zero-redundancy`` -- ``ZeroRedundancyOptimizer`` beside DDP: DDP's buckets as ``ddp``; the optimizer's whole-
+  parameter partition and every rank's step are :mod:`.zero_redundancy`'s.
+
 * ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` per repeated block and the root: :class:`Fsdp` (padded
   shards, all-gather outputs, unsharded parameters, prefetch, reduce-scatter buffers); :func:`rank_peaks` gives
   rank 0's and the last rank's peaks where the padding makes them differ.
