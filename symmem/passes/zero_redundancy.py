@@ -139,6 +139,10 @@ def _state(regime: Regime, shape: tuple[sympy.Expr, ...], env: Mapping[sympy.Sym
     return int(sympy.Add(*(e for _, e in states)).xreplace(env)) + scalar
 
 
+def _at(shape: Sequence[Any], env: Mapping[sympy.Symbol, sympy.Expr]) -> tuple[int, ...]:
+    return tuple(int(sympy.sympify(x, strict=True).xreplace(env)) for x in shape)
+
+
 def _fixed(step: Any, numbers: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
     """The numbers the partition depends on: ``N``, the layer counts and the parameters' sizes."""
     subs = dict(step.subs)
@@ -181,7 +185,8 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     groups: dict[tuple[int, ...], list[int]] = {}
     parts = partition(sizes, world)
     for rank, idx in enumerate(parts):
-        groups.setdefault(tuple(sizes[i] for i in idx), []).append(rank)
+        # alike: the same shapes in the same order (a factored optimizer's state follows the shape, not the size)
+        groups.setdefault(tuple(_at(params[i][1], env) for i in idx), []).append(rank)
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
     per_rank: dict[int, Peak] = {}
     moments: list[RankMoment] = []
