@@ -213,3 +213,7 @@ def test_refusals_of_the_peak(capsys):
     err = capsys.readouterr().err
     assert err.startswith("symmem: error: ") and err.count("\n") == 1
     assert zero_redundancy.RANK_OPTION == data_parallel.RANK_OPTION
+    # a run's groups must divide its world (checked before any process starts)
+    job = dataclasses.replace(job_of(_derive(*MODELS[0], 2)), group=3)
+    with pytest.raises(SymmemError, match="in groups of 3 ranks cannot run in a world of 4"):
+        measure_jobs([job], world=4)

@@ -68,8 +68,8 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     there."""
     # ZeRO-1's ranks differ only in the optimizer's state and step: one walk of forward and backward serves them
     walks = options.get(zero_redundancy.WALKS_OPTION)
-    key = (None if branch is None else tuple(sorted((str(c), v) for c, v in branch.items())),
-           len(graph.program_order()), keep_logits)
+    key = None if walks is None else (None if branch is None else tuple(sorted((str(c), v) for c, v in
+                                                                               branch.items())), keep_logits)
     sim = walks.get(key) if walks is not None else None
     if sim is not None:
         sim.choose(options)

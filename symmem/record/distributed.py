@@ -119,6 +119,10 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0)
     """:func:`measure_ranks` for jobs given as they are (FSDP2's among them)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise SymmemError(f"the world size is a positive integer, got {world!r}")
+    for job in jobs:
+        if job.group and (job.group < 1 or world % job.group or job.engine in SHARDED):
+            raise SymmemError(f"a {job.engine} job in groups of {job.group} ranks cannot run in a world of {world} "
+                              "(groups divide the world; FSDP2 takes the whole world)")
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
