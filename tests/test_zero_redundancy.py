@@ -158,6 +158,11 @@ def test_json_and_table_name_every_rank(capsys):
     text = capsys.readouterr().out.replace("\n", " ")
     assert f"rank 3: {ranks[3][0]:,} / {ranks[3][1]:,} B" in text and "at rank 0 of 4: step fc2.weight" in text
     assert "ZeroRedundancyOptimizer's partition, and these formulas, at N = 4" in text
+    # six parameters over 100 ranks: ranks 6-99 own nothing and peak alike, one entry in the table
+    assert main([*run[:-3], "N=100", "--data-parallel", "zero-redundancy"]) == 0
+    text = capsys.readouterr().out.replace("\n", " ")
+    empty = rank_peaks(_derive(*MODELS[0], 100))[99]
+    assert f"ranks 6-99: {empty[0]:,} / {empty[1]:,} B" in text and "rank 7:" not in text
 
 
 def test_the_formula_is_in_the_batch_at_the_partitions_numbers():
