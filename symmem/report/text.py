@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from ..errors import SymmemError
-from ..passes.data_parallel import rank_peaks
+from ..passes.data_parallel import rank_peaks, rank_ranges
 from ..simplify import factored, rounded
 from ..units import UNITS
 from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
@@ -333,7 +333,8 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
     ranks = rank_peaks(d)
     if ranks:  # FSDP's ranks differ (padding): the lines above are rank 0's, the largest
         lines += textwrap.wrap("peak per rank (first step / steady): " + "; ".join(
-            f"rank {r}: {f:,} / {v:,} B" for r, (f, v) in ranks.items())
+            f"rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {f:,} / {v:,} B"
+            for a, b, (f, v) in rank_ranges(ranks))
             + " (the peak above is rank 0's, the largest)", max(width, 40))
     each = per_device(d)
     if each is not None:
