@@ -161,6 +161,8 @@ CHECKPOINTS = ("none", "full", "selective", "every-K")
 DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
 #: The engines whose per-rank step is modelled and checked against real ``torch.distributed`` runs.
 DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view", "fsdp", "fsdp-no-reshard")
+#: FSDP1 ``FullyShardedDataParallel``, FULL_SHARD and SHARD_GRAD_OP (passes/fsdp1.py)
+DATA_PARALLEL_MODELLED += ("fsdp1", "fsdp1-grad-op")
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")
@@ -298,6 +300,8 @@ class Regime:
         """Whether this regime's ZeRO stage partitions ``component`` over the N data-parallel ranks (FSDP shards
         every component)."""
         if getattr(self, "data_parallel", None) in ("fsdp", "fsdp-no-reshard"):
+            return True
+        if getattr(self, "data_parallel", None) in ("fsdp1", "fsdp1-grad-op"):  # flat parameters, all sharded
             return True
         return self.zero >= ZERO_STAGE_OF_CLASS[self.kind_of(component)]
 

@@ -126,6 +126,10 @@ class Fsdp:
         self.units: list[Any] = list(dict.fromkeys(u for u in self.unit_of.values() if u is not None))
         self.params: dict[Any, list[str]] = {u: [] for u in [None, *self.units]}
         for name, _ in sim.params:
+            if name in self.unit_of and graph.node(name).kind == "parameter":
+                # a free-standing parameter node (a layer's norm weight in a built transformer): its own layer's
+                self.params[iterations.get(name)].append(name)
+                continue
             node = name.rsplit(".", 1)[0]
             self.params[self.unit_of.get(node) if node in self.unit_of else None].append(name)
         shapes = stored_shapes(graph, sim.params)

@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 #: The engines :func:`measure_ranks` runs, with the wrapper each builds.
 #: FSDP2 (``fully_shard`` on every repeated block and the root; ``reshard_after_forward`` True or False).
 SHARDED = ("fsdp", "fsdp-no-reshard")
-ENGINES = ("ddp", "ddp-bucket-view", *SHARDED)
+#: FSDP1 (``FullyShardedDataParallel``, FULL_SHARD or SHARD_GRAD_OP): :mod:`symmem.record.fsdp1_runs`
+FSDP1 = ("fsdp1", "fsdp1-grad-op")
+ENGINES = ("ddp", "ddp-bucket-view", *SHARDED, *FSDP1)
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ def _run_job(job: Job, rank: int) -> RankPeak:
     from .live_bytes import LiveTracker
 
     module, inputs, target = _reference(job)
-    if job.engine in SHARDED:
+    if job.engine in SHARDED or job.engine in FSDP1:
         return _run_sharded(job, rank, module, inputs, target)
     wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view")
     before: list[set[int]] = []
@@ -190,10 +192,16 @@ def _run_job(job: Job, rank: int) -> RankPeak:
 
 
 def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], target: Any) -> RankPeak:
-    from .sharded import run_sharded
+    if job.engine in FSDP1:
+        from .fsdp1_runs import STRATEGIES, run_fsdp1
 
-    trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                        steps=job.steps, reshard=job.engine == "fsdp")
+        trace = run_fsdp1(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
+                          steps=job.steps, strategy=STRATEGIES[job.engine])
+    else:
+        from .sharded import run_sharded
+
+        trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
+                            steps=job.steps, reshard=job.engine == "fsdp")
     # storages first seen as an op's aliased output here are gloo's copies inside a collective (the reduce-scatter
     # input, split on the way out): outside tensor accounting, as NCCL's buffers are on a GPU; left out
     gloo = {s.sid for s in trace.storages if s.category == "external"}
