@@ -229,6 +229,15 @@ class Simulation:
             if out is not None:
                 self.held_to_end.add(base[out])
         last_use = {s: max(pos[u] for u in us) for s, us in self.uses.items()}
+        # a value a caller's local variable holds past its last use (graph.graph["held_until"]: node -> the node
+        # until whose forward it lives, or "forward": until the model's forward returns -- after the loss for a
+        # causal LM that takes labels; the causal LM loss's padded labels, symmem/loss.py; Llama's position ids)
+        model = [n for n in self.order if graph.node(n).group != "loss"]
+        ends = self.order[-1] if graph.graph.get("causal_lm") or not model else model[-1]
+        for s, until in graph.graph.get("held_until", {}).items():
+            until = ends if until == "forward" else until
+            if s in base and until in pos:
+                last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
         self.dies_forward: dict[int, list[str]] = defaultdict(list)
         for s in set(base.values()):
             if s in self.keepers or s in self.held_to_end or graph.node(s).kind in _HELD:
