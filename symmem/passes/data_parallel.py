@@ -16,7 +16,9 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 
 * ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` per repeated block and the root: :class:`Fsdp` (padded
   shards, all-gather outputs, unsharded parameters, prefetch, reduce-scatter buffers); :func:`rank_peaks` gives
-  rank 0's and the last rank's peaks where the padding makes them differ.
+  every rank's peaks where the padding makes them differ.
+* ``fsdp1`` / ``fsdp1-grad-op`` -- FSDP1 ``FullyShardedDataParallel`` (FULL_SHARD, SHARD_GRAD_OP): one flat
+  parameter per unit, :class:`symmem.passes.fsdp1.Fsdp1`.
 
 >>> from symmem.training import Regime
 >>> ddp, view = Regime(data_parallel="ddp"), Regime(data_parallel="ddp-bucket-view")

@@ -18,9 +18,9 @@ the largest of the later steps' (DDP rebuilds its buckets in step 2).
 
 What the recorder cannot see: gloo's own buffers for a collective (its worker threads allocate outside the
 dispatcher; an all-reduce of a contiguous CPU tensor runs in place; the copy of a reduce-scatter's input it
-makes, which the recorder does see, is left out of FSDP's peaks) and, on GPUs, NCCL's communicator buffers:
-like the CUDA workspaces they are a band outside tensor accounting (docs/regimes.md).  Needs ``torch`` with
-``torch.distributed`` (imported lazily).
+makes, which the recorder does see, is left out of FSDP's peaks, FSDP2's and FSDP1's alike) and, on GPUs,
+NCCL's communicator buffers: like the CUDA workspaces they are a band outside tensor accounting
+(docs/regimes.md).  Needs ``torch`` with ``torch.distributed`` (imported lazily).
 """
 
 from __future__ import annotations
