@@ -45,7 +45,7 @@ class FlatTracker(ShardTracker):
         def plain(t: type) -> bool:
             return t is torch.Tensor or issubclass(t, torch.nn.Parameter)
 
-        class _Mode(TorchDispatchMode):
+        class _FlatMode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 if any(issubclass(t, FakeTensor) for t in types):
                     return func(*args, **(kwargs or {}))
@@ -57,7 +57,7 @@ class FlatTracker(ShardTracker):
                 observe(func, args, kwargs, out)
                 return out
 
-        self._mode = _Mode()
+        self._mode = _FlatMode()
         self._mode.__enter__()
         return self
 
