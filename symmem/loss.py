@@ -81,6 +81,9 @@ def _shift(g: GraphBuilder, model: Model, logits: str, labels: str) -> tuple[str
     x = g.op("reshape", x, name="logits_view", shape=(rows, vocab))
     pad = g.op("constant", name="ignore_index", shape=(*lead, 1), dtype="int64")
     y = g.op("concat", labels, pad, name="labels_padded", dim=-1)  # F.pad(labels, (0, 1), value=-100)
+    # the loss function's local ``labels`` holds the padded labels until it returns, after cross_entropy
+    # (measured: B*(S+1)*8 bytes alive at the loss's forward); the step keeps them until the loss op
+    g.graph.graph.setdefault("held_until", {})[y] = "loss"
     y = g.op("slice", y, name="shift_labels", dim=-1, start=1, stop=seq + 1)
     # a copy for B >= 2; for B = 1 the slice is contiguous already and nll_loss keeps the padded labels.  ``copy``
     # stated, not left to the strides: layouts take B >= 2 (symmem.strides), and the loss is exact at B = 1 too

@@ -159,9 +159,6 @@ CHECKPOINTS = ("none", "full", "selective", "every-K")
 #: ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard`` (``fsdp``; ``fsdp-no-reshard``:
 #: ``reshard_after_forward=False``) and FSDP1 (``FULL_SHARD``, ``SHARD_GRAD_OP``).
 DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
-#: The engines whose per-rank step is modelled and checked against real ``torch.distributed`` runs.
-DATA_PARALLEL_MODELLED = ("ddp", "ddp-bucket-view", "fsdp", "fsdp-no-reshard")
-DATA_PARALLEL_MODELLED += ("zero-redundancy",)  # DDP + ZeroRedundancyOptimizer (passes/zero_redundancy.py)
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")
@@ -253,10 +250,6 @@ class Regime:
             return
         if not isinstance(dp, str) or dp not in DATA_PARALLEL:
             raise SymmemError(f"unknown data-parallel engine {dp!r}; known: {', '.join(DATA_PARALLEL)}")
-        if dp not in DATA_PARALLEL_MODELLED:
-            raise SymmemError(f"data-parallel engine {dp!r} is not modelled yet (modelled and checked against real "
-                              f"torch.distributed runs: {', '.join(DATA_PARALLEL_MODELLED)}); --zero K gives the "
-                              "papers' accounting of sharding")
         if self.zero:
             raise SymmemError(f"data_parallel={dp!r} is an engine and zero={self.zero} the papers' accounting of "
                               "sharding: give one of them")
@@ -302,6 +295,8 @@ class Regime:
             return True
         if getattr(self, "data_parallel", None) == "zero-redundancy":  # ZeRO-1: the optimizer side, as the papers
             return self.kind_of(component) == "optimizer"                # count it (the peak: whole parameters)
+        if getattr(self, "data_parallel", None) in ("fsdp1", "fsdp1-grad-op"):  # flat parameters, all sharded
+            return True
         return self.zero >= ZERO_STAGE_OF_CLASS[self.kind_of(component)]
 
     @property

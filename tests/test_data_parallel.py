@@ -47,10 +47,11 @@ def _derive(name, values, kw, engine, **more):
 #: an MLP whose first layer has 127 rows, which fully_shard pads to 128 at N=2
 FSDP_WIDTHS = (64, 127, 10)
 
-#: FSDP2 cases derived at N=2 (the run's world): fully_shard per block and the root, and the MLP without resharding
-#: after forward (GPT-2's and Llama's no-reshard peaks sit in the loss, where the single-device step is a few hundred
-#: bytes off: docs/regimes.md)
-SHARDED_CASES = [(name, "fsdp") for name, _, _ in MODELS] + [("mlp", "fsdp-no-reshard")]
+#: FSDP2 cases derived at N=2 (the run's world): fully_shard per block and the root, and without resharding after
+#: forward (Llama's no-reshard peak sits in the loss's forward: the padded labels live until the loss function
+#: returns, the position ids until the forward does); FSDP1 (FULL_SHARD) on Llama
+SHARDED_CASES = [(name, "fsdp") for name, _, _ in MODELS] + [("mlp", "fsdp-no-reshard"), ("llama", "fsdp-no-reshard"),
+                                                               ("llama", "fsdp1")]
 
 
 def test_every_rank_peak_equals_a_real_gloo_run():
@@ -131,7 +132,6 @@ def test_what_each_engine_adds_to_one_device():
 
 @pytest.mark.parametrize("kw, message", [
     ({"data_parallel": "horovod"}, "unknown data-parallel engine 'horovod'; known: ddp, ddp-bucket-view, "),
-    ({"data_parallel": "fsdp1-grad-op"}, "data-parallel engine 'fsdp1-grad-op' is not modelled yet"),
     ({"data_parallel": "ddp", "zero": 2}, "data_parallel='ddp' is an engine and zero=2 the papers' accounting"),
     ({"data_parallel": "ddp", "tensor_parallel": True}, "with tensor or pipeline parallelism is not modelled"),
     ({"data_parallel": ["ddp"]}, "unknown data-parallel engine ['ddp']"),

@@ -132,6 +132,8 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     with g.group("embed"):
         x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
         pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
+        # LlamaModel.forward's locals (cache_position, position_ids) hold it until the forward returns
+        g.graph.graph.setdefault("held_until", {})[pos] = "forward"
         g.op("buffer", name="rotary_emb.inv_freq", shape=(H / h / 2,), dtype="float32")  # module state
         g.op("buffer", name="rotary_emb.original_inv_freq", shape=(H / h / 2,), dtype="float32")
         cos = g.op("rope_table", pos, name="rotary_emb.cos", dim=H / h)

@@ -19,7 +19,9 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 
 * ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` per repeated block and the root: :class:`Fsdp` (padded
   shards, all-gather outputs, unsharded parameters, prefetch, reduce-scatter buffers); :func:`rank_peaks` gives
-  rank 0's and the last rank's peaks where the padding makes them differ.
+  every rank's peaks where the padding makes them differ.
+* ``fsdp1`` / ``fsdp1-grad-op`` -- FSDP1 ``FullyShardedDataParallel`` (FULL_SHARD, SHARD_GRAD_OP): one flat
+  parameter per unit, :class:`symmem.passes.fsdp1.Fsdp1`.
 
 >>> from symmem.training import Regime
 >>> ddp, view = Regime(data_parallel="ddp"), Regime(data_parallel="ddp-bucket-view")
@@ -129,6 +131,10 @@ class Fsdp:
         self.units: list[Any] = list(dict.fromkeys(u for u in self.unit_of.values() if u is not None))
         self.params: dict[Any, list[str]] = {u: [] for u in [None, *self.units]}
         for name, _ in sim.params:
+            if name in self.unit_of and graph.node(name).kind == "parameter":
+                # a free-standing parameter node (a layer's norm weight in a built transformer): its own layer's
+                self.params[iterations.get(name)].append(name)
+                continue
             node = name.rsplit(".", 1)[0]
             self.params[self.unit_of.get(node) if node in self.unit_of else None].append(name)
         shapes = stored_shapes(graph, sim.params)
@@ -292,9 +298,12 @@ RANK_OPTION = "_data_parallel_rank"
 
 
 def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
-    """Under FSDP with a number for ``N``: ``{rank: (first-step peak, steady peak)}`` of rank 0 (the largest: it
-    holds whole shards) and the last rank (the padding's rows are missing from its optimizer state), where they
-    differ; None otherwise (another engine, ``N`` a symbol, or every rank alike)."""
+    """Under FSDP2 with a number for ``N``: ``{rank: (first-step peak, steady peak)}`` of every rank ``0 .. N-1``,
+    where they differ (the padding's rows are missing from the last ranks' optimizer state); None otherwise
+    (another engine, ``N`` a symbol -- the peak formula is then rank 0's, the largest -- or every rank alike).
+
+    A rank's step differs from another's only through the rows it holds of each parameter (:func:`held_shape`),
+    so each distinct set of rows is walked once, however large ``N`` is."""
     import dataclasses
 
     from ..symbols import N
@@ -307,10 +316,44 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     world = derivation.numbers.get(N)
     if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:
         return None
+    world = int(world)
+    firsts = sorted({int(derivation.evaluate(shape[0])) for shape in _stored(step.graph).values() if shape})
+    by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
     found = {}
-    for rank in (0, int(world) - 1):
-        options = {**step.options, RANK_OPTION: rank}
-        d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={}, _all=None,
-                                                                     _written=None))
-        found[rank] = (int(d.value("peak_first_step")), int(d.value("peak")))
+    for rank in range(world):
+        rows = tuple(int(held_shape((d,), world, rank)[0]) for d in firsts)
+        if rows not in by_rows:
+            options = {**step.options, RANK_OPTION: rank}
+            d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={},
+                                                                         _all=None, _written=None))
+            by_rows[rows] = (int(d.value("peak_first_step")), int(d.value("peak")))
+        found[rank] = by_rows[rows]
     return found if len(set(found.values())) > 1 else None
+
+
+def _stored(graph: Any) -> dict[str, tuple[sympy.Expr, ...]]:
+    """Every parameter of ``graph`` as its module stores it (as the step's Simulation lists them)."""
+    params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
+    for n in graph.nodes:
+        node = graph.node(n)
+        if node.kind == "parameter":
+            params.append((n, node.params["value"]))
+        else:
+            params += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
+    return stored_shapes(graph, params)
+
+
+def rank_ranges(ranks: Mapping[int, tuple[int, int]]) -> list[tuple[int, int, tuple[int, int]]]:
+    """Consecutive ranks with the same peaks as ``(first rank, last rank, peaks)``, for a view to print N ranks
+    in a few lines.
+
+    >>> rank_ranges({0: (5, 9), 1: (5, 9), 2: (4, 8), 3: (4, 7)})
+    [(0, 1, (5, 9)), (2, 2, (4, 8)), (3, 3, (4, 7))]
+    """
+    out: list[tuple[int, int, tuple[int, int]]] = []
+    for rank in sorted(ranks):
+        if out and out[-1][2] == ranks[rank] and out[-1][1] == rank - 1:
+            out[-1] = (out[-1][0], rank, ranks[rank])
+        else:
+            out.append((rank, rank, ranks[rank]))
+    return out

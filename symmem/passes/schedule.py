@@ -43,6 +43,7 @@ from ..tensor import TensorSpec, dtype_bytes
 from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
 from . import data_parallel, zero_redundancy
+from .fsdp1 import FSDP1, Fsdp1
 from .saved import kept
 from .storage import Branch, is_view
 
@@ -184,12 +185,18 @@ class Simulation:
         rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
         held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
                 for name, shape in params}
-        self.step_numel = {name: shape_numel(held[name]) for name, _ in params}
-        for name, _ in params:
-            each = self.fsdp.shard[name] if self.fsdp else self.numel[name]
+        #: FSDP1's optimizer steps on one flat shard per unit (passes/fsdp1.py), not on the parameters
+        self.flat: list[tuple[str, tuple[sympy.Expr, ...]]] | None = None
+        if isinstance(self.fsdp, Fsdp1):
+            self.flat = [(name, (k,)) for name, k in self.fsdp.flat_params()]
+            held = dict(self.flat)
+        stepped = self.flat if self.flat is not None else params
+        self.step_numel = {name: shape_numel(held[name]) for name, _ in stepped}
+        for name, _ in stepped:
+            each = self.fsdp.shard[name] if self.fsdp and self.flat is None else self.step_numel[name]
             self.start.append(self.new(f"{name}.weights", "parameter", each * zero_weights))
         self.state_ids: dict[str, list[int]] = {}
-        for name, _ in params:
+        for name, _ in stepped:
             ids = [self.new(f"{name}.{s}", "optimizer_state", e / self.zero_shards(s))
                    for s, e in regime.optimizer_spec.state_bytes(held[name])]
             # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
@@ -208,7 +215,8 @@ class Simulation:
         the others' state storages are never born."""
         self.owned = zero_redundancy.owned(self.regime, self._listed(), options)
         mine = None if self.owned is None else {name for name, _ in self.owned}
-        self.states = [i for name, _ in self.params for i in self.state_ids[name] if mine is None or name in mine]
+        stepped = self.flat if self.flat is not None else self.params  # FSDP1 steps its flat shards
+        self.states = [i for name, _ in stepped for i in self.state_ids[name] if mine is None or name in mine]
 
     def zero_shards(self, component: str) -> sympy.Expr:
         """N where the regime's ZeRO stage shards ``component`` (training.ZERO_STAGE_OF_CLASS), else 1."""
@@ -216,12 +224,15 @@ class Simulation:
 
     def _sharding(self, weights_bytes: int) -> data_parallel.Fsdp | None:
         """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""
-        if self.regime.data_parallel not in data_parallel.SHARDED:
+        engine = self.regime.data_parallel
+        if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
         if self.regime.micro_batches != 1 or self.regime.checkpoint != "none" or self.regime.precision != "fp32":
-            raise SymmemError(f"the peak under data_parallel={self.regime.data_parallel!r} is modelled for one "
-                              "micro-batch without checkpointing in fp32 (FSDP2's mixed-precision policy is not)")
-        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[self.regime.data_parallel])
+            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch without "
+                              "checkpointing in fp32 (FSDP's mixed-precision policies are not)")
+        if engine in FSDP1:
+            return Fsdp1(self, N, weights_bytes, FSDP1[engine])
+        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine])
 
     def _plan(self, keep_logits: bool) -> None:
         """When forward values die, which nodes run backward, the checkpointed segments and what they hold."""
@@ -237,6 +248,15 @@ class Simulation:
             if out is not None:
                 self.held_to_end.add(base[out])
         last_use = {s: max(pos[u] for u in us) for s, us in self.uses.items()}
+        # a value a caller's local variable holds past its last use (graph.graph["held_until"]: node -> the node
+        # until whose forward it lives, or "forward": until the model's forward returns -- after the loss for a
+        # causal LM that takes labels; the causal LM loss's padded labels, symmem/loss.py; Llama's position ids)
+        model = [n for n in self.order if graph.node(n).group != "loss"]
+        ends = self.order[-1] if graph.graph.get("causal_lm") or not model else model[-1]
+        for s, until in graph.graph.get("held_until", {}).items():
+            until = ends if until == "forward" else until
+            if s in base and until in pos:
+                last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
         self.dies_forward: dict[int, list[str]] = defaultdict(list)
         for s in set(base.values()):
             if s in self.keepers or s in self.held_to_end or graph.node(s).kind in _HELD:
@@ -551,6 +571,8 @@ class Simulation:
     def _listed(self) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
         """The parameters as model.parameters() lists them: a module's own parameters before its submodules'
         (free-standing ones -- a class token, a position table -- first, then the layers' in the order they run)."""
+        if self.flat is not None:
+            return self.flat
         free = {n for n in self.order if self.graph.node(n).kind == "parameter"}
         return sorted(self.params, key=lambda p: p[0] not in free)
 

@@ -18,9 +18,9 @@ the largest of the later steps' (DDP rebuilds its buckets in step 2).
 
 What the recorder cannot see: gloo's own buffers for a collective (its worker threads allocate outside the
 dispatcher; an all-reduce of a contiguous CPU tensor runs in place; the copy of a reduce-scatter's input it
-makes, which the recorder does see, is left out of FSDP's peaks) and, on GPUs, NCCL's communicator buffers:
-like the CUDA workspaces they are a band outside tensor accounting (docs/regimes.md).  Needs ``torch`` with
-``torch.distributed`` (imported lazily).
+makes, which the recorder does see, is left out of FSDP's peaks, FSDP2's and FSDP1's alike) and, on GPUs,
+NCCL's communicator buffers: like the CUDA workspaces they are a band outside tensor accounting
+(docs/regimes.md).  Needs ``torch`` with ``torch.distributed`` (imported lazily).
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 SHARDED = ("fsdp", "fsdp-no-reshard")
 #: ``DistributedDataParallel(model)`` with ``ZeroRedundancyOptimizer(params, optimizer_class=...)`` (ZeRO-1)
 ZERO = "zero-redundancy"
-ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED)
+#: FSDP1 (``FullyShardedDataParallel``, FULL_SHARD or SHARD_GRAD_OP): :mod:`symmem.record.fsdp1_runs`
+FSDP1 = ("fsdp1", "fsdp1-grad-op")
+ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
 
 
 @dataclass(frozen=True)
@@ -198,9 +200,9 @@ def _run_job(job: Job, rank: int, group: Any = None) -> RankPeak:
     from .live_bytes import LiveTracker
 
     module, inputs, target = _reference(job)
-    if job.engine in SHARDED:
+    if job.engine in SHARDED or job.engine in FSDP1:
         if group is not None:
-            raise SymmemError("FSDP2's runs take the whole world, not a group of it")
+            raise SymmemError("FSDP's runs take the whole world, not a group of it")
         return _run_sharded(job, rank, module, inputs, target)
     wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view",
                                       process_group=group)
@@ -240,10 +242,16 @@ def zero_optimizer(params: Sequence[Any], optimizer: str, impl: str, lr: float, 
 
 
 def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], target: Any) -> RankPeak:
-    from .sharded import run_sharded
+    if job.engine in FSDP1:
+        from .fsdp1_runs import STRATEGIES, run_fsdp1
 
-    trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                        steps=job.steps, reshard=job.engine == "fsdp")
+        trace = run_fsdp1(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
+                          steps=job.steps, strategy=STRATEGIES[job.engine])
+    else:
+        from .sharded import run_sharded
+
+        trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
+                            steps=job.steps, reshard=job.engine == "fsdp")
     # storages first seen as an op's aliased output here are gloo's copies inside a collective (the reduce-scatter
     # input, split on the way out): outside tensor accounting, as NCCL's buffers are on a GPU; left out
     gloo = {s.sid for s in trace.storages if s.category == "external"}

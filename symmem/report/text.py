@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from ..errors import SymmemError
-from ..passes.data_parallel import rank_peaks
+from ..passes.data_parallel import rank_peaks, rank_ranges
 from ..passes.zero_redundancy import partition_at, state_per_rank
 from ..simplify import factored, rounded
 from ..units import UNITS
@@ -338,7 +338,8 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
     ranks = rank_peaks(d)
     if ranks:  # FSDP's ranks differ (padding): the lines above are rank 0's, the largest
         lines += textwrap.wrap("peak per rank (first step / steady): " + "; ".join(
-            f"{_ranks_named(rs)}: {f:,} / {v:,} B" for rs, (f, v) in _runs(ranks))
+            f"rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {f:,} / {v:,} B"
+            for a, b, (f, v) in rank_ranges(ranks))
             + f" (the peak above is rank {getattr(d.peak_at(), 'rank', 0)}'s, the largest)" + _partition_note(d),
             max(width, 40))
     each = per_device(d)
@@ -346,21 +347,6 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each["peak_per_stage"]))
         lines += _totals(f"{'peak per stage (MiB)':<{key_width}} {'':>12}           ", stages, width, cut)
     return lines
-
-
-def _runs(ranks: dict[int, tuple[int, int]]) -> list[tuple[list[int], tuple[int, int]]]:
-    """Consecutive ranks with the same peaks, together (ZeRO-1's ranks that own nothing are many)."""
-    out: list[tuple[list[int], tuple[int, int]]] = []
-    for r, peaks in ranks.items():
-        if out and out[-1][1] == peaks and out[-1][0][-1] == r - 1:
-            out[-1][0].append(r)
-        else:
-            out.append(([r], peaks))
-    return out
-
-
-def _ranks_named(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
 
 def _partition_note(d: Derivation) -> str:

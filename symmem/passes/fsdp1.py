@@ -1,0 +1,133 @@
+"""FSDP1 (``FullyShardedDataParallel``) in one rank's training step, as the schedule (:mod:`.schedule`) walks it.
+
+``fsdp1`` is ``FullyShardedDataParallel(model, sharding_strategy=FULL_SHARD,
+auto_wrap_policy=ModuleWrapPolicy({Block}))`` -- one unit per repeated block, the root holding every other
+parameter -- and ``fsdp1-grad-op`` the same with ``SHARD_GRAD_OP``; every other option at its default
+(``use_orig_params=False``, ``backward_prefetch=BACKWARD_PRE``, ``forward_prefetch=False``).  Measured on gloo
+runs (:mod:`symmem.record.fsdp1_runs`, ``tests/test_fsdp1.py``, docs/regimes.md), per unit ``u`` with ``n_u``
+the number of its parameters' elements and ``k_u = ceil(n_u / N)``:
+
+* **FlatParameter** -- a unit's parameters are flattened and concatenated into one flat parameter of ``n_u``
+  elements, padded at its end to ``N * k_u`` (no alignment padding without ``use_orig_params``) and split
+  evenly: every rank stores ``k_u`` elements, padding included, and so do the optimizer's state and the sharded
+  gradient -- every rank holds the same bytes (unlike FSDP2, whose per-parameter shards leave the padding out of
+  the optimizer state).  The optimizer steps on one flat shard per unit, the root's first: AdamW's for-loop
+  temporaries are a flat shard's size.
+* **unsharded flat parameter** ``P_u`` (``N * k_u`` elements, one storage that FSDP resizes) -- allocated at the
+  unit's pre-forward (the all-gather writes into it); ``FULL_SHARD`` frees it at the post-forward, except the
+  root's, which stays from its pre-forward to its post-backward; ``SHARD_GRAD_OP`` keeps every unit's from
+  forward to its post-backward.  In backward a unit's pre-backward all-gathers it again where it was freed and
+  prefetches the next unit in backward order (``BACKWARD_PRE``).
+* **gradients** -- each parameter's gradient waits (autograd's input buffer of the flat parameter's
+  ``split``) until the unit's last one is made; then they are concatenated into the unsharded flat gradient
+  ``F_u`` (``n_u`` elements) and freed.  The post-backward frees ``P_u``, pads ``F_u`` into a copy of ``N * k_u``
+  elements where ``N`` does not divide ``n_u``, makes the sharded gradient ``G_u`` (``k_u``), reduce-scatters into
+  it and drops ``F_u`` and the padded copy; ``G_u`` becomes the flat parameter's ``.grad`` at the end of backward
+  and ``zero_grad`` frees it.
+
+>>> from symmem import derive
+>>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="adamw", values={"B": 4, "N": 2},
+...            widths="64,127,10", loss="cross-entropy", data_parallel="fsdp1")
+>>> d.value("peak_first_step"), d.value("peak")  # both ranks of a gloo run measure the same
+(121760, 159912)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from ..shapes import numel as shape_numel
+from .data_parallel import Fsdp
+
+#: The FSDP1 engines, and whether each frees a unit's unsharded flat parameter after its forward.
+FSDP1 = {"fsdp1": True, "fsdp1-grad-op": False}
+
+
+class Fsdp1(Fsdp):
+    """FSDP1's flat parameters and buffers in one rank's step (the module's docstring); the units, their first
+    and last nodes and the root are :class:`~symmem.passes.data_parallel.Fsdp`'s."""
+
+    def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
+        super().__init__(sim, world, weight_bytes, reshard)
+        numel = {name: shape_numel(shape) for name, shape in sim.params}
+        #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
+        self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
+        self.flat_shard = {u: sympy.ceiling(n / world) for u, n in self.flat.items()}
+
+    def flat_params(self) -> list[tuple[str, sympy.Expr]]:
+        """The flat parameters as ``model.parameters()`` lists them (what the optimizer steps on): the root's
+        first, then each unit's; ``(name, elements of one rank's shard)``."""
+        return [(f"flat[{'root' if u is None else u}]", self.flat_shard[u]) for u in [None, *self.units]
+                if self._has(u)]
+
+    def _name(self, unit: Any) -> str:
+        return "root" if unit is None else str(unit)
+
+    def _gather(self, unit: Any, phase: str, with_params: bool = True) -> None:
+        """Allocate ``P_u`` (the all-gather writes into it); FSDP1 has no separate all-gather output."""
+        if unit in self.unsharded or not self._has(unit):
+            return
+        sid = self.sim.new(f"fsdp1.unsharded[{self._name(unit)}]", "parameter",
+                           self.world * self.flat_shard[unit] * self.wb)
+        self.unsharded[unit] = [sid]
+        self.sim.event(phase, self.at, [sid], [])
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        self.at = self.sim.order[0] if self.sim.order else None
+        self._gather(None, "forward")
+
+    def before_forward(self, n: str) -> None:
+        self.at = n
+        unit = self.first_node.get(n)
+        if unit is not None:
+            self._gather(unit, "forward")
+
+    def end_forward(self) -> None:
+        """The root's post-forward keeps the root's flat parameter unsharded (FSDP1 never frees it there)."""
+
+    # -- backward -------------------------------------------------------------------------------------------
+    def pre_backward(self, unit: Any) -> None:
+        if unit in self.started_backward:
+            return
+        self.started_backward.add(unit)
+        self._gather(unit, "backward")
+        nxt = self._next_backward(unit)
+        if nxt is not None:
+            self._gather(nxt, "backward")  # BACKWARD_PRE prefetch
+
+    def post_backward(self, unit: Any) -> None:
+        if unit in self.done_backward or not self._has(unit):
+            return
+        self.done_backward.add(unit)
+        sim, name = self.sim, self._name(unit)
+        grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
+        flat = sim.new(f"fsdp1.flat_grad[{name}]", "temporary", self.flat[unit] * sim.grad_bytes)
+        sim.event("backward", self.at, [flat], [])
+        sim.event("backward", self.at, [], grads)
+        self._reshard(unit, "backward")
+        padded = self.world * self.flat_shard[unit]
+        # F.pad copies the flat gradient only where N does not divide it: Min(1, padding) is 0 or 1
+        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary",
+                      sympy.Min(1, padded - self.flat[unit]) * padded * sim.grad_bytes)
+        shard = sim.new(f"fsdp1.sharded_grad[{name}]", "gradient", self.flat_shard[unit] * sim.grad_bytes)
+        self.sharded_grads.append(shard)
+        sim.event("backward", self.at, [pad], [])
+        sim.event("backward", self.at, [shard], [])
+        sim.event("backward", self.at, [], [flat, pad])
+
+    def after_backward(self, n: str) -> None:
+        self.at = n
+        unit = self.unit_of.get(n)
+        if unit is not None and self.last_backward.get(unit) == n:
+            self.post_backward(unit)
+
+    def end_backward(self) -> list[int]:
+        """The root's post-backward, after every other op's backward (its flat parameter's gradient is the last
+        to be complete); nothing more is freed at the backward's end."""
+        self.at = None
+        self.pre_backward(None)
+        self.post_backward(None)
+        return []

@@ -1,0 +1,117 @@
+"""One rank's training step under FSDP1 (``FullyShardedDataParallel``), recorded with the live-bytes recorder made
+to see what FSDP does (used by :mod:`symmem.record.distributed` inside a worker process).
+
+The module is wrapped as FSDP1's users wrap a transformer: ``FullyShardedDataParallel(model,
+sharding_strategy=FULL_SHARD or SHARD_GRAD_OP, auto_wrap_policy=ModuleWrapPolicy({Block}),
+device_id=torch.device("cpu"))`` -- one unit per repeated block (the class of a ``ModuleList``'s items; a
+``Sequential``'s children with parameters, by class, for an MLP), the root holding every other parameter --
+with every other option at its default (``use_orig_params=False``: each unit's parameters are one flat
+``FlatParameter``; ``backward_prefetch=BACKWARD_PRE``; ``forward_prefetch=False``; ``limit_all_gathers=True``).
+FSDP1 runs on the CPU with gloo in torch 2.13 (``device_id=torch.device("cpu")``).
+
+The recorder is :class:`~symmem.record.sharded.ShardTracker` (it follows ``UntypedStorage.resize_``, with which
+FSDP1 too frees and re-allocates each unit's padded unsharded flat parameter), whose mode here lets a
+``FlatParameter`` (an ``nn.Parameter`` subclass without a dispatch of its own) through as a plain tensor.
+
+Needs ``torch`` with ``torch.distributed`` (imported lazily).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sharded import ShardTracker
+
+#: The engine names and FSDP1's ``ShardingStrategy`` each runs.
+STRATEGIES = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP"}
+
+
+class FlatTracker(ShardTracker):
+    """:class:`ShardTracker` whose mode treats ``nn.Parameter`` subclasses (FSDP1's ``FlatParameter``) as plain
+    tensors: they hold their data and have no ``__torch_dispatch__``."""
+
+    def __enter__(self) -> FlatTracker:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from .live_bytes import tensors
+
+        if not self._started:
+            self.events.append(("boundary", 0, "start"))
+            self._started = True
+        observe = self.observe
+
+        def plain(t: type) -> bool:
+            return t is torch.Tensor or issubclass(t, torch.nn.Parameter)
+
+        class _FlatMode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(issubclass(t, FakeTensor) for t in types):
+                    return func(*args, **(kwargs or {}))
+                if not all(plain(t) for t in types):
+                    return NotImplemented
+                out = func(*args, **(kwargs or {}))
+                if any(isinstance(t, FakeTensor) for t in tensors(out)):
+                    return out
+                observe(func, args, kwargs, out)
+                return out
+
+        self._mode = _FlatMode()
+        self._mode.__enter__()
+        return self
+
+
+def units(module: Any) -> list[Any]:
+    """The modules FSDP1 wraps as units: a ``ModuleList``'s items, else a ``Sequential``'s children that have
+    parameters (the classes given to ``ModuleWrapPolicy``; every instance of them is a unit)."""
+    import torch
+
+    blocks = [m for lst in module.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    if not blocks and isinstance(module, torch.nn.Sequential):
+        blocks = [m for m in module if any(True for _ in m.parameters())]
+    return blocks
+
+
+def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
+              steps: int, strategy: str) -> Any:
+    """Wrap ``module`` in FSDP1 with ``strategy`` (``FULL_SHARD`` or ``SHARD_GRAD_OP``) and record ``steps``
+    steps; returns the :class:`StepTrace`."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from .optim import make_optimizer, state_tensors
+    from .steps import loss_value
+
+    takes_labels = bool(getattr(module, "takes_labels", False)) and loss
+    classes = int(module.lm_head.out_features) if takes_labels else 0
+    policy = ModuleWrapPolicy({type(b) for b in units(module)})
+    wrapped = FullyShardedDataParallel(module, sharding_strategy=getattr(ShardingStrategy, strategy),
+                                       auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    wrapped.train()
+    if takes_labels and target is None:
+        target = torch.randint(0, classes, tuple(inputs[0].shape), generator=torch.Generator().manual_seed(0))
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    opt = make_optimizer(params, optimizer, impl)
+    tracker = FlatTracker()
+    tracker.register(params, "parameter")
+    tracker.register(list(wrapped.buffers()), "buffer")
+    tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
+    with tracker.resizes(), tracker:
+        for step in range(1, steps + 1):
+            with tracker.phase(step, "forward"), tracker.saving():
+                out = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
+            with tracker.phase(step, "loss"), tracker.saving():
+                value = out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
+                out = None
+            with tracker.phase(step, "backward"):
+                value.backward()
+                tracker.label([p.grad for p in params if p.grad is not None], "gradient")
+                del value
+            with tracker.phase(step, "step"):
+                opt.step()
+                tracker.label(list(state_tensors(opt)), "optimizer_state")
+            with tracker.phase(step, "zero_grad"):
+                opt.zero_grad(set_to_none=True)
+    return tracker.trace(steps)
