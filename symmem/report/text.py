@@ -62,6 +62,9 @@ def peak(d: Derivation) -> dict[str, Any] | None:
     if ranks:  # FSDP's ranks differ (padding): the peak is rank 0's, the largest (passes/data_parallel.py)
         out["values"]["peak_per_rank"] = {str(r): {"peak": s, "peak_first_step": f} for r, (f, s) in ranks.items()}
         out["peak_at"]["rank"] = 0
+    each = getattr(d.step, "per_rank", None)
+    if callable(each):  # tensor parallelism: every rank alike, the peak is rank 0's (passes/tensor_step.py)
+        out["peak_at"]["rank"] = each(d.numbers)["peak_rank"]
     return out
 
 
