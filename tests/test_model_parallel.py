@@ -47,7 +47,8 @@ def test_against_the_engines():
     from symmem.record.model_parallel_runs import runs
 
     jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
-    jobs += [("tensor", "llama", values, options) for values, options in TENSOR + SEQUENCE]
+    # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder
+    jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in TENSOR + SEQUENCE]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
     everything = runs(2, jobs)
     measured = [rank[:len(CASES)] for rank in everything]
@@ -59,6 +60,8 @@ def test_against_the_engines():
         tensor_parallel_rank_to_the_byte(everything, case)
     for case in range(len(SEQUENCE)):
         sequence_parallel_rank_to_the_byte(everything, case)
+    for case, (values, options) in enumerate(TENSOR + SEQUENCE):
+        tensor_parallel_peak_to_the_byte([rank[len(CASES) + case] for rank in everything], values, options, 2)
     for case in range(len(LLAMA_CASES)):
         llama_stages(everything, case)
 
@@ -312,3 +315,52 @@ def test_the_cross_entropy_backward_is_two_nodes_on_one_device():
     assert (d.value("peak"), d.value("peak_first_step")) == (real.measured, real.measured_first) == (
         9_586_552, 8_071_944)
     assert real.measured_where == "LogSoftmaxBackward0" and d.peak_at().where() == "backward loss, steady step"
+
+
+def tensor_parallel_peak_to_the_byte(real, values, options, world):
+    """derive --tensor-parallel [--sequence-parallel]: values.peak and peak_first_step are every rank's measured
+    step peaks (DTensor's local ops recorded, each moment at its fewest bytes over the repeated steps), with the
+    rank named in the JSON and the table; the formula is in B, S and t."""
+    from symmem import derive
+
+    d = derive("llama", tensor_parallel=True, values={**values, "t": world}, device="cpu", **options)
+    for rank in real:
+        assert (d.value("peak"), d.value("peak_first_step")) == (rank.steady_peak, rank.first_peak), (
+            options, rank.rank, rank.peaks)
+    out = d.to_dict()
+    assert out["values"]["peak"] == real[0].steady_peak and out["peak_at"]["rank"] == 0
+    assert f"rank 0 of {world} (every rank alike)" in str(d)
+    assert {"B", "S", "t"} <= {s.name for s in d.peak.free_symbols}
+
+
+#: Four ranks (the heads, the key/value heads, the MLP width and the vocabulary split four ways): eager attention
+#: (the peak at the forward's end, the head's all-gather), and SDPA with sequence parallelism (the optimizer step)
+FOUR = [({"B": 2, "S": 8, "H": 32, "h": 8, "G": 4, "L": 1, "V": 128, "F": 128}, {"attention": "naive"}),
+        ({"B": 2, "S": 8, "H": 32, "h": 8, "G": 8, "L": 1, "V": 128, "F": 128},
+         {"attention": "sdpa", "sequence_parallel": True})]
+
+
+def test_tensor_parallel_peak_on_four_ranks():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.model_parallel_runs import runs
+
+    everything = runs(4, [("tensor", "llama", values, {**options, "peaks": True}) for values, options in FOUR])
+    for case, (values, options) in enumerate(FOUR):
+        tensor_parallel_peak_to_the_byte([rank[case] for rank in everything], values, options, 4)
+
+
+def test_tensor_parallel_peak_refusals(capsys):
+    """Where the tensor-parallel peak was not measured, every view says why in one line."""
+    from symmem import derive
+    from symmem.cli import main
+
+    values = {**TENSOR[0][0], "t": 2}
+    for kwargs, why in [({"device": "cuda"}, "the tensor-parallel peak is measured on CPU ranks (gloo)"),
+                        ({"device": "cpu", "loss": "cross-entropy"}, "modelled for the loss 'sum'"),
+                        ({"device": "cpu", "precision": "mixed"}, "modelled for FP32 Adam/AdamW")]:
+        out = derive("llama", tensor_parallel=True, values=values, **kwargs).to_dict()
+        assert out["values"]["peak"] is None and why in out["peak_refused"], kwargs
+    assert main(["derive", "gpt2", "--tensor-parallel"]) == 0
+    assert "no peak: the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not gpt2" in (
+        capsys.readouterr().out)

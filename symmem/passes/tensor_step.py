@@ -62,7 +62,7 @@ class RankMoment(Moment):
 
 
 @dataclass(frozen=True)
-class RankPeak:
+class RankMoments:
     """One rank's step as formulas: what lives between steps, the forward's end and the optimizer step's largest
     moment (steady), and the first step's forward end (no optimizer state yet)."""
 
@@ -76,7 +76,7 @@ class RankPeak:
         return sympy.Max(self.forward_end, self.step)
 
 
-def rank_peak(graph: Graph, rank: Any, sequence: bool) -> RankPeak:
+def rank_peak(graph: Graph, rank: Any, sequence: bool) -> RankMoments:
     """The moments of one rank's step (see the module's note) from its :class:`TensorRank` ``rank``."""
     from ..symbols import t
     from .model_parallel import _bytes, _module_buffers
@@ -96,7 +96,7 @@ def rank_peak(graph: Graph, rank: Any, sequence: bool) -> RankPeak:
     kept = 2 * hidden / t if sequence else hidden
     forward_end = at_rest + rank.saved + kept + constants + logits / t + 2 * logits
     step = at_rest + rank.gradients + _step_temporaries(graph)
-    return RankPeak(at_rest, forward_end, step, forward_end - rank.optimizer_state)
+    return RankMoments(at_rest, forward_end, step, forward_end - rank.optimizer_state)
 
 
 def _step_temporaries(graph: Graph) -> sympy.Expr:
@@ -137,7 +137,7 @@ class TensorStep:
     """The step of one tensor-parallel rank (DTensor's standard plan; ``numbers`` the derivation's, ``t``
     included): the peak per device is every rank's, ``Max`` of the forward's end and the optimizer step."""
 
-    moments: RankPeak
+    moments: RankMoments
     numbers: Mapping[sympy.Symbol, int]
     domain_: tuple[sympy.Basic, ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -198,7 +198,7 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
     return None
 
 
-def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequence: bool) -> RankPeak:
+def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequence: bool) -> RankMoments:
     """:func:`rank_peak` from the single-device ``storages`` (the pytorch convention)."""
     from .model_parallel import tensor_rank
 
