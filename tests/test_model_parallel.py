@@ -364,3 +364,15 @@ def test_tensor_parallel_peak_refusals(capsys):
     assert main(["derive", "gpt2", "--tensor-parallel"]) == 0
     assert "no peak: the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not gpt2" in (
         capsys.readouterr().out)
+    # t must split the vocabulary evenly too (the heads and the MLP width: derive's own check)
+    out = derive("llama", tensor_parallel=True, values={**values, "V": 63}, device="cpu").to_dict()
+    assert out["peak_refused"].startswith("no peak: t=2 does not divide V=63: DTensor's plan splits the heads")
+    sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+    odd = [a for k, v in {**values, "F": 65}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["ranks", "llama", "--tensor-parallel", "--device", "cpu", *odd]) == 2
+    assert "needs t to divide F (Mod(F, t) = 0), which fails at F=65, t=2" in capsys.readouterr().err
+    # symmem ranks ends with the peak derive gives (the value checked against the engine above)
+    assert main(["ranks", "llama", "--tensor-parallel", "--attention", "naive", "--device", "cpu", *sets]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "peak per rank: 126,288 bytes at rank 0 of 2 (every rank alike): forward's end (the head's all-gather); "
+        "first step 124,624")

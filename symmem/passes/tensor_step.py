@@ -147,6 +147,7 @@ class TensorStep:
         return int(found["t"]) if "t" in found else sympy.Symbol("t", positive=True, integer=True)
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        even({s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()})
         if "peak" not in self._cache:
             r, ranks = self.moments, self._ranks()
             made = []
@@ -178,6 +179,21 @@ class TensorStep:
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         raise SymmemError("the tensor-parallel peak in CUDA's 512-byte blocks is not modelled: the peak per device "
                           "is in bytes of tensors")
+
+
+def even(numbers: Mapping[str, int]) -> None:
+    """Refuse sizes the plan cannot split evenly: ``t`` must divide the heads (``h``, ``G``), the MLP width (``F``)
+    and the vocabulary (``V``); DTensor would pad the last shard, which is not modelled."""
+    size = numbers.get("t")
+    if size is None:
+        return
+    if size < 1:
+        raise SymmemError(f"the tensor-parallel size t must be at least 1, got t={size}")
+    for name in ("h", "G", "F", "V"):
+        if name in numbers and numbers[name] % size:
+            raise SymmemError(f"t={size} does not divide {name}={numbers[name]}: DTensor's plan splits the heads (h, "
+                              "G), the MLP width (F) and the vocabulary (V) evenly over the ranks (uneven shards are "
+                              "padded: not modelled)")
 
 
 def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
