@@ -244,7 +244,9 @@ def _tensor_step(model: Model, convention: Convention, regime: Regime, values: M
     why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
     if why is not None:
         return Refused(f"no peak: {why}")
-    return TensorStep(storages_rank(graph, single.storages, one, regime.sequence_parallel), dict(numbers))
+    resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    return TensorStep(storages_rank(graph, single.storages, one, regime.sequence_parallel), dict(numbers), graph,
+                      convention, resolved, one, regime.sequence_parallel)
 
 
 def ledger_of(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,

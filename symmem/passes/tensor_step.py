@@ -69,17 +69,15 @@ class RankMoments:
     at_rest: sympy.Expr
     forward_end: sympy.Expr
     step: sympy.Expr
-    first_forward_end: sympy.Expr
-
-    @property
-    def peak(self) -> sympy.Expr:
-        return sympy.Max(self.forward_end, self.step)
+    optimizer_state: sympy.Expr
+    #: the final norm's backward, the first of the head's (steady; the first step's is lower by the state)
+    backward: sympy.Expr = sympy.Integer(0)
 
 
-def rank_peak(graph: Graph, rank: Any, sequence: bool) -> RankMoments:
+def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) -> RankMoments:
     """The moments of one rank's step (see the module's note) from its :class:`TensorRank` ``rank``."""
     from ..symbols import t
-    from .model_parallel import _bytes, _module_buffers
+    from .model_parallel import _bytes, _module_buffers, local_saved
 
     act = "float32"
     nodes = list(graph.program_order())
@@ -96,7 +94,21 @@ def rank_peak(graph: Graph, rank: Any, sequence: bool) -> RankMoments:
     kept = 2 * hidden / t if sequence else hidden
     forward_end = at_rest + rank.saved + kept + constants + logits / t + 2 * logits
     step = at_rest + rank.gradients + _step_temporaries(graph)
-    return RankMoments(at_rest, forward_end, step, forward_end - rank.optimizer_state)
+    # the final norm's backward: what the head and the final norm kept is gone, their weights' gradients made (the
+    # head's local), five temporaries of the norm's input (S split under sequence parallelism), the loss and its
+    # gradient seed (4 bytes each); the embedding's all-reduce (reduce-scatter) output beside its wrapper still
+    head_saved = sum((local_saved(graph, s, sequence) for s in storages
+                      if s.category in ("activation", "loss") and s.group == "head"), sympy.Integer(0))
+    stream = hidden / t if sequence else hidden
+    head_grads = sympy.Integer(0)
+    for n in outside:
+        node = graph.node(n)
+        if node.group == "head":
+            for shape in ([tuple(node.params["value"])] if node.kind == "parameter" else
+                          [tuple(x) for x in node.params.values()]):
+                head_grads += numel(shape) * 4 / (t if len(shape) >= 2 else 1)
+    backward = at_rest + rank.saved - head_saved + stream + 5 * stream + 8 + head_grads
+    return RankMoments(at_rest, forward_end, step, rank.optimizer_state, backward)
 
 
 def _step_temporaries(graph: Graph) -> sympy.Expr:
@@ -135,46 +147,73 @@ def _step_temporaries(graph: Graph) -> sympy.Expr:
 @dataclass(eq=False)
 class TensorStep:
     """The step of one tensor-parallel rank (DTensor's standard plan; ``numbers`` the derivation's, ``t``
-    included): the peak per device is every rank's, ``Max`` of the forward's end and the optimizer step."""
+    included): the peak per device is every rank's, the ``Max`` of the forward's end, the final norm's backward,
+    the optimizer step and the layers' largest moment (:class:`_LayerWalk` of the single-device step of
+    ``graph`` under ``conv``, ``options`` and ``regime``, without tensor parallelism)."""
 
     moments: RankMoments
     numbers: Mapping[sympy.Symbol, int]
-    domain_: tuple[sympy.Basic, ...] = ()
+    graph: Graph
+    conv: Any
+    options: Mapping[str, Any]
+    regime: Regime
+    sequence: bool = False
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
-    def _ranks(self) -> int | sympy.Expr:
-        found = {s.name: v for s, v in self.numbers.items()}
-        return int(found["t"]) if "t" in found else sympy.Symbol("t", positive=True, integer=True)
+    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
+        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
-        even({s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()})
-        if "peak" not in self._cache:
-            r, ranks = self.moments, self._ranks()
-            made = []
-            for step, forward in (("steady", r.forward_end), ("first", r.first_forward_end)):
-                made.append(RankMoment("forward", "lm_head", "", step, {"live": forward}, ranks=ranks,
-                                       what="forward's end (the head's all-gather)"))
-                made.append(RankMoment("step", None, "", step, {"live": r.step}, ranks=ranks,
-                                       what="the optimizer step"))
-            self._cache["peak"] = Peak(None, None, tuple(made), self.domain_)
-        return self._cache["peak"]
+        named = self._named(at)
+        even(named)
+        if self.sequence:
+            raise SymmemError("the peak under sequence parallelism is not modelled: its layers' backward (the "
+                              "reduce-scatters of the column-parallel input gradients, the all-gathers of the "
+                              "stream) can exceed the forward's end and the optimizer step (symmem ranks gives "
+                              "each rank's parts)")
+        key = tuple(sorted(named.items()))
+        if key not in self._cache:
+            missing = [n for n in ("L", "t") if n not in named]
+            if missing:
+                raise SymmemError(f"the tensor-parallel peak walks the layers at numbers: give {', '.join(missing)}")
+            if len(self._cache) > 16:
+                self._cache.clear()
+            self._cache[key] = self._peak(named)
+        return self._cache[key]
+
+    def _peak(self, named: Mapping[str, int]) -> Peak:
+        r, ranks = self.moments, named["t"]
+        layer, phase, node = _LayerWalk(self.graph, self.conv, self.options, self.regime, named).largest()
+        from .unroll import iteration, template
+
+        where = f"{phase} {template(node)} (layer {iteration(node)})"
+        made = []
+        for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
+            for ph, what, live in (("forward", "forward's end (the head's all-gather)", r.forward_end),
+                                   ("backward", "the final norm's backward", r.backward),
+                                   (phase, where, r.at_rest + layer)):
+                made.append(RankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
+            made.append(RankMoment("step", None, "", step, {"live": r.step}, ranks=ranks, what="the optimizer step"))
+        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+                       if n in ("L",))
+        return Peak(None, None, tuple(made), others)
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
         """Every rank's steady-step peak at ``numbers`` (all alike), and the rank named as the largest."""
         merged = {**self.numbers, **numbers}
-        value = self.peak().value(merged)
-        ranks = {s.name: int(v) for s, v in merged.items()}.get("t", 1)
-        return {"peak_per_rank": [value] * ranks, "peak_rank": 0}
+        value = self.peak(numbers).value(merged)
+        return {"peak_per_rank": [value] * self._named(numbers).get("t", 1), "peak_rank": 0}
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return self.peak().holds_at(numbers)
 
     def domain(self) -> tuple[sympy.Basic, ...]:
-        return tuple(self.domain_)
+        return tuple(self.peak().domain)
 
     def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
-        raise SymmemError("a tensor-parallel rank's timeline is not modelled op by op: its peak is the larger of "
-                          "the forward's end and the optimizer step (symmem ranks gives each part)")
+        raise SymmemError("a tensor-parallel rank's timeline is not drawn op by op: its peak is the largest of "
+                          "the forward's end, the final norm's backward, the layers' largest moment and the "
+                          "optimizer step (symmem ranks gives each rank's parts)")
 
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         raise SymmemError("the tensor-parallel peak in CUDA's 512-byte blocks is not modelled: the peak per device "
@@ -218,4 +257,109 @@ def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequenc
     """:func:`rank_peak` from the single-device ``storages`` (the pytorch convention)."""
     from .model_parallel import tensor_rank
 
-    return rank_peak(graph, tensor_rank(graph, storages, regime, sequence), sequence)
+    return rank_peak(graph, storages, tensor_rank(graph, storages, regime, sequence), sequence)
+
+
+# -- the layers' forward and backward, op by op --------------------------------------------------------------
+class _LayerWalk:
+    """The single-device step of ``graph`` written out at ``numbers`` (:class:`~symmem.passes.schedule.Simulation`),
+    each storage at one rank's size, with what DTensor adds: the largest moment inside the layers (see
+    :func:`layer_moment`)."""
+
+    def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                 numbers: Mapping[str, int]) -> None:
+        from . import branches as size_branches
+        from .schedule import Simulation
+        from .unroll import unroll
+
+        block = next(iter(graph.blocks.values()))
+        self.original = graph
+        self.g = g = unroll(graph, {block.name: int(numbers["L"])})
+        self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
+        branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
+        sim = Simulation(g, conv, options, regime, branch, False)
+        sim.micro_batch()
+        self.tl = sim.timeline(first=False)
+        order = list(g.program_order())
+        self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
+        self.embedding = next(n for n in order if g.node(n).kind == "embedding")
+        linears = [n for n in order if g.node(n).kind == "linear"]
+        self.column = {n for n in linears if g.node(n).role in ("qkv", "mlp_hidden") or n == self.head}
+        self.row = {n for n in linears if n not in self.column}
+        # the forward's constants (the position ids, eager attention's mask), held to the forward's end
+        self.constants = sympy.Add(*(g.node(n).out.numel * (8 if str(g.node(n).out.dtype) == "int64" else 4)
+                                     for n in order if g.node(n).kind == "constant"))
+
+    def local(self, i: int) -> sympy.Expr:
+        """Storage ``i``'s bytes on one rank: split over ``t`` where it has a head or MLP-width dimension (the
+        logits: the vocabulary), twice where a row-parallel all-reduce makes it (its output beside funcol's
+        wrapper), the replicated logits beside the local ones; parameters' gradients as :class:`TensorRank`."""
+        from ..symbols import t
+
+        s = self.tl.storages[i]
+        if s.category in ("parameter", "optimizer_state", "input", "buffer"):
+            return sympy.Integer(0)  # what lives between steps: counted apart (RankMoments.at_rest)
+        size = s.nbytes
+        if s.category == "gradient":
+            return size / t if s.node in self.g and self.g.node(s.node).kind == "linear" else size
+        if s.name in self.row or s.name == self.embedding:
+            return 2 * size
+        if s.name == self.head:
+            return size + size / t
+        return size / t if self._split(s.node, s.name) else size
+
+    def _split(self, node: str | None, name: str) -> bool:
+        from .model_parallel import SPLIT_DIMS
+        from .regimes import TP_ROLES
+        from .unroll import iteration
+
+        if node is None or node not in self.g:
+            return False
+        n = self.g.node(node)
+        source = node
+        suffix = name[len(node):] if name.startswith(node) else ""
+        for before, after in ((".input", "_copy"), (".grad_input", "")):
+            index = suffix[len(before):len(suffix) - len(after)] if suffix.endswith(after) else ""
+            if suffix.startswith(before) and index.isdigit():
+                source = n.inputs[int(index)]
+        if source == self.head:
+            return True
+        src = self.g.node(source)
+        names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
+        return bool(iteration(source)) and (src.role in TP_ROLES or bool(names & set(SPLIT_DIMS)))
+
+    def largest(self) -> tuple[sympy.Expr, str, str]:
+        """The largest moment of the layers' forward and backward at the numbers: (its bytes beside what lives
+        between steps, as a formula; the phase; the op)."""
+        from .unroll import iteration
+
+        tl, subs = self.tl, self.subs
+        sizes = [self.local(i) for i in range(len(tl.storages))]
+        values = [int(sympy.ceiling(x.xreplace(subs))) for x in sizes]
+        alive = set(tl.start)
+        best: tuple[int, int, sympy.Expr] | None = None
+        for k, e in enumerate(tl.events):
+            alive |= set(e.born)
+            if e.phase in ("forward", "backward") and e.node and iteration(e.node):
+                extra = self._collectives(e, alive) + (self.constants if e.phase == "forward" else 0)
+                value = sum(values[i] for i in alive) + int(extra.xreplace(subs))
+                if best is None or value > best[0]:
+                    best = (value, k, sympy.Add(*(sizes[i] for i in alive)) + extra)
+            alive -= set(e.freed)
+        if best is None:
+            return sympy.Integer(0), "backward", ""
+        e = tl.events[best[1]]
+        return best[2], e.phase, str(e.node)
+
+    def _collectives(self, e: Any, alive: set[int]) -> sympy.Expr:
+        """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
+        a column-parallel linear's input gradient, the all-reduce's output and wrapper beside the partial."""
+        tl = self.tl
+        if e.phase == "forward" and e.node in self.row:
+            return sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
+        if e.phase == "backward" and e.node in self.column:
+            grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
+            if grads:
+                return sympy.Max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
+        return sympy.Integer(0)
