@@ -1,29 +1,29 @@
-"""The peak per rank under tensor (and sequence) parallelism as DTensor runs it, behind :class:`symmem.step.Step`.
+"""The peak per rank under tensor parallelism as DTensor runs it, behind :class:`symmem.step.Step`.
 
 ``parallelize_module`` with the standard Llama plan (:func:`symmem.passes.model_parallel.tensor_rank`: the
 embedding row-wise, q/k/v/gate/up column-wise, o/down row-wise, the head column-wise with its output replicated)
 gives every rank the same shapes, so every rank has the same peak.  Measured per rank on gloo
 (``symmem.record.model_parallel_runs``, torch 2.13, the loss ``sum``, for-loop AdamW), the steady step's largest
-moment is one of two:
+moment is one of four (docs/regimes.md, "The step's peak per rank"):
 
 * **the forward's end**, at the head's all-gather: what lives between steps (the local parameter shards, Adam's
   state, the buffers, the batch), every activation autograd keeps on the rank (:class:`TensorRank.saved`), the
-  collective outputs kept beside it -- the embedding's all-reduce output is two storages (the all-reduce's and
-  funcol's autograd wrapper's), one of them saved; under sequence parallelism the reduce-scatter's pair, S split,
-  and the final norm's S-split output, held until the forward ends -- the forward's constants (the position ids,
-  eager attention's causal mask), the head's local logits (``V/t`` wide) and the replicated logits twice (the
+  embedding's all-reduce output beside its saved wrapper, the forward's constants (the position ids, eager
+  attention's causal mask), the head's local logits (``V/t`` wide) and the replicated logits twice (the
   all-gather's output and its wrapper, then the concatenated logits beside the all-gather's);
-* **the optimizer step** (for-loop Adam on the local shards): what lives between steps, every gradient (the
-  embedding's whole: ``V x H``, replicated), and one parameter's ``sqrt`` and ``denom`` beside the previous
-  parameter's ``denom`` (the embedding's replicated gradient is redistributed to its shard by a copy per use:
-  two at once, as large as its two temporaries), in the order the module lists its parameters.
+* **the final norm's backward**: the same less what the head and the final norm kept, their weights' gradients
+  and five temporaries of the norm's input;
+* **the layers' largest moment** (:class:`_LayerWalk`): the single-device step written out at the numbers, each
+  storage at the rank's size, with the collectives' outputs (a row-parallel all-reduce's output beside funcol's
+  wrapper and the partial sum; a column-parallel input gradient's likewise);
+* **the optimizer step** (for-loop Adam on the local shards): every gradient (the embedding's whole: ``V x H``,
+  replicated), one parameter's ``sqrt`` and ``denom`` beside the previous parameter's ``denom`` (the embedding's
+  replicated gradient is redistributed to its shard by copies as large), in the order the module lists them.
 
-Nothing in the backward exceeds both in the runs (its largest moment, the head's and the last norm's backward,
-stays below the optimizer step there); it is not modelled.  The first step: no optimizer state exists before
-AdamW's first step makes it, so the forward's end is lower by the state; its optimizer step is taken as the
-steady one's (an upper bound: the state is made parameter by parameter).  What gloo's worker thread holds past a
-collective's wait (an input or output released when the thread gets to it, at no fixed op) is outside tensor
-accounting; the measurement takes each moment's fewest bytes over three steady steps.
+The first step: no optimizer state exists before AdamW's step, which makes all of it before the update (its
+step's moment is the steady one's).  Sequence parallelism's peak is refused (its layers' backward collectives are
+not modelled).  What gloo's worker thread holds past a collective's wait is outside tensor accounting; the
+measurement lets it go and takes each moment's fewest bytes over repeated steps.
 
 >>> from symmem import derive
 >>> d = derive("llama", tensor_parallel=True, attention="naive", device="cpu",
