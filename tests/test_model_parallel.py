@@ -394,3 +394,18 @@ def test_tensor_parallel_peak_refusals(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == (
         "peak per rank: 126,288 bytes at rank 0 of 2 (every rank alike): forward's end (the head's all-gather); "
         "first step 124,624")
+
+
+def test_fit_under_tensor_parallel():
+    """``fit --tensor-parallel``: the largest B whose rank's peak fits, the step at that B and at B + 1 worked out
+    anew (the layers' moments walked at each B, where the largest op may differ) on each side of the budget."""
+    from symmem import derive
+    from symmem.apps.budget import largest
+
+    values, options = PEAKS[1]
+    d = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+    budget = 4 * 2**20
+    fit = largest(d, "B", budget)
+    at = [derive("llama", tensor_parallel=True, values={**values, "B": b, "t": 2}, device="cpu", **options)
+          .value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)

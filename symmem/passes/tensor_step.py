@@ -182,16 +182,17 @@ class TensorStep:
         return self._cache[key]
 
     def _peak(self, named: Mapping[str, int]) -> Peak:
-        r, ranks = self.moments, named["t"]
-        layer, phase, node = _LayerWalk(self.graph, self.conv, self.options, self.regime, named).largest()
         from .unroll import iteration, template
 
-        where = f"{phase} {template(node)} (layer {iteration(node)})"
+        r, ranks = self.moments, named["t"]
+        layers = _LayerWalk(self.graph, self.conv, self.options, self.regime, named).largest()
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
-            for ph, what, live in (("forward", "forward's end (the head's all-gather)", r.forward_end),
-                                   ("backward", "the final norm's backward", r.backward),
-                                   (phase, where, r.at_rest + layer)):
+            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end),
+                       ("backward", "the final norm's backward", r.backward)]
+            moments += [(phase, f"{phase} {template(node)} (layer {iteration(node)})", r.at_rest + live)
+                        for live, phase, node in layers]
+            for ph, what, live in moments:
                 made.append(RankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
             made.append(RankMoment("step", None, "", step, {"live": r.step}, ranks=ranks, what="the optimizer step"))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
@@ -329,28 +330,37 @@ class _LayerWalk:
         names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
         return bool(iteration(source)) and (src.role in TP_ROLES or bool(names & set(SPLIT_DIMS)))
 
-    def largest(self) -> tuple[sympy.Expr, str, str]:
-        """The largest moment of the layers' forward and backward at the numbers: (its bytes beside what lives
-        between steps, as a formula; the phase; the op)."""
+    def largest(self) -> list[tuple[sympy.Expr, str, str]]:
+        """The layers' forward and backward moments that can be the largest: (the bytes beside what lives between
+        steps, as a formula; the phase; the op).  Every op of the first and the last layer is a candidate (the
+        first holds the fewest kept tensors and the most gradients in the backward, the last the reverse); those
+        kept are the largest at the numbers with the batch B scaled from 1 to 256 times (``fit`` solves in B)."""
         from .unroll import iteration
 
         tl, subs = self.tl, self.subs
+        layers = int(max((iteration(n) for n in self.g.program_order()), default=0))
+        batch = sympy.Symbol("B", positive=True, integer=True)
+        b = int(subs.get(batch, 1))
+        probes = [{**subs, batch: sympy.Integer(x)} for x in sorted({1, b, 4 * b, 16 * b, 256 * b})]
         sizes = [self.local(i) for i in range(len(tl.storages))]
-        values = [int(sympy.ceiling(x.xreplace(subs))) for x in sizes]
+        values = [[int(sympy.ceiling(x.xreplace(at))) for x in sizes] for at in probes]
         alive = set(tl.start)
-        best: tuple[int, int, sympy.Expr] | None = None
+        found: list[tuple[list[int], int, frozenset[int], sympy.Expr]] = []
         for k, e in enumerate(tl.events):
             alive |= set(e.born)
-            if e.phase in ("forward", "backward") and e.node and iteration(e.node):
+            if e.phase in ("forward", "backward") and e.node and iteration(e.node) in (1, layers):
                 extra = self._collectives(e, alive) + (self.constants if e.phase == "forward" else 0)
-                value = sum(values[i] for i in alive) + int(extra.xreplace(subs))
-                if best is None or value > best[0]:
-                    best = (value, k, sympy.Add(*(sizes[i] for i in alive)) + extra)
+                at = [sum(v[i] for i in alive) + int(sympy.ceiling(extra.xreplace(p))) for v, p in
+                      zip(values, probes, strict=True)]
+                found.append((at, k, frozenset(alive), extra))
             alive -= set(e.freed)
-        if best is None:
-            return sympy.Integer(0), "backward", ""
-        e = tl.events[best[1]]
-        return best[2], e.phase, str(e.node)
+        kept = {max(range(len(found)), key=lambda j: found[j][0][n]) for n in range(len(probes))} if found else set()
+        out = []
+        for j in sorted(kept):
+            _, k, live, extra = found[j]
+            e = tl.events[k]
+            out.append((sympy.Add(*(sizes[i] for i in live)) + extra, e.phase, str(e.node)))
+        return out
 
     def _collectives(self, e: Any, alive: set[int]) -> sympy.Expr:
         """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
