@@ -3,7 +3,7 @@ there is none; and the names the views give the totals (the JSON keeps the quant
 
 >>> from symmem import derive
 >>> name_of("total"), peak_state(derive("gpt2", tensor_parallel=True))[1][:60]
-('kept after forward + parameters', "no peak: the tensor-parallel peak follows DTensor's standard ")
+('kept after forward + parameters', "no peak: the tensor-parallel peak follows DTensor's standard")
 """
 
 from __future__ import annotations
