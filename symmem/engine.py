@@ -202,6 +202,8 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     if not per_layer and type(convention).grads is not Convention.grads:
         if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero):
             step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
+        elif regime.tensor_parallel:
+            step = _tensor_step(model, convention, regime, values, options, front.ledger.numbers)
         else:
             step = _step(model, convention, front.options, regime, front.subs, front.open, front.decided,
                          front.ledger.numbers)
@@ -223,6 +225,28 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     return PipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
                         regime.pipeline_schedule, regime.micro_batches)
+
+
+def _tensor_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+                 options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
+    """The step of one tensor-parallel rank under DTensor's standard plan, worked out from the single-device
+    derivation (:mod:`symmem.passes.tensor_step`); refused, saying why, where it is not modelled."""
+    from dataclasses import replace
+
+    from .passes.tensor_step import TensorStep, refusal, storages_rank
+    from .step import Refused
+
+    graph = model.graph
+    loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
+    one = replace(regime, tensor_parallel=False, sequence_parallel=False)
+    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k != "t"},
+                         options=options)
+    why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
+    if why is not None:
+        return Refused(f"no peak: {why}")
+    resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    return TensorStep(storages_rank(graph, single.storages, one, regime.sequence_parallel), dict(numbers), graph,
+                      convention, resolved, one, regime.sequence_parallel)
 
 
 def ledger_of(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,

@@ -62,7 +62,8 @@ def _fitted():
 
 NO_PEAK = {
     "tensor parallel": (lambda: symmem.derive("gpt2", tensor_parallel=True), ["derive", "gpt2", "--tensor-parallel"],
-                        "no peak: the peak follows one device's training step op by op; tensor and pipeline"),
+                        "no peak: the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not "
+                        "gpt2"),
     "paper": (lambda: symmem.derive("vit-b16", convention="paper"), ["derive", "vit-b16", "--convention", "paper"],
               "no peak for the paper convention (an accounting by role)"),
     "fitted": (_fitted, ["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B", "--method", "fit"],

@@ -37,6 +37,10 @@ TENSOR = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, 
           ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 4, "L": 2, "V": 64, "F": 96}, {"attention": "sdpa"})]
 #: The same with sequence parallelism (torchtitan's plan: SequenceParallel norms, S split between the layers)
 SEQUENCE = [(values, {**options, "sequence_parallel": True}) for values, options in TENSOR]
+#: Where the step peaks elsewhere than in TENSOR (the forward's end, the optimizer step): a small vocabulary and a
+#: long sequence (the final norm's backward), a wide MLP (the last layer's MLP backward)
+PEAKS = [({"B": 2, "S": 64, "H": 32, "h": 4, "G": 2, "L": 2, "V": 16, "F": 64}, {"attention": "naive"}),
+         ({"B": 2, "S": 32, "H": 32, "h": 4, "G": 4, "L": 2, "V": 16, "F": 512}, {"attention": "sdpa"})]
 
 
 def test_against_the_engines():
@@ -47,8 +51,11 @@ def test_against_the_engines():
     from symmem.record.model_parallel_runs import runs
 
     jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
-    jobs += [("tensor", "llama", values, options) for values, options in TENSOR + SEQUENCE]
+    # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder
+    jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in TENSOR]
+    jobs += [("tensor", "llama", values, options) for values, options in SEQUENCE]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
+    jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
     everything = runs(2, jobs)
     measured = [rank[:len(CASES)] for rank in everything]
     for case in range(len(CASES)):
@@ -59,6 +66,11 @@ def test_against_the_engines():
         tensor_parallel_rank_to_the_byte(everything, case)
     for case in range(len(SEQUENCE)):
         sequence_parallel_rank_to_the_byte(everything, case)
+    for case, (values, options) in enumerate(TENSOR):
+        tensor_parallel_peak_to_the_byte([rank[len(CASES) + case] for rank in everything], values, options, 2)
+    where = len(CASES) + len(TENSOR) + len(SEQUENCE) + len(LLAMA_CASES)
+    for case, (values, options) in enumerate(PEAKS):
+        tensor_parallel_peak_to_the_byte([rank[where + case] for rank in everything], values, options, 2)
     for case in range(len(LLAMA_CASES)):
         llama_stages(everything, case)
 
@@ -224,6 +236,9 @@ def sequence_parallel_rank_to_the_byte(everything, case):
             real.saved, real.parameters, real.gradients, real.optimizer_state)
     papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
     assert papers.value("activations") < ours["saved"]
+    # its step's peak is not modelled: the layers' backward collectives are not (measured above the forward's
+    # end and the optimizer step with a wide MLP)
+    assert papers.to_dict()["peak_refused"].startswith("no peak: the peak under sequence parallelism is not modelled")
 
 
 def llama_stages(everything, case):
@@ -312,3 +327,85 @@ def test_the_cross_entropy_backward_is_two_nodes_on_one_device():
     assert (d.value("peak"), d.value("peak_first_step")) == (real.measured, real.measured_first) == (
         9_586_552, 8_071_944)
     assert real.measured_where == "LogSoftmaxBackward0" and d.peak_at().where() == "backward loss, steady step"
+
+
+def tensor_parallel_peak_to_the_byte(real, values, options, world):
+    """derive --tensor-parallel [--sequence-parallel]: values.peak and peak_first_step are every rank's measured
+    step peaks (DTensor's local ops recorded, each moment at its fewest bytes over the repeated steps), with the
+    rank named in the JSON and the table; the formula is in B, S and t."""
+    from symmem import derive
+
+    d = derive("llama", tensor_parallel=True, values={**values, "t": world}, device="cpu", **options)
+    assert real and all(rank.steady_peak for rank in real)
+    for rank in real:
+        assert (d.value("peak"), d.value("peak_first_step")) == (rank.steady_peak, rank.first_peak), (
+            options, rank.rank, rank.peaks)
+    out = d.to_dict()
+    assert out["values"]["peak"] == real[0].steady_peak and out["peak_at"]["rank"] == 0
+    assert f"rank 0 of {world} (every rank alike)" in str(d)
+    assert {"B", "S", "t"} <= {s.name for s in d.peak.free_symbols}
+    return d.peak_at().where(step=False)
+
+
+#: Four ranks (the heads, the key/value heads, the MLP width and the vocabulary split four ways), SDPA with a wide
+#: MLP: the peak in the layers' backward, each of its parts a quarter (the two-rank cases cover the other moments)
+FOUR = [({"B": 2, "S": 32, "H": 32, "h": 8, "G": 8, "L": 2, "V": 16, "F": 1024}, {"attention": "sdpa"})]
+
+
+def test_tensor_parallel_peak_on_four_ranks():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.model_parallel_runs import runs
+
+    everything = runs(4, [("tensor", "llama", values, {**options, "peaks": True}) for values, options in FOUR])
+    where = [tensor_parallel_peak_to_the_byte([rank[case] for rank in everything], values, options, 4)
+             for case, (values, options) in enumerate(FOUR)]
+    assert where == ["rank 0 of 4 (every rank alike): backward layers.mlp.gate_up (layer 2)"]
+
+
+def test_tensor_parallel_peak_refusals(capsys):
+    """Where the tensor-parallel peak was not measured, every view says why in one line."""
+    from symmem import derive
+    from symmem.cli import main
+
+    values = {**TENSOR[0][0], "t": 2}
+    for kwargs, why in [({"device": "cuda"}, "the tensor-parallel peak is measured on CPU ranks (gloo)"),
+                        ({"device": "cpu", "loss": "cross-entropy"}, "modelled for the loss 'sum'"),
+                        ({"device": "cpu", "precision": "mixed"}, "modelled for FP32 Adam/AdamW")]:
+        out = derive("llama", tensor_parallel=True, values=values, **kwargs).to_dict()
+        assert out["values"]["peak"] is None and why in out["peak_refused"], kwargs
+    assert main(["derive", "gpt2", "--tensor-parallel"]) == 0
+    assert "no peak: the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not gpt2" in (
+        capsys.readouterr().out)
+    # FSDP x TP: refused, naming what is missing
+    assert main(["derive", "llama", "--data-parallel", "fsdp", "--tensor-parallel"]) == 2
+    assert capsys.readouterr().err == (
+        "symmem: error: data_parallel='fsdp' with tensor parallelism (FSDP x TP on an N x t mesh) is not modelled: "
+        "its shards of DTensor shards, gathered over N and split over t, were not measured; give one of them\n")
+    # t must split the vocabulary evenly too (the heads and the MLP width: derive's own check)
+    out = derive("llama", tensor_parallel=True, values={**values, "V": 63}, device="cpu").to_dict()
+    assert out["peak_refused"].startswith("no peak: t=2 does not divide V=63: DTensor's plan splits the heads")
+    sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+    odd = [a for k, v in {**values, "F": 65}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["ranks", "llama", "--tensor-parallel", "--device", "cpu", *odd]) == 2
+    assert "needs t to divide F (Mod(F, t) = 0), which fails at F=65, t=2" in capsys.readouterr().err
+    # symmem ranks ends with the peak derive gives (the value checked against the engine above)
+    assert main(["ranks", "llama", "--tensor-parallel", "--attention", "naive", "--device", "cpu", *sets]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "peak per rank: 126,288 bytes at rank 0 of 2 (every rank alike): forward's end (the head's all-gather); "
+        "first step 124,624")
+
+
+def test_fit_under_tensor_parallel():
+    """``fit --tensor-parallel``: the largest B whose rank's peak fits, the step at that B and at B + 1 worked out
+    anew (the layers' moments walked at each B, where the largest op may differ) on each side of the budget."""
+    from symmem import derive
+    from symmem.apps.budget import largest
+
+    values, options = PEAKS[1]
+    d = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+    budget = 4 * 2**20
+    fit = largest(d, "B", budget)
+    at = [derive("llama", tensor_parallel=True, values={**values, "B": b, "t": 2}, device="cpu", **options)
+          .value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)

@@ -254,6 +254,18 @@ def derive_arguments(args: argparse.Namespace) -> dict[str, Any]:
                 **regime_from_args(args), **model_options, **autocast_from_args(args))
 
 
+def plan_arguments(args: argparse.Namespace, *replaced: str) -> dict[str, Any]:
+    """:func:`derive_arguments` for a command that follows an engine's plan (``stages``, ``ranks``): without what
+    the plan replaces -- the convention and its options, per-layer and free symbols, the pipeline flags, and
+    ``replaced`` -- and with the device, where given, as a keyword."""
+    kw = derive_arguments(args)
+    for key in ("convention", "per_layer", "free", "options", "pipeline_parallel", "pipeline_schedule", *replaced):
+        kw.pop(key, None)
+    if args.device is not None:
+        kw["device"] = args.device
+    return kw
+
+
 def autocast_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """``--autocast DTYPE`` as the keyword every front takes (none when it is not given)."""
     autocast = getattr(args, "autocast", None)

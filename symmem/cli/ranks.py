@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import SymmemError
-from .common import add_derive_options, derive_arguments
+from .common import add_derive_options, plan_arguments
 
 NAME = "ranks"
 HELP = "one tensor-parallel rank's memory under DTensor's standard plan (parallelize_module), with t ranks"
@@ -27,23 +27,27 @@ def run(args: argparse.Namespace) -> int:
     if args.convention != "pytorch" or args.per_layer or args.free or args.pipeline_parallel or args.zero:
         raise SymmemError("symmem ranks follows DTensor's plan: leave out --convention, --per-layer, --free, "
                           "--pipeline-parallel and --zero")
-    kw = derive_arguments(args)
-    for key in ("convention", "per_layer", "free", "options", "pipeline_parallel", "pipeline_schedule", "zero"):
-        kw.pop(key, None)
+    kw = plan_arguments(args, "zero")
     values = dict(kw.pop("values") or {})
     size = int(values.pop("t", DEFAULTS[t]))
-    if args.device is not None:
-        kw["device"] = args.device
     rank = tensor_parallel_rank(args.model, values=values, **kw)
     from ..api import derive
 
-    d = derive(args.model, values=values, device=args.device, loss=args.loss,
-               **{k: v for k, v in kw.items() if k not in ("device", "loss", "sequence_parallel", "tensor_parallel")})
+    # the numbers the rank is evaluated at, and its step's peak (passes/tensor_step.py), from derive
+    d = derive(args.model, values={**values, "t": size}, **kw)
     numbers = {s.name: int(v) for s, v in d.numbers.items()}
-    found = rank.at({**numbers, "t": size})
+    found = rank.at(numbers)
     plan = "tensor and sequence parallel" if args.sequence_parallel else "tensor parallel"
     print(f"one rank of t={size} ({plan}, DTensor's standard plan): bytes")
     for name in ("saved", "parameters", "gradients", "optimizer_state"):
         print(f"  {name.replace('_', ' '):<16} {found[name]:>16,}")
     print(f"  {'total':<16} {sum(found.values()):>16,}")
+    from ..report.headline import peak_state
+
+    peaks, why = peak_state(d)
+    if not peaks:
+        print(why)
+        return 0
+    (_, steady, moment), (_, first, _) = peaks
+    print(f"peak per rank: {steady:,} bytes at {moment.where(step=False)}; first step {first:,}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import SymmemError
-from .common import add_derive_options, derive_arguments
+from .common import add_derive_options, plan_arguments
 
 NAME = "stages"
 HELP = "each pipeline stage's memory and peak under GPipe or 1F1B (torch.distributed.pipelining)"
@@ -24,12 +24,8 @@ def run(args: argparse.Namespace) -> int:
                           "and the stage count (--set p=4)")
     if args.convention != "pytorch" or args.per_layer or args.free:
         raise SymmemError("symmem stages follows PyTorch's step: leave out --convention, --per-layer and --free")
-    kw = derive_arguments(args)
-    for key in ("convention", "per_layer", "free", "options", "pipeline_parallel", "pipeline_schedule"):
-        kw.pop(key, None)
+    kw = plan_arguments(args)
     schedule, m = args.pipeline_parallel, kw.pop("micro_batches")
-    if args.device is not None:
-        kw["device"] = args.device
     plan = pipeline_stages(args.model, schedule=schedule, micro_batches=m, **kw)
     print(plan.table())
     return 0

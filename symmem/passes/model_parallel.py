@@ -696,26 +696,9 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, seque
     once for q, k and v; linears outside it each gather their own).  Korthikanti's accounting splits those too.
     """
     from ..symbols import t
-    from .regimes import TP_ROLES
 
-    saved = sympy.Integer(0)
-    for s in storages:
-        if s.category not in ("activation", "loss"):
-            continue
-        split = s.role in TP_ROLES or (s.node is not None and s.node in graph
-                                       and _splits(graph, s.node, s.name))
-        if split:
-            saved += s.expr / t
-        elif sequence and s.node in graph:
-            gathers = _gathers(graph, s.keepers)
-            if gathers:
-                saved += gathers * s.expr  # the all-gathered full-S input of column-parallel linears
-            elif _stream(graph, s.node):
-                saved += s.expr / t
-            else:
-                saved += s.expr
-        else:
-            saved += s.expr
+    saved = sum((local_saved(graph, s, sequence) for s in storages if s.category in ("activation", "loss")),
+                sympy.Integer(0))
     weights = grads = state = sympy.Integer(0)
     for n in graph.program_order():
         node = graph.node(n)
@@ -731,6 +714,21 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, seque
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
         raise SymmemError("the tensor-parallel ranks are modelled for FP32 Adam/AdamW, as measured")
     return TensorRank(saved, weights, grads, state)
+
+
+def local_saved(graph: Graph, s: Storage, sequence: bool) -> sympy.Expr:
+    """The bytes one rank keeps of the single-device storage ``s`` (see :func:`tensor_rank`)."""
+    from ..symbols import t
+    from .regimes import TP_ROLES
+
+    if s.role in TP_ROLES or (s.node is not None and s.node in graph and _splits(graph, s.node, s.name)):
+        return s.expr / t
+    if sequence and s.node in graph:
+        gathers = _gathers(graph, s.keepers)
+        if gathers:
+            return gathers * s.expr  # the all-gathered full-S input of column-parallel linears
+        return s.expr / t if _stream(graph, s.node) else s.expr
+    return s.expr
 
 
 def _gathers(graph: Graph, keepers: Iterable[str]) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sharded import ShardTracker
+from .sharded import ShardTracker, train_steps
 
 #: The engine names and FSDP1's ``ShardingStrategy`` each runs.
 STRATEGIES = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP"}
@@ -81,7 +81,7 @@ def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, 
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from .optim import make_optimizer, state_tensors
+    from .optim import make_optimizer
     from .steps import loss_value
 
     takes_labels = bool(getattr(module, "takes_labels", False)) and loss
@@ -98,20 +98,11 @@ def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, 
     tracker.register(params, "parameter")
     tracker.register(list(wrapped.buffers()), "buffer")
     tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
-    with tracker.resizes(), tracker:
-        for step in range(1, steps + 1):
-            with tracker.phase(step, "forward"), tracker.saving():
-                out = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
-            with tracker.phase(step, "loss"), tracker.saving():
-                value = out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
-                out = None
-            with tracker.phase(step, "backward"):
-                value.backward()
-                tracker.label([p.grad for p in params if p.grad is not None], "gradient")
-                del value
-            with tracker.phase(step, "step"):
-                opt.step()
-                tracker.label(list(state_tensors(opt)), "optimizer_state")
-            with tracker.phase(step, "zero_grad"):
-                opt.zero_grad(set_to_none=True)
-    return tracker.trace(steps)
+
+    def forward() -> Any:
+        return wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
+
+    def loss_of(out: Any) -> Any:
+        return out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
+
+    return train_steps(tracker, forward, loss_of, params, lambda step: opt, steps, resizes=True)

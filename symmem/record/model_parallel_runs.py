@@ -264,6 +264,10 @@ class TensorRun:
     #: where the last one is: (phase, op)
     peaks: tuple[int, ...] = ()
     peak_at: tuple[str, str] = ("", "")
+    #: the first step's peak (a new AdamW makes its state) and the steady step's, each moment at its fewest bytes
+    #: over the repeats (:func:`_fewest`)
+    first_peak: int = 0
+    steady_peak: int = 0
 
 
 def llama_plan(module: Any, world: int) -> dict[str, Any]:
@@ -383,45 +387,64 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
         return sum(local(t).numel() * local(t).element_size() for t in ts)
 
     grads = nbytes(p.grad for p in params if p.grad is not None)
-    # two more steps under the recorder that sees DTensor's local ops, where asked (``peaks=True``): symmem does
-    # not model the tensor-parallel step's peak yet, so the suite does not ask
-    peaks, where = _tensor_peaks(run, ids, params, opt, module) if record else ((), ("", ""))
-    return TensorRun(rank, total, nbytes(params), grads, nbytes(state_tensors(opt)), kept, peaks, where)
-
-
-def _tensor_peaks(run: Any, ids: Any, params: list[Any], opt: Any, module: Any, steps: int = 2
-                  ) -> tuple[tuple[int, ...], tuple[str, str]]:
-    """``steps`` more training steps after the first, under the recorder that sees DTensor's local ops
-    (:class:`~symmem.record.sharded.ShardTracker`): each step's live-bytes peak, and where the last one is."""
-    from .optim import state_tensors
-    from .sharded import ShardTracker, local
-
+    state = nbytes(state_tensors(opt))
+    if not record:
+        return TensorRun(rank, total, nbytes(params), grads, state, kept)
+    # more steps under the recorder that sees DTensor's local ops, where asked (``peaks=True``)
     opt.zero_grad(set_to_none=True)
-    tracker = ShardTracker()
+    del opt, out
+    peaks, where, (first, steady) = _tensor_peaks(run, ids, params, module)
+    return TensorRun(rank, total, nbytes(params), grads, state, kept, peaks, where, first, steady)
+
+
+#: Recorded steps of a tensor-parallel case: first steps (each with a new AdamW, which makes its state), then steady
+#: ones; each moment's fewest bytes over the repeats is the engine's (see :func:`_fewest`)
+FIRST_STEPS, STEADY_STEPS = 2, 2
+#: How long the recorder lets gloo's worker thread release a collective's tensors after each wait (ShardTracker)
+SETTLE_S = 0.001
+
+
+def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[tuple[int, ...], tuple[str, str],
+                                                                              tuple[int, int]]:
+    """Training steps after the measured one, under the recorder that sees DTensor's local ops
+    (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): each step's raw
+    live-bytes peak, where the last one is, and the first and steady step's peaks (:func:`_fewest`)."""
+    from .optim import make_optimizer
+    from .sharded import ShardTracker, local, train_steps
+
+    tracker = ShardTracker(settle=SETTLE_S)
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(b) for b in module.buffers()], "buffer")
-    tracker.register([local(t) for t in state_tensors(opt)], "optimizer_state")
     tracker.register([ids], "input")
-    with tracker:
-        for step in range(1, steps + 1):
-            with tracker.phase(step, "forward"), tracker.saving():
-                out = run(ids)
-                value = out.sum()
-                del out
-            with tracker.phase(step, "backward"):
-                value.backward()
-                tracker.label([local(p.grad) for p in params if p.grad is not None], "gradient")
-                del value
-            with tracker.phase(step, "step"):
-                opt.step()
-            with tracker.phase(step, "zero_grad"):
-                opt.zero_grad(set_to_none=True)
-    trace = tracker.trace(steps)
+    held: dict[str, Any] = {}
+
+    def optimizer(step: int) -> Any:
+        if step <= FIRST_STEPS:
+            held.pop("opt", None)  # the last one's state goes before this step begins
+            held["opt"] = make_optimizer(params, "adamw", "for-loop")
+        return held["opt"]
+
+    steps = FIRST_STEPS + STEADY_STEPS
+    trace = train_steps(tracker, lambda: run(ids), lambda out: out.sum(), params, optimizer, steps,
+                        loss_phase="forward")
     best: dict[int, tuple[int, str, str]] = {}
     for r in trace.records:
         if r.live > best.get(r.step, (-1, "", ""))[0]:
             best[r.step] = (r.live, r.phase, r.where)
-    return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:]
+    first = _fewest(trace, range(1, FIRST_STEPS + 1))
+    steady = _fewest(trace, range(FIRST_STEPS + 1, steps + 1))
+    return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady)
+
+
+def _fewest(trace: Any, steps: range) -> int:
+    """The largest moment of a step repeated ``steps``, each moment (the same op of every repeat) at its fewest
+    bytes: gloo's worker thread releases a collective's tensors when it gets to them, after the wait or as late as
+    the next collective, at no fixed op -- memory outside the step's tensor accounting, as the CUDA caching
+    allocator's is; the step's own is what every repeat holds."""
+    rows = [[r.live for r in trace.records if r.step == s] for s in steps]
+    if len({len(r) for r in rows}) != 1:
+        raise SymmemError(f"the repeated steps ran different ops ({', '.join(str(len(r)) for r in rows)})")
+    return max(min(column) for column in zip(*rows, strict=True))
 
 
 def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], out: Any) -> None:
@@ -454,11 +477,20 @@ def pipeline_runs(model: str, values: Mapping[str, int], world: int,
     return runs(world, [("pipeline", model, dict(values), tuple(case)) for case in cases])
 
 
+#: The modules a job's ranks import, by the job's kind
+_IMPORTS = {"tensor": ("torch.distributed.tensor.parallel", "torch.distributed.device_mesh"),
+            "pipeline": ("torch.distributed.pipelining",)}
+
+
 def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) -> list[list[Any]]:
     """Per rank, the result of every job in one process group: ``("pipeline", model, values, (schedule, M[,
     loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`."""
+    import importlib
     import multiprocessing
 
+    # what the ranks import, imported once here: the forked ranks inherit it rather than each importing it
+    for name in sorted({name for job in jobs for name in _IMPORTS.get(job[0], ())}):
+        importlib.import_module(name)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     port = free_port()

@@ -21,7 +21,7 @@ Needs ``torch`` with ``torch.distributed`` (imported lazily).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,7 +36,15 @@ def local(t: Any) -> Any:
 
 class ShardTracker(LiveTracker):
     """A :class:`LiveTracker` whose mode lets tensor subclasses run their own ops, and that follows
-    ``UntypedStorage.resize_`` (see the module's docstring)."""
+    ``UntypedStorage.resize_`` (see the module's docstring).
+
+    ``settle`` (seconds): after each collective's wait, let go of the GIL that long, so that gloo's worker thread,
+    which drops the collective's tensors once it is done (their release runs Python: it needs the GIL), does so
+    before the next op rather than whenever the main thread next waits (0: not at all)."""
+
+    def __init__(self, settle: float = 0.0) -> None:
+        super().__init__()
+        self.settle = settle
 
     def __enter__(self) -> ShardTracker:
         import torch
@@ -49,6 +57,7 @@ class ShardTracker(LiveTracker):
 
         observe = self.observe
         plain = (torch.Tensor, torch.nn.Parameter)
+        settle = self.settle
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -59,6 +68,10 @@ class ShardTracker(LiveTracker):
                 out = func(*args, **(kwargs or {}))
                 if any(isinstance(t, FakeTensor) for t in tensors(out)):
                     return out  # a factory run for DTensor's sharding propagation (global shapes): no memory
+                if settle and func is torch.ops._c10d_functional.wait_tensor.default:
+                    import time
+
+                    time.sleep(settle)  # gloo's worker thread lets go of the collective's tensors (see the class)
                 observe(func, args, kwargs, out)
                 return out
 
@@ -116,7 +129,7 @@ def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    from .optim import make_optimizer, state_tensors
+    from .optim import make_optimizer
     from .steps import loss_value
 
     blocks = [m for lst in module.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
@@ -136,13 +149,39 @@ def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(b) for b in module.buffers()], "buffer")
     tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
-    with tracker.resizes(), tracker:
+
+    def forward() -> Any:
+        return module(*inputs, target) if takes_labels else module(*inputs)
+
+    def loss_of(out: Any) -> Any:
+        return out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
+
+    return train_steps(tracker, forward, loss_of, params, lambda step: opt, steps, resizes=True)
+
+
+def train_steps(tracker: ShardTracker, forward: Callable[[], Any], loss: Callable[[Any], Any], params: list[Any],
+                optimizer: Callable[[int], Any], steps: int, *, loss_phase: str = "loss", resizes: bool = False
+                ) -> Any:
+    """``steps`` training steps under ``tracker`` (parameters, buffers and inputs registered): ``forward()``,
+    ``loss(out)`` (in a phase of its own, ``loss_phase``, or in the forward's with ``loss_phase="forward"``; the
+    output let go once the loss is made), ``backward``, the step of ``optimizer(step)`` (the optimizer of each
+    step: a new one makes its state again, as a first step does), ``zero_grad``; gradients and optimizer state
+    labelled as the local shards.  ``resizes``: follow ``UntypedStorage.resize_`` (FSDP).  Returns the
+    :class:`~symmem.record.steptrace.StepTrace`."""
+    from contextlib import nullcontext
+
+    from .optim import state_tensors
+
+    with tracker.resizes() if resizes else nullcontext(), tracker:
         for step in range(1, steps + 1):
+            opt = optimizer(step)
             with tracker.phase(step, "forward"), tracker.saving():
-                out = module(*inputs, target) if takes_labels else module(*inputs)
-            with tracker.phase(step, "loss"), tracker.saving():
-                value = out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
-                out = None
+                out = forward()
+                if loss_phase == "forward":
+                    value, out = loss(out), None
+            if loss_phase != "forward":
+                with tracker.phase(step, loss_phase), tracker.saving():
+                    value, out = loss(out), None
             with tracker.phase(step, "backward"):
                 value.backward()
                 tracker.label([local(p.grad) for p in params if p.grad is not None], "gradient")
@@ -152,4 +191,5 @@ def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool
                 tracker.label([local(t) for t in state_tensors(opt)], "optimizer_state")
             with tracker.phase(step, "zero_grad"):
                 opt.zero_grad(set_to_none=True)
+            del opt
     return tracker.trace(steps)

@@ -3,7 +3,7 @@ there is none; and the names the views give the totals (the JSON keeps the quant
 
 >>> from symmem import derive
 >>> name_of("total"), peak_state(derive("gpt2", tensor_parallel=True))[1][:60]
-('kept after forward + parameters', "no peak: the peak follows one device's training step op by o")
+('kept after forward + parameters', "no peak: the tensor-parallel peak follows DTensor's standard")
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def peak_state(d: Derivation) -> tuple[list[tuple[str, int, Any]], str | None]:
     (``no peak: ...``: a convention counting by role, tensor parallel, a fitted trace, a loss that cannot be run ...).
 
     >>> from symmem import derive
-    >>> peak_state(derive("gpt2", tensor_parallel=True))[1]  # doctest: +ELLIPSIS
-    "no peak: the peak follows one device's training step op by op; tensor and pipeline parallelism are not ..."
+    >>> peak_state(derive("gpt2", tensor_parallel=True))[1]
+    "no peak: the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not gpt2"
     """
     try:
         return [(key, d.value(key), d.peak_at(step)) for key, step in (("peak", "steady"),

@@ -67,6 +67,9 @@ def peak(d: Derivation) -> dict[str, Any] | None:
         if state:
             out["values"]["optimizer_state_per_rank"] = {str(r): v for r, v in enumerate(state)}
             out["peak_at"]["partition_at"] = partition_at(d)  # the numbers the formulas hold at
+    each = getattr(d.step, "per_rank", None)
+    if callable(each):  # tensor parallelism: every rank alike, the peak is rank 0's (passes/tensor_step.py)
+        out["peak_at"]["rank"] = each(d.numbers)["peak_rank"]
     return out
 
 

@@ -1,0 +1,376 @@
+"""The peak per rank under tensor parallelism as DTensor runs it, behind :class:`symmem.step.Step`.
+
+``parallelize_module`` with the standard Llama plan (:func:`symmem.passes.model_parallel.tensor_rank`: the
+embedding row-wise, q/k/v/gate/up column-wise, o/down row-wise, the head column-wise with its output replicated)
+gives every rank the same shapes, so every rank has the same peak.  Measured per rank on gloo
+(``symmem.record.model_parallel_runs``, torch 2.13, the loss ``sum``, for-loop AdamW), the steady step's largest
+moment is one of four (docs/regimes.md, "The step's peak per rank"):
+
+* **the forward's end**, at the head's all-gather: what lives between steps (the local parameter shards, Adam's
+  state, the buffers, the batch), every activation autograd keeps on the rank (:class:`TensorRank.saved`), the
+  embedding's all-reduce output beside its saved wrapper, the forward's constants (the position ids, eager
+  attention's causal mask), the head's local logits (``V/t`` wide) and the replicated logits twice (the
+  all-gather's output and its wrapper, then the concatenated logits beside the all-gather's);
+* **the final norm's backward**: the same less what the head and the final norm kept, their weights' gradients
+  and five temporaries of the norm's input;
+* **the layers' largest moment** (:class:`_LayerWalk`): the single-device step written out at the numbers, each
+  storage at the rank's size, with the collectives' outputs (a row-parallel all-reduce's output beside funcol's
+  wrapper and the partial sum; a column-parallel input gradient's likewise);
+* **the optimizer step** (for-loop Adam on the local shards): every gradient (the embedding's whole: ``V x H``,
+  replicated), one parameter's ``sqrt`` and ``denom`` beside the previous parameter's ``denom`` (the embedding's
+  replicated gradient is redistributed to its shard by copies as large), in the order the module lists them.
+
+The first step: no optimizer state exists before AdamW's step, which makes all of it before the update (its
+step's moment is the steady one's).  Sequence parallelism's peak is refused (its layers' backward collectives are
+not modelled).  What gloo's worker thread holds past a collective's wait is outside tensor accounting; the
+measurement lets it go and takes each moment's fewest bytes over repeated steps.
+
+>>> from symmem import derive
+>>> d = derive("llama", tensor_parallel=True, attention="naive", device="cpu",
+...            values={"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64, "t": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)
+(126288, "rank 0 of 2 (every rank alike): forward's end (the head's all-gather)")
+>>> d.step.per_rank(d.numbers)["peak_rank"]
+0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..graph import Graph
+from ..peak import Moment, Peak
+from ..shapes import numel
+from ..timeline import Row, Which
+from ..training import Regime
+
+
+@dataclass(frozen=True)
+class TensorRankMoment(Moment):
+    """A moment of one tensor-parallel rank's step (every rank has the same)."""
+
+    ranks: int | sympy.Expr = 1
+    what: str = ""
+
+    def where(self, step: bool = True) -> str:
+        return f"rank 0 of {self.ranks} (every rank alike): {self.what}" + (f", {self.step} step" if step else "")
+
+
+@dataclass(frozen=True)
+class RankMoments:
+    """One rank's step as formulas: what lives between steps, the forward's end and the optimizer step's largest
+    moment (steady), and the first step's forward end (no optimizer state yet)."""
+
+    at_rest: sympy.Expr
+    forward_end: sympy.Expr
+    step: sympy.Expr
+    optimizer_state: sympy.Expr
+    #: the final norm's backward, the first of the head's (steady; the first step's is lower by the state)
+    backward: sympy.Expr = sympy.Integer(0)
+
+
+def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) -> RankMoments:
+    """The moments of one rank's step (see the module's note) from its :class:`TensorRank` ``rank``."""
+    from ..symbols import t
+    from .model_parallel import _bytes, _module_buffers, local_saved
+
+    act = "float32"
+    nodes = list(graph.program_order())
+    outside = [n for n in nodes if graph.node(n).block is None]
+    ids = sum((_bytes(graph, n, act) for n in outside if graph.node(n).kind == "input"), sympy.Integer(0))
+    buffers = sympy.Add(*_module_buffers(graph, act).values())
+    constants = sum((_bytes(graph, n, act) for n in outside if graph.node(n).kind == "constant"), sympy.Integer(0))
+    embedding = next(n for n in outside if graph.node(n).kind == "embedding")
+    head = next(n for n in reversed(outside) if graph.node(n).kind == "linear")
+    hidden, logits = _bytes(graph, embedding, act), _bytes(graph, head, act)
+    at_rest = rank.parameters + rank.optimizer_state + buffers + ids
+    # the embedding's all-reduce (sequence parallel: reduce-scatter) output beside its saved wrapper; with
+    # sequence parallelism also the final norm's S-split output, held until the forward ends
+    kept = 2 * hidden / t if sequence else hidden
+    forward_end = at_rest + rank.saved + kept + constants + logits / t + 2 * logits
+    step = at_rest + rank.gradients + _step_temporaries(graph)
+    # the final norm's backward: what the head and the final norm kept is gone, their weights' gradients made (the
+    # head's local), five temporaries of the norm's input (S split under sequence parallelism), the loss and its
+    # gradient seed (4 bytes each); the embedding's all-reduce (reduce-scatter) output beside its wrapper still
+    head_saved = sum((local_saved(graph, s, sequence) for s in storages
+                      if s.category in ("activation", "loss") and s.group == "head"), sympy.Integer(0))
+    stream = hidden / t if sequence else hidden
+    head_grads = sympy.Integer(0)
+    for n in outside:
+        node = graph.node(n)
+        if node.group == "head":
+            for shape in ([tuple(node.params["value"])] if node.kind == "parameter" else
+                          [tuple(x) for x in node.params.values()]):
+                head_grads += numel(shape) * 4 / (t if len(shape) >= 2 else 1)
+    backward = at_rest + rank.saved - head_saved + stream + 5 * stream + 8 + head_grads
+    return RankMoments(at_rest, forward_end, step, rank.optimizer_state, backward)
+
+
+def _step_temporaries(graph: Graph) -> sympy.Expr:
+    """For-loop Adam's largest temporaries on the local shards: ``Max`` over the parameters, in the order the
+    Llama reference lists them (the embedding; each layer's linears, then its norms; the final norm; the head),
+    of two of a parameter's size beside the previous parameter's ``denom``."""
+    from ..symbols import t
+
+    first: list[sympy.Expr] = []
+    layer: list[sympy.Expr] = []
+    norms: list[sympy.Expr] = []
+    last: list[sympy.Expr] = []
+    count: sympy.Expr = sympy.Integer(1)
+    for n in graph.program_order():
+        node = graph.node(n)
+        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
+                                                                                  node.params.values()]
+        for shape in shapes:
+            local = numel(shape) * 4 / (t if len(shape) >= 2 else 1)
+            if node.block is not None:
+                count = node.count
+                (layer if len(shape) >= 2 else norms).append(local)
+            else:
+                (first if node.kind == "embedding" else last).append(local)
+    if len(first) != 1 or not layer or not last:
+        raise SymmemError("the tensor-parallel step follows the Llama reference's parameters (an embedding, "
+                          "repeated layers, a head)")
+    order = first + layer + norms + last
+    candidates = [2 * order[0]] + [a + 2 * b for a, b in zip(order, order[1:], strict=False)]
+    # with two or more layers a layer's first parameter follows the last of the layer before
+    again = (norms or layer)[-1] + 2 * layer[0]
+    candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
+    return sympy.Max(*candidates)
+
+
+@dataclass(eq=False)
+class TensorStep:
+    """The step of one tensor-parallel rank (DTensor's standard plan; ``numbers`` the derivation's, ``t``
+    included): the peak per device is every rank's, the ``Max`` of the forward's end, the final norm's backward,
+    the optimizer step and the layers' largest moment (:class:`_LayerWalk` of the single-device step of
+    ``graph`` under ``conv``, ``options`` and ``regime``, without tensor parallelism)."""
+
+    moments: RankMoments
+    numbers: Mapping[sympy.Symbol, int]
+    graph: Graph
+    conv: Any
+    options: Mapping[str, Any]
+    regime: Regime
+    sequence: bool = False
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
+        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        named = self._named(at)
+        even(named)
+        if self.sequence:
+            raise SymmemError("the peak under sequence parallelism is not modelled: its layers' backward (the "
+                              "reduce-scatters of the column-parallel input gradients, the all-gathers of the "
+                              "stream) can exceed the forward's end and the optimizer step (symmem ranks gives "
+                              "each rank's parts)")
+        key = tuple(sorted(named.items()))
+        if key not in self._cache:
+            missing = [n for n in ("L", "t") if n not in named]
+            if missing:
+                raise SymmemError(f"the tensor-parallel peak walks the layers at numbers: give {', '.join(missing)}")
+            if len(self._cache) > 16:
+                self._cache.clear()
+            self._cache[key] = self._peak(named)
+        return self._cache[key]
+
+    def _peak(self, named: Mapping[str, int]) -> Peak:
+        from .unroll import iteration, template
+
+        r, ranks = self.moments, named["t"]
+        layers = _LayerWalk(self.graph, self.conv, self.options, self.regime, named).largest()
+        made = []
+        for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
+            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end),
+                       ("backward", "the final norm's backward", r.backward)]
+            moments += [(phase, f"{phase} {template(node)} (layer {iteration(node)})", r.at_rest + live)
+                        for live, phase, node in layers]
+            for ph, what, live in moments:
+                made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
+            made.append(TensorRankMoment("step", None, "", step, {"live": r.step}, ranks=ranks,
+                                         what="the optimizer step"))
+        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+                       if n in ("L",))
+        return Peak(None, None, tuple(made), others)
+
+    def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
+        """Every rank's steady-step peak at ``numbers`` (all alike), and the rank named as the largest."""
+        merged = {**self.numbers, **numbers}
+        value = self.peak(numbers).value(merged)
+        return {"peak_per_rank": [value] * self._named(numbers).get("t", 1), "peak_rank": 0}
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        return self.peak().holds_at(numbers)
+
+    def domain(self) -> tuple[sympy.Basic, ...]:
+        return tuple(self.peak().domain)
+
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        raise SymmemError("a tensor-parallel rank's timeline is not drawn op by op: its peak is the largest of "
+                          "the forward's end, the final norm's backward, the layers' largest moment and the "
+                          "optimizer step (symmem ranks gives each rank's parts)")
+
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        raise SymmemError("the tensor-parallel peak in CUDA's 512-byte blocks is not modelled: the peak per device "
+                          "is in bytes of tensors")
+
+
+def even(numbers: Mapping[str, int]) -> None:
+    """Refuse sizes the plan cannot split evenly: ``t`` must divide the heads (``h``, ``G``), the MLP width (``F``)
+    and the vocabulary (``V``); DTensor would pad the last shard, which is not modelled."""
+    size = numbers.get("t")
+    if size is None:
+        return
+    if size < 1:
+        raise SymmemError(f"the tensor-parallel size t must be at least 1, got t={size}")
+    for name in ("h", "G", "F", "V"):
+        if name in numbers and numbers[name] % size:
+            raise SymmemError(f"t={size} does not divide {name}={numbers[name]}: DTensor's plan splits the heads (h, "
+                              "G), the MLP width (F) and the vocabulary (V) evenly over the ranks (uneven shards are "
+                              "padded: not modelled)")
+
+
+def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
+    """Why the tensor-parallel peak is not modelled for this derivation (None: it is)."""
+    from .schedule import optimizer_impl
+
+    if model_name != "llama":
+        return f"the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not {model_name}"
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.checkpoint != "none":
+        return "the tensor-parallel peak is modelled for FP32 Adam/AdamW without checkpointing (what was measured)"
+    if regime.zero or regime.pipeline_parallel or regime.micro_batches != 1:
+        return "the tensor-parallel peak is modelled alone: no ZeRO, pipeline stages or micro-batches with it"
+    if loss not in (None, "sum"):
+        return f"the tensor-parallel peak is modelled for the loss 'sum' (what was measured), not {loss!r}"
+    if device != "cpu" or optimizer_impl(regime, device) != "for-loop":
+        return ("the tensor-parallel peak is measured on CPU ranks (gloo) with the for-loop AdamW: give --device "
+                f"cpu (here {device}, {optimizer_impl(regime, device)} AdamW); NCCL's buffers are not modelled")
+    return None
+
+
+def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequence: bool) -> RankMoments:
+    """:func:`rank_peak` from the single-device ``storages`` (the pytorch convention)."""
+    from .model_parallel import tensor_rank
+
+    return rank_peak(graph, storages, tensor_rank(graph, storages, regime, sequence), sequence)
+
+
+# -- the layers' forward and backward, op by op --------------------------------------------------------------
+class _LayerWalk:
+    """The single-device step of ``graph`` written out at ``numbers`` (:class:`~symmem.passes.schedule.Simulation`),
+    each storage at one rank's size, with what DTensor adds: the largest moment inside the layers (see
+    :func:`layer_moment`)."""
+
+    def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                 numbers: Mapping[str, int]) -> None:
+        from . import branches as size_branches
+        from .schedule import Simulation
+        from .unroll import unroll
+
+        block = next(iter(graph.blocks.values()))
+        self.original = graph
+        self.g = g = unroll(graph, {block.name: int(numbers["L"])})
+        self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
+        branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
+        sim = Simulation(g, conv, options, regime, branch, False)
+        sim.micro_batch()
+        self.tl = sim.timeline(first=False)
+        order = list(g.program_order())
+        self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
+        self.embedding = next(n for n in order if g.node(n).kind == "embedding")
+        linears = [n for n in order if g.node(n).kind == "linear"]
+        self.column = {n for n in linears if g.node(n).role in ("qkv", "mlp_hidden") or n == self.head}
+        self.row = {n for n in linears if n not in self.column}
+        # the forward's constants (the position ids, eager attention's mask), held to the forward's end
+        self.constants = sympy.Add(*(g.node(n).out.numel * (8 if str(g.node(n).out.dtype) == "int64" else 4)
+                                     for n in order if g.node(n).kind == "constant"))
+
+    def local(self, i: int) -> sympy.Expr:
+        """Storage ``i``'s bytes on one rank: split over ``t`` where it has a head or MLP-width dimension (the
+        logits: the vocabulary), twice where a row-parallel all-reduce makes it (its output beside funcol's
+        wrapper), the replicated logits beside the local ones; parameters' gradients as :class:`TensorRank`."""
+        from ..symbols import t
+
+        s = self.tl.storages[i]
+        if s.category in ("parameter", "optimizer_state", "input", "buffer"):
+            return sympy.Integer(0)  # what lives between steps: counted apart (RankMoments.at_rest)
+        size = s.nbytes
+        if s.category == "gradient":
+            return size / t if s.node in self.g and self.g.node(s.node).kind == "linear" else size
+        if s.name in self.row or s.name == self.embedding:
+            return 2 * size
+        if s.name == self.head:
+            return size + size / t
+        return size / t if self._split(s.node, s.name) else size
+
+    def _split(self, node: str | None, name: str) -> bool:
+        from .model_parallel import SPLIT_DIMS
+        from .regimes import TP_ROLES
+        from .unroll import iteration
+
+        if node is None or node not in self.g:
+            return False
+        n = self.g.node(node)
+        source = node
+        suffix = name[len(node):] if name.startswith(node) else ""
+        for before, after in ((".input", "_copy"), (".grad_input", "")):
+            index = suffix[len(before):len(suffix) - len(after)] if suffix.endswith(after) else ""
+            if suffix.startswith(before) and index.isdigit():
+                source = n.inputs[int(index)]
+        if source == self.head:
+            return True
+        src = self.g.node(source)
+        names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
+        return bool(iteration(source)) and (src.role in TP_ROLES or bool(names & set(SPLIT_DIMS)))
+
+    def largest(self) -> list[tuple[sympy.Expr, str, str]]:
+        """The layers' forward and backward moments that can be the largest: (the bytes beside what lives between
+        steps, as a formula; the phase; the op).  Every op of the first and the last layer is a candidate (the
+        first holds the fewest kept tensors and the most gradients in the backward, the last the reverse); those
+        kept are the largest at the numbers with the batch B scaled from 1 to 256 times (``fit`` solves in B)."""
+        from .unroll import iteration
+
+        tl, subs = self.tl, self.subs
+        layers = int(max((iteration(n) for n in self.g.program_order()), default=0))
+        batch = sympy.Symbol("B", positive=True, integer=True)
+        b = int(subs.get(batch, 1))
+        probes = [{**subs, batch: sympy.Integer(x)} for x in sorted({1, b, 4 * b, 16 * b, 256 * b})]
+        sizes = [self.local(i) for i in range(len(tl.storages))]
+        values = [[int(sympy.ceiling(x.xreplace(at))) for x in sizes] for at in probes]
+        alive = set(tl.start)
+        found: list[tuple[list[int], int, frozenset[int], sympy.Expr]] = []
+        for k, e in enumerate(tl.events):
+            alive |= set(e.born)
+            if e.phase in ("forward", "backward") and e.node and iteration(e.node) in (1, layers):
+                extra = self._collectives(e, alive) + (self.constants if e.phase == "forward" else 0)
+                at = [sum(v[i] for i in alive) + int(sympy.ceiling(extra.xreplace(p))) for v, p in
+                      zip(values, probes, strict=True)]
+                found.append((at, k, frozenset(alive), extra))
+            alive -= set(e.freed)
+        kept = {max(range(len(found)), key=lambda j: found[j][0][n]) for n in range(len(probes))} if found else set()
+        out = []
+        for j in sorted(kept):
+            _, k, live, extra = found[j]
+            e = tl.events[k]
+            out.append((sympy.Add(*(sizes[i] for i in live)) + extra, e.phase, str(e.node)))
+        return out
+
+    def _collectives(self, e: Any, alive: set[int]) -> sympy.Expr:
+        """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
+        a column-parallel linear's input gradient, the all-reduce's output and wrapper beside the partial."""
+        tl = self.tl
+        if e.phase == "forward" and e.node in self.row:
+            return sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
+        if e.phase == "backward" and e.node in self.column:
+            grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
+            if grads:
+                return sympy.Max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
+        return sympy.Integer(0)
