@@ -302,6 +302,10 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return None
     found = {}
     for rank in (0, int(world) - 1):
+        if hasattr(step, "at_rank"):  # a traced module's step (importer/traced_engines.py)
+            d = dataclasses.replace(derivation, step=step.at_rank(rank))
+            found[rank] = (int(d.value("peak_first_step")), int(d.value("peak")))
+            continue
         options = {**step.options, RANK_OPTION: rank}
         d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={}, _all=None,
                                                                      _written=None))
