@@ -74,8 +74,8 @@ def refusal(regime: Regime, step: Any) -> str | None:
     """Why a traced step is not followed under ``regime``'s engine (None: it is)."""
     dp = regime.data_parallel
     if dp is not None and dp not in ("ddp", "ddp-bucket-view", *SHARDED):
-        return (f"the peak under data_parallel={dp!r} is not modelled yet, for built-in models or traced modules "
-                "(the kept memory and total are)")
+        return (f"the peak of a traced module under data_parallel={dp!r} is not modelled yet (under ddp, "
+                "ddp-bucket-view, fsdp and fsdp-no-reshard it is; the kept memory and total are)")
     if dp in SHARDED and step.options.micro_batches != 1:
         return (f"the peak under data_parallel={dp!r} is modelled for one micro-batch (FSDP's gradient accumulation "
                 "is not)")
@@ -135,9 +135,11 @@ def _without(ops: Sequence[StepOp], gone: set[int]) -> list[StepOp]:
 def _ddp(rec: StepRecord, params: list[_Param], view: bool) -> StepRecord:
     """DDP's buckets from the start; under the bucket view each ``.grad`` freed by the op that made it."""
     storages = list(rec.storages)
-    total = sympy.Add(*(p.nbytes for p in params))
-    bucket = LiveStorage(len(storages), total, "gradient", "float32", None, "ddp.buckets", "", 1, "start")
-    storages.append(bucket)
+    # one storage per parameter's bytes: how bucket_cap_mb groups them changes no moment's bytes, and a block's
+    # share then repeats per layer (the fold in L counts storages per byte size)
+    buckets = [LiveStorage(len(storages) + k, p.nbytes, "gradient", "float32", None, f"ddp.buckets[{p.name}]", "", 1,
+                           "start") for k, p in enumerate(params)]
+    storages += buckets
     ops = list(rec.ops)
     if view:
         grads = set(_grads(rec))
@@ -154,7 +156,8 @@ def _ddp(rec: StepRecord, params: list[_Param], view: bool) -> StepRecord:
                     j += 1
                 ends.setdefault(j, []).extend(mine)
         ops = [dataclasses.replace(o, freed=o.freed + tuple(ends.get(k, ()))) for k, o in enumerate(ops)]
-    return dataclasses.replace(rec, storages=tuple(storages), start=(*rec.start, bucket.sid), ops=tuple(ops))
+    return dataclasses.replace(rec, storages=tuple(storages), start=(*rec.start, *(b.sid for b in buckets)),
+                               ops=tuple(ops))
 
 
 def _zero(rec: StepRecord, params: list[_Param], stage: int) -> StepRecord:
@@ -386,11 +389,14 @@ class _Fsdp:
             out[p.sid] = _scaled(out[p.sid], self.shard[p.name])
         # what the optimizer makes belongs to the parameter its op ran for (the op's where)
         made_for = {i: o.where for o in self.rec.ops if o.phase == "step" for i in o.born}
-        for i, s in enumerate(list(out)):
-            p = by_name.get(made_for.get(i, ""))
-            if p is not None and sympy.expand(sympy.sympify(s.nbytes) - p.nbytes) == 0:
-                held = held_shape(p.shape, N, self.rank)
-                out[i] = _scaled(s, sympy.Mul(*held) * p.itemsize if held else p.nbytes)
+        held: dict[str, Any] = {}
+        for i, where in made_for.items():
+            p = by_name.get(where)
+            if p is not None and sympy.sympify(out[i].nbytes) == p.nbytes:  # the recorded bytes are numbers
+                if p.name not in held:
+                    shape = held_shape(p.shape, N, self.rank)
+                    held[p.name] = sympy.Mul(*shape) * p.itemsize if shape else p.nbytes
+                out[i] = _scaled(out[i], held[p.name])
         return out
 
 
@@ -412,9 +418,17 @@ class EngineStepPeak(StepPeak):
                                                    self.loss_inside)
         return self._records[key]
 
+    def _values(self, at: Any) -> dict[sympy.Symbol, int]:
+        """The numbers a timeline is read at: the declared sizes' and the world size N (the shards' bytes)."""
+        values = super()._values(at)
+        given = {**self.numbers, **dict(at)}
+        return {**values, N: given[N]} if N in given else values
+
     def at_rank(self, rank: int) -> EngineStepPeak:
         """The step of FSDP's rank ``rank`` (its optimizer steps on its unpadded rows)."""
         assert self.engine is not None
+        if rank == self.engine.rank:
+            return self
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, rank=rank), _records={}, _peaks={},
                                    notes=[])
 
