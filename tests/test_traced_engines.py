@@ -37,12 +37,12 @@ GPT2 = ("hf:gpt2", (("n_layer", 2), ("n_embd", 64), ("n_head", 2), ("vocab_size"
 CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard")), (*GPT2, "sum", ("fsdp",))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _loaded(spec, config):
     return sources.load(spec, config=dict(config) or None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traced(spec, config, loss, engine, optimizer="adamw", world=2, **kw):
     loaded = _loaded(spec, config)
     dims = sources.parse_dims("B,S" if spec.startswith("hf:") else "B", loaded)

@@ -87,6 +87,20 @@ def refusal(regime: Regime, step: Any) -> str | None:
     return None
 
 
+def policy(regime: Regime, repeat: Any) -> str:
+    """The wrapping the FSDP peak of a traced module follows, in one line (``repeat``: the trace's folded run).
+
+    >>> policy(Regime(data_parallel="fsdp"), None)
+    'fsdp: FSDP2 fully_shard(reshard_after_forward=True) on the root only (the module has no repeated block)'
+    """
+    head = f"{regime.data_parallel}: FSDP2 fully_shard(reshard_after_forward={SHARDED[regime.data_parallel]})"
+    if repeat is None:
+        return f"{head} on the root only (the module has no repeated block)"
+    where = f"{repeat.path}." if repeat.path else ""
+    return (f"{head} on each block of {where}* (the run of {len(repeat.children)} identical children symmem folds "
+            "into L), then on the root (every other parameter); the peak is rank 0's, which holds whole shards")
+
+
 @dataclass(frozen=True)
 class _Param:
     """One parameter of the recorded module: its storage, name, shape and bytes per element."""
