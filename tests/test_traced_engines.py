@@ -25,7 +25,8 @@ if not dist.is_available():  # pragma: no cover - a torch built without distribu
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer import sources  # noqa: E402
-from symmem.importer.traced_engines import SpecBuilder, traced_job  # noqa: E402
+from symmem.importer.spec_builder import SpecBuilder  # noqa: E402
+from symmem.importer.traced_engines import traced_job  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
 from symmem.record.distributed import compare, measure_jobs  # noqa: E402
 from symmem.symbols import L, N  # noqa: E402

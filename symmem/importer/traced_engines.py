@@ -462,30 +462,10 @@ def under_engine(step: StepPeak, regime: Regime) -> Any:
     return EngineStepPeak(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
 
 
-@dataclass(frozen=True)
-class SpecBuilder:
-    """A module and its example inputs from a SPEC (:func:`symmem.importer.sources.load`), picklable: what a worker
-    of :func:`symmem.record.distributed.measure_jobs` builds and trains (``Job.builder``).  ``config`` is hf:'s
-    ``--config``; the module is built in training mode with the seed set."""
-
-    spec: str
-    config: tuple[tuple[str, Any], ...] = ()
-    seed: int = 0
-
-    def __call__(self) -> tuple[Any, tuple[Any, ...]]:
-        import torch
-
-        from .sources import load
-
-        torch.manual_seed(self.seed)
-        loaded = load(self.spec, config=dict(self.config) or None)
-        ex = loaded.example_inputs
-        return loaded.module.train(), tuple(ex.values()) if isinstance(ex, dict) else tuple(ex)
-
-
 def traced_job(derivation: Any, builder: Any, steps: int = 3) -> Any:
     """The real run of a traced ``derivation``'s engine (:class:`symmem.record.distributed.Job`): ``builder`` makes
-    the module and the inputs the derivation was traced at (its numbers are the example's sizes)."""
+    the module and the inputs the derivation was traced at (its numbers are the example's sizes), picklable
+    (:class:`symmem.importer.spec_builder.SpecBuilder`)."""
     from ..passes.schedule import optimizer_impl
     from ..record.distributed import ENGINES, Job
 
