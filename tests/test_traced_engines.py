@@ -151,3 +151,16 @@ def test_a_module_whose_output_is_its_own_code_is_refused_under_fsdp():
     d = trace(Wrapped(), (torch.zeros(2, 4),), {"B": [(0, 0)]}, data_parallel="fsdp", values={"N": 2})
     with pytest.raises(SymmemError, match="made in its own forward"):
         d.value("peak")
+
+
+def test_ddp_buckets_hold_the_trainable_parameters_only():
+    """A frozen weight has no gradient, so DDP makes no bucket for it: 4 bytes for each of the 4 + 12 + 3
+    trainable elements beside one device's peak."""
+    from symmem import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3))
+    net[0].weight.requires_grad_(False)
+    one, ddp = (trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel=e) for e in (None, "ddp"))
+    assert ddp.value("peak") - one.value("peak") == 4 * (4 + 12 + 3)
+    with pytest.raises(SymmemError, match="parameters all train"):
+        trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="fsdp", values={"N": 2}).value("peak")

@@ -109,6 +109,7 @@ class _Param:
     name: str
     shape: tuple[int, ...]
     itemsize: int
+    trains: bool = True
 
     @property
     def nbytes(self) -> sympy.Expr:
@@ -125,12 +126,13 @@ def _parameters(rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]
     ctx = with_layers(module, repeat[0], repeat[1], rec.count) if repeat is not None and rec.count else \
         contextlib.nullcontext()
     with ctx:
-        named = [(n, tuple(int(d) for d in p.shape), p.element_size()) for n, p in module.named_parameters()]
+        named = [(n, tuple(int(d) for d in p.shape), p.element_size(), p.requires_grad)
+                 for n, p in module.named_parameters()]
     sids = [i for i in rec.start if rec.storages[i].category == "parameter"]
     if len(sids) != len(named):
         raise SymmemError(f"the recorded step holds {len(sids)} parameter storages for {len(named)} parameters "
                           "(parameters sharing a storage): the engine's shards cannot be followed")
-    return [_Param(sid, n, shape, size) for sid, (n, shape, size) in zip(sids, named, strict=True)]
+    return [_Param(sid, *about) for sid, about in zip(sids, named, strict=True)]
 
 
 def _scaled(s: LiveStorage, nbytes: Any) -> LiveStorage:
@@ -147,12 +149,13 @@ def _without(ops: Sequence[StepOp], gone: set[int]) -> list[StepOp]:
 
 
 def _ddp(rec: StepRecord, params: list[_Param], view: bool) -> StepRecord:
-    """DDP's buckets from the start; under the bucket view each ``.grad`` freed by the op that made it."""
+    """DDP's buckets (the trainable parameters') from the start; under the bucket view each ``.grad`` freed once the
+    node that made it has run."""
     storages = list(rec.storages)
     # one storage per parameter's bytes: how bucket_cap_mb groups them changes no moment's bytes, and a block's
     # share then repeats per layer (the fold in L counts storages per byte size)
     buckets = [LiveStorage(len(storages) + k, p.nbytes, "gradient", "float32", None, f"ddp.buckets[{p.name}]", "", 1,
-                           "start") for k, p in enumerate(params)]
+                           "start") for k, p in enumerate(p for p in params if p.trains)]
     storages += buckets
     ops = list(rec.ops)
     if view:
