@@ -26,7 +26,7 @@ from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer import sources  # noqa: E402
 from symmem.importer.spec_builder import SpecBuilder  # noqa: E402
-from symmem.importer.traced_engines import traced_job  # noqa: E402
+from symmem.importer.traced_engines import Engine, traced_job  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
 from symmem.record.distributed import compare, measure_jobs  # noqa: E402
 from symmem.symbols import L, N  # noqa: E402
@@ -89,22 +89,26 @@ def test_zero_and_ddp_as_hand_counts_of_the_traced_step():
     """Hand counts on the recorded step (SGD with momentum: no scalar state), moment by moment: --zero K divides
     what stage K shards by N and nothing else (at N = 1 it is one device's step); plain DDP adds its buckets, one
     more copy of every trainable parameter's bytes, live the whole step (the bucket view and FSDP2 are checked
-    against real runs above)."""
+    against real runs above).  Stage 3 through ``trace``; stages 1 and 2 and DDP rewrite the same record."""
     one = _traced(BLOCK, (), "sum", None, "sgd-momentum")
     at = dict(one.numbers)
     base = one.step.timeline("steady", at)
+    zero = _traced(BLOCK, (), "sum", None, "sgd-momentum", world=4, zero=3)
+    step = zero.step
     shards = {1: ("optimizer_state",), 2: ("optimizer_state", "gradient"), 3: ("optimizer_state", "gradient",
                                                                                "parameter")}
+    psi = sum(p.numel() for p in _loaded(BLOCK, ()).module.parameters())
+    assert psi == 12 * 24 + 24 + 4 * (2 * 24 + 24 * 72 + 72 + 72 * 24 + 24) + 24 * 5 + 5
+    record = step.inner.record(at[L])
     for stage, shared in shards.items():
-        zero = _traced(BLOCK, (), "sum", None, "sgd-momentum", world=4, zero=stage)
+        rewritten = Engine("zero", stage).apply(record, step.module, step.repeat, False)
         for world in (4, 1):
-            rows = zero.step.timeline("steady", {**at, N: world})
+            rows = (step.timeline("steady", {**at, N: world}) if stage == 3 else
+                    rewritten.timeline("steady", {**at, N: world}))
             assert [r[:2] for r in rows] == [r[:2] for r in base]
             for (_, _, got), (_, _, live) in zip(rows, base, strict=True):
                 assert got == {c: v // world if c in shared else v for c, v in live.items()}, (stage, got, live)
-    psi = sum(p.numel() for p in _loaded(BLOCK, ()).module.parameters())
-    assert psi == 12 * 24 + 24 + 4 * (2 * 24 + 24 * 72 + 72 + 72 * 24 + 24) + 24 * 5 + 5
-    ddp = _traced(BLOCK, (), "sum", "ddp", "sgd-momentum").step.timeline("steady", {**at, N: 2})
+    ddp = Engine("ddp").apply(record, step.module, step.repeat, False).timeline("steady", at)
     assert [r[:2] for r in ddp] == [r[:2] for r in base]
     for (_, _, got), (_, _, live) in zip(ddp, base, strict=True):
         assert got == {**live, "gradient": live["gradient"] + 4 * psi}
