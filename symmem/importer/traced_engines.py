@@ -261,6 +261,9 @@ class _Fsdp:
 
     # -- the phases ----------------------------------------------------------------------------------------------
     def rewrite(self) -> StepRecord:
+        """The record with FSDP's events around each unit's first and last op in forward and backward (the order
+        :class:`symmem.passes.data_parallel.Fsdp` walks a built graph in), its weights sharded and its optimizer
+        state the rank's."""
         rec = self.rec
         grads = set(_grads(rec))
         ops = _without(rec.ops, grads)
@@ -309,7 +312,7 @@ class _Fsdp:
                 last = self.post_backward(None)
                 ended = ([self.reduce_in] if self.reduce_in is not None else []) + last
                 self.event("backward", None, "fsdp.root_post_backward_done", freed=[*ended, *moved])
-        self._check(grads)
+        self._check()
         ops = tuple(dataclasses.replace(o, index=i) for i, o in enumerate(self.ops))
         return dataclasses.replace(rec, storages=tuple(self._stepped()), ops=ops)
 
@@ -394,7 +397,8 @@ class _Fsdp:
         want = self.unit_params[unit][-1].nbytes
         return next((g for g in mine if sympy.expand(self.rec.storages[g].nbytes - want) == 0), mine[-1])
 
-    def _check(self, grads: set[int]) -> None:
+    def _check(self) -> None:
+        """Every unit with parameters had its pre-backward placed (else its gathers would be missing)."""
         if len(self.started) != len([u for u in [None, *self.units] if self.unit_params[u]]):
             raise SymmemError("FSDP's pre-backward hooks could not all be placed in the recorded backward")
 
