@@ -190,7 +190,7 @@ def _zero(rec: StepRecord, params: list[_Param], stage: int) -> StepRecord:
 
 def _scalar(s: LiveStorage) -> bool:
     """Adam's step count: one element (4 bytes in FP32)."""
-    return sympy.sympify(s.nbytes) == 4 and s.dtype == "float32"
+    return sympy.sympify(s.nbytes, strict=True) == 4 and s.dtype == "float32"
 
 
 def _within(path: str, unit: str) -> bool:
@@ -413,7 +413,7 @@ class _Fsdp:
         held: dict[str, Any] = {}
         for i, where in made_for.items():
             p = by_name.get(where)
-            if p is not None and sympy.sympify(out[i].nbytes) == p.nbytes:  # the recorded bytes are numbers
+            if p is not None and sympy.sympify(out[i].nbytes, strict=True) == p.nbytes:  # recorded bytes: numbers
                 if p.name not in held:
                     shape = held_shape(p.shape, N, self.rank)
                     held[p.name] = sympy.Mul(*shape) * p.itemsize if shape else p.nbytes
