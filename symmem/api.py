@@ -372,7 +372,12 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     ledger = tracing.ledger_of(recorded, regime, name=name, values=values, free=free, per_layer=per_layer,
                                shown=shown)
     layers = next(iter(ledger.repeats.values()), None)
-    step = sized_step(build, recorded, regime, ledger.numbers, dims, loss, device, layers, free) if with_step else None
+    if with_step and (regime.data_parallel or regime.zero):  # the step in every size is one device's
+        step = Refused("the peak in every size is recorded on one device; under a data-parallel engine or --zero "
+                       "it is not modelled yet: trace without sizes= (the peak in B, S, L and N)")
+    else:
+        step = sized_step(build, recorded, regime, ledger.numbers, dims, loss, device, layers, free) if with_step \
+            else None
     why = tracing.no_step(recorded, regime) or (None if with_step else no_peak(recorded))
     check_step(regime, why or (step.why if isinstance(step, Refused) else None))
     d = derivation_of(ledger, regime, step, why)

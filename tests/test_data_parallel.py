@@ -205,13 +205,14 @@ def test_fit_under_an_engine(capsys):
     assert peak[0] <= 4 * 2**30 < peak[1]
 
 
-def test_traced_module_refuses_the_peak():
+def test_traced_module_has_the_peak_too():
+    """A traced module under DDP: its buckets (4 bytes per parameter, 8 x 4 + 4 here) beside every moment of one
+    device's step (tests/test_traced_engines.py checks traced modules against real gloo runs)."""
     from symmem import trace
 
     net = torch.nn.Sequential(torch.nn.Linear(8, 4))
-    d = trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="ddp")
-    with pytest.raises(SymmemError, match="modelled for built-in models; a traced module's step is not yet"):
-        d.value("peak")
+    one, ddp = (trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel=e) for e in (None, "ddp"))
+    assert ddp.value("peak") == one.value("peak") + 4 * (8 * 4 + 4)
 
 
 def test_fsdp_per_rank_in_json_and_table(capsys):

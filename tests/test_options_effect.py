@@ -211,8 +211,8 @@ def test_step_options_where_the_step_is_refused_are_refused(capsys, monkeypatch)
     net, inputs = mlp_with_inputs()
 
     with pytest.raises(SymmemError, match=r"^micro_batches=2 shapes the training step's peak, which is not modelled "
-                                          r"here \(the peak follows one device's training step op by op; ZeRO"):
-        symmem.trace(net, inputs, {"B": [(0, 0)]}, zero=2, micro_batches=2)
+                                          r"here \(the peak under data_parallel='fsdp' is modelled for one micro"):
+        symmem.trace(net, inputs, {"B": [(0, 0)]}, data_parallel="fsdp", micro_batches=2)
     with pytest.raises(SymmemError, match=r"^keep_logits=True shapes the training step's peak, which is not "
                                           r"modelled here \(precision='mixed' sets the parameter side only"):
         symmem.trace(net.to(torch.bfloat16), tuple(x.to(torch.bfloat16) for x in inputs), {"B": [(0, 0)]},

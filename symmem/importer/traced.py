@@ -224,6 +224,10 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     # What PyTorch itself kept needs no "the convention cannot see this" note: a module that keeps no activation
     # (a lone Linear keeps only its input) keeps none.
     notes: tuple[str, ...] = ()
+    if regime.data_parallel in ("fsdp", "fsdp-no-reshard"):
+        from .traced_engines import policy  # which modules fully_shard wraps: said, as the peak follows it
+
+        notes = (policy(regime, rep),)
     domain = trace.domain
     if size_one:
         from .guards import domain_of
@@ -288,12 +292,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if no_step(recorded, regime) is not None:
         return None
     why = None
-    if regime.zero or regime.tensor_parallel or regime.pipeline_parallel:
-        why = ("the peak follows one device's training step op by op; ZeRO and tensor and pipeline parallelism "
-               "are not traced (the kept memory and total are)")
-    elif regime.data_parallel:
-        why = (f"the peak under data_parallel={regime.data_parallel!r} is modelled for built-in models; a traced "
-               "module's step is not yet (the kept memory and total are)")
+    if regime.tensor_parallel or regime.pipeline_parallel:
+        why = ("the peak follows one device's training step op by op; tensor and pipeline parallelism are not "
+               "traced: their collectives and stage cuts are modelled on built-in graphs only (the kept memory and "
+               "total are)")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
@@ -316,6 +318,9 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
         sym = L if L not in set(symbols.values()) else sympy.Symbol("L_layers", positive=True, integer=True)
         sym = sym if sym in numbers else None
     subs = {} if free is None else {s: numbers[s] for n, s in symbols.items() if n not in free and s in numbers}
-    return StepPeak(module, inputs, symbols, dict(recorded.values), step_options, device, multiple_of,
+    step = StepPeak(module, inputs, symbols, dict(recorded.values), step_options, device, multiple_of,
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
                     dict(numbers))
+    from .traced_engines import under_engine  # a data-parallel engine or ZeRO's accounting: the step rewritten
+
+    return under_engine(step, regime)

@@ -64,6 +64,9 @@ class Job:
     #: ranks per process group (0: the whole world): a world of 4 runs a 2-rank job twice at once, on ranks
     #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group)
     group: int = 0
+    #: a traced module instead of the reference: a picklable callable giving (module, positional inputs)
+    #: (symmem.importer.traced_engines.SpecBuilder)
+    builder: Any = None
 
 
 @dataclass(frozen=True)
@@ -264,12 +267,16 @@ def _reference(job: Job) -> tuple[Any, tuple[Any, ...], Any]:
     import torch
 
     from ..reference import reference
+    from .identity import first_tensor
 
-    module, inputs = reference(job.model, dict(job.numbers), dict(job.options))
+    if job.builder is not None:
+        module, inputs = job.builder()
+    else:
+        module, inputs = reference(job.model, dict(job.numbers), dict(job.options))
     target = None
     if job.loss and not getattr(module, "takes_labels", False):
         with torch.no_grad():
-            logits = module(*inputs)
+            logits = first_tensor(module(*inputs))
         target = torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]),
                                generator=torch.Generator().manual_seed(0))
         del logits

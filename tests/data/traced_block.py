@@ -1,0 +1,35 @@
+"""A small module with a repeated block, for tests/test_traced_engines.py: traced by symmem and trained for real by
+gloo workers (symmem.importer.traced_engines.SpecBuilder loads it by path).  The head's 5 rows do not divide by 2,
+so FSDP2 pads them and the last rank holds fewer (its optimizer state is smaller)."""
+
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.up = torch.nn.Linear(h, 3 * h)
+        self.down = torch.nn.Linear(3 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, h: int = 24, layers: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(12, h)
+        self.blocks = torch.nn.ModuleList(Block(h) for _ in range(layers))
+        self.head = torch.nn.Linear(h, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return Net(), (torch.randn(4, 12),)
