@@ -398,3 +398,64 @@ def test_a_step_that_runs_other_ops_at_other_sizes_is_refused_in_one_line() -> N
                             "backward aten.t.default in AddmmBackward0, frees other storages): a size decides which "
                             "ops run, so the step's moments do not line up in the sizes; keep that size fixed, or "
                             "trace without sizes= at the sizes you want for the peak")
+
+
+# -- G = h and G < h: one formula where both regimes keep the same tensors, else the regime it holds in -----------
+class Grouped(torch.nn.Module):
+    """Grouped-query attention as transformers 4.4x wrote it: the G key heads (a tanh keeps them) copied to h heads
+    (``repeat_interleave``) unless G = h, where the matmul keeps the tanh's own output: B*S*H*(G/h + 1) bytes / 4
+    at G < h, B*S*H at G = h."""
+
+    def __init__(self, H: int, h: int, G: int) -> None:
+        super().__init__()
+        self.h, self.G = h, G
+        self.q, self.k, self.v = (torch.nn.Linear(H, n) for n in (H, G * (H // h), G * (H // h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        d = H // self.h
+        q = self.q(x).view(B, S, self.h, d).transpose(1, 2)
+        k, v = (f(x).view(B, S, self.G, d).transpose(1, 2) for f in (self.k, self.v))
+        k = torch.tanh(k.contiguous())
+        if self.G != self.h:
+            k, v = k.repeat_interleave(self.h // self.G, 1), v.repeat_interleave(self.h // self.G, 1)
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return x + (p @ v).transpose(1, 2).reshape(B, S, H)
+
+
+def grouped(H: int, h: int, G: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return Grouped(H, h, G), (torch.randn(2, 3, H),)
+
+
+@pytest.mark.parametrize("G", [2, 8])
+def test_a_regime_the_formula_misses_is_outside_its_domain_and_said(G: int) -> None:
+    """Fitted at G < h (or asked at G = h): the copies exist only for G < h, so the check at G = h fails and the
+    formula keeps the regime it was asked in, exact there against real saved tensors, the other one said."""
+    d = trace(grouped, dims={"B": [(0, 0)], "S": [(0, 1)]}, sizes={"H": 64, "h": 8, "G": G},
+              divisible={"H": "h", "h": "G"}, optimizer="sgd")
+    held, other = ("h >= 2*G", "h = G") if G == 2 else ("h = G", "h >= 2*G")
+    assert any(n.startswith(f"the formula holds for {held} only: at {other} the module keeps other tensors (")
+               and n.endswith(f"for {other} trace a configuration there") for n in d.notes)
+    at = {"H": 36, "h": 6, "G": 3} if G == 2 else {"H": 36, "h": 6, "G": 6}
+    module, (x,) = grouped(**at)
+    x = torch.randn(3, 5, at["H"])
+    assert d.at(B=3, S=5, **at).value("activations") == measure(module, x).activations
+    assert bool(sympy.sympify(d.domain).xreplace({sympy.Symbol(k, positive=True, integer=True): v for k, v in
+                                                  {**at, "B": 3, "S": 5}.items()}))
+    outside = {"G": 6} if G == 2 else {"G": 3}
+    assert not bool(sympy.sympify(d.domain).xreplace({sympy.Symbol(k, positive=True, integer=True): v for k, v in
+                                                      {**at, **outside, "B": 3, "S": 5}.items()}))
+
+
+def test_hf_llama_one_formula_for_g_equal_h_and_g_below_h() -> None:
+    """transformers' Llama (SDPA, enable_gqa) keeps the same tensors either way: the formula fitted at G < h is
+    checked at G = h and holds there, as real PyTorch's saved tensors say at G = h and G < h (never traced)."""
+    d, model = _fit("llama")
+    assert "h >= G" in str(d.domain) and "h >= 2*G" not in str(d.domain)
+    assert any(n.startswith("one formula for h = G too: fitted at h/G >= 2 and checked at h/G = 1") for n in d.notes)
+    for at in ({"H": 72, "h": 6, "G": 6, "F": 44, "V": 50, "L": 3}, {"H": 72, "h": 6, "G": 2, "F": 44, "V": 50,
+                                                                     "L": 3}):
+        loaded = model.load(at)
+        ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(0))
+        assert d.at(B=3, S=5, **at).value("activations") == measure(loaded.module, input_ids=ids).activations

@@ -74,6 +74,8 @@ class Plan:
     defaults: dict[str, int]
     divisible: dict[str, str | int]
     variables: tuple[Variable, ...]
+    #: quotient variables fitted at >= 2 and checked at 1 too (h/G: G = h as well as G < h): the domain says >= 1
+    one: frozenset[str] = frozenset()
 
     @staticmethod
     def of(sizes: Mapping[str, int], divisible: Mapping[str, str | int] | None = None) -> Plan:
@@ -157,7 +159,7 @@ class Plan:
                     continue
                 if all(x % 2 == 0 for x in v.values):
                     out.append(sympy.Eq(sympy.Mod(size, 2 * d), 0))
-                out.append(sympy.Ge(size, 2 * d))
+                out.append(sympy.Ge(size, d if v.name in self.one else 2 * d))
             elif v.fixed:
                 out.append(sympy.Eq(size, 1))
             else:
@@ -319,9 +321,70 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
     sizes as for :func:`~symmem.importer.trace_module` (they stay symbolic in every trace); ``divisible`` maps a size
     to the size (or integer) that must divide it; ``options`` are :func:`trace_module`'s (``device``, ``training``,
     ``method``, ``autocast``, ``checkpoint``).  ``Trace.extra["sizes"]`` says how many traces it took.
+
+    A count divided by a count (the heads per key/value group ``h/G``) has two regimes that can run different code
+    (``repeat_kv`` is the identity at ``G = h``): it is fitted at ``h/G >= 2`` and checked at ``h/G = 1`` at two
+    more configurations; where the formula holds there too the domain says ``h >= G`` (one formula for both),
+    else it keeps ``h >= 2G`` (or, for a configuration at ``G = h``, the fit at ``h/G = 1`` only) and a note
+    says which regime it holds in and how to get the other.
     """
-    plan = Plan.of(sizes, divisible)
+    given = Plan.of(sizes, divisible)
+    divisors = {m for m in given.divisible.values() if isinstance(m, str)}
+    regimes = [i for i, v in enumerate(given.variables) if isinstance(v.divisor, str) and v.size in divisors]
+    plan = replace(given, variables=tuple(replace(v, values=COUNT_VALUES) if i in regimes else v
+                                          for i, v in enumerate(given.variables)))
     traces = _Traces(plan, build, dims, dict(options), {})
+    notes: list[str] = []
+    try:
+        first, formulas, reads = _fit_plan(plan, traces)
+    except SymmemError as e:
+        if plan == given:
+            raise
+        # the grouped regime fails where the configuration asked for the other: that regime alone, as asked
+        notes.append(_regime_note(given, [i for i in regimes if given.variables[i].fixed], str(e), grouped=False))
+        plan, traces = given, _Traces(given, build, dims, dict(options), {})
+        first, formulas, reads = _fit_plan(plan, traces)
+        return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+    ones = []
+    for i in regimes:
+        v = plan.variables[i]
+        check = replace(plan, variables=tuple(replace(w, values=(*w.values[:3], 1, 1)) if j == i else w
+                                              for j, w in enumerate(plan.variables)))
+        try:
+            _verify(check, traces, list(formulas), formulas, first, reads)
+            ones.append(v.name)
+        except SymmemError as e:  # G = h keeps other tensors (or the same in other sizes): not that regime
+            if given.variables[i].fixed:  # the configuration is at G = h: its own regime, as before
+                notes.append(_regime_note(given, [i], str(e), grouped=False))
+                plan, traces = given, _Traces(given, build, dims, dict(options), {})
+                first, formulas, reads = _fit_plan(plan, traces)
+                return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+            notes.append(_regime_note(plan, [i], str(e), grouped=True))
+    if ones:
+        said = ", ".join(f"{plan.variables[i].size} = {plan.variables[i].divisor}" for i in regimes
+                         if plan.variables[i].name in ones)
+        notes.append(f"one formula for {said} too: fitted at {', '.join(ones)} >= 2 and checked at "
+                     f"{', '.join(o + ' = 1' for o in ones)} (two more configurations never fitted)")
+    plan = replace(plan, one=frozenset(ones))
+    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+
+
+def _regime_note(plan: Plan, which: list[int], why: str, grouped: bool) -> str:
+    """Which regime of a count divided by a count the formula holds in, why not the other, and the way to it."""
+    names = [(plan.variables[i].size, plan.variables[i].divisor) for i in which]
+    if grouped:
+        held = ", ".join(f"{n} >= 2*{m}" for n, m in names)
+        other = ", ".join(f"{n} = {m}" for n, m in names)
+    else:
+        held = ", ".join(f"{n} = {m}" for n, m in names)
+        other = ", ".join(f"{n} >= 2*{m}" for n, m in names)
+    what = why.split(" in a way")[0].split(": a size decides")[0].split(" fitted vs ")[0][:120]  # which quantity
+    return (f"the formula holds for {held} only: at {other} the module keeps other tensors ({what}); for "
+            f"{other} trace a configuration there")
+
+
+def _fit_plan(plan: Plan, traces: _Traces) -> tuple[Trace, dict[Key, tuple[Any, ...]], dict[Key, list[str]]]:
+    """The base trace, every quantity's formula in the sizes and the variables each reads, checked (:func:`_verify`)."""
     fitted = [v for v in plan.variables if not v.fixed]
     base = plan.base
     first = traces.at(base)
@@ -365,7 +428,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         except Miss:
             if probes == 3:
                 raise
-    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds)
+    return first, formulas, reads
 
 
 def _checked(t: Trace, keys: list[Key], first: Trace, plan: Plan, p: tuple[int, ...]) -> dict[Key, tuple[Any, ...]]:
@@ -484,8 +547,8 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
     return out
 
 
-def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]], count: int, seconds: float
-                  ) -> Trace:
+def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]], count: int, seconds: float,
+                  said: list[str] | None = None) -> Trace:
     """The base trace with every quantity its formula in the sizes."""
     storages = []
     for s in first.storages:
@@ -508,7 +571,7 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
     extra = {**first.extra, "sizes": {"traces": count, "seconds": seconds, "plan": plan}}
     notes = tuple(n for n in first.notes if "check=False" not in n)  # the fit's own checks replace it
     return replace(first, storages=tuple(storages), parameters=params, buffers=buffers, repeats=reps,
-                   symbols=symbols, domain=domain, notes=(*notes, note), extra=extra, check=None)
+                   symbols=symbols, domain=domain, notes=(*notes, note, *(said or ())), extra=extra, check=None)
 
 
 def _param(p: TracedParameter, shape: tuple[Any, ...]) -> TracedParameter:
