@@ -37,7 +37,7 @@ import sympy
 
 from ..errors import SymmemError
 from .inputs import sym_for
-from .records import Trace, TracedParameter, TracedStorage, TracedSymbol
+from .records import Repeat, Trace, TracedParameter, TracedStorage, TracedSymbol
 
 #: the layer count's name: its size is the repeated blocks' count, folded to the symbol L as in any trace
 LAYERS = "L"
@@ -215,6 +215,83 @@ def _check_divisible(div: dict[str, Any], sizes: dict[str, int]) -> dict[str, st
 Key = tuple[str, str]
 
 
+@dataclass(frozen=True)
+class Stacks(Repeat):
+    """Runs of blocks one size counts, folded together: an encoder's and a decoder's layers (both ``L``), child ``i``
+    of every run being layer ``i``, so one layer is one block of each run (the first run names the fold); and a
+    run whose first block keeps more than the others (T5's computes the relative position bias): those
+    ``extras`` (storages) and ``outside`` (modules) are kept once, outside the fold.  The same interface as
+    :class:`~symmem.importer.records.Repeat`."""
+
+    runs: tuple[Repeat, ...] = ()
+    extras: frozenset[str] = frozenset()
+    outside: frozenset[str] = frozenset()
+
+    @staticmethod
+    def of(runs: list[Repeat], extras: frozenset[str] = frozenset(), outside: frozenset[str] = frozenset()
+           ) -> Stacks:
+        return Stacks(runs[0].path, runs[0].children, tuple(n for r in runs for n in r.storages if n not in extras),
+                      sympy.expand(sympy.Add(*[r.bytes for r in runs])), tuple(runs), extras, outside)
+
+    def owns(self, module: str) -> int | None:
+        if any(module == m or module.startswith(m + ".") for m in self.outside):
+            return None
+        return next((i for i in (r.owns(module) for r in self.runs) if i is not None), None)
+
+    def child_of(self, storage: TracedStorage) -> int | None:
+        if storage.name in self.extras:
+            return None
+        return next((i for i in (r.child_of(storage) for r in self.runs) if i is not None), None)
+
+
+def _child(path: str, i: int) -> str:
+    return f"{path}.{i}" if path else str(i)
+
+
+def _first_special(trace: Trace, taken: list[Repeat]) -> tuple[list[Repeat], set[str], set[str]]:
+    """Containers of two blocks at ``L = 2`` whose first block keeps what the second keeps and more (T5's first
+    block computes the relative position bias): each a run of two, with the first block's extra storages and
+    modules (those the second lacks) to be kept once."""
+    mods = {p.name.rsplit(".", 1)[0] for p in trace.parameters if "." in p.name} | {
+        s.module for s in trace.storages if s.module}
+    paths = {".".join(m.split(".")[:i]) for m in mods for i, x in enumerate(m.split(".")) if x in ("0", "1")}
+    runs: list[Repeat] = []
+    extras: set[str] = set()
+    outside: set[str] = set()
+    for path in sorted(paths):
+        c0, c1, c2 = (_child(path, i) for i in range(3))
+        if any(r.path == path or r.owns(c0) is not None for r in taken) or any(
+                m == c2 or m.startswith(c2 + ".") for m in mods):
+            continue
+        rep = Repeat(path, (c0, c1), (), sympy.Integer(0))
+        sig = {c: {(s.name[len(c):], s.dtype, sympy.srepr(sympy.expand(s.bytes))): s.name
+                   for s in trace.of_kind("activation") if s.name.startswith(c) and rep.child_of(s) == i}
+               for i, c in enumerate((c0, c1))}
+        under = {c: {m[len(c):] for m in mods if m == c or m.startswith(c + ".")} for c in (c0, c1)}
+        if not sig[c1] or not set(sig[c1]) < set(sig[c0]) or not under[c1] <= under[c0]:
+            continue
+        extras |= {n for k, n in sig[c0].items() if k not in sig[c1]}
+        outside |= {c0 + m for m in under[c0] - under[c1]}
+        runs.append(Repeat(path, (c0, c1), tuple(n for k, n in sig[c0].items() if k in sig[c1]),
+                           sympy.expand(sympy.Add(*[s.bytes for s in trace.storages if s.name in sig[c0].values()
+                                                    and s.name not in extras]))))
+    return runs, extras, outside
+
+
+def _stacked(trace: Trace) -> Trace:
+    """The trace at ``L = 2`` with every run of two blocks (not inside another's blocks) folded together: an
+    encoder-decoder's two stacks both count ``L``; blocks after a first that keeps more count too
+    (:class:`Stacks`).  One plain run stays as it is."""
+    runs = [r for r in trace.repeats if r.count == LAYER_VALUES[0]]
+    runs = [r for r in runs if not any(o is not r and o.owns(r.path) is not None for o in runs)]
+    special, extras, outside = _first_special(trace, runs)
+    if not special and len(runs) < 2:
+        return trace
+    every = [*runs, *special]
+    rest = tuple(r for r in trace.repeats if all(r is not o for o in every))
+    return replace(trace, repeats=(Stacks.of(every, frozenset(extras), frozenset(outside)), *rest))
+
+
 def _itemsize(s: TracedStorage) -> Any:
     return sympy.sympify(s.bytes, strict=True) / s.elements if s.elements != 0 else sympy.Integer(1)
 
@@ -387,7 +464,7 @@ def _fit_plan(plan: Plan, traces: _Traces) -> tuple[Trace, dict[Key, tuple[Any, 
     """The base trace, every quantity's formula in the sizes and the variables each reads, checked (:func:`_verify`)."""
     fitted = [v for v in plan.variables if not v.fixed]
     base = plan.base
-    first = traces.at(base)
+    first = _stacked(traces.at(base)) if plan.has_layers else traces.at(base)
     ranks = _quantities(first)
     keys = list(ranks)
 
