@@ -565,3 +565,23 @@ def test_cli_t5_one_symbol_for_both_stacks_equals_real_pytorch(capsys: pytest.Ca
     real = measure(loaded.module, **_ids(loaded, 3, 5, 32))
     assert (got["values"]["activations"], got["values"]["input"]) == (real.activations, real.input)
     assert got["values"]["parameters"] == sum(p.numel() for p in loaded.module.parameters())
+
+
+def test_hf_vit_and_the_zoo_vit_agree_in_every_size() -> None:
+    """transformers' ViT (as timm builds it: class token, pre-norm blocks, sdpa; the head on the class token)
+    traced in H, h and L equals the zoo's ``vit`` formula symbol for symbol at the same image (32x32, 16x16
+    patches: S = 5 tokens), MLP width and classes."""
+    pytest.importorskip("transformers")
+    import symmem
+    from symmem.importer.hf_sizes import hf_sizes
+
+    tiny = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 64, "image_size": 32, "patch_size": 16,
+            "num_labels": 2, "attn_implementation": "sdpa"}
+    model = hf_sizes("hf:vit", {"H": "hidden_size", "h": "num_attention_heads"}, tiny, None)
+    d = trace(model.build, dims={"B": [("pixel_values", 0)]}, sizes={"H": 768, "h": 12, "L": 12},
+              divisible=model.divisible, optimizer="adamw", device="cpu")
+    z = symmem.derive("vit-b16", device="cpu", attention="sdpa", optimizer="adamw",
+                      values={"F": 64, "K": 2, "Hi": 32, "Wi": 32}, free=("B", "H", "h", "L"))
+    assert {s.name for s in d.free} == {s.name for s in z.free} == {"B", "H", "h", "L"}
+    for what in ("activations", "input", "parameters", "parameter_memory", "total"):
+        assert sympy.expand(_plain(getattr(d, what)) - _plain(getattr(z, what))) == 0, what
