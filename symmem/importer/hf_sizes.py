@@ -43,8 +43,7 @@ DECODER_LAYERS = ("decoder_layers", "num_decoder_layers")
 def parse_symbolic(text: str) -> dict[str, str]:
     """``--symbolic H=hidden_size,...`` as symbol -> config key."""
     out: dict[str, str] = {}
-    usage = ("expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers (one symbol for several "
-             "equal keys: L=encoder_layers|decoder_layers)")
+    usage = "expected SYMBOL=config_key,... e.g. H=hidden_size,L=num_hidden_layers"
     for part in (x.strip() for x in text.split(",")):
         m = _PAIR.match(part)
         if not m:
