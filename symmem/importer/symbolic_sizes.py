@@ -260,7 +260,7 @@ def _first_special(trace: Trace, taken: list[Repeat]) -> tuple[list[Repeat], set
     outside: set[str] = set()
     for path in sorted(paths):
         c0, c1, c2 = (_child(path, i) for i in range(3))
-        if any(r.path == path or r.owns(c0) is not None for r in taken) or any(
+        if any(r.path == path or r.owns(c0) is not None for r in (*taken, *runs)) or any(
                 m == c2 or m.startswith(c2 + ".") for m in mods):
             continue
         rep = Repeat(path, (c0, c1), (), sympy.Integer(0))
