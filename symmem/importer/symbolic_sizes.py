@@ -419,7 +419,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
             raise
         # the grouped regime fails where the configuration asked for the other: that regime alone, as asked
         notes.append(_regime_note(given, [i for i in regimes if given.variables[i].fixed], str(e), grouped=False))
-        plan, traces = given, _Traces(given, build, dims, dict(options), {})
+        plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
         first, formulas, reads = _fit_plan(plan, traces)
         return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
     ones = []
@@ -433,7 +433,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         except SymmemError as e:  # G = h keeps other tensors (or the same in other sizes): not that regime
             if given.variables[i].fixed:  # the configuration is at G = h: its own regime, as before
                 notes.append(_regime_note(given, [i], str(e), grouped=False))
-                plan, traces = given, _Traces(given, build, dims, dict(options), {})
+                plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
                 first, formulas, reads = _fit_plan(plan, traces)
                 return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
             notes.append(_regime_note(plan, [i], str(e), grouped=True))
