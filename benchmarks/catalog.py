@@ -222,14 +222,17 @@ def render(rows: list[dict[str, object]], failed: list[tuple[str, str]], seconds
            + ", ".join(f"B={b}, S={t}, {n} layers" for b, t, n in PEAK_CHECKS) + ".  The peak in every size is "
            "`symmem trace hf:TYPE --symbolic ... --symbolic-peak` (minutes a model, so not in this table).", "",
            "Symbols: " + ", ".join(f"{s} = {m}" for s, m in MEANING.items()) + "; the domain of every row includes "
-           "each divisibility it needs (H by h, h by G; G = h too where the fit checked it) and each size at least "
-           "2.", "",
+           "each divisibility it needs (H by h, h by G) and each size at least 2; *G = h too*: fitted at G < h and "
+           "checked at G = h at two more configurations, one formula for multi-head and grouped-query attention (the "
+           "others hold for h >= 2G: their head size is a key of its own, so h divides no symbol).", "",
            "| type | class | symbols | activations per layer (bytes) | parameters per layer | parameters | traces "
            "| steady-step peak per layer (bytes) | peak traced at |",
            "|---|---|---|---|---|---|---|---|---|"]
     no_peak = []
     for r in rows:
         syms = ", ".join(f"{s}={k}" for s, k in r["keys"].items()).replace("|", "\\|")  # type: ignore[union-attr]
+        if "h >= G" in str(r.get("domain", "")):  # fitted at G < h, checked at G = h: one formula for both
+            syms += " (G = h too)"
         peak = cell(r["peak"]) if r.get("peak") is not None else "—"
         where = r["peak_at"] if r.get("peak") is not None else "—"
         if r.get("peak") is None:
@@ -251,6 +254,8 @@ def main(argv: list[str]) -> int:
 
     from symmem.errors import SymmemError
 
+    if argv == ["--render"]:  # the page again from docs/catalog.json, tracing nothing
+        return write(**json.loads((ROOT / "docs" / "catalog.json").read_text()))
     rows, failed = [], []
     start = time.perf_counter()
     for t in argv or MODEL_TYPES:
@@ -264,11 +269,22 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # a model's own code on fake tensors: listed with its reason, the rest goes on
             failed.append((t, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:250] if str(e).strip() else ''}"))
             print(f"{t}: failed: {failed[-1][1][:200]}", flush=True)
-    (ROOT / "docs" / "catalog.md").write_text(render(rows, failed, time.perf_counter() - start))
-    # the rows as text, for notebook 06 (which reads them rather than tracing forty models again)
+    text = [{k: (str(v) if k in ("layer", "layer_params", "params", "peak", "domain") else v) for k, v in r.items()}
+            for r in rows]
+    # the rows as text (notebook 06 reads them rather than tracing forty models again; --render rewrites the page)
     (ROOT / "docs" / "catalog.json").write_text(json.dumps(
-        [{k: (str(v) if k in ("layer", "layer_params", "params", "peak", "domain") else v) for k, v in r.items()}
-         for r in rows], indent=1, default=str) + "\n")
+        {"rows": text, "failed": failed, "seconds": time.perf_counter() - start}, indent=1, default=str) + "\n")
+    return write(text, failed, time.perf_counter() - start)
+
+
+def write(rows: list[dict[str, object]], failed: list[tuple[str, str]], seconds: float) -> int:
+    """docs/catalog.md from the rows as text (docs/catalog.json: our own output, parsed with the symbols' names)."""
+    import sympy
+
+    names = {n: sympy.Symbol(n, positive=True, integer=True) for n in MEANING}
+    parsed = [{**r, **{k: (sympy.parse_expr(r[k], local_dict=names) if r.get(k) not in (None, "None") else None)
+                       for k in ("layer", "layer_params", "params", "peak")}} for r in rows]
+    (ROOT / "docs" / "catalog.md").write_text(render(parsed, [tuple(f) for f in failed], seconds))
     print(f"docs/catalog.md: {len(rows)} model types, {len(failed)} not catalogued")
     return 0
 
