@@ -13,9 +13,10 @@ configuration, symbolic in B, S and the layer count L (the layers written out 4 
 that win for many layers (those whose ``a`` no other's exceeds for every B, S).  When generated it is checked at two
 configurations never traced (other B, S and 7 and 9 layers) against a real step's live bytes
 (:func:`symmem.record.steps.track_step`).  A model type that cannot be built from its config's defaults or traced on
-fake tensors is listed with the reason, in one line.  Run (about half an hour on two cores)::
+fake tensors is listed with the reason, in one line.  Run (about half an hour on two cores; given model types,
+their rows replace those of the page; ``--render`` rewrites the page from ``docs/catalog.json``)::
 
-    PYTHONPATH=. python benchmarks/catalog.py [MODEL_TYPE ...]
+    PYTHONPATH=. python benchmarks/catalog.py [MODEL_TYPE ... | --render]
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", 
                "vit", "deit", "dinov2", "t5", "bart", "mbart", "pegasus", "marian", "blenderbot", "m2m_100")
 #: config values a tiny configuration needs: a padding id inside a small vocabulary, rotary within the smallest head
 OVERRIDES: dict[str, dict[str, object]] = {"phi3": {"pad_token_id": 0}, "gptj": {"rotary_dim": 4},
-                                           "codegen": {"rotary_dim": 4}}
+                                           "codegen": {"rotary_dim": 4},
+                                           # as many decoder layers as encoder layers, so L counts both stacks
+                                           "blenderbot": {"decoder_layers": 2},
+                                           # every layer runs (layerdrop skips layers at random in training)
+                                           "m2m_100": {"encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0},
+                                           "marian": {"pad_token_id": 0, "decoder_start_token_id": 0}}
 CANONICAL = {"H": "hidden_size", "F": "intermediate_size", "h": "num_attention_heads", "G": "num_key_value_heads",
              "V": "vocab_size", "L": "num_hidden_layers"}
 #: where the canonical key is missing or one stack's: the keys that stand for the same size (the first that exists)
 ALTERNATIVES = {"F": (("intermediate_size",), ("encoder_ffn_dim", "decoder_ffn_dim"), ("d_ff",)),
                 "h": (("num_attention_heads", "decoder_attention_heads"),),
-                "L": (("num_hidden_layers", "decoder_layers", "num_decoder_layers"),)}
+                "L": (("num_hidden_layers", "decoder_layers", "num_decoder_layers"),),
+                "V": (("vocab_size", "decoder_vocab_size"),)}
 #: the configurations the peak per layer is checked at: (B, S, layers), never traced
 PEAK_CHECKS = ((3, 5, 7), (2, 6, 9))
 MEANING = {"H": "hidden size", "F": "MLP size", "h": "attention heads", "G": "key/value groups", "V": "vocabulary",
@@ -52,7 +59,7 @@ def symbols_of(model_type: str) -> tuple[dict[str, str], dict[str, object]]:
     config overrides tracing needs."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(model_type)
+    cfg = transformers.AutoConfig.for_model(model_type, **OVERRIDES.get(model_type, {}))
 
     def size(key: str) -> object:
         value = getattr(cfg, key, None)
@@ -271,10 +278,18 @@ def main(argv: list[str]) -> int:
             print(f"{t}: failed: {failed[-1][1][:200]}", flush=True)
     text = [{k: (str(v) if k in ("layer", "layer_params", "params", "peak", "domain") else v) for k, v in r.items()}
             for r in rows]
+    seconds = time.perf_counter() - start
+    if argv:  # some types again: their rows and failures replace those of the page, in the catalog's order
+        old = json.loads((ROOT / "docs" / "catalog.json").read_text())
+        order = {t: i for i, t in enumerate(MODEL_TYPES)}
+        text = sorted([r for r in old["rows"] if r["type"] not in argv] + text, key=lambda r: order.get(r["type"], 99))
+        failed = sorted([tuple(f) for f in old["failed"] if f[0] not in argv] + failed,
+                        key=lambda f: order.get(f[0], 99))
+        seconds += old["seconds"]
     # the rows as text (notebook 06 reads them rather than tracing forty models again; --render rewrites the page)
     (ROOT / "docs" / "catalog.json").write_text(json.dumps(
-        {"rows": text, "failed": failed, "seconds": time.perf_counter() - start}, indent=1, default=str) + "\n")
-    return write(text, failed, time.perf_counter() - start)
+        {"rows": text, "failed": failed, "seconds": seconds}, indent=1, default=str) + "\n")
+    return write(text, failed, seconds)
 
 
 def write(rows: list[dict[str, object]], failed: list[tuple[str, str]], seconds: float) -> int:
