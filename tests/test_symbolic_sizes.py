@@ -398,3 +398,190 @@ def test_a_step_that_runs_other_ops_at_other_sizes_is_refused_in_one_line() -> N
                             "backward aten.t.default in AddmmBackward0, frees other storages): a size decides which "
                             "ops run, so the step's moments do not line up in the sizes; keep that size fixed, or "
                             "trace without sizes= at the sizes you want for the peak")
+
+
+# -- G = h and G < h: one formula where both regimes keep the same tensors, else the regime it holds in -----------
+class Grouped(torch.nn.Module):
+    """Grouped-query attention as transformers 4.4x wrote it: the G key heads (a tanh keeps them) copied to h heads
+    (``repeat_interleave``) unless G = h, where the matmul keeps the tanh's own output: B*S*H*(G/h + 1) bytes / 4
+    at G < h, B*S*H at G = h."""
+
+    def __init__(self, H: int, h: int, G: int) -> None:
+        super().__init__()
+        self.h, self.G = h, G
+        self.q, self.k, self.v = (torch.nn.Linear(H, n) for n in (H, G * (H // h), G * (H // h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        d = H // self.h
+        q = self.q(x).view(B, S, self.h, d).transpose(1, 2)
+        k, v = (f(x).view(B, S, self.G, d).transpose(1, 2) for f in (self.k, self.v))
+        k = torch.tanh(k.contiguous())
+        if self.G != self.h:
+            k, v = k.repeat_interleave(self.h // self.G, 1), v.repeat_interleave(self.h // self.G, 1)
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return x + (p @ v).transpose(1, 2).reshape(B, S, H)
+
+
+def grouped(H: int, h: int, G: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return Grouped(H, h, G), (torch.randn(2, 3, H),)
+
+
+@pytest.mark.parametrize("G", [2, 8])
+def test_a_regime_the_formula_misses_is_outside_its_domain_and_said(G: int) -> None:
+    """Fitted at G < h (or asked at G = h): the copies exist only for G < h, so the check at G = h fails and the
+    formula keeps the regime it was asked in, exact there against real saved tensors, the other one said."""
+    d = trace(grouped, dims={"B": [(0, 0)], "S": [(0, 1)]}, sizes={"H": 64, "h": 8, "G": G},
+              divisible={"H": "h", "h": "G"}, optimizer="sgd")
+    held, other = ("h >= 2*G", "h = G") if G == 2 else ("h = G", "h >= 2*G")
+    assert any(n.startswith(f"the formula holds for {held} only: at {other} the module keeps other tensors (")
+               and n.endswith(f"for {other} trace a configuration there") for n in d.notes)
+    at = {"H": 36, "h": 6, "G": 3} if G == 2 else {"H": 36, "h": 6, "G": 6}
+    module, (x,) = grouped(**at)
+    x = torch.randn(3, 5, at["H"])
+    assert d.at(B=3, S=5, **at).value("activations") == measure(module, x).activations
+    assert bool(sympy.sympify(d.domain).xreplace({sympy.Symbol(k, positive=True, integer=True): v for k, v in
+                                                  {**at, "B": 3, "S": 5}.items()}))
+    outside = {"G": 6} if G == 2 else {"G": 3}
+    assert not bool(sympy.sympify(d.domain).xreplace({sympy.Symbol(k, positive=True, integer=True): v for k, v in
+                                                      {**at, **outside, "B": 3, "S": 5}.items()}))
+
+
+def test_hf_llama_one_formula_for_g_equal_h_and_g_below_h() -> None:
+    """transformers' Llama (SDPA, enable_gqa) keeps the same tensors either way: the formula fitted at G < h is
+    checked at G = h and holds there, as real PyTorch's saved tensors say at G = h and G < h (never traced)."""
+    d, model = _fit("llama")
+    assert "h >= G" in str(d.domain) and "h >= 2*G" not in str(d.domain)
+    assert any(n.startswith("one formula for h = G too: fitted at h/G >= 2 and checked at h/G = 1") for n in d.notes)
+    for at in ({"H": 72, "h": 6, "G": 6, "F": 44, "V": 50, "L": 3}, {"H": 72, "h": 6, "G": 2, "F": 44, "V": 50,
+                                                                     "L": 3}):
+        loaded = model.load(at)
+        ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(0))
+        assert d.at(B=3, S=5, **at).value("activations") == measure(loaded.module, input_ids=ids).activations
+
+
+# -- encoder-decoders: one symbol for several config keys, two stacks folded to one L ----------------------------
+class TwoStacks(torch.nn.Module):
+    """An encoder's L identical blocks then a decoder's L blocks (another kind), the first decoder block with an
+    extra gate (as T5's first block computes the relative position bias: kept once)."""
+
+    def __init__(self, H: int, L: int) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh())  # keeps what enc.0 reads
+        self.enc = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh()) for _ in range(L))
+        self.dec = torch.nn.ModuleList(Decoder(H, first=i == 0) for i in range(L))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.enc:
+            x = block(x)
+        for block in self.dec:
+            x = block(x)
+        return x
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, H: int, first: bool) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(H, 2 * H), torch.nn.Linear(2 * H, H)
+        self.bias = torch.nn.Linear(H, H) if first else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            x = x * torch.sigmoid(self.bias(x))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def two_stacks(H: int, L: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return TwoStacks(H, L), (torch.randn(2, H),)
+
+
+def test_two_stacks_fold_to_one_layer_count_as_real_pytorch_keeps() -> None:
+    """Both stacks count L (the decoder's first block keeps its gate once): exact at H = 40, L = 5, never traced;
+    the peak in every size, which writes one run out, refuses in one line."""
+    from symmem import Regime
+    from symmem.engine import derivation_of
+    from symmem.importer.sized_step import sized_step
+    from symmem.importer.symbolic_sizes import Stacks, fit_sizes
+    from symmem.importer.traced import ledger_of
+
+    recorded = fit_sizes(two_stacks, {"H": 64, "L": 12}, {"B": [(0, 0)]})
+    assert isinstance(recorded.layers, Stacks) and [r.path for r in recorded.layers.runs] == ["enc", "dec"]
+    regime = Regime(optimizer="sgd")
+    d = derivation_of(ledger_of(recorded, regime, values={"L": 12}), regime)
+    module, _ = two_stacks(40, 5)
+    real = measure(module, torch.randn(3, 40))
+    e = d.at(B=3, H=40, L=5)
+    assert (e.value("activations"), e.value("parameters")) == (real.activations,
+                                                               sum(p.numel() for p in module.parameters()))
+    with pytest.raises(SymmemError) as err:
+        sized_step(two_stacks, recorded, regime, {}, {}, None, "cpu", None, None)
+    assert str(err.value).startswith("the peak in every size writes one run of layers out 4 and 5 times, but L "
+                                     "counts enc and dec (a first block keeping more): trace without peak=True")
+
+
+def _ids(loaded: object, B: int, S: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {k: torch.randint(0, vocab, (B, S), generator=gen) for k in loaded.example_inputs}
+
+
+@pytest.mark.parametrize(("keys", "config", "message"), [
+    ({"F": "encoder_ffn_dim|decoder_ffn_dim"}, {"decoder_ffn_dim": 64},
+     "--symbolic F=encoder_ffn_dim|decoder_ffn_dim: one symbol stands for equal sizes, but the bart config has "
+     "encoder_ffn_dim = 4096, decoder_ffn_dim = 64; set them equal with --config or give each its own symbol"),
+    ({"F": "encoder_ffn_dim|decoder_fnn_dim"}, {},
+     "--symbolic F=decoder_fnn_dim: the bart config (BartConfig) has no key 'decoder_fnn_dim'; did you mean "
+     "decoder_ffn_dim"),
+])
+def test_hf_one_symbol_for_several_keys_bad_input_is_one_line(keys: dict, config: dict, message: str) -> None:
+    pytest.importorskip("transformers")
+    from symmem.importer.hf_sizes import hf_sizes, parse_symbolic
+
+    with pytest.raises(SymmemError) as e:
+        hf_sizes("hf:bart", keys, config, None)
+    assert str(e.value).startswith(message)
+    with pytest.raises(SymmemError, match="^--symbolic gives the config key a two symbols; give it one$"):
+        parse_symbolic("L=a|a")
+
+
+def test_cli_t5_one_symbol_for_both_stacks_equals_real_pytorch(capsys: pytest.CaptureFixture) -> None:
+    """``--symbolic 'L=num_layers|num_decoder_layers'`` on T5 (its first block of each stack computes the relative
+    position bias, kept once): ``--set L=4`` (never traced) is a real forward's saved bytes and parameter count."""
+    import json
+
+    pytest.importorskip("transformers")
+    from symmem.importer import sources
+
+    tiny = {"d_model": 8, "d_ff": 16, "num_heads": 2, "d_kv": 4, "vocab_size": 32}
+    config = [x for k, v in tiny.items() for x in ("--config", f"{k}={v}")]
+    code, out, _ = _main(capsys, "trace", "hf:t5", "--dims", "B,S", "--symbolic", "L=num_layers|num_decoder_layers",
+                         *config, "--set", "L=4", "--set", "B=3", "--set", "S=5", "--format", "json")
+    assert code == 0
+    got = json.loads(out)
+    assert got["notes"][0].startswith("symbols: L = num_layers|num_decoder_layers (config keys of hf:t5")
+    loaded = sources.load("hf:t5", config={**tiny, "num_layers": 4, "num_decoder_layers": 4})
+    real = measure(loaded.module, **_ids(loaded, 3, 5, 32))
+    assert (got["values"]["activations"], got["values"]["input"]) == (real.activations, real.input)
+    assert got["values"]["parameters"] == sum(p.numel() for p in loaded.module.parameters())
+
+
+def test_hf_vit_and_the_zoo_vit_agree_in_every_size() -> None:
+    """transformers' ViT (as timm builds it: class token, pre-norm blocks, sdpa; the head on the class token)
+    traced in H, h and L equals the zoo's ``vit`` formula symbol for symbol at the same image (32x32, 16x16
+    patches: S = 5 tokens), MLP width and classes."""
+    pytest.importorskip("transformers")
+    import symmem
+    from symmem.importer.hf_sizes import hf_sizes
+
+    tiny = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 64, "image_size": 32, "patch_size": 16,
+            "num_labels": 2, "attn_implementation": "sdpa"}
+    model = hf_sizes("hf:vit", {"H": "hidden_size", "h": "num_attention_heads"}, tiny, None)
+    d = trace(model.build, dims={"B": [("pixel_values", 0)]}, sizes={"H": 768, "h": 12, "L": 12},
+              divisible=model.divisible, optimizer="adamw", device="cpu")
+    z = symmem.derive("vit-b16", device="cpu", attention="sdpa", optimizer="adamw",
+                      values={"F": 64, "K": 2, "Hi": 32, "Wi": 32}, free=("B", "H", "h", "L"))
+    assert {s.name for s in d.free} == {s.name for s in z.free} == {"B", "H", "h", "L"}
+    for what in ("activations", "input", "parameters", "parameter_memory", "total"):
+        assert sympy.expand(_plain(getattr(d, what)) - _plain(getattr(z, what))) == 0, what

@@ -392,7 +392,8 @@ def add_symbolic_options(p: Any) -> None:
                    help="hf: make config keys symbols of the formula too, e.g. --symbolic H=hidden_size,"
                         "F=intermediate_size,h=num_attention_heads,G=num_key_value_heads,V=vocab_size,"
                         "L=num_hidden_layers (traced at small configurations, fitted exactly, checked at two "
-                        "more; --set H=5120 evaluates)")
+                        "more; --set H=5120 evaluates); one symbol for several equal keys with |, e.g. an "
+                        "encoder-decoder's stacks: 'L=encoder_layers|decoder_layers'")
     p.add_argument("--symbolic-peak", action="store_true",
                    help="with --symbolic: also the peak of the training step in every size (the step recorded at "
                         "each fitted configuration, its layers written out 4 and 5 times: several times slower)")

@@ -285,9 +285,17 @@ def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: M
                dims: dict[str, Any], loss: Any, device: str, layers: sympy.Symbol | None, free: Any) -> Any:
     """The derivation's ``step`` for a formula in every size (None or a refusal where a traced module has none:
     :func:`symmem.importer.traced.step_of` decides, on the module built at the fit's base configuration)."""
+    from .symbolic_sizes import Stacks
     from .traced import step_of
 
-    plan = recorded.extra["sizes"]["plan"]
+    if isinstance(recorded.layers, Stacks):
+        said = " and ".join(r.path for r in recorded.layers.runs)
+        raise SymmemError(f"the peak in every size writes one run of layers out 4 and 5 times, but L counts "
+                          f"{said}{' (a first block keeping more)' if recorded.layers.extras else ''}: trace without "
+                          "peak=True (--symbolic-peak) for the kept memory in every size, or without sizes= "
+                          "(--symbolic) for the peak at one configuration")
+    # the step is recorded where the kept tensors were fitted; checked at h/G = 1 they were, the step was not
+    plan = replace(recorded.extra["sizes"]["plan"], one=frozenset())
     module, example = built(build, plan.sizes_at(plan.base))
     module.train(recorded.training)
     found = step_of(module, recorded, regime, numbers, example, dims, loss, recorded.extra.get("autocast"), None,

@@ -37,7 +37,7 @@ import sympy
 
 from ..errors import SymmemError
 from .inputs import sym_for
-from .records import Trace, TracedParameter, TracedStorage, TracedSymbol
+from .records import Repeat, Trace, TracedParameter, TracedStorage, TracedSymbol
 
 #: the layer count's name: its size is the repeated blocks' count, folded to the symbol L as in any trace
 LAYERS = "L"
@@ -74,6 +74,8 @@ class Plan:
     defaults: dict[str, int]
     divisible: dict[str, str | int]
     variables: tuple[Variable, ...]
+    #: quotient variables fitted at >= 2 and checked at 1 too (h/G: G = h as well as G < h): the domain says >= 1
+    one: frozenset[str] = frozenset()
 
     @staticmethod
     def of(sizes: Mapping[str, int], divisible: Mapping[str, str | int] | None = None) -> Plan:
@@ -157,7 +159,7 @@ class Plan:
                     continue
                 if all(x % 2 == 0 for x in v.values):
                     out.append(sympy.Eq(sympy.Mod(size, 2 * d), 0))
-                out.append(sympy.Ge(size, 2 * d))
+                out.append(sympy.Ge(size, d if v.name in self.one else 2 * d))
             elif v.fixed:
                 out.append(sympy.Eq(size, 1))
             else:
@@ -211,6 +213,83 @@ def _check_divisible(div: dict[str, Any], sizes: dict[str, int]) -> dict[str, st
 
 # -- the quantities of a trace --------------------------------------------------------------------------
 Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Stacks(Repeat):
+    """Runs of blocks one size counts, folded together: an encoder's and a decoder's layers (both ``L``), child ``i``
+    of every run being layer ``i``, so one layer is one block of each run (the first run names the fold); and a
+    run whose first block keeps more than the others (T5's computes the relative position bias): those
+    ``extras`` (storages) and ``outside`` (modules) are kept once, outside the fold.  The same interface as
+    :class:`~symmem.importer.records.Repeat`."""
+
+    runs: tuple[Repeat, ...] = ()
+    extras: frozenset[str] = frozenset()
+    outside: frozenset[str] = frozenset()
+
+    @staticmethod
+    def of(runs: list[Repeat], extras: frozenset[str] = frozenset(), outside: frozenset[str] = frozenset()
+           ) -> Stacks:
+        return Stacks(runs[0].path, runs[0].children, tuple(n for r in runs for n in r.storages if n not in extras),
+                      sympy.expand(sympy.Add(*[r.bytes for r in runs])), tuple(runs), extras, outside)
+
+    def owns(self, module: str) -> int | None:
+        if any(module == m or module.startswith(m + ".") for m in self.outside):
+            return None
+        return next((i for i in (r.owns(module) for r in self.runs) if i is not None), None)
+
+    def child_of(self, storage: TracedStorage) -> int | None:
+        if storage.name in self.extras:
+            return None
+        return next((i for i in (r.child_of(storage) for r in self.runs) if i is not None), None)
+
+
+def _child(path: str, i: int) -> str:
+    return f"{path}.{i}" if path else str(i)
+
+
+def _first_special(trace: Trace, taken: list[Repeat]) -> tuple[list[Repeat], set[str], set[str]]:
+    """Containers of two blocks at ``L = 2`` whose first block keeps what the second keeps and more (T5's first
+    block computes the relative position bias): each a run of two, with the first block's extra storages and
+    modules (those the second lacks) to be kept once."""
+    mods = {p.name.rsplit(".", 1)[0] for p in trace.parameters if "." in p.name} | {
+        s.module for s in trace.storages if s.module}
+    paths = {".".join(m.split(".")[:i]) for m in mods for i, x in enumerate(m.split(".")) if x in ("0", "1")}
+    runs: list[Repeat] = []
+    extras: set[str] = set()
+    outside: set[str] = set()
+    for path in sorted(paths):
+        c0, c1, c2 = (_child(path, i) for i in range(3))
+        if any(r.path == path or r.owns(c0) is not None for r in (*taken, *runs)) or any(
+                m == c2 or m.startswith(c2 + ".") for m in mods):
+            continue
+        rep = Repeat(path, (c0, c1), (), sympy.Integer(0))
+        sig = {c: {(s.name[len(c):], s.dtype, sympy.srepr(sympy.expand(s.bytes))): s.name
+                   for s in trace.of_kind("activation") if s.name.startswith(c) and rep.child_of(s) == i}
+               for i, c in enumerate((c0, c1))}
+        under = {c: {m[len(c):] for m in mods if m == c or m.startswith(c + ".")} for c in (c0, c1)}
+        if not sig[c1] or not set(sig[c1]) < set(sig[c0]) or not under[c1] <= under[c0]:
+            continue
+        extras |= {n for k, n in sig[c0].items() if k not in sig[c1]}
+        outside |= {c0 + m for m in under[c0] - under[c1]}
+        runs.append(Repeat(path, (c0, c1), tuple(n for k, n in sig[c0].items() if k in sig[c1]),
+                           sympy.expand(sympy.Add(*[s.bytes for s in trace.storages if s.name in sig[c0].values()
+                                                    and s.name not in extras]))))
+    return runs, extras, outside
+
+
+def _stacked(trace: Trace) -> Trace:
+    """The trace at ``L = 2`` with every run of two blocks (not inside another's blocks) folded together: an
+    encoder-decoder's two stacks both count ``L``; blocks after a first that keeps more count too
+    (:class:`Stacks`).  One plain run stays as it is."""
+    runs = [r for r in trace.repeats if r.count == LAYER_VALUES[0]]
+    runs = [r for r in runs if not any(o is not r and o.owns(r.path) is not None for o in runs)]
+    special, extras, outside = _first_special(trace, runs)
+    if not special and len(runs) < 2:
+        return trace
+    every = [*runs, *special]
+    rest = tuple(r for r in trace.repeats if all(r is not o for o in every))
+    return replace(trace, repeats=(Stacks.of(every, frozenset(extras), frozenset(outside)), *rest))
 
 
 def _itemsize(s: TracedStorage) -> Any:
@@ -319,12 +398,73 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
     sizes as for :func:`~symmem.importer.trace_module` (they stay symbolic in every trace); ``divisible`` maps a size
     to the size (or integer) that must divide it; ``options`` are :func:`trace_module`'s (``device``, ``training``,
     ``method``, ``autocast``, ``checkpoint``).  ``Trace.extra["sizes"]`` says how many traces it took.
+
+    A count divided by a count (the heads per key/value group ``h/G``) has two regimes that can run different code
+    (``repeat_kv`` is the identity at ``G = h``): it is fitted at ``h/G >= 2`` and checked at ``h/G = 1`` at two
+    more configurations; where the formula holds there too the domain says ``h >= G`` (one formula for both),
+    else it keeps ``h >= 2G`` (or, for a configuration at ``G = h``, the fit at ``h/G = 1`` only) and a note
+    says which regime it holds in and how to get the other.
     """
-    plan = Plan.of(sizes, divisible)
+    given = Plan.of(sizes, divisible)
+    divisors = {m for m in given.divisible.values() if isinstance(m, str)}
+    regimes = [i for i, v in enumerate(given.variables) if isinstance(v.divisor, str) and v.size in divisors]
+    plan = replace(given, variables=tuple(replace(v, values=COUNT_VALUES) if i in regimes else v
+                                          for i, v in enumerate(given.variables)))
     traces = _Traces(plan, build, dims, dict(options), {})
+    notes: list[str] = []
+    try:
+        first, formulas, reads = _fit_plan(plan, traces)
+    except SymmemError as e:
+        if plan == given:
+            raise
+        # the grouped regime fails where the configuration asked for the other: that regime alone, as asked
+        notes.append(_regime_note(given, [i for i in regimes if given.variables[i].fixed], str(e), grouped=False))
+        plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
+        first, formulas, reads = _fit_plan(plan, traces)
+        return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+    ones = []
+    for i in regimes:
+        v = plan.variables[i]
+        check = replace(plan, variables=tuple(replace(w, values=(*w.values[:3], 1, 1)) if j == i else w
+                                              for j, w in enumerate(plan.variables)))
+        try:
+            _verify(check, traces, list(formulas), formulas, first, reads)
+            ones.append(v.name)
+        except SymmemError as e:  # G = h keeps other tensors (or the same in other sizes): not that regime
+            if given.variables[i].fixed:  # the configuration is at G = h: its own regime, as before
+                notes.append(_regime_note(given, [i], str(e), grouped=False))
+                plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
+                first, formulas, reads = _fit_plan(plan, traces)
+                return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+            notes.append(_regime_note(plan, [i], str(e), grouped=True))
+    if ones:
+        said = ", ".join(f"{plan.variables[i].size} = {plan.variables[i].divisor}" for i in regimes
+                         if plan.variables[i].name in ones)
+        notes.append(f"one formula for {said} too: fitted at {', '.join(ones)} >= 2 and checked at "
+                     f"{', '.join(o + ' = 1' for o in ones)} (two more configurations never fitted)")
+    plan = replace(plan, one=frozenset(ones))
+    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+
+
+def _regime_note(plan: Plan, which: list[int], why: str, grouped: bool) -> str:
+    """Which regime of a count divided by a count the formula holds in, why not the other, and the way to it."""
+    names = [(plan.variables[i].size, plan.variables[i].divisor) for i in which]
+    if grouped:
+        held = ", ".join(f"{n} >= 2*{m}" for n, m in names)
+        other = ", ".join(f"{n} = {m}" for n, m in names)
+    else:
+        held = ", ".join(f"{n} = {m}" for n, m in names)
+        other = ", ".join(f"{n} >= 2*{m}" for n, m in names)
+    what = why.split(" in a way")[0].split(": a size decides")[0].split(" fitted vs ")[0][:120]  # which quantity
+    return (f"the formula holds for {held} only: at {other} the module keeps other tensors ({what}); for "
+            f"{other} trace a configuration there")
+
+
+def _fit_plan(plan: Plan, traces: _Traces) -> tuple[Trace, dict[Key, tuple[Any, ...]], dict[Key, list[str]]]:
+    """The base trace, every quantity's formula in the sizes and the variables each reads, checked (:func:`_verify`)."""
     fitted = [v for v in plan.variables if not v.fixed]
     base = plan.base
-    first = traces.at(base)
+    first = _stacked(traces.at(base)) if plan.has_layers else traces.at(base)
     ranks = _quantities(first)
     keys = list(ranks)
 
@@ -365,7 +505,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         except Miss:
             if probes == 3:
                 raise
-    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds)
+    return first, formulas, reads
 
 
 def _checked(t: Trace, keys: list[Key], first: Trace, plan: Plan, p: tuple[int, ...]) -> dict[Key, tuple[Any, ...]]:
@@ -484,8 +624,8 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
     return out
 
 
-def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]], count: int, seconds: float
-                  ) -> Trace:
+def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]], count: int, seconds: float,
+                  said: list[str] | None = None) -> Trace:
     """The base trace with every quantity its formula in the sizes."""
     storages = []
     for s in first.storages:
@@ -508,7 +648,7 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
     extra = {**first.extra, "sizes": {"traces": count, "seconds": seconds, "plan": plan}}
     notes = tuple(n for n in first.notes if "check=False" not in n)  # the fit's own checks replace it
     return replace(first, storages=tuple(storages), parameters=params, buffers=buffers, repeats=reps,
-                   symbols=symbols, domain=domain, notes=(*notes, note), extra=extra, check=None)
+                   symbols=symbols, domain=domain, notes=(*notes, note, *(said or ())), extra=extra, check=None)
 
 
 def _param(p: TracedParameter, shape: tuple[Any, ...]) -> TracedParameter:
