@@ -423,7 +423,8 @@ def symbolic_from_args(args: argparse.Namespace, **derive_options: Any) -> Any:
     inputs = ", ".join(f"{n} = {', '.join(f'{k}:{i}' for k, i in pairs)}" for n, pairs in dims.items())
     said = (f"symbols: {meaning} (config keys of {args.spec}; the config's values: "
             f"{', '.join(f'{s}={v}' for s, v in model.sizes.items())}); {inputs} (input dimensions)")
-    return dataclasses.replace(d, notes=(said, *d.notes))
+    # the config keys go with the formula, so that every view says what each symbol stands for
+    return dataclasses.replace(d, notes=(said, *d.notes), options={**d.options, "config_keys": dict(model.keys)})
 
 
 # -- a SPEC given where a built-in model's name goes (derive, fit, plot, verify) -------------------------------

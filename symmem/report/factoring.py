@@ -31,11 +31,16 @@ B*S*(34*H + 5*S*h)
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import sympy
 
 from ..symbols import L, latex_names
+
+if TYPE_CHECKING:
+    from ..derivation import Derivation
 
 #: Sizes in the order the field writes them in a product: batch, sequence, the widths, the heads, the vocabulary,
 #: image sizes and classes, the layer count (``sbhL``), then the parallel sizes.  A symbol not listed follows these,
@@ -50,7 +55,7 @@ def _rank(s: sympy.Symbol) -> tuple[int, str]:
 
 
 @dataclass(frozen=True)
-class Term:
+class Monomial:
     """One monomial ``coeff * prod(symbol**power)`` (a negative power is a size below the line)."""
 
     coeff: sympy.Rational
@@ -71,12 +76,12 @@ class Term:
 
 
 @dataclass(frozen=True)
-class Block:
+class Factor:
     """``coeff * monomial * (inner[0] + inner[1] + ...)``; one inner term of 1 prints no parenthesis."""
 
     coeff: sympy.Rational
     monomial: Powers
-    inner: tuple[Term, ...]
+    inner: tuple[Monomial, ...]
 
     def expr(self) -> sympy.Expr:
         head = [self.coeff] if self.coeff != 1 else []
@@ -92,7 +97,7 @@ class Block:
 class Form:
     """A formula as blocks (the repeated layer's first) and the terms that are not monomials (``other``)."""
 
-    blocks: tuple[Block, ...]
+    blocks: tuple[Factor, ...]
     other: sympy.Expr = sympy.Integer(0)
 
     def expr(self) -> sympy.Expr:
@@ -107,12 +112,20 @@ class Form:
         parts = [_block_text(b) for b in self.blocks] + ([str(self.other)] if self.other != 0 else [])
         return _join(parts)
 
-    def latex(self) -> str:
-        """LaTeX in symmem's symbol names that :func:`symmem.report.latex.parse` reads back."""
-        from .latex import expression
+    def latex(self, breakable: bool = False, printer: Callable[[sympy.Expr], str] | None = None) -> str:
+        """LaTeX in symmem's symbol names that :func:`symmem.report.latex.parse` reads back.  ``breakable``: a
+        parenthesis after ``\\cdot`` (``{4 B S L} \\cdot \\left(...\\right)``), which
+        :func:`symmem.report.latex.align` may break across lines, rather than in braces.  ``printer`` writes the
+        terms that are not monomials (default: sympy's LaTeX in symmem's names;
+        :func:`symmem.report.latex.expression` where this is called from there)."""
+        if printer is None:
+            names = latex_names()
 
-        parts = [_block_latex(b) for b in self.blocks] + ([expression(self.other)] if self.other != 0 else [])
-        return _join(parts)
+            def printer(e: sympy.Expr) -> str:
+                return sympy.latex(e, symbol_names=names)
+
+        parts = [_block_tex(b, breakable) for b in self.blocks]
+        return _join(parts + ([printer(self.other)] if self.other != 0 else []))
 
 
 def _join(parts: list[str]) -> str:
@@ -127,8 +140,8 @@ def _join(parts: list[str]) -> str:
     return out or "0"
 
 
-def _monomial(expr: sympy.Expr) -> Term | None:
-    """``expr`` as a :class:`Term`, or None where it is not a rational number times powers of symbols."""
+def _monomial(expr: sympy.Expr) -> Monomial | None:
+    """``expr`` as a :class:`Monomial`, or None where it is not a rational number times powers of symbols."""
     coeff, rest = expr.as_coeff_Mul()
     if not coeff.is_Rational:
         return None
@@ -140,10 +153,10 @@ def _monomial(expr: sympy.Expr) -> Term | None:
         if not (base.is_Symbol and k.is_Integer):
             return None
         powers[base] = powers.get(base, 0) + int(k)
-    return Term(coeff, tuple(sorted(((s, k) for s, k in powers.items() if k), key=lambda sk: _rank(sk[0]))))
+    return Monomial(coeff, tuple(sorted(((s, k) for s, k in powers.items() if k), key=lambda sk: _rank(sk[0]))))
 
 
-def _block(terms: list[Term]) -> Block:
+def _block(terms: list[Monomial]) -> Factor:
     """The terms with their greatest common divisor outside: the numbers' (sign of the first term kept) and each
     size's least power where it is in every term above the line (or in every term below it)."""
     coeff = abs(functools.reduce(sympy.gcd, [t.coeff for t in terms])) * (1 if any(t.coeff > 0 for t in terms) else -1)
@@ -162,9 +175,9 @@ def _block(terms: list[Term]) -> Block:
     inner = []
     for t in terms:
         left = {s: k - common.get(s, 0) for s, k in t.powers}
-        inner.append(Term(t.coeff / coeff, tuple(sorted(((s, k) for s, k in left.items() if k),
+        inner.append(Monomial(t.coeff / coeff, tuple(sorted(((s, k) for s, k in left.items() if k),
                                                         key=lambda sk: _rank(sk[0])))))
-    return Block(coeff, monomial, tuple(sorted(inner, key=Term.key)))
+    return Factor(coeff, monomial, tuple(sorted(inner, key=Monomial.key)))
 
 
 def field(expr: sympy.Expr, layers: sympy.Symbol | None = L) -> Form:
@@ -178,8 +191,8 @@ def field(expr: sympy.Expr, layers: sympy.Symbol | None = L) -> Form:
     0
     """
     e = sympy.expand(sympy.sympify(expr))
-    per_layer: list[Term] = []
-    rest: list[Term] = []
+    per_layer: list[Monomial] = []
+    rest: list[Monomial] = []
     other: list[sympy.Expr] = []
     for a in sympy.Add.make_args(e):
         if a == 0:
@@ -191,8 +204,27 @@ def field(expr: sympy.Expr, layers: sympy.Symbol | None = L) -> Form:
             per_layer.append(t)
         else:
             rest.append(t)
-    blocks = tuple(_block(ts) for ts in (per_layer, rest) if ts)
+    groups = [per_layer, rest]
+    if per_layer and rest:
+        # the embedding and the head in the layer's own sizes (4*B*S*(1 + 3*H) after 4*B*S*L*(...)), the rest after
+        outer = {s: k for s, k in _block(per_layer).monomial if s != layers}
+        if outer:
+            groups[1:] = [[t for t in rest if _divides(outer, t)], [t for t in rest if not _divides(outer, t)]]
+    blocks = tuple(_block(ts) for ts in groups if ts)
     return Form(blocks, sympy.Add(*other))
+
+
+def _divides(monomial: dict[sympy.Symbol, int], t: Monomial) -> bool:
+    """Whether ``monomial`` divides ``t`` (each size to at least its power there, on the same side of the line)."""
+    powers = dict(t.powers)
+    return all(0 < k <= powers.get(s, 0) or 0 > k >= powers.get(s, 0) for s, k in monomial.items())
+
+
+def fields(*exprs: sympy.Expr) -> Form:
+    """Several formulas the field's way, one after the other (the kept memory, then the parameter side), as one
+    sum."""
+    forms = [field(e) for e in exprs if sympy.sympify(e) != 0]
+    return Form(tuple(b for f in forms for b in f.blocks), sympy.Add(*(f.other for f in forms)))
 
 
 def _power_text(s: sympy.Symbol, k: int) -> str:
@@ -212,7 +244,7 @@ def _term_text(coeff: sympy.Rational, powers: Powers) -> str:
     return ("-" if num < 0 else "") + text
 
 
-def _block_text(b: Block) -> str:
+def _block_text(b: Factor) -> str:
     inner = _join([_term_text(t.coeff, t.powers) for t in b.inner])
     if len(b.inner) == 1:
         t = b.inner[0]
@@ -257,7 +289,7 @@ def _term_tex(coeff: sympy.Rational, powers: Powers) -> str:
     return ("- " if coeff < 0 else "") + top
 
 
-def _block_tex(b: Block) -> str:
+def _block_tex(b: Factor, breakable: bool = False) -> str:
     if len(b.inner) == 1:
         t = b.inner[0]
         return _term_tex(b.coeff * t.coeff, _merge(b.monomial, t.powers))
@@ -267,7 +299,33 @@ def _block_tex(b: Block) -> str:
         return inner
     if head == "- 1":
         return rf"- \left({inner}\right)"
+    if breakable:  # sympy's parser reads a run of symbols before \cdot only in braces
+        return rf"{{{head}}} \cdot \left({inner}\right)"
     return rf"{head} {{\left({inner}\right)}}"
 
 
-_block_latex = _block_tex
+def in_sizes(d: Derivation) -> bool:
+    """Whether ``d`` is a formula in a model's own sizes (:mod:`symmem.importer.symbolic_sizes`), which the views
+    write the field's way."""
+    return any(n.startswith("every size symbolic") for n in d.notes)
+
+
+def legend(d: Derivation) -> list[str]:
+    """What each symbol of ``d``'s formulas stands for, in :data:`ORDER`: the config key it was read from where
+    there is one (``H = hidden_size (hidden size)``), else symmem's meaning of it, else that it is a size of the
+    module.
+
+    >>> from symmem import derive
+    >>> legend(derive("gpt2", free=("B", "H", "h")))
+    ['B: batch size (micro-batch per device)', 'H: hidden size', 'h: attention heads']
+    """
+    return [f"{s.name} = {key} ({said})" if key else f"{s.name}: {said}" for s, key, said in meanings(d)]
+
+
+def meanings(d: Derivation) -> list[tuple[sympy.Symbol, str | None, str]]:
+    """(symbol, the config key it was read from or None, what it stands for) for each free symbol of ``d``, in
+    :data:`ORDER` (:func:`legend` in words)."""
+    from ..symbols import meaning
+
+    keys = d.options.get("config_keys") or {}
+    return [(s, keys.get(s.name), meaning(s) or "a size the module is built from") for s in sorted(d.free, key=_rank)]
