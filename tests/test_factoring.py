@@ -69,3 +69,88 @@ def test_without_a_layer_count_the_layer_is_not_put_first() -> None:
     form = field(4 * B * F * L + 4 * B * H * L + 4 * B * S, layers=None)
     assert form.text() == "4*B*(S + H*L + F*L)"
     assert sympy.expand(form.expr() - (4 * B * F * L + 4 * B * H * L + 4 * B * S)) == 0
+
+
+# -- the views of a formula in a module's own sizes ---------------------------------------------------------------
+torch = pytest.importorskip("torch")
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm MLP block with a residual: keeps the norm's input and statistics, the two Linears' inputs and
+    GELU's input."""
+
+    def __init__(self, H: int, F: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(H), torch.nn.Linear(H, F), torch.nn.Linear(F, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _build(H: int, F: int, L: int, B: int = 2, S: int = 4) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(H, H), *[_Block(H, F) for _ in range(L)]), (torch.randn(B, S, H),)
+
+
+@pytest.fixture(scope="module")
+def sized() -> object:
+    from symmem import trace
+
+    return trace(_build, dims={"B": [(0, 0)], "S": [(0, 1)]}, sizes={"H": 768, "F": 3072, "L": 12}, optimizer="sgd")
+
+
+def _read(text: str) -> sympy.Expr:
+    return sympy.parse_expr(text, local_dict={d.name: d.symbol for d in dims()})
+
+
+def test_the_views_print_the_field_form_that_real_pytorch_keeps(sized: object) -> None:
+    """The table's, the JSON's and the HTML's activations read back and evaluated at sizes never traced are a real
+    forward's saved bytes; each is written the field's way, the layer first, and says what its symbols stand for."""
+    from symmem.record.verify import measure
+
+    d = sized
+    text = field(d.activations).text()
+    # by hand, a layer: the norm's input (B S H), mean and rstd (B S each), up's input (B S H), GELU's and down's
+    # inputs (B S F each), FP32; the first Linear's input is the model's input
+    assert text == "8*B*S*L*(1 + H + F)"
+    table, got, html = d.table(), d.to_dict(), d._repr_html_()
+    assert f"= {text}" in table.replace("\n" + " " * 68, " ")
+    assert got["factored"]["activations"] == text
+    assert text in html
+    legend = ["B: batch size (micro-batch per device)", "S: sequence length in tokens (ViT: patches + class token)",
+              "H: hidden size", "F: MLP (feed-forward) width", "L: number of repeated layers"]
+    assert got["legend"] == legend
+    assert "where " + "; ".join(legend[:2]) in table.replace("\n", " ")
+    assert "where " + "; ".join(legend) in html
+    module, (x,) = _build(H=40, F=56, L=3, B=3, S=5)
+    real = measure(module, x)
+    assert _read(text).subs({B: 3, S: 5, H: 40, F: 56, L: 3}) == real.activations
+    assert _read(got["factored"]["total"]).subs({B: 3, S: 5, H: 40, F: 56, L: 3}) == (
+        real.activations + real.input + 8 * sum(p.numel() for p in module.parameters()))  # SGD: weights, grads
+
+
+def test_the_latex_reads_back_and_compiles_within_the_page(sized: object, tmp_path: object) -> None:
+    import re
+    import shutil
+    import subprocess
+
+    from symmem.report.latex import align, read
+
+    d = sized
+    for form in ("compact", "terms"):
+        tex = align(d, form=form)
+        got = dict(read(tex))
+        assert sympy.expand(got[r"\text{activations}"] - d.activations) == 0
+        assert sympy.expand(got[r"\text{kept after forward + parameters}"] - d.total) == 0
+        assert r"{8 B S L} \cdot \left(1 + H + F\right)" in tex
+        assert r"$H$ (hidden size); $F$ (MLP (feed-forward) width)" in tex
+    if shutil.which("pdflatex") is None:
+        pytest.skip("pdflatex is not installed")
+    body = "\n".join(align(d, form=form) for form in ("compact", "terms"))
+    doc = "\n".join([r"\documentclass{article}", r"\usepackage{amsmath}", r"\begin{document}", body,
+                     r"\end{document}"])
+    (tmp_path / "t.tex").write_text(doc)
+    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "t.log").read_text(errors="replace")
+    assert run.returncode == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
