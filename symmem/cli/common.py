@@ -409,6 +409,7 @@ def symbolic_from_args(args: argparse.Namespace, **derive_options: Any) -> Any:
         first = model.load(plan.sizes_at(plan.base))
     dims = sources.parse_dims(args.dims, first)
     args.dims_symbols = tuple(dims)
+    args.hf_sizes = model  # verify --symbolic builds the real model at other sizes
     meaning = ", ".join(f"{s} = {k}" for s, k in model.keys.items())
     try:
         with sources.user_code(f"{args.spec}: tracing the module"):

@@ -1,0 +1,106 @@
+"""``symmem verify --symbolic`` and ``symmem paper --symbolic`` (issue 20): the formula in an hf: model's own sizes,
+fitted through small configurations, checked and written at sizes it never traced.
+
+Truths: :func:`symmem.record.verify.measure` (autograd's saved tensors of one real training-mode forward) and
+:func:`symmem.record.steps.track_step` (the live bytes of two real training steps) of the real model built at the
+untraced sizes here, independently of the command; the exact one-line errors.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+CONFIG = ("--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=2")
+#: never traced: the fit builds gpt2 at small vocabularies and 2 and 3 layers, checked at two more
+AT = ("--set", "V=200", "--set", "L=4", "--set", "B=3", "--set", "S=5")
+
+
+def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    from symmem.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _real(V: int = 200, L: int = 4) -> tuple[object, object]:
+    """gpt2 built at vocabulary V, L layers, and token ids (3, 5)."""
+    from symmem.importer import sources
+
+    loaded = sources.load("hf:gpt2", config={"n_layer": L, "n_embd": 32, "n_head": 2, "vocab_size": V})
+    return loaded.module, torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(0))
+
+
+def _predicted(out: str, row: str) -> int:
+    return int(re.search(rf"^  {row}\s+([\d,]+)", out, re.M).group(1).replace(",", ""))
+
+
+def test_verify_symbolic_checks_the_formula_where_it_was_not_fitted(capsys: pytest.CaptureFixture) -> None:
+    from symmem.record.verify import measure
+
+    code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--symbolic", "V=vocab_size", *AT)
+    module, ids = _real()
+    real = measure(module, input_ids=ids)
+    assert code == 0 and out.rstrip().endswith("exact")
+    assert "against the real model built at V=200, L=4 (B=3, S=5)" in out
+    assert (_predicted(out, "activations"), _predicted(out, "input")) == (real.activations, real.input)
+
+
+def test_verify_symbolic_peak_is_two_real_steps_where_it_was_not_fitted(capsys: pytest.CaptureFixture) -> None:
+    from symmem.record.steps import track_step
+
+    # the layer count alone (a cheap fit: its step is recorded with 4 and 5 layers), checked at 6
+    code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--config", "vocab_size=64",
+                         "--symbolic", "L=n_layer", "--symbolic-peak", "--optimizer", "adam", "--set", "L=6",
+                         "--set", "B=3", "--set", "S=5")
+    module, ids = _real(V=64, L=6)
+    real = track_step(module, (ids,), optimizer="adam", impl="for-loop", keep_output=False)
+    assert code == 0 and out.rstrip().endswith("exact")
+    assert (_predicted(out, "first step"), _predicted(out, "steady step")) == (real.first.bytes, real.steady.bytes)
+
+
+def test_paper_symbolic_writes_the_formula_in_the_sizes(capsys: pytest.CaptureFixture, tmp_path: object) -> None:
+    """The article's equations, read back from its LaTeX and evaluated at sizes never traced, are what the real
+    model keeps there; the section says what each symbol stands for."""
+    import sympy
+
+    from symmem.record.verify import measure
+    from symmem.report.latex import read
+    from symmem.symbols import B, L, S
+
+    code, out, _ = _main(capsys, "paper", "-o", str(tmp_path), "--no-pdf", "--model", "hf:gpt2", "--dims", "B,S",
+                         *CONFIG, "--config", "vocab_size=64", "--symbolic", "L=n_layer", "--set", "L=5")
+    assert code == 0
+    body = (tmp_path / "generated" / "body.tex").read_text()
+    got = dict(read(body))
+    module, ids = _real(V=64, L=6)
+    real = measure(module, input_ids=ids)
+    at = {B: 3, S: 5, L: 6}
+    assert sympy.sympify(got[r"\text{activations}"]).subs(at) == real.activations
+    assert sympy.sympify(got[r"\Psi"]).subs(at) == sum(p.numel() for p in module.parameters())
+    assert r"$L$ = \texttt{n\_layer} (number of repeated layers)" in body
+    assert "in the model's own sizes $B$, $S$ and $L$" in body
+    assert "$L = 5$" in body
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["verify", "hf:gpt2", "--dims", "B,S", "--symbolic-peak"],
+     "symmem: error: --symbolic-peak goes with --symbolic: verify --symbolic H=hidden_size,... --symbolic-peak checks "
+     "the peak in the sizes"),
+    (["verify", "tests/trace_helpers.py:mlp", "--dims", "B", "--symbolic", "H=hidden_size"],
+     "symmem: error: --symbolic maps symbols to keys of a transformers config: it applies to hf:MODEL_TYPE; from "
+     "Python, symmem.trace(build, dims=..., sizes={...}) takes any module built from sizes"),
+    (["verify", "gpt2-small", "--symbolic", "V=vocab_size"],
+     "symmem: error: --symbolic applies to a module traced from a SPEC (package.module:callable, "
+     "path/to/file.py:callable, hf:MODEL_TYPE | hf:org/name | hf:DIR | hf:path/config.json, torchvision:NAME or "
+     "timm:NAME), not to the built-in model 'gpt2-small'"),
+])
+def test_symbolic_bad_input_is_one_line(capsys: pytest.CaptureFixture, argv: list[str], message: str) -> None:
+    code, out, err = _main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.strip() == message
