@@ -104,3 +104,45 @@ def test_symbolic_bad_input_is_one_line(capsys: pytest.CaptureFixture, argv: lis
     code, out, err = _main(capsys, *argv)
     assert code == 2 and out == ""
     assert err.strip() == message
+
+
+# -- small fixes --------------------------------------------------------------------------------------------------
+def test_a_bfloat16_module_built_from_sizes_names_its_dtype() -> None:
+    """The header names the module's own dtype, as for a module given whole; the formula keeps 2 bytes an element,
+    what a real bfloat16 forward saves at a size never traced."""
+    from symmem import trace
+    from symmem.record.verify import measure
+    from symmem.symbols import B, H
+
+    def build(H: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, H)).to(torch.bfloat16)
+        return net, (torch.randn(2, H, dtype=torch.bfloat16),)
+
+    d = trace(build, dims={"B": [(0, 0)]}, sizes={"H": 64}, optimizer="sgd")
+    assert d.title() == ("Sequential — traced from PyTorch (traced convention), bfloat16 weights + SGD, symbolic "
+                         "formula; on cpu")
+    net, _ = build(40)
+    assert d.activations.subs({B: 3, H: 40}) == measure(net, torch.randn(3, 40, dtype=torch.bfloat16)).activations
+
+
+def test_symmem_without_a_command_prints_the_help(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _main(capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("usage: symmem [-h] [--version]")
+    assert all(f"    {c} " in err for c in ("derive", "trace", "verify", "fit", "paper"))
+    assert err.rstrip().endswith("symmem: error: name a command (symmem COMMAND --help for its options)")
+
+
+def test_config_takes_comma_separated_pairs() -> None:
+    from symmem.importer.sources import parse_config
+
+    assert parse_config(["n_layer=2,n_embd=32", "n_head=2"]) == {"n_layer": 2, "n_embd": 32, "n_head": 2}
+    assert parse_config(["name='a,b', n_layer=2,x=1e-5"]) == {"name": "a,b", "n_layer": 2, "x": 1e-5}
+
+
+def test_config_value_with_a_comma_says_how_to_quote_it(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _main(capsys, "trace", "hf:gpt2", "--dims", "B,S", "--config", "n_layer=2,3")
+    assert code == 2 and out == ""
+    assert err.strip() == ("symmem: error: --config 'n_layer=2,3': a comma separates key=value pairs, and '3' is not "
+                           "one; a value with a comma goes in quotes: --config 'n_layer=\"2,3\"'")

@@ -332,7 +332,9 @@ def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
                         "S 1; images C 1, Hi 2, Wi 3) or explicit pairs, e.g. B=input_ids:0,S=input_ids:1")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="hf: override a key of the transformers config (int, float, true/false or a string; "
-                        "repeatable), e.g. --config n_layer=2; attn_implementation=eager|sdpa picks the attention")
+                        "repeatable, or comma-separated: --config n_layer=2,n_embd=64; a string with a comma in "
+                        "quotes: --config 'name=\"a,b\"'), e.g. --config n_layer=2; attn_implementation=eager|sdpa "
+                        "picks the attention")
     p.add_argument("--example", action="append", default=[], metavar="SIZES[:DTYPE]",
                    help="example inputs for a callable that returns a module alone, e.g. --example 2x3x32x32 "
                         "(float, random) or --example 2x8:int64 (zeros); repeatable, positional")
