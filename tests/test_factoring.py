@@ -116,6 +116,8 @@ def test_the_views_print_the_field_form_that_real_pytorch_keeps(sized: object) -
     table, got, html = d.table(), d.to_dict(), d._repr_html_()
     assert f"= {text}" in table.replace("\n" + " " * 68, " ")
     assert got["factored"]["activations"] == text
+    assert got["latex"]["activations"] == r"8 B S L {\left(1 + H + F\right)}"
+    assert sympy.expand(parse(got["latex"]["total"]) - d.total) == 0
     assert text in html
     legend = ["B: batch size (micro-batch per device)", "S: sequence length in tokens (ViT: patches + class token)",
               "H: hidden size", "F: MLP (feed-forward) width", "L: number of repeated layers"]

@@ -83,6 +83,13 @@ def to_dict(d: Derivation) -> dict[str, Any]:
 
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     exprs = {k: d.expression(k) for k in keys}
+
+    def tex(e: sympy.Expr, total: bool = False) -> str:  # in a model's own sizes the field's way, as every view
+        if not in_sizes(d):
+            return expression(e)
+        form = fields(e - d.parameter_memory, d.parameter_memory) if total else field(e)
+        return form.latex(printer=expression)
+
     values: dict[str, int | None] = {k: d.try_evaluate(e) for k, e in exprs.items()}
     values["parameters"] = d.try_evaluate(d.parameters)
     step = peak(d)
@@ -99,7 +106,7 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "symbols": {s.name: v for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name)},
         "expressions": {k: str(e) for k, e in exprs.items()} | {"parameters": str(d.parameters)},
         "factored": {k: field_form(d, e, k == "total") for k, e in exprs.items()},
-        "latex": {k: expression(e) for k, e in exprs.items()} | {"parameters": expression(d.parameters)},
+        "latex": {k: tex(e, k == "total") for k, e in exprs.items()} | {"parameters": tex(d.parameters)},
         "values": values,
         "bytes_per_parameter": dict(d.regime.components()),
         "regime": dataclasses.asdict(d.regime),
