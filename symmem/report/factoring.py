@@ -190,7 +190,7 @@ def field(expr: sympy.Expr, layers: sympy.Symbol | None = L) -> Form:
     >>> sympy.expand(field(4*B*F*L + 4*B*H*L).expr() - (4*B*F*L + 4*B*H*L))
     0
     """
-    e = sympy.expand(sympy.sympify(expr))
+    e = sympy.expand(sympy.sympify(expr, strict=True))
     per_layer: list[Monomial] = []
     rest: list[Monomial] = []
     other: list[sympy.Expr] = []
@@ -223,7 +223,7 @@ def _divides(monomial: dict[sympy.Symbol, int], t: Monomial) -> bool:
 def fields(*exprs: sympy.Expr) -> Form:
     """Several formulas the field's way, one after the other (the kept memory, then the parameter side), as one
     sum."""
-    forms = [field(e) for e in exprs if sympy.sympify(e) != 0]
+    forms = [field(e) for e in exprs if sympy.sympify(e, strict=True) != 0]
     return Form(tuple(b for f in forms for b in f.blocks), sympy.Add(*(f.other for f in forms)))
 
 
