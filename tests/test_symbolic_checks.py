@@ -16,8 +16,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 CONFIG = ("--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=2")
-#: never traced: the fit builds gpt2 at small vocabularies and 2 and 3 layers, checked at two more
-AT = ("--set", "V=200", "--set", "L=4", "--set", "B=3", "--set", "S=5")
 
 
 def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -41,51 +39,43 @@ def _predicted(out: str, row: str) -> int:
 
 
 def test_verify_symbolic_checks_the_formula_where_it_was_not_fitted(capsys: pytest.CaptureFixture) -> None:
+    """The layer count in the sizes (a cheap fit: its step is recorded with 4 and 5 layers), checked at 6 layers
+    and sizes B, S never traced: one real forward's saved tensors and two real training steps."""
+    from symmem.record.steps import track_step
     from symmem.record.verify import measure
 
-    code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--symbolic", "V=vocab_size", *AT)
-    module, ids = _real()
-    real = measure(module, input_ids=ids)
-    assert code == 0 and out.rstrip().endswith("exact")
-    assert "against the real model built at V=200, L=4 (B=3, S=5)" in out
-    assert (_predicted(out, "activations"), _predicted(out, "input")) == (real.activations, real.input)
-
-
-def test_verify_symbolic_peak_is_two_real_steps_where_it_was_not_fitted(capsys: pytest.CaptureFixture) -> None:
-    from symmem.record.steps import track_step
-
-    # the layer count alone (a cheap fit: its step is recorded with 4 and 5 layers), checked at 6
     code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--config", "vocab_size=64",
                          "--symbolic", "L=n_layer", "--symbolic-peak", "--optimizer", "adam", "--set", "L=6",
                          "--set", "B=3", "--set", "S=5")
     module, ids = _real(V=64, L=6)
-    real = track_step(module, (ids,), optimizer="adam", impl="for-loop", keep_output=False)
-    assert code == 0 and out.rstrip().endswith("exact")
-    assert (_predicted(out, "first step"), _predicted(out, "steady step")) == (real.first.bytes, real.steady.bytes)
+    saved = measure(module, input_ids=ids)
+    steps = track_step(module, (ids,), optimizer="adam", impl="for-loop", keep_output=False)
+    assert code == 0 and out.count("\n  exact\n") == 2
+    assert "against the real model built at L=6 (B=3, S=5)" in out
+    assert (_predicted(out, "activations"), _predicted(out, "input")) == (saved.activations, saved.input)
+    assert (_predicted(out, "first step"), _predicted(out, "steady step")) == (steps.first.bytes, steps.steady.bytes)
 
 
 def test_paper_symbolic_writes_the_formula_in_the_sizes(capsys: pytest.CaptureFixture, tmp_path: object) -> None:
     """The article's equations, read back from its LaTeX and evaluated at sizes never traced, are what the real
     model keeps there; the section says what each symbol stands for."""
-    import sympy
-
     from symmem.record.verify import measure
     from symmem.report.latex import read
-    from symmem.symbols import B, L, S
+    from symmem.symbols import B, L, S, V
 
     code, out, _ = _main(capsys, "paper", "-o", str(tmp_path), "--no-pdf", "--model", "hf:gpt2", "--dims", "B,S",
-                         *CONFIG, "--config", "vocab_size=64", "--symbolic", "L=n_layer", "--set", "L=5")
+                         *CONFIG, "--symbolic", "V=vocab_size", "--set", "V=200", "--set", "L=4")
     assert code == 0
     body = (tmp_path / "generated" / "body.tex").read_text()
     got = dict(read(body))
-    module, ids = _real(V=64, L=6)
+    module, ids = _real(V=200, L=4)
     real = measure(module, input_ids=ids)
-    at = {B: 3, S: 5, L: 6}
-    assert sympy.sympify(got[r"\text{activations}"]).subs(at) == real.activations
-    assert sympy.sympify(got[r"\Psi"]).subs(at) == sum(p.numel() for p in module.parameters())
-    assert r"$L$ = \texttt{n\_layer} (number of repeated layers)" in body
-    assert "in the model's own sizes $B$, $S$ and $L$" in body
-    assert "$L = 5$" in body
+    at = {B: 3, S: 5, V: 200, L: 4}
+    assert got[r"\text{activations}"].subs(at) == real.activations
+    assert got[r"\Psi"].subs(at) == sum(p.numel() for p in module.parameters())
+    assert r"$V$ = \texttt{vocab\_size} (vocabulary size)" in body
+    assert "in the model's own sizes $B$, $S$, $V$ and $L$" in body
+    assert "$V = 200$, $L = 4$" in body
 
 
 @pytest.mark.parametrize(("argv", "message"), [
