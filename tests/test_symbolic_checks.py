@@ -45,11 +45,11 @@ def test_verify_symbolic_checks_the_formula_where_it_was_not_fitted(capsys: pyte
     from symmem.record.verify import measure
 
     code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--config", "vocab_size=64",
-                         "--symbolic", "L=n_layer", "--symbolic-peak", "--optimizer", "adam", "--set", "L=6",
+                         "--symbolic", "L=n_layer", "--symbolic-peak", "--optimizer", "sgd", "--set", "L=6",
                          "--set", "B=3", "--set", "S=5")
     module, ids = _real(V=64, L=6)
     saved = measure(module, input_ids=ids)
-    steps = track_step(module, (ids,), optimizer="adam", impl="for-loop", keep_output=False)
+    steps = track_step(module, (ids,), optimizer="sgd", impl="for-loop", keep_output=False)
     assert code == 0 and out.count("\n  exact\n") == 2
     assert "against the real model built at L=6 (B=3, S=5)" in out
     assert (_predicted(out, "activations"), _predicted(out, "input")) == (saved.activations, saved.input)
