@@ -124,6 +124,8 @@ def test_the_views_print_the_field_form_that_real_pytorch_keeps(sized: object) -
     assert got["legend"] == legend
     assert "where " + "; ".join(legend[:2]) in table.replace("\n", " ")
     assert "where " + "; ".join(legend) in html
+    rich = d._repr_latex_()  # Jupyter's LaTeX: the kept memory the field's way, a row per symbol
+    assert r"M_{\text{kept}} &= {8 B S L} \cdot \left(1 + H + F\right)" in rich and r"H &: \text{hidden size}" in rich
     module, (x,) = _build(H=40, F=56, L=3, B=3, S=5)
     real = measure(module, x)
     assert _read(text).subs({B: 3, S: 5, H: 40, F: 56, L: 3}) == real.activations
