@@ -367,6 +367,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
         shown["checkpoint"] = ", ".join(recorded.extra["checkpoint"])
     if trace_options.get("autocast") is not None:
         shown["autocast"] = trace_options["autocast"]
+    shown.update(_own_dtype(recorded, regime, trace_options.get("autocast")))
     shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
     shown["device"] = recorded.device
     ledger = tracing.ledger_of(recorded, regime, name=name, values=values, free=free, per_layer=per_layer,
@@ -384,6 +385,20 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
     return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))
+
+
+def _own_dtype(recorded: Any, regime: Regime, autocast: str | None) -> dict[str, str]:
+    """``{"dtype": "bfloat16"}`` for a module built in one floating dtype other than FP32 (the header names it, as
+    it does for a module given whole), after the precision check a module given whole gets; else nothing."""
+    import torch
+
+    names = {p.dtype for p in recorded.parameters}
+    dtypes = {getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+    dtypes = {t for t in dtypes if t.is_floating_point}
+    check_precision(regime.precision, autocast, dtypes)
+    if len(dtypes) == 1 and next(iter(dtypes)) != torch.float32:
+        return {"dtype": str(next(iter(dtypes))).removeprefix("torch.")}
+    return {}
 
 
 def _device_of(module: Any) -> str:

@@ -360,9 +360,9 @@ def test_hf_gpt2_peak_in_its_vocabulary_equals_a_real_step() -> None:
 
 def test_table_and_json_factor_the_fields_way(stepped: object) -> None:
     """By hand: each block keeps its Linear's input (B x H) and its ReLU's output (B x F), float32: 4B(F + H) a
-    layer, shown with the common monomial outside (not B*F*L*(4 + 4*H/F))."""
-    assert "   = 4*B*L*(F + H)\n" in stepped.table()
-    assert stepped.to_dict()["factored"]["activations"] == "4*B*L*(F + H)"
+    layer, shown with the common monomial outside (not B*F*L*(4 + 4*H/F)), the hidden size before the MLP width."""
+    assert "   = 4*B*L*(H + F)\n" in stepped.table()
+    assert stepped.to_dict()["factored"]["activations"] == "4*B*L*(H + F)"
 
 
 @pytest.mark.skipif(not __import__("shutil").which("pdflatex"), reason="pdflatex is not installed")

@@ -186,6 +186,12 @@ def _gib(n: int, digits: int = 3) -> str:
 def _sizes(spec: Spec, r: ModelRow) -> str:
     """``$B = 64$`` or ``$B = 8$, $S = 1024$``: the batch, a sequence length given as a number, and the symbols
     the spec sets."""
+    from ..report.factoring import ORDER, in_sizes
+
+    if in_sizes(r.d):  # a formula in the model's own sizes: every size it is evaluated at, in the customary order
+        known = sorted(r.d.numbers.items(), key=lambda kv: (ORDER.index(kv[0].name) if kv[0].name in ORDER
+                                                             else len(ORDER), kv[0].name))
+        return ", ".join(f"${s.name} = {v}$" for s, v in known)
     shown = []
     defaults = _symbols(r.model, r.attention, spec)
     for s, v in sorted(r.d.numbers.items(), key=lambda kv: kv[0].name):
@@ -428,14 +434,22 @@ def _peak_in_b(d: Any, fit: Any) -> str:
 
 
 def _generic_section(spec: Spec, group: list[ModelRow], title: str, fits: dict[str, Any]) -> list[str]:
+    from ..report.factoring import in_sizes, meanings
     from ..report.latex import align, escape
 
     e = _entry(group[0].model, spec)
     d0 = group[0].d
-    out = [rf"\section{{{escape(title)}}}",
-           f"{escape(e.description)}: {d0.value('parameters'):,} parameters. In bytes, with "
-           f"{_and([f'${s.name}$' for s in d0.free]) or 'no symbol'} free (a repeated layer written once, times its "
-           "count; $\\Psi$ is the parameter count):"]
+    if in_sizes(d0):  # a formula in the model's own sizes (symmem trace --symbolic): how it was found, the field's way
+        free = _and([f"${s.name}$" for s, _, _ in meanings(d0)])
+        lead = (f"{escape(e.description)}: {d0.value('parameters'):,} parameters at the sizes below. In bytes, in "
+                f"the model's own sizes {free} (each quantity the exact polynomial through traces of its code at "
+                "small configurations, checked at two configurations it was not fitted to; the repeated layer first, "
+                "the common factor outside; $\\Psi$ is the parameter count):")
+    else:
+        lead = (f"{escape(e.description)}: {d0.value('parameters'):,} parameters. In bytes, with "
+                f"{_and([f'${s.name}$' for s in d0.free]) or 'no symbol'} free (a repeated layer written once, times "
+                "its count; $\\Psi$ is the parameter count):")
+    out = [rf"\section{{{escape(title)}}}", lead]
     for r in group:
         if len(group) > 1:
             out.append(f"With {escape(ATTENTION_LABELS.get(r.attention, str(r.attention)))}:")

@@ -174,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import warnings
 
     args_in = list(sys.argv[1:] if argv is None else argv)
+    if not args_in:  # `symmem` alone: the commands it has, where argparse would say only that one is required
+        print(_parser(["--help"]).format_help().rstrip(), file=sys.stderr)
+        print("symmem: error: name a command (symmem COMMAND --help for its options)", file=sys.stderr)
+        return 2
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NothingCounted)

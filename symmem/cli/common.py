@@ -344,7 +344,9 @@ def add_trace_options(p: Any, *, dims_required: bool = True) -> None:
                         "S 1; images C 1, Hi 2, Wi 3) or explicit pairs, e.g. B=input_ids:0,S=input_ids:1")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="hf: override a key of the transformers config (int, float, true/false or a string; "
-                        "repeatable), e.g. --config n_layer=2; attn_implementation=eager|sdpa picks the attention")
+                        "repeatable, or comma-separated: --config n_layer=2,n_embd=64; a string with a comma in "
+                        "quotes: --config 'name=\"a,b\"'), e.g. --config n_layer=2; attn_implementation=eager|sdpa "
+                        "picks the attention")
     p.add_argument("--example", action="append", default=[], metavar="SIZES[:DTYPE]",
                    help="example inputs for a callable that returns a module alone, e.g. --example 2x3x32x32 "
                         "(float, random) or --example 2x8:int64 (zeros); repeatable, positional")
@@ -422,6 +424,7 @@ def symbolic_from_args(args: argparse.Namespace, **derive_options: Any) -> Any:
         first = model.load(plan.sizes_at(plan.base))
     dims = sources.parse_dims(args.dims, first)
     args.dims_symbols = tuple(dims)
+    args.hf_sizes = model  # verify --symbolic builds the real model at other sizes
     meaning = ", ".join(f"{s} = {k}" for s, k in model.keys.items())
     try:
         with sources.user_code(f"{args.spec}: tracing the module"):
@@ -436,7 +439,8 @@ def symbolic_from_args(args: argparse.Namespace, **derive_options: Any) -> Any:
     inputs = ", ".join(f"{n} = {', '.join(f'{k}:{i}' for k, i in pairs)}" for n, pairs in dims.items())
     said = (f"symbols: {meaning} (config keys of {args.spec}; the config's values: "
             f"{', '.join(f'{s}={v}' for s, v in model.sizes.items())}); {inputs} (input dimensions)")
-    return dataclasses.replace(d, notes=(said, *d.notes))
+    # the config keys go with the formula, so that every view says what each symbol stands for
+    return dataclasses.replace(d, notes=(said, *d.notes), options={**d.options, "config_keys": dict(model.keys)})
 
 
 # -- a SPEC given where a built-in model's name goes (derive, fit, plot, verify) -------------------------------

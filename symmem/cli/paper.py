@@ -37,10 +37,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default=None, metavar="SIZE", help="budget of the scaling figure (default: 80GiB)")
     p.add_argument("--no-pdf", action="store_true", help="write the .tex files only")
     p.add_argument("--force", action="store_true", help="overwrite an existing main.tex in DIR")
-    from .common import add_trace_options
+    from .common import add_symbolic_options, add_trace_options
 
-    add_trace_options(p.add_argument_group("a module traced from a SPEC (the forms of `symmem trace`)"),
-                      dims_required=False)
+    traced = p.add_argument_group("a module traced from a SPEC (the forms of `symmem trace`)")
+    add_trace_options(traced, dims_required=False)
+    add_symbolic_options(traced)  # hf: the article's formula in the model's own sizes
 
 
 def run(args: argparse.Namespace) -> int:

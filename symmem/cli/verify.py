@@ -17,6 +17,7 @@ from .common import (
     SPEC_FORMS,
     add_derive_options,
     add_step_options,
+    add_symbolic_options,
     builtin_only,
     derivation_from_args,
     is_spec,
@@ -44,6 +45,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_step_options(step)
     p.add_argument("--module", dest="spec", default=None, metavar="SPEC",
                    help=f"a module to trace and measure, as the MODEL|SPEC argument takes it: {SPEC_FORMS}")
+    sized = p.add_argument_group("--symbolic: the formula in an hf: model's own sizes, checked where it was not "
+                                 "fitted (--set H=48 --set L=3 builds the real model there)")
+    add_symbolic_options(sized)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.device is None:
         args.device = "cpu"  # the module's own device: references are built, and modules loaded, on the CPU
+    args.peak = args.peak or args.symbolic_peak  # --symbolic-peak: the peak in the sizes, checked by real steps
 
     if not args.peak and (args.optimizer != "adamw" or args.optimizer_impl != "auto" or args.keep_logits
                           or args.micro_batches != 1):
@@ -94,6 +99,8 @@ def _module(args: argparse.Namespace) -> int:
                           "options are its code (hf: --config key=value)")
     if args.precision != "fp32":
         raise SymmemError("verify measures the module as it is: its activations' dtype is its own; drop --precision")
+    if args.symbolic is not None or args.symbolic_peak:
+        return _sized(args)
     if "L" in values_from_args(args):
         raise SymmemError("--set L: the module has the layers it was built with; verify measures it as built "
                           "(hf: --config n_layer=...)")
@@ -114,6 +121,41 @@ def _module(args: argparse.Namespace) -> int:
     result = sources.verify_module(loaded, d, dims)
     print(result.report(verbose=args.verbose))
     return 0 if result.exact else 1
+
+
+def _sized(args: argparse.Namespace) -> int:
+    """``--symbolic``: the formula in the model's own sizes (fitted through small configurations), evaluated at the
+    sizes ``--set`` gives (default: the config's), against the real model built there: one training-mode forward's
+    saved tensors, and with ``--peak`` (or ``--symbolic-peak``) also two real training steps against the peak in
+    the sizes."""
+    from ..importer import sources
+    from ..record.verify import check_memory
+    from ..units import parse_size
+    from .common import regime_from_args, symbolic_from_args
+
+    if args.symbolic is None:
+        raise SymmemError("--symbolic-peak goes with --symbolic: verify --symbolic H=hidden_size,... --symbolic-peak "
+                          "checks the peak in the sizes")
+    peak = args.peak or args.symbolic_peak
+    d = symbolic_from_args(args, peak=peak, **(regime_from_args(args) if peak else {}))
+    model = args.hf_sizes
+    numbers = {s.name: int(v) for s, v in d.numbers.items()}
+    at = {s: numbers[s] for s in model.keys}
+    limit = None if args.max_memory is None else parse_size(args.max_memory)
+    check_memory(d, limit, step=peak)  # before the real model is built and run
+    with sources.user_code(f"{args.spec}: building the module at {at}"):
+        loaded = model.load(at).to(args.device or "cpu")
+    dims = sources.parse_dims(args.dims, loaded)
+    print(f"{args.spec} in its sizes ({', '.join(f'{s} = {k}' for s, k in model.keys.items())}), fitted at small "
+          f"configurations, against the real model built at {', '.join(f'{s}={v}' for s, v in at.items())} "
+          f"({', '.join(f'{n}={numbers[n]}' for n in dims)})")
+    kept = sources.verify_module(loaded, d, dims)  # what one forward saves, always: the formula's own quantity
+    print(kept.report(verbose=args.verbose))
+    if not peak:
+        return 0 if kept.exact else 1
+    steps = _module_peak(loaded, d, dims)
+    print(steps.report())
+    return 0 if kept.exact and steps.exact else 1
 
 
 def _module_peak(loaded: Any, d: Any, dims: dict[str, Any]) -> Any:

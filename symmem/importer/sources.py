@@ -120,8 +120,11 @@ class Loaded:
 
 
 def parse_value(text: str) -> Any:
-    """A ``--config`` value: an integer, a float, true/false, none, or the plain string (never evaluated)."""
+    """A ``--config`` value: an integer, a float, true/false, none, a string in quotes (which may hold commas), or
+    the plain string (never evaluated)."""
     t = text.strip()
+    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+        return t[1:-1]
     if _INT.match(t):
         return int(t.replace("_", ""))
     if _FLOAT.match(t):
@@ -131,6 +134,29 @@ def parse_value(text: str) -> Any:
     if t.lower() in ("none", "null"):
         return None
     return t
+
+
+_PIECE = re.compile(r"""(?:[^,"']|"[^"]*"|'[^']*')+""")
+_KEY = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_]*\s*=")
+
+
+def _pairs(item: str) -> list[str]:
+    """One ``--config`` argument as its ``key=value`` pairs: ``a=1,b=2`` is two; a comma inside quotes
+    (``name="a,b"``) is the value's.  A comma not followed by a key, outside quotes, is refused with how to quote it.
+
+    >>> _pairs('n_layer=2,n_embd=32'), _pairs('name="a,b",n_layer=2')
+    (['n_layer=2', 'n_embd=32'], ['name="a,b"', 'n_layer=2'])
+    """
+    if "," not in item:
+        return [item]
+    pieces = _PIECE.findall(item)
+    for i, piece in enumerate(pieces[1:], 1):
+        if not _KEY.match(piece):
+            key, _, value = pieces[i - 1].partition("=")
+            shown = f"{value},{piece}"[:40]
+            raise SymmemError(f"--config {item[:60]!r}: a comma separates key=value pairs, and {piece.strip()[:20]!r} "
+                              f"is not one; a value with a comma goes in quotes: --config '{key.strip()}=\"{shown}\"'")
+    return pieces
 
 
 def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
@@ -146,7 +172,7 @@ def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
     import math
 
     out: dict[str, Any] = {}
-    for item in items or ():
+    for item in (one for given in items or () for one in _pairs(given)):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():

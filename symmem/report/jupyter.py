@@ -20,7 +20,9 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..simplify import rounded
+from ..symbols import latex_names
 from ..units import format_bytes
+from .factoring import field, fields, in_sizes, legend, meanings
 from .latex import expression, lines
 
 if TYPE_CHECKING:
@@ -81,11 +83,18 @@ def latex(d: Derivation) -> str:
     psi = [r for r in table if r.label == r"\Psi"]
     if psi:
         line += rf" \\ \Psi &= {psi[0].tex}"
+    if in_sizes(d):  # a formula in the model's own sizes: what each symbol stands for, a row each
+        for s, key, said in meanings(d):
+            name = latex_names().get(s, s.name)
+            key_tex = rf"\mathtt{{{key.replace('_', chr(92) + '_')}}}\ " if key else ""
+            line += rf" \\ {name} &: {key_tex}\text{{{said}}}"
     return rf"$$\begin{{aligned}} {line} \end{{aligned}}$$"
 
 
-def _formula(expr: Any) -> str:
-    return f"<code style='{_WRAP}'>{_html.escape(str(rounded(expr)))}</code>"
+def _formula(expr: Any, sized: bool = False) -> str:
+    """A formula as text that wraps; ``sized``: in a model's own sizes, the field's way."""
+    text = field(rounded(expr)).text() if sized else str(rounded(expr))
+    return f"<code style='{_WRAP}'>{_html.escape(text)}</code>"
 
 
 def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -> str:
@@ -103,7 +112,7 @@ def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -
     stages = "" if each is None else "<br><small>peak per stage: " + esc(", ".join(
         f"{i}: {format_bytes(x)}" for i, x in enumerate(each["peak_per_stage"]))) + "</small>"
     return (f"<p><b>{esc(PEAK_LABEL)}: {esc(format_bytes(v))}</b> at {esc(moment.where(step=False))}<br>"
-            f"<small>= {_formula(moment.total)} bytes</small>{stages}</p>")
+            f"<small>= {_formula(moment.total, in_sizes(d))} bytes</small>{stages}</p>")
 
 
 def html(d: Derivation) -> str:
@@ -116,15 +125,19 @@ def html(d: Derivation) -> str:
     nums = ", ".join(f"{s.name}={v:,}" for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name))
     out = [f"<div class='symmem' style='max-width:{MAX_WIDTH}px'><p><b>{esc(title(d))}</b><br>"
            f"<small style='{_WRAP}'>{esc(nums)}</small></p>",
+           *([f"<p style='{_WRAP}'><small>where {esc('; '.join(legend(d)))}</small></p>"] if in_sizes(d) else []),
            *(f"<p style='{_WRAP}'><b>Note:</b> {esc(n)}</p>" for n in d.notes),
            headline(d, state),
            f"<table style='table-layout:auto;max-width:{MAX_WIDTH}px'><tbody>"]
     totals = lines(d)[len(d.terms):]
+    sized = in_sizes(d)
     for name, e in totals:
-        out.append(f"<tr><th style='text-align:left'>{esc(name_of(name))}</th><td style='{_WRAP}'>{_formula(e)}"
+        shown = _formula(e, sized) if not (sized and name == "total") else (  # the kept part, then the parameters
+            f"<code style='{_WRAP}'>{esc(fields(rounded(e - d.parameter_memory), d.parameter_memory).text())}</code>")
+        out.append(f"<tr><th style='text-align:left'>{esc(name_of(name))}</th><td style='{_WRAP}'>{shown}"
                    f"</td><th style='text-align:right;white-space:nowrap'>{_size(d.try_evaluate(e))}</th></tr>")
     params = d.try_evaluate(d.parameters)
-    out.append(f"<tr><td>parameters (count)</td><td style='{_WRAP}'>{_formula(d.parameters)}</td>"
+    out.append(f"<tr><td>parameters (count)</td><td style='{_WRAP}'>{_formula(d.parameters, sized)}</td>"
                f"<td style='text-align:right'>{'?' if params is None else f'{params:,}'}</td></tr>")
     out += [*_peak_rows(state), "</tbody></table>"]
     out += [f"<details><summary>every kept tensor and the parameter side ({len(d.terms)} terms)</summary>",
@@ -133,7 +146,7 @@ def html(d: Derivation) -> str:
     for t in d.terms:
         out.append(f"<tr><td>{esc(t.group)}</td><td style='{_WRAP}' title='{esc(t.name)}'>"
                    f"<code>{esc(display_name(t.name))}</code></td><td>{esc(t.role or '')}</td>"
-                   f"<td style='{_WRAP}'>{_formula(t.expr)}</td>"
+                   f"<td style='{_WRAP}'>{_formula(t.expr, sized)}</td>"
                    f"<td style='text-align:right;white-space:nowrap'>{_size(d.try_evaluate(t.expr))}</td></tr>")
     out.append("</tbody></table></details></div>")
     return "\n".join(out)

@@ -40,6 +40,7 @@ from sympy.printing.latex import LatexPrinter
 
 from ..errors import SymmemError
 from ..symbols import dims, latex_names
+from .factoring import in_sizes
 
 if TYPE_CHECKING:
     from ..derivation import Derivation, Term
@@ -579,6 +580,14 @@ def _factored(expr: sympy.Expr, values: dict | None) -> tuple[str, sympy.Expr]:
     return _sum_tex(texs), sympy.Add(f, rest, evaluate=False) if rest != 0 else f
 
 
+def _field(expr: sympy.Expr) -> tuple[str, sympy.Expr]:
+    """``expr`` the field's way (:func:`symmem.report.factoring.field`), its parentheses breakable across lines."""
+    from .factoring import field
+
+    f = field(expr)
+    return f.latex(breakable=True, printer=expression), f.expr()
+
+
 def _parameter_count(d: Derivation) -> sympy.Expr | None:
     """The parameter count :math:`\\Psi` stands for, or None where it cannot stand for it."""
     from ..symbols import Psi
@@ -620,8 +629,9 @@ def _group_order(d: Derivation) -> list[str]:
     return sorted(seen, key=key)
 
 
-def _group_row(group: str, terms: list[Term]) -> Equation:
-    """A group's bytes: a part kept ``c`` times (``c`` a symbol, the layer count ``L``) written once times ``c``."""
+def _group_row(group: str, terms: list[Term], sized: bool = False) -> Equation:
+    """A group's bytes: a part kept ``c`` times (``c`` a symbol, the layer count ``L``) written once times ``c``;
+    ``sized``: the field's way (:func:`_field`)."""
     from ..conditions import fold
     from ..simplify import rounded
 
@@ -629,6 +639,9 @@ def _group_row(group: str, terms: list[Term]) -> Equation:
     for t in terms:
         by_count.setdefault(t.count, []).append(t.expr)
     value = fold(sympy.Add(*(t.expr for t in terms)))
+    if sized:
+        tex, shown = _field(rounded(value))
+        return Equation(_label(group), tex, shown, value, group, f"group {group}")
     texs, exprs, rest = [], [], []
     for c, parts in by_count.items():
         s = fold(sympy.Add(*parts))
@@ -708,12 +721,14 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     order = _group_order(d)
     out: list[Equation] = []
     params = [t for t in d.terms if t.category == "parameter"]
+    sized = in_sizes(d)  # a formula in the model's own sizes: written the field's way
+    factor = _field if sized else functools.partial(_factored, values=values)
     if form == "compact":
         acts = [t for t in d.terms if t.category == "activation"]
         groups = [g for g in order if any(t.group == g for t in acts)]
         repeated = any(not t.count.is_number for t in acts)
         if len(groups) > 1 or repeated:
-            out += [_group_row(g, [t for t in acts if t.group == g]) for g in groups]
+            out += [_group_row(g, [t for t in acts if t.group == g], sized) for g in groups]
     else:
         names = labels(d)
         for g in order:
@@ -722,8 +737,9 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
                     continue
                 e = rounded(t.expr)
                 note = t.name + (f" [{t.role}]" if t.role else "")
-                out.append(Equation(_label(names[t.name]), expression(e), e, t.expr, g, note))
-    tex, expr = _factored(rounded(d.activations), values)
+                tex, shown = _field(e) if sized else (expression(e), e)
+                out.append(Equation(_label(names[t.name]), tex, shown, t.expr, g, note))
+    tex, expr = factor(rounded(d.activations))
     out.append(Equation(_label("activations"), tex, expr, d.activations, "totals", "activations"))
     for key in ("input", "loss", "transient"):
         e = d.expression(key)
@@ -732,7 +748,8 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
             out.append(Equation(_label(key), expression(r), r, e, "totals", key))
     if count is not None and count != Psi:
         group = "parameters" if form == "terms" else "totals"
-        out.append(Equation(r"\Psi", expression(count), count, count, group, "Psi: the parameter count"))
+        tex, shown = _field(count) if sized else (expression(count), count)
+        out.append(Equation(r"\Psi", tex, shown, count, group, "Psi: the parameter count"))
     if form == "terms":
         names = labels(d)
         for t in params:
@@ -742,7 +759,7 @@ def rows(d: Derivation, form: str = "compact") -> list[Equation]:
     out.append(Equation(_label("parameter memory"), expression(param), param, d.parameter_memory, "totals",
                    "parameter memory (weights, gradients, optimizer state)"))
     rest = fold(sympy.Add(*(t.expr for t in d.terms if t.category != "parameter")))
-    tex, expr = _factored(rounded(rest), values)
+    tex, expr = factor(rounded(rest))
     total = sympy.Add(expr, param, evaluate=False) if param != 0 else expr
     # "total" is what is kept at the end of the forward pass + the parameter side, named so: the peak leads
     out.append(Equation(_label(KEPT), _sum_tex([tex, expression(param)]), total, d.total, "totals",
@@ -944,7 +961,19 @@ def align(d: Derivation, form: str = "compact", width_pt: float = TEXT_WIDTH, ma
     out.append(r"% needs \usepackage{amsmath}")
     for b in blocks:
         out += [r"\begin{align*}", b.text(), r"\end{align*}"]
-    return "\n".join(out)
+    return "\n".join(out + where(d))
+
+
+def where(d: Derivation) -> list[str]:
+    """What each symbol stands for, after a formula in a model's own sizes (:func:`symmem.report.factoring.legend`):
+    a comment and a paragraph in text mode (``\\sloppy``: config keys are long words), none for other formulas."""
+    from .factoring import legend, meanings
+
+    if not in_sizes(d):
+        return []
+    said = [rf"${latex_names().get(s, s.name)}$ " + (rf"= \texttt{{{escape(key)}}} ({escape(m)})" if key else
+                                                      rf"({escape(m)})") for s, key, m in meanings(d)]
+    return [f"% where {'; '.join(legend(d))}", rf"{{\sloppy\noindent where {'; '.join(said)}.\par}}"]
 
 
 def headline(d: Derivation) -> list[str]:

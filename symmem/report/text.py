@@ -19,6 +19,7 @@ from ..passes.data_parallel import rank_peaks, rank_ranges
 from ..passes.zero_redundancy import partition_at, state_per_rank
 from ..simplify import factored, rounded
 from ..units import UNITS
+from .factoring import field, fields, in_sizes, legend
 from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
 
 if TYPE_CHECKING:
@@ -32,13 +33,22 @@ EXTRA_KEYS = ("input", "loss", "transient")
 SCHEMA_VERSION = 2
 
 
-def field_form(d: Derivation, e: sympy.Expr) -> sympy.Expr:
+def field_form(d: Derivation, e: sympy.Expr, total: bool = False) -> str:
     """A quantity factored for the table: around its leading term (``B*H*L*S*(36 + 4/L + 4*S*h/H)``); a formula in
-    every size (:mod:`symmem.importer.symbolic_sizes`) the field's way, the largest common monomial outside and the
-    sizes inside (``4*B*L*(F + H)``, not ``B*F*L*(4 + 4*H/F)``)."""
-    if any(n.startswith("every size symbolic") for n in d.notes):
-        return sympy.factor_terms(sympy.expand(e))
-    return factored(e)
+    every size (:mod:`symmem.importer.symbolic_sizes`) the field's way (:func:`symmem.report.factoring.field`: the
+    layer first, the largest common monomial outside, the sizes in the customary order: ``4*B*L*(H + F)``, not
+    ``B*F*L*(4 + 4*H/F)``); the ``total``: its kept memory, then its parameter side)."""
+    if in_sizes(d):
+        return fields(e - d.parameter_memory, d.parameter_memory).text() if total else field(e).text()
+    return str(factored(e))
+
+
+def _shown(d: Derivation, e: sympy.Expr, total: bool = False) -> str:
+    """A formula as the table shows it: rounded, and in a model's own sizes the field's way (the ``total``: the
+    kept memory, then the parameter side)."""
+    if not in_sizes(d):
+        return str(rounded(e))
+    return field_form(d, rounded(e), total)
 
 
 def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
@@ -81,6 +91,13 @@ def to_dict(d: Derivation) -> dict[str, Any]:
 
     keys = KEYS + tuple(k for k in EXTRA_KEYS if d.expression(k) != 0)
     exprs = {k: d.expression(k) for k in keys}
+
+    def tex(e: sympy.Expr, total: bool = False) -> str:  # in a model's own sizes the field's way, as every view
+        if not in_sizes(d):
+            return expression(e)
+        form = fields(e - d.parameter_memory, d.parameter_memory) if total else field(e)
+        return form.latex(printer=expression)
+
     values: dict[str, int | None] = {k: d.try_evaluate(e) for k, e in exprs.items()}
     values["parameters"] = d.try_evaluate(d.parameters)
     step = peak(d)
@@ -96,8 +113,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         "free": [s.name for s in d.free],
         "symbols": {s.name: v for s, v in sorted(d.numbers.items(), key=lambda kv: kv[0].name)},
         "expressions": {k: str(e) for k, e in exprs.items()} | {"parameters": str(d.parameters)},
-        "factored": {k: str(field_form(d, e)) for k, e in exprs.items()},
-        "latex": {k: expression(e) for k, e in exprs.items()} | {"parameters": expression(d.parameters)},
+        "factored": {k: field_form(d, e, k == "total") for k, e in exprs.items()},
+        "latex": {k: tex(e, k == "total") for k, e in exprs.items()} | {"parameters": tex(d.parameters)},
         "values": values,
         "bytes_per_parameter": dict(d.regime.components()),
         "regime": dataclasses.asdict(d.regime),
@@ -111,6 +128,8 @@ def to_dict(d: Derivation) -> dict[str, Any]:
     }
     if d.domain is not sympy.true:
         out["domain"] = str(d.domain)
+    if in_sizes(d):  # a formula in the model's own sizes: what each symbol stands for
+        out["legend"] = legend(d)
     if d.notes:
         out["notes"] = list(d.notes)
     if step is None:
@@ -271,6 +290,8 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     name = max(len("group / term"), min(_NAME, max((len(label) for label, _ in rows), default=0), width - 14 - 20))
     formula = max(width - name - 14, 20 if width >= 46 else 14)  # 12 + 14 + 14 = 40 columns, the narrowest
     lines = textwrap.wrap(title, width) + _cell(symbols, width, False)
+    if in_sizes(d):
+        lines += textwrap.wrap("where " + "; ".join(legend(d)), width, break_on_hyphens=False)
     if d.domain is not sympy.true:
         lines += _cell(f"holds where: {d.domain}", width, False)
     for note in d.notes:
@@ -279,7 +300,7 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
     header = "formula (bytes)" if formula >= 15 else "bytes"
     lines += ["", f"{'group / term':<{name}} {header:<{formula}} {'MiB':>12}", "-" * (name + formula + 14)]
     for label, expr in rows:
-        cells = _cell(str(rounded(expr)), formula, cut)
+        cells = _cell(_shown(d, expr), formula, cut)
         if len(label) > name:  # a long name on a line of its own (in pieces if it is wider than the table)
             lines += [label[i:i + width] for i in range(0, len(label), width)]
             label = ""
@@ -293,12 +314,11 @@ def table(d: Derivation, width: int | None = None, fold: bool = False, cut: bool
         e = d.expression(key)
         v = d.try_evaluate(e)
         gib = "" if v is None else f"{v / UNITS['GiB']:10.3f} GiB"
-        shown = field_form(d, rounded(e)) if key == "activations" else rounded(e)
-        lines += _totals(f"{name_of(key, short):<{key_width}} {_mib(v)} MiB {gib}   = ", str(shown), width, cut)
+        shown = field_form(d, rounded(e)) if key == "activations" else _shown(d, e, key == "total")
+        lines += _totals(f"{name_of(key, short):<{key_width}} {_mib(v)} MiB {gib}   = ", shown, width, cut)
     params = d.try_evaluate(d.parameters)
     lines += _totals(f"{'parameters':<{key_width}} {'?' if params is None else f'{params:,}':>12}   = ",
-                     str(rounded(d.parameters)),
-                     width, cut)
+                     _shown(d, d.parameters), width, cut)
     return "\n".join(ln.rstrip() for ln in lines)
 
 
@@ -328,7 +348,7 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         lines += _totals(f"{name:<{key_width}} {_mib(v)} MiB {v / UNITS['GiB']:10.3f} GiB   at ",
                          moment.where(step=False), width, cut)
         if key == "peak":
-            head, formula = f"{'':<{key_width}} {'':>12}       = ", str(rounded(moment.total))
+            head, formula = f"{'':<{key_width}} {'':>12}       = ", _shown(d, moment.total)
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
             room = width - len(head) if width - len(head) >= 24 else width - 4  # as _totals lays it out
             if not note or cut or all(len(x) <= room for x in wrap(f"{formula}   {note}", room)):
