@@ -4,8 +4,8 @@ guard's source location without importing torch.export (symmem.importer.torch_fi
 
 Oracle: the same trace and step recorded with every op run through PyTorch's fake kernels (the cache off), whose
 results the importer and traced-peak tests check against real PyTorch.  The cache must also be used (hits), and
-refuse what it cannot remake: views and in-place ops (outputs on an input's storage), a storage larger than its
-tensor.
+remake views as views of the current input, and refuse what it cannot remake: in-place ops (the input itself), a view
+in another dtype, a storage larger than its tensor.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
     hits: list[int] = []
     inner = ShapeCache.get
 
-    def counted(self: ShapeCache, key: object) -> object:
-        out = inner(self, key)
+    def counted(self: ShapeCache, key: object, *args: object) -> object:
+        out = inner(self, key, *args)
         hits.append(out is not None)
         return out
 
@@ -57,7 +57,7 @@ def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
         assert a == b
 
 
-def test_cache_refuses_aliases_and_larger_storages() -> None:
+def test_cache_remakes_views_and_refuses_in_place_ops_and_larger_storages() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -66,10 +66,24 @@ def test_cache_refuses_aliases_and_larger_storages() -> None:
     with mode:
         x = torch.empty(4, 6)
         cache = ShapeCache()
-        view = aten.view.default(x, [6, 4])
-        key = cache.key(aten.view.default, (x, [6, 4]), {})
-        cache.store(aten.view.default, key, (x, [6, 4]), {}, view)
-        assert cache.get(key) is None and cache.key(aten.view.default, (x, [6, 4]), {}) is None
+        for op, args in ((aten.view.default, [3, 8]), (aten.transpose.int, 0), (aten.select.int, 1)):
+            full = (x, args, 1) if op is not aten.view.default else (x, args)
+            made = op(*full)  # oracle: PyTorch's own kernel
+            key = cache.key(op, full, {})
+            cache.store(op, key, full, {}, made)
+            other = torch.empty(4, 6)  # another tensor of the same metadata: its own view
+            again = cache.get(key, (other, *full[1:]), {})
+            assert (again.shape, again.stride(), again.storage_offset(), again.dtype) == \
+                (made.shape, made.stride(), made.storage_offset(), made.dtype)
+            assert again.untyped_storage()._cdata == other.untyped_storage()._cdata != x.untyped_storage()._cdata
+        added = aten.add_.Tensor(x, x)  # in place: the input itself, never cached
+        key = cache.key(aten.add_.Tensor, (x, x), {})
+        cache.store(aten.add_.Tensor, key, (x, x), {}, added)
+        assert cache.get(key, (x, x), {}) is None and cache.key(aten.add_.Tensor, (x, x), {}) is None
+        alias = aten.view.dtype(x, torch.int32)  # another dtype: as_strided cannot remake it
+        key = cache.key(aten.view.dtype, (x, torch.int32), {})
+        cache.store(aten.view.dtype, key, (x, torch.int32), {}, alias)
+        assert cache.get(key, (x, torch.int32), {}) is None
         big = torch.empty(8)[:3]  # a storage of 8 elements under a tensor of 3
         key = cache.key(aten.clone.default, (x,), {})
         cache.store(aten.clone.default, key, (x,), {}, big)
