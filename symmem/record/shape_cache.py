@@ -41,7 +41,10 @@ class ShapeCache:
         self._symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
         self._plain_torch = (torch.dtype, torch.device, torch.layout, torch.memory_format)
         self.entries: dict[Any, Any] = {}
-        self.never: set[Any] = set()  # ops whose outputs aliased an input once: not keyed again
+        aten = torch.ops.aten
+        # ops whose outputs aliased an input in place once, and views cheaper to run than to key and remake (detach
+        # ~50 us; keying its input and ``as_strided`` ~200 us): not keyed
+        self.never: set[Any] = {aten.detach.default, aten.alias.default}
         self.hits = 0
         self.misses = 0
 
