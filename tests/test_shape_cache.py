@@ -110,3 +110,31 @@ def test_guard_locations_skip_the_same_torch_files_as_torch() -> None:
         assert current() == theirs
     else:  # another torch: its own function stays
         assert not getattr(current, "symmem", False)
+
+
+def test_the_checks_real_forward_runs_on_one_thread_and_restores_the_count() -> None:
+    """The real forward of the check runs on one CPU thread (importer.runs.real_run) and the caller's thread count
+    is back afterwards, also where the forward raises.  Oracle: torch.get_num_threads() read inside the forward."""
+    from symmem.importer.inputs import check_inputs
+    from symmem.importer.runs import real_run
+
+    seen: list[int] = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            if x.shape[0] == 3:
+                raise ValueError("boom")
+            return super().forward(x)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        probe = Probe(4, 3)
+        out = real_run(probe, check_inputs((torch.zeros(2, 4),), {"B": [(0, 0)]}))
+        assert seen == [1] and torch.get_num_threads() == 2 and [k.first.label for k in out.kept] == ["input:0"]
+        with pytest.raises(ValueError, match="boom"):
+            real_run(probe, check_inputs((torch.zeros(3, 4),), {"B": [(0, 0)]}))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
