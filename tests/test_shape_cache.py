@@ -138,3 +138,29 @@ def test_the_checks_real_forward_runs_on_one_thread_and_restores_the_count() -> 
         assert seen == [1, 1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds() -> None:
+    """The records at 4, 5 and 6 layers of the fold share one fake world and shape cache
+    (importer.recording.SharedWorld); each equals the same step recorded alone in a fresh world (what the importer
+    and traced-peak tests check against real PyTorch): storages, ops, what each frees, and the guards (the shared log
+    holds the same ones)."""
+    from symmem.importer.recording import record_step
+    from symmem.importer.traced_step import COUNTS
+
+    torch.manual_seed(0)
+    module = th.gpt2("eager", 0.1)
+    d = symmem.trace(module, {"input_ids": torch.randint(0, th.VOCAB, (2, 8))}, SEQ)
+    step = d.step
+
+    def facts(rec: recording.StepRecord) -> tuple[object, ...]:
+        return ([(s.nbytes, s.category, s.dtype, s.op, s.where, s.phase) for s in rec.storages], rec.start,
+                [(o.phase, o.op, o.where, o.born, o.freed, o.resized) for o in rec.ops],
+                sorted({str(g.expr) for g in rec.guards}), rec.layers)
+
+    for n in COUNTS:
+        shared = step.record(n)
+        alone = record_step(step.module, step.inputs, step.values, step.symbols, step.options, device=step.device,
+                            replay=step.replay, layers=(step.repeat[0], step.repeat[1], n))
+        assert facts(shared) == facts(alone)
+    assert len(step._shared) == 1 and step._shared[()].shapes.hits > 500  # one world; later records hit its cache

@@ -251,7 +251,7 @@ class StepOptions:
 
 
 @dataclass
-class Shared:
+class SharedWorld:
     """A fake world (ShapeEnv and mode) and shape cache that records of one set of sizes share: ``world`` is made by
     the first record (:func:`record_step`'s ``shared``).  Its ShapeEnv then holds every record's guards, which are the
     same ops' guards on the same symbols; each record reports them all."""
@@ -263,11 +263,12 @@ class Shared:
 def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],
                 options: StepOptions, *, device: str = "cpu", replay: list[tuple[str, Any]] | None = None,
                 multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (),
-                layers: tuple[str, tuple[str, ...], int] | None = None, shared: Shared | None = None) -> StepRecord:
+                layers: tuple[str, tuple[str, ...], int] | None = None, shared: SharedWorld | None = None
+                ) -> StepRecord:
     """One training step (forward, loss, backward, two optimizer steps, zero_grad) of ``module`` on fake tensors
     whose declared sizes are symbolic (those in ``concrete`` at their ``values``).  ``layers`` =
     (container, children, count) writes the run of repeated children out ``count`` times; ``replay`` answers
-    the forward's value reads (from a real forward at the example sizes).  ``shared`` (:class:`Shared`) runs the
+    the forward's value reads (from a real forward at the example sizes).  ``shared`` (:class:`SharedWorld`) runs the
     step in the fake world and shape cache of earlier records of the same sizes: the same ops on the same symbolic
     shapes (the records at 4, 5 and 6 layers of the fold) are then computed once for all of them."""
     import torch

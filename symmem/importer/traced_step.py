@@ -34,7 +34,7 @@ from ..errors import SymmemError
 from ..peak import BASE, Candidate, Peak, summarize
 from ..timeline import Row, Which
 from .inputs import Inputs
-from .recording import Shared, StepOp, StepOptions, StepRecord, record_step
+from .recording import SharedWorld, StepOp, StepOptions, StepRecord, record_step
 
 #: layer counts the repeated blocks are written out at: interpolated from the first two, checked at the third
 COUNTS = (4, 5, 6)
@@ -221,7 +221,7 @@ class StepPeak:
     numbers: dict[sympy.Symbol, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _records: dict[tuple[Any, ...], StepRecord] = field(default_factory=dict, repr=False)
-    _shared: dict[tuple[str, ...], Shared] = field(default_factory=dict, repr=False)  # one fake world per ``ones``
+    _shared: dict[tuple[str, ...], SharedWorld] = field(default_factory=dict, repr=False)  # one fake world per ``ones``
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
 
     @property
@@ -245,7 +245,7 @@ class StepPeak:
                 rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
                                   replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
                                                               if n not in ones},
-                                  concrete=ones, layers=layers, shared=self._shared.setdefault(ones, Shared()))
+                                  concrete=ones, layers=layers, shared=self._shared.setdefault(ones, SharedWorld()))
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback
