@@ -24,7 +24,7 @@ steady step's timeline runs through the first one (whose state it keeps) without
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -96,12 +96,13 @@ class Timeline:
     start: tuple[int, ...]
     events: tuple[Event, ...]
 
-    def counts(self, every: bool = False, device_only: bool = False
+    def counts(self, every: bool = False, device_only: bool = False, also: Callable[[int], bool] | None = None
                ) -> list[tuple[int, Counter | None, bool]]:
         """For each moment: (its event's index, the live storages as one Counter of (category index in
         :data:`~symmem.categories.STEP`, bytes), whether it is a candidate for the peak).  A candidate frees
         something after it, or is the last moment: between candidates memory only grows, so the Counter is given
-        for candidates only (for every moment with ``every``).  ``device_only`` counts host storages as empty."""
+        for candidates only (for every moment with ``every``; also for those whose event index ``also`` accepts).
+        ``device_only`` counts host storages as empty."""
         where = [(_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes) for s in self.storages]
         live: Counter = Counter(where[i] for i in self.start)
         last = max((k for k, e in enumerate(self.events) if e.moment), default=-1)
@@ -116,7 +117,7 @@ class Timeline:
                 live[where[sid]] += 1
             if e.moment:
                 candidate = bool(e.freed) or k == last
-                out.append((k, +live if candidate or every else None, candidate))
+                out.append((k, +live if candidate or every or (also is not None and also(k)) else None, candidate))
             for i in e.freed:
                 live[where[i]] -= 1
         return out

@@ -4,8 +4,8 @@ guard's source location without importing torch.export (symmem.importer.torch_fi
 
 Oracle: the same trace and step recorded with every op run through PyTorch's fake kernels (the cache off), whose
 results the importer and traced-peak tests check against real PyTorch.  The cache must also be used (hits), and
-refuse what it cannot remake: views and in-place ops (outputs on an input's storage), a storage larger than its
-tensor.
+remake views as views of the current input, and refuse what it cannot remake: in-place ops (the input itself), a view
+in another dtype, a storage larger than its tensor.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
     hits: list[int] = []
     inner = ShapeCache.get
 
-    def counted(self: ShapeCache, key: object) -> object:
-        out = inner(self, key)
+    def counted(self: ShapeCache, key: object, *args: object) -> object:
+        out = inner(self, key, *args)
         hits.append(out is not None)
         return out
 
@@ -57,7 +57,7 @@ def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
         assert a == b
 
 
-def test_cache_refuses_aliases_and_larger_storages() -> None:
+def test_cache_remakes_views_and_refuses_in_place_ops_and_larger_storages() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -66,10 +66,24 @@ def test_cache_refuses_aliases_and_larger_storages() -> None:
     with mode:
         x = torch.empty(4, 6)
         cache = ShapeCache()
-        view = aten.view.default(x, [6, 4])
-        key = cache.key(aten.view.default, (x, [6, 4]), {})
-        cache.store(aten.view.default, key, (x, [6, 4]), {}, view)
-        assert cache.get(key) is None and cache.key(aten.view.default, (x, [6, 4]), {}) is None
+        for op, args in ((aten.view.default, [3, 8]), (aten.transpose.int, 0), (aten.select.int, 1)):
+            full = (x, args, 1) if op is not aten.view.default else (x, args)
+            made = op(*full)  # oracle: PyTorch's own kernel
+            key = cache.key(op, full, {})
+            cache.store(op, key, full, {}, made)
+            other = torch.empty(4, 6)  # another tensor of the same metadata: its own view
+            again = cache.get(key, (other, *full[1:]), {})
+            assert (again.shape, again.stride(), again.storage_offset(), again.dtype) == \
+                (made.shape, made.stride(), made.storage_offset(), made.dtype)
+            assert again.untyped_storage()._cdata == other.untyped_storage()._cdata != x.untyped_storage()._cdata
+        added = aten.add_.Tensor(x, x)  # in place: the input itself, never cached
+        key = cache.key(aten.add_.Tensor, (x, x), {})
+        cache.store(aten.add_.Tensor, key, (x, x), {}, added)
+        assert cache.get(key, (x, x), {}) is None and cache.key(aten.add_.Tensor, (x, x), {}) is None
+        alias = aten.view.dtype(x, torch.int32)  # another dtype: as_strided cannot remake it
+        key = cache.key(aten.view.dtype, (x, torch.int32), {})
+        cache.store(aten.view.dtype, key, (x, torch.int32), {}, alias)
+        assert cache.get(key, (x, torch.int32), {}) is None
         big = torch.empty(8)[:3]  # a storage of 8 elements under a tensor of 3
         key = cache.key(aten.clone.default, (x,), {})
         cache.store(aten.clone.default, key, (x,), {}, big)
@@ -96,3 +110,57 @@ def test_guard_locations_skip_the_same_torch_files_as_torch() -> None:
         assert current() == theirs
     else:  # another torch: its own function stays
         assert not getattr(current, "symmem", False)
+
+
+def test_the_checks_real_forward_runs_on_one_thread_and_restores_the_count() -> None:
+    """The real forward of the check runs on one CPU thread (importer.runs.real_run) and the caller's thread count
+    is back afterwards, also where the forward raises.  Oracle: torch.get_num_threads() read inside the forward."""
+    from symmem.importer.inputs import check_inputs
+    from symmem.importer.runs import real_run
+
+    seen: list[int] = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            if x.shape[0] == 3:
+                raise ValueError("boom")
+            return super().forward(x)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        probe = Probe(4, 3)
+        out = real_run(probe, check_inputs((torch.zeros(2, 4),), {"B": [(0, 0)]}))
+        assert seen == [1] and torch.get_num_threads() == 2 and [k.first.label for k in out.kept] == ["input:0"]
+        with pytest.raises(ValueError, match="boom"):
+            real_run(probe, check_inputs((torch.zeros(3, 4),), {"B": [(0, 0)]}))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds() -> None:
+    """The records at 4, 5 and 6 layers of the fold share one fake world and shape cache
+    (importer.recording.SharedWorld); each equals the same step recorded alone in a fresh world (what the importer
+    and traced-peak tests check against real PyTorch): storages, ops, what each frees, and the guards (the shared log
+    holds the same ones)."""
+    from symmem.importer.recording import record_step
+    from symmem.importer.traced_step import COUNTS
+
+    torch.manual_seed(0)
+    module = th.gpt2("eager", 0.1)
+    d = symmem.trace(module, {"input_ids": torch.randint(0, th.VOCAB, (2, 8))}, SEQ)
+    step = d.step
+
+    def facts(rec: recording.StepRecord) -> tuple[object, ...]:
+        return ([(s.nbytes, s.category, s.dtype, s.op, s.where, s.phase) for s in rec.storages], rec.start,
+                [(o.phase, o.op, o.where, o.born, o.freed, o.resized) for o in rec.ops],
+                sorted({str(g.expr) for g in rec.guards}), rec.layers)
+
+    for n in COUNTS:
+        shared = step.record(n)
+        alone = record_step(step.module, step.inputs, step.values, step.symbols, step.options, device=step.device,
+                            replay=step.replay, layers=(step.repeat[0], step.repeat[1], n))
+        assert facts(shared) == facts(alone)
+    assert len(step._shared) == 1 and step._shared[()].shapes.hits > 500  # one world; later records hit its cache

@@ -250,14 +250,27 @@ class StepOptions:
             raise SymmemError(f"optimizer implementation must be one of {', '.join(IMPLS)}, got {self.impl!r}")
 
 
+@dataclass
+class SharedWorld:
+    """A fake world (ShapeEnv and mode) and shape cache that records of one set of sizes share: ``world`` is made by
+    the first record (:func:`record_step`'s ``shared``).  Its ShapeEnv then holds every record's guards, which are the
+    same ops' guards on the same symbols; each record reports them all."""
+
+    world: Any = None
+    shapes: Any = None
+
+
 def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],
                 options: StepOptions, *, device: str = "cpu", replay: list[tuple[str, Any]] | None = None,
                 multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (),
-                layers: tuple[str, tuple[str, ...], int] | None = None) -> StepRecord:
+                layers: tuple[str, tuple[str, ...], int] | None = None, shared: SharedWorld | None = None
+                ) -> StepRecord:
     """One training step (forward, loss, backward, two optimizer steps, zero_grad) of ``module`` on fake tensors
     whose declared sizes are symbolic (those in ``concrete`` at their ``values``).  ``layers`` =
     (container, children, count) writes the run of repeated children out ``count`` times; ``replay`` answers
-    the forward's value reads (from a real forward at the example sizes)."""
+    the forward's value reads (from a real forward at the example sizes).  ``shared`` (:class:`SharedWorld`) runs the
+    step in the fake world and shape cache of earlier records of the same sizes: the same ops on the same symbolic
+    shapes (the records at 4, 5 and 6 layers of the fold) are then computed once for all of them."""
     import torch
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -268,7 +281,9 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
     from .wrap import autocasting, checkpointed, with_layers
 
     notes: list[str] = []
-    world = make_world(values, multiple_of=multiple_of, concrete=concrete)
+    if shared is not None and shared.world is None:
+        shared.world = make_world(values, multiple_of=multiple_of, concrete=concrete)
+    world = shared.world if shared is not None else make_world(values, multiple_of=multiple_of, concrete=concrete)
     mapping = world.mapping(symbols)
     at = resized(inputs, values) if concrete else inputs
     with ExitStack() as stack:
@@ -286,7 +301,16 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                             replay=replay if replay is not None else [],
                             default_read=True if replay is None else None, shape_env=world.env,
                             opaque=opaque_ops(), on_gpu=not str(device).startswith("cpu"))
-        world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
+        if shared is not None and rec.shapes is not None:
+            if shared.shapes is None:
+                shared.shapes = rec.shapes
+            rec.shapes = shared.shapes
+        world.mode.cache_enabled = False  # PyTorch's fake-op cache: the optimizer step's only (below)
+        site = lambda: (rec.current, f"{rec.fn} ({rec.aten})")  # noqa: E731
+        if isinstance(world.env.guards, GuardLog):  # a shared world: its log holds the earlier records' guards
+            world.env.guards.site = site
+        else:
+            world.env.guards = GuardLog(site)
         args, kwargs = at.rebuild(fin)
         trainable = [p for p in params.values() if p.requires_grad]
         opt = make_optimizer(trainable, options.optimizer, options.impl)

@@ -34,7 +34,7 @@ from ..errors import SymmemError
 from ..peak import BASE, Candidate, Peak, summarize
 from ..timeline import Row, Which
 from .inputs import Inputs
-from .recording import StepOp, StepOptions, StepRecord, record_step
+from .recording import SharedWorld, StepOp, StepOptions, StepRecord, record_step
 
 #: layer counts the repeated blocks are written out at: interpolated from the first two, checked at the third
 COUNTS = (4, 5, 6)
@@ -73,7 +73,7 @@ def _node(o: StepOp, place: str) -> str:
 def _bases(record: StepRecord, step: Which) -> Counter:
     """How many times each op of ``step`` runs outside the repeated blocks, by (phase, place, op)."""
     out: Counter = Counter()
-    for k, _, _ in record.as_timeline(step).counts(every=True):
+    for k, _, _ in record.as_timeline(step).counts():  # every moment; the live storages are not needed
         o = record.ops[k]
         place, index = _locate(o, record.layers)
         if index is None:
@@ -89,27 +89,44 @@ def _per_layer(records: list[StepRecord], step: Which) -> set[tuple[str, str, st
     return {b for b in totals[0] if all(t[b] == r.count for t, r in zip(totals, records, strict=True))}
 
 
-def _keyed(record: StepRecord, step: Which, per_layer: set[tuple[str, str, str]] | frozenset[Any] = frozenset()
-           ) -> dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]]:
+def _keyed(record: StepRecord, step: Which, per_layer: set[tuple[str, str, str]] | frozenset[Any] = frozenset(),
+           every: bool = True) -> dict[tuple[Any, ...], tuple[StepOp, Counter | None, bool, str]]:
     """Every op of ``step`` outside the middle layers, by a key that names the same op at another layer count, with
-    its live storages (a Counter of (category index, bytes)) and whether it is a candidate.  An op outside the blocks
-    that runs once per layer (``per_layer``) is labelled by its run like a layer; its middle runs are left out."""
+    its live storages (a Counter of (category index, bytes); without ``every``, for candidates only, else None) and
+    whether it is a candidate.  An op outside the blocks that runs once per layer (``per_layer``) is labelled by its
+    run like a layer; its middle runs are left out."""
     out: dict[tuple[Any, ...], tuple[StepOp, Counter, bool, str]] = {}
     seen: Counter = Counter()
     runs: Counter = Counter()
-    for k, live, candidate in record.as_timeline(step).counts(every=True):
-        o = record.ops[k]
+    labels: dict[int, tuple[str, str]] = {}
+    for k, o in enumerate(record.ops):
         place, index = _locate(o, record.layers)
-        if index is None and (o.phase, place, o.op) in per_layer:
+        if index is None and (o.phase, place, o.op) in per_layer and record.in_step(o, step):
             index = runs[(o.phase, place, o.op)]
             runs[(o.phase, place, o.op)] += 1
-        label = _label(index, record.count)
+        labels[k] = (place, _label(index, record.count))
+    # the live storages of the middle layers' moments are left out: copying them is most of the fold's time
+    for k, live, candidate in record.as_timeline(step).counts(also=lambda k: every and labels[k][1] != "mid"):
+        o = record.ops[k]
+        place, label = labels[k]
         if label == "mid":
             continue
         base = (o.phase, place, label, o.op)
         seen[base] += 1
         out[(*base, seen[base])] = (o, live, candidate, place)
     return out
+
+
+def _fill(record: StepRecord, step: Which, keyed: dict[tuple[Any, ...], tuple[StepOp, Counter | None, bool, str]],
+          wanted: set[tuple[Any, ...]]) -> None:
+    """Give the moments of ``wanted`` in ``keyed`` (from :func:`_keyed` without ``every``) their live storages."""
+    missing = {keyed[key][0].index: key for key in wanted if keyed[key][1] is None}
+    if not missing:
+        return
+    for k, live, _ in record.as_timeline(step).counts(also=missing.__contains__):
+        if k in missing:
+            o, _, candidate, place = keyed[missing[k]]
+            keyed[missing[k]] = (o, live, candidate, place)
 
 
 def _peak(cands: dict[str, list[Candidate]], syms: list[sympy.Symbol], subs: Mapping[sympy.Symbol, Any],
@@ -156,10 +173,14 @@ def folded_peak(records: Mapping[int, StepRecord], symbol: sympy.Symbol, *,
     names: dict[Any, tuple[str, str]] = {}
     for step in ("steady", "first"):
         per_layer = _per_layer([a, b, c], step)
-        ka, kb, kc = (_keyed(r, step, per_layer) for r in (a, b, c))
+        ka, kb, kc = (_keyed(r, step, per_layer, every=False) for r in (a, b, c))
         if set(ka) != set(kb) or set(ka) != set(kc):
             odd = sorted(set(ka) ^ set(kb) | set(ka) ^ set(kc), key=str)[:3]
             raise FoldError(f"the {step} step's ops differ between {COUNTS} layers (e.g. {odd})")
+        # a moment that is a candidate at one layer count needs its live storages at the others too
+        wanted = {key for key in ka if ka[key][2] or kb[key][2] or kc[key][2]}
+        for r, kx in ((a, ka), (b, kb), (c, kc)):
+            _fill(r, step, kx, wanted)
         for key, (o, la, cand_a, place) in ka.items():
             _, lb, cand_b, _ = kb[key]
             _, lc, cand_c, _ = kc[key]
@@ -200,6 +221,7 @@ class StepPeak:
     numbers: dict[sympy.Symbol, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _records: dict[tuple[Any, ...], StepRecord] = field(default_factory=dict, repr=False)
+    _shared: dict[tuple[str, ...], SharedWorld] = field(default_factory=dict, repr=False)  # one fake world per ``ones``
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
 
     @property
@@ -223,7 +245,7 @@ class StepPeak:
                 rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
                                   replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
                                                               if n not in ones},
-                                  concrete=ones, layers=layers)
+                                  concrete=ones, layers=layers, shared=self._shared.setdefault(ones, SharedWorld()))
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback

@@ -198,7 +198,7 @@ class SavedRecorder:
                 shapes = rec.shapes
                 key = shapes.key(func, args, kwargs) if shapes is not None else None
                 try:
-                    out = shapes.get(key) if key is not None else None
+                    out = shapes.get(key, args, kwargs) if key is not None else None
                     if out is None:
                         out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
                         if key is not None:

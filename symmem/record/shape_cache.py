@@ -10,11 +10,15 @@ step's fold, so most ops of a trace were already computed once in the same ``Sha
 sizes, strides and storage offset with its dtype and device (plain values as they are, typed: ``True`` is not
 ``1``).  An op is cached only where its outputs are tensors on fresh storages that ``torch.empty(size)`` or
 ``torch.empty_strided(size, stride)`` remakes exactly (the same stride and storage-bytes expressions, no offset, no
-constant value, every size backed): a view, an in-place op, an op whose storage is larger than its tensor
-(``_embedding_bag``'s ``offset2bag``) or any op whose outputs alias an input is run every time.  A hit makes fresh
-fake tensors of the cached metadata; the ShapeEnv already holds every guard the first run added (the same
-expressions in the same environment: a repeat adds none), so what the recorders see -- new storages with the same
-symbolic bytes -- is what the op would have made.  The cache lives as long as one fake run (one ShapeEnv).
+constant value, every size backed), or views of the op's one tensor input that ``as_strided`` remakes exactly (the same
+size, stride and offset expressions and dtype: ``view``, ``_unsafe_view``, ``transpose``, ``expand``, ``split`` ...,
+whose PyTorch meta kernels -- ``_reshape_view_helper`` -- cost ~1 ms each, ``as_strided`` ~0.2 ms).  An in-place op or
+one that returns an input itself (a mutable schema, the same object), an op whose storage is larger than its tensor
+(``_embedding_bag``'s ``offset2bag``), and an op with several tensor inputs whose outputs alias one of them are run
+every time.  A hit makes fresh fake tensors (and views of the current input) of the cached metadata; the ShapeEnv
+already holds every guard the first run added (the same expressions in the same environment: a repeat adds none), so
+what the recorders see -- new storages with the same symbolic bytes, views on the same storage -- is what the op
+would have made.  The cache lives as long as one fake run (one ShapeEnv).
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ class ShapeCache:
         self._symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
         self._plain_torch = (torch.dtype, torch.device, torch.layout, torch.memory_format)
         self.entries: dict[Any, Any] = {}
-        self.never: set[Any] = set()  # ops whose outputs aliased an input once: not keyed again
+        aten = torch.ops.aten
+        # ops whose outputs aliased an input in place once, and views cheaper to run than to key and remake (detach
+        # ~50 us; keying its input and ``as_strided`` ~200 us): not keyed
+        self.never: set[Any] = {aten.detach.default, aten.alias.default}
         self.hits = 0
         self.misses = 0
 
@@ -71,14 +78,19 @@ class ShapeCache:
             return None
         return (func, parts, named)
 
-    def get(self, key: Any) -> Any:
-        """The outputs made anew from the cached metadata, or None (not seen, or not cacheable)."""
+    def get(self, key: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """The outputs made anew from the cached metadata (views of the one tensor in ``args``/``kwargs``), or None
+        (not seen, or not cacheable)."""
         entry = self.entries.get(key)
         if entry is None:
             return None
         self.hits += 1
         wrap, specs = entry
-        made = [None if s is None else _make(self._torch, s) for s in specs]
+        base = None
+        if any(s is not None and s[0] == "V" for s in specs):
+            base = _tensors((args, kwargs or {}), self._torch.Tensor)[0]
+        made = [None if s is None else _view(self._torch, base, s) if s[0] == "V" else _make(self._torch, s)
+                for s in specs]
         return made[0] if wrap is None else wrap(made)
 
     def store(self, func: Any, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -94,7 +106,8 @@ class ShapeCache:
             wrap, outs = type(out), list(out)
         else:
             return
-        inputs = {_storage(t) for t in _tensors((args, kwargs), self._torch.Tensor)}
+        given = _tensors((args, kwargs), self._torch.Tensor)
+        inputs = {_storage(t) for t in given}
         seen: set[Any] = set()
         specs = []
         for o in outs:
@@ -102,18 +115,44 @@ class ShapeCache:
                 specs.append(None)
                 continue
             st = _storage(o)
-            if st is None or st in inputs or st in seen:
-                self.never.add(func)  # a view or an in-place op: its outputs are its inputs' storages
+            if st is not None and st in inputs:
+                spec = self._view_spec(func, given, o)
+                if spec is None:
+                    self.never.add(func)  # an in-place op, or an alias of one of several inputs
+                    return
+            elif st is None or st in seen:
+                self.never.add(func)
                 return
-            seen.add(st)
-            spec = self._spec(o)
+            else:
+                seen.add(st)
+                spec = self._spec(o)
             if spec is None:
                 return
             specs.append(spec)
         self.entries[key] = (wrap, tuple(specs))
 
+    def _view_spec(self, func: Any, given: list[Any], o: Any) -> tuple[Any, ...] | None:
+        """("V", size, stride, offset) of an output on the storage of the op's one tensor input that ``as_strided``
+        remakes to the expression, or None (an in-place op, several tensor inputs, another dtype)."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        schema = getattr(func, "_schema", None)
+        if schema is None or schema.is_mutable or len(given) != 1 or any(o is t for t in given):
+            return None
+        base = given[0]
+        if not isinstance(o, self._fake) or o.constant is not None or o.layout != self._torch.strided \
+                or o.dtype != base.dtype or o.device != base.device:
+            return None
+        spec = ("V", tuple(o.shape), tuple(o.stride()), o.storage_offset())
+        if free_unbacked_symbols(spec[1] + spec[2] + (spec[3],)):
+            return None
+        probe = _view(self._torch, base, spec)
+        if _meta(probe) != _meta(o) or _storage(probe) != _storage(o):
+            return None
+        return spec
+
     def _spec(self, o: Any) -> tuple[Any, ...] | None:
-        """(size, stride or None, dtype, device) of a fresh output that ``empty`` (stride None: contiguous) or
+        """("E", size, stride or None, dtype, device) of a fresh output that ``empty`` (stride None: contiguous) or
         ``empty_strided`` remakes with the same strides and the same storage bytes, to the expression."""
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -126,15 +165,26 @@ class ShapeCache:
         for spec in ((size, None, o.dtype, o.device), (size, stride, o.dtype, o.device)):
             probe = _make(self._torch, spec)
             if (tuple(_expr(s) for s in probe.stride()), _expr(probe.untyped_storage().nbytes())) == want:
-                return spec
+                return ("E", *spec)
         return None  # e.g. a storage larger than its tensor: remade, it would be smaller
 
 
 def _make(torch: Any, spec: tuple[Any, ...]) -> Any:
-    size, stride, dtype, device = spec
+    size, stride, dtype, device = spec[-4:]
     if stride is None:
         return torch.empty(size, dtype=dtype, device=device)
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _view(torch: Any, base: Any, spec: tuple[Any, ...]) -> Any:
+    _, size, stride, offset = spec
+    return torch.ops.aten.as_strided.default(base, size, stride, offset)
+
+
+def _meta(t: Any) -> tuple[Any, ...]:
+    """A tensor's size, stride and offset expressions, dtype and device."""
+    return (tuple(_expr(d) for d in t.shape), tuple(_expr(s) for s in t.stride()), _expr(t.storage_offset()), t.dtype,
+            t.device)
 
 
 def _expr(x: Any) -> Any:
