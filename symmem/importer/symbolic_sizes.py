@@ -613,7 +613,7 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
     for kind in ("activation", "input"):
         want = sympy.Integer(0)
         for s in first.of_kind(kind):
-            i = rep.child_of(s) if rep is not None else None
+            i = rep.child_of(s) if rep is not None and kind != "input" else None  # the input is one tensor
             n = 1 if i is None else (layers if i == 0 else 0)
             want += n * _bytes(s, formulas[("storage", s.name)])
         out.append((f"{kind} bytes", want, real.bytes(kind)))
