@@ -61,15 +61,22 @@ def test_input_kept_by_block_zero_counted_once(block: Any, stem: str | None) -> 
 
 
 def test_every_size_fit_accepts_a_block_keeping_the_input() -> None:
-    """The fit's L check used to refuse this module (the input counted L times at L = 3)."""
+    """The fit's L check used to refuse this module (the input counted L times at L = 3).  Its per-layer note
+    writes the formulas as the table does (the field's order), so the two agree."""
 
-    def build(H: int, L: int) -> tuple[nn.Module, tuple[Any, ...]]:
+    def build(H: int, F: int, L: int) -> tuple[nn.Module, tuple[Any, ...]]:
         torch.manual_seed(0)
-        return nn.Sequential(*[_linear(H) for _ in range(L)]), (torch.zeros(2, H),)
+        blocks = [nn.Sequential(nn.Linear(H, F), nn.Tanh(), nn.Linear(F, H), nn.Tanh()) for _ in range(L)]
+        return nn.Sequential(*blocks), (torch.zeros(2, H),)
 
-    d = trace(build, dims={"B": [(0, 0)]}, sizes={"H": 8, "L": 3}, optimizer="sgd")
-    for h, layers in ((8, 3), (12, 5)):
+    d = trace(build, dims={"B": [(0, 0)]}, sizes={"H": 8, "F": 16, "L": 3}, optimizer="sgd")
+    for h, f, layers in ((8, 16, 3), (12, 20, 5)):
         x = torch.randn(5, h)
-        real = measure(build(h, layers)[0], x)
-        got = d.at(B=5, H=h, L=layers)
+        real = measure(build(h, f, layers)[0], x)
+        got = d.at(B=5, H=h, F=f, L=layers)
         assert (got.value("input"), got.value("activations")) == (real.input, real.activations)
+    note = next(n for n in d.notes if n.startswith("per layer:"))
+    # by hand: each layer keeps its two Tanh outputs (B x F, B x H floats); H*F + F + F*H + H parameters
+    assert note == "per layer: 4*B*(H + F) bytes kept for backward, H + F + 2*H*F parameters"
+    table = d.table()
+    assert "4*B*L*(H + F)" in table and "L*(H + F + 2*H*F)" in table  # the table's rows, in the note's order

@@ -662,28 +662,6 @@ def no_peak(trace: Trace) -> str:
             "sizes= at the sizes you want")
 
 
-def readable(expr: Any) -> Any:
-    """A formula the way the field writes it: the largest common monomial outside, the rest expanded.
-
-    >>> B, S, H, h = sympy.symbols("B S H h", positive=True)
-    >>> readable(34 * B * S * H + 5 * B * h * S**2)
-    B*S*(34*H + 5*S*h)
-    """
-    return sympy.factor_terms(sympy.expand(expr))
-
-
-def per_layer_note(storages: Any, layer_count: Any, parameters: Any) -> str | None:
-    """One layer's kept bytes and parameters, factored the field's way (None without a repeated layer).
-    ``storages``: the derivation's; ``parameters``: the parameter count with the layers counted by ``layer_count``."""
-    kept = [s.expr for s in storages if s.group == "layer" and s.category == "activation"]
-    if not kept or layer_count is None:
-        return None
-    one = sympy.expand(sympy.Add(*kept) / layer_count)
-    params = sympy.expand(sympy.sympify(parameters, strict=True)).coeff(layer_count)
-    return (f"per layer: {readable(one)} bytes kept for backward"
-            + (f", {readable(params)} parameters" if params != 0 else ""))
-
-
 def in_domain(d: Any, name: str) -> Callable[[int], str | None]:
     """``accepts(value)`` for :func:`symmem.apps.budget.largest`: why ``value`` of the size ``name`` lies outside the
     derivation's domain (a head size that is not whole), the other sizes at their numbers; None inside it."""
