@@ -275,9 +275,11 @@ class LiveRecorder:
             self.label([t], "saved")
             if keep is not None:
                 return keep(t)
+            if type(t) is not torch.Tensor:
+                return t  # a subclass's detach is its own op (an AsyncCollectiveTensor waits): what autograd saves
             # Not the tensor itself: an op's saved output would then hold its own grad_fn, a cycle through C++ that
             # keeps a part of the graph the loss never reaches (BERT's pooler) alive, as an unhooked step does not.
-            # A detached alias holds the same storage; made outside the mode, it is no op of the step.
+            # A plain tensor's detached alias holds the same storage; made outside the mode, it is no op of the step.
             with _disable_current_modes():
                 return t.detach()
 
