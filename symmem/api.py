@@ -337,7 +337,8 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
     from .importer.sized_step import sized_step
-    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak, per_layer_note
+    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak
+    from .report.factoring import per_layer_note
 
     if sizes is None:
         raise SymmemError("divisible= goes with sizes=: the sizes the module is built from, e.g. "

@@ -613,7 +613,7 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
     for kind in ("activation", "input"):
         want = sympy.Integer(0)
         for s in first.of_kind(kind):
-            i = rep.child_of(s) if rep is not None else None
+            i = rep.child_of(s) if rep is not None and kind != "input" else None  # the input is one tensor
             n = 1 if i is None else (layers if i == 0 else 0)
             want += n * _bytes(s, formulas[("storage", s.name)])
         out.append((f"{kind} bytes", want, real.bytes(kind)))
@@ -660,28 +660,6 @@ def no_peak(trace: Trace) -> str:
     return ("the peak of the training step in every size records the step at each fitted configuration, which "
             "was not asked for: give peak=True (symmem trace --symbolic ... --symbolic-peak), or trace without "
             "sizes= at the sizes you want")
-
-
-def readable(expr: Any) -> Any:
-    """A formula the way the field writes it: the largest common monomial outside, the rest expanded.
-
-    >>> B, S, H, h = sympy.symbols("B S H h", positive=True)
-    >>> readable(34 * B * S * H + 5 * B * h * S**2)
-    B*S*(34*H + 5*S*h)
-    """
-    return sympy.factor_terms(sympy.expand(expr))
-
-
-def per_layer_note(storages: Any, layer_count: Any, parameters: Any) -> str | None:
-    """One layer's kept bytes and parameters, factored the field's way (None without a repeated layer).
-    ``storages``: the derivation's; ``parameters``: the parameter count with the layers counted by ``layer_count``."""
-    kept = [s.expr for s in storages if s.group == "layer" and s.category == "activation"]
-    if not kept or layer_count is None:
-        return None
-    one = sympy.expand(sympy.Add(*kept) / layer_count)
-    params = sympy.expand(sympy.sympify(parameters, strict=True)).coeff(layer_count)
-    return (f"per layer: {readable(one)} bytes kept for backward"
-            + (f", {readable(params)} parameters" if params != 0 else ""))
 
 
 def in_domain(d: Any, name: str) -> Callable[[int], str | None]:

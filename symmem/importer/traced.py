@@ -150,7 +150,9 @@ def _entries(trace: Any, size_one: bool, layers: sympy.Symbol) -> tuple[list[_En
     for s in [*trace.storages, *extra_one]:
         if s.kind == "parameter":
             continue
-        i = rep.child_of(s) if rep is not None else None
+        # The model's input is one tensor however many blocks there are: block 0's first op saving it (a Linear,
+        # LayerNorm or Conv at the stack's head) does not make it a storage of every layer.
+        i = rep.child_of(s) if rep is not None and s.kind != "input" else None
         if i not in (None, 0):
             continue  # another copy of the folded layer
         spec = _spec(s)

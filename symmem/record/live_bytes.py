@@ -267,12 +267,21 @@ class LiveRecorder:
     def saving(self) -> Iterator[None]:
         """Label every storage autograd packs for backward ``saved`` (``saved_tensors_hooks``)."""
         import torch
+        from torch.utils._python_dispatch import _disable_current_modes
 
         keep = self.pack
 
         def pack(t: Any) -> Any:
             self.label([t], "saved")
-            return t if keep is None else keep(t)
+            if keep is not None:
+                return keep(t)
+            if type(t) is not torch.Tensor:
+                return t  # a subclass's detach is its own op (an AsyncCollectiveTensor waits): what autograd saves
+            # Not the tensor itself: an op's saved output would then hold its own grad_fn, a cycle through C++ that
+            # keeps a part of the graph the loss never reaches (BERT's pooler) alive, as an unhooked step does not.
+            # A plain tensor's detached alias holds the same storage; made outside the mode, it is no op of the step.
+            with _disable_current_modes():
+                return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sympy
 
@@ -308,6 +308,26 @@ def in_sizes(d: Derivation) -> bool:
     """Whether ``d`` is a formula in a model's own sizes (:mod:`symmem.importer.symbolic_sizes`), which the views
     write the field's way."""
     return any(n.startswith("every size symbolic") for n in d.notes)
+
+
+def per_layer_note(storages: Any, layer_count: Any, parameters: Any) -> str | None:
+    """One layer's kept bytes and parameters, written as the table writes them (:func:`field`, no layer block),
+    so that the note and the table agree; None without a repeated layer.  ``storages``: the derivation's;
+    ``parameters``: the parameter count with the layers counted by ``layer_count``.
+
+    >>> from types import SimpleNamespace
+    >>> from symmem.symbols import B, F, H, S, h
+    >>> kept = [SimpleNamespace(group="layer", category="activation", expr=4*B*S*L*(2*F + 10*H + 3*S*h + 4))]
+    >>> per_layer_note(kept, L, L * (2*F*H + F + 4*H**2 + 9*H) + 5*H)
+    'per layer: 4*B*S*(4 + 10*H + 2*F + 3*S*h) bytes kept for backward, 9*H + F + 4*H**2 + 2*H*F parameters'
+    """
+    kept = [s.expr for s in storages if s.group == "layer" and s.category == "activation"]
+    if not kept or layer_count is None:
+        return None
+    one = sympy.expand(sympy.Add(*kept) / layer_count)
+    params = sympy.expand(sympy.sympify(parameters, strict=True)).coeff(layer_count)
+    return (f"per layer: {field(one, layers=None).text()} bytes kept for backward"
+            + (f", {field(params, layers=None).text()} parameters" if params != 0 else ""))
 
 
 def legend(d: Derivation) -> list[str]:
