@@ -96,7 +96,7 @@ class Timeline:
     start: tuple[int, ...]
     events: tuple[Event, ...]
 
-    def counts(self, every: bool = False, device_only: bool = False
+    def counts(self, every: bool = False, device_only: bool = False, skip: frozenset[int] = frozenset()
                ) -> list[tuple[int, Counter | None, bool]]:
         """For each moment: (its event's index, the live storages as one Counter of (category index in
         :data:`~symmem.categories.STEP`, bytes), whether it is a candidate for the peak).  A candidate frees
@@ -116,7 +116,7 @@ class Timeline:
                 live[where[sid]] += 1
             if e.moment:
                 candidate = bool(e.freed) or k == last
-                out.append((k, +live if candidate or every else None, candidate))
+                out.append((k, +live if (candidate or every) and k not in skip else None, candidate))
             for i in e.freed:
                 live[where[i]] -= 1
         return out
