@@ -45,10 +45,10 @@ def timed(model: str, keywords: dict) -> float:
 
 
 def fresh(model: str, keywords: dict) -> float:
-    """:func:`timed` in a new process: a first call."""
-    code = (f"import json, sys; sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r}); import bench_regimes; "
-            f"print(bench_regimes.timed({model!r}, json.loads({json.dumps(keywords)!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    """:func:`timed` in a new process: a first call.  The script itself is run (not ``python -c`` in the current
+    directory, which would put the working directory's ``symmem`` before ``PYTHONPATH``'s)."""
+    out = subprocess.run([sys.executable, __file__, "--case", model, json.dumps(keywords)], capture_output=True,
+                         text=True, check=True)
     return float(out.stdout.split()[-1])
 
 
@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("models", nargs="*", metavar="MODEL", help="gpt2, llama (default: both)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warm", action="store_true", help="repeated calls in one process, not first calls")
+    parser.add_argument("--case", nargs=2, metavar=("MODEL", "JSON"), help=argparse.SUPPRESS)  # one fresh call
     args = parser.parse_args(argv)
+    if args.case:
+        print(timed(args.case[0], json.loads(args.case[1])))
+        return
     for model in args.models or list(MODELS):
         print(f"{model} (default sizes): derive + peak (steady and first step), CPU seconds of a "
               f"{'repeated' if args.warm else 'first'} call, median of {args.rounds}")
