@@ -96,12 +96,14 @@ class Timeline:
     start: tuple[int, ...]
     events: tuple[Event, ...]
 
-    def counts(self, every: bool = False, device_only: bool = False, also: Callable[[int], bool] | None = None
+    def counts(self, every: bool = False, device_only: bool = False, also: Callable[[int], bool] | None = None,
+               skip: frozenset[int] = frozenset()
                ) -> list[tuple[int, Counter | None, bool]]:
         """For each moment: (its event's index, the live storages as one Counter of (category index in
         :data:`~symmem.categories.STEP`, bytes), whether it is a candidate for the peak).  A candidate frees
         something after it, or is the last moment: between candidates memory only grows, so the Counter is given
-        for candidates only (for every moment with ``every``; also for those whose event index ``also`` accepts).
+        for candidates only (for every moment with ``every``; also for those whose event index ``also`` accepts; never
+        for those in ``skip``).
         ``device_only`` counts host storages as empty."""
         where = [(_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes) for s in self.storages]
         live: Counter = Counter(where[i] for i in self.start)
@@ -117,7 +119,8 @@ class Timeline:
                 live[where[sid]] += 1
             if e.moment:
                 candidate = bool(e.freed) or k == last
-                out.append((k, +live if candidate or every or (also is not None and also(k)) else None, candidate))
+                wanted = (candidate or every or (also is not None and also(k))) and k not in skip
+                out.append((k, +live if wanted else None, candidate))
             for i in e.freed:
                 live[where[i]] -= 1
         return out

@@ -166,18 +166,22 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
     candidate (:meth:`~symmem.timeline.Timeline.counts`).  ``interior``: blocks written out whole (ZeRO-1) leave
     out the forward and backward moments of their layers between the ``edge`` ones (each op's moments are affine
     in the layer there, so the largest is at an end), not the optimizer step's (each parameter's own)."""
-    out: dict[tuple[Any, ...], Counter | None] = {}
-    seen: Counter = Counter()
-    for k, live, _ in tl.counts():
-        e = tl.events[k]
+    labels: dict[int, tuple[Any, ...] | None] = {}  # each event's key, None where it is left out
+    for k, e in enumerate(tl.events):
         node = e.node
         block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
         label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
-        if label == "mid":
+        if label == "mid" or (interior and block and e.phase in ("forward", "backward")
+                              and edge < int(label or 0) <= counts[block] - edge):
+            labels[k] = None
+        else:
+            labels[k] = (e.phase, template(node) if node else None, label)
+    out: dict[tuple[Any, ...], Counter | None] = {}
+    seen: Counter = Counter()
+    for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None)):
+        key = labels[k]
+        if key is None:
             continue
-        if interior and block and e.phase in ("forward", "backward") and edge < int(label or 0) <= counts[block] - edge:
-            continue
-        key = (e.phase, template(node) if node else None, label)
         seen[key] += 1
         out[(*key, seen[key])] = live
     return out
@@ -199,6 +203,17 @@ def _parts(live: Counter, others: Sequence[Counter | None]) -> dict[Any, tuple[i
             if x not in out:
                 out[x] = (0, tuple(0 if p is None else p.get(x, 0) for p in others))
     return out
+
+
+def _unrolled(graph: Graph, counts: Mapping[str, int], options: Mapping[str, Any]) -> Graph:
+    """``unroll(graph, counts)``, written out once for all of ZeRO-1's ranks (their shared walks hold it)."""
+    walks = options.get(zero_redundancy.WALKS_OPTION)
+    if walks is None:
+        return unroll(graph, counts)
+    key = ("unrolled", id(graph), tuple(sorted(counts.items())))
+    if key not in walks:
+        walks[key] = unroll(graph, counts)
+    return walks[key]
 
 
 def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
@@ -237,7 +252,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
             counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
-            g = unroll(graph, counts) if blocks else graph
+            g = _unrolled(graph, counts, options) if blocks else graph
             both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits)
             runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole)
                           for first, tl in zip((False, True), both, strict=True)}

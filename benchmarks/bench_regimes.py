@@ -1,0 +1,93 @@
+"""A per-device peak under every regime against the single-device peak: ``derive`` + the peak, per model.
+
+    python benchmarks/bench_regimes.py              # gpt2 and llama at their default sizes, N = 8, t = 2
+    python benchmarks/bench_regimes.py --rounds 5 llama
+
+The target (issue 19, item 5): the peak per device under any engine costs no more than one device's peak does.
+Each case is a first call, as on the command line: its own fresh process (imports done before the clock
+starts), CPU time of that process (``time.process_time``: other people's load on the machine slows the wall clock,
+less the CPU time).  Each round times every case once, one device first, and the ratio is taken within the round
+(paired), then the median over rounds.  ``--warm``: every case in this process after a warm-up round (sympy's
+and the builders' caches filled), a repeated call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from symmem import derive
+
+#: (label, derive keywords): the engines at N = 8 (ranks), tensor parallel at t = 2, the papers' ZeRO-3
+REGIMES: list[tuple[str, dict]] = [
+    ("one device", {}),
+    *[(engine, {"data_parallel": engine, "values": {"N": 8}})
+      for engine in ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1",
+                     "fsdp1-grad-op")],
+    ("--zero 3", {"zero": 3, "values": {"N": 8}}),
+    ("tensor parallel t=2", {"tensor_parallel": True, "values": {"t": 2}}),
+]
+
+#: the models' default sizes (GPT-2 124M, Llama-2-7B); tensor parallel is DTensor's Llama plan only
+MODELS = {"gpt2": [r for r in REGIMES if not r[1].get("tensor_parallel")], "llama": REGIMES}
+
+
+def timed(model: str, keywords: dict) -> float:
+    """CPU seconds of ``derive`` and its steady and first-step peaks."""
+    t = time.process_time()
+    d = derive(model, convention="pytorch", device="cpu", **keywords)
+    d.value("peak"), d.value("peak_first_step")
+    return time.process_time() - t
+
+
+def fresh(model: str, keywords: dict) -> float:
+    """:func:`timed` in a new process: a first call.  The script itself is run (not ``python -c`` in the current
+    directory, which would put the working directory's ``symmem`` before ``PYTHONPATH``'s)."""
+    out = subprocess.run([sys.executable, __file__, "--case", model, json.dumps(keywords)], capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def run(model: str, rounds: int, warm: bool = False) -> list[tuple[str, float, float]]:
+    """(label, median seconds, median ratio to one device in the same round) per regime."""
+    cases = MODELS[model]
+    if warm:
+        for _, kw in cases:  # warm-up: imports, builders, caches
+            timed(model, kw)
+    timed_ = timed if warm else fresh
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    ratios: dict[str, list[float]] = {label: [] for label, _ in cases}
+    for _ in range(rounds):
+        base = timed_(model, {})
+        times["one device"].append(base)
+        ratios["one device"].append(1.0)
+        for label, kw in cases[1:]:
+            t = timed_(model, kw)
+            times[label].append(t)
+            ratios[label].append(t / base)
+    return [(label, statistics.median(times[label]), statistics.median(ratios[label])) for label, _ in cases]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", metavar="MODEL", help="gpt2, llama (default: both)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warm", action="store_true", help="repeated calls in one process, not first calls")
+    parser.add_argument("--case", nargs=2, metavar=("MODEL", "JSON"), help=argparse.SUPPRESS)  # one fresh call
+    args = parser.parse_args(argv)
+    if args.case:
+        print(timed(args.case[0], json.loads(args.case[1])))
+        return
+    for model in args.models or list(MODELS):
+        print(f"{model} (default sizes): derive + peak (steady and first step), CPU seconds of a "
+              f"{'repeated' if args.warm else 'first'} call, median of {args.rounds}")
+        for label, seconds, ratio in run(model, args.rounds, args.warm):
+            print(f"  {label:<22} {seconds:6.2f} s  {ratio:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
