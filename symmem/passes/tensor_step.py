@@ -21,9 +21,13 @@ moment is one of four (docs/regimes.md, "The step's peak per rank"):
   replicated gradient is redistributed to its shard by copies as large), in the order the module lists them.
 
 The first step: no optimizer state exists before AdamW's step, which makes all of it before the update (its
-step's moment is the steady one's).  Sequence parallelism's peak is refused (its layers' backward collectives are
-not modelled).  What gloo's worker thread holds past a collective's wait is outside tensor accounting; the
-measurement lets it go and takes each moment's fewest bytes over repeated steps.
+step's moment is the steady one's).  Under sequence parallelism (torchtitan's plan) the layers' walk is
+:class:`_SequenceWalk`: the all-gathers over S before the column-parallel linears (and the head), the
+reduce-scatters after the row-parallel ones (and the embedding), their backward counterparts, what eager attention
+holds until it returns; its candidates add the head's input all-gather, the head's backward and the embedding's
+backward.  Exact for B >= 2 (at B = 1 the all-gathers keep other copies: refused).  What gloo's worker thread
+holds past a collective's wait is outside tensor accounting; the measurement lets it go and takes each moment's
+fewest bytes over repeated steps.
 
 >>> from symmem import derive
 >>> d = derive("llama", tensor_parallel=True, attention="naive", device="cpu",
@@ -32,6 +36,10 @@ measurement lets it go and takes each moment's fewest bytes over repeated steps.
 (126288, "rank 0 of 2 (every rank alike): forward's end (the head's all-gather)")
 >>> d.step.per_rank(d.numbers)["peak_rank"]
 0
+>>> d = derive("llama", tensor_parallel=True, sequence_parallel=True, attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F": 256, "t": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)
+(321496, 'rank 0 of 2 (every rank alike): backward layers.mlp.gate_up (layer 1)')
 """
 
 from __future__ import annotations
@@ -167,8 +175,11 @@ class TensorStep:
         named = self._named(at)
         even(named)
         if self.sequence and named.get("B") == 1:
-            raise SymmemError("the peak under sequence parallelism is modelled for B >= 2: at B = 1 DTensor's "
-                              "all-gathers over S keep other copies (measured, not modelled)")
+            if int({str(k): v for k, v in (at or {}).items()}.get("B", 0)) == 1:
+                raise SymmemError("the peak under sequence parallelism is modelled for B >= 2: at B = 1 DTensor's "
+                                  "all-gathers over S keep other copies (measured, not modelled)")
+            # the formulas (in B) hold for B >= 2 (the peak's domain): walked there
+            named = {**named, "B": 2}
         key = tuple(sorted(named.items()))
         if key not in self._cache:
             missing = [n for n in ("L", "t") if n not in named]
