@@ -21,9 +21,13 @@ moment is one of four (docs/regimes.md, "The step's peak per rank"):
   replicated gradient is redistributed to its shard by copies as large), in the order the module lists them.
 
 The first step: no optimizer state exists before AdamW's step, which makes all of it before the update (its
-step's moment is the steady one's).  Sequence parallelism's peak is refused (its layers' backward collectives are
-not modelled).  What gloo's worker thread holds past a collective's wait is outside tensor accounting; the
-measurement lets it go and takes each moment's fewest bytes over repeated steps.
+step's moment is the steady one's).  Under sequence parallelism (torchtitan's plan) the layers' walk is
+:class:`_SequenceWalk`: the all-gathers over S before the column-parallel linears (and the head), the
+reduce-scatters after the row-parallel ones (and the embedding), their backward counterparts, what eager attention
+holds until it returns; its candidates add the head's input all-gather, the head's backward and the embedding's
+backward.  Exact for B >= 2 (at B = 1 the all-gathers keep other copies: refused).  What gloo's worker thread
+holds past a collective's wait is outside tensor accounting; the measurement lets it go and takes each moment's
+fewest bytes over repeated steps.
 
 >>> from symmem import derive
 >>> d = derive("llama", tensor_parallel=True, attention="naive", device="cpu",
@@ -32,6 +36,10 @@ measurement lets it go and takes each moment's fewest bytes over repeated steps.
 (126288, "rank 0 of 2 (every rank alike): forward's end (the head's all-gather)")
 >>> d.step.per_rank(d.numbers)["peak_rank"]
 0
+>>> d = derive("llama", tensor_parallel=True, sequence_parallel=True, attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F": 256, "t": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)
+(321496, 'rank 0 of 2 (every rank alike): backward layers.mlp.gate_up (layer 1)')
 """
 
 from __future__ import annotations
@@ -166,11 +174,12 @@ class TensorStep:
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
         named = self._named(at)
         even(named)
-        if self.sequence:
-            raise SymmemError("the peak under sequence parallelism is not modelled: its layers' backward (the "
-                              "reduce-scatters of the column-parallel input gradients, the all-gathers of the "
-                              "stream) can exceed the forward's end and the optimizer step (symmem ranks gives "
-                              "each rank's parts)")
+        if self.sequence and named.get("B") == 1:
+            if int({str(k): v for k, v in (at or {}).items()}.get("B", 0)) == 1:
+                raise SymmemError("the peak under sequence parallelism is modelled for B >= 2: at B = 1 DTensor's "
+                                  "all-gathers over S keep other copies (measured, not modelled)")
+            # the formulas (in B) hold for B >= 2 (the peak's domain): walked there
+            named = {**named, "B": 2}
         key = tuple(sorted(named.items()))
         if key not in self._cache:
             missing = [n for n in ("L", "t") if n not in named]
@@ -182,22 +191,24 @@ class TensorStep:
         return self._cache[key]
 
     def _peak(self, named: Mapping[str, int]) -> Peak:
-        from .unroll import iteration, template
-
         r, ranks = self.moments, named["t"]
-        layers = _LayerWalk(self.graph, self.conv, self.options, self.regime, named).largest()
+        walk = (_SequenceWalk if self.sequence else _LayerWalk)(self.graph, self.conv, self.options, self.regime,
+                                                                 named)
+        layers = walk.largest()
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
             moments = [("forward", "forward's end (the head's all-gather)", r.forward_end),
                        ("backward", "the final norm's backward", r.backward)]
-            moments += [(phase, f"{phase} {template(node)} (layer {iteration(node)})", r.at_rest + live)
-                        for live, phase, node in layers]
+            moments += [(phase, walk.label(phase, node), r.at_rest + live) for live, phase, node in layers]
             for ph, what, live in moments:
                 made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
             made.append(TensorRankMoment("step", None, "", step, {"live": r.step}, ranks=ranks,
                                          what="the optimizer step"))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L",))
+        if self.sequence:
+            # measured at B = 1 the all-gathers over S keep other copies (no concatenation): not modelled
+            others += (sympy.Ge(sympy.Symbol("B", positive=True, integer=True), 2),)
         return Peak(None, None, tuple(made), others)
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
@@ -292,6 +303,7 @@ class _LayerWalk:
         # the forward's constants (the position ids, eager attention's mask), held to the forward's end
         self.constants = sympy.Add(*(g.node(n).out.numel * (8 if str(g.node(n).out.dtype) == "int64" else 4)
                                      for n in order if g.node(n).kind == "constant"))
+        self.keepers = sim.all_keepers  # who keeps each saved storage (sequence parallelism's gathered copies)
 
     def local(self, i: int) -> sympy.Expr:
         """Storage ``i``'s bytes on one rank: split over ``t`` where it has a head or MLP-width dimension (the
@@ -349,8 +361,8 @@ class _LayerWalk:
         found: list[tuple[list[int], int, frozenset[int], sympy.Expr]] = []
         for k, e in enumerate(tl.events):
             alive |= set(e.born)
-            if e.phase in ("forward", "backward") and e.node and iteration(e.node) in (1, layers):
-                extra = self._collectives(e, alive) + (self.constants if e.phase == "forward" else 0)
+            if e.phase in ("forward", "backward") and e.node and self._candidate(e, layers):
+                extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
                 at = [sum(v[i] for i in alive) + int(sympy.ceiling(extra.xreplace(p))) for v, p in
                       zip(values, probes, strict=True)]
                 found.append((at, k, frozenset(alive), extra))
@@ -363,7 +375,19 @@ class _LayerWalk:
             out.append((sympy.Add(*(sizes[i] for i in live)) + extra, e.phase, str(e.node)))
         return out
 
-    def _collectives(self, e: Any, alive: set[int]) -> sympy.Expr:
+    def label(self, phase: str, node: str) -> str:
+        """Where a moment of :meth:`largest` is, in words."""
+        from .unroll import iteration, template
+
+        return f"{phase} {template(node)} (layer {iteration(node)})"
+
+    def _candidate(self, e: Any, layers: int) -> bool:
+        """Whether op ``e`` can be the largest moment: an op of the first or the last layer."""
+        from .unroll import iteration
+
+        return iteration(e.node) in (1, layers)
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
         a column-parallel linear's input gradient, the all-reduce's output and wrapper beside the partial."""
         tl = self.tl
@@ -374,3 +398,173 @@ class _LayerWalk:
             if grads:
                 return sympy.Max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
         return sympy.Integer(0)
+
+
+class _SequenceWalk(_LayerWalk):
+    """:class:`_LayerWalk` under sequence parallelism (torchtitan's plan, ``model_parallel_runs.llama_sequence_plan``):
+    the hidden stream split over S between the row-parallel outputs' reduce-scatter and the column-parallel
+    inputs' all-gather, each storage at one rank's size with what the collectives add (measured op by op on gloo):
+
+    * a norm's output kept by column-parallel linears is one all-gathered whole copy per gather (the attention
+      gathers once for q, k and v, the MLP's gate and up each once), born at the gather (its output beside funcol's
+      wrapper for a moment), released at the last backward of its linears; the S-split output lives on until the
+      attention returns (the input norm's) or the layer returns (the post-attention norm's: the reference's ``x``);
+    * a row-parallel output (and the embedding's) is the reduce-scatter's output beside its wrapper, S-split, with
+      the whole partial sum and its concatenated copy at its birth; in backward its incoming gradient is
+      all-gathered whole (beside the all-gather's output and wrapper for a moment);
+    * the MLP's column-parallel input gradients are each reduce-scattered (the whole partial and its copy at the
+      birth, the S-split output beside its wrapper kept until summed); the attention's q, k and v input gradients
+      are summed whole, then reduce-scattered once.
+    """
+
+    def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                 numbers: Mapping[str, int]) -> None:
+        super().__init__(graph, conv, options, regime, numbers)
+        g, tl = self.g, self.tl
+        forward: dict[str, int] = {}
+        backward: dict[str, int] = {}
+        for k, e in enumerate(tl.events):
+            if e.node is not None:
+                if e.phase == "forward":
+                    forward.setdefault(e.node, k)
+                elif e.phase == "backward":
+                    backward[e.node] = k
+        self.qkv = {n for n in self.column if g.node(n).role == "qkv"}
+        rows = sorted(forward[n] for n in self.row if n in forward)
+        #: storage -> (the event after which its S-split output dies, [(gather event, release event)] by gather)
+        self.copies: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        for i, s in enumerate(tl.storages):
+            linears = [n for n in self.keepers.get(s.name, ()) if n in self.column and n in forward]
+            if s.category != "activation" or not linears:
+                continue
+            attention = [n for n in linears if n in self.qkv]
+            groups = ([tuple(attention)] if attention else []) + [(n,) for n in linears if n not in self.qkv]
+            spans = sorted((min(forward[n] for n in grp), max(backward.get(n, len(tl.events)) for n in grp))
+                           for grp in groups)
+            after = [r for r in rows if r > spans[-1][0]]
+            dies = (after[0] if attention else after[0] + 1) if after else len(tl.events)
+            self.copies[i] = (dies, spans)
+        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
+                               and s.node in self.qkv}
+        # the position ids and eager attention's mask live to the forward's end (self.constants), not as the
+        # walk's storages (counted once)
+        self.constant_storages = {i for i, s in enumerate(tl.storages) if s.node in g and g.node(s.node).kind ==
+                                  "constant"}
+        self.held = self._held(forward, rows)
+
+    def _candidate(self, e: Any, layers: int) -> bool:
+        """An op of the first or the last layer, or the head's (its input's all-gather, its input gradient's
+        reduce-scatter)."""
+        return super()._candidate(e, layers) or e.node == self.head or (e.node == self.embedding and
+                                                                        e.phase == "backward")
+
+    def label(self, phase: str, node: str) -> str:
+        if node == self.head:
+            return ("the head's input all-gather" if phase == "forward" else
+                    "the head's backward (its input gradient's reduce-scatter)")
+        if node == self.embedding:
+            return "the embedding's backward (its output gradient's all-gather)"
+        return super().label(phase, node)
+
+    def _held(self, forward: Mapping[str, int], rows: Sequence[int]) -> list[tuple[int, int, sympy.Expr]]:
+        """What eager attention's forward holds past the walk's frees until the attention returns (after the
+        output projection's reduce-scatter): the key/value cache copies (the reference's ``key_states`` and
+        ``value_states``) and ``attn_weights @ value_states``'s copy of the values: (from, to, bytes)."""
+        from ..symbols import t
+        from .unroll import template
+
+        tl, g = self.tl, self.g
+        freed_at = {i: k for k, e in enumerate(tl.events) for i in e.freed if e.phase == "forward"}
+        held = []
+        for k, e in enumerate(tl.events):
+            if e.phase != "forward" or e.node is None:
+                continue
+            name = template(e.node)
+            after = [r for r in rows if r > k]
+            if not after:
+                continue
+            if name in ("layers.self_attn.cache_key", "layers.self_attn.cache_value"):
+                held += [(freed_at[i] + 1, after[0], self.local(i)) for i in e.born
+                         if freed_at.get(i, after[0]) < after[0]]
+            elif name == "layers.self_attn.attn_v":
+                held.append((k, after[0], g.node(g.node(e.node).inputs[1]).out.numel * 4 / t))
+        return held
+
+    def _whole(self, node: str) -> sympy.Expr:
+        return self.g.node(node).out.numel * 4
+
+    def local(self, i: int) -> sympy.Expr:
+        from ..symbols import t
+
+        s = self.tl.storages[i]
+        if s.category in ("parameter", "optimizer_state", "input", "buffer", "gradient"):
+            return super().local(i)
+        size = s.nbytes
+        if i in self.constant_storages:
+            return sympy.Integer(0)
+        if s.name in self.row or s.name == self.embedding:
+            return 2 * size / t  # the reduce-scatter's output beside funcol's wrapper
+        if s.name == self.head:
+            return size + size / t
+        if i in self.copies:
+            return len(self.copies[i][1]) * size
+        if s.node in self.column and s.name.endswith(".grad_input0"):
+            return size if s.node in self.qkv else 2 * size / t
+        if i in self.gathered_grads:
+            return size
+        if self._split(s.node, s.name):
+            return size / t
+        return size / t if self._stream(s.node, s.name) else size
+
+    def _stream(self, node: str | None, name: str) -> bool:
+        """Whether the storage holds a (B, S, ...) tensor (an input's gradient or copy: that input's)."""
+        if node is None or node not in self.g:
+            return False
+        source = node
+        suffix = name[len(node):] if name.startswith(node) else ""
+        if suffix.startswith(".grad_input") and suffix[len(".grad_input"):].isdigit():
+            source = self.g.node(node).inputs[int(suffix[len(".grad_input"):])]
+        elif name.endswith(".grad_sum") and name[:-len(".grad_sum")] in self.g:
+            source = name[:-len(".grad_sum")]
+        return [str(d) for d in self.g.node(source).out.shape][:2] == ["B", "S"]
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        from ..symbols import t
+
+        tl = self.tl
+        extra: sympy.Expr = sympy.Integer(0)
+        released: sympy.Expr = sympy.Integer(0)  # gathered copies let go inside this event
+        for i, (dies, spans) in self.copies.items():
+            if i not in alive:
+                continue
+            size = tl.storages[i].nbytes
+            if e.phase == "forward":
+                made = sum(1 for f, _ in spans if f <= k)
+                extra += (made - len(spans)) * size + (size / t if k <= dies else 0)
+                if any(f == k for f, _ in spans):  # the all-gather's output beside its wrapper
+                    born = sympy.Add(*(self.local(j) for j in e.born))
+                    extra += sympy.Max(0, size - born)
+            elif e.phase == "backward":
+                extra -= sum(size for _, r in spans if r < k)
+                released += sum(size for _, r in spans if r == k and i not in e.freed)
+        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
+        extra += sympy.Add(*(size for start, end, size in self.held if start <= k <= end))
+        if e.phase == "forward" and e.node in self.row:
+            return extra + 2 * sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
+        if e.phase == "backward" and e.node == self.embedding:
+            # the stream's gradient all-gathered whole (beside the all-gather's output for a moment), then the
+            # embedding's gradient made (V x H, whole) and the S-split gradient let go
+            whole = self._whole(self.embedding)
+            born = sympy.Add(*(self.local(j) for j in e.born))
+            return extra + sympy.Max(2 * whole - born, whole - freed)
+        if e.phase == "backward" and e.node in self.row:
+            whole = self._whole(e.node)  # the all-gathered output gradient
+            born = sympy.Add(*(self.local(j) for j in e.born))
+            return extra + whole + sympy.Max(0, whole - born)
+        if e.phase == "backward" and e.node in self.column and e.node not in self.qkv:
+            grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
+            # the head's output gradient: the replicated one's local shard, made contiguous (the logits / t)
+            logits = self._whole(self.head) / t if e.node == self.head else 0
+            if grads:
+                return extra + sympy.Max(logits + grads[0] - 2 * grads[0] / t, 2 * grads[0] - freed)
+        return extra
