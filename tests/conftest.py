@@ -10,7 +10,8 @@
 * The longest tests are collected first (:data:`LONG`), so that pytest-xdist starts them first and the short ones
   fill in around them, rather than one worker finishing a 20 s test alone at the end.  The real ``torch.distributed``
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
-  forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs).
+  forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
+  whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ def _first(item: pytest.Item) -> int:
     return next((i for i, prefix in enumerate(LONG) if item.nodeid.startswith(prefix)), len(LONG))
 
 
+#: test modules whose module-scoped fixtures trace or measure models (2-9 s each): each runs on one worker
+#: (``xdist_group``), so the fixture is made once, not once on each worker that gets one of the module's tests
+WHOLE = {"test_importer.py", "test_symbolic_sizes.py", "test_trace_cli.py", "test_trace_peak.py", "test_verify.py",
+         "test_zoo_drift.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SLOW:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in WHOLE:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=_first)  # stable: every other test keeps its place
