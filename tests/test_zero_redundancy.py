@@ -223,3 +223,7 @@ def test_refusals_of_the_peak(capsys):
     job = dataclasses.replace(job_of(_derive(*MODELS[0], 2)), group=3)
     with pytest.raises(SymmemError, match="in groups of 3 ranks cannot run in a world of 4"):
         measure_jobs([job], world=4)
+    # the ranks start by spawn (the default) or from a forkserver (the suite's), nothing else
+    with pytest.raises(SymmemError, match="the ranks start by 'spawn' or 'forkserver', not 'fork'") as e:
+        measure_jobs([job_of(_derive(*MODELS[0], 2))], world=2, start_method="fork")
+    assert "\n" not in str(e.value)
