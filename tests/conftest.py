@@ -7,6 +7,11 @@
   to choose otherwise.
 * End-to-end runs -- real PyTorch training steps and measurements, Jupyter kernels, LaTeX -- are marked ``slow``.
   CI runs everything; ``python -m pytest -m "not slow"`` leaves them out while iterating.
+* The longest tests are collected first (:data:`LONG`), so that pytest-xdist starts them first and the short ones
+  fill in around them, rather than one worker finishing a 20 s test alone at the end.  The real ``torch.distributed``
+  runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
+  forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
+  whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,35 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+#: the longest tests outside the gloo group (5-16 s each on 2 busy cores), by node id prefix, longest first
+LONG = ("tests/test_lora.py::test_the_fine_tuning_page_runs",
+        "tests/test_trace_peak.py::test_a_cache_made_per_layer_outside_the_blocks_folds_in_L",
+        "tests/test_notebooks.py::test_runs[04_",
+        "tests/test_symbolic_checks.py::test_verify_symbolic_checks_the_formula_where_it_was_not_fitted",
+        "tests/test_model_parallel.py::test_against_the_engines",
+        "tests/test_trace_cli.py::test_hf_gpt2_json_is_the_derive_contract",
+        "tests/test_trace_peak.py::test_a_stack_with_per_layer_types_folds_in_L",
+        "tests/test_notebooks.py::test_runs[06_",
+        "tests/test_regimes.py::test_zero_peak_is_the_papers_accounting_of_one_devices_step",
+        "tests/test_symbolic_sizes.py::test_zoo_and_trace_agree_in_every_size")
+
+
+def _first(item: pytest.Item) -> int:
+    """Where ``item`` goes in the run order: its place in :data:`LONG`, else after all of them."""
+    return next((i for i, prefix in enumerate(LONG) if item.nodeid.startswith(prefix)), len(LONG))
+
+
+#: test modules whose module-scoped fixtures trace or measure models (2-9 s each): each runs on one worker
+#: (``xdist_group``), so the fixture is made once, not once on each worker that gets one of the module's tests
+WHOLE = {"test_importer.py", "test_symbolic_sizes.py", "test_trace_cli.py", "test_trace_peak.py", "test_verify.py",
+         "test_zoo_drift.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SLOW:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in WHOLE:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    items.sort(key=_first)  # stable: every other test keeps its place

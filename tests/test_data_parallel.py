@@ -1,9 +1,9 @@
 """Data-parallel engines against real ``torch.distributed`` runs: each rank's peak, derived per rank, equals the
 live bytes measured inside that rank of a real gloo run on the CPU (symmem.record.distributed), to the byte.
 
-One spawn of two processes runs every case in turn (the cost is the workers' ``import torch``, paid once), inside
-one test, so that pytest-xdist never splits it into two spawns; the ranks meet through a file store in a temporary
-directory, so parallel test workers cannot collide on a port.
+One start of two processes runs every case in turn, inside one test, so that pytest-xdist never splits it in two;
+the processes fork from a server that imported torch once for every gloo test (``start_method="forkserver"``); the
+ranks meet through a file store in a temporary directory, so parallel test workers cannot collide on a port.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ SHARDED_CASES = [(name, "fsdp") for name, _, _ in MODELS] + [("mlp", "fsdp-no-re
                                                                ("llama", "fsdp1")]
 
 
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_peak_equals_a_real_gloo_run():
     cases = [(name, engine, _derive(name, values, kw, engine)) for name, values, kw in MODELS for engine in ENGINES]
     kws = {name: (values, kw) for name, values, kw in MODELS}
@@ -65,7 +66,8 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     # every FSDP2 job runs twice, before DDP's: a late free by gloo's worker threads (above) can land in a first
     # step too, where no second steady step can stand in; it only ever adds, so the lower of the two runs counts
     jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
-    runs = measure_jobs([*jobs, *jobs, *(job_of(d) for _, _, d in cases)], world=2, timeout=150)
+    runs = measure_jobs([*jobs, *jobs, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
+                        start_method="forkserver")
     *measured, fsdp = [_lowest(a, b) for a, b in zip(runs[:len(jobs)], runs[len(jobs):2 * len(jobs)], strict=True)]
     measured += runs[2 * len(jobs):]
     _check_fsdp_shards(fsdp)

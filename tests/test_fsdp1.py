@@ -43,6 +43,7 @@ def _lowest(one, other):
             for a, b in zip(one, other, strict=True)]
 
 
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
     deep = {"widths": ",".join(map(str, DEEP))}
     cases = [
@@ -51,7 +52,7 @@ def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
         ("fsdp1-grad-op", _derive("mlp", {"B": 4}, deep, "fsdp1-grad-op")),
     ]
     jobs = [job_of(d) for _, d in cases]
-    runs = measure_jobs([*jobs, *jobs], world=4, timeout=240)
+    runs = measure_jobs([*jobs, *jobs], world=4, timeout=240, start_method="forkserver")
     measured = {name: _lowest(a, b) for (name, _), a, b in zip(cases, runs[:len(jobs)], runs[len(jobs):],
                                                                    strict=True)}
     derived = dict(cases)

@@ -58,6 +58,7 @@ def _lowest(one, other):
             for a, b in zip(one, other, strict=True)]
 
 
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     cases = [(spec, engine, _traced(spec, config, loss, engine), SpecBuilder(spec, config))
              for spec, config, loss, engines in CASES for engine in engines]
@@ -67,7 +68,8 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     jobs = [traced_job(d, builder) for _, _, d, builder in cases]
     # FSDP's jobs twice, before DDP's: a late free by gloo's worker threads can land in a first step too
     plain = [i for i in range(len(cases)) if i not in sharded]
-    runs = measure_jobs([jobs[i] for i in (*sharded, *sharded, *plain)], world=2, timeout=170)
+    runs = measure_jobs([jobs[i] for i in (*sharded, *sharded, *plain)], world=2, timeout=170,
+                        start_method="forkserver")
     found = {i: _lowest(a, b) for i, a, b in zip(sharded, runs, runs[len(sharded):], strict=False)}
     found.update(zip(plain, runs[2 * len(sharded):], strict=True))
     measured = [found[i] for i in range(len(cases))]

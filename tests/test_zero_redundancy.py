@@ -58,7 +58,7 @@ def _measured():
         fours = [_derive(*case, 4) for case in [*MODELS, TWO_PARAMETERS]]
     twos = [_derive(*case, 2) for case in [*MODELS, RANK_1_LARGEST]]
     jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2) for d in twos]
-    runs = measure_jobs(jobs, world=4, timeout=240)
+    runs = measure_jobs(jobs, world=4, timeout=240, start_method="forkserver")
     out = list(zip(fours, runs[:len(fours)], strict=True))
     for d, ranks in zip(twos, runs[len(fours):], strict=True):
         # ranks 0, 1 then 2, 3 (each its rank in its group): the lower of the two runs, step by step
@@ -68,6 +68,7 @@ def _measured():
     return out
 
 
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_equals_a_real_gloo_run():
     """One test (pytest-xdist never splits it into two spawns): every rank's peaks, the optimizer state each rank
     keeps, and the largest rank (not always rank 0), each derived and measured."""
@@ -222,3 +223,7 @@ def test_refusals_of_the_peak(capsys):
     job = dataclasses.replace(job_of(_derive(*MODELS[0], 2)), group=3)
     with pytest.raises(SymmemError, match="in groups of 3 ranks cannot run in a world of 4"):
         measure_jobs([job], world=4)
+    # the ranks start by spawn (the default) or from a forkserver (the suite's), nothing else
+    with pytest.raises(SymmemError, match="the ranks start by 'spawn' or 'forkserver', not 'fork'") as e:
+        measure_jobs([job_of(_derive(*MODELS[0], 2))], world=2, start_method="fork")
+    assert "\n" not in str(e.value)

@@ -46,6 +46,13 @@ ZERO = "zero-redundancy"
 #: FSDP1 (``FullyShardedDataParallel``, FULL_SHARD or SHARD_GRAD_OP): :mod:`symmem.record.fsdp1_runs`
 FSDP1 = ("fsdp1", "fsdp1-grad-op")
 ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
+#: what a forkserver imports before it forks the ranks (a module that is missing is skipped): torch's engines,
+#: DTensor and dynamo (FSDP2 imports them), symmem's recorders and reference models, transformers and its GPT-2
+#: (traced hf: jobs; the test suite's)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
+           "torch.distributed.optim", "torch.nn.parallel", "symmem.record.distributed", "symmem.record.steps",
+           "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.reference", "transformers",
+           "transformers.models.gpt2.modeling_gpt2")
 
 
 @dataclass(frozen=True)
@@ -120,19 +127,29 @@ def measure_ranks(derivations: Sequence[Derivation], world: int = 2, *, steps: i
     return measure_jobs([job_of(d, steps) for d in derivations], world, timeout=timeout)
 
 
-def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0) -> list[tuple[RankPeak, ...]]:
-    """:func:`measure_ranks` for jobs given as they are (FSDP2's among them)."""
+def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0, start_method: str = "spawn"
+                 ) -> list[tuple[RankPeak, ...]]:
+    """:func:`measure_ranks` for jobs given as they are (FSDP2's among them).  ``start_method="forkserver"`` forks
+    the ranks from one server process that has imported torch, its distributed engines and these recorders once
+    (:data:`PRELOAD`; a fresh interpreter spends ~6 s of CPU a rank on them): the test suite's choice, where many
+    runs share that server; the ranks' measurements are the same."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise SymmemError(f"the world size is a positive integer, got {world!r}")
     for job in jobs:
         if job.group and (job.group < 1 or world % job.group or job.engine in SHARDED):
             raise SymmemError(f"a {job.engine} job in groups of {job.group} ranks cannot run in a world of {world} "
                               "(groups divide the world; FSDP2 takes the whole world)")
+    if start_method not in ("spawn", "forkserver"):
+        raise SymmemError(f"the ranks start by 'spawn' or 'forkserver', not {start_method!r}")
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    if start_method == "forkserver":  # only read when the server starts (once a process)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
         ctx = mp.start_processes(_worker, args=(world, tmp, jobs, timeout), nprocs=world, join=False,
-                                 start_method="spawn")
+                                 start_method=start_method)
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
