@@ -237,6 +237,36 @@ def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.Ca
     assert got["values"]["parameters"] == sum(p.numel() for p in loaded.module.parameters())
 
 
+@pytest.mark.parametrize(("spec", "config", "H", "divisor"), [
+    ("hf:gpt2", {"n_layer": 2, "n_head": 3, "vocab_size": 50}, 39, "Eq(Mod(H, 3), 0)"),
+    # rotary attention: the head size must be even, so H a multiple of 2h
+    ("hf:llama", {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                  "intermediate_size": 40, "vocab_size": 50}, 44, "Eq(Mod(H, 4), 0)"),
+])
+def test_cli_symbolic_hidden_size_alone_traces_multiples_of_the_held_heads(
+        capsys: pytest.CaptureFixture, spec: str, config: dict, H: int, divisor: str) -> None:
+    """``--symbolic H=...`` with the head count held at the config's value: the small configurations are multiples
+    of it (they were refused by the config before), the domain says so, and at an H never traced the numbers are a
+    real forward's saved bytes."""
+    import json
+
+    pytest.importorskip("transformers")
+    from symmem.importer import sources
+
+    key = "n_embd" if spec == "hf:gpt2" else "hidden_size"
+    flags = [x for k, v in config.items() for x in ("--config", f"{k}={v}")]
+    code, out, err = _main(capsys, "trace", spec, "--dims", "B,S", "--symbolic", f"H={key}", *flags,
+                           "--set", f"H={H}", "--set", "B=3", "--set", "S=5", "--format", "json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert divisor in got["domain"]
+    loaded = sources.load(spec, config={**config, key: H})
+    ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(2))
+    real = measure(loaded.module, input_ids=ids)
+    assert got["values"]["activations"] == real.activations
+    assert got["values"]["parameters"] == sum(p.numel() for p in loaded.module.parameters())
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["tests/trace_helpers.py:mlp", "--symbolic", "H=hidden_size"],
      "symmem: error: --symbolic maps symbols to keys of a transformers config: it applies to hf:MODEL_TYPE; from "

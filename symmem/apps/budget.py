@@ -105,8 +105,10 @@ def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None 
     groups: dict[str, list[tuple[str, int]]] = {}
     for name, value in held:
         groups.setdefault(origins.get(name, "?"), []).append((name, value))
-    parts = "; ".join(f"{held_text(tuple(items))} ({origin}{'s' if len(items) > 1 and origin != '--set' else ''})"
-                      for origin, items in groups.items())
+    def plural(origin: str, n: int) -> str:  # "the example inputs"; "--set" and "... layers" as they are
+        return origin + ("s" if n > 1 and origin != "--set" and not origin.endswith("s") else "")
+
+    parts = "; ".join(f"{held_text(tuple(items))} ({plural(origin, len(items))})" for origin, items in groups.items())
     unset = [n for n, _ in held if origins.get(n) != "--set"]
     example = next((n for n in ("S", "Hi", "B", "L") if n in unset), unset[0] if unset else None)
     tail = f"; --set {example}=... answers at another {example}" if example else ""

@@ -84,6 +84,8 @@ def _held_from(args: argparse.Namespace, d: object, held: tuple[tuple[str, int],
             out[name] = "the model's default"
         elif name in dims:
             out[name] = "the example input"
+        elif name in getattr(getattr(args, "hf_sizes", None), "keys", {}) and name != "L":
+            out[name] = "the config's value"
         else:
             out[name] = "the traced module's layers"
     return out

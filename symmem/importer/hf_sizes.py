@@ -35,6 +35,8 @@ _PAIR = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=([A-Za-z_][A-Za-z0-9_]*(?:\|[A-Za
 HIDDEN = ("hidden_size", "d_model", "n_embd", "dim")
 HEADS = ("num_attention_heads",)
 GROUPS = ("num_key_value_heads",)
+#: config keys that say the attention rotates its queries and keys (the head size must be even)
+ROTARY = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct", "partial_rotary_factor")
 LAYERS_KEYS = ("num_hidden_layers",)
 #: an encoder-decoder's decoder layer count, joining the implied layer count where it equals it
 DECODER_LAYERS = ("decoder_layers", "num_decoder_layers")
@@ -142,11 +144,15 @@ def hf_sizes(spec: str, keys: Mapping[str, str], config: Mapping[str, Any], loss
             head_dim = head_dim if getattr(wider, "head_dim", None) != head_dim else -1
         except Exception:  # a config that validates its sizes: the head size as it says
             pass
-    if hidden and heads and (head_dim is None or head_dim * sizes[heads] == sizes[hidden]) \
-            and "head_dim" not in config:
-        divisible[hidden] = heads
-    if heads and groups:
-        divisible[heads] = groups
+    # a divisor held at the config's value (h when only H is symbolic) is a number: every traced H a multiple of it
+    n_heads = sizes[heads] if heads else _config_int(default, HEADS)
+    n_groups = sizes[groups] if groups else _config_int(default, GROUPS)
+    if hidden and n_heads and (head_dim is None or head_dim * n_heads == sizes[hidden]) and "head_dim" not in config:
+        # a held head count: the traced head sizes H/h are its multiples 2, 3, 5...; rotary embeddings need them even
+        rotary = any(getattr(default, k, None) is not None for k in ROTARY)
+        divisible[hidden] = heads or (2 * n_heads if rotary else n_heads)
+    if heads and n_groups:
+        divisible[heads] = groups or n_groups
     return HfSizes(spec, keys, sizes, divisible, dict(config), loss)
 
 
@@ -163,3 +169,12 @@ def _canonical(default: Any, model_type: str, symbol: str, key: str) -> str:
                           "positive integer); set it with --config or name another key")
     aliases = getattr(default, "attribute_map", {})  # alias -> the key it stands for (gpt2: hidden_size -> n_embd)
     return key if key in aliases else {v: a for a, v in aliases.items()}.get(key, key)
+
+
+def _config_int(config: Any, keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` the config holds as a positive integer (None: none)."""
+    for k in keys:
+        v = getattr(config, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
