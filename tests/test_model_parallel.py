@@ -411,6 +411,22 @@ def test_fit_under_tensor_parallel():
     assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
 
 
+def test_fit_under_sequence_parallel_never_answers_b_1():
+    """The sequence-parallel peak holds for B >= 2 (measured at B = 1 DTensor keeps other copies): a budget the
+    formula would meet at B = 1 only is refused in one line rather than answered with an unmodelled B = 1."""
+    from symmem import derive
+    from symmem.apps.budget import largest
+
+    values = {"B": 2, "S": 32, "H": 64, "h": 4, "G": 2, "L": 2, "V": 64, "F": 256, "t": 2}
+    d = derive("llama", tensor_parallel=True, sequence_parallel=True, values=values, device="cpu")
+    below_b2 = d.value("peak") - 1
+    with pytest.raises(SymmemError) as e:
+        largest(d, "B", below_b2)
+    assert str(e.value) == ("llama accepts no value of B up to 1 that fits: outside the formulas' domain (B >= 2), "
+                            "where they are not known to hold")
+    assert largest(d, "B", d.value("peak")).max == 2
+
+
 #: Sequence parallelism (torchtitan's plan), small steps whose peak is each somewhere else -- on two ranks: the
 #: head's backward (its input gradient's reduce-scatter), the MLP's down projection's backward (its output gradient
 #: all-gathered), the forward's end, the MLP's backward; on four: the head's input all-gather (eager attention)

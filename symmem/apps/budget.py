@@ -145,17 +145,21 @@ def held_sizes(d: Derivation, name: str) -> tuple[tuple[str, int], ...]:
     return tuple((s.name, int(v)) for s, v in d.numbers.items() if s.name != name and s not in moving)
 
 
-def domain_check(d: Derivation, sym: sympy.Symbol) -> Callable[[int], str | None] | None:
+def domain_check(d: Derivation, sym: sympy.Symbol, quantity: str = "total") -> Callable[[int], str | None] | None:
     """Why a value of ``sym`` lies outside the derivation's domain (None inside it), every other symbol at its
-    number (those tied to ``sym`` moving with it); None where the domain is everything."""
+    number (those tied to ``sym`` moving with it); None where the domain is everything.  On the ``peak`` the step's
+    own domain counts too (sequence parallelism's peak holds for B >= 2)."""
     from ..derivation import failing
 
-    if d.domain is sympy.true:
+    step = getattr(d, "step", None)
+    extra = [c for c in step.domain() if not isinstance(c, sympy.Eq)] if quantity == "peak" and step else []
+    domain = sympy.And(d.domain, *extra) if extra else d.domain
+    if domain is sympy.true:
         return None
     numbers = dict(d.numbers)
     tied = [(s, e) for s, e in d.tied.items() if sym in e.free_symbols]
     moving = {sym, *(s for s, _ in tied)}
-    fixed = [c for c in failing(d.domain, numbers) if not c.free_symbols & moving]
+    fixed = [c for c in failing(domain, numbers) if not c.free_symbols & moving]
     if fixed:  # the held sizes themselves lie outside: no value of sym brings them back
         at = ", ".join(f"{s.name} = {numbers[s]:,}" for s in sorted(set().union(*(c.free_symbols for c in fixed)),
                                                                     key=lambda s: s.name))
@@ -166,7 +170,7 @@ def domain_check(d: Derivation, sym: sympy.Symbol) -> Callable[[int], str | None
         nums = {**numbers, sym: value}
         for s, e in tied:
             nums[s] = int(e.xreplace({x: sympy.Integer(nums[x]) for x in e.free_symbols}))
-        found = failing(d.domain, nums)
+        found = failing(domain, nums)
         if not found:
             return None
         return f"outside the formulas' domain ({' & '.join(map(str, found))}), where they are not known to hold"
@@ -310,7 +314,7 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
         raise SymmemError(f"the budget {format_bytes(cap)} fits {name} beyond the largest size PyTorch allows "
                           f"(2**63 - 1): it is no limit on {name}")
     chosen, refused = best, None
-    domain = domain_check(d, sym)
+    domain = domain_check(d, sym, quantity)
     if accepts is not None or domain is not None:
         def either(value: int) -> str | None:  # the model's refusal first, then the formulas' domain
             why = accepts(value) if accepts is not None else None
