@@ -152,7 +152,10 @@ def domain_check(d: Derivation, sym: sympy.Symbol, quantity: str = "total") -> C
     from ..derivation import failing
 
     step = getattr(d, "step", None)
-    extra = [c for c in step.domain() if not isinstance(c, sympy.Eq)] if quantity == "peak" and step else []
+    # only conditions on the solved size: the step judges its other sizes itself (a traced step's fold in L holds
+    # for L >= 4 and is replaced by the record at fewer layers)
+    extra = [c for c in step.domain() if not isinstance(c, sympy.Eq) and sym in c.free_symbols] \
+        if quantity == "peak" and step else []
     domain = sympy.And(d.domain, *extra) if extra else d.domain
     if domain is sympy.true:
         return None
