@@ -425,6 +425,11 @@ def test_fit_under_sequence_parallel_never_answers_b_1():
     assert str(e.value) == ("llama accepts no value of B up to 1 that fits: outside the formulas' domain (B >= 2), "
                             "where they are not known to hold")
     assert largest(d, "B", d.value("peak")).max == 2
+    # nothing fits: the figure is B = 2's peak (a fresh derive there), not the formula outside its domain at B = 1
+    with pytest.raises(SymmemError) as e:
+        largest(d, "B", 1000)
+    assert f"needs 1.330 MiB ({d.value('peak'):,} B) at B = 2 (peak; the smallest B the formulas hold at)" \
+        in str(e.value)
 
 
 #: Sequence parallelism (torchtitan's plan), small steps whose peak is each somewhere else -- on two ranks: the

@@ -277,6 +277,18 @@ def _search(f: sympy.Expr, sym: sympy.Symbol, cap: int, model: str, name: str) -
     return lo
 
 
+def _lowest_in_domain(d: Derivation, sym: sympy.Symbol, quantity: str, tries: int = 64) -> int:
+    """The smallest value of ``sym`` inside the formulas' domain (1 where it is everything, or none is found
+    within ``tries``, or the held sizes themselves lie outside it)."""
+    try:
+        check = domain_check(d, sym, quantity)
+    except SymmemError:
+        return 1
+    if check is None:
+        return 1
+    return next((v for v in range(1, tries + 1) if check(v) is None), 1)
+
+
 def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = None,
             accepts: Callable[[int], str | None] | None = None) -> Fit:
     """The largest positive integer value of ``name`` (``B``, ``S``, ...) whose peak (or total: ``quantity``)
@@ -301,8 +313,11 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
             raise SymmemError(f"the {quantity} of {d.model} does not grow with {name} for {name} >= 1: {f}")
     at_one = _total(f, sym, 1)
     if at_one > cap:
-        raise NothingFits(f"nothing fits: {d.model} needs {format_bytes(at_one)} ({at_one:,} B) at {name} = 1 "
-                          f"({quantity}), more than the budget {format_bytes(cap)} ({cap:,} B)")
+        low = _lowest_in_domain(d, sym, quantity)  # the figure where the formulas hold (B >= 2: at B = 2)
+        need = _total(f, sym, low)
+        why = f"{quantity}; the smallest {name} the formulas hold at" if low > 1 else quantity
+        raise NothingFits(f"nothing fits: {d.model} needs {format_bytes(need)} ({need:,} B) at {name} = {low} "
+                          f"({why}), more than the budget {format_bytes(cap)} ({cap:,} B)")
     if all(p is not None for p in polys):
         # each moment grows on [1, oo): the largest x under the budget is the smallest over the moments
         best = min(_root(poly, sym, cap) for poly in polys)
