@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sharded import ShardTracker, train_steps
+from .sharded import ShardTracker, record_wrapped, units
 
 #: The engine names and FSDP1's ``ShardingStrategy`` each runs.
 STRATEGIES = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP"}
@@ -62,17 +62,6 @@ class FlatTracker(ShardTracker):
         return self
 
 
-def units(module: Any) -> list[Any]:
-    """The modules FSDP1 wraps as units: a ``ModuleList``'s items, else a ``Sequential``'s children that have
-    parameters (the classes given to ``ModuleWrapPolicy``; every instance of them is a unit)."""
-    import torch
-
-    blocks = [m for lst in module.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
-    if not blocks and isinstance(module, torch.nn.Sequential):
-        blocks = [m for m in module if any(True for _ in m.parameters())]
-    return blocks
-
-
 def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
               steps: int, strategy: str) -> Any:
     """Wrap ``module`` in FSDP1 with ``strategy`` (``FULL_SHARD`` or ``SHARD_GRAD_OP``) and record ``steps``
@@ -81,28 +70,8 @@ def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, 
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from .optim import make_optimizer
-    from .steps import loss_value
-
-    takes_labels = bool(getattr(module, "takes_labels", False)) and loss
-    classes = int(module.lm_head.out_features) if takes_labels else 0
     policy = ModuleWrapPolicy({type(b) for b in units(module)})
     wrapped = FullyShardedDataParallel(module, sharding_strategy=getattr(ShardingStrategy, strategy),
                                        auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    wrapped.train()
-    if takes_labels and target is None:
-        target = torch.randint(0, classes, tuple(inputs[0].shape), generator=torch.Generator().manual_seed(0))
-    params = [p for p in wrapped.parameters() if p.requires_grad]
-    opt = make_optimizer(params, optimizer, impl)
-    tracker = FlatTracker()
-    tracker.register(params, "parameter")
-    tracker.register(list(wrapped.buffers()), "buffer")
-    tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
-
-    def forward() -> Any:
-        return wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
-
-    def loss_of(out: Any) -> Any:
-        return out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
-
-    return train_steps(tracker, forward, loss_of, params, lambda step: opt, steps, resizes=True)
+    return record_wrapped(wrapped, module, FlatTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
+                          steps=steps)

@@ -122,36 +122,53 @@ class ShardTracker(LiveTracker):
         self.ops += 1
 
 
-def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
-                steps: int, reshard: bool) -> Any:
-    """Shard ``module`` with FSDP2 (every block of a ``ModuleList``, or every child of a ``Sequential`` that has
-    parameters, then the root) and record ``steps`` steps; returns the :class:`StepTrace`."""
+def units(module: Any) -> list[Any]:
+    """The modules FSDP shards as units (before the root): a ``ModuleList``'s items, else a ``Sequential``'s
+    children that have parameters."""
     import torch
-    from torch.distributed.fsdp import fully_shard
-
-    from .optim import make_optimizer
-    from .steps import loss_value
 
     blocks = [m for lst in module.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
     if not blocks and isinstance(module, torch.nn.Sequential):
         blocks = [m for m in module if any(True for _ in m.parameters())]
-    for block in blocks:
+    return blocks
+
+
+def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
+                steps: int, reshard: bool) -> Any:
+    """Shard ``module`` with FSDP2 (every block of a ``ModuleList``, or every child of a ``Sequential`` that has
+    parameters, then the root) and record ``steps`` steps; returns the :class:`StepTrace`."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in units(module):
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(module, reshard_after_forward=reshard)
-    module.train()
+    return record_wrapped(module, module, ShardTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
+                          steps=steps)
+
+
+def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tuple[Any, ...], target: Any, *,
+                   loss: bool, optimizer: str, impl: str, steps: int) -> Any:
+    """``steps`` training steps of ``wrapped`` (an FSDP engine around ``module``) under ``tracker``: a module
+    that takes labels computes its own loss (made-up labels where none are given), else the output's
+    cross-entropy (``loss``) or sum; returns the :class:`~symmem.record.steptrace.StepTrace`."""
+    import torch
+
+    from .optim import make_optimizer
+    from .steps import loss_value
+
+    wrapped.train()
     takes_labels = bool(getattr(module, "takes_labels", False)) and loss
     if takes_labels and target is None:
         classes = int(module.lm_head.out_features)
         target = torch.randint(0, classes, tuple(inputs[0].shape), generator=torch.Generator().manual_seed(0))
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for p in wrapped.parameters() if p.requires_grad]
     opt = make_optimizer(params, optimizer, impl)
-    tracker = ShardTracker()
     tracker.register([local(p) for p in params], "parameter")
-    tracker.register([local(b) for b in module.buffers()], "buffer")
+    tracker.register([local(b) for b in wrapped.buffers()], "buffer")
     tracker.register([x for x in (*inputs, target) if isinstance(x, torch.Tensor)], "input")
 
     def forward() -> Any:
-        return module(*inputs, target) if takes_labels else module(*inputs)
+        return wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
 
     def loss_of(out: Any) -> Any:
         return out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
