@@ -136,7 +136,6 @@ def test_the_views_print_the_field_form_that_real_pytorch_keeps(sized: object) -
 def test_the_latex_reads_back_and_compiles_within_the_page(sized: object, tmp_path: object) -> None:
     import re
     import shutil
-    import subprocess
 
     from symmem.report.latex import align, read
 
@@ -151,10 +150,7 @@ def test_the_latex_reads_back_and_compiles_within_the_page(sized: object, tmp_pa
     if shutil.which("pdflatex") is None:
         pytest.skip("pdflatex is not installed")
     body = "\n".join(align(d, form=form) for form in ("compact", "terms"))
-    doc = "\n".join([r"\documentclass{article}", r"\usepackage{amsmath}", r"\begin{document}", body,
-                     r"\end{document}"])
-    (tmp_path / "t.tex").write_text(doc)
-    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    log = (tmp_path / "t.log").read_text(errors="replace")
-    assert run.returncode == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
+    from tests.latex_helpers import pdflatex
+
+    code, log = pdflatex(tmp_path, [body])
+    assert code == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import re
 import shutil
-import subprocess
 
 import pytest
 import sympy
@@ -291,13 +290,10 @@ def test_align_compiles_without_overfull_lines(tmp_path):
                 where.append((name, conv, form))
                 parts.append(rf"\setbox0\vbox{{\hsize\textwidth\noindent {block}}}"
                              rf"\typeout{{BLOCK{k}=\the\dimexpr\ht0+\dp0\relax}}\unvbox0\clearpage")
-    doc = "\n".join([r"\documentclass{article}", r"\usepackage{amsmath}", r"\begin{document}",
-                     r"\typeout{TEXTHEIGHT=\the\textheight}", *parts, r"\end{document}"])
-    (tmp_path / "t.tex").write_text(doc)
-    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    log = (tmp_path / "t.log").read_text(errors="replace")
-    assert run.returncode == 0, log[-3000:]
+    from tests.latex_helpers import pdflatex
+
+    code, log = pdflatex(tmp_path, [r"\typeout{TEXTHEIGHT=\the\textheight}", *parts])
+    assert code == 0, log[-3000:]
     assert "Overfull" not in log, re.findall(r"Overfull.*", log)
     page = float(re.search(r"TEXTHEIGHT=([\d.]+)pt", log).group(1))
     for k, case in enumerate(where):

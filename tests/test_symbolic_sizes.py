@@ -404,13 +404,10 @@ def test_llama_in_every_size_latex_compiles_within_the_page(tmp_path: object) ->
     d, _ = _fit("llama")
     blocks = [b for form in ("compact", "terms")
               for b in re.findall(r"\\begin\{align\*\}.*?\\end\{align\*\}", align(d, form=form), re.S)]
-    doc = "\n".join([r"\documentclass{article}", r"\usepackage{amsmath}", r"\begin{document}", *blocks,
-                     r"\end{document}"])
-    (tmp_path / "t.tex").write_text(doc)
-    run = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    log = (tmp_path / "t.log").read_text(errors="replace")
-    assert run.returncode == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
+    from tests.latex_helpers import pdflatex
+
+    code, log = pdflatex(tmp_path, blocks)
+    assert code == 0 and "Overfull" not in log, re.findall(r"Overfull.*", log)
 
 
 def test_a_step_that_runs_other_ops_at_other_sizes_is_refused_in_one_line() -> None:
