@@ -159,6 +159,9 @@ CHECKPOINTS = ("none", "full", "selective", "every-K")
 #: ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard`` (``fsdp``; ``fsdp-no-reshard``:
 #: ``reshard_after_forward=False``) and FSDP1 (``FULL_SHARD``, ``SHARD_GRAD_OP``).
 DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
+#: The option (inside a step's options, not a user's) naming the rank whose step is walked (FSDP's padded shards,
+#: ZeRO-1's partition); 0 by default.
+RANK_OPTION = "_data_parallel_rank"
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")

@@ -36,7 +36,7 @@ from typing import Any
 
 import sympy
 
-from ..training import Regime
+from ..training import RANK_OPTION, Regime
 
 #: The engines whose reducer keeps gradient buckets.
 _BUCKETED = ("ddp", "ddp-bucket-view", "zero-redundancy")
@@ -291,10 +291,6 @@ class Fsdp:
                 self.last_backward.setdefault(u, n)
         self.started_backward, self.done_backward = set(), set()
         self.reduce_in = None
-
-
-#: The option (inside the step's options, not a user's) naming the rank whose FSDP step is walked; 0 by default.
-RANK_OPTION = "_data_parallel_rank"
 
 
 def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:

@@ -45,11 +45,7 @@ from ..errors import SymmemError
 from ..peak import Moment, Peak
 from ..shapes import numel as shape_numel
 from ..symbols import N
-from ..training import Regime
-
-#: The option naming the rank whose step is walked: :data:`symmem.passes.data_parallel.RANK_OPTION`'s key (not
-#: imported: that module hands ZeRO-1's per-rank peaks to this one)
-RANK_OPTION = "_data_parallel_rank"
+from ..training import RANK_OPTION, Regime
 
 #: The engine's name (:data:`symmem.training.DATA_PARALLEL`).
 ENGINE = "zero-redundancy"
