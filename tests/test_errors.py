@@ -149,6 +149,11 @@ def test_verify_without_torch_says_how_to_install(monkeypatch, capsys):
                                                 "patch_embed.flatten"]),
     (["fit", "vit-b16", "--budget", "1" + "0" * 100], ["beyond the largest size"]),
     (["verify", "llama"], ["verify would allocate", "more than the limit", "--max-memory"]),
+    # one rank: FSDP2 skips its all-gather buffers, FSDP1 runs NO_SHARD (measured on gloo and an H200: docs/cuda.md)
+    (["fit", "gpt2", "--data-parallel", "fsdp", "--set", "N=1", "--budget", "80GiB"],
+     ["data_parallel='fsdp' at N = 1", "without an all-gather buffer", "N >= 2"]),
+    (["fit", "llama", "--data-parallel", "fsdp1", "--set", "N=1", "--budget", "80GiB"],
+     ["data_parallel='fsdp1' at N = 1", "NO_SHARD", "N >= 2"]),
 ])
 def test_values_the_model_refuses(argv, fragments, capsys):
     assert main(argv) == 2

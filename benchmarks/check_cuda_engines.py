@@ -1,0 +1,251 @@
+"""The data-parallel engines on real CUDA: run by hand on a machine with one NVIDIA GPU (results in docs/cuda.md).
+
+    PYTHONPATH=$PWD python benchmarks/check_cuda_engines.py [--json OUT.json]
+
+The gloo runs of the suite prove each engine's per-rank peak in live bytes on the CPU.  On a GPU two things come
+on top that the CPU cannot show, and this script measures both with NCCL on one GPU (world size 1: NCCL refuses
+two ranks of one communicator on one device):
+
+``engine``  ``torch.cuda.max_memory_allocated`` of three training steps of the project's reference module wrapped
+            in each engine (DDP with and without the bucket view, DDP with ``ZeroRedundancyOptimizer``, FSDP2
+            with and without resharding, FSDP1 FULL_SHARD and SHARD_GRAD_OP) against
+            :meth:`Derivation.peak_allocated` at ``N = 1`` (every storage in the caching allocator's 512-byte
+            blocks): the buckets, the all-gather and reduce-scatter buffers each take blocks of their own.
+``nccl``    the device memory NCCL takes outside the caching allocator (``cudaMalloc`` of its own): free memory
+            before and after the process group's eager init and the first all-reduce, all-gather and
+            reduce-scatter, less what the caching allocator reserved meanwhile.  At world size 1 NCCL connects
+            to no peer, so this is its per-communicator floor, not the per-peer channel buffers
+            (``NCCL_BUFFSIZE``) of a real world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_cuda import baseline, warm_cublas  # noqa: E402
+
+from symmem import derive  # noqa: E402
+
+TINY = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
+#: the suite's gloo models (tests/test_data_parallel.py), one rank
+MODELS = [
+    ("mlp", {"B": 4, "N": 1}, {"widths": "64,128,128,10", "loss": "cross-entropy"}),
+    ("mlp", {"B": 4, "N": 1}, {"widths": "64,127,10", "loss": "cross-entropy"}),
+    ("gpt2", {**TINY, "B": 2, "N": 1}, {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}),
+    ("llama", {**TINY, "B": 2, "G": 2, "F": 128, "N": 1}, {"attention": "sdpa", "loss": "cross-entropy"}),
+]
+ENGINES = (None, "ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
+IMPLS = ("for-loop", "foreach")
+ROWS: list[dict[str, Any]] = []
+#: ``--dry-run``: the same steps on the CPU over gloo with no memory read (a check of the script itself)
+DRY = False
+#: ``--pause``: seconds to wait after each step (NCCL's watchdog thread lets go of finished collectives' tensors
+#: on its own schedule)
+PAUSE = 0.0
+
+
+def nccl_band() -> dict[str, int]:
+    """Device bytes NCCL holds outside the caching allocator after each stage of a world-1 group's life."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.init()
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+
+    def outside() -> int:
+        torch.cuda.synchronize()
+        free, _ = torch.cuda.mem_get_info()
+        return -free - int(torch.cuda.memory_reserved())
+
+    start = outside()
+    out = {}
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    out["init"] = outside() - start
+    dist.all_reduce(x)
+    out["all_reduce"] = outside() - start
+    y = torch.empty_like(x)
+    dist.all_gather_into_tensor(y, x)
+    out["all_gather"] = outside() - start
+    dist.reduce_scatter_tensor(y, x)
+    out["reduce_scatter"] = outside() - start
+    return out
+
+
+def wrap(engine: str | None, module: Any) -> Any:
+    import torch
+
+    if engine in ("ddp", "ddp-bucket-view", "zero-redundancy"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, device_ids=None if DRY else [0],
+                                       gradient_as_bucket_view=engine == "ddp-bucket-view")
+    if engine in ("fsdp", "fsdp-no-reshard"):
+        from torch.distributed.fsdp import fully_shard
+
+        from symmem.record.sharded import units
+
+        for block in units(module):
+            fully_shard(block, reshard_after_forward=engine == "fsdp")
+        fully_shard(module, reshard_after_forward=engine == "fsdp")
+        return module
+    if engine in ("fsdp1", "fsdp1-grad-op"):
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from symmem.record.sharded import units
+
+        strategy = ShardingStrategy.FULL_SHARD if engine == "fsdp1" else ShardingStrategy.SHARD_GRAD_OP
+        return FullyShardedDataParallel(module, sharding_strategy=strategy,
+                                        device_id=torch.device("cpu" if DRY else "cuda:0"),
+                                        auto_wrap_policy=ModuleWrapPolicy({type(b) for b in units(module)}))
+    return module
+
+
+def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
+    """max_memory_allocated in each of ``n`` steps of the engine-wrapped reference, less the baseline."""
+    import torch
+
+    from symmem.record.distributed import zero_optimizer
+    from symmem.record.optim import make_optimizer
+    from symmem.record.steps import loss_value
+    from symmem.record.verify import _reference
+
+    base = 0 if DRY else baseline()
+    module, inputs, _, target = _reference(d)
+    wrapped = wrap(engine, module)
+    wrapped.train()
+    takes_labels = bool(getattr(module, "takes_labels", False))
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    opt = (zero_optimizer(params, d.regime.optimizer, impl, 1e-3) if engine == "zero-redundancy"
+           else make_optimizer(params, d.regime.optimizer, impl))
+    out = []
+    for _ in range(n):
+        if not DRY:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        y = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
+        value = y if takes_labels else loss_value("cross-entropy", y, target)
+        del y
+        value.backward()
+        del value
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if PAUSE:
+            import time
+
+            time.sleep(PAUSE)
+        if not DRY:
+            torch.cuda.synchronize()
+        out.append(0 if DRY else int(torch.cuda.max_memory_allocated()) - base)
+    del opt, wrapped, module, inputs, target, params
+    return out
+
+
+def cases() -> list[tuple[str, dict[str, int], dict[str, Any], str | None, str]]:
+    return [(model, values, kw, engine, impl) for model, values, kw in MODELS for engine in ENGINES for impl in IMPLS]
+
+
+def one_case(index: int) -> dict[str, Any]:
+    """One case in this process (a process of its own: an engine torn down in the same process frees its
+    buffers late, inside the next case's steps)."""
+    model, values, kw, engine, impl = cases()[index]
+    numbers = values if engine else {k: v for k, v in values.items() if k != "N"}
+    d = derive(model, convention="pytorch", options={"device": "cpu" if DRY else "cuda"}, optimizer="adamw",
+               optimizer_impl=impl, values=numbers, data_parallel=engine, **kw)
+    got = steps(d, engine, impl)
+    label = f"{model} {kw.get('widths', '')} {engine or 'one device'} {impl}".replace("  ", " ")
+    # step 2 is DDP's rebuild of its buckets (a one-off); the last step is the steady one
+    return {"case": label, "per_step": got, "first": [d.peak_allocated("first"), got[0]],
+            "steady": [d.peak_allocated("steady"), got[-1]], "live": [d.value("peak_first_step"), d.value("peak")],
+            "spec": {"model": model, "values": numbers, "options": kw, "engine": engine, "impl": impl}}
+
+
+def engine_rows(jobs: int, only: tuple[str, ...] = ()) -> None:
+    """Every case in a process of its own, ``jobs`` at a time (each its own world of one, on its own port)."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(i: int) -> dict[str, Any]:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + i)}
+        argv = [sys.executable, __file__, "--case", str(i), "--pause", str(PAUSE), *(["--dry-run"] if DRY else [])]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+        if done.returncode or not lines:
+            return {"case": " ".join(map(str, cases()[i][:2] + cases()[i][3:])), "error": done.stderr[-600:]}
+        return json.loads(lines[-1])
+
+    with ThreadPoolExecutor(jobs) as pool:
+        picked = [i for i, c in enumerate(cases()) if not only or str(c[3]) in only]
+        for r in pool.map(run, picked):
+            if "error" in r:
+                ROWS.append({"section": "engine", "case": r["case"], "ok": False, "error": r["error"]})
+                print(f"  {r['case']:<58} ERROR {r['error'][-300:]}", flush=True)
+                continue
+            for which in ("first", "steady"):
+                want, meas = r[which]
+                ok = want == meas
+                ROWS.append({"section": "engine", "case": f"{r['case']} {which}", "predicted": want, "measured": meas,
+                             "ok": ok, "per_step": r["per_step"], "live": r["live"],
+                             "spec": {**r["spec"], "quantity": f"allocated_{which}"}})
+                print(f"  {r['case'] + ' ' + which:<58} {want:>12,} {meas:>12,} "
+                      f"{'ok' if ok else f'DIFFERS {meas - want:+,}'}  steps {r['per_step']}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="run the steps on the CPU over gloo, measure nothing")
+    ap.add_argument("--jobs", type=int, default=8, help="cases run at once, each in a process of its own")
+    ap.add_argument("--case", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds to wait after each step")
+    ap.add_argument("--only", nargs="*", default=(), help="engines to run (None: one device)")
+    args = ap.parse_args(argv)
+    global DRY, PAUSE
+    DRY, PAUSE = args.dry_run, args.pause
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if args.case is not None:  # one case, in a process the main run started
+        dist.init_process_group("gloo" if DRY else "nccl", rank=0, world_size=1,
+                                **({} if DRY else {"device_id": torch.device("cuda:0")}))
+        if not DRY:
+            warm_cublas()
+        print(json.dumps(one_case(args.case)), flush=True)
+        dist.destroy_process_group()
+        return 0
+    if DRY:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        band: dict[str, int] = {}
+    else:
+        try:
+            band = nccl_band()
+            print("NCCL outside the caching allocator (bytes):", band, flush=True)
+        except Exception as exc:  # no NCCL here: the engines still run over gloo, with CUDA tensors
+            print(f"NCCL failed ({type(exc).__name__}: {exc}); gloo instead", flush=True)
+            band = {"error": str(exc)}
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", rank=0, world_size=1)
+    engine_rows(args.jobs, tuple(args.only))
+    device = "cpu" if DRY else torch.cuda.get_device_name()
+    versions = {"torch": torch.__version__,
+                "nccl": "" if DRY else ".".join(map(str, torch.cuda.nccl.version()))}
+    dist.destroy_process_group()
+    ok = sum(r["ok"] for r in ROWS)
+    print(f"{ok} of {len(ROWS)} rows agree; {device} {versions}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "versions": versions, "nccl": band,
+                                               "rows": ROWS}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
