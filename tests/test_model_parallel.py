@@ -91,6 +91,9 @@ def every_stage_to_the_byte(measured, case):
         peak = plan.peaks[rank]
         assert (peak.bytes, peak.pipeline, peak.step) == (real.peak, real.pipeline_peak, real.step_peak), (
             CASES[case], rank)
+        # the first step: its schedule without optimizer state, AdamW making it in the step (static shapes)
+        assert (peak.first, peak.pipeline - ours["optimizer_state"], peak.step) == (
+            real.first_peak, real.first_pipeline_peak, real.first_step_peak), (CASES[case], rank)
         assert ours["parameters"] == real.parameters
         assert ours["saved"] == real.saved  # the most saved activations alive at once: in flight x one's
         start = dict(real.start)
@@ -122,8 +125,10 @@ def every_view_names_the_largest_stage(measured, case):
     text = d.table() if case else str(d)
     assert "peak per stage" in str(d) and "at stage" in text
     assert "peak per stage" in d._repr_html_()
-    # the first step: no optimizer state yet during its pipeline phase
-    assert d.value("peak_first_step") <= d.value("peak")
+    # the first step: no optimizer state yet during its pipeline phase; its largest stage's peak, every stage's
+    first = [measured[rank][case].first_peak for rank in (0, 1)]
+    assert out["values"]["peak_first_step_per_stage"] == first and out["values"]["peak_first_step"] == max(first)
+    assert d.value("peak_first_step") == max(first)
 
 
 def what_the_engine_holds(measured):
@@ -257,9 +262,14 @@ def llama_stages(everything, case):
         assert (ours["saved"], ours["parameters"], ours["at_rest"], peak.step) == (
             real.saved, real.parameters, sum(dict(real.start).values()), real.step_peak)
         assert (peak.bytes, peak.pipeline) == (real.peak, real.pipeline_peak)
+        assert (peak.first, peak.pipeline - ours["optimizer_state"], peak.step) == (
+            real.first_peak, real.first_pipeline_peak, real.first_step_peak)
     # derive's views give the same stages
     d = _derived(schedule, m, loss, "llama", LLAMA, device="cpu", **options)
     assert d.to_dict()["values"]["peak_per_stage"] == [x.bytes for x in plan.peaks]
+    assert d.to_dict()["values"]["peak_first_step_per_stage"] == [x.first for x in plan.peaks]
+    assert d.value("peak_first_step") == max(everything[r][len(CASES) + len(TENSOR) + len(SEQUENCE) + case].first_peak
+                                             for r in (0, 1))
 
 
 def test_ranks_cli_and_refusals(capsys):

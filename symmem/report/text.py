@@ -144,6 +144,7 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         each = per_device(d)
         if each is not None:  # pipeline stages: every stage's peak, the largest is values.peak
             out["values"]["peak_per_stage"] = each["peak_per_stage"]
+            out["values"]["peak_first_step_per_stage"] = each["peak_first_step_per_stage"]
             out["peak_at"]["stage"] = each["peak_stage"]
     return out
 
