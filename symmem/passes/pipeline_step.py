@@ -13,8 +13,9 @@ the steady one's: AdamW makes every parameter's state in ``_init_group`` before 
 (:func:`symmem.passes.schedule.step_events` with ``first_step=True``: one ``init`` event, then each parameter's
 temporaries), so every temporary lives beside the whole state, as in a steady step.  With the state gone from the
 pipeline phase the optimizer step can be the first step's peak where it is not the steady one's: the first step's
-lines are chosen on their own.  Both are exact per stage against the gloo runs, whose ``PipelineStage`` is given
-static shapes (as torchtitan's); without them the engine's first step runs a shape inference, not modelled.
+lines are chosen on their own.  Both are exact per stage against the gloo runs, with ``PipelineStage`` given static
+shapes (as torchtitan's) and without them: the engine's shape inference then runs in the first step, below the
+schedule's own first micro-batch, and frees all it makes (measured, torch 2.13; docs/regimes.md).
 
 >>> from symmem import derive
 >>> d = derive("gpt2", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=4, loss="cross-entropy",
@@ -24,6 +25,8 @@ static shapes (as torchtitan's); without them the engine's first step runs a sha
 (1708088, [1708088, 1432668])
 >>> d.peak_at().where(step=False)
 'stage 0 of 2: pipeline h.mlp.gelu.out (layer 1), micro-batch 0'
+>>> d.value("peak_first_step"), d.step.per_stage(d.numbers)["peak_first_step_per_stage"]  # no Adam state yet
+(1327872, [1327872, 1314080])
 """
 
 from __future__ import annotations

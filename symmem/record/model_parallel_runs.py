@@ -53,7 +53,7 @@ class StageRun:
     pipeline_peak: int = 0
     step_peak: int = 0
     #: the first step's: its peak, and the largest live bytes of its schedule and of its optimizer step (AdamW
-    #: makes its state there); ``PipelineStage`` given static shapes, no shape inference runs
+    #: makes its state there; without static shapes the engine's shape inference runs there too)
     first_peak: int = 0
     first_pipeline_peak: int = 0
     first_step_peak: int = 0
