@@ -2,8 +2,8 @@
 
 The truth is two real processes (127.0.0.1, a free port, bounded time), each training its stage of the GPT-2
 reference two steps with FP32 AdamW under the live-bytes recorder (``symmem.record.model_parallel_runs``): per
-rank, the steady step's peak, the largest moments of the schedule and of the optimizer step, the most saved
-activations alive at once, what lives between steps, and the parameter bytes.  symmem's side is
+rank, the steady and the first step's peak, the largest moments of the schedule and of the optimizer step of
+each, the most saved activations alive at once, what lives between steps, and the parameter bytes.  symmem's side is
 ``symmem.api.pipeline_stages``: formulas cut from the single-device derivation and the single-device step's
 timeline replayed in the schedule's order.  Every value is compared to the byte.
 """
