@@ -2,8 +2,8 @@
 
 The truth is two real processes (127.0.0.1, a free port, bounded time), each training its stage of the GPT-2
 reference two steps with FP32 AdamW under the live-bytes recorder (``symmem.record.model_parallel_runs``): per
-rank, the steady step's peak, the largest moments of the schedule and of the optimizer step, the most saved
-activations alive at once, what lives between steps, and the parameter bytes.  symmem's side is
+rank, the steady and the first step's peak, the largest moments of the schedule and of the optimizer step of
+each, the most saved activations alive at once, what lives between steps, and the parameter bytes.  symmem's side is
 ``symmem.api.pipeline_stages``: formulas cut from the single-device derivation and the single-device step's
 timeline replayed in the schedule's order.  Every value is compared to the byte.
 """
@@ -91,6 +91,9 @@ def every_stage_to_the_byte(measured, case):
         peak = plan.peaks[rank]
         assert (peak.bytes, peak.pipeline, peak.step) == (real.peak, real.pipeline_peak, real.step_peak), (
             CASES[case], rank)
+        # the first step: its schedule without optimizer state, AdamW making it in the step (static shapes)
+        assert (peak.first, peak.pipeline - ours["optimizer_state"], peak.step) == (
+            real.first_peak, real.first_pipeline_peak, real.first_step_peak), (CASES[case], rank)
         assert ours["parameters"] == real.parameters
         assert ours["saved"] == real.saved  # the most saved activations alive at once: in flight x one's
         start = dict(real.start)
@@ -122,8 +125,13 @@ def every_view_names_the_largest_stage(measured, case):
     text = d.table() if case else str(d)
     assert "peak per stage" in str(d) and "at stage" in text
     assert "peak per stage" in d._repr_html_()
-    # the first step: no optimizer state yet during its pipeline phase
-    assert d.value("peak_first_step") <= d.value("peak")
+    # the first step: no optimizer state yet during its pipeline phase; its largest stage's peak, every stage's
+    first = [measured[rank][case].first_peak for rank in (0, 1)]
+    assert out["values"]["peak_first_step_per_stage"] == first and out["values"]["peak_first_step"] == max(first)
+    assert d.value("peak_first_step") == max(first)
+    each = ", ".join(f"{i}: {v / 2**20:.2f}" for i, v in enumerate(first))
+    assert any(line.startswith("first step") and line.endswith(each) for line in str(d).splitlines())
+    assert "; first step: 0: " in d._repr_html_()
 
 
 def what_the_engine_holds(measured):
@@ -257,9 +265,46 @@ def llama_stages(everything, case):
         assert (ours["saved"], ours["parameters"], ours["at_rest"], peak.step) == (
             real.saved, real.parameters, sum(dict(real.start).values()), real.step_peak)
         assert (peak.bytes, peak.pipeline) == (real.peak, real.pipeline_peak)
+        assert (peak.first, peak.pipeline - ours["optimizer_state"], peak.step) == (
+            real.first_peak, real.first_pipeline_peak, real.first_step_peak)
     # derive's views give the same stages
     d = _derived(schedule, m, loss, "llama", LLAMA, device="cpu", **options)
     assert d.to_dict()["values"]["peak_per_stage"] == [x.bytes for x in plan.peaks]
+    assert d.to_dict()["values"]["peak_first_step_per_stage"] == [x.first for x in plan.peaks]
+    assert d.value("peak_first_step") == max(everything[r][len(CASES) + len(TENSOR) + len(SEQUENCE) + case].first_peak
+                                             for r in (0, 1))
+
+
+#: Four stages, each case's first step measured: GPT-2's 1F1B (stage 0's first step peaks in the optimizer step,
+#: below a steady pipeline moment), GPipe without static shapes (the engine's shape inference runs in the first
+#: step), Llama's 1F1B with the loss ``sum`` (the last stage's first step peaks in the optimizer step)
+FOUR_STAGES = [("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "L": 4, "V": 64}, ("1f1b", 4, "cross-entropy", {}, True)),
+               ("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "L": 4, "V": 64}, ("gpipe", 2, "cross-entropy", {}, False)),
+               ("llama", {**LLAMA, "L": 4}, ("1f1b", 4, "sum", {"attention": "naive"}, True))]
+
+
+def test_first_step_on_four_stages():
+    """Every stage's first and steady step, to the byte, against four gloo ranks: the first step holds no optimizer
+    state in its schedule, and AdamW makes all of it in ``_init_group`` before the first update, so its optimizer
+    step is the steady one's -- which can be the first step's peak where a pipeline moment is the steady one's."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.api import pipeline_stages
+    from symmem.record.model_parallel_runs import runs
+
+    everything = runs(4, [("pipeline", model, values, case) for model, values, case in FOUR_STAGES])
+    for k, (model, values, (schedule, m, loss, options, _)) in enumerate(FOUR_STAGES):
+        extra = {**OPTIONS, "values": {**values, "F": 128, "p": 4}} if model == "gpt2" else {
+            **options, "device": "cpu", "values": {**values, "p": 4}}
+        plan = pipeline_stages(model, schedule=schedule, micro_batches=m, loss=loss, **extra)
+        real = [rank[k] for rank in everything]
+        assert [(x.bytes, x.first, x.pipeline, x.step) for x in plan.peaks] == [
+            (r.peak, r.first_peak, r.pipeline_peak, r.step_peak) for r in real], FOUR_STAGES[k]
+        assert [r.first_step_peak for r in real] == [r.step_peak for r in real]  # the same optimizer step
+        assert "first-step peak of each stage: 0: " in plan.table()
+    # where the first step's peak is the optimizer step while the steady one's is in the schedule
+    assert everything[0][0].first_peak == everything[0][0].step_peak < everything[0][0].pipeline_peak
+    assert everything[3][2].first_peak == everything[3][2].step_peak < everything[3][2].pipeline_peak
 
 
 def test_ranks_cli_and_refusals(capsys):

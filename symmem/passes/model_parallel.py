@@ -348,8 +348,9 @@ class Pipeline:
             return text
         top = self.peak()
         each = ", ".join(f"{x.stage}: {x.bytes:,}" for x in self.peaks)
+        firsts = ", ".join(f"{x.stage}: {x.first:,}" for x in self.peaks)
         return (f"{text}\npeak per device: {top.bytes:,} bytes, stage {top.stage} of {len(self.peaks)} at {top.where}"
-                f"\nsteady-step peak of each stage: {each}")
+                f"\nsteady-step peak of each stage: {each}\nfirst-step peak of each stage: {firsts}")
 
 
 def table(found: Sequence[StageMemory], numbers: Mapping[str, int], schedule: str, micro_batches: int) -> str:
@@ -391,6 +392,9 @@ class StagePeak:
     micro_batch: int | None
     pipeline: int   # the pipeline phase's largest moment
     step: int       # the optimizer step's largest moment
+    #: the first step's peak: its pipeline phase without optimizer state (AdamW makes it in the step), and the same
+    #: optimizer step (``_init_group`` makes every parameter's state before the first update: ``step_events``)
+    first: int = 0
 
     @property
     def where(self) -> str:
@@ -540,7 +544,8 @@ class _Replay:
         step = self.at["step_peak"]
         self.moments.append((step, None, None))
         top = self.best if self.best[0] >= step else (step, "step", None, None)
-        return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step)
+        first = max(self.best[0] - self.at["optimizer_state"], step)
+        return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step, first)
 
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
         self.moments.append((live, node, mb))

@@ -8,9 +8,14 @@ so the replay at ``B``, ``B + 1`` gives each moment as a line in ``B``, checked 
 ``Max`` of the lines no other bounds on ``B >= 1`` (what ``fit`` solves), the other sizes numbers: the formulas'
 domain is those numbers (``S = 1024``, ...), and other numbers replay again.
 
-The first step differs in one thing symmem models: no optimizer state exists during its pipeline phase (Adam makes
-it in the step); its optimizer step is taken as the steady one's (an upper bound: the first step makes the state
-parameter by parameter).  The engine's first step also runs its shape inference, which the gloo runs leave out.
+The first step differs in one thing: no optimizer state exists during its pipeline phase.  Its optimizer step is
+the steady one's: AdamW makes every parameter's state in ``_init_group`` before the first update
+(:func:`symmem.passes.schedule.step_events` with ``first_step=True``: one ``init`` event, then each parameter's
+temporaries), so every temporary lives beside the whole state, as in a steady step.  With the state gone from the
+pipeline phase the optimizer step can be the first step's peak where it is not the steady one's: the first step's
+lines are chosen on their own.  Both are exact per stage against the gloo runs, with ``PipelineStage`` given static
+shapes (as torchtitan's) and without them: the engine's shape inference then runs in the first step, below the
+schedule's own first micro-batch, and frees all it makes (measured, torch 2.13; docs/regimes.md).
 
 >>> from symmem import derive
 >>> d = derive("gpt2", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=4, loss="cross-entropy",
@@ -20,6 +25,8 @@ parameter by parameter).  The engine's first step also runs its shape inference,
 (1708088, [1708088, 1432668])
 >>> d.peak_at().where(step=False)
 'stage 0 of 2: pipeline h.mlp.gelu.out (layer 1), micro-batch 0'
+>>> d.value("peak_first_step"), d.step.per_stage(d.numbers)["peak_first_step_per_stage"]  # no Adam state yet
+(1327872, [1327872, 1314080])
 """
 
 from __future__ import annotations
@@ -102,11 +109,12 @@ class PipelineStep:
         return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
 
     def per_stage(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
-        """Each stage's steady-step peak at ``numbers`` (the largest is ``values.peak``), and which stage that is,
-        for the views."""
+        """Each stage's steady-step peak at ``numbers`` (the largest is ``values.peak``) and first step's, and which
+        stage that is, for the views."""
         found = [r.peak for r in self._replays(self._named(numbers))]
         top = max(found, key=lambda x: x.bytes)
-        return {"peak_per_stage": [x.bytes for x in found], "peak_stage": top.stage,
+        return {"peak_per_stage": [x.bytes for x in found], "peak_first_step_per_stage": [x.first for x in found],
+                "peak_stage": top.stage,
                 "peak_where": top.where, "pipeline_schedule": self.schedule, "micro_batches": self.micro_batches}
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
@@ -134,20 +142,22 @@ class PipelineStep:
                 raise SymmemError(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
                                   "in B here")
             lines: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
+            firsts: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
             for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
                 if v2 - v1 != v1 - v0:
                     raise SymmemError(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
-                lines.setdefault((v0 - b * (v1 - v0), v1 - v0, node is None and mb is None), (node, mb))
-            for (a, c, is_step), (node, mb) in _upper(lines).items():
-                label = None if node in (None, "merge_chunks") else node
-                layer = str(iteration(label)) if label and iteration(label) else ""
-                common = dict(node=template(label) if label else node, layer=layer, stage=s, stages=p,
-                              micro_batch=mb)
-                phase = "step" if is_step else "pipeline"
-                steady.append(StageMoment(phase, step="steady", live={"live": a + c * batch}, **common))
-                # the first step: no optimizer state during its pipeline phase (see the module's note)
-                first.append(StageMoment(phase, step="first", live={"live": a - (0 if is_step else state) + c * batch},
-                                         **common))
+                is_step = node is None and mb is None
+                lines.setdefault((v0 - b * (v1 - v0), v1 - v0, is_step), (node, mb))
+                # the first step: no optimizer state during its pipeline phase, the same optimizer step (the
+                # module's note); its own upper lines, as the step may bound them where it bounds no steady one
+                firsts.setdefault((v0 - b * (v1 - v0) - (0 if is_step else state), v1 - v0, is_step), (node, mb))
+            for which, found in (("steady", steady), ("first", first)):
+                for (a, c, is_step), (node, mb) in _upper(lines if which == "steady" else firsts).items():
+                    label = None if node in (None, "merge_chunks") else node
+                    layer = str(iteration(label)) if label and iteration(label) else ""
+                    found.append(StageMoment("step" if is_step else "pipeline", step=which,
+                                             live={"live": a + c * batch}, node=template(label) if label else node,
+                                             layer=layer, stage=s, stages=p, micro_batch=mb))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n != BATCH and n in {s.name for s in self.numbers})
         return Peak(None, None, tuple(steady + first), others)

@@ -52,6 +52,11 @@ class StageRun:
     #: the largest live bytes while the schedule runs (forwards and backwards), and in the optimizer step
     pipeline_peak: int = 0
     step_peak: int = 0
+    #: the first step's: its peak, and the largest live bytes of its schedule and of its optimizer step (AdamW
+    #: makes its state there; without static shapes the engine's shape inference runs there too)
+    first_peak: int = 0
+    first_pipeline_peak: int = 0
+    first_step_peak: int = 0
 
 
 def free_port() -> int:
@@ -175,8 +180,8 @@ def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, sche
     module = _stage_module(model, values, rank, world, options or {})
     b, s, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
     meta = torch.device("meta")
-    # static shapes, as torchtitan gives them: the dynamic mode's shape inference runs the stage once more in the
-    # first step and leaves part of that graph alive on the first stage
+    # static shapes, as torchtitan gives them (``static=False``: the dynamic mode's shape inference runs one
+    # micro-batch more in the first step, freed before the schedule; measured, no stage's peak moves)
     given: dict[str, Any] = {}
     if static:
         def hidden() -> Any:
@@ -230,8 +235,10 @@ def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, sche
 
 
 def _summary(trace: Any, rank: int, schedule: str, m: int, parameters: int) -> StageRun:
-    """The steady step (the second: the first also runs the stage's shape inference and makes the buffers)."""
+    """The steady step (the second), and the first step's peaks (it makes the receive buffers and the optimizer
+    state; the last step's logits do not exist yet)."""
     records = [r for r in trace.records if r.step == 2]
+    firsts = [r for r in trace.records if r.step == 1]
     top = max(records, key=lambda r: r.live)
     top_saved = max(records, key=lambda r: r.bytes("saved"))
     start = next(b for b in trace.boundaries if b.step == 1 and b.phase == "zero_grad")
@@ -244,7 +251,9 @@ def _summary(trace: Any, rank: int, schedule: str, m: int, parameters: int) -> S
     return StageRun(rank, schedule, m, parameters, top.live, top.by_category, top_saved.bytes("saved"),
                     alive(top_saved.index, "saved"), (top.phase, top.op, top.where), start.by_category,
                     alive(top.index, None), max(r.live for r in records if r.phase == "forward"),
-                    max(r.live for r in records if r.phase == "step"))
+                    max(r.live for r in records if r.phase == "step"), max(r.live for r in firsts),
+                    max(r.live for r in firsts if r.phase == "forward"),
+                    max(r.live for r in firsts if r.phase == "step"))
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,9 @@ def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -
     from .headline import per_device
 
     each = per_device(d)
-    stages = "" if each is None else "<br><small>peak per stage: " + esc(", ".join(
-        f"{i}: {format_bytes(x)}" for i, x in enumerate(each["peak_per_stage"]))) + "</small>"
+    stages = "" if each is None else "<br><small>peak per stage: " + esc("; first step: ".join(", ".join(
+        f"{i}: {format_bytes(x)}" for i, x in enumerate(each[k])) for k in ("peak_per_stage",
+                                                                            "peak_first_step_per_stage"))) + "</small>"
     return (f"<p><b>{esc(PEAK_LABEL)}: {esc(format_bytes(v))}</b> at {esc(moment.where(step=False))}<br>"
             f"<small>= {_formula(moment.total, in_sizes(d))} bytes</small>{stages}</p>")
 

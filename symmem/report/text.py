@@ -144,6 +144,7 @@ def to_dict(d: Derivation) -> dict[str, Any]:
         each = per_device(d)
         if each is not None:  # pipeline stages: every stage's peak, the largest is values.peak
             out["values"]["peak_per_stage"] = each["peak_per_stage"]
+            out["values"]["peak_first_step_per_stage"] = each["peak_first_step_per_stage"]
             out["peak_at"]["stage"] = each["peak_stage"]
     return out
 
@@ -367,8 +368,9 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
             max(width, 40))
     each = per_device(d)
     if each is not None:
-        stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each["peak_per_stage"]))
-        lines += _totals(f"{'peak per stage (MiB)':<{key_width}} {'':>12}           ", stages, width, cut)
+        for key, name in (("peak_per_stage", "peak per stage (MiB)"), ("peak_first_step_per_stage", "first step")):
+            stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each[key]))
+            lines += _totals(f"{name:<{key_width}} {'':>12}           ", stages, width, cut)
     return lines
 
 
