@@ -202,6 +202,11 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     if not per_layer and type(convention).grads is not Convention.grads:
         if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero):
             step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
+        elif regime.tensor_parallel and regime.data_parallel:
+            from .passes.fsdp_tensor import PEAK_REFUSED
+            from .step import Refused
+
+            step = Refused(PEAK_REFUSED)  # FSDP x TP: the parts per rank are modelled, the step is not
         elif regime.tensor_parallel:
             step = _tensor_step(model, convention, regime, values, options, front.ledger.numbers)
         else:
