@@ -32,14 +32,17 @@ reduce-scattered unit buffers, at the tensor-parallel shards' sizes, beside DTen
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
 
 from ..errors import SymmemError
 from ..graph import Graph
+from ..peak import Moment, Peak
 from ..shapes import numel
+from ..timeline import Row, Which
 from ..training import Regime
 
 #: Why ``derive --data-parallel fsdp --tensor-parallel`` gives no peak (every view says it in one line).
@@ -100,3 +103,224 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
         state += count * (2 * numel(held_shape(shape, N, rank)) * 4 + 4)  # exp_avg, exp_avg_sq, step
     saved = tensor_rank(graph, storages, regime).saved
     return TensorRank(saved, stored, stored, state)
+
+
+# -- the step, op by op -----------------------------------------------------------------------------------------
+from .tensor_step import _LayerWalk  # noqa: E402
+
+
+class _MeshWalk(_LayerWalk):
+    """The single-device step under FSDP2 (:class:`~symmem.passes.data_parallel.Fsdp`'s buffers, walked by the
+    schedule's Simulation) written out at the numbers, each storage at one rank's size: an activation as on a
+    tensor-parallel rank (:class:`~symmem.passes.tensor_step._LayerWalk`), FSDP's all-gather outputs, unsharded
+    parameters, reduce-scatter inputs and sharded gradients at the sizes of the 2-D shards; with what DTensor's
+    collectives and the RMS norms' backward hold (measured op by op, :meth:`_collectives`)."""
+
+    def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
+        from ..symbols import N
+        from .data_parallel import shard_rows
+        from .unroll import iteration, template
+
+        super().__init__(graph, conv, options, regime, numbers)
+        self.stored: dict[str, sympy.Expr] = {}   # parameter -> elements of its 2-D shard (padded rows)
+        for n, _, shape in parameters(self.g):
+            node = self.g.node(n)
+            for name in ([n] if node.kind == "parameter" else [f"{n}.{p}" for p in node.params]):
+                self.stored[name] = shard_rows(shape, N) * numel(shape[1:])
+        # the RMS norms: (prefix, iteration) -> their nodes by template suffix
+        self.norms: dict[str, dict[str, str]] = {}
+        for n in self.g.program_order():
+            head, _, part = template(n).rpartition(".")
+            if head.endswith("norm"):
+                self.norms.setdefault(f"{head}#{iteration(n)}", {})[part] = n
+        self.norm_of = {n: key for key, parts in self.norms.items() for n in parts.values()}
+        self.merge = self._merges()
+        # the position ids (and eager attention's mask) are storages of this walk, held to the forward's end
+        # (graph.graph["held_until"]), not a constant beside it
+        self.constants = sympy.Integer(0)
+
+    def _merges(self) -> dict[int, sympy.Expr]:
+        """A layer's norm backward: autograd adds the normalize path's gradient of the norm's input into the
+        gradient already there (the residual stream's) at once, where the single-device walk keeps both to the
+        input's gradient sum -- one gradient fewer, event by event, from the normalize's backward on."""
+        tl = self.tl
+        out: dict[int, sympy.Expr] = {}
+        for key, parts in self.norms.items():
+            if key.endswith("#0") or "normalize" not in parts or "to_float32" not in parts:
+                continue  # the final norm: no other gradient of its input
+            started = None
+            for k, e in enumerate(tl.events):
+                if e.phase != "backward":
+                    continue
+                if e.node == parts["normalize"]:
+                    started = k
+                elif started is not None and e.node not in self.norm_of:
+                    break
+                elif started is not None and k > started:
+                    out[k] = self.g.node(parts["to_float32"]).out.numel * 4
+        return out
+
+    def _unit(self, name: str) -> sympy.Expr:
+        """Elements of a unit's 2-D shards: the unit named inside ``fsdp.X[unit]`` (FSDP's unit of a parameter is
+        its layer's iteration, or the root: ``None``)."""
+        iterations = self.g.graph.get("iterations", {})
+        unit = name[name.index("[") + 1:-1]
+        members = [p for p in self.stored
+                   if str(iterations.get(p, iterations.get(p.rsplit(".", 1)[0]))) == unit]
+        return sympy.Add(*(self.stored[p] for p in members))
+
+    def local(self, i: int) -> sympy.Expr:
+        from ..symbols import N
+
+        s = self.tl.storages[i]
+        if s.name.startswith(("fsdp.all_gather[", "fsdp.reduce_scatter_input[")):
+            return N * self._unit(s.name) * 4
+        if s.name.startswith("fsdp.sharded_grads["):
+            return self._unit(s.name) * 4
+        if s.name.endswith(".unsharded"):
+            return N * self.stored[s.name[:-len(".unsharded")]] * 4
+        if s.name.endswith(".grad_sum") and self.norm_of.get(s.node or "", "").startswith("layers"):
+            return s.nbytes  # a norm's output gradient: the column-parallel input gradients all-reduced, whole
+        return super().local(i)
+
+    def _candidate(self, e: Any, layers: int) -> bool:
+        """An op of the first, the last or the last but one layer (in its backward the last layer's reduce-scatter
+        input and sharded gradients are alive beside one layer's kept tensors fewer), or outside the layers (the
+        embedding, the final norm, the head)."""
+        from .unroll import iteration
+
+        return iteration(e.node) in (0, 1, layers - 1, layers)
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        extra = super()._collectives(e, alive, k) - self.merge.get(k, 0)
+        node = self.g.node(e.node) if e.node in self.g else None
+        if e.phase == "forward" and e.node == self.head:
+            extra += self._whole(self.head)  # the replicated logits: the all-gather's output and the concatenation
+        if e.phase == "backward" and node is not None and e.node in self.norm_of and (
+                e.node.split("#")[0].endswith((".scale", ".normalize"))):
+            # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
+            extra += node.out.numel * 4
+        return extra
+
+    def _whole(self, node: str) -> sympy.Expr:
+        return self.g.node(node).out.numel * 4
+
+
+@dataclass(frozen=True)
+class MeshMoment(Moment):
+    """A moment of one rank's step on the N x t mesh."""
+
+    ranks: str = ""
+    what: str = ""
+
+    def where(self, step: bool = True) -> str:
+        return f"rank 0 of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
+
+
+@dataclass(eq=False)
+class MeshStep:
+    """The step of one rank of the N x t mesh (FSDP2 over DTensor's standard plan; ``numbers`` the derivation's,
+    N and t included): the ``Max`` of the layers' walk (:class:`_MeshWalk` of the single-device step of ``graph``
+    under ``regime``'s FSDP) beside what lives between steps, and the optimizer step (for-loop AdamW on the 2-D
+    shards).  Rank 0 of each data-parallel group holds the most (whole shards): its peak is the peak per device."""
+
+    numbers: Mapping[sympy.Symbol, int]
+    graph: Graph
+    conv: Any
+    options: Mapping[str, Any]
+    regime: Regime
+    storages: Sequence[Any]
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
+        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None, rank: int = 0) -> Peak:
+        from .tensor_step import even
+
+        named = self._named(at)
+        even(named)
+        missing = [n for n in ("L", "t", "N") if n not in named]
+        if missing:
+            raise SymmemError(f"the FSDP x TP peak walks the layers at numbers: give {', '.join(missing)}")
+        key = (tuple(sorted(named.items())), rank)
+        if key not in self._cache:
+            if len(self._cache) > 16:
+                self._cache.clear()
+            self._cache[key] = self._peak(named, rank)
+        return self._cache[key]
+
+    def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
+        from .model_parallel import _bytes, _module_buffers
+
+        parts = mesh_rank(self.graph, self.storages, self.regime, rank)
+        outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
+        ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
+                  sympy.Integer(0))
+        at_rest = parts.parameters + parts.optimizer_state + sympy.Add(*_module_buffers(self.graph, "float32")
+                                                                       .values()) + ids
+        walk = _MeshWalk(self.graph, self.conv, self.options, self.regime, named)
+        ranks = f"N x t = {named['N']} x {named['t']}"
+        made = []
+        for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):
+            for live, phase, node in walk.largest():
+                from .unroll import iteration
+
+                what = walk.label(phase, node) if iteration(node) else f"{phase} {node}"
+                made.append(MeshMoment(phase, what, "", step, {"live": at_rest + live - less}, ranks=ranks,
+                                       what=what))
+            made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
+                                                            _step_temporaries(self.graph, rank)},
+                                   ranks=ranks, what="the optimizer step"))
+        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+                       if n in ("L", "N"))
+        return Peak(None, None, tuple(made), others)
+
+    def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
+        """Every rank's steady-step peak at ``numbers`` (rank ``r`` at mesh coordinates ``(r // t, r % t)``: the
+        tensor-parallel ranks of a data-parallel group alike), and the rank named as the largest."""
+        merged = {**self.numbers, **numbers}
+        named = self._named(numbers)
+        by_dp = [self.peak(numbers, r).value(merged) for r in range(named["N"])]
+        return {"peak_per_rank": [v for v in by_dp for _ in range(named["t"])], "peak_rank": 0}
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        return self.peak().holds_at(numbers)
+
+    def domain(self) -> tuple[sympy.Basic, ...]:
+        return tuple(self.peak().domain)
+
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        raise SymmemError("an FSDP x TP rank's timeline is not drawn op by op: its peak is the largest of the "
+                          "layers' moments and the optimizer step")
+
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        raise SymmemError("the FSDP x TP peak in CUDA's 512-byte blocks is not modelled: the peak per device is in "
+                          "bytes of tensors")
+
+
+def _step_temporaries(graph: Graph, rank: int) -> sympy.Expr:
+    """For-loop AdamW's largest temporaries on the 2-D shards (the rows ``rank`` holds): ``Max`` over the
+    parameters, in the order the Llama reference lists them (the embedding; each layer's linears, then its
+    norms; the final norm; the head), of two of a parameter's size beside the previous parameter's ``denom``."""
+    from ..symbols import N
+    from .data_parallel import held_shape
+
+    first: list[sympy.Expr] = []
+    layer: list[sympy.Expr] = []
+    norms: list[sympy.Expr] = []
+    last: list[sympy.Expr] = []
+    count: sympy.Expr = sympy.Integer(1)
+    for n, c, shape in parameters(graph):
+        node = graph.node(n)
+        size = numel(held_shape(shape, N, rank)) * 4
+        if node.block is not None:
+            count = c
+            (layer if len(shape) >= 2 else norms).append(size)
+        else:
+            (first if node.kind == "embedding" else last).append(size)
+    order = first + layer + norms + last
+    candidates = [2 * order[0]] + [a + 2 * b for a, b in zip(order, order[1:], strict=False)]
+    again = (norms or layer)[-1] + 2 * layer[0]
+    candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
+    return sympy.Max(*candidates)
