@@ -44,12 +44,18 @@ from ..peak import Moment, Peak
 from ..shapes import numel
 from ..timeline import Row, Which
 from ..training import Regime
+from .tensor_step import _LayerWalk
+from .unroll import iteration
 
-#: Why ``derive --data-parallel fsdp --tensor-parallel`` gives no peak (every view says it in one line).
-PEAK_REFUSED = ("no peak: FSDP x TP's step (fully_shard over parallelize_module on an N x t mesh) is not modelled: "
-                "FSDP's all-gather and reduce-scatter buffers at the tensor-parallel shards' sizes beside DTensor's "
-                "collectives were measured, not walked; its parameters, gradients, optimizer state and saved "
-                "activations per rank are (symmem ranks --data-parallel fsdp --tensor-parallel)")
+
+def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
+    """Why the FSDP x TP peak is not modelled for this derivation (None: it is): what the tensor-parallel peak
+    refuses (:func:`symmem.passes.tensor_step.refusal`: Llama's plan, FP32 Adam/AdamW, the loss ``sum``, CPU ranks,
+    the for-loop AdamW, no checkpointing or micro-batches)."""
+    from .tensor_step import refusal as tensor_refusal
+
+    why = tensor_refusal(model_name, regime, loss, device)
+    return why.replace("tensor-parallel peak", "FSDP x TP peak") if why else None
 
 
 def tp_shape(graph: Graph, node: str, shape: tuple[sympy.Expr, ...]) -> tuple[sympy.Expr, ...]:
@@ -106,7 +112,6 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
 
 
 # -- the step, op by op -----------------------------------------------------------------------------------------
-from .tensor_step import _LayerWalk  # noqa: E402
 
 
 class _MeshWalk(_LayerWalk):
@@ -135,9 +140,19 @@ class _MeshWalk(_LayerWalk):
                 self.norms.setdefault(f"{head}#{iteration(n)}", {})[part] = n
         self.norm_of = {n: key for key, parts in self.norms.items() for n in parts.values()}
         self.merge = self._merges()
-        # the position ids (and eager attention's mask) are storages of this walk, held to the forward's end
-        # (graph.graph["held_until"]), not a constant beside it
+        # the forward's constants are storages of this walk, not a sum beside it: the position ids held to the
+        # forward's end (graph.graph["held_until"]); eager attention's mask, which the walk lets go after the last
+        # attention, is held there too by the forward's locals (measured)
         self.constants = sympy.Integer(0)
+        tl, g = self.tl, self.g
+        heads = [k for k, e in enumerate(tl.events) if e.phase == "forward" and e.node == self.head]
+        self.forward_end = heads[0] if heads else -1
+        self.early: dict[int, int] = {}  # a constant's storage -> the forward event that lets it go
+        for k, e in enumerate(tl.events[:self.forward_end]):
+            for i in e.freed:
+                node = tl.storages[i].node
+                if e.phase == "forward" and node in g and g.node(node).kind == "constant":
+                    self.early[i] = k
 
     def _merges(self) -> dict[int, sympy.Expr]:
         """A layer's norm backward: autograd adds the normalize path's gradient of the norm's input into the
@@ -194,6 +209,8 @@ class _MeshWalk(_LayerWalk):
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         extra = super()._collectives(e, alive, k) - self.merge.get(k, 0)
         node = self.g.node(e.node) if e.node in self.g else None
+        if e.phase == "forward":
+            extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
         if e.phase == "forward" and e.node == self.head:
             extra += self._whole(self.head)  # the replicated logits: the all-gather's output and the concatenation
         if e.phase == "backward" and node is not None and e.node in self.norm_of and (
@@ -250,6 +267,15 @@ class MeshStep:
             self._cache[key] = self._peak(named, rank)
         return self._cache[key]
 
+    def _walked(self, named: Mapping[str, int]) -> list[tuple[sympy.Expr, str, str]]:
+        """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps)."""
+        key = ("walk", tuple(sorted(named.items())))
+        if key not in self._cache:
+            walk = _MeshWalk(self.graph, self.conv, self.options, self.regime, named)
+            self._cache[key] = [(live, phase, walk.label(phase, node) if iteration(node) else f"{phase} {node}")
+                                for live, phase, node in walk.largest()]
+        return self._cache[key]
+
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
         from .model_parallel import _bytes, _module_buffers
 
@@ -259,14 +285,10 @@ class MeshStep:
                   sympy.Integer(0))
         at_rest = parts.parameters + parts.optimizer_state + sympy.Add(*_module_buffers(self.graph, "float32")
                                                                        .values()) + ids
-        walk = _MeshWalk(self.graph, self.conv, self.options, self.regime, named)
         ranks = f"N x t = {named['N']} x {named['t']}"
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):
-            for live, phase, node in walk.largest():
-                from .unroll import iteration
-
-                what = walk.label(phase, node) if iteration(node) else f"{phase} {node}"
+            for live, phase, what in self._walked(named):
                 made.append(MeshMoment(phase, what, "", step, {"live": at_rest + live - less}, ranks=ranks,
                                        what=what))
             made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
@@ -277,12 +299,38 @@ class MeshStep:
         return Peak(None, None, tuple(made), others)
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
-        """Every rank's steady-step peak at ``numbers`` (rank ``r`` at mesh coordinates ``(r // t, r % t)``: the
-        tensor-parallel ranks of a data-parallel group alike), and the rank named as the largest."""
+        """Every rank's steady-step peak at ``numbers`` (rank ``r`` at mesh coordinates ``(r // t, r % t)``), and
+        the rank named as the largest (0: whole shards)."""
+        found = self.ranks(numbers)
+        return {"peak_per_rank": [found[r][1] for r in sorted(found)], "peak_rank": 0}
+
+    def ranks(self, numbers: Mapping[sympy.Symbol, int]) -> dict[int, tuple[int, int]]:
+        """``{rank: (first-step peak, steady peak)}`` of every rank of the mesh, ``r`` at ``(r // t, r % t)``: a
+        data-parallel rank holds the rows :func:`~symmem.passes.data_parallel.held_shape` gives of each
+        tensor-parallel shard, so each distinct set of rows is worked out once, however large N is."""
+        from ..symbols import N, t
+        from .data_parallel import held_shape
+
         merged = {**self.numbers, **numbers}
         named = self._named(numbers)
-        by_dp = [self.peak(numbers, r).value(merged) for r in range(named["N"])]
-        return {"peak_per_rank": [v for v in by_dp for _ in range(named["t"])], "peak_rank": 0}
+        env = {s: sympy.Integer(v) for s, v in merged.items()}
+        firsts = sorted({int(shape[0].xreplace(env)) for _, _, shape in parameters(self.graph) if shape})
+        by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
+        out: dict[int, tuple[int, int]] = {}
+        for dp in range(int(merged[N])):
+            rows = tuple(int(held_shape((d,), merged[N], dp)[0]) for d in firsts)
+            if rows not in by_rows:
+                p = self.peak(numbers, dp)
+                by_rows[rows] = (int(p.value(merged, "first")), int(p.value(merged)))
+            for tp in range(int(merged[t])):
+                out[dp * int(merged[t]) + tp] = by_rows[rows]
+        del named
+        return out
+
+    def rank_peaks(self, numbers: Mapping[sympy.Symbol, int]) -> dict[int, tuple[int, int]] | None:
+        """:meth:`ranks` where they differ (None: every rank alike)."""
+        found = self.ranks(numbers)
+        return found if len(set(found.values())) > 1 else None
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return self.peak().holds_at(numbers)
