@@ -377,10 +377,9 @@ def test_tensor_parallel_peak_refusals(capsys):
     assert main(["derive", "gpt2", "--tensor-parallel"]) == 0
     assert "no peak: the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not gpt2" in (
         capsys.readouterr().out)
-    # FSDP x TP: its peak refused, naming what is missing (tests/test_fsdp_tensor.py checks its parts per rank)
+    # FSDP x TP: modelled on CPU ranks (tests/test_fsdp_tensor.py), refused on CUDA as the tensor-parallel peak is
     assert main(["derive", "llama", "--data-parallel", "fsdp", "--tensor-parallel"]) == 0
-    assert "no peak: FSDP x TP's step (fully_shard over parallelize_module on an N x t mesh) is not modelled" in (
-        capsys.readouterr().out)
+    assert "no peak: the FSDP x TP peak is measured on CPU ranks (gloo)" in capsys.readouterr().out
     # t must split the vocabulary evenly too (the heads and the MLP width: derive's own check)
     out = derive("llama", tensor_parallel=True, values={**values, "V": 63}, device="cpu").to_dict()
     assert out["peak_refused"].startswith("no peak: t=2 does not divide V=63: DTensor's plan splits the heads")

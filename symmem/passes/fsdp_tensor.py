@@ -17,8 +17,21 @@ tensor-parallel shard (:func:`~symmem.passes.data_parallel.shard_rows`).  Measur
 * what autograd keeps after the forward: the tensor-parallel rank's (:func:`~symmem.passes.model_parallel.
   tensor_rank`): FSDP changes which storage a saved weight lives in, not what activations are kept.
 
-The peak of the step is not modelled (:data:`PEAK_REFUSED`): the measured step holds FSDP's all-gathered and
-reduce-scattered unit buffers, at the tensor-parallel shards' sizes, beside DTensor's collectives.
+**The step's peak per rank** (:class:`MeshStep`): the single-device step under FSDP2 -- the schedule's Simulation
+with :class:`~symmem.passes.data_parallel.Fsdp`'s unit buffers: all-gather outputs, unsharded parameters, the
+prefetch, reduce-scatter inputs, sharded gradients -- written out at the numbers (:class:`_MeshWalk`), each
+storage at one rank's size: FSDP's buffers at the 2-D shards', an activation at the tensor-parallel rank's, with
+what DTensor's collectives hold (:class:`~symmem.passes.tensor_step._LayerWalk`: a row-parallel output's all-reduce
+beside its wrapper, a column-parallel input gradient's, the head's replicated logits twice), plus what the
+measured step showed beyond the single-device walk: the RMS norms' backward makes a product as large as the norm's
+output before each weight's and rsqrt's gradient sum, and a layer norm's input gradient is added into the residual
+stream's at once (one gradient fewer than the walk keeps); eager attention's mask lives, as the position ids, to the
+forward's end.  The candidates are every op of the first, the last and the last but one layer (in its backward the
+last layer's reduce-scatter input and sharded gradients are alive) and outside the layers; beside them the
+optimizer step (for-loop AdamW on the 2-D shards: every sharded gradient, one parameter's ``sqrt`` and ``denom``
+beside the previous one's).  Rank 0 of each data-parallel group holds whole shards: its peak is the peak per
+device; every rank's is :meth:`MeshStep.ranks`.  Equal to the engine's to the byte on every rank of a 2 x 2 mesh,
+first and steady step, ``fsdp`` and ``fsdp-no-reshard``, SDPA and eager attention, L = 2 to 4 (docs/regimes.md).
 
 >>> from symmem.api import tensor_parallel_rank
 >>> values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64}

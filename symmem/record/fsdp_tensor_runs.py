@@ -193,8 +193,8 @@ TIMEOUT_S = 60
 def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], Mapping[str, Any]]],
                      reshard: bool = True) -> list[list[MeshRun]]:
     """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
-    per case ``(values, builder options)`` of the Llama reference.  A rank that fails or hangs is a
-    :class:`SymmemError`."""
+    per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
+    that case's FSDP setting, else ``reshard``).  A rank that fails or hangs is a :class:`SymmemError`."""
     import multiprocessing
 
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
@@ -206,7 +206,8 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SymmemError(f"the {what} is a positive integer, got {n!r}")
     world = dp * tp
-    jobs = [(dict(values), dp, dict(options), reshard) for values, options in cases]
+    jobs = [(dict(values), dp, {k: v for k, v in options.items() if k != "reshard_after_forward"},
+             bool(options.get("reshard_after_forward", reshard))) for values, options in cases]
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     port = free_port()
