@@ -194,6 +194,9 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
         from .training import Regime
 
         Regime(data_parallel=regime.data_parallel, tensor_parallel=True, sequence_parallel=sequence)  # refusals
+        world = (values or {}).get("N")
+        if isinstance(world, int) and isinstance(rank, int) and not 0 <= rank < world:
+            raise SymmemError(f"rank {rank} is no place in a data-parallel group of N={world} (0 to {world - 1})")
         return mesh_rank(built.graph, d.storages, regime, rank)
     if rank != 0:
         raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' (FSDP x TP); every "

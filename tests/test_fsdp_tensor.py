@@ -122,3 +122,5 @@ def test_rank_without_a_mesh_is_refused():
 
     with pytest.raises(SymmemError, match="rank names a place in a data-parallel group"):
         tensor_parallel_rank("llama", values=VALUES, device="cpu", rank=1)
+    with pytest.raises(SymmemError, match=r"rank 2 is no place in a data-parallel group of N=2 \(0 to 1\)"):
+        tensor_parallel_rank("llama", values={**VALUES, "N": 2}, device="cpu", data_parallel="fsdp", rank=2)
