@@ -186,8 +186,21 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
     sequence = bool(keywords.pop("sequence_parallel", False))
     keywords = {k: v for k, v in keywords.items() if k != "tensor_parallel"}
     loss = keywords.pop("loss", "sum")
+    rank = keywords.pop("rank", 0)
     built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
     d = derivation(built, conv, regime, values, options=conv_options)
+    if regime.data_parallel is not None:  # FSDP x TP on an N x t mesh: ``rank`` in the data-parallel group
+        from .passes.fsdp_tensor import mesh_rank
+        from .training import Regime
+
+        Regime(data_parallel=regime.data_parallel, tensor_parallel=True, sequence_parallel=sequence)  # refusals
+        world = (values or {}).get("N")
+        if isinstance(world, int) and isinstance(rank, int) and not 0 <= rank < world:
+            raise SymmemError(f"rank {rank} is no place in a data-parallel group of N={world} (0 to {world - 1})")
+        return mesh_rank(built.graph, d.storages, regime, rank)
+    if rank != 0:
+        raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' (FSDP x TP); every "
+                          "tensor-parallel rank alone holds the same")
     return tensor_rank(built.graph, d.storages, regime, sequence)
 
 

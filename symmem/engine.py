@@ -202,6 +202,8 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     if not per_layer and type(convention).grads is not Convention.grads:
         if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero):
             step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
+        elif regime.tensor_parallel and regime.data_parallel:
+            step = _mesh_step(model, convention, regime, values, options, front.ledger.numbers)
         elif regime.tensor_parallel:
             step = _tensor_step(model, convention, regime, values, options, front.ledger.numbers)
         else:
@@ -247,6 +249,27 @@ def _tensor_step(model: Model, convention: Convention, regime: Regime, values: M
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     return TensorStep(storages_rank(graph, single.storages, one, regime.sequence_parallel), dict(numbers), graph,
                       convention, resolved, one, regime.sequence_parallel)
+
+
+def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+               options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
+    """The step of one rank of an N x t mesh (FSDP2 over DTensor's standard plan), walked from the single-device
+    step under FSDP (:mod:`symmem.passes.fsdp_tensor`); refused, saying why, where it is not modelled."""
+    from dataclasses import replace
+
+    from .passes.fsdp_tensor import MeshStep, refusal
+    from .step import Refused
+
+    graph = model.graph
+    loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
+    one = replace(regime, tensor_parallel=False, sequence_parallel=False)
+    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k != "t"},
+                         options=options)
+    why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
+    if why is not None:
+        return Refused(f"no peak: {why}")
+    resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    return MeshStep(dict(numbers), graph, convention, resolved, one, single.storages)
 
 
 def ledger_of(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,

@@ -8,7 +8,8 @@ from ..errors import SymmemError
 from .common import add_derive_options, plan_arguments
 
 NAME = "ranks"
-HELP = "one tensor-parallel rank's memory under DTensor's standard plan (parallelize_module), with t ranks"
+HELP = ("one tensor-parallel rank's memory under DTensor's standard plan (parallelize_module), with t ranks "
+        "(--data-parallel fsdp: on an N x t mesh)")
 ORDER = 26
 
 
@@ -38,10 +39,20 @@ def run(args: argparse.Namespace) -> int:
     numbers = {s.name: int(v) for s, v in d.numbers.items()}
     found = rank.at(numbers)
     plan = "tensor and sequence parallel" if args.sequence_parallel else "tensor parallel"
-    print(f"one rank of t={size} ({plan}, DTensor's standard plan): bytes")
+    if getattr(args, "data_parallel", None):  # FSDP x TP: rank 0 of its data-parallel group (the most rows)
+        print(f"rank 0 of an N={numbers['N']} x t={size} mesh ({args.data_parallel} over DTensor's standard plan): "
+              "bytes")
+    else:
+        print(f"one rank of t={size} ({plan}, DTensor's standard plan): bytes")
     for name in ("saved", "parameters", "gradients", "optimizer_state"):
         print(f"  {name.replace('_', ' '):<16} {found[name]:>16,}")
     print(f"  {'total':<16} {sum(found.values()):>16,}")
+    if getattr(args, "data_parallel", None):
+        states = [tensor_parallel_rank(args.model, values=values, rank=r, **kw).at(numbers)["optimizer_state"]
+                  for r in range(numbers["N"])]
+        if len(set(states)) > 1:  # the padding's rows are missing from the last ranks' optimizer state
+            print("  optimizer state by data-parallel rank: " + ", ".join(f"{r}: {v:,}" for r, v in
+                                                                          enumerate(states)))
     from ..report.headline import peak_state
 
     peaks, why = peak_state(d)

@@ -1,0 +1,387 @@
+"""FSDP x TP: one rank of an N x t mesh, FSDP2's ``fully_shard`` over a ``parallelize_module``'d Llama.
+
+PyTorch's 2-D recipe (``init_device_mesh(device, (N, t), mesh_dim_names=("dp", "tp"))``, the standard Llama plan
+over ``mesh["tp"]``, then ``fully_shard`` on every layer and the root over ``mesh["dp"]``) stores every parameter
+as a DTensor on both mesh dimensions: first the tensor-parallel shard DTensor's plan gives the rank (the embedding
+and the column-parallel weights -- q, k, v, gate, up, the head -- split along their first dimension, the
+row-parallel o and down along their second, the norms whole), then FSDP2's padded shard of it: its first
+dimension padded to a multiple of N and split evenly, so every rank stores ``ceiling(d0/N)`` rows of its
+tensor-parallel shard (:func:`~symmem.passes.data_parallel.shard_rows`).  Measured per rank on gloo
+(:mod:`symmem.record.fsdp_tensor_runs`, N = 2, t = 2, every rank), to the byte:
+
+* the parameters and their sharded gradients: those padded 2-D shards, 4 bytes an element each (the embedding's
+  gradient, whole on a tensor-parallel rank, is reduce-scattered to its shard like every other);
+* AdamW's state: two moments of the *unpadded* rows a rank holds (``held_shape``: the last ranks of a
+  data-parallel group hold fewer where N does not divide the tensor-parallel shard's first dimension) and a 4-byte
+  ``step`` per parameter;
+* what autograd keeps after the forward: the tensor-parallel rank's (:func:`~symmem.passes.model_parallel.
+  tensor_rank`): FSDP changes which storage a saved weight lives in, not what activations are kept.
+
+**The step's peak per rank** (:class:`MeshStep`): the single-device step under FSDP2 -- the schedule's Simulation
+with :class:`~symmem.passes.data_parallel.Fsdp`'s unit buffers: all-gather outputs, unsharded parameters, the
+prefetch, reduce-scatter inputs, sharded gradients -- written out at the numbers (:class:`_MeshWalk`), each
+storage at one rank's size: FSDP's buffers at the 2-D shards', an activation at the tensor-parallel rank's, with
+what DTensor's collectives hold (:class:`~symmem.passes.tensor_step._LayerWalk`: a row-parallel output's all-reduce
+beside its wrapper, a column-parallel input gradient's, the head's replicated logits twice), plus what the
+measured step showed beyond the single-device walk: the RMS norms' backward makes a product as large as the norm's
+output before each weight's and rsqrt's gradient sum, and a layer norm's input gradient is added into the residual
+stream's at once (one gradient fewer than the walk keeps); eager attention's mask lives, as the position ids, to the
+forward's end.  The candidates are every op of the first, the last and the last but one layer (in its backward the
+last layer's reduce-scatter input and sharded gradients are alive) and outside the layers; beside them the
+optimizer step (for-loop AdamW on the 2-D shards: every sharded gradient, one parameter's ``sqrt`` and ``denom``
+beside the previous one's).  Rank 0 of each data-parallel group holds whole shards: its peak is the peak per
+device; every rank's is :meth:`MeshStep.ranks`.  Equal to the engine's to the byte on every rank of a 2 x 2 mesh,
+first and steady step, ``fsdp`` and ``fsdp-no-reshard``, SDPA and eager attention, L = 2 to 4 (docs/regimes.md).
+
+>>> from symmem.api import tensor_parallel_rank
+>>> values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64}
+>>> r = tensor_parallel_rank("llama", values=values, attention="sdpa", device="cpu", data_parallel="fsdp")
+>>> r.at({**values, "N": 2, "t": 2})
+{'saved': 54336, 'parameters': 23104, 'gradients': 23104, 'optimizer_state': 46292}
+>>> tensor_parallel_rank("llama", values=values, attention="sdpa", device="cpu", data_parallel="fsdp",
+...                      rank=1).at({**values, "N": 2, "t": 2})["optimizer_state"]
+45780
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..graph import Graph
+from ..peak import Moment, Peak
+from ..shapes import numel
+from ..timeline import Row, Which
+from ..training import Regime
+from .tensor_step import _LayerWalk
+from .unroll import iteration
+
+
+def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
+    """Why the FSDP x TP peak is not modelled for this derivation (None: it is): what the tensor-parallel peak
+    refuses (:func:`symmem.passes.tensor_step.refusal`: Llama's plan, FP32 Adam/AdamW, the loss ``sum``, CPU ranks,
+    the for-loop AdamW, no checkpointing or micro-batches)."""
+    from .tensor_step import refusal as tensor_refusal
+
+    why = tensor_refusal(model_name, regime, loss, device)
+    return why.replace("tensor-parallel peak", "FSDP x TP peak") if why else None
+
+
+def tp_shape(graph: Graph, node: str, shape: tuple[sympy.Expr, ...]) -> tuple[sympy.Expr, ...]:
+    """The shape of a parameter of ``node`` on one tensor-parallel rank under the standard Llama plan.
+
+    >>> from symmem.models import build
+    >>> g = build("llama").graph
+    >>> tp_shape(g, "layers.self_attn.q_proj", g.node("layers.self_attn.q_proj").params["weight"])
+    (H/t, H)
+    >>> tp_shape(g, "layers.mlp.down_proj", g.node("layers.mlp.down_proj").params["weight"])
+    (H, F/t)
+    >>> tp_shape(g, "norm.weight", g.node("norm.weight").params["value"])
+    (H,)
+    """
+    from ..symbols import t
+
+    n = graph.node(node)
+    if len(shape) < 2:
+        return tuple(shape)  # the norms: replicated
+    column = n.kind == "embedding" or n.role in ("qkv", "mlp_hidden") or (n.kind == "linear" and n.block is None)
+    if column:  # RowwiseParallel's embedding and ColwiseParallel's weights: Shard(0)
+        return (shape[0] / t, *shape[1:])
+    return (shape[0], shape[1] / t, *shape[2:])  # RowwiseParallel's linears: Shard(1)
+
+
+def parameters(graph: Graph) -> Iterator[tuple[str, sympy.Expr, tuple[sympy.Expr, ...]]]:
+    """Every parameter as (node, count, its tensor-parallel rank's shape), in program order."""
+    for n in graph.program_order():
+        node = graph.node(n)
+        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
+                                                                                  node.params.values()]
+        for shape in shapes:
+            yield n, node.count, tp_shape(graph, n, shape)
+
+
+def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int = 0) -> Any:
+    """One rank of the N x t mesh as a :class:`~symmem.passes.model_parallel.TensorRank` (formulas in N and t),
+    from the single-device ``storages`` (the pytorch convention); ``rank`` is its place in its data-parallel group
+    (the rows of the optimizer state it holds; rank 0 holds whole shards, the most)."""
+    from ..symbols import N
+    from .data_parallel import held_shape, shard_rows
+    from .model_parallel import TensorRank, tensor_rank
+
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
+        raise SymmemError("FSDP x TP's ranks are modelled for FP32 Adam/AdamW, as measured")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise SymmemError(f"a rank is a non-negative integer, got {rank!r}")
+    stored = state = sympy.Integer(0)
+    for _, count, shape in parameters(graph):
+        stored += count * shard_rows(shape, N) * numel(shape[1:]) * 4
+        state += count * (2 * numel(held_shape(shape, N, rank)) * 4 + 4)  # exp_avg, exp_avg_sq, step
+    saved = tensor_rank(graph, storages, regime).saved
+    return TensorRank(saved, stored, stored, state)
+
+
+# -- the step, op by op -----------------------------------------------------------------------------------------
+
+
+class _MeshWalk(_LayerWalk):
+    """The single-device step under FSDP2 (:class:`~symmem.passes.data_parallel.Fsdp`'s buffers, walked by the
+    schedule's Simulation) written out at the numbers, each storage at one rank's size: an activation as on a
+    tensor-parallel rank (:class:`~symmem.passes.tensor_step._LayerWalk`), FSDP's all-gather outputs, unsharded
+    parameters, reduce-scatter inputs and sharded gradients at the sizes of the 2-D shards; with what DTensor's
+    collectives and the RMS norms' backward hold (measured op by op, :meth:`_collectives`)."""
+
+    def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
+        from ..symbols import N
+        from .data_parallel import shard_rows
+        from .unroll import iteration, template
+
+        super().__init__(graph, conv, options, regime, numbers)
+        self.stored: dict[str, sympy.Expr] = {}   # parameter -> elements of its 2-D shard (padded rows)
+        for n, _, shape in parameters(self.g):
+            node = self.g.node(n)
+            for name in ([n] if node.kind == "parameter" else [f"{n}.{p}" for p in node.params]):
+                self.stored[name] = shard_rows(shape, N) * numel(shape[1:])
+        # the RMS norms: (prefix, iteration) -> their nodes by template suffix
+        self.norms: dict[str, dict[str, str]] = {}
+        for n in self.g.program_order():
+            head, _, part = template(n).rpartition(".")
+            if head.endswith("norm"):
+                self.norms.setdefault(f"{head}#{iteration(n)}", {})[part] = n
+        self.norm_of = {n: key for key, parts in self.norms.items() for n in parts.values()}
+        self.merge = self._merges()
+        # the forward's constants are storages of this walk, not a sum beside it: the position ids held to the
+        # forward's end (graph.graph["held_until"]); eager attention's mask, which the walk lets go after the last
+        # attention, is held there too by the forward's locals (measured)
+        self.constants = sympy.Integer(0)
+        tl, g = self.tl, self.g
+        heads = [k for k, e in enumerate(tl.events) if e.phase == "forward" and e.node == self.head]
+        self.forward_end = heads[0] if heads else -1
+        self.early: dict[int, int] = {}  # a constant's storage -> the forward event that lets it go
+        for k, e in enumerate(tl.events[:self.forward_end]):
+            for i in e.freed:
+                node = tl.storages[i].node
+                if e.phase == "forward" and node in g and g.node(node).kind == "constant":
+                    self.early[i] = k
+
+    def _merges(self) -> dict[int, sympy.Expr]:
+        """A layer's norm backward: autograd adds the normalize path's gradient of the norm's input into the
+        gradient already there (the residual stream's) at once, where the single-device walk keeps both to the
+        input's gradient sum -- one gradient fewer, event by event, from the normalize's backward on."""
+        tl = self.tl
+        out: dict[int, sympy.Expr] = {}
+        for key, parts in self.norms.items():
+            if key.endswith("#0") or "normalize" not in parts or "to_float32" not in parts:
+                continue  # the final norm: no other gradient of its input
+            started = None
+            for k, e in enumerate(tl.events):
+                if e.phase != "backward":
+                    continue
+                if e.node == parts["normalize"]:
+                    started = k
+                elif started is not None and e.node not in self.norm_of:
+                    break
+                elif started is not None and k > started:
+                    out[k] = self.g.node(parts["to_float32"]).out.numel * 4
+        return out
+
+    def _unit(self, name: str) -> sympy.Expr:
+        """Elements of a unit's 2-D shards: the unit named inside ``fsdp.X[unit]`` (FSDP's unit of a parameter is
+        its layer's iteration, or the root: ``None``)."""
+        iterations = self.g.graph.get("iterations", {})
+        unit = name[name.index("[") + 1:-1]
+        members = [p for p in self.stored
+                   if str(iterations.get(p, iterations.get(p.rsplit(".", 1)[0]))) == unit]
+        return sympy.Add(*(self.stored[p] for p in members))
+
+    def local(self, i: int) -> sympy.Expr:
+        from ..symbols import N
+
+        s = self.tl.storages[i]
+        if s.name.startswith(("fsdp.all_gather[", "fsdp.reduce_scatter_input[")):
+            return N * self._unit(s.name) * 4
+        if s.name.startswith("fsdp.sharded_grads["):
+            return self._unit(s.name) * 4
+        if s.name.endswith(".unsharded"):
+            return N * self.stored[s.name[:-len(".unsharded")]] * 4
+        if s.name.endswith(".grad_sum") and self.norm_of.get(s.node or "", "").startswith("layers"):
+            return s.nbytes  # a norm's output gradient: the column-parallel input gradients all-reduced, whole
+        return super().local(i)
+
+    def _candidate(self, e: Any, layers: int) -> bool:
+        """An op of the first, the last or the last but one layer (in its backward the last layer's reduce-scatter
+        input and sharded gradients are alive beside one layer's kept tensors fewer), or outside the layers (the
+        embedding, the final norm, the head)."""
+        from .unroll import iteration
+
+        return iteration(e.node) in (0, 1, layers - 1, layers)
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        extra = super()._collectives(e, alive, k) - self.merge.get(k, 0)
+        node = self.g.node(e.node) if e.node in self.g else None
+        if e.phase == "forward":
+            extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
+        if e.phase == "forward" and e.node == self.head:
+            extra += self._whole(self.head)  # the replicated logits: the all-gather's output and the concatenation
+        if e.phase == "backward" and node is not None and e.node in self.norm_of and (
+                e.node.split("#")[0].endswith((".scale", ".normalize"))):
+            # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
+            extra += node.out.numel * 4
+        return extra
+
+    def _whole(self, node: str) -> sympy.Expr:
+        return self.g.node(node).out.numel * 4
+
+
+@dataclass(frozen=True)
+class MeshMoment(Moment):
+    """A moment of one rank's step on the N x t mesh."""
+
+    ranks: str = ""
+    what: str = ""
+
+    def where(self, step: bool = True) -> str:
+        return f"rank 0 of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
+
+
+@dataclass(eq=False)
+class MeshStep:
+    """The step of one rank of the N x t mesh (FSDP2 over DTensor's standard plan; ``numbers`` the derivation's,
+    N and t included): the ``Max`` of the layers' walk (:class:`_MeshWalk` of the single-device step of ``graph``
+    under ``regime``'s FSDP) beside what lives between steps, and the optimizer step (for-loop AdamW on the 2-D
+    shards).  Rank 0 of each data-parallel group holds the most (whole shards): its peak is the peak per device."""
+
+    numbers: Mapping[sympy.Symbol, int]
+    graph: Graph
+    conv: Any
+    options: Mapping[str, Any]
+    regime: Regime
+    storages: Sequence[Any]
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
+        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None, rank: int = 0) -> Peak:
+        from .tensor_step import even
+
+        named = self._named(at)
+        even(named)
+        missing = [n for n in ("L", "t", "N") if n not in named]
+        if missing:
+            raise SymmemError(f"the FSDP x TP peak walks the layers at numbers: give {', '.join(missing)}")
+        key = (tuple(sorted(named.items())), rank)
+        if key not in self._cache:
+            if len(self._cache) > 16:
+                self._cache.clear()
+            self._cache[key] = self._peak(named, rank)
+        return self._cache[key]
+
+    def _walked(self, named: Mapping[str, int]) -> list[tuple[sympy.Expr, str, str]]:
+        """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps)."""
+        key = ("walk", tuple(sorted(named.items())))
+        if key not in self._cache:
+            walk = _MeshWalk(self.graph, self.conv, self.options, self.regime, named)
+            self._cache[key] = [(live, phase, walk.label(phase, node) if iteration(node) else f"{phase} {node}")
+                                for live, phase, node in walk.largest()]
+        return self._cache[key]
+
+    def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
+        from .model_parallel import _bytes, _module_buffers
+
+        parts = mesh_rank(self.graph, self.storages, self.regime, rank)
+        outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
+        ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
+                  sympy.Integer(0))
+        at_rest = parts.parameters + parts.optimizer_state + sympy.Add(*_module_buffers(self.graph, "float32")
+                                                                       .values()) + ids
+        ranks = f"N x t = {named['N']} x {named['t']}"
+        made = []
+        for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):
+            for live, phase, what in self._walked(named):
+                made.append(MeshMoment(phase, what, "", step, {"live": at_rest + live - less}, ranks=ranks,
+                                       what=what))
+            made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
+                                                            _step_temporaries(self.graph, rank)},
+                                   ranks=ranks, what="the optimizer step"))
+        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+                       if n in ("L", "N"))
+        return Peak(None, None, tuple(made), others)
+
+    def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
+        """Every rank's steady-step peak at ``numbers`` (rank ``r`` at mesh coordinates ``(r // t, r % t)``), and
+        the rank named as the largest (0: whole shards)."""
+        found = self.ranks(numbers)
+        return {"peak_per_rank": [found[r][1] for r in sorted(found)], "peak_rank": 0}
+
+    def ranks(self, numbers: Mapping[sympy.Symbol, int]) -> dict[int, tuple[int, int]]:
+        """``{rank: (first-step peak, steady peak)}`` of every rank of the mesh, ``r`` at ``(r // t, r % t)``: a
+        data-parallel rank holds the rows :func:`~symmem.passes.data_parallel.held_shape` gives of each
+        tensor-parallel shard, so each distinct set of rows is worked out once, however large N is."""
+        from ..symbols import N, t
+        from .data_parallel import held_shape
+
+        merged = {**self.numbers, **numbers}
+        named = self._named(numbers)
+        env = {s: sympy.Integer(v) for s, v in merged.items()}
+        firsts = sorted({int(shape[0].xreplace(env)) for _, _, shape in parameters(self.graph) if shape})
+        by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
+        out: dict[int, tuple[int, int]] = {}
+        for dp in range(int(merged[N])):
+            rows = tuple(int(held_shape((d,), merged[N], dp)[0]) for d in firsts)
+            if rows not in by_rows:
+                p = self.peak(numbers, dp)
+                by_rows[rows] = (int(p.value(merged, "first")), int(p.value(merged)))
+            for tp in range(int(merged[t])):
+                out[dp * int(merged[t]) + tp] = by_rows[rows]
+        del named
+        return out
+
+    def rank_peaks(self, numbers: Mapping[sympy.Symbol, int]) -> dict[int, tuple[int, int]] | None:
+        """:meth:`ranks` where they differ (None: every rank alike)."""
+        found = self.ranks(numbers)
+        return found if len(set(found.values())) > 1 else None
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        return self.peak().holds_at(numbers)
+
+    def domain(self) -> tuple[sympy.Basic, ...]:
+        return tuple(self.peak().domain)
+
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        raise SymmemError("an FSDP x TP rank's timeline is not drawn op by op: its peak is the largest of the "
+                          "layers' moments and the optimizer step")
+
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        raise SymmemError("the FSDP x TP peak in CUDA's 512-byte blocks is not modelled: the peak per device is in "
+                          "bytes of tensors")
+
+
+def _step_temporaries(graph: Graph, rank: int) -> sympy.Expr:
+    """For-loop AdamW's largest temporaries on the 2-D shards (the rows ``rank`` holds): ``Max`` over the
+    parameters, in the order the Llama reference lists them (the embedding; each layer's linears, then its
+    norms; the final norm; the head), of two of a parameter's size beside the previous parameter's ``denom``."""
+    from ..symbols import N
+    from .data_parallel import held_shape
+
+    first: list[sympy.Expr] = []
+    layer: list[sympy.Expr] = []
+    norms: list[sympy.Expr] = []
+    last: list[sympy.Expr] = []
+    count: sympy.Expr = sympy.Integer(1)
+    for n, c, shape in parameters(graph):
+        node = graph.node(n)
+        size = numel(held_shape(shape, N, rank)) * 4
+        if node.block is not None:
+            count = c
+            (layer if len(shape) >= 2 else norms).append(size)
+        else:
+            (first if node.kind == "embedding" else last).append(size)
+    order = first + layer + norms + last
+    candidates = [2 * order[0]] + [a + 2 * b for a, b in zip(order, order[1:], strict=False)]
+    again = (norms or layer)[-1] + 2 * layer[0]
+    candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
+    return sympy.Max(*candidates)

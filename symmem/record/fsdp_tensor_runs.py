@@ -1,0 +1,232 @@
+"""FSDP x TP measured per rank: FSDP2's ``fully_shard`` over a ``parallelize_module``'d Llama on an N x t mesh.
+
+The engine is PyTorch's 2-D recipe (the tutorial's, torchtitan's): ``init_device_mesh("cpu", (N, t),
+mesh_dim_names=("dp", "tp"))``, ``parallelize_module(model, mesh["tp"], plan)`` with the standard Llama plan
+(:func:`symmem.record.model_parallel_runs.llama_plan`: the embedding row-wise, q/k/v/gate/up column-wise, o/down
+row-wise, the head column-wise with its output replicated), then ``fully_shard(layer, mesh=mesh["dp"])`` on each
+layer and on the root.  Each parameter is then a DTensor on the 2-D mesh: the tensor-parallel shard of a rank,
+itself split over the N ranks of its data-parallel group along dim 0 (padded to a multiple of N).
+
+:func:`fsdp_tensor_runs` starts ``N*t`` forked processes in one gloo group on 127.0.0.1 (bounded waits), and in
+each rank records training steps (the loss ``sum``, for-loop AdamW) with the DTensor- and FSDP-aware recorder
+(:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): the local bytes of
+the parameters, gradients and optimizer state, what autograd keeps after the forward, and the first and steady
+step's peaks (each moment at its fewest bytes over repeated steps, as the tensor-parallel runs take them:
+gloo's worker thread lets go of a collective's tensors at no fixed op).  gloo's copy of the reduce-scatter input
+made inside the collective (first seen as an aliased output, the recorder's ``external``) is left out, as for
+FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+
+
+@dataclass(frozen=True)
+class MeshRun:
+    """One rank's FSDP x TP step: its coordinates on the mesh, the local bytes of its parameters (the padded 2-D
+    shards), gradients after the first backward, AdamW's state after the first step, the bytes autograd keeps
+    after the first forward (each storage once, a DTensor's local shard), and the first and steady step's peaks
+    with where each is (phase, op)."""
+
+    rank: int
+    dp: int
+    tp: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    saved: int
+    first_peak: int
+    steady_peak: int
+    first_at: tuple[str, str] = ("", "")
+    steady_at: tuple[str, str] = ("", "")
+    #: every step's raw live-bytes peak (first steps, then steady ones)
+    peaks: tuple[int, ...] = ()
+
+
+#: Recorded steps: first ones (each with a new AdamW, which makes its state), then steady ones
+FIRST_STEPS, STEADY_STEPS = 2, 2
+
+
+def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, options: Mapping[str, Any],
+                     reshard: bool = True) -> MeshRun:
+    """This rank's measurement (inside an initialized gloo group of ``dp * tp`` ranks)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ..reference.sequence_models import reference
+    from .model_parallel_runs import SETTLE_S, llama_plan
+    from .optim import make_optimizer
+    from .sharded import ShardTracker, local, train_steps
+
+    torch.manual_seed(0)
+    module, (ids,) = reference("llama", values, **options)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(module, mesh["tp"], llama_plan(module, tp))
+    for layer in module.layers:
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+    # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
+    ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
+                        generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
+    params = [p for p in module.parameters() if p.requires_grad]
+    saved, parts = _first_step(module, ids, params)
+    tracker = ShardTracker(settle=SETTLE_S)
+    tracker.register([local(p) for p in params], "parameter")
+    tracker.register([local(b) for b in module.buffers()], "buffer")
+    tracker.register([ids], "input")
+    held: dict[str, Any] = {}
+
+    def optimizer(step: int) -> Any:
+        if step <= FIRST_STEPS:
+            held.pop("opt", None)  # the last one's state goes before this step begins
+            held["opt"] = make_optimizer(params, "adamw", "for-loop")
+        return held["opt"]
+
+    steps = FIRST_STEPS + STEADY_STEPS
+    trace = train_steps(tracker, lambda: module(ids), lambda out: out.sum(), params, optimizer, steps,
+                        loss_phase="forward", resizes=True)
+    gloo = {s.sid for s in trace.storages if s.category == "external"}
+    first, first_at = _fewest(trace, range(1, FIRST_STEPS + 1), gloo)
+    steady, steady_at = _fewest(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
+    return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
+                   first_at, steady_at, _per_step(trace, gloo))
+
+
+def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
+    """One step before the recorded ones (FSDP's lazy initialization runs in it): the bytes autograd keeps after
+    the forward (each storage once, a DTensor's local shard; not the parameters, sharded or all-gathered, nor the
+    ids), and the local bytes of the parameters, the gradients and AdamW's state after it."""
+    import weakref
+
+    import torch
+
+    from .optim import make_optimizer, state_tensors
+    from .sharded import local
+
+    found: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        # FSDP swaps the module's parameters for the all-gathered ones in forward: whichever are there now
+        held = {local(p).untyped_storage()._cdata for p in module.parameters()} | {ids.untyped_storage()._cdata}
+        st = local(t).untyped_storage()
+        key = st._cdata
+        if key not in found and key not in held:
+            found[key] = st.nbytes()
+            weakref.finalize(st, found.pop, key, None)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(ids)
+    saved = sum(found.values())
+    out.sum().backward()
+    del out
+    opt = make_optimizer(params, "adamw", "for-loop")
+    opt.step()
+
+    def nbytes(ts: Any) -> int:
+        # each storage once: FSDP's sharded gradients of a unit view one flat buffer
+        return sum({id(s): s.nbytes() for s in (local(t).untyped_storage() for t in ts)}.values())
+
+    parts = (nbytes(params), nbytes(p.grad for p in params if p.grad is not None), nbytes(state_tensors(opt)))
+    opt.zero_grad(set_to_none=True)
+    return saved, parts
+
+
+def _live(trace: Any, left_out: set[int]) -> list[int]:
+    """Each record's live bytes less the storages ``left_out`` alive there."""
+    out = [(s.born, len(trace.records) if s.died is None else s.died, s.nbytes) for s in trace.storages
+           if s.sid in left_out and s.born is not None]
+    return [r.live - sum(n for born, died, n in out if born <= r.index < died) for r in trace.records]
+
+
+def _per_step(trace: Any, left_out: set[int]) -> tuple[int, ...]:
+    live = _live(trace, left_out)
+    best: dict[int, int] = {}
+    for r, v in zip(trace.records, live, strict=True):
+        best[r.step] = max(best.get(r.step, 0), v)
+    return tuple(best[k] for k in sorted(best))
+
+
+def _fewest(trace: Any, steps: range, left_out: set[int]) -> tuple[int, tuple[str, str]]:
+    """The largest moment of a step repeated ``steps``, each moment at its fewest bytes over the repeats (see
+    :func:`symmem.record.model_parallel_runs._fewest`), and where it is."""
+    live = _live(trace, left_out)
+    rows = [[(v, r) for r, v in zip(trace.records, live, strict=True) if r.step == s] for s in steps]
+    if len({len(r) for r in rows}) != 1:
+        raise SymmemError(f"the repeated steps ran different ops ({', '.join(str(len(r)) for r in rows)})")
+    columns = [min(column, key=lambda x: x[0]) for column in zip(*rows, strict=True)]
+    v, r = max(columns, key=lambda x: x[0])
+    return v, (r.phase, r.op)
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], out: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        try:
+            runs = [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
+                    for values, dp, options, reshard in jobs]
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, runs))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        out.put((rank, traceback.format_exc()))
+
+
+#: How long a rank waits for the others (process group and every collective), and for all of them to finish.
+TIMEOUT_S = 60
+
+
+def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], Mapping[str, Any]]],
+                     reshard: bool = True) -> list[list[MeshRun]]:
+    """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
+    per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
+    that case's FSDP setting, else ``reshard``).  A rank that fails or hangs is a :class:`SymmemError`."""
+    import multiprocessing
+
+    import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    from .model_parallel_runs import free_port
+
+    for n, what in ((dp, "data-parallel size N"), (tp, "tensor-parallel size t")):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SymmemError(f"the {what} is a positive integer, got {n!r}")
+    world = dp * tp
+    jobs = [(dict(values), dp, {k: v for k, v in options.items() if k != "reshard_after_forward"},
+             bool(options.get("reshard_after_forward", reshard))) for values, options in cases]
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    found: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, result = out.get(timeout=TIMEOUT_S * 2)
+            found[rank] = result
+    except Exception as e:  # queue.Empty: a rank hung
+        raise SymmemError(f"the FSDP x TP run did not finish in {TIMEOUT_S * 2} s") from e
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    for rank in sorted(found):
+        if isinstance(found[rank], str):
+            raise SymmemError(f"rank {rank} failed:\n{found[rank]}")
+    return [found[r] for r in range(world)]

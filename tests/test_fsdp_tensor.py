@@ -1,0 +1,126 @@
+"""FSDP x TP against the real 2-D engine: ``fully_shard`` over a ``parallelize_module``'d Llama on an N x t mesh.
+
+The truth is four real processes (gloo, 127.0.0.1, bounded time) on ``init_device_mesh("cpu", (2, 2),
+mesh_dim_names=("dp", "tp"))``: the standard Llama plan over ``mesh["tp"]``, ``fully_shard`` on each layer and the
+root over ``mesh["dp"]``, FP32 AdamW, the loss ``sum``, each rank under the DTensor- and FSDP-aware recorder
+(``symmem.record.fsdp_tensor_runs``: each moment's fewest bytes over repeated steps).  symmem's side is
+``symmem.passes.fsdp_tensor``: formulas in N, t and the model's sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from symmem.errors import SymmemError
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("torch.distributed.tensor.parallel")
+
+#: V = 66: each tensor-parallel rank holds 33 rows of the embedding and the head, which FSDP pads to 34 and splits
+#: 17 / 16 -- the data-parallel ranks' optimizer states and steady peaks differ (the padding row has no Adam state)
+VALUES = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64}
+#: (engine, sizes, options, where rank 0's steady peak is): FSDP2 resharding after forward, SDPA -- the last
+#: layer's MLP backward (a column-parallel input gradient's all-reduce); without resharding, eager attention over
+#: three layers -- the head's all-gather at the forward's end (every unit's unsharded parameters, the mask)
+CASES = [("fsdp", VALUES, {"attention": "sdpa"}, "backward layers.mlp.up_proj (layer 2)"),
+         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head")]
+
+
+def test_every_rank_of_a_2x2_mesh_against_the_engine():
+    """Every rank's parameters (padded 2-D shards), gradients, AdamW state (the unpadded rows), saved activations
+    and first and steady step peaks equal the real run's to the byte; every view gives rank 0's peak, where it is,
+    and every rank's."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem import derive
+    from symmem.api import tensor_parallel_rank
+    from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
+
+    jobs = [(values, {**options, "reshard_after_forward": engine == "fsdp"}) for engine, values, options, _ in CASES]
+    everything = fsdp_tensor_runs(2, 2, jobs)
+    for case, (engine, values, options, where) in enumerate(CASES):
+        real = [rank[case] for rank in everything]
+        assert [(r.dp, r.tp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        numbers = {**values, "N": 2, "t": 2}
+        parts = {dp: tensor_parallel_rank("llama", values=values, device="cpu", data_parallel=engine, rank=dp,
+                                          **options).at(numbers) for dp in (0, 1)}
+        for r in real:
+            want = parts[r.dp]
+            got = {"saved": r.saved, "parameters": r.parameters, "gradients": r.gradients,
+                   "optimizer_state": r.optimizer_state}
+            assert want == got, (engine, r.rank, want, got)
+        # the data-parallel rank 1 holds 16 of the 17 stored rows of the embedding and the head: 2 x 2 x H x 4
+        # bytes fewer of AdamW's moments, and as much less at its peak
+        assert real[0].optimizer_state - real[2].optimizer_state == 2 * 2 * 32 * 4
+        d = derive("llama", data_parallel=engine, tensor_parallel=True, values=numbers, device="cpu", **options)
+        assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak), engine
+        out = d.to_dict()
+        assert out["values"]["peak_per_rank"] == {
+            str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}, engine
+        assert out["peak_at"]["rank"] == 0 and d.peak_at().where(step=False) == f"rank 0 of N x t = 2 x 2: {where}"
+        assert "peak per rank (first step / steady): ranks 0-1: " in str(d)
+        assert {"B", "S", "N", "t"} <= {s.name for s in d.peak.free_symbols}
+
+
+def test_the_mesh_ranks_cli(capsys):
+    from symmem.cli import main
+
+    sets = [a for k, v in {**VALUES, "N": 2, "t": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["ranks", "llama", "--data-parallel", "fsdp", "--tensor-parallel", "--device", "cpu",
+                 "--attention", "sdpa", *sets]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "rank 0 of an N=2 x t=2 mesh (fsdp over DTensor's standard plan): bytes"
+    assert "  optimizer state by data-parallel rank: 0: 46,292, 1: 45,780" in lines
+    # the peak the test above checks against the engine
+    assert lines[-1] == ("peak per rank: 182,588 bytes at rank 0 of N x t = 2 x 2: backward layers.mlp.up_proj "
+                         "(layer 2); first step 136,296")
+
+
+def test_fit_under_fsdp_x_tp():
+    """``fit``: the largest B whose rank-0 peak fits, the step walked anew at that B and at B + 1 (fresh derives)
+    on each side of the budget."""
+    from symmem import derive
+    from symmem.apps.budget import largest
+
+    values = {**VALUES, "N": 2, "t": 2}
+    d = derive("llama", data_parallel="fsdp", tensor_parallel=True, values=values, device="cpu", attention="sdpa")
+    budget = 2**20
+    fit = largest(d, "B", budget)
+    at = [derive("llama", data_parallel="fsdp", tensor_parallel=True, values={**values, "B": b}, device="cpu",
+                 attention="sdpa").value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
+
+
+def test_the_peak_refuses_what_was_not_measured():
+    from symmem import derive
+
+    values = {**VALUES, "N": 2, "t": 2}
+    for kwargs, why in [({"device": "cuda"}, "no peak: the FSDP x TP peak is measured on CPU ranks (gloo)"),
+                        ({"device": "cpu", "loss": "cross-entropy"},
+                         "no peak: the FSDP x TP peak is modelled for the loss 'sum'")]:
+        out = derive("llama", data_parallel="fsdp", tensor_parallel=True, values=values, **kwargs).to_dict()
+        assert out["values"]["peak"] is None and out["peak_refused"].startswith(why), kwargs
+
+
+@pytest.mark.parametrize("args, message", [
+    (["derive", "llama", "--data-parallel", "fsdp", "--tensor-parallel", "--sequence-parallel"],
+     "symmem: error: data_parallel='fsdp' with sequence parallelism is not modelled: FSDP x TP was measured with "
+     "the standard plan (no sequence parallelism); drop one of them\n"),
+    (["derive", "llama", "--data-parallel", "ddp", "--tensor-parallel"],
+     "symmem: error: data_parallel='ddp' with tensor or pipeline parallelism is not modelled: give one of them\n"),
+])
+def test_combinations_the_engine_refuses(capsys, args, message):
+    from symmem.cli import main
+
+    assert main(args) == 2
+    assert capsys.readouterr().err == message
+
+
+def test_rank_without_a_mesh_is_refused():
+    from symmem.api import tensor_parallel_rank
+
+    with pytest.raises(SymmemError, match="rank names a place in a data-parallel group"):
+        tensor_parallel_rank("llama", values=VALUES, device="cpu", rank=1)
+    with pytest.raises(SymmemError, match=r"rank 2 is no place in a data-parallel group of N=2 \(0 to 1\)"):
+        tensor_parallel_rank("llama", values={**VALUES, "N": 2}, device="cpu", data_parallel="fsdp", rank=2)
