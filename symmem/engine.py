@@ -233,31 +233,36 @@ def _tensor_step(model: Model, convention: Convention, regime: Regime, values: M
                  options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
     """The step of one tensor-parallel rank under DTensor's standard plan, worked out from the single-device
     derivation (:mod:`symmem.passes.tensor_step`); refused, saying why, where it is not modelled."""
-    from dataclasses import replace
-
     from .passes.tensor_step import TensorStep, refusal, storages_rank
-    from .step import Refused
 
-    graph = model.graph
-    loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
-    one = replace(regime, tensor_parallel=False, sequence_parallel=False)
-    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k != "t"},
-                         options=options)
-    why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
-    if why is not None:
-        return Refused(f"no peak: {why}")
-    resolved = {k: single.options[k] for k in convention.options if k in single.options}
-    return TensorStep(storages_rank(graph, single.storages, one, regime.sequence_parallel), dict(numbers), graph,
-                      convention, resolved, one, regime.sequence_parallel)
+    found = _rank_single(model, convention, regime, values, options, refusal)
+    if not isinstance(found, tuple):
+        return found
+    one, single, resolved = found
+    return TensorStep(storages_rank(model.graph, single.storages, one, regime.sequence_parallel), dict(numbers),
+                      model.graph, convention, resolved, one, regime.sequence_parallel)
 
 
 def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
                options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
     """The step of one rank of an N x t mesh (FSDP2 over DTensor's standard plan), walked from the single-device
     step under FSDP (:mod:`symmem.passes.fsdp_tensor`); refused, saying why, where it is not modelled."""
+    from .passes.fsdp_tensor import MeshStep, refusal
+
+    found = _rank_single(model, convention, regime, values, options, refusal)
+    if not isinstance(found, tuple):
+        return found
+    one, single, resolved = found
+    return MeshStep(dict(numbers), model.graph, convention, resolved, one, single.storages)
+
+
+def _rank_single(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+                 options: Mapping[str, Any] | None, refusal: Any) -> Any:
+    """What a tensor-parallel rank's step is walked from: the regime without tensor parallelism, the single-device
+    derivation under it (``t`` left out) and its convention options; or the step refused, saying why
+    (``refusal(model, regime, loss, device)``)."""
     from dataclasses import replace
 
-    from .passes.fsdp_tensor import MeshStep, refusal
     from .step import Refused
 
     graph = model.graph
@@ -268,8 +273,7 @@ def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Map
     why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
     if why is not None:
         return Refused(f"no peak: {why}")
-    resolved = {k: single.options[k] for k in convention.options if k in single.options}
-    return MeshStep(dict(numbers), graph, convention, resolved, one, single.storages)
+    return one, single, {k: single.options[k] for k in convention.options if k in single.options}
 
 
 def ledger_of(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
