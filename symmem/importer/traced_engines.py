@@ -26,6 +26,7 @@ and every view work on it unchanged:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,10 +36,14 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import SHARDED, held_shape, shard_rows
+from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
+from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
+from ..peak import Moment
 from ..symbols import N
 from ..training import Regime
 from .recording import LiveStorage, StepOp, StepRecord
-from .traced_step import StepPeak
+from .traced_step import StepPeak, peak_of
+from .traced_zero import owned_order, rank_optimizer
 
 
 @dataclass(frozen=True)
@@ -73,15 +78,16 @@ def engine_of(regime: Regime) -> Engine | None:
 def refusal(regime: Regime, step: Any) -> str | None:
     """Why a traced step is not followed under ``regime``'s engine (None: it is)."""
     dp = regime.data_parallel
-    if dp is not None and dp not in ("ddp", "ddp-bucket-view", *SHARDED):
+    if dp is not None and dp not in ("ddp", "ddp-bucket-view", ZERO_REDUNDANCY, *SHARDED):
         return (f"the peak of a traced module under data_parallel={dp!r} is not modelled yet (under ddp, "
-                "ddp-bucket-view, fsdp and fsdp-no-reshard it is; the kept memory and total are)")
+                "ddp-bucket-view, zero-redundancy, fsdp and fsdp-no-reshard it is; the kept memory and total are)")
     if dp in SHARDED and step.options.micro_batches != 1:
         return (f"the peak under data_parallel={dp!r} is modelled for one micro-batch (FSDP's gradient accumulation "
                 "is not)")
     if dp in SHARDED and step.options.checkpoint:
         return f"the peak under data_parallel={dp!r} is modelled without checkpointing"
-    if (dp in SHARDED or regime.zero) and any(not p.requires_grad for p in step.module.parameters()):
+    if (dp in SHARDED or dp == ZERO_REDUNDANCY or regime.zero) and any(not p.requires_grad
+                                                                        for p in step.module.parameters()):
         return (f"the peak under {'data_parallel=' + repr(dp) if dp else f'zero={regime.zero}'} is modelled for "
                 "modules whose parameters all train (frozen ones are sharded without gradients: not followed)")
     return None
@@ -454,6 +460,105 @@ class EngineStepPeak(StepPeak):
                                    notes=[])
 
 
+
+@dataclass
+class ZeroRedundancyStepPeak(EngineStepPeak):
+    """A traced module's step under ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (ZeRO-1): every
+    rank's step recorded with its own local optimizer (:mod:`.traced_zero`) and DDP's buckets, at the numbers the
+    whole-parameter partition is computed at (``N`` and the layer count); the peak is the ``Max`` over every rank's
+    moments (:class:`~symmem.passes.zero_redundancy.RanksPeak`, each moment saying its rank), as for built-in
+    graphs."""
+
+    def _fixed(self, at: Any) -> tuple[int, int | None]:
+        """The world size and the layer count the partition is computed at."""
+        given = {**self.numbers, **dict(at or {})}
+        world = given.get(N)
+        if world is None:
+            raise SymmemError("ZeroRedundancyOptimizer partitions whole parameters by their sizes over the ranks: "
+                              "give the world size N a number (--set N=...)")
+        if isinstance(world, bool) or int(world) != world or int(world) < 1:
+            raise SymmemError(f"the world size N is a positive integer, got {world!r}")
+        count = given.get(self.symbol) if self.symbol is not None else None
+        return int(world), int(count) if count is not None else self.count
+
+    def _listed(self, count: int | None) -> list[tuple[str, tuple[int, ...]]]:
+        """``module.parameters()`` with the repeated blocks written out ``count`` times: (name, shape)."""
+        from .wrap import with_layers
+
+        ctx = with_layers(self.module, self.repeat[0], self.repeat[1], count) \
+            if self.repeat is not None and count else contextlib.nullcontext()
+        with ctx:
+            return [(n, tuple(int(d) for d in p.shape)) for n, p in self.module.named_parameters()]
+
+    def domain(self) -> tuple[Any, ...]:
+        world, count = self._fixed({})
+        fixed = (sympy.Eq(N, world), *((sympy.Eq(self.symbol, count),) if self.symbol is not None else ()))
+        return (*fixed, *self._domain())
+
+    def holds_at(self, numbers: Any) -> bool:
+        return all(bool(sympy.sympify(c, strict=True).xreplace(dict(numbers))) for c in self.domain())
+
+    def rank_record(self, count: int | None, ones: tuple[str, ...], owned: tuple[int, ...]) -> StepRecord:
+        """The step of a rank whose local optimizer steps the parameters ``owned`` (indices in
+        ``module.parameters()`` order, in its order), with DDP's buckets."""
+        key = (ZERO_REDUNDANCY, count, ones, owned)
+        if key not in self._records:
+            assert self.inner is not None
+            alone = dataclasses.replace(self.inner, _records={}, _peaks={}, notes=[])  # the same fake world
+            with rank_optimizer(owned):
+                rec = alone.record(count, ones)
+            self._records[key] = _ddp(rec, _parameters(rec, self.module, self.repeat), False)
+        return self._records[key]
+
+    def _parts(self, at: Any) -> tuple[int, int | None, tuple[str, ...], list[tuple[int, ...]], list[Any]]:
+        world, count = self._fixed(at)
+        by_symbol = {s: n for n, s in self.symbols.items()}
+        ones = tuple(sorted(by_symbol[s] for s, v in dict(at or {}).items() if s in by_symbol and v == 1))
+        params = self._listed(count)
+        sizes = [int(sympy.Mul(*shape)) for _, shape in params]
+        return world, count, ones, owned_order(sizes, world), params
+
+    def ranks(self, at: Any = None) -> RanksPeak:
+        """Every rank's peak and the largest over them (ranks whose local optimizers step the same shapes in the
+        same order step alike: recorded once)."""
+        world, count, ones, parts, params = self._parts(at)
+        key = (ZERO_REDUNDANCY, world, count, ones)
+        if key in self._peaks:
+            return self._peaks[key]  # type: ignore[return-value]
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for rank, idx in enumerate(parts):
+            groups.setdefault(tuple(params[i][1] for i in idx), []).append(rank)
+        fixed = (sympy.Eq(N, world), *((sympy.Eq(self.symbol, count),) if self.symbol is not None else ()))
+        domain = (*fixed, *self._domain())
+        numbers = {**self.numbers, **dict(at or {}), N: world}
+        per_rank: dict[int, Any] = {}
+        moments: list[RankMoment] = []
+        state: dict[int, int] = {}
+        for ranks in groups.values():
+            rec = self.rank_record(count, ones, parts[ranks[0]])
+            found = peak_of(rec, subs=self.subs, numbers=numbers, domain=domain,
+                            layers=rec.layers if rec.layers is not None else self.layer_map())
+            held = sum(int(sympy.sympify(rec.storages[i].nbytes, strict=True)) for i in rec.state())
+            per_rank.update({r: found for r in ranks})
+            state.update({r: held for r in ranks})
+            moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
+                                   rank=ranks[0], ranks=world) for m in found.moments]
+        out = RanksPeak(None, None, tuple(_undominated(moments)), domain, ())
+        out.per_rank = dict(sorted(per_rank.items()))
+        out.state = [state[r] for r in range(world)]
+        self._peaks[key] = out
+        return out
+
+    def peak(self, at: Any = None) -> RanksPeak:
+        return self.ranks(at)
+
+    def _at(self, at: Any) -> tuple[StepRecord, Any, tuple[str, ...]]:
+        """The step of the rank whose steady step peaks highest at ``at``."""
+        world, count, ones, parts, _ = self._parts(at)
+        rank = getattr(self.ranks(at).at({**self.numbers, **dict(at)}, "steady"), "rank", 0)
+        return self.rank_record(count, ones, parts[rank]), count, ones
+
+
 def under_engine(step: StepPeak, regime: Regime) -> Any:
     """``step`` under ``regime``'s engine (itself where there is none), or a :class:`~symmem.step.Refused`."""
     engine = engine_of(regime)
@@ -466,7 +571,8 @@ def under_engine(step: StepPeak, regime: Regime) -> Any:
         return Refused(why)
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
     fields["notes"] = step.notes
-    return EngineStepPeak(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
+    kind = ZeroRedundancyStepPeak if engine.kind == ZERO_REDUNDANCY else EngineStepPeak
+    return kind(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
 
 
 def traced_job(derivation: Any, builder: Any, steps: int = 3) -> Any:
