@@ -28,6 +28,7 @@ from symmem.importer import sources  # noqa: E402
 from symmem.importer.spec_builder import SpecBuilder  # noqa: E402
 from symmem.importer.traced_engines import Engine, traced_job  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
+from symmem.passes.zero_redundancy import state_per_rank  # noqa: E402
 from symmem.record.distributed import compare, measure_jobs  # noqa: E402
 from symmem.symbols import L, N  # noqa: E402
 
@@ -35,7 +36,8 @@ from symmem.symbols import L, N  # noqa: E402
 BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 GPT2 = ("hf:gpt2", (("n_layer", 2), ("n_embd", 64), ("n_head", 2), ("vocab_size", 100), ("n_positions", 64)))
 #: (spec, config, loss, engines)
-CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard")), (*GPT2, "sum", ("fsdp",))]
+CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard", "zero-redundancy")),
+         (*GPT2, "sum", ("fsdp", "zero-redundancy"))]
 
 
 @functools.cache
@@ -76,10 +78,11 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     wrong = []
     for (spec, engine, d, _), ranks in zip(cases, measured, strict=True):
         name = f"{spec.rsplit('/', 1)[-1]} {engine}"
-        if engine.startswith("ddp"):
+        if engine.startswith("ddp"):  # every rank alike
             wrong += [f"{name}: {w}" for w in compare(d, ranks)]
             continue
-        # every rank's first and steady peak: rank_peaks where the padding makes them differ, else the peak
+        # every rank's first and steady peak: rank_peaks where the padding (FSDP2) or the whole-parameter partition
+        # (ZeRO-1) makes them differ, else the peak
         want = rank_peaks(d) or {r.rank: (d.value("peak_first_step"), d.value("peak")) for r in ranks}
         got = {r.rank: (r.first, min(r.per_step[1:])) for r in ranks}
         wrong += [f"{name}: derived {want}, measured {got}"] if want != got else []
@@ -88,6 +91,12 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     # AdamW's two moments, in the first step and the steady one
     ranks = rank_peaks(cases[0][2])
     assert ranks[0][0] - ranks[1][0] == ranks[0][1] - ranks[1][1] == 2 * 4 * 25
+    # ZeRO-1: the ranks' AdamW states add up to one device's (two moments per element, a 4-byte step per whole
+    # parameter), split unevenly by whole parameters (the ranks' peaks differ: measured above)
+    zero = next(d for spec, engine, d, _ in cases if spec == BLOCK and engine == "zero-redundancy")
+    params = list(_loaded(BLOCK, ()).module.parameters())
+    state = state_per_rank(zero)
+    assert sum(state) == 8 * sum(p.numel() for p in params) + 4 * len(params) and state[0] != state[1]
 
 
 def test_zero_and_ddp_as_hand_counts_of_the_traced_step():
