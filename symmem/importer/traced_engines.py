@@ -35,6 +35,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import SHARDED
+from ..passes.fsdp1 import FSDP1
 from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
 from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
 from ..peak import Moment
@@ -42,18 +43,22 @@ from ..symbols import N
 from ..training import Regime
 from .recording import LiveStorage, StepRecord
 from .traced_fsdp import FsdpRewrite, Param, grads_made, parameters_of, scaled, without_frees
+from .traced_fsdp1 import Fsdp1Rewrite
 from .traced_step import StepPeak, peak_of
 from .traced_zero import owned_order, rank_optimizer
 
 
 @dataclass(frozen=True)
 class Engine:
-    """What one rank runs beside the recorded step: ``kind`` is ``ddp``, ``ddp-bucket-view``, ``fsdp``,
-    ``fsdp-no-reshard`` or ``zero`` (stage ``zero``); ``rank`` the FSDP rank whose shards the optimizer steps on."""
+    """What one rank runs beside the recorded step: ``kind`` is ``ddp``, ``ddp-bucket-view``, ``zero-redundancy``,
+    ``fsdp``, ``fsdp-no-reshard``, ``fsdp1``, ``fsdp1-grad-op`` or ``zero`` (stage ``zero``); ``rank`` the FSDP rank
+    whose shards the optimizer steps on; ``optimizer`` and ``impl`` the step's (FSDP1 steps its flat shards)."""
 
     kind: str
     zero: int = 0
     rank: int = 0
+    optimizer: str = "adamw"
+    impl: str = "for-loop"
 
     def apply(self, rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]] | None,
               loss_inside: bool) -> StepRecord:
@@ -63,6 +68,9 @@ class Engine:
             return _ddp(rec, params, self.kind == "ddp-bucket-view")
         if self.kind == "zero":
             return _zero(rec, params, self.zero)
+        if self.kind in FSDP1:
+            return Fsdp1Rewrite(rec, params, self.kind, self.rank, loss_inside, optimizer=self.optimizer,
+                                impl=self.impl).rewrite()
         return FsdpRewrite(rec, params, self.kind, self.rank, loss_inside).rewrite()
 
 
@@ -78,15 +86,17 @@ def engine_of(regime: Regime) -> Engine | None:
 def refusal(regime: Regime, step: Any) -> str | None:
     """Why a traced step is not followed under ``regime``'s engine (None: it is)."""
     dp = regime.data_parallel
-    if dp is not None and dp not in ("ddp", "ddp-bucket-view", ZERO_REDUNDANCY, *SHARDED):
+    if dp is not None and dp not in ("ddp", "ddp-bucket-view", ZERO_REDUNDANCY, *SHARDED, *FSDP1):
         return (f"the peak of a traced module under data_parallel={dp!r} is not modelled yet (under ddp, "
-                "ddp-bucket-view, zero-redundancy, fsdp and fsdp-no-reshard it is; the kept memory and total are)")
-    if dp in SHARDED and step.options.micro_batches != 1:
+                "ddp-bucket-view, zero-redundancy, fsdp, fsdp-no-reshard, fsdp1 and fsdp1-grad-op it is; the kept "
+                "memory and total are)")
+    sharded = dp in SHARDED or dp in FSDP1
+    if sharded and step.options.micro_batches != 1:
         return (f"the peak under data_parallel={dp!r} is modelled for one micro-batch (FSDP's gradient accumulation "
                 "is not)")
-    if dp in SHARDED and step.options.checkpoint:
+    if sharded and step.options.checkpoint:
         return f"the peak under data_parallel={dp!r} is modelled without checkpointing"
-    if (dp in SHARDED or dp == ZERO_REDUNDANCY or regime.zero) and any(not p.requires_grad
+    if (sharded or dp == ZERO_REDUNDANCY or regime.zero) and any(not p.requires_grad
                                                                         for p in step.module.parameters()):
         return (f"the peak under {'data_parallel=' + repr(dp) if dp else f'zero={regime.zero}'} is modelled for "
                 "modules whose parameters all train (frozen ones are sharded without gradients: not followed)")
@@ -296,6 +306,7 @@ def under_engine(step: StepPeak, regime: Regime) -> Any:
         return Refused(why)
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
     fields["notes"] = step.notes
+    engine = dataclasses.replace(engine, optimizer=step.options.optimizer, impl=step.options.impl)
     kind = ZeroRedundancyStepPeak if engine.kind == ZERO_REDUNDANCY else EngineStepPeak
     return kind(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
 

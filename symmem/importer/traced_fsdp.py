@@ -22,6 +22,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import SHARDED, held_shape, shard_rows
+from ..passes.fsdp1 import FSDP1
 from ..symbols import N
 from .recording import LiveStorage, StepOp, StepRecord
 
@@ -90,7 +91,7 @@ class FsdpRewrite:
     ops: list[StepOp] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.reshard = SHARDED[self.kind]
+        self.reshard = {**SHARDED, **FSDP1}[self.kind]  # whether a unit's parameters go after its forward
         self.units: list[str | None] = [*(self.rec.layers or {})]
         self.unit_params: dict[str | None, list[Param]] = {u: [] for u in [None, *self.units]}
         for p in self.params:
