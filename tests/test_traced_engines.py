@@ -36,8 +36,9 @@ from symmem.symbols import L, N  # noqa: E402
 BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 GPT2 = ("hf:gpt2", (("n_layer", 2), ("n_embd", 64), ("n_head", 2), ("vocab_size", 100), ("n_positions", 64)))
 #: (spec, config, loss, engines)
-CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard", "zero-redundancy")),
-         (*GPT2, "sum", ("fsdp", "zero-redundancy"))]
+CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard", "zero-redundancy", "fsdp1",
+                                       "fsdp1-grad-op")),
+         (*GPT2, "sum", ("fsdp", "zero-redundancy", "fsdp1"))]
 
 
 @functools.cache

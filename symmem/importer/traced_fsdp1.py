@@ -117,7 +117,8 @@ class Fsdp1Rewrite(FsdpRewrite):
         """FSDP's events placed (:meth:`FsdpRewrite.rewrite`), then the weights as the flat shards and the optimizer
         step over them."""
         rec = super().rewrite()
-        flats = [(f"flat[{self._name(u)}]", u) for u in [None, *self.units] if self.unit_params[u]]
+        # each flat shard's step is named after its unit, as the unit's ops are: a block's then folds in L
+        flats = [(u if u is not None else "[root]", u) for u in [None, *self.units] if self.unit_params[u]]
         shards = [self.new(f"fsdp1.flat_shard[{self._name(u)}]", "parameter", self.flat_k[u] * self.bytes_per[u],
                            "start") for _, u in flats]
         weights = {p.sid for p in self.params}
@@ -125,10 +126,10 @@ class Fsdp1Rewrite(FsdpRewrite):
         numel = {name: self.flat_k[u] for name, u in flats}
         state_ids: dict[str, list[int]] = {}
         for name, u in flats:
-            ids = [self.new(f"{name}.{s}", "optimizer_state", e, "step")
+            ids = [self.new(f"flat[{self._name(u)}].{s}", "optimizer_state", e, "step")
                    for s, e in regime.optimizer_spec.state_bytes((self.flat_k[u],))]
             if self.optimizer in ("adam", "adamw") and ids:
-                ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), "step"))  # Adam's count
+                ids.append(self.new(f"flat[{self._name(u)}].step", "optimizer_state", sympy.Integer(4), "step"))
             state_ids[name] = ids
         step_born = {i for o in rec.ops if o.phase == "step" for i in o.born}
         ops: list[StepOp] = []
