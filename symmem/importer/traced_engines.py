@@ -34,7 +34,7 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
-from ..passes.data_parallel import SHARDED
+from ..passes.data_parallel import SHARDED, held_shape
 from ..passes.fsdp1 import FSDP1
 from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
 from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
@@ -193,6 +193,27 @@ class EngineStepPeak(StepPeak):
             return self
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, rank=rank), _records={}, _peaks={},
                                    notes=[])
+
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
+        """Under FSDP2: ``{rank: (first-step peak, steady peak)}`` of every rank ``0 .. N-1`` of ``derivation``
+        (this step's), where they differ; None where every rank's is the same.  A rank's step differs from
+        another's only through the rows of each parameter's dim 0 it holds (the padding sits at the end: the last
+        ranks hold fewer, a middle one may hold part of a shard), so each distinct set of rows is followed once,
+        however large ``N`` is."""
+        assert self.engine is not None
+        if self.engine.kind not in SHARDED:
+            return None
+        world = int(derivation.numbers[N])
+        firsts = sorted({int(p.shape[0]) for p in self.module.parameters() if p.dim()})
+        by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
+        found = {}
+        for rank in range(world):
+            rows = tuple(int(held_shape((d,), world, rank)[0]) for d in firsts)
+            if rows not in by_rows:
+                d = dataclasses.replace(derivation, step=self.at_rank(rank))
+                by_rows[rows] = (int(d.value("peak_first_step")), int(d.value("peak")))
+            found[rank] = by_rows[rows]
+        return found if len(set(found.values())) > 1 else None
 
 
 
