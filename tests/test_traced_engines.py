@@ -198,3 +198,26 @@ def test_every_rank_of_traced_fsdp_at_four_ranks_equals_a_real_run():
     one, other = measure_jobs([job, job], world=4, timeout=170, start_method="forkserver")
     got = {r.rank: (r.first, min(r.per_step[1:])) for r in _lowest(one, other)}
     assert got == ranks
+
+
+@pytest.mark.xdist_group("gloo")  # after the gloo runs, on their worker: their traced derivations are cached
+def test_the_command_line_gives_each_rank_and_fits_and_plots(capsys, tmp_path):
+    """``symmem trace SPEC --data-parallel zero-redundancy --set N=2 --format json`` gives the peaks the gloo runs
+    above measure, every rank's (they differ) and which rank peaks; ``fit`` solves the peak for B (under FSDP1,
+    whose ranks hold the same flat shards) and ``plot`` draws the largest rank's step."""
+    def args(engine):
+        return [BLOCK, "--dims", "B", "--data-parallel", engine, "--set", "N=2", "--loss", "cross-entropy",
+                "--optimizer", "adamw"]
+
+    assert main(["trace", *args("zero-redundancy"), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = _traced(BLOCK, (), "cross-entropy", "zero-redundancy")
+    ranks = rank_peaks(d)
+    per_rank = out["values"]["peak_per_rank"]
+    assert {int(r): (v["peak_first_step"], v["peak"]) for r, v in per_rank.items()} == ranks
+    assert out["values"]["peak"] == ranks[0][1] > ranks[1][1] and out["peak_at"]["rank"] == 0
+    assert main(["fit", *args("fsdp1"), "--budget", "300KiB", "--format", "json"]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["quantity"] == "peak" and fit["total_at_max"] <= fit["budget"] < fit["total_above"]
+    assert main(["plot", "timeline", *args("zero-redundancy"), "--output", str(tmp_path / "step.png")]) == 0
+    assert (tmp_path / "step.png").stat().st_size > 0
