@@ -9,19 +9,22 @@ and every view work on it unchanged:
 * ``ddp`` -- the reducer's flat gradient buckets (every trainable parameter's bytes), live from the start;
 * ``ddp-bucket-view`` -- the buckets are the gradients: each ``.grad`` a backward op makes is freed once made (the
   reducer copies it into its bucket), and the buckets are live from the start;
+* ``zero-redundancy`` -- DDP's buckets, and ``ZeroRedundancyOptimizer``'s whole-parameter partition: each rank's step
+  recorded with its own local optimizer over the parameters it owns (:mod:`.traced_zero`), at the numbers the
+  partition needs (``N`` and the layer count); the peak is the largest rank's (:class:`ZeroRedundancyStepPeak`);
 * ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` on each block of the repeated run the fold in ``L`` finds
-  (``transformer.h.*``, ``model.layers.*``), then the root (every other parameter): each parameter stored as its
-  padded dim-0 shard (``ceil(d0/N)`` rows), the all-gather outputs and unsharded parameters of the root and the
-  running block, the prefetch in backward, the unsharded gradients until the block's post-backward, the
-  reduce-scatter input and the sharded gradients, and AdamW's state following the rank's unpadded rows -- the events
-  of :class:`symmem.passes.data_parallel.Fsdp` placed at the recorded ops of each block (its first and last op in
-  forward and backward);
+  (``transformer.h.*``, ``model.layers.*``), then the root (every other parameter): the events of
+  :class:`symmem.passes.data_parallel.Fsdp` placed at the recorded ops of each block (:mod:`.traced_fsdp`); every
+  rank's step, each distinct set of rows it holds followed once (:meth:`EngineStepPeak.rank_peaks`);
+* ``fsdp1`` / ``fsdp1-grad-op`` -- FSDP1 ``FullyShardedDataParallel`` (FULL_SHARD, SHARD_GRAD_OP) with the same units:
+  one flat parameter per unit padded to a multiple of ``N``, the optimizer stepping the flat shards
+  (:mod:`.traced_fsdp1`); every rank alike;
 * ``zero`` K -- the papers' accounting (:attr:`symmem.training.Regime.zero`): each component stage K shards divided by
   ``N`` at every moment (optimizer state from 1, gradients from 2, weights at 3; Adam's 4-byte step counts whole).
 
 >>> from symmem.training import Regime
->>> engine_of(Regime(data_parallel="fsdp")).kind, engine_of(Regime(zero=2)).kind, engine_of(Regime()) is None
-('fsdp', 'zero', True)
+>>> engine_of(Regime(data_parallel="fsdp1")).kind, engine_of(Regime(zero=2)).kind, engine_of(Regime()) is None
+('fsdp1', 'zero', True)
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ..passes.fsdp1 import FSDP1
 from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
 from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
 from ..peak import Moment
+from ..record.fsdp1_runs import STRATEGIES
 from ..symbols import N
 from ..training import Regime
 from .recording import LiveStorage, StepRecord
@@ -108,13 +112,21 @@ def policy(regime: Regime, repeat: Any) -> str:
 
     >>> policy(Regime(data_parallel="fsdp"), None)
     'fsdp: FSDP2 fully_shard(reshard_after_forward=True) on the root only (the module has no repeated block)'
+    >>> policy(Regime(data_parallel="fsdp1-grad-op"), None)[:78]
+    'fsdp1-grad-op: FSDP1 FullyShardedDataParallel(sharding_strategy=SHARD_GRAD_OP)'
     """
-    head = f"{regime.data_parallel}: FSDP2 fully_shard(reshard_after_forward={SHARDED[regime.data_parallel]})"
+    dp = regime.data_parallel
+    if dp in FSDP1:
+        head = f"{dp}: FSDP1 FullyShardedDataParallel(sharding_strategy={STRATEGIES[dp]})"
+        tail = "; every rank holds the same flat shards (padded to a multiple of N)"
+    else:
+        head = f"{dp}: FSDP2 fully_shard(reshard_after_forward={SHARDED[dp]})"
+        tail = "; the peak is rank 0's, which holds whole shards"
     if repeat is None:
         return f"{head} on the root only (the module has no repeated block)"
     where = f"{repeat.path}." if repeat.path else ""
     return (f"{head} on each block of {where}* (the run of {len(repeat.children)} identical children symmem folds "
-            "into L), then on the root (every other parameter); the peak is rank 0's, which holds whole shards")
+            f"into L), then on the root (every other parameter){tail}")
 
 
 def _ddp(rec: StepRecord, params: list[Param], view: bool) -> StepRecord:
