@@ -181,8 +181,9 @@ def test_ddp_buckets_hold_the_trainable_parameters_only():
     net[0].weight.requires_grad_(False)
     one, ddp = (trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel=e) for e in (None, "ddp"))
     assert ddp.value("peak") - one.value("peak") == 4 * (4 + 12 + 3)
-    with pytest.raises(SymmemError, match="parameters all train"):
-        trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="fsdp", values={"N": 2}).value("peak")
+    for engine in ("fsdp", "fsdp1", "zero-redundancy"):  # their shards and partitions cover every parameter
+        with pytest.raises(SymmemError, match="parameters all train"):
+            trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel=engine, values={"N": 2}).value("peak")
 
 
 @pytest.mark.xdist_group("gloo")
