@@ -67,6 +67,9 @@ class Engine:
     def apply(self, rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]] | None,
               loss_inside: bool) -> StepRecord:
         """``rec`` as one rank of the engine holds it."""
+        if self.kind == ZERO_REDUNDANCY:
+            raise SymmemError("ZeroRedundancyOptimizer's ranks each run their own optimizer: their steps are recorded "
+                              "with it (ZeroRedundancyStepPeak.rank_record), not rewritten")
         params = parameters_of(rec, module, repeat)
         if self.kind in ("ddp", "ddp-bucket-view"):
             return _ddp(rec, params, self.kind == "ddp-bucket-view")
@@ -292,7 +295,7 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
         world, count, ones, parts, params = self._parts(at)
         key = (ZERO_REDUNDANCY, world, count, ones)
         if key in self._peaks:
-            return self._peaks[key]  # type: ignore[return-value]
+            return self._peaks[key]  # type: ignore[return-value]  # a RanksPeak, stored under its own key
         groups: dict[tuple[Any, ...], list[int]] = {}
         for rank, idx in enumerate(parts):
             groups.setdefault(tuple(params[i][1] for i in idx), []).append(rank)
@@ -319,6 +322,12 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
 
     def peak(self, at: Any = None) -> RanksPeak:
         return self.ranks(at)
+
+    def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
+        """The step of the rank whose steady step peaks highest, its blocks written out ``count`` times and the sizes
+        in ``ones`` at 1."""
+        at = {} if self.symbol is None or count is None else {self.symbol: count}
+        return self._at({**at, **{self.symbols[n]: 1 for n in ones}})[0]
 
     def _at(self, at: Any) -> tuple[StepRecord, Any, tuple[str, ...]]:
         """The step of the rank whose steady step peaks highest at ``at``."""
