@@ -4,7 +4,9 @@ alike"): each rank's peak, derived from the module's step recorded on fake tenso
 module (symmem.record.distributed with a module builder), to the byte.
 
 One spawn of two processes runs every case (a small file module with a repeated block, folded in L, and a tiny
-Hugging Face GPT-2 built from a config), inside one test, so that pytest-xdist never splits it into two spawns.
+Hugging Face GPT-2 built from a config), inside one test, so that pytest-xdist never splits it into two spawns:
+ddp-bucket-view, FSDP2, FSDP1 (each step's optimizer over flat shards) and ZeroRedundancyOptimizer (each rank's step
+recorded with its own local optimizer); one spawn of four runs FSDP2 where a middle rank holds part of a shard.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..errors import SymmemError
 from ..passes.zero_redundancy import partition
 
 
@@ -54,21 +55,28 @@ class RankOptimizer:
 
 
 @contextlib.contextmanager
-def rank_optimizer(owned: Sequence[int]) -> Iterator[None]:
+def rank_optimizer(owned: Sequence[int]) -> Iterator[list[RankOptimizer]]:
     """While active, the recorded step (:func:`symmem.importer.recording.record_step`) runs one rank's
     :class:`RankOptimizer` over the module's trainable parameters: ``owned`` indexes them in
-    ``module.parameters()`` order."""
+    ``module.parameters()`` order.  Yields the optimizers made (checked afterwards: one, else the step was recorded
+    with another optimizer and is refused)."""
     from ..record.optim import make_optimizer
     from . import recording
 
+    made: list[RankOptimizer] = []
+
     def make(params: Sequence[Any], optimizer: str, impl: str = "for-loop") -> RankOptimizer:
-        return RankOptimizer(params, owned, optimizer, impl, make_optimizer)
+        made.append(RankOptimizer(params, owned, optimizer, impl, make_optimizer))
+        return made[-1]
 
     # record_step builds its optimizer from the module's parameters; the rank's is built around it here so the
     # recorder (which is the single-device step's, unchanged) follows exactly what the rank's optimizer runs
     saved = recording.make_optimizer
     recording.make_optimizer = make
     try:
-        yield
+        yield made
     finally:
         recording.make_optimizer = saved
+    if len(made) != 1:
+        raise SymmemError("the recorded step did not build its optimizer where ZeroRedundancyOptimizer's rank is put "
+                          "in: the rank's step cannot be followed")
