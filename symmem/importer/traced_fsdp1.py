@@ -139,8 +139,9 @@ class Fsdp1Rewrite(FsdpRewrite):
                 continue
             if not ops or ops[-1].phase != "step" or ops[-1].step != o.step:
                 ops += self._step_ops(o.step, regime, [(n, (numel[n],)) for n, _ in flats], numel, state_ids)
-            # what a recorded step op freed that the step did not make (the loop's leftovers) goes as well
-            carried = tuple(i for i in o.freed if i not in step_born)
+            # what a recorded step op freed that the step did not make goes as well (the gradients, and what the
+            # record's end lets go, attached to its last op); the parameters' own storages were never live here
+            carried = tuple(i for i in o.freed if i not in step_born and i not in weights)
             if carried:
                 ops[-1] = dataclasses.replace(ops[-1], freed=ops[-1].freed + carried)
         ops = [dataclasses.replace(o, index=i) for i, o in enumerate(ops)]
