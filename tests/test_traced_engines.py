@@ -4,7 +4,9 @@ alike"): each rank's peak, derived from the module's step recorded on fake tenso
 module (symmem.record.distributed with a module builder), to the byte.
 
 One spawn of two processes runs every case (a small file module with a repeated block, folded in L, and a tiny
-Hugging Face GPT-2 built from a config), inside one test, so that pytest-xdist never splits it into two spawns.
+Hugging Face GPT-2 built from a config), inside one test, so that pytest-xdist never splits it into two spawns:
+ddp-bucket-view, FSDP2, FSDP1 (each step's optimizer over flat shards) and ZeroRedundancyOptimizer (each rank's step
+recorded with its own local optimizer); one spawn of four runs FSDP2 where a middle rank holds part of a shard.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from symmem.importer import sources  # noqa: E402
 from symmem.importer.spec_builder import SpecBuilder  # noqa: E402
 from symmem.importer.traced_engines import Engine, traced_job  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
+from symmem.passes.zero_redundancy import state_per_rank  # noqa: E402
 from symmem.record.distributed import compare, measure_jobs  # noqa: E402
 from symmem.symbols import L, N  # noqa: E402
 
@@ -35,7 +38,9 @@ from symmem.symbols import L, N  # noqa: E402
 BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 GPT2 = ("hf:gpt2", (("n_layer", 2), ("n_embd", 64), ("n_head", 2), ("vocab_size", 100), ("n_positions", 64)))
 #: (spec, config, loss, engines)
-CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard")), (*GPT2, "sum", ("fsdp",))]
+CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard", "zero-redundancy", "fsdp1",
+                                       "fsdp1-grad-op")),
+         (*GPT2, "sum", ("fsdp", "zero-redundancy"))]
 
 
 @functools.cache
@@ -76,10 +81,11 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     wrong = []
     for (spec, engine, d, _), ranks in zip(cases, measured, strict=True):
         name = f"{spec.rsplit('/', 1)[-1]} {engine}"
-        if engine.startswith("ddp"):
+        if engine.startswith("ddp"):  # every rank alike
             wrong += [f"{name}: {w}" for w in compare(d, ranks)]
             continue
-        # every rank's first and steady peak: rank_peaks where the padding makes them differ, else the peak
+        # every rank's first and steady peak: rank_peaks where the padding (FSDP2) or the whole-parameter partition
+        # (ZeRO-1) makes them differ, else the peak
         want = rank_peaks(d) or {r.rank: (d.value("peak_first_step"), d.value("peak")) for r in ranks}
         got = {r.rank: (r.first, min(r.per_step[1:])) for r in ranks}
         wrong += [f"{name}: derived {want}, measured {got}"] if want != got else []
@@ -88,6 +94,12 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     # AdamW's two moments, in the first step and the steady one
     ranks = rank_peaks(cases[0][2])
     assert ranks[0][0] - ranks[1][0] == ranks[0][1] - ranks[1][1] == 2 * 4 * 25
+    # ZeRO-1: the ranks' AdamW states add up to one device's (two moments per element, a 4-byte step per whole
+    # parameter), split unevenly by whole parameters (the ranks' peaks differ: measured above)
+    zero = next(d for spec, engine, d, _ in cases if spec == BLOCK and engine == "zero-redundancy")
+    params = list(_loaded(BLOCK, ()).module.parameters())
+    state = state_per_rank(zero)
+    assert sum(state) == 8 * sum(p.numel() for p in params) + 4 * len(params) and state[0] != state[1]
 
 
 def test_zero_and_ddp_as_hand_counts_of_the_traced_step():
@@ -171,5 +183,44 @@ def test_ddp_buckets_hold_the_trainable_parameters_only():
     net[0].weight.requires_grad_(False)
     one, ddp = (trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel=e) for e in (None, "ddp"))
     assert ddp.value("peak") - one.value("peak") == 4 * (4 + 12 + 3)
-    with pytest.raises(SymmemError, match="parameters all train"):
-        trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="fsdp", values={"N": 2}).value("peak")
+    for engine in ("fsdp", "fsdp1", "zero-redundancy"):  # their shards and partitions cover every parameter
+        with pytest.raises(SymmemError, match="parameters all train"):
+            trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel=engine, values={"N": 2}).value("peak")
+
+
+@pytest.mark.xdist_group("gloo")
+def test_every_rank_of_traced_fsdp_at_four_ranks_equals_a_real_run():
+    """FSDP2 at N = 4: the head's 5 rows are held 2, 2, 1, 0 by the ranks, so rank 2 -- a middle rank -- has a step
+    of its own (one row of AdamW's two moments, 2 x 4 x (24 + 1) bytes, fewer than rank 0; rank 3 two fewer).  Every
+    rank's first and steady peak equals the live bytes of that rank in a real 4-process gloo run."""
+    d = _traced(BLOCK, (), "cross-entropy", "fsdp", world=4)
+    ranks = rank_peaks(d)
+    steady = [ranks[r][1] for r in range(4)]
+    assert steady[0] == steady[1] and steady[0] - steady[2] == steady[2] - steady[3] == 2 * 4 * 25
+    job = traced_job(d, SpecBuilder(BLOCK, ()))
+    one, other = measure_jobs([job, job], world=4, timeout=170, start_method="forkserver")
+    got = {r.rank: (r.first, min(r.per_step[1:])) for r in _lowest(one, other)}
+    assert got == ranks
+
+
+@pytest.mark.xdist_group("gloo")  # after the gloo runs, on their worker: their traced derivations are cached
+def test_the_command_line_gives_each_rank_and_fits_and_plots(capsys, tmp_path):
+    """``symmem trace SPEC --data-parallel zero-redundancy --set N=2 --format json`` gives the peaks the gloo runs
+    above measure, every rank's (they differ) and which rank peaks; ``fit`` solves the peak for B (under FSDP1,
+    whose ranks hold the same flat shards) and ``plot`` draws the largest rank's step."""
+    def args(engine):
+        return [BLOCK, "--dims", "B", "--data-parallel", engine, "--set", "N=2", "--loss", "cross-entropy",
+                "--optimizer", "adamw"]
+
+    assert main(["trace", *args("zero-redundancy"), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = _traced(BLOCK, (), "cross-entropy", "zero-redundancy")
+    ranks = rank_peaks(d)
+    per_rank = out["values"]["peak_per_rank"]
+    assert {int(r): (v["peak_first_step"], v["peak"]) for r, v in per_rank.items()} == ranks
+    assert out["values"]["peak"] == ranks[0][1] > ranks[1][1] and out["peak_at"]["rank"] == 0
+    assert main(["fit", *args("fsdp1"), "--budget", "300KiB", "--format", "json"]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["quantity"] == "peak" and fit["total_at_max"] <= fit["budget"] < fit["total_above"]
+    assert main(["plot", "timeline", *args("zero-redundancy"), "--output", str(tmp_path / "step.png")]) == 0
+    assert (tmp_path / "step.png").stat().st_size > 0

@@ -9,56 +9,76 @@ and every view work on it unchanged:
 * ``ddp`` -- the reducer's flat gradient buckets (every trainable parameter's bytes), live from the start;
 * ``ddp-bucket-view`` -- the buckets are the gradients: each ``.grad`` a backward op makes is freed once made (the
   reducer copies it into its bucket), and the buckets are live from the start;
+* ``zero-redundancy`` -- DDP's buckets, and ``ZeroRedundancyOptimizer``'s whole-parameter partition: each rank's step
+  recorded with its own local optimizer over the parameters it owns (:mod:`.traced_zero`), at the numbers the
+  partition needs (``N`` and the layer count); the peak is the largest rank's (:class:`ZeroRedundancyStepPeak`);
 * ``fsdp`` / ``fsdp-no-reshard`` -- FSDP2 ``fully_shard`` on each block of the repeated run the fold in ``L`` finds
-  (``transformer.h.*``, ``model.layers.*``), then the root (every other parameter): each parameter stored as its
-  padded dim-0 shard (``ceil(d0/N)`` rows), the all-gather outputs and unsharded parameters of the root and the
-  running block, the prefetch in backward, the unsharded gradients until the block's post-backward, the
-  reduce-scatter input and the sharded gradients, and AdamW's state following the rank's unpadded rows -- the events
-  of :class:`symmem.passes.data_parallel.Fsdp` placed at the recorded ops of each block (its first and last op in
-  forward and backward);
+  (``transformer.h.*``, ``model.layers.*``), then the root (every other parameter): the events of
+  :class:`symmem.passes.data_parallel.Fsdp` placed at the recorded ops of each block (:mod:`.traced_fsdp`); every
+  rank's step, each distinct set of rows it holds followed once (:meth:`EngineStepPeak.rank_peaks`);
+* ``fsdp1`` / ``fsdp1-grad-op`` -- FSDP1 ``FullyShardedDataParallel`` (FULL_SHARD, SHARD_GRAD_OP) with the same units:
+  one flat parameter per unit padded to a multiple of ``N``, the optimizer stepping the flat shards
+  (:mod:`.traced_fsdp1`); every rank alike;
 * ``zero`` K -- the papers' accounting (:attr:`symmem.training.Regime.zero`): each component stage K shards divided by
   ``N`` at every moment (optimizer state from 1, gradients from 2, weights at 3; Adam's 4-byte step counts whole).
 
 >>> from symmem.training import Regime
->>> engine_of(Regime(data_parallel="fsdp")).kind, engine_of(Regime(zero=2)).kind, engine_of(Regime()) is None
-('fsdp', 'zero', True)
+>>> engine_of(Regime(data_parallel="fsdp1")).kind, engine_of(Regime(zero=2)).kind, engine_of(Regime()) is None
+('fsdp1', 'zero', True)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
 
 from ..errors import SymmemError
-from ..passes.data_parallel import SHARDED, held_shape, shard_rows
+from ..passes.data_parallel import SHARDED, held_shape
+from ..passes.fsdp1 import FSDP1
+from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
+from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
+from ..peak import Moment
+from ..record.fsdp1_runs import STRATEGIES
 from ..symbols import N
 from ..training import Regime
-from .recording import LiveStorage, StepOp, StepRecord
-from .traced_step import StepPeak
+from .recording import LiveStorage, StepRecord
+from .traced_fsdp import FsdpRewrite, Param, grads_made, parameters_of, scaled, without_frees
+from .traced_fsdp1 import Fsdp1Rewrite
+from .traced_step import StepPeak, peak_of
+from .traced_zero import owned_order, rank_optimizer
 
 
 @dataclass(frozen=True)
 class Engine:
-    """What one rank runs beside the recorded step: ``kind`` is ``ddp``, ``ddp-bucket-view``, ``fsdp``,
-    ``fsdp-no-reshard`` or ``zero`` (stage ``zero``); ``rank`` the FSDP rank whose shards the optimizer steps on."""
+    """What one rank runs beside the recorded step: ``kind`` is ``ddp``, ``ddp-bucket-view``, ``zero-redundancy``,
+    ``fsdp``, ``fsdp-no-reshard``, ``fsdp1``, ``fsdp1-grad-op`` or ``zero`` (stage ``zero``); ``rank`` the FSDP rank
+    whose shards the optimizer steps on; ``optimizer`` and ``impl`` the step's (FSDP1 steps its flat shards)."""
 
     kind: str
     zero: int = 0
     rank: int = 0
+    optimizer: str = "adamw"
+    impl: str = "for-loop"
 
     def apply(self, rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]] | None,
               loss_inside: bool) -> StepRecord:
         """``rec`` as one rank of the engine holds it."""
-        params = _parameters(rec, module, repeat)
+        if self.kind == ZERO_REDUNDANCY:
+            raise SymmemError("ZeroRedundancyOptimizer's ranks each run their own optimizer: their steps are recorded "
+                              "with it (ZeroRedundancyStepPeak.rank_record), not rewritten")
+        params = parameters_of(rec, module, repeat)
         if self.kind in ("ddp", "ddp-bucket-view"):
             return _ddp(rec, params, self.kind == "ddp-bucket-view")
         if self.kind == "zero":
             return _zero(rec, params, self.zero)
-        return _Fsdp(rec, params, self.kind, self.rank, loss_inside).rewrite()
+        if self.kind in FSDP1:
+            return Fsdp1Rewrite(rec, params, self.kind, self.rank, loss_inside, optimizer=self.optimizer,
+                                impl=self.impl).rewrite()
+        return FsdpRewrite(rec, params, self.kind, self.rank, loss_inside).rewrite()
 
 
 def engine_of(regime: Regime) -> Engine | None:
@@ -73,15 +93,18 @@ def engine_of(regime: Regime) -> Engine | None:
 def refusal(regime: Regime, step: Any) -> str | None:
     """Why a traced step is not followed under ``regime``'s engine (None: it is)."""
     dp = regime.data_parallel
-    if dp is not None and dp not in ("ddp", "ddp-bucket-view", *SHARDED):
+    if dp is not None and dp not in ("ddp", "ddp-bucket-view", ZERO_REDUNDANCY, *SHARDED, *FSDP1):
         return (f"the peak of a traced module under data_parallel={dp!r} is not modelled yet (under ddp, "
-                "ddp-bucket-view, fsdp and fsdp-no-reshard it is; the kept memory and total are)")
-    if dp in SHARDED and step.options.micro_batches != 1:
+                "ddp-bucket-view, zero-redundancy, fsdp, fsdp-no-reshard, fsdp1 and fsdp1-grad-op it is; the kept "
+                "memory and total are)")
+    sharded = dp in SHARDED or dp in FSDP1
+    if sharded and step.options.micro_batches != 1:
         return (f"the peak under data_parallel={dp!r} is modelled for one micro-batch (FSDP's gradient accumulation "
                 "is not)")
-    if dp in SHARDED and step.options.checkpoint:
+    if sharded and step.options.checkpoint:
         return f"the peak under data_parallel={dp!r} is modelled without checkpointing"
-    if (dp in SHARDED or regime.zero) and any(not p.requires_grad for p in step.module.parameters()):
+    if (sharded or dp == ZERO_REDUNDANCY or regime.zero) and any(not p.requires_grad
+                                                                        for p in step.module.parameters()):
         return (f"the peak under {'data_parallel=' + repr(dp) if dp else f'zero={regime.zero}'} is modelled for "
                 "modules whose parameters all train (frozen ones are sharded without gradients: not followed)")
     return None
@@ -92,63 +115,24 @@ def policy(regime: Regime, repeat: Any) -> str:
 
     >>> policy(Regime(data_parallel="fsdp"), None)
     'fsdp: FSDP2 fully_shard(reshard_after_forward=True) on the root only (the module has no repeated block)'
+    >>> policy(Regime(data_parallel="fsdp1-grad-op"), None)[:78]
+    'fsdp1-grad-op: FSDP1 FullyShardedDataParallel(sharding_strategy=SHARD_GRAD_OP)'
     """
-    head = f"{regime.data_parallel}: FSDP2 fully_shard(reshard_after_forward={SHARDED[regime.data_parallel]})"
+    dp = regime.data_parallel
+    if dp in FSDP1:
+        head = f"{dp}: FSDP1 FullyShardedDataParallel(sharding_strategy={STRATEGIES[dp]})"
+        tail = "; every rank holds the same flat shards (padded to a multiple of N)"
+    else:
+        head = f"{dp}: FSDP2 fully_shard(reshard_after_forward={SHARDED[dp]})"
+        tail = "; the peak is rank 0's, which holds whole shards"
     if repeat is None:
         return f"{head} on the root only (the module has no repeated block)"
     where = f"{repeat.path}." if repeat.path else ""
     return (f"{head} on each block of {where}* (the run of {len(repeat.children)} identical children symmem folds "
-            "into L), then on the root (every other parameter); the peak is rank 0's, which holds whole shards")
+            f"into L), then on the root (every other parameter){tail}")
 
 
-@dataclass(frozen=True)
-class _Param:
-    """One parameter of the recorded module: its storage, name, shape and bytes per element."""
-
-    sid: int
-    name: str
-    shape: tuple[int, ...]
-    itemsize: int
-    trains: bool = True
-
-    @property
-    def nbytes(self) -> sympy.Expr:
-        return sympy.Integer(int(sympy.Mul(*self.shape)) * self.itemsize)
-
-
-def _parameters(rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]] | None) -> list[_Param]:
-    """The parameters in the order the step registered them (``named_parameters()`` of the module as recorded, its
-    repeated blocks written out as many times), each with its storage."""
-    import contextlib
-
-    from .wrap import with_layers
-
-    ctx = with_layers(module, repeat[0], repeat[1], rec.count) if repeat is not None and rec.count else \
-        contextlib.nullcontext()
-    with ctx:
-        named = [(n, tuple(int(d) for d in p.shape), p.element_size(), p.requires_grad)
-                 for n, p in module.named_parameters()]
-    sids = [i for i in rec.start if rec.storages[i].category == "parameter"]
-    if len(sids) != len(named):
-        raise SymmemError(f"the recorded step holds {len(sids)} parameter storages for {len(named)} parameters "
-                          "(parameters sharing a storage): the engine's shards cannot be followed")
-    return [_Param(sid, *about) for sid, about in zip(sids, named, strict=True)]
-
-
-def _scaled(s: LiveStorage, nbytes: Any) -> LiveStorage:
-    return dataclasses.replace(s, nbytes=nbytes)
-
-
-def _grads(rec: StepRecord) -> list[int]:
-    return [s.sid for s in rec.storages if s.category == "gradient" and s.phase != "start"]
-
-
-def _without(ops: Sequence[StepOp], gone: set[int]) -> list[StepOp]:
-    """The ops with the storages in ``gone`` no longer freed."""
-    return [dataclasses.replace(o, freed=tuple(i for i in o.freed if i not in gone)) for o in ops]
-
-
-def _ddp(rec: StepRecord, params: list[_Param], view: bool) -> StepRecord:
+def _ddp(rec: StepRecord, params: list[Param], view: bool) -> StepRecord:
     """DDP's buckets (the trainable parameters') from the start; under the bucket view each ``.grad`` freed once the
     node that made it has run."""
     storages = list(rec.storages)
@@ -159,8 +143,8 @@ def _ddp(rec: StepRecord, params: list[_Param], view: bool) -> StepRecord:
     storages += buckets
     ops = list(rec.ops)
     if view:
-        grads = set(_grads(rec))
-        ops = _without(ops, grads)
+        grads = set(grads_made(rec))
+        ops = without_frees(ops, grads)
         # the reducer's hook copies a .grad into its bucket once the autograd node that made it has run: freed
         # after that node's last op (a node's ops run one after another, under its name and module)
         ends: dict[int, list[int]] = {}
@@ -177,248 +161,20 @@ def _ddp(rec: StepRecord, params: list[_Param], view: bool) -> StepRecord:
                                ops=tuple(ops))
 
 
-def _zero(rec: StepRecord, params: list[_Param], stage: int) -> StepRecord:
+def _zero(rec: StepRecord, params: list[Param], stage: int) -> StepRecord:
     """The papers' accounting: what stage ``stage`` shards, divided by N (Adam's step counts are scalars)."""
     weights = {p.sid for p in params}
     out = []
     for s in rec.storages:
         share = (s.sid in weights and stage >= 3) or (s.category == "gradient" and stage >= 2) or (
             s.category == "optimizer_state" and stage >= 1 and not _scalar(s))
-        out.append(_scaled(s, s.nbytes / N) if share else s)
+        out.append(scaled(s, s.nbytes / N) if share else s)
     return dataclasses.replace(rec, storages=tuple(out))
 
 
 def _scalar(s: LiveStorage) -> bool:
     """Adam's step count: one element (4 bytes in FP32)."""
     return sympy.sympify(s.nbytes, strict=True) == 4 and s.dtype == "float32"
-
-
-def _within(path: str, unit: str) -> bool:
-    return path == unit or path.startswith(unit + ".")
-
-
-@dataclass
-class _Fsdp:
-    """FSDP2's buffers placed in a recorded step (the events of :class:`symmem.passes.data_parallel.Fsdp`)."""
-
-    rec: StepRecord
-    params: list[_Param]
-    kind: str
-    rank: int
-    loss_inside: bool
-    storages: list[LiveStorage] = field(default_factory=list)
-    ops: list[StepOp] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.reshard = SHARDED[self.kind]
-        self.units: list[str | None] = [*(self.rec.layers or {})]
-        self.unit_params: dict[str | None, list[_Param]] = {u: [] for u in [None, *self.units]}
-        for p in self.params:
-            self.unit_params[next((u for u in self.units if _within(p.name, u)), None)].append(p)
-        self.units = [u for u in self.units if self.unit_params[u]]
-        self.shard = {p.name: shard_rows(p.shape, N) * sympy.Mul(*p.shape[1:]) * p.itemsize for p in self.params}
-        self.total = {u: sympy.Add(*(self.shard[p.name] for p in ps)) for u, ps in self.unit_params.items()}
-        self.storages = list(self.rec.storages)
-        self.gathered: dict[str | None, int] = {}
-        self.unsharded: dict[str | None, list[int]] = {}
-        self.started: set[str | None] = set()
-        self.reduce_in: int | None = None
-        self.sharded_grads: list[int] = []
-
-    def unit_of(self, module: str) -> str | None:
-        return next((u for u in self.units if _within(module, u)), None)
-
-    # -- building blocks ---------------------------------------------------------------------------------------
-    def new(self, name: str, category: str, nbytes: Any, phase: str) -> int:
-        sid = len(self.storages)
-        self.storages.append(LiveStorage(sid, nbytes, category, "float32", "fsdp", name, name, 1, phase))
-        return sid
-
-    def event(self, phase: str, unit: str | None, op: str, born: Sequence[int] = (), freed: Sequence[int] = ()
-              ) -> None:
-        place = unit or ""
-        self.ops.append(StepOp(0, 1, phase, op, place, place, tuple(born), tuple(freed)))
-
-    def gather(self, unit: str | None, phase: str, with_params: bool = True) -> None:
-        born = []
-        if unit not in self.gathered:
-            self.gathered[unit] = self.new(f"fsdp.all_gather[{unit or 'root'}]", "temporary",
-                                           N * self.total[unit], phase)
-            born.append(self.gathered[unit])
-        if with_params and unit not in self.unsharded:
-            self.unsharded[unit] = [self.new(f"{p.name}.unsharded", "parameter", N * self.shard[p.name], phase)
-                                    for p in self.unit_params[unit]]
-            born += self.unsharded[unit]
-        self.event(phase, unit, "fsdp.all_gather", born)
-
-    def free_gather(self, unit: str | None, phase: str, at: str | None) -> None:
-        if unit in self.gathered:
-            self.event(phase, at, "fsdp.all_gather_done", freed=[self.gathered.pop(unit)])
-
-    def reshard_unit(self, unit: str | None, phase: str) -> None:
-        if unit in self.unsharded:
-            self.event(phase, unit, "fsdp.reshard", freed=self.unsharded.pop(unit))
-
-    # -- the phases ----------------------------------------------------------------------------------------------
-    def rewrite(self) -> StepRecord:
-        """The record with FSDP's events around each unit's first and last op in forward and backward (the order
-        :class:`symmem.passes.data_parallel.Fsdp` walks a built graph in), its weights sharded and its optimizer
-        state the rank's."""
-        rec = self.rec
-        grads = set(_grads(rec))
-        ops = _without(rec.ops, grads)
-        forward = [k for k, o in enumerate(ops) if o.phase == "forward"]
-        backward = [k for k, o in enumerate(ops) if o.phase == "backward"]
-        if not forward or not backward:
-            raise SymmemError("the recorded step has no forward or no backward op: FSDP's hooks cannot be placed")
-        first_fwd = {u: next(k for k in forward if _within(ops[k].module, u)) for u in self.units
-                     if any(_within(ops[k].module, u) for k in forward)}
-        last_fwd = {next(k for k in reversed(forward) if _within(ops[k].module, u)): u for u in first_fwd}
-        first_fwd_at = {k: u for u, k in first_fwd.items()}
-        self.grad_unit = self._grad_units(grads)
-        first_bwd, last_bwd = self._backward_marks(ops, backward)
-        root_pre = self._root_pre_backward(ops, forward, backward)
-        moved = self._after_backward(ops, backward)
-        zero_at = next((k for k, o in enumerate(rec.ops) if grads & set(o.freed)), len(rec.ops) - 1)
-        for k, o in enumerate(ops):
-            if k == forward[0] and self.unit_params[None]:
-                self.gather(None, "forward")
-            if k in first_fwd_at:
-                before = list(self.gathered)
-                self.gather(first_fwd_at[k], "forward")
-                for u in before:
-                    self.free_gather(u, "forward", first_fwd_at[k])
-            if k == root_pre:
-                self.pre_backward(None)
-            if k in first_bwd:
-                self.pre_backward(first_bwd[k])
-            if k == backward[-1]:
-                o = dataclasses.replace(o, freed=tuple(i for i in o.freed if i not in moved))
-            if k == zero_at:
-                o = dataclasses.replace(o, freed=o.freed + tuple(self.sharded_grads))
-            self.ops.append(o)
-            if k in last_fwd and self.reshard:
-                self.reshard_unit(last_fwd[k], "forward")
-            if k == forward[-1]:
-                if self.reshard:
-                    self.reshard_unit(None, "forward")
-                for u in list(self.gathered):
-                    self.free_gather(u, "forward", None)
-            if k in last_bwd:
-                last = self.post_backward(last_bwd[k])
-                self.event("backward", last_bwd[k], "fsdp.post_backward_done", freed=last)
-            if k == backward[-1]:
-                self.pre_backward(None)
-                last = self.post_backward(None)
-                ended = ([self.reduce_in] if self.reduce_in is not None else []) + last
-                self.event("backward", None, "fsdp.root_post_backward_done", freed=[*ended, *moved])
-        self._check()
-        ops = tuple(dataclasses.replace(o, index=i) for i, o in enumerate(self.ops))
-        return dataclasses.replace(rec, storages=tuple(self._stepped()), ops=ops)
-
-    def _grad_units(self, grads: set[int]) -> dict[int, str | None]:
-        """Each ``.grad`` storage's unit: the block whose backward made it (else the root); checked against the
-        bytes of the unit's parameters."""
-        found = {g: self.unit_of(self.rec.storages[g].module) for g in sorted(grads)}
-        for u, ps in self.unit_params.items():
-            have = sympy.Add(*(self.rec.storages[g].nbytes for g, x in found.items() if x == u))
-            want = sympy.Add(*(p.nbytes for p in ps))
-            if sympy.expand(have - want) != 0:
-                raise SymmemError(f"FSDP's unit {u or 'root'}: the gradients its backward made ({have} bytes) are "
-                                  f"not its parameters' ({want}): the recorded backward cannot be split by unit")
-        return found
-
-    def _backward_marks(self, ops: list[StepOp], backward: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
-        """Each block's first and last backward op (its pre- and post-backward hooks around them)."""
-        first: dict[int, Any] = {}
-        last: dict[int, Any] = {}
-        for u in self.units:
-            mine = [k for k in backward if _within(ops[k].module, u)]
-            if not mine:
-                raise SymmemError(f"FSDP's unit {u}: no recorded backward op ran in it")
-            first[mine[0]] = u
-            last[mine[-1]] = u
-        return first, last
-
-    def _root_pre_backward(self, ops: list[StepOp], forward: list[int], backward: list[int]) -> int:
-        """The op before which the root's pre-backward runs: when the module's output has its gradient -- the first
-        backward op (the module returns its loss), else the first made inside a submodule.  Where the module's
-        output is made by the root's own code, the loss's backward and the root's look alike: refused."""
-        if self.loss_inside:
-            return backward[0]
-        if not ops[forward[-1]].module:
-            raise SymmemError("FSDP's root pre-backward follows the module's output gradient, and this module's output "
-                              "is made in its own forward (not a submodule's): the recorded backward cannot tell the "
-                              "loss's ops from the module's")
-        return next(k for k in backward if ops[k].module)
-
-    def _after_backward(self, ops: list[StepOp], backward: list[int]) -> set[int]:
-        """What ``backward()`` still holds when FSDP's final callback runs: the loss and the output the loop holds,
-        and the engine's seed gradient (made by its first op); freed after the root's post-backward."""
-        seed = set(ops[backward[0]].born)
-        return {i for i in ops[backward[-1]].freed if self.rec.storages[i].category == "output" or i in seed}
-
-    def pre_backward(self, unit: str | None) -> None:
-        if unit in self.started or not self.unit_params[unit]:
-            return
-        self.started.add(unit)
-        if unit not in self.unsharded:
-            self.gather(unit, "backward")
-            self.free_gather(unit, "backward", unit)
-        order = self.units[::-1]
-        i = order.index(unit) + 1 if unit is not None else 0
-        nxt = order[i] if i < len(order) else None
-        if nxt is not None and nxt not in self.unsharded and nxt not in self.gathered:
-            self.gather(nxt, "backward", with_params=False)
-
-    def post_backward(self, unit: str | None) -> list[int]:
-        """Reshard, reduce-scatter and the sharded gradients; gives the last parameter's gradient, freed after."""
-        if not self.unit_params[unit]:
-            return []
-        self.reshard_unit(unit, "backward")
-        if self.reduce_in is not None:
-            self.event("backward", unit, "fsdp.reduce_scatter_done", freed=[self.reduce_in])
-        self.reduce_in = self.new(f"fsdp.reduce_scatter_input[{unit or 'root'}]", "temporary",
-                                  N * self.total[unit], "backward")
-        self.event("backward", unit, "fsdp.reduce_scatter", born=[self.reduce_in])
-        mine = [g for g, u in self.grad_unit.items() if u == unit]
-        last = self._last_grad(unit, mine)
-        self.event("backward", unit, "fsdp.free_unsharded_grads", freed=[g for g in mine if g != last])
-        g = self.new(f"fsdp.sharded_grads[{unit or 'root'}]", "gradient", self.total[unit], "backward")
-        self.sharded_grads.append(g)
-        self.event("backward", unit, "fsdp.sharded_grads", born=[g])
-        return [last] if last is not None else []
-
-    def _last_grad(self, unit: str | None, mine: list[int]) -> int | None:
-        """The gradient FSDP's loop variable still holds after the reduce-scatter: its last parameter's (any of that
-        size: the bytes are what count)."""
-        if not mine:
-            return None
-        want = self.unit_params[unit][-1].nbytes
-        return next((g for g in mine if sympy.expand(self.rec.storages[g].nbytes - want) == 0), mine[-1])
-
-    def _check(self) -> None:
-        """Every unit with parameters had its pre-backward placed (else its gathers would be missing)."""
-        if len(self.started) != len([u for u in [None, *self.units] if self.unit_params[u]]):
-            raise SymmemError("FSDP's pre-backward hooks could not all be placed in the recorded backward")
-
-    def _stepped(self) -> list[LiveStorage]:
-        """Weights as their padded shards; the optimizer's state and temporaries after the rank's unpadded rows."""
-        out = self.storages
-        by_name = {p.name: p for p in self.params}
-        for p in self.params:
-            out[p.sid] = _scaled(out[p.sid], self.shard[p.name])
-        # what the optimizer makes belongs to the parameter its op ran for (the op's where)
-        made_for = {i: o.where for o in self.rec.ops if o.phase == "step" for i in o.born}
-        held: dict[str, Any] = {}
-        for i, where in made_for.items():
-            p = by_name.get(where)
-            if p is not None and sympy.sympify(out[i].nbytes, strict=True) == p.nbytes:  # recorded bytes: numbers
-                if p.name not in held:
-                    shape = held_shape(p.shape, N, self.rank)
-                    held[p.name] = sympy.Mul(*shape) * p.itemsize if shape else p.nbytes
-                out[i] = _scaled(out[i], held[p.name])
-        return out
 
 
 @dataclass
@@ -453,6 +209,132 @@ class EngineStepPeak(StepPeak):
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, rank=rank), _records={}, _peaks={},
                                    notes=[])
 
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
+        """Under FSDP2: ``{rank: (first-step peak, steady peak)}`` of every rank ``0 .. N-1`` of ``derivation``
+        (this step's), where they differ; None where every rank's is the same.  A rank's step differs from
+        another's only through the rows of each parameter's dim 0 it holds (the padding sits at the end: the last
+        ranks hold fewer, a middle one may hold part of a shard), so each distinct set of rows is followed once,
+        however large ``N`` is."""
+        assert self.engine is not None
+        if self.engine.kind not in SHARDED:
+            return None
+        world = int(derivation.numbers[N])
+        firsts = sorted({int(p.shape[0]) for p in self.module.parameters() if p.dim()})
+        by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
+        found = {}
+        for rank in range(world):
+            rows = tuple(int(held_shape((d,), world, rank)[0]) for d in firsts)
+            if rows not in by_rows:
+                d = dataclasses.replace(derivation, step=self.at_rank(rank))
+                by_rows[rows] = (int(d.value("peak_first_step")), int(d.value("peak")))
+            found[rank] = by_rows[rows]
+        return found if len(set(found.values())) > 1 else None
+
+
+
+@dataclass
+class ZeroRedundancyStepPeak(EngineStepPeak):
+    """A traced module's step under ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (ZeRO-1): every
+    rank's step recorded with its own local optimizer (:mod:`.traced_zero`) and DDP's buckets, at the numbers the
+    whole-parameter partition is computed at (``N`` and the layer count); the peak is the ``Max`` over every rank's
+    moments (:class:`~symmem.passes.zero_redundancy.RanksPeak`, each moment saying its rank), as for built-in
+    graphs."""
+
+    def _fixed(self, at: Any) -> tuple[int, int | None]:
+        """The world size and the layer count the partition is computed at."""
+        given = {**self.numbers, **dict(at or {})}
+        world = given.get(N)
+        if world is None:
+            raise SymmemError("ZeroRedundancyOptimizer partitions whole parameters by their sizes over the ranks: "
+                              "give the world size N a number (--set N=...)")
+        if isinstance(world, bool) or int(world) != world or int(world) < 1:
+            raise SymmemError(f"the world size N is a positive integer, got {world!r}")
+        count = given.get(self.symbol) if self.symbol is not None else None
+        return int(world), int(count) if count is not None else self.count
+
+    def _listed(self, count: int | None) -> list[tuple[str, tuple[int, ...]]]:
+        """``module.parameters()`` with the repeated blocks written out ``count`` times: (name, shape)."""
+        from .wrap import with_layers
+
+        ctx = with_layers(self.module, self.repeat[0], self.repeat[1], count) \
+            if self.repeat is not None and count else contextlib.nullcontext()
+        with ctx:
+            return [(n, tuple(int(d) for d in p.shape)) for n, p in self.module.named_parameters()]
+
+    def domain(self) -> tuple[Any, ...]:
+        world, count = self._fixed({})
+        fixed = (sympy.Eq(N, world), *((sympy.Eq(self.symbol, count),) if self.symbol is not None else ()))
+        return (*fixed, *self._domain())
+
+    def holds_at(self, numbers: Any) -> bool:
+        return all(bool(sympy.sympify(c, strict=True).xreplace(dict(numbers))) for c in self.domain())
+
+    def rank_record(self, count: int | None, ones: tuple[str, ...], owned: tuple[int, ...]) -> StepRecord:
+        """The step of a rank whose local optimizer steps the parameters ``owned`` (indices in
+        ``module.parameters()`` order, in its order), with DDP's buckets."""
+        key = (ZERO_REDUNDANCY, count, ones, owned)
+        if key not in self._records:
+            assert self.inner is not None
+            alone = dataclasses.replace(self.inner, _records={}, _peaks={}, notes=[])  # the same fake world
+            with rank_optimizer(owned):
+                rec = alone.record(count, ones)
+            self._records[key] = _ddp(rec, parameters_of(rec, self.module, self.repeat), False)
+        return self._records[key]
+
+    def _parts(self, at: Any) -> tuple[int, int | None, tuple[str, ...], list[tuple[int, ...]], list[Any]]:
+        world, count = self._fixed(at)
+        by_symbol = {s: n for n, s in self.symbols.items()}
+        ones = tuple(sorted(by_symbol[s] for s, v in dict(at or {}).items() if s in by_symbol and v == 1))
+        params = self._listed(count)
+        sizes = [int(sympy.Mul(*shape)) for _, shape in params]
+        return world, count, ones, owned_order(sizes, world), params
+
+    def ranks(self, at: Any = None) -> RanksPeak:
+        """Every rank's peak and the largest over them (ranks whose local optimizers step the same shapes in the
+        same order step alike: recorded once)."""
+        world, count, ones, parts, params = self._parts(at)
+        key = (ZERO_REDUNDANCY, world, count, ones)
+        if key in self._peaks:
+            return self._peaks[key]  # type: ignore[return-value]  # a RanksPeak, stored under its own key
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for rank, idx in enumerate(parts):
+            groups.setdefault(tuple(params[i][1] for i in idx), []).append(rank)
+        fixed = (sympy.Eq(N, world), *((sympy.Eq(self.symbol, count),) if self.symbol is not None else ()))
+        domain = (*fixed, *self._domain())
+        numbers = {**self.numbers, **dict(at or {}), N: world}
+        per_rank: dict[int, Any] = {}
+        moments: list[RankMoment] = []
+        state: dict[int, int] = {}
+        for ranks in groups.values():
+            rec = self.rank_record(count, ones, parts[ranks[0]])
+            found = peak_of(rec, subs=self.subs, numbers=numbers, domain=domain,
+                            layers=rec.layers if rec.layers is not None else self.layer_map())
+            held = sum(int(sympy.sympify(rec.storages[i].nbytes, strict=True)) for i in rec.state())
+            per_rank.update({r: found for r in ranks})
+            state.update({r: held for r in ranks})
+            moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
+                                   rank=ranks[0], ranks=world) for m in found.moments]
+        out = RanksPeak(None, None, tuple(_undominated(moments)), domain, ())
+        out.per_rank = dict(sorted(per_rank.items()))
+        out.state = [state[r] for r in range(world)]
+        self._peaks[key] = out
+        return out
+
+    def peak(self, at: Any = None) -> RanksPeak:
+        return self.ranks(at)
+
+    def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
+        """The step of the rank whose steady step peaks highest, its blocks written out ``count`` times and the sizes
+        in ``ones`` at 1."""
+        at = {} if self.symbol is None or count is None else {self.symbol: count}
+        return self._at({**at, **{self.symbols[n]: 1 for n in ones}})[0]
+
+    def _at(self, at: Any) -> tuple[StepRecord, Any, tuple[str, ...]]:
+        """The step of the rank whose steady step peaks highest at ``at``."""
+        world, count, ones, parts, _ = self._parts(at)
+        rank = getattr(self.ranks(at).at({**self.numbers, **dict(at)}, "steady"), "rank", 0)
+        return self.rank_record(count, ones, parts[rank]), count, ones
+
 
 def under_engine(step: StepPeak, regime: Regime) -> Any:
     """``step`` under ``regime``'s engine (itself where there is none), or a :class:`~symmem.step.Refused`."""
@@ -466,7 +348,9 @@ def under_engine(step: StepPeak, regime: Regime) -> Any:
         return Refused(why)
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
     fields["notes"] = step.notes
-    return EngineStepPeak(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
+    engine = dataclasses.replace(engine, optimizer=step.options.optimizer, impl=step.options.impl)
+    kind = ZeroRedundancyStepPeak if engine.kind == ZERO_REDUNDANCY else EngineStepPeak
+    return kind(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
 
 
 def traced_job(derivation: Any, builder: Any, steps: int = 3) -> Any:

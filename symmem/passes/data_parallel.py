@@ -314,12 +314,8 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     world = derivation.numbers.get(N)
     if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:
         return None
-    if hasattr(step, "at_rank"):  # a traced module's step (importer/traced_engines.py): rank 0 and the last
-        found = {}
-        for rank in (0, int(world) - 1):
-            d = dataclasses.replace(derivation, step=step.at_rank(rank))
-            found[rank] = (int(d.value("peak_first_step")), int(d.value("peak")))
-        return found if len(set(found.values())) > 1 else None
+    if hasattr(step, "rank_peaks"):  # a traced module's step: every rank (importer/traced_engines.py)
+        return step.rank_peaks(derivation)
     world = int(world)
     firsts = sorted({int(derivation.evaluate(shape[0])) for shape in _stored(step.graph).values() if shape})
     by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
