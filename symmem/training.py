@@ -21,7 +21,9 @@ each source.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 
@@ -162,6 +164,19 @@ DATA_PARALLEL = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-r
 #: The option (inside a step's options, not a user's) naming the rank whose step is walked (FSDP's padded shards,
 #: ZeRO-1's partition); 0 by default.
 RANK_OPTION = "_data_parallel_rank"
+_GATHERLESS = "FSDP2 on one rank copies the shards into the unsharded parameters without an all-gather buffer"
+#: Engines whose step on one rank is not their step on N (measured on gloo and on an H200: docs/cuda.md).
+ONE_RANK_DIFFERS = {"fsdp": _GATHERLESS, "fsdp-no-reshard": _GATHERLESS,
+                    "fsdp1": "FSDP1 on one rank switches FULL_SHARD to NO_SHARD",
+                    "fsdp1-grad-op": "FSDP1 on one rank switches SHARD_GRAD_OP to NO_SHARD"}
+
+
+def refuse_one_rank(data_parallel: str | None, numbers: Mapping[sympy.Symbol, Any]) -> None:
+    """Refuse (one line) a peak asked of an engine that runs differently on one rank, at ``N = 1``."""
+    why = ONE_RANK_DIFFERS.get(data_parallel or "")
+    if why and any(s.name == "N" and v == 1 for s, v in numbers.items()):
+        raise SymmemError(f"data_parallel={data_parallel!r} at N = 1: {why}, which is not modelled; the peak holds "
+                          "for N >= 2 (one device: leave the engine out)")
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")

@@ -309,8 +309,8 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     if engaged(derivation.regime):  # ZeroRedundancyOptimizer: every rank (passes/zero_redundancy.py)
         return zero_rank_peaks(derivation)
     step = getattr(derivation, "step", None)
-    if callable(getattr(step, "rank_peaks", None)):  # FSDP x TP: every rank of the mesh (passes/fsdp_tensor.py)
-        return step.rank_peaks(derivation.numbers)
+    if derivation.regime.tensor_parallel and hasattr(step, "rank_peaks"):  # FSDP x TP: every rank of the mesh
+        return step.rank_peaks(derivation)  # (passes/fsdp_tensor.py)
     world = derivation.numbers.get(N)
     if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:
         return None

@@ -56,7 +56,7 @@ from ..graph import Graph
 from ..peak import Moment, Peak
 from ..shapes import numel
 from ..timeline import Row, Which
-from ..training import Regime
+from ..training import Regime, refuse_one_rank
 from .tensor_step import _LayerWalk
 from .unroll import iteration
 
@@ -340,12 +340,13 @@ class MeshStep:
         del named
         return out
 
-    def rank_peaks(self, numbers: Mapping[sympy.Symbol, int]) -> dict[int, tuple[int, int]] | None:
-        """:meth:`ranks` where they differ (None: every rank alike)."""
-        found = self.ranks(numbers)
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
+        """:meth:`ranks` at ``derivation``'s numbers where they differ (None: every rank alike)."""
+        found = self.ranks(derivation.numbers)
         return found if len(set(found.values())) > 1 else None
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        refuse_one_rank(self.regime.data_parallel, numbers)
         return self.peak().holds_at(numbers)
 
     def domain(self) -> tuple[sympy.Basic, ...]:

@@ -29,7 +29,7 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Candidate, Peak, summarize
 from ..timeline import Row, Timeline, Which, checked
-from ..training import Regime, checkpoint_every
+from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every, refuse_one_rank
 from . import branches as size_branches
 from . import zero_redundancy
 from .schedule import simulate
@@ -38,14 +38,6 @@ from .unroll import iteration, template, unroll
 
 #: the world size
 WORLD = sympy.Symbol("N", positive=True, integer=True)
-#: engines whose one-rank step is not their N-rank step (measured: torch 2.11 on an H200, 2.13 on the CPU)
-SINGLE_RANK_DIFFERS = {
-    "fsdp": "FSDP2 on one rank copies the shards into the unsharded parameters without an all-gather buffer",
-    "fsdp-no-reshard": "FSDP2 on one rank copies the shards into the unsharded parameters without an all-gather "
-                       "buffer",
-    "fsdp1": "FSDP1 on one rank switches FULL_SHARD to NO_SHARD",
-    "fsdp1-grad-op": "FSDP1 on one rank switches SHARD_GRAD_OP to NO_SHARD",
-}
 
 
 @dataclass(eq=False)
@@ -104,16 +96,10 @@ class GraphStep:
 
     def _ranks_domain(self) -> tuple[sympy.Basic, ...]:
         """FSDP's steps hold for N >= 2: on one rank the engines skip their collectives."""
-        return (sympy.Ge(WORLD, 2),) if self.regime.data_parallel in SINGLE_RANK_DIFFERS else ()
-
-    def _refuse_one_rank(self, numbers: Mapping[sympy.Symbol, int]) -> None:
-        if self.regime.data_parallel in SINGLE_RANK_DIFFERS and numbers.get(WORLD) == 1:
-            raise SymmemError(f"data_parallel={self.regime.data_parallel!r} at N = 1: "
-                              f"{SINGLE_RANK_DIFFERS[self.regime.data_parallel]}, which is not modelled; the "
-                              "peak holds for N >= 2 (one device: leave the engine out)")
+        return (sympy.Ge(WORLD, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        self._refuse_one_rank(numbers)
+        refuse_one_rank(self.regime.data_parallel, numbers)
         return self.peak().holds_at(numbers)
 
     def domain(self) -> tuple[sympy.Basic, ...]:
@@ -134,7 +120,7 @@ class GraphStep:
         size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
         what the peak refuses, with the peak's words."""
         checked(which)
-        self._refuse_one_rank(at)
+        refuse_one_rank(self.regime.data_parallel, at)
         key = tuple(sorted((s.name, int(v)) for s, v in at.items()))
         if self._written is not None and self._written[0] == key:
             _, (steady, first), values = self._written
