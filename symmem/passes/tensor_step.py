@@ -46,6 +46,7 @@ fewest bytes over repeated steps.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -185,7 +186,31 @@ def _step_temporaries(graph: Graph) -> sympy.Expr:
     # with two or more layers a layer's first parameter follows the last of the layer before
     again = (norms or layer)[-1] + 2 * layer[0]
     candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
-    return sympy.Max(*candidates)
+    return largest_of(candidates)
+
+
+def largest_of(candidates: Sequence[sympy.Expr]) -> sympy.Expr:
+    """``sympy.Max`` of ``candidates`` without its pairwise proofs (a second each on the default sizes): those
+    another candidate bounds term by term (their difference, expanded, has no negative coefficient: every size is
+    positive) are left out, the rest kept unevaluated -- the arguments ``Max`` itself keeps.
+
+    >>> from symmem.symbols import H, V
+    >>> largest_of([2 * H, H + V, H, H + V])
+    Max(2*H, H + V)
+    """
+    unique = list(dict.fromkeys(candidates))
+    expanded = [sympy.expand(c) for c in unique]
+    kept = [c for i, c in enumerate(unique)
+            if not any(_bounds(expanded[j], expanded[i]) and (j < i or not _bounds(expanded[i], expanded[j]))
+                       for j in range(len(unique)) if j != i)]
+    return kept[0] if len(kept) == 1 else sympy.Max(*kept, evaluate=False)
+
+
+def _bounds(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Whether ``a >= b`` for every positive size, term by term (False where it cannot tell: a ``Piecewise``)."""
+    if a.has(sympy.Piecewise) or b.has(sympy.Piecewise):
+        return False
+    return all(c >= 0 for c in sympy.expand(a - b).as_coefficients_dict().values())
 
 
 @dataclass(eq=False)
@@ -337,6 +362,7 @@ class _LayerWalk:
         self.constants = sympy.Add(*(g.node(n).out.numel * (8 if str(g.node(n).out.dtype) == "int64" else 4)
                                      for n in order if g.node(n).kind == "constant"))
         self.keepers = sim.all_keepers  # who keeps each saved storage (sequence parallelism's gathered copies)
+        self._splits: dict[str, bool] = {}
         self.once = single_copy()
         # eager attention with one key/value head a rank (G = t) repeated to h/t heads: at B = 1 the repeated key
         # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
@@ -413,9 +439,15 @@ class _LayerWalk:
                 source = n.inputs[int(index)]
         if source == self.head:
             return True
-        src = self.g.node(source)
-        names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
-        return bool(iteration(source)) and (src.role in TP_ROLES or bool(names & set(SPLIT_DIMS)))
+        if not iteration(source):
+            return False
+        # the layers' copies of one node share its role and shape: decided once
+        key = template(source)
+        if key not in self._splits:
+            src = self.g.node(source)
+            names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
+            self._splits[key] = src.role in TP_ROLES or bool(names & set(SPLIT_DIMS))
+        return self._splits[key]
 
     def largest(self) -> list[tuple[sympy.Expr, str, str]]:
         """The layers' forward and backward moments that can be the largest: (the bytes beside what lives between
@@ -430,24 +462,47 @@ class _LayerWalk:
         b = int(subs.get(batch, 1))
         probes = [{**subs, batch: sympy.Integer(x)} for x in sorted({1, b, 4 * b, 16 * b, 256 * b})]
         sizes = [self.local(i) for i in range(len(tl.storages))]
-        values = [[int(sympy.ceiling(x.xreplace(at))) for x in sizes] for at in probes]
+        # the layers repeat the same few formulas: each evaluated once at each probe
+        memo: dict[sympy.Expr, tuple[int, ...]] = {}
+
+        def at_probes(x: sympy.Expr) -> tuple[int, ...]:
+            if x not in memo:
+                memo[x] = tuple(int(sympy.ceiling(x.xreplace(p))) for p in probes)
+            return memo[x]
+
+        values = [at_probes(x) for x in sizes]
         alive = set(tl.start)
-        found: list[tuple[list[int], int, frozenset[int], sympy.Expr]] = []
+        # the live bytes at each probe, kept as storages are born and freed
+        totals = [sum(values[i][n] for i in alive) for n in range(len(probes))]
+        found: list[tuple[list[int], int, sympy.Expr]] = []
         for k, e in enumerate(tl.events):
-            alive |= set(e.born)
+            for i in e.born:
+                if i not in alive:
+                    alive.add(i)
+                    totals = [a + v for a, v in zip(totals, values[i], strict=True)]
             if e.phase in ("forward", "backward") and e.node and self._candidate(e, layers):
                 extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
-                at = [sum(v[i] for i in alive) + int(sympy.ceiling(extra.xreplace(p))) for v, p in
-                      zip(values, probes, strict=True)]
-                found.append((at, k, frozenset(alive), extra))
-            alive -= set(e.freed)
+                found.append(([a + v for a, v in zip(totals, at_probes(extra), strict=True)], k, extra))
+            for i in e.freed:
+                if i in alive:
+                    alive.discard(i)
+                    totals = [a - v for a, v in zip(totals, values[i], strict=True)]
         kept = {max(range(len(found)), key=lambda j: found[j][0][n]) for n in range(len(probes))} if found else set()
         out = []
         for j in sorted(kept):
-            _, k, live, extra = found[j]
+            _, k, extra = found[j]
             e = tl.events[k]
-            out.append((sympy.Add(*(sizes[i] for i in live)) + extra, e.phase, str(e.node)))
+            live = Counter(sizes[i] for i in self._alive_at(k))
+            out.append((sympy.Add(*(n * x for x, n in live.items())) + extra, e.phase, str(e.node)))
         return out
+
+    def _alive_at(self, k: int) -> set[int]:
+        """The storages alive at event ``k`` of the walk (born by it, not freed before it)."""
+        alive = set(self.tl.start)
+        for e in self.tl.events[:k]:
+            alive |= set(e.born)
+            alive -= set(e.freed)
+        return alive | set(self.tl.events[k].born)
 
     def label(self, phase: str, node: str) -> str:
         """Where a moment of :meth:`largest` is, in words."""
