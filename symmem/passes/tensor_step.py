@@ -207,10 +207,53 @@ def largest_of(candidates: Sequence[sympy.Expr]) -> sympy.Expr:
 
 
 def _bounds(a: sympy.Expr, b: sympy.Expr) -> bool:
-    """Whether ``a >= b`` for every positive size, term by term (False where it cannot tell: a ``Piecewise``)."""
+    """Whether ``a >= b`` (both expanded) for every positive size, term by term (False where it cannot tell: a
+    ``Piecewise``)."""
     if a.has(sympy.Piecewise) or b.has(sympy.Piecewise):
         return False
-    return all(c >= 0 for c in sympy.expand(a - b).as_coefficients_dict().values())
+    return all(c >= 0 for c in (a - b).as_coefficients_dict().values())  # expanded: their difference is too
+
+
+def chosen(values: Sequence[Sequence[int]]) -> list[int]:
+    """The candidates kept: at each probe the first of the largest, in the step's order."""
+    if not values:
+        return []
+    return sorted({max(range(len(values)), key=lambda j: values[j][n]) for n in range(len(values[0]))})
+
+
+#: From how many layers the layers' moments are folded from two short walks (:func:`layer_moments`)
+FOLD_FROM = 8
+
+
+def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                  numbers: Mapping[str, int]) -> tuple[list[tuple[sympy.Expr, str, str]], sympy.Expr]:
+    """The layers' moments that can be the largest, (formula, phase, where in words), and what the forward's end
+    keeps more at B = 1 (:meth:`_LayerWalk.kept_at_one`), of ``walk`` at ``numbers``.
+
+    From :data:`FOLD_FROM` layers on, where every size is a whole number of bytes (``t`` divides S as it divides
+    the heads, F and V), the walk is not written out layer by layer: at every candidate -- an op of the first or
+    the last layer, or outside them -- the layers between are all in one state (before the first layer's
+    backward: forward done; at it: backward done), so each moment is linear in L.  Walks of 2 and 3 layers give
+    it: ``f(L) = f(2) + (L - 2) (f(3) - f(2))``, the same bytes as the walk of L layers, in a fraction of the time.
+    """
+    layers = int(numbers["L"])
+    if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]):
+        w = walk(graph, conv, options, regime, numbers)
+        return [(f, phase, w.label(phase, node)) for f, phase, node in w.largest()], single_copy() * w.kept_at_one()
+    two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (2, 3))
+    at_two = {key: (values, k) for key, values, k in two.candidates()}
+    found = []
+    for key, values, k in three.candidates():
+        before, k2 = at_two[key]
+        found.append(([a + (layers - 2) * (b - a) for a, b in zip(before, values, strict=True)], k2, k))
+    out = []
+    for j in chosen([f[0] for f in found]):
+        _, k2, k = found[j]
+        a, b = two.formula(k2), three.formula(k)
+        e = three.tl.events[k]
+        out.append((a + (layers - 2) * (b - a), e.phase, three.label(e.phase, str(e.node), layers)))
+    more = two.kept_at_one(), three.kept_at_one()
+    return out, single_copy() * (more[0] + (layers - 2) * (more[1] - more[0]))
 
 
 @dataclass(eq=False)
@@ -247,16 +290,14 @@ class TensorStep:
 
     def _peak(self, named: Mapping[str, int]) -> Peak:
         r, ranks = self.moments, named["t"]
-        walk = (_SequenceWalk if self.sequence else _LayerWalk)(self.graph, self.conv, self.options, self.regime,
-                                                                 named)
-        layers = walk.largest()
-        # at B = 1 eager attention with one key/value head a rank keeps the cache's copies instead (sequence walk)
-        more = walk.kept_at_one()
+        layers, more = layer_moments(_SequenceWalk if self.sequence else _LayerWalk, self.graph, self.conv,
+                                     self.options, self.regime, named)
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
+            # at B = 1 eager attention with one key/value head a rank keeps the cache's copies instead (more)
             moments = [("forward", "forward's end (the head's all-gather)", r.forward_end + more),
                        ("backward", "the final norm's backward", r.backward + more)]
-            moments += [(phase, walk.label(phase, node), r.at_rest + live) for live, phase, node in layers]
+            moments += [(phase, what, r.at_rest + live) for live, phase, what in layers]
             for ph, what, live in moments:
                 made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
             made.append(TensorRankMoment("step", None, "", step, {"live": r.step}, ranks=ranks,
@@ -363,6 +404,9 @@ class _LayerWalk:
                                      for n in order if g.node(n).kind == "constant"))
         self.keepers = sim.all_keepers  # who keeps each saved storage (sequence parallelism's gathered copies)
         self._splits: dict[str, bool] = {}
+        self._locals: dict[int, sympy.Expr] = {}
+        #: whether the collectives' Max are simplified (the kept moments' formulas) or not (the candidates' bytes)
+        self.evaluate = False
         self.once = single_copy()
         # eager attention with one key/value head a rank (G = t) repeated to h/t heads: at B = 1 the repeated key
         # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
@@ -388,8 +432,8 @@ class _LayerWalk:
         return kept
 
     def kept_at_one(self) -> sympy.Expr:
-        """What the forward's end and the final norm's backward keep more at B = 1 (0 from B = 2): where
-        :attr:`collapsed`, the cache's copies in place of the repeated key and value."""
+        """What the forward's end and the final norm's backward keep more at B = 1, over :func:`single_copy` (its
+        factor, 0 from B = 2): where :attr:`collapsed`, the cache's copies in place of the repeated key and value."""
         from ..symbols import t
 
         if not self.collapsed:
@@ -400,9 +444,15 @@ class _LayerWalk:
             if template(s.name) in _REPEATS:
                 cache = s.name.replace("k_repeat", "cache_key").replace("v_repeat", "cache_value")
                 more += self.local(index[cache]) - s.nbytes / t
-        return self.once * more
+        return more
 
     def local(self, i: int) -> sympy.Expr:
+        """Storage ``i``'s bytes on one rank (:meth:`_local`), worked out once."""
+        if i not in self._locals:
+            self._locals[i] = self._local(i)
+        return self._locals[i]
+
+    def _local(self, i: int) -> sympy.Expr:
         """Storage ``i``'s bytes on one rank: split over ``t`` where it has a head or MLP-width dimension (the
         logits: the vocabulary), twice where a row-parallel all-reduce makes it (its output beside funcol's
         wrapper), the replicated logits beside the local ones; parameters' gradients as :class:`TensorRank`; at
@@ -454,14 +504,31 @@ class _LayerWalk:
         steps, as a formula; the phase; the op).  Every op of the first and the last layer is a candidate (the
         first holds the fewest kept tensors and the most gradients in the backward, the last the reverse); those
         kept are the largest at the numbers with the batch B scaled from 1 to 256 times (``fit`` solves in B)."""
+        found = self.candidates()
+        out = []
+        for j in chosen([values for _, values, _ in found]):
+            _, _, k = found[j]
+            e = self.tl.events[k]
+            out.append((self.formula(k), e.phase, str(e.node)))
+        return out
+
+    @property
+    def layers(self) -> int:
+        """How many layers the walk writes out."""
         from .unroll import iteration
 
-        tl, subs = self.tl, self.subs
-        layers = int(max((iteration(n) for n in self.g.program_order()), default=0))
+        return int(max((iteration(n) for n in self.g.program_order()), default=0))
+
+    def candidates(self) -> list[tuple[tuple[str, str, str, int], list[int], int]]:
+        """Every candidate moment of :meth:`largest`, in the step's order: (its key -- the phase, the op's template,
+        ``first``, ``last`` or ``outside`` the layers, and how many such came before --, its live bytes at each
+        probe, its event)."""
+        from .unroll import iteration
+
+        tl, subs, layers = self.tl, self.subs, self.layers
         batch = sympy.Symbol("B", positive=True, integer=True)
         b = int(subs.get(batch, 1))
         probes = [{**subs, batch: sympy.Integer(x)} for x in sorted({1, b, 4 * b, 16 * b, 256 * b})]
-        sizes = [self.local(i) for i in range(len(tl.storages))]
         # the layers repeat the same few formulas: each evaluated once at each probe
         memo: dict[sympy.Expr, tuple[int, ...]] = {}
 
@@ -470,11 +537,12 @@ class _LayerWalk:
                 memo[x] = tuple(int(sympy.ceiling(x.xreplace(p))) for p in probes)
             return memo[x]
 
-        values = [at_probes(x) for x in sizes]
+        values = [at_probes(self.local(i)) for i in range(len(tl.storages))]
         alive = set(tl.start)
         # the live bytes at each probe, kept as storages are born and freed
         totals = [sum(values[i][n] for i in alive) for n in range(len(probes))]
-        found: list[tuple[list[int], int, sympy.Expr]] = []
+        found: list[tuple[tuple[str, str, str, int], list[int], int]] = []
+        seen: Counter[tuple[str, str, str]] = Counter()
         for k, e in enumerate(tl.events):
             for i in e.born:
                 if i not in alive:
@@ -482,19 +550,34 @@ class _LayerWalk:
                     totals = [a + v for a, v in zip(totals, values[i], strict=True)]
             if e.phase in ("forward", "backward") and e.node and self._candidate(e, layers):
                 extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
-                found.append(([a + v for a, v in zip(totals, at_probes(extra), strict=True)], k, extra))
+                layer = iteration(e.node)
+                where = (e.phase, template(e.node), "outside" if not layer else "first" if layer == 1 else "last")
+                found.append(((*where, seen[where]), [a + v for a, v in zip(totals, at_probes(extra), strict=True)],
+                              k))
+                seen[where] += 1
             for i in e.freed:
                 if i in alive:
                     alive.discard(i)
                     totals = [a - v for a, v in zip(totals, values[i], strict=True)]
-        kept = {max(range(len(found)), key=lambda j: found[j][0][n]) for n in range(len(probes))} if found else set()
-        out = []
-        for j in sorted(kept):
-            _, k, extra = found[j]
-            e = tl.events[k]
-            live = Counter(sizes[i] for i in self._alive_at(k))
-            out.append((sympy.Add(*(n * x for x, n in live.items())) + extra, e.phase, str(e.node)))
-        return out
+        return found
+
+    def formula(self, k: int) -> sympy.Expr:
+        """The bytes at event ``k`` beside what lives between steps, what the collectives add included (its
+        ``Max`` simplified, as :meth:`candidates` does not)."""
+        alive = self._alive_at(k)
+        e = self.tl.events[k]
+        self.evaluate = True
+        try:
+            extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
+        finally:
+            self.evaluate = False
+        live = Counter(self.local(i) for i in alive)
+        return sympy.Add(*(n * x for x, n in live.items())) + extra
+
+    def _max(self, *args: sympy.Expr) -> sympy.Expr:
+        """``sympy.Max``, left unevaluated (its proofs take most of the walk's time) unless :attr:`evaluate`:
+        evaluated at numbers it is the same."""
+        return sympy.Max(*args, evaluate=self.evaluate)
 
     def _alive_at(self, k: int) -> set[int]:
         """The storages alive at event ``k`` of the walk (born by it, not freed before it)."""
@@ -504,11 +587,12 @@ class _LayerWalk:
             alive -= set(e.freed)
         return alive | set(self.tl.events[k].born)
 
-    def label(self, phase: str, node: str) -> str:
-        """Where a moment of :meth:`largest` is, in words."""
+    def label(self, phase: str, node: str, layers: int | None = None) -> str:
+        """Where a moment of :meth:`largest` is, in words (its last layer called ``layers`` where given)."""
         from .unroll import iteration
 
-        return f"{phase} {template(node)} (layer {iteration(node)})"
+        layer = iteration(node)
+        return f"{phase} {template(node)} (layer {layers if layers and layer == self.layers else layer})"
 
     def _candidate(self, e: Any, layers: int) -> bool:
         """Whether op ``e`` can be the largest moment: an op of the first or the last layer."""
@@ -526,7 +610,7 @@ class _LayerWalk:
         if e.phase == "backward" and e.node in self.column:
             grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
             if grads:
-                return kept + sympy.Max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
+                return kept + self._max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
         return kept
 
     def _kept(self, k: int) -> sympy.Expr:
@@ -594,13 +678,13 @@ class _SequenceWalk(_LayerWalk):
         return super()._candidate(e, layers) or e.node == self.head or (e.node == self.embedding and
                                                                         e.phase == "backward")
 
-    def label(self, phase: str, node: str) -> str:
+    def label(self, phase: str, node: str, layers: int | None = None) -> str:
         if node == self.head:
             return ("the head's input all-gather" if phase == "forward" else
                     "the head's backward (its input gradient's reduce-scatter)")
         if node == self.embedding:
             return "the embedding's backward (its output gradient's all-gather)"
-        return super().label(phase, node)
+        return super().label(phase, node, layers)
 
     def _held(self, forward: Mapping[str, int], rows: Sequence[int]) -> list[tuple[int, int, sympy.Expr]]:
         """What eager attention's forward holds past the walk's frees until the attention returns (after the
@@ -630,13 +714,13 @@ class _SequenceWalk(_LayerWalk):
     def _whole(self, node: str) -> sympy.Expr:
         return self.g.node(node).out.numel * 4
 
-    def local(self, i: int) -> sympy.Expr:
+    def _local(self, i: int) -> sympy.Expr:
         from ..symbols import t
 
         s = self.tl.storages[i]
         if s.category in ("parameter", "optimizer_state", "input", "buffer", "gradient") or (
                 self.collapsed and template(s.name) in _REPEATS):
-            return super().local(i)
+            return super()._local(i)
         size = s.nbytes
         if i in self.constant_storages:
             return sympy.Integer(0)
@@ -682,7 +766,7 @@ class _SequenceWalk(_LayerWalk):
                 for f, _, n in spans:
                     if f == k:  # the all-gather's output beside its wrapper (at B = 1 both kept: counted)
                         born = sympy.Add(*(self.local(j) for j in e.born))
-                        extra += (2 - n) * sympy.Max(0, size - born)
+                        extra += (2 - n) * self._max(0, size - born)
             elif e.phase == "backward":
                 extra -= sympy.Add(*(n for _, r, n in spans if r < k)) * size
                 released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * size
@@ -695,15 +779,15 @@ class _SequenceWalk(_LayerWalk):
             # embedding's gradient made (V x H, whole) and the S-split gradient let go
             whole = self._whole(self.embedding)
             born = sympy.Add(*(self.local(j) for j in e.born))
-            return extra + sympy.Max(2 * whole - born, whole - freed)
+            return extra + self._max(2 * whole - born, whole - freed)
         if e.phase == "backward" and e.node in self.row:
             whole = self._whole(e.node)  # the all-gathered output gradient
             born = sympy.Add(*(self.local(j) for j in e.born))
-            return extra + whole + sympy.Max(0, whole - born)
+            return extra + whole + self._max(0, whole - born)
         if e.phase == "backward" and e.node in self.column and e.node not in self.qkv:
             grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
             # the head's output gradient: the replicated one's local shard, made contiguous (the logits / t)
             logits = self._whole(self.head) / t if e.node == self.head else 0
             if grads:
-                return extra + sympy.Max(logits + grads[0] - 2 * grads[0] / t, 2 * grads[0] - freed)
+                return extra + self._max(logits + grads[0] - 2 * grads[0] / t, 2 * grads[0] - freed)
         return extra
