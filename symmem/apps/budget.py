@@ -148,7 +148,7 @@ def held_sizes(d: Derivation, name: str) -> tuple[tuple[str, int], ...]:
 def domain_check(d: Derivation, sym: sympy.Symbol, quantity: str = "total") -> Callable[[int], str | None] | None:
     """Why a value of ``sym`` lies outside the derivation's domain (None inside it), every other symbol at its
     number (those tied to ``sym`` moving with it); None where the domain is everything.  On the ``peak`` the step's
-    own domain counts too (sequence parallelism's peak holds for B >= 2)."""
+    own domain counts too (where it bounds the solved size)."""
     from ..derivation import failing
 
     step = getattr(d, "step", None)

@@ -25,7 +25,9 @@ step's moment is the steady one's).  Under sequence parallelism (torchtitan's pl
 :class:`_SequenceWalk`: the all-gathers over S before the column-parallel linears (and the head), the
 reduce-scatters after the row-parallel ones (and the embedding), their backward counterparts, what eager attention
 holds until it returns; its candidates add the head's input all-gather, the head's backward and the embedding's
-backward.  Exact for B >= 2 (at B = 1 the all-gathers keep other copies: refused).  What gloo's worker thread
+backward.  At B = 1 funcol's all-gather over S is a view (no concatenation) and the asynchronous ones keep two
+copies (:func:`single_copy`); with eager attention and one key/value head a rank, a batch of 1 keeps the cache's
+key and value instead of repeated copies (:attr:`_LayerWalk.collapsed`).  What gloo's worker thread
 holds past a collective's wait is outside tensor accounting; the measurement lets it go and takes each moment's
 fewest bytes over repeated steps.
 
@@ -44,8 +46,10 @@ fewest bytes over repeated steps.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import sympy
@@ -56,6 +60,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel
 from ..timeline import Row, Which
 from ..training import Regime
+from .unroll import template
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,39 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
                           [tuple(x) for x in node.params.values()]):
                 head_grads += numel(shape) * 4 / (t if len(shape) >= 2 else 1)
     backward = at_rest + rank.saved - head_saved + stream + 5 * stream + 8 + head_grads
+    if sequence:
+        # at B = 1 the asynchronous all-gathers (gate's, up's, the head's) keep two copies each (see single_copy)
+        seconds = [s for s in storages if s.category == "activation" and _async_gathers(graph, s.keepers)]
+        forward_end += single_copy() * sum((_async_gathers(graph, s.keepers) * s.expr for s in seconds),
+                                           sympy.Integer(0))
+        backward += single_copy() * sum((_async_gathers(graph, s.keepers) * s.expr for s in seconds
+                                         if s.group != "head"), sympy.Integer(0))
     return RankMoments(at_rest, forward_end, step, rank.optimizer_state, backward)
+
+
+def single_copy() -> sympy.Expr:
+    """1 at B = 1, 0 from B = 2: how many more copies an asynchronous all-gather over S keeps.
+
+    funcol's ``all_gather_single`` gathers into dim 0 (``(t B, S/t, H)``) and, gathering over S, re-concatenates
+    over dim 1 -- unless ``B = 1``, where the result is a view (``_maybe_view_chunk_cat``) and the collective is not
+    waited on there: ``ColwiseParallel(input_layouts=Shard(1))`` redistributes with ``async_op=True``, so the
+    linear keeps funcol's wrapper and, through it, the all-gather's output: two whole copies where ``B >= 2``
+    keeps the one concatenation (measured).  The attention's ``PrepareModuleInput`` waits: one copy either way.
+
+    >>> from symmem.symbols import B
+    >>> single_copy().subs(B, 1), single_copy().subs(B, 2)
+    (1, 0)
+    """
+    from ..symbols import B
+
+    return sympy.Max(0, 2 - B)
+
+
+def _async_gathers(graph: Graph, keepers: Sequence[str]) -> int:
+    """How many of ``keepers`` all-gather their input asynchronously under sequence parallelism: the column-parallel
+    linears outside the attention (the MLP's gate and up, the head)."""
+    return sum(1 for k in keepers if k in graph and graph.node(k).kind == "linear" and (
+        graph.node(k).role == "mlp_hidden" or graph.node(k).group == "head"))
 
 
 def _step_temporaries(graph: Graph) -> sympy.Expr:
@@ -149,7 +186,74 @@ def _step_temporaries(graph: Graph) -> sympy.Expr:
     # with two or more layers a layer's first parameter follows the last of the layer before
     again = (norms or layer)[-1] + 2 * layer[0]
     candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
-    return sympy.Max(*candidates)
+    return largest_of(candidates)
+
+
+def largest_of(candidates: Sequence[sympy.Expr]) -> sympy.Expr:
+    """``sympy.Max`` of ``candidates`` without its pairwise proofs (a second each on the default sizes): those
+    another candidate bounds term by term (their difference, expanded, has no negative coefficient: every size is
+    positive) are left out, the rest kept unevaluated -- the arguments ``Max`` itself keeps.
+
+    >>> from symmem.symbols import H, V
+    >>> largest_of([2 * H, H + V, H, H + V])
+    Max(2*H, H + V)
+    """
+    unique = list(dict.fromkeys(candidates))
+    expanded = [sympy.expand(c) for c in unique]
+    kept = [c for i, c in enumerate(unique)
+            if not any(_bounds(expanded[j], expanded[i]) and (j < i or not _bounds(expanded[i], expanded[j]))
+                       for j in range(len(unique)) if j != i)]
+    return kept[0] if len(kept) == 1 else sympy.Max(*kept, evaluate=False)
+
+
+def _bounds(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Whether ``a >= b`` (both expanded) for every positive size, term by term (False where it cannot tell: a
+    ``Piecewise``)."""
+    if a.has(sympy.Piecewise) or b.has(sympy.Piecewise):
+        return False
+    return all(c >= 0 for c in (a - b).as_coefficients_dict().values())  # expanded: their difference is too
+
+
+def chosen(values: Sequence[Sequence[int]]) -> list[int]:
+    """The candidates kept: at each probe the first of the largest, in the step's order."""
+    if not values:
+        return []
+    return sorted({max(range(len(values)), key=lambda j: values[j][n]) for n in range(len(values[0]))})
+
+
+#: From how many layers the layers' moments are folded from two short walks (:func:`layer_moments`)
+FOLD_FROM = 8
+
+
+def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                  numbers: Mapping[str, int]) -> tuple[list[tuple[sympy.Expr, str, str]], sympy.Expr]:
+    """The layers' moments that can be the largest, (formula, phase, where in words), and what the forward's end
+    keeps more at B = 1 (:meth:`_LayerWalk.kept_at_one`), of ``walk`` at ``numbers``.
+
+    From :data:`FOLD_FROM` layers on, where every size is a whole number of bytes (``t`` divides S as it divides
+    the heads, F and V), the walk is not written out layer by layer: at every candidate -- an op of the first or
+    the last layer, or outside them -- the layers between are all in one state (before the first layer's
+    backward: forward done; at it: backward done), so each moment is linear in L.  Walks of 2 and 3 layers give
+    it: ``f(L) = f(2) + (L - 2) (f(3) - f(2))``, the same bytes as the walk of L layers, in a fraction of the time.
+    """
+    layers = int(numbers["L"])
+    if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]):
+        w = walk(graph, conv, options, regime, numbers)
+        return [(f, phase, w.label(phase, node)) for f, phase, node in w.largest()], single_copy() * w.kept_at_one()
+    two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (2, 3))
+    at_two = {key: (values, k) for key, values, k in two.candidates()}
+    found = []
+    for key, values, k in three.candidates():
+        before, k2 = at_two[key]
+        found.append(([a + (layers - 2) * (b - a) for a, b in zip(before, values, strict=True)], k2, k))
+    out = []
+    for j in chosen([f[0] for f in found]):
+        _, k2, k = found[j]
+        a, b = two.formula(k2), three.formula(k)
+        e = three.tl.events[k]
+        out.append((a + (layers - 2) * (b - a), e.phase, three.label(e.phase, str(e.node), layers)))
+    more = two.kept_at_one(), three.kept_at_one()
+    return out, single_copy() * (more[0] + (layers - 2) * (more[1] - more[0]))
 
 
 @dataclass(eq=False)
@@ -174,12 +278,6 @@ class TensorStep:
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
         named = self._named(at)
         even(named)
-        if self.sequence and named.get("B") == 1:
-            if int({str(k): v for k, v in (at or {}).items()}.get("B", 0)) == 1:
-                raise SymmemError("the peak under sequence parallelism is modelled for B >= 2: at B = 1 DTensor's "
-                                  "all-gathers over S keep other copies (measured, not modelled)")
-            # the formulas (in B) hold for B >= 2 (the peak's domain): walked there
-            named = {**named, "B": 2}
         key = tuple(sorted(named.items()))
         if key not in self._cache:
             missing = [n for n in ("L", "t") if n not in named]
@@ -192,23 +290,20 @@ class TensorStep:
 
     def _peak(self, named: Mapping[str, int]) -> Peak:
         r, ranks = self.moments, named["t"]
-        walk = (_SequenceWalk if self.sequence else _LayerWalk)(self.graph, self.conv, self.options, self.regime,
-                                                                 named)
-        layers = walk.largest()
+        layers, more = layer_moments(_SequenceWalk if self.sequence else _LayerWalk, self.graph, self.conv,
+                                     self.options, self.regime, named)
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
-            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end),
-                       ("backward", "the final norm's backward", r.backward)]
-            moments += [(phase, walk.label(phase, node), r.at_rest + live) for live, phase, node in layers]
+            # at B = 1 eager attention with one key/value head a rank keeps the cache's copies instead (more)
+            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end + more),
+                       ("backward", "the final norm's backward", r.backward + more)]
+            moments += [(phase, what, r.at_rest + live) for live, phase, what in layers]
             for ph, what, live in moments:
                 made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
             made.append(TensorRankMoment("step", None, "", step, {"live": r.step}, ranks=ranks,
                                          what="the optimizer step"))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L",))
-        if self.sequence:
-            # measured at B = 1 the all-gathers over S keep other copies (no concatenation): not modelled
-            others += (sympy.Ge(sympy.Symbol("B", positive=True, integer=True), 2),)
         return Peak(None, None, tuple(made), others)
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
@@ -273,6 +368,10 @@ def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequenc
     return rank_peak(graph, storages, tensor_rank(graph, storages, regime, sequence), sequence)
 
 
+#: eager attention's repeated key and value (``repeat_kv``), by template name
+_REPEATS = ("layers.self_attn.k_repeat", "layers.self_attn.v_repeat")
+
+
 # -- the layers' forward and backward, op by op --------------------------------------------------------------
 class _LayerWalk:
     """The single-device step of ``graph`` written out at ``numbers`` (:class:`~symmem.passes.schedule.Simulation`),
@@ -304,17 +403,68 @@ class _LayerWalk:
         self.constants = sympy.Add(*(g.node(n).out.numel * (8 if str(g.node(n).out.dtype) == "int64" else 4)
                                      for n in order if g.node(n).kind == "constant"))
         self.keepers = sim.all_keepers  # who keeps each saved storage (sequence parallelism's gathered copies)
+        self._splits: dict[str, bool] = {}
+        self._locals: dict[int, sympy.Expr] = {}
+        #: whether the collectives' Max are simplified (the kept moments' formulas) or not (the candidates' bytes)
+        self.evaluate = False
+        self.once = single_copy()
+        # eager attention with one key/value head a rank (G = t) repeated to h/t heads: at B = 1 the repeated key
+        # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
+        # matmuls keep in place of the copies they make from B = 2
+        self.collapsed = (any(template(n) == "layers.self_attn.k_repeat" for n in order)
+                          and numbers.get("G") == numbers.get("t") and numbers.get("h") != numbers.get("G"))
+
+    @cached_property
+    def cache_kept(self) -> list[tuple[int, int, sympy.Expr]]:
+        """At B = 1 where :attr:`collapsed`, the cache's key and value copies past the single-device step's
+        frees (its ``repeat_kv`` copies them) until the matmuls' backward lets go of the repeated views: (from,
+        to, bytes), the bytes 0 from B = 2."""
+        if not self.collapsed:
+            return []
+        tl = self.tl
+        released = {tl.storages[i].name: k for k, e in enumerate(tl.events) for i in e.freed}
+        kept = []
+        for i, s in enumerate(tl.storages):
+            if template(s.name) in ("layers.self_attn.cache_key", "layers.self_attn.cache_value"):
+                repeat = s.name.replace("cache_key", "k_repeat").replace("cache_value", "v_repeat")
+                if s.name in released and repeat in released:
+                    kept.append((released[s.name] + 1, released[repeat], self.once * self.local(i)))
+        return kept
+
+    def kept_at_one(self) -> sympy.Expr:
+        """What the forward's end and the final norm's backward keep more at B = 1, over :func:`single_copy` (its
+        factor, 0 from B = 2): where :attr:`collapsed`, the cache's copies in place of the repeated key and value."""
+        from ..symbols import t
+
+        if not self.collapsed:
+            return sympy.Integer(0)
+        index = {s.name: i for i, s in enumerate(self.tl.storages)}
+        more = sympy.Integer(0)
+        for s in self.tl.storages:
+            if template(s.name) in _REPEATS:
+                cache = s.name.replace("k_repeat", "cache_key").replace("v_repeat", "cache_value")
+                more += self.local(index[cache]) - s.nbytes / t
+        return more
 
     def local(self, i: int) -> sympy.Expr:
+        """Storage ``i``'s bytes on one rank (:meth:`_local`), worked out once."""
+        if i not in self._locals:
+            self._locals[i] = self._local(i)
+        return self._locals[i]
+
+    def _local(self, i: int) -> sympy.Expr:
         """Storage ``i``'s bytes on one rank: split over ``t`` where it has a head or MLP-width dimension (the
         logits: the vocabulary), twice where a row-parallel all-reduce makes it (its output beside funcol's
-        wrapper), the replicated logits beside the local ones; parameters' gradients as :class:`TensorRank`."""
+        wrapper), the replicated logits beside the local ones; parameters' gradients as :class:`TensorRank`; at
+        B = 1 no repeated key or value where :attr:`collapsed`."""
         from ..symbols import t
 
         s = self.tl.storages[i]
         if s.category in ("parameter", "optimizer_state", "input", "buffer"):
             return sympy.Integer(0)  # what lives between steps: counted apart (RankMoments.at_rest)
         size = s.nbytes
+        if self.collapsed and template(s.name) in _REPEATS:
+            return (1 - self.once) * size / t  # at B = 1 a view of the cache's copy (_cache_kept)
         if s.category == "gradient":
             return size / t if s.node in self.g and self.g.node(s.node).kind == "linear" else size
         if s.name in self.row or s.name == self.embedding:
@@ -339,47 +489,110 @@ class _LayerWalk:
                 source = n.inputs[int(index)]
         if source == self.head:
             return True
-        src = self.g.node(source)
-        names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
-        return bool(iteration(source)) and (src.role in TP_ROLES or bool(names & set(SPLIT_DIMS)))
+        if not iteration(source):
+            return False
+        # the layers' copies of one node share its role and shape: decided once
+        key = template(source)
+        if key not in self._splits:
+            src = self.g.node(source)
+            names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
+            self._splits[key] = src.role in TP_ROLES or bool(names & set(SPLIT_DIMS))
+        return self._splits[key]
 
     def largest(self) -> list[tuple[sympy.Expr, str, str]]:
         """The layers' forward and backward moments that can be the largest: (the bytes beside what lives between
         steps, as a formula; the phase; the op).  Every op of the first and the last layer is a candidate (the
         first holds the fewest kept tensors and the most gradients in the backward, the last the reverse); those
         kept are the largest at the numbers with the batch B scaled from 1 to 256 times (``fit`` solves in B)."""
+        found = self.candidates()
+        out = []
+        for j in chosen([values for _, values, _ in found]):
+            _, _, k = found[j]
+            e = self.tl.events[k]
+            out.append((self.formula(k), e.phase, str(e.node)))
+        return out
+
+    @property
+    def layers(self) -> int:
+        """How many layers the walk writes out."""
         from .unroll import iteration
 
-        tl, subs = self.tl, self.subs
-        layers = int(max((iteration(n) for n in self.g.program_order()), default=0))
+        return int(max((iteration(n) for n in self.g.program_order()), default=0))
+
+    def candidates(self) -> list[tuple[tuple[str, str, str, int], list[int], int]]:
+        """Every candidate moment of :meth:`largest`, in the step's order: (its key -- the phase, the op's template,
+        ``first``, ``last`` or ``outside`` the layers, and how many such came before --, its live bytes at each
+        probe, its event)."""
+        from .unroll import iteration
+
+        tl, subs, layers = self.tl, self.subs, self.layers
         batch = sympy.Symbol("B", positive=True, integer=True)
         b = int(subs.get(batch, 1))
         probes = [{**subs, batch: sympy.Integer(x)} for x in sorted({1, b, 4 * b, 16 * b, 256 * b})]
-        sizes = [self.local(i) for i in range(len(tl.storages))]
-        values = [[int(sympy.ceiling(x.xreplace(at))) for x in sizes] for at in probes]
+        # the layers repeat the same few formulas: each evaluated once at each probe
+        memo: dict[sympy.Expr, tuple[int, ...]] = {}
+
+        def at_probes(x: sympy.Expr) -> tuple[int, ...]:
+            if x not in memo:
+                memo[x] = tuple(int(sympy.ceiling(x.xreplace(p))) for p in probes)
+            return memo[x]
+
+        values = [at_probes(self.local(i)) for i in range(len(tl.storages))]
         alive = set(tl.start)
-        found: list[tuple[list[int], int, frozenset[int], sympy.Expr]] = []
+        # the live bytes at each probe, kept as storages are born and freed
+        totals = [sum(values[i][n] for i in alive) for n in range(len(probes))]
+        found: list[tuple[tuple[str, str, str, int], list[int], int]] = []
+        seen: Counter[tuple[str, str, str]] = Counter()
         for k, e in enumerate(tl.events):
-            alive |= set(e.born)
+            for i in e.born:
+                if i not in alive:
+                    alive.add(i)
+                    totals = [a + v for a, v in zip(totals, values[i], strict=True)]
             if e.phase in ("forward", "backward") and e.node and self._candidate(e, layers):
                 extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
-                at = [sum(v[i] for i in alive) + int(sympy.ceiling(extra.xreplace(p))) for v, p in
-                      zip(values, probes, strict=True)]
-                found.append((at, k, frozenset(alive), extra))
+                layer = iteration(e.node)
+                where = (e.phase, template(e.node), "outside" if not layer else "first" if layer == 1 else "last")
+                found.append(((*where, seen[where]), [a + v for a, v in zip(totals, at_probes(extra), strict=True)],
+                              k))
+                seen[where] += 1
+            for i in e.freed:
+                if i in alive:
+                    alive.discard(i)
+                    totals = [a - v for a, v in zip(totals, values[i], strict=True)]
+        return found
+
+    def formula(self, k: int) -> sympy.Expr:
+        """The bytes at event ``k`` beside what lives between steps, what the collectives add included (its
+        ``Max`` simplified, as :meth:`candidates` does not)."""
+        alive = self._alive_at(k)
+        e = self.tl.events[k]
+        self.evaluate = True
+        try:
+            extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
+        finally:
+            self.evaluate = False
+        live = Counter(self.local(i) for i in alive)
+        return sympy.Add(*(n * x for x, n in live.items())) + extra
+
+    def _max(self, *args: sympy.Expr) -> sympy.Expr:
+        """``sympy.Max``, left unevaluated (its proofs take most of the walk's time) unless :attr:`evaluate`:
+        evaluated at numbers it is the same."""
+        return sympy.Max(*args, evaluate=self.evaluate)
+
+    def _alive_at(self, k: int) -> set[int]:
+        """The storages alive at event ``k`` of the walk (born by it, not freed before it)."""
+        alive = set(self.tl.start)
+        for e in self.tl.events[:k]:
+            alive |= set(e.born)
             alive -= set(e.freed)
-        kept = {max(range(len(found)), key=lambda j: found[j][0][n]) for n in range(len(probes))} if found else set()
-        out = []
-        for j in sorted(kept):
-            _, k, live, extra = found[j]
-            e = tl.events[k]
-            out.append((sympy.Add(*(sizes[i] for i in live)) + extra, e.phase, str(e.node)))
-        return out
+        return alive | set(self.tl.events[k].born)
 
-    def label(self, phase: str, node: str) -> str:
-        """Where a moment of :meth:`largest` is, in words."""
-        from .unroll import iteration, template
+    def label(self, phase: str, node: str, layers: int | None = None) -> str:
+        """Where a moment of :meth:`largest` is, in words (its last layer called ``layers`` where given)."""
+        from .unroll import iteration
 
-        return f"{phase} {template(node)} (layer {iteration(node)})"
+        layer = iteration(node)
+        return f"{phase} {template(node)} (layer {layers if layers and layer == self.layers else layer})"
 
     def _candidate(self, e: Any, layers: int) -> bool:
         """Whether op ``e`` can be the largest moment: an op of the first or the last layer."""
@@ -391,13 +604,18 @@ class _LayerWalk:
         """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
         a column-parallel linear's input gradient, the all-reduce's output and wrapper beside the partial."""
         tl = self.tl
+        kept = self._kept(k)
         if e.phase == "forward" and e.node in self.row:
-            return sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
+            return kept + sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
         if e.phase == "backward" and e.node in self.column:
             grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
             if grads:
-                return sympy.Max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
-        return sympy.Integer(0)
+                return kept + self._max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
+        return kept
+
+    def _kept(self, k: int) -> sympy.Expr:
+        """What :meth:`_cache_kept` holds at event ``k``."""
+        return sympy.Add(*(size for start, end, size in self.cache_kept if start <= k <= end))
 
 
 class _SequenceWalk(_LayerWalk):
@@ -431,7 +649,8 @@ class _SequenceWalk(_LayerWalk):
                     backward[e.node] = k
         self.qkv = {n for n in self.column if g.node(n).role == "qkv"}
         rows = sorted(forward[n] for n in self.row if n in forward)
-        #: storage -> (the event after which its S-split output dies, [(gather event, release event)] by gather)
+        #: storage -> (the event after which its S-split output dies, [(gather event, release event, copies)] by
+        #: gather)
         self.copies: dict[int, tuple[int, list[tuple[int, int]]]] = {}
         for i, s in enumerate(tl.storages):
             linears = [n for n in self.keepers.get(s.name, ()) if n in self.column and n in forward]
@@ -439,8 +658,9 @@ class _SequenceWalk(_LayerWalk):
                 continue
             attention = [n for n in linears if n in self.qkv]
             groups = ([tuple(attention)] if attention else []) + [(n,) for n in linears if n not in self.qkv]
-            spans = sorted((min(forward[n] for n in grp), max(backward.get(n, len(tl.events)) for n in grp))
-                           for grp in groups)
+            # (gather, release, copies): at B = 1 an asynchronous gather (outside the attention) keeps two
+            spans = sorted(((min(forward[n] for n in grp), max(backward.get(n, len(tl.events)) for n in grp),
+                             1 + (0 if grp[0] in self.qkv else self.once)) for grp in groups), key=lambda x: x[:2])
             after = [r for r in rows if r > spans[-1][0]]
             dies = (after[0] if attention else after[0] + 1) if after else len(tl.events)
             self.copies[i] = (dies, spans)
@@ -458,23 +678,24 @@ class _SequenceWalk(_LayerWalk):
         return super()._candidate(e, layers) or e.node == self.head or (e.node == self.embedding and
                                                                         e.phase == "backward")
 
-    def label(self, phase: str, node: str) -> str:
+    def label(self, phase: str, node: str, layers: int | None = None) -> str:
         if node == self.head:
             return ("the head's input all-gather" if phase == "forward" else
                     "the head's backward (its input gradient's reduce-scatter)")
         if node == self.embedding:
             return "the embedding's backward (its output gradient's all-gather)"
-        return super().label(phase, node)
+        return super().label(phase, node, layers)
 
     def _held(self, forward: Mapping[str, int], rows: Sequence[int]) -> list[tuple[int, int, sympy.Expr]]:
         """What eager attention's forward holds past the walk's frees until the attention returns (after the
         output projection's reduce-scatter): the key/value cache copies (the reference's ``key_states`` and
         ``value_states``) and ``attn_weights @ value_states``'s copy of the values: (from, to, bytes)."""
         from ..symbols import t
-        from .unroll import template
 
         tl, g = self.tl, self.g
         freed_at = {i: k for k, e in enumerate(tl.events) for i in e.freed if e.phase == "forward"}
+        # at B = 1 where collapsed the cache's copies are kept longer (_cache_kept), and attn @ V copies nothing
+        once = self.once if self.collapsed else sympy.Integer(0)
         held = []
         for k, e in enumerate(tl.events):
             if e.phase != "forward" or e.node is None:
@@ -484,21 +705,22 @@ class _SequenceWalk(_LayerWalk):
             if not after:
                 continue
             if name in ("layers.self_attn.cache_key", "layers.self_attn.cache_value"):
-                held += [(freed_at[i] + 1, after[0], self.local(i)) for i in e.born
+                held += [(freed_at[i] + 1, after[0], (1 - once) * self.local(i)) for i in e.born
                          if freed_at.get(i, after[0]) < after[0]]
             elif name == "layers.self_attn.attn_v":
-                held.append((k, after[0], g.node(g.node(e.node).inputs[1]).out.numel * 4 / t))
+                held.append((k, after[0], (1 - once) * g.node(g.node(e.node).inputs[1]).out.numel * 4 / t))
         return held
 
     def _whole(self, node: str) -> sympy.Expr:
         return self.g.node(node).out.numel * 4
 
-    def local(self, i: int) -> sympy.Expr:
+    def _local(self, i: int) -> sympy.Expr:
         from ..symbols import t
 
         s = self.tl.storages[i]
-        if s.category in ("parameter", "optimizer_state", "input", "buffer", "gradient"):
-            return super().local(i)
+        if s.category in ("parameter", "optimizer_state", "input", "buffer", "gradient") or (
+                self.collapsed and template(s.name) in _REPEATS):
+            return super()._local(i)
         size = s.nbytes
         if i in self.constant_storages:
             return sympy.Integer(0)
@@ -507,7 +729,7 @@ class _SequenceWalk(_LayerWalk):
         if s.name == self.head:
             return size + size / t
         if i in self.copies:
-            return len(self.copies[i][1]) * size
+            return sympy.Add(*(n for _, _, n in self.copies[i][1])) * size
         if s.node in self.column and s.name.endswith(".grad_input0"):
             return size if s.node in self.qkv else 2 * size / t
         if i in self.gathered_grads:
@@ -539,16 +761,17 @@ class _SequenceWalk(_LayerWalk):
                 continue
             size = tl.storages[i].nbytes
             if e.phase == "forward":
-                made = sum(1 for f, _ in spans if f <= k)
-                extra += (made - len(spans)) * size + (size / t if k <= dies else 0)
-                if any(f == k for f, _ in spans):  # the all-gather's output beside its wrapper
-                    born = sympy.Add(*(self.local(j) for j in e.born))
-                    extra += sympy.Max(0, size - born)
+                extra -= sympy.Add(*(n for f, _, n in spans if f > k)) * size
+                extra += size / t if k <= dies else 0
+                for f, _, n in spans:
+                    if f == k:  # the all-gather's output beside its wrapper (at B = 1 both kept: counted)
+                        born = sympy.Add(*(self.local(j) for j in e.born))
+                        extra += (2 - n) * self._max(0, size - born)
             elif e.phase == "backward":
-                extra -= sum(size for _, r in spans if r < k)
-                released += sum(size for _, r in spans if r == k and i not in e.freed)
+                extra -= sympy.Add(*(n for _, r, n in spans if r < k)) * size
+                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * size
         freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
-        extra += sympy.Add(*(size for start, end, size in self.held if start <= k <= end))
+        extra += sympy.Add(*(size for start, end, size in self.held if start <= k <= end)) + self._kept(k)
         if e.phase == "forward" and e.node in self.row:
             return extra + 2 * sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
         if e.phase == "backward" and e.node == self.embedding:
@@ -556,15 +779,15 @@ class _SequenceWalk(_LayerWalk):
             # embedding's gradient made (V x H, whole) and the S-split gradient let go
             whole = self._whole(self.embedding)
             born = sympy.Add(*(self.local(j) for j in e.born))
-            return extra + sympy.Max(2 * whole - born, whole - freed)
+            return extra + self._max(2 * whole - born, whole - freed)
         if e.phase == "backward" and e.node in self.row:
             whole = self._whole(e.node)  # the all-gathered output gradient
             born = sympy.Add(*(self.local(j) for j in e.born))
-            return extra + whole + sympy.Max(0, whole - born)
+            return extra + whole + self._max(0, whole - born)
         if e.phase == "backward" and e.node in self.column and e.node not in self.qkv:
             grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
             # the head's output gradient: the replicated one's local shard, made contiguous (the logits / t)
             logits = self._whole(self.head) / t if e.node == self.head else 0
             if grads:
-                return extra + sympy.Max(logits + grads[0] - 2 * grads[0] / t, 2 * grads[0] - freed)
+                return extra + self._max(logits + grads[0] - 2 * grads[0] / t, 2 * grads[0] - freed)
         return extra
