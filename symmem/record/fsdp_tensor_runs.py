@@ -19,8 +19,6 @@ FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
 
 from __future__ import annotations
 
-import datetime
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,39 +166,16 @@ def _fewest(trace: Any, steps: range, left_out: set[int]) -> tuple[int, tuple[st
     return v, (r.phase, r.op)
 
 
-def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], out: Any) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        try:
-            runs = [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
-                    for values, dp, options, reshard in jobs]
-        finally:
-            dist.destroy_process_group()
-        out.put((rank, runs))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        out.put((rank, traceback.format_exc()))
-
-
-#: How long a rank waits for the others (process group and every collective), and for all of them to finish.
-TIMEOUT_S = 60
-
-
 def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], Mapping[str, Any]]],
                      reshard: bool = True) -> list[list[MeshRun]]:
     """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
     per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
     that case's FSDP setting, else ``reshard``).  A rank that fails or hangs is a :class:`SymmemError`."""
-    import multiprocessing
 
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    from .model_parallel_runs import free_port
+    from .model_parallel_runs import forked_ranks
 
     for n, what in ((dp, "data-parallel size N"), (tp, "tensor-parallel size t")):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -208,25 +183,9 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
     world = dp * tp
     jobs = [(dict(values), dp, {k: v for k, v in options.items() if k != "reshard_after_forward"},
              bool(options.get("reshard_after_forward", reshard))) for values, options in cases]
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    found: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, result = out.get(timeout=TIMEOUT_S * 2)
-            found[rank] = result
-    except Exception as e:  # queue.Empty: a rank hung
-        raise SymmemError(f"the FSDP x TP run did not finish in {TIMEOUT_S * 2} s") from e
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-    for rank in sorted(found):
-        if isinstance(found[rank], str):
-            raise SymmemError(f"rank {rank} failed:\n{found[rank]}")
-    return [found[r] for r in range(world)]
+
+    def work(rank: int, world: int) -> list[MeshRun]:
+        return [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
+                for values, dp, options, reshard in jobs]
+
+    return forked_ranks(world, work, "the FSDP x TP run")

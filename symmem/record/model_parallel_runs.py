@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import socket
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,7 +456,8 @@ def _fewest(trace: Any, steps: range) -> int:
     return max(min(column) for column in zip(*rows, strict=True))
 
 
-def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], out: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any], out: Any) -> None:
+    """One forked rank: join the gloo group on 127.0.0.1, put ``(rank, work(rank, world))`` (or the traceback)."""
     try:
         import torch
         import torch.distributed as dist
@@ -465,46 +466,23 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[tuple[Any, ...]], ou
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         try:
-            runs = []
-            for kind, model, values, case in jobs:
-                if kind == "pipeline":
-                    runs.append(_one_case(model, values, rank, world, *case))
-                else:
-                    runs.append(_tensor_case(model, values, rank, world, case))
+            found = work(rank, world)
         finally:
             dist.destroy_process_group()
-        out.put((rank, runs))
+        out.put((rank, found))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         out.put((rank, traceback.format_exc()))
 
 
-def pipeline_runs(model: str, values: Mapping[str, int], world: int,
-                  cases: Sequence[tuple[Any, ...]]) -> list[list[StageRun]]:
-    """Per rank, one :class:`StageRun` per case ``(schedule, M)`` or ``(schedule, M, loss)`` (``cross-entropy``,
-    the default: the causal LM's shifted one; ``sum``): ``world`` stages of ``model`` at ``values``
-    (``B`` is one micro-batch) trained two steps on gloo.  A rank that fails or hangs is a :class:`SymmemError`."""
-    return runs(world, [("pipeline", model, dict(values), tuple(case)) for case in cases])
-
-
-#: The modules a job's ranks import, by the job's kind
-_IMPORTS = {"tensor": ("torch.distributed.tensor.parallel", "torch.distributed.device_mesh"),
-            "pipeline": ("torch.distributed.pipelining",)}
-
-
-def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) -> list[list[Any]]:
-    """Per rank, the result of every job in one process group: ``("pipeline", model, values, (schedule, M[,
-    loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`."""
-    import importlib
+def forked_ranks(world: int, work: Callable[[int, int], Any], what: str = "the distributed run") -> list[Any]:
+    """``work(rank, world)`` on ``world`` forked processes in one gloo group (127.0.0.1, bounded waits); per rank,
+    its result.  A rank that fails or hangs is a :class:`SymmemError`."""
     import multiprocessing
 
-    # what the ranks import, imported once here: the forked ranks inherit it rather than each importing it
-    for name in sorted({name for job in jobs for name in _IMPORTS.get(job[0], ())}):
-        importlib.import_module(name)
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, [(k, m, dict(v), c) for k, m, v, c in jobs], out))
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, work, out)) for r in range(world)]
     for proc in procs:
         proc.start()
     found: dict[int, Any] = {}
@@ -513,7 +491,7 @@ def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) ->
             rank, result = out.get(timeout=TIMEOUT_S * 2)
             found[rank] = result
     except Exception as e:  # queue.Empty: a rank hung
-        raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from e
+        raise SymmemError(f"{what} did not finish in {TIMEOUT_S * 2} s") from e
     finally:
         for proc in procs:
             proc.join(timeout=5)
@@ -523,3 +501,24 @@ def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) ->
         if isinstance(found[rank], str):
             raise SymmemError(f"rank {rank} failed:\n{found[rank]}")
     return [found[r] for r in range(world)]
+
+
+_IMPORTS = {"tensor": ("torch.distributed.tensor.parallel", "torch.distributed.device_mesh"),
+            "pipeline": ("torch.distributed.pipelining",)}
+
+
+def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) -> list[list[Any]]:
+    """Per rank, the result of every job in one process group: ``("pipeline", model, values, (schedule, M[,
+    loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`."""
+    import importlib
+
+    # what the ranks import, imported once here: the forked ranks inherit it rather than each importing it
+    for name in sorted({name for job in jobs for name in _IMPORTS.get(job[0], ())}):
+        importlib.import_module(name)
+    listed = [(k, m, dict(v), c) for k, m, v, c in jobs]
+
+    def work(rank: int, world: int) -> list[Any]:
+        return [_one_case(model, values, rank, world, *case) if kind == "pipeline"
+                else _tensor_case(model, values, rank, world, case) for kind, model, values, case in listed]
+
+    return forked_ranks(world, work)
