@@ -61,9 +61,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import reference
-    from .model_parallel_runs import SETTLE_S, llama_plan
-    from .optim import make_optimizer
-    from .sharded import ShardTracker, local, train_steps
+    from .model_parallel_runs import llama_plan, repeated_steps
 
     torch.manual_seed(0)
     module, (ids,) = reference("llama", values, **options)
@@ -77,21 +75,8 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
                         generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
     saved, parts = _first_step(module, ids, params)
-    tracker = ShardTracker(settle=SETTLE_S)
-    tracker.register([local(p) for p in params], "parameter")
-    tracker.register([local(b) for b in module.buffers()], "buffer")
-    tracker.register([ids], "input")
-    held: dict[str, Any] = {}
-
-    def optimizer(step: int) -> Any:
-        if step <= FIRST_STEPS:
-            held.pop("opt", None)  # the last one's state goes before this step begins
-            held["opt"] = make_optimizer(params, "adamw", "for-loop")
-        return held["opt"]
-
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = train_steps(tracker, lambda: module(ids), lambda out: out.sum(), params, optimizer, steps,
-                        loss_phase="forward", resizes=True)
+    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest(trace, range(FIRST_STEPS + 1, steps + 1), gloo)

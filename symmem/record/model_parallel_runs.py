@@ -413,11 +413,11 @@ FIRST_STEPS, STEADY_STEPS = 2, 2
 SETTLE_S = 0.001
 
 
-def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[tuple[int, ...], tuple[str, str],
-                                                                              tuple[int, int]]:
-    """Training steps after the measured one, under the recorder that sees DTensor's local ops
-    (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): each step's raw
-    live-bytes peak, where the last one is, and the first and steady step's peaks (:func:`_fewest`)."""
+def repeated_steps(forward: Callable[[], Any], ids: Any, params: list[Any], module: Any, *,
+                   resizes: bool = False) -> Any:
+    """:data:`FIRST_STEPS` steps, each with a new for-loop AdamW (each a first step), then :data:`STEADY_STEPS`
+    with the last one, the loss the output's sum, under the recorder that sees DTensor's local ops
+    (:class:`~symmem.record.sharded.ShardTracker`; ``resizes``: FSDP's storage resizes too); the StepTrace."""
     from .optim import make_optimizer
     from .sharded import ShardTracker, local, train_steps
 
@@ -433,15 +433,22 @@ def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[t
             held["opt"] = make_optimizer(params, "adamw", "for-loop")
         return held["opt"]
 
-    steps = FIRST_STEPS + STEADY_STEPS
-    trace = train_steps(tracker, lambda: run(ids), lambda out: out.sum(), params, optimizer, steps,
-                        loss_phase="forward")
+    return train_steps(tracker, forward, lambda out: out.sum(), params, optimizer, FIRST_STEPS + STEADY_STEPS,
+                       loss_phase="forward", resizes=resizes)
+
+
+def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[tuple[int, ...], tuple[str, str],
+                                                                              tuple[int, int]]:
+    """Training steps after the measured one, under the recorder that sees DTensor's local ops
+    (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): each step's raw
+    live-bytes peak, where the last one is, and the first and steady step's peaks (:func:`_fewest`)."""
+    trace = repeated_steps(lambda: run(ids), ids, params, module)
     best: dict[int, tuple[int, str, str]] = {}
     for r in trace.records:
         if r.live > best.get(r.step, (-1, "", ""))[0]:
             best[r.step] = (r.live, r.phase, r.where)
     first = _fewest(trace, range(1, FIRST_STEPS + 1))
-    steady = _fewest(trace, range(FIRST_STEPS + 1, steps + 1))
+    steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
     return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady)
 
 
