@@ -28,11 +28,12 @@ from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Candidate, Peak, summarize
-from ..timeline import Row, Timeline, Which, checked
+from ..shapes import numel as shape_numel
+from ..timeline import Event, Live, Row, Timeline, Which, checked
 from ..training import Regime, checkpoint_every
 from . import branches as size_branches
 from . import zero_redundancy
-from .schedule import simulate
+from .schedule import MICRO_BATCH_PASSES, Simulation, optimizer_impl, simulate, state_storages, walk_step
 from .storage import Branch
 from .unroll import iteration, template, unroll
 
@@ -226,10 +227,14 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
     blocks = graph.blocks
     blocks_of = {m: b.name for b in blocks.values() for m in graph.program_order() if graph.node(m).block == b.name}
     period, edge, base = layout(regime)
+    whole = zero_redundancy.engaged(regime)  # ZeRO-1 partitions every layer's parameters: written out whole
+    if whole and options.get(zero_redundancy.WALKS_OPTION) is not None:
+        found = _rank_peak(graph, conv, options, regime, subs, branches, merge, numbers, guards, blocks_of)
+        if found is not None:
+            return found
     symbolic: dict[str, sympy.Symbol] = {}
     fixed = {}
     many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
-    whole = zero_redundancy.engaged(regime)  # ZeRO-1 partitions every layer's parameters: written out whole
     for name, b in blocks.items():
         count = b.count.xreplace(dict(subs))
         if count.is_number and not whole and int(count) > base + period and (int(count) - base) % period == 0:
@@ -268,3 +273,139 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
         groups.append((found[0], found[1]))
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
                      merge=merge, guards=guards)
+
+
+def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+               subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None],
+               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None, numbers: Mapping[sympy.Symbol, int] | None,
+               guards: Sequence[sympy.Basic], blocks_of: Mapping[str, str]) -> Peak | None:
+    """One ZeRO-1 rank's peak with its blocks written out whole (what :func:`symbolic_peak` gives), without writing
+    them out: the forward and backward are every rank's (walked once, shared through the step's walks), and each
+    block's layers there are one device's -- the step is walked with each block written out ``base`` and
+    ``base + 1`` times and every moment's storages interpolated to the block's length, the moments of the layers
+    between the first and last two left out as the whole walk leaves them out.  The rank's own part -- its
+    optimizer state, alive through a steady step, and its optimizer step over the whole parameters it owns -- is
+    walked on its own, from the storages alive when the backward ends.  None where this does not apply
+    (checkpointing, a block shorter than ``base``)."""
+    period, edge, base = layout(regime)
+    counts = {name: b.count.xreplace(dict(subs)) for name, b in graph.blocks.items()}
+    if regime.checkpoint != "none" or period != 1 or not all(c.is_number and int(c) >= base for c in counts.values()):
+        return None
+    counts = {name: int(c) for name, c in counts.items()}
+    symbolic = {name: sympy.Dummy(f"n_{name}", positive=True, integer=True) for name in counts}
+    names = list(symbolic)
+    walks = options[zero_redundancy.WALKS_OPTION]
+    mine = _rank_step(graph, options, regime, counts, blocks_of, edge)
+    groups: list[tuple[list[Candidate], list[Candidate]]] = []
+    for branch in branches:
+        key = ("shared", None if branch is None else tuple(sorted((str(c), v) for c, v in branch.items())))
+        if key not in walks:
+            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge)
+        moments, end = walks[key]
+        found = []
+        for first in (False, True):
+            step = "first" if first else "steady"
+            cands = []
+            for (phase, node, label, seen), parts in moments.items():
+                block = blocks_of.get(node) if len(names) > 1 else names[0] if names else None
+                if label.startswith("L"):
+                    if block is None:
+                        return None
+                    label = str(counts[block] + int(label[1:] or 0))  # L-1 -> 31 of 32
+                cands.append(Candidate((phase, node, label, seen), step,
+                                       parts if first else _plus(parts, mine["states"], len(names))))
+            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in mine[first].items()
+                      if live is not None]
+            found.append(cands)
+        groups.append((found[0], found[1]))
+    many = {symbolic[n]: counts[n] for n in names}
+    return summarize(groups, lambda k: k.key[:3], {**dict(subs), **many}, [symbolic[n] for n in names],
+                     {**numbers, **many} if numbers else numbers, (), base=base, period=period, merge=merge,
+                     guards=guards)
+
+
+def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: int
+          ) -> dict[Any, tuple[int, tuple[int, ...]]]:
+    """A moment's parts (:func:`_parts`) with storages ``live`` added, the same at every layer count."""
+    out = dict(parts)
+    for x, k in live.items():
+        k0, ds = out.get(x, (0, (0,) * n))
+        out[x] = (k0 + k, ds)
+    return out
+
+
+def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime, branch: Branch | None,
+            blocks_of: Mapping[str, str], symbolic: Mapping[str, sympy.Symbol], base: int, edge: int
+            ) -> tuple[dict[tuple[Any, ...], dict], dict]:
+    """Every ZeRO-1 rank's forward and backward moments (the first step's: no optimizer state yet), keyed as one
+    device's (layers ``1``, ``2``, ``L-1``, ``L``), as parts interpolated in the blocks' lengths; and the storages
+    alive when the backward ends, the same way."""
+    names = list(symbolic)
+    runs, ends = {}, {}
+    for bump in [()] + [(n,) for n in names]:
+        counts = {n: base + (1 if n in bump else 0) for n in names}
+        sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
+        for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
+            sim.micro_batch()
+        walked = len(sim.events)
+        tl = sim.timeline(first=True)
+        runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge).items()
+                      if k[0] in ("forward", "backward")}
+        live: Counter = Counter()
+        for i in tl.start:
+            live[_storage_key(tl.storages[i])] += 1
+        for e in tl.events[:walked]:
+            live.update(_storage_key(tl.storages[i]) for i in e.born)
+            live.subtract(_storage_key(tl.storages[i]) for i in e.freed)
+        ends[bump] = +live
+    moments = {key: _parts(live, [runs[(n,)].get(key) for n in names]) for key, live in runs[()].items()
+               if live is not None}
+    return moments, _parts(ends[()], [ends[(n,)] for n in names])
+
+
+def _storage_key(s: Live) -> tuple[int, sympy.Expr]:
+    from ..timeline import _INDEX
+    return (_INDEX[s.category], s.nbytes)
+
+
+def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts: Mapping[str, int],
+               blocks_of: Mapping[str, str], edge: int) -> dict[Any, Any]:
+    """A ZeRO-1 rank's own part of the step, with the blocks ``counts`` long: its optimizer state (``states``), and
+    the moments of its optimizer step and zero_grad (``False``: a steady step's, ``True``: the first's) as the
+    storages alive there besides those alive when the backward ended."""
+    walks = options[zero_redundancy.WALKS_OPTION]
+    key = ("listed", tuple(sorted(counts.items())))
+    if key not in walks:
+        walks[key] = zero_redundancy.listed(_unrolled(graph, dict(counts), options))
+    owned = zero_redundancy.owned(regime, walks[key], options) or []
+    device = str(options.get("device", "cpu"))
+    impl = optimizer_impl(regime, device)
+    out: dict[Any, Any] = {}
+    for first in (False, True):
+        sim = _Steps()
+        state_ids = {name: [sim.new(*s) for s in state_storages(regime, name, shape,
+                                                                 device == "cuda" and impl != "fused")]
+                     for name, shape in owned}
+        states = [i for ids in state_ids.values() for i in ids]
+        walk_step(sim, regime, impl, owned, {name: shape_numel(shape) for name, shape in owned}, state_ids, first)
+        sim.event("zero_grad", None, [], [])
+        tl = Timeline(tuple(sim.storages), () if first else tuple(states), tuple(sim.events))
+        out[first] = _keyed(tl, counts, blocks_of, {}, edge, True)
+        if not first:
+            out["states"] = Counter(_storage_key(sim.storages[i]) for i in states)
+    return out
+
+
+class _Steps:
+    """The storages and events of an optimizer step walked on its own (:func:`~symmem.passes.schedule.walk_step`)."""
+
+    def __init__(self) -> None:
+        self.storages: list[Live] = []
+        self.events: list[Event] = []
+
+    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
+        self.storages.append(Live(name, category, nbytes, node, host))
+        return len(self.storages) - 1
+
+    def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
+        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))

@@ -176,7 +176,10 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     env = _env(step, fixed)
     world = fixed[N]
     counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
-    params = listed(unroll(step.graph, counts) if step.graph.blocks else step.graph)
+    walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): written out once
+    whole = unroll(step.graph, counts) if step.graph.blocks else step.graph
+    walks[("unrolled", id(step.graph), tuple(sorted(counts.items())))] = whole
+    params = walks[("listed", tuple(sorted(counts.items())))] = listed(whole)
     sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
     groups: dict[tuple[int, ...], list[int]] = {}
     parts = partition(sizes, world)
@@ -186,7 +189,6 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
     per_rank: dict[int, Peak] = {}
     moments: list[RankMoment] = []
-    walks: dict[Any, Any] = {}  # one walk of forward and backward per branch, for every rank
     for ranks in groups.values():
         one = dataclasses.replace(step, options={**step.options, NUMBERS_OPTION: env, RANK_OPTION: ranks[0],
                                                  WALKS_OPTION: walks}, _cache={}, _written=None)
