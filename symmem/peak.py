@@ -470,11 +470,12 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
               counts: Sequence[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None,
               domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-              guards: Sequence[sympy.Basic] = ()) -> Peak:
+              guards: Sequence[sympy.Basic] = (), lazy: bool = False) -> Peak:
     """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
     ``merge`` joins the groups' formulas into one ``Piecewise`` whose conditions are ``guards``, one per group).
     ``where`` names a candidate's moment: (phase, op, layer); ``counts`` are the symbolic layer counts the
-    candidates' parts change with."""
+    candidates' parts change with.  ``lazy``: a ``Piecewise`` is built when first asked for (a ZeRO-1 rank's
+    peak is read at numbers only)."""
     if len(groups) > 1 and merge is not None and len(guards) != len(groups):
         raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
@@ -488,8 +489,27 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
     moments = tuple(itertools.chain.from_iterable(s + f for s, f in per_group))
     if len(per_group) == 1:  # the Max of the moments, built when asked for
         return Peak(None, None, moments, domain)
+    conds = tuple(sympy.sympify(g, strict=True).xreplace(dict(subs)) for g in guards)
+    if lazy and merge is not None:
+        return _MergedPeak(per_group, merge, moments, domain, conds)
     exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_group]
     if merge is None:  # the first group's formulas: its moments only
         return Peak(*exprs[0], tuple(per_group[0][0] + per_group[0][1]), domain)
-    conds = tuple(sympy.sympify(g, strict=True).xreplace(dict(subs)) for g in guards)
     return Peak(merge([e for e, _ in exprs]), merge([e for _, e in exprs]), moments, domain, conds)
+
+
+class _MergedPeak(Peak):
+    """A :class:`Peak` over branches of size conditions whose ``Piecewise`` formulas are built on first use
+    (:func:`summarize` with ``lazy``): the same formulas, the same moments."""
+
+    def __init__(self, per_group: list[tuple[list[Moment], ...]], merge: Callable[[list[sympy.Expr]], sympy.Expr],
+                 moments: tuple[Moment, ...], domain: tuple[sympy.Basic, ...], guards: tuple[sympy.Basic, ...]) -> None:
+        super().__init__(None, None, moments, domain, guards)
+        self._of_moments = {"steady": False, "first": False}  # a Piecewise, not one Max
+        self._groups, self._merge = per_group, merge
+
+    def formula(self, step: str = "steady") -> sympy.Expr:
+        if self._exprs[checked(step)] is None:
+            i = 0 if step == "steady" else 1
+            self._exprs[step] = self._merge([peak_max(group[i]) for group in self._groups])
+        return self._exprs[step]

@@ -27,7 +27,7 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
-from ..peak import Candidate, Peak, summarize
+from ..peak import Algebra, Candidate, Peak, summarize
 from ..shapes import numel as shape_numel
 from ..timeline import Event, Live, Row, Timeline, Which, checked
 from ..training import Regime, checkpoint_every
@@ -302,11 +302,20 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
         if key not in walks:
             walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge)
         moments, end = walks[key]
+        sub = {**dict(subs), **{symbolic[n]: counts[n] for n in names}}
+        if ("kept", key) not in walks:
+            walks[("kept", key)] = _dominant(moments, sub, [symbolic[n] for n in names], numbers, base, period)
+        kept = walks[("kept", key)]
+        own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
+        if kept is not None and not all(_is_number(x, sub) for _, x in dict.fromkeys(own)):
+            kept = None  # the rank's own storages are not all numbers here: its moments are all compared
         found = []
         for first in (False, True):
             step = "first" if first else "steady"
             cands = []
             for (phase, node, label, seen), parts in moments.items():
+                if kept is not None and (phase, node, label, seen) not in kept:
+                    continue
                 block = blocks_of.get(node) if len(names) > 1 else names[0] if names else None
                 if label.startswith("L"):
                     if block is None:
@@ -321,7 +330,48 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     many = {symbolic[n]: counts[n] for n in names}
     return summarize(groups, lambda k: k.key[:3], {**dict(subs), **many}, [symbolic[n] for n in names],
                      {**numbers, **many} if numbers else numbers, (), base=base, period=period, merge=merge,
-                     guards=guards)
+                     guards=guards, lazy=True)
+
+
+def _dominant(moments: Mapping[tuple[Any, ...], dict], subs: Mapping[sympy.Symbol, Any], counts: list[sympy.Symbol],
+              numbers: Mapping[sympy.Symbol, int] | None, base: int, period: int) -> set[tuple[Any, ...]] | None:
+    """The shared forward and backward moments no other of them exceeds, as :func:`symmem.peak.prune` keeps them
+    (largest first at the numbers, the first of equals): every rank adds the same storages to all of them (its
+    optimizer state, numbers), so a moment another exceeds here is exceeded in every rank's step, and pruning the
+    rest with the rank's own moments keeps what pruning all of them keeps.  None where that does not hold: a
+    value unknown at the numbers (no order), or the moments' sizes in fewer than two symbols (the prune then
+    takes the upper envelope, which the left-out moments take part in)."""
+    if not numbers:
+        return None
+    cands = [Candidate(key, "first", parts) for key, parts in moments.items()]
+    alg = Algebra(list(dict.fromkeys(x for c in cands for _, x in c.parts)), subs, counts, base, period)
+    memo: dict = {}
+    values = [alg.value(c, {**numbers, **alg.many}, memo) for c in cands]
+    if any(v is None for v in values):
+        return None
+    order = sorted(range(len(cands)), key=lambda i: -values[i])  # type: ignore[operator]
+    totals = [alg.total(c) for c in cands]
+    survivors: list[int] = []
+    for i in order:
+        if not any(_covers(totals[k], totals[i]) for k in survivors):
+            survivors = [k for k in survivors if not _covers(totals[i], totals[k])] + [i]
+
+    def bases(ids: list[int]) -> set[Any]:
+        return {b for i in ids for m in totals[i] for b, _ in alg.monomials[m]}
+
+    every = bases(list(range(len(cands))))
+    if len(every) < 2 or bases(survivors) != every:
+        return None
+    return {cands[i].key for i in survivors}
+
+
+def _covers(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
+    """``a >= b`` on the domain (:func:`symmem.peak.prune`'s test)."""
+    return all(a.get(k, 0) >= v for k, v in b.items())
+
+
+def _is_number(size: sympy.Expr, subs: Mapping[sympy.Symbol, Any]) -> bool:
+    return bool(sympy.sympify(size, strict=True).xreplace(dict(subs)).is_number)
 
 
 def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: int
