@@ -81,6 +81,9 @@ class Moment:
     measure: Callable[[Mapping[sympy.Symbol, int]], Any] | None = field(default=None, compare=False, repr=False)
     #: which branch of the size conditions (:attr:`Peak.guards`) the moment belongs to (0 where there is one)
     branch: int = 0
+    #: the builder's live bytes as exact coefficients by monomial, the sum :attr:`total` builds (None where it has
+    #: none): comparing two moments needs no sympy
+    poly: Callable[[], Mapping[sympy.Expr, Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total(self) -> sympy.Expr:
@@ -303,7 +306,8 @@ class Algebra:
         """The candidate as a :class:`Moment` (of ``branch`` of the size conditions): its total now, its split by
         category on demand."""
         return Moment(phase, node, layer, step or cand.step, Lazy(lambda: self.live(cand)),
-                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers), branch)
+                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers), branch,
+                      lambda: self.coefficients(cand))
 
     def measure(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int]) -> Any:
         """The candidate's exact bytes at ``numbers`` (the sizes' values kept per set of numbers)."""
@@ -324,19 +328,7 @@ class Algebra:
         """The candidate's bytes (of one category, or all), summed monomial by monomial in exact fractions from
         the expanded sizes: sympy only builds the result (multiplying sums by numbers and merging them is most
         of a peak's time otherwise)."""
-        acc: dict[sympy.Expr, int | Fraction] = defaultdict(int)  # ints while they can be: 5x Fraction's speed
-        for (c, size), (n0, ds) in cand.parts.items():
-            if category is not None and c != category:
-                continue
-            const = _number(_number(n0) - Fraction(sum(ds) * self.base, self.period))
-            if const:
-                for mono, k in self._coefficients(self.exprs[size]):
-                    acc[mono] += const * k
-            for d, s in zip(ds, self.counts, strict=True):
-                if d:
-                    scale = _number(Fraction(d, self.period))
-                    for mono, k in self._coefficients(self._times(s, size)):
-                        acc[mono] += scale * k
+        acc = self.coefficients(cand, category)
         terms = [(sympy.Integer(k) if isinstance(k, int) else sympy.Rational(k.numerator, k.denominator)) * mono
                  for mono, k in acc.items() if k]
         if len(terms) < 2:
@@ -345,6 +337,26 @@ class Algebra:
         # order without its flatten (the same object Add(*terms) gives)
         _addsort(terms)
         return sympy.Add._from_args(terms, is_commutative=True)
+
+    def coefficients(self, cand: Candidate, category: int | None = None) -> dict[sympy.Expr, int | Fraction]:
+        """The candidate's bytes (of one category, or all) as exact coefficients by monomial (a number's
+        monomial is 1), zeros included."""
+        acc: dict[sympy.Expr, int | Fraction] = defaultdict(int)  # ints while they can be: 5x Fraction's speed
+        for (c, size), (n0, ds) in cand.parts.items():
+            if category is not None and c != category:
+                continue
+            whole = self.period == 1 and isinstance(n0, int)  # the same numbers, without Fraction's cost
+            const = n0 - sum(ds) * self.base if whole else _number(_number(n0) - Fraction(sum(ds) * self.base,
+                                                                                          self.period))
+            if const:
+                for mono, k in self._coefficients(self.exprs[size]):
+                    acc[mono] += const * k
+            for d, s in zip(ds, self.counts, strict=True):
+                if d:
+                    scale = d if whole else _number(Fraction(d, self.period))
+                    for mono, k in self._coefficients(self._times(s, size)):
+                        acc[mono] += scale * k
+        return acc
 
     def _coefficients(self, expr: sympy.Expr) -> list[tuple[sympy.Expr, int | Fraction]]:
         found = self._coeffs.get(expr)

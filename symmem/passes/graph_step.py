@@ -323,8 +323,14 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
                     label = str(counts[block] + int(label[1:] or 0))  # L-1 -> 31 of 32
                 cands.append(Candidate((phase, node, label, seen), step,
                                        parts if first else _plus(parts, mine["states"], len(names))))
-            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in mine[first].items()
-                      if live is not None]
+            own = [(k, live) for k, live in mine[first].items() if live is not None]
+            if kept is not None and own:
+                # the rank's own moments differ by numbers only (the storages alive when the backward ended are
+                # in each): the prune keeps the largest, the first of equals
+                sized = [sum(n * int(sympy.sympify(x, strict=True).xreplace(sub)) for (_, x), n in live.items())
+                         for _, live in own]
+                own = [own[sized.index(max(sized))]]
+            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in own]
             found.append(cands)
         groups.append((found[0], found[1]))
     many = {symbolic[n]: counts[n] for n in names}
@@ -426,7 +432,7 @@ def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts:
     walks = options[zero_redundancy.WALKS_OPTION]
     key = ("listed", tuple(sorted(counts.items())))
     if key not in walks:
-        walks[key] = zero_redundancy.listed(_unrolled(graph, dict(counts), options))
+        walks[key] = zero_redundancy.listed_whole(graph, counts)
     owned = zero_redundancy.owned(regime, walks[key], options) or []
     device = str(options.get("device", "cpu"))
     impl = optimizer_impl(regime, device)

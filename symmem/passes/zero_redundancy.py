@@ -85,6 +85,34 @@ def listed(graph: Any) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
     return free + layers
 
 
+def listed_whole(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
+    """:func:`listed` of ``graph`` with each block written out ``counts[block]`` times, without writing it out:
+    :func:`symmem.passes.unroll.unroll` adds iteration ``k``'s members as ``<member>#k`` after iteration
+    ``k - 1``'s, each block where its members stand, and the written-out graph runs in that order.
+
+    >>> from symmem.models import build
+    >>> from symmem.passes.unroll import unroll
+    >>> g = build("gpt2").graph
+    >>> listed_whole(g, {"h": 3}) == listed(unroll(g, {"h": 3}))
+    True
+    """
+    order = list(graph.program_order())
+    written: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(order):
+        node = graph.node(order[i])
+        if node.block is None:
+            written.append((order[i], node))
+            i += 1
+            continue
+        members = [n for n in order if graph.node(n).block == node.block]
+        written += [(f"{m}#{k}", graph.node(m)) for k in range(1, counts[node.block] + 1) for m in members]
+        i += len(members)
+    free = [(n, node.params["value"]) for n, node in written if node.kind == "parameter"]
+    return free + [(f"{n}.{p}", shape) for n, node in written if node.kind != "parameter"
+                   for p, shape in node.params.items()]
+
+
 def engaged(regime: Regime) -> bool:
     return getattr(regime, "data_parallel", None) == ENGINE
 
@@ -170,16 +198,12 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
         raise SymmemError(f"the peak under data_parallel={ENGINE!r} is modelled in fp32 (torch.optim keeps no "
                           f"master weights to partition; precision={step.regime.precision!r} is the papers' "
                           "accounting: --zero 1)")
-    from .unroll import unroll
-
     fixed = _fixed(step, {**step.numbers, **(at or {})})
     env = _env(step, fixed)
     world = fixed[N]
     counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
-    walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): written out once
-    whole = unroll(step.graph, counts) if step.graph.blocks else step.graph
-    walks[("unrolled", id(step.graph), tuple(sorted(counts.items())))] = whole
-    params = walks[("listed", tuple(sorted(counts.items())))] = listed(whole)
+    walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): worked out once
+    params = walks[("listed", tuple(sorted(counts.items())))] = listed_whole(step.graph, counts)
     sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
     groups: dict[tuple[int, ...], list[int]] = {}
     parts = partition(sizes, world)
@@ -224,10 +248,25 @@ def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
 
 
 def _exceeds(a: Moment, b: Moment) -> bool:
+    if a.poly is not None and b.poly is not None:  # exact coefficients by monomial: no sympy sum to build
+        pa, pb = _poly(a), _poly(b)
+        one = sympy.S.One
+        if any(pa.get(m, 0) != k for m, k in pb.items() if m is not one) or any(
+                k and m is not one and m not in pb for m, k in pa.items()):
+            return False
+        return pa.get(one, 0) >= pb.get(one, 0)
     d = a.total - b.total  # like terms cancel as the Add is built: expand only where that leaves symbols
     if not d.is_number:
         d = sympy.expand(d)
     return bool(d.is_number and d >= 0)
+
+
+def _poly(m: Moment) -> Any:
+    found = m.__dict__.get("_poly")
+    if found is None:
+        found = m.poly()  # type: ignore[misc]
+        object.__setattr__(m, "_poly", found)  # a cache on a frozen value, as Moment.total keeps its sum
+    return found
 
 
 def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
