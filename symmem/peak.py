@@ -84,6 +84,9 @@ class Moment:
     #: the builder's live bytes as exact coefficients by monomial, the sum :attr:`total` builds (None where it has
     #: none): comparing two moments needs no sympy
     poly: Callable[[], Mapping[sympy.Expr, Any]] | None = field(default=None, compare=False, repr=False)
+    #: (what the moment shares with others, the bytes it adds to it): two moments that share the same differ by
+    #: the difference of their bytes (a ZeRO-1 rank's moments: its optimizer state beside every rank's walk)
+    offset: tuple[Any, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total(self) -> sympy.Expr:
@@ -482,12 +485,12 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
               counts: Sequence[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None,
               domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-              guards: Sequence[sympy.Basic] = (), lazy: bool = False) -> Peak:
+              guards: Sequence[sympy.Basic] = (), lazy: bool = False, pruned: bool = False) -> Peak:
     """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
     ``merge`` joins the groups' formulas into one ``Piecewise`` whose conditions are ``guards``, one per group).
     ``where`` names a candidate's moment: (phase, op, layer); ``counts`` are the symbolic layer counts the
     candidates' parts change with.  ``lazy``: a ``Piecewise`` is built when first asked for (a ZeRO-1 rank's
-    peak is read at numbers only)."""
+    peak is read at numbers only); ``pruned``: the candidates are what :func:`prune` keeps, in its order."""
     if len(groups) > 1 and merge is not None and len(guards) != len(groups):
         raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
@@ -496,7 +499,7 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
     memo: dict = {}
     per_group: list[tuple[list[Moment], ...]] = []
     for group in groups:
-        kept = [prune(cands, alg, numbers, memo) for cands in group]
+        kept = [cands if pruned else prune(cands, alg, numbers, memo) for cands in group]
         per_group.append(tuple([alg.moment(k, *where(k), branch=len(per_group)) for k in ks] for ks in kept))
     moments = tuple(itertools.chain.from_iterable(s + f for s, f in per_group))
     if len(per_group) == 1:  # the Max of the moments, built when asked for

@@ -296,51 +296,66 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     names = list(symbolic)
     walks = options[zero_redundancy.WALKS_OPTION]
     mine = _rank_step(graph, options, regime, counts, blocks_of, edge)
+    many = {symbolic[n]: counts[n] for n in names}
+    sub, syms = {**dict(subs), **many}, [symbolic[n] for n in names]
+    at = {**numbers, **many} if numbers else numbers
+    own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
+    sizes = {x: _bytes(x, sub) for _, x in dict.fromkeys(own)}  # the rank's own storages: numbers, or None
     groups: list[tuple[list[Candidate], list[Candidate]]] = []
+    offsets: list[list[Any]] = []  # what each moment is: a shared one plus bytes (passes/zero_redundancy.py)
     for branch in branches:
         key = ("shared", None if branch is None else tuple(sorted((str(c), v) for c, v in branch.items())))
         if key not in walks:
             walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge)
         moments, end = walks[key]
-        sub = {**dict(subs), **{symbolic[n]: counts[n] for n in names}}
         if ("kept", key) not in walks:
-            walks[("kept", key)] = _dominant(moments, sub, [symbolic[n] for n in names], numbers, base, period)
-        kept = walks[("kept", key)]
-        own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
-        if kept is not None and not all(_is_number(x, sub) for _, x in dict.fromkeys(own)):
-            kept = None  # the rank's own storages are not all numbers here: its moments are all compared
+            walks[("kept", key)] = _dominant(moments, end, sub, syms, at, base, period)
+        kept = walks[("kept", key)] if all(isinstance(v, int) for v in sizes.values()) else None
+        shared = []
+        for (phase, node, label, seen), parts in moments.items():
+            if kept is not None and (phase, node, label, seen) not in kept.totals:
+                continue
+            key_label = label
+            block = blocks_of.get(node) if len(names) > 1 else names[0] if names else None
+            if label.startswith("L"):
+                if block is None:
+                    return None
+                label = str(counts[block] + int(label[1:] or 0))  # L-1 -> 31 of 32
+            shared.append(((phase, node, label, seen), (phase, node, key_label, seen), parts))
         found = []
         for first in (False, True):
             step = "first" if first else "steady"
-            cands = []
-            for (phase, node, label, seen), parts in moments.items():
-                if kept is not None and (phase, node, label, seen) not in kept:
-                    continue
-                block = blocks_of.get(node) if len(names) > 1 else names[0] if names else None
-                if label.startswith("L"):
-                    if block is None:
-                        return None
-                    label = str(counts[block] + int(label[1:] or 0))  # L-1 -> 31 of 32
-                cands.append(Candidate((phase, node, label, seen), step,
-                                       parts if first else _plus(parts, mine["states"], len(names))))
-            own = [(k, live) for k, live in mine[first].items() if live is not None]
-            if kept is not None and own:
+            states = Counter() if first else mine["states"]
+            extra = sum(n * sizes[x] for (_, x), n in states.items()) if kept is not None else 0
+            cands = [Candidate(k, step, parts if first else _plus(parts, states, len(names)))
+                     for k, _, parts in shared]
+            where = [(("shared", key, k0), extra) for _, k0, _ in shared]
+            own_moments = [(k, live) for k, live in mine[first].items() if live is not None]
+            if kept is not None:
                 # the rank's own moments differ by numbers only (the storages alive when the backward ended are
                 # in each): the prune keeps the largest, the first of equals
-                sized = [sum(n * int(sympy.sympify(x, strict=True).xreplace(sub)) for (_, x), n in live.items())
-                         for _, live in own]
-                own = [own[sized.index(max(sized))]]
-            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in own]
+                sized = [sum(n * sizes[x] for (_, x), n in live.items()) for _, live in own_moments]
+                own_moments = [own_moments[sized.index(max(sized))]]
+                where.append((("end", key), max(sized)))
+            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in own_moments]
+            if kept is not None:
+                chosen = kept.prune([k0 for _, k0, _ in shared], extra, max(sized))
+                cands, where = [cands[i] for i in chosen], [where[i] for i in chosen]
             found.append(cands)
+            offsets.append(where if kept is not None else [])
         groups.append((found[0], found[1]))
-    many = {symbolic[n]: counts[n] for n in names}
-    return summarize(groups, lambda k: k.key[:3], {**dict(subs), **many}, [symbolic[n] for n in names],
-                     {**numbers, **many} if numbers else numbers, (), base=base, period=period, merge=merge,
-                     guards=guards, lazy=True)
+    pruned = all(offsets)
+    peak = summarize(groups, lambda k: k.key[:3], sub, syms, at, (), base=base, period=period, merge=merge,
+                     guards=guards, lazy=True, pruned=pruned)
+    if pruned:
+        for m, offset in zip(peak.moments, (o for each in offsets for o in each), strict=True):
+            object.__setattr__(m, "offset", offset)
+    return peak
 
 
-def _dominant(moments: Mapping[tuple[Any, ...], dict], subs: Mapping[sympy.Symbol, Any], counts: list[sympy.Symbol],
-              numbers: Mapping[sympy.Symbol, int] | None, base: int, period: int) -> set[tuple[Any, ...]] | None:
+def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, subs: Mapping[sympy.Symbol, Any],
+              counts: list[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None, base: int, period: int
+              ) -> _Shared | None:
     """The shared forward and backward moments no other of them exceeds, as :func:`symmem.peak.prune` keeps them
     (largest first at the numbers, the first of equals): every rank adds the same storages to all of them (its
     optimizer state, numbers), so a moment another exceeds here is exceeded in every rank's step, and pruning the
@@ -350,9 +365,10 @@ def _dominant(moments: Mapping[tuple[Any, ...], dict], subs: Mapping[sympy.Symbo
     if not numbers:
         return None
     cands = [Candidate(key, "first", parts) for key, parts in moments.items()]
-    alg = Algebra(list(dict.fromkeys(x for c in cands for _, x in c.parts)), subs, counts, base, period)
+    ended = Candidate(("end",), "first", end)
+    alg = Algebra(list(dict.fromkeys(x for c in [*cands, ended] for _, x in c.parts)), subs, counts, base, period)
     memo: dict = {}
-    values = [alg.value(c, {**numbers, **alg.many}, memo) for c in cands]
+    values = [alg.value(c, numbers, memo) for c in [*cands, ended]]
     if any(v is None for v in values):
         return None
     order = sorted(range(len(cands)), key=lambda i: -values[i])  # type: ignore[operator]
@@ -368,7 +384,44 @@ def _dominant(moments: Mapping[tuple[Any, ...], dict], subs: Mapping[sympy.Symbo
     every = bases(list(range(len(cands))))
     if len(every) < 2 or bases(survivors) != every:
         return None
-    return {cands[i].key for i in survivors}
+    kept = sorted(survivors)
+    return _Shared({cands[i].key: totals[i] for i in kept}, {cands[i].key: values[i] for i in kept},
+                   alg.total(ended), values[-1], alg._id(()), alg.scale)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The shared moments a ZeRO-1 rank's prune compares (:func:`_dominant`): each one's bytes as
+    :meth:`symmem.peak.Algebra.total` gives them (``one``: the monomial of numbers, ``scale``: the totals'
+    factor) and its value at the numbers, and the same of the storages alive when the backward ends."""
+
+    totals: dict[tuple[Any, ...], dict[int, int]]
+    values: dict[tuple[Any, ...], Any]
+    end: dict[int, int]
+    end_value: Any
+    one: int
+    scale: int
+
+    def _with(self, total: Mapping[int, int], extra: int) -> dict[int, int]:
+        out = dict(total)
+        x = out.get(self.one, 0) + extra * self.scale
+        if x:
+            out[self.one] = x
+        else:
+            out.pop(self.one, None)  # as Algebra.total leaves a zero out
+        return out
+
+    def prune(self, keys: list[tuple[Any, ...]], extra: int, own: int) -> list[int]:
+        """:func:`symmem.peak.prune` of a rank's moments: the shared ones (``keys``, in order) with ``extra``
+        bytes each, then the storages alive when the backward ended with ``own`` bytes -- the indices it keeps,
+        in its order."""
+        totals = [self._with(self.totals[k], extra) for k in keys] + [self._with(self.end, own)]
+        values = [self.values[k] + extra for k in keys] + [self.end_value + own]
+        survivors: list[int] = []
+        for i in sorted(range(len(totals)), key=lambda i: -values[i]):
+            if not any(_covers(totals[k], totals[i]) for k in survivors):
+                survivors = [k for k in survivors if not _covers(totals[i], totals[k])] + [i]
+        return survivors
 
 
 def _covers(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
@@ -376,8 +429,10 @@ def _covers(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
     return all(a.get(k, 0) >= v for k, v in b.items())
 
 
-def _is_number(size: sympy.Expr, subs: Mapping[sympy.Symbol, Any]) -> bool:
-    return bool(sympy.sympify(size, strict=True).xreplace(dict(subs)).is_number)
+def _bytes(size: sympy.Expr, subs: Mapping[sympy.Symbol, Any]) -> int | None:
+    """``size`` at ``subs`` where it is a whole number, else None."""
+    v = sympy.sympify(size, strict=True).xreplace(dict(subs))
+    return int(v) if v.is_Integer else None
 
 
 def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: int

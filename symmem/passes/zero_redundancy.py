@@ -248,6 +248,8 @@ def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
 
 
 def _exceeds(a: Moment, b: Moment) -> bool:
+    if a.offset is not None and b.offset is not None and a.offset[0] == b.offset[0]:
+        return a.offset[1] >= b.offset[1]  # the same shared moment, each with its own bytes
     if a.poly is not None and b.poly is not None:  # exact coefficients by monomial: no sympy sum to build
         pa, pb = _poly(a), _poly(b)
         one = sympy.S.One
