@@ -20,6 +20,7 @@ Max(7232*B + 14909528, 15424*B + 11694168, 19520*B + 7495768)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -209,7 +210,14 @@ class Candidate:
 
 
 def _key(kv: tuple[Any, Any]) -> str:
-    return str(kv[0])
+    return _name(kv[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _name(base: Any) -> str:
+    """A monomial's base as printed (the order of its factors): printing ``ceiling(...)`` anew each time costs
+    more than the rest of the algebra."""
+    return str(base)
 
 
 class Algebra:

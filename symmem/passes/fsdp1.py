@@ -110,8 +110,8 @@ class Fsdp1(Fsdp):
         self._reshard(unit, "backward")
         padded = self.world * self.flat_shard[unit]
         # F.pad copies the flat gradient only where N does not divide it: Min(1, padding) is 0 or 1
-        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary",
-                      sympy.Min(1, padded - self.flat[unit]) * padded * sim.grad_bytes)
+        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary", _at_most_one(padded - self.flat[unit]) * padded
+                      * sim.grad_bytes)
         shard = sim.new(f"fsdp1.sharded_grad[{name}]", "gradient", self.flat_shard[unit] * sim.grad_bytes)
         self.sharded_grads.append(shard)
         sim.event("backward", self.at, [pad], [])
@@ -131,3 +131,20 @@ class Fsdp1(Fsdp):
         self.pre_backward(None)
         self.post_backward(None)
         return []
+
+
+def _at_most_one(padding: sympy.Expr) -> sympy.Expr:
+    """``Min(1, padding)``: the padding ``N * ceiling(n / N) - n`` is 0 for ``N = 1`` and can exceed 1, so for a
+    symbolic ``N`` no comparison decides it and ``Min`` stays as written -- built without sympy's search for one
+    (the most of an FSDP1 peak's time otherwise); a number is evaluated.
+
+    >>> from symmem.symbols import N
+    >>> H = sympy.Symbol("H", positive=True, integer=True)
+    >>> _at_most_one(N * sympy.ceiling(H / N) - H) == sympy.Min(1, N * sympy.ceiling(H / N) - H)
+    True
+    >>> _at_most_one(sympy.Integer(3)), _at_most_one(sympy.Integer(0))
+    (1, 0)
+    """
+    if padding.is_number:
+        return sympy.Min(1, padding)
+    return sympy.Min(1, padding, evaluate=False)
