@@ -137,12 +137,8 @@ class Fsdp:
                 continue
             node = name.rsplit(".", 1)[0]
             self.params[self.unit_of.get(node) if node in self.unit_of else None].append(name)
-        shapes = stored_shapes(graph, sim.params)
-        self.shard = {name: shard_rows(shape, world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
         self.world, self.wb = world, weight_bytes
-        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
-        self.total = {u: e * weight_bytes for u, e in self.unit_numel.items()}
-        self.shapes = shapes
+        self._sizes()
         first: dict[Any, str] = {}
         last: dict[Any, str] = {}
         for n in order:
@@ -166,6 +162,14 @@ class Fsdp:
         # the node each event is named after: the op it comes before or after (a step's moments are matched across
         # layer counts by node, passes/graph_step.py)
         self.at: str | None = None
+
+    def _sizes(self) -> None:
+        """Each parameter's shard (``shard``, elements) and each unit's (``unit_numel``; ``total``, bytes)."""
+        shapes = stored_shapes(self.sim.graph, self.sim.params)
+        self.shard = {name: shard_rows(shape, self.world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
+        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
+        self.total = {u: e * self.wb for u, e in self.unit_numel.items()}
+        self.shapes = shapes
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))

@@ -49,12 +49,12 @@ class Fsdp1(Fsdp):
     """FSDP1's flat parameters and buffers in one rank's step (the module's docstring); the units, their first
     and last nodes and the root are :class:`~symmem.passes.data_parallel.Fsdp`'s."""
 
-    def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
-        super().__init__(sim, world, weight_bytes, reshard)
-        numel = {name: shape_numel(shape) for name, shape in sim.params}
+    def _sizes(self) -> None:
+        """The flat parameters' sizes (FSDP1 shards no parameter on its own)."""
+        numel = {name: shape_numel(shape) for name, shape in self.sim.params}
         #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
         self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
-        self.flat_shard = {u: sympy.ceiling(n / world) for u, n in self.flat.items()}
+        self.flat_shard = {u: sympy.ceiling(n / self.world) for u, n in self.flat.items()}
 
     def flat_params(self) -> list[tuple[str, sympy.Expr]]:
         """The flat parameters as ``model.parameters()`` lists them (what the optimizer steps on): the root's
@@ -147,4 +147,6 @@ def _at_most_one(padding: sympy.Expr) -> sympy.Expr:
     """
     if padding.is_number:
         return sympy.Min(1, padding)
-    return sympy.Min(1, padding, evaluate=False)
+    # written expanded, as the peak's algebra expands every size: its expand then leaves the Min as it is, where
+    # rebuilding it would search again
+    return sympy.Min(1, sympy.expand(padding), evaluate=False)

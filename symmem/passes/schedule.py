@@ -181,15 +181,16 @@ class Simulation:
         self.params = params
         self.fsdp = self._sharding(weights_bytes)
         # what each rank's optimizer holds and steps on: the whole parameter, or under FSDP its shard
-        stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
-        rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
-        held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
-                for name, shape in params}
         #: FSDP1's optimizer steps on one flat shard per unit (passes/fsdp1.py), not on the parameters
         self.flat: list[tuple[str, tuple[sympy.Expr, ...]]] | None = None
         if isinstance(self.fsdp, Fsdp1):
             self.flat = [(name, (k,)) for name, k in self.fsdp.flat_params()]
             held = dict(self.flat)
+        else:
+            stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
+            rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
+            held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
+                    for name, shape in params}
         stepped = self.flat if self.flat is not None else params
         self.step_numel = {name: shape_numel(held[name]) for name, _ in stepped}
         for name, _ in stepped:
