@@ -36,6 +36,7 @@ from typing import Any
 
 import sympy
 
+from ..symbols import N
 from ..training import RANK_OPTION, Regime
 
 #: The engines whose reducer keeps gradient buckets.
@@ -69,7 +70,22 @@ def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
     >>> shard_rows((127, 64), 2), shard_rows((10,), 4)
     (64, 3)
     """
-    return sympy.ceiling(shape[0] / world) if shape else sympy.Integer(1)
+    return ceil_div(shape[0], world) if shape else sympy.Integer(1)
+
+
+def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
+    """``ceiling(size / world)``.  A symbolic ``size`` over the symbol ``N`` (a positive integer, 1 included, with
+    no bound) is neither provably a whole number nor provably at most 1, so the ceiling stays as written: built
+    without sympy's search for either (most of an FSDP step's set-up otherwise); anything else is evaluated.
+
+    >>> from symmem.symbols import H, N
+    >>> ceil_div(3 * H, N) == sympy.ceiling(3 * H / N), ceil_div(1, N), ceil_div(2 * N, N), ceil_div(10, 4)
+    (True, 1, 2, 3)
+    """
+    size = sympy.sympify(size, strict=True)
+    if world is N and not size.is_number and N not in size.free_symbols and size.is_positive:
+        return sympy.ceiling(size / world, evaluate=False)
+    return sympy.ceiling(size / world)
 
 
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:

@@ -39,7 +39,7 @@ from typing import Any
 import sympy
 
 from ..shapes import numel as shape_numel
-from .data_parallel import Fsdp
+from .data_parallel import Fsdp, ceil_div
 
 #: The FSDP1 engines, and whether each frees a unit's unsharded flat parameter after its forward.
 FSDP1 = {"fsdp1": True, "fsdp1-grad-op": False}
@@ -54,7 +54,7 @@ class Fsdp1(Fsdp):
         numel = {name: shape_numel(shape) for name, shape in self.sim.params}
         #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
         self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
-        self.flat_shard = {u: sympy.ceiling(n / self.world) for u, n in self.flat.items()}
+        self.flat_shard = {u: ceil_div(n, self.world) for u, n in self.flat.items()}
 
     def flat_params(self) -> list[tuple[str, sympy.Expr]]:
         """The flat parameters as ``model.parameters()`` lists them (what the optimizer steps on): the root's
