@@ -259,6 +259,16 @@ class Algebra:
         self._memo: dict[sympy.Expr, Any] = {}
         self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
 
+    def extend(self, sizes: Sequence[sympy.Expr]) -> bool:
+        """Take in ``sizes`` that are whole numbers at the substitutions (they add no symbol, so every comparison
+        stays as it was); False, taking in none, where one is not."""
+        new = {e: sympy.expand(e.xreplace(self.subs)) for e in dict.fromkeys(sizes) if e not in self.exprs}
+        if not all(x.is_Integer for x in new.values()):
+            return False
+        for e, x in new.items():
+            self.exprs[e], self.rep[e] = x, ({(): int(x)} if x else {})
+        return True
+
     def _id(self, mono: tuple) -> int:
         found = self._ids.get(mono)
         if found is None:
@@ -493,17 +503,19 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
               counts: Sequence[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None,
               domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-              guards: Sequence[sympy.Basic] = (), lazy: bool = False, pruned: bool = False) -> Peak:
+              guards: Sequence[sympy.Basic] = (), lazy: bool = False, pruned: bool = False,
+              algebra: Algebra | None = None) -> Peak:
     """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
     ``merge`` joins the groups' formulas into one ``Piecewise`` whose conditions are ``guards``, one per group).
     ``where`` names a candidate's moment: (phase, op, layer); ``counts`` are the symbolic layer counts the
     candidates' parts change with.  ``lazy``: a ``Piecewise`` is built when first asked for (a ZeRO-1 rank's
-    peak is read at numbers only); ``pruned``: the candidates are what :func:`prune` keeps, in its order."""
+    peak is read at numbers only); ``pruned``: the candidates are what :func:`prune` keeps, in its order;
+    ``algebra``: one that holds every candidate's sizes already (shared by ZeRO-1's ranks)."""
     if len(groups) > 1 and merge is not None and len(guards) != len(groups):
         raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
-    alg = Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
-                  subs, counts, base, period)
+    alg = algebra if algebra is not None else Algebra(
+        list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)), subs, counts, base, period)
     memo: dict = {}
     per_group: list[tuple[list[Moment], ...]] = []
     for group in groups:

@@ -300,16 +300,28 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     sub, syms = {**dict(subs), **many}, [symbolic[n] for n in names]
     at = {**numbers, **many} if numbers else numbers
     own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
-    sizes = {x: _bytes(x, sub) for _, x in dict.fromkeys(own)}  # the rank's own storages: numbers, or None
+    known = walks.setdefault(("bytes",), {})  # sizes the ranks share, worked out once
+    for _, x in own:
+        if x not in known:
+            known[x] = _bytes(x, sub)
+    sizes = {x: known[x] for _, x in own}  # the rank's own storages: numbers, or None
     groups: list[tuple[list[Candidate], list[Candidate]]] = []
     offsets: list[list[Any]] = []  # what each moment is: a shared one plus bytes (passes/zero_redundancy.py)
-    for branch in branches:
-        key = ("shared", None if branch is None else tuple(sorted((str(c), v) for c, v in branch.items())))
+    branch_keys = [("shared", None if b is None else tuple(sorted((str(c), v) for c, v in b.items())))
+                   for b in branches]
+    for key, branch in zip(branch_keys, branches, strict=True):
         if key not in walks:
             walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge)
+    # one algebra for every rank and branch, as one summarize holds (each rank's own sizes, numbers, taken in)
+    akey = ("algebra", *branch_keys)
+    if akey not in walks:
+        walks[akey] = Algebra(list(dict.fromkeys(x for key in branch_keys for parts in
+                                                 [*walks[key][0].values(), walks[key][1]] for _, x in parts)),
+                              sub, syms, base, period)
+    for key in branch_keys:
         moments, end = walks[key]
         if ("kept", key) not in walks:
-            walks[("kept", key)] = _dominant(moments, end, sub, syms, at, base, period)
+            walks[("kept", key)] = _dominant(moments, end, walks[akey], at)
         kept = walks[("kept", key)] if all(isinstance(v, int) for v in sizes.values()) else None
         shared = []
         for (phase, node, label, seen), parts in moments.items():
@@ -345,17 +357,19 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
             offsets.append(where if kept is not None else [])
         groups.append((found[0], found[1]))
     pruned = all(offsets)
+    alg = walks[akey] if pruned else None
+    if alg is not None and not alg.extend([x for g in groups for cs in g for c in cs for _, x in c.parts]):
+        alg = None
     peak = summarize(groups, lambda k: k.key[:3], sub, syms, at, (), base=base, period=period, merge=merge,
-                     guards=guards, lazy=True, pruned=pruned)
+                     guards=guards, lazy=True, pruned=pruned, algebra=alg)
     if pruned:
         for m, offset in zip(peak.moments, (o for each in offsets for o in each), strict=True):
             object.__setattr__(m, "offset", offset)
     return peak
 
 
-def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, subs: Mapping[sympy.Symbol, Any],
-              counts: list[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None, base: int, period: int
-              ) -> _Shared | None:
+def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, alg: Algebra,
+              numbers: Mapping[sympy.Symbol, int] | None) -> _Shared | None:
     """The shared forward and backward moments no other of them exceeds, as :func:`symmem.peak.prune` keeps them
     (largest first at the numbers, the first of equals): every rank adds the same storages to all of them (its
     optimizer state, numbers), so a moment another exceeds here is exceeded in every rank's step, and pruning the
@@ -366,7 +380,6 @@ def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, subs: Mapping[
         return None
     cands = [Candidate(key, "first", parts) for key, parts in moments.items()]
     ended = Candidate(("end",), "first", end)
-    alg = Algebra(list(dict.fromkeys(x for c in [*cands, ended] for _, x in c.parts)), subs, counts, base, period)
     memo: dict = {}
     values = [alg.value(c, numbers, memo) for c in [*cands, ended]]
     if any(v is None for v in values):
@@ -488,17 +501,20 @@ def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts:
     key = ("listed", tuple(sorted(counts.items())))
     if key not in walks:
         walks[key] = zero_redundancy.listed_whole(graph, counts)
-    owned = zero_redundancy.owned(regime, walks[key], options) or []
+    if ("partition", key) in walks:  # worked out once for every rank (zero_redundancy.ranks_peak)
+        owned = [walks[key][i] for i in walks[("partition", key)][int(options[zero_redundancy.RANK_OPTION])]]
+    else:
+        owned = zero_redundancy.owned(regime, walks[key], options) or []
     device = str(options.get("device", "cpu"))
     impl = optimizer_impl(regime, device)
+    specs = {name: state_storages(regime, name, shape, device == "cuda" and impl != "fused") for name, shape in owned}
+    numel = {name: shape_numel(shape) for name, shape in owned}
     out: dict[Any, Any] = {}
     for first in (False, True):
         sim = _Steps()
-        state_ids = {name: [sim.new(*s) for s in state_storages(regime, name, shape,
-                                                                 device == "cuda" and impl != "fused")]
-                     for name, shape in owned}
+        state_ids = {name: [sim.new(*s) for s in specs[name]] for name, _ in owned}
         states = [i for ids in state_ids.values() for i in ids]
-        walk_step(sim, regime, impl, owned, {name: shape_numel(shape) for name, shape in owned}, state_ids, first)
+        walk_step(sim, regime, impl, owned, numel, state_ids, first)
         sim.event("zero_grad", None, [], [])
         tl = Timeline(tuple(sim.storages), () if first else tuple(states), tuple(sim.events))
         out[first] = _keyed(tl, counts, blocks_of, {}, edge, True)

@@ -152,8 +152,15 @@ class RanksPeak(Peak):
     """The peak over every rank (the ``Max`` of their moments), with each rank's own :class:`Peak`."""
 
     per_rank: dict[int, Peak]
-    #: each rank's optimizer state in bytes (the whole parameters it owns; Adam's 4-byte step scalars included)
-    state: list[int]
+    _state: Any  # how to work out :attr:`state`, on first use
+
+    @property
+    def state(self) -> list[int]:
+        """Each rank's optimizer state in bytes (the whole parameters it owns; Adam's 4-byte step scalars
+        included)."""
+        if callable(self._state):
+            self._state = self._state()
+        return self._state
 
 
 def _state(regime: Regime, shape: tuple[sympy.Expr, ...], env: Mapping[sympy.Symbol, sympy.Expr]) -> int:
@@ -206,7 +213,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     params = walks[("listed", tuple(sorted(counts.items())))] = listed_whole(step.graph, counts)
     sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
     groups: dict[tuple[int, ...], list[int]] = {}
-    parts = partition(sizes, world)
+    parts = walks[("partition", ("listed", tuple(sorted(counts.items()))))] = partition(sizes, world)
     for rank, idx in enumerate(parts):
         # alike: the same shapes in the same order (a factored optimizer's state follows the shape, not the size)
         groups.setdefault(tuple(_at(params[i][1], env) for i in idx), []).append(rank)
@@ -218,16 +225,20 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
                                                  WALKS_OPTION: walks}, _cache={}, _written=None)
         found = one.peak(at_all)
         per_rank.update({r: found for r in ranks})
-        moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
+        moments += [RankMoment(**{f: getattr(m, f) for f in _FIELDS},
                                rank=ranks[0], ranks=world) for m in found.moments]
     domain = tuple(sympy.Eq(s, v) for s, v in fixed.items())
     out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
     out.per_rank = dict(sorted(per_rank.items()))
-    out.state = [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
+    out._state = lambda: [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
     if len(step._cache) > 16:
         step._cache.clear()
     step._cache[key] = out
     return out
+
+
+#: a moment's fields, copied into each rank's
+_FIELDS = tuple(f.name for f in dataclasses.fields(Moment))
 
 
 def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
