@@ -74,16 +74,20 @@ def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
 
 
 def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
-    """``ceiling(size / world)``.  A symbolic ``size`` over the symbol ``N`` (a positive integer, 1 included, with
-    no bound) is neither provably a whole number nor provably at most 1, so the ceiling stays as written: built
-    without sympy's search for either (most of an FSDP step's set-up otherwise); anything else is evaluated.
+    """``ceiling(size / world)``.  A symbolic ``size``, or a number above 1, over the symbol ``N`` (a positive
+    integer, 1 included, with no bound) is neither provably a whole number nor provably at most 1, so the ceiling
+    stays as written: built without sympy's search for either (most of an FSDP step's set-up otherwise); anything
+    else is evaluated.
 
     >>> from symmem.symbols import H, N
-    >>> ceil_div(3 * H, N) == sympy.ceiling(3 * H / N), ceil_div(1, N), ceil_div(2 * N, N), ceil_div(10, 4)
-    (True, 1, 2, 3)
+    >>> ceil_div(3 * H, N) == sympy.ceiling(3 * H / N), ceil_div(768, N) == sympy.ceiling(768 / N)
+    (True, True)
+    >>> ceil_div(1, N), ceil_div(2 * N, N), ceil_div(10, 4)
+    (1, 2, 3)
     """
     size = sympy.sympify(size, strict=True)
-    if world is N and not size.is_number and N not in size.free_symbols and size.is_positive:
+    if world is N and (size > 1 if size.is_Integer else not size.is_number and N not in size.free_symbols
+                       and size.is_positive):
         return sympy.ceiling(size / world, evaluate=False)
     return sympy.ceiling(size / world)
 

@@ -592,8 +592,8 @@ def state_storages(regime: Regime, name: str, held: tuple[sympy.Expr, ...], on_h
     >>> [(n, str(b)) for n, _, b, _, _ in state_storages(Regime(optimizer="adamw"), "fc.weight", (3, 4), False)]
     [('fc.weight.exp_avg', '48'), ('fc.weight.exp_avg_sq', '48'), ('fc.weight.step', '4')]
     """
-    out = [(f"{name}.{s}", "optimizer_state", e / (N if regime.zero and regime.shard(s) else sympy.Integer(1)),
-            None, False) for s, e in regime.optimizer_spec.state_bytes(held)]
+    out = [(f"{name}.{s}", "optimizer_state", e / N if regime.zero and regime.shard(s) else e, None, False)
+           for s, e in regime.optimizer_spec.state_bytes(held)]
     # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
     if regime.optimizer in ("adam", "adamw") and out:
         out.append((f"{name}.step", "optimizer_state", sympy.Integer(4), None, on_host))  # fp32
