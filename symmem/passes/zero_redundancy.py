@@ -18,9 +18,11 @@ What the engine does (torch 2.13, ``zero_redundancy_optimizer.py``; measured per
 * a rank that owns nothing (more ranks than parameters) runs an empty local optimizer: it works (measured).
 
 The partition needs numbers while the formulas may keep symbols: the parameters' sizes (and how many there are:
-the layer counts) and ``N`` are taken at the derivation's numbers, every rank's step is walked with the blocks
-written out, and the peak is the ``Max`` over every rank's moments -- a formula in the sizes the parameters do not
-depend on (``B``, ``S``), its domain those numbers (``N = 4``, ``H = 768``, ...: other numbers partition again).
+the layer counts) and ``N`` are taken at the derivation's numbers, every rank's step is the forward and backward
+every rank shares (walked once, as one device's: :func:`symmem.passes.graph_step.symbolic_peak`) with its own
+optimizer state and step, and the peak is the ``Max`` over every rank's moments -- a formula in the sizes the
+parameters do not depend on (``B``, ``S``), its domain those numbers (``N = 4``, ``H = 768``, ...: other numbers
+partition again).
 
 >>> partition([6, 10, 6, 1], 2)        # sizes in model.parameters() order -> indices per rank
 [[1, 3], [0, 2]]
