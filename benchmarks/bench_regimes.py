@@ -8,7 +8,9 @@ Each case is a first call, as on the command line: its own fresh process (import
 starts), CPU time of that process (``time.process_time``: other people's load on the machine slows the wall clock,
 less the CPU time).  Each round times every case once, one device first, and the ratio is taken within the round
 (paired), then the median over rounds.  ``--warm``: every case in this process after a warm-up round (sympy's
-and the builders' caches filled), a repeated call.
+and the builders' caches filled), a repeated call.  Side by side with another commit, on the same machine and
+load: ``PYTHONPATH=<that commit's checkout> python benchmarks/bench_regimes.py`` (each case's process imports
+``symmem`` from ``PYTHONPATH``).
 """
 
 from __future__ import annotations

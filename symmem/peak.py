@@ -20,6 +20,7 @@ Max(7232*B + 14909528, 15424*B + 11694168, 19520*B + 7495768)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -81,6 +82,12 @@ class Moment:
     measure: Callable[[Mapping[sympy.Symbol, int]], Any] | None = field(default=None, compare=False, repr=False)
     #: which branch of the size conditions (:attr:`Peak.guards`) the moment belongs to (0 where there is one)
     branch: int = 0
+    #: the builder's live bytes as exact coefficients by monomial, the sum :attr:`total` builds (None where it has
+    #: none): comparing two moments needs no sympy
+    poly: Callable[[], Mapping[sympy.Expr, Any]] | None = field(default=None, compare=False, repr=False)
+    #: (what the moment shares with others, the bytes it adds to it): two moments that share the same differ by
+    #: the difference of their bytes (a ZeRO-1 rank's moments: its optimizer state beside every rank's walk)
+    offset: tuple[Any, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total(self) -> sympy.Expr:
@@ -203,7 +210,14 @@ class Candidate:
 
 
 def _key(kv: tuple[Any, Any]) -> str:
-    return str(kv[0])
+    return _name(kv[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _name(base: Any) -> str:
+    """A monomial's base as printed (the order of its factors): printing ``ceiling(...)`` anew each time costs
+    more than the rest of the algebra."""
+    return str(base)
 
 
 class Algebra:
@@ -244,6 +258,16 @@ class Algebra:
         self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
         self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
+
+    def extend(self, sizes: Sequence[sympy.Expr]) -> bool:
+        """Take in ``sizes`` that are whole numbers at the substitutions (they add no symbol, so every comparison
+        stays as it was); False, taking in none, where one is not."""
+        new = {e: sympy.expand(e.xreplace(self.subs)) for e in dict.fromkeys(sizes) if e not in self.exprs}
+        if not all(x.is_Integer for x in new.values()):
+            return False
+        for e, x in new.items():
+            self.exprs[e], self.rep[e] = x, ({(): int(x)} if x else {})
+        return True
 
     def _id(self, mono: tuple) -> int:
         found = self._ids.get(mono)
@@ -303,7 +327,8 @@ class Algebra:
         """The candidate as a :class:`Moment` (of ``branch`` of the size conditions): its total now, its split by
         category on demand."""
         return Moment(phase, node, layer, step or cand.step, Lazy(lambda: self.live(cand)),
-                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers), branch)
+                      lambda: self._summed(cand), lambda numbers: self.measure(cand, numbers), branch,
+                      lambda: self.coefficients(cand))
 
     def measure(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int]) -> Any:
         """The candidate's exact bytes at ``numbers`` (the sizes' values kept per set of numbers)."""
@@ -324,19 +349,7 @@ class Algebra:
         """The candidate's bytes (of one category, or all), summed monomial by monomial in exact fractions from
         the expanded sizes: sympy only builds the result (multiplying sums by numbers and merging them is most
         of a peak's time otherwise)."""
-        acc: dict[sympy.Expr, int | Fraction] = defaultdict(int)  # ints while they can be: 5x Fraction's speed
-        for (c, size), (n0, ds) in cand.parts.items():
-            if category is not None and c != category:
-                continue
-            const = _number(_number(n0) - Fraction(sum(ds) * self.base, self.period))
-            if const:
-                for mono, k in self._coefficients(self.exprs[size]):
-                    acc[mono] += const * k
-            for d, s in zip(ds, self.counts, strict=True):
-                if d:
-                    scale = _number(Fraction(d, self.period))
-                    for mono, k in self._coefficients(self._times(s, size)):
-                        acc[mono] += scale * k
+        acc = self.coefficients(cand, category)
         terms = [(sympy.Integer(k) if isinstance(k, int) else sympy.Rational(k.numerator, k.denominator)) * mono
                  for mono, k in acc.items() if k]
         if len(terms) < 2:
@@ -345,6 +358,26 @@ class Algebra:
         # order without its flatten (the same object Add(*terms) gives)
         _addsort(terms)
         return sympy.Add._from_args(terms, is_commutative=True)
+
+    def coefficients(self, cand: Candidate, category: int | None = None) -> dict[sympy.Expr, int | Fraction]:
+        """The candidate's bytes (of one category, or all) as exact coefficients by monomial (a number's
+        monomial is 1), zeros included."""
+        acc: dict[sympy.Expr, int | Fraction] = defaultdict(int)  # ints while they can be: 5x Fraction's speed
+        for (c, size), (n0, ds) in cand.parts.items():
+            if category is not None and c != category:
+                continue
+            whole = self.period == 1 and isinstance(n0, int)  # the same numbers, without Fraction's cost
+            const = n0 - sum(ds) * self.base if whole else _number(_number(n0) - Fraction(sum(ds) * self.base,
+                                                                                          self.period))
+            if const:
+                for mono, k in self._coefficients(self.exprs[size]):
+                    acc[mono] += const * k
+            for d, s in zip(ds, self.counts, strict=True):
+                if d:
+                    scale = d if whole else _number(Fraction(d, self.period))
+                    for mono, k in self._coefficients(self._times(s, size)):
+                        acc[mono] += scale * k
+        return acc
 
     def _coefficients(self, expr: sympy.Expr) -> list[tuple[sympy.Expr, int | Fraction]]:
         found = self._coeffs.get(expr)
@@ -470,26 +503,48 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
               counts: Sequence[sympy.Symbol], numbers: Mapping[sympy.Symbol, int] | None,
               domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
-              guards: Sequence[sympy.Basic] = ()) -> Peak:
+              guards: Sequence[sympy.Basic] = (), lazy: bool = False, pruned: bool = False,
+              algebra: Algebra | None = None) -> Peak:
     """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
     ``merge`` joins the groups' formulas into one ``Piecewise`` whose conditions are ``guards``, one per group).
     ``where`` names a candidate's moment: (phase, op, layer); ``counts`` are the symbolic layer counts the
-    candidates' parts change with."""
+    candidates' parts change with.  ``lazy``: a ``Piecewise`` is built when first asked for (a ZeRO-1 rank's
+    peak is read at numbers only); ``pruned``: the candidates are what :func:`prune` keeps, in its order;
+    ``algebra``: one that holds every candidate's sizes already (shared by ZeRO-1's ranks)."""
     if len(groups) > 1 and merge is not None and len(guards) != len(groups):
         raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
-    alg = Algebra(list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)),
-                  subs, counts, base, period)
+    alg = algebra if algebra is not None else Algebra(
+        list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)), subs, counts, base, period)
     memo: dict = {}
     per_group: list[tuple[list[Moment], ...]] = []
     for group in groups:
-        kept = [prune(cands, alg, numbers, memo) for cands in group]
+        kept = [cands if pruned else prune(cands, alg, numbers, memo) for cands in group]
         per_group.append(tuple([alg.moment(k, *where(k), branch=len(per_group)) for k in ks] for ks in kept))
     moments = tuple(itertools.chain.from_iterable(s + f for s, f in per_group))
     if len(per_group) == 1:  # the Max of the moments, built when asked for
         return Peak(None, None, moments, domain)
+    conds = tuple(sympy.sympify(g, strict=True).xreplace(dict(subs)) for g in guards)
+    if lazy and merge is not None:
+        return _MergedPeak(per_group, merge, moments, domain, conds)
     exprs = [(peak_max(steady), peak_max(first)) for steady, first in per_group]
     if merge is None:  # the first group's formulas: its moments only
         return Peak(*exprs[0], tuple(per_group[0][0] + per_group[0][1]), domain)
-    conds = tuple(sympy.sympify(g, strict=True).xreplace(dict(subs)) for g in guards)
     return Peak(merge([e for e, _ in exprs]), merge([e for _, e in exprs]), moments, domain, conds)
+
+
+class _MergedPeak(Peak):
+    """A :class:`Peak` over branches of size conditions whose ``Piecewise`` formulas are built on first use
+    (:func:`summarize` with ``lazy``): the same formulas, the same moments."""
+
+    def __init__(self, per_group: list[tuple[list[Moment], ...]], merge: Callable[[list[sympy.Expr]], sympy.Expr],
+                 moments: tuple[Moment, ...], domain: tuple[sympy.Basic, ...], guards: tuple[sympy.Basic, ...]) -> None:
+        super().__init__(None, None, moments, domain, guards)
+        self._of_moments = {"steady": False, "first": False}  # a Piecewise, not one Max
+        self._groups, self._merge = per_group, merge
+
+    def formula(self, step: str = "steady") -> sympy.Expr:
+        if self._exprs[checked(step)] is None:
+            i = 0 if step == "steady" else 1
+            self._exprs[step] = self._merge([peak_max(group[i]) for group in self._groups])
+        return self._exprs[step]

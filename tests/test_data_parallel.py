@@ -234,3 +234,32 @@ def test_fsdp_per_rank_in_json_and_table(capsys):
     assert f"rank 1: {ranks[1][0]:,} / {ranks[1][1]:,} B" in capsys.readouterr().out.replace("\n", " ")
     # where every rank holds the same (64 and 10 rows split evenly) there is no per-rank line
     assert rank_peaks(_derive("mlp", {"B": 4, "N": 2}, {"widths": "64,128,10"}, "fsdp")) is None
+
+
+def test_shard_ceilings_are_sympys():
+    """FSDP's shard sizes ``ceiling(size / N)`` (and FSDP1's ``Min(1, padding)``) are built without sympy's
+    search for a simplification; sympy's own evaluation is the truth: every built-in model's dim 0 and flat
+    parameter sizes give the same expression."""
+    import sympy
+
+    from symmem.models import available, build
+    from symmem.passes.data_parallel import ceil_div
+    from symmem.passes.fsdp1 import _at_most_one
+    from symmem.shapes import numel
+    from symmem.symbols import N
+
+    sizes = set()
+    for name in available():
+        graph = build(name).graph
+        for n in graph.program_order():
+            node = graph.node(n)
+            shapes = [node.params["value"]] if node.kind == "parameter" else list(node.params.values())
+            sizes.update(s[0] for s in shapes if s)
+            if shapes:
+                sizes.add(sympy.Add(*(numel(s) for s in shapes)))  # a unit's flat parameter
+    assert len(sizes) > 20
+    for size in sizes:
+        assert ceil_div(size, N) == sympy.ceiling(size / N), size
+    for size in [s for s in sizes if not sympy.sympify(s).is_number][:8]:
+        padding = N * sympy.ceiling(size / N) - size
+        assert _at_most_one(padding) == sympy.Min(1, sympy.expand(padding)), size

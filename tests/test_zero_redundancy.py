@@ -39,6 +39,9 @@ MODELS = [
 #: two parameters over four ranks: ranks 2 and 3 own nothing, and ZeroRedundancyOptimizer runs them (an empty
 #: local optimizer)
 TWO_PARAMETERS = ("mlp", {"B": 4}, {"widths": "8,4", "loss": "cross-entropy"})
+#: Llama with 5 layers: every rank's forward and backward walked once with the layers written out 4 and 5 times,
+#: interpolated (passes/graph_step.py; 2 layers write them out whole)
+FIVE_LAYERS = ("llama", {**TINY, "L": 5, "B": 2, "G": 2, "F": 128}, {"attention": "sdpa", "loss": "cross-entropy"})
 #: widths 6,8,8,6 at N = 2: rank 0 owns the 64-element weight and three biases (86 elements), rank 1 the two
 #: 48-element weights (96): the largest rank is rank 1
 RANK_1_LARGEST = ("mlp", {"B": 4}, {"widths": "6,8,8,6", "loss": "cross-entropy"})
@@ -56,7 +59,7 @@ def _measured():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the two-parameter MLP keeps no activation (NothingCounted)
         fours = [_derive(*case, 4) for case in [*MODELS, TWO_PARAMETERS]]
-    twos = [_derive(*case, 2) for case in [*MODELS, RANK_1_LARGEST]]
+    twos = [_derive(*case, 2) for case in [*MODELS, FIVE_LAYERS, RANK_1_LARGEST]]
     jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2) for d in twos]
     runs = measure_jobs(jobs, world=4, timeout=240, start_method="forkserver")
     out = list(zip(fours, runs[:len(fours)], strict=True))

@@ -36,6 +36,7 @@ from typing import Any
 
 import sympy
 
+from ..symbols import N
 from ..training import RANK_OPTION, Regime
 
 #: The engines whose reducer keeps gradient buckets.
@@ -69,7 +70,26 @@ def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
     >>> shard_rows((127, 64), 2), shard_rows((10,), 4)
     (64, 3)
     """
-    return sympy.ceiling(shape[0] / world) if shape else sympy.Integer(1)
+    return ceil_div(shape[0], world) if shape else sympy.Integer(1)
+
+
+def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
+    """``ceiling(size / world)``.  A symbolic ``size``, or a number above 1, over the symbol ``N`` (a positive
+    integer, 1 included, with no bound) is neither provably a whole number nor provably at most 1, so the ceiling
+    stays as written: built without sympy's search for either (most of an FSDP step's set-up otherwise); anything
+    else is evaluated.
+
+    >>> from symmem.symbols import H, N
+    >>> ceil_div(3 * H, N) == sympy.ceiling(3 * H / N), ceil_div(768, N) == sympy.ceiling(768 / N)
+    (True, True)
+    >>> ceil_div(1, N), ceil_div(2 * N, N), ceil_div(10, 4)
+    (1, 2, 3)
+    """
+    size = sympy.sympify(size, strict=True)
+    if world is N and (size > 1 if size.is_Integer else not size.is_number and N not in size.free_symbols
+                       and size.is_positive):
+        return sympy.ceiling(size / world, evaluate=False)
+    return sympy.ceiling(size / world)
 
 
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
@@ -137,12 +157,8 @@ class Fsdp:
                 continue
             node = name.rsplit(".", 1)[0]
             self.params[self.unit_of.get(node) if node in self.unit_of else None].append(name)
-        shapes = stored_shapes(graph, sim.params)
-        self.shard = {name: shard_rows(shape, world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
         self.world, self.wb = world, weight_bytes
-        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
-        self.total = {u: e * weight_bytes for u, e in self.unit_numel.items()}
-        self.shapes = shapes
+        self._sizes()
         first: dict[Any, str] = {}
         last: dict[Any, str] = {}
         for n in order:
@@ -166,6 +182,14 @@ class Fsdp:
         # the node each event is named after: the op it comes before or after (a step's moments are matched across
         # layer counts by node, passes/graph_step.py)
         self.at: str | None = None
+
+    def _sizes(self) -> None:
+        """Each parameter's shard (``shard``, elements) and each unit's (``unit_numel``; ``total``, bytes)."""
+        shapes = stored_shapes(self.sim.graph, self.sim.params)
+        self.shard = {name: shard_rows(shape, self.world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
+        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
+        self.total = {u: e * self.wb for u, e in self.unit_numel.items()}
+        self.shapes = shapes
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))

@@ -39,7 +39,7 @@ from typing import Any
 import sympy
 
 from ..shapes import numel as shape_numel
-from .data_parallel import Fsdp
+from .data_parallel import Fsdp, ceil_div
 
 #: The FSDP1 engines, and whether each frees a unit's unsharded flat parameter after its forward.
 FSDP1 = {"fsdp1": True, "fsdp1-grad-op": False}
@@ -49,12 +49,12 @@ class Fsdp1(Fsdp):
     """FSDP1's flat parameters and buffers in one rank's step (the module's docstring); the units, their first
     and last nodes and the root are :class:`~symmem.passes.data_parallel.Fsdp`'s."""
 
-    def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
-        super().__init__(sim, world, weight_bytes, reshard)
-        numel = {name: shape_numel(shape) for name, shape in sim.params}
+    def _sizes(self) -> None:
+        """The flat parameters' sizes (FSDP1 shards no parameter on its own)."""
+        numel = {name: shape_numel(shape) for name, shape in self.sim.params}
         #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
         self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
-        self.flat_shard = {u: sympy.ceiling(n / world) for u, n in self.flat.items()}
+        self.flat_shard = {u: ceil_div(n, self.world) for u, n in self.flat.items()}
 
     def flat_params(self) -> list[tuple[str, sympy.Expr]]:
         """The flat parameters as ``model.parameters()`` lists them (what the optimizer steps on): the root's
@@ -110,8 +110,8 @@ class Fsdp1(Fsdp):
         self._reshard(unit, "backward")
         padded = self.world * self.flat_shard[unit]
         # F.pad copies the flat gradient only where N does not divide it: Min(1, padding) is 0 or 1
-        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary",
-                      sympy.Min(1, padded - self.flat[unit]) * padded * sim.grad_bytes)
+        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary", _at_most_one(padded - self.flat[unit]) * padded
+                      * sim.grad_bytes)
         shard = sim.new(f"fsdp1.sharded_grad[{name}]", "gradient", self.flat_shard[unit] * sim.grad_bytes)
         self.sharded_grads.append(shard)
         sim.event("backward", self.at, [pad], [])
@@ -131,3 +131,22 @@ class Fsdp1(Fsdp):
         self.pre_backward(None)
         self.post_backward(None)
         return []
+
+
+def _at_most_one(padding: sympy.Expr) -> sympy.Expr:
+    """``Min(1, padding)``: the padding ``N * ceiling(n / N) - n`` is 0 for ``N = 1`` and can exceed 1, so for a
+    symbolic ``N`` no comparison decides it and ``Min`` stays as written -- built without sympy's search for one
+    (the most of an FSDP1 peak's time otherwise); a number is evaluated.
+
+    >>> from symmem.symbols import N
+    >>> H = sympy.Symbol("H", positive=True, integer=True)
+    >>> _at_most_one(N * sympy.ceiling(H / N) - H) == sympy.Min(1, N * sympy.ceiling(H / N) - H)
+    True
+    >>> _at_most_one(sympy.Integer(3)), _at_most_one(sympy.Integer(0))
+    (1, 0)
+    """
+    if padding.is_number:
+        return sympy.Min(1, padding)
+    # written expanded, as the peak's algebra expands every size: its expand then leaves the Min as it is, where
+    # rebuilding it would search again
+    return sympy.Min(1, sympy.expand(padding), evaluate=False)

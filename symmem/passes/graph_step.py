@@ -27,12 +27,13 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
-from ..peak import Candidate, Peak, summarize
-from ..timeline import Row, Timeline, Which, checked
+from ..peak import Algebra, Candidate, Peak, summarize
+from ..shapes import numel as shape_numel
+from ..timeline import Event, Live, Row, Timeline, Which, checked
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every, refuse_one_rank
 from . import branches as size_branches
 from . import zero_redundancy
-from .schedule import simulate
+from .schedule import MICRO_BATCH_PASSES, Simulation, optimizer_impl, simulate, state_storages, walk_step
 from .storage import Branch
 from .unroll import iteration, template, unroll
 
@@ -235,10 +236,14 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
     blocks = graph.blocks
     blocks_of = {m: b.name for b in blocks.values() for m in graph.program_order() if graph.node(m).block == b.name}
     period, edge, base = layout(regime)
+    whole = zero_redundancy.engaged(regime)  # ZeRO-1 partitions every layer's parameters: written out whole
+    if whole and options.get(zero_redundancy.WALKS_OPTION) is not None:
+        found = _rank_peak(graph, conv, options, regime, subs, branches, merge, numbers, guards, blocks_of)
+        if found is not None:
+            return found
     symbolic: dict[str, sympy.Symbol] = {}
     fixed = {}
     many: dict[sympy.Symbol, int] = {}  # long stacks of known length: interpolated too, then the length put in
-    whole = zero_redundancy.engaged(regime)  # ZeRO-1 partitions every layer's parameters: written out whole
     for name, b in blocks.items():
         count = b.count.xreplace(dict(subs))
         if count.is_number and not whole and int(count) > base + period and (int(count) - base) % period == 0:
@@ -277,3 +282,266 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
         groups.append((found[0], found[1]))
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
                      merge=merge, guards=guards)
+
+
+def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+               subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None],
+               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None, numbers: Mapping[sympy.Symbol, int] | None,
+               guards: Sequence[sympy.Basic], blocks_of: Mapping[str, str]) -> Peak | None:
+    """One ZeRO-1 rank's peak with its blocks written out whole (what :func:`symbolic_peak` gives), without writing
+    them out: the forward and backward are every rank's (walked once, shared through the step's walks), and each
+    block's layers there are one device's -- the step is walked with each block written out ``base`` and
+    ``base + 1`` times and every moment's storages interpolated to the block's length, the moments of the layers
+    between the first and last two left out as the whole walk leaves them out.  The rank's own part -- its
+    optimizer state, alive through a steady step, and its optimizer step over the whole parameters it owns -- is
+    walked on its own, from the storages alive when the backward ends.  None where this does not apply
+    (checkpointing, a block shorter than ``base``)."""
+    period, edge, base = layout(regime)
+    counts = {name: b.count.xreplace(dict(subs)) for name, b in graph.blocks.items()}
+    if regime.checkpoint != "none" or period != 1 or not all(c.is_number and int(c) >= base for c in counts.values()):
+        return None
+    counts = {name: int(c) for name, c in counts.items()}
+    symbolic = {name: sympy.Dummy(f"n_{name}", positive=True, integer=True) for name in counts}
+    names = list(symbolic)
+    walks = options[zero_redundancy.WALKS_OPTION]
+    mine = _rank_step(graph, options, regime, counts, blocks_of, edge)
+    many = {symbolic[n]: counts[n] for n in names}
+    sub, syms = {**dict(subs), **many}, [symbolic[n] for n in names]
+    at = {**numbers, **many} if numbers else numbers
+    own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
+    known = walks.setdefault(("bytes",), {})  # sizes the ranks share, worked out once
+    for _, x in own:
+        if x not in known:
+            known[x] = _bytes(x, sub)
+    sizes = {x: known[x] for _, x in own}  # the rank's own storages: numbers, or None
+    groups: list[tuple[list[Candidate], list[Candidate]]] = []
+    offsets: list[list[Any]] = []  # what each moment is: a shared one plus bytes (passes/zero_redundancy.py)
+    branch_keys = [("shared", None if b is None else tuple(sorted((str(c), v) for c, v in b.items())))
+                   for b in branches]
+    for key, branch in zip(branch_keys, branches, strict=True):
+        if key not in walks:
+            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge)
+    # one algebra for every rank and branch, as one summarize holds (each rank's own sizes, numbers, taken in)
+    akey = ("algebra", *branch_keys)
+    if akey not in walks:
+        walks[akey] = Algebra(list(dict.fromkeys(x for key in branch_keys for parts in
+                                                 [*walks[key][0].values(), walks[key][1]] for _, x in parts)),
+                              sub, syms, base, period)
+    for key in branch_keys:
+        moments, end = walks[key]
+        if ("kept", key) not in walks:
+            walks[("kept", key)] = _dominant(moments, end, walks[akey], at)
+        kept = walks[("kept", key)] if all(isinstance(v, int) for v in sizes.values()) else None
+        shared = []
+        for (phase, node, label, seen), parts in moments.items():
+            if kept is not None and (phase, node, label, seen) not in kept.totals:
+                continue
+            key_label = label
+            block = blocks_of.get(node) if len(names) > 1 else names[0] if names else None
+            if label.startswith("L"):
+                if block is None:
+                    return None
+                label = str(counts[block] + int(label[1:] or 0))  # L-1 -> 31 of 32
+            shared.append(((phase, node, label, seen), (phase, node, key_label, seen), parts))
+        found = []
+        for first in (False, True):
+            step = "first" if first else "steady"
+            states = Counter() if first else mine["states"]
+            extra = sum(n * sizes[x] for (_, x), n in states.items()) if kept is not None else 0
+            cands = [Candidate(k, step, parts if first else _plus(parts, states, len(names)))
+                     for k, _, parts in shared]
+            where = [(("shared", key, k0), extra) for _, k0, _ in shared]
+            own_moments = [(k, live) for k, live in mine[first].items() if live is not None]
+            if kept is not None:
+                # the rank's own moments differ by numbers only (the storages alive when the backward ended are
+                # in each): the prune keeps the largest, the first of equals
+                sized = [sum(n * sizes[x] for (_, x), n in live.items()) for _, live in own_moments]
+                own_moments = [own_moments[sized.index(max(sized))]]
+                where.append((("end", key), max(sized)))
+            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in own_moments]
+            if kept is not None:
+                chosen = kept.prune([k0 for _, k0, _ in shared], extra, max(sized))
+                cands, where = [cands[i] for i in chosen], [where[i] for i in chosen]
+            found.append(cands)
+            offsets.append(where if kept is not None else [])
+        groups.append((found[0], found[1]))
+    pruned = all(offsets)
+    alg = walks[akey] if pruned else None
+    if alg is not None and not alg.extend([x for g in groups for cs in g for c in cs for _, x in c.parts]):
+        alg = None
+    peak = summarize(groups, lambda k: k.key[:3], sub, syms, at, (), base=base, period=period, merge=merge,
+                     guards=guards, lazy=True, pruned=pruned, algebra=alg)
+    if pruned:
+        for m, offset in zip(peak.moments, (o for each in offsets for o in each), strict=True):
+            object.__setattr__(m, "offset", offset)
+    return peak
+
+
+def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, alg: Algebra,
+              numbers: Mapping[sympy.Symbol, int] | None) -> _Shared | None:
+    """The shared forward and backward moments no other of them exceeds, as :func:`symmem.peak.prune` keeps them
+    (largest first at the numbers, the first of equals): every rank adds the same storages to all of them (its
+    optimizer state, numbers), so a moment another exceeds here is exceeded in every rank's step, and pruning the
+    rest with the rank's own moments keeps what pruning all of them keeps.  None where that does not hold: a
+    value unknown at the numbers (no order), or the moments' sizes in fewer than two symbols (the prune then
+    takes the upper envelope, which the left-out moments take part in)."""
+    if not numbers:
+        return None
+    cands = [Candidate(key, "first", parts) for key, parts in moments.items()]
+    ended = Candidate(("end",), "first", end)
+    memo: dict = {}
+    values = [alg.value(c, numbers, memo) for c in [*cands, ended]]
+    if any(v is None for v in values):
+        return None
+    order = sorted(range(len(cands)), key=lambda i: -values[i])  # type: ignore[operator]
+    totals = [alg.total(c) for c in cands]
+    survivors: list[int] = []
+    for i in order:
+        if not any(_covers(totals[k], totals[i]) for k in survivors):
+            survivors = [k for k in survivors if not _covers(totals[i], totals[k])] + [i]
+
+    def bases(ids: list[int]) -> set[Any]:
+        return {b for i in ids for m in totals[i] for b, _ in alg.monomials[m]}
+
+    every = bases(list(range(len(cands))))
+    if len(every) < 2 or bases(survivors) != every:
+        return None
+    kept = sorted(survivors)
+    return _Shared({cands[i].key: totals[i] for i in kept}, {cands[i].key: values[i] for i in kept},
+                   alg.total(ended), values[-1], alg._id(()), alg.scale)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The shared moments a ZeRO-1 rank's prune compares (:func:`_dominant`): each one's bytes as
+    :meth:`symmem.peak.Algebra.total` gives them (``one``: the monomial of numbers, ``scale``: the totals'
+    factor) and its value at the numbers, and the same of the storages alive when the backward ends."""
+
+    totals: dict[tuple[Any, ...], dict[int, int]]
+    values: dict[tuple[Any, ...], Any]
+    end: dict[int, int]
+    end_value: Any
+    one: int
+    scale: int
+
+    def _with(self, total: Mapping[int, int], extra: int) -> dict[int, int]:
+        out = dict(total)
+        x = out.get(self.one, 0) + extra * self.scale
+        if x:
+            out[self.one] = x
+        else:
+            out.pop(self.one, None)  # as Algebra.total leaves a zero out
+        return out
+
+    def prune(self, keys: list[tuple[Any, ...]], extra: int, own: int) -> list[int]:
+        """:func:`symmem.peak.prune` of a rank's moments: the shared ones (``keys``, in order) with ``extra``
+        bytes each, then the storages alive when the backward ended with ``own`` bytes -- the indices it keeps,
+        in its order."""
+        totals = [self._with(self.totals[k], extra) for k in keys] + [self._with(self.end, own)]
+        values = [self.values[k] + extra for k in keys] + [self.end_value + own]
+        survivors: list[int] = []
+        for i in sorted(range(len(totals)), key=lambda i: -values[i]):
+            if not any(_covers(totals[k], totals[i]) for k in survivors):
+                survivors = [k for k in survivors if not _covers(totals[i], totals[k])] + [i]
+        return survivors
+
+
+def _covers(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
+    """``a >= b`` on the domain (:func:`symmem.peak.prune`'s test)."""
+    return all(a.get(k, 0) >= v for k, v in b.items())
+
+
+def _bytes(size: sympy.Expr, subs: Mapping[sympy.Symbol, Any]) -> int | None:
+    """``size`` at ``subs`` where it is a whole number, else None."""
+    v = sympy.sympify(size, strict=True).xreplace(dict(subs))
+    return int(v) if v.is_Integer else None
+
+
+def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: int
+          ) -> dict[Any, tuple[int, tuple[int, ...]]]:
+    """A moment's parts (:func:`_parts`) with storages ``live`` added, the same at every layer count."""
+    out = dict(parts)
+    for x, k in live.items():
+        k0, ds = out.get(x, (0, (0,) * n))
+        out[x] = (k0 + k, ds)
+    return out
+
+
+def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime, branch: Branch | None,
+            blocks_of: Mapping[str, str], symbolic: Mapping[str, sympy.Symbol], base: int, edge: int
+            ) -> tuple[dict[tuple[Any, ...], dict], dict]:
+    """Every ZeRO-1 rank's forward and backward moments (the first step's: no optimizer state yet), keyed as one
+    device's (layers ``1``, ``2``, ``L-1``, ``L``), as parts interpolated in the blocks' lengths; and the storages
+    alive when the backward ends, the same way."""
+    names = list(symbolic)
+    runs, ends = {}, {}
+    for bump in [()] + [(n,) for n in names]:
+        counts = {n: base + (1 if n in bump else 0) for n in names}
+        sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
+        for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
+            sim.micro_batch()
+        walked = len(sim.events)
+        tl = sim.timeline(first=True)
+        runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge).items()
+                      if k[0] in ("forward", "backward")}
+        live: Counter = Counter()
+        for i in tl.start:
+            live[_storage_key(tl.storages[i])] += 1
+        for e in tl.events[:walked]:
+            live.update(_storage_key(tl.storages[i]) for i in e.born)
+            live.subtract(_storage_key(tl.storages[i]) for i in e.freed)
+        ends[bump] = +live
+    moments = {key: _parts(live, [runs[(n,)].get(key) for n in names]) for key, live in runs[()].items()
+               if live is not None}
+    return moments, _parts(ends[()], [ends[(n,)] for n in names])
+
+
+def _storage_key(s: Live) -> tuple[int, sympy.Expr]:
+    from ..timeline import _INDEX
+    return (_INDEX[s.category], s.nbytes)
+
+
+def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts: Mapping[str, int],
+               blocks_of: Mapping[str, str], edge: int) -> dict[Any, Any]:
+    """A ZeRO-1 rank's own part of the step, with the blocks ``counts`` long: its optimizer state (``states``), and
+    the moments of its optimizer step and zero_grad (``False``: a steady step's, ``True``: the first's) as the
+    storages alive there besides those alive when the backward ended."""
+    walks = options[zero_redundancy.WALKS_OPTION]
+    key = ("listed", tuple(sorted(counts.items())))
+    if key not in walks:
+        walks[key] = zero_redundancy.listed_whole(graph, counts)
+    if ("partition", key) in walks:  # worked out once for every rank (zero_redundancy.ranks_peak)
+        owned = [walks[key][i] for i in walks[("partition", key)][int(options[zero_redundancy.RANK_OPTION])]]
+    else:
+        owned = zero_redundancy.owned(regime, walks[key], options) or []
+    device = str(options.get("device", "cpu"))
+    impl = optimizer_impl(regime, device)
+    specs = {name: state_storages(regime, name, shape, device == "cuda" and impl != "fused") for name, shape in owned}
+    numel = {name: shape_numel(shape) for name, shape in owned}
+    out: dict[Any, Any] = {}
+    for first in (False, True):
+        sim = _Steps()
+        state_ids = {name: [sim.new(*s) for s in specs[name]] for name, _ in owned}
+        states = [i for ids in state_ids.values() for i in ids]
+        walk_step(sim, regime, impl, owned, numel, state_ids, first)
+        sim.event("zero_grad", None, [], [])
+        tl = Timeline(tuple(sim.storages), () if first else tuple(states), tuple(sim.events))
+        out[first] = _keyed(tl, counts, blocks_of, {}, edge, True)
+        if not first:
+            out["states"] = Counter(_storage_key(sim.storages[i]) for i in states)
+    return out
+
+
+class _Steps:
+    """The storages and events of an optimizer step walked on its own (:func:`~symmem.passes.schedule.walk_step`)."""
+
+    def __init__(self) -> None:
+        self.storages: list[Live] = []
+        self.events: list[Event] = []
+
+    def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
+        self.storages.append(Live(name, category, nbytes, node, host))
+        return len(self.storages) - 1
+
+    def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
+        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))

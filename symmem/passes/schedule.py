@@ -181,15 +181,16 @@ class Simulation:
         self.params = params
         self.fsdp = self._sharding(weights_bytes)
         # what each rank's optimizer holds and steps on: the whole parameter, or under FSDP its shard
-        stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
-        rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
-        held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
-                for name, shape in params}
         #: FSDP1's optimizer steps on one flat shard per unit (passes/fsdp1.py), not on the parameters
         self.flat: list[tuple[str, tuple[sympy.Expr, ...]]] | None = None
         if isinstance(self.fsdp, Fsdp1):
             self.flat = [(name, (k,)) for name, k in self.fsdp.flat_params()]
             held = dict(self.flat)
+        else:
+            stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
+            rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
+            held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
+                    for name, shape in params}
         stepped = self.flat if self.flat is not None else params
         self.step_numel = {name: shape_numel(held[name]) for name, _ in stepped}
         for name, _ in stepped:
@@ -197,12 +198,7 @@ class Simulation:
             self.start.append(self.new(f"{name}.weights", "parameter", each * zero_weights))
         self.state_ids: dict[str, list[int]] = {}
         for name, _ in stepped:
-            ids = [self.new(f"{name}.{s}", "optimizer_state", e / self.zero_shards(s))
-                   for s, e in regime.optimizer_spec.state_bytes(held[name])]
-            # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
-            if regime.optimizer in ("adam", "adamw") and ids:
-                ids.append(self.new(f"{name}.step", "optimizer_state", sympy.Integer(4), host=step_on_host))  # fp32
-            self.state_ids[name] = ids
+            self.state_ids[name] = [self.new(*s) for s in state_storages(regime, name, held[name], step_on_host)]
         self.choose(self.rule_options)
         # a data-parallel engine's buffers made when the model is wrapped (DDP's gradient buckets)
         for name, nbytes in data_parallel.buckets(regime, params, self.numel, self.grad_bytes):
@@ -578,19 +574,42 @@ class Simulation:
 
     def optimizer_step(self, first: bool) -> None:
         """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
-        pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
         stepped = self._listed() if self.owned is None else self.owned
-        for label, born_states, temp_bytes, frees in step_events(self.regime, self.impl, stepped,
-                                                                 self.step_numel, self.state_ids, first):
-            temps = [self.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
-            pending += temps
-            freed, pending = _oldest_first(pending, frees, temps)
-            self.event("step", label, [*born_states, *temps], freed)
+        walk_step(self, self.regime, self.impl, stepped, self.step_numel, self.state_ids, first)
 
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=True)``: every weight's .grad is freed."""
         self.event("zero_grad", None, [], [self.param_grad[name] for name, _ in self._listed()
                                            if name in self.param_grad] + (self.fsdp.sharded_grads if self.fsdp else []))
+
+
+def state_storages(regime: Regime, name: str, held: tuple[sympy.Expr, ...], on_host: bool
+                   ) -> list[tuple[str, str, sympy.Expr, None, bool]]:
+    """The optimizer state of one parameter (``held``: the shape its optimizer steps on) as storages
+    (:meth:`Simulation.new`'s arguments): one per component, each divided by ``N`` where ``--zero`` shards it,
+    and Adam's step count.
+
+    >>> [(n, str(b)) for n, _, b, _, _ in state_storages(Regime(optimizer="adamw"), "fc.weight", (3, 4), False)]
+    [('fc.weight.exp_avg', '48'), ('fc.weight.exp_avg_sq', '48'), ('fc.weight.step', '4')]
+    """
+    out = [(f"{name}.{s}", "optimizer_state", e / N if regime.zero and regime.shard(s) else e, None, False)
+           for s, e in regime.optimizer_spec.state_bytes(held)]
+    # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
+    if regime.optimizer in ("adam", "adamw") and out:
+        out.append((f"{name}.step", "optimizer_state", sympy.Integer(4), None, on_host))  # fp32
+    return out
+
+
+def walk_step(sim: Any, regime: Regime, impl: str, stepped: list[tuple[str, tuple[sympy.Expr, ...]]],
+              numel: Mapping[str, sympy.Expr], state_ids: Mapping[str, list[int]], first: bool) -> None:
+    """``optimizer.step()`` over ``stepped`` as events of ``sim`` (its ``new`` and ``event``): the temporaries
+    of :func:`step_events`, freed oldest first, and in the first step the state."""
+    pending: list[int] = []  # optimizer temporaries not freed yet, oldest first
+    for label, born_states, temp_bytes, frees in step_events(regime, impl, stepped, numel, state_ids, first):
+        temps = [sim.new(f"{label}.temp", "temporary", t) for t in temp_bytes]
+        pending += temps
+        freed, pending = _oldest_first(pending, frees, temps)
+        sim.event("step", label, [*born_states, *temps], freed)
 
 
 def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.Expr, ...]]],

@@ -18,9 +18,11 @@ What the engine does (torch 2.13, ``zero_redundancy_optimizer.py``; measured per
 * a rank that owns nothing (more ranks than parameters) runs an empty local optimizer: it works (measured).
 
 The partition needs numbers while the formulas may keep symbols: the parameters' sizes (and how many there are:
-the layer counts) and ``N`` are taken at the derivation's numbers, every rank's step is walked with the blocks
-written out, and the peak is the ``Max`` over every rank's moments -- a formula in the sizes the parameters do not
-depend on (``B``, ``S``), its domain those numbers (``N = 4``, ``H = 768``, ...: other numbers partition again).
+the layer counts) and ``N`` are taken at the derivation's numbers, every rank's step is the forward and backward
+every rank shares (walked once, as one device's: :func:`symmem.passes.graph_step.symbolic_peak`) with its own
+optimizer state and step, and the peak is the ``Max`` over every rank's moments -- a formula in the sizes the
+parameters do not depend on (``B``, ``S``), its domain those numbers (``N = 4``, ``H = 768``, ...: other numbers
+partition again).
 
 >>> partition([6, 10, 6, 1], 2)        # sizes in model.parameters() order -> indices per rank
 [[1, 3], [0, 2]]
@@ -85,6 +87,34 @@ def listed(graph: Any) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
     return free + layers
 
 
+def listed_whole(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
+    """:func:`listed` of ``graph`` with each block written out ``counts[block]`` times, without writing it out:
+    :func:`symmem.passes.unroll.unroll` adds iteration ``k``'s members as ``<member>#k`` after iteration
+    ``k - 1``'s, each block where its members stand, and the written-out graph runs in that order.
+
+    >>> from symmem.models import build
+    >>> from symmem.passes.unroll import unroll
+    >>> g = build("gpt2").graph
+    >>> listed_whole(g, {"h": 3}) == listed(unroll(g, {"h": 3}))
+    True
+    """
+    order = list(graph.program_order())
+    written: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(order):
+        node = graph.node(order[i])
+        if node.block is None:
+            written.append((order[i], node))
+            i += 1
+            continue
+        members = [n for n in order if graph.node(n).block == node.block]
+        written += [(f"{m}#{k}", graph.node(m)) for k in range(1, counts[node.block] + 1) for m in members]
+        i += len(members)
+    free = [(n, node.params["value"]) for n, node in written if node.kind == "parameter"]
+    return free + [(f"{n}.{p}", shape) for n, node in written if node.kind != "parameter"
+                   for p, shape in node.params.items()]
+
+
 def engaged(regime: Regime) -> bool:
     return getattr(regime, "data_parallel", None) == ENGINE
 
@@ -124,8 +154,15 @@ class RanksPeak(Peak):
     """The peak over every rank (the ``Max`` of their moments), with each rank's own :class:`Peak`."""
 
     per_rank: dict[int, Peak]
-    #: each rank's optimizer state in bytes (the whole parameters it owns; Adam's 4-byte step scalars included)
-    state: list[int]
+    _state: Any  # how to work out :attr:`state`, on first use
+
+    @property
+    def state(self) -> list[int]:
+        """Each rank's optimizer state in bytes (the whole parameters it owns; Adam's 4-byte step scalars
+        included)."""
+        if callable(self._state):
+            self._state = self._state()
+        return self._state
 
 
 def _state(regime: Regime, shape: tuple[sympy.Expr, ...], env: Mapping[sympy.Symbol, sympy.Expr]) -> int:
@@ -170,38 +207,40 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
         raise SymmemError(f"the peak under data_parallel={ENGINE!r} is modelled in fp32 (torch.optim keeps no "
                           f"master weights to partition; precision={step.regime.precision!r} is the papers' "
                           "accounting: --zero 1)")
-    from .unroll import unroll
-
     fixed = _fixed(step, {**step.numbers, **(at or {})})
     env = _env(step, fixed)
     world = fixed[N]
     counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
-    params = listed(unroll(step.graph, counts) if step.graph.blocks else step.graph)
+    walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): worked out once
+    params = walks[("listed", tuple(sorted(counts.items())))] = listed_whole(step.graph, counts)
     sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
     groups: dict[tuple[int, ...], list[int]] = {}
-    parts = partition(sizes, world)
+    parts = walks[("partition", ("listed", tuple(sorted(counts.items()))))] = partition(sizes, world)
     for rank, idx in enumerate(parts):
         # alike: the same shapes in the same order (a factored optimizer's state follows the shape, not the size)
         groups.setdefault(tuple(_at(params[i][1], env) for i in idx), []).append(rank)
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
     per_rank: dict[int, Peak] = {}
     moments: list[RankMoment] = []
-    walks: dict[Any, Any] = {}  # one walk of forward and backward per branch, for every rank
     for ranks in groups.values():
         one = dataclasses.replace(step, options={**step.options, NUMBERS_OPTION: env, RANK_OPTION: ranks[0],
                                                  WALKS_OPTION: walks}, _cache={}, _written=None)
         found = one.peak(at_all)
         per_rank.update({r: found for r in ranks})
-        moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
+        moments += [RankMoment(**{f: getattr(m, f) for f in _FIELDS},
                                rank=ranks[0], ranks=world) for m in found.moments]
     domain = tuple(sympy.Eq(s, v) for s, v in fixed.items())
     out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
     out.per_rank = dict(sorted(per_rank.items()))
-    out.state = [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
+    out._state = lambda: [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
     if len(step._cache) > 16:
         step._cache.clear()
     step._cache[key] = out
     return out
+
+
+#: a moment's fields, copied into each rank's
+_FIELDS = tuple(f.name for f in dataclasses.fields(Moment))
 
 
 def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
@@ -222,10 +261,27 @@ def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
 
 
 def _exceeds(a: Moment, b: Moment) -> bool:
+    if a.offset is not None and b.offset is not None and a.offset[0] == b.offset[0]:
+        return a.offset[1] >= b.offset[1]  # the same shared moment, each with its own bytes
+    if a.poly is not None and b.poly is not None:  # exact coefficients by monomial: no sympy sum to build
+        pa, pb = _poly(a), _poly(b)
+        one = sympy.S.One
+        if any(pa.get(m, 0) != k for m, k in pb.items() if m is not one) or any(
+                k and m is not one and m not in pb for m, k in pa.items()):
+            return False
+        return pa.get(one, 0) >= pb.get(one, 0)
     d = a.total - b.total  # like terms cancel as the Add is built: expand only where that leaves symbols
     if not d.is_number:
         d = sympy.expand(d)
     return bool(d.is_number and d >= 0)
+
+
+def _poly(m: Moment) -> Any:
+    found = m.__dict__.get("_poly")
+    if found is None:
+        found = m.poly()  # type: ignore[misc]
+        object.__setattr__(m, "_poly", found)  # a cache on a frozen value, as Moment.total keeps its sum
+    return found
 
 
 def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
