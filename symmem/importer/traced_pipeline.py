@@ -73,7 +73,7 @@ class TracedCut:
     """A recorded two-micro-batch step at ``numbers`` (symbol name -> value), cut into ``p`` stages: what
     :class:`symmem.passes.model_parallel._Replay` reads (``tl``, ``passes``, ``forwards``, ``frees``, ``keep``,
     ``size``, ``stage_of``, ``on``).  Each op's node is its name (``aten.mm.default (AddmmBackward0) in
-    blocks.3.up``), made unique per stage where one name runs on two."""
+    blocks.3.up``), made unique per stage where one name runs on two (the module's own code: ``[stage 0]``)."""
 
     def __init__(self, rec: StepRecord, p: int, numbers: Mapping[str, int]) -> None:
         self.rec, self.p = rec, p
@@ -84,7 +84,7 @@ class TracedCut:
         for o in rec.ops:
             if o.index not in stages:
                 continue
-            name = _node(o, _locate(o, rec.layers)[0])
+            name = _node(o, o.module if o.phase == "backward" else o.where)
             if self.stage.setdefault(name, stages[o.index]) != stages[o.index]:
                 name = f"{name} [stage {stages[o.index]}]"
                 self.stage[name] = stages[o.index]
