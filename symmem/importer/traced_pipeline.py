@@ -89,9 +89,8 @@ class TracedCut:
                 name = f"{name} [stage {stages[o.index]}]"
                 self.stage[name] = stages[o.index]
             names[o.index] = name
-        forward = [o for o in rec.ops if o.phase == "forward"]
         # the module's output (each micro-batch's logits: output_chunks) and the loss, kept to the end of the phase
-        outputs = {o.born[-1] for o in forward if o.born and o is _last_of_pass(rec, o)}
+        outputs = _outputs(rec)
         born_by = {i: names.get(o.index) for o in rec.ops for i in o.born}
         storages = []
         for s in rec.storages:
@@ -144,8 +143,10 @@ class TracedCut:
                     continue
                 for sid in e.born:
                     end = self.frees.get(sid)
-                    if end is not None and self.tl.events[end].node is not None and self.stage_of(
-                            self.tl.events[end].node) > s and self.tl.storages[sid].category != "gradient":
+                    # kept for a later stage's backward: what it is sent (what a later stage's forward frees is
+                    # gone with this stage's forward in the replay: the module's locals, freed as its forward returns)
+                    if end is not None and end not in self.forwards and self.stage_of(self.tl.events[end].node) > s \
+                            and self.tl.storages[sid].category != "gradient":
                         crossing.append(sid)
             if len(crossing) != 1:
                 what = ", ".join(f"{self.tl.storages[i].nbytes} bytes made at {self.tl.storages[i].node}"
@@ -178,12 +179,24 @@ def _seed_frees(rec: StepRecord, stages: Mapping[int, int], p: int) -> dict[int,
     return out
 
 
-def _last_of_pass(rec: StepRecord, o: Any) -> Any:
-    """The last forward op before the loss (or the backward) that follows ``o``'s pass."""
-    k = o.index
-    while k + 1 < len(rec.ops) and rec.ops[k + 1].phase == "forward":
-        k += 1
-    return rec.ops[k]
+def _outputs(rec: StepRecord) -> set[int]:
+    """Each forward's output (the logits the last stage keeps in ``output_chunks``): the last storage its forward
+    makes that the forward does not free."""
+    out: set[int] = set()
+    run: list[Any] = []
+    for o in [*rec.ops, None]:
+        if o is not None and o.phase == "forward":
+            run.append(o)
+            continue
+        if run:
+            freed = {i for x in run for i in x.freed}
+            found = [i for x in run for i in x.born if i not in freed]
+            if not found:
+                raise SymmemError("a forward of the recorded step makes no output it keeps: the last stage's "
+                                  "logits (output_chunks) are not found")
+            out.add(found[-1])
+            run = []
+    return out
 
 
 def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
@@ -331,6 +344,14 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
                 "engine with it)")
     if step.repeat is None:
         return "pipeline stages split the run of repeated blocks symmem folds into L; this module has none"
+    every = [q for _, q in step.module.named_parameters(remove_duplicate=False)]
+    if len({id(q) for q in every}) != len(every):
+        return ("the pipeline peak of a traced module is modelled for untied parameters (a tied head is a copy on the "
+                "last stage, with its own gradient and state: not followed); untie them (hf: tie_word_embeddings=0)")
+    if step.options.loss == "output":
+        return ("the pipeline peak of a traced module is modelled for a loss the schedule computes from the last "
+                "stage's output (--loss sum or cross-entropy on a module returning logits), not the module's own "
+                "(hf: given labels)")
     if step.options.loss not in ("sum", "cross-entropy") or step.options.checkpoint or step.options.autocast:
         return ("the pipeline peak of a traced module is modelled for the loss 'sum' or 'cross-entropy' computed by "
                 "the schedule, in FP32 without checkpointing (what was measured)")

@@ -45,13 +45,51 @@ class SequentialSplit:
 
 
 @dataclass(frozen=True)
+class GPT2Split:
+    """The manual split of Hugging Face's ``GPT2LMHeadModel`` (untied): stage 0 runs what ``GPT2Model.forward``
+    runs before the blocks (the token and position embeddings, their sum, dropout), every stage ``L/p`` blocks
+    as ``GPT2Model`` calls them (no mask: causal attention; no cache), the last the final norm and the head."""
+
+    def stage(self, full: Any, rank: int, world: int) -> Any:
+        import torch
+        from torch import nn
+
+        blocks = full.transformer.h
+        if len(blocks) % world:
+            raise SymmemError(f"{world} pipeline stages do not divide the {len(blocks)} blocks")
+        each = len(blocks) // world
+        first, last = rank == 0, rank == world - 1
+
+        class Stage(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                if first:
+                    self.wte, self.wpe, self.drop = full.transformer.wte, full.transformer.wpe, full.transformer.drop
+                self.h = nn.ModuleList(blocks[rank * each:(rank + 1) * each])
+                if last:
+                    self.ln_f, self.lm_head = full.transformer.ln_f, full.lm_head
+
+            def forward(self, x: Any) -> Any:
+                if first:
+                    embeds = self.wte(x.view(-1, x.shape[-1]))
+                    positions = (torch.arange(embeds.shape[1]) + 0).unsqueeze(0)
+                    x = self.drop(embeds + self.wpe(positions))
+                for block in self.h:
+                    x = block(x, None, None, None, use_cache=False)
+                    x = x[0] if isinstance(x, tuple) else x
+                return self.lm_head(self.ln_f(x)) if last else x
+
+        return Stage().train()
+
+
+@dataclass(frozen=True)
 class TracedCase:
     """One case: ``builder()`` gives (module, (input,)) at one micro-batch; ``split`` cuts it; ``schedule`` and
     ``M``; the loss (``cross-entropy`` over the last dimension, or ``sum``) and the output's shape per micro-batch
     (static shapes for ``PipelineStage``, as torchtitan gives them), and the boundary's (between stages)."""
 
     builder: Callable[[], tuple[Any, tuple[Any, ...]]]
-    split: SequentialSplit
+    split: SequentialSplit | GPT2Split
     schedule: str
     micro_batches: int
     loss: str
@@ -100,7 +138,10 @@ def _one(case: TracedCase, rank: int, world: int) -> StageRun:
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
     sched = kind(stage, m, loss_fn=_loss(case.loss))
     gen = torch.Generator().manual_seed(1)
-    batch = torch.randn((example.shape[0] * m, *example.shape[1:]), generator=gen).to(example.dtype)
+    if example.dtype.is_floating_point:
+        batch = torch.randn((example.shape[0] * m, *example.shape[1:]), generator=gen)
+    else:  # token ids
+        batch = torch.randint(0, case.output[-1], (example.shape[0] * m, *example.shape[1:]), generator=gen)
     labels = torch.randint(0, case.output[-1], (case.output[0] * m, *case.output[1:-1]), generator=gen) \
         if case.loss == "cross-entropy" else torch.empty(case.output[0] * m, 0)
     params = list(module.parameters())
