@@ -187,14 +187,23 @@ def _rank_main(rank: int, world: int, port: int, cases: list[TracedCase], out: A
         out.put((rank, traceback.format_exc()))
 
 
-def traced_pipeline_runs(world: int, cases: Sequence[TracedCase]) -> list[list[StageRun]]:
-    """Per rank, one :class:`StageRun` per case, every case in one gloo process group of ``world`` forked ranks (a
-    rank that fails or hangs is a :class:`SymmemError`)."""
+def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: str = "fork"
+                         ) -> list[list[StageRun]]:
+    """Per rank, one :class:`StageRun` per case, every case in one gloo process group of ``world`` ranks (a rank
+    that fails or hangs is a :class:`SymmemError`).  ``start_method="forkserver"`` forks them from the server
+    :func:`symmem.record.distributed.measure_jobs` uses (the cases must then be picklable: a
+    :class:`~symmem.importer.spec_builder.SpecBuilder` as the builder)."""
     import importlib
     import multiprocessing
 
+    if start_method not in ("fork", "forkserver"):
+        raise SymmemError(f"the ranks start by 'fork' or 'forkserver', not {start_method!r}")
     importlib.import_module("torch.distributed.pipelining")  # imported once: the forked ranks inherit it
-    ctx = multiprocessing.get_context("fork")
+    if start_method == "forkserver":
+        from .distributed import PRELOAD
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, "torch.distributed.pipelining"])
+    ctx = multiprocessing.get_context(start_method)
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, list(cases), out)) for r in range(world)]
