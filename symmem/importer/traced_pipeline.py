@@ -18,6 +18,29 @@ which a recorded single-device step does not show -- refused in one line.  Each 
 recorded steady ``optimizer.step()``'s ops for the stage's parameters (the for-loop AdamW's temporaries), beside
 its weights, gradients, state, receive buffers (one per micro-batch each way, the boundary's bytes), its inputs
 (stage 0: the batch; the last: the labels) and the last stage's logits of every micro-batch.
+
+>>> import torch
+>>> from symmem.api import trace
+>>> class Block(torch.nn.Module):
+...     def __init__(self) -> None:
+...         super().__init__()
+...         self.norm, self.up = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+...     def forward(self, x):
+...         return x + self.up(self.norm(x))
+>>> class Net(torch.nn.Module):
+...     def __init__(self) -> None:
+...         super().__init__()
+...         self.inp, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+...         self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+...     def forward(self, x):
+...         x = self.inp(x)
+...         for block in self.blocks:
+...             x = block(x)
+...         return self.head(x)
+>>> d = trace(Net(), (torch.randn(4, 8),), {"B": (0, 0)}, optimizer="adamw", loss="cross-entropy",
+...           pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2, values={"p": 2})
+>>> d.step.per_stage(d.numbers)["peak_per_stage"], d.peak_at().where(step=False)
+([15784, 14260], 'stage 0 of 2: pipeline aten.sum.dim_IntList (AddmmBackward0) in blocks.1.up, micro-batch 1')
 """
 
 from __future__ import annotations
