@@ -137,6 +137,17 @@ class TracedCut:
             for sid in e.freed:
                 self.frees.setdefault(sid, k)
         self.boundary = self._boundaries()
+        self._one_stream(stages)
+
+    def _one_stream(self, stages: Mapping[int, int]) -> None:
+        """Refuse a module whose blocks keep for backward more than the stream made before them: a tensor its own
+        code makes once and every block reads (Llama's rotary tables), which each real stage makes for itself."""
+        found = _read_by_blocks(self.rec, stages, self.frees)
+        if len(found) > 1:
+            what = ", ".join(f"{self.tl.storages[i].nbytes} bytes at {self.tl.storages[i].node}" for i in found)
+            raise SymmemError(f"the blocks keep for backward more than one tensor made before them ({what}): what "
+                              "the layers read besides the stream every stage would make for itself (not modelled "
+                              "for traced modules)")
 
     def size(self, sid: int) -> int:
         e = self.tl.storages[sid].nbytes
@@ -179,6 +190,23 @@ class TracedCut:
                                   "for itself: not modelled for traced modules)")
             out.append(self.size(crossing[0]))
         return out
+
+
+def _read_by_blocks(rec: StepRecord, stages: Mapping[int, int], frees: Mapping[int, int]) -> list[int]:
+    """What the first forward makes before its blocks and keeps for a block's backward (freed by an op of a block):
+    the stream the first block reads, and anything else the blocks read (rotary tables made once)."""
+    found = []
+    for o in rec.ops:
+        if o.phase != "forward" or o.index not in stages:
+            continue
+        if _locate(o, rec.layers)[1] is not None:
+            break
+        for sid in o.born:
+            end = frees.get(sid)
+            if end is not None and rec.ops[end].phase == "backward" and _locate(rec.ops[end], rec.layers)[1] \
+                    is not None:
+                found.append(sid)
+    return found
 
 
 def _seed_frees(rec: StepRecord, stages: Mapping[int, int], p: int) -> dict[int, tuple[int, ...]]:

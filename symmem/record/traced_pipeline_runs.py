@@ -12,6 +12,8 @@ Needs ``torch`` (with ``torch.distributed``).
 from __future__ import annotations
 
 import datetime
+import queue
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,12 +212,19 @@ def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: 
     for proc in procs:
         proc.start()
     found: dict[int, Any] = {}
+    deadline = time.monotonic() + TIMEOUT_S * 2
     try:
-        for _ in procs:
-            rank, result = out.get(timeout=TIMEOUT_S * 2)
+        while len(found) < world:
+            try:
+                rank, result = out.get(timeout=1)
+            except queue.Empty:
+                dead = [(k, p.exitcode) for k, p in enumerate(procs) if p.exitcode not in (None, 0) and k not in found]
+                if dead:  # a rank that died before it could report (killed, or its start failed)
+                    raise SymmemError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting") from None
+                if time.monotonic() > deadline:
+                    raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from None
+                continue
             found[rank] = result
-    except Exception as e:  # queue.Empty: a rank hung
-        raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from e
     finally:
         for proc in procs:
             proc.join(timeout=5)
