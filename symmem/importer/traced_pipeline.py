@@ -257,13 +257,14 @@ def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
     rec, p = cut.rec, cut.p
     owner = _owners(rec, cut)
     state = set(rec.state())
+    by_name = {n: sid for sid, n in _param_names(rec).items()}
     made_for = _state_owners(rec, state)
     forward_born = min((i for o in rec.ops if o.phase == "forward" for i in o.born), default=len(rec.storages))
     out = []
     for s in range(p):
         first, last = s == 0, s == p - 1
         weights = sum(cut.size(i) for i, st in owner.items() if st == s)
-        opt = sum(cut.size(i) for i in state if owner.get(_param_sid(rec, made_for.get(i))) == s)
+        opt = sum(cut.size(i) for i in state if owner.get(by_name.get(made_for.get(i, ""), -1)) == s)
         grads = weights  # FP32 AdamW: each trainable parameter's gradient is its size
         buffers = (0 if first else m * cut.boundary[s - 1]) + (0 if last else m * cut.boundary[s])
         inputs = [i for i in rec.start if rec.storages[i].category == "input"]
@@ -328,10 +329,6 @@ def _param_names(rec: StepRecord) -> dict[int, str]:
         raise SymmemError(f"the recorded optimizer step ran for {len(order)} parameters of {len(params)} (frozen or "
                           "shared parameters): the stages' parameters are not followed")
     return dict(zip(params, order, strict=True))
-
-
-def _param_sid(rec: StepRecord, name: str | None) -> int | None:
-    return next((sid for sid, n in _param_names(rec).items() if n == name), None) if name else None
 
 
 def _step_peak(rec: StepRecord, cut: TracedCut, s: int, owner: Mapping[int, int], base: int) -> int:
