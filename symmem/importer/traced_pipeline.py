@@ -392,6 +392,10 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
                 "engine with it)")
     if step.repeat is None:
         return "pipeline stages split the run of repeated blocks symmem folds into L; this module has none"
+    buffers = [n for n, _ in step.module.named_buffers()]
+    if buffers:
+        return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
+                "stage is not followed)")
     every = [q for _, q in step.module.named_parameters(remove_duplicate=False)]
     if len({id(q) for q in every}) != len(every):
         return ("the pipeline peak of a traced module is modelled for untied parameters (a tied head is a copy on the "
