@@ -185,6 +185,8 @@ def check_step(regime: Any, why: str | None) -> None:
     no step to follow (``why``: fitted at concrete sizes, under ZeRO, tensor or pipeline parallelism, a precision
     or an optimizer its step does not run): they would change nothing."""
     given = _step_option(regime)
+    if regime.pipeline_parallel and given == f"micro_batches={regime.micro_batches!r}":
+        given = None  # the pipeline's micro-batches per step, not the one device's step (importer/traced_pipeline.py)
     if given is not None and why is not None:
         raise SymmemError(f"{given} shapes the training step's peak, which is not modelled here ({why}): leave it out")
 

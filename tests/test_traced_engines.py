@@ -144,7 +144,7 @@ def test_fit_solves_with_the_per_rank_peak(capsys):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--pipeline-parallel"], "no peak: the peak follows one device's training step op by op; tensor and pipeline"),
+    (["--pipeline-parallel"], "no peak: the 1F1B schedule needs at least as many micro-batches as stages"),
     (["--data-parallel", "fsdp", "--micro-batches", "2"], "modelled for one micro-batch"),
 ])
 def test_what_is_not_modelled_is_said_in_one_line(capsys, flags, words):

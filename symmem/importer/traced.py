@@ -294,10 +294,9 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if no_step(recorded, regime) is not None:
         return None
     why = None
-    if regime.tensor_parallel or regime.pipeline_parallel:
-        why = ("the peak follows one device's training step op by op; tensor and pipeline parallelism are not "
-               "traced: their collectives and stage cuts are modelled on built-in graphs only (the kept memory and "
-               "total are)")
+    if regime.tensor_parallel:
+        why = ("the peak follows one device's training step op by op; tensor parallelism is not traced: its "
+               "collectives are modelled on built-in graphs only (the kept memory and total are)")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
@@ -323,6 +322,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     step = StepPeak(module, inputs, symbols, dict(recorded.values), step_options, device, multiple_of,
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
                     dict(numbers))
+    if regime.pipeline_parallel:  # every stage's step: the recorded step cut by stage and replayed
+        from .traced_pipeline import pipeline_step
+
+        return pipeline_step(step, regime, numbers)
     from .traced_engines import under_engine  # a data-parallel engine or ZeRO's accounting: the step rewritten
 
     return under_engine(step, regime)

@@ -1,0 +1,427 @@
+"""A traced module under pipeline parallelism: every stage's peak, as ``torch.distributed.pipelining`` runs it.
+
+The built-in graphs' pipeline peak (:mod:`symmem.passes.pipeline_step`, :func:`symmem.passes.model_parallel.replays`)
+cuts the single-device step's timeline (two micro-batches: the first makes the gradients, the second adds into
+them) by stage and replays each stage's part in the schedule's order, with what the engine keeps beside it
+(``fwd_cache``, the send works, the receive buffers, the last stage's ``output_chunks`` and ``merge_chunks``).  A
+traced module gets the same replay (the same class runs it) from its own recorded step: :class:`TracedCut` is the
+recorded step at numbers, cut by stage, in the form the replay reads, and :class:`TracedPipelineStep` is
+:class:`~symmem.passes.pipeline_step.PipelineStep` with its two graph-specific parts -- the cut and each stage's
+memory at rest and in the optimizer step -- taken from the record instead.
+
+The cut is the manual split (torchtitan's, ``torch.distributed.pipelining``'s examples): the blocks of the run
+symmem folds into ``L`` (``p`` must divide them) go ``L/p`` to a stage in order; what runs before the first block
+(the input layer) is stage 0's, what runs after the last (the head, the loss) the last stage's; in backward the
+other way round.  The module's forward must pass one tensor from block to block and nothing else across a stage
+boundary: a tensor made before the blocks and read by them (a mask, rotary tables) would be made on every stage,
+which a recorded single-device step does not show -- refused in one line.  Each stage's optimizer step is the
+recorded steady ``optimizer.step()``'s ops for the stage's parameters (the for-loop AdamW's temporaries), beside
+its weights, gradients, state, receive buffers (one per micro-batch each way, the boundary's bytes), its inputs
+(stage 0: the batch; the last: the labels) and the last stage's logits of every micro-batch.
+
+>>> import torch
+>>> from symmem.api import trace
+>>> class Block(torch.nn.Module):
+...     def __init__(self) -> None:
+...         super().__init__()
+...         self.norm, self.up = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+...     def forward(self, x):
+...         return x + self.up(self.norm(x))
+>>> class Net(torch.nn.Module):
+...     def __init__(self) -> None:
+...         super().__init__()
+...         self.inp, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+...         self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+...     def forward(self, x):
+...         x = self.inp(x)
+...         for block in self.blocks:
+...             x = block(x)
+...         return self.head(x)
+>>> d = trace(Net(), (torch.randn(4, 8),), {"B": (0, 0)}, optimizer="adamw", loss="cross-entropy",
+...           pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2, values={"p": 2})
+>>> d.step.per_stage(d.numbers)["peak_per_stage"], d.peak_at().where(step=False)
+([15784, 14260], 'stage 0 of 2: pipeline aten.sum.dim_IntList (AddmmBackward0) in blocks.1.up, micro-batch 1')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from ..categories import RECORDED_TO_STEP
+from ..errors import SymmemError
+from ..passes.model_parallel import _passes, _Replay, requires
+from ..passes.pipeline_step import PipelineStep
+from ..timeline import Event, Live, Timeline
+from .recording import StepRecord
+from .traced_step import StepPeak, _locate, _node
+
+#: the names the replay keeps to the end of the phase on the last stage (``output_chunks`` and the losses)
+KEEP = ("logits", "loss")
+
+
+def _stage_of_ops(rec: StepRecord, p: int) -> dict[int, int]:
+    """The stage of every forward, loss and backward op: a block's by its index (``L/p`` blocks a stage); outside
+    the blocks, before the first block's op in a pass: stage 0 in forward, the last in backward; after the last
+    block's op the other way round."""
+    if not rec.layers or rec.count is None:
+        raise SymmemError("pipeline stages split the run of repeated blocks symmem folds into L; this module has none")
+    if rec.count % p:
+        raise SymmemError(f"p={p} pipeline stages do not divide the module's {rec.count} blocks (an even split)")
+    per = rec.count // p
+    out: dict[int, int] = {}
+    seen_block = False
+    phase = None
+    for o in rec.ops:
+        if o.phase not in ("forward", "loss", "backward"):
+            continue
+        kind = "B" if o.phase == "backward" else "F"
+        if kind != phase:  # a new forward or backward: what runs outside the blocks starts on its first side
+            seen_block, phase = False, kind
+        _, index = _locate(o, rec.layers)
+        if index is None:
+            start, end = (0, p - 1) if kind == "F" else (p - 1, 0)
+            out[o.index] = end if seen_block else start
+            continue
+        seen_block = True
+        out[o.index] = index // per
+    return out
+
+
+class TracedCut:
+    """A recorded two-micro-batch step at ``numbers`` (symbol name -> value), cut into ``p`` stages: what
+    :class:`symmem.passes.model_parallel._Replay` reads (``tl``, ``passes``, ``forwards``, ``frees``, ``keep``,
+    ``size``, ``stage_of``, ``on``).  Each op's node is its name (``aten.mm.default (AddmmBackward0) in
+    blocks.3.up``), made unique per stage where one name runs on two (the module's own code: ``[stage 0]``)."""
+
+    def __init__(self, rec: StepRecord, p: int, numbers: Mapping[str, int]) -> None:
+        self.rec, self.p = rec, p
+        self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        stages = _stage_of_ops(rec, p)
+        self.stage: dict[str, int] = {}
+        names: dict[int, str] = {}
+        for o in rec.ops:
+            if o.index not in stages:
+                continue
+            name = _node(o, o.module if o.phase == "backward" else o.where)
+            if self.stage.setdefault(name, stages[o.index]) != stages[o.index]:
+                name = f"{name} [stage {stages[o.index]}]"
+                self.stage[name] = stages[o.index]
+            names[o.index] = name
+        # the module's output (each micro-batch's logits: output_chunks) and the loss, kept to the end of the phase
+        outputs = _outputs(rec)
+        born_by = {i: names.get(o.index) for o in rec.ops for i in o.born}
+        storages = []
+        for s in rec.storages:
+            name = "logits" if s.sid in outputs else "loss" if s.category == "output" else str(s.sid)
+            storages.append(Live(name, RECORDED_TO_STEP[s.category], s.nbytes, born_by.get(s.sid), s.host))
+        freed = _seed_frees(rec, stages, p)
+        events = tuple(Event("forward" if o.phase == "loss" else o.phase, names.get(o.index), o.born,
+                             freed.get(o.index, o.freed), o.resized) for o in rec.ops)
+        start = tuple(i for i in rec.start if i not in set(rec.freed_first))
+        self.tl = Timeline(tuple(storages), start, events)
+        self.cache: dict[Any, int] = {}
+        self.keep = set(KEEP)
+        self.shared: set[str] = set()
+        self.passes = _passes(self.tl)
+        if len(self.passes) != 2:
+            raise SymmemError("the pipeline replay reads a step of two micro-batches; the recorded step has "
+                              f"{len(self.passes)}")
+        self.forwards = {k for pass_ in self.passes for k, _ in pass_["F"]}
+        self.frees: dict[int, int] = {}
+        for k, e in enumerate(self.tl.events):
+            for sid in e.freed:
+                self.frees.setdefault(sid, k)
+        self.boundary = self._boundaries()
+        self._one_stream(stages)
+
+    def _one_stream(self, stages: Mapping[int, int]) -> None:
+        """Refuse a module whose blocks keep for backward more than the stream made before them: a tensor its own
+        code makes once and every block reads (Llama's rotary tables), which each real stage makes for itself."""
+        found = _read_by_blocks(self.rec, stages, self.frees)
+        if len(found) > 1:
+            what = ", ".join(f"{self.tl.storages[i].nbytes} bytes at {self.tl.storages[i].node}" for i in found)
+            raise SymmemError(f"the blocks keep for backward more than one tensor made before them ({what}): what "
+                              "the layers read besides the stream every stage would make for itself (not modelled "
+                              "for traced modules)")
+
+    def size(self, sid: int) -> int:
+        e = self.tl.storages[sid].nbytes
+        if e not in self.cache:
+            value = sympy.sympify(e, strict=True).xreplace(self.subs)
+            if not value.is_number:
+                missing = ", ".join(sorted(map(str, value.free_symbols)))
+                raise SymmemError(f"the pipeline peak needs values for {missing}")
+            self.cache[e] = int(value)
+        return self.cache[e]
+
+    def stage_of(self, node: str | None) -> int:
+        return self.p - 1 if node is None else self.stage.get(node, self.p - 1)
+
+    def on(self, node: str | None, s: int) -> bool:
+        return self.stage_of(node) == s
+
+    def _boundaries(self) -> list[int]:
+        """The bytes each stage sends on, per micro-batch (its receive buffers' and the next stage's): the one
+        tensor of the first pass made on stage ``s`` and last read on a later stage; anything else crossing a
+        boundary is refused (each stage would make its own)."""
+        out = []
+        for s in range(self.p - 1):
+            crossing = []
+            for _, e in self.passes[0]["F"]:
+                if self.stage_of(e.node) != s:
+                    continue
+                for sid in e.born:
+                    end = self.frees.get(sid)
+                    # kept for a later stage's backward: what it is sent (what a later stage's forward frees is
+                    # gone with this stage's forward in the replay: the module's locals, freed as its forward returns)
+                    if end is not None and end not in self.forwards and self.stage_of(self.tl.events[end].node) > s \
+                            and self.tl.storages[sid].category != "gradient":
+                        crossing.append(sid)
+            if len(crossing) != 1:
+                what = ", ".join(f"{self.tl.storages[i].nbytes} bytes made at {self.tl.storages[i].node}"
+                                 for i in crossing) or "nothing"
+                raise SymmemError(f"stage {s} passes on {what}: a traced module's stages pass one tensor from block "
+                                  "to block (what its layers read besides, made before them, every stage would make "
+                                  "for itself: not modelled for traced modules)")
+            out.append(self.size(crossing[0]))
+        return out
+
+
+def _read_by_blocks(rec: StepRecord, stages: Mapping[int, int], frees: Mapping[int, int]) -> list[int]:
+    """What the first forward makes before its blocks and keeps for a block's backward (freed by an op of a block):
+    the stream the first block reads, and anything else the blocks read (rotary tables made once)."""
+    found = []
+    for o in rec.ops:
+        if o.phase != "forward" or o.index not in stages:
+            continue
+        if _locate(o, rec.layers)[1] is not None:
+            break
+        for sid in o.born:
+            end = frees.get(sid)
+            if end is not None and rec.ops[end].phase == "backward" and _locate(rec.ops[end], rec.layers)[1] \
+                    is not None:
+                found.append(sid)
+    return found
+
+
+def _seed_frees(rec: StepRecord, stages: Mapping[int, int], p: int) -> dict[int, tuple[int, ...]]:
+    """The ops' frees with each backward's seed (the loss's gradient, made by its first op, which ``backward()``
+    holds to its end) freed after the last stage's last op of that backward instead: the last stage's
+    ``backward()`` ends there, and its seed is not a gradient sent to the stage before."""
+    out: dict[int, tuple[int, ...]] = {}
+    runs: list[list[Any]] = []
+    for o in rec.ops:
+        if o.phase == "backward":
+            if not runs or runs[-1][-1].index != o.index - 1:
+                runs.append([])
+            runs[-1].append(o)
+    for run in runs:
+        seed = set(run[0].born)
+        end = max((o.index for o in run if stages.get(o.index) == p - 1), default=run[-1].index)
+        for o in run:
+            if seed & set(o.freed):
+                out[o.index] = tuple(i for i in out.get(o.index, o.freed) if i not in seed)
+        out[end] = (*(i for i in out.get(end, rec.ops[end].freed)), *sorted(seed))
+    return out
+
+
+def _outputs(rec: StepRecord) -> set[int]:
+    """Each forward's output (the logits the last stage keeps in ``output_chunks``): the last storage its forward
+    makes that the forward does not free."""
+    out: set[int] = set()
+    run: list[Any] = []
+    for o in [*rec.ops, None]:
+        if o is not None and o.phase == "forward":
+            run.append(o)
+            continue
+        if run:
+            freed = {i for x in run for i in x.freed}
+            found = [i for x in run for i in x.born if i not in freed]
+            if not found:
+                raise SymmemError("a forward of the recorded step makes no output it keeps: the last stage's "
+                                  "logits (output_chunks) are not found")
+            out.add(found[-1])
+            run = []
+    return out
+
+
+def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
+    """Each stage's memory outside the replayed ops, as the replay reads it: ``at_rest`` (weights, optimizer state,
+    receive buffers, inputs and the last step's logits), ``outputs`` (those logits), ``optimizer_state`` and
+    ``step_peak`` (the steady optimizer step's largest moment)."""
+    rec, p = cut.rec, cut.p
+    owner = _owners(rec, cut)
+    state = set(rec.state())
+    by_name = {n: sid for sid, n in _param_names(rec).items()}
+    made_for = _state_owners(rec, state)
+    forward_born = min((i for o in rec.ops if o.phase == "forward" for i in o.born), default=len(rec.storages))
+    out = []
+    for s in range(p):
+        first, last = s == 0, s == p - 1
+        weights = sum(cut.size(i) for i, st in owner.items() if st == s)
+        opt = sum(cut.size(i) for i in state if owner.get(by_name.get(made_for.get(i, ""), -1)) == s)
+        grads = weights  # FP32 AdamW: each trainable parameter's gradient is its size
+        buffers = (0 if first else m * cut.boundary[s - 1]) + (0 if last else m * cut.boundary[s])
+        inputs = [i for i in rec.start if rec.storages[i].category == "input"]
+        batch = sum(cut.size(i) for i in inputs if i < forward_born)
+        labels = sum(cut.size(i) for i in inputs if i >= forward_born)
+        logits = cut.size(next(i for i, x in enumerate(cut.tl.storages) if x.name == "logits"))
+        held = m * ((batch if first else 0) + (labels if last else 0))
+        outputs = m * logits if last else 0
+        at_rest = weights + opt + buffers + held + outputs
+        out.append({"at_rest": at_rest, "outputs": outputs, "optimizer_state": opt,
+                    "step_peak": _step_peak(rec, cut, s, owner, at_rest + grads)})
+    return out
+
+
+def _state_owners(rec: StepRecord, state: set[int]) -> dict[int, str]:
+    """The parameter each optimizer state storage is for: the op's (its ``where``), except what is made before the
+    parameter's first read (AdamW's ``step``, ``torch.tensor(0.0)`` first in ``_init_group``): the next one's."""
+    out: dict[int, str] = {}
+    pending: list[int] = []
+    for o in rec.ops:
+        if o.phase != "step" or o.step != 1:
+            continue
+        for i in o.born:
+            if i not in state:
+                continue
+            if o.op == "aten.lift_fresh.default":
+                pending.append(i)
+                continue
+            out[i] = o.where
+            for j in pending:
+                out[j] = o.where
+            pending = []
+    if pending:
+        raise SymmemError("the recorded optimizer step made state for no parameter after its step counts: the "
+                          "stages' optimizer state is not followed")
+    return out
+
+
+def _owners(rec: StepRecord, cut: TracedCut) -> dict[int, int]:
+    """Each trainable parameter's storage and its stage: a block's by its index, else the stage of the first forward
+    op of the module that holds it."""
+    names = _param_names(rec)
+    first_at: dict[str, int] = {}
+    for o in rec.ops:
+        if o.phase == "forward" and o.module not in first_at:
+            first_at[o.module] = cut.stage_of(cut.tl.events[o.index].node)
+    out = {}
+    for sid, name in names.items():
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        if module not in first_at:
+            raise SymmemError(f"the parameter {name} is used by no forward op of its module: its stage is not known")
+        out[sid] = first_at[module]
+    return out
+
+
+def _param_names(rec: StepRecord) -> dict[int, str]:
+    """Each parameter's storage and name: the steady optimizer step's ops run per parameter, under its name,
+    reading it (the for-loop step's first op for a parameter is its own update's)."""
+    params = [i for i in rec.start if rec.storages[i].category == "parameter"]
+    order = list(dict.fromkeys(o.where for o in rec.ops if o.phase == "step" and o.step == 2 and o.where))
+    if len(order) != len(params):
+        raise SymmemError(f"the recorded optimizer step ran for {len(order)} parameters of {len(params)} (frozen or "
+                          "shared parameters): the stages' parameters are not followed")
+    return dict(zip(params, order, strict=True))
+
+
+def _step_peak(rec: StepRecord, cut: TracedCut, s: int, owner: Mapping[int, int], base: int) -> int:
+    """The largest moment of the stage's steady optimizer step: ``base`` (at rest and every gradient) and the
+    temporaries the recorded step makes for the stage's parameters, in order."""
+    names = _param_names(rec)
+    mine = {names[i] for i, st in owner.items() if st == s}
+    live = best = base
+    made: set[int] = set()
+    for o in rec.ops:
+        if o.phase != "step" or o.step != 2 or o.where not in mine:
+            continue
+        for i in o.born:
+            made.add(i)
+            live += cut.size(i)
+        best = max(best, live)
+        for i in o.freed:
+            if i in made:
+                live -= cut.size(i)
+                made.discard(i)
+    return best
+
+
+@dataclass(eq=False)
+class TracedPipelineStep(PipelineStep):
+    """:class:`~symmem.passes.pipeline_step.PipelineStep` of a traced module: the replay of its recorded
+    two-micro-batch step (``step``, a :class:`~symmem.importer.traced_step.StepPeak`) cut into ``p`` stages."""
+
+    step: StepPeak | None = None
+    _cuts: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _stages(self) -> Any:
+        return None
+
+    def _record(self, named: Mapping[str, int]) -> StepRecord:
+        assert self.step is not None
+        count = named.get(self.step.symbol.name) if self.step.symbol is not None else None
+        return self.step.record(int(count) if count is not None else None)
+
+    def _replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        key = tuple(sorted(numbers.items()))
+        if key not in self._cache:
+            p = numbers.get("p")
+            rec = self._record(numbers)
+            requires(p, rec.count, self.schedule, self.micro_batches)
+            cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
+            found = [_Replay(cut, s, at, self.schedule, self.micro_batches)  # type: ignore[arg-type]
+                     for s, at in enumerate(stage_memory(cut, self.micro_batches))]
+            for r in found:
+                r.peak = r.run()
+            if len(self._cache) > 16:
+                self._cache = {}
+            self._cache[key] = found
+        return self._cache[key]
+
+
+def refusal(step: StepPeak, regime: Any) -> str | None:
+    """Why a traced module's pipeline peak is not followed (None: it is)."""
+    if regime.tensor_parallel or regime.zero or regime.data_parallel:
+        return ("the pipeline peak of a traced module is modelled alone (no tensor parallelism, ZeRO or data-parallel "
+                "engine with it)")
+    if step.repeat is None:
+        return "pipeline stages split the run of repeated blocks symmem folds into L; this module has none"
+    buffers = [n for n, _ in step.module.named_buffers()]
+    if buffers:
+        return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
+                "stage is not followed)")
+    every = [q for _, q in step.module.named_parameters(remove_duplicate=False)]
+    if len({id(q) for q in every}) != len(every):
+        return ("the pipeline peak of a traced module is modelled for untied parameters (a tied head is a copy on the "
+                "last stage, with its own gradient and state: not followed); untie them (hf: tie_word_embeddings=0)")
+    if step.options.loss == "output":
+        return ("the pipeline peak of a traced module is modelled for a loss the schedule computes from the last "
+                "stage's output (--loss sum or cross-entropy on a module returning logits), not the module's own "
+                "(hf: given labels)")
+    if step.options.loss not in ("sum", "cross-entropy") or step.options.checkpoint or step.options.autocast:
+        return ("the pipeline peak of a traced module is modelled for the loss 'sum' or 'cross-entropy' computed by "
+                "the schedule, in FP32 without checkpointing (what was measured)")
+    if regime.optimizer != "adamw" or step.options.impl != "for-loop":
+        return "the pipeline peak of a traced module is modelled for AdamW's for-loop step (what was measured)"
+    return None
+
+
+def pipeline_step(step: StepPeak, regime: Any, numbers: Mapping[sympy.Symbol, int]) -> Any:
+    """``step`` (one device's) as the largest stage's under ``regime``'s pipeline, or a
+    :class:`~symmem.step.Refused` saying why not."""
+    from ..step import Refused
+
+    why = refusal(step, regime)
+    if why is not None:
+        return Refused(why)
+    two = dataclasses.replace(step, options=dataclasses.replace(step.options, micro_batches=2), _records={},
+                              _peaks={}, _shared={}, notes=[])
+    one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
+    return TracedPipelineStep(None, None, {}, one, (), dict(numbers), regime.pipeline_schedule,  # type: ignore[arg-type]
+                              regime.micro_batches, step=two)

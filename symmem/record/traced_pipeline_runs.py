@@ -1,0 +1,236 @@
+"""Real pipeline runs of a traced module: ``torch.distributed.pipelining`` on gloo (CPU, 127.0.0.1), per stage.
+
+The truth for :mod:`symmem.importer.traced_pipeline`.  A module whose forward runs its children one after another
+(``before`` children, a ``ModuleList`` of blocks, ``after`` children: what ``torch.distributed.pipelining``'s manual
+split holds -- the input layer on stage 0, ``L/p`` blocks each, the head and the loss on the last) is split by
+:class:`SequentialSplit` and trained two steps on ``world`` gloo ranks under ``ScheduleGPipe`` or ``Schedule1F1B``
+(FP32 AdamW, for-loop), each rank under the live-bytes recorder -- the same measurement as
+:func:`symmem.record.model_parallel_runs.pipeline_runs` makes for the reference models (:class:`StageRun` per rank).
+Needs ``torch`` (with ``torch.distributed``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+from .model_parallel_runs import TIMEOUT_S, StageRun, _buffers, _summary, free_port
+
+
+@dataclass(frozen=True)
+class SequentialSplit:
+    """The manual split of a module that runs ``before`` children, then each block of ``container``, then ``after``
+    children, each on the output of the one before: stage ``rank`` of ``world`` as a module of its own."""
+
+    before: tuple[str, ...]
+    container: str
+    after: tuple[str, ...]
+
+    def stage(self, full: Any, rank: int, world: int) -> Any:
+        from torch import nn
+
+        blocks = full.get_submodule(self.container)
+        if len(blocks) % world:
+            raise SymmemError(f"{world} pipeline stages do not divide the {len(blocks)} blocks")
+        each = len(blocks) // world
+        first, last = rank == 0, rank == world - 1
+        mods = [full.get_submodule(n) for n in self.before] if first else []
+        mods += list(blocks[rank * each:(rank + 1) * each])
+        mods += [full.get_submodule(n) for n in self.after] if last else []
+        return nn.Sequential(*mods).train()
+
+
+@dataclass(frozen=True)
+class GPT2Split:
+    """The manual split of Hugging Face's ``GPT2LMHeadModel`` (untied): stage 0 runs what ``GPT2Model.forward``
+    runs before the blocks (the token and position embeddings, their sum, dropout), every stage ``L/p`` blocks
+    as ``GPT2Model`` calls them (no mask: causal attention; no cache), the last the final norm and the head."""
+
+    def stage(self, full: Any, rank: int, world: int) -> Any:
+        import torch
+        from torch import nn
+
+        blocks = full.transformer.h
+        if len(blocks) % world:
+            raise SymmemError(f"{world} pipeline stages do not divide the {len(blocks)} blocks")
+        each = len(blocks) // world
+        first, last = rank == 0, rank == world - 1
+
+        class Stage(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                if first:
+                    self.wte, self.wpe, self.drop = full.transformer.wte, full.transformer.wpe, full.transformer.drop
+                self.h = nn.ModuleList(blocks[rank * each:(rank + 1) * each])
+                if last:
+                    self.ln_f, self.lm_head = full.transformer.ln_f, full.lm_head
+
+            def forward(self, x: Any) -> Any:
+                if first:
+                    embeds = self.wte(x.view(-1, x.shape[-1]))
+                    positions = (torch.arange(embeds.shape[1]) + 0).unsqueeze(0)
+                    x = self.drop(embeds + self.wpe(positions))
+                for block in self.h:
+                    x = block(x, None, None, None, use_cache=False)
+                    x = x[0] if isinstance(x, tuple) else x
+                return self.lm_head(self.ln_f(x)) if last else x
+
+        return Stage().train()
+
+
+@dataclass(frozen=True)
+class TracedCase:
+    """One case: ``builder()`` gives (module, (input,)) at one micro-batch; ``split`` cuts it; ``schedule`` and
+    ``M``; the loss (``cross-entropy`` over the last dimension, or ``sum``) and the output's shape per micro-batch
+    (static shapes for ``PipelineStage``, as torchtitan gives them), and the boundary's (between stages)."""
+
+    builder: Callable[[], tuple[Any, tuple[Any, ...]]]
+    split: SequentialSplit | GPT2Split
+    schedule: str
+    micro_batches: int
+    loss: str
+    output: tuple[int, ...]
+    boundary: tuple[int, ...]
+
+
+def _loss(kind: str) -> Callable[[Any, Any], Any]:
+    def cross_entropy(out: Any, target: Any) -> Any:
+        import torch
+
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    def total(out: Any, target: Any) -> Any:
+        return out.sum()
+
+    return cross_entropy if kind == "cross-entropy" else total
+
+
+def _one(case: TracedCase, rank: int, world: int) -> StageRun:
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from .identity import tensors
+    from .live_bytes import LiveTracker
+    from .optim import make_optimizer, state_tensors
+
+    torch.manual_seed(0)
+    full, (example,) = case.builder()
+    module = case.split.stage(full, rank, world)
+    m = case.micro_batches
+    meta = torch.device("meta")
+    first, last = rank == 0, rank == world - 1
+
+    def hidden() -> Any:
+        return torch.empty(case.boundary, device=meta, requires_grad=True)
+
+    given: dict[str, Any] = {
+        "input_args": torch.empty(example.shape, dtype=example.dtype, device=meta) if first else hidden(),
+        "output_args": torch.empty(case.output, device=meta, requires_grad=True) if last else hidden()}
+    if not last:
+        given["output_grads"] = hidden()
+    if not first:
+        given["input_grads"] = hidden()
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
+    sched = kind(stage, m, loss_fn=_loss(case.loss))
+    gen = torch.Generator().manual_seed(1)
+    if example.dtype.is_floating_point:
+        batch = torch.randn((example.shape[0] * m, *example.shape[1:]), generator=gen)
+    else:  # token ids
+        batch = torch.randint(0, case.output[-1], (example.shape[0] * m, *example.shape[1:]), generator=gen)
+    labels = torch.randint(0, case.output[-1], (case.output[0] * m, *case.output[1:-1]), generator=gen) \
+        if case.loss == "cross-entropy" else torch.empty(case.output[0] * m, 0)
+    params = list(module.parameters())
+    opt = make_optimizer(params, "adamw", "for-loop")
+    tracker = LiveTracker()
+    tracker.register(params, "parameter")
+    tracker.register(list(module.buffers()), "buffer")
+    tracker.register([batch] if first else [labels] if last else [], "input")
+    hooks = tracker.watch_gradients(params)
+    with tracker:
+        for step in (1, 2):
+            with tracker.phase(step, "forward"), tracker.saving():
+                losses: list[Any] = []
+                merged = sched.step(batch) if first else sched.step(target=labels, losses=losses) if last else \
+                    sched.step()
+                tracker.label(_buffers(stage), "buffer")
+                tracker.label([t for out in stage.output_chunks for t in tensors(out)], "output")
+                del merged, losses
+            with tracker.phase(step, "step"):
+                opt.step()
+                tracker.label(state_tensors(opt), "optimizer_state")
+            with tracker.phase(step, "zero_grad"):
+                opt.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    return _summary(tracker.trace(), rank, case.schedule, m, sum(p.numel() * p.element_size() for p in params))
+
+
+def _rank_main(rank: int, world: int, port: int, cases: list[TracedCase], out: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        try:
+            found = [_one(case, rank, world) for case in cases]
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, found))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        out.put((rank, traceback.format_exc()))
+
+
+def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: str = "fork"
+                         ) -> list[list[StageRun]]:
+    """Per rank, one :class:`StageRun` per case, every case in one gloo process group of ``world`` ranks (a rank
+    that fails or hangs is a :class:`SymmemError`).  ``start_method="forkserver"`` forks them from the server
+    :func:`symmem.record.distributed.measure_jobs` uses (the cases must then be picklable: a
+    :class:`~symmem.importer.spec_builder.SpecBuilder` as the builder)."""
+    import importlib
+    import multiprocessing
+
+    if start_method not in ("fork", "forkserver"):
+        raise SymmemError(f"the ranks start by 'fork' or 'forkserver', not {start_method!r}")
+    importlib.import_module("torch.distributed.pipelining")  # imported once: the forked ranks inherit it
+    if start_method == "forkserver":
+        from .distributed import PRELOAD
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, "torch.distributed.pipelining"])
+    ctx = multiprocessing.get_context(start_method)
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, list(cases), out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    found: dict[int, Any] = {}
+    deadline = time.monotonic() + TIMEOUT_S * 2
+    try:
+        while len(found) < world:
+            try:
+                rank, result = out.get(timeout=1)
+            except queue.Empty:
+                dead = [(k, p.exitcode) for k, p in enumerate(procs) if p.exitcode not in (None, 0) and k not in found]
+                if dead:  # a rank that died before it could report (killed, or its start failed)
+                    raise SymmemError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting") from None
+                if time.monotonic() > deadline:
+                    raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from None
+                continue
+            found[rank] = result
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    for rank in sorted(found):
+        if isinstance(found[rank], str):
+            raise SymmemError(f"rank {rank} failed:\n{found[rank]}")
+    return [found[r] for r in range(world)]
