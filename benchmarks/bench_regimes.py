@@ -32,6 +32,8 @@ REGIMES: list[tuple[str, dict]] = [
                      "fsdp1-grad-op")],
     ("--zero 3", {"zero": 3, "values": {"N": 8}}),
     ("tensor parallel t=2", {"tensor_parallel": True, "values": {"t": 2}}),
+    ("sequence parallel t=2", {"tensor_parallel": True, "sequence_parallel": True, "values": {"t": 2}}),
+    ("fsdp x tensor parallel", {"data_parallel": "fsdp", "tensor_parallel": True, "values": {"N": 8, "t": 2}}),
 ]
 
 #: the models' default sizes (GPT-2 124M, Llama-2-7B); tensor parallel is DTensor's Llama plan only

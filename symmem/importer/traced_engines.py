@@ -331,7 +331,7 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
                                    rank=ranks[0], ranks=world) for m in found.moments]
         out = RanksPeak(None, None, tuple(_undominated(moments)), domain, ())
         out.per_rank = dict(sorted(per_rank.items()))
-        out.state = [state[r] for r in range(world)]
+        out._state = [state[r] for r in range(world)]
         self._peaks[key] = out
         return out
 
