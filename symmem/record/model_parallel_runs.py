@@ -167,57 +167,50 @@ def _sum_loss(out: Any, target: Any) -> Any:
     return out.sum()
 
 
-def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, schedule: str, m: int,
-              loss: str = "cross-entropy", options: Mapping[str, Any] | None = None, static: bool = True) -> StageRun:
+def static_shapes(first: bool, last: bool, example: Any, output: tuple[int, ...], boundary: tuple[int, ...]
+                  ) -> dict[str, Any]:
+    """A ``PipelineStage``'s shapes given ahead (on meta, as torchtitan gives them): the first stage's input like
+    ``example``, the last's output ``output``, every other tensor crossing a boundary ``boundary``."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..reference.sequence_models import causal_lm_loss
+    meta = torch.device("meta")
+
+    def hidden() -> Any:
+        return torch.empty(boundary, device=meta, requires_grad=True)
+
+    given = {"input_args": torch.empty(example.shape, dtype=example.dtype, device=meta) if first else hidden(),
+             "output_args": torch.empty(output, device=meta, requires_grad=True) if last else hidden()}
+    if not last:
+        given["output_grads"] = hidden()
+    if not first:
+        given["input_grads"] = hidden()
+    return given
+
+
+def stage_steps(sched: Any, stage: Any, module: Any, data: Any, labels: Any, rank: int, world: int, schedule: str,
+                m: int) -> StageRun:
+    """Two training steps of one pipeline stage under the live-bytes recorder (the schedule's step, AdamW's
+    for-loop step, ``zero_grad``): the first stage is given ``data``, the last ``labels``; the
+    :class:`StageRun`."""
     from .identity import tensors
     from .live_bytes import LiveTracker
     from .optim import make_optimizer, state_tensors
 
-    module = _stage_module(model, values, rank, world, options or {})
-    b, s, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
-    meta = torch.device("meta")
-    # static shapes, as torchtitan gives them (``static=False``: the dynamic mode's shape inference runs one
-    # micro-batch more in the first step, freed before the schedule; measured, no stage's peak moves)
-    given: dict[str, Any] = {}
-    if static:
-        def hidden() -> Any:
-            return torch.empty(b, s, h, device=meta, requires_grad=True)
-
-        given["input_args"] = torch.empty(b, s, dtype=torch.long, device=meta) if rank == 0 else hidden()
-        given["output_args"] = torch.empty(b, s, v, device=meta, requires_grad=True) if rank == world - 1 else hidden()
-        if rank < world - 1:
-            given["output_grads"] = hidden()
-        if rank > 0:
-            given["input_grads"] = hidden()
-    stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, v, (b * m, s), generator=gen)
-    # the loss sum reads no labels: an empty target (the schedule splits one per micro-batch all the same)
-    labels = torch.randint(0, v, (b * m, s), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    first, last = rank == 0, rank == world - 1
     params = list(module.parameters())
     opt = make_optimizer(params, "adamw", "for-loop")
     tracker = LiveTracker()
     tracker.register(params, "parameter")
     tracker.register(list(module.buffers()), "buffer")  # Llama's rotary frequencies, on every stage
     # each stage holds the data it is given: the first the batch, the last the labels
-    tracker.register([ids] if rank == 0 else [labels] if rank == world - 1 else [], "input")
+    tracker.register([data] if first else [labels] if last else [], "input")
     hooks = tracker.watch_gradients(params)
     with tracker:
         for step in (1, 2):
             with tracker.phase(step, "forward"), tracker.saving():
                 losses: list[Any] = []
-                if rank == 0:
-                    merged = sched.step(ids)
-                elif rank == world - 1:
-                    merged = sched.step(target=labels, losses=losses)
-                else:
-                    merged = sched.step()
+                merged = sched.step(data) if first else sched.step(target=labels, losses=losses) if last else \
+                    sched.step()
                 # what the stage keeps between steps: its receive buffers (activations from the stage before,
                 # gradients from the stage after), the last stage's logits of every micro-batch
                 tracker.label(_buffers(stage), "buffer")
@@ -230,8 +223,30 @@ def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, sche
                 opt.zero_grad(set_to_none=True)
     for h in hooks:
         h.remove()
-    trace = tracker.trace()
-    return _summary(trace, rank, schedule, m, sum(p.numel() * p.element_size() for p in params))
+    return _summary(tracker.trace(), rank, schedule, m, sum(p.numel() * p.element_size() for p in params))
+
+
+def _one_case(model: str, values: Mapping[str, int], rank: int, world: int, schedule: str, m: int,
+              loss: str = "cross-entropy", options: Mapping[str, Any] | None = None, static: bool = True) -> StageRun:
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from ..reference.sequence_models import causal_lm_loss
+
+    module = _stage_module(model, values, rank, world, options or {})
+    b, s, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    # static shapes, as torchtitan gives them (``static=False``: the dynamic mode's shape inference runs one
+    # micro-batch more in the first step, freed before the schedule; measured, no stage's peak moves)
+    given = static_shapes(rank == 0, rank == world - 1, torch.empty(b, s, dtype=torch.long, device="meta"),
+                          (b, s, v), (b, s, h)) if static else {}
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v, (b * m, s), generator=gen)
+    # the loss sum reads no labels: an empty target (the schedule splits one per micro-batch all the same)
+    labels = torch.randint(0, v, (b * m, s), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    return stage_steps(sched, stage, module, ids, labels, rank, world, schedule, m)
 
 
 def _summary(trace: Any, rank: int, schedule: str, m: int, parameters: int) -> StageRun:
@@ -464,7 +479,7 @@ def _fewest(trace: Any, steps: range) -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any], out: Any) -> None:
-    """One forked rank: join the gloo group on 127.0.0.1, put ``(rank, work(rank, world))`` (or the traceback)."""
+    """One rank: join the gloo group on 127.0.0.1, put ``(rank, work(rank, world))`` (or the traceback)."""
     try:
         import torch
         import torch.distributed as dist
@@ -481,24 +496,37 @@ def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any]
         out.put((rank, traceback.format_exc()))
 
 
-def forked_ranks(world: int, work: Callable[[int, int], Any], what: str = "the distributed run") -> list[Any]:
-    """``work(rank, world)`` on ``world`` forked processes in one gloo group (127.0.0.1, bounded waits); per rank,
-    its result.  A rank that fails or hangs is a :class:`SymmemError`."""
+def forked_ranks(world: int, work: Callable[[int, int], Any], what: str = "the distributed run",
+                 start_method: str = "fork") -> list[Any]:
+    """``work(rank, world)`` on ``world`` processes in one gloo group (127.0.0.1, bounded waits); per rank, its
+    result.  ``start_method`` ``fork``, or ``forkserver`` (``work`` then picklable: a module-level function or a
+    ``functools.partial`` of one).  A rank that fails, dies or hangs is a :class:`SymmemError`."""
     import multiprocessing
+    import queue
+    import time
 
-    ctx = multiprocessing.get_context("fork")
+    if start_method not in ("fork", "forkserver"):
+        raise SymmemError(f"the ranks start by 'fork' or 'forkserver', not {start_method!r}")
+    ctx = multiprocessing.get_context(start_method)
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, work, out)) for r in range(world)]
     for proc in procs:
         proc.start()
     found: dict[int, Any] = {}
+    deadline = time.monotonic() + TIMEOUT_S * 2
     try:
-        for _ in procs:
-            rank, result = out.get(timeout=TIMEOUT_S * 2)
+        while len(found) < world:
+            try:
+                rank, result = out.get(timeout=1)
+            except queue.Empty:
+                dead = [(k, p.exitcode) for k, p in enumerate(procs) if p.exitcode not in (None, 0) and k not in found]
+                if dead:  # a rank that died before it could report (killed, or its start failed)
+                    raise SymmemError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting") from None
+                if time.monotonic() > deadline:
+                    raise SymmemError(f"{what} did not finish in {TIMEOUT_S * 2} s") from None
+                continue
             found[rank] = result
-    except Exception as e:  # queue.Empty: a rank hung
-        raise SymmemError(f"{what} did not finish in {TIMEOUT_S * 2} s") from e
     finally:
         for proc in procs:
             proc.join(timeout=5)

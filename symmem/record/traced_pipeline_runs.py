@@ -11,16 +11,12 @@ Needs ``torch`` (with ``torch.distributed``).
 
 from __future__ import annotations
 
-import datetime
-import queue
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
-from .model_parallel_runs import TIMEOUT_S, StageRun, _buffers, _summary, free_port
+from .model_parallel_runs import StageRun, forked_ranks, stage_steps, static_shapes
 
 
 @dataclass(frozen=True)
@@ -115,27 +111,12 @@ def _one(case: TracedCase, rank: int, world: int) -> StageRun:
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from .identity import tensors
-    from .live_bytes import LiveTracker
-    from .optim import make_optimizer, state_tensors
-
     torch.manual_seed(0)
     full, (example,) = case.builder()
     module = case.split.stage(full, rank, world)
     m = case.micro_batches
-    meta = torch.device("meta")
     first, last = rank == 0, rank == world - 1
-
-    def hidden() -> Any:
-        return torch.empty(case.boundary, device=meta, requires_grad=True)
-
-    given: dict[str, Any] = {
-        "input_args": torch.empty(example.shape, dtype=example.dtype, device=meta) if first else hidden(),
-        "output_args": torch.empty(case.output, device=meta, requires_grad=True) if last else hidden()}
-    if not last:
-        given["output_grads"] = hidden()
-    if not first:
-        given["input_grads"] = hidden()
+    given = static_shapes(first, last, example, case.output, case.boundary)
     stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
     sched = kind(stage, m, loss_fn=_loss(case.loss))
@@ -146,47 +127,11 @@ def _one(case: TracedCase, rank: int, world: int) -> StageRun:
         batch = torch.randint(0, case.output[-1], (example.shape[0] * m, *example.shape[1:]), generator=gen)
     labels = torch.randint(0, case.output[-1], (case.output[0] * m, *case.output[1:-1]), generator=gen) \
         if case.loss == "cross-entropy" else torch.empty(case.output[0] * m, 0)
-    params = list(module.parameters())
-    opt = make_optimizer(params, "adamw", "for-loop")
-    tracker = LiveTracker()
-    tracker.register(params, "parameter")
-    tracker.register(list(module.buffers()), "buffer")
-    tracker.register([batch] if first else [labels] if last else [], "input")
-    hooks = tracker.watch_gradients(params)
-    with tracker:
-        for step in (1, 2):
-            with tracker.phase(step, "forward"), tracker.saving():
-                losses: list[Any] = []
-                merged = sched.step(batch) if first else sched.step(target=labels, losses=losses) if last else \
-                    sched.step()
-                tracker.label(_buffers(stage), "buffer")
-                tracker.label([t for out in stage.output_chunks for t in tensors(out)], "output")
-                del merged, losses
-            with tracker.phase(step, "step"):
-                opt.step()
-                tracker.label(state_tensors(opt), "optimizer_state")
-            with tracker.phase(step, "zero_grad"):
-                opt.zero_grad(set_to_none=True)
-    for h in hooks:
-        h.remove()
-    return _summary(tracker.trace(), rank, case.schedule, m, sum(p.numel() * p.element_size() for p in params))
+    return stage_steps(sched, stage, module, batch, labels, rank, world, case.schedule, m)
 
 
-def _rank_main(rank: int, world: int, port: int, cases: list[TracedCase], out: Any) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        try:
-            found = [_one(case, rank, world) for case in cases]
-        finally:
-            dist.destroy_process_group()
-        out.put((rank, found))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        out.put((rank, traceback.format_exc()))
+def _cases(rank: int, world: int, cases: Sequence[TracedCase]) -> list[StageRun]:
+    return [_one(case, rank, world) for case in cases]
 
 
 def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: str = "fork"
@@ -195,6 +140,7 @@ def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: 
     that fails or hangs is a :class:`SymmemError`).  ``start_method="forkserver"`` forks them from the server
     :func:`symmem.record.distributed.measure_jobs` uses (the cases must then be picklable: a
     :class:`~symmem.importer.spec_builder.SpecBuilder` as the builder)."""
+    import functools
     import importlib
     import multiprocessing
 
@@ -205,32 +151,4 @@ def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: 
         from .distributed import PRELOAD
 
         multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, "torch.distributed.pipelining"])
-    ctx = multiprocessing.get_context(start_method)
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, list(cases), out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    found: dict[int, Any] = {}
-    deadline = time.monotonic() + TIMEOUT_S * 2
-    try:
-        while len(found) < world:
-            try:
-                rank, result = out.get(timeout=1)
-            except queue.Empty:
-                dead = [(k, p.exitcode) for k, p in enumerate(procs) if p.exitcode not in (None, 0) and k not in found]
-                if dead:  # a rank that died before it could report (killed, or its start failed)
-                    raise SymmemError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting") from None
-                if time.monotonic() > deadline:
-                    raise SymmemError(f"the distributed run did not finish in {TIMEOUT_S * 2} s") from None
-                continue
-            found[rank] = result
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-    for rank in sorted(found):
-        if isinstance(found[rank], str):
-            raise SymmemError(f"rank {rank} failed:\n{found[rank]}")
-    return [found[r] for r in range(world)]
+    return forked_ranks(world, functools.partial(_cases, cases=list(cases)), start_method=start_method)
