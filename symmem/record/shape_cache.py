@@ -19,6 +19,13 @@ every time.  A hit makes fresh fake tensors (and views of the current input) of 
 already holds every guard the first run added (the same expressions in the same environment: a repeat adds none), so
 what the recorders see -- new storages with the same symbolic bytes, views on the same storage -- is what the op
 would have made.  The cache lives as long as one fake run (one ShapeEnv).
+
+In-place ops are remembered apart (:meth:`ShapeCache.same`): an op whose schema writes its first argument only and
+returns it (``add_``, ``mul_``, ``lerp_``, ``addcmul_``: a third of a training step's ops, most of them the optimizer
+step's), that returned its input with the metadata it came with, returns the input itself again when it
+runs on inputs of the same key -- no fake kernel (a meta kernel only checks what the key fixes; the version counter
+is bumped before any dispatch mode runs).  Ops that can change a tensor's size or storage in place (``resize_``,
+``set_``, ``as_strided_``, ``squeeze_`` ...) are never remembered.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ class ShapeCache:
         self.never: set[Any] = {aten.detach.default, aten.alias.default}
         self.hits = 0
         self.misses = 0
+        #: in-place ops by key (:meth:`same`): True once a run returned its input unchanged in metadata and bytes
+        self.in_place: dict[Any, bool] = {}
+        self._writes_self: dict[Any, bool] = {}  # op -> whether its schema writes its first argument only
 
     def _part(self, x: Any) -> Any:
         """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object)."""
@@ -70,6 +80,9 @@ class ShapeCache:
         """The cache key of ``func(*args, **kwargs)``, or None (not cacheable)."""
         if func in self.never:
             return None
+        return self._key(func, args, kwargs)
+
+    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         parts = self._part(args)
         if parts is None:
             return None
@@ -77,6 +90,30 @@ class ShapeCache:
         if any(p is None for _, p in named):
             return None
         return (func, parts, named)
+
+    def same_key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The key of an in-place op that writes its first argument only (see the module docstring), or None."""
+        writes = self._writes_self.get(func)
+        if writes is None:
+            writes = self._writes_self[func] = _writes_self_only(func)
+        if not writes or not args:
+            return None
+        return self._key(func, args, kwargs)
+
+    def same(self, key: Any, args: tuple[Any, ...]) -> Any:
+        """The op's input itself where a run of the in-place op of ``key`` returned it unchanged, else None."""
+        if key is None or not self.in_place.get(key):
+            return None
+        self.hits += 1
+        return args[0]
+
+    def store_same(self, key: Any, args: tuple[Any, ...], out: Any) -> None:
+        """Remember the in-place op of ``key`` if it returned its first argument with the metadata it came with (the
+        key's); the ops that could grow its storage are not in-place ops here (:func:`_writes_self_only`)."""
+        if key is None or key in self.in_place:
+            return
+        self.misses += 1
+        self.in_place[key] = out is args[0] and self._part(out) == key[1][1][0]
 
     def get(self, key: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """The outputs made anew from the cached metadata (views of the one tensor in ``args``/``kwargs``), or None
@@ -208,3 +245,23 @@ def _tensors(obj: Any, kind: type) -> list[Any]:
     if isinstance(obj, list | tuple):
         return [t for v in obj for t in _tensors(v, kind)]
     return []
+
+
+#: in-place ops that can change a tensor's sizes, strides or storage: never answered with their input
+_RESHAPING = ("resize", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_",
+              "detach_", "unfold_", "_coalesced_")
+
+
+def _writes_self_only(func: Any) -> bool:
+    """Whether ``func``'s schema writes its first argument, no other, and returns that argument alone."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.arguments or len(schema.returns) != 1:
+        return False
+    name = schema.name.split("::")[-1]
+    if any(name.startswith(r) or r in name for r in _RESHAPING):
+        return False
+    writes = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+    ret = schema.returns[0].alias_info
+    first = schema.arguments[0].alias_info
+    return (writes[0] and sum(writes) == 1 and ret is not None and ret.is_write and first is not None
+            and set(ret.before_set) == set(first.before_set))
