@@ -182,7 +182,7 @@ class SavedRecorder:
                 current = stack[-1] if stack else ""
                 rec.op_modules.append(current)
                 rec.autograd_to_op.setdefault(peek() - 1, seq)
-                rec.aten = str(func)
+                rec.aten = name = str(func)
                 if func is local_scalar:
                     value = rec._scalar(func, args, kwargs)
                     if rec.observe is not None:
@@ -202,7 +202,8 @@ class SavedRecorder:
                 try:
                     out = shapes.get(key, args, kwargs) if key is not None else \
                         shapes.same(same, args) if same is not None else None
-                    if out is None:
+                    made = out is None  # a hit remakes metadata the cache took only without data-dependent sizes
+                    if made:
                         out = impl(*args, **kwargs) if impl is not None else func(*args, **kwargs)
                         if key is not None:
                             shapes.store(func, key, args, kwargs, out)
@@ -211,8 +212,8 @@ class SavedRecorder:
                 except Exception:
                     rec.failed_at = rec.failed_at or rec.where
                     raise
-                birth = (seq, str(func), current)
-                if rec.shape_env is not None:
+                birth = (seq, name, current)
+                if rec.shape_env is not None and made:
                     rec._data_dependent_sizes(func, out)
                 for t in tensors(out):
                     try:
