@@ -138,3 +138,35 @@ def test_symmem_trace_runs_no_young_collection(capsys: pytest.CaptureFixture[str
     # young collection after each forward)
     assert runs == [False] * len(runs) and len(runs) >= 2 and passes == [1] * len(runs)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_empty_constants_and_permuted_layouts_are_remade_as_pytorch_makes_them() -> None:
+    """Two more kinds of op the cache answers (GPT-2's DynamicCache concatenates onto ``torch.tensor([])``; an
+    elementwise op on a transposed input keeps its layout): a hit remakes what PyTorch's own kernel made -- the same
+    sizes, strides and storage bytes to the expression, on a fresh storage."""
+    from symmem.importer.fake import make_world
+    from symmem.record.shape_cache import _expr
+
+    aten = torch.ops.aten
+    world = make_world({"B": 2, "S": 8})
+    b, s = world.sizes["B"], world.sizes["S"]
+
+    def meta(t: torch.Tensor) -> tuple[object, ...]:
+        return (tuple(_expr(d) for d in t.shape), tuple(_expr(d) for d in t.stride()),
+                _expr(t.untyped_storage().nbytes()), t.dtype)
+
+    with world.mode:
+        cache = ShapeCache()
+        empty = torch.tensor([])  # a constant: its value is known (and empty)
+        full = torch.tensor([1.0])
+        x = torch.empty(b, 4, s, 16)
+        for op, args in ((aten.cat.default, ([empty, x], -2)), (aten.mul.Scalar, (x.transpose(1, 2), 0.5))):
+            made = op(*args)  # oracle: PyTorch's kernel
+            key = cache.key(op, args, {})
+            assert key is not None
+            cache.store(op, key, args, {}, made)
+            again = cache.get(key, args, {})
+            assert meta(again) == meta(made) and again.untyped_storage()._cdata != made.untyped_storage()._cdata
+        assert _expr(made.untyped_storage().nbytes()) == 256 * b.node.expr * s.node.expr  # empty_permuted's form
+        assert cache.key(aten.cat.default, ([full, full], 0), {}) is None  # a constant with a value
+        assert cache.same_key(aten.add_.Tensor, (empty, empty), {}) is None  # in place on a constant: run

@@ -8,8 +8,9 @@ step's fold, so most ops of a trace were already computed once in the same ``Sha
 
 :class:`ShapeCache` keys an op by its overload and, for every argument, the sympy expressions of a fake tensor's
 sizes, strides and storage offset with its dtype and device (plain values as they are, typed: ``True`` is not
-``1``).  An op is cached only where its outputs are tensors on fresh storages that ``torch.empty(size)`` or
-``torch.empty_strided(size, stride)`` remakes exactly (the same stride and storage-bytes expressions, no offset, no
+``1``; an empty constant, whose value nothing can read, by its metadata).  An op is cached only where its outputs are
+tensors on fresh storages that ``torch.empty(size)``, ``torch.empty_strided(size, stride)`` or
+``torch.empty_permuted(size, layout)`` remakes exactly (the same stride and storage-bytes expressions, no offset, no
 constant value, every size backed), or views of the op's one tensor input that ``as_strided`` remakes exactly (the same
 size, stride and offset expressions and dtype: ``view``, ``_unsafe_view``, ``transpose``, ``expand``, ``split`` ...,
 whose PyTorch meta kernels -- ``_reshape_view_helper`` -- cost ~1 ms each, ``as_strided`` ~0.2 ms).  An in-place op or
@@ -58,11 +59,17 @@ class ShapeCache:
         self.in_place: dict[Any, bool] = {}
         self._writes_self: dict[Any, bool] = {}  # op -> whether its schema writes its first argument only
 
-    def _part(self, x: Any) -> Any:
-        """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object)."""
+    def _part(self, x: Any, empty: bool = True) -> Any:
+        """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object).  An empty
+        constant (``empty``; transformers' ``DynamicCache`` starts each layer's keys and values as ``torch.tensor([])``
+        and concatenates onto it) has no value an op could read: it keys by its metadata, as its own kind."""
         if isinstance(x, self._fake):
-            if x.constant is not None or x.layout != self._torch.strided:
+            if x.layout != self._torch.strided:
                 return None
+            if x.constant is not None:
+                if not empty or x.constant.numel() != 0:
+                    return None
+                return ("C", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device)
             return ("T", tuple(_expr(d) for d in x.shape), tuple(_expr(s) for s in x.stride()),
                     _expr(x.storage_offset()), x.dtype, x.device)
         if isinstance(x, self._torch.Tensor):
@@ -72,7 +79,7 @@ class ShapeCache:
         if isinstance(x, _PLAIN) or isinstance(x, self._plain_torch):
             return (type(x).__name__, x)
         if isinstance(x, list | tuple):
-            parts = tuple(self._part(v) for v in x)
+            parts = tuple(self._part(v, empty) for v in x)
             return None if any(p is None for p in parts) else (type(x).__name__, parts)
         return None
 
@@ -82,11 +89,11 @@ class ShapeCache:
             return None
         return self._key(func, args, kwargs)
 
-    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        parts = self._part(args)
+    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], empty: bool = True) -> Any:
+        parts = self._part(args, empty)
         if parts is None:
             return None
-        named = tuple((k, self._part(v)) for k, v in sorted(kwargs.items()))
+        named = tuple((k, self._part(v, empty)) for k, v in sorted(kwargs.items()))
         if any(p is None for _, p in named):
             return None
         return (func, parts, named)
@@ -98,7 +105,7 @@ class ShapeCache:
             writes = self._writes_self[func] = _writes_self_only(func)
         if not writes or not args:
             return None
-        return self._key(func, args, kwargs)
+        return self._key(func, args, kwargs, empty=False)  # an in-place op on a constant updates its value
 
     def same(self, key: Any, args: tuple[Any, ...]) -> Any:
         """The op's input itself where a run of the in-place op of ``key`` returned it unchanged, else None."""
@@ -199,17 +206,36 @@ class ShapeCache:
         if free_unbacked_symbols(size + stride) or _expr(o.storage_offset()) != 0:
             return None
         want = (tuple(_expr(s) for s in stride), _expr(o.untyped_storage().nbytes()))
-        for spec in ((size, None, o.dtype, o.device), (size, stride, o.dtype, o.device)):
+        # an elementwise op on a transposed input keeps its layout: PyTorch makes it with ``empty_permuted``, whose
+        # storage bytes read 1024*B*S where ``empty_strided`` of the same strides writes 1024*S*(B - 1) + 1024*S
+        for spec in ((size, None, o.dtype, o.device), (size, stride, o.dtype, o.device),
+                     (size, _Permuted(_layout(stride)), o.dtype, o.device)):
             probe = _make(self._torch, spec)
             if (tuple(_expr(s) for s in probe.stride()), _expr(probe.untyped_storage().nbytes())) == want:
                 return ("E", *spec)
         return None  # e.g. a storage larger than its tensor: remade, it would be smaller
 
 
+class _Permuted(tuple):
+    """The dimensions of a layout from the outermost to the innermost (``torch.empty_permuted``'s order)."""
+
+
+def _layout(stride: tuple[Any, ...]) -> tuple[int, ...]:
+    """The dimensions by decreasing stride at the example sizes (no guard is asked: the remade tensor is compared
+    with the original expression by expression)."""
+    def hint(x: Any) -> int:
+        node = getattr(x, "node", None)
+        return int(node.hint) if node is not None and node.hint is not None else int(x) if node is None else 0
+
+    return tuple(sorted(range(len(stride)), key=lambda d: (-hint(stride[d]), d)))
+
+
 def _make(torch: Any, spec: tuple[Any, ...]) -> Any:
     size, stride, dtype, device = spec[-4:]
     if stride is None:
         return torch.empty(size, dtype=dtype, device=device)
+    if isinstance(stride, _Permuted):
+        return torch.empty_permuted(size, stride, dtype=dtype, device=device)
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
