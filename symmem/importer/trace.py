@@ -16,6 +16,7 @@ See ``docs/importer.md`` for the mechanism and the traps it handles.  In short:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -155,9 +156,10 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
                                                   shared)
         extra: dict[str, Any] = {"reads": list(outcome.reads) if outcome is not None else None}
         if used == "symbolic" and shared.world is not None:
-            # the fake world and shape cache of the forward the formula came from: the training step recorded at the
-            # same sizes runs its forward in them (importer.traced.step_of), the first occurrence of each op once
-            extra["fake_world"] = (dict(at), dict(multiple_of), shared)
+            # the fake world and shape cache of the forward the formula came from: the training step of this module
+            # recorded at the same sizes runs its forward in them (importer.traced.step_of), each op's first
+            # occurrence computed once
+            extra["fake_world"] = (weakref.ref(module), dict(at), dict(multiple_of), shared)
         if wrapped:
             extra["checkpoint"] = wrapped
         if autocast is not None:
