@@ -7,11 +7,13 @@
 Phases (CPU seconds of this process): ``import`` (torch, transformers, sympy, symmem), ``load`` (building the module
 from its SPEC), ``trace`` (:func:`symmem.trace`: one real forward to check against where the weights are real, the
 fake forward with symbolic sizes, the fold of identical blocks) and ``peak`` (the training step recorded on fake
-tensors at 4, 5 and 6 layers of the repeated blocks, in one fake world and shape cache, folded in L, and the peak
-algebra); within the trace and the
+tensors at 4, 5 and 6 layers of the repeated blocks, in the trace's fake world and shape cache, folded in L, and the
+peak algebra); within the trace and the
 peak, the time spent in the fake forward, backward and optimizer step (the recorders' ``_guarded`` calls).  The
 whole process against two real training steps of the same model is timed side by side with
-``benchmarks/two_real_steps.py`` (its docstring has the command); the README's rows quote those ratios.
+``benchmarks/two_real_steps.py`` (its docstring has the command); the README's rows quote those ratios.  This
+process keeps Python's default collector; ``symmem trace`` runs without its young passes
+(:mod:`symmem.importer.collector`), which the side-by-side command includes.
 """
 
 from __future__ import annotations

@@ -39,6 +39,13 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..importer.collector import no_young_passes
+
+    with no_young_passes():  # the collector's young passes walk millions of live objects for nothing
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.symbolic is not None:
         d = symbolic_from_args(args, per_layer=args.per_layer, peak=args.symbolic_peak, **regime_from_args(args))
     else:

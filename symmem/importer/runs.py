@@ -103,12 +103,16 @@ def real_run(module: Any, inputs: Inputs) -> Outcome:
 
 def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol], device: str,
              replay: list[tuple[str, Any]] | None, symbolic: bool = True,
-             multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = ()) -> Run:
+             multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (), shared: Any = None) -> Run:
     """One forward on fake tensors: declared sizes symbolic (those in ``concrete``, or all if not ``symbolic``,
-    at their ``values``)."""
+    at their ``values``).  ``shared`` (a :class:`~symmem.importer.recording.SharedWorld` without a world yet) keeps
+    the run's fake world and shape cache for the training step recorded at the same sizes: its forward repeats these
+    ops on these shapes."""
     import torch
 
     world = make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete)
+    if shared is not None:
+        shared.world = world
     mapping = world.mapping(symbols)
     at = resized(inputs, values) if not symbolic or concrete else inputs
     with world.mode:
@@ -118,6 +122,8 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
     rec = SavedRecorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
                    replay=replay if replay is not None else [], default_read=True if replay is None else None,
                    shape_env=world.env, opaque=opaque_ops())
+    if shared is not None:
+        shared.shapes = rec.shapes
     world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
     args, kwargs = at.rebuild(fin)
 

@@ -16,6 +16,7 @@ See ``docs/importer.md`` for the mechanism and the traps it handles.  In short:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +29,7 @@ from ..record.saved_tensors import FakeKernelFailed, Outcome, SymbolicSizesUnsup
 from .fake import check_device
 from .guards import domain_of
 from .inputs import Inputs, check_inputs, sym_for
+from .recording import SharedWorld
 from .records import Check, Trace, TracedParameter, TracedStorage, TracedSymbol
 from .runs import Run, fake_run, real_run, resized, to_storages
 from .wrap import autocast_dtype, autocasting, checkpointed, find_repeat
@@ -143,14 +145,21 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
         if why_not is not None:
             notes.append(f"no real forward to check against: {why_not}")
         real = why_not is None
+        shared = SharedWorld()
         if method == "fit":
             from .polyfit import fit_trace
 
             result, used, at = fit_trace(module, inputs, symbols, device, real), "fitted", inputs.examples
             outcome = real_run(module, inputs) if real else None
         else:
-            result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of)
+            result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of,
+                                                  shared)
         extra: dict[str, Any] = {"reads": list(outcome.reads) if outcome is not None else None}
+        if used == "symbolic" and shared.world is not None:
+            # the fake world and shape cache of the forward the formula came from: the training step of this module
+            # recorded at the same sizes runs its forward in them (importer.traced.step_of), each op's first
+            # occurrence computed once
+            extra["fake_world"] = (weakref.ref(module), dict(at), dict(multiple_of), shared)
         if wrapped:
             extra["checkpoint"] = wrapped
         if autocast is not None:
@@ -253,7 +262,7 @@ def _holds(exprs: list[Any], symbols: dict[str, sympy.Symbol], values: dict[str,
 
 
 def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str, real: bool,
-              method: str, notes: list[str], multiple_of: dict[str, int]
+              method: str, notes: list[str], multiple_of: dict[str, int], shared: SharedWorld | None = None
               ) -> tuple[Run, str, dict[str, int], Outcome | None]:
     """The symbolic trace; retraced at other sizes where it specialized, fitted if it specializes again.
 
@@ -267,7 +276,7 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     outcome = real_run(module, inputs) if real else None
     try:
         run = fake_run(module, inputs, inputs.examples, symbols, device, outcome.reads if outcome else None,
-                       multiple_of=multiple_of)
+                       multiple_of=multiple_of, shared=shared)
     except SymbolicSizesUnsupported as e:
         if method == "symbolic":
             raise

@@ -73,8 +73,10 @@ def _node(o: StepOp, place: str) -> str:
 def _bases(record: StepRecord, step: Which) -> Counter:
     """How many times each op of ``step`` runs outside the repeated blocks, by (phase, place, op)."""
     out: Counter = Counter()
-    for k, _, _ in record.as_timeline(step).counts():  # every moment; the live storages are not needed
-        o = record.ops[k]
+    # every moment of the step (the events it shows); their live storages are not needed
+    for o, e in zip(record.ops, record.as_timeline(step).events, strict=True):
+        if not e.moment:
+            continue
         place, index = _locate(o, record.layers)
         if index is None:
             out[(o.phase, place, o.op)] += 1

@@ -8,8 +8,9 @@ step's fold, so most ops of a trace were already computed once in the same ``Sha
 
 :class:`ShapeCache` keys an op by its overload and, for every argument, the sympy expressions of a fake tensor's
 sizes, strides and storage offset with its dtype and device (plain values as they are, typed: ``True`` is not
-``1``).  An op is cached only where its outputs are tensors on fresh storages that ``torch.empty(size)`` or
-``torch.empty_strided(size, stride)`` remakes exactly (the same stride and storage-bytes expressions, no offset, no
+``1``; an empty constant, whose value nothing can read, by its metadata).  An op is cached only where its outputs are
+tensors on fresh storages that ``torch.empty(size)``, ``torch.empty_strided(size, stride)`` or
+``torch.empty_permuted(size, layout)`` remakes exactly (the same stride and storage-bytes expressions, no offset, no
 constant value, every size backed), or views of the op's one tensor input that ``as_strided`` remakes exactly (the same
 size, stride and offset expressions and dtype: ``view``, ``_unsafe_view``, ``transpose``, ``expand``, ``split`` ...,
 whose PyTorch meta kernels -- ``_reshape_view_helper`` -- cost ~1 ms each, ``as_strided`` ~0.2 ms).  An in-place op or
@@ -19,6 +20,13 @@ every time.  A hit makes fresh fake tensors (and views of the current input) of 
 already holds every guard the first run added (the same expressions in the same environment: a repeat adds none), so
 what the recorders see -- new storages with the same symbolic bytes, views on the same storage -- is what the op
 would have made.  The cache lives as long as one fake run (one ShapeEnv).
+
+In-place ops are remembered apart (:meth:`ShapeCache.same`): an op whose schema writes its first argument only and
+returns it (``add_``, ``mul_``, ``lerp_``, ``addcmul_``: a third of a training step's ops, most of them the optimizer
+step's), that returned its input with the metadata it came with, returns the input itself again when it
+runs on inputs of the same key -- no fake kernel (a meta kernel only checks what the key fixes; the version counter
+is bumped before any dispatch mode runs).  Ops that can change a tensor's size or storage in place (``resize_``,
+``set_``, ``as_strided_``, ``squeeze_`` ...) are never remembered.
 """
 
 from __future__ import annotations
@@ -47,12 +55,21 @@ class ShapeCache:
         self.never: set[Any] = {aten.detach.default, aten.alias.default}
         self.hits = 0
         self.misses = 0
+        #: in-place ops by key (:meth:`same`): True once a run returned its input unchanged in metadata and bytes
+        self.in_place: dict[Any, bool] = {}
+        self._writes_self: dict[Any, bool] = {}  # op -> whether its schema writes its first argument only
 
-    def _part(self, x: Any) -> Any:
-        """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object)."""
+    def _part(self, x: Any, empty: bool = True) -> Any:
+        """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object).  An empty
+        constant (``empty``; transformers' ``DynamicCache`` starts each layer's keys and values as ``torch.tensor([])``
+        and concatenates onto it) has no value an op could read: it keys by its metadata, as its own kind."""
         if isinstance(x, self._fake):
-            if x.constant is not None or x.layout != self._torch.strided:
+            if x.layout != self._torch.strided:
                 return None
+            if x.constant is not None:
+                if not empty or x.constant.numel() != 0:
+                    return None
+                return ("C", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device)
             return ("T", tuple(_expr(d) for d in x.shape), tuple(_expr(s) for s in x.stride()),
                     _expr(x.storage_offset()), x.dtype, x.device)
         if isinstance(x, self._torch.Tensor):
@@ -62,7 +79,7 @@ class ShapeCache:
         if isinstance(x, _PLAIN) or isinstance(x, self._plain_torch):
             return (type(x).__name__, x)
         if isinstance(x, list | tuple):
-            parts = tuple(self._part(v) for v in x)
+            parts = tuple(self._part(v, empty) for v in x)
             return None if any(p is None for p in parts) else (type(x).__name__, parts)
         return None
 
@@ -70,13 +87,40 @@ class ShapeCache:
         """The cache key of ``func(*args, **kwargs)``, or None (not cacheable)."""
         if func in self.never:
             return None
-        parts = self._part(args)
+        return self._key(func, args, kwargs)
+
+    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], empty: bool = True) -> Any:
+        parts = self._part(args, empty)
         if parts is None:
             return None
-        named = tuple((k, self._part(v)) for k, v in sorted(kwargs.items()))
+        named = tuple((k, self._part(v, empty)) for k, v in sorted(kwargs.items()))
         if any(p is None for _, p in named):
             return None
         return (func, parts, named)
+
+    def same_key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The key of an in-place op that writes its first argument only (see the module docstring), or None."""
+        writes = self._writes_self.get(func)
+        if writes is None:
+            writes = self._writes_self[func] = _writes_self_only(func)
+        if not writes or not args:
+            return None
+        return self._key(func, args, kwargs, empty=False)  # an in-place op on a constant updates its value
+
+    def same(self, key: Any, args: tuple[Any, ...]) -> Any:
+        """The op's input itself where a run of the in-place op of ``key`` returned it unchanged, else None."""
+        if key is None or not self.in_place.get(key):
+            return None
+        self.hits += 1
+        return args[0]
+
+    def store_same(self, key: Any, args: tuple[Any, ...], out: Any) -> None:
+        """Remember the in-place op of ``key`` if it returned its first argument with the metadata it came with (the
+        key's); the ops that could grow its storage are not in-place ops here (:func:`_writes_self_only`)."""
+        if key is None or key in self.in_place:
+            return
+        self.misses += 1
+        self.in_place[key] = out is args[0] and self._part(out) == key[1][1][0]
 
     def get(self, key: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """The outputs made anew from the cached metadata (views of the one tensor in ``args``/``kwargs``), or None
@@ -162,17 +206,36 @@ class ShapeCache:
         if free_unbacked_symbols(size + stride) or _expr(o.storage_offset()) != 0:
             return None
         want = (tuple(_expr(s) for s in stride), _expr(o.untyped_storage().nbytes()))
-        for spec in ((size, None, o.dtype, o.device), (size, stride, o.dtype, o.device)):
+        # an elementwise op on a transposed input keeps its layout: PyTorch makes it with ``empty_permuted``, whose
+        # storage bytes read 1024*B*S where ``empty_strided`` of the same strides writes 1024*S*(B - 1) + 1024*S
+        for spec in ((size, None, o.dtype, o.device), (size, stride, o.dtype, o.device),
+                     (size, _Permuted(_layout(stride)), o.dtype, o.device)):
             probe = _make(self._torch, spec)
             if (tuple(_expr(s) for s in probe.stride()), _expr(probe.untyped_storage().nbytes())) == want:
                 return ("E", *spec)
         return None  # e.g. a storage larger than its tensor: remade, it would be smaller
 
 
+class _Permuted(tuple):
+    """The dimensions of a layout from the outermost to the innermost (``torch.empty_permuted``'s order)."""
+
+
+def _layout(stride: tuple[Any, ...]) -> tuple[int, ...]:
+    """The dimensions by decreasing stride at the example sizes (no guard is asked: the remade tensor is compared
+    with the original expression by expression)."""
+    def hint(x: Any) -> int:
+        node = getattr(x, "node", None)
+        return int(node.hint) if node is not None and node.hint is not None else int(x) if node is None else 0
+
+    return tuple(sorted(range(len(stride)), key=lambda d: (-hint(stride[d]), d)))
+
+
 def _make(torch: Any, spec: tuple[Any, ...]) -> Any:
     size, stride, dtype, device = spec[-4:]
     if stride is None:
         return torch.empty(size, dtype=dtype, device=device)
+    if isinstance(stride, _Permuted):
+        return torch.empty_permuted(size, stride, dtype=dtype, device=device)
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
@@ -208,3 +271,23 @@ def _tensors(obj: Any, kind: type) -> list[Any]:
     if isinstance(obj, list | tuple):
         return [t for v in obj for t in _tensors(v, kind)]
     return []
+
+
+#: in-place ops that can change a tensor's sizes, strides or storage: never answered with their input
+_RESHAPING = ("resize", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_",
+              "detach_", "unfold_", "_coalesced_")
+
+
+def _writes_self_only(func: Any) -> bool:
+    """Whether ``func``'s schema writes its first argument, no other, and returns that argument alone."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.arguments or len(schema.returns) != 1:
+        return False
+    name = schema.name.split("::")[-1]
+    if any(name.startswith(r) or r in name for r in _RESHAPING):
+        return False
+    writes = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+    ret = schema.returns[0].alias_info
+    first = schema.arguments[0].alias_info
+    return (writes[0] and sum(writes) == 1 and ret is not None and ret.is_write and first is not None
+            and set(ret.before_set) == set(first.before_set))

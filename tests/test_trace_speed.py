@@ -1,0 +1,172 @@
+"""What makes ``symmem trace`` with its peak cheaper (issue 23 item 1) changes no value and no caller's state.
+
+- In-place ops (``add_``, ``lerp_``, ``addcmul_`` ...: the optimizer step's) of a key already run answer their input
+  itself (:meth:`symmem.record.shape_cache.ShapeCache.same`).  Oracle: PyTorch's own kernel, which returns its input
+  with the metadata it came with; ops that reshape or re-store a tensor in place, and ops that write another
+  argument, are never answered.  (``tests/test_shape_cache.py`` checks whole traces and steps equal with the cache
+  off, where every op runs through PyTorch's fake kernels.)
+- The collection after a recorded forward walks only what the forward made (``gc.freeze`` around it).  Oracle: the
+  packed tensors PyTorch itself still holds after a full collection; a caller's frozen objects stay frozen.
+- ``symmem trace`` runs without the collector's young passes (:mod:`symmem.importer.collector`).  Oracle:
+  ``gc.callbacks``, which sees every pass; the collector is enabled again afterwards.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from symmem.record.saved_tensors import SavedRecorder  # noqa: E402
+from symmem.record.shape_cache import ShapeCache  # noqa: E402
+
+
+def test_in_place_ops_answer_their_input_and_reshaping_ones_always_run() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    aten = torch.ops.aten
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x, g = torch.empty(4, 6), torch.empty(4, 6)
+        cache = ShapeCache()
+        for op, args in ((aten.add_.Tensor, (x, g)), (aten.lerp_.Scalar, (x, g, 0.1)),
+                         (aten.addcmul_.default, (x, g, g)), (aten.mul_.Scalar, (x, 0.9))):
+            key = cache.same_key(op, args, {})
+            assert key is not None and cache.same(key, args) is None  # not run yet
+            out = op(*args)  # oracle: PyTorch's kernel returns its input, metadata as it came
+            assert out is x and (out.shape, out.stride()) == ((4, 6), (6, 1))
+            cache.store_same(key, args, out)
+            other = torch.empty(4, 6)
+            again = (other, *args[1:])
+            assert cache.same_key(op, again, {}) == key and cache.same(key, again) is other
+            # another shape or scalar is another key
+            assert cache.same_key(op, (torch.empty(6, 4), *[a if not isinstance(a, torch.Tensor) else
+                                                             torch.empty(6, 4) for a in args[1:]]), {}) != key
+        assert cache.same_key(aten.mul_.Scalar, (x, 0.9), {}) != cache.same_key(aten.mul_.Scalar, (x, 0.8), {})
+        # ops that change a tensor's sizes or storage in place, or write another argument: never answered
+        for op, args, kwargs in ((aten.resize_.default, (x, [8]), {}), (aten.squeeze_.default, (x,), {}),
+                                 (aten.unsqueeze_.default, (x, 0), {}), (aten.t_.default, (x,), {}),
+                                 (aten.as_strided_.default, (x, [2], [1]), {}),
+                                 (aten.add.out, (x, g), {"out": torch.empty(4, 6)}),
+                                 (aten.add.Tensor, (x, g), {})):
+            assert cache.same_key(op, args, kwargs) is None, op
+        # an in-place op whose metadata came back changed is not remembered (squeeze_ is refused before; the check
+        # stands for any other): the answer would be its input as it was
+        y = torch.empty(1, 3)
+        key = cache.same_key(aten.add_.Tensor, (y, y), {})
+        cache.store_same(key, (y, y), y.squeeze(0))  # not the input itself
+        assert cache.same(key, (y, y)) is None
+
+
+def _kept_by_pytorch(module: torch.nn.Module, x: torch.Tensor) -> set[int]:
+    """The storages of the tensors autograd packed that are still alive after a full collection (the oracle)."""
+    packed: list[weakref.ref] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        d = t.detach()
+        packed.append(weakref.ref(d))
+        return d
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    roots = out.grad_fn
+    del out
+    gc.collect()
+    alive = {r().untyped_storage()._cdata for r in packed if r() is not None}
+    del roots
+    return alive
+
+
+class _Branches(torch.nn.Module):
+    """A forward that keeps ``sin``'s input and drops a branch whose graph a reference cycle holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x * 2).sin()
+        junk = [(x * 3).exp()]  # exp saves its output; the branch is dropped, but the list refers to itself
+        junk.append(junk)
+        return y
+
+
+def test_the_forwards_cycles_are_collected_and_a_callers_freeze_stays() -> None:
+    torch.manual_seed(0)
+    module, x = _Branches(), torch.randn(5, 7, requires_grad=True)
+    truth = len(_kept_by_pytorch(module, x))
+    assert truth == 1  # sin's input x*2; exp's output went with the dropped branch's cycle (x*2 and x*3 save nothing)
+
+    def kept() -> int:
+        rec = SavedRecorder(module, params={}, inputs={x.untyped_storage()._cdata: "input:0"})
+        return len(rec.run(lambda: module(x)).kept)
+
+    assert gc.get_freeze_count() == 0
+    assert kept() == truth and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own frozen objects stay frozen, and the forward's cycles are still found
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and kept() == truth and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_symmem_trace_runs_no_young_collection(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from symmem.cli import main
+
+    passes: list[int] = []
+    runs: list[int] = []
+    inner = SavedRecorder.run
+
+    def counted(self: SavedRecorder, *args: object, **kwargs: object) -> object:
+        runs.append(gc.isenabled())
+        return inner(self, *args, **kwargs)
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and not gc.isenabled():  # inside the command (parsing the arguments is outside)
+            passes.append(info["generation"])
+
+    monkeypatch.setattr(SavedRecorder, "run", counted)
+    gc.callbacks.append(seen)
+    try:
+        code = main(["trace", "tests.trace_helpers:mlp_with_inputs", "--dims", "B"])
+    finally:
+        gc.callbacks.remove(seen)
+    out = capsys.readouterr().out
+    assert code == 0 and "peak" in out
+    # every recorded forward ran without automatic passes, and the collections inside are the recorders' own (one
+    # young collection after each forward)
+    assert runs == [False] * len(runs) and len(runs) >= 2 and passes == [1] * len(runs)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_empty_constants_and_permuted_layouts_are_remade_as_pytorch_makes_them() -> None:
+    """Two more kinds of op the cache answers (GPT-2's DynamicCache concatenates onto ``torch.tensor([])``; an
+    elementwise op on a transposed input keeps its layout): a hit remakes what PyTorch's own kernel made -- the same
+    sizes, strides and storage bytes to the expression, on a fresh storage."""
+    from symmem.importer.fake import make_world
+    from symmem.record.shape_cache import _expr
+
+    aten = torch.ops.aten
+    world = make_world({"B": 2, "S": 8})
+    b, s = world.sizes["B"], world.sizes["S"]
+
+    def meta(t: torch.Tensor) -> tuple[object, ...]:
+        return (tuple(_expr(d) for d in t.shape), tuple(_expr(d) for d in t.stride()),
+                _expr(t.untyped_storage().nbytes()), t.dtype)
+
+    with world.mode:
+        cache = ShapeCache()
+        empty = torch.tensor([])  # a constant: its value is known (and empty)
+        full = torch.tensor([1.0])
+        x = torch.empty(b, 4, s, 16)
+        for op, args in ((aten.cat.default, ([empty, x], -2)), (aten.mul.Scalar, (x.transpose(1, 2), 0.5))):
+            made = op(*args)  # oracle: PyTorch's kernel
+            key = cache.key(op, args, {})
+            assert key is not None
+            cache.store(op, key, args, {}, made)
+            again = cache.get(key, args, {})
+            assert meta(again) == meta(made) and again.untyped_storage()._cdata != made.untyped_storage()._cdata
+        assert _expr(made.untyped_storage().nbytes()) == 256 * b.node.expr * s.node.expr  # empty_permuted's form
+        assert cache.key(aten.cat.default, ([full, full], 0), {}) is None  # a constant with a value
+        assert cache.same_key(aten.add_.Tensor, (empty, empty), {}) is None  # in place on a constant: run
