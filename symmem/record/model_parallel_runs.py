@@ -500,8 +500,7 @@ _IMPORTS = {"tensor": ("torch.distributed.tensor.parallel", "torch.distributed.d
 
 def runs(world: int, jobs: Sequence[tuple[str, str, Mapping[str, int], Any]]) -> list[list[Any]]:
     """Per rank, the result of every job in one process group: ``("pipeline", model, values, (schedule, M[,
-    loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`
-    (``hf=True`` among the options: transformers' own LlamaForCausalLM, :mod:`symmem.record.hf_llama`)."""
+    loss]))`` gives a :class:`StageRun`, ``("tensor", model, values, builder options)`` a :class:`TensorRun`."""
     import importlib
     import multiprocessing
 
