@@ -546,3 +546,69 @@ def test_batch_of_one_against_dtensor():
     d = derive("llama", tensor_parallel=True, values={**values, "B": 2, "t": 2}, device="cpu", **options)
     fit = largest(d, "B", d.value("peak") - 1)
     assert (fit.max, fit.total_at_max) == (1, everything[0][1].steady_peak)
+
+
+#: transformers' own LlamaForCausalLM (a LlamaConfig, no weights) under the same plans (symmem.record.hf_llama),
+#: two ranks, grouped-query attention: SDPA (the final norm's backward), the same with sequence parallelism (the
+#: forward's end), eager attention at the forward's end of tensor parallelism alone, where HF holds other storages
+#: than the zoo's Llama (:func:`hf_at_the_head`)
+HF = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}, {"attention": "sdpa"}),
+      ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
+       {"attention": "sdpa", "sequence_parallel": True}),
+      ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"})]
+
+
+def hf_at_the_head(values, options, t):
+    """What HF's LlamaForCausalLM holds at the head (the forward's end) beyond the zoo's Llama, counted by hand from
+    modeling_llama.py (transformers 5.23): the position ids (S int64) and eager attention's mask are
+    ``LlamaModel.forward``'s locals, gone when it returns, before ``lm_head`` (the zoo holds them to the forward's
+    end: 8·S and 4·S² bytes fewer); the ``DynamicCache`` (``use_cache=True``) holds every layer's key and value copy
+    until ``LlamaForCausalLM.forward`` returns, which the zoo frees after eager attention's ``repeat_kv`` copies
+    them (1 < h/G; the SDPA kernels and eager attention at G = h keep them anyway): 2·L·B·(G/t)·S·(H/h)·4 more."""
+    b, s, hidden, heads, kv, layers = (values[k] for k in ("B", "S", "H", "h", "G", "L"))
+    if options.get("sequence_parallel"):
+        return 0  # the runs pass the whole sequence's position ids from outside HF (see hf_llama_forward)
+    extra = -8 * s
+    if options["attention"] == "naive":
+        extra -= 4 * s * s
+        if kv != heads:
+            extra += 2 * layers * b * (kv // t) * s * (hidden // heads) * 4
+    return extra
+
+
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_hf_llama_under_the_standard_plan():
+    """Third-party truth: transformers' LlamaForCausalLM parallelized with the standard plan on two gloo ranks
+    (FP32 AdamW, loss ``sum``, the DTensor-aware recorder), every rank's first and steady peak against
+    ``derive("llama", tensor_parallel=True)``: equal to the byte wherever the step peaks away from the head
+    (the layers, the final norm's backward, the optimizer step) and with SDPA under sequence parallelism; at the
+    forward's end off by exactly the storages HF's forward holds otherwise (:func:`hf_at_the_head`)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    pytest.importorskip("transformers")
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
+
+    from symmem import derive
+    from symmem.record.model_parallel_runs import runs
+
+    everything = runs(2, [("tensor", "llama", values, {**options, "peaks": True, "hf": True})
+                          for values, options in HF])
+    where, off = [], []
+    for case, (values, options) in enumerate(HF):
+        d = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
+        expected = []
+        for step in ("steady", "first"):
+            at_head = d.peak_at(step).where(step=False).endswith("forward's end (the head's all-gather)")
+            expected.append(d.value("peak" if step == "steady" else "peak_first_step")
+                            + (hf_at_the_head(values, options, 2) if at_head else 0))
+        for rank in everything:
+            assert (rank[case].steady_peak, rank[case].first_peak) == tuple(expected), (case, rank[case].rank)
+            # HF's parameters: split, but for the norms' weights (H each, replicated)
+            norms = values["H"] * (2 * values["L"] + 1)
+            assert rank[case].parameters == 4 * (d.value("parameters") - norms) // 2 + 4 * norms
+        where.append(d.peak_at().where(step=False).split(": ")[1])
+        off.append(expected[0] - d.value("peak"))
+    assert where == ["the final norm's backward", "forward's end (the head's all-gather)",
+                     "forward's end (the head's all-gather)"]
+    # the differences: none; none; the cache's key and value copies less the mask and the position ids
+    assert off == [0, 0, 1024 - 256 - 64]

@@ -378,10 +378,17 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
     record = bool(options.pop("peaks", False))
-    module, (ids,) = reference(model, values, **options)
-    plan = (llama_sequence_plan if sequence else llama_plan)(module, world)
-    parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
-    run = _sequence_forward(module) if sequence else module
+    if options.pop("hf", False):  # transformers' own LlamaForCausalLM, the same plan on its module names
+        from .hf_llama import hf_llama, hf_llama_forward, hf_llama_plan
+
+        module, ids = hf_llama(values, sequence=sequence, **options)
+        parallelize_module(module, init_device_mesh("cpu", (world,)), hf_llama_plan(module, world, sequence))
+        run = hf_llama_forward(module, sequence)
+    else:
+        module, (ids,) = reference(model, values, **options)
+        plan = (llama_sequence_plan if sequence else llama_plan)(module, world)
+        parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
+        run = _sequence_forward(module) if sequence else module
 
     def local(t: Any) -> Any:
         return t._local_tensor if isinstance(t, DTensor) else t

@@ -1,0 +1,95 @@
+"""Hugging Face's own ``LlamaForCausalLM`` under DTensor's standard tensor-parallel plan: third-party truth.
+
+The tensor-parallel runs (:mod:`symmem.record.model_parallel_runs`) train the project's Llama reference; this
+builds the model people load instead -- ``transformers``' ``LlamaForCausalLM`` from a small ``LlamaConfig`` (no
+weights: random initialisation, ``tie_word_embeddings=False``, the default rotary embedding, eager or SDPA
+attention) -- with the same plan, named after HF's modules (``model.layers.i.mlp.gate_proj``).  Needs
+``transformers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import SymmemError
+
+
+def hf_llama(values: Mapping[str, int], attention: str = "naive", dropout: float = 0.0,
+             sequence: bool = False) -> tuple[Any, Any]:
+    """``transformers``' LlamaForCausalLM at symbol values (``B``, ``S``, ``H``, ``h``, ``G``, ``L``, ``V``,
+    ``F``) in training mode, and its input ids (B, S); ``attention`` ``naive`` is HF's ``eager``; ``sequence``:
+    for the sequence-parallel plan (SDPA only)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = int(values["h"])
+    config = LlamaConfig(vocab_size=int(values["V"]), hidden_size=int(values["H"]),
+                         intermediate_size=int(values.get("F", 4 * int(values["H"]))),
+                         num_hidden_layers=int(values["L"]), num_attention_heads=heads,
+                         num_key_value_heads=int(values.get("G", heads)), tie_word_embeddings=False,
+                         attention_dropout=dropout)
+    implementation = {"naive": "eager", "sdpa": "sdpa"}.get(attention)
+    if implementation is None:
+        raise SymmemError(f"HF's Llama runs eager ('naive') or SDPA attention, not {attention!r}")
+    if sequence and implementation == "eager":
+        # create_causal_mask sizes the mask from the embedding's output, which the plan splits over S: eager
+        # attention's scores (B, h/t, S, S) then meet an (B, 1, S/t, S/t) mask and HF's forward fails
+        raise SymmemError("HF's eager attention does not run under sequence parallelism: its causal mask follows "
+                          "the S-split embedding output (use SDPA)")
+    config._attn_implementation = implementation
+    module = LlamaForCausalLM(config)
+    module.train()
+    ids = torch.randint(0, int(values["V"]), (int(values["B"]), int(values["S"])))
+    return module, ids
+
+
+def hf_llama_plan(module: Any, world: int, sequence: bool) -> dict[str, Any]:
+    """The standard plan of the reference runs (``llama_plan``, ``llama_sequence_plan``) on HF's module names.
+    With ``sequence``: the norms ``SequenceParallel``; the attention's ``hidden_states`` (a keyword argument in
+    HF's decoder layer) all-gathered over S before q/k/v; gate and up each all-gather the normed input, as the
+    reference's do; o and down reduce-scatter over S.  HF's attention reshapes with ``-1`` heads: nothing to
+    divide.
+
+    >>> from types import SimpleNamespace
+    >>> plan = hf_llama_plan(SimpleNamespace(model=SimpleNamespace(layers=[None])), 2, sequence=False)
+    >>> sorted(plan)[:4]
+    ['lm_head', 'model.embed_tokens', 'model.layers.0.mlp.down_proj', 'model.layers.0.mlp.gate_proj']
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    split = Shard(1) if sequence else Replicate()
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=split),
+        "lm_head": ColwiseParallel(input_layouts=split, output_layouts=Replicate())}
+    if sequence:
+        plan["model.norm"] = SequenceParallel()
+    for i in range(len(module.model.layers)):
+        at = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"{at}.{name}"] = ColwiseParallel()
+        for name in ("mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{at}.{name}"] = ColwiseParallel(input_layouts=split)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{at}.{name}"] = RowwiseParallel(output_layouts=split)
+        if sequence:
+            plan[f"{at}.input_layernorm"] = SequenceParallel()
+            plan[f"{at}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"{at}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                         desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    return plan
+
+
+def hf_llama_forward(module: Any, sequence: bool) -> Callable[[Any], Any]:
+    """HF's forward returning the logits; with ``sequence`` the position ids given for the whole sequence (HF
+    counts them from the embedding's output, which sequence parallelism splits over S; torchtitan precomputes its
+    rotary tables)."""
+    import torch
+
+    def forward(input_ids: Any) -> Any:
+        if not sequence:
+            return module(input_ids).logits
+        return module(input_ids, position_ids=torch.arange(input_ids.shape[1]).unsqueeze(0)).logits
+
+    return forward
