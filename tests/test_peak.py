@@ -42,6 +42,22 @@ def test_peak_equals_real_step(name, values, kw, optimizer, impl):
     assert result.exact, result.report()
 
 
+#: Llama's for-loop AdamW peaks in the head's update, beside the previous parameter's ``denom``: the final norm's
+#: (HF registers the norms after the attention and the MLP), not a projection's -- 3,968 bytes over until the
+#: step followed model.parameters()' order
+LLAMA_STEP = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}
+
+
+@pytest.mark.parametrize("values", [LLAMA_STEP, {**LLAMA_STEP, "L": 2, "S": 16}])
+def test_llama_steps_its_parameters_in_registration_order(values):
+    d = derive("llama", convention="pytorch", device="cpu", optimizer="adamw", optimizer_impl="for-loop",
+               values=values, attention="sdpa")
+    result = verify_peak(d)
+    assert result.exact, result.report()
+    if values["L"] == 1:
+        assert d.peak_at().where() == "step lm_head.weight, steady step"
+
+
 @pytest.mark.parametrize("name, values, optimizer", [("mlp", {"B": 4}, "sgd"),
                                                      ("gpt2", {**TINY_GPT, "B": 4}, "adam")])
 def test_gradient_accumulation(name, values, optimizer):

@@ -164,6 +164,10 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
         x = rmsnorm(g, layer.result, "norm")
         g.op("linear", x, name="lm_head", out_features=V, bias=False)
     g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
+    # LlamaDecoderLayer registers its norms after self_attn and mlp, LlamaModel its norm after the layers: the
+    # order model.parameters() lists them in, and a for-loop optimizer steps them in
+    g.graph.graph["registered_after"] = {"input_layernorm": "mlp", "post_attention_layernorm": "input_layernorm",
+                                         "norm": "layers"}
     defaults = {B: 1, S: 4096, H: 4096, h: 32, G: 32, L: 32, F: 11008, V: 32000}
     desc = (f"Llama (HF LlamaForCausalLM, transformers 5.23, Llama-2-7B defaults; {attention} attention, dropout "
             f"{dropout}, cache {cache})")
