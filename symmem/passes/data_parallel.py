@@ -38,6 +38,7 @@ import sympy
 
 from ..symbols import N
 from ..training import RANK_OPTION, Regime
+from .parameters import program_parameters
 
 #: The engines whose reducer keeps gradient buckets.
 _BUCKETED = ("ddp", "ddp-bucket-view", "zero-redundancy")
@@ -357,14 +358,7 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
 
 def _stored(graph: Any) -> dict[str, tuple[sympy.Expr, ...]]:
     """Every parameter of ``graph`` as its module stores it (as the step's Simulation lists them)."""
-    params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
-    for n in graph.nodes:
-        node = graph.node(n)
-        if node.kind == "parameter":
-            params.append((n, node.params["value"]))
-        else:
-            params += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
-    return stored_shapes(graph, params)
+    return stored_shapes(graph, program_parameters(graph, ((n, graph.node(n)) for n in graph.nodes)))
 
 
 def rank_ranges(ranks: Mapping[int, tuple[int, int]]) -> list[tuple[int, int, tuple[int, int]]]:

@@ -57,6 +57,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel
 from ..timeline import Row, Which
 from ..training import Regime, refuse_one_rank
+from .parameters import node_parameters
 from .tensor_step import _LayerWalk
 from .unroll import iteration
 
@@ -98,9 +99,7 @@ def parameters(graph: Graph) -> Iterator[tuple[str, sympy.Expr, tuple[sympy.Expr
     """Every parameter as (node, count, its tensor-parallel rank's shape), in program order."""
     for n in graph.program_order():
         node = graph.node(n)
-        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
-                                                                                  node.params.values()]
-        for shape in shapes:
+        for _, shape in node_parameters(n, node):
             yield n, node.count, tp_shape(graph, n, shape)
 
 

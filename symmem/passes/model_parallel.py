@@ -58,6 +58,7 @@ from ..shapes import numel
 from ..symbols import p
 from ..tensor import dtype_bytes
 from ..training import SCHEDULES, Regime
+from .parameters import node_parameters
 
 #: The parts of a stage's memory, in the order the table shows them.
 PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "saved", "in_flight_outputs",
@@ -260,8 +261,7 @@ def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr, impl: 
     for n in graph.program_order():
         node = graph.node(n)
         where = "layer" if node.block is not None else ("last" if node.group in ("head", "loss") else "first")
-        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
-                                                                                  node.params.values()]
+        shapes = [shape for _, shape in node_parameters(n, node)]
         if node.kind == "linear" and node.attrs.get("tied"):
             # the last stage's own copy of the tied embedding (Megatron-LM, torchtitan)
             shapes.append((node.attrs["out_features"], graph.node(node.inputs[0]).out.shape[-1]))
@@ -707,9 +707,7 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, seque
     weights = grads = state = sympy.Integer(0)
     for n in graph.program_order():
         node = graph.node(n)
-        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(x) for x in
-                                                                                  node.params.values()]
-        for shape in shapes:
+        for _, shape in node_parameters(n, node):
             count = node.count
             local = numel(shape) / t if len(shape) >= 2 else numel(shape)
             weights += count * local * 4

@@ -27,7 +27,6 @@ the one model of time (the recorded step of a traced module gives one too).
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +44,7 @@ from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
 from . import data_parallel, zero_redundancy
 from .fsdp1 import FSDP1, Fsdp1
+from .parameters import in_registration_order, program_parameters
 from .saved import kept
 from .storage import Branch, is_view
 
@@ -165,13 +165,9 @@ class Simulation:
         # Adam's step counts are CPU tensors unless the fused implementation runs: host memory beside a CUDA step
         step_on_host = device == "cuda" and self.impl != "fused"
         self.owner: dict[str, int] = {}     # storage name -> id, for values alive across the step
-        params: list[tuple[str, tuple[sympy.Expr, ...]]] = []
+        params = program_parameters(graph)
         for n in self.order:
             node = graph.node(n)
-            if node.kind == "parameter":
-                params.append((n, node.params["value"]))
-            else:
-                params += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
             if node.kind in ("input", "buffer"):
                 cat = "input" if node.kind == "input" else "parameter"
                 self.owner[n] = self.new(n, cat, self.size(node.out), n)
@@ -566,15 +562,10 @@ class Simulation:
         return found
 
     def _listed(self) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
-        """The parameters as model.parameters() lists them: a module's own parameters before its submodules'
-        (free-standing ones -- a class token, a position table -- first, then the layers' in the order they run)."""
+        """The parameters as model.parameters() lists them (:mod:`.parameters`)."""
         if self.flat is not None:
             return self.flat
-        free = {n for n in self.order if self.graph.node(n).kind == "parameter" and "." not in _plain(n)}
-        listed = sorted(self.params, key=lambda p: p[0] not in free)
-        for child, anchor in self.graph.graph.get("registered_after", {}).items():
-            listed = _registered_after(listed, child, anchor)
-        return listed
+        return in_registration_order(self.graph, self.params)
 
     def optimizer_step(self, first: bool) -> None:
         """``optimizer.step()``: its temporaries, and in the first step the state (:func:`step_events`)."""
@@ -722,27 +713,3 @@ def _model_output(graph: Graph) -> str | None:
 def node_of(graph: Graph, name: str) -> Node:
     return graph.node(name)
 
-
-def _plain(name: str) -> str:
-    """A node's name without its layer tags (``layers.mlp.up#2.weight`` -> ``layers.mlp.up.weight``)."""
-    return re.sub(r"#\d+", "", name)
-
-
-def _registered_after(listed: list[tuple[str, Any]], child: str, anchor: str) -> list[tuple[str, Any]]:
-    """``listed`` with each parameter of a submodule named ``child`` moved after the last parameter of the
-    submodule ``anchor`` in the same layer: where a module registers a child after others that run later
-    (HF Llama's norms after the attention and the MLP), ``model.parameters()`` lists it there."""
-    def segments(name: str) -> list[str]:
-        return _plain(name).split(".")
-
-    def layer(name: str) -> str | None:
-        found = re.search(r"#(\d+)", name)
-        return found.group(1) if found else None
-
-    out = list(listed)
-    for item in [q for q in listed if child in segments(q[0])]:
-        out.remove(item)
-        ahead = [i for i, q in enumerate(out) if anchor in segments(q[0])
-                 and (layer(item[0]) is None or layer(q[0]) == layer(item[0]))]
-        out.insert(ahead[-1] + 1 if ahead else len(out), item)
-    return out

@@ -60,6 +60,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel
 from ..timeline import Row, Which
 from ..training import Regime
+from .parameters import node_parameters
 from .unroll import template
 
 
@@ -117,8 +118,7 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
     for n in outside:
         node = graph.node(n)
         if node.group == "head":
-            for shape in ([tuple(node.params["value"])] if node.kind == "parameter" else
-                          [tuple(x) for x in node.params.values()]):
+            for _, shape in node_parameters(n, node):
                 head_grads += numel(shape) * 4 / (t if len(shape) >= 2 else 1)
     backward = at_rest + rank.saved - head_saved + stream + 5 * stream + 8 + head_grads
     if sequence:
@@ -169,9 +169,7 @@ def _step_temporaries(graph: Graph) -> sympy.Expr:
     count: sympy.Expr = sympy.Integer(1)
     for n in graph.program_order():
         node = graph.node(n)
-        shapes = [tuple(node.params["value"])] if node.kind == "parameter" else [tuple(s) for s in
-                                                                                  node.params.values()]
-        for shape in shapes:
+        for _, shape in node_parameters(n, node):
             local = numel(shape) * 4 / (t if len(shape) >= 2 else 1)
             if node.block is not None:
                 count = node.count

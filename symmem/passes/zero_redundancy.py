@@ -48,6 +48,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..training import RANK_OPTION, Regime
+from .parameters import in_registration_order, program_parameters
 
 #: The engine's name (:data:`symmem.training.DATA_PARALLEL`).
 ENGINE = "zero-redundancy"
@@ -74,17 +75,9 @@ def partition(sizes: Sequence[int], world: int) -> list[list[int]]:
 
 
 def listed(graph: Any) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
-    """The parameters of a (written out) graph as ``model.parameters()`` lists them, as the schedule names them:
-    free-standing ones first, then the layers' in the order they run."""
-    order = list(graph.program_order())
-    free, layers = [], []
-    for n in order:
-        node = graph.node(n)
-        if node.kind == "parameter":
-            free.append((n, node.params["value"]))
-        else:
-            layers += [(f"{n}.{p}", shape) for p, shape in node.params.items()]
-    return free + layers
+    """The parameters of a (written out) graph as ``model.parameters()`` lists them, as the schedule names them
+    (:func:`symmem.passes.parameters.in_registration_order`)."""
+    return in_registration_order(graph, program_parameters(graph))
 
 
 def listed_whole(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple[sympy.Expr, ...]]]:
@@ -96,6 +89,9 @@ def listed_whole(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple
     >>> from symmem.passes.unroll import unroll
     >>> g = build("gpt2").graph
     >>> listed_whole(g, {"h": 3}) == listed(unroll(g, {"h": 3}))
+    True
+    >>> g = build("llama").graph
+    >>> listed_whole(g, {"layers": 3}) == listed(unroll(g, {"layers": 3}))
     True
     """
     order = list(graph.program_order())
@@ -110,9 +106,7 @@ def listed_whole(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple
         members = [n for n in order if graph.node(n).block == node.block]
         written += [(f"{m}#{k}", graph.node(m)) for k in range(1, counts[node.block] + 1) for m in members]
         i += len(members)
-    free = [(n, node.params["value"]) for n, node in written if node.kind == "parameter"]
-    return free + [(f"{n}.{p}", shape) for n, node in written if node.kind != "parameter"
-                   for p, shape in node.params.items()]
+    return in_registration_order(graph, program_parameters(graph, written))
 
 
 def engaged(regime: Regime) -> bool:

@@ -1,0 +1,63 @@
+"""A graph's parameters as PyTorch holds them: each node's (name, shape), and the order ``model.parameters()``
+lists them in -- the order a for-loop optimizer steps them and ZeroRedundancyOptimizer partitions them.
+
+A free-standing parameter node is a ``nn.Parameter`` of the module its name's scope names: one at the root (a
+class token, a position table: no dot in its name) is the root's own and comes first; one inside a submodule
+(Llama's norm weights) stands with that submodule.  Submodules are listed in the order they run, except where
+the model's graph says a module registers a child after others (``graph.graph["registered_after"]``: child ->
+the sibling it follows, as HF's LlamaDecoderLayer registers its norms after ``self_attn`` and ``mlp``).
+
+>>> from symmem.models import build
+>>> g = build("llama").graph
+>>> [n for n, _ in in_registration_order(g, program_parameters(g))][-5:]  # as LlamaForCausalLM lists them
+['layers.mlp.down_proj.weight', 'layers.input_layernorm.weight', 'layers.post_attention_layernorm.weight', \
+'norm.weight', 'lm_head.weight']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import sympy
+
+from .unroll import iteration, template
+
+Listed = list[tuple[str, tuple[sympy.Expr, ...]]]
+
+
+def node_parameters(name: str, node: Any) -> Listed:
+    """The parameters one node holds, as the schedule names them: a parameter node is one (its own name), an op
+    node one per parameter (``<node>.<param>``)."""
+    if node.kind == "parameter":
+        return [(name, tuple(node.params["value"]))]
+    return [(f"{name}.{p}", tuple(shape)) for p, shape in node.params.items()]
+
+
+def program_parameters(graph: Any, named: Iterable[tuple[str, Any]] | None = None) -> Listed:
+    """Every parameter of ``graph`` (or of the ``(name, node)`` pairs ``named``), in the order the nodes run."""
+    pairs = named if named is not None else ((n, graph.node(n)) for n in graph.program_order())
+    return [p for n, node in pairs for p in node_parameters(n, node)]
+
+
+def in_registration_order(graph: Any, params: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``params`` (in the order their nodes run) as ``model.parameters()`` lists them (module docstring)."""
+    listed = sorted(params, key=lambda p: "." in template(p[0]))  # the root's own first; stable otherwise
+    for child, anchor in graph.graph.get("registered_after", {}).items():
+        listed = _registered_after(listed, child, anchor)
+    return listed
+
+
+def _registered_after(listed: list[tuple[str, Any]], child: str, anchor: str) -> list[tuple[str, Any]]:
+    """``listed`` with each parameter of a submodule named ``child`` moved after the last parameter of the
+    submodule ``anchor`` in the same layer."""
+    def segments(name: str) -> list[str]:
+        return template(name).split(".")
+
+    out = list(listed)
+    for item in [q for q in listed if child in segments(q[0])]:
+        out.remove(item)
+        layer = iteration(item[0])  # 0: outside the repeated blocks, after the anchor's last parameter anywhere
+        ahead = [i for i, q in enumerate(out) if anchor in segments(q[0]) and layer in (0, iteration(q[0]))]
+        out.insert(ahead[-1] + 1 if ahead else len(out), item)
+    return out
