@@ -226,7 +226,10 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     # What PyTorch itself kept needs no "the convention cannot see this" note: a module that keeps no activation
     # (a lone Linear keeps only its input) keeps none.
     notes: tuple[str, ...] = ()
-    if regime.data_parallel in ("fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op"):
+    from ..passes.data_parallel import SHARDED
+    from ..passes.fsdp1 import FSDP1
+
+    if regime.data_parallel in (*SHARDED, *FSDP1):
         from .traced_engines import policy  # which modules fully_shard wraps: said, as the peak follows it
 
         notes = (policy(regime, rep),)

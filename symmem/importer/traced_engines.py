@@ -92,11 +92,7 @@ def engine_of(regime: Regime) -> Engine | None:
 
 def refusal(regime: Regime, step: Any) -> str | None:
     """Why a traced step is not followed under ``regime``'s engine (None: it is)."""
-    dp = regime.data_parallel
-    if dp is not None and dp not in ("ddp", "ddp-bucket-view", ZERO_REDUNDANCY, *SHARDED, *FSDP1):
-        return (f"the peak of a traced module under data_parallel={dp!r} is not modelled yet (under ddp, "
-                "ddp-bucket-view, zero-redundancy, fsdp, fsdp-no-reshard, fsdp1 and fsdp1-grad-op it is; the kept "
-                "memory and total are)")
+    dp = regime.data_parallel  # every engine Regime accepts (training.DATA_PARALLEL) is followed
     sharded = dp in SHARDED or dp in FSDP1
     if sharded and step.options.micro_batches != 1:
         return (f"the peak under data_parallel={dp!r} is modelled for one micro-batch (FSDP's gradient accumulation "

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -358,7 +358,6 @@ class TracedPipelineStep(PipelineStep):
     two-micro-batch step (``step``, a :class:`~symmem.importer.traced_step.StepPeak`) cut into ``p`` stages."""
 
     step: StepPeak | None = None
-    _cuts: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def _stages(self) -> Any:
         return None

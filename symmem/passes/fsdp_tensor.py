@@ -320,24 +320,17 @@ class MeshStep:
         """``{rank: (first-step peak, steady peak)}`` of every rank of the mesh, ``r`` at ``(r // t, r % t)``: a
         data-parallel rank holds the rows :func:`~symmem.passes.data_parallel.held_shape` gives of each
         tensor-parallel shard, so each distinct set of rows is worked out once, however large N is."""
-        from ..symbols import N, t
-        from .data_parallel import held_shape
+        from ..symbols import t
 
         merged = {**self.numbers, **numbers}
-        named = self._named(numbers)
-        env = {s: sympy.Integer(v) for s, v in merged.items()}
-        firsts = sorted({int(shape[0].xreplace(env)) for _, _, shape in parameters(self.graph) if shape})
-        by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
         out: dict[int, tuple[int, int]] = {}
-        for dp in range(int(merged[N])):
-            rows = tuple(int(held_shape((d,), merged[N], dp)[0]) for d in firsts)
-            if rows not in by_rows:
-                p = self.peak(numbers, dp)
-                by_rows[rows] = (int(p.value(merged, "first")), int(p.value(merged)))
-            for tp in range(int(merged[t])):
-                out[dp * int(merged[t]) + tp] = by_rows[rows]
-        del named
-        return out
+        for group in alike_ranks(self.graph, merged):
+            p = self.peak(numbers, group[0])
+            found = (int(p.value(merged, "first")), int(p.value(merged)))
+            for dp in group:
+                for tp in range(int(merged[t])):
+                    out[dp * int(merged[t]) + tp] = found
+        return dict(sorted(out.items()))
 
     def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
         """:meth:`ranks` at ``derivation``'s numbers where they differ (None: every rank alike)."""
@@ -358,6 +351,21 @@ class MeshStep:
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         raise SymmemError("the FSDP x TP peak in CUDA's 512-byte blocks is not modelled: the peak per device is in "
                           "bytes of tensors")
+
+
+def alike_ranks(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:
+    """The data-parallel ranks ``0 .. N-1`` grouped by the rows of each tensor-parallel shard's dim 0 they hold
+    (:func:`~symmem.passes.data_parallel.held_shape`): ranks of one group hold the same bytes, so each group is
+    worked out once, however large N is."""
+    from ..symbols import N
+    from .data_parallel import held_shape
+
+    env = {s: sympy.Integer(v) for s, v in numbers.items()}
+    firsts = sorted({int(shape[0].xreplace(env)) for _, _, shape in parameters(graph) if shape})
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for dp in range(int(numbers[N])):
+        groups.setdefault(tuple(int(held_shape((d,), numbers[N], dp)[0]) for d in firsts), []).append(dp)
+    return list(groups.values())
 
 
 def _step_temporaries(graph: Graph, rank: int) -> sympy.Expr:

@@ -29,6 +29,7 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Algebra, Candidate, Peak, summarize
 from ..shapes import numel as shape_numel
+from ..symbols import N
 from ..timeline import Event, Live, Row, Timeline, Which, checked
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every, refuse_one_rank
 from . import branches as size_branches
@@ -36,9 +37,6 @@ from . import zero_redundancy
 from .schedule import MICRO_BATCH_PASSES, Simulation, optimizer_impl, simulate, state_storages, walk_step
 from .storage import Branch
 from .unroll import iteration, template, unroll
-
-#: the world size
-WORLD = sympy.Symbol("N", positive=True, integer=True)
 
 
 @dataclass(eq=False)
@@ -97,7 +95,7 @@ class GraphStep:
 
     def _ranks_domain(self) -> tuple[sympy.Basic, ...]:
         """FSDP's steps hold for N >= 2: on one rank the engines skip their collectives."""
-        return (sympy.Ge(WORLD, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
+        return (sympy.Ge(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         refuse_one_rank(self.regime.data_parallel, numbers)

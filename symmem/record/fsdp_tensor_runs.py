@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
+from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS  # the steps repeated_steps records
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,6 @@ class MeshRun:
     peaks: tuple[int, ...] = ()
 
 
-#: Recorded steps: first ones (each with a new AdamW, which makes its state), then steady ones
-FIRST_STEPS, STEADY_STEPS = 2, 2
 
 
 def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, options: Mapping[str, Any],

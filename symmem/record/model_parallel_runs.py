@@ -1,6 +1,6 @@
 """Real model-parallel training steps, measured per rank: ``torch.distributed.pipelining`` on gloo (CPU, 127.0.0.1).
 
-:func:`pipeline_runs` starts ``world`` processes (forked: no second import of torch), joins them in one gloo
+:func:`runs` starts ``world`` processes (forked: no second import of torch), joins them in one gloo
 process group on a free 127.0.0.1 port with a timeout, and in each rank runs every case asked for -- a schedule
 (``gpipe``: ``ScheduleGPipe``, ``1f1b``: ``Schedule1F1B``) and a micro-batch count ``M`` -- as two training steps
 (the pipeline's forward and backward of ``M`` micro-batches, AdamW's step, ``zero_grad``) of that rank's stage

@@ -5,7 +5,7 @@ The truth for :mod:`symmem.importer.traced_pipeline`.  A module whose forward ru
 split holds -- the input layer on stage 0, ``L/p`` blocks each, the head and the loss on the last) is split by
 :class:`SequentialSplit` and trained two steps on ``world`` gloo ranks under ``ScheduleGPipe`` or ``Schedule1F1B``
 (FP32 AdamW, for-loop), each rank under the live-bytes recorder -- the same measurement as
-:func:`symmem.record.model_parallel_runs.pipeline_runs` makes for the reference models (:class:`StageRun` per rank).
+:func:`symmem.record.model_parallel_runs.runs` makes for the reference models (:class:`StageRun` per rank).
 Needs ``torch`` (with ``torch.distributed``).
 """
 
@@ -144,8 +144,6 @@ def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: 
     import importlib
     import multiprocessing
 
-    if start_method not in ("fork", "forkserver"):
-        raise SymmemError(f"the ranks start by 'fork' or 'forkserver', not {start_method!r}")
     importlib.import_module("torch.distributed.pipelining")  # imported once: the forked ranks inherit it
     if start_method == "forkserver":
         from .distributed import PRELOAD
