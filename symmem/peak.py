@@ -448,11 +448,18 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
     bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:
         return _envelope(cands, {k: {alg.monomials[i]: v for i, v in t.items()} for k, t in totals.items()})
-    survivors: list[Candidate] = []
-    for c in cands:
-        if not any(_at_least(totals[k.key], totals[c.key]) for k in survivors):
-            survivors = [k for k in survivors if not _at_least(totals[c.key], totals[k.key])] + [c]
-    return survivors
+    by_key = {c.key: c for c in cands}
+    return [by_key[k] for k in survivors([c.key for c in cands], totals)]
+
+
+def survivors(order: Sequence[Any], totals: Mapping[Any, Mapping[int, int]]) -> list[Any]:
+    """The keys of ``order`` (largest first) whose totals no other's provably exceeds (:func:`_at_least`), in
+    the order they were kept: each one drops the kept ones it exceeds, the first of equals stays."""
+    kept: list[Any] = []
+    for c in order:
+        if not any(_at_least(totals[k], totals[c]) for k in kept):
+            kept = [k for k in kept if not _at_least(totals[c], totals[k])] + [c]
+    return kept
 
 
 def _envelope(cands: list[Candidate], totals: Mapping[tuple, Mapping[tuple, int]]) -> list[Candidate]:

@@ -27,7 +27,7 @@ import sympy
 from ..conventions import Convention
 from ..errors import SymmemError
 from ..graph import Graph
-from ..peak import Algebra, Candidate, Peak, summarize
+from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..timeline import Event, Live, Row, Timeline, Which, checked
@@ -393,18 +393,15 @@ def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, alg: Algebra,
         return None
     order = sorted(range(len(cands)), key=lambda i: -values[i])  # type: ignore[operator]
     totals = [alg.total(c) for c in cands]
-    survivors: list[int] = []
-    for i in order:
-        if not any(_covers(totals[k], totals[i]) for k in survivors):
-            survivors = [k for k in survivors if not _covers(totals[i], totals[k])] + [i]
+    kept = survivors(order, totals)
 
     def bases(ids: list[int]) -> set[Any]:
         return {b for i in ids for m in totals[i] for b, _ in alg.monomials[m]}
 
     every = bases(list(range(len(cands))))
-    if len(every) < 2 or bases(survivors) != every:
+    if len(every) < 2 or bases(kept) != every:
         return None
-    kept = sorted(survivors)
+    kept = sorted(kept)
     return _Shared({cands[i].key: totals[i] for i in kept}, {cands[i].key: values[i] for i in kept},
                    alg.total(ended), values[-1], alg._id(()), alg.scale)
 
@@ -437,16 +434,7 @@ class _Shared:
         in its order."""
         totals = [self._with(self.totals[k], extra) for k in keys] + [self._with(self.end, own)]
         values = [self.values[k] + extra for k in keys] + [self.end_value + own]
-        survivors: list[int] = []
-        for i in sorted(range(len(totals)), key=lambda i: -values[i]):
-            if not any(_covers(totals[k], totals[i]) for k in survivors):
-                survivors = [k for k in survivors if not _covers(totals[i], totals[k])] + [i]
-        return survivors
-
-
-def _covers(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
-    """``a >= b`` on the domain (:func:`symmem.peak.prune`'s test)."""
-    return all(a.get(k, 0) >= v for k, v in b.items())
+        return survivors(sorted(range(len(totals)), key=lambda i: -values[i]), totals)
 
 
 def _bytes(size: sympy.Expr, subs: Mapping[sympy.Symbol, Any]) -> int | None:
