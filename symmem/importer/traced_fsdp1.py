@@ -30,7 +30,9 @@ from typing import Any
 
 import sympy
 
-from ..passes.schedule import _oldest_first, step_events
+from ..passes.data_parallel import ceil_div
+from ..passes.fsdp1 import _at_most_one
+from ..passes.schedule import _oldest_first, state_storages, step_events
 from ..symbols import N
 from ..training import Regime
 from .recording import StepOp, StepRecord
@@ -39,7 +41,7 @@ from .traced_fsdp import FsdpRewrite
 
 def flat_shard(numel: Any, world: Any) -> sympy.Expr:
     """Elements of one rank's shard of a flat parameter of ``numel`` elements (padded to a multiple of ``world``)."""
-    return sympy.ceiling(sympy.Integer(numel) / world)
+    return ceil_div(sympy.Integer(numel), world)
 
 
 @dataclasses.dataclass
@@ -101,7 +103,7 @@ class Fsdp1Rewrite(FsdpRewrite):
         padded = N * self.flat_k[unit]
         # F.pad copies the flat gradient only where N does not divide it: Min(1, padding) is 0 or 1
         pad = self.new(f"fsdp1.padded_grad[{name}]", "temporary",
-                       sympy.Min(1, padded - self.flat[unit]) * padded * size, "backward")
+                       _at_most_one(padded - self.flat[unit]) * padded * size, "backward")
         shard = self.new(f"fsdp1.sharded_grad[{name}]", "gradient", self.flat_k[unit] * size, "backward")
         self.sharded_grads.append(shard)
         self.event("backward", unit, "fsdp1.pad", born=[pad])
@@ -126,11 +128,8 @@ class Fsdp1Rewrite(FsdpRewrite):
         numel = {name: self.flat_k[u] for name, u in flats}
         state_ids: dict[str, list[int]] = {}
         for name, u in flats:
-            ids = [self.new(f"flat[{self._name(u)}].{s}", "optimizer_state", e, "step")
-                   for s, e in regime.optimizer_spec.state_bytes((self.flat_k[u],))]
-            if self.optimizer in ("adam", "adamw") and ids:
-                ids.append(self.new(f"flat[{self._name(u)}].step", "optimizer_state", sympy.Integer(4), "step"))
-            state_ids[name] = ids
+            state_ids[name] = [self.new(label, category, size, "step") for label, category, size, _, _ in
+                               state_storages(regime, f"flat[{self._name(u)}]", (self.flat_k[u],), False)]
         step_born = {i for o in rec.ops if o.phase == "step" for i in o.born}
         ops: list[StepOp] = []
         for o in rec.ops:
