@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name.replace('_', ' '):<16} {found[name]:>16,}")
     print(f"  {'total':<16} {sum(found.values()):>16,}")
     if getattr(args, "data_parallel", None):
-        from ..passes.fsdp_tensor import alike_ranks
+        from ..passes.fsdp_tensor import mesh_groups
 
         graph = getattr(d.step, "graph", None)  # a refused peak's step has none: every rank then
-        groups = alike_ranks(graph, d.numbers) if graph is not None else [[r] for r in range(numbers["N"])]
+        groups = mesh_groups(graph, d.numbers) if graph is not None else [[r] for r in range(numbers["N"])]
         states = [0] * numbers["N"]
         for group in groups:  # each set of held rows once
             state = tensor_parallel_rank(args.model, values=values, rank=group[0], **kw).at(numbers)["optimizer_state"]

@@ -37,7 +37,7 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
-from ..passes.data_parallel import SHARDED, held_shape
+from ..passes.data_parallel import SHARDED, alike_ranks
 from ..passes.fsdp1 import FSDP1
 from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
 from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
@@ -229,16 +229,12 @@ class EngineStepPeak(StepPeak):
         assert self.engine is not None
         if self.engine.kind not in SHARDED:
             return None
-        world = int(derivation.numbers[N])
-        firsts = sorted({int(p.shape[0]) for p in self.module.parameters() if p.dim()})
-        by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
         found = {}
-        for rank in range(world):
-            rows = tuple(int(held_shape((d,), world, rank)[0]) for d in firsts)
-            if rows not in by_rows:
-                d = dataclasses.replace(derivation, step=self.at_rank(rank))
-                by_rows[rows] = (int(d.value("peak_first_step")), int(d.value("peak")))
-            found[rank] = by_rows[rows]
+        firsts = [p.shape[0] for p in self.module.parameters() if p.dim()]
+        for group in alike_ranks(firsts, int(derivation.numbers[N])):
+            d = dataclasses.replace(derivation, step=self.at_rank(group[0]))
+            found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))
+        found = dict(sorted(found.items()))
         return found if len(set(found.values())) > 1 else None
 
 

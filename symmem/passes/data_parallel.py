@@ -341,19 +341,30 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return None
     if hasattr(step, "rank_peaks"):  # a traced module's step: every rank (importer/traced_engines.py)
         return step.rank_peaks(derivation)
-    world = int(world)
-    firsts = sorted({int(derivation.evaluate(shape[0])) for shape in _stored(step.graph).values() if shape})
-    by_rows: dict[tuple[int, ...], tuple[int, int]] = {}
+    firsts = [derivation.evaluate(shape[0]) for shape in _stored(step.graph).values() if shape]
     found = {}
-    for rank in range(world):
-        rows = tuple(int(held_shape((d,), world, rank)[0]) for d in firsts)
-        if rows not in by_rows:
-            options = {**step.options, RANK_OPTION: rank}
-            d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={},
-                                                                         _all=None, _written=None))
-            by_rows[rows] = (int(d.value("peak_first_step")), int(d.value("peak")))
-        found[rank] = by_rows[rows]
+    for group in alike_ranks(firsts, int(world)):
+        options = {**step.options, RANK_OPTION: group[0]}
+        d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={}, _all=None,
+                                                                     _written=None))
+        found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))
+    found = dict(sorted(found.items()))
     return found if len(set(found.values())) > 1 else None
+
+
+def alike_ranks(firsts: Sequence[Any], world: int) -> list[list[int]]:
+    """The ranks ``0 .. world-1`` grouped by the rows they hold of tensors whose dim 0 is each of ``firsts``
+    (:func:`held_shape`): the ranks of a group hold the same bytes, so each group is worked out once, however
+    large ``world`` is.
+
+    >>> alike_ranks([10, 4], 4)   # rows 3, 3, 3, 1 of 10; 1 each of 4
+    [[0, 1, 2], [3]]
+    """
+    sizes = sorted({int(d) for d in firsts})
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(world):
+        groups.setdefault(tuple(int(held_shape((d,), world, rank)[0]) for d in sizes), []).append(rank)
+    return list(groups.values())
 
 
 def _stored(graph: Any) -> dict[str, tuple[sympy.Expr, ...]]:

@@ -324,7 +324,7 @@ class MeshStep:
 
         merged = {**self.numbers, **numbers}
         out: dict[int, tuple[int, int]] = {}
-        for group in alike_ranks(self.graph, merged):
+        for group in mesh_groups(self.graph, merged):
             p = self.peak(numbers, group[0])
             found = (int(p.value(merged, "first")), int(p.value(merged)))
             for dp in group:
@@ -353,19 +353,14 @@ class MeshStep:
                           "bytes of tensors")
 
 
-def alike_ranks(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:
-    """The data-parallel ranks ``0 .. N-1`` grouped by the rows of each tensor-parallel shard's dim 0 they hold
-    (:func:`~symmem.passes.data_parallel.held_shape`): ranks of one group hold the same bytes, so each group is
-    worked out once, however large N is."""
+def mesh_groups(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:
+    """The data-parallel ranks of an N x t mesh grouped by the rows of each tensor-parallel shard they hold
+    (:func:`~symmem.passes.data_parallel.alike_ranks`)."""
     from ..symbols import N
-    from .data_parallel import held_shape
+    from .data_parallel import alike_ranks
 
     env = {s: sympy.Integer(v) for s, v in numbers.items()}
-    firsts = sorted({int(shape[0].xreplace(env)) for _, _, shape in parameters(graph) if shape})
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for dp in range(int(numbers[N])):
-        groups.setdefault(tuple(int(held_shape((d,), numbers[N], dp)[0]) for d in firsts), []).append(dp)
-    return list(groups.values())
+    return alike_ranks([shape[0].xreplace(env) for _, _, shape in parameters(graph) if shape], int(numbers[N]))
 
 
 def _step_temporaries(graph: Graph, rank: int) -> sympy.Expr:
