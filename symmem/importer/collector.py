@@ -27,18 +27,18 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..graph import paused_gc
+
 
 @contextmanager
 def no_young_passes() -> Iterator[None]:
-    """No automatic collection inside; afterwards what the block left is in the oldest generation, unwalked."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        gc.enable()
+    """No automatic collection inside (:func:`symmem.graph.paused_gc`); afterwards what the block left is in the
+    oldest generation, unwalked."""
+    enabled = gc.isenabled()
+    with paused_gc():
+        try:
+            yield
+        finally:
+            if enabled and gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
