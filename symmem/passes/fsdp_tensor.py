@@ -364,27 +364,10 @@ def mesh_groups(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[
 
 
 def _step_temporaries(graph: Graph, rank: int) -> sympy.Expr:
-    """For-loop AdamW's largest temporaries on the 2-D shards (the rows ``rank`` holds): ``Max`` over the
-    parameters, in the order the Llama reference lists them (the embedding; each layer's linears, then its
-    norms; the final norm; the head), of two of a parameter's size beside the previous parameter's ``denom``."""
+    """For-loop AdamW's largest temporaries on the 2-D shards (the rows ``rank`` holds of each tensor-parallel
+    shard): :func:`symmem.passes.tensor_step._step_temporaries` with each parameter at those bytes."""
     from ..symbols import N
     from .data_parallel import held_shape
+    from .tensor_step import _step_temporaries as temporaries
 
-    first: list[sympy.Expr] = []
-    layer: list[sympy.Expr] = []
-    norms: list[sympy.Expr] = []
-    last: list[sympy.Expr] = []
-    count: sympy.Expr = sympy.Integer(1)
-    for n, c, shape in parameters(graph):
-        node = graph.node(n)
-        size = numel(held_shape(shape, N, rank)) * 4
-        if node.block is not None:
-            count = c
-            (layer if len(shape) >= 2 else norms).append(size)
-        else:
-            (first if node.kind == "embedding" else last).append(size)
-    order = first + layer + norms + last
-    candidates = [2 * order[0]] + [a + 2 * b for a, b in zip(order, order[1:], strict=False)]
-    again = (norms or layer)[-1] + 2 * layer[0]
-    candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
-    return sympy.Max(*candidates)
+    return temporaries(graph, lambda n, shape: numel(held_shape(tp_shape(graph, n, shape), N, rank)) * 4)

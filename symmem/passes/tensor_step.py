@@ -47,7 +47,7 @@ fewest bytes over repeated steps.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -156,11 +156,17 @@ def _async_gathers(graph: Graph, keepers: Sequence[str]) -> int:
         graph.node(k).role == "mlp_hidden" or graph.node(k).group == "head"))
 
 
-def _step_temporaries(graph: Graph) -> sympy.Expr:
+def _step_temporaries(graph: Graph, local: Callable[[str, tuple[sympy.Expr, ...]], sympy.Expr] | None = None
+                      ) -> sympy.Expr:
     """For-loop Adam's largest temporaries on the local shards: ``Max`` over the parameters, in the order the
     Llama reference lists them (the embedding; each layer's linears, then its norms; the final norm; the head),
-    of two of a parameter's size beside the previous parameter's ``denom``."""
+    of two of a parameter's size beside the previous parameter's ``denom``.  ``local(node, shape)``: a
+    parameter's bytes on the rank (default: a tensor-parallel shard's, a matrix split over ``t``)."""
     from ..symbols import t
+
+    if local is None:
+        def local(n: str, shape: tuple[sympy.Expr, ...]) -> sympy.Expr:
+            return numel(shape) * 4 / (t if len(shape) >= 2 else 1)
 
     first: list[sympy.Expr] = []
     layer: list[sympy.Expr] = []
@@ -170,12 +176,12 @@ def _step_temporaries(graph: Graph) -> sympy.Expr:
     for n in graph.program_order():
         node = graph.node(n)
         for _, shape in node_parameters(n, node):
-            local = numel(shape) * 4 / (t if len(shape) >= 2 else 1)
+            size = local(n, shape)
             if node.block is not None:
                 count = node.count
-                (layer if len(shape) >= 2 else norms).append(local)
+                (layer if len(shape) >= 2 else norms).append(size)
             else:
-                (first if node.kind == "embedding" else last).append(local)
+                (first if node.kind == "embedding" else last).append(size)
     if len(first) != 1 or not layer or not last:
         raise SymmemError("the tensor-parallel step follows the Llama reference's parameters (an embedding, "
                           "repeated layers, a head)")
