@@ -482,6 +482,7 @@ def devices_rows() -> None:
     import torch
     import torch.nn.functional as F
 
+    from symmem.record.verify import measure
 
     class Att(torch.nn.Module):
         def __init__(self, kv_heads: int, p: float) -> None:
@@ -502,12 +503,12 @@ def devices_rows() -> None:
                          (4, 0.1, torch.bfloat16), (2, 0.0, torch.bfloat16)):
         m = Att(kv, p).to(DEVICE).to(dtype)
         x = torch.randn(2, 40, 32, device=DEVICE, dtype=dtype, requires_grad=True)
-        saved = _saved_with_devices(m, x)
-        host = [t for t in saved if t.device.type != "cuda"]
+        saved = measure(m, x).storages("activation")
+        host = [s for s in saved if not s.device.startswith("cuda")]
         print(f"  devices   sdpa kv_heads={kv} p={p} {dtype}: "
-              + ", ".join(f"{t.dtype}{list(t.shape)}@{t.device}" for t in saved), flush=True)
+              + ", ".join(f"{s.dtype}{list(s.shape)}@{s.device}" for s in saved), flush=True)
         ROWS.append({"section": "devices", "case": f"sdpa kv={kv} p={p} {dtype}", "ok": True,
-                     "host": [(str(t.dtype), list(t.shape)) for t in host]})
+                     "host": [(s.dtype, list(s.shape)) for s in host]})
     # a causal SDPA traced on fake CUDA: what pinned B and S
     import logging
 
@@ -520,24 +521,6 @@ def devices_rows() -> None:
         print(f"  devices   hf gpt2 sdpa traced on fake CUDA: {exc}", flush=True)
     finally:
         logging.getLogger("torch.fx.experimental.symbolic_shapes").setLevel(logging.WARNING)
-
-
-def _saved_with_devices(module: Any, x: Any) -> list[Any]:
-    """The tensors autograd saves in one forward of ``module(x)``, one per storage, parameters and the input left
-    out (the measurement's storage keys carry no device)."""
-    import torch
-
-    packed: list[Any] = []
-
-    def pack(t: Any) -> Any:
-        packed.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    given = {t.untyped_storage()._cdata for t in (*module.parameters(), x)}
-    one = {t.untyped_storage()._cdata: t for t in packed if t.untyped_storage().nbytes()}
-    return [t for k, t in one.items() if k not in given]
 
 
 SECTIONS = {"reference": reference_rows, "third": third_rows, "traced": traced_rows,

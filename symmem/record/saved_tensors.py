@@ -45,6 +45,7 @@ class Packed:
     label: str | None = None  # the parameter, buffer or input name, for those kinds
     saver: int = -1  # autograd sequence number of the node being built when it was packed
     producer: str | None = None  # the packed tensor's own grad_fn (None for one that needs no gradient)
+    device: str = ""  # where its storage lives (``cuda:0``, ``cpu``: a kernel's host scalars)
 
 
 @dataclass
@@ -294,7 +295,7 @@ class SavedRecorder:
         kind = "parameter" if key in self.params else "input" if key in self.inputs else "activation"
         rec = Packed(key, st.nbytes(), tuple(t.shape), dtype_name(t.dtype), self.modules.current, self.fn, kind,
                      self.births.get(key), self.params.get(key) or self.inputs.get(key), saver,
-                     t.grad_fn.name() if t.grad_fn is not None else None)
+                     t.grad_fn.name() if t.grad_fn is not None else None, str(t.device))
         self.packed.append((weakref.ref(d), rec))
         if self.held is not None:
             self.held.append(d)

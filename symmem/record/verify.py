@@ -34,7 +34,7 @@ class SavedInfo:
     the qualified name of the innermost module running, ``producer`` the tensor's own ``grad_fn`` (None for a
     tensor that needs no gradient: a mask, indices, statistics, the batch).  ``storage`` identifies the
     storage (:func:`symmem.record.identity.storage_key`); ``nbytes`` is the whole storage's size; ``kind`` is
-    ``activation``, ``input`` or ``parameter`` (parameters and buffers).
+    ``activation``, ``input`` or ``parameter`` (parameters and buffers); ``device`` the storage's.
     """
 
     op: str
@@ -45,6 +45,7 @@ class SavedInfo:
     nbytes: int
     storage: int
     kind: str
+    device: str = ""
 
     @property
     def label(self) -> str:
@@ -115,8 +116,8 @@ def measure(module: Any, *inputs: Any, **keyword_inputs: Any) -> Measurement:
     with rec.recording(dispatch=False):
         out = module(*inputs, **keyword_inputs)
     del out
-    return Measurement(tuple(SavedInfo(p.op, p.module, p.producer, p.shape, p.dtype, int(p.nbytes), p.key, p.kind)
-                             for _, p in rec.packed))
+    return Measurement(tuple(SavedInfo(p.op, p.module, p.producer, p.shape, p.dtype, int(p.nbytes), p.key, p.kind,
+                                       p.device) for _, p in rec.packed))
 
 
 @dataclass(frozen=True)
