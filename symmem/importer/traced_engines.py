@@ -40,8 +40,7 @@ from ..errors import SymmemError
 from ..passes.data_parallel import SHARDED, alike_ranks
 from ..passes.fsdp1 import FSDP1
 from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
-from ..passes.zero_redundancy import RankMoment, RanksPeak, _undominated
-from ..peak import Moment
+from ..passes.zero_redundancy import MOMENT_FIELDS, RankMoment, RanksPeak, _undominated
 from ..record.fsdp1_runs import STRATEGIES
 from ..symbols import N
 from ..training import Regime, refuse_one_rank
@@ -269,7 +268,10 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
             return [(n, tuple(int(d) for d in p.shape)) for n, p in self.module.named_parameters()]
 
     def domain(self) -> tuple[Any, ...]:
-        world, count = self._fixed({})
+        return self._domain_at(*self._fixed({}))
+
+    def _domain_at(self, world: int, count: int | None) -> tuple[Any, ...]:
+        """Where the peak holds: at the world size and layer count its partition was computed at."""
         fixed = (sympy.Eq(N, world), *((sympy.Eq(self.symbol, count),) if self.symbol is not None else ()))
         return (*fixed, *self._domain())
 
@@ -288,26 +290,33 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
             self._records[key] = _ddp(rec, parameters_of(rec, self.module, self.repeat), False)
         return self._records[key]
 
-    def _parts(self, at: Any) -> tuple[int, int | None, tuple[str, ...], list[tuple[int, ...]], list[Any]]:
+    def _key(self, at: Any) -> tuple[int, int | None, tuple[str, ...]]:
+        """The world size, the layer count and the sizes at 1 that ``at`` asks for."""
         world, count = self._fixed(at)
         by_symbol = {s: n for n, s in self.symbols.items()}
-        ones = tuple(sorted(by_symbol[s] for s, v in dict(at or {}).items() if s in by_symbol and v == 1))
-        params = self._listed(count)
-        sizes = [int(sympy.Mul(*shape)) for _, shape in params]
-        return world, count, ones, owned_order(sizes, world), params
+        return world, count, tuple(sorted(by_symbol[s] for s, v in dict(at or {}).items() if s in by_symbol and v == 1))
+
+    def _partition(self, world: int, count: int | None) -> tuple[list[tuple[int, ...]], list[Any]]:
+        """Each rank's parameters (indices, in its optimizer's order) and the module's parameters, worked out once
+        per world size and layer count."""
+        key = (ZERO_REDUNDANCY, "partition", world, count)
+        if key not in self._peaks:
+            params = self._listed(count)
+            self._peaks[key] = (owned_order([int(sympy.Mul(*shape)) for _, shape in params], world), params)
+        return self._peaks[key]  # type: ignore[return-value]  # stored under its own key
 
     def ranks(self, at: Any = None) -> RanksPeak:
         """Every rank's peak and the largest over them (ranks whose local optimizers step the same shapes in the
         same order step alike: recorded once)."""
-        world, count, ones, parts, params = self._parts(at)
+        world, count, ones = self._key(at)
         key = (ZERO_REDUNDANCY, world, count, ones)
         if key in self._peaks:
             return self._peaks[key]  # type: ignore[return-value]  # a RanksPeak, stored under its own key
+        parts, params = self._partition(world, count)
         groups: dict[tuple[Any, ...], list[int]] = {}
         for rank, idx in enumerate(parts):
             groups.setdefault(tuple(params[i][1] for i in idx), []).append(rank)
-        fixed = (sympy.Eq(N, world), *((sympy.Eq(self.symbol, count),) if self.symbol is not None else ()))
-        domain = (*fixed, *self._domain())
+        domain = self._domain_at(world, count)
         numbers = {**self.numbers, **dict(at or {}), N: world}
         per_rank: dict[int, Any] = {}
         moments: list[RankMoment] = []
@@ -319,8 +328,8 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
             held = sum(int(sympy.sympify(rec.storages[i].nbytes, strict=True)) for i in rec.state())
             per_rank.update({r: found for r in ranks})
             state.update({r: held for r in ranks})
-            moments += [RankMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(Moment)},
-                                   rank=ranks[0], ranks=world) for m in found.moments]
+            moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS}, rank=ranks[0], ranks=world)
+                        for m in found.moments]
         out = RanksPeak(None, None, tuple(_undominated(moments)), domain, ())
         out.per_rank = dict(sorted(per_rank.items()))
         out._state = [state[r] for r in range(world)]
@@ -338,7 +347,8 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
 
     def _at(self, at: Any) -> tuple[StepRecord, Any, tuple[str, ...]]:
         """The step of the rank whose steady step peaks highest at ``at``."""
-        world, count, ones, parts, _ = self._parts(at)
+        world, count, ones = self._key(at)
+        parts, _ = self._partition(world, count)
         rank = getattr(self.ranks(at).at({**self.numbers, **dict(at)}, "steady"), "rank", 0)
         return self.rank_record(count, ones, parts[rank]), count, ones
 

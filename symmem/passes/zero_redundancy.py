@@ -221,7 +221,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
                                                  WALKS_OPTION: walks}, _cache={}, _written=None)
         found = one.peak(at_all)
         per_rank.update({r: found for r in ranks})
-        moments += [RankMoment(**{f: getattr(m, f) for f in _FIELDS},
+        moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS},
                                rank=ranks[0], ranks=world) for m in found.moments]
     domain = tuple(sympy.Eq(s, v) for s, v in fixed.items())
     out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
@@ -234,7 +234,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
 
 
 #: a moment's fields, copied into each rank's
-_FIELDS = tuple(f.name for f in dataclasses.fields(Moment))
+MOMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Moment))
 
 
 def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
