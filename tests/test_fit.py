@@ -94,6 +94,8 @@ def test_nothing_fits_is_an_answer(capsys):
      "keeps nothing; use --convention pytorch"),
     (["fit", "resnet50-v1", "--convention", "paper", "--budget", "80 parsecs"], "unknown unit"),
     (["fit", "resnet50-v1", "--convention", "paper", "--budget", "80GiB", "--solve", "S"], "no symbol 'S'"),
+    # a value with a minus sign is read as the option's value (argparse would say "expected one argument")
+    (["fit", "resnet50-v1", "--convention", "paper", "--budget", "-3GiB"], "'-3GiB' is not a size"),
 ])
 def test_errors(capsys, args, message):
     assert main(args) == 2

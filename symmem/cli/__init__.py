@@ -18,6 +18,7 @@ import importlib
 import io
 import os
 import pkgutil
+import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -29,7 +30,16 @@ VERSION = "0.1.0"
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are :class:`SymmemError` (one line, exit 2)."""
+    """An argument parser whose errors are :class:`SymmemError` (one line, exit 2).
+
+    A value that starts with a minus sign and a digit (``--budget -3GiB``, ``--set B=-1`` written ``--set -1``) is
+    a value, not an option: argparse takes only plain negative numbers for values and would otherwise say
+    "expected one argument" instead of what is wrong with the value.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SymmemError(message)
