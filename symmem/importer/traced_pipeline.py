@@ -367,21 +367,14 @@ class TracedPipelineStep(PipelineStep):
         count = named.get(self.step.symbol.name) if self.step.symbol is not None else None
         return self.step.record(int(count) if count is not None else None)
 
-    def _replays(self, numbers: Mapping[str, int]) -> list[Any]:
-        key = tuple(sorted(numbers.items()))
-        if key not in self._cache:
-            p = numbers.get("p")
-            rec = self._record(numbers)
-            requires(p, rec.count, self.schedule, self.micro_batches)
-            cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
-            found = [_Replay(cut, s, at, self.schedule, self.micro_batches)  # type: ignore[arg-type]
-                     for s, at in enumerate(stage_memory(cut, self.micro_batches))]
-            for r in found:
-                r.peak = r.run()
-            if len(self._cache) > 16:
-                self._cache = {}
-            self._cache[key] = found
-        return self._cache[key]
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        """Every stage's replay of the step recorded at ``numbers``, cut into ``p`` stages."""
+        p = numbers.get("p")
+        rec = self._record(numbers)
+        requires(p, rec.count, self.schedule, self.micro_batches)
+        cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
+        return [_Replay(cut, s, at, self.schedule, self.micro_batches)  # type: ignore[arg-type]
+                for s, at in enumerate(stage_memory(cut, self.micro_batches))]
 
 
 def refusal(step: StepPeak, regime: Any) -> str | None:

@@ -90,20 +90,24 @@ class PipelineStep:
         return self._cache["stages"]
 
     def _replays(self, numbers: Mapping[str, int]) -> list[Any]:
-        """Every stage's replay, run, at ``numbers`` (names -> values)."""
+        """Every stage's replay, run, at ``numbers`` (names -> values); the last 16 sets of numbers are kept."""
         key = tuple(sorted(numbers.items()))
         if key not in self._cache:
-            from .model_parallel import replays, requires
-
-            requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
-            found = replays(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
-                            schedule=self.schedule, micro_batches=self.micro_batches)
+            found = self._make_replays(numbers)
             for r in found:
                 r.peak = r.run()
             if len(self._cache) > 16:
-                self._cache = {"stages": self._stages()}
+                self._cache = {k: v for k, v in self._cache.items() if k == "stages"}
             self._cache[key] = found
         return self._cache[key]
+
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        """Every stage's replay at ``numbers``, not yet run: the graph's stages replayed."""
+        from .model_parallel import replays, requires
+
+        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        return replays(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
+                       schedule=self.schedule, micro_batches=self.micro_batches)
 
     def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
         return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
