@@ -58,7 +58,7 @@ from ..shapes import numel
 from ..timeline import Row, Which
 from ..training import Regime, refuse_one_rank
 from .parameters import node_parameters
-from .tensor_step import _LayerWalk
+from .tensor_step import _LayerWalk, _SequenceWalk
 from .unroll import iteration
 
 
@@ -103,7 +103,7 @@ def parameters(graph: Graph) -> Iterator[tuple[str, sympy.Expr, tuple[sympy.Expr
             yield n, node.count, tp_shape(graph, n, shape)
 
 
-def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int = 0) -> Any:
+def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int = 0, sequence: bool = False) -> Any:
     """One rank of the N x t mesh as a :class:`~symmem.passes.model_parallel.TensorRank` (formulas in N and t),
     from the single-device ``storages`` (the pytorch convention); ``rank`` is its place in its data-parallel group
     (the rows of the optimizer state it holds; rank 0 holds whole shards, the most)."""
@@ -119,7 +119,7 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
     for _, count, shape in parameters(graph):
         stored += count * shard_rows(shape, N) * numel(shape[1:]) * 4
         state += count * (2 * numel(held_shape(shape, N, rank)) * 4 + 4)  # exp_avg, exp_avg_sq, step
-    saved = tensor_rank(graph, storages, regime).saved
+    saved = tensor_rank(graph, storages, regime, sequence).saved
     return TensorRank(saved, stored, stored, state)
 
 
@@ -132,6 +132,9 @@ class _MeshWalk(_LayerWalk):
     tensor-parallel rank (:class:`~symmem.passes.tensor_step._LayerWalk`), FSDP's all-gather outputs, unsharded
     parameters, reduce-scatter inputs and sharded gradients at the sizes of the 2-D shards; with what DTensor's
     collectives and the RMS norms' backward hold (measured op by op, :meth:`_collectives`)."""
+
+    #: whether the stream is split over S (:class:`_MeshSequenceWalk`)
+    sequence = False
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
         from ..symbols import N
@@ -206,7 +209,8 @@ class _MeshWalk(_LayerWalk):
             return self._unit(s.name) * 4
         if s.name.endswith(".unsharded"):
             return N * self.stored[s.name[:-len(".unsharded")]] * 4
-        if s.name.endswith(".grad_sum") and self.norm_of.get(s.node or "", "").startswith("layers"):
+        if (not self.sequence and s.name.endswith(".grad_sum")
+                and self.norm_of.get(s.node or "", "").startswith("layers")):
             return s.nbytes  # a norm's output gradient: the column-parallel input gradients all-reduced, whole
         return super().local(i)
 
@@ -224,7 +228,8 @@ class _MeshWalk(_LayerWalk):
         if e.phase == "forward":
             extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
         if e.phase == "forward" and e.node == self.head:
-            extra += self._whole(self.head)  # the replicated logits: the all-gather's output and the concatenation
+            # the replicated logits: the all-gather's output and the concatenation
+            extra += self._whole(self.head) + self._before_logits(e, alive, k)
         if e.phase == "backward" and node is not None and e.node in self.norm_of and (
                 e.node.split("#")[0].endswith((".scale", ".normalize"))):
             # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
@@ -233,6 +238,39 @@ class _MeshWalk(_LayerWalk):
 
     def _whole(self, node: str) -> sympy.Expr:
         return self.g.node(node).out.numel * 4
+
+    def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """What the head's forward holds before its logits' all-gather beyond what it holds at it (0: nothing
+        more; :class:`_MeshSequenceWalk`: its input's all-gather)."""
+        return sympy.Integer(0)
+
+
+class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
+    """:class:`_MeshWalk` under sequence parallelism (torchtitan's plan): the collectives of
+    :class:`~symmem.passes.tensor_step._SequenceWalk` (the stream split over S, the column-parallel inputs'
+    all-gathers, the row-parallel outputs' reduce-scatters) beside FSDP's unit buffers."""
+
+    sequence = True
+
+    def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
+        super().__init__(graph, conv, options, regime, numbers)
+        # the forward's constants are this walk's storages (:class:`_MeshWalk`), not a sum beside it
+        self.constant_storages = set()
+        self._locals.clear()
+
+    def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """The head's input all-gather (its output beside funcol's wrapper, :class:`_SequenceWalk` counts it
+        beside what the head's op makes) comes before the logits' all-gather and concatenation: the larger of the
+        two moments, not the extra copy beside both (measured)."""
+        whole = self._whole(self.head)
+        born = sympy.Add(*(self.local(j) for j in e.born))
+        out = sympy.Integer(0)
+        for i, (_, spans) in self.copies.items():
+            if i in alive:
+                size = self.tl.storages[i].nbytes
+                out += sympy.Add(*((2 - n) * (self._max(0, size - born - whole) - self._max(0, size - born))
+                                   for f, _, n in spans if f == k))
+        return out
 
 
 @dataclass(frozen=True)
@@ -259,6 +297,8 @@ class MeshStep:
     options: Mapping[str, Any]
     regime: Regime
     storages: Sequence[Any]
+    #: torchtitan's sequence-parallel plan (the stream split over S; :class:`_MeshSequenceWalk`)
+    sequence: bool = False
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
@@ -283,7 +323,8 @@ class MeshStep:
         """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps)."""
         key = ("walk", tuple(sorted(named.items())))
         if key not in self._cache:
-            walk = _MeshWalk(self.graph, self.conv, self.options, self.regime, named)
+            walk = (_MeshSequenceWalk if self.sequence else _MeshWalk)(self.graph, self.conv, self.options,
+                                                                       self.regime, named)
             self._cache[key] = [(live, phase, walk.label(phase, node) if iteration(node) else f"{phase} {node}")
                                 for live, phase, node in walk.largest()]
         return self._cache[key]
@@ -291,7 +332,7 @@ class MeshStep:
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
         from .model_parallel import _bytes, _module_buffers
 
-        parts = mesh_rank(self.graph, self.storages, self.regime, rank)
+        parts = mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
         outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
         ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
                   sympy.Integer(0))

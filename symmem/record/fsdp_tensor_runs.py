@@ -60,22 +60,27 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import reference
-    from .model_parallel_runs import llama_plan, repeated_steps
+    from .model_parallel_runs import _sequence_forward, llama_plan, llama_sequence_plan, repeated_steps
 
     torch.manual_seed(0)
+    options = dict(options)
+    sequence = bool(options.pop("sequence_parallel", False))
     module, (ids,) = reference("llama", values, **options)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(module, mesh["tp"], llama_plan(module, tp))
+    parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
     for layer in module.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+    if sequence:  # the rotary tables and the mask cover the whole sequence (torchtitan's), the root's own
+        module.forward = _sequence_forward(module)  # forward, so FSDP's root hooks run around it
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+    run = module
     # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
     ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
                         generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
-    saved, parts = _first_step(module, ids, params)
+    saved, parts = _first_step(module, run, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
+    trace = repeated_steps(lambda: run(ids), ids, params, module, resizes=True)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
@@ -83,7 +88,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
                    first_at, steady_at, _per_step(trace, gloo))
 
 
-def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
+def _first_step(module: Any, run: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
     """One step before the recorded ones (FSDP's lazy initialization runs in it): the bytes autograd keeps after
     the forward (each storage once, a DTensor's local shard; not the parameters, sharded or all-gathered, nor the
     ids), and the local bytes of the parameters, the gradients and AdamW's state after it."""
@@ -107,7 +112,7 @@ def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[in
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(ids)
+        out = run(ids)
     saved = sum(found.values())
     out.sum().backward()
     del out
