@@ -5,7 +5,10 @@ mesh_dim_names=("dp", "tp"))``, ``parallelize_module(model, mesh["tp"], plan)`` 
 (:func:`symmem.record.model_parallel_runs.llama_plan`: the embedding row-wise, q/k/v/gate/up column-wise, o/down
 row-wise, the head column-wise with its output replicated), then ``fully_shard(layer, mesh=mesh["dp"])`` on each
 layer and on the root.  Each parameter is then a DTensor on the 2-D mesh: the tensor-parallel shard of a rank,
-itself split over the N ranks of its data-parallel group along dim 0 (padded to a multiple of N).
+itself split over the N ranks of its data-parallel group along dim 0 (padded to a multiple of N).  With
+``sequence_parallel`` among a case's options the plan is torchtitan's sequence-parallel one
+(:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`), the root's forward the reference's with the whole
+sequence's rotary tables and mask (``_sequence_forward``), FSDP's root hooks around it.
 
 :func:`fsdp_tensor_runs` starts ``N*t`` forked processes in one gloo group on 127.0.0.1 (bounded waits), and in
 each rank records training steps (the loss ``sum``, for-loop AdamW) with the DTensor- and FSDP-aware recorder
@@ -54,6 +57,8 @@ class MeshRun:
 def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, options: Mapping[str, Any],
                      reshard: bool = True) -> MeshRun:
     """This rank's measurement (inside an initialized gloo group of ``dp * tp`` ranks)."""
+    import warnings
+
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -72,15 +77,16 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
     if sequence:  # the rotary tables and the mask cover the whole sequence (torchtitan's), the root's own
         module.forward = _sequence_forward(module)  # forward, so FSDP's root hooks run around it
+        # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-    run = module
     # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
     ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
                         generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
-    saved, parts = _first_step(module, run, ids, params)
+    saved, parts = _first_step(module, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = repeated_steps(lambda: run(ids), ids, params, module, resizes=True)
+    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
@@ -88,7 +94,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
                    first_at, steady_at, _per_step(trace, gloo))
 
 
-def _first_step(module: Any, run: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
+def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
     """One step before the recorded ones (FSDP's lazy initialization runs in it): the bytes autograd keeps after
     the forward (each storage once, a DTensor's local shard; not the parameters, sharded or all-gathered, nor the
     ids), and the local bytes of the parameters, the gradients and AdamW's state after it."""
@@ -112,7 +118,7 @@ def _first_step(module: Any, run: Any, ids: Any, params: list[Any]) -> tuple[int
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run(ids)
+        out = module(ids)
     saved = sum(found.values())
     out.sum().backward()
     del out
