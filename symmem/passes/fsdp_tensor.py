@@ -33,6 +33,13 @@ beside the previous one's).  Rank 0 of each data-parallel group holds whole shar
 device; every rank's is :meth:`MeshStep.ranks`.  Equal to the engine's to the byte on every rank of a 2 x 2 mesh,
 first and steady step, ``fsdp`` and ``fsdp-no-reshard``, SDPA and eager attention, L = 2 to 4 (docs/regimes.md).
 
+**With sequence parallelism** (torchtitan's plan, :func:`symmem.record.model_parallel_runs.llama_sequence_plan`,
+under the same ``fully_shard``): the same parameter side, the sequence-parallel rank's saved activations, and the
+walk :class:`_MeshSequenceWalk`: FSDP's buffers beside :class:`~symmem.passes.tensor_step._SequenceWalk`'s
+collectives (the stream split over S, the column-parallel inputs all-gathered whole, the row-parallel outputs
+reduce-scattered), the head's input all-gather not held beside its logits' (measured).  Equal to the engine's to
+the byte on every rank of a 2 x 2 and a 2 x 4 mesh, B = 1 to 3, L = 1 to 4.
+
 >>> from symmem.api import tensor_parallel_rank
 >>> values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64}
 >>> r = tensor_parallel_rank("llama", values=values, attention="sdpa", device="cpu", data_parallel="fsdp")
@@ -41,6 +48,11 @@ first and steady step, ``fsdp`` and ``fsdp-no-reshard``, SDPA and eager attentio
 >>> tensor_parallel_rank("llama", values=values, attention="sdpa", device="cpu", data_parallel="fsdp",
 ...                      rank=1).at({**values, "N": 2, "t": 2})["optimizer_state"]
 45780
+>>> from symmem import derive
+>>> d = derive("llama", data_parallel="fsdp", tensor_parallel=True, sequence_parallel=True, attention="sdpa",
+...            device="cpu", values={**values, "N": 2, "t": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)
+(174268, 'rank 0 of N x t = 2 x 2: backward layers.mlp.down_proj (layer 2)')
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from ..timeline import Row, Which
 from ..training import Regime, refuse_one_rank
 from .parameters import node_parameters
 from .tensor_step import _LayerWalk, _SequenceWalk
-from .unroll import iteration
+from .unroll import iteration, template
 
 
 def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
@@ -214,6 +226,16 @@ class _MeshWalk(_LayerWalk):
             return s.nbytes  # a norm's output gradient: the column-parallel input gradients all-reduced, whole
         return super().local(i)
 
+    def label(self, phase: str, node: str, layers: int | None = None) -> str:
+        """Where a moment is, in words: an op outside the layers by its name; the walk's last two layers called
+        ``layers - 1`` and ``layers`` where given (a walk folded to that many)."""
+        layer = iteration(node)
+        if not layer:
+            return f"{phase} {node}"
+        if layers and layer >= self.layers - 1:
+            layer += layers - self.layers
+        return f"{phase} {template(node)} (layer {layer})"
+
     def _candidate(self, e: Any, layers: int) -> bool:
         """An op of the first, the last or the last but one layer (in its backward the last layer's reduce-scatter
         input and sharded gradients are alive beside one layer's kept tensors fewer), or outside the layers (the
@@ -320,13 +342,18 @@ class MeshStep:
         return self._cache[key]
 
     def _walked(self, named: Mapping[str, int]) -> list[tuple[sympy.Expr, str, str]]:
-        """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps)."""
+        """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps);
+        from :data:`~symmem.passes.tensor_step.FOLD_FROM` layers on folded from walks of 3 and 4 layers
+        (:func:`~symmem.passes.tensor_step.layer_moments`: at every candidate -- an op of the first, the last but one
+        or the last layer, or outside them -- the layers between are all in one state, so each moment is linear
+        in L)."""
+        from .tensor_step import layer_moments
+
         key = ("walk", tuple(sorted(named.items())))
         if key not in self._cache:
-            walk = (_MeshSequenceWalk if self.sequence else _MeshWalk)(self.graph, self.conv, self.options,
-                                                                       self.regime, named)
-            self._cache[key] = [(live, phase, walk.label(phase, node) if iteration(node) else f"{phase} {node}")
-                                for live, phase, node in walk.largest()]
+            walk = _MeshSequenceWalk if self.sequence else _MeshWalk
+            self._cache[key] = layer_moments(walk, self.graph, self.conv, self.options, self.regime, named,
+                                             base=3)[0]
         return self._cache[key]
 
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
