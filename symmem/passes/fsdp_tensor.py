@@ -199,8 +199,16 @@ class _MeshWalk(_LayerWalk):
                 elif started is not None and e.node not in self.norm_of:
                     break
                 elif started is not None and k > started:
-                    out[k] = self.g.node(parts["to_float32"]).out.numel * 4
+                    out[k] = self._stream_bytes(parts["to_float32"])
         return out
+
+    def _stream_bytes(self, node: str) -> sympy.Expr:
+        """Bytes of ``node``'s output, a (B, S, H) tensor of the stream, on one rank: whole, or split over S under
+        sequence parallelism."""
+        from ..symbols import t
+
+        size = self.g.node(node).out.numel * 4
+        return size / t if self.sequence else size
 
     def _unit(self, name: str) -> sympy.Expr:
         """Elements of a unit's 2-D shards: the unit named inside ``fsdp.X[unit]`` (FSDP's unit of a parameter is
@@ -255,7 +263,7 @@ class _MeshWalk(_LayerWalk):
         if e.phase == "backward" and node is not None and e.node in self.norm_of and (
                 e.node.split("#")[0].endswith((".scale", ".normalize"))):
             # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
-            extra += node.out.numel * 4
+            extra += self._stream_bytes(e.node)
         return extra
 
     def _whole(self, node: str) -> sympy.Expr:
@@ -279,6 +287,23 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
         # the forward's constants are this walk's storages (:class:`_MeshWalk`), not a sum beside it
         self.constant_storages = set()
         self._locals.clear()
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """:class:`_MeshWalk`'s, less at a norm's scale backward what the walk holds of the attention's q, k, v
+        input gradients' sum beyond its reduce-scatter's S-split output: the sum is let go at the scatter, before
+        the norm's backward (measured)."""
+        from ..symbols import t
+
+        extra = super()._collectives(e, alive, k)
+        if e.phase == "backward" and e.node in self.norm_of and template(e.node).endswith(".scale"):
+            whole = [self.tl.storages[i].nbytes for i in e.freed if i in self.gathered_grads and i in alive]
+            extra -= sympy.Add(*(size - size / t for size in whole))
+        return extra
+
+    def _merges(self) -> dict[int, sympy.Expr]:
+        """None: with the stream split over S, a layer's norm's input gradient is a new tensor beside the residual
+        stream's, both kept to their sum, as the single-device walk has them (measured op by op)."""
+        return {}
 
     def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """The head's input all-gather (its output beside funcol's wrapper, :class:`_SequenceWalk` counts it
