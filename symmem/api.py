@@ -197,7 +197,7 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
         world = (values or {}).get("N")
         if isinstance(world, int) and isinstance(rank, int) and not 0 <= rank < world:
             raise SymmemError(f"rank {rank} is no place in a data-parallel group of N={world} (0 to {world - 1})")
-        return mesh_rank(built.graph, d.storages, regime, rank)
+        return mesh_rank(built.graph, d.storages, regime, rank, sequence)
     if rank != 0:
         raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' (FSDP x TP); every "
                           "tensor-parallel rank alone holds the same")

@@ -253,7 +253,8 @@ def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Map
     if not isinstance(found, tuple):
         return found
     one, single, resolved = found
-    return MeshStep(dict(numbers), model.graph, convention, resolved, one, single.storages)
+    return MeshStep(dict(numbers), model.graph, convention, resolved, one, single.storages,
+                    regime.sequence_parallel)
 
 
 def _rank_single(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,

@@ -272,10 +272,8 @@ class Regime:
             raise SymmemError(f"data_parallel={dp!r} is an engine and zero={self.zero} the papers' accounting of "
                               "sharding: give one of them")
         if self.tensor_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.pipeline_parallel:
-            # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py)
-            if self.sequence_parallel:
-                raise SymmemError(f"data_parallel={dp!r} with sequence parallelism is not modelled: FSDP x TP was "
-                                  "measured with the standard plan (no sequence parallelism); drop one of them")
+            # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py),
+            # with or without sequence parallelism
             return
         if self.tensor_parallel or self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "

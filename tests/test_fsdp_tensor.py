@@ -23,14 +23,22 @@ VALUES = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64}
 #: (engine, sizes, options, where rank 0's steady peak is): FSDP2 resharding after forward, SDPA -- the last
 #: layer's MLP backward (a column-parallel input gradient's all-reduce); without resharding, eager attention over
 #: three layers -- the head's all-gather at the forward's end (every unit's unsharded parameters, the mask)
+#: With sequence parallelism (torchtitan's plan, ``--sequence-parallel``): FSDP2 resharding, SDPA -- the last layer's
+#: down projection's backward (its output gradient all-gathered over S); without resharding, eager attention, V = 18
+#: (9 rows a tensor-parallel rank, padded to 10, split 5 / 4) -- the head's forward, where its input's all-gather
+#: (B x S x H, larger than the logits here) comes before the logits' and is not held beside them
+SEQUENCE = [("fsdp", VALUES, {"attention": "sdpa", "sequence_parallel": True},
+             "backward layers.mlp.down_proj (layer 2)"),
+            ("fsdp-no-reshard", {**VALUES, "V": 18}, {"attention": "naive", "sequence_parallel": True},
+             "forward lm_head")]
 CASES = [("fsdp", VALUES, {"attention": "sdpa"}, "backward layers.mlp.up_proj (layer 2)"),
-         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head")]
+         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head"), *SEQUENCE]
 
 
 def test_every_rank_of_a_2x2_mesh_against_the_engine():
     """Every rank's parameters (padded 2-D shards), gradients, AdamW state (the unpadded rows), saved activations
-    and first and steady step peaks equal the real run's to the byte; every view gives rank 0's peak, where it is,
-    and every rank's."""
+    and first and steady step peaks equal the real run's to the byte, with and without sequence parallelism (one
+    spawn of four ranks runs every case); every view gives rank 0's peak, where it is, and every rank's."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem import derive
@@ -54,10 +62,11 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         # bytes fewer of AdamW's moments, and as much less at its peak
         assert real[0].optimizer_state - real[2].optimizer_state == 2 * 2 * 32 * 4
         d = derive("llama", data_parallel=engine, tensor_parallel=True, values=numbers, device="cpu", **options)
-        assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak), engine
+        assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak), (
+            engine, options)
         out = d.to_dict()
         assert out["values"]["peak_per_rank"] == {
-            str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}, engine
+            str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}, (engine, options)
         assert out["peak_at"]["rank"] == 0 and d.peak_at().where(step=False) == f"rank 0 of N x t = 2 x 2: {where}"
         assert "peak per rank (first step / steady): ranks 0-1: " in str(d)
         assert {"B", "S", "N", "t"} <= {s.name for s in d.peak.free_symbols}
@@ -75,20 +84,30 @@ def test_the_mesh_ranks_cli(capsys):
     # the peak the test above checks against the engine
     assert lines[-1] == ("peak per rank: 182,588 bytes at rank 0 of N x t = 2 x 2: backward layers.mlp.up_proj "
                          "(layer 2); first step 136,296")
+    # with sequence parallelism: the peak and saved bytes the test above checks against the engine (SEQUENCE[0])
+    assert main(["ranks", "llama", "--data-parallel", "fsdp", "--tensor-parallel", "--sequence-parallel",
+                 "--device", "cpu", "--attention", "sdpa", *sets]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "rank 0 of an N=2 x t=2 mesh (fsdp over DTensor's sequence-parallel plan): bytes"
+    assert lines[1].split() == ["saved", "48,032"]
+    assert lines[-1] == ("peak per rank: 174,268 bytes at rank 0 of N x t = 2 x 2: backward layers.mlp.down_proj "
+                         "(layer 2); first step 127,976")
 
 
-def test_fit_under_fsdp_x_tp():
+@pytest.mark.parametrize("sequence", [False, True])
+def test_fit_under_fsdp_x_tp(sequence):
     """``fit``: the largest B whose rank-0 peak fits, the step walked anew at that B and at B + 1 (fresh derives)
-    on each side of the budget."""
+    on each side of the budget, with and without sequence parallelism."""
     from symmem import derive
     from symmem.apps.budget import largest
 
     values = {**VALUES, "N": 2, "t": 2}
-    d = derive("llama", data_parallel="fsdp", tensor_parallel=True, values=values, device="cpu", attention="sdpa")
+    kw = {"data_parallel": "fsdp", "tensor_parallel": True, "sequence_parallel": sequence, "device": "cpu",
+          "attention": "sdpa"}
+    d = derive("llama", values=values, **kw)
     budget = 2**20
     fit = largest(d, "B", budget)
-    at = [derive("llama", data_parallel="fsdp", tensor_parallel=True, values={**values, "B": b}, device="cpu",
-                 attention="sdpa").value("peak") for b in (fit.max, fit.max + 1)]
+    at = [derive("llama", values={**values, "B": b}, **kw).value("peak") for b in (fit.max, fit.max + 1)]
     assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
 
 
@@ -104,9 +123,8 @@ def test_the_peak_refuses_what_was_not_measured():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["derive", "llama", "--data-parallel", "fsdp", "--tensor-parallel", "--sequence-parallel"],
-     "symmem: error: data_parallel='fsdp' with sequence parallelism is not modelled: FSDP x TP was measured with "
-     "the standard plan (no sequence parallelism); drop one of them\n"),
+    (["derive", "llama", "--data-parallel", "ddp", "--tensor-parallel", "--sequence-parallel"],
+     "symmem: error: data_parallel='ddp' with tensor or pipeline parallelism is not modelled: give one of them\n"),
     (["derive", "llama", "--data-parallel", "ddp", "--tensor-parallel"],
      "symmem: error: data_parallel='ddp' with tensor or pipeline parallelism is not modelled: give one of them\n"),
 ])

@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     found = rank.at(numbers)
     plan = "tensor and sequence parallel" if args.sequence_parallel else "tensor parallel"
     if getattr(args, "data_parallel", None):  # FSDP x TP: rank 0 of its data-parallel group (the most rows)
-        print(f"rank 0 of an N={numbers['N']} x t={size} mesh ({args.data_parallel} over DTensor's standard plan): "
-              "bytes")
+        over = "sequence-parallel plan" if args.sequence_parallel else "standard plan"
+        print(f"rank 0 of an N={numbers['N']} x t={size} mesh ({args.data_parallel} over DTensor's {over}): bytes")
     else:
         print(f"one rank of t={size} ({plan}, DTensor's standard plan): bytes")
     for name in ("saved", "parameters", "gradients", "optimizer_state"):

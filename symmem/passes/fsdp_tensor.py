@@ -33,6 +33,13 @@ beside the previous one's).  Rank 0 of each data-parallel group holds whole shar
 device; every rank's is :meth:`MeshStep.ranks`.  Equal to the engine's to the byte on every rank of a 2 x 2 mesh,
 first and steady step, ``fsdp`` and ``fsdp-no-reshard``, SDPA and eager attention, L = 2 to 4 (docs/regimes.md).
 
+**With sequence parallelism** (torchtitan's plan, :func:`symmem.record.model_parallel_runs.llama_sequence_plan`,
+under the same ``fully_shard``): the same parameter side, the sequence-parallel rank's saved activations, and the
+walk :class:`_MeshSequenceWalk`: FSDP's buffers beside :class:`~symmem.passes.tensor_step._SequenceWalk`'s
+collectives (the stream split over S, the column-parallel inputs all-gathered whole, the row-parallel outputs
+reduce-scattered), the head's input all-gather not held beside its logits' (measured).  Equal to the engine's to
+the byte on every rank of a 2 x 2 and a 2 x 4 mesh, B = 1 to 3, L = 1 to 4.
+
 >>> from symmem.api import tensor_parallel_rank
 >>> values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64}
 >>> r = tensor_parallel_rank("llama", values=values, attention="sdpa", device="cpu", data_parallel="fsdp")
@@ -41,6 +48,11 @@ first and steady step, ``fsdp`` and ``fsdp-no-reshard``, SDPA and eager attentio
 >>> tensor_parallel_rank("llama", values=values, attention="sdpa", device="cpu", data_parallel="fsdp",
 ...                      rank=1).at({**values, "N": 2, "t": 2})["optimizer_state"]
 45780
+>>> from symmem import derive
+>>> d = derive("llama", data_parallel="fsdp", tensor_parallel=True, sequence_parallel=True, attention="sdpa",
+...            device="cpu", values={**values, "N": 2, "t": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)
+(174268, 'rank 0 of N x t = 2 x 2: backward layers.mlp.down_proj (layer 2)')
 """
 
 from __future__ import annotations
@@ -58,8 +70,8 @@ from ..shapes import numel
 from ..timeline import Row, Which
 from ..training import Regime, refuse_one_rank
 from .parameters import node_parameters
-from .tensor_step import _LayerWalk
-from .unroll import iteration
+from .tensor_step import _LayerWalk, _SequenceWalk
+from .unroll import iteration, template
 
 
 def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
@@ -103,7 +115,7 @@ def parameters(graph: Graph) -> Iterator[tuple[str, sympy.Expr, tuple[sympy.Expr
             yield n, node.count, tp_shape(graph, n, shape)
 
 
-def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int = 0) -> Any:
+def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int = 0, sequence: bool = False) -> Any:
     """One rank of the N x t mesh as a :class:`~symmem.passes.model_parallel.TensorRank` (formulas in N and t),
     from the single-device ``storages`` (the pytorch convention); ``rank`` is its place in its data-parallel group
     (the rows of the optimizer state it holds; rank 0 holds whole shards, the most)."""
@@ -119,7 +131,7 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
     for _, count, shape in parameters(graph):
         stored += count * shard_rows(shape, N) * numel(shape[1:]) * 4
         state += count * (2 * numel(held_shape(shape, N, rank)) * 4 + 4)  # exp_avg, exp_avg_sq, step
-    saved = tensor_rank(graph, storages, regime).saved
+    saved = tensor_rank(graph, storages, regime, sequence).saved
     return TensorRank(saved, stored, stored, state)
 
 
@@ -132,6 +144,9 @@ class _MeshWalk(_LayerWalk):
     tensor-parallel rank (:class:`~symmem.passes.tensor_step._LayerWalk`), FSDP's all-gather outputs, unsharded
     parameters, reduce-scatter inputs and sharded gradients at the sizes of the 2-D shards; with what DTensor's
     collectives and the RMS norms' backward hold (measured op by op, :meth:`_collectives`)."""
+
+    #: whether the stream is split over S (:class:`_MeshSequenceWalk`)
+    sequence = False
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
         from ..symbols import N
@@ -184,8 +199,16 @@ class _MeshWalk(_LayerWalk):
                 elif started is not None and e.node not in self.norm_of:
                     break
                 elif started is not None and k > started:
-                    out[k] = self.g.node(parts["to_float32"]).out.numel * 4
+                    out[k] = self._stream_bytes(parts["to_float32"])
         return out
+
+    def _stream_bytes(self, node: str) -> sympy.Expr:
+        """Bytes of ``node``'s output, a (B, S, H) tensor of the stream, on one rank: whole, or split over S under
+        sequence parallelism."""
+        from ..symbols import t
+
+        size = self.g.node(node).out.numel * 4
+        return size / t if self.sequence else size
 
     def _unit(self, name: str) -> sympy.Expr:
         """Elements of a unit's 2-D shards: the unit named inside ``fsdp.X[unit]`` (FSDP's unit of a parameter is
@@ -206,9 +229,20 @@ class _MeshWalk(_LayerWalk):
             return self._unit(s.name) * 4
         if s.name.endswith(".unsharded"):
             return N * self.stored[s.name[:-len(".unsharded")]] * 4
-        if s.name.endswith(".grad_sum") and self.norm_of.get(s.node or "", "").startswith("layers"):
+        if (not self.sequence and s.name.endswith(".grad_sum")
+                and self.norm_of.get(s.node or "", "").startswith("layers")):
             return s.nbytes  # a norm's output gradient: the column-parallel input gradients all-reduced, whole
         return super().local(i)
+
+    def label(self, phase: str, node: str, layers: int | None = None) -> str:
+        """Where a moment is, in words: an op outside the layers by its name; the walk's last two layers called
+        ``layers - 1`` and ``layers`` where given (a walk folded to that many)."""
+        layer = iteration(node)
+        if not layer:
+            return f"{phase} {node}"
+        if layers and layer >= self.layers - 1:
+            layer += layers - self.layers
+        return f"{phase} {template(node)} (layer {layer})"
 
     def _candidate(self, e: Any, layers: int) -> bool:
         """An op of the first, the last or the last but one layer (in its backward the last layer's reduce-scatter
@@ -224,15 +258,66 @@ class _MeshWalk(_LayerWalk):
         if e.phase == "forward":
             extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
         if e.phase == "forward" and e.node == self.head:
-            extra += self._whole(self.head)  # the replicated logits: the all-gather's output and the concatenation
+            # the replicated logits: the all-gather's output and the concatenation
+            extra += self._whole(self.head) + self._before_logits(e, alive, k)
         if e.phase == "backward" and node is not None and e.node in self.norm_of and (
                 e.node.split("#")[0].endswith((".scale", ".normalize"))):
             # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
-            extra += node.out.numel * 4
+            extra += self._stream_bytes(e.node)
         return extra
 
     def _whole(self, node: str) -> sympy.Expr:
         return self.g.node(node).out.numel * 4
+
+    def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """What the head's forward holds before its logits' all-gather beyond what it holds at it (0: nothing
+        more; :class:`_MeshSequenceWalk`: its input's all-gather)."""
+        return sympy.Integer(0)
+
+
+class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
+    """:class:`_MeshWalk` under sequence parallelism (torchtitan's plan): the collectives of
+    :class:`~symmem.passes.tensor_step._SequenceWalk` (the stream split over S, the column-parallel inputs'
+    all-gathers, the row-parallel outputs' reduce-scatters) beside FSDP's unit buffers."""
+
+    sequence = True
+
+    def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
+        super().__init__(graph, conv, options, regime, numbers)
+        # the forward's constants are this walk's storages (:class:`_MeshWalk`), not a sum beside it
+        self.constant_storages = set()
+        self._locals.clear()
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """:class:`_MeshWalk`'s, less at a norm's scale backward what the walk holds of the attention's q, k, v
+        input gradients' sum beyond its reduce-scatter's S-split output: the sum is let go at the scatter, before
+        the norm's backward (measured)."""
+        from ..symbols import t
+
+        extra = super()._collectives(e, alive, k)
+        if e.phase == "backward" and e.node in self.norm_of and template(e.node).endswith(".scale"):
+            whole = [self.tl.storages[i].nbytes for i in e.freed if i in self.gathered_grads and i in alive]
+            extra -= sympy.Add(*(size - size / t for size in whole))
+        return extra
+
+    def _merges(self) -> dict[int, sympy.Expr]:
+        """None: with the stream split over S, a layer's norm's input gradient is a new tensor beside the residual
+        stream's, both kept to their sum, as the single-device walk has them (measured op by op)."""
+        return {}
+
+    def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """The head's input all-gather (its output beside funcol's wrapper, :class:`_SequenceWalk` counts it
+        beside what the head's op makes) comes before the logits' all-gather and concatenation: the larger of the
+        two moments, not the extra copy beside both (measured)."""
+        whole = self._whole(self.head)
+        born = sympy.Add(*(self.local(j) for j in e.born))
+        out = sympy.Integer(0)
+        for i, (_, spans) in self.copies.items():
+            if i in alive:
+                size = self.tl.storages[i].nbytes
+                out += sympy.Add(*((2 - n) * (self._max(0, size - born - whole) - self._max(0, size - born))
+                                   for f, _, n in spans if f == k))
+        return out
 
 
 @dataclass(frozen=True)
@@ -259,6 +344,8 @@ class MeshStep:
     options: Mapping[str, Any]
     regime: Regime
     storages: Sequence[Any]
+    #: torchtitan's sequence-parallel plan (the stream split over S; :class:`_MeshSequenceWalk`)
+    sequence: bool = False
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
@@ -280,18 +367,24 @@ class MeshStep:
         return self._cache[key]
 
     def _walked(self, named: Mapping[str, int]) -> list[tuple[sympy.Expr, str, str]]:
-        """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps)."""
+        """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps);
+        from :data:`~symmem.passes.tensor_step.FOLD_FROM` layers on folded from walks of 3 and 4 layers
+        (:func:`~symmem.passes.tensor_step.layer_moments`: at every candidate -- an op of the first, the last but one
+        or the last layer, or outside them -- the layers between are all in one state, so each moment is linear
+        in L)."""
+        from .tensor_step import layer_moments
+
         key = ("walk", tuple(sorted(named.items())))
         if key not in self._cache:
-            walk = _MeshWalk(self.graph, self.conv, self.options, self.regime, named)
-            self._cache[key] = [(live, phase, walk.label(phase, node) if iteration(node) else f"{phase} {node}")
-                                for live, phase, node in walk.largest()]
+            walk = _MeshSequenceWalk if self.sequence else _MeshWalk
+            self._cache[key] = layer_moments(walk, self.graph, self.conv, self.options, self.regime, named,
+                                             base=3)[0]
         return self._cache[key]
 
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
         from .model_parallel import _bytes, _module_buffers
 
-        parts = mesh_rank(self.graph, self.storages, self.regime, rank)
+        parts = mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
         outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
         ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
                   sympy.Integer(0))

@@ -230,7 +230,7 @@ FOLD_FROM = 8
 
 
 def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
-                  numbers: Mapping[str, int]) -> tuple[list[tuple[sympy.Expr, str, str]], sympy.Expr]:
+                  numbers: Mapping[str, int], base: int = 2) -> tuple[list[tuple[sympy.Expr, str, str]], sympy.Expr]:
     """The layers' moments that can be the largest, (formula, phase, where in words), and what the forward's end
     keeps more at B = 1 (:meth:`_LayerWalk.kept_at_one`), of ``walk`` at ``numbers``.
 
@@ -239,12 +239,14 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
     the last layer, or outside them -- the layers between are all in one state (before the first layer's
     backward: forward done; at it: backward done), so each moment is linear in L.  Walks of 2 and 3 layers give
     it: ``f(L) = f(2) + (L - 2) (f(3) - f(2))``, the same bytes as the walk of L layers, in a fraction of the time.
+    ``base``: the shorter walk's layers (a walk whose candidates hold more layers than the first and the last, as
+    FSDP x TP's last but one, folds from longer ones: ``base`` and ``base + 1``).
     """
     layers = int(numbers["L"])
     if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]):
         w = walk(graph, conv, options, regime, numbers)
         return [(f, phase, w.label(phase, node)) for f, phase, node in w.largest()], single_copy() * w.kept_at_one()
-    two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (2, 3))
+    two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (base, base + 1))
     at_two = {key: (values, k) for key, values, k in two.candidates()}
     found = []
     for key, values, k in three.candidates():
@@ -255,9 +257,9 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
         _, k2, k = found[j]
         a, b = two.formula(k2), three.formula(k)
         e = three.tl.events[k]
-        out.append((a + (layers - 2) * (b - a), e.phase, three.label(e.phase, str(e.node), layers)))
+        out.append((a + (layers - base) * (b - a), e.phase, three.label(e.phase, str(e.node), layers)))
     more = two.kept_at_one(), three.kept_at_one()
-    return out, single_copy() * (more[0] + (layers - 2) * (more[1] - more[0]))
+    return out, single_copy() * (more[0] + (layers - base) * (more[1] - more[0]))
 
 
 @dataclass(eq=False)

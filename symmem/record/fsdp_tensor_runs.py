@@ -5,7 +5,10 @@ mesh_dim_names=("dp", "tp"))``, ``parallelize_module(model, mesh["tp"], plan)`` 
 (:func:`symmem.record.model_parallel_runs.llama_plan`: the embedding row-wise, q/k/v/gate/up column-wise, o/down
 row-wise, the head column-wise with its output replicated), then ``fully_shard(layer, mesh=mesh["dp"])`` on each
 layer and on the root.  Each parameter is then a DTensor on the 2-D mesh: the tensor-parallel shard of a rank,
-itself split over the N ranks of its data-parallel group along dim 0 (padded to a multiple of N).
+itself split over the N ranks of its data-parallel group along dim 0 (padded to a multiple of N).  With
+``sequence_parallel`` among a case's options the plan is torchtitan's sequence-parallel one
+(:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`), the root's forward the reference's with the whole
+sequence's rotary tables and mask (``_sequence_forward``), FSDP's root hooks around it.
 
 :func:`fsdp_tensor_runs` starts ``N*t`` forked processes in one gloo group on 127.0.0.1 (bounded waits), and in
 each rank records training steps (the loss ``sum``, for-loop AdamW) with the DTensor- and FSDP-aware recorder
@@ -54,20 +57,28 @@ class MeshRun:
 def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, options: Mapping[str, Any],
                      reshard: bool = True) -> MeshRun:
     """This rank's measurement (inside an initialized gloo group of ``dp * tp`` ranks)."""
+    import warnings
+
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import reference
-    from .model_parallel_runs import llama_plan, repeated_steps
+    from .model_parallel_runs import _sequence_forward, llama_plan, llama_sequence_plan, repeated_steps
 
     torch.manual_seed(0)
+    options = dict(options)
+    sequence = bool(options.pop("sequence_parallel", False))
     module, (ids,) = reference("llama", values, **options)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(module, mesh["tp"], llama_plan(module, tp))
+    parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
     for layer in module.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+    if sequence:  # the rotary tables and the mask cover the whole sequence (torchtitan's), the root's own
+        module.forward = _sequence_forward(module)  # forward, so FSDP's root hooks run around it
+        # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
     # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
     ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
