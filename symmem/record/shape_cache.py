@@ -232,11 +232,45 @@ def _layout(stride: tuple[Any, ...]) -> tuple[int, ...]:
 
 def _make(torch: Any, spec: tuple[Any, ...]) -> Any:
     size, stride, dtype, device = spec[-4:]
-    if stride is None:
-        return torch.empty(size, dtype=dtype, device=device)
-    if isinstance(stride, _Permuted):
-        return torch.empty_permuted(size, stride, dtype=dtype, device=device)
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return fresh(size, dtype, device, stride)
+
+
+def fresh(size: Any, dtype: Any, device: Any, stride: Any = None) -> Any:
+    """A new tensor of ``size`` (contiguous; with ``stride``, those strides, or a :class:`_Permuted` layout) in the
+    active fake mode, made as the mode makes it: the meta kernel's tensor under ``in_kernel_invocation_manager``,
+    wrapped in a ``FakeTensor`` -- what ``torch.empty`` under the mode does (``fake_impls.constructors``) without the
+    dispatch and argument normalization around it (~85 instead of ~175 us with symbolic sizes, ~12 instead of
+    ~75 us without).  Outside a fake mode, ``torch.empty`` and its kin.
+
+    >>> import pytest; torch = pytest.importorskip("torch")
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode():
+    ...     t = fresh((2, 3), torch.float32, torch.device("cpu"))
+    >>> type(t).__name__, tuple(t.shape), t.stride(), t.device.type
+    ('FakeTensor', (2, 3), (3, 1), 'cpu')
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    aten = torch.ops.aten
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None:
+        if stride is None:
+            return torch.empty(size, dtype=dtype, device=device)
+        if isinstance(stride, _Permuted):
+            return torch.empty_permuted(size, stride, dtype=dtype, device=device)
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    with in_kernel_invocation_manager(mode), torch._C.DisableTorchFunction():
+        if stride is None:
+            meta = aten.empty.memory_format(size, dtype=dtype, device=_META)
+        elif isinstance(stride, _Permuted):
+            meta = aten.empty_permuted.default(size, list(stride), dtype=dtype, device=_META)
+        else:
+            meta = aten.empty_strided.default(size, stride, dtype=dtype, device=_META)
+    return FakeTensor(mode, meta, torch.device(device))
+
+
+_META = "meta"
 
 
 def _view(torch: Any, base: Any, spec: tuple[Any, ...]) -> Any:
