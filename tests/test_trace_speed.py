@@ -266,3 +266,27 @@ def test_fast_kernels_change_no_trace_and_no_step(monkeypatch: pytest.MonkeyPatc
     fast = everything(True)
     assert len(used) > 3  # the fast kernels ran
     assert fast == everything(False)
+
+
+def test_candidates_with_the_same_live_storages_are_given_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peak from the step's distinct candidate moments equals the peak from all of them (what the peak algebra
+    keeps, their names and formulas, first and steady), and about half of a step's moments repeat another's."""
+    from trace_helpers import cnn
+
+    import symmem
+    from symmem.importer import traced_step
+
+    torch.manual_seed(0)
+    d = symmem.trace(cnn(2), (torch.randn(2, 3, 8, 8),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
+                     optimizer="adamw")
+    rec = d.step.record()
+    sizes: list[tuple[int, int]] = []
+    inner = traced_step._distinct
+    monkeypatch.setattr(traced_step, "_distinct", lambda cands: sizes.append((len(cands), len(inner(cands))))
+                        or inner(cands))
+    fewer = traced_step.peak_of(rec)
+    monkeypatch.setattr(traced_step, "_distinct", lambda cands: cands)
+    every = traced_step.peak_of(rec)
+    assert all(n > kept for n, kept in sizes) and len(sizes) == 2
+    assert (fewer.expr, fewer.first) == (every.expr, every.first)
+    assert [(m.phase, m.node, m.total) for m in fewer.moments] == [(m.phase, m.node, m.total) for m in every.moments]

@@ -136,8 +136,22 @@ def _peak(cands: dict[str, list[Candidate]], syms: list[sympy.Symbol], subs: Map
           ) -> Peak:
     """The first and steady steps' candidates as a :class:`~symmem.peak.Peak` (each ``Max`` built when asked
     for)."""
-    return summarize([(cands["steady"], cands["first"])], lambda k: (k.key[0], *names[(k.step, k.key)]), subs, syms,
-                     numbers, domain, base=BASE)
+    return summarize([(_distinct(cands["steady"]), _distinct(cands["first"]))],
+                     lambda k: (k.key[0], *names[(k.step, k.key)]), subs, syms, numbers, domain, base=BASE)
+
+
+def _distinct(cands: list[Candidate]) -> list[Candidate]:
+    """The first candidate of each set of live storages: the peak algebra keeps the first of equal candidates
+    (:func:`symmem.peak.prune`), so a later one with the same storages can only be dropped.  The optimizer step's
+    moments repeat one set (every parameter's temporaries freed, the rest alike): about half of a step's."""
+    seen: set[frozenset[Any]] = set()
+    out = []
+    for c in cands:
+        key = frozenset(c.parts.items())
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = None,

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: plain argument types that key as themselves (with their type)
-_PLAIN = (int, float, bool, str, type(None))
+#: plain argument types that key as themselves (with their type; exact types: a subclass goes the long way)
+_PLAIN = frozenset({int, float, bool, str, type(None)})
 
 
 class ShapeCache:
@@ -63,6 +63,9 @@ class ShapeCache:
         """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object).  An empty
         constant (``empty``; transformers' ``DynamicCache`` starts each layer's keys and values as ``torch.tensor([])``
         and concatenates onto it) has no value an op could read: it keys by its metadata, as its own kind."""
+        kind = type(x)
+        if kind in _PLAIN:  # most arguments: ints, floats, bools
+            return (kind.__name__, x)
         if isinstance(x, self._fake):
             if x.layout != self._torch.strided:
                 return None
@@ -70,13 +73,15 @@ class ShapeCache:
                 if not empty or x.constant.numel() != 0:
                     return None
                 return ("C", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device)
+            if not x._has_symbolic_sizes_strides:  # plain ints already (a parameter, the optimizer's state)
+                return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device)
             return ("T", tuple(_expr(d) for d in x.shape), tuple(_expr(s) for s in x.stride()),
                     _expr(x.storage_offset()), x.dtype, x.device)
         if isinstance(x, self._torch.Tensor):
             return None
         if isinstance(x, self._symbolic):
             return ("S", type(x).__name__, x.node.expr)
-        if isinstance(x, _PLAIN) or isinstance(x, self._plain_torch):
+        if isinstance(x, tuple(_PLAIN)) or isinstance(x, self._plain_torch):
             return (type(x).__name__, x)
         if isinstance(x, list | tuple):
             parts = tuple(self._part(v, empty) for v in x)
