@@ -38,12 +38,18 @@ def _expr(x: Any) -> Any:
 
 def plain(t: Any) -> bool:
     """Whether ``t`` is a strided CPU tensor in float32/float64 whose strides are the contiguous strides of its sizes
-    (each expression equal; no guard asked), with at least 2 dimensions."""
+    (each expression equal; no guard asked), with at least 2 dimensions and no known value.
+
+    >>> import pytest; torch = pytest.importorskip("torch")
+    >>> x = torch.empty(2, 3, 4)
+    >>> plain(x), plain(x.transpose(1, 2)), plain(x.half()), plain(x[0, 0])
+    (True, False, False, False)
+    """
     import torch
 
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu" or t.dim() < 2 \
-            or str(t.dtype).split(".")[-1] not in _FLOATS:
-        return False
+            or str(t.dtype).split(".")[-1] not in _FLOATS or getattr(t, "constant", None) is not None:
+        return False  # (a fake tensor with a known value: the decomposition would propagate it)
     expected: Any = 1
     for size, stride in zip(reversed(tuple(t.shape)), reversed(t.stride()), strict=True):
         if _expr(stride) != _expr(expected):
