@@ -170,3 +170,127 @@ def test_empty_constants_and_permuted_layouts_are_remade_as_pytorch_makes_them()
         assert _expr(made.untyped_storage().nbytes()) == 256 * b.node.expr * s.node.expr  # empty_permuted's form
         assert cache.key(aten.cat.default, ([full, full], 0), {}) is None  # a constant with a value
         assert cache.same_key(aten.add_.Tensor, (empty, empty), {}) is None  # in place on a constant: run
+
+
+def _metadata(t: object) -> object:
+    """Sizes, strides and storage bytes (expressions), offset, dtype and device of a tensor; None stays None."""
+    from symmem.record.shape_cache import _expr
+
+    if t is None:
+        return None
+    assert isinstance(t, torch.Tensor)
+    return (tuple(_expr(d) for d in t.shape), tuple(_expr(d) for d in t.stride()), _expr(t.untyped_storage().nbytes()),
+            _expr(t.storage_offset()), t.dtype, t.device)
+
+
+def test_fast_batch_norm_kernels_make_what_the_decompositions_make() -> None:
+    """``symmem.importer.fake_kernels``: each output's metadata and the guards equal those of the op PyTorch runs on
+    fake tensors with symbolic sizes (its decomposition, the oracle), and every case outside the fast one runs it."""
+    from symmem.importer import fake_kernels
+    from symmem.importer.fake import make_world
+    from symmem.record.shape_cache import _Permuted, fresh
+
+    aten = torch.ops.aten
+    world = make_world({"B": 2, "Hi": 8})
+    b, h = world.sizes["B"], world.sizes["Hi"]
+    calls: list[str] = []
+
+    def spy(op: object) -> object:
+        def run(*args: object) -> object:
+            calls.append(str(op))
+            return op(*args)  # type: ignore[operator]
+        return run
+
+    bn = fake_kernels.batch_norm(spy(aten.native_batch_norm.default))
+    bn_back = fake_kernels.batch_norm_backward(spy(aten.native_batch_norm_backward.default))
+    thr = fake_kernels.threshold_backward(spy(aten.threshold_backward.default))
+    with world.mode:
+        for shape, dtype in (((b, 6, h, h), torch.float32), ((b, 6), torch.float32), ((b, 6, h), torch.float64),
+                             ((b, 6, 1, 1), torch.float32), ((b, 4, 2, h, 3), torch.float32)):
+            x, g = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            for affine, stats in ((True, True), (False, False), (True, False)):
+                w = torch.empty(6 if len(shape) != 5 else 4, dtype=dtype)
+                args = (x, w if affine else None, w if affine else None, w if stats else None, w if stats else None,
+                        True, 0.1, 1e-5)
+                before = len(world.env.guards)
+                truth = aten.native_batch_norm.default(*args)
+                assert len(world.env.guards) == before  # the decomposition asks no guard here: nor may the kernel
+                fast = bn(*args)
+                assert [_metadata(t) for t in fast] == [_metadata(t) for t in truth]
+                for mask in ([True, True, True], [False, True, False]):
+                    back = (g, x, args[1], args[3], args[4], truth[1], truth[2], True, 1e-5, mask)
+                    assert [_metadata(t) for t in bn_back(*back)] == \
+                        [_metadata(t) for t in aten.native_batch_norm_backward.default(*back)]
+            assert _metadata(thr(g, x, 0.0)) == _metadata(aten.threshold_backward.default(g, x, 0.0))
+        assert calls == []  # all of these were the fast case
+        assert len(world.env.guards) == 0
+        # not the fast case: a channels-last input, evaluation, 16-bit, a gradient of another layout
+        x = torch.empty(b, 6, h, h)
+        last, w = x.contiguous(memory_format=torch.channels_last), torch.empty(6)
+        for args in ((last, w, w, w, w, True, 0.1, 1e-5), (x, w, w, w, w, False, 0.1, 1e-5),
+                     (x.to(torch.bfloat16), w, w, w, w, True, 0.1, 1e-5)):
+            assert [_metadata(t) for t in bn(*args)] == [_metadata(t) for t in aten.native_batch_norm.default(*args)]
+        thr(last, x, 0.0)
+        assert calls == ["aten.native_batch_norm.default"] * 3 + ["aten.threshold_backward.default"]
+        # fresh() makes what torch.empty, empty_strided and empty_permuted make under the mode
+        for stride in (None, (1, 6 * h * h, 6 * h, 6), _Permuted((0, 2, 3, 1))):
+            made = fresh((b, 6, h, h), torch.float32, torch.device("cpu"), stride)
+            truth = torch.empty(b, 6, h, h) if stride is None else torch.empty_permuted(
+                (b, 6, h, h), stride) if isinstance(stride, _Permuted) else torch.empty_strided((b, 6, h, h), stride)
+            assert _metadata(made) == _metadata(truth) and type(made) is type(truth) and made.fake_mode is world.mode
+
+
+def test_fast_kernels_change_no_trace_and_no_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conv, batch norm and ReLU net traced in B, Hi and Wi with its training step: everything equal with the fast
+    kernels off, where PyTorch's decompositions run (whose results the importer and traced-peak tests check against
+    real PyTorch)."""
+    from trace_helpers import cnn
+
+    import symmem
+    from symmem.importer import fake_kernels
+
+    def everything(fast: bool) -> tuple[object, ...]:
+        monkeypatch.setattr(fake_kernels, "FAST", fast)
+        torch.manual_seed(0)
+        d = symmem.trace(cnn(2), (torch.randn(2, 3, 8, 8),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
+                         optimizer="adamw")
+        rec = d.step.record()
+        return (d.expression("activations"), d.expression("total"), d.domain, d.value("peak"),
+                [(s.sid, s.nbytes, s.category, s.dtype, s.op, s.where, s.module, s.phase) for s in rec.storages],
+                [(o.phase, o.op, o.where, o.born, o.freed) for o in rec.ops], [g.expr for g in rec.guards],
+                d.table())
+
+    used: list[int] = []
+    inner = fake_kernels.plain
+    monkeypatch.setattr(fake_kernels, "plain", lambda t: used.append(1) or inner(t))
+    fast = everything(True)
+    assert len(used) > 3  # the fast kernels ran
+    assert fast == everything(False)
+
+
+def test_candidates_with_the_same_live_storages_are_given_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peak from the step's distinct candidate moments equals the peak from all of them (what the peak algebra
+    keeps, their names and formulas, first and steady), and about half of a step's moments repeat another's."""
+    from trace_helpers import cnn
+
+    import symmem
+    from symmem.importer import traced_step
+
+    torch.manual_seed(0)
+    d = symmem.trace(cnn(2), (torch.randn(2, 3, 8, 8),), {"B": [(0, 0)], "Hi": [(0, 2)], "Wi": [(0, 3)]},
+                     optimizer="adamw")
+    rec = d.step.record()
+    given: list[int] = []
+    inner = traced_step.summarize
+
+    def counted(groups: list[tuple[list[object], list[object]]], *args: object, **kwargs: object) -> object:
+        given.extend(len(c) for c in groups[0])
+        return inner(groups, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(traced_step, "summarize", counted)
+    fewer = traced_step.peak_of(rec)
+    monkeypatch.setattr(traced_step, "DISTINCT", False)
+    every = traced_step.peak_of(rec)
+    assert given[0] < given[2] and given[1] < given[3]  # steady, first: fewer moments than every candidate
+    assert (fewer.expr, fewer.first) == (every.expr, every.first)
+    assert [(m.phase, m.node, m.total) for m in fewer.moments] == [(m.phase, m.node, m.total) for m in every.moments]

@@ -48,12 +48,21 @@ def overrides() -> dict[Any, Any]:
     import torch
     import torch._refs
 
+    from . import fake_kernels
+
     aten = torch.ops.aten
-    return {aten.constant_pad_nd.default: torch._refs.constant_pad_nd,
-            aten.native_layer_norm.default: _mixed(aten.native_layer_norm.default, (2, 3)),
-            aten.native_group_norm.default: _mixed(aten.native_group_norm.default, (1, 2)),
-            aten.native_batch_norm.default: _mixed(aten.native_batch_norm.default, (1, 2, 3, 4)),
-            aten._embedding_bag.default: _embedding_bag_cpu(aten._embedding_bag.default)}
+    fast = fake_kernels.FAST
+    batch_norm = fake_kernels.batch_norm(aten.native_batch_norm.default) if fast else aten.native_batch_norm.default
+    out = {aten.constant_pad_nd.default: torch._refs.constant_pad_nd,
+           aten.native_layer_norm.default: _mixed(aten.native_layer_norm.default, (2, 3)),
+           aten.native_group_norm.default: _mixed(aten.native_group_norm.default, (1, 2)),
+           aten.native_batch_norm.default: _mixed(batch_norm, (1, 2, 3, 4)),
+           aten._embedding_bag.default: _embedding_bag_cpu(aten._embedding_bag.default)}
+    if fast:  # metadata-only kernels where PyTorch would run a decomposition (fake_kernels)
+        out[aten.native_batch_norm_backward.default] = fake_kernels.batch_norm_backward(
+            aten.native_batch_norm_backward.default)
+        out[aten.threshold_backward.default] = fake_kernels.threshold_backward(aten.threshold_backward.default)
+    return out
 
 
 def _mixed(op: Any, params: tuple[int, ...]) -> Any:

@@ -36,6 +36,9 @@ from ..timeline import Row, Which
 from .inputs import Inputs
 from .recording import SharedWorld, StepOp, StepOptions, StepRecord, record_step
 
+#: candidate moments with the same live storages are given to the peak algebra once (False: all, for comparisons)
+DISTINCT = True
+
 #: layer counts the repeated blocks are written out at: interpolated from the first two, checked at the third
 COUNTS = (4, 5, 6)
 EDGE = 2
@@ -136,8 +139,24 @@ def _peak(cands: dict[str, list[Candidate]], syms: list[sympy.Symbol], subs: Map
           ) -> Peak:
     """The first and steady steps' candidates as a :class:`~symmem.peak.Peak` (each ``Max`` built when asked
     for)."""
-    return summarize([(cands["steady"], cands["first"])], lambda k: (k.key[0], *names[(k.step, k.key)]), subs, syms,
-                     numbers, domain, base=BASE)
+    return summarize([(_distinct(cands["steady"]), _distinct(cands["first"]))],
+                     lambda k: (k.key[0], *names[(k.step, k.key)]), subs, syms, numbers, domain, base=BASE)
+
+
+def _distinct(cands: list[Candidate]) -> list[Candidate]:
+    """The first candidate of each set of live storages: the peak algebra keeps the first of equal candidates
+    (:func:`symmem.peak.prune`), so a later one with the same storages can only be dropped.  The optimizer step's
+    moments repeat one set (every parameter's temporaries freed, the rest alike): about half of a step's."""
+    if not DISTINCT:
+        return cands
+    seen: set[frozenset[Any]] = set()
+    out = []
+    for c in cands:
+        key = frozenset(c.parts.items())
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = None,
@@ -148,9 +167,15 @@ def peak_of(record: StepRecord, *, subs: Mapping[sympy.Symbol, Any] | None = Non
     cands: dict[str, list[Candidate]] = {"steady": [], "first": []}
     names: dict[Any, tuple[str, str]] = {}
     for step in ("steady", "first"):
+        seen: set[frozenset[Any]] = set()
         for k, live, candidate in record.as_timeline(step).counts():
             if not candidate:
                 continue
+            if DISTINCT:
+                same = frozenset(live.items())
+                if same in seen:  # a later moment with the same storages (see _distinct)
+                    continue
+                seen.add(same)
             o = record.ops[k]
             place, index = _locate(o, layers if layers is not None else record.layers)
             key = (o.phase, o.index)

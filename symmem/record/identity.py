@@ -30,13 +30,32 @@ def symbolic_nbytes(storage: Any) -> Any:
     return n.node.expr if hasattr(n, "node") else int(n)
 
 
+_OP_NAMES: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    """``str(func)`` of an op overload (``aten.mm.default``), worked out once per overload: recorders read it for
+    every op."""
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func)
+    return name
+
+
 def dtype_name(dtype: Any) -> str:
     """``torch.float32`` -> ``float32``: symmem's own dtype names."""
     return str(dtype).removeprefix("torch.")
 
 
 def tensors(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
-    """Tensors inside nested tuples, lists, dicts and dataclass-like outputs (Hugging Face ``ModelOutput``)."""
+    """Tensors inside nested tuples, lists, dicts and dataclass-like outputs (Hugging Face ``ModelOutput``), each
+    once.
+
+    >>> import pytest; torch = pytest.importorskip("torch")
+    >>> t, u = torch.zeros(1), torch.ones(2)
+    >>> [x.numel() for x in tensors([t, (u, 3, {"a": t}), None])]
+    [1, 2]
+    """
     import torch
 
     seen = set() if seen is None else seen
@@ -45,14 +64,20 @@ def tensors(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
+        return
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else None
+    if items is None:
+        if hasattr(obj, "to_tuple"):
+            yield from tensors(obj.to_tuple(), seen)
+        return
+    # every aten op's arguments and outputs pass here: tensors and plain values inside are read without a generator
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            if id(v) not in seen:
+                seen.add(id(v))
+                yield v
+        elif isinstance(v, dict | list | tuple) or hasattr(v, "to_tuple"):
             yield from tensors(v, seen)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from tensors(v, seen)
-    elif hasattr(obj, "to_tuple"):
-        yield from tensors(obj.to_tuple(), seen)
 
 
 def first_tensor(out: Any) -> Any:

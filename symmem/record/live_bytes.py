@@ -50,7 +50,7 @@ from typing import Any
 
 from ..categories import RECORDED
 from ..errors import SymmemError
-from .identity import concrete_nbytes, dtype_name, require_torch, storage_key, tensors
+from .identity import concrete_nbytes, dtype_name, op_name, require_torch, storage_key, tensors
 from .modules import MODULE_KEY, ModuleTracker, hook_backward
 from .steptrace import AllocatorPeaks, Boundary, OpRecord, StepTrace, StorageInfo
 
@@ -190,7 +190,7 @@ class LiveRecorder:
     # every op
     def observe(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Register the storages op ``func`` made, note those it grew, and where it ran."""
-        op = str(func)
+        op = op_name(func)
         if op.startswith("profiler."):  # record_function markers (Optimizer.step has them): no tensors
             return
         phase = self.phase_name

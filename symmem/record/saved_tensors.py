@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SymmemError
-from .identity import dtype_name, storage_key, tensors
+from .identity import dtype_name, op_name, storage_key, tensors
 from .modules import ModuleTracker
 from .shape_cache import ShapeCache
 
@@ -168,6 +168,12 @@ class SavedRecorder:
                     rec.fn = before
 
         class Ops(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # PyTorch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless told not to (a few us of
+                # every op): nothing here is compiled
+                return False
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 kwargs = kwargs or {}
                 if rec.quiet or _metadata(func):  # size/device queries are not ops of the forward
@@ -183,7 +189,7 @@ class SavedRecorder:
                 current = stack[-1] if stack else ""
                 rec.op_modules.append(current)
                 rec.autograd_to_op.setdefault(peek() - 1, seq)
-                rec.aten = name = str(func)
+                rec.aten = name = op_name(func)
                 if func is local_scalar:
                     value = rec._scalar(func, args, kwargs)
                     if rec.observe is not None:
@@ -397,10 +403,17 @@ _METADATA = frozenset({"is_contiguous", "is_strides_like_format", "is_non_overla
                        "numel", "dim", "storage_offset"})
 
 
+#: per op overload, whether it asks about metadata only (read for every op)
+_IS_METADATA: dict[Any, bool] = {}
+
+
 def _metadata(func: Any) -> bool:
     """Whether an op only asks about metadata (``prim.device``, ``aten.sym_size`` …)."""
-    name = func.__name__.split(".")[0]
-    return func.namespace == "prim" or name.startswith("sym_") or name in _METADATA
+    known = _IS_METADATA.get(func)
+    if known is None:
+        name = func.__name__.split(".")[0]
+        known = _IS_METADATA[func] = func.namespace == "prim" or name.startswith("sym_") or name in _METADATA
+    return known
 
 
 def _aliases_input(key: int, args: Any) -> bool:
