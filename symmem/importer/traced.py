@@ -109,8 +109,8 @@ class _TraceSizes:
         return []
 
     def requirements(self, regime: Regime) -> list[tuple[str, sympy.Basic, None]]:
-        # no op of a trace has a role that tensor parallelism splits
-        return regimes.needs(self.name, lambda: None, self.blocks, self.symbols, regime)
+        # a trace has no op with a role tensor parallelism splits: its own plan splits it (importer/tensor_plan.py)
+        return regimes.needs(self.name, lambda: "the module's tensor-parallel plan", self.blocks, self.symbols, regime)
 
     def kind(self, node: str) -> str:
         return self.kinds.get(node, "regime")
@@ -297,9 +297,9 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if no_step(recorded, regime) is not None:
         return None
     why = None
-    if regime.tensor_parallel:
-        why = ("the peak follows one device's training step op by op; tensor parallelism is not traced: its "
-               "collectives are modelled on built-in graphs only (the kept memory and total are)")
+    if regime.tensor_parallel and (regime.data_parallel or regime.zero or regime.pipeline_parallel):
+        why = ("the peak of a traced module under tensor parallelism is recorded on its own: with data or pipeline "
+               "parallelism or ZeRO it is not followed")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
@@ -325,6 +325,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     step = StepPeak(module, inputs, symbols, dict(recorded.values), step_options, device, multiple_of,
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
                     dict(numbers))
+    if regime.tensor_parallel:  # one rank's step recorded on fake DTensors (importer/traced_tensor.py)
+        from .traced_tensor import tensor_step
+
+        return tensor_step(step, regime)
     if regime.pipeline_parallel:  # every stage's step: the recorded step cut by stage and replayed
         from .traced_pipeline import pipeline_step
 

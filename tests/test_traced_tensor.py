@@ -1,0 +1,156 @@
+"""Traced modules under tensor and sequence parallelism (issue 19 item 2, "traced modules alike"): one rank's step
+recorded on fake DTensors in a fake process group (symmem.importer.traced_tensor) against real gloo ranks running the
+same module under the same plan with the DTensor-aware live-bytes recorder: every rank's first and steady peak, to the
+byte.
+
+The truths: transformers' own LlamaForCausalLM from a LlamaConfig under the standard plan
+(symmem.record.hf_llama, model_parallel_runs' ``hf`` case), with SDPA, with SDPA under sequence parallelism and with
+eager attention (where HF's own forward holds other storages than the zoo's Llama: the traced module is HF's, so
+it is exact there too); and a file module with its own ``tp_plan`` (tests/data/traced_tp.py) at a batch other than its
+example's.  One fork of two ranks runs all four.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("transformers")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+from symmem import trace  # noqa: E402
+from symmem.cli import main  # noqa: E402
+from symmem.errors import SymmemError  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+#: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64), two ranks: (values, options) as model_parallel_runs
+#: takes them; the peaks (first / steady) the real ranks measure are in the test
+HF = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}, {"attention": "sdpa"}),
+      ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
+       {"attention": "sdpa", "sequence_parallel": True}),
+      ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"})]
+#: the file module's batch in the real run and the derivation (its example's is 4)
+BATCH = 64
+
+
+def _file_module(batch: int = 4):
+    sys.path.insert(0, str(DATA))
+    try:
+        from traced_tp import build
+    finally:
+        sys.path.remove(str(DATA))
+    return build(batch)
+
+
+def _hf(values, options):
+    from symmem.record.hf_llama import hf_llama
+
+    torch.manual_seed(0)
+    module, ids = hf_llama(values, attention=options["attention"], sequence=options.get("sequence_parallel", False))
+    return module, ids
+
+
+def _traced_hf(values, options):
+    module, ids = _hf(values, options)
+    return trace(module, (ids,), {"B": [(0, 0)], "S": [(0, 1)]}, optimizer="adamw", loss="sum", check=False,
+                 tensor_parallel=True, sequence_parallel=options.get("sequence_parallel", False),
+                 values={"t": 2})
+
+
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_every_rank_against_real_ranks(capsys):
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
+    from torch.distributed.tensor import parallel  # noqa: F401
+
+    from symmem.importer.tensor_plan import plan_of
+    from symmem.record.model_parallel_runs import _tensor_case, forked_ranks
+    from symmem.record.traced_tensor_runs import split_run
+
+    def work(rank, world):
+        found = [_tensor_case("llama", values, rank, world, {**options, "peaks": True, "hf": True})
+                 for values, options in HF]
+        make = plan_of(_file_module()[0], False).make
+        return [*found, *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4))]
+
+    everything = forked_ranks(2, work, "the tensor-parallel runs")
+    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(len(HF) + 2)]
+    # the engine's own numbers (each rank alike): SDPA, SDPA with sequence parallelism, eager (HF's cache and mask),
+    # the file module at B = 64 and at B = 4
+    assert measured == [[(96_080, 101_592)] * 2, [(96_080, 97_392)] * 2, [(124_624, 126_992)] * 2,
+                        [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2]
+    for k, (values, options) in enumerate(HF):
+        d = _traced_hf(values, options)
+        assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[k], k
+        if k == 0:  # t must divide the heads, the key/value heads, F and V (HF's config): one line at other numbers
+            with pytest.raises(SymmemError, match="^t=4 does not divide num_key_value_heads=2: the plan splits it"):
+                d.at(t=4).value("peak")
+    module, inputs = _file_module()
+    d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss="sum", check=False, tensor_parallel=True,
+              values={"t": 2, "B": BATCH})
+    assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[3]
+    assert d.peak_at().where() == ("backward aten.threshold_backward.default (ReluBackward0) in blocks.#.down "
+                                   "(layer 2), steady step")
+    # every rank alike, rank 0's named; the peak holds at the numbers it was recorded at
+    out = d.to_dict()
+    assert (out["values"]["peak"], out["peak_at"]["rank"]) == (115_528, 0)
+    assert d.step.per_rank(d.numbers)["peak_per_rank"] == [115_528] * 2
+    assert {str(c) for c in d.step.domain()} == {"Eq(B, 64)", "Eq(L, 2)", "Eq(t, 2)"}
+    # the parameters each rank holds: up's weight and bias, down's weight and the head split; down's bias, the norms
+    # and the input layer whole
+    assert everything[0][3].parameters == 4 * (12 * 24 + 24 + 2 * (2 * 24 + (24 * 64 + 64) // 2 + 64 * 24 // 2 + 24)
+                                                + (24 * 8 + 8) // 2)
+    # other numbers record the step again (DTensor specializes sizes): at the example's batch the peak is in the
+    # optimizer step
+    small = d.at(B=4)
+    assert [(small.value("peak_first_step"), small.value("peak"))] * 2 == measured[4]
+    assert small.peak_at().where().startswith("step aten.div.Tensor on ")
+    # the command line: hf:llama from a config, the first case's sizes
+    config = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=32,"
+              "vocab_size=64,tie_word_embeddings=false,attn_implementation=sdpa")
+    assert main(["trace", "hf:llama", "--config", config, "--dims", "B,S", "--set", "B=2", "--set", "S=8", "--loss",
+                 "sum", "--optimizer", "adamw", "--tensor-parallel", "--no-check", "--set", "t=2", "--format",
+                 "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(out["values"]["peak_first_step"], out["values"]["peak"])] * 2 == measured[0]
+    assert out["peak_at"]["rank"] == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel": True, "values": {"t": 3}},
+     "t=3 does not divide blocks.0.up.weight's dimension 0 (64)"),
+    ({"tensor_parallel": True, "data_parallel": "fsdp", "values": {"t": 2, "N": 2}},
+     "with data or pipeline parallelism or ZeRO it is not followed"),
+])
+def test_refusals(kwargs, message):
+    module, inputs = _file_module()
+    d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, **kwargs)
+    with pytest.raises(SymmemError, match="^[^\n]*" + message.replace("(", r"\(").replace(")", r"\)")):
+        d.value("peak")
+
+
+def test_refused_when_traced():
+    module, inputs = _file_module()
+    with pytest.raises(SymmemError, match="^optimizer_impl='foreach' shapes the training step's peak, which is not "
+                                          "modelled here \\(the tensor-parallel step of a traced module is measured "
+                                          "with the for-loop optimizer"):
+        trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True,
+              optimizer_impl="foreach", values={"t": 2})
+
+
+def test_a_module_without_a_plan_and_an_existing_group(monkeypatch):
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    d = trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True,
+              values={"t": 2})
+    with pytest.raises(SymmemError, match="^Sequential has no tensor-parallel plan: give the module a tp_plan"):
+        d.value("peak")
+    module, inputs = _file_module()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True, values={"t": 2})
+    with pytest.raises(SymmemError, match="^a default torch.distributed process group already exists"):
+        d.value("peak")
