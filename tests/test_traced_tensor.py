@@ -87,6 +87,8 @@ def test_every_rank_against_real_ranks(capsys):
     for k, (values, options) in enumerate(HF):
         d = _traced_hf(values, options)
         assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[k], k
+        # the parameter side is the rank's: weights, gradients and AdamW's two moments, each the local shards' bytes
+        assert [d.value("parameter_memory")] * 2 == [4 * r[k].parameters for r in everything], k
         if k == 0:  # t must divide the heads, the key/value heads, F and V (HF's config): one line at other numbers
             with pytest.raises(SymmemError, match="^t=4 does not divide num_key_value_heads=2: the plan splits it"):
                 d.at(t=4).value("peak")
@@ -105,6 +107,7 @@ def test_every_rank_against_real_ranks(capsys):
     # and the input layer whole
     assert everything[0][3].parameters == 4 * (12 * 24 + 24 + 2 * (2 * 24 + (24 * 64 + 64) // 2 + 64 * 24 // 2 + 24)
                                                 + (24 * 8 + 8) // 2)
+    assert [d.value("parameter_memory")] * 2 == [4 * r[3].parameters for r in everything]
     # other numbers record the step again (DTensor specializes sizes): at the example's batch the peak is in the
     # optimizer step
     small = d.at(B=4)

@@ -148,3 +148,25 @@ def check_heads(config: Any, world: int) -> None:
         if isinstance(value, int) and value % world:
             raise SymmemError(f"t={world} does not divide {key}={value}: the plan splits it evenly over the ranks "
                               "(a split head or a padded shard is not followed)")
+
+
+def split_parameters(module: Any, sequence: bool) -> frozenset[str]:
+    """The names of ``module``'s parameters its plan splits over the ranks: every parameter of a column-parallel
+    module (weight and bias), the weight of a row-parallel one (its bias is added once the output is reduced: whole on
+    every rank); ``SequenceParallel`` modules keep theirs whole.
+
+    >>> import pytest; torch = pytest.importorskip("torch")
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> net.tp_plan = {"0": "colwise", "2": "rowwise"}
+    >>> sorted(split_parameters(net, False))
+    ['0.bias', '0.weight', '2.weight']
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    found: set[str] = set()
+    for name, style in plan_of(module, sequence).make(module, 1).items():
+        sub = module.get_submodule(name)
+        for own, _ in sub.named_parameters(recurse=False):
+            if isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel) and own == "weight"):
+                found.add(f"{name}.{own}" if name else own)
+    return frozenset(found)
