@@ -76,14 +76,14 @@ def test_every_rank_against_real_ranks(capsys):
         found = [_tensor_case("llama", values, rank, world, {**options, "peaks": True, "hf": True})
                  for values, options in HF]
         make = plan_of(_file_module()[0], False).make
-        return [*found, *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4))]
+        return [*found, *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1))]
 
     everything = forked_ranks(2, work, "the tensor-parallel runs")
-    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(len(HF) + 2)]
+    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(len(HF) + 3)]
     # the engine's own numbers (each rank alike): SDPA, SDPA with sequence parallelism, eager (HF's cache and mask),
-    # the file module at B = 64 and at B = 4
+    # the file module at B = 64, 4 and 1
     assert measured == [[(96_080, 101_592)] * 2, [(96_080, 97_392)] * 2, [(124_624, 126_992)] * 2,
-                        [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2]
+                        [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2, [(65_456, 65_456)] * 2]
     for k, (values, options) in enumerate(HF):
         d = _traced_hf(values, options)
         assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[k], k
@@ -98,21 +98,27 @@ def test_every_rank_against_real_ranks(capsys):
     assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[3]
     assert d.peak_at().where() == ("backward aten.threshold_backward.default (ReluBackward0) in blocks.#.down "
                                    "(layer 2), steady step")
-    # every rank alike, rank 0's named; the peak holds at the numbers it was recorded at
+    # a formula in B (DTensor keeps the batch symbolic), at the layer count and t it was recorded at
+    B = d.free[0]
+    assert str(d.peak) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
+    assert {str(c) for c in d.step.domain()} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
+    # every rank alike, rank 0's named
     out = d.to_dict()
     assert (out["values"]["peak"], out["peak_at"]["rank"]) == (115_528, 0)
     assert d.step.per_rank(d.numbers)["peak_per_rank"] == [115_528] * 2
-    assert {str(c) for c in d.step.domain()} == {"Eq(B, 64)", "Eq(L, 2)", "Eq(t, 2)"}
     # the parameters each rank holds: up's weight and bias, down's weight and the head split; down's bias, the norms
     # and the input layer whole
     assert everything[0][3].parameters == 4 * (12 * 24 + 24 + 2 * (2 * 24 + (24 * 64 + 64) // 2 + 64 * 24 // 2 + 24)
                                                 + (24 * 8 + 8) // 2)
     assert [d.value("parameter_memory")] * 2 == [4 * r[3].parameters for r in everything]
-    # other numbers record the step again (DTensor specializes sizes): at the example's batch the peak is in the
-    # optimizer step
+    # the formula at the example's batch: the peak is in the optimizer step; at B = 1, outside its domain (PyTorch
+    # specializes size 1), the step is recorded at the numbers
     small = d.at(B=4)
     assert [(small.value("peak_first_step"), small.value("peak"))] * 2 == measured[4]
     assert small.peak_at().where().startswith("step aten.div.Tensor on ")
+    one = d.at(B=1)
+    assert [(one.value("peak_first_step"), one.value("peak"))] * 2 == measured[5]
+    assert d.step.peak({B: 1}).expr == 65_456 and "Eq(B, 1)" in map(str, d.step.peak({B: 1}).domain)
     # the command line: hf:llama from a config, the first case's sizes
     config = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=32,"
               "vocab_size=64,tie_word_embeddings=false,attn_implementation=sdpa")

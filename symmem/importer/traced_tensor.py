@@ -86,9 +86,11 @@ def _even(module: Any, world: int) -> None:
 
 
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
-                       plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None) -> StepRecord:
+                       plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
+                       symbols: dict[str, sympy.Symbol] | None = None) -> StepRecord:
     """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
-    (every declared size a number; ``layers`` writes the repeated blocks out that many times)."""
+    (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
+    (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them."""
     import contextlib
     from types import SimpleNamespace
 
@@ -105,7 +107,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
     from .runs import resized
     from .wrap import with_layers
 
-    fake = make_world(values, symbolic=False)
+    fake = make_world(values, symbolic=symbols is not None)
     at = resized(inputs, values)
     with contextlib.ExitStack() as stack:
         if layers is not None:
@@ -120,6 +122,10 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
         _even(split, world)
         split.train()
         tracker = FakeShardTracker(fake.mode, quiet)
+        if symbols is not None:
+            from ..record.identity import symbolic_nbytes
+
+            tracker.nbytes = symbolic_nbytes
         tracker.modules = ModuleTracker(split, tag=True)
         params = [p for p in split.parameters() if p.requires_grad]
         names = {id(p): n for n, p in split.named_parameters()}
@@ -173,14 +179,28 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
     # the events as the single-device recorder's (ints for sizes: every size is a number here)
     shim = SimpleNamespace(live=tracker, on_gpu=False)
     index = {c: k for k, c in enumerate(layers[1])} if layers is not None else None
-    return _StepRecorder.record(shim, lambda x: sympy.Integer(int(x)), index, layers[2] if layers is not None else None,  # type: ignore
-                                [], [])
+    convert, guards = (lambda x: sympy.Integer(int(x))), []
+    if symbols is not None:
+        from .guards import collect
+        from .runs import converter, tidy
+
+        mapping = fake.mapping(symbols)
+        convert, guards = converter(fake.env, mapping), collect(fake.env, mapping, tidy)
+    return _StepRecorder.record(shim, convert, index, layers[2] if layers is not None else None,  # type: ignore
+                                [], guards)
+
+
+#: how far each size is moved, in multiples of t, to tell a guard that pins a size (``Eq(B, 2)``: the formula would
+#: hold at one value) from one that states a rule of the plan (``Eq(Mod(B, 2), 0)``, ``S >= 2``)
+_SHIFTS = (2, 4)
 
 
 @dataclass
 class TensorStepPeak(StepPeak):
-    """The :class:`~symmem.step.Step` of a traced module under tensor parallelism: one rank's step recorded at the
-    derivation's numbers (:func:`record_tensor_step`); every rank alike."""
+    """The :class:`~symmem.step.Step` of a traced module under tensor parallelism: one rank's step recorded on fake
+    DTensors (:func:`record_tensor_step`), every rank alike.  The declared sizes are symbolic where DTensor keeps
+    them so (the formulas hold where the guards the step took hold, sizes from 2, at the layer count and ``t`` they
+    were recorded at); else, and at numbers outside that domain, the step is recorded at the numbers."""
 
     plan: TensorPlan | None = None
     sequence: bool = False
@@ -198,9 +218,11 @@ class TensorStepPeak(StepPeak):
         count = given.get(self.symbol) if self.symbol is not None else None
         return sizes, int(count) if count is not None else self.count, int(world)
 
-    def _record_at(self, at: Mapping[sympy.Symbol, int] | None) -> StepRecord:
-        sizes, count, world = self._fixed(at)
-        key = ("tensor", sizes, count, world)
+    def _recorded(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int, symbolic: bool
+                  ) -> StepRecord:
+        """The step at ``sizes`` (with ``symbolic``, those numbers are the fake sizes' hints), ``count`` layers and
+        ``world`` ranks."""
+        key = ("tensor", symbolic, sizes, count, world)
         if key not in self._records:
             assert self.plan is not None
             if self.plan.config is not None:
@@ -210,7 +232,7 @@ class TensorStepPeak(StepPeak):
                 layers = (self.repeat[0], self.repeat[1], count)
             try:
                 rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
-                                         layers)
+                                         layers, self.symbols if symbolic else None)
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake DTensors: say what failed, not a traceback
@@ -220,43 +242,82 @@ class TensorStepPeak(StepPeak):
             self._records[key] = rec
         return self._records[key]
 
-    def _domain_at(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[Any, ...]:
-        """Where the peak holds: at the numbers it was recorded at."""
-        sizes, count, world = self._fixed(at)
-        fixed = [sympy.Eq(self.symbols[n], v) for n, v in sizes]
-        if self.symbol is not None and count is not None:
-            fixed.append(sympy.Eq(self.symbol, count))
+    def _fixed_domain(self, count: int | None, world: int) -> tuple[Any, ...]:
+        fixed = [sympy.Eq(self.symbol, count)] if self.symbol is not None and count is not None else []
         return (*fixed, sympy.Eq(T, world))
+
+    def _formula(self, count: int | None, world: int) -> Peak | None:
+        """The peak in the declared sizes at ``count`` layers and ``world`` ranks (None: DTensor pinned a size, or
+        the step did not run with symbolic sizes; the step is then recorded at the numbers)."""
+        key = ("tensor", "formula", count, world)
+        if key not in self._peaks:
+            sizes = self._fixed({})[0]
+            found = None
+            try:
+                rec = self._recorded(sizes, count, world, symbolic=True)
+            except SymmemError:
+                rec = None
+            if rec is not None and not self._pinned(rec, dict(sizes), world):
+                domain = (*(g.expr for g in rec.guards), *self._domain(), *self._fixed_domain(count, world))
+                found = peak_of(rec, subs=self.subs, numbers=self.numbers, domain=domain,
+                                layers=rec.layers if rec.layers is not None else self.layer_map())
+            self._peaks[key] = found  # type: ignore[assignment]  # None: no formula
+        return self._peaks[key]
+
+    def _pinned(self, rec: StepRecord, sizes: dict[str, int], world: int) -> bool:
+        """Whether a guard of ``rec`` pins a size: false with that size moved by a few multiples of ``t``."""
+        for g in rec.guards:
+            for name, value in sizes.items():
+                sym = self.symbols[name]
+                if sym not in g.expr.free_symbols:
+                    continue
+                at = {self.symbols[n]: v for n, v in sizes.items()}
+                for k in _SHIFTS:
+                    if not bool(g.expr.xreplace({**at, sym: value + k * world})):
+                        return True
+        return False
+
+    def _at_numbers(self, at: Mapping[sympy.Symbol, int] | None) -> Peak:
+        """The peak recorded at the numbers (every size a number), its domain those numbers."""
+        sizes, count, world = self._fixed(at)
+        key = ("tensor", "numbers", sizes, count, world)
+        if key not in self._peaks:
+            rec = self._recorded(sizes, count, world, symbolic=False)
+            domain = (*(sympy.Eq(self.symbols[n], v) for n, v in sizes), *self._fixed_domain(count, world))
+            numbers = {**self.numbers, **dict(at or {})}
+            self._peaks[key] = peak_of(rec, subs=self.subs, numbers=numbers, domain=domain,
+                                       layers=rec.layers if rec.layers is not None else self.layer_map())
+        return self._peaks[key]
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        """The peak as formulas in the declared sizes where DTensor keeps them symbolic, else at the numbers; with
+        ``at`` (numbers for some symbols) the formula where it holds there, else the step recorded at them."""
+        _, count, world = self._fixed(at)
+        found = self._formula(count, world)
+        if found is not None and (at is None or found.holds_at({**self.numbers, **dict(at)})):
+            return found
+        return self._at_numbers(at)
 
     def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
         at: dict[sympy.Symbol, int] = {self.symbols[n]: 1 for n in ones}
         if count is not None and self.symbol is not None:
             at[self.symbol] = count
-        return self._record_at(at)
-
-    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
-        key = ("tensor", *self._fixed(at))
-        if key not in self._peaks:
-            rec = self._record_at(at)
-            numbers = {**self.numbers, **dict(at or {})}
-            self._peaks[key] = peak_of(rec, subs=self.subs, numbers=numbers, domain=self._domain_at(at),
-                                       layers=rec.layers if rec.layers is not None else self.layer_map())
-        return self._peaks[key]
+        return self._recorded(*self._fixed(at), symbolic=False)
 
     def domain(self) -> tuple[Any, ...]:
-        return self._domain_at(None)
+        return tuple(self.peak().domain)
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        return all(bool(c.xreplace(dict(numbers))) for c in self.domain())
+        return self.peak().holds_at(numbers)
 
     def _at(self, at: Mapping[sympy.Symbol, int]) -> tuple[StepRecord, Any, tuple[str, ...]]:
-        return self._record_at(at), None, ()
+        return self._recorded(*self._fixed(at), symbolic=False), None, ()
 
     def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
-        return self._record_at(at).timeline(which, {})
+        return self._at(at)[0].timeline(which, {})
 
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
-        return self._record_at(at).allocated(which, {})
+        return self._at(at)[0].allocated(which, {})
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
         """Every rank's steady-step peak at ``numbers`` (all alike: the plan splits evenly), and the rank named."""
@@ -277,6 +338,6 @@ def tensor_step(step: StepPeak, regime: Any) -> Any:
     except SymmemError as exc:
         return Refused(str(exc))
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
-    fields["notes"] = [*step.notes, f"tensor parallel: {plan.source}, one rank's step recorded on fake DTensors at "
-                                    "the numbers (every rank alike)"]
+    fields["notes"] = [*step.notes, f"tensor parallel: {plan.source}, one rank's step recorded on fake DTensors "
+                                    "(every rank alike), at the layer count and t of the derivation"]
     return TensorStepPeak(**fields, plan=plan, sequence=regime.sequence_parallel)

@@ -69,9 +69,7 @@ def as_a_run() -> Iterator[list[bool]]:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    original = funcol._are_we_tracing
-    holders = [m for name, m in list(sys.modules.items())
-               if name.startswith("torch.distributed") and getattr(m, "_are_we_tracing", None) is original]
+    wrap = funcol._maybe_wrap_tensor
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
     quiet = [False]
 
@@ -82,14 +80,14 @@ def as_a_run() -> Iterator[list[bool]]:
         finally:
             quiet[0] = False
 
-    for m in holders:
-        m._are_we_tracing = lambda: False  # type: ignore[attr-defined]
+    # funcol wraps a collective's output in its AsyncCollectiveTensor as outside compilation; DTensor keeps its own
+    # answer (its uncached sharding propagation, the one symbolic sizes take)
+    funcol._maybe_wrap_tensor = funcol._wrap_tensor_autograd  # type: ignore[assignment]
     ShardingPropagator._propagate_tensor_meta_non_cached = propagating  # type: ignore[method-assign]
     try:
         yield quiet
     finally:
-        for m in holders:
-            m._are_we_tracing = original  # type: ignore[attr-defined]
+        funcol._maybe_wrap_tensor = wrap
         ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
 
 
