@@ -10,9 +10,8 @@ rank keeps.  Three things differ under a fake mode, and :class:`FakeShardTracker
 as a real rank runs them (found op by op against real runs under the same fake group, where every op's live bytes
 now match):
 
-* funcol and DTensor take a ``FakeTensorMode`` for compilation (``_are_we_tracing``) and then wait on every
-  collective at once instead of returning funcol's ``AsyncCollectiveTensor``: :func:`as_a_run` answers "not
-  tracing" while recording;
+* funcol takes a ``FakeTensorMode`` for compilation (``_are_we_tracing``) and then waits on every collective at
+  once instead of returning its ``AsyncCollectiveTensor``: :func:`as_a_run` wraps the output as a real run does;
 * ``_c10d_functional._wrap_tensor_autograd``'s fake kernel makes a new tensor where the real one wraps its input in
   an ``AsyncCollectiveTensor`` (a data-less wrapper whose storage the recorder counts, the collective's output
   inside it), and ``wait_tensor``'s makes a new tensor where the real one returns its input: the recorder's mode runs
@@ -31,7 +30,6 @@ False
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -63,9 +61,10 @@ def fake_group(world: int) -> Iterator[Any]:
 
 @contextmanager
 def as_a_run() -> Iterator[list[bool]]:
-    """While active, funcol and DTensor run as outside compilation (``_are_we_tracing`` is False in every module of
-    ``torch.distributed`` that holds it), and DTensor's sharding propagation sets the yielded flag ``[True]`` while it
-    runs (its ops are not the step's)."""
+    """While active, funcol wraps a collective's output in its ``AsyncCollectiveTensor`` as outside compilation
+    (under a fake mode ``_maybe_wrap_tensor`` waits at once: ``_are_we_tracing``), while DTensor keeps its own answer
+    to that question (its uncached sharding propagation, the path symbolic sizes need), and DTensor's sharding
+    propagation sets the yielded flag ``[True]`` while it runs (its ops are not the step's)."""
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
