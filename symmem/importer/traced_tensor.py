@@ -109,9 +109,10 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
 
     fake = make_world(values, symbolic=symbols is not None)
     at = resized(inputs, values)
+    index: dict[str, int] | None = None
     with contextlib.ExitStack() as stack:
-        if layers is not None:
-            stack.enter_context(with_layers(module, *layers))
+        if layers is not None:  # the copy below is made with the run written out (child path -> its index)
+            index = stack.enter_context(with_layers(module, *layers))
         mesh = stack.enter_context(fake_group(world))
         quiet = stack.enter_context(as_a_run())
         with fake.mode:
@@ -176,9 +177,8 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
         with tracker.phase(2, "zero_grad"):
             opt.zero_grad(set_to_none=True)
         del opt, params, split, args, kwargs, fin, target
-    # the events as the single-device recorder's (ints for sizes: every size is a number here)
+    # the events as the single-device recorder's: sizes are numbers, or with symbols the ShapeEnv's in the declared ones
     shim = SimpleNamespace(live=tracker, on_gpu=False)
-    index = {c: k for k, c in enumerate(layers[1])} if layers is not None else None
     convert, guards = (lambda x: sympy.Integer(int(x))), []
     if symbols is not None:
         from .guards import collect
