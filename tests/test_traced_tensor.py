@@ -26,6 +26,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
 from symmem import trace  # noqa: E402
+from symmem.apps.budget import largest  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
 
@@ -35,8 +36,9 @@ DATA = Path(__file__).parent / "data"
 HF = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}, {"attention": "sdpa"}),
       ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
        {"attention": "sdpa", "sequence_parallel": True})]
-#: the file module's batch in the real run and the derivation (its example's is 4)
-BATCH = 64
+#: the file module's batch in the real run and the derivation (its example's is 4), and the largest whose steady
+#: peak fits 1 MiB on a rank (symmem fit)
+BATCH, FITS = 64, 947
 
 
 def _file_module(batch: int = 4):
@@ -76,14 +78,14 @@ def test_every_rank_against_real_ranks(capsys):
         found = [_tensor_case("llama", values, rank, world, {**options, "peaks": True, "hf": True})
                  for values, options in HF]
         make = plan_of(_file_module()[0], False).make
-        return [*found, *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1))]
+        return [*found, *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1, FITS))]
 
     everything = forked_ranks(2, work, "the tensor-parallel runs")
-    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(len(HF) + 3)]
+    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(len(HF) + 4)]
     # the engine's own numbers (each rank alike): SDPA, SDPA with sequence parallelism, eager (HF's cache and mask),
     # the file module at B = 64, 4 and 1
     assert measured == [[(96_080, 101_592)] * 2, [(96_080, 97_392)] * 2, [(85_928, 115_528)] * 2,
-                        [(65_600, 65_600)] * 2, [(65_456, 65_456)] * 2]
+                        [(65_600, 65_600)] * 2, [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2]
     # HF under sequence parallelism (the whole sequence's position ids given, as the real runs do)
     d = _traced_hf(*HF[1])
     assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[1]
@@ -120,6 +122,9 @@ def test_every_rank_against_real_ranks(capsys):
         one = d.at(B=1)
     assert [(one.value("peak_first_step"), one.value("peak"))] * 2 == measured[4]
     assert d.step.peak({B: 1}).expr == 65_456 and "Eq(B, 1)" in map(str, d.step.peak({B: 1}).domain)
+    # fit solves B from the formula: the largest batch whose rank fits 1 MiB, held to the byte by the real ranks there
+    fit = largest(d, "B", "1MiB")
+    assert fit.max == FITS and [fit.total_at_max] * 2 == [steady for _, steady in measured[5]]
     # the command line: hf:llama from a config, the first case's sizes
     config = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=32,"
               "vocab_size=64,tie_word_embeddings=false,attn_implementation=sdpa")
