@@ -1,8 +1,10 @@
 """The tensor-parallel plan of a traced module: which of its modules DTensor splits, and how.
 
 A plan maps module names (``fnmatch`` patterns: ``layers.*.mlp.up_proj``) to the strings transformers uses in
-``config.base_model_tp_plan`` and a model's ``_tp_plan``, each one of torch's ``ParallelStyle`` as transformers
-registers it (``transformers/distributed/tensor_parallel.py``):
+``config.base_model_tp_plan``, a model's ``_tp_plan`` and its resolved ``model.tp_plan``, each one of torch's
+``ParallelStyle`` as transformers registers it (``transformers/distributed/tensor_parallel.py``; for embeddings
+transformers has a style of its own, ``EmbeddingParallel``: torch's row- or column-wise style on the ``Embedding``
+here):
 
 ============================  ============================================================================
 ``colwise``                   ``ColwiseParallel()`` (input replicated, output split on its last dimension)
