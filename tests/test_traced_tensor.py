@@ -141,6 +141,9 @@ def test_every_rank_against_real_ranks(capsys):
      "t=3 does not divide blocks.0.up.weight's dimension 0 (64)"),
     ({"tensor_parallel": True, "data_parallel": "fsdp", "values": {"t": 2, "N": 2}},
      "with data or pipeline parallelism or ZeRO it is not followed"),
+    ({"tensor_parallel": True, "sequence_parallel": True, "values": {"t": 2}},
+     "--sequence-parallel: the module's tp_plan has no 'sequence_parallel' entry, so it splits nothing over the "
+     "sequence"),
 ])
 def test_refusals(kwargs, message):
     module, inputs = _file_module()

@@ -119,27 +119,29 @@ def _hf_plan(module: Any) -> dict[str, str] | None:
 
 def plan_of(module: Any, sequence: bool) -> TensorPlan:
     """The plan the traced step splits ``module`` with (``sequence``: sequence parallelism)."""
+    config = getattr(module, "config", None)  # a Hugging Face model's: t must divide its heads (check_heads)
     if _is_hf_llama(module):
         from ..record.hf_llama import hf_llama_plan
 
-        if sequence and getattr(module.config, "_attn_implementation", None) == "eager":
+        if sequence and getattr(config, "_attn_implementation", None) == "eager":
             raise SymmemError("HF's eager attention does not run under sequence parallelism: its causal mask follows "
                               "the S-split embedding output (attn_implementation=sdpa)")
         return TensorPlan("Hugging Face Llama: the standard plan (symmem.record.hf_llama.hf_llama_plan)",
-                    lambda m, world: hf_llama_plan(m, world, sequence), sequence, module.config)
-    own = getattr(module, "tp_plan", None)
-    if sequence and own is None:
-        raise SymmemError("--sequence-parallel on a traced module is followed for Hugging Face Llama (its standard "
-                          "plan), or a module's own tp_plan with 'sequence_parallel' entries")
-    if own is not None:
-        return TensorPlan("the module's tp_plan", lambda m, world: styles_of(own, [n for n, _ in m.named_modules()]))
-    hf = _hf_plan(module)
-    if hf is not None:
-        return TensorPlan(f"{type(module).__name__}'s config.base_model_tp_plan",
-                    lambda m, world: styles_of(hf, [n for n, _ in m.named_modules()]), config=module.config)
-    raise SymmemError(f"{type(module).__name__} has no tensor-parallel plan: give the module a tp_plan attribute, "
-                      "a dict of module-name patterns to styles ({'layers.*.up': 'colwise', 'layers.*.down': "
-                      "'rowwise'}; styles: " + ", ".join(sorted(STYLES)) + ")")
+                          lambda m, world: hf_llama_plan(m, world, sequence), sequence, config)
+    own = getattr(module, "tp_plan", None) or None  # transformers gives a model without a plan an empty one
+    source = "the module's tp_plan"
+    if own is None:
+        own, source = _hf_plan(module), f"{type(module).__name__}'s config.base_model_tp_plan"
+    if own is None:
+        raise SymmemError(f"{type(module).__name__} has no tensor-parallel plan: give the module a tp_plan attribute, "
+                          "a dict of module-name patterns to styles ({'layers.*.up': 'colwise', 'layers.*.down': "
+                          "'rowwise'}; styles: " + ", ".join(sorted(STYLES)) + ")")
+    if sequence and "sequence_parallel" not in dict(own).values():
+        raise SymmemError(f"--sequence-parallel: {source} has no 'sequence_parallel' entry, so it splits nothing over "
+                          "the sequence (sequence parallelism of a traced module follows Hugging Face Llama's "
+                          "standard plan, or a plan's own 'sequence_parallel' entries)")
+    plan = dict(own)
+    return TensorPlan(source, lambda m, world: styles_of(plan, [n for n, _ in m.named_modules()]), config=config)
 
 
 def check_heads(config: Any, world: int) -> None:
