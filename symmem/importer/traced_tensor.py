@@ -8,11 +8,20 @@ is a steady one), ``zero_grad`` -- is recorded op by op with the recorder that s
 DTensor's inner ops, funcol's wrappers) into the :class:`~symmem.importer.recording.StepRecord` the single-device
 step gives, so the one peak algebra, ``peak_at`` and every view work on it unchanged.
 
-DTensor's sharding propagation specializes every size it meets, so the step is recorded at **the derivation's
-numbers** (the declared sizes, the layer count, ``t``): the peak is a number there, its domain says so (each size
-``Eq`` its number), and ``d.at(B=4)`` records the step again at the new numbers.  The plan splits every sharded
-dimension evenly (refused otherwise), so every rank holds what rank 0 holds: the peak is every rank's
-(:meth:`TensorStepPeak.per_rank`).
+The declared sizes stay symbolic: DTensor's uncached sharding propagation (the path compilation takes) keeps them
+so, and the peak is a formula in them at the derivation's layer count and ``t``, where the guards the step took
+hold (``Eq(Mod(B, 2), 0)`` for HF Llama at ``t = 2``) and every size is at least 2.  Where a guard pins a size, where
+the symbolic step does not run, and at numbers outside that domain (``d.at(B=1)``, another ``L`` or ``t``), the step
+is recorded at the numbers, its domain those numbers.  The plan splits every sharded dimension evenly (refused
+otherwise), so every rank holds what rank 0 holds: the peak is every rank's (:meth:`TensorStepPeak.per_rank`).
+
+>>> import pytest; torch = pytest.importorskip("torch")
+>>> from symmem import trace
+>>> net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+>>> net.tp_plan = {"0": "colwise", "2": "rowwise"}
+>>> d = trace(net, (torch.zeros(4, 8),), {"B": [(0, 0)]}, optimizer="adamw", tensor_parallel=True, values={"t": 2})
+>>> d.peak, d.value("peak")   # two real gloo ranks under this plan: 5,712 bytes each (record/traced_tensor_runs.py)
+(Max(32*B + 5584, 224*B + 3928), 5712)
 
 Checked against real gloo runs of the same modules under the same plans (``tests/test_traced_tensor.py``): every
 rank's first and steady peak, to the byte.
