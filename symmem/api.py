@@ -329,7 +329,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     if isinstance(attention, str):  # a transformers model: the attention kernel it ran (the header says it)
         shown["attention"] = attention
     ledger = tracing.ledger_of(recorded, regime, name=name, size_one=size_one, values=values, free=free,
-                               per_layer=per_layer, shown=shown)
+                               per_layer=per_layer, shown=shown, split=tracing.split_of(module, regime))
     step = tracing.step_of(module, recorded, regime, ledger.numbers, example_inputs, dims, loss, autocast,
                            multiple_of, device, free)
     no_step = tracing.no_step(recorded, regime)

@@ -109,8 +109,8 @@ class _TraceSizes:
         return []
 
     def requirements(self, regime: Regime) -> list[tuple[str, sympy.Basic, None]]:
-        # no op of a trace has a role that tensor parallelism splits
-        return regimes.needs(self.name, lambda: None, self.blocks, self.symbols, regime)
+        # a trace has no op with a role tensor parallelism splits: its own plan splits it (importer/tensor_plan.py)
+        return regimes.needs(self.name, lambda: "the module's tensor-parallel plan", self.blocks, self.symbols, regime)
 
     def kind(self, node: str) -> str:
         return self.kinds.get(node, "regime")
@@ -123,10 +123,12 @@ class _TraceSizes:
             yield e.label, e.kind, shapes, e.count
 
 
-def _entries(trace: Any, size_one: bool, layers: sympy.Symbol) -> tuple[list[_Entry], list[Parameter]]:
+def _entries(trace: Any, size_one: bool, layers: sympy.Symbol, split: frozenset[str] | None = None
+             ) -> tuple[list[_Entry], list[Parameter]]:
     """The kept storages and trainable parameters of ``trace`` in the order the step holds them (parameters
     first, then storages as they were made), the largest run of identical layers folded to its first, counted
-    ``layers`` times; and every parameter, frozen ones too."""
+    ``layers`` times; and every parameter, frozen ones too.  ``split``: the parameters a tensor-parallel plan splits
+    (:func:`~symmem.importer.tensor_plan.split_parameters`; None: no plan)."""
     rep = trace.layers
     pieces: dict[str, Any] = {}
     extra_one: list[Any] = []
@@ -174,6 +176,8 @@ def _entries(trace: Any, size_one: bool, layers: sympy.Symbol) -> tuple[list[_En
         in_block = i == 0
         label = (local(p.name) if in_block else p.name) + ":param"
         shape = tuple(sympy.sympify(d, strict=True) for d in p.shape) or (sympy.Integer(1),)  # symbolic: symbolic_sizes
+        if split is not None:
+            shape = _as_split(shape, p.name in split)
         count = layers if in_block else sympy.Integer(1)
         param = Parameter(label, "value", shape, count, "layers" if in_block else None,
                           "layer" if in_block else _group(p.name), p.dtype, p.requires_grad)
@@ -183,13 +187,28 @@ def _entries(trace: Any, size_one: bool, layers: sympy.Symbol) -> tuple[list[_En
     return [e for _, e in sorted(found, key=lambda x: x[0])], parameters
 
 
+def _as_split(shape: tuple[sympy.Expr, ...], split: bool) -> tuple[sympy.Expr, ...]:
+    """A parameter's shape as the tensor-parallel rule of the parameter side reads it (matrices split over t,
+    vectors whole: :func:`symmem.passes.regimes.parameters`) where a module's own plan says what is split: a split
+    vector (a column-parallel bias) as an (n, 1) matrix, a whole matrix (a layer the plan leaves out) as a row of its
+    elements; the elements, and so every component's bytes, unchanged."""
+    if split and len(shape) < 2:
+        return (*shape, sympy.Integer(1))
+    if not split and len(shape) >= 2:
+        return (sympy.Mul(*shape),)
+    return shape
+
+
 def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: bool = False,
               values: Mapping[str, int] | None = None, free: tuple[str, ...] | None = None,
-              per_layer: bool = False, shown: Mapping[str, Any] | None = None) -> Ledger:
+              per_layer: bool = False, shown: Mapping[str, Any] | None = None,
+              split: frozenset[str] | None = None) -> Ledger:
     """The ledger of a :class:`~symmem.importer.Trace`: the storages it kept in the order they were made, its
     parameters, and the largest run of identical layers folded to one layer that stands for ``L`` (the symbol;
     its default is the run's length).  ``values``, ``free`` and ``per_layer`` are :func:`symmem.api.derive`'s;
-    ``shown`` are options the derivation shows besides the trace's own.
+    ``shown`` are options the derivation shows besides the trace's own; ``split``: under tensor parallelism, the
+    parameters the module's plan splits (:func:`~symmem.importer.tensor_plan.split_parameters`), so the parameter
+    side is the rank's.
 
     With ``size_one`` (a trace made with ``size_one=True``) each storage's bytes are also right where one
     declared size is 1 (PyTorch specializes size 1, so that is a trace of its own): a ``Piecewise`` in
@@ -199,7 +218,7 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     declared = {s.symbol for s in trace.symbols}
     rep = trace.layers
     layers = L if L not in declared else sympy.Symbol("L_layers", positive=True, integer=True)
-    entries, parameters = _entries(trace, size_one, layers)
+    entries, parameters = _entries(trace, size_one, layers, split if regime.tensor_parallel else None)
     model = name or trace.module
     defaults: dict[sympy.Symbol, sympy.Expr] = {s.symbol: sympy.Integer(s.example) for s in trace.symbols}
     free_symbols = tuple(s.symbol for s in trace.symbols)
@@ -233,6 +252,11 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
         from .traced_engines import policy  # which modules fully_shard wraps: said, as the peak follows it
 
         notes = (policy(regime, rep),)
+    if regime.tensor_parallel:
+        notes = (*notes, "tensor parallel: the parameter side is one rank's (" + (
+            "the module's plan says which parameters are split over t" if split is not None else
+            "every matrix split over t: the module has no plan") + "); the activations kept after the forward are "
+            "one device's; the peak is one rank's step, recorded (every rank alike)")
     domain = trace.domain
     if size_one:
         from .guards import domain_of
@@ -259,6 +283,19 @@ def _kept(entry: _Entry, act_dtype: str, per_layer: bool) -> Storage:
     return Storage(entry.label, "input" if category == "input" else entry.group, category,
                    one if count == 1 else count * one, spec.role, entry.label, spec.dtype, spec.numel, count,
                    (entry.label,), born, "backward")
+
+
+def split_of(module: Any, regime: Regime) -> frozenset[str] | None:
+    """Under tensor parallelism, the parameters ``module``'s plan splits (None: no tensor parallelism, or no plan,
+    which the peak's refusal names)."""
+    if not regime.tensor_parallel:
+        return None
+    from .tensor_plan import split_parameters
+
+    try:
+        return split_parameters(module, regime.sequence_parallel)
+    except SymmemError:
+        return None
 
 
 def checkpoint_option(value: Any) -> Any:
@@ -297,9 +334,9 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if no_step(recorded, regime) is not None:
         return None
     why = None
-    if regime.tensor_parallel:
-        why = ("the peak follows one device's training step op by op; tensor parallelism is not traced: its "
-               "collectives are modelled on built-in graphs only (the kept memory and total are)")
+    if regime.tensor_parallel and (regime.data_parallel or regime.zero or regime.pipeline_parallel):
+        why = ("the peak of a traced module under tensor parallelism is recorded on its own: with data or pipeline "
+               "parallelism or ZeRO it is not followed")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
@@ -325,6 +362,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     step = StepPeak(module, inputs, symbols, dict(recorded.values), step_options, device, multiple_of,
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
                     dict(numbers))
+    if regime.tensor_parallel:  # one rank's step recorded on fake DTensors (importer/traced_tensor.py)
+        from .traced_tensor import tensor_step
+
+        return tensor_step(step, regime)
     if regime.pipeline_parallel:  # every stage's step: the recorded step cut by stage and replayed
         from .traced_pipeline import pipeline_step
 

@@ -1,0 +1,352 @@
+"""A traced module's step under tensor (and sequence) parallelism: one rank's step recorded on fake DTensors.
+
+``symmem trace SPEC --tensor-parallel [--sequence-parallel] --set t=2`` (Python: ``trace(..., tensor_parallel=True,
+values={"t": 2})``): the module's own plan (:mod:`.tensor_plan`) is applied with ``parallelize_module`` to a copy of the
+module whose parameters are fake tensors, in a fake process group of ``t`` ranks (:mod:`symmem.record.fake_group`),
+and one training step -- forward, the loss, ``backward()``, two optimizer steps (the first makes the state, the second
+is a steady one), ``zero_grad`` -- is recorded op by op with the recorder that sees what DTensor does (local shards,
+DTensor's inner ops, funcol's wrappers) into the :class:`~symmem.importer.recording.StepRecord` the single-device
+step gives, so the one peak algebra, ``peak_at`` and every view work on it unchanged.
+
+The declared sizes stay symbolic: DTensor's uncached sharding propagation (the path compilation takes) keeps them
+so, and the peak is a formula in them at the derivation's layer count and ``t``, where the guards the step took
+hold (``Eq(Mod(B, 2), 0)`` for HF Llama at ``t = 2``) and every size is at least 2.  Where a guard pins a size, where
+the symbolic step does not run, and at numbers outside that domain (``d.at(B=1)``, another ``L`` or ``t``), the step
+is recorded at the numbers, its domain those numbers.  The plan splits every sharded dimension evenly (refused
+otherwise), so every rank holds what rank 0 holds: the peak is every rank's (:meth:`TensorStepPeak.per_rank`).
+
+>>> import pytest; torch = pytest.importorskip("torch")
+>>> from symmem import trace
+>>> net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+>>> net.tp_plan = {"0": "colwise", "2": "rowwise"}
+>>> d = trace(net, (torch.zeros(4, 8),), {"B": [(0, 0)]}, optimizer="adamw", tensor_parallel=True, values={"t": 2})
+>>> d.peak, d.value("peak")   # two real gloo ranks under this plan: 5,712 bytes each (record/traced_tensor_runs.py)
+(Max(32*B + 5584, 224*B + 3928), 5712)
+
+Checked against real gloo runs of the same modules under the same plans (``tests/test_traced_tensor.py``): every
+rank's first and steady peak, to the byte.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..peak import Peak
+from ..record.identity import tensors as _leaves
+from ..symbols import t as T
+from ..timeline import Row, Which
+from .recording import StepOptions, StepRecord
+from .tensor_plan import TensorPlan, check_heads, plan_of
+from .traced_step import StepPeak, peak_of
+
+
+def refusal(options: StepOptions, device: str, module: Any) -> str | None:
+    """Why the tensor-parallel step of a traced module is not recorded (None: it is)."""
+    if not str(device).startswith("cpu"):
+        return ("the tensor-parallel step of a traced module is recorded on the CPU (gloo's collectives, as "
+                "measured); on a GPU NCCL's buffers are a band like the CUDA workspaces")
+    if options.impl != "for-loop":
+        return (f"the tensor-parallel step of a traced module is measured with the for-loop optimizer, not "
+                f"{options.impl!r} (--optimizer-impl for-loop)")
+    if options.micro_batches != 1 or options.checkpoint or options.autocast:
+        return ("the tensor-parallel step of a traced module is recorded for one micro-batch, without "
+                "checkpointing or autocast")
+    seen: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            return (f"tied parameters ({seen[id(p)]} is {name}) are split by two plans under tensor parallelism: "
+                    "untie them (tie_word_embeddings=false)")
+        seen[id(p)] = name
+    return None
+
+
+def _fake_copy(module: Any, device: str) -> Any:
+    """A copy of ``module`` whose parameters and buffers are fresh fake tensors (call under the fake mode): tied
+    ones stay tied, the module's own are untouched."""
+    import torch
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        fake = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device=device)
+        memo[id(p)] = torch.nn.Parameter(fake, requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_strided(tuple(b.shape), tuple(b.stride()), dtype=b.dtype, device=device)
+    return copy.deepcopy(module, memo)
+
+
+def _even(module: Any, world: int) -> None:
+    """Refuse a split that pads: every sharded parameter's global size divided evenly over the ranks."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            for placement in p.placements:
+                if isinstance(placement, Shard) and p.shape[placement.dim] % world:
+                    raise SymmemError(f"t={world} does not divide {name}'s dimension {placement.dim} "
+                                      f"({p.shape[placement.dim]}): DTensor pads the last shard and the ranks "
+                                      "differ (not followed)")
+
+
+def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
+                       plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
+                       symbols: dict[str, sympy.Symbol] | None = None) -> StepRecord:
+    """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
+    (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
+    (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ..record.fake_group import FakeShardTracker, as_a_run, fake_group
+    from ..record.modules import ModuleTracker
+    from ..record.optim import make_optimizer, state_tensors
+    from ..record.sharded import local
+    from ..record.steps import loss_value
+    from .fake import fake_inputs, make_world
+    from .recording import _StepRecorder
+    from .runs import resized
+    from .wrap import with_layers
+
+    fake = make_world(values, symbolic=symbols is not None)
+    at = resized(inputs, values)
+    index: dict[str, int] | None = None
+    with contextlib.ExitStack() as stack:
+        if layers is not None:  # the copy below is made with the run written out (child path -> its index)
+            index = stack.enter_context(with_layers(module, *layers))
+        mesh = stack.enter_context(fake_group(world))
+        quiet = stack.enter_context(as_a_run())
+        with fake.mode:
+            split = _fake_copy(module, "cpu")
+            parallelize_module(split, mesh, plan.make(split, world))
+            fin = fake_inputs(fake, at, "cpu")
+            args, kwargs = at.rebuild(fin)
+        _even(split, world)
+        split.train()
+        tracker = FakeShardTracker(fake.mode, quiet)
+        if symbols is not None:
+            from ..record.identity import symbolic_nbytes
+
+            tracker.nbytes = symbolic_nbytes
+        tracker.modules = ModuleTracker(split, tag=True)
+        params = [p for p in split.parameters() if p.requires_grad]
+        names = {id(p): n for n, p in split.named_parameters()}
+        tracker.register([local(p) for p in split.parameters()], "parameter")
+        tracker.register([local(b) for b in split.buffers()], "buffer")
+        tracker.register(list(_leaves([args, kwargs])), "input")
+        target = None
+        stack.enter_context(fake.mode)
+        if options.loss == "cross-entropy":
+            with torch.no_grad():
+                probe = split(*args, **kwargs)  # the output's shape, outside the recording
+            from ..record.identity import first_tensor
+
+            target = torch.empty(tuple(first_tensor(probe).shape[:-1]), dtype=torch.long)
+            del probe
+            tracker.register([target], "input")
+        opt = make_optimizer(params, options.optimizer, options.impl)
+        stack.enter_context(tracker.modules)
+        stack.enter_context(tracker)
+        with tracker.phase(1, "forward"), tracker.saving():
+            given = kwargs
+            if plan.positions:  # the whole sequence's position ids (hf_llama_forward): made here, gone with the call
+                seq = next(iter(_leaves([args, kwargs]))).shape[1]
+                given = {**kwargs, "position_ids": torch.arange(seq).unsqueeze(0)}
+            out = split(*args, **given)
+            del given
+        with tracker.phase(1, "loss"), tracker.saving():
+            value = loss_value(options.loss, out, target)
+            if not options.keep_output:
+                out = None
+        with tracker.phase(1, "backward"):
+            tracker.label([local(x) for x in (*(_leaves(out) if out is not None else []), value)], "output")
+            handles = tracker.watch_backward(value)
+            value.backward()
+            for h in handles:
+                h.remove()
+            tracker.label([local(p.grad) for p in params], "gradient")
+            del out, value, handles
+        for step in (1, 2):
+            with tracker.phase(step, "step"):
+                tracker.param_names, tracker.last_param = {}, ""
+                for p in params:
+                    for x in (p, p.grad, *opt.state.get(p, {}).values()):
+                        if isinstance(x, torch.Tensor):
+                            tracker.param_names[local(x).untyped_storage()._cdata] = names[id(p)]
+                opt.step()
+                tracker.label([local(x) for x in state_tensors(opt)], "optimizer_state")
+        with tracker.phase(2, "zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        del opt, params, split, args, kwargs, fin, target
+    # the events as the single-device recorder's: sizes are numbers, or with symbols the ShapeEnv's in the declared ones
+    shim = SimpleNamespace(live=tracker, on_gpu=False)
+    convert, guards = (lambda x: sympy.Integer(int(x))), []
+    if symbols is not None:
+        from .guards import collect
+        from .runs import converter, tidy
+
+        mapping = fake.mapping(symbols)
+        convert, guards = converter(fake.env, mapping), collect(fake.env, mapping, tidy)
+    return _StepRecorder.record(shim, convert, index, layers[2] if layers is not None else None,  # type: ignore
+                                [], guards)
+
+
+#: how far each size is moved, in multiples of t, to tell a guard that pins a size (``Eq(B, 2)``: the formula would
+#: hold at one value) from one that states a rule of the plan (``Eq(Mod(B, 2), 0)``, ``S >= 2``)
+_SHIFTS = (2, 4)
+
+
+@dataclass
+class TensorStepPeak(StepPeak):
+    """The :class:`~symmem.step.Step` of a traced module under tensor parallelism: one rank's step recorded on fake
+    DTensors (:func:`record_tensor_step`), every rank alike.  The declared sizes are symbolic where DTensor keeps
+    them so (the formulas hold where the guards the step took hold, sizes from 2, at the layer count and ``t`` they
+    were recorded at); else, and at numbers outside that domain, the step is recorded at the numbers."""
+
+    plan: TensorPlan | None = None
+    sequence: bool = False
+
+    def _fixed(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[tuple[tuple[str, int], ...], int | None, int]:
+        """The declared sizes, the layer count and ``t`` the step is recorded at."""
+        given = {**self.numbers, **dict(at or {})}
+        world = given.get(T)
+        if world is None:
+            raise SymmemError("the tensor-parallel step is recorded at a number of ranks: give t a number "
+                              "(--set t=2)")
+        if int(world) < 1:
+            raise SymmemError(f"the tensor-parallel size t must be at least 1, got t={world}")
+        sizes = tuple((n, int(given.get(s, self.values[n]))) for n, s in sorted(self.symbols.items()))
+        count = given.get(self.symbol) if self.symbol is not None else None
+        return sizes, int(count) if count is not None else self.count, int(world)
+
+    def _recorded(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int, symbolic: bool
+                  ) -> StepRecord:
+        """The step at ``sizes`` (with ``symbolic``, those numbers are the fake sizes' hints), ``count`` layers and
+        ``world`` ranks."""
+        key = ("tensor", symbolic, sizes, count, world)
+        if key not in self._records:
+            assert self.plan is not None
+            if self.plan.config is not None:
+                check_heads(self.plan.config, world)
+            layers = None
+            if self.repeat is not None and count is not None and count != self.count:
+                layers = (self.repeat[0], self.repeat[1], count)
+            try:
+                rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
+                                         layers, self.symbols if symbolic else None)
+            except SymmemError:
+                raise
+            except Exception as exc:  # the module's own code on fake DTensors: say what failed, not a traceback
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise SymmemError(f"the tensor-parallel step of this module cannot run on fake tensors: "
+                                  f"{type(exc).__name__}: {first}") from exc
+            self._records[key] = rec
+        return self._records[key]
+
+    def _fixed_domain(self, count: int | None, world: int) -> tuple[Any, ...]:
+        fixed = [sympy.Eq(self.symbol, count)] if self.symbol is not None and count is not None else []
+        return (*fixed, sympy.Eq(T, world))
+
+    def _formula(self, count: int | None, world: int) -> Peak | None:
+        """The peak in the declared sizes at ``count`` layers and ``world`` ranks (None: DTensor pinned a size, or
+        the step did not run with symbolic sizes; the step is then recorded at the numbers)."""
+        key = ("tensor", "formula", count, world)
+        if key not in self._peaks:
+            sizes = self._fixed({})[0]
+            found = None
+            try:
+                rec = self._recorded(sizes, count, world, symbolic=True)
+            except SymmemError:
+                rec = None
+            if rec is not None and not self._pinned(rec, dict(sizes), world):
+                domain = (*(g.expr for g in rec.guards), *self._domain(), *self._fixed_domain(count, world))
+                found = peak_of(rec, subs=self.subs, numbers=self.numbers, domain=domain,
+                                layers=rec.layers if rec.layers is not None else self.layer_map())
+            self._peaks[key] = found  # type: ignore[assignment]  # None: no formula
+        return self._peaks[key]
+
+    def _pinned(self, rec: StepRecord, sizes: dict[str, int], world: int) -> bool:
+        """Whether a guard of ``rec`` pins a size: false with that size moved by a few multiples of ``t``."""
+        for g in rec.guards:
+            for name, value in sizes.items():
+                sym = self.symbols[name]
+                if sym not in g.expr.free_symbols:
+                    continue
+                at = {self.symbols[n]: v for n, v in sizes.items()}
+                for k in _SHIFTS:
+                    if not bool(g.expr.xreplace({**at, sym: value + k * world})):
+                        return True
+        return False
+
+    def _at_numbers(self, at: Mapping[sympy.Symbol, int] | None) -> Peak:
+        """The peak recorded at the numbers (every size a number), its domain those numbers."""
+        sizes, count, world = self._fixed(at)
+        key = ("tensor", "numbers", sizes, count, world)
+        if key not in self._peaks:
+            rec = self._recorded(sizes, count, world, symbolic=False)
+            domain = (*(sympy.Eq(self.symbols[n], v) for n, v in sizes), *self._fixed_domain(count, world))
+            numbers = {**self.numbers, **dict(at or {})}
+            self._peaks[key] = peak_of(rec, subs=self.subs, numbers=numbers, domain=domain,
+                                       layers=rec.layers if rec.layers is not None else self.layer_map())
+        return self._peaks[key]
+
+    def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
+        """The peak as formulas in the declared sizes where DTensor keeps them symbolic, else at the numbers; with
+        ``at`` (numbers for some symbols) the formula where it holds there, else the step recorded at them."""
+        _, count, world = self._fixed(at)
+        found = self._formula(count, world)
+        if found is not None and (at is None or found.holds_at({**self.numbers, **dict(at)})):
+            return found
+        return self._at_numbers(at)
+
+    def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
+        at: dict[sympy.Symbol, int] = {self.symbols[n]: 1 for n in ones}
+        if count is not None and self.symbol is not None:
+            at[self.symbol] = count
+        return self._recorded(*self._fixed(at), symbolic=False)
+
+    def domain(self) -> tuple[Any, ...]:
+        return tuple(self.peak().domain)
+
+    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        return self.peak().holds_at(numbers)
+
+    def _at(self, at: Mapping[sympy.Symbol, int]) -> tuple[StepRecord, Any, tuple[str, ...]]:
+        return self._recorded(*self._fixed(at), symbolic=False), None, ()
+
+    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
+        return self._at(at)[0].timeline(which, {})
+
+    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
+        return self._at(at)[0].allocated(which, {})
+
+    def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
+        """Every rank's steady-step peak at ``numbers`` (all alike: the plan splits evenly), and the rank named."""
+        merged = {**self.numbers, **dict(numbers)}
+        value = int(self.peak(merged).value(merged))
+        return {"peak_per_rank": [value] * self._fixed(merged)[2], "peak_rank": 0}
+
+
+def tensor_step(step: StepPeak, regime: Any) -> Any:
+    """``step`` (the single-device one) as one tensor-parallel rank's, or a :class:`~symmem.step.Refused`."""
+    from ..step import Refused
+
+    why = refusal(step.options, step.device, step.module)
+    if why is not None:
+        return Refused(why)
+    try:
+        plan = plan_of(step.module, regime.sequence_parallel)
+    except SymmemError as exc:
+        return Refused(str(exc))
+    fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
+    fields["notes"] = [*step.notes, f"tensor parallel: {plan.source}, one rank's step recorded on fake DTensors "
+                                    "(every rank alike), at the layer count and t of the derivation"]
+    return TensorStepPeak(**fields, plan=plan, sequence=regime.sequence_parallel)

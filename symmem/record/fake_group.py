@@ -1,0 +1,139 @@
+"""One tensor-parallel rank's step on fake tensors, as a real gloo rank holds it: a fake process group and the recorder.
+
+A traced module's tensor-parallel step runs in this process: a **fake process group** (PyTorch's own ``FakeStore``
+and ``"fake"`` backend from ``torch.testing._internal.distributed.fake_pg``: rank 0 of ``t``, collectives that do
+nothing) and a one-dimensional CPU device mesh, ``parallelize_module`` on a copy of the module whose parameters are
+fake tensors, then forward, backward and the optimizer step under a ``FakeTensorMode``.  DTensor runs its local ops
+on the fake shards, and every collective's output is made as in a real run, so the live-bytes recorder that sees what
+DTensor does (:class:`~symmem.record.sharded.ShardTracker`: a DTensor's local shard, DTensor's inner ops) sees what a
+rank keeps.  Three things differ under a fake mode, and :class:`FakeShardTracker` with :func:`as_a_run` puts them back
+as a real rank runs them (found op by op against real runs under the same fake group, where every op's live bytes
+now match):
+
+* funcol takes a ``FakeTensorMode`` for compilation (``_are_we_tracing``) and then waits on every collective at
+  once instead of returning its ``AsyncCollectiveTensor``: :func:`as_a_run` wraps the output as a real run does;
+* ``_c10d_functional._wrap_tensor_autograd``'s fake kernel makes a new tensor where the real one wraps its input in
+  an ``AsyncCollectiveTensor`` (a data-less wrapper whose storage the recorder counts, the collective's output
+  inside it), and ``wait_tensor``'s makes a new tensor where the real one returns its input: the recorder's mode runs
+  them as the real kernels do;
+* DTensor's sharding propagation runs the op on fake tensors of the global shape in the mode it finds
+  (``detect_fake_mode``): ours, so its ops would be counted -- they are not memory of the step, and are not observed.
+
+>>> import pytest; torch = pytest.importorskip("torch")
+>>> with fake_group(2) as mesh:
+...     mesh.size()
+2
+>>> import torch.distributed as dist
+>>> dist.is_initialized()
+False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import SymmemError
+from .sharded import ShardTracker
+
+
+@contextmanager
+def fake_group(world: int) -> Iterator[Any]:
+    """A fake default process group of ``world`` ranks (this process is rank 0) and its CPU device mesh; destroyed on
+    exit.  Refused in one line where a default group already exists (it cannot be replaced for the recording)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise SymmemError("the tensor-parallel step is recorded with torch.distributed, which this torch lacks")
+    if dist.is_initialized():
+        raise SymmemError("a default torch.distributed process group already exists in this process: the "
+                          "tensor-parallel step is recorded in a fake group of its own; trace outside the run")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def as_a_run() -> Iterator[list[bool]]:
+    """While active, funcol wraps a collective's output in its ``AsyncCollectiveTensor`` as outside compilation
+    (under a fake mode ``_maybe_wrap_tensor`` waits at once: ``_are_we_tracing``), while DTensor keeps its own answer
+    to that question (its uncached sharding propagation, the path symbolic sizes need), and DTensor's sharding
+    propagation sets the yielded flag ``[True]`` while it runs (its ops are not the step's)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    wrap = funcol._maybe_wrap_tensor
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    quiet = [False]
+
+    def propagating(self: Any, schema: Any) -> Any:
+        quiet[0] = True
+        try:
+            return propagate(self, schema)
+        finally:
+            quiet[0] = False
+
+    # funcol wraps a collective's output in its AsyncCollectiveTensor as outside compilation; DTensor keeps its own
+    # answer (its uncached sharding propagation, the one symbolic sizes take)
+    funcol._maybe_wrap_tensor = funcol._wrap_tensor_autograd  # type: ignore[assignment]
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagating  # type: ignore[method-assign]
+    try:
+        yield quiet
+    finally:
+        funcol._maybe_wrap_tensor = wrap
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+
+
+class FakeShardTracker(ShardTracker):
+    """:class:`~symmem.record.sharded.ShardTracker` for a step on fake tensors of ``mode`` (concrete sizes): a fake
+    tensor's storage is memory of the step; ops while ``quiet[0]`` (DTensor's sharding propagation) and ops whose
+    outputs belong to another fake mode are not; funcol's wrapper and wait run as their real kernels do (module
+    docstring)."""
+
+    def __init__(self, mode: Any, quiet: list[bool]) -> None:
+        super().__init__()
+        self.fake_mode, self.quiet = mode, quiet
+
+    def __enter__(self) -> FakeShardTracker:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from .identity import tensors
+
+        if not self._started:
+            self.events.append(("boundary", 0, "start"))
+            self._started = True
+        observe, quiet, mode = self.observe, self.quiet, self.fake_mode
+        plain = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+        functional = torch.ops._c10d_functional
+        wrap, wait = functional._wrap_tensor_autograd.default, functional.wait_tensor.default
+
+        class _FakeShardMode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(t not in plain for t in types):
+                    return NotImplemented  # a DTensor or funcol's wrapper runs it; its local ops come back here
+                if quiet[0]:
+                    return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: global shapes, no memory
+                if func is wrap:
+                    out = AsyncCollectiveTensor(args[0])  # the real kernel: the output wrapped, not copied
+                elif func is wait:
+                    out = args[0]  # the real kernel returns its input (the collective's output)
+                else:
+                    out = func(*args, **(kwargs or {}))
+                if func.namespace == "prim" or any(isinstance(t, FakeTensor) and t.fake_mode is not mode
+                                                   for t in tensors(out)):
+                    return out  # the fake mode's metadata queries (prim.device), another mode's tensors: no memory
+                observe(func, args, kwargs, out)
+                return out
+
+        self._mode = _FakeShardMode()
+        self._mode.__enter__()
+        return self

@@ -1,0 +1,163 @@
+"""Traced modules under tensor and sequence parallelism (issue 19 item 2, "traced modules alike"): one rank's step
+recorded on fake DTensors in a fake process group (symmem.importer.traced_tensor) against real gloo ranks running the
+same module under the same plan with the DTensor-aware live-bytes recorder: every rank's first and steady peak, to the
+byte.
+
+The truths: transformers' own LlamaForCausalLM from a LlamaConfig under the standard plan with sequence parallelism
+(symmem.record.hf_llama, model_parallel_runs' ``hf`` case; SDPA), traced through ``symmem trace hf:llama
+--tensor-parallel --sequence-parallel``; and a file module with its own ``tp_plan`` (tests/data/traced_tp.py) at four
+batches (its formula in B at 64, 4 and at fit's answer for 1 MiB, the step recorded at the numbers at B = 1).  One fork
+of two ranks runs all five.  (The same HF model under tensor parallelism alone, 96,080 / 101,592, with eager attention,
+124,624 / 126,992 -- where HF's forward holds other storages than the zoo's Llama -- and a Qwen2 under its own
+``tp_plan``, 200,460 / 204,820, were checked the same way by hand: traced and measured equal on both ranks.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("transformers")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+from symmem import trace  # noqa: E402
+from symmem.apps.budget import largest  # noqa: E402
+from symmem.cli import main  # noqa: E402
+from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+#: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA) under sequence parallelism, two ranks:
+#: (values, options) as model_parallel_runs takes them, and the same model as ``symmem trace hf:llama --config``
+HF = ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
+      {"attention": "sdpa", "sequence_parallel": True})
+CONFIG = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=32,"
+          "vocab_size=64,tie_word_embeddings=false,attn_implementation=sdpa")
+#: the file module's batch in the real run and the derivation (its example's is 4), and the largest whose steady
+#: peak fits 1 MiB on a rank (symmem fit)
+BATCH, FITS = 64, 947
+
+
+def _file_module(batch: int = 4):
+    sys.path.insert(0, str(DATA))
+    try:
+        from traced_tp import build
+    finally:
+        sys.path.remove(str(DATA))
+    return build(batch)
+
+
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_every_rank_against_real_ranks(capsys, monkeypatch):
+    """Every rank's first and steady peak and parameter side, traced, against two real gloo ranks of each module."""
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
+    from torch.distributed.tensor import parallel  # noqa: F401
+
+    from symmem.importer.tensor_plan import plan_of
+    from symmem.record.model_parallel_runs import _tensor_case, forked_ranks
+    from symmem.record.traced_tensor_runs import split_run
+
+    def work(rank, world):
+        make = plan_of(_file_module()[0], False).make
+        return [_tensor_case("llama", HF[0], rank, world, {**HF[1], "peaks": True, "hf": True}),
+                *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1, FITS))]
+
+    everything = forked_ranks(2, work, "the tensor-parallel runs")
+    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(5)]
+    # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at
+    # B = 64, 4, 1 and 947
+    assert measured == [[(96_080, 97_392)] * 2, [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2,
+                        [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2]
+    # the command line: hf:llama from a config, sequence parallel (the whole sequence's position ids given, as the
+    # real runs do); the parameter side is the rank's: weights, gradients and AdamW's two moments, each the local
+    # shards' bytes
+    assert main(["trace", "hf:llama", "--config", CONFIG, "--dims", "B,S", "--set", "B=2", "--set", "S=8", "--loss",
+                 "sum", "--optimizer", "adamw", "--tensor-parallel", "--sequence-parallel", "--no-check", "--set",
+                 "t=2", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(out["values"]["peak_first_step"], out["values"]["peak"])] * 2 == measured[0]
+    assert out["peak_at"]["rank"] == 0 and out["values"]["parameter_memory"] == 4 * everything[0][0].parameters
+    module, inputs = _file_module()
+    d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss="sum", check=False, tensor_parallel=True,
+              values={"t": 2, "B": BATCH})
+    assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[1]
+    assert d.peak_at().where() == ("backward aten.threshold_backward.default (ReluBackward0) in blocks.#.down "
+                                   "(layer 2), steady step")
+    # a formula in B (DTensor keeps the batch symbolic), at the layer count and t it was recorded at
+    B = d.free[0]
+    assert str(d.peak) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
+    assert {str(c) for c in d.step.domain()} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
+    # every rank alike, rank 0's named
+    out = d.to_dict()
+    assert (out["values"]["peak"], out["peak_at"]["rank"]) == (115_528, 0)
+    assert d.step.per_rank(d.numbers)["peak_per_rank"] == [115_528] * 2
+    # the parameters each rank holds: up's weight and bias, down's weight and the head split; down's bias, the norms
+    # and the input layer whole
+    assert everything[0][1].parameters == 4 * (12 * 24 + 24 + 2 * (2 * 24 + (24 * 64 + 64) // 2 + 64 * 24 // 2 + 24)
+                                                + (24 * 8 + 8) // 2)
+    assert [d.value("parameter_memory")] * 2 == [4 * r[1].parameters for r in everything]
+    # the formula at the example's batch: the peak is in the optimizer step; at B = 1, outside its domain (PyTorch
+    # specializes size 1), the step is recorded at the numbers
+    small = d.at(B=4)
+    assert [(small.value("peak_first_step"), small.value("peak"))] * 2 == measured[2]
+    assert small.peak_at().where().startswith("step aten.div.Tensor on ")
+    with pytest.warns(OutsideDomain, match="B = 1 lies outside the formulas' domain"):
+        one = d.at(B=1)
+    assert [(one.value("peak_first_step"), one.value("peak"))] * 2 == measured[3]
+    assert d.step.peak({B: 1}).expr == 65_456 and "Eq(B, 1)" in map(str, d.step.peak({B: 1}).domain)
+    # fit solves B from the formula: the largest batch whose rank fits 1 MiB, held to the byte by the real ranks there
+    fit = largest(d, "B", "1MiB")
+    assert fit.max == FITS and [fit.total_at_max] * 2 == [steady for _, steady in measured[4]]
+    # t must divide every sharded dimension (DTensor pads otherwise: the ranks would differ), and the step is
+    # recorded in a fake group of its own: both refused in one line
+    with pytest.raises(SymmemError, match=r"^t=3 does not divide blocks.0.up.weight's dimension 0 \(64\)"):
+        d.at(t=3).value("peak")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(SymmemError, match="^a default torch.distributed process group already exists"):
+        d.at(L=3).value("peak")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"data_parallel": "fsdp", "values": {"t": 2, "N": 2}},
+     "the peak of a traced module under tensor parallelism is recorded on its own: with data or pipeline parallelism "
+     "or ZeRO it is not followed"),
+    ({"sequence_parallel": True, "values": {"t": 2}},
+     "--sequence-parallel: the module's tp_plan has no 'sequence_parallel' entry, so it splits nothing over the "
+     "sequence"),
+])
+def test_refusals(kwargs, message):
+    module, inputs = _file_module()
+    d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True, **kwargs)
+    with pytest.raises(SymmemError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        d.value("peak")
+
+
+def test_refused_when_traced_and_without_a_plan():
+    module, inputs = _file_module()
+    with pytest.raises(SymmemError, match="^optimizer_impl='foreach' shapes the training step's peak, which is not "
+                                          "modelled here \\(the tensor-parallel step of a traced module is measured "
+                                          "with the for-loop optimizer"):
+        trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True,
+              optimizer_impl="foreach", values={"t": 2})
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    d = trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True,
+              values={"t": 2})
+    with pytest.raises(SymmemError, match="^Sequential has no tensor-parallel plan: give the module a tp_plan"):
+        d.value("peak")
+
+
+def test_t_divides_a_hugging_face_models_heads():
+    from transformers import LlamaConfig
+
+    from symmem.importer.tensor_plan import check_heads
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=32,
+                         vocab_size=64)
+    check_heads(config, 2)
+    with pytest.raises(SymmemError, match="^t=4 does not divide num_key_value_heads=2: the plan splits it evenly"):
+        check_heads(config, 4)
