@@ -47,6 +47,10 @@ from ..symbols import B, F, G, H, L, S, V, h
 #: the cache's contiguous copies G = h folds without one (the cache's copy is kept instead, as big again) -- and
 #: saying it would split the formula on G = 1 against G = h for nothing.
 EAGER_COPIES = ((1, ~(sympy.Ne(G, 1) & sympy.Ne(h / G, 1))),)
+#: The same with the cache (``cache="dynamic"``): its contiguous copies fold into bmm's batch for G = h, so the
+#: matmuls keep the cache's key and value themselves -- which the ``DynamicCache`` holds to the forward's end
+#: anyway, so a stated copy beside them would count them twice there; only G = 1's stride-0 view is copied.
+CACHED_COPIES = ((1, sympy.Eq(G, 1) & sympy.Ne(h / G, 1)),)
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -54,13 +58,16 @@ def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
     with g.scope(name):
         y = g.op("cast", x, name="to_float32", dtype="float32")
         var = g.op("pow", y, name="pow", exponent=2)
-        var = g.op("mean", var, name="mean", dim=-1, keepdim=True)
+        var = var_mean = g.op("mean", var, name="mean", dim=-1, keepdim=True)
         var = g.op("scalar_add", var, name="add_eps", value=1e-6)
         r = g.op("rsqrt", var, name="rsqrt")
         y = g.op("mul", y, r, name="normalize")
         y = g.op("cast", y, name="to_input_dtype", dtype="act")
         w = g.parameter("weight", (H,))
-        return g.op("mul", w, y, name="scale", role=role)
+        out = g.op("mul", w, y, name="scale", role=role)
+    # the local ``variance`` lives until the norm returns (B*S*4 bytes past rsqrt's read of it)
+    g.graph.graph.setdefault("held_until", {})[var_mean] = out
+    return out
 
 
 def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
@@ -86,6 +93,7 @@ def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
 
 def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float,
                cache: bool) -> str:
+    held = g.graph.graph.setdefault("held_until", {})
     hd = H / h
     states = []
     for part, heads in (("q", h), ("k", G), ("v", G)):
@@ -101,6 +109,9 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     if cache:  # DynamicLayer.update: torch.cat([empty, states], dim=-2), a contiguous copy
         k = g.op("clone", k, name="cache_key", memory_format="contiguous")
         v = g.op("clone", v, name="cache_value", memory_format="contiguous")
+        # the DynamicCache keeps them until LlamaForCausalLM.forward returns (its output's past_key_values):
+        # beyond their last use where eager attention's repeat_kv copies them (1 < h/G, B >= 2); every layer's
+        held[k] = held[v] = "forward"
     if kind == "naive":
         assert mask is not None
         k = _repeat_kv(g, k, "k")
@@ -108,13 +119,14 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         # the matmuls copy a key or value that is still a view they cannot fold into bmm's batch: repeat_kv's
         # stride-0 view for G = 1; without the cache the rotary output / v_proj view for G = h (EAGER_COPIES)
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=EAGER_COPIES)
+        copies = CACHED_COPIES if cache else EAGER_COPIES
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=copies)
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=EAGER_COPIES)
+        out = g.op("matmul", w, v, name="attn_v", copy_inputs=copies)
     else:
         # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
         # of the q_proj view it came from (TensorIterator).  The CPU math kernel (dropout > 0) keeps v itself only
@@ -132,8 +144,6 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     with g.group("embed"):
         x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
         pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
-        # LlamaModel.forward's locals (cache_position, position_ids) hold it until the forward returns
-        g.graph.graph.setdefault("held_until", {})[pos] = "forward"
         g.op("buffer", name="rotary_emb.inv_freq", shape=(H / h / 2,), dtype="float32")  # module state
         g.op("buffer", name="rotary_emb.original_inv_freq", shape=(H / h / 2,), dtype="float32")
         cos = g.op("rope_table", pos, name="rotary_emb.cos", dim=H / h)
@@ -141,9 +151,10 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
         cos = g.op("reshape", cos, name="cos_unsqueeze", shape=(1, 1, S, H / h))
         sin = g.op("reshape", sin, name="sin_unsqueeze", shape=(1, 1, S, H / h))
         mask = None
-        if attention == "naive":  # create_causal_mask: an additive float mask (B, 1, S, S); kept by nothing
-            mask = g.op("constant", name="causal_mask", shape=(1, 1, S, S), dtype="act")
-            mask = g.op("expand", mask, name="causal_mask_expand", shape=(B, 1, S, S))
+        if attention == "naive":
+            # create_causal_mask (eager_mask): torch.where over the (B, 1, S, S) expanded boolean mask, a whole
+            # (B, 1, S, S) additive float mask; kept by nothing
+            mask = g.op("constant", name="causal_mask", shape=(B, 1, S, S), dtype="act")
     with g.group("layer"), g.repeat("layers", L, x, input_role="residual") as layer:
         a = rmsnorm(g, layer.input, "input_layernorm", role="attn_input")
         with g.scope("self_attn"):
@@ -162,6 +173,11 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     g.graph.assume("layers.self_attn.k_proj", sympy.Eq(sympy.Mod(h, G), 0))
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
+        # LlamaModel.forward's locals, the position ids and eager attention's mask, live until it returns, after
+        # the final norm (before lm_head)
+        for local in (pos, mask):
+            if local is not None:
+                g.graph.graph.setdefault("held_until", {})[local] = x
         g.op("linear", x, name="lm_head", out_features=V, bias=False)
     g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     # LlamaDecoderLayer registers its norms after self_attn and mlp, LlamaModel its norm after the layers: the

@@ -420,7 +420,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -430,6 +430,8 @@ class LlamaAttention(nn.Module):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if self.cache:
             key_states, value_states = cache_update(key_states), cache_update(value_states)
+            if cache is not None:  # the DynamicCache: held until LlamaForCausalLM.forward returns
+                cache += (key_states, value_states)
         p = self.attention_dropout if self.training else 0.0
         if self.sdpa:
             gqa = {"enable_gqa": True} if self.num_key_value_groups > 1 else {}
@@ -462,10 +464,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(dim)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask)
+        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
         x = self.post_attention_layernorm(hidden_states)
@@ -486,29 +488,48 @@ class LlamaForCausalLM(nn.Module):
         self.norm = LlamaRMSNorm(dim)
         self.rotary_emb = LlamaRotaryEmbedding(dim // heads)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.sdpa = sdpa
+        self.sdpa, self.cache = sdpa, cache
 
     takes_labels = True
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def model(self, input_ids: torch.Tensor, cache: list[torch.Tensor] | None) -> torch.Tensor:
+        """``LlamaModel.forward``: its locals (the position ids, eager attention's mask, the rotary tables) go when
+        it returns, after the final norm -- before ``lm_head``.  The sequence is the ids' (HF counts the
+        embedding's: the same on one device; under sequence parallelism the ids are whole, the embedding's output
+        split)."""
         inputs_embeds = self.embed_tokens(input_ids)
-        seq = inputs_embeds.shape[1]
-        cache_position = torch.arange(0, seq, device=inputs_embeds.device)
-        position_ids = cache_position.unsqueeze(0)
+        batch, seq = input_ids.shape
+        position_ids = (torch.arange(seq, device=inputs_embeds.device) + 0).unsqueeze(0)  # + past_seen_tokens
         causal_mask = None
-        if not self.sdpa:  # create_causal_mask: an additive (B, 1, S, S) mask for eager attention
-            min_dtype = torch.finfo(inputs_embeds.dtype).min
-            # built on the input's device (HF does too): a CPU mask would not mix with a model on CUDA
-            causal_mask = torch.full((seq, seq), fill_value=min_dtype, dtype=inputs_embeds.dtype,
-                                     device=inputs_embeds.device)
-            causal_mask = torch.triu(causal_mask, diagonal=1)
-            causal_mask *= torch.arange(seq, device=inputs_embeds.device) > cache_position.reshape(-1, 1)
-            causal_mask = causal_mask[None, None, :, :].expand(inputs_embeds.shape[0], 1, -1, -1)
+        if not self.sdpa:
+            causal_mask = eager_mask(batch, seq, inputs_embeds.dtype, inputs_embeds.device)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings, causal_mask)
-        logits = self.lm_head(self.norm(hidden_states))
+        hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings, causal_mask,
+                                   cache)
+        return self.norm(hidden_states)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        # the DynamicCache (use_cache=True, the config's default, also in training) holds every layer's key and
+        # value copies until this forward returns; HF turns it off in checkpointed layers
+        cache: list[torch.Tensor] | None = [] if self.cache and self.checkpoint == "none" else None
+        logits = self.lm_head(self.model(input_ids, cache))
         return logits if labels is None else causal_lm_loss(logits, labels)
+
+
+def eager_mask(batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """transformers 5.23 ``create_causal_mask`` for eager attention (``sdpa_mask`` then ``eager_mask``): the
+    boolean ``kv_idx <= q_idx`` over broadcast index ranges, expanded to (B, 1, S, S), then ``torch.where`` into a
+    whole (B, 1, S, S) additive float mask (0 where attended, the dtype's minimum elsewhere).
+
+    >>> eager_mask(2, 3, torch.float32, torch.device("cpu")).shape
+    torch.Size([2, 1, 3, 3])
+    """
+    q_arange = torch.arange(seq, device=device) + 0  # + q_offset
+    kv_arange = torch.arange(seq, device=device) + 0  # + kv_offset
+    allowed = kv_arange[None, None, None, :] <= q_arange[None, None, :, None]
+    allowed = allowed.expand(batch, -1, seq, seq)
+    return torch.where(allowed, torch.zeros((), device=device, dtype=dtype), torch.finfo(dtype).min)
 
 
 # -- construction from symbol values ---------------------------------------------------------------------
