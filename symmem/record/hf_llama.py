@@ -82,14 +82,20 @@ def hf_llama_plan(module: Any, world: int, sequence: bool) -> dict[str, Any]:
 
 
 def hf_llama_forward(module: Any, sequence: bool) -> Callable[[Any], Any]:
-    """HF's forward returning the logits; with ``sequence`` the position ids given for the whole sequence (HF
-    counts them from the embedding's output, which sequence parallelism splits over S; torchtitan precomputes its
-    rotary tables)."""
+    """HF's forward returning the logits (the output object, which holds the ``DynamicCache``, let go as it
+    returns); with ``sequence`` the whole sequence's position ids given to ``LlamaModel`` (HF counts them from the
+    embedding's output, which sequence parallelism splits over S; torchtitan precomputes its rotary tables) by a
+    keyword pre-hook, so that they go when ``LlamaModel.forward`` returns, as HF's own do."""
     import torch
 
+    if sequence:
+        def positions(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            seq = kwargs["input_ids"].shape[1]
+            return args, {**kwargs, "position_ids": torch.arange(seq).unsqueeze(0)}
+
+        module.model.register_forward_pre_hook(positions, with_kwargs=True)
+
     def forward(input_ids: Any) -> Any:
-        if not sequence:
-            return module(input_ids).logits
-        return module(input_ids, position_ids=torch.arange(input_ids.shape[1]).unsqueeze(0)).logits
+        return module(input_ids).logits
 
     return forward
