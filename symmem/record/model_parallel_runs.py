@@ -327,8 +327,9 @@ def llama_sequence_plan(module: Any, world: int) -> dict[str, Any]:
     for i, layer in enumerate(module.layers):
         plan[f"layers.{i}.input_layernorm"] = SequenceParallel()
         plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
-        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                           desired_input_layouts=(Replicate(), None, None))
+        # (hidden_states, position_embeddings, attention_mask, cache): only the first gathered
+        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                           desired_input_layouts=(Replicate(), None, None, None))
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         # the reference's MLP is no module of its own: gate and up each all-gather the normed input
