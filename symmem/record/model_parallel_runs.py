@@ -74,7 +74,7 @@ def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
     import torch
     from torch import nn
 
-    from ..reference.sequence_models import eager_mask
+    from ..reference.sequence_models import DynamicCache, eager_mask
 
     first, last = rank == 0, rank == world - 1
 
@@ -88,7 +88,7 @@ def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
             if last:
                 self.norm, self.lm_head = full.norm, full.lm_head
 
-        def body(self, x: Any, cache: list[Any] | None) -> Any:
+        def body(self, x: Any, cache: Any) -> Any:
             hidden = self.embed_tokens(x) if first else x
             batch, seq = hidden.shape[:2]
             position_ids = (torch.arange(seq, device=hidden.device) + 0).unsqueeze(0)
@@ -99,7 +99,7 @@ def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
             return self.norm(hidden) if last else hidden
 
         def forward(self, x: Any) -> Any:
-            cache: list[Any] | None = [] if full.cache else None
+            cache = DynamicCache() if full.cache else None
             hidden = self.body(x, cache)
             return self.lm_head(hidden) if last else hidden
 

@@ -156,6 +156,20 @@ def cache_update(states: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor([], dtype=states.dtype, device=states.device), states], dim=-2)
 
 
+class DynamicCache:
+    """transformers 5.23 ``DynamicCache`` as a training forward uses it: each layer's ``update`` makes the key and
+    value copies (:func:`cache_update`) and the cache holds them until it is let go (``LlamaForCausalLM.forward``'s
+    output holds it).  An object, not a list: engines that rebuild a module's container arguments (FSDP2's
+    pre-forward hook) pass it through as they pass HF's."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.layers.append((cache_update(key), cache_update(value)))
+        return self.layers[-1]
+
+
 class GPT2Attention(nn.Module):
     """transformers 5.23 ``GPT2Attention`` with ``eager_attention_forward`` or ``sdpa_attention_forward``."""
 
@@ -420,7 +434,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -428,10 +442,10 @@ class LlamaAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if self.cache:
+        if cache is not None:  # the DynamicCache: held until LlamaForCausalLM.forward returns
+            key_states, value_states = cache.update(key_states, value_states)
+        elif self.cache:  # checkpointed layers: HF passes no cache there (a copy made, not held)
             key_states, value_states = cache_update(key_states), cache_update(value_states)
-            if cache is not None:  # the DynamicCache: held until LlamaForCausalLM.forward returns
-                cache += (key_states, value_states)
         p = self.attention_dropout if self.training else 0.0
         if self.sdpa:
             gqa = {"enable_gqa": True} if self.num_key_value_groups > 1 else {}
@@ -464,7 +478,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(dim)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
@@ -492,7 +506,7 @@ class LlamaForCausalLM(nn.Module):
 
     takes_labels = True
 
-    def model(self, input_ids: torch.Tensor, cache: list[torch.Tensor] | None) -> torch.Tensor:
+    def model(self, input_ids: torch.Tensor, cache: DynamicCache | None) -> torch.Tensor:
         """``LlamaModel.forward``: its locals (the position ids, eager attention's mask, the rotary tables) go when
         it returns, after the final norm -- before ``lm_head``.  The sequence is the ids' (HF counts the
         embedding's: the same on one device; under sequence parallelism the ids are whole, the embedding's output
@@ -512,7 +526,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         # the DynamicCache (use_cache=True, the config's default, also in training) holds every layer's key and
         # value copies until this forward returns; HF turns it off in checkpointed layers
-        cache: list[torch.Tensor] | None = [] if self.cache and self.checkpoint == "none" else None
+        cache = DynamicCache() if self.cache and self.checkpoint == "none" else None
         logits = self.lm_head(self.model(input_ids, cache))
         return logits if labels is None else causal_lm_loss(logits, labels)
 
