@@ -9,9 +9,16 @@ once per forward, the ``DynamicCache`` update (below), attention (``naive``: ``e
 G key/value heads, no ``repeat_kv``), ``o_proj``, residual; RMSNorm, SwiGLU ``down(silu(gate(x)) * up(x))``,
 residual], a final RMSNorm and an untied LM head.
 
-``cache="dynamic"`` is the config's ``use_cache=True``, which a training forward also takes: each layer's key
-and value go through ``DynamicLayer.update``, ``torch.cat([empty, states], -2)``, a contiguous copy that
-attention then reads (the same bytes as the tensors it replaces); ``cache="none"`` is ``use_cache=False``.
+``cache="dynamic"`` (the default) is the config's ``use_cache=True``, which a training forward also takes: each
+layer's key and value go through ``DynamicLayer.update``, ``torch.cat([empty, states], -2)``, a contiguous copy
+that attention then reads (the same bytes as the tensors it replaces), and the ``DynamicCache`` holds every
+layer's copies until ``LlamaForCausalLM.forward`` returns (its output's ``past_key_values``; with labels, after the
+loss) -- past their last use where eager attention's ``repeat_kv`` copies them (1 < h/G); ``cache="none"`` is
+``use_cache=False``.  What else HF's forward holds past its last use, the graph holds too (``held_until``): the
+position ids and eager attention's whole (B, 1, S, S) mask (``torch.where`` over the expanded boolean mask) are
+``LlamaModel.forward``'s locals, gone when it returns after the final norm (before ``lm_head``), and RMSNorm's
+``variance`` lives until the norm returns.  Checked against HF's own model's training step on one device
+(``tests/test_hf_llama.py``) and per rank under DTensor's plan (``tests/test_model_parallel.py``).
 
 Checked against transformers 5.23.0 on the CPU by tracing ``LlamaForCausalLM`` (``tests/test_zoo_drift.py``).
 Earlier releases (4.4x, which this builder followed before) ran ``repeat_kv`` before SDPA too: for

@@ -7,10 +7,13 @@ class-token pooling) and, from **transformers 5.23**, ``modeling_gpt2.py`` (``Co
 (``BertEmbeddings`` with its gathered token-type ids, eager and SDPA self-attention, post-LN, pooler) and
 ``modeling_llama.py`` (``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv`` in
 the eager path, SDPA with ``enable_gqa``, SwiGLU MLP, untied head), with the ``DynamicCache`` update that a
-training forward with the default ``use_cache=True`` runs (:func:`cache_update`).  Not mirrored, because
-autograd keeps none of it: HF's output objects and the additive (B, 1, S, S) causal mask made once per forward
-(GPT-2 builds a (1, 1, S, S) one per layer here).  :func:`reference` builds one from symbol values, in training
-mode, with its inputs.  Needs the ``torch`` extra.
+training forward with the default ``use_cache=True`` runs (:func:`cache_update`).  Llama's also holds what HF's
+forward holds while it runs: its ``LlamaModel`` part (:meth:`LlamaForCausalLM.model`) makes the position ids and
+eager attention's whole (B, 1, S, S) mask (:func:`eager_mask`), which go when it returns (before ``lm_head``), and
+the :class:`DynamicCache` holds every layer's key and value copies until the forward returns.  Not mirrored,
+because autograd keeps none of it: HF's output objects and, for GPT-2, the additive (B, 1, S, S) causal mask made
+once per forward (GPT-2 builds a (1, 1, S, S) one per layer here).  :func:`reference` builds one from symbol
+values, in training mode, with its inputs.  Needs the ``torch`` extra.
 
 >>> module, inputs = reference("gpt2", {"B": 2, "S": 8, "H": 16, "h": 2, "L": 1, "V": 50})
 >>> tuple(module(*inputs).shape)
