@@ -557,7 +557,7 @@ HF = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}, {"at
       ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
        {"attention": "sdpa", "sequence_parallel": True}),
       ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"}),
-      ({"B": 2, "S": 64, "H": 32, "h": 4, "G": 2, "L": 2, "V": 16, "F": 64}, {"attention": "naive"})]
+      ({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, {"attention": "naive"})]
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
