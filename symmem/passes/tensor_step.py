@@ -8,14 +8,16 @@ moment is one of four (docs/regimes.md, "The step's peak per rank"):
 
 * **the forward's end**, at the head's all-gather: what lives between steps (the local parameter shards, Adam's
   state, the buffers, the batch), every activation autograd keeps on the rank (:class:`TensorRank.saved`), the
-  embedding's all-reduce output beside its saved wrapper, the forward's constants (the position ids, eager
-  attention's causal mask), the head's local logits (``V/t`` wide) and the replicated logits twice (the
-  all-gather's output and its wrapper, then the concatenated logits beside the all-gather's);
+  embedding's all-reduce output beside its saved wrapper, the ``DynamicCache``'s key and value copies no op keeps
+  (:func:`held_cache`; the position ids and eager attention's mask went with ``LlamaModel.forward``, as in HF's),
+  the head's local logits (``V/t`` wide) and the replicated logits twice (the all-gather's output and its wrapper,
+  then the concatenated logits beside the all-gather's);
 * **the final norm's backward**: the same less what the head and the final norm kept, their weights' gradients
   and five temporaries of the norm's input;
-* **the layers' largest moment** (:class:`_LayerWalk`): the single-device step written out at the numbers, each
-  storage at the rank's size, with the collectives' outputs (a row-parallel all-reduce's output beside funcol's
-  wrapper and the partial sum; a column-parallel input gradient's likewise);
+* **the layers' largest moment** (:class:`_LayerWalk`; the final norm's forward among its candidates, where eager
+  attention's whole mask and the cache's copies are still held): the single-device step written out at the
+  numbers, each storage at the rank's size, with the collectives' outputs (a row-parallel all-reduce's output
+  beside funcol's wrapper and the partial sum; a column-parallel input gradient's likewise);
 * **the optimizer step** (for-loop Adam on the local shards): every gradient (the embedding's whole: ``V x H``,
   replicated), one parameter's ``sqrt`` and ``denom`` beside the previous parameter's ``denom`` (the embedding's
   replicated gradient is redistributed to its shard by copies as large), in the order the module lists them.
