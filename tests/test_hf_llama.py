@@ -6,9 +6,10 @@ logits' sum).  HF's forward holds what the zoo's Llama now holds: the position i
 (B, 1, S, S) ``torch.where`` mask until ``LlamaModel.forward`` returns (after the final norm, before ``lm_head``),
 the ``DynamicCache``'s key and value copies until ``LlamaForCausalLM.forward`` returns, RMSNorm's ``variance``
 until the norm returns.  The first case peaks where those storages decide it, in the final norm's forward (eager
-attention, a long sequence: the mask and the cache); the others check every phase with one key/value head (the
-matmuls copy the stride-0 repeated views, the cache's copies held beside them) and with G = h (the matmuls keep
-the cache's copies).  (Under tensor and sequence parallelism: ``tests/test_model_parallel.py``,
+attention, a long sequence: the mask and the cache), and without the cache (``cache="none"``: HF's
+``use_cache=False``) in the softmax's backward; the others check every phase with one key/value head (the matmuls
+copy the stride-0 repeated views, the cache's copies held beside them) and with G = h (the matmuls keep the
+cache's copies).  (Under tensor and sequence parallelism: ``tests/test_model_parallel.py``,
 ``test_hf_llama_under_the_standard_plan``.)
 """
 
@@ -24,11 +25,15 @@ from symmem.record.hf_llama import hf_llama  # noqa: E402
 from symmem.record.steps import track_step  # noqa: E402
 from symmem.reference.sequence_models import reference  # noqa: E402
 
-#: (values, attention, where derive's steady peak is)
-CASES = [({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, "naive", "forward norm.scale"),
-         ({"B": 3, "S": 16, "H": 32, "h": 4, "G": 1, "L": 2, "V": 64, "F": 32}, "naive",
+#: (values, attention, cache, where derive's steady peak is); ``cache`` ``none`` is HF's ``use_cache=False``
+CASES = [({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, "naive", "dynamic",
+          "forward norm.scale"),
+         ({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, "naive", "none",
+          "backward layers.self_attn.softmax (layer 2)"),
+         ({"B": 3, "S": 16, "H": 32, "h": 4, "G": 1, "L": 2, "V": 64, "F": 32}, "naive", "dynamic",
           "backward norm.pow"),
-         ({"B": 2, "S": 16, "H": 32, "h": 4, "G": 4, "L": 1, "V": 64, "F": 32}, "naive", "backward norm.pow")]
+         ({"B": 2, "S": 16, "H": 32, "h": 4, "G": 4, "L": 1, "V": 64, "F": 32}, "naive", "dynamic",
+          "backward norm.pow")]
 
 
 class Logits(torch.nn.Module):
@@ -51,12 +56,14 @@ def phases(trace) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("values, attention, where", CASES, ids=[f"{c[1]}-G{c[0]['G']}-S{c[0]['S']}" for c in CASES])
-def test_llama_equals_transformers_own_on_one_device(values, attention, where):
+@pytest.mark.parametrize("values, attention, cache, where", CASES,
+                         ids=[f"{c[1]}-G{c[0]['G']}-S{c[0]['S']}-{c[2]}" for c in CASES])
+def test_llama_equals_transformers_own_on_one_device(values, attention, cache, where):
     torch.manual_seed(0)
-    module, ids = hf_llama(values, attention=attention)
+    module, ids = hf_llama(values, attention=attention, cache=cache)
     hf = track_step(Logits(module), ids, loss="sum", optimizer="adamw", impl="for-loop")
-    d = derive("llama", values=values, attention=attention, device="cpu", loss="sum", optimizer_impl="for-loop")
+    d = derive("llama", values=values, attention=attention, cache=cache, device="cpu", loss="sum",
+               optimizer_impl="for-loop")
     assert (d.value("peak_first_step"), d.value("peak")) == (hf.first.bytes, hf.steady.bytes)
     assert d.peak_at().where().removesuffix(", steady step") == where
     # and every phase's largest moment of the steady step (the forward's with the loss's sum, which derive counts
@@ -68,5 +75,5 @@ def test_llama_equals_transformers_own_on_one_device(values, attention, where):
     assert (walked["forward"], walked["backward"], walked["step"]) == (
         max(real["forward"], real["loss"]), real["backward"], real["step"])
     # the reference mirrors HF op by op: every phase's largest moment is HF's
-    ref, inputs = reference("llama", values, attention=attention)
+    ref, inputs = reference("llama", values, attention=attention, cache=cache)
     assert phases(track_step(ref, inputs, loss="sum", optimizer="adamw", impl="for-loop")) == phases(hf)

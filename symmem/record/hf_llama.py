@@ -16,19 +16,22 @@ from ..errors import SymmemError
 
 
 def hf_llama(values: Mapping[str, int], attention: str = "naive", dropout: float = 0.0,
-             sequence: bool = False) -> tuple[Any, Any]:
+             sequence: bool = False, cache: str = "dynamic") -> tuple[Any, Any]:
     """``transformers``' LlamaForCausalLM at symbol values (``B``, ``S``, ``H``, ``h``, ``G``, ``L``, ``V``,
     ``F``) in training mode, and its input ids (B, S); ``attention`` ``naive`` is HF's ``eager``; ``sequence``:
-    for the sequence-parallel plan (SDPA only)."""
+    for the sequence-parallel plan (SDPA only); ``cache`` ``dynamic`` is the config's default ``use_cache=True``,
+    ``none`` is ``use_cache=False`` (the zoo's option of the same name)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if cache not in ("dynamic", "none"):
+        raise SymmemError(f"HF's Llama cache is 'dynamic' (use_cache=True) or 'none' (use_cache=False), not {cache!r}")
     heads = int(values["h"])
     config = LlamaConfig(vocab_size=int(values["V"]), hidden_size=int(values["H"]),
                          intermediate_size=int(values.get("F", 4 * int(values["H"]))),
                          num_hidden_layers=int(values["L"]), num_attention_heads=heads,
                          num_key_value_heads=int(values.get("G", heads)), tie_word_embeddings=False,
-                         attention_dropout=dropout)
+                         attention_dropout=dropout, use_cache=cache == "dynamic")
     implementation = {"naive": "eager", "sdpa": "sdpa"}.get(attention)
     if implementation is None:
         raise SymmemError(f"HF's Llama runs eager ('naive') or SDPA attention, not {attention!r}")
