@@ -54,10 +54,13 @@ from ..symbols import B, F, G, H, L, S, V, h
 #: the cache's contiguous copies G = h folds without one (the cache's copy is kept instead, as big again) -- and
 #: saying it would split the formula on G = 1 against G = h for nothing.
 EAGER_COPIES = ((1, ~(sympy.Ne(G, 1) & sympy.Ne(h / G, 1))),)
-#: The same with the cache (``cache="dynamic"``): its contiguous copies fold into bmm's batch for G = h, so the
-#: matmuls keep the cache's key and value themselves -- which the ``DynamicCache`` holds to the forward's end
-#: anyway, so a stated copy beside them would count them twice there; only G = 1's stride-0 view is copied.
-CACHED_COPIES = ((1, sympy.Eq(G, 1) & sympy.Ne(h / G, 1)),)
+#: With the cache (``cache="dynamic"``) its contiguous copies fold into bmm's batch for G = h, so the matmuls keep
+#: the cache's key and value themselves -- which the ``DynamicCache`` holds to the forward's end anyway: a stated
+#: matmul copy beside them would count them twice there.  Stated instead on ``repeat_kv``'s reshape: a copy
+#: wherever h/G > 1 -- its own for 1 < G < h, and for G = 1 the same bytes as the matmul's copy of the stride-0
+#: view (made a few ops earlier for the value: at ``repeat_kv``, not at ``attn @ v``) -- one condition, so the
+#: formula needs no branch on G = 1 against G = h; the matmuls copy nothing.
+CACHED_COPIES = sympy.Ne(h / G, 1)
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -90,10 +93,12 @@ def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
         return g.op("add", a, b, name="add")
 
 
-def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
+def _repeat_kv(g: GraphBuilder, x: str, name: str, cache: bool) -> str:
     hd = H / h
     x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
     x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
+    if cache:  # CACHED_COPIES: a copy wherever h/G > 1 (for G = 1 the matmul's copy of the stride-0 view)
+        return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=CACHED_COPIES)
     # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.strides)
     return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd))
 
@@ -121,12 +126,12 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         held[k] = held[v] = "forward"
     if kind == "naive":
         assert mask is not None
-        k = _repeat_kv(g, k, "k")
-        v = _repeat_kv(g, v, "v")
+        k = _repeat_kv(g, k, "k", cache)
+        v = _repeat_kv(g, v, "v", cache)
         # the matmuls copy a key or value that is still a view they cannot fold into bmm's batch: repeat_kv's
         # stride-0 view for G = 1; without the cache the rotary output / v_proj view for G = h (EAGER_COPIES)
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
-        copies = CACHED_COPIES if cache else EAGER_COPIES
+        copies = ((1, sympy.false),) if cache else EAGER_COPIES
         w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=copies)
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
