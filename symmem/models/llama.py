@@ -98,6 +98,12 @@ def _repeat_kv(g: GraphBuilder, x: str, name: str, cache: bool) -> str:
     x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
     x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
     if cache:  # CACHED_COPIES: a copy wherever h/G > 1 (for G = 1 the matmul's copy of the stride-0 view)
+        # which at B = 1 bmm folds into its batch, keeping the cache's copy instead: the formulas hold from B = 2
+        # there (the pytorch convention finds this itself where the matmuls state their copies)
+        holds = sympy.Or(sympy.Ge(B, 2), sympy.Ne(G, 1), sympy.Eq(h / G, 1))
+        found = g.graph.graph.setdefault("holds_where", [])
+        if holds not in found:
+            found.append(holds)
         return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=CACHED_COPIES)
     # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.strides)
     return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd))
