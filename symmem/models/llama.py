@@ -9,9 +9,16 @@ once per forward, the ``DynamicCache`` update (below), attention (``naive``: ``e
 G key/value heads, no ``repeat_kv``), ``o_proj``, residual; RMSNorm, SwiGLU ``down(silu(gate(x)) * up(x))``,
 residual], a final RMSNorm and an untied LM head.
 
-``cache="dynamic"`` is the config's ``use_cache=True``, which a training forward also takes: each layer's key
-and value go through ``DynamicLayer.update``, ``torch.cat([empty, states], -2)``, a contiguous copy that
-attention then reads (the same bytes as the tensors it replaces); ``cache="none"`` is ``use_cache=False``.
+``cache="dynamic"`` (the default) is the config's ``use_cache=True``, which a training forward also takes: each
+layer's key and value go through ``DynamicLayer.update``, ``torch.cat([empty, states], -2)``, a contiguous copy
+that attention then reads (the same bytes as the tensors it replaces), and the ``DynamicCache`` holds every
+layer's copies until ``LlamaForCausalLM.forward`` returns (its output's ``past_key_values``; with labels, after the
+loss) -- past their last use where eager attention's ``repeat_kv`` copies them (1 < h/G); ``cache="none"`` is
+``use_cache=False``.  What else HF's forward holds past its last use, the graph holds too (``held_until``): the
+position ids and eager attention's whole (B, 1, S, S) mask (``torch.where`` over the expanded boolean mask) are
+``LlamaModel.forward``'s locals, gone when it returns after the final norm (before ``lm_head``), and RMSNorm's
+``variance`` lives until the norm returns.  Checked against HF's own model's training step on one device
+(``tests/test_hf_llama.py``) and per rank under DTensor's plan (``tests/test_model_parallel.py``).
 
 Checked against transformers 5.23.0 on the CPU by tracing ``LlamaForCausalLM`` (``tests/test_zoo_drift.py``).
 Earlier releases (4.4x, which this builder followed before) ran ``repeat_kv`` before SDPA too: for
@@ -47,6 +54,13 @@ from ..symbols import B, F, G, H, L, S, V, h
 #: the cache's contiguous copies G = h folds without one (the cache's copy is kept instead, as big again) -- and
 #: saying it would split the formula on G = 1 against G = h for nothing.
 EAGER_COPIES = ((1, ~(sympy.Ne(G, 1) & sympy.Ne(h / G, 1))),)
+#: With the cache (``cache="dynamic"``) its contiguous copies fold into bmm's batch for G = h, so the matmuls keep
+#: the cache's key and value themselves -- which the ``DynamicCache`` holds to the forward's end anyway: a stated
+#: matmul copy beside them would count them twice there.  Stated instead on ``repeat_kv``'s reshape: a copy
+#: wherever h/G > 1 -- its own for 1 < G < h, and for G = 1 the same bytes as the matmul's copy of the stride-0
+#: view (made a few ops earlier for the value: at ``repeat_kv``, not at ``attn @ v``) -- one condition, so the
+#: formula needs no branch on G = 1 against G = h; the matmuls copy nothing.
+CACHED_COPIES = sympy.Ne(h / G, 1)
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -54,13 +68,16 @@ def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
     with g.scope(name):
         y = g.op("cast", x, name="to_float32", dtype="float32")
         var = g.op("pow", y, name="pow", exponent=2)
-        var = g.op("mean", var, name="mean", dim=-1, keepdim=True)
+        var = var_mean = g.op("mean", var, name="mean", dim=-1, keepdim=True)
         var = g.op("scalar_add", var, name="add_eps", value=1e-6)
         r = g.op("rsqrt", var, name="rsqrt")
         y = g.op("mul", y, r, name="normalize")
         y = g.op("cast", y, name="to_input_dtype", dtype="act")
         w = g.parameter("weight", (H,))
-        return g.op("mul", w, y, name="scale", role=role)
+        out = g.op("mul", w, y, name="scale", role=role)
+    # the local ``variance`` lives until the norm returns (B*S*4 bytes past rsqrt's read of it)
+    g.graph.graph.setdefault("held_until", {})[var_mean] = out
+    return out
 
 
 def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
@@ -76,16 +93,25 @@ def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
         return g.op("add", a, b, name="add")
 
 
-def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
+def _repeat_kv(g: GraphBuilder, x: str, name: str, cache: bool) -> str:
     hd = H / h
     x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
     x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
+    if cache:  # CACHED_COPIES: a copy wherever h/G > 1 (for G = 1 the matmul's copy of the stride-0 view)
+        # which at B = 1 bmm folds into its batch, keeping the cache's copy instead: the formulas hold from B = 2
+        # there (the pytorch convention finds this itself where the matmuls state their copies)
+        holds = sympy.Or(sympy.Ge(B, 2), sympy.Ne(G, 1), sympy.Eq(h / G, 1))
+        found = g.graph.graph.setdefault("holds_where", [])
+        if holds not in found:
+            found.append(holds)
+        return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=CACHED_COPIES)
     # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.strides)
     return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd))
 
 
 def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float,
                cache: bool) -> str:
+    held = g.graph.graph.setdefault("held_until", {})
     hd = H / h
     states = []
     for part, heads in (("q", h), ("k", G), ("v", G)):
@@ -101,20 +127,24 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     if cache:  # DynamicLayer.update: torch.cat([empty, states], dim=-2), a contiguous copy
         k = g.op("clone", k, name="cache_key", memory_format="contiguous")
         v = g.op("clone", v, name="cache_value", memory_format="contiguous")
+        # the DynamicCache keeps them until LlamaForCausalLM.forward returns (its output's past_key_values):
+        # beyond their last use where eager attention's repeat_kv copies them (1 < h/G, B >= 2); every layer's
+        held[k] = held[v] = "forward"
     if kind == "naive":
         assert mask is not None
-        k = _repeat_kv(g, k, "k")
-        v = _repeat_kv(g, v, "v")
+        k = _repeat_kv(g, k, "k", cache)
+        v = _repeat_kv(g, v, "v", cache)
         # the matmuls copy a key or value that is still a view they cannot fold into bmm's batch: repeat_kv's
         # stride-0 view for G = 1; without the cache the rotary output / v_proj view for G = h (EAGER_COPIES)
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=EAGER_COPIES)
+        copies = ((1, sympy.false),) if cache else EAGER_COPIES
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=copies)
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=EAGER_COPIES)
+        out = g.op("matmul", w, v, name="attn_v", copy_inputs=copies)
     else:
         # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
         # of the q_proj view it came from (TensorIterator).  The CPU math kernel (dropout > 0) keeps v itself only
@@ -132,8 +162,6 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     with g.group("embed"):
         x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
         pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
-        # LlamaModel.forward's locals (cache_position, position_ids) hold it until the forward returns
-        g.graph.graph.setdefault("held_until", {})[pos] = "forward"
         g.op("buffer", name="rotary_emb.inv_freq", shape=(H / h / 2,), dtype="float32")  # module state
         g.op("buffer", name="rotary_emb.original_inv_freq", shape=(H / h / 2,), dtype="float32")
         cos = g.op("rope_table", pos, name="rotary_emb.cos", dim=H / h)
@@ -141,9 +169,10 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
         cos = g.op("reshape", cos, name="cos_unsqueeze", shape=(1, 1, S, H / h))
         sin = g.op("reshape", sin, name="sin_unsqueeze", shape=(1, 1, S, H / h))
         mask = None
-        if attention == "naive":  # create_causal_mask: an additive float mask (B, 1, S, S); kept by nothing
-            mask = g.op("constant", name="causal_mask", shape=(1, 1, S, S), dtype="act")
-            mask = g.op("expand", mask, name="causal_mask_expand", shape=(B, 1, S, S))
+        if attention == "naive":
+            # create_causal_mask (eager_mask): torch.where over the (B, 1, S, S) expanded boolean mask, a whole
+            # (B, 1, S, S) additive float mask; kept by nothing
+            mask = g.op("constant", name="causal_mask", shape=(B, 1, S, S), dtype="act")
     with g.group("layer"), g.repeat("layers", L, x, input_role="residual") as layer:
         a = rmsnorm(g, layer.input, "input_layernorm", role="attn_input")
         with g.scope("self_attn"):
@@ -162,6 +191,11 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     g.graph.assume("layers.self_attn.k_proj", sympy.Eq(sympy.Mod(h, G), 0))
     with g.group("head"):
         x = rmsnorm(g, layer.result, "norm")
+        # LlamaModel.forward's locals, the position ids and eager attention's mask, live until it returns, after
+        # the final norm (before lm_head)
+        for local in (pos, mask):
+            if local is not None:
+                g.graph.graph.setdefault("held_until", {})[local] = x
         g.op("linear", x, name="lm_head", out_features=V, bias=False)
     g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     # LlamaDecoderLayer registers its norms after self_attn and mlp, LlamaModel its norm after the layers: the

@@ -6,7 +6,7 @@ the symbols left free do not decide; the derivation works out the kept storages 
 conditions (equal branches collapse).
 
 >>> from symmem.models import build
->>> g = build("llama", attention="naive").graph
+>>> g = build("llama", attention="naive", cache="none").graph
 >>> open_, decided = conditions(g, list(g.order()), {})
 >>> open_
 [Eq(G, 1) | Eq(h/G, 1)]
@@ -159,9 +159,15 @@ def _keyed(storages: Iterable[Storage]) -> dict[tuple[Any, ...], Storage]:
 
 
 def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
-    """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1), to write the branch's formula plainly."""
+    """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1; ``Eq(h/G, 1)`` true: G = h), to write the
+    branch's formula plainly."""
     if value and isinstance(cond, sympy.Eq) and isinstance(cond.lhs, sympy.Symbol) and cond.rhs.is_number:
         return {cond.lhs: cond.rhs}
+    if value and isinstance(cond, sympy.Eq) and cond.free_symbols:
+        first = min(cond.free_symbols, key=lambda x: x.name)
+        found = sympy.solve(cond.lhs - cond.rhs, first)
+        if len(found) == 1:
+            return {first: found[0]}
     return {}
 
 

@@ -167,19 +167,13 @@ class _MeshWalk(_LayerWalk):
                 self.norms.setdefault(f"{head}#{iteration(n)}", {})[part] = n
         self.norm_of = {n: key for key, parts in self.norms.items() for n in parts.values()}
         self.merge = self._merges()
-        # the forward's constants are storages of this walk, not a sum beside it: the position ids held to the
-        # forward's end (graph.graph["held_until"]); eager attention's mask, which the walk lets go after the last
-        # attention, is held there too by the forward's locals (measured)
+        # the forward's constants are storages of this walk, not a sum beside it: the position ids and eager
+        # attention's mask held until the final norm returns (graph.graph["held_until"]: LlamaModel.forward's locals)
         self.constants = sympy.Integer(0)
-        tl, g = self.tl, self.g
+        tl = self.tl
         heads = [k for k, e in enumerate(tl.events) if e.phase == "forward" and e.node == self.head]
         self.forward_end = heads[0] if heads else -1
-        self.early: dict[int, int] = {}  # a constant's storage -> the forward event that lets it go
-        for k, e in enumerate(tl.events[:self.forward_end]):
-            for i in e.freed:
-                node = tl.storages[i].node
-                if e.phase == "forward" and node in g and g.node(node).kind == "constant":
-                    self.early[i] = k
+        self.early: dict[int, int] = {}  # none now: each constant goes where the timeline lets it go
 
     def _merges(self) -> dict[int, sympy.Expr]:
         """A layer's norm backward: autograd adds the normalize path's gradient of the norm's input into the

@@ -243,10 +243,14 @@ class Simulation:
         last_use = {s: max(pos[u] for u in us) for s, us in self.uses.items()}
         # a value a caller's local variable holds past its last use (graph.graph["held_until"]: node -> the node
         # until whose forward it lives, or "forward": until the model's forward returns -- after the loss for a
-        # causal LM that takes labels; the causal LM loss's padded labels, symmem/loss.py; Llama's position ids)
+        # causal LM that takes labels; the causal LM loss's padded labels, symmem/loss.py; Llama's position ids
+        # and mask, its cache's copies).  What the model's output holds ("forward": a cache) is not kept from a
+        # checkpointed layer: transformers passes such layers no cache
         model = [n for n in self.order if graph.node(n).group != "loss"]
         ends = self.order[-1] if graph.graph.get("causal_lm") or not model else model[-1]
         for s, until in graph.graph.get("held_until", {}).items():
+            if until == "forward" and s in self.segment_of:
+                continue
             until = ends if until == "forward" else until
             if s in base and until in pos:
                 last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])

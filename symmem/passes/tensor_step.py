@@ -8,14 +8,16 @@ moment is one of four (docs/regimes.md, "The step's peak per rank"):
 
 * **the forward's end**, at the head's all-gather: what lives between steps (the local parameter shards, Adam's
   state, the buffers, the batch), every activation autograd keeps on the rank (:class:`TensorRank.saved`), the
-  embedding's all-reduce output beside its saved wrapper, the forward's constants (the position ids, eager
-  attention's causal mask), the head's local logits (``V/t`` wide) and the replicated logits twice (the
-  all-gather's output and its wrapper, then the concatenated logits beside the all-gather's);
+  embedding's all-reduce output beside its saved wrapper, the ``DynamicCache``'s key and value copies no op keeps
+  (:func:`held_cache`; the position ids and eager attention's mask went with ``LlamaModel.forward``, as in HF's),
+  the head's local logits (``V/t`` wide) and the replicated logits twice (the all-gather's output and its wrapper,
+  then the concatenated logits beside the all-gather's);
 * **the final norm's backward**: the same less what the head and the final norm kept, their weights' gradients
   and five temporaries of the norm's input;
-* **the layers' largest moment** (:class:`_LayerWalk`): the single-device step written out at the numbers, each
-  storage at the rank's size, with the collectives' outputs (a row-parallel all-reduce's output beside funcol's
-  wrapper and the partial sum; a column-parallel input gradient's likewise);
+* **the layers' largest moment** (:class:`_LayerWalk`; the final norm's forward among its candidates, where eager
+  attention's whole mask and the cache's copies are still held): the single-device step written out at the
+  numbers, each storage at the rank's size, with the collectives' outputs (a row-parallel all-reduce's output
+  beside funcol's wrapper and the partial sum; a column-parallel input gradient's likewise);
 * **the optimizer step** (for-loop Adam on the local shards): every gradient (the embedding's whole: ``V x H``,
   replicated), one parameter's ``sqrt`` and ``denom`` beside the previous parameter's ``denom`` (the embedding's
   replicated gradient is redistributed to its shard by copies as large), in the order the module lists them.
@@ -35,7 +37,7 @@ fewest bytes over repeated steps.
 >>> d = derive("llama", tensor_parallel=True, attention="naive", device="cpu",
 ...            values={"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64, "t": 2})
 >>> d.value("peak"), d.peak_at().where(step=False)
-(126288, "rank 0 of 2 (every rank alike): forward's end (the head's all-gather)")
+(126992, "rank 0 of 2 (every rank alike): forward's end (the head's all-gather)")
 >>> d.step.per_rank(d.numbers)["peak_rank"]
 0
 >>> d = derive("llama", tensor_parallel=True, sequence_parallel=True, attention="sdpa", device="cpu",
@@ -98,7 +100,7 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
     outside = [n for n in nodes if graph.node(n).block is None]
     ids = sum((_bytes(graph, n, act) for n in outside if graph.node(n).kind == "input"), sympy.Integer(0))
     buffers = sympy.Add(*_module_buffers(graph, act).values())
-    constants = sum((_bytes(graph, n, act) for n in outside if graph.node(n).kind == "constant"), sympy.Integer(0))
+    cache = held_cache(graph, storages)
     embedding = next(n for n in outside if graph.node(n).kind == "embedding")
     head = next(n for n in reversed(outside) if graph.node(n).kind == "linear")
     hidden, logits = _bytes(graph, embedding, act), _bytes(graph, head, act)
@@ -106,7 +108,7 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
     # the embedding's all-reduce (sequence parallel: reduce-scatter) output beside its saved wrapper; with
     # sequence parallelism also the final norm's S-split output, held until the forward ends
     kept = 2 * hidden / t if sequence else hidden
-    forward_end = at_rest + rank.saved + kept + constants + logits / t + 2 * logits
+    forward_end = at_rest + rank.saved + kept + cache / t + logits / t + 2 * logits
     step = at_rest + rank.gradients + _step_temporaries(graph)
     # the final norm's backward: what the head and the final norm kept is gone, their weights' gradients made (the
     # head's local), five temporaries of the norm's input (S split under sequence parallelism), the loss and its
@@ -129,6 +131,28 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
         backward += single_copy() * sum((_async_gathers(graph, s.keepers) * s.expr for s in seconds
                                          if s.group != "head"), sympy.Integer(0))
     return RankMoments(at_rest, forward_end, step, rank.optimizer_state, backward)
+
+
+def held_cache(graph: Graph, storages: Sequence[Any]) -> sympy.Expr:
+    """The bytes of the ``DynamicCache``'s key and value copies (every layer's, whole) that no op keeps: HF holds
+    them until ``LlamaForCausalLM.forward`` returns (the zoo's ``held_until``), past eager attention's
+    ``repeat_kv`` copies of them (1 < h/G); the SDPA kernels and eager attention at G = h keep them anyway.
+
+    >>> from symmem import derive, symbol
+    >>> from symmem.models import build
+    >>> d = derive("llama", attention="naive", convention="pytorch", device="cpu")
+    >>> held = held_cache(build("llama", attention="naive").graph, d.storages)
+    >>> at = {symbol(k): v for k, v in {"B": 2, "S": 8, "H": 32, "h": 4, "L": 1}.items()}
+    >>> [held.subs({**at, symbol("G"): g}) for g in (1, 2, 4)]  # 2 L B G S (H/h) 4 where h/G > 1
+    [1024, 2048, 0]
+    """
+    total = sympy.Integer(0)
+    for n in graph.program_order():
+        if n.endswith((".cache_key", ".cache_value")) and graph.node(n).block is not None:
+            node = graph.node(n)
+            kept = sum((s.expr for s in storages if s.node == n and s.category == "activation"), sympy.Integer(0))
+            total += node.count * node.out.numel * 4 - kept
+    return total
 
 
 def single_copy() -> sympy.Expr:
@@ -230,9 +254,10 @@ FOLD_FROM = 8
 
 
 def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
-                  numbers: Mapping[str, int], base: int = 2) -> tuple[list[tuple[sympy.Expr, str, str]], sympy.Expr]:
+                  numbers: Mapping[str, int], base: int = 2
+                  ) -> tuple[list[tuple[sympy.Expr, str, str]], tuple[sympy.Expr, ...]]:
     """The layers' moments that can be the largest, (formula, phase, where in words), and what the forward's end
-    keeps more at B = 1 (:meth:`_LayerWalk.kept_at_one`), of ``walk`` at ``numbers``.
+    and the final norm's backward keep more at B = 1 (:meth:`_LayerWalk.kept_at_one`), of ``walk`` at ``numbers``.
 
     From :data:`FOLD_FROM` layers on, where every size is a whole number of bytes (``t`` divides S as it divides
     the heads, F and V), the walk is not written out layer by layer: at every candidate -- an op of the first or
@@ -245,21 +270,22 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
     layers = int(numbers["L"])
     if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]):
         w = walk(graph, conv, options, regime, numbers)
-        return [(f, phase, w.label(phase, node)) for f, phase, node in w.largest()], single_copy() * w.kept_at_one()
+        return ([(f, phase, w.label(phase, node)) for f, phase, node in w.largest()],
+                tuple(single_copy() * x for x in w.kept_at_one()))
     two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (base, base + 1))
     at_two = {key: (values, k) for key, values, k in two.candidates()}
     found = []
     for key, values, k in three.candidates():
         before, k2 = at_two[key]
-        found.append(([a + (layers - 2) * (b - a) for a, b in zip(before, values, strict=True)], k2, k))
+        found.append(([a + (layers - base) * (b - a) for a, b in zip(before, values, strict=True)], k2, k))
     out = []
     for j in chosen([f[0] for f in found]):
         _, k2, k = found[j]
         a, b = two.formula(k2), three.formula(k)
         e = three.tl.events[k]
         out.append((a + (layers - base) * (b - a), e.phase, three.label(e.phase, str(e.node), layers)))
-    more = two.kept_at_one(), three.kept_at_one()
-    return out, single_copy() * (more[0] + (layers - base) * (more[1] - more[0]))
+    more = zip(two.kept_at_one(), three.kept_at_one(), strict=True)
+    return out, tuple(single_copy() * (a + (layers - base) * (b - a)) for a, b in more)
 
 
 @dataclass(eq=False)
@@ -301,8 +327,8 @@ class TensorStep:
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
             # at B = 1 eager attention with one key/value head a rank keeps the cache's copies instead (more)
-            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end + more),
-                       ("backward", "the final norm's backward", r.backward + more)]
+            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end + more[0]),
+                       ("backward", "the final norm's backward", r.backward + more[1])]
             moments += [(phase, what, r.at_rest + live) for live, phase, what in layers]
             for ph, what, live in moments:
                 made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
@@ -404,10 +430,12 @@ class _LayerWalk:
         self.embedding = next(n for n in order if g.node(n).kind == "embedding")
         linears = [n for n in order if g.node(n).kind == "linear"]
         self.column = {n for n in linears if g.node(n).role in ("qkv", "mlp_hidden") or n == self.head}
+        self.final_norm = {n for n in order if g.node(n).group == "head" and g.node(n).block is None
+                           and n != self.head and g.node(n).kind not in ("parameter", "buffer", "constant")}
         self.row = {n for n in linears if n not in self.column}
-        # the forward's constants (the position ids, eager attention's mask), held to the forward's end
-        self.constants = sympy.Add(*(g.node(n).out.numel * (8 if str(g.node(n).out.dtype) == "int64" else 4)
-                                     for n in order if g.node(n).kind == "constant"))
+        # the forward's constants (the position ids, eager attention's mask) are storages of the walk, held until
+        # the final norm returns (graph.graph["held_until"]: LlamaModel.forward's locals), as the cache's copies
+        # to the forward's end: nothing beside them
         self.keepers = sim.all_keepers  # who keeps each saved storage (sequence parallelism's gathered copies)
         self._splits: dict[str, bool] = {}
         self._locals: dict[int, sympy.Expr] = {}
@@ -437,20 +465,21 @@ class _LayerWalk:
                     kept.append((released[s.name] + 1, released[repeat], self.once * self.local(i)))
         return kept
 
-    def kept_at_one(self) -> sympy.Expr:
+    def kept_at_one(self) -> tuple[sympy.Expr, sympy.Expr]:
         """What the forward's end and the final norm's backward keep more at B = 1, over :func:`single_copy` (its
-        factor, 0 from B = 2): where :attr:`collapsed`, the cache's copies in place of the repeated key and value."""
+        factor, 0 from B = 2): where :attr:`collapsed`, no repeated key and value; at the final norm's backward
+        the cache's copies in their place (at the forward's end the ``DynamicCache`` holds them anyway)."""
         from ..symbols import t
 
         if not self.collapsed:
-            return sympy.Integer(0)
+            return sympy.Integer(0), sympy.Integer(0)
         index = {s.name: i for i, s in enumerate(self.tl.storages)}
-        more = sympy.Integer(0)
+        fewer, cache = sympy.Integer(0), sympy.Integer(0)
         for s in self.tl.storages:
             if template(s.name) in _REPEATS:
-                cache = s.name.replace("k_repeat", "cache_key").replace("v_repeat", "cache_value")
-                more += self.local(index[cache]) - s.nbytes / t
-        return more
+                fewer -= s.nbytes / t
+                cache += self.local(index[s.name.replace("k_repeat", "cache_key").replace("v_repeat", "cache_value")])
+        return fewer, fewer + cache
 
     def local(self, i: int) -> sympy.Expr:
         """Storage ``i``'s bytes on one rank (:meth:`_local`), worked out once."""
@@ -555,7 +584,7 @@ class _LayerWalk:
                     alive.add(i)
                     totals = [a + v for a, v in zip(totals, values[i], strict=True)]
             if e.phase in ("forward", "backward") and e.node and self._candidate(e, layers):
-                extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
+                extra = self._collectives(e, alive, k)
                 layer = iteration(e.node)
                 where = (e.phase, template(e.node), "outside" if not layer else "first" if layer == 1 else "last")
                 found.append(((*where, seen[where]), [a + v for a, v in zip(totals, at_probes(extra), strict=True)],
@@ -574,7 +603,7 @@ class _LayerWalk:
         e = self.tl.events[k]
         self.evaluate = True
         try:
-            extra = self._collectives(e, alive, k) + (self.constants if e.phase == "forward" else 0)
+            extra = self._collectives(e, alive, k)
         finally:
             self.evaluate = False
         live = Counter(self.local(i) for i in alive)
@@ -598,13 +627,16 @@ class _LayerWalk:
         from .unroll import iteration
 
         layer = iteration(node)
+        if not layer:
+            return f"the final norm's {phase} ({template(node)})"
         return f"{phase} {template(node)} (layer {layers if layers and layer == self.layers else layer})"
 
     def _candidate(self, e: Any, layers: int) -> bool:
-        """Whether op ``e`` can be the largest moment: an op of the first or the last layer."""
+        """Whether op ``e`` can be the largest moment: an op of the first or the last layer, or of the final
+        norm's forward (where eager attention's whole mask and the cache's copies are still held)."""
         from .unroll import iteration
 
-        return iteration(e.node) in (1, layers)
+        return iteration(e.node) in (1, layers) or (e.phase == "forward" and e.node in self.final_norm)
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
@@ -672,10 +704,6 @@ class _SequenceWalk(_LayerWalk):
             self.copies[i] = (dies, spans)
         self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
                                and s.node in self.qkv}
-        # the position ids and eager attention's mask live to the forward's end (self.constants), not as the
-        # walk's storages (counted once)
-        self.constant_storages = {i for i, s in enumerate(tl.storages) if s.node in g and g.node(s.node).kind ==
-                                  "constant"}
         self.held = self._held(forward, rows)
 
     def _candidate(self, e: Any, layers: int) -> bool:
@@ -728,8 +756,6 @@ class _SequenceWalk(_LayerWalk):
                 self.collapsed and template(s.name) in _REPEATS):
             return super()._local(i)
         size = s.nbytes
-        if i in self.constant_storages:
-            return sympy.Integer(0)
         if s.name in self.row or s.name == self.embedding:
             return 2 * size / t  # the reduce-scatter's output beside funcol's wrapper
         if s.name == self.head:

@@ -17,6 +17,7 @@ iteration k's is iteration k - 1's output.  Every node of the result has count 1
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 
@@ -81,6 +82,15 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
             renamed[m] = f"{m}#{n}"
         renamed[block.output] = previous
         i += len(members)
+    held = graph.graph.get("held_until")
+    if held:
+        # a value held past its last use (schedule's held_until): a block member's hold is each iteration's
+        written: dict[str, str] = {}
+        for k, v in held.items():
+            copies = itertools.takewhile(iterations.__contains__, (f"{k}#{j}" for j in itertools.count(1)))
+            for c in [*copies] or [k]:
+                written[c] = renamed.get(v, v)
+        out.graph["held_until"] = written
     return out
 
 

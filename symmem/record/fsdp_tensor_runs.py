@@ -65,7 +65,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import reference
-    from .model_parallel_runs import _sequence_forward, llama_plan, llama_sequence_plan, repeated_steps
+    from .model_parallel_runs import llama_plan, llama_sequence_plan, repeated_steps
 
     torch.manual_seed(0)
     options = dict(options)
@@ -75,8 +75,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
     for layer in module.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
-    if sequence:  # the rotary tables and the mask cover the whole sequence (torchtitan's), the root's own
-        module.forward = _sequence_forward(module)  # forward, so FSDP's root hooks run around it
+    if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
         # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)

@@ -16,19 +16,22 @@ from ..errors import SymmemError
 
 
 def hf_llama(values: Mapping[str, int], attention: str = "naive", dropout: float = 0.0,
-             sequence: bool = False) -> tuple[Any, Any]:
+             sequence: bool = False, cache: str = "dynamic") -> tuple[Any, Any]:
     """``transformers``' LlamaForCausalLM at symbol values (``B``, ``S``, ``H``, ``h``, ``G``, ``L``, ``V``,
     ``F``) in training mode, and its input ids (B, S); ``attention`` ``naive`` is HF's ``eager``; ``sequence``:
-    for the sequence-parallel plan (SDPA only)."""
+    for the sequence-parallel plan (SDPA only); ``cache`` ``dynamic`` is the config's default ``use_cache=True``,
+    ``none`` is ``use_cache=False`` (the zoo's option of the same name)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if cache not in ("dynamic", "none"):
+        raise SymmemError(f"HF's Llama cache is 'dynamic' (use_cache=True) or 'none' (use_cache=False), not {cache!r}")
     heads = int(values["h"])
     config = LlamaConfig(vocab_size=int(values["V"]), hidden_size=int(values["H"]),
                          intermediate_size=int(values.get("F", 4 * int(values["H"]))),
                          num_hidden_layers=int(values["L"]), num_attention_heads=heads,
                          num_key_value_heads=int(values.get("G", heads)), tie_word_embeddings=False,
-                         attention_dropout=dropout)
+                         attention_dropout=dropout, use_cache=cache == "dynamic")
     implementation = {"naive": "eager", "sdpa": "sdpa"}.get(attention)
     if implementation is None:
         raise SymmemError(f"HF's Llama runs eager ('naive') or SDPA attention, not {attention!r}")
@@ -82,14 +85,20 @@ def hf_llama_plan(module: Any, world: int, sequence: bool) -> dict[str, Any]:
 
 
 def hf_llama_forward(module: Any, sequence: bool) -> Callable[[Any], Any]:
-    """HF's forward returning the logits; with ``sequence`` the position ids given for the whole sequence (HF
-    counts them from the embedding's output, which sequence parallelism splits over S; torchtitan precomputes its
-    rotary tables)."""
+    """HF's forward returning the logits (the output object, which holds the ``DynamicCache``, let go as it
+    returns); with ``sequence`` the whole sequence's position ids given to ``LlamaModel`` (HF counts them from the
+    embedding's output, which sequence parallelism splits over S; torchtitan precomputes its rotary tables) by a
+    keyword pre-hook, so that they go when ``LlamaModel.forward`` returns, as HF's own do."""
     import torch
 
+    if sequence:
+        def positions(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            seq = kwargs["input_ids"].shape[1]
+            return args, {**kwargs, "position_ids": torch.arange(seq).unsqueeze(0)}
+
+        module.model.register_forward_pre_hook(positions, with_kwargs=True)
+
     def forward(input_ids: Any) -> Any:
-        if not sequence:
-            return module(input_ids).logits
-        return module(input_ids, position_ids=torch.arange(input_ids.shape[1]).unsqueeze(0)).logits
+        return module(input_ids).logits
 
     return forward

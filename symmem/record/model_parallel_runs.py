@@ -68,9 +68,13 @@ def free_port() -> int:
 
 def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
     """A Llama stage (torchtitan's split): every stage makes its own rotary tables (and eager attention's mask)
-    for the whole sequence, as the reference's forward does before its layers."""
+    for the whole sequence, as the reference's ``LlamaModel`` part does before its layers, and lets them go after
+    its layers (the last stage: after the final norm, before the head); its layers' cache copies live until the
+    stage's forward returns."""
     import torch
     from torch import nn
+
+    from ..reference.sequence_models import DynamicCache, eager_mask
 
     first, last = rank == 0, rank == world - 1
 
@@ -84,22 +88,20 @@ def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
             if last:
                 self.norm, self.lm_head = full.norm, full.lm_head
 
-        def forward(self, x: Any) -> Any:
+        def body(self, x: Any, cache: Any) -> Any:
             hidden = self.embed_tokens(x) if first else x
-            seq = hidden.shape[1]
-            cache_position = torch.arange(0, seq, device=hidden.device)
-            position_ids = cache_position.unsqueeze(0)
-            mask = None
-            if not self.sdpa:  # the reference's create_causal_mask
-                mask = torch.full((seq, seq), fill_value=torch.finfo(hidden.dtype).min, dtype=hidden.dtype,
-                                  device=hidden.device)
-                mask = torch.triu(mask, diagonal=1)
-                mask *= torch.arange(seq, device=hidden.device) > cache_position.reshape(-1, 1)
-                mask = mask[None, None, :, :].expand(hidden.shape[0], 1, -1, -1)
+            batch, seq = hidden.shape[:2]
+            position_ids = (torch.arange(seq, device=hidden.device) + 0).unsqueeze(0)
+            mask = None if self.sdpa else eager_mask(batch, seq, hidden.dtype, hidden.device)
             embeddings = self.rotary_emb(hidden, position_ids)
             for layer in self.layers:
-                hidden = layer(hidden, embeddings, mask)
-            return self.lm_head(self.norm(hidden)) if last else hidden
+                hidden = layer(hidden, embeddings, mask, cache)
+            return self.norm(hidden) if last else hidden
+
+        def forward(self, x: Any) -> Any:
+            cache = DynamicCache() if full.cache else None
+            hidden = self.body(x, cache)
+            return self.lm_head(hidden) if last else hidden
 
     return LlamaStage()
 
@@ -325,8 +327,9 @@ def llama_sequence_plan(module: Any, world: int) -> dict[str, Any]:
     for i, layer in enumerate(module.layers):
         plan[f"layers.{i}.input_layernorm"] = SequenceParallel()
         plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
-        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                           desired_input_layouts=(Replicate(), None, None))
+        # (hidden_states, position_embeddings, attention_mask, cache): only the first gathered
+        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                           desired_input_layouts=(Replicate(), None, None, None))
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         # the reference's MLP is no module of its own: gate and up each all-gather the normed input
@@ -337,27 +340,6 @@ def llama_sequence_plan(module: Any, world: int) -> dict[str, Any]:
         layer.self_attn.num_heads //= world
         layer.self_attn.num_key_value_heads //= world
     return plan
-
-
-def _sequence_forward(module: Any) -> Any:
-    """The Llama reference's forward with the sequence length of the ids, not of the (split) embedding output:
-    the rotary tables and the mask cover the whole sequence (torchtitan precomputes them)."""
-    import torch
-
-    def forward(input_ids: Any) -> Any:
-        hidden = module.embed_tokens(input_ids)
-        seq = input_ids.shape[1]
-        position_ids = torch.arange(seq).unsqueeze(0)
-        mask = None
-        if not module.sdpa:
-            mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None].expand(
-                input_ids.shape[0], 1, -1, -1)
-        embeddings = module.rotary_emb(hidden, position_ids)
-        for layer in module.layers:
-            hidden = layer(hidden, embeddings, mask)
-        return module.lm_head(module.norm(hidden))
-
-    return forward
 
 
 def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]
@@ -388,7 +370,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
         module, (ids,) = reference(model, values, **options)
         plan = (llama_sequence_plan if sequence else llama_plan)(module, world)
         parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
-        run = _sequence_forward(module) if sequence else module
+        run = module  # its sequence is the ids' (whole under sequence parallelism): the tables and mask cover it
 
     def local(t: Any) -> Any:
         return t._local_tensor if isinstance(t, DTensor) else t

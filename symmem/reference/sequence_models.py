@@ -7,10 +7,13 @@ class-token pooling) and, from **transformers 5.23**, ``modeling_gpt2.py`` (``Co
 (``BertEmbeddings`` with its gathered token-type ids, eager and SDPA self-attention, post-LN, pooler) and
 ``modeling_llama.py`` (``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``, ``repeat_kv`` in
 the eager path, SDPA with ``enable_gqa``, SwiGLU MLP, untied head), with the ``DynamicCache`` update that a
-training forward with the default ``use_cache=True`` runs (:func:`cache_update`).  Not mirrored, because
-autograd keeps none of it: HF's output objects and the additive (B, 1, S, S) causal mask made once per forward
-(GPT-2 builds a (1, 1, S, S) one per layer here).  :func:`reference` builds one from symbol values, in training
-mode, with its inputs.  Needs the ``torch`` extra.
+training forward with the default ``use_cache=True`` runs (:func:`cache_update`).  Llama's also holds what HF's
+forward holds while it runs: its ``LlamaModel`` part (:meth:`LlamaForCausalLM.model`) makes the position ids and
+eager attention's whole (B, 1, S, S) mask (:func:`eager_mask`), which go when it returns (before ``lm_head``), and
+the :class:`DynamicCache` holds every layer's key and value copies until the forward returns.  Not mirrored,
+because autograd keeps none of it: HF's output objects and, for GPT-2, the additive (B, 1, S, S) causal mask made
+once per forward (GPT-2 builds a (1, 1, S, S) one per layer here).  :func:`reference` builds one from symbol
+values, in training mode, with its inputs.  Needs the ``torch`` extra.
 
 >>> module, inputs = reference("gpt2", {"B": 2, "S": 8, "H": 16, "h": 2, "L": 1, "V": 50})
 >>> tuple(module(*inputs).shape)
@@ -154,6 +157,20 @@ def cache_update(states: torch.Tensor) -> torch.Tensor:
     """transformers 5.23 ``DynamicLayer.update`` on an empty cache: ``torch.cat([empty, states], dim=-2)``, a
     contiguous copy (``use_cache=True``, the config default, also in a training forward)."""
     return torch.cat([torch.tensor([], dtype=states.dtype, device=states.device), states], dim=-2)
+
+
+class DynamicCache:
+    """transformers 5.23 ``DynamicCache`` as a training forward uses it: each layer's ``update`` makes the key and
+    value copies (:func:`cache_update`) and the cache holds them until it is let go (``LlamaForCausalLM.forward``'s
+    output holds it).  An object, not a list: engines that rebuild a module's container arguments (FSDP2's
+    pre-forward hook) pass it through as they pass HF's."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.layers.append((cache_update(key), cache_update(value)))
+        return self.layers[-1]
 
 
 class GPT2Attention(nn.Module):
@@ -420,7 +437,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -428,7 +445,9 @@ class LlamaAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if self.cache:
+        if cache is not None:  # the DynamicCache: held until LlamaForCausalLM.forward returns
+            key_states, value_states = cache.update(key_states, value_states)
+        elif self.cache:  # checkpointed layers: HF passes no cache there (a copy made, not held)
             key_states, value_states = cache_update(key_states), cache_update(value_states)
         p = self.attention_dropout if self.training else 0.0
         if self.sdpa:
@@ -462,10 +481,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(dim)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask)
+        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
         x = self.post_attention_layernorm(hidden_states)
@@ -486,29 +505,48 @@ class LlamaForCausalLM(nn.Module):
         self.norm = LlamaRMSNorm(dim)
         self.rotary_emb = LlamaRotaryEmbedding(dim // heads)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.sdpa = sdpa
+        self.sdpa, self.cache = sdpa, cache
 
     takes_labels = True
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def model(self, input_ids: torch.Tensor, cache: DynamicCache | None) -> torch.Tensor:
+        """``LlamaModel.forward``: its locals (the position ids, eager attention's mask, the rotary tables) go when
+        it returns, after the final norm -- before ``lm_head``.  The sequence is the ids' (HF counts the
+        embedding's: the same on one device; under sequence parallelism the ids are whole, the embedding's output
+        split)."""
         inputs_embeds = self.embed_tokens(input_ids)
-        seq = inputs_embeds.shape[1]
-        cache_position = torch.arange(0, seq, device=inputs_embeds.device)
-        position_ids = cache_position.unsqueeze(0)
+        batch, seq = input_ids.shape
+        position_ids = (torch.arange(seq, device=inputs_embeds.device) + 0).unsqueeze(0)  # + past_seen_tokens
         causal_mask = None
-        if not self.sdpa:  # create_causal_mask: an additive (B, 1, S, S) mask for eager attention
-            min_dtype = torch.finfo(inputs_embeds.dtype).min
-            # built on the input's device (HF does too): a CPU mask would not mix with a model on CUDA
-            causal_mask = torch.full((seq, seq), fill_value=min_dtype, dtype=inputs_embeds.dtype,
-                                     device=inputs_embeds.device)
-            causal_mask = torch.triu(causal_mask, diagonal=1)
-            causal_mask *= torch.arange(seq, device=inputs_embeds.device) > cache_position.reshape(-1, 1)
-            causal_mask = causal_mask[None, None, :, :].expand(inputs_embeds.shape[0], 1, -1, -1)
+        if not self.sdpa:
+            causal_mask = eager_mask(batch, seq, inputs_embeds.dtype, inputs_embeds.device)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings, causal_mask)
-        logits = self.lm_head(self.norm(hidden_states))
+        hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings, causal_mask,
+                                   cache)
+        return self.norm(hidden_states)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        # the DynamicCache (use_cache=True, the config's default, also in training) holds every layer's key and
+        # value copies until this forward returns; HF turns it off in checkpointed layers
+        cache = DynamicCache() if self.cache and self.checkpoint == "none" else None
+        logits = self.lm_head(self.model(input_ids, cache))
         return logits if labels is None else causal_lm_loss(logits, labels)
+
+
+def eager_mask(batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """transformers 5.23 ``create_causal_mask`` for eager attention (``sdpa_mask`` then ``eager_mask``): the
+    boolean ``kv_idx <= q_idx`` over broadcast index ranges, expanded to (B, 1, S, S), then ``torch.where`` into a
+    whole (B, 1, S, S) additive float mask (0 where attended, the dtype's minimum elsewhere).
+
+    >>> eager_mask(2, 3, torch.float32, torch.device("cpu")).shape
+    torch.Size([2, 1, 3, 3])
+    """
+    q_arange = torch.arange(seq, device=device) + 0  # + q_offset
+    kv_arange = torch.arange(seq, device=device) + 0  # + kv_offset
+    allowed = kv_arange[None, None, None, :] <= q_arange[None, None, :, None]
+    allowed = allowed.expand(batch, -1, seq, seq)
+    return torch.where(allowed, torch.zeros((), device=device, dtype=dtype), torch.finfo(dtype).min)
 
 
 # -- construction from symbol values ---------------------------------------------------------------------
