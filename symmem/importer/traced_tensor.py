@@ -127,6 +127,10 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
         with fake.mode:
             split = _fake_copy(module, "cpu")
             parallelize_module(split, mesh, plan.make(split, world))
+            if plan.positions:  # the whole sequence's position ids, made and let go by LlamaModel (hf_llama's runs)
+                from ..record.hf_llama import whole_sequence_positions
+
+                whole_sequence_positions(split)
             fin = fake_inputs(fake, at, "cpu")
             args, kwargs = at.rebuild(fin)
         _even(split, world)
@@ -156,12 +160,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
         stack.enter_context(tracker.modules)
         stack.enter_context(tracker)
         with tracker.phase(1, "forward"), tracker.saving():
-            given = kwargs
-            if plan.positions:  # the whole sequence's position ids (hf_llama_forward): made here, gone with the call
-                seq = next(iter(_leaves([args, kwargs]))).shape[1]
-                given = {**kwargs, "position_ids": torch.arange(seq).unsqueeze(0)}
-            out = split(*args, **given)
-            del given
+            out = split(*args, **kwargs)
         with tracker.phase(1, "loss"), tracker.saving():
             value = loss_value(options.loss, out, target)
             if not options.keep_output:

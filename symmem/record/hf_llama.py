@@ -89,16 +89,22 @@ def hf_llama_forward(module: Any, sequence: bool) -> Callable[[Any], Any]:
     returns); with ``sequence`` the whole sequence's position ids given to ``LlamaModel`` (HF counts them from the
     embedding's output, which sequence parallelism splits over S; torchtitan precomputes its rotary tables) by a
     keyword pre-hook, so that they go when ``LlamaModel.forward`` returns, as HF's own do."""
-    import torch
-
     if sequence:
-        def positions(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            seq = kwargs["input_ids"].shape[1]
-            return args, {**kwargs, "position_ids": torch.arange(seq).unsqueeze(0)}
-
-        module.model.register_forward_pre_hook(positions, with_kwargs=True)
+        whole_sequence_positions(module)
 
     def forward(input_ids: Any) -> Any:
         return module(input_ids).logits
 
     return forward
+
+
+def whole_sequence_positions(module: Any) -> Any:
+    """Give a Hugging Face causal LM's ``module.model`` the whole sequence's position ids, by a keyword pre-hook
+    (so they are made as it starts and go when it returns, as HF's own do), and return the hook's handle."""
+    import torch
+
+    def positions(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        return args, {**kwargs, "position_ids": torch.arange(ids.shape[1]).unsqueeze(0)}
+
+    return module.model.register_forward_pre_hook(positions, with_kwargs=True)
