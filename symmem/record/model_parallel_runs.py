@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import socket
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -362,8 +362,6 @@ def _sequence_forward(module: Any) -> Any:
 
 def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]
                  ) -> TensorRun:
-    import weakref
-
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -371,6 +369,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 
     from ..reference.sequence_models import reference
     from .optim import make_optimizer, state_tensors
+    from .sharded import saved_storages
 
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
@@ -395,19 +394,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 
     params = list(module.parameters())
     held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
-    saved: dict[int, tuple[int, tuple[int, ...], str]] = {}
-
-    def pack(t: Any) -> Any:
-        # a DTensor is a wrapper without data: its local shard is what the rank holds
-        st = local(t).untyped_storage()
-        key = st._cdata
-        if key not in saved and key not in held:
-            saved[key] = (st.nbytes(), tuple(local(t).shape), type(t).__name__)
-            weakref.finalize(st, saved.pop, key, None)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run(ids)
+    out, saved = saved_storages(lambda: run(ids), lambda: held, local)
     kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
     total = sum(v[0] for v in kept)
     out.sum().backward()
@@ -469,20 +456,31 @@ def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[t
     for r in trace.records:
         if r.live > best.get(r.step, (-1, "", ""))[0]:
             best[r.step] = (r.live, r.phase, r.where)
-    first = _fewest(trace, range(1, FIRST_STEPS + 1))
-    steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
+    first, _ = _fewest(trace, range(1, FIRST_STEPS + 1))
+    steady, _ = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
     return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady)
 
 
-def _fewest(trace: Any, steps: range) -> int:
+def _fewest(trace: Any, steps: range, left_out: Collection[int] = ()) -> tuple[int, tuple[str, str]]:
     """The largest moment of a step repeated ``steps``, each moment (the same op of every repeat) at its fewest
-    bytes: gloo's worker thread releases a collective's tensors when it gets to them, after the wait or as late as
-    the next collective, at no fixed op -- memory outside the step's tensor accounting, as the CUDA caching
-    allocator's is; the step's own is what every repeat holds."""
-    rows = [[r.live for r in trace.records if r.step == s] for s in steps]
+    bytes, and where it is (phase, op): gloo's worker thread releases a collective's tensors when it gets to them,
+    after the wait or as late as the next collective, at no fixed op -- memory outside the step's tensor
+    accounting, as the CUDA caching allocator's is; the step's own is what every repeat holds.  The storages
+    ``left_out`` are not counted (:func:`_live`)."""
+    live = _live(trace, left_out)
+    rows = [[(v, r) for r, v in zip(trace.records, live, strict=True) if r.step == s] for s in steps]
     if len({len(r) for r in rows}) != 1:
         raise SymmemError(f"the repeated steps ran different ops ({', '.join(str(len(r)) for r in rows)})")
-    return max(min(column) for column in zip(*rows, strict=True))
+    columns = [min(column, key=lambda x: x[0]) for column in zip(*rows, strict=True)]
+    v, r = max(columns, key=lambda x: x[0])
+    return v, (r.phase, r.op)
+
+
+def _live(trace: Any, left_out: Collection[int]) -> list[int]:
+    """Each record's live bytes less the storages ``left_out`` alive there."""
+    out = [(s.born, len(trace.records) if s.died is None else s.died, s.nbytes) for s in trace.storages
+           if s.sid in left_out and s.born is not None]
+    return [r.live - sum(n for born, died, n in out if born <= r.index < died) for r in trace.records]
 
 
 def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any], out: Any) -> None:
