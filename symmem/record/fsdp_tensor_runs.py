@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
-from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest, _live  # the steps repeated_steps records
+from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live  # the steps repeated_steps records
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     steps = FIRST_STEPS + STEADY_STEPS
     trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
-    first, first_at = _fewest(trace, range(1, FIRST_STEPS + 1), gloo)
-    steady, steady_at = _fewest(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
+    first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
+    steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
                    first_at, steady_at, _per_step(trace, gloo))
 

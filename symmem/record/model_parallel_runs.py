@@ -456,17 +456,21 @@ def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[t
     for r in trace.records:
         if r.live > best.get(r.step, (-1, "", ""))[0]:
             best[r.step] = (r.live, r.phase, r.where)
-    first, _ = _fewest(trace, range(1, FIRST_STEPS + 1))
-    steady, _ = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
+    first = _fewest(trace, range(1, FIRST_STEPS + 1))
+    steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
     return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady)
 
 
-def _fewest(trace: Any, steps: range, left_out: Collection[int] = ()) -> tuple[int, tuple[str, str]]:
+def _fewest(trace: Any, steps: range) -> int:
     """The largest moment of a step repeated ``steps``, each moment (the same op of every repeat) at its fewest
-    bytes, and where it is (phase, op): gloo's worker thread releases a collective's tensors when it gets to them,
-    after the wait or as late as the next collective, at no fixed op -- memory outside the step's tensor
-    accounting, as the CUDA caching allocator's is; the step's own is what every repeat holds.  The storages
-    ``left_out`` are not counted (:func:`_live`)."""
+    bytes: gloo's worker thread releases a collective's tensors when it gets to them, after the wait or as late as
+    the next collective, at no fixed op -- memory outside the step's tensor accounting, as the CUDA caching
+    allocator's is; the step's own is what every repeat holds."""
+    return _fewest_at(trace, steps)[0]
+
+
+def _fewest_at(trace: Any, steps: range, left_out: Collection[int] = ()) -> tuple[int, tuple[str, str]]:
+    """:func:`_fewest` less the storages ``left_out`` (:func:`_live`), and where that moment is (phase, op)."""
     live = _live(trace, left_out)
     rows = [[(v, r) for r, v in zip(trace.records, live, strict=True) if r.step == s] for s in steps]
     if len({len(r) for r in rows}) != 1:
