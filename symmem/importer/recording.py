@@ -51,6 +51,7 @@ from ..record.saved_tensors import SavedRecorder
 from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
 from .inputs import Inputs
+from .traced_zero import RankOptimizer
 
 #: the optimizer step's fake ops go through PyTorch's fake-op cache (False: every op computed, for comparisons)
 CACHE_STEP = True
@@ -239,6 +240,9 @@ class StepOptions:
     micro_batches: int = 1
     autocast: str | None = None
     checkpoint: tuple[str, ...] = ()
+    #: ``ZeroRedundancyOptimizer``'s rank: the trainable parameters its local optimizer steps (indices, in its
+    #: order; :class:`~symmem.importer.traced_zero.RankOptimizer`); None: one optimizer over every one
+    owned: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.loss) and self.loss not in LOSSES:
@@ -313,7 +317,8 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
             world.env.guards = GuardLog(site)
         args, kwargs = at.rebuild(fin)
         trainable = [p for p in params.values() if p.requires_grad]
-        opt = make_optimizer(trainable, options.optimizer, options.impl)
+        opt = make_optimizer(trainable, options.optimizer, options.impl) if options.owned is None else \
+            RankOptimizer(trainable, options.owned, options.optimizer, options.impl)
         names = {id(p): n for n, p in params.items()}
         rec.register(params.values(), "parameter")
         rec.register(buffers.values(), "buffer")

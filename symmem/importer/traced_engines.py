@@ -48,7 +48,7 @@ from .recording import LiveStorage, StepRecord
 from .traced_fsdp import FsdpRewrite, Param, grads_made, parameters_of, scaled, without_frees
 from .traced_fsdp1 import Fsdp1Rewrite
 from .traced_step import StepPeak, peak_of
-from .traced_zero import owned_order, rank_optimizer
+from .traced_zero import owned_order
 
 
 @dataclass(frozen=True)
@@ -284,9 +284,10 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
         key = (ZERO_REDUNDANCY, count, ones, owned)
         if key not in self._records:
             assert self.inner is not None
-            alone = dataclasses.replace(self.inner, _records={}, _peaks={}, notes=[])  # the same fake world
-            with rank_optimizer(owned):
-                rec = alone.record(count, ones)
+            # the same fake world, the rank's optimizer in place of the single device's
+            alone = dataclasses.replace(self.inner, options=dataclasses.replace(self.inner.options, owned=owned),
+                                        _records={}, _peaks={}, notes=[])
+            rec = alone.record(count, ones)
             self._records[key] = _ddp(rec, parameters_of(rec, self.module, self.repeat), False)
         return self._records[key]
 

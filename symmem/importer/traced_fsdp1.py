@@ -9,7 +9,7 @@ measured on gloo runs; per unit ``u`` with ``n_u`` the elements of its parameter
 
 * each rank stores one flat shard of ``k_u`` elements (the padding at the flat parameter's end included), and the
   optimizer steps on those flat shards, the root's first: its state and its temporaries are a flat shard's size
-  (:func:`symmem.passes.schedule.step_events`, the events the built-in graphs' step runs), the same on every rank;
+  (:func:`symmem.passes.schedule.walk_step`, the events the built-in graphs' step runs), the same on every rank;
 * the unsharded flat parameter (``N * k_u``, no separate all-gather output) appears at the unit's pre-forward and
   goes at its post-forward under ``FULL_SHARD`` (never the root's, which stays until its post-backward;
   ``SHARD_GRAD_OP`` keeps every unit's); the pre-backward gathers it again where it went and prefetches the next
@@ -32,7 +32,7 @@ import sympy
 
 from ..passes.data_parallel import ceil_div
 from ..passes.fsdp1 import _at_most_one
-from ..passes.schedule import _oldest_first, state_storages, step_events
+from ..passes.schedule import state_storages, walk_step
 from ..symbols import N
 from ..training import Regime
 from .recording import StepOp, StepRecord
@@ -149,12 +149,24 @@ class Fsdp1Rewrite(FsdpRewrite):
 
     def _step_ops(self, step: int, regime: Regime, flats: list[tuple[str, tuple[Any, ...]]], numel: dict[str, Any],
                   state_ids: dict[str, list[int]]) -> list[StepOp]:
-        """``optimizer.step()`` over the flat shards: the state made in the first, the temporaries of each."""
-        out: list[StepOp] = []
-        pending: list[int] = []
-        for label, born, temp_bytes, frees in step_events(regime, self.impl, flats, numel, state_ids, step == 1):
-            temps = [self.new(f"{label}.temp", "temporary", t, "step") for t in temp_bytes]
-            pending += temps
-            freed, pending = _oldest_first(pending, frees, temps)
-            out.append(StepOp(0, step, "step", "optimizer.step", label, "", (*born, *temps), tuple(freed)))
-        return out
+        """``optimizer.step()`` over the flat shards: the state made in the first, the temporaries of each (the
+        built-in graphs' walk, :func:`~symmem.passes.schedule.walk_step`, as ops of this record)."""
+        walk = _StepOps(self, step)
+        walk_step(walk, regime, self.impl, flats, numel, state_ids, step == 1)
+        return walk.ops
+
+
+@dataclasses.dataclass
+class _StepOps:
+    """What :func:`~symmem.passes.schedule.walk_step` writes (its ``new`` and ``event``) as a record's storages
+    and ops of optimizer step ``step``."""
+
+    rewrite: Fsdp1Rewrite
+    step: int
+    ops: list[StepOp] = dataclasses.field(default_factory=list)
+
+    def new(self, name: str, category: str, nbytes: Any) -> int:
+        return self.rewrite.new(name, category, nbytes, "step")
+
+    def event(self, phase: str, label: str | None, born: list[int], freed: list[int]) -> None:
+        self.ops.append(StepOp(0, self.step, phase, "optimizer.step", label or "", "", tuple(born), tuple(freed)))

@@ -6,10 +6,11 @@ optimizer is ``optimizer_class`` over the **whole parameters** the greedy partit
 (:func:`symmem.passes.zero_redundancy.partition`: ``module.parameters()`` sorted by size, largest first, each to the
 rank with the fewest elements so far), in that order.  The optimizer's state and its step's temporaries are that
 optimizer's, so the step is recorded on fake tensors as for one device with :class:`RankOptimizer` in place of the
-optimizer: its local optimizer creates and steps the rank's parameters only, in the partition's order (the for-loop
-AdamW's ``denom`` of one parameter lives into the next one's update: the order counts), and ``zero_grad`` frees every
-gradient (``ZeroRedundancyOptimizer``'s parameter groups hold every parameter).  The broadcast of each updated
-parameter from its owner writes into ``param.data`` in place: nothing new.
+optimizer (``StepOptions(owned=...)``): its local optimizer creates and steps the rank's parameters only, in the
+partition's order (the for-loop AdamW's ``denom`` of one parameter lives into the next one's update: the order
+counts), and ``zero_grad`` frees every gradient (``ZeroRedundancyOptimizer``'s parameter groups hold every
+parameter).  The broadcast of each updated parameter from its owner writes into ``param.data`` in place: nothing
+new.
 
 The partition needs numbers: the parameters' sizes (the layer count writes the blocks out) and ``N``; the peak is
 the ``Max`` over every rank's moments at them, a formula in the sizes the parameters do not depend on (``B``,
@@ -21,12 +22,11 @@ the ``Max`` over every rank's moments at them, a formula in the sizes the parame
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..errors import SymmemError
 from ..passes.zero_redundancy import partition
+from ..record.optim import make_optimizer
 
 
 def owned_order(sizes: Sequence[int], world: int) -> list[tuple[int, ...]]:
@@ -38,11 +38,13 @@ def owned_order(sizes: Sequence[int], world: int) -> list[tuple[int, ...]]:
 class RankOptimizer:
     """What one rank's ``ZeroRedundancyOptimizer`` does to memory: ``step()`` runs the local optimizer over the
     owned parameters (none: an empty step, as a rank that owns nothing runs), ``zero_grad`` frees every gradient,
-    ``state`` is the local optimizer's."""
+    ``state`` is the local optimizer's.  The recorded step (:func:`symmem.importer.recording.record_step`) runs it
+    in place of the single device's optimizer where its :class:`~symmem.importer.recording.StepOptions` name the
+    rank's parameters (``owned``)."""
 
-    def __init__(self, params: Sequence[Any], owned: Sequence[int], optimizer: str, impl: str, make: Any) -> None:
+    def __init__(self, params: Sequence[Any], owned: Sequence[int], optimizer: str, impl: str) -> None:
         self.params = list(params)
-        self.local = make([self.params[i] for i in owned], optimizer, impl) if owned else None
+        self.local = make_optimizer([self.params[i] for i in owned], optimizer, impl) if owned else None
         self.state: Any = self.local.state if self.local is not None else {}
 
     def step(self) -> None:
@@ -52,31 +54,3 @@ class RankOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:  # ZeroRedundancyOptimizer.zero_grad: every parameter of its groups, in their order
             p.grad = None
-
-
-@contextlib.contextmanager
-def rank_optimizer(owned: Sequence[int]) -> Iterator[list[RankOptimizer]]:
-    """While active, the recorded step (:func:`symmem.importer.recording.record_step`) runs one rank's
-    :class:`RankOptimizer` over the module's trainable parameters: ``owned`` indexes them in
-    ``module.parameters()`` order.  Yields the optimizers made (checked afterwards: one, else the step was recorded
-    with another optimizer and is refused)."""
-    from ..record.optim import make_optimizer
-    from . import recording
-
-    made: list[RankOptimizer] = []
-
-    def make(params: Sequence[Any], optimizer: str, impl: str = "for-loop") -> RankOptimizer:
-        made.append(RankOptimizer(params, owned, optimizer, impl, make_optimizer))
-        return made[-1]
-
-    # record_step builds its optimizer from the module's parameters; the rank's is built around it here so the
-    # recorder (which is the single-device step's, unchanged) follows exactly what the rank's optimizer runs
-    saved = recording.make_optimizer
-    recording.make_optimizer = make
-    try:
-        yield made
-    finally:
-        recording.make_optimizer = saved
-    if len(made) != 1:
-        raise SymmemError("the recorded step did not build its optimizer where ZeroRedundancyOptimizer's rank is put "
-                          "in: the rank's step cannot be followed")

@@ -65,12 +65,12 @@ import sympy
 
 from ..errors import SymmemError
 from ..graph import Graph
-from ..peak import Moment, Peak
+from ..peak import Peak
 from ..shapes import numel
-from ..timeline import Row, Which
 from ..training import Regime, refuse_one_rank
 from .parameters import node_parameters
-from .tensor_step import _LayerWalk, _SequenceWalk
+from .rank_step import WalkedStep
+from .tensor_step import TensorRankMoment, _LayerWalk, _SequenceWalk
 from .unroll import iteration, template
 
 
@@ -315,18 +315,17 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
 
 
 @dataclass(frozen=True)
-class MeshMoment(Moment):
+class MeshMoment(TensorRankMoment):
     """A moment of one rank's step on the N x t mesh."""
 
-    ranks: str = ""
-    what: str = ""
+    ranks: str = ""  # the mesh in words
 
     def where(self, step: bool = True) -> str:
         return f"rank 0 of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
 
 
 @dataclass(eq=False)
-class MeshStep:
+class MeshStep(WalkedStep):
     """The step of one rank of the N x t mesh (FSDP2 over DTensor's standard plan; ``numbers`` the derivation's,
     N and t included): the ``Max`` of the layers' walk (:class:`_MeshWalk` of the single-device step of ``graph``
     under ``regime``'s FSDP) beside what lives between steps, and the optimizer step (for-loop AdamW on the 2-D
@@ -341,24 +340,13 @@ class MeshStep:
     #: torchtitan's sequence-parallel plan (the stream split over S; :class:`_MeshSequenceWalk`)
     sequence: bool = False
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-
-    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
-        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
+    refused_as = "FSDP x TP"
+    needs = ("L", "t", "N")
+    not_drawn = ("an FSDP x TP rank's timeline is not drawn op by op: its peak is the largest of the layers' moments "
+                 "and the optimizer step")
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None, rank: int = 0) -> Peak:
-        from .tensor_step import even
-
-        named = self._named(at)
-        even(named)
-        missing = [n for n in ("L", "t", "N") if n not in named]
-        if missing:
-            raise SymmemError(f"the FSDP x TP peak walks the layers at numbers: give {', '.join(missing)}")
-        key = (tuple(sorted(named.items())), rank)
-        if key not in self._cache:
-            if len(self._cache) > 16:
-                self._cache.clear()
-            self._cache[key] = self._peak(named, rank)
-        return self._cache[key]
+        return self._walked_peak(at, rank, lambda named: self._peak(named, rank))
 
     def _walked(self, named: Mapping[str, int]) -> list[tuple[sympy.Expr, str, str]]:
         """The layers' largest moments at ``named`` (every rank's alike: ranks differ in what lives between steps);
@@ -426,18 +414,7 @@ class MeshStep:
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         refuse_one_rank(self.regime.data_parallel, numbers)
-        return self.peak().holds_at(numbers)
-
-    def domain(self) -> tuple[sympy.Basic, ...]:
-        return tuple(self.peak().domain)
-
-    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
-        raise SymmemError("an FSDP x TP rank's timeline is not drawn op by op: its peak is the largest of the "
-                          "layers' moments and the optimizer step")
-
-    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
-        raise SymmemError("the FSDP x TP peak in CUDA's 512-byte blocks is not modelled: the peak per device is in "
-                          "bytes of tensors")
+        return super().holds_at(numbers)
 
 
 def mesh_groups(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:

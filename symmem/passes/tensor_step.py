@@ -60,9 +60,9 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Moment, Peak
 from ..shapes import numel
-from ..timeline import Row, Which
 from ..training import Regime
 from .parameters import node_parameters
+from .rank_step import WalkedStep
 from .unroll import template
 
 
@@ -289,7 +289,7 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
 
 
 @dataclass(eq=False)
-class TensorStep:
+class TensorStep(WalkedStep):
     """The step of one tensor-parallel rank (DTensor's standard plan; ``numbers`` the derivation's, ``t``
     included): the peak per device is every rank's, the ``Max`` of the forward's end, the final norm's backward,
     the optimizer step and the layers' largest moment (:class:`_LayerWalk` of the single-device step of
@@ -303,22 +303,14 @@ class TensorStep:
     regime: Regime
     sequence: bool = False
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-
-    def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
-        return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}
+    refused_as = "tensor-parallel"
+    needs = ("L", "t")
+    not_drawn = ("a tensor-parallel rank's timeline is not drawn op by op: its peak is the largest of the forward's "
+                 "end, the final norm's backward, the layers' largest moment and the optimizer step (symmem ranks "
+                 "gives each rank's parts)")
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
-        named = self._named(at)
-        even(named)
-        key = tuple(sorted(named.items()))
-        if key not in self._cache:
-            missing = [n for n in ("L", "t") if n not in named]
-            if missing:
-                raise SymmemError(f"the tensor-parallel peak walks the layers at numbers: give {', '.join(missing)}")
-            if len(self._cache) > 16:
-                self._cache.clear()
-            self._cache[key] = self._peak(named)
-        return self._cache[key]
+        return self._walked_peak(at, None, self._peak)
 
     def _peak(self, named: Mapping[str, int]) -> Peak:
         r, ranks = self.moments, named["t"]
@@ -343,36 +335,6 @@ class TensorStep:
         merged = {**self.numbers, **numbers}
         value = self.peak(numbers).value(merged)
         return {"peak_per_rank": [value] * self._named(numbers).get("t", 1), "peak_rank": 0}
-
-    def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        return self.peak().holds_at(numbers)
-
-    def domain(self) -> tuple[sympy.Basic, ...]:
-        return tuple(self.peak().domain)
-
-    def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
-        raise SymmemError("a tensor-parallel rank's timeline is not drawn op by op: its peak is the largest of "
-                          "the forward's end, the final norm's backward, the layers' largest moment and the "
-                          "optimizer step (symmem ranks gives each rank's parts)")
-
-    def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
-        raise SymmemError("the tensor-parallel peak in CUDA's 512-byte blocks is not modelled: the peak per device "
-                          "is in bytes of tensors")
-
-
-def even(numbers: Mapping[str, int]) -> None:
-    """Refuse sizes the plan cannot split evenly: ``t`` must divide the heads (``h``, ``G``), the MLP width (``F``)
-    and the vocabulary (``V``); DTensor would pad the last shard, which is not modelled."""
-    size = numbers.get("t")
-    if size is None:
-        return
-    if size < 1:
-        raise SymmemError(f"the tensor-parallel size t must be at least 1, got t={size}")
-    for name in ("h", "G", "F", "V"):
-        if name in numbers and numbers[name] % size:
-            raise SymmemError(f"t={size} does not divide {name}={numbers[name]}: DTensor's plan splits the heads (h, "
-                              "G), the MLP width (F) and the vocabulary (V) evenly over the ranks (uneven shards are "
-                              "padded: not modelled)")
 
 
 def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:

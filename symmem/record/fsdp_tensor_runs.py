@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
-from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS  # the steps repeated_steps records
+from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live  # the steps repeated_steps records
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     steps = FIRST_STEPS + STEADY_STEPS
     trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
-    first, first_at = _fewest(trace, range(1, FIRST_STEPS + 1), gloo)
-    steady, steady_at = _fewest(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
+    first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
+    steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
                    first_at, steady_at, _per_step(trace, gloo))
 
@@ -97,28 +97,15 @@ def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[in
     """One step before the recorded ones (FSDP's lazy initialization runs in it): the bytes autograd keeps after
     the forward (each storage once, a DTensor's local shard; not the parameters, sharded or all-gathered, nor the
     ids), and the local bytes of the parameters, the gradients and AdamW's state after it."""
-    import weakref
-
-    import torch
-
     from .optim import make_optimizer, state_tensors
-    from .sharded import local
+    from .sharded import local, saved_storages
 
-    found: dict[int, int] = {}
-
-    def pack(t: Any) -> Any:
+    def held() -> set[int]:
         # FSDP swaps the module's parameters for the all-gathered ones in forward: whichever are there now
-        held = {local(p).untyped_storage()._cdata for p in module.parameters()} | {ids.untyped_storage()._cdata}
-        st = local(t).untyped_storage()
-        key = st._cdata
-        if key not in found and key not in held:
-            found[key] = st.nbytes()
-            weakref.finalize(st, found.pop, key, None)
-        return t
+        return {local(p).untyped_storage()._cdata for p in module.parameters()} | {ids.untyped_storage()._cdata}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(ids)
-    saved = sum(found.values())
+    out, found = saved_storages(lambda: module(ids), held)
+    saved = sum(v[0] for v in found.values())
     out.sum().backward()
     del out
     opt = make_optimizer(params, "adamw", "for-loop")
@@ -133,31 +120,12 @@ def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[in
     return saved, parts
 
 
-def _live(trace: Any, left_out: set[int]) -> list[int]:
-    """Each record's live bytes less the storages ``left_out`` alive there."""
-    out = [(s.born, len(trace.records) if s.died is None else s.died, s.nbytes) for s in trace.storages
-           if s.sid in left_out and s.born is not None]
-    return [r.live - sum(n for born, died, n in out if born <= r.index < died) for r in trace.records]
-
-
 def _per_step(trace: Any, left_out: set[int]) -> tuple[int, ...]:
     live = _live(trace, left_out)
     best: dict[int, int] = {}
     for r, v in zip(trace.records, live, strict=True):
         best[r.step] = max(best.get(r.step, 0), v)
     return tuple(best[k] for k in sorted(best))
-
-
-def _fewest(trace: Any, steps: range, left_out: set[int]) -> tuple[int, tuple[str, str]]:
-    """The largest moment of a step repeated ``steps``, each moment at its fewest bytes over the repeats (see
-    :func:`symmem.record.model_parallel_runs._fewest`), and where it is."""
-    live = _live(trace, left_out)
-    rows = [[(v, r) for r, v in zip(trace.records, live, strict=True) if r.step == s] for s in steps]
-    if len({len(r) for r in rows}) != 1:
-        raise SymmemError(f"the repeated steps ran different ops ({', '.join(str(len(r)) for r in rows)})")
-    columns = [min(column, key=lambda x: x[0]) for column in zip(*rows, strict=True)]
-    v, r = max(columns, key=lambda x: x[0])
-    return v, (r.phase, r.op)
 
 
 def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], Mapping[str, Any]]],

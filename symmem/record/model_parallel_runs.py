@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import socket
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,8 +344,6 @@ def llama_sequence_plan(module: Any, world: int) -> dict[str, Any]:
 
 def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]
                  ) -> TensorRun:
-    import weakref
-
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -353,6 +351,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 
     from ..reference.sequence_models import reference
     from .optim import make_optimizer, state_tensors
+    from .sharded import saved_storages
 
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
@@ -377,19 +376,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 
     params = list(module.parameters())
     held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
-    saved: dict[int, tuple[int, tuple[int, ...], str]] = {}
-
-    def pack(t: Any) -> Any:
-        # a DTensor is a wrapper without data: its local shard is what the rank holds
-        st = local(t).untyped_storage()
-        key = st._cdata
-        if key not in saved and key not in held:
-            saved[key] = (st.nbytes(), tuple(local(t).shape), type(t).__name__)
-            weakref.finalize(st, saved.pop, key, None)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run(ids)
+    out, saved = saved_storages(lambda: run(ids), lambda: held, local)
     kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
     total = sum(v[0] for v in kept)
     out.sum().backward()
@@ -461,10 +448,25 @@ def _fewest(trace: Any, steps: range) -> int:
     bytes: gloo's worker thread releases a collective's tensors when it gets to them, after the wait or as late as
     the next collective, at no fixed op -- memory outside the step's tensor accounting, as the CUDA caching
     allocator's is; the step's own is what every repeat holds."""
-    rows = [[r.live for r in trace.records if r.step == s] for s in steps]
+    return _fewest_at(trace, steps)[0]
+
+
+def _fewest_at(trace: Any, steps: range, left_out: Collection[int] = ()) -> tuple[int, tuple[str, str]]:
+    """:func:`_fewest` less the storages ``left_out`` (:func:`_live`), and where that moment is (phase, op)."""
+    live = _live(trace, left_out)
+    rows = [[(v, r) for r, v in zip(trace.records, live, strict=True) if r.step == s] for s in steps]
     if len({len(r) for r in rows}) != 1:
         raise SymmemError(f"the repeated steps ran different ops ({', '.join(str(len(r)) for r in rows)})")
-    return max(min(column) for column in zip(*rows, strict=True))
+    columns = [min(column, key=lambda x: x[0]) for column in zip(*rows, strict=True)]
+    v, r = max(columns, key=lambda x: x[0])
+    return v, (r.phase, r.op)
+
+
+def _live(trace: Any, left_out: Collection[int]) -> list[int]:
+    """Each record's live bytes less the storages ``left_out`` alive there."""
+    out = [(s.born, len(trace.records) if s.died is None else s.died, s.nbytes) for s in trace.storages
+           if s.sid in left_out and s.born is not None]
+    return [r.live - sum(n for born, died, n in out if born <= r.index < died) for r in trace.records]
 
 
 def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any], out: Any) -> None:

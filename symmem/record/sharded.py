@@ -34,6 +34,32 @@ def local(t: Any) -> Any:
     return to_local() if callable(to_local) else t
 
 
+def saved_storages(forward: Callable[[], Any], held: Callable[[], set[int]], local: Callable[[Any], Any] = local
+                   ) -> tuple[Any, dict[int, tuple[int, tuple[int, ...], str]]]:
+    """``forward()``'s output and what autograd keeps for its backward while the output lives: each storage once
+    (keyed by its ``_cdata``) as (bytes, the first saved tensor's shape, its type) -- of a DTensor, its ``local``
+    shard's, which is what the rank holds -- less the storages ``held()`` names when each is saved (the parameters,
+    which FSDP swaps for the all-gathered ones in forward; the inputs)."""
+    import weakref
+
+    import torch
+
+    found: dict[int, tuple[int, tuple[int, ...], str]] = {}
+
+    def pack(t: Any) -> Any:
+        shard = local(t)
+        st = shard.untyped_storage()
+        key = st._cdata
+        if key not in found and key not in held():
+            found[key] = (st.nbytes(), tuple(shard.shape), type(t).__name__)
+            weakref.finalize(st, found.pop, key, None)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return out, found
+
+
 class ShardTracker(LiveTracker):
     """A :class:`LiveTracker` whose mode lets tensor subclasses run their own ops, and that follows
     ``UntypedStorage.resize_`` (see the module's docstring).
