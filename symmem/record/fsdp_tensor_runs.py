@@ -7,8 +7,8 @@ row-wise, the head column-wise with its output replicated), then ``fully_shard(l
 layer and on the root.  Each parameter is then a DTensor on the 2-D mesh: the tensor-parallel shard of a rank,
 itself split over the N ranks of its data-parallel group along dim 0 (padded to a multiple of N).  With
 ``sequence_parallel`` among a case's options the plan is torchtitan's sequence-parallel one
-(:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`), the root's forward the reference's with the whole
-sequence's rotary tables and mask (``_sequence_forward``), FSDP's root hooks around it.
+(:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`); the reference's own forward sizes the rotary
+tables and the mask from the ids, the whole sequence.
 
 :func:`fsdp_tensor_runs` starts ``N*t`` forked processes in one gloo group on 127.0.0.1 (bounded waits), and in
 each rank records training steps (the loss ``sum``, for-loop AdamW) with the DTensor- and FSDP-aware recorder
