@@ -258,6 +258,7 @@ class Algebra:
         self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
         self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
+        self._totals: dict[frozenset, dict[int, int]] = {}
 
     def extend(self, sizes: Sequence[sympy.Expr]) -> bool:
         """Take in ``sizes`` that are whole numbers at the substitutions (they add no symbol, so every comparison
@@ -394,9 +395,18 @@ class Algebra:
         return found
 
     def total(self, cand: Candidate) -> dict[int, int]:
-        """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id."""
+        """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id (not
+        to be changed: a step's moments repeat the same storages -- a size condition's branches, the layers of
+        a stack -- so a total is worked out once per set of parts and shared)."""
+        key = frozenset(cand.parts.items())
+        found = self._totals.get(key)
+        if found is None:
+            found = self._totals[key] = self._total(cand.parts)
+        return found
+
+    def _total(self, parts: Mapping[tuple[int, sympy.Expr], tuple[int, tuple[int, ...]]]) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
-        for (_, size), (n0, ds) in cand.parts.items():
+        for (_, size), (n0, ds) in parts.items():
             items, per = self._keys(size)
             if n0:
                 for mono, c in items:

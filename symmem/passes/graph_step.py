@@ -278,8 +278,9 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                 cands.append(Candidate(key, "first" if first else "steady", _parts(live, others)))
             found.append(cands)
         groups.append((found[0], found[1]))
+    # lazy: a Piecewise over branches is built when first asked for (a peak read at numbers needs none)
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
-                     merge=merge, guards=guards)
+                     merge=merge, guards=guards, lazy=True)
 
 
 def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
