@@ -259,6 +259,8 @@ class Algebra:
         self._memo: dict[sympy.Expr, Any] = {}
         self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
         self._totals: dict[frozenset, dict[int, int]] = {}
+        #: the last total worked out: its parts and its sums (zeros kept), for the next one to start from
+        self._last: tuple[frozenset | None, dict[int, int]] = (None, {})
 
     def extend(self, sizes: Sequence[sympy.Expr]) -> bool:
         """Take in ``sizes`` that are whole numbers at the substitutions (they add no symbol, so every comparison
@@ -397,25 +399,36 @@ class Algebra:
     def total(self, cand: Candidate) -> dict[int, int]:
         """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id (not
         to be changed: a step's moments repeat the same storages -- a size condition's branches, the layers of
-        a stack -- so a total is worked out once per set of parts and shared)."""
-        key = frozenset(cand.parts.items())
+        a stack -- so a total is worked out once per set of parts and shared).  Consecutive moments of a step
+        differ by a few storages: a total is the last one's plus what changed, where little did."""
+        key = _frozen(cand)
         found = self._totals.get(key)
         if found is None:
-            found = self._totals[key] = self._total(cand.parts)
+            parts = cand.parts
+            last, acc = self._last
+            if last is None or len(last) + len(parts) <= 4 * len(key ^ last):
+                acc = defaultdict(int)
+                self._add(acc, parts.items(), 1)
+            else:
+                self._add(acc, key - last, 1)
+                self._add(acc, last - key, -1)
+            self._last = (key, acc)
+            found = self._totals[key] = {k: v for k, v in acc.items() if v}
         return found
 
-    def _total(self, parts: Mapping[tuple[int, sympy.Expr], tuple[int, tuple[int, ...]]]) -> dict[int, int]:
-        out: dict[int, int] = defaultdict(int)
-        for (_, size), (n0, ds) in parts.items():
+    def _add(self, acc: dict[int, int], parts: Any, sign: int) -> None:
+        """``sign`` times the parts' (``((category, size), (count, change per layer))``) bytes, added to ``acc``."""
+        for (_, size), (n0, ds) in parts:
             items, per = self._keys(size)
             if n0:
+                n0 *= sign
                 for mono, c in items:
-                    out[mono] += c * n0
+                    acc[mono] += c * n0
             for d, terms in zip(ds, per, strict=True):
                 if d:
+                    d *= sign
                     for mono, c in terms:
-                        out[mono] += c * d
-        return {k: v for k, v in out.items() if v}
+                        acc[mono] += c * d
 
     def value(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
         steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
@@ -434,6 +447,15 @@ class Algebra:
         return total
 
 
+def _frozen(cand: Candidate) -> frozenset:
+    """The candidate's parts as a set (kept on it)."""
+    found = cand.__dict__.get("_frozen")
+    if found is None:
+        found = frozenset(cand.parts.items())
+        object.__setattr__(cand, "_frozen", found)
+    return found
+
+
 def _at_least(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
     """``a >= b`` on the domain: every coefficient of ``a - b`` (shifted) is >= 0."""
     for k, v in b.items():
@@ -449,11 +471,12 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
     domain (:class:`Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
+    order = cands
     if numbers:
         values = {c.key: alg.value(c, numbers, memo) for c in cands}
         if all(v is not None for v in values.values()):
             cands = sorted(cands, key=lambda c: -values[c.key])
-    totals = {c.key: alg.total(c) for c in cands}
+    totals = {c.key: alg.total(c) for c in order}  # in the step's order: each total the last one's plus a little
     used = set().union(*totals.values())
     bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:
