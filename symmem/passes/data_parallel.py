@@ -74,7 +74,7 @@ def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
     return ceil_div(shape[0], world) if shape else sympy.Integer(1)
 
 
-def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
+def ceil_div(size: sympy.Expr, world: sympy.Expr, expanded: bool = False) -> sympy.Expr:
     """``ceiling(size / world)``.  A symbolic ``size``, or a number above 1, over the symbol ``N`` (a positive
     integer, 1 included, with no bound) is neither provably a whole number nor provably at most 1, so the ceiling
     stays as written: built without sympy's search for either (most of an FSDP step's set-up otherwise); anything
@@ -85,11 +85,17 @@ def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
     (True, True)
     >>> ceil_div(1, N), ceil_div(2 * N, N), ceil_div(10, 4)
     (1, 2, 3)
+
+    ``expanded``: a sum's quotient multiplied out, as the peak's algebra expands every size (its expand then
+    leaves the ceiling as it is, where rebuilding it would search again):
+
+    >>> ceil_div(3 * H + 2, N, expanded=True) == sympy.ceiling(sympy.expand((3 * H + 2) / N))
+    True
     """
     size = sympy.sympify(size, strict=True)
     if world is N and (size > 1 if size.is_Integer else not size.is_number and N not in size.free_symbols
                        and size.is_positive):
-        return sympy.ceiling(size / world, evaluate=False)
+        return sympy.ceiling(sympy.expand(size / world) if expanded else size / world, evaluate=False)
     return sympy.ceiling(size / world)
 
 

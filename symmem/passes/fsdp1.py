@@ -56,7 +56,7 @@ class Fsdp1(Fsdp):
         numel = {name: shape_numel(shape) for name, shape in self.sim.params}
         #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
         self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
-        self.flat_shard = {u: ceil_div(n, self.world) for u, n in self.flat.items()}
+        self.flat_shard = {u: ceil_div(n, self.world, expanded=True) for u, n in self.flat.items()}
 
     def flat_params(self) -> list[tuple[str, sympy.Expr]]:
         """The flat parameters as ``model.parameters()`` lists them (what the optimizer steps on): the root's
