@@ -31,6 +31,7 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,6 +75,7 @@ def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
     return ceil_div(shape[0], world) if shape else sympy.Integer(1)
 
 
+@functools.lru_cache(maxsize=4096)
 def ceil_div(size: sympy.Expr, world: sympy.Expr, expanded: bool = False) -> sympy.Expr:
     """``ceiling(size / world)``.  A symbolic ``size``, or a number above 1, over the symbol ``N`` (a positive
     integer, 1 included, with no bound) is neither provably a whole number nor provably at most 1, so the ceiling
@@ -91,6 +93,8 @@ def ceil_div(size: sympy.Expr, world: sympy.Expr, expanded: bool = False) -> sym
 
     >>> ceil_div(3 * H + 2, N, expanded=True) == sympy.ceiling(sympy.expand((3 * H + 2) / N))
     True
+
+    Kept per size: every layer of a stack, and every walk of the step, asks for the same ones.
     """
     size = sympy.sympify(size, strict=True)
     if world is N and (size > 1 if size.is_Integer else not size.is_number and N not in size.free_symbols
@@ -197,6 +201,9 @@ class Fsdp:
         self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
         self.total = {u: e * self.wb for u, e in self.unit_numel.items()}
         self.shapes = shapes
+        #: the bytes of each unit's all-gather output (and reduce-scatter input), each parameter's unsharded copy
+        self.gather_bytes = {u: self.world * t for u, t in self.total.items()}
+        self.unsharded_bytes = {name: self.world * k * self.wb for name, k in self.shard.items()}
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))
@@ -205,10 +212,10 @@ class Fsdp:
         sim = self.sim
         born = []
         if unit not in self.gathered:
-            self.gathered[unit] = sim.new(f"fsdp.all_gather[{unit}]", "temporary", self.world * self.total[unit])
+            self.gathered[unit] = sim.new(f"fsdp.all_gather[{unit}]", "temporary", self.gather_bytes[unit])
             born.append(self.gathered[unit])
         if with_params and unit not in self.unsharded:
-            self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.world * self.shard[p] * self.wb)
+            self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.unsharded_bytes[p])
                                     for p in self.params[unit]]
             born += self.unsharded[unit]
         sim.event(phase, self.at, born, [])
@@ -287,7 +294,7 @@ class Fsdp:
         self._reshard(unit, "backward")
         if self.reduce_in is not None:
             sim.event("backward", self.at, [], [self.reduce_in])
-        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.world * self.total[unit])
+        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.gather_bytes[unit])
         sim.event("backward", self.at, [self.reduce_in], [])
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
         g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", self.unit_numel[unit] * sim.grad_bytes)
