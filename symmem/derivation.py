@@ -33,6 +33,7 @@ import sympy
 from .conditions import fold
 from .errors import OutsideDomain, SymmemError
 from .evaluator import evaluator
+from .graph import paused_gc
 from .tensor import MAX_SIZE
 from .timeline import checked
 from .training import Regime
@@ -287,11 +288,14 @@ class Derivation:
 
     def _peak(self, exact: bool = False) -> Peak:
         step = self._step()
-        if exact and not step.holds_at(self.numbers):
-            # layer counts below the formula's domain: the step written out with them as numbers
-            counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in step.domain())}
-            return step.peak(counts)
-        return step.peak()
+        # the step's walks and the peak's algebra, worked out on first use, are many small objects that stay
+        # alive: the cycle collector is paused as while the derivation is worked out (graph.paused_gc)
+        with paused_gc():
+            if exact and not step.holds_at(self.numbers):
+                # layer counts below the formula's domain: the step written out with them as numbers
+                counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in step.domain())}
+                return step.peak(counts)
+            return step.peak()
 
     @property
     def peak(self) -> sympy.Expr:
