@@ -48,7 +48,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..training import RANK_OPTION, Regime
-from .parameters import in_registration_order, program_parameters
+from .parameters import in_registration_order, program_parameters, state_storages
 
 #: The engine's name (:data:`symmem.training.DATA_PARALLEL`).
 ENGINE = "zero-redundancy"
@@ -160,10 +160,9 @@ class RanksPeak(Peak):
 
 
 def _state(regime: Regime, shape: tuple[sympy.Expr, ...], env: Mapping[sympy.Symbol, sympy.Expr]) -> int:
-    """The optimizer state of one parameter its owner holds, at ``env`` (as the schedule counts it)."""
-    states = regime.optimizer_spec.state_bytes(shape)
-    scalar = 4 if states and regime.optimizer in ("adam", "adamw") else 0  # Adam's FP32 step count
-    return int(sympy.Add(*(e for _, e in states)).xreplace(env)) + scalar
+    """The optimizer state of one parameter its owner holds, at ``env``: the schedule's storages of it
+    (:func:`~symmem.passes.parameters.state_storages`, Adam's step count included)."""
+    return int(sympy.Add(*(e for _, _, e, _, _ in state_storages(regime, "", shape, False))).xreplace(env))
 
 
 def _at(shape: Sequence[Any], env: Mapping[sympy.Symbol, sympy.Expr]) -> tuple[int, ...]:
