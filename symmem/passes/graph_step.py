@@ -468,7 +468,9 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
             sim.micro_batch()
         walked = len(sim.events)
-        tl = sim.timeline(first=True)
+        # the walk so far, without the optimizer step (each rank walks its own: _rank_step); an empty moment
+        # after it keeps the backward's last op from being the step's last moment, as the step's events would
+        tl = Timeline(tuple(sim.storages), tuple(sim.start), (*sim.events, Event("step", None, (), ())))
         runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge).items()
                       if k[0] in ("forward", "backward")}
         live: Counter = Counter()
