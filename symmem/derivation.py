@@ -36,7 +36,7 @@ from .evaluator import evaluator
 from .graph import paused_gc
 from .tensor import MAX_SIZE
 from .timeline import checked
-from .training import Regime
+from .training import Regime, refuse_one_rank
 from .units import format_bytes, to_unit
 
 if TYPE_CHECKING:
@@ -284,6 +284,9 @@ class Derivation:
             why = "one layer" if self.per_layer else f"the {self.convention} convention (an accounting by role)"
             raise SymmemError(f"no peak for {why}: the peak follows the training step op by op, which the "
                               "pytorch convention models (--convention pytorch)")
+        # every step's peak, timeline and allocation is asked for here: an engine that runs otherwise on one rank
+        # is refused once for all of them
+        refuse_one_rank(self.regime.data_parallel, self.numbers)
         return self.step
 
     def _peak(self, exact: bool = False) -> Peak:

@@ -43,7 +43,7 @@ from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
 from ..passes.zero_redundancy import RanksPeak, over_ranks
 from ..record.fsdp1_runs import STRATEGIES
 from ..symbols import N
-from ..training import Regime, refuse_one_rank
+from ..training import Regime
 from .recording import LiveStorage, StepRecord
 from .traced_fsdp import FsdpRewrite, Param, grads_made, parameters_of, scaled, without_frees
 from .traced_fsdp1 import Fsdp1Rewrite
@@ -195,21 +195,6 @@ class EngineStepPeak(StepPeak):
         values = super()._values(at)
         given = {**self.numbers, **dict(at)}
         return {**values, N: given[N]} if N in given else values
-
-    def holds_at(self, numbers: Any) -> bool:
-        assert self.engine is not None
-        refuse_one_rank(self.engine.kind, numbers)
-        return super().holds_at(numbers)
-
-    def timeline(self, which: Any, at: Any) -> Any:
-        assert self.engine is not None
-        refuse_one_rank(self.engine.kind, at)
-        return super().timeline(which, at)
-
-    def allocated(self, which: Any, at: Any) -> int:
-        assert self.engine is not None
-        refuse_one_rank(self.engine.kind, at)
-        return super().allocated(which, at)
 
     def at_rank(self, rank: int) -> EngineStepPeak:
         """The step of FSDP's rank ``rank`` (its optimizer steps on its unpadded rows)."""

@@ -31,7 +31,7 @@ from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..timeline import Event, Live, Row, Timeline, Which, checked
-from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every, refuse_one_rank
+from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
 from . import branches as size_branches
 from . import zero_redundancy
 from .schedule import MICRO_BATCH_PASSES, Simulation, optimizer_impl, simulate, state_storages, walk_step
@@ -98,7 +98,6 @@ class GraphStep:
         return (sympy.Ge(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        refuse_one_rank(self.regime.data_parallel, numbers)
         return self.peak().holds_at(numbers)
 
     def domain(self) -> tuple[sympy.Basic, ...]:
@@ -119,7 +118,6 @@ class GraphStep:
         size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
         what the peak refuses, with the peak's words."""
         checked(which)
-        refuse_one_rank(self.regime.data_parallel, at)
         key = tuple(sorted((s.name, int(v)) for s, v in at.items()))
         if self._written is not None and self._written[0] == key:
             _, (steady, first), values = self._written
