@@ -31,6 +31,7 @@ from typing import Any
 
 import sympy
 from sympy.core.add import _addsort
+from sympy.core.function import Application
 
 from .categories import STEP
 from .errors import SymmemError
@@ -238,7 +239,7 @@ class Algebra:
         #: layer counts written in as numbers (long stacks of known length)
         self.many = {c: int(self.subs[c]) for c in self.counts if c in self.subs}
         self.prime = [sympy.Symbol(f"{s.name}'") for s in counts]
-        exprs = {e: sympy.expand(e.xreplace(self.subs)) for e in sizes}
+        exprs = {e: _expanded(e.xreplace(self.subs)) for e in sizes}
         terms = {e: self._terms(x) for e, x in exprs.items()}
         # symbols that appear with non-negative integer powers only: shifted by 1
         bad: set[Any] = set()
@@ -265,7 +266,7 @@ class Algebra:
     def extend(self, sizes: Sequence[sympy.Expr]) -> bool:
         """Take in ``sizes`` that are whole numbers at the substitutions (they add no symbol, so every comparison
         stays as it was); False, taking in none, where one is not."""
-        new = {e: sympy.expand(e.xreplace(self.subs)) for e in dict.fromkeys(sizes) if e not in self.exprs}
+        new = {e: _expanded(e.xreplace(self.subs)) for e in dict.fromkeys(sizes) if e not in self.exprs}
         if not all(x.is_Integer for x in new.values()):
             return False
         for e, x in new.items():
@@ -454,6 +455,29 @@ def _frozen(cand: Candidate) -> frozenset:
         found = frozenset(cand.parts.items())
         object.__setattr__(cand, "_frozen", found)
     return found
+
+
+def _expanded(size: sympy.Expr) -> sympy.Expr:
+    """``sympy.expand(size)``: ``size`` itself where it is a sum of products of numbers, symbols, their whole
+    powers and function applications that expanding leaves as they are (most sizes: nothing to multiply out,
+    where expand's walk into every ceiling's argument is most of the algebra's set-up).
+
+    >>> from symmem.symbols import H, N
+    >>> [_expanded(e) == sympy.expand(e) for e in (4 * H * sympy.ceiling(H / N), N * (H + 1), 8 * H**2 / N)]
+    [True, True, True]
+    """
+    for term in sympy.Add.make_args(size):
+        for f in sympy.Mul.make_args(term):
+            if not (f.is_Symbol or f.is_Rational or (f.is_Pow and f.exp.is_Integer and f.base.is_Symbol)
+                    or (isinstance(f, Application) and _kept(f))):
+                return sympy.expand(size)
+    return size
+
+
+@functools.lru_cache(maxsize=4096)
+def _kept(f: sympy.Expr) -> bool:
+    """Whether expanding the function application ``f`` gives ``f`` back."""
+    return sympy.expand(f) == f
 
 
 def _at_least(a: Mapping[int, int], b: Mapping[int, int]) -> bool:

@@ -202,7 +202,9 @@ class Fsdp:
         self.total = {u: e * self.wb for u, e in self.unit_numel.items()}
         self.shapes = shapes
         #: the bytes of each unit's all-gather output (and reduce-scatter input), each parameter's unsharded copy
-        self.gather_bytes = {u: self.world * t for u, t in self.total.items()}
+        # (written multiplied out, as the peak's algebra takes every size: nothing left for it to expand)
+        self.gather_bytes = {u: sympy.Add(*(self.world * x for x in sympy.Add.make_args(t)))
+                             for u, t in self.total.items()}
         self.unsharded_bytes = {name: self.world * k * self.wb for name, k in self.shard.items()}
 
     def _has(self, unit: Any) -> bool:
