@@ -103,6 +103,27 @@ def ceil_div(size: sympy.Expr, world: sympy.Expr, expanded: bool = False) -> sym
     return sympy.ceiling(size / world)
 
 
+@functools.lru_cache(maxsize=4096)
+def _shard_numel(shape: tuple[sympy.Expr, ...], world: sympy.Expr) -> sympy.Expr:
+    """Elements of one rank's shard storage of a parameter stored as ``shape``."""
+    return shard_rows(shape, world) * sympy.Mul(*shape[1:])
+
+
+@functools.lru_cache(maxsize=1024)
+def _unit_sizes(shards: tuple[sympy.Expr, ...], world: sympy.Expr, wb: int
+                ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """A unit's shard elements, its shards' bytes and its all-gather output's bytes (written multiplied out, as
+    the peak's algebra takes every size: nothing left for it to expand)."""
+    numel = sympy.Add(*shards)
+    total = numel * wb
+    return numel, total, sympy.Add(*(world * x for x in sympy.Add.make_args(total)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _times(world: sympy.Expr, shard: sympy.Expr, wb: int) -> sympy.Expr:
+    return world * shard * wb
+
+
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
     """The unpadded part of ``rank``'s shard (what the optimizer's ``zeros_like`` state follows): the padding sits
     at the end, so the last ranks hold fewer rows (rank 0 holds a whole shard).
@@ -195,17 +216,19 @@ class Fsdp:
         self.at: str | None = None
 
     def _sizes(self) -> None:
-        """Each parameter's shard (``shard``, elements) and each unit's (``unit_numel``; ``total``, bytes)."""
+        """Each parameter's shard (``shard``, elements) and each unit's (``unit_numel``; ``total``, bytes); the
+        bytes of each unit's all-gather output (and reduce-scatter input, ``gather_bytes``) and of each
+        parameter's unsharded copy (``unsharded_bytes``).  Worked out once per shape and per unit's shards: the
+        layers of a stack repeat them, and every walk of the step asks again."""
         shapes = stored_shapes(self.sim.graph, self.sim.params)
-        self.shard = {name: shard_rows(shape, self.world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
-        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
-        self.total = {u: e * self.wb for u, e in self.unit_numel.items()}
+        world, wb = self.world, self.wb
+        self.shard = {name: _shard_numel(shape, world) for name, shape in shapes.items()}
+        unit = {u: _unit_sizes(tuple(self.shard[p] for p in ps), world, wb) for u, ps in self.params.items()}
+        self.unit_numel = {u: found[0] for u, found in unit.items()}
+        self.total = {u: found[1] for u, found in unit.items()}
+        self.gather_bytes = {u: found[2] for u, found in unit.items()}
         self.shapes = shapes
-        #: the bytes of each unit's all-gather output (and reduce-scatter input), each parameter's unsharded copy
-        # (written multiplied out, as the peak's algebra takes every size: nothing left for it to expand)
-        self.gather_bytes = {u: sympy.Add(*(self.world * x for x in sympy.Add.make_args(t)))
-                             for u, t in self.total.items()}
-        self.unsharded_bytes = {name: self.world * k * self.wb for name, k in self.shard.items()}
+        self.unsharded_bytes = {name: _times(world, k, wb) for name, k in self.shard.items()}
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))
