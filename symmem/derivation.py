@@ -33,9 +33,10 @@ import sympy
 from .conditions import fold
 from .errors import OutsideDomain, SymmemError
 from .evaluator import evaluator
+from .graph import paused_gc
 from .tensor import MAX_SIZE
 from .timeline import checked
-from .training import Regime
+from .training import Regime, refuse_one_rank
 from .units import format_bytes, to_unit
 
 if TYPE_CHECKING:
@@ -283,15 +284,21 @@ class Derivation:
             why = "one layer" if self.per_layer else f"the {self.convention} convention (an accounting by role)"
             raise SymmemError(f"no peak for {why}: the peak follows the training step op by op, which the "
                               "pytorch convention models (--convention pytorch)")
+        # every step's peak, timeline and allocation is asked for here: an engine that runs otherwise on one rank
+        # is refused once for all of them
+        refuse_one_rank(self.regime.data_parallel, self.numbers)
         return self.step
 
     def _peak(self, exact: bool = False) -> Peak:
         step = self._step()
-        if exact and not step.holds_at(self.numbers):
-            # layer counts below the formula's domain: the step written out with them as numbers
-            counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in step.domain())}
-            return step.peak(counts)
-        return step.peak()
+        # the step's walks and the peak's algebra, worked out on first use, are many small objects that stay
+        # alive: the cycle collector is paused as while the derivation is worked out (graph.paused_gc)
+        with paused_gc():
+            if exact and not step.holds_at(self.numbers):
+                # layer counts below the formula's domain: the step written out with them as numbers
+                counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in step.domain())}
+                return step.peak(counts)
+            return step.peak()
 
     @property
     def peak(self) -> sympy.Expr:

@@ -31,6 +31,7 @@ from typing import Any
 
 import sympy
 from sympy.core.add import _addsort
+from sympy.core.function import Application
 
 from .categories import STEP
 from .errors import SymmemError
@@ -238,7 +239,7 @@ class Algebra:
         #: layer counts written in as numbers (long stacks of known length)
         self.many = {c: int(self.subs[c]) for c in self.counts if c in self.subs}
         self.prime = [sympy.Symbol(f"{s.name}'") for s in counts]
-        exprs = {e: sympy.expand(e.xreplace(self.subs)) for e in sizes}
+        exprs = {e: _expanded(e.xreplace(self.subs)) for e in sizes}
         terms = {e: self._terms(x) for e, x in exprs.items()}
         # symbols that appear with non-negative integer powers only: shifted by 1
         bad: set[Any] = set()
@@ -258,11 +259,14 @@ class Algebra:
         self._ids: dict[tuple, int] = {}
         self._memo: dict[sympy.Expr, Any] = {}
         self._products: dict[tuple[sympy.Symbol, sympy.Expr], sympy.Expr] = {}
+        self._totals: dict[frozenset, dict[int, int]] = {}
+        #: the last total worked out: its parts and its sums (zeros kept), for the next one to start from
+        self._last: tuple[frozenset | None, dict[int, int]] = (None, {})
 
     def extend(self, sizes: Sequence[sympy.Expr]) -> bool:
         """Take in ``sizes`` that are whole numbers at the substitutions (they add no symbol, so every comparison
         stays as it was); False, taking in none, where one is not."""
-        new = {e: sympy.expand(e.xreplace(self.subs)) for e in dict.fromkeys(sizes) if e not in self.exprs}
+        new = {e: _expanded(e.xreplace(self.subs)) for e in dict.fromkeys(sizes) if e not in self.exprs}
         if not all(x.is_Integer for x in new.values()):
             return False
         for e, x in new.items():
@@ -394,18 +398,38 @@ class Algebra:
         return found
 
     def total(self, cand: Candidate) -> dict[int, int]:
-        """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id."""
-        out: dict[int, int] = defaultdict(int)
-        for (_, size), (n0, ds) in cand.parts.items():
+        """The candidate's bytes, shifted (a polynomial in x' and L'), times :attr:`scale`, by monomial id (not
+        to be changed: a step's moments repeat the same storages -- a size condition's branches, the layers of
+        a stack -- so a total is worked out once per set of parts and shared).  Consecutive moments of a step
+        differ by a few storages: a total is the last one's plus what changed, where little did."""
+        key = _frozen(cand)
+        found = self._totals.get(key)
+        if found is None:
+            parts = cand.parts
+            last, acc = self._last
+            if last is None or len(last) + len(parts) <= 4 * len(key ^ last):
+                acc = defaultdict(int)
+                self._add(acc, parts.items(), 1)
+            else:
+                self._add(acc, key - last, 1)
+                self._add(acc, last - key, -1)
+            self._last = (key, acc)
+            found = self._totals[key] = {k: v for k, v in acc.items() if v}
+        return found
+
+    def _add(self, acc: dict[int, int], parts: Any, sign: int) -> None:
+        """``sign`` times the parts' (``((category, size), (count, change per layer))``) bytes, added to ``acc``."""
+        for (_, size), (n0, ds) in parts:
             items, per = self._keys(size)
             if n0:
+                n0 *= sign
                 for mono, c in items:
-                    out[mono] += c * n0
+                    acc[mono] += c * n0
             for d, terms in zip(ds, per, strict=True):
                 if d:
+                    d *= sign
                     for mono, c in terms:
-                        out[mono] += c * d
-        return {k: v for k, v in out.items() if v}
+                        acc[mono] += c * d
 
     def value(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int], memo: dict) -> Fraction | None:
         steps = [(int(numbers.get(s, self.base)) - self.base) // self.period for s in self.counts]
@@ -424,6 +448,38 @@ class Algebra:
         return total
 
 
+def _frozen(cand: Candidate) -> frozenset:
+    """The candidate's parts as a set (kept on it)."""
+    found = cand.__dict__.get("_frozen")
+    if found is None:
+        found = frozenset(cand.parts.items())
+        object.__setattr__(cand, "_frozen", found)
+    return found
+
+
+def _expanded(size: sympy.Expr) -> sympy.Expr:
+    """``sympy.expand(size)``: ``size`` itself where it is a sum of products of numbers, symbols, their whole
+    powers and function applications that expanding leaves as they are (most sizes: nothing to multiply out,
+    where expand's walk into every ceiling's argument is most of the algebra's set-up).
+
+    >>> from symmem.symbols import H, N
+    >>> [_expanded(e) == sympy.expand(e) for e in (4 * H * sympy.ceiling(H / N), N * (H + 1), 8 * H**2 / N)]
+    [True, True, True]
+    """
+    for term in sympy.Add.make_args(size):
+        for f in sympy.Mul.make_args(term):
+            if not (f.is_Symbol or f.is_Rational or (f.is_Pow and f.exp.is_Integer and f.base.is_Symbol)
+                    or (isinstance(f, Application) and _kept(f))):
+                return sympy.expand(size)
+    return size
+
+
+@functools.lru_cache(maxsize=4096)
+def _kept(f: sympy.Expr) -> bool:
+    """Whether expanding the function application ``f`` gives ``f`` back."""
+    return sympy.expand(f) == f
+
+
 def _at_least(a: Mapping[int, int], b: Mapping[int, int]) -> bool:
     """``a >= b`` on the domain: every coefficient of ``a - b`` (shifted) is >= 0."""
     for k, v in b.items():
@@ -439,11 +495,12 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
     domain (:class:`Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
+    order = cands
     if numbers:
         values = {c.key: alg.value(c, numbers, memo) for c in cands}
         if all(v is not None for v in values.values()):
             cands = sorted(cands, key=lambda c: -values[c.key])
-    totals = {c.key: alg.total(c) for c in cands}
+    totals = {c.key: alg.total(c) for c in order}  # in the step's order: each total the last one's plus a little
     used = set().union(*totals.values())
     bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:

@@ -260,6 +260,8 @@ def test_shard_ceilings_are_sympys():
     assert len(sizes) > 20
     for size in sizes:
         assert ceil_div(size, N) == sympy.ceiling(size / N), size
+        # FSDP1's flat shards: the quotient multiplied out, as the peak's algebra expands it
+        assert ceil_div(size, N, expanded=True) == sympy.ceiling(sympy.expand(size / N)), size
     for size in [s for s in sizes if not sympy.sympify(s).is_number][:8]:
         padding = N * sympy.ceiling(size / N) - size
         assert _at_most_one(padding) == sympy.Min(1, sympy.expand(padding)), size

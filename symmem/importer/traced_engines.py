@@ -40,10 +40,10 @@ from ..errors import SymmemError
 from ..passes.data_parallel import SHARDED, alike_ranks
 from ..passes.fsdp1 import FSDP1
 from ..passes.zero_redundancy import ENGINE as ZERO_REDUNDANCY
-from ..passes.zero_redundancy import MOMENT_FIELDS, RankMoment, RanksPeak, _undominated
+from ..passes.zero_redundancy import RanksPeak, over_ranks
 from ..record.fsdp1_runs import STRATEGIES
 from ..symbols import N
-from ..training import Regime, refuse_one_rank
+from ..training import Regime
 from .recording import LiveStorage, StepRecord
 from .traced_fsdp import FsdpRewrite, Param, grads_made, parameters_of, scaled, without_frees
 from .traced_fsdp1 import Fsdp1Rewrite
@@ -196,21 +196,6 @@ class EngineStepPeak(StepPeak):
         given = {**self.numbers, **dict(at)}
         return {**values, N: given[N]} if N in given else values
 
-    def holds_at(self, numbers: Any) -> bool:
-        assert self.engine is not None
-        refuse_one_rank(self.engine.kind, numbers)
-        return super().holds_at(numbers)
-
-    def timeline(self, which: Any, at: Any) -> Any:
-        assert self.engine is not None
-        refuse_one_rank(self.engine.kind, at)
-        return super().timeline(which, at)
-
-    def allocated(self, which: Any, at: Any) -> int:
-        assert self.engine is not None
-        refuse_one_rank(self.engine.kind, at)
-        return super().allocated(which, at)
-
     def at_rank(self, rank: int) -> EngineStepPeak:
         """The step of FSDP's rank ``rank`` (its optimizer steps on its unpadded rows)."""
         assert self.engine is not None
@@ -314,25 +299,18 @@ class ZeroRedundancyStepPeak(EngineStepPeak):
         if key in self._peaks:
             return self._peaks[key]  # type: ignore[return-value]  # a RanksPeak, stored under its own key
         parts, params = self._partition(world, count)
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for rank, idx in enumerate(parts):
-            groups.setdefault(tuple(params[i][1] for i in idx), []).append(rank)
         domain = self._domain_at(world, count)
         numbers = {**self.numbers, **dict(at or {}), N: world}
-        per_rank: dict[int, Any] = {}
-        moments: list[RankMoment] = []
         state: dict[int, int] = {}
-        for ranks in groups.values():
+
+        def rank_peak(ranks: list[int]) -> Any:
             rec = self.rank_record(count, ones, parts[ranks[0]])
-            found = peak_of(rec, subs=self.subs, numbers=numbers, domain=domain,
-                            layers=rec.layers if rec.layers is not None else self.layer_map())
-            held = sum(int(sympy.sympify(rec.storages[i].nbytes, strict=True)) for i in rec.state())
-            per_rank.update({r: found for r in ranks})
-            state.update({r: held for r in ranks})
-            moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS}, rank=ranks[0], ranks=world)
-                        for m in found.moments]
-        out = RanksPeak(None, None, tuple(_undominated(moments)), domain, ())
-        out.per_rank = dict(sorted(per_rank.items()))
+            state.update(dict.fromkeys(ranks, sum(int(sympy.sympify(rec.storages[i].nbytes, strict=True))
+                                                  for i in rec.state())))
+            return peak_of(rec, subs=self.subs, numbers=numbers, domain=domain,
+                           layers=rec.layers if rec.layers is not None else self.layer_map())
+
+        out = over_ranks(parts, lambda i: params[i][1], rank_peak, world, domain)
         out._state = [state[r] for r in range(world)]
         self._peaks[key] = out
         return out

@@ -31,6 +31,7 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,7 +75,8 @@ def shard_rows(shape: Sequence[sympy.Expr], world: sympy.Expr) -> sympy.Expr:
     return ceil_div(shape[0], world) if shape else sympy.Integer(1)
 
 
-def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
+@functools.lru_cache(maxsize=4096)
+def ceil_div(size: sympy.Expr, world: sympy.Expr, expanded: bool = False) -> sympy.Expr:
     """``ceiling(size / world)``.  A symbolic ``size``, or a number above 1, over the symbol ``N`` (a positive
     integer, 1 included, with no bound) is neither provably a whole number nor provably at most 1, so the ceiling
     stays as written: built without sympy's search for either (most of an FSDP step's set-up otherwise); anything
@@ -85,12 +87,41 @@ def ceil_div(size: sympy.Expr, world: sympy.Expr) -> sympy.Expr:
     (True, True)
     >>> ceil_div(1, N), ceil_div(2 * N, N), ceil_div(10, 4)
     (1, 2, 3)
+
+    ``expanded``: a sum's quotient multiplied out, as the peak's algebra expands every size (its expand then
+    leaves the ceiling as it is, where rebuilding it would search again):
+
+    >>> ceil_div(3 * H + 2, N, expanded=True) == sympy.ceiling(sympy.expand((3 * H + 2) / N))
+    True
+
+    Kept per size: every layer of a stack, and every walk of the step, asks for the same ones.
     """
     size = sympy.sympify(size, strict=True)
     if world is N and (size > 1 if size.is_Integer else not size.is_number and N not in size.free_symbols
                        and size.is_positive):
-        return sympy.ceiling(size / world, evaluate=False)
+        return sympy.ceiling(sympy.expand(size / world) if expanded else size / world, evaluate=False)
     return sympy.ceiling(size / world)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_numel(shape: tuple[sympy.Expr, ...], world: sympy.Expr) -> sympy.Expr:
+    """Elements of one rank's shard storage of a parameter stored as ``shape``."""
+    return shard_rows(shape, world) * sympy.Mul(*shape[1:])
+
+
+@functools.lru_cache(maxsize=1024)
+def _unit_sizes(shards: tuple[sympy.Expr, ...], world: sympy.Expr, wb: int
+                ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """A unit's shard elements, its shards' bytes and its all-gather output's bytes (written multiplied out, as
+    the peak's algebra takes every size: nothing left for it to expand)."""
+    numel = sympy.Add(*shards)
+    total = numel * wb
+    return numel, total, sympy.Add(*(world * x for x in sympy.Add.make_args(total)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _times(world: sympy.Expr, shard: sympy.Expr, wb: int) -> sympy.Expr:
+    return world * shard * wb
 
 
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
@@ -185,12 +216,19 @@ class Fsdp:
         self.at: str | None = None
 
     def _sizes(self) -> None:
-        """Each parameter's shard (``shard``, elements) and each unit's (``unit_numel``; ``total``, bytes)."""
+        """Each parameter's shard (``shard``, elements) and each unit's (``unit_numel``; ``total``, bytes); the
+        bytes of each unit's all-gather output (and reduce-scatter input, ``gather_bytes``) and of each
+        parameter's unsharded copy (``unsharded_bytes``).  Worked out once per shape and per unit's shards: the
+        layers of a stack repeat them, and every walk of the step asks again."""
         shapes = stored_shapes(self.sim.graph, self.sim.params)
-        self.shard = {name: shard_rows(shape, self.world) * sympy.Mul(*shape[1:]) for name, shape in shapes.items()}
-        self.unit_numel = {u: sympy.Add(*(self.shard[p] for p in ps)) for u, ps in self.params.items()}
-        self.total = {u: e * self.wb for u, e in self.unit_numel.items()}
+        world, wb = self.world, self.wb
+        self.shard = {name: _shard_numel(shape, world) for name, shape in shapes.items()}
+        unit = {u: _unit_sizes(tuple(self.shard[p] for p in ps), world, wb) for u, ps in self.params.items()}
+        self.unit_numel = {u: found[0] for u, found in unit.items()}
+        self.total = {u: found[1] for u, found in unit.items()}
+        self.gather_bytes = {u: found[2] for u, found in unit.items()}
         self.shapes = shapes
+        self.unsharded_bytes = {name: _times(world, k, wb) for name, k in self.shard.items()}
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))
@@ -199,10 +237,10 @@ class Fsdp:
         sim = self.sim
         born = []
         if unit not in self.gathered:
-            self.gathered[unit] = sim.new(f"fsdp.all_gather[{unit}]", "temporary", self.world * self.total[unit])
+            self.gathered[unit] = sim.new(f"fsdp.all_gather[{unit}]", "temporary", self.gather_bytes[unit])
             born.append(self.gathered[unit])
         if with_params and unit not in self.unsharded:
-            self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.world * self.shard[p] * self.wb)
+            self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.unsharded_bytes[p])
                                     for p in self.params[unit]]
             born += self.unsharded[unit]
         sim.event(phase, self.at, born, [])
@@ -281,7 +319,7 @@ class Fsdp:
         self._reshard(unit, "backward")
         if self.reduce_in is not None:
             sim.event("backward", self.at, [], [self.reduce_in])
-        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.world * self.total[unit])
+        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.gather_bytes[unit])
         sim.event("backward", self.at, [self.reduce_in], [])
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
         g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", self.unit_numel[unit] * sim.grad_bytes)

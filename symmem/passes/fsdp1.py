@@ -34,11 +34,13 @@ the number of its parameters' elements and ``k_u = ceil(n_u / N)``:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import sympy
 
 from ..shapes import numel as shape_numel
+from ..symbols import N
 from .data_parallel import Fsdp, ceil_div
 
 #: The FSDP1 engines, and whether each frees a unit's unsharded flat parameter after its forward.
@@ -54,7 +56,7 @@ class Fsdp1(Fsdp):
         numel = {name: shape_numel(shape) for name, shape in self.sim.params}
         #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
         self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
-        self.flat_shard = {u: ceil_div(n, self.world) for u, n in self.flat.items()}
+        self.flat_shard = {u: ceil_div(n, self.world, expanded=True) for u, n in self.flat.items()}
 
     def flat_params(self) -> list[tuple[str, sympy.Expr]]:
         """The flat parameters as ``model.parameters()`` lists them (what the optimizer steps on): the root's
@@ -133,6 +135,7 @@ class Fsdp1(Fsdp):
         return []
 
 
+@functools.lru_cache(maxsize=1024)
 def _at_most_one(padding: sympy.Expr) -> sympy.Expr:
     """``Min(1, padding)``: the padding ``N * ceiling(n / N) - n`` is 0 for ``N = 1`` and can exceed 1, so for a
     symbolic ``N`` no comparison decides it and ``Min`` stays as written -- built without sympy's search for one
@@ -144,9 +147,34 @@ def _at_most_one(padding: sympy.Expr) -> sympy.Expr:
     True
     >>> _at_most_one(sympy.Integer(3)), _at_most_one(sympy.Integer(0))
     (1, 0)
+
+    Kept per padding: a stack's units have the same flat size, and every walk of the step asks again.
     """
     if padding.is_number:
         return sympy.Min(1, padding)
     # written expanded, as the peak's algebra expands every size: its expand then leaves the Min as it is, where
     # rebuilding it would search again
-    return sympy.Min(1, sympy.expand(padding), evaluate=False)
+    return sympy.Min(1, _expanded(padding), evaluate=False)
+
+
+def _expanded(padding: sympy.Expr) -> sympy.Expr:
+    """``sympy.expand(padding)``, each ``ceiling(n / N)`` that :func:`~symmem.passes.data_parallel.ceil_div` leaves
+    as written (``n`` symbolic, positive, without ``N``) rebuilt around its expanded argument without sympy's
+    search (``expand`` rebuilds it, and the ceiling's evaluation looks for a whole part again, to keep it as it
+    is: most of an FSDP1 step's walk otherwise).
+
+    >>> from symmem.symbols import N
+    >>> H = sympy.Symbol("H", positive=True, integer=True)
+    >>> p = N * sympy.ceiling((12 * H**2 + 13 * H) / N) - 12 * H**2 - 13 * H
+    >>> _expanded(p) == sympy.expand(p)
+    True
+    """
+    held: dict[sympy.Expr, sympy.Dummy] = {}  # each ceiling kept as written -> its stand-in
+    for c in padding.atoms(sympy.ceiling):
+        size = c.args[0] * N
+        if N not in size.free_symbols and not size.is_number and size.is_positive:
+            held[c] = sympy.Dummy()
+    if not held:
+        return sympy.expand(padding)
+    out = sympy.expand(padding.xreplace(held))
+    return out.xreplace({d: sympy.ceiling(sympy.expand(c.args[0]), evaluate=False) for c, d in held.items()})

@@ -31,7 +31,7 @@ from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..timeline import Event, Live, Row, Timeline, Which, checked
-from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every, refuse_one_rank
+from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
 from . import branches as size_branches
 from . import zero_redundancy
 from .schedule import MICRO_BATCH_PASSES, Simulation, optimizer_impl, simulate, state_storages, walk_step
@@ -98,7 +98,6 @@ class GraphStep:
         return (sympy.Ge(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        refuse_one_rank(self.regime.data_parallel, numbers)
         return self.peak().holds_at(numbers)
 
     def domain(self) -> tuple[sympy.Basic, ...]:
@@ -119,7 +118,6 @@ class GraphStep:
         size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
         what the peak refuses, with the peak's words."""
         checked(which)
-        refuse_one_rank(self.regime.data_parallel, at)
         key = tuple(sorted((s.name, int(v)) for s, v in at.items()))
         if self._written is not None and self._written[0] == key:
             _, (steady, first), values = self._written
@@ -278,8 +276,9 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                 cands.append(Candidate(key, "first" if first else "steady", _parts(live, others)))
             found.append(cands)
         groups.append((found[0], found[1]))
+    # lazy: a Piecewise over branches is built when first asked for (a peak read at numbers needs none)
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
-                     merge=merge, guards=guards)
+                     merge=merge, guards=guards, lazy=True)
 
 
 def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
@@ -467,7 +466,9 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
             sim.micro_batch()
         walked = len(sim.events)
-        tl = sim.timeline(first=True)
+        # the walk so far, without the optimizer step (each rank walks its own: _rank_step); an empty moment
+        # after it keeps the backward's last op from being the step's last moment, as the step's events would
+        tl = Timeline(tuple(sim.storages), tuple(sim.start), (*sim.events, Event("step", None, (), ())))
         runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge).items()
                       if k[0] in ("forward", "backward")}
         live: Counter = Counter()

@@ -12,6 +12,9 @@ the sibling it follows, as HF's LlamaDecoderLayer registers its norms after ``se
 >>> [n for n, _ in in_registration_order(g, program_parameters(g))][-5:]  # as LlamaForCausalLM lists them
 ['layers.mlp.down_proj.weight', 'layers.input_layernorm.weight', 'layers.post_attention_layernorm.weight', \
 'norm.weight', 'lm_head.weight']
+
+Each parameter's optimizer state, as storages (:func:`state_storages`), is here too: the schedule's step and
+ZeroRedundancyOptimizer's per-rank state count it by the one rule.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 
 import sympy
 
+from ..symbols import N
+from ..training import Regime
 from .unroll import iteration, template
 
 Listed = list[tuple[str, tuple[sympy.Expr, ...]]]
@@ -60,4 +65,21 @@ def _registered_after(listed: list[tuple[str, Any]], child: str, anchor: str) ->
         layer = iteration(item[0])  # 0: outside the repeated blocks, after the anchor's last parameter anywhere
         ahead = [i for i, q in enumerate(out) if anchor in segments(q[0]) and layer in (0, iteration(q[0]))]
         out.insert(ahead[-1] + 1 if ahead else len(out), item)
+    return out
+
+
+def state_storages(regime: Regime, name: str, held: tuple[sympy.Expr, ...], on_host: bool
+                   ) -> list[tuple[str, str, sympy.Expr, None, bool]]:
+    """The optimizer state of one parameter (``held``: the shape its optimizer steps on) as storages
+    (:meth:`symmem.passes.schedule.Simulation.new`'s arguments): one per component, each divided by ``N`` where
+    ``--zero`` shards it, and Adam's step count.
+
+    >>> [(n, str(b)) for n, _, b, _, _ in state_storages(Regime(optimizer="adamw"), "fc.weight", (3, 4), False)]
+    [('fc.weight.exp_avg', '48'), ('fc.weight.exp_avg_sq', '48'), ('fc.weight.step', '4')]
+    """
+    out = [(f"{name}.{s}", "optimizer_state", e / N if regime.zero and regime.shard(s) else e, None, False)
+           for s, e in regime.optimizer_spec.state_bytes(held)]
+    # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
+    if regime.optimizer in ("adam", "adamw") and out:
+        out.append((f"{name}.step", "optimizer_state", sympy.Integer(4), None, on_host))  # fp32
     return out

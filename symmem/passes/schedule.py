@@ -44,7 +44,7 @@ from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
 from . import data_parallel, zero_redundancy
 from .fsdp1 import FSDP1, Fsdp1
-from .parameters import in_registration_order, program_parameters
+from .parameters import in_registration_order, program_parameters, state_storages
 from .saved import kept
 from .storage import Branch, is_view
 
@@ -580,23 +580,6 @@ class Simulation:
         """``zero_grad(set_to_none=True)``: every weight's .grad is freed."""
         self.event("zero_grad", None, [], [self.param_grad[name] for name, _ in self._listed()
                                            if name in self.param_grad] + (self.fsdp.sharded_grads if self.fsdp else []))
-
-
-def state_storages(regime: Regime, name: str, held: tuple[sympy.Expr, ...], on_host: bool
-                   ) -> list[tuple[str, str, sympy.Expr, None, bool]]:
-    """The optimizer state of one parameter (``held``: the shape its optimizer steps on) as storages
-    (:meth:`Simulation.new`'s arguments): one per component, each divided by ``N`` where ``--zero`` shards it,
-    and Adam's step count.
-
-    >>> [(n, str(b)) for n, _, b, _, _ in state_storages(Regime(optimizer="adamw"), "fc.weight", (3, 4), False)]
-    [('fc.weight.exp_avg', '48'), ('fc.weight.exp_avg_sq', '48'), ('fc.weight.step', '4')]
-    """
-    out = [(f"{name}.{s}", "optimizer_state", e / N if regime.zero and regime.shard(s) else e, None, False)
-           for s, e in regime.optimizer_spec.state_bytes(held)]
-    # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
-    if regime.optimizer in ("adam", "adamw") and out:
-        out.append((f"{name}.step", "optimizer_state", sympy.Integer(4), None, on_host))  # fp32
-    return out
 
 
 def walk_step(sim: Any, regime: Regime, impl: str, stepped: list[tuple[str, tuple[sympy.Expr, ...]]],

@@ -38,7 +38,7 @@ partition again).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -48,7 +48,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..training import RANK_OPTION, Regime
-from .parameters import in_registration_order, program_parameters
+from .parameters import in_registration_order, program_parameters, state_storages
 
 #: The engine's name (:data:`symmem.training.DATA_PARALLEL`).
 ENGINE = "zero-redundancy"
@@ -160,10 +160,9 @@ class RanksPeak(Peak):
 
 
 def _state(regime: Regime, shape: tuple[sympy.Expr, ...], env: Mapping[sympy.Symbol, sympy.Expr]) -> int:
-    """The optimizer state of one parameter its owner holds, at ``env`` (as the schedule counts it)."""
-    states = regime.optimizer_spec.state_bytes(shape)
-    scalar = 4 if states and regime.optimizer in ("adam", "adamw") else 0  # Adam's FP32 step count
-    return int(sympy.Add(*(e for _, e in states)).xreplace(env)) + scalar
+    """The optimizer state of one parameter its owner holds, at ``env``: the schedule's storages of it
+    (:func:`~symmem.passes.parameters.state_storages`, Adam's step count included)."""
+    return int(sympy.Add(*(e for _, _, e, _, _ in state_storages(regime, "", shape, False))).xreplace(env))
 
 
 def _at(shape: Sequence[Any], env: Mapping[sympy.Symbol, sympy.Expr]) -> tuple[int, ...]:
@@ -208,28 +207,42 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): worked out once
     params = walks[("listed", tuple(sorted(counts.items())))] = listed_whole(step.graph, counts)
     sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
-    groups: dict[tuple[int, ...], list[int]] = {}
     parts = walks[("partition", ("listed", tuple(sorted(counts.items()))))] = partition(sizes, world)
-    for rank, idx in enumerate(parts):
-        # alike: the same shapes in the same order (a factored optimizer's state follows the shape, not the size)
-        groups.setdefault(tuple(_at(params[i][1], env) for i in idx), []).append(rank)
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
-    per_rank: dict[int, Peak] = {}
-    moments: list[RankMoment] = []
-    for ranks in groups.values():
+
+    def rank_peak(ranks: list[int]) -> Peak:
         one = dataclasses.replace(step, options={**step.options, NUMBERS_OPTION: env, RANK_OPTION: ranks[0],
                                                  WALKS_OPTION: walks}, _cache={}, _written=None)
-        found = one.peak(at_all)
-        per_rank.update({r: found for r in ranks})
-        moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS},
-                               rank=ranks[0], ranks=world) for m in found.moments]
+        return one.peak(at_all)
+
     domain = tuple(sympy.Eq(s, v) for s, v in fixed.items())
-    out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
-    out.per_rank = dict(sorted(per_rank.items()))
+    out = over_ranks(parts, lambda i: _at(params[i][1], env), rank_peak, world, domain)
     out._state = lambda: [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
     if len(step._cache) > 16:
         step._cache.clear()
     step._cache[key] = out
+    return out
+
+
+def over_ranks(parts: Sequence[Sequence[int]], shape: Callable[[int], Any], rank_peak: Callable[[list[int]], Peak],
+               world: int, domain: tuple[sympy.Basic, ...]) -> RanksPeak:
+    """The peak over every rank of ``parts`` (each rank's parameters, indices in its local optimizer's order):
+    ``rank_peak(ranks)`` is the peak of ranks that step alike -- the same shapes (``shape(i)``) in the same order (a
+    factored optimizer's state follows the shape, not the size) -- worked out once for them; each moment tagged
+    with the lowest of them, a moment another rank's same moment exceeds by a number dropped.  A built graph's
+    ranks (:func:`ranks_peak`) and a traced module's (:mod:`symmem.importer.traced_engines`) alike."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for rank, idx in enumerate(parts):
+        groups.setdefault(tuple(shape(i) for i in idx), []).append(rank)
+    per_rank: dict[int, Peak] = {}
+    moments: list[RankMoment] = []
+    for ranks in groups.values():
+        found = rank_peak(ranks)
+        per_rank.update({r: found for r in ranks})
+        moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS}, rank=ranks[0], ranks=world)
+                    for m in found.moments]
+    out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
+    out.per_rank = dict(sorted(per_rank.items()))
     return out
 
 
