@@ -31,8 +31,15 @@ SEQUENCE = [("fsdp", VALUES, {"attention": "sdpa", "sequence_parallel": True},
              "backward layers.mlp.down_proj (layer 2)"),
             ("fsdp-no-reshard", {**VALUES, "V": 18}, {"attention": "naive", "sequence_parallel": True},
              "forward lm_head")]
+#: At B = 1, eager attention with one key/value head a tensor-parallel rank (G = t < h) keeps the cache's key and
+#: value, not the repeated copies (bmm folds the batch of 1 with the stride-0 repeat): the saved activations, with
+#: and without sequence parallelism
+BATCH_OF_ONE = [("fsdp", {**VALUES, "B": 1, "L": 1, "V": 18}, {"attention": "naive", "sequence_parallel": True},
+                 "forward layers.mlp.down_proj (layer 1)"),
+                ("fsdp-no-reshard", {**VALUES, "B": 1, "L": 1, "V": 18}, {"attention": "naive"}, "forward lm_head")]
 CASES = [("fsdp", VALUES, {"attention": "sdpa"}, "backward layers.mlp.up_proj (layer 2)"),
-         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head"), *SEQUENCE]
+         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head"), *SEQUENCE,
+         *BATCH_OF_ONE]
 
 
 def test_every_rank_of_a_2x2_mesh_against_the_engine():

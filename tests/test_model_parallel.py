@@ -533,10 +533,19 @@ def test_batch_of_one_against_dtensor():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem import derive
+    from symmem.api import tensor_parallel_rank
     from symmem.apps.budget import largest
     from symmem.record.model_parallel_runs import runs
 
     everything = runs(2, [("tensor", "llama", values, {**options, "peaks": True}) for values, options in BATCH_OF_ONE])
+    # each rank's saved activations, parameter side and Adam state: at B = 1 eager attention with one key/value
+    # head a rank keeps the cache's key and value, not the repeated copies (S·(H/h)·(h - G)/t·4 bytes fewer each)
+    for case, (values, options) in enumerate(BATCH_OF_ONE):
+        ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
+        for rank in everything:
+            real = rank[case]
+            assert ours == {"saved": real.saved, "parameters": real.parameters, "gradients": real.gradients,
+                            "optimizer_state": real.optimizer_state}, (case, real.rank)
     where = [tensor_parallel_peak_to_the_byte([rank[case] for rank in everything], values, options, 2).split(": ")[1]
              for case, (values, options) in enumerate(BATCH_OF_ONE)]
     assert where == ["backward layers.mlp.gate_up (layer 1)", "forward layers.mlp.down_proj (layer 1)",

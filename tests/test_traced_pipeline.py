@@ -31,15 +31,18 @@ BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 64, "use_cache": False,
         "tie_word_embeddings": False}
 #: (spec, config, schedule, M, loss): the file module at its example B = 4 (the optimizer step is the peak of some
-#: stages, the schedule of others), GPT-2 at B = 2, S = 8
+#: stages, the schedule of others), GPT-2 at B = 2, S = 8; GPT-2 given labels (``output``: HF's own loss, which
+#: the real run computes as the schedule's loss_fn, the model's loss_function on the last stage's logits)
 CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross-entropy"),
          (BLOCK, (), "1f1b", 4, "sum"), ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "sum"),
-         ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum")]
+         ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum"),
+         ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "output")]
 
 
 @functools.cache
 def _traced(spec, config, loss):
-    loaded = sources.load(spec, config=dict(config) or None)
+    own = loss == "output"  # hf: given labels (--loss cross-entropy), the model's own loss
+    loaded = sources.load(spec, config=dict(config) or None, loss="cross-entropy" if own else None)
     dims = sources.parse_dims("B,S" if spec.startswith("hf:") else "B", loaded)
     return sources.trace(loaded, dims, optimizer="adamw", loss=loss, check=False, pipeline_parallel=True,
                          pipeline_schedule="gpipe", micro_batches=4, values={"p": 2})
@@ -115,8 +118,8 @@ def test_views_name_the_stage_and_fit_solves_b(capsys):
      "symmem: error: node 'blocks.L.norm.weight:param' (parameter): needs p to divide L (Mod(L, p) = 0), which "
      "fails at L=4, p=3"),
     ("hf", ["--loss", "sum", "--set", "p=2"], "the pipeline peak of a traced module is modelled for untied"),
-    ("hf-untied", ["--loss", "cross-entropy", "--set", "p=2"],
-     "no peak: the pipeline peak of a traced module is modelled for a loss the schedule computes"),
+    # given labels, HF's own loss is the schedule's loss_fn (test_every_stage_of_a_traced_module_...): a peak
+    ("hf-untied", ["--loss", "cross-entropy", "--set", "p=2"], "peak per stage (MiB) 0: 0.13, 1: 0.13"),
     ("llama", ["--loss", "sum", "--set", "p=2"], "no peak: the pipeline peak of a traced module is modelled for "
      "modules without buffers (model.rotary_emb.inv_freq: its stage is not followed)"),
 ])
@@ -158,6 +161,36 @@ class _SharedTable(torch.nn.Module):
         for block in self.blocks:
             x = block(x, scale)
         return self.head(x)
+
+
+class _OwnLoss(torch.nn.Module):
+    """A module computing its own loss from a target it is given (not a Hugging Face model's labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x, y):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return ((self.head(x) - y) ** 2).mean()
+
+
+def test_a_module_s_own_loss_from_its_own_target_is_refused():
+    """torch.distributed.pipelining gives the last stage only the previous stage's output (the target goes to the
+    schedule's loss_fn): a module's own loss from its own target has no such run; HF's given labels does."""
+    from symmem.api import trace
+
+    d = trace(_OwnLoss(), (torch.randn(4, 8), torch.randn(4, 4)), {"B": [(0, 0), (1, 0)]}, optimizer="adamw",
+              loss="output", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2, values={"p": 2})
+    with pytest.raises(SymmemError, match=r"^the pipeline peak of a traced module computing its own loss is "
+                       r"modelled for Hugging Face models given labels \(the schedule's loss_fn is then the model's "
+                       r"loss_function on the last stage's logits\); torch.distributed.pipelining gives the last "
+                       r"stage no target: return the output and give the loss 'sum' or 'cross-entropy' \(--loss\), "
+                       r"which the schedule's loss_fn computes$"):
+        d.value("peak")
 
 
 def test_a_table_every_block_keeps_is_refused():

@@ -19,6 +19,11 @@ recorded steady ``optimizer.step()``'s ops for the stage's parameters (the for-l
 its weights, gradients, state, receive buffers (one per micro-batch each way, the boundary's bytes), its inputs
 (stage 0: the batch; the last: the labels) and the last stage's logits of every micro-batch.
 
+A module's own loss cannot run inside the last stage: ``torch.distributed.pipelining`` gives it only the previous
+stage's output, and the target to the schedule's ``loss_fn``.  A Hugging Face model given ``labels`` (``hf:`` with
+``--loss cross-entropy``) runs as the schedule's ``loss_fn = model.loss_function`` on the last stage's logits
+(:func:`own_loss`): the same ops after the head, the labels on the last stage, the logits kept in ``output_chunks``.
+
 >>> import torch
 >>> from symmem.api import trace
 >>> class Block(torch.nn.Module):
@@ -98,8 +103,9 @@ class TracedCut:
     ``size``, ``stage_of``, ``on``).  Each op's node is its name (``aten.mm.default (AddmmBackward0) in
     blocks.3.up``), made unique per stage where one name runs on two (the module's own code: ``[stage 0]``)."""
 
-    def __init__(self, rec: StepRecord, p: int, numbers: Mapping[str, int]) -> None:
-        self.rec, self.p = rec, p
+    def __init__(self, rec: StepRecord, p: int, numbers: Mapping[str, int], own: bool = False) -> None:
+        # own: the module computes its own loss (:func:`own_loss`), which the schedule's loss_fn runs instead
+        self.rec, self.p, self.own = rec, p, own
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         stages = _stage_of_ops(rec, p)
         self.stage: dict[str, int] = {}
@@ -113,7 +119,7 @@ class TracedCut:
                 self.stage[name] = stages[o.index]
             names[o.index] = name
         # the module's output (each micro-batch's logits: output_chunks) and the loss, kept to the end of the phase
-        outputs = _outputs(rec)
+        outputs = _outputs(rec, own)
         born_by = {i: names.get(o.index) for o in rec.ops for i in o.born}
         storages = []
         for s in rec.storages:
@@ -230,9 +236,10 @@ def _seed_frees(rec: StepRecord, stages: Mapping[int, int], p: int) -> dict[int,
     return out
 
 
-def _outputs(rec: StepRecord) -> set[int]:
+def _outputs(rec: StepRecord, own: bool = False) -> set[int]:
     """Each forward's output (the logits the last stage keeps in ``output_chunks``): the last storage its forward
-    makes that the forward does not free."""
+    makes that the forward does not free; with the module's own loss (``own``), the last storage a submodule makes
+    (the head's logits: the loss, made in the module's own code after it, is the schedule's ``loss_fn``'s)."""
     out: set[int] = set()
     run: list[Any] = []
     for o in [*rec.ops, None]:
@@ -242,6 +249,8 @@ def _outputs(rec: StepRecord) -> set[int]:
         if run:
             freed = {i for x in run for i in x.freed}
             found = [i for x in run for i in x.born if i not in freed]
+            if own:  # the module's own loss: the stage returns what its last submodule made (the head's logits)
+                found = [i for x in run if x.where for i in x.born]
             if not found:
                 raise SymmemError("a forward of the recorded step makes no output it keeps: the last stage's "
                                   "logits (output_chunks) are not found")
@@ -268,8 +277,11 @@ def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
         grads = weights  # FP32 AdamW: each trainable parameter's gradient is its size
         buffers = (0 if first else m * cut.boundary[s - 1]) + (0 if last else m * cut.boundary[s])
         inputs = [i for i in rec.start if rec.storages[i].category == "input"]
-        batch = sum(cut.size(i) for i in inputs if i < forward_born)
-        labels = sum(cut.size(i) for i in inputs if i >= forward_born)
+        given = [i for i in inputs if i < forward_born]
+        # the module's own loss (hf: labels given last, own_loss): the schedule's target, on the last stage
+        target = [i for i in inputs if i >= forward_born] + (given[-1:] if cut.own else [])
+        batch = sum(cut.size(i) for i in given if i not in target)
+        labels = sum(cut.size(i) for i in target)
         logits = cut.size(next(i for i, x in enumerate(cut.tl.storages) if x.name == "logits"))
         held = m * ((batch if first else 0) + (labels if last else 0))
         outputs = m * logits if last else 0
@@ -372,7 +384,7 @@ class TracedPipelineStep(PipelineStep):
         p = numbers.get("p")
         rec = self._record(numbers)
         requires(p, rec.count, self.schedule, self.micro_batches)
-        cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
+        cut = TracedCut(rec, int(p), numbers, own_loss(self.step))  # type: ignore[arg-type]
         return [_Replay(cut, s, at, self.schedule, self.micro_batches)  # type: ignore[arg-type]
                 for s, at in enumerate(stage_memory(cut, self.micro_batches))]
 
@@ -392,16 +404,33 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
     if len({id(q) for q in every}) != len(every):
         return ("the pipeline peak of a traced module is modelled for untied parameters (a tied head is a copy on the "
                 "last stage, with its own gradient and state: not followed); untie them (hf: tie_word_embeddings=0)")
-    if step.options.loss == "output":
-        return ("the pipeline peak of a traced module is modelled for a loss the schedule computes from the last "
-                "stage's output (--loss sum or cross-entropy on a module returning logits), not the module's own "
-                "(hf: given labels)")
-    if step.options.loss not in ("sum", "cross-entropy") or step.options.checkpoint or step.options.autocast:
+    if step.options.loss == "output" and not own_loss(step):
+        return ("the pipeline peak of a traced module computing its own loss is modelled for Hugging Face models "
+                "given labels (the schedule's loss_fn is then the model's loss_function on the last stage's "
+                "logits); torch.distributed.pipelining gives the last stage no target: return the output and give "
+                "the loss 'sum' or 'cross-entropy' (--loss), which the schedule's loss_fn computes")
+    if step.options.loss not in ("sum", "cross-entropy", "output") or step.options.checkpoint or step.options.autocast:
         return ("the pipeline peak of a traced module is modelled for the loss 'sum' or 'cross-entropy' computed by "
                 "the schedule, in FP32 without checkpointing (what was measured)")
     if regime.optimizer != "adamw" or step.options.impl != "for-loop":
         return "the pipeline peak of a traced module is modelled for AdamW's for-loop step (what was measured)"
     return None
+
+
+def own_loss(step: StepPeak) -> bool:
+    """Whether ``step``'s module computes its own loss as a Hugging Face language model (not an encoder-decoder)
+    given ``labels`` does: its ``loss_function`` on the head's logits, from the labels given last (each input a
+    tensor).  Under ``torch.distributed.pipelining`` that is the schedule's ``loss_fn`` --
+    ``model.loss_function(logits, target, vocab_size=V)`` on the last stage's output, the labels the schedule's
+    target there -- which the replay follows (:class:`TracedCut`: the head's logits kept in ``output_chunks``, the
+    labels on the last stage)."""
+    import torch
+
+    items = step.inputs.items()
+    config = getattr(step.module, "config", None)
+    return (step.options.loss == "output" and callable(getattr(step.module, "loss_function", None))
+            and not getattr(config, "is_encoder_decoder", False)
+            and bool(items) and items[-1][0] == "labels" and all(isinstance(v, torch.Tensor) for _, v in items))
 
 
 def pipeline_step(step: StepPeak, regime: Any, numbers: Mapping[sympy.Symbol, int]) -> Any:

@@ -360,7 +360,7 @@ class MeshStep(WalkedStep):
         if key not in self._cache:
             walk = _MeshSequenceWalk if self.sequence else _MeshWalk
             self._cache[key] = layer_moments(walk, self.graph, self.conv, self.options, self.regime, named,
-                                             base=3)[0]
+                                             base=3)
         return self._cache[key]
 
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:

@@ -703,7 +703,7 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, seque
     from ..symbols import t
 
     saved = sum((local_saved(graph, s, sequence) for s in storages if s.category in ("activation", "loss")),
-                sympy.Integer(0))
+                sympy.Integer(0)) + at_one(graph, storages, sequence)
     weights = grads = state = sympy.Integer(0)
     for n in graph.program_order():
         node = graph.node(n)
@@ -717,6 +717,33 @@ def tensor_rank(graph: Graph, storages: Sequence[Storage], regime: Regime, seque
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
         raise SymmemError("the tensor-parallel ranks are modelled for FP32 Adam/AdamW, as measured")
     return TensorRank(saved, weights, grads, state)
+
+
+def at_one(graph: Graph, storages: Sequence[Storage], sequence: bool) -> sympy.Expr:
+    """What a rank's saved activations hold more at B = 1 (0 from B = 2): with eager attention and one key/value
+    head a rank, the cache's key and value in place of the repeated copies
+    (:func:`~symmem.passes.batch_of_one.collapsed`, the rule the step's walk follows).
+
+    >>> from symmem.api import tensor_parallel_rank
+    >>> v = {"B": 1, "S": 128, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F": 32}
+    >>> rank = tensor_parallel_rank("llama", values=v, device="cpu", attention="naive")
+    >>> rank.at({**v, "t": 2})["saved"], rank.at({**v, "B": 2, "t": 2})["saved"]  # B = 1: gloo's, measured
+    (345600, 699392)
+    """
+    from ..symbols import t
+    from .batch_of_one import cache_for_repeats, collapsed, single_copy
+
+    where = collapsed(graph.program_order())
+    if where is sympy.false:
+        return sympy.Integer(0)
+
+    def local(name: str) -> sympy.Expr:  # the cache copy, split over t by its key/value heads
+        whole = graph.node(name).count * _bytes(graph, name, "float32")
+        return whole / t if _splits(graph, name, name) else whole
+
+    more = cache_for_repeats(((s.node, local_saved(graph, s, sequence)) for s in storages
+                              if s.node is not None and s.node in graph and s.category == "activation"), local)
+    return single_copy() * sympy.Piecewise((more, where), (0, True))
 
 
 def local_saved(graph: Graph, s: Storage, sequence: bool) -> sympy.Expr:

@@ -29,7 +29,8 @@ reduce-scatters after the row-parallel ones (and the embedding), their backward 
 holds until it returns; its candidates add the head's input all-gather, the head's backward and the embedding's
 backward.  At B = 1 funcol's all-gather over S is a view (no concatenation) and the asynchronous ones keep two
 copies (:func:`single_copy`); with eager attention and one key/value head a rank, a batch of 1 keeps the cache's
-key and value instead of repeated copies (:attr:`_LayerWalk.collapsed`).  What gloo's worker thread
+key and value instead of repeated copies (:func:`~symmem.passes.batch_of_one.collapsed`; in the rank's saved
+activations, :class:`TensorRank.saved`, too).  What gloo's worker thread
 holds past a collective's wait is outside tensor accounting; the measurement lets it go and takes each moment's
 fewest bytes over repeated steps.
 
@@ -61,6 +62,7 @@ from ..graph import Graph
 from ..peak import Moment, Peak
 from ..shapes import numel
 from ..training import Regime
+from .batch_of_one import REPEATS, collapsed, single_copy
 from .parameters import node_parameters
 from .rank_step import WalkedStep
 from .unroll import template
@@ -108,7 +110,10 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
     # the embedding's all-reduce (sequence parallel: reduce-scatter) output beside its saved wrapper; with
     # sequence parallelism also the final norm's S-split output, held until the forward ends
     kept = 2 * hidden / t if sequence else hidden
-    forward_end = at_rest + rank.saved + kept + cache / t + logits / t + 2 * logits
+    # the DynamicCache's copies, held to the forward's end; at B = 1 where eager attention keeps them in place of
+    # the repeated ones they are in the rank's saved activations already (model_parallel.at_one)
+    held = cache / t - single_copy() * sympy.Piecewise((cache / t, collapsed(nodes)), (0, True))
+    forward_end = at_rest + rank.saved + kept + held + logits / t + 2 * logits
     step = at_rest + rank.gradients + _step_temporaries(graph)
     # the final norm's backward: what the head and the final norm kept is gone, their weights' gradients made (the
     # head's local), five temporaries of the norm's input (S split under sequence parallelism), the loss and its
@@ -153,24 +158,6 @@ def held_cache(graph: Graph, storages: Sequence[Any]) -> sympy.Expr:
             kept = sum((s.expr for s in storages if s.node == n and s.category == "activation"), sympy.Integer(0))
             total += node.count * node.out.numel * 4 - kept
     return total
-
-
-def single_copy() -> sympy.Expr:
-    """1 at B = 1, 0 from B = 2: how many more copies an asynchronous all-gather over S keeps.
-
-    funcol's ``all_gather_single`` gathers into dim 0 (``(t B, S/t, H)``) and, gathering over S, re-concatenates
-    over dim 1 -- unless ``B = 1``, where the result is a view (``_maybe_view_chunk_cat``) and the collective is not
-    waited on there: ``ColwiseParallel(input_layouts=Shard(1))`` redistributes with ``async_op=True``, so the
-    linear keeps funcol's wrapper and, through it, the all-gather's output: two whole copies where ``B >= 2``
-    keeps the one concatenation (measured).  The attention's ``PrepareModuleInput`` waits: one copy either way.
-
-    >>> from symmem.symbols import B
-    >>> single_copy().subs(B, 1), single_copy().subs(B, 2)
-    (1, 0)
-    """
-    from ..symbols import B
-
-    return sympy.Max(0, 2 - B)
 
 
 def _async_gathers(graph: Graph, keepers: Sequence[str]) -> int:
@@ -254,10 +241,8 @@ FOLD_FROM = 8
 
 
 def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
-                  numbers: Mapping[str, int], base: int = 2
-                  ) -> tuple[list[tuple[sympy.Expr, str, str]], tuple[sympy.Expr, ...]]:
-    """The layers' moments that can be the largest, (formula, phase, where in words), and what the forward's end
-    and the final norm's backward keep more at B = 1 (:meth:`_LayerWalk.kept_at_one`), of ``walk`` at ``numbers``.
+                  numbers: Mapping[str, int], base: int = 2) -> list[tuple[sympy.Expr, str, str]]:
+    """The layers' moments that can be the largest, (formula, phase, where in words), of ``walk`` at ``numbers``.
 
     From :data:`FOLD_FROM` layers on, where every size is a whole number of bytes (``t`` divides S as it divides
     the heads, F and V), the walk is not written out layer by layer: at every candidate -- an op of the first or
@@ -270,8 +255,7 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
     layers = int(numbers["L"])
     if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]):
         w = walk(graph, conv, options, regime, numbers)
-        return ([(f, phase, w.label(phase, node)) for f, phase, node in w.largest()],
-                tuple(single_copy() * x for x in w.kept_at_one()))
+        return [(f, phase, w.label(phase, node)) for f, phase, node in w.largest()]
     two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (base, base + 1))
     at_two = {key: (values, k) for key, values, k in two.candidates()}
     found = []
@@ -284,8 +268,7 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
         a, b = two.formula(k2), three.formula(k)
         e = three.tl.events[k]
         out.append((a + (layers - base) * (b - a), e.phase, three.label(e.phase, str(e.node), layers)))
-    more = zip(two.kept_at_one(), three.kept_at_one(), strict=True)
-    return out, tuple(single_copy() * (a + (layers - base) * (b - a)) for a, b in more)
+    return out
 
 
 @dataclass(eq=False)
@@ -314,13 +297,14 @@ class TensorStep(WalkedStep):
 
     def _peak(self, named: Mapping[str, int]) -> Peak:
         r, ranks = self.moments, named["t"]
-        layers, more = layer_moments(_SequenceWalk if self.sequence else _LayerWalk, self.graph, self.conv,
+        layers = layer_moments(_SequenceWalk if self.sequence else _LayerWalk, self.graph, self.conv,
                                      self.options, self.regime, named)
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", r.optimizer_state)):
-            # at B = 1 eager attention with one key/value head a rank keeps the cache's copies instead (more)
-            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end + more[0]),
-                       ("backward", "the final norm's backward", r.backward + more[1])]
+            # at B = 1 eager attention with one key/value head a rank keeps the cache's copies instead: in
+            # TensorRank.saved (model_parallel.at_one)
+            moments = [("forward", "forward's end (the head's all-gather)", r.forward_end),
+                       ("backward", "the final norm's backward", r.backward)]
             moments += [(phase, what, r.at_rest + live) for live, phase, what in layers]
             for ph, what, live in moments:
                 made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
@@ -363,7 +347,7 @@ def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequenc
 
 
 #: eager attention's repeated key and value (``repeat_kv``), by template name
-_REPEATS = ("layers.self_attn.k_repeat", "layers.self_attn.v_repeat")
+_REPEATS = tuple(REPEATS)
 
 
 # -- the layers' forward and backward, op by op --------------------------------------------------------------
@@ -407,8 +391,7 @@ class _LayerWalk:
         # eager attention with one key/value head a rank (G = t) repeated to h/t heads: at B = 1 the repeated key
         # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
         # matmuls keep in place of the copies they make from B = 2
-        self.collapsed = (any(template(n) == "layers.self_attn.k_repeat" for n in order)
-                          and numbers.get("G") == numbers.get("t") and numbers.get("h") != numbers.get("G"))
+        self.collapsed = collapsed(order).xreplace(self.subs) is sympy.true
 
     @cached_property
     def cache_kept(self) -> list[tuple[int, int, sympy.Expr]]:
@@ -426,22 +409,6 @@ class _LayerWalk:
                 if s.name in released and repeat in released:
                     kept.append((released[s.name] + 1, released[repeat], self.once * self.local(i)))
         return kept
-
-    def kept_at_one(self) -> tuple[sympy.Expr, sympy.Expr]:
-        """What the forward's end and the final norm's backward keep more at B = 1, over :func:`single_copy` (its
-        factor, 0 from B = 2): where :attr:`collapsed`, no repeated key and value; at the final norm's backward
-        the cache's copies in their place (at the forward's end the ``DynamicCache`` holds them anyway)."""
-        from ..symbols import t
-
-        if not self.collapsed:
-            return sympy.Integer(0), sympy.Integer(0)
-        index = {s.name: i for i, s in enumerate(self.tl.storages)}
-        fewer, cache = sympy.Integer(0), sympy.Integer(0)
-        for s in self.tl.storages:
-            if template(s.name) in _REPEATS:
-                fewer -= s.nbytes / t
-                cache += self.local(index[s.name.replace("k_repeat", "cache_key").replace("v_repeat", "cache_value")])
-        return fewer, fewer + cache
 
     def local(self, i: int) -> sympy.Expr:
         """Storage ``i``'s bytes on one rank (:meth:`_local`), worked out once."""

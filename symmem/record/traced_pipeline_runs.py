@@ -83,7 +83,8 @@ class GPT2Split:
 @dataclass(frozen=True)
 class TracedCase:
     """One case: ``builder()`` gives (module, (input,)) at one micro-batch; ``split`` cuts it; ``schedule`` and
-    ``M``; the loss (``cross-entropy`` over the last dimension, or ``sum``) and the output's shape per micro-batch
+    ``M``; the loss (``cross-entropy`` over the last dimension, ``sum``, or ``output``: a Hugging Face model's own,
+    its ``loss_function`` on the logits against labels) and the output's shape per micro-batch
     (static shapes for ``PipelineStage``, as torchtitan gives them), and the boundary's (between stages)."""
 
     builder: Callable[[], tuple[Any, tuple[Any, ...]]]
@@ -95,7 +96,10 @@ class TracedCase:
     boundary: tuple[int, ...]
 
 
-def _loss(kind: str) -> Callable[[Any, Any], Any]:
+def _loss(kind: str, full: Any) -> Callable[[Any, Any], Any]:
+    def own(out: Any, target: Any) -> Any:  # what a Hugging Face model given labels computes after its head
+        return full.loss_function(out, target, vocab_size=out.shape[-1])
+
     def cross_entropy(out: Any, target: Any) -> Any:
         import torch
 
@@ -104,7 +108,7 @@ def _loss(kind: str) -> Callable[[Any, Any], Any]:
     def total(out: Any, target: Any) -> Any:
         return out.sum()
 
-    return cross_entropy if kind == "cross-entropy" else total
+    return {"cross-entropy": cross_entropy, "output": own}.get(kind, total)
 
 
 def _one(case: TracedCase, rank: int, world: int) -> StageRun:
@@ -119,14 +123,14 @@ def _one(case: TracedCase, rank: int, world: int) -> StageRun:
     given = static_shapes(first, last, example, case.output, case.boundary)
     stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
-    sched = kind(stage, m, loss_fn=_loss(case.loss))
+    sched = kind(stage, m, loss_fn=_loss(case.loss, full))
     gen = torch.Generator().manual_seed(1)
     if example.dtype.is_floating_point:
         batch = torch.randn((example.shape[0] * m, *example.shape[1:]), generator=gen)
     else:  # token ids
         batch = torch.randint(0, case.output[-1], (example.shape[0] * m, *example.shape[1:]), generator=gen)
     labels = torch.randint(0, case.output[-1], (case.output[0] * m, *case.output[1:-1]), generator=gen) \
-        if case.loss == "cross-entropy" else torch.empty(case.output[0] * m, 0)
+        if case.loss in ("cross-entropy", "output") else torch.empty(case.output[0] * m, 0)
     return stage_steps(sched, stage, module, batch, labels, rank, world, case.schedule, m)
 
 
