@@ -282,7 +282,7 @@ def rank_ledger(ledger: Ledger, step: Any, regime: Regime) -> Ledger:
     from ..step import Refused
     from .traced_tensor import TensorStepPeak, rank_storages
 
-    why = step.why if isinstance(step, Refused) else "the module has no training step to follow"
+    why = step.why if isinstance(step, Refused) else "no training step is followed here"
     if isinstance(step, TensorStepPeak):
         try:
             kept, domain = rank_storages(step, next(iter(ledger.repeats.values()), None), ledger.per_layer)
