@@ -145,6 +145,9 @@ def test_refusals(kwargs, message):
     d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True, **kwargs)
     with pytest.raises(SymmemError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         d.value("peak")
+    # no rank's step, so no rank's kept activations: one device's, said so, with why
+    assert d.notes[-1].startswith("tensor parallel: the activations kept after the forward are one device's, not the "
+                                  f"rank's: its step is not recorded ({message}")
 
 
 def test_refused_when_traced_and_without_a_plan():
