@@ -421,7 +421,7 @@ def rank_storages(step: TensorStepPeak, layers: sympy.Symbol | None, per_layer: 
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}#{seen[base]}"
         times = layers if in_block and not per_layer else sympy.Integer(1)
-        expr = sympy.sympify(nbytes)
+        expr = sympy.sympify(nbytes, strict=True)  # a recorded size: an int or a sympy expression
         group = "layer" if in_block else ".".join(module.split(".")[:2]) or "model"
         storages.append(Storage(name, group, "activation",
                                 expr if times == 1 else times * expr, None, name, None, None, times, (name,),
