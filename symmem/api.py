@@ -334,6 +334,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
                            multiple_of, device, free)
     no_step = tracing.no_step(recorded, regime)
     check_step(regime, no_step or (step.why if isinstance(step, Refused) else None))
+    ledger = tracing.rank_ledger(ledger, step, regime)  # tensor parallel: the rank's kept activations
     d = derivation_of(ledger, regime, step, no_step)
     # the model's own limits (a position table, an image size) join the domain, each said with why past it
     limits = model_limits(module, example_inputs, dims, d.domain, d.free)
@@ -395,6 +396,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
             else None
     why = tracing.no_step(recorded, regime) or (None if with_step else no_peak(recorded))
     check_step(regime, why or (step.why if isinstance(step, Refused) else None))
+    ledger = tracing.rank_ledger(ledger, step, regime)  # tensor parallel: one device's kept activations, said
     d = derivation_of(ledger, regime, step, why)
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None

@@ -1,7 +1,7 @@
 """Traced modules under tensor and sequence parallelism (issue 19 item 2, "traced modules alike"): one rank's step
 recorded on fake DTensors in a fake process group (symmem.importer.traced_tensor) against real gloo ranks running the
-same module under the same plan with the DTensor-aware live-bytes recorder: every rank's first and steady peak, to the
-byte.
+same module under the same plan with the DTensor-aware live-bytes recorder: every rank's first and steady peak and
+the activations it keeps after the forward (its autograd-saved tensors), to the byte.
 
 The truths: transformers' own LlamaForCausalLM from a LlamaConfig under the standard plan with sequence parallelism
 (symmem.record.hf_llama, model_parallel_runs' ``hf`` case; SDPA), traced through ``symmem trace hf:llama
@@ -73,6 +73,9 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     # B = 64, 4, 1 and 947
     assert measured == [[(96_080, 97_328)] * 2, [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2,
                         [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2]
+    # and the bytes autograd keeps after each rank's forward (its saved tensors, a DTensor's local shard, once each)
+    saved = [[r[k].saved for r in everything] for k in range(5)]
+    assert saved == [[22_240] * 2, [48_128] * 2, [3_008] * 2, [752] * 2, [712_144] * 2]
     # the command line: hf:llama from a config, sequence parallel (the whole sequence's position ids given, as the
     # real runs do); the parameter side is the rank's: weights, gradients and AdamW's two moments, each the local
     # shards' bytes
@@ -82,10 +85,13 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert [(out["values"]["peak_first_step"], out["values"]["peak"])] * 2 == measured[0]
     assert out["peak_at"]["rank"] == 0 and out["values"]["parameter_memory"] == 4 * everything[0][0].parameters
+    # the activations kept after the forward are the rank's (its recorded step's), not one device's
+    assert [out["values"]["activations"]] * 2 == saved[0]
     module, inputs = _file_module()
     d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss="sum", check=False, tensor_parallel=True,
               values={"t": 2, "B": BATCH})
     assert [(d.value("peak_first_step"), d.value("peak"))] * 2 == measured[1]
+    assert [d.value("activations")] * 2 == saved[1]
     assert d.peak_at().where() == ("backward aten.threshold_backward.default (ReluBackward0) in blocks.#.down "
                                    "(layer 2), steady step")
     # a formula in B (DTensor keeps the batch symbolic), at the layer count and t it was recorded at
@@ -105,18 +111,22 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     # specializes size 1), the step is recorded at the numbers
     small = d.at(B=4)
     assert [(small.value("peak_first_step"), small.value("peak"))] * 2 == measured[2]
+    assert [small.value("activations")] * 2 == saved[2]
     assert small.peak_at().where().startswith("step aten.div.Tensor on ")
     with pytest.warns(OutsideDomain, match="B = 1 lies outside the formulas' domain"):
         one = d.at(B=1)
     assert [(one.value("peak_first_step"), one.value("peak"))] * 2 == measured[3]
+    assert [one.value("activations")] * 2 == saved[3]
     assert d.step.peak({B: 1}).expr == 65_456 and "Eq(B, 1)" in map(str, d.step.peak({B: 1}).domain)
     # fit solves B from the formula: the largest batch whose rank fits 1 MiB, held to the byte by the real ranks there
     fit = largest(d, "B", "1MiB")
     assert fit.max == FITS and [fit.total_at_max] * 2 == [steady for _, steady in measured[4]]
+    assert [d.at(B=FITS).value("activations")] * 2 == saved[4]
     # t must divide every sharded dimension (DTensor pads otherwise: the ranks would differ), and the step is
     # recorded in a fake group of its own: both refused in one line
-    with pytest.raises(SymmemError, match=r"^t=3 does not divide blocks.0.up.weight's dimension 0 \(64\)"):
-        d.at(t=3).value("peak")
+    with pytest.raises(SymmemError, match=r"^t=3 does not divide blocks.0.up.weight's dimension 0 \(64\)"), \
+            pytest.warns(OutsideDomain, match=r"t = 3 lies outside the formulas' domain \(Eq\(t, 2\) fails\)"):
+        d.at(t=3).value("peak")  # the kept activations are the rank's at the t they were recorded at
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(SymmemError, match="^a default torch.distributed process group already exists"):
         d.at(L=3).value("peak")
@@ -135,6 +145,9 @@ def test_refusals(kwargs, message):
     d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", check=False, tensor_parallel=True, **kwargs)
     with pytest.raises(SymmemError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         d.value("peak")
+    # no rank's step, so no rank's kept activations: one device's, said so, with why
+    assert d.notes[-1].startswith("tensor parallel: the activations kept after the forward are one device's, not the "
+                                  f"rank's: its step is not recorded ({message}")
 
 
 def test_refused_when_traced_and_without_a_plan():

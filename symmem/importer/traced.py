@@ -255,8 +255,8 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     if regime.tensor_parallel:
         notes = (*notes, "tensor parallel: the parameter side is one rank's (" + (
             "the module's plan says which parameters are split over t" if split is not None else
-            "every matrix split over t: the module has no plan") + "); the activations kept after the forward are "
-            "one device's; the peak is one rank's step, recorded (every rank alike)")
+            "every matrix split over t: the module has no plan") + "); the peak is one rank's step, recorded (every "
+            "rank alike)")
     domain = trace.domain
     if size_one:
         from .guards import domain_of
@@ -271,6 +271,30 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     return Ledger(model, "traced", tuple(storages), tuple(parameters), tuple(sorted(keep, key=lambda s: s.name)),
                   eff, numbers, {**options, **dict(shown or {})}, per_layer, layer if per_layer else None,
                   {layer: layers} if layer else {}, domain, notes)
+
+
+def rank_ledger(ledger: Ledger, step: Any, regime: Regime) -> Ledger:
+    """Under tensor parallelism, ``ledger`` with the activations the rank keeps after the forward: those its recorded
+    step holds there (:meth:`~symmem.importer.traced_tensor.TensorStepPeak.kept`), the inputs the trace's; where the
+    rank's step is not recorded, the one device's, said so in a note."""
+    if not regime.tensor_parallel:
+        return ledger
+    from ..step import Refused
+    from .traced_tensor import TensorStepPeak, rank_storages
+
+    why = step.why if isinstance(step, Refused) else "no training step is followed here"
+    if isinstance(step, TensorStepPeak):
+        try:
+            kept, domain = rank_storages(step, next(iter(ledger.repeats.values()), None), ledger.per_layer)
+        except SymmemError as exc:
+            why = str(exc)
+        else:
+            inputs = tuple(s for s in ledger.storages if s.category == "input")
+            return replace(ledger, storages=(*inputs, *kept), domain=sympy.And(ledger.domain, *domain),
+                           notes=(*ledger.notes, "tensor parallel: the activations kept after the forward are the "
+                                  "rank's, from its recorded step (at the t it was recorded at)"))
+    return replace(ledger, notes=(*ledger.notes, "tensor parallel: the activations kept after the forward are one "
+                                  f"device's, not the rank's: its step is not recorded ({why})"))
 
 
 def _kept(entry: _Entry, act_dtype: str, per_layer: bool) -> Storage:

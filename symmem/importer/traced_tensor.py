@@ -23,12 +23,21 @@ otherwise), so every rank holds what rank 0 holds: the peak is every rank's (:me
 >>> d.peak, d.value("peak")   # two real gloo ranks under this plan: 5,712 bytes each (record/traced_tensor_runs.py)
 (Max(32*B + 5584, 224*B + 3928), 5712)
 
+What the rank keeps after the forward is read from the same recorded step (:meth:`TensorStepPeak.kept`,
+:func:`rank_storages`): the storages alive at the forward's end that autograd keeps, at the local shards' bytes --
+here the ReLU's output, split over ``t`` (the real ranks' saved tensors: 256 bytes each) -- in the derivation's
+ledger in place of one device's, at the ``t`` recorded:
+
+>>> d.activations, d.value("activations"), d.domain
+(64*B, 256, Eq(t, 2) & (B >= 2))
+
 Checked against real gloo runs of the same modules under the same plans (``tests/test_traced_tensor.py``): every
-rank's first and steady peak, to the byte.
+rank's first and steady peak and the activations it keeps after the forward, to the byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Mapping
@@ -37,6 +46,7 @@ from typing import Any
 
 import sympy
 
+from ..derivation import Storage
 from ..errors import SymmemError
 from ..peak import Peak
 from ..record.identity import tensors as _leaves
@@ -327,11 +337,95 @@ class TensorStepPeak(StepPeak):
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         return self._at(at)[0].allocated(which, {})
 
+    def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...]]:
+        """What the rank's autograd keeps at the forward's end: ``(module, bytes, op, block)`` per storage
+        (``block``: which repeated block made it, None outside them), as formulas in the declared sizes where the
+        step records them so, else at the numbers; and where those hold (the step's guards, the sizes where recorded
+        at numbers, ``t``)."""
+        sizes, count, world = self._fixed({})
+        rec = None
+        with contextlib.suppress(SymmemError):
+            rec = self._recorded(sizes, count, world, symbolic=True)
+        domain: tuple[Any, ...] = (sympy.Eq(T, world),)
+        if rec is None or self._pinned(rec, dict(sizes), world):
+            rec = self._recorded(sizes, count, world, symbolic=False)
+            domain = (*domain, *(sympy.Eq(self.symbols[n], v) for n, v in sizes))
+        # the blocks as recorded: written out to another count (with_layers) or the module's own
+        children = dict(rec.layers) if rec.layers is not None else \
+            {c: i for i, c in enumerate(self.repeat[1] if self.repeat is not None else ())}
+        found = [(s.module, s.nbytes, s.op or "", _block(s.module, children)) for s in _kept_at_forward_end(rec)]
+        return found, (*domain, *(g.expr for g in rec.guards))
+
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
         """Every rank's steady-step peak at ``numbers`` (all alike: the plan splits evenly), and the rank named."""
         merged = {**self.numbers, **dict(numbers)}
         value = int(self.peak(merged).value(merged))
         return {"peak_per_rank": [value] * self._fixed(merged)[2], "peak_rank": 0}
+
+
+#: what a step holds at the forward's end that is not what autograd keeps for backward
+_NOT_KEPT = frozenset({"parameter", "buffer", "input", "output", "gradient", "optimizer_state"})
+
+
+def _kept_at_forward_end(rec: StepRecord) -> list[Any]:
+    """The storages the forward of ``rec`` (the module's call) made that are alive after the loss, when the loop
+    has let go of the module's output: those autograd keeps (what the loss itself keeps is not counted: a traced
+    module's ledger has no loss), not the parameters or the inputs (a storage DTensor's wrapper saves is a
+    temporary in the tracker's words: alive there, it is kept), nor funcol's ``AsyncCollectiveTensor`` wrapper,
+    which holds no data of its own (the collective's output inside it is counted: what autograd keeps is one
+    storage, as the real ranks' saved tensors show)."""
+    last = max((o.index for o in rec.ops if o.phase in ("forward", "loss")), default=-1)
+    alive = set(rec.start) - set(rec.freed_first)
+    for o in rec.ops[:last + 1]:
+        alive |= set(o.born)
+        alive -= set(o.freed)
+    return [rec.storages[i] for i in sorted(alive) if rec.storages[i].category not in _NOT_KEPT
+            and rec.storages[i].phase != "loss" and "_wrap_tensor_autograd" not in (rec.storages[i].op or "")]
+
+
+def _block(module: str, children: Mapping[str, int]) -> int | None:
+    """Which of the repeated blocks ``children`` (path -> index) ``module`` is in (None: none)."""
+    for child, i in children.items():
+        if module == child or module.startswith(child + "."):
+            return i
+    return None
+
+
+def rank_storages(step: TensorStepPeak, layers: sympy.Symbol | None, per_layer: bool
+                  ) -> tuple[list[Storage], tuple[Any, ...]]:
+    """The rank's kept storages of ``step`` as a traced ledger's (a repeated block's folded to block 0, counted
+    ``layers`` times, where every block keeps the same bytes; else the blocks written out at the layer count the step
+    was recorded at), and where they hold."""
+    found, domain = step.kept()
+    count = step._fixed({})[1]
+    blocks: dict[int, list[Any]] = {}
+    for _, nbytes, _, i in found:
+        if i is not None:
+            blocks.setdefault(i, []).append(nbytes)
+    fold = layers is not None and bool(blocks) and all(b == blocks.get(0) for b in blocks.values())
+    if layers is not None and not fold and step.symbol is not None and count is not None:
+        if per_layer:
+            raise SymmemError("the repeated blocks keep different bytes on a rank, so there is no per-layer formula")
+        domain = (*domain, sympy.Eq(step.symbol, count))
+    storages: list[Storage] = []
+    seen: dict[str, int] = {}
+    for module, nbytes, op, i in found:
+        in_block = fold and i == 0
+        if (fold and i not in (None, 0)) or (per_layer and not in_block):
+            continue
+        # named as the ledger names a folded block's storages: blocks.0.norm -> blocks.L.norm
+        where = f"{step.repeat[0]}.L{module[len(step.repeat[1][0]):]}" if in_block and step.repeat else \
+            (module or "model")
+        base = f"{where}:{op.split('.')[1] if op.count('.') >= 2 else op or 'kept'}"
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        times = layers if in_block and not per_layer else sympy.Integer(1)
+        expr = sympy.sympify(nbytes, strict=True)  # a recorded size: an int or a sympy expression
+        group = "layer" if in_block else ".".join(module.split(".")[:2]) or "model"
+        storages.append(Storage(name, group, "activation",
+                                expr if times == 1 else times * expr, None, name, None, None, times, (name,),
+                                "forward", "backward"))
+    return storages, domain
 
 
 def tensor_step(step: StepPeak, regime: Any) -> Any:

@@ -18,13 +18,42 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SplitRun:
-    """One rank's measured step of a split module: the first and steady step's peaks and the parameters' local
-    bytes."""
+    """One rank's measured step of a split module: the first and steady step's peaks, the parameters' local
+    bytes, and the bytes autograd keeps after the forward (each storage once, a DTensor's local shard; not the
+    parameters or the inputs)."""
 
     rank: int
     first_peak: int
     steady_peak: int
     parameters: int
+    saved: int = 0
+
+
+def saved_after_forward(forward: Callable[[], Any], held: list[Any]) -> int:
+    """The bytes of the storages autograd packs during ``forward()`` and still holds when it returns (a DTensor's
+    local shard; not those of ``held``), the output dropped after: the graph and what it keeps go with it."""
+    import weakref
+
+    import torch
+
+    def local(t: Any) -> Any:  # the shard itself: to_local() would be an op of its own inside the hook
+        return getattr(t, "_local_tensor", t)
+
+    skip = {local(t).untyped_storage()._cdata for t in held}
+    alive: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        st = local(t).untyped_storage()
+        if st._cdata not in alive and st._cdata not in skip:
+            alive[st._cdata] = st.nbytes()
+            weakref.finalize(st, alive.pop, st._cdata, None)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    kept = sum(alive.values())
+    del out
+    return kept
 
 
 def split_run(build: Callable[[], tuple[Any, tuple[Any, ...]]], styles: Callable[[Any, int], dict[str, Any]],
@@ -42,8 +71,9 @@ def split_run(build: Callable[[], tuple[Any, tuple[Any, ...]]], styles: Callable
     module.train()
     parallelize_module(module, init_device_mesh("cpu", (world,)), styles(module, world))
     params = list(module.parameters())
+    saved = saved_after_forward(lambda: module(*inputs), [*params, *module.buffers(), *inputs])
     trace = repeated_steps(lambda: module(*inputs), inputs[0], params, module)
     first = _fewest(trace, range(1, FIRST_STEPS + 1))
     steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
     held = sum(local(p).numel() * local(p).element_size() for p in params)
-    return SplitRun(rank, first, steady, held)
+    return SplitRun(rank, first, steady, held, saved)
