@@ -276,9 +276,7 @@ class StepPeak:
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise SymmemError(f"the training step of this module cannot run on fake tensors: "
-                                  f"{type(exc).__name__}: {first}") from exc
+                raise cannot_run("the training step of this module", exc) from exc
             self._check(rec, ones)
             self._records[key] = rec
         return self._records[key]
@@ -371,3 +369,14 @@ class StepPeak:
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         """The peak at ``at`` with every storage rounded up to 512 bytes, as CUDA's caching allocator rounds."""
         return self._at(at)[0].allocated(which, self._values(at))
+
+
+def cannot_run(what: str, exc: Exception) -> SymmemError:
+    """The one-line error for ``what`` (a module's step) failing on fake tensors with ``exc``: its type and first
+    line, not a traceback.
+
+    >>> print(cannot_run("the training step of this module", RuntimeError("mat1 and mat2 shapes" + chr(10) + "...")))
+    the training step of this module cannot run on fake tensors: RuntimeError: mat1 and mat2 shapes
+    """
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return SymmemError(f"{what} cannot run on fake tensors: {type(exc).__name__}: {first}")

@@ -54,7 +54,7 @@ from ..symbols import t as T
 from ..timeline import Row, Which
 from .recording import StepOptions, StepRecord
 from .tensor_plan import TensorPlan, check_heads, plan_of
-from .traced_step import StepPeak, peak_of
+from .traced_step import StepPeak, cannot_run, peak_of
 
 
 def refusal(options: StepOptions, device: str, module: Any) -> str | None:
@@ -254,9 +254,7 @@ class TensorStepPeak(StepPeak):
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake DTensors: say what failed, not a traceback
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise SymmemError(f"the tensor-parallel step of this module cannot run on fake tensors: "
-                                  f"{type(exc).__name__}: {first}") from exc
+                raise cannot_run("the tensor-parallel step of this module", exc) from exc
             self._records[key] = rec
         return self._records[key]
 
