@@ -12,10 +12,13 @@
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
   forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
   whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
+* At the session's end every object is frozen out of the cyclic collector (:func:`pytest_unconfigure`): the
+  collections that pytest's own clean-up and the interpreter's exit make would walk each process's whole heap.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -34,6 +37,14 @@ def pytest_configure(config: pytest.Config) -> None:
     torch = sys.modules.get("torch")  # imported before this file (a plugin): set its thread count directly
     if torch is not None and os.environ["OMP_NUM_THREADS"] == "1":
         torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure() -> None:
+    """No test runs after this: the objects the session made need no more cyclic collection.  Without the freeze
+    pytest's clean-up (its unraisable-exception check collects) and the interpreter's exit walk every one of them,
+    seconds in each test worker's process, which the controller waits for."""
+    gc.freeze()
 
 
 #: the longest tests outside the gloo group (5-16 s each on 2 busy cores), by node id prefix, longest first
