@@ -12,6 +12,10 @@
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
   forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
   whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
+* The cyclic collector runs its young pass every 200,000 net allocations, not every 700 (the ``symmem`` command's
+  own setting, symmem.cli.entry): sympy, the tracer and the real steps make millions of small objects, almost none
+  in cycles, and the default spent ~13% of the tests' CPU walking them.  What a test measures does not depend on
+  it: the recorders count tensors' bytes, never the collector's timing, and collect where they need it.
 * At the session's end every object is frozen out of the cyclic collector (:func:`pytest_unconfigure`): the
   collections that pytest's own clean-up and the interpreter's exit make would walk each process's whole heap.
 """
@@ -33,6 +37,7 @@ SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    gc.set_threshold(200_000, 30, 30)
     config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, a Jupyter kernel, LaTeX); CI runs it")
     torch = sys.modules.get("torch")  # imported before this file (a plugin): set its thread count directly
     if torch is not None and os.environ["OMP_NUM_THREADS"] == "1":
