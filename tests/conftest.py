@@ -14,8 +14,9 @@
   whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
 * The cyclic collector runs its young pass every 200,000 net allocations, not every 700 (the ``symmem`` command's
   own setting, symmem.cli.entry): sympy, the tracer and the real steps make millions of small objects, almost none
-  in cycles, and the default spent 13% of a 4-module subset's CPU walking them.  What a test measures does not depend on
-  it: the recorders count tensors' bytes, never the collector's timing, and collect where they need it.
+  in cycles, and the default spent 13% of a 4-module subset's CPU walking them.  The measured steps free their
+  tensors by reference counting, and the recorder collects where it needs to (symmem.record.saved_tensors): every
+  byte-exact assertion holds under either setting.
 * At the session's end every object is frozen out of the cyclic collector (:func:`pytest_unconfigure`): the
   collections that pytest's own clean-up and the interpreter's exit make would walk each process's whole heap.
 """
