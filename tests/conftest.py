@@ -12,10 +12,18 @@
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
   forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
   whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
+* The cyclic collector runs its young pass every 200,000 net allocations, not every 700 (the ``symmem`` command's
+  own setting, symmem.cli.entry): sympy, the tracer and the real steps make millions of small objects, almost none
+  in cycles, and the default spent 13% of a 4-module subset's CPU walking them.  The measured steps free their
+  tensors by reference counting, and the recorder collects where it needs to (symmem.record.saved_tensors): every
+  byte-exact assertion holds under either setting.
+* At the session's end every object is frozen out of the cyclic collector (:func:`pytest_unconfigure`): the
+  collections that pytest's own clean-up and the interpreter's exit make would walk each process's whole heap.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -30,10 +38,19 @@ SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    gc.set_threshold(200_000, 30, 30)
     config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, a Jupyter kernel, LaTeX); CI runs it")
     torch = sys.modules.get("torch")  # imported before this file (a plugin): set its thread count directly
     if torch is not None and os.environ["OMP_NUM_THREADS"] == "1":
         torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure() -> None:
+    """No test runs after this: the objects the session made need no more cyclic collection.  Without the freeze
+    pytest's clean-up (its unraisable-exception check collects) and the interpreter's exit walk every one of them,
+    seconds in each test worker's process, which the controller waits for."""
+    gc.freeze()
 
 
 #: the longest tests outside the gloo group (5-16 s each on 2 busy cores), by node id prefix, longest first

@@ -557,18 +557,6 @@ def test_batch_of_one_against_dtensor():
     assert (fit.max, fit.total_at_max) == (1, everything[0][1].steady_peak)
 
 
-#: transformers' own LlamaForCausalLM (a LlamaConfig, no weights) under the same plans (symmem.record.hf_llama),
-#: two ranks, grouped-query attention: SDPA (the final norm's backward), the same with sequence parallelism (the
-#: forward's end: HF's position ids gone with LlamaModel.forward), eager attention at the forward's end (the
-#: DynamicCache's copies held there) and on a longer sequence at the final norm's forward (eager attention's whole
-#: (B, 1, S, S) mask and the cache's copies still held)
-HF = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}, {"attention": "sdpa"}),
-      ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
-       {"attention": "sdpa", "sequence_parallel": True}),
-      ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"}),
-      ({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, {"attention": "naive"})]
-
-
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
 def test_hf_llama_under_the_standard_plan():
     """Third-party truth: transformers' LlamaForCausalLM parallelized with the standard plan on two gloo ranks
@@ -579,13 +567,10 @@ def test_hf_llama_under_the_standard_plan():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     pytest.importorskip("transformers")
-    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
-
     from symmem import derive
-    from symmem.record.model_parallel_runs import runs
+    from tests.hf_tensor_runs import HF, hf_llama_ranks  # the cases, measured once (test_traced_tensor.py shares it)
 
-    everything = runs(2, [("tensor", "llama", values, {**options, "peaks": True, "hf": True})
-                          for values, options in HF])
+    everything = hf_llama_ranks()
     where = []
     for case, (values, options) in enumerate(HF):
         d = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)

@@ -32,10 +32,9 @@ from symmem.cli import main  # noqa: E402
 from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
-#: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA) under sequence parallelism, two ranks:
-#: (values, options) as model_parallel_runs takes them, and the same model as ``symmem trace hf:llama --config``
-HF = ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32},
-      {"attention": "sdpa", "sequence_parallel": True})
+#: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA) under sequence parallelism, two ranks
+#: (tests/hf_tensor_runs.py's HF[SEQUENCE], measured once for this test and test_model_parallel.py's), and the same
+#: model as ``symmem trace hf:llama --config``
 CONFIG = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=32,"
           "vocab_size=64,tie_word_embeddings=false,attn_implementation=sdpa")
 #: the file module's batch in the real run and the derivation (its example's is 4), and the largest whose steady
@@ -55,19 +54,20 @@ def _file_module(batch: int = 4):
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
 def test_every_rank_against_real_ranks(capsys, monkeypatch):
     """Every rank's first and steady peak and parameter side, traced, against two real gloo ranks of each module."""
-    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
     from torch.distributed.tensor import parallel  # noqa: F401
 
     from symmem.importer.tensor_plan import plan_of
-    from symmem.record.model_parallel_runs import _tensor_case, forked_ranks
+    from symmem.record.model_parallel_runs import forked_ranks
     from symmem.record.traced_tensor_runs import split_run
+    from tests.hf_tensor_runs import SEQUENCE, hf_llama_ranks
 
     def work(rank, world):
         make = plan_of(_file_module()[0], False).make
-        return [_tensor_case("llama", HF[0], rank, world, {**HF[1], "peaks": True, "hf": True}),
-                *(split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1, FITS))]
+        return [split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1, FITS)]
 
-    everything = forked_ranks(2, work, "the tensor-parallel runs")
+    hf = hf_llama_ranks()  # HF Llama's ranks, then the file module's
+    everything = [[hf[rank][SEQUENCE], *runs] for rank, runs in enumerate(forked_ranks(2, work,
+                                                                                        "the tensor-parallel runs"))]
     measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(5)]
     # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at
     # B = 64, 4, 1 and 947

@@ -172,6 +172,7 @@ def interrupts() -> Any:
 
 def ctrl_c() -> Any:
     """A module whose forward gets a real SIGINT (what Ctrl-C sends) while it runs."""
+    import gc
     import os
     import signal
     import time
@@ -180,8 +181,17 @@ def ctrl_c() -> Any:
 
     class Pressed(torch.nn.Module):
         def forward(self, x: Any) -> Any:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # the signal interrupts the sleep
+            # no collection while the signal is handled: Python raises the KeyboardInterrupt in whatever Python code
+            # runs next, and a collection's callback (hypothesis installs one in the test process) would swallow it
+            # as unraisable -- the forward would sleep out and return
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the signal interrupts the sleep
+            finally:
+                if enabled:
+                    gc.enable()
             return x
 
     return Pressed(), (torch.randn(2, 4),)
