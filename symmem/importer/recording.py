@@ -43,7 +43,7 @@ import sympy
 from ..categories import RECORDED_TO_STEP
 from ..errors import SymmemError
 from ..options import LOSSES
-from ..record.identity import first_tensor, storage_key, symbolic_nbytes
+from ..record.identity import first_tensor, symbolic_nbytes
 from ..record.identity import tensors as _leaves
 from ..record.live_bytes import LiveRecorder
 from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer
@@ -171,22 +171,6 @@ class _StepRecorder(SavedRecorder):
         # what record_step drives is the live recorder's
         self.register, self.label, self.in_phase = live.register, live.label, live.phase
         self.saving, self.watch_backward, self.events = live.saving, live.watch_backward, live.events
-
-    @property
-    def param_names(self) -> dict[int, str]:
-        return self.live.param_names
-
-    @param_names.setter
-    def param_names(self, names: dict[int, str]) -> None:
-        self.live.param_names = names
-
-    @property
-    def last_param(self) -> str:
-        return self.live.last_param
-
-    @last_param.setter
-    def last_param(self, name: str) -> None:
-        self.live.last_param = name
 
     def record(self, convert: Callable[[Any], Any], layers: Mapping[str, int] | None, count: int | None,
                notes: list[str], guards: list[Any]) -> StepRecord:
@@ -369,11 +353,9 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
         world.mode.cache_enabled = CACHE_STEP
         for step in (1, 2):
             with rec.in_phase(step, "step"):
-                rec.param_names, rec.last_param = {}, ""
-                for p in trainable:
-                    for t in (p, p.grad, *opt.state.get(p, {}).values()):
-                        if isinstance(t, torch.Tensor):
-                            rec.param_names[storage_key(t)] = names[id(p)]
+                rec.live.name_parameters(((names[id(p)], t) for p in trainable
+                                          for t in (p, p.grad, *opt.state.get(p, {}).values())
+                                          if isinstance(t, torch.Tensor)), reset=True)
                 rec._guarded(opt.step)
                 rec.label([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
                           "optimizer_state")

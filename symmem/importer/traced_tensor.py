@@ -185,11 +185,9 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
             del out, value, handles
         for step in (1, 2):
             with tracker.phase(step, "step"):
-                tracker.param_names, tracker.last_param = {}, ""
-                for p in params:
-                    for x in (p, p.grad, *opt.state.get(p, {}).values()):
-                        if isinstance(x, torch.Tensor):
-                            tracker.param_names[local(x).untyped_storage()._cdata] = names[id(p)]
+                tracker.name_parameters(((names[id(p)], local(x)) for p in params
+                                         for x in (p, p.grad, *opt.state.get(p, {}).values())
+                                         if isinstance(x, torch.Tensor)), reset=True)
                 opt.step()
                 tracker.label([local(x) for x in state_tensors(opt)], "optimizer_state")
         with tracker.phase(2, "zero_grad"):
