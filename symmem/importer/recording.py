@@ -46,7 +46,7 @@ from ..options import LOSSES
 from ..record.identity import first_tensor, symbolic_nbytes
 from ..record.identity import tensors as _leaves
 from ..record.live_bytes import LiveRecorder
-from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer
+from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer, state_tensors
 from ..record.saved_tensors import SavedRecorder
 from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
@@ -357,8 +357,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                                           for t in (p, p.grad, *opt.state.get(p, {}).values())
                                           if isinstance(t, torch.Tensor)), reset=True)
                 rec._guarded(opt.step)
-                rec.label([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
-                          "optimizer_state")
+                rec.label(state_tensors(opt), "optimizer_state")
         with rec.in_phase(2, "zero_grad"):
             opt.zero_grad(set_to_none=True)
         del opt, trainable, params, buffers, fin, args, kwargs, target
