@@ -32,26 +32,14 @@ class SplitRun:
 def saved_after_forward(forward: Callable[[], Any], held: list[Any]) -> int:
     """The bytes of the storages autograd packs during ``forward()`` and still holds when it returns (a DTensor's
     local shard; not those of ``held``), the output dropped after: the graph and what it keeps go with it."""
-    import weakref
-
-    import torch
+    from .sharded import saved_storages
 
     def local(t: Any) -> Any:  # the shard itself: to_local() would be an op of its own inside the hook
         return getattr(t, "_local_tensor", t)
 
     skip = {local(t).untyped_storage()._cdata for t in held}
-    alive: dict[int, int] = {}
-
-    def pack(t: Any) -> Any:
-        st = local(t).untyped_storage()
-        if st._cdata not in alive and st._cdata not in skip:
-            alive[st._cdata] = st.nbytes()
-            weakref.finalize(st, alive.pop, st._cdata, None)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    kept = sum(alive.values())
+    out, found = saved_storages(forward, lambda: skip, local)
+    kept = sum(nbytes for nbytes, _, _ in found.values())
     del out
     return kept
 
