@@ -346,10 +346,6 @@ def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequenc
     return rank_peak(graph, storages, tensor_rank(graph, storages, regime, sequence), sequence)
 
 
-#: eager attention's repeated key and value (``repeat_kv``), by template name
-_REPEATS = tuple(REPEATS)
-
-
 # -- the layers' forward and backward, op by op --------------------------------------------------------------
 class _LayerWalk:
     """The single-device step of ``graph`` written out at ``numbers`` (:class:`~symmem.passes.schedule.Simulation`),
@@ -427,7 +423,7 @@ class _LayerWalk:
         if s.category in ("parameter", "optimizer_state", "input", "buffer"):
             return sympy.Integer(0)  # what lives between steps: counted apart (RankMoments.at_rest)
         size = s.nbytes
-        if self.collapsed and template(s.name) in _REPEATS:
+        if self.collapsed and template(s.name) in REPEATS:
             return (1 - self.once) * size / t  # at B = 1 a view of the cache's copy (_cache_kept)
         if s.category == "gradient":
             return size / t if s.node in self.g and self.g.node(s.node).kind == "linear" else size
@@ -682,7 +678,7 @@ class _SequenceWalk(_LayerWalk):
 
         s = self.tl.storages[i]
         if s.category in ("parameter", "optimizer_state", "input", "buffer", "gradient") or (
-                self.collapsed and template(s.name) in _REPEATS):
+                self.collapsed and template(s.name) in REPEATS):
             return super()._local(i)
         size = s.nbytes
         if s.name in self.row or s.name == self.embedding:
