@@ -32,11 +32,14 @@ GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions"
         "tie_word_embeddings": False}
 #: (spec, config, schedule, M, loss): the file module at its example B = 4 (the optimizer step is the peak of some
 #: stages, the schedule of others), GPT-2 at B = 2, S = 8; GPT-2 given labels (``output``: HF's own loss, which
-#: the real run computes as the schedule's loss_fn, the model's loss_function on the last stage's logits)
+#: the real run computes as the schedule's loss_fn, the model's loss_function on the last stage's logits); GPT-2
+#: tied as transformers makes it by default (each stage's module holds its own copy: the embedding on stage 0, the
+#: head on the last, each with its gradient and AdamW state, not synchronized), under 1F1B with its own loss
 CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross-entropy"),
          (BLOCK, (), "1f1b", 4, "sum"), ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "sum"),
          ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum"),
-         ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "output")]
+         ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "output"),
+         ("hf:gpt2", tuple(sorted({**GPT2, "tie_word_embeddings": True}.items())), "1f1b", 2, "output")]
 
 
 @functools.cache
@@ -75,12 +78,19 @@ def test_every_stage_of_a_traced_module_equals_real_pipelining_runs():
     for k, case in enumerate(CASES):
         d = _derived(*case)
         each = d.step.per_stage(d.numbers)
-        mine = [r.peak for r in d.step._replays(d.step._named(None))]
+        replays = d.step._replays(d.step._named(None))
+        mine = [r.peak for r in replays]
         ranks = [rank[k] for rank in real]
         got = [(x.bytes, x.first, x.pipeline, x.step) for x in mine]
         want = [(r.peak, r.first_peak, r.pipeline_peak, r.step_peak) for r in ranks]
         if got != want:
             wrong.append(f"{case}: derived {got}, measured {want}")
+        # each stage's parameter side, optimizer state and all it keeps between steps (weights, state, receive
+        # buffers, its inputs, the last stage's logits): a tied parameter once on each stage holding it
+        rest = [(r.at["parameters"], r.at["optimizer_state"], r.at["at_rest"]) for r in replays]
+        kept = [(r.parameters, dict(r.start)["optimizer_state"], sum(v for _, v in r.start)) for r in ranks]
+        if rest != kept:
+            wrong.append(f"{case}: at rest derived {rest}, measured {kept}")
         # the views: the largest stage's steady and first-step peak (formulas in B, at its number), every stage's
         if (each["peak_per_stage"], each["peak_first_step_per_stage"]) != ([r.peak for r in ranks],
                                                                           [r.first_peak for r in ranks]):
@@ -117,7 +127,8 @@ def test_views_name_the_stage_and_fit_solves_b(capsys):
     ("", ["--loss", "sum", "--set", "p=3"],
      "symmem: error: node 'blocks.L.norm.weight:param' (parameter): needs p to divide L (Mod(L, p) = 0), which "
      "fails at L=4, p=3"),
-    ("hf", ["--loss", "sum", "--set", "p=2"], "the pipeline peak of a traced module is modelled for untied"),
+    # tied (transformers' default): each stage its own copy (test_every_stage_of_a_traced_module_...): a peak
+    ("hf", ["--loss", "sum", "--set", "p=2"], "peak per stage (MiB) 0: 0.13, 1: 0.13"),
     # given labels, HF's own loss is the schedule's loss_fn (test_every_stage_of_a_traced_module_...): a peak
     ("hf-untied", ["--loss", "cross-entropy", "--set", "p=2"], "peak per stage (MiB) 0: 0.13, 1: 0.13"),
     ("llama", ["--loss", "sum", "--set", "p=2"], "no peak: the pipeline peak of a traced module is modelled for "

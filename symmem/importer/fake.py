@@ -213,15 +213,34 @@ def _fake_nested(value: Any, device: str) -> Any:
     return value
 
 
-def fake_state(module: Any, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fake parameters and buffers (call under the mode), by name; tied ones appear once."""
+def fake_state(module: Any, device: str, untie: tuple[tuple[str, ...], ...] = ()
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fake parameters and buffers (call under the mode), by name; tied ones appear once, except each group of a
+    tied parameter's names in ``untie`` (as ``named_parameters(remove_duplicate=False)`` lists them), which gets a
+    parameter of its own under its first name (a pipeline stage's copy; :func:`every_parameter` maps the names)."""
     import torch
 
+    own = {group[0] for group in untie}
     params: dict[str, Any] = {}
-    for name, p in module.named_parameters():
+    seen: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen and name not in own:
+            continue  # tied: its first name's parameter, or its group's (every_parameter)
+        seen.add(id(p))
         f = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device=device)
         params[name] = f.requires_grad_(p.requires_grad)
     buffers: dict[str, Any] = {}
     for name, b in module.named_buffers():
         buffers[name] = torch.empty_strided(tuple(b.shape), tuple(b.stride()), dtype=b.dtype, device=device)
     return params, buffers
+
+
+def every_parameter(module: Any, params: dict[str, Any], untie: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    """Every name of ``module``'s parameters, tied ones included, -> its fake in ``params`` (:func:`fake_state`'s
+    with ``untie``): a name in a group of ``untie`` the group's own, any other tied name its first name's."""
+    group_of = {name: group[0] for group in untie for name in group}
+    first: dict[int, str] = {}
+    out: dict[str, Any] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = params[group_of.get(name, first.setdefault(id(p), name))]
+    return out

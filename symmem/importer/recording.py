@@ -227,6 +227,9 @@ class StepOptions:
     #: ``ZeroRedundancyOptimizer``'s rank: the trainable parameters its local optimizer steps (indices, in its
     #: order; :class:`~symmem.importer.traced_zero.RankOptimizer`); None: one optimizer over every one
     owned: tuple[int, ...] | None = None
+    #: groups of a tied parameter's names that get a parameter of their own, one a group (a pipeline stage's copy
+    #: of a tied head: :mod:`symmem.importer.traced_pipeline`); () keeps every tie
+    untie: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not callable(self.loss) and self.loss not in LOSSES:
@@ -262,7 +265,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
     import torch
     from torch.nn.utils.stateless import _reparametrize_module
 
-    from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides, quiet_meta_errors
+    from .fake import every_parameter, fake_inputs, fake_state, make_world, opaque_ops, overrides, quiet_meta_errors
     from .guards import GuardLog, collect
     from .hf import eager_predicates
     from .runs import _input_names, _keys, converter, resized, tidy
@@ -283,7 +286,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                 replay = None  # copies of a layer may read values the real forward never read
         with world.mode:
             fin = fake_inputs(world, at, device)
-            params, buffers = fake_state(module, device)
+            params, buffers = fake_state(module, device, options.untie)
         pkeys = _keys([*params.items(), *buffers.items()])
         rec = _StepRecorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
                             replay=replay if replay is not None else [],
@@ -313,7 +316,9 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
         if options.checkpoint:
             stack.enter_context(checkpointed(module, options.checkpoint if layers is None else
                                              _checkpointed_children(options.checkpoint, layers, index)))
-        stack.enter_context(_reparametrize_module(module, {**params, **buffers}, tie_weights=True))
+        # untied groups: every name given its own or its first name's fake, as the stages' modules hold them
+        named = every_parameter(module, params, options.untie) if options.untie else params
+        stack.enter_context(_reparametrize_module(module, {**named, **buffers}, tie_weights=not options.untie))
         stack.enter_context(rec.modules)
         functions, ops = rec._modes()
         rec._peek = torch.autograd._get_sequence_nr

@@ -261,8 +261,9 @@ def _outputs(rec: StepRecord, own: bool = False) -> set[int]:
 
 def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
     """Each stage's memory outside the replayed ops, as the replay reads it: ``at_rest`` (weights, optimizer state,
-    receive buffers, inputs and the last step's logits), ``outputs`` (those logits), ``optimizer_state`` and
-    ``step_peak`` (the steady optimizer step's largest moment)."""
+    receive buffers, inputs and the last step's logits: what the stage keeps between steps), ``outputs`` (those
+    logits), ``optimizer_state``, ``parameters`` (the weights: a tied parameter once on each stage that holds it)
+    and ``step_peak`` (the steady optimizer step's largest moment)."""
     rec, p = cut.rec, cut.p
     owner = _owners(rec, cut)
     state = set(rec.state())
@@ -286,7 +287,7 @@ def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
         held = m * ((batch if first else 0) + (labels if last else 0))
         outputs = m * logits if last else 0
         at_rest = weights + opt + buffers + held + outputs
-        out.append({"at_rest": at_rest, "outputs": outputs, "optimizer_state": opt,
+        out.append({"at_rest": at_rest, "outputs": outputs, "optimizer_state": opt, "parameters": weights,
                     "step_peak": _step_peak(rec, cut, s, owner, at_rest + grads)})
     return out
 
@@ -385,8 +386,51 @@ class TracedPipelineStep(PipelineStep):
         rec = self._record(numbers)
         requires(p, rec.count, self.schedule, self.micro_batches)
         cut = TracedCut(rec, int(p), numbers, own_loss(self.step))  # type: ignore[arg-type]
+        assert self.step is not None
+        untie = stage_copies(self.step.module, rec, cut, self.step.options.untie)
+        if untie != self.step.options.untie:  # a tied parameter two modules of one stage share: one copy there
+            self.step = dataclasses.replace(self.step, options=dataclasses.replace(self.step.options, untie=untie),
+                                            _records={}, _peaks={}, _shared={})
+            rec = self._record(numbers)
+            cut = TracedCut(rec, int(p), numbers, own_loss(self.step))  # type: ignore[arg-type]
         return [_Replay(cut, s, at, self.schedule, self.micro_batches)  # type: ignore[arg-type]
                 for s, at in enumerate(stage_memory(cut, self.micro_batches))]
+
+
+def tied(module: Any) -> list[tuple[str, ...]]:
+    """Each parameter ``module`` holds under several names (a tied head's and the embedding's): its names, in the
+    order ``named_parameters(remove_duplicate=False)`` lists them."""
+    names: dict[int, list[str]] = {}
+    for name, q in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(q), []).append(name)
+    return [tuple(n) for n in names.values() if len(n) > 1]
+
+
+def split_ties(module: Any) -> tuple[tuple[str, ...], ...]:
+    """Every name of a tied parameter but its first given a parameter of its own (``StepOptions.untie``): what the
+    stages hold where each name is on another stage (:func:`stage_copies` merges what one stage shares)."""
+    return tuple((n,) for names in tied(module) for n in names[1:])
+
+
+def stage_copies(module: Any, rec: StepRecord, cut: TracedCut, untie: tuple[tuple[str, ...], ...]
+                 ) -> tuple[tuple[str, ...], ...]:
+    """``untie`` as the stages hold ``module``'s tied parameters: a stage holds one copy of one, whichever of its
+    modules read it (the first name's stage the original, every other stage its own, with its gradient and
+    optimizer state: ``torch.distributed.pipelining`` does not synchronize them).  ``rec`` was recorded with
+    ``untie``."""
+    if not untie:
+        return untie
+    names = _param_names(rec)
+    stage = {names[sid]: s for sid, s in _owners(rec, cut).items()}
+    group_of = {name: group[0] for group in untie for name in group}
+    out: dict[tuple[str, int], list[str]] = {}
+    for tie in tied(module):
+        home = stage[tie[0]]
+        for name in tie[1:]:
+            at = stage[group_of.get(name, tie[0])]
+            if at != home:
+                out.setdefault((tie[0], at), []).append(name)
+    return tuple(tuple(n) for n in out.values())
 
 
 def refusal(step: StepPeak, regime: Any) -> str | None:
@@ -400,10 +444,6 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
     if buffers:
         return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
                 "stage is not followed)")
-    every = [q for _, q in step.module.named_parameters(remove_duplicate=False)]
-    if len({id(q) for q in every}) != len(every):
-        return ("the pipeline peak of a traced module is modelled for untied parameters (a tied head is a copy on the "
-                "last stage, with its own gradient and state: not followed); untie them (hf: tie_word_embeddings=0)")
     if step.options.loss == "output" and not own_loss(step):
         return ("the pipeline peak of a traced module computing its own loss is modelled for Hugging Face models "
                 "given labels (the schedule's loss_fn is then the model's loss_function on the last stage's "
@@ -441,7 +481,9 @@ def pipeline_step(step: StepPeak, regime: Any, numbers: Mapping[sympy.Symbol, in
     why = refusal(step, regime)
     if why is not None:
         return Refused(why)
-    two = dataclasses.replace(step, options=dataclasses.replace(step.options, micro_batches=2), _records={},
+    # a tied parameter is a copy on each stage that holds one of its modules (split_ties, then stage_copies)
+    two = dataclasses.replace(step, options=dataclasses.replace(step.options, micro_batches=2,
+                                                                untie=split_ties(step.module)), _records={},
                               _peaks={}, _shared={}, notes=[])
     one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
     return TracedPipelineStep(None, None, {}, one, (), dict(numbers), regime.pipeline_schedule,  # type: ignore[arg-type]
