@@ -28,6 +28,7 @@ from symmem.importer import sources  # noqa: E402
 from symmem.importer.spec_builder import SpecBuilder  # noqa: E402
 
 BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
+TIED = f"{BLOCK}_tied"  # one weight read before the blocks by two modules (one copy there) and by the head
 GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 64, "use_cache": False,
         "tie_word_embeddings": False}
 #: (spec, config, schedule, M, loss): the file module at its example B = 4 (the optimizer step is the peak of some
@@ -39,7 +40,8 @@ CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross
          (BLOCK, (), "1f1b", 4, "sum"), ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "sum"),
          ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum"),
          ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "output"),
-         ("hf:gpt2", tuple(sorted({**GPT2, "tie_word_embeddings": True}.items())), "1f1b", 2, "output")]
+         ("hf:gpt2", tuple(sorted({**GPT2, "tie_word_embeddings": True}.items())), "1f1b", 2, "output"),
+         (TIED, (), "gpipe", 2, "cross-entropy")]
 
 
 @functools.cache
@@ -63,6 +65,9 @@ def _case(spec, config, schedule, m, loss):
 
     if spec.startswith("hf:"):
         return TracedCase(SpecBuilder(spec, config), GPT2Split(), schedule, m, loss, (2, 8, 64), (2, 8, 32))
+    if spec == TIED:
+        return TracedCase(SpecBuilder(spec), SequentialSplit(("inp", "mix", "mix2"), "blocks", ("head",)), schedule,
+                          m, loss, (4, 24), (4, 24))
     return TracedCase(SpecBuilder(spec), SequentialSplit(("inp",), "blocks", ("head",)), schedule, m, loss, (4, 5),
                       (4, 24))
 

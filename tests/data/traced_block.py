@@ -33,3 +33,27 @@ class Net(torch.nn.Module):
 def build() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return Net(), (torch.randn(4, 12),)
+
+
+class TiedNet(torch.nn.Module):
+    """Net with one weight read by three modules: ``mix`` and ``mix2`` before the blocks (one stage: one copy) and
+    the head after them (the last stage: a copy of its own), for tests/test_traced_pipeline.py."""
+
+    def __init__(self, h: int = 24, layers: int = 4) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(12, h)
+        self.mix, self.mix2 = torch.nn.Linear(h, h), torch.nn.Linear(h, h)
+        self.blocks = torch.nn.ModuleList(Block(h) for _ in range(layers))
+        self.head = torch.nn.Linear(h, h)
+        self.mix2.weight = self.head.weight = self.mix.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mix2(self.mix(self.inp(x)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_tied() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return TiedNet(), (torch.randn(4, 12),)
