@@ -5,7 +5,8 @@ schedule's order (symmem.importer.traced_pipeline), equals the live bytes measur
 -- the schedule's and the optimizer step's largest moments too.
 
 One process group of two ranks runs every case (symmem.record.traced_pipeline_runs): a file module with a
-ModuleList of 4 blocks (tests/data/traced_block.py) and Hugging Face's GPT-2 from a config (n_layer 4, untied head).
+ModuleList of 4 blocks (tests/data/traced_block.py; a variant with a weight tied across stages) and Hugging Face's
+GPT-2 from a config (n_layer 4, untied head; tied, each stage holding its own copy).
 """
 
 from __future__ import annotations

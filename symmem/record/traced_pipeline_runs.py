@@ -44,9 +44,11 @@ class SequentialSplit:
 
 @dataclass(frozen=True)
 class GPT2Split:
-    """The manual split of Hugging Face's ``GPT2LMHeadModel`` (untied): stage 0 runs what ``GPT2Model.forward``
-    runs before the blocks (the token and position embeddings, their sum, dropout), every stage ``L/p`` blocks
-    as ``GPT2Model`` calls them (no mask: causal attention; no cache), the last the final norm and the head."""
+    """The manual split of Hugging Face's ``GPT2LMHeadModel``: stage 0 runs what ``GPT2Model.forward`` runs
+    before the blocks (the token and position embeddings, their sum, dropout), every stage ``L/p`` blocks as
+    ``GPT2Model`` calls them (no mask: causal attention; no cache), the last the final norm and the head.  Tied
+    (transformers' default), each rank's model holds the one weight as ``wte`` and ``lm_head``; stage 0 keeps the
+    first, the last stage the second: two copies, each stepped on its own rank (nothing synchronizes them)."""
 
     def stage(self, full: Any, rank: int, world: int) -> Any:
         import torch
