@@ -139,13 +139,22 @@ def test_views_name_the_stage_and_fit_solves_b(capsys):
     ("hf-untied", ["--loss", "cross-entropy", "--set", "p=2"], "peak per stage (MiB) 0: 0.13, 1: 0.13"),
     ("llama", ["--loss", "sum", "--set", "p=2"], "no peak: the pipeline peak of a traced module is modelled for "
      "modules without buffers (model.rotary_emb.inv_freq: its stage is not followed)"),
+    # given labels: the encoder's output every decoder block reads is the obstacle (two tensors a boundary)
+    ("bart", ["--loss", "cross-entropy", "--set", "p=2"], "no peak: the pipeline peak of a traced encoder-decoder "
+     "is not modelled: every decoder block reads the encoder's output (cross-attention), so its stages pass two "
+     "tensors across each boundary (the decoder's stream and the encoder's output, both gradients back) where a "
+     "traced module's stages pass one (the labels are not the obstacle: the schedule's loss_fn would be the "
+     "model's cross-entropy on the last stage's logits, as for a decoder-only model)"),
 ])
 def test_refusals(capsys, config, args, message):
     gpt2 = "n_layer=2,n_embd=16,n_head=2,vocab_size=32,n_positions=16" + (",tie_word_embeddings=false" if
                                                                              config == "hf-untied" else "")
     llama = ("num_hidden_layers=2,hidden_size=16,num_attention_heads=2,num_key_value_heads=1,intermediate_size=32,"
              "vocab_size=32,tie_word_embeddings=false,use_cache=false")
-    spec = {"": [BLOCK, "--dims", "B"], "llama": ["hf:llama", "--config", llama, "--dims", "B,S"]}.get(
+    bart = ("encoder_layers=2,decoder_layers=2,d_model=16,encoder_attention_heads=2,decoder_attention_heads=2,"
+            "encoder_ffn_dim=32,decoder_ffn_dim=32,vocab_size=32,max_position_embeddings=32,use_cache=false")
+    spec = {"": [BLOCK, "--dims", "B"], "llama": ["hf:llama", "--config", llama, "--dims", "B,S"],
+            "bart": ["hf:bart", "--config", bart, "--dims", "B,S"]}.get(
         config, ["hf:gpt2", "--config", gpt2, "--dims", "B,S"])
     pipeline = [] if "--pipeline-parallel" in args else ["--pipeline-parallel", "gpipe", "--micro-batches", "2"]
     code = main(["trace", *spec, "--optimizer", "adamw", *pipeline, *args])

@@ -440,6 +440,13 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
                 "engine with it)")
     if step.repeat is None:
         return "pipeline stages split the run of repeated blocks symmem folds into L; this module has none"
+    if getattr(getattr(step.module, "config", None), "is_encoder_decoder", False):
+        # measured on the recorded step (hf:bart): every decoder block keeps the encoder's output for backward
+        return ("the pipeline peak of a traced encoder-decoder is not modelled: every decoder block reads the "
+                "encoder's output (cross-attention), so its stages pass two tensors across each boundary (the "
+                "decoder's stream and the encoder's output, both gradients back) where a traced module's stages "
+                "pass one (the labels are not the obstacle: the schedule's loss_fn would be the model's "
+                "cross-entropy on the last stage's logits, as for a decoder-only model)")
     buffers = [n for n, _ in step.module.named_buffers()]
     if buffers:
         return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
