@@ -346,12 +346,11 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
                  ) -> TensorRun:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import reference
     from .optim import make_optimizer, state_tensors
-    from .sharded import saved_storages
+    from .sharded import held_shard, saved_storages
 
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
@@ -371,12 +370,9 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
         parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
         run = module  # its sequence is the ids' (whole under sequence parallelism): the tables and mask cover it
 
-    def local(t: Any) -> Any:
-        return t._local_tensor if isinstance(t, DTensor) else t
-
     params = list(module.parameters())
-    held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
-    out, saved = saved_storages(lambda: run(ids), lambda: held, local)
+    held = {held_shard(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
+    out, saved = saved_storages(lambda: run(ids), lambda: held, held_shard)
     kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
     total = sum(v[0] for v in kept)
     out.sum().backward()
@@ -384,7 +380,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
     opt.step()
 
     def nbytes(ts: Any) -> int:
-        return sum(local(t).numel() * local(t).element_size() for t in ts)
+        return sum(held_shard(t).numel() * held_shard(t).element_size() for t in ts)
 
     grads = nbytes(p.grad for p in params if p.grad is not None)
     state = nbytes(state_tensors(opt))

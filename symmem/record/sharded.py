@@ -34,6 +34,13 @@ def local(t: Any) -> Any:
     return to_local() if callable(to_local) else t
 
 
+def held_shard(t: Any) -> Any:
+    """:func:`local` without running an op: a DTensor's local shard itself (``_local_tensor``, the same storage
+    ``to_local()`` views), else the tensor -- inside a saved-tensor hook, where ``to_local()`` would be an autograd
+    op of its own."""
+    return getattr(t, "_local_tensor", t)
+
+
 def saved_storages(forward: Callable[[], Any], held: Callable[[], set[int]], local: Callable[[Any], Any] = local
                    ) -> tuple[Any, dict[int, tuple[int, tuple[int, ...], str]]]:
     """``forward()``'s output and what autograd keeps for its backward while the output lives: each storage once
