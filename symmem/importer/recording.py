@@ -32,6 +32,7 @@ are interpolated moment by moment into formulas in ``L`` and checked against a r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -108,6 +109,9 @@ class StepRecord:
     count: int | None = None
     notes: tuple[str, ...] = ()
     guards: tuple[Any, ...] = ()
+    #: op index -> the parameters' storages a forward or loss op read (recorded with ``StepOptions.reads``; None
+    #: without): which stage reads a parameter, against the stage of its module (:mod:`.traced_pipeline`)
+    reads: Mapping[int, tuple[int, ...]] | None = None
 
     def category(self, sid: int) -> str:
         """Storage ``sid``'s category in the step's vocabulary (:data:`symmem.categories.STEP`)."""
@@ -230,6 +234,8 @@ class StepOptions:
     #: groups of a tied parameter's names that get a parameter of their own, one a group (a pipeline stage's copy
     #: of a tied head: :mod:`symmem.importer.traced_pipeline`); () keeps every tie
     untie: tuple[tuple[str, ...], ...] = ()
+    #: note which parameters each forward and loss op reads (:attr:`StepRecord.reads`; off: no cost per op)
+    reads: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.loss) and self.loss not in LOSSES:
@@ -292,6 +298,7 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
                             replay=replay if replay is not None else [],
                             default_read=True if replay is None else None, shape_env=world.env,
                             opaque=opaque_ops(), on_gpu=not str(device).startswith("cpu"))
+        reads = _watch_reads(rec, _keys(params.items())) if options.reads else None
         if shared is not None and rec.shapes is not None:
             if shared.shapes is None:
                 shared.shapes = rec.shapes
@@ -369,7 +376,25 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
     guards = collect(world.env, mapping, tidy)
     convert = converter(world.env, mapping)
     notes += rec.assumed
-    return rec.record(convert, index, layers[2] if layers is not None else None, notes, guards)
+    out = rec.record(convert, index, layers[2] if layers is not None else None, notes, guards)
+    return out if reads is None else dataclasses.replace(out, reads=reads)
+
+
+def _watch_reads(rec: _StepRecorder, params: Mapping[int, str]) -> dict[int, tuple[int, ...]]:
+    """Op index -> the parameters' storages (sids) it reads, for every forward and loss op from now on: the
+    recorder's ``observe`` wrapped (an op's index is the live recorder's count before it)."""
+    live, inner = rec.live, rec.observe
+    reads: dict[int, tuple[int, ...]] = {}
+
+    def observe(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if live.phase_name in ("forward", "loss"):
+            found = [live.by_key[k] for k in live._keys(args, kwargs) if k in params and k in live.by_key]
+            if found:
+                reads[live.ops] = tuple(sorted(found))
+        inner(func, args, kwargs, out)  # type: ignore[misc]
+
+    rec.observe = observe
+    return reads
 
 
 def _checkpointed_children(children: Sequence[str], layers: tuple[str, tuple[str, ...], int],
