@@ -228,3 +228,29 @@ def test_a_table_every_block_keeps_is_refused():
     with pytest.raises(SymmemError, match=r"^the blocks keep for backward more than one tensor made before them "
                        r"\(64 bytes at aten.div.Tensor in the module, 64\*B bytes at aten.addmm.default in inp\)"):
         d.value("peak")
+
+
+def test_a_parameter_read_on_another_stage_than_its_module_s_is_refused():
+    """``traced_block.ReadNet``'s head is its own code reading the input layer's weight (``x @ self.inp.weight``).
+    Measured on two gloo ranks (GPipe, M = 2, cross-entropy, the manual split with the head's code on the last
+    stage): that stage runs only if it keeps ``inp`` too (without it, ``AttributeError``), and then holds inp's
+    weight and bias (30,048 parameter bytes, as stage 0), the weight's gradient and AdamW state (59,956 bytes of
+    state against stage 0's 60,152: no bias state) and peaks at 135,284 bytes, where the cut counting the read on
+    stage 0 only gave 131,228.  Refused in one line naming the parameter and both stages."""
+    import importlib.util
+
+    from symmem.api import trace
+
+    spec = importlib.util.spec_from_file_location("traced_block_reads", BLOCK.split(":")[0])
+    data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(data)
+    module, example = data.build_reads()
+    d = trace(module, example, {"B": (0, 0)}, optimizer="adamw", loss="cross-entropy", pipeline_parallel=True,
+              pipeline_schedule="gpipe", micro_batches=2, values={"p": 2})
+    with pytest.raises(SymmemError, match=r"^the parameter inp\.weight is read on stage 1 of 2 \(aten\.mm\.default "
+                       r"in the module\) but held on stage 0, its module's: a real stage runs that read only if it "
+                       r"keeps the module too \(a copy of the parameter with its own gradient and optimizer state, "
+                       r"not synchronized\), which is not modelled for traced modules; give the read a module of "
+                       r"its own holding the parameter, tied \(as a head tied to the embedding: symmem counts each "
+                       r"stage's copy\)$"):
+        d.value("peak")

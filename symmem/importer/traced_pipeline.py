@@ -12,12 +12,15 @@ memory at rest and in the optimizer step -- taken from the record instead.
 The cut is the manual split (torchtitan's, ``torch.distributed.pipelining``'s examples): the blocks of the run
 symmem folds into ``L`` (``p`` must divide them) go ``L/p`` to a stage in order; what runs before the first block
 (the input layer) is stage 0's, what runs after the last (the head, the loss) the last stage's; in backward the
-other way round.  The module's forward must pass one tensor from block to block and nothing else across a stage
+other way round. The module's forward must pass one tensor from block to block and nothing else across a stage
 boundary: a tensor made before the blocks and read by them (a mask, rotary tables) would be made on every stage,
-which a recorded single-device step does not show -- refused in one line.  Each stage's optimizer step is the
-recorded steady ``optimizer.step()``'s ops for the stage's parameters (the for-loop AdamW's temporaries), beside
-its weights, gradients, state, receive buffers (one per micro-batch each way, the boundary's bytes), its inputs
-(stage 0: the batch; the last: the labels) and the last stage's logits of every micro-batch.
+which a recorded single-device step does not show -- refused in one line. So is a parameter a forward op reads on
+another stage than its module's (a head written ``x @ self.emb.weight.T`` in the module's own code): the real stage
+runs it only if it keeps the other stage's module too, a copy whose bytes depend on what the split keeps (the
+recorded step notes each forward op's parameter reads, ``StepOptions.reads``). Each stage's optimizer step is the
+recorded steady ``optimizer.step()``'s ops for the stage's parameters (the for-loop AdamW's temporaries), beside its
+weights, gradients, state, receive buffers (one per micro-batch each way, the boundary's bytes), its inputs (stage
+0: the batch; the last: the labels) and the last stage's logits of every micro-batch.
 
 A module's own loss cannot run inside the last stage: ``torch.distributed.pipelining`` gives it only the previous
 stage's output, and the target to the schedule's ``loss_fn``.  A Hugging Face model given ``labels`` (``hf:`` with
@@ -144,6 +147,7 @@ class TracedCut:
                 self.frees.setdefault(sid, k)
         self.boundary = self._boundaries()
         self._one_stream(stages)
+        _reads_on_one_stage(rec, self, stages)
 
     def _one_stream(self, stages: Mapping[int, int]) -> None:
         """Refuse a module whose blocks keep for backward more than the stream made before them: a tensor its own
@@ -196,6 +200,28 @@ class TracedCut:
                                   "for itself: not modelled for traced modules)")
             out.append(self.size(crossing[0]))
         return out
+
+
+def _reads_on_one_stage(rec: StepRecord, cut: TracedCut, stages: Mapping[int, int]) -> None:
+    """Refuse a parameter a forward op reads on another stage than its module's (a head written ``x @
+    self.emb.weight.T`` in the module's own code, a module run before and after the blocks): the real stage runs
+    that code only if it keeps the module too -- its own copy of the parameter, with its gradient and optimizer
+    state, and the module's other parameters without (measured on gloo) -- which the cut does not model."""
+    if not rec.reads:
+        return
+    names = _param_names(rec)
+    owner = _owners(rec, cut)
+    for index, sids in sorted(rec.reads.items()):
+        at = stages.get(index)
+        for sid in sids:
+            if at is None or sid not in owner or owner[sid] == at:
+                continue
+            raise SymmemError(
+                f"the parameter {names[sid]} is read on stage {at} of {cut.p} ({cut.tl.events[index].node}) but "
+                f"held on stage {owner[sid]}, its module's: a real stage runs that read only if it keeps the module "
+                "too (a copy of the parameter with its own gradient and optimizer state, not synchronized), which "
+                "is not modelled for traced modules; give the read a module of its own holding the parameter, tied "
+                "(as a head tied to the embedding: symmem counts each stage's copy)")
 
 
 def _read_by_blocks(rec: StepRecord, stages: Mapping[int, int], frees: Mapping[int, int]) -> list[int]:
@@ -489,7 +515,8 @@ def pipeline_step(step: StepPeak, regime: Any, numbers: Mapping[sympy.Symbol, in
     if why is not None:
         return Refused(why)
     # a tied parameter is a copy on each stage that holds one of its modules (split_ties, then stage_copies)
-    two = dataclasses.replace(step, options=dataclasses.replace(step.options, micro_batches=2,
+    # reads: which parameters each forward op reads (one read on another stage than its module's is refused)
+    two = dataclasses.replace(step, options=dataclasses.replace(step.options, micro_batches=2, reads=True,
                                                                 untie=split_ties(step.module)), _records={},
                               _peaks={}, _shared={}, notes=[])
     one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)

@@ -57,3 +57,25 @@ class TiedNet(torch.nn.Module):
 def build_tied() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return TiedNet(), (torch.randn(4, 12),)
+
+
+class ReadNet(torch.nn.Module):
+    """Net whose head is the module's own code reading the input layer's weight (``x @ self.inp.weight``, 24 -> 12:
+    a head written with the embedding's weight rather than a module tied to it), for tests/test_traced_pipeline.py:
+    over pipeline stages the last stage reads a parameter of stage 0's module."""
+
+    def __init__(self, h: int = 24, layers: int = 4) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(12, h)
+        self.blocks = torch.nn.ModuleList(Block(h) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.inp.weight
+
+
+def build_reads() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return ReadNet(), (torch.randn(4, 12),)
