@@ -6,7 +6,8 @@ schedule's order (symmem.importer.traced_pipeline), equals the live bytes measur
 
 One process group of two ranks runs every case (symmem.record.traced_pipeline_runs): a file module with a
 ModuleList of 4 blocks (tests/data/traced_block.py; a variant with a weight tied across stages) and Hugging Face's
-GPT-2 from a config (n_layer 4, untied head; tied, each stage holding its own copy).
+GPT-2 from a config (n_layer 4, untied head; tied, each stage holding its own copy).  A parameter read on another
+stage than its module's (traced_block.py:build_reads) is refused in one line.
 """
 
 from __future__ import annotations
