@@ -275,6 +275,9 @@ class Regime:
             # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py),
             # with or without sequence parallelism
             return
+        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.tensor_parallel:
+            # FSDP2 on every stage of a p x N mesh, torchtitan's recipe (passes/fsdp_pipeline.py)
+            return
         if self.tensor_parallel or self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "
                               "of them")
