@@ -95,7 +95,7 @@ class _Units:
                 continue
             dims = tuple(_integer(d, cut.subs, name) for d in shape)
             rows = shard_rows(dims, world) if dims else 1
-            shard = int(rows) * numel(dims[1:]) if dims else 1
+            shard = int(rows) * int(numel(dims[1:])) if dims else 1
             held = tuple(int(x) for x in held_shape(dims, world, rank))
             grad = f"{name}.grad" if owner not in heads else next(
                 (st.name for st in cut.tl.storages if st.category == "gradient" and st.node == owner), "")
@@ -118,7 +118,7 @@ class _Units:
 
     def at_rest(self) -> tuple[int, int]:
         """(the shards' bytes, AdamW's state: two moments of the held rows and a step per parameter)."""
-        return sum(p.shard for p in self.params) * 4, sum(2 * numel(p.held) * 4 + 4 for p in self.params)
+        return sum(p.shard for p in self.params) * 4, sum(2 * int(numel(p.held)) * 4 + 4 for p in self.params)
 
 
 class _FsdpReplay(_Replay):
@@ -296,7 +296,9 @@ class MeshStageMoment(StageMoment):
         return self.stage * self.world
 
     def where(self, step: bool = True) -> str:
-        return f"rank {self.rank} ({super().where(step)}, data-parallel rank 0 of {self.world})"
+        head = f"stage {self.stage} of {self.stages}"
+        return super().where(step).replace(head, f"rank {self.rank} (stage {self.stage} of {self.stages}, "
+                                                 f"data-parallel rank 0 of N = {self.world})", 1)
 
 
 @dataclass(eq=False)
@@ -342,15 +344,17 @@ class FsdpPipelineStep(PipelineStep):
         """``{rank: (first-step peak, steady peak)}`` of every rank of the p x N mesh (rank ``s*N + r``: stage
         ``s``, data-parallel rank ``r``); None where every rank is alike."""
         from ..symbols import N
+        from .data_parallel import _stored, alike_ranks
 
         numbers = derivation.numbers
         world = int(numbers[N])
+        firsts = [derivation.evaluate(shape[0]) for shape in _stored(self.graph).values() if shape]
         out: dict[int, tuple[int, int]] = {}
-        for r in range(world):
-            step = self if r == 0 else self.at_rank(r)
+        for group in alike_ranks(firsts, world):  # ranks that hold the same rows: one replay for them all
+            step = self if group[0] == 0 else self.at_rank(group[0])
             each = step.per_stage(numbers)
             for s, (first, steady) in enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"],
                                                     strict=True)):
-                out[s * world + r] = (first, steady)
+                out.update({s * world + r: (first, steady) for r in group})
         out = dict(sorted(out.items()))
         return out if len(set(out.values())) > 1 else None
