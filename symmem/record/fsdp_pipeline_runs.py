@@ -160,7 +160,9 @@ def _work(cases: Sequence[Case], stages: int, rank: int, world: int) -> list[Sta
 def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method: str = "fork"
                        ) -> list[list[StageMeshRun]]:
     """Per rank (``stages * dp`` of them, rank ``r`` stage ``r // dp``, data-parallel rank ``r % dp``), one
-    :class:`StageMeshRun` per case.  A rank that fails or hangs is a :class:`SymmemError`."""
+    :class:`StageMeshRun` per case.  ``start_method`` ``fork``, or ``forkserver`` (the test suite's: one server for
+    every gloo run, :func:`symmem.record.distributed.measure_jobs`).  A rank that fails or hangs is a
+    :class:`SymmemError`."""
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
     import torch.distributed.pipelining  # noqa: F401
 
@@ -169,6 +171,13 @@ def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method
     for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SymmemError(f"the {what} is a positive integer, got {n!r}")
+    if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
+        import multiprocessing
+
+        from .distributed import PRELOAD
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [*PRELOAD, "torch.distributed.pipelining", __name__])
     listed = [(model, dict(values), schedule, m, loss, dict(options), bool(reshard))
               for model, values, schedule, m, loss, options, reshard in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the FSDP x pipeline run",
