@@ -70,7 +70,8 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         assert out["values"]["peak_per_stage"] == [real[0].steady_peak, real[2].steady_peak], k
     # where GPT-2's largest rank peaks: the first backward's all-gather of the embedding (prefetched by layer 1)
     assert _derive(*CASES[0]).peak_at().where(step=False) == (
-        "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline h.add2 (layer 1), micro-batch 0")
+        "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before h.add2's backward (layer 1), "
+        "micro-batch 0")
 
 
 def test_the_cli_table_and_fit(capsys):
@@ -120,3 +121,13 @@ def test_the_peak_refuses_what_was_not_measured(more, why):
     kw = {"device": "cpu", "attention": "sdpa", "values": {**LLAMA, "p": 2, "N": 2}, **more}
     out = derive("llama", data_parallel="fsdp", pipeline_parallel=True, micro_batches=2, **kw).to_dict()
     assert out["values"]["peak"] is None and out["peak_refused"].startswith(why), more
+
+
+def test_stages_without_the_engine_are_refused(capsys):
+    """``symmem stages`` gives one pipeline's stages: with an engine it says where every rank's peak is."""
+    from symmem.cli import main
+
+    assert main(["stages", "gpt2", "--data-parallel", "fsdp", "--pipeline-parallel", "gpipe", "--set", "p=2",
+                 "--set", "N=2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("symmem: error: the stages here are one pipeline's, without an engine: with "
+                                       "data_parallel='fsdp' derive gives every rank's peak (values.peak_per_rank)\n")

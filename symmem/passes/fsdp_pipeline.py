@@ -30,11 +30,13 @@ Data-parallel rank 0 of each stage holds whole shards, the most; every rank's pe
 :meth:`FsdpPipelineStep.rank_peaks` (rank ``s*N + r`` is stage ``s``'s data-parallel rank ``r``).
 
 >>> from symmem import derive
->>> d = derive("llama", data_parallel="fsdp", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2,
-...            loss="cross-entropy", attention="sdpa", device="cpu",
-...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64, "p": 2, "N": 2})
->>> d.value("peak") > 0
-True
+>>> d = derive("llama", data_parallel="fsdp-no-reshard", pipeline_parallel=True, pipeline_schedule="gpipe",
+...            micro_batches=2, loss="cross-entropy", attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64, "p": 2, "N": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)  # the engine's, tests/test_fsdp_pipeline.py
+(330780, 'rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0')
+>>> d.step.rank_peaks(d)  # {rank: (first step, steady)}; V = 63 rows: rank 1 of each stage holds 31 of 32
+{0: (252320, 297672), 1: (252320, 297416), 2: (285296, 330780), 3: (285296, 330524)}
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class _FsdpReplay(_Replay):
         return bool(self.units.of(unit))
 
     def _gather(self, unit: int | None, node: str | None, mb: int, with_params: bool = True) -> None:
-        """The unit's all-gather output and (``with_params``) its unsharded parameters, unless it is unsharded."""
+        """The unit's all-gather output and (``with_params``) its unsharded parameters, unless it is unsharded; the
+        moment named after the op it comes before (``node``: a backward's ends in ``'s backward``)."""
         if not self._has(unit) or ("P", unit) in self.held:
             return
         self._make(("A", unit), self.units.gather_bytes(unit))
@@ -168,7 +171,7 @@ class _FsdpReplay(_Replay):
             for p in self.units.of(unit):
                 self._make(("P", (unit, p.name)), self.units.world * p.shard * 4)
             self.held[("P", unit)] = 0
-        self.moment(self.live, node, mb)
+        self.moment(self.live, f"all-gather before {node}", mb)
 
     def _reshard(self, unit: int | None) -> None:
         if ("P", unit) in self.held:
@@ -197,13 +200,14 @@ class _FsdpReplay(_Replay):
             return
         in_loss = node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
         last_stage = self.s == self.cut.p - 1
+        at = f"{node}'s backward"
         if last_stage and not in_loss:
-            self._pre_backward(None, node, mb)  # the root's output, the logits, has its gradient
+            self._pre_backward(None, at, mb)  # the root's output, the logits, has its gradient
         if unit is not None:
-            self._pre_backward(unit, node, mb)
+            self._pre_backward(unit, at, mb)
             if not last_stage and self.units.layers and unit == self.units.layers[-1]:
                 # the stage's output is its last layer's and the root's: their hooks in the order registered
-                self._pre_backward(None, node, mb)
+                self._pre_backward(None, at, mb)
 
     def _pre_backward(self, unit: int | None, node: str | None, mb: int) -> None:
         """FSDP2's pre-backward of ``unit``: all-gather it where it is sharded, then prefetch (all-gather output
@@ -253,12 +257,13 @@ class _FsdpReplay(_Replay):
                 self._drop(previous)
             previous = ("R", unit)
             self._make(previous, self.units.gather_bytes(unit))
-            self.moment(self.live, "reduce_scatter", None)
+            what = f"the reduce-scatter of {'the stage root' if unit is None else f'layer {unit}'}"
+            self.moment(self.live, what, None)
             mine = [grads[p.grad] for p in params if p.grad in grads]
             for key in mine[:-1]:
                 self.free(key)
             self._make(("G", unit), self.units.shard_bytes(unit))
-            self.moment(self.live, "reduce_scatter", None)
+            self.moment(self.live, what, None)
             for key in mine[-1:]:
                 self.free(key)
         if previous is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
-from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, SETTLE_S, _fewest_at
+from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS, _fewest_at
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward)
 Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], bool]
