@@ -343,7 +343,13 @@ class FsdpPipelineStep(PipelineStep):
         return Peak(None, None, moments, found.domain)
 
     def at_rank(self, rank: int) -> FsdpPipelineStep:
-        return dataclasses.replace(self, rank=rank, _cache={})
+        """The step of data-parallel rank ``rank`` of every stage (kept: the views ask for each rank again)."""
+        if rank == self.rank:
+            return self
+        key = ("rank", rank)
+        if key not in self._cache:
+            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
+        return self._cache[key]
 
     def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
         """``{rank: (first-step peak, steady peak)}`` of every rank of the p x N mesh (rank ``s*N + r``: stage
@@ -356,7 +362,7 @@ class FsdpPipelineStep(PipelineStep):
         firsts = [derivation.evaluate(shape[0]) for shape in _stored(self.graph).values() if shape]
         out: dict[int, tuple[int, int]] = {}
         for group in alike_ranks(firsts, world):  # ranks that hold the same rows: one replay for them all
-            step = self if group[0] == 0 else self.at_rank(group[0])
+            step = self.at_rank(group[0])
             each = step.per_stage(numbers)
             for s, (first, steady) in enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"],
                                                     strict=True)):
