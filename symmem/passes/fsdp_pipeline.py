@@ -247,8 +247,10 @@ class _FsdpReplay(_Replay):
 
     def finish(self) -> None:
         """``perform_reduce_grad``: every unit's post-backward with gradient sync, the root first."""
-        grads = {self.cut.tl.storages[sid].name: (mb, sid) for mb, sid in self.alive
-                 if self.cut.tl.storages[sid].category == "gradient"}
+        grads: dict[str, list[tuple[int, int]]] = {}  # a gradient's name -> its storages alive (a tied weight's: two)
+        for mb, sid in self.alive:
+            if self.cut.tl.storages[sid].category == "gradient":
+                grads.setdefault(self.cut.tl.storages[sid].name, []).append((mb, sid))
         previous = None
         for unit in self.units.order:
             params = self.units.of(unit)
@@ -259,7 +261,7 @@ class _FsdpReplay(_Replay):
             self._make(previous, self.units.gather_bytes(unit))
             what = f"the reduce-scatter of {'the stage root' if unit is None else f'layer {unit}'}"
             self.moment(self.live, what, None)
-            mine = [grads[p.grad] for p in params if p.grad in grads]
+            mine = [key for p in params for key in grads.get(p.grad, [])]
             for key in mine[:-1]:
                 self.free(key)
             self._make(("G", unit), self.units.shard_bytes(unit))
