@@ -221,10 +221,21 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
 
     from .passes.pipeline_step import PipelineStep
 
-    one = replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
-    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k != "p"},
-                         options=options, free=None if free is None else tuple(f for f in free if f != "p"))
+    one = replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1, data_parallel=None)
+    dropped = ("p", "N") if regime.data_parallel else ("p",)
+    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k not in dropped},
+                         options=options, free=None if free is None else tuple(f for f in free if f not in dropped))
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    if regime.data_parallel:  # FSDP2 on every stage of a p x N mesh (passes/fsdp_pipeline.py)
+        from .passes.fsdp_pipeline import FsdpPipelineStep, refusal
+        from .step import Refused
+
+        why = refusal(model.name, regime, str(single.options.get("device", "cpu")))
+        if why is not None:
+            return Refused(f"no peak: {why}")
+        return FsdpPipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
+                                regime.pipeline_schedule, regime.micro_batches,
+                                reshard=regime.data_parallel == "fsdp")
     return PipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
                         regime.pipeline_schedule, regime.micro_batches)
 

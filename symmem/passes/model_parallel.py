@@ -539,6 +539,7 @@ class _Replay:
                 self.end_forward(mb, ends)
             else:
                 self.end_backward(mb, ends)
+        self.finish()
         if s == cut.p - 1 and self.at["outputs"]:
             self.moment(self.live + self.at["outputs"], "merge_chunks", None)  # every micro-batch's logits
         step = self.at["step_peak"]
@@ -564,7 +565,9 @@ class _Replay:
         indices = {k for k, _ in mine}
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
+        self.begin(kind, mb)
         for k, e in mine:
+            self.before(kind, e.node, mb)
             for sid in e.born:
                 st = tl.storages[sid]
                 if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
@@ -587,9 +590,28 @@ class _Replay:
             for sid in e.freed:
                 if (mb, sid) in self.alive and cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep:
                     self.free((mb, sid))
+            self.after(kind, e.node, mb)
+        self.end(kind, mb)
         for key in done:
             self.free(key)
         return ends
+
+    # what a data-parallel engine wrapped around the stage does around its ops (none here: the stage alone;
+    # passes/fsdp_pipeline.py: FSDP2's units)
+    def begin(self, kind: str, mb: int) -> None:
+        """Before micro-batch ``mb``'s forward (``kind`` ``F``) or backward (``B``) on this stage."""
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        """Before the op ``node`` of micro-batch ``mb``'s forward or backward."""
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        """After the op ``node`` (its outputs made, what it last read freed)."""
+
+    def end(self, kind: str, mb: int) -> None:
+        """After micro-batch ``mb``'s forward or backward on this stage."""
+
+    def finish(self) -> None:
+        """After the last backward, before the last stage concatenates its logits."""
 
     def end_forward(self, mb: int, ends: list[tuple[int, int]]) -> None:
         """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup

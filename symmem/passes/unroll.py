@@ -87,9 +87,12 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
         # a value held past its last use (schedule's held_until): a block member's hold is each iteration's
         written: dict[str, str] = {}
         for k, v in held.items():
-            copies = itertools.takewhile(iterations.__contains__, (f"{k}#{j}" for j in itertools.count(1)))
-            for c in [*copies] or [k]:
-                written[c] = renamed.get(v, v)
+            copies = [*itertools.takewhile(iterations.__contains__, (f"{k}#{j}" for j in itertools.count(1)))]
+            for j, c in enumerate(copies or [k], 1):
+                # held until a node of the same iteration (a norm's variance until that norm returns), else the
+                # node as written (the last iteration's, or one outside the block)
+                mine = f"{v}#{j}"
+                written[c] = mine if copies and mine in iterations else renamed.get(v, v)
         out.graph["held_until"] = written
     return out
 

@@ -1,0 +1,373 @@
+"""FSDP x pipeline: FSDP2's ``fully_shard`` on every pipeline stage of a p x N mesh, per stage and rank.
+
+The engine is torchtitan's recipe (:mod:`symmem.record.fsdp_pipeline_runs`): ``init_device_mesh(device, (p, N),
+mesh_dim_names=("pp", "dp"))``, each stage's module (the embedding on the first stage, the final norm and the head
+on the last, ``L/p`` layers each) gets ``fully_shard`` on each of its layers and on the stage root over
+``mesh["dp"]``, then ``PipelineStage`` and ``ScheduleGPipe`` / ``Schedule1F1B`` run ``M`` micro-batches.  What
+torch 2.13 does (``torch/distributed/pipelining/stage.py``), and what a stage holds beyond the pipeline's replay
+(:class:`~symmem.passes.model_parallel._Replay`, the single-device step cut by stage):
+
+* **between steps** -- the padded shards of the stage's parameters (dim 0 padded to a multiple of N, split
+  evenly), AdamW's two moments of the *unpadded* rows a rank holds and a 4-byte ``step`` per parameter
+  (:func:`~symmem.passes.data_parallel.held_shape`: the last ranks of a group hold fewer), the receive buffers, the
+  last stage's logits;
+* **forward** -- each unit's pre-forward all-gathers it (the all-gather output and the unsharded parameters) unless
+  it is unsharded already, and frees the unit before's all-gather output; its post-forward frees the unsharded
+  parameters under ``reshard_after_forward`` (``fsdp``; ``fsdp-no-reshard`` keeps them); the stage root's
+  post-forward, before the loss, frees the last all-gather output;
+* **backward** -- ``backward_maybe_with_nosync`` turns off FSDP's gradient sync and its reshard after backward for
+  every micro-batch: a unit's pre-backward all-gathers it where a forward resharded it, prefetches the next unit's
+  all-gather output, and nothing is freed or reduced; the unsharded gradients accumulate across micro-batches as
+  one device's do (the replay's);
+* **after the last backward** -- ``perform_reduce_grad`` runs every unit's post-backward, the stage root first, then
+  the layers in order: the unsharded parameters freed, the previous reduce-scatter input freed and the unit's
+  made, the unit's unsharded gradients freed and its sharded gradients made; the final callback frees the last
+  reduce-scatter input;
+* **the optimizer step** -- for-loop AdamW on the held rows (every sharded gradient, one parameter's ``sqrt`` and
+  ``denom`` beside the previous one's).
+
+Data-parallel rank 0 of each stage holds whole shards, the most; every rank's peak is
+:meth:`FsdpPipelineStep.rank_peaks` (rank ``s*N + r`` is stage ``s``'s data-parallel rank ``r``).
+
+>>> from symmem import derive
+>>> d = derive("llama", data_parallel="fsdp-no-reshard", pipeline_parallel=True, pipeline_schedule="gpipe",
+...            micro_batches=2, loss="cross-entropy", attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64, "p": 2, "N": 2})
+>>> d.value("peak"), d.peak_at().where(step=False)  # the engine's, tests/test_fsdp_pipeline.py
+(330780, 'rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0')
+>>> d.step.rank_peaks(d)  # {rank: (first step, steady)}; V = 63 rows: rank 1 of each stage holds 31 of 32
+{0: (252320, 297672), 1: (252320, 297416), 2: (285296, 330780), 3: (285296, 330524)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+from ..shapes import numel
+from ..training import Regime
+from .model_parallel import _integer, _Replay, _step_temporaries
+from .pipeline_step import PipelineStep, StageMoment
+
+
+def refusal(model_name: str, regime: Regime, device: str) -> str | None:
+    """Why the FSDP x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
+    if device != "cpu":
+        return "the FSDP x pipeline peak is measured on CPU ranks (gloo)"
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in (
+            "auto", "for-loop"):
+        return "the FSDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step, as measured"
+    if model_name not in ("gpt2", "llama"):
+        return f"the FSDP x pipeline peak is measured for the gpt2 and llama references, not {model_name!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    unit: int | None        # the layer (1-based iteration), or None: the stage root
+    shard: int              # elements of the rank's padded shard
+    held: tuple[int, ...]   # the unpadded rows the rank holds (what AdamW's state follows)
+    grad: str               # the name of its gradient's storage in the single-device step
+
+
+class _Units:
+    """FSDP2's units of one stage at numbers: the stage root's parameters (embedding, final norm, head) and each
+    layer's, in the order ``module.parameters()`` lists them, with their shards on data-parallel rank ``rank``."""
+
+    def __init__(self, cut: Any, s: int, world: int, rank: int) -> None:
+        from .data_parallel import held_shape, shard_rows, stored_shapes
+        from .parameters import in_registration_order, program_parameters
+        from .unroll import iteration
+
+        g = cut.g
+        listed = in_registration_order(g, program_parameters(g))
+        stored = stored_shapes(g, listed)
+        heads = [n for n in g.program_order() if g.node(n).kind == "linear" and g.node(n).attrs.get("tied")]
+        if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
+            node = g.node(heads[0])
+            stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], g.node(node.inputs[0]).out.shape[-1])
+        self.params: list[_Param] = []
+        for name, shape in stored.items():
+            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+            if cut.stage_of(owner) != s:
+                continue
+            dims = tuple(_integer(d, cut.subs, name) for d in shape)
+            rows = shard_rows(dims, world) if dims else 1
+            shard = int(rows) * int(numel(dims[1:])) if dims else 1
+            held = tuple(int(x) for x in held_shape(dims, world, rank))
+            grad = f"{name}.grad" if owner not in heads else next(
+                (st.name for st in cut.tl.storages if st.category == "gradient" and st.node == owner), "")
+            self.params.append(_Param(name, iteration(owner) or None, shard, held, grad))
+        self.world = world
+        self.order: list[int | None] = list(dict.fromkeys(p.unit for p in self.params))
+        if None in self.order:  # the root's pre-forward runs first, its post-backward first in the reduce
+            self.order = [None, *(u for u in self.order if u is not None)]
+        self.layers = [u for u in self.order if u is not None]
+
+    def of(self, unit: int | None) -> list[_Param]:
+        return [p for p in self.params if p.unit == unit]
+
+    def gather_bytes(self, unit: int | None) -> int:
+        """The all-gather output (and the reduce-scatter input): N shards of the unit."""
+        return self.world * self.shard_bytes(unit)
+
+    def shard_bytes(self, unit: int | None) -> int:
+        return sum(p.shard for p in self.of(unit)) * 4
+
+    def at_rest(self) -> tuple[int, int]:
+        """(the shards' bytes, AdamW's state: two moments of the held rows and a step per parameter)."""
+        return sum(p.shard for p in self.params) * 4, sum(2 * int(numel(p.held)) * 4 + 4 for p in self.params)
+
+
+class _FsdpReplay(_Replay):
+    """:class:`~symmem.passes.model_parallel._Replay` of one stage with FSDP2's units around its ops (the module's
+    note); ``at`` is the stage's parts under FSDP."""
+
+    def __init__(self, cut: Any, s: int, at: Mapping[str, int], schedule: str, m: int, units: _Units,
+                 reshard: bool) -> None:
+        super().__init__(cut, s, at, schedule, m)
+        self.units, self.reshard = units, reshard
+        self.held: dict[tuple[str, Any], int] = {}   # FSDP's storages alive: (kind, unit) -> bytes
+        self.first_op: dict[int | None, str] = {}
+        self.last_op: dict[int | None, str] = {}
+        from .unroll import iteration
+
+        forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
+        for n in forward:
+            u = iteration(n) or None
+            self.first_op.setdefault(u, n)
+            self.last_op[u] = n
+        model = [n for n in forward if n is not None and (n not in cut.g or cut.g.node(n).group != "loss")]
+        self.root_end = model[-1] if model else None
+        self.started: set[int | None] = set()
+        self.opened = False
+        # FSDP2's post-forward order over the step's forwards and each unit's places in it (its backward prefetch)
+        self.post_forward: list[int | None] = []
+        self.indices: dict[int | None, list[int]] = {}
+
+    # FSDP's storages
+    def _make(self, key: tuple[str, Any], nbytes: int) -> None:
+        if key not in self.held:
+            self.held[key] = nbytes
+            self.live += nbytes
+
+    def _drop(self, key: tuple[str, Any]) -> None:
+        self.live -= self.held.pop(key, 0)
+
+    def _has(self, unit: int | None) -> bool:
+        return bool(self.units.of(unit))
+
+    def _gather(self, unit: int | None, node: str | None, mb: int, with_params: bool = True) -> None:
+        """The unit's all-gather output and (``with_params``) its unsharded parameters, unless it is unsharded; the
+        moment named after the op it comes before (``node``: a backward's ends in ``'s backward``)."""
+        if not self._has(unit) or ("P", unit) in self.held:
+            return
+        self._make(("A", unit), self.units.gather_bytes(unit))
+        if with_params:
+            for p in self.units.of(unit):
+                self._make(("P", (unit, p.name)), self.units.world * p.shard * 4)
+            self.held[("P", unit)] = 0
+        self.moment(self.live, f"all-gather before {node}", mb)
+
+    def _reshard(self, unit: int | None) -> None:
+        if ("P", unit) in self.held:
+            for p in self.units.of(unit):
+                self._drop(("P", (unit, p.name)))
+            self._drop(("P", unit))
+
+    # the hooks of the replay
+    def begin(self, kind: str, mb: int) -> None:
+        self.opened = False
+        self.started = set()
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        from .unroll import iteration
+
+        unit = iteration(node) or None if node is not None else None
+        if kind == "F":
+            if not self.opened:  # the stage root's pre-forward
+                self.opened = True
+                self._gather(None, node, mb)
+            if unit is not None and self.first_op.get(unit) == node:
+                before = [k for k in self.held if k[0] == "A" and k[1] != unit]
+                self._gather(unit, node, mb)
+                for k in before:
+                    self._drop(k)
+            return
+        in_loss = node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
+        last_stage = self.s == self.cut.p - 1
+        at = f"{node}'s backward"
+        if last_stage and not in_loss:
+            self._pre_backward(None, at, mb)  # the root's output, the logits, has its gradient
+        if unit is not None:
+            self._pre_backward(unit, at, mb)
+            if not last_stage and self.units.layers and unit == self.units.layers[-1]:
+                # the stage's output is its last layer's and the root's: their hooks in the order registered
+                self._pre_backward(None, at, mb)
+
+    def _pre_backward(self, unit: int | None, node: str | None, mb: int) -> None:
+        """FSDP2's pre-backward of ``unit``: all-gather it where it is sharded, then prefetch (all-gather output
+        only) the unit whose post-forward came just before the one this backward pops (``post_forward_order``)."""
+        if unit in self.started or not self._has(unit):
+            return
+        self.started.add(unit)
+        self._gather(unit, node, mb)
+        self._drop(("A", unit))
+        index = self.indices[unit].pop() if self.indices.get(unit) else None
+        if index is not None and index > 0:
+            target = self.post_forward[index - 1]
+            if ("P", target) not in self.held and ("A", target) not in self.held:
+                self._gather(target, node, mb, with_params=False)
+
+    def _post_forward(self, unit: int | None) -> None:
+        self.indices.setdefault(unit, []).append(len(self.post_forward))
+        self.post_forward.append(unit)
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        from .unroll import iteration
+
+        if kind != "F":
+            return
+        unit = iteration(node) or None if node is not None else None
+        if unit is not None and self.last_op.get(unit) == node and self._has(unit):
+            if self.reshard:
+                self._reshard(unit)
+            self._post_forward(unit)
+        if node == self.root_end:  # the root's post-forward
+            if self.reshard:
+                self._reshard(None)
+            if self._has(None):
+                self._post_forward(None)
+            for k in [k for k in self.held if k[0] == "A"]:
+                self._drop(k)
+
+    def finish(self) -> None:
+        """``perform_reduce_grad``: every unit's post-backward with gradient sync, the root first."""
+        grads: dict[str, list[tuple[int, int]]] = {}  # a gradient's name -> its storages alive (a tied weight's: two)
+        for mb, sid in self.alive:
+            if self.cut.tl.storages[sid].category == "gradient":
+                grads.setdefault(self.cut.tl.storages[sid].name, []).append((mb, sid))
+        previous = None
+        for unit in self.units.order:
+            params = self.units.of(unit)
+            self._reshard(unit)
+            if previous is not None:
+                self._drop(previous)
+            previous = ("R", unit)
+            self._make(previous, self.units.gather_bytes(unit))
+            what = f"the reduce-scatter of {'the stage root' if unit is None else f'layer {unit}'}"
+            self.moment(self.live, what, None)
+            mine = [key for p in params for key in grads.get(p.grad, [])]
+            for key in mine[:-1]:
+                self.free(key)
+            self._make(("G", unit), self.units.shard_bytes(unit))
+            self.moment(self.live, what, None)
+            for key in mine[-1:]:
+                self.free(key)
+        if previous is not None:
+            self._drop(previous)
+
+
+def stage_at(memory: Any, numbers: Mapping[str, int], units: _Units, regime: Regime, layers: int) -> dict[str, int]:
+    """The stage's parts at ``numbers`` under FSDP: the pipeline stage's buffers, inputs and outputs, the shards,
+    their gradients, AdamW's state of the held rows and the for-loop step's temporaries on them."""
+    at = dict(memory.at(numbers))
+    weights, state = units.at_rest()
+    before = [p.held for p in units.params if p.unit is None and units.params.index(p) < _first_layer(units)]
+    after = [p.held for p in units.params if p.unit is None and units.params.index(p) > _first_layer(units)]
+    layer = [p.held for p in units.of(units.layers[0])] if units.layers else []
+    temps = _integer(_step_temporaries(regime, before, layer, after, layers, "for-loop"), {}, "step temporaries")
+    at.update(parameters=weights, gradients=weights, optimizer_state=state, step_temporaries=temps)
+    at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
+    at["step_peak"] = at["at_rest"] + weights + temps
+    return at
+
+
+def _first_layer(units: _Units) -> int:
+    found = [k for k, p in enumerate(units.params) if p.unit is not None]
+    return found[0] if found else len(units.params)
+
+
+@dataclass(frozen=True)
+class MeshStageMoment(StageMoment):
+    """A moment of one stage's step on the p x N mesh: its data-parallel rank 0 (whole shards) is rank ``s*N``."""
+
+    world: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.world
+
+    def where(self, step: bool = True) -> str:
+        head = f"stage {self.stage} of {self.stages}"
+        return super().where(step).replace(head, f"rank {self.rank} (stage {self.stage} of {self.stages}, "
+                                                 f"data-parallel rank 0 of N = {self.world})", 1)
+
+
+@dataclass(eq=False)
+class FsdpPipelineStep(PipelineStep):
+    """:class:`~symmem.passes.pipeline_step.PipelineStep` with FSDP2 on every stage (the module's note): each
+    stage's replay is :class:`_FsdpReplay` of data-parallel rank ``rank`` (0: whole shards, the largest)."""
+
+    reshard: bool = True
+    rank: int = 0
+
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        from .model_parallel import _Cut, requires
+
+        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        world = numbers.get("N")
+        if not isinstance(world, int) or world < 2:
+            raise SymmemError(f"FSDP x pipeline needs N >= 2 data-parallel ranks a stage, got N={world}")
+        if self.rank >= world:
+            raise SymmemError(f"rank {self.rank} is no place in a data-parallel group of N={world}")
+        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+        found = self._stages()
+        out = []
+        for s in range(cut.p):
+            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            units = _Units(cut, s, world, self.rank)
+            at = stage_at(memory, numbers, units, self.regime, cut.per)
+            out.append(_FsdpReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
+        return out
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        from ..peak import Peak
+
+        found = super()._peak(named)
+        world = int(named["N"])
+        moments = tuple(MeshStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, world=world)
+                        for m in found.moments)
+        return Peak(None, None, moments, found.domain)
+
+    def at_rank(self, rank: int) -> FsdpPipelineStep:
+        """The step of data-parallel rank ``rank`` of every stage (kept: the views ask for each rank again)."""
+        if rank == self.rank:
+            return self
+        key = ("rank", rank)
+        if key not in self._cache:
+            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
+        return self._cache[key]
+
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
+        """``{rank: (first-step peak, steady peak)}`` of every rank of the p x N mesh (rank ``s*N + r``: stage
+        ``s``, data-parallel rank ``r``); None where every rank is alike."""
+        from ..symbols import N
+        from .data_parallel import _stored, alike_ranks
+
+        numbers = derivation.numbers
+        world = int(numbers[N])
+        firsts = [derivation.evaluate(shape[0]) for shape in _stored(self.graph).values() if shape]
+        out: dict[int, tuple[int, int]] = {}
+        for group in alike_ranks(firsts, world):  # ranks that hold the same rows: one replay for them all
+            step = self.at_rank(group[0])
+            each = step.per_stage(numbers)
+            for s, (first, steady) in enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"],
+                                                    strict=True)):
+                out.update({s * world + r: (first, steady) for r in group})
+        out = dict(sorted(out.items()))
+        return out if len(set(out.values())) > 1 else None

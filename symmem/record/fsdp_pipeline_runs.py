@@ -1,0 +1,184 @@
+"""FSDP x pipeline measured per rank: FSDP2's ``fully_shard`` on each pipeline stage of a p x N mesh.
+
+The engine is torchtitan's recipe: ``init_device_mesh("cpu", (p, N), mesh_dim_names=("pp", "dp"))``; each rank
+builds its stage of the reference model as symmem's pipeline runs split it
+(:func:`symmem.record.model_parallel_runs._stage_module`: the embedding on the first stage, the final norm and the
+head on the last, ``L/p`` layers each), ``fully_shard(block, mesh=mesh["dp"])`` on each of its layers and on the
+stage root, then ``PipelineStage`` (static shapes, as torchtitan gives them, over ``mesh["pp"]``) and
+``ScheduleGPipe`` / ``Schedule1F1B`` with ``M`` micro-batches.  ``PipelineStage.backward_maybe_with_nosync`` turns
+off FSDP's gradient sync and its reshard after backward for every micro-batch: the unsharded gradients accumulate
+across micro-batches and ``perform_reduce_grad`` reshards and reduce-scatters every unit once, after the last
+backward (torch 2.13).
+
+:func:`fsdp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
+rank runs one unrecorded step (FSDP's lazy initialization, the stage's receive buffers), then records
+:data:`~symmem.record.model_parallel_runs.FIRST_STEPS` steps each with a new for-loop AdamW (a first step) and
+:data:`~symmem.record.model_parallel_runs.STEADY_STEPS` with the last one, under the DTensor- and FSDP-aware
+recorder (:class:`~symmem.record.sharded.ShardTracker`); each moment at its fewest bytes over the repeats (gloo's
+worker thread lets go of a collective's tensors at no fixed op) and gloo's copy of the reduce-scatter input left
+out, as for FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS, _fewest_at
+
+#: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward)
+Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], bool]
+
+
+@dataclass(frozen=True)
+class StageMeshRun:
+    """One rank's FSDP x pipeline step: its place on the mesh (stage ``pp``, data-parallel rank ``dp``), the local
+    bytes of its parameters (padded shards) and AdamW's state, the first and steady step's peaks (each moment at
+    its fewest bytes over the repeats) with where each is (phase, op), and the steady step's largest moment of the
+    schedule and of the optimizer step."""
+
+    rank: int
+    pp: int
+    dp: int
+    parameters: int
+    optimizer_state: int
+    first_peak: int
+    steady_peak: int
+    first_at: tuple[str, str] = ("", "")
+    steady_at: tuple[str, str] = ("", "")
+    pipeline_peak: int = 0
+    step_peak: int = 0
+
+
+def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
+    """This rank's measurement of ``case`` (inside an initialized gloo group of ``world`` ranks, ``stages`` of them
+    pipeline stages)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from ..reference.sequence_models import causal_lm_loss
+    from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
+    from .sharded import units
+
+    model, values, schedule, m, loss, options, reshard = case
+    dp_size = world // stages
+    mesh = init_device_mesh("cpu", (stages, dp_size), mesh_dim_names=("pp", "dp"))
+    s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    module = _stage_module(model, values, s, stages, options)
+    for block in units(module):
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+    b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    first, last = s == 0, s == stages - 1
+    given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v), (b, seq, h))
+    stage = PipelineStage(module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
+    # each data-parallel group its own batch; the stages of one pipeline the same one
+    gen = torch.Generator().manual_seed(1 + dp)
+    ids = torch.randint(0, v, (b * m, seq), generator=gen)
+    labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp))
+
+
+def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
+            where: tuple[int, int, int]) -> StageMeshRun:
+    """One unrecorded step, then the recorded ones (see the module's note); the :class:`StageMeshRun`."""
+    from .identity import tensors
+    from .model_parallel_runs import _buffers
+    from .optim import make_optimizer, state_tensors
+    from .sharded import ShardTracker, local
+
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> None:
+        losses: list[Any] = []
+        out = sched.step(ids) if first else sched.step(target=labels, losses=losses) if last else sched.step()
+        del out, losses
+
+    opt = make_optimizer(params, "adamw", "for-loop")
+    step()  # FSDP's lazy initialization, the receive buffers
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del opt
+
+    def nbytes(ts: Any) -> int:  # each storage once
+        return sum({id(x): x.nbytes() for x in (local(t).untyped_storage() for t in ts)}.values())
+
+    tracker = ShardTracker(settle=SETTLE_S)
+    tracker.register([local(p) for p in params], "parameter")
+    tracker.register([local(x) for x in module.buffers()], "buffer")
+    tracker.register(_buffers(stage), "buffer")
+    tracker.register([t for out in stage.output_chunks for t in tensors(out)], "output")
+    tracker.register([ids] if first else [labels] if last else [], "input")
+    held: dict[str, Any] = {}
+    state = 0
+    with tracker.resizes(), tracker:
+        for k in range(1, FIRST_STEPS + STEADY_STEPS + 1):
+            if k <= FIRST_STEPS:
+                held.pop("opt", None)  # the last one's state goes before this step begins
+                held["opt"] = make_optimizer(params, "adamw", "for-loop")
+            with tracker.phase(k, "forward"), tracker.saving():
+                step()
+                tracker.label([t for out in stage.output_chunks for t in tensors(out)], "output")
+            with tracker.phase(k, "step"):
+                tracker.label([local(p.grad) for p in params if p.grad is not None], "gradient")
+                held["opt"].step()
+                tracker.label([local(t) for t in state_tensors(held["opt"])], "optimizer_state")
+                state = nbytes(state_tensors(held["opt"]))
+            with tracker.phase(k, "zero_grad"):
+                held["opt"].zero_grad(set_to_none=True)
+    trace = tracker.trace(FIRST_STEPS + STEADY_STEPS)
+    gloo = {x.sid for x in trace.storages if x.category == "external"}
+    firsts, steadies = range(1, FIRST_STEPS + 1), range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1)
+    first_peak, first_at = _fewest_at(trace, firsts, gloo)
+    steady, steady_at = _fewest_at(trace, steadies, gloo)
+    phases = {phase: _fewest_phase(trace, steadies, gloo, phase) for phase in ("forward", "step")}
+    rank, s, dp = where
+    return StageMeshRun(rank, s, dp, nbytes(params), state, first_peak, steady, first_at, steady_at,
+                        phases["forward"], phases["step"])
+
+
+def _fewest_phase(trace: Any, steps: range, left_out: set[int], phase: str) -> int:
+    """The largest moment of ``phase`` over the repeated ``steps``, each moment at its fewest bytes."""
+    from .model_parallel_runs import _live
+
+    live = _live(trace, left_out)
+    rows = [[v for r, v in zip(trace.records, live, strict=True) if r.step == k and r.phase == phase] for k in steps]
+    return max(min(column) for column in zip(*rows, strict=True))
+
+
+def _work(cases: Sequence[Case], stages: int, rank: int, world: int) -> list[StageMeshRun]:
+    return [fsdp_pipeline_step(case, rank, world, stages) for case in cases]
+
+
+def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method: str = "fork"
+                       ) -> list[list[StageMeshRun]]:
+    """Per rank (``stages * dp`` of them, rank ``r`` stage ``r // dp``, data-parallel rank ``r % dp``), one
+    :class:`StageMeshRun` per case.  ``start_method`` ``fork``, or ``forkserver`` (the test suite's: one server for
+    every gloo run, :func:`symmem.record.distributed.measure_jobs`).  A rank that fails or hangs is a
+    :class:`SymmemError`."""
+    import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
+    import torch.distributed.pipelining  # noqa: F401
+
+    from .model_parallel_runs import forked_ranks
+
+    for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SymmemError(f"the {what} is a positive integer, got {n!r}")
+    if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
+        import multiprocessing
+
+        from .distributed import PRELOAD
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [*PRELOAD, "torch.distributed.pipelining", __name__])
+    listed = [(model, dict(values), schedule, m, loss, dict(options), bool(reshard))
+              for model, values, schedule, m, loss, options, reshard in cases]
+    return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the FSDP x pipeline run",
+                        start_method)

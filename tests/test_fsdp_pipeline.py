@@ -1,0 +1,133 @@
+"""FSDP x pipeline against the real engine: FSDP2's ``fully_shard`` on every stage of a p x N = 2 x 2 gloo mesh.
+
+The truth is four real processes (gloo, 127.0.0.1, bounded time) on ``init_device_mesh("cpu", (2, 2),
+mesh_dim_names=("pp", "dp"))``, torchtitan's recipe: each rank's stage of the reference (the embedding on the first,
+the final norm and the head on the last) with ``fully_shard`` on each layer and the stage root over ``mesh["dp"]``,
+``PipelineStage`` and ``ScheduleGPipe`` / ``Schedule1F1B``, FP32 for-loop AdamW, each rank under the DTensor- and
+FSDP-aware recorder (``symmem.record.fsdp_pipeline_runs``: each moment's fewest bytes over repeated steps).
+symmem's side is ``symmem.passes.fsdp_pipeline``: the pipeline's replay of each stage with FSDP2's units.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("torch.distributed.pipelining")
+
+GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
+LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
+#: (model, sizes, schedule, M, loss, options, reshard_after_forward): an odd vocabulary pads the embedding's (and
+#: the head's) rows to a multiple of N = 2, so the data-parallel rank 1 of each stage holds one row fewer of AdamW's
+#: state than rank 0; GPT-2 1F1B resharding (stage 0 peaks at the embedding's all-gather beside layer 1's unsharded
+#: parameters, at the first backward); Llama GPipe without resharding; Llama 1F1B, two layers a stage, M = 3
+CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, True),
+         ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, False),
+         ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, True)]
+
+
+def _derive(model, values, schedule, m, loss, options, reshard, **more):
+    from symmem import derive
+
+    sizes = {**values, "p": 2, "N": 2, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
+    return derive(model, data_parallel="fsdp" if reshard else "fsdp-no-reshard", pipeline_parallel=True,
+                  pipeline_schedule=schedule, micro_batches=m, loss=loss, device="cpu", values=sizes,
+                  **options, **more)
+
+
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_every_rank_of_a_2x2_mesh_against_the_engine():
+    """Every rank's parameters (padded shards), AdamW state (the unpadded rows), first and steady peak, and the
+    largest moment of its schedule and of its optimizer step equal the real run's to the byte (one spawn of four
+    ranks runs every case); the views give the largest rank's peak, which rank and stage, and every rank's."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+
+    everything = fsdp_pipeline_runs(2, 2, CASES, start_method="forkserver")
+    for k, case in enumerate(CASES):
+        real = [rank[k] for rank in everything]
+        assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        d = _derive(*case)
+        named = {s.name: int(v) for s, v in d.numbers.items()}
+        replays = {dp: (d.step if dp == 0 else d.step.at_rank(dp))._replays(named) for dp in (0, 1)}
+        for r in real:
+            mine = replays[r.dp][r.pp]
+            assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
+            assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
+                r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
+        top = max(real, key=lambda r: (r.steady_peak, -r.rank))
+        out = d.to_dict()
+        assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), k
+        assert (out["peak_at"]["rank"], out["peak_at"]["stage"]) == (top.rank, top.pp), k
+        each = {str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}
+        assert out["values"]["peak_per_rank"] == each, k
+        if k < 2:  # the padded vocabulary: the data-parallel rank 1 holds one row fewer of AdamW's two moments
+            assert real[0].optimizer_state - real[1].optimizer_state == 2 * 32 * 4
+        else:
+            assert real[0].steady_peak == real[1].steady_peak
+        assert out["values"]["peak_per_stage"] == [real[0].steady_peak, real[2].steady_peak], k
+    # where GPT-2's largest rank peaks: the first backward's all-gather of the embedding (prefetched by layer 1)
+    assert _derive(*CASES[0]).peak_at().where(step=False) == (
+        "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before h.add2's backward (layer 1), "
+        "micro-batch 0")
+
+
+def test_the_cli_table_and_fit(capsys):
+    """The table's peak line names the rank; ``fit`` finds the largest B whose largest rank fits (the stages
+    replayed anew at B and B + 1, fresh derives, on each side of the budget)."""
+    from symmem.apps.budget import largest
+    from symmem.cli import main
+
+    sets = [a for k, v in {**LLAMA, "p": 2, "N": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["derive", "llama", "--data-parallel", "fsdp-no-reshard", "--pipeline-parallel", "gpipe",
+                 "--micro-batches", "2", "--attention", "sdpa", "--device", "cpu", "--loss", "cross-entropy",
+                 *sets]) == 0
+    text = capsys.readouterr().out
+    # the peak CASES[1] checks against the engine, rank by rank
+    assert "peak per rank (first step / steady): rank 0: 252,320 / 297,672 B; rank 1: 252,320 / 297,416 B;" in \
+        " ".join(text.split())
+    d = _derive(*CASES[1])
+    budget = 2**20
+    fit = largest(d, "B", budget)
+    at = [_derive("llama", {**LLAMA, "B": b}, *CASES[1][2:]).value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
+
+
+@pytest.mark.parametrize("engine, why", [
+    ("ddp", "PipelineStage runs DDP's reducer under no_sync and prepares it by hand for the last micro-batch, "
+            "which was not measured"),
+    ("zero-redundancy", "ZeroRedundancyOptimizer beside DDP on each stage was not measured"),
+    ("fsdp1", "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would "
+              "reduce-scatter after every micro-batch, which was not measured"),
+])
+def test_other_engines_on_stages_are_one_line_errors(capsys, engine, why):
+    from symmem.cli import main
+
+    assert main(["derive", "gpt2", "--data-parallel", engine, "--pipeline-parallel", "--set", "p=2"]) == 2
+    assert capsys.readouterr().err == (f"symmem: error: data_parallel={engine!r} with pipeline parallelism is not "
+                                       f"modelled: {why}; FSDP2 on every stage is (fsdp or fsdp-no-reshard)\n")
+
+
+@pytest.mark.parametrize("more, why", [
+    ({"device": "cuda"}, "no peak: the FSDP x pipeline peak is measured on CPU ranks (gloo)"),
+    ({"optimizer": "sgd"}, "no peak: the FSDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step"),
+    ({"values": {**LLAMA, "p": 2, "N": 1}}, "no peak: data_parallel='fsdp' at N = 1: FSDP2 on one rank"),
+])
+def test_the_peak_refuses_what_was_not_measured(more, why):
+    from symmem import derive
+
+    kw = {"device": "cpu", "attention": "sdpa", "values": {**LLAMA, "p": 2, "N": 2}, **more}
+    out = derive("llama", data_parallel="fsdp", pipeline_parallel=True, micro_batches=2, **kw).to_dict()
+    assert out["values"]["peak"] is None and out["peak_refused"].startswith(why), more
+
+
+def test_stages_without_the_engine_are_refused(capsys):
+    """``symmem stages`` gives one pipeline's stages: with an engine it says where every rank's peak is."""
+    from symmem.cli import main
+
+    assert main(["stages", "gpt2", "--data-parallel", "fsdp", "--pipeline-parallel", "gpipe", "--set", "p=2",
+                 "--set", "N=2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("symmem: error: the stages here are one pipeline's, without an engine: with "
+                                       "data_parallel='fsdp' derive gives every rank's peak (values.peak_per_rank)\n")
