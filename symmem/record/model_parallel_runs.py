@@ -346,12 +346,11 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
                  ) -> TensorRun:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import reference
     from .optim import make_optimizer, state_tensors
-    from .sharded import saved_storages
+    from .sharded import local, saved_storages
 
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
@@ -370,9 +369,6 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
         plan = (llama_sequence_plan if sequence else llama_plan)(module, world)
         parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
         run = module  # its sequence is the ids' (whole under sequence parallelism): the tables and mask cover it
-
-    def local(t: Any) -> Any:
-        return t._local_tensor if isinstance(t, DTensor) else t
 
     params = list(module.parameters())
     held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
