@@ -30,6 +30,7 @@ from symmem import trace  # noqa: E402
 from symmem.apps.budget import largest  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
+from symmem.importer.traced_step import peak_of  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 #: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA) under sequence parallelism, two ranks
@@ -40,15 +41,17 @@ CONFIG = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_valu
 #: the file module's batch in the real run and the derivation (its example's is 4), and the largest whose steady
 #: peak fits 1 MiB on a rank (symmem fit)
 BATCH, FITS = 64, 947
+#: a layer count the formula in L was not recorded at (the module has 2; the fold records 4, 5 and 6)
+DEEP = 7
 
 
-def _file_module(batch: int = 4):
+def _file_module(batch: int = 4, layers: int = 2):
     sys.path.insert(0, str(DATA))
     try:
         from traced_tp import build
     finally:
         sys.path.remove(str(DATA))
-    return build(batch)
+    return build(batch, layers)
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
@@ -63,19 +66,20 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
 
     def work(rank, world):
         make = plan_of(_file_module()[0], False).make
-        return [split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1, FITS)]
+        return [split_run(lambda b=b, n=n: _file_module(b, n), make, rank, world)
+                for b, n in ((BATCH, 2), (4, 2), (1, 2), (FITS, 2), (BATCH, DEEP))]
 
     hf = hf_llama_ranks()  # HF Llama's ranks, then the file module's
     everything = [[hf[rank][SEQUENCE], *runs] for rank, runs in enumerate(forked_ranks(2, work,
                                                                                         "the tensor-parallel runs"))]
-    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(5)]
+    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(6)]
     # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at
-    # B = 64, 4, 1 and 947
+    # B = 64, 4, 1 and 947, and with 7 layers at B = 64
     assert measured == [[(96_080, 97_328)] * 2, [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2,
-                        [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2]
+                        [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2, [(223_688, 319_008)] * 2]
     # and the bytes autograd keeps after each rank's forward (its saved tensors, a DTensor's local shard, once each)
-    saved = [[r[k].saved for r in everything] for k in range(5)]
-    assert saved == [[22_240] * 2, [48_128] * 2, [3_008] * 2, [752] * 2, [712_144] * 2]
+    saved = [[r[k].saved for r in everything] for k in range(6)]
+    assert saved == [[22_240] * 2, [48_128] * 2, [3_008] * 2, [752] * 2, [712_144] * 2, [153_088] * 2]
     # the command line: hf:llama from a config, sequence parallel (the whole sequence's position ids given, as the
     # real runs do); the parameter side is the rank's: weights, gradients and AdamW's two moments, each the local
     # shards' bytes
@@ -94,10 +98,25 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     assert [d.value("activations")] * 2 == saved[1]
     assert d.peak_at().where() == ("backward aten.threshold_backward.default (ReluBackward0) in blocks.#.down "
                                    "(layer 2), steady step")
-    # a formula in B (DTensor keeps the batch symbolic), at the layer count and t it was recorded at
-    B = d.free[0]
-    assert str(d.peak) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
-    assert {str(c) for c in d.step.domain()} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
+    # a formula in B (DTensor keeps the batch symbolic) and L (the rank's step recorded at 4, 5 and 6 layers,
+    # interpolated from two and checked at the third), at the t it was recorded at; the module's own 2 layers lie
+    # below the fold: there the formula recorded at that count
+    B, L = (next(s for s in d.free if s.name == n) for n in "BL")
+    assert d.peak.free_symbols == {B, L} and str(d.activations) == "328*B*L + 96*B"
+    assert {str(c) for c in d.step.domain()} == {"B >= 2", "L >= 4", "Eq(t, 2)"}
+    assert str(d.peak_formula()) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
+    assert {str(c) for c in d.step.peak({L: 2}).domain} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
+    # the formula in L at a layer count it was not recorded at: every rank's peak, its kept activations and its
+    # parameter side on the real ranks of the 7-layer module; at 4 layers (the fold's least) and 3 (below: recorded
+    # at that count) the same as the rank's step recorded afresh at the numbers
+    deep = d.at(L=DEEP)
+    assert [(deep.value("peak_first_step"), deep.value("peak"))] * 2 == measured[5]
+    assert [deep.value("activations")] * 2 == saved[5]
+    assert [deep.value("parameter_memory")] * 2 == [4 * r[5].parameters for r in everything]
+    assert "L >= 4" in map(str, d.step.peak({L: DEEP}).domain)
+    for n in (3, 4):
+        fresh = peak_of(d.step.record(n), numbers={**d.numbers, L: n})
+        assert (d.at(L=n).value("peak_first_step"), d.at(L=n).value("peak")) == (fresh.first, fresh.expr)
     # every rank alike, rank 0's named
     out = d.to_dict()
     assert (out["values"]["peak"], out["peak_at"]["rank"]) == (115_528, 0)
@@ -129,7 +148,7 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
         d.at(t=3).value("peak")  # the kept activations are the rank's at the t they were recorded at
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(SymmemError, match="^a default torch.distributed process group already exists"):
-        d.at(L=3).value("peak")
+        d.at(L=1).value("peak")
 
 
 @pytest.mark.parametrize("kwargs, message", [

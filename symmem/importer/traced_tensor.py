@@ -9,9 +9,12 @@ DTensor's inner ops, funcol's wrappers) into the :class:`~symmem.importer.record
 step gives, so the one peak algebra, ``peak_at`` and every view work on it unchanged.
 
 The declared sizes stay symbolic: DTensor's uncached sharding propagation (the path compilation takes) keeps them
-so, and the peak is a formula in them at the derivation's layer count and ``t``, where the guards the step took
-hold (``Eq(Mod(B, 2), 0)`` for HF Llama at ``t = 2``) and every size is at least 2.  Where a guard pins a size, where
-the symbolic step does not run, and at numbers outside that domain (``d.at(B=1)``, another ``L`` or ``t``), the step
+so, and the peak is a formula in them at the derivation's ``t``, where the guards the step took hold
+(``Eq(Mod(B, 2), 0)`` for HF Llama at ``t = 2``) and every size is at least 2.  Repeated blocks fold to the layer
+count as on one device (:func:`~symmem.importer.traced_step.folded_peak`): the rank's step recorded with the blocks
+written out 4, 5 and 6 times, interpolated from the first two and checked at the third, the formula holding from
+``L = 4``; below, the step is recorded at that layer count, the sizes still symbolic.  Where a guard pins a size,
+where the symbolic step does not run, and at numbers outside that domain (``d.at(B=1)``, another ``t``), the step
 is recorded at the numbers, its domain those numbers.  The plan splits every sharded dimension evenly (refused
 otherwise), so every rank holds what rank 0 holds: the peak is every rank's (:meth:`TensorStepPeak.per_rank`).
 
@@ -40,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +57,7 @@ from ..symbols import t as T
 from ..timeline import Row, Which
 from .recording import StepOptions, StepRecord
 from .tensor_plan import TensorPlan, check_heads, plan_of
-from .traced_step import StepPeak, cannot_run, peak_of
+from .traced_step import COUNTS, FoldError, StepPeak, cannot_run, folded_peak, peak_of
 
 
 def refusal(options: StepOptions, device: str, module: Any) -> str | None:
@@ -146,6 +149,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
         _even(split, world)
         split.train()
         tracker = FakeShardTracker(fake.mode, quiet)
+        tracker.unnamed_to_last = True  # a state's step count made from no tensor: the parameter it is made for
         if symbols is not None:
             from ..record.identity import symbolic_nbytes
 
@@ -215,8 +219,9 @@ _SHIFTS = (2, 4)
 class TensorStepPeak(StepPeak):
     """The :class:`~symmem.step.Step` of a traced module under tensor parallelism: one rank's step recorded on fake
     DTensors (:func:`record_tensor_step`), every rank alike.  The declared sizes are symbolic where DTensor keeps
-    them so (the formulas hold where the guards the step took hold, sizes from 2, at the layer count and ``t`` they
-    were recorded at); else, and at numbers outside that domain, the step is recorded at the numbers."""
+    them so (the formulas hold where the guards the step took hold, sizes from 2, at the ``t`` they were recorded
+    at), and the layer count where the repeated blocks fold (from 4; below, at the count asked for); else, and at
+    numbers outside that domain, the step is recorded at the numbers."""
 
     plan: TensorPlan | None = None
     sequence: bool = False
@@ -243,8 +248,8 @@ class TensorStepPeak(StepPeak):
             assert self.plan is not None
             if self.plan.config is not None:
                 check_heads(self.plan.config, world)
-            layers = None
-            if self.repeat is not None and count is not None and count != self.count:
+            layers = None  # written out at every count, its own too: the fold names each op's layer from it
+            if self.repeat is not None and count is not None:
                 layers = (self.repeat[0], self.repeat[1], count)
             try:
                 rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
@@ -278,6 +283,38 @@ class TensorStepPeak(StepPeak):
             self._peaks[key] = found  # type: ignore[assignment]  # None: no formula
         return self._peaks[key]
 
+    def _folded(self, world: int) -> Peak | None:
+        """The peak in the declared sizes and the layer count at ``world`` ranks: the rank's step recorded with the
+        repeated blocks written out :data:`~symmem.importer.traced_step.COUNTS` times, interpolated in the layer
+        count from the first two and checked at the third, as the one-device step folds (None: no repeated blocks,
+        a size pinned, a step that does not run with symbolic sizes, or records that do not fold; a note says
+        which)."""
+        key = ("tensor", "folded", world)
+        if key not in self._peaks:
+            found = None
+            if self.repeat is not None and self.symbol is not None:
+                sizes = self._fixed({})[0]
+                try:
+                    records = [self._recorded(sizes, n, world, symbolic=True) for n in COUNTS]
+                except SymmemError:
+                    records = []
+                if records and not any(self._pinned(r, dict(sizes), world) for r in records):
+                    guards = tuple(dict.fromkeys(g.expr for r in records for g in r.guards))
+                    domain = (*guards, sympy.Ge(self.symbol, COUNTS[0]), *self._domain(), sympy.Eq(T, world))
+                    try:
+                        found = folded_peak(dict(zip(COUNTS, records, strict=True)), self.symbol, subs=self.subs,
+                                            numbers=self.numbers, domain=domain)
+                    except FoldError as e:
+                        self.notes.append(f"peak: not folded to {self.symbol} ({e}); given at the layer count "
+                                          "asked for")
+                    else:
+                        self.notes.append(f"peak: the rank's step recorded at {', '.join(map(str, COUNTS))} layers "
+                                          f"of {self.repeat[0] or 'the module'}, interpolated in {self.symbol} from "
+                                          f"the first two and checked at the third (holds for {self.symbol} >= "
+                                          f"{COUNTS[0]}; below, the step is recorded at that count)")
+            self._peaks[key] = found  # type: ignore[assignment]  # None: no fold
+        return self._peaks[key]
+
     def _pinned(self, rec: StepRecord, sizes: dict[str, int], world: int) -> bool:
         """Whether a guard of ``rec`` pins a size: false with that size moved by a few multiples of ``t``."""
         for g in rec.guards:
@@ -304,13 +341,22 @@ class TensorStepPeak(StepPeak):
         return self._peaks[key]
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
-        """The peak as formulas in the declared sizes where DTensor keeps them symbolic, else at the numbers; with
-        ``at`` (numbers for some symbols) the formula where it holds there, else the step recorded at them."""
+        """The peak as formulas in the declared sizes where DTensor keeps them symbolic and in the layer count where
+        the blocks fold, else at the layer count, else at the numbers; with ``at`` (numbers for some symbols) the
+        most general of those formulas that holds there, else the step recorded at them."""
         _, count, world = self._fixed(at)
-        found = self._formula(count, world)
-        if found is not None and (at is None or found.holds_at({**self.numbers, **dict(at)})):
-            return found
+        merged = {**self.numbers, **dict(at or {})}
+        for found in self._formulas(count, world, merged if at is not None else None):
+            if found is not None and (at is None or found.holds_at(merged)):
+                return found
         return self._at_numbers(at)
+
+    def _formulas(self, count: int | None, world: int, at: Mapping[sympy.Symbol, int] | None) -> Iterator[Peak | None]:
+        """The formulas :meth:`peak` tries, most general first: folded in the layer count (not worked out where
+        ``at``'s layer count lies below the fold's), then at ``count`` layers."""
+        if at is None or not self._folds() or int(at.get(self.symbol, COUNTS[0])) >= COUNTS[0]:  # type: ignore
+            yield self._folded(world)
+        yield self._formula(count, world)
 
     def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
         at: dict[sympy.Symbol, int] = {self.symbols[n]: 1 for n in ones}
@@ -318,10 +364,21 @@ class TensorStepPeak(StepPeak):
             at[self.symbol] = count
         return self._recorded(*self._fixed(at), symbolic=False)
 
+    def _folds(self) -> bool:
+        return self.repeat is not None and self.symbol is not None
+
     def domain(self) -> tuple[Any, ...]:
-        return tuple(self.peak().domain)
+        """Where the symbolic peak holds: once worked out, its own; before, what is known of it (the layer count
+        from the fold's least, the sizes from 2, ``t``), so that a layer count below does not work the fold out."""
+        world = self._fixed({})[2]
+        if not self._folds() or ("tensor", "folded", world) in self._peaks:
+            return tuple(self.peak().domain)
+        assert self.symbol is not None
+        return (sympy.Ge(self.symbol, COUNTS[0]), *self._domain(), sympy.Eq(T, world))
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        if self._folds() and int(numbers.get(self.symbol, COUNTS[0])) < COUNTS[0]:  # type: ignore[arg-type]
+            return False  # below the fold: peak(numbers) gives the formula at that count, not worked out here
         return self.peak().holds_at(numbers)
 
     def _at(self, at: Mapping[sympy.Symbol, int]) -> tuple[StepRecord, Any, tuple[str, ...]]:
@@ -437,5 +494,6 @@ def tensor_step(step: StepPeak, regime: Any) -> Any:
         return Refused(str(exc))
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
     fields["notes"] = [*step.notes, f"tensor parallel: {plan.source}, one rank's step recorded on fake DTensors "
-                                    "(every rank alike), at the layer count and t of the derivation"]
+                                    "(every rank alike), folded in the layer count where the blocks repeat, at the "
+                                    "t of the derivation"]
     return TensorStepPeak(**fields, plan=plan, sequence=regime.sequence_parallel)
