@@ -94,10 +94,12 @@ def _fake_copy(module: Any, device: str) -> Any:
     return copy.deepcopy(module, memo)
 
 
-def _even(module: Any, world: int) -> None:
-    """Refuse a split that pads: every sharded parameter's global size divided evenly over the ranks."""
+def _even(module: Any, world: int) -> list[tuple[str, int]]:
+    """Refuse a split that pads: every sharded parameter's global size divided evenly over the ranks.  Returns the
+    sharded (parameter, dimension) pairs."""
     from torch.distributed.tensor import DTensor, Shard
 
+    sharded = []
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
             for placement in p.placements:
@@ -105,14 +107,19 @@ def _even(module: Any, world: int) -> None:
                     raise SymmemError(f"t={world} does not divide {name}'s dimension {placement.dim} "
                                       f"({p.shape[placement.dim]}): DTensor pads the last shard and the ranks "
                                       "differ (not followed)")
+                if isinstance(placement, Shard):
+                    sharded.append((name, placement.dim))
+    return sharded
 
 
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
                        plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
-                       symbols: dict[str, sympy.Symbol] | None = None) -> StepRecord:
+                       symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None
+                       ) -> StepRecord:
     """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
     (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
-    (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them."""
+    (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them.  ``sharded``, a
+    list, gets the (parameter, dimension) pairs the plan shards."""
     import contextlib
     from types import SimpleNamespace
 
@@ -146,7 +153,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
                 whole_sequence_positions(split)
             fin = fake_inputs(fake, at, "cpu")
             args, kwargs = at.rebuild(fin)
-        _even(split, world)
+        (sharded if sharded is not None else []).extend(_even(split, world))
         split.train()
         tracker = FakeShardTracker(fake.mode, quiet)
         tracker.unnamed_to_last = True  # a state's step count made from no tensor: the parameter it is made for
@@ -225,6 +232,8 @@ class TensorStepPeak(StepPeak):
 
     plan: TensorPlan | None = None
     sequence: bool = False
+    #: the (parameter, dimension) pairs the plan shards, as the last record found them
+    sharded: list[tuple[str, int]] = dataclasses.field(default_factory=list, repr=False)
 
     def _fixed(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[tuple[tuple[str, int], ...], int | None, int]:
         """The declared sizes, the layer count and ``t`` the step is recorded at."""
@@ -252,8 +261,9 @@ class TensorStepPeak(StepPeak):
             if self.repeat is not None and count is not None:
                 layers = (self.repeat[0], self.repeat[1], count)
             try:
+                self.sharded.clear()
                 rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
-                                         layers, self.symbols if symbolic else None)
+                                         layers, self.symbols if symbolic else None, self.sharded)
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake DTensors: say what failed, not a traceback
@@ -390,11 +400,11 @@ class TensorStepPeak(StepPeak):
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         return self._at(at)[0].allocated(which, {})
 
-    def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...]]:
+    def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...], int | None]:
         """What the rank's autograd keeps at the forward's end: ``(module, bytes, op, block)`` per storage
         (``block``: which repeated block made it, None outside them), as formulas in the declared sizes where the
-        step records them so, else at the numbers; and where those hold (the step's guards, the sizes where recorded
-        at numbers, ``t``)."""
+        step records them so, else at the numbers; where those hold (the step's guards, the sizes where recorded
+        at numbers, ``t``); and the layer count recorded."""
         sizes, count, world = self._fixed({})
         rec = None
         with contextlib.suppress(SymmemError):
@@ -403,11 +413,34 @@ class TensorStepPeak(StepPeak):
         if rec is None or self._pinned(rec, dict(sizes), world):
             rec = self._recorded(sizes, count, world, symbolic=False)
             domain = (*domain, *(sympy.Eq(self.symbols[n], v) for n, v in sizes))
+        return self.kept_in(rec), (*domain, *(g.expr for g in rec.guards)), count
+
+    def kept_in(self, rec: StepRecord) -> list[tuple[str, Any, str, int | None]]:
+        """What autograd keeps at the forward's end of ``rec``, a step of this module: ``(module, bytes, op, block)``
+        per storage (:meth:`kept`)."""
         # the blocks as recorded: written out to another count (with_layers) or the module's own
         children = dict(rec.layers) if rec.layers is not None else \
             {c: i for i, c in enumerate(self.repeat[1] if self.repeat is not None else ())}
-        found = [(s.module, s.nbytes, s.op or "", _block(s.module, children)) for s in _kept_at_forward_end(rec)]
-        return found, (*domain, *(g.expr for g in rec.guards))
+        return [(s.module, s.nbytes, s.op or "", _block(s.module, children)) for s in _kept_at_forward_end(rec)]
+
+    def like(self, module: Any, inputs: Any, symbols: dict[str, sympy.Symbol], values: dict[str, int]
+             ) -> TensorStepPeak:
+        """This step for ``module`` (the same kind of module built at other sizes) at the same ``t``: its own plan,
+        no layer count symbol (records are made at the counts asked for)."""
+        world = self._fixed({})[2]
+        plan = plan_of(module, self.sequence)
+        return TensorStepPeak(module, inputs, symbols, values, self.options, self.device, None, None, self.repeat,
+                              None, numbers={T: world}, plan=plan, sequence=self.sequence)
+
+    def symbolic_record(self, count: int | None) -> StepRecord:
+        """The rank's step with ``count`` layers (None: the module's own), the declared sizes symbolic; refused in
+        one line where a guard pins a size."""
+        sizes, own, world = self._fixed({})
+        rec = self._recorded(sizes, count if count is not None else own, world, symbolic=True)
+        if self._pinned(rec, dict(sizes), world):
+            raise SymmemError(f"the tensor-parallel step at {dict(sizes)} pins a declared size (its guards: "
+                              f"{', '.join(str(g.expr) for g in rec.guards)}): no formula in the sizes")
+        return rec
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
         """Every rank's steady-step peak at ``numbers`` (all alike: the plan splits evenly), and the rank named."""
@@ -444,13 +477,12 @@ def _block(module: str, children: Mapping[str, int]) -> int | None:
     return None
 
 
-def rank_storages(step: TensorStepPeak, layers: sympy.Symbol | None, per_layer: bool
-                  ) -> tuple[list[Storage], tuple[Any, ...]]:
-    """The rank's kept storages of ``step`` as a traced ledger's (a repeated block's folded to block 0, counted
-    ``layers`` times, where every block keeps the same bytes; else the blocks written out at the layer count the step
-    was recorded at), and where they hold."""
-    found, domain = step.kept()
-    count = step._fixed({})[1]
+def rank_storages(step: Any, layers: sympy.Symbol | None, per_layer: bool) -> tuple[list[Storage], tuple[Any, ...]]:
+    """The rank's kept storages of ``step`` (a :class:`TensorStepPeak`, or the step in every size under tensor
+    parallelism: its ``kept()``) as a traced ledger's (a repeated block's folded to block 0, counted ``layers``
+    times, where every block keeps the same bytes; else the blocks written out at the layer count the step was
+    recorded at), and where they hold."""
+    found, domain, count = step.kept()
     blocks: dict[int, list[Any]] = {}
     for _, nbytes, _, i in found:
         if i is not None:
