@@ -404,8 +404,18 @@ class TensorStepPeak(StepPeak):
         """What the rank's autograd keeps at the forward's end: ``(module, bytes, op, block)`` per storage
         (``block``: which repeated block made it, None outside them), as formulas in the declared sizes where the
         step records them so, else at the numbers; where those hold (the step's guards, the sizes where recorded
-        at numbers, ``t``); and the layer count recorded."""
+        at numbers, ``t``); and the layer count recorded.  Above the fold's least layer count, the fold's first record
+        is read where its blocks keep alike (one formula in the layer count then; the step at ``L = 32`` is not
+        recorded)."""
         sizes, count, world = self._fixed({})
+        if self._folds() and count is not None and count > COUNTS[0]:
+            found = self._kept_at(sizes, COUNTS[0], world)
+            if _alike(found[0]):
+                return found
+        return self._kept_at(sizes, count, world)
+
+    def _kept_at(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int
+                 ) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...], int | None]:
         rec = None
         with contextlib.suppress(SymmemError):
             rec = self._recorded(sizes, count, world, symbolic=True)
@@ -477,17 +487,23 @@ def _block(module: str, children: Mapping[str, int]) -> int | None:
     return None
 
 
+def _alike(found: list[tuple[str, Any, str, int | None]]) -> bool:
+    """Whether every repeated block of ``found`` (:meth:`TensorStepPeak.kept`) keeps the same bytes (and there are
+    blocks)."""
+    blocks: dict[int, list[Any]] = {}
+    for _, nbytes, _, i in found:
+        if i is not None:
+            blocks.setdefault(i, []).append(nbytes)
+    return bool(blocks) and all(b == blocks.get(0) for b in blocks.values())
+
+
 def rank_storages(step: Any, layers: sympy.Symbol | None, per_layer: bool) -> tuple[list[Storage], tuple[Any, ...]]:
     """The rank's kept storages of ``step`` (a :class:`TensorStepPeak`, or the step in every size under tensor
     parallelism: its ``kept()``) as a traced ledger's (a repeated block's folded to block 0, counted ``layers``
     times, where every block keeps the same bytes; else the blocks written out at the layer count the step was
     recorded at), and where they hold."""
     found, domain, count = step.kept()
-    blocks: dict[int, list[Any]] = {}
-    for _, nbytes, _, i in found:
-        if i is not None:
-            blocks.setdefault(i, []).append(nbytes)
-    fold = layers is not None and bool(blocks) and all(b == blocks.get(0) for b in blocks.values())
+    fold = layers is not None and _alike(found)
     if layers is not None and not fold and step.symbol is not None and count is not None:
         if per_layer:
             raise SymmemError("the repeated blocks keep different bytes on a rank, so there is no per-layer formula")
