@@ -217,15 +217,19 @@ class TensorSizedStep(SizedStep):
             module, example = built(self.build, self.plan.sizes_at(point))
             module.train(self.training)
             inputs = check_inputs(example, self.dims)
-            self._steps[point] = self.base.like(module, inputs, {n: sym_for(n) for n in inputs.examples},
-                                                dict(inputs.examples))
+            # the input sizes' hints at the derivation's numbers: a batch below t takes other guards (B < 8 at t = 8)
+            hints = {n: int(self.numbers.get(sym_for(n), v)) for n, v in inputs.examples.items()}
+            self._steps[point] = self.base.like(module, inputs, {n: sym_for(n) for n in inputs.examples}, hints)
         return self._steps[point]
 
     def _record(self, point: tuple[int, ...], count: int | None) -> StepRecord:
         try:
             return self._step(point).symbolic_record(count)  # type: ignore[attr-defined]
         except SymmemError as e:
-            raise SymmemError(f"the tensor-parallel step in every size, at {self.plan.sizes_at(point)}: {e}") from None
+            hint = (": the fit's configurations must split over t (give such a size a multiple of t, "
+                    "divisible={'F': t})") if "does not divide" in str(e) else ""
+            raise SymmemError(f"the tensor-parallel step in every size, at {self.plan.sizes_at(point)}: {e}{hint}"
+                              ) from None
 
     def _domain(self, layers: Any) -> tuple[Any, ...]:
         """One device's domain, ``t``, the guards the rank's step took (at the base configuration) and every sharded
@@ -238,8 +242,8 @@ class TensorSizedStep(SizedStep):
             size = sympy.sympify(self.shapes[name][dim], strict=True) if name in self.shapes else sympy.Integer(0)
             if size.free_symbols:
                 split.append(sympy.Eq(sympy.Mod(size, world), 0))
-        return (*super()._domain(layers), *dict.fromkeys(g.expr for g in rec.guards), *dict.fromkeys(split),
-                *self.base._fixed_domain(None, world))
+        return tuple(dict.fromkeys((*super()._domain(layers), *(g.expr for g in rec.guards), *split,
+                                    *self.base._fixed_domain(None, world))))
 
     def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...], int | None]:
         """What the rank's autograd keeps at the forward's end, each storage's bytes in the sizes (``(module, bytes,
