@@ -388,8 +388,14 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     shown.update(_own_dtype(recorded, regime, trace_options.get("autocast")))
     shown["loss"] = loss if isinstance(loss, str) else getattr(loss, "__name__", "callable")
     shown["device"] = recorded.device
+    split = None
+    if regime.tensor_parallel:  # the rank's parameter side, kept activations and peak: its steps, in every size
+        from .importer.symbolic_sizes import built
+
+        plan = recorded.extra["sizes"]["plan"]
+        split, with_step = tracing.split_of(built(build, plan.sizes_at(plan.base))[0], regime), True
     ledger = tracing.ledger_of(recorded, regime, name=name, values=values, free=free, per_layer=per_layer,
-                               shown=shown)
+                               shown=shown, split=split)
     layers = next(iter(ledger.repeats.values()), None)
     if with_step and (regime.data_parallel or regime.zero):  # the step in every size is one device's
         step = Refused("the peak in every size is recorded on one device; under a data-parallel engine or --zero "
@@ -399,7 +405,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
             else None
     why = tracing.no_step(recorded, regime) or (None if with_step else no_peak(recorded))
     check_step(regime, why or (step.why if isinstance(step, Refused) else None))
-    ledger = tracing.rank_ledger(ledger, step, regime)  # tensor parallel: one device's kept activations, said
+    ledger = tracing.rank_ledger(ledger, step, regime)  # tensor parallel: the rank's kept tensors
     d = derivation_of(ledger, regime, step, why)
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None

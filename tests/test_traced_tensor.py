@@ -30,6 +30,7 @@ from symmem import trace  # noqa: E402
 from symmem.apps.budget import largest  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
+from symmem.importer.traced_step import peak_of  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 #: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA) under sequence parallelism, two ranks
@@ -40,15 +41,20 @@ CONFIG = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=4,num_key_valu
 #: the file module's batch in the real run and the derivation (its example's is 4), and the largest whose steady
 #: peak fits 1 MiB on a rank (symmem fit)
 BATCH, FITS = 64, 947
+#: a layer count the formula in L was not recorded at (the module has 2; the fold records 4, 5 and 6)
+DEEP = 7
+#: an MLP width the formula in the module's own sizes (sizes=, fitted at F = 24, 32, 48 and checked at 36, 44) was
+#: not recorded at, for the one-block module
+WIDE = 80
 
 
-def _file_module(batch: int = 4):
+def _file_module(batch: int = 4, layers: int = 2, f: int = 64):
     sys.path.insert(0, str(DATA))
     try:
         from traced_tp import build
     finally:
         sys.path.remove(str(DATA))
-    return build(batch)
+    return build(batch, layers, f)
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
@@ -63,19 +69,22 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
 
     def work(rank, world):
         make = plan_of(_file_module()[0], False).make
-        return [split_run(lambda b=b: _file_module(b), make, rank, world) for b in (BATCH, 4, 1, FITS)]
+        return [split_run(lambda b=b, n=n, f=f: _file_module(b, n, f), make, rank, world) for b, n, f in
+                ((BATCH, 2, 64), (4, 2, 64), (1, 2, 64), (FITS, 2, 64), (BATCH, DEEP, 64), (BATCH, 1, WIDE))]
 
     hf = hf_llama_ranks()  # HF Llama's ranks, then the file module's
     everything = [[hf[rank][SEQUENCE], *runs] for rank, runs in enumerate(forked_ranks(2, work,
                                                                                         "the tensor-parallel runs"))]
-    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(5)]
+    measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(7)]
     # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at
-    # B = 64, 4, 1 and 947
+    # B = 64, 4, 1 and 947, with 7 layers at B = 64, and with one block 80 wide at B = 64
     assert measured == [[(96_080, 97_328)] * 2, [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2,
-                        [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2]
+                        [(65_456, 65_456)] * 2, [(1_018_376, 1_047_976)] * 2, [(223_688, 319_008)] * 2,
+                        [(66_856, 86_448)] * 2]
     # and the bytes autograd keeps after each rank's forward (its saved tensors, a DTensor's local shard, once each)
-    saved = [[r[k].saved for r in everything] for k in range(5)]
-    assert saved == [[22_240] * 2, [48_128] * 2, [3_008] * 2, [752] * 2, [712_144] * 2]
+    saved = [[r[k].saved for r in everything] for k in range(7)]
+    assert saved == [[22_240] * 2, [48_128] * 2, [3_008] * 2, [752] * 2, [712_144] * 2, [153_088] * 2,
+                     [29_184] * 2]
     # the command line: hf:llama from a config, sequence parallel (the whole sequence's position ids given, as the
     # real runs do); the parameter side is the rank's: weights, gradients and AdamW's two moments, each the local
     # shards' bytes
@@ -94,10 +103,25 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     assert [d.value("activations")] * 2 == saved[1]
     assert d.peak_at().where() == ("backward aten.threshold_backward.default (ReluBackward0) in blocks.#.down "
                                    "(layer 2), steady step")
-    # a formula in B (DTensor keeps the batch symbolic), at the layer count and t it was recorded at
-    B = d.free[0]
-    assert str(d.peak) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
-    assert {str(c) for c in d.step.domain()} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
+    # a formula in B (DTensor keeps the batch symbolic) and L (the rank's step recorded at 4, 5 and 6 layers,
+    # interpolated from two and checked at the third), at the t it was recorded at; the module's own 2 layers lie
+    # below the fold: there the formula recorded at that count
+    B, L = (next(s for s in d.free if s.name == n) for n in "BL")
+    assert d.peak.free_symbols == {B, L} and str(d.activations) == "328*B*L + 96*B"
+    assert {str(c) for c in d.step.domain()} == {"B >= 2", "L >= 4", "Eq(t, 2)"}
+    assert str(d.peak_formula()) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
+    assert {str(c) for c in d.step.peak({L: 2}).domain} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
+    # the formula in L at a layer count it was not recorded at: every rank's peak, its kept activations and its
+    # parameter side on the real ranks of the 7-layer module; at 4 layers (the fold's least) the same as the rank's
+    # step recorded afresh at the numbers (below, at 3 layers, recorded at that count: 113,480 / 156,224, equal to
+    # the real ranks' when checked by hand)
+    deep = d.at(L=DEEP)
+    assert [(deep.value("peak_first_step"), deep.value("peak"))] * 2 == measured[5]
+    assert [deep.value("activations")] * 2 == saved[5]
+    assert [deep.value("parameter_memory")] * 2 == [4 * r[5].parameters for r in everything]
+    assert "L >= 4" in map(str, d.step.peak({L: DEEP}).domain)
+    fresh = peak_of(d.step.record(4), numbers={**d.numbers, L: 4})
+    assert (d.at(L=4).value("peak_first_step"), d.at(L=4).value("peak")) == (fresh.first, fresh.expr)
     # every rank alike, rank 0's named
     out = d.to_dict()
     assert (out["values"]["peak"], out["peak_at"]["rank"]) == (115_528, 0)
@@ -122,6 +146,22 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     fit = largest(d, "B", "1MiB")
     assert fit.max == FITS and [fit.total_at_max] * 2 == [steady for _, steady in measured[4]]
     assert [d.at(B=FITS).value("activations")] * 2 == saved[4]
+    # sizes=: a formula in the module's own MLP width F too, each fitted configuration's step the rank's (its kept
+    # activations, its plan's parameter side, its peak), held at a width it was not recorded at by the real ranks;
+    # the plan splits F over t, so F must divide by t (DTensor pads otherwise: refused in one line)
+    sized = trace(lambda F: _file_module(4, 1, F), dims={"B": [(0, 0)]}, sizes={"F": 64}, optimizer="adamw",
+                  loss="sum", check=False, tensor_parallel=True, values={"t": 2, "B": BATCH})
+    F = next(s for s in sized.free if s.name == "F")
+    assert sized.peak.free_symbols == {B, F} and str(sized.activations) == "2*B*F + 296*B"
+    assert {str(c) for c in sized.step.domain()} == {"B >= 2", "F >= 2", "Eq(Mod(F, 2), 0)", "Eq(t, 2)"}
+    wide = sized.at(F=WIDE)
+    assert [(wide.value("peak_first_step"), wide.value("peak"))] * 2 == measured[6]
+    assert [wide.value("activations")] * 2 == saved[6]
+    assert [wide.value("parameter_memory")] * 2 == [4 * r[6].parameters for r in everything]
+    assert wide.step.per_rank(wide.numbers)["peak_per_rank"] == [86_448] * 2
+    with pytest.raises(SymmemError, match=r"^the peak in every size holds where Eq\(Mod\(F, 2\), 0\)"), \
+            pytest.warns(OutsideDomain, match="F = 81 lies outside"):
+        sized.at(F=81).value("peak")
     # t must divide every sharded dimension (DTensor pads otherwise: the ranks would differ), and the step is
     # recorded in a fake group of its own: both refused in one line
     with pytest.raises(SymmemError, match=r"^t=3 does not divide blocks.0.up.weight's dimension 0 \(64\)"), \
@@ -129,7 +169,7 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
         d.at(t=3).value("peak")  # the kept activations are the rank's at the t they were recorded at
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(SymmemError, match="^a default torch.distributed process group already exists"):
-        d.at(L=3).value("peak")
+        d.at(L=1).value("peak")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -199,6 +199,66 @@ class SizedStep:
     timeline = allocated = _refuse
 
 
+@dataclass
+class TensorSizedStep(SizedStep):
+    """:class:`SizedStep` under tensor parallelism: each configuration's step is one rank's, recorded on fake
+    DTensors under the module's plan (``base``, the :class:`~symmem.importer.traced_tensor.TensorStepPeak` of the
+    module built at the fit's base configuration, makes each configuration's), the declared sizes symbolic; the
+    records fitted and folded as one device's are.  The rank keeps after the forward what the fitted record with the
+    layers written out 4 times holds there (:meth:`kept`).  At the ``t`` of the derivation: each
+    configuration's shards split evenly (refused in one line where one does not)."""
+
+    base: Any = None
+    #: every parameter's shape in the sizes (the trace's): a sharded dimension's must divide by ``t``
+    shapes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def _step(self, point: tuple[int, ...]) -> StepPeak:
+        if point not in self._steps:
+            module, example = built(self.build, self.plan.sizes_at(point))
+            module.train(self.training)
+            inputs = check_inputs(example, self.dims)
+            # the input sizes' hints at the derivation's numbers: a batch below t takes other guards (B < 8 at t = 8)
+            hints = {n: int(self.numbers.get(sym_for(n), v)) for n, v in inputs.examples.items()}
+            self._steps[point] = self.base.like(module, inputs, {n: sym_for(n) for n in inputs.examples}, hints)
+        return self._steps[point]
+
+    def _record(self, point: tuple[int, ...], count: int | None) -> StepRecord:
+        try:
+            return self._step(point).symbolic_record(count)  # type: ignore[attr-defined]
+        except SymmemError as e:
+            hint = (": the fit's configurations must split over t (give such a size a multiple of t, "
+                    "divisible={'F': t})") if "does not divide" in str(e) else ""
+            raise SymmemError(f"the tensor-parallel step in every size, at {self.plan.sizes_at(point)}: {e}{hint}"
+                              ) from None
+
+    def _domain(self, layers: Any) -> tuple[Any, ...]:
+        """One device's domain, ``t``, the guards the rank's step took (at the base configuration) and every sharded
+        dimension dividing by ``t`` (DTensor pads the last shard otherwise: the ranks would differ)."""
+        world = self.base._fixed({})[2]
+        rec = self._record(self.plan.base, FITTED[0] if self.folds else None)  # made for the fit too
+        step = self._step(self.plan.base)
+        split = []
+        for name, dim in step.sharded:  # type: ignore[attr-defined]
+            size = sympy.sympify(self.shapes[name][dim], strict=True) if name in self.shapes else sympy.Integer(0)
+            if size.free_symbols:
+                split.append(sympy.Eq(sympy.Mod(size, world), 0))
+        return tuple(dict.fromkeys((*super()._domain(layers), *(g.expr for g in rec.guards), *split,
+                                    *self.base._fixed_domain(None, world))))
+
+    def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...], int | None]:
+        """What the rank's autograd keeps at the forward's end, each storage's bytes in the sizes (``(module, bytes,
+        op, block)``, as :meth:`~symmem.importer.traced_tensor.TensorStepPeak.kept`), where it holds, and the layer
+        count of the record read (the fold's first, or the module's own where the blocks do not fold)."""
+        count = FITTED[0] if self.folds else None
+        rec = self.fitted(count)
+        return self.base.kept_in(rec), self._domain(()), rec.count
+
+    def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
+        """Every rank's steady-step peak at ``numbers`` (all alike: the plan splits evenly), rank 0 named."""
+        merged = {**self.numbers, **dict(numbers)}
+        return {"peak_per_rank": [int(self.peak(merged).value(merged))] * self.base._fixed({})[2], "peak_rank": 0}
+
+
 def _fit(plan: Plan, record: Callable[[tuple[int, ...]], StepRecord]) -> StepRecord:
     """The record at every configuration, each storage's bytes the exact polynomial in the sizes (checked at a
     configuration never fitted)."""
@@ -303,6 +363,12 @@ def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: M
     if not isinstance(found, StepPeak):
         return found
     rep = recorded.layers
-    return SizedStep(build, dict(dims), plan, found.options, device, recorded.training,
-                     (rep.path, rep.children) if rep is not None else None, layers if rep is not None else None,
-                     dict(numbers), {} if free is None else {s: v for s, v in numbers.items() if s.name not in free})
+    fields = (build, dict(dims), plan, found.options, device, recorded.training,
+              (rep.path, rep.children) if rep is not None else None, layers if rep is not None else None,
+              dict(numbers), {} if free is None else {s: v for s, v in numbers.items() if s.name not in free})
+    from .traced_tensor import TensorStepPeak
+
+    if isinstance(found, TensorStepPeak):  # one rank's step at each configuration
+        found._fixed({})  # t a number (else refused in one line)
+        return TensorSizedStep(*fields, base=found, shapes={p.name: tuple(p.shape) for p in recorded.parameters})
+    return SizedStep(*fields)

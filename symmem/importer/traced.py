@@ -283,7 +283,8 @@ def rank_ledger(ledger: Ledger, step: Any, regime: Regime) -> Ledger:
     from .traced_tensor import TensorStepPeak, rank_storages
 
     why = step.why if isinstance(step, Refused) else "no training step is followed here"
-    if isinstance(step, TensorStepPeak):
+    # the rank's step, or in every size the rank's steps at the fit's configurations (sized_step.TensorSizedStep)
+    if isinstance(step, TensorStepPeak) or callable(getattr(step, "kept", None)):
         try:
             kept, domain = rank_storages(step, next(iter(ledger.repeats.values()), None), ledger.per_layer)
         except SymmemError as exc:

@@ -9,9 +9,12 @@ DTensor's inner ops, funcol's wrappers) into the :class:`~symmem.importer.record
 step gives, so the one peak algebra, ``peak_at`` and every view work on it unchanged.
 
 The declared sizes stay symbolic: DTensor's uncached sharding propagation (the path compilation takes) keeps them
-so, and the peak is a formula in them at the derivation's layer count and ``t``, where the guards the step took
-hold (``Eq(Mod(B, 2), 0)`` for HF Llama at ``t = 2``) and every size is at least 2.  Where a guard pins a size, where
-the symbolic step does not run, and at numbers outside that domain (``d.at(B=1)``, another ``L`` or ``t``), the step
+so, and the peak is a formula in them at the derivation's ``t``, where the guards the step took hold
+(``Eq(Mod(B, 2), 0)`` for HF Llama at ``t = 2``) and every size is at least 2.  Repeated blocks fold to the layer
+count as on one device (:func:`~symmem.importer.traced_step.folded_peak`): the rank's step recorded with the blocks
+written out 4, 5 and 6 times, interpolated from the first two and checked at the third, the formula holding from
+``L = 4``; below, the step is recorded at that layer count, the sizes still symbolic.  Where a guard pins a size,
+where the symbolic step does not run, and at numbers outside that domain (``d.at(B=1)``, another ``t``), the step
 is recorded at the numbers, its domain those numbers.  The plan splits every sharded dimension evenly (refused
 otherwise), so every rank holds what rank 0 holds: the peak is every rank's (:meth:`TensorStepPeak.per_rank`).
 
@@ -40,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +57,7 @@ from ..symbols import t as T
 from ..timeline import Row, Which
 from .recording import StepOptions, StepRecord
 from .tensor_plan import TensorPlan, check_heads, plan_of
-from .traced_step import StepPeak, cannot_run, peak_of
+from .traced_step import COUNTS, FoldError, StepPeak, cannot_run, folded_peak, peak_of
 
 
 def refusal(options: StepOptions, device: str, module: Any) -> str | None:
@@ -91,10 +94,12 @@ def _fake_copy(module: Any, device: str) -> Any:
     return copy.deepcopy(module, memo)
 
 
-def _even(module: Any, world: int) -> None:
-    """Refuse a split that pads: every sharded parameter's global size divided evenly over the ranks."""
+def _even(module: Any, world: int) -> list[tuple[str, int]]:
+    """Refuse a split that pads: every sharded parameter's global size divided evenly over the ranks.  Returns the
+    sharded (parameter, dimension) pairs."""
     from torch.distributed.tensor import DTensor, Shard
 
+    sharded = []
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
             for placement in p.placements:
@@ -102,14 +107,19 @@ def _even(module: Any, world: int) -> None:
                     raise SymmemError(f"t={world} does not divide {name}'s dimension {placement.dim} "
                                       f"({p.shape[placement.dim]}): DTensor pads the last shard and the ranks "
                                       "differ (not followed)")
+                if isinstance(placement, Shard):
+                    sharded.append((name, placement.dim))
+    return sharded
 
 
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
                        plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
-                       symbols: dict[str, sympy.Symbol] | None = None) -> StepRecord:
+                       symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None
+                       ) -> StepRecord:
     """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
     (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
-    (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them."""
+    (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them.  ``sharded``, a
+    list, gets the (parameter, dimension) pairs the plan shards."""
     import contextlib
     from types import SimpleNamespace
 
@@ -143,9 +153,10 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
                 whole_sequence_positions(split)
             fin = fake_inputs(fake, at, "cpu")
             args, kwargs = at.rebuild(fin)
-        _even(split, world)
+        (sharded if sharded is not None else []).extend(_even(split, world))
         split.train()
         tracker = FakeShardTracker(fake.mode, quiet)
+        tracker.unnamed_to_last = True  # a state's step count made from no tensor: the parameter it is made for
         if symbols is not None:
             from ..record.identity import symbolic_nbytes
 
@@ -215,11 +226,14 @@ _SHIFTS = (2, 4)
 class TensorStepPeak(StepPeak):
     """The :class:`~symmem.step.Step` of a traced module under tensor parallelism: one rank's step recorded on fake
     DTensors (:func:`record_tensor_step`), every rank alike.  The declared sizes are symbolic where DTensor keeps
-    them so (the formulas hold where the guards the step took hold, sizes from 2, at the layer count and ``t`` they
-    were recorded at); else, and at numbers outside that domain, the step is recorded at the numbers."""
+    them so (the formulas hold where the guards the step took hold, sizes from 2, at the ``t`` they were recorded
+    at), and the layer count where the repeated blocks fold (from 4; below, at the count asked for); else, and at
+    numbers outside that domain, the step is recorded at the numbers."""
 
     plan: TensorPlan | None = None
     sequence: bool = False
+    #: the (parameter, dimension) pairs the plan shards, as the last record found them
+    sharded: list[tuple[str, int]] = dataclasses.field(default_factory=list, repr=False)
 
     def _fixed(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[tuple[tuple[str, int], ...], int | None, int]:
         """The declared sizes, the layer count and ``t`` the step is recorded at."""
@@ -243,12 +257,13 @@ class TensorStepPeak(StepPeak):
             assert self.plan is not None
             if self.plan.config is not None:
                 check_heads(self.plan.config, world)
-            layers = None
-            if self.repeat is not None and count is not None and count != self.count:
+            layers = None  # written out at every count, its own too: the fold names each op's layer from it
+            if self.repeat is not None and count is not None:
                 layers = (self.repeat[0], self.repeat[1], count)
             try:
+                self.sharded.clear()
                 rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
-                                         layers, self.symbols if symbolic else None)
+                                         layers, self.symbols if symbolic else None, self.sharded)
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake DTensors: say what failed, not a traceback
@@ -278,6 +293,38 @@ class TensorStepPeak(StepPeak):
             self._peaks[key] = found  # type: ignore[assignment]  # None: no formula
         return self._peaks[key]
 
+    def _folded(self, world: int) -> Peak | None:
+        """The peak in the declared sizes and the layer count at ``world`` ranks: the rank's step recorded with the
+        repeated blocks written out :data:`~symmem.importer.traced_step.COUNTS` times, interpolated in the layer
+        count from the first two and checked at the third, as the one-device step folds (None: no repeated blocks,
+        a size pinned, a step that does not run with symbolic sizes, or records that do not fold; a note says
+        which)."""
+        key = ("tensor", "folded", world)
+        if key not in self._peaks:
+            found = None
+            if self.repeat is not None and self.symbol is not None:
+                sizes = self._fixed({})[0]
+                try:
+                    records = [self._recorded(sizes, n, world, symbolic=True) for n in COUNTS]
+                except SymmemError:
+                    records = []
+                if records and not any(self._pinned(r, dict(sizes), world) for r in records):
+                    guards = tuple(dict.fromkeys(g.expr for r in records for g in r.guards))
+                    domain = (*guards, sympy.Ge(self.symbol, COUNTS[0]), *self._domain(), sympy.Eq(T, world))
+                    try:
+                        found = folded_peak(dict(zip(COUNTS, records, strict=True)), self.symbol, subs=self.subs,
+                                            numbers=self.numbers, domain=domain)
+                    except FoldError as e:
+                        self.notes.append(f"peak: not folded to {self.symbol} ({e}); given at the layer count "
+                                          "asked for")
+                    else:
+                        self.notes.append(f"peak: the rank's step recorded at {', '.join(map(str, COUNTS))} layers "
+                                          f"of {self.repeat[0] or 'the module'}, interpolated in {self.symbol} from "
+                                          f"the first two and checked at the third (holds for {self.symbol} >= "
+                                          f"{COUNTS[0]}; below, the step is recorded at that count)")
+            self._peaks[key] = found  # type: ignore[assignment]  # None: no fold
+        return self._peaks[key]
+
     def _pinned(self, rec: StepRecord, sizes: dict[str, int], world: int) -> bool:
         """Whether a guard of ``rec`` pins a size: false with that size moved by a few multiples of ``t``."""
         for g in rec.guards:
@@ -304,13 +351,22 @@ class TensorStepPeak(StepPeak):
         return self._peaks[key]
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
-        """The peak as formulas in the declared sizes where DTensor keeps them symbolic, else at the numbers; with
-        ``at`` (numbers for some symbols) the formula where it holds there, else the step recorded at them."""
+        """The peak as formulas in the declared sizes where DTensor keeps them symbolic and in the layer count where
+        the blocks fold, else at the layer count, else at the numbers; with ``at`` (numbers for some symbols) the
+        most general of those formulas that holds there, else the step recorded at them."""
         _, count, world = self._fixed(at)
-        found = self._formula(count, world)
-        if found is not None and (at is None or found.holds_at({**self.numbers, **dict(at)})):
-            return found
+        merged = {**self.numbers, **dict(at or {})}
+        for found in self._formulas(count, world, merged if at is not None else None):
+            if found is not None and (at is None or found.holds_at(merged)):
+                return found
         return self._at_numbers(at)
+
+    def _formulas(self, count: int | None, world: int, at: Mapping[sympy.Symbol, int] | None) -> Iterator[Peak | None]:
+        """The formulas :meth:`peak` tries, most general first: folded in the layer count (not worked out where
+        ``at``'s layer count lies below the fold's), then at ``count`` layers."""
+        if at is None or not self._folds() or int(at.get(self.symbol, COUNTS[0])) >= COUNTS[0]:  # type: ignore
+            yield self._folded(world)
+        yield self._formula(count, world)
 
     def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
         at: dict[sympy.Symbol, int] = {self.symbols[n]: 1 for n in ones}
@@ -318,10 +374,21 @@ class TensorStepPeak(StepPeak):
             at[self.symbol] = count
         return self._recorded(*self._fixed(at), symbolic=False)
 
+    def _folds(self) -> bool:
+        return self.repeat is not None and self.symbol is not None
+
     def domain(self) -> tuple[Any, ...]:
-        return tuple(self.peak().domain)
+        """Where the symbolic peak holds: once worked out, its own; before, what is known of it (the layer count
+        from the fold's least, the sizes from 2, ``t``), so that a layer count below does not work the fold out."""
+        world = self._fixed({})[2]
+        if not self._folds() or ("tensor", "folded", world) in self._peaks:
+            return tuple(self.peak().domain)
+        assert self.symbol is not None
+        return (sympy.Ge(self.symbol, COUNTS[0]), *self._domain(), sympy.Eq(T, world))
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
+        if self._folds() and int(numbers.get(self.symbol, COUNTS[0])) < COUNTS[0]:  # type: ignore[arg-type]
+            return False  # below the fold: peak(numbers) gives the formula at that count, not worked out here
         return self.peak().holds_at(numbers)
 
     def _at(self, at: Mapping[sympy.Symbol, int]) -> tuple[StepRecord, Any, tuple[str, ...]]:
@@ -333,12 +400,22 @@ class TensorStepPeak(StepPeak):
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         return self._at(at)[0].allocated(which, {})
 
-    def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...]]:
+    def kept(self) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...], int | None]:
         """What the rank's autograd keeps at the forward's end: ``(module, bytes, op, block)`` per storage
         (``block``: which repeated block made it, None outside them), as formulas in the declared sizes where the
-        step records them so, else at the numbers; and where those hold (the step's guards, the sizes where recorded
-        at numbers, ``t``)."""
+        step records them so, else at the numbers; where those hold (the step's guards, the sizes where recorded
+        at numbers, ``t``); and the layer count recorded.  Above the fold's least layer count, the fold's first record
+        is read where its blocks keep alike (one formula in the layer count then; the step at ``L = 32`` is not
+        recorded)."""
         sizes, count, world = self._fixed({})
+        if self._folds() and count is not None and count > COUNTS[0]:
+            found = self._kept_at(sizes, COUNTS[0], world)
+            if _alike(found[0]):
+                return found
+        return self._kept_at(sizes, count, world)
+
+    def _kept_at(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int
+                 ) -> tuple[list[tuple[str, Any, str, int | None]], tuple[Any, ...], int | None]:
         rec = None
         with contextlib.suppress(SymmemError):
             rec = self._recorded(sizes, count, world, symbolic=True)
@@ -346,11 +423,34 @@ class TensorStepPeak(StepPeak):
         if rec is None or self._pinned(rec, dict(sizes), world):
             rec = self._recorded(sizes, count, world, symbolic=False)
             domain = (*domain, *(sympy.Eq(self.symbols[n], v) for n, v in sizes))
+        return self.kept_in(rec), (*domain, *(g.expr for g in rec.guards)), count
+
+    def kept_in(self, rec: StepRecord) -> list[tuple[str, Any, str, int | None]]:
+        """What autograd keeps at the forward's end of ``rec``, a step of this module: ``(module, bytes, op, block)``
+        per storage (:meth:`kept`)."""
         # the blocks as recorded: written out to another count (with_layers) or the module's own
         children = dict(rec.layers) if rec.layers is not None else \
             {c: i for i, c in enumerate(self.repeat[1] if self.repeat is not None else ())}
-        found = [(s.module, s.nbytes, s.op or "", _block(s.module, children)) for s in _kept_at_forward_end(rec)]
-        return found, (*domain, *(g.expr for g in rec.guards))
+        return [(s.module, s.nbytes, s.op or "", _block(s.module, children)) for s in _kept_at_forward_end(rec)]
+
+    def like(self, module: Any, inputs: Any, symbols: dict[str, sympy.Symbol], values: dict[str, int]
+             ) -> TensorStepPeak:
+        """This step for ``module`` (the same kind of module built at other sizes) at the same ``t``: its own plan,
+        no layer count symbol (records are made at the counts asked for)."""
+        world = self._fixed({})[2]
+        plan = plan_of(module, self.sequence)
+        return TensorStepPeak(module, inputs, symbols, values, self.options, self.device, None, None, self.repeat,
+                              None, numbers={T: world}, plan=plan, sequence=self.sequence)
+
+    def symbolic_record(self, count: int | None) -> StepRecord:
+        """The rank's step with ``count`` layers (None: the module's own), the declared sizes symbolic; refused in
+        one line where a guard pins a size."""
+        sizes, own, world = self._fixed({})
+        rec = self._recorded(sizes, count if count is not None else own, world, symbolic=True)
+        if self._pinned(rec, dict(sizes), world):
+            raise SymmemError(f"the tensor-parallel step at {dict(sizes)} pins a declared size (its guards: "
+                              f"{', '.join(str(g.expr) for g in rec.guards)}): no formula in the sizes")
+        return rec
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
         """Every rank's steady-step peak at ``numbers`` (all alike: the plan splits evenly), and the rank named."""
@@ -387,18 +487,23 @@ def _block(module: str, children: Mapping[str, int]) -> int | None:
     return None
 
 
-def rank_storages(step: TensorStepPeak, layers: sympy.Symbol | None, per_layer: bool
-                  ) -> tuple[list[Storage], tuple[Any, ...]]:
-    """The rank's kept storages of ``step`` as a traced ledger's (a repeated block's folded to block 0, counted
-    ``layers`` times, where every block keeps the same bytes; else the blocks written out at the layer count the step
-    was recorded at), and where they hold."""
-    found, domain = step.kept()
-    count = step._fixed({})[1]
+def _alike(found: list[tuple[str, Any, str, int | None]]) -> bool:
+    """Whether every repeated block of ``found`` (:meth:`TensorStepPeak.kept`) keeps the same bytes (and there are
+    blocks)."""
     blocks: dict[int, list[Any]] = {}
     for _, nbytes, _, i in found:
         if i is not None:
             blocks.setdefault(i, []).append(nbytes)
-    fold = layers is not None and bool(blocks) and all(b == blocks.get(0) for b in blocks.values())
+    return bool(blocks) and all(b == blocks.get(0) for b in blocks.values())
+
+
+def rank_storages(step: Any, layers: sympy.Symbol | None, per_layer: bool) -> tuple[list[Storage], tuple[Any, ...]]:
+    """The rank's kept storages of ``step`` (a :class:`TensorStepPeak`, or the step in every size under tensor
+    parallelism: its ``kept()``) as a traced ledger's (a repeated block's folded to block 0, counted ``layers``
+    times, where every block keeps the same bytes; else the blocks written out at the layer count the step was
+    recorded at), and where they hold."""
+    found, domain, count = step.kept()
+    fold = layers is not None and _alike(found)
     if layers is not None and not fold and step.symbol is not None and count is not None:
         if per_layer:
             raise SymmemError("the repeated blocks keep different bytes on a rank, so there is no per-layer formula")
@@ -437,5 +542,6 @@ def tensor_step(step: StepPeak, regime: Any) -> Any:
         return Refused(str(exc))
     fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPeak) if not f.name.startswith("_")}
     fields["notes"] = [*step.notes, f"tensor parallel: {plan.source}, one rank's step recorded on fake DTensors "
-                                    "(every rank alike), at the layer count and t of the derivation"]
+                                    "(every rank alike), folded in the layer count where the blocks repeat, at the "
+                                    "t of the derivation"]
     return TensorStepPeak(**fields, plan=plan, sequence=regime.sequence_parallel)

@@ -19,17 +19,19 @@ now match):
 * DTensor's sharding propagation runs the op on fake tensors of the global shape in the mode it finds
   (``detect_fake_mode``): ours, so its ops would be counted -- they are not memory of the step, and are not observed.
 
->>> import pytest; torch = pytest.importorskip("torch")
+>>> import pytest, sys; torch = pytest.importorskip("torch")
+>>> hook = sys.excepthook
 >>> with fake_group(2) as mesh:
 ...     mesh.size()
 2
 >>> import torch.distributed as dist
->>> dist.is_initialized()
-False
+>>> dist.is_initialized(), sys.excepthook is hook   # the group and its traceback prefix gone
+(False, True)
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,11 +54,15 @@ def fake_group(world: int) -> Iterator[Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # init_process_group wraps sys.excepthook to prefix "[rank0]: " to every traceback line, and never unwraps it:
+    # a user's later tracebacks would carry one prefix per step recorded
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 @contextmanager

@@ -350,7 +350,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 
     from ..reference.sequence_models import reference
     from .optim import make_optimizer, state_tensors
-    from .sharded import held_shard, saved_storages
+    from .sharded import local, saved_storages
 
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
@@ -371,8 +371,8 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
         run = module  # its sequence is the ids' (whole under sequence parallelism): the tables and mask cover it
 
     params = list(module.parameters())
-    held = {held_shard(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
-    out, saved = saved_storages(lambda: run(ids), lambda: held, held_shard)
+    held = {local(p).untyped_storage()._cdata for p in params} | {ids.untyped_storage()._cdata}
+    out, saved = saved_storages(lambda: run(ids), lambda: held)
     kept = tuple(sorted(saved.values(), key=lambda v: (-v[0], v[1])))
     total = sum(v[0] for v in kept)
     out.sum().backward()
@@ -380,7 +380,7 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
     opt.step()
 
     def nbytes(ts: Any) -> int:
-        return sum(held_shard(t).numel() * held_shard(t).element_size() for t in ts)
+        return sum(local(t).numel() * local(t).element_size() for t in ts)
 
     grads = nbytes(p.grad for p in params if p.grad is not None)
     state = nbytes(state_tensors(opt))

@@ -4,7 +4,7 @@ FSDP and DTensor do (used by :mod:`symmem.record.distributed` inside a worker pr
 What the plain recorder misses, and how this one sees it:
 
 * a ``DTensor`` parameter, gradient or optimizer state is a wrapper whose storage reports the *global* size and
-  holds no data: the local shard (``to_local()``) is what a rank holds, so that is what is registered and
+  holds no data: the local shard (``_local_tensor``) is what a rank holds, so that is what is registered and
   labelled;
 * DTensor runs an op on its local tensors inside its own ``__torch_dispatch__``; a dispatch mode that handled the
   DTensor op would hide them, so this recorder's mode declines every op on a tensor subclass (returns
@@ -29,15 +29,9 @@ from .live_bytes import LiveTracker, tensors
 
 
 def local(t: Any) -> Any:
-    """The tensor a rank holds: a DTensor's local shard, else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def held_shard(t: Any) -> Any:
-    """:func:`local` without running an op: a DTensor's local shard itself (``_local_tensor``, the same storage
-    ``to_local()`` views), else the tensor -- inside a saved-tensor hook, where ``to_local()`` would be an autograd
-    op of its own."""
+    """The tensor a rank holds: a DTensor's local shard, else the tensor.  The shard itself (its ``_local_tensor``),
+    not ``to_local()``, which is an op of its own: a recorder would see it, and a saved-tensor hook would run it
+    inside the hook; the storage is the same."""
     return getattr(t, "_local_tensor", t)
 
 

@@ -32,12 +32,10 @@ class SplitRun:
 def saved_after_forward(forward: Callable[[], Any], held: list[Any]) -> int:
     """The bytes of the storages autograd packs during ``forward()`` and still holds when it returns (a DTensor's
     local shard; not those of ``held``), the output dropped after: the graph and what it keeps go with it."""
-    from .sharded import saved_storages
+    from .identity import storage_key
+    from .sharded import local, saved_storages
 
-    def local(t: Any) -> Any:  # the shard itself: to_local() would be an op of its own inside the hook
-        return getattr(t, "_local_tensor", t)
-
-    skip = {local(t).untyped_storage()._cdata for t in held}
+    skip = {storage_key(local(t)) for t in held}
     out, found = saved_storages(forward, lambda: skip, local)
     kept = sum(nbytes for nbytes, _, _ in found.values())
     del out

@@ -33,6 +33,6 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
-def build(batch: int = 4) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+def build(batch: int = 4, layers: int = 2, f: int = 64) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
-    return Net(), (torch.randn(batch, 12),)
+    return Net(f=f, layers=layers), (torch.randn(batch, 12),)
