@@ -271,7 +271,8 @@ class Regime:
         if self.zero:
             raise SymmemError(f"data_parallel={dp!r} is an engine and zero={self.zero} the papers' accounting of "
                               "sharding: give one of them")
-        if self.tensor_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.pipeline_parallel:
+        if self.tensor_parallel and dp in ("fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op") and not (
+                self.pipeline_parallel):
             # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py),
             # with or without sequence parallelism
             return

@@ -319,9 +319,11 @@ class MeshMoment(TensorRankMoment):
     """A moment of one rank's step on the N x t mesh."""
 
     ranks: str = ""  # the mesh in words
+    #: the rank on the mesh (0: FSDP2's largest; FSDP1's ranks differ otherwise, passes/fsdp1_tensor.py)
+    rank: int = 0
 
     def where(self, step: bool = True) -> str:
-        return f"rank 0 of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
+        return f"rank {self.rank} of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
 
 
 @dataclass(eq=False)
@@ -358,15 +360,30 @@ class MeshStep(WalkedStep):
 
         key = ("walk", tuple(sorted(named.items())))
         if key not in self._cache:
-            walk = _MeshSequenceWalk if self.sequence else _MeshWalk
-            self._cache[key] = layer_moments(walk, self.graph, self.conv, self.options, self.regime, named,
+            self._cache[key] = layer_moments(self.walk_class(), self.graph, self.conv, self.options, self.regime, named,
                                              base=3)
         return self._cache[key]
+
+    def walk_class(self) -> type[_MeshWalk]:
+        """The layers' walk (FSDP2's buffers; FSDP1's: :mod:`symmem.passes.fsdp1_tensor`)."""
+        return _MeshSequenceWalk if self.sequence else _MeshWalk
+
+    def rank_parts(self, rank: int, named: Mapping[str, int] | None = None) -> Any:
+        """Data-parallel rank ``rank``'s parameter side (:func:`mesh_rank`; ``named``: the numbers walked at)."""
+        return mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
+
+    def temporaries(self, rank: int, named: Mapping[str, int]) -> sympy.Expr:
+        """The optimizer step's largest temporaries on ``rank`` (:func:`_step_temporaries`)."""
+        return _step_temporaries(self.graph, rank)
+
+    def groups(self, merged: Mapping[sympy.Symbol, int]) -> list[list[int]]:
+        """The data-parallel ranks whose steps are alike (:func:`mesh_groups`)."""
+        return mesh_groups(self.graph, merged)
 
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
         from .model_parallel import _bytes, _module_buffers
 
-        parts = mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
+        parts = self.rank_parts(rank, named)
         outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
         ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
                   sympy.Integer(0))
@@ -377,10 +394,10 @@ class MeshStep(WalkedStep):
         for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):
             for live, phase, what in self._walked(named):
                 made.append(MeshMoment(phase, what, "", step, {"live": at_rest + live - less}, ranks=ranks,
-                                       what=what))
+                                       what=what, rank=rank * named["t"]))
             made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
-                                                            _step_temporaries(self.graph, rank)},
-                                   ranks=ranks, what="the optimizer step"))
+                                                            self.temporaries(rank, named)},
+                                   ranks=ranks, what="the optimizer step", rank=rank * named["t"]))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L", "N"))
         return Peak(None, None, tuple(made), others)
@@ -399,7 +416,7 @@ class MeshStep(WalkedStep):
 
         merged = {**self.numbers, **numbers}
         out: dict[int, tuple[int, int]] = {}
-        for group in mesh_groups(self.graph, merged):
+        for group in self.groups(merged):
             p = self.peak(numbers, group[0])
             found = (int(p.value(merged, "first")), int(p.value(merged)))
             for dp in group:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
+from .fsdp1_runs import FlatTracker
 from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live  # the steps repeated_steps records
 
 
@@ -70,27 +71,45 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     torch.manual_seed(0)
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
+    strategy = options.pop("fsdp1", None)  # FSDP1's ShardingStrategy, or None: FSDP2
     module, (ids,) = reference("llama", values, **options)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
-    for layer in module.layers:
-        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
-    if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
-        # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+    if strategy is not None:
+        module = _fsdp1(module, mesh["dp"], strategy)
+    else:
+        for layer in module.layers:
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
+            # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
     # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
     ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
                         generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
     saved, parts = _first_step(module, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
+    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True,
+                           tracker=None if strategy is None else FlatTracker)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
                    first_at, steady_at, _per_step(trace, gloo))
+
+
+def _fsdp1(module: Any, mesh: Any, strategy: str) -> Any:
+    """FSDP1 over the data-parallel mesh dimension, as PyTorch's original 2-D recipe wraps a
+    ``parallelize_module``'d model: one unit per layer, the root holding the rest, ``use_orig_params=True``
+    (FSDP1 flattens each DTensor's local shard through its DTensor extension)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(module, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy(
+        {type(module.layers[0])}), use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
+        device_id=torch.device("cpu"))
 
 
 def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
