@@ -56,6 +56,9 @@ class FlatUnit:
     members: tuple[tuple[str, sympy.Expr, sympy.Expr], ...]
     starts: tuple[sympy.Expr, ...]
     shard: sympy.Expr
+    #: at the numbers :func:`flat_units` was given: each parameter's (start, end) and ``k`` (empty: none given)
+    at: tuple[tuple[int, int], ...] = ()
+    shard_at: int = 0
 
     def part(self, j: int, rank: int, env: Mapping[sympy.Symbol, sympy.Integer] | None = None) -> sympy.Expr:
         """Elements of parameter ``j`` on data-parallel rank ``rank`` (0 where it holds none): with ``env`` (the
@@ -66,10 +69,11 @@ class FlatUnit:
         if env is None:
             return sympy.Max(0, sympy.Min(end, hi, evaluate=False) - sympy.Max(start, lo, evaluate=False),
                              evaluate=False)
-        at = {name: int(x.xreplace(env)) for name, x in (("start", start), ("end", end), ("lo", lo), ("hi", hi))}
-        if at["end"] <= at["lo"] or at["start"] >= at["hi"]:
+        first, last = self.at[j] if self.at else (int(start.xreplace(env)), int(end.xreplace(env)))
+        k = self.shard_at if self.at else int(self.shard.xreplace(env))
+        if last <= rank * k or first >= (rank + 1) * k:
             return sympy.Integer(0)
-        return (end if at["end"] <= at["hi"] else hi) - (start if at["start"] >= at["lo"] else lo)
+        return (end if last <= (rank + 1) * k else hi) - (start if first >= rank * k else lo)
 
 
 def flat_units(graph: Graph, env: Mapping[sympy.Symbol, sympy.Integer] | None = None) -> tuple[FlatUnit, FlatUnit]:
@@ -100,12 +104,18 @@ def flat_units(graph: Graph, env: Mapping[sympy.Symbol, sympy.Integer] | None = 
     out = []
     for members in (root, linears + norms):
         starts, end = [], sympy.Integer(0)
+        at, last = [], 0  # at the numbers
         for _, _, size in members:
-            pad = sympy.Mod(-end, ALIGN) if env is None else sympy.Integer(-int(end.xreplace(env)) % ALIGN)
-            start = end + pad if starts else end
+            if env is None:
+                start = end + sympy.Mod(-end, ALIGN) if starts else end
+            else:
+                start = end + (-last % ALIGN)
+                at.append((last + (-last % ALIGN), last + (-last % ALIGN) + int(size.xreplace(env))))
+                last = at[-1][1]
             starts.append(start)
             end = start + size
-        out.append(FlatUnit(tuple(members), tuple(starts), ceil_div(end, N)))
+        shard = ceil_div(end, N)
+        out.append(FlatUnit(tuple(members), tuple(starts), shard, tuple(at), -(-last // int(env[N])) if env else 0))
     return out[0], out[1]
 
 
@@ -142,17 +152,29 @@ def _env(named: Mapping[str, int] | None) -> dict[sympy.Symbol, sympy.Integer] |
 
 class _Mesh1Walk(_MeshWalk):
     """:class:`~symmem.passes.fsdp_tensor._MeshWalk` with FSDP1's flat buffers (:class:`~symmem.passes.fsdp1.
-    Fsdp1`) at the sizes of a rank's flat shards."""
+    Fsdp1`) at the sizes of a rank's flat shards, with the zeros of its padding while the flat gradient is
+    concatenated; the backward's end (the root's post-backward) a candidate; the embedding's gradient, made whole
+    (V x H) by its backward, cloned to the rank's rows before the whole is let go (measured: the local rows are
+    what FSDP1 flattens)."""
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
         super().__init__(graph, conv, options, regime, numbers)
-        root, layer = flat_units(self.original, self.subs)
-        self.flat = {"root": root.shard, "layer": layer.shard}
-
-    def local(self, i: int) -> sympy.Expr:
+        self.tl = _named_end(self.tl)
         from ..symbols import N
 
+        root, layer = flat_units(self.original, self.subs)
+        self.flat = {"root": root.shard, "layer": layer.shard}
+        # the flat parameter's padding (between parameters and at its end): autograd's split backward makes zeros
+        # for it beside the parameters' gradients while it concatenates them into the flat gradient (measured)
+        self.padding = {name: (N * u.shard - sympy.Add(*(m[2] for m in u.members))) * 4
+                        for name, u in (("root", root), ("layer", layer))}
+
+    def local(self, i: int) -> sympy.Expr:
+        from ..symbols import N, t
+
         s = self.tl.storages[i]
+        if s.category == "gradient" and s.node == self.embedding:
+            return s.nbytes / t  # the rank's rows (the whole one: _collectives)
         if s.name.startswith("fsdp1."):
             k = self.flat["root" if s.name.endswith("[root]") else "layer"]
             if s.name.startswith(("fsdp1.unsharded[", "fsdp1.flat_grad[")):
@@ -163,8 +185,63 @@ class _Mesh1Walk(_MeshWalk):
         return super().local(i)
 
 
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """What the walk adds at this op; at the embedding's backward, its whole gradient: made beside what the op
+        frees (the stream's gradient), then beside the clone of the rank's rows once that is freed (measured)."""
+        extra = super()._collectives(e, alive, k)
+        for i in e.born:
+            s = self.tl.storages[i]
+            if s.name.startswith("fsdp1.flat_grad["):
+                extra += self.padding["root" if s.name.endswith("[root]") else "layer"]
+            if s.category == "gradient" and s.node == self.embedding:
+                extra += self._embedding(e, s.nbytes, self.local(i), alive, k)
+        return extra
+
+    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+        """What the embedding's backward holds beyond its rows' gradient: the whole one (``whole``), made beside
+        what the op frees (the stream's gradient), then beside its rows' clone once that is freed (measured)."""
+        freed = sympy.Add(*(self.local(j) for j in e.freed if j in alive))
+        return whole - rows + self._max(0, rows - freed)
+
+
+
+#: what the walk calls the backward's end: FSDP's final callback, the root's post-backward (no op of the model's)
+END = "the root's post-backward"
+
+
+def _named_end(tl: Any) -> Any:
+    """``tl`` with the backward's end named :data:`END`, so that its moments are candidates of the walk (they are
+    the peak where the root's flat parameter is large: a vocabulary of 2,048 against H = 32, measured)."""
+    import dataclasses
+
+    events, started = list(tl.events), False
+    for k, e in enumerate(events):
+        started = started or (e.phase == "backward" and bool(e.node))
+        if e.phase == "backward" and started and not e.node:
+            events[k] = dataclasses.replace(e, node=END)
+    return dataclasses.replace(tl, events=tuple(events))
+
+
 class _Mesh1SequenceWalk(_Mesh1Walk, _MeshSequenceWalk):
     """:class:`_Mesh1Walk` under sequence parallelism."""
+
+    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+        """In place of what the sequence-parallel walk holds at the embedding's backward (its whole gradient kept,
+        :class:`~symmem.passes.tensor_step._SequenceWalk`): the stream's gradient all-gathered (the output beside
+        funcol's wrapper) while its S-split one lives; the whole embedding gradient made beside the two gathered
+        copies once the S-split one is freed; then its rows' clone beside it, the gathered copies freed
+        (measured on every rank, 2 x 2, V = 2,048)."""
+        stream = self._whole(self.embedding)
+        born = sympy.Add(*(self.local(j) for j in e.born))
+        released = sympy.Integer(0)  # as _SequenceWalk counts what its gathered copies let go here
+        for i, (_, spans) in self.copies.items():
+            if i in alive:
+                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * self.tl.storages[
+                    i].nbytes
+        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
+        theirs = self._max(2 * stream - born, stream - freed)
+        gathered = 2 * stream - rows
+        return -theirs + self._max(gathered, whole - freed + self._max(0, gathered))
 
 
 @dataclass(eq=False)
@@ -184,6 +261,12 @@ class Mesh1Step(MeshStep):
     def temporaries(self, rank: int, named: Mapping[str, int]) -> sympy.Expr:
         """For-loop AdamW's largest temporaries on ``rank``'s parts: two of a part's size beside the previous
         part's ``denom``, over the parts the rank holds (a parameter without one has no gradient: skipped)."""
+        key = ("temporaries", rank, tuple(sorted(named.items())))
+        if key not in self._cache:
+            self._cache[key] = self._temporaries(rank, named)
+        return self._cache[key]
+
+    def _temporaries(self, rank: int, named: Mapping[str, int]) -> sympy.Expr:
         from .tensor_step import largest_of
 
         env = _env(named)
