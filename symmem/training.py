@@ -273,8 +273,9 @@ class Regime:
                               "sharding: give one of them")
         if self.tensor_parallel and dp in ("fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op") and not (
                 self.pipeline_parallel):
-            # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py),
-            # with or without sequence parallelism
+            # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py;
+            # FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"]), passes/fsdp1_tensor.py), with or without
+            # sequence parallelism
             return
         if self.tensor_parallel or self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "

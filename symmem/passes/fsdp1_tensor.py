@@ -19,7 +19,11 @@ the head -- and splits it over the N ranks of the data-parallel group.  Measured
 * **the step**: FSDP1's flat buffers (:class:`symmem.passes.fsdp1.Fsdp1`, the unsharded flat parameter and the
   flat gradient, here the padded size already: no padded copy) at the 2-D shards' sizes, beside the
   tensor-parallel rank's activations and collectives (:class:`~symmem.passes.fsdp_tensor._MeshWalk`'s walk, with
-  or without sequence parallelism); the optimizer step's for-loop temporaries on each rank's parts.
+  or without sequence parallelism), and what was measured op by op beyond them (:class:`_Mesh1Walk`): the
+  padding's zeros at the flat gradient's concatenation, the embedding's whole gradient beside its rows' clone,
+  the root's post-backward a candidate; the optimizer step's for-loop temporaries on each rank's parts.  Every
+  rank's moments make one peak (:meth:`Mesh1Step.peak`): the largest rank's, named.  Equal to the engine's on
+  every rank of 2 x 2 meshes (16 configurations), a 2 x 3 and a 3 x 2 mesh (docs/regimes.md).
 
 >>> from symmem import derive
 >>> values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 66, "F": 64, "N": 2, "t": 2}
@@ -158,10 +162,10 @@ class _Mesh1Walk(_MeshWalk):
     what FSDP1 flattens)."""
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
-        super().__init__(graph, conv, options, regime, numbers)
-        self.tl = _named_end(self.tl)
         from ..symbols import N
 
+        super().__init__(graph, conv, options, regime, numbers)
+        self.tl = _named_end(self.tl)
         root, layer = flat_units(self.original, self.subs)
         self.flat = {"root": root.shard, "layer": layer.shard}
         # the flat parameter's padding (between parameters and at its end): autograd's split backward makes zeros
@@ -184,7 +188,6 @@ class _Mesh1Walk(_MeshWalk):
             return k * 4  # the sharded gradient
         return super().local(i)
 
-
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """What the walk adds at this op; at the embedding's backward, its whole gradient: made beside what the op
         frees (the stream's gradient), then beside the clone of the rank's rows once that is freed (measured)."""
@@ -202,7 +205,6 @@ class _Mesh1Walk(_MeshWalk):
         what the op frees (the stream's gradient), then beside its rows' clone once that is freed (measured)."""
         freed = sympy.Add(*(self.local(j) for j in e.freed if j in alive))
         return whole - rows + self._max(0, rows - freed)
-
 
 
 #: what the walk calls the backward's end: FSDP's final callback, the root's post-backward (no op of the model's)
