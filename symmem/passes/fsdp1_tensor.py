@@ -124,11 +124,11 @@ def flat_units(graph: Graph, env: Mapping[sympy.Symbol, sympy.Integer] | None = 
 
 
 def mesh1_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int = 0, sequence: bool = False,
-               env: Mapping[sympy.Symbol, sympy.Integer] | None = None) -> Any:
+               env: Mapping[sympy.Symbol, sympy.Integer] | None = None, saved: sympy.Expr | None = None) -> Any:
     """One rank of the N x t mesh under FSDP1 as a :class:`~symmem.passes.model_parallel.TensorRank` (formulas in
     N and t): the flat shards and sharded gradients, AdamW's state on ``rank``'s parts of the original parameters,
-    the tensor-parallel rank's saved activations; with ``env``, the pieces that hold at those numbers
-    (:meth:`FlatUnit.part`)."""
+    the tensor-parallel rank's saved activations (``saved``: worked out already); with ``env``, the pieces that
+    hold at those numbers (:meth:`FlatUnit.part`)."""
     from ..errors import SymmemError
     from .model_parallel import TensorRank, tensor_rank
 
@@ -145,7 +145,8 @@ def mesh1_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int 
             # exp_avg, exp_avg_sq; a step where it has a part
             held = (part != 0) if env is not None else sympy.Min(1, part, evaluate=False)
             state += each * (2 * part * 4 + 4 * held)
-    saved = tensor_rank(graph, storages, regime, sequence).saved
+    if saved is None:
+        saved = tensor_rank(graph, storages, regime, sequence).saved
     return TensorRank(saved, stored, stored, state)
 
 
@@ -258,7 +259,12 @@ class Mesh1Step(MeshStep):
         return _Mesh1SequenceWalk if self.sequence else _Mesh1Walk
 
     def rank_parts(self, rank: int, named: Mapping[str, int] | None = None) -> Any:
-        return mesh1_rank(self.graph, self.storages, self.regime, rank, self.sequence, _env(named))
+        from .model_parallel import tensor_rank
+
+        if "saved" not in self._cache:  # every rank's, worked out once
+            self._cache["saved"] = tensor_rank(self.graph, self.storages, self.regime, self.sequence).saved
+        return mesh1_rank(self.graph, self.storages, self.regime, rank, self.sequence, _env(named),
+                          self._cache["saved"])
 
     def temporaries(self, rank: int, named: Mapping[str, int]) -> sympy.Expr:
         """For-loop AdamW's largest temporaries on ``rank``'s parts: two of a part's size beside the previous
@@ -279,7 +285,11 @@ class Mesh1Step(MeshStep):
         held = [4 * p for p in order if p != 0]
         if not held:
             return sympy.Integer(0)
-        return largest_of([2 * held[0]] + [a + 2 * b for a, b in zip(held, held[1:], strict=False)])
+        candidates = list(dict.fromkeys([2 * held[0]] + [a + 2 * b for a, b in zip(held, held[1:], strict=False)]))
+        if all(c.free_symbols <= set(env) for c in candidates):
+            # every size a number here (the peak is walked at these numbers): the largest, found without sympy
+            return max(candidates, key=lambda c: int(c.xreplace(env)))
+        return largest_of(candidates)
 
     def groups(self, merged: Mapping[sympy.Symbol, int]) -> list[list[int]]:
         """The data-parallel ranks grouped by the parts they hold (each group's step is walked once)."""
