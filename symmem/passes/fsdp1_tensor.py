@@ -158,15 +158,12 @@ def _env(named: Mapping[str, int] | None) -> dict[sympy.Symbol, sympy.Integer] |
 class _Mesh1Walk(_MeshWalk):
     """:class:`~symmem.passes.fsdp_tensor._MeshWalk` with FSDP1's flat buffers (:class:`~symmem.passes.fsdp1.
     Fsdp1`) at the sizes of a rank's flat shards, with the zeros of its padding while the flat gradient is
-    concatenated; the backward's end (the root's post-backward) a candidate; the embedding's gradient, made whole
-    (V x H) by its backward, cloned to the rank's rows before the whole is let go (measured: the local rows are
-    what FSDP1 flattens)."""
+    concatenated (measured)."""
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
         from ..symbols import N
 
         super().__init__(graph, conv, options, regime, numbers)
-        self.tl = _named_end(self.tl)
         root, layer = flat_units(self.original, self.subs)
         self.flat = {"root": root.shard, "layer": layer.shard}
         # the flat parameter's padding (between parameters and at its end): autograd's split backward makes zeros
@@ -175,11 +172,9 @@ class _Mesh1Walk(_MeshWalk):
                         for name, u in (("root", root), ("layer", layer))}
 
     def local(self, i: int) -> sympy.Expr:
-        from ..symbols import N, t
+        from ..symbols import N
 
         s = self.tl.storages[i]
-        if s.category == "gradient" and s.node == self.embedding:
-            return s.nbytes / t  # the rank's rows (the whole one: _collectives)
         if s.name.startswith("fsdp1."):
             k = self.flat["root" if s.name.endswith("[root]") else "layer"]
             if s.name.startswith(("fsdp1.unsharded[", "fsdp1.flat_grad[")):
@@ -190,61 +185,17 @@ class _Mesh1Walk(_MeshWalk):
         return super().local(i)
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
-        """What the walk adds at this op; at the embedding's backward, its whole gradient: made beside what the op
-        frees (the stream's gradient), then beside the clone of the rank's rows once that is freed (measured)."""
+        """What the walk adds at this op, and the padding's zeros at a flat gradient's concatenation."""
         extra = super()._collectives(e, alive, k)
         for i in e.born:
-            s = self.tl.storages[i]
-            if s.name.startswith("fsdp1.flat_grad["):
-                extra += self.padding["root" if s.name.endswith("[root]") else "layer"]
-            if s.category == "gradient" and s.node == self.embedding:
-                extra += self._embedding(e, s.nbytes, self.local(i), alive, k)
+            name = self.tl.storages[i].name
+            if name.startswith("fsdp1.flat_grad["):
+                extra += self.padding["root" if name.endswith("[root]") else "layer"]
         return extra
-
-    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
-        """What the embedding's backward holds beyond its rows' gradient: the whole one (``whole``), made beside
-        what the op frees (the stream's gradient), then beside its rows' clone once that is freed (measured)."""
-        freed = sympy.Add(*(self.local(j) for j in e.freed if j in alive))
-        return whole - rows + self._max(0, rows - freed)
-
-
-#: what the walk calls the backward's end: FSDP's final callback, the root's post-backward (no op of the model's)
-END = "the root's post-backward"
-
-
-def _named_end(tl: Any) -> Any:
-    """``tl`` with the backward's end named :data:`END`, so that its moments are candidates of the walk (they are
-    the peak where the root's flat parameter is large: a vocabulary of 2,048 against H = 32, measured)."""
-    import dataclasses
-
-    events, started = list(tl.events), False
-    for k, e in enumerate(events):
-        started = started or (e.phase == "backward" and bool(e.node))
-        if e.phase == "backward" and started and not e.node:
-            events[k] = dataclasses.replace(e, node=END)
-    return dataclasses.replace(tl, events=tuple(events))
 
 
 class _Mesh1SequenceWalk(_Mesh1Walk, _MeshSequenceWalk):
     """:class:`_Mesh1Walk` under sequence parallelism."""
-
-    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
-        """In place of what the sequence-parallel walk holds at the embedding's backward (its whole gradient kept,
-        :class:`~symmem.passes.tensor_step._SequenceWalk`): the stream's gradient all-gathered (the output beside
-        funcol's wrapper) while its S-split one lives; the whole embedding gradient made beside the two gathered
-        copies once the S-split one is freed; then its rows' clone beside it, the gathered copies freed
-        (measured on every rank, 2 x 2, V = 2,048)."""
-        stream = self._whole(self.embedding)
-        born = sympy.Add(*(self.local(j) for j in e.born))
-        released = sympy.Integer(0)  # as _SequenceWalk counts what its gathered copies let go here
-        for i, (_, spans) in self.copies.items():
-            if i in alive:
-                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * self.tl.storages[
-                    i].nbytes
-        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
-        theirs = self._max(2 * stream - born, stream - freed)
-        gathered = 2 * stream - rows
-        return -theirs + self._max(gathered, whole - freed + self._max(0, gathered))
 
 
 @dataclass(eq=False)

@@ -138,6 +138,23 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
 # -- the step, op by op -----------------------------------------------------------------------------------------
 
 
+#: what the walk calls the backward's end: FSDP's final callback, the root's post-backward (no op of the model's)
+END = "the root's post-backward"
+
+
+def _named_end(tl: Any) -> Any:
+    """``tl`` with the backward's end named :data:`END`, so that its moments are candidates of the walk (they are
+    the peak where the root's flat parameter is large: a vocabulary of 2,048 against H = 32, measured)."""
+    import dataclasses
+
+    events, started = list(tl.events), False
+    for k, e in enumerate(events):
+        started = started or (e.phase == "backward" and bool(e.node))
+        if e.phase == "backward" and started and not e.node:
+            events[k] = dataclasses.replace(e, node=END)
+    return dataclasses.replace(tl, events=tuple(events))
+
+
 class _MeshWalk(_LayerWalk):
     """The single-device step under FSDP2 (:class:`~symmem.passes.data_parallel.Fsdp`'s buffers, walked by the
     schedule's Simulation) written out at the numbers, each storage at one rank's size: an activation as on a
@@ -154,6 +171,7 @@ class _MeshWalk(_LayerWalk):
         from .unroll import iteration, template
 
         super().__init__(graph, conv, options, regime, numbers)
+        self.tl = _named_end(self.tl)
         self.stored: dict[str, sympy.Expr] = {}   # parameter -> elements of its 2-D shard (padded rows)
         for n, _, shape in parameters(self.g):
             node = self.g.node(n)
@@ -214,9 +232,11 @@ class _MeshWalk(_LayerWalk):
         return sympy.Add(*(self.stored[p] for p in members))
 
     def local(self, i: int) -> sympy.Expr:
-        from ..symbols import N
+        from ..symbols import N, t
 
         s = self.tl.storages[i]
+        if s.category == "gradient" and s.node == self.embedding:
+            return s.nbytes / t  # the rank's rows (the whole one: _embedding)
         if s.name.startswith(("fsdp.all_gather[", "fsdp.reduce_scatter_input[")):
             return N * self._unit(s.name) * 4
         if s.name.startswith("fsdp.sharded_grads["):
@@ -248,6 +268,10 @@ class _MeshWalk(_LayerWalk):
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         extra = super()._collectives(e, alive, k) - self.merge.get(k, 0)
+        for i in e.born:
+            s = self.tl.storages[i]
+            if s.category == "gradient" and s.node == self.embedding:
+                extra += self._embedding(e, s.nbytes, self.local(i), alive, k)
         node = self.g.node(e.node) if e.node in self.g else None
         if e.phase == "forward":
             extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
@@ -259,6 +283,12 @@ class _MeshWalk(_LayerWalk):
             # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
             extra += self._stream_bytes(e.node)
         return extra
+
+    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+        """What the embedding's backward holds beyond its rows' gradient: the whole one (``whole``), made beside
+        what the op frees (the stream's gradient), then beside its rows' clone once that is freed (measured)."""
+        freed = sympy.Add(*(self.local(j) for j in e.freed if j in alive))
+        return whole - rows + self._max(0, rows - freed)
 
     def _whole(self, node: str) -> sympy.Expr:
         return self.g.node(node).out.numel * 4
@@ -298,6 +328,24 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
         """None: with the stream split over S, a layer's norm's input gradient is a new tensor beside the residual
         stream's, both kept to their sum, as the single-device walk has them (measured op by op)."""
         return {}
+
+    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+        """In place of what the sequence-parallel walk holds at the embedding's backward (its whole gradient kept,
+        :class:`~symmem.passes.tensor_step._SequenceWalk`): the stream's gradient all-gathered (the output beside
+        funcol's wrapper) while its S-split one lives; the whole embedding gradient made beside the two gathered
+        copies once the S-split one is freed; then its rows' clone beside it, the gathered copies freed
+        (measured on every rank, 2 x 2, V = 2,048)."""
+        stream = self._whole(self.embedding)
+        born = sympy.Add(*(self.local(j) for j in e.born))
+        released = sympy.Integer(0)  # as _SequenceWalk counts what its gathered copies let go here
+        for i, (_, spans) in self.copies.items():
+            if i in alive:
+                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * self.tl.storages[
+                    i].nbytes
+        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
+        theirs = self._max(2 * stream - born, stream - freed)
+        gathered = 2 * stream - rows
+        return -theirs + self._max(gathered, whole - freed + self._max(0, gathered))
 
     def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """The head's input all-gather (its output beside funcol's wrapper, :class:`_SequenceWalk` counts it
