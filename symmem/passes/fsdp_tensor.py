@@ -26,7 +26,10 @@ beside its wrapper, a column-parallel input gradient's, the head's replicated lo
 measured step showed beyond the single-device walk: the RMS norms' backward makes a product as large as the norm's
 output before each weight's and rsqrt's gradient sum, and a layer norm's input gradient is added into the residual
 stream's at once (one gradient fewer than the walk keeps); eager attention's mask lives, as the position ids, to the
-forward's end.  The candidates are every op of the first, the last and the last but one layer (in its backward the
+forward's end; the embedding's backward makes its gradient whole (V x H) and clones the rank's rows from it before
+letting it go (:meth:`_MeshWalk._embedding`), and the backward's end -- the root's post-backward, no op of the
+model's -- is a candidate (:func:`_named_end`): where V is large they are the peak (measured at V = 2,048).  The
+candidates are every op of the first, the last and the last but one layer (in its backward the
 last layer's reduce-scatter input and sharded gradients are alive) and outside the layers; beside them the
 optimizer step (for-loop AdamW on the 2-D shards: every sharded gradient, one parameter's ``sqrt`` and ``denom``
 beside the previous one's).  Rank 0 of each data-parallel group holds whole shards: its peak is the peak per
