@@ -202,8 +202,8 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
         return (mesh1_rank if regime.data_parallel in FSDP1 else mesh_rank)(built.graph, d.storages, regime, rank,
                                                                              sequence)
     if rank != 0:
-        raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' (FSDP x TP); every "
-                          "tensor-parallel rank alone holds the same")
+        raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' or 'fsdp1' (FSDP x "
+                          "TP); every tensor-parallel rank alone holds the same")
     return tensor_rank(built.graph, d.storages, regime, sequence)
 
 

@@ -1,4 +1,5 @@
-"""FSDP x TP measured per rank: FSDP2's ``fully_shard`` over a ``parallelize_module``'d Llama on an N x t mesh.
+"""FSDP x TP measured per rank: FSDP2's ``fully_shard`` (or FSDP1) over a ``parallelize_module``'d Llama on an N x t
+mesh.
 
 The engine is PyTorch's 2-D recipe (the tutorial's, torchtitan's): ``init_device_mesh("cpu", (N, t),
 mesh_dim_names=("dp", "tp"))``, ``parallelize_module(model, mesh["tp"], plan)`` with the standard Llama plan
@@ -17,7 +18,11 @@ the parameters, gradients and optimizer state, what autograd keeps after the for
 step's peaks (each moment at its fewest bytes over repeated steps, as the tensor-parallel runs take them:
 gloo's worker thread lets go of a collective's tensors at no fixed op).  gloo's copy of the reduce-scatter input
 made inside the collective (first seen as an aliased output, the recorder's ``external``) is left out, as for
-FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
+FSDP2 alone.  With a case's ``fsdp1`` option the engine is PyTorch's original 2-D recipe instead:
+``FullyShardedDataParallel(model, device_mesh=mesh["dp"], auto_wrap_policy=ModuleWrapPolicy({layer}),
+use_orig_params=True)`` with that ``ShardingStrategy`` (``FULL_SHARD``, ``SHARD_GRAD_OP``), recorded with
+:class:`~symmem.record.fsdp1_runs.FlatTracker` (FSDP1's ``FlatParameter`` let through).  Needs ``torch`` with
+``torch.distributed`` (imported lazily).
 """
 
 from __future__ import annotations
@@ -151,7 +156,8 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
                      reshard: bool = True) -> list[list[MeshRun]]:
     """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
     per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
-    that case's FSDP setting, else ``reshard``).  A rank that fails or hangs is a :class:`SymmemError`."""
+    that case's FSDP setting, else ``reshard``; ``fsdp1``: FSDP1's ``ShardingStrategy`` name, PyTorch's original
+    2-D recipe in place of ``fully_shard``).  A rank that fails or hangs is a :class:`SymmemError`."""
 
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
     import torch.distributed.tensor.parallel  # noqa: F401
