@@ -193,6 +193,8 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
     built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)
     d = derivation(built, conv, regime, values, options=conv_options)
     if regime.data_parallel is not None:  # FSDP x TP on an N x t mesh: ``rank`` in the data-parallel group
+        from .passes.fsdp1 import FSDP1
+        from .passes.fsdp1_tensor import mesh1_rank
         from .passes.fsdp_tensor import mesh_rank
         from .training import Regime
 
@@ -200,10 +202,11 @@ def tensor_parallel_rank(model: Model | str, *, values: Mapping[str, int] | None
         world = (values or {}).get("N")
         if isinstance(world, int) and isinstance(rank, int) and not 0 <= rank < world:
             raise SymmemError(f"rank {rank} is no place in a data-parallel group of N={world} (0 to {world - 1})")
-        return mesh_rank(built.graph, d.storages, regime, rank, sequence)
+        return (mesh1_rank if regime.data_parallel in FSDP1 else mesh_rank)(built.graph, d.storages, regime, rank,
+                                                                             sequence)
     if rank != 0:
-        raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' (FSDP x TP); every "
-                          "tensor-parallel rank alone holds the same")
+        raise SymmemError("rank names a place in a data-parallel group: give data_parallel='fsdp' or 'fsdp1' (FSDP x "
+                          "TP); every tensor-parallel rank alone holds the same")
     return tensor_rank(built.graph, d.storages, regime, sequence)
 
 

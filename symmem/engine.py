@@ -256,16 +256,19 @@ def _tensor_step(model: Model, convention: Convention, regime: Regime, values: M
 
 def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
                options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
-    """The step of one rank of an N x t mesh (FSDP2 over DTensor's standard plan), walked from the single-device
-    step under FSDP (:mod:`symmem.passes.fsdp_tensor`); refused, saying why, where it is not modelled."""
+    """The step of one rank of an N x t mesh (FSDP2 or FSDP1 over DTensor's standard plan), walked from the
+    single-device step under FSDP (:mod:`symmem.passes.fsdp_tensor`, :mod:`symmem.passes.fsdp1_tensor`); refused,
+    saying why, where it is not modelled."""
+    from .passes.fsdp1 import FSDP1
+    from .passes.fsdp1_tensor import Mesh1Step
     from .passes.fsdp_tensor import MeshStep, refusal
 
     found = _rank_single(model, convention, regime, values, options, refusal)
     if not isinstance(found, tuple):
         return found
     one, single, resolved = found
-    return MeshStep(dict(numbers), model.graph, convention, resolved, one, single.storages,
-                    regime.sequence_parallel)
+    mesh = Mesh1Step if regime.data_parallel in FSDP1 else MeshStep  # FSDP1's flat shards, or FSDP2's
+    return mesh(dict(numbers), model.graph, convention, resolved, one, single.storages, regime.sequence_parallel)
 
 
 def _rank_single(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,

@@ -282,9 +282,11 @@ class Regime:
         if self.zero:
             raise SymmemError(f"data_parallel={dp!r} is an engine and zero={self.zero} the papers' accounting of "
                               "sharding: give one of them")
-        if self.tensor_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.pipeline_parallel:
-            # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py),
-            # with or without sequence parallelism
+        if self.tensor_parallel and dp in ("fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op") and not (
+                self.pipeline_parallel):
+            # FSDP x TP (fully_shard over a parallelize_module'd model on an N x t mesh, passes/fsdp_tensor.py;
+            # FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"]), passes/fsdp1_tensor.py), with or without
+            # sequence parallelism
             return
         if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.tensor_parallel:
             # FSDP2 on every stage of a p x N mesh, torchtitan's recipe (passes/fsdp_pipeline.py)

@@ -37,22 +37,43 @@ SEQUENCE = [("fsdp", VALUES, {"attention": "sdpa", "sequence_parallel": True},
 BATCH_OF_ONE = [("fsdp", {**VALUES, "B": 1, "L": 1, "V": 18}, {"attention": "naive", "sequence_parallel": True},
                  "forward layers.mlp.down_proj (layer 1)"),
                 ("fsdp-no-reshard", {**VALUES, "B": 1, "L": 1, "V": 18}, {"attention": "naive"}, "forward lm_head")]
+#: FSDP1 (``FullyShardedDataParallel(device_mesh=mesh["dp"], use_orig_params=True)``, PyTorch's original 2-D
+#: recipe): FULL_SHARD with F = 128 -- each layer's flat shard is 3,872 elements, rank 0's holds q, k, v, o, gate and
+#: part of up, rank 1's the rest of up, down and the two norms: AdamW has 2 parameters (2 steps) fewer a layer on
+#: data-parallel rank 1 -- and V = 2,048, B = 1: the peak at the backward's end, the root's flat gradient
+#: concatenated beside the embedding's and the head's gradients (the embedding's whole V x H gradient let go once
+#: its rows are cloned); SHARD_GRAD_OP over three layers with sequence parallelism, B = 3: every unit's flat
+#: parameter unsharded at the head's forward
+SHARD1 = [("fsdp1", {**VALUES, "B": 1, "F": 128, "V": 2048}, {"attention": "sdpa"},
+           "backward the root's post-backward"),
+          ("fsdp1-grad-op", {**VALUES, "B": 3, "L": 3}, {"attention": "sdpa", "sequence_parallel": True},
+           "forward lm_head")]
+#: each FSDP1 engine's ShardingStrategy (symmem.record.fsdp1_runs.STRATEGIES)
+STRATEGY = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP"}
 CASES = [("fsdp", VALUES, {"attention": "sdpa"}, "backward layers.mlp.up_proj (layer 2)"),
          ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head"), *SEQUENCE,
-         *BATCH_OF_ONE]
+         *BATCH_OF_ONE, *SHARD1]
+
+
+def _job(engine: str, options: dict) -> dict:
+    """The run's options for ``engine``: FSDP2's ``reshard_after_forward``, or FSDP1's strategy."""
+    if engine in STRATEGY:
+        return {**options, "fsdp1": STRATEGY[engine]}
+    return {**options, "reshard_after_forward": engine == "fsdp"}
 
 
 def test_every_rank_of_a_2x2_mesh_against_the_engine():
     """Every rank's parameters (padded 2-D shards), gradients, AdamW state (the unpadded rows), saved activations
     and first and steady step peaks equal the real run's to the byte, with and without sequence parallelism (one
-    spawn of four ranks runs every case); every view gives rank 0's peak, where it is, and every rank's."""
+    spawn of four ranks runs every case, FSDP2 and FSDP1); every view gives the largest rank's peak, where it is,
+    and every rank's."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem import derive
     from symmem.api import tensor_parallel_rank
     from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
 
-    jobs = [(values, {**options, "reshard_after_forward": engine == "fsdp"}) for engine, values, options, _ in CASES]
+    jobs = [(values, _job(engine, options)) for engine, values, options, _ in CASES]
     everything = fsdp_tensor_runs(2, 2, jobs)
     for case, (engine, values, options, where) in enumerate(CASES):
         real = [rank[case] for rank in everything]
@@ -65,17 +86,22 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
             got = {"saved": r.saved, "parameters": r.parameters, "gradients": r.gradients,
                    "optimizer_state": r.optimizer_state}
             assert want == got, (engine, r.rank, want, got)
-        # the data-parallel rank 1 holds 16 of the 17 stored rows of the embedding and the head: 2 x 2 x H x 4
-        # bytes fewer of AdamW's moments, and as much less at its peak
-        assert real[0].optimizer_state - real[2].optimizer_state == 2 * 2 * 32 * 4
+        # FSDP2: the data-parallel rank 1 holds 16 of the 17 stored rows of the embedding and the head: 2 x 2 x H x 4
+        # bytes fewer of AdamW's moments, and as much less at its peak; FSDP1 (F = 128, see SHARD1): 2 step scalars
+        # fewer a layer; SHARD_GRAD_OP's case: every rank alike
+        fewer = {"fsdp1": 2 * 2 * 4, "fsdp1-grad-op": 0}.get(engine, 2 * 2 * 32 * 4)
+        assert real[0].optimizer_state - real[2].optimizer_state == fewer, engine
         d = derive("llama", data_parallel=engine, tensor_parallel=True, values=numbers, device="cpu", **options)
         assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak), (
             engine, options)
         out = d.to_dict()
-        assert out["values"]["peak_per_rank"] == {
-            str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}, (engine, options)
+        each = {str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}
+        if fewer:
+            assert out["values"]["peak_per_rank"] == each, (engine, options)
+        else:  # every rank alike: no per-rank values
+            assert "peak_per_rank" not in out["values"] and len({str(v) for v in each.values()}) == 1, engine
         assert out["peak_at"]["rank"] == 0 and d.peak_at().where(step=False) == f"rank 0 of N x t = 2 x 2: {where}"
-        assert "peak per rank (first step / steady): ranks 0-1: " in str(d)
+        assert ("peak per rank (first step / steady): ranks 0-1: " in str(d)) == bool(fewer), engine
         assert {"B", "S", "N", "t"} <= {s.name for s in d.peak.free_symbols}
 
 
@@ -99,17 +125,27 @@ def test_the_mesh_ranks_cli(capsys):
     assert lines[1].split() == ["saved", "48,032"]
     assert lines[-1] == ("peak per rank: 174,268 bytes at rank 0 of N x t = 2 x 2: backward layers.mlp.down_proj "
                          "(layer 2); first step 127,976")
+    # FSDP1: the optimizer state of each data-parallel rank and the peak the test above checks against the engine
+    # (SHARD1[0])
+    sets = [a for k, v in {**SHARD1[0][1], "N": 2, "t": 2}.items() for a in ("--set", f"{k}={v}")]
+    assert main(["ranks", "llama", "--data-parallel", "fsdp1", "--tensor-parallel", "--device", "cpu",
+                 "--attention", "sdpa", *sets]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "rank 0 of an N=2 x t=2 mesh (fsdp1 over DTensor's standard plan): bytes"
+    assert lines[-2:] == ["  optimizer state by data-parallel rank: 0: 324,280, 1: 324,264",
+                          "peak per rank: 1,304,288 bytes at rank 0 of N x t = 2 x 2: backward the root's "
+                          "post-backward; first step 980,008"]
 
 
-@pytest.mark.parametrize("sequence", [False, True])
-def test_fit_under_fsdp_x_tp(sequence):
-    """``fit``: the largest B whose rank-0 peak fits, the step walked anew at that B and at B + 1 (fresh derives)
-    on each side of the budget, with and without sequence parallelism."""
+@pytest.mark.parametrize("engine, sequence", [("fsdp", False), ("fsdp", True), ("fsdp1-grad-op", True)])
+def test_fit_under_fsdp_x_tp(engine, sequence):
+    """``fit``: the largest B whose largest rank's peak fits, the step walked anew at that B and at B + 1 (fresh
+    derives) on each side of the budget, with and without sequence parallelism, FSDP2 and FSDP1."""
     from symmem import derive
     from symmem.apps.budget import largest
 
     values = {**VALUES, "N": 2, "t": 2}
-    kw = {"data_parallel": "fsdp", "tensor_parallel": True, "sequence_parallel": sequence, "device": "cpu",
+    kw = {"data_parallel": engine, "tensor_parallel": True, "sequence_parallel": sequence, "device": "cpu",
           "attention": "sdpa"}
     d = derive("llama", values=values, **kw)
     budget = 2**20
@@ -118,14 +154,15 @@ def test_fit_under_fsdp_x_tp(sequence):
     assert at[0] <= budget < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
 
 
-def test_the_peak_refuses_what_was_not_measured():
+@pytest.mark.parametrize("engine", ["fsdp", "fsdp1"])
+def test_the_peak_refuses_what_was_not_measured(engine):
     from symmem import derive
 
     values = {**VALUES, "N": 2, "t": 2}
     for kwargs, why in [({"device": "cuda"}, "no peak: the FSDP x TP peak is measured on CPU ranks (gloo)"),
                         ({"device": "cpu", "loss": "cross-entropy"},
                          "no peak: the FSDP x TP peak is modelled for the loss 'sum'")]:
-        out = derive("llama", data_parallel="fsdp", tensor_parallel=True, values=values, **kwargs).to_dict()
+        out = derive("llama", data_parallel=engine, tensor_parallel=True, values=values, **kwargs).to_dict()
         assert out["values"]["peak"] is None and out["peak_refused"].startswith(why), kwargs
 
 

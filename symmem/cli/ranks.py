@@ -9,7 +9,7 @@ from .common import add_derive_options, plan_arguments
 
 NAME = "ranks"
 HELP = ("one tensor-parallel rank's memory under DTensor's standard plan (parallelize_module), with t ranks "
-        "(--data-parallel fsdp: on an N x t mesh)")
+        "(--data-parallel fsdp or fsdp1: on an N x t mesh)")
 ORDER = 26
 
 
@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name.replace('_', ' '):<16} {found[name]:>16,}")
     print(f"  {'total':<16} {sum(found.values()):>16,}")
     if getattr(args, "data_parallel", None):
-        from ..passes.fsdp_tensor import mesh_groups
-
-        graph = getattr(d.step, "graph", None)  # a refused peak's step has none: every rank then
-        groups = mesh_groups(graph, d.numbers) if graph is not None else [[r] for r in range(numbers["N"])]
+        # the ranks alike (FSDP2's rows held, FSDP1's parts of the flat shards); a refused peak's step has none:
+        # every rank then
+        alike = getattr(d.step, "groups", None)
+        groups = alike(d.numbers) if alike is not None else [[r] for r in range(numbers["N"])]
         states = [0] * numbers["N"]
         for group in groups:  # each set of held rows once
             state = tensor_parallel_rank(args.model, values=values, rank=group[0], **kw).at(numbers)["optimizer_state"]

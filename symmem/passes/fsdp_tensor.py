@@ -26,7 +26,10 @@ beside its wrapper, a column-parallel input gradient's, the head's replicated lo
 measured step showed beyond the single-device walk: the RMS norms' backward makes a product as large as the norm's
 output before each weight's and rsqrt's gradient sum, and a layer norm's input gradient is added into the residual
 stream's at once (one gradient fewer than the walk keeps); eager attention's mask lives, as the position ids, to the
-forward's end.  The candidates are every op of the first, the last and the last but one layer (in its backward the
+forward's end; the embedding's backward makes its gradient whole (V x H) and clones the rank's rows from it before
+letting it go (:meth:`_MeshWalk._embedding`), and the backward's end -- the root's post-backward, no op of the
+model's -- is a candidate (:func:`_named_end`): where V is large they are the peak (measured at V = 2,048).  The
+candidates are every op of the first, the last and the last but one layer (in its backward the
 last layer's reduce-scatter input and sharded gradients are alive) and outside the layers; beside them the
 optimizer step (for-loop AdamW on the 2-D shards: every sharded gradient, one parameter's ``sqrt`` and ``denom``
 beside the previous one's).  Rank 0 of each data-parallel group holds whole shards: its peak is the peak per
@@ -138,6 +141,23 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
 # -- the step, op by op -----------------------------------------------------------------------------------------
 
 
+#: what the walk calls the backward's end: FSDP's final callback, the root's post-backward (no op of the model's)
+END = "the root's post-backward"
+
+
+def _named_end(tl: Any) -> Any:
+    """``tl`` with the backward's end named :data:`END`, so that its moments are candidates of the walk (they are
+    the peak where the root's flat parameter is large: a vocabulary of 2,048 against H = 32, measured)."""
+    import dataclasses
+
+    events, started = list(tl.events), False
+    for k, e in enumerate(events):
+        started = started or (e.phase == "backward" and bool(e.node))
+        if e.phase == "backward" and started and not e.node:
+            events[k] = dataclasses.replace(e, node=END)
+    return dataclasses.replace(tl, events=tuple(events))
+
+
 class _MeshWalk(_LayerWalk):
     """The single-device step under FSDP2 (:class:`~symmem.passes.data_parallel.Fsdp`'s buffers, walked by the
     schedule's Simulation) written out at the numbers, each storage at one rank's size: an activation as on a
@@ -154,6 +174,7 @@ class _MeshWalk(_LayerWalk):
         from .unroll import iteration, template
 
         super().__init__(graph, conv, options, regime, numbers)
+        self.tl = _named_end(self.tl)
         self.stored: dict[str, sympy.Expr] = {}   # parameter -> elements of its 2-D shard (padded rows)
         for n, _, shape in parameters(self.g):
             node = self.g.node(n)
@@ -214,9 +235,11 @@ class _MeshWalk(_LayerWalk):
         return sympy.Add(*(self.stored[p] for p in members))
 
     def local(self, i: int) -> sympy.Expr:
-        from ..symbols import N
+        from ..symbols import N, t
 
         s = self.tl.storages[i]
+        if s.category == "gradient" and s.node == self.embedding:
+            return s.nbytes / t  # the rank's rows (the whole one: _embedding)
         if s.name.startswith(("fsdp.all_gather[", "fsdp.reduce_scatter_input[")):
             return N * self._unit(s.name) * 4
         if s.name.startswith("fsdp.sharded_grads["):
@@ -248,6 +271,10 @@ class _MeshWalk(_LayerWalk):
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         extra = super()._collectives(e, alive, k) - self.merge.get(k, 0)
+        for i in e.born:
+            s = self.tl.storages[i]
+            if s.category == "gradient" and s.node == self.embedding:
+                extra += self._embedding(e, s.nbytes, self.local(i), alive, k)
         node = self.g.node(e.node) if e.node in self.g else None
         if e.phase == "forward":
             extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
@@ -259,6 +286,12 @@ class _MeshWalk(_LayerWalk):
             # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
             extra += self._stream_bytes(e.node)
         return extra
+
+    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+        """What the embedding's backward holds beyond its rows' gradient: the whole one (``whole``), made beside
+        what the op frees (the stream's gradient), then beside its rows' clone once that is freed (measured)."""
+        freed = sympy.Add(*(self.local(j) for j in e.freed if j in alive))
+        return whole - rows + self._max(0, rows - freed)
 
     def _whole(self, node: str) -> sympy.Expr:
         return self.g.node(node).out.numel * 4
@@ -299,6 +332,24 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
         stream's, both kept to their sum, as the single-device walk has them (measured op by op)."""
         return {}
 
+    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+        """In place of what the sequence-parallel walk holds at the embedding's backward (its whole gradient kept,
+        :class:`~symmem.passes.tensor_step._SequenceWalk`): the stream's gradient all-gathered (the output beside
+        funcol's wrapper) while its S-split one lives; the whole embedding gradient made beside the two gathered
+        copies once the S-split one is freed; then its rows' clone beside it, the gathered copies freed
+        (measured on every rank, 2 x 2, V = 2,048)."""
+        stream = self._whole(self.embedding)
+        born = sympy.Add(*(self.local(j) for j in e.born))
+        released = sympy.Integer(0)  # as _SequenceWalk counts what its gathered copies let go here
+        for i, (_, spans) in self.copies.items():
+            if i in alive:
+                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * self.tl.storages[
+                    i].nbytes
+        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
+        theirs = self._max(2 * stream - born, stream - freed)
+        gathered = 2 * stream - rows
+        return -theirs + self._max(gathered, whole - freed + self._max(0, gathered))
+
     def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """The head's input all-gather (its output beside funcol's wrapper, :class:`_SequenceWalk` counts it
         beside what the head's op makes) comes before the logits' all-gather and concatenation: the larger of the
@@ -319,9 +370,11 @@ class MeshMoment(TensorRankMoment):
     """A moment of one rank's step on the N x t mesh."""
 
     ranks: str = ""  # the mesh in words
+    #: the rank on the mesh (0: FSDP2's largest; FSDP1's ranks differ otherwise, passes/fsdp1_tensor.py)
+    rank: int = 0
 
     def where(self, step: bool = True) -> str:
-        return f"rank 0 of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
+        return f"rank {self.rank} of {self.ranks}: {self.what}" + (f", {self.step} step" if step else "")
 
 
 @dataclass(eq=False)
@@ -358,15 +411,30 @@ class MeshStep(WalkedStep):
 
         key = ("walk", tuple(sorted(named.items())))
         if key not in self._cache:
-            walk = _MeshSequenceWalk if self.sequence else _MeshWalk
-            self._cache[key] = layer_moments(walk, self.graph, self.conv, self.options, self.regime, named,
+            self._cache[key] = layer_moments(self.walk_class(), self.graph, self.conv, self.options, self.regime, named,
                                              base=3)
         return self._cache[key]
+
+    def walk_class(self) -> type[_MeshWalk]:
+        """The layers' walk (FSDP2's buffers; FSDP1's: :mod:`symmem.passes.fsdp1_tensor`)."""
+        return _MeshSequenceWalk if self.sequence else _MeshWalk
+
+    def rank_parts(self, rank: int, named: Mapping[str, int] | None = None) -> Any:
+        """Data-parallel rank ``rank``'s parameter side (:func:`mesh_rank`; ``named``: the numbers walked at)."""
+        return mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
+
+    def temporaries(self, rank: int, named: Mapping[str, int]) -> sympy.Expr:
+        """The optimizer step's largest temporaries on ``rank`` (:func:`_step_temporaries`)."""
+        return _step_temporaries(self.graph, rank)
+
+    def groups(self, merged: Mapping[sympy.Symbol, int]) -> list[list[int]]:
+        """The data-parallel ranks whose steps are alike (:func:`mesh_groups`)."""
+        return mesh_groups(self.graph, merged)
 
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
         from .model_parallel import _bytes, _module_buffers
 
-        parts = mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
+        parts = self.rank_parts(rank, named)
         outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
         ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
                   sympy.Integer(0))
@@ -377,10 +445,10 @@ class MeshStep(WalkedStep):
         for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):
             for live, phase, what in self._walked(named):
                 made.append(MeshMoment(phase, what, "", step, {"live": at_rest + live - less}, ranks=ranks,
-                                       what=what))
+                                       what=what, rank=rank * named["t"]))
             made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
-                                                            _step_temporaries(self.graph, rank)},
-                                   ranks=ranks, what="the optimizer step"))
+                                                            self.temporaries(rank, named)},
+                                   ranks=ranks, what="the optimizer step", rank=rank * named["t"]))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L", "N"))
         return Peak(None, None, tuple(made), others)
@@ -399,7 +467,7 @@ class MeshStep(WalkedStep):
 
         merged = {**self.numbers, **numbers}
         out: dict[int, tuple[int, int]] = {}
-        for group in mesh_groups(self.graph, merged):
+        for group in self.groups(merged):
             p = self.peak(numbers, group[0])
             found = (int(p.value(merged, "first")), int(p.value(merged)))
             for dp in group:

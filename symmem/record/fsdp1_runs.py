@@ -30,36 +30,11 @@ class FlatTracker(ShardTracker):
     """:class:`ShardTracker` whose mode treats ``nn.Parameter`` subclasses (FSDP1's ``FlatParameter``) as plain
     tensors: they hold their data and have no ``__torch_dispatch__``."""
 
-    def __enter__(self) -> FlatTracker:
+    @staticmethod
+    def plain(kind: type) -> bool:
         import torch
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.utils._python_dispatch import TorchDispatchMode
 
-        from .live_bytes import tensors
-
-        if not self._started:
-            self.events.append(("boundary", 0, "start"))
-            self._started = True
-        observe = self.observe
-
-        def plain(t: type) -> bool:
-            return t is torch.Tensor or issubclass(t, torch.nn.Parameter)
-
-        class _FlatMode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if any(issubclass(t, FakeTensor) for t in types):
-                    return func(*args, **(kwargs or {}))
-                if not all(plain(t) for t in types):
-                    return NotImplemented
-                out = func(*args, **(kwargs or {}))
-                if any(isinstance(t, FakeTensor) for t in tensors(out)):
-                    return out
-                observe(func, args, kwargs, out)
-                return out
-
-        self._mode = _FlatMode()
-        self._mode.__enter__()
-        return self
+        return kind is torch.Tensor or issubclass(kind, torch.nn.Parameter)
 
 
 def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,

@@ -1,4 +1,5 @@
-"""FSDP x TP measured per rank: FSDP2's ``fully_shard`` over a ``parallelize_module``'d Llama on an N x t mesh.
+"""FSDP x TP measured per rank: FSDP2's ``fully_shard`` (or FSDP1) over a ``parallelize_module``'d Llama on an N x t
+mesh.
 
 The engine is PyTorch's 2-D recipe (the tutorial's, torchtitan's): ``init_device_mesh("cpu", (N, t),
 mesh_dim_names=("dp", "tp"))``, ``parallelize_module(model, mesh["tp"], plan)`` with the standard Llama plan
@@ -17,7 +18,11 @@ the parameters, gradients and optimizer state, what autograd keeps after the for
 step's peaks (each moment at its fewest bytes over repeated steps, as the tensor-parallel runs take them:
 gloo's worker thread lets go of a collective's tensors at no fixed op).  gloo's copy of the reduce-scatter input
 made inside the collective (first seen as an aliased output, the recorder's ``external``) is left out, as for
-FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
+FSDP2 alone.  With a case's ``fsdp1`` option the engine is PyTorch's original 2-D recipe instead:
+``FullyShardedDataParallel(model, device_mesh=mesh["dp"], auto_wrap_policy=ModuleWrapPolicy({layer}),
+use_orig_params=True)`` with that ``ShardingStrategy`` (``FULL_SHARD``, ``SHARD_GRAD_OP``), recorded with
+:class:`~symmem.record.fsdp1_runs.FlatTracker` (FSDP1's ``FlatParameter`` let through).  Needs ``torch`` with
+``torch.distributed`` (imported lazily).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
+from .fsdp1_runs import FlatTracker
 from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live  # the steps repeated_steps records
 
 
@@ -70,27 +76,45 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     torch.manual_seed(0)
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
+    strategy = options.pop("fsdp1", None)  # FSDP1's ShardingStrategy, or None: FSDP2
     module, (ids,) = reference("llama", values, **options)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
-    for layer in module.layers:
-        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
-    if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
-        # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+    if strategy is not None:
+        module = _fsdp1(module, mesh["dp"], strategy)
+    else:
+        for layer in module.layers:
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
+            # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
     # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
     ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
                         generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
     saved, parts = _first_step(module, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True)
+    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True,
+                           tracker=None if strategy is None else FlatTracker)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
                    first_at, steady_at, _per_step(trace, gloo))
+
+
+def _fsdp1(module: Any, mesh: Any, strategy: str) -> Any:
+    """FSDP1 over the data-parallel mesh dimension, as PyTorch's original 2-D recipe wraps a
+    ``parallelize_module``'d model: one unit per layer, the root holding the rest, ``use_orig_params=True``
+    (FSDP1 flattens each DTensor's local shard through its DTensor extension)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(module, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy(
+        {type(module.layers[0])}), use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
+        device_id=torch.device("cpu"))
 
 
 def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
@@ -132,7 +156,8 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
                      reshard: bool = True) -> list[list[MeshRun]]:
     """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
     per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
-    that case's FSDP setting, else ``reshard``).  A rank that fails or hangs is a :class:`SymmemError`."""
+    that case's FSDP setting, else ``reshard``; ``fsdp1``: FSDP1's ``ShardingStrategy`` name, PyTorch's original
+    2-D recipe in place of ``fully_shard``).  A rank that fails or hangs is a :class:`SymmemError`."""
 
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
     import torch.distributed.tensor.parallel  # noqa: F401

@@ -401,14 +401,15 @@ SETTLE_S = 0.001
 
 
 def repeated_steps(forward: Callable[[], Any], ids: Any, params: list[Any], module: Any, *,
-                   resizes: bool = False) -> Any:
+                   resizes: bool = False, tracker: type | None = None) -> Any:
     """:data:`FIRST_STEPS` steps, each with a new for-loop AdamW (each a first step), then :data:`STEADY_STEPS`
     with the last one, the loss the output's sum, under the recorder that sees DTensor's local ops
-    (:class:`~symmem.record.sharded.ShardTracker`; ``resizes``: FSDP's storage resizes too); the StepTrace."""
+    (:class:`~symmem.record.sharded.ShardTracker`, or the subclass ``tracker``; ``resizes``: FSDP's storage
+    resizes too); the StepTrace."""
     from .optim import make_optimizer
     from .sharded import ShardTracker, local, train_steps
 
-    tracker = ShardTracker(settle=SETTLE_S)
+    tracker = (tracker or ShardTracker)(settle=SETTLE_S)
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(b) for b in module.buffers()], "buffer")
     tracker.register([ids], "input")

@@ -83,14 +83,14 @@ class ShardTracker(LiveTracker):
         from torch._subclasses.fake_tensor import FakeTensor
 
         observe = self.observe
-        plain = (torch.Tensor, torch.nn.Parameter)
+        plain = self.plain
         settle = self.settle
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 if any(issubclass(t, FakeTensor) for t in types):
                     return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: no memory
-                if any(t not in plain for t in types):
+                if not all(plain(t) for t in types):
                     return NotImplemented  # the subclass runs it; its local ops come back here
                 out = func(*args, **(kwargs or {}))
                 if any(isinstance(t, FakeTensor) for t in tensors(out)):
@@ -105,6 +105,13 @@ class ShardTracker(LiveTracker):
         self._mode = _Mode()
         self._mode.__enter__()
         return self
+
+    @staticmethod
+    def plain(kind: type) -> bool:
+        """Whether the mode records an op on a tensor of type ``kind`` itself (else the subclass runs it)."""
+        import torch
+
+        return kind is torch.Tensor or kind is torch.nn.Parameter
 
     @contextmanager
     def resizes(self) -> Iterator[None]:
