@@ -188,6 +188,13 @@ _NOT_STAGED = {
              "after every micro-batch, which was not measured",
     "fsdp1-grad-op": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would "
                      "reduce-scatter after every micro-batch, which was not measured"}
+#: why each engine not modelled with tensor parallelism is not (``_check_data_parallel``)
+_NOT_MESHED = {
+    "ddp": "PyTorch composes DDP with DTensor parameters only through the private "
+           "torch.distributed.tensor.parallel.ddp._pre_dp_module_transform, which was not measured",
+    "ddp-bucket-view": "PyTorch composes DDP with DTensor parameters only through the private "
+                       "torch.distributed.tensor.parallel.ddp._pre_dp_module_transform, which was not measured",
+    "zero-redundancy": "ZeroRedundancyOptimizer over DTensor parameters was not measured"}
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")
@@ -294,9 +301,12 @@ class Regime:
         if self.pipeline_parallel and not self.tensor_parallel:
             raise SymmemError(f"data_parallel={dp!r} with pipeline parallelism is not modelled: {_NOT_STAGED[dp]}; "
                               "FSDP2 on every stage is (fsdp or fsdp-no-reshard)")
-        if self.tensor_parallel or self.pipeline_parallel:
-            raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "
-                              "of them")
+        if self.pipeline_parallel:
+            raise SymmemError(f"data_parallel={dp!r} with tensor and pipeline parallelism (a 3-D mesh) is not "
+                              "modelled: give two of them")
+        if self.tensor_parallel:
+            raise SymmemError(f"data_parallel={dp!r} with tensor parallelism is not modelled: {_NOT_MESHED[dp]}; "
+                              "FSDP on an N x t mesh is (fsdp, fsdp-no-reshard, fsdp1 or fsdp1-grad-op)")
 
     @property
     def precision_spec(self) -> Precision:

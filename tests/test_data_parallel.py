@@ -135,7 +135,7 @@ def test_what_each_engine_adds_to_one_device():
 @pytest.mark.parametrize("kw, message", [
     ({"data_parallel": "horovod"}, "unknown data-parallel engine 'horovod'; known: ddp, ddp-bucket-view, "),
     ({"data_parallel": "ddp", "zero": 2}, "data_parallel='ddp' is an engine and zero=2 the papers' accounting"),
-    ({"data_parallel": "ddp", "tensor_parallel": True}, "with tensor or pipeline parallelism is not modelled"),
+    ({"data_parallel": "ddp", "tensor_parallel": True}, "with tensor parallelism is not modelled: PyTorch composes"),
     ({"data_parallel": ["ddp"]}, "unknown data-parallel engine ['ddp']"),
 ])
 def test_bad_engines_are_one_line_errors(kw, message):

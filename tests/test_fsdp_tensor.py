@@ -168,9 +168,16 @@ def test_the_peak_refuses_what_was_not_measured(engine):
 
 @pytest.mark.parametrize("args, message", [
     (["derive", "llama", "--data-parallel", "ddp", "--tensor-parallel", "--sequence-parallel"],
-     "symmem: error: data_parallel='ddp' with tensor or pipeline parallelism is not modelled: give one of them\n"),
+     "symmem: error: data_parallel='ddp' with tensor parallelism is not modelled: PyTorch composes DDP with DTensor "
+     "parameters only through the private torch.distributed.tensor.parallel.ddp._pre_dp_module_transform, which was "
+     "not measured; FSDP on an N x t mesh is (fsdp, fsdp-no-reshard, fsdp1 or fsdp1-grad-op)\n"),
     (["derive", "llama", "--data-parallel", "ddp", "--tensor-parallel"],
-     "symmem: error: data_parallel='ddp' with tensor or pipeline parallelism is not modelled: give one of them\n"),
+     "symmem: error: data_parallel='ddp' with tensor parallelism is not modelled: PyTorch composes DDP with DTensor "
+     "parameters only through the private torch.distributed.tensor.parallel.ddp._pre_dp_module_transform, which was "
+     "not measured; FSDP on an N x t mesh is (fsdp, fsdp-no-reshard, fsdp1 or fsdp1-grad-op)\n"),
+    (["derive", "llama", "--data-parallel", "fsdp", "--tensor-parallel", "--pipeline-parallel"],
+     "symmem: error: data_parallel='fsdp' with tensor and pipeline parallelism (a 3-D mesh) is not modelled: give two "
+     "of them\n"),
 ])
 def test_combinations_the_engine_refuses(capsys, args, message):
     from symmem.cli import main

@@ -195,7 +195,8 @@ def test_fit_under_zero_redundancy(capsys):
 
 @pytest.mark.parametrize("kw, message", [
     ({"data_parallel": "zero-redundancy", "tensor_parallel": True},
-     "data_parallel='zero-redundancy' with tensor or pipeline parallelism is not modelled"),
+     "data_parallel='zero-redundancy' with tensor parallelism is not modelled: ZeroRedundancyOptimizer over DTensor "
+     "parameters was not measured"),
     ({"data_parallel": "zero-redundancy", "pipeline_parallel": True},
      "data_parallel='zero-redundancy' with pipeline parallelism is not modelled: ZeroRedundancyOptimizer beside DDP "
      "on each stage was not measured"),
