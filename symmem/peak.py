@@ -511,11 +511,33 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
 
 def survivors(order: Sequence[Any], totals: Mapping[Any, Mapping[int, int]]) -> list[Any]:
     """The keys of ``order`` (largest first) whose totals no other's provably exceeds (:func:`_at_least`), in
-    the order they were kept: each one drops the kept ones it exceeds, the first of equals stays."""
+    the order they were kept: each one drops the kept ones it exceeds, the first of equals stays.
+
+    Each kept total remembers the monomial that last showed it below a candidate (its witness) and tries it
+    first: the moments of a step differ in a few monomials, and a scan from the start walks the ones every
+    moment shares (an FSDP step's shards and parameters) before it finds one of those -- the same answers, half
+    the time.
+
+    >>> survivors("abc", {"a": {0: 2}, "b": {0: 1, 1: 1}, "c": {0: 3, 1: 1}})
+    ['c']
+    """
     kept: list[Any] = []
+    witness: dict[Any, int] = {}
     for c in order:
-        if not any(_at_least(totals[k], totals[c]) for k in kept):
-            kept = [k for k in kept if not _at_least(totals[c], totals[k])] + [c]
+        b = totals[c]
+        for k in kept:  # is c below a kept one?  (_at_least(totals[k], b), its witness first)
+            a = totals[k]
+            w = witness.get(k)
+            if w is not None and a.get(w, 0) < b.get(w, 0):
+                continue
+            for m, v in b.items():
+                if a.get(m, 0) < v:
+                    witness[k] = m
+                    break
+            else:
+                break
+        else:
+            kept = [k for k in kept if not _at_least(b, totals[k])] + [c]
     return kept
 
 
