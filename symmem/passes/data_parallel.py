@@ -32,6 +32,7 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -170,7 +171,9 @@ class Fsdp:
     """
 
     def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
-        self.sim, self.reshard = sim, reshard
+        # the walk holds its engine; the engine holds the walk weakly, so that a finished walk (its storages,
+        # events and unrolled graph) is freed at once rather than left as a cycle for the collector to find
+        self._sim, self.reshard = weakref.ref(sim), reshard
         graph, order = sim.graph, sim.order
         iterations = graph.graph.get("iterations", {})
         self.unit_of: dict[str, Any] = {}  # node -> unit key (None: the root)
@@ -229,6 +232,11 @@ class Fsdp:
         self.gather_bytes = {u: found[2] for u, found in unit.items()}
         self.shapes = shapes
         self.unsharded_bytes = {name: _times(world, k, wb) for name, k in self.shard.items()}
+
+    @property
+    def sim(self) -> Any:
+        """The walk (:class:`~.schedule.Simulation`) this engine's events go to."""
+        return self._sim()
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))
