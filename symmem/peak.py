@@ -253,6 +253,8 @@ class Algebra:
         self.scale = math.lcm(*(c.denominator for t in self.rep.values() for c in t.values()
                                 if isinstance(c, Fraction)))
         self.exprs = exprs
+        #: each size's terms before the shift ({monomial: coefficient}): its bytes at numbers from its bases' values
+        self.terms = terms
         self._coeffs: dict[sympy.Expr, list[tuple[sympy.Expr, int | Fraction]]] = {}
         self._measured: dict[tuple, dict] = {}
         self.monomials: list[tuple] = []  # id -> monomial; totals are keyed by id (hashing sympy tuples is slow)
@@ -271,6 +273,7 @@ class Algebra:
             return False
         for e, x in new.items():
             self.exprs[e], self.rep[e] = x, ({(): int(x)} if x else {})
+            self.terms[e] = self.rep[e]
         return True
 
     def _id(self, mono: tuple) -> int:
@@ -438,14 +441,50 @@ class Algebra:
         for (_, size), (n0, ds) in cand.parts.items():
             v = memo.get(size, memo)  # (the memo itself: not measured yet)
             if v is memo:
-                x = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(k) for s, k in numbers.items()}),
-                                  strict=True)
-                v = memo[size] = (int(x.p) if x.q == 1 else Fraction(int(x.p), int(x.q))) if x.is_Rational else None
+                v = memo[size] = self._bytes(size, numbers, memo)
             if v is None:
                 return None
             n = n0 + ds[0] * one if one is not None else n0 + sum(d * k for d, k in zip(ds, steps, strict=True))
             total += n * v
         return total
+
+
+    def _bytes(self, size: sympy.Expr, numbers: Mapping[sympy.Symbol, int], memo: dict) -> int | Fraction | None:
+        """``size``'s exact bytes at ``numbers`` (None where it is not a rational number there): its terms summed
+        from each base's value, a base worked out once per set of numbers (kept in ``memo`` under the base's
+        monomial), where sympy would substitute into every size anew -- an FSDP step's sizes share a few
+        ceilings.  A base that is not a rational number there leaves the size to sympy."""
+        total: Any = 0
+        try:
+            for mono, c in self.terms[size].items():
+                v: Any = c
+                for b, k in mono:
+                    key = ((b, 1),)
+                    bv = memo.get(key, memo)
+                    if bv is memo:
+                        bv = memo[key] = self._base(b, numbers)
+                    if bv is None or not k.is_Integer:
+                        raise _Unmeasured
+                    v *= bv ** int(k) if k >= 0 else Fraction(bv) ** int(k)
+                total += v
+        except (_Unmeasured, ZeroDivisionError):
+            x = sympy.sympify(self.exprs[size].xreplace({s: sympy.Integer(k) for s, k in numbers.items()}),
+                              strict=True)
+            return (int(x.p) if x.q == 1 else Fraction(int(x.p), int(x.q))) if x.is_Rational else None
+        return _number(total)
+
+    @staticmethod
+    def _base(b: sympy.Expr, numbers: Mapping[sympy.Symbol, int]) -> int | Fraction | None:
+        """A monomial's base (a symbol, or a function application kept whole) at ``numbers``."""
+        if isinstance(b, sympy.Symbol):
+            v = numbers.get(b)
+            return None if v is None else int(v)
+        x = sympy.sympify(b.xreplace({s: sympy.Integer(k) for s, k in numbers.items()}), strict=True)
+        return (int(x.p) if x.q == 1 else Fraction(int(x.p), int(x.q))) if x.is_Rational else None
+
+
+class _Unmeasured(Exception):
+    """A size's base with no rational value at the numbers (:meth:`Algebra._bytes`)."""
 
 
 def _frozen(cand: Candidate) -> frozenset:
