@@ -205,7 +205,9 @@ class Fsdp:
         self.last_node = {n: u for u, n in last.items()}
         # a causal LM's reference computes its loss inside forward (the root's post-forward follows the loss)
         self.loss_inside = bool(graph.graph.get("causal_lm"))
-        model = [n for n in order if graph.node(n).group != "loss"]
+        #: the loss's nodes (their backward does not start the root's)
+        self.loss_nodes = {n for n in order if graph.node(n).group == "loss"}
+        model = [n for n in order if n not in self.loss_nodes]
         self.root_end = order[-1] if self.loss_inside or not model else model[-1]
         self.unsharded: dict[Any, list[int]] = {}   # unit -> its P storages while alive
         self.gathered: dict[Any, int] = {}          # unit -> its all-gather output while alive
@@ -314,7 +316,7 @@ class Fsdp:
     def before_backward(self, n: str) -> None:
         self.at = n
         unit = self.unit_of.get(n)
-        if not self.loss_inside and self.sim.graph.node(n).group != "loss":
+        if not self.loss_inside and n not in self.loss_nodes:
             self.pre_backward(None)  # the root's output has its gradient
         if unit is not None:
             self.pre_backward(unit)
