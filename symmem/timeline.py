@@ -109,9 +109,11 @@ class Timeline:
         live: Counter = Counter(where[i] for i in self.start)
         last = max((k for k, e in enumerate(self.events) if e.moment), default=-1)
         out: list[tuple[int, Counter | None, bool]] = []
+        get = live.get
         for k, e in enumerate(self.events):
             for i in e.born:
-                live[where[i]] += 1
+                x = where[i]
+                live[x] = get(x, 0) + 1
             for sid, new in e.resized:
                 c, old = where[sid]
                 live[(c, old)] -= 1
@@ -120,7 +122,8 @@ class Timeline:
             if e.moment:
                 candidate = bool(e.freed) or k == last
                 wanted = (candidate or every or (also is not None and also(k))) and k not in skip
-                out.append((k, +live if wanted else None, candidate))
+                # the live storages without the emptied ones (what ``+live`` gives, its copy made in C)
+                out.append((k, Counter({x: n for x, n in live.items() if n > 0}) if wanted else None, candidate))
             for i in e.freed:
                 live[where[i]] -= 1
         return out

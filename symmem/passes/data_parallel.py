@@ -32,6 +32,7 @@ CPU: :mod:`symmem.record.distributed`, ``tests/test_data_parallel.py``, docs/reg
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -170,7 +171,9 @@ class Fsdp:
     """
 
     def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
-        self.sim, self.reshard = sim, reshard
+        # the walk holds its engine; the engine holds the walk weakly, so that a finished walk (its storages,
+        # events and unrolled graph) is freed at once rather than left as a cycle for the collector to find
+        self._sim, self.reshard = weakref.ref(sim), reshard
         graph, order = sim.graph, sim.order
         iterations = graph.graph.get("iterations", {})
         self.unit_of: dict[str, Any] = {}  # node -> unit key (None: the root)
@@ -202,7 +205,9 @@ class Fsdp:
         self.last_node = {n: u for u, n in last.items()}
         # a causal LM's reference computes its loss inside forward (the root's post-forward follows the loss)
         self.loss_inside = bool(graph.graph.get("causal_lm"))
-        model = [n for n in order if graph.node(n).group != "loss"]
+        #: the loss's nodes (their backward does not start the root's)
+        self.loss_nodes = {n for n in order if graph.node(n).group == "loss"}
+        model = [n for n in order if n not in self.loss_nodes]
         self.root_end = order[-1] if self.loss_inside or not model else model[-1]
         self.unsharded: dict[Any, list[int]] = {}   # unit -> its P storages while alive
         self.gathered: dict[Any, int] = {}          # unit -> its all-gather output while alive
@@ -229,6 +234,11 @@ class Fsdp:
         self.gather_bytes = {u: found[2] for u, found in unit.items()}
         self.shapes = shapes
         self.unsharded_bytes = {name: _times(world, k, wb) for name, k in self.shard.items()}
+
+    @property
+    def sim(self) -> Any:
+        """The walk (:class:`~.schedule.Simulation`) this engine's events go to."""
+        return self._sim()
 
     def _has(self, unit: Any) -> bool:
         return bool(self.params.get(unit))
@@ -306,7 +316,7 @@ class Fsdp:
     def before_backward(self, n: str) -> None:
         self.at = n
         unit = self.unit_of.get(n)
-        if not self.loss_inside and self.sim.graph.node(n).group != "loss":
+        if not self.loss_inside and n not in self.loss_nodes:
             self.pre_backward(None)  # the root's output has its gradient
         if unit is not None:
             self.pre_backward(unit)
