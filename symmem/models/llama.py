@@ -137,6 +137,10 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         # strides decide
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
         copies = {} if cache else {"copy_inputs": EAGER_COPIES}
+        if cache:
+            # the strides see h >= 2: with one head (h = G = 1) bmm folds the query and the key and value, which
+            # are then no copies; said, not branched on (a third condition for a model no one trains)
+            g.graph.graph["holds_where"] = [sympy.Ne(h, 1)]
         w = g.op("matmul", q, kt, name="scores", role="attn_scores", **copies)
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
