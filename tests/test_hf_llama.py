@@ -51,8 +51,9 @@ def hf_attention(trace, layer: int) -> dict[str, int]:
     """The live bytes right after HF's eager attention ops of one layer in the steady step's forward: repeat_kv of
     the value (the reshape: a view for G = 1, a copy for 1 < G < h), the key's transpose, the scores matmul (its
     bmm, after the copies it makes), the softmax, ``attn @ v`` and ``o_proj``."""
+    name = f"layers.{layer}.self_attn"  # module.model.layers.0.self_attn in HF's, layers.0.self_attn in ours
     here = [r for r in trace.records if r.step == 2 and r.phase == "forward"
-            and r.module.startswith(f"module.model.layers.{layer}.self_attn")]
+            and (r.module.endswith(name) or f"{name}." in r.module)]
     attn = [r for r in here if r.module.endswith("self_attn")]
     bmm = [r for r in attn if r.op == "aten.bmm.default"]
     kt = max(i for i in range(attn.index(bmm[0])) if attn[i].op == "aten.transpose.int")  # key_states.transpose
@@ -108,6 +109,10 @@ def test_llama_equals_transformers_own_on_one_device(values, attention, cache, w
             if values["G"] == values["h"]:  # repeat_kv returns the cache's copy: no op of HF's to compare with
                 del ours["v_repeat"], theirs["v_repeat"]
             assert ours == theirs
-    # the reference mirrors HF op by op: every phase's largest moment is HF's
+    # the reference mirrors HF op by op: every phase's largest moment is HF's, and eager attention's ops
     ref, inputs = reference("llama", values, attention=attention, cache=cache)
-    assert phases(track_step(ref, inputs, loss="sum", optimizer="adamw", impl="for-loop")) == phases(hf)
+    mirrored = track_step(ref, inputs, loss="sum", optimizer="adamw", impl="for-loop")
+    assert phases(mirrored) == phases(hf)
+    if attention == "naive":
+        assert [hf_attention(mirrored, i) for i in range(values["L"])] == [
+            hf_attention(hf, i) for i in range(values["L"])]
