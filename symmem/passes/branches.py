@@ -72,18 +72,24 @@ def assignments(open_: Sequence[Boolean], decided: Branch) -> list[dict[sympy.Ba
 
 
 def _propositional(branch: Branch) -> tuple[Any, dict[sympy.Symbol, sympy.Eq]]:
-    """The branch's conditions as one propositional formula over its equations (``Ne`` is a negated ``Eq``),
-    or None where no truth values of the equations satisfy it; and the equation each variable stands for."""
+    """The branch's conditions as one propositional formula over their relations (``Ne`` a negated ``Eq``, each
+    relation a variable), or None where no truth values satisfy it; and the equation each variable stands for."""
+    from sympy.core.relational import Relational
     from sympy.logic.inference import satisfiable
 
     conj = sympy.And(*(c if v else sympy.Not(c) for c, v in branch.items() if is_condition(c)))
-    equations = sorted({sympy.Eq(r.lhs, r.rhs) for r in conj.atoms(sympy.Eq, sympy.Ne)}, key=sympy.srepr)
-    names = {e: sympy.Symbol(f"_eq{i}") for i, e in enumerate(equations)}
-    formula = conj.xreplace({r: names[sympy.Eq(r.lhs, r.rhs)] if isinstance(r, sympy.Eq)
-                             else sympy.Not(names[sympy.Eq(r.lhs, r.rhs)]) for r in conj.atoms(sympy.Eq, sympy.Ne)})
+    relations = conj.atoms(Relational)
+
+    def positive(r: Relational) -> Relational:
+        return sympy.Eq(r.lhs, r.rhs) if isinstance(r, sympy.Ne) else r
+
+    atoms = sorted({positive(r) for r in relations}, key=sympy.srepr)
+    names = {a: sympy.Symbol(f"_relation{i}") for i, a in enumerate(atoms)}
+    formula = conj.xreplace({r: sympy.Not(names[positive(r)]) if isinstance(r, sympy.Ne) else names[r]
+                             for r in relations})
     if satisfiable(formula) is False:
         return None, {}
-    return formula, {v: e for e, v in names.items()}
+    return formula, {v: a for a, v in names.items() if isinstance(a, sympy.Eq)}
 
 
 def _implied(branch: Branch) -> dict[sympy.Symbol, sympy.Expr]:
