@@ -11,8 +11,8 @@ attention, a long sequence: the mask and the cache), and without the cache (``ca
 copy the stride-0 repeated views, the cache's copies held beside them) and with G = h (the matmuls keep the
 cache's copies).  With eager attention and the cache the zoo's step is HF's op by op through the attention of
 every layer (after repeat_kv, the key's transpose, the scores matmul with the copies it makes, the softmax,
-``attn @ v``, ``o_proj``); the reference's is HF's there with and without the cache.  (Under tensor and sequence parallelism: ``tests/test_model_parallel.py``,
-``test_hf_llama_under_the_standard_plan``.)
+``attn @ v``, ``o_proj``); the reference's is HF's there with and without the cache.  (Under tensor and
+sequence parallelism: ``tests/test_model_parallel.py``, ``test_hf_llama_under_the_standard_plan``.)
 """
 
 from __future__ import annotations
