@@ -9,8 +9,10 @@ until the norm returns.  The first case peaks where those storages decide it, in
 attention, a long sequence: the mask and the cache), and without the cache (``cache="none"``: HF's
 ``use_cache=False``) in the softmax's backward; the others check every phase with one key/value head (the matmuls
 copy the stride-0 repeated views, the cache's copies held beside them) and with G = h (the matmuls keep the
-cache's copies).  (Under tensor and sequence parallelism: ``tests/test_model_parallel.py``,
-``test_hf_llama_under_the_standard_plan``.)
+cache's copies).  With eager attention and the cache the zoo's step is HF's op by op through the attention of
+every layer (after repeat_kv, the key's transpose, the scores matmul with the copies it makes, the softmax,
+``attn @ v``, ``o_proj``); the reference's is HF's there with and without the cache.  (Under tensor and
+sequence parallelism: ``tests/test_model_parallel.py``, ``test_hf_llama_under_the_standard_plan``.)
 """
 
 from __future__ import annotations
@@ -47,6 +49,31 @@ class Logits(torch.nn.Module):
         return self.module(ids).logits
 
 
+def hf_attention(trace, layer: int) -> dict[str, int]:
+    """The live bytes right after HF's eager attention ops of one layer in the steady step's forward: repeat_kv of
+    the value (the reshape: a view for G = 1, a copy for 1 < G < h), the key's transpose, the scores matmul (its
+    bmm, after the copies it makes), the softmax, ``attn @ v`` and ``o_proj``."""
+    name = f"layers.{layer}.self_attn"  # module.model.layers.0.self_attn in HF's, layers.0.self_attn in ours
+    here = [r for r in trace.records if r.step == 2 and r.phase == "forward"
+            and (r.module.endswith(name) or f"{name}." in r.module)]
+    attn = [r for r in here if r.module.endswith("self_attn")]
+    bmm = [r for r in attn if r.op == "aten.bmm.default"]
+    kt = max(i for i in range(attn.index(bmm[0])) if attn[i].op == "aten.transpose.int")  # key_states.transpose
+    return {"v_repeat": attn[kt - 1].live, "k_t": attn[kt].live, "scores": bmm[0].live,
+            "softmax": next(r.live for r in attn if r.op == "aten._softmax.default"), "attn_v": bmm[1].live,
+            "o_proj": next(r.live for r in here if r.module.endswith("o_proj") and r.op == "aten.mm.default")}
+
+
+def zoo_attention(rows, layer: int) -> dict[str, int]:
+    """The same moments in derive's steady step (rows of ``timeline``: each op's live bytes after it)."""
+    out = {}
+    for name in ("v_repeat", "k_t", "scores", "softmax", "attn_v", "o_proj"):
+        found = [sum(live.values()) for phase, op, live in rows
+                 if phase == "forward" and op == f"layers.self_attn.{name}"]
+        out[name] = found[layer]
+    return out
+
+
 def phases(trace) -> dict[str, int]:
     """The steady step's largest live bytes in each phase."""
     out: dict[str, int] = {}
@@ -74,6 +101,20 @@ def test_llama_equals_transformers_own_on_one_device(values, attention, cache, w
         walked[phase] = max(walked.get(phase, 0), sum(live.values()))
     assert (walked["forward"], walked["backward"], walked["step"]) == (
         max(real["forward"], real["loss"]), real["backward"], real["step"])
-    # the reference mirrors HF op by op: every phase's largest moment is HF's
+    if attention == "naive" and cache == "dynamic":
+        # and op by op through eager attention in every layer: the copies the matmuls make of the rotary query
+        # (every G) and of the stride-0 repeated key and value (G = 1) born where HF's matmuls make them, the
+        # rotary query held until the attention returns
+        rows = d.step.timeline("steady", dict(d.numbers))
+        for layer in range(values["L"]):
+            ours, theirs = zoo_attention(rows, layer), hf_attention(hf, layer)
+            if values["G"] == values["h"]:  # repeat_kv returns the cache's copy: no op of HF's to compare with
+                del ours["v_repeat"], theirs["v_repeat"]
+            assert ours == theirs
+    # the reference mirrors HF op by op: every phase's largest moment is HF's, and eager attention's ops
     ref, inputs = reference("llama", values, attention=attention, cache=cache)
-    assert phases(track_step(ref, inputs, loss="sum", optimizer="adamw", impl="for-loop")) == phases(hf)
+    mirrored = track_step(ref, inputs, loss="sum", optimizer="adamw", impl="for-loop")
+    assert phases(mirrored) == phases(hf)
+    if attention == "naive":
+        assert [hf_attention(mirrored, i) for i in range(values["L"])] == [
+            hf_attention(hf, i) for i in range(values["L"])]

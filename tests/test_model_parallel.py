@@ -220,12 +220,13 @@ def tensor_parallel_rank_to_the_byte(everything, case):
         real = rank[len(CASES) + case]
         assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
             real.saved, real.parameters, real.gradients, real.optimizer_state)
-    # Megatron-LM's accounting (derive --tensor-parallel) keeps the query after its rotary embedding, the keys and
-    # values the attention keeps (repeated to h heads by eager attention, the cache's copies by SDPA) and the
-    # SiLU output whole on every rank; DTensor splits them: B*S*(3H + F)*4 bytes a layer, half of it on each rank
+    # Megatron-LM's accounting (derive --tensor-parallel) keeps the query after its rotary embedding (SDPA's; eager
+    # attention's scores matmul keeps a copy of it, which it splits with the scores), the keys and values the
+    # attention keeps (repeated to h heads by eager attention, the cache's copies by SDPA) and the SiLU output whole
+    # on every rank; DTensor splits them: B*S*(3H + F)*4 bytes a layer (eager: B*S*(2H + F)*4), half on each rank
     papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
-    v = values
-    assert papers.value("activations") - ours["saved"] == v["B"] * v["S"] * (3 * v["H"] + v["F"]) * 4 * v["L"] // 2
+    v, whole = values, 2 if options["attention"] == "naive" else 3
+    assert papers.value("activations") - ours["saved"] == v["B"] * v["S"] * (whole * v["H"] + v["F"]) * 4 * v["L"] // 2
     # and the embedding's gradient comes back whole (V x H) while its weight is split
     assert ours["gradients"] - ours["parameters"] == 4 * v["V"] * v["H"] // 2
 

@@ -102,8 +102,8 @@ class PytorchConvention(Convention):
                 if ratio != 1:
                     where = sympy.Or(sympy.Ge(B, 2), sympy.Not(when), sympy.Eq(ratio, 1))
                     found.append(where if when is sympy.true else _logic(where))
-        # where a builder states a copy that stands for a matmul's (Llama's repeat_kv with the cache), it says
-        # where that holds itself
+        # where a builder knows its copies hold only for some sizes (Llama's eager attention with the cache: from
+        # h = 2), it says so itself
         found += list(graph.graph.get("holds_where", ()))
         return sympy.And(*dict.fromkeys(found))
 

@@ -16,8 +16,10 @@ layer's copies until ``LlamaForCausalLM.forward`` returns (its output's ``past_k
 loss) -- past their last use where eager attention's ``repeat_kv`` copies them (1 < h/G); ``cache="none"`` is
 ``use_cache=False``.  What else HF's forward holds past its last use, the graph holds too (``held_until``): the
 position ids and eager attention's whole (B, 1, S, S) mask (``torch.where`` over the expanded boolean mask) are
-``LlamaModel.forward``'s locals, gone when it returns after the final norm (before ``lm_head``), and RMSNorm's
-``variance`` lives until the norm returns.  Checked against HF's own model's training step on one device
+``LlamaModel.forward``'s locals, gone when it returns after the final norm (before ``lm_head``), RMSNorm's
+``variance`` lives until the norm returns, the q and k projections until ``apply_rotary_pos_emb`` returns, and
+with the cache the rotary key and projected value until the cache's ``update`` returns and (eager) the rotary
+query until the attention returns.  Checked against HF's own model's training step on one device
 (``tests/test_hf_llama.py``) and per rank under DTensor's plan (``tests/test_model_parallel.py``).
 
 Checked against transformers 5.23.0 on the CPU by tracing ``LlamaForCausalLM`` (``tests/test_zoo_drift.py``).
@@ -31,7 +33,8 @@ G = 1 or G = h: its ``reshape`` merges the G heads with the stride-0 repeat dime
 can do as a view only if one of them is 1 (the reshape's rule finds ``Ne(G, 1) & Ne(h/G, 1)`` in the strides,
 :mod:`symmem.strides`; for G = h HF returns the tensor itself).  The eager matmuls copy a key or value that is
 still a view they cannot fold into ``bmm``'s batch (stride 0 for G = 1; without the cache, the rotary output's
-layout for G = h); the formula is a ``Piecewise`` where the branches differ.  With SDPA the fused kernels keep the
+layout for G = h; with the cache also the rotary query, every G, where each copy is born: op by op as HF's); the
+formula is a ``Piecewise`` where the branches differ.  With SDPA the fused kernels keep the
 (B, G, S, d) key and value they are given; the CPU math kernel (dropout > 0) expands them to h heads itself.  The
 casts (RMSNorm's ``to(float32)``, the float32 softmax's ``.to(dtype)``) are views in FP32 and copies in 16-bit, as
 in PyTorch (see :func:`symmem.passes.storage.converts`).
@@ -48,19 +51,16 @@ import sympy
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, G, H, L, S, V, h
 
-#: Which operands the eager matmuls copy, stated rather than left to the strides: the key and value where they are
-#: still a view bmm cannot fold, G = 1 (stride 0) or G = h (repeat_kv returns its input).  The strides say more
-#: for the same bytes -- q is copied too (the rotary output is (B, S, h, d) in memory, as big as the copy), and with
-#: the cache's contiguous copies G = h folds without one (the cache's copy is kept instead, as big again) -- and
-#: saying it would split the formula on G = 1 against G = h for nothing.
+#: Which operands the eager matmuls copy without the cache (``cache="none"``), stated rather than left to the
+#: strides: the key and value where they are still a view bmm cannot fold, G = 1 (stride 0) or G = h (repeat_kv
+#: returns its input).  The strides say more for the same bytes -- q is copied too (the rotary output is
+#: (B, S, h, d) in memory, as big as the copy) -- and saying it would split the formula on G = 1 against G = h for
+#: nothing.  With the cache (``cache="dynamic"``, the default) the strides decide every copy, as HF's matmuls make
+#: them: the scores matmul copies the rotary query (every G) and, for G = 1, the stride-0 repeated key, ``attn @ v``
+#: the stride-0 repeated value; the cache's contiguous copies fold for G = h, repeat_kv's copies for 1 < G < h.
+#: Two conditions (``Eq(G, 1)``, ``Eq(G, 1) | Eq(h/G, 1)``) whose branches give one formula for the kept bytes,
+#: and each copy is born at the op that makes it (tests/test_hf_llama.py compares HF's ops one by one).
 EAGER_COPIES = ((1, ~(sympy.Ne(G, 1) & sympy.Ne(h / G, 1))),)
-#: With the cache (``cache="dynamic"``) its contiguous copies fold into bmm's batch for G = h, so the matmuls keep
-#: the cache's key and value themselves -- which the ``DynamicCache`` holds to the forward's end anyway: a stated
-#: matmul copy beside them would count them twice there.  Stated instead on ``repeat_kv``'s reshape: a copy
-#: wherever h/G > 1 -- its own for 1 < G < h, and for G = 1 the same bytes as the matmul's copy of the stride-0
-#: view (made a few ops earlier for the value: at ``repeat_kv``, not at ``attn @ v``) -- one condition, so the
-#: formula needs no branch on G = 1 against G = h; the matmuls copy nothing.
-CACHED_COPIES = sympy.Ne(h / G, 1)
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -93,18 +93,10 @@ def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
         return g.op("add", a, b, name="add")
 
 
-def _repeat_kv(g: GraphBuilder, x: str, name: str, cache: bool) -> str:
+def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
     hd = H / h
     x = g.op("reshape", x, name=f"{name}_unsqueeze", shape=(B, G, 1, S, hd))
     x = g.op("expand", x, name=f"{name}_expand", shape=(B, G, h / G, S, hd))
-    if cache:  # CACHED_COPIES: a copy wherever h/G > 1 (for G = 1 the matmul's copy of the stride-0 view)
-        # which at B = 1 bmm folds into its batch, keeping the cache's copy instead: the formulas hold from B = 2
-        # there (the pytorch convention finds this itself where the matmuls state their copies)
-        holds = sympy.Or(sympy.Ge(B, 2), sympy.Ne(G, 1), sympy.Eq(h / G, 1))
-        found = g.graph.graph.setdefault("holds_where", [])
-        if holds not in found:
-            found.append(holds)
-        return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd), copy=CACHED_COPIES)
     # a copy unless G = 1 or G = h: the strides decide (Ne(G, 1) & Ne(h/G, 1), symmem.strides)
     return g.op("reshape", x, name=f"{name}_repeat", shape=(B, h, S, hd))
 
@@ -113,9 +105,10 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
                cache: bool) -> str:
     held = g.graph.graph.setdefault("held_until", {})
     hd = H / h
-    states = []
+    states, projected = [], []
     for part, heads in (("q", h), ("k", G), ("v", G)):
         t = g.op("linear", x, name=f"{part}_proj", role="qkv", out_features=heads * hd, bias=False)
+        projected.append(t)
         t = g.op("reshape", t, name=f"{part}_split", shape=(B, S, heads, hd))
         if part == "q":
             g.assume(sympy.Eq(sympy.Mod(H, h), 0))  # the heads divide the hidden size
@@ -124,27 +117,37 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     q, k, v = states
     q = _rotary(g, q, cos, sin, "q_rope")
     k = _rotary(g, k, cos, sin, "k_rope")
+    # the caller's query_states and key_states hold the projections until apply_rotary_pos_emb returns
+    held[projected[0]] = held[projected[1]] = k
     if cache:  # DynamicLayer.update: torch.cat([empty, states], dim=-2), a contiguous copy
+        key, value = k, v
         k = g.op("clone", k, name="cache_key", memory_format="contiguous")
         v = g.op("clone", v, name="cache_value", memory_format="contiguous")
+        # key_states and value_states hold the rotary key and the projected value until update returns
+        held[key] = held[value] = v
         # the DynamicCache keeps them until LlamaForCausalLM.forward returns (its output's past_key_values):
         # beyond their last use where eager attention's repeat_kv copies them (1 < h/G, B >= 2); every layer's
         held[k] = held[v] = "forward"
     if kind == "naive":
         assert mask is not None
-        k = _repeat_kv(g, k, "k", cache)
-        v = _repeat_kv(g, v, "v", cache)
-        # the matmuls copy a key or value that is still a view they cannot fold into bmm's batch: repeat_kv's
-        # stride-0 view for G = 1; without the cache the rotary output / v_proj view for G = h (EAGER_COPIES)
+        k = _repeat_kv(g, k, "k")
+        v = _repeat_kv(g, v, "v")
+        # the matmuls copy an operand that is a view they cannot fold into bmm's batch: repeat_kv's stride-0 view
+        # for G = 1, the rotary query's (B, S, h, d) layout; without the cache stated (EAGER_COPIES), with it the
+        # strides decide
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
-        copies = ((1, sympy.false),) if cache else EAGER_COPIES
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", copy_inputs=copies)
+        copies = {} if cache else {"copy_inputs": EAGER_COPIES}
+        if cache:
+            # the strides see h >= 2: with one head (h = G = 1) bmm folds the query and the key and value, which
+            # are then no copies; said, not branched on (a third condition for a model no one trains)
+            g.graph.graph["holds_where"] = [sympy.Ne(h, 1)]
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores", **copies)
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", copy_inputs=copies)
+        out = g.op("matmul", w, v, name="attn_v", **copies)
     else:
         # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
         # of the q_proj view it came from (TensorIterator).  The CPU math kernel (dropout > 0) keeps v itself only
@@ -153,7 +156,12 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)
     out = g.op("contiguous", out, name="merge", role="proj_input")
     out = g.op("reshape", out, name="merge_view", shape=(B, S, H))
-    return g.op("linear", out, name="o_proj", out_features=H, bias=False)
+    out = g.op("linear", out, name="o_proj", out_features=H, bias=False)
+    if cache and kind == "naive":
+        # query_states, LlamaAttention.forward's local, holds the rotary output until it returns, past the scores
+        # matmul's copy of it (the rotary output is (B, S, h, d) in memory: bmm cannot fold its heads)
+        held[q] = out
+    return out
 
 
 def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache: str = "dynamic") -> Model:

@@ -58,9 +58,51 @@ def conditions(graph: Graph, nodes: Iterable[str], subs: Mapping[sympy.Symbol, s
 
 
 def assignments(open_: Sequence[Boolean], decided: Branch) -> list[dict[sympy.Basic, bool]]:
-    """Every truth assignment of the open conditions, each with the decided ones."""
-    return [{**dict(decided), **dict(zip(open_, values, strict=True))}
-            for values in itertools.product((True, False), repeat=len(open_))]
+    """Every truth assignment of the open conditions, each with the decided ones; with several open conditions,
+    those that contradict themselves are left out (``Eq(G, 1)`` true but ``Eq(G, 1) | Eq(h/G, 1)`` false).
+
+    >>> from symmem.symbols import G, h
+    >>> one, either = sympy.Eq(G, 1), sympy.Eq(G, 1) | sympy.Eq(h / G, 1)
+    >>> [tuple(b.values()) for b in assignments([either, one], {})]
+    [(True, True), (True, False), (False, False)]
+    """
+    found = [{**dict(decided), **dict(zip(open_, values, strict=True))}
+             for values in itertools.product((True, False), repeat=len(open_))]
+    return found if len(open_) < 2 else [b for b in found if _propositional(b)[0] is not None]
+
+
+def _propositional(branch: Branch) -> tuple[Any, dict[sympy.Symbol, sympy.Eq]]:
+    """The branch's conditions as one propositional formula over their relations (``Ne`` a negated ``Eq``, each
+    relation a variable), or None where no truth values satisfy it; and the equation each variable stands for."""
+    from sympy.core.relational import Relational
+    from sympy.logic.inference import satisfiable
+
+    conj = sympy.And(*(c if v else sympy.Not(c) for c, v in branch.items() if is_condition(c)))
+    relations = conj.atoms(Relational)
+
+    def positive(r: Relational) -> Relational:
+        return sympy.Eq(r.lhs, r.rhs) if isinstance(r, sympy.Ne) else r
+
+    atoms = sorted({positive(r) for r in relations}, key=sympy.srepr)
+    names = {a: sympy.Symbol(f"_relation{i}") for i, a in enumerate(atoms)}
+    formula = conj.xreplace({r: sympy.Not(names[positive(r)]) if isinstance(r, sympy.Ne) else names[r]
+                             for r in relations})
+    if satisfiable(formula) is False:
+        return None, {}
+    return formula, {v: a for a, v in names.items() if isinstance(a, sympy.Eq)}
+
+
+def _implied(branch: Branch) -> dict[sympy.Symbol, sympy.Expr]:
+    """Substitutions for the equations the branch's conditions imply together (``Eq(G, 1) | Eq(h/G, 1)`` true
+    with ``Eq(G, 1)`` false: G = h), where no one condition implies them alone."""
+    from sympy.logic.inference import satisfiable
+
+    formula, equations = _propositional(branch)
+    subs: dict[sympy.Symbol, sympy.Expr] = {}
+    for var, eq in equations.items():
+        if formula is not None and satisfiable(formula & sympy.Not(var)) is False:
+            subs.update(_given(eq, True))
+    return subs
 
 
 def carriers(graph: Graph, nodes: Iterable[str], open_: Sequence[Boolean]) -> dict[Boolean, set[str]]:
@@ -188,6 +230,8 @@ def joiner(open_: Sequence[Boolean], branches: Sequence[Branch]) -> Callable[[li
         subs: dict[sympy.Symbol, sympy.Expr] = {}
         for c in open_:
             subs.update(_given(c, branch[c]))
+        if len(open_) > 1:  # what the conditions imply together (one alone implies what _given finds)
+            subs = {**_implied({c: branch[c] for c in open_}), **subs}
         given.append(subs)
     conds = guards(open_, branches)
 

@@ -84,15 +84,13 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
         i += len(members)
     held = graph.graph.get("held_until")
     if held:
-        # a value held past its last use (schedule's held_until): a block member's hold is each iteration's
+        # a value held past its last use (schedule's held_until): a block member's hold is each iteration's, until
+        # the same iteration's node where that is in the block too (RMSNorm's variance, until its own norm returns)
         written: dict[str, str] = {}
         for k, v in held.items():
-            copies = [*itertools.takewhile(iterations.__contains__, (f"{k}#{j}" for j in itertools.count(1)))]
-            for j, c in enumerate(copies or [k], 1):
-                # held until a node of the same iteration (a norm's variance until that norm returns), else the
-                # node as written (the last iteration's, or one outside the block)
-                mine = f"{v}#{j}"
-                written[c] = mine if copies and mine in iterations else renamed.get(v, v)
+            copies = itertools.takewhile(iterations.__contains__, (f"{k}#{j}" for j in itertools.count(1)))
+            for j, c in enumerate([*copies] or [k], start=1):
+                written[c] = f"{v}#{j}" if c != k and f"{v}#{j}" in iterations else renamed.get(v, v)
         out.graph["held_until"] = written
     return out
 

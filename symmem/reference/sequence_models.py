@@ -456,16 +456,27 @@ class LlamaAttention(nn.Module):
                                                          dropout_p=p, scale=self.scaling,
                                                          is_causal=query_states.shape[2] > 1, **gqa)
             attn_output = attn_output.transpose(1, 2).contiguous()
-        else:
-            key_states = repeat_kv(key_states, self.num_key_value_groups)
-            value_states = repeat_kv(value_states, self.num_key_value_groups)
-            attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
-            attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
-            attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
-            attn_weights = nn.functional.dropout(attn_weights, p=p, training=self.training)
-            attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+        else:  # a function of its own, as HF's: the caller's key_states and value_states live until it returns
+            attn_output, attn_weights = eager_attention_forward(self, query_states, key_states, value_states,
+                                                                attention_mask, self.scaling, p)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output)
+
+
+def eager_attention_forward(module: LlamaAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor, scaling: float, dropout: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers 5.23 ``eager_attention_forward`` (Llama's): ``repeat_kv``, the scores, the float32 softmax,
+    dropout, ``@ V``."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
 
 
 class LlamaDecoderLayer(nn.Module):
