@@ -127,6 +127,22 @@ def _check_traced(everything):
         "(AddmmBackward0) in blocks.2.down's backward, micro-batch 1")
 
 
+@pytest.mark.parametrize("spec, line", [
+    # the peaks TRACED[0] checks against the engine, rank by rank
+    (BLOCK, "peak per rank (first step / steady): ranks 0-1: 88,720 / 118,824 B; rank 2: 91,140 / 120,596 B; "
+            "rank 3: 91,140 / 120,396 B (the peak above is rank 2's, the largest)"),
+    (f"{BLOCK}_tied", "no peak: the FSDP x pipeline peak of a traced module is measured without tied parameters"),
+], ids=["every-rank", "tied"])
+def test_a_traced_module_in_the_cli(capsys, spec, line):
+    """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table; a module with
+    a tied weight keeps the one-line "no peak" (each stage's copy under FSDP was not measured)."""
+    from symmem.cli import main
+
+    assert main(["trace", spec, "--dims", "B", "--pipeline-parallel", "--data-parallel", "fsdp", "--set", "p=2",
+                 "--set", "N=2", "--micro-batches", "2", "--optimizer", "adamw", "--loss", "cross-entropy"]) == 0
+    assert line in " ".join(capsys.readouterr().out.split())
+
+
 def test_the_cli_table_and_fit(capsys):
     """The table's peak line names the rank; ``fit`` finds the largest B whose largest rank fits (the stages
     replayed anew at B and B + 1, fresh derives, on each side of the budget)."""
