@@ -207,6 +207,12 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
         rec = self._record(numbers)
         requires(p, rec.count, self.schedule, self.micro_batches)
         world = self._world(numbers)
+        forward = [o for o in rec.ops if o.phase == "forward"]
+        if forward and not forward[-1].module:
+            # FSDP's root pre-backward runs as the output's gradient is made; made by the module's own code, the
+            # last stage's backward of that code and the loss's look alike (as for FSDP alone, importer/traced_fsdp)
+            raise SymmemError(f"the FSDP x pipeline peak of a traced module follows a module whose output is made by "
+                              f"a submodule (its head), not by its own code ({forward[-1].op})")
         cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
         out = []
         for s, at in enumerate(stage_memory(cut, self.micro_batches)):
