@@ -108,8 +108,11 @@ def _traced_stage(case: Any, s: int, stages: int, dp: int) -> tuple[Any, ...]:
     torch.manual_seed(0)
     full, (example,) = case.builder()
     module = case.split.stage(full, s, stages)
-    run = list(full.get_submodule(case.split.container))
-    blocks = [child for child in module if any(child is b for b in run)]
+    from .sharded import units
+
+    container = getattr(case.split, "container", None)  # GPT2Split's stage: its ModuleList of blocks
+    run = list(full.get_submodule(container)) if container is not None else units(module)
+    blocks = [child for child in module.modules() if any(child is b for b in run)]
     given = static_shapes(s == 0, s == stages - 1, example, case.output, case.boundary)
     return (module, blocks, given, _loss(case.loss, full), *batch_of(case, example, seed=1 + dp))
 
