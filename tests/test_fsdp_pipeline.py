@@ -10,6 +10,10 @@ symmem's side is ``symmem.passes.fsdp_pipeline``: the pipeline's replay of each 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,6 +29,11 @@ LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
 CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, True),
          ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, False),
          ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, True)]
+#: a traced module (tests/data/traced_block.py: 4 blocks, a head of 5 rows, padded to 6 over N = 2) in the same
+#: spawn: (schedule, M, reshard_after_forward): 1F1B resharding (stage 1 peaks at an all-gather in backward), GPipe
+#: without resharding, M = 3
+BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
+TRACED = [("1f1b", 2, True), ("gpipe", 3, False)]
 
 
 def _derive(model, values, schedule, m, loss, options, reshard, **more):
@@ -43,9 +52,15 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     ranks runs every case); the views give the largest rank's peak, which rank and stage, and every rank's."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
+    from symmem.importer.spec_builder import SpecBuilder
     from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+    from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
 
-    everything = fsdp_pipeline_runs(2, 2, CASES, start_method="forkserver")
+    split = SequentialSplit(("inp",), "blocks", ("head",))
+    traced = [(TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), reshard)
+              for schedule, m, reshard in TRACED]
+    everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced], start_method="forkserver")
+    _check_traced([rank[len(CASES):] for rank in everything])
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -72,6 +87,60 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     assert _derive(*CASES[0]).peak_at().where(step=False) == (
         "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before h.add2's backward (layer 1), "
         "micro-batch 0")
+
+
+@functools.cache
+def _traced():
+    from symmem.importer import sources
+
+    loaded = sources.load(BLOCK)
+    return sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="cross-entropy",
+                         check=False, pipeline_parallel=True, data_parallel="fsdp", micro_batches=2,
+                         values={"p": 2, "N": 2})
+
+
+def _check_traced(everything):
+    """A traced module's stages under FSDP2 (symmem.importer.traced_fsdp_pipeline) against the real engine on the
+    module's manual split: every rank's shards, AdamW state of the held rows, first and steady peak, and the largest
+    moment of its schedule and of its optimizer step, to the byte; the views' largest rank and every rank's."""
+    from symmem.passes.data_parallel import rank_peaks
+
+    for k, (schedule, m, reshard) in enumerate(TRACED):
+        real = [rank[k] for rank in everything]
+        d = _traced()
+        d = dataclasses.replace(d, step=dataclasses.replace(d.step, schedule=schedule, micro_batches=m,
+                                                            reshard=reshard, _cache={}))
+        named = {s.name: int(v) for s, v in d.numbers.items()}
+        for r in real:
+            mine = (d.step if r.dp == 0 else d.step.at_rank(r.dp))._replays(named)[r.pp]
+            assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
+            assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
+                r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
+        top = max(real, key=lambda r: (r.steady_peak, -r.rank))
+        assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), k
+        assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}, k
+        # the head's 5 rows padded to 6: rank 3 (stage 1's data-parallel rank 1) holds 2 of 3, AdamW's state 2 rows
+        # of 24 floats (and a bias element) fewer
+        assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * (24 + 1), k
+    assert _traced().peak_at().where(step=False) == (
+        "rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before aten.detach.default "
+        "(AddmmBackward0) in blocks.2.down's backward, micro-batch 1")
+
+
+@pytest.mark.parametrize("spec, line", [
+    # the peaks TRACED[0] checks against the engine, rank by rank
+    (BLOCK, "peak per rank (first step / steady): ranks 0-1: 88,720 / 118,824 B; rank 2: 91,140 / 120,596 B; "
+            "rank 3: 91,140 / 120,396 B (the peak above is rank 2's, the largest)"),
+    (f"{BLOCK}_tied", "no peak: the FSDP x pipeline peak of a traced module is measured without tied parameters"),
+], ids=["every-rank", "tied"])
+def test_a_traced_module_in_the_cli(capsys, spec, line):
+    """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table; a module with
+    a tied weight keeps the one-line "no peak" (each stage's copy under FSDP was not measured)."""
+    from symmem.cli import main
+
+    assert main(["trace", spec, "--dims", "B", "--pipeline-parallel", "--data-parallel", "fsdp", "--set", "p=2",
+                 "--set", "N=2", "--micro-batches", "2", "--optimizer", "adamw", "--loss", "cross-entropy"]) == 0
+    assert line in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_cli_table_and_fit(capsys):

@@ -391,6 +391,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
         from .traced_tensor import tensor_step
 
         return tensor_step(step, regime)
+    if regime.pipeline_parallel and regime.data_parallel:  # FSDP2 on every stage (importer/traced_fsdp_pipeline.py)
+        from .traced_fsdp_pipeline import fsdp_pipeline_step
+
+        return fsdp_pipeline_step(step, regime, numbers)
     if regime.pipeline_parallel:  # every stage's step: the recorded step cut by stage and replayed
         from .traced_pipeline import pipeline_step
 

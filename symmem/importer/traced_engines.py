@@ -123,6 +123,10 @@ def policy(regime: Regime, repeat: Any) -> str:
     if repeat is None:
         return f"{head} on the root only (the module has no repeated block)"
     where = f"{repeat.path}." if repeat.path else ""
+    if regime.pipeline_parallel:  # importer/traced_fsdp_pipeline.py
+        return (f"{head} on every pipeline stage of a p x N mesh: on each of the stage's blocks of {where}*, then "
+                "on the stage module (its other parameters), over its N data-parallel ranks; the peak is the largest "
+                "rank's")
     return (f"{head} on each block of {where}* (the run of {len(repeat.children)} identical children symmem folds "
             f"into L), then on the root (every other parameter){tail}")
 

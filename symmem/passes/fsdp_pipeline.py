@@ -102,6 +102,10 @@ class _Units:
             grad = f"{name}.grad" if owner not in heads else next(
                 (st.name for st in cut.tl.storages if st.category == "gradient" and st.node == owner), "")
             self.params.append(_Param(name, iteration(owner) or None, shard, held, grad))
+        self._arrange(world)
+
+    def _arrange(self, world: int) -> None:
+        """The units in FSDP's order over ``self.params``: the root first, then the layers."""
         self.world = world
         self.order: list[int | None] = list(dict.fromkeys(p.unit for p in self.params))
         if None in self.order:  # the root's pre-forward runs first, its post-backward first in the reduce
@@ -134,20 +138,35 @@ class _FsdpReplay(_Replay):
         self.held: dict[tuple[str, Any], int] = {}   # FSDP's storages alive: (kind, unit) -> bytes
         self.first_op: dict[int | None, str] = {}
         self.last_op: dict[int | None, str] = {}
-        from .unroll import iteration
-
         forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
         for n in forward:
-            u = iteration(n) or None
+            u = self._unit(n)
             self.first_op.setdefault(u, n)
             self.last_op[u] = n
-        model = [n for n in forward if n is not None and (n not in cut.g or cut.g.node(n).group != "loss")]
+        model = [n for n in forward if n is not None and not self._in_loss(n)]
         self.root_end = model[-1] if model else None
         self.started: set[int | None] = set()
         self.opened = False
         # FSDP2's post-forward order over the step's forwards and each unit's places in it (its backward prefetch)
         self.post_forward: list[int | None] = []
         self.indices: dict[int | None, list[int]] = {}
+
+    # what the cut's ops are (a traced module's cut says otherwise: importer/traced_fsdp_pipeline.py)
+    def _unit(self, node: str | None) -> int | None:
+        """The FSDP unit an op runs in: its layer (1-based), or None (the stage root)."""
+        from .unroll import iteration
+
+        return iteration(node) or None if node is not None else None
+
+    def _in_loss(self, node: str | None) -> bool:
+        return node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
+
+    def _is_first(self, unit: int | None, node: str | None) -> bool:
+        """Whether ``node`` is ``unit``'s first op in a forward (its pre-forward runs before it)."""
+        return self.first_op.get(unit) == node
+
+    def _is_last(self, unit: int | None, node: str | None) -> bool:
+        return self.last_op.get(unit) == node
 
     # FSDP's storages
     def _make(self, key: tuple[str, Any], nbytes: int) -> None:
@@ -185,20 +204,18 @@ class _FsdpReplay(_Replay):
         self.started = set()
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        from .unroll import iteration
-
-        unit = iteration(node) or None if node is not None else None
+        unit = self._unit(node)
         if kind == "F":
             if not self.opened:  # the stage root's pre-forward
                 self.opened = True
                 self._gather(None, node, mb)
-            if unit is not None and self.first_op.get(unit) == node:
+            if unit is not None and self._is_first(unit, node):
                 before = [k for k in self.held if k[0] == "A" and k[1] != unit]
                 self._gather(unit, node, mb)
                 for k in before:
                     self._drop(k)
             return
-        in_loss = node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
+        in_loss = self._in_loss(node)
         last_stage = self.s == self.cut.p - 1
         at = f"{node}'s backward"
         if last_stage and not in_loss:
@@ -228,12 +245,10 @@ class _FsdpReplay(_Replay):
         self.post_forward.append(unit)
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
-        from .unroll import iteration
-
         if kind != "F":
             return
-        unit = iteration(node) or None if node is not None else None
-        if unit is not None and self.last_op.get(unit) == node and self._has(unit):
+        unit = self._unit(node)
+        if unit is not None and self._is_last(unit, node) and self._has(unit):
             if self.reshard:
                 self._reshard(unit)
             self._post_forward(unit)
@@ -320,11 +335,7 @@ class FsdpPipelineStep(PipelineStep):
         from .model_parallel import _Cut, requires
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
-        world = numbers.get("N")
-        if not isinstance(world, int) or world < 2:
-            raise SymmemError(f"FSDP x pipeline needs N >= 2 data-parallel ranks a stage, got N={world}")
-        if self.rank >= world:
-            raise SymmemError(f"rank {self.rank} is no place in a data-parallel group of N={world}")
+        world = self._world(numbers)
         cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
         found = self._stages()
         out = []
@@ -334,6 +345,15 @@ class FsdpPipelineStep(PipelineStep):
             at = stage_at(memory, numbers, units, self.regime, cut.per)
             out.append(_FsdpReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
         return out
+
+    def _world(self, numbers: Mapping[str, int]) -> int:
+        """``N``, the data-parallel ranks of a stage (at least 2, above this step's rank)."""
+        world = numbers.get("N")
+        if not isinstance(world, int) or world < 2:
+            raise SymmemError(f"FSDP x pipeline needs N >= 2 data-parallel ranks a stage, got N={world}")
+        if self.rank >= world:
+            raise SymmemError(f"rank {self.rank} is no place in a data-parallel group of N={world}")
+        return world
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
@@ -353,15 +373,21 @@ class FsdpPipelineStep(PipelineStep):
             self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
         return self._cache[key]
 
+    def _firsts(self, derivation: Any) -> list[Any]:
+        """Every parameter's first dimension at the derivation's numbers (which rows each rank holds)."""
+        from .data_parallel import _stored
+
+        return [derivation.evaluate(shape[0]) for shape in _stored(self.graph).values() if shape]
+
     def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
         """``{rank: (first-step peak, steady peak)}`` of every rank of the p x N mesh (rank ``s*N + r``: stage
         ``s``, data-parallel rank ``r``); None where every rank is alike."""
         from ..symbols import N
-        from .data_parallel import _stored, alike_ranks
+        from .data_parallel import alike_ranks
 
         numbers = derivation.numbers
         world = int(numbers[N])
-        firsts = [derivation.evaluate(shape[0]) for shape in _stored(self.graph).values() if shape]
+        firsts = self._firsts(derivation)
         out: dict[int, tuple[int, int]] = {}
         for group in alike_ranks(firsts, world):  # ranks that hold the same rows: one replay for them all
             step = self.at_rank(group[0])

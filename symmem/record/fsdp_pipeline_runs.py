@@ -29,8 +29,9 @@ from typing import Any
 from ..errors import SymmemError
 from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS, _fewest_at
 
-#: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward)
-Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], bool]
+#: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward), or a traced module's
+#: (:class:`~symmem.record.traced_pipeline_runs.TracedCase`, reshard_after_forward): its manual split's stages
+Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], bool] | tuple[Any, bool]
 
 
 @dataclass(frozen=True)
@@ -65,25 +66,55 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
     from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
     from .sharded import units
 
-    model, values, schedule, m, loss, options, reshard = case
     dp_size = world // stages
     mesh = init_device_mesh("cpu", (stages, dp_size), mesh_dim_names=("pp", "dp"))
     s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    module = _stage_module(model, values, s, stages, options)
-    for block in units(module):
+    first, last = s == 0, s == stages - 1
+    if len(case) == 2:  # a traced module's manual split: its blocks on the stage are FSDP's units
+        traced, reshard = case
+        module, blocks, given, loss_fn, ids, labels = _traced_stage(traced, s, stages, dp)
+        schedule, m = traced.schedule, traced.micro_batches
+    else:
+        model, values, schedule, m, loss, options, reshard = case
+        module = _stage_module(model, values, s, stages, options)
+        blocks = units(module)
+        b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+        given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
+                              (b, seq, h))
+        loss_fn = causal_lm_loss if loss == "cross-entropy" else _sum_loss
+        # each data-parallel group its own batch; the stages of one pipeline the same one
+        gen = torch.Generator().manual_seed(1 + dp)
+        ids = torch.randint(0, v, (b * m, seq), generator=gen)
+        labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else \
+            torch.empty(b * m, 0)
+    for block in blocks:
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-    b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
-    first, last = s == 0, s == stages - 1
-    given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v), (b, seq, h))
     stage = PipelineStage(module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
-    # each data-parallel group its own batch; the stages of one pipeline the same one
-    gen = torch.Generator().manual_seed(1 + dp)
-    ids = torch.randint(0, v, (b * m, seq), generator=gen)
-    labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    sched = kind(stage, m, loss_fn=loss_fn)
     return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp))
+
+
+def _traced_stage(case: Any, s: int, stages: int, dp: int) -> tuple[Any, ...]:
+    """Stage ``s`` of a traced module's manual split (:class:`~symmem.record.traced_pipeline_runs.TracedCase`):
+    (its module, its blocks, the ``PipelineStage``'s static shapes, the schedule's loss_fn, the batch, the labels),
+    the batch drawn for data-parallel rank ``dp``."""
+    import torch
+
+    from .model_parallel_runs import static_shapes
+    from .traced_pipeline_runs import _loss, batch_of
+
+    torch.manual_seed(0)
+    full, (example,) = case.builder()
+    module = case.split.stage(full, s, stages)
+    from .sharded import units
+
+    container = getattr(case.split, "container", None)  # GPT2Split's stage: its ModuleList of blocks
+    run = list(full.get_submodule(container)) if container is not None else units(module)
+    blocks = [child for child in module.modules() if any(child is b for b in run)]
+    given = static_shapes(s == 0, s == stages - 1, example, case.output, case.boundary)
+    return (module, blocks, given, _loss(case.loss, full), *batch_of(case, example, seed=1 + dp))
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
@@ -178,7 +209,7 @@ def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(
             [*PRELOAD, "torch.distributed.pipelining", __name__])
-    listed = [(model, dict(values), schedule, m, loss, dict(options), bool(reshard))
-              for model, values, schedule, m, loss, options, reshard in cases]
+    listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]), bool(case[6]))
+              for case in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the FSDP x pipeline run",
                         start_method)

@@ -126,14 +126,24 @@ def _one(case: TracedCase, rank: int, world: int) -> StageRun:
     stage = PipelineStage(module, rank, world, torch.device("cpu"), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
     sched = kind(stage, m, loss_fn=_loss(case.loss, full))
-    gen = torch.Generator().manual_seed(1)
+    batch, labels = batch_of(case, example)
+    return stage_steps(sched, stage, module, batch, labels, rank, world, case.schedule, m)
+
+
+def batch_of(case: TracedCase, example: Any, seed: int = 1) -> tuple[Any, Any]:
+    """The step's batch (``M`` micro-batches like ``example``) and its labels (empty for the loss ``sum``), drawn
+    from ``seed`` (also :mod:`.fsdp_pipeline_runs`: each data-parallel group its own)."""
+    import torch
+
+    m = case.micro_batches
+    gen = torch.Generator().manual_seed(seed)
     if example.dtype.is_floating_point:
         batch = torch.randn((example.shape[0] * m, *example.shape[1:]), generator=gen)
     else:  # token ids
         batch = torch.randint(0, case.output[-1], (example.shape[0] * m, *example.shape[1:]), generator=gen)
     labels = torch.randint(0, case.output[-1], (case.output[0] * m, *case.output[1:-1]), generator=gen) \
         if case.loss in ("cross-entropy", "output") else torch.empty(case.output[0] * m, 0)
-    return stage_steps(sched, stage, module, batch, labels, rank, world, case.schedule, m)
+    return batch, labels
 
 
 def _cases(rank: int, world: int, cases: Sequence[TracedCase]) -> list[StageRun]:

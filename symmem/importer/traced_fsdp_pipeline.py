@@ -1,0 +1,245 @@
+"""A traced module under FSDP x pipeline: FSDP2's ``fully_shard`` on every stage of a p x N mesh, per rank.
+
+Each stage is the traced module's cut of :mod:`.traced_pipeline` (its recorded two-micro-batch step cut by stage and
+replayed in the schedule's order), with FSDP2's units around its ops as :mod:`symmem.passes.fsdp_pipeline` places
+them for the built-in models (:class:`~symmem.passes.fsdp_pipeline._FsdpReplay`, the same hooks): each block of the
+repeated run a unit, the stage's other parameters (the input layer on stage 0, the head on the last) the stage
+root's, each parameter stored as its padded dim-0 shard and AdamW's state following the rank's unpadded rows
+(:func:`~symmem.passes.data_parallel.held_shape`, as :mod:`.traced_fsdp` shards a traced module).  The stage's
+optimizer step is the recorded steady step's ops for its parameters, each temporary of a parameter's size at the
+rank's held rows.  The truth is :mod:`symmem.record.fsdp_pipeline_runs` running the module's manual split
+(:class:`~symmem.record.traced_pipeline_runs.SequentialSplit`) with ``fully_shard`` on each of a stage's blocks and
+on the stage root over ``mesh["dp"]`` (tests/test_fsdp_pipeline.py).
+
+Measured (and so modelled) for a file module whose forward runs its children one after another, FP32, without
+tied parameters; a Hugging Face model's stages under FSDP, and its own loss, are refused in one line.
+
+>>> from symmem.training import Regime
+>>> refusal(None, Regime(data_parallel="ddp")) is not None
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..passes.fsdp_pipeline import FsdpPipelineStep, _FsdpReplay, _Param, _Units
+from ..passes.model_parallel import requires
+from ..training import Regime
+from .recording import StepRecord
+from .traced_fsdp import parameters_of, within
+from .traced_pipeline import TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, stage_memory, tied
+from .traced_step import StepPeak, _locate
+
+#: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
+ENGINES = ("fsdp", "fsdp-no-reshard")
+
+
+def refusal(step: StepPeak | None, regime: Regime) -> str | None:
+    """Why a traced module's FSDP x pipeline peak is not followed (None: it is); ``step`` None checks the regime
+    only."""
+    from .traced_pipeline import refusal as alone
+
+    if regime.data_parallel not in ENGINES:
+        return (f"the pipeline peak of a traced module is modelled with FSDP2 on every stage (fsdp, "
+                f"fsdp-no-reshard), not data_parallel={regime.data_parallel!r}")
+    if step is None:
+        return None
+    why = alone(step, dataclasses.replace(regime, data_parallel=None))
+    if why is not None:
+        return why
+    if getattr(step.module, "config", None) is not None or own_loss(step):
+        # by hand (GPT2Split, V = 65, p = N = 2): exact with two blocks a stage and under fsdp-no-reshard; with one
+        # block a stage under fsdp, stage 0's ranks peak 16,640 bytes (two of the embedding's 65 x 32 gradients)
+        # above the replay, first and steady step: not found in time, so not lifted (docs/regimes.md)
+        return ("the FSDP x pipeline peak of a traced module is measured for a module whose forward runs its "
+                "children one after another (torch.distributed.pipelining's manual split), not a Hugging Face "
+                "model's stages (GPT-2's differ on stage 0 with one block a stage)")
+    if tied(step.module):
+        return "the FSDP x pipeline peak of a traced module is measured without tied parameters"
+    import torch
+
+    if any(q.dtype != torch.float32 for q in step.module.parameters()):
+        return "the FSDP x pipeline peak of a traced module is measured for FP32 parameters"
+    return None
+
+
+class _TracedUnits(_Units):
+    """FSDP2's units of one stage of a traced module at numbers: each block's parameters (the unit is the block's
+    1-based index in the run) and the stage root's, with the rank's shards; each parameter's gradient is the storage
+    the first micro-batch's backward made for it (its unit's, of its bytes)."""
+
+    def __init__(self, rec: StepRecord, cut: TracedCut, module: Any, repeat: Any, s: int, world: int,
+                 rank: int) -> None:
+        from ..passes.data_parallel import held_shape, shard_rows
+
+        layers = rec.layers or {}
+        owner = _owners(rec, cut)
+
+        def unit_of(path: str) -> int | None:
+            return next((k + 1 for child, k in layers.items() if within(path, child)), None)
+
+        grads: dict[int | None, list[int]] = {}
+        for i in _first_gradients(rec):
+            grads.setdefault(unit_of(rec.storages[i].module), []).append(i)
+        self.params: list[_Param] = []
+        for p in parameters_of(rec, module, repeat):
+            if owner[p.sid] != s:
+                continue
+            unit = unit_of(p.name)
+            mine = grads.get(unit, [])
+            grad = next((g for g in mine if cut.size(g) == cut.size(p.sid)), None)
+            if grad is None:
+                raise SymmemError(f"FSDP's unit {p.name}: no gradient of its bytes was made by the recorded "
+                                  "backward in its unit: the stage's gradients cannot be followed")
+            mine.remove(grad)
+            shard = int(shard_rows(p.shape, world)) * int(sympy.Mul(*p.shape[1:])) if p.shape else 1
+            held = tuple(int(x) for x in held_shape(p.shape, world, rank))
+            self.params.append(_Param(p.name, unit, shard, held, str(grad)))
+        self._arrange(world)
+
+
+def _first_gradients(rec: StepRecord) -> list[int]:
+    """The gradient storages the first backward makes (the ``.grad`` of every parameter; the second micro-batch's
+    are added into them)."""
+    out: list[int] = []
+    started = False
+    for o in rec.ops:
+        if o.phase == "backward":
+            started = True
+            out += [i for i in o.born if rec.storages[i].category == "gradient"]
+        elif started:
+            break
+    return out
+
+
+class _TracedFsdpReplay(_FsdpReplay):
+    """:class:`~symmem.passes.fsdp_pipeline._FsdpReplay` on a traced cut: an op's unit is its block's (by the
+    recorded op's module), the loss's ops are the recorded loss's, and a unit's first and last forward op are
+    counted (an op's name may repeat within a unit)."""
+
+    def __init__(self, cut: TracedCut, s: int, at: Mapping[str, int], schedule: str, m: int, units: _Units,
+                 reshard: bool) -> None:
+        self.units_of: dict[str, int | None] = {}
+        self.loss: set[str] = set()
+        for o in cut.rec.ops:
+            name = cut.tl.events[o.index].node
+            if name is None:
+                continue
+            index = _locate(o, cut.rec.layers)[1]
+            self.units_of[name] = index + 1 if index is not None else None
+            if o.phase == "loss" or (o.phase == "backward" and not o.module):
+                self.loss.add(name)
+        self.seen: dict[int | None, int] = {}
+        super().__init__(cut, s, at, schedule, m, units, reshard)
+        self.total: dict[int | None, int] = {}
+        for _, e in cut.passes[0]["F"]:
+            if cut.on(e.node, s):
+                unit = self._unit(e.node)
+                self.total[unit] = self.total.get(unit, 0) + 1
+
+    def _unit(self, node: str | None) -> int | None:
+        return self.units_of.get(node) if node is not None else None
+
+    def _in_loss(self, node: str | None) -> bool:
+        return node is None or node in self.loss
+
+    def _is_first(self, unit: int | None, node: str | None) -> bool:
+        return self.seen.get(unit) == 1
+
+    def _is_last(self, unit: int | None, node: str | None) -> bool:
+        return self.seen.get(unit) == self.total.get(unit)
+
+    def begin(self, kind: str, mb: int) -> None:
+        super().begin(kind, mb)
+        self.seen = {}
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        if kind == "F":
+            unit = self._unit(node)
+            self.seen[unit] = self.seen.get(unit, 0) + 1
+        super().before(kind, node, mb)
+
+
+class _HeldSizes:
+    """The cut's sizes with what the optimizer step makes for a parameter at the parameter's bytes taken at the
+    rank's held rows (AdamW's temporaries over the unpadded shard), for :func:`~.traced_pipeline._step_peak`."""
+
+    def __init__(self, cut: TracedCut, rec: StepRecord, units: _Units, names: Mapping[int, str]) -> None:
+        self.cut = cut
+        whole = {name: cut.size(sid) for sid, name in names.items()}
+        held = {p.name: 4 * int(sympy.Mul(*p.held)) if p.held else 4 for p in units.params}
+        self.scaled: dict[int, int] = {}
+        for o in rec.ops:
+            if o.phase == "step" and o.where in held:
+                for i in o.born:
+                    if cut.size(i) == whole[o.where]:
+                        self.scaled[i] = held[o.where]
+
+    def size(self, sid: int) -> int:
+        return self.scaled.get(sid, self.cut.size(sid))
+
+
+def _stage_at(at: Mapping[str, int], cut: TracedCut, s: int, units: _Units) -> dict[str, int]:
+    """The stage's memory (:func:`~.traced_pipeline.stage_memory`) under FSDP: the shards for the weights (and
+    their sharded gradients in the step), AdamW's state of the held rows, the step's temporaries at those rows."""
+    from .traced_pipeline import _param_names
+
+    rec = cut.rec
+    weights, state = units.at_rest()
+    rest = at["at_rest"] - at["parameters"] - at["optimizer_state"] + weights + state
+    sizes = _HeldSizes(cut, rec, units, _param_names(rec))
+    step = _step_peak(rec, sizes, s, _owners(rec, cut), rest + weights)  # type: ignore[arg-type]
+    return {**at, "at_rest": rest, "parameters": weights, "optimizer_state": state, "step_peak": step}
+
+
+@dataclass(eq=False)
+class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
+    """:class:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep` of a traced module: every stage's replay
+    (:class:`~.traced_pipeline.TracedCut`) with FSDP2's units of data-parallel rank ``rank``."""
+
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        assert self.step is not None
+        p = numbers.get("p")
+        rec = self._record(numbers)
+        requires(p, rec.count, self.schedule, self.micro_batches)
+        world = self._world(numbers)
+        forward = [o for o in rec.ops if o.phase == "forward"]
+        if forward and not forward[-1].module:
+            # FSDP's root pre-backward runs as the output's gradient is made; made by the module's own code, the
+            # last stage's backward of that code and the loss's look alike (as for FSDP alone, importer/traced_fsdp)
+            raise SymmemError(f"the FSDP x pipeline peak of a traced module follows a module whose output is made by "
+                              f"a submodule (its head), not by its own code ({forward[-1].op})")
+        cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
+        out = []
+        for s, at in enumerate(stage_memory(cut, self.micro_batches)):
+            units = _TracedUnits(rec, cut, self.step.module, self.step.repeat, s, world, self.rank)
+            out.append(_TracedFsdpReplay(cut, s, _stage_at(at, cut, s, units), self.schedule, self.micro_batches,
+                                         units, self.reshard))
+        return out
+
+    def _firsts(self, derivation: Any) -> list[Any]:
+        assert self.step is not None
+        rec = self._record({s.name: int(v) for s, v in derivation.numbers.items()})
+        return [q.shape[0] for q in parameters_of(rec, self.step.module, self.step.repeat) if q.shape]
+
+
+def fsdp_pipeline_step(step: StepPeak, regime: Regime, numbers: Mapping[sympy.Symbol, int]) -> Any:
+    """``step`` (one device's) as every rank's of FSDP2 on a p x N mesh of pipeline stages, or a
+    :class:`~symmem.step.Refused` saying why not."""
+    from ..step import Refused
+    from .traced_pipeline import pipeline_step
+
+    why = refusal(step, regime)
+    if why is not None:
+        return Refused(f"no peak: {why}")
+    alone = pipeline_step(step, dataclasses.replace(regime, data_parallel=None), numbers)
+    return TracedFsdpPipelineStep(None, None, {}, alone.regime, (), dict(numbers),  # type: ignore[arg-type]
+                                  regime.pipeline_schedule, regime.micro_batches,
+                                  reshard=regime.data_parallel == "fsdp", step=alone.step)
