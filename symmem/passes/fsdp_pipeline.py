@@ -325,7 +325,7 @@ class FsdpPipelineStep(PipelineStep):
             raise SymmemError(f"FSDP x pipeline needs N >= 2 data-parallel ranks a stage, got N={world}")
         if self.rank >= world:
             raise SymmemError(f"rank {self.rank} is no place in a data-parallel group of N={world}")
-        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
         found = self._stages()
         out = []
         for s in range(cut.p):
@@ -350,7 +350,8 @@ class FsdpPipelineStep(PipelineStep):
             return self
         key = ("rank", rank)
         if key not in self._cache:
-            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
+            self._cache[key] = dataclasses.replace(self, rank=rank,
+                                                   _cache={"stages": self._stages(), "memo": self._memo()})
         return self._cache[key]
 
     def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:

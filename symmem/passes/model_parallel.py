@@ -451,10 +451,12 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
 
 
 def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, numbers: Mapping[str, int],
-            found: Sequence[StageMemory], *, schedule: str, micro_batches: int) -> list[_Replay]:
+            found: Sequence[StageMemory], *, schedule: str, micro_batches: int,
+            memo: dict[Any, Any] | None = None) -> list[_Replay]:
     """Every stage's replay at ``numbers`` (not yet run: :meth:`_Replay.run` gives its peak and fills
-    :attr:`_Replay.moments`, every moment of its step; :mod:`.pipeline_step` makes formulas of them)."""
-    cut = _Cut(graph, conv, options, regime, numbers)
+    :attr:`_Replay.moments`, every moment of its step; :mod:`.pipeline_step` makes formulas of them); ``memo``:
+    :class:`_Cut`'s."""
+    cut = _Cut(graph, conv, options, regime, numbers, memo)
     out = []
     for s in range(cut.p):
         memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
@@ -463,38 +465,34 @@ def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
 
 
 class _Cut:
-    """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage."""
+    """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage.
+
+    ``memo`` (a dict the caller keeps for one graph, convention, options and regime): the simulated step is the
+    same at every set of numbers with the same ``L`` and the same size branches -- only the storages' sizes at the
+    numbers differ -- so the peak's three batches (``B``, ``B + 1``, ``B + 2``) simulate it once."""
 
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
-                 numbers: Mapping[str, int]) -> None:
-        from dataclasses import replace as _replace
-
+                 numbers: Mapping[str, int], memo: dict[Any, Any] | None = None) -> None:
         from . import branches as size_branches
-        from .schedule import Simulation
         from .unroll import unroll
 
         self.p, layers = int(numbers["p"]), int(numbers["L"])
         self.per = layers // self.p
-        block = next(iter(graph.blocks.values()))
-        self.g = g = unroll(graph, {block.name: layers})
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        memo = {} if memo is None else memo
+        if ("unrolled", layers) not in memo:
+            block = next(iter(graph.blocks.values()))
+            memo[("unrolled", layers)] = unroll(graph, {block.name: layers})
+        self.g = g = memo[("unrolled", layers)]
         # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
         open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
-        sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), branch, False)
-        sim.micro_batch()
-        sim.micro_batch()
-        self.tl = sim.timeline(first=False)
+        key = ("step", layers, frozenset(branch.items()))
+        if key not in memo:
+            memo[key] = _simulated(graph, g, conv, options, regime, branch)
+        self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
         self.cache: dict[sympy.Expr, int] = {}
-        self.shared = shared_nodes(graph)
-        # the last stage keeps its logits (output_chunks) and losses to the end of the phase
-        self.keep = {_model_output(g), "loss", "output.sum"}
-        self.passes = _passes(self.tl)
-        self.forwards = {k for pass_ in self.passes for k, _ in pass_["F"]}
-        self.frees: dict[int, int] = {}
-        for k, e in enumerate(self.tl.events):
-            for sid in e.freed:
-                self.frees.setdefault(sid, k)
+        self._stage: dict[str | None, int] = {}  # node -> stage: asked for every op of every micro-batch
 
     def size(self, sid: int) -> int:
         e = self.tl.storages[sid].nbytes
@@ -503,6 +501,12 @@ class _Cut:
         return self.cache[e]
 
     def stage_of(self, node: str | None) -> int:
+        found = self._stage.get(node)
+        if found is None:
+            found = self._stage[node] = self._stage_of(node)
+        return found
+
+    def _stage_of(self, node: str | None) -> int:
         from .unroll import iteration
 
         if node is None or node not in self.g:
@@ -515,6 +519,30 @@ class _Cut:
     def on(self, node: str | None, s: int) -> bool:
         """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
         return node in self.shared or self.stage_of(node) == s
+
+
+def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+               branch: Mapping[Any, bool]) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
+    """The single-device step of ``g`` (``graph`` unrolled) over two micro-batches at ``branch``: its timeline,
+    the shared nodes, what the last stage keeps, the two passes, the forwards' indices and where each storage is
+    first freed (:class:`_Cut`'s parts that do not depend on the numbers)."""
+    from dataclasses import replace as _replace
+
+    from .schedule import Simulation
+
+    sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), dict(branch), False)
+    sim.micro_batch()
+    sim.micro_batch()
+    tl = sim.timeline(first=False)
+    # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+    keep = {_model_output(g), "loss", "output.sum"}
+    passes = _passes(tl)
+    forwards = {k for pass_ in passes for k, _ in pass_["F"]}
+    frees: dict[int, int] = {}
+    for k, e in enumerate(tl.events):
+        for sid in e.freed:
+            frees.setdefault(sid, k)
+    return tl, shared_nodes(graph), keep, passes, forwards, frees
 
 
 class _Replay:
@@ -530,6 +558,7 @@ class _Replay:
         self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
         #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
         self.moments: list[tuple[int, str | None, int | None]] = []
+        self._events: dict[tuple[int, str], tuple[list[tuple[int, Any]], set[int]]] = {}
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -548,6 +577,17 @@ class _Replay:
         first = max(self.best[0] - self.at["optimizer_state"], step)
         return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step, first)
 
+    def _mine(self, pass_: int, kind: str) -> tuple[list[tuple[int, Any]], set[int]]:
+        """The events of the single-device pass ``pass_`` (0: the first micro-batch, 1: any later one) and ``kind``
+        this stage runs, and their indices: alike for every micro-batch after the first, so made once."""
+        key = (pass_, kind)
+        if key not in self._events:
+            cut, s = self.cut, self.s
+            mine = [(k, e) for k, e in cut.passes[pass_][kind] if cut.on(e.node, s) or (
+                e.node is None and kind == "B" and s == cut.p - 1 and e.born)]
+            self._events[key] = (mine, {k for k, _ in mine})
+        return self._events[key]
+
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
         self.moments.append((live, node, mb))
         if live > self.best[0]:
@@ -559,10 +599,7 @@ class _Replay:
     def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
         cut, s, tl = self.cut, self.s, self.cut.tl
-        events = cut.passes[0 if mb == 0 else 1][kind]
-        mine = [(k, e) for k, e in events if cut.on(e.node, s) or (e.node is None and kind == "B"
-                                                                    and s == cut.p - 1 and e.born)]
-        indices = {k for k, _ in mine}
+        mine, indices = self._mine(0 if mb == 0 else 1, kind)
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
         self.begin(kind, mb)
@@ -632,7 +669,7 @@ class _Replay:
         cut, s = self.cut, self.s
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
-        sent = [x for x in ends if _sent_back(cut.tl.storages[x[1]], cut.stage_of, cut.frees, cut.tl, s)]
+        sent = [x for x in ends if _sent_back(x[1], cut.stage_of, cut.frees, cut.tl, s)]
         for key in ends:
             if key not in sent:
                 self.free(key)
@@ -650,12 +687,11 @@ def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int)
     return node is not None and stage_of(node) > s
 
 
-def _sent_back(storage: Any, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
-    """Whether ``storage`` is the gradient stage ``s`` sends to the stage before: single-device, an op of an
-    earlier stage frees it."""
-    sid = tl.storages.index(storage)
+def _sent_back(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
+    """Whether storage ``sid`` is the gradient stage ``s`` sends to the stage before: single-device, an op of an
+    earlier stage frees it.  (By index: finding a storage by equality walked every storage, 65% of a replay.)"""
     k = frees.get(sid)
-    if storage.category != "activation_grad" or k is None or s == 0:
+    if tl.storages[sid].category != "activation_grad" or k is None or s == 0:
         return False
     node = tl.events[k].node
     return node is not None and stage_of(node) < s
