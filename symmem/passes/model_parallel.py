@@ -314,6 +314,10 @@ def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], laye
         k = len(before)
         again = size[k + len(layer) - 1] + 2 * size[k]
         candidates.append(sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True)))
+    if any(isinstance(c, sympy.Basic) and c.free_symbols for c in candidates):
+        # left unevaluated: sympy's Max compares every pair of formulas under the symbols' assumptions (a quarter
+        # of a pipeline peak's time); the stage's parts are only ever read at numbers, where it is a number
+        return sympy.Max(*dict.fromkeys(candidates), evaluate=False)
     return sympy.Max(*candidates)
 
 
