@@ -549,6 +549,12 @@ def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], re
     return tl, shared_nodes(graph), keep, passes, forwards, frees
 
 
+#: what becomes of a storage an op of a stage makes (:meth:`_Replay._plan`): kept until something else frees it
+#: (an op of the same pass, the step, the end of the phase), freed at once (a gradient added into ``.grad``), freed
+#: with the forward (read last by a later stage's forward), freed with the micro-batch's backward
+_HELD, _AT_ONCE, _WITH_FORWARD, _WITH_BACKWARD = range(4)
+
+
 class _Replay:
     """One stage's forwards and backwards in the schedule's order: the live bytes after every op, the largest."""
 
@@ -562,7 +568,7 @@ class _Replay:
         self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
         #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
         self.moments: list[tuple[int, str | None, int | None]] = []
-        self._events: dict[tuple[int, str], tuple[list[tuple[int, Any]], set[int]]] = {}
+        self._events: dict[tuple[int, str], list[tuple[str | None, list[tuple[int, int]], list[int]]]] = {}
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -581,17 +587,6 @@ class _Replay:
         first = max(self.best[0] - self.at["optimizer_state"], step)
         return StagePeak(s, top[0], top[1], top[2], top[3], self.best[0], step, first)
 
-    def _mine(self, pass_: int, kind: str) -> tuple[list[tuple[int, Any]], set[int]]:
-        """The events of the single-device pass ``pass_`` (0: the first micro-batch, 1: any later one) and ``kind``
-        this stage runs, and their indices: alike for every micro-batch after the first, so made once."""
-        key = (pass_, kind)
-        if key not in self._events:
-            cut, s = self.cut, self.s
-            mine = [(k, e) for k, e in cut.passes[pass_][kind] if cut.on(e.node, s) or (
-                e.node is None and kind == "B" and s == cut.p - 1 and e.born)]
-            self._events[key] = (mine, {k for k, _ in mine})
-        return self._events[key]
-
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
         self.moments.append((live, node, mb))
         if live > self.best[0]:
@@ -602,40 +597,68 @@ class _Replay:
 
     def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
-        cut, s, tl = self.cut, self.s, self.cut.tl
-        mine, indices = self._mine(0 if mb == 0 else 1, kind)
+        size, alive = self.cut.size, self.alive
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
         self.begin(kind, mb)
-        for k, e in mine:
-            self.before(kind, e.node, mb)
-            for sid in e.born:
-                st = tl.storages[sid]
-                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
-                    continue
-                self.alive[(mb, sid)] = cut.size(sid)
-                self.live += cut.size(sid)
-                freed = cut.frees.get(sid)
-                if st.category == "gradient" and mb > 0 and freed not in indices:
-                    # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
-                    # new gradient into .grad at once
-                    self.moment(self.live, e.node, mb)
+        for node, born, freed in self._plan(0 if mb == 0 else 1, kind):
+            self.before(kind, node, mb)
+            for sid, fate in born:
+                alive[(mb, sid)] = size(sid)
+                self.live += size(sid)
+                if fate == _AT_ONCE:
+                    self.moment(self.live, node, mb)
                     self.free((mb, sid))
-                elif st.category == "gradient" or st.name in cut.keep:
-                    continue  # to the step (gradients) or the end of the phase
-                elif freed in cut.forwards and kind == "F":
-                    done.append((mb, sid))  # last read by a later stage's forward: gone with this forward
-                elif freed not in indices:
+                elif fate == _WITH_FORWARD:
+                    done.append((mb, sid))
+                elif fate == _WITH_BACKWARD:
                     ends.append((mb, sid))
-            self.moment(self.live, e.node, mb)
-            for sid in e.freed:
-                if (mb, sid) in self.alive and cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep:
+            self.moment(self.live, node, mb)
+            for sid in freed:
+                if (mb, sid) in alive:
                     self.free((mb, sid))
-            self.after(kind, e.node, mb)
+            self.after(kind, node, mb)
         self.end(kind, mb)
         for key in done:
             self.free(key)
         return ends
+
+    def _plan(self, pass_: int, kind: str) -> list[tuple[str | None, list[tuple[int, int]], list[int]]]:
+        """What :meth:`segment` does at each op of this stage in the single-device pass ``pass_`` (0: the first
+        micro-batch, 1: any later one) and ``kind``: (the op, the storages it makes with their fate, the storages
+        it frees).  Alike for every micro-batch after the first, so worked out once (it was 80% of a replay)."""
+        key = (pass_, kind)
+        if key in self._events:
+            return self._events[key]
+        cut, s, tl = self.cut, self.s, self.cut.tl
+        mine = [(k, e) for k, e in cut.passes[pass_][kind] if cut.on(e.node, s) or (
+            e.node is None and kind == "B" and s == cut.p - 1 and e.born)]
+        indices = {k for k, _ in mine}
+        plan = []
+        for k, e in mine:
+            born = []
+            for sid in e.born:
+                st = tl.storages[sid]
+                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
+                    continue
+                freed = cut.frees.get(sid)
+                if st.category == "gradient" and pass_ > 0 and freed not in indices:
+                    # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
+                    # new gradient into .grad at once
+                    fate = _AT_ONCE
+                elif st.category == "gradient" or st.name in cut.keep:
+                    fate = _HELD  # to the step (gradients) or the end of the phase
+                elif freed in cut.forwards and kind == "F":
+                    fate = _WITH_FORWARD  # last read by a later stage's forward: gone with this forward
+                elif freed not in indices:
+                    fate = _WITH_BACKWARD
+                else:
+                    fate = _HELD  # freed by an op of this pass
+                born.append((sid, fate))
+            dying = [sid for sid in e.freed if cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep]
+            plan.append((e.node, born, dying))
+        self._events[key] = plan
+        return plan
 
     # what a data-parallel engine wrapped around the stage does around its ops (none here: the stage alone;
     # passes/fsdp_pipeline.py: FSDP2's units)
