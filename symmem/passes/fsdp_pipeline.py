@@ -51,6 +51,7 @@ from ..shapes import numel
 from ..training import Regime
 from .model_parallel import _integer, _Replay, _step_temporaries
 from .pipeline_step import PipelineStep, StageMoment
+from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
 
 def refusal(model_name: str, regime: Regime, device: str) -> str | None:
@@ -81,11 +82,11 @@ class _Units:
     def __init__(self, cut: Any, s: int, world: int, rank: int) -> None:
         from .data_parallel import held_shape, shard_rows, stored_shapes
         from .parameters import in_registration_order, program_parameters
-        from .unroll import iteration
-
         g = cut.g
-        listed = in_registration_order(g, program_parameters(g))
-        stored = stored_shapes(g, listed)
+        key = ("stored", cut.per * cut.p)  # the unrolled graph's parameters (at L layers): alike on every stage, rank
+        if key not in cut.memo:
+            cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+        stored = dict(cut.memo[key])
         heads = [n for n in g.program_order() if g.node(n).kind == "linear" and g.node(n).attrs.get("tied")]
         if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
             node = g.node(heads[0])
@@ -134,8 +135,6 @@ class _FsdpReplay(_Replay):
         self.held: dict[tuple[str, Any], int] = {}   # FSDP's storages alive: (kind, unit) -> bytes
         self.first_op: dict[int | None, str] = {}
         self.last_op: dict[int | None, str] = {}
-        from .unroll import iteration
-
         forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
         for n in forward:
             u = iteration(n) or None
@@ -185,8 +184,6 @@ class _FsdpReplay(_Replay):
         self.started = set()
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        from .unroll import iteration
-
         unit = iteration(node) or None if node is not None else None
         if kind == "F":
             if not self.opened:  # the stage root's pre-forward
@@ -228,8 +225,6 @@ class _FsdpReplay(_Replay):
         self.post_forward.append(unit)
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
-        from .unroll import iteration
-
         if kind != "F":
             return
         unit = iteration(node) or None if node is not None else None

@@ -483,7 +483,7 @@ class _Cut:
         self.p, layers = int(numbers["p"]), int(numbers["L"])
         self.per = layers // self.p
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
-        memo = {} if memo is None else memo
+        self.memo = memo = {} if memo is None else memo
         if ("unrolled", layers) not in memo:
             block = next(iter(graph.blocks.values()))
             memo[("unrolled", layers)] = unroll(graph, {block.name: layers})
