@@ -568,7 +568,7 @@ class _Replay:
         self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
         #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
         self.moments: list[tuple[int, str | None, int | None]] = []
-        self._events: dict[tuple[int, str], list[tuple[str | None, list[tuple[int, int]], list[int]]]] = {}
+        self._events: dict[tuple[int, str], list[tuple[str | None, list[tuple[int, int, int]], list[int]]]] = {}
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -597,15 +597,15 @@ class _Replay:
 
     def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
-        size, alive = self.cut.size, self.alive
+        alive = self.alive
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
         self.begin(kind, mb)
         for node, born, freed in self._plan(0 if mb == 0 else 1, kind):
             self.before(kind, node, mb)
-            for sid, fate in born:
-                alive[(mb, sid)] = size(sid)
-                self.live += size(sid)
+            for sid, nbytes, fate in born:
+                alive[(mb, sid)] = nbytes
+                self.live += nbytes
                 if fate == _AT_ONCE:
                     self.moment(self.live, node, mb)
                     self.free((mb, sid))
@@ -623,10 +623,11 @@ class _Replay:
             self.free(key)
         return ends
 
-    def _plan(self, pass_: int, kind: str) -> list[tuple[str | None, list[tuple[int, int]], list[int]]]:
+    def _plan(self, pass_: int, kind: str) -> list[tuple[str | None, list[tuple[int, int, int]], list[int]]]:
         """What :meth:`segment` does at each op of this stage in the single-device pass ``pass_`` (0: the first
-        micro-batch, 1: any later one) and ``kind``: (the op, the storages it makes with their fate, the storages
-        it frees).  Alike for every micro-batch after the first, so worked out once (it was 80% of a replay)."""
+        micro-batch, 1: any later one) and ``kind``: (the op, the storages it makes with their bytes and fate, the
+        storages it frees).  Alike for every micro-batch after the first, so worked out once (80% of a replay was
+        working it out again at every micro-batch)."""
         key = (pass_, kind)
         if key in self._events:
             return self._events[key]
@@ -654,7 +655,7 @@ class _Replay:
                     fate = _WITH_BACKWARD
                 else:
                     fate = _HELD  # freed by an op of this pass
-                born.append((sid, fate))
+                born.append((sid, cut.size(sid), fate))
             dying = [sid for sid in e.freed if cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep]
             plan.append((e.node, born, dying))
         self._events[key] = plan
