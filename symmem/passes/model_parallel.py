@@ -484,6 +484,8 @@ class _Cut:
         self.per = layers // self.p
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         self.memo = memo = {} if memo is None else memo
+        if ("unrolled", layers) not in memo and len(memo) > 8:
+            memo.clear()  # a step simulated at many numbers of layers (each a graph of L layers) is not all kept
         if ("unrolled", layers) not in memo:
             block = next(iter(graph.blocks.values()))
             memo[("unrolled", layers)] = unroll(graph, {block.name: layers})
