@@ -462,9 +462,12 @@ def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
     :class:`_Cut`'s."""
     cut = _Cut(graph, conv, options, regime, numbers, memo)
     out = []
+    parts: dict[int, dict[str, int]] = {}  # the middle stages share one StageMemory: its parts worked out once
     for s in range(cut.p):
-        memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
-        out.append(_Replay(cut, s, memory.at(numbers), schedule, micro_batches))
+        k = 0 if s == 0 else len(found) - 1 if s == cut.p - 1 else 1
+        if k not in parts:
+            parts[k] = found[k].at(numbers)
+        out.append(_Replay(cut, s, parts[k], schedule, micro_batches))
     return out
 
 
