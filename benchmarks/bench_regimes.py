@@ -24,6 +24,15 @@ import time
 
 from symmem import derive
 
+#: pipeline parallelism (torch.distributed.pipelining) at p = 4 stages, M = 8 micro-batches; with FSDP2 at N = 8
+PIPELINE: list[tuple[str, dict]] = [
+    ("pipeline 1f1b p=4 M=8", {"pipeline_parallel": True, "micro_batches": 8, "values": {"p": 4}}),
+    ("pipeline gpipe p=4 M=8", {"pipeline_parallel": True, "pipeline_schedule": "gpipe", "micro_batches": 8,
+                                "values": {"p": 4}}),
+    ("fsdp x pipeline", {"data_parallel": "fsdp", "pipeline_parallel": True, "micro_batches": 8,
+                         "values": {"N": 8, "p": 4}}),
+]
+
 #: (label, derive keywords): the engines at N = 8 (ranks), tensor parallel at t = 2, the papers' ZeRO-3
 REGIMES: list[tuple[str, dict]] = [
     ("one device", {}),
@@ -34,6 +43,7 @@ REGIMES: list[tuple[str, dict]] = [
     ("tensor parallel t=2", {"tensor_parallel": True, "values": {"t": 2}}),
     ("sequence parallel t=2", {"tensor_parallel": True, "sequence_parallel": True, "values": {"t": 2}}),
     ("fsdp x tensor parallel", {"data_parallel": "fsdp", "tensor_parallel": True, "values": {"N": 8, "t": 2}}),
+    *PIPELINE,
 ]
 
 #: the models' default sizes (GPT-2 124M, Llama-2-7B); tensor parallel is DTensor's Llama plan only

@@ -51,6 +51,7 @@ from ..shapes import numel
 from ..training import Regime
 from .model_parallel import _integer, _Replay, _step_temporaries
 from .pipeline_step import PipelineStep, StageMoment
+from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
 
 def refusal(model_name: str, regime: Regime, device: str) -> str | None:
@@ -81,11 +82,11 @@ class _Units:
     def __init__(self, cut: Any, s: int, world: int, rank: int) -> None:
         from .data_parallel import held_shape, shard_rows, stored_shapes
         from .parameters import in_registration_order, program_parameters
-        from .unroll import iteration
-
         g = cut.g
-        listed = in_registration_order(g, program_parameters(g))
-        stored = stored_shapes(g, listed)
+        key = ("stored", cut.per * cut.p)  # the unrolled graph's parameters (at L layers): alike on every stage, rank
+        if key not in cut.memo:
+            cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+        stored = dict(cut.memo[key])
         heads = [n for n in g.program_order() if g.node(n).kind == "linear" and g.node(n).attrs.get("tied")]
         if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
             node = g.node(heads[0])
@@ -154,8 +155,6 @@ class _FsdpReplay(_Replay):
     # what the cut's ops are (a traced module's cut says otherwise: importer/traced_fsdp_pipeline.py)
     def _unit(self, node: str | None) -> int | None:
         """The FSDP unit an op runs in: its layer (1-based), or None (the stage root)."""
-        from .unroll import iteration
-
         return iteration(node) or None if node is not None else None
 
     def _in_loss(self, node: str | None) -> bool:
@@ -336,7 +335,7 @@ class FsdpPipelineStep(PipelineStep):
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
         world = self._world(numbers)
-        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
         found = self._stages()
         out = []
         for s in range(cut.p):
@@ -370,7 +369,8 @@ class FsdpPipelineStep(PipelineStep):
             return self
         key = ("rank", rank)
         if key not in self._cache:
-            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
+            self._cache[key] = dataclasses.replace(self, rank=rank,
+                                                   _cache={"stages": self._stages(), "memo": self._memo()})
         return self._cache[key]
 
     def _firsts(self, derivation: Any) -> list[Any]:

@@ -314,6 +314,10 @@ def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], laye
         k = len(before)
         again = size[k + len(layer) - 1] + 2 * size[k]
         candidates.append(sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True)))
+    if any(isinstance(c, sympy.Basic) and c.free_symbols for c in candidates):
+        # left unevaluated: sympy's Max compares every pair of formulas under the symbols' assumptions (a quarter
+        # of a pipeline peak's time); the stage's parts are only ever read at numbers, where it is a number
+        return sympy.Max(*dict.fromkeys(candidates), evaluate=False)
     return sympy.Max(*candidates)
 
 
@@ -451,50 +455,53 @@ def pipeline_peaks(graph: Graph, conv: Any, options: Mapping[str, Any], regime: 
 
 
 def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, numbers: Mapping[str, int],
-            found: Sequence[StageMemory], *, schedule: str, micro_batches: int) -> list[_Replay]:
+            found: Sequence[StageMemory], *, schedule: str, micro_batches: int,
+            memo: dict[Any, Any] | None = None) -> list[_Replay]:
     """Every stage's replay at ``numbers`` (not yet run: :meth:`_Replay.run` gives its peak and fills
-    :attr:`_Replay.moments`, every moment of its step; :mod:`.pipeline_step` makes formulas of them)."""
-    cut = _Cut(graph, conv, options, regime, numbers)
+    :attr:`_Replay.moments`, every moment of its step; :mod:`.pipeline_step` makes formulas of them); ``memo``:
+    :class:`_Cut`'s."""
+    cut = _Cut(graph, conv, options, regime, numbers, memo)
     out = []
+    parts: dict[int, dict[str, int]] = {}  # the middle stages share one StageMemory: its parts worked out once
     for s in range(cut.p):
-        memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
-        out.append(_Replay(cut, s, memory.at(numbers), schedule, micro_batches))
+        k = 0 if s == 0 else len(found) - 1 if s == cut.p - 1 else 1
+        if k not in parts:
+            parts[k] = found[k].at(numbers)
+        out.append(_Replay(cut, s, parts[k], schedule, micro_batches))
     return out
 
 
 class _Cut:
-    """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage."""
+    """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage.
+
+    ``memo`` (a dict the caller keeps for one graph, convention, options and regime): the simulated step is the
+    same at every set of numbers with the same ``L`` and the same size branches -- only the storages' sizes at the
+    numbers differ -- so the peak's three batches (``B``, ``B + 1``, ``B + 2``) simulate it once."""
 
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
-                 numbers: Mapping[str, int]) -> None:
-        from dataclasses import replace as _replace
-
+                 numbers: Mapping[str, int], memo: dict[Any, Any] | None = None) -> None:
         from . import branches as size_branches
-        from .schedule import Simulation
         from .unroll import unroll
 
         self.p, layers = int(numbers["p"]), int(numbers["L"])
         self.per = layers // self.p
-        block = next(iter(graph.blocks.values()))
-        self.g = g = unroll(graph, {block.name: layers})
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
+        self.memo = memo = {} if memo is None else memo
+        if ("unrolled", layers) not in memo and len(memo) > 8:
+            memo.clear()  # a step simulated at many numbers of layers (each a graph of L layers) is not all kept
+        if ("unrolled", layers) not in memo:
+            block = next(iter(graph.blocks.values()))
+            memo[("unrolled", layers)] = unroll(graph, {block.name: layers})
+        self.g = g = memo[("unrolled", layers)]
         # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
         open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
-        sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), branch, False)
-        sim.micro_batch()
-        sim.micro_batch()
-        self.tl = sim.timeline(first=False)
+        key = ("step", layers, frozenset(branch.items()))
+        if key not in memo:
+            memo[key] = _simulated(graph, g, conv, options, regime, branch)
+        self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
         self.cache: dict[sympy.Expr, int] = {}
-        self.shared = shared_nodes(graph)
-        # the last stage keeps its logits (output_chunks) and losses to the end of the phase
-        self.keep = {_model_output(g), "loss", "output.sum"}
-        self.passes = _passes(self.tl)
-        self.forwards = {k for pass_ in self.passes for k, _ in pass_["F"]}
-        self.frees: dict[int, int] = {}
-        for k, e in enumerate(self.tl.events):
-            for sid in e.freed:
-                self.frees.setdefault(sid, k)
+        self._stage: dict[str | None, int] = {}  # node -> stage: asked for every op of every micro-batch
 
     def size(self, sid: int) -> int:
         e = self.tl.storages[sid].nbytes
@@ -503,6 +510,12 @@ class _Cut:
         return self.cache[e]
 
     def stage_of(self, node: str | None) -> int:
+        found = self._stage.get(node)
+        if found is None:
+            found = self._stage[node] = self._stage_of(node)
+        return found
+
+    def _stage_of(self, node: str | None) -> int:
         from .unroll import iteration
 
         if node is None or node not in self.g:
@@ -515,6 +528,36 @@ class _Cut:
     def on(self, node: str | None, s: int) -> bool:
         """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
         return node in self.shared or self.stage_of(node) == s
+
+
+def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+               branch: Mapping[Any, bool]) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
+    """The single-device step of ``g`` (``graph`` unrolled) over two micro-batches at ``branch``: its timeline,
+    the shared nodes, what the last stage keeps, the two passes, the forwards' indices and where each storage is
+    first freed (:class:`_Cut`'s parts that do not depend on the numbers)."""
+    from dataclasses import replace as _replace
+
+    from .schedule import Simulation
+
+    sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), dict(branch), False)
+    sim.micro_batch()
+    sim.micro_batch()
+    tl = sim.timeline(first=False)
+    # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+    keep = {_model_output(g), "loss", "output.sum"}
+    passes = _passes(tl)
+    forwards = {k for pass_ in passes for k, _ in pass_["F"]}
+    frees: dict[int, int] = {}
+    for k, e in enumerate(tl.events):
+        for sid in e.freed:
+            frees.setdefault(sid, k)
+    return tl, shared_nodes(graph), keep, passes, forwards, frees
+
+
+#: what becomes of a storage an op of a stage makes (:meth:`_Replay._plan`): kept until something else frees it
+#: (an op of the same pass, the step, the end of the phase), freed at once (a gradient added into ``.grad``), freed
+#: with the forward (read last by a later stage's forward), freed with the micro-batch's backward
+_HELD, _AT_ONCE, _WITH_FORWARD, _WITH_BACKWARD = range(4)
 
 
 class _Replay:
@@ -530,6 +573,7 @@ class _Replay:
         self.deferred: dict[int, list[tuple[int, int]]] = {}  # made in a forward, dying with its backward
         #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
         self.moments: list[tuple[int, str | None, int | None]] = []
+        self._events: dict[tuple[int, str], list[tuple[str | None, list[tuple[int, int, int]], list[int]]]] = {}
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -558,43 +602,69 @@ class _Replay:
 
     def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
-        cut, s, tl = self.cut, self.s, self.cut.tl
-        events = cut.passes[0 if mb == 0 else 1][kind]
-        mine = [(k, e) for k, e in events if cut.on(e.node, s) or (e.node is None and kind == "B"
-                                                                    and s == cut.p - 1 and e.born)]
-        indices = {k for k, _ in mine}
+        alive = self.alive
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
         self.begin(kind, mb)
-        for k, e in mine:
-            self.before(kind, e.node, mb)
-            for sid in e.born:
-                st = tl.storages[sid]
-                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
-                    continue
-                self.alive[(mb, sid)] = cut.size(sid)
-                self.live += cut.size(sid)
-                freed = cut.frees.get(sid)
-                if st.category == "gradient" and mb > 0 and freed not in indices:
-                    # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
-                    # new gradient into .grad at once
-                    self.moment(self.live, e.node, mb)
+        for node, born, freed in self._plan(0 if mb == 0 else 1, kind):
+            self.before(kind, node, mb)
+            for sid, nbytes, fate in born:
+                alive[(mb, sid)] = nbytes
+                self.live += nbytes
+                if fate == _AT_ONCE:
+                    self.moment(self.live, node, mb)
                     self.free((mb, sid))
-                elif st.category == "gradient" or st.name in cut.keep:
-                    continue  # to the step (gradients) or the end of the phase
-                elif freed in cut.forwards and kind == "F":
-                    done.append((mb, sid))  # last read by a later stage's forward: gone with this forward
-                elif freed not in indices:
+                elif fate == _WITH_FORWARD:
+                    done.append((mb, sid))
+                elif fate == _WITH_BACKWARD:
                     ends.append((mb, sid))
-            self.moment(self.live, e.node, mb)
-            for sid in e.freed:
-                if (mb, sid) in self.alive and cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep:
+            self.moment(self.live, node, mb)
+            for sid in freed:
+                if (mb, sid) in alive:
                     self.free((mb, sid))
-            self.after(kind, e.node, mb)
+            self.after(kind, node, mb)
         self.end(kind, mb)
         for key in done:
             self.free(key)
         return ends
+
+    def _plan(self, pass_: int, kind: str) -> list[tuple[str | None, list[tuple[int, int, int]], list[int]]]:
+        """What :meth:`segment` does at each op of this stage in the single-device pass ``pass_`` (0: the first
+        micro-batch, 1: any later one) and ``kind``: (the op, the storages it makes with their bytes and fate, the
+        storages it frees).  Alike for every micro-batch after the first, so worked out once (80% of a replay was
+        working it out again at every micro-batch)."""
+        key = (pass_, kind)
+        if key in self._events:
+            return self._events[key]
+        cut, s, tl = self.cut, self.s, self.cut.tl
+        mine = [(k, e) for k, e in cut.passes[pass_][kind] if cut.on(e.node, s) or (
+            e.node is None and kind == "B" and s == cut.p - 1 and e.born)]
+        indices = {k for k, _ in mine}
+        plan = []
+        for k, e in mine:
+            born = []
+            for sid in e.born:
+                st = tl.storages[sid]
+                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
+                    continue
+                freed = cut.frees.get(sid)
+                if st.category == "gradient" and pass_ > 0 and freed not in indices:
+                    # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
+                    # new gradient into .grad at once
+                    fate = _AT_ONCE
+                elif st.category == "gradient" or st.name in cut.keep:
+                    fate = _HELD  # to the step (gradients) or the end of the phase
+                elif freed in cut.forwards and kind == "F":
+                    fate = _WITH_FORWARD  # last read by a later stage's forward: gone with this forward
+                elif freed not in indices:
+                    fate = _WITH_BACKWARD
+                else:
+                    fate = _HELD  # freed by an op of this pass
+                born.append((sid, cut.size(sid), fate))
+            dying = [sid for sid in e.freed if cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep]
+            plan.append((e.node, born, dying))
+        self._events[key] = plan
+        return plan
 
     # what a data-parallel engine wrapped around the stage does around its ops (none here: the stage alone;
     # passes/fsdp_pipeline.py: FSDP2's units)
@@ -632,7 +702,7 @@ class _Replay:
         cut, s = self.cut, self.s
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
-        sent = [x for x in ends if _sent_back(cut.tl.storages[x[1]], cut.stage_of, cut.frees, cut.tl, s)]
+        sent = [x for x in ends if _sent_back(x[1], cut.stage_of, cut.frees, cut.tl, s)]
         for key in ends:
             if key not in sent:
                 self.free(key)
@@ -650,12 +720,11 @@ def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int)
     return node is not None and stage_of(node) > s
 
 
-def _sent_back(storage: Any, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
-    """Whether ``storage`` is the gradient stage ``s`` sends to the stage before: single-device, an op of an
-    earlier stage frees it."""
-    sid = tl.storages.index(storage)
+def _sent_back(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:
+    """Whether storage ``sid`` is the gradient stage ``s`` sends to the stage before: single-device, an op of an
+    earlier stage frees it.  (By index: finding a storage by equality walked every storage, 65% of a replay.)"""
     k = frees.get(sid)
-    if storage.category != "activation_grad" or k is None or s == 0:
+    if tl.storages[sid].category != "activation_grad" or k is None or s == 0:
         return False
     node = tl.events[k].node
     return node is not None and stage_of(node) < s

@@ -97,7 +97,7 @@ class PipelineStep:
             for r in found:
                 r.peak = r.run()
             if len(self._cache) > 16:
-                self._cache = {k: v for k, v in self._cache.items() if k == "stages"}
+                self._cache = {k: v for k, v in self._cache.items() if k in ("stages", "memo")}
             self._cache[key] = found
         return self._cache[key]
 
@@ -107,7 +107,11 @@ class PipelineStep:
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
         return replays(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
-                       schedule=self.schedule, micro_batches=self.micro_batches)
+                       schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo())
+
+    def _memo(self) -> dict[Any, Any]:
+        """What the replays at several sets of numbers share (the simulated single-device step: :class:`_Cut`)."""
+        return self._cache.setdefault("memo", {})
 
     def _named(self, at: Mapping[sympy.Symbol, int] | None) -> dict[str, int]:
         return {s.name: int(v) for s, v in {**self.numbers, **(at or {})}.items()}

@@ -17,6 +17,7 @@ iteration k's is iteration k - 1's output.  Every node of the result has count 1
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Mapping
@@ -29,11 +30,14 @@ from ..graph import Graph
 _MARK = re.compile(r"#(\d+)")
 
 
+# both asked for every op of every micro-batch of a pipeline replay (a name each time, a few thousand names)
+@functools.lru_cache(maxsize=1 << 16)
 def template(name: str) -> str:
     """The template name of an unrolled node (or of a name built on it, ``fc#2.weight`` -> ``fc.weight``)."""
     return _MARK.sub("", name, count=1)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def iteration(name: str) -> int:
     """The iteration of an unrolled node (0 outside repeated blocks)."""
     m = _MARK.search(name)

@@ -1,0 +1,54 @@
+"""What keeps the pipeline peak cheap (issue 19 item 5): the single-device step the replays cut by stage is simulated
+once per derivation, not once per batch the peak's lines are read at (B, B + 1, B + 2) nor once per rank.
+
+The values are the engine's: the FSDP x pipeline case is ``symmem.passes.fsdp_pipeline``'s example, every rank
+equal to real gloo ranks in ``tests/test_fsdp_pipeline.py``; the plain pipeline's stages are checked against
+``torch.distributed.pipelining`` in ``tests/test_model_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64, "p": 2, "N": 2}
+
+
+@pytest.fixture
+def simulations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each call of the simulation the replays share, counted."""
+    import symmem.passes.model_parallel as mp
+
+    calls: list[int] = []
+    real = mp._simulated
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(mp, "_simulated", counted)
+    return calls
+
+
+def test_one_simulated_step_for_every_batch_and_rank(simulations: list[int]) -> None:
+    from symmem import derive
+
+    d = derive("llama", data_parallel="fsdp-no-reshard", pipeline_parallel=True, pipeline_schedule="gpipe",
+               micro_batches=2, loss="cross-entropy", attention="sdpa", device="cpu", values=LLAMA)
+    # the real ranks' (tests/test_fsdp_pipeline.py): rank 1 of each stage holds 31 of the 32 padded rows
+    assert d.step.rank_peaks(d) == {0: (252320, 297672), 1: (252320, 297416), 2: (285296, 330780),
+                                    3: (285296, 330524)}
+    assert d.value("peak") == 330780
+    assert len(simulations) == 1
+
+
+def test_one_simulated_step_for_the_plain_pipeline(simulations: list[int]) -> None:
+    """GPT-2 and Llama 1F1B, B = 1 (the lines read at 1, 2, 3) and B = 2: one simulation each."""
+    from symmem import derive
+
+    for model, more in (("gpt2", {}), ("llama", {"G": 2})):
+        for b in (1, 2):
+            simulations.clear()
+            d = derive(model, pipeline_parallel=True, micro_batches=3, device="cpu",
+                       values={"S": 32, "H": 64, "h": 4, "L": 2, "p": 2, "B": b, **more})
+            d.value("peak")
+            assert len(simulations) == 1
