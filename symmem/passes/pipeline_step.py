@@ -133,12 +133,24 @@ class PipelineStep:
         return self._cache[key]
 
     def _peak(self, named: dict[str, int]) -> Peak:
-        from .unroll import iteration, template
-
         if BATCH not in named:
             raise SymmemError("the pipeline peak is worked out in the batch B, which this model has not")
         b = named[BATCH]
-        runs = [self._replays({**named, BATCH: b + k}) for k in range(3)]
+        try:
+            return self._lines(named, b, b)
+        except _NotALine:
+            if b != 1:
+                raise
+        # a batch of one differs (PyTorch makes views, not copies, of size-1 dimensions: GPT-2's shifted labels'
+        # contiguous()): B = 1 on its own, its bytes as they are
+        return self._lines(named, b, None)
+
+    def _lines(self, named: dict[str, int], b: int, line: int | None) -> Peak:
+        """The stages' moments as lines in B read at ``b``, ``b + 1`` and ``b + 2`` (``line`` None: the bytes at
+        ``b`` alone, the domain B = b); the domain B >= 2 where ``b`` is, as a batch of one may differ."""
+        from .unroll import iteration, template
+
+        runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
         batch = sympy.Symbol(BATCH, positive=True, integer=True)
         p = len(runs[0])
         steady: list[Moment] = []
@@ -147,13 +159,13 @@ class PipelineStep:
             rows = [r[s].moments for r in runs]
             state = runs[0][s].at["optimizer_state"]
             if len({len(x) for x in rows}) != 1:
-                raise SymmemError(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
+                raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
                                   "in B here")
             lines: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
             firsts: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
             for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
                 if v2 - v1 != v1 - v0:
-                    raise SymmemError(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
+                    raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
                 is_step = node is None and mb is None
                 lines.setdefault((v0 - b * (v1 - v0), v1 - v0, is_step), (node, mb))
                 # the first step: no optimizer state during its pipeline phase, the same optimizer step (the
@@ -168,7 +180,8 @@ class PipelineStep:
                                              layer=layer, stage=s, stages=p, micro_batch=mb))
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n != BATCH and n in {s.name for s in self.numbers})
-        return Peak(None, None, tuple(steady + first), others)
+        on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
+        return Peak(None, None, tuple(steady + first), others + on_b)
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return self.peak().holds_at(numbers)
@@ -183,6 +196,10 @@ class PipelineStep:
     def allocated(self, which: Which, at: Mapping[sympy.Symbol, int]) -> int:
         raise SymmemError("the pipeline peak in CUDA's 512-byte blocks is not modelled: the peak per device is in "
                           "bytes of tensors")
+
+
+class _NotALine(SymmemError):
+    """The stages' bytes read at three batches do not lie on lines."""
 
 
 def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, bool], Any]:
