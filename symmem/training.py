@@ -177,12 +177,11 @@ def refuse_one_rank(data_parallel: str | None, numbers: Mapping[sympy.Symbol, An
     if why and any(s.name == "N" and v == 1 for s, v in numbers.items()):
         raise SymmemError(f"data_parallel={data_parallel!r} at N = 1: {why}, which is not modelled; the peak holds "
                           "for N >= 2 (one device: leave the engine out)")
-#: Why an engine on every pipeline stage is not modelled (FSDP2's is: passes/fsdp_pipeline.py)
+#: Why an engine on every pipeline stage is not modelled (FSDP2's is: passes/fsdp_pipeline.py; DDP's:
+#: passes/ddp_pipeline.py)
 _NOT_STAGED = {
-    "ddp": "PipelineStage runs DDP's reducer under no_sync and prepares it by hand for the last micro-batch, "
-           "which was not measured",
-    "ddp-bucket-view": "PipelineStage runs DDP's reducer under no_sync and prepares it by hand for the last "
-                       "micro-batch, which was not measured",
+    "ddp-bucket-view": "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was measured to differ "
+                       "from one device's bucket-view rule (its first step), which is not modelled",
     "zero-redundancy": "ZeroRedundancyOptimizer beside DDP on each stage was not measured",
     "fsdp1": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would reduce-scatter "
              "after every micro-batch, which was not measured",
@@ -288,12 +287,13 @@ class Regime:
             # FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"]), passes/fsdp1_tensor.py), with or without
             # sequence parallelism
             return
-        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.tensor_parallel:
+        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard", "ddp") and not self.tensor_parallel:
+            # DDP on every stage (passes/ddp_pipeline.py)
             # FSDP2 on every stage of a p x N mesh, torchtitan's recipe (passes/fsdp_pipeline.py)
             return
         if self.pipeline_parallel and not self.tensor_parallel:
             raise SymmemError(f"data_parallel={dp!r} with pipeline parallelism is not modelled: {_NOT_STAGED[dp]}; "
-                              "FSDP2 on every stage is (fsdp or fsdp-no-reshard)")
+                              "DDP and FSDP2 on every stage are (ddp, fsdp or fsdp-no-reshard)")
         if self.tensor_parallel or self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "
                               "of them")

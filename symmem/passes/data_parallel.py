@@ -374,6 +374,8 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     step = getattr(derivation, "step", None)
     if derivation.regime.tensor_parallel and hasattr(step, "rank_peaks"):  # FSDP x TP: every rank of the mesh
         return step.rank_peaks(derivation)  # (passes/fsdp_tensor.py)
+    if derivation.regime.pipeline_parallel and hasattr(step, "rank_peaks"):  # DDP or FSDP2 on every stage of a
+        return step.rank_peaks(derivation)                                     # p x N mesh (passes/*_pipeline.py)
     world = derivation.numbers.get(N)
     if derivation.regime.data_parallel not in SHARDED or step is None or world is None or int(world) < 2:
         return None
