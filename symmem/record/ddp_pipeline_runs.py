@@ -9,13 +9,13 @@ embedding on the first stage, the final norm and the head on the last, ``L/p`` l
 backward but the last under ``no_sync()`` and prepares the reducer by hand for the last (torch 2.13).
 
 :func:`ddp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
-rank runs one unrecorded step (the receive buffers, DDP's first backward), then records
-:data:`~symmem.record.model_parallel_runs.FIRST_STEPS` steps each with a new for-loop AdamW (a first step) and
-:data:`~symmem.record.model_parallel_runs.STEADY_STEPS` with the last one, each moment at its fewest bytes over the
-repeats.  DDP's gradient buckets were made when the stage was wrapped, before the recorder starts: it first sees
-them when the reducer copies a gradient in (labelled ``external``); they are counted as live from the start, which
-they are (as :mod:`symmem.record.distributed` does).  Needs ``torch`` with ``torch.distributed`` (imported
-lazily).
+rank runs two unrecorded steps (the receive buffers; DDP's first synced backward, then its buckets rebuilt in the
+second step's forward), then records :data:`~symmem.record.model_parallel_runs.FIRST_STEPS` steps each with a new
+for-loop AdamW (a first step) and :data:`~symmem.record.model_parallel_runs.STEADY_STEPS` with the last one, each
+moment at its fewest bytes over the repeats (:class:`~symmem.record.sharded.ShardTracker`).  DDP's gradient buckets
+were made when the stage was wrapped, before the recorder starts: it first sees them when the reducer copies a
+gradient in (labelled ``external``); they are counted as live from the start, which they are (as
+:mod:`symmem.record.distributed` does).  Needs ``torch`` with ``torch.distributed`` (imported lazily).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
             where: tuple[int, int, int]) -> StageMeshRun:
     """One unrecorded step, then the recorded ones (see the module's note); the :class:`StageMeshRun`."""
     from .identity import tensors
-    from .live_bytes import LiveTracker
     from .model_parallel_runs import _buffers
     from .optim import make_optimizer, state_tensors
+    from .sharded import ShardTracker
 
     params = [p for p in module.parameters() if p.requires_grad]
 
@@ -86,7 +86,7 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     def nbytes(ts: Any) -> int:  # each storage once
         return sum({id(x): x.nbytes() for x in (t.untyped_storage() for t in ts)}.values())
 
-    tracker = LiveTracker()
+    tracker = ShardTracker(settle=SETTLE_S)  # gloo's worker thread lets go of a collective's tensors at once
     tracker.register(params, "parameter")
     tracker.register(list(module.buffers()), "buffer")
     tracker.register(_buffers(stage), "buffer")
