@@ -180,8 +180,8 @@ def refuse_one_rank(data_parallel: str | None, numbers: Mapping[sympy.Symbol, An
 #: Why an engine on every pipeline stage is not modelled (FSDP2's is: passes/fsdp_pipeline.py; DDP's:
 #: passes/ddp_pipeline.py)
 _NOT_STAGED = {
-    "ddp-bucket-view": "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was measured to differ "
-                       "from one device's bucket-view rule (its first step), which is not modelled",
+    "ddp-bucket-view": "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was tried and its first "
+                       "step not explained",
     "zero-redundancy": "ZeroRedundancyOptimizer beside DDP on each stage was not measured",
     "fsdp1": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would reduce-scatter "
              "after every micro-batch, which was not measured",

@@ -14,9 +14,8 @@ made when the stage is wrapped) alive the whole step -- measured to the byte on 
 before it makes the new (as DDP alone).  Every data-parallel rank of a stage holds the same bytes: rank ``s*N + r``
 is stage ``s``'s.
 
-``gradient_as_bucket_view=True`` (``ddp-bucket-view``) stays refused: on stages its first step was measured to
-differ from one device's bucket-view rule (``zero_grad(set_to_none=True)`` drops the views; the ``no_sync``
-micro-batches accumulate into ``.grad`` of their own), which is not modelled.
+``gradient_as_bucket_view=True`` (``ddp-bucket-view``) stays refused: tried on stages, its steady peaks fit this
+rule with the gradients as the buckets' views, its first step's did not (docs/regimes.md).
 
 >>> from symmem import derive
 >>> d = derive("llama", data_parallel="ddp", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2,
