@@ -182,7 +182,6 @@ def refuse_one_rank(data_parallel: str | None, numbers: Mapping[sympy.Symbol, An
 _NOT_STAGED = {
     "ddp-bucket-view": "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was tried and its first "
                        "step not explained",
-    "zero-redundancy": "ZeroRedundancyOptimizer beside DDP on each stage was not measured",
     "fsdp1": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would reduce-scatter "
              "after every micro-batch, which was not measured",
     "fsdp1-grad-op": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would "
@@ -287,13 +286,15 @@ class Regime:
             # FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"]), passes/fsdp1_tensor.py), with or without
             # sequence parallelism
             return
-        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard", "ddp") and not self.tensor_parallel:
-            # DDP on every stage (passes/ddp_pipeline.py)
+        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard", "ddp", "zero-redundancy") and (
+                not self.tensor_parallel):
+            # DDP (with ZeroRedundancyOptimizer) on every stage (passes/ddp_pipeline.py)
             # FSDP2 on every stage of a p x N mesh, torchtitan's recipe (passes/fsdp_pipeline.py)
             return
         if self.pipeline_parallel and not self.tensor_parallel:
             raise SymmemError(f"data_parallel={dp!r} with pipeline parallelism is not modelled: {_NOT_STAGED[dp]}; "
-                              "DDP and FSDP2 on every stage are (ddp, fsdp or fsdp-no-reshard)")
+                              "DDP, ZeRO-1 and FSDP2 on every stage are (ddp, zero-redundancy, fsdp, "
+                              "fsdp-no-reshard)")
         if self.tensor_parallel or self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor or pipeline parallelism is not modelled: give one "
                               "of them")

@@ -19,13 +19,14 @@ pytest.importorskip("torch.distributed.pipelining")
 
 GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
-#: (model, sizes, schedule, M, loss, options, engine): GPT-2 1F1B (stage 0 peaks in the optimizer step, the tied
-#: head a copy of the embedding on stage 1), Llama GPipe (stage 1 peaks in micro-batch 0's forward), Llama 1F1B
-#: with two layers a stage and M = 3
+#: (model, sizes, schedule, M, loss, options, engine): DDP, GPT-2 1F1B (stage 0 peaks in the optimizer step, the
+#: tied head a copy of the embedding on stage 1) and Llama GPipe (stage 1 peaks in micro-batch 0's forward);
+#: ZeroRedundancyOptimizer, Llama GPipe (the largest rank is data-parallel rank 1 of stage 1: rank 3) and Llama
+#: 1F1B with two layers a stage and M = 3 (rank 1)
 CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "ddp"),
          ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, "ddp"),
-         ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, "ddp")]
-
+         ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, "zero-redundancy"),
+         ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, "zero-redundancy")]
 
 def _derive(model, values, schedule, m, loss, options, engine, **more):
     from symmem import derive
@@ -53,32 +54,40 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         d = _derive(*case)
         named = {s.name: int(v) for s, v in d.numbers.items()}
-        replays = d.step._replays(named)
         for r in real:
-            mine = replays[r.pp]
+            mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
             assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
             assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
                 r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
-        model, values, schedule, m, loss, options, _ = case
-        alone = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, loss=loss,
-                       device="cpu", values={k: v for k, v in named.items() if k != "N"}, **options)
-        plain = alone.step.per_stage(alone.numbers)
-        assert [r.steady_peak - r.parameters for r in real] == [plain["peak_per_stage"][r.pp] for r in real], k
-        assert [r.first_peak - r.parameters for r in real] == [
-            plain["peak_first_step_per_stage"][r.pp] for r in real], k
+        model, values, schedule, m, loss, options, engine = case
         top = max(real, key=lambda r: (r.steady_peak, -r.rank))
         out = d.to_dict()
         assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, max(r.first_peak for r in real)), k
         assert (out["peak_at"]["rank"], out["peak_at"]["stage"]) == (top.rank, top.pp), k
         each = {str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}
         assert out["values"]["peak_per_rank"] == each, k
+        assert out["values"]["peak_per_stage"] == [max(real[0].steady_peak, real[1].steady_peak),
+                                                   max(real[2].steady_peak, real[3].steady_peak)], k
+        if engine == "zero-redundancy":  # whole parameters partitioned: the ranks of a stage differ
+            assert real[0].optimizer_state != real[1].optimizer_state, k
+            continue
         assert real[0].steady_peak == real[1].steady_peak and real[2].steady_peak == real[3].steady_peak
-        assert out["values"]["peak_per_stage"] == [real[0].steady_peak, real[2].steady_peak], k
+        alone = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, loss=loss,
+                       device="cpu", values={n: v for n, v in named.items() if n != "N"}, **options)
+        plain = alone.step.per_stage(alone.numbers)
+        assert [r.steady_peak - r.parameters for r in real] == [plain["peak_per_stage"][r.pp] for r in real], k
+        assert [r.first_peak - r.parameters for r in real] == [
+            plain["peak_first_step_per_stage"][r.pp] for r in real], k
     assert _derive(*CASES[0]).peak_at().where(step=False) == (
         "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): the optimizer step")
+    assert _derive(*CASES[2]).peak_at().where(step=False) == (
+        "rank 3 (stage 1 of 2, data-parallel rank 1 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0")
 
 
-def test_the_cli_table_names_the_rank(capsys):
+def test_the_cli_table_names_the_rank_and_fit(capsys):
+    """The table's peak line names the rank; ``fit`` finds the largest B whose largest rank fits (fresh derives on
+    each side of the budget)."""
+    from symmem.apps.budget import largest
     from symmem.cli import main
 
     sets = [a for k, v in {**LLAMA, "p": 2, "N": 2}.items() for a in ("--set", f"{k}={v}")]
@@ -88,6 +97,9 @@ def test_the_cli_table_names_the_rank(capsys):
     # the peaks CASES[1] checks against the engine, rank by rank
     assert "peak per rank (first step / steady): ranks 0-1: 274,720 / 365,128 B; ranks 2-3: 307,760 / 398,428 B" \
         in text
+    fit = largest(_derive(*CASES[2]), "B", 2**20)
+    at = [_derive("llama", {**LLAMA, "B": b}, *CASES[2][2:]).value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= 2**20 < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
 
 
 @pytest.mark.parametrize("more, why", [
@@ -109,4 +121,4 @@ def test_bucket_views_on_stages_stay_a_one_line_error(capsys):
     assert capsys.readouterr().err == (
         "symmem: error: data_parallel='ddp-bucket-view' with pipeline parallelism is not modelled: "
         "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was tried and its first step not "
-        "explained; DDP and FSDP2 on every stage are (ddp, fsdp or fsdp-no-reshard)\n")
+        "explained; DDP, ZeRO-1 and FSDP2 on every stage are (ddp, zero-redundancy, fsdp, fsdp-no-reshard)\n")

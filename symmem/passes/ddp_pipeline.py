@@ -36,6 +36,7 @@ from typing import Any
 
 from ..errors import SymmemError
 from ..training import Regime
+from .fsdp_pipeline import MeshStageMoment
 from .pipeline_step import PipelineStep
 
 
@@ -51,10 +52,30 @@ def refusal(model_name: str, regime: Regime, device: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class RankStageMoment(MeshStageMoment):
+    """A moment of data-parallel rank ``dp`` of one stage (ZeroRedundancyOptimizer: a stage's ranks differ)."""
+
+    dp: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.world + self.dp
+
+    def where(self, step: bool = True) -> str:
+        text = super().where(step)
+        return text.replace(f"rank {self.stage * self.world} (stage", f"rank {self.rank} (stage", 1).replace(
+            "data-parallel rank 0 of", f"data-parallel rank {self.dp} of", 1)
+
+
 @dataclass(eq=False)
 class DdpPipelineStep(PipelineStep):
     """:class:`~symmem.passes.pipeline_step.PipelineStep` with DDP on every stage (the module's note): each stage's
-    replay with its gradient buckets alive from before the step to its end."""
+    replay with its gradient buckets alive from before the step to its end; with ``zero`` (ZeroRedundancyOptimizer)
+    data-parallel rank ``rank``'s optimizer state and step, of the whole parameters it owns."""
+
+    zero: bool = False
+    rank: int = 0
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
         from .model_parallel import _Cut, _Replay, requires
@@ -71,6 +92,10 @@ class DdpPipelineStep(PipelineStep):
             at = dict(memory.at(numbers))
             # DDP's buckets: every trainable parameter's gradient once, in FP32 the stage's gradients' bytes
             at["ddp_buckets"] = at["gradients"]
+            if self.zero:
+                at.update(_owned(cut, s, world, self.rank, self.regime))
+                at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
+                at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
             at["at_rest"] += at["ddp_buckets"]
             at["step_peak"] += at["ddp_buckets"]
             out.append(_Replay(cut, s, at, self.schedule, self.micro_batches))
@@ -78,24 +103,79 @@ class DdpPipelineStep(PipelineStep):
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
-        from .fsdp_pipeline import MeshStageMoment
 
-        found = super()._peak(named)
         world = int(named["N"])
-        moments = tuple(MeshStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, world=world)
-                        for m in found.moments)
-        return Peak(None, None, moments, found.domain)
+        moments: list[Any] = []
+        for group in self._alike(named):
+            found = (self if group[0] == self.rank else self.at_rank(group[0]))._rank_peak(named)
+            moments += [RankStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, world=world,
+                                        dp=group[0]) for m in found.moments]
+        return Peak(None, None, tuple(moments), self._rank_peak(named).domain)
+
+    def _rank_peak(self, named: dict[str, int]) -> Any:
+        key = ("rank peak", tuple(sorted(named.items())))
+        if key not in self._cache:
+            self._cache[key] = PipelineStep._peak(self, named)
+        return self._cache[key]
+
+    def _alike(self, named: Mapping[str, int]) -> list[list[int]]:
+        """The data-parallel ranks grouped by what their stages hold (DDP: all alike; ZeRO-1: by the owned
+        parameters' state and step temporaries, all a replay depends on)."""
+        world = int(named["N"])
+        if not self.zero:
+            return [list(range(world))]
+        groups: dict[Any, list[int]] = {}
+        for r in range(world):
+            step = self.at_rank(r)
+            held = tuple(tuple(sorted((k, v) for k, v in x.at.items())) for x in step._replays(dict(named)))
+            groups.setdefault(held, []).append(r)
+        return list(groups.values())
+
+    def at_rank(self, rank: int) -> DdpPipelineStep:
+        """The step of data-parallel rank ``rank`` of every stage (kept: the views ask for each rank again)."""
+        if rank == self.rank:
+            return self
+        key = ("rank", rank)
+        if key not in self._cache:
+            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
+        return self._cache[key]
+
+    def per_stage(self, numbers: Any) -> dict[str, Any]:
+        """:meth:`PipelineStep.per_stage` with each stage's largest data-parallel rank (ZeRO-1's ranks differ)."""
+        named = self._named(numbers)
+        each = [PipelineStep.per_stage(self.at_rank(g[0]), numbers) for g in self._alike(named)]
+        out = dict(each[0])
+        for key in ("peak_per_stage", "peak_first_step_per_stage"):
+            out[key] = [max(e[key][s] for e in each) for s in range(len(out[key]))]
+        top = max(each, key=lambda e: max(e["peak_per_stage"]))
+        out.update(peak_stage=top["peak_stage"], peak_where=top["peak_where"])
+        return out
 
     def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
         """``{rank: (first-step peak, steady peak)}`` of every rank of the p x N mesh (rank ``s*N + r``: stage
-        ``s``; DDP replicates, so a stage's ranks are alike); None where every rank is alike."""
-        from ..symbols import N
-
-        numbers = derivation.numbers
-        world = int(numbers[N])
-        each = self.per_stage(numbers)
-        out = {s * world + r: (first, steady)
-               for s, (first, steady) in enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"],
-                                                       strict=True))
-               for r in range(world)}
+        ``s``, data-parallel rank ``r``); None where every rank is alike."""
+        named = self._named(derivation.numbers)
+        world = named["N"]
+        out: dict[int, tuple[int, int]] = {}
+        for group in self._alike(named):
+            each = PipelineStep.per_stage(self.at_rank(group[0]), derivation.numbers)
+            for s, pair in enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"], strict=True)):
+                out.update({s * world + r: pair for r in group})
+        out = dict(sorted(out.items()))
         return out if len(set(out.values())) > 1 else None
+
+
+def _owned(cut: Any, s: int, world: int, rank: int, regime: Regime) -> dict[str, int]:
+    """ZeroRedundancyOptimizer on stage ``s``: data-parallel rank ``rank``'s optimizer state (its whole parameters,
+    :func:`~symmem.passes.zero_redundancy.partition` of the stage's ``parameters()``) and its for-loop AdamW's
+    temporaries over them, in its local optimizer's order."""
+    from ..shapes import numel
+    from .fsdp_pipeline import _Units
+    from .model_parallel import _integer, _step_temporaries
+    from .zero_redundancy import _state, partition
+
+    params = _Units(cut, s, 1, 0).params  # the stage's parameters whole, in registration order
+    mine = [params[i].held for i in partition([int(numel(p.held)) for p in params], world)[rank]]
+    temps = _step_temporaries(regime, mine, [], [], 0, "for-loop") if mine else 0
+    return {"optimizer_state": sum(_state(regime, shape, {}) for shape in mine),
+            "step_temporaries": _integer(temps, {}, "step temporaries")}

@@ -28,7 +28,8 @@ from ..errors import SymmemError
 from .fsdp_pipeline_runs import StageMeshRun
 from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS
 
-#: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp`` or ``ddp-bucket-view``)
+#: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp``, ``ddp-bucket-view`` or
+#: ``zero-redundancy``)
 Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], str]
 
 
@@ -58,12 +59,15 @@ def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMe
     gen = torch.Generator().manual_seed(1 + dp)  # each data-parallel group its own batch
     ids = torch.randint(0, v, (b * m, seq), generator=gen)
     labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
-    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp))
+    group = mesh["dp"].get_group() if engine == "zero-redundancy" else None
+    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp), group)
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
-            where: tuple[int, int, int]) -> StageMeshRun:
-    """One unrecorded step, then the recorded ones (see the module's note); the :class:`StageMeshRun`."""
+            where: tuple[int, int, int], zero_group: Any = None) -> StageMeshRun:
+    """Two unrecorded steps, then the recorded ones (see the module's note); the :class:`StageMeshRun`.
+    ``zero_group``: ``ZeroRedundancyOptimizer`` over that group around the for-loop AdamW (None: AdamW alone)."""
+    from .distributed import zero_optimizer
     from .identity import tensors
     from .model_parallel_runs import _buffers
     from .optim import make_optimizer, state_tensors
@@ -71,13 +75,21 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
 
     params = [p for p in module.parameters() if p.requires_grad]
 
+    def optimizer() -> Any:
+        if zero_group is None:
+            return make_optimizer(params, "adamw", "for-loop")
+        return zero_optimizer(params, "adamw", "for-loop", 1e-3, group=zero_group)
+
+    def states(opt: Any) -> list[Any]:  # ZeroRedundancyOptimizer's rank keeps its state in its local optimizer
+        return state_tensors(getattr(opt, "optim", opt))
+
     def step() -> None:
         losses: list[Any] = []
         out = sched.step(ids) if first else sched.step(target=labels, losses=losses) if last else sched.step()
         del out, losses
 
     for _ in range(2):  # the receive buffers; DDP's first synced backward, then its buckets rebuilt (step 2)
-        opt = make_optimizer(params, "adamw", "for-loop")
+        opt = optimizer()
         step()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -98,15 +110,15 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
         for k in range(1, FIRST_STEPS + STEADY_STEPS + 1):
             if k <= FIRST_STEPS:
                 held.pop("opt", None)  # the last one's state goes before this step begins
-                held["opt"] = make_optimizer(params, "adamw", "for-loop")
+                held["opt"] = optimizer()
             with tracker.phase(k, "forward"), tracker.saving():
                 step()
                 tracker.label([t for out in stage.output_chunks for t in tensors(out)], "output")
             with tracker.phase(k, "step"):
                 tracker.label([p.grad for p in params if p.grad is not None], "gradient")
                 held["opt"].step()
-                tracker.label(list(state_tensors(held["opt"])), "optimizer_state")
-                state = nbytes(state_tensors(held["opt"]))
+                tracker.label(states(held["opt"]), "optimizer_state")
+                state = nbytes(states(held["opt"]))
             with tracker.phase(k, "zero_grad"):
                 held["opt"].zero_grad(set_to_none=True)
     trace = tracker.trace(FIRST_STEPS + STEADY_STEPS)
