@@ -78,13 +78,13 @@ class DdpPipelineStep(PipelineStep):
     rank: int = 0
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
-        from .model_parallel import _Cut, _Replay, requires
+        from .model_parallel import _Replay, requires
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
         world = numbers.get("N")
         if not isinstance(world, int) or world < 1:
             raise SymmemError(f"DDP x pipeline needs N >= 1 data-parallel ranks a stage, got N={world}")
-        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+        cut, whole = self._cut(numbers)
         found = self._stages()
         out = []
         for s in range(cut.p):
@@ -93,13 +93,26 @@ class DdpPipelineStep(PipelineStep):
             # DDP's buckets: every trainable parameter's gradient once, in FP32 the stage's gradients' bytes
             at["ddp_buckets"] = at["gradients"]
             if self.zero:
-                at.update(_owned(cut, s, world, self.rank, self.regime))
+                at.update(_owned(whole[s], world, self.rank, self.regime))
                 at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
                 at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
             at["at_rest"] += at["ddp_buckets"]
             at["step_peak"] += at["ddp_buckets"]
             out.append(_Replay(cut, s, at, self.schedule, self.micro_batches))
         return out
+
+    def _cut(self, numbers: Mapping[str, int]) -> Any:
+        """The single-device step cut by stage at ``numbers``, shared by every data-parallel rank's step."""
+        from .model_parallel import _Cut
+
+        cuts = self._cache.setdefault("cuts", {})
+        key = tuple(sorted(numbers.items()))
+        if key not in cuts:
+            if len(cuts) > 8:
+                cuts.clear()
+            cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+            cuts[key] = (cut, [_whole(cut, s) for s in range(cut.p)] if self.zero else [])
+        return cuts[key]
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
@@ -124,10 +137,10 @@ class DdpPipelineStep(PipelineStep):
         world = int(named["N"])
         if not self.zero:
             return [list(range(world))]
+        _, whole = self._cut(named)
         groups: dict[Any, list[int]] = {}
         for r in range(world):
-            step = self.at_rank(r)
-            held = tuple(tuple(sorted((k, v) for k, v in x.at.items())) for x in step._replays(dict(named)))
+            held = tuple(tuple(sorted(_owned(params, world, r, self.regime).items())) for params in whole)
             groups.setdefault(held, []).append(r)
         return list(groups.values())
 
@@ -137,7 +150,8 @@ class DdpPipelineStep(PipelineStep):
             return self
         key = ("rank", rank)
         if key not in self._cache:
-            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={"stages": self._stages()})
+            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={
+                "stages": self._stages(), "cuts": self._cache.setdefault("cuts", {})})
         return self._cache[key]
 
     def per_stage(self, numbers: Any) -> dict[str, Any]:
@@ -165,17 +179,22 @@ class DdpPipelineStep(PipelineStep):
         return out if len(set(out.values())) > 1 else None
 
 
-def _owned(cut: Any, s: int, world: int, rank: int, regime: Regime) -> dict[str, int]:
-    """ZeroRedundancyOptimizer on stage ``s``: data-parallel rank ``rank``'s optimizer state (its whole parameters,
-    :func:`~symmem.passes.zero_redundancy.partition` of the stage's ``parameters()``) and its for-loop AdamW's
-    temporaries over them, in its local optimizer's order."""
-    from ..shapes import numel
+def _whole(cut: Any, s: int) -> list[tuple[int, ...]]:
+    """Stage ``s``'s parameters whole, as ``parameters()`` lists them (their shapes at the cut's numbers)."""
     from .fsdp_pipeline import _Units
+
+    return [p.held for p in _Units(cut, s, 1, 0).params]
+
+
+def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime) -> dict[str, int]:
+    """ZeroRedundancyOptimizer on a stage whose parameters are ``params`` (:func:`_whole`): data-parallel rank
+    ``rank``'s optimizer state (its whole parameters, :func:`~symmem.passes.zero_redundancy.partition` of the
+    stage's ``parameters()``) and its for-loop AdamW's temporaries over them, in its local optimizer's order."""
+    from ..shapes import numel
     from .model_parallel import _integer, _step_temporaries
     from .zero_redundancy import _state, partition
 
-    params = _Units(cut, s, 1, 0).params  # the stage's parameters whole, in registration order
-    mine = [params[i].held for i in partition([int(numel(p.held)) for p in params], world)[rank]]
+    mine = [params[i] for i in partition([int(numel(p)) for p in params], world)[rank]]
     temps = _step_temporaries(regime, mine, [], [], 0, "for-loop") if mine else 0
     return {"optimizer_state": sum(_state(regime, shape, {}) for shape in mine),
             "step_temporaries": _integer(temps, {}, "step temporaries")}
