@@ -1,4 +1,5 @@
-"""DDP x pipeline: ``DistributedDataParallel`` around every pipeline stage of a p x N mesh, per stage and rank.
+"""DDP x pipeline: ``DistributedDataParallel`` around every pipeline stage of a p x N mesh (with
+``ZeroRedundancyOptimizer`` over the data-parallel group: ZeRO-1), per stage and rank.
 
 The engine (:mod:`symmem.record.ddp_pipeline_runs`): ``init_device_mesh(device, (p, N), mesh_dim_names=("pp",
 "dp"))``, each stage's module (the embedding on the first stage, the final norm and the head on the last, ``L/p``
@@ -14,6 +15,11 @@ made when the stage is wrapped) alive the whole step -- measured to the byte on 
 before it makes the new (as DDP alone).  Every data-parallel rank of a stage holds the same bytes: rank ``s*N + r``
 is stage ``s``'s.
 
+With ``zero-redundancy`` each stage's optimizer is ``ZeroRedundancyOptimizer`` over ``mesh["dp"]``: the stage's
+whole parameters partitioned as ZeRO-1 alone partitions a model's
+(:func:`~symmem.passes.zero_redundancy.partition`), so a rank's AdamW state and its for-loop step's temporaries are
+those of the parameters it owns, and the ranks of a stage differ (the largest need not be data-parallel rank 0).
+
 ``gradient_as_bucket_view=True`` (``ddp-bucket-view``) stays refused: tried on stages, its steady peaks fit this
 rule with the gradients as the buckets' views, its first step's did not (docs/regimes.md).
 
@@ -25,6 +31,13 @@ rule with the gradients as the buckets' views, its first step's did not (docs/re
 (398428, 307760)
 >>> d.peak_at().where(step=False)
 'rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0'
+>>> z = derive("llama", data_parallel="zero-redundancy", pipeline_parallel=True, pipeline_schedule="gpipe",
+...            micro_batches=2, loss="cross-entropy", attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64, "p": 2, "N": 2})
+>>> {r: steady for r, (first, steady) in z.step.rank_peaks(z).items()}  # the engine's, rank by rank
+{0: 320052, 1: 319796, 2: 353092, 3: 353096}
+>>> z.peak_at().where(step=False)
+'rank 3 (stage 1 of 2, data-parallel rank 1 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0'
 """
 
 from __future__ import annotations
