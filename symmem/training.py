@@ -177,13 +177,11 @@ def refuse_one_rank(data_parallel: str | None, numbers: Mapping[sympy.Symbol, An
     if why and any(s.name == "N" and v == 1 for s, v in numbers.items()):
         raise SymmemError(f"data_parallel={data_parallel!r} at N = 1: {why}, which is not modelled; the peak holds "
                           "for N >= 2 (one device: leave the engine out)")
-#: Why an engine on every pipeline stage is not modelled (FSDP2's is: passes/fsdp_pipeline.py)
+#: Why an engine on every pipeline stage is not modelled (FSDP2's is: passes/fsdp_pipeline.py; DDP's:
+#: passes/ddp_pipeline.py)
 _NOT_STAGED = {
-    "ddp": "PipelineStage runs DDP's reducer under no_sync and prepares it by hand for the last micro-batch, "
-           "which was not measured",
-    "ddp-bucket-view": "PipelineStage runs DDP's reducer under no_sync and prepares it by hand for the last "
-                       "micro-batch, which was not measured",
-    "zero-redundancy": "ZeroRedundancyOptimizer beside DDP on each stage was not measured",
+    "ddp-bucket-view": "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was tried and its first "
+                       "step not explained",
     "fsdp1": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would reduce-scatter "
              "after every micro-batch, which was not measured",
     "fsdp1-grad-op": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would "
@@ -295,12 +293,15 @@ class Regime:
             # FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"]), passes/fsdp1_tensor.py), with or without
             # sequence parallelism
             return
-        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard") and not self.tensor_parallel:
+        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard", "ddp", "zero-redundancy") and (
+                not self.tensor_parallel):
+            # DDP (with ZeroRedundancyOptimizer) on every stage (passes/ddp_pipeline.py)
             # FSDP2 on every stage of a p x N mesh, torchtitan's recipe (passes/fsdp_pipeline.py)
             return
         if self.pipeline_parallel and not self.tensor_parallel:
             raise SymmemError(f"data_parallel={dp!r} with pipeline parallelism is not modelled: {_NOT_STAGED[dp]}; "
-                              "FSDP2 on every stage is (fsdp or fsdp-no-reshard)")
+                              "DDP, ZeRO-1 and FSDP2 on every stage are (ddp, zero-redundancy, fsdp, "
+                              "fsdp-no-reshard)")
         if self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor and pipeline parallelism (a 3-D mesh) is not "
                               "modelled: give two of them")

@@ -197,9 +197,6 @@ def test_fit_under_zero_redundancy(capsys):
     ({"data_parallel": "zero-redundancy", "tensor_parallel": True},
      "data_parallel='zero-redundancy' with tensor parallelism is not modelled: ZeroRedundancyOptimizer over DTensor "
      "parameters was not measured"),
-    ({"data_parallel": "zero-redundancy", "pipeline_parallel": True},
-     "data_parallel='zero-redundancy' with pipeline parallelism is not modelled: ZeroRedundancyOptimizer beside DDP "
-     "on each stage was not measured"),
     ({"data_parallel": "zero-redundancy", "zero": 1},
      "data_parallel='zero-redundancy' is an engine and zero=1 the papers' accounting"),
     ({"data_parallel": "zero-redundancy", "values": {"N": 0}}, "N"),

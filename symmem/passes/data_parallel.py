@@ -379,9 +379,11 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     from .zero_redundancy import engaged
     from .zero_redundancy import rank_peaks as zero_rank_peaks
 
+    step = getattr(derivation, "step", None)
+    if derivation.regime.pipeline_parallel and hasattr(step, "rank_peaks"):  # DDP, ZeRO-1 or FSDP2 on every stage
+        return step.rank_peaks(derivation)                                     # of a p x N mesh (*_pipeline.py)
     if engaged(derivation.regime):  # ZeroRedundancyOptimizer: every rank (passes/zero_redundancy.py)
         return zero_rank_peaks(derivation)
-    step = getattr(derivation, "step", None)
     if derivation.regime.tensor_parallel and hasattr(step, "rank_peaks"):  # FSDP x TP: every rank of the mesh
         return step.rank_peaks(derivation)  # (passes/fsdp_tensor.py)
     world = derivation.numbers.get(N)

@@ -1,0 +1,213 @@
+"""DDP x pipeline: ``DistributedDataParallel`` around every pipeline stage of a p x N mesh (with
+``ZeroRedundancyOptimizer`` over the data-parallel group: ZeRO-1), per stage and rank.
+
+The engine (:mod:`symmem.record.ddp_pipeline_runs`): ``init_device_mesh(device, (p, N), mesh_dim_names=("pp",
+"dp"))``, each stage's module (the embedding on the first stage, the final norm and the head on the last, ``L/p``
+layers each) wrapped in ``DistributedDataParallel`` over ``mesh["dp"]``, then ``PipelineStage`` and
+``ScheduleGPipe`` / ``Schedule1F1B`` run ``M`` micro-batches.  What torch 2.13 does
+(``PipelineStage.backward_maybe_with_nosync``): every micro-batch's backward but the last runs under
+``no_sync()``, so the gradients accumulate in ``.grad`` as one device's do; the last one's reducer is prepared by
+hand and all-reduces each bucket in place, copying the gradients in and the result back, allocating nothing.  So a
+stage's step is the pipeline's replay (:class:`~symmem.passes.model_parallel._Replay`, the single-device step cut
+by stage) with DDP's gradient buckets (:func:`symmem.passes.data_parallel.buckets`: the stage's gradients' bytes,
+made when the stage is wrapped) alive the whole step -- measured to the byte on every rank of a 2 x 2 gloo mesh,
+1F1B and GPipe (``tests/test_ddp_pipeline.py``).  The second step's rebuild of the buckets frees the old ones
+before it makes the new (as DDP alone).  Every data-parallel rank of a stage holds the same bytes: rank ``s*N + r``
+is stage ``s``'s.
+
+With ``zero-redundancy`` each stage's optimizer is ``ZeroRedundancyOptimizer`` over ``mesh["dp"]``: the stage's
+whole parameters partitioned as ZeRO-1 alone partitions a model's
+(:func:`~symmem.passes.zero_redundancy.partition`), so a rank's AdamW state and its for-loop step's temporaries are
+those of the parameters it owns, and the ranks of a stage differ (the largest need not be data-parallel rank 0).
+
+``gradient_as_bucket_view=True`` (``ddp-bucket-view``) stays refused: tried on stages, its steady peaks fit this
+rule with the gradients as the buckets' views, its first step's did not (docs/regimes.md).
+
+>>> from symmem import derive
+>>> d = derive("llama", data_parallel="ddp", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2,
+...            loss="cross-entropy", attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64, "p": 2, "N": 2})
+>>> d.value("peak"), d.value("peak_first_step")  # the engine's, tests/test_ddp_pipeline.py
+(398428, 307760)
+>>> d.peak_at().where(step=False)
+'rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0'
+>>> z = derive("llama", data_parallel="zero-redundancy", pipeline_parallel=True, pipeline_schedule="gpipe",
+...            micro_batches=2, loss="cross-entropy", attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64, "p": 2, "N": 2})
+>>> {r: steady for r, (first, steady) in z.step.rank_peaks(z).items()}  # the engine's, rank by rank
+{0: 320052, 1: 319796, 2: 353092, 3: 353096}
+>>> z.peak_at().where(step=False)
+'rank 3 (stage 1 of 2, data-parallel rank 1 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SymmemError
+from ..training import Regime
+from .fsdp_pipeline import MeshStageMoment
+from .pipeline_step import PipelineStep
+
+
+def refusal(model_name: str, regime: Regime, device: str) -> str | None:
+    """Why the DDP x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
+    if device != "cpu":
+        return "the DDP x pipeline peak is measured on CPU ranks (gloo)"
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in (
+            "auto", "for-loop"):
+        return "the DDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step, as measured"
+    if model_name not in ("gpt2", "llama"):
+        return f"the DDP x pipeline peak is measured for the gpt2 and llama references, not {model_name!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class RankStageMoment(MeshStageMoment):
+    """A moment of data-parallel rank ``dp`` of one stage (ZeroRedundancyOptimizer: a stage's ranks differ)."""
+
+    dp: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.world + self.dp
+
+    def where(self, step: bool = True) -> str:
+        text = super().where(step)
+        return text.replace(f"rank {self.stage * self.world} (stage", f"rank {self.rank} (stage", 1).replace(
+            "data-parallel rank 0 of", f"data-parallel rank {self.dp} of", 1)
+
+
+@dataclass(eq=False)
+class DdpPipelineStep(PipelineStep):
+    """:class:`~symmem.passes.pipeline_step.PipelineStep` with DDP on every stage (the module's note): each stage's
+    replay with its gradient buckets alive from before the step to its end; with ``zero`` (ZeroRedundancyOptimizer)
+    data-parallel rank ``rank``'s optimizer state and step, of the whole parameters it owns."""
+
+    zero: bool = False
+    rank: int = 0
+
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        from .model_parallel import _Replay, requires
+
+        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        world = numbers.get("N")
+        if not isinstance(world, int) or world < 1:
+            raise SymmemError(f"DDP x pipeline needs N >= 1 data-parallel ranks a stage, got N={world}")
+        cut, whole = self._cut(numbers)
+        found = self._stages()
+        out = []
+        for s in range(cut.p):
+            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            at = dict(memory.at(numbers))
+            # DDP's buckets: every trainable parameter's gradient once, in FP32 the stage's gradients' bytes
+            at["ddp_buckets"] = at["gradients"]
+            if self.zero:
+                at.update(_owned(whole[s], world, self.rank, self.regime))
+                at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
+                at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
+            at["at_rest"] += at["ddp_buckets"]
+            at["step_peak"] += at["ddp_buckets"]
+            out.append(_Replay(cut, s, at, self.schedule, self.micro_batches))
+        return out
+
+    def _cut(self, numbers: Mapping[str, int]) -> Any:
+        """The single-device step cut by stage at ``numbers``, shared by every data-parallel rank's step."""
+        from .model_parallel import _Cut
+
+        cuts = self._cache.setdefault("cuts", {})
+        key = tuple(sorted(numbers.items()))
+        if key not in cuts:
+            if len(cuts) > 8:
+                cuts.clear()
+            cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+            cuts[key] = (cut, [_whole(cut, s) for s in range(cut.p)] if self.zero else [])
+        return cuts[key]
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        from ..peak import Peak
+
+        world = int(named["N"])
+        moments: list[Any] = []
+        for group in self._alike(named):
+            found = (self if group[0] == self.rank else self.at_rank(group[0]))._rank_peak(named)
+            moments += [RankStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, world=world,
+                                        dp=group[0]) for m in found.moments]
+        return Peak(None, None, tuple(moments), self._rank_peak(named).domain)
+
+    def _rank_peak(self, named: dict[str, int]) -> Any:
+        key = ("rank peak", tuple(sorted(named.items())))
+        if key not in self._cache:
+            self._cache[key] = PipelineStep._peak(self, named)
+        return self._cache[key]
+
+    def _alike(self, named: Mapping[str, int]) -> list[list[int]]:
+        """The data-parallel ranks grouped by what their stages hold (DDP: all alike; ZeRO-1: by the owned
+        parameters' state and step temporaries, all a replay depends on)."""
+        world = int(named["N"])
+        if not self.zero:
+            return [list(range(world))]
+        _, whole = self._cut(named)
+        groups: dict[Any, list[int]] = {}
+        for r in range(world):
+            held = tuple(tuple(sorted(_owned(params, world, r, self.regime).items())) for params in whole)
+            groups.setdefault(held, []).append(r)
+        return list(groups.values())
+
+    def at_rank(self, rank: int) -> DdpPipelineStep:
+        """The step of data-parallel rank ``rank`` of every stage (kept: the views ask for each rank again)."""
+        if rank == self.rank:
+            return self
+        key = ("rank", rank)
+        if key not in self._cache:
+            self._cache[key] = dataclasses.replace(self, rank=rank, _cache={
+                "stages": self._stages(), "cuts": self._cache.setdefault("cuts", {})})
+        return self._cache[key]
+
+    def per_stage(self, numbers: Any) -> dict[str, Any]:
+        """:meth:`PipelineStep.per_stage` with each stage's largest data-parallel rank (ZeRO-1's ranks differ)."""
+        named = self._named(numbers)
+        each = [PipelineStep.per_stage(self.at_rank(g[0]), numbers) for g in self._alike(named)]
+        out = dict(each[0])
+        for key in ("peak_per_stage", "peak_first_step_per_stage"):
+            out[key] = [max(e[key][s] for e in each) for s in range(len(out[key]))]
+        top = max(each, key=lambda e: max(e["peak_per_stage"]))
+        out.update(peak_stage=top["peak_stage"], peak_where=top["peak_where"])
+        return out
+
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]] | None:
+        """``{rank: (first-step peak, steady peak)}`` of every rank of the p x N mesh (rank ``s*N + r``: stage
+        ``s``, data-parallel rank ``r``); None where every rank is alike."""
+        named = self._named(derivation.numbers)
+        world = named["N"]
+        out: dict[int, tuple[int, int]] = {}
+        for group in self._alike(named):
+            each = PipelineStep.per_stage(self.at_rank(group[0]), derivation.numbers)
+            for s, pair in enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"], strict=True)):
+                out.update({s * world + r: pair for r in group})
+        out = dict(sorted(out.items()))
+        return out if len(set(out.values())) > 1 else None
+
+
+def _whole(cut: Any, s: int) -> list[tuple[int, ...]]:
+    """Stage ``s``'s parameters whole, as ``parameters()`` lists them (their shapes at the cut's numbers)."""
+    from .fsdp_pipeline import _Units
+
+    return [p.held for p in _Units(cut, s, 1, 0).params]
+
+
+def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime) -> dict[str, int]:
+    """ZeroRedundancyOptimizer on a stage whose parameters are ``params`` (:func:`_whole`): data-parallel rank
+    ``rank``'s optimizer state (its whole parameters, :func:`~symmem.passes.zero_redundancy.partition` of the
+    stage's ``parameters()``) and its for-loop AdamW's temporaries over them, in its local optimizer's order."""
+    from ..shapes import numel
+    from .model_parallel import _integer, _step_temporaries
+    from .zero_redundancy import _state, partition
+
+    mine = [params[i] for i in partition([int(numel(p)) for p in params], world)[rank]]
+    temps = _step_temporaries(regime, mine, [], [], 0, "for-loop") if mine else 0
+    return {"optimizer_state": sum(_state(regime, shape, {}) for shape in mine),
+            "step_temporaries": _integer(temps, {}, "step temporaries")}

@@ -1,0 +1,180 @@
+"""DDP x pipeline measured per rank: ``DistributedDataParallel`` around each pipeline stage of a p x N mesh.
+
+The engine: ``init_device_mesh("cpu", (p, N), mesh_dim_names=("pp", "dp"))``; each rank builds its stage of the
+reference model as symmem's pipeline runs split it (:func:`symmem.record.model_parallel_runs._stage_module`: the
+embedding on the first stage, the final norm and the head on the last, ``L/p`` layers each), wraps it in
+``DistributedDataParallel(stage, process_group=mesh["dp"].get_group())`` (``gradient_as_bucket_view`` for
+``ddp-bucket-view``), then ``PipelineStage`` (static shapes, over ``mesh["pp"]``) and ``ScheduleGPipe`` /
+``Schedule1F1B`` with ``M`` micro-batches.  ``PipelineStage.backward_maybe_with_nosync`` runs every micro-batch's
+backward but the last under ``no_sync()`` and prepares the reducer by hand for the last (torch 2.13).
+
+:func:`ddp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
+rank runs two unrecorded steps (the receive buffers; DDP's first synced backward, then its buckets rebuilt in the
+second step's forward), then records :data:`~symmem.record.model_parallel_runs.FIRST_STEPS` steps each with a new
+for-loop AdamW (a first step) and :data:`~symmem.record.model_parallel_runs.STEADY_STEPS` with the last one, each
+moment at its fewest bytes over the repeats (:class:`~symmem.record.sharded.ShardTracker`).  DDP's gradient buckets
+were made when the stage was wrapped, before the recorder starts: it first sees them when the reducer copies a
+gradient in (labelled ``external``); they are counted as live from the start, which they are (as
+:mod:`symmem.record.distributed` does).  Needs ``torch`` with ``torch.distributed`` (imported lazily).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import SymmemError
+from .fsdp_pipeline_runs import StageMeshRun
+from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS
+
+#: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp``, ``ddp-bucket-view`` or
+#: ``zero-redundancy``)
+Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], str]
+
+
+def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
+    """This rank's measurement of ``case`` (inside an initialized gloo group of ``world`` ranks, ``stages`` of them
+    pipeline stages)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..reference.sequence_models import causal_lm_loss
+    from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
+
+    model, values, schedule, m, loss, options, engine = case
+    mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
+    s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    module = _stage_module(model, values, s, stages, options)
+    wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
+                                      gradient_as_bucket_view=engine == "ddp-bucket-view")
+    b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    first, last = s == 0, s == stages - 1
+    given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v), (b, seq, h))
+    stage = PipelineStage(wrapped, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
+    gen = torch.Generator().manual_seed(1 + dp)  # each data-parallel group its own batch
+    ids = torch.randint(0, v, (b * m, seq), generator=gen)
+    labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    group = mesh["dp"].get_group() if engine == "zero-redundancy" else None
+    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp), group)
+
+
+def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
+            where: tuple[int, int, int], zero_group: Any = None) -> StageMeshRun:
+    """Two unrecorded steps, then the recorded ones (see the module's note); the :class:`StageMeshRun`.
+    ``zero_group``: ``ZeroRedundancyOptimizer`` over that group around the for-loop AdamW (None: AdamW alone)."""
+    from .distributed import zero_optimizer
+    from .identity import tensors
+    from .model_parallel_runs import _buffers
+    from .optim import make_optimizer, state_tensors
+    from .sharded import ShardTracker
+
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def optimizer() -> Any:
+        if zero_group is None:
+            return make_optimizer(params, "adamw", "for-loop")
+        return zero_optimizer(params, "adamw", "for-loop", 1e-3, group=zero_group)
+
+    def states(opt: Any) -> list[Any]:  # ZeroRedundancyOptimizer's rank keeps its state in its local optimizer
+        return state_tensors(getattr(opt, "optim", opt))
+
+    def step() -> None:
+        losses: list[Any] = []
+        out = sched.step(ids) if first else sched.step(target=labels, losses=losses) if last else sched.step()
+        del out, losses
+
+    for _ in range(2):  # the receive buffers; DDP's first synced backward, then its buckets rebuilt (step 2)
+        opt = optimizer()
+        step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del opt
+
+    def nbytes(ts: Any) -> int:  # each storage once
+        return sum({id(x): x.nbytes() for x in (t.untyped_storage() for t in ts)}.values())
+
+    tracker = ShardTracker(settle=SETTLE_S)  # gloo's worker thread lets go of a collective's tensors at once
+    tracker.register(params, "parameter")
+    tracker.register(list(module.buffers()), "buffer")
+    tracker.register(_buffers(stage), "buffer")
+    tracker.register([t for out in stage.output_chunks for t in tensors(out)], "output")
+    tracker.register([ids] if first else [labels] if last else [], "input")
+    held: dict[str, Any] = {}
+    state = 0
+    with tracker:
+        for k in range(1, FIRST_STEPS + STEADY_STEPS + 1):
+            if k <= FIRST_STEPS:
+                held.pop("opt", None)  # the last one's state goes before this step begins
+                held["opt"] = optimizer()
+            with tracker.phase(k, "forward"), tracker.saving():
+                step()
+                tracker.label([t for out in stage.output_chunks for t in tensors(out)], "output")
+            with tracker.phase(k, "step"):
+                tracker.label([p.grad for p in params if p.grad is not None], "gradient")
+                held["opt"].step()
+                tracker.label(states(held["opt"]), "optimizer_state")
+                state = nbytes(states(held["opt"]))
+            with tracker.phase(k, "zero_grad"):
+                held["opt"].zero_grad(set_to_none=True)
+    trace = tracker.trace(FIRST_STEPS + STEADY_STEPS)
+    live = _live(trace)
+    firsts, steadies = range(1, FIRST_STEPS + 1), range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1)
+    first_peak, first_at = _fewest(trace, live, firsts)
+    steady, steady_at = _fewest(trace, live, steadies)
+    phases = {phase: _fewest(trace, live, steadies, phase)[0] for phase in ("forward", "step")}
+    rank, s, dp = where
+    return StageMeshRun(rank, s, dp, nbytes(params), state, first_peak, steady, first_at, steady_at,
+                        phases["forward"], phases["step"])
+
+
+def _live(trace: Any) -> list[int]:
+    """Each record's live bytes, with the storages made before the recorder started (DDP's buckets, first seen
+    when an op writes into them) counted from the start."""
+    extra = [(s.born, s.nbytes) for s in trace.storages if s.category == "external" and s.born is not None]
+    return [r.live + sum(n for born, n in extra if born > r.index) for r in trace.records]
+
+
+def _fewest(trace: Any, live: list[int], steps: range, phase: str | None = None) -> tuple[int, tuple[str, str]]:
+    """The largest moment (of ``phase``, or all) of a step repeated ``steps``, each moment at its fewest bytes
+    over the repeats, and where it is (phase, op)."""
+    rows = [[(v, r) for r, v in zip(trace.records, live, strict=True)
+             if r.step == k and (phase is None or r.phase == phase)] for k in steps]
+    if len({len(r) for r in rows}) != 1:
+        raise SymmemError(f"the repeated steps ran different ops ({', '.join(str(len(r)) for r in rows)})")
+    columns = [min(column, key=lambda x: x[0]) for column in zip(*rows, strict=True)]
+    v, r = max(columns, key=lambda x: x[0])
+    return v, (r.phase, r.op)
+
+
+def _work(cases: Sequence[Case], stages: int, rank: int, world: int) -> list[StageMeshRun]:
+    return [ddp_pipeline_step(case, rank, world, stages) for case in cases]
+
+
+def ddp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method: str = "fork"
+                      ) -> list[list[StageMeshRun]]:
+    """Per rank (``stages * dp`` of them, rank ``r`` stage ``r // dp``, data-parallel rank ``r % dp``), one
+    :class:`~symmem.record.fsdp_pipeline_runs.StageMeshRun` per case.  ``start_method`` ``fork``, or
+    ``forkserver``.  A rank that fails or hangs is a :class:`SymmemError`."""
+    import torch.distributed.pipelining  # noqa: F401 - imported once here, inherited by the forked ranks
+
+    from .model_parallel_runs import forked_ranks
+
+    for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SymmemError(f"the {what} is a positive integer, got {n!r}")
+    if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
+        import multiprocessing
+
+        from .distributed import PRELOAD
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [*PRELOAD, "torch.distributed.pipelining", __name__])
+    listed = [(model, dict(values), schedule, m, loss, dict(options), engine)
+              for model, values, schedule, m, loss, options, engine in cases]
+    return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the DDP x pipeline run",
+                        start_method)
