@@ -359,9 +359,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if no_step(recorded, regime) is not None:
         return None
     why = None
-    if regime.tensor_parallel and (regime.data_parallel or regime.zero or regime.pipeline_parallel):
-        why = ("the peak of a traced module under tensor parallelism is recorded on its own: with data or pipeline "
-               "parallelism or ZeRO it is not followed")
+    if regime.tensor_parallel and (regime.data_parallel not in (None, "fsdp", "fsdp-no-reshard") or regime.zero
+                                   or regime.pipeline_parallel):  # FSDP2 x TP: importer/traced_fsdp_tensor.py
+        why = ("the peak of a traced module under tensor parallelism is followed alone or with FSDP2 (fsdp, "
+               "fsdp-no-reshard): with another data-parallel engine, pipeline parallelism or ZeRO it is not")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
@@ -388,9 +389,20 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
                     dict(numbers))
     if regime.tensor_parallel:  # one rank's step recorded on fake DTensors (importer/traced_tensor.py)
-        from .traced_tensor import tensor_step
+        from .traced_tensor import TensorStepPeak, tensor_step
 
-        return tensor_step(step, regime)
+        found = tensor_step(step, regime)
+        if not regime.data_parallel or not isinstance(found, TensorStepPeak):
+            return found
+        from .traced_engines import refusal as engine_refusal  # FSDP2 on the mesh's data-parallel dimension
+        from .traced_fsdp_tensor import fsdp_tensor_step
+
+        why = engine_refusal(regime, step)
+        if why is not None:
+            from ..step import Refused
+
+            return Refused(why)
+        return fsdp_tensor_step(found, regime.data_parallel)
     if regime.pipeline_parallel:  # every stage's step: the recorded step cut by stage and replayed
         from .traced_pipeline import pipeline_step
 

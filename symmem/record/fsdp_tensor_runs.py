@@ -77,21 +77,27 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
     strategy = options.pop("fsdp1", None)  # FSDP1's ShardingStrategy, or None: FSDP2
-    module, (ids,) = reference("llama", values, **options)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
-    if strategy is not None:
-        module = _fsdp1(module, mesh["dp"], strategy)
+    given = options.pop("module", None)  # a traced module's own: (module, inputs, its plan's styles, its blocks)
+    if given is None:
+        module, (ids,) = reference("llama", values, **options)
+        styles, blocks = llama_sequence_plan if sequence else llama_plan, module.layers
     else:
-        for layer in module.layers:
+        module, (ids,), styles, blocks = given()
+        module.train()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(module, mesh["tp"], styles(module, tp))
+    if strategy is not None:
+        module = _fsdp1(module, mesh["dp"], strategy, type(blocks[0]))
+    else:
+        for layer in blocks:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
-        if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
-            # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
+        if sequence or given is not None:  # the replicated output comes back as a view of the all-gathered one
+            # (the reference's under sequence parallelism, a colwise_rep head's): the loss sums it out of place
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-    # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
-    ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
-                        generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
+    if given is None:  # the data differ over dp (each group its own batch), not over tp (the plan replicates them)
+        ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
+                            generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
     saved, parts = _first_step(module, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
@@ -104,7 +110,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
                    first_at, steady_at, _per_step(trace, gloo))
 
 
-def _fsdp1(module: Any, mesh: Any, strategy: str) -> Any:
+def _fsdp1(module: Any, mesh: Any, strategy: str, block: type) -> Any:
     """FSDP1 over the data-parallel mesh dimension, as PyTorch's original 2-D recipe wraps a
     ``parallelize_module``'d model: one unit per layer, the root holding the rest, ``use_orig_params=True``
     (FSDP1 flattens each DTensor's local shard through its DTensor extension)."""
@@ -112,9 +118,9 @@ def _fsdp1(module: Any, mesh: Any, strategy: str) -> Any:
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return FullyShardedDataParallel(module, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy(
-        {type(module.layers[0])}), use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
-        device_id=torch.device("cpu"))
+    return FullyShardedDataParallel(module, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy({block}),
+                                    use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
+                                    device_id=torch.device("cpu"))
 
 
 def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
