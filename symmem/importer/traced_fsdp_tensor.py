@@ -62,8 +62,8 @@ class FsdpTensorStepPeak(TensorStepPeak):
             rec = super()._recorded(sizes, count, world, symbolic)
             params = [dataclasses.replace(p, shape=local_shape(p.shape, self.sharded, p.name, world))
                       for p in parameters_of(rec, self.module, self.repeat)]
-            self._records[key] = FsdpRewrite(rec, params, self.kind, self.rank,
-                                             self.options.loss == "output").rewrite()
+            self._records[key] = FsdpRewrite(rec, params, self.kind, self.rank, self.options.loss == "output",
+                                             larger_grads=True).rewrite()
         return self._records[key]
 
     def _values(self, at: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:

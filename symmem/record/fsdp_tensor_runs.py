@@ -77,12 +77,15 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
     strategy = options.pop("fsdp1", None)  # FSDP1's ShardingStrategy, or None: FSDP2
-    given = options.pop("module", None)  # a traced module's own: (module, inputs, its plan's styles, its blocks)
+    # a traced module's own: (module, inputs, its plan's styles, its blocks[, the forward giving the output])
+    given = options.pop("module", None)
+    run = None
     if given is None:
         module, (ids,) = reference("llama", values, **options)
         styles, blocks = llama_sequence_plan if sequence else llama_plan, module.layers
     else:
-        module, (ids,), styles, blocks = given()
+        module, (ids,), styles, blocks, *made = given()
+        run = made[0] if made else None
         module.train()
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(module, mesh["tp"], styles(module, tp))
@@ -99,9 +102,10 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
         ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
                             generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
-    saved, parts = _first_step(module, ids, params)
+    forward = run if run is not None else module
+    saved, parts = _first_step(forward, module, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True,
+    trace = repeated_steps(lambda: forward(ids), ids, params, module, resizes=True,
                            tracker=None if strategy is None else FlatTracker)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
@@ -123,7 +127,7 @@ def _fsdp1(module: Any, mesh: Any, strategy: str, block: type) -> Any:
                                     device_id=torch.device("cpu"))
 
 
-def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
+def _first_step(forward: Any, module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
     """One step before the recorded ones (FSDP's lazy initialization runs in it): the bytes autograd keeps after
     the forward (each storage once, a DTensor's local shard; not the parameters, sharded or all-gathered, nor the
     ids), and the local bytes of the parameters, the gradients and AdamW's state after it."""
@@ -134,7 +138,7 @@ def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[in
         # FSDP swaps the module's parameters for the all-gathered ones in forward: whichever are there now
         return {local(p).untyped_storage()._cdata for p in module.parameters()} | {ids.untyped_storage()._cdata}
 
-    out, found = saved_storages(lambda: module(ids), held)
+    out, found = saved_storages(lambda: forward(ids), held)
     saved = sum(v[0] for v in found.values())
     out.sum().backward()
     del out
