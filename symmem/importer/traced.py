@@ -255,8 +255,9 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     if regime.tensor_parallel:
         notes = (*notes, "tensor parallel: the parameter side is one rank's (" + (
             "the module's plan says which parameters are split over t" if split is not None else
-            "every matrix split over t: the module has no plan") + "); the peak is one rank's step, recorded (every "
-            "rank alike)")
+            "every matrix split over t: the module has no plan") + "); the peak is one rank's step, recorded (" + (
+            "FSDP2 on the mesh's data-parallel dimension: ranks differ only by its padding" if regime.data_parallel
+            else "every rank alike") + ")")
     domain = trace.domain
     if size_one:
         from .guards import domain_of
