@@ -6,12 +6,15 @@ on each repeated block and on the root.  Each parameter is then the rank's tenso
 along dim 0 to a multiple of ``N`` and split over the data-parallel group.  Both halves are reused as they are: the
 rank's step recorded on fake DTensors (:class:`~symmem.importer.traced_tensor.TensorStepPeak`, whose local shards are
 what FSDP's hooks see) and rewritten by :class:`~symmem.importer.traced_fsdp.FsdpRewrite` with each parameter at its
-local shape -- the same events a one-device traced step gets under ``fully_shard``.  The peak is a formula in the
-declared sizes and ``N`` at the ``t`` it was recorded at; the data-parallel ranks differ only through the rows of
-each local shard they hold (:func:`~symmem.passes.data_parallel.alike_ranks`).
+local shape -- the same events a one-device traced step gets under ``fully_shard``; where DTensor hands back a
+sharded parameter's gradient whole (the embedding's), FSDP2 clones the rank's rows from it, which then goes
+(``FsdpRewrite(larger_grads=True)``).  The peak is a formula in the declared sizes and ``N`` at the ``t`` it was
+recorded at; the data-parallel ranks differ only through the rows of each local shard they hold
+(:func:`~symmem.passes.data_parallel.alike_ranks`).
 
-Checked against a real gloo 2 x 2 mesh (``tests/test_fsdp_tensor.py``: the file module of ``tests/data/traced_tp.py``
-under its own ``tp_plan``, FSDP2 with and without resharding): every rank's first and steady peak to the byte.
+Checked against a real gloo 2 x 2 mesh: in ``tests/test_fsdp_tensor.py`` the file module of
+``tests/data/traced_tp.py`` under its own ``tp_plan`` with a padded shard (every rank's first and steady peak, kept
+activations, to the byte); by hand HF Llama with TP and SP, both FSDP2 settings, V = 64 and 2,048 (docs/regimes.md).
 
 >>> local_shape((64, 24), [("blocks.0.up.weight", 0)], "blocks.0.up.weight", 2)
 (32, 24)
