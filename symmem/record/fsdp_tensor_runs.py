@@ -167,7 +167,9 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
     """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
     per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
     that case's FSDP setting, else ``reshard``; ``fsdp1``: FSDP1's ``ShardingStrategy`` name, PyTorch's original
-    2-D recipe in place of ``fully_shard``).  A rank that fails or hangs is a :class:`SymmemError`."""
+    2-D recipe in place of ``fully_shard``; ``module``: a callable giving a traced module's own ``(module, inputs,
+    styles(module, t), blocks[, forward])`` in place of the Llama reference, ``fully_shard`` on each of ``blocks``
+    and the root).  A rank that fails or hangs is a :class:`SymmemError`."""
 
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
     import torch.distributed.tensor.parallel  # noqa: F401
