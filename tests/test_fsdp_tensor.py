@@ -55,6 +55,36 @@ CASES = [("fsdp", VALUES, {"attention": "sdpa"}, "backward layers.mlp.up_proj (l
          *BATCH_OF_ONE, *SHARD1]
 
 
+#: A traced module under FSDP2 x TP (symmem.importer.traced_fsdp_tensor), the real 2-D recipe given the module:
+#: tests/data/traced_tp.py's file module under its own tp_plan (B = 4, two blocks, F = 66), FSDP2 without resharding --
+#: each rank's up projection holds 33 rows, padded to 34 and split 17 / 16, so the data-parallel rank 1 holds 16 rows
+#: fewer of AdamW's moments (2 x 16 x (24 + 1) x 4 bytes a block, 2 blocks: 400 bytes less at its steady peak).
+#: HF Llama (traced from a config, TP and SP, fsdp and fsdp-no-reshard) was checked the same way by hand
+#: (docs/regimes.md): its real ranks cost ~15 s of CPU, over this suite's budget.
+
+
+def _file_module(f: int):
+    """The file module of tests/data/traced_tp.py (B = 4, two blocks, width ``f``) and its inputs."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("traced_tp", Path(__file__).parent / "data" / "traced_tp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.build(4, 2, f)
+
+
+def _file_job() -> dict:
+    """The file module's real run: parallelize_module with its own plan, fully_shard on each block and the root."""
+    from symmem.importer.tensor_plan import plan_of
+
+    def given():
+        module, inputs = _file_module(66)
+        return module, inputs, plan_of(module, False).make, module.blocks
+
+    return {"module": given, "reshard_after_forward": False}
+
+
 def _job(engine: str, options: dict) -> dict:
     """The run's options for ``engine``: FSDP2's ``reshard_after_forward``, or FSDP1's strategy."""
     if engine in STRATEGY:
@@ -74,7 +104,8 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
 
     jobs = [(values, _job(engine, options)) for engine, values, options, _ in CASES]
-    everything = fsdp_tensor_runs(2, 2, jobs)
+    everything = fsdp_tensor_runs(2, 2, [*jobs, ({}, _file_job())])
+    _traced_against([rank[len(CASES)] for rank in everything])
     for case, (engine, values, options, where) in enumerate(CASES):
         real = [rank[case] for rank in everything]
         assert [(r.dp, r.tp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -103,6 +134,25 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         assert out["peak_at"]["rank"] == 0 and d.peak_at().where(step=False) == f"rank 0 of N x t = 2 x 2: {where}"
         assert ("peak per rank (first step / steady): ranks 0-1: " in str(d)) == bool(fewer), engine
         assert {"B", "S", "N", "t"} <= {s.name for s in d.peak.free_symbols}
+
+
+def _traced_against(file: list) -> None:
+    """A traced module under FSDP2 x TP (``trace(..., data_parallel="fsdp-no-reshard", tensor_parallel=True)``)
+    against the real ranks of the same spawn, to the byte: every rank's first and steady peak, the largest named,
+    the activations it keeps after the forward."""
+    from symmem import trace
+    from symmem.passes.data_parallel import rank_peaks
+
+    module, inputs = _file_module(66)
+    d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss="sum", check=False, tensor_parallel=True,
+              data_parallel="fsdp-no-reshard", values={"t": 2, "N": 2})
+    each = {r.rank: (r.first_peak, r.steady_peak) for r in file}
+    assert rank_peaks(d) == d.step.ranks(d.numbers) == each  # what every view shows: the ranks differ
+    assert (d.value("peak_first_step"), d.value("peak")) == each[0] and d.peak_at().where() == (
+        "forward fsdp.all_gather_done in blocks.# (layer 2), steady step")
+    assert {d.value("activations")} == {r.saved for r in file}
+    assert [file[0].optimizer_state - file[2].optimizer_state, each[0][1] - each[2][1]] == [400, 400]
+    assert each[0] == (38_656, 54_080)
 
 
 def test_the_mesh_ranks_cli(capsys):

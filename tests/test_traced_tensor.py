@@ -173,9 +173,9 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"data_parallel": "fsdp", "values": {"t": 2, "N": 2}},
-     "the peak of a traced module under tensor parallelism is recorded on its own: with data or pipeline parallelism "
-     "or ZeRO it is not followed"),
+    ({"data_parallel": "fsdp1", "values": {"t": 2, "N": 2}},  # FSDP2 x TP is followed (tests/test_fsdp_tensor.py)
+     "the peak of a traced module under tensor parallelism is followed alone or with FSDP2 (fsdp, fsdp-no-reshard): "
+     "with another data-parallel engine, pipeline parallelism or ZeRO it is not"),
     ({"sequence_parallel": True, "values": {"t": 2}},
      "--sequence-parallel: the module's tp_plan has no 'sequence_parallel' entry, so it splits nothing over the "
      "sequence"),

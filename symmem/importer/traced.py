@@ -255,8 +255,9 @@ def ledger_of(trace: Any, regime: Regime, *, name: str | None = None, size_one: 
     if regime.tensor_parallel:
         notes = (*notes, "tensor parallel: the parameter side is one rank's (" + (
             "the module's plan says which parameters are split over t" if split is not None else
-            "every matrix split over t: the module has no plan") + "); the peak is one rank's step, recorded (every "
-            "rank alike)")
+            "every matrix split over t: the module has no plan") + "); the peak is one rank's step, recorded (" + (
+            "FSDP2 on the mesh's data-parallel dimension: ranks differ only by its padding" if regime.data_parallel
+            else "every rank alike") + ")")
     domain = trace.domain
     if size_one:
         from .guards import domain_of
@@ -359,9 +360,10 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
     if no_step(recorded, regime) is not None:
         return None
     why = None
-    if regime.tensor_parallel and (regime.data_parallel or regime.zero or regime.pipeline_parallel):
-        why = ("the peak of a traced module under tensor parallelism is recorded on its own: with data or pipeline "
-               "parallelism or ZeRO it is not followed")
+    if regime.tensor_parallel and (regime.data_parallel not in (None, "fsdp", "fsdp-no-reshard") or regime.zero
+                                   or regime.pipeline_parallel):  # FSDP2 x TP: importer/traced_fsdp_tensor.py
+        why = ("the peak of a traced module under tensor parallelism is followed alone or with FSDP2 (fsdp, "
+               "fsdp-no-reshard): with another data-parallel engine, pipeline parallelism or ZeRO it is not")
     elif regime.precision != "fp32":
         why = (f"precision={regime.precision!r} sets the parameter side only; the traced step runs the module's own "
                "dtypes: trace a bfloat16 module, or give autocast='bfloat16'")
@@ -388,9 +390,20 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
                     recorded.extra.get("reads"), (rep.path, rep.children) if rep is not None else None, sym, subs,
                     dict(numbers))
     if regime.tensor_parallel:  # one rank's step recorded on fake DTensors (importer/traced_tensor.py)
-        from .traced_tensor import tensor_step
+        from .traced_tensor import TensorStepPeak, tensor_step
 
-        return tensor_step(step, regime)
+        found = tensor_step(step, regime)
+        if not regime.data_parallel or not isinstance(found, TensorStepPeak):
+            return found
+        from .traced_engines import refusal as engine_refusal  # FSDP2 on the mesh's data-parallel dimension
+        from .traced_fsdp_tensor import fsdp_tensor_step
+
+        why = engine_refusal(regime, step)
+        if why is not None:
+            from ..step import Refused
+
+            return Refused(why)
+        return fsdp_tensor_step(found, regime.data_parallel)
     if regime.pipeline_parallel and regime.data_parallel:  # FSDP2 on every stage (importer/traced_fsdp_pipeline.py)
         from .traced_fsdp_pipeline import fsdp_pipeline_step
 

@@ -88,6 +88,10 @@ class FsdpRewrite:
     rank: int
     loss_inside: bool
     storages: list[LiveStorage] = field(default_factory=list)
+    #: under tensor parallelism a sharded parameter's gradient may come back whole (DTensor replicates the
+    #: embedding's): a unit's gradients then hold more bytes than its parameters' local shards, and FSDP
+    #: reduce-scatters the local chunk, a view of it (importer/traced_fsdp_tensor.py)
+    larger_grads: bool = False
     ops: list[StepOp] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -178,6 +182,11 @@ class FsdpRewrite:
             if k == zero_at:
                 o = dataclasses.replace(o, freed=o.freed + tuple(self.sharded_grads))
             self.ops.append(o)
+            for g in (g for g in o.born if g in self.wholes):  # DTensor's whole gradient: the rank's rows cloned
+                at = self.rec.storages[g].module or "root"
+                rows = self.new(f"{at}.grad_rows", "gradient", self.wholes[g], "backward")
+                self.event("backward", o.module, "fsdp.gradient_rows", born=[rows], freed=[g])
+                self.grad_unit[rows] = self.grad_unit.pop(g)
             if k in last_fwd and self.reshard:
                 self.reshard_unit(last_fwd[k], "forward")
             if k == forward[-1]:
@@ -201,13 +210,36 @@ class FsdpRewrite:
         """Each ``.grad`` storage's unit: the block whose backward made it (else the root); checked against the
         bytes of the unit's parameters."""
         found = {g: self.unit_of(self.rec.storages[g].module) for g in sorted(grads)}
+        self.wholes: dict[int, Any] = {}
         for u, ps in self.unit_params.items():
             have = sympy.Add(*(self.rec.storages[g].nbytes for g, x in found.items() if x == u))
             want = sympy.Add(*(p.nbytes for p in ps))
-            if sympy.expand(have - want) != 0:
+            over = sympy.expand(have - want)
+            if over != 0 and self.larger_grads:
+                self._pair_wholes([g for g, x in found.items() if x == u], ps)
+                continue
+            if over != 0:
                 raise SymmemError(f"FSDP's unit {u or 'root'}: the gradients its backward made ({have} bytes) are "
                                   f"not its parameters' ({want}): the recorded backward cannot be split by unit")
         return found
+
+    def _pair_wholes(self, mine: list[int], params: list[Param]) -> None:
+        """The gradients of ``mine`` that come back whole (no parameter of theirs has their bytes), each paired with
+        the one parameter left without a gradient of its bytes: FSDP clones its rows from the whole gradient, which
+        then goes (measured: the embedding's under tensor parallelism)."""
+        left = [p.nbytes for p in params]
+        extra = []
+        for g in mine:
+            size = sympy.sympify(self.rec.storages[g].nbytes, strict=True)
+            if size in left:
+                left.remove(size)
+            else:
+                extra.append(g)
+        if len(extra) != len(left) or any(not (sympy.sympify(self.rec.storages[g].nbytes, strict=True) > rows)
+                                          for g, rows in zip(extra, left, strict=True)):
+            raise SymmemError(f"FSDP's unit: {len(extra)} gradients whose bytes are no parameter's local shard's "
+                              f"for {len(left)} parameters: the recorded backward cannot be split by unit")
+        self.wholes.update(zip(extra, left, strict=True))
 
     def _backward_marks(self, ops: list[StepOp], backward: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
         """Each block's first and last backward op (its pre- and post-backward hooks around them)."""

@@ -77,25 +77,35 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
     strategy = options.pop("fsdp1", None)  # FSDP1's ShardingStrategy, or None: FSDP2
-    module, (ids,) = reference("llama", values, **options)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(module, mesh["tp"], (llama_sequence_plan if sequence else llama_plan)(module, tp))
-    if strategy is not None:
-        module = _fsdp1(module, mesh["dp"], strategy)
+    # a traced module's own: (module, inputs, its plan's styles, its blocks[, the forward giving the output])
+    given = options.pop("module", None)
+    run = None
+    if given is None:
+        module, (ids,) = reference("llama", values, **options)
+        styles, blocks = llama_sequence_plan if sequence else llama_plan, module.layers
     else:
-        for layer in module.layers:
+        module, (ids,), styles, blocks, *made = given()
+        run = made[0] if made else None
+        module.train()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(module, mesh["tp"], styles(module, tp))
+    if strategy is not None:
+        module = _fsdp1(module, mesh["dp"], strategy, type(blocks[0]))
+    else:
+        for layer in blocks:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
-        if sequence:  # the reference's forward sizes the rotary tables and the mask from the ids (whole sequence)
-            # the replicated logits come back as a view of the all-gathered ones: the loss sums them out of place
+        if sequence or given is not None:  # the replicated output comes back as a view of the all-gathered one
+            # (the reference's under sequence parallelism, a colwise_rep head's): the loss sums it out of place
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-    # the data differ over dp (each group its own batch), not over tp (the plan replicates the ids)
-    ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
-                        generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
+    if given is None:  # the data differ over dp (each group its own batch), not over tp (the plan replicates them)
+        ids = torch.randint(0, int(values["V"]), tuple(ids.shape),
+                            generator=torch.Generator().manual_seed(1 + mesh.get_local_rank("dp")))
     params = [p for p in module.parameters() if p.requires_grad]
-    saved, parts = _first_step(module, ids, params)
+    forward = run if run is not None else module
+    saved, parts = _first_step(forward, module, ids, params)
     steps = FIRST_STEPS + STEADY_STEPS
-    trace = repeated_steps(lambda: module(ids), ids, params, module, resizes=True,
+    trace = repeated_steps(lambda: forward(ids), ids, params, module, resizes=True,
                            tracker=None if strategy is None else FlatTracker)
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
@@ -104,7 +114,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
                    first_at, steady_at, _per_step(trace, gloo))
 
 
-def _fsdp1(module: Any, mesh: Any, strategy: str) -> Any:
+def _fsdp1(module: Any, mesh: Any, strategy: str, block: type) -> Any:
     """FSDP1 over the data-parallel mesh dimension, as PyTorch's original 2-D recipe wraps a
     ``parallelize_module``'d model: one unit per layer, the root holding the rest, ``use_orig_params=True``
     (FSDP1 flattens each DTensor's local shard through its DTensor extension)."""
@@ -112,12 +122,12 @@ def _fsdp1(module: Any, mesh: Any, strategy: str) -> Any:
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return FullyShardedDataParallel(module, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy(
-        {type(module.layers[0])}), use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
-        device_id=torch.device("cpu"))
+    return FullyShardedDataParallel(module, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy({block}),
+                                    use_orig_params=True, sharding_strategy=getattr(ShardingStrategy, strategy),
+                                    device_id=torch.device("cpu"))
 
 
-def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
+def _first_step(forward: Any, module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[int, int, int]]:
     """One step before the recorded ones (FSDP's lazy initialization runs in it): the bytes autograd keeps after
     the forward (each storage once, a DTensor's local shard; not the parameters, sharded or all-gathered, nor the
     ids), and the local bytes of the parameters, the gradients and AdamW's state after it."""
@@ -128,7 +138,7 @@ def _first_step(module: Any, ids: Any, params: list[Any]) -> tuple[int, tuple[in
         # FSDP swaps the module's parameters for the all-gathered ones in forward: whichever are there now
         return {local(p).untyped_storage()._cdata for p in module.parameters()} | {ids.untyped_storage()._cdata}
 
-    out, found = saved_storages(lambda: module(ids), held)
+    out, found = saved_storages(lambda: forward(ids), held)
     saved = sum(v[0] for v in found.values())
     out.sum().backward()
     del out
@@ -157,7 +167,9 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
     """Per rank (``dp * tp`` of them, rank ``r`` at mesh coordinates ``(r // tp, r % tp)``), one :class:`MeshRun`
     per case ``(values, builder options)`` of the Llama reference (``reshard_after_forward`` among the options:
     that case's FSDP setting, else ``reshard``; ``fsdp1``: FSDP1's ``ShardingStrategy`` name, PyTorch's original
-    2-D recipe in place of ``fully_shard``).  A rank that fails or hangs is a :class:`SymmemError`."""
+    2-D recipe in place of ``fully_shard``; ``module``: a callable giving a traced module's own ``(module, inputs,
+    styles(module, t), blocks[, forward])`` in place of the Llama reference, ``fully_shard`` on each of ``blocks``
+    and the root).  A rank that fails or hangs is a :class:`SymmemError`."""
 
     import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
     import torch.distributed.tensor.parallel  # noqa: F401
