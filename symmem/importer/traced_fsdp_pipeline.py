@@ -139,10 +139,15 @@ class _TracedFsdpReplay(_FsdpReplay):
         self.seen: dict[int | None, int] = {}
         super().__init__(cut, s, at, schedule, m, units, reshard)
         self.total: dict[int | None, int] = {}
+        # a traced op's name repeats (GPT-2's block ends in the add its attention's residual also is), so the root's
+        # post-forward is after the stage's last op before the loss by count, not by name
+        self.model_ops = 0
+        self.ran = 0
         for _, e in cut.passes[0]["F"]:
             if cut.on(e.node, s):
                 unit = self._unit(e.node)
                 self.total[unit] = self.total.get(unit, 0) + 1
+                self.model_ops += not self._in_loss(e.node)
 
     def _unit(self, node: str | None) -> int | None:
         return self.units_of.get(node) if node is not None else None
@@ -156,14 +161,19 @@ class _TracedFsdpReplay(_FsdpReplay):
     def _is_last(self, unit: int | None, node: str | None) -> bool:
         return self.seen.get(unit) == self.total.get(unit)
 
+    def _is_root_end(self, node: str | None) -> bool:
+        return not self._in_loss(node) and self.ran == self.model_ops
+
     def begin(self, kind: str, mb: int) -> None:
         super().begin(kind, mb)
         self.seen = {}
+        self.ran = 0
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
         if kind == "F":
             unit = self._unit(node)
             self.seen[unit] = self.seen.get(unit, 0) + 1
+            self.ran += not self._in_loss(node)
         super().before(kind, node, mb)
 
 
