@@ -167,6 +167,10 @@ class _FsdpReplay(_Replay):
     def _is_last(self, unit: int | None, node: str | None) -> bool:
         return self.last_op.get(unit) == node
 
+    def _is_root_end(self, node: str | None) -> bool:
+        """Whether ``node`` is the stage's last op before the loss (the root's post-forward runs after it)."""
+        return node == self.root_end
+
     # FSDP's storages
     def _make(self, key: tuple[str, Any], nbytes: int) -> None:
         if key not in self.held:
@@ -251,7 +255,7 @@ class _FsdpReplay(_Replay):
             if self.reshard:
                 self._reshard(unit)
             self._post_forward(unit)
-        if node == self.root_end:  # the root's post-forward
+        if self._is_root_end(node):  # the root's post-forward
             if self.reshard:
                 self._reshard(None)
             if self._has(None):

@@ -73,7 +73,9 @@ class GPT2Split:
                 if first:
                     embeds = self.wte(x.view(-1, x.shape[-1]))
                     positions = (torch.arange(embeds.shape[1]) + 0).unsqueeze(0)
-                    x = self.drop(embeds + self.wpe(positions))
+                    # held to the stage's end, as GPT2Model.forward's local position_embeds is (the trace's)
+                    held = self.wpe(positions)
+                    x = self.drop(embeds + held)
                 for block in self.h:
                     x = block(x, None, None, None, use_cache=False)
                     x = x[0] if isinstance(x, tuple) else x
