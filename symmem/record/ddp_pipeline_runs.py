@@ -10,8 +10,8 @@ backward but the last under ``no_sync()`` and prepares the reducer by hand for t
 
 :func:`ddp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
 rank runs two unrecorded steps (the receive buffers; DDP's first synced backward, then its buckets rebuilt in the
-second step's forward), then records :data:`~symmem.record.model_parallel_runs.FIRST_STEPS` steps each with a new
-for-loop AdamW (a first step) and :data:`~symmem.record.model_parallel_runs.STEADY_STEPS` with the last one, each
+second step's forward), then records :data:`~symmem.record.model_parallel_runs.MESH_FIRST_STEPS` steps each with a new
+for-loop AdamW (a first step) and :data:`~symmem.record.model_parallel_runs.MESH_STEADY_STEPS` with the last one, each
 moment at its fewest bytes over the repeats (:class:`~symmem.record.sharded.ShardTracker`).  DDP's gradient buckets
 were made when the stage was wrapped, before the recorder starts: it first sees them when the reducer copies a
 gradient in (labelled ``external``); they are counted as live from the start, which they are (as
@@ -26,7 +26,9 @@ from typing import Any
 
 from ..errors import SymmemError
 from .fsdp_pipeline_runs import StageMeshRun
-from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS
+from .model_parallel_runs import MESH_FIRST_STEPS as FIRST_STEPS
+from .model_parallel_runs import MESH_STEADY_STEPS as STEADY_STEPS
+from .model_parallel_runs import SETTLE_S
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp``, ``ddp-bucket-view`` or
 #: ``zero-redundancy``)

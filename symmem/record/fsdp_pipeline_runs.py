@@ -12,8 +12,8 @@ backward (torch 2.13).
 
 :func:`fsdp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
 rank runs one unrecorded step (FSDP's lazy initialization, the stage's receive buffers), then records
-:data:`~symmem.record.model_parallel_runs.FIRST_STEPS` steps each with a new for-loop AdamW (a first step) and
-:data:`~symmem.record.model_parallel_runs.STEADY_STEPS` with the last one, under the DTensor- and FSDP-aware
+:data:`~symmem.record.model_parallel_runs.MESH_FIRST_STEPS` steps each with a new for-loop AdamW (a first step) and
+:data:`~symmem.record.model_parallel_runs.MESH_STEADY_STEPS` with the last one, under the DTensor- and FSDP-aware
 recorder (:class:`~symmem.record.sharded.ShardTracker`); each moment at its fewest bytes over the repeats (gloo's
 worker thread lets go of a collective's tensors at no fixed op) and gloo's copy of the reduce-scatter input left
 out, as for FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
-from .model_parallel_runs import FIRST_STEPS, SETTLE_S, STEADY_STEPS, _fewest_at
+from .model_parallel_runs import MESH_FIRST_STEPS as FIRST_STEPS
+from .model_parallel_runs import MESH_STEADY_STEPS as STEADY_STEPS
+from .model_parallel_runs import SETTLE_S, _fewest_at
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward), or a traced module's
 #: (:class:`~symmem.record.traced_pipeline_runs.TracedCase`, reshard_after_forward): its manual split's stages

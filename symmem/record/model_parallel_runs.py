@@ -396,6 +396,10 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 #: Recorded steps of a tensor-parallel case: first steps (each with a new AdamW, which makes its state), then steady
 #: ones; each moment's fewest bytes over the repeats is the engine's (see :func:`_fewest`)
 FIRST_STEPS, STEADY_STEPS = 2, 2
+#: The same on a pipeline x data-parallel mesh (fsdp_pipeline_runs, ddp_pipeline_runs): three each -- four ranks
+#: sending and receiving micro-batches leave gloo's worker thread more to let go late; on a loaded machine it once
+#: held a buffer past the same op in both of two repeats (a first step: 32,896 B; a steady one: 1,952 B)
+MESH_FIRST_STEPS, MESH_STEADY_STEPS = 3, 3
 #: How long the recorder lets gloo's worker thread release a collective's tensors after each wait (ShardTracker)
 SETTLE_S = 0.001
 
