@@ -27,7 +27,7 @@ parameters a rank owns), the live bytes just before ``optimizer.step()``:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import sympy
@@ -35,7 +35,7 @@ import sympy
 from ..errors import SymmemError
 from ..symbols import N
 from . import zero_redundancy
-from .data_parallel import SHARDED, grads_in_buckets, held_shape, stored_shapes
+from .data_parallel import SHARDED, alike_ranks, grads_in_buckets, held_shape, stored_shapes
 from .parameters import program_parameters, state_storages
 from .unroll import unroll
 
@@ -66,33 +66,67 @@ def ranges(per_rank: Mapping[int, Any]) -> list[tuple[int, int, Any]]:
 def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None:
     """``{rank: {parameters, gradients, buckets, optimizer_state, total}}`` in bytes for every rank ``0 .. N-1``
     at the derivation's numbers (module docstring); None without a data-parallel engine, with tensor or pipeline
-    parallelism beside it, without a number for ``N``, or for a step that is not a built graph's.
+    parallelism beside it, or without a number for ``N``.
 
     The step written out (the one the views' timeline shows: rank 0's, ZeRO-1's largest rank's) gives the weights,
     gradients and buckets, which every rank holds alike; the ranks differ only in their optimizer state (FSDP2's
-    unpadded rows, ZeRO-1's owned parameters), worked out per rank by the rules the step follows."""
+    unpadded rows, ZeRO-1's owned parameters): a traced module's FSDP2 ranks are each read off their own step
+    (:meth:`symmem.importer.traced_engines.EngineStepPeak.at_rank`), a built graph's worked out by the rules its
+    step follows; ZeRO-1's are the ranks' state the peak holds (:func:`.zero_redundancy.state_per_rank`)."""
     regime = derivation.regime
     step = getattr(derivation, "step", None)
     world = derivation.numbers.get(N)
-    if regime.data_parallel not in ENGINES or regime.tensor_parallel or regime.pipeline_parallel \
-            or world is None or not hasattr(step, "_written_out"):
+    if regime.data_parallel not in ENGINES or regime.tensor_parallel or regime.pipeline_parallel or world is None:
         return None
-    numbers = dict(derivation.numbers)
+    numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
     try:
-        tl, values = step._written_out("steady", numbers)
+        if hasattr(step, "_written_out"):  # a built graph's step (passes/graph_step.py)
+            tl, values = step._written_out("steady", numbers)
+            values = {**values, **numbers}
+            side = held(tl, values, _buckets(tl, apart))
+            states = _states(derivation, step, int(world), values)
+        elif getattr(step, "engine", None) is not None and hasattr(step, "_at"):  # a traced module's
+            side, states = _traced(derivation, step, int(world), numbers, apart)
+        else:
+            return None
     except SymmemError:  # no step at these numbers (the peak's views say why): nothing per rank to add
         return None
-    values = {**values, **numbers}
-    side = held(tl, values, buckets_apart=not grads_in_buckets(regime))
-    states = _states(derivation, step, int(world), values)
     found = {}
     for rank in range(int(world)):
-        one = dict(side)
+        one = dict(side if not isinstance(side, list) else side[rank])
         if states is not None:
             one["optimizer_state"] = states[rank]
             one["total"] = sum(one[k] for k in KEYS[:-1])
         found[rank] = one
     return found
+
+
+def _buckets(tl: Any, apart: bool) -> set[int]:
+    """The storages of ``tl`` that are DDP's buckets (a built graph's one, a traced step's one per parameter),
+    where they are listed apart from the gradients."""
+    return {i for i, s in enumerate(tl.storages) if s.name == _BUCKETS or s.name.startswith(_BUCKETS + "[")} \
+        if apart else set()
+
+
+def _traced(derivation: Any, step: Any, world: int, numbers: Mapping[sympy.Symbol, Any], apart: bool
+            ) -> tuple[Any, list[int] | None]:
+    """A traced module's parameter side (every rank's, a list, under FSDP2), and ZeRO-1's state per rank."""
+    def side_of(one: Any) -> dict[str, int]:
+        rec = one._at(numbers)[0]
+        tl = rec.as_timeline("steady")
+        buckets = {i for i, s in enumerate(rec.storages) if s.where.startswith(_BUCKETS + "[")} if apart else set()
+        return held(tl, one._values(numbers), buckets)
+
+    if step.engine.kind in SHARDED:  # each distinct set of rows a rank holds, its step followed once
+        firsts = [p.shape[0] for p in step.module.parameters() if p.dim()]
+        out: list[Any] = [None] * world
+        for group in alike_ranks(firsts, world):
+            side = side_of(step.at_rank(group[0]))
+            for rank in group:
+                out[rank] = side
+        return out, None
+    states = zero_redundancy.state_per_rank(derivation) if step.engine.kind == zero_redundancy.ENGINE else None
+    return side_of(step), states
 
 
 def _states(derivation: Any, step: Any, world: int, values: Mapping[sympy.Symbol, Any]) -> list[int] | None:
@@ -107,23 +141,24 @@ def _states(derivation: Any, step: Any, world: int, values: Mapping[sympy.Symbol
     counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(subs)) for name, b in step.graph.blocks.items()}
     graph = unroll(step.graph, counts) if counts else step.graph
     stored = stored_shapes(graph, program_parameters(graph))
-    out = []
-    for rank in range(world):
+    out = [0] * world
+    for group in alike_ranks([derivation.evaluate(shape[0]) for shape in stored.values() if shape], world):
         found = sympy.Add(*(e for name, shape in stored.items()
-                            for _, _, e, _, _ in state_storages(regime, name, held_shape(shape, N, rank), False)))
-        out.append(int(sympy.sympify(found, strict=True).xreplace(subs)))
+                            for _, _, e, _, _ in state_storages(regime, name, held_shape(shape, N, group[0]), False)))
+        for rank in group:  # ranks holding the same rows of every parameter: worked out once, however large N is
+            out[rank] = int(sympy.sympify(found, strict=True).xreplace(subs))
     return out
 
 
-def held(tl: Any, values: Mapping[sympy.Symbol, Any], buckets_apart: bool = True) -> dict[str, int]:
+def held(tl: Any, values: Mapping[sympy.Symbol, Any], buckets: Collection[int] = ()) -> dict[str, int]:
     """The parameter side a :class:`~symmem.timeline.Timeline` holds just before its optimizer step, at
-    ``values`` (``buckets_apart``: DDP's buckets under their own key, else among the gradients).
+    ``values`` (``buckets``: the storages listed as DDP's buckets, apart from the gradients).
 
     >>> from symmem.timeline import Event, Live, Timeline
     >>> tl = Timeline((Live("w", "parameter", sympy.Integer(40)), Live("ddp.buckets", "gradient", sympy.Integer(40)),
     ...                Live("w.grad", "gradient", sympy.Integer(40)), Live("w.exp_avg", "optimizer_state",
     ...                sympy.Integer(40))), (0, 1, 3), (Event("backward", "fc", (2,), ()), Event("step", "w", (), ())))
-    >>> held(tl, {})
+    >>> held(tl, {}, buckets={1})
     {'parameters': 40, 'gradients': 40, 'buckets': 40, 'optimizer_state': 40, 'total': 160}
     """
     live = set(tl.start)
@@ -140,7 +175,7 @@ def held(tl: Any, values: Mapping[sympy.Symbol, Any], buckets_apart: bool = True
             s.category)
         if key is None:
             continue
-        key = "buckets" if s.name == _BUCKETS and buckets_apart else key
+        key = "buckets" if i in buckets else key
         out[key] += int(sympy.sympify(s.nbytes, strict=True).xreplace(subs))
     out["total"] = sum(out[k] for k in KEYS[:-1])
     return out
