@@ -22,7 +22,7 @@ from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
-from symmem.record.distributed import compare, job_of, measure_jobs, measure_ranks  # noqa: E402
+from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_jobs, measure_ranks  # noqa: E402
 
 TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
 GPT = {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}
@@ -74,7 +74,12 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     # per rank where the padding makes them differ: each rank's first and steady peak, derived, to the byte
     per_rank = rank_peaks(padded)
     assert per_rank == {r.rank: (r.first, min(r.per_step[1:])) for r in fsdp}, (per_rank, fsdp)
-    wrong = []
+    # each rank's parameter side when backward ends (weights, .grads, optimizer state), padding and step counts
+    # included: 127 rows stored as 64 + 64, rank 1's AdamW state over 63 of them
+    wrong = [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
+    side = padded.to_dict()["values"]["parameter_side_per_rank"]
+    assert side["0"]["optimizer_state"] - side["1"]["optimizer_state"] == 8 * 64 + 8 == 520
+    assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
     for (name, engine, d), ranks in zip(sharded, measured[:len(sharded)], strict=True):
         # the largest rank's peak (rank 0: the padding sits on the last rank), first and steady step, to the byte.
         # gloo's worker threads drop a finished collective's buffers when the machine's load lets them, so a step
@@ -85,6 +90,7 @@ def test_every_rank_peak_equals_a_real_gloo_run():
         got = (min(r.first for r in same), min(x for r in same for x in r.per_step[1:]))
         wrong += [f"{name} {engine}: derived {want}, measured {got} ({ranks[0].per_step})"] if want != got else []
         wrong += [f"{name} {engine}: ranks start apart" for r in ranks if r.start != ranks[0].start]
+        wrong += [f"{name} {engine} {w}" for w in compare_parameter_side(d, ranks)]
     for (name, engine, d), ranks in zip(cases, measured[len(sharded):], strict=True):
         assert len(ranks) == 2
         gap = KNOWN_GAPS.get((name, engine), 0)
@@ -93,6 +99,7 @@ def test_every_rank_peak_equals_a_real_gloo_run():
         psi = d.evaluate(d.parameters)
         wrong += [f"{name} {engine} rank {r.rank}: start {r.start} < {8 * psi}" for r in ranks if r.start < 8 * psi]
         wrong += [f"{name} {engine}: ranks start apart" for r in ranks if r.start != ranks[0].start]
+        wrong += [f"{name} {engine} {w}" for w in compare_parameter_side(d, ranks)]
     assert not wrong, "\n".join(wrong)
 
 
@@ -234,6 +241,33 @@ def test_fsdp_per_rank_in_json_and_table(capsys):
     assert f"rank 1: {ranks[1][0]:,} / {ranks[1][1]:,} B" in capsys.readouterr().out.replace("\n", " ")
     # where every rank holds the same (64 and 10 rows split evenly) there is no per-rank line
     assert rank_peaks(_derive("mlp", {"B": 4, "N": 2}, {"widths": "64,128,10"}, "fsdp")) is None
+
+
+def test_parameter_side_per_rank_by_hand(capsys):
+    """The issue's example, counted by hand: the MLP 784-1024-1024-10 under FSDP2 at N = 3 stores each dim 0 padded
+    to a multiple of 3 (1,026 rows: 342 a rank; 12 for the head: 4), weights and sharded gradients alike; AdamW's
+    two moments follow the rows a rank holds (rank 2: 340 of 1,024) plus a 4-byte step per parameter tensor.  The
+    papers' accounting beside it stays 16 bytes x parameters / N (the gloo runs above check the same per rank)."""
+    run = ["derive", "mlp", "--convention", "pytorch", "--device", "cpu", "--optimizer", "adamw",
+           "--data-parallel", "fsdp", "--set", "N=3"]
+    assert main([*run, "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    stored = 342 * 784 + 342 + 342 * 1024 + 342 + 4 * 1024 + 4
+    held = {0: stored, 1: stored, 2: 340 * 784 + 340 + 340 * 1024 + 340 + 2 * 1024 + 2}
+    want = {str(r): {"parameters": 4 * stored, "gradients": 4 * stored, "buckets": 0,
+                     "optimizer_state": 8 * n + 6 * 4, "total": 8 * stored + 8 * n + 24} for r, n in held.items()}
+    assert out["values"]["parameter_side_per_rank"] == want
+    assert out["values"]["parameter_memory"] == 16 * 1863690 // 3 == 9939680
+    assert main(run) == 0
+    text = capsys.readouterr().out.replace("\n", " ")
+    assert "with FSDP's padding and Adam's step counts): ranks 0-1: 9,969,944 B; rank 2: 9,924,584 B" in text
+    # DDP: whole weights, whole gradients, the buckets beside them; no engine, no line
+    run[run.index("fsdp")] = "ddp"
+    assert main([*run, "--format", "json"]) == 0
+    side = json.loads(capsys.readouterr().out)["values"]["parameter_side_per_rank"]
+    assert side["0"] == side["2"] == {"parameters": 4 * 1863690, "gradients": 4 * 1863690, "buckets": 4 * 1863690,
+                                      "optimizer_state": 8 * 1863690 + 6 * 4, "total": 20 * 1863690 + 24}
+    assert main(run[:-4]) == 0 and "parameter side per rank" not in capsys.readouterr().out
 
 
 def test_shard_ceilings_are_sympys():

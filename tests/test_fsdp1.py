@@ -22,7 +22,7 @@ from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks, rank_ranges  # noqa: E402
-from symmem.record.distributed import job_of, measure_jobs  # noqa: E402
+from symmem.record.distributed import compare_parameter_side, job_of, measure_jobs  # noqa: E402
 
 #: five linear units; the head's flat parameter (10 x 128 + 10 = 1,290 elements) is padded to 1,292 at N = 4,
 #: so its reduce-scatter pads a copy of the gradient
@@ -75,6 +75,11 @@ def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
     # SHARD_GRAD_OP keeps every unit's unsharded flat parameter from its forward to its backward: more than
     # FULL_SHARD, which holds two units' at a time in backward (the one running and the prefetched one)
     assert got["fsdp1-grad-op"][0][1] > got["fsdp1"][0][1]
+    # every rank's parameter side when backward ends: weights, .grads and AdamW state (ranks 0-1, 2 and 3 of the
+    # padded FSDP2 MLP hold different rows; FSDP1's flat shards hold the padding in all three alike)
+    for name, d in cases:
+        assert not compare_parameter_side(d, measured[name]), (name, compare_parameter_side(d, measured[name]))
+    assert [r.held["gradient"] for r in measured["fsdp1"]] == [4 * shards] * 4
 
 
 @pytest.mark.parametrize("name, values, kw", [

@@ -31,7 +31,7 @@ from symmem.importer.spec_builder import SpecBuilder  # noqa: E402
 from symmem.importer.traced_engines import Engine, traced_job  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
 from symmem.passes.zero_redundancy import state_per_rank  # noqa: E402
-from symmem.record.distributed import compare, measure_jobs  # noqa: E402
+from symmem.record.distributed import compare, compare_parameter_side, measure_jobs  # noqa: E402
 from symmem.symbols import L, N  # noqa: E402
 
 #: the file module: 4 blocks (L = 4: the peak is the formula folded in L), a 5-row head FSDP2 pads at N = 2
@@ -81,6 +81,8 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     wrong = []
     for (spec, engine, d, _), ranks in zip(cases, measured, strict=True):
         name = f"{spec.rsplit('/', 1)[-1]} {engine}"
+        # each rank's weights, .grads (and DDP's buckets) and optimizer state when backward ends
+        wrong += [f"{name}: {w}" for w in compare_parameter_side(d, ranks)]
         if engine.startswith("ddp"):  # every rank alike
             wrong += [f"{name}: {w}" for w in compare(d, ranks)]
             continue

@@ -27,7 +27,7 @@ from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes import data_parallel, zero_redundancy  # noqa: E402
 from symmem.passes.zero_redundancy import partition, rank_peaks, state_per_rank  # noqa: E402
-from symmem.record.distributed import job_of, measure_jobs  # noqa: E402
+from symmem.record.distributed import compare_parameter_side, job_of, measure_jobs  # noqa: E402
 
 TINY = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
 #: (model, values, keywords): the issue's MLP (784-1024-1024-10), GPT-2 and Llama (tied and untied embeddings)
@@ -103,6 +103,8 @@ def _check_state(measured):
     8.4 MB / 6.4 MB / 82 kB / 16 kB, not 16 bytes x 1,863,690 / 4 = 3.7 MB each; a rank that owns nothing, 0."""
     for d, ranks in measured:
         assert state_per_rank(d) == [r.kept for r in ranks], (d.model, [r.kept for r in ranks])
+        # each rank's parameter side when backward ends: whole weights, whole .grads, DDP's buckets, its state
+        assert not compare_parameter_side(d, ranks), (d.model, compare_parameter_side(d, ranks))
     mlp = measured[0]
     assert [r.kept for r in mlp[1]] == [8 * 1024 * 1024 + 4, 8 * 784 * 1024 + 4, 8 * 10 * 1024 + 4,
                                         8 * (1024 + 1024 + 10) + 3 * 4]

@@ -87,6 +87,17 @@ class RankPeak:
     where: str
     #: what the first step leaves alive (its end less the start): the optimizer state it made
     kept: int = 0
+    #: live bytes by recorded category when the last step's backward ends (what the optimizer steps on: the rank's
+    #: weights, gradients as the engine holds them, its optimizer state; :attr:`parameter_side`)
+    held: dict[str, int] | None = None
+
+    @property
+    def parameter_side(self) -> dict[str, int]:
+        """What the rank holds between backward and the optimizer step: ``parameters`` (weights and buffers),
+        ``gradients`` (every storage ever a ``.grad``) and ``optimizer_state``, as the recorder labelled them."""
+        held = self.held or {}
+        return {"parameters": held.get("parameter", 0) + held.get("buffer", 0),
+                "gradients": held.get("gradient", 0), "optimizer_state": held.get("optimizer_state", 0)}
 
     @property
     def first(self) -> int:
@@ -315,8 +326,9 @@ def _peaks(trace: Any, made_before: set[int], rank: int, left_out: set[int] = fr
     steady = max(range(2, trace.steps + 1), key=lambda s: per_step[s][0])
     end = trace.boundary(1, "zero_grad")
     kept = end.live - trace.start.live - sum(n for born, n in extra if born <= end.index)
+    held = dict(trace.boundary(trace.steps, "backward").by_category)
     return RankPeak(rank, tuple(per_step[s][0] for s in range(1, trace.steps + 1)),
-                    trace.start.live + sum(n for _, n in extra), per_step[steady][1], kept)
+                    trace.start.live + sum(n for _, n in extra), per_step[steady][1], kept, held)
 
 
 def compare(derivation: Derivation, ranks: Sequence[RankPeak], steady_gap: int = 0) -> list[str]:
@@ -328,6 +340,31 @@ def compare(derivation: Derivation, ranks: Sequence[RankPeak], steady_gap: int =
     got = {r.rank: {"first": r.first, "steady": min(r.per_step[1:])} for r in ranks}
     return [f"rank {r.rank} {which}: derived {v}, measured {got[r.rank][which]} (at {r.where})"
             for r in ranks for which, v in want.items() if got[r.rank][which] != v]
+
+
+def compare_parameter_side(derivation: Derivation, ranks: Sequence[RankPeak]) -> list[str]:
+    """Where the derivation's parameter side per rank (:func:`symmem.passes.rank_side.parameter_side_per_rank`)
+    differs from what each measured rank holds when its last backward ends (empty: equal to the byte): weights
+    and buffers, every ``.grad`` storage, the optimizer state.  Two things the recorder cannot label are checked by
+    what is left: DDP's buckets (made before the recorder, or rebuilt inside it by an op, not a ``.grad``) and
+    ZeroRedundancyOptimizer's state (its local optimizer's, not in the wrapper's ``optimizer.state``: it is what
+    the first step leaves alive, :attr:`RankPeak.kept`)."""
+    from ..passes.rank_side import parameter_side_per_rank
+
+    derived = parameter_side_per_rank(derivation)
+    if derived is None:
+        return [f"no parameter side per rank under data_parallel={derivation.regime.data_parallel!r}"]
+    zero = derivation.regime.data_parallel == ZERO
+    wrong = []
+    for r in ranks:
+        want, got = derived[r.rank], dict(r.parameter_side)
+        held = r.held or {}
+        if zero:
+            got["optimizer_state"] = r.kept
+        if derivation.regime.data_parallel not in (*SHARDED, *FSDP1):  # gloo's late frees are FSDP's only
+            got["buckets"] = held.get("temporary", 0) + held.get("external", 0) - (r.kept if zero else 0)
+        wrong += [f"rank {r.rank} {k}: derived {want[k]}, measured {v}" for k, v in got.items() if want[k] != v]
+    return wrong
 
 
 def summary(ranks: Sequence[RankPeak]) -> Mapping[str, Any]:

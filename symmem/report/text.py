@@ -16,6 +16,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import rank_peaks, rank_ranges
+from ..passes.rank_side import parameter_side_per_rank, ranges
 from ..passes.zero_redundancy import partition_at, state_per_rank
 from ..simplify import factored, rounded
 from ..units import UNITS
@@ -77,6 +78,9 @@ def peak(d: Derivation) -> dict[str, Any] | None:
         if state:
             out["values"]["optimizer_state_per_rank"] = {str(r): v for r, v in enumerate(state)}
             out["peak_at"]["partition_at"] = partition_at(d)  # the numbers the formulas hold at
+    side = parameter_side_per_rank(d)
+    if side:  # what each rank of the engine holds (FSDP's padding, Adam's step counts): passes/rank_side.py
+        out["values"]["parameter_side_per_rank"] = {str(r): v for r, v in side.items()}
     each = getattr(d.step, "per_rank", None)
     if callable(each):  # tensor parallelism: every rank alike, the peak is rank 0's (passes/tensor_step.py)
         out["peak_at"]["rank"] = each(d.numbers)["peak_rank"]
@@ -366,6 +370,13 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
             for a, b, (f, v) in rank_ranges(ranks))
             + f" (the peak above is rank {getattr(d.peak_at(), 'rank', 0)}'s, the largest)" + _partition_note(d),
             max(width, 40))
+    side = parameter_side_per_rank(d)
+    if side:  # the engine's parameter side per rank, beside the papers' total (passes/rank_side.py)
+        lines += textwrap.wrap("parameter side per rank (weights + gradients + optimizer state, with FSDP's padding "
+                               "and Adam's step counts): " + "; ".join(
+                                   f"rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {v:,} B"
+                                   for a, b, v in ranges({r: x["total"] for r, x in side.items()})),
+                               max(width, 40))
     each = per_device(d)
     if each is not None:
         for key, name in (("peak_per_stage", "peak per stage (MiB)"), ("peak_first_step_per_stage", "first step")):

@@ -1,0 +1,181 @@
+"""What each rank of a data-parallel engine holds on its parameter side: its weights, its gradients as the engine
+holds them when the optimizer steps, and its optimizer state, with FSDP's padding and Adam's 4-byte ``step`` counts.
+
+``parameter_memory`` and ``total`` stay the papers' accounting (16Ψ/N of FP32 AdamW under FSDP, no padding, no step
+scalars: docs/regimes.md); this is the engine's, read off the step the peak is derived from -- each rank's steady
+step written out at the derivation's numbers (:mod:`.schedule`'s storages, so every rule the peak follows: FSDP2's
+padded per-parameter shards and padded sharded gradients, its optimizer state over the unpadded rows; FSDP1's flat
+shards, padding included; DDP's whole gradients and its buckets; ZeroRedundancyOptimizer's state of the whole
+parameters a rank owns), the live bytes just before ``optimizer.step()``:
+
+* ``parameters`` -- the weights (and buffers) a rank stores: under FSDP its shards (the unsharded copies are freed
+  by then);
+* ``gradients`` -- the ``.grad`` storages at the step: FSDP2's padded sharded gradients, FSDP1's flat shards, DDP's
+  whole gradients (under ``ddp-bucket-view`` the buckets themselves: every ``.grad`` is a view of them);
+* ``buckets`` -- DDP's (and ZeRO-1's) flat gradient buckets, alive the whole step, beside the gradients (0 without
+  DDP, and under the bucket view, where they are the gradients);
+* ``optimizer_state`` -- AdamW's moments and step counts of what the rank steps on;
+* ``total`` -- their sum.
+
+>>> from symmem import derive
+>>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="adamw", values={"B": 4, "N": 4},
+...            widths="64,128,128,10", loss="cross-entropy", data_parallel="fsdp")
+>>> side = parameter_side_per_rank(d)
+>>> side[0]["parameters"], side[0]["optimizer_state"] - side[3]["optimizer_state"]  # the head: 3 + 3 + 3 + 1 rows
+(26380, 2064)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..symbols import N
+from . import zero_redundancy
+from .data_parallel import SHARDED, alike_ranks, grads_in_buckets, held_shape, stored_shapes
+from .parameters import program_parameters, state_storages
+from .unroll import unroll
+
+#: The engines a rank's parameter side is given for (:data:`symmem.training.DATA_PARALLEL`).
+ENGINES = ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
+#: The keys of one rank's parameter side, in the order the views list them.
+KEYS = ("parameters", "gradients", "buckets", "optimizer_state", "total")
+#: The storage DDP's reducer keeps its gradient buckets in (:func:`.data_parallel.buckets`).
+_BUCKETS = "ddp.buckets"
+
+
+def ranges(per_rank: Mapping[int, Any]) -> list[tuple[int, int, Any]]:
+    """Consecutive ranks with the same value as ``(first rank, last rank, value)``, for a view to print N ranks in a
+    few lines.
+
+    >>> ranges({0: 9, 1: 9, 2: 8, 3: 9})
+    [(0, 1, 9), (2, 2, 8), (3, 3, 9)]
+    """
+    out: list[tuple[int, int, Any]] = []
+    for rank in sorted(per_rank):
+        if out and out[-1][2] == per_rank[rank] and out[-1][1] == rank - 1:
+            out[-1] = (out[-1][0], rank, per_rank[rank])
+        else:
+            out.append((rank, rank, per_rank[rank]))
+    return out
+
+
+def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None:
+    """``{rank: {parameters, gradients, buckets, optimizer_state, total}}`` in bytes for every rank ``0 .. N-1``
+    at the derivation's numbers (module docstring); None without a data-parallel engine, with tensor or pipeline
+    parallelism beside it, or without a number for ``N``.
+
+    The step written out (the one the views' timeline shows: rank 0's, ZeRO-1's largest rank's) gives the weights,
+    gradients and buckets, which every rank holds alike; the ranks differ only in their optimizer state (FSDP2's
+    unpadded rows, ZeRO-1's owned parameters): a traced module's FSDP2 ranks are each read off their own step
+    (:meth:`symmem.importer.traced_engines.EngineStepPeak.at_rank`), a built graph's worked out by the rules its
+    step follows; ZeRO-1's are the ranks' state the peak holds (:func:`.zero_redundancy.state_per_rank`)."""
+    regime = derivation.regime
+    step = getattr(derivation, "step", None)
+    world = derivation.numbers.get(N)
+    if regime.data_parallel not in ENGINES or regime.tensor_parallel or regime.pipeline_parallel or world is None:
+        return None
+    numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
+    try:
+        if hasattr(step, "_written_out"):  # a built graph's step (passes/graph_step.py)
+            tl, values = step._written_out("steady", numbers)
+            values = {**values, **numbers}
+            side = held(tl, values, _buckets(tl, apart))
+            states = _states(derivation, step, int(world), values)
+        elif getattr(step, "engine", None) is not None and hasattr(step, "_at"):  # a traced module's
+            side, states = _traced(derivation, step, int(world), numbers, apart)
+        else:
+            return None
+    except SymmemError:  # no step at these numbers (the peak's views say why): nothing per rank to add
+        return None
+    found = {}
+    for rank in range(int(world)):
+        one = dict(side if not isinstance(side, list) else side[rank])
+        if states is not None:
+            one["optimizer_state"] = states[rank]
+            one["total"] = sum(one[k] for k in KEYS[:-1])
+        found[rank] = one
+    return found
+
+
+def _buckets(tl: Any, apart: bool) -> set[int]:
+    """The storages of ``tl`` that are DDP's buckets (a built graph's one, a traced step's one per parameter),
+    where they are listed apart from the gradients."""
+    return {i for i, s in enumerate(tl.storages) if s.name == _BUCKETS or s.name.startswith(_BUCKETS + "[")} \
+        if apart else set()
+
+
+def _traced(derivation: Any, step: Any, world: int, numbers: Mapping[sympy.Symbol, Any], apart: bool
+            ) -> tuple[Any, list[int] | None]:
+    """A traced module's parameter side (every rank's, a list, under FSDP2), and ZeRO-1's state per rank."""
+    def side_of(one: Any) -> dict[str, int]:
+        rec = one._at(numbers)[0]
+        tl = rec.as_timeline("steady")
+        buckets = {i for i, s in enumerate(rec.storages) if s.where.startswith(_BUCKETS + "[")} if apart else set()
+        return held(tl, one._values(numbers), buckets)
+
+    if step.engine.kind in SHARDED:  # each distinct set of rows a rank holds, its step followed once
+        firsts = [p.shape[0] for p in step.module.parameters() if p.dim()]
+        out: list[Any] = [None] * world
+        for group in alike_ranks(firsts, world):
+            side = side_of(step.at_rank(group[0]))
+            for rank in group:
+                out[rank] = side
+        return out, None
+    states = zero_redundancy.state_per_rank(derivation) if step.engine.kind == zero_redundancy.ENGINE else None
+    return side_of(step), states
+
+
+def _states(derivation: Any, step: Any, world: int, values: Mapping[sympy.Symbol, Any]) -> list[int] | None:
+    """Each rank's optimizer state in bytes where ranks differ (None: every rank holds the written-out step's)."""
+    regime = derivation.regime
+    if regime.data_parallel == zero_redundancy.ENGINE:  # the whole parameters each rank owns
+        return zero_redundancy.state_per_rank(derivation)
+    if regime.data_parallel not in SHARDED:
+        return None  # DDP: whole parameters; FSDP1: one flat shard per unit, padding included, alike on all ranks
+    # FSDP2: AdamW's state follows the unpadded rows a rank holds of each parameter (held_shape), as the step's is
+    subs = {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
+    counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(subs)) for name, b in step.graph.blocks.items()}
+    graph = unroll(step.graph, counts) if counts else step.graph
+    stored = stored_shapes(graph, program_parameters(graph))
+    out = [0] * world
+    for group in alike_ranks([derivation.evaluate(shape[0]) for shape in stored.values() if shape], world):
+        found = sympy.Add(*(e for name, shape in stored.items()
+                            for _, _, e, _, _ in state_storages(regime, name, held_shape(shape, N, group[0]), False)))
+        for rank in group:  # ranks holding the same rows of every parameter: worked out once, however large N is
+            out[rank] = int(sympy.sympify(found, strict=True).xreplace(subs))
+    return out
+
+
+def held(tl: Any, values: Mapping[sympy.Symbol, Any], buckets: Collection[int] = ()) -> dict[str, int]:
+    """The parameter side a :class:`~symmem.timeline.Timeline` holds just before its optimizer step, at
+    ``values`` (``buckets``: the storages listed as DDP's buckets, apart from the gradients).
+
+    >>> from symmem.timeline import Event, Live, Timeline
+    >>> tl = Timeline((Live("w", "parameter", sympy.Integer(40)), Live("ddp.buckets", "gradient", sympy.Integer(40)),
+    ...                Live("w.grad", "gradient", sympy.Integer(40)), Live("w.exp_avg", "optimizer_state",
+    ...                sympy.Integer(40))), (0, 1, 3), (Event("backward", "fc", (2,), ()), Event("step", "w", (), ())))
+    >>> held(tl, {}, buckets={1})
+    {'parameters': 40, 'gradients': 40, 'buckets': 40, 'optimizer_state': 40, 'total': 160}
+    """
+    live = set(tl.start)
+    for e in tl.events:
+        if e.phase in ("step", "zero_grad"):
+            break
+        live |= set(e.born)
+        live -= set(e.freed)
+    subs = {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
+    out = dict.fromkeys(KEYS, 0)
+    for i in live:
+        s = tl.storages[i]
+        key = {"parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer_state"}.get(
+            s.category)
+        if key is None:
+            continue
+        key = "buckets" if i in buckets else key
+        out[key] += int(sympy.sympify(s.nbytes, strict=True).xreplace(subs))
+    out["total"] = sum(out[k] for k in KEYS[:-1])
+    return out
