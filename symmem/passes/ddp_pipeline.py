@@ -123,7 +123,7 @@ class DdpPipelineStep(PipelineStep):
         if key not in cuts:
             if len(cuts) > 8:
                 cuts.clear()
-            cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers)
+            cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
             cuts[key] = (cut, [_whole(cut, s) for s in range(cut.p)] if self.zero else [])
         return cuts[key]
 
@@ -164,7 +164,7 @@ class DdpPipelineStep(PipelineStep):
         key = ("rank", rank)
         if key not in self._cache:
             self._cache[key] = dataclasses.replace(self, rank=rank, _cache={
-                "stages": self._stages(), "cuts": self._cache.setdefault("cuts", {})})
+                "stages": self._stages(), "cuts": self._cache.setdefault("cuts", {}), "memo": self._memo()})
         return self._cache[key]
 
     def per_stage(self, numbers: Any) -> dict[str, Any]:
