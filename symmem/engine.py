@@ -226,27 +226,22 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
     single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k not in dropped},
                          options=options, free=None if free is None else tuple(f for f in free if f not in dropped))
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
-    if regime.data_parallel in ("ddp", "zero-redundancy"):  # DDP (ZeRO-1) on every stage (passes/ddp_pipeline.py)
-        from .passes.ddp_pipeline import DdpPipelineStep
-        from .passes.ddp_pipeline import refusal as ddp_refusal
+    if regime.data_parallel:  # an engine on every stage of a p x N mesh: DDP / ZeRO-1 or FSDP2
         from .step import Refused
 
-        why = ddp_refusal(model.name, regime, str(single.options.get("device", "cpu")))
-        if why is not None:
-            return Refused(f"no peak: {why}")
-        return DdpPipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
-                               regime.pipeline_schedule, regime.micro_batches,
-                               zero=regime.data_parallel == "zero-redundancy")
-    if regime.data_parallel:  # FSDP2 on every stage of a p x N mesh (passes/fsdp_pipeline.py)
-        from .passes.fsdp_pipeline import FsdpPipelineStep, refusal
-        from .step import Refused
-
+        if regime.data_parallel in ("ddp", "zero-redundancy"):  # passes/ddp_pipeline.py
+            from .passes.ddp_pipeline import DdpPipelineStep as Meshed
+            from .passes.ddp_pipeline import refusal
+            engine = {"zero": regime.data_parallel == "zero-redundancy"}
+        else:  # passes/fsdp_pipeline.py
+            from .passes.fsdp_pipeline import FsdpPipelineStep as Meshed  # type: ignore[assignment]
+            from .passes.fsdp_pipeline import refusal  # type: ignore[assignment]
+            engine = {"reshard": regime.data_parallel == "fsdp"}
         why = refusal(model.name, regime, str(single.options.get("device", "cpu")))
         if why is not None:
             return Refused(f"no peak: {why}")
-        return FsdpPipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
-                                regime.pipeline_schedule, regime.micro_batches,
-                                reshard=regime.data_parallel == "fsdp")
+        return Meshed(model.graph, convention, resolved, one, single.storages, dict(numbers),
+                      regime.pipeline_schedule, regime.micro_batches, **engine)
     return PipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
                         regime.pipeline_schedule, regime.micro_batches)
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import SymmemError
-from .fsdp_pipeline_runs import StageMeshRun
+from .fsdp_pipeline_runs import StageMeshRun, mesh_of
 from .model_parallel_runs import MESH_FIRST_STEPS as FIRST_STEPS
 from .model_parallel_runs import MESH_STEADY_STEPS as STEADY_STEPS
 from .model_parallel_runs import SETTLE_S
@@ -166,16 +166,7 @@ def ddp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method:
 
     from .model_parallel_runs import forked_ranks
 
-    for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise SymmemError(f"the {what} is a positive integer, got {n!r}")
-    if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
-        import multiprocessing
-
-        from .distributed import PRELOAD
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            [*PRELOAD, "torch.distributed.pipelining", __name__])
+    mesh_of(stages, dp, start_method, __name__)
     listed = [(model, dict(values), schedule, m, loss, dict(options), engine)
               for model, values, schedule, m, loss, options, engine in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the DDP x pipeline run",

@@ -177,6 +177,20 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
                         phases["forward"], phases["step"])
 
 
+def mesh_of(stages: int, dp: int, start_method: str, runs: str) -> None:
+    """A p x N mesh's sizes checked, and with ``forkserver`` what its ranks import (the module ``runs`` too)."""
+    for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SymmemError(f"the {what} is a positive integer, got {n!r}")
+    if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
+        import multiprocessing
+
+        from .distributed import PRELOAD
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [*PRELOAD, "torch.distributed.pipelining", runs])
+
+
 def _fewest_phase(trace: Any, steps: range, left_out: set[int], phase: str) -> int:
     """The largest moment of ``phase`` over the repeated ``steps``, each moment at its fewest bytes."""
     from .model_parallel_runs import _live
@@ -201,16 +215,7 @@ def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method
 
     from .model_parallel_runs import forked_ranks
 
-    for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise SymmemError(f"the {what} is a positive integer, got {n!r}")
-    if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
-        import multiprocessing
-
-        from .distributed import PRELOAD
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            [*PRELOAD, "torch.distributed.pipelining", __name__])
+    mesh_of(stages, dp, start_method, __name__)
     listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]), bool(case[6]))
               for case in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the FSDP x pipeline run",
