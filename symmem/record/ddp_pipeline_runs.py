@@ -62,13 +62,16 @@ def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMe
     ids = torch.randint(0, v, (b * m, seq), generator=gen)
     labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
     group = mesh["dp"].get_group() if engine == "zero-redundancy" else None
-    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp), group)
+    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp), group,
+                   views=engine == "ddp-bucket-view")
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
-            where: tuple[int, int, int], zero_group: Any = None) -> StageMeshRun:
+            where: tuple[int, int, int], zero_group: Any = None, views: bool = False) -> StageMeshRun:
     """Two unrecorded steps, then the recorded ones (see the module's note); the :class:`StageMeshRun`.
-    ``zero_group``: ``ZeroRedundancyOptimizer`` over that group around the for-loop AdamW (None: AdamW alone)."""
+    ``zero_group``: ``ZeroRedundancyOptimizer`` over that group around the for-loop AdamW (None: AdamW alone).
+    ``views`` (``gradient_as_bucket_view``): the buckets, which the ``.grad``s are views of after a synced backward,
+    are taken from those views before ``zero_grad`` drops them and counted from the start."""
     from .distributed import zero_optimizer
     from .identity import tensors
     from .model_parallel_runs import _buffers
@@ -90,10 +93,15 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
         out = sched.step(ids) if first else sched.step(target=labels, losses=losses) if last else sched.step()
         del out, losses
 
+    buckets: list[Any] = []
     for _ in range(2):  # the receive buffers; DDP's first synced backward, then its buckets rebuilt (step 2)
         opt = optimizer()
         step()
         opt.step()
+        # under the bucket view the .grads are views of the (rebuilt) buckets: the storages the rank holds from
+        # here on; the recorder sees them only when the reducer first writes into them, which in a first step is
+        # its last micro-batch's backward -- counting them from there undercounts the moments before it
+        buckets = [p.grad for p in params if p.grad is not None] if views else []
         opt.zero_grad(set_to_none=True)
         del opt
 
@@ -104,6 +112,7 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     tracker.register(params, "parameter")
     tracker.register(list(module.buffers()), "buffer")
     tracker.register(_buffers(stage), "buffer")
+    tracker.register(buckets, "gradient")
     tracker.register([t for out in stage.output_chunks for t in tensors(out)], "output")
     tracker.register([ids] if first else [labels] if last else [], "input")
     held: dict[str, Any] = {}
