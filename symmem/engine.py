@@ -229,10 +229,11 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
     if regime.data_parallel:  # an engine on every stage of a p x N mesh: DDP / ZeRO-1 or FSDP2
         from .step import Refused
 
-        if regime.data_parallel in ("ddp", "zero-redundancy"):  # passes/ddp_pipeline.py
+        if regime.data_parallel in ("ddp", "zero-redundancy", "ddp-bucket-view"):  # passes/ddp_pipeline.py
             from .passes.ddp_pipeline import DdpPipelineStep as Meshed
             from .passes.ddp_pipeline import refusal
-            engine = {"zero": regime.data_parallel == "zero-redundancy"}
+            engine = {"zero": regime.data_parallel == "zero-redundancy",
+                      "view": regime.data_parallel == "ddp-bucket-view"}
         else:  # passes/fsdp_pipeline.py
             from .passes.fsdp_pipeline import FsdpPipelineStep as Meshed  # type: ignore[assignment]
             from .passes.fsdp_pipeline import refusal  # type: ignore[assignment]

@@ -180,8 +180,6 @@ def refuse_one_rank(data_parallel: str | None, numbers: Mapping[sympy.Symbol, An
 #: Why an engine on every pipeline stage is not modelled (FSDP2's is: passes/fsdp_pipeline.py; DDP's:
 #: passes/ddp_pipeline.py)
 _NOT_STAGED = {
-    "ddp-bucket-view": "gradient_as_bucket_view under PipelineStage's no_sync micro-batches was tried and its first "
-                       "step not explained",
     "fsdp1": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would reduce-scatter "
              "after every micro-batch, which was not measured",
     "fsdp1-grad-op": "PipelineStage handles DDP and FSDP2 only (backward_maybe_with_nosync), so FSDP1 would "
@@ -293,9 +291,9 @@ class Regime:
             # FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"]), passes/fsdp1_tensor.py), with or without
             # sequence parallelism
             return
-        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard", "ddp", "zero-redundancy") and (
-                not self.tensor_parallel):
-            # DDP (with ZeroRedundancyOptimizer) on every stage (passes/ddp_pipeline.py)
+        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard", "ddp", "zero-redundancy",
+                                             "ddp-bucket-view") and not self.tensor_parallel:
+            # DDP (with ZeroRedundancyOptimizer; or the bucket view) on every stage (passes/ddp_pipeline.py)
             # FSDP2 on every stage of a p x N mesh, torchtitan's recipe (passes/fsdp_pipeline.py)
             return
         if self.pipeline_parallel and not self.tensor_parallel:

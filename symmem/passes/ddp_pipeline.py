@@ -20,8 +20,13 @@ whole parameters partitioned as ZeRO-1 alone partitions a model's
 (:func:`~symmem.passes.zero_redundancy.partition`), so a rank's AdamW state and its for-loop step's temporaries are
 those of the parameters it owns, and the ranks of a stage differ (the largest need not be data-parallel rank 0).
 
-``gradient_as_bucket_view=True`` (``ddp-bucket-view``) stays refused: tried on stages, its steady peaks fit this
-rule with the gradients as the buckets' views, its first step's did not (docs/regimes.md).
+With ``gradient_as_bucket_view=True`` (``ddp-bucket-view``) the buckets are alive the whole step as above (made when
+the stage was wrapped; ``zero_grad(set_to_none=True)`` drops the views, not the buckets), and the ``no_sync``
+micro-batches accumulate into ``.grad``s of their own as one device's do, so every moment before the last
+micro-batch's backward is DDP's.  In that backward the reducer copies each parameter's gradient, once accumulated,
+into its bucket and makes the ``.grad`` a view of it, freeing the gradient (:class:`_ViewReplay`); in the optimizer
+step the gradients *are* the buckets, so the step's moment is the pipeline alone's.  Measured to the byte on every
+rank of the 2 x 2 gloo mesh (``tests/test_ddp_pipeline.py``; more rows by hand in docs/regimes.md).
 
 >>> from symmem import derive
 >>> d = derive("llama", data_parallel="ddp", pipeline_parallel=True, pipeline_schedule="gpipe", micro_batches=2,
@@ -50,6 +55,7 @@ from typing import Any
 from ..errors import SymmemError
 from ..training import Regime
 from .fsdp_pipeline import MeshStageMoment
+from .model_parallel import _Replay
 from .pipeline_step import PipelineStep
 
 
@@ -89,9 +95,10 @@ class DdpPipelineStep(PipelineStep):
 
     zero: bool = False
     rank: int = 0
+    view: bool = False  # gradient_as_bucket_view
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
-        from .model_parallel import _Replay, requires
+        from .model_parallel import requires
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
         world = numbers.get("N")
@@ -110,8 +117,9 @@ class DdpPipelineStep(PipelineStep):
                 at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
                 at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
             at["at_rest"] += at["ddp_buckets"]
-            at["step_peak"] += at["ddp_buckets"]
-            out.append(_Replay(cut, s, at, self.schedule, self.micro_batches))
+            if not self.view:  # under the bucket view the step's gradients are the buckets
+                at["step_peak"] += at["ddp_buckets"]
+            out.append((_ViewReplay if self.view else _Replay)(cut, s, at, self.schedule, self.micro_batches))
         return out
 
     def _cut(self, numbers: Mapping[str, int]) -> Any:
@@ -190,6 +198,24 @@ class DdpPipelineStep(PipelineStep):
                 out.update({s * world + r: pair for r in group})
         out = dict(sorted(out.items()))
         return out if len(set(out.values())) > 1 else None
+
+
+class _ViewReplay(_Replay):
+    """A stage's replay under ``gradient_as_bucket_view``: in the last micro-batch's backward the reducer copies
+    each parameter's gradient, once accumulated, into its bucket and makes the ``.grad`` a view of it, so the
+    gradients that op made or the earlier micro-batches accumulated go after its op (the buckets stay)."""
+
+    last: bool = False
+
+    def begin(self, kind: str, mb: int) -> None:
+        self.last = kind == "B" and mb == self.m - 1  # backward_maybe_with_nosync syncs the last one only
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        if not self.last or node is None:
+            return
+        storages = self.cut.tl.storages
+        for key in [k for k in self.alive if storages[k[1]].category == "gradient" and storages[k[1]].node == node]:
+            self.free(key)
 
 
 def _whole(cut: Any, s: int) -> list[tuple[int, ...]]:
