@@ -298,8 +298,8 @@ class Regime:
             return
         if self.pipeline_parallel and not self.tensor_parallel:
             raise SymmemError(f"data_parallel={dp!r} with pipeline parallelism is not modelled: {_NOT_STAGED[dp]}; "
-                              "DDP, ZeRO-1 and FSDP2 on every stage are (ddp, zero-redundancy, fsdp, "
-                              "fsdp-no-reshard)")
+                              "DDP, ZeRO-1 and FSDP2 on every stage are (ddp, ddp-bucket-view, zero-redundancy, "
+                              "fsdp, fsdp-no-reshard)")
         if self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor and pipeline parallelism (a 3-D mesh) is not "
                               "modelled: give two of them")

@@ -210,7 +210,7 @@ def test_other_engines_on_stages_are_one_line_errors(capsys, engine, why):
     assert main(["derive", "gpt2", "--data-parallel", engine, "--pipeline-parallel", "--set", "p=2"]) == 2
     assert capsys.readouterr().err == (f"symmem: error: data_parallel={engine!r} with pipeline parallelism is not "
                                        f"modelled: {why}; DDP, ZeRO-1 and FSDP2 on every stage are (ddp, "
-                                       "zero-redundancy, fsdp, fsdp-no-reshard)\n")
+                                       "ddp-bucket-view, zero-redundancy, fsdp, fsdp-no-reshard)\n")
 
 
 @pytest.mark.parametrize("more, why", [
