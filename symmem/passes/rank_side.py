@@ -76,7 +76,14 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
     regime = derivation.regime
     step = getattr(derivation, "step", None)
     world = derivation.numbers.get(N)
-    if regime.data_parallel not in ENGINES or regime.tensor_parallel or regime.pipeline_parallel or world is None:
+    if regime.data_parallel not in ENGINES or world is None:
+        return None
+    if regime.tensor_parallel and not regime.pipeline_parallel and hasattr(step, "rank_parts"):
+        try:  # FSDP/FSDP1 x TP: each data-parallel rank's parts as the mesh step holds them (passes/fsdp_tensor.py)
+            return _tensor_mesh(derivation, step)
+        except SymmemError:
+            return None
+    if regime.tensor_parallel or regime.pipeline_parallel:
         return None
     numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
     try:
@@ -99,6 +106,34 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
             one["total"] = sum(one[k] for k in KEYS[:-1])
         found[rank] = one
     return found
+
+
+def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
+    """Every rank of an N x t mesh under FSDP2 or FSDP1 over tensor parallelism, rank ``r`` at mesh coordinates
+    ``(r // t, r % t)``: the parts the step's peak holds at rest (:meth:`~.fsdp_tensor.MeshStep.rank_parts`, FSDP1's
+    :func:`~.fsdp1_tensor.mesh1_rank`: the padded 2-D shards, their sharded gradients, AdamW's state of the rows a
+    data-parallel rank holds) with the module's buffers, whole on every rank (the peak's at rest counts them too);
+    the tensor-parallel ranks of a data-parallel rank alike, as the step has them; no DDP buckets."""
+    from ..symbols import t
+    from .model_parallel import _module_buffers
+
+    numbers = derivation.numbers
+    named = {s.name: int(v) for s, v in numbers.items()}
+    subs = {s: sympy.Integer(v) for s, v in numbers.items()}
+    width = int(numbers[t])
+
+    def count(e: Any) -> int:
+        return int(sympy.sympify(e, strict=True).xreplace(subs))
+
+    buffers = count(sympy.Add(*_module_buffers(step.graph, "float32").values()))
+    out: dict[int, dict[str, int]] = {}
+    for group in step.groups(dict(numbers)):  # data-parallel ranks holding the same rows: worked out once
+        parts = step.rank_parts(group[0], named)
+        one = {"parameters": count(parts.parameters) + buffers, "gradients": count(parts.gradients), "buckets": 0,
+               "optimizer_state": count(parts.optimizer_state)}
+        one["total"] = sum(one[k] for k in KEYS[:-1])
+        out.update({dp * width + tp: one for dp in group for tp in range(width)})
+    return dict(sorted(out.items()))
 
 
 def _buckets(tl: Any, apart: bool) -> set[int]:
