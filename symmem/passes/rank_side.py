@@ -83,6 +83,11 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
             return _tensor_mesh(derivation, step)
         except SymmemError:
             return None
+    if regime.pipeline_parallel and not regime.tensor_parallel and _built_stages(step):
+        try:  # DDP/ZeRO-1/FSDP2 on pipeline stages: each stage's replay of each data-parallel rank
+            return _pipeline_mesh(derivation, step)
+        except SymmemError:
+            return None
     if regime.tensor_parallel or regime.pipeline_parallel:
         return None
     numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
@@ -133,6 +138,44 @@ def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
                "optimizer_state": count(parts.optimizer_state)}
         one["total"] = sum(one[k] for k in KEYS[:-1])
         out.update({dp * width + tp: one for dp in group for tp in range(width)})
+    return dict(sorted(out.items()))
+
+
+def _built_stages(step: Any) -> bool:
+    """Whether ``step`` is a built graph's pipeline step under a data-parallel engine (a traced module's stages,
+    :mod:`symmem.importer.traced_fsdp_pipeline`, do not have it yet: their stage memory is not split by buffer)."""
+    from .ddp_pipeline import DdpPipelineStep
+    from .fsdp_pipeline import FsdpPipelineStep
+
+    return type(step) in (DdpPipelineStep, FsdpPipelineStep)
+
+
+def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
+    """Every rank of a p x N mesh of pipeline stages under DDP, ZeRO-1 or FSDP2, rank ``s*N + r`` stage ``s``'s
+    data-parallel rank ``r``: what each stage's replay holds at rest (:mod:`.ddp_pipeline`'s whole weights, gradients
+    and buckets, ZeRO-1's state of the parameters the rank owns; :mod:`.fsdp_pipeline`'s padded shards and AdamW's
+    state of the unpadded rows) with the stage's module buffers (:attr:`.model_parallel.StageMemory.module_buffers`,
+    not its receive buffers)."""
+    from .data_parallel import alike_ranks
+
+    numbers = derivation.numbers
+    named = {s.name: int(v) for s, v in numbers.items()}
+    world = int(numbers[N])
+    subs = {s: sympy.Integer(v) for s, v in numbers.items()}
+    # data-parallel ranks whose stages hold the same: ZeRO-1's by the parameters owned, FSDP2's by the rows held
+    groups = step._alike(named) if hasattr(step, "_alike") else alike_ranks(step._firsts(derivation), world)
+    memories = step._stages()  # first, middle, last (the replays' own choice of them)
+    out: dict[int, dict[str, int]] = {}
+    for group in groups:
+        replays = step.at_rank(group[0])._replays(named)
+        for s, replay in enumerate(replays):
+            memory = memories[0] if s == 0 else memories[-1] if s == len(replays) - 1 else memories[1]
+            at = replay.at
+            own = int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
+            one = {"parameters": at["parameters"] + own, "gradients": at["gradients"],
+                   "buckets": at.get("ddp_buckets", 0), "optimizer_state": at["optimizer_state"]}
+            one["total"] = sum(one[k] for k in KEYS[:-1])
+            out.update({s * world + r: one for r in group})
     return dict(sorted(out.items()))
 
 
