@@ -117,10 +117,10 @@ def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
     """Every rank of an N x t mesh under FSDP2 or FSDP1 over tensor parallelism, rank ``r`` at mesh coordinates
     ``(r // t, r % t)``: the parts the step's peak holds at rest (:meth:`~.fsdp_tensor.MeshStep.rank_parts`, FSDP1's
     :func:`~.fsdp1_tensor.mesh1_rank`: the padded 2-D shards, their sharded gradients, AdamW's state of the rows a
-    data-parallel rank holds) with the module's buffers, whole on every rank (the peak's at rest counts them too);
-    the tensor-parallel ranks of a data-parallel rank alike, as the step has them; no DDP buckets."""
+    data-parallel rank holds) with the modules' buffers, whole on every rank
+    (:meth:`~.fsdp_tensor.MeshStep.module_buffers`); the tensor-parallel ranks of a data-parallel rank alike, as the
+    step has them; no DDP buckets."""
     from ..symbols import t
-    from .model_parallel import _module_buffers
 
     numbers = derivation.numbers
     named = {s.name: int(v) for s, v in numbers.items()}
@@ -130,7 +130,7 @@ def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
     def count(e: Any) -> int:
         return int(sympy.sympify(e, strict=True).xreplace(subs))
 
-    buffers = count(sympy.Add(*_module_buffers(step.graph, "float32").values()))
+    buffers = count(step.module_buffers())
     out: dict[int, dict[str, int]] = {}
     for group in step.groups(dict(numbers)):  # data-parallel ranks holding the same rows: worked out once
         parts = step.rank_parts(group[0], named)
@@ -144,10 +144,9 @@ def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
 def _built_stages(step: Any) -> bool:
     """Whether ``step`` is a built graph's pipeline step under a data-parallel engine (a traced module's stages,
     :mod:`symmem.importer.traced_fsdp_pipeline`, do not have it yet: their stage memory is not split by buffer)."""
-    from .ddp_pipeline import DdpPipelineStep
-    from .fsdp_pipeline import FsdpPipelineStep
-
-    return type(step) in (DdpPipelineStep, FsdpPipelineStep)
+    # by name: importing the two steps here would close an import cycle through the derivation
+    kind = f"{type(step).__module__}.{type(step).__qualname__}"
+    return kind in (f"{__package__}.ddp_pipeline.DdpPipelineStep", f"{__package__}.fsdp_pipeline.FsdpPipelineStep")
 
 
 def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
