@@ -65,8 +65,10 @@ def ranges(per_rank: Mapping[int, Any]) -> list[tuple[int, int, Any]]:
 
 def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None:
     """``{rank: {parameters, gradients, buckets, optimizer_state, total}}`` in bytes for every rank ``0 .. N-1``
-    at the derivation's numbers (module docstring); None without a data-parallel engine, with tensor or pipeline
-    parallelism beside it, or without a number for ``N``.
+    at the derivation's numbers (module docstring); on a mesh every rank of it, as its step's per-rank peaks number
+    them (:func:`_tensor_mesh`: FSDP2/FSDP1 x TP; :func:`_pipeline_mesh`: DDP/ZeRO-1/FSDP2 on pipeline stages of a
+    built graph). None without a data-parallel engine, without a number for ``N``, where the step has no peak at
+    the numbers, or for the meshes not modelled here (a traced module's, TP x pipeline).
 
     The step written out (the one the views' timeline shows: rank 0's, ZeRO-1's largest rank's) gives the weights,
     gradients and buckets, which every rank holds alike; the ranks differ only in their optimizer state (FSDP2's
