@@ -58,9 +58,15 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         d = _derive(*case)
         named = {s.name: int(v) for s, v in d.numbers.items()}
+        sides = d.to_dict()["values"]["parameter_side_per_rank"]
         for r in real:
             mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
             assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
+            # the parameter side per rank (passes/rank_side.py): the real rank's weights and optimizer state, and
+            # the buffers of the real stage module it runs (Llama's rotary frequencies on every stage)
+            side = sides[str(r.rank)]
+            assert (side["parameters"], side["optimizer_state"]) == (
+                r.parameters + _stage_buffers(case, r.pp), r.optimizer_state), (k, r, side)
             assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
                 r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
         model, values, schedule, m, loss, options, engine = case
@@ -134,3 +140,12 @@ def test_bucket_views_on_stages_in_the_cli(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "peak per rank (first step / steady): ranks 0-1: 1,040,056 / 1,116,216 B; ranks 2-3: 356,236 / 475,080 B" \
         in text
+
+
+def _stage_buffers(case, stage: int) -> int:
+    """Bytes of the buffers of the real stage module ``stage`` of ``case`` (p = 2), as the gloo runs build it."""
+    from symmem.record.model_parallel_runs import _stage_module
+
+    model, values, _, _, _, options, _ = case
+    sizes = {**values, "p": 2, "N": 2, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
+    return sum(b.numel() * b.element_size() for b in _stage_module(model, sizes, stage, 2, options).buffers())

@@ -102,6 +102,7 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     from symmem import derive
     from symmem.api import tensor_parallel_rank
     from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
+    from symmem.reference.sequence_models import reference
 
     jobs = [(values, _job(engine, options)) for engine, values, options, _ in CASES]
     everything = fsdp_tensor_runs(2, 2, [*jobs, ({}, _file_job())])
@@ -126,6 +127,15 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak), (
             engine, options)
         out = d.to_dict()
+        # the parameter side per rank (passes/rank_side.py): the real rank's shards, gradients and AdamW state, and
+        # the real module's buffers (whole on every rank: the rotary frequencies), no DDP buckets
+        module, _ = reference("llama", values, **{k: v for k, v in options.items() if k != "sequence_parallel"})
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        side = {str(r.rank): {"parameters": r.parameters + buffers, "gradients": r.gradients, "buckets": 0,
+                              "optimizer_state": r.optimizer_state,
+                              "total": r.parameters + buffers + r.gradients + r.optimizer_state} for r in real}
+        assert out["values"]["parameter_side_per_rank"] == side, (engine, options)
+        assert buffers > 0 and "parameter side per rank" in str(d), engine
         each = {str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}
         if fewer:
             assert out["values"]["peak_per_rank"] == each, (engine, options)

@@ -423,6 +423,12 @@ class MeshStep(WalkedStep):
         """Data-parallel rank ``rank``'s parameter side (:func:`mesh_rank`; ``named``: the numbers walked at)."""
         return mesh_rank(self.graph, self.storages, self.regime, rank, self.sequence)
 
+    def module_buffers(self) -> sympy.Expr:
+        """The modules' buffers in bytes, whole on every rank (Llama's rotary frequencies): held at rest."""
+        from .model_parallel import _module_buffers
+
+        return sympy.Add(*_module_buffers(self.graph, "float32").values())
+
     def temporaries(self, rank: int, named: Mapping[str, int]) -> sympy.Expr:
         """The optimizer step's largest temporaries on ``rank`` (:func:`_step_temporaries`)."""
         return _step_temporaries(self.graph, rank)
@@ -432,14 +438,13 @@ class MeshStep(WalkedStep):
         return mesh_groups(self.graph, merged)
 
     def _peak(self, named: Mapping[str, int], rank: int) -> Peak:
-        from .model_parallel import _bytes, _module_buffers
+        from .model_parallel import _bytes
 
         parts = self.rank_parts(rank, named)
         outside = [n for n in self.graph.program_order() if self.graph.node(n).block is None]
         ids = sum((_bytes(self.graph, n, "float32") for n in outside if self.graph.node(n).kind == "input"),
                   sympy.Integer(0))
-        at_rest = parts.parameters + parts.optimizer_state + sympy.Add(*_module_buffers(self.graph, "float32")
-                                                                       .values()) + ids
+        at_rest = parts.parameters + parts.optimizer_state + self.module_buffers() + ids
         ranks = f"N x t = {named['N']} x {named['t']}"
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):

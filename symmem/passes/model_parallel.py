@@ -82,6 +82,9 @@ class StageMemory:
     saved: sympy.Expr               # in_flight x saved_per_micro_batch
     in_flight_outputs: sympy.Expr   # the stage's output per micro-batch in flight (not the last stage)
     step_temporaries: sympy.Expr    # the optimizer step's largest temporaries
+    #: of ``buffers``, the modules' own (the rotary frequencies a stage makes; the rest are receive buffers): not a
+    #: part of its own, for what a rank stores beside its weights (passes/rank_side.py)
+    module_buffers: sympy.Expr = sympy.Integer(0)
 
     @property
     def at_rest(self) -> sympy.Expr:
@@ -103,7 +106,7 @@ class StageMemory:
         subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         out = {}
         for f in fields(self):
-            if f.name != "name":
+            if f.name not in ("name", "module_buffers"):
                 out[f.name] = _integer(getattr(self, f.name), subs, f.name)
         for name in ("at_rest", "step_peak", "held"):
             out[name] = _integer(getattr(self, name), subs, name)
@@ -169,14 +172,14 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
         weights, grads, state, temps = params[name]
         # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after;
         # and the module's own buffers (a stage that makes the rotary tables holds their frequencies)
-        buffers = (0 if first else 1) * m * boundary + (0 if last else 1) * m * boundary
-        buffers += module_buffers["layer"] * per_stage + (module_buffers["first"] if first or shared else 0) + (
+        own = module_buffers["layer"] * per_stage + (module_buffers["first"] if first or shared else 0) + (
             module_buffers["last"] if last else 0)
+        buffers = (0 if first else 1) * m * boundary + (0 if last else 1) * m * boundary + own
         found.append(StageMemory(
             name, index, flight, weights, grads, state, sympy.sympify(buffers, strict=True),
             m * batch if first else (m * labels if last else sympy.Integer(0)),
             m * logits if last else sympy.Integer(0), saved, flight * saved,
-            sympy.Integer(0) if last else flight * boundary, temps))
+            sympy.Integer(0) if last else flight * boundary, temps, sympy.sympify(own, strict=True)))
     return tuple(found)
 
 

@@ -65,8 +65,10 @@ def ranges(per_rank: Mapping[int, Any]) -> list[tuple[int, int, Any]]:
 
 def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None:
     """``{rank: {parameters, gradients, buckets, optimizer_state, total}}`` in bytes for every rank ``0 .. N-1``
-    at the derivation's numbers (module docstring); None without a data-parallel engine, with tensor or pipeline
-    parallelism beside it, or without a number for ``N``.
+    at the derivation's numbers (module docstring); on a mesh every rank of it, as its step's per-rank peaks number
+    them (:func:`_tensor_mesh`: FSDP2/FSDP1 x TP; :func:`_pipeline_mesh`: DDP/ZeRO-1/FSDP2 on pipeline stages of a
+    built graph). None without a data-parallel engine, without a number for ``N``, where the step has no peak at
+    the numbers, or for the meshes not modelled here (a traced module's, TP x pipeline).
 
     The step written out (the one the views' timeline shows: rank 0's, ZeRO-1's largest rank's) gives the weights,
     gradients and buckets, which every rank holds alike; the ranks differ only in their optimizer state (FSDP2's
@@ -76,7 +78,19 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
     regime = derivation.regime
     step = getattr(derivation, "step", None)
     world = derivation.numbers.get(N)
-    if regime.data_parallel not in ENGINES or regime.tensor_parallel or regime.pipeline_parallel or world is None:
+    if regime.data_parallel not in ENGINES or world is None:
+        return None
+    if regime.tensor_parallel and not regime.pipeline_parallel and hasattr(step, "rank_parts"):
+        try:  # FSDP/FSDP1 x TP: each data-parallel rank's parts as the mesh step holds them (passes/fsdp_tensor.py)
+            return _tensor_mesh(derivation, step)
+        except SymmemError:
+            return None
+    if regime.pipeline_parallel and not regime.tensor_parallel and _built_stages(step):
+        try:  # DDP/ZeRO-1/FSDP2 on pipeline stages: each stage's replay of each data-parallel rank
+            return _pipeline_mesh(derivation, step)
+        except SymmemError:
+            return None
+    if regime.tensor_parallel or regime.pipeline_parallel:
         return None
     numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
     try:
@@ -99,6 +113,71 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
             one["total"] = sum(one[k] for k in KEYS[:-1])
         found[rank] = one
     return found
+
+
+def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
+    """Every rank of an N x t mesh under FSDP2 or FSDP1 over tensor parallelism, rank ``r`` at mesh coordinates
+    ``(r // t, r % t)``: the parts the step's peak holds at rest (:meth:`~.fsdp_tensor.MeshStep.rank_parts`, FSDP1's
+    :func:`~.fsdp1_tensor.mesh1_rank`: the padded 2-D shards, their sharded gradients, AdamW's state of the rows a
+    data-parallel rank holds) with the modules' buffers, whole on every rank
+    (:meth:`~.fsdp_tensor.MeshStep.module_buffers`); the tensor-parallel ranks of a data-parallel rank alike, as the
+    step has them; no DDP buckets."""
+    from ..symbols import t
+
+    numbers = derivation.numbers
+    named = {s.name: int(v) for s, v in numbers.items()}
+    subs = {s: sympy.Integer(v) for s, v in numbers.items()}
+    width = int(numbers[t])
+
+    def count(e: Any) -> int:
+        return int(sympy.sympify(e, strict=True).xreplace(subs))
+
+    buffers = count(step.module_buffers())
+    out: dict[int, dict[str, int]] = {}
+    for group in step.groups(dict(numbers)):  # data-parallel ranks holding the same rows: worked out once
+        parts = step.rank_parts(group[0], named)
+        one = {"parameters": count(parts.parameters) + buffers, "gradients": count(parts.gradients), "buckets": 0,
+               "optimizer_state": count(parts.optimizer_state)}
+        one["total"] = sum(one[k] for k in KEYS[:-1])
+        out.update({dp * width + tp: one for dp in group for tp in range(width)})
+    return dict(sorted(out.items()))
+
+
+def _built_stages(step: Any) -> bool:
+    """Whether ``step`` is a built graph's pipeline step under a data-parallel engine (a traced module's stages,
+    :mod:`symmem.importer.traced_fsdp_pipeline`, do not have it yet: their stage memory is not split by buffer)."""
+    # by name: importing the two steps here would close an import cycle through the derivation
+    kind = f"{type(step).__module__}.{type(step).__qualname__}"
+    return kind in (f"{__package__}.ddp_pipeline.DdpPipelineStep", f"{__package__}.fsdp_pipeline.FsdpPipelineStep")
+
+
+def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
+    """Every rank of a p x N mesh of pipeline stages under DDP, ZeRO-1 or FSDP2, rank ``s*N + r`` stage ``s``'s
+    data-parallel rank ``r``: what each stage's replay holds at rest (:mod:`.ddp_pipeline`'s whole weights, gradients
+    and buckets, ZeRO-1's state of the parameters the rank owns; :mod:`.fsdp_pipeline`'s padded shards and AdamW's
+    state of the unpadded rows) with the stage's module buffers (:attr:`.model_parallel.StageMemory.module_buffers`,
+    not its receive buffers)."""
+    from .data_parallel import alike_ranks
+
+    numbers = derivation.numbers
+    named = {s.name: int(v) for s, v in numbers.items()}
+    world = int(numbers[N])
+    subs = {s: sympy.Integer(v) for s, v in numbers.items()}
+    # data-parallel ranks whose stages hold the same: ZeRO-1's by the parameters owned, FSDP2's by the rows held
+    groups = step._alike(named) if hasattr(step, "_alike") else alike_ranks(step._firsts(derivation), world)
+    memories = step._stages()  # first, middle, last (the replays' own choice of them)
+    out: dict[int, dict[str, int]] = {}
+    for group in groups:
+        replays = step.at_rank(group[0])._replays(named)
+        for s, replay in enumerate(replays):
+            memory = memories[0] if s == 0 else memories[-1] if s == len(replays) - 1 else memories[1]
+            at = replay.at
+            own = int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
+            one = {"parameters": at["parameters"] + own, "gradients": at["gradients"],
+                   "buckets": at.get("ddp_buckets", 0), "optimizer_state": at["optimizer_state"]}
+            one["total"] = sum(one[k] for k in KEYS[:-1])
+            out.update({s * world + r: one for r in group})
+    return dict(sorted(out.items()))
 
 
 def _buckets(tl: Any, apart: bool) -> set[int]:
