@@ -67,6 +67,10 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
             side = sides[str(r.rank)]
             assert (side["parameters"], side["optimizer_state"]) == (
                 r.parameters + _stage_buffers(case, r.pp), r.optimizer_state), (k, r, side)
+            # FP32: a whole gradient per weight, and the buckets as many bytes again -- or, under the bucket view,
+            # the gradients themselves (counted once)
+            assert (side["gradients"], side["buckets"]) == (
+                r.parameters, 0 if case[-1] == "ddp-bucket-view" else r.parameters), (k, r, side)
             assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
                 r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
         model, values, schedule, m, loss, options, engine = case

@@ -174,7 +174,9 @@ def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
             at = replay.at
             own = int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
             one = {"parameters": at["parameters"] + own, "gradients": at["gradients"],
-                   "buckets": at.get("ddp_buckets", 0), "optimizer_state": at["optimizer_state"]}
+                   # under the bucket view the buckets are the gradients (each .grad views them): once
+                   "buckets": 0 if getattr(step, "view", False) else at.get("ddp_buckets", 0),
+                   "optimizer_state": at["optimizer_state"]}
             one["total"] = sum(one[k] for k in KEYS[:-1])
             out.update({s * world + r: one for r in group})
     return dict(sorted(out.items()))
