@@ -471,6 +471,80 @@ def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
     return out
 
 
+#: :func:`batch_moments`' packing: three integers in one, ``_DIGIT`` bits each (balanced digits, so negative sums
+#: come back too); every packed size must be below ``_BOUND`` in magnitude, so that the sums of a replay's moments
+#: (far fewer than 2**60 terms) stay inside a digit
+_DIGIT = 128
+_BOUND = 1 << 64
+
+
+def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                  numbers: Sequence[Mapping[str, int]], found: Sequence[StageMemory], *, schedule: str,
+                  micro_batches: int, memo: dict[Any, Any] | None = None
+                  ) -> list[tuple[list[list[tuple[int, str | None, int | None]]], list[dict[str, int]]]] | None:
+    """Every stage's moments (:attr:`_Replay.moments`) and parts at each of three sets of ``numbers`` that differ
+    in sizes only, from one replay: each storage's bytes and each part are the three values packed into one integer
+    (:func:`_pack`), and a replay only adds, subtracts and orders what it holds by the ops -- never by bytes, except
+    in choosing its largest moment, which is not read here -- so each moment unpacks into the three replays' (the
+    replays at ``B``, ``B + 1`` and ``B + 2`` cost one).  ``None`` where the three do not share one simulated step
+    (a size branch, as at ``B = 1``), where the last stage's logits are empty at some but not all, or where a size
+    is too large to pack: then each is replayed on its own.
+
+    >>> from symmem.passes.model_parallel import _pack, _unpack
+    >>> _unpack(_pack([5, 7, 9]) - _pack([6, 6, 6]))
+    [-1, 1, 3]
+    """
+    cuts = [_Cut(graph, conv, options, regime, n, memo) for n in numbers]
+    if any(c.tl is not cuts[0].tl for c in cuts):
+        return None
+    parts: dict[int, list[dict[str, int]]] = {}
+    out = []
+    packed = _PackedCut(cuts)
+    try:
+        for s in range(packed.p):
+            k = 0 if s == 0 else len(found) - 1 if s == packed.p - 1 else 1
+            if k not in parts:
+                parts[k] = [found[k].at(n) for n in numbers]
+            if len({bool(a["outputs"]) for a in parts[k]}) > 1:
+                return None  # the replays would differ in the last stage's merge_chunks moment
+            at = {name: _pack([a[name] for a in parts[k]]) for name in parts[k][0]}
+            replay = _Replay(packed, s, at, schedule, micro_batches)
+            replay.run()
+            rows: list[list[tuple[int, str | None, int | None]]] = [[] for _ in numbers]
+            for live, node, mb in replay.moments:
+                for row, value in zip(rows, _unpack(live), strict=True):
+                    row.append((value, node, mb))
+            out.append((rows, parts[k]))
+    except _Unpackable:
+        return None
+    return out
+
+
+class _Unpackable(Exception):
+    """A size too large for :func:`_pack`'s digits."""
+
+
+def _pack(values: Sequence[int]) -> int:
+    """Three integers (each below ``_BOUND`` in magnitude) as one: the sum of ``values[i] << i*_DIGIT``."""
+    if any(abs(v) >= _BOUND for v in values):
+        raise _Unpackable
+    return sum(v << (i * _DIGIT) for i, v in enumerate(values))
+
+
+def _unpack(packed: int) -> list[int]:
+    """:func:`_pack`'s three integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
+    out = []
+    for _ in range(3):
+        digit = packed & ((1 << _DIGIT) - 1)
+        if digit >> (_DIGIT - 1):
+            digit -= 1 << _DIGIT
+        out.append(digit)
+        packed = (packed - digit) >> _DIGIT
+    if packed:
+        raise _Unpackable
+    return out
+
+
 class _Cut:
     """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage.
 
@@ -528,6 +602,21 @@ class _Cut:
     def on(self, node: str | None, s: int) -> bool:
         """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
         return node in self.shared or self.stage_of(node) == s
+
+
+class _PackedCut(_Cut):
+    """Three :class:`_Cut` of one simulated step at numbers that differ in sizes only: each storage's bytes are the
+    three packed into one integer (:func:`batch_moments`)."""
+
+    def __init__(self, cuts: Sequence[_Cut]) -> None:
+        # the first cut's parts (the step, its passes, which stage runs each op), not worked out again
+        self.__dict__.update(cuts[0].__dict__)
+        self.cuts = cuts
+        self.cache = {}
+        self._stage = {}
+
+    def size(self, sid: int) -> int:
+        return _pack([c.size(sid) for c in self.cuts])
 
 
 def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
