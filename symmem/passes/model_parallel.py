@@ -98,16 +98,12 @@ class StageMemory:
         """What the pipeline phase holds with the most micro-batches in flight, before their backward."""
         return self.at_rest + self.saved + self.in_flight_outputs
 
-    def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
-        """Every part and total at ``numbers`` (symbol name -> value), as integers."""
+    def at(self, numbers: Mapping[str, int], names: Iterable[str] | None = None) -> dict[str, int]:
+        """Every part and total at ``numbers`` (symbol name -> value), as integers; ``names``: only those."""
         subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
-        out = {}
-        for f in fields(self):
-            if f.name != "name":
-                out[f.name] = _integer(getattr(self, f.name), subs, f.name)
-        for name in ("at_rest", "step_peak", "held"):
-            out[name] = _integer(getattr(self, name), subs, name)
-        return out
+        if names is None:
+            names = [*(f.name for f in fields(self) if f.name != "name"), "at_rest", "step_peak", "held"]
+        return {name: _integer(getattr(self, name), subs, name) for name in names}
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
@@ -476,6 +472,8 @@ def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
 #: (far fewer than 2**60 terms) stay inside a digit
 _DIGIT = 128
 _BOUND = 1 << 64
+#: the parts of a stage a replay reads (:class:`_Replay`), and the peak's first-step lines
+_REPLAYED = ("at_rest", "outputs", "step_peak", "optimizer_state")
 
 
 def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
@@ -504,17 +502,13 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
         for s in range(packed.p):
             k = 0 if s == 0 else len(found) - 1 if s == packed.p - 1 else 1
             if k not in parts:
-                parts[k] = [found[k].at(n) for n in numbers]
+                parts[k] = [found[k].at(n, _REPLAYED) for n in numbers]
             if len({bool(a["outputs"]) for a in parts[k]}) > 1:
                 return None  # the replays would differ in the last stage's merge_chunks moment
             at = {name: _pack([a[name] for a in parts[k]]) for name in parts[k][0]}
             replay = _Replay(packed, s, at, schedule, micro_batches)
             replay.run()
-            rows: list[list[tuple[int, str | None, int | None]]] = [[] for _ in numbers]
-            for live, node, mb in replay.moments:
-                for row, value in zip(rows, _unpack(live), strict=True):
-                    row.append((value, node, mb))
-            out.append((rows, parts[k]))
+            out.append((_unpacked(replay.moments), parts[k]))
     except _Unpackable:
         return None
     return out
@@ -529,6 +523,29 @@ def _pack(values: Sequence[int]) -> int:
     if any(abs(v) >= _BOUND for v in values):
         raise _Unpackable
     return sum(v << (i * _DIGIT) for i, v in enumerate(values))
+
+
+def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
+              ) -> list[list[tuple[int, str | None, int | None]]]:
+    """A packed replay's moments as the three replays' (:func:`_unpack` inlined: a replay has thousands)."""
+    mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
+    rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
+    first, second, third = rows
+    for live, node, mb in moments:
+        a = live & mask
+        if a >= half:
+            a -= full
+        live = (live - a) >> _DIGIT
+        b = live & mask
+        if b >= half:
+            b -= full
+        c = (live - b) >> _DIGIT
+        if not -half <= c < half:
+            raise _Unpackable
+        first.append((a, node, mb))
+        second.append((b, node, mb))
+        third.append((c, node, mb))
+    return rows
 
 
 def _unpack(packed: int) -> list[int]:
