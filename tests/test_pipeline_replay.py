@@ -57,8 +57,9 @@ def test_one_simulated_step_for_the_plain_pipeline(simulations: list[int]) -> No
 def test_one_replay_for_the_three_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The peak's lines (read at B, B + 1, B + 2) come from one replay a stage, the three batches' bytes packed in
     one integer; each line read at B + 1 and B + 2 (and B + 5, past the reads) is the largest stage's peak that
-    stage's own replay at those numbers gives (``pipeline_peaks``, checked against torch.distributed.pipelining in
-    tests/test_model_parallel.py).  GPT-2 and Llama, 1F1B and GPipe."""
+    stage's own replay at those numbers gives (``per_stage``: the replays checked against torch.distributed.pipelining
+    in tests/test_model_parallel.py, with FSDP2 against gloo ranks in tests/test_fsdp_pipeline.py).  GPT-2 and
+    Llama, 1F1B and GPipe, alone and under FSDP2."""
     import sympy
 
     import symmem.passes.model_parallel as mp
@@ -72,21 +73,19 @@ def test_one_replay_for_the_three_batches(monkeypatch: pytest.MonkeyPatch) -> No
         return real(self)
 
     monkeypatch.setattr(mp._Replay, "run", counted)
-    for model, more, schedule in (("gpt2", {}, "1f1b"), ("llama", {"G": 2}, "gpipe")):
+    for model, more, schedule, engine in (("gpt2", {}, "1f1b", None), ("llama", {"G": 2}, "gpipe", None),
+                                          ("llama", {"G": 2, "N": 2}, "1f1b", "fsdp")):
         d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=4, device="cpu",
-                   values={"S": 32, "H": 64, "h": 4, "L": 4, "p": 4, "B": 2, **more})
+                   data_parallel=engine, values={"S": 32, "H": 64, "h": 4, "L": 4, "p": 4, "B": 2, **more})
         runs.clear()
         d.value("peak"), d.value("peak_first_step")
         assert sorted(runs) == [0, 1, 2, 3]  # one replay a stage, not three
-        step = d.step
+        peak = d.step.peak()
         for b in (3, 4, 7):
             at = {**d.numbers, sympy.Symbol("B", positive=True, integer=True): b}
-            named = {s.name: int(v) for s, v in at.items()}
-            found = mp.pipeline_peaks(step.graph, step.conv, step.options, step.regime, named, step._stages(),
-                                      schedule=schedule, micro_batches=4)
-            peak = step.peak()  # the lines, read at B + 1, B + 2 and B + 5
-            assert int(peak.formula("steady").xreplace(at)) == max(x.bytes for x in found)
-            assert int(peak.formula("first").xreplace(at)) == max(x.first for x in found)
+            each = d.step.per_stage(at)  # each stage replayed at B = b on its own
+            assert int(peak.formula("steady").xreplace(at)) == max(each["peak_per_stage"])
+            assert int(peak.formula("first").xreplace(at)) == max(each["peak_first_step_per_stage"])
 
 
 def test_packed_bytes_round_trip() -> None:

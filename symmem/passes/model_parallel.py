@@ -478,7 +478,7 @@ _REPLAYED = ("at_rest", "outputs", "step_peak", "optimizer_state")
 
 def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                   numbers: Sequence[Mapping[str, int]], found: Sequence[StageMemory], *, schedule: str,
-                  micro_batches: int, memo: dict[Any, Any] | None = None
+                  micro_batches: int, memo: dict[Any, Any] | None = None, make: Any = None
                   ) -> list[tuple[list[list[tuple[int, str | None, int | None]]], list[dict[str, int]]]] | None:
     """Every stage's moments (:attr:`_Replay.moments`) and parts at each of three sets of ``numbers`` that differ
     in sizes only, from one replay: each storage's bytes and each part are the three values packed into one integer
@@ -486,7 +486,9 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
     in choosing its largest moment, which is not read here -- so each moment unpacks into the three replays' (the
     replays at ``B``, ``B + 1`` and ``B + 2`` cost one).  ``None`` where the three do not share one simulated step
     (a size branch, as at ``B = 1``), where the last stage's logits are empty at some but not all, or where a size
-    is too large to pack: then each is replayed on its own.
+    is too large to pack: then each is replayed on its own.  ``make(packed, cuts, s)``: stage ``s``'s replay on the
+    packed cut and its parts at each of the three (None: not packed), where an engine wraps the stages
+    (:mod:`.fsdp_pipeline`); by default the stage alone.
 
     >>> from symmem.passes.model_parallel import _pack, _unpack
     >>> _unpack(_pack([5, 7, 9]) - _pack([6, 6, 6]))
@@ -500,18 +502,33 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
     packed = _PackedCut(cuts)
     try:
         for s in range(packed.p):
-            k = 0 if s == 0 else len(found) - 1 if s == packed.p - 1 else 1
-            if k not in parts:
-                parts[k] = [found[k].at(n, _REPLAYED) for n in numbers]
-            if len({bool(a["outputs"]) for a in parts[k]}) > 1:
-                return None  # the replays would differ in the last stage's merge_chunks moment
-            at = {name: _pack([a[name] for a in parts[k]]) for name in parts[k][0]}
-            replay = _Replay(packed, s, at, schedule, micro_batches)
-            replay.run()
-            out.append((_unpacked(replay.moments), parts[k]))
+            if make is None:
+                k = 0 if s == 0 else len(found) - 1 if s == packed.p - 1 else 1
+                if k not in parts:
+                    parts[k] = [found[k].at(n, _REPLAYED) for n in numbers]
+                made = (_Replay(packed, s, pack_parts(parts[k]), schedule, micro_batches), parts[k])
+            else:
+                made = make(packed, cuts, s)
+            if made is None:
+                return None
+            made[0].run()
+            out.append((_unpacked(made[0].moments), made[1]))
     except _Unpackable:
         return None
     return out
+
+
+def pack_parts(parts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """A stage's parts at the three sets of numbers, packed (:func:`batch_moments`); unpackable where the last
+    stage's logits are empty at some but not all (the replays would differ in its ``merge_chunks`` moment)."""
+    if len({bool(a["outputs"]) for a in parts}) > 1:
+        raise _Unpackable
+    return {name: _pack([a[name] for a in parts]) for name in parts[0]}
+
+
+def pack_alike(value: int) -> int:
+    """``value`` at each of the three sets of numbers, packed (bytes that do not depend on them)."""
+    return _pack([value, value, value])
 
 
 class _Unpackable(Exception):
