@@ -52,3 +52,51 @@ def test_one_simulated_step_for_the_plain_pipeline(simulations: list[int]) -> No
                        values={"S": 32, "H": 64, "h": 4, "L": 2, "p": 2, "B": b, **more})
             d.value("peak")
             assert len(simulations) == 1
+
+
+def test_one_replay_for_the_three_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peak's lines (read at B, B + 1, B + 2) come from one replay a stage, the three batches' bytes packed in
+    one integer; each line read at B + 1 and B + 2 (and B + 5, past the reads) is the largest stage's peak that
+    stage's own replay at those numbers gives (``per_stage``: the replays checked against torch.distributed.pipelining
+    in tests/test_model_parallel.py, with FSDP2 against gloo ranks in tests/test_fsdp_pipeline.py).  GPT-2 and
+    Llama, 1F1B and GPipe, alone and under FSDP2."""
+    import sympy
+
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+
+    runs: list[int] = []
+    real = mp._Replay.run
+
+    def counted(self):
+        runs.append(self.s)
+        return real(self)
+
+    monkeypatch.setattr(mp._Replay, "run", counted)
+    for model, more, schedule, engine in (("gpt2", {}, "1f1b", None), ("llama", {"G": 2}, "gpipe", None),
+                                          ("llama", {"G": 2, "N": 2}, "1f1b", "fsdp")):
+        d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=4, device="cpu",
+                   data_parallel=engine, values={"S": 32, "H": 64, "h": 4, "L": 4, "p": 4, "B": 2, **more})
+        runs.clear()
+        d.value("peak"), d.value("peak_first_step")
+        assert sorted(runs) == [0, 1, 2, 3]  # one replay a stage, not three
+        peak = d.step.peak()
+        for b in (3, 4, 7):
+            at = {**d.numbers, sympy.Symbol("B", positive=True, integer=True): b}
+            each = d.step.per_stage(at)  # each stage replayed at B = b on its own
+            assert int(peak.formula("steady").xreplace(at)) == max(each["peak_per_stage"])
+            assert int(peak.formula("first").xreplace(at)) == max(each["peak_first_step_per_stage"])
+
+
+def test_packed_bytes_round_trip() -> None:
+    """Three integers in one, back exactly (negative sums too); a size past the digits' bound is refused, and the
+    replays then run one by one."""
+    from symmem.passes.model_parallel import _BOUND, _pack, _unpack, _Unpackable
+
+    values = [[0, 0, 0], [1, -1, 0], [_BOUND - 1, -(_BOUND - 1), 12345], [-7, 2**40, -(2**63)]]
+    assert [_unpack(_pack(v)) for v in values] == values
+    total = sum(_pack(v) for v in values) - _pack([5, 6, 7])
+    assert _unpack(total) == [a - b for a, b in zip([sum(c) for c in zip(*values, strict=True)], [5, 6, 7],
+                                                     strict=True)]
+    with pytest.raises(_Unpackable):
+        _pack([_BOUND, 0, 0])

@@ -41,6 +41,7 @@ Data-parallel rank 0 of each stage holds whole shards, the most; every rank's pe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
 from .model_parallel import _integer, _Replay, _step_temporaries
-from .pipeline_step import PipelineStep, StageMoment
+from .pipeline_step import BATCH, PipelineStep, StageMoment
 from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
 
@@ -348,6 +349,33 @@ class FsdpPipelineStep(PipelineStep):
             at = stage_at(memory, numbers, units, self.regime, cut.per)
             out.append(_FsdpReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
         return out
+
+    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`): the units' bytes are alike at the three batches
+        (packed alike), the parts packed; None where the units differ between them (each replayed on its own), or
+        where a subclass replays otherwise."""
+        if type(self)._make_replays is not FsdpPipelineStep._make_replays:
+            return None
+        from .model_parallel import batch_moments, pack_alike, pack_parts, requires
+
+        requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
+        world = self._world(named)
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        found = self._stages()
+
+        def make(packed: Any, cuts: Any, s: int) -> Any:
+            memory = found[0] if s == 0 else found[-1] if s == packed.p - 1 else found[1]
+            units = [_Units(c, s, world, self.rank) for c in cuts]
+            if any(u.params != units[0].params for u in units):
+                return None
+            ats = [stage_at(memory, n, u, self.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
+            alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
+            alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
+            return _FsdpReplay(packed, s, pack_parts(ats), self.schedule, self.micro_batches, alike, self.reshard), ats
+
+        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
 
     def _world(self, numbers: Mapping[str, int]) -> int:
         """``N``, the data-parallel ranks of a stage (at least 2, above this step's rank)."""

@@ -101,16 +101,13 @@ class StageMemory:
         """What the pipeline phase holds with the most micro-batches in flight, before their backward."""
         return self.at_rest + self.saved + self.in_flight_outputs
 
-    def at(self, numbers: Mapping[str, int]) -> dict[str, int]:
-        """Every part and total at ``numbers`` (symbol name -> value), as integers."""
+    def at(self, numbers: Mapping[str, int], names: Iterable[str] | None = None) -> dict[str, int]:
+        """Every part and total at ``numbers`` (symbol name -> value), as integers; ``names``: only those."""
         subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
-        out = {}
-        for f in fields(self):
-            if f.name not in ("name", "module_buffers"):
-                out[f.name] = _integer(getattr(self, f.name), subs, f.name)
-        for name in ("at_rest", "step_peak", "held"):
-            out[name] = _integer(getattr(self, name), subs, name)
-        return out
+        if names is None:  # module_buffers is a share of buffers, read by the parameter side per rank (rank_side)
+            names = [*(f.name for f in fields(self) if f.name not in ("name", "module_buffers")), "at_rest",
+                     "step_peak", "held"]
+        return {name: _integer(getattr(self, name), subs, name) for name in names}
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
@@ -474,6 +471,118 @@ def replays(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
     return out
 
 
+#: :func:`batch_moments`' packing: three integers in one, ``_DIGIT`` bits each (balanced digits, so negative sums
+#: come back too); every packed size must be below ``_BOUND`` in magnitude, so that the sums of a replay's moments
+#: (far fewer than 2**60 terms) stay inside a digit
+_DIGIT = 128
+_BOUND = 1 << 64
+#: the parts of a stage a replay reads (:class:`_Replay`), and the peak's first-step lines
+_REPLAYED = ("at_rest", "outputs", "step_peak", "optimizer_state")
+
+
+def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
+                  numbers: Sequence[Mapping[str, int]], found: Sequence[StageMemory], *, schedule: str,
+                  micro_batches: int, memo: dict[Any, Any] | None = None, make: Any = None
+                  ) -> list[tuple[list[list[tuple[int, str | None, int | None]]], list[dict[str, int]]]] | None:
+    """Every stage's moments (:attr:`_Replay.moments`) and parts at each of three sets of ``numbers`` that differ
+    in sizes only, from one replay: each storage's bytes and each part are the three values packed into one integer
+    (:func:`_pack`), and a replay only adds, subtracts and orders what it holds by the ops -- never by bytes, except
+    in choosing its largest moment, which is not read here -- so each moment unpacks into the three replays' (the
+    replays at ``B``, ``B + 1`` and ``B + 2`` cost one).  ``None`` where the three do not share one simulated step
+    (a size branch, as at ``B = 1``), where the last stage's logits are empty at some but not all, or where a size
+    is too large to pack: then each is replayed on its own.  ``make(packed, cuts, s)``: stage ``s``'s replay on the
+    packed cut and its parts at each of the three (None: not packed), where an engine wraps the stages
+    (:mod:`.fsdp_pipeline`); by default the stage alone.
+
+    >>> from symmem.passes.model_parallel import _pack, _unpack
+    >>> _unpack(_pack([5, 7, 9]) - _pack([6, 6, 6]))
+    [-1, 1, 3]
+    """
+    cuts = [_Cut(graph, conv, options, regime, n, memo) for n in numbers]
+    if any(c.tl is not cuts[0].tl for c in cuts):
+        return None
+    parts: dict[int, list[dict[str, int]]] = {}
+    out = []
+    packed = _PackedCut(cuts)
+    try:
+        for s in range(packed.p):
+            if make is None:
+                k = 0 if s == 0 else len(found) - 1 if s == packed.p - 1 else 1
+                if k not in parts:
+                    parts[k] = [found[k].at(n, _REPLAYED) for n in numbers]
+                made = (_Replay(packed, s, pack_parts(parts[k]), schedule, micro_batches), parts[k])
+            else:
+                made = make(packed, cuts, s)
+            if made is None:
+                return None
+            made[0].run()
+            out.append((_unpacked(made[0].moments), made[1]))
+    except _Unpackable:
+        return None
+    return out
+
+
+def pack_parts(parts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """A stage's parts at the three sets of numbers, packed (:func:`batch_moments`); unpackable where the last
+    stage's logits are empty at some but not all (the replays would differ in its ``merge_chunks`` moment)."""
+    if len({bool(a["outputs"]) for a in parts}) > 1:
+        raise _Unpackable
+    return {name: _pack([a[name] for a in parts]) for name in parts[0]}
+
+
+def pack_alike(value: int) -> int:
+    """``value`` at each of the three sets of numbers, packed (bytes that do not depend on them)."""
+    return _pack([value, value, value])
+
+
+class _Unpackable(Exception):
+    """A size too large for :func:`_pack`'s digits."""
+
+
+def _pack(values: Sequence[int]) -> int:
+    """Three integers (each below ``_BOUND`` in magnitude) as one: the sum of ``values[i] << i*_DIGIT``."""
+    if any(abs(v) >= _BOUND for v in values):
+        raise _Unpackable
+    return sum(v << (i * _DIGIT) for i, v in enumerate(values))
+
+
+def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
+              ) -> list[list[tuple[int, str | None, int | None]]]:
+    """A packed replay's moments as the three replays' (:func:`_unpack` inlined: a replay has thousands)."""
+    mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
+    rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
+    first, second, third = rows
+    for live, node, mb in moments:
+        a = live & mask
+        if a >= half:
+            a -= full
+        live = (live - a) >> _DIGIT
+        b = live & mask
+        if b >= half:
+            b -= full
+        c = (live - b) >> _DIGIT
+        if not -half <= c < half:
+            raise _Unpackable
+        first.append((a, node, mb))
+        second.append((b, node, mb))
+        third.append((c, node, mb))
+    return rows
+
+
+def _unpack(packed: int) -> list[int]:
+    """:func:`_pack`'s three integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
+    out = []
+    for _ in range(3):
+        digit = packed & ((1 << _DIGIT) - 1)
+        if digit >> (_DIGIT - 1):
+            digit -= 1 << _DIGIT
+        out.append(digit)
+        packed = (packed - digit) >> _DIGIT
+    if packed:
+        raise _Unpackable
+    return out
+
+
 class _Cut:
     """The single-device step at numbers, cut by stage: which stage runs each op and owns each storage.
 
@@ -531,6 +640,21 @@ class _Cut:
     def on(self, node: str | None, s: int) -> bool:
         """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
         return node in self.shared or self.stage_of(node) == s
+
+
+class _PackedCut(_Cut):
+    """Three :class:`_Cut` of one simulated step at numbers that differ in sizes only: each storage's bytes are the
+    three packed into one integer (:func:`batch_moments`)."""
+
+    def __init__(self, cuts: Sequence[_Cut]) -> None:
+        # the first cut's parts (the step, its passes, which stage runs each op), not worked out again
+        self.__dict__.update(cuts[0].__dict__)
+        self.cuts = cuts
+        self.cache = {}
+        self._stage = {}
+
+    def size(self, sid: int) -> int:
+        return _pack([c.size(sid) for c in self.cuts])
 
 
 def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,

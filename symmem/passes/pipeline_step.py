@@ -109,6 +109,19 @@ class PipelineStep:
         return replays(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
                        schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo())
 
+    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`), or ``None``: each replayed on its own
+        (:meth:`_replays`; a subclass's replays, with an engine around the stages, always)."""
+        if type(self)._make_replays is not PipelineStep._make_replays:
+            return None
+        from .model_parallel import batch_moments, requires
+
+        requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
+        return batch_moments(self.graph, self.conv, self.options, self.regime,
+                             [{**named, BATCH: b + k} for k in range(3)], self._stages(), schedule=self.schedule,
+                             micro_batches=self.micro_batches, memo=self._memo())
+
     def _memo(self) -> dict[Any, Any]:
         """What the replays at several sets of numbers share (the simulated single-device step: :class:`_Cut`)."""
         return self._cache.setdefault("memo", {})
@@ -150,14 +163,16 @@ class PipelineStep:
         ``b`` alone, the domain B = b); the domain B >= 2 where ``b`` is, as a batch of one may differ."""
         from .unroll import iteration, template
 
-        runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
+        found = self._batch_moments(named, b) if line is not None else None
+        if found is None:
+            runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
+            found = [([r[s].moments for r in runs], [r[s].at for r in runs]) for s in range(len(runs[0]))]
         batch = sympy.Symbol(BATCH, positive=True, integer=True)
-        p = len(runs[0])
+        p = len(found)
         steady: list[Moment] = []
         first: list[Moment] = []
-        for s in range(p):
-            rows = [r[s].moments for r in runs]
-            state = runs[0][s].at["optimizer_state"]
+        for s, (rows, parts) in enumerate(found):
+            state = parts[0]["optimizer_state"]
             if len({len(x) for x in rows}) != 1:
                 raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
                                   "in B here")
