@@ -466,6 +466,7 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
     alive when the backward ends, the same way."""
     names = list(symbolic)
     runs, ends = {}, {}
+    ids: dict[tuple[int, Any], int] = {}  # the walks' storages by number (symbolic_peak's)
     for bump in [()] + [(n,) for n in names]:
         counts = {n: base + (1 if n in bump else 0) for n in names}
         sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
@@ -475,7 +476,7 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         # the walk so far, without the optimizer step (each rank walks its own: _rank_step); an empty moment
         # after it keeps the backward's last op from being the step's last moment, as the step's events would
         tl = Timeline(tuple(sim.storages), tuple(sim.start), (*sim.events, Event("step", None, (), ())))
-        runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge).items()
+        runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge, ids=ids).items()
                       if k[0] in ("forward", "backward")}
         live: Counter = Counter()
         for i in tl.start:
@@ -484,8 +485,9 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
             live.update(_storage_key(tl.storages[i]) for i in e.born)
             live.subtract(_storage_key(tl.storages[i]) for i in e.freed)
         ends[bump] = +live
-    moments = {key: _parts(live, [runs[(n,)].get(key) for n in names]) for key, live in runs[()].items()
-               if live is not None}
+    pairs = list(ids)
+    moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
+               for key, live in runs[()].items() if live is not None}
     return moments, _parts(ends[()], [ends[(n,)] for n in names])
 
 
