@@ -97,36 +97,64 @@ class Timeline:
     events: tuple[Event, ...]
 
     def counts(self, every: bool = False, device_only: bool = False, also: Callable[[int], bool] | None = None,
-               skip: frozenset[int] = frozenset()
+               skip: frozenset[int] = frozenset(), ids: dict[tuple[int, Any], int] | None = None
                ) -> list[tuple[int, Counter | None, bool]]:
         """For each moment: (its event's index, the live storages as one Counter of (category index in
         :data:`~symmem.categories.STEP`, bytes), whether it is a candidate for the peak).  A candidate frees
         something after it, or is the last moment: between candidates memory only grows, so the Counter is given
         for candidates only (for every moment with ``every``; also for those whose event index ``also`` accepts; never
         for those in ``skip``).
-        ``device_only`` counts host storages as empty."""
-        where = [(_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes) for s in self.storages]
-        live: Counter = Counter(where[i] for i in self.start)
+        ``device_only`` counts host storages as empty.  ``ids``: the Counters are keyed by each (category, bytes)'s
+        number in ``ids`` (given one in the order first met, the mapping filled in; shared by the walks of one
+        peak), not by the pair itself: hashing a pair hashes its sympy size in Python, an int's hash is C's.
+
+        >>> B = sympy.Symbol("B", positive=True, integer=True)
+        >>> tl = Timeline((Live("x", "activation", 8 * B), Live("t", "temporary", 4 * B)), (),
+        ...               (Event("forward", "f", (0, 1), (1,)), Event("backward", "f", (), (0,))))
+        >>> table: dict = {}
+        >>> tl.counts(ids=table), list(table) == [(4, 8 * B), (7, 4 * B)]
+        ([(0, Counter({0: 1, 1: 1}), True), (1, Counter({0: 1}), True)], True)
+        >>> tl.counts()[1]
+        (1, Counter({(4, 8*B): 1}), True)
+        """
+        table = {} if ids is None else ids
+        get_id = table.get
+
+        def number(key: tuple[int, Any]) -> int:
+            found = get_id(key)
+            if found is None:
+                found = table[key] = len(table)
+            return found
+
+        where = [number((_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes)) for s in self.storages]
+        live: dict[int, int] = {}
+        get = live.get
+        for i in self.start:
+            x = where[i]
+            live[x] = get(x, 0) + 1
         last = max((k for k, e in enumerate(self.events) if e.moment), default=-1)
         out: list[tuple[int, Counter | None, bool]] = []
-        get = live.get
         for k, e in enumerate(self.events):
             for i in e.born:
                 x = where[i]
                 live[x] = get(x, 0) + 1
             for sid, new in e.resized:
-                c, old = where[sid]
-                live[(c, old)] -= 1
-                where[sid] = (c, _ZERO if device_only and self.storages[sid].host else new)
-                live[where[sid]] += 1
+                x = where[sid]
+                live[x] = get(x, 0) - 1
+                x = where[sid] = number((_INDEX[self.storages[sid].category],
+                                         _ZERO if device_only and self.storages[sid].host else new))
+                live[x] = get(x, 0) + 1
             if e.moment:
                 candidate = bool(e.freed) or k == last
                 wanted = (candidate or every or (also is not None and also(k))) and k not in skip
-                # the live storages without the emptied ones (what ``+live`` gives, its copy made in C)
+                # the live storages without the emptied ones (what ``+live`` gives)
                 out.append((k, Counter({x: n for x, n in live.items() if n > 0}) if wanted else None, candidate))
             for i in e.freed:
                 live[where[i]] -= 1
-        return out
+        if ids is not None:
+            return out
+        keys = list(table)  # back to (category, bytes) pairs, in the same order
+        return [(k, None if c is None else Counter({keys[x]: n for x, n in c.items()}), cand) for k, c, cand in out]
 
     def live(self) -> list[dict[str, sympy.Expr]]:
         """Live bytes per category after each moment's allocations, as exact sympy sums.

@@ -167,11 +167,13 @@ def layout(regime: Regime) -> tuple[int, int, int]:
 
 
 def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int,
-           interior: bool = False) -> dict[tuple[Any, ...], Counter | None]:
+           interior: bool = False, ids: dict[tuple[int, Any], int] | None = None
+           ) -> dict[tuple[Any, ...], Counter | None]:
     """Each moment's key (phase, template node, layer label, occurrence) and its live storages where it is a
     candidate (:meth:`~symmem.timeline.Timeline.counts`).  ``interior``: blocks written out whole (ZeRO-1) leave
     out the forward and backward moments of their layers between the ``edge`` ones (each op's moments are affine
-    in the layer there, so the largest is at an end), not the optimizer step's (each parameter's own)."""
+    in the layer there, so the largest is at an end), not the optimizer step's (each parameter's own).  ``ids``:
+    the storages keyed by their number there (:meth:`~symmem.timeline.Timeline.counts`)."""
     labels: dict[int, tuple[Any, ...] | None] = {}  # each event's key, None where it is left out
     for k, e in enumerate(tl.events):
         node = e.node
@@ -184,7 +186,7 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
             labels[k] = (e.phase, template(node) if node else None, label)
     out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
-    for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None)):
+    for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None), ids=ids):
         key = labels[k]
         if key is None:
             continue
@@ -258,14 +260,17 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
         domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
     groups: list[tuple[list[Candidate], list[Candidate]]] = []
+    # the walks key their storages by number, one numbering for all (the Candidates get the (category, size) back)
+    ids: dict[tuple[int, Any], int] = {}
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
             counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
             g = _unrolled(graph, counts, options) if blocks else graph
             both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits)
-            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole)
+            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole, ids)
                           for first, tl in zip((False, True), both, strict=True)}
+        pairs = list(ids)
         found = []
         for first in (False, True):
             cands = []
@@ -273,7 +278,8 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                 if live is None:
                     continue
                 others = [runs[(n,)][first].get(key) for n in names]
-                cands.append(Candidate(key, "first" if first else "steady", _parts(live, others)))
+                cands.append(Candidate(key, "first" if first else "steady",
+                                       {pairs[x]: v for x, v in _parts(live, others).items()}))
             found.append(cands)
         groups.append((found[0], found[1]))
     # lazy: a Piecewise over branches is built when first asked for (a peak read at numbers needs none)
@@ -460,6 +466,7 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
     alive when the backward ends, the same way."""
     names = list(symbolic)
     runs, ends = {}, {}
+    ids: dict[tuple[int, Any], int] = {}  # the walks' storages by number (symbolic_peak's)
     for bump in [()] + [(n,) for n in names]:
         counts = {n: base + (1 if n in bump else 0) for n in names}
         sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
@@ -469,7 +476,7 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         # the walk so far, without the optimizer step (each rank walks its own: _rank_step); an empty moment
         # after it keeps the backward's last op from being the step's last moment, as the step's events would
         tl = Timeline(tuple(sim.storages), tuple(sim.start), (*sim.events, Event("step", None, (), ())))
-        runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge).items()
+        runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge, ids=ids).items()
                       if k[0] in ("forward", "backward")}
         live: Counter = Counter()
         for i in tl.start:
@@ -478,8 +485,9 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
             live.update(_storage_key(tl.storages[i]) for i in e.born)
             live.subtract(_storage_key(tl.storages[i]) for i in e.freed)
         ends[bump] = +live
-    moments = {key: _parts(live, [runs[(n,)].get(key) for n in names]) for key, live in runs[()].items()
-               if live is not None}
+    pairs = list(ids)
+    moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
+               for key, live in runs[()].items() if live is not None}
     return moments, _parts(ends[()], [ends[(n,)] for n in names])
 
 
