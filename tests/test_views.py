@@ -83,6 +83,25 @@ def test_sweep_marks_the_fit():
     assert marked[0].get_xdata()[0] == largest(d, "B", "80GiB").max
 
 
+@pytest.mark.parametrize("kw, layout", [
+    ({}, ""),
+    ({"data_parallel": "fsdp", "pipeline_parallel": True, "pipeline_schedule": "gpipe", "micro_batches": 2,
+      "values": {"N": 2, "p": 2, "L": 2}}, ", per device: fsdp N=2, gpipe p=2 M=2"),
+    ({"tensor_parallel": True, "sequence_parallel": True, "data_parallel": "fsdp1", "values": {"N": 2, "t": 2}},
+     ", per device: fsdp1 N=2, sequence parallel t=2"),
+])
+def test_a_sweep_names_the_layout_its_values_are_one_device_of(kw, layout):
+    """The figure's curves are one device's under a parallel layout: the title says which, in the command line's
+    words and sizes."""
+    from symmem.report.plots import close, sweep
+
+    model = "llama" if kw.get("tensor_parallel") else "gpt2"
+    d = symmem.derive(model, device="cpu", **kw)
+    fig = sweep(d, "B", values=[1, 2])
+    assert fig.axes[0].get_title().endswith(f"FP32 + AdamW on cpu{layout}: memory vs B")
+    close(fig)
+
+
 def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():
     from symmem.report.plots import breakdown, close, segments
 

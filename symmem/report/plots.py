@@ -69,11 +69,32 @@ def _label(d: Derivation, sep: str = "\n") -> str:
 
 
 def _regime(d: Derivation) -> str:
-    """``FP32 + AdamW``, with what ran where the derivation says it: ``under bfloat16 autocast``, ``on cpu``."""
+    """``FP32 + AdamW``, with what ran where the derivation says it: ``under bfloat16 autocast``, ``on cpu``, and
+    the layout over devices (``per device: fsdp N=8, gpipe p=4 M=8``), as the figure's values are one device's."""
     regime = d.regime_label()
     if d.options.get("device") and d.options["device"] != "cuda":  # cuda: the default of every plot so far
         regime += f" on {d.options['device']}"
-    return regime
+    layout = _layout(d)
+    return f"{regime}, per device: {layout}" if layout else regime
+
+
+def _layout(d: Derivation) -> str:
+    """The derivation's parallel layout in the command line's words and sizes (empty on one device)."""
+    r, at = d.regime, {s.name: v for s, v in d.numbers.items()}
+
+    def sized(text: str, *names: str) -> str:
+        return " ".join([text, *(f"{n}={at[n]}" for n in names if n in at)])
+
+    parts = []
+    if r.data_parallel:
+        parts.append(sized(r.data_parallel, "N"))
+    elif r.zero:
+        parts.append(sized(f"ZeRO-{r.zero}", "N"))
+    if r.tensor_parallel:
+        parts.append(sized("sequence parallel" if r.sequence_parallel else "tensor parallel", "t"))
+    if r.pipeline_parallel:
+        parts.append(f"{sized(r.pipeline_schedule, 'p')} M={r.micro_batches}")
+    return ", ".join(parts)
 
 
 #: One colour per kind of memory, the same in every figure: the live-memory categories (as PyTorch's memory snapshot
