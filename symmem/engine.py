@@ -227,18 +227,18 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
                          options=options, free=None if free is None else tuple(f for f in free if f not in dropped))
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     if regime.data_parallel:  # an engine on every stage of a p x N mesh: DDP / ZeRO-1 or FSDP2
+        from .passes.fsdp_pipeline import refusal
         from .step import Refused
 
-        if regime.data_parallel in ("ddp", "zero-redundancy", "ddp-bucket-view"):  # passes/ddp_pipeline.py
+        ddp = regime.data_parallel in ("ddp", "zero-redundancy", "ddp-bucket-view")
+        if ddp:  # passes/ddp_pipeline.py
             from .passes.ddp_pipeline import DdpPipelineStep as Meshed
-            from .passes.ddp_pipeline import refusal
             engine = {"zero": regime.data_parallel == "zero-redundancy",
                       "view": regime.data_parallel == "ddp-bucket-view"}
         else:  # passes/fsdp_pipeline.py
             from .passes.fsdp_pipeline import FsdpPipelineStep as Meshed  # type: ignore[assignment]
-            from .passes.fsdp_pipeline import refusal  # type: ignore[assignment]
             engine = {"reshard": regime.data_parallel == "fsdp"}
-        why = refusal(model.name, regime, str(single.options.get("device", "cpu")))
+        why = refusal(model.name, regime, str(single.options.get("device", "cpu")), "DDP" if ddp else "FSDP")
         if why is not None:
             return Refused(f"no peak: {why}")
         return Meshed(model.graph, convention, resolved, one, single.storages, dict(numbers),

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import sympy
 
@@ -422,14 +422,18 @@ def _stored(graph: Any) -> dict[str, tuple[sympy.Expr, ...]]:
     return stored_shapes(graph, program_parameters(graph, ((n, graph.node(n)) for n in graph.nodes)))
 
 
-def rank_ranges(ranks: Mapping[int, tuple[int, int]]) -> list[tuple[int, int, tuple[int, int]]]:
-    """Consecutive ranks with the same peaks as ``(first rank, last rank, peaks)``, for a view to print N ranks
-    in a few lines.
+#: a rank's value in :func:`rank_ranges`
+T = TypeVar("T")
+
+
+def rank_ranges(ranks: Mapping[int, T]) -> list[tuple[int, int, T]]:
+    """Consecutive ranks with the same value (peaks, a parameter side) as ``(first rank, last rank, value)``, for a
+    view to print N ranks in a few lines.
 
     >>> rank_ranges({0: (5, 9), 1: (5, 9), 2: (4, 8), 3: (4, 7)})
     [(0, 1, (5, 9)), (2, 2, (4, 8)), (3, 3, (4, 7))]
     """
-    out: list[tuple[int, int, tuple[int, int]]] = []
+    out: list[tuple[int, int, T]] = []
     for rank in sorted(ranks):
         if out and out[-1][2] == ranks[rank] and out[-1][1] == rank - 1:
             out[-1] = (out[-1][0], rank, ranks[rank])

@@ -59,18 +59,6 @@ from .model_parallel import _Replay
 from .pipeline_step import PipelineStep
 
 
-def refusal(model_name: str, regime: Regime, device: str) -> str | None:
-    """Why the DDP x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
-    if device != "cpu":
-        return "the DDP x pipeline peak is measured on CPU ranks (gloo)"
-    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in (
-            "auto", "for-loop"):
-        return "the DDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step, as measured"
-    if model_name not in ("gpt2", "llama"):
-        return f"the DDP x pipeline peak is measured for the gpt2 and llama references, not {model_name!r}"
-    return None
-
-
 @dataclass(frozen=True)
 class RankStageMoment(MeshStageMoment):
     """A moment of data-parallel rank ``dp`` of one stage (ZeroRedundancyOptimizer: a stage's ranks differ)."""

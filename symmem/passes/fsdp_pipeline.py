@@ -55,15 +55,16 @@ from .pipeline_step import BATCH, PipelineStep, StageMoment
 from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
 
-def refusal(model_name: str, regime: Regime, device: str) -> str | None:
-    """Why the FSDP x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
+def refusal(model_name: str, regime: Regime, device: str, engine: str = "FSDP") -> str | None:
+    """Why the ``engine`` x pipeline peak (FSDP's; :mod:`.ddp_pipeline`'s DDP) is not modelled for this derivation
+    (None: it is): what was measured."""
     if device != "cpu":
-        return "the FSDP x pipeline peak is measured on CPU ranks (gloo)"
+        return f"the {engine} x pipeline peak is measured on CPU ranks (gloo)"
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in (
             "auto", "for-loop"):
-        return "the FSDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step, as measured"
+        return f"the {engine} x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step, as measured"
     if model_name not in ("gpt2", "llama"):
-        return f"the FSDP x pipeline peak is measured for the gpt2 and llama references, not {model_name!r}"
+        return f"the {engine} x pipeline peak is measured for the gpt2 and llama references, not {model_name!r}"
     return None
 
 

@@ -47,22 +47,6 @@ KEYS = ("parameters", "gradients", "buckets", "optimizer_state", "total")
 _BUCKETS = "ddp.buckets"
 
 
-def ranges(per_rank: Mapping[int, Any]) -> list[tuple[int, int, Any]]:
-    """Consecutive ranks with the same value as ``(first rank, last rank, value)``, for a view to print N ranks in a
-    few lines.
-
-    >>> ranges({0: 9, 1: 9, 2: 8, 3: 9})
-    [(0, 1, 9), (2, 2, 8), (3, 3, 9)]
-    """
-    out: list[tuple[int, int, Any]] = []
-    for rank in sorted(per_rank):
-        if out and out[-1][2] == per_rank[rank] and out[-1][1] == rank - 1:
-            out[-1] = (out[-1][0], rank, per_rank[rank])
-        else:
-            out.append((rank, rank, per_rank[rank]))
-    return out
-
-
 def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None:
     """``{rank: {parameters, gradients, buckets, optimizer_state, total}}`` in bytes for every rank ``0 .. N-1``
     at the derivation's numbers (module docstring); on a mesh every rank of it, as its step's per-rank peaks number

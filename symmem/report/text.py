@@ -16,7 +16,7 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import rank_peaks, rank_ranges
-from ..passes.rank_side import parameter_side_per_rank, ranges
+from ..passes.rank_side import parameter_side_per_rank
 from ..passes.zero_redundancy import partition_at, state_per_rank
 from ..simplify import factored, rounded
 from ..units import UNITS
@@ -375,7 +375,7 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         lines += textwrap.wrap("parameter side per rank (weights + gradients + optimizer state, with FSDP's padding "
                                "and Adam's step counts): " + "; ".join(
                                    f"rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {v:,} B"
-                                   for a, b, v in ranges({r: x["total"] for r, x in side.items()})),
+                                   for a, b, v in rank_ranges({r: x["total"] for r, x in side.items()})),
                                max(width, 40))
     each = per_device(d)
     if each is not None:
