@@ -5,7 +5,8 @@ Oracle: ``tests/data/cuda_h100.json``, written by ``benchmarks/check_cuda.py --j
 reference module or of the third-party module the zoo describes (torchvision's ResNets, timm's ViT, Hugging
 Face's GPT-2, BERT and Llama), the live-bytes peak of two real training steps under the tracker,
 ``torch.cuda.max_memory_allocated`` of those steps, and what bfloat16 models keep (flash attention).  Each
-row's ``spec`` says how to derive the prediction again; it is derived here and compared with the measurement, so
+row's ``spec`` says how to derive the prediction again (four Llama rows, each naming its device, were re-measured
+on an H200 with the reference's DynamicCache); it is derived here and compared with the measurement, so
 a change to a CUDA save rule or to the step's schedule that the hardware would not agree with fails here, on a
 machine without one.  docs/cuda.md has the table and what each row means.
 """
