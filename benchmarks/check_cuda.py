@@ -238,6 +238,19 @@ PEAK = [
     ("llama", {"B": 4, "S": 64, "H": 64, "h": 4, "G": 2, "L": 2, "V": 100, "F": 128}, {"attention": "sdpa"}),
     ("llama", {"B": 4, "S": 64, "H": 64, "h": 4, "G": 4, "L": 2, "V": 100, "F": 128}, {"attention": "sdpa"}),
     ("mlp", {"B": 64}, {"dropout": 0.1}),
+    # added 2026-11-26: eager Llama with HF's DynamicCache at G = 1, 2 (the copies the strides decide), without it,
+    # GPT-2's fused SDPA with and without the cache, full checkpointing
+    ("llama", {"B": 4, "S": 64, "H": 64, "h": 4, "G": 1, "L": 2, "V": 100, "F": 128}, {"attention": "naive"}),
+    ("llama", {"B": 4, "S": 64, "H": 64, "h": 4, "G": 2, "L": 2, "V": 100, "F": 128}, {"attention": "naive"}),
+    ("llama", {"B": 4, "S": 64, "H": 64, "h": 4, "G": 2, "L": 2, "V": 100, "F": 128},
+     {"attention": "naive", "cache": "none"}),
+    ("llama", {"B": 4, "S": 64, "H": 64, "h": 4, "G": 2, "L": 2, "V": 100, "F": 128},
+     {"attention": "sdpa", "checkpoint": "full"}),
+    ("gpt2", {"B": 4, "S": 128, "H": 64, "h": 4, "L": 2, "V": 100}, {"attention": "sdpa", "dropout": 0.0}),
+    ("gpt2", {"B": 4, "S": 128, "H": 64, "h": 4, "L": 2, "V": 100},
+     {"attention": "sdpa", "dropout": 0.0, "cache": "none"}),
+    ("gpt2", {"B": 4, "S": 128, "H": 64, "h": 4, "L": 2, "V": 100},
+     {"attention": "naive", "dropout": 0.1, "checkpoint": "full"}),
 ]
 #: at the FP32 analysis's sizes: one forward + backward with SGD, B = 64, 224 x 224 (the seed's verification recipe)
 BIG = [("resnet50", {"B": 64}, {}), ("vit-b16", {"B": 64}, {"attention": "sdpa"}),

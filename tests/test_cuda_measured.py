@@ -13,6 +13,7 @@ machine without one.  docs/cuda.md has the table and what each row means.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -29,6 +30,13 @@ NO_SPLIT = 2**20
 
 
 def _derivation(spec: dict):
+    """One derivation serves every quantity of a spec (a peak row's first and steady step, live and allocated)."""
+    return _derived(json.dumps({k: v for k, v in spec.items() if k not in ("quantity", "scratch")}, sort_keys=True))
+
+
+@functools.cache
+def _derived(key: str):
+    spec = json.loads(key)
     kw = {k: spec[k] for k in ("optimizer", "precision") if k in spec}
     return derive(spec["model"], convention="pytorch", options={"device": "cuda"}, values=spec["values"],
                   **spec["options"], **kw)
