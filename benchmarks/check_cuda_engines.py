@@ -1,6 +1,9 @@
 """The data-parallel engines on real CUDA: run by hand on a machine with one NVIDIA GPU (results in docs/cuda.md).
 
-    PYTHONPATH=$PWD python benchmarks/check_cuda_engines.py [--json OUT.json]
+    PYTHONPATH=$PWD python benchmarks/check_cuda_engines.py [--json OUT.json] [--world 2]
+
+``--world 2`` runs each case as two ranks on the one GPU over gloo (CUDA tensors), so FSDP really shards and its
+collectives run on their CUDA streams (docs/cuda.md, "Two ranks on one GPU").
 
 The gloo runs of the suite prove each engine's per-rank peak in live bytes on the CPU.  On a GPU two things come
 on top that the CPU cannot show, and this script measures both with NCCL on one GPU (world size 1: NCCL refuses
@@ -152,11 +155,11 @@ def cases() -> list[tuple[str, dict[str, int], dict[str, Any], str | None, str]]
     return [(model, values, kw, engine, impl) for model, values, kw in MODELS for engine in ENGINES for impl in IMPLS]
 
 
-def one_case(index: int) -> dict[str, Any]:
+def one_case(index: int, world: int = 1) -> dict[str, Any]:
     """One case in this process (a process of its own: an engine torn down in the same process frees its
-    buffers late, inside the next case's steps)."""
+    buffers late, inside the next case's steps); ``world`` ranks, each a process of its own on the one GPU."""
     model, values, kw, engine, impl = cases()[index]
-    numbers = values if engine else {k: v for k, v in values.items() if k != "N"}
+    numbers = {**values, "N": world} if engine else {k: v for k, v in values.items() if k != "N"}
     d = derive(model, convention="pytorch", options={"device": "cpu" if DRY else "cuda"}, optimizer="adamw",
                optimizer_impl=impl, values=numbers, data_parallel=engine, **kw)
     got = steps(d, engine, impl)
@@ -167,23 +170,32 @@ def one_case(index: int) -> dict[str, Any]:
             "spec": {"model": model, "values": numbers, "options": kw, "engine": engine, "impl": impl}}
 
 
-def engine_rows(jobs: int, only: tuple[str, ...] = ()) -> None:
-    """Every case in a process of its own, ``jobs`` at a time (each its own world of one, on its own port)."""
+def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
+    """Every case in a process of its own (``world`` processes, one per rank), ``jobs`` processes at a time, each
+    case on its own port."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    def run(i: int) -> dict[str, Any]:
+    def rank(i: int, r: int) -> dict[str, Any]:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + i)}
-        argv = [sys.executable, __file__, "--case", str(i), "--pause", str(PAUSE), *(["--dry-run"] if DRY else [])]
+        argv = [sys.executable, __file__, "--case", str(i), "--pause", str(PAUSE), "--world", str(world),
+                "--rank", str(r), *(["--dry-run"] if DRY else [])]
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
         lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
         if done.returncode or not lines:
             return {"case": " ".join(map(str, cases()[i][:2] + cases()[i][3:])), "error": done.stderr[-600:]}
-        return json.loads(lines[-1])
+        out = json.loads(lines[-1])
+        if world > 1:
+            out["case"] += f" N={world} rank {r}"
+        return out
 
-    with ThreadPoolExecutor(jobs) as pool:
-        picked = [i for i, c in enumerate(cases()) if not only or str(c[3]) in only]
-        for r in pool.map(run, picked):
+    def run(i: int) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(world) as ranks:
+            return list(ranks.map(lambda r: rank(i, r), range(world)))
+
+    with ThreadPoolExecutor(max(1, jobs // world)) as pool:
+        picked = [i for i, c in enumerate(cases()) if (not only or str(c[3]) in only) and (world == 1 or c[3])]
+        for r in (r for rs in pool.map(run, picked) for r in rs):
             if "error" in r:
                 ROWS.append({"section": "engine", "case": r["case"], "ok": False, "error": r["error"]})
                 print(f"  {r['case']:<58} ERROR {r['error'][-300:]}", flush=True)
@@ -206,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--pause", type=float, default=0.0, help="seconds to wait after each step")
     ap.add_argument("--only", nargs="*", default=(), help="engines to run (None: one device)")
+    ap.add_argument("--world", type=int, default=1,
+                    help="ranks per case, all on the one GPU: above 1 over gloo (NCCL refuses two ranks of one "
+                         "communicator on one device), so FSDP's collectives and streams run as at N ranks")
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global DRY, PAUSE
     DRY, PAUSE = args.dry_run, args.pause
@@ -215,14 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     if args.case is not None:  # one case, in a process the main run started
-        dist.init_process_group("gloo" if DRY else "nccl", rank=0, world_size=1,
-                                **({} if DRY else {"device_id": torch.device("cuda:0")}))
+        nccl = not DRY and args.world == 1
+        dist.init_process_group("nccl" if nccl else "gloo", rank=args.rank, world_size=args.world,
+                                **({"device_id": torch.device("cuda:0")} if nccl else {}))
         if not DRY:
             warm_cublas()
-        print(json.dumps(one_case(args.case)), flush=True)
+        print(json.dumps(one_case(args.case, args.world)), flush=True)
         dist.destroy_process_group()
         return 0
-    if DRY:
+    if DRY or args.world > 1:
         dist.init_process_group("gloo", rank=0, world_size=1)
         band: dict[str, int] = {}
     else:
@@ -234,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             band = {"error": str(exc)}
             if not dist.is_initialized():
                 dist.init_process_group("gloo", rank=0, world_size=1)
-    engine_rows(args.jobs, tuple(args.only))
+    engine_rows(args.jobs, tuple(args.only), args.world)
     device = "cpu" if DRY else torch.cuda.get_device_name()
     versions = {"torch": torch.__version__,
                 "nccl": "" if DRY else ".".join(map(str, torch.cuda.nccl.version()))}
