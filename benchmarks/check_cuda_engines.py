@@ -129,10 +129,15 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
     opt = (zero_optimizer(params, d.regime.optimizer, impl, 1e-3) if engine == "zero-redundancy"
            else make_optimizer(params, d.regime.optimizer, impl))
     out = []
+    snapshot = os.environ.get("SYMMEM_CUDA_SNAPSHOT")  # a file: the allocator's history of these steps goes there
+    if snapshot and not DRY:
+        torch.cuda.memory._record_memory_history(max_entries=400_000)
     for _ in range(n):
         if not DRY:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if snapshot:  # a step's start, as the history shows it: MARK bytes, freed at once
+                del torch.empty(MARK, dtype=torch.uint8, device="cuda")[:0]
         y = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
         value = y if takes_labels else loss_value("cross-entropy", y, target)
         del y
@@ -147,8 +152,55 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
         if not DRY:
             torch.cuda.synchronize()
         out.append(0 if DRY else int(torch.cuda.max_memory_allocated()) - base)
+    if snapshot and not DRY:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
     del opt, wrapped, module, inputs, target, params
     return out
+
+
+#: the size of the allocation that marks each step's start in a recorded history (no other tensor has it)
+MARK = 7
+
+
+def c10d_excess(path: str) -> list[tuple[int, int]]:
+    """Each step's peak in a recorded allocator history (``SYMMEM_CUDA_SNAPSHOT``), with and without the
+    allocations made inside ``torch.distributed``'s collectives.  Over gloo with CUDA tensors,
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` allocate device temporaries of their own that NCCL
+    does not allocate (docs/cuda.md).  The step boundaries are the MARK allocations.  Histories recorded before the
+    marks were added are split where each optimizer step begins (a window then holds one step's forward and
+    backward after the last optimizer step's own allocations; the last window holds the last optimizer step alone)."""
+    import pickle
+
+    with open(path, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+
+    def frames(e: dict) -> list[str]:
+        return [x["filename"].rsplit("/", 1)[-1] + ":" + x["name"] for x in e.get("frames", ())
+                if x["filename"].endswith(".py")]
+
+    starts = [i for i, e in enumerate(trace) if e["action"] == "alloc" and e["size"] == MARK]
+    if not starts:
+        opt = [i for i, e in enumerate(trace) if e["action"] == "alloc"
+               and any("adam" in x.lower() for x in frames(e)[:3])]
+        starts = [0] + [b for a, b in zip([-10**9, *opt], opt, strict=False) if b - a > 50]
+    out = []
+    for leave_out in (False, True):
+        live: dict[int, int] = {}
+        now, peaks = 0, [0] * len(starts)
+        for i, e in enumerate(trace):
+            if e["action"] == "alloc":
+                py = frames(e)
+                if leave_out and py and py[0].startswith("distributed_c10d.py"):
+                    continue
+                live[e["addr"]] = -(-e["size"] // 512) * 512
+                now += live[e["addr"]]
+                k = sum(i >= s for s in starts) - 1
+                peaks[max(k, 0)] = max(peaks[max(k, 0)], now)
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                now -= live.pop(e["addr"])
+        out.append(peaks)
+    return list(zip(*out, strict=True))
 
 
 def cases() -> list[tuple[str, dict[str, int], dict[str, Any], str | None, str]]:
@@ -178,6 +230,10 @@ def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
 
     def rank(i: int, r: int) -> dict[str, Any]:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + i)}
+        if "SYMMEM_CUDA_SNAPSHOT" in env:  # a folder: one history per case and rank
+            model, _, kw, engine, impl = cases()[i]
+            name = f"{model}{kw.get('widths', '').replace(',', '-')}-{engine}-{impl}-r{r}.pickle"
+            env["SYMMEM_CUDA_SNAPSHOT"] = os.path.join(env["SYMMEM_CUDA_SNAPSHOT"], name)
         argv = [sys.executable, __file__, "--case", str(i), "--pause", str(PAUSE), "--world", str(world),
                 "--rank", str(r), *(["--dry-run"] if DRY else [])]
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
@@ -222,7 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="ranks per case, all on the one GPU: above 1 over gloo (NCCL refuses two ranks of one "
                          "communicator on one device), so FSDP's collectives and streams run as at N ranks")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--analyze", nargs="*", default=None, metavar="HISTORY",
+                    help="read allocator histories recorded with SYMMEM_CUDA_SNAPSHOT=DIR: each step's peak with and "
+                         "without the collectives' own temporaries (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.analyze is not None:
+        for path in args.analyze:
+            steps_ = c10d_excess(path)
+            print(f"{Path(path).name}: " + "; ".join(f"step {k + 1} {a:,} ({a - b:+,} in collectives)"
+                                                   for k, (a, b) in enumerate(steps_)))
+        return 0
     global DRY, PAUSE
     DRY, PAUSE = args.dry_run, args.pause
     import torch
