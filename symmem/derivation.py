@@ -545,7 +545,34 @@ class Derivation:
         ran = [f"on {self.options['device']}"] if self.options.get("device") else []
         if self.options.get("attention"):
             ran.append(names.attention(str(self.options["attention"])))
+        layout = self.layout_label()  # the values are one device's of this layout
+        ran += [f"per device: {layout}"] if layout else []
         return f"{model} — {conv}, {regime}{scope}{how}" + (f"; {', '.join(ran)}" if ran else "")
+
+    def layout_label(self) -> str:
+        """The parallel layout in the command line's words and sizes, empty on one device.
+
+        >>> from symmem import derive
+        >>> derive("gpt2", data_parallel="fsdp", values={"N": 8}).layout_label()
+        'fsdp N=8'
+        >>> derive("llama", pipeline_parallel=True, micro_batches=4, values={"p": 2}).layout_label()
+        '1f1b p=2 M=4'
+        """
+        r, at = self.regime, {s.name: v for s, v in self.numbers.items()}
+
+        def sized(text: str, *names: str) -> str:
+            return " ".join([text, *(f"{n}={at[n]}" for n in names if n in at)])
+
+        parts = []
+        if r.data_parallel:
+            parts.append(sized(r.data_parallel, "N"))
+        elif r.zero:
+            parts.append(sized(f"ZeRO-{r.zero}", "N"))
+        if r.tensor_parallel:
+            parts.append(sized("sequence parallel" if r.sequence_parallel else "tensor parallel", "t"))
+        if r.pipeline_parallel:
+            parts.append(f"{sized(r.pipeline_schedule, 'p')} M={r.micro_batches}")
+        return ", ".join(parts)
 
     def regime_label(self) -> str:
         """``FP32 + AdamW``; a traced module cast to another dtype names its own (``bfloat16 weights + AdamW``: the

@@ -100,6 +100,8 @@ def test_a_sweep_names_the_layout_its_values_are_one_device_of(kw, layout):
     fig = sweep(d, "B", values=[1, 2])
     assert fig.axes[0].get_title().endswith(f"FP32 + AdamW on cpu{layout}: memory vs B")
     close(fig)
+    # the table's (and every view's) header says it too
+    assert d.title().endswith("fused attention (SDPA)" + layout)
 
 
 def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():

@@ -74,27 +74,8 @@ def _regime(d: Derivation) -> str:
     regime = d.regime_label()
     if d.options.get("device") and d.options["device"] != "cuda":  # cuda: the default of every plot so far
         regime += f" on {d.options['device']}"
-    layout = _layout(d)
+    layout = d.layout_label()
     return f"{regime}, per device: {layout}" if layout else regime
-
-
-def _layout(d: Derivation) -> str:
-    """The derivation's parallel layout in the command line's words and sizes (empty on one device)."""
-    r, at = d.regime, {s.name: v for s, v in d.numbers.items()}
-
-    def sized(text: str, *names: str) -> str:
-        return " ".join([text, *(f"{n}={at[n]}" for n in names if n in at)])
-
-    parts = []
-    if r.data_parallel:
-        parts.append(sized(r.data_parallel, "N"))
-    elif r.zero:
-        parts.append(sized(f"ZeRO-{r.zero}", "N"))
-    if r.tensor_parallel:
-        parts.append(sized("sequence parallel" if r.sequence_parallel else "tensor parallel", "t"))
-    if r.pipeline_parallel:
-        parts.append(f"{sized(r.pipeline_schedule, 'p')} M={r.micro_batches}")
-    return ", ".join(parts)
 
 
 #: One colour per kind of memory, the same in every figure: the live-memory categories (as PyTorch's memory snapshot
