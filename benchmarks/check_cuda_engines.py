@@ -137,7 +137,8 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             if snapshot:  # a step's start, as the history shows it: MARK bytes, freed at once
-                del torch.empty(MARK, dtype=torch.uint8, device="cuda")[:0]
+                mark = torch.empty(MARK, dtype=torch.uint8, device="cuda")
+                del mark
         y = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
         value = y if takes_labels else loss_value("cross-entropy", y, target)
         del y

@@ -21,27 +21,32 @@ import pytest
 from symmem import derive
 
 DATA = json.loads((Path(__file__).parent / "data" / "cuda_h200_world2.json").read_text())
-#: the GPT-2 and Llama rows with the foreach AdamW (one derivation serves both ranks and both steps)
+
+def _case(row: dict) -> str:
+    return json.dumps({k: v for k, v in row["spec"].items() if k != "quantity"}, sort_keys=True)
+
+
+#: the GPT-2 and Llama rows with the foreach AdamW, and every case whose allocator history was read (one derivation
+#: serves both ranks and both steps)
+RECORDED = {_case(r) for r in DATA["rows"] if "collective_temporaries" in r}
 CASES: dict[str, dict[str, list[int]]] = {}
 for _row in DATA["rows"]:
     _spec = _row["spec"]
-    if _spec["impl"] == "foreach" and (_spec["model"] in ("gpt2", "llama") or (
-            _spec["engine"] == "fsdp" and _spec["options"].get("widths") == "64,128,128,10")):
-        _key = json.dumps({k: v for k, v in _spec.items() if k != "quantity"}, sort_keys=True)
+    if _spec["impl"] == "foreach" and _spec["model"] in ("gpt2", "llama") or _case(_row) in RECORDED:
+        _key = _case(_row)
         _step = _spec["quantity"].removeprefix("allocated_")
         CASES.setdefault(_key, {}).setdefault(_step, []).append(_row["measured"])
 #: the engines whose rows hold more than the live-bytes model on this set-up (gloo's temporaries for CUDA tensors
 #: inside the backward's all-gathers: docs/cuda.md)
 UNDER = {"fsdp", "fsdp1"}
 #: (case, step) -> bytes the collectives allocated at that rank's peak, read from its allocator history
-TEMPORARIES = {(json.dumps({k: v for k, v in r["spec"].items() if k != "quantity"}, sort_keys=True),
-                r["spec"]["quantity"].removeprefix("allocated_")): r["collective_temporaries"]
+TEMPORARIES = {(_case(r), r["spec"]["quantity"].removeprefix("allocated_")): r["collective_temporaries"]
                for r in DATA["rows"] if "collective_temporaries" in r}
 
 
 def test_the_measurements_are_two_ranks_on_cuda():
     assert "H200" in DATA["device"] and "+cu" in DATA["versions"]["torch"] and len(DATA["rows"]) == 192
-    assert {json.loads(k)["values"]["N"] for k in CASES} == {2} and len(CASES) == 13 and len(TEMPORARIES) == 6
+    assert {json.loads(k)["values"]["N"] for k in CASES} == {2} and len(CASES) == 16 and len(TEMPORARIES) == 15
 
 
 @pytest.mark.parametrize("key", sorted(CASES), ids=lambda k: " ".join(
