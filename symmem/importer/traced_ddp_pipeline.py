@@ -15,8 +15,10 @@ parameter's ops keep to the next parameter's (the for-loop's ``denom``) freed wh
 The truth is :mod:`symmem.record.ddp_pipeline_runs` running the module's manual split
 (:class:`~symmem.record.traced_pipeline_runs.SequentialSplit`) with each stage wrapped in
 ``DistributedDataParallel`` over ``mesh["dp"]`` (tests/test_ddp_pipeline.py): exact on every rank of a 2 x 2 gloo
-mesh.  Measured for a file module whose forward runs its children one after another, FP32, without tied
-parameters; a Hugging Face model's stages under DDP are refused in one line (not measured).
+mesh.  Measured for a file module whose forward runs its children one after another (a weight tied within a
+stage and to the head: each stage's copy, as the pipeline alone counts it) and for Hugging Face GPT-2 (its manual
+split, :class:`~symmem.record.traced_pipeline_runs.GPT2Split`, tied or not, with the schedule's loss or the
+model's own), FP32; another Hugging Face model's stages are refused in one line (not measured).
 
 >>> from symmem.training import Regime
 >>> refusal(None, Regime(data_parallel="fsdp")) is not None
@@ -37,7 +39,7 @@ from ..passes.ddp_pipeline import DdpPipelineStep, _ViewReplay
 from ..passes.model_parallel import _Replay
 from ..training import Regime
 from .recording import StepRecord
-from .traced_pipeline import TracedCut, TracedPipelineStep, _owners, _param_names, _state_owners, tied
+from .traced_pipeline import TracedCut, TracedPipelineStep, _owners, _param_names, _state_owners
 from .traced_step import StepPeak
 
 #: the engines DDP x pipeline places on every stage
@@ -57,11 +59,11 @@ def refusal(step: StepPeak | None, regime: Regime) -> str | None:
     why = alone(step, dataclasses.replace(regime, data_parallel=None))
     if why is not None:
         return why
-    if getattr(step.module, "config", None) is not None:
-        # measured on SequentialSplit (record/traced_pipeline_runs.py) file modules only
-        return "the DDP x pipeline peak of a traced module is measured for file modules, not Hugging Face models"
-    if tied(step.module):
-        return "the DDP x pipeline peak of a traced module is measured without tied parameters"
+    config = getattr(step.module, "config", None)
+    if config is not None and getattr(config, "model_type", None) != "gpt2":
+        # measured on GPT2Split (record/traced_pipeline_runs.py), Hugging Face GPT-2's manual split, only
+        return (f"the DDP x pipeline peak of a Hugging Face model is measured for GPT-2's stages, not "
+                f"{getattr(config, 'model_type', None)!r}'s")
     import torch
 
     if any(q.dtype != torch.float32 for q in step.module.parameters()):
