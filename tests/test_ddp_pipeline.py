@@ -210,3 +210,23 @@ def _stage_buffers(case, stage: int) -> int:
     model, values, _, _, _, options, _ = case
     sizes = {**values, "p": 2, "N": 2, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
     return sum(b.numel() * b.element_size() for b in _stage_module(model, sizes, stage, 2, options).buffers())
+
+
+def test_a_traced_module_in_the_cli_and_fit(capsys):
+    """``symmem trace ... --pipeline-parallel gpipe --data-parallel zero-redundancy``: every rank's peak and
+    parameter side in the table (those TRACED[1] checks against the engine, rank by rank); ``fit`` finds the largest
+    B whose largest rank fits (the stages replayed anew at B and B + 1, on each side of the budget)."""
+    from symmem.apps.budget import largest
+    from symmem.cli import main
+
+    assert main(["trace", BLOCK, "--dims", "B", "--pipeline-parallel", "gpipe", "--data-parallel", "zero-redundancy",
+                 "--set", "p=2", "--set", "N=2", "--micro-batches", "3", "--optimizer", "adamw", "--loss",
+                 "cross-entropy"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("peak per rank (first step / steady): rank 0: 142,768 / 142,768 B; rank 1: 142,600 / 142,600 B; rank "
+            "2: 139,528 / 139,528 B; rank 3: 139,376 / 139,376 B (the peak above is rank 0's, the largest)") in text
+    assert "rank 0: 120,304 B; rank 1: 120,136 B; rank 2: 117,304 B; rank 3: 117,152 B" in text
+    d = _traced(*TRACED[1])
+    fit = largest(d, "B", 2**20)
+    at = [d.at(B=b).value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= 2**20 < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
