@@ -155,11 +155,16 @@ class _TracedViewReplay(_ViewReplay):
     the autograd node that made it has run, so the gradients an op of a node made go after the node's last op
     (its consecutive ops under one autograd node and module: ``mm`` and ``sum`` of one ``AddmmBackward0``)."""
 
+    def __init__(self, cut: TracedCut, s: int, at: Mapping[str, int], schedule: str, m: int) -> None:
+        super().__init__(cut, s, at, schedule, m)  # type: ignore[arg-type]
+        # each op's autograd node and module (a backward op's name is "op (node) in module")
+        self.node_of = {e.node: (o.where, o.module) for o, e in zip(cut.rec.ops, cut.tl.events, strict=True)}
+        self.names: list[str | None] = []
+        self.at_op = 0
+        self.pending: list[str] = []
+
     def begin(self, kind: str, mb: int) -> None:
         super().begin(kind, mb)
-        if not hasattr(self, "node_of"):
-            self.node_of = {e.node: (o.where, o.module) for o, e in zip(self.cut.rec.ops, self.cut.tl.events,
-                                                                        strict=True)}
         self.names = [node for node, _, _ in self._plan(0 if mb == 0 else 1, kind)]
         self.at_op = 0
         self.pending: list[str] = []
