@@ -169,6 +169,12 @@ def _check_hf(real):
         assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
             r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), r
     assert real[0].steady_at == ("forward", "aten.mul.Tensor")
+    # the parameter side per rank (passes/rank_side.py): the real rank's padded shards, as many bytes of sharded
+    # gradients, AdamW's state of its rows
+    side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": 0,
+                          "optimizer_state": r.optimizer_state,
+                          "total": 2 * r.parameters + r.optimizer_state} for r in real}
+    assert d.to_dict()["values"]["parameter_side_per_rank"] == side
     assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak)
     assert d.peak_at().where(step=False) == (
         "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline aten.mul.Tensor in "
