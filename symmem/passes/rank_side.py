@@ -65,17 +65,17 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
     world = derivation.numbers.get(N)
     if regime.data_parallel not in ENGINES or world is None:
         return None
-    if regime.tensor_parallel and not regime.pipeline_parallel and hasattr(step, "groups") and hasattr(step, "_at"):
-        try:  # a traced module's FSDP2 x TP (importer/traced_fsdp_tensor.py): each data-parallel rank's own step
-            return _traced_tensor_mesh(derivation, step)
-        except SymmemError:
-            return None
     if regime.tensor_parallel and not regime.pipeline_parallel and hasattr(step, "rank_parts"):
         try:  # FSDP/FSDP1 x TP: each data-parallel rank's parts as the mesh step holds them (passes/fsdp_tensor.py)
             return _tensor_mesh(derivation, step)
         except SymmemError:
             return None
-    if regime.pipeline_parallel and not regime.tensor_parallel and _built_stages(step):
+    if regime.tensor_parallel and not regime.pipeline_parallel and hasattr(step, "groups") and hasattr(step, "_at"):
+        try:  # a traced module's FSDP2 x TP (importer/traced_fsdp_tensor.py): each data-parallel rank's own step
+            return _traced_tensor_mesh(derivation, step)
+        except SymmemError:
+            return None
+    if regime.pipeline_parallel and not regime.tensor_parallel and _engine_on_stages(step):
         try:  # DDP/ZeRO-1/FSDP2 on pipeline stages: each stage's replay of each data-parallel rank
             return _pipeline_mesh(derivation, step)
         except SymmemError:
@@ -150,7 +150,7 @@ def _traced_tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]
     return dict(sorted(out.items()))
 
 
-def _built_stages(step: Any) -> bool:
+def _engine_on_stages(step: Any) -> bool:
     """Whether ``step`` is a pipeline step under a data-parallel engine: a built graph's or a traced module's
     (:mod:`symmem.importer.traced_ddp_pipeline`, :mod:`symmem.importer.traced_fsdp_pipeline`: subclasses)."""
     # by name: importing the two steps here would close an import cycle through the derivation
