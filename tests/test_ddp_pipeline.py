@@ -230,3 +230,19 @@ def test_a_traced_module_in_the_cli_and_fit(capsys):
     fit = largest(d, "B", 2**20)
     at = [d.at(B=b).value("peak") for b in (fit.max, fit.max + 1)]
     assert at[0] <= 2**20 < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
+
+
+def test_a_traced_module_not_in_fp32_is_refused():
+    """What was not measured is one line, not a guess: FP64 parameters (the DDP x pipeline runs were FP32)."""
+    import importlib.util
+
+    from symmem import trace
+
+    spec = importlib.util.spec_from_file_location("traced_block", Path(__file__).parent / "data" / "traced_block.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    d = trace(mod.Net().double(), (torch.randn(4, 12, dtype=torch.float64),), {"B": [(0, 0)]}, optimizer="adamw",
+              loss="cross-entropy", check=False, pipeline_parallel=True, data_parallel="ddp", micro_batches=2,
+              values={"p": 2, "N": 2})
+    assert d.to_dict()["peak_refused"] == (
+        "no peak: the DDP x pipeline peak of a traced module is measured for FP32 parameters")
