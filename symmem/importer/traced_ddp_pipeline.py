@@ -167,7 +167,7 @@ class _TracedViewReplay(_ViewReplay):
         super().begin(kind, mb)
         self.names = [node for node, _, _ in self._plan(0 if mb == 0 else 1, kind)]
         self.at_op = 0
-        self.pending: list[str] = []
+        self.pending = []
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         k = self.at_op
