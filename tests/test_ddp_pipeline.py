@@ -11,6 +11,8 @@ each moment's fewest bytes over repeated steps, DDP's buckets counted from the s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -31,6 +33,14 @@ CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "drop
          ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, "zero-redundancy"),
          ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, "zero-redundancy"),
          ("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "ddp-bucket-view")]
+#: a traced module (tests/data/traced_block.py: 4 blocks, its manual split, symmem.importer.traced_ddp_pipeline) in
+#: the same spawn: (schedule, M, engine): the bucket view under 1F1B (every rank peaks in the last micro-batch's
+#: backward at a bias gradient's sum, the weight gradient of its AddmmBackward0 not yet handed to the bucket: each
+#: gradient goes after its autograd node's last op), ZeRO-1 under GPipe M = 3 (the ranks of a stage own different
+#: parameters: rank 0 30,160 B of AdamW state, rank 1 29,992)
+BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
+TRACED = [("1f1b", 2, "ddp-bucket-view"), ("gpipe", 3, "zero-redundancy")]
+
 
 def _derive(model, values, schedule, m, loss, options, engine, **more):
     from symmem import derive
@@ -50,9 +60,15 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem import derive
+    from symmem.importer.spec_builder import SpecBuilder
     from symmem.record.ddp_pipeline_runs import ddp_pipeline_runs
+    from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
 
-    everything = ddp_pipeline_runs(2, 2, CASES, start_method="forkserver")
+    split = SequentialSplit(("inp",), "blocks", ("head",))
+    traced = [(TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), engine)
+              for schedule, m, engine in TRACED]
+    everything = ddp_pipeline_runs(2, 2, [*CASES, *traced], start_method="forkserver")
+    _check_traced([rank[len(CASES):] for rank in everything])
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -100,6 +116,47 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): the optimizer step")
     assert _derive(*CASES[2]).peak_at().where(step=False) == (
         "rank 3 (stage 1 of 2, data-parallel rank 1 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0")
+
+
+def _traced(schedule: str, m: int, engine: str):
+    from symmem.importer import sources
+
+    loaded = sources.load(BLOCK)
+    return sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="cross-entropy",
+                         check=False, pipeline_parallel=True, pipeline_schedule=schedule, data_parallel=engine,
+                         micro_batches=m, values={"p": 2, "N": 2})
+
+
+def _check_traced(everything):
+    """A traced module's stages under DDP's bucket view and ZeRO-1 (symmem.importer.traced_ddp_pipeline) against
+    the real engine on the module's manual split: every rank's weights, AdamW state, first and steady peak, and the
+    largest moment of its schedule and of its optimizer step, to the byte; the views' largest rank, every rank's
+    peak and parameter side."""
+    from symmem.passes.data_parallel import rank_peaks
+
+    for k, case in enumerate(TRACED):
+        real = [rank[k] for rank in everything]
+        d = _traced(*case)
+        named = {s.name: int(v) for s, v in d.numbers.items()}
+        for r in real:
+            mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
+            assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
+            assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
+                r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
+        top = max(real, key=lambda r: (r.steady_peak, -r.rank))
+        assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, max(r.first_peak for r in real))
+        assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}, k
+        # the parameter side per rank (passes/rank_side.py): the real rank's weights and AdamW state (the module
+        # has no buffers); FP32: a whole gradient per weight, and the buckets as many bytes again -- under the bucket
+        # view the gradients themselves (counted once)
+        view = case[-1] == "ddp-bucket-view"
+        side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters,
+                              "buckets": 0 if view else r.parameters, "optimizer_state": r.optimizer_state,
+                              "total": (2 if view else 3) * r.parameters + r.optimizer_state} for r in real}
+        assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
+    assert [(r.steady_at, r.steady_peak) for r in everything[0]] == [
+        (("forward", "aten.sum.dim_IntList"), 163_896), (("step", "aten.div.Tensor"), 142_768)]
+    assert everything[0][1].optimizer_state - everything[1][1].optimizer_state == 168
 
 
 def test_the_cli_table_names_the_rank_and_fit(capsys):
@@ -153,3 +210,39 @@ def _stage_buffers(case, stage: int) -> int:
     model, values, _, _, _, options, _ = case
     sizes = {**values, "p": 2, "N": 2, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
     return sum(b.numel() * b.element_size() for b in _stage_module(model, sizes, stage, 2, options).buffers())
+
+
+def test_a_traced_module_in_the_cli_and_fit(capsys):
+    """``symmem trace ... --pipeline-parallel gpipe --data-parallel zero-redundancy``: every rank's peak and
+    parameter side in the table (those TRACED[1] checks against the engine, rank by rank); ``fit`` finds the largest
+    B whose largest rank fits (the stages replayed anew at B and B + 1, on each side of the budget)."""
+    from symmem.apps.budget import largest
+    from symmem.cli import main
+
+    assert main(["trace", BLOCK, "--dims", "B", "--pipeline-parallel", "gpipe", "--data-parallel", "zero-redundancy",
+                 "--set", "p=2", "--set", "N=2", "--micro-batches", "3", "--optimizer", "adamw", "--loss",
+                 "cross-entropy"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("peak per rank (first step / steady): rank 0: 142,768 / 142,768 B; rank 1: 142,600 / 142,600 B; rank "
+            "2: 139,528 / 139,528 B; rank 3: 139,376 / 139,376 B (the peak above is rank 0's, the largest)") in text
+    assert "rank 0: 120,304 B; rank 1: 120,136 B; rank 2: 117,304 B; rank 3: 117,152 B" in text
+    d = _traced(*TRACED[1])
+    fit = largest(d, "B", 2**20)
+    at = [d.at(B=b).value("peak") for b in (fit.max, fit.max + 1)]
+    assert at[0] <= 2**20 < at[1] and (fit.total_at_max, fit.total_above) == tuple(at)
+
+
+def test_a_traced_module_not_in_fp32_is_refused():
+    """What was not measured is one line, not a guess: FP64 parameters (the DDP x pipeline runs were FP32)."""
+    import importlib.util
+
+    from symmem import trace
+
+    spec = importlib.util.spec_from_file_location("traced_block", Path(__file__).parent / "data" / "traced_block.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    d = trace(mod.Net().double(), (torch.randn(4, 12, dtype=torch.float64),), {"B": [(0, 0)]}, optimizer="adamw",
+              loss="cross-entropy", check=False, pipeline_parallel=True, data_parallel="ddp", micro_batches=2,
+              values={"p": 2, "N": 2})
+    assert d.to_dict()["peak_refused"] == (
+        "no peak: the DDP x pipeline peak of a traced module is measured for FP32 parameters")

@@ -137,6 +137,12 @@ def _check_traced(everything):
         top = max(real, key=lambda r: (r.steady_peak, -r.rank))
         assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), k
         assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}, k
+        # the parameter side per rank (passes/rank_side.py): the real rank's padded shards, as many bytes of sharded
+        # gradients, AdamW's state of its rows (the module has no buffers)
+        side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": 0,
+                              "optimizer_state": r.optimizer_state,
+                              "total": 2 * r.parameters + r.optimizer_state} for r in real}
+        assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
         # the head's 5 rows padded to 6: rank 3 (stage 1's data-parallel rank 1) holds 2 of 3, AdamW's state 2 rows
         # of 24 floats (and a bias element) fewer
         assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * (24 + 1), k
@@ -163,6 +169,12 @@ def _check_hf(real):
         assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
             r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), r
     assert real[0].steady_at == ("forward", "aten.mul.Tensor")
+    # the parameter side per rank (passes/rank_side.py): the real rank's padded shards, as many bytes of sharded
+    # gradients, AdamW's state of its rows
+    side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": 0,
+                          "optimizer_state": r.optimizer_state,
+                          "total": 2 * r.parameters + r.optimizer_state} for r in real}
+    assert d.to_dict()["values"]["parameter_side_per_rank"] == side
     assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak)
     assert d.peak_at().where(step=False) == (
         "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline aten.mul.Tensor in "

@@ -163,6 +163,12 @@ def _traced_against(file: list) -> None:
     assert {d.value("activations")} == {r.saved for r in file}
     assert [file[0].optimizer_state - file[2].optimizer_state, each[0][1] - each[2][1]] == [400, 400]
     assert each[0] == (38_656, 54_080)
+    # the parameter side per rank (passes/rank_side.py), read off each data-parallel rank's own step: the real
+    # rank's padded shards, their gradients and AdamW's state of its rows (the module has no buffers)
+    side = {str(r.rank): {"parameters": r.parameters, "gradients": r.gradients, "buckets": 0,
+                          "optimizer_state": r.optimizer_state,
+                          "total": r.parameters + r.gradients + r.optimizer_state} for r in file}
+    assert d.to_dict()["values"]["parameter_side_per_rank"] == side
 
 
 def test_the_mesh_ranks_cli(capsys):

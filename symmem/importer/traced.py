@@ -404,8 +404,12 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
 
             return Refused(why)
         return fsdp_tensor_step(found, regime.data_parallel)
-    if regime.pipeline_parallel and regime.data_parallel:  # FSDP2 on every stage (importer/traced_fsdp_pipeline.py)
-        from .traced_fsdp_pipeline import fsdp_pipeline_step
+    if regime.pipeline_parallel and regime.data_parallel:
+        from .traced_ddp_pipeline import ENGINES, ddp_pipeline_step
+
+        if regime.data_parallel in ENGINES:  # DDP / ZeRO-1 on every stage (importer/traced_ddp_pipeline.py)
+            return ddp_pipeline_step(step, regime, numbers)
+        from .traced_fsdp_pipeline import fsdp_pipeline_step  # FSDP2 on every stage
 
         return fsdp_pipeline_step(step, regime, numbers)
     if regime.pipeline_parallel:  # every stage's step: the recorded step cut by stage and replayed

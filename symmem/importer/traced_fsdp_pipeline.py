@@ -209,7 +209,8 @@ def _stage_at(at: Mapping[str, int], cut: TracedCut, s: int, units: _Units) -> d
     rest = at["at_rest"] - at["parameters"] - at["optimizer_state"] + weights + state
     sizes = _HeldSizes(cut, rec, units, _param_names(rec))
     step = _step_peak(rec, sizes, s, _owners(rec, cut), rest + weights)  # type: ignore[arg-type]
-    return {**at, "at_rest": rest, "parameters": weights, "optimizer_state": state, "step_peak": step}
+    return {**at, "at_rest": rest, "parameters": weights, "gradients": weights, "optimizer_state": state,
+            "step_peak": step}
 
 
 @dataclass(eq=False)

@@ -90,6 +90,18 @@ class FsdpTensorStepPeak(TensorStepPeak):
         """``{rank: (first-step peak, steady peak)}`` of every rank of the mesh, ``r`` at ``(r // t, r % t)``: the
         data-parallel ranks grouped by the rows they hold of each local shard, each group worked out once."""
         merged = {**self.numbers, **dict(numbers)}
+        world = int(merged[T])
+        out: dict[int, tuple[int, int]] = {}
+        for group in self.groups(numbers):
+            p = self.at_rank(group[0]).peak(merged)
+            found = (int(p.value(merged, "first")), int(p.value(merged)))
+            for r in group:
+                out.update(dict.fromkeys(range(r * world, (r + 1) * world), found))
+        return dict(sorted(out.items()))
+
+    def groups(self, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:
+        """The data-parallel ranks grouped by the rows they hold of each local shard (a group's steps alike)."""
+        merged = {**self.numbers, **dict(numbers)}
         if N not in merged:
             raise SymmemError("the peak of every rank of an N x t mesh needs the world size N a number (--set N=2)")
         world, dp = int(merged[T]), int(merged[N])
@@ -97,13 +109,7 @@ class FsdpTensorStepPeak(TensorStepPeak):
         rec = self._recorded(sizes, count, world, symbolic=False)
         firsts = [local_shape(p.shape, self.sharded, p.name, world)[0]
                   for p in parameters_of(rec, self.module, self.repeat) if p.shape]
-        out: dict[int, tuple[int, int]] = {}
-        for group in alike_ranks(firsts, dp):
-            p = self.at_rank(group[0]).peak(merged)
-            found = (int(p.value(merged, "first")), int(p.value(merged)))
-            for r in group:
-                out.update(dict.fromkeys(range(r * world, (r + 1) * world), found))
-        return dict(sorted(out.items()))
+        return alike_ranks(firsts, dp)
 
     def per_rank(self, numbers: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
         """Every rank's steady-step peak, the largest named (rank 0: whole shards)."""

@@ -50,9 +50,10 @@ _BUCKETS = "ddp.buckets"
 def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None:
     """``{rank: {parameters, gradients, buckets, optimizer_state, total}}`` in bytes for every rank ``0 .. N-1``
     at the derivation's numbers (module docstring); on a mesh every rank of it, as its step's per-rank peaks number
-    them (:func:`_tensor_mesh`: FSDP2/FSDP1 x TP; :func:`_pipeline_mesh`: DDP/ZeRO-1/FSDP2 on pipeline stages of a
-    built graph). None without a data-parallel engine, without a number for ``N``, where the step has no peak at
-    the numbers, or for the meshes not modelled here (a traced module's, TP x pipeline).
+    them (:func:`_tensor_mesh`: FSDP2/FSDP1 x TP; :func:`_traced_tensor_mesh`: a traced module's FSDP2 x TP;
+    :func:`_pipeline_mesh`: DDP/ZeRO-1/FSDP2 on pipeline stages of a built graph or a traced module). None without a
+    data-parallel engine, without a number for ``N``, where the step has no peak at the numbers, or for the meshes
+    not modelled here (TP x pipeline).
 
     The step written out (the one the views' timeline shows: rank 0's, ZeRO-1's largest rank's) gives the weights,
     gradients and buckets, which every rank holds alike; the ranks differ only in their optimizer state (FSDP2's
@@ -69,7 +70,12 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
             return _tensor_mesh(derivation, step)
         except SymmemError:
             return None
-    if regime.pipeline_parallel and not regime.tensor_parallel and _built_stages(step):
+    if regime.tensor_parallel and not regime.pipeline_parallel and hasattr(step, "groups") and hasattr(step, "_at"):
+        try:  # a traced module's FSDP2 x TP (importer/traced_fsdp_tensor.py): each data-parallel rank's own step
+            return _traced_tensor_mesh(derivation, step)
+        except SymmemError:
+            return None
+    if regime.pipeline_parallel and not regime.tensor_parallel and _engine_on_stages(step):
         try:  # DDP/ZeRO-1/FSDP2 on pipeline stages: each stage's replay of each data-parallel rank
             return _pipeline_mesh(derivation, step)
         except SymmemError:
@@ -127,12 +133,29 @@ def _tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
-def _built_stages(step: Any) -> bool:
-    """Whether ``step`` is a built graph's pipeline step under a data-parallel engine (a traced module's stages,
-    :mod:`symmem.importer.traced_fsdp_pipeline`, do not have it yet: their stage memory is not split by buffer)."""
+def _traced_tensor_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
+    """Every rank of an N x t mesh of a traced module under FSDP2 x TP, rank ``r`` at ``(r // t, r % t)``: what each
+    data-parallel rank's step (its tensor-parallel record rewritten with FSDP2's events for its rows,
+    :class:`~symmem.importer.traced_fsdp_tensor.FsdpTensorStepPeak`) holds just before its optimizer step; the
+    tensor-parallel ranks of a data-parallel rank alike, as the step records one for them all; no DDP buckets."""
+    from ..symbols import t
+
+    numbers = derivation.numbers
+    width = int(numbers[t])
+    out: dict[int, dict[str, int]] = {}
+    for group in step.groups(numbers):  # data-parallel ranks holding the same rows: worked out once
+        one = step.at_rank(group[0])
+        side = held(one._at(numbers)[0].as_timeline("steady"), one._values(numbers))
+        out.update({dp * width + tp: side for dp in group for tp in range(width)})
+    return dict(sorted(out.items()))
+
+
+def _engine_on_stages(step: Any) -> bool:
+    """Whether ``step`` is a pipeline step under a data-parallel engine: a built graph's or a traced module's
+    (:mod:`symmem.importer.traced_ddp_pipeline`, :mod:`symmem.importer.traced_fsdp_pipeline`: subclasses)."""
     # by name: importing the two steps here would close an import cycle through the derivation
-    kind = f"{type(step).__module__}.{type(step).__qualname__}"
-    return kind in (f"{__package__}.ddp_pipeline.DdpPipelineStep", f"{__package__}.fsdp_pipeline.FsdpPipelineStep")
+    kinds = {f"{__package__}.ddp_pipeline.DdpPipelineStep", f"{__package__}.fsdp_pipeline.FsdpPipelineStep"}
+    return any(f"{c.__module__}.{c.__qualname__}" in kinds for c in type(step).__mro__)
 
 
 def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
@@ -149,14 +172,17 @@ def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
     subs = {s: sympy.Integer(v) for s, v in numbers.items()}
     # data-parallel ranks whose stages hold the same: ZeRO-1's by the parameters owned, FSDP2's by the rows held
     groups = step._alike(named) if hasattr(step, "_alike") else alike_ranks(step._firsts(derivation), world)
-    memories = step._stages()  # first, middle, last (the replays' own choice of them)
+    # first, middle, last (the replays' own choice of them); a traced module's stages: None (one with buffers is
+    # refused on stages, importer/traced_pipeline.py, so its stages hold none)
+    memories = step._stages()
     out: dict[int, dict[str, int]] = {}
     for group in groups:
         replays = step.at_rank(group[0])._replays(named)
         for s, replay in enumerate(replays):
-            memory = memories[0] if s == 0 else memories[-1] if s == len(replays) - 1 else memories[1]
+            memory = None if memories is None else \
+                memories[0] if s == 0 else memories[-1] if s == len(replays) - 1 else memories[1]
             at = replay.at
-            own = int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
+            own = 0 if memories is None else int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
             one = {"parameters": at["parameters"] + own, "gradients": at["gradients"],
                    # under the bucket view the buckets are the gradients (each .grad views them): once
                    "buckets": 0 if getattr(step, "view", False) else at.get("ddp_buckets", 0),

@@ -31,8 +31,9 @@ from .model_parallel_runs import MESH_STEADY_STEPS as STEADY_STEPS
 from .model_parallel_runs import SETTLE_S
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp``, ``ddp-bucket-view`` or
-#: ``zero-redundancy``)
-Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], str]
+#: ``zero-redundancy``), or a traced module's (:class:`~symmem.record.traced_pipeline_runs.TracedCase`, engine): its
+#: manual split's stages
+Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], str] | tuple[Any, str]
 
 
 def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
@@ -46,21 +47,31 @@ def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMe
     from ..reference.sequence_models import causal_lm_loss
     from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
 
-    model, values, schedule, m, loss, options, engine = case
     mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
     s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    module = _stage_module(model, values, s, stages, options)
+    first, last = s == 0, s == stages - 1
+    if len(case) == 2:  # a traced module's manual split (as FSDP x pipeline builds it)
+        from .fsdp_pipeline_runs import _traced_stage
+
+        traced, engine = case
+        module, _, given, loss_fn, ids, labels = _traced_stage(traced, s, stages, dp)
+        schedule, m = traced.schedule, traced.micro_batches
+    else:
+        model, values, schedule, m, loss, options, engine = case
+        module = _stage_module(model, values, s, stages, options)
+        b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+        given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
+                              (b, seq, h))
+        loss_fn = causal_lm_loss if loss == "cross-entropy" else _sum_loss
+        gen = torch.Generator().manual_seed(1 + dp)  # each data-parallel group its own batch
+        ids = torch.randint(0, v, (b * m, seq), generator=gen)
+        labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else \
+            torch.empty(b * m, 0)
     wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
                                       gradient_as_bucket_view=engine == "ddp-bucket-view")
-    b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
-    first, last = s == 0, s == stages - 1
-    given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v), (b, seq, h))
     stage = PipelineStage(wrapped, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
-    gen = torch.Generator().manual_seed(1 + dp)  # each data-parallel group its own batch
-    ids = torch.randint(0, v, (b * m, seq), generator=gen)
-    labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    sched = kind(stage, m, loss_fn=loss_fn)
     group = mesh["dp"].get_group() if engine == "zero-redundancy" else None
     return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp), group,
                    views=engine == "ddp-bucket-view")
@@ -176,7 +187,7 @@ def ddp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method:
     from .model_parallel_runs import forked_ranks
 
     mesh_of(stages, dp, start_method, __name__)
-    listed = [(model, dict(values), schedule, m, loss, dict(options), engine)
-              for model, values, schedule, m, loss, options, engine in cases]
+    listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]), case[6])
+              for case in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the DDP x pipeline run",
                         start_method)
