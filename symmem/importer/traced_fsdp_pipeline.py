@@ -35,7 +35,8 @@ from ..passes.model_parallel import requires
 from ..training import Regime
 from .recording import StepRecord
 from .traced_fsdp import parameters_of, within
-from .traced_pipeline import TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, stage_memory, tied
+from .traced_pipeline import (TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, per_stage, stage_memory,
+                              tied)
 from .traced_step import StepPeak, _locate
 
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
@@ -229,7 +230,7 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
             # last stage's backward of that code and the loss's look alike (as for FSDP alone, importer/traced_fsdp)
             raise SymmemError(f"the FSDP x pipeline peak of a traced module follows a module whose output is made by "
                               f"a submodule (its head), not by its own code ({forward[-1].op})")
-        cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
+        cut = TracedCut(rec, int(p), numbers, per_stage=per_stage(self.step))  # type: ignore[arg-type]
         out = []
         for s, at in enumerate(stage_memory(cut, self.micro_batches)):
             units = _TracedUnits(rec, cut, self.step.module, self.step.repeat, s, world, self.rank)
