@@ -35,8 +35,8 @@ from ..passes.model_parallel import requires
 from ..training import Regime
 from .recording import StepRecord
 from .traced_fsdp import parameters_of, within
-from .traced_pipeline import (TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, per_stage, stage_memory,
-                              tied)
+from .traced_pipeline import (TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, per_stage, stage_copies,
+                              stage_memory)
 from .traced_step import StepPeak, _locate
 
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
@@ -63,8 +63,6 @@ def refusal(step: StepPeak | None, regime: Regime) -> str | None:
         # measured on GPT2Split and LlamaSplit (record/traced_pipeline_runs.py), their manual splits, only
         return (f"the FSDP x pipeline peak of a Hugging Face model is measured for GPT-2's and Llama's stages, not "
                 f"{getattr(config, 'model_type', None)!r}'s")
-    if tied(step.module):
-        return "the FSDP x pipeline peak of a traced module is measured without tied parameters"
     import torch
 
     if any(q.dtype != torch.float32 for q in step.module.parameters()):
@@ -78,7 +76,7 @@ class _TracedUnits(_Units):
     the first micro-batch's backward made for it (its unit's, of its bytes)."""
 
     def __init__(self, rec: StepRecord, cut: TracedCut, module: Any, repeat: Any, s: int, world: int,
-                 rank: int) -> None:
+                 rank: int, untie: tuple[tuple[str, ...], ...] = ()) -> None:
         from ..passes.data_parallel import held_shape, shard_rows
 
         layers = rec.layers or {}
@@ -91,7 +89,7 @@ class _TracedUnits(_Units):
         for i in _first_gradients(rec):
             grads.setdefault(unit_of(rec.storages[i].module), []).append(i)
         self.params: list[_Param] = []
-        for p in parameters_of(rec, module, repeat):
+        for p in parameters_of(rec, module, repeat, untie):
             if owner[p.sid] != s:
                 continue
             unit = unit_of(p.name)
@@ -247,9 +245,16 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
             raise SymmemError(f"the FSDP x pipeline peak of a traced module follows a module whose output is made by "
                               f"a submodule (its head), not by its own code ({forward[-1].op})")
         cut = TracedCut(rec, int(p), numbers, own, per_stage(self.step))  # type: ignore[arg-type]
+        untie = stage_copies(self.step.module, rec, cut, self.step.options.untie)
+        if untie != self.step.options.untie:  # a tied parameter two modules of one stage share: one copy there
+            self.step = dataclasses.replace(self.step, options=dataclasses.replace(self.step.options, untie=untie),
+                                            _records={}, _peaks={}, _shared={})
+            rec = self._record(numbers)
+            cut = TracedCut(rec, int(p), numbers, own, per_stage(self.step))  # type: ignore[arg-type]
         out = []
         for s, at in enumerate(stage_memory(cut, self.micro_batches)):
-            units = _TracedUnits(rec, cut, self.step.module, self.step.repeat, s, world, self.rank)
+            units = _TracedUnits(rec, cut, self.step.module, self.step.repeat, s, world, self.rank,
+                                 self.step.options.untie)
             out.append(_TracedFsdpReplay(cut, s, _stage_at(at, cut, s, units), self.schedule, self.micro_batches,
                                          units, self.reshard))
         return out
@@ -257,7 +262,8 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
     def _firsts(self, derivation: Any) -> list[Any]:
         assert self.step is not None
         rec = self._record({s.name: int(v) for s, v in derivation.numbers.items()})
-        return [q.shape[0] for q in parameters_of(rec, self.step.module, self.step.repeat) if q.shape]
+        return [q.shape[0] for q in parameters_of(rec, self.step.module, self.step.repeat, self.step.options.untie)
+                if q.shape]
 
 
 def fsdp_pipeline_step(step: StepPeak, regime: Regime, numbers: Mapping[sympy.Symbol, int]) -> Any:
