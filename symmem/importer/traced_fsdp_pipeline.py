@@ -35,8 +35,16 @@ from ..passes.model_parallel import requires
 from ..training import Regime
 from .recording import StepRecord
 from .traced_fsdp import parameters_of, within
-from .traced_pipeline import (TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, per_stage, stage_copies,
-                              stage_memory)
+from .traced_pipeline import (
+    TracedCut,
+    TracedPipelineStep,
+    _owners,
+    _step_peak,
+    own_loss,
+    per_stage,
+    stage_copies,
+    stage_memory,
+)
 from .traced_step import StepPeak, _locate
 
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)

@@ -576,7 +576,8 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
     buffers = [n for n, _ in step.module.named_buffers()]
     if buffers and not per_stage(step):  # Llama's rotary frequencies: held by every stage (stage_memory)
         return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
-                "stage is not followed)")
+                "stage is not followed) and Hugging Face Llama (each stage of its manual split makes its own rotary "
+                "tables, its frequencies a buffer of every stage)")
     if step.options.loss == "output" and not own_loss(step):
         return ("the pipeline peak of a traced module computing its own loss is modelled for Hugging Face models "
                 "given labels (the schedule's loss_fn is then the model's loss_function on the last stage's "

@@ -110,7 +110,7 @@ class LlamaSplit:
         if not last:
             model.norm = nn.Identity()
 
-        class Stage(nn.Module):
+        class HFLlamaStage(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.model = model
@@ -122,7 +122,7 @@ class LlamaSplit:
                 hidden = self.model(**given, use_cache=False).last_hidden_state
                 return self.lm_head(hidden[:, slice(0, None), :]) if last else hidden
 
-        return Stage().train()
+        return HFLlamaStage().train()
 
 
 @dataclass(frozen=True)
