@@ -43,11 +43,11 @@ HF = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 65, "n_positions": 
       "tie_word_embeddings": False}
 #: more Hugging Face stages in the same spawn: (spec, config, split, schedule, M, loss, reshard, boundary): GPT-2
 #: tied (each stage's copy fully_shard-ed on its own stage: the embedding's on stage 0, the head's on the last, never
-#: synchronized), and Llama (LlamaSplit: each stage makes its own position ids and rotary tables; V = 33 padded to
-#: 34) with its own loss (given labels: the schedule's loss_fn, model.loss_function, after the head)
+#: synchronized) and Llama (LlamaSplit: each stage makes its own position ids and rotary tables; V = 33 padded to
+#: 34), each with its own loss (given labels: the schedule's loss_fn, model.loss_function, after the head)
 LLAMA_HF = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
             "intermediate_size": 32, "vocab_size": 33, "tie_word_embeddings": False, "use_cache": False}
-MORE_HF = [("hf:gpt2", {**HF, "tie_word_embeddings": True}, "GPT2Split", "gpipe", 2, "sum", True, (2, 8, 32)),
+MORE_HF = [("hf:gpt2", {**HF, "tie_word_embeddings": True}, "GPT2Split", "gpipe", 2, "output", True, (2, 8, 32)),
            ("hf:llama", LLAMA_HF, "LlamaSplit", "1f1b", 2, "output", False, (2, 8, 16))]
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
