@@ -41,6 +41,14 @@ TRACED = [("1f1b", 2, True), ("gpipe", 3, False)]
 #: taken at the first of them, 22,784 B below the real peak
 HF = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 65, "n_positions": 64, "use_cache": False,
       "tie_word_embeddings": False}
+#: more Hugging Face stages in the same spawn: (spec, config, split, schedule, M, loss, reshard, boundary): GPT-2
+#: tied (each stage's copy fully_shard-ed on its own stage: the embedding's on stage 0, the head's on the last, never
+#: synchronized) and Llama (LlamaSplit: each stage makes its own position ids and rotary tables; V = 33 padded to
+#: 34), each with its own loss (given labels: the schedule's loss_fn, model.loss_function, after the head)
+LLAMA_HF = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 32, "vocab_size": 33, "tie_word_embeddings": False, "use_cache": False}
+MORE_HF = [("hf:gpt2", {**HF, "tie_word_embeddings": True}, "GPT2Split", "gpipe", 2, "output", True, (2, 8, 32)),
+           ("hf:llama", LLAMA_HF, "LlamaSplit", "1f1b", 2, "output", False, (2, 8, 16))]
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
@@ -62,17 +70,24 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem.importer.spec_builder import SpecBuilder
     from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
-    from symmem.record.traced_pipeline_runs import GPT2Split, SequentialSplit, TracedCase
+    from symmem.record.traced_pipeline_runs import GPT2Split, LlamaSplit, SequentialSplit, TracedCase
 
     split = SequentialSplit(("inp",), "blocks", ("head",))
     traced = [(TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), reshard)
               for schedule, m, reshard in TRACED]
     hf = [(TracedCase(SpecBuilder("hf:gpt2", tuple(sorted(HF.items()))), GPT2Split(), "gpipe", 2, "sum", (2, 8, 65),
                       (2, 8, 32)), True)] if HAS_HF else []
+    splits = {"GPT2Split": GPT2Split(), "LlamaSplit": LlamaSplit()}
+    hf += [(TracedCase(SpecBuilder(spec, tuple(sorted(config.items()))), splits[split], schedule, m, loss,
+                       (2, 8, config["vocab_size"]), boundary), reshard)
+           for spec, config, split, schedule, m, loss, reshard, boundary in MORE_HF] if HAS_HF else []
     everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *hf], start_method="forkserver")
     _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
     if HAS_HF:
-        _check_hf([rank[-1] for rank in everything])
+        at = len(CASES) + len(TRACED)
+        _check_hf([rank[at] for rank in everything])
+        for k, case in enumerate(MORE_HF):
+            _check_more_hf([rank[at + 1 + k] for rank in everything], *case)
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -181,15 +196,42 @@ def _check_hf(real):
         "transformer.h.0.mlp.dropout, micro-batch 1")
 
 
+def _check_more_hf(real, spec, config, split, schedule, m, loss, reshard, boundary):
+    """A Hugging Face model's stages (MORE_HF) under FSDP2 against the real engine: every rank's shards, AdamW
+    state, first and steady peak, its schedule's and optimizer step's largest moments; the views' largest rank."""
+    from symmem.importer import sources
+
+    own = loss == "output"  # given labels (--loss cross-entropy): the model's own loss
+    loaded = sources.load(spec, config=config, loss="cross-entropy" if own else None)
+    d = sources.trace(loaded, sources.parse_dims("B,S", loaded), optimizer="adamw", loss=loss, check=False,
+                      pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m,
+                      data_parallel="fsdp" if reshard else "fsdp-no-reshard", values={"p": 2, "N": 2})
+    named = {s.name: int(v) for s, v in d.numbers.items()}
+    for r in real:
+        mine = (d.step if r.dp == 0 else d.step.at_rank(r.dp))._replays(named)[r.pp]
+        assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (spec, r)
+        assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
+            r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (spec, r)
+    top = max(real, key=lambda r: (r.steady_peak, -r.rank))
+    assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), spec
+    # the padded vocabulary (GPT-2 65 rows, Llama 33, over N = 2): the last stage's data-parallel rank 1 holds one
+    # row fewer of the head's AdamW state
+    assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * boundary[-1], spec
+
+
 @pytest.mark.parametrize("spec, line", [
     # the peaks TRACED[0] checks against the engine, rank by rank
     (BLOCK, "peak per rank (first step / steady): ranks 0-1: 88,720 / 118,824 B; rank 2: 91,140 / 120,596 B; "
             "rank 3: 91,140 / 120,396 B (the peak above is rank 2's, the largest)"),
-    (f"{BLOCK}_tied", "no peak: the FSDP x pipeline peak of a traced module is measured without tied parameters"),
+    # one weight shared by two modules of stage 0 (one copy there) and the head (the last stage's copy): measured on
+    # the 2 x 2 gloo mesh (SequentialSplit(("inp", "mix", "mix2"), "blocks", ("head",)), 1F1B, M = 2, fsdp), every
+    # rank's shards, state and peaks equal
+    (f"{BLOCK}_tied", "peak per rank (first step / steady): ranks 0-1: 95,728 / 128,340 B; ranks 2-3: 96,348 / "
+                      "127,604 B (the peak above is rank 0's, the largest)"),
 ], ids=["every-rank", "tied"])
 def test_a_traced_module_in_the_cli(capsys, spec, line):
-    """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table; a module with
-    a tied weight keeps the one-line "no peak" (each stage's copy under FSDP was not measured)."""
+    """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table, a module
+    with a tied weight too (each stage's copy sharded on its own stage)."""
     from symmem.cli import main
 
     assert main(["trace", spec, "--dims", "B", "--pipeline-parallel", "--data-parallel", "fsdp", "--set", "p=2",
@@ -252,20 +294,6 @@ def test_stages_without_the_engine_are_refused(capsys):
                  "--set", "N=2", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == ("symmem: error: the stages here are one pipeline's, without an engine: with "
                                        "data_parallel='fsdp' derive gives every rank's peak (values.peak_per_rank)\n")
-
-
-def test_a_hugging_face_model_s_own_loss_is_refused():
-    """Given labels, GPT-2's loss is its own code's output: FSDP's root pre-backward there was not measured, so
-    the peak is refused in one line (the untied GPT-2 with the schedule's loss is followed: _check_hf)."""
-    pytest.importorskip("transformers")
-    from symmem.importer import sources
-
-    loaded = sources.load("hf:gpt2", config=HF, loss="cross-entropy")
-    d = sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="output", check=False,
-                      pipeline_parallel=True, data_parallel="fsdp", micro_batches=2, values={"p": 2, "N": 2})
-    assert d.to_dict()["peak_refused"] == (
-        "no peak: the FSDP x pipeline peak of a traced module is measured with the loss given to the schedule "
-        "('sum' or 'cross-entropy'), not a Hugging Face model's own loss")
 
 
 def _stage_buffers(case, stage: int) -> int:

@@ -42,18 +42,26 @@ class Param:
         return sympy.Integer(int(sympy.Mul(*self.shape)) * self.itemsize)
 
 
-def parameters_of(rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]] | None) -> list[Param]:
+def parameters_of(rec: StepRecord, module: Any, repeat: tuple[str, tuple[str, ...]] | None,
+                  untie: tuple[tuple[str, ...], ...] = ()) -> list[Param]:
     """The parameters in the order the step registered them (``named_parameters()`` of the module as recorded, its
-    repeated blocks written out as many times), each with its storage."""
+    repeated blocks written out as many times), each with its storage; with ``untie`` (``StepOptions.untie``), each
+    untied group's first name a parameter of its own (as :func:`~.fake.fake_state` registers them)."""
     import contextlib
 
     from .wrap import with_layers
 
     ctx = with_layers(module, repeat[0], repeat[1], rec.count) if repeat is not None and rec.count else \
         contextlib.nullcontext()
+    own = {group[0] for group in untie}
     with ctx:
-        named = [(n, tuple(int(d) for d in p.shape), p.element_size(), p.requires_grad)
-                 for n, p in module.named_parameters()]
+        seen: set[int] = set()
+        named = []
+        for n, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in seen and n not in own:
+                continue
+            seen.add(id(p))
+            named.append((n, tuple(int(d) for d in p.shape), p.element_size(), p.requires_grad))
     sids = [i for i in rec.start if rec.storages[i].category == "parameter"]
     if len(sids) != len(named):
         raise SymmemError(f"the recorded step holds {len(sids)} parameter storages for {len(named)} parameters "

@@ -12,8 +12,11 @@ rank's held rows.  The truth is :mod:`symmem.record.fsdp_pipeline_runs` running 
 on the stage root over ``mesh["dp"]`` (tests/test_fsdp_pipeline.py).
 
 Measured (and so modelled) for a file module whose forward runs its children one after another and for Hugging
-Face GPT-2 (its manual split, :class:`~symmem.record.traced_pipeline_runs.GPT2Split`), FP32, without tied
-parameters; another Hugging Face model's stages under FSDP, and a model's own loss, are refused in one line.
+Face GPT-2 and Llama (their manual splits, :class:`~symmem.record.traced_pipeline_runs.GPT2Split` and
+:class:`~symmem.record.traced_pipeline_runs.LlamaSplit`: each Llama stage makes its own rotary tables), FP32, tied
+parameters too (each stage's copy a parameter of its own stage's root, sharded there, never synchronized), and a
+Hugging Face model's own loss (the schedule's ``loss_fn`` after the head: the stage root's post-forward before it);
+another Hugging Face model's stages under FSDP are refused in one line.
 
 >>> from symmem.training import Regime
 >>> refusal(None, Regime(data_parallel="ddp")) is not None
@@ -35,11 +38,22 @@ from ..passes.model_parallel import requires
 from ..training import Regime
 from .recording import StepRecord
 from .traced_fsdp import parameters_of, within
-from .traced_pipeline import TracedCut, TracedPipelineStep, _owners, _step_peak, own_loss, stage_memory, tied
+from .traced_pipeline import (
+    TracedCut,
+    TracedPipelineStep,
+    _owners,
+    _step_peak,
+    own_loss,
+    per_stage,
+    stage_copies,
+    stage_memory,
+)
 from .traced_step import StepPeak, _locate
 
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
 ENGINES = ("fsdp", "fsdp-no-reshard")
+#: the Hugging Face model types whose manual split was measured under FSDP x pipeline (record/traced_pipeline_runs)
+MEASURED = ("gpt2", "llama")
 
 
 def refusal(step: StepPeak | None, regime: Regime) -> str | None:
@@ -56,16 +70,10 @@ def refusal(step: StepPeak | None, regime: Regime) -> str | None:
     if why is not None:
         return why
     config = getattr(step.module, "config", None)
-    if own_loss(step):
-        # its output is the loss its own code makes: FSDP's root pre-backward there was not measured (as for FSDP alone)
-        return ("the FSDP x pipeline peak of a traced module is measured with the loss given to the schedule "
-                "('sum' or 'cross-entropy'), not a Hugging Face model's own loss")
-    if config is not None and getattr(config, "model_type", None) != "gpt2":
-        # measured on GPT2Split (record/traced_pipeline_runs.py), Hugging Face GPT-2's manual split, only
-        return (f"the FSDP x pipeline peak of a Hugging Face model is measured for GPT-2's stages (untied), not "
+    if config is not None and getattr(config, "model_type", None) not in MEASURED:
+        # measured on GPT2Split and LlamaSplit (record/traced_pipeline_runs.py), their manual splits, only
+        return (f"the FSDP x pipeline peak of a Hugging Face model is measured for GPT-2's and Llama's stages, not "
                 f"{getattr(config, 'model_type', None)!r}'s")
-    if tied(step.module):
-        return "the FSDP x pipeline peak of a traced module is measured without tied parameters"
     import torch
 
     if any(q.dtype != torch.float32 for q in step.module.parameters()):
@@ -79,7 +87,7 @@ class _TracedUnits(_Units):
     the first micro-batch's backward made for it (its unit's, of its bytes)."""
 
     def __init__(self, rec: StepRecord, cut: TracedCut, module: Any, repeat: Any, s: int, world: int,
-                 rank: int) -> None:
+                 rank: int, untie: tuple[tuple[str, ...], ...] = ()) -> None:
         from ..passes.data_parallel import held_shape, shard_rows
 
         layers = rec.layers or {}
@@ -92,7 +100,7 @@ class _TracedUnits(_Units):
         for i in _first_gradients(rec):
             grads.setdefault(unit_of(rec.storages[i].module), []).append(i)
         self.params: list[_Param] = []
-        for p in parameters_of(rec, module, repeat):
+        for p in parameters_of(rec, module, repeat, untie):
             if owner[p.sid] != s:
                 continue
             unit = unit_of(p.name)
@@ -131,13 +139,16 @@ class _TracedFsdpReplay(_FsdpReplay):
                  reshard: bool) -> None:
         self.units_of: dict[str, int | None] = {}
         self.loss: set[str] = set()
+        # a Hugging Face model's own loss (cut.own): its forward's ops after the head's are the schedule's loss_fn's,
+        # run on the stage's output outside the stage module (FSDP's root post-forward before them)
+        after = {o.index for o in _after_head(cut.rec)} if cut.own else set()
         for o in cut.rec.ops:
             name = cut.tl.events[o.index].node
             if name is None:
                 continue
             index = _locate(o, cut.rec.layers)[1]
             self.units_of[name] = index + 1 if index is not None else None
-            if o.phase == "loss" or (o.phase == "backward" and not o.module):
+            if o.phase == "loss" or (o.phase == "backward" and not o.module) or o.index in after:
                 self.loss.add(name)
         self.seen: dict[int | None, int] = {}
         super().__init__(cut, s, at, schedule, m, units, reshard)
@@ -178,6 +189,20 @@ class _TracedFsdpReplay(_FsdpReplay):
             self.seen[unit] = self.seen.get(unit, 0) + 1
             self.ran += not self._in_loss(node)
         super().before(kind, node, mb)
+
+
+def _after_head(rec: StepRecord) -> list[Any]:
+    """The ops of each forward after its last submodule's (a Hugging Face model's own loss after its head)."""
+    out: list[Any] = []
+    run: list[Any] = []
+    for o in [*rec.ops, None]:
+        if o is not None and o.phase == "forward":
+            run.append(o)
+            continue
+        last = max((k for k, x in enumerate(run) if x.where), default=len(run))
+        out += run[last + 1:]
+        run = []
+    return out
 
 
 class _HeldSizes:
@@ -225,15 +250,23 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
         requires(p, rec.count, self.schedule, self.micro_batches)
         world = self._world(numbers)
         forward = [o for o in rec.ops if o.phase == "forward"]
-        if forward and not forward[-1].module:
+        own = own_loss(self.step)  # the model's own loss: the schedule's loss_fn after the head (TracedCut)
+        if forward and not forward[-1].module and not own:
             # FSDP's root pre-backward runs as the output's gradient is made; made by the module's own code, the
             # last stage's backward of that code and the loss's look alike (as for FSDP alone, importer/traced_fsdp)
             raise SymmemError(f"the FSDP x pipeline peak of a traced module follows a module whose output is made by "
                               f"a submodule (its head), not by its own code ({forward[-1].op})")
-        cut = TracedCut(rec, int(p), numbers)  # type: ignore[arg-type]
+        cut = TracedCut(rec, int(p), numbers, own, per_stage(self.step))  # type: ignore[arg-type]
+        untie = stage_copies(self.step.module, rec, cut, self.step.options.untie)
+        if untie != self.step.options.untie:  # a tied parameter two modules of one stage share: one copy there
+            self.step = dataclasses.replace(self.step, options=dataclasses.replace(self.step.options, untie=untie),
+                                            _records={}, _peaks={}, _shared={})
+            rec = self._record(numbers)
+            cut = TracedCut(rec, int(p), numbers, own, per_stage(self.step))  # type: ignore[arg-type]
         out = []
         for s, at in enumerate(stage_memory(cut, self.micro_batches)):
-            units = _TracedUnits(rec, cut, self.step.module, self.step.repeat, s, world, self.rank)
+            units = _TracedUnits(rec, cut, self.step.module, self.step.repeat, s, world, self.rank,
+                                 self.step.options.untie)
             out.append(_TracedFsdpReplay(cut, s, _stage_at(at, cut, s, units), self.schedule, self.micro_batches,
                                          units, self.reshard))
         return out
@@ -241,7 +274,8 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
     def _firsts(self, derivation: Any) -> list[Any]:
         assert self.step is not None
         rec = self._record({s.name: int(v) for s, v in derivation.numbers.items()})
-        return [q.shape[0] for q in parameters_of(rec, self.step.module, self.step.repeat) if q.shape]
+        return [q.shape[0] for q in parameters_of(rec, self.step.module, self.step.repeat, self.step.options.untie)
+                if q.shape]
 
 
 def fsdp_pipeline_step(step: StepPeak, regime: Regime, numbers: Mapping[sympy.Symbol, int]) -> Any:

@@ -14,7 +14,11 @@ symmem folds into ``L`` (``p`` must divide them) go ``L/p`` to a stage in order;
 (the input layer) is stage 0's, what runs after the last (the head, the loss) the last stage's; in backward the
 other way round. The module's forward must pass one tensor from block to block and nothing else across a stage
 boundary: a tensor made before the blocks and read by them (a mask, rotary tables) would be made on every stage,
-which a recorded single-device step does not show -- refused in one line. So is a parameter a forward op reads on
+which a recorded single-device step does not show -- refused in one line, but for Hugging Face Llama
+(:data:`PER_STAGE`), whose manual split runs ``LlamaModel.forward`` on every stage: the forward ops before the first
+block outside a module with parameters (position ids, the causal mask's checks, ``rotary_emb``) run on every stage,
+each stage with its own copy of what they make (:func:`_prelude`, :func:`_stage_copies`), its rotary buffers on
+every stage. So is a parameter a forward op reads on
 another stage than its module's (a head written ``x @ self.emb.weight.T`` in the module's own code): the real stage
 runs it only if it keeps the other stage's module too, a copy whose bytes depend on what the split keeps (the
 recorded step notes each forward op's parameter reads, ``StepOptions.reads``). Each stage's optimizer step is the
@@ -70,6 +74,11 @@ from .traced_step import StepPeak, _locate, _node
 
 #: the names the replay keeps to the end of the phase on the last stage (``output_chunks`` and the losses)
 KEEP = ("logits", "loss")
+#: how a storage made by an op every stage runs (:func:`_prelude`) names stage 0's copy's maker
+MADE = " [made on stage 0]"
+#: the Hugging Face model types whose stages each make what runs before the blocks outside a module with
+#: parameters (position ids, rotary tables): measured on their manual split (record/traced_pipeline_runs.LlamaSplit)
+PER_STAGE = ("llama",)
 
 
 def _stage_of_ops(rec: StepRecord, p: int) -> dict[int, int]:
@@ -106,11 +115,15 @@ class TracedCut:
     ``size``, ``stage_of``, ``on``).  Each op's node is its name (``aten.mm.default (AddmmBackward0) in
     blocks.3.up``), made unique per stage where one name runs on two (the module's own code: ``[stage 0]``)."""
 
-    def __init__(self, rec: StepRecord, p: int, numbers: Mapping[str, int], own: bool = False) -> None:
-        # own: the module computes its own loss (:func:`own_loss`), which the schedule's loss_fn runs instead
+    def __init__(self, rec: StepRecord, p: int, numbers: Mapping[str, int], own: bool = False,
+                 per_stage: bool = False) -> None:
+        # own: the module computes its own loss (:func:`own_loss`), which the schedule's loss_fn runs instead;
+        # per_stage: what runs before the blocks outside a module with parameters (Llama's position ids and rotary
+        # tables) runs on every stage, as each stage of the manual split makes them for itself (LlamaSplit)
         self.rec, self.p, self.own = rec, p, own
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         stages = _stage_of_ops(rec, p)
+        prelude = _prelude(rec, stages) if per_stage else set()
         self.stage: dict[str, int] = {}
         names: dict[int, str] = {}
         for o in rec.ops:
@@ -121,21 +134,29 @@ class TracedCut:
                 name = f"{name} [stage {stages[o.index]}]"
                 self.stage[name] = stages[o.index]
             names[o.index] = name
+        self.shared: set[str] = {names[i] for i in prelude}
         # the module's output (each micro-batch's logits: output_chunks) and the loss, kept to the end of the phase
         outputs = _outputs(rec, own)
         born_by = {i: names.get(o.index) for o in rec.ops for i in o.born}
         storages = []
         for s in rec.storages:
             name = "logits" if s.sid in outputs else "loss" if s.category == "output" else str(s.sid)
-            storages.append(Live(name, RECORDED_TO_STEP[s.category], s.nbytes, born_by.get(s.sid), s.host))
+            # what a shared op makes is stage 0's; every other stage's copy is a storage of its own (below)
+            node = f"{born_by[s.sid]}{MADE}" if born_by.get(s.sid) in self.shared else born_by.get(s.sid)
+            storages.append(Live(name, RECORDED_TO_STEP[s.category], s.nbytes, node, s.host))
         freed = _seed_frees(rec, stages, p)
-        events = tuple(Event("forward" if o.phase == "loss" else o.phase, names.get(o.index), o.born,
+        born = {o.index: o.born for o in rec.ops}
+        if prelude:
+            _stage_copies(rec, stages, p, prelude, storages, born, freed)
+            for k, st in enumerate(storages):
+                if st.node is not None and (k >= len(rec.storages) or st.node.endswith(MADE)):
+                    self.stage[st.node] = int(st.name.rsplit("@", 1)[1]) if k >= len(rec.storages) else 0
+        events = tuple(Event("forward" if o.phase == "loss" else o.phase, names.get(o.index), born[o.index],
                              freed.get(o.index, o.freed), o.resized) for o in rec.ops)
         start = tuple(i for i in rec.start if i not in set(rec.freed_first))
         self.tl = Timeline(tuple(storages), start, events)
         self.cache: dict[Any, int] = {}
         self.keep = set(KEEP)
-        self.shared: set[str] = set()
         self.passes = _passes(self.tl)
         if len(self.passes) != 2:
             raise SymmemError("the pipeline replay reads a step of two micro-batches; the recorded step has "
@@ -146,13 +167,17 @@ class TracedCut:
             for sid in e.freed:
                 self.frees.setdefault(sid, k)
         self.boundary = self._boundaries()
-        self._one_stream(stages)
+        self._one_stream(stages, prelude)
         _reads_on_one_stage(rec, self, stages)
 
-    def _one_stream(self, stages: Mapping[int, int]) -> None:
+    def _one_stream(self, stages: Mapping[int, int], prelude: set[int]) -> None:
         """Refuse a module whose blocks keep for backward more than the stream made before them: a tensor its own
-        code makes once and every block reads (Llama's rotary tables), which each real stage makes for itself."""
+        code makes once and every block reads (Llama's rotary tables), which each real stage makes for itself --
+        unless made by the ``prelude`` every stage runs (Hugging Face Llama's, :class:`LlamaSplit`)."""
         found = _read_by_blocks(self.rec, stages, self.frees)
+        made = {i for o in self.rec.ops if o.index in prelude for i in o.born}
+        if len(found) > 1 and len([i for i in found if i not in made]) == 1:
+            return
         if len(found) > 1:
             what = ", ".join(f"{self.tl.storages[i].nbytes} bytes at {self.tl.storages[i].node}" for i in found)
             raise SymmemError(f"the blocks keep for backward more than one tensor made before them ({what}): what "
@@ -173,7 +198,7 @@ class TracedCut:
         return self.p - 1 if node is None else self.stage.get(node, self.p - 1)
 
     def on(self, node: str | None, s: int) -> bool:
-        return self.stage_of(node) == s
+        return node in self.shared or self.stage_of(node) == s
 
     def _boundaries(self) -> list[int]:
         """The bytes each stage sends on, per micro-batch (its receive buffers' and the next stage's): the one
@@ -186,6 +211,8 @@ class TracedCut:
                 if self.stage_of(e.node) != s:
                     continue
                 for sid in e.born:
+                    if self.stage_of(self.tl.storages[sid].node) != s:  # another stage's copy (a shared op's)
+                        continue
                     end = self.frees.get(sid)
                     # kept for a later stage's backward: what it is sent (what a later stage's forward frees is
                     # gone with this stage's forward in the replay: the module's locals, freed as its forward returns)
@@ -200,6 +227,80 @@ class TracedCut:
                                   "for itself: not modelled for traced modules)")
             out.append(self.size(crossing[0]))
         return out
+
+
+def _prelude(rec: StepRecord, stages: Mapping[int, int]) -> set[int]:
+    """The forward ops every stage runs for itself: in each forward, those before the first block's op run by the
+    module's own code or a module without parameters of its own (Llama's position ids, its causal mask's checks,
+    ``rotary_emb``'s tables), not by a module holding parameters (the embedding: stage 0's)."""
+    holders = {name.rsplit(".", 1)[0] if "." in name else "" for name in _param_names(rec).values()}
+    out: set[int] = set()
+    before = True
+    for o in rec.ops:
+        if o.phase != "forward":
+            before = True
+            continue
+        if _locate(o, rec.layers)[1] is not None:
+            before = False
+        elif before and o.index in stages and o.where not in holders:
+            out.add(o.index)
+    return out
+
+
+def _stage_copies(rec: StepRecord, stages: Mapping[int, int], p: int, prelude: set[int], storages: list[Live],
+                  born: dict[int, tuple[int, ...]], freed: dict[int, tuple[int, ...]]) -> None:
+    """Every stage's own copy of what the ``prelude`` ops make (appended to ``storages``, added to ``born`` and
+    ``freed``): freed by the op that frees stage 0's, or, freed in a backward of stage 0's block ``j`` (the rotary
+    tables: the block's last use), by the same op of the stage's first blocks' backward (block ``j + s L/p``)."""
+    assert rec.count is not None and rec.layers is not None
+    per = rec.count // p
+    ops = rec.ops
+    frees = {}
+    for o in ops:
+        for sid in freed.get(o.index, o.freed):
+            frees.setdefault(sid, o.index)
+    # each backward run of a block: (block index, the pass's backward number) -> its first op
+    runs: dict[tuple[int, int], int] = {}
+    backward, previous = -1, None
+    for o in ops:
+        if o.phase == "backward" and previous != "backward":
+            backward += 1
+        previous = o.phase
+        if o.phase == "backward":
+            index = _locate(o, rec.layers)[1]
+            if index is not None:
+                runs.setdefault((index, backward), o.index)
+    run_of = {}
+    for (index, b), start in runs.items():
+        run_of[start] = (index, b)
+    for s in range(1, p):
+        for i in sorted(prelude):
+            copies = []
+            for sid in ops[i].born:
+                copy = len(storages)
+                st = storages[sid]
+                node = f"{st.node.removesuffix(MADE)} [stage {s}]"
+                storages.append(Live(f"{st.name}@{s}", st.category, st.nbytes, node, st.host))
+                copies.append(copy)
+                k = frees.get(sid)
+                if k is None:
+                    continue
+                o = ops[k]
+                index = _locate(o, rec.layers)[1] if o.phase == "backward" else None
+                if o.phase == "backward" and (index is None or stages.get(k) != 0):
+                    raise SymmemError(f"what every stage makes before its blocks ({st.nbytes} bytes at {st.node}) is "
+                                      "freed outside the first stage's blocks' backward: each stage's copy is not "
+                                      "followed")
+                if index is not None:
+                    start = max(x for x in run_of if x <= k and run_of[x][0] == index)
+                    _, b = run_of[start]
+                    k2 = runs[(index + s * per, b)] + (k - start)
+                    if (ops[k2].op, _locate(ops[k2], rec.layers)[0]) != (o.op, _locate(o, rec.layers)[0]):
+                        raise SymmemError(f"stage {s}'s blocks' backward does not free its copy of {st.node}'s "
+                                          "output where stage 0's does: each stage's copy is not followed")
+                    k = k2
+                freed[k] = (*freed.get(k, ops[k].freed), copy)
+            born[i] = (*born[i], *copies)
 
 
 def _reads_on_one_stage(rec: StepRecord, cut: TracedCut, stages: Mapping[int, int]) -> None:
@@ -296,6 +397,9 @@ def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
     by_name = {n: sid for sid, n in _param_names(rec).items()}
     made_for = _state_owners(rec, state)
     forward_born = min((i for o in rec.ops if o.phase == "forward" for i in o.born), default=len(rec.storages))
+    # a module's buffers (refused but for a per_stage model's: Llama's rotary frequencies, on every stage's
+    # rotary_emb)
+    kept = sum(cut.size(i) for i in rec.start if rec.storages[i].category == "buffer")
     out = []
     for s in range(p):
         first, last = s == 0, s == p - 1
@@ -312,7 +416,7 @@ def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
         logits = cut.size(next(i for i, x in enumerate(cut.tl.storages) if x.name == "logits"))
         held = m * ((batch if first else 0) + (labels if last else 0))
         outputs = m * logits if last else 0
-        at_rest = weights + opt + buffers + held + outputs
+        at_rest = weights + opt + buffers + held + outputs + kept
         out.append({"at_rest": at_rest, "outputs": outputs, "optimizer_state": opt, "parameters": weights,
                     "step_peak": _step_peak(rec, cut, s, owner, at_rest + grads)})
     return out
@@ -411,14 +515,14 @@ class TracedPipelineStep(PipelineStep):
         p = numbers.get("p")
         rec = self._record(numbers)
         requires(p, rec.count, self.schedule, self.micro_batches)
-        cut = TracedCut(rec, int(p), numbers, own_loss(self.step))  # type: ignore[arg-type]
+        cut = TracedCut(rec, int(p), numbers, own_loss(self.step), per_stage(self.step))  # type: ignore[arg-type]
         assert self.step is not None
         untie = stage_copies(self.step.module, rec, cut, self.step.options.untie)
         if untie != self.step.options.untie:  # a tied parameter two modules of one stage share: one copy there
             self.step = dataclasses.replace(self.step, options=dataclasses.replace(self.step.options, untie=untie),
                                             _records={}, _peaks={}, _shared={})
             rec = self._record(numbers)
-            cut = TracedCut(rec, int(p), numbers, own_loss(self.step))  # type: ignore[arg-type]
+            cut = TracedCut(rec, int(p), numbers, own_loss(self.step), per_stage(self.step))  # type: ignore[arg-type]
         return [_Replay(cut, s, at, self.schedule, self.micro_batches)  # type: ignore[arg-type]
                 for s, at in enumerate(stage_memory(cut, self.micro_batches))]
 
@@ -474,9 +578,10 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
                 "pass one (the labels are not the obstacle: the schedule's loss_fn would be the model's "
                 "cross-entropy on the last stage's logits, as for a decoder-only model)")
     buffers = [n for n, _ in step.module.named_buffers()]
-    if buffers:
+    if buffers and not per_stage(step):  # Llama's rotary frequencies: held by every stage (stage_memory)
         return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
-                "stage is not followed)")
+                "stage is not followed) and Hugging Face Llama (each stage of its manual split makes its own rotary "
+                "tables, its frequencies a buffer of every stage)")
     if step.options.loss == "output" and not own_loss(step):
         return ("the pipeline peak of a traced module computing its own loss is modelled for Hugging Face models "
                 "given labels (the schedule's loss_fn is then the model's loss_function on the last stage's "
@@ -488,6 +593,13 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
     if regime.optimizer != "adamw" or step.options.impl != "for-loop":
         return "the pipeline peak of a traced module is modelled for AdamW's for-loop step (what was measured)"
     return None
+
+
+def per_stage(step: StepPeak | None) -> bool:
+    """Whether each stage of ``step``'s module makes for itself what runs before its blocks outside a module
+    with parameters (a Hugging Face model type in :data:`PER_STAGE`: its manual split runs the model's own forward
+    on every stage)."""
+    return getattr(getattr(getattr(step, "module", None), "config", None), "model_type", None) in PER_STAGE
 
 
 def own_loss(step: StepPeak) -> bool:

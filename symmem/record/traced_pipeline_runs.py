@@ -85,6 +85,47 @@ class GPT2Split:
 
 
 @dataclass(frozen=True)
+class LlamaSplit:
+    """The manual split of Hugging Face's ``LlamaForCausalLM``: every stage runs ``LlamaModel.forward`` itself on
+    its ``L/p`` decoder layers -- stage 0 from the token ids through ``embed_tokens``, a later stage from the hidden
+    states it receives (``inputs_embeds``) -- so each stage makes its own position ids, checks its causal mask and
+    makes its rotary tables (``rotary_emb``, its frequencies a buffer of every stage) for its layers: one tensor
+    crosses a boundary, the hidden states.  The final norm runs on the last stage (an identity before it), then
+    the head as ``LlamaForCausalLM.forward`` runs it."""
+
+    container = "model.layers"
+
+    def stage(self, full: Any, rank: int, world: int) -> Any:
+        from torch import nn
+
+        blocks = full.model.layers
+        if len(blocks) % world:
+            raise SymmemError(f"{world} pipeline stages do not divide the {len(blocks)} blocks")
+        each = len(blocks) // world
+        first, last = rank == 0, rank == world - 1
+        model = full.model
+        model.layers = nn.ModuleList(blocks[rank * each:(rank + 1) * each])
+        if not first:
+            model.embed_tokens = None
+        if not last:
+            model.norm = nn.Identity()
+
+        class HFLlamaStage(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+                if last:
+                    self.lm_head = full.lm_head
+
+            def forward(self, x: Any) -> Any:
+                given = {"input_ids": x} if first else {"inputs_embeds": x}
+                hidden = self.model(**given, use_cache=False).last_hidden_state
+                return self.lm_head(hidden[:, slice(0, None), :]) if last else hidden
+
+        return HFLlamaStage().train()
+
+
+@dataclass(frozen=True)
 class TracedCase:
     """One case: ``builder()`` gives (module, (input,)) at one micro-batch; ``split`` cuts it; ``schedule`` and
     ``M``; the loss (``cross-entropy`` over the last dimension, ``sum``, or ``output``: a Hugging Face model's own,
@@ -92,7 +133,7 @@ class TracedCase:
     (static shapes for ``PipelineStage``, as torchtitan gives them), and the boundary's (between stages)."""
 
     builder: Callable[[], tuple[Any, tuple[Any, ...]]]
-    split: SequentialSplit | GPT2Split
+    split: SequentialSplit | GPT2Split | LlamaSplit
     schedule: str
     micro_batches: int
     loss: str
