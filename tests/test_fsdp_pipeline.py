@@ -69,7 +69,12 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
               for schedule, m, reshard in TRACED]
     hf = [(TracedCase(SpecBuilder("hf:gpt2", tuple(sorted(HF.items()))), GPT2Split(), "gpipe", 2, "sum", (2, 8, 65),
                       (2, 8, 32)), True)] if HAS_HF else []
-    everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *hf], start_method="forkserver")
+    # tensor parallel x pipeline on a p x t mesh in the same spawn (tests/test_tensor_pipeline.py checks them)
+    import test_tensor_pipeline as tensor
+
+    everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *tensor.CASES, *hf], start_method="forkserver")
+    at = len(CASES) + len(TRACED)
+    tensor.RUNS["tensor"] = [rank[at:at + len(tensor.CASES)] for rank in everything]
     _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
     if HAS_HF:
         _check_hf([rank[-1] for rank in everything])

@@ -1,0 +1,248 @@
+"""Tensor parallel x pipeline: DTensor's standard plan on every pipeline stage of a p x t mesh, per stage and rank.
+
+The engine is torchtitan's 2-D recipe (:mod:`symmem.record.tensor_pipeline_runs`): ``init_device_mesh(device,
+(p, t), mesh_dim_names=("pp", "tp"))``, each stage's module (the embedding on the first stage, the final norm and
+the head on the last, ``L/p`` layers each) ``parallelize_module``'d over ``mesh["tp"]`` with the standard Llama
+plan, then ``PipelineStage`` and ``ScheduleGPipe`` / ``Schedule1F1B`` run ``M`` micro-batches.  What crosses a
+stage boundary is a plain tensor, whole on every rank of the tp group (the row-parallel outputs come back
+replicated), so the pipeline's own bookkeeping is the single device's.  A stage's replay
+(:class:`~symmem.passes.model_parallel._Replay`, the single-device step cut by stage) is run with each storage at
+one tensor-parallel rank's size, as the tensor-parallel rank's walk sizes it
+(:class:`~symmem.passes.tensor_step._LayerWalk`: split over ``t`` where it has a head or MLP-width dimension, a
+row-parallel output beside funcol's wrapper, the head's local and replicated logits, a linear's gradient split,
+the embedding's whole), with what the collectives add for a moment (a row-parallel output's partial sum; a
+column-parallel input gradient's all-reduce), and what lives between steps at the rank's sizes: the local
+parameter shards, AdamW's state of them (and a 4-byte ``step`` each), the receive buffers (whole), the batch or
+the labels, the last stage's logits (whole).  The optimizer step: for-loop AdamW on the local shards beside every
+gradient (the embedding's whole ``V x H``).
+
+Every tensor-parallel rank of a stage holds the same bytes; rank ``s*t + r`` is stage ``s``'s tensor-parallel rank
+``r`` (the mesh's row-major order, as the real run's).
+
+>>> from symmem import derive
+>>> d = derive("llama", tensor_parallel=True, pipeline_parallel=True, micro_batches=2, attention="sdpa",
+...            device="cpu", values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64,
+...            "p": 2, "t": 2})
+>>> d.value("peak"), d.step.rank_peaks(d)  # {rank: (first step, steady)}: gloo's, docs/regimes.md
+(203080, {0: (157472, 203080), 1: (157472, 203080), 2: (143788, 189656), 3: (143788, 189656)})
+>>> d.peak_at().where(step=False)
+'rank 0 (stage 0 of 2, tensor-parallel rank 0 of t = 2, every one alike): pipeline layers.mlp.up_proj (layer 1), \
+micro-batch 0'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..shapes import numel
+from ..training import Regime
+from .model_parallel import _Cut, _integer, _Replay
+from .pipeline_step import PipelineStep, StageMoment
+
+
+def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
+    """Why the tensor x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
+    from .tensor_step import refusal as tensor_refusal
+
+    if regime.sequence_parallel:
+        return ("sequence parallelism on pipeline stages is not modelled: the stage boundary would carry the "
+                "S-split hidden stream, and a later stage's rotary tables follow the sequence it is given (S/t)")
+    if regime.zero or regime.data_parallel:
+        return "a 3-D mesh (data x tensor x pipeline) is not modelled: tensor x pipeline is a p x t mesh"
+    one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
+    # the pipeline runs' loss (cross-entropy on the last stage) was measured as well as the sum
+    return tensor_refusal(model_name, one, None if loss == "cross-entropy" else loss, device)
+
+
+class _Sizes:
+    """Each storage of the cut's simulated step at one tensor-parallel rank's size, as
+    :class:`~symmem.passes.tensor_step._LayerWalk` sizes its own (its rules borrowed, not copied)."""
+
+    from .tensor_step import _LayerWalk
+
+    _split = _LayerWalk._split
+    local = _LayerWalk.local
+
+    def _local(self, i: int) -> sympy.Expr:
+        """The walk's size, but the head's output is the replicated logits alone: the local ones (``V/t`` wide)
+        go once gathered (the stage's output chunk is what the schedule keeps)."""
+        s = self.tl.storages[i]
+        if s.name == self.head and s.category not in ("parameter", "optimizer_state", "input", "buffer"):
+            return s.nbytes
+        return type(self)._LayerWalk._local(self, i)
+
+    def __init__(self, cut: _Cut) -> None:
+        g = self.g = cut.g
+        self.tl = cut.tl
+        order = list(g.program_order())
+        self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
+        self.embedding = next(n for n in order if g.node(n).kind == "embedding")
+        linears = [n for n in order if g.node(n).kind == "linear"]
+        self.column = {n for n in linears if g.node(n).role in ("qkv", "mlp_hidden") or n == self.head}
+        self.row = {n for n in linears if n not in self.column}
+        self.collapsed, self.once = False, sympy.Integer(0)
+        self._splits: dict[str, bool] = {}
+        self._locals: dict[int, sympy.Expr] = {}
+
+
+class _TensorCut(_Cut):
+    """A :class:`_Cut` whose storages are at one tensor-parallel rank's size."""
+
+    def __init__(self, cut: _Cut) -> None:
+        self.__dict__.update(cut.__dict__)
+        self.sizes = _Sizes(cut)
+        self.cache = {}
+        self._stage = {}
+        self.whole: dict[int, int] = {}
+
+    def size(self, sid: int) -> int:
+        if sid not in self.cache:
+            self.cache[sid] = _integer(self.sizes.local(sid), self.subs, self.tl.storages[sid].name)
+        return self.cache[sid]
+
+    def full(self, sid: int) -> int:
+        """Storage ``sid``'s single-device bytes."""
+        if sid not in self.whole:
+            self.whole[sid] = _integer(self.tl.storages[sid].nbytes, self.subs, self.tl.storages[sid].name)
+        return self.whole[sid]
+
+
+class _TensorReplay(_Replay):
+    """One stage's replay on a tensor-parallel rank: the collectives' transients around their ops."""
+
+    def __init__(self, cut: _TensorCut, s: int, at: Mapping[str, int], schedule: str, m: int) -> None:
+        super().__init__(cut, s, at, schedule, m)
+        self.tcut = cut
+        self.extra = 0
+        self.pass_ = 0
+        self._extras = self._collectives()
+
+    def _collectives(self) -> dict[tuple[int, str, str | None], int]:
+        """What each collective op adds for its moment, by (pass, kind, op)."""
+        cut = self.tcut
+        sizes = cut.sizes
+        out: dict[tuple[int, str, str | None], int] = {}
+        t = int(cut.subs[sympy.Symbol("t", positive=True, integer=True)])
+        for p, found in enumerate(cut.passes):
+            for _, e in found["F"]:
+                if e.node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
+                    out[(p, "F", e.node)] = sum(cut.full(i) for i in e.born if cut.tl.storages[i].name == e.node)
+                elif e.node == sizes.head:  # the local logits and the all-gather's output beside its wrapper
+                    whole = sum(cut.full(i) for i in e.born if cut.tl.storages[i].name == e.node)
+                    out[(p, "F", e.node)] = whole + whole // t
+            for _, e in found["B"]:
+                if e.node in sizes.column:
+                    grads = [cut.full(i) for i in e.born if cut.tl.storages[i].name.endswith(".grad_input0")]
+                    if grads:
+                        out[(p, "B", e.node)] = max(0, 2 * grads[0] - sum(cut.size(i) for i in e.freed))
+        return out
+
+    def begin(self, kind: str, mb: int) -> None:
+        self.pass_ = 0 if mb == 0 else 1
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        self.extra = self._extras.get((self.pass_, kind, node), 0)
+        self.live += self.extra
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        self.live -= self.extra
+        self.extra = 0
+
+
+def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+    """Stage ``s``'s parts on one tensor-parallel rank: the local shards, their gradients (the embedding's whole),
+    AdamW's state and its for-loop step's temporaries on the shards; the pipeline stage's buffers, inputs and
+    outputs (whole: what crosses a boundary is replicated)."""
+    from .data_parallel import stored_shapes
+    from .parameters import in_registration_order, program_parameters
+
+    g = cut.g
+    t = int(numbers["t"])
+    key = ("stored", cut.per * cut.p)
+    if key not in cut.memo:
+        cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+    weights = grads = state = 0
+    sizes: list[int] = []
+    for name, shape in cut.memo[key].items():
+        owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+        if cut.stage_of(owner) != s:
+            continue
+        whole = _integer(numel(shape), cut.subs, name) * 4
+        local = whole // t if len(shape) >= 2 else whole
+        weights += local
+        grads += whole if owner in g and g.node(owner).kind == "embedding" else local
+        state += 2 * local + 4
+        sizes.append(local)
+    temps = max([2 * sizes[0]] + [a + 2 * b for a, b in zip(sizes, sizes[1:], strict=False)]) if sizes else 0
+    at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
+    at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
+    at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
+    at["step_peak"] = at["at_rest"] + grads + temps
+    return at
+
+
+@dataclass(frozen=True)
+class TensorStageMoment(StageMoment):
+    """A moment of one stage's step on the p x t mesh: every tensor-parallel rank of the stage alike, the first
+    is rank ``s*t``."""
+
+    ranks: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.ranks
+
+    def where(self, step: bool = True) -> str:
+        head = f"stage {self.stage} of {self.stages}"
+        return super().where(step).replace(head, f"rank {self.rank} (stage {self.stage} of {self.stages}, "
+                                                 f"tensor-parallel rank 0 of t = {self.ranks}, every one alike)", 1)
+
+
+@dataclass(eq=False)
+class TensorPipelineStep(PipelineStep):
+    """:class:`~symmem.passes.pipeline_step.PipelineStep` with DTensor's standard plan on every stage (the
+    module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes."""
+
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        from .model_parallel import TensorRank, requires
+
+        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        TensorRank(*(sympy.Integer(0),) * 4).at(numbers)  # t divides the heads, F and V (one line otherwise)
+        if not isinstance(numbers.get("t"), int):
+            raise SymmemError("the tensor x pipeline peak needs a number for t")
+        cut = _TensorCut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
+        found = self._stages()
+        out = []
+        for s in range(cut.p):
+            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
+        return out
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        from ..peak import Peak
+
+        if named.get("B") == 1:
+            raise SymmemError("the tensor x pipeline peak is modelled from B = 2 (measured: at B = 1 the last stage "
+                              "holds 2,056 B more at the head than the replay gives): give B >= 2")
+        found = super()._peak(named)
+        t = int(named["t"])
+        moments = tuple(TensorStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, ranks=t)
+                        for m in found.moments)
+        return Peak(None, None, moments, found.domain)
+
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]]:
+        """``{rank: (first-step peak, steady peak)}`` of every rank of the p x t mesh (rank ``s*t + r``: stage
+        ``s``, tensor-parallel rank ``r``; the ranks of a stage alike)."""
+        from ..symbols import t
+
+        ranks = int(derivation.numbers[t])
+        each = self.per_stage(derivation.numbers)
+        return {s * ranks + r: (first, steady) for s, (first, steady) in
+                enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"], strict=True))
+                for r in range(ranks)}
