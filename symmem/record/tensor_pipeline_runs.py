@@ -10,8 +10,9 @@ micro-batches.  What crosses a stage boundary is a plain tensor: the row-paralle
 replicated output come back as local tensors (``use_local_output``), whole on every rank of the tp group.  Every
 rank is given the same batch (one pipeline per tensor-parallel rank; the plan replicates the input).
 
-Rank ``r`` is stage ``r // t``, tensor-parallel rank ``r % t`` (the mesh's row-major order).  Each rank records as
-:func:`symmem.record.fsdp_pipeline_runs.fsdp_pipeline_step` does (one unrecorded step, then first and steady steps
+Rank ``r`` is stage ``r // t``, tensor-parallel rank ``r % t`` (the mesh's row-major order).  The cases run through
+:func:`symmem.record.fsdp_pipeline_runs.fsdp_pipeline_runs` (a case whose options say ``tensor_parallel``: one spawn
+for both meshes), and each rank records as that run's ranks do (one unrecorded step, then first and steady steps
 under the DTensor-aware recorder, each moment at its fewest bytes over the repeats); the result is a
 :class:`~symmem.record.fsdp_pipeline_runs.StageMeshRun` whose ``dp`` field holds the tensor-parallel rank.
 Needs ``torch`` with ``torch.distributed`` (imported lazily).
@@ -34,16 +35,17 @@ def stage_plan(module: Any, t: int) -> dict[str, Any]:
     return {k: v for k, v in plan.items() if k.split(".")[0] in dict(module.named_children())}
 
 
-def tensor_pipeline_step(case: tuple[Any, ...], rank: int, world: int, stages: int) -> Any:
-    """This rank's measurement of ``case`` = (model, sizes, schedule, M, loss, reference options, _) on a p x t mesh
-    (``world = p * t`` ranks, ``stages = p``)."""
+def tensor_pipeline_stage(case: tuple[Any, ...], rank: int, world: int, stages: int) -> tuple[Any, ...]:
+    """This rank's stage of ``case`` = (model, sizes, schedule, M, loss, reference options, _) on a p x t mesh
+    (``world = p * t`` ranks, ``stages = p``), ready to record: (the schedule, the ``PipelineStage``, the stage
+    module, the batch, the labels, whether first, whether last, (rank, stage, tensor-parallel rank)) --
+    :func:`symmem.record.fsdp_pipeline_runs.fsdp_pipeline_step` records it as its own."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..reference.sequence_models import causal_lm_loss
-    from .fsdp_pipeline_runs import _record
     from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
 
     model, values, schedule, m, loss, options, _ = case
@@ -65,7 +67,7 @@ def tensor_pipeline_step(case: tuple[Any, ...], rank: int, world: int, stages: i
     gen = torch.Generator().manual_seed(1)  # every rank the same batch
     ids = torch.randint(0, v, (b * m, seq), generator=gen)
     labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
-    return _record(sched, stage, module, ids, labels, first, last, (rank, s, r))
+    return sched, stage, module, ids, labels, first, last, (rank, s, r)
 
 
 def is_tensor_case(case: tuple[Any, ...]) -> bool:
