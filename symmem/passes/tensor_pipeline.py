@@ -42,6 +42,7 @@ import sympy
 from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
+from .batch_of_one import collapsed
 from .model_parallel import _Cut, _integer, _Replay
 from .pipeline_step import PipelineStep, StageMoment
 
@@ -149,10 +150,36 @@ class _TensorReplay(_Replay):
     def before(self, kind: str, node: str | None, mb: int) -> None:
         self.extra = self._extras.get((self.pass_, kind, node), 0)
         self.live += self.extra
+        self.head_backward = kind == "B" and node == self.tcut.sizes.head
+        self.weight_moment = self.pass_ > 0
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        if getattr(self, "head_backward", False):
+            # the head's weight-gradient mm (measured, B = 1): the logits' gradient redistributed to the rank's
+            # columns (a contiguous copy, V/t wide) is alive, the input gradient's all-reduce not yet made; from the
+            # second micro-batch the new weight gradient beside .grad (the replay's moment of a gradient added at
+            # once), in the first .grad itself
+            if self.weight_moment or self.pass_ == 0:
+                super().moment(live - self.extra + self._logits_grad(), node, mb)
+                if self.weight_moment:
+                    self.weight_moment = False
+                    return
+        super().moment(live, node, mb)
+
+    def _logits_grad(self) -> int:
+        """The rank's copy of the logits' gradient: the stage's output over ``t``."""
+        if not hasattr(self, "_logits"):
+            cut = self.tcut
+            t = int(cut.subs[sympy.Symbol("t", positive=True, integer=True)])
+            whole = [cut.full(i) for i, st in enumerate(cut.tl.storages)
+                     if st.name == cut.sizes.head and st.category not in ("parameter", "gradient")]
+            self._logits = whole[0] // t if whole else 0
+        return self._logits
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         self.live -= self.extra
         self.extra = 0
+        self.head_backward = False
 
 
 def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
@@ -217,6 +244,10 @@ class TensorPipelineStep(PipelineStep):
         if not isinstance(numbers.get("t"), int):
             raise SymmemError("the tensor x pipeline peak needs a number for t")
         cut = _TensorCut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
+        if numbers.get("B") == 1 and collapsed(cut.g.program_order()).xreplace(cut.subs) is sympy.true:
+            raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
+                              "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
+                              "copies there; measured 2,048 B above on the last stage): give B >= 2 or SDPA")
         found = self._stages()
         out = []
         for s in range(cut.p):
@@ -227,9 +258,6 @@ class TensorPipelineStep(PipelineStep):
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
 
-        if named.get("B") == 1:
-            raise SymmemError("the tensor x pipeline peak is modelled from B = 2 (measured: at B = 1 the last stage "
-                              "holds 2,056 B more at the head than the replay gives): give B >= 2")
         found = super()._peak(named)
         t = int(named["t"])
         moments = tuple(TensorStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, ranks=t)
