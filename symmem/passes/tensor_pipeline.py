@@ -146,24 +146,38 @@ class _TensorReplay(_Replay):
 
     def begin(self, kind: str, mb: int) -> None:
         self.pass_ = 0 if mb == 0 else 1
+        self._ops = self._plan(self.pass_, kind)  # segment walks the same plan: before() follows it op by op
+        self._at = -1
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
+        self._at += 1
+        _, born, dying = self._ops[self._at]
         self.extra = self._extras.get((self.pass_, kind, node), 0)
         self.live += self.extra
         self.head_backward = kind == "B" and node == self.tcut.sizes.head
-        self.weight_moment = self.pass_ > 0
+        self.mode, self.accumulated = "", 0
+        if kind == "B" and self.extra:
+            after = self._ops[self._at + 1] if self._at + 1 < len(self._ops) else None
+            if self._at and self._ops[self._at - 1][0] == node and not born:
+                # from the second micro-batch the new weight gradient is added into .grad by an op of its own
+                # (AccumulateGrad, which autograd runs first): gone before the input gradient's all-reduce
+                self.mode = "accumulate"
+                grads = {sid for sid, _, _ in self._ops[self._at - 1][1]}
+                self.accumulated = sum(self.alive.get((mb, sid), 0) for sid in dying if sid in grads)
+            else:
+                self.mode = "op" if after is not None and after[0] == node and not after[1] else "op, held"
 
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
-        if getattr(self, "head_backward", False):
-            # the head's weight-gradient mm (measured, B = 1): the logits' gradient redistributed to the rank's
-            # columns (a contiguous copy, V/t wide) is alive, the input gradient's all-reduce not yet made; from the
-            # second micro-batch the new weight gradient beside .grad (the replay's moment of a gradient added at
-            # once), in the first .grad itself
-            if self.weight_moment or self.pass_ == 0:
-                super().moment(live - self.extra + self._logits_grad(), node, mb)
-                if self.weight_moment:
-                    self.weight_moment = False
-                    return
+        if self.mode.startswith("op"):
+            # a column-parallel linear's weight-gradient mm: its input gradient's all-reduce not yet made; at the
+            # head (measured, B = 1) the logits' gradient redistributed to the rank's columns (a contiguous copy,
+            # V/t wide) alive too.  Where the gradient is .grad itself (the first micro-batch) the all-reduce
+            # follows in the same op; else at the accumulation
+            super().moment(live - self.extra + (self._logits_grad() if self.head_backward else 0), node, mb)
+            if self.mode == "op":
+                return
+        elif self.mode == "accumulate":
+            live -= self.accumulated
         super().moment(live, node, mb)
 
     def _logits_grad(self) -> int:
@@ -179,7 +193,7 @@ class _TensorReplay(_Replay):
     def after(self, kind: str, node: str | None, mb: int) -> None:
         self.live -= self.extra
         self.extra = 0
-        self.head_backward = False
+        self.head_backward, self.mode = False, ""
 
 
 def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
