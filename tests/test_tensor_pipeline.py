@@ -55,11 +55,28 @@ def check(everything) -> None:
                 r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
         top = max(real, key=lambda r: (r.steady_peak, -r.rank))
         out = d.to_dict()
+        for r in real:  # the parameter side per rank: the real rank's weights, its stage module's buffers, AdamW
+            side = out["values"]["parameter_side_per_rank"][str(r.rank)]
+            assert (side["parameters"], side["optimizer_state"]) == (
+                r.parameters + _stage_buffers(case, r.pp), r.optimizer_state), (k, r, side)
+            # the gradients at the step: the local shards', but the embedding's whole V x H (stage 0)
+            whole = case[1]["V"] * case[1]["H"] * 4
+            assert side["gradients"] == r.parameters + (whole - whole // 2 if r.pp == 0 else 0), (k, r, side)
         assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), k
         assert (out["peak_at"]["rank"], out["peak_at"]["stage"]) == (top.rank, top.pp), k
         each = {str(r.rank): {"peak": r.steady_peak, "peak_first_step": r.first_peak} for r in real}
         assert out["values"]["peak_per_rank"] == each, k
         assert out["values"]["peak_per_stage"] == [real[0].steady_peak, real[2].steady_peak], k
+
+
+def _stage_buffers(case, stage: int) -> int:
+    """Bytes of the buffers of the real stage module ``stage`` of ``case`` (p = 2), as the gloo runs build it."""
+    from symmem.record.model_parallel_runs import _stage_module
+
+    model, values, _, _, _, options, _ = case
+    plain = {k: v for k, v in options.items() if k != "tensor_parallel"}
+    module = _stage_module(model, {**values, "p": 2}, stage, 2, plain)
+    return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn (after the FSDP x pipeline one)

@@ -288,3 +288,23 @@ class TensorPipelineStep(PipelineStep):
         return {s * ranks + r: (first, steady) for s, (first, steady) in
                 enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"], strict=True))
                 for r in range(ranks)}
+
+    def rank_sides(self, derivation: Any) -> dict[int, dict[str, int]]:
+        """Every rank's parameter side (:func:`symmem.passes.rank_side.parameter_side_per_rank`'s keys) at the
+        derivation's numbers, as each stage's replay holds it: the local shards and the stage module's own buffers
+        (Llama's rotary frequencies, on every stage), the gradients at the optimizer step (the embedding's whole),
+        no DDP buckets, AdamW's state of the shards with a 4-byte ``step`` each; rank ``s*t + r``."""
+        from ..symbols import t
+
+        named = {s.name: int(v) for s, v in derivation.numbers.items()}
+        ranks = int(derivation.numbers[t])
+        found = self._stages()
+        out: dict[int, dict[str, int]] = {}
+        for s, replay in enumerate(self._replays(named)):
+            memory = found[0] if s == 0 else found[-1] if s == len(self._replays(named)) - 1 else found[1]
+            own = memory.at(named, ("module_buffers",))["module_buffers"]
+            one = {"parameters": replay.at["parameters"] + own, "gradients": replay.at["gradients"], "buckets": 0,
+                   "optimizer_state": replay.at["optimizer_state"]}
+            one["total"] = sum(one.values())
+            out.update({s * ranks + r: one for r in range(ranks)})
+        return out
