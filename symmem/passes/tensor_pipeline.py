@@ -97,14 +97,21 @@ class _TensorCut(_Cut):
 
     def __init__(self, cut: _Cut) -> None:
         self.__dict__.update(cut.__dict__)
-        self.sizes = _Sizes(cut)
+        key = ("tensor sizes", id(cut.tl))  # one simulated step, its storages' formulas, at every B the lines read
+        if key not in cut.memo or cut.memo[key][0] is not cut.tl:
+            cut.memo[key] = (cut.tl, _Sizes(cut))
+        self.sizes = cut.memo[key][1]
         self.cache = {}
         self._stage = {}
         self.whole: dict[int, int] = {}
+        self.values: dict[sympy.Expr, int] = {}
 
     def size(self, sid: int) -> int:
         if sid not in self.cache:
-            self.cache[sid] = _integer(self.sizes.local(sid), self.subs, self.tl.storages[sid].name)
+            e = self.sizes.local(sid)  # the layers' copies share a few formulas: each evaluated once
+            if e not in self.values:
+                self.values[e] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.cache[sid] = self.values[e]
         return self.cache[sid]
 
     def full(self, sid: int) -> int:
