@@ -43,8 +43,8 @@ from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
 from .batch_of_one import collapsed
-from .model_parallel import _Cut, _integer, _Replay
-from .pipeline_step import PipelineStep, StageMoment
+from .model_parallel import _Cut, _integer, _pack, _Replay
+from .pipeline_step import BATCH, PipelineStep, StageMoment
 
 
 def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
@@ -114,11 +114,65 @@ class _TensorCut(_Cut):
             self.cache[sid] = self.values[e]
         return self.cache[sid]
 
+    def collectives(self) -> dict[tuple[int, str, str | None], int]:
+        """What each collective op adds for its moment, by (pass, kind, op) (alike on every stage)."""
+        if hasattr(self, "_extras"):
+            return self._extras
+        sizes, t = self.sizes, self.ranks()
+        out: dict[tuple[int, str, str | None], int] = {}
+        for p, found in enumerate(self.passes):
+            for _, e in found["F"]:
+                if e.node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
+                    out[(p, "F", e.node)] = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+                elif e.node == sizes.head:  # the local logits and the all-gather's output beside its wrapper
+                    whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+                    out[(p, "F", e.node)] = whole + whole // t
+            for _, e in found["B"]:
+                if e.node in sizes.column:
+                    grads = [self.full(i) for i in e.born if self.tl.storages[i].name.endswith(".grad_input0")]
+                    if grads:
+                        out[(p, "B", e.node)] = max(0, 2 * grads[0] - sum(self.size(i) for i in e.freed))
+        self._extras = out
+        return out
+
+    def logits_grad(self) -> int:
+        """The rank's copy of the logits' gradient: the model's output over ``t``."""
+        whole = [self.full(i) for i, st in enumerate(self.tl.storages)
+                 if st.name == self.sizes.head and st.category not in ("parameter", "gradient")]
+        return whole[0] // self.ranks() if whole else 0
+
+    def ranks(self) -> int:
+        return int(self.subs[sympy.Symbol("t", positive=True, integer=True)])
+
     def full(self, sid: int) -> int:
         """Storage ``sid``'s single-device bytes."""
         if sid not in self.whole:
             self.whole[sid] = _integer(self.tl.storages[sid].nbytes, self.subs, self.tl.storages[sid].name)
         return self.whole[sid]
+
+
+class _TensorPackedCut(_TensorCut):
+    """Three :class:`_TensorCut` of one simulated step at numbers that differ in sizes only (the batches the lines
+    are read at): each storage's bytes, and what each collective adds, the three packed into one integer
+    (:func:`~symmem.passes.model_parallel.batch_moments`)."""
+
+    def __init__(self, packed: _Cut, cuts: list[_TensorCut]) -> None:
+        self.__dict__.update(packed.__dict__)
+        self.tcuts, self.sizes = cuts, cuts[0].sizes
+        self.cache, self._stage = {}, {}
+
+    def size(self, sid: int) -> int:
+        return _pack([c.size(sid) for c in self.tcuts])
+
+    def full(self, sid: int) -> int:
+        return _pack([c.full(sid) for c in self.tcuts])
+
+    def collectives(self) -> dict[tuple[int, str, str | None], int]:
+        each = [c.collectives() for c in self.tcuts]
+        return {key: _pack([e[key] for e in each]) for key in each[0]}
+
+    def logits_grad(self) -> int:
+        return _pack([c.logits_grad() for c in self.tcuts])
 
 
 class _TensorReplay(_Replay):
@@ -129,27 +183,7 @@ class _TensorReplay(_Replay):
         self.tcut = cut
         self.extra = 0
         self.pass_ = 0
-        self._extras = self._collectives()
-
-    def _collectives(self) -> dict[tuple[int, str, str | None], int]:
-        """What each collective op adds for its moment, by (pass, kind, op)."""
-        cut = self.tcut
-        sizes = cut.sizes
-        out: dict[tuple[int, str, str | None], int] = {}
-        t = int(cut.subs[sympy.Symbol("t", positive=True, integer=True)])
-        for p, found in enumerate(cut.passes):
-            for _, e in found["F"]:
-                if e.node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
-                    out[(p, "F", e.node)] = sum(cut.full(i) for i in e.born if cut.tl.storages[i].name == e.node)
-                elif e.node == sizes.head:  # the local logits and the all-gather's output beside its wrapper
-                    whole = sum(cut.full(i) for i in e.born if cut.tl.storages[i].name == e.node)
-                    out[(p, "F", e.node)] = whole + whole // t
-            for _, e in found["B"]:
-                if e.node in sizes.column:
-                    grads = [cut.full(i) for i in e.born if cut.tl.storages[i].name.endswith(".grad_input0")]
-                    if grads:
-                        out[(p, "B", e.node)] = max(0, 2 * grads[0] - sum(cut.size(i) for i in e.freed))
-        return out
+        self._extras = cut.collectives()
 
     def begin(self, kind: str, mb: int) -> None:
         self.pass_ = 0 if mb == 0 else 1
@@ -180,22 +214,12 @@ class _TensorReplay(_Replay):
             # head (measured, B = 1) the logits' gradient redistributed to the rank's columns (a contiguous copy,
             # V/t wide) alive too.  Where the gradient is .grad itself (the first micro-batch) the all-reduce
             # follows in the same op; else at the accumulation
-            super().moment(live - self.extra + (self._logits_grad() if self.head_backward else 0), node, mb)
+            super().moment(live - self.extra + (self.tcut.logits_grad() if self.head_backward else 0), node, mb)
             if self.mode == "op":
                 return
         elif self.mode == "accumulate":
             live -= self.accumulated
         super().moment(live, node, mb)
-
-    def _logits_grad(self) -> int:
-        """The rank's copy of the logits' gradient: the stage's output over ``t``."""
-        if not hasattr(self, "_logits"):
-            cut = self.tcut
-            t = int(cut.subs[sympy.Symbol("t", positive=True, integer=True)])
-            whole = [cut.full(i) for i, st in enumerate(cut.tl.storages)
-                     if st.name == cut.sizes.head and st.category not in ("parameter", "gradient")]
-            self._logits = whole[0] // t if whole else 0
-        return self._logits
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         self.live -= self.extra
@@ -258,6 +282,16 @@ class TensorPipelineStep(PipelineStep):
     module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes."""
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        cut = self._cut(numbers)
+        found = self._stages()
+        out = []
+        for s in range(cut.p):
+            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
+        return out
+
+    def _cut(self, numbers: Mapping[str, int]) -> _TensorCut:
+        """The single-device step cut by stage at ``numbers``, its storages at a rank's size; the numbers checked."""
         from .model_parallel import TensorRank, requires
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
@@ -269,12 +303,26 @@ class TensorPipelineStep(PipelineStep):
             raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
                               "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
                               "copies there; measured 2,048 B above on the last stage): give B >= 2 or SDPA")
+        return cut
+
+    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`): the rank's sizes and the collectives' bytes packed;
+        None where they cannot be (each replayed on its own)."""
+        from .model_parallel import batch_moments, pack_parts
+
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        cuts = [self._cut(n) for n in numbers]
         found = self._stages()
-        out = []
-        for s in range(cut.p):
-            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
-            out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
-        return out
+
+        def make(packed: Any, plain: Any, s: int) -> Any:
+            memory = found[0] if s == 0 else found[-1] if s == packed.p - 1 else found[1]
+            ats = [stage_at(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
+            return _TensorReplay(_TensorPackedCut(packed, cuts), s, pack_parts(ats), self.schedule,
+                                 self.micro_batches), ats
+
+        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
