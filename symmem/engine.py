@@ -204,6 +204,8 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
             step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
         elif regime.tensor_parallel and regime.data_parallel:
             step = _mesh_step(model, convention, regime, values, options, front.ledger.numbers)
+        elif regime.tensor_parallel and regime.pipeline_parallel:
+            step = _tensor_pipeline_step(model, convention, regime, values, options, front.ledger.numbers)
         elif regime.tensor_parallel:
             step = _tensor_step(model, convention, regime, values, options, front.ledger.numbers)
         else:
@@ -259,6 +261,29 @@ def _tensor_step(model: Model, convention: Convention, regime: Regime, values: M
     one, single, resolved = found
     return TensorStep(storages_rank(model.graph, single.storages, one, regime.sequence_parallel), dict(numbers),
                       model.graph, convention, resolved, one, regime.sequence_parallel)
+
+
+def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+                          options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
+    """The step of every rank of a p x t mesh (DTensor's standard plan on every pipeline stage), replayed from the
+    single-device step (:mod:`symmem.passes.tensor_pipeline`); refused, saying why, where it is not modelled."""
+    from dataclasses import replace
+
+    from .passes.tensor_pipeline import TensorPipelineStep, refusal
+    from .step import Refused
+
+    graph = model.graph
+    loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
+    one = replace(regime, tensor_parallel=False, sequence_parallel=False, pipeline_parallel=False,
+                  pipeline_schedule="1f1b", micro_batches=1)
+    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k not in ("t", "p")},
+                         options=options)
+    why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
+    if why is not None:
+        return Refused(f"no peak: {why}")
+    resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    return TensorPipelineStep(graph, convention, resolved, one, single.storages, dict(numbers),
+                              regime.pipeline_schedule, regime.micro_batches)
 
 
 def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,

@@ -161,7 +161,7 @@ def check_effect(convention: Any, regime: Any, *, model: str, repeated: bool, bu
         # ZeRO alone is the papers' accounting of that step, shards divided by N)
         no_step = "the pytorch convention under tensor or pipeline parallelism (it follows one device)"
     given = _step_option(regime)
-    if (regime.pipeline_parallel and not (regime.zero or regime.tensor_parallel) and not per_layer
+    if (regime.pipeline_parallel and not regime.zero and not per_layer
             and convention.models_step and given == f"micro_batches={regime.micro_batches!r}"):
         given = None  # the pipeline's micro-batches per step (passes/pipeline_step.py)
     if given is not None and no_step is not None:

@@ -81,10 +81,15 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     hf += [(TracedCase(SpecBuilder(spec, tuple(sorted(config.items()))), splits[split], schedule, m, loss,
                        (2, 8, config["vocab_size"]), boundary), reshard)
            for spec, config, split, schedule, m, loss, reshard, boundary in MORE_HF] if HAS_HF else []
-    everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *hf], start_method="forkserver")
+    # tensor parallel x pipeline on a p x t mesh in the same spawn (tests/test_tensor_pipeline.py checks them)
+    import test_tensor_pipeline as tensor
+
+    everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *tensor.CASES, *hf], start_method="forkserver")
+    at = len(CASES) + len(TRACED)
+    tensor.RUNS["tensor"] = [rank[at:at + len(tensor.CASES)] for rank in everything]
     _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
     if HAS_HF:
-        at = len(CASES) + len(TRACED)
+        at = len(CASES) + len(TRACED) + len(tensor.CASES)
         _check_hf([rank[at] for rank in everything])
         for k, case in enumerate(MORE_HF):
             _check_more_hf([rank[at + 1 + k] for rank in everything], *case)

@@ -62,6 +62,11 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
     step follows; ZeRO-1's are the ranks' state the peak holds (:func:`.zero_redundancy.state_per_rank`)."""
     regime = derivation.regime
     step = getattr(derivation, "step", None)
+    if regime.tensor_parallel and regime.pipeline_parallel and hasattr(step, "rank_sides"):
+        try:  # tensor parallel x pipeline on a p x t mesh: each stage's replay (passes/tensor_pipeline.py)
+            return step.rank_sides(derivation)
+        except SymmemError:
+            return None
     world = derivation.numbers.get(N)
     if regime.data_parallel not in ENGINES or world is None:
         return None

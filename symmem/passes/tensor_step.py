@@ -330,7 +330,8 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.checkpoint != "none":
         return "the tensor-parallel peak is modelled for FP32 Adam/AdamW without checkpointing (what was measured)"
     if regime.zero or regime.pipeline_parallel or regime.micro_batches != 1:
-        return "the tensor-parallel peak is modelled alone: no ZeRO, pipeline stages or micro-batches with it"
+        return ("the tensor-parallel peak is modelled alone or on pipeline stages (a p x t mesh): no ZeRO, nor "
+                "micro-batches without stages")
     if loss not in (None, "sum"):
         return f"the tensor-parallel peak is modelled for the loss 'sum' (what was measured), not {loss!r}"
     if device != "cpu" or optimizer_impl(regime, device) != "for-loop":

@@ -67,6 +67,10 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
     from ..reference.sequence_models import causal_lm_loss
     from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
     from .sharded import units
+    from .tensor_pipeline_runs import is_tensor_case, tensor_pipeline_stage
+
+    if is_tensor_case(case):  # tensor parallel x pipeline on a p x t mesh, in the same spawn
+        return _record(*tensor_pipeline_stage(case, rank, world, stages))
 
     dp_size = world // stages
     mesh = init_device_mesh("cpu", (stages, dp_size), mesh_dim_names=("pp", "dp"))

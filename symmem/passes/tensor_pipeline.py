@@ -1,0 +1,365 @@
+"""Tensor parallel x pipeline: DTensor's standard plan on every pipeline stage of a p x t mesh, per stage and rank.
+
+The engine is torchtitan's 2-D recipe (:mod:`symmem.record.tensor_pipeline_runs`): ``init_device_mesh(device,
+(p, t), mesh_dim_names=("pp", "tp"))``, each stage's module (the embedding on the first stage, the final norm and
+the head on the last, ``L/p`` layers each) ``parallelize_module``'d over ``mesh["tp"]`` with the standard Llama
+plan, then ``PipelineStage`` and ``ScheduleGPipe`` / ``Schedule1F1B`` run ``M`` micro-batches.  What crosses a
+stage boundary is a plain tensor, whole on every rank of the tp group (the row-parallel outputs come back
+replicated), so the pipeline's own bookkeeping is the single device's.  A stage's replay
+(:class:`~symmem.passes.model_parallel._Replay`, the single-device step cut by stage) is run with each storage at
+one tensor-parallel rank's size, as the tensor-parallel rank's walk sizes it
+(:class:`~symmem.passes.tensor_step._LayerWalk`: split over ``t`` where it has a head or MLP-width dimension, a
+row-parallel output beside funcol's wrapper, the head's local and replicated logits, a linear's gradient split,
+the embedding's whole), with what the collectives add for a moment (a row-parallel output's partial sum; a
+column-parallel input gradient's all-reduce), and what lives between steps at the rank's sizes: the local
+parameter shards, AdamW's state of them (and a 4-byte ``step`` each), the receive buffers (whole), the batch or
+the labels, the last stage's logits (whole).  The optimizer step: for-loop AdamW on the local shards beside every
+gradient (the embedding's whole ``V x H``).
+
+Every tensor-parallel rank of a stage holds the same bytes; rank ``s*t + r`` is stage ``s``'s tensor-parallel rank
+``r`` (the mesh's row-major order, as the real run's).
+
+>>> from symmem import derive
+>>> d = derive("llama", tensor_parallel=True, pipeline_parallel=True, micro_batches=2, attention="sdpa",
+...            device="cpu", values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64,
+...            "p": 2, "t": 2})
+>>> d.value("peak"), d.step.rank_peaks(d)  # {rank: (first step, steady)}: gloo's, docs/regimes.md
+(203080, {0: (157472, 203080), 1: (157472, 203080), 2: (143788, 189656), 3: (143788, 189656)})
+>>> d.peak_at().where(step=False)
+'rank 0 (stage 0 of 2, tensor-parallel rank 0 of t = 2, every one alike): pipeline layers.mlp.up_proj (layer 1), \
+micro-batch 0'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from ..shapes import numel
+from ..training import Regime
+from .batch_of_one import collapsed
+from .model_parallel import _Cut, _integer, _pack, _Replay
+from .pipeline_step import BATCH, PipelineStep, StageMoment
+
+
+def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cpu") -> str | None:
+    """Why the tensor x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
+    from .tensor_step import refusal as tensor_refusal
+
+    if regime.sequence_parallel:
+        return ("sequence parallelism on pipeline stages is not modelled: the stage boundary would carry the "
+                "S-split hidden stream, and a later stage's rotary tables follow the sequence it is given (S/t)")
+    if regime.zero or regime.data_parallel:
+        return "a 3-D mesh (data x tensor x pipeline) is not modelled: tensor x pipeline is a p x t mesh"
+    one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
+    # the pipeline runs' loss (cross-entropy on the last stage) was measured as well as the sum
+    return tensor_refusal(model_name, one, None if loss == "cross-entropy" else loss, device)
+
+
+class _Sizes:
+    """Each storage of the cut's simulated step at one tensor-parallel rank's size, as
+    :class:`~symmem.passes.tensor_step._LayerWalk` sizes its own (its rules borrowed, not copied)."""
+
+    from .tensor_step import _LayerWalk
+
+    _split = _LayerWalk._split
+    local = _LayerWalk.local
+
+    def _local(self, i: int) -> sympy.Expr:
+        """The walk's size, but the head's output is the replicated logits alone: the local ones (``V/t`` wide)
+        go once gathered (the stage's output chunk is what the schedule keeps)."""
+        s = self.tl.storages[i]
+        if s.name == self.head and s.category not in ("parameter", "optimizer_state", "input", "buffer"):
+            return s.nbytes
+        return type(self)._LayerWalk._local(self, i)
+
+    def __init__(self, cut: _Cut) -> None:
+        g = self.g = cut.g
+        self.tl = cut.tl
+        order = list(g.program_order())
+        self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
+        self.embedding = next(n for n in order if g.node(n).kind == "embedding")
+        linears = [n for n in order if g.node(n).kind == "linear"]
+        self.column = {n for n in linears if g.node(n).role in ("qkv", "mlp_hidden") or n == self.head}
+        self.row = {n for n in linears if n not in self.column}
+        self.collapsed, self.once = False, sympy.Integer(0)
+        self._splits: dict[str, bool] = {}
+        self._locals: dict[int, sympy.Expr] = {}
+
+
+class _TensorCut(_Cut):
+    """A :class:`_Cut` whose storages are at one tensor-parallel rank's size."""
+
+    def __init__(self, cut: _Cut) -> None:
+        self.__dict__.update(cut.__dict__)
+        key = ("tensor sizes", id(cut.tl))  # one simulated step, its storages' formulas, at every B the lines read
+        if key not in cut.memo or cut.memo[key][0] is not cut.tl:
+            cut.memo[key] = (cut.tl, _Sizes(cut))
+        self.sizes = cut.memo[key][1]
+        self.cache = {}
+        self._stage = {}
+        self.whole: dict[int, int] = {}
+        self.values: dict[sympy.Expr, int] = {}
+
+    def size(self, sid: int) -> int:
+        if sid not in self.cache:
+            e = self.sizes.local(sid)  # the layers' copies share a few formulas: each evaluated once
+            if e not in self.values:
+                self.values[e] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.cache[sid] = self.values[e]
+        return self.cache[sid]
+
+    def collectives(self) -> dict[tuple[int, str, str | None], int]:
+        """What each collective op adds for its moment, by (pass, kind, op) (alike on every stage)."""
+        if hasattr(self, "_extras"):
+            return self._extras
+        sizes, t = self.sizes, self.ranks()
+        out: dict[tuple[int, str, str | None], int] = {}
+        for p, found in enumerate(self.passes):
+            for _, e in found["F"]:
+                if e.node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
+                    out[(p, "F", e.node)] = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+                elif e.node == sizes.head:  # the local logits and the all-gather's output beside its wrapper
+                    whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+                    out[(p, "F", e.node)] = whole + whole // t
+            for _, e in found["B"]:
+                if e.node in sizes.column:
+                    grads = [self.full(i) for i in e.born if self.tl.storages[i].name.endswith(".grad_input0")]
+                    if grads:
+                        out[(p, "B", e.node)] = max(0, 2 * grads[0] - sum(self.size(i) for i in e.freed))
+        self._extras = out
+        return out
+
+    def logits_grad(self) -> int:
+        """The rank's copy of the logits' gradient: the model's output over ``t``."""
+        whole = [self.full(i) for i, st in enumerate(self.tl.storages)
+                 if st.name == self.sizes.head and st.category not in ("parameter", "gradient")]
+        return whole[0] // self.ranks() if whole else 0
+
+    def ranks(self) -> int:
+        return int(self.subs[sympy.Symbol("t", positive=True, integer=True)])
+
+    def full(self, sid: int) -> int:
+        """Storage ``sid``'s single-device bytes."""
+        if sid not in self.whole:
+            self.whole[sid] = _integer(self.tl.storages[sid].nbytes, self.subs, self.tl.storages[sid].name)
+        return self.whole[sid]
+
+
+class _TensorPackedCut(_TensorCut):
+    """Three :class:`_TensorCut` of one simulated step at numbers that differ in sizes only (the batches the lines
+    are read at): each storage's bytes, and what each collective adds, the three packed into one integer
+    (:func:`~symmem.passes.model_parallel.batch_moments`)."""
+
+    def __init__(self, packed: _Cut, cuts: list[_TensorCut]) -> None:
+        self.__dict__.update(packed.__dict__)
+        self.tcuts, self.sizes = cuts, cuts[0].sizes
+        self.cache, self._stage = {}, {}
+
+    def size(self, sid: int) -> int:
+        return _pack([c.size(sid) for c in self.tcuts])
+
+    def full(self, sid: int) -> int:
+        return _pack([c.full(sid) for c in self.tcuts])
+
+    def collectives(self) -> dict[tuple[int, str, str | None], int]:
+        each = [c.collectives() for c in self.tcuts]
+        return {key: _pack([e[key] for e in each]) for key in each[0]}
+
+    def logits_grad(self) -> int:
+        return _pack([c.logits_grad() for c in self.tcuts])
+
+
+class _TensorReplay(_Replay):
+    """One stage's replay on a tensor-parallel rank: the collectives' transients around their ops."""
+
+    def __init__(self, cut: _TensorCut, s: int, at: Mapping[str, int], schedule: str, m: int) -> None:
+        super().__init__(cut, s, at, schedule, m)
+        self.tcut = cut
+        self.extra = 0
+        self.pass_ = 0
+        self._extras = cut.collectives()
+
+    def begin(self, kind: str, mb: int) -> None:
+        self.pass_ = 0 if mb == 0 else 1
+        self._ops = self._plan(self.pass_, kind)  # segment walks the same plan: before() follows it op by op
+        self._at = -1
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        self._at += 1
+        _, born, dying = self._ops[self._at]
+        self.extra = self._extras.get((self.pass_, kind, node), 0)
+        self.live += self.extra
+        self.head_backward = kind == "B" and node == self.tcut.sizes.head
+        self.mode, self.accumulated = "", 0
+        if kind == "B" and self.extra:
+            after = self._ops[self._at + 1] if self._at + 1 < len(self._ops) else None
+            if self._at and self._ops[self._at - 1][0] == node and not born:
+                # from the second micro-batch the new weight gradient is added into .grad by an op of its own
+                # (AccumulateGrad, which autograd runs first): gone before the input gradient's all-reduce
+                self.mode = "accumulate"
+                grads = {sid for sid, _, _ in self._ops[self._at - 1][1]}
+                self.accumulated = sum(self.alive.get((mb, sid), 0) for sid in dying if sid in grads)
+            else:
+                self.mode = "op" if after is not None and after[0] == node and not after[1] else "op, held"
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        if self.mode.startswith("op"):
+            # a column-parallel linear's weight-gradient mm: its input gradient's all-reduce not yet made; at the
+            # head (measured, B = 1) the logits' gradient redistributed to the rank's columns (a contiguous copy,
+            # V/t wide) alive too.  Where the gradient is .grad itself (the first micro-batch) the all-reduce
+            # follows in the same op; else at the accumulation
+            super().moment(live - self.extra + (self.tcut.logits_grad() if self.head_backward else 0), node, mb)
+            if self.mode == "op":
+                return
+        elif self.mode == "accumulate":
+            live -= self.accumulated
+        super().moment(live, node, mb)
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        self.live -= self.extra
+        self.extra = 0
+        self.head_backward, self.mode = False, ""
+
+
+def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+    """Stage ``s``'s parts on one tensor-parallel rank: the local shards, their gradients (the embedding's whole),
+    AdamW's state and its for-loop step's temporaries on the shards; the pipeline stage's buffers, inputs and
+    outputs (whole: what crosses a boundary is replicated)."""
+    from .data_parallel import stored_shapes
+    from .parameters import in_registration_order, program_parameters
+
+    g = cut.g
+    t = int(numbers["t"])
+    key = ("stored", cut.per * cut.p)
+    if key not in cut.memo:
+        cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+    weights = grads = state = 0
+    sizes: list[int] = []
+    for name, shape in cut.memo[key].items():
+        owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+        if cut.stage_of(owner) != s:
+            continue
+        whole = _integer(numel(shape), cut.subs, name) * 4
+        local = whole // t if len(shape) >= 2 else whole
+        weights += local
+        grads += whole if owner in g and g.node(owner).kind == "embedding" else local
+        state += 2 * local + 4
+        sizes.append(local)
+    temps = max([2 * sizes[0]] + [a + 2 * b for a, b in zip(sizes, sizes[1:], strict=False)]) if sizes else 0
+    at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
+    at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
+    at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
+    at["step_peak"] = at["at_rest"] + grads + temps
+    return at
+
+
+@dataclass(frozen=True)
+class TensorStageMoment(StageMoment):
+    """A moment of one stage's step on the p x t mesh: every tensor-parallel rank of the stage alike, the first
+    is rank ``s*t``."""
+
+    ranks: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.ranks
+
+    def where(self, step: bool = True) -> str:
+        head = f"stage {self.stage} of {self.stages}"
+        return super().where(step).replace(head, f"rank {self.rank} (stage {self.stage} of {self.stages}, "
+                                                 f"tensor-parallel rank 0 of t = {self.ranks}, every one alike)", 1)
+
+
+@dataclass(eq=False)
+class TensorPipelineStep(PipelineStep):
+    """:class:`~symmem.passes.pipeline_step.PipelineStep` with DTensor's standard plan on every stage (the
+    module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes."""
+
+    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+        cut = self._cut(numbers)
+        found = self._stages()
+        out = []
+        for s in range(cut.p):
+            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
+        return out
+
+    def _cut(self, numbers: Mapping[str, int]) -> _TensorCut:
+        """The single-device step cut by stage at ``numbers``, its storages at a rank's size; the numbers checked."""
+        from .model_parallel import TensorRank, requires
+
+        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        TensorRank(*(sympy.Integer(0),) * 4).at(numbers)  # t divides the heads, F and V (one line otherwise)
+        if not isinstance(numbers.get("t"), int):
+            raise SymmemError("the tensor x pipeline peak needs a number for t")
+        cut = _TensorCut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
+        if numbers.get("B") == 1 and collapsed(cut.g.program_order()).xreplace(cut.subs) is sympy.true:
+            raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
+                              "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
+                              "copies there; measured 2,048 B above on the last stage): give B >= 2 or SDPA")
+        return cut
+
+    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`): the rank's sizes and the collectives' bytes packed;
+        None where they cannot be (each replayed on its own)."""
+        from .model_parallel import batch_moments, pack_parts
+
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        cuts = [self._cut(n) for n in numbers]
+        found = self._stages()
+
+        def make(packed: Any, plain: Any, s: int) -> Any:
+            memory = found[0] if s == 0 else found[-1] if s == packed.p - 1 else found[1]
+            ats = [stage_at(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
+            return _TensorReplay(_TensorPackedCut(packed, cuts), s, pack_parts(ats), self.schedule,
+                                 self.micro_batches), ats
+
+        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        from ..peak import Peak
+
+        found = super()._peak(named)
+        t = int(named["t"])
+        moments = tuple(TensorStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, ranks=t)
+                        for m in found.moments)
+        return Peak(None, None, moments, found.domain)
+
+    def rank_peaks(self, derivation: Any) -> dict[int, tuple[int, int]]:
+        """``{rank: (first-step peak, steady peak)}`` of every rank of the p x t mesh (rank ``s*t + r``: stage
+        ``s``, tensor-parallel rank ``r``; the ranks of a stage alike)."""
+        from ..symbols import t
+
+        ranks = int(derivation.numbers[t])
+        each = self.per_stage(derivation.numbers)
+        return {s * ranks + r: (first, steady) for s, (first, steady) in
+                enumerate(zip(each["peak_first_step_per_stage"], each["peak_per_stage"], strict=True))
+                for r in range(ranks)}
+
+    def rank_sides(self, derivation: Any) -> dict[int, dict[str, int]]:
+        """Every rank's parameter side (:func:`symmem.passes.rank_side.parameter_side_per_rank`'s keys) at the
+        derivation's numbers, as each stage's replay holds it: the local shards and the stage module's own buffers
+        (Llama's rotary frequencies, on every stage), the gradients at the optimizer step (the embedding's whole),
+        no DDP buckets, AdamW's state of the shards with a 4-byte ``step`` each; rank ``s*t + r``."""
+        from ..symbols import t
+
+        named = {s.name: int(v) for s, v in derivation.numbers.items()}
+        ranks = int(derivation.numbers[t])
+        found = self._stages()
+        out: dict[int, dict[str, int]] = {}
+        for s, replay in enumerate(self._replays(named)):
+            memory = found[0] if s == 0 else found[-1] if s == len(self._replays(named)) - 1 else found[1]
+            own = memory.at(named, ("module_buffers",))["module_buffers"]
+            one = {"parameters": replay.at["parameters"] + own, "gradients": replay.at["gradients"], "buckets": 0,
+                   "optimizer_state": replay.at["optimizer_state"]}
+            one["total"] = sum(one.values())
+            out.update({s * ranks + r: one for r in range(ranks)})
+        return out
