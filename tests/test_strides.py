@@ -407,8 +407,8 @@ def test_rotary_keeps_the_head_split_layout():
 
 # -- the zoo: storage facts come from strides, not from annotations ---------------------------------------------
 def test_the_zoo_states_no_storage_facts():
-    """Only Llama's eager matmuls without the cache state their copies (a simplification for the same bytes; see
-    EAGER_COPIES); with the cache the strides decide every copy."""
+    """No zoo model states its copies: the strides decide every one (Llama's eager matmuls with and without the
+    cache included)."""
     import itertools
 
     from symmem.models import available, build
@@ -421,23 +421,23 @@ def test_the_zoo_states_no_storage_facts():
             graph = build(name, **dict(zip(choices, combo, strict=True))).graph
             for n in graph.order():
                 stated = {"copy", "copy_inputs", "q_layout", "v_contiguous"} & set(graph.node(n).attrs)
-                cached = dict(zip(choices, combo, strict=True)).get("cache") == "dynamic"
-                if name == "llama" and not cached and n in ("layers.self_attn.scores", "layers.self_attn.attn_v"):
-                    assert stated == {"copy_inputs"}
-                    continue
                 assert not stated, (name, combo, n, stated)
 
 
-def test_llama_states_what_repeat_kv_derives():
-    """Llama's stated eager copies are where its repeat_kv reshape is a view, which the strides derive."""
+def test_llama_eager_matmuls_copy_where_repeat_kv_is_a_view():
+    """Without the cache, Llama's eager matmuls copy the key and value exactly where repeat_kv's reshape is a view
+    (G = 1: stride 0; G = h: the rotary output's layout), and the rotary query always."""
     from symmem.conditions import canonical
     from symmem.models import build
-    from symmem.models.llama import EAGER_COPIES
 
     graph = build("llama", attention="naive", cache="none").graph
     derived = graph.node("layers.self_attn.k_repeat").facts["copy"]
-    assert canonical(derived)[0] == canonical(EAGER_COPIES[0][1])[0]
-    assert canonical(derived)[1] is not canonical(EAGER_COPIES[0][1])[1]
+    for n in ("layers.self_attn.scores", "layers.self_attn.attn_v"):
+        facts = graph.node(n).facts["copy_inputs"]
+        assert (0 in facts) is n.endswith("scores")
+        (_, copied), = [f for f in facts if isinstance(f, tuple)]
+        assert canonical(derived)[0] == canonical(copied)[0]
+        assert canonical(derived)[1] is not canonical(copied)[1]
 
 
 def test_explicit_attributes_still_win():

@@ -18,9 +18,10 @@ loss) -- past their last use where eager attention's ``repeat_kv`` copies them (
 position ids and eager attention's whole (B, 1, S, S) mask (``torch.where`` over the expanded boolean mask) are
 ``LlamaModel.forward``'s locals, gone when it returns after the final norm (before ``lm_head``), RMSNorm's
 ``variance`` lives until the norm returns, the q and k projections until ``apply_rotary_pos_emb`` returns, and
-with the cache the rotary key and projected value until the cache's ``update`` returns and (eager) the rotary
-query until the attention returns.  Checked against HF's own model's training step on one device
-(``tests/test_hf_llama.py``) and per rank under DTensor's plan (``tests/test_model_parallel.py``).
+with the cache the rotary key and projected value until the cache's ``update`` returns, and (eager) the rotary
+query until the attention returns, without the cache with the rotary key and the projected value.  Checked
+against HF's own model's training step on one device (``tests/test_hf_llama.py``, op by op through eager attention
+with and without the cache) and per rank under DTensor's plan (``tests/test_model_parallel.py``).
 
 Checked against transformers 5.23.0 on the CPU by tracing ``LlamaForCausalLM`` (``tests/test_zoo_drift.py``).
 Earlier releases (4.4x, which this builder followed before) ran ``repeat_kv`` before SDPA too: for
@@ -32,12 +33,13 @@ Llama-2-70B), L=32, F=11008, V=32000, S=4096.  In the eager path ``repeat_kv`` i
 G = 1 or G = h: its ``reshape`` merges the G heads with the stride-0 repeat dimension of size h/G, which PyTorch
 can do as a view only if one of them is 1 (the reshape's rule finds ``Ne(G, 1) & Ne(h/G, 1)`` in the strides,
 :mod:`symmem.strides`; for G = h HF returns the tensor itself).  The eager matmuls copy a key or value that is
-still a view they cannot fold into ``bmm``'s batch (stride 0 for G = 1; without the cache, the rotary output's
-layout for G = h; with the cache also the rotary query, every G, where each copy is born: op by op as HF's); the
-formula is a ``Piecewise`` where the branches differ.  With SDPA the fused kernels keep the
-(B, G, S, d) key and value they are given; the CPU math kernel (dropout > 0) expands them to h heads itself.  The
-casts (RMSNorm's ``to(float32)``, the float32 softmax's ``.to(dtype)``) are views in FP32 and copies in 16-bit, as
-in PyTorch (see :func:`symmem.passes.storage.converts`).
+still a view they cannot fold into ``bmm``'s batch: the rotary query, every G (its (B, S, h, d) layout), the
+stride-0 repeated key and value for G = 1, and without the cache the rotary key and the projected value's view for
+G = h (with it the cache's contiguous copies fold), each copy born where HF's matmul makes it (op by op as HF's,
+with and without the cache); the formula is a ``Piecewise`` where the branches differ.  With SDPA the fused
+kernels keep the (B, G, S, d) key and value they are given; the CPU math kernel (dropout > 0) expands them to h
+heads itself.  The casts (RMSNorm's ``to(float32)``, the float32 softmax's ``.to(dtype)``) are views in FP32
+and copies in 16-bit, as in PyTorch (see :func:`symmem.passes.storage.converts`).
 
 >>> from symmem import derive
 >>> derive("llama").value("parameters")
@@ -50,17 +52,6 @@ import sympy
 
 from ..graph import GraphBuilder, Model
 from ..symbols import B, F, G, H, L, S, V, h
-
-#: Which operands the eager matmuls copy without the cache (``cache="none"``), stated rather than left to the
-#: strides: the key and value where they are still a view bmm cannot fold, G = 1 (stride 0) or G = h (repeat_kv
-#: returns its input).  The strides say more for the same bytes -- q is copied too (the rotary output is
-#: (B, S, h, d) in memory, as big as the copy) -- and saying it would split the formula on G = 1 against G = h for
-#: nothing.  With the cache (``cache="dynamic"``, the default) the strides decide every copy, as HF's matmuls make
-#: them: the scores matmul copies the rotary query (every G) and, for G = 1, the stride-0 repeated key, ``attn @ v``
-#: the stride-0 repeated value; the cache's contiguous copies fold for G = h, repeat_kv's copies for 1 < G < h.
-#: Two conditions (``Eq(G, 1)``, ``Eq(G, 1) | Eq(h/G, 1)``) whose branches give one formula for the kept bytes,
-#: and each copy is born at the op that makes it (tests/test_hf_llama.py compares HF's ops one by one).
-EAGER_COPIES = ((1, ~(sympy.Ne(G, 1) & sympy.Ne(h / G, 1))),)
 
 
 def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
@@ -130,24 +121,26 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         held[k] = held[v] = "forward"
     if kind == "naive":
         assert mask is not None
+        # LlamaAttention.forward's locals hold the rotary query (both paths) and, without the cache, the rotary
+        # key and the projected value's view until it returns, past the copies the matmuls make of them
+        locals_ = (q,) if cache else (q, k, v)
         k = _repeat_kv(g, k, "k")
         v = _repeat_kv(g, v, "v")
-        # the matmuls copy an operand that is a view they cannot fold into bmm's batch: repeat_kv's stride-0 view
-        # for G = 1, the rotary query's (B, S, h, d) layout; without the cache stated (EAGER_COPIES), with it the
-        # strides decide
+        # the matmuls copy an operand that is a view they cannot fold into bmm's batch, as the strides decide:
+        # the rotary query's (B, S, h, d) layout (every G), repeat_kv's stride-0 view for G = 1, and without the
+        # cache the rotary key's and the value view's layouts for G = h (repeat_kv returns them); repeat_kv's
+        # copies (1 < G < h) and the cache's fold
         kt = g.op("transpose", k, name="k_t", dim0=2, dim1=3)
-        copies = {} if cache else {"copy_inputs": EAGER_COPIES}
-        if cache:
-            # the strides see h >= 2: with one head (h = G = 1) bmm folds the query and the key and value, which
-            # are then no copies; said, not branched on (a third condition for a model no one trains)
-            g.graph.graph["holds_where"] = [sympy.Ne(h, 1)]
-        w = g.op("matmul", q, kt, name="scores", role="attn_scores", **copies)
+        # the strides see h >= 2: with one head (h = G = 1) bmm folds the query and the key and value, which
+        # are then no copies; said, not branched on (a third condition for a model no one trains)
+        g.graph.graph["holds_where"] = [sympy.Ne(h, 1)]
+        w = g.op("matmul", q, kt, name="scores", role="attn_scores")
         w = g.op("scale", w, name="scaled", factor=hd ** -0.5)
         w = g.op("add", w, mask, name="masked")
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1, dtype="float32")
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
-        out = g.op("matmul", w, v, name="attn_v", **copies)
+        out = g.op("matmul", w, v, name="attn_v")
     else:
         # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
         # of the q_proj view it came from (TensorIterator).  The CPU math kernel (dropout > 0) keeps v itself only
@@ -157,10 +150,9 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
     out = g.op("contiguous", out, name="merge", role="proj_input")
     out = g.op("reshape", out, name="merge_view", shape=(B, S, H))
     out = g.op("linear", out, name="o_proj", out_features=H, bias=False)
-    if cache and kind == "naive":
-        # query_states, LlamaAttention.forward's local, holds the rotary output until it returns, past the scores
-        # matmul's copy of it (the rotary output is (B, S, h, d) in memory: bmm cannot fold its heads)
-        held[q] = out
+    if kind == "naive":  # the locals named above
+        for local in locals_:
+            held[local] = out
     return out
 
 
