@@ -294,20 +294,19 @@ def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tupl
           ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
     """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
     x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them."""
-    weights = grads = state = sympy.Integer(0)
+    # each sum's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time)
+    weights: list[sympy.Expr] = []
+    grads: list[sympy.Expr] = []
+    state: list[sympy.Expr] = []
     for count, shape in [*((sympy.Integer(1), s) for s in before + after), *((layers, s) for s in layer)]:
         n = numel(shape)
         for c in regime.precision_spec.parts:
-            if c.kind == "gradients":
-                grads += count * n * c.bytes
-            elif c.kind == "weights":
-                weights += count * n * c.bytes
-            else:
-                state += count * n * c.bytes
-        state += count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0))
+            (grads if c.kind == "gradients" else weights if c.kind == "weights" else state).append(count * n * c.bytes)
+        state.append(count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0)))
         if regime.optimizer in ("adam", "adamw"):
-            state += count * 4  # the step count: a 0-dim FP32 tensor per parameter
-    return weights, grads, state, _step_temporaries(regime, before, layer, after, layers, impl)
+            state.append(count * 4)  # the step count: a 0-dim FP32 tensor per parameter
+    return (sympy.Add(sympy.Integer(0), *weights), sympy.Add(sympy.Integer(0), *grads),
+            sympy.Add(sympy.Integer(0), *state), _step_temporaries(regime, before, layer, after, layers, impl))
 
 
 def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
