@@ -24,13 +24,18 @@ import time
 
 from symmem import derive
 
-#: pipeline parallelism (torch.distributed.pipelining) at p = 4 stages, M = 8 micro-batches; with FSDP2 at N = 8
+#: pipeline parallelism (torch.distributed.pipelining) at p = 4 stages, M = 8 micro-batches; with FSDP2, DDP and
+#: ZeroRedundancyOptimizer at N = 8
 PIPELINE: list[tuple[str, dict]] = [
     ("pipeline 1f1b p=4 M=8", {"pipeline_parallel": True, "micro_batches": 8, "values": {"p": 4}}),
     ("pipeline gpipe p=4 M=8", {"pipeline_parallel": True, "pipeline_schedule": "gpipe", "micro_batches": 8,
                                 "values": {"p": 4}}),
     ("fsdp x pipeline", {"data_parallel": "fsdp", "pipeline_parallel": True, "micro_batches": 8,
                          "values": {"N": 8, "p": 4}}),
+    ("ddp x pipeline", {"data_parallel": "ddp", "pipeline_parallel": True, "micro_batches": 8,
+                        "values": {"N": 8, "p": 4}}),
+    ("zero-1 x pipeline", {"data_parallel": "zero-redundancy", "pipeline_parallel": True, "micro_batches": 8,
+                           "values": {"N": 8, "p": 4}}),
 ]
 
 #: (label, derive keywords): the engines at N = 8 (ranks), tensor parallel at t = 2, the papers' ZeRO-3

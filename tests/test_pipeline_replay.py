@@ -100,3 +100,45 @@ def test_packed_bytes_round_trip() -> None:
                                                      strict=True)]
     with pytest.raises(_Unpackable):
         _pack([_BOUND, 0, 0])
+
+
+@pytest.mark.parametrize("model, options", [
+    ("llama", {"device": "cpu", "B": 2}), ("llama", {"device": "cpu", "attention": "naive", "B": 1}),
+    ("llama", {"device": "cuda", "B": 2}), ("gpt2", {"device": "cpu", "loss": "cross-entropy", "B": 1}),
+    ("gpt2", {"device": "cpu", "attention": "naive", "dropout": 0.1, "B": 2})])
+def test_the_step_at_l_layers_written_from_five_is_the_simulated_one(model: str, options: dict) -> None:
+    """The replays' single-device step at L = 8 layers, written from the step simulated at 5 (passes/stretch.py),
+    is the step simulated on all 8 layers (``_simulation``: the one the replays are checked against
+    torch.distributed.pipelining with): every storage (name, category, bytes, node), what lives at the start, and
+    every op with what it makes and frees (a set: the simulation's own order within an op), in order."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+    from symmem.passes.stretch import passes, stretch
+
+    values = {"S": 16, "H": 32, "h": 2, "V": 64, "F": 64, "L": 8, "p": 4, "B": options.pop("B"),
+              **({"G": 2} if model == "llama" else {})}
+    d = derive(model, pipeline_parallel=True, micro_batches=4, values=values, **options)
+    step = d.step
+    cut = mp._Cut(step.graph, step.conv, step.options, step.regime, step._named(None), {})
+    full = passes(mp._simulation(cut.g, step.conv, step.options, step.regime, cut.branch))
+
+    def ops(tl):
+        return [(e.phase, e.node, e.born, frozenset(e.freed), e.resized, e.moment) for e in tl.events]
+
+    assert cut.tl.storages == full.storages and cut.tl.start == full.start
+    assert ops(cut.tl) == ops(full) and len(full.events) > 1000
+    assert stretch(full, 8) is None  # only a step of 5 layers is a template
+
+
+def test_a_template_without_alike_layers_is_not_stretched() -> None:
+    """A middle layer unlike its neighbours (here one op more): no stretched step, the caller simulates."""
+    import sympy
+
+    from symmem.passes.stretch import stretch
+    from symmem.timeline import Event, Live, Timeline
+
+    storages = tuple(Live(f"x#{k}", "activation", sympy.Integer(4)) for k in range(1, 6))
+    events = [Event("forward", f"f#{k}", (k - 1,), ()) for k in range(1, 6)]
+    assert stretch(Timeline(storages, (), tuple(events)), 9) is not None
+    odd = events[:3] + [Event("forward", "g#3", (), ())] + events[3:]
+    assert stretch(Timeline(storages, (), tuple(odd)), 9) is None

@@ -89,25 +89,76 @@ class DdpPipelineStep(PipelineStep):
         from .model_parallel import requires
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        world = self._world(numbers)
+        cut, whole = self._cut(numbers)
+        found = self._stages()
+        return [(_ViewReplay if self.view else _Replay)(
+            cut, s, self._at(_memory(found, s, cut.p).at(numbers, _PARTS), whole[s] if self.zero else [], world),
+            self.schedule, self.micro_batches) for s in range(cut.p)]
+
+    def _world(self, numbers: Mapping[str, int]) -> int:
         world = numbers.get("N")
         if not isinstance(world, int) or world < 1:
             raise SymmemError(f"DDP x pipeline needs N >= 1 data-parallel ranks a stage, got N={world}")
-        cut, whole = self._cut(numbers)
+        return world
+
+    def _at(self, parts: Mapping[str, int], params: list[tuple[int, ...]], world: int) -> dict[str, int]:
+        """A stage's ``parts`` (:data:`_PARTS`) with DDP's buckets (and ZeRO-1's state of the stage's ``params`` it
+        owns: :func:`_whole`) on this rank."""
+        at = dict(parts)
+        # DDP's buckets: every trainable parameter's gradient once, in FP32 the stage's gradients' bytes
+        at["ddp_buckets"] = at["gradients"]
+        if self.zero:
+            at.update(_owned(params, world, self.rank, self.regime))
+            at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
+            at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
+        at["at_rest"] += at["ddp_buckets"]
+        if not self.view:  # under the bucket view the step's gradients are the buckets
+            at["step_peak"] += at["ddp_buckets"]
+        return at
+
+    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`: the parts with the buckets and ZeRO-1's state
+        packed); None where a subclass replays otherwise."""
+        if type(self)._make_replays is not DdpPipelineStep._make_replays:
+            return None
+        from .model_parallel import batch_moments, pack_parts, requires
+        from .pipeline_step import BATCH
+
+        requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
+        world = self._world(named)
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
         found = self._stages()
+
+        def make(packed: Any, cuts: Any, s: int) -> Any:
+            parts = _memory(found, s, packed.p).at_each(numbers, _PARTS)
+            ats = [self._at(at, _whole(c, s) if self.zero else [], world) for at, c in zip(parts, cuts, strict=True)]
+            return (_ViewReplay if self.view else _Replay)(packed, s, pack_parts(ats), self.schedule,
+                                                            self.micro_batches), ats
+
+        if not self.zero:
+            return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                                 schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(),
+                                 make=make)
+        # ZeRO-1's data-parallel ranks differ only in the state (and the step's temporaries) of the parameters each
+        # owns, which lives the whole step: a rank's replay is the first replayed rank's, every moment of the
+        # pipeline phase moved by the difference at rest, the optimizer step's its own (one replay a stage for all)
+        memo = self._memo()
+        key = ("zero-1 moments", tuple(sorted(named.items())), b, self.schedule, self.micro_batches)
+        if key not in memo:
+            memo[key] = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                                      schedule=self.schedule, micro_batches=self.micro_batches, memo=memo, make=make)
+        base = memo[key]
+        if base is None:
+            return None
         out = []
-        for s in range(cut.p):
-            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
-            at = dict(memory.at(numbers))
-            # DDP's buckets: every trainable parameter's gradient once, in FP32 the stage's gradients' bytes
-            at["ddp_buckets"] = at["gradients"]
-            if self.zero:
-                at.update(_owned(whole[s], world, self.rank, self.regime))
-                at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
-                at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
-            at["at_rest"] += at["ddp_buckets"]
-            if not self.view:  # under the bucket view the step's gradients are the buckets
-                at["step_peak"] += at["ddp_buckets"]
-            out.append((_ViewReplay if self.view else _Replay)(cut, s, at, self.schedule, self.micro_batches))
+        for s, (rows, ats) in enumerate(base):
+            mine = [self._at(at, self._cut(n)[1][s], world)
+                    for at, n in zip(_memory(found, s, len(base)).at_each(numbers, _PARTS), numbers, strict=True)]
+            out.append(([[(mine[k]["step_peak"] if node is None and mb is None else
+                           v + mine[k]["at_rest"] - ats[k]["at_rest"], node, mb) for v, node, mb in row]
+                         for k, row in enumerate(rows)], mine))
         return out
 
     def _cut(self, numbers: Mapping[str, int]) -> Any:
@@ -211,6 +262,16 @@ def _whole(cut: Any, s: int) -> list[tuple[int, ...]]:
     from .fsdp_pipeline import _Units
 
     return [p.held for p in _Units(cut, s, 1, 0).params]
+
+
+#: the stage's parts a replay on DDP's stages reads, and the parameter side per rank (passes/rank_side.py)
+_PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "step_temporaries", "at_rest",
+          "step_peak")
+
+
+def _memory(found: Any, s: int, p: int) -> Any:
+    """Stage ``s`` of ``p``'s :class:`~symmem.passes.model_parallel.StageMemory` (first, middle, last)."""
+    return found[0] if s == 0 else found[-1] if s == p - 1 else found[1]
 
 
 def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime) -> dict[str, int]:

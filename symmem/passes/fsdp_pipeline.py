@@ -94,11 +94,17 @@ class _Units:
             node = g.node(heads[0])
             stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], g.node(node.inputs[0]).out.shape[-1])
         self.params: list[_Param] = []
+        # each dimension at the cut's numbers once (every layer's parameters have the same few: half of the units'
+        # making was sympy's substitution of the same dimension again)
+        sized: dict[Any, int] = cut.__dict__.setdefault("dims", {})
         for name, shape in stored.items():
             owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
             if cut.stage_of(owner) != s:
                 continue
-            dims = tuple(_integer(d, cut.subs, name) for d in shape)
+            for d in shape:
+                if d not in sized:
+                    sized[d] = _integer(d, cut.subs, name)
+            dims = tuple(sized[d] for d in shape)
             rows = shard_rows(dims, world) if dims else 1
             shard = int(rows) * int(numel(dims[1:])) if dims else 1
             held = tuple(int(x) for x in held_shape(dims, world, rank))
@@ -160,7 +166,10 @@ class _FsdpReplay(_Replay):
         return iteration(node) or None if node is not None else None
 
     def _in_loss(self, node: str | None) -> bool:
-        return node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
+        found = self.cut.__dict__.setdefault("in_loss", {})  # asked at every op of every micro-batch
+        if node not in found:
+            found[node] = node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
+        return found[node]
 
     def _is_first(self, unit: int | None, node: str | None) -> bool:
         """Whether ``node`` is ``unit``'s first op in a forward (its pre-forward runs before it)."""
@@ -222,20 +231,21 @@ class _FsdpReplay(_Replay):
             return
         in_loss = self._in_loss(node)
         last_stage = self.s == self.cut.p - 1
-        at = f"{node}'s backward"
         if last_stage and not in_loss:
-            self._pre_backward(None, at, mb)  # the root's output, the logits, has its gradient
+            self._pre_backward(None, node, mb)  # the root's output, the logits, has its gradient
         if unit is not None:
-            self._pre_backward(unit, at, mb)
+            self._pre_backward(unit, node, mb)
             if not last_stage and self.units.layers and unit == self.units.layers[-1]:
                 # the stage's output is its last layer's and the root's: their hooks in the order registered
-                self._pre_backward(None, at, mb)
+                self._pre_backward(None, node, mb)
 
-    def _pre_backward(self, unit: int | None, node: str | None, mb: int) -> None:
-        """FSDP2's pre-backward of ``unit``: all-gather it where it is sharded, then prefetch (all-gather output
-        only) the unit whose post-forward came just before the one this backward pops (``post_forward_order``)."""
+    def _pre_backward(self, unit: int | None, op: str | None, mb: int) -> None:
+        """FSDP2's pre-backward of ``unit`` before the backward of ``op``: all-gather it where it is sharded, then
+        prefetch (all-gather output only) the unit whose post-forward came just before the one this backward pops
+        (``post_forward_order``)."""
         if unit in self.started or not self._has(unit):
             return
+        node = f"{op}'s backward"  # the moments' name (made here: most ops' backward starts no unit)
         self.started.add(unit)
         self._gather(unit, node, mb)
         self._drop(("A", unit))
@@ -295,7 +305,8 @@ class _FsdpReplay(_Replay):
 def stage_at(memory: Any, numbers: Mapping[str, int], units: _Units, regime: Regime, layers: int) -> dict[str, int]:
     """The stage's parts at ``numbers`` under FSDP: the pipeline stage's buffers, inputs and outputs, the shards,
     their gradients, AdamW's state of the held rows and the for-loop step's temporaries on them."""
-    at = dict(memory.at(numbers))
+    # the pipeline stage's parts FSDP keeps (the rest are the shards', below; each part at numbers is sympy's work)
+    at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
     weights, state = units.at_rest()
     before = [p.held for p in units.params if p.unit is None and units.params.index(p) < _first_layer(units)]
     after = [p.held for p in units.params if p.unit is None and units.params.index(p) > _first_layer(units)]

@@ -45,6 +45,7 @@ order; :meth:`Pipeline.peak` is the largest stage's, with where.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -108,6 +109,20 @@ class StageMemory:
             names = [*(f.name for f in fields(self) if f.name not in ("name", "module_buffers")), "at_rest",
                      "step_peak", "held"]
         return {name: _integer(getattr(self, name), subs, name) for name in names}
+
+    def at_each(self, numbers: Sequence[Mapping[str, int]], names: Iterable[str]) -> list[dict[str, int]]:
+        """:meth:`at` at each of several sets of numbers (the pipeline peak's three batches): what they share put
+        in each part once, then what differs (the same integers: sympy's arithmetic is exact)."""
+        common = {k: v for k, v in numbers[0].items() if all(n.get(k) == v for n in numbers[1:])}
+        shared = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in common.items()}
+        each = [{sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in n.items()
+                 if k not in common} for n in numbers]
+        out: list[dict[str, int]] = [{} for _ in numbers]
+        for name in names:
+            part = sympy.sympify(getattr(self, name), strict=True).xreplace(shared)
+            for found, subs in zip(out, each, strict=True):
+                found[name] = _integer(part, subs, name)
+        return out
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
@@ -279,20 +294,19 @@ def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tupl
           ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
     """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
     x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them."""
-    weights = grads = state = sympy.Integer(0)
+    # each sum's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time)
+    weights: list[sympy.Expr] = []
+    grads: list[sympy.Expr] = []
+    state: list[sympy.Expr] = []
     for count, shape in [*((sympy.Integer(1), s) for s in before + after), *((layers, s) for s in layer)]:
         n = numel(shape)
         for c in regime.precision_spec.parts:
-            if c.kind == "gradients":
-                grads += count * n * c.bytes
-            elif c.kind == "weights":
-                weights += count * n * c.bytes
-            else:
-                state += count * n * c.bytes
-        state += count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0))
+            (grads if c.kind == "gradients" else weights if c.kind == "weights" else state).append(count * n * c.bytes)
+        state.append(count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0)))
         if regime.optimizer in ("adam", "adamw"):
-            state += count * 4  # the step count: a 0-dim FP32 tensor per parameter
-    return weights, grads, state, _step_temporaries(regime, before, layer, after, layers, impl)
+            state.append(count * 4)  # the step count: a 0-dim FP32 tensor per parameter
+    return (sympy.Add(sympy.Integer(0), *weights), sympy.Add(sympy.Integer(0), *grads),
+            sympy.Add(sympy.Integer(0), *state), _step_temporaries(regime, before, layer, after, layers, impl))
 
 
 def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
@@ -509,7 +523,7 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
             if make is None:
                 k = 0 if s == 0 else len(found) - 1 if s == packed.p - 1 else 1
                 if k not in parts:
-                    parts[k] = [found[k].at(n, _REPLAYED) for n in numbers]
+                    parts[k] = found[k].at_each(numbers, _REPLAYED)
                 made = (_Replay(packed, s, pack_parts(parts[k]), schedule, micro_batches), parts[k])
             else:
                 made = make(packed, cuts, s)
@@ -548,11 +562,19 @@ def _pack(values: Sequence[int]) -> int:
 
 def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
               ) -> list[list[tuple[int, str | None, int | None]]]:
-    """A packed replay's moments as the three replays' (:func:`_unpack` inlined: a replay has thousands)."""
+    """A packed replay's moments as the three replays' (:func:`_unpack` inlined: a replay has thousands), each
+    value once in each phase (the pipeline's, the step's) with the first op and micro-batch that shows it: the
+    lines read from them (:mod:`.pipeline_step`) keep the first moment of each line only, and the schedule repeats
+    its micro-batches' live bytes (60% of a 1F1B replay's moments are repeats)."""
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
     first, second, third = rows
+    seen: set[tuple[int, bool]] = set()
     for live, node, mb in moments:
+        key = (live, node is None and mb is None)
+        if key in seen:
+            continue
+        seen.add(key)
         a = live & mask
         if a >= half:
             a -= full
@@ -593,33 +615,44 @@ class _Cut:
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                  numbers: Mapping[str, int], memo: dict[Any, Any] | None = None) -> None:
         from . import branches as size_branches
-        from .unroll import unroll
+        from .stretch import TEMPLATE
 
-        self.p, layers = int(numbers["p"]), int(numbers["L"])
+        self.p, self.layers = int(numbers["p"]), int(numbers["L"])
+        layers = self.layers
         self.per = layers // self.p
+        self.graph = graph
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         self.memo = memo = {} if memo is None else memo
-        if ("unrolled", layers) not in memo and len(memo) > 8:
+        if ("layers", layers) not in memo and len(memo) > 8:
             memo.clear()  # a step simulated at many numbers of layers (each a graph of L layers) is not all kept
-        if ("unrolled", layers) not in memo:
-            block = next(iter(graph.blocks.values()))
-            memo[("unrolled", layers)] = unroll(graph, {block.name: layers})
-        self.g = g = memo[("unrolled", layers)]
+        memo[("layers", layers)] = True
+        # the layers are alike: the sizes' branches and the stages' nodes are read from the graph at 5 layers where
+        # the step is written from it (passes/stretch.py), the graph at all L layers (``g``) made only if asked for
+        self.small = _unrolled(graph, TEMPLATE if layers > TEMPLATE + 1 else layers, memo)
         # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
-        open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
+        open_, decided = size_branches.conditions(self.small, self.small.program_order(), self.subs)
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
+        self.branch = branch
         key = ("step", layers, frozenset(branch.items()))
         if key not in memo:
-            memo[key] = _simulated(graph, g, conv, options, regime, branch)
+            memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo)
         self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
-        self.cache: dict[sympy.Expr, int] = {}
+        self.cache: dict[int, int] = {}  # id of a size (held by the timeline) -> bytes
         self._stage: dict[str | None, int] = {}  # node -> stage: asked for every op of every micro-batch
 
+    @functools.cached_property
+    def g(self) -> Graph:
+        """The graph unrolled to all ``L`` layers (FSDP's units read its parameters)."""
+        return _unrolled(self.graph, self.layers, self.memo)
+
     def size(self, sid: int) -> int:
+        # by the size's object: the layers' storages share their template's (passes/stretch.py), and a sympy
+        # expression's hash and equality were a tenth of a packed replay
         e = self.tl.storages[sid].nbytes
-        if e not in self.cache:
-            self.cache[e] = _integer(e, self.subs, self.tl.storages[sid].name)
-        return self.cache[e]
+        found = self.cache.get(id(e))
+        if found is None:
+            found = self.cache[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+        return found
 
     def stage_of(self, node: str | None) -> int:
         found = self._stage.get(node)
@@ -628,14 +661,16 @@ class _Cut:
         return found
 
     def _stage_of(self, node: str | None) -> int:
+        from .stretch import _renamed
         from .unroll import iteration
 
-        if node is None or node not in self.g:
+        k = iteration(node) if node is not None else 0
+        # a layer's node is in the graph at L layers where its first layer's is (the layers are alike)
+        if node is None or not (k <= self.layers and _renamed(node, 1) in self.small if k else node in self.small):
             return self.p - 1  # the loss's gradient seed; the output's sum (no loss in the graph)
-        k = iteration(node)
         if k:
             return (k - 1) // self.per
-        return self.p - 1 if self.g.node(node).group in ("head", "loss") else 0
+        return self.p - 1 if self.small.node(node).group in ("head", "loss") else 0
 
     def on(self, node: str | None, s: int) -> bool:
         """Whether stage ``s`` runs ``node`` (what the layers read besides the layer before: every stage)."""
@@ -654,14 +689,55 @@ class _PackedCut(_Cut):
         self._stage = {}
 
     def size(self, sid: int) -> int:
-        return _pack([c.size(sid) for c in self.cuts])
+        e = self.tl.storages[sid].nbytes
+        found = self.cache.get(id(e))
+        if found is None:
+            found = self.cache[id(e)] = _pack([c.size(sid) for c in self.cuts])
+        return found
 
 
-def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
-               branch: Mapping[Any, bool]) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
-    """The single-device step of ``g`` (``graph`` unrolled) over two micro-batches at ``branch``: its timeline,
-    the shared nodes, what the last stage keeps, the two passes, the forwards' indices and where each storage is
-    first freed (:class:`_Cut`'s parts that do not depend on the numbers)."""
+def _unrolled(graph: Graph, layers: int, memo: dict[Any, Any]) -> Graph:
+    """``graph`` unrolled to ``layers``, made once a ``memo``."""
+    if ("unrolled", layers) not in memo:
+        from .unroll import unroll
+
+        memo[("unrolled", layers)] = unroll(graph, {next(iter(graph.blocks)): layers})
+    return memo[("unrolled", layers)]
+
+
+def _simulated(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool],
+               layers: int, memo: dict[Any, Any]
+               ) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
+    """The single-device step of ``graph`` unrolled to ``layers`` over two micro-batches at ``branch``, up to its
+    optimizer step (a stage's is its parts'): its timeline, the shared nodes, what the last stage keeps, the two
+    passes, the forwards' indices and where each storage is first freed (:class:`_Cut`'s parts that do not depend
+    on the numbers)."""
+    from .stretch import TEMPLATE, _renamed, passes, stretch
+    from .unroll import iteration
+
+    tl = None
+    if layers > TEMPLATE + 1:
+        # written from the step at 5 layers (passes/stretch.py; simulating each of Llama-2-7B's 32 layers was a
+        # third of its pipeline peak's time); a template whose layers are not alike is not stretched
+        tl = stretch(passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch)), layers)
+    if tl is None:
+        tl = passes(_simulation(_unrolled(graph, layers, memo), conv, options, regime, branch))
+    output = _model_output(_unrolled(graph, TEMPLATE if layers > TEMPLATE + 1 else layers, memo))
+    if output is not None and iteration(output):
+        output = _renamed(output, layers)  # the last layer's output (a model without a head)
+    # the last stage keeps its logits (output_chunks) and losses to the end of the phase
+    keep = {output, "loss", "output.sum"}
+    found = _passes(tl)
+    forwards = {k for pass_ in found for k, _ in pass_["F"]}
+    frees: dict[int, int] = {}
+    for k, e in enumerate(tl.events):
+        for sid in e.freed:
+            frees.setdefault(sid, k)
+    return tl, shared_nodes(graph), keep, found, forwards, frees
+
+
+def _simulation(g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool]) -> Any:
+    """The steady step of ``g`` over two micro-batches (the first makes the gradients, the second adds into them)."""
     from dataclasses import replace as _replace
 
     from .schedule import Simulation
@@ -669,16 +745,7 @@ def _simulated(graph: Graph, g: Graph, conv: Any, options: Mapping[str, Any], re
     sim = Simulation(g, conv, options, _replace(regime, micro_batches=2), dict(branch), False)
     sim.micro_batch()
     sim.micro_batch()
-    tl = sim.timeline(first=False)
-    # the last stage keeps its logits (output_chunks) and losses to the end of the phase
-    keep = {_model_output(g), "loss", "output.sum"}
-    passes = _passes(tl)
-    forwards = {k for pass_ in passes for k, _ in pass_["F"]}
-    frees: dict[int, int] = {}
-    for k, e in enumerate(tl.events):
-        for sid in e.freed:
-            frees.setdefault(sid, k)
-    return tl, shared_nodes(graph), keep, passes, forwards, frees
+    return sim.timeline(first=False)
 
 
 #: what becomes of a storage an op of a stage makes (:meth:`_Replay._plan`): kept until something else frees it
@@ -729,6 +796,8 @@ class _Replay:
 
     def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
+        if type(self).before is _Replay.before and type(self).after is _Replay.after:
+            return self._alone(kind, mb)
         alive = self.alive
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
@@ -755,6 +824,39 @@ class _Replay:
             self.free(key)
         return ends
 
+    def _alone(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """:meth:`segment` where nothing acts around the stage's ops (no ``before``, ``after``): the same moments,
+        with :meth:`moment` and :meth:`free` inlined over the thousands of ops of a stage's replay."""
+        alive, append = self.alive, self.moments.append
+        ends: list[tuple[int, int]] = []
+        done: list[tuple[int, int]] = []
+        self.begin(kind, mb)
+        live, best = self.live, self.best
+        for node, born, freed in self._plan(0 if mb == 0 else 1, kind):
+            for sid, nbytes, fate in born:
+                alive[(mb, sid)] = nbytes
+                live += nbytes
+                if fate == _AT_ONCE:
+                    append((live, node, mb))
+                    if live > best[0]:
+                        best = (live, "pipeline", node, mb)
+                    live -= alive.pop((mb, sid), 0)
+                elif fate == _WITH_FORWARD:
+                    done.append((mb, sid))
+                elif fate == _WITH_BACKWARD:
+                    ends.append((mb, sid))
+            append((live, node, mb))
+            if live > best[0]:
+                best = (live, "pipeline", node, mb)
+            for sid in freed:
+                if (mb, sid) in alive:
+                    live -= alive.pop((mb, sid))
+        self.live, self.best = live, best
+        self.end(kind, mb)
+        for key in done:
+            self.free(key)
+        return ends
+
     def _plan(self, pass_: int, kind: str) -> list[tuple[str | None, list[tuple[int, int, int]], list[int]]]:
         """What :meth:`segment` does at each op of this stage in the single-device pass ``pass_`` (0: the first
         micro-batch, 1: any later one) and ``kind``: (the op, the storages it makes with their bytes and fate, the
@@ -764,8 +866,7 @@ class _Replay:
         if key in self._events:
             return self._events[key]
         cut, s, tl = self.cut, self.s, self.cut.tl
-        mine = [(k, e) for k, e in cut.passes[pass_][kind] if cut.on(e.node, s) or (
-            e.node is None and kind == "B" and s == cut.p - 1 and e.born)]
+        mine = _ops(cut, pass_, kind)[s]
         indices = {k for k, _ in mine}
         plan = []
         for k, e in mine:
@@ -838,6 +939,23 @@ class _Replay:
         for _, key in [x for x in self.later if x[0] <= self.backwards]:
             self.free(key)
         self.later = [x for x in self.later if x[0] > self.backwards]
+
+
+def _ops(cut: Any, pass_: int, kind: str) -> list[list[tuple[int, Any]]]:
+    """Each stage's ops (``cut.on``) in pass ``pass_``'s forward or backward (``kind``), with their indices: sorted
+    out once for every stage of the cut (each stage's replay filtered every op of the step)."""
+    found = cut.__dict__.setdefault("_ops", {})
+    if (pass_, kind) not in found:
+        per: list[list[tuple[int, Any]]] = [[] for _ in range(cut.p)]
+        shared, stage_of = cut.shared, cut.stage_of
+        for k, e in cut.passes[pass_][kind]:
+            if e.node in shared:  # what the layers read besides the layer before: every stage makes its own
+                for ops in per:
+                    ops.append((k, e))
+            else:
+                per[stage_of(e.node)].append((k, e))
+        found[(pass_, kind)] = per
+    return found[(pass_, kind)]
 
 
 def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:

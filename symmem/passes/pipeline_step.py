@@ -178,14 +178,17 @@ class PipelineStep:
                                   "in B here")
             lines: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
             firsts: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
+            steady_line, first_line = lines.setdefault, firsts.setdefault
             for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
-                if v2 - v1 != v1 - v0:
+                c = v1 - v0
+                if v2 - v1 != c:
                     raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
                 is_step = node is None and mb is None
-                lines.setdefault((v0 - b * (v1 - v0), v1 - v0, is_step), (node, mb))
+                a = v0 - b * c
+                steady_line((a, c, is_step), (node, mb))
                 # the first step: no optimizer state during its pipeline phase, the same optimizer step (the
                 # module's note); its own upper lines, as the step may bound them where it bounds no steady one
-                firsts.setdefault((v0 - b * (v1 - v0) - (0 if is_step else state), v1 - v0, is_step), (node, mb))
+                first_line((a if is_step else a - state, c, is_step), (node, mb))
             for which, found in (("steady", steady), ("first", first)):
                 for (a, c, is_step), (node, mb) in _upper(lines if which == "steady" else firsts).items():
                     label = None if node in (None, "merge_chunks") else node
@@ -193,8 +196,10 @@ class PipelineStep:
                     found.append(StageMoment("step" if is_step else "pipeline", step=which,
                                              live={"live": a + c * batch}, node=template(label) if label else node,
                                              layer=layer, stage=s, stages=p, micro_batch=mb))
-        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
-                       if n != BATCH and n in {s.name for s in self.numbers})
+        # a positive size's equation stays as it is: sympy's evaluation only asks the symbols' assumptions whether
+        # it is decided (about a millisecond each)
+        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v, evaluate=v < 1)
+                       for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
 
