@@ -46,6 +46,14 @@ _INDEX = {c: i for i, c in enumerate(STEP)}
 _ZERO = sympy.Integer(0)
 
 
+def _copy(counts: dict[int, int]) -> Counter:
+    """``Counter(counts)`` without ``Counter.update``'s checks (an ABC ``isinstance``, two Python calls): a copy in
+    C, made at every candidate moment of every walk."""
+    out: Counter = Counter.__new__(Counter)
+    dict.update(out, counts)
+    return out
+
+
 def checked(step: Any) -> Which:
     """``step`` where it names a step (:data:`STEPS`), else a :class:`~symmem.errors.SymmemError` naming them.
 
@@ -161,6 +169,9 @@ class Timeline:
                 live[x] = get(x, 0) + 1
         last = max((k for k, e in enumerate(self.events) if e.moment), default=-1)
         out: list[tuple[int, Counter | None, bool]] = []
+        # with ``ids``, a storage emptied is dropped at once: while no count is below zero the live ones are the
+        # dict itself, copied in C at each candidate, not filtered in Python (most of a walk's counting otherwise)
+        clean = ids is not None
         for k, e in enumerate(self.events):
             for i in e.born:
                 x = where[i]
@@ -168,7 +179,12 @@ class Timeline:
                     live[x] = get(x, 0) + 1
             for sid, new in e.resized:
                 x = where[sid]
-                live[x] = get(x, 0) - 1
+                n = get(x, 0) - 1
+                if n or not clean:
+                    live[x] = n
+                    clean = clean and n > 0
+                else:
+                    del live[x]
                 x = where[sid] = number((_INDEX[self.storages[sid].category],
                                          _ZERO if device_only and self.storages[sid].host else new))
                 live[x] = get(x, 0) + 1
@@ -176,11 +192,20 @@ class Timeline:
                 candidate = bool(e.freed) or k == last
                 wanted = (candidate or every or (also is not None and also(k))) and k not in skip
                 # the live storages without the emptied ones (what ``+live`` gives)
-                out.append((k, Counter({x: n for x, n in live.items() if n > 0}) if wanted else None, candidate))
+                out.append((k, (_copy(live) if clean else Counter({x: n for x, n in live.items() if n > 0}))
+                            if wanted else None, candidate))
             for i in e.freed:
                 x = where[i]
                 if x >= 0:
-                    live[x] -= 1
+                    if ids is None:
+                        live[x] -= 1
+                        continue
+                    n = get(x, 0) - 1  # (an emptied storage was dropped)
+                    if n or not clean:
+                        live[x] = n
+                        clean = clean and n > 0
+                    else:
+                        del live[x]
         if ids is not None:
             return out
         keys = list(table)  # back to (category, bytes) pairs, in the same order

@@ -17,6 +17,7 @@ are numbers are written out as they are.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -201,7 +202,11 @@ def _layer(storage: Live) -> int:
     """The layer a storage belongs to (0 outside repeated blocks): storages alive at the same moments are counted as
     one per layer (:meth:`~symmem.timeline.Timeline.counts`), so that a stack's weights are one storage L times -- a
     count that grows with the layers, as the formulas interpolate it -- not one sum per number of layers."""
-    return iteration(storage.name)
+    return _iteration(storage.name)
+
+
+#: a storage's layer by its name (the walks of a peak, and both steps of each, name the same storages)
+_iteration = functools.lru_cache(maxsize=65536)(iteration)
 
 
 def _parts(live: Counter, others: Sequence[Counter | None]) -> dict[Any, tuple[int, tuple[int, ...]]]:
