@@ -37,7 +37,7 @@ from .categories import STEP
 from .errors import SymmemError
 from .evaluator import interpret
 from .simplify import max_of
-from .timeline import checked
+from .timeline import Summed, checked
 
 #: Layers a symbolic block is written out with; formulas hold for counts from this on.
 BASE = 4
@@ -232,15 +232,30 @@ class Algebra:
     >= 0 is >= 0 on the domain.
     """
 
-    def __init__(self, sizes: Sequence[sympy.Expr], subs: Mapping[sympy.Symbol, sympy.Expr],
-                 counts: Sequence[sympy.Symbol], base: int = BASE, period: int = 1) -> None:
+    def __init__(self, sizes: Sequence[Any], subs: Mapping[sympy.Symbol, sympy.Expr],
+                 counts: Sequence[sympy.Symbol], base: int = BASE, period: int = 1,
+                 table: Sequence[sympy.Expr] | None = None) -> None:
         self.base, self.period = base, period
         self.subs = dict(subs)
         self.counts = list(counts)
         #: layer counts written in as numbers (long stacks of known length)
         self.many = {c: int(self.subs[c]) for c in self.counts if c in self.subs}
         self.prime = [sympy.Symbol(f"{s.name}'") for s in counts]
-        exprs = {e: _expanded(e.xreplace(self.subs)) for e in sizes}
+        # ``table``: the candidates name their sizes by number (size ``i`` is ``table[i]``), so that every dict
+        # keyed by a size below hashes an int in C, not a sympy size in Python (a peak hashes its candidates'
+        # parts some 100,000 times); without one a size is its own key
+        exprs: dict[Any, sympy.Expr] = {}
+        #: a size that is storages counted as one (:class:`~symmem.timeline.Summed`): its sizes' keys, how many of each
+        self.members: dict[Any, list[tuple[Any, int]]] = {}
+        for e in sizes:
+            size = e if table is None else table[e]
+            if isinstance(size, Summed):
+                self.members[e] = [(("member", x), k) for x, k in size.sizes]
+                for x, _ in size.sizes:
+                    if ("member", x) not in exprs:
+                        exprs[("member", x)] = _expanded(x.xreplace(self.subs))
+            else:
+                exprs[e] = _expanded(size.xreplace(self.subs))
         terms = {e: self._terms(x) for e, x in exprs.items()}
         # symbols that appear with non-negative integer powers only: shifted by 1
         bad: set[Any] = set()
@@ -250,6 +265,12 @@ class Algebra:
         self.shifted = {b for t in terms.values() for mono in t for b, _ in mono
                         if isinstance(b, sympy.Symbol) and b not in bad}
         self.rep = {e: self._shift(t) for e, t in terms.items()}
+        for e, members in self.members.items():  # the sum of its sizes' (the same totals as each of them held)
+            acc: dict[tuple, Any] = defaultdict(int)
+            for m, k in members:
+                for mono, c in self.rep[m].items():
+                    acc[mono] += k * c
+            self.rep[e] = {mono: c for mono, c in acc.items() if c}
         # positive scaling keeps every comparison: integer coefficients are faster than Fractions
         self.scale = math.lcm(*(c.denominator for t in self.rep.values() for c in t.values()
                                 if isinstance(c, Fraction)))
@@ -378,14 +399,23 @@ class Algebra:
             const = n0 - sum(ds) * self.base if whole else _number(_number(n0) - Fraction(sum(ds) * self.base,
                                                                                           self.period))
             if const:
-                for mono, k in self._coefficients(self.exprs[size]):
+                for mono, k in self._size_coefficients(size):
                     acc[mono] += const * k
             for d, s in zip(ds, self.counts, strict=True):
                 if d:
                     scale = d if whole else _number(Fraction(d, self.period))
-                    for mono, k in self._coefficients(self._times(s, size)):
+                    for mono, k in self._size_coefficients(size, s):
                         acc[mono] += scale * k
         return acc
+
+    def _size_coefficients(self, size: Any, count: sympy.Symbol | None = None
+                           ) -> list[tuple[sympy.Expr, int | Fraction]]:
+        """The size's terms (times the layer count ``count``'s where given) as (monomial, coefficient); a sum of
+        sizes (:attr:`members`) gives each of its sizes' terms, as many times as it holds it."""
+        members = self.members.get(size)
+        if members is None:
+            return self._coefficients(self.exprs[size] if count is None else self._times(count, size))
+        return [(mono, k * c) for m, k in members for mono, c in self._size_coefficients(m, count)]
 
     def _coefficients(self, expr: sympy.Expr) -> list[tuple[sympy.Expr, int | Fraction]]:
         found = self._coeffs.get(expr)
@@ -454,8 +484,19 @@ class Algebra:
         """``size``'s exact bytes at ``numbers`` (None where it is not a rational number there): its terms summed
         from each base's value, a base worked out once per set of numbers (kept in ``memo`` under the base's
         monomial), where sympy would substitute into every size anew -- an FSDP step's sizes share a few
-        ceilings.  A base that is not a rational number there leaves the size to sympy."""
+        ceilings.  A base that is not a rational number there leaves the size to sympy.  A sum of sizes
+        (:attr:`members`) is its sizes' bytes summed (None where one is None)."""
         total: Any = 0
+        members = self.members.get(size)
+        if members is not None:
+            for m, k in members:
+                v = memo.get(m, memo)
+                if v is memo:
+                    v = memo[m] = self._bytes(m, numbers, memo)
+                if v is None:
+                    return None
+                total += k * v
+            return _number(total)
         try:
             for mono, c in self.terms[size].items():
                 v: Any = c
@@ -630,18 +671,20 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
               domain: tuple[sympy.Basic, ...], *, base: int = BASE, period: int = 1,
               merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
               guards: Sequence[sympy.Basic] = (), lazy: bool = False, pruned: bool = False,
-              algebra: Algebra | None = None) -> Peak:
+              algebra: Algebra | None = None, table: Sequence[sympy.Expr] | None = None) -> Peak:
     """The :class:`Peak` of (steady, first) candidates, one pair per group (a size-dependent branch of the step;
     ``merge`` joins the groups' formulas into one ``Piecewise`` whose conditions are ``guards``, one per group).
     ``where`` names a candidate's moment: (phase, op, layer); ``counts`` are the symbolic layer counts the
     candidates' parts change with.  ``lazy``: a ``Piecewise`` is built when first asked for (a ZeRO-1 rank's
     peak is read at numbers only); ``pruned``: the candidates are what :func:`prune` keeps, in its order;
-    ``algebra``: one that holds every candidate's sizes already (shared by ZeRO-1's ranks)."""
+    ``algebra``: one that holds every candidate's sizes already (shared by ZeRO-1's ranks); ``table``: the
+    candidates' parts name each size by its number there (:class:`Algebra`)."""
     if len(groups) > 1 and merge is not None and len(guards) != len(groups):
         raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
     alg = algebra if algebra is not None else Algebra(
-        list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)), subs, counts, base, period)
+        list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)), subs, counts, base, period,
+        table)
     memo: dict = {}
     per_group: list[tuple[list[Moment], ...]] = []
     for group in groups:

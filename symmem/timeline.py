@@ -46,6 +46,14 @@ _INDEX = {c: i for i, c in enumerate(STEP)}
 _ZERO = sympy.Integer(0)
 
 
+def _copy(counts: dict[int, int]) -> Counter:
+    """``Counter(counts)`` without ``Counter.update``'s checks (an ABC ``isinstance``, two Python calls): a copy in
+    C, made at every candidate moment of every walk."""
+    out: Counter = Counter.__new__(Counter)
+    dict.update(out, counts)
+    return out
+
+
 def checked(step: Any) -> Which:
     """``step`` where it names a step (:data:`STEPS`), else a :class:`~symmem.errors.SymmemError` naming them.
 
@@ -88,6 +96,23 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Summed:
+    """Storages of one category alive at exactly the same moments, counted as one (:meth:`Timeline.counts` with
+    ``together``): their sizes with how many of each.  A moment's bytes are linear in what it holds, so holding
+    their sum once is holding each of them: the peak's algebra (:class:`symmem.peak.Algebra`) sums the sizes' terms.
+
+    >>> B = sympy.Symbol("B")
+    >>> Summed(frozenset({(4 * B, 2), (sympy.Integer(8), 1)})).expr()
+    8*B + 8
+    """
+
+    sizes: frozenset[tuple[sympy.Expr, int]]
+
+    def expr(self) -> sympy.Expr:
+        return sympy.Add(*(k * size for size, k in self.sizes))
+
+
+@dataclass(frozen=True)
 class Timeline:
     """The storages of one training step and its events, in order; ``start`` are the storages alive before
     the first event (weights, the batch, optimizer state in the steady state)."""
@@ -97,8 +122,8 @@ class Timeline:
     events: tuple[Event, ...]
 
     def counts(self, every: bool = False, device_only: bool = False, also: Callable[[int], bool] | None = None,
-               skip: frozenset[int] = frozenset(), ids: dict[tuple[int, Any], int] | None = None
-               ) -> list[tuple[int, Counter | None, bool]]:
+               skip: frozenset[int] = frozenset(), ids: dict[tuple[int, Any], int] | None = None,
+               together: Callable[[Live], Any] | None = None) -> list[tuple[int, Counter | None, bool]]:
         """For each moment: (its event's index, the live storages as one Counter of (category index in
         :data:`~symmem.categories.STEP`, bytes), whether it is a candidate for the peak).  A candidate frees
         something after it, or is the last moment: between candidates memory only grows, so the Counter is given
@@ -107,6 +132,9 @@ class Timeline:
         ``device_only`` counts host storages as empty.  ``ids``: the Counters are keyed by each (category, bytes)'s
         number in ``ids`` (given one in the order first met, the mapping filled in; shared by the walks of one
         peak), not by the pair itself: hashing a pair hashes its sympy size in Python, an int's hash is C's.
+        ``together`` (with ``ids``): storages of one category alive at exactly the same moments to which it gives the
+        same value (:meth:`together`; a layer's number) are one (category, :class:`Summed`) counted once -- an FSDP
+        unit's unsharded parameters, a layer's weights and optimizer state -- so a moment names half as many.
 
         >>> B = sympy.Symbol("B", positive=True, integer=True)
         >>> tl = Timeline((Live("x", "activation", 8 * B), Live("t", "temporary", 4 * B)), (),
@@ -126,21 +154,37 @@ class Timeline:
                 found = table[key] = len(table)
             return found
 
-        where = [number((_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes)) for s in self.storages]
+        groups = self.together(together) if together is not None and ids is not None and not device_only else {}
+        where = [-1 if i in groups else number((_INDEX[s.category], _ZERO if device_only and s.host else s.nbytes))
+                 for i, s in enumerate(self.storages)]
+        for first, members in groups.items():
+            if first == members[0]:  # the group's first storage stands for all of them, the others count nothing
+                sizes: Counter = Counter(self.storages[i].nbytes for i in members)
+                where[first] = number((_INDEX[self.storages[first].category], Summed(frozenset(sizes.items()))))
         live: dict[int, int] = {}
         get = live.get
         for i in self.start:
             x = where[i]
-            live[x] = get(x, 0) + 1
+            if x >= 0:
+                live[x] = get(x, 0) + 1
         last = max((k for k, e in enumerate(self.events) if e.moment), default=-1)
         out: list[tuple[int, Counter | None, bool]] = []
+        # with ``ids``, a storage emptied is dropped at once: while no count is below zero the live ones are the
+        # dict itself, copied in C at each candidate, not filtered in Python (most of a walk's counting otherwise)
+        clean = ids is not None
         for k, e in enumerate(self.events):
             for i in e.born:
                 x = where[i]
-                live[x] = get(x, 0) + 1
+                if x >= 0:
+                    live[x] = get(x, 0) + 1
             for sid, new in e.resized:
                 x = where[sid]
-                live[x] = get(x, 0) - 1
+                n = get(x, 0) - 1
+                if n or not clean:
+                    live[x] = n
+                    clean = clean and n > 0
+                else:
+                    del live[x]
                 x = where[sid] = number((_INDEX[self.storages[sid].category],
                                          _ZERO if device_only and self.storages[sid].host else new))
                 live[x] = get(x, 0) + 1
@@ -148,13 +192,69 @@ class Timeline:
                 candidate = bool(e.freed) or k == last
                 wanted = (candidate or every or (also is not None and also(k))) and k not in skip
                 # the live storages without the emptied ones (what ``+live`` gives)
-                out.append((k, Counter({x: n for x, n in live.items() if n > 0}) if wanted else None, candidate))
+                out.append((k, (_copy(live) if clean else Counter({x: n for x, n in live.items() if n > 0}))
+                            if wanted else None, candidate))
             for i in e.freed:
-                live[where[i]] -= 1
+                x = where[i]
+                if x >= 0:
+                    if ids is None:
+                        live[x] -= 1
+                        continue
+                    n = get(x, 0) - 1  # (an emptied storage was dropped)
+                    if n or not clean:
+                        live[x] = n
+                        clean = clean and n > 0
+                    else:
+                        del live[x]
         if ids is not None:
             return out
         keys = list(table)  # back to (category, bytes) pairs, in the same order
         return [(k, None if c is None else Counter({keys[x]: n for x, n in c.items()}), cand) for k, c, cand in out]
+
+    def together(self, split: Callable[[Live], Any] = lambda s: None) -> dict[int, list[int]]:
+        """Storages of one category alive at exactly the same moments -- born by the same event (or alive from the
+        start) and freed by the same event (or never), each born and freed at most once and never grown in place --
+        to which ``split`` gives the same value, in groups of two or more: {storage: its group, in order}.
+
+        >>> B = sympy.Symbol("B")
+        >>> tl = Timeline((Live("w", "parameter", sympy.Integer(40)), Live("v", "parameter", sympy.Integer(8)),
+        ...                Live("x", "activation", 8 * B), Live("y", "activation", 4 * B)), (0, 1),
+        ...               (Event("forward", "f", (2, 3), ()), Event("backward", "f", (), (2,)),
+        ...                Event("backward", "g", (), (3,))))
+        >>> tl.together()
+        {0: [0, 1], 1: [0, 1]}
+        >>> tl.together(lambda s: s.name)
+        {}
+        """
+        events = self.events
+        # comprehensions, not loops (this runs for every walk of a peak); a storage born or freed twice (none in a
+        # simulated step) shows as fewer keys than entries, and is then found and left alone
+        born = {i: k for k, e in enumerate(events) for i in e.born}
+        freed = {i: k for k, e in enumerate(events) for i in e.freed}
+        alone = {i for e in events if e.resized for i, _ in e.resized}
+        if len(born) != sum(len(e.born) for e in events) or len(freed) != sum(len(e.freed) for e in events):
+            alone |= {i for i, n in Counter(i for e in events for i in e.born).items() if n > 1}
+            alone |= {i for i, n in Counter(i for e in events for i in e.freed).items() if n > 1}
+        for i in self.start:
+            if i in born:
+                alone.add(i)
+            born[i] = -1
+        if len(set(self.start)) != len(self.start):
+            alone |= {i for i, n in Counter(self.start).items() if n > 1}
+        storages = self.storages
+        groups: dict[tuple[str, int, int | None], list[int]] = {}
+        for i, k in born.items():
+            if i not in alone:
+                groups.setdefault((storages[i].category, k, freed.get(i)), []).append(i)
+        out: dict[int, list[int]] = {}
+        for g in groups.values():
+            if len(g) < 2:
+                continue
+            parts: dict[Any, list[int]] = {}
+            for i in g:
+                parts.setdefault(split(storages[i]), []).append(i)
+            out.update((i, part) for part in parts.values() if len(part) > 1 for i in part)
+        return out
 
     def live(self) -> list[dict[str, sympy.Expr]]:
         """Live bytes per category after each moment's allocations, as exact sympy sums.

@@ -61,3 +61,32 @@ def test_a_finished_fsdp_walk_is_freed_without_the_collector(engine):
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.parametrize("engine", [None, "fsdp"])
+def test_storages_counted_together_hold_what_each_holds(engine):
+    """The peak counts storages of one category alive at the same moments as one (an FSDP unit's unsharded
+    parameters, a layer's weights and optimizer state): at every moment of both steps the bytes so counted are,
+    category by category, what the timeline's own walk over each storage gives (``Timeline.rows``)."""
+    from symmem.categories import STEP
+    from symmem.passes.graph_step import _layer
+    from symmem.timeline import Summed
+
+    keywords = {"data_parallel": engine, "values": {"N": 2}} if engine else {}
+    d = derive("llama", device="cpu", **keywords)
+    numbers = {**d.numbers, **{s: 4 for s in d.numbers if s.name == "L"}}
+    for step in ("steady", "first"):
+        tl, values = d.step._written_out(step, numbers)
+        ids: dict = {}
+        counted = tl.counts(every=True, ids=ids, together=_layer)
+        keys = list(ids)
+        sizes = [int((size.expr() if isinstance(size, Summed) else size).xreplace(values)) for _, size in keys]
+        rows = tl.rows(values)
+        assert len(counted) == len(rows)
+        for (_, live, _), (_, _, row) in zip(counted, rows, strict=True):
+            per = dict.fromkeys(STEP, 0)
+            for x, n in live.items():
+                per[STEP[keys[x][0]]] += n * sizes[x]
+            assert per == row
+        together = [size for _, size in keys if isinstance(size, Summed)]
+        assert together and max(sum(k for _, k in s.sizes) for s in together) >= 9  # a layer's nine weights

@@ -17,6 +17,7 @@ are numbers are written out as they are.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,13 +168,14 @@ def layout(regime: Regime) -> tuple[int, int, int]:
 
 
 def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str], symbolic: Any, edge: int,
-           interior: bool = False, ids: dict[tuple[int, Any], int] | None = None
-           ) -> dict[tuple[Any, ...], Counter | None]:
+           interior: bool = False, ids: dict[tuple[int, Any], int] | None = None,
+           together: Callable[[Live], Any] | None = None) -> dict[tuple[Any, ...], Counter | None]:
     """Each moment's key (phase, template node, layer label, occurrence) and its live storages where it is a
     candidate (:meth:`~symmem.timeline.Timeline.counts`).  ``interior``: blocks written out whole (ZeRO-1) leave
     out the forward and backward moments of their layers between the ``edge`` ones (each op's moments are affine
     in the layer there, so the largest is at an end), not the optimizer step's (each parameter's own).  ``ids``:
-    the storages keyed by their number there (:meth:`~symmem.timeline.Timeline.counts`)."""
+    the storages keyed by their number there; ``together``: storages alive at the same moments to which it gives the
+    same value as one (:meth:`~symmem.timeline.Timeline.counts`)."""
     labels: dict[int, tuple[Any, ...] | None] = {}  # each event's key, None where it is left out
     for k, e in enumerate(tl.events):
         node = e.node
@@ -186,13 +188,25 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
             labels[k] = (e.phase, template(node) if node else None, label)
     out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
-    for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None), ids=ids):
+    for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None), ids=ids,
+                                together=together):
         key = labels[k]
         if key is None:
             continue
         seen[key] += 1
         out[(*key, seen[key])] = live
     return out
+
+
+def _layer(storage: Live) -> int:
+    """The layer a storage belongs to (0 outside repeated blocks): storages alive at the same moments are counted as
+    one per layer (:meth:`~symmem.timeline.Timeline.counts`), so that a stack's weights are one storage L times -- a
+    count that grows with the layers, as the formulas interpolate it -- not one sum per number of layers."""
+    return _iteration(storage.name)
+
+
+#: a storage's layer by its name (the walks of a peak, and both steps of each, name the same storages)
+_iteration = functools.lru_cache(maxsize=65536)(iteration)
 
 
 def _parts(live: Counter, others: Sequence[Counter | None]) -> dict[Any, tuple[int, tuple[int, ...]]]:
@@ -260,17 +274,19 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
         domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
     groups: list[tuple[list[Candidate], list[Candidate]]] = []
-    # the walks key their storages by number, one numbering for all (the Candidates get the (category, size) back)
+    # the walks key their storages by number, one numbering for all; the Candidates get (category, size number)
+    # back, the algebra each size from its number (``table``): no sympy size is hashed once the walks are done
     ids: dict[tuple[int, Any], int] = {}
+    table: list[sympy.Expr] = []
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
             counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
             g = _unrolled(graph, counts, options) if blocks else graph
             both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits)
-            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole, ids)
+            runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole, ids, together=_layer)
                           for first, tl in zip((False, True), both, strict=True)}
-        pairs = list(ids)
+        pairs = _numbered(ids, table)
         found = []
         for first in (False, True):
             cands = []
@@ -284,7 +300,27 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
         groups.append((found[0], found[1]))
     # lazy: a Piecewise over branches is built when first asked for (a peak read at numbers needs none)
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
-                     merge=merge, guards=guards, lazy=True)
+                     merge=merge, guards=guards, lazy=True, table=table)
+
+
+def _numbered(ids: Mapping[tuple[int, Any], int], table: list[sympy.Expr]) -> list[tuple[int, int]]:
+    """Each (category, size) of ``ids`` (in its numbering) as (category, the size's number in ``table``), the
+    sizes met for the first time appended to ``table``.
+
+    >>> B = sympy.Symbol("B")
+    >>> table = [4 * B]
+    >>> _numbered({(0, 8 * B): 0, (3, 4 * B): 1, (4, 8 * B): 2}, table), table
+    ([(0, 1), (3, 0), (4, 1)], [4*B, 8*B])
+    """
+    number = {size: i for i, size in enumerate(table)}
+    out = []
+    for category, size in ids:
+        found = number.get(size)
+        if found is None:
+            found = number[size] = len(table)
+            table.append(size)
+        out.append((category, found))
+    return out
 
 
 def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
