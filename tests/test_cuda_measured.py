@@ -12,6 +12,7 @@ machine without one.  docs/cuda.md has the table and what each row means.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -28,6 +29,12 @@ NO_SPLIT = 2**20
 
 
 def _derivation(spec: dict):
+    return _derived(json.dumps({k: v for k, v in spec.items() if k not in ("quantity", "scratch")}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)  # 92 rows ask 62 derivations: rows of one configuration (next to each other) share it
+def _derived(key: str):
+    spec = json.loads(key)
     kw = {k: spec[k] for k in ("optimizer", "precision") if k in spec}
     return derive(spec["model"], convention="pytorch", options={"device": "cuda"}, values=spec["values"],
                   **spec["options"], **kw)
