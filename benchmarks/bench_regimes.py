@@ -48,6 +48,8 @@ REGIMES: list[tuple[str, dict]] = [
     ("tensor parallel t=2", {"tensor_parallel": True, "values": {"t": 2}}),
     ("sequence parallel t=2", {"tensor_parallel": True, "sequence_parallel": True, "values": {"t": 2}}),
     ("fsdp x tensor parallel", {"data_parallel": "fsdp", "tensor_parallel": True, "values": {"N": 8, "t": 2}}),
+    ("tensor parallel x pipeline", {"tensor_parallel": True, "pipeline_parallel": True, "micro_batches": 8,
+                                    "values": {"t": 2, "p": 4}}),
     *PIPELINE,
 ]
 
