@@ -35,3 +35,9 @@ class OutsideDomain(UserWarning):
     """Numbers outside the formulas' domain (:attr:`symmem.derivation.Derivation.domain`: a traced module's guards
     such as ``B < 16``, a model's position table): the formulas are not known to hold there, so the numbers printed
     at them are an extrapolation (the command line says so in one line on standard error)."""
+
+
+class UncountedInput(UserWarning):
+    """Selective recomputation drops the copy a core-attention matmul keeps of its input, and nothing outside the
+    recomputed core keeps that input; the recompute needs it (Korthikanti et al. keep Q and K), so the kept
+    activations are low by that input's bytes per layer."""

@@ -286,3 +286,25 @@ def test_zero_peak_is_the_papers_accounting_of_one_devices_step():
         "peak_first_step") and d.value("peak_first_step") < d.value("peak")
     # the engine keeps more than the papers count: FSDP2's measured steady peak at N=2 (docs/regimes.md)
     assert d.value("peak") == 2_214_136 < 2_948_216
+
+
+@pytest.mark.parametrize("model, convention, options, query", [
+    ("gpt2", "pytorch", {"attention": "naive"}, "h.attn.query_heads"),
+    ("llama", "pytorch", {"attention": "naive"}, "layers.self_attn.q_rope.add"),
+    ("vit-b16", "pytorch", {"attention": "naive"}, "blocks.q_scaled"),
+    ("llama", "pytorch", {"attention": "sdpa"}, None),  # SDPA saves q, k, v themselves: nothing dropped needs them
+    ("gpt2", "paper", {"attention": "naive"}, None),  # the paper's accounting keeps Q and K (its 34sbh)
+])
+def test_selective_recomputation_says_when_the_query_it_needs_is_not_counted(model, convention, options, query):
+    """In the pytorch convention an eager attention's scores matmul keeps a contiguous copy of the query, the query's
+    only saver; selective recomputation drops that copy with the scores, so nothing counts the query the recompute
+    needs (Korthikanti et al. 2022 keep Q and K): a warning names it rather than a silent low number."""
+    import warnings
+
+    from symmem.errors import UncountedInput
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        derive(model, convention=convention, checkpoint="selective", values={"L": 2}, **options).value("activations")
+    said = [str(w.message) for w in caught if issubclass(w.category, UncountedInput)]
+    assert [s.split(" (")[0].removeprefix("selective recomputation: ") for s in said[:1]] == ([query] if query else [])

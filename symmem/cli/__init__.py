@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from ..errors import NothingCounted, NothingFits, OutsideDomain, SymmemError
+from ..errors import NothingCounted, NothingFits, OutsideDomain, SymmemError, UncountedInput
 
 VERSION = "0.1.0"
 
@@ -192,13 +192,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NothingCounted)
             warnings.simplefilter("always", OutsideDomain)
+            warnings.simplefilter("always", UncountedInput)
             args = _parser(args_in).parse_args(args_in)
             status = int(args.run(args))
             sys.stdout.flush()  # a full disk or a closed output fails here, while it can still be said
         # a convention that sees nothing in the graph: one line on stderr whatever the format (the text table says
         # so too), so that a 0 piped into a script is never silent
         # numbers outside the formulas' domain (--set B=64 on a trace that holds where B < 16): the same one line
-        ours = (NothingCounted, OutsideDomain)
+        # a kept input selective recomputation needs and does not count: the same one line
+        ours = (NothingCounted, OutsideDomain, UncountedInput)
         for note in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, ours)):
             print(f"symmem: warning: {one_line(note)}", file=sys.stderr)
         for w in caught:  # recording took every warning: the others go where they would have gone

@@ -27,6 +27,7 @@ The derivation first lists what a convention keeps (:mod:`.saved`), then hands t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 import sympy
 
 from ..derivation import END, START, Storage
-from ..errors import SymmemError
+from ..errors import SymmemError, UncountedInput
 from ..graph import Graph
 from ..shapes import numel
 from ..symbols import N, p, t
@@ -161,6 +162,24 @@ def _divide(term: Storage, by: sympy.Expr) -> Storage:
     return replace(term, expr=term.expr / by, elements=elements)
 
 
+def _warn_uncounted(graph: Graph, kept: list[Storage], dropped: dict[str, list[Storage]]) -> None:
+    """Warn where selective recomputation drops a matmul's copy of an input nothing outside the core keeps (eager
+    Llama's rotary query: its only saver is the scores matmul's copy), once per derivation."""
+    held = {x.node for x in kept if x.category == "activation"}
+    for gone in dropped.values():
+        for x in gone:
+            if x.role != "matmul_copy" or x.node is None or not x.name.startswith(f"{x.node}.input"):
+                continue
+            source = graph.node(x.node).inputs[int(x.name[len(x.node) + len(".input"):-len("_copy")])]
+            if not {s for s, _ in resolve(graph, source)} & held:
+                shape = ", ".join(map(str, graph.node(source).out.shape))
+                warnings.warn(f"selective recomputation: {source} ({shape}), the input {x.node} copies, is kept by "
+                              "nothing outside the recomputed attention; the recompute needs it, so the kept "
+                              "activations are low by its bytes per layer (not yet counted)", UncountedInput,
+                              stacklevel=2)
+                return
+
+
 def _per_layer(term: Storage) -> sympy.Expr:
     return term.expr / term.count if term.count != 0 else sympy.Integer(0)
 
@@ -198,6 +217,8 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
             out.append(x)
             continue
         dropped.setdefault(block, []).append(x)
+    if regime.checkpoint == "selective":
+        _warn_uncounted(graph, out, dropped)
     alive_again: list[Storage] = []
     for name, gone in dropped.items():
         block = blocks[name]
