@@ -160,6 +160,9 @@ def pipeline_stages(model: Model | str, *, schedule: str = "1f1b", micro_batches
     if keywords.get("data_parallel"):  # FSDP on every stage: passes/fsdp_pipeline.py, through derive
         raise SymmemError(f"the stages here are one pipeline's, without an engine: with data_parallel="
                           f"{keywords['data_parallel']!r} derive gives every rank's peak (values.peak_per_rank)")
+    if keywords.get("tensor_parallel"):  # TP x pipeline on a p x t mesh: passes/tensor_pipeline.py, through derive
+        raise SymmemError("the stages here are one pipeline's, at whole tensors: with tensor parallelism derive gives "
+                          "every rank's peak (values.peak_per_rank, values.peak_per_stage)")
     given = dict(values or {})
     p_value = given.pop("p", DEFAULTS[sympy.Symbol("p", positive=True, integer=True)])
     built, conv, regime, conv_options = _setup(model, "pytorch", None, None, loss, keywords)

@@ -299,6 +299,11 @@ def test_stages_without_the_engine_are_refused(capsys):
                  "--set", "N=2", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == ("symmem: error: the stages here are one pipeline's, without an engine: with "
                                        "data_parallel='fsdp' derive gives every rank's peak (values.peak_per_rank)\n")
+    assert main(["stages", "llama", "--tensor-parallel", "--pipeline-parallel", "gpipe", "--set", "p=2",
+                 "--set", "t=2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("symmem: error: the stages here are one pipeline's, at whole tensors: with "
+                                       "tensor parallelism derive gives every rank's peak (values.peak_per_rank, "
+                                       "values.peak_per_stage)\n")
 
 
 def _stage_buffers(case, stage: int) -> int:
