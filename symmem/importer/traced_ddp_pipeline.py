@@ -39,7 +39,14 @@ from ..passes.ddp_pipeline import DdpPipelineStep, _ViewReplay
 from ..passes.model_parallel import _Replay
 from ..training import Regime
 from .recording import StepRecord
-from .traced_pipeline import TracedCut, TracedPipelineStep, _owners, _param_names, _state_owners
+from .traced_pipeline import (
+    TracedCut,
+    TracedPipelineStep,
+    _owners,
+    _param_names,
+    _state_owners,
+    engine_refusal,
+)
 from .traced_step import StepPeak
 
 #: the engines DDP x pipeline places on every stage
@@ -49,26 +56,12 @@ ENGINES = ("ddp", "ddp-bucket-view", "zero-redundancy")
 def refusal(step: StepPeak | None, regime: Regime) -> str | None:
     """Why a traced module's DDP x pipeline peak is not followed (None: it is); ``step`` None checks the regime
     only."""
-    from .traced_pipeline import refusal as alone
-
     if regime.data_parallel not in ENGINES:
         return (f"the DDP x pipeline peak of a traced module is modelled for ddp, ddp-bucket-view and "
                 f"zero-redundancy, not data_parallel={regime.data_parallel!r}")
     if step is None:
         return None
-    why = alone(step, dataclasses.replace(regime, data_parallel=None))
-    if why is not None:
-        return why
-    config = getattr(step.module, "config", None)
-    if config is not None and getattr(config, "model_type", None) != "gpt2":
-        # measured on GPT2Split (record/traced_pipeline_runs.py), Hugging Face GPT-2's manual split, only
-        return (f"the DDP x pipeline peak of a Hugging Face model is measured for GPT-2's stages, not "
-                f"{getattr(config, 'model_type', None)!r}'s")
-    import torch
-
-    if any(q.dtype != torch.float32 for q in step.module.parameters()):
-        return "the DDP x pipeline peak of a traced module is measured for FP32 parameters"
-    return None
+    return engine_refusal(step, regime, "DDP x pipeline", {"gpt2": "GPT-2"})
 
 
 def stage_parameters(cut: TracedCut) -> list[list[int]]:

@@ -43,6 +43,7 @@ from .traced_pipeline import (
     TracedPipelineStep,
     _owners,
     _step_peak,
+    engine_refusal,
     own_loss,
     per_stage,
     stage_copies,
@@ -53,32 +54,18 @@ from .traced_step import StepPeak, _locate
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
 ENGINES = ("fsdp", "fsdp-no-reshard")
 #: the Hugging Face model types whose manual split was measured under FSDP x pipeline (record/traced_pipeline_runs)
-MEASURED = ("gpt2", "llama")
+MEASURED = {"gpt2": "GPT-2", "llama": "Llama"}
 
 
 def refusal(step: StepPeak | None, regime: Regime) -> str | None:
     """Why a traced module's FSDP x pipeline peak is not followed (None: it is); ``step`` None checks the regime
     only."""
-    from .traced_pipeline import refusal as alone
-
     if regime.data_parallel not in ENGINES:
         return (f"the pipeline peak of a traced module is modelled with FSDP2 on every stage (fsdp, "
                 f"fsdp-no-reshard), not data_parallel={regime.data_parallel!r}")
     if step is None:
         return None
-    why = alone(step, dataclasses.replace(regime, data_parallel=None))
-    if why is not None:
-        return why
-    config = getattr(step.module, "config", None)
-    if config is not None and getattr(config, "model_type", None) not in MEASURED:
-        # measured on GPT2Split and LlamaSplit (record/traced_pipeline_runs.py), their manual splits, only
-        return (f"the FSDP x pipeline peak of a Hugging Face model is measured for GPT-2's and Llama's stages, not "
-                f"{getattr(config, 'model_type', None)!r}'s")
-    import torch
-
-    if any(q.dtype != torch.float32 for q in step.module.parameters()):
-        return "the FSDP x pipeline peak of a traced module is measured for FP32 parameters"
-    return None
+    return engine_refusal(step, regime, "FSDP x pipeline", MEASURED)
 
 
 class _TracedUnits(_Units):

@@ -563,6 +563,26 @@ def stage_copies(module: Any, rec: StepRecord, cut: TracedCut, untie: tuple[tupl
     return tuple(tuple(n) for n in out.values())
 
 
+def engine_refusal(step: StepPeak, regime: Any, layout: str, measured: Mapping[str, str]) -> str | None:
+    """Why a traced module's pipeline peak with a data-parallel engine on every stage (``layout``: ``FSDP x
+    pipeline``) is not followed, beyond the engine's name: what the pipeline alone refuses, a Hugging Face model whose
+    manual split was not measured (``measured``: model type -> its name), non-FP32 parameters."""
+    why = refusal(step, dataclasses.replace(regime, data_parallel=None))
+    if why is not None:
+        return why
+    config = getattr(step.module, "config", None)
+    if config is not None and getattr(config, "model_type", None) not in measured:
+        # measured on the manual splits of record/traced_pipeline_runs.py only
+        names = " and ".join(f"{n}'s" for n in measured.values())
+        return (f"the {layout} peak of a Hugging Face model is measured for {names} stages, not "
+                f"{getattr(config, 'model_type', None)!r}'s")
+    import torch
+
+    if any(q.dtype != torch.float32 for q in step.module.parameters()):
+        return f"the {layout} peak of a traced module is measured for FP32 parameters"
+    return None
+
+
 def refusal(step: StepPeak, regime: Any) -> str | None:
     """Why a traced module's pipeline peak is not followed (None: it is)."""
     if regime.tensor_parallel or regime.zero or regime.data_parallel:

@@ -55,7 +55,7 @@ from typing import Any
 from ..errors import SymmemError
 from ..training import Regime
 from .fsdp_pipeline import MeshStageMoment
-from .model_parallel import _Replay
+from .model_parallel import _Replay, memory_of
 from .pipeline_step import PipelineStep
 
 
@@ -93,7 +93,7 @@ class DdpPipelineStep(PipelineStep):
         cut, whole = self._cut(numbers)
         found = self._stages()
         return [(_ViewReplay if self.view else _Replay)(
-            cut, s, self._at(_memory(found, s, cut.p).at(numbers, _PARTS), whole[s] if self.zero else [], world),
+            cut, s, self._at(memory_of(found, s, cut.p).at(numbers, _PARTS), whole[s] if self.zero else [], world),
             self.schedule, self.micro_batches) for s in range(cut.p)]
 
     def _world(self, numbers: Mapping[str, int]) -> int:
@@ -132,7 +132,7 @@ class DdpPipelineStep(PipelineStep):
         found = self._stages()
 
         def make(packed: Any, cuts: Any, s: int) -> Any:
-            parts = _memory(found, s, packed.p).at_each(numbers, _PARTS)
+            parts = memory_of(found, s, packed.p).at_each(numbers, _PARTS)
             ats = [self._at(at, _whole(c, s) if self.zero else [], world) for at, c in zip(parts, cuts, strict=True)]
             return (_ViewReplay if self.view else _Replay)(packed, s, pack_parts(ats), self.schedule,
                                                             self.micro_batches), ats
@@ -155,7 +155,7 @@ class DdpPipelineStep(PipelineStep):
         out = []
         for s, (rows, ats) in enumerate(base):
             mine = [self._at(at, self._cut(n)[1][s], world)
-                    for at, n in zip(_memory(found, s, len(base)).at_each(numbers, _PARTS), numbers, strict=True)]
+                    for at, n in zip(memory_of(found, s, len(base)).at_each(numbers, _PARTS), numbers, strict=True)]
             out.append(([[(mine[k]["step_peak"] if node is None and mb is None else
                            v + mine[k]["at_rest"] - ats[k]["at_rest"], node, mb) for v, node, mb in row]
                          for k, row in enumerate(rows)], mine))
@@ -267,11 +267,6 @@ def _whole(cut: Any, s: int) -> list[tuple[int, ...]]:
 #: the stage's parts a replay on DDP's stages reads, and the parameter side per rank (passes/rank_side.py)
 _PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "step_temporaries", "at_rest",
           "step_peak")
-
-
-def _memory(found: Any, s: int, p: int) -> Any:
-    """Stage ``s`` of ``p``'s :class:`~symmem.passes.model_parallel.StageMemory` (first, middle, last)."""
-    return found[0] if s == 0 else found[-1] if s == p - 1 else found[1]
 
 
 def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime) -> dict[str, int]:

@@ -50,7 +50,7 @@ from typing import Any
 from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
-from .model_parallel import _integer, _Replay, _step_temporaries
+from .model_parallel import _integer, _Replay, _step_temporaries, memory_of
 from .pipeline_step import BATCH, PipelineStep, StageMoment
 from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
@@ -356,7 +356,7 @@ class FsdpPipelineStep(PipelineStep):
         found = self._stages()
         out = []
         for s in range(cut.p):
-            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            memory = memory_of(found, s, cut.p)
             units = _Units(cut, s, world, self.rank)
             at = stage_at(memory, numbers, units, self.regime, cut.per)
             out.append(_FsdpReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
@@ -377,7 +377,7 @@ class FsdpPipelineStep(PipelineStep):
         found = self._stages()
 
         def make(packed: Any, cuts: Any, s: int) -> Any:
-            memory = found[0] if s == 0 else found[-1] if s == packed.p - 1 else found[1]
+            memory = memory_of(found, s, packed.p)
             units = [_Units(c, s, world, self.rank) for c in cuts]
             if any(u.params != units[0].params for u in units):
                 return None

@@ -132,6 +132,11 @@ def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: st
     return int(sympy.ceiling(value))
 
 
+def memory_of(found: Sequence[Any], s: int, p: int) -> Any:
+    """Stage ``s`` of ``p``'s memory among :func:`stages`' three: the first, a middle one (all alike) or the last."""
+    return found[0] if s == 0 else found[-1] if s == p - 1 else found[1]
+
+
 def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedule: str = "1f1b",
            micro_batches: int = 1, device: str = "cpu") -> tuple[StageMemory, ...]:
     """The first stage, a middle one (the second: with ``p = 2`` it does not exist, but its formula is given for

@@ -89,6 +89,12 @@ class PipelineStep:
                                            device=str(self.options.get("device", "cpu")))
         return self._cache["stages"]
 
+    def _stage_memory(self, s: int, p: int) -> Any:
+        """Stage ``s`` of ``p``'s memory among :meth:`_stages`' three (first, middle, last)."""
+        from .model_parallel import memory_of
+
+        return memory_of(self._stages(), s, p)
+
     def _replays(self, numbers: Mapping[str, int]) -> list[Any]:
         """Every stage's replay, run, at ``numbers`` (names -> values); the last 16 sets of numbers are kept."""
         key = tuple(sorted(numbers.items()))

@@ -184,8 +184,7 @@ def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
     for group in groups:
         replays = step.at_rank(group[0])._replays(named)
         for s, replay in enumerate(replays):
-            memory = None if memories is None else \
-                memories[0] if s == 0 else memories[-1] if s == len(replays) - 1 else memories[1]
+            memory = None if memories is None else step._stage_memory(s, len(replays))
             at = replay.at
             own = 0 if memories is None else int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
             one = {"parameters": at["parameters"] + own, "gradients": at["gradients"],

@@ -43,7 +43,7 @@ from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
 from .batch_of_one import collapsed
-from .model_parallel import _Cut, _integer, _pack, _Replay
+from .model_parallel import _Cut, _integer, _pack, _Replay, memory_of
 from .pipeline_step import BATCH, PipelineStep, StageMoment
 
 
@@ -286,7 +286,7 @@ class TensorPipelineStep(PipelineStep):
         found = self._stages()
         out = []
         for s in range(cut.p):
-            memory = found[0] if s == 0 else found[-1] if s == cut.p - 1 else found[1]
+            memory = memory_of(found, s, cut.p)
             out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
         return out
 
@@ -316,7 +316,7 @@ class TensorPipelineStep(PipelineStep):
         found = self._stages()
 
         def make(packed: Any, plain: Any, s: int) -> Any:
-            memory = found[0] if s == 0 else found[-1] if s == packed.p - 1 else found[1]
+            memory = memory_of(found, s, packed.p)
             ats = [stage_at(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
             return _TensorReplay(_TensorPackedCut(packed, cuts), s, pack_parts(ats), self.schedule,
                                  self.micro_batches), ats
@@ -356,7 +356,7 @@ class TensorPipelineStep(PipelineStep):
         found = self._stages()
         out: dict[int, dict[str, int]] = {}
         for s, replay in enumerate(self._replays(named)):
-            memory = found[0] if s == 0 else found[-1] if s == len(self._replays(named)) - 1 else found[1]
+            memory = memory_of(found, s, len(self._replays(named)))
             own = memory.at(named, ("module_buffers",))["module_buffers"]
             one = {"parameters": replay.at["parameters"] + own, "gradients": replay.at["gradients"], "buckets": 0,
                    "optimizer_state": replay.at["optimizer_state"]}

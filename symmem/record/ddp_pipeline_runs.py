@@ -44,8 +44,7 @@ def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMe
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..reference.sequence_models import causal_lm_loss
-    from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
+    from .fsdp_pipeline_runs import _built_stage
 
     mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
     s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
@@ -58,15 +57,7 @@ def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMe
         schedule, m = traced.schedule, traced.micro_batches
     else:
         model, values, schedule, m, loss, options, engine = case
-        module = _stage_module(model, values, s, stages, options)
-        b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
-        given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
-                              (b, seq, h))
-        loss_fn = causal_lm_loss if loss == "cross-entropy" else _sum_loss
-        gen = torch.Generator().manual_seed(1 + dp)  # each data-parallel group its own batch
-        ids = torch.randint(0, v, (b * m, seq), generator=gen)
-        labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else \
-            torch.empty(b * m, 0)
+        module, given, loss_fn, ids, labels = _built_stage(model, values, m, loss, options, s, stages, dp)
     wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
                                       gradient_as_bucket_view=engine == "ddp-bucket-view")
     stage = PipelineStage(wrapped, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)

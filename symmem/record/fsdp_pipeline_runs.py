@@ -64,8 +64,6 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..reference.sequence_models import causal_lm_loss
-    from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
     from .sharded import units
     from .tensor_pipeline_runs import is_tensor_case, tensor_pipeline_stage
 
@@ -82,17 +80,8 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
         schedule, m = traced.schedule, traced.micro_batches
     else:
         model, values, schedule, m, loss, options, reshard = case
-        module = _stage_module(model, values, s, stages, options)
+        module, given, loss_fn, ids, labels = _built_stage(model, values, m, loss, options, s, stages, dp)
         blocks = units(module)
-        b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
-        given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
-                              (b, seq, h))
-        loss_fn = causal_lm_loss if loss == "cross-entropy" else _sum_loss
-        # each data-parallel group its own batch; the stages of one pipeline the same one
-        gen = torch.Generator().manual_seed(1 + dp)
-        ids = torch.randint(0, v, (b * m, seq), generator=gen)
-        labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else \
-            torch.empty(b * m, 0)
     for block in blocks:
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
@@ -100,6 +89,27 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = kind(stage, m, loss_fn=loss_fn)
     return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp))
+
+
+def _built_stage(model: str, values: Mapping[str, int], m: int, loss: str, options: Mapping[str, Any], s: int,
+                 stages: int, dp: int) -> tuple[Any, ...]:
+    """Stage ``s`` of a built-in reference (:func:`~symmem.record.model_parallel_runs._stage_module`): (its module,
+    the ``PipelineStage``'s static shapes, the schedule's loss_fn, the batch of ``m`` micro-batches, the labels), the
+    batch drawn for data-parallel rank ``dp`` (each data-parallel group its own; the stages of one pipeline the same
+    one)."""
+    import torch
+
+    from ..reference.sequence_models import causal_lm_loss
+    from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
+
+    module = _stage_module(model, values, s, stages, options)
+    b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    given = static_shapes(s == 0, s == stages - 1, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
+                          (b, seq, h))
+    gen = torch.Generator().manual_seed(1 + dp)
+    ids = torch.randint(0, v, (b * m, seq), generator=gen)
+    labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    return module, given, causal_lm_loss if loss == "cross-entropy" else _sum_loss, ids, labels
 
 
 def _traced_stage(case: Any, s: int, stages: int, dp: int) -> tuple[Any, ...]:
