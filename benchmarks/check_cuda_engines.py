@@ -164,13 +164,16 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
 MARK = 7
 
 
-def c10d_excess(path: str) -> list[tuple[int, int]]:
+def c10d_excess(path: str) -> list[tuple[int, int, int]]:
     """Each step's peak in a recorded allocator history (``SYMMEM_CUDA_SNAPSHOT``), with and without the
     allocations made inside ``torch.distributed``'s collectives.  Over gloo with CUDA tensors,
     ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` allocate device temporaries of their own that NCCL
     does not allocate (docs/cuda.md).  The step boundaries are the MARK allocations.  Histories recorded before the
     marks were added are split where each optimizer step begins (a window then holds one step's forward and
-    backward after the last optimizer step's own allocations; the last window holds the last optimizer step alone)."""
+    backward after the last optimizer step's own allocations; the last window holds the last optimizer step alone).
+    A third peak leaves out FSDP2's copy-out kernel metadata too: on CUDA ``split_with_sizes_copy`` (the all-gather's
+    copy-out into the unsharded parameters) packs its splits' pointers and sizes into a small device tensor of its
+    own (tens to hundreds of bytes, one 512-byte block) for as long as the copy runs; on the CPU it is a loop."""
     import pickle
 
     with open(path, "rb") as f:
@@ -186,13 +189,15 @@ def c10d_excess(path: str) -> list[tuple[int, int]]:
                and any("adam" in x.lower() for x in frames(e)[:3])]
         starts = [0] + [b for a, b in zip([-10**9, *opt], opt, strict=False) if b - a > 50]
     out = []
-    for leave_out in (False, True):
+    for leave_out in (0, 1, 2):
         live: dict[int, int] = {}
         now, peaks = 0, [0] * len(starts)
         for i, e in enumerate(trace):
             if e["action"] == "alloc":
                 py = frames(e)
                 if leave_out and py and py[0].startswith("distributed_c10d.py"):
+                    continue
+                if leave_out > 1 and py and py[0].endswith(":split_with_sizes_copy"):
                     continue
                 live[e["addr"]] = -(-e["size"] // 512) * 512
                 now += live[e["addr"]]
@@ -286,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.analyze is not None:
         for path in args.analyze:
             steps_ = c10d_excess(path)
-            print(f"{Path(path).name}: " + "; ".join(f"step {k + 1} {a:,} ({a - b:+,} in collectives)"
-                                                   for k, (a, b) in enumerate(steps_)))
+            print(f"{Path(path).name}: " + "; ".join(
+                f"step {k + 1} {a:,} ({a - b:+,} in collectives, {b - c:+,} copy-out metadata)"
+                for k, (a, b, c) in enumerate(steps_)))
         return 0
     global DRY, PAUSE
     DRY, PAUSE = args.dry_run, args.pause
