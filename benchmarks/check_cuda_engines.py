@@ -213,9 +213,10 @@ def cases() -> list[tuple[str, dict[str, int], dict[str, Any], str | None, str]]
     return [(model, values, kw, engine, impl) for model, values, kw in MODELS for engine in ENGINES for impl in IMPLS]
 
 
-def one_case(index: int, world: int = 1) -> dict[str, Any]:
+def one_case(index: int, world: int = 1, rank: int = 0) -> dict[str, Any]:
     """One case in this process (a process of its own: an engine torn down in the same process frees its
-    buffers late, inside the next case's steps); ``world`` ranks, each a process of its own on the one GPU."""
+    buffers late, inside the next case's steps); ``world`` ranks, each a process of its own on the one GPU, each
+    compared with its own rank's prediction (ZeRO-1's ranks own different parameters)."""
     model, values, kw, engine, impl = cases()[index]
     numbers = {**values, "N": world} if engine else {k: v for k, v in values.items() if k != "N"}
     d = derive(model, convention="pytorch", options={"device": "cpu" if DRY else "cuda"}, optimizer="adamw",
@@ -223,9 +224,11 @@ def one_case(index: int, world: int = 1) -> dict[str, Any]:
     got = steps(d, engine, impl)
     label = f"{model} {kw.get('widths', '')} {engine or 'one device'} {impl}".replace("  ", " ")
     # step 2 is DDP's rebuild of its buckets (a one-off); the last step is the steady one
-    return {"case": label, "per_step": got, "first": [d.peak_allocated("first"), got[0]],
-            "steady": [d.peak_allocated("steady"), got[-1]], "live": [d.value("peak_first_step"), d.value("peak")],
-            "spec": {"model": model, "values": numbers, "options": kw, "engine": engine, "impl": impl}}
+    of = rank if world > 1 else None
+    spec = {"model": model, "values": numbers, "options": kw, "engine": engine, "impl": impl}
+    return {"case": label, "per_step": got, "first": [d.peak_allocated("first", of), got[0]],
+            "steady": [d.peak_allocated("steady", of), got[-1]], "live": [d.value("peak_first_step"), d.value("peak")],
+            "spec": spec if of is None else {**spec, "rank": rank}}
 
 
 def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                                 **({"device_id": torch.device("cuda:0")} if nccl else {}))
         if not DRY:
             warm_cublas()
-        print(json.dumps(one_case(args.case, args.world)), flush=True)
+        print(json.dumps(one_case(args.case, args.world, args.rank)), flush=True)
         dist.destroy_process_group()
         return 0
     if DRY or args.world > 1:

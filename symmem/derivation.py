@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
+from . import symbols
 from .conditions import fold
 from .errors import OutsideDomain, SymmemError
 from .evaluator import evaluator
@@ -331,11 +332,29 @@ class Derivation:
         creates the optimizer state)."""
         return self._step().timeline(checked(step), dict(self.numbers))
 
-    def peak_allocated(self, step: Which = "steady") -> int:
+    def peak_allocated(self, step: Which = "steady", rank: int | None = None) -> int:
         """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
         to 512 bytes (``torch.cuda.max_memory_allocated`` adds library workspaces on top: see
-        :data:`CUDA_WORKSPACES`)."""
-        return self._step().allocated(checked(step), dict(self.numbers))
+        :data:`CUDA_WORKSPACES`); the largest rank's, or data-parallel ``rank``'s (ZeRO-1's ranks own different
+        parameters).
+
+        >>> from symmem import derive
+        >>> d = derive("mlp", widths="64,128,128,10", data_parallel="zero-redundancy", device="cuda",
+        ...            loss="cross-entropy", values={"B": 4, "N": 2})
+        >>> d.peak_allocated(), d.peak_allocated(rank=0), d.peak_allocated(rank=1)
+        (513024, 513024, 434688)
+        """
+        which = checked(step)
+        if rank is None:
+            return self._step().allocated(which, dict(self.numbers))
+        runs = self._step()
+        world = self.numbers.get(symbols.N)
+        if self.regime.data_parallel is None or world is None or not hasattr(runs, "allocated_of_rank"):
+            raise SymmemError("a rank's allocated peak is modelled for the data-parallel engines of the built-in "
+                              "graphs (data_parallel=..., N set); here every rank's is peak_allocated()")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < int(world):
+            raise SymmemError(f"rank must be an integer from 0 to N - 1 = {int(world) - 1}, not {rank!r}")
+        return runs.allocated_of_rank(which, dict(self.numbers), rank)
 
     def live_at_peak(self, step: Which = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,

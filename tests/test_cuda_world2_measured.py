@@ -26,15 +26,21 @@ from symmem import derive
 DATA = json.loads((Path(__file__).parent / "data" / "cuda_h200_world2.json").read_text())
 
 def _case(row: dict) -> str:
-    return json.dumps({k: v for k, v in row["spec"].items() if k != "quantity"}, sort_keys=True)
+    return json.dumps({k: v for k, v in row["spec"].items() if k not in ("quantity", "rank")}, sort_keys=True)
 
 
 #: the GPT-2 and Llama rows with the foreach AdamW, and every case whose allocator history was read (one derivation
 #: serves both ranks and both steps)
 RECORDED = {_case(r) for r in DATA["rows"] if "collective_temporaries" in r}
 CASES: dict[str, dict[str, list[int]]] = {}
+#: ZeroRedundancyOptimizer's rows: each rank owns different parameters, each compared with its own rank's prediction
+ZERO: dict[str, list[tuple[str, int, int]]] = {}
 for _row in DATA["rows"]:
     _spec = _row["spec"]
+    if _spec["engine"] == "zero-redundancy":
+        ZERO.setdefault(_case(_row), []).append((_spec["quantity"].removeprefix("allocated_"), _spec["rank"],
+                                                 _row["measured"]))
+        continue
     if _spec["impl"] == "foreach" and _spec["model"] in ("gpt2", "llama") or _case(_row) in RECORDED:
         _key = _case(_row)
         _step = _spec["quantity"].removeprefix("allocated_")
@@ -49,8 +55,9 @@ TEMPORARIES = {(_case(r), r["spec"]["quantity"].removeprefix("allocated_")):
 
 
 def test_the_measurements_are_two_ranks_on_cuda():
-    assert "H200" in DATA["device"] and "+cu" in DATA["versions"]["torch"] and len(DATA["rows"]) == 192
+    assert "H200" in DATA["device"] and "+cu" in DATA["versions"]["torch"] and len(DATA["rows"]) == 192 + 32
     assert {json.loads(k)["values"]["N"] for k in CASES} == {2} and len(CASES) == 18 and len(TEMPORARIES) == 20
+    assert len(ZERO) == 8 and all(len(rows) == 4 for rows in ZERO.values())
 
 
 @pytest.mark.parametrize("key", sorted(CASES), ids=lambda k: " ".join(
@@ -68,3 +75,18 @@ def test_peak_allocated_against_two_ranks_on_the_h200(key):
             assert all(m > predicted for m in measured), (step, predicted, measured)
         else:
             assert measured == [predicted, predicted], step
+
+
+@pytest.mark.parametrize("key", sorted(ZERO), ids=lambda k: " ".join(
+    str(v) for n, v in sorted(json.loads(k).items()) if n in ("model", "impl")))
+def test_zero_redundancy_every_rank_against_two_ranks_on_the_h200(key):
+    """ZeroRedundancyOptimizer over two ranks: rank 0 owns the larger parameters, so the ranks' peaks differ
+    (MLP 64-128-128-10 for-loop: 578,560 and 460,800 bytes); each rank's is exact, the largest is
+    ``peak_allocated()``.  No collective allocates on the device here (the histories say so)."""
+    spec = json.loads(key)
+    d = derive(spec["model"], convention="pytorch", options={"device": "cuda"}, optimizer="adamw",
+               optimizer_impl=spec["impl"], values=spec["values"], data_parallel=spec["engine"], **spec["options"])
+    for step, rank, measured in ZERO[key]:
+        assert d.peak_allocated(step, rank) == measured, (step, rank)
+    for step in ("first", "steady"):
+        assert d.peak_allocated(step) == max(m for s, _, m in ZERO[key] if s == step)

@@ -113,13 +113,19 @@ class GraphStep:
         tl, values = self._written_out(which, at)
         return tl.allocated(values)
 
-    def _written_out(self, which: Which, at: Mapping[sympy.Symbol, int]
+    def allocated_of_rank(self, which: Which, at: Mapping[sympy.Symbol, int], rank: int) -> int:
+        """:meth:`allocated` of one data-parallel rank's step (ZeRO-1's ranks own different parameters, FSDP2's
+        last shard may be smaller); :meth:`allocated` is the largest rank's."""
+        tl, values = self._written_out(which, at, rank)
+        return tl.allocated(values)
+
+    def _written_out(self, which: Which, at: Mapping[sympy.Symbol, int], rank: int | None = None
                      ) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
         """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
-        size-dependent copy) ``at`` selects, and every symbol's value.  The symbolic peak first: the step refuses
-        what the peak refuses, with the peak's words."""
+        size-dependent copy) ``at`` selects, and every symbol's value (of ``rank``'s step: None, the largest
+        rank's).  The symbolic peak first: the step refuses what the peak refuses, with the peak's words."""
         checked(which)
-        key = tuple(sorted((s.name, int(v)) for s, v in at.items()))
+        key = (tuple(sorted((s.name, int(v)) for s, v in at.items())), rank)
         if self._written is not None and self._written[0] == key:
             _, (steady, first), values = self._written
             return (first if which == "first" else steady), values
@@ -136,7 +142,7 @@ class GraphStep:
         chosen = next((b for b in assignments if b is None or all(
             bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), assignments[0])
         g = unroll(self.graph, counts) if self.graph.blocks else self.graph
-        options = zero_redundancy.written_options(self, full)
+        options = zero_redundancy.written_options(self, full, rank)
         steady, first = simulate(g, self.conv, options, self.regime, chosen, keep_logits=self.regime.keep_logits)
         values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
         self._written = (key, (steady, first), {**values, **full})

@@ -337,13 +337,15 @@ def _value(peak: Peak, numbers: Mapping[sympy.Symbol, int], step: str) -> int:
     return int(v)
 
 
-def written_options(step: Any, at: Mapping[sympy.Symbol, int]) -> Mapping[str, Any]:
+def written_options(step: Any, at: Mapping[sympy.Symbol, int], rank: int | None = None) -> Mapping[str, Any]:
     """The options a step written out at ``at`` runs with: under ZeRO-1 with no rank chosen, the partition's
-    numbers and the rank whose steady step peaks highest there (its first step is that rank's too)."""
+    numbers and ``rank``'s step (None: the rank whose steady step peaks highest there; its first step is that
+    rank's too); under another engine ``rank``'s step (FSDP2's last shard is smaller)."""
     if not every_rank(step):
-        return step.options
+        return step.options if rank is None else {**step.options, RANK_OPTION: rank}
     fixed = _fixed(step, {**step.numbers, **at})
-    rank = ranks_peak(step, {s: v for s, v in at.items() if s in fixed}).at(at, "steady").rank
+    if rank is None:
+        rank = ranks_peak(step, {s: v for s, v in at.items() if s in fixed}).at(at, "steady").rank
     return {**step.options, NUMBERS_OPTION: _env(step, fixed), RANK_OPTION: rank}
 
 
