@@ -104,8 +104,9 @@ class _MeshReplay(_TensorReplay, _FsdpReplay):
             # the head's backward where the logits' whole gradient is a storage of its own (the cross-entropy's):
             # DTensor's redistribution copies the rank's columns out of it (V/t wide) and lets it go before the
             # weight's and the input's gradient mm (measured; the replay holds it to the op's end)
-            _, _, dying = self._ops[self._at]
-            gone = sum(self.alive.get((mb, sid), 0) for sid in dying)
+            _, _, dying = self._ops[self._at]  # the head's saved input goes after the op, as the replay has it
+            gone = sum(self.alive.get((mb, sid), 0) for sid in dying
+                       if self.cut.tl.storages[sid].category == "activation_grad")
             if gone:
                 self.fix = (self.live, gone, self.tcut.logits_grad())
 
