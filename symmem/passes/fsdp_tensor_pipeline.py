@@ -60,7 +60,6 @@ class _MeshUnits(_Units):
 
     def __init__(self, cut: _TensorCut, s: int, world: int, rank: int) -> None:
         from .data_parallel import held_shape, shard_rows, stored_shapes
-        from .fsdp_tensor import tp_shape
         from .parameters import in_registration_order, program_parameters
 
         g = cut.g
@@ -72,12 +71,24 @@ class _MeshUnits(_Units):
             owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
             if cut.stage_of(owner) != s:
                 continue
-            dims = tuple(_integer(d, cut.subs, name) for d in tp_shape(g, owner, shape))
+            dims = tuple(_integer(d, cut.subs, name) for d in _tp_shape(cut, owner, shape))
             rows = shard_rows(dims, world) if dims else 1
             shard = int(rows) * int(numel(dims[1:])) if dims else 1
             held = tuple(int(x) for x in held_shape(dims, world, rank))
             self.params.append(_Param(name, iteration(owner) or None, shard, held, f"{name}.grad"))
         self._arrange(world)
+
+
+def _tp_shape(cut: _TensorCut, owner: str, shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A parameter's shape on one tensor-parallel rank (:func:`~symmem.passes.fsdp_tensor.tp_shape`'s rule, the
+    unrolled graph's linears told apart by the cut's row-parallel set: its layers have no block)."""
+    from ..symbols import t
+
+    if len(shape) < 2:
+        return tuple(shape)  # the norms: replicated
+    if owner in cut.sizes.row:  # RowwiseParallel's linears: Shard(1)
+        return (shape[0], shape[1] / t, *shape[2:])
+    return (shape[0] / t, *shape[1:])  # the embedding, ColwiseParallel's weights: Shard(0)
 
 
 class _MeshReplay(_TensorReplay, _FsdpReplay):
