@@ -92,7 +92,7 @@ def test_the_cli_and_fit(capsys):
                  *sets]) == 0
     text = " ".join(capsys.readouterr().out.split())
     # gloo's on every rank (docs/regimes.md's first hand run): 183,584 / 206,408 and 155,756 / 178,712
-    assert "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2, tensor-parallel rank 0 of t = 2" in text
+    assert "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2, the t = 2 tensor-parallel ranks alike)" in text
     assert "ranks 0-3: 183,584 / 206,408 B; ranks 4-7: 155,756 / 178,712 B" in text
     case = ("llama", LLAMA, "1f1b", 2, "cross-entropy", {"attention": "sdpa"}, True)
     d = derived(*case)

@@ -38,7 +38,7 @@ from ..shapes import numel
 from ..training import Regime
 from .fsdp_pipeline import FsdpPipelineStep, _FsdpReplay, _Param, _Units, stage_at
 from .model_parallel import _integer, memory_of
-from .pipeline_step import StageMoment
+from .pipeline_step import BATCH, StageMoment
 from .tensor_pipeline import TensorPipelineStep, _TensorCut, _TensorReplay
 from .unroll import iteration
 
@@ -154,8 +154,8 @@ class Mesh3dStageMoment(StageMoment):
     def where(self, step: bool = True) -> str:
         head = f"stage {self.stage} of {self.stages}"
         return super().where(step).replace(head, f"rank {self.rank} (stage {self.stage} of {self.stages}, "
-                                                 f"data-parallel rank 0 of N = {self.world}, tensor-parallel rank 0 "
-                                                 f"of t = {self.ranks}, every one alike)", 1)
+                                                 f"data-parallel rank 0 of N = {self.world}, the t = {self.ranks} "
+                                                 "tensor-parallel ranks alike)", 1)
 
 
 @dataclass(eq=False)
@@ -176,7 +176,33 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
         return out
 
     def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
-        return None  # each batch replayed on its own
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`): the rank's sizes and the collectives' bytes packed
+        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`), FSDP's units alike at the three batches (packed
+        alike); None where the units differ between them (each replayed on its own)."""
+        import copy
+
+        from .model_parallel import batch_moments, pack_alike, pack_parts
+        from .tensor_pipeline import _TensorPackedCut
+
+        world = self._world(named)
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        cuts = [TensorPipelineStep._cut(self, n) for n in numbers]  # type: ignore[arg-type]
+        found = self._stages()
+
+        def make(packed: Any, plain: Any, s: int) -> Any:
+            memory = memory_of(found, s, packed.p)
+            units = [_MeshUnits(c, s, world, self.rank) for c in cuts]
+            if any(u.params != units[0].params for u in units):
+                return None
+            ats = [stage_at(memory, n, u, self.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
+            alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
+            alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
+            return _MeshReplay(_TensorPackedCut(packed, cuts), s, pack_parts(ats), self.schedule,
+                               self.micro_batches, alike, self.reshard), ats
+
+        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
