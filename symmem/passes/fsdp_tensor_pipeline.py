@@ -108,30 +108,10 @@ class _MeshReplay(_TensorReplay, _FsdpReplay):
         _TensorReplay.begin(self, kind, mb)
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        self.fix: tuple[int | None, int, int] | None = None
         _FsdpReplay.before(self, kind, node, mb)
         _TensorReplay.before(self, kind, node, mb)
-        if kind == "B" and node == self.tcut.sizes.head and not self.extra:
-            # the head's backward where the logits' whole gradient is a storage of its own (the cross-entropy's):
-            # DTensor's redistribution copies the rank's columns out of it (V/t wide) and lets it go before the
-            # weight's and the input's gradient mm (measured; the replay holds it to the op's end)
-            _, _, dying = self._ops[self._at]  # the head's saved input goes after the op, as the replay has it
-            gone = sum(self.alive.get((mb, sid), 0) for sid in dying
-                       if self.cut.tl.storages[sid].category == "activation_grad")
-            if gone:
-                self.fix = (self.live, gone, self.tcut.logits_grad())
-
-    def moment(self, live: int, node: str | None, mb: int | None) -> None:
-        if getattr(self, "fix", None) is not None:
-            base, gone, local = self.fix  # type: ignore[misc]
-            if base is not None:  # the copy beside the whole gradient, before the op's gradients are made
-                _TensorReplay.moment(self, base + local, node, mb)
-                self.fix = (None, gone, local)
-            live = live - gone + local
-        _TensorReplay.moment(self, live, node, mb)
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
-        self.fix = None
         _TensorReplay.after(self, kind, node, mb)
         _FsdpReplay.after(self, kind, node, mb)
 
