@@ -98,6 +98,7 @@ class _MeshReplay(_TensorReplay, _FsdpReplay):
     def __init__(self, cut: _TensorCut, s: int, at: Mapping[str, int], schedule: str, m: int, units: _Units,
                  reshard: bool) -> None:
         _FsdpReplay.__init__(self, cut, s, at, schedule, m, units, reshard)
+        # what _TensorReplay.__init__ sets (its super().__init__ is _FsdpReplay's here, with more arguments)
         self.tcut, self.extra, self.pass_ = cut, 0, 0
         self._extras = cut.collectives()
         self.head_backward, self.mode, self.accumulated = False, "", 0
