@@ -202,6 +202,8 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
     if not per_layer and type(convention).grads is not Convention.grads:
         if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero):
             step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
+        elif regime.tensor_parallel and regime.data_parallel and regime.pipeline_parallel:
+            step = _tensor_pipeline_step(model, convention, regime, values, options, front.ledger.numbers)
         elif regime.tensor_parallel and regime.data_parallel:
             step = _mesh_step(model, convention, regime, values, options, front.ledger.numbers)
         elif regime.tensor_parallel and regime.pipeline_parallel:
@@ -275,13 +277,24 @@ def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, 
     graph = model.graph
     loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
     one = replace(regime, tensor_parallel=False, sequence_parallel=False, pipeline_parallel=False,
-                  pipeline_schedule="1f1b", micro_batches=1)
-    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k not in ("t", "p")},
-                         options=options)
-    why = refusal(model.name, regime, loss, str(single.options.get("device", "cpu")))
+                  pipeline_schedule="1f1b", micro_batches=1, data_parallel=None)
+    single = _derivation(model, convention, one,
+                         {k: v for k, v in (values or {}).items() if k not in ("t", "p", "N")}, options=options)
+    device = str(single.options.get("device", "cpu"))
+    resolved = {k: single.options[k] for k in convention.options if k in single.options}
+    if regime.data_parallel:  # FSDP2 on the 3-D mesh, torchtitan's (passes/fsdp_tensor_pipeline.py)
+        from .passes.fsdp_tensor_pipeline import FsdpTensorPipelineStep
+        from .passes.fsdp_tensor_pipeline import refusal as mesh_refusal
+
+        why = mesh_refusal(model.name, regime, loss, device)
+        if why is not None:
+            return Refused(f"no peak: {why}")
+        return FsdpTensorPipelineStep(graph, convention, resolved, one, single.storages, dict(numbers),
+                                      regime.pipeline_schedule, regime.micro_batches,
+                                      reshard=regime.data_parallel == "fsdp")
+    why = refusal(model.name, regime, loss, device)
     if why is not None:
         return Refused(f"no peak: {why}")
-    resolved = {k: single.options[k] for k in convention.options if k in single.options}
     return TensorPipelineStep(graph, convention, resolved, one, single.storages, dict(numbers),
                               regime.pipeline_schedule, regime.micro_batches)
 

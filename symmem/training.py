@@ -300,9 +300,12 @@ class Regime:
             raise SymmemError(f"data_parallel={dp!r} with pipeline parallelism is not modelled: {_NOT_STAGED[dp]}; "
                               "DDP, ZeRO-1 and FSDP2 on every stage are (ddp, ddp-bucket-view, zero-redundancy, "
                               "fsdp, fsdp-no-reshard)")
+        if self.pipeline_parallel and dp in ("fsdp", "fsdp-no-reshard"):
+            # FSDP2 x TP x pipeline, torchtitan's 3-D mesh (passes/fsdp_tensor_pipeline.py)
+            return
         if self.pipeline_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor and pipeline parallelism (a 3-D mesh) is not "
-                              "modelled: give two of them")
+                              "modelled: FSDP2 on torchtitan's p x N x t mesh is (fsdp, fsdp-no-reshard)")
         if self.tensor_parallel:
             raise SymmemError(f"data_parallel={dp!r} with tensor parallelism is not modelled: {_NOT_MESHED[dp]}; "
                               "FSDP on an N x t mesh is (fsdp, fsdp-no-reshard, fsdp1 or fsdp1-grad-op)")

@@ -242,9 +242,9 @@ def test_the_peak_refuses_what_was_not_measured(engine):
      "symmem: error: data_parallel='ddp' with tensor parallelism is not modelled: PyTorch composes DDP with DTensor "
      "parameters only through the private torch.distributed.tensor.parallel.ddp._pre_dp_module_transform, which was "
      "not measured; FSDP on an N x t mesh is (fsdp, fsdp-no-reshard, fsdp1 or fsdp1-grad-op)\n"),
-    (["derive", "llama", "--data-parallel", "fsdp", "--tensor-parallel", "--pipeline-parallel"],
-     "symmem: error: data_parallel='fsdp' with tensor and pipeline parallelism (a 3-D mesh) is not modelled: give two "
-     "of them\n"),
+    (["derive", "llama", "--data-parallel", "fsdp1", "--tensor-parallel", "--pipeline-parallel"],
+     "symmem: error: data_parallel='fsdp1' with tensor and pipeline parallelism (a 3-D mesh) is not modelled: FSDP2 "
+     "on torchtitan's p x N x t mesh is (fsdp, fsdp-no-reshard)\n"),
 ])
 def test_combinations_the_engine_refuses(capsys, args, message):
     from symmem.cli import main

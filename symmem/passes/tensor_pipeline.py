@@ -184,6 +184,7 @@ class _TensorReplay(_Replay):
         self.extra = 0
         self.pass_ = 0
         self._extras = cut.collectives()
+        self.fix: tuple[int | None, int, int] | None = None  # the head's backward (before)
 
     def begin(self, kind: str, mb: int) -> None:
         self.pass_ = 0 if mb == 0 else 1
@@ -207,8 +208,23 @@ class _TensorReplay(_Replay):
                 self.accumulated = sum(self.alive.get((mb, sid), 0) for sid in dying if sid in grads)
             else:
                 self.mode = "op" if after is not None and after[0] == node and not after[1] else "op, held"
+        if kind == "B" and node == self.tcut.sizes.head and not self.extra:
+            # the head's backward where the logits' whole gradient is a storage of its own (the cross-entropy's):
+            # DTensor's redistribution copies the rank's columns out of it (V/t wide) and lets it go before the
+            # weight's and the input's gradient mm; the head's saved input goes after them (measured on the p x t
+            # and p x N x t meshes; the single-device step holds the whole gradient to the op's end)
+            gone = sum(self.alive.get((mb, sid), 0) for sid in dying
+                       if self.cut.tl.storages[sid].category == "activation_grad")
+            if gone:
+                self.fix = (self.live, gone, self.tcut.logits_grad())
 
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        if self.fix is not None:
+            base, gone, local = self.fix
+            if base is not None:  # the copy beside the whole gradient, before the op's gradients are made
+                super().moment(base + local, node, mb)
+                self.fix = (None, gone, local)
+            live = live - gone + local
         if self.mode.startswith("op"):
             # a column-parallel linear's weight-gradient mm: its input gradient's all-reduce not yet made; at the
             # head (measured, B = 1) the logits' gradient redistributed to the rank's columns (a contiguous copy,
@@ -224,7 +240,7 @@ class _TensorReplay(_Replay):
     def after(self, kind: str, node: str | None, mb: int) -> None:
         self.live -= self.extra
         self.extra = 0
-        self.head_backward, self.mode = False, ""
+        self.head_backward, self.mode, self.fix = False, "", None
 
 
 def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:

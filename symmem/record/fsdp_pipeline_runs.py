@@ -54,6 +54,8 @@ class StageMeshRun:
     steady_at: tuple[str, str] = ("", "")
     pipeline_peak: int = 0
     step_peak: int = 0
+    #: the tensor-parallel rank on a (p, N, t) mesh (FSDP x TP x pipeline; ``dp`` the data-parallel rank)
+    tp: int = 0
 
 
 def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
@@ -134,7 +136,7 @@ def _traced_stage(case: Any, s: int, stages: int, dp: int) -> tuple[Any, ...]:
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
-            where: tuple[int, int, int]) -> StageMeshRun:
+            where: tuple[int, ...]) -> StageMeshRun:
     """One unrecorded step, then the recorded ones (see the module's note); the :class:`StageMeshRun`."""
     from .identity import tensors
     from .model_parallel_runs import _buffers
@@ -186,9 +188,9 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     first_peak, first_at = _fewest_at(trace, firsts, gloo)
     steady, steady_at = _fewest_at(trace, steadies, gloo)
     phases = {phase: _fewest_phase(trace, steadies, gloo, phase) for phase in ("forward", "step")}
-    rank, s, dp = where
+    rank, s, dp, *tp = where
     return StageMeshRun(rank, s, dp, nbytes(params), state, first_peak, steady, first_at, steady_at,
-                        phases["forward"], phases["step"])
+                        phases["forward"], phases["step"], *tp)
 
 
 def mesh_of(stages: int, dp: int, start_method: str, runs: str) -> None:

@@ -48,26 +48,39 @@ def tensor_pipeline_stage(case: tuple[Any, ...], rank: int, world: int, stages: 
     from ..reference.sequence_models import causal_lm_loss
     from .model_parallel_runs import _stage_module, _sum_loss, static_shapes
 
-    model, values, schedule, m, loss, options, _ = case
-    options = {k: v for k, v in options.items() if k != "tensor_parallel"}
+    model, values, schedule, m, loss, options, reshard = case
+    dp = int(options.get("data_parallel", 1))  # FSDP2's ranks of a stage: a (p, N, t) mesh, torchtitan's 3-D one
+    options = {k: v for k, v in options.items() if k not in ("tensor_parallel", "data_parallel")}
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
-    t = world // stages
-    mesh = init_device_mesh("cpu", (stages, t), mesh_dim_names=("pp", "tp"))
+    t = world // stages // dp
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (stages, dp, t), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (stages, t), mesh_dim_names=("pp", "tp"))
     s, r = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
+    d = mesh.get_local_rank("dp") if dp > 1 else 0
     first, last = s == 0, s == stages - 1
     module = _stage_module(model, values, s, stages, options)
     parallelize_module(module, mesh["tp"], stage_plan(module, t))
+    if dp > 1:  # torchtitan's order: the plan first, then fully_shard on each layer and the stage root over dp
+        from torch.distributed.fsdp import fully_shard
+
+        from .sharded import units
+
+        for block in units(module):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
     b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
     given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
                           (b, seq, h))
     stage = PipelineStage(module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
-    gen = torch.Generator().manual_seed(1)  # every rank the same batch
+    gen = torch.Generator().manual_seed(1 + d)  # every tensor-parallel rank the same batch, each dp group its own
     ids = torch.randint(0, v, (b * m, seq), generator=gen)
     labels = torch.randint(0, v, (b * m, seq), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
-    return sched, stage, module, ids, labels, first, last, (rank, s, r)
+    return sched, stage, module, ids, labels, first, last, (rank, s, d, r) if dp > 1 else (rank, s, r)
 
 
 def is_tensor_case(case: tuple[Any, ...]) -> bool:
