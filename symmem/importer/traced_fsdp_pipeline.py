@@ -54,7 +54,7 @@ from .traced_step import StepPeak, _locate
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
 ENGINES = ("fsdp", "fsdp-no-reshard")
 #: the Hugging Face model types whose manual split was measured under FSDP x pipeline (record/traced_pipeline_runs)
-MEASURED = {"gpt2": "GPT-2", "llama": "Llama"}
+MEASURED = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
 
 def refusal(step: StepPeak | None, regime: Regime) -> str | None:
