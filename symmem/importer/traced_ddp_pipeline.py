@@ -16,9 +16,11 @@ The truth is :mod:`symmem.record.ddp_pipeline_runs` running the module's manual 
 (:class:`~symmem.record.traced_pipeline_runs.SequentialSplit`) with each stage wrapped in
 ``DistributedDataParallel`` over ``mesh["dp"]`` (tests/test_ddp_pipeline.py): exact on every rank of a 2 x 2 gloo
 mesh.  Measured for a file module whose forward runs its children one after another (a weight tied within a
-stage and to the head: each stage's copy, as the pipeline alone counts it) and for Hugging Face GPT-2 (its manual
+stage and to the head: each stage's copy, as the pipeline alone counts it), for Hugging Face GPT-2 (its manual
 split, :class:`~symmem.record.traced_pipeline_runs.GPT2Split`, tied or not, with the schedule's loss or the
-model's own), FP32; another Hugging Face model's stages are refused in one line (not measured).
+model's own) and for Hugging Face Llama, Mistral and Qwen2
+(:class:`~symmem.record.traced_pipeline_runs.LlamaSplit`: each stage makes its own position ids, mask and rotary
+tables), FP32; another Hugging Face model's stages are refused in one line (not measured).
 
 >>> from symmem.training import Regime
 >>> refusal(None, Regime(data_parallel="fsdp")) is not None

@@ -14,9 +14,10 @@ symmem folds into ``L`` (``p`` must divide them) go ``L/p`` to a stage in order;
 (the input layer) is stage 0's, what runs after the last (the head, the loss) the last stage's; in backward the
 other way round. The module's forward must pass one tensor from block to block and nothing else across a stage
 boundary: a tensor made before the blocks and read by them (a mask, rotary tables) would be made on every stage,
-which a recorded single-device step does not show -- refused in one line, but for Hugging Face Llama
-(:data:`PER_STAGE`), whose manual split runs ``LlamaModel.forward`` on every stage: the forward ops before the first
-block outside a module with parameters (position ids, the causal mask's checks, ``rotary_emb``) run on every stage,
+which a recorded single-device step does not show -- refused in one line, but for Hugging Face Llama, Mistral and
+Qwen2 (:data:`PER_STAGE`), whose manual split runs ``LlamaModel.forward`` (``MistralModel``'s, ``Qwen2Model``'s) on
+every stage: the forward ops before the first block outside a module with parameters (position ids, the causal or
+sliding-window mask, ``rotary_emb``) run on every stage,
 each stage with its own copy of what they make (:func:`_prelude`, :func:`_stage_copies`), its rotary buffers on
 every stage. So is a parameter a forward op reads on
 another stage than its module's (a head written ``x @ self.emb.weight.T`` in the module's own code): the real stage
