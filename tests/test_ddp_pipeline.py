@@ -291,3 +291,22 @@ def test_a_traced_module_not_in_fp32_is_refused():
               values={"p": 2, "N": 2})
     assert d.to_dict()["peak_refused"] == (
         "no peak: the DDP x pipeline peak of a traced module is measured for FP32 parameters")
+
+
+def test_another_hugging_face_model_on_stages_is_refused():
+    """A Hugging Face model type whose manual split was not measured (OPT) is one line naming those that were, under
+    DDP and FSDP x pipeline alike (the step stands in for a traced one: the refusal reads its module's config)."""
+    from types import SimpleNamespace
+
+    from symmem.importer import traced_ddp_pipeline, traced_fsdp_pipeline
+    from symmem.training import Regime
+
+    module = torch.nn.Linear(2, 2)
+    module.config = SimpleNamespace(model_type="opt", is_encoder_decoder=False)
+    step = SimpleNamespace(repeat=1, module=module, options=SimpleNamespace(loss="sum", checkpoint=None,
+                                                                           autocast=None, impl="for-loop"))
+    for engine, refusal in (("ddp", traced_ddp_pipeline.refusal), ("fsdp", traced_fsdp_pipeline.refusal)):
+        layout = "DDP" if engine == "ddp" else "FSDP"
+        assert refusal(step, Regime(pipeline_parallel=True, data_parallel=engine, optimizer="adamw")) == (
+            f"the {layout} x pipeline peak of a Hugging Face model is measured for GPT-2's, Llama's, Mistral's and "
+            "Qwen2's stages, not 'opt''s")

@@ -575,7 +575,8 @@ def engine_refusal(step: StepPeak, regime: Any, layout: str, measured: Mapping[s
     config = getattr(step.module, "config", None)
     if config is not None and getattr(config, "model_type", None) not in measured:
         # measured on the manual splits of record/traced_pipeline_runs.py only
-        names = " and ".join(f"{n}'s" for n in measured.values())
+        listed = [f"{n}'s" for n in measured.values()]
+        names = " and ".join([", ".join(listed[:-1]), listed[-1]] if len(listed) > 1 else listed)
         return (f"the {layout} peak of a Hugging Face model is measured for {names} stages, not "
                 f"{getattr(config, 'model_type', None)!r}'s")
     import torch
