@@ -11,6 +11,7 @@ each moment's fewest bytes over repeated steps, DDP's buckets counted from the s
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,13 @@ CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "drop
 #: parameters: rank 0 30,160 B of AdamW state, rank 1 29,992)
 BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 TRACED = [("1f1b", 2, "ddp-bucket-view"), ("gpipe", 3, "zero-redundancy")]
+#: Hugging Face Llama in the same spawn (its manual split, LlamaSplit: every stage makes its own position ids and
+#: rotary tables, the frequencies a buffer of every stage), ZeRO-1, 1F1B, M = 2, the loss ``sum``: the last stage's
+#: data-parallel rank 0 owns the head and steps it first (ZeroRedundancyOptimizer's largest-first order), the head's
+#: ``denom`` alive through the next parameter's ``sqrt`` and ``div`` (once walked 1,984 B low)
+LLAMA_HF = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 32, "vocab_size": 33, "tie_word_embeddings": False, "use_cache": False}
+HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
 def _derive(model, values, schedule, m, loss, options, engine, **more):
@@ -67,8 +75,15 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     split = SequentialSplit(("inp",), "blocks", ("head",))
     traced = [(TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), engine)
               for schedule, m, engine in TRACED]
+    if HAS_HF:
+        from symmem.record.traced_pipeline_runs import LlamaSplit
+
+        traced.append((TracedCase(SpecBuilder("hf:llama", tuple(sorted(LLAMA_HF.items()))), LlamaSplit(), "1f1b", 2,
+                                  "sum", (2, 8, 33), (2, 8, 16)), "zero-redundancy"))
     everything = ddp_pipeline_runs(2, 2, [*CASES, *traced], start_method="forkserver")
-    _check_traced([rank[len(CASES):] for rank in everything])
+    _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
+    if HAS_HF:
+        _check_hf_llama([rank[len(CASES) + len(TRACED)] for rank in everything])
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -159,6 +174,36 @@ def _check_traced(everything):
     assert everything[0][1].optimizer_state - everything[1][1].optimizer_state == 168
 
 
+def _check_hf_llama(real):
+    """Hugging Face Llama's stages under ZeRO-1 (symmem.importer.traced_ddp_pipeline) against the real engine on its
+    manual split: every rank's weights, AdamW state of the parameters it owns, first and steady peak, the largest
+    moment of its schedule and of its optimizer step, to the byte; the views' largest rank, every rank's peak and
+    parameter side (the real rank's weights and state, a whole gradient and DDP's buckets as many bytes again)."""
+    from symmem.importer import sources
+    from symmem.passes.data_parallel import rank_peaks
+
+    loaded = sources.load("hf:llama", config=LLAMA_HF)
+    d = sources.trace(loaded, sources.parse_dims("B,S", loaded), optimizer="adamw", loss="sum", check=False,
+                      pipeline_parallel=True, pipeline_schedule="1f1b", data_parallel="zero-redundancy",
+                      micro_batches=2, values={"p": 2, "N": 2})
+    named = {s.name: int(v) for s, v in d.numbers.items()}
+    for r in real:
+        mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
+        assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), r
+        assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
+            r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), r
+    top = max(real, key=lambda r: (r.steady_peak, -r.rank))
+    assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, max(r.first_peak for r in real))
+    assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}
+    side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": r.parameters,
+                          "optimizer_state": r.optimizer_state, "total": 3 * r.parameters + r.optimizer_state}
+            for r in real}
+    assert d.to_dict()["values"]["parameter_side_per_rank"] == side
+    # whole parameters partitioned: the ranks of a stage own different state; rank 2 steps the head (2,112 B) first
+    assert real[0].optimizer_state != real[1].optimizer_state and real[2].optimizer_state != real[3].optimizer_state
+    assert [r.step_peak for r in real[2:]] == [58_612, 58_552]
+
+
 def test_the_cli_table_names_the_rank_and_fit(capsys):
     """The table's peak line names the rank; ``fit`` finds the largest B whose largest rank fits (fresh derives on
     each side of the budget)."""
@@ -246,3 +291,22 @@ def test_a_traced_module_not_in_fp32_is_refused():
               values={"p": 2, "N": 2})
     assert d.to_dict()["peak_refused"] == (
         "no peak: the DDP x pipeline peak of a traced module is measured for FP32 parameters")
+
+
+def test_another_hugging_face_model_on_stages_is_refused():
+    """A Hugging Face model type whose manual split was not measured (OPT) is one line naming those that were, under
+    DDP and FSDP x pipeline alike (the step stands in for a traced one: the refusal reads its module's config)."""
+    from types import SimpleNamespace
+
+    from symmem.importer import traced_ddp_pipeline, traced_fsdp_pipeline
+    from symmem.training import Regime
+
+    module = torch.nn.Linear(2, 2)
+    module.config = SimpleNamespace(model_type="opt", is_encoder_decoder=False)
+    step = SimpleNamespace(repeat=1, module=module, options=SimpleNamespace(loss="sum", checkpoint=None,
+                                                                           autocast=None, impl="for-loop"))
+    for engine, refusal in (("ddp", traced_ddp_pipeline.refusal), ("fsdp", traced_fsdp_pipeline.refusal)):
+        layout = "DDP" if engine == "ddp" else "FSDP"
+        assert refusal(step, Regime(pipeline_parallel=True, data_parallel=engine, optimizer="adamw")) == (
+            f"the {layout} x pipeline peak of a Hugging Face model is measured for GPT-2's, Llama's, Mistral's and "
+            "Qwen2's stages, not 'opt''s")

@@ -7,8 +7,9 @@ schedule's order (symmem.importer.traced_pipeline), equals the live bytes measur
 One process group of two ranks runs every case (symmem.record.traced_pipeline_runs): a file module with a
 ModuleList of 4 blocks (tests/data/traced_block.py; a variant with a weight tied across stages) and Hugging Face's
 GPT-2 from a config (n_layer 4, untied head; tied, each stage holding its own copy) and Hugging Face's Llama (each
-stage making its own rotary tables, its own loss the schedule's loss_fn).  A parameter read on another stage than
-its module's (traced_block.py:build_reads) is refused in one line.
+stage making its own rotary tables, its own loss the schedule's loss_fn), Mistral (a sliding-window mask made on
+every stage) and Qwen2 (q/k/v biases).  A parameter read on another stage than its module's
+(traced_block.py:build_reads) is refused in one line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions"
 #: tables (LlamaSplit runs LlamaModel.forward on every stage), the rotary frequencies a buffer of every stage
 LLAMA = {"num_hidden_layers": 4, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
          "intermediate_size": 32, "vocab_size": 32, "tie_word_embeddings": False, "use_cache": False}
+#: Mistral and Qwen2, the causal LMs built like Llama (LlamaSplit splits them alike), one decoder layer a stage:
+#: Mistral with a sliding window shorter than S = 8 (every stage makes its own sliding-window mask, B x 1 x S x S),
+#: Qwen2 with its q/k/v biases
+MISTRAL = {**LLAMA, "num_hidden_layers": 2, "sliding_window": 4}
+QWEN2 = {**LLAMA, "num_hidden_layers": 2}
 #: (spec, config, schedule, M, loss): the file module at its example B = 4 (the optimizer step is the peak of some
 #: stages, the schedule of others), GPT-2 at B = 2, S = 8; GPT-2 given labels (``output``: HF's own loss, which
 #: the real run computes as the schedule's loss_fn, the model's loss_function on the last stage's logits); GPT-2
@@ -48,7 +54,9 @@ CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross
          ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum"),
          ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "output"),
          ("hf:gpt2", tuple(sorted({**GPT2, "tie_word_embeddings": True}.items())), "1f1b", 2, "output"),
-         (TIED, (), "gpipe", 2, "cross-entropy"), ("hf:llama", tuple(sorted(LLAMA.items())), "1f1b", 3, "output")]
+         (TIED, (), "gpipe", 2, "cross-entropy"), ("hf:llama", tuple(sorted(LLAMA.items())), "1f1b", 3, "output"),
+         ("hf:mistral", tuple(sorted(MISTRAL.items())), "1f1b", 2, "output"),
+         ("hf:qwen2", tuple(sorted(QWEN2.items())), "gpipe", 2, "sum")]
 
 
 @functools.cache
@@ -70,7 +78,7 @@ def _derived(spec, config, schedule, m, loss):
 def _case(spec, config, schedule, m, loss):
     from symmem.record.traced_pipeline_runs import GPT2Split, LlamaSplit, SequentialSplit, TracedCase
 
-    if spec == "hf:llama":
+    if spec in ("hf:llama", "hf:mistral", "hf:qwen2"):
         return TracedCase(SpecBuilder(spec, config), LlamaSplit(), schedule, m, loss, (2, 8, 32), (2, 8, 16))
     if spec.startswith("hf:"):
         return TracedCase(SpecBuilder(spec, config), GPT2Split(), schedule, m, loss, (2, 8, 64), (2, 8, 32))
@@ -145,11 +153,12 @@ def test_views_name_the_stage_and_fit_solves_b(capsys):
     ("hf", ["--loss", "sum", "--set", "p=2"], "peak per stage (MiB) 0: 0.13, 1: 0.13"),
     # given labels, HF's own loss is the schedule's loss_fn (test_every_stage_of_a_traced_module_...): a peak
     ("hf-untied", ["--loss", "cross-entropy", "--set", "p=2"], "peak per stage (MiB) 0: 0.13, 1: 0.13"),
-    # Llama: each stage makes its own rotary tables (LlamaSplit), a peak (test_every_stage_of_a_traced_module_...);
-    # another model with rotary tables: its split was not measured
-    ("mistral", ["--loss", "sum", "--set", "p=2"], "no peak: the pipeline peak of a traced module is modelled for "
-     "modules without buffers (model.rotary_emb.inv_freq: its stage is not followed) and Hugging Face Llama (each "
-     "stage of its manual split makes its own rotary tables, its frequencies a buffer of every stage)"),
+    # Llama, Mistral, Qwen2: each stage makes its own rotary tables (LlamaSplit), a peak
+    # (test_every_stage_of_a_traced_module_...); another model with rotary tables (Qwen3): its split was not measured
+    ("qwen3", ["--loss", "sum", "--set", "p=2"], "no peak: the pipeline peak of a traced module is modelled for "
+     "modules without buffers (model.rotary_emb.inv_freq: its stage is not followed) and Hugging Face Llama, "
+     "Mistral and Qwen2 (each stage of their manual split makes its own rotary tables, their frequencies a buffer of "
+     "every stage)"),
     # given labels: the encoder's output every decoder block reads is the obstacle (two tensors a boundary)
     ("bart", ["--loss", "cross-entropy", "--set", "p=2"], "no peak: the pipeline peak of a traced encoder-decoder "
      "is not modelled: every decoder block reads the encoder's output (cross-attention), so its stages pass two "
@@ -165,7 +174,7 @@ def test_refusals(capsys, config, args, message):
     bart = ("encoder_layers=2,decoder_layers=2,d_model=16,encoder_attention_heads=2,decoder_attention_heads=2,"
             "encoder_ffn_dim=32,decoder_ffn_dim=32,vocab_size=32,max_position_embeddings=32,use_cache=false")
     spec = {"": [BLOCK, "--dims", "B"], "llama": ["hf:llama", "--config", llama, "--dims", "B,S"],
-            "mistral": ["hf:mistral", "--config", llama, "--dims", "B,S"],
+            "qwen3": ["hf:qwen3", "--config", f"{llama},head_dim=8", "--dims", "B,S"],
             "bart": ["hf:bart", "--config", bart, "--dims", "B,S"]}.get(
         config, ["hf:gpt2", "--config", gpt2, "--dims", "B,S"])
     pipeline = [] if "--pipeline-parallel" in args else ["--pipeline-parallel", "gpipe", "--micro-batches", "2"]
@@ -266,3 +275,22 @@ def test_a_parameter_read_on_another_stage_than_its_module_s_is_refused():
                        r"its own holding the parameter, tied \(as a head tied to the embedding: symmem counts each "
                        r"stage's copy\)$"):
         d.value("peak")
+
+
+def test_decoder_layers_of_two_attention_types_are_refused():
+    """Qwen2 with ``use_sliding_window`` below ``max_window_layers``: its layers are of two kinds (``layer_types``),
+    not one run of alike blocks -- refused in one line naming them (measured: all full or all sliding attention)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from symmem.importer.traced_pipeline import refusal
+    from symmem.training import Regime
+
+    config = Qwen2Config(**{**QWEN2, "num_hidden_layers": 4}, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=2)
+    step = SimpleNamespace(repeat=1, module=Qwen2ForCausalLM(config))
+    assert refusal(step, Regime(pipeline_parallel=True)) == (
+        "the pipeline peak of a traced Hugging Face model is modelled when its decoder layers are of one attention "
+        "type (measured: all 'full_attention' or all 'sliding_attention'); config.layer_types mixes "
+        "'full_attention' and 'sliding_attention'")

@@ -16,9 +16,11 @@ The truth is :mod:`symmem.record.ddp_pipeline_runs` running the module's manual 
 (:class:`~symmem.record.traced_pipeline_runs.SequentialSplit`) with each stage wrapped in
 ``DistributedDataParallel`` over ``mesh["dp"]`` (tests/test_ddp_pipeline.py): exact on every rank of a 2 x 2 gloo
 mesh.  Measured for a file module whose forward runs its children one after another (a weight tied within a
-stage and to the head: each stage's copy, as the pipeline alone counts it) and for Hugging Face GPT-2 (its manual
+stage and to the head: each stage's copy, as the pipeline alone counts it), for Hugging Face GPT-2 (its manual
 split, :class:`~symmem.record.traced_pipeline_runs.GPT2Split`, tied or not, with the schedule's loss or the
-model's own), FP32; another Hugging Face model's stages are refused in one line (not measured).
+model's own) and for Hugging Face Llama, Mistral and Qwen2
+(:class:`~symmem.record.traced_pipeline_runs.LlamaSplit`: each stage makes its own position ids, mask and rotary
+tables), FP32; another Hugging Face model's stages are refused in one line (not measured).
 
 >>> from symmem.training import Regime
 >>> refusal(None, Regime(data_parallel="fsdp")) is not None
@@ -51,6 +53,8 @@ from .traced_step import StepPeak
 
 #: the engines DDP x pipeline places on every stage
 ENGINES = ("ddp", "ddp-bucket-view", "zero-redundancy")
+#: the Hugging Face model types whose manual split was measured under DDP x pipeline (record/traced_pipeline_runs)
+MEASURED = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
 
 def refusal(step: StepPeak | None, regime: Regime) -> str | None:
@@ -61,7 +65,7 @@ def refusal(step: StepPeak | None, regime: Regime) -> str | None:
                 f"zero-redundancy, not data_parallel={regime.data_parallel!r}")
     if step is None:
         return None
-    return engine_refusal(step, regime, "DDP x pipeline", {"gpt2": "GPT-2"})
+    return engine_refusal(step, regime, "DDP x pipeline", MEASURED)
 
 
 def stage_parameters(cut: TracedCut) -> list[list[int]]:
@@ -83,7 +87,10 @@ def ordered_step_peak(rec: StepRecord, cut: TracedCut, order: Sequence[str], bas
     """The largest moment of a steady optimizer step running the recorded step's ops of the parameters ``order``
     names, in that order, from ``base``: what one parameter's ops keep past them (the for-loop's ``denom``) is freed
     at the op of the next parameter in ``order`` that frees its predecessor's in the recorded step (every
-    parameter's ops alike: one pattern, or an error).
+    parameter's ops alike: one pattern, or an error) -- the recorded last parameter's too, which the recorded step
+    frees at its own last op, the step's end (measured on HF Llama's last stage, where ZeRO-1's rank steps the head
+    first: its ``denom`` alive through the next parameter's ``sqrt`` and ``div``, 1,984 B above the walk that
+    freed it with the head).
 
     With ``order`` the recorded order it is :func:`~.traced_pipeline._step_peak`'s walk."""
     blocks: dict[str, list[Any]] = {}
@@ -107,6 +114,9 @@ def ordered_step_peak(rec: StepRecord, cut: TracedCut, order: Sequence[str], bas
         raise SymmemError("the recorded optimizer step runs different ops per parameter: its parameters' order "
                           "cannot be changed (ZeroRedundancyOptimizer's)")
     pattern = patterns.pop() if patterns else ()
+    # what the next parameter frees (the for-loop's denom): the recorded last parameter's own last op frees it too
+    # (the step returns), which in another order is not the step's end -- it goes with the next one's
+    carried = {(k2, j2) for _, k2, j2 in pattern}
     live = best = base
     kept: dict[tuple[int, int], int] = {}  # the previous parameter's storages still alive
     for name in order:
@@ -117,7 +127,7 @@ def ordered_step_peak(rec: StepRecord, cut: TracedCut, order: Sequence[str], bas
                 live += mine[(k, j)]
             best = max(best, live)
             for i in o.freed:
-                if i in role and role[i][0] == name:
+                if i in role and role[i][0] == name and role[i][1:] not in carried:
                     live -= mine.pop(role[i][1:], 0)
             for at, k2, j2 in pattern:
                 if at == k:

@@ -12,8 +12,9 @@ rank's held rows.  The truth is :mod:`symmem.record.fsdp_pipeline_runs` running 
 on the stage root over ``mesh["dp"]`` (tests/test_fsdp_pipeline.py).
 
 Measured (and so modelled) for a file module whose forward runs its children one after another and for Hugging
-Face GPT-2 and Llama (their manual splits, :class:`~symmem.record.traced_pipeline_runs.GPT2Split` and
-:class:`~symmem.record.traced_pipeline_runs.LlamaSplit`: each Llama stage makes its own rotary tables), FP32, tied
+Face GPT-2, Llama, Mistral and Qwen2 (their manual splits, :class:`~symmem.record.traced_pipeline_runs.GPT2Split`
+and :class:`~symmem.record.traced_pipeline_runs.LlamaSplit`: each Llama, Mistral or Qwen2 stage makes its own rotary
+tables and mask), FP32, tied
 parameters too (each stage's copy a parameter of its own stage's root, sharded there, never synchronized), and a
 Hugging Face model's own loss (the schedule's ``loss_fn`` after the head: the stage root's post-forward before it);
 another Hugging Face model's stages under FSDP are refused in one line.
@@ -54,7 +55,7 @@ from .traced_step import StepPeak, _locate
 #: the engines FSDP x pipeline places on every stage (FSDP2; reshard_after_forward or not)
 ENGINES = ("fsdp", "fsdp-no-reshard")
 #: the Hugging Face model types whose manual split was measured under FSDP x pipeline (record/traced_pipeline_runs)
-MEASURED = {"gpt2": "GPT-2", "llama": "Llama"}
+MEASURED = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
 
 def refusal(step: StepPeak | None, regime: Regime) -> str | None:

@@ -14,9 +14,10 @@ symmem folds into ``L`` (``p`` must divide them) go ``L/p`` to a stage in order;
 (the input layer) is stage 0's, what runs after the last (the head, the loss) the last stage's; in backward the
 other way round. The module's forward must pass one tensor from block to block and nothing else across a stage
 boundary: a tensor made before the blocks and read by them (a mask, rotary tables) would be made on every stage,
-which a recorded single-device step does not show -- refused in one line, but for Hugging Face Llama
-(:data:`PER_STAGE`), whose manual split runs ``LlamaModel.forward`` on every stage: the forward ops before the first
-block outside a module with parameters (position ids, the causal mask's checks, ``rotary_emb``) run on every stage,
+which a recorded single-device step does not show -- refused in one line, but for Hugging Face Llama, Mistral and
+Qwen2 (:data:`PER_STAGE`), whose manual split runs ``LlamaModel.forward`` (``MistralModel``'s, ``Qwen2Model``'s) on
+every stage: the forward ops before the first block outside a module with parameters (position ids, the causal or
+sliding-window mask, ``rotary_emb``) run on every stage,
 each stage with its own copy of what they make (:func:`_prelude`, :func:`_stage_copies`), its rotary buffers on
 every stage. So is a parameter a forward op reads on
 another stage than its module's (a head written ``x @ self.emb.weight.T`` in the module's own code): the real stage
@@ -77,8 +78,9 @@ KEEP = ("logits", "loss")
 #: how a storage made by an op every stage runs (:func:`_prelude`) names stage 0's copy's maker
 MADE = " [made on stage 0]"
 #: the Hugging Face model types whose stages each make what runs before the blocks outside a module with
-#: parameters (position ids, rotary tables): measured on their manual split (record/traced_pipeline_runs.LlamaSplit)
-PER_STAGE = ("llama",)
+#: parameters (position ids, the causal or sliding-window mask, rotary tables): measured on their manual split
+#: (record/traced_pipeline_runs.LlamaSplit: Llama; Mistral with a sliding window; Qwen2, its q/k/v biases)
+PER_STAGE = ("llama", "mistral", "qwen2")
 
 
 def _stage_of_ops(rec: StepRecord, p: int) -> dict[int, int]:
@@ -573,7 +575,8 @@ def engine_refusal(step: StepPeak, regime: Any, layout: str, measured: Mapping[s
     config = getattr(step.module, "config", None)
     if config is not None and getattr(config, "model_type", None) not in measured:
         # measured on the manual splits of record/traced_pipeline_runs.py only
-        names = " and ".join(f"{n}'s" for n in measured.values())
+        listed = [f"{n}'s" for n in measured.values()]
+        names = " and ".join([", ".join(listed[:-1]), listed[-1]] if len(listed) > 1 else listed)
         return (f"the {layout} peak of a Hugging Face model is measured for {names} stages, not "
                 f"{getattr(config, 'model_type', None)!r}'s")
     import torch
@@ -600,8 +603,15 @@ def refusal(step: StepPeak, regime: Any) -> str | None:
     buffers = [n for n, _ in step.module.named_buffers()]
     if buffers and not per_stage(step):  # Llama's rotary frequencies: held by every stage (stage_memory)
         return (f"the pipeline peak of a traced module is modelled for modules without buffers ({buffers[0]}: its "
-                "stage is not followed) and Hugging Face Llama (each stage of its manual split makes its own rotary "
-                "tables, its frequencies a buffer of every stage)")
+                "stage is not followed) and Hugging Face Llama, Mistral and Qwen2 (each stage of their manual split "
+                "makes its own rotary tables, their frequencies a buffer of every stage)")
+    kinds = sorted(set(getattr(getattr(step.module, "config", None), "layer_types", None) or ()))
+    if per_stage(step) and len(kinds) > 1:
+        # Qwen2 with use_sliding_window below max_window_layers: two kinds of decoder layer, not one run of alike
+        # blocks (the fold in L takes the longest run; the split's stages would hold different kinds)
+        return (f"the pipeline peak of a traced Hugging Face model is modelled when its decoder layers are of one "
+                f"attention type (measured: all {kinds[0]!r} or all 'sliding_attention'); config.layer_types mixes "
+                f"{' and '.join(map(repr, kinds))}")
     if step.options.loss == "output" and not own_loss(step):
         return ("the pipeline peak of a traced module computing its own loss is modelled for Hugging Face models "
                 "given labels (the schedule's loss_fn is then the model's loss_function on the last stage's "

@@ -86,12 +86,16 @@ class GPT2Split:
 
 @dataclass(frozen=True)
 class LlamaSplit:
-    """The manual split of Hugging Face's ``LlamaForCausalLM``: every stage runs ``LlamaModel.forward`` itself on
-    its ``L/p`` decoder layers -- stage 0 from the token ids through ``embed_tokens``, a later stage from the hidden
-    states it receives (``inputs_embeds``) -- so each stage makes its own position ids, checks its causal mask and
-    makes its rotary tables (``rotary_emb``, its frequencies a buffer of every stage) for its layers: one tensor
-    crosses a boundary, the hidden states.  The final norm runs on the last stage (an identity before it), then
-    the head as ``LlamaForCausalLM.forward`` runs it."""
+    """The manual split of Hugging Face's ``LlamaForCausalLM`` -- and of the causal LMs built like it,
+    ``MistralForCausalLM`` (a sliding-window mask) and ``Qwen2ForCausalLM`` (q/k/v biases, per-layer attention
+    types): every stage runs the model's own ``model.forward`` (``LlamaModel``'s, ``MistralModel``'s,
+    ``Qwen2Model``'s) itself on its ``L/p`` decoder layers -- stage 0 from the token ids through ``embed_tokens``, a
+    later stage from the hidden states it receives (``inputs_embeds``) -- so each stage makes its own position ids,
+    its causal (or sliding-window) mask and its rotary tables (``rotary_emb``, its frequencies a buffer of every
+    stage) for its layers: one tensor crosses a boundary, the hidden states.  The final norm runs on the last stage
+    (an identity before it), then the head as ``LlamaForCausalLM.forward`` runs it.  Qwen2's ``Qwen2Model`` picks
+    layer ``i``'s mask by ``config.layer_types[i]`` counting its own layers from 0: each stage's config lists its
+    layers' types (the stage's slice), as a stage built on its own would."""
 
     container = "model.layers"
 
@@ -105,6 +109,9 @@ class LlamaSplit:
         first, last = rank == 0, rank == world - 1
         model = full.model
         model.layers = nn.ModuleList(blocks[rank * each:(rank + 1) * each])
+        types = getattr(model.config, "layer_types", None)
+        if types is not None:  # the stage's own layers' attention types (each rank builds its own model)
+            model.config.layer_types = list(types[rank * each:(rank + 1) * each])
         if not first:
             model.embed_tokens = None
         if not last:
