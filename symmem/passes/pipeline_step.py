@@ -31,7 +31,7 @@ schedule's own first micro-batch, and frees all it makes (measured, torch 2.13; 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,13 @@ class StageMoment(Moment):
     stage: int = 0
     stages: int = 1
     micro_batch: int | None = None
+    #: what the formula holds at, in words (the schedule's numbers; a line in B where no formula was read):
+    #: :mod:`.pipeline_formula`
+    held_at: Callable[[], str] | None = field(default=None, compare=False, repr=False)
+
+    def pinned(self) -> str:
+        """What the moment's formula keeps at its numbers (``at p = 4, M = 4``), in words."""
+        return self.held_at() if self.held_at is not None else ""
 
     def where(self, step: bool = True) -> str:
         layer = f" (layer {self.layer})" if self.layer else ""
@@ -122,11 +129,17 @@ class PipelineStep:
         if type(self)._make_replays is not PipelineStep._make_replays:
             return None
         from .model_parallel import batch_moments, requires
+        from .pipeline_formula import keeping
 
         requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
-        return batch_moments(self.graph, self.conv, self.options, self.regime,
-                             [{**named, BATCH: b + k} for k in range(3)], self._stages(), schedule=self.schedule,
-                             micro_batches=self.micro_batches, memo=self._memo())
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        # each stage's replay as batch_moments makes it, its plans kept for the moments' formulas (pipeline_formula)
+        make, kept = keeping(self._stages(), numbers, self.schedule, self.micro_batches)
+        found = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
+                              schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if found is not None:
+            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
+        return found
 
     def _memo(self) -> dict[Any, Any]:
         """What the replays at several sets of numbers share (the simulated single-device step: :class:`_Cut`)."""
@@ -170,11 +183,15 @@ class PipelineStep:
         from .unroll import iteration, template
 
         found = self._batch_moments(named, b) if line is not None else None
+        packed = found is not None
         if found is None:
             runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
             found = [([r[s].moments for r in runs], [r[s].at for r in runs]) for s in range(len(runs[0]))]
         batch = sympy.Symbol(BATCH, positive=True, integer=True)
         p = len(found)
+        # each moment's formula in the sizes, read when first asked for (the stage alone: an engine around it adds
+        # what its replay holds, not yet read as formulas)
+        sizes = _Sizes(self, named, b, line is not None and packed, batch) if type(self) is PipelineStep else None
         steady: list[Moment] = []
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):
@@ -199,15 +216,24 @@ class PipelineStep:
                 for (a, c, is_step), (node, mb) in _upper(lines if which == "steady" else firsts).items():
                     label = None if node in (None, "merge_chunks") else node
                     layer = str(iteration(label)) if label and iteration(label) else ""
+                    steady_a = a + (state if which == "first" and not is_step else 0)  # the same moment's
+                    extra = {} if sizes is None else sizes.of(s, steady_a, a, c, which == "first", is_step, node)
                     found.append(StageMoment("step" if is_step else "pipeline", step=which,
-                                             live={"live": a + c * batch}, node=template(label) if label else node,
-                                             layer=layer, stage=s, stages=p, micro_batch=mb))
+                                             node=template(label) if label else node,
+                                             layer=layer, stage=s, stages=p, micro_batch=mb,
+                                             **(extra or {"live": {"live": a + c * batch},
+                                                          "held_at": self._held_at(named)})))
         # a positive size's equation stays as it is: sympy's evaluation only asks the symbols' assumptions whether
         # it is decided (about a millisecond each)
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v, evaluate=v < 1)
                        for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
+
+    def _held_at(self, named: Mapping[str, int]) -> Callable[[], str]:
+        """Where a moment is a line in B (an engine around the stages): what it holds at, in words."""
+        said = f"a line in B, the other sizes at their numbers, p = {named.get('p')}, M = {self.micro_batches}"
+        return lambda: said
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return self.peak().holds_at(numbers)
@@ -237,3 +263,40 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
             kept[k] = lines[k]
             steepest = k[1]
     return kept
+
+
+class _Sizes:
+    """The plain pipeline's moments with their formulas in the sizes (:mod:`.pipeline_formula`), built on first
+    use; the bytes at the derivation's sizes stay the lines' (no formula is built to compare moments there)."""
+
+    def __init__(self, step: PipelineStep, named: Mapping[str, int], b: int, packed: bool,
+                 batch: sympy.Symbol) -> None:
+        from .pipeline_formula import StageFormulas
+
+        self.formulas = StageFormulas(step, named, b, packed)
+        self.batch = batch
+        self.others = {sympy.Symbol(k, positive=True, integer=True): v for k, v in named.items() if k != BATCH}
+
+    def of(self, s: int, a: int, line_a: int, c: int, first: bool, step: bool, node: str | None) -> dict[str, Any]:
+        """A :class:`StageMoment`'s ``make``, ``measure``, ``live`` and ``held_at`` for stage ``s``'s moment whose
+        steady line is ``a + c*B`` (``line_a + c*B`` in its own step)."""
+        from ..peak import Lazy
+
+        if not step:
+            self.formulas.want(s, a, c, node)
+        others, batch, formulas = self.others, self.batch, self.formulas
+
+        def make() -> sympy.Expr:
+            expr, _ = formulas.formula(s, a, c, first, step)
+            return line_a + c * batch if expr is None else expr
+
+        def held_at() -> str:
+            expr, note = formulas.formula(s, a, c, first, step)
+            return note if expr is not None else f"a line in B, the other sizes at their numbers, {formulas.pinned()}"
+
+        def measure(numbers: Mapping[sympy.Symbol, int]) -> int | None:
+            if batch not in numbers or any(numbers.get(k, v) != v for k, v in others.items()):
+                return None  # other sizes: the moment's formula
+            return line_a + c * int(numbers[batch])
+
+        return {"make": make, "measure": measure, "live": Lazy(lambda: {"live": make()}), "held_at": held_at}

@@ -355,8 +355,12 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         if key == "peak":
             head, formula = f"{'':<{key_width}} {'':>12}       = ", _shown(d, moment.total)
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
+            pinned = moment.pinned() if hasattr(moment, "pinned") else ""  # a pipeline's: the schedule's numbers
+            if pinned:
+                note = f"({pinned}; {note[1:]}" if note else f"({pinned})"
             room = width - len(head) if width - len(head) >= 24 else width - 4  # as _totals lays it out
-            if not note or cut or all(len(x) <= room for x in wrap(f"{formula}   {note}", room)):
+            beside = not pinned or len(formula) + len(note) + 3 <= room  # a pipeline's note beside a short one
+            if not note or cut or (beside and all(len(x) <= room for x in wrap(f"{formula}   {note}", room))):
                 lines += _totals(head, formula + (f"   {note}" if note else ""), width, cut)
             else:
                 # the note in words on lines of its own, under the formula, where it does not fit beside it
