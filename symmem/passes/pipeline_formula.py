@@ -23,7 +23,7 @@ read at; one that differs is not used (the line stays, said so).
 ...            values={"B": 2, "S": 32, "H": 32, "h": 2, "L": 6, "V": 64, "F": 128, "p": 2})
 >>> m = d.peak_at()
 >>> m.where(step=False), m.pinned()
-('stage 0 of 2: pipeline h.mlp.gelu.out (layer 3), micro-batch 1', 'at p = 2, M = 2')
+('stage 0 of 2: pipeline h.mlp.gelu.out (layer 3), micro-batch 0', 'at p = 2, M = 2')
 >>> sorted(s.name for s in m.total.free_symbols)
 ['B', 'F', 'H', 'L', 'S', 'V', 'h', 'p']
 >>> d.evaluate(m.total) == d.value("peak")
@@ -103,15 +103,22 @@ class StageFormulas:
         self.wanted[s][(a, c)] = node
 
     def pinned(self) -> str:
-        """What the schedule keeps at its numbers."""
-        return f"p = {self.named['p']}, M = {self.step.micro_batches}"
+        """What the schedule keeps at its numbers, and the size conditions the step's copies were decided by where
+        they are not the batch's (``Ne(G, 1) & Ne(h/G, 1)``: a grouped-query attention's copies; the domain says
+        ``B >= 2``)."""
+        held = dict.fromkeys(x for c, v in getattr(self, "branch", {}).items() if c.free_symbols - {_symbol("B")}
+                             for x in _said(c, v))
+        return ", ".join([f"p = {self.named['p']}", f"M = {self.step.micro_batches}", *held])
 
     def formula(self, s: int, a: int, c: int, first: bool, step: bool) -> tuple[sympy.Expr | None, str]:
         """Stage ``s``'s moment ``a + c*B`` (steady; ``first``: the first step's, with no optimizer state in the
         pipeline phase) as a formula and what it holds at (None: no formula, the line stays)."""
         memory = memory_of(self.step._stages(), s, int(self.named["p"]))
         if step:  # the optimizer step: every gradient and the step's temporaries beside what lives at rest
-            return memory.step_peak, f"at {self.pinned()}"
+            key = (memory.name, "step")
+            if key not in self.__dict__.setdefault("_bases", {}):
+                self._bases[key] = sympy.expand(memory.step_peak)
+            return self._bases[key], f"at {self.pinned()}"
         if s not in self.made:
             self.made[s] = self._stage(s, memory)
         expr, note = self.made[s].get((a, c), (None, ""))
@@ -133,6 +140,7 @@ class StageFormulas:
             cut = _PackedCut(cuts) if self.packed else cuts[0]
             at = pack_parts(memory.at_each(numbers, _REPLAYED)) if self.packed else memory.at(numbers[0], _REPLAYED)
             events = {}
+        self.branch = cut.branch  # the size conditions the step's copies were decided by
         targets = {self._live(*k): k for k in self.wanted[s]}
         replay = _Replay(cut, s, at, step.schedule, step.micro_batches)
         replay._events = events
@@ -209,6 +217,21 @@ class StageFormulas:
             if v != a + c * n["B"]:
                 return False
         return True
+
+
+def _said(cond: Any, value: bool) -> list[str]:
+    """A size condition that holds (``value``) or fails, in words: its parts where a failing ``Or`` (a holding
+    ``And``) says each fails (holds).
+
+    >>> from symmem.symbols import G, h
+    >>> _said(sympy.Or(sympy.Eq(G, 1), sympy.Eq(h / G, 1)), False)
+    ['G != 1', 'h/G != 1']
+    """
+    if isinstance(cond, sympy.Or if not value else sympy.And):
+        return [x for c in cond.args for x in _said(c, value)]
+    if isinstance(cond, sympy.Eq):
+        return [f"{cond.lhs} {'=' if value else '!='} {cond.rhs}"]
+    return [str(cond) if value else f"not {cond}"]
 
 
 def _run(layers: Mapping[int, Counter], per: int, own: int | None) -> list[int] | None:

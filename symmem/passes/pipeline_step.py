@@ -157,6 +157,16 @@ class PipelineStep:
                 "peak_stage": top.stage,
                 "peak_where": top.where, "pipeline_schedule": self.schedule, "micro_batches": self.micro_batches}
 
+    def stage_moments(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> list[Moment]:
+        """Each stage's largest moment of ``step`` at ``numbers`` (its formula: the stage's peak in the sizes, where
+        the moments have formulas; :mod:`.pipeline_formula`), stage 0 first."""
+        found = self.peak(numbers).moments
+        out = []
+        for s in sorted({getattr(m, "stage", 0) for m in found}):
+            mine = [m for m in found if getattr(m, "stage", 0) == s and m.step == step]
+            out.append(max(mine, key=lambda m: m.value(numbers)))
+        return out
+
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
         named = self._named(at)
         key = ("peak", tuple(sorted(named.items())))

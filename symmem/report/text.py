@@ -81,6 +81,12 @@ def peak(d: Derivation) -> dict[str, Any] | None:
     side = parameter_side_per_rank(d)
     if side:  # what each rank of the engine holds (FSDP's padding, Adam's step counts): passes/rank_side.py
         out["values"]["parameter_side_per_rank"] = {str(r): v for r, v in side.items()}
+    pinned = at.pinned() if hasattr(at, "pinned") else ""
+    if pinned:  # a pipeline's formulas: the schedule's numbers they hold at (passes/pipeline_formula.py)
+        out["peak_at"]["formula_at"] = pinned
+        stages = d.step.stage_moments(d.numbers)
+        out["expressions"]["peak_per_stage"] = [str(m.total) for m in stages]
+        out["peak_at"]["formula_at_per_stage"] = [m.pinned() for m in stages]
     each = getattr(d.step, "per_rank", None)
     if callable(each):  # tensor parallelism: every rank alike, the peak is rank 0's (passes/tensor_step.py)
         out["peak_at"]["rank"] = each(d.numbers)["peak_rank"]
