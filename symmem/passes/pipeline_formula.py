@@ -39,7 +39,7 @@ from typing import Any
 import sympy
 
 from ..evaluator import interpret
-from .model_parallel import _REPLAYED, _Cut, _PackedCut, _pack, _Replay, memory_of, pack_parts
+from .model_parallel import _REPLAYED, _Cut, _pack, _PackedCut, _Replay, memory_of, pack_parts
 
 
 def _symbol(name: str) -> sympy.Symbol:
