@@ -201,7 +201,8 @@ class PipelineStep:
         p = len(found)
         # each moment's formula in the sizes, read when first asked for (the stage alone: an engine around it adds
         # what its replay holds, not yet read as formulas)
-        sizes = _Sizes(self, named, b, line is not None and packed, batch) if type(self) is PipelineStep else None
+        sizes = (_StageFormulaMoments(self, named, b, line is not None and packed, batch)
+                 if type(self) is PipelineStep else None)
         steady: list[Moment] = []
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):
@@ -275,7 +276,7 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
     return kept
 
 
-class _Sizes:
+class _StageFormulaMoments:
     """The plain pipeline's moments with their formulas in the sizes (:mod:`.pipeline_formula`), built on first
     use; the bytes at the derivation's sizes stay the lines' (no formula is built to compare moments there)."""
 
