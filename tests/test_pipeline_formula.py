@@ -61,6 +61,27 @@ def against_the_engines(real, existing, cases):
         assert found == [r[k].peak for r in existing], cases[k]
 
 
+#: DDP x pipeline (test_ddp_pipeline's spawn, its first two cases, p = N = 2, one layer a stage): other sizes (H, h,
+#: S, V, B) where the same moments are each stage's steady peak (and the same first step's, but GPT-2's stage 1)
+DDP_OTHER = [{"B": 4, "S": 8, "H": 64, "h": 4, "V": 40}, {"S": 32, "V": 100, "F": 128}]
+
+
+def ddp_against_the_engines(everything, cases, derived):
+    """``everything``: per rank (rank s*N + r), test_ddp_pipeline's results; ``cases`` its DDP cases; ``derived``
+    its derive.  DDP's buckets (the stage's gradients) beside the stage alone's moment: each stage's formula from
+    other sizes, at the measured sizes, is every data-parallel rank's measured peak."""
+    for k, (case, other) in enumerate(zip(cases, DDP_OTHER, strict=True)):
+        model, values = case[0], case[1]
+        d = derived(model, {**values, **other}, *case[2:])
+        sizes = {**values, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
+        real = [rank[k] for rank in everything]
+        steady = [_at(d, m.total, sizes) for m in d.step.stage_moments(d.numbers)]
+        first = [_at(d, m.total, sizes) for m in d.step.stage_moments(d.numbers, "first")]
+        assert [steady[r.pp] for r in real] == [r.steady_peak for r in real], case
+        assert all(first[r.pp] <= r.first_peak for r in real) and first[0] == real[0].first_peak, case
+        assert all("a line in B" not in m.pinned() for m in d.step.stage_moments(d.numbers)), case
+
+
 def _replayed(d, s, moment, per_derived):
     """Stage ``s``'s bytes in ``d``'s replay at every op of ``moment``'s template and micro-batch, in the layer
     that stands where ``moment``'s stood (the stage's last or first, or as far from the nearer end)."""

@@ -96,6 +96,13 @@ class DdpPipelineStep(PipelineStep):
             cut, s, self._at(memory_of(found, s, cut.p).at(numbers, _PARTS), whole[s] if self.zero else [], world),
             self.schedule, self.micro_batches) for s in range(cut.p)]
 
+    def _formula_extra(self) -> Any:
+        """DDP's buckets (the stage's gradients' bytes, alive the whole step) beside the stage alone's replay: its
+        moments as formulas (:mod:`.pipeline_formula`); the bucket view's and ZeRO-1's stay lines in B."""
+        if type(self) is not DdpPipelineStep or self.zero or self.view:
+            return None
+        return lambda memory: memory.gradients
+
     def _world(self, numbers: Mapping[str, int]) -> int:
         world = numbers.get("N")
         if not isinstance(world, int) or world < 1:

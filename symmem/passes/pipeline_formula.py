@@ -32,8 +32,9 @@ True
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -93,8 +94,12 @@ class StageFormulas:
     when first asked for; ``packed``: the lines were read from one packed replay of ``B = b, b + 1, b + 2``
     (:func:`~symmem.passes.model_parallel.batch_moments`), else from the replay at ``b`` alone."""
 
-    def __init__(self, step: Any, named: Mapping[str, int], b: int, packed: bool) -> None:
+    def __init__(self, step: Any, named: Mapping[str, int], b: int, packed: bool,
+                 extra: Callable[[Any], sympy.Expr] | None = None) -> None:
         self.step, self.named, self.b, self.packed = step, dict(named), b, packed
+        #: what an engine around the stage keeps alive the whole step beyond the stage alone (DDP's gradient
+        #: buckets), as a formula of the stage's memory: in every moment, the replay read here being the stage's alone
+        self.extra = extra or (lambda memory: sympy.Integer(0))
         self.wanted: dict[int, dict[tuple[int, int], str | None]] = defaultdict(dict)  # stage -> (a, c) -> node
         self.made: dict[int, dict[tuple[int, int], tuple[sympy.Expr | None, str]]] = {}
 
@@ -117,7 +122,7 @@ class StageFormulas:
         if step:  # the optimizer step: every gradient and the step's temporaries beside what lives at rest
             key = (memory.name, "step")
             if key not in self.__dict__.setdefault("_bases", {}):
-                self._bases[key] = sympy.expand(memory.step_peak)
+                self._bases[key] = sympy.expand(memory.step_peak + self.extra(memory))
             return self._bases[key], f"at {self.pinned()}"
         if s not in self.made:
             self.made[s] = self._stage(s, memory)
@@ -141,7 +146,7 @@ class StageFormulas:
             at = pack_parts(memory.at_each(numbers, _REPLAYED)) if self.packed else memory.at(numbers[0], _REPLAYED)
             events = {}
         self.branch = cut.branch  # the size conditions the step's copies were decided by
-        targets = {self._live(*k): k for k in self.wanted[s]}
+        targets = {self._live(*k, memory): k for k in self.wanted[s]}
         replay = _Replay(cut, s, at, step.schedule, step.micro_batches)
         replay._events = events
         watch = replay.moments = _Watch(replay, set(targets))
@@ -155,9 +160,12 @@ class StageFormulas:
             out[key] = self._made(cut, s, sids, node, memory, key)
         return out
 
-    def _live(self, a: int, c: int) -> int:
-        """The moment ``a + c*B``'s bytes as the snapshot replay holds them (packed at the three batches)."""
-        values = [a + c * n["B"] for n in self._numbers()]
+    def _live(self, a: int, c: int, memory: Any) -> int:
+        """The moment ``a + c*B``'s bytes as the snapshot replay (the stage alone) holds them (packed at the three
+        batches)."""
+        extra = self.extra(memory)
+        values = [a + c * n["B"] - (math.ceil(interpret(extra, {_symbol(k): v for k, v in n.items()})) if extra
+                                    else 0) for n in self._numbers()]
         return _pack(values) if self.packed else values[0]
 
     def _made(self, cut: Any, s: int, sids: Sequence[int], node: str | None, memory: Any,
@@ -202,7 +210,8 @@ class StageFormulas:
         key = (memory.name, merged)
         found = self.__dict__.setdefault("_bases", {}).get(key)
         if found is None:
-            found = self._bases[key] = sympy.expand(memory.at_rest - (0 if merged else memory.outputs))
+            found = self._bases[key] = sympy.expand(memory.at_rest - (0 if merged else memory.outputs)
+                                                    + self.extra(memory))
         return found
 
     def _holds(self, expr: sympy.Expr, line: tuple[int, int]) -> bool:
