@@ -61,25 +61,35 @@ def against_the_engines(real, existing, cases):
         assert found == [r[k].peak for r in existing], cases[k]
 
 
-#: DDP x pipeline (test_ddp_pipeline's spawn, its first two cases, p = N = 2, one layer a stage): other sizes (H, h,
-#: S, V, B) where the same moments are each stage's steady peak (and the same first step's, but GPT-2's stage 1)
-DDP_OTHER = [{"B": 4, "S": 8, "H": 64, "h": 4, "V": 40}, {"S": 32, "V": 100, "F": 128}]
+#: DDP x pipeline (test_ddp_pipeline's spawn: its DDP, DDP and bucket-view cases, p = N = 2, one layer a stage):
+#: other sizes; at each, a stage's formula is its moment's, the measured peak where that moment is the peak
+DDP_OTHER = {0: [{"B": 4, "S": 8, "H": 48, "h": 3, "V": 80}],
+             1: [{"S": 32, "V": 100, "F": 128}],
+             4: [{"B": 4, "S": 8, "H": 64, "h": 4, "V": 40}, {"B": 3, "S": 24, "H": 48, "h": 3, "V": 80}]}
 
 
 def ddp_against_the_engines(everything, cases, derived):
-    """``everything``: per rank (rank s*N + r), test_ddp_pipeline's results; ``cases`` its DDP cases; ``derived``
-    its derive.  DDP's buckets (the stage's gradients) beside the stage alone's moment: each stage's formula from
-    other sizes, at the measured sizes, is every data-parallel rank's measured peak."""
-    for k, (case, other) in enumerate(zip(cases, DDP_OTHER, strict=True)):
+    """``everything``: per rank (rank s*N + r), test_ddp_pipeline's results of its ``cases``; ``derived``: its
+    derive.  DDP's buckets (the stage's gradients; under the bucket view the step's gradients themselves) beside the
+    stage's moment: each stage's formula from other sizes, at the measured sizes, is at most every data-parallel
+    rank's measured peak, and equal to it from some other sizes, steady and first step."""
+    for k, others in DDP_OTHER.items():
+        case = cases[k]
         model, values = case[0], case[1]
-        d = derived(model, {**values, **other}, *case[2:])
         sizes = {**values, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
         real = [rank[k] for rank in everything]
-        steady = [_at(d, m.total, sizes) for m in d.step.stage_moments(d.numbers)]
-        first = [_at(d, m.total, sizes) for m in d.step.stage_moments(d.numbers, "first")]
-        assert [steady[r.pp] for r in real] == [r.steady_peak for r in real], case
-        assert all(first[r.pp] <= r.first_peak for r in real) and first[0] == real[0].first_peak, case
-        assert all("a line in B" not in m.pinned() for m in d.step.stage_moments(d.numbers)), case
+        found = []
+        for other in others:
+            d = derived(model, {**values, **other}, *case[2:])
+            assert all("a line in B" not in m.pinned() for m in d.step.stage_moments(d.numbers)), case
+            found.append([[_at(d, m.total, sizes) for m in d.step.stage_moments(d.numbers, step)]
+                          for step in ("steady", "first")])
+        for r in real:
+            assert max(f[0][r.pp] for f in found) == r.steady_peak, (case, r, found)
+            assert max(f[1][r.pp] for f in found) <= r.first_peak, (case, r, found)
+        # the first step's too, where its moment is the peak at the other sizes (GPT-2's stage 1 under DDP is the
+        # optimizer step there, its last layer's MLP output projection here)
+        assert any(f[1][r.pp] == r.first_peak for f in found for r in real), case
 
 
 def _replayed(d, s, moment, per_derived):

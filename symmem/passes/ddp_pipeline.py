@@ -97,11 +97,16 @@ class DdpPipelineStep(PipelineStep):
             self.schedule, self.micro_batches) for s in range(cut.p)]
 
     def _formula_extra(self) -> Any:
-        """DDP's buckets (the stage's gradients' bytes, alive the whole step) beside the stage alone's replay: its
-        moments as formulas (:mod:`.pipeline_formula`); the bucket view's and ZeRO-1's stay lines in B."""
-        if type(self) is not DdpPipelineStep or self.zero or self.view:
+        """DDP's buckets (the stage's gradients' bytes, alive the whole step; under the bucket view the step's
+        gradients are the buckets) beside the stage's replay: its moments as formulas (:mod:`.pipeline_formula`);
+        ZeRO-1's stay lines in B (a rank's owned state is the partition's at numbers)."""
+        if type(self) is not DdpPipelineStep or self.zero:
             return None
-        return lambda memory: memory.gradients
+
+        def buckets(memory: Any) -> Any:
+            return memory.gradients
+
+        return {"extra": buckets, **({"replay": _ViewReplay} if self.view else {"step_extra": buckets})}
 
     def _world(self, numbers: Mapping[str, int]) -> int:
         world = numbers.get("N")

@@ -95,11 +95,14 @@ class StageFormulas:
     (:func:`~symmem.passes.model_parallel.batch_moments`), else from the replay at ``b`` alone."""
 
     def __init__(self, step: Any, named: Mapping[str, int], b: int, packed: bool,
-                 extra: Callable[[Any], sympy.Expr] | None = None) -> None:
+                 extra: Callable[[Any], sympy.Expr] | None = None,
+                 step_extra: Callable[[Any], sympy.Expr] | None = None, replay: type = _Replay) -> None:
         self.step, self.named, self.b, self.packed = step, dict(named), b, packed
         #: what an engine around the stage keeps alive the whole step beyond the stage alone (DDP's gradient
-        #: buckets), as a formula of the stage's memory: in every moment, the replay read here being the stage's alone
-        self.extra = extra or (lambda memory: sympy.Integer(0))
+        #: buckets), as a formula of the stage's memory: in every moment of the schedule (``extra``: the replay read
+        #: here holds the stage's own only) and of the optimizer step (``step_extra``); ``replay``: the stage's
+        #: replay (the bucket view's frees the gradients it hands to the buckets)
+        self.extra, self.step_extra, self.replay = extra or _nothing, step_extra or _nothing, replay
         self.wanted: dict[int, dict[tuple[int, int], str | None]] = defaultdict(dict)  # stage -> (a, c) -> node
         self.made: dict[int, dict[tuple[int, int], tuple[sympy.Expr | None, str]]] = {}
 
@@ -122,7 +125,7 @@ class StageFormulas:
         if step:  # the optimizer step: every gradient and the step's temporaries beside what lives at rest
             key = (memory.name, "step")
             if key not in self.__dict__.setdefault("_bases", {}):
-                self._bases[key] = sympy.expand(memory.step_peak + self.extra(memory))
+                self._bases[key] = sympy.expand(memory.step_peak + self.step_extra(memory))
             return self._bases[key], f"at {self.pinned()}"
         if s not in self.made:
             self.made[s] = self._stage(s, memory)
@@ -147,7 +150,7 @@ class StageFormulas:
             events = {}
         self.branch = cut.branch  # the size conditions the step's copies were decided by
         targets = {self._live(*k, memory): k for k in self.wanted[s]}
-        replay = _Replay(cut, s, at, step.schedule, step.micro_batches)
+        replay = self.replay(cut, s, at, step.schedule, step.micro_batches)
         replay._events = events
         watch = replay.moments = _Watch(replay, set(targets))
         try:
@@ -226,6 +229,11 @@ class StageFormulas:
             if v != a + c * n["B"]:
                 return False
         return True
+
+
+def _nothing(memory: Any) -> sympy.Expr:
+    """No bytes beyond the stage's own (the stage alone)."""
+    return sympy.Integer(0)
 
 
 def _said(cond: Any, value: bool) -> list[str]:

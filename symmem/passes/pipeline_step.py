@@ -203,7 +203,7 @@ class PipelineStep:
         # what its replay holds, not yet read as formulas)
         extra = self._formula_extra()
         sizes = None if extra is None else _StageFormulaMoments(self, named, b, line is not None and packed, batch,
-                                                                 extra)
+                                                                 **extra)
         steady: list[Moment] = []
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):
@@ -242,11 +242,12 @@ class PipelineStep:
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
 
-    def _formula_extra(self) -> Callable[[Any], sympy.Expr] | None:
-        """What an engine around the stages keeps alive the whole step beyond a stage alone's, as a formula of the
-        stage's memory (:class:`~symmem.passes.pipeline_formula.StageFormulas`); None where the moments are not
-        read as formulas (an engine whose replay does more than that: each moment stays a line in B)."""
-        return (lambda memory: sympy.Integer(0)) if type(self) is PipelineStep else None
+    def _formula_extra(self) -> dict[str, Any] | None:
+        """What an engine around the stages keeps alive the whole step beyond a stage alone's, as formulas of the
+        stage's memory, and the stage's replay (:class:`~symmem.passes.pipeline_formula.StageFormulas`' keywords);
+        None where the moments are not read as formulas (an engine whose replay does more than that: each moment
+        stays a line in B)."""
+        return {} if type(self) is PipelineStep else None
 
     def _held_at(self, named: Mapping[str, int]) -> Callable[[], str]:
         """Where a moment is a line in B (an engine around the stages): what it holds at, in words."""
@@ -288,10 +289,10 @@ class _StageFormulaMoments:
     use; the bytes at the derivation's sizes stay the lines' (no formula is built to compare moments there)."""
 
     def __init__(self, step: PipelineStep, named: Mapping[str, int], b: int, packed: bool,
-                 batch: sympy.Symbol, extra: Callable[[Any], sympy.Expr]) -> None:
+                 batch: sympy.Symbol, **extra: Any) -> None:
         from .pipeline_formula import StageFormulas
 
-        self.formulas = StageFormulas(step, named, b, packed, extra)
+        self.formulas = StageFormulas(step, named, b, packed, **extra)
         self.batch = batch
         self.others = {sympy.Symbol(k, positive=True, integer=True): v for k, v in named.items() if k != BATCH}
 
