@@ -8,6 +8,12 @@ so the replay at ``B``, ``B + 1`` gives each moment as a line in ``B``, checked 
 ``Max`` of the lines no other bounds on ``B >= 1`` (what ``fit`` solves), the other sizes numbers: the formulas'
 domain is those numbers (``S = 1024``, ...), and other numbers replay again.
 
+Each moment's formula in the model's sizes (``L`` as ``L/p``; ``p``, ``M`` and the size conditions of the step's
+copies at their numbers) is read from its stage's replay when first asked for (:mod:`.pipeline_formula`): what
+the stage holds at rest plus the storages alive at that op, checked against the line; the bytes at these sizes
+stay the lines'.  An engine around the stages whose replay adds more than DDP's buckets (FSDP, ZeRO-1, tensor
+parallelism) and traced stages keep the lines (the peak line says so).
+
 The first step differs in one thing: no optimizer state exists during its pipeline phase.  Its optimizer step is
 the steady one's: AdamW makes every parameter's state in ``_init_group`` before the first update
 (:func:`symmem.passes.schedule.step_events` with ``first_step=True``: one ``init`` event, then each parameter's
@@ -229,12 +235,12 @@ class PipelineStep:
                     label = None if node in (None, "merge_chunks") else node
                     layer = str(iteration(label)) if label and iteration(label) else ""
                     steady_a = a + (state if which == "first" and not is_step else 0)  # the same moment's
-                    extra = {} if sizes is None else sizes.of(s, steady_a, a, c, which == "first", is_step, node)
+                    made = {} if sizes is None else sizes.of(s, steady_a, a, c, which == "first", is_step, node)
                     found.append(StageMoment("step" if is_step else "pipeline", step=which,
                                              node=template(label) if label else node,
                                              layer=layer, stage=s, stages=p, micro_batch=mb,
-                                             **(extra or {"live": {"live": a + c * batch},
-                                                          "held_at": self._held_at(named)})))
+                                             **(made or {"live": {"live": a + c * batch},
+                                                         "held_at": self._held_at(named)})))
         # a positive size's equation stays as it is: sympy's evaluation only asks the symbols' assumptions whether
         # it is decided (about a millisecond each)
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v, evaluate=v < 1)
