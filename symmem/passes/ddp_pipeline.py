@@ -96,17 +96,39 @@ class DdpPipelineStep(PipelineStep):
             cut, s, self._at(memory_of(found, s, cut.p).at(numbers, _PARTS), whole[s] if self.zero else [], world),
             self.schedule, self.micro_batches) for s in range(cut.p)]
 
-    def _formula_extra(self) -> Any:
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """DDP's buckets (the stage's gradients' bytes, alive the whole step; under the bucket view the step's
-        gradients are the buckets) beside the stage's replay: its moments as formulas (:mod:`.pipeline_formula`);
-        ZeRO-1's stay lines in B (a rank's owned state is the partition's at numbers)."""
-        if type(self) is not DdpPipelineStep or self.zero:
+        gradients are the buckets) beside the stage's replay: its moments as formulas (:mod:`.pipeline_formula`).
+        Under ZeRO-1 the rank's own state and step temporaries are the partition's at these numbers (whole
+        parameters: the partition moves with the sizes), in place of the stage's."""
+        if type(self) is not DdpPipelineStep:
             return None
 
-        def buckets(memory: Any) -> Any:
+        def buckets(memory: Any, s: int) -> Any:
             return memory.gradients
 
-        return {"extra": buckets, **({"replay": _ViewReplay} if self.view else {"step_extra": buckets})}
+        if self.view:
+            return {"extra": buckets, "replay": _ViewReplay}
+        if not self.zero:
+            return {"extra": buckets, "step_extra": buckets}
+        import sympy
+
+        def owned(s: int) -> dict[str, int]:
+            return _owned(self._cut(named)[1][s], self._world(named), self.rank, self.regime)
+
+        def rest(memory: Any, s: int) -> Any:
+            return memory.gradients - memory.optimizer_state + sympy.Integer(owned(s)["optimizer_state"])
+
+        def step(memory: Any, s: int) -> Any:
+            mine = owned(s)
+            return (memory.gradients - memory.optimizer_state - memory.step_temporaries
+                    + sympy.Integer(mine["optimizer_state"] + mine["step_temporaries"]))
+
+        def state(memory: Any, s: int) -> Any:
+            return sympy.Integer(owned(s)["optimizer_state"])
+
+        return {"extra": rest, "step_extra": step, "state": state,
+                "said": "ZeroRedundancyOptimizer's partition at these sizes"}
 
     def _world(self, numbers: Mapping[str, int]) -> int:
         world = numbers.get("N")

@@ -95,14 +95,17 @@ class StageFormulas:
     (:func:`~symmem.passes.model_parallel.batch_moments`), else from the replay at ``b`` alone."""
 
     def __init__(self, step: Any, named: Mapping[str, int], b: int, packed: bool,
-                 extra: Callable[[Any], sympy.Expr] | None = None,
-                 step_extra: Callable[[Any], sympy.Expr] | None = None, replay: type = _Replay) -> None:
+                 extra: Callable[[Any, int], sympy.Expr] | None = None,
+                 step_extra: Callable[[Any, int], sympy.Expr] | None = None, replay: type = _Replay,
+                 state: Callable[[Any, int], sympy.Expr] | None = None, said: str = "") -> None:
         self.step, self.named, self.b, self.packed = step, dict(named), b, packed
         #: what an engine around the stage keeps alive the whole step beyond the stage alone (DDP's gradient
-        #: buckets), as a formula of the stage's memory: in every moment of the schedule (``extra``: the replay read
+        #: buckets), as a formula of stage ``s``'s memory: in every moment of the schedule (``extra``: the replay read
         #: here holds the stage's own only) and of the optimizer step (``step_extra``); ``replay``: the stage's
-        #: replay (the bucket view's frees the gradients it hands to the buckets)
+        #: replay (the bucket view's frees the gradients it hands to the buckets); ``state``: the optimizer state
+        #: the first step's schedule lacks (ZeRO-1: the rank's own); ``said``: what else the formulas hold at
         self.extra, self.step_extra, self.replay = extra or _nothing, step_extra or _nothing, replay
+        self.state, self.said = state or _state, said
         self.wanted: dict[int, dict[tuple[int, int], str | None]] = defaultdict(dict)  # stage -> (a, c) -> node
         self.made: dict[int, dict[tuple[int, int], tuple[sympy.Expr | None, str]]] = {}
 
@@ -116,22 +119,23 @@ class StageFormulas:
         ``B >= 2``)."""
         held = dict.fromkeys(x for c, v in getattr(self, "branch", {}).items() if c.free_symbols - {_symbol("B")}
                              for x in _said(c, v))
-        return ", ".join([f"p = {self.named['p']}", f"M = {self.step.micro_batches}", *held])
+        return ", ".join([f"p = {self.named['p']}", f"M = {self.step.micro_batches}", *held,
+                          *([self.said] if self.said else [])])
 
     def formula(self, s: int, a: int, c: int, first: bool, step: bool) -> tuple[sympy.Expr | None, str]:
         """Stage ``s``'s moment ``a + c*B`` (steady; ``first``: the first step's, with no optimizer state in the
         pipeline phase) as a formula and what it holds at (None: no formula, the line stays)."""
         memory = memory_of(self.step._stages(), s, int(self.named["p"]))
         if step:  # the optimizer step: every gradient and the step's temporaries beside what lives at rest
-            key = (memory.name, "step")
+            key = (s, "step")
             if key not in self.__dict__.setdefault("_bases", {}):
-                self._bases[key] = sympy.expand(memory.step_peak + self.step_extra(memory))
+                self._bases[key] = sympy.expand(memory.step_peak + self.step_extra(memory, s))
             return self._bases[key], f"at {self.pinned()}"
         if s not in self.made:
             self.made[s] = self._stage(s, memory)
         expr, note = self.made[s].get((a, c), (None, ""))
         if expr is not None and first:
-            expr = expr - memory.optimizer_state
+            expr = expr - self.state(memory, s)
         return expr, note
 
     def _numbers(self) -> list[dict[str, int]]:
@@ -149,7 +153,7 @@ class StageFormulas:
             at = pack_parts(memory.at_each(numbers, _REPLAYED)) if self.packed else memory.at(numbers[0], _REPLAYED)
             events = {}
         self.branch = cut.branch  # the size conditions the step's copies were decided by
-        targets = {self._live(*k, memory): k for k in self.wanted[s]}
+        targets = {self._live(*k, memory, s): k for k in self.wanted[s]}
         replay = self.replay(cut, s, at, step.schedule, step.micro_batches)
         replay._events = events
         watch = replay.moments = _Watch(replay, set(targets))
@@ -163,10 +167,10 @@ class StageFormulas:
             out[key] = self._made(cut, s, sids, node, memory, key)
         return out
 
-    def _live(self, a: int, c: int, memory: Any) -> int:
+    def _live(self, a: int, c: int, memory: Any, s: int) -> int:
         """The moment ``a + c*B``'s bytes as the snapshot replay (the stage alone) holds them (packed at the three
         batches)."""
-        extra = self.extra(memory)
+        extra = self.extra(memory, s)
         values = [a + c * n["B"] - (math.ceil(interpret(extra, {_symbol(k): v for k, v in n.items()})) if extra
                                     else 0) for n in self._numbers()]
         return _pack(values) if self.packed else values[0]
@@ -191,7 +195,7 @@ class StageFormulas:
         at = f"at {self.pinned()}"
         own = iteration(node) - s * per if node and iteration(node) else None
         run = _run(layers, per, own)
-        base = self._base(memory, node == "merge_chunks")
+        base = self._base(memory, s, node == "merge_chunks")
         if run is not None:
             # the numbers' layers, less ``per`` of the run's, plus L/p of them (Counter arithmetic: no expand)
             one = layers[run[0]]
@@ -207,14 +211,14 @@ class StageFormulas:
             return expr, f"{at}, L = {self.named['L']}"
         return None, ""
 
-    def _base(self, memory: Any, merged: bool) -> sympy.Expr:
+    def _base(self, memory: Any, s: int, merged: bool) -> sympy.Expr:
         """What the stage holds at rest, less the last step's logits unless ``merged`` (they are concatenated
         again at the end of the schedule), expanded once."""
-        key = (memory.name, merged)
+        key = (s, merged)
         found = self.__dict__.setdefault("_bases", {}).get(key)
         if found is None:
             found = self._bases[key] = sympy.expand(memory.at_rest - (0 if merged else memory.outputs)
-                                                    + self.extra(memory))
+                                                    + self.extra(memory, s))
         return found
 
     def _holds(self, expr: sympy.Expr, line: tuple[int, int]) -> bool:
@@ -231,9 +235,14 @@ class StageFormulas:
         return True
 
 
-def _nothing(memory: Any) -> sympy.Expr:
+def _nothing(memory: Any, s: int) -> sympy.Expr:
     """No bytes beyond the stage's own (the stage alone)."""
     return sympy.Integer(0)
+
+
+def _state(memory: Any, s: int) -> sympy.Expr:
+    """The stage's optimizer state (what the first step's schedule lacks)."""
+    return memory.optimizer_state
 
 
 def _said(cond: Any, value: bool) -> list[str]:

@@ -207,7 +207,7 @@ class PipelineStep:
         p = len(found)
         # each moment's formula in the sizes, read when first asked for (the stage alone: an engine around it adds
         # what its replay holds, not yet read as formulas)
-        extra = self._formula_extra()
+        extra = self._formula_extra(named)
         sizes = None if extra is None else _StageFormulaMoments(self, named, b, line is not None and packed, batch,
                                                                  **extra)
         steady: list[Moment] = []
@@ -248,9 +248,10 @@ class PipelineStep:
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
 
-    def _formula_extra(self) -> dict[str, Any] | None:
+    def _formula_extra(self, named: Mapping[str, int]) -> dict[str, Any] | None:
         """What an engine around the stages keeps alive the whole step beyond a stage alone's, as formulas of the
-        stage's memory, and the stage's replay (:class:`~symmem.passes.pipeline_formula.StageFormulas`' keywords);
+        stage's memory at ``named``, and the stage's replay (:class:`~symmem.passes.pipeline_formula.StageFormulas`'
+        keywords);
         None where the moments are not read as formulas (an engine whose replay does more than that: each moment
         stays a line in B)."""
         return {} if type(self) is PipelineStep else None
