@@ -144,7 +144,8 @@ class StageFormulas:
     def _stage(self, s: int, memory: Any) -> dict[tuple[int, int], tuple[sympy.Expr | None, str]]:
         step = self.step
         numbers = self._numbers()
-        kept = step._cache.get(("plans", tuple(sorted(self.named.items())), self.b)) if self.packed else None
+        key = ("plans", tuple(sorted(self.named.items())), self.b)
+        kept = (step._cache.get(key) or step._memo().get(key)) if self.packed else None
         if kept is not None:  # the replay that read the lines: its cut and plans
             cut, at, events = kept[s]
         else:
