@@ -84,6 +84,9 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
     if HAS_HF:
         _check_hf_llama([rank[len(CASES) + len(TRACED)] for rank in everything])
+    import test_pipeline_formula as formula  # DDP x pipeline's formulas at other sizes vs these ranks
+
+    formula.ddp_against_the_engines(everything, CASES, _derive)
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]

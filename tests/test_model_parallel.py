@@ -57,6 +57,9 @@ def test_against_the_engines():
     jobs += [("tensor", "llama", values, options) for values, options in SEQUENCE]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
     jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
+    import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
+
+    jobs += formula.JOBS
     jobs += [("pipeline", "gpt2", {**SIZES, "B": 1}, (*ONE, {"attention": "sdpa"}))]
     everything = runs(2, jobs)
     measured = [rank[:len(CASES)] for rank in everything]
@@ -76,6 +79,7 @@ def test_against_the_engines():
     for case in range(len(LLAMA_CASES)):
         llama_stages(everything, case)
     a_batch_of_one([rank[-1] for rank in everything])
+    formula.against_the_engines([rank[-1 - len(formula.JOBS):-1] for rank in everything], measured, CASES)
 
 
 #: a batch of one: GPT-2's shifted labels' contiguous() is a view at B = 1 and a copy from 2, so its stages' bytes

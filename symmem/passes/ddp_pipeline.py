@@ -96,6 +96,44 @@ class DdpPipelineStep(PipelineStep):
             cut, s, self._at(memory_of(found, s, cut.p).at(numbers, _PARTS), whole[s] if self.zero else [], world),
             self.schedule, self.micro_batches) for s in range(cut.p)]
 
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """DDP's buckets (the stage's gradients' bytes, alive the whole step; under the bucket view the step's
+        gradients are the buckets) beside the stage's replay: its moments as formulas (:mod:`.pipeline_formula`).
+        Under ZeRO-1 the rank's own state and step temporaries are the partition's at these numbers (whole
+        parameters: the partition moves with the sizes), in place of the stage's."""
+        if type(self) is not DdpPipelineStep:
+            return None
+
+        def buckets(memory: Any, s: int) -> Any:
+            return memory.gradients
+
+        if self.view:
+            return {"extra": buckets, "replay": _ViewReplay}
+        if not self.zero:
+            return {"extra": buckets, "step_extra": buckets}
+        import sympy
+
+        mine: dict[int, dict[str, int]] = {}
+
+        def owned(s: int) -> dict[str, int]:
+            if s not in mine:  # a sympy sum per parameter: once a stage
+                mine[s] = _owned(self._cut(named)[1][s], self._world(named), self.rank, self.regime)
+            return mine[s]
+
+        def rest(memory: Any, s: int) -> Any:
+            return memory.gradients - memory.optimizer_state + sympy.Integer(owned(s)["optimizer_state"])
+
+        def step(memory: Any, s: int) -> Any:
+            mine = owned(s)
+            return (memory.gradients - memory.optimizer_state - memory.step_temporaries
+                    + sympy.Integer(mine["optimizer_state"] + mine["step_temporaries"]))
+
+        def state(memory: Any, s: int) -> Any:
+            return sympy.Integer(owned(s)["optimizer_state"])
+
+        return {"extra": rest, "step_extra": step, "state": state,
+                "said": "ZeroRedundancyOptimizer's partition at these sizes"}
+
     def _world(self, numbers: Mapping[str, int]) -> int:
         world = numbers.get("N")
         if not isinstance(world, int) or world < 1:
@@ -131,16 +169,24 @@ class DdpPipelineStep(PipelineStep):
         numbers = [{**named, BATCH: b + k} for k in range(3)]
         found = self._stages()
 
+        kept: list[Any] = []
+
         def make(packed: Any, cuts: Any, s: int) -> Any:
             parts = memory_of(found, s, packed.p).at_each(numbers, _PARTS)
             ats = [self._at(at, _whole(c, s) if self.zero else [], world) for at, c in zip(parts, cuts, strict=True)]
-            return (_ViewReplay if self.view else _Replay)(packed, s, pack_parts(ats), self.schedule,
-                                                            self.micro_batches), ats
+            replay = (_ViewReplay if self.view else _Replay)(packed, s, pack_parts(ats), self.schedule,
+                                                              self.micro_batches)
+            kept.append((packed, pack_parts(parts), replay._events))  # for the formulas (the stage alone's parts)
+            return replay, ats
 
+        plans = ("plans", tuple(sorted(named.items())), b)  # pipeline_formula reads them (every rank's alike)
         if not self.zero:
-            return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                                 schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(),
-                                 make=make)
+            out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                                schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(),
+                                make=make)
+            if out is not None:
+                self._memo()[plans] = kept
+            return out
         # ZeRO-1's data-parallel ranks differ only in the state (and the step's temporaries) of the parameters each
         # owns, which lives the whole step: a rank's replay is the first replayed rank's, every moment of the
         # pipeline phase moved by the difference at rest, the optimizer step's its own (one replay a stage for all)
@@ -149,6 +195,8 @@ class DdpPipelineStep(PipelineStep):
         if key not in memo:
             memo[key] = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
                                       schedule=self.schedule, micro_batches=self.micro_batches, memo=memo, make=make)
+            if memo[key] is not None:
+                memo[plans] = kept
         base = memo[key]
         if base is None:
             return None

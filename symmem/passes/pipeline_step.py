@@ -8,6 +8,12 @@ so the replay at ``B``, ``B + 1`` gives each moment as a line in ``B``, checked 
 ``Max`` of the lines no other bounds on ``B >= 1`` (what ``fit`` solves), the other sizes numbers: the formulas'
 domain is those numbers (``S = 1024``, ...), and other numbers replay again.
 
+Each moment's formula in the model's sizes (``L`` as ``L/p``; ``p``, ``M`` and the size conditions of the step's
+copies at their numbers) is read from its stage's replay when first asked for (:mod:`.pipeline_formula`): what
+the stage holds at rest plus the storages alive at that op, checked against the line; the bytes at these sizes
+stay the lines'.  An engine around the stages whose replay adds more than DDP's buckets (FSDP, ZeRO-1, tensor
+parallelism) and traced stages keep the lines (the peak line says so).
+
 The first step differs in one thing: no optimizer state exists during its pipeline phase.  Its optimizer step is
 the steady one's: AdamW makes every parameter's state in ``_init_group`` before the first update
 (:func:`symmem.passes.schedule.step_events` with ``first_step=True``: one ``init`` event, then each parameter's
@@ -31,7 +37,7 @@ schedule's own first micro-batch, and frees all it makes (measured, torch 2.13; 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +60,13 @@ class StageMoment(Moment):
     stage: int = 0
     stages: int = 1
     micro_batch: int | None = None
+    #: what the formula holds at, in words (the schedule's numbers; a line in B where no formula was read):
+    #: :mod:`.pipeline_formula`
+    held_at: Callable[[], str] | None = field(default=None, compare=False, repr=False)
+
+    def pinned(self) -> str:
+        """What the moment's formula keeps at its numbers (``at p = 4, M = 4``), in words."""
+        return self.held_at() if self.held_at is not None else ""
 
     def where(self, step: bool = True) -> str:
         layer = f" (layer {self.layer})" if self.layer else ""
@@ -122,11 +135,17 @@ class PipelineStep:
         if type(self)._make_replays is not PipelineStep._make_replays:
             return None
         from .model_parallel import batch_moments, requires
+        from .pipeline_formula import keeping
 
         requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
-        return batch_moments(self.graph, self.conv, self.options, self.regime,
-                             [{**named, BATCH: b + k} for k in range(3)], self._stages(), schedule=self.schedule,
-                             micro_batches=self.micro_batches, memo=self._memo())
+        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        # each stage's replay as batch_moments makes it, its plans kept for the moments' formulas (pipeline_formula)
+        make, kept = keeping(self._stages(), numbers, self.schedule, self.micro_batches)
+        found = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
+                              schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if found is not None:
+            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
+        return found
 
     def _memo(self) -> dict[Any, Any]:
         """What the replays at several sets of numbers share (the simulated single-device step: :class:`_Cut`)."""
@@ -143,6 +162,16 @@ class PipelineStep:
         return {"peak_per_stage": [x.bytes for x in found], "peak_first_step_per_stage": [x.first for x in found],
                 "peak_stage": top.stage,
                 "peak_where": top.where, "pipeline_schedule": self.schedule, "micro_batches": self.micro_batches}
+
+    def stage_moments(self, numbers: Mapping[sympy.Symbol, int], step: str = "steady") -> list[Moment]:
+        """Each stage's largest moment of ``step`` at ``numbers`` (its formula: the stage's peak in the sizes, where
+        the moments have formulas; :mod:`.pipeline_formula`), stage 0 first."""
+        found = self.peak(numbers).moments
+        out = []
+        for s in sorted({getattr(m, "stage", 0) for m in found}):
+            mine = [m for m in found if getattr(m, "stage", 0) == s and m.step == step]
+            out.append(max(mine, key=lambda m: m.value(numbers)))
+        return out
 
     def peak(self, at: Mapping[sympy.Symbol, int] | None = None) -> Peak:
         named = self._named(at)
@@ -170,11 +199,17 @@ class PipelineStep:
         from .unroll import iteration, template
 
         found = self._batch_moments(named, b) if line is not None else None
+        packed = found is not None
         if found is None:
             runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
             found = [([r[s].moments for r in runs], [r[s].at for r in runs]) for s in range(len(runs[0]))]
         batch = sympy.Symbol(BATCH, positive=True, integer=True)
         p = len(found)
+        # each moment's formula in the sizes, read when first asked for (the stage alone: an engine around it adds
+        # what its replay holds, not yet read as formulas)
+        extra = self._formula_extra(named)
+        sizes = None if extra is None else _StageFormulaMoments(self, named, b, line is not None and packed, batch,
+                                                                 **extra)
         steady: list[Moment] = []
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):
@@ -199,15 +234,32 @@ class PipelineStep:
                 for (a, c, is_step), (node, mb) in _upper(lines if which == "steady" else firsts).items():
                     label = None if node in (None, "merge_chunks") else node
                     layer = str(iteration(label)) if label and iteration(label) else ""
+                    steady_a = a + (state if which == "first" and not is_step else 0)  # the same moment's
+                    made = {} if sizes is None else sizes.of(s, steady_a, a, c, which == "first", is_step, node)
                     found.append(StageMoment("step" if is_step else "pipeline", step=which,
-                                             live={"live": a + c * batch}, node=template(label) if label else node,
-                                             layer=layer, stage=s, stages=p, micro_batch=mb))
+                                             node=template(label) if label else node,
+                                             layer=layer, stage=s, stages=p, micro_batch=mb,
+                                             **(made or {"live": {"live": a + c * batch},
+                                                         "held_at": self._held_at(named)})))
         # a positive size's equation stays as it is: sympy's evaluation only asks the symbols' assumptions whether
         # it is decided (about a millisecond each)
         others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v, evaluate=v < 1)
                        for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
+
+    def _formula_extra(self, named: Mapping[str, int]) -> dict[str, Any] | None:
+        """What an engine around the stages keeps alive the whole step beyond a stage alone's, as formulas of the
+        stage's memory at ``named``, and the stage's replay (:class:`~symmem.passes.pipeline_formula.StageFormulas`'
+        keywords);
+        None where the moments are not read as formulas (an engine whose replay does more than that: each moment
+        stays a line in B)."""
+        return {} if type(self) is PipelineStep else None
+
+    def _held_at(self, named: Mapping[str, int]) -> Callable[[], str]:
+        """Where a moment is a line in B (an engine around the stages): what it holds at, in words."""
+        said = f"a line in B, the other sizes at their numbers, p = {named.get('p')}, M = {self.micro_batches}"
+        return lambda: said
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return self.peak().holds_at(numbers)
@@ -237,3 +289,40 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
             kept[k] = lines[k]
             steepest = k[1]
     return kept
+
+
+class _StageFormulaMoments:
+    """The plain pipeline's moments with their formulas in the sizes (:mod:`.pipeline_formula`), built on first
+    use; the bytes at the derivation's sizes stay the lines' (no formula is built to compare moments there)."""
+
+    def __init__(self, step: PipelineStep, named: Mapping[str, int], b: int, packed: bool,
+                 batch: sympy.Symbol, **extra: Any) -> None:
+        from .pipeline_formula import StageFormulas
+
+        self.formulas = StageFormulas(step, named, b, packed, **extra)
+        self.batch = batch
+        self.others = {sympy.Symbol(k, positive=True, integer=True): v for k, v in named.items() if k != BATCH}
+
+    def of(self, s: int, a: int, line_a: int, c: int, first: bool, step: bool, node: str | None) -> dict[str, Any]:
+        """A :class:`StageMoment`'s ``make``, ``measure``, ``live`` and ``held_at`` for stage ``s``'s moment whose
+        steady line is ``a + c*B`` (``line_a + c*B`` in its own step)."""
+        from ..peak import Lazy
+
+        if not step:
+            self.formulas.want(s, a, c, node)
+        others, batch, formulas = self.others, self.batch, self.formulas
+
+        def make() -> sympy.Expr:
+            expr, _ = formulas.formula(s, a, c, first, step)
+            return line_a + c * batch if expr is None else expr
+
+        def held_at() -> str:
+            expr, note = formulas.formula(s, a, c, first, step)
+            return note if expr is not None else f"a line in B, the other sizes at their numbers, {formulas.pinned()}"
+
+        def measure(numbers: Mapping[sympy.Symbol, int]) -> int | None:
+            if batch not in numbers or any(numbers.get(k, v) != v for k, v in others.items()):
+                return None  # other sizes: the moment's formula
+            return line_a + c * int(numbers[batch])
+
+        return {"make": make, "measure": measure, "live": Lazy(lambda: {"live": make()}), "held_at": held_at}

@@ -74,6 +74,8 @@ def latex(d: Derivation) -> str:
     if found:
         _, v, moment = found[0]
         head = rf"M_{{\text{{peak}}}} &= {expression(moment.total)}\ \text{{bytes}}\quad (\text{{{format_bytes(v)}}})"
+        pinned = moment.pinned() if hasattr(moment, "pinned") else ""  # a pipeline's: the schedule's numbers
+        head += rf"\quad \text{{{escape(pinned)}}}" if pinned else ""
     else:
         head = rf"&\text{{{escape(why or 'no peak')}}}"
     total = d.try_evaluate(d.total)
@@ -112,8 +114,10 @@ def headline(d: Derivation, state: tuple[list[Any], str | None] | None = None) -
     stages = "" if each is None else "<br><small>peak per stage: " + esc("; first step: ".join(", ".join(
         f"{i}: {format_bytes(x)}" for i, x in enumerate(each[k])) for k in ("peak_per_stage",
                                                                             "peak_first_step_per_stage"))) + "</small>"
+    pinned = moment.pinned() if hasattr(moment, "pinned") else ""  # a pipeline's: the schedule's numbers
     return (f"<p><b>{esc(PEAK_LABEL)}: {esc(format_bytes(v))}</b> at {esc(moment.where(step=False))}<br>"
-            f"<small>= {_formula(moment.total, in_sizes(d))} bytes</small>{stages}</p>")
+            f"<small>= {_formula(moment.total, in_sizes(d))} bytes{f' ({esc(pinned)})' if pinned else ''}"
+            f"</small>{stages}</p>")
 
 
 def html(d: Derivation) -> str:

@@ -988,6 +988,8 @@ def headline(d: Derivation) -> list[str]:
         return [f"% {why}", rf"\noindent {escape(why or 'no peak')}."]
     _, v, moment = found[0]
     where = moment.where(step=False)
+    pinned = moment.pinned() if hasattr(moment, "pinned") else ""  # a pipeline's formulas: the schedule's numbers
+    where += f" (its formula {pinned})" if pinned else ""
     return [f"% {PEAK_LABEL}: {format_bytes(v)} ({v:,} bytes) at {where}",
             rf"\noindent\textbf{{{escape(PEAK_LABEL[0].upper() + PEAK_LABEL[1:])}:}} "
             rf"{escape(format_bytes(v))} at {escape(where)}."]

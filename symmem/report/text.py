@@ -81,6 +81,12 @@ def peak(d: Derivation) -> dict[str, Any] | None:
     side = parameter_side_per_rank(d)
     if side:  # what each rank of the engine holds (FSDP's padding, Adam's step counts): passes/rank_side.py
         out["values"]["parameter_side_per_rank"] = {str(r): v for r, v in side.items()}
+    pinned = at.pinned() if hasattr(at, "pinned") else ""
+    if pinned:  # a pipeline's formulas: the schedule's numbers they hold at (passes/pipeline_formula.py)
+        out["peak_at"]["formula_at"] = pinned
+        stages = d.step.stage_moments(d.numbers)
+        out["expressions"]["peak_per_stage"] = [str(m.total) for m in stages]
+        out["peak_at"]["formula_at_per_stage"] = [m.pinned() for m in stages]
     each = getattr(d.step, "per_rank", None)
     if callable(each):  # tensor parallelism: every rank alike, the peak is rank 0's (passes/tensor_step.py)
         out["peak_at"]["rank"] = each(d.numbers)["peak_rank"]
@@ -355,8 +361,12 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         if key == "peak":
             head, formula = f"{'':<{key_width}} {'':>12}       = ", _shown(d, moment.total)
             note = f"(the largest of {count} moments at these sizes)" if count > 1 else ""
+            pinned = moment.pinned() if hasattr(moment, "pinned") else ""  # a pipeline's: the schedule's numbers
+            if pinned:
+                note = f"({pinned}; {note[1:]}" if note else f"({pinned})"
             room = width - len(head) if width - len(head) >= 24 else width - 4  # as _totals lays it out
-            if not note or cut or all(len(x) <= room for x in wrap(f"{formula}   {note}", room)):
+            beside = not pinned or len(formula) + len(note) + 3 <= room  # a pipeline's note beside a short one
+            if not note or cut or (beside and all(len(x) <= room for x in wrap(f"{formula}   {note}", room))):
                 lines += _totals(head, formula + (f"   {note}" if note else ""), width, cut)
             else:
                 # the note in words on lines of its own, under the formula, where it does not fit beside it
