@@ -41,6 +41,7 @@ from ..shapes import numel
 from ..symbols import N, p, t
 from ..tensor import dtype_bytes
 from ..training import Regime, checkpoint_every
+from . import selective
 from .storage import resolve
 
 if TYPE_CHECKING:
@@ -208,16 +209,24 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
     every = checkpoint_every(regime.checkpoint)
     out: list[Storage] = []
     dropped: dict[str, list[Storage]] = {}
+    # Storage counting on one device: what a checkpointed core attention really keeps (its inputs, in place of
+    # everything its ops save; passes/selective.py).  Elsewhere the roles Korthikanti et al. name.
+    cores = selective.cores(graph) if regime.checkpoint == "selective" and dedup and not (
+        regime.tensor_parallel or regime.sequence_parallel) else None
     for x in terms:
         block = _block(graph, x)
         if x.category != "activation" or block is None:
             out.append(x)
             continue
-        if regime.checkpoint == "selective" and _role(graph, x) not in SELECTIVE_ROLES:
+        if regime.checkpoint == "selective" and not (
+                selective.dropped(x, cores) if cores is not None and cores.nodes
+                else _role(graph, x) in SELECTIVE_ROLES):
             out.append(x)
             continue
         dropped.setdefault(block, []).append(x)
-    if regime.checkpoint == "selective":
+    if cores is not None and cores.nodes:
+        out.extend(selective.inputs_kept(graph, cores, out, act_dtype, per_layer))
+    elif regime.checkpoint == "selective":
         _warn_uncounted(graph, out, dropped)
     alive_again: list[Storage] = []
     for name, gone in dropped.items():

@@ -1,0 +1,138 @@
+"""``--checkpoint selective`` in the pytorch convention against a real checkpointed core attention.
+
+Truth: the core attention (``Q K^T``, softmax, dropout, ``@ V``; Korthikanti et al. 2022, section 5) wrapped in
+``torch.utils.checkpoint(..., use_reentrant=False)`` the way a user does it -- for transformers 5.23's GPT-2 and
+Llama their own ``eager_attention_forward`` registered as an attention function (``AttentionInterface``), for the
+project's timm ViT reference the core of its explicit path -- and one training step under the live-bytes tracker.
+What is alive when the loss is computed, less the parameters, buffers, the batch and the loss, is what the step
+keeps for backward: symmem's kept activations must equal it to the byte.  The checkpoint keeps the core's inputs
+(a view its whole base: GPT-2's ``c_attn`` output) and the tensors passed along (the mask, Llama's position ids,
+held as keyword arguments), in place of the matmuls' copies, the softmax and the dropout.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from symmem import derive  # noqa: E402
+from symmem.errors import UncountedInput  # noqa: E402
+from symmem.record.steps import track_step  # noqa: E402
+
+VALUES = {"B": 2, "S": 16, "H": 32, "h": 4, "L": 2, "V": 64, "F": 64}
+
+
+def kept(module: torch.nn.Module, inputs: torch.Tensor) -> int:
+    """Live bytes when the loss is computed (one step, logits' sum), less parameters, buffers, batch and loss."""
+    torch.manual_seed(0)
+    b = track_step(module, inputs, steps=1).boundary(1, "loss")
+    return b.live - sum(b.bytes(c) for c in ("parameter", "buffer", "input", "output"))
+
+
+def checkpointed(fn):  # noqa: ANN001, ANN201
+    def core(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return torch.utils.checkpoint.checkpoint(fn, module, query, key, value, attention_mask,
+                                                 use_reentrant=False, **kwargs)
+    return core
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' GPT-2 and Llama attention functions, checkpointed, registered under their own names."""
+    pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.gpt2 import modeling_gpt2
+    from transformers.models.llama import modeling_llama
+
+    for name, module in (("symmem_ckpt_gpt2", modeling_gpt2), ("symmem_ckpt_llama", modeling_llama)):
+        AttentionInterface.register(name, checkpointed(module.eager_attention_forward))
+        AttentionMaskInterface.register(name, eager_mask)  # the eager path's (B, 1, S, S) additive mask
+    return True
+
+
+class Logits(torch.nn.Module):
+    """HF's model returning its logits (the output object, and the cache it holds, let go as forward returns)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(ids).logits
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "none"])
+def test_hf_gpt2_eager(hf, cache):
+    """GPT-2's q, k, v are views of c_attn's output: the checkpoint keeps all of it (3·B·S·H a layer) and the
+    mask; it drops the query copy (and without the cache the key and value copies) and the softmax."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    v = VALUES
+    config = GPT2Config(vocab_size=v["V"], n_positions=v["S"], n_embd=v["H"], n_layer=v["L"], n_head=v["h"],
+                        n_inner=v["F"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        use_cache=cache == "dynamic", bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "symmem_ckpt_gpt2"
+    torch.manual_seed(0)
+    real = kept(Logits(GPT2LMHeadModel(config)), torch.randint(0, v["V"], (v["B"], v["S"])))
+    options = {"convention": "pytorch", "attention": "naive", "dropout": 0.0, "cache": cache, "values": v}
+    d = derive("gpt2", checkpoint="selective", **options)
+    assert d.value("activations") == real == {"dynamic": 175488, "none": 159104}[cache]
+    # against no checkpointing (HF's own without it keeps what symmem counts, 173,440 B here): +2,048 (the mask)
+    # with the cache, -14,336 without
+    plain = derive("gpt2", **options).value("activations")
+    assert real - plain == {"dynamic": 2048, "none": -14336}[cache]
+
+
+@pytest.mark.parametrize("G, cache", [(1, "dynamic"), (2, "none"), (2, "dynamic")])
+def test_hf_llama_eager(hf, G, cache):
+    """Llama's checkpoint keeps the rotary query, the key and value it is called with (the cache's copies, or the
+    rotary key and v_proj's output), the mask and the position ids; repeat_kv's copies are inside it."""
+    from symmem.record.hf_llama import hf_llama
+
+    values = {**VALUES, "G": G}
+    torch.manual_seed(0)
+    module, ids = hf_llama(values, "naive", cache=cache)
+    module.config._attn_implementation = "symmem_ckpt_llama"
+    real = kept(Logits(module), ids)
+    d = derive("llama", convention="pytorch", attention="naive", cache=cache, checkpoint="selective", values=values)
+    assert d.value("activations") == real == {1: 151296, 2: 155392}[G]
+
+
+def test_vit_reference():
+    """The project's timm ViT reference with its explicit core (q·scale @ kᵀ, softmax, dropout, @ v) checkpointed:
+    the scaled query and the qkv output (k and v view it) are kept."""
+    from symmem.reference.sequence_models import VitAttention, reference
+
+    values = {"B": 2, "H": 32, "h": 4, "L": 2, "F": 64, "Hi": 32, "Wi": 32, "C": 3, "K": 10}
+    module, (images,) = reference("vit-b16", values, attention="naive")
+
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: torch.nn.Module) -> torch.Tensor:
+        return drop((q @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+
+    def forward(self: VitAttention, x: torch.Tensor) -> torch.Tensor:  # timm's forward, the core checkpointed
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        x = torch.utils.checkpoint.checkpoint(core, q * self.scale, k, v, self.attn_drop, use_reentrant=False)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, c)))
+
+    for m in module.modules():
+        if isinstance(m, VitAttention):
+            m.forward = forward.__get__(m)
+    real = kept(module, images)
+    d = derive("vit-b16", convention="pytorch", attention="naive", checkpoint="selective", values=values)
+    assert d.value("activations") == real
+    assert sorted(t.name for t in d.terms if t.role == "checkpoint") == ["blocks.q_scaled", "blocks.qkv"]
+
+
+@pytest.mark.parametrize("model, options", [("gpt2", {"attention": "naive"}), ("llama", {"attention": "naive"}),
+                                            ("vit-b16", {"attention": "naive"}), ("llama", {"attention": "sdpa"})])
+def test_no_uncounted_warning_once_counted(model, options):
+    """What the recompute needs is counted now: no UncountedInput warning (SDPA keeps q, k, v itself)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        derive(model, convention="pytorch", checkpoint="selective", values={"L": 2}, **options).value("activations")
+    assert not [w for w in caught if issubclass(w.category, UncountedInput)]
