@@ -10,7 +10,8 @@ The derivation first lists what a convention keeps (:mod:`.saved`), then hands t
    layer's activations alive again during its backward as the ``transient`` term ``<block>.recompute``;
    ``every-k`` keeps the input of every k-th layer and recomputes k layers at a time (Chen et al. 2016);
    ``selective`` drops the attention scores, probabilities and attention dropout (Korthikanti et al. 2022,
-   section 5) and shows one layer's recomputed copy as a transient term;
+   section 5) and shows one layer's recomputed copy as a transient term; in a storage-counting convention on one
+   device, what a checkpointed core attention keeps instead (:mod:`.selective`);
 3. **pipeline parallelism** over ``p`` stages: a stage holds ``L/p`` layers and, under the 1F1B schedule,
    the first stage keeps ``p`` micro-batches in flight (Narayanan et al. 2021, section 2.2; Korthikanti et
    al. 2022, section 4.2.3): the term ``pipeline.in_flight`` = (p - 1) more micro-batches of its layers;
@@ -165,7 +166,8 @@ def _divide(term: Storage, by: sympy.Expr) -> Storage:
 
 def _warn_uncounted(graph: Graph, kept: list[Storage], dropped: dict[str, list[Storage]]) -> None:
     """Warn where selective recomputation drops a matmul's copy of an input nothing outside the core keeps (eager
-    Llama's rotary query: its only saver is the scores matmul's copy), once per derivation."""
+    Llama's rotary query: its only saver is the scores matmul's copy), once per derivation: where what the
+    checkpoint keeps is not counted (no core marked, as BERT's eager attention; tensor parallelism)."""
     held = {x.node for x in kept if x.category == "activation"}
     for gone in dropped.values():
         for x in gone:
