@@ -143,8 +143,9 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
         out = g.op("matmul", w, v, name="attn_v")
         # eager_attention_forward(module, query, key, value, attention_mask, ..., position_ids=...): under
-        # --checkpoint selective the checkpoint saves these (repeat_kv is inside it)
-        g.graph.graph.setdefault("recomputed_core", {})[out] = ((q, key_in, value_in, mask, pos), ())
+        # --checkpoint selective the checkpoint saves these (repeat_kv is inside it); the decoder layer holds the
+        # weights it returns (``hidden_states, _ = self.self_attn(...)``) until it returns: True
+        g.graph.graph.setdefault("recomputed_core", {})[out] = ((q, key_in, value_in, mask, pos), (), True)
     else:
         # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
         # of the q_proj view it came from (TensorIterator).  The CPU math kernel (dropout > 0) keeps v itself only

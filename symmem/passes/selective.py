@@ -11,7 +11,9 @@ rotary query, the cache's key and value copies (without the cache the rotary key
 once for the model, the (B, 1, S, S) mask and the position ids HF passes along.
 
 A builder marks each core in the graph's ``recomputed_core``: the core's output node -> (the nodes the checkpointed
-function is called with, tensors it is called with that the graph has no node for: ``(name, shape, dtype)``).
+function is called with, tensors it is called with that the graph has no node for: ``(name, shape, dtype)``,
+whether the layer holds the attention weights the function returns until the layer returns -- HF's
+``x, _ = self.attn(...)``: under the checkpoint they are no saved tensor, so that decides when they die).
 
 >>> from symmem import derive
 >>> sel = derive("gpt2", attention="naive", dropout=0.0, cache="none", checkpoint="selective", per_layer=True)
@@ -49,7 +51,7 @@ def cores(graph: Graph) -> Cores:
     """The marked cores: a core's nodes are those ``output`` depends on without passing through its inputs."""
     inside: set[str] = set()
     calls = []
-    for output, (inputs, extras) in graph.graph.get("recomputed_core", {}).items():
+    for output, (inputs, extras, _) in graph.graph.get("recomputed_core", {}).items():
         block = graph.node(output).block
         stack = [output]
         while stack:
@@ -102,3 +104,37 @@ def inputs_kept(graph: Graph, found: Cores, kept: Sequence[Storage], act_dtype: 
                                "checkpoint", None, dtype, elements, sympy.Integer(1), (output,), "forward",
                                "backward"))
     return out
+
+
+def unrolled(graph: Graph) -> tuple[dict[str, tuple[str, int]], dict[tuple[str, int], tuple[list[str], list[Extra]]],
+                                    list[tuple[str, str]]]:
+    """The cores of an unrolled graph (``passes/unroll.py``: a layer's node ``n`` is ``n#k``): each core node ->
+    its segment (the core's output, the layer), each segment -> what it is called with (nodes, extras), and the
+    returned weights a layer holds -> its last node, for the step's simulation (one segment per layer's core, as
+    ``torch.utils.checkpoint`` runs it)."""
+    iterations = graph.graph.get("iterations", {})
+    last = {layer: n for n, layer in iterations.items()}  # a layer's last node (the unrolled nodes are in order)
+    segment_of: dict[str, tuple[str, int]] = {}
+    calls: dict[tuple[str, int], tuple[list[str], list[Extra]]] = {}
+    held: list[tuple[str, str]] = []
+    for output, (inputs, extras, returns) in graph.graph.get("recomputed_core", {}).items():
+        for k in range(1, len(iterations) + 1):
+            end = f"{output}#{k}"
+            if end not in iterations:
+                break
+            layer = iterations[end]
+            names = [f"{x}#{k}" if iterations.get(f"{x}#{k}") == layer else x for x in inputs]
+            stack = [end]
+            while stack:
+                n = stack.pop()
+                if n in segment_of or n in names or iterations.get(n) != layer:
+                    continue
+                node = graph.node(n)
+                if node.kind in ("parameter", "buffer", "input", "constant"):
+                    continue
+                segment_of[n] = (output, k)
+                stack.extend(node.inputs)
+            calls[(output, k)] = (names, list(extras))
+            if returns:
+                held.append((graph.node(end).inputs[0], last[layer]))
+    return segment_of, calls, held
