@@ -49,6 +49,10 @@ def _self_attention(g: GraphBuilder, x: str, kind: str, dropout: float) -> str:
         s = g.op("softmax", s, name="softmax", role="attn_probs", dim=-1)
         s = g.op("dropout", s, name="attn_dropout", role="attn_dropout", p=dropout)
         out = g.op("matmul", s, v, name="attn_v")
+        # eager_attention_forward(module, query, key, value, None): under --checkpoint selective the checkpoint
+        # saves q, k, v (views of the three projections); BertLayer holds the weights it returns
+        # (``self_attention_output, _ = self.attention(...)``) until it returns: True
+        g.graph.graph.setdefault("recomputed_core", {})[out] = ((q, k, v), (), True)
     else:
         out = g.op("attention", q, k, v, name="sdpa", role="attention", dropout=dropout)
     out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)

@@ -76,6 +76,11 @@ def _attention(g: GraphBuilder, x: str, kind: str, dropout: float, cache: bool) 
         w = g.op("softmax", w, name="softmax", role="attn_probs", dim=-1)
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
         out = g.op("matmul", w, v, name="attn_v")
+        # eager_attention_forward's arguments (under --checkpoint selective the checkpoint saves them): the query,
+        # key and value and create_causal_mask's (B, 1, S, S) additive mask, which the graph has no node for
+        # GPT2Block holds the weights it returns (``attn_output, _ = self.attn(...)``) until it returns: True
+        g.graph.graph.setdefault("recomputed_core", {})[out] = ((q, k, v), (("causal_mask", (B, 1, S, S), "act"),),
+                                                                True)
     else:
         out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=True, dropout=dropout)
     out = g.op("transpose", out, name="merge_t", dim0=1, dim1=2)

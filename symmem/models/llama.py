@@ -93,7 +93,7 @@ def _repeat_kv(g: GraphBuilder, x: str, name: str) -> str:
 
 
 def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, kind: str, dropout: float,
-               cache: bool) -> str:
+               cache: bool, pos: str = "position_ids") -> str:
     held = g.graph.graph.setdefault("held_until", {})
     hd = H / h
     states, projected = [], []
@@ -124,6 +124,7 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         # LlamaAttention.forward's locals hold the rotary query (both paths) and, without the cache, the rotary
         # key and the projected value's view until it returns, past the copies the matmuls make of them
         locals_ = (q,) if cache else (q, k, v)
+        key_in, value_in = k, v
         k = _repeat_kv(g, k, "k")
         v = _repeat_kv(g, v, "v")
         # the matmuls copy an operand that is a view they cannot fold into bmm's batch, as the strides decide:
@@ -141,6 +142,10 @@ def _attention(g: GraphBuilder, x: str, cos: str, sin: str, mask: str | None, ki
         w = g.op("cast", w, name="to_query_dtype", dtype="act")
         w = g.op("dropout", w, name="attn_dropout", role="attn_dropout", p=dropout)
         out = g.op("matmul", w, v, name="attn_v")
+        # eager_attention_forward(module, query, key, value, attention_mask, ..., position_ids=...): under
+        # --checkpoint selective the checkpoint saves these (repeat_kv is inside it); the decoder layer holds the
+        # weights it returns (``hidden_states, _ = self.self_attn(...)``) until it returns: True
+        g.graph.graph.setdefault("recomputed_core", {})[out] = ((q, key_in, value_in, mask, pos), (), True)
     else:
         # enable_gqa: the kernel reads the G key/value heads; q after the rotary ops keeps the (B, S, h, d) layout
         # of the q_proj view it came from (TensorIterator).  The CPU math kernel (dropout > 0) keeps v itself only
@@ -176,7 +181,7 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     with g.group("layer"), g.repeat("layers", L, x, input_role="residual") as layer:
         a = rmsnorm(g, layer.input, "input_layernorm", role="attn_input")
         with g.scope("self_attn"):
-            a = _attention(g, a, cos, sin, mask, attention, dropout, cache == "dynamic")
+            a = _attention(g, a, cos, sin, mask, attention, dropout, cache == "dynamic", pos)
         x = g.op("add", layer.input, a, name="add1", role="residual")
         m = rmsnorm(g, x, "post_attention_layernorm", role="mlp_input")
         with g.scope("mlp"):

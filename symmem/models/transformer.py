@@ -50,6 +50,8 @@ def attention(g: GraphBuilder, x: str, *, kind: str, attn_drop: float, proj_drop
         probs = g.op("softmax", scores, name="softmax", role="attn_probs", dim=-1)
         probs = g.op("dropout", probs, name="attn_drop", role="attn_dropout", p=attn_drop)
         out = g.op("matmul", probs, v, name="attn_v")
+        # the core a checkpoint wraps under --checkpoint selective (q @ k^T ... @ v) and what it is called with
+        g.graph.graph.setdefault("recomputed_core", {})[out] = ((q, k, v), (), False)
     else:
         out = g.op("attention", q, k, v, name="sdpa", role="attention", causal=causal, dropout=attn_drop)
     # merging the heads of a transposed tensor copies (its strides say so)

@@ -10,7 +10,8 @@ The derivation first lists what a convention keeps (:mod:`.saved`), then hands t
    layer's activations alive again during its backward as the ``transient`` term ``<block>.recompute``;
    ``every-k`` keeps the input of every k-th layer and recomputes k layers at a time (Chen et al. 2016);
    ``selective`` drops the attention scores, probabilities and attention dropout (Korthikanti et al. 2022,
-   section 5) and shows one layer's recomputed copy as a transient term;
+   section 5) and shows one layer's recomputed copy as a transient term; in a storage-counting convention on one
+   device, what a checkpointed core attention keeps instead (:mod:`.selective`);
 3. **pipeline parallelism** over ``p`` stages: a stage holds ``L/p`` layers and, under the 1F1B schedule,
    the first stage keeps ``p`` micro-batches in flight (Narayanan et al. 2021, section 2.2; Korthikanti et
    al. 2022, section 4.2.3): the term ``pipeline.in_flight`` = (p - 1) more micro-batches of its layers;
@@ -41,6 +42,7 @@ from ..shapes import numel
 from ..symbols import N, p, t
 from ..tensor import dtype_bytes
 from ..training import Regime, checkpoint_every
+from . import selective
 from .storage import resolve
 
 if TYPE_CHECKING:
@@ -164,7 +166,8 @@ def _divide(term: Storage, by: sympy.Expr) -> Storage:
 
 def _warn_uncounted(graph: Graph, kept: list[Storage], dropped: dict[str, list[Storage]]) -> None:
     """Warn where selective recomputation drops a matmul's copy of an input nothing outside the core keeps (eager
-    Llama's rotary query: its only saver is the scores matmul's copy), once per derivation."""
+    Llama's rotary query: its only saver is the scores matmul's copy), once per derivation: where what the
+    checkpoint keeps is not counted (no core marked, as BERT's eager attention; tensor parallelism)."""
     held = {x.node for x in kept if x.category == "activation"}
     for gone in dropped.values():
         for x in gone:
@@ -208,16 +211,24 @@ def _checkpoint(graph: Graph, terms: list[Storage], regime: Regime, act_dtype: s
     every = checkpoint_every(regime.checkpoint)
     out: list[Storage] = []
     dropped: dict[str, list[Storage]] = {}
+    # Storage counting on one device: what a checkpointed core attention really keeps (its inputs, in place of
+    # everything its ops save; passes/selective.py).  Elsewhere the roles Korthikanti et al. name.
+    cores = selective.cores(graph) if regime.checkpoint == "selective" and dedup and not (
+        regime.tensor_parallel or regime.sequence_parallel) else None
     for x in terms:
         block = _block(graph, x)
         if x.category != "activation" or block is None:
             out.append(x)
             continue
-        if regime.checkpoint == "selective" and _role(graph, x) not in SELECTIVE_ROLES:
+        if regime.checkpoint == "selective" and not (
+                selective.dropped(x, cores) if cores is not None and cores.nodes
+                else _role(graph, x) in SELECTIVE_ROLES):
             out.append(x)
             continue
         dropped.setdefault(block, []).append(x)
-    if regime.checkpoint == "selective":
+    if cores is not None and cores.nodes:
+        out.extend(selective.inputs_kept(graph, cores, out, act_dtype, per_layer))
+    elif regime.checkpoint == "selective":
         _warn_uncounted(graph, out, dropped)
     alive_again: list[Storage] = []
     for name, gone in dropped.items():

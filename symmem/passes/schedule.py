@@ -42,7 +42,7 @@ from ..symbols import N
 from ..tensor import TensorSpec, dtype_bytes
 from ..timeline import Event, Live, Timeline
 from ..training import Regime, checkpoint_every
-from . import data_parallel, zero_redundancy
+from . import data_parallel, selective, zero_redundancy
 from .fsdp1 import FSDP1, Fsdp1
 from .parameters import in_registration_order, program_parameters, state_storages
 from .saved import kept
@@ -100,9 +100,13 @@ class Simulation:
                       if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero) else "")
             raise SymmemError("the peak follows one device's training step op by op; tensor and pipeline "
                               f"parallelism are not modelled there (the kept memory and total are){stages}")
-        if regime.checkpoint == "selective":
-            raise SymmemError("the peak with selective recomputation is not modelled (the kept memory and total "
-                              "are); full and every-K checkpointing are")
+        if regime.checkpoint == "selective" and not graph.graph.get("recomputed_core"):
+            raise SymmemError("the peak with selective recomputation is modelled for eager attention (a checkpointed "
+                              "core attention), not this model's (the kept memory and total are); full and every-K "
+                              "checkpointing are")
+        if regime.checkpoint == "selective" and regime.data_parallel:
+            raise SymmemError("the peak with selective recomputation is modelled on one device (measured there), not "
+                              f"under --data-parallel {regime.data_parallel} (the kept memory and total are)")
         self.graph, self.conv, self.regime = graph, conv, regime
         self.act = regime.activation_dtype
         self.order = list(graph.program_order())
@@ -132,6 +136,11 @@ class Simulation:
         """What the convention keeps, and who keeps it."""
         saved = kept(self.graph, self.conv, options, self.act, self.order, False, branch)
         self.segment_of = _segments(self.graph, self.regime)  # checkpointed node -> its segment (one layer, or K)
+        # selective: each layer's core attention is a segment, called with its marked inputs (passes/selective.py)
+        self.calls: dict[Any, tuple[list[str], list[Any]]] = {}
+        self.returned: list[tuple[str, str]] = []
+        if self.regime.checkpoint == "selective":
+            self.segment_of, self.calls, self.returned = selective.unrolled(self.graph)
         # inside a checkpointed segment no op keeps a tensor (checkpoint packs a handle): only keepers outside do
         self.all_keepers: dict[str, tuple[str, ...]] = {s.name: s.keepers for s in saved}
         keepers = {k: tuple(x for x in v if x not in self.segment_of) for k, v in self.all_keepers.items()}
@@ -254,6 +263,8 @@ class Simulation:
             until = ends if until == "forward" else until
             if s in base and until in pos:
                 last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
+        for s, until in self.returned:  # attention weights a checkpointed core returned, held by the layer
+            last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
         self.dies_forward: dict[int, list[str]] = defaultdict(list)
         for s in set(base.values()):
             if s in self.keepers or s in self.held_to_end or graph.node(s).kind in _HELD:
@@ -273,6 +284,10 @@ class Simulation:
             inside = {m.name for m in nodes}
             found = dict.fromkeys(base[x] for m in nodes for x in m.inputs if base[x] not in inside)
             self.frame_inputs[sg] = [x for x in found if graph.node(x).kind not in _HELD]
+            if sg in self.calls:  # what the core is called with and reads not (Llama's position ids), extras
+                names, extras = self.calls[sg]
+                more = [base[x] for x in names if graph.node(base[x]).kind not in _HELD] + [e[0] for e in extras]
+                self.frame_inputs[sg] += [x for x in dict.fromkeys(more) if x not in self.frame_inputs[sg]]
         self.groups = _splits(graph, self.order)
         self.tied_to = _tied(graph, self.order)
         self.param_grad: dict[str, int] = {}  # weight -> its .grad
@@ -296,6 +311,12 @@ class Simulation:
         fsdp = self.fsdp
         if fsdp:
             fsdp.start_forward()
+        # tensors the checkpointed cores are called with that the graph has no node for (GPT-2's mask)
+        extras = {e[0]: e for _, more in self.calls.values() for e in more}
+        if extras:
+            for name, shape, dtype in extras.values():
+                self.owner[name] = self.new(name, "activation", self.size(TensorSpec(tuple(shape), dtype)))
+            self.event("forward", None, [self.owner[e] for e in extras], [])
         for n in self.order:
             node = graph.node(n)
             if node.kind in _HELD:
