@@ -14,6 +14,8 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import sympy
 
@@ -73,9 +75,10 @@ class UnitSize:
     one: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
     meaning: str
 
-    @property
+    @cached_property
     def atom(self) -> sympy.Basic:
-        """The condition that the size is 1, as storage decisions state it (``Eq(G, 1)``)."""
+        """The condition that the size is 1, as storage decisions state it (``Eq(G, 1)``); made once (sympy
+        tries to decide ``Eq(h/G, 1)`` each time it is made, ~1 ms)."""
         return sympy.Eq(self.size, 1)
 
 
@@ -88,6 +91,38 @@ UNIT_SIZES: tuple[UnitSize, ...] = (
     UnitSize(G, ((G, sympy.Integer(1)),), "multi-query attention: one key/value head"),
     UnitSize(h / G, ((h, G),), "multi-head attention: as many key/value heads as query heads"),
 )
+
+
+def equals(size: sympy.Expr, value: int) -> sympy.Basic:
+    """``sympy.Eq(size, value)`` -- a size fixed at a number, as a peak's domain states it -- without sympy's
+    attempt to decide it (~0.7 ms each) where nothing can: a positive integer symbol at a whole number from 1 on.
+
+    >>> equals(N, 8), equals(N, 8) == sympy.Eq(N, 8), equals(N, 0)
+    (Eq(N, 8), True, False)
+    """
+    if _undecided(size, value, 1):
+        return sympy.Eq(size, value, evaluate=False)
+    return sympy.Eq(size, value)
+
+
+def at_least(size: sympy.Expr, value: int) -> sympy.Basic:
+    """``sympy.Ge(size, value)`` without sympy's attempt to decide it where nothing can (a positive integer
+    symbol, a whole number from 2 on: ``Ge(N, 1)`` is true).
+
+    >>> at_least(N, 2), at_least(N, 2) == sympy.Ge(N, 2), at_least(N, 1)
+    (N >= 2, True, True)
+    """
+    if _undecided(size, value, 2):
+        return sympy.Ge(size, value, evaluate=False)
+    return sympy.Ge(size, value)
+
+
+def _undecided(size: sympy.Expr, value: Any, least: int) -> bool:
+    """Whether a relation of ``size`` (a positive integer symbol) to ``value`` (a whole number, at least
+    ``least``) is left as it is by sympy: any whole number from 1 on may be the symbol's."""
+    if isinstance(value, bool) or not isinstance(value, (int, sympy.Integer)) or int(value) < least:
+        return False
+    return isinstance(size, sympy.Symbol) and size.is_integer is True and size.is_positive is True
 
 
 def symbol(name: str) -> sympy.Symbol:

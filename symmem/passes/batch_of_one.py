@@ -9,6 +9,7 @@ rank's saved activations (:func:`symmem.passes.model_parallel.tensor_rank`) both
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import sympy
@@ -20,6 +21,7 @@ REPEATS = {"layers.self_attn.k_repeat": "layers.self_attn.cache_key",
            "layers.self_attn.v_repeat": "layers.self_attn.cache_value"}
 
 
+@functools.cache  # sympy works out Max(0, 2 - B) anew each time (~2 ms)
 def single_copy() -> sympy.Expr:
     """1 at B = 1, 0 from B = 2: how many more copies an asynchronous all-gather over S keeps.
 

@@ -14,6 +14,7 @@ conditions (equal branches collapse).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -203,6 +204,17 @@ def _keyed(storages: Iterable[Storage]) -> dict[tuple[Any, ...], Storage]:
 def _given(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
     """Substitutions a branch implies (``Eq(G, 1)`` true: G = 1; ``Eq(h/G, 1)`` true: G = h), to write the
     branch's formula plainly."""
+    return dict(_solved(cond, value))
+
+
+@functools.lru_cache(maxsize=256)
+def _solved(cond: Boolean, value: bool) -> tuple[tuple[sympy.Symbol, sympy.Expr], ...]:
+    """:func:`_given`'s substitutions, worked out once per condition (``sympy.solve`` takes milliseconds, and every
+    ZeRO-1 rank's step joins the same branches)."""
+    return tuple(_substitutions(cond, value).items())
+
+
+def _substitutions(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]:
     if value and isinstance(cond, sympy.Eq) and isinstance(cond.lhs, sympy.Symbol) and cond.rhs.is_number:
         return {cond.lhs: cond.rhs}
     if value and isinstance(cond, sympy.Eq) and cond.free_symbols:

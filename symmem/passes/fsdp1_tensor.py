@@ -171,7 +171,7 @@ class _Mesh1Walk(_MeshWalk):
         self.padding = {name: (N * u.shard - sympy.Add(*(m[2] for m in u.members))) * 4
                         for name, u in (("root", root), ("layer", layer))}
 
-    def local(self, i: int) -> sympy.Expr:
+    def _local(self, i: int) -> sympy.Expr:
         from ..symbols import N
 
         s = self.tl.storages[i]
@@ -182,7 +182,7 @@ class _Mesh1Walk(_MeshWalk):
             if s.name.startswith("fsdp1.padded_grad["):
                 return sympy.Integer(0)  # no copy to pad
             return k * 4  # the sharded gradient
-        return super().local(i)
+        return super()._local(i)
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """What the walk adds at this op, and the padding's zeros at a flat gradient's concatenation."""

@@ -70,6 +70,7 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Peak
 from ..shapes import numel
+from ..symbols import N, equals, t
 from ..training import Regime, refuse_one_rank
 from .parameters import node_parameters
 from .rank_step import WalkedStep
@@ -99,8 +100,6 @@ def tp_shape(graph: Graph, node: str, shape: tuple[sympy.Expr, ...]) -> tuple[sy
     >>> tp_shape(g, "norm.weight", g.node("norm.weight").params["value"])
     (H,)
     """
-    from ..symbols import t
-
     n = graph.node(node)
     if len(shape) < 2:
         return tuple(shape)  # the norms: replicated
@@ -122,7 +121,6 @@ def mesh_rank(graph: Graph, storages: Sequence[Any], regime: Regime, rank: int =
     """One rank of the N x t mesh as a :class:`~symmem.passes.model_parallel.TensorRank` (formulas in N and t),
     from the single-device ``storages`` (the pytorch convention); ``rank`` is its place in its data-parallel group
     (the rows of the optimizer state it holds; rank 0 holds whole shards, the most)."""
-    from ..symbols import N
     from .data_parallel import held_shape, shard_rows
     from .model_parallel import TensorRank, tensor_rank
 
@@ -169,9 +167,7 @@ class _MeshWalk(_LayerWalk):
     sequence = False
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
-        from ..symbols import N
         from .data_parallel import shard_rows
-        from .unroll import iteration, template
 
         super().__init__(graph, conv, options, regime, numbers)
         self.tl = _named_end(self.tl)
@@ -220,8 +216,6 @@ class _MeshWalk(_LayerWalk):
     def _stream_bytes(self, node: str) -> sympy.Expr:
         """Bytes of ``node``'s output, a (B, S, H) tensor of the stream, on one rank: whole, or split over S under
         sequence parallelism."""
-        from ..symbols import t
-
         size = self.g.node(node).out.numel * 4
         return size / t if self.sequence else size
 
@@ -234,9 +228,9 @@ class _MeshWalk(_LayerWalk):
                    if str(iterations.get(p, iterations.get(p.rsplit(".", 1)[0]))) == unit]
         return sympy.Add(*(self.stored[p] for p in members))
 
-    def local(self, i: int) -> sympy.Expr:
-        from ..symbols import N, t
-
+    def _local(self, i: int) -> sympy.Expr:
+        """A storage's bytes on one rank of the mesh (:meth:`local` keeps each once): FSDP's buffers at the 2-D
+        shards' sizes, the rest as on a tensor-parallel rank."""
         s = self.tl.storages[i]
         if s.category == "gradient" and s.node == self.embedding:
             return s.nbytes / t  # the rank's rows (the whole one: _embedding)
@@ -249,7 +243,7 @@ class _MeshWalk(_LayerWalk):
         if (not self.sequence and s.name.endswith(".grad_sum")
                 and self.norm_of.get(s.node or "", "").startswith("layers")):
             return s.nbytes  # a norm's output gradient: the column-parallel input gradients all-reduced, whole
-        return super().local(i)
+        return super()._local(i)
 
     def label(self, phase: str, node: str, layers: int | None = None) -> str:
         """Where a moment is, in words: an op outside the layers by its name; the walk's last two layers called
@@ -265,8 +259,6 @@ class _MeshWalk(_LayerWalk):
         """An op of the first, the last or the last but one layer (in its backward the last layer's reduce-scatter
         input and sharded gradients are alive beside one layer's kept tensors fewer), or outside the layers (the
         embedding, the final norm, the head)."""
-        from .unroll import iteration
-
         return iteration(e.node) in (0, 1, layers - 1, layers)
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
@@ -319,8 +311,6 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
         """:class:`_MeshWalk`'s, less at a norm's scale backward what the walk holds of the attention's q, k, v
         input gradients' sum beyond its reduce-scatter's S-split output: the sum is let go at the scatter, before
         the norm's backward (measured)."""
-        from ..symbols import t
-
         extra = super()._collectives(e, alive, k)
         if e.phase == "backward" and e.node in self.norm_of and template(e.node).endswith(".scale"):
             whole = [self.tl.storages[i].nbytes for i in e.freed if i in self.gathered_grads and i in alive]
@@ -454,7 +444,7 @@ class MeshStep(WalkedStep):
             made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
                                                             self.temporaries(rank, named)},
                                    ranks=ranks, what="the optimizer step", rank=rank * named["t"]))
-        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+        others = tuple(equals(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L", "N"))
         return Peak(None, None, tuple(made), others)
 
@@ -468,8 +458,6 @@ class MeshStep(WalkedStep):
         """``{rank: (first-step peak, steady peak)}`` of every rank of the mesh, ``r`` at ``(r // t, r % t)``: a
         data-parallel rank holds the rows :func:`~symmem.passes.data_parallel.held_shape` gives of each
         tensor-parallel shard, so each distinct set of rows is worked out once, however large N is."""
-        from ..symbols import t
-
         merged = {**self.numbers, **numbers}
         out: dict[int, tuple[int, int]] = {}
         for group in self.groups(merged):
@@ -493,7 +481,6 @@ class MeshStep(WalkedStep):
 def mesh_groups(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:
     """The data-parallel ranks of an N x t mesh grouped by the rows of each tensor-parallel shard they hold
     (:func:`~symmem.passes.data_parallel.alike_ranks`)."""
-    from ..symbols import N
     from .data_parallel import alike_ranks
 
     env = {s: sympy.Integer(v) for s, v in numbers.items()}
@@ -503,7 +490,6 @@ def mesh_groups(graph: Graph, numbers: Mapping[sympy.Symbol, int]) -> list[list[
 def _step_temporaries(graph: Graph, rank: int) -> sympy.Expr:
     """For-loop AdamW's largest temporaries on the 2-D shards (the rows ``rank`` holds of each tensor-parallel
     shard): :func:`symmem.passes.tensor_step._step_temporaries` with each parameter at those bytes."""
-    from ..symbols import N
     from .data_parallel import held_shape
     from .tensor_step import _step_temporaries as temporaries
 

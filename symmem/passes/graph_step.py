@@ -30,7 +30,7 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
-from ..symbols import N
+from ..symbols import N, at_least
 from ..timeline import Event, Live, Row, Timeline, Which, checked
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
 from . import branches as size_branches
@@ -96,7 +96,7 @@ class GraphStep:
 
     def _ranks_domain(self) -> tuple[sympy.Basic, ...]:
         """FSDP's steps hold for N >= 2: on one rank the engines skip their collectives."""
-        return (sympy.Ge(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
+        return (at_least(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return self.peak().holds_at(numbers)
@@ -275,7 +275,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
             raise SymmemError(f"block {name!r} repeats {count} times: the peak needs a symbol or a number")
     names = list(symbolic)
     syms = [symbolic[n] for n in names]
-    domain = tuple(sympy.Ge(s, base) for s in dict.fromkeys(syms) if s not in many)
+    domain = tuple(at_least(s, base) for s in dict.fromkeys(syms) if s not in many)
     if period > 1:
         domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
     subs = {**dict(subs), **many}
@@ -520,12 +520,14 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         tl = Timeline(tuple(sim.storages), tuple(sim.start), (*sim.events, Event("step", None, (), ())))
         runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge, ids=ids).items()
                       if k[0] in ("forward", "backward")}
-        live: Counter = Counter()
-        for i in tl.start:
-            live[_storage_key(tl.storages[i])] += 1
+        # how many times each storage is alive when the backward ends, then by key: each storage's key made once
+        net: Counter = Counter(tl.start)
         for e in tl.events[:walked]:
-            live.update(_storage_key(tl.storages[i]) for i in e.born)
-            live.subtract(_storage_key(tl.storages[i]) for i in e.freed)
+            net.update(e.born)
+            net.subtract(e.freed)
+        live: Counter = Counter()
+        for i, n in net.items():  # every storage touched, in order: the keys in the order the events touch them
+            live[_storage_key(tl.storages[i])] += n
         ends[bump] = +live
     pairs = list(ids)
     moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}

@@ -56,15 +56,17 @@ def in_registration_order(graph: Any, params: Sequence[tuple[str, Any]]) -> list
 def _registered_after(listed: list[tuple[str, Any]], child: str, anchor: str) -> list[tuple[str, Any]]:
     """``listed`` with each parameter of a submodule named ``child`` moved after the last parameter of the
     submodule ``anchor`` in the same layer."""
-    def segments(name: str) -> list[str]:
-        return template(name).split(".")
-
+    # each name's module path and layer worked out once (a 32-layer stack moves a parameter per layer past
+    # every other: ~20,000 look-ups)
+    segments = {q[0]: template(q[0]).split(".") for q in listed}
+    layer_of = {q[0]: iteration(q[0]) for q in listed}
     out = list(listed)
-    for item in [q for q in listed if child in segments(q[0])]:
+    for item in [q for q in listed if child in segments[q[0]]]:
         out.remove(item)
-        layer = iteration(item[0])  # 0: outside the repeated blocks, after the anchor's last parameter anywhere
-        ahead = [i for i, q in enumerate(out) if anchor in segments(q[0]) and layer in (0, iteration(q[0]))]
-        out.insert(ahead[-1] + 1 if ahead else len(out), item)
+        layer = layer_of[item[0]]  # 0: outside the repeated blocks, after the anchor's last parameter anywhere
+        last = next((i for i in range(len(out) - 1, -1, -1)
+                     if anchor in segments[out[i][0]] and layer in (0, layer_of[out[i][0]])), None)
+        out.insert(last + 1 if last is not None else len(out), item)
     return out
 
 

@@ -49,9 +49,11 @@ fewest bytes over repeated steps.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import cached_property
 from typing import Any
 
@@ -61,11 +63,12 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Moment, Peak
 from ..shapes import numel
+from ..symbols import at_least, equals, t
 from ..training import Regime
 from .batch_of_one import REPEATS, collapsed, single_copy
 from .parameters import node_parameters
 from .rank_step import WalkedStep
-from .unroll import template
+from .unroll import iteration, template
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,6 @@ class RankMoments:
 
 def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) -> RankMoments:
     """The moments of one rank's step (see the module's note) from its :class:`TensorRank` ``rank``."""
-    from ..symbols import t
     from .model_parallel import _bytes, _module_buffers, local_saved
 
     act = "float32"
@@ -173,8 +175,6 @@ def _step_temporaries(graph: Graph, local: Callable[[str, tuple[sympy.Expr, ...]
     Llama reference lists them (the embedding; each layer's linears, then its norms; the final norm; the head),
     of two of a parameter's size beside the previous parameter's ``denom``.  ``local(node, shape)``: a
     parameter's bytes on the rank (default: a tensor-parallel shard's, a matrix split over ``t``)."""
-    from ..symbols import t
-
     if local is None:
         def local(n: str, shape: tuple[sympy.Expr, ...]) -> sympy.Expr:
             return numel(shape) * 4 / (t if len(shape) >= 2 else 1)
@@ -200,7 +200,7 @@ def _step_temporaries(graph: Graph, local: Callable[[str, tuple[sympy.Expr, ...]
     candidates = [2 * order[0]] + [a + 2 * b for a, b in zip(order, order[1:], strict=False)]
     # with two or more layers a layer's first parameter follows the last of the layer before
     again = (norms or layer)[-1] + 2 * layer[0]
-    candidates.append(sympy.Piecewise((again, sympy.Ge(count, 2)), (0, True)))
+    candidates.append(sympy.Piecewise((again, at_least(count, 2)), (0, True)))
     return largest_of(candidates)
 
 
@@ -214,19 +214,85 @@ def largest_of(candidates: Sequence[sympy.Expr]) -> sympy.Expr:
     Max(2*H, H + V)
     """
     unique = list(dict.fromkeys(candidates))
-    expanded = [sympy.expand(c) for c in unique]
+    terms = [_terms(sympy.expand(c)) for c in unique]
     kept = [c for i, c in enumerate(unique)
-            if not any(_bounds(expanded[j], expanded[i]) and (j < i or not _bounds(expanded[i], expanded[j]))
+            if not any(_bounds(terms[j], terms[i]) and (j < i or not _bounds(terms[i], terms[j]))
                        for j in range(len(unique)) if j != i)]
     return kept[0] if len(kept) == 1 else sympy.Max(*kept, evaluate=False)
 
 
-def _bounds(a: sympy.Expr, b: sympy.Expr) -> bool:
-    """Whether ``a >= b`` (both expanded) for every positive size, term by term (False where it cannot tell: a
-    ``Piecewise``)."""
-    if a.has(sympy.Piecewise) or b.has(sympy.Piecewise):
+def _terms(e: sympy.Expr) -> dict[sympy.Expr, Any] | None:
+    """An expanded formula's coefficient by monomial (None where it holds a ``Piecewise``: no term-by-term
+    comparison)."""
+    return None if e.has(sympy.Piecewise) else dict(e.as_coefficients_dict())
+
+
+def _bounds(a: dict[sympy.Expr, Any] | None, b: dict[sympy.Expr, Any] | None) -> bool:
+    """Whether ``a >= b`` (:func:`_terms` of expanded formulas) for every positive size, term by term: no
+    monomial's coefficient in ``a - b`` negative (False where it cannot tell: a ``Piecewise``).  The difference's
+    coefficients are the terms' (an expanded sum collects like monomials), without building it."""
+    if a is None or b is None:
         return False
-    return all(c >= 0 for c in (a - b).as_coefficients_dict().values())  # expanded: their difference is too
+    return all(c - b.get(m, 0) >= 0 for m, c in a.items()) and all(m in a or -c >= 0 for m, c in b.items())
+
+
+def ceiling_at(x: sympy.Expr, env: Mapping[sympy.Symbol, sympy.Integer], memo: dict[sympy.Expr, Any]) -> int:
+    """``int(sympy.ceiling(x.xreplace(env)))`` (``env``: every symbol of ``x`` a number), its parts' exact values
+    kept in ``memo``: the collectives' bytes repeat the same sizes under an ``Add`` or a ``Max`` that ``xreplace``
+    would build anew, and evaluate, at every op.
+
+    >>> from symmem.symbols import B, t
+    >>> x = sympy.Max(0, 3 * B / t - 4, evaluate=False) + B / t
+    >>> ceiling_at(x, {B: sympy.Integer(3), t: sympy.Integer(2)}, {}) == int(sympy.ceiling(x.subs({B: 3, t: 2})))
+    True
+    """
+    try:
+        return math.ceil(_exact(x, env, memo))
+    except _Inexact:
+        return int(sympy.ceiling(x.xreplace(env)))
+
+
+class _Inexact(Exception):
+    """A part :func:`_exact` does not work out as a rational number."""
+
+
+def _exact(x: sympy.Expr, env: Mapping[sympy.Symbol, sympy.Integer], memo: dict[sympy.Expr, Any]) -> int | Fraction:
+    """``x``'s exact value at ``env`` (sums, products, whole powers, ``Max``/``Min`` of rational numbers; any
+    other part as ``xreplace`` evaluates it), each part's kept in ``memo``."""
+    found = memo.get(x)
+    if found is not None:
+        return found
+    if x.is_Integer:
+        v: int | Fraction = int(x)
+    elif x.is_Rational:
+        v = Fraction(int(x.p), int(x.q))
+    elif x.is_Symbol:
+        if x not in env:
+            raise _Inexact
+        v = int(env[x])
+    elif x.is_Add:
+        v = sum((_exact(a, env, memo) for a in x.args), 0)
+    elif x.is_Mul:
+        v = 1
+        for a in x.args:
+            v *= _exact(a, env, memo)
+    elif x.is_Pow and x.exp.is_Integer:
+        b = _exact(x.base, env, memo)
+        if b == 0 and x.exp < 0:
+            raise _Inexact
+        v = b ** int(x.exp) if x.exp >= 0 else Fraction(b) ** int(x.exp)
+    elif isinstance(x, (sympy.Max, sympy.Min)):
+        values = [_exact(a, env, memo) for a in x.args]
+        v = max(values) if isinstance(x, sympy.Max) else min(values)
+    else:
+        y = x.xreplace(env)
+        if not y.is_Rational:
+            raise _Inexact
+        v = int(y.p) if y.q == 1 else Fraction(int(y.p), int(y.q))
+    if isinstance(v, Fraction) and v.denominator == 1:
+        v = int(v)
+    memo[x] = v
+    return v
 
 
 def chosen(values: Sequence[Sequence[int]]) -> list[int]:
@@ -310,7 +376,7 @@ class TensorStep(WalkedStep):
                 made.append(TensorRankMoment(ph, what, "", step, {"live": live - less}, ranks=ranks, what=what))
             made.append(TensorRankMoment("step", None, "", step, {"live": r.step}, ranks=ranks,
                                          what="the optimizer step"))
-        others = tuple(sympy.Eq(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
+        others = tuple(equals(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L",))
         return Peak(None, None, tuple(made), others)
 
@@ -418,8 +484,6 @@ class _LayerWalk:
         logits: the vocabulary), twice where a row-parallel all-reduce makes it (its output beside funcol's
         wrapper), the replicated logits beside the local ones; parameters' gradients as :class:`TensorRank`; at
         B = 1 no repeated key or value where :attr:`collapsed`."""
-        from ..symbols import t
-
         s = self.tl.storages[i]
         if s.category in ("parameter", "optimizer_state", "input", "buffer"):
             return sympy.Integer(0)  # what lives between steps: counted apart (RankMoments.at_rest)
@@ -435,10 +499,6 @@ class _LayerWalk:
         return size / t if self._split(s.node, s.name) else size
 
     def _split(self, node: str | None, name: str) -> bool:
-        from .model_parallel import SPLIT_DIMS
-        from .regimes import TP_ROLES
-        from .unroll import iteration
-
         if node is None or node not in self.g:
             return False
         n = self.g.node(node)
@@ -455,6 +515,9 @@ class _LayerWalk:
         # the layers' copies of one node share its role and shape: decided once
         key = template(source)
         if key not in self._splits:
+            from .model_parallel import SPLIT_DIMS
+            from .regimes import TP_ROLES
+
             src = self.g.node(source)
             names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
             self._splits[key] = src.role in TP_ROLES or bool(names & set(SPLIT_DIMS))
@@ -476,26 +539,23 @@ class _LayerWalk:
     @property
     def layers(self) -> int:
         """How many layers the walk writes out."""
-        from .unroll import iteration
-
         return int(max((iteration(n) for n in self.g.program_order()), default=0))
 
     def candidates(self) -> list[tuple[tuple[str, str, str, int], list[int], int]]:
         """Every candidate moment of :meth:`largest`, in the step's order: (its key -- the phase, the op's template,
         ``first``, ``last`` or ``outside`` the layers, and how many such came before --, its live bytes at each
         probe, its event)."""
-        from .unroll import iteration
-
         tl, subs, layers = self.tl, self.subs, self.layers
         batch = sympy.Symbol("B", positive=True, integer=True)
         b = int(subs.get(batch, 1))
         probes = [{**subs, batch: sympy.Integer(x)} for x in sorted({1, b, 4 * b, 16 * b, 256 * b})]
-        # the layers repeat the same few formulas: each evaluated once at each probe
+        # the layers repeat the same few formulas: each evaluated once at each probe, its parts too
         memo: dict[sympy.Expr, tuple[int, ...]] = {}
+        parts: list[dict[sympy.Expr, Any]] = [{} for _ in probes]
 
         def at_probes(x: sympy.Expr) -> tuple[int, ...]:
             if x not in memo:
-                memo[x] = tuple(int(sympy.ceiling(x.xreplace(p))) for p in probes)
+                memo[x] = tuple(ceiling_at(x, p, part) for p, part in zip(probes, parts, strict=True))
             return memo[x]
 
         values = [at_probes(self.local(i)) for i in range(len(tl.storages))]
@@ -550,8 +610,6 @@ class _LayerWalk:
 
     def label(self, phase: str, node: str, layers: int | None = None) -> str:
         """Where a moment of :meth:`largest` is, in words (its last layer called ``layers`` where given)."""
-        from .unroll import iteration
-
         layer = iteration(node)
         if not layer:
             return f"the final norm's {phase} ({template(node)})"
@@ -560,8 +618,6 @@ class _LayerWalk:
     def _candidate(self, e: Any, layers: int) -> bool:
         """Whether op ``e`` can be the largest moment: an op of the first or the last layer, or of the final
         norm's forward (where eager attention's whole mask and the cache's copies are still held)."""
-        from .unroll import iteration
-
         return iteration(e.node) in (1, layers) or (e.phase == "forward" and e.node in self.final_norm)
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
@@ -650,8 +706,6 @@ class _SequenceWalk(_LayerWalk):
         """What eager attention's forward holds past the walk's frees until the attention returns (after the
         output projection's reduce-scatter): the key/value cache copies (the reference's ``key_states`` and
         ``value_states``) and ``attn_weights @ value_states``'s copy of the values: (from, to, bytes)."""
-        from ..symbols import t
-
         tl, g = self.tl, self.g
         freed_at = {i: k for k, e in enumerate(tl.events) for i in e.freed if e.phase == "forward"}
         # at B = 1 where collapsed the cache's copies are kept longer (_cache_kept), and attn @ V copies nothing
@@ -675,8 +729,6 @@ class _SequenceWalk(_LayerWalk):
         return self.g.node(node).out.numel * 4
 
     def _local(self, i: int) -> sympy.Expr:
-        from ..symbols import t
-
         s = self.tl.storages[i]
         if s.category in ("parameter", "optimizer_state", "input", "buffer", "gradient") or (
                 self.collapsed and template(s.name) in REPEATS):
@@ -709,8 +761,6 @@ class _SequenceWalk(_LayerWalk):
         return [str(d) for d in self.g.node(source).out.shape][:2] == ["B", "S"]
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
-        from ..symbols import t
-
         tl = self.tl
         extra: sympy.Expr = sympy.Integer(0)
         released: sympy.Expr = sympy.Integer(0)  # gathered copies let go inside this event
@@ -718,16 +768,25 @@ class _SequenceWalk(_LayerWalk):
             if i not in alive:
                 continue
             size = tl.storages[i].nbytes
+            # (an empty sum adds nothing: not built)
             if e.phase == "forward":
-                extra -= sympy.Add(*(n for f, _, n in spans if f > k)) * size
-                extra += size / t if k <= dies else 0
+                later = [n for f, _, n in spans if f > k]
+                if later:
+                    extra -= sympy.Add(*later) * size
+                if k <= dies:
+                    extra += size / t
                 for f, _, n in spans:
                     if f == k:  # the all-gather's output beside its wrapper (at B = 1 both kept: counted)
                         born = sympy.Add(*(self.local(j) for j in e.born))
                         extra += (2 - n) * self._max(0, size - born)
             elif e.phase == "backward":
-                extra -= sympy.Add(*(n for _, r, n in spans if r < k)) * size
-                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * size
+                done = [n for _, r, n in spans if r < k]
+                if done:
+                    extra -= sympy.Add(*done) * size
+                if i not in e.freed:
+                    gone = [n for _, r, n in spans if r == k]
+                    if gone:
+                        released += sympy.Add(*gone) * size
         freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
         extra += sympy.Add(*(size for start, end, size in self.held if start <= k <= end)) + self._kept(k)
         if e.phase == "forward" and e.node in self.row:

@@ -46,7 +46,7 @@ import sympy
 from ..errors import SymmemError
 from ..peak import Moment, Peak
 from ..shapes import numel as shape_numel
-from ..symbols import N
+from ..symbols import N, equals
 from ..training import RANK_OPTION, Regime
 from .parameters import in_registration_order, program_parameters, state_storages
 
@@ -215,7 +215,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
                                                  WALKS_OPTION: walks}, _cache={}, _written=None)
         return one.peak(at_all)
 
-    domain = tuple(sympy.Eq(s, v) for s, v in fixed.items())
+    domain = tuple(equals(s, v) for s, v in fixed.items())
     out = over_ranks(parts, lambda i: _at(params[i][1], env), rank_peak, world, domain)
     out._state = lambda: [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
     if len(step._cache) > 16:
