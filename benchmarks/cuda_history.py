@@ -16,6 +16,9 @@ from check_cuda import _steps, baseline, warm_cublas  # noqa: E402
 
 #: allocations at least this large are listed with their C++ frames too
 BIG = 1 << 17
+#: C++ frames that say nothing about which op allocated
+SKIP = ("unwind", "Captured", "gather", "Allocator", "empty", "c10::", "std::", "make_", "Dispatch", "boxed", "wrap_",
+        "redispatch", "call(", "callBoxed", "TypeDefault", "_ops::")
 
 
 def main() -> int:
@@ -44,8 +47,8 @@ def main() -> int:
             frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in e.get("frames", ())
                       if f["filename"].endswith(".py")][:5]
             if not frames or e["size"] >= BIG:  # an autograd thread's: its C++ frames name the op
-                frames = [f["name"][:90] for f in e.get("frames", ()) if "::" in f["name"]
-                          and not f["name"].startswith(("c10::", "std::"))][:6] + frames
+                frames = [f["name"][:90] for f in e.get("frames", ()) if "::" in f["name"] and not any(
+                    w in f["name"] for w in SKIP)][:6] + frames
             live[e["addr"]] = (-(-e["size"] // 512) * 512, frames)
             now += live[e["addr"]][0]
             if i >= start and now > best:
@@ -53,7 +56,8 @@ def main() -> int:
         elif e["action"] == "free_requested" and e["addr"] in live:
             now -= live.pop(e["addr"])[0]
     peak_event = trace[at[0]]
-    made = [f["name"][:90] for f in peak_event.get("frames", ()) if "::" in f["name"]][:8]
+    made = [f["name"][:90] for f in peak_event.get("frames", ()) if "::" in f["name"] and not any(
+        w in f["name"] for w in SKIP)][:6]
     lines = [f"{label} {checkpoint} {v} measured {got} history peak {best} at event {at[0]}: {' < '.join(made)}"]
     for size, frames in sorted(at[1].values(), key=lambda x: -x[0]):
         lines.append(f"{size:>10} {' < '.join(frames)}")
