@@ -773,6 +773,11 @@ class _Replay:
         #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
         self.moments: list[tuple[int, str | None, int | None]] = []
         self._events: dict[tuple[int, str], list[tuple[str | None, list[tuple[int, int, int]], list[int]]]] = {}
+        # _repeated's: each segment's record by how it begins, what each micro-batch's segments left alive
+        self._records: dict[Any, Any] = {}
+        self._left: dict[int, frozenset[int]] = {}
+        #: a packed replay (batch_moments reads each of its values once a phase)
+        self.packed = isinstance(cut, _PackedCut)
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -832,6 +837,66 @@ class _Replay:
     def _alone(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """:meth:`segment` where nothing acts around the stage's ops (no ``before``, ``after``): the same moments,
         with :meth:`moment` and :meth:`free` inlined over the thousands of ops of a stage's replay."""
+        if type(self) is _Replay:
+            return self._repeated(kind, mb)
+        return self._walked(kind, mb)
+
+    def _repeated(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """:meth:`_walked` once for each way a segment can begin, then its record moved to the live bytes it
+        begins at (the stage alone: 1F1B and GPipe repeat a stage's forward and backward over the micro-batches).
+
+        A segment's moments less the live bytes it begins at, and what it leaves alive, depend only on its plan
+        (the pass and ``kind``) and on which of the storages the plan makes or frees are alive for ``mb`` as it
+        begins (a storage's bytes are its size's, the same wherever it is made): so a segment that begins alike
+        is its record moved.  Only this micro-batch's segments make its storages (``_left``: what each left
+        alive), so that is what is looked up.  In a packed replay (:func:`batch_moments`, which reads each value
+        once a phase) a segment that begins alike at the same live bytes as one before shows no value of its own.
+        """
+        pass_ = 0 if mb == 0 else 1
+        touched = self._touched(pass_, kind)
+        alive = self.alive
+        left = self._left.get(mb, frozenset())
+        present = frozenset(sid for sid in left if sid in touched and (mb, sid) in alive)
+        key = (pass_, kind, present)
+        found = self._records.get(key)
+        live0 = self.live
+        if found is None:
+            start = len(self.moments)
+            ends = self._walked(kind, mb)
+            made = self.moments[start:]
+            top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
+            final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
+            self._records[key] = found = (
+                [(v - live0, node) for v, node, _ in made], self.live - live0,
+                None if top is None else (made[top][0] - live0, made[top][1]), final,
+                [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
+                frozenset(sid for sid, _ in final))
+            self._left[mb] = left | found[-1]
+            return ends
+        deltas, net, top, final, popped, ends_, seen, kept = found
+        if not (self.packed and live0 in seen):
+            seen.add(live0)
+            self.moments += [(live0 + d, node, mb) for d, node in deltas]
+        if top is not None and live0 + top[0] > self.best[0]:
+            self.best = (live0 + top[0], "pipeline", top[1], mb)
+        for sid in popped:
+            del alive[(mb, sid)]
+        for sid, nbytes in final:
+            alive[(mb, sid)] = nbytes
+        self.live = live0 + net
+        self._left[mb] = left | kept
+        return [(mb, sid) for sid in ends_]
+
+    def _touched(self, pass_: int, kind: str) -> frozenset[int]:
+        """The storages the plan of ``pass_`` and ``kind`` makes or frees."""
+        key = ("touched", pass_, kind)
+        if key not in self._records:
+            self._records[key] = frozenset(
+                sid for _, born, freed in self._plan(pass_, kind) for sid in (*(x[0] for x in born), *freed))
+        return self._records[key]
+
+    def _walked(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """:meth:`_alone` op by op."""
         alive, append = self.alive, self.moments.append
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
