@@ -574,12 +574,11 @@ def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
     first, second, third = rows
-    seen: set[tuple[int, bool]] = set()
-    for live, node, mb in moments:
-        key = (live, node is None and mb is None)
-        if key in seen:
-            continue
-        seen.add(key)
+    # the first moment of each value, found in C (a dict keeps the last index it is given: the indices from the
+    # end), the optimizer step's moments (op and micro-batch None) apart from the pipeline's
+    lives = [live if node is not None or mb is not None else (live, True) for live, node, mb in moments]
+    kept = sorted(dict(zip(reversed(lives), range(len(lives) - 1, -1, -1), strict=True)).values())
+    for live, node, mb in map(moments.__getitem__, kept):
         a = live & mask
         if a >= half:
             a -= full
@@ -776,6 +775,7 @@ class _Replay:
         # _repeated's: each segment's record by how it begins, what each micro-batch's segments left alive
         self._records: dict[Any, Any] = {}
         self._left: dict[int, frozenset[int]] = {}
+        self._sends: dict[tuple[int, bool], bool] = {}
         #: a packed replay (batch_moments reads each of its values once a phase)
         self.packed = isinstance(cut, _PackedCut)
 
@@ -938,28 +938,36 @@ class _Replay:
         cut, s, tl = self.cut, self.s, self.cut.tl
         mine = _ops(cut, pass_, kind)[s]
         indices = {k for k, _ in mine}
+        # the lookups hoisted out of the thousands of ops (a stage's plans were most of its replay)
+        storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
+        on, shared, stage_of = cut.on, cut.shared, cut.stage_of
+        alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
+        outside = ("parameter", "optimizer_state", "input")
+        forward, later = kind == "F", pass_ > 0
         plan = []
         for k, e in mine:
             born = []
             for sid in e.born:
-                st = tl.storages[sid]
-                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
+                st = storages[sid]
+                category = st.category
+                if category in outside or not (st.node in shared or stage_of(st.node) == s if alone else
+                                               on(st.node, s)):
                     continue
-                freed = cut.frees.get(sid)
-                if st.category == "gradient" and pass_ > 0 and freed not in indices:
+                freed = frees(sid)
+                if category == "gradient":
                     # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
-                    # new gradient into .grad at once
-                    fate = _AT_ONCE
-                elif st.category == "gradient" or st.name in cut.keep:
-                    fate = _HELD  # to the step (gradients) or the end of the phase
-                elif freed in cut.forwards and kind == "F":
+                    # new gradient into .grad at once; otherwise held to the step
+                    fate = _AT_ONCE if later and freed not in indices else _HELD
+                elif st.name in keep:
+                    fate = _HELD  # to the end of the phase
+                elif forward and freed in forwards:
                     fate = _WITH_FORWARD  # last read by a later stage's forward: gone with this forward
                 elif freed not in indices:
                     fate = _WITH_BACKWARD
                 else:
                     fate = _HELD  # freed by an op of this pass
-                born.append((sid, cut.size(sid), fate))
-            dying = [sid for sid in e.freed if cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep]
+                born.append((sid, size(sid), fate))
+            dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
             plan.append((e.node, born, dying))
         self._events[key] = plan
         return plan
@@ -985,24 +993,33 @@ class _Replay:
         """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup
         holds the one before its last in ``send_work`` until the steady loop ends."""
         cut, s = self.cut, self.s
-        sent_on = [x for x in ends if _sent_on(x[1], cut.stage_of, cut.frees, cut.tl, s)]
+        sent_on = [x for x in ends if self._sent(x[1], True)]
         warmup = min(self.m, cut.p - s)
         if self.schedule == "gpipe":
-            ends = [x for x in ends if x not in sent_on]
+            ends = [x for x in ends if not self._sent(x[1], True)]
         elif warmup >= 2 and mb == warmup - 2:
             # freed once both its backward (the (mb + 1)-th) and the steady loop are done
             self.later += [(max(mb + 1, self.m - warmup + 1), x) for x in sent_on]
-            ends = [x for x in ends if x not in sent_on]
+            ends = [x for x in ends if not self._sent(x[1], True)]
         self.deferred[mb] = ends
+
+    def _sent(self, sid: int, on: bool) -> bool:
+        """:func:`_sent_on` (``on``) or :func:`_sent_back` of storage ``sid`` from this stage, asked once a storage:
+        every micro-batch's forward and backward ends with the same storages."""
+        found = self._sends.get((sid, on))
+        if found is None:
+            cut = self.cut
+            found = self._sends[(sid, on)] = (_sent_on if on else _sent_back)(sid, cut.stage_of, cut.frees, cut.tl,
+                                                                             self.s)
+        return found
 
     def end_backward(self, mb: int, ends: list[tuple[int, int]]) -> None:
         """What dies with the micro-batch's backward; the gradient sent back lives until its send is waited on."""
-        cut, s = self.cut, self.s
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
-        sent = [x for x in ends if _sent_back(x[1], cut.stage_of, cut.frees, cut.tl, s)]
+        sent = [x for x in ends if self._sent(x[1], False)]
         for key in ends:
-            if key not in sent:
+            if not self._sent(key[1], False):
                 self.free(key)
         last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
         self.later += [(last, key) for key in sent]
