@@ -125,6 +125,24 @@ class StageMemory:
         return out
 
 
+def in_flight(index: int, micro_batches: int) -> sympy.Expr:
+    """1F1B's micro-batches in flight on stage ``index`` (0 or 1: the first or a middle one) of ``p``:
+    ``Min(p - index, M)`` as sympy makes it, without its search for which is smaller (two comparisons under the
+    symbols' assumptions, most of the stages' formulas): with ``p`` a positive integer, ``p - index`` is at least
+    ``M`` only where ``index`` is 0 and ``M`` is 1; otherwise either may be smaller, and sympy keeps both, in its
+    own order (``tests/test_pipeline_replay.py`` checks it against sympy's evaluation).
+
+    >>> in_flight(0, 4), in_flight(1, 4), in_flight(0, 1)
+    (Min(4, p), Min(4, p - 1), 1)
+    """
+    counted = isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1
+    if index not in (0, 1) or not counted:
+        return sympy.Min(p - index, micro_batches)
+    if index == 0 and micro_batches == 1:
+        return sympy.Integer(1)
+    return sympy.Min(p - index, sympy.Integer(micro_batches), evaluate=False)
+
+
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
     value = sympy.sympify(expr, strict=True).xreplace(subs)
     if not value.is_number:
@@ -177,7 +195,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     found = []
     for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
         first, last = name == "first", name == "last"
-        flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else sympy.Min(p - index, m))
+        flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else in_flight(int(index), micro_batches))
         saved = per_stage * per_group["layer"] - (0 if last else out_kept)
         if first:
             saved += per_group["embed"]
