@@ -87,3 +87,32 @@ def test_zero_1_whole_parameters_shared_by_the_batches() -> None:
     fresh = _Cut(step.graph, step.conv, step.options, step.regime, later, {})
     assert whole is step._cut(named)[1]
     assert whole == [_whole(fresh, s) for s in range(cut.p)]
+
+
+def test_a_watched_replay_walks_every_segment() -> None:
+    """A replay whose moments list is watched (a list subclass whose ``append`` reads what is alive at each moment,
+    as the peak's formulas do) walks every segment op by op: each moment appended on its own, with the storages
+    alive then, the same moments as the replay with its records."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+
+    class Watch(list):
+        def __init__(self, replay) -> None:
+            super().__init__()
+            self.replay, self.alive = replay, []
+
+        def append(self, item) -> None:
+            super().append(item)
+            self.alive.append(len(self.replay.alive))
+
+    d = derive("llama", pipeline_parallel=True, micro_batches=5, device="cpu", values={**SMALL, "p": 4})
+    step = d.step
+    numbers = step._named(None)
+    plain = step._replays(numbers)
+    watched = step._make_replays(numbers)
+    for r in watched:
+        r.moments = Watch(r)
+        r.run()
+    assert [list(r.moments) for r in watched] == [r.moments for r in plain]
+    assert all(len(r.moments.alive) == len(r.moments) for r in watched)
+    assert not any(isinstance(r, mp._Replay) and r._records for r in watched)

@@ -855,8 +855,10 @@ class _Replay:
     def _alone(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """:meth:`segment` where nothing acts around the stage's ops (no ``before``, ``after``): the same moments,
         with :meth:`moment` and :meth:`free` inlined over the thousands of ops of a stage's replay."""
-        if type(self) is _Replay:
+        if type(self) is _Replay and type(self.moments) is list:
             return self._repeated(kind, mb)
+        # an engine's replay, or moments watched as they come (a list of its own whose append reads what is alive
+        # then: passes/pipeline_formula.py), walks every op
         return self._walked(kind, mb)
 
     def _repeated(self, kind: str, mb: int) -> list[tuple[int, int]]:
