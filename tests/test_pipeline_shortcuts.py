@@ -42,18 +42,18 @@ def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
             else:
                 patch.setattr(mp._Replay, "_walked", lambda self, kind, mb: walks.append(1) or walked(self, kind, mb))
             for model, schedule, more in cases:
-                values = {**SMALL, "p": 4}
+                values = {**SMALL, "L": 4, "p": 2}
                 if model == "gpt2":
                     del values["G"]
-                d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=5, device="cpu",
+                d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=4, device="cpu",
                            values=values, **more)
                 step = d.step
                 named = step._named(None)
                 found.setdefault(label, []).append(([(r.moments, r.peak) for r in step._replays(named)],
                                                     step._batch_moments(named, named["B"])))
     assert found["moved"] == found["walked"]
-    # 3 cases x 2 (the replays, the packed one) x 4 stages x 10 segments; each stage walks 4 (2 passes x F, B)
-    assert len(walks) == 3 * 2 * 4 * 4
+    # 3 cases x 2 (the replays, the packed one) x 2 stages x 8 segments; each stage walks 4 (2 passes x F, B)
+    assert len(walks) == 3 * 2 * 2 * 4
 
 
 def test_a_tensor_parallel_size_shared_is_the_storage_own() -> None:
