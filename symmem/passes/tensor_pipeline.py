@@ -279,8 +279,9 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     # the stage's parameters at the numbers their shapes read, once (not B: the peak's three batches share them)
     names = cut.memo.get(("stored symbols", key[1]))
     if names is None:
-        names = cut.memo[("stored symbols", key[1])] = tuple(sorted(
-            {str(x) for shape in cut.memo[key].values() for d in shape for x in sympy.sympify(d).free_symbols}))
+        names = cut.memo[("stored symbols", key[1])] = tuple(sorted({
+            str(x) for shape in cut.memo[key].values() for d in shape
+            for x in sympy.sympify(d, strict=True).free_symbols}))
     known = cut.memo.setdefault(("tensor stage sides", key[1], cut.p, t), {})
     side = (s, *(numbers.get(n) for n in names))
     if side not in known:
