@@ -147,7 +147,7 @@ class DdpPipelineStep(PipelineStep):
         # DDP's buckets: every trainable parameter's gradient once, in FP32 the stage's gradients' bytes
         at["ddp_buckets"] = at["gradients"]
         if self.zero:
-            at.update(_owned(params, world, self.rank, self.regime))
+            at.update(self._owned(params, world, self.rank))
             at["at_rest"] = sum(at[k] for k in ("parameters", "optimizer_state", "buffers", "inputs", "outputs"))
             at["step_peak"] = at["at_rest"] + at["gradients"] + at["step_temporaries"]
         at["at_rest"] += at["ddp_buckets"]
@@ -172,8 +172,9 @@ class DdpPipelineStep(PipelineStep):
         kept: list[Any] = []
 
         def make(packed: Any, cuts: Any, s: int) -> Any:
-            parts = memory_of(found, s, packed.p).at_each(numbers, _PARTS)
-            ats = [self._at(at, _whole(c, s) if self.zero else [], world) for at, c in zip(parts, cuts, strict=True)]
+            parts = self._parts_each(memory_of(found, s, packed.p), numbers)
+            ats = [self._at(at, self._wholes(c, n)[s] if self.zero else [], world)
+                   for at, c, n in zip(parts, cuts, numbers, strict=True)]
             replay = (_ViewReplay if self.view else _Replay)(packed, s, pack_parts(ats), self.schedule,
                                                               self.micro_batches)
             kept.append((packed, pack_parts(parts), replay._events))  # for the formulas (the stage alone's parts)
@@ -203,7 +204,7 @@ class DdpPipelineStep(PipelineStep):
         out = []
         for s, (rows, ats) in enumerate(base):
             mine = [self._at(at, self._cut(n)[1][s], world)
-                    for at, n in zip(memory_of(found, s, len(base)).at_each(numbers, _PARTS), numbers, strict=True)]
+                    for at, n in zip(self._parts_each(memory_of(found, s, len(base)), numbers), numbers, strict=True)]
             out.append(([[(mine[k]["step_peak"] if node is None and mb is None else
                            v + mine[k]["at_rest"] - ats[k]["at_rest"], node, mb) for v, node, mb in row]
                          for k, row in enumerate(rows)], mine))
@@ -219,8 +220,42 @@ class DdpPipelineStep(PipelineStep):
             if len(cuts) > 8:
                 cuts.clear()
             cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
-            cuts[key] = (cut, [_whole(cut, s) for s in range(cut.p)] if self.zero else [])
+            cuts[key] = (cut, self._wholes(cut, numbers) if self.zero else [])
         return cuts[key]
+
+    def _wholes(self, cut: Any, numbers: Mapping[str, int]) -> list[list[tuple[int, ...]]]:
+        """Every stage's :func:`_whole` at ``cut``, shared by the numbers that give the parameters' dimensions the
+        same values (the peak's three batches: no parameter's shape is in ``B``): the stages' parameters are those
+        of the graph at ``L`` layers cut into ``p`` stages, sized at the numbers (the dimensions the units sized,
+        ``cut.dims``)."""
+        memo = self._memo()
+        names = memo.get(("whole symbols", cut.layers, cut.p))
+        if names is not None:
+            found = memo.get(("whole", cut.layers, cut.p, tuple((n, numbers.get(n)) for n in names)))
+            if found is not None:
+                return found
+        found = [_whole(cut, s) for s in range(cut.p)]
+        names = tuple(sorted({str(x) for d in cut.__dict__.get("dims", {}) for x in getattr(d, "free_symbols", ())}))
+        memo[("whole symbols", cut.layers, cut.p)] = names
+        memo[("whole", cut.layers, cut.p, tuple((n, numbers.get(n)) for n in names))] = found
+        return found
+
+    def _owned(self, params: list[tuple[int, ...]], world: int, rank: int) -> dict[str, int]:
+        """:func:`_owned`, once for each stage's parameters, world and rank (every rank group and batch asks)."""
+        key = ("owned", tuple(params), world, rank)
+        memo = self._memo()
+        if key not in memo:
+            memo[key] = _owned(params, world, rank, self.regime)
+        return dict(memo[key])
+
+    def _parts_each(self, stage: Any, numbers: list[dict[str, int]]) -> list[dict[str, int]]:
+        """``stage.at_each(numbers, _PARTS)``, once for each stage memory and numbers (ZeRO-1's rank groups each
+        ask for every stage's); a copy, for the caller to change."""
+        key = ("parts each", stage.name, tuple(tuple(sorted(n.items())) for n in numbers))
+        cache = self._cache.setdefault("parts each", {})
+        if key not in cache or cache[key][0] is not stage:
+            cache[key] = (stage, stage.at_each(numbers, _PARTS))
+        return [dict(x) for x in cache[key][1]]
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
@@ -248,7 +283,7 @@ class DdpPipelineStep(PipelineStep):
         _, whole = self._cut(named)
         groups: dict[Any, list[int]] = {}
         for r in range(world):
-            held = tuple(tuple(sorted(_owned(params, world, r, self.regime).items())) for params in whole)
+            held = tuple(tuple(sorted(self._owned(params, world, r).items())) for params in whole)
             groups.setdefault(held, []).append(r)
         return list(groups.values())
 
@@ -259,7 +294,8 @@ class DdpPipelineStep(PipelineStep):
         key = ("rank", rank)
         if key not in self._cache:
             self._cache[key] = dataclasses.replace(self, rank=rank, _cache={
-                "stages": self._stages(), "cuts": self._cache.setdefault("cuts", {}), "memo": self._memo()})
+                "stages": self._stages(), "cuts": self._cache.setdefault("cuts", {}), "memo": self._memo(),
+                "parts each": self._cache.setdefault("parts each", {})})
         return self._cache[key]
 
     def per_stage(self, numbers: Any) -> dict[str, Any]:

@@ -159,6 +159,9 @@ class _FsdpReplay(_Replay):
         # FSDP2's post-forward order over the step's forwards and each unit's places in it (its backward prefetch)
         self.post_forward: list[int | None] = []
         self.indices: dict[int | None, list[int]] = {}
+        self._known: dict[str | None, tuple[int | None, bool, bool, bool, bool]] = {}  # _facts'
+        self._pure = all(getattr(type(self), name) is getattr(_FsdpReplay, name)
+                         for name in ("_unit", "_in_loss", "_is_first", "_is_last", "_is_root_end"))
 
     # what the cut's ops are (a traced module's cut says otherwise: importer/traced_fsdp_pipeline.py)
     def _unit(self, node: str | None) -> int | None:
@@ -217,19 +220,31 @@ class _FsdpReplay(_Replay):
         self.opened = False
         self.started = set()
 
+    def _facts(self, node: str | None) -> tuple[int | None, bool, bool, bool, bool]:
+        """``node``'s unit, whether in the loss, its unit's first op, its unit's last op, the root's last op: asked
+        before and after every op of every micro-batch, worked out once an op where they are the op's alone (a
+        traced module's replay counts the ops as they run: asked anew)."""
+        found = self._known.get(node)
+        if found is None:
+            unit = self._unit(node)
+            found = (unit, self._in_loss(node), unit is not None and self._is_first(unit, node),
+                     unit is not None and self._is_last(unit, node), self._is_root_end(node))
+            if self._pure:
+                self._known[node] = found
+        return found
+
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        unit = self._unit(node)
+        unit, in_loss, first, _, _ = self._facts(node)
         if kind == "F":
             if not self.opened:  # the stage root's pre-forward
                 self.opened = True
                 self._gather(None, node, mb)
-            if unit is not None and self._is_first(unit, node):
+            if first:
                 before = [k for k in self.held if k[0] == "A" and k[1] != unit]
                 self._gather(unit, node, mb)
                 for k in before:
                     self._drop(k)
             return
-        in_loss = self._in_loss(node)
         last_stage = self.s == self.cut.p - 1
         if last_stage and not in_loss:
             self._pre_backward(None, node, mb)  # the root's output, the logits, has its gradient
@@ -262,12 +277,12 @@ class _FsdpReplay(_Replay):
     def after(self, kind: str, node: str | None, mb: int) -> None:
         if kind != "F":
             return
-        unit = self._unit(node)
-        if unit is not None and self._is_last(unit, node) and self._has(unit):
+        unit, _, _, last, root_end = self._facts(node)
+        if last and self._has(unit):
             if self.reshard:
                 self._reshard(unit)
             self._post_forward(unit)
-        if self._is_root_end(node):  # the root's post-forward
+        if root_end:  # the root's post-forward
             if self.reshard:
                 self._reshard(None)
             if self._has(None):
@@ -378,7 +393,12 @@ class FsdpPipelineStep(PipelineStep):
 
         def make(packed: Any, cuts: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
-            units = [_Units(c, s, world, self.rank) for c in cuts]
+            units = [_Units(cuts[0], s, world, self.rank)]
+            # the units read the numbers through the dimensions they size (cut.dims): where the other batches give
+            # those the same values (no parameter's shape is in B) the units are the same
+            sized = {str(x) for d in cuts[0].__dict__.get("dims", {}) for x in getattr(d, "free_symbols", ())}
+            units += [units[0] if all(n.get(x) == numbers[0].get(x) for x in sized) else _Units(c, s, world, self.rank)
+                      for c, n in zip(cuts[1:], numbers[1:], strict=True)]
             if any(u.params != units[0].params for u in units):
                 return None
             ats = [stage_at(memory, n, u, self.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]

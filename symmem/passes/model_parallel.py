@@ -125,6 +125,24 @@ class StageMemory:
         return out
 
 
+def in_flight(index: int, micro_batches: int) -> sympy.Expr:
+    """1F1B's micro-batches in flight on stage ``index`` (0 or 1: the first or a middle one) of ``p``:
+    ``Min(p - index, M)`` as sympy makes it, without its search for which is smaller (two comparisons under the
+    symbols' assumptions, most of the stages' formulas): with ``p`` a positive integer, ``p - index`` is at least
+    ``M`` only where ``index`` is 0 and ``M`` is 1; otherwise either may be smaller, and sympy keeps both, in its
+    own order (``tests/test_pipeline_replay.py`` checks it against sympy's evaluation).
+
+    >>> in_flight(0, 4), in_flight(1, 4), in_flight(0, 1)
+    (Min(4, p), Min(4, p - 1), 1)
+    """
+    counted = isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1
+    if index not in (0, 1) or not counted:
+        return sympy.Min(p - index, micro_batches)
+    if index == 0 and micro_batches == 1:
+        return sympy.Integer(1)
+    return sympy.Min(p - index, sympy.Integer(micro_batches), evaluate=False)
+
+
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
     value = sympy.sympify(expr, strict=True).xreplace(subs)
     if not value.is_number:
@@ -177,7 +195,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     found = []
     for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
         first, last = name == "first", name == "last"
-        flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else sympy.Min(p - index, m))
+        flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else in_flight(int(index), micro_batches))
         saved = per_stage * per_group["layer"] - (0 if last else out_kept)
         if first:
             saved += per_group["embed"]
@@ -574,12 +592,11 @@ def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
     first, second, third = rows
-    seen: set[tuple[int, bool]] = set()
-    for live, node, mb in moments:
-        key = (live, node is None and mb is None)
-        if key in seen:
-            continue
-        seen.add(key)
+    # the first moment of each value, found in C (a dict keeps the last index it is given: the indices from the
+    # end), the optimizer step's moments (op and micro-batch None) apart from the pipeline's
+    lives = [live if node is not None or mb is not None else (live, True) for live, node, mb in moments]
+    kept = sorted(dict(zip(reversed(lives), range(len(lives) - 1, -1, -1), strict=True)).values())
+    for live, node, mb in map(moments.__getitem__, kept):
         a = live & mask
         if a >= half:
             a -= full
@@ -773,6 +790,12 @@ class _Replay:
         #: every moment of the phase, in order: (live bytes, op, micro-batch); the step's last (op ``None``)
         self.moments: list[tuple[int, str | None, int | None]] = []
         self._events: dict[tuple[int, str], list[tuple[str | None, list[tuple[int, int, int]], list[int]]]] = {}
+        # _repeated's: each segment's record by how it begins, what each micro-batch's segments left alive
+        self._records: dict[Any, Any] = {}
+        self._left: dict[int, frozenset[int]] = {}
+        self._sends: dict[tuple[int, bool], bool] = {}
+        #: a packed replay (batch_moments reads each of its values once a phase)
+        self.packed = isinstance(cut, _PackedCut)
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -832,6 +855,68 @@ class _Replay:
     def _alone(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """:meth:`segment` where nothing acts around the stage's ops (no ``before``, ``after``): the same moments,
         with :meth:`moment` and :meth:`free` inlined over the thousands of ops of a stage's replay."""
+        if type(self) is _Replay and type(self.moments) is list:
+            return self._repeated(kind, mb)
+        # an engine's replay, or moments watched as they come (a list of its own whose append reads what is alive
+        # then: passes/pipeline_formula.py), walks every op
+        return self._walked(kind, mb)
+
+    def _repeated(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """:meth:`_walked` once for each way a segment can begin, then its record moved to the live bytes it
+        begins at (the stage alone: 1F1B and GPipe repeat a stage's forward and backward over the micro-batches).
+
+        A segment's moments less the live bytes it begins at, and what it leaves alive, depend only on its plan
+        (the pass and ``kind``) and on which of the storages the plan makes or frees are alive for ``mb`` as it
+        begins (a storage's bytes are its size's, the same wherever it is made): so a segment that begins alike
+        is its record moved.  Only this micro-batch's segments make its storages (``_left``: what each left
+        alive), so that is what is looked up.  In a packed replay (:func:`batch_moments`, which reads each value
+        once a phase) a segment that begins alike at the same live bytes as one before shows no value of its own.
+        """
+        pass_ = 0 if mb == 0 else 1
+        touched = self._touched(pass_, kind)
+        alive = self.alive
+        left = self._left.get(mb, frozenset())
+        present = frozenset(sid for sid in left if sid in touched and (mb, sid) in alive)
+        key = (pass_, kind, present)
+        found = self._records.get(key)
+        live0 = self.live
+        if found is None:
+            start = len(self.moments)
+            ends = self._walked(kind, mb)
+            made = self.moments[start:]
+            top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
+            final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
+            self._records[key] = found = (
+                [(v - live0, node) for v, node, _ in made], self.live - live0,
+                None if top is None else (made[top][0] - live0, made[top][1]), final,
+                [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
+                frozenset(sid for sid, _ in final))
+            self._left[mb] = left | found[-1]
+            return ends
+        deltas, net, top, final, popped, ends_, seen, kept = found
+        if not (self.packed and live0 in seen):
+            seen.add(live0)
+            self.moments += [(live0 + d, node, mb) for d, node in deltas]
+        if top is not None and live0 + top[0] > self.best[0]:
+            self.best = (live0 + top[0], "pipeline", top[1], mb)
+        for sid in popped:
+            del alive[(mb, sid)]
+        for sid, nbytes in final:
+            alive[(mb, sid)] = nbytes
+        self.live = live0 + net
+        self._left[mb] = left | kept
+        return [(mb, sid) for sid in ends_]
+
+    def _touched(self, pass_: int, kind: str) -> frozenset[int]:
+        """The storages the plan of ``pass_`` and ``kind`` makes or frees."""
+        key = ("touched", pass_, kind)
+        if key not in self._records:
+            self._records[key] = frozenset(
+                sid for _, born, freed in self._plan(pass_, kind) for sid in (*(x[0] for x in born), *freed))
+        return self._records[key]
+
+    def _walked(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """:meth:`_alone` op by op."""
         alive, append = self.alive, self.moments.append
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
@@ -873,28 +958,36 @@ class _Replay:
         cut, s, tl = self.cut, self.s, self.cut.tl
         mine = _ops(cut, pass_, kind)[s]
         indices = {k for k, _ in mine}
+        # the lookups hoisted out of the thousands of ops (a stage's plans were most of its replay)
+        storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
+        on, shared, stage_of = cut.on, cut.shared, cut.stage_of
+        alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
+        outside = ("parameter", "optimizer_state", "input")
+        forward, later = kind == "F", pass_ > 0
         plan = []
         for k, e in mine:
             born = []
             for sid in e.born:
-                st = tl.storages[sid]
-                if st.category in ("parameter", "optimizer_state", "input") or not cut.on(st.node, s):
+                st = storages[sid]
+                category = st.category
+                if category in outside or not (st.node in shared or stage_of(st.node) == s if alone else
+                                               on(st.node, s)):
                     continue
-                freed = cut.frees.get(sid)
-                if st.category == "gradient" and pass_ > 0 and freed not in indices:
+                freed = frees(sid)
+                if category == "gradient":
                     # a tied weight's gradient waits for its other use on one device; a stage's own copy adds the
-                    # new gradient into .grad at once
-                    fate = _AT_ONCE
-                elif st.category == "gradient" or st.name in cut.keep:
-                    fate = _HELD  # to the step (gradients) or the end of the phase
-                elif freed in cut.forwards and kind == "F":
+                    # new gradient into .grad at once; otherwise held to the step
+                    fate = _AT_ONCE if later and freed not in indices else _HELD
+                elif st.name in keep:
+                    fate = _HELD  # to the end of the phase
+                elif forward and freed in forwards:
                     fate = _WITH_FORWARD  # last read by a later stage's forward: gone with this forward
                 elif freed not in indices:
                     fate = _WITH_BACKWARD
                 else:
                     fate = _HELD  # freed by an op of this pass
-                born.append((sid, cut.size(sid), fate))
-            dying = [sid for sid in e.freed if cut.frees.get(sid) == k and tl.storages[sid].name not in cut.keep]
+                born.append((sid, size(sid), fate))
+            dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
             plan.append((e.node, born, dying))
         self._events[key] = plan
         return plan
@@ -920,24 +1013,33 @@ class _Replay:
         """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup
         holds the one before its last in ``send_work`` until the steady loop ends."""
         cut, s = self.cut, self.s
-        sent_on = [x for x in ends if _sent_on(x[1], cut.stage_of, cut.frees, cut.tl, s)]
+        sent_on = [x for x in ends if self._sent(x[1], True)]
         warmup = min(self.m, cut.p - s)
         if self.schedule == "gpipe":
-            ends = [x for x in ends if x not in sent_on]
+            ends = [x for x in ends if not self._sent(x[1], True)]
         elif warmup >= 2 and mb == warmup - 2:
             # freed once both its backward (the (mb + 1)-th) and the steady loop are done
             self.later += [(max(mb + 1, self.m - warmup + 1), x) for x in sent_on]
-            ends = [x for x in ends if x not in sent_on]
+            ends = [x for x in ends if not self._sent(x[1], True)]
         self.deferred[mb] = ends
+
+    def _sent(self, sid: int, on: bool) -> bool:
+        """:func:`_sent_on` (``on``) or :func:`_sent_back` of storage ``sid`` from this stage, asked once a storage:
+        every micro-batch's forward and backward ends with the same storages."""
+        found = self._sends.get((sid, on))
+        if found is None:
+            cut = self.cut
+            found = self._sends[(sid, on)] = (_sent_on if on else _sent_back)(sid, cut.stage_of, cut.frees, cut.tl,
+                                                                             self.s)
+        return found
 
     def end_backward(self, mb: int, ends: list[tuple[int, int]]) -> None:
         """What dies with the micro-batch's backward; the gradient sent back lives until its send is waited on."""
-        cut, s = self.cut, self.s
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
-        sent = [x for x in ends if _sent_back(x[1], cut.stage_of, cut.frees, cut.tl, s)]
+        sent = [x for x in ends if self._sent(x[1], False)]
         for key in ends:
-            if key not in sent:
+            if not self._sent(key[1], False):
                 self.free(key)
         last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
         self.later += [(last, key) for key in sent]

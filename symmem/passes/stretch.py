@@ -96,14 +96,6 @@ def _sweeps(labels: Sequence[int], whole: bool = True) -> list[tuple[int, int, l
     return out
 
 
-def _made(cls: type, **fields: Any) -> Any:
-    """A frozen dataclass's instance from its fields, without its ``__init__`` setting each field one by one (the
-    thousands of events and storages of a stretched step: half of writing it)."""
-    obj = object.__new__(cls)
-    object.__setattr__(obj, "__dict__", fields)
-    return obj
-
-
 def _renamed(name: str, n: int) -> str:
     """``name`` with its layer's number (the first ``#k``, as :func:`~symmem.passes.unroll.template`) ``n``."""
     head, tail = _split(name)
@@ -131,6 +123,8 @@ class _Stretch:
         self.fixed: dict[int, int] = {}
         self.storages: list[Live] = []
         labels = [self._label(s) for s in tl.storages]
+        new, put, append = object.__new__, object.__setattr__, self.storages.append
+        # (each storage made without its frozen __init__ setting each field one by one: half of writing it)
         for w, (a, b, runs) in enumerate(_sweeps(labels)):
             if runs is None:
                 for old in range(a, b):
@@ -147,11 +141,11 @@ class _Stretch:
             for n in self._new_layers(labels[runs[0][0]] == 1):
                 x, y = by_label[self._template_of(n)]
                 base[n] = len(self.storages)
-                for old in range(x, y):
-                    s = tl.storages[old]
-                    self.storages.append(_made(Live, name=_renamed(s.name, n), category=s.category,
-                                               nbytes=s.nbytes, node=_renamed(s.node, n) if s.node else s.node,
-                                               host=s.host))
+                for s in tl.storages[x:y]:
+                    made = new(Live)
+                    put(made, "__dict__", {"name": _renamed(s.name, n), "category": s.category, "nbytes": s.nbytes,
+                                           "node": _renamed(s.node, n) if s.node else s.node, "host": s.host})
+                    append(made)
 
     @staticmethod
     def _label(s: Live) -> int:
@@ -248,13 +242,19 @@ class _Stretch:
             # each template op's storages worked out once, then written for every new layer it is the template of
             compiled = {t: [(e, _split(e.node), self._compiled(e.born, t), self._compiled(e.freed, t))
                             for e in tl.events[slice(*by_label[t])]] for t in by_label}
+            # each event made without its frozen __init__ setting each field one by one, the ids in lists made in C
+            # (the thousands of events: most of writing the step out)
+            new, put, append = object.__new__, object.__setattr__, events.append
             for n in self._new_layers(labels[runs[0][0]] == 1):
                 t = self._template_of(n)
                 for e, (head, tail), born, freed in compiled[t]:
-                    events.append(_made(Event, phase=e.phase, node=f"{head}{n}{tail}",
-                                        born=tuple(d if b is None else b[n + d] + q for b, d, q in born),
-                                        freed=tuple(d if b is None else b[n + d] + q for b, d, q in freed),
-                                        resized=e.resized, moment=e.moment))
+                    event = new(Event)
+                    put(event, "__dict__", {
+                        "phase": e.phase, "node": f"{head}{n}{tail}",
+                        "born": tuple([d if b is None else b[n + d] + q for b, d, q in born]) if born else (),
+                        "freed": tuple([d if b is None else b[n + d] + q for b, d, q in freed]) if freed else (),
+                        "resized": e.resized, "moment": e.moment})
+                    append(event)
         return Timeline(tuple(self.storages), self._refs_outside(tl.start), tuple(events))
 
     def _event_key(self, e: Event, t: int) -> tuple[Any, ...]:

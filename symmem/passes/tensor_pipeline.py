@@ -68,7 +68,6 @@ class _Sizes:
     from .tensor_step import _LayerWalk
 
     _split = _LayerWalk._split
-    local = _LayerWalk.local
 
     def _local(self, i: int) -> sympy.Expr:
         """The walk's size, but the head's output is the replicated logits alone: the local ones (``V/t`` wide)
@@ -78,7 +77,28 @@ class _Sizes:
             return s.nbytes
         return type(self)._LayerWalk._local(self, i)
 
+    def local(self, i: int) -> sympy.Expr:
+        """:meth:`_local`, worked out once for the storages alike in all it reads: the same size's object (the
+        layers' copies share their template's: passes/stretch.py), category, and name and op but for the layer's
+        number, in a layer after the first or not (what a layer's op reads is its own layer's, the layer before's
+        or what no layer owns; the first layer's may be what comes before the layers).  Making each copy's formula
+        anew, and deciding its split, was most of the replays' time."""
+        found = self._locals.get(i)
+        if found is None:
+            from .unroll import iteration, template
+
+            st = self.tl.storages[i]
+            name, node = st.name, st.node
+            key = (id(st.nbytes), st.category, template(name), iteration(name) == 1,
+                   None if node is None else (template(node), iteration(node) == 1))
+            found = self._alike.get(key)
+            if found is None:
+                found = self._alike[key] = self._local(i)
+            self._locals[i] = found
+        return found
+
     def __init__(self, cut: _Cut) -> None:
+        self._alike: dict[Any, sympy.Expr] = {}
         g = self.g = cut.g
         self.tl = cut.tl
         order = list(g.program_order())
@@ -104,14 +124,16 @@ class _TensorCut(_Cut):
         self.cache = {}
         self._stage = {}
         self.whole: dict[int, int] = {}
-        self.values: dict[sympy.Expr, int] = {}
+        self.values: dict[int, int] = {}  # id of a size (held by sizes) -> bytes
 
     def size(self, sid: int) -> int:
         if sid not in self.cache:
-            e = self.sizes.local(sid)  # the layers' copies share a few formulas: each evaluated once
-            if e not in self.values:
-                self.values[e] = _integer(e, self.subs, self.tl.storages[sid].name)
-            self.cache[sid] = self.values[e]
+            # the layers' copies share a few formulas (the same objects: _Sizes.local): each evaluated once, found
+            # by the object (a sympy expression's hash and equality were most of this)
+            e = self.sizes.local(sid)
+            if id(e) not in self.values:
+                self.values[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.cache[sid] = self.values[id(e)]
         return self.cache[sid]
 
     def collectives(self) -> dict[tuple[int, str, str | None], int]:
@@ -136,10 +158,13 @@ class _TensorCut(_Cut):
         return out
 
     def logits_grad(self) -> int:
-        """The rank's copy of the logits' gradient: the model's output over ``t``."""
-        whole = [self.full(i) for i, st in enumerate(self.tl.storages)
-                 if st.name == self.sizes.head and st.category not in ("parameter", "gradient")]
-        return whole[0] // self.ranks() if whole else 0
+        """The rank's copy of the logits' gradient: the model's output over ``t`` (found once: the replay asks at
+        each moment of the head's backward)."""
+        if "_logits_grad" not in self.__dict__:
+            whole = [self.full(i) for i, st in enumerate(self.tl.storages)
+                     if st.name == self.sizes.head and st.category not in ("parameter", "gradient")]
+            self._logits_grad = whole[0] // self.ranks() if whole else 0
+        return self._logits_grad
 
     def ranks(self) -> int:
         return int(self.subs[sympy.Symbol("t", positive=True, integer=True)])
@@ -160,19 +185,31 @@ class _TensorPackedCut(_TensorCut):
         self.__dict__.update(packed.__dict__)
         self.tcuts, self.sizes = cuts, cuts[0].sizes
         self.cache, self._stage = {}, {}
+        self.whole = {}
 
+    # each packed once (the plans ask for every storage a stage's ops make)
     def size(self, sid: int) -> int:
-        return _pack([c.size(sid) for c in self.tcuts])
+        found = self.cache.get(sid)
+        if found is None:
+            found = self.cache[sid] = _pack([c.size(sid) for c in self.tcuts])
+        return found
 
     def full(self, sid: int) -> int:
-        return _pack([c.full(sid) for c in self.tcuts])
+        found = self.whole.get(sid)
+        if found is None:
+            found = self.whole[sid] = _pack([c.full(sid) for c in self.tcuts])
+        return found
 
     def collectives(self) -> dict[tuple[int, str, str | None], int]:
-        each = [c.collectives() for c in self.tcuts]
-        return {key: _pack([e[key] for e in each]) for key in each[0]}
+        if "_extras" not in self.__dict__:
+            each = [c.collectives() for c in self.tcuts]
+            self._extras = {key: _pack([e[key] for e in each]) for key in each[0]}
+        return self._extras
 
     def logits_grad(self) -> int:
-        return _pack([c.logits_grad() for c in self.tcuts])
+        if "_logits_grad" not in self.__dict__:
+            self._logits_grad = _pack([c.logits_grad() for c in self.tcuts])
+        return self._logits_grad
 
 
 class _TensorReplay(_Replay):
@@ -255,9 +292,31 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     key = ("stored", cut.per * cut.p)
     if key not in cut.memo:
         cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+    # the stage's parameters at the numbers their shapes read, once (not B: the peak's three batches share them)
+    names = cut.memo.get(("stored symbols", key[1]))
+    if names is None:
+        names = cut.memo[("stored symbols", key[1])] = tuple(sorted({
+            str(x) for shape in cut.memo[key].values() for d in shape
+            for x in sympy.sympify(d, strict=True).free_symbols}))
+    known = cut.memo.setdefault(("tensor stage sides", key[1], cut.p, t), {})
+    side = (s, *(numbers.get(n) for n in names))
+    if side not in known:
+        known[side] = _stage_side(cut, s, t, cut.memo[key])
+    weights, grads, state, temps = known[side]
+    at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
+    at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
+    at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
+    at["step_peak"] = at["at_rest"] + grads + temps
+    return at
+
+
+def _stage_side(cut: _TensorCut, s: int, t: int, stored: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """Stage ``s``'s local weights, gradients (the embedding's whole), AdamW's state and its for-loop step's
+    temporaries on one tensor-parallel rank (:func:`stage_at`)."""
+    g = cut.g
     weights = grads = state = 0
     sizes: list[int] = []
-    for name, shape in cut.memo[key].items():
+    for name, shape in stored.items():
         owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
         if cut.stage_of(owner) != s:
             continue
@@ -268,11 +327,7 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
         state += 2 * local + 4
         sizes.append(local)
     temps = max([2 * sizes[0]] + [a + 2 * b for a, b in zip(sizes, sizes[1:], strict=False)]) if sizes else 0
-    at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
-    at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
-    at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
-    at["step_peak"] = at["at_rest"] + grads + temps
-    return at
+    return weights, grads, state, temps
 
 
 @dataclass(frozen=True)
@@ -331,11 +386,15 @@ class TensorPipelineStep(PipelineStep):
         cuts = [self._cut(n) for n in numbers]
         found = self._stages()
 
+        shared: dict[int, Any] = {}  # one packed tensor cut for every stage (its ops sorted out, sizes packed once)
+
         def make(packed: Any, plain: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
             ats = [stage_at(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
-            return _TensorReplay(_TensorPackedCut(packed, cuts), s, pack_parts(ats), self.schedule,
-                                 self.micro_batches), ats
+            if id(packed) not in shared:
+                shared.clear()
+                shared[id(packed)] = (packed, _TensorPackedCut(packed, cuts))
+            return _TensorReplay(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches), ats
 
         return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
                              schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)

@@ -1,0 +1,118 @@
+"""The pipeline replays' shortcuts (issue 19 item 5) give what the long way gives.
+
+The values themselves are the engine's, checked against real ``torch.distributed.pipelining`` gloo runs elsewhere
+(``tests/test_model_parallel.py``, ``test_ddp_pipeline.py``, ``test_fsdp_pipeline.py``, ``test_tensor_pipeline.py``);
+here each shortcut is held against the work it skips: a stage's segment moved from its first walk against every
+segment walked op by op, the 1F1B micro-batches in flight against sympy's own ``Min``, a tensor-parallel rank's
+storage sizes shared by alike storages against each storage's own, ZeRO-1's whole parameters shared by the batches
+against each batch's own.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+#: small Llama sizes at 8 layers: the step is written out from the 5-layer one (passes/stretch.py)
+SMALL = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 8, "V": 64, "F": 64}
+
+
+def test_micro_batches_in_flight_as_sympy_makes_them() -> None:
+    from symmem.passes.model_parallel import in_flight
+    from symmem.symbols import p
+
+    for index in (0, 1):
+        for m in (1, 2, 3, 4, 7, 8, 64):
+            assert sympy.srepr(in_flight(index, m)) == sympy.srepr(sympy.Min(p - index, m))
+
+
+def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
+    """Every stage's moments, in order, and its peak: the replays at numbers (each moment kept) and the packed one
+    the lines read (each value once), 1F1B and GPipe, llama and gpt2 with dropout (pass 0 and later passes)."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+
+    cases = [("llama", "1f1b", {}), ("llama", "gpipe", {}), ("gpt2", "1f1b", {"dropout": 0.1})]
+    found: dict[str, list] = {}
+    walks = []
+    walked = mp._Replay._walked
+    for label in ("moved", "walked"):
+        with monkeypatch.context() as patch:
+            if label == "walked":  # every segment walked op by op
+                patch.setattr(mp._Replay, "_repeated", lambda self, kind, mb: walked(self, kind, mb))
+            else:
+                patch.setattr(mp._Replay, "_walked", lambda self, kind, mb: walks.append(1) or walked(self, kind, mb))
+            for model, schedule, more in cases:
+                values = {**SMALL, "L": 4, "p": 2}
+                if model == "gpt2":
+                    del values["G"]
+                d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=4, device="cpu",
+                           values=values, **more)
+                step = d.step
+                named = step._named(None)
+                found.setdefault(label, []).append(([(r.moments, r.peak) for r in step._replays(named)],
+                                                    step._batch_moments(named, named["B"])))
+    assert found["moved"] == found["walked"]
+    # 3 cases x 2 (the replays, the packed one) x 2 stages x 8 segments; each stage walks 4 (2 passes x F, B)
+    assert len(walks) == 3 * 2 * 2 * 4
+
+
+def test_a_tensor_parallel_size_shared_is_the_storage_own() -> None:
+    """TP x pipeline at 8 layers: every storage's size on a rank, found among the storages alike (same size object,
+    category, names but for the layer, first layer or not), is the one worked out for the storage itself."""
+    from symmem import derive
+
+    d = derive("llama", tensor_parallel=True, pipeline_parallel=True, micro_batches=2, device="cpu",
+               values={**SMALL, "t": 2, "p": 2})
+    cut = d.step._cut(d.step._named(None))
+    sizes = cut.sizes
+    shared = [sizes.local(i) for i in range(len(cut.tl.storages))]
+    assert len(sizes._alike) < len(shared) / 2  # the layers' copies found among the alike
+    assert shared == [sizes._local(i) for i in range(len(cut.tl.storages))]
+
+
+def test_zero_1_whole_parameters_shared_by_the_batches() -> None:
+    """ZeRO-1 x pipeline: a stage's whole parameters at B + 1 (shared with B: no shape is in B) are those worked out
+    at B + 1."""
+    from symmem import derive
+    from symmem.passes.ddp_pipeline import _whole
+    from symmem.passes.model_parallel import _Cut
+
+    d = derive("llama", data_parallel="zero-redundancy", pipeline_parallel=True, micro_batches=2, device="cpu",
+               values={**SMALL, "N": 2, "p": 2})
+    step = d.step
+    named = step._named(None)
+    step._cut(named)
+    later = {**named, "B": named["B"] + 1}
+    cut, whole = step._cut(later)
+    fresh = _Cut(step.graph, step.conv, step.options, step.regime, later, {})
+    assert whole is step._cut(named)[1]
+    assert whole == [_whole(fresh, s) for s in range(cut.p)]
+
+
+def test_a_watched_replay_walks_every_segment() -> None:
+    """A replay whose moments list is watched (a list subclass whose ``append`` reads what is alive at each moment,
+    as the peak's formulas do) walks every segment op by op: each moment appended on its own, with the storages
+    alive then, the same moments as the replay with its records."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+
+    class Watch(list):
+        def __init__(self, replay) -> None:
+            super().__init__()
+            self.replay, self.alive = replay, []
+
+        def append(self, item) -> None:
+            super().append(item)
+            self.alive.append(len(self.replay.alive))
+
+    d = derive("llama", pipeline_parallel=True, micro_batches=5, device="cpu", values={**SMALL, "p": 4})
+    step = d.step
+    numbers = step._named(None)
+    plain = step._replays(numbers)
+    watched = step._make_replays(numbers)
+    for r in watched:
+        r.moments = Watch(r)
+        r.run()
+    assert [list(r.moments) for r in watched] == [r.moments for r in plain]
+    assert all(len(r.moments.alive) == len(r.moments) for r in watched)
+    assert not any(isinstance(r, mp._Replay) and r._records for r in watched)
