@@ -41,3 +41,9 @@ class UncountedInput(UserWarning):
     """Selective recomputation drops the copy a core-attention matmul keeps of its input, and nothing outside the
     recomputed core keeps that input; the recompute needs it (Korthikanti et al. keep Q and K), so the kept
     activations are low by that input's bytes per layer."""
+
+
+class BelowTheGpu(UncountedInput):
+    """A peak known to be below what a real GPU measures: selective recomputation of eager attention on CUDA, where
+    the backward of the scores' scaling holds one (B, h, S, S) tensor more than the CPU does (measured on an H200,
+    docs/cuda.md); the command line says so in one line."""
