@@ -44,6 +44,6 @@ class UncountedInput(UserWarning):
 
 
 class BelowTheGpu(UncountedInput):
-    """A peak known to be below what a real GPU measures: selective recomputation of eager attention on CUDA, where
-    the backward of the scores' scaling holds one (B, h, S, S) tensor more than the CPU does (measured on an H200,
-    docs/cuda.md); the command line says so in one line."""
+    """A peak that can be below what a real GPU measures: eager attention on CUDA, where the backward of the scores'
+    scaling holds one (B, h, S, S) tensor more than the CPU does (measured on an H200 under selective recomputation
+    and, where that moment is the peak, without it: docs/cuda.md); the command line says so in one line."""

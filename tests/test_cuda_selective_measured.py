@@ -42,15 +42,17 @@ def test_llama_eager_on_the_h200_is_exact_or_one_scores_tensor_above(row):
     assert over == ([scores, scores] if gap else [0, 0])
 
 
-@pytest.mark.parametrize("device, said", [("cuda", True), ("cpu", False)])
-def test_the_gpu_gap_is_said(device, said):
-    """Not silent: on CUDA the selective peak of eager attention comes with a BelowTheGpu warning (one line on the
-    command line); on the CPU, where it is exact, none."""
+@pytest.mark.parametrize("device, attention, checkpoint, said", [
+    ("cuda", "naive", "selective", True), ("cuda", "naive", "none", True), ("cpu", "naive", "selective", False),
+    ("cuda", "sdpa", "none", False)])
+def test_the_gpu_gap_is_said(device, attention, checkpoint, said):
+    """Not silent: on CUDA the peak of eager attention comes with a BelowTheGpu warning (one line on the command
+    line); on the CPU, where it is exact, and with SDPA (no scores tensor), none."""
     import warnings
 
     from symmem.errors import BelowTheGpu
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        derive("llama", attention="naive", checkpoint="selective", device=device, values={"L": 2}).value("peak")
+        derive("llama", attention=attention, checkpoint=checkpoint, device=device, values={"L": 2}).value("peak")
     assert any(issubclass(w.category, BelowTheGpu) for w in caught) == said

@@ -108,11 +108,11 @@ class Simulation:
         if regime.checkpoint == "selective" and regime.data_parallel:
             raise SymmemError("the peak with selective recomputation is modelled on one device (measured there), not "
                               f"under --data-parallel {regime.data_parallel} (the kept memory and total are)")
-        if regime.checkpoint == "selective" and options.get("device") == "cuda":
-            warnings.warn("selective recomputation on CUDA: where the backward of the attention scores' scaling is "
-                          "the step's largest moment, a real GPU holds one more (B, h, S, S) tensor there than this "
-                          "peak counts (measured on an H200; docs/cuda.md); not yet modelled", BelowTheGpu,
-                          stacklevel=2)
+        if options.get("device") == "cuda" and graph.graph.get("recomputed_core"):
+            warnings.warn("eager attention on CUDA: where the backward of the attention scores' scaling is the step's "
+                          "largest moment (with selective recomputation, at every size measured), a real GPU holds one "
+                          "more (B, h, S, S) tensor there than this peak counts (measured on an H200; docs/cuda.md); "
+                          "not yet modelled", BelowTheGpu, stacklevel=2)
         self.graph, self.conv, self.regime = graph, conv, regime
         self.act = regime.activation_dtype
         self.order = list(graph.program_order())
