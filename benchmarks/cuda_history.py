@@ -17,8 +17,8 @@ from check_cuda import _steps, baseline, warm_cublas  # noqa: E402
 #: allocations at least this large are listed with their C++ frames too
 BIG = 1 << 17
 #: C++ frames that say nothing about which op allocated
-SKIP = ("unwind", "Captured", "gather", "Allocator", "empty", "c10::", "std::", "make_", "Dispatch", "boxed", "wrap_",
-        "redispatch", "call(", "callBoxed", "TypeDefault", "_ops::")
+SKIP = ("unwind", "Captured", "gather", "Allocator", "empty_generic", "empty_cuda", "c10::impl", "std::", "boxed",
+        "callBoxed")
 
 
 def main() -> int:
@@ -48,7 +48,7 @@ def main() -> int:
                       if f["filename"].endswith(".py")][:5]
             if not frames or e["size"] >= BIG:  # an autograd thread's: its C++ frames name the op
                 frames = [f["name"][:90] for f in e.get("frames", ()) if "::" in f["name"] and not any(
-                    w in f["name"] for w in SKIP)][:6] + frames
+                    w in f["name"] for w in SKIP)][:14] + frames
             live[e["addr"]] = (-(-e["size"] // 512) * 512, frames)
             now += live[e["addr"]][0]
             if i >= start and now > best:
