@@ -42,8 +42,3 @@ class UncountedInput(UserWarning):
     recomputed core keeps that input; the recompute needs it (Korthikanti et al. keep Q and K), so the kept
     activations are low by that input's bytes per layer."""
 
-
-class BelowTheGpu(UncountedInput):
-    """A peak that can be below what a real GPU measures: eager attention on CUDA, where the backward of the scores'
-    scaling holds one (B, h, S, S) tensor more than the CPU does (measured on an H200 under selective recomputation
-    and, where that moment is the peak, without it: docs/cuda.md); the command line says so in one line."""

@@ -1,16 +1,15 @@
-"""Eager attention with its core checkpointed, on an H200: what the GPU shows that the CPU does not.
+"""Eager attention, its core checkpointed or not, against an H200.
 
 Oracle: ``tests/data/cuda_h200_selective.json``, written by ``benchmarks/check_cuda_selective.py`` (torch 2.11 +
-CUDA 13, transformers 5.23): HF Llama with transformers' own ``eager_attention_forward`` in
+CUDA 13, transformers 5.23): HF GPT-2 and HF Llama with transformers' own ``eager_attention_forward`` in
 ``torch.utils.checkpoint`` (selective recomputation) and without (the control), ``torch.cuda.max_memory_allocated``
-in three steps.  On the CPU the live-bytes tracker agrees with symmem on these cases
-(tests/test_selective_recompute.py).  On the GPU the allocator's history (``benchmarks/cuda_history.py``) shows one
-more (B, h, S, S) FP32 tensor alive at the backward of the scores' scaling (``* scaling``) than the CPU holds there:
-the attention-probabilities gradient ``bmm`` made is still alive beside the softmax's input gradient.  Where that
-moment is the step's peak -- under selective recomputation at every size measured from S = 64, without
-checkpointing at the smallest width -- the measured peak is exactly one such tensor above symmem's; elsewhere it
-is exact.  docs/cuda.md, "Selective recomputation on the GPU".  Not modelled yet: this test pins the gap so that a
-change to it is seen.
+in three steps.  On the GPU softmax's backward first makes ``tmp = grad * output`` (``softmax_backward_cuda_out``),
+one (B, h, S, S) tensor the CPU's kernel does not make; where that moment is the step's peak (under selective
+recomputation at every size measured from S = 64) the first prediction was exactly that tensor low, which the
+allocator's history located (``benchmarks/cuda_history.py``, docs/cuda.md).  With it every Llama row and GPT-2's
+narrow rows are exact; GPT-2's wide rows (B = 4, S = 256, H = 256) hold B·S·H·4 more with and without
+checkpointing, HF's GPT-2 holding its embeddings and mask through the forward, a gap the zoo's GPT-2 has on the
+CPU too (docs/pytorch-sequence.md).
 """
 
 from __future__ import annotations
@@ -23,36 +22,30 @@ import pytest
 from symmem import derive
 
 DATA = json.loads((Path(__file__).parent / "data" / "cuda_h200_selective.json").read_text())
-LLAMA = [r for r in DATA["rows"] if r["model"] == "llama"]
 
 
 def test_the_measurements_are_an_h200():
-    assert "H200" in DATA["device"] and "+cu" in DATA["versions"]["torch"] and len(LLAMA) == 8
+    assert "H200" in DATA["device"] and "+cu" in DATA["versions"]["torch"] and len(DATA["rows"]) == 14
 
 
-@pytest.mark.parametrize("row", LLAMA, ids=lambda r: f"{r['case']} S={r['values']['S']}")
-def test_llama_eager_on_the_h200_is_exact_or_one_scores_tensor_above(row):
+@pytest.mark.parametrize("row", DATA["rows"], ids=lambda r: f"{r['case']} S={r['values']['S']}")
+def test_eager_attention_on_the_h200(row):
     v = row["values"]
-    d = derive("llama", convention="pytorch", checkpoint=row["checkpoint"], device="cuda", loss="sum",
+    d = derive(row["model"], convention="pytorch", checkpoint=row["checkpoint"], device="cuda", loss="sum",
                optimizer_impl="for-loop", attention="naive", dropout=0.0, values=v, **row["options"])
     first, *_, steady = row["measured"]
     over = [first - d.peak_allocated("first"), steady - d.peak_allocated("steady")]
-    scores = v["B"] * v["h"] * v["S"] ** 2 * 4
-    gap = row["checkpoint"] == "selective" and v["S"] >= 64 or v["H"] == 32 and v["S"] == 64
-    assert over == ([scores, scores] if gap else [0, 0])
+    known = v["B"] * v["S"] * v["H"] * 4 if row["model"] == "gpt2" and v["H"] == 256 else 0
+    assert over == [known, known]
 
 
-@pytest.mark.parametrize("device, attention, checkpoint, said", [
-    ("cuda", "naive", "selective", True), ("cuda", "naive", "none", True), ("cpu", "naive", "selective", False),
-    ("cuda", "sdpa", "none", False)])
-def test_the_gpu_gap_is_said(device, attention, checkpoint, said):
-    """Not silent: on CUDA the peak of eager attention comes with a BelowTheGpu warning (one line on the command
-    line); on the CPU, where it is exact, and with SDPA (no scores tensor), none."""
-    import warnings
+def test_the_cuda_softmax_backward_makes_one_more_tensor():
+    """The kernel's temporary is CUDA's alone: the CPU's peak (exact against the live-bytes tracker,
+    tests/test_selective_recompute.py) is one (B, h, S, S) FP32 tensor lower where softmax's backward peaks."""
+    v = {"B": 2, "S": 64, "H": 32, "h": 4, "L": 2, "V": 64, "F": 64, "G": 2}
 
-    from symmem.errors import BelowTheGpu
+    def peak(device: str) -> int:
+        return derive("llama", convention="pytorch", checkpoint="selective", device=device, loss="sum",
+                      optimizer_impl="for-loop", attention="naive", values=v, cache="none").value("peak")
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        derive("llama", attention=attention, checkpoint=checkpoint, device=device, values={"L": 2}).value("peak")
-    assert any(issubclass(w.category, BelowTheGpu) for w in caught) == said
+    assert peak("cuda") - peak("cpu") == v["B"] * v["h"] * v["S"] ** 2 * 4

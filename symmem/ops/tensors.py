@@ -514,7 +514,17 @@ def _reduce_dim(t: TensorSpec, d: int) -> int | None:
     return wrap_dim(t, d)
 
 
-@op("softmax", "log_softmax", attrs={"dim": AXIS, "dtype": DTYPE}, saves=keeps_output, grads=new_grads)
+def _softmax_grads(ctx: RuleContext) -> Grads:
+    """``_softmax_backward_data(grad, result, ...)`` writes a new gradient.  On CUDA softmax's (not log-softmax's)
+    backward first makes ``tmp = grad * output`` (``softmax_backward_cuda_out``, aten/src/ATen/native/cuda/
+    SoftMax.cu): a tensor the size of the output, alive beside the new gradient while the kernel runs (the
+    allocator's history on an H200: the peak of eager attention's backward, docs/cuda.md)."""
+    if ctx.device == "cuda" and ctx.kind == "softmax":
+        return Grads(temps=(ctx.out,))
+    return Grads()
+
+
+@op("softmax", "log_softmax", attrs={"dim": AXIS, "dtype": DTYPE}, saves=keeps_output, grads=_softmax_grads)
 def _softmax(ins: list[TensorSpec], a: Mapping[str, Any]) -> OpInfo:
     x = ins[0]  # the softmax kernels write a contiguous output whatever the input's layout
     if "dim" in a:

@@ -27,7 +27,6 @@ the one model of time (the recorded step of a traced module gives one too).
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import sympy
 
 from ..conventions import Convention
-from ..errors import BelowTheGpu, SymmemError
+from ..errors import SymmemError
 from ..graph import Graph, Node
 from ..ops import requires_grad
 from ..shapes import numel as shape_numel
@@ -108,11 +107,6 @@ class Simulation:
         if regime.checkpoint == "selective" and regime.data_parallel:
             raise SymmemError("the peak with selective recomputation is modelled on one device (measured there), not "
                               f"under --data-parallel {regime.data_parallel} (the kept memory and total are)")
-        if options.get("device") == "cuda" and graph.graph.get("recomputed_core"):
-            warnings.warn("eager attention on CUDA: where the backward of the attention scores' scaling is the step's "
-                          "largest moment (with selective recomputation, at every size measured), a real GPU holds one "
-                          "more (B, h, S, S) tensor there than this peak counts (measured on an H200; docs/cuda.md); "
-                          "not yet modelled", BelowTheGpu, stacklevel=2)
         self.graph, self.conv, self.regime = graph, conv, regime
         self.act = regime.activation_dtype
         self.order = list(graph.program_order())
