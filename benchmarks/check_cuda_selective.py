@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_cuda import allocated, warm_cublas  # noqa: E402
 
 from symmem import derive  # noqa: E402
+from symmem.record.hf_llama import logits_of  # noqa: E402
 
 SMALL = {"B": 2, "S": 64, "H": 32, "h": 4, "L": 2, "V": 64, "F": 64}
 WIDER = {"B": 4, "S": 256, "H": 256, "h": 8, "L": 2, "V": 512, "F": 1024}
@@ -61,14 +62,6 @@ def register() -> None:
 def build(model: str, v: dict[str, int], cache: str, selective: bool) -> tuple[Any, tuple[Any, ...], None]:
     import torch
 
-    class Logits(torch.nn.Module):
-        def __init__(self, module: torch.nn.Module) -> None:
-            super().__init__()
-            self.module = module
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.module(ids).logits
-
     torch.manual_seed(0)
     if model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -85,7 +78,7 @@ def build(model: str, v: dict[str, int], cache: str, selective: bool) -> tuple[A
         module, ids = hf_llama(v, "naive", cache=cache)
         if selective:
             module.config._attn_implementation = "symmem_ckpt_llama"
-    return Logits(module).to("cuda"), (ids.to("cuda"),), None
+    return logits_of(module).to("cuda"), (ids.to("cuda"),), None
 
 
 def main(argv: list[str] | None = None) -> int:

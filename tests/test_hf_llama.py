@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from symmem import derive  # noqa: E402
-from symmem.record.hf_llama import hf_llama  # noqa: E402
+from symmem.record.hf_llama import hf_llama, logits_of  # noqa: E402
 from symmem.record.steps import track_step  # noqa: E402
 from symmem.reference.sequence_models import reference  # noqa: E402
 
@@ -38,17 +38,6 @@ CASES = [({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, "
           "backward norm.pow"),
          ({"B": 2, "S": 16, "H": 16, "h": 4, "G": 1, "L": 1, "V": 8, "F": 16}, "naive", "none", "backward norm.pow"),
          ({"B": 2, "S": 16, "H": 16, "h": 2, "G": 2, "L": 1, "V": 8, "F": 16}, "naive", "none", "backward norm.pow")]
-
-
-class Logits(torch.nn.Module):
-    """HF's model returning its logits: the output object (and the cache it holds) let go as the forward returns."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.module(ids).logits
 
 
 def hf_attention(trace, layer: int) -> dict[str, int]:
@@ -90,7 +79,7 @@ def phases(trace) -> dict[str, int]:
 def test_llama_equals_transformers_own_on_one_device(values, attention, cache, where):
     torch.manual_seed(0)
     module, ids = hf_llama(values, attention=attention, cache=cache)
-    hf = track_step(Logits(module), ids, loss="sum", optimizer="adamw", impl="for-loop")
+    hf = track_step(logits_of(module), ids, loss="sum", optimizer="adamw", impl="for-loop")
     d = derive("llama", values=values, attention=attention, cache=cache, device="cpu", loss="sum",
                optimizer_impl="for-loop")
     assert (d.value("peak_first_step"), d.value("peak")) == (hf.first.bytes, hf.steady.bytes)

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from symmem import derive  # noqa: E402
 from symmem.errors import UncountedInput  # noqa: E402
+from symmem.record.hf_llama import logits_of  # noqa: E402
 from symmem.record.steps import track_step  # noqa: E402
 
 VALUES = {"B": 2, "S": 16, "H": 32, "h": 4, "L": 2, "V": 64, "F": 64}
@@ -72,17 +73,6 @@ def hf():
     return True
 
 
-class Logits(torch.nn.Module):
-    """HF's model returning its logits (the output object, and the cache it holds, let go as forward returns)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.module(ids).logits
-
-
 @pytest.mark.parametrize("cache, S", [("none", 64)])  # with the cache at S = 16 by hand: 175,488 (+2,048, the mask)
 def test_hf_gpt2_eager(hf, cache, S):
     """GPT-2's q, k, v are views of c_attn's output: the checkpoint keeps all of it (3·B·S·H a layer) and the
@@ -98,7 +88,7 @@ def test_hf_gpt2_eager(hf, cache, S):
                         use_cache=cache == "dynamic", bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "symmem_ckpt_gpt2"
     torch.manual_seed(0)
-    real, _ = measured(Logits(GPT2LMHeadModel(config)), torch.randint(0, v["V"], (v["B"], v["S"])))
+    real, _ = measured(logits_of(GPT2LMHeadModel(config)), torch.randint(0, v["V"], (v["B"], v["S"])))
     options = {"attention": "naive", "dropout": 0.0, "cache": cache, "values": v}
     assert symmem("gpt2", **options)[0] == real == (660992, 1110536, 1526392, 1526392)
 
@@ -114,7 +104,7 @@ def test_hf_llama_eager(hf, G, cache, S):
     torch.manual_seed(0)
     module, ids = hf_llama(values, "naive", cache=cache)
     module.config._attn_implementation = "symmem_ckpt_llama"
-    real, steady = measured(Logits(module), ids)
+    real, steady = measured(logits_of(module), ids)
     ours, walked = symmem("llama", attention="naive", cache=cache, values=values)
     assert ours == real
     if S == 16:

@@ -98,6 +98,22 @@ def hf_llama_forward(module: Any, sequence: bool) -> Callable[[Any], Any]:
     return forward
 
 
+def logits_of(module: Any) -> Any:
+    """A Hugging Face causal LM as a module that returns its logits: the output object, and the cache it holds, let
+    go as the forward returns (what a training step keeps is then the model's, not the output object's)."""
+    import torch
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.module(ids).logits
+
+    return Logits()
+
+
 def whole_sequence_positions(module: Any) -> Any:
     """Give a Hugging Face causal LM's ``module.model`` the whole sequence's position ids, by a keyword pre-hook
     (so they are made as it starts and go when it returns, as HF's own do), and return the hook's handle."""
