@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
+from stage_ranks import replays_are_the_ranks  # noqa: E402
+
 GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
 #: (model, sizes, schedule, M, loss, options, engine): DDP, GPT-2 1F1B (stage 0 peaks in the optimizer step, the
@@ -155,12 +157,7 @@ def _check_traced(everything):
     for k, case in enumerate(TRACED):
         real = [rank[k] for rank in everything]
         d = _traced(*case)
-        named = {s.name: int(v) for s, v in d.numbers.items()}
-        for r in real:
-            mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
-            assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
-            assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
-                r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
+        replays_are_the_ranks(d, real, k)
         top = max(real, key=lambda r: (r.steady_peak, -r.rank))
         assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, max(r.first_peak for r in real))
         assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}, k
@@ -189,12 +186,7 @@ def _check_hf_llama(real):
     d = sources.trace(loaded, sources.parse_dims("B,S", loaded), optimizer="adamw", loss="sum", check=False,
                       pipeline_parallel=True, pipeline_schedule="1f1b", data_parallel="zero-redundancy",
                       micro_batches=2, values={"p": 2, "N": 2})
-    named = {s.name: int(v) for s, v in d.numbers.items()}
-    for r in real:
-        mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
-        assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), r
-        assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
-            r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), r
+    replays_are_the_ranks(d, real, "hf:llama")
     top = max(real, key=lambda r: (r.steady_peak, -r.rank))
     assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, max(r.first_peak for r in real))
     assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}

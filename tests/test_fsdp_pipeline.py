@@ -21,6 +21,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
+from stage_ranks import replays_are_the_ranks, sharded_side  # noqa: E402
+
 GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
 #: (model, sizes, schedule, M, loss, options, reshard_after_forward): an odd vocabulary pads the embedding's (and
@@ -148,21 +150,11 @@ def _check_traced(everything):
         d = _traced()
         d = dataclasses.replace(d, step=dataclasses.replace(d.step, schedule=schedule, micro_batches=m,
                                                             reshard=reshard, _cache={}))
-        named = {s.name: int(v) for s, v in d.numbers.items()}
-        for r in real:
-            mine = (d.step if r.dp == 0 else d.step.at_rank(r.dp))._replays(named)[r.pp]
-            assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
-            assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
-                r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
+        replays_are_the_ranks(d, real, k)
         top = max(real, key=lambda r: (r.steady_peak, -r.rank))
         assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), k
         assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}, k
-        # the parameter side per rank (passes/rank_side.py): the real rank's padded shards, as many bytes of sharded
-        # gradients, AdamW's state of its rows (the module has no buffers)
-        side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": 0,
-                              "optimizer_state": r.optimizer_state,
-                              "total": 2 * r.parameters + r.optimizer_state} for r in real}
-        assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
+        assert d.to_dict()["values"]["parameter_side_per_rank"] == sharded_side(real), k  # the module has no buffers
         # the head's 5 rows padded to 6: rank 3 (stage 1's data-parallel rank 1) holds 2 of 3, AdamW's state 2 rows
         # of 24 floats (and a bias element) fewer
         assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * (24 + 1), k
@@ -182,19 +174,9 @@ def _check_hf(real):
     d = sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="sum", check=False,
                       pipeline_parallel=True, pipeline_schedule="gpipe", data_parallel="fsdp", micro_batches=2,
                       values={"p": 2, "N": 2})
-    named = {s.name: int(v) for s, v in d.numbers.items()}
-    for r in real:
-        mine = (d.step if r.dp == 0 else d.step.at_rank(r.dp))._replays(named)[r.pp]
-        assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), r
-        assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
-            r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), r
+    replays_are_the_ranks(d, real, "hf:gpt2")
     assert real[0].steady_at == ("forward", "aten.mul.Tensor")
-    # the parameter side per rank (passes/rank_side.py): the real rank's padded shards, as many bytes of sharded
-    # gradients, AdamW's state of its rows
-    side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": 0,
-                          "optimizer_state": r.optimizer_state,
-                          "total": 2 * r.parameters + r.optimizer_state} for r in real}
-    assert d.to_dict()["values"]["parameter_side_per_rank"] == side
+    assert d.to_dict()["values"]["parameter_side_per_rank"] == sharded_side(real)
     assert (d.value("peak"), d.value("peak_first_step")) == (real[0].steady_peak, real[0].first_peak)
     assert d.peak_at().where(step=False) == (
         "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline aten.mul.Tensor in "
@@ -211,12 +193,7 @@ def _check_more_hf(real, spec, config, split, schedule, m, loss, reshard, bounda
     d = sources.trace(loaded, sources.parse_dims("B,S", loaded), optimizer="adamw", loss=loss, check=False,
                       pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m,
                       data_parallel="fsdp" if reshard else "fsdp-no-reshard", values={"p": 2, "N": 2})
-    named = {s.name: int(v) for s, v in d.numbers.items()}
-    for r in real:
-        mine = (d.step if r.dp == 0 else d.step.at_rank(r.dp))._replays(named)[r.pp]
-        assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (spec, r)
-        assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
-            r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (spec, r)
+    replays_are_the_ranks(d, real, spec)
     top = max(real, key=lambda r: (r.steady_peak, -r.rank))
     assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), spec
     # the padded vocabulary (GPT-2 65 rows, Llama 33, over N = 2): the last stage's data-parallel rank 1 holds one

@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
+from stage_ranks import replays_are_the_ranks  # noqa: E402
+
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64}
 MESH = {"p": 2, "N": 2, "t": 2}
 #: (model, sizes, schedule, M, loss, options, reshard_after_forward): SDPA GPipe, one micro-batch (an 8-rank case costs
@@ -59,12 +61,7 @@ def test_every_rank_of_a_2x2x2_mesh_against_the_engine():
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp, r.tp) for r in real] == [(s, d, t) for s in (0, 1) for d in (0, 1) for t in (0, 1)]
         d = derived(*case)
-        named = {s.name: int(v) for s, v in d.numbers.items()}
-        for r in real:
-            mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
-            assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
-            assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
-                r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
+        replays_are_the_ranks(d, real, k)
         top = max(real, key=lambda r: (r.steady_peak, -r.rank))
         out = d.to_dict()
         assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, top.first_peak), k
