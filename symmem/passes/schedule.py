@@ -54,6 +54,10 @@ MICRO_BATCH_PASSES = 3
 _HELD = ("input", "parameter", "buffer")
 
 
+#: the ops whose backward runs cuBLAS matrix products on the output's gradient
+_MM_KINDS = ("linear", "matmul")
+
+
 def optimizer_impl(regime: Regime, device: str) -> str:
     """The implementation PyTorch's optimizers pick: for-loop on the CPU, foreach on CUDA (unless the regime
     names one)."""
@@ -442,6 +446,13 @@ class Simulation:
             (late if sg is not None and node.kind == "linear" and key.endswith(".bias") else born).append(pid)
             params_out.append((key, pid))
         temps = [self.new(f"{n}.temp", "temporary", self.size(spec), n) for spec in g.temps]
+        if n == self.final and node.kind in _MM_KINDS and self.graph.node(n).group != "loss" and (
+                self.rule_options.get("device") == "cuda"):
+            # the loss .sum()'s gradient reaches the output as a 0-dim one expanded (strides 0): cuBLAS takes no
+            # such matrix, so each mm of the backward clones it dense first (prepare_matrix_for_cublas), one at a
+            # time, beside the gradients it makes (an H200's allocator history, docs/cuda.md); the CPU's addmm
+            # clones it inside the kernel, where no dispatcher-level tracker sees it
+            temps.append(self.new(f"{n}.grad_dense", "temporary", self.size(node.out), n))
         made: list[int] = []  # temporaries an earlier node of the op made (cross-entropy's nll_loss backward)
         if node.kind == "cross_entropy" and temps and not late and self._nll_backward(n, temps):
             made, temps = temps, []

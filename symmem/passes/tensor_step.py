@@ -400,9 +400,15 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
                 "micro-batches without stages")
     if loss not in (None, "sum"):
         return f"the tensor-parallel peak is modelled for the loss 'sum' (what was measured), not {loss!r}"
-    if device != "cpu" or optimizer_impl(regime, device) != "for-loop":
+    impl = optimizer_impl(regime, device)
+    if device != "cpu" or impl != "for-loop":
+        # measured: PyTorch itself refuses foreach over the standard plan, whose norms stay plain tensors beside
+        # DTensors ("aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor"); sequence parallelism makes
+        # every parameter a DTensor and it runs (benchmarks/check_cuda_parallel.py, docs/cuda.md)
+        engine = ("; torch.optim's foreach AdamW itself raises on this plan: its norms stay plain tensors beside "
+                  "DTensors" if impl == "foreach" and not regime.sequence_parallel else "")
         return ("the tensor-parallel peak is measured on CPU ranks (gloo) with the for-loop AdamW: give --device "
-                f"cpu (here {device}, {optimizer_impl(regime, device)} AdamW); NCCL's buffers are not modelled")
+                f"cpu (here {device}, {impl} AdamW{engine}); NCCL's buffers are not modelled")
     return None
 
 

@@ -1,0 +1,333 @@
+"""Tensor and pipeline parallelism on a real GPU: two ranks on one GPU over gloo, CUDA tensors, measured per rank.
+
+    PYTHONPATH=$PWD python benchmarks/check_cuda_parallel.py --json OUT.json [--dry-run]
+
+The suite proves the tensor-parallel (DTensor, Llama's standard plan) and pipeline (``torch.distributed.pipelining``,
+1F1B and GPipe) peaks per rank on CPU ranks with the live-bytes recorder (tests/test_model_parallel.py).  This runs
+the same cases (the suite's sizes) with every rank's module on the one GPU, and reads the caching allocator per
+rank and per step: ``max_memory_allocated`` (512-byte blocks) and ``requested_bytes.all.peak`` (the bytes the
+tensors asked for, before the allocator rounds them: what symmem's peak counts), each less what the rank had
+allocated before its module was built (the cuBLAS workspaces made first).  NCCL refuses two ranks of one
+communicator on one device, so the collectives run on gloo, which stages CUDA tensors through pinned host memory
+(no device allocation of its own); the pipeline's point-to-point sends are staged through host memory here too
+(gloo sends host pointers only): the device holds what the engine holds.
+
+The comparison with ``derive(..., device="cuda")`` is made where the JSON is read (tests/test_cuda_parallel_
+measured.py): this script needs no sympy work on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+#: the suite's cases (tests/test_model_parallel.py): tensor-parallel llama, t = 2
+TENSOR = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64}, {"attention": "naive"}),
+          ({"B": 2, "S": 8, "H": 32, "h": 4, "G": 4, "L": 2, "V": 64, "F": 96}, {"attention": "sdpa"}),
+          ({"B": 2, "S": 64, "H": 32, "h": 4, "G": 2, "L": 2, "V": 16, "F": 64}, {"attention": "naive"}),
+          ({"B": 2, "S": 32, "H": 32, "h": 4, "G": 4, "L": 2, "V": 16, "F": 512}, {"attention": "sdpa"}),
+          ({"B": 4, "S": 128, "H": 256, "h": 8, "G": 4, "L": 2, "V": 512, "F": 1024}, {"attention": "naive"}),
+          ({"B": 4, "S": 128, "H": 256, "h": 8, "G": 4, "L": 2, "V": 512, "F": 1024}, {"attention": "sdpa"})]
+#: the same with sequence parallelism (torchtitan's plan: every parameter a DTensor, so foreach AdamW runs)
+SEQUENCE = [(v, {**o, "sequence_parallel": True}) for v, o in (TENSOR[0], TENSOR[1], TENSOR[4], TENSOR[5])]
+#: pipeline cases, p = 2: (model, sizes, schedule, M, loss, options)
+GPT2 = {"B": 2, "S": 32, "H": 32, "h": 2, "L": 2, "V": 64}
+LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64}
+WIDE = {"B": 4, "S": 128, "H": 256, "h": 8, "G": 4, "L": 2, "V": 512, "F": 1024}
+PIPELINE = [("gpt2", GPT2, "gpipe", 1, "cross-entropy", {"attention": "naive", "dropout": 0.0}),
+            ("gpt2", GPT2, "gpipe", 4, "cross-entropy", {"attention": "naive", "dropout": 0.0}),
+            ("gpt2", GPT2, "1f1b", 4, "cross-entropy", {"attention": "naive", "dropout": 0.0}),
+            ("gpt2", GPT2, "gpipe", 2, "sum", {"attention": "naive", "dropout": 0.0}),
+            ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}),
+            ("llama", LLAMA, "1f1b", 4, "sum", {"attention": "naive"}),
+            ("llama", WIDE, "1f1b", 2, "cross-entropy", {"attention": "naive"}),
+            ("llama", WIDE, "gpipe", 2, "cross-entropy", {"attention": "sdpa"})]
+IMPLS = ("for-loop", "foreach")
+FIRST, STEADY = 2, 3
+DRY = False
+#: ``--tensor``: the tensor-parallel rows too.  On an H200 with torch 2.11 gloo's all-gather of CUDA tensors (the
+#: head's output gathered for its replicated logits, ``funcol.all_gather_tensor``) dies with a segmentation fault in
+#: ``wait_tensor``: DTensor over gloo on CUDA cannot be measured this way, and NCCL refuses two ranks on one GPU
+TENSOR_ROWS = False
+
+
+def _device() -> Any:
+    import torch
+
+    return torch.device("cpu" if DRY else "cuda")
+
+
+def _mark() -> dict[str, int]:
+    """What the rank's allocator holds now (after a settle: gloo's worker thread lets go of its tensors)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if DRY:
+        return {"allocated": 0, "requested": 0}
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    return {"allocated": int(s["allocated_bytes.all.current"]), "requested": int(s["requested_bytes.all.current"])}
+
+
+def _peaks(base: dict[str, int]) -> dict[str, int]:
+    import torch
+
+    if DRY:
+        return {"allocated": 0, "requested": 0}
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    return {"allocated": int(s["allocated_bytes.all.peak"]) - base["allocated"],
+            "requested": int(s["requested_bytes.all.peak"]) - base["requested"]}
+
+
+def _reset() -> None:
+    import torch
+
+    if not DRY:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _warm() -> None:
+    """The cuBLAS workspaces of the forward's and autograd's threads, kept for the process (check_cuda.warm_cublas)."""
+    import torch
+
+    w = torch.randn(64, 64, device=_device(), requires_grad=True)
+    bias = torch.randn(64, device=_device(), requires_grad=True)
+    torch.nn.functional.linear(torch.randn(64, 64, device=_device()), w, bias).sum().backward()
+
+
+def _single(values: dict[str, int], options: dict[str, Any], impl: str, rank: int) -> dict[str, Any]:
+    """The control: the whole model on one rank, no collective (requested bytes against symmem's one-device peak)."""
+    import torch
+
+    from symmem.record.optim import make_optimizer
+    from symmem.reference.sequence_models import reference
+
+    base = _mark()
+    torch.manual_seed(0)
+    module, (ids,) = reference("llama", values, **options)
+    module.to(_device())
+    ids = ids.to(_device())
+    opt = make_optimizer(list(module.parameters()), "adamw", impl)
+    steps = []
+    for _ in range(1 + STEADY):
+        _reset()
+        module(ids).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append(_peaks(base))
+    del opt, module, ids
+    return {"kind": "single", "values": values, "options": options, "impl": impl, "rank": rank, "steps": steps}
+
+
+def _tensor(values: dict[str, int], options: dict[str, Any], impl: str, rank: int, world: int) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from symmem.record.model_parallel_runs import llama_plan, llama_sequence_plan
+    from symmem.record.optim import make_optimizer
+    from symmem.reference.sequence_models import reference
+
+    base = _mark()
+    torch.manual_seed(0)
+    module, (ids,) = reference("llama", values, **{k: v for k, v in options.items() if k != "sequence_parallel"})
+    module.to(_device())
+    ids = ids.to(_device())
+    plan = (llama_sequence_plan if options.get("sequence_parallel") else llama_plan)(module, world)
+    parallelize_module(module, init_device_mesh(_device().type, (world,)), plan)
+    params = list(module.parameters())
+    steps = []
+    opt = None
+    for k in range(FIRST + STEADY):
+        if k < FIRST:
+            opt = None
+            opt = make_optimizer(params, "adamw", impl)
+        _reset()
+        module(ids).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append(_peaks(base))
+        time.sleep(0.05)
+    del opt, module, params, ids
+    return {"kind": "tensor", "values": values, "options": options, "impl": impl, "rank": rank, "steps": steps}
+
+
+def _staged_p2p() -> None:
+    """``batch_isend_irecv`` through host memory: gloo sends and receives host tensors only."""
+    import torch
+    import torch.distributed as dist
+
+    class Staged:
+        # a send keeps its device tensor for the work's life, as c10d's works (gloo's, NCCL's) hold theirs
+        def __init__(self, works: list[tuple[Any, Any, Any]], sent: list[Any]) -> None:
+            self.works, self.sent = works, sent
+
+        def wait(self, timeout: Any = None) -> bool:
+            for work, host, into in self.works:
+                work.wait()
+                if into is not None:
+                    with torch.no_grad():
+                        into.copy_(host)
+            self.works = []
+            return True
+
+        def is_completed(self) -> bool:
+            return not self.works
+
+    def batch(ops: list[Any]) -> list[Any]:
+        works, sent = [], []
+        for op in ops:
+            name = getattr(op.op, "__name__", "")
+            if name == "isend":
+                host = op.tensor.detach().to("cpu")
+                works.append((dist.isend(host, op.peer, group=op.group, tag=op.tag), host, None))
+                sent.append(op.tensor)
+            else:
+                host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
+                works.append((dist.irecv(host, op.peer, group=op.group, tag=op.tag), host, op.tensor))
+        return [Staged(works, sent)]
+
+    dist.batch_isend_irecv = batch  # the schedules look it up on ``dist`` at each call
+    dist.distributed_c10d.batch_isend_irecv = batch
+
+
+def _pipeline(model: str, values: dict[str, int], schedule: str, m: int, loss: str, options: dict[str, Any],
+              impl: str, rank: int, world: int) -> dict[str, Any]:
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from symmem.record.model_parallel_runs import _stage_module, _sum_loss, static_shapes
+    from symmem.record.optim import make_optimizer
+    from symmem.reference.sequence_models import causal_lm_loss
+
+    base = _mark()
+    module = _stage_module(model, values, rank, world, options).to(_device())
+    b, s, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    given = static_shapes(rank == 0, rank == world - 1, torch.empty(b, s, dtype=torch.long, device="meta"),
+                          (b, s, v), (b, s, h))
+    import inspect
+
+    # torch 2.11's PipelineStage takes no output_grads / input_grads (2.13's does): it derives them from the others
+    known = inspect.signature(PipelineStage).parameters
+    stage = PipelineStage(module, rank, world, _device(), **{k: v for k, v in given.items() if k in known})
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v, (b * m, s), generator=gen)
+    labels = torch.randint(0, v, (b * m, s), generator=gen) if loss == "cross-entropy" else torch.empty(b * m, 0)
+    first, last = rank == 0, rank == world - 1
+    data = ids.to(_device()) if first else None
+    target = labels.to(_device()) if last else None
+    del ids, labels
+    opt = make_optimizer(list(module.parameters()), "adamw", impl)
+    steps = []
+    history = os.environ.get("SYMMEM_HISTORY_DIR") if schedule == "1f1b" and m == 4 and impl == "foreach" else None
+    if history and not DRY:
+        stacks = "all" if os.environ.get("SYMMEM_HISTORY_CPP") else "python"
+        torch.cuda.memory._record_memory_history(max_entries=200000, stacks=stacks)
+    for _ in range(1 + STEADY):
+        _reset()
+        losses: list[Any] = []
+        out = sched.step(data) if first else sched.step(target=target, losses=losses) if last else sched.step()
+        del out, losses
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append(_peaks(base))
+        time.sleep(0.05)
+    if history and not DRY:
+        import pickle
+
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        Path(history, f"history_{model}_{schedule}{m}_rank{rank}.pickle").write_bytes(pickle.dumps(
+            {"snapshot": snapshot, "base": base}))
+    del opt, sched, stage, module, data, target
+    return {"kind": "pipeline", "model": model, "values": values, "schedule": schedule, "M": m, "loss": loss,
+            "options": options, "impl": impl, "rank": rank, "steps": steps}
+
+
+def work(rank: int, world: int) -> list[dict[str, Any]]:
+    import faulthandler
+
+    import torch
+
+    faulthandler.enable()
+    global TENSOR_ROWS
+    TENSOR_ROWS = bool(os.environ.get("SYMMEM_CHECK_TENSOR"))
+
+    if not DRY:
+        torch.cuda.set_device(0)
+    _warm()
+    _staged_p2p()
+    rows = []
+    if rank == 0 and not os.environ.get("SYMMEM_ONLY_PIPELINE"):
+        for values, options in (TENSOR[4], TENSOR[5]):
+            for impl in IMPLS:
+                rows.append(_single(values, options, impl, rank))
+    for values, options in (TENSOR + SEQUENCE) if TENSOR_ROWS else ():
+        for impl in IMPLS:
+            try:
+                rows.append(_tensor(values, options, impl, rank, world))
+            except RuntimeError as e:  # the engine's own refusal (foreach AdamW over DTensors and plain tensors)
+                rows.append({"kind": "tensor", "values": values, "options": options, "impl": impl, "rank": rank,
+                             "error": str(e).splitlines()[0]})
+    for model, values, schedule, m, loss, options in PIPELINE:
+        for impl in IMPLS:
+            rows.append(_pipeline(model, values, schedule, m, loss, options, impl, rank, world))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DRY
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--tensor", action="store_true", help="the tensor-parallel rows too (see TENSOR_ROWS)")
+    ap.add_argument("--history", default=None, metavar="DIR",
+                    help="the allocator's history of the 1F1B M=4 rows (foreach), one pickle per rank, into DIR")
+    ap.add_argument("--cpp", action="store_true", help="the histories with C++ frames")
+    ap.add_argument("--only-pipeline", action="store_true", help="no one-device control rows")
+    ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU ranks, no memory read")
+    args = ap.parse_args(argv)
+    DRY = args.dry_run
+    os.environ["SYMMEM_CHECK_TENSOR"] = "1" if args.tensor else ""
+    os.environ["SYMMEM_HISTORY_DIR"] = args.history or ""
+    os.environ["SYMMEM_HISTORY_CPP"] = "1" if args.cpp else ""
+    os.environ["SYMMEM_ONLY_PIPELINE"] = "1" if args.only_pipeline else ""
+    import torch
+
+    from symmem.record import model_parallel_runs as runs_of
+
+    runs_of.TIMEOUT_S = 300
+    t0 = time.time()
+    # forkserver on the GPU: a CUDA context does not survive fork
+    ranks = runs_of.forked_ranks(2, work, "the CUDA parallel check", "fork" if DRY else "forkserver")
+    out = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
+           "versions": {"torch": torch.__version__}, "first_steps": FIRST, "steady_steps": STEADY,
+           "rows": [row for rank in ranks for row in rank]}
+    print(f"{len(out['rows'])} rows in {time.time() - t0:.1f} s on {out['device']}")
+    for r in out["rows"]:
+        if "error" in r:
+            print(f"  rank {r['rank']} {r['kind']} {r['options']} {r['impl']}: {r['error'][:100]}")
+            continue
+        label = r["kind"] + (f" {r['model']} {r['schedule']} M={r['M']} {r['loss']}" if r["kind"] == "pipeline"
+                             else "")
+        print(f"  rank {r['rank']} {label} {r['options']} {r['impl']} {r['values']}: "
+              f"{[s['requested'] for s in r['steps']]} / {[s['allocated'] for s in r['steps']]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
