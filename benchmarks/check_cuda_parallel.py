@@ -19,6 +19,7 @@ measured.py): this script needs no sympy work on the GPU machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -50,6 +51,15 @@ PIPELINE = [("gpt2", GPT2, "gpipe", 1, "cross-entropy", {"attention": "naive", "
             ("llama", WIDE, "1f1b", 2, "cross-entropy", {"attention": "naive"}),
             ("llama", WIDE, "gpipe", 2, "cross-entropy", {"attention": "sdpa"})]
 IMPLS = ("for-loop", "foreach")
+#: DDP / its bucket view / ZeroRedundancyOptimizer around each stage of a 2 x 2 (pp, dp) mesh, four ranks on the GPU
+#: (``--mesh``): (model, sizes, schedule, M, loss, options, engine)
+MESH = [("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, engine)
+        for engine in ("ddp", "ddp-bucket-view", "zero-redundancy")]
+MESH += [("llama", LLAMA, "1f1b", 2, "sum", {"attention": "naive"}, "ddp"),
+         ("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "ddp"),
+         ("gpt2", GPT2, "gpipe", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "zero-redundancy"),
+         ("llama", WIDE, "1f1b", 2, "cross-entropy", {"attention": "naive"}, "ddp"),
+         ("llama", WIDE, "1f1b", 2, "cross-entropy", {"attention": "naive"}, "zero-redundancy")]
 FIRST, STEADY = 2, 3
 DRY = False
 #: ``--tensor``: the tensor-parallel rows too.  On an H200 with torch 2.11 gloo's all-gather of CUDA tensors (the
@@ -257,6 +267,83 @@ def _pipeline(model: str, values: dict[str, int], schedule: str, m: int, loss: s
             "options": options, "impl": impl, "rank": rank, "steps": steps}
 
 
+def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, loss: str, options: dict[str, Any],
+                   engine: str, rank: int, world: int) -> dict[str, Any]:
+    """One rank of DDP (or ZeRO-1) around the stages of a (2, N) mesh: two unmeasured steps (the receive buffers;
+    DDP's first synced backward and its buckets rebuilt), a first step with a new AdamW, then steady ones."""
+    import inspect
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    from symmem.record.distributed import zero_optimizer
+    from symmem.record.fsdp_pipeline_runs import _built_stage
+    from symmem.record.optim import make_optimizer
+
+    stages = 2
+    base = _mark()
+    mesh = init_device_mesh(_device().type, (stages, world // stages), mesh_dim_names=("pp", "dp"))
+    s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    first, last = s == 0, s == stages - 1
+    module, given, loss_fn, ids, labels = _built_stage(model, values, m, loss, options, s, stages, dp)
+    module.to(_device())
+    data = ids.to(_device()) if first else None
+    target = labels.to(_device()) if last else None
+    del ids, labels
+    wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
+                                      gradient_as_bucket_view=engine == "ddp-bucket-view")
+    known = inspect.signature(PipelineStage).parameters
+    stage = PipelineStage(wrapped, s, stages, _device(), group=mesh["pp"].get_group(),
+                          **{k: v for k, v in given.items() if k in known})
+    sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, m, loss_fn=loss_fn)
+    params = [p for p in module.parameters() if p.requires_grad]
+    impl = "foreach"
+
+    def optimizer() -> Any:
+        if engine == "zero-redundancy":
+            return zero_optimizer(params, "adamw", impl, 1e-3, group=mesh["dp"].get_group())
+        return make_optimizer(params, "adamw", impl)
+
+    steps = []
+    opt = None
+    for k in range(2 + 1 + STEADY):
+        if k <= 2:
+            opt = None
+            opt = optimizer()
+        _reset()
+        losses: list[Any] = []
+        out = sched.step(data) if first else sched.step(target=target, losses=losses) if last else sched.step()
+        del out, losses
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if k >= 2:
+            steps.append(_peaks(base))
+        time.sleep(0.05)
+    host = sum(t.numel() * t.element_size() for st in getattr(opt, "optim", opt).state.values()
+               for t in st.values() if isinstance(t, torch.Tensor) and t.device.type == "cpu")
+    del opt, sched, stage, wrapped, module, data, target
+    return {"kind": "mesh", "model": model, "values": values, "schedule": schedule, "M": m, "loss": loss,
+            "options": options, "engine": engine, "impl": impl, "rank": rank, "pp": s, "dp": dp, "N": world // stages,
+            "host_state": host, "steps": steps}
+
+
+def mesh_work(case: int, rank: int, world: int) -> list[dict[str, Any]]:
+    """One case in processes of its own: DDP's buckets of an earlier case in the same process were let go during
+    the next one (measured), which a baseline taken before it cannot see."""
+    import faulthandler
+
+    import torch
+
+    faulthandler.enable()
+    if not DRY:
+        torch.cuda.set_device(0)
+    _warm()
+    _staged_p2p()
+    return [_mesh_pipeline(*MESH[case], rank, world)]
+
+
 def work(rank: int, world: int) -> list[dict[str, Any]]:
     import faulthandler
 
@@ -295,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor", action="store_true", help="the tensor-parallel rows too (see TENSOR_ROWS)")
     ap.add_argument("--history", default=None, metavar="DIR",
                     help="the allocator's history of the 1F1B M=4 rows (foreach), one pickle per rank, into DIR")
+    ap.add_argument("--mesh", action="store_true", help="only the DDP / ZeRO-1 x pipeline rows (four ranks)")
     ap.add_argument("--cpp", action="store_true", help="the histories with C++ frames")
     ap.add_argument("--only-pipeline", action="store_true", help="no one-device control rows")
     ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU ranks, no memory read")
@@ -311,7 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     runs_of.TIMEOUT_S = 300
     t0 = time.time()
     # forkserver on the GPU: a CUDA context does not survive fork
-    ranks = runs_of.forked_ranks(2, work, "the CUDA parallel check", "fork" if DRY else "forkserver")
+    how = "fork" if DRY else "forkserver"
+    if args.mesh:
+        each = [runs_of.forked_ranks(4, functools.partial(mesh_work, k), "the CUDA mesh check", how)
+                for k in range(len(MESH))]
+        ranks = [[row for case in each for row in case[r]] for r in range(4)]
+    else:
+        ranks = runs_of.forked_ranks(2, work, "the CUDA parallel check", how)
     out = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
            "versions": {"torch": torch.__version__}, "first_steps": FIRST, "steady_steps": STEADY,
            "rows": [row for rank in ranks for row in rank]}
@@ -320,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"  rank {r['rank']} {r['kind']} {r['options']} {r['impl']}: {r['error'][:100]}")
             continue
-        label = r["kind"] + (f" {r['model']} {r['schedule']} M={r['M']} {r['loss']}" if r["kind"] == "pipeline"
-                             else "")
+        label = r["kind"] + (f" {r['model']} {r['schedule']} M={r['M']} {r['loss']} {r.get('engine', '')}"
+                             if r["kind"] in ("pipeline", "mesh") else "")
         print(f"  rank {r['rank']} {label} {r['options']} {r['impl']} {r['values']}: "
               f"{[s['requested'] for s in r['steps']]} / {[s['allocated'] for s in r['steps']]}")
     if args.json:

@@ -88,3 +88,41 @@ def _one_device_host(row: dict) -> int:
 
     module, _ = reference("llama", row["values"], **row["options"])
     return 4 * len(list(module.parameters()))
+
+
+MESH = [r for r in DATA["rows"] if r["kind"] == "mesh"]
+#: the one first step symmem does not match: GPT-2 under ZeRO-1 on GPipe stages, rank 0 (the owner of the position
+#: table) peaks 121,856 B (plus its 4 B step count) under the prediction in the step that makes AdamW's state
+FIRST_GAP = {("gpt2", "gpipe", "zero-redundancy", 0): 121_856 + 4}
+
+
+def _mesh_cases() -> list[tuple[tuple, dict[int, dict]]]:
+    found: dict[tuple, dict[int, dict]] = {}
+    for r in MESH:
+        key = (r["model"], json.dumps(r["values"]), r["schedule"], r["M"], r["loss"], json.dumps(r["options"]),
+               r["engine"])
+        found.setdefault(key, {})[r["rank"]] = r
+    return sorted(found.items())
+
+
+@pytest.mark.parametrize("case", _mesh_cases(), ids=lambda c: " ".join(str(k) for k in c[0][:1] + c[0][2:5] + c[0][6:]))
+def test_every_rank_of_ddp_on_stages_on_the_h200(case):
+    """DDP, its bucket view and ZeRO-1 around each stage of a (2, 2) mesh: every rank's steady-step peak is the
+    prediction less the step counts its real AdamW keeps on the host; the first step's too, less them where the
+    first step's peak comes after AdamW made them."""
+    (model, values, schedule, m, loss, options, engine), ranks = case
+    values, options = json.loads(values), json.loads(options)
+    sizes = {**values, "F": 4 * values["H"]} if model == "gpt2" else values
+    d = derive(model, data_parallel=engine, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m,
+               loss=loss, device="cuda", values={**sizes, "p": 2, "N": 2}, **options)
+    per = d.to_dict()["values"]["peak_per_rank"]
+    assert len(ranks) == 4 and d.value("peak") == max(v["peak"] for v in per.values())
+    for rank, row in sorted(ranks.items()):
+        first, *_, steady = [s["requested"] for s in row["steps"]]
+        want = per[str(rank)]
+        assert steady + row["host_state"] == want["peak"], (rank, row["steps"])
+        gap = FIRST_GAP.get((model, schedule, engine, rank))
+        if gap is not None:
+            assert want["peak_first_step"] - first == gap
+        else:
+            assert want["peak_first_step"] - first in (0, row["host_state"]), (rank, row["steps"])

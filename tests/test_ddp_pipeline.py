@@ -218,7 +218,6 @@ def test_the_cli_table_names_the_rank_and_fit(capsys):
 
 
 @pytest.mark.parametrize("more, why", [
-    ({"device": "cuda"}, "no peak: the DDP x pipeline peak is measured on CPU ranks (gloo)"),
     ({"optimizer": "sgd"}, "no peak: the DDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step"),
 ])
 def test_the_peak_refuses_what_was_not_measured(more, why):

@@ -58,7 +58,10 @@ from .unroll import iteration  # here, not in the hooks: they run at every op of
 def refusal(model_name: str, regime: Regime, device: str, engine: str = "FSDP") -> str | None:
     """Why the ``engine`` x pipeline peak (FSDP's; :mod:`.ddp_pipeline`'s DDP) is not modelled for this derivation
     (None: it is): what was measured."""
-    if device != "cpu":
+    if device != "cpu" and engine != "DDP":
+        # DDP, its bucket view and ZeRO-1 on stages were measured on an H200 too (benchmarks/check_cuda_parallel.py
+        # --mesh, four ranks on the GPU: tests/test_cuda_pipeline_measured.py); FSDP's gloo collectives on CUDA make
+        # device temporaries of their own that only an allocator history tells apart
         return f"the {engine} x pipeline peak is measured on CPU ranks (gloo)"
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in (
             "auto", "for-loop"):
