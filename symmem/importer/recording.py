@@ -51,6 +51,7 @@ from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer, state_tensors
 from ..record.saved_tensors import SavedRecorder
 from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
+from . import kernel_temporaries
 from .inputs import Inputs
 from .traced_zero import RankOptimizer
 
@@ -171,7 +172,9 @@ class _StepRecorder(SavedRecorder):
         live = LiveRecorder(symbolic_nbytes, self.modules, unnamed_to_last=True, phase="start", pack=self._pack)
         self.live = live
         self.on_gpu = on_gpu  # the step runs on a GPU: its CPU tensors are host memory
-        self.observe = _with_kernel_temporaries(live)
+        # a kernel's own temporaries, where the step's device has any (no cost per op elsewhere)
+        self.observe = _with_kernel_temporaries(live) if ("cuda" if on_gpu else "cpu") in kernel_temporaries.DEVICES \
+            else live.observe
         # what record_step drives is the live recorder's
         self.register, self.label, self.in_phase = live.register, live.label, live.phase
         self.saving, self.watch_backward, self.events = live.saving, live.watch_backward, live.events
@@ -216,7 +219,7 @@ class _StepRecorder(SavedRecorder):
 def _with_kernel_temporaries(live: LiveRecorder) -> Callable[[Any, Any, Any, Any], None]:
     """``live.observe``, then the tensors the op's CUDA kernel makes and frees inside it (:mod:`.kernel_temporaries`:
     softmax backward's ``tmp``), which no dispatch mode sees, counted as the built-in graphs count them."""
-    from .kernel_temporaries import cuda_temporaries
+    cuda_temporaries = kernel_temporaries.cuda_temporaries
 
     def observe(func: Any, args: Any, kwargs: Any, out: Any) -> None:
         live.observe(func, args, kwargs, out)
