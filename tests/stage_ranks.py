@@ -23,3 +23,14 @@ def sharded_side(real: list[Any]) -> dict[str, dict[str, int]]:
     return {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": 0,
                           "optimizer_state": r.optimizer_state, "total": 2 * r.parameters + r.optimizer_state}
             for r in real}
+
+
+def hf_stage_buffers(spec: str, config: dict[str, Any], stage: int, p: int = 2, split: str = "LlamaSplit") -> int:
+    """Bytes of the buffers of a Hugging Face model's real stage module ``stage`` of ``p``, built as the gloo runs
+    build it (:mod:`symmem.record.traced_pipeline_runs`: Llama's rotary frequencies are a buffer of every stage)."""
+    from symmem.importer.spec_builder import SpecBuilder
+    from symmem.record import traced_pipeline_runs
+
+    full, _ = SpecBuilder(spec, tuple(sorted(config.items())))()
+    module = getattr(traced_pipeline_runs, split)().stage(full, stage, p)
+    return sum(b.numel() * b.element_size() for b in module.buffers())

@@ -8,8 +8,8 @@ one (B, h, S, S) tensor the CPU's kernel does not make; where that moment is the
 recomputation at every size measured from S = 64) the first prediction was exactly that tensor low, which the
 allocator's history located (``benchmarks/cuda_history.py``, docs/cuda.md).  With it every Llama row and GPT-2's
 narrow rows are exact; GPT-2's wide rows (B = 4, S = 256, H = 256) hold B·S·H·4 more with and without
-checkpointing, HF's GPT-2 holding its embeddings and mask through the forward, a gap the zoo's GPT-2 has on the
-CPU too (docs/pytorch-sequence.md).
+checkpointing, a gap of the GPU's alone (a real CPU step of the same module agrees with symmem; docs/cuda.md), not
+yet located.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
-from stage_ranks import replays_are_the_ranks  # noqa: E402
+from stage_ranks import hf_stage_buffers, replays_are_the_ranks  # noqa: E402
 
 GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
@@ -190,9 +190,12 @@ def _check_hf_llama(real):
     top = max(real, key=lambda r: (r.steady_peak, -r.rank))
     assert (d.value("peak"), d.value("peak_first_step")) == (top.steady_peak, max(r.first_peak for r in real))
     assert rank_peaks(d) == {r.rank: (r.first_peak, r.steady_peak) for r in real}
-    side = {str(r.rank): {"parameters": r.parameters, "gradients": r.parameters, "buckets": r.parameters,
-                          "optimizer_state": r.optimizer_state, "total": 3 * r.parameters + r.optimizer_state}
-            for r in real}
+    # the parameters a rank stores: its real stage module's weights and buffers (inv_freq, original_inv_freq: 32 B)
+    own = [hf_stage_buffers("hf:llama", LLAMA_HF, s) for s in (0, 1)]
+    assert own == [32, 32]
+    side = {str(r.rank): {"parameters": r.parameters + own[r.pp], "gradients": r.parameters,
+                          "buckets": r.parameters, "optimizer_state": r.optimizer_state,
+                          "total": 3 * r.parameters + own[r.pp] + r.optimizer_state} for r in real}
     assert d.to_dict()["values"]["parameter_side_per_rank"] == side
     # whole parameters partitioned: the ranks of a stage own different state; rank 2 steps the head (2,112 B) first
     assert real[0].optimizer_state != real[1].optimizer_state and real[2].optimizer_state != real[3].optimizer_state

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
-from stage_ranks import replays_are_the_ranks, sharded_side  # noqa: E402
+from stage_ranks import hf_stage_buffers, replays_are_the_ranks, sharded_side  # noqa: E402
 
 GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
@@ -199,6 +199,15 @@ def _check_more_hf(real, spec, config, split, schedule, m, loss, reshard, bounda
     # the padded vocabulary (GPT-2 65 rows, Llama 33, over N = 2): the last stage's data-parallel rank 1 holds one
     # row fewer of the head's AdamW state
     assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * boundary[-1], spec
+    # the parameter side per rank: the real rank's shards and state, and its real stage module's buffers (Llama's
+    # rotary inv_freq and original_inv_freq, 32 B on every stage; GPT-2's stages hold none)
+    own = [hf_stage_buffers(spec, config, s, split=split) for s in (0, 1)]
+    assert own == ([32, 32] if spec == "hf:llama" else [0, 0]), spec
+    side = sharded_side(real)
+    for r in real:
+        side[str(r.rank)]["parameters"] += own[r.pp]
+        side[str(r.rank)]["total"] += own[r.pp]
+    assert d.to_dict()["values"]["parameter_side_per_rank"] == side, spec
 
 
 @pytest.mark.parametrize("spec, line", [

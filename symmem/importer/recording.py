@@ -44,13 +44,14 @@ import sympy
 from ..categories import RECORDED_TO_STEP
 from ..errors import SymmemError
 from ..options import LOSSES
-from ..record.identity import first_tensor, symbolic_nbytes
+from ..record.identity import first_tensor, op_name, symbolic_nbytes
 from ..record.identity import tensors as _leaves
 from ..record.live_bytes import LiveRecorder
 from ..record.optim import IMPLS, OPTIMIZERS, make_optimizer, state_tensors
 from ..record.saved_tensors import SavedRecorder
 from ..record.steps import loss_value
 from ..timeline import CUDA_BLOCK, Event, Live, Row, Timeline, Which
+from . import kernel_temporaries
 from .inputs import Inputs
 from .traced_zero import RankOptimizer
 
@@ -171,7 +172,9 @@ class _StepRecorder(SavedRecorder):
         live = LiveRecorder(symbolic_nbytes, self.modules, unnamed_to_last=True, phase="start", pack=self._pack)
         self.live = live
         self.on_gpu = on_gpu  # the step runs on a GPU: its CPU tensors are host memory
-        self.observe = live.observe
+        # a kernel's own temporaries, where the step's device has any (no cost per op elsewhere)
+        self.observe = _with_kernel_temporaries(live) if ("cuda" if on_gpu else "cpu") in kernel_temporaries.DEVICES \
+            else live.observe
         # what record_step drives is the live recorder's
         self.register, self.label, self.in_phase = live.register, live.label, live.phase
         self.saving, self.watch_backward, self.events = live.saving, live.watch_backward, live.events
@@ -211,6 +214,19 @@ class _StepRecorder(SavedRecorder):
             ops[-1] = _with_freed(ops[-1], pending)
         return StepRecord(tuple(storages), tuple(start), tuple(ops), tuple(freed_first), layers, count,
                           tuple(notes), tuple(guards))
+
+
+def _with_kernel_temporaries(live: LiveRecorder) -> Callable[[Any, Any, Any, Any], None]:
+    """``live.observe``, then the tensors the op's CUDA kernel makes and frees inside it (:mod:`.kernel_temporaries`:
+    softmax backward's ``tmp``), which no dispatch mode sees, counted as the built-in graphs count them."""
+    cuda_temporaries = kernel_temporaries.cuda_temporaries
+
+    def observe(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        live.observe(func, args, kwargs, out)
+        for t in cuda_temporaries(op_name(func), args):
+            live.transient(t.nbytes, t.dtype, t.shape)
+
+    return observe
 
 
 def _with_freed(o: StepOp, freed: list[int]) -> StepOp:

@@ -391,8 +391,9 @@ def _outputs(rec: StepRecord, own: bool = False) -> set[int]:
 def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
     """Each stage's memory outside the replayed ops, as the replay reads it: ``at_rest`` (weights, optimizer state,
     receive buffers, inputs and the last step's logits: what the stage keeps between steps), ``outputs`` (those
-    logits), ``optimizer_state``, ``parameters`` (the weights: a tied parameter once on each stage that holds it)
-    and ``step_peak`` (the steady optimizer step's largest moment)."""
+    logits), ``optimizer_state``, ``parameters`` (the weights: a tied parameter once on each stage that holds it),
+    ``module_buffers`` (the module's buffers, which every stage holds: the parameter side per rank's, beside the
+    weights) and ``step_peak`` (the steady optimizer step's largest moment)."""
     rec, p = cut.rec, cut.p
     owner = _owners(rec, cut)
     state = set(rec.state())
@@ -420,7 +421,7 @@ def stage_memory(cut: TracedCut, m: int) -> list[dict[str, int]]:
         outputs = m * logits if last else 0
         at_rest = weights + opt + buffers + held + outputs + kept
         out.append({"at_rest": at_rest, "outputs": outputs, "optimizer_state": opt, "parameters": weights,
-                    "step_peak": _step_peak(rec, cut, s, owner, at_rest + grads)})
+                    "module_buffers": kept, "step_peak": _step_peak(rec, cut, s, owner, at_rest + grads)})
     return out
 
 

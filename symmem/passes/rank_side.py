@@ -177,8 +177,8 @@ def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
     subs = {s: sympy.Integer(v) for s, v in numbers.items()}
     # data-parallel ranks whose stages hold the same: ZeRO-1's by the parameters owned, FSDP2's by the rows held
     groups = step._alike(named) if hasattr(step, "_alike") else alike_ranks(step._firsts(derivation), world)
-    # first, middle, last (the replays' own choice of them); a traced module's stages: None (one with buffers is
-    # refused on stages, importer/traced_pipeline.py, so its stages hold none)
+    # first, middle, last (the replays' own choice of them); a traced module's stages: None, its replays' parts
+    # carry the module's buffers every stage holds (Llama's rotary frequencies; importer/traced_pipeline.py)
     memories = step._stages()
     out: dict[int, dict[str, int]] = {}
     for group in groups:
@@ -186,7 +186,8 @@ def _pipeline_mesh(derivation: Any, step: Any) -> dict[int, dict[str, int]]:
         for s, replay in enumerate(replays):
             memory = None if memories is None else step._stage_memory(s, len(replays))
             at = replay.at
-            own = 0 if memories is None else int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
+            own = at.get("module_buffers", 0) if memories is None else \
+                int(sympy.sympify(memory.module_buffers, strict=True).xreplace(subs))
             one = {"parameters": at["parameters"] + own, "gradients": at["gradients"],
                    # under the bucket view the buckets are the gradients (each .grad views them): once
                    "buckets": 0 if getattr(step, "view", False) else at.get("ddp_buckets", 0),

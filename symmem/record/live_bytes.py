@@ -227,6 +227,19 @@ class LiveRecorder:
         self.events.append(("op", self.step, phase, op, where, module, tuple(births), tuple(resized)))
         self.ops += 1
 
+    def transient(self, nbytes: Any, dtype: str, shape: tuple[Any, ...]) -> None:
+        """Count a tensor the op just observed made and freed inside its kernel, below any dispatch mode (CUDA's
+        softmax backward's ``tmp``: :mod:`symmem.importer.kernel_temporaries`): born with the op's outputs, freed
+        right after it, a ``temporary``."""
+        ev = self.events[-1]
+        if ev[0] != "op":
+            raise SymmemError("a kernel's temporary belongs to the op just observed")
+        sid = len(self.storages)
+        self.storages.append(SeenStorage(sid, nbytes, dtype, shape, False, self.ops - 1, ev[3], ev[4], ev[5],
+                                         ev[1], ev[2]))
+        self.events[-1] = (*ev[:6], (*ev[6], sid), ev[7])
+        self.events.append(("free", sid))
+
     @staticmethod
     def _keys(args: Any, kwargs: Any) -> set[int]:
         keys: set[int] = set()
@@ -309,7 +322,8 @@ class LiveRecorder:
         """Stop counting: detach the finalizers of storages still alive (they stay alive; the record ends here)."""
         if not self.closed:
             for s in self.storages:
-                s.finalizer.detach()
+                if s.finalizer is not None:  # (a kernel's transient has none: it is freed already)
+                    s.finalizer.detach()
             self.closed = True
 
 
