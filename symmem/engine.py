@@ -296,7 +296,7 @@ def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, 
     if why is not None:
         return Refused(f"no peak: {why}")
     return TensorPipelineStep(graph, convention, resolved, one, single.storages, dict(numbers),
-                              regime.pipeline_schedule, regime.micro_batches)
+                              regime.pipeline_schedule, regime.micro_batches, sequence=regime.sequence_parallel)
 
 
 def _mesh_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,

@@ -49,6 +49,9 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
     from .fsdp_pipeline import refusal as fsdp_refusal
     from .tensor_pipeline import refusal as tensor_refusal
 
+    if regime.sequence_parallel:  # measured on the p x t mesh only (passes/sequence_pipeline.py)
+        return ("sequence parallelism on the 3-D mesh (FSDP x TP x pipeline) is not modelled: it is on the p x t "
+                "mesh (TP x PP) alone")
     flat = dataclasses.replace(regime, data_parallel=None)
     why = tensor_refusal(model_name, flat, loss, device) or fsdp_refusal(model_name, regime, device)
     return why.replace("tensor x pipeline peak", "FSDP x TP x pipeline peak") if why else None

@@ -1,0 +1,234 @@
+"""Sequence parallelism on pipeline stages: torchtitan's plan (the norms ``SequenceParallel``) on every stage of a
+p x t mesh, per stage and rank.
+
+The engine (:mod:`symmem.record.tensor_pipeline_runs` with ``sequence_parallel``) is the tensor x pipeline one
+(:mod:`.tensor_pipeline`) with :func:`~symmem.record.model_parallel_runs.llama_sequence_plan` on each stage: the
+hidden stream is split over S between a row-parallel output's reduce-scatter (the embedding's on the first stage)
+and the column-parallel inputs' all-gather.  What crosses a stage boundary is the last layer's output, a plain
+``(B, S/t, H)`` local shard on each tensor-parallel rank (torchtitan's ``layers_io_shape``: ``seq_len // tp``), so
+the receive buffers and a stage's output are ``1/t`` of the whole; each stage's rotary tables (and eager
+attention's mask) still cover the whole sequence (torchtitan's are the model's, for its sequence), since the
+attention runs on the all-gathered input.
+
+A stage's replay is :class:`~symmem.passes.tensor_pipeline._TensorReplay`'s at the sizes and with the collectives
+of :class:`~symmem.passes.tensor_step._SequenceWalk` (the single-device sequence-parallel walk, measured op by op):
+each storage at one rank's size (the gathered copies a column-parallel linear keeps, the S-split stream), and at
+each op what the collectives add for the current micro-batch (the all-gathers' and reduce-scatters' transients,
+the S-split norm outputs beside the gathered copies), worked out once per op of the two-micro-batch step the
+pipeline replays (the other micro-batches a stage holds are at rest: forward done, their gathered copies kept).
+
+>>> from symmem import derive
+>>> d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True, micro_batches=2,
+...            attention="sdpa", device="cpu", values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64,
+...            "F": 64, "p": 2, "t": 2})
+>>> d.step.rank_peaks(d)  # {rank: (first step, steady)}: gloo's, docs/regimes.md
+{0: (136864, 182472), 1: (136864, 182472), 2: (133348, 179216), 3: (133348, 179216)}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from .model_parallel import _Cut, _integer, _pack, _Replay
+from .tensor_pipeline import _Sizes, _TensorCut, _TensorPackedCut, _TensorReplay
+from .tensor_step import _LayerWalk, _SequenceWalk
+
+
+class _SequenceSizes(_Sizes, _SequenceWalk):
+    """Each storage of the cut's two-micro-batch step at one rank's size under sequence parallelism, and what the
+    collectives add at each op (:class:`~symmem.passes.tensor_step._SequenceWalk`'s rules, per micro-batch pass)."""
+
+    def __init__(self, cut: _Cut, conv: Any, options: Mapping[str, Any]) -> None:
+        from .saved import kept
+
+        _Sizes.__init__(self, cut)
+        g, tl = self.g, self.tl
+        self.subs = cut.subs
+        # at B = 1 the asynchronous all-gathers over S keep two copies (batch_of_one.single_copy): a symbol of its
+        # own, 1 or 0 at each batch (_SequenceCut), so that the bytes at B >= 2 are lines in B
+        self.once = ONCE
+        self.evaluate = False
+        self.cache_kept = []
+        act = "float32"
+        self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act, list(g.program_order()), False,
+                                                         cut.branch)}
+        self.final_norm = {n for n in g.program_order() if g.node(n).group == "head" and g.node(n).block is None
+                           and n != self.head and g.node(n).kind not in ("parameter", "buffer", "constant")}
+        self.qkv = {n for n in self.column if g.node(n).role == "qkv"}
+        self.copies = {}
+        self.held = []
+        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
+                               and s.node in self.qkv}
+        spans_of = []
+        born_at = {i: k for k, e in enumerate(tl.events) for i in e.born}
+        for found in cut.passes:
+            forward: dict[str, int] = {}
+            backward: dict[str, int] = {}
+            for k, e in found["F"]:
+                if e.node is not None:
+                    forward.setdefault(e.node, k)
+            for k, e in found["B"]:
+                if e.node is not None:
+                    backward[e.node] = k
+            lo = found["F"][0][0]
+            hi = found["B"][-1][0] if found["B"] else len(tl.events)
+            rows = sorted(forward[n] for n in self.row if n in forward)
+            for i, s in enumerate(tl.storages):
+                if not lo <= born_at.get(i, -1) <= hi or s.category != "activation":
+                    continue
+                linears = [n for n in self.keepers.get(s.name, ()) if n in self.column and n in forward]
+                if not linears:
+                    continue
+                attention = [n for n in linears if n in self.qkv]
+                groups = ([tuple(attention)] if attention else []) + [(n,) for n in linears if n not in self.qkv]
+                spans = sorted(((min(forward[n] for n in grp), max(backward.get(n, hi) for n in grp),
+                                 1 + (0 if grp[0] in self.qkv else self.once)) for grp in groups),
+                               key=lambda x: x[:2])
+                after = [r for r in rows if r > spans[-1][0]]
+                dies = (after[0] if attention else after[0] + 1) if after else hi
+                self.copies[i] = (dies, spans)
+            spans_of.append((forward, rows, lo, hi))
+        for forward, rows, lo, hi in spans_of:  # once every copy is known (the sizes are worked out once)
+            self.held += [x for x in self._held(forward, rows) if lo <= x[0] <= hi]
+
+    def _local(self, i: int) -> sympy.Expr:
+        """:class:`~symmem.passes.tensor_step._SequenceWalk`'s size, but the head's output is the replicated
+        logits alone, as :meth:`_Sizes._local`'s (the stage's output chunk), and the loss's tensors whole."""
+        s = self.tl.storages[i]
+        if s.name == self.head and s.category not in ("parameter", "optimizer_state", "input", "buffer"):
+            return s.nbytes
+        if s.node in self.g and self.g.node(s.node).group == "loss":
+            # the loss reads the replicated logits: its tensors whole (the shifted labels are (B, S), not the
+            # S-split stream's)
+            return _LayerWalk._local(self, i)
+        return _SequenceWalk._local(self, i)
+
+    def extras(self, ops: Any) -> dict[int, sympy.Expr]:
+        """What the collectives add at each of ``ops`` (event indices), beside the storages' sizes: the walk's
+        :meth:`~symmem.passes.tensor_step._SequenceWalk._collectives` at the storages alive then."""
+        tl = self.tl
+        wanted = set(ops)
+        alive = set(tl.start)
+        out: dict[int, sympy.Expr] = {}
+        for k, e in enumerate(tl.events):
+            alive.update(e.born)
+            if k in wanted:
+                out[k] = self._collectives(e, alive, k)
+            alive.difference_update(e.freed)
+        return out
+
+
+#: :func:`~symmem.passes.batch_of_one.single_copy` as a symbol: 1 at B = 1, else 0
+ONCE = sympy.Symbol("single_copy", nonnegative=True, integer=True)
+
+
+def arms(e: sympy.Expr) -> list[sympy.Expr]:
+    """Expressions without ``Max`` whose largest is ``e`` wherever its ``Max``' arguments and their factors are
+    not negative (sizes): each moment with a collective's ``Max`` becomes one moment per arm, each a line in B.
+
+    >>> from sympy import Max, symbols
+    >>> x, y = symbols("x y", positive=True)
+    >>> arms(3 + 2 * Max(x, y, evaluate=False))
+    [2*x + 3, 2*y + 3]
+    """
+    if not e.has(sympy.Max):
+        return [e]
+    if isinstance(e, sympy.Max):
+        return [a for x in e.args for a in arms(x)]
+    if isinstance(e, sympy.Add):
+        out = [sympy.Integer(0)]
+        for term in e.args:
+            out = [c + a for c in out for a in arms(term)]
+        return out
+    if isinstance(e, sympy.Mul):
+        out = [sympy.Integer(1)]
+        for factor in e.args:
+            if factor.is_number and factor.is_negative and factor.has(sympy.Max):
+                raise SymmemError(f"no arms of {e}: a negative Max")
+            if factor.is_number and factor.is_negative and any(f.has(sympy.Max) for f in e.args):
+                raise SymmemError(f"no arms of {e}: a Max times a negative number")
+            out = [c * a for c in out for a in arms(factor)]
+        return out
+    raise SymmemError(f"no arms of {e}")
+
+
+class _SequenceCut(_TensorCut):
+    """A :class:`~symmem.passes.tensor_pipeline._TensorCut` under sequence parallelism: its sizes
+    :class:`_SequenceSizes`, its collectives by op."""
+
+    def __init__(self, cut: _Cut, conv: Any, options: Mapping[str, Any]) -> None:
+        key = ("sequence sizes", id(cut.tl))
+        if key not in cut.memo or cut.memo[key][0] is not cut.tl:
+            cut.memo[key] = (cut.tl, _SequenceSizes(cut, conv, options))
+        cut.memo[("tensor sizes", id(cut.tl))] = cut.memo[key]
+        super().__init__(cut)
+        b = self.subs.get(sympy.Symbol("B", positive=True, integer=True))
+        self.subs = {**self.subs, ONCE: sympy.Integer(1 if b == 1 else 0)}
+
+    def collectives(self) -> dict[Any, tuple[int, ...]]:
+        """What the collectives add at each op of every stage, by its event index: the bytes of each arm of the
+        walk's formula (:func:`arms`); the head's forward also its local logits and the all-gather's output beside
+        its wrapper (as on the p x t mesh)."""
+        if "_extras" in self.__dict__:
+            return self._extras
+        sizes, t = self.sizes, self.ranks()
+        ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
+        memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
+        if "arms" not in memo:
+            formulas = sizes.extras(ops)
+            made: dict[Any, tuple[sympy.Expr, ...]] = {}
+            memo["arms"] = {k: made.setdefault(e, tuple(dict.fromkeys(arms(e)))) for k, e in formulas.items()}
+        out: dict[Any, tuple[int, ...]] = {}
+        values: dict[int, tuple[int, ...]] = {}
+        for k, each in memo["arms"].items():
+            if id(each) not in values:
+                values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
+            out[k] = values[id(each)]
+        for k in ops:
+            e = self.tl.events[k]
+            if e.phase == "forward" and e.node == sizes.head:
+                whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+                out[k] = tuple(x + whole + whole // t for x in out[k])
+        self._extras = out
+        return out
+
+
+class _SequencePackedCut(_TensorPackedCut):
+    """:class:`_SequenceCut` at three batches, packed (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`)."""
+
+    def collectives(self) -> dict[Any, tuple[int, ...]]:
+        if "_extras" not in self.__dict__:
+            each = [c.collectives() for c in self.tcuts]
+            self._extras = {key: tuple(_pack([e[key][j] for e in each]) for j in range(len(each[0][key])))
+                            for key in each[0]}
+        return self._extras
+
+
+class _SequenceReplay(_TensorReplay):
+    """One stage's replay on a tensor-parallel rank under sequence parallelism: at each op what the collectives
+    add for it (:meth:`_SequenceCut.collectives`)."""
+
+    arms: tuple[int, ...] = (0,)
+
+    def begin(self, kind: str, mb: int) -> None:
+        from .model_parallel import _ops
+
+        super().begin(kind, mb)
+        self._index = [k for k, _ in _ops(self.cut, self.pass_, kind)[self.s]]
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        self._at += 1
+        self.arms = self._extras.get(self._index[self._at], (0,))
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        # none of the p x t mesh's fixes (_TensorReplay.moment): the walk's collectives hold them; one moment per
+        # arm of their Max (each a line in B)
+        for extra in self.arms:
+            _Replay.moment(self, live + extra, node, mb)
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        self.arms = (0,)
