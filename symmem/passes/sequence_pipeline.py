@@ -28,13 +28,16 @@ pipeline replays (the other micro-batches a stage holds are at rest: forward don
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
 
 from ..errors import SymmemError
+from .fsdp_pipeline import _FsdpReplay
+from .fsdp_tensor_pipeline import FsdpTensorPipelineStep, _MeshReplay
 from .model_parallel import _Cut, _integer, _pack, _Replay
-from .tensor_pipeline import _Sizes, _TensorCut, _TensorPackedCut, _TensorReplay
+from .tensor_pipeline import TensorPipelineStep, _Sizes, _TensorCut, _TensorPackedCut, _TensorReplay, stage_at
 from .tensor_step import _LayerWalk, _SequenceWalk
 
 
@@ -257,3 +260,69 @@ class _SequenceReplay(_TensorReplay):
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         self.arms, self.fix = (0,), None
+
+
+class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
+    """One stage's replay on one rank of the 3-D mesh under sequence parallelism: FSDP2's units around the ops
+    (:class:`~symmem.passes.fsdp_tensor_pipeline._MeshReplay`), the sequence-parallel collectives inside them
+    (:class:`_SequenceReplay`)."""
+
+    def begin(self, kind: str, mb: int) -> None:
+        _FsdpReplay.begin(self, kind, mb)
+        _SequenceReplay.begin(self, kind, mb)
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        _FsdpReplay.before(self, kind, node, mb)
+        _SequenceReplay.before(self, kind, node, mb)
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        _SequenceReplay.moment(self, live, node, mb)
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        _SequenceReplay.after(self, kind, node, mb)
+        _FsdpReplay.after(self, kind, node, mb)
+
+
+def split_buffers(at: dict[str, int], memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+    """A stage's parts ``at`` with its receive buffers S-split (``(B, S/t, H)``, what crosses a boundary under
+    sequence parallelism); the module's own buffers (the rotary frequencies) whole."""
+    own = memory.at(numbers, ("module_buffers",))["module_buffers"]
+    less = (at["buffers"] - own) - (at["buffers"] - own) // int(numbers["t"])
+    out = dict(at)
+    for part in ("buffers", "at_rest", "step_peak"):
+        if part in out:
+            out[part] -= less
+    return out
+
+
+@dataclass(eq=False)
+class SequencePipelineStep(TensorPipelineStep):
+    """:class:`~symmem.passes.tensor_pipeline.TensorPipelineStep` under torchtitan's sequence-parallel plan (the
+    module's note): each stage's replay is :class:`_SequenceReplay`, the receive buffers S-split."""
+
+    def _replay(self) -> type[_TensorReplay]:
+        return _SequenceReplay
+
+    def _packing(self) -> type[_TensorPackedCut]:
+        return _SequencePackedCut
+
+    def _make_cut(self, plain: _Cut) -> _TensorCut:
+        return _SequenceCut(plain, self.conv, self.options)
+
+    def _parts(self, cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+        return split_buffers(stage_at(cut, s, memory, numbers), memory, numbers)
+
+
+@dataclass(eq=False)
+class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
+    """:class:`~symmem.passes.fsdp_tensor_pipeline.FsdpTensorPipelineStep` (torchtitan's 3-D mesh) under its
+    sequence-parallel plan: each stage's replay is :class:`_MeshSequenceReplay`, the receive buffers S-split."""
+
+    def _replay(self) -> type[_MeshReplay]:
+        return _MeshSequenceReplay
+
+    _packing = SequencePipelineStep._packing
+    _make_cut = SequencePipelineStep._make_cut
+
+    def _stage_at(self, memory: Any, numbers: Mapping[str, int], units: Any, per: int) -> dict[str, int]:
+        return split_buffers(FsdpTensorPipelineStep._stage_at(self, memory, numbers, units, per), memory, numbers)

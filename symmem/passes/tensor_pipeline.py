@@ -277,12 +277,10 @@ class _TensorReplay(_Replay):
         self.head_backward, self.mode, self.fix = False, "", None
 
 
-def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int], sequence: bool = False
-             ) -> dict[str, int]:
+def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
     """Stage ``s``'s parts on one tensor-parallel rank: the local shards, their gradients (the embedding's whole),
     AdamW's state and its for-loop step's temporaries on the shards; the pipeline stage's buffers, inputs and
-    outputs (whole: what crosses a boundary is replicated; under sequence parallelism, ``sequence``, the receive
-    buffers are the S-split stream's, ``1/t``)."""
+    outputs (whole: what crosses a boundary is replicated)."""
     from .data_parallel import stored_shapes
     from .parameters import in_registration_order, program_parameters
 
@@ -303,9 +301,6 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int], s
         known[side] = _stage_side(cut, s, t, cut.memo[key])
     weights, grads, state, temps = known[side]
     at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
-    if sequence:  # the receive buffers (B, S/t, H): the module's own buffers (the rotary frequencies) whole
-        own = memory.at(numbers, ("module_buffers",))["module_buffers"]
-        at["buffers"] = own + (at["buffers"] - own) // t
     at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
     at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
     at["step_peak"] = at["at_rest"] + grads + temps
@@ -352,17 +347,21 @@ class TensorStageMoment(StageMoment):
 @dataclass(eq=False)
 class TensorPipelineStep(PipelineStep):
     """:class:`~symmem.passes.pipeline_step.PipelineStep` with DTensor's standard plan on every stage (the
-    module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes; with
-    ``sequence`` (torchtitan's sequence-parallel plan) :mod:`.sequence_pipeline`'s."""
+    module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes (with
+    sequence parallelism: :class:`~symmem.passes.sequence_pipeline.SequencePipelineStep`, its hooks' own)."""
 
-    sequence: bool = False
-
+    # the replay, the packed cut, the cut and the stage's parts: a subclass's (sequence parallelism) may differ
     def _replay(self) -> type[_TensorReplay]:
-        if self.sequence:
-            from .sequence_pipeline import _SequenceReplay
-
-            return _SequenceReplay
         return _TensorReplay
+
+    def _packing(self) -> type[_TensorPackedCut]:
+        return _TensorPackedCut
+
+    def _make_cut(self, plain: _Cut) -> _TensorCut:
+        return _TensorCut(plain)
+
+    def _parts(self, cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+        return stage_at(cut, s, memory, numbers)
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
         cut = self._cut(numbers)
@@ -370,7 +369,7 @@ class TensorPipelineStep(PipelineStep):
         out = []
         for s in range(cut.p):
             memory = memory_of(found, s, cut.p)
-            out.append(self._replay()(cut, s, stage_at(cut, s, memory, numbers, self.sequence), self.schedule,
+            out.append(self._replay()(cut, s, self._parts(cut, s, memory, numbers), self.schedule,
                                       self.micro_batches))
         return out
 
@@ -382,13 +381,7 @@ class TensorPipelineStep(PipelineStep):
         TensorRank(*(sympy.Integer(0),) * 4).at(numbers)  # t divides the heads, F and V (one line otherwise)
         if not isinstance(numbers.get("t"), int):
             raise SymmemError("the tensor x pipeline peak needs a number for t")
-        plain = _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
-        if getattr(self, "sequence", False):
-            from .sequence_pipeline import _SequenceCut
-
-            cut: _TensorCut = _SequenceCut(plain, self.conv, self.options)
-        else:
-            cut = _TensorCut(plain)
+        cut = self._make_cut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
         if numbers.get("B") == 1 and collapsed(cut.g.program_order()).xreplace(cut.subs) is sympy.true:
             raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
                               "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
@@ -405,17 +398,14 @@ class TensorPipelineStep(PipelineStep):
         cuts = [self._cut(n) for n in numbers]
         found = self._stages()
 
-        packing: Any = _TensorPackedCut
-        if self.sequence:
-            from .sequence_pipeline import _SequencePackedCut as packing
         shared: dict[int, Any] = {}  # one packed tensor cut for every stage (its ops sorted out, sizes packed once)
 
         def make(packed: Any, plain: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
-            ats = [stage_at(c, s, memory, n, self.sequence) for c, n in zip(cuts, numbers, strict=True)]
+            ats = [self._parts(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
             if id(packed) not in shared:
                 shared.clear()
-                shared[id(packed)] = (packed, packing(packed, cuts))
+                shared[id(packed)] = (packed, self._packing()(packed, cuts))
             return self._replay()(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches), ats
 
         return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
