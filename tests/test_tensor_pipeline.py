@@ -133,8 +133,8 @@ def test_sequence_parallel_cli_and_fit(capsys):
 
 
 @pytest.mark.parametrize(("more", "why"), [
-    ({"sequence_parallel": True, "data_parallel": "fsdp", "values": {"N": 2}},
-     "sequence parallelism on the 3-D mesh (FSDP x TP x pipeline) is not modelled"),
+    ({"sequence_parallel": True, "values": {"B": 1}, "attention": "naive"},
+     "at B = 1 with eager attention and one key/value head a rank"),
     ({"values": {"B": 1}, "attention": "naive"}, "at B = 1 with eager attention and one key/value head a rank"),
 ])
 def test_what_was_not_measured_is_refused_in_one_line(more, why):
