@@ -130,6 +130,10 @@ def test_sequence_parallel_cli_and_fit(capsys):
     fit = largest(d, "B", 2**20)
     # gloo's largest rank (stage 1) at B = 13 and 14, every rank of the 2 x 2 mesh exact (measured by hand)
     assert (fit.max, fit.total_at_max, fit.total_above) == (13, 1_031_824, 1_105_744)
+    # from B = 1 (the suite's case, where the all-gathers over S keep two copies: no line from B = 1) fit solves
+    # all the same: gloo's largest rank 159,780 B at B = 1 (the spawn above), 224,092 B at B = 2 (by hand)
+    fit = largest(derived(*CASES[2]), "B", 200_000)
+    assert (fit.max, fit.total_at_max, fit.total_above) == (1, 159_780, 224_092)
 
 
 @pytest.mark.parametrize(("more", "why"), [

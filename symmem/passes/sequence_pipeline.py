@@ -312,6 +312,9 @@ class SequencePipelineStep(TensorPipelineStep):
     def _parts(self, cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
         return split_buffers(stage_at(cut, s, memory, numbers), memory, numbers)
 
+    def _peak(self, named: dict[str, int]) -> Any:
+        return with_batch_of_one(lambda n: TensorPipelineStep._peak(self, n), named)
+
 
 @dataclass(eq=False)
 class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
@@ -326,3 +329,28 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
 
     def _stage_at(self, memory: Any, numbers: Mapping[str, int], units: Any, per: int) -> dict[str, int]:
         return split_buffers(FsdpTensorPipelineStep._stage_at(self, memory, numbers, units, per), memory, numbers)
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
+
+
+def with_batch_of_one(peak_of: Any, named: dict[str, int]) -> Any:
+    """The peak at ``named`` (``peak_of``: the step's); at B = 1, where the asynchronous all-gathers keep two
+    copies (:data:`ONCE`) so that the moments are no lines from B = 1, the lines of B >= 2 beside B = 1's bytes as
+    constants, where that is exact at every B: no line at B = 1 above B = 1's bytes, and B = 1's bytes not above
+    the peak at B = 2 (the peak grows with B; checked for the steady and the first step, else B = 1 alone, its
+    domain ``B = 1``).  So ``fit`` and ``plot`` solve from the defaults' B = 1."""
+    from ..peak import Peak
+
+    at_one = peak_of(named)
+    batch = sympy.Symbol("B", positive=True, integer=True)
+    if named.get("B") != 1 or sympy.Eq(batch, 1) not in at_one.domain:
+        return at_one
+    above = peak_of({**named, "B": 2})
+    for step in ("steady", "first"):
+        one = at_one.value({batch: 1}, step)
+        lines = [m.value({batch: 1}) for m in above.moments if m.step == step]
+        if one is None or max(lines) > one or above.value({batch: 2}, step) < one:
+            return at_one
+    domain = tuple(c for c in above.domain if batch not in c.free_symbols)
+    return Peak(None, None, above.moments + at_one.moments, domain)
