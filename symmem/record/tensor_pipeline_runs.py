@@ -8,7 +8,10 @@ head on the last, ``L/p`` layers each), ``parallelize_module(stage, mesh["tp"], 
 then ``PipelineStage`` (static shapes over ``mesh["pp"]``) and ``ScheduleGPipe`` / ``Schedule1F1B`` with ``M``
 micro-batches.  What crosses a stage boundary is a plain tensor: the row-parallel outputs and the head's
 replicated output come back as local tensors (``use_local_output``), whole on every rank of the tp group.  Every
-rank is given the same batch (one pipeline per tensor-parallel rank; the plan replicates the input).
+rank is given the same batch (one pipeline per tensor-parallel rank; the plan replicates the input).  With
+``sequence_parallel`` in a case's options each stage gets torchtitan's sequence-parallel plan
+(:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`) and the boundary is the last layer's output as a
+``(B, S/t, H)`` local shard (torchtitan's ``layers_io_shape``), every stage's rotary tables over the whole S.
 
 Rank ``r`` is stage ``r // t``, tensor-parallel rank ``r % t`` (the mesh's row-major order).  The cases run through
 :func:`symmem.record.fsdp_pipeline_runs.fsdp_pipeline_runs` (a case whose options say ``tensor_parallel``: one spawn
