@@ -159,9 +159,7 @@ def arms(e: sympy.Expr) -> list[sympy.Expr]:
     if isinstance(e, sympy.Mul):
         out = [sympy.Integer(1)]
         for factor in e.args:
-            if factor.is_number and factor.is_negative and factor.has(sympy.Max):
-                raise SymmemError(f"no arms of {e}: a negative Max")
-            if factor.is_number and factor.is_negative and any(f.has(sympy.Max) for f in e.args):
+            if factor.is_number and factor.is_negative:  # the largest of -Max(x, y) is no arm's
                 raise SymmemError(f"no arms of {e}: a Max times a negative number")
             out = [c * a for c in out for a in arms(factor)]
         return out
