@@ -289,12 +289,16 @@ def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, 
         why = mesh_refusal(model.name, regime, loss, device)
         if why is not None:
             return Refused(f"no peak: {why}")
+        if regime.sequence_parallel:  # torchtitan's sequence-parallel plan on every stage
+            from .passes.sequence_pipeline import FsdpSequencePipelineStep as FsdpTensorPipelineStep
         return FsdpTensorPipelineStep(graph, convention, resolved, one, single.storages, dict(numbers),
                                       regime.pipeline_schedule, regime.micro_batches,
                                       reshard=regime.data_parallel == "fsdp")
     why = refusal(model.name, regime, loss, device)
     if why is not None:
         return Refused(f"no peak: {why}")
+    if regime.sequence_parallel:  # torchtitan's sequence-parallel plan on every stage
+        from .passes.sequence_pipeline import SequencePipelineStep as TensorPipelineStep
     return TensorPipelineStep(graph, convention, resolved, one, single.storages, dict(numbers),
                               regime.pipeline_schedule, regime.micro_batches)
 

@@ -142,7 +142,18 @@ class Mesh3dStageMoment(StageMoment):
 @dataclass(eq=False)
 class FsdpTensorPipelineStep(FsdpPipelineStep):
     """:class:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep` on the p x N x t mesh (the module's note): each
-    stage's replay is :class:`_MeshReplay` of data-parallel rank ``rank`` at one tensor-parallel rank's sizes."""
+    stage's replay is :class:`_MeshReplay` of data-parallel rank ``rank`` at one tensor-parallel rank's sizes (with
+    sequence parallelism: :class:`~symmem.passes.sequence_pipeline.FsdpSequencePipelineStep`, its hooks' own)."""
+
+    # the replay, the packed cut, the cut and the stage's parts: a subclass's (sequence parallelism) may differ
+    def _replay(self) -> type[_MeshReplay]:
+        return _MeshReplay
+
+    _packing = TensorPipelineStep._packing
+    _make_cut = TensorPipelineStep._make_cut
+
+    def _stage_at(self, memory: Any, numbers: Mapping[str, int], units: _Units, per: int) -> dict[str, int]:
+        return stage_at(memory, numbers, units, self.regime, per)
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
         world = self._world(numbers)
@@ -152,8 +163,8 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
         for s in range(cut.p):
             memory = memory_of(found, s, cut.p)
             units = _MeshUnits(cut, s, world, self.rank)
-            at = stage_at(memory, numbers, units, self.regime, cut.per)
-            out.append(_MeshReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
+            at = self._stage_at(memory, numbers, units, cut.per)
+            out.append(self._replay()(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
         return out
 
     def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
@@ -164,7 +175,6 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
         import copy
 
         from .model_parallel import batch_moments, pack_alike, pack_parts
-        from .tensor_pipeline import _TensorPackedCut
 
         world = self._world(named)
         numbers = [{**named, BATCH: b + k} for k in range(3)]
@@ -176,11 +186,11 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
             units = [_MeshUnits(c, s, world, self.rank) for c in cuts]
             if any(u.params != units[0].params for u in units):
                 return None
-            ats = [stage_at(memory, n, u, self.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
+            ats = [self._stage_at(memory, n, u, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
             alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
             alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-            return _MeshReplay(_TensorPackedCut(packed, cuts), s, pack_parts(ats), self.schedule,
-                               self.micro_batches, alike, self.reshard), ats
+            return self._replay()(self._packing()(packed, cuts), s, pack_parts(ats), self.schedule, self.micro_batches,
+                                  alike, self.reshard), ats
 
         return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
                              schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)

@@ -51,9 +51,6 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
     """Why the tensor x pipeline peak is not modelled for this derivation (None: it is): what was measured."""
     from .tensor_step import refusal as tensor_refusal
 
-    if regime.sequence_parallel:
-        return ("sequence parallelism on pipeline stages is not modelled: the stage boundary would carry the "
-                "S-split hidden stream, and a later stage's rotary tables follow the sequence it is given (S/t)")
     if regime.zero or regime.data_parallel:
         return "a 3-D mesh (data x tensor x pipeline) is not modelled: tensor x pipeline is a p x t mesh"
     one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
@@ -350,7 +347,21 @@ class TensorStageMoment(StageMoment):
 @dataclass(eq=False)
 class TensorPipelineStep(PipelineStep):
     """:class:`~symmem.passes.pipeline_step.PipelineStep` with DTensor's standard plan on every stage (the
-    module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes."""
+    module's note): each stage's replay is :class:`_TensorReplay` at one tensor-parallel rank's sizes (with
+    sequence parallelism: :class:`~symmem.passes.sequence_pipeline.SequencePipelineStep`, its hooks' own)."""
+
+    # the replay, the packed cut, the cut and the stage's parts: a subclass's (sequence parallelism) may differ
+    def _replay(self) -> type[_TensorReplay]:
+        return _TensorReplay
+
+    def _packing(self) -> type[_TensorPackedCut]:
+        return _TensorPackedCut
+
+    def _make_cut(self, plain: _Cut) -> _TensorCut:
+        return _TensorCut(plain)
+
+    def _parts(self, cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+        return stage_at(cut, s, memory, numbers)
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
         cut = self._cut(numbers)
@@ -358,7 +369,8 @@ class TensorPipelineStep(PipelineStep):
         out = []
         for s in range(cut.p):
             memory = memory_of(found, s, cut.p)
-            out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
+            out.append(self._replay()(cut, s, self._parts(cut, s, memory, numbers), self.schedule,
+                                      self.micro_batches))
         return out
 
     def _cut(self, numbers: Mapping[str, int]) -> _TensorCut:
@@ -369,7 +381,7 @@ class TensorPipelineStep(PipelineStep):
         TensorRank(*(sympy.Integer(0),) * 4).at(numbers)  # t divides the heads, F and V (one line otherwise)
         if not isinstance(numbers.get("t"), int):
             raise SymmemError("the tensor x pipeline peak needs a number for t")
-        cut = _TensorCut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
+        cut = self._make_cut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
         if numbers.get("B") == 1 and collapsed(cut.g.program_order()).xreplace(cut.subs) is sympy.true:
             raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
                               "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
@@ -390,11 +402,11 @@ class TensorPipelineStep(PipelineStep):
 
         def make(packed: Any, plain: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
-            ats = [stage_at(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
+            ats = [self._parts(c, s, memory, n) for c, n in zip(cuts, numbers, strict=True)]
             if id(packed) not in shared:
                 shared.clear()
-                shared[id(packed)] = (packed, _TensorPackedCut(packed, cuts))
-            return _TensorReplay(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches), ats
+                shared[id(packed)] = (packed, self._packing()(packed, cuts))
+            return self._replay()(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches), ats
 
         return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
                              schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)

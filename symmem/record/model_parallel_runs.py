@@ -66,11 +66,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
+def _llama_stage(full: Any, rank: int, world: int, each: int, sequence: int | None = None) -> Any:
     """A Llama stage (torchtitan's split): every stage makes its own rotary tables (and eager attention's mask)
     for the whole sequence, as the reference's ``LlamaModel`` part does before its layers, and lets them go after
     its layers (the last stage: after the final norm, before the head); its layers' cache copies live until the
-    stage's forward returns."""
+    stage's forward returns.  ``sequence``: the whole sequence's length where the hidden stream it is given is
+    S-split (sequence parallelism: torchtitan's tables cover the model's sequence, not the shard's)."""
     import torch
     from torch import nn
 
@@ -90,7 +91,7 @@ def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
 
         def body(self, x: Any, cache: Any) -> Any:
             hidden = self.embed_tokens(x) if first else x
-            batch, seq = hidden.shape[:2]
+            batch, seq = hidden.shape[0], sequence or hidden.shape[1]
             position_ids = (torch.arange(seq, device=hidden.device) + 0).unsqueeze(0)
             mask = None if self.sdpa else eager_mask(batch, seq, hidden.dtype, hidden.device)
             embeddings = self.rotary_emb(hidden, position_ids)
@@ -106,8 +107,10 @@ def _llama_stage(full: Any, rank: int, world: int, each: int) -> Any:
     return LlamaStage()
 
 
-def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any]) -> Any:
-    """Rank ``rank``'s stage of the reference ``model``: embedding on stage 0, norm and head on the last."""
+def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, options: Mapping[str, Any],
+                  sequence: int | None = None) -> Any:
+    """Rank ``rank``'s stage of the reference ``model``: embedding on stage 0, norm and head on the last
+    (``sequence``: :func:`_llama_stage`'s)."""
     import torch
     from torch import nn
 
@@ -121,7 +124,7 @@ def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, 
     each = layers // world
     first, last = rank == 0, rank == world - 1
     if model == "llama":
-        stage = _llama_stage(full, rank, world, each)
+        stage = _llama_stage(full, rank, world, each, sequence)
         stage.train()
         return stage
     if model != "gpt2":

@@ -8,7 +8,10 @@ head on the last, ``L/p`` layers each), ``parallelize_module(stage, mesh["tp"], 
 then ``PipelineStage`` (static shapes over ``mesh["pp"]``) and ``ScheduleGPipe`` / ``Schedule1F1B`` with ``M``
 micro-batches.  What crosses a stage boundary is a plain tensor: the row-parallel outputs and the head's
 replicated output come back as local tensors (``use_local_output``), whole on every rank of the tp group.  Every
-rank is given the same batch (one pipeline per tensor-parallel rank; the plan replicates the input).
+rank is given the same batch (one pipeline per tensor-parallel rank; the plan replicates the input).  With
+``sequence_parallel`` in a case's options each stage gets torchtitan's sequence-parallel plan
+(:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`) and the boundary is the last layer's output as a
+``(B, S/t, H)`` local shard (torchtitan's ``layers_io_shape``), every stage's rotary tables over the whole S.
 
 Rank ``r`` is stage ``r // t``, tensor-parallel rank ``r % t`` (the mesh's row-major order).  The cases run through
 :func:`symmem.record.fsdp_pipeline_runs.fsdp_pipeline_runs` (a case whose options say ``tensor_parallel``: one spawn
@@ -26,12 +29,13 @@ from typing import Any
 from ..errors import SymmemError
 
 
-def stage_plan(module: Any, t: int) -> dict[str, Any]:
+def stage_plan(module: Any, t: int, sequence: bool = False) -> dict[str, Any]:
     """The standard Llama plan for one pipeline stage: the layers' styles (local indices), the embedding's on the
-    first stage only, the head's on the last only."""
-    from .model_parallel_runs import llama_plan
+    first stage only, the head's on the last only; ``sequence``: the plan with sequence parallelism
+    (:func:`~symmem.record.model_parallel_runs.llama_sequence_plan`, torchtitan's)."""
+    from .model_parallel_runs import llama_plan, llama_sequence_plan
 
-    plan = llama_plan(module, t)
+    plan = (llama_sequence_plan if sequence else llama_plan)(module, t)
     return {k: v for k, v in plan.items() if k.split(".")[0] in dict(module.named_children())}
 
 
@@ -50,7 +54,8 @@ def tensor_pipeline_stage(case: tuple[Any, ...], rank: int, world: int, stages: 
 
     model, values, schedule, m, loss, options, reshard = case
     dp = int(options.get("data_parallel", 1))  # FSDP2's ranks of a stage: a (p, N, t) mesh, torchtitan's 3-D one
-    options = {k: v for k, v in options.items() if k not in ("tensor_parallel", "data_parallel")}
+    sequence = bool(options.get("sequence_parallel"))
+    options = {k: v for k, v in options.items() if k not in ("tensor_parallel", "data_parallel", "sequence_parallel")}
     if model != "llama":
         raise SymmemError(f"the tensor-parallel plan is Llama's, not {model!r}")
     t = world // stages // dp
@@ -61,8 +66,10 @@ def tensor_pipeline_stage(case: tuple[Any, ...], rank: int, world: int, stages: 
     s, r = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
     d = mesh.get_local_rank("dp") if dp > 1 else 0
     first, last = s == 0, s == stages - 1
-    module = _stage_module(model, values, s, stages, options)
-    parallelize_module(module, mesh["tp"], stage_plan(module, t))
+    # under sequence parallelism every stage's rotary tables (and eager mask) cover the whole sequence, as
+    # torchtitan's model-wide tables do, though the hidden stream a stage is given is S-split
+    module = _stage_module(model, values, s, stages, options, int(values["S"]) if sequence else None)
+    parallelize_module(module, mesh["tp"], stage_plan(module, t, sequence))
     if dp > 1:  # torchtitan's order: the plan first, then fully_shard on each layer and the stage root over dp
         from torch.distributed.fsdp import fully_shard
 
@@ -72,8 +79,10 @@ def tensor_pipeline_stage(case: tuple[Any, ...], rank: int, world: int, stages: 
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
     b, seq, v, h = int(values["B"]), int(values["S"]), int(values["V"]), int(values["H"])
+    # the boundary: the last layer's output, whole on every tp rank, or under sequence parallelism its S-split
+    # local shard (the row-parallel output's reduce-scatter; torchtitan's (B, S/t, H) ``layers_io_shape``)
     given = static_shapes(first, last, torch.empty(b, seq, dtype=torch.long, device="meta"), (b, seq, v),
-                          (b, seq, h))
+                          (b, seq // t if sequence else seq, h))
     stage = PipelineStage(module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = kind(stage, m, loss_fn=causal_lm_loss if loss == "cross-entropy" else _sum_loss)

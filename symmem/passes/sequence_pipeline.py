@@ -1,0 +1,354 @@
+"""Sequence parallelism on pipeline stages: torchtitan's plan (the norms ``SequenceParallel``) on every stage of a
+p x t mesh, per stage and rank.
+
+The engine (:mod:`symmem.record.tensor_pipeline_runs` with ``sequence_parallel``) is the tensor x pipeline one
+(:mod:`.tensor_pipeline`) with :func:`~symmem.record.model_parallel_runs.llama_sequence_plan` on each stage: the
+hidden stream is split over S between a row-parallel output's reduce-scatter (the embedding's on the first stage)
+and the column-parallel inputs' all-gather.  What crosses a stage boundary is the last layer's output, a plain
+``(B, S/t, H)`` local shard on each tensor-parallel rank (torchtitan's ``layers_io_shape``: ``seq_len // tp``), so
+the receive buffers and a stage's output are ``1/t`` of the whole; each stage's rotary tables (and eager
+attention's mask) still cover the whole sequence (torchtitan's are the model's, for its sequence), since the
+attention runs on the all-gathered input.
+
+A stage's replay is :class:`~symmem.passes.tensor_pipeline._TensorReplay`'s at the sizes and with the collectives
+of :class:`~symmem.passes.tensor_step._SequenceWalk` (the single-device sequence-parallel walk, measured op by op):
+each storage at one rank's size (the gathered copies a column-parallel linear keeps, the S-split stream), and at
+each op what the collectives add for the current micro-batch (the all-gathers' and reduce-scatters' transients,
+the S-split norm outputs beside the gathered copies), worked out once per op of the two-micro-batch step the
+pipeline replays (the other micro-batches a stage holds are at rest: forward done, their gathered copies kept).
+
+>>> from symmem import derive
+>>> d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True, micro_batches=2,
+...            attention="sdpa", device="cpu", values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64,
+...            "F": 64, "p": 2, "t": 2})
+>>> d.step.rank_peaks(d)  # {rank: (first step, steady)}: gloo's, docs/regimes.md
+{0: (136864, 182472), 1: (136864, 182472), 2: (133348, 179216), 3: (133348, 179216)}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from ..errors import SymmemError
+from .fsdp_pipeline import _FsdpReplay
+from .fsdp_tensor_pipeline import FsdpTensorPipelineStep, _MeshReplay
+from .model_parallel import _Cut, _integer, _pack, _Replay
+from .tensor_pipeline import TensorPipelineStep, _Sizes, _TensorCut, _TensorPackedCut, _TensorReplay, stage_at
+from .tensor_step import _LayerWalk, _SequenceWalk
+
+
+class _SequenceSizes(_Sizes, _SequenceWalk):
+    """Each storage of the cut's two-micro-batch step at one rank's size under sequence parallelism, and what the
+    collectives add at each op (:class:`~symmem.passes.tensor_step._SequenceWalk`'s rules, per micro-batch pass)."""
+
+    def __init__(self, cut: _Cut, conv: Any, options: Mapping[str, Any]) -> None:
+        from .saved import kept
+
+        _Sizes.__init__(self, cut)
+        g, tl = self.g, self.tl
+        self.subs = cut.subs
+        # at B = 1 the asynchronous all-gathers over S keep two copies (batch_of_one.single_copy): a symbol of its
+        # own, 1 or 0 at each batch (_SequenceCut), so that the bytes at B >= 2 are lines in B
+        self.once = ONCE
+        self.evaluate = False
+        self.cache_kept = []
+        act = "float32"
+        self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act, list(g.program_order()), False,
+                                                         cut.branch)}
+        self.final_norm = {n for n in g.program_order() if g.node(n).group == "head" and g.node(n).block is None
+                           and n != self.head and g.node(n).kind not in ("parameter", "buffer", "constant")}
+        self.qkv = {n for n in self.column if g.node(n).role == "qkv"}
+        self.copies = {}
+        self.held = []
+        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
+                               and s.node in self.qkv}
+        spans_of = []
+        born_at = {i: k for k, e in enumerate(tl.events) for i in e.born}
+        for found in cut.passes:
+            forward: dict[str, int] = {}
+            backward: dict[str, int] = {}
+            for k, e in found["F"]:
+                if e.node is not None:
+                    forward.setdefault(e.node, k)
+            for k, e in found["B"]:
+                if e.node is not None:
+                    backward[e.node] = k
+            lo = found["F"][0][0]
+            hi = found["B"][-1][0] if found["B"] else len(tl.events)
+            rows = sorted(forward[n] for n in self.row if n in forward)
+            for i, s in enumerate(tl.storages):
+                if not lo <= born_at.get(i, -1) <= hi or s.category != "activation":
+                    continue
+                linears = [n for n in self.keepers.get(s.name, ()) if n in self.column and n in forward]
+                if not linears:
+                    continue
+                attention = [n for n in linears if n in self.qkv]
+                groups = ([tuple(attention)] if attention else []) + [(n,) for n in linears if n not in self.qkv]
+                spans = sorted(((min(forward[n] for n in grp), max(backward.get(n, hi) for n in grp),
+                                 1 + (0 if grp[0] in self.qkv else self.once)) for grp in groups),
+                               key=lambda x: x[:2])
+                after = [r for r in rows if r > spans[-1][0]]
+                dies = (after[0] if attention else after[0] + 1) if after else hi
+                self.copies[i] = (dies, spans)
+            spans_of.append((forward, rows, lo, hi))
+        for forward, rows, lo, hi in spans_of:  # once every copy is known (the sizes are worked out once)
+            self.held += [x for x in self._held(forward, rows) if lo <= x[0] <= hi]
+
+    def _local(self, i: int) -> sympy.Expr:
+        """:class:`~symmem.passes.tensor_step._SequenceWalk`'s size, but the head's output is the replicated
+        logits alone, as :meth:`_Sizes._local`'s (the stage's output chunk), and the loss's tensors whole."""
+        s = self.tl.storages[i]
+        if s.name == self.head and s.category not in ("parameter", "optimizer_state", "input", "buffer"):
+            return s.nbytes
+        if s.node in self.g and self.g.node(s.node).group == "loss":
+            # the loss reads the replicated logits: its tensors whole (the shifted labels are (B, S), not the
+            # S-split stream's)
+            return _LayerWalk._local(self, i)
+        return _SequenceWalk._local(self, i)
+
+    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        """The walk's, and at B = 1 a row-parallel linear's backward keeps its output gradient's all-gather twice
+        (the view of funcol's output and its wrapper, as the asynchronous gathers do in the forward: measured on
+        the stages' last layer, 2,048 B at B = 1, S = 16, H = 32)."""
+        found = _SequenceWalk._collectives(self, e, alive, k)
+        if e.phase == "backward" and e.node in self.row:
+            found += self.once * self._whole(e.node)
+        return found
+
+    def extras(self, ops: Any) -> dict[int, sympy.Expr]:
+        """What the collectives add at each of ``ops`` (event indices), beside the storages' sizes: the walk's
+        :meth:`~symmem.passes.tensor_step._SequenceWalk._collectives` at the storages alive then."""
+        tl = self.tl
+        wanted = set(ops)
+        alive = set(tl.start)
+        out: dict[int, sympy.Expr] = {}
+        for k, e in enumerate(tl.events):
+            alive.update(e.born)
+            if k in wanted:
+                out[k] = self._collectives(e, alive, k)
+            alive.difference_update(e.freed)
+        return out
+
+
+#: :func:`~symmem.passes.batch_of_one.single_copy` as a symbol: 1 at B = 1, else 0
+ONCE = sympy.Symbol("single_copy", nonnegative=True, integer=True)
+
+
+def arms(e: sympy.Expr) -> list[sympy.Expr]:
+    """Expressions without ``Max`` whose largest is ``e`` wherever its ``Max``' arguments and their factors are
+    not negative (sizes): each moment with a collective's ``Max`` becomes one moment per arm, each a line in B.
+
+    >>> from sympy import Max, symbols
+    >>> x, y = symbols("x y", positive=True)
+    >>> arms(3 + 2 * Max(x, y, evaluate=False))
+    [2*x + 3, 2*y + 3]
+    """
+    if not e.has(sympy.Max):
+        return [e]
+    if isinstance(e, sympy.Max):
+        return [a for x in e.args for a in arms(x)]
+    if isinstance(e, sympy.Add):
+        out = [sympy.Integer(0)]
+        for term in e.args:
+            out = [c + a for c in out for a in arms(term)]
+        return out
+    if isinstance(e, sympy.Mul):
+        out = [sympy.Integer(1)]
+        for factor in e.args:
+            if factor.is_number and factor.is_negative:  # the largest of -Max(x, y) is no arm's
+                raise SymmemError(f"no arms of {e}: a Max times a negative number")
+            out = [c * a for c in out for a in arms(factor)]
+        return out
+    raise SymmemError(f"no arms of {e}")
+
+
+class _SequenceCut(_TensorCut):
+    """A :class:`~symmem.passes.tensor_pipeline._TensorCut` under sequence parallelism: its sizes
+    :class:`_SequenceSizes`, its collectives by op."""
+
+    def __init__(self, cut: _Cut, conv: Any, options: Mapping[str, Any]) -> None:
+        key = ("sequence sizes", id(cut.tl))
+        if key not in cut.memo or cut.memo[key][0] is not cut.tl:
+            cut.memo[key] = (cut.tl, _SequenceSizes(cut, conv, options))
+        cut.memo[("tensor sizes", id(cut.tl))] = cut.memo[key]
+        super().__init__(cut)
+        b = self.subs.get(sympy.Symbol("B", positive=True, integer=True))
+        self.subs = {**self.subs, ONCE: sympy.Integer(1 if b == 1 else 0)}
+
+    def collectives(self) -> dict[Any, tuple[int, ...]]:
+        """What the collectives add at each op of every stage, by its event index: the bytes of each arm of the
+        walk's formula (:func:`arms`); the head's forward also its local logits and the all-gather's output beside
+        its wrapper (as on the p x t mesh)."""
+        if "_extras" in self.__dict__:
+            return self._extras
+        sizes, t = self.sizes, self.ranks()
+        ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
+        memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
+        if "arms" not in memo:
+            formulas = sizes.extras(ops)
+            made: dict[Any, tuple[sympy.Expr, ...]] = {}
+            memo["arms"] = {k: made.setdefault(e, tuple(dict.fromkeys(arms(e)))) for k, e in formulas.items()}
+        out: dict[Any, tuple[int, ...]] = {}
+        values: dict[int, tuple[int, ...]] = {}
+        for k, each in memo["arms"].items():
+            if id(each) not in values:
+                values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
+            out[k] = values[id(each)]
+        for k in ops:
+            e = self.tl.events[k]
+            if e.phase == "forward" and e.node == sizes.head:
+                whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+                out[k] = tuple(x + whole + whole // t for x in out[k])
+        self._extras = out
+        return out
+
+
+class _SequencePackedCut(_TensorPackedCut):
+    """:class:`_SequenceCut` at three batches, packed (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`)."""
+
+    def collectives(self) -> dict[Any, tuple[int, ...]]:
+        if "_extras" not in self.__dict__:
+            each = [c.collectives() for c in self.tcuts]
+            self._extras = {key: tuple(_pack([e[key][j] for e in each]) for j in range(len(each[0][key])))
+                            for key in each[0]}
+        return self._extras
+
+
+class _SequenceReplay(_TensorReplay):
+    """One stage's replay on a tensor-parallel rank under sequence parallelism: at each op what the collectives
+    add for it (:meth:`_SequenceCut.collectives`)."""
+
+    arms: tuple[int, ...] = (0,)
+
+    def begin(self, kind: str, mb: int) -> None:
+        from .model_parallel import _ops
+
+        super().begin(kind, mb)
+        self._index = [k for k, _ in _ops(self.cut, self.pass_, kind)[self.s]]
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        self._at += 1
+        self.arms = self._extras.get(self._index[self._at], (0,))
+        self.fix = None
+        if kind == "B" and node == self.tcut.sizes.head:
+            # the cross-entropy's whole logits gradient (a storage of its own): DTensor copies the rank's columns
+            # out of it (V/t wide) and lets it go before the head's gradient mms (as on the p x t mesh,
+            # _TensorReplay.before; the walk, measured with the loss sum, holds it to the op's end)
+            dying = self._ops[self._at][2]
+            gone = sum(self.alive.get((mb, sid), 0) for sid in dying
+                       if self.cut.tl.storages[sid].category == "activation_grad")
+            if gone:
+                self.fix = (self.live, gone, self.tcut.logits_grad())
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        # none of the p x t mesh's other fixes (_TensorReplay.moment): the walk's collectives hold them; one moment
+        # per arm of their Max (each a line in B)
+        gone = 0
+        if self.fix is not None:
+            base, gone, local = self.fix
+            if base is not None:  # the copy beside the whole gradient, before the op's gradients are made
+                _Replay.moment(self, base + local, node, mb)
+                self.fix = (None, gone, local)
+        for extra in self.arms:
+            _Replay.moment(self, live + extra - gone, node, mb)
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        self.arms, self.fix = (0,), None
+
+
+class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
+    """One stage's replay on one rank of the 3-D mesh under sequence parallelism: FSDP2's units around the ops
+    (:class:`~symmem.passes.fsdp_tensor_pipeline._MeshReplay`), the sequence-parallel collectives inside them
+    (:class:`_SequenceReplay`)."""
+
+    def begin(self, kind: str, mb: int) -> None:
+        _FsdpReplay.begin(self, kind, mb)
+        _SequenceReplay.begin(self, kind, mb)
+
+    def before(self, kind: str, node: str | None, mb: int) -> None:
+        _FsdpReplay.before(self, kind, node, mb)
+        _SequenceReplay.before(self, kind, node, mb)
+
+    def moment(self, live: int, node: str | None, mb: int | None) -> None:
+        _SequenceReplay.moment(self, live, node, mb)
+
+    def after(self, kind: str, node: str | None, mb: int) -> None:
+        _SequenceReplay.after(self, kind, node, mb)
+        _FsdpReplay.after(self, kind, node, mb)
+
+
+def split_buffers(at: dict[str, int], memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+    """A stage's parts ``at`` with its receive buffers S-split (``(B, S/t, H)``, what crosses a boundary under
+    sequence parallelism); the module's own buffers (the rotary frequencies) whole."""
+    own = memory.at(numbers, ("module_buffers",))["module_buffers"]
+    less = (at["buffers"] - own) - (at["buffers"] - own) // int(numbers["t"])
+    out = dict(at)
+    for part in ("buffers", "at_rest", "step_peak"):
+        if part in out:
+            out[part] -= less
+    return out
+
+
+@dataclass(eq=False)
+class SequencePipelineStep(TensorPipelineStep):
+    """:class:`~symmem.passes.tensor_pipeline.TensorPipelineStep` under torchtitan's sequence-parallel plan (the
+    module's note): each stage's replay is :class:`_SequenceReplay`, the receive buffers S-split."""
+
+    def _replay(self) -> type[_TensorReplay]:
+        return _SequenceReplay
+
+    def _packing(self) -> type[_TensorPackedCut]:
+        return _SequencePackedCut
+
+    def _make_cut(self, plain: _Cut) -> _TensorCut:
+        return _SequenceCut(plain, self.conv, self.options)
+
+    def _parts(self, cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
+        return split_buffers(stage_at(cut, s, memory, numbers), memory, numbers)
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        return with_batch_of_one(lambda n: TensorPipelineStep._peak(self, n), named)
+
+
+@dataclass(eq=False)
+class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
+    """:class:`~symmem.passes.fsdp_tensor_pipeline.FsdpTensorPipelineStep` (torchtitan's 3-D mesh) under its
+    sequence-parallel plan: each stage's replay is :class:`_MeshSequenceReplay`, the receive buffers S-split."""
+
+    def _replay(self) -> type[_MeshReplay]:
+        return _MeshSequenceReplay
+
+    _packing = SequencePipelineStep._packing
+    _make_cut = SequencePipelineStep._make_cut
+
+    def _stage_at(self, memory: Any, numbers: Mapping[str, int], units: Any, per: int) -> dict[str, int]:
+        return split_buffers(FsdpTensorPipelineStep._stage_at(self, memory, numbers, units, per), memory, numbers)
+
+    def _peak(self, named: dict[str, int]) -> Any:
+        return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
+
+
+def with_batch_of_one(peak_of: Any, named: dict[str, int]) -> Any:
+    """The peak at ``named`` (``peak_of``: the step's); at B = 1, where the asynchronous all-gathers keep two
+    copies (:data:`ONCE`) so that the moments are no lines from B = 1, the lines of B >= 2 beside B = 1's bytes as
+    constants, where that is exact at every B: no line at B = 1 above B = 1's bytes, and B = 1's bytes not above
+    the peak at B = 2 (the peak grows with B; checked for the steady and the first step, else B = 1 alone, its
+    domain ``B = 1``).  So ``fit`` and ``plot`` solve from the defaults' B = 1."""
+    from ..peak import Peak
+
+    at_one = peak_of(named)
+    batch = sympy.Symbol("B", positive=True, integer=True)
+    if named.get("B") != 1 or sympy.Eq(batch, 1) not in at_one.domain:
+        return at_one
+    above = peak_of({**named, "B": 2})
+    for step in ("steady", "first"):
+        one = at_one.value({batch: 1}, step)
+        lines = [m.value({batch: 1}) for m in above.moments if m.step == step]
+        if one is None or max(lines) > one or above.value({batch: 2}, step) < one:
+            return at_one
+    domain = tuple(c for c in above.domain if batch not in c.free_symbols)
+    return Peak(None, None, above.moments + at_one.moments, domain)
