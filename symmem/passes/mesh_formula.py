@@ -1,0 +1,193 @@
+"""What an engine around a pipeline stage holds, as formulas in the sizes: FSDP2 on stages (FSDP x PP).
+
+:class:`~symmem.passes.pipeline_formula.StageFormulas` reads a moment's formula off the stage's replay run again up
+to that moment.  Under FSDP2 (:mod:`.fsdp_pipeline`) that replay is :class:`~symmem.passes.fsdp_pipeline._FsdpReplay`,
+which holds, beside the single-device step's storages, FSDP's own: per unit ``u`` (the stage root or a layer) the
+all-gather output ``A_u`` and the reduce-scatter input ``R_u`` (``N`` padded shards of the unit), each unsharded
+parameter (``N`` padded shards of it) and the sharded gradients ``G_u`` (one shard of the unit).  A parameter's
+padded shard is ``ceiling(d0/N)`` rows of its stored shape ``(d0, ...)`` (FSDP2 pads dim 0 to a multiple of ``N``),
+so each is a formula in ``N`` and the sizes; at rest the stage holds every shard, AdamW's two moments of the rows the
+rank holds (rank 0: a whole shard; :func:`~symmem.passes.data_parallel.held_shape`) and a 4-byte ``step`` per
+parameter, with ``L/p`` of the layers' (:func:`~symmem.passes.model_parallel._step_temporaries` for the optimizer
+step's).  The moment's formula is then the stage's at rest plus what is alive there, each a formula -- in ``N`` as
+well as the model's sizes; ``p`` and ``M`` at their numbers as for the stage alone.
+
+>>> from symmem import derive
+>>> d = derive("llama", data_parallel="fsdp-no-reshard", pipeline_parallel=True, pipeline_schedule="gpipe",
+...            micro_batches=2, loss="cross-entropy", attention="sdpa", device="cpu",
+...            values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 8, "V": 63, "F": 64, "p": 2, "N": 2})
+>>> m = d.peak_at()
+>>> m.where(step=False)
+'rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline layers.mlp.gate_up (layer 8), micro-batch 0'
+>>> m.pinned()
+'at p = 2, M = 2, h/G != 1'
+>>> sorted(s.name for s in m.total.free_symbols), d.evaluate(m.total) == d.value("peak")
+(['B', 'F', 'G', 'H', 'L', 'N', 'S', 'V', 'h', 'p'], True)
+>>> d.at(L=12, N=4).evaluate(m.total) == d.at(L=12, N=4).value("peak")  # the same moment peaks there
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+
+from ..shapes import numel
+from ..symbols import N
+from .data_parallel import ceil_div, held_shape
+from .model_parallel import _step_temporaries, pack_alike, pack_parts
+from .unroll import iteration, template
+
+_REDUCED = re.compile(r"^the reduce-scatter of layer (\d+)$")
+
+
+def _symbol(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, positive=True, integer=True)
+
+
+class FsdpFormulas:
+    """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for FSDP2 on every stage (``step``: an
+    :class:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep`, its data-parallel rank ``step.rank``)."""
+
+    def __init__(self, step: Any, named: Mapping[str, int]) -> None:
+        self.step, self.named = step, dict(named)
+        self.world = N  # the symbol ceil_div writes a ceiling of without sympy's search
+        self._units: dict[int, Any] = {}        # stage -> its units at the derivation's numbers
+        self._shapes: dict[int, dict[str, tuple[sympy.Expr, ...]]] = {}
+
+    # the stage's replay, as FsdpPipelineStep makes it (packed at the three batches where the formulas are)
+    def replay(self, cut: Any, cuts: Sequence[Any], s: int, numbers: Sequence[Mapping[str, int]]) -> Any:
+        from .fsdp_pipeline import _FsdpReplay, _Units, stage_at
+        from .model_parallel import memory_of
+
+        step = self.step
+        world = step._world(self.named)
+        memory = memory_of(step._stages(), s, cut.p)
+        units = [_Units(c, s, world, step.rank) for c in cuts]
+        ats = [stage_at(memory, n, u, step.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
+        if cut is cuts[0]:
+            return _FsdpReplay(cut, s, ats[0], step.schedule, step.micro_batches, units[0], step.reshard)
+        alike = copy.copy(units[0])  # the same units, their shards' elements packed alike (as _batch_moments)
+        alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
+        return _FsdpReplay(cut, s, pack_parts(ats), step.schedule, step.micro_batches, alike, step.reshard)
+
+    def again(self, made: tuple[Any, ...], s: int) -> Any:
+        """Stage ``s``'s replay again from what :meth:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep._batch_moments`
+        kept of the one that read the lines (its packed cut, parts, units, plans and the ops' facts)."""
+        from .fsdp_pipeline import _FsdpReplay
+
+        cut, at, units, events, known = made
+        step = self.step
+        replay = _FsdpReplay(cut, s, at, step.schedule, step.micro_batches, units, step.reshard)
+        replay._events, replay._known = events, known
+        return replay
+
+    def snapshot(self, replay: Any) -> list[tuple[str, Any]]:
+        """FSDP's storages alive at a moment of ``replay`` (their keys)."""
+        return list(replay.held)
+
+    def layer(self, node: str | None) -> int:
+        """The layer a moment is in (its op's, or the unit's a reduce-scatter is of), 0 outside the layers."""
+        if not node:
+            return 0
+        found = _REDUCED.match(node)
+        return int(found.group(1)) if found else iteration(node)
+
+    # FSDP's parameters as formulas
+    def _shapes_of(self, cut: Any, s: int) -> dict[str, tuple[sympy.Expr, ...]]:
+        """Stage ``s``'s parameters' stored shapes (dim 0 the one FSDP pads), as the units list them."""
+        if s not in self._shapes:
+            g = cut.g
+            stored = cut.memo.get(("stored", cut.per * cut.p))  # the units' own (fsdp_pipeline._Units)
+            if stored is None:
+                from .data_parallel import stored_shapes
+                from .parameters import in_registration_order, program_parameters
+
+                stored = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+            stored = dict(stored)
+            heads = [n for n in g.program_order() if g.node(n).kind == "linear" and g.node(n).attrs.get("tied")]
+            if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
+                node = g.node(heads[0])
+                stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], g.node(node.inputs[0]).out.shape[-1])
+            self._shapes[s] = stored
+        return self._shapes[s]
+
+    def _shard(self, shape: tuple[sympy.Expr, ...]) -> sympy.Expr:
+        """A parameter's padded shard, in elements."""
+        return ceil_div(shape[0], self.world) * numel(shape[1:]) if shape else sympy.Integer(1)
+
+    def terms(self, held: Sequence[tuple[str, Any]] | None, cut: Any, s: int) -> list[tuple[int, sympy.Expr]]:
+        """(the layer, or 0: the stage root; its bytes) of each of FSDP's storages alive at stage ``s``'s moment."""
+        shapes = self._shapes_of(cut, s)
+        units = self._units_of(cut, s)
+        made = self.__dict__.setdefault("made", {})  # every layer's alike: each kind of storage's formula once
+        out = []
+        for kind, key in held or ():
+            if kind == "P" and isinstance(key, tuple):  # an unsharded parameter: N padded shards
+                unit, name = key
+                found = made.get(("P", template(name)))
+                if found is None:
+                    found = made[("P", template(name))] = 4 * self.world * self._shard(shapes[name])
+                out.append((unit or 0, found))
+            elif kind in ("A", "R", "G"):  # N shards of the unit (all-gather, reduce-scatter), or one
+                index = (kind, s if key is None else None)
+                found = made.get(index)
+                if found is None:
+                    times = 4 if kind == "G" else 4 * self.world
+                    found = made[index] = sympy.Add(*(times * self._shard(shapes[p.name]) for p in units.of(key)))
+                out.append((key or 0, found))
+        return out
+
+    def _units_of(self, cut: Any, s: int) -> Any:
+        if s not in self._units:
+            from .fsdp_pipeline import _Units
+
+            self._units[s] = _Units(cut, s, self.step._world(self.named), self.step.rank)
+        return self._units[s]
+
+    # what the stage holds at rest and in the optimizer step
+    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+        """(the shards, AdamW's state of the held rows, the for-loop step's temporaries) of stage ``s``, the layers'
+        ``L/p`` times."""
+        key = ("side", s)
+        if key not in self.__dict__:
+            from .model_parallel import _Cut
+
+            step = self.step
+            cut = _Cut(step.graph, step.conv, step.options, step.regime, self.named, step._memo())
+            shapes, units = self._shapes_of(cut, s), self._units_of(cut, s)
+            per = _symbol("L") / _symbol("p")
+            first = units.layers[0] if units.layers else None
+            index = [k for k, p in enumerate(units.params) if p.unit is not None]
+            start = index[0] if index else len(units.params)
+            rank = step.rank
+            held = {p.name: held_shape(shapes[p.name], self.world, rank) for p in units.params}
+            before = [held[p.name] for k, p in enumerate(units.params) if p.unit is None and k < start]
+            after = [held[p.name] for k, p in enumerate(units.params) if p.unit is None and k > start]
+            layer = [held[p.name] for p in units.of(first)] if first is not None else []
+            root = [p for p in units.params if p.unit is None]
+            one = units.of(first) if first is not None else []
+            weights = sympy.Add(*(4 * self._shard(shapes[p.name]) for p in root),
+                                *(per * 4 * self._shard(shapes[p.name]) for p in one))
+            state = sympy.Add(*(8 * numel(held[p.name]) + 4 for p in root),
+                              *(per * (8 * numel(held[p.name]) + 4) for p in one))
+            temps = _step_temporaries(step.regime, before, layer, after, per, "for-loop")
+            self.__dict__[key] = (weights, state, temps)
+        return self.__dict__[key]
+
+    def rest(self, memory: Any, s: int) -> sympy.Expr:
+        """What the stage holds between steps: the shards, the state, its buffers, inputs and the logits."""
+        weights, state, _ = self._side(memory, s)
+        return weights + state + memory.buffers + memory.inputs + memory.outputs
+
+    def step_peak(self, memory: Any, s: int) -> sympy.Expr:
+        weights, _, temps = self._side(memory, s)
+        return self.rest(memory, s) + weights + temps  # every sharded gradient, the step's temporaries
+
+    def state(self, memory: Any, s: int) -> sympy.Expr:
+        return self._side(memory, s)[1]

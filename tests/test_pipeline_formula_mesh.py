@@ -1,0 +1,110 @@
+"""The pipeline peak as a formula under an engine around the stages: FSDP2 on every stage (FSDP x PP,
+``symmem.passes.mesh_formula``), in ``N`` and the model's sizes, substituted at OTHER sizes than it was derived at.
+
+Truths: the real 2 x 2 gloo mesh of tests/test_fsdp_pipeline.py (its spawn calls :func:`fsdp_against_the_engines`
+with every rank's measurement: no spawn of its own), and the engine's replay at numbers (checked to the byte against
+gloo there) at other numbers of layers: a moment's formula derived at one set of sizes is, at another, the stage's
+peak where that moment is the peak there, and below it where another moment is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import sympy
+
+from symmem import derive
+
+N = sympy.Symbol("N", positive=True, integer=True)
+L = sympy.Symbol("L", positive=True, integer=True)
+
+#: per case of test_fsdp_pipeline.CASES: other sizes (N = 3 and 4 among them, the real mesh is N = 2; an odd
+#: vocabulary there, padded): each stage's formula derived there, at the measured sizes, is at most the measured
+#: rank's peak, and from some of them equal to it (the same moment is the peak)
+FSDP_OTHER = {0: [{"B": 4, "S": 8, "H": 48, "h": 3}, {"V": 100, "N": 4}],
+              1: [{"B": 3, "S": 8, "N": 4}, {"H": 64, "h": 4, "V": 40, "N": 4}],
+              2: [{"H": 64, "h": 4, "V": 40, "N": 4}, {"B": 3, "S": 32, "F": 96, "N": 3}]}
+
+
+@functools.lru_cache(maxsize=32)
+def _fsdp(model, values, schedule, m, loss, options, reshard):
+    """An FSDP x pipeline derivation, p = 2 (``values`` and ``options`` as sorted tuples; N = 2 unless given)."""
+    sizes = {"p": 2, "N": 2, **dict(values)}
+    if model == "gpt2":
+        sizes.setdefault("F", 4 * sizes["H"])
+    return derive(model, data_parallel="fsdp" if reshard else "fsdp-no-reshard", pipeline_parallel=True,
+                  pipeline_schedule=schedule, micro_batches=m, loss=loss, device="cpu", values=sizes,
+                  **dict(options))
+
+
+def _each(d, sizes):
+    """Each stage's largest moment's formula (steady, first step) at ``sizes``."""
+    out = []
+    for step in ("steady", "first"):
+        moments = d.step.stage_moments(d.numbers, step)
+        assert all("a line in B" not in m.pinned() for m in moments)
+        out.append([d.at(**sizes).evaluate(m.total) for m in moments])
+    return out
+
+
+def fsdp_against_the_engines(everything, cases):
+    """``everything``: per rank (rank s*N + r), test_fsdp_pipeline's results of its ``cases`` on the 2 x 2 mesh.
+    Each stage's formula (data-parallel rank 0's, whole shards: the stage's largest) from other sizes, N
+    included, at the measured sizes is the measured rank's peak where the same moment peaks, else below it."""
+    for k, others in FSDP_OTHER.items():
+        model, values, schedule, m, loss, options, reshard = cases[k]
+        sizes = {**values, "p": 2, "N": 2, **({"F": 4 * values["H"]} if model == "gpt2" else {})}
+        real = {r.pp: r for rank in everything for r in [rank[k]] if r.dp == 0}
+        found = []
+        for other in others:
+            at = {**values, **other}
+            if "h" in other and model == "llama":
+                at["G"] = 1 if other["h"] % 2 else 2
+            d = _fsdp(model, tuple(sorted(at.items())), schedule, m, loss, tuple(sorted(options.items())), reshard)
+            assert N in d.peak_at().total.free_symbols, (k, other)  # the shards' padding: ceiling(V/N), ...
+            found.append(_each(d, sizes))
+        for which, (step, key) in enumerate((("steady", "steady_peak"), ("first", "first_peak"))):
+            measured = [getattr(real[s], key) for s in (0, 1)]
+            assert all(f[which][s] <= measured[s] for f in found for s in (0, 1)), (k, step, found, measured)
+            assert any(f[which][s] == measured[s] for f in found for s in (0, 1)), (k, step, found, measured)
+        assert [max(f[0][s] for f in found) for s in (0, 1)] == [real[s].steady_peak for s in (0, 1)], (k, found)
+
+
+#: (model, sizes, schedule, M, loss, options, reshard): four layers a stage at L = 8, so a run of alike layers gives
+#: the moment's formula in L/p; checked at L = 6 and 12 against the engine's replay there
+LAYERS = [("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "V": 65}, "1f1b", 3, "cross-entropy",
+           {"attention": "naive", "dropout": 0.0}, True),
+          ("llama", {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 63, "F": 64}, "gpipe", 2, "cross-entropy",
+           {"attention": "sdpa"}, False)]
+
+
+def test_the_formula_in_l_over_p_is_the_engines_peak_at_other_layer_counts():
+    """FSDP's unsharded parameters and all-gathers of the stage's layers in the formula grow with ``L/p``: derived
+    at L = 8 (p = 2), at L = 6 and 12 each stage's formula is the engine's stage peak there (the same moment
+    peaks), steady and first step; the peak line names p and M, N is a symbol."""
+    for model, values, schedule, m, loss, options, reshard in LAYERS:
+        key = (schedule, m, loss, tuple(sorted(options.items())), reshard)
+        d = _fsdp(model, tuple(sorted({**values, "L": 8}.items())), *key[:3], key[3], reshard)
+        moments = [d.step.stage_moments(d.numbers, step) for step in ("steady", "first")]
+        assert d.peak_at().pinned() == f"at p = 2, M = {m}" + (", h/G != 1" if model == "llama" else "")
+        assert all({L, N} <= x.total.free_symbols for each in moments for x in each)
+        for layers in (6, 12):
+            o = _fsdp(model, tuple(sorted({**values, "L": layers}.items())), *key[:3], key[3], reshard)
+            each = o.step.per_stage(o.numbers)
+            for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
+                assert [d.at(L=layers).evaluate(x.total) for x in found] == each[name], (model, layers, name)
+
+
+def test_every_view_gives_the_fsdp_formula():
+    """The peak line, JSON (``formula_at``, each stage's formula evaluating to its peak) and the first step's:
+    FSDP x PP's moments are formulas in N and the sizes, at p and M (no longer lines in B)."""
+    d = _fsdp("llama", (("B", 2), ("F", 64), ("G", 2), ("H", 32), ("L", 2), ("S", 16), ("V", 63), ("h", 4)), "gpipe",
+              2, "cross-entropy", (("attention", "sdpa"),), False)
+    text = " ".join(str(d).split())
+    assert "(at p = 2, M = 2, h/G != 1, L = 2; the largest of" in text and "a line in B" not in text
+    out = d.to_dict()
+    assert out["peak_at"]["formula_at"] == "at p = 2, M = 2, h/G != 1, L = 2"
+    per_stage = [sympy.sympify(e, locals={s.name: s for s in d.free}) for e in out["expressions"]["peak_per_stage"]]
+    assert [d.evaluate(e) for e in per_stage] == out["values"]["peak_per_stage"] == [297672, 330780]
+    assert all(N in e.free_symbols for e in per_stage)
+    assert d.evaluate(d.peak_at(step="first").total) == d.value("peak_first_step")
