@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -151,7 +151,7 @@ class FsdpFormulas:
         return self._units[s]
 
     # what the stage holds at rest and in the optimizer step
-    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, Callable[[], sympy.Expr]]:
         """(the shards, AdamW's state of the held rows, the for-loop step's temporaries) of stage ``s``, the layers'
         ``L/p`` times."""
         key = ("side", s)
@@ -172,22 +172,29 @@ class FsdpFormulas:
             layer = [held[p.name] for p in units.of(first)] if first is not None else []
             root = [p for p in units.params if p.unit is None]
             one = units.of(first) if first is not None else []
+            # each a sum of monomials (a ceiling a factor), built at once: nothing for sympy to expand
             weights = sympy.Add(*(4 * self._shard(shapes[p.name]) for p in root),
                                 *(per * 4 * self._shard(shapes[p.name]) for p in one))
-            state = sympy.Add(*(8 * numel(held[p.name]) + 4 for p in root),
-                              *(per * (8 * numel(held[p.name]) + 4) for p in one))
-            temps = _step_temporaries(step.regime, before, layer, after, per, "for-loop")
-            self.__dict__[key] = (weights, state, temps)
+            state = sympy.Add(*(8 * numel(held[p.name]) for p in root), 4 * len(root),
+                              *(per * 8 * numel(held[p.name]) for p in one), per * 4 * len(one))
+            # the for-loop step's temporaries, made when the optimizer step's formula is asked for
+            self.__dict__[key] = (weights, state, lambda: _step_temporaries(step.regime, before, layer, after, per,
+                                                                            "for-loop"))
         return self.__dict__[key]
 
     def rest(self, memory: Any, s: int) -> sympy.Expr:
-        """What the stage holds between steps: the shards, the state, its buffers, inputs and the logits."""
-        weights, state, _ = self._side(memory, s)
-        return weights + state + memory.buffers + memory.inputs + memory.outputs
+        """What the stage holds between steps: the shards, the state, its buffers, inputs and the logits
+        (expanded: the moments' formulas add their terms to it)."""
+        key = ("rest", s)
+        if key not in self.__dict__:
+            weights, state, _ = self._side(memory, s)
+            self.__dict__[key] = sympy.Add(weights, state,
+                                           sympy.expand(memory.buffers + memory.inputs + memory.outputs))
+        return self.__dict__[key]
 
     def step_peak(self, memory: Any, s: int) -> sympy.Expr:
         weights, _, temps = self._side(memory, s)
-        return self.rest(memory, s) + weights + temps  # every sharded gradient, the step's temporaries
+        return self.rest(memory, s) + weights + temps()  # every sharded gradient, the step's temporaries
 
     def state(self, memory: Any, s: int) -> sympy.Expr:
         return self._side(memory, s)[1]

@@ -219,40 +219,48 @@ class StageFormulas:
         own = mine - s * per if mine else None
         run = _run(layers, per, own, trim=engine is not None)
         base = self._base(memory, s, node == "merge_chunks")
+        # both formulas below are, at the numbers (where L/p is ``per``), the base and every storage alive: checked
+        # once, term by term (interpreting the whole sum at each batch was most of a formula's time)
+        if not self._holds(base, total, line):
+            return None, ""
         if run is not None:
             # the numbers' layers, less ``per`` of the run's, plus L/p of them (Counter arithmetic: no expand)
             one = layers[run[0]]
             rest = Counter(total)
             rest.subtract({e: per * k for e, k in one.items()})
             per_stage = _symbol("L") / _symbol("p")
-            expr = sympy.Add(base, *(k * e for e, k in rest.items() if k), *(per_stage * k * e for e, k in one.items()))
-            if self._holds(expr, line):
-                return expr, at
+            return sympy.Add(base, *(k * e for e, k in rest.items() if k),
+                             *(per_stage * k * e for e, k in one.items())), at
         lone = {_symbol("L"): sympy.Integer(self.named["L"])}
         expr = sympy.Add(sympy.expand(base.xreplace(lone)), *(k * e for e, k in total.items()))
-        if self._holds(expr, line):
-            return expr, f"{at}, L = {self.named['L']}"
-        return None, ""
+        return expr, f"{at}, L = {self.named['L']}"
 
     def _base(self, memory: Any, s: int, merged: bool) -> sympy.Expr:
         """What the stage holds at rest, less the last step's logits unless ``merged`` (they are concatenated
         again at the end of the schedule), expanded once."""
         key = (s, merged)
         found = self.__dict__.setdefault("_bases", {}).get(key)
-        if found is None and self.engine is not None:
-            found = self._bases[key] = sympy.expand(self.engine.rest(memory, s) - (0 if merged else memory.outputs))
+        if found is None and self.engine is not None:  # expanded already
+            found = self._bases[key] = self.engine.rest(memory, s) - (0 if merged else sympy.expand(memory.outputs))
         elif found is None:
             found = self._bases[key] = sympy.expand(memory.at_rest - (0 if merged else memory.outputs)
                                                     + self.extra(memory, s))
         return found
 
-    def _holds(self, expr: sympy.Expr, line: tuple[int, int]) -> bool:
-        """Whether ``expr`` is the line ``a + c*B`` at the batches it was read at."""
+    def _holds(self, base: sympy.Expr, terms: Mapping[sympy.Expr, int], line: tuple[int, int]) -> bool:
+        """Whether ``base`` plus ``terms`` (bytes -> how many) is the line ``a + c*B`` at the batches it was read
+        at (each term's bytes interpreted once a batch: the stage's storages share a few sizes)."""
         a, c = line
-        for n in self._numbers():
-            env = {_symbol(k): v for k, v in n.items()}
+        values = self.__dict__.setdefault("_values", {})
+        for k, n in enumerate(self._numbers()):
+            env = {_symbol(x): v for x, v in n.items()}
             try:
-                v = interpret(expr, env)
+                v = interpret(base, env)
+                for e, count in terms.items():
+                    key = (k, e)
+                    if key not in values:
+                        values[key] = interpret(e, env)
+                    v += count * values[key]
             except (KeyError, TypeError, ValueError, ZeroDivisionError):
                 return False
             if v != a + c * n["B"]:
