@@ -187,9 +187,9 @@ def test_every_view_says_what_the_formula_holds_at(capsys):
     assert "(at p = 2, M = 3)" in d._repr_html_() and "at p = 2, M = 3" in d._repr_latex_()
     # the JSON Max and values at many batches: the lines' values (fit and plot read them)
     assert d.values("peak", B=[2, 3, 7]).tolist() == [d.at(B=b).value("peak") for b in (2, 3, 7)]
-    e = derive("llama", pipeline_parallel=True, micro_batches=2, tensor_parallel=True, loss="cross-entropy",
-               values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64, "p": 2, "t": 2},
-               device="cpu", attention="sdpa")
+    e = derive("llama", pipeline_parallel=True, micro_batches=2, tensor_parallel=True, data_parallel="fsdp",
+               loss="cross-entropy", device="cpu", attention="sdpa",
+               values={"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64, "p": 2, "t": 2, "N": 2})
     assert "a line in B, the other sizes at their numbers, p = 2, M = 2" in " ".join(str(e).split())
 
 

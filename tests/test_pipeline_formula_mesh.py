@@ -17,6 +17,7 @@ from symmem import derive
 
 N = sympy.Symbol("N", positive=True, integer=True)
 L = sympy.Symbol("L", positive=True, integer=True)
+T = sympy.Symbol("t", positive=True, integer=True)
 
 #: per case of test_fsdp_pipeline.CASES: other sizes (N = 3 and 4 among them, the real mesh is N = 2; an odd
 #: vocabulary there, padded): each stage's formula derived there, at the measured sizes, is at most the measured
@@ -70,8 +71,41 @@ def fsdp_against_the_engines(everything, cases):
         assert [max(f[0][s] for f in found) for s in (0, 1)] == [real[s].steady_peak for s in (0, 1)], (k, found)
 
 
+#: per case of test_tensor_pipeline.CASES (TP x PP, the real p x t = 2 x 2 mesh): other sizes, t = 4 among them
+TENSOR_OTHER = {0: [{"t": 4, "h": 8, "G": 4}, {"H": 64, "h": 8, "G": 4}],
+                1: [{"t": 4, "h": 8, "G": 4, "B": 4}, {"S": 32}]}
+
+
+@functools.lru_cache(maxsize=16)
+def _tensor(values, schedule, m, loss, options):
+    """A TP x pipeline derivation of the Llama reference, p = 2 (t = 2 unless given)."""
+    return derive("llama", tensor_parallel=True, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m,
+                  loss=loss, device="cpu", values={"p": 2, "t": 2, **dict(values)},
+                  **{k: v for k, v in options if k != "tensor_parallel"})
+
+
+def tensor_against_the_engines(everything, cases):
+    """``everything``: per rank (rank s*t + r), test_tensor_pipeline's results of its ``cases`` on the 2 x 2 mesh
+    (every tensor-parallel rank of a stage alike).  Each stage's formula, in t and the rank's local sizes, from
+    other sizes (t = 4 among them), at the measured sizes is the measured peak where the same moment peaks there,
+    else below it, steady and first step."""
+    for k, others in TENSOR_OTHER.items():
+        _, values, schedule, m, loss, options, _ = cases[k]
+        sizes = {**values, "p": 2, "t": 2}
+        real = {r.pp: r for rank in everything for r in [rank[k]] if r.dp == 0}
+        found = []
+        for other in others:
+            d = _tensor(tuple(sorted({**values, **other}.items())), schedule, m, loss, tuple(sorted(options.items())))
+            assert T in d.peak_at().total.free_symbols, (k, other)  # the rank's local sizes: V/t, F/t, ...
+            found.append(_each(d, sizes))
+        for which, key in enumerate(("steady_peak", "first_peak")):
+            measured = [getattr(real[s], key) for s in (0, 1)]
+            assert all(f[which][s] <= measured[s] for f in found for s in (0, 1)), (k, key, found, measured)
+            assert [max(f[which][s] for f in found) for s in (0, 1)] == measured, (k, key, found, measured)
+
+
 #: (model, sizes, schedule, M, loss, options, reshard): four layers a stage at L = 8, so a run of alike layers gives
-#: the moment's formula in L/p; checked at L = 6 and 12 against the engine's replay there
+#: the moment's formula in L/p; checked at L = 12 against the engine's replay there
 LAYERS = [("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "V": 65}, "1f1b", 3, "cross-entropy",
            {"attention": "naive", "dropout": 0.0}, True),
           ("llama", {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 63, "F": 64}, "gpipe", 2, "cross-entropy",
@@ -80,7 +114,7 @@ LAYERS = [("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "V": 65}, "1f1b", 3, "cros
 
 def test_the_formula_in_l_over_p_is_the_engines_peak_at_other_layer_counts():
     """FSDP's unsharded parameters and all-gathers of the stage's layers in the formula grow with ``L/p``: derived
-    at L = 8 (p = 2), at L = 6 and 12 each stage's formula is the engine's stage peak there (the same moment
+    at L = 8 (p = 2), at L = 12 each stage's formula is the engine's stage peak there (the same moment
     peaks), steady and first step; the peak line names p and M, N is a symbol."""
     for model, values, schedule, m, loss, options, reshard in LAYERS:
         key = (schedule, m, loss, tuple(sorted(options.items())), reshard)
@@ -88,11 +122,30 @@ def test_the_formula_in_l_over_p_is_the_engines_peak_at_other_layer_counts():
         moments = [d.step.stage_moments(d.numbers, step) for step in ("steady", "first")]
         assert d.peak_at().pinned() == f"at p = 2, M = {m}" + (", h/G != 1" if model == "llama" else "")
         assert all({L, N} <= x.total.free_symbols for each in moments for x in each)
-        for layers in (6, 12):
-            o = _fsdp(model, tuple(sorted({**values, "L": layers}.items())), *key[:3], key[3], reshard)
-            each = o.step.per_stage(o.numbers)
-            for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
-                assert [d.at(L=layers).evaluate(x.total) for x in found] == each[name], (model, layers, name)
+        o = _fsdp(model, tuple(sorted({**values, "L": 12}.items())), *key[:3], key[3], reshard)
+        each = o.step.per_stage(o.numbers)
+        for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
+            assert [d.at(L=12).evaluate(x.total) for x in found] == each[name], (model, name)
+
+
+#: TP x PP at four layers a stage (L = 8), checked at L = 12 against the engine's replay there
+TENSOR_LAYERS = [({"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 64, "F": 64}, "1f1b", 3, "cross-entropy",
+                  (("attention", "sdpa"),)),
+                 ({"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 64, "F": 64}, "gpipe", 2, "sum",
+                  (("attention", "naive"),))]
+
+
+def test_the_tensor_formula_in_l_over_p_is_the_engines_peak_at_other_layer_counts():
+    """The rank's local storages, its shards and the collectives' transients grow with ``L/p`` where the layers do:
+    derived at L = 8 (p = 2, t = 2), at L = 12 each stage's formula is the engine's stage peak there."""
+    for values, schedule, m, loss, options in TENSOR_LAYERS:
+        d = _tensor(tuple(sorted({**values, "L": 8}.items())), schedule, m, loss, options)
+        moments = [d.step.stage_moments(d.numbers, step) for step in ("steady", "first")]
+        assert all({L, T} <= x.total.free_symbols and "L =" not in x.pinned() for each in moments for x in each)
+        o = _tensor(tuple(sorted({**values, "L": 12}.items())), schedule, m, loss, options)
+        each = o.step.per_stage(o.numbers)
+        for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
+            assert [d.at(L=12).evaluate(x.total) for x in found] == each[name], (schedule, name)
 
 
 def test_every_view_gives_the_fsdp_formula():

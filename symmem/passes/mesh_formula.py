@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -121,8 +122,14 @@ class FsdpFormulas:
         """A parameter's padded shard, in elements."""
         return ceil_div(shape[0], self.world) * numel(shape[1:]) if shape else sympy.Integer(1)
 
-    def terms(self, held: Sequence[tuple[str, Any]] | None, cut: Any, s: int) -> list[tuple[int, sympy.Expr]]:
-        """(the layer, or 0: the stage root; its bytes) of each of FSDP's storages alive at stage ``s``'s moment."""
+    def size(self, cut: Any, sid: int) -> sympy.Expr:
+        """A storage of the single-device step on this rank: its own size (FSDP's ranks run the whole step)."""
+        return cut.tl.storages[sid].nbytes
+
+    def terms(self, held: Sequence[tuple[str, Any]] | None, cut: Any, s: int
+              ) -> list[tuple[int, sympy.Expr, int]]:
+        """(the layer, or 0: the stage root; its bytes; how many) of each of FSDP's storages alive at stage ``s``'s
+        moment."""
         shapes = self._shapes_of(cut, s)
         units = self._units_of(cut, s)
         made = self.__dict__.setdefault("made", {})  # every layer's alike: each kind of storage's formula once
@@ -133,14 +140,14 @@ class FsdpFormulas:
                 found = made.get(("P", template(name)))
                 if found is None:
                     found = made[("P", template(name))] = 4 * self.world * self._shard(shapes[name])
-                out.append((unit or 0, found))
+                out.append((unit or 0, found, 1))
             elif kind in ("A", "R", "G"):  # N shards of the unit (all-gather, reduce-scatter), or one
                 index = (kind, s if key is None else None)
                 found = made.get(index)
                 if found is None:
                     times = 4 if kind == "G" else 4 * self.world
                     found = made[index] = sympy.Add(*(times * self._shard(shapes[p.name]) for p in units.of(key)))
-                out.append((key or 0, found))
+                out.append((key or 0, found, 1))
         return out
 
     def _units_of(self, cut: Any, s: int) -> Any:
@@ -198,3 +205,186 @@ class FsdpFormulas:
 
     def state(self, memory: Any, s: int) -> sympy.Expr:
         return self._side(memory, s)[1]
+
+
+class TensorFormulas:
+    """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for DTensor's standard plan on every stage
+    (TP x PP, :mod:`.tensor_pipeline`): each storage at one tensor-parallel rank's size (the walk's formula in
+    ``t``: :class:`~symmem.passes.tensor_pipeline._Sizes`), the rank's local shards at rest, and what the
+    collectives add for a moment (:meth:`terms`), each a formula."""
+
+    def __init__(self, step: Any, named: Mapping[str, int]) -> None:
+        self.step, self.named = step, dict(named)
+        self.t = _symbol("t")
+
+    def replay(self, cut: Any, cuts: Sequence[Any], s: int, numbers: Sequence[Mapping[str, int]]) -> Any:
+        """Stage ``s``'s replay as :class:`~symmem.passes.tensor_pipeline.TensorPipelineStep` makes it (packed at
+        the three batches where ``cut`` is), watched (:class:`_Watched`)."""
+        from .model_parallel import memory_of
+        from .tensor_pipeline import _TensorPackedCut, stage_at
+
+        step = self.step
+        memory = memory_of(step._stages(), s, cut.p)
+        tcuts = [step._cut(n) for n in numbers]
+        ats = [stage_at(c, s, memory, n) for c, n in zip(tcuts, numbers, strict=True)]
+        if cut is cuts[0]:
+            return _watched()(tcuts[0], s, ats[0], step.schedule, step.micro_batches)
+        return _watched()(_TensorPackedCut(cut, tcuts), s, pack_parts(ats), step.schedule, step.micro_batches)
+
+    def snapshot(self, replay: Any) -> tuple[Any, ...]:
+        """What the op adds for this moment (the replay's note: :class:`_Watched`), which of the appends of its
+        ``moment`` call this is, and the storages alive."""
+        return (*replay.note, replay.fix_first, replay.call - 1, frozenset(replay.alive))
+
+    def tick(self, replay: Any) -> None:
+        """One more append of the replay's ``moment`` call."""
+        replay.call += 1
+
+    def layer(self, node: str | None) -> int:
+        return iteration(node) if node else 0
+
+    def size(self, cut: Any, sid: int) -> sympy.Expr:
+        return cut.sizes.local(sid)
+
+    def _collective(self, cut: Any, key: tuple[int, str, str | None]) -> sympy.Expr:
+        """What the collective op ``key`` (pass, kind, op) adds for its moment, as
+        :meth:`~symmem.passes.tensor_pipeline._TensorCut.collectives` counts it, as a formula."""
+        found = self.__dict__.setdefault("collectives", {})
+        if key not in found:
+            p, kind, node = key
+            sizes, tl, t = cut.sizes, cut.tl, self.t
+            e = next(e for _, e in cut.passes[p][kind] if e.node == node)
+            if kind == "F" and node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
+                expr = sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == node))
+            elif kind == "F":  # the head: the local logits and the all-gather's output beside its wrapper
+                whole = sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == node))
+                expr = whole + whole / t
+            else:  # a column-parallel linear's input gradient's all-reduce, less what the op frees
+                grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
+                expr = 2 * grads[0] - sympy.Add(*(sizes.local(i) for i in e.freed))
+            found[key] = sympy.expand(expr)
+        return found[key]
+
+    def _logits_grad(self, cut: Any) -> sympy.Expr:
+        """The rank's copy of the logits' gradient: the model's output over ``t``."""
+        whole = [st.nbytes for st in cut.tl.storages
+                 if st.name == cut.sizes.head and st.category not in ("parameter", "gradient")]
+        return whole[0] / self.t if whole else sympy.Integer(0)
+
+    def terms(self, held: Any, cut: Any, s: int) -> list[tuple[int, sympy.Expr, int]]:
+        """The moment's bytes beyond the rank's storages alive (:meth:`snapshot`), as
+        :meth:`~symmem.passes.tensor_pipeline._TensorReplay.moment` makes each of its appends: (the layer, the
+        bytes, how many)."""
+        key, mode, head, fix, accumulated, fix_first, call, alive = held
+        layer = iteration(key[2]) if key and key[2] else 0
+        extra = self._collective(cut, key) if key else None
+        out = [(layer, extra, 1)] if extra is not None else []  # the collective's transient (live holds it)
+
+        def storages(sids: Any, count: int) -> list[tuple[int, sympy.Expr, int]]:
+            return [(iteration(cut.tl.storages[sid].name), cut.sizes.local(sid), count) for _, sid in sids]
+
+        if fix is not None:  # the head's backward: the rank's copy of the logits' gradient
+            before, gone = fix
+            out.append((0, self._logits_grad(cut), 1))
+            if fix_first and call == 0:  # beside the whole gradient, before the op's gradients are made
+                return out + storages(alive - before, -1)
+            out += storages(gone, -1)  # the whole gradient let go
+            call -= 1 if fix_first else 0
+        if mode.startswith("op") and call == 0:  # the weight gradient's mm: the all-reduce not yet made
+            if extra is not None:
+                out.append((layer, extra, -1))
+            if head:
+                out.append((0, self._logits_grad(cut), 1))
+        elif mode == "accumulate":
+            out += storages(accumulated, -1)
+        return out
+
+    # what the stage holds at rest and in the optimizer step: the local shards (passes/tensor_pipeline.stage_at)
+    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, ...]:
+        key = ("side", s)
+        if key not in self.__dict__:
+            from .model_parallel import _Cut
+
+            step = self.step
+            cut = _Cut(step.graph, step.conv, step.options, step.regime, self.named, step._memo())
+            g, stored = cut.g, cut.memo.get(("stored", cut.per * cut.p))
+            if stored is None:
+                from .data_parallel import stored_shapes
+                from .parameters import in_registration_order, program_parameters
+
+                stored = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+            per = _symbol("L") / _symbol("p")
+            first = s * cut.per + 1  # the stage's first layer: its parameters stand for every layer's
+            before: list[tuple[sympy.Expr, ...]] = []
+            layer: list[tuple[sympy.Expr, ...]] = []
+            after: list[tuple[sympy.Expr, ...]] = []
+            weights, grads, state = [], [], []
+            for name, shape in stored.items():
+                owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+                k = iteration(owner)
+                if cut.stage_of(owner) != s or (k and k != first):
+                    continue
+                whole = numel(shape) * 4
+                local = whole / self.t if len(shape) >= 2 else whole
+                count = per if k else 1
+                (layer if k else after if layer else before).append((local / 4,))
+                weights.append(count * local)
+                grads.append(count * (whole if owner in g and g.node(owner).kind == "embedding" else local))
+                state += [count * 2 * local, count * 4]
+            temps = _step_temporaries(step.regime, before, layer, after, per, "for-loop")
+            self.__dict__[key] = (sympy.Add(*weights), sympy.Add(*grads), sympy.Add(*state), temps)
+        return self.__dict__[key]
+
+    def rest(self, memory: Any, s: int) -> sympy.Expr:
+        """What the rank's stage holds between steps: its shards, their state, its buffers, inputs and logits."""
+        key = ("rest", s)
+        if key not in self.__dict__:
+            weights, _, state, _ = self._side(memory, s)
+            self.__dict__[key] = sympy.Add(weights, state,
+                                           sympy.expand(memory.buffers + memory.inputs + memory.outputs))
+        return self.__dict__[key]
+
+    def step_peak(self, memory: Any, s: int) -> sympy.Expr:
+        _, grads, _, temps = self._side(memory, s)
+        return self.rest(memory, s) + grads + temps
+
+    def state(self, memory: Any, s: int) -> sympy.Expr:
+        return self._side(memory, s)[2]
+
+
+@functools.cache
+def _watched() -> type:
+    """:class:`~symmem.passes.tensor_pipeline._TensorReplay` that notes, before each op, what its moments add
+    beyond the storages alive (:meth:`TensorFormulas.terms` reads the note)."""
+    from .tensor_pipeline import _TensorReplay
+
+    class _Watched(_TensorReplay):
+        note: tuple[Any, ...] = (None, "", False, None, frozenset())
+        fix_first, call = False, 0
+
+        def before(self, kind: str, node: str | None, mb: int) -> None:
+            # what is alive before the op's births, where the head's backward makes its moment of them
+            alive = frozenset(self.alive) if kind == "B" and node == self.tcut.sizes.head else frozenset()
+            super().before(kind, node, mb)
+            key = (self.pass_, kind, node) if self.extra else None
+            _, born, dying = self._ops[self._at]
+            accumulated: frozenset[Any] = frozenset()
+            if self.mode == "accumulate":
+                grads = {sid for sid, _, _ in self._ops[self._at - 1][1]}
+                accumulated = frozenset((mb, sid) for sid in dying if sid in grads and (mb, sid) in self.alive)
+            fix = None
+            if self.fix is not None:
+                gone = frozenset((mb, sid) for sid in dying if (mb, sid) in self.alive
+                                 and self.cut.tl.storages[sid].category == "activation_grad")
+                fix = (alive, gone)
+            self.note = (key, self.mode, self.head_backward, fix, accumulated)
+
+        def moment(self, live: int, node: str | None, mb: int | None) -> None:
+            self.fix_first, self.call = self.fix is not None and self.fix[0] is not None, 0
+            super().moment(live, node, mb)
+
+        def after(self, kind: str, node: str | None, mb: int) -> None:
+            super().after(kind, node, mb)
+            self.note = (None, "", False, None, frozenset())
+
+    return _Watched

@@ -61,9 +61,12 @@ class _Watch(list):
         self.replay, self.alive, self.targets, self.engine = replay, replay.alive, targets, engine
         self.seen: dict[int, tuple[str | None, list[int]]] = {}
         self.held: dict[int, Any] = {}  # what an engine around the stage holds there (its own storages)
+        self.tick = getattr(engine, "tick", None)  # told of every moment (which of an op's appends this is)
 
     def append(self, item: tuple[int, str | None, int | None]) -> None:
         live = item[0]
+        if self.tick is not None:
+            self.tick(self.replay)
         if live in self.targets and live not in self.seen:
             # the replay appends a moment with what it made alive and before what it frees: the moment's storages
             self.seen[live] = (item[1], [sid for _, sid in self.alive])
@@ -203,16 +206,14 @@ class StageFormulas:
         tl, per = cut.tl, cut.per
         fixed: Counter = Counter()
         layers: dict[int, Counter] = defaultdict(Counter)
+        engine = self.engine
+        size = engine.size if engine is not None else None  # a storage's bytes on the engine's rank
         for sid in sids:
             st = tl.storages[sid]
             k = iteration(st.name)
-            if k:
-                layers[k - s * per][st.nbytes] += 1
-            else:
-                fixed[st.nbytes] += 1
-        engine = self.engine
-        for k, nbytes in engine.terms(held, cut, s) if engine is not None else ():
-            (layers[k - s * per] if k else fixed)[nbytes] += 1  # the engine's own storages, by layer
+            (layers[k - s * per] if k else fixed)[st.nbytes if size is None else size(cut, sid)] += 1
+        for k, nbytes, count in engine.terms(held, cut, s) if engine is not None else ():
+            (layers[k - s * per] if k else fixed)[nbytes] += count  # the engine's own storages, by layer
         total = sum(layers.values(), fixed)
         at = f"at {self.pinned()}"
         mine = engine.layer(node) if engine is not None else iteration(node) if node else 0

@@ -361,6 +361,15 @@ class TensorPipelineStep(PipelineStep):
             out.append(_TensorReplay(cut, s, stage_at(cut, s, memory, numbers), self.schedule, self.micro_batches))
         return out
 
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """The rank's storages, shards and collectives as formulas in ``t`` and the sizes
+        (:class:`~symmem.passes.mesh_formula.TensorFormulas`)."""
+        if type(self) is not TensorPipelineStep:
+            return None
+        from .mesh_formula import TensorFormulas
+
+        return {"engine": TensorFormulas(self, named)}
+
     def _cut(self, numbers: Mapping[str, int]) -> _TensorCut:
         """The single-device step cut by stage at ``numbers``, its storages at a rank's size; the numbers checked."""
         from .model_parallel import TensorRank, requires
