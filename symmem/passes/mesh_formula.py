@@ -231,6 +231,15 @@ class TensorFormulas:
             return _watched()(tcuts[0], s, ats[0], step.schedule, step.micro_batches)
         return _watched()(_TensorPackedCut(cut, tcuts), s, pack_parts(ats), step.schedule, step.micro_batches)
 
+    def again(self, made: tuple[Any, ...], s: int) -> Any:
+        """Stage ``s``'s replay again, watched, from what
+        :meth:`~symmem.passes.tensor_pipeline.TensorPipelineStep._batch_moments` kept of the one that read the
+        lines (its packed cut, parts and plans)."""
+        cut, at, events = made
+        replay = _watched()(cut, s, at, self.step.schedule, self.step.micro_batches)
+        replay._events = events
+        return replay
+
     def snapshot(self, replay: Any) -> tuple[Any, ...]:
         """What the op adds for this moment (the replay's note: :class:`_Watched`), which of the appends of its
         ``moment`` call this is, and the storages alive."""
@@ -331,8 +340,8 @@ class TensorFormulas:
                 weights.append(count * local)
                 grads.append(count * (whole if owner in g and g.node(owner).kind == "embedding" else local))
                 state += [count * 2 * local, count * 4]
-            temps = _step_temporaries(step.regime, before, layer, after, per, "for-loop")
-            self.__dict__[key] = (sympy.Add(*weights), sympy.Add(*grads), sympy.Add(*state), temps)
+            self.__dict__[key] = (sympy.Add(*weights), sympy.Add(*grads), sympy.Add(*state),
+                                  lambda: _step_temporaries(step.regime, before, layer, after, per, "for-loop"))
         return self.__dict__[key]
 
     def rest(self, memory: Any, s: int) -> sympy.Expr:
@@ -346,7 +355,7 @@ class TensorFormulas:
 
     def step_peak(self, memory: Any, s: int) -> sympy.Expr:
         _, grads, _, temps = self._side(memory, s)
-        return self.rest(memory, s) + grads + temps
+        return self.rest(memory, s) + grads + temps()
 
     def state(self, memory: Any, s: int) -> sympy.Expr:
         return self._side(memory, s)[2]

@@ -396,6 +396,7 @@ class TensorPipelineStep(PipelineStep):
         found = self._stages()
 
         shared: dict[int, Any] = {}  # one packed tensor cut for every stage (its ops sorted out, sizes packed once)
+        kept: list[Any] = []  # each stage's cut, parts and plans: pipeline_formula's snapshot replays start from them
 
         def make(packed: Any, plain: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
@@ -403,10 +404,15 @@ class TensorPipelineStep(PipelineStep):
             if id(packed) not in shared:
                 shared.clear()
                 shared[id(packed)] = (packed, _TensorPackedCut(packed, cuts))
-            return _TensorReplay(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches), ats
+            replay = _TensorReplay(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches)
+            kept.append((replay.cut, replay.at, replay._events))
+            return replay, ats
 
-        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if out is not None and len(kept) == len(out):
+            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
+        return out
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
