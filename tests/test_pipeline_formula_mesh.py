@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import sympy
 
 from symmem import derive
@@ -104,48 +105,69 @@ def tensor_against_the_engines(everything, cases):
             assert [max(f[which][s] for f in found) for s in (0, 1)] == measured, (k, key, found, measured)
 
 
-#: (model, sizes, schedule, M, loss, options, reshard): four layers a stage at L = 8, so a run of alike layers gives
-#: the moment's formula in L/p; checked at L = 12 against the engine's replay there
-LAYERS = [("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "V": 65}, "1f1b", 3, "cross-entropy",
-           {"attention": "naive", "dropout": 0.0}, True),
-          ("llama", {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 63, "F": 64}, "gpipe", 2, "cross-entropy",
-           {"attention": "sdpa"}, False)]
+#: per case of test_fsdp_tensor_pipeline.CASES (the 3-D mesh, p x N x t = 2 x 2 x 2): other sizes, N = 3 and 4 and
+#: t = 4 among them (V/t = 33 rows a tensor-parallel rank there, padded to 34 over N = 2)
+MESH_OTHER = {0: [{"N": 4, "B": 3}, {"N": 3, "t": 4, "h": 8, "G": 4, "V": 132, "F": 128}]}
 
 
-def test_the_formula_in_l_over_p_is_the_engines_peak_at_other_layer_counts():
-    """FSDP's unsharded parameters and all-gathers of the stage's layers in the formula grow with ``L/p``: derived
-    at L = 8 (p = 2), at L = 12 each stage's formula is the engine's stage peak there (the same moment
-    peaks), steady and first step; the peak line names p and M, N is a symbol."""
-    for model, values, schedule, m, loss, options, reshard in LAYERS:
-        key = (schedule, m, loss, tuple(sorted(options.items())), reshard)
-        d = _fsdp(model, tuple(sorted({**values, "L": 8}.items())), *key[:3], key[3], reshard)
-        moments = [d.step.stage_moments(d.numbers, step) for step in ("steady", "first")]
-        assert d.peak_at().pinned() == f"at p = 2, M = {m}" + (", h/G != 1" if model == "llama" else "")
-        assert all({L, N} <= x.total.free_symbols for each in moments for x in each)
-        o = _fsdp(model, tuple(sorted({**values, "L": 12}.items())), *key[:3], key[3], reshard)
-        each = o.step.per_stage(o.numbers)
-        for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
-            assert [d.at(L=12).evaluate(x.total) for x in found] == each[name], (model, name)
+@functools.lru_cache(maxsize=16)
+def _mesh(values, schedule, m, loss, options, reshard=True):
+    """An FSDP x TP x pipeline derivation of the Llama reference (p = N = t = 2 unless given)."""
+    return derive("llama", data_parallel="fsdp" if reshard else "fsdp-no-reshard", tensor_parallel=True,
+                  pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, loss=loss, device="cpu",
+                  values={"p": 2, "N": 2, "t": 2, **dict(values)},
+                  **{k: v for k, v in options if k not in ("tensor_parallel", "data_parallel")})
 
 
-#: TP x PP at four layers a stage (L = 8), checked at L = 12 against the engine's replay there
-TENSOR_LAYERS = [({"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 64, "F": 64}, "1f1b", 3, "cross-entropy",
-                  (("attention", "sdpa"),)),
-                 ({"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 64, "F": 64}, "gpipe", 2, "sum",
-                  (("attention", "naive"),))]
+def mesh_against_the_engines(everything, cases):
+    """``everything``: per rank (rank s*N*t + d*t + r), test_fsdp_tensor_pipeline's results of its ``cases``.
+    Each stage's formula (data-parallel rank 0's: whole shards), in N, t and the sizes, from other sizes, at the
+    measured sizes is the measured peak where the same moment peaks there, else below it."""
+    for k, others in MESH_OTHER.items():
+        _, values, schedule, m, loss, options, reshard = cases[k]
+        sizes = {**values, "p": 2, "N": 2, "t": 2}
+        real = {r.pp: r for rank in everything for r in [rank[k]] if r.dp == 0 and r.tp == 0}
+        found = []
+        for other in others:
+            d = _mesh(tuple(sorted({**values, **other}.items())), schedule, m, loss, tuple(sorted(options.items())),
+                      reshard)
+            assert {N, T} <= d.peak_at().total.free_symbols, (k, other)  # ceiling(V/(N*t)), ...
+            found.append(_each(d, sizes))
+        for which, key in enumerate(("steady_peak", "first_peak")):
+            measured = [getattr(real[s], key) for s in (0, 1)]
+            assert all(f[which][s] <= measured[s] for f in found for s in (0, 1)), (k, key, found, measured)
+            assert [max(f[which][s] for f in found) for s in (0, 1)] == measured, (k, key, found, measured)
 
 
-def test_the_tensor_formula_in_l_over_p_is_the_engines_peak_at_other_layer_counts():
-    """The rank's local storages, its shards and the collectives' transients grow with ``L/p`` where the layers do:
-    derived at L = 8 (p = 2, t = 2), at L = 12 each stage's formula is the engine's stage peak there."""
-    for values, schedule, m, loss, options in TENSOR_LAYERS:
-        d = _tensor(tuple(sorted({**values, "L": 8}.items())), schedule, m, loss, options)
-        moments = [d.step.stage_moments(d.numbers, step) for step in ("steady", "first")]
-        assert all({L, T} <= x.total.free_symbols and "L =" not in x.pinned() for each in moments for x in each)
-        o = _tensor(tuple(sorted({**values, "L": 12}.items())), schedule, m, loss, options)
-        each = o.step.per_stage(o.numbers)
-        for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
-            assert [d.at(L=12).evaluate(x.total) for x in found] == each[name], (schedule, name)
+#: four layers a stage at L = 8 (p = 2), so a run of alike layers gives each moment's formula in L/p; checked at
+#: L = 12 with another N or t against the engine's replay there: (the derivation, sizes, the other sizes)
+LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "V": 64, "F": 64}
+LAYERS = {
+    # FSDP x PP (resharding: the backward's prefetch of the layer before the moment's is left out of the run)
+    "fsdp": (lambda v: _fsdp("gpt2", v, "1f1b", 3, "cross-entropy", (("attention", "naive"), ("dropout", 0.0)), True),
+             {"B": 2, "S": 16, "H": 32, "h": 2, "V": 65}, {"N": 3}),
+    "tensor": (lambda v: _tensor(v, "1f1b", 3, "cross-entropy", (("attention", "sdpa"),)), LLAMA,
+               {"t": 4, "h": 8, "G": 4}),
+    "mesh": (lambda v: _mesh(v, "1f1b", 2, "cross-entropy", (("attention", "sdpa"),)), {**LLAMA, "V": 66},
+             {"N": 3}),
+}
+
+
+@pytest.mark.parametrize("engine", list(LAYERS))
+def test_the_formula_in_l_over_p_is_the_engines_peak_elsewhere(engine):
+    """An engine's storages of the stage's layers (FSDP's unsharded parameters and all-gathers, the rank's local
+    storages and collectives) grow with ``L/p`` in the formula: derived at L = 8, at L = 12 and another N or t each
+    stage's formula is the engine's stage peak there (the same moment peaks), steady and first step; the peak line
+    names p and M alone."""
+    make, values, other = LAYERS[engine]
+    d = make(tuple(sorted({**values, "L": 8}.items())))
+    moments = [d.step.stage_moments(d.numbers, step) for step in ("steady", "first")]
+    assert all(L in x.total.free_symbols and "L =" not in x.pinned() for each in moments for x in each)
+    assert d.peak_at().pinned().startswith(f"at p = 2, M = {d.step.micro_batches}")
+    o = make(tuple(sorted({**values, "L": 12, **other}.items())))
+    each = o.step.per_stage(o.numbers)
+    for found, name in zip(moments, ("peak_per_stage", "peak_first_step_per_stage"), strict=True):
+        assert [d.at(L=12, **other).evaluate(x.total) for x in found] == each[name], name
 
 
 def test_every_view_gives_the_fsdp_formula():

@@ -154,8 +154,19 @@ class FsdpFormulas:
         if s not in self._units:
             from .fsdp_pipeline import _Units
 
-            self._units[s] = _Units(cut, s, self.step._world(self.named), self.step.rank)
+            self._units[s] = self._unit_type(_Units)(cut, s, self.step._world(self.named), self.step.rank)
         return self._units[s]
+
+    def _unit_type(self, found: type) -> type:
+        """The units' class (:class:`MeshFormulas`: each parameter at its tensor-parallel rank's shape)."""
+        return found
+
+    def _cut(self) -> Any:
+        """The single-device step cut by stage at the derivation's numbers (the units read their parameters)."""
+        from .model_parallel import _Cut
+
+        step = self.step
+        return _Cut(step.graph, step.conv, step.options, step.regime, self.named, step._memo())
 
     # what the stage holds at rest and in the optimizer step
     def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, Callable[[], sympy.Expr]]:
@@ -163,10 +174,8 @@ class FsdpFormulas:
         ``L/p`` times."""
         key = ("side", s)
         if key not in self.__dict__:
-            from .model_parallel import _Cut
-
             step = self.step
-            cut = _Cut(step.graph, step.conv, step.options, step.regime, self.named, step._memo())
+            cut = self._cut()
             shapes, units = self._shapes_of(cut, s), self._units_of(cut, s)
             per = _symbol("L") / _symbol("p")
             first = units.layers[0] if units.layers else None
@@ -362,12 +371,13 @@ class TensorFormulas:
 
 
 @functools.cache
-def _watched() -> type:
+def _watched(base: type | None = None) -> type:
     """:class:`~symmem.passes.tensor_pipeline._TensorReplay` that notes, before each op, what its moments add
-    beyond the storages alive (:meth:`TensorFormulas.terms` reads the note)."""
+    beyond the storages alive (:meth:`TensorFormulas.terms` reads the note); ``base``: a subclass of it (the 3-D
+    mesh's :class:`~symmem.passes.fsdp_tensor_pipeline._MeshReplay`)."""
     from .tensor_pipeline import _TensorReplay
 
-    class _Watched(_TensorReplay):
+    class _Watched(base or _TensorReplay):  # type: ignore[misc]
         note: tuple[Any, ...] = (None, "", False, None, frozenset())
         fix_first, call = False, 0
 
@@ -397,3 +407,78 @@ def _watched() -> type:
             self.note = (None, "", False, None, frozenset())
 
     return _Watched
+
+
+class MeshFormulas(FsdpFormulas):
+    """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for torchtitan's 3-D mesh (FSDP x TP x
+    PP, :mod:`.fsdp_tensor_pipeline`): FSDP2's storages (:class:`FsdpFormulas`) at the 2-D shards' sizes (a
+    parameter's tensor-parallel shape, its first dimension padded to a multiple of ``N``: ``ceiling(V/(N*t))``-like)
+    around the tensor-parallel rank's storages and collectives (:class:`TensorFormulas`)."""
+
+    def __init__(self, step: Any, named: Mapping[str, int]) -> None:
+        super().__init__(step, named)
+        self.tensor = TensorFormulas(step, named)
+
+    def replay(self, cut: Any, cuts: Sequence[Any], s: int, numbers: Sequence[Mapping[str, int]]) -> Any:
+        from .fsdp_pipeline import stage_at
+        from .fsdp_tensor_pipeline import _MeshReplay, _MeshUnits
+        from .model_parallel import memory_of
+        from .tensor_pipeline import TensorPipelineStep, _TensorPackedCut
+
+        step = self.step
+        world = step._world(self.named)
+        memory = memory_of(step._stages(), s, cut.p)
+        tcuts = [TensorPipelineStep._cut(step, n) for n in numbers]
+        units = [_MeshUnits(c, s, world, step.rank) for c in tcuts]
+        ats = [stage_at(memory, n, u, step.regime, c.per) for n, u, c in zip(numbers, units, tcuts, strict=True)]
+        watched = _watched(_MeshReplay)
+        if cut is cuts[0]:
+            return watched(tcuts[0], s, ats[0], step.schedule, step.micro_batches, units[0], step.reshard)
+        alike = copy.copy(units[0])
+        alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
+        return watched(_TensorPackedCut(cut, tcuts), s, pack_parts(ats), step.schedule, step.micro_batches, alike,
+                       step.reshard)
+
+    def again(self, made: tuple[Any, ...], s: int) -> Any:
+        from .fsdp_tensor_pipeline import _MeshReplay
+
+        cut, at, units, events, known = made
+        step = self.step
+        replay = _watched(_MeshReplay)(cut, s, at, step.schedule, step.micro_batches, units, step.reshard)
+        replay._events, replay._known = events, known
+        return replay
+
+    def snapshot(self, replay: Any) -> tuple[Any, ...]:
+        return (super().snapshot(replay), self.tensor.snapshot(replay))
+
+    def tick(self, replay: Any) -> None:
+        self.tensor.tick(replay)
+
+    def size(self, cut: Any, sid: int) -> sympy.Expr:
+        return cut.sizes.local(sid)
+
+    def terms(self, held: Any, cut: Any, s: int) -> list[tuple[int, sympy.Expr, int]]:
+        fsdp, tensor = held
+        return super().terms(fsdp, cut, s) + self.tensor.terms(tensor, cut, s)
+
+    def _unit_type(self, found: type) -> type:
+        from .fsdp_tensor_pipeline import _MeshUnits
+
+        return _MeshUnits
+
+    def _cut(self) -> Any:
+        from .tensor_pipeline import TensorPipelineStep
+
+        return TensorPipelineStep._cut(self.step, self.named)
+
+    def _shapes_of(self, cut: Any, s: int) -> dict[str, tuple[sympy.Expr, ...]]:
+        """Each parameter at its tensor-parallel rank's shape (:func:`~symmem.passes.fsdp_tensor_pipeline._tp_shape`),
+        the one FSDP pads and splits."""
+        if s not in self._shapes:
+            from .fsdp_tensor_pipeline import _tp_shape
+
+            g = cut.g
+            whole = super()._shapes_of(cut, s)
+            self._shapes[s] = {name: _tp_shape(cut, name if name in g and g.node(name).kind == "parameter" else
+                                               name.rsplit(".", 1)[0], shape) for name, shape in whole.items()}
+        return self._shapes[s]
