@@ -421,9 +421,9 @@ class FsdpPipelineStep(PipelineStep):
         (:class:`~symmem.passes.mesh_formula.FsdpFormulas`); None for a subclass (its moments stay lines in B)."""
         if type(self) is not FsdpPipelineStep:
             return None
-        from .mesh_formula import FsdpFormulas
+        from .mesh_formula import FsdpFormulas, Kit
 
-        return {"engine": FsdpFormulas(self, named)}
+        return {"engine": FsdpFormulas(self, named, Kit(_FsdpReplay, stage_at, units=_Units))}
 
     def _world(self, numbers: Mapping[str, int]) -> int:
         """``N``, the data-parallel ranks of a stage (at least 2, above this step's rank)."""

@@ -197,9 +197,14 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
         and the sizes (:class:`~symmem.passes.mesh_formula.MeshFormulas`)."""
         if type(self) is not FsdpTensorPipelineStep:
             return None
-        from .mesh_formula import MeshFormulas
+        from .mesh_formula import Kit, MeshFormulas
+        from .tensor_pipeline import _TensorPackedCut
 
-        return {"engine": MeshFormulas(self, named)}
+        def cut(numbers: Mapping[str, int]) -> Any:
+            return TensorPipelineStep._cut(self, numbers)  # type: ignore[arg-type]  # the same checks and sizes
+
+        return {"engine": MeshFormulas(self, named, Kit(_MeshReplay, stage_at, units=_MeshUnits,
+                                                        packed=_TensorPackedCut, cut=cut, tp_shape=_tp_shape))}
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -51,40 +52,61 @@ def _symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, positive=True, integer=True)
 
 
+@dataclass(frozen=True)
+class Kit:
+    """What an engine's step module hands its formulas (they import none of it: the step modules import this one):
+    the stage's replay class, its parts at numbers, and where they are the engine's, FSDP's units, the packed
+    tensor-parallel cut, the tensor-parallel cut at numbers and a parameter's tensor-parallel shape."""
+
+    replay: type
+    stage_at: Callable[..., dict[str, int]]
+    units: type | None = None
+    packed: type | None = None
+    cut: Callable[[Mapping[str, int]], Any] | None = None
+    tp_shape: Callable[..., tuple[Any, ...]] | None = None
+
+
+def _cuts(step: Any, numbers: Sequence[Mapping[str, int]], packed: bool) -> tuple[Any, list[Any]]:
+    """The single-device step cut by stage at each of ``numbers``, and the one the replay runs on (the three
+    packed where ``packed``)."""
+    from .model_parallel import _Cut, _PackedCut
+
+    cuts = [_Cut(step.graph, step.conv, step.options, step.regime, n, step._memo()) for n in numbers]
+    return (_PackedCut(cuts) if packed else cuts[0]), cuts
+
+
 class FsdpFormulas:
     """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for FSDP2 on every stage (``step``: an
     :class:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep`, its data-parallel rank ``step.rank``)."""
 
-    def __init__(self, step: Any, named: Mapping[str, int]) -> None:
-        self.step, self.named = step, dict(named)
+    def __init__(self, step: Any, named: Mapping[str, int], kit: Kit) -> None:
+        self.step, self.named, self.kit = step, dict(named), kit
         self.world = N  # the symbol ceil_div writes a ceiling of without sympy's search
         self._units: dict[int, Any] = {}        # stage -> its units at the derivation's numbers
         self._shapes: dict[int, dict[str, tuple[sympy.Expr, ...]]] = {}
 
     # the stage's replay, as FsdpPipelineStep makes it (packed at the three batches where the formulas are)
-    def replay(self, cut: Any, cuts: Sequence[Any], s: int, numbers: Sequence[Mapping[str, int]]) -> Any:
-        from .fsdp_pipeline import _FsdpReplay, _Units, stage_at
+    def replay(self, s: int, numbers: Sequence[Mapping[str, int]], packed: bool) -> Any:
         from .model_parallel import memory_of
 
-        step = self.step
+        step, kit = self.step, self.kit
+        cut, cuts = _cuts(step, numbers, packed)
         world = step._world(self.named)
         memory = memory_of(step._stages(), s, cut.p)
-        units = [_Units(c, s, world, step.rank) for c in cuts]
-        ats = [stage_at(memory, n, u, step.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
+        units = [kit.units(c, s, world, step.rank) for c in cuts]  # type: ignore[misc]
+        ats = [kit.stage_at(memory, n, u, step.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
         if cut is cuts[0]:
-            return _FsdpReplay(cut, s, ats[0], step.schedule, step.micro_batches, units[0], step.reshard)
+            return kit.replay(cut, s, ats[0], step.schedule, step.micro_batches, units[0], step.reshard)
         alike = copy.copy(units[0])  # the same units, their shards' elements packed alike (as _batch_moments)
         alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-        return _FsdpReplay(cut, s, pack_parts(ats), step.schedule, step.micro_batches, alike, step.reshard)
+        return kit.replay(cut, s, pack_parts(ats), step.schedule, step.micro_batches, alike, step.reshard)
 
     def again(self, made: tuple[Any, ...], s: int) -> Any:
         """Stage ``s``'s replay again from what :meth:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep._batch_moments`
         kept of the one that read the lines (its packed cut, parts, units, plans and the ops' facts)."""
-        from .fsdp_pipeline import _FsdpReplay
-
         cut, at, units, events, known = made
         step = self.step
-        replay = _FsdpReplay(cut, s, at, step.schedule, step.micro_batches, units, step.reshard)
+        replay = self.kit.replay(cut, s, at, step.schedule, step.micro_batches, units, step.reshard)
         replay._events, replay._known = events, known
         return replay
 
@@ -152,20 +174,17 @@ class FsdpFormulas:
 
     def _units_of(self, cut: Any, s: int) -> Any:
         if s not in self._units:
-            from .fsdp_pipeline import _Units
-
-            self._units[s] = self._unit_type(_Units)(cut, s, self.step._world(self.named), self.step.rank)
+            self._units[s] = self.kit.units(cut, s, self.step._world(self.named), self.step.rank)  # type: ignore
         return self._units[s]
 
-    def _unit_type(self, found: type) -> type:
-        """The units' class (:class:`MeshFormulas`: each parameter at its tensor-parallel rank's shape)."""
-        return found
-
     def _cut(self) -> Any:
-        """The single-device step cut by stage at the derivation's numbers (the units read their parameters)."""
+        """The single-device step cut by stage at the derivation's numbers (the units read their parameters; the
+        3-D mesh's at a tensor-parallel rank's sizes)."""
         from .model_parallel import _Cut
 
         step = self.step
+        if self.kit.cut is not None:
+            return self.kit.cut(self.named)
         return _Cut(step.graph, step.conv, step.options, step.regime, self.named, step._memo())
 
     # what the stage holds at rest and in the optimizer step
@@ -208,6 +227,10 @@ class FsdpFormulas:
                                            sympy.expand(memory.buffers + memory.inputs + memory.outputs))
         return self.__dict__[key]
 
+    def outputs(self, memory: Any, s: int) -> sympy.Expr:
+        """The last step's logits the stage holds at rest (the last stage's), dropped as the step begins."""
+        return sympy.expand(memory.outputs)
+
     def step_peak(self, memory: Any, s: int) -> sympy.Expr:
         weights, _, temps = self._side(memory, s)
         return self.rest(memory, s) + weights + temps()  # every sharded gradient, the step's temporaries
@@ -222,30 +245,31 @@ class TensorFormulas:
     ``t``: :class:`~symmem.passes.tensor_pipeline._Sizes`), the rank's local shards at rest, and what the
     collectives add for a moment (:meth:`terms`), each a formula."""
 
-    def __init__(self, step: Any, named: Mapping[str, int]) -> None:
-        self.step, self.named = step, dict(named)
+    def __init__(self, step: Any, named: Mapping[str, int], kit: Kit) -> None:
+        self.step, self.named, self.kit = step, dict(named), kit
         self.t = _symbol("t")
 
-    def replay(self, cut: Any, cuts: Sequence[Any], s: int, numbers: Sequence[Mapping[str, int]]) -> Any:
+    def replay(self, s: int, numbers: Sequence[Mapping[str, int]], packed: bool) -> Any:
         """Stage ``s``'s replay as :class:`~symmem.passes.tensor_pipeline.TensorPipelineStep` makes it (packed at
-        the three batches where ``cut`` is), watched (:class:`_Watched`)."""
+        the three batches where ``packed``), watched (:class:`_Watched`)."""
         from .model_parallel import memory_of
-        from .tensor_pipeline import _TensorPackedCut, stage_at
 
-        step = self.step
+        step, kit = self.step, self.kit
+        cut, cuts = _cuts(step, numbers, packed)
         memory = memory_of(step._stages(), s, cut.p)
-        tcuts = [step._cut(n) for n in numbers]
-        ats = [stage_at(c, s, memory, n) for c, n in zip(tcuts, numbers, strict=True)]
+        tcuts = [kit.cut(n) for n in numbers]  # type: ignore[misc]
+        ats = [kit.stage_at(c, s, memory, n) for c, n in zip(tcuts, numbers, strict=True)]
         if cut is cuts[0]:
-            return _watched()(tcuts[0], s, ats[0], step.schedule, step.micro_batches)
-        return _watched()(_TensorPackedCut(cut, tcuts), s, pack_parts(ats), step.schedule, step.micro_batches)
+            return _watched(kit.replay)(tcuts[0], s, ats[0], step.schedule, step.micro_batches)
+        return _watched(kit.replay)(kit.packed(cut, tcuts), s, pack_parts(ats), step.schedule,  # type: ignore[misc]
+                                    step.micro_batches)
 
     def again(self, made: tuple[Any, ...], s: int) -> Any:
         """Stage ``s``'s replay again, watched, from what
         :meth:`~symmem.passes.tensor_pipeline.TensorPipelineStep._batch_moments` kept of the one that read the
         lines (its packed cut, parts and plans)."""
         cut, at, events = made
-        replay = _watched()(cut, s, at, self.step.schedule, self.step.micro_batches)
+        replay = _watched(self.kit.replay)(cut, s, at, self.step.schedule, self.step.micro_batches)
         replay._events = events
         return replay
 
@@ -362,6 +386,9 @@ class TensorFormulas:
                                            sympy.expand(memory.buffers + memory.inputs + memory.outputs))
         return self.__dict__[key]
 
+    def outputs(self, memory: Any, s: int) -> sympy.Expr:
+        return sympy.expand(memory.outputs)
+
     def step_peak(self, memory: Any, s: int) -> sympy.Expr:
         _, grads, _, temps = self._side(memory, s)
         return self.rest(memory, s) + grads + temps()
@@ -371,13 +398,12 @@ class TensorFormulas:
 
 
 @functools.cache
-def _watched(base: type | None = None) -> type:
+def _watched(base: type) -> type:
     """:class:`~symmem.passes.tensor_pipeline._TensorReplay` that notes, before each op, what its moments add
-    beyond the storages alive (:meth:`TensorFormulas.terms` reads the note); ``base``: a subclass of it (the 3-D
-    mesh's :class:`~symmem.passes.fsdp_tensor_pipeline._MeshReplay`)."""
-    from .tensor_pipeline import _TensorReplay
+    beyond the storages alive (:meth:`TensorFormulas.terms` reads the note); ``base``: it or a subclass of it (the
+    3-D mesh's :class:`~symmem.passes.fsdp_tensor_pipeline._MeshReplay`)."""
 
-    class _Watched(base or _TensorReplay):  # type: ignore[misc]
+    class _Watched(base):  # type: ignore[misc,valid-type]
         note: tuple[Any, ...] = (None, "", False, None, frozenset())
         fix_first, call = False, 0
 
@@ -415,36 +441,32 @@ class MeshFormulas(FsdpFormulas):
     parameter's tensor-parallel shape, its first dimension padded to a multiple of ``N``: ``ceiling(V/(N*t))``-like)
     around the tensor-parallel rank's storages and collectives (:class:`TensorFormulas`)."""
 
-    def __init__(self, step: Any, named: Mapping[str, int]) -> None:
-        super().__init__(step, named)
-        self.tensor = TensorFormulas(step, named)
+    def __init__(self, step: Any, named: Mapping[str, int], kit: Kit) -> None:
+        super().__init__(step, named, kit)
+        self.tensor = TensorFormulas(step, named, kit)
 
-    def replay(self, cut: Any, cuts: Sequence[Any], s: int, numbers: Sequence[Mapping[str, int]]) -> Any:
-        from .fsdp_pipeline import stage_at
-        from .fsdp_tensor_pipeline import _MeshReplay, _MeshUnits
+    def replay(self, s: int, numbers: Sequence[Mapping[str, int]], packed: bool) -> Any:
         from .model_parallel import memory_of
-        from .tensor_pipeline import TensorPipelineStep, _TensorPackedCut
 
-        step = self.step
+        step, kit = self.step, self.kit
+        cut, cuts = _cuts(step, numbers, packed)
         world = step._world(self.named)
         memory = memory_of(step._stages(), s, cut.p)
-        tcuts = [TensorPipelineStep._cut(step, n) for n in numbers]
-        units = [_MeshUnits(c, s, world, step.rank) for c in tcuts]
-        ats = [stage_at(memory, n, u, step.regime, c.per) for n, u, c in zip(numbers, units, tcuts, strict=True)]
-        watched = _watched(_MeshReplay)
+        tcuts = [kit.cut(n) for n in numbers]  # type: ignore[misc]
+        units = [kit.units(c, s, world, step.rank) for c in tcuts]  # type: ignore[misc]
+        ats = [kit.stage_at(memory, n, u, step.regime, c.per) for n, u, c in zip(numbers, units, tcuts, strict=True)]
+        watched = _watched(kit.replay)
         if cut is cuts[0]:
             return watched(tcuts[0], s, ats[0], step.schedule, step.micro_batches, units[0], step.reshard)
         alike = copy.copy(units[0])
         alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-        return watched(_TensorPackedCut(cut, tcuts), s, pack_parts(ats), step.schedule, step.micro_batches, alike,
-                       step.reshard)
+        return watched(kit.packed(cut, tcuts), s, pack_parts(ats), step.schedule,  # type: ignore[misc]
+                       step.micro_batches, alike, step.reshard)
 
     def again(self, made: tuple[Any, ...], s: int) -> Any:
-        from .fsdp_tensor_pipeline import _MeshReplay
-
         cut, at, units, events, known = made
         step = self.step
-        replay = _watched(_MeshReplay)(cut, s, at, step.schedule, step.micro_batches, units, step.reshard)
+        replay = _watched(self.kit.replay)(cut, s, at, step.schedule, step.micro_batches, units, step.reshard)
         replay._events, replay._known = events, known
         return replay
 
@@ -461,24 +483,14 @@ class MeshFormulas(FsdpFormulas):
         fsdp, tensor = held
         return super().terms(fsdp, cut, s) + self.tensor.terms(tensor, cut, s)
 
-    def _unit_type(self, found: type) -> type:
-        from .fsdp_tensor_pipeline import _MeshUnits
-
-        return _MeshUnits
-
-    def _cut(self) -> Any:
-        from .tensor_pipeline import TensorPipelineStep
-
-        return TensorPipelineStep._cut(self.step, self.named)
-
     def _shapes_of(self, cut: Any, s: int) -> dict[str, tuple[sympy.Expr, ...]]:
         """Each parameter at its tensor-parallel rank's shape (:func:`~symmem.passes.fsdp_tensor_pipeline._tp_shape`),
         the one FSDP pads and splits."""
         if s not in self._shapes:
-            from .fsdp_tensor_pipeline import _tp_shape
-
-            g = cut.g
+            g, tp_shape = cut.g, self.kit.tp_shape
             whole = super()._shapes_of(cut, s)
-            self._shapes[s] = {name: _tp_shape(cut, name if name in g and g.node(name).kind == "parameter" else
-                                               name.rsplit(".", 1)[0], shape) for name, shape in whole.items()}
+            owner = {name: name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+                     for name in whole}
+            self._shapes[s] = {name: tp_shape(cut, owner[name], shape)  # type: ignore[misc]
+                               for name, shape in whole.items()}
         return self._shapes[s]

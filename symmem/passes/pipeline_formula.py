@@ -103,8 +103,12 @@ class StageFormulas:
     def __init__(self, step: Any, named: Mapping[str, int], b: int, packed: bool,
                  extra: Callable[[Any, int], sympy.Expr] | None = None,
                  step_extra: Callable[[Any, int], sympy.Expr] | None = None, replay: type = _Replay,
-                 state: Callable[[Any, int], sympy.Expr] | None = None, said: str = "", engine: Any = None) -> None:
+                 state: Callable[[Any, int], sympy.Expr] | None = None, said: str = "", engine: Any = None,
+                 lined: bool | None = None) -> None:
         self.step, self.named, self.b, self.packed = step, dict(named), b, packed
+        #: the lines were read at three batches (packed, or three replays on their own: each formula is checked at
+        #: the three), else at ``b`` alone
+        self.lined = packed if lined is None else lined
         #: what an engine around the stage keeps alive the whole step beyond the stage alone (DDP's gradient
         #: buckets), as a formula of stage ``s``'s memory: in every moment of the schedule (``extra``: the replay read
         #: here holds the stage's own only) and of the optimizer step (``step_extra``); ``replay``: the stage's
@@ -135,12 +139,16 @@ class StageFormulas:
     def formula(self, s: int, a: int, c: int, first: bool, step: bool) -> tuple[sympy.Expr | None, str]:
         """Stage ``s``'s moment ``a + c*B`` (steady; ``first``: the first step's, with no optimizer state in the
         pipeline phase) as a formula and what it holds at (None: no formula, the line stays)."""
-        memory = memory_of(self.step._stages(), s, int(self.named["p"]))
+        found = self.step._stages()  # None: a traced module's (its engine reads its record)
+        memory = memory_of(found, s, int(self.named["p"])) if found is not None else None
         if step:  # the optimizer step: every gradient and the step's temporaries beside what lives at rest
             key = (s, "step")
             if key not in self.__dict__.setdefault("_bases", {}):
-                self._bases[key] = sympy.expand(self.engine.step_peak(memory, s) if self.engine is not None else
-                                                memory.step_peak + self.step_extra(memory, s))
+                made = sympy.expand(self.engine.step_peak(memory, s) if self.engine is not None else
+                                    memory.step_peak + self.step_extra(memory, s))
+                self._bases[key] = made if self._holds(made, {}, (a, c)) else None
+            if self._bases[key] is None:
+                return None, ""
             return self._bases[key], f"at {self.pinned()}"
         if s not in self.made:
             self.made[s] = self._stage(s, memory)
@@ -152,6 +160,11 @@ class StageFormulas:
     def _numbers(self) -> list[dict[str, int]]:
         return [{**self.named, "B": self.b + k} for k in (range(3) if self.packed else range(1))]
 
+    def _checked(self) -> list[dict[str, int]]:
+        """The batches a formula is checked at: the three its line was read at (from one packed replay or three
+        replays on their own), or ``b`` alone (a batch of one: the domain is B = 1)."""
+        return [{**self.named, "B": self.b + k} for k in (range(3) if self.lined else range(1))]
+
     def _stage(self, s: int, memory: Any) -> dict[tuple[int, int], tuple[sympy.Expr | None, str]]:
         step = self.step
         numbers = self._numbers()
@@ -159,11 +172,7 @@ class StageFormulas:
         kept = (step._cache.get(key) or step._memo().get(key)) if self.packed else None
         engine = self.engine
         if engine is not None:  # the engine's replay of the stage (it holds the whole moment), from its makings
-            if kept is not None:
-                replay = engine.again(kept[s], s)
-            else:
-                cuts = [_Cut(step.graph, step.conv, step.options, step.regime, n, step._memo()) for n in numbers]
-                replay = engine.replay(_PackedCut(cuts) if self.packed else cuts[0], cuts, s, numbers)
+            replay = engine.again(kept[s], s) if kept is not None else engine.replay(s, numbers, self.packed)
             cut = replay.cut
         else:
             if kept is not None:  # the replay that read the lines: its cut and plans
@@ -176,7 +185,7 @@ class StageFormulas:
                 events = {}
             replay = self.replay(cut, s, at, step.schedule, step.micro_batches)
             replay._events = events
-        self.branch = cut.branch  # the size conditions the step's copies were decided by
+        self.branch = getattr(cut, "branch", {})  # the size conditions the step's copies were decided by
         targets = {self._live(*k, memory, s): k for k in self.wanted[s]}
         watch = replay.moments = _Watch(replay, set(targets), self.engine)
         try:
@@ -232,9 +241,12 @@ class StageFormulas:
             per_stage = _symbol("L") / _symbol("p")
             return sympy.Add(base, *(k * e for e, k in rest.items() if k),
                              *(per_stage * k * e for e, k in one.items())), at
-        lone = {_symbol("L"): sympy.Integer(self.named["L"])}
+        count = getattr(engine, "count", "L")  # the layers' symbol (a traced module's own)
+        if count not in self.named:
+            return sympy.Add(base, *(k * e for e, k in total.items())), at
+        lone = {_symbol(count): sympy.Integer(self.named[count])}
         expr = sympy.Add(sympy.expand(base.xreplace(lone)), *(k * e for e, k in total.items()))
-        return expr, f"{at}, L = {self.named['L']}"
+        return expr, f"{at}, {count} = {self.named[count]}"
 
     def _base(self, memory: Any, s: int, merged: bool) -> sympy.Expr:
         """What the stage holds at rest, less the last step's logits unless ``merged`` (they are concatenated
@@ -242,7 +254,7 @@ class StageFormulas:
         key = (s, merged)
         found = self.__dict__.setdefault("_bases", {}).get(key)
         if found is None and self.engine is not None:  # expanded already
-            found = self._bases[key] = self.engine.rest(memory, s) - (0 if merged else sympy.expand(memory.outputs))
+            found = self._bases[key] = self.engine.rest(memory, s) - (0 if merged else self.engine.outputs(memory, s))
         elif found is None:
             found = self._bases[key] = sympy.expand(memory.at_rest - (0 if merged else memory.outputs)
                                                     + self.extra(memory, s))
@@ -253,7 +265,7 @@ class StageFormulas:
         at (each term's bytes interpreted once a batch: the stage's storages share a few sizes)."""
         a, c = line
         values = self.__dict__.setdefault("_values", {})
-        for k, n in enumerate(self._numbers()):
+        for k, n in enumerate(self._checked()):
             env = {_symbol(x): v for x, v in n.items()}
             try:
                 v = interpret(base, env)

@@ -210,7 +210,7 @@ class PipelineStep:
         # what its replay holds, not yet read as formulas)
         extra = self._formula_extra(named)
         sizes = None if extra is None else _StageFormulaMoments(self, named, b, line is not None and packed, batch,
-                                                                 **extra)
+                                                                 lined=line is not None, **extra)
         steady: list[Moment] = []
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):

@@ -366,9 +366,10 @@ class TensorPipelineStep(PipelineStep):
         (:class:`~symmem.passes.mesh_formula.TensorFormulas`)."""
         if type(self) is not TensorPipelineStep:
             return None
-        from .mesh_formula import TensorFormulas
+        from .mesh_formula import Kit, TensorFormulas
 
-        return {"engine": TensorFormulas(self, named)}
+        return {"engine": TensorFormulas(self, named, Kit(_TensorReplay, stage_at, packed=_TensorPackedCut,
+                                                          cut=self._cut))}
 
     def _cut(self, numbers: Mapping[str, int]) -> _TensorCut:
         """The single-device step cut by stage at ``numbers``, its storages at a rank's size; the numbers checked."""
