@@ -53,27 +53,34 @@ class _Done(Exception):
 
 class _Watch(list):
     """A replay's moments list that keeps nothing but, at the first moment showing each of ``targets`` (live
-    bytes, packed where the cut is packed), the storages alive there (the moment :mod:`.pipeline_step` reads a line
-    from is the first one with those bytes): a list, so the replay's own loop (``_Replay._alone``) runs as it is."""
+    bytes, packed where the cut is packed -> the lines wanted there and the op each was read at), the storages alive
+    there (the moment :mod:`.pipeline_step` reads a line from is the first one with those bytes at that op: two
+    lines read from replays on their own can cross at the one batch replayed here): a list, so the replay's own
+    loop (``_Replay._alone``) runs as it is."""
 
-    def __init__(self, replay: _Replay, targets: set[int], engine: Any = None) -> None:
+    def __init__(self, replay: _Replay, targets: Mapping[int, list[tuple[Any, str | None]]],
+                 engine: Any = None) -> None:
         super().__init__()
         self.replay, self.alive, self.targets, self.engine = replay, replay.alive, targets, engine
-        self.seen: dict[int, tuple[str | None, list[int]]] = {}
-        self.held: dict[int, Any] = {}  # what an engine around the stage holds there (its own storages)
+        self.seen: dict[Any, tuple[str | None, list[int]]] = {}
+        self.held: dict[Any, Any] = {}  # what an engine around the stage holds there (its own storages)
         self.tick = getattr(engine, "tick", None)  # told of every moment (which of an op's appends this is)
+        self.wanted = sum(len(v) for v in targets.values())
 
     def append(self, item: tuple[int, str | None, int | None]) -> None:
-        live = item[0]
         if self.tick is not None:
             self.tick(self.replay)
-        if live in self.targets and live not in self.seen:
-            # the replay appends a moment with what it made alive and before what it frees: the moment's storages
-            self.seen[live] = (item[1], [sid for _, sid in self.alive])
-            if self.engine is not None:
-                self.held[live] = self.engine.snapshot(self.replay)
-            if len(self.seen) == len(self.targets):
-                raise _Done
+        found = self.targets.get(item[0])
+        if found is None:
+            return
+        for key, node in found:
+            if node == item[1] and key not in self.seen:
+                # the replay appends a moment with what it made alive and before what it frees: its storages
+                self.seen[key] = (item[1], [sid for _, sid in self.alive])
+                if self.engine is not None:
+                    self.held[key] = self.engine.snapshot(self.replay)
+        if len(self.seen) == self.wanted:
+            raise _Done
 
 
 def keeping(found: Sequence[Any], numbers: Sequence[Mapping[str, int]], schedule: str, m: int
@@ -186,16 +193,17 @@ class StageFormulas:
             replay = self.replay(cut, s, at, step.schedule, step.micro_batches)
             replay._events = events
         self.branch = getattr(cut, "branch", {})  # the size conditions the step's copies were decided by
-        targets = {self._live(*k, memory, s): k for k in self.wanted[s]}
-        watch = replay.moments = _Watch(replay, set(targets), self.engine)
+        targets: dict[int, list[tuple[Any, str | None]]] = {}
+        for k, node in self.wanted[s].items():
+            targets.setdefault(self._live(*k, memory, s), []).append((k, node))
+        watch = replay.moments = _Watch(replay, targets, self.engine)
         try:
             replay.run()
         except _Done:
             pass
         out = {}
-        for live, (node, sids) in watch.seen.items():
-            key = targets[live]
-            out[key] = self._made(cut, s, sids, node, memory, key, watch.held.get(live))
+        for key, (node, sids) in watch.seen.items():
+            out[key] = self._made(cut, s, sids, node, memory, key, watch.held.get(key))
         return out
 
     def _live(self, a: int, c: int, memory: Any, s: int) -> int:
@@ -212,7 +220,7 @@ class StageFormulas:
         ``L`` at its number; the first whose bytes are the line's at the numbers (None: neither)."""
         from .unroll import iteration
 
-        tl, per = cut.tl, cut.per
+        tl, per = cut.tl, getattr(cut, "per", 0)  # a traced cut has no unrolled layers (engine.layer: 0)
         fixed: Counter = Counter()
         layers: dict[int, Counter] = defaultdict(Counter)
         engine = self.engine
