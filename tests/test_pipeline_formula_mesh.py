@@ -183,3 +183,29 @@ def test_every_view_gives_the_fsdp_formula():
     assert [d.evaluate(e) for e in per_stage] == out["values"]["peak_per_stage"] == [297672, 330780]
     assert all(N in e.free_symbols for e in per_stage)
     assert d.evaluate(d.peak_at(step="first").total) == d.value("peak_first_step")
+
+
+#: per case of test_traced_pipeline.CASES (two ranks): other sizes of the traced dimensions (the file module's B;
+#: Hugging Face's B and S): the formula read from the replay there, at the measured sizes
+TRACED_OTHER = {0: [{"B": 6}], 8: [{"B": 3, "S": 16}], 10: [{"S": 16}]}
+
+
+def traced_against_the_engines(real, cases, derived):
+    """``real``: per rank (the stage), test_traced_pipeline's results of its ``cases``; ``derived``: its derive.
+    Each stage's formula in the module's traced sizes (the blocks at their number, said), derived at other sizes,
+    at the measured sizes is the measured stage's peak where the same moment peaks there, else below it; the
+    first step's too."""
+    for k, others in TRACED_OTHER.items():
+        d = derived(*cases[k])
+        ranks = [rank[k] for rank in real]
+        for other in others:
+            o = d.at(**other)
+            for key, step in (("peak", "steady"), ("first_peak", "first")):
+                moments = o.step.stage_moments(o.numbers, step)
+                assert all(m.pinned().endswith(f", L = {d.evaluate(L)}") for m in moments if m.phase != "step"), k
+                found = [d.evaluate(m.total) for m in moments]  # at the case's own sizes
+                measured = [getattr(r, key) for r in ranks]
+                assert all(f <= r for f, r in zip(found, measured, strict=True)), (k, other, step, found, measured)
+                assert any(f == r for f, r in zip(found, measured, strict=True)), (k, other, step, found, measured)
+                if step == "steady":
+                    assert found == measured, (k, other, found, measured)
