@@ -209,3 +209,4 @@ def traced_against_the_engines(real, cases, derived):
                 assert any(f == r for f, r in zip(found, measured, strict=True)), (k, other, step, found, measured)
                 if step == "steady":
                     assert found == measured, (k, other, found, measured)
+
