@@ -1,4 +1,6 @@
-"""What an engine around a pipeline stage holds, as formulas in the sizes: FSDP2 on stages (FSDP x PP).
+"""What an engine around a pipeline stage holds, as formulas in the sizes: FSDP2 on stages (FSDP x PP,
+:class:`FsdpFormulas`), DTensor's standard plan (TP x PP, :class:`TensorFormulas`) and both (the 3-D mesh,
+:class:`MeshFormulas`).
 
 :class:`~symmem.passes.pipeline_formula.StageFormulas` reads a moment's formula off the stage's replay run again up
 to that moment.  Under FSDP2 (:mod:`.fsdp_pipeline`) that replay is :class:`~symmem.passes.fsdp_pipeline._FsdpReplay`,
