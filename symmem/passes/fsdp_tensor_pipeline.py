@@ -195,8 +195,8 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
     def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """FSDP's storages at the 2-D shards' sizes around the tensor-parallel rank's, as formulas in ``N``, ``t``
         and the sizes (:class:`~symmem.passes.mesh_formula.MeshFormulas`)."""
-        if type(self) is not FsdpTensorPipelineStep:
-            return None
+        if type(self) is not FsdpTensorPipelineStep or getattr(self.regime, "sequence_parallel", False):
+            return None  # sequence parallelism on stages: its formulas not checked at other sizes (lines in B)
         from .mesh_formula import Kit, MeshFormulas
         from .tensor_pipeline import _TensorPackedCut
 

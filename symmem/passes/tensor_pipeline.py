@@ -364,8 +364,8 @@ class TensorPipelineStep(PipelineStep):
     def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """The rank's storages, shards and collectives as formulas in ``t`` and the sizes
         (:class:`~symmem.passes.mesh_formula.TensorFormulas`)."""
-        if type(self) is not TensorPipelineStep:
-            return None
+        if type(self) is not TensorPipelineStep or getattr(self.regime, "sequence_parallel", False):
+            return None  # sequence parallelism on stages: its formulas not checked at other sizes (lines in B)
         from .mesh_formula import Kit, TensorFormulas
 
         return {"engine": TensorFormulas(self, named, Kit(_TensorReplay, stage_at, packed=_TensorPackedCut,
