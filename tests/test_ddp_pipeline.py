@@ -169,6 +169,8 @@ def _check_traced(everything):
                               "buckets": 0 if view else r.parameters, "optimizer_state": r.optimizer_state,
                               "total": (2 if view else 3) * r.parameters + r.optimizer_state} for r in real}
         assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
+        # an engine on traced stages: no formula in the sizes (passes/pipeline_formula.py), said in the peak line
+        assert d.peak_at().pinned() == f"a line in B, the other sizes at their numbers, p = 2, M = {case[1]}", k
     assert [(r.steady_at, r.steady_peak) for r in everything[0]] == [
         (("forward", "aten.sum.dim_IntList"), 163_896), (("step", "aten.div.Tensor"), 142_768)]
     assert everything[0][1].optimizer_state - everything[1][1].optimizer_state == 168

@@ -95,6 +95,9 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         _check_hf([rank[at] for rank in everything])
         for k, case in enumerate(MORE_HF):
             _check_more_hf([rank[at + 1 + k] for rank in everything], *case)
+    import test_pipeline_formula_mesh as formula  # FSDP x pipeline's formulas from other sizes vs these ranks
+
+    formula.fsdp_against_the_engines(everything, CASES)
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -75,6 +75,9 @@ def test_every_rank_of_a_2x2x2_mesh_against_the_engine():
                 r.parameters + _stage_buffers(case, r.pp), r.parameters, r.optimizer_state), (k, r, side)
     # data-parallel rank 1 holds 16 of the embedding's and the head's 17 rows a rank: its state the smaller
     assert [r[0].optimizer_state for r in everything[:4]] == [23080, 23080, 22824, 22824]
+    import test_pipeline_formula_mesh as formula  # the 3-D mesh's formulas from other sizes vs these ranks
+
+    formula.mesh_against_the_engines(everything, CASES)
 
 
 def test_the_cli_and_fit(capsys):

@@ -94,6 +94,9 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
 
         RUNS["tensor"] = fsdp_pipeline_runs(2, 2, CASES, start_method="forkserver")
     check(RUNS["tensor"])
+    import test_pipeline_formula_mesh as formula  # TP x pipeline's formulas from other sizes vs these ranks
+
+    formula.tensor_against_the_engines(RUNS["tensor"], CASES)
 
 
 def test_the_cli_and_fit(capsys):

@@ -121,6 +121,9 @@ def test_every_stage_of_a_traced_module_equals_real_pipelining_runs():
                                                              max(r.first_peak for r in ranks)):
             wrong.append(f"{case}: peak {d.value('peak')}, first {d.value('peak_first_step')}")
     assert not wrong, "\n".join(wrong)
+    import test_pipeline_formula_mesh as formula  # the stages' formulas from other sizes vs these ranks
+
+    formula.traced_against_the_engines(real, CASES, _derived)
     # both phases are somebody's peak: the optimizer step (1F1B, M = 2) and the schedule (GPipe, M = 4)
     assert real[0][1].peak == real[0][1].step_peak > real[0][1].pipeline_peak
     assert real[0][0].peak == real[0][0].pipeline_peak > real[0][0].step_peak

@@ -513,6 +513,15 @@ class TracedPipelineStep(PipelineStep):
         count = named.get(self.step.symbol.name) if self.step.symbol is not None else None
         return self.step.record(int(count) if count is not None else None)
 
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """The record's storages as formulas in the module's sizes (:mod:`.traced_formula`), the blocks at their
+        number; None for a subclass (an engine around the stages: its moments stay lines in B)."""
+        if type(self) is not TracedPipelineStep:
+            return None
+        from .traced_formula import TracedFormulas
+
+        return {"engine": TracedFormulas(self, named, stage_memory, TracedCut._boundaries)}
+
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
         """Every stage's replay of the step recorded at ``numbers``, cut into ``p`` stages."""
         p = numbers.get("p")

@@ -394,6 +394,8 @@ class FsdpPipelineStep(PipelineStep):
         numbers = [{**named, BATCH: b + k} for k in range(3)]
         found = self._stages()
 
+        kept: list[Any] = []  # each stage's replay's makings: pipeline_formula's snapshot replays start from them
+
         def make(packed: Any, cuts: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
             units = [_Units(cuts[0], s, world, self.rank)]
@@ -407,10 +409,24 @@ class FsdpPipelineStep(PipelineStep):
             ats = [stage_at(memory, n, u, self.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
             alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
             alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-            return _FsdpReplay(packed, s, pack_parts(ats), self.schedule, self.micro_batches, alike, self.reshard), ats
+            replay = _FsdpReplay(packed, s, pack_parts(ats), self.schedule, self.micro_batches, alike, self.reshard)
+            kept.append((packed, replay.at, alike, replay._events, replay._known))
+            return replay, ats
 
-        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if out is not None and len(kept) == len(out):
+            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
+        return out
+
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """FSDP's storages beside the stage's replay as formulas in ``N`` and the sizes
+        (:class:`~symmem.passes.mesh_formula.FsdpFormulas`); None for a subclass (its moments stay lines in B)."""
+        if type(self) is not FsdpPipelineStep:
+            return None
+        from .mesh_formula import FsdpFormulas, Kit
+
+        return {"engine": FsdpFormulas(self, named, Kit(_FsdpReplay, stage_at, units=_Units))}
 
     def _world(self, numbers: Mapping[str, int]) -> int:
         """``N``, the data-parallel ranks of a stage (at least 2, above this step's rank)."""

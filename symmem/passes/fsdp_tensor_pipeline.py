@@ -181,6 +181,8 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
         cuts = [TensorPipelineStep._cut(self, n) for n in numbers]  # type: ignore[arg-type]
         found = self._stages()
 
+        kept: list[Any] = []  # each stage's replay's makings: pipeline_formula's snapshot replays start from them
+
         def make(packed: Any, plain: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
             units = [_MeshUnits(c, s, world, self.rank) for c in cuts]
@@ -189,11 +191,30 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
             ats = [self._stage_at(memory, n, u, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
             alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
             alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-            return self._replay()(self._packing()(packed, cuts), s, pack_parts(ats), self.schedule, self.micro_batches,
-                                  alike, self.reshard), ats
+            replay = self._replay()(self._packing()(packed, cuts), s, pack_parts(ats), self.schedule,
+                                    self.micro_batches, alike, self.reshard)
+            kept.append((replay.cut, replay.at, alike, replay._events, replay._known))
+            return replay, ats
 
-        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if out is not None and len(kept) == len(out):
+            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
+        return out
+
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """FSDP's storages at the 2-D shards' sizes around the tensor-parallel rank's, as formulas in ``N``, ``t``
+        and the sizes (:class:`~symmem.passes.mesh_formula.MeshFormulas`)."""
+        if type(self) is not FsdpTensorPipelineStep or getattr(self.regime, "sequence_parallel", False):
+            return None  # sequence parallelism on stages: its formulas not checked at other sizes (lines in B)
+        from .mesh_formula import Kit, MeshFormulas
+        from .tensor_pipeline import _TensorPackedCut
+
+        def cut(numbers: Mapping[str, int]) -> Any:
+            return TensorPipelineStep._cut(self, numbers)  # type: ignore[arg-type]  # the same checks and sizes
+
+        return {"engine": MeshFormulas(self, named, Kit(_MeshReplay, stage_at, units=_MeshUnits,
+                                                        packed=_TensorPackedCut, cut=cut, tp_shape=_tp_shape))}
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak

@@ -53,21 +53,34 @@ class _Done(Exception):
 
 class _Watch(list):
     """A replay's moments list that keeps nothing but, at the first moment showing each of ``targets`` (live
-    bytes, packed where the cut is packed), the storages alive there (the moment :mod:`.pipeline_step` reads a line
-    from is the first one with those bytes): a list, so the replay's own loop (``_Replay._alone``) runs as it is."""
+    bytes, packed where the cut is packed -> the lines wanted there and the op each was read at), the storages alive
+    there (the moment :mod:`.pipeline_step` reads a line from is the first one with those bytes at that op: two
+    lines read from replays on their own can cross at the one batch replayed here): a list, so the replay's own
+    loop (``_Replay._alone``) runs as it is."""
 
-    def __init__(self, replay: _Replay, targets: set[int]) -> None:
+    def __init__(self, replay: _Replay, targets: Mapping[int, list[tuple[Any, str | None]]],
+                 engine: Any = None) -> None:
         super().__init__()
-        self.alive, self.targets = replay.alive, targets
-        self.seen: dict[int, tuple[str | None, list[int]]] = {}
+        self.replay, self.alive, self.targets, self.engine = replay, replay.alive, targets, engine
+        self.seen: dict[Any, tuple[str | None, list[int]]] = {}
+        self.held: dict[Any, Any] = {}  # what an engine around the stage holds there (its own storages)
+        self.tick = getattr(engine, "tick", None)  # told of every moment (which of an op's appends this is)
+        self.wanted = sum(len(v) for v in targets.values())
 
     def append(self, item: tuple[int, str | None, int | None]) -> None:
-        live = item[0]
-        if live in self.targets and live not in self.seen:
-            # the replay appends a moment with what it made alive and before what it frees: the moment's storages
-            self.seen[live] = (item[1], [sid for _, sid in self.alive])
-            if len(self.seen) == len(self.targets):
-                raise _Done
+        if self.tick is not None:
+            self.tick(self.replay)
+        found = self.targets.get(item[0])
+        if found is None:
+            return
+        for key, node in found:
+            if node == item[1] and key not in self.seen:
+                # the replay appends a moment with what it made alive and before what it frees: its storages
+                self.seen[key] = (item[1], [sid for _, sid in self.alive])
+                if self.engine is not None:
+                    self.held[key] = self.engine.snapshot(self.replay)
+        if len(self.seen) == self.wanted:
+            raise _Done
 
 
 def keeping(found: Sequence[Any], numbers: Sequence[Mapping[str, int]], schedule: str, m: int
@@ -97,8 +110,12 @@ class StageFormulas:
     def __init__(self, step: Any, named: Mapping[str, int], b: int, packed: bool,
                  extra: Callable[[Any, int], sympy.Expr] | None = None,
                  step_extra: Callable[[Any, int], sympy.Expr] | None = None, replay: type = _Replay,
-                 state: Callable[[Any, int], sympy.Expr] | None = None, said: str = "") -> None:
+                 state: Callable[[Any, int], sympy.Expr] | None = None, said: str = "", engine: Any = None,
+                 lined: bool | None = None) -> None:
         self.step, self.named, self.b, self.packed = step, dict(named), b, packed
+        #: the lines were read at three batches (packed, or three replays on their own: each formula is checked at
+        #: the three), else at ``b`` alone
+        self.lined = packed if lined is None else lined
         #: what an engine around the stage keeps alive the whole step beyond the stage alone (DDP's gradient
         #: buckets), as a formula of stage ``s``'s memory: in every moment of the schedule (``extra``: the replay read
         #: here holds the stage's own only) and of the optimizer step (``step_extra``); ``replay``: the stage's
@@ -106,6 +123,10 @@ class StageFormulas:
         #: the first step's schedule lacks (ZeRO-1: the rank's own); ``said``: what else the formulas hold at
         self.extra, self.step_extra, self.replay = extra or _nothing, step_extra or _nothing, replay
         self.state, self.said = state or _state, said
+        #: an engine whose replay holds storages of its own around the stage's ops (FSDP's all-gathers, ...): it
+        #: makes the stage's replay and says, as formulas, what it holds at rest, in the optimizer step and at a
+        #: moment (:class:`~symmem.passes.mesh_formula.FsdpFormulas`); None: the stage alone (with ``extra``)
+        self.engine = engine
         self.wanted: dict[int, dict[tuple[int, int], str | None]] = defaultdict(dict)  # stage -> (a, c) -> node
         self.made: dict[int, dict[tuple[int, int], tuple[sympy.Expr | None, str]]] = {}
 
@@ -125,110 +146,142 @@ class StageFormulas:
     def formula(self, s: int, a: int, c: int, first: bool, step: bool) -> tuple[sympy.Expr | None, str]:
         """Stage ``s``'s moment ``a + c*B`` (steady; ``first``: the first step's, with no optimizer state in the
         pipeline phase) as a formula and what it holds at (None: no formula, the line stays)."""
-        memory = memory_of(self.step._stages(), s, int(self.named["p"]))
+        found = self.step._stages()  # None: a traced module's (its engine reads its record)
+        memory = memory_of(found, s, int(self.named["p"])) if found is not None else None
         if step:  # the optimizer step: every gradient and the step's temporaries beside what lives at rest
             key = (s, "step")
             if key not in self.__dict__.setdefault("_bases", {}):
-                self._bases[key] = sympy.expand(memory.step_peak + self.step_extra(memory, s))
+                made = sympy.expand(self.engine.step_peak(memory, s) if self.engine is not None else
+                                    memory.step_peak + self.step_extra(memory, s))
+                self._bases[key] = made if self._holds(made, {}, (a, c)) else None
+            if self._bases[key] is None:
+                return None, ""
             return self._bases[key], f"at {self.pinned()}"
         if s not in self.made:
             self.made[s] = self._stage(s, memory)
         expr, note = self.made[s].get((a, c), (None, ""))
         if expr is not None and first:
-            expr = expr - self.state(memory, s)
+            expr = expr - (self.engine.state(memory, s) if self.engine is not None else self.state(memory, s))
         return expr, note
 
     def _numbers(self) -> list[dict[str, int]]:
         return [{**self.named, "B": self.b + k} for k in (range(3) if self.packed else range(1))]
+
+    def _checked(self) -> list[dict[str, int]]:
+        """The batches a formula is checked at: the three its line was read at (from one packed replay or three
+        replays on their own), or ``b`` alone (a batch of one: the domain is B = 1)."""
+        return [{**self.named, "B": self.b + k} for k in (range(3) if self.lined else range(1))]
 
     def _stage(self, s: int, memory: Any) -> dict[tuple[int, int], tuple[sympy.Expr | None, str]]:
         step = self.step
         numbers = self._numbers()
         key = ("plans", tuple(sorted(self.named.items())), self.b)
         kept = (step._cache.get(key) or step._memo().get(key)) if self.packed else None
-        if kept is not None:  # the replay that read the lines: its cut and plans
-            cut, at, events = kept[s]
+        engine = self.engine
+        if engine is not None:  # the engine's replay of the stage (it holds the whole moment), from its makings
+            replay = engine.again(kept[s], s) if kept is not None else engine.replay(s, numbers, self.packed)
+            cut = replay.cut
         else:
-            cuts = [_Cut(step.graph, step.conv, step.options, step.regime, n, step._memo()) for n in numbers]
-            cut = _PackedCut(cuts) if self.packed else cuts[0]
-            at = pack_parts(memory.at_each(numbers, _REPLAYED)) if self.packed else memory.at(numbers[0], _REPLAYED)
-            events = {}
-        self.branch = cut.branch  # the size conditions the step's copies were decided by
-        targets = {self._live(*k, memory, s): k for k in self.wanted[s]}
-        replay = self.replay(cut, s, at, step.schedule, step.micro_batches)
-        replay._events = events
-        watch = replay.moments = _Watch(replay, set(targets))
+            if kept is not None:  # the replay that read the lines: its cut and plans
+                cut, at, events = kept[s]
+            else:
+                cuts = [_Cut(step.graph, step.conv, step.options, step.regime, n, step._memo()) for n in numbers]
+                cut = _PackedCut(cuts) if self.packed else cuts[0]
+                at = (pack_parts(memory.at_each(numbers, _REPLAYED)) if self.packed else
+                      memory.at(numbers[0], _REPLAYED))
+                events = {}
+            replay = self.replay(cut, s, at, step.schedule, step.micro_batches)
+            replay._events = events
+        self.branch = getattr(cut, "branch", {})  # the size conditions the step's copies were decided by
+        targets: dict[int, list[tuple[Any, str | None]]] = {}
+        for k, node in self.wanted[s].items():
+            targets.setdefault(self._live(*k, memory, s), []).append((k, node))
+        watch = replay.moments = _Watch(replay, targets, self.engine)
         try:
             replay.run()
         except _Done:
             pass
         out = {}
-        for live, (node, sids) in watch.seen.items():
-            key = targets[live]
-            out[key] = self._made(cut, s, sids, node, memory, key)
+        for key, (node, sids) in watch.seen.items():
+            out[key] = self._made(cut, s, sids, node, memory, key, watch.held.get(key))
         return out
 
     def _live(self, a: int, c: int, memory: Any, s: int) -> int:
         """The moment ``a + c*B``'s bytes as the snapshot replay (the stage alone) holds them (packed at the three
         batches)."""
-        extra = self.extra(memory, s)
+        extra = self.extra(memory, s) if self.engine is None else 0
         values = [a + c * n["B"] - (math.ceil(interpret(extra, {_symbol(k): v for k, v in n.items()})) if extra
                                     else 0) for n in self._numbers()]
         return _pack(values) if self.packed else values[0]
 
     def _made(self, cut: Any, s: int, sids: Sequence[int], node: str | None, memory: Any,
-              line: tuple[int, int]) -> tuple[sympy.Expr | None, str]:
+              line: tuple[int, int], held: Any = None) -> tuple[sympy.Expr | None, str]:
         """The moment's formula: in ``L`` where a run of alike layers shows what a layer more holds, else with
         ``L`` at its number; the first whose bytes are the line's at the numbers (None: neither)."""
         from .unroll import iteration
 
-        tl, per = cut.tl, cut.per
+        tl, per = cut.tl, getattr(cut, "per", 0)  # a traced cut has no unrolled layers (engine.layer: 0)
         fixed: Counter = Counter()
         layers: dict[int, Counter] = defaultdict(Counter)
+        engine = self.engine
+        size = engine.size if engine is not None else None  # a storage's bytes on the engine's rank
         for sid in sids:
             st = tl.storages[sid]
             k = iteration(st.name)
-            if k:
-                layers[k - s * per][st.nbytes] += 1
-            else:
-                fixed[st.nbytes] += 1
+            (layers[k - s * per] if k else fixed)[st.nbytes if size is None else size(cut, sid)] += 1
+        for k, nbytes, count in engine.terms(held, cut, s) if engine is not None else ():
+            (layers[k - s * per] if k else fixed)[nbytes] += count  # the engine's own storages, by layer
         total = sum(layers.values(), fixed)
         at = f"at {self.pinned()}"
-        own = iteration(node) - s * per if node and iteration(node) else None
-        run = _run(layers, per, own)
+        mine = engine.layer(node) if engine is not None else iteration(node) if node else 0
+        own = mine - s * per if mine else None
+        run = _run(layers, per, own, trim=engine is not None)
         base = self._base(memory, s, node == "merge_chunks")
+        # both formulas below are, at the numbers (where L/p is ``per``), the base and every storage alive: checked
+        # once, term by term (interpreting the whole sum at each batch was most of a formula's time)
+        if not self._holds(base, total, line):
+            return None, ""
         if run is not None:
             # the numbers' layers, less ``per`` of the run's, plus L/p of them (Counter arithmetic: no expand)
             one = layers[run[0]]
             rest = Counter(total)
             rest.subtract({e: per * k for e, k in one.items()})
             per_stage = _symbol("L") / _symbol("p")
-            expr = sympy.Add(base, *(k * e for e, k in rest.items() if k), *(per_stage * k * e for e, k in one.items()))
-            if self._holds(expr, line):
-                return expr, at
-        lone = {_symbol("L"): sympy.Integer(self.named["L"])}
+            return sympy.Add(base, *(k * e for e, k in rest.items() if k),
+                             *(per_stage * k * e for e, k in one.items())), at
+        count = getattr(engine, "count", "L")  # the layers' symbol (a traced module's own)
+        if count not in self.named:
+            return sympy.Add(base, *(k * e for e, k in total.items())), at
+        lone = {_symbol(count): sympy.Integer(self.named[count])}
         expr = sympy.Add(sympy.expand(base.xreplace(lone)), *(k * e for e, k in total.items()))
-        if self._holds(expr, line):
-            return expr, f"{at}, L = {self.named['L']}"
-        return None, ""
+        return expr, f"{at}, {count} = {self.named[count]}"
 
     def _base(self, memory: Any, s: int, merged: bool) -> sympy.Expr:
         """What the stage holds at rest, less the last step's logits unless ``merged`` (they are concatenated
         again at the end of the schedule), expanded once."""
         key = (s, merged)
         found = self.__dict__.setdefault("_bases", {}).get(key)
-        if found is None:
+        if found is None and self.engine is not None:  # expanded already
+            found = self._bases[key] = self.engine.rest(memory, s) - (0 if merged else self.engine.outputs(memory, s))
+        elif found is None:
             found = self._bases[key] = sympy.expand(memory.at_rest - (0 if merged else memory.outputs)
                                                     + self.extra(memory, s))
         return found
 
-    def _holds(self, expr: sympy.Expr, line: tuple[int, int]) -> bool:
-        """Whether ``expr`` is the line ``a + c*B`` at the batches it was read at."""
+    def _holds(self, base: sympy.Expr, terms: Mapping[sympy.Expr, int], line: tuple[int, int]) -> bool:
+        """Whether ``base`` plus ``terms`` (bytes -> how many) is the line ``a + c*B`` at the batches it was read
+        at (each term's bytes interpreted once a batch: the stage's storages share a few sizes)."""
         a, c = line
-        for n in self._numbers():
-            env = {_symbol(k): v for k, v in n.items()}
+        values = self.__dict__.setdefault("_values", {})
+        for k, n in enumerate(self._checked()):
+            env = {_symbol(x): v for x, v in n.items()}
             try:
-                v = interpret(expr, env)
+                v = interpret(base, env)
+                for e, count in terms.items():
+                    key = (k, e)
+                    if key not in values:
+                        values[key] = interpret(e, env)
+                    v += count * values[key]
             except (KeyError, TypeError, ValueError, ZeroDivisionError):
                 return False
             if v != a + c * n["B"]:
@@ -261,16 +314,25 @@ def _said(cond: Any, value: bool) -> list[str]:
     return [str(cond) if value else f"not {cond}"]
 
 
-def _run(layers: Mapping[int, Counter], per: int, own: int | None) -> list[int] | None:
+def _run(layers: Mapping[int, Counter], per: int, own: int | None, trim: bool = False) -> list[int] | None:
     """The stage's layers (1 to ``per``) between its first, its last and the moment's own (``own``; None outside
     the layers) that grow with ``L/p``: those after the moment's layer where it is nearer the first, else those
-    before it; None where that run is empty or its layers are not alike."""
+    before it; None where that run is empty or its layers are not alike.  ``trim`` (an engine around the stage):
+    without the layers next to the moment's, which hold what its op does to its neighbours (the gradient a
+    backward receives from the layer after, FSDP's prefetch of the layer before), alike or not at these sizes.
+
+    >>> a, b = Counter({8: 1}), Counter({8: 1, 4: 1})
+    >>> _run({2: a, 3: a, 4: b}, 6, 5), _run({2: a, 3: a, 4: b}, 6, 5, trim=True)
+    (None, [2, 3])
+    """
     if own is None or own in (1, per):
         found = list(range(2, per))
     elif own - 1 <= per - own:
         found = list(range(own + 1, per))
     else:
         found = list(range(2, own))
+    if trim and own is not None:
+        found = [k for k in found if abs(k - own) > 1]
     if not found or any(layers.get(k, Counter()) != layers.get(found[0], Counter()) for k in found):
         return None
     return found

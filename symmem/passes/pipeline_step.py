@@ -11,8 +11,9 @@ domain is those numbers (``S = 1024``, ...), and other numbers replay again.
 Each moment's formula in the model's sizes (``L`` as ``L/p``; ``p``, ``M`` and the size conditions of the step's
 copies at their numbers) is read from its stage's replay when first asked for (:mod:`.pipeline_formula`): what
 the stage holds at rest plus the storages alive at that op, checked against the line; the bytes at these sizes
-stay the lines'.  An engine around the stages whose replay adds more than DDP's buckets (FSDP, ZeRO-1, tensor
-parallelism) and traced stages keep the lines (the peak line says so).
+stay the lines'.  An engine around the stages adds what it holds there (DDP's buckets, ZeRO-1's own state; FSDP's,
+DTensor's and the 3-D mesh's storages as formulas in ``N`` and ``t``: :mod:`.mesh_formula`); traced stages keep the
+lines (the peak line says so).
 
 The first step differs in one thing: no optimizer state exists during its pipeline phase.  Its optimizer step is
 the steady one's: AdamW makes every parameter's state in ``_init_group`` before the first update
@@ -209,7 +210,7 @@ class PipelineStep:
         # what its replay holds, not yet read as formulas)
         extra = self._formula_extra(named)
         sizes = None if extra is None else _StageFormulaMoments(self, named, b, line is not None and packed, batch,
-                                                                 **extra)
+                                                                 lined=line is not None, **extra)
         steady: list[Moment] = []
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):

@@ -373,6 +373,16 @@ class TensorPipelineStep(PipelineStep):
                                       self.micro_batches))
         return out
 
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """The rank's storages, shards and collectives as formulas in ``t`` and the sizes
+        (:class:`~symmem.passes.mesh_formula.TensorFormulas`)."""
+        if type(self) is not TensorPipelineStep or getattr(self.regime, "sequence_parallel", False):
+            return None  # sequence parallelism on stages: its formulas not checked at other sizes (lines in B)
+        from .mesh_formula import Kit, TensorFormulas
+
+        return {"engine": TensorFormulas(self, named, Kit(_TensorReplay, stage_at, packed=_TensorPackedCut,
+                                                          cut=self._cut))}
+
     def _cut(self, numbers: Mapping[str, int]) -> _TensorCut:
         """The single-device step cut by stage at ``numbers``, its storages at a rank's size; the numbers checked."""
         from .model_parallel import TensorRank, requires
@@ -399,6 +409,7 @@ class TensorPipelineStep(PipelineStep):
         found = self._stages()
 
         shared: dict[int, Any] = {}  # one packed tensor cut for every stage (its ops sorted out, sizes packed once)
+        kept: list[Any] = []  # each stage's cut, parts and plans: pipeline_formula's snapshot replays start from them
 
         def make(packed: Any, plain: Any, s: int) -> Any:
             memory = memory_of(found, s, packed.p)
@@ -406,10 +417,15 @@ class TensorPipelineStep(PipelineStep):
             if id(packed) not in shared:
                 shared.clear()
                 shared[id(packed)] = (packed, self._packing()(packed, cuts))
-            return self._replay()(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches), ats
+            replay = self._replay()(shared[id(packed)][1], s, pack_parts(ats), self.schedule, self.micro_batches)
+            kept.append((replay.cut, replay.at, replay._events))
+            return replay, ats
 
-        return batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
+                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if out is not None and len(kept) == len(out):
+            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
+        return out
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
