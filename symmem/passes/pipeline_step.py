@@ -118,6 +118,7 @@ class PipelineStep:
             if len(self._cache) > 16:
                 self._cache = {k: v for k, v in self._cache.items() if k in ("stages", "memo")}
             self._cache[key] = found
+            settled()
         return self._cache[key]
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
@@ -178,6 +179,7 @@ class PipelineStep:
         key = ("peak", tuple(sorted(named.items())))
         if key not in self._cache:
             self._cache[key] = self._peak(named)
+            settled()
         return self._cache[key]
 
     def _peak(self, named: dict[str, int]) -> Peak:
@@ -214,24 +216,9 @@ class PipelineStep:
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):
             state = parts[0]["optimizer_state"]
-            if len({len(x) for x in rows}) != 1:
-                raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
-                                  "in B here")
-            lines: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
-            firsts: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
-            steady_line, first_line = lines.setdefault, firsts.setdefault
-            for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
-                c = v1 - v0
-                if v2 - v1 != c:
-                    raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
-                is_step = node is None and mb is None
-                a = v0 - b * c
-                steady_line((a, c, is_step), (node, mb))
-                # the first step: no optimizer state during its pipeline phase, the same optimizer step (the
-                # module's note); its own upper lines, as the step may bound them where it bounds no steady one
-                first_line((a if is_step else a - state, c, is_step), (node, mb))
-            for which, found in (("steady", steady), ("first", first)):
-                for (a, c, is_step), (node, mb) in _upper(lines if which == "steady" else firsts).items():
+            uppers = self._stage_uppers(s, rows, parts, b)
+            for which, found, upper in (("steady", steady, uppers[0]), ("first", first, uppers[1])):
+                for (a, c, is_step), (node, mb) in upper.items():
                     label = None if node in (None, "merge_chunks") else node
                     layer = str(iteration(label)) if label and iteration(label) else ""
                     steady_a = a + (state if which == "first" and not is_step else 0)  # the same moment's
@@ -247,6 +234,12 @@ class PipelineStep:
                        for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
+
+    def _stage_uppers(self, s: int, rows: Any, parts: Sequence[Mapping[str, int]], b: int) -> tuple[Lines, Lines]:
+        """Stage ``s``'s lines ``a + c*B`` that no other bounds, of the steady step and of the first, from its
+        moments at ``B = b, b + 1, b + 2`` (``rows``) and its parts there (:func:`lines_of`)."""
+        lines, firsts = lines_of(s, rows, b, parts[0]["optimizer_state"])
+        return _upper(lines), _upper(firsts)
 
     def _formula_extra(self, named: Mapping[str, int]) -> dict[str, Any] | None:
         """What an engine around the stages keeps alive the whole step beyond a stage alone's, as formulas of the
@@ -276,8 +269,59 @@ class PipelineStep:
                           "bytes of tensors")
 
 
+def settled() -> None:
+    """What the replays leave alive (their records, plans and moments, kept for the views' other numbers: tens of
+    thousands of small objects) moved into the collector's oldest generation without a walk over it, as ``symmem
+    trace`` does (:mod:`symmem.importer.collector`): the peak is worked out with the collector paused
+    (:func:`symmem.graph.paused_gc`), and its first young pass afterwards walked all of it again and found no
+    garbage (a tenth of the plain pipeline peak).  Cyclic garbage made meanwhile is found by the next full
+    collection.  Objects the caller froze are left as they are.
+
+    >>> import gc
+    >>> settled(); gc.get_freeze_count()
+    0
+    """
+    import gc
+
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
+
+
 class _NotALine(SymmemError):
     """The stages' bytes read at three batches do not lie on lines."""
+
+
+#: a stage's lines: ``(a, c, the optimizer step's)`` -> the first moment's (op, micro-batch) on the line ``a + c*B``
+Lines = dict[tuple[int, int, bool], tuple[str | None, int | None]]
+
+
+def lines_of(s: int, rows: Sequence[Sequence[tuple[int, str | None, int | None]]], b: int, state: int
+             ) -> tuple[Lines, Lines]:
+    """Stage ``s``'s moments at ``B = b, b + 1, b + 2`` (``rows``) as lines in B, each with its first moment, of the
+    steady step and of the first (``state``: the optimizer state its pipeline phase lacks); refused where they are
+    not lines.
+
+    >>> lines_of(0, [[(10, "x", 0), (20, None, None)], [(13, "x", 0), (20, None, None)],
+    ...              [(16, "x", 0), (20, None, None)]], 1, 4)
+    ({(7, 3, False): ('x', 0), (20, 0, True): (None, None)}, {(3, 3, False): ('x', 0), (20, 0, True): (None, None)})
+    """
+    if len({len(x) for x in rows}) != 1:
+        raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line in B here")
+    lines: Lines = {}
+    firsts: Lines = {}
+    steady_line, first_line = lines.setdefault, firsts.setdefault
+    for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
+        c = v1 - v0
+        if v2 - v1 != c:
+            raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
+        is_step = node is None and mb is None
+        a = v0 - b * c
+        steady_line((a, c, is_step), (node, mb))
+        # the first step: no optimizer state during its pipeline phase, the same optimizer step (the module's
+        # note); its own upper lines, as the step may bound them where it bounds no steady one
+        first_line((a if is_step else a - state, c, is_step), (node, mb))
+    return lines, firsts
 
 
 def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, bool], Any]:

@@ -223,6 +223,11 @@ class _TensorReplay(_Replay):
         self._extras = cut.collectives()
         self.fix: tuple[int | None, int, int] | None = None  # the head's backward (before)
 
+    def _hook_state(self, kind: str, mb: int) -> Any:
+        """Nothing carried from one segment to the next (each op's collectives are its own): a segment begun alike
+        is its record moved (:meth:`~symmem.passes.model_parallel._Replay._repeated`)."""
+        return ()
+
     def begin(self, kind: str, mb: int) -> None:
         self.pass_ = 0 if mb == 0 else 1
         self._ops = self._plan(self.pass_, kind)  # segment walks the same plan: before() follows it op by op
