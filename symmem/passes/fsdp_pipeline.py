@@ -50,7 +50,7 @@ from typing import Any
 from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
-from .model_parallel import _integer, _Replay, _step_temporaries, memory_of
+from .model_parallel import _Cut, _integer, _ops, _Replay, _step_temporaries, memory_of
 from .pipeline_step import BATCH, PipelineStep, StageMoment
 from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
@@ -147,7 +147,10 @@ class _FsdpReplay(_Replay):
         self.held: dict[tuple[str, Any], int] = {}   # FSDP's storages alive: (kind, unit) -> bytes
         self.first_op: dict[int | None, str] = {}
         self.last_op: dict[int | None, str] = {}
-        forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
+        if type(cut).on is _Cut.on:  # the stage's ops as its plans read them (sorted out once for every stage)
+            forward = [e.node for _, e in _ops(cut, 0, "F")[s]]
+        else:
+            forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
         for n in forward:
             u = self._unit(n)
             self.first_op.setdefault(u, n)
@@ -438,7 +441,7 @@ class FsdpPipelineStep(PipelineStep):
     # the units on it and the replay
     def _checked_cut(self, numbers: Mapping[str, int]) -> tuple[int, Any]:
         """``N`` and the single-device step cut by stage at ``numbers``, the numbers checked."""
-        from .model_parallel import _Cut, requires
+        from .model_parallel import requires
 
         requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
         world = self._world(numbers)

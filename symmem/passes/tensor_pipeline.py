@@ -125,6 +125,7 @@ class _TensorCut(_Cut):
         self._stage = {}
         self.whole: dict[int, int] = {}
         self.values: dict[int, int] = {}  # id of a size (held by sizes) -> bytes
+        self.fulls: dict[int, int] = {}  # id of a single-device size (held by the timeline) -> bytes
 
     def size(self, sid: int) -> int:
         if sid not in self.cache:
@@ -171,9 +172,15 @@ class _TensorCut(_Cut):
 
     def full(self, sid: int) -> int:
         """Storage ``sid``'s single-device bytes."""
-        if sid not in self.whole:
-            self.whole[sid] = _integer(self.tl.storages[sid].nbytes, self.subs, self.tl.storages[sid].name)
-        return self.whole[sid]
+        found = self.whole.get(sid)
+        if found is None:
+            # by the size's object, as size(): the layers' storages share their template's (passes/stretch.py)
+            e = self.tl.storages[sid].nbytes
+            found = self.fulls.get(id(e))
+            if found is None:
+                found = self.fulls[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.whole[sid] = found
+        return found
 
 
 class _TensorPackedCut(_TensorCut):
@@ -186,12 +193,19 @@ class _TensorPackedCut(_TensorCut):
         self.tcuts, self.sizes = cuts, cuts[0].sizes
         self.cache, self._stage = {}, {}
         self.whole = {}
+        self._packed: dict[int, int] = {}  # id of a rank's size (held by sizes, the three cuts') -> packed bytes
 
-    # each packed once (the plans ask for every storage a stage's ops make)
+    # each packed once (the plans ask for every storage a stage's ops make), once for the storages alike: the three
+    # cuts share one simulated step and its sizes on a rank (_Sizes.local: the same object for the storages alike),
+    # and each cut's bytes of a storage are its size's at the cut's numbers
     def size(self, sid: int) -> int:
         found = self.cache.get(sid)
         if found is None:
-            found = self.cache[sid] = _pack([c.size(sid) for c in self.tcuts])
+            e = self.sizes.local(sid)
+            found = self._packed.get(id(e))
+            if found is None or any(c.sizes is not self.sizes for c in self.tcuts):
+                found = self._packed[id(e)] = _pack([c.size(sid) for c in self.tcuts])
+            self.cache[sid] = found
         return found
 
     def full(self, sid: int) -> int:
