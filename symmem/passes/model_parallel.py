@@ -117,12 +117,35 @@ class StageMemory:
         shared = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in common.items()}
         each = [{sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in n.items()
                  if k not in common} for n in numbers]
+        parts: dict[str, sympy.Expr] = {}  # each part with the numbers they share put in
+        exact: list[dict[str, sympy.Expr]] = [{} for _ in numbers]  # and at each set of numbers
+
+        def value(name: str, k: int) -> sympy.Expr:
+            found = exact[k].get(name)
+            if found is None:
+                if name not in parts:
+                    parts[name] = sympy.sympify(getattr(self, name), strict=True).xreplace(shared)
+                found = exact[k][name] = sympy.sympify(parts[name], strict=True).xreplace(each[k])
+            return found
+
         out: list[dict[str, int]] = [{} for _ in numbers]
         for name in names:
-            part = sympy.sympify(getattr(self, name), strict=True).xreplace(shared)
-            for found, subs in zip(out, each, strict=True):
-                found[name] = _integer(part, subs, name)
+            for k, found in enumerate(out):
+                summed = [value(x, k) for x in _SUMS.get(name, ())]
+                if summed and all(v.is_Integer for v in summed):
+                    # a total (at rest, the step's peak) as the sum of its parts' values, each a whole number of
+                    # bytes: the same integer as its own formula's (sympy's arithmetic is exact), not worked out
+                    # again from a formula holding them all
+                    found[name] = int(sum(summed))
+                else:
+                    found[name] = _rounded(value(name, k), name)
         return out
+
+
+#: the totals :meth:`StageMemory.at_each` adds up from their parts (StageMemory's properties)
+_SUMS = {"at_rest": ("parameters", "optimizer_state", "buffers", "inputs", "outputs"),
+         "step_peak": ("parameters", "optimizer_state", "buffers", "inputs", "outputs", "gradients",
+                       "step_temporaries")}
 
 
 def in_flight(index: int, micro_batches: int) -> sympy.Expr:
@@ -144,7 +167,11 @@ def in_flight(index: int, micro_batches: int) -> sympy.Expr:
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
-    value = sympy.sympify(expr, strict=True).xreplace(subs)
+    return _rounded(sympy.sympify(expr, strict=True).xreplace(subs), name)
+
+
+def _rounded(value: sympy.Expr, name: str) -> int:
+    """A part's value at numbers as whole bytes (``name``: what is refused where symbols are left)."""
     if not value.is_number:
         raise SymmemError(f"the stage's {name} needs values for {', '.join(sorted(map(str, value.free_symbols)))}")
     return int(sympy.ceiling(value))

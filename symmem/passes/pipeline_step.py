@@ -325,10 +325,22 @@ def lines_of(s: int, rows: Sequence[Sequence[tuple[int, str | None, int | None]]
 
 
 def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, bool], Any]:
-    """The lines ``a + c*B`` no other bounds for every ``B >= 1`` (one at least as large at 1 and as steep)."""
+    """The lines ``a + c*B`` no other bounds for every ``B >= 1`` (one at least as large at 1 and as steep).
+
+    Of the lines of one slope only the largest at 1 can be (the first of them, where several are): the rest are
+    left out before the lines are sorted (a stage has thousands of lines, a few slopes).
+
+    >>> _upper({(5, 1, False): "a", (9, 0, False): "b", (2, 3, False): "c", (5, 1, True): "d", (1, 3, False): "e"})
+    {(9, 0, False): 'b', (5, 1, False): 'a', (2, 3, False): 'c'}
+    """
+    best: dict[int, tuple[int, int, bool]] = {}  # slope -> its line largest at 1, the first of those
+    for k in lines:
+        found = best.get(k[1])
+        if found is None or k[0] > found[0]:
+            best[k[1]] = k
     kept = {}
     steepest = None
-    for k in sorted(lines, key=lambda k: (-(k[0] + k[1]), -k[1])):
+    for k in sorted(best.values(), key=lambda k: (-(k[0] + k[1]), -k[1])):
         if steepest is None or k[1] > steepest:
             kept[k] = lines[k]
             steepest = k[1]
