@@ -298,30 +298,37 @@ Lines = dict[tuple[int, int, bool], tuple[str | None, int | None]]
 
 def lines_of(s: int, rows: Sequence[Sequence[tuple[int, str | None, int | None]]], b: int, state: int
              ) -> tuple[Lines, Lines]:
-    """Stage ``s``'s moments at ``B = b, b + 1, b + 2`` (``rows``) as lines in B, each with its first moment, of the
-    steady step and of the first (``state``: the optimizer state its pipeline phase lacks); refused where they are
-    not lines.
+    """Stage ``s``'s moments at ``B = b, b + 1, b + 2`` (``rows``) as lines in B, of the steady step and of the
+    first (``state``: the optimizer state its pipeline phase lacks); refused where they are not lines.  Of each
+    slope, only the line largest at B = 1 (with the first moment on it): no other of that slope can be one that no
+    other bounds (:func:`_upper`), and a stage's replay has thousands of moments on a few slopes.
 
-    >>> lines_of(0, [[(10, "x", 0), (20, None, None)], [(13, "x", 0), (20, None, None)],
-    ...              [(16, "x", 0), (20, None, None)]], 1, 4)
+    >>> lines_of(0, [[(10, "x", 0), (9, "y", 1), (20, None, None)], [(13, "x", 0), (12, "y", 1), (20, None, None)],
+    ...              [(16, "x", 0), (15, "y", 1), (20, None, None)]], 1, 4)
     ({(7, 3, False): ('x', 0), (20, 0, True): (None, None)}, {(3, 3, False): ('x', 0), (20, 0, True): (None, None)})
     """
     if len({len(x) for x in rows}) != 1:
         raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line in B here")
-    lines: Lines = {}
-    firsts: Lines = {}
-    steady_line, first_line = lines.setdefault, firsts.setdefault
+    steady: dict[int, tuple[int, bool, tuple[str | None, int | None]]] = {}  # slope -> (a, the step's, moment)
+    firsts: dict[int, tuple[int, bool, tuple[str | None, int | None]]] = {}
     for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
         c = v1 - v0
         if v2 - v1 != c:
             raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
         is_step = node is None and mb is None
         a = v0 - b * c
-        steady_line((a, c, is_step), (node, mb))
+        found = steady.get(c)
+        if found is None or a > found[0]:
+            steady[c] = (a, is_step, (node, mb))
         # the first step: no optimizer state during its pipeline phase, the same optimizer step (the module's
         # note); its own upper lines, as the step may bound them where it bounds no steady one
-        first_line((a if is_step else a - state, c, is_step), (node, mb))
-    return lines, firsts
+        if not is_step:
+            a -= state
+        found = firsts.get(c)
+        if found is None or a > found[0]:
+            firsts[c] = (a, is_step, (node, mb))
+    return ({(a, c, step): where for c, (a, step, where) in steady.items()},
+            {(a, c, step): where for c, (a, step, where) in firsts.items()})
 
 
 def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, bool], Any]:
