@@ -141,22 +141,41 @@ class _TensorCut(_Cut):
         """What each collective op adds for its moment, by (pass, kind, op) (alike on every stage)."""
         if hasattr(self, "_extras"):
             return self._extras
-        sizes, t = self.sizes, self.ranks()
+        t = self.ranks()
         out: dict[tuple[int, str, str | None], int] = {}
-        for p, found in enumerate(self.passes):
-            for _, e in found["F"]:
-                if e.node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
-                    out[(p, "F", e.node)] = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-                elif e.node == sizes.head:  # the local logits and the all-gather's output beside its wrapper
-                    whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-                    out[(p, "F", e.node)] = whole + whole // t
-            for _, e in found["B"]:
-                if e.node in sizes.column:
-                    grads = [self.full(i) for i in e.born if self.tl.storages[i].name.endswith(".grad_input0")]
-                    if grads:
-                        out[(p, "B", e.node)] = max(0, 2 * grads[0] - sum(self.size(i) for i in e.freed))
+        for key, kind, born, freed in self._collective_ops():
+            if kind == "row":  # the all-reduce's partial sum beside its output and wrapper
+                out[key] = sum(self.full(i) for i in born)
+            elif kind == "head":  # the local logits and the all-gather's output beside its wrapper
+                whole = sum(self.full(i) for i in born)
+                out[key] = whole + whole // t
+            else:  # a column-parallel linear's backward: its input gradient's all-reduce
+                out[key] = max(0, 2 * self.full(born[0]) - sum(self.size(i) for i in freed))
         self._extras = out
         return out
+
+    def _collective_ops(self) -> list[tuple[tuple[int, str, str | None], str, list[int], list[int]]]:
+        """The collective ops of the simulated step, in order: (pass, kind, op), which (``row``, ``head``,
+        ``column``), the storages they add (the op's output; a column-parallel backward's input gradient) and what
+        that backward frees -- found once for every set of numbers the step is read at (the peak's three batches
+        share it: only the bytes differ)."""
+        key = ("tensor collectives", id(self.tl))
+        found = self.memo.get(key)
+        if found is None or found[0] is not self.tl:
+            sizes, storages = self.sizes, self.tl.storages
+            ops: list[tuple[tuple[int, str, str | None], str, list[int], list[int]]] = []
+            for p, passes in enumerate(self.passes):
+                for _, e in passes["F"]:
+                    if e.node in sizes.row or e.node == sizes.head:
+                        ops.append(((p, "F", e.node), "row" if e.node in sizes.row else "head",
+                                    [i for i in e.born if storages[i].name == e.node], []))
+                for _, e in passes["B"]:
+                    if e.node in sizes.column:
+                        grads = [i for i in e.born if storages[i].name.endswith(".grad_input0")]
+                        if grads:
+                            ops.append(((p, "B", e.node), "column", grads[:1], list(e.freed)))
+            found = self.memo[key] = (self.tl, ops)
+        return found[1]
 
     def logits_grad(self) -> int:
         """The rank's copy of the logits' gradient: the model's output over ``t`` (found once: the replay asks at
