@@ -38,7 +38,7 @@ def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
     for label in ("moved", "walked"):
         with monkeypatch.context() as patch:
             if label == "walked":  # every segment walked op by op
-                patch.setattr(mp._Replay, "_repeated", lambda self, kind, mb: walked(self, kind, mb))
+                patch.setattr(mp._Replay, "_repeated", lambda self, kind, mb, walk, state: walk(kind, mb))
             else:
                 patch.setattr(mp._Replay, "_walked", lambda self, kind, mb: walks.append(1) or walked(self, kind, mb))
             for model, schedule, more in cases:
@@ -116,3 +116,85 @@ def test_a_watched_replay_walks_every_segment() -> None:
     assert [list(r.moments) for r in watched] == [r.moments for r in plain]
     assert all(len(r.moments.alive) == len(r.moments) for r in watched)
     assert not any(isinstance(r, mp._Replay) and r._records for r in watched)
+
+
+#: the engines around the stages whose hooks carry state from one segment to the next, and ZeRO-1's ranks: small
+#: Llama sizes, 1F1B and GPipe, FSDP's units resharded after forward or not
+ENGINES = [
+    ("1f1b", 4, {"data_parallel": "fsdp"}, {"N": 2}),
+    ("gpipe", 3, {"data_parallel": "fsdp-no-reshard"}, {"N": 3, "V": 63}),
+    ("1f1b", 4, {"tensor_parallel": True}, {"t": 2}),
+    ("gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2}),
+    ("1f1b", 4, {"data_parallel": "zero-redundancy"}, {"N": 3}),
+]
+
+
+def _everything(d) -> tuple:
+    """A pipeline derivation's peaks and where, the packed replay's moments the lines are read from, and each
+    stage's replay at the derivation's numbers, moment by moment."""
+    from symmem.passes.ddp_pipeline import _Moved
+
+    step = d.step
+    named = step._named(None)
+    replays = [(r.moments, r.peak) for r in step._replays(named)]
+    packed = [(rows.rows() if isinstance(rows, _Moved) else rows, parts)
+              for rows, parts in step._batch_moments(named, named["B"])]
+    return (d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(), packed,
+            replays)
+
+
+def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch) -> None:
+    """FSDP2's units (resharded after forward or not), DTensor's collectives, both on the 3-D mesh: a stage's
+    segment whose hooks begin alike (FSDP's storages held, the units its pre-backwards prefetch) is its first
+    walk's record moved, the hooks' state moved with it -- the same moments, peaks and lines as every segment
+    walked op by op; and ZeRO-1's ranks' lines moved from the replayed rank's are those read from each rank's
+    moments one by one."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+    from symmem.passes.ddp_pipeline import DdpPipelineStep, _Moved
+    from symmem.passes.pipeline_step import PipelineStep
+
+    found: dict[str, list] = {}
+    walks: list[str] = []
+    segments: list[str] = []
+    hooked, segment = mp._Replay._hooked, mp._Replay.segment
+    for label in ("moved", "walked"):
+        with monkeypatch.context() as patch:
+            if label == "walked":  # every segment walked op by op, every ZeRO-1 rank's moments read one by one
+                patch.setattr(mp._Replay, "_repeated", lambda self, kind, mb, walk, state: walk(kind, mb))
+                patch.setattr(DdpPipelineStep, "_stage_uppers", lambda self, s, rows, parts, b: PipelineStep.
+                              _stage_uppers(self, s, rows.rows() if isinstance(rows, _Moved) else rows, parts, b))
+            else:
+                patch.setattr(mp._Replay, "_hooked", lambda self, kind, mb: walks.append(type(self).__name__)
+                              or hooked(self, kind, mb))
+                patch.setattr(mp._Replay, "segment", lambda self, kind, mb: segments.append(type(self).__name__)
+                              or segment(self, kind, mb))
+            for schedule, m, engine, more in ENGINES:
+                values = {**SMALL, "L": 4, "p": 2, **more}
+                d = derive("llama", pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, device="cpu",
+                           loss="cross-entropy", values=values, **engine)
+                found.setdefault(label, []).append(_everything(d))
+    assert found["moved"] == found["walked"]
+    # each replay walks each way a segment begins once: not every segment
+    for kind in ("_FsdpReplay", "_TensorReplay", "_MeshReplay"):
+        assert 0 < walks.count(kind) < segments.count(kind)
+
+
+def test_zero_1_ranks_read_from_one_replay() -> None:
+    """ZeRO-1 x pipeline at N = 3: the ranks differ (each owns other whole parameters), and every rank's stage
+    lines are the replayed rank's moved: one set of lines worked out a stage, not one a rank."""
+    from symmem import derive
+    from symmem.passes.ddp_pipeline import _Moved
+
+    d = derive("llama", data_parallel="zero-redundancy", pipeline_parallel=True, micro_batches=4, device="cpu",
+               loss="cross-entropy", values={**SMALL, "L": 4, "p": 2, "N": 3})
+    d.value("peak")
+    step = d.step
+    named = step._named(None)
+    groups = step._alike(named)
+    assert len(groups) > 1
+    for group in groups:
+        rows = step.at_rank(group[0])._batch_moments(named, named["B"])
+        assert all(isinstance(moved, _Moved) for moved, _ in rows)
+    read = [v for k, v in step._memo().items() if isinstance(k, tuple) and k[0] == "zero-1 lines"]
+    assert len(read) == 2 and all(v is not None for v in read)  # one a stage, for every rank

@@ -205,10 +205,50 @@ class DdpPipelineStep(PipelineStep):
         for s, (rows, ats) in enumerate(base):
             mine = [self._at(at, self._cut(n)[1][s], world)
                     for at, n in zip(self._parts_each(memory_of(found, s, len(base)), numbers), numbers, strict=True)]
-            out.append(([[(mine[k]["step_peak"] if node is None and mb is None else
-                           v + mine[k]["at_rest"] - ats[k]["at_rest"], node, mb) for v, node, mb in row]
-                         for k, row in enumerate(rows)], mine))
+            out.append((_Moved(rows, ats, mine, key), mine))
         return out
+
+    def _stage_uppers(self, s: int, rows: Any, parts: Any, b: int) -> Any:
+        """:meth:`PipelineStep._stage_uppers`; a ZeRO-1 rank's stage (:class:`_Moved`) from the replayed rank's lines:
+        every moment of the pipeline phase moved by the same line (the difference at rest at the three batches) is
+        a line moved by it, and which bound the others does not change (each moment gains the same at every B), so
+        the replayed rank's lines of the pipeline phase that no other bounds, worked out once, are moved, then
+        bounded with the rank's own optimizer step (a line bounded among some is bounded among more)."""
+        from .pipeline_step import _upper, lines_of
+
+        if not isinstance(rows, _Moved):
+            return super()._stage_uppers(s, rows, parts, b)
+        moved = [m["at_rest"] - a["at_rest"] for m, a in zip(rows.mine, rows.ats, strict=True)]
+        step = [m["step_peak"] for m in rows.mine]
+        if moved[2] - moved[1] != moved[1] - moved[0] or step[2] - step[1] != step[1] - step[0]:
+            return super()._stage_uppers(s, rows.rows(), parts, b)  # not moved by a line: read one by one
+        memo = self._memo()
+        key = ("zero-1 lines", rows.key, s)
+        if key not in memo:
+            # the replayed rank's pipeline phase: every moment but the last, the optimizer step's (none is unless
+            # it is the step's: then each rank's moments are moved one by one)
+            schedule = [row[:-1] for row in rows.base]
+            alike = all(row and row[-1][1] is None and row[-1][2] is None for row in rows.base) and not any(
+                node is None and mb is None for _, node, mb in schedule[0])
+            memo[key] = None
+            if alike:
+                lines, firsts = lines_of(s, schedule, b, rows.ats[0]["optimizer_state"])
+                memo[key] = (_upper(lines), _upper(firsts))
+        if memo[key] is None:
+            return super()._stage_uppers(s, rows.rows(), parts, b)  # the rank's moments, read one by one
+        steady, first = memo[key]
+        dc = moved[1] - moved[0]
+        da = moved[0] - b * dc
+        c = step[1] - step[0]
+        at_step = (step[0] - b * c, c, True)
+        # the first step's pipeline lines lack the rank's own state (the replayed rank's lacked its)
+        df = da - parts[0]["optimizer_state"] + rows.ats[0]["optimizer_state"]
+        out = []
+        for upper, shift in ((steady, da), (first, df)):
+            lines = {(a + shift, c + dc, False): where for (a, c, _), where in upper.items()}
+            lines.setdefault(at_step, (None, None))
+            out.append(_upper(lines))
+        return out[0], out[1]
 
     def _cut(self, numbers: Mapping[str, int]) -> Any:
         """The single-device step cut by stage at ``numbers``, shared by every data-parallel rank's step."""
@@ -321,6 +361,24 @@ class DdpPipelineStep(PipelineStep):
                 out.update({s * world + r: pair for r in group})
         out = dict(sorted(out.items()))
         return out if len(set(out.values())) > 1 else None
+
+
+@dataclass(frozen=True, eq=False)
+class _Moved:
+    """A ZeRO-1 rank's moments of one stage at the three batches: the replayed rank's (``base``, its parts ``ats``)
+    with every moment of the pipeline phase moved by the difference at rest, the optimizer step's the rank's own
+    (``mine``: its parts); ``key``: the replay's, in the step's memo."""
+
+    base: Any
+    ats: Any
+    mine: Any
+    key: Any
+
+    def rows(self) -> list[list[tuple[int, str | None, int | None]]]:
+        """The rank's moments, one by one."""
+        return [[(self.mine[k]["step_peak"] if node is None and mb is None else
+                  v + self.mine[k]["at_rest"] - self.ats[k]["at_rest"], node, mb) for v, node, mb in row]
+                for k, row in enumerate(self.base)]
 
 
 class _ViewReplay(_Replay):

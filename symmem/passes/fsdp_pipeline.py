@@ -50,7 +50,7 @@ from typing import Any
 from ..errors import SymmemError
 from ..shapes import numel
 from ..training import Regime
-from .model_parallel import _integer, _Replay, _step_temporaries, memory_of
+from .model_parallel import _Cut, _integer, _ops, _Replay, _step_temporaries, memory_of
 from .pipeline_step import BATCH, PipelineStep, StageMoment
 from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
@@ -150,7 +150,10 @@ class _FsdpReplay(_Replay):
         self.held: dict[tuple[str, Any], int] = {}   # FSDP's storages alive: (kind, unit) -> bytes
         self.first_op: dict[int | None, str] = {}
         self.last_op: dict[int | None, str] = {}
-        forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
+        if type(cut).on is _Cut.on:  # the stage's ops as its plans read them (sorted out once for every stage)
+            forward = [e.node for _, e in _ops(cut, 0, "F")[s]]
+        else:
+            forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
         for n in forward:
             u = self._unit(n)
             self.first_op.setdefault(u, n)
@@ -217,6 +220,36 @@ class _FsdpReplay(_Replay):
             for p in self.units.of(unit):
                 self._drop(("P", (unit, p.name)))
             self._drop(("P", unit))
+
+    # what the hooks carry from one segment to the next (model_parallel._Replay._repeated: a segment begun alike is
+    # its record moved): the storages FSDP holds, and in a backward the unit each unit's pre-backward prefetches
+    def _hook_state(self, kind: str, mb: int) -> Any:
+        if not self._pure:
+            return None  # a traced module's replay counts the ops as they run: walked every time
+        held = frozenset(self.held.items())
+        if kind == "F":
+            return held
+        # which post-forward index each unit's pre-backward pops, and the unit before it there (its prefetch)
+        targets = tuple((u, self.post_forward[self.indices[u][-1] - 1] if self.indices[u][-1] > 0 else "first")
+                        for u in self.units.order if self.indices.get(u))
+        return held, targets
+
+    def _hook_mark(self) -> Any:
+        return len(self.post_forward), {u: len(x) for u, x in self.indices.items()}
+
+    def _hook_effect(self, mark: Any) -> Any:
+        made, had = mark
+        popped = tuple(u for u, n in had.items() if len(self.indices.get(u, ())) < n)
+        return dict(self.held), tuple(self.post_forward[made:]), popped, self.opened, frozenset(self.started)
+
+    def _hook_redo(self, effect: Any) -> None:
+        held, forwards, popped, opened, started = effect
+        self.held = dict(held)
+        for u in popped:
+            self.indices[u].pop()
+        for u in forwards:
+            self._post_forward(u)
+        self.opened, self.started = opened, set(started)
 
     # the hooks of the replay
     def begin(self, kind: str, mb: int) -> None:
@@ -366,18 +399,13 @@ class FsdpPipelineStep(PipelineStep):
     rank: int = 0
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
-        from .model_parallel import _Cut, requires
-
-        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
-        world = self._world(numbers)
-        cut = _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
+        world, cut = self._checked_cut(numbers)
         found = self._stages()
         out = []
         for s in range(cut.p):
-            memory = memory_of(found, s, cut.p)
-            units = _Units(cut, s, world, self.rank)
-            at = stage_at(memory, numbers, units, self.regime, cut.per)
-            out.append(_FsdpReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
+            units = self._units(cut, s, world)
+            at = self._stage_at(memory_of(found, s, cut.p), numbers, units, cut.per)
+            out.append(self._replay(cut, s, at, units))
         return out
 
     def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
@@ -387,30 +415,30 @@ class FsdpPipelineStep(PipelineStep):
         where a subclass replays otherwise."""
         if type(self)._make_replays is not FsdpPipelineStep._make_replays:
             return None
-        from .model_parallel import batch_moments, pack_alike, pack_parts, requires
+        from .model_parallel import batch_moments, pack_alike, pack_parts
 
-        requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
-        world = self._world(named)
         numbers = [{**named, BATCH: b + k} for k in range(3)]
+        world, cuts = self._batch_cuts(numbers)
         found = self._stages()
 
         kept: list[Any] = []  # each stage's replay's makings: pipeline_formula's snapshot replays start from them
 
-        def make(packed: Any, cuts: Any, s: int) -> Any:
+        def make(packed: Any, plain: Any, s: int) -> Any:
+            mine = plain if cuts is None else cuts
             memory = memory_of(found, s, packed.p)
-            units = [_Units(cuts[0], s, world, self.rank)]
+            units = [self._units(mine[0], s, world)]
             # the units read the numbers through the dimensions they size (cut.dims): where the other batches give
             # those the same values (no parameter's shape is in B) the units are the same
-            sized = {str(x) for d in cuts[0].__dict__.get("dims", {}) for x in getattr(d, "free_symbols", ())}
-            units += [units[0] if all(n.get(x) == numbers[0].get(x) for x in sized) else _Units(c, s, world, self.rank)
-                      for c, n in zip(cuts[1:], numbers[1:], strict=True)]
+            sized = {str(x) for d in mine[0].__dict__.get("dims", {}) for x in getattr(d, "free_symbols", ())}
+            units += [units[0] if all(n.get(x) == numbers[0].get(x) for x in sized) else self._units(c, s, world)
+                      for c, n in zip(mine[1:], numbers[1:], strict=True)]
             if any(u.params != units[0].params for u in units):
                 return None
-            ats = [stage_at(memory, n, u, self.regime, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
+            ats = [self._stage_at(memory, n, u, c.per) for n, u, c in zip(numbers, units, mine, strict=True)]
             alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
             alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-            replay = _FsdpReplay(packed, s, pack_parts(ats), self.schedule, self.micro_batches, alike, self.reshard)
-            kept.append((packed, replay.at, alike, replay._events, replay._known))
+            replay = self._replay(self._packed(packed, mine), s, pack_parts(ats), alike)
+            kept.append((replay.cut, replay.at, alike, replay._events, replay._known))
             return replay, ats
 
         out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
@@ -427,6 +455,38 @@ class FsdpPipelineStep(PipelineStep):
         from .mesh_formula import FsdpFormulas, Kit
 
         return {"engine": FsdpFormulas(self, named, Kit(_FsdpReplay, stage_at, units=_Units))}
+
+    # what differs on the 3-D mesh (passes/fsdp_tensor_pipeline.py): the cut, at a tensor-parallel rank's sizes there,
+    # the units on it and the replay
+    def _checked_cut(self, numbers: Mapping[str, int]) -> tuple[int, Any]:
+        """``N`` and the single-device step cut by stage at ``numbers``, the numbers checked."""
+        from .model_parallel import requires
+
+        requires(numbers.get("p"), numbers.get("L"), self.schedule, self.micro_batches)
+        world = self._world(numbers)
+        return world, _Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo())
+
+    def _batch_cuts(self, numbers: list[dict[str, int]]) -> tuple[int, list[Any] | None]:
+        """``N`` and the cuts the units and parts at each of the peak's three batches are read from (None: the
+        plain cuts :func:`~symmem.passes.model_parallel.batch_moments` makes), the numbers checked."""
+        from .model_parallel import requires
+
+        requires(numbers[0].get("p"), numbers[0].get("L"), self.schedule, self.micro_batches)
+        return self._world(numbers[0]), None
+
+    def _units(self, cut: Any, s: int, world: int) -> _Units:
+        return _Units(cut, s, world, self.rank)
+
+    def _stage_at(self, memory: Any, numbers: Mapping[str, int], units: _Units, per: int) -> dict[str, int]:
+        """The stage's parts at ``numbers`` (:func:`stage_at`; sequence parallelism splits its buffers)."""
+        return stage_at(memory, numbers, units, self.regime, per)
+
+    def _replay(self, cut: Any, s: int, at: Mapping[str, int], units: _Units) -> _FsdpReplay:
+        return _FsdpReplay(cut, s, at, self.schedule, self.micro_batches, units, self.reshard)
+
+    def _packed(self, packed: Any, cuts: list[Any]) -> Any:
+        """The packed cut a replay at the three batches runs on (``cuts``: :meth:`_batch_cuts`')."""
+        return packed
 
     def _world(self, numbers: Mapping[str, int]) -> int:
         """``N``, the data-parallel ranks of a stage (at least 2, above this step's rank)."""

@@ -38,7 +38,7 @@ from ..shapes import numel
 from ..training import Regime
 from .fsdp_pipeline import FsdpPipelineStep, _FsdpReplay, _Param, _Units, stage_at
 from .model_parallel import _integer, memory_of
-from .pipeline_step import BATCH, StageMoment
+from .pipeline_step import StageMoment
 from .tensor_pipeline import TensorPipelineStep, _TensorCut, _TensorReplay
 from .unroll import iteration
 
@@ -67,11 +67,15 @@ class _MeshUnits(_Units):
         if key not in cut.memo:
             cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
         self.params: list[_Param] = []
+        # each dimension at the cut's numbers once, and told to the cut (``dims``: the batches that give them the
+        # same values share the units, FsdpPipelineStep._batch_moments)
+        sized: dict[Any, int] = cut.__dict__.setdefault("dims", {})
         for name, shape in cut.memo[key].items():
             owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
             if cut.stage_of(owner) != s:
                 continue
-            dims = tuple(_integer(d, cut.subs, name) for d in _tp_shape(cut, owner, shape))
+            dims = tuple(sized[d] if d in sized else sized.setdefault(d, _integer(d, cut.subs, name))
+                         for d in _tp_shape(cut, owner, shape))
             rows = shard_rows(dims, world) if dims else 1
             shard = int(rows) * int(numel(dims[1:])) if dims else 1
             held = tuple(int(x) for x in held_shape(dims, world, rank))
@@ -103,6 +107,12 @@ class _MeshReplay(_TensorReplay, _FsdpReplay):
         self._extras = cut.collectives()
         self.head_backward, self.mode, self.accumulated = False, "", 0
         self.fix = None
+
+    # FSDP's units carry from one segment to the next, DTensor's collectives do not
+    _hook_state = _FsdpReplay._hook_state
+    _hook_mark = _FsdpReplay._hook_mark
+    _hook_effect = _FsdpReplay._hook_effect
+    _hook_redo = _FsdpReplay._hook_redo
 
     def begin(self, kind: str, mb: int) -> None:
         _FsdpReplay.begin(self, kind, mb)
@@ -146,61 +156,31 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
     sequence parallelism: :class:`~symmem.passes.sequence_pipeline.FsdpSequencePipelineStep`, its hooks' own)."""
 
     # the replay, the packed cut, the cut and the stage's parts: a subclass's (sequence parallelism) may differ
-    def _replay(self) -> type[_MeshReplay]:
+    def _replay_class(self) -> type[_MeshReplay]:
         return _MeshReplay
 
     _packing = TensorPipelineStep._packing
     _make_cut = TensorPipelineStep._make_cut
 
-    def _stage_at(self, memory: Any, numbers: Mapping[str, int], units: _Units, per: int) -> dict[str, int]:
-        return stage_at(memory, numbers, units, self.regime, per)
-
-    def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
+    # FsdpPipelineStep's replays (one loop, packed or not) on the tensor-parallel rank's cut
+    def _checked_cut(self, numbers: Mapping[str, int]) -> tuple[int, Any]:
         world = self._world(numbers)
-        cut = TensorPipelineStep._cut(self, numbers)  # type: ignore[arg-type]  # the same checks and sizes
-        found = self._stages()
-        out = []
-        for s in range(cut.p):
-            memory = memory_of(found, s, cut.p)
-            units = _MeshUnits(cut, s, world, self.rank)
-            at = self._stage_at(memory, numbers, units, cut.per)
-            out.append(self._replay()(cut, s, at, self.schedule, self.micro_batches, units, self.reshard))
-        return out
+        return world, TensorPipelineStep._cut(self, numbers)  # type: ignore[arg-type]  # the same checks and sizes
 
-    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
-        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
-        (:func:`~symmem.passes.model_parallel.batch_moments`): the rank's sizes and the collectives' bytes packed
-        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`), FSDP's units alike at the three batches (packed
-        alike); None where the units differ between them (each replayed on its own)."""
-        import copy
+    def _batch_cuts(self, numbers: list[dict[str, int]]) -> tuple[int, list[Any] | None]:
+        world = self._world(numbers[0])
+        return world, [TensorPipelineStep._cut(self, n) for n in numbers]  # type: ignore[arg-type]
 
-        from .model_parallel import batch_moments, pack_alike, pack_parts
+    def _units(self, cut: Any, s: int, world: int) -> _Units:
+        return _MeshUnits(cut, s, world, self.rank)
 
-        world = self._world(named)
-        numbers = [{**named, BATCH: b + k} for k in range(3)]
-        cuts = [TensorPipelineStep._cut(self, n) for n in numbers]  # type: ignore[arg-type]
-        found = self._stages()
+    def _replay(self, cut: Any, s: int, at: Mapping[str, int], units: _Units) -> Any:
+        return self._replay_class()(cut, s, at, self.schedule, self.micro_batches, units, self.reshard)
 
-        kept: list[Any] = []  # each stage's replay's makings: pipeline_formula's snapshot replays start from them
-
-        def make(packed: Any, plain: Any, s: int) -> Any:
-            memory = memory_of(found, s, packed.p)
-            units = [_MeshUnits(c, s, world, self.rank) for c in cuts]
-            if any(u.params != units[0].params for u in units):
-                return None
-            ats = [self._stage_at(memory, n, u, c.per) for n, u, c in zip(numbers, units, cuts, strict=True)]
-            alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
-            alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
-            replay = self._replay()(self._packing()(packed, cuts), s, pack_parts(ats), self.schedule,
-                                    self.micro_batches, alike, self.reshard)
-            kept.append((replay.cut, replay.at, alike, replay._events, replay._known))
-            return replay, ats
-
-        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
-        if out is not None and len(kept) == len(out):
-            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
-        return out
+    def _packed(self, packed: Any, cuts: list[Any]) -> Any:
+        """The rank's sizes and the collectives' bytes packed
+        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`, or the subclass's :meth:`_packing`)."""
+        return self._packing()(packed, cuts)
 
     def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """FSDP's storages at the 2-D shards' sizes around the tensor-parallel rank's, as formulas in ``N``, ``t``

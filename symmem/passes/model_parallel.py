@@ -117,12 +117,35 @@ class StageMemory:
         shared = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in common.items()}
         each = [{sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in n.items()
                  if k not in common} for n in numbers]
+        parts: dict[str, sympy.Expr] = {}  # each part with the numbers they share put in
+        exact: list[dict[str, sympy.Expr]] = [{} for _ in numbers]  # and at each set of numbers
+
+        def value(name: str, k: int) -> sympy.Expr:
+            found = exact[k].get(name)
+            if found is None:
+                if name not in parts:
+                    parts[name] = sympy.sympify(getattr(self, name), strict=True).xreplace(shared)
+                found = exact[k][name] = sympy.sympify(parts[name], strict=True).xreplace(each[k])
+            return found
+
         out: list[dict[str, int]] = [{} for _ in numbers]
         for name in names:
-            part = sympy.sympify(getattr(self, name), strict=True).xreplace(shared)
-            for found, subs in zip(out, each, strict=True):
-                found[name] = _integer(part, subs, name)
+            for k, found in enumerate(out):
+                summed = [value(x, k) for x in _SUMS.get(name, ())]
+                if summed and all(v.is_Integer for v in summed):
+                    # a total (at rest, the step's peak) as the sum of its parts' values, each a whole number of
+                    # bytes: the same integer as its own formula's (sympy's arithmetic is exact), not worked out
+                    # again from a formula holding them all
+                    found[name] = int(sum(summed))
+                else:
+                    found[name] = _rounded(value(name, k), name)
         return out
+
+
+#: the totals :meth:`StageMemory.at_each` adds up from their parts (StageMemory's properties)
+_SUMS = {"at_rest": ("parameters", "optimizer_state", "buffers", "inputs", "outputs"),
+         "step_peak": ("parameters", "optimizer_state", "buffers", "inputs", "outputs", "gradients",
+                       "step_temporaries")}
 
 
 def in_flight(index: int, micro_batches: int) -> sympy.Expr:
@@ -144,7 +167,11 @@ def in_flight(index: int, micro_batches: int) -> sympy.Expr:
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
-    value = sympy.sympify(expr, strict=True).xreplace(subs)
+    return _rounded(sympy.sympify(expr, strict=True).xreplace(subs), name)
+
+
+def _rounded(value: sympy.Expr, name: str) -> int:
+    """A part's value at numbers as whole bytes (``name``: what is refused where symbols are left)."""
     if not value.is_number:
         raise SymmemError(f"the stage's {name} needs values for {', '.join(sorted(map(str, value.free_symbols)))}")
     return int(sympy.ceiling(value))
@@ -826,6 +853,32 @@ class _Replay:
         """Micro-batch ``mb``'s forward or backward on this stage; returns what dies when its backward ends."""
         if type(self).before is _Replay.before and type(self).after is _Replay.after:
             return self._alone(kind, mb)
+        if type(self.moments) is list:
+            state = self._hook_state(kind, mb)
+            if state is not None:  # the engine's hooks begin alike: a segment begun so before is its record moved
+                return self._repeated(kind, mb, self._hooked, state)
+        return self._hooked(kind, mb)
+
+    # what an engine's hooks (begin, before, after, end) carry from one segment to the next, for _repeated: the
+    # stage alone's have nothing to carry
+    def _hook_state(self, kind: str, mb: int) -> Any:
+        """What the hooks hold as micro-batch ``mb``'s ``kind`` segment begins that decides what they do in it
+        (hashable), or None: the segment is walked op by op every time (an engine whose hooks do not say)."""
+        return None
+
+    def _hook_mark(self) -> Any:
+        """Before a segment is first walked: what :meth:`_hook_effect` compares with after it."""
+        return None
+
+    def _hook_effect(self, mark: Any) -> Any:
+        """After a segment's first walk: what its hooks changed beyond the live bytes (their state as it ends)."""
+        return None
+
+    def _hook_redo(self, effect: Any) -> None:
+        """A recorded segment replayed: the hooks' state changed as :meth:`_hook_effect` recorded it."""
+
+    def _hooked(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        """:meth:`segment` op by op with the engine's hooks around every op."""
         alive = self.alive
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
@@ -856,12 +909,12 @@ class _Replay:
         """:meth:`segment` where nothing acts around the stage's ops (no ``before``, ``after``): the same moments,
         with :meth:`moment` and :meth:`free` inlined over the thousands of ops of a stage's replay."""
         if type(self) is _Replay and type(self.moments) is list:
-            return self._repeated(kind, mb)
+            return self._repeated(kind, mb, self._walked, ())
         # an engine's replay, or moments watched as they come (a list of its own whose append reads what is alive
         # then: passes/pipeline_formula.py), walks every op
         return self._walked(kind, mb)
 
-    def _repeated(self, kind: str, mb: int) -> list[tuple[int, int]]:
+    def _repeated(self, kind: str, mb: int, walk: Any, state: Any) -> list[tuple[int, int]]:
         """:meth:`_walked` once for each way a segment can begin, then its record moved to the live bytes it
         begins at (the stage alone: 1F1B and GPipe repeat a stage's forward and backward over the micro-batches).
 
@@ -871,18 +924,23 @@ class _Replay:
         is its record moved.  Only this micro-batch's segments make its storages (``_left``: what each left
         alive), so that is what is looked up.  In a packed replay (:func:`batch_moments`, which reads each value
         once a phase) a segment that begins alike at the same live bytes as one before shows no value of its own.
+
+        ``walk`` is the segment op by op (:meth:`_walked`, or :meth:`_hooked` where an engine's hooks act around
+        the ops); ``state``, what the hooks carry into it (:meth:`_hook_state`), is part of how it begins, and what
+        they change is recorded with it (:meth:`_hook_effect`, :meth:`_hook_redo`).
         """
         pass_ = 0 if mb == 0 else 1
         touched = self._touched(pass_, kind)
         alive = self.alive
         left = self._left.get(mb, frozenset())
         present = frozenset(sid for sid in left if sid in touched and (mb, sid) in alive)
-        key = (pass_, kind, present)
+        key = (pass_, kind, present, state)
         found = self._records.get(key)
         live0 = self.live
         if found is None:
             start = len(self.moments)
-            ends = self._walked(kind, mb)
+            mark = self._hook_mark()
+            ends = walk(kind, mb)
             made = self.moments[start:]
             top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
             final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
@@ -890,10 +948,11 @@ class _Replay:
                 [(v - live0, node) for v, node, _ in made], self.live - live0,
                 None if top is None else (made[top][0] - live0, made[top][1]), final,
                 [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
-                frozenset(sid for sid, _ in final))
+                self._hook_effect(mark), frozenset(sid for sid, _ in final))
             self._left[mb] = left | found[-1]
             return ends
-        deltas, net, top, final, popped, ends_, seen, kept = found
+        deltas, net, top, final, popped, ends_, seen, effect, kept = found
+        self._hook_redo(effect)
         if not (self.packed and live0 in seen):
             seen.add(live0)
             self.moments += [(live0 + d, node, mb) for d, node in deltas]

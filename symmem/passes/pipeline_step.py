@@ -119,6 +119,7 @@ class PipelineStep:
             if len(self._cache) > 16:
                 self._cache = {k: v for k, v in self._cache.items() if k in ("stages", "memo")}
             self._cache[key] = found
+            settled()
         return self._cache[key]
 
     def _make_replays(self, numbers: Mapping[str, int]) -> list[Any]:
@@ -179,6 +180,7 @@ class PipelineStep:
         key = ("peak", tuple(sorted(named.items())))
         if key not in self._cache:
             self._cache[key] = self._peak(named)
+            settled()
         return self._cache[key]
 
     def _peak(self, named: dict[str, int]) -> Peak:
@@ -215,24 +217,9 @@ class PipelineStep:
         first: list[Moment] = []
         for s, (rows, parts) in enumerate(found):
             state = parts[0]["optimizer_state"]
-            if len({len(x) for x in rows}) != 1:
-                raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line "
-                                  "in B here")
-            lines: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
-            firsts: dict[tuple[int, int, bool], tuple[str | None, int | None]] = {}
-            steady_line, first_line = lines.setdefault, firsts.setdefault
-            for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
-                c = v1 - v0
-                if v2 - v1 != c:
-                    raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
-                is_step = node is None and mb is None
-                a = v0 - b * c
-                steady_line((a, c, is_step), (node, mb))
-                # the first step: no optimizer state during its pipeline phase, the same optimizer step (the
-                # module's note); its own upper lines, as the step may bound them where it bounds no steady one
-                first_line((a if is_step else a - state, c, is_step), (node, mb))
-            for which, found in (("steady", steady), ("first", first)):
-                for (a, c, is_step), (node, mb) in _upper(lines if which == "steady" else firsts).items():
+            uppers = self._stage_uppers(s, rows, parts, b)
+            for which, found, upper in (("steady", steady, uppers[0]), ("first", first, uppers[1])):
+                for (a, c, is_step), (node, mb) in upper.items():
                     label = None if node in (None, "merge_chunks") else node
                     layer = str(iteration(label)) if label and iteration(label) else ""
                     steady_a = a + (state if which == "first" and not is_step else 0)  # the same moment's
@@ -248,6 +235,12 @@ class PipelineStep:
                        for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
+
+    def _stage_uppers(self, s: int, rows: Any, parts: Sequence[Mapping[str, int]], b: int) -> tuple[Lines, Lines]:
+        """Stage ``s``'s lines ``a + c*B`` that no other bounds, of the steady step and of the first, from its
+        moments at ``B = b, b + 1, b + 2`` (``rows``) and its parts there (:func:`lines_of`)."""
+        lines, firsts = lines_of(s, rows, b, parts[0]["optimizer_state"])
+        return _upper(lines), _upper(firsts)
 
     def _formula_extra(self, named: Mapping[str, int]) -> dict[str, Any] | None:
         """What an engine around the stages keeps alive the whole step beyond a stage alone's, as formulas of the
@@ -277,15 +270,85 @@ class PipelineStep:
                           "bytes of tensors")
 
 
+def settled() -> None:
+    """What the replays leave alive (their records, plans and moments, kept for the views' other numbers: tens of
+    thousands of small objects) moved into the collector's oldest generation without a walk over it, as ``symmem
+    trace`` does (:mod:`symmem.importer.collector`): the peak is worked out with the collector paused
+    (:func:`symmem.graph.paused_gc`), and its first young pass afterwards walked all of it again and found no
+    garbage (a tenth of the plain pipeline peak).  Cyclic garbage made meanwhile is found by the next full
+    collection.  Objects the caller froze are left as they are.
+
+    >>> import gc
+    >>> settled(); gc.get_freeze_count()
+    0
+    """
+    import gc
+
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
+
+
 class _NotALine(SymmemError):
     """The stages' bytes read at three batches do not lie on lines."""
 
 
+#: a stage's lines: ``(a, c, the optimizer step's)`` -> the first moment's (op, micro-batch) on the line ``a + c*B``
+Lines = dict[tuple[int, int, bool], tuple[str | None, int | None]]
+
+
+def lines_of(s: int, rows: Sequence[Sequence[tuple[int, str | None, int | None]]], b: int, state: int
+             ) -> tuple[Lines, Lines]:
+    """Stage ``s``'s moments at ``B = b, b + 1, b + 2`` (``rows``) as lines in B, of the steady step and of the
+    first (``state``: the optimizer state its pipeline phase lacks); refused where they are not lines.  Of each
+    slope, only the line largest at B = 1 (with the first moment on it): no other of that slope can be one that no
+    other bounds (:func:`_upper`), and a stage's replay has thousands of moments on a few slopes.
+
+    >>> lines_of(0, [[(10, "x", 0), (9, "y", 1), (20, None, None)], [(13, "x", 0), (12, "y", 1), (20, None, None)],
+    ...              [(16, "x", 0), (15, "y", 1), (20, None, None)]], 1, 4)
+    ({(7, 3, False): ('x', 0), (20, 0, True): (None, None)}, {(3, 3, False): ('x', 0), (20, 0, True): (None, None)})
+    """
+    if len({len(x) for x in rows}) != 1:
+        raise _NotALine(f"stage {s}'s step differs between B = {b} and B = {b + 2}: its peak is not a line in B here")
+    steady: dict[int, tuple[int, bool, tuple[str | None, int | None]]] = {}  # slope -> (a, the step's, moment)
+    firsts: dict[int, tuple[int, bool, tuple[str | None, int | None]]] = {}
+    for (v0, node, mb), (v1, _, _), (v2, _, _) in zip(*rows, strict=True):
+        c = v1 - v0
+        if v2 - v1 != c:
+            raise _NotALine(f"stage {s}'s live bytes are not a line in B at {node}: no formula in B")
+        is_step = node is None and mb is None
+        a = v0 - b * c
+        found = steady.get(c)
+        if found is None or a > found[0]:
+            steady[c] = (a, is_step, (node, mb))
+        # the first step: no optimizer state during its pipeline phase, the same optimizer step (the module's
+        # note); its own upper lines, as the step may bound them where it bounds no steady one
+        if not is_step:
+            a -= state
+        found = firsts.get(c)
+        if found is None or a > found[0]:
+            firsts[c] = (a, is_step, (node, mb))
+    return ({(a, c, step): where for c, (a, step, where) in steady.items()},
+            {(a, c, step): where for c, (a, step, where) in firsts.items()})
+
+
 def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, bool], Any]:
-    """The lines ``a + c*B`` no other bounds for every ``B >= 1`` (one at least as large at 1 and as steep)."""
+    """The lines ``a + c*B`` no other bounds for every ``B >= 1`` (one at least as large at 1 and as steep).
+
+    Of the lines of one slope only the largest at 1 can be (the first of them, where several are): the rest are
+    left out before the lines are sorted (a stage has thousands of lines, a few slopes).
+
+    >>> _upper({(5, 1, False): "a", (9, 0, False): "b", (2, 3, False): "c", (5, 1, True): "d", (1, 3, False): "e"})
+    {(9, 0, False): 'b', (5, 1, False): 'a', (2, 3, False): 'c'}
+    """
+    best: dict[int, tuple[int, int, bool]] = {}  # slope -> its line largest at 1, the first of those
+    for k in lines:
+        found = best.get(k[1])
+        if found is None or k[0] > found[0]:
+            best[k[1]] = k
     kept = {}
     steepest = None
-    for k in sorted(lines, key=lambda k: (-(k[0] + k[1]), -k[1])):
+    for k in sorted(best.values(), key=lambda k: (-(k[0] + k[1]), -k[1])):
         if steepest is None or k[1] > steepest:
             kept[k] = lines[k]
             steepest = k[1]

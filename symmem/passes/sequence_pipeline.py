@@ -319,7 +319,7 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
     """:class:`~symmem.passes.fsdp_tensor_pipeline.FsdpTensorPipelineStep` (torchtitan's 3-D mesh) under its
     sequence-parallel plan: each stage's replay is :class:`_MeshSequenceReplay`, the receive buffers S-split."""
 
-    def _replay(self) -> type[_MeshReplay]:
+    def _replay_class(self) -> type[_MeshReplay]:
         return _MeshSequenceReplay
 
     _packing = SequencePipelineStep._packing

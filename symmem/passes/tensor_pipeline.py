@@ -122,6 +122,7 @@ class _TensorCut(_Cut):
         self._stage = {}
         self.whole: dict[int, int] = {}
         self.values: dict[int, int] = {}  # id of a size (held by sizes) -> bytes
+        self.fulls: dict[int, int] = {}  # id of a single-device size (held by the timeline) -> bytes
 
     def size(self, sid: int) -> int:
         if sid not in self.cache:
@@ -137,22 +138,41 @@ class _TensorCut(_Cut):
         """What each collective op adds for its moment, by (pass, kind, op) (alike on every stage)."""
         if hasattr(self, "_extras"):
             return self._extras
-        sizes, t = self.sizes, self.ranks()
+        t = self.ranks()
         out: dict[tuple[int, str, str | None], int] = {}
-        for p, found in enumerate(self.passes):
-            for _, e in found["F"]:
-                if e.node in sizes.row:  # the all-reduce's partial sum beside its output and wrapper
-                    out[(p, "F", e.node)] = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-                elif e.node == sizes.head:  # the local logits and the all-gather's output beside its wrapper
-                    whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-                    out[(p, "F", e.node)] = whole + whole // t
-            for _, e in found["B"]:
-                if e.node in sizes.column:
-                    grads = [self.full(i) for i in e.born if self.tl.storages[i].name.endswith(".grad_input0")]
-                    if grads:
-                        out[(p, "B", e.node)] = max(0, 2 * grads[0] - sum(self.size(i) for i in e.freed))
+        for key, kind, born, freed in self._collective_ops():
+            if kind == "row":  # the all-reduce's partial sum beside its output and wrapper
+                out[key] = sum(self.full(i) for i in born)
+            elif kind == "head":  # the local logits and the all-gather's output beside its wrapper
+                whole = sum(self.full(i) for i in born)
+                out[key] = whole + whole // t
+            else:  # a column-parallel linear's backward: its input gradient's all-reduce
+                out[key] = max(0, 2 * self.full(born[0]) - sum(self.size(i) for i in freed))
         self._extras = out
         return out
+
+    def _collective_ops(self) -> list[tuple[tuple[int, str, str | None], str, list[int], list[int]]]:
+        """The collective ops of the simulated step, in order: (pass, kind, op), which (``row``, ``head``,
+        ``column``), the storages they add (the op's output; a column-parallel backward's input gradient) and what
+        that backward frees -- found once for every set of numbers the step is read at (the peak's three batches
+        share it: only the bytes differ)."""
+        key = ("tensor collectives", id(self.tl))
+        found = self.memo.get(key)
+        if found is None or found[0] is not self.tl:
+            sizes, storages = self.sizes, self.tl.storages
+            ops: list[tuple[tuple[int, str, str | None], str, list[int], list[int]]] = []
+            for p, passes in enumerate(self.passes):
+                for _, e in passes["F"]:
+                    if e.node in sizes.row or e.node == sizes.head:
+                        ops.append(((p, "F", e.node), "row" if e.node in sizes.row else "head",
+                                    [i for i in e.born if storages[i].name == e.node], []))
+                for _, e in passes["B"]:
+                    if e.node in sizes.column:
+                        grads = [i for i in e.born if storages[i].name.endswith(".grad_input0")]
+                        if grads:
+                            ops.append(((p, "B", e.node), "column", grads[:1], list(e.freed)))
+            found = self.memo[key] = (self.tl, ops)
+        return found[1]
 
     def logits_grad(self) -> int:
         """The rank's copy of the logits' gradient: the model's output over ``t`` (found once: the replay asks at
@@ -168,9 +188,15 @@ class _TensorCut(_Cut):
 
     def full(self, sid: int) -> int:
         """Storage ``sid``'s single-device bytes."""
-        if sid not in self.whole:
-            self.whole[sid] = _integer(self.tl.storages[sid].nbytes, self.subs, self.tl.storages[sid].name)
-        return self.whole[sid]
+        found = self.whole.get(sid)
+        if found is None:
+            # by the size's object, as size(): the layers' storages share their template's (passes/stretch.py)
+            e = self.tl.storages[sid].nbytes
+            found = self.fulls.get(id(e))
+            if found is None:
+                found = self.fulls[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.whole[sid] = found
+        return found
 
 
 class _TensorPackedCut(_TensorCut):
@@ -183,12 +209,19 @@ class _TensorPackedCut(_TensorCut):
         self.tcuts, self.sizes = cuts, cuts[0].sizes
         self.cache, self._stage = {}, {}
         self.whole = {}
+        self._packed: dict[int, int] = {}  # id of a rank's size (held by sizes, the three cuts') -> packed bytes
 
-    # each packed once (the plans ask for every storage a stage's ops make)
+    # each packed once (the plans ask for every storage a stage's ops make), once for the storages alike: the three
+    # cuts share one simulated step and its sizes on a rank (_Sizes.local: the same object for the storages alike),
+    # and each cut's bytes of a storage are its size's at the cut's numbers
     def size(self, sid: int) -> int:
         found = self.cache.get(sid)
         if found is None:
-            found = self.cache[sid] = _pack([c.size(sid) for c in self.tcuts])
+            e = self.sizes.local(sid)
+            found = self._packed.get(id(e))
+            if found is None or any(c.sizes is not self.sizes for c in self.tcuts):
+                found = self._packed[id(e)] = _pack([c.size(sid) for c in self.tcuts])
+            self.cache[sid] = found
         return found
 
     def full(self, sid: int) -> int:
@@ -219,6 +252,11 @@ class _TensorReplay(_Replay):
         self.pass_ = 0
         self._extras = cut.collectives()
         self.fix: tuple[int | None, int, int] | None = None  # the head's backward (before)
+
+    def _hook_state(self, kind: str, mb: int) -> Any:
+        """Nothing carried from one segment to the next (each op's collectives are its own): a segment begun alike
+        is its record moved (:meth:`~symmem.passes.model_parallel._Replay._repeated`)."""
+        return ()
 
     def begin(self, kind: str, mb: int) -> None:
         self.pass_ = 0 if mb == 0 else 1

@@ -21,11 +21,12 @@ import functools
 import itertools
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import sympy
 
 from ..errors import SymmemError
-from ..graph import Graph
+from ..graph import Graph, Node
 
 _MARK = re.compile(r"#(\d+)")
 
@@ -56,6 +57,7 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
                       and not k.startswith("_")})
     out.graph["assumptions"] = list(graph.assumptions)
     order = graph.program_order()
+    one = sympy.Integer(1)
     renamed: dict[str, str] = {}
     # unrolled node -> (block, iteration), for passes that act per layer (activation checkpointing)
     iterations: dict[str, tuple[str, int]] = out.graph.setdefault("iterations", {})
@@ -63,7 +65,7 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
     while i < len(order):
         node = graph.node(order[i])
         if node.block is None:
-            out.add(node.with_(inputs=tuple(renamed.get(x, x) for x in node.inputs)))
+            out.add(_copy(node, inputs=tuple(renamed.get(x, x) for x in node.inputs)))
             renamed[node.name] = node.name
             i += 1
             continue
@@ -79,7 +81,7 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
                 member = graph.node(m)
                 inputs = tuple(previous if m == block.input else local.get(x, renamed.get(x, x))
                                for x in member.inputs)
-                out.add(member.with_(name=local[m], inputs=inputs, block=None, count=sympy.Integer(1)))
+                out.add(_copy(member, name=local[m], inputs=inputs, block=None, count=one))
                 iterations[local[m]] = (block.name, k)
             previous = local[block.output]
         for m in members:
@@ -97,6 +99,23 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
                 written[c] = f"{v}#{j}" if c != k and f"{v}#{j}" in iterations else renamed.get(v, v)
         out.graph["held_until"] = written
     return out
+
+
+def _copy(node: Node, **changes: Any) -> Node:
+    """``node.with_(**changes)`` without the dataclass's ``__init__``: its mappings are read-only views already
+    (``Node.__post_init__`` made them), so the copy shares them (copying every field anew was most of unrolling
+    Llama-2-7B's 32 layers, which FSDP's and ZeRO-1's stages and the tensor-parallel ranks read).
+
+    >>> from symmem.models import build
+    >>> fc = build("mlp", widths="symbolic").graph.node("fc_out")
+    >>> copy = _copy(fc, name="x", inputs=("y",))
+    >>> (copy.name, copy.inputs, copy.kind, copy.attrs == fc.attrs, copy.meta, copy.out is fc.out)
+    ('x', ('y',), 'linear', True, {}, True)
+    """
+    new = object.__new__(Node)
+    new.__dict__.update(node.__dict__)
+    new.__dict__.update(changes, meta={})
+    return new
 
 
 def _count(count: sympy.Expr, name: str) -> int:

@@ -39,33 +39,17 @@ Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], str] | tu
 def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
     """This rank's measurement of ``case`` (inside an initialized gloo group of ``world`` ranks, ``stages`` of them
     pipeline stages)."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.nn.parallel import DistributedDataParallel
 
-    from .fsdp_pipeline_runs import _built_stage
+    from .fsdp_pipeline_runs import mesh_stage
 
-    mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
-    s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    first, last = s == 0, s == stages - 1
-    if len(case) == 2:  # a traced module's manual split (as FSDP x pipeline builds it)
-        from .fsdp_pipeline_runs import _traced_stage
-
-        traced, engine = case
-        module, _, given, loss_fn, ids, labels = _traced_stage(traced, s, stages, dp)
-        schedule, m = traced.schedule, traced.micro_batches
-    else:
-        model, values, schedule, m, loss, options, engine = case
-        module, given, loss_fn, ids, labels = _built_stage(model, values, m, loss, options, s, stages, dp)
-    wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
-                                      gradient_as_bucket_view=engine == "ddp-bucket-view")
-    stage = PipelineStage(wrapped, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, m, loss_fn=loss_fn)
-    group = mesh["dp"].get_group() if engine == "zero-redundancy" else None
-    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp), group,
-                   views=engine == "ddp-bucket-view")
+    on = mesh_stage(case, world, stages)
+    wrapped = DistributedDataParallel(on.module, process_group=on.mesh["dp"].get_group(),
+                                      gradient_as_bucket_view=on.engine == "ddp-bucket-view")
+    stage, sched = on.scheduled(wrapped)
+    group = on.mesh["dp"].get_group() if on.engine == "zero-redundancy" else None
+    return _record(sched, stage, on.module, on.ids, on.labels, on.first, on.last, (rank, on.s, on.dp), group,
+                   views=on.engine == "ddp-bucket-view")
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,

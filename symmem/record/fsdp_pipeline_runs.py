@@ -61,10 +61,7 @@ class StageMeshRun:
 def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
     """This rank's measurement of ``case`` (inside an initialized gloo group of ``world`` ranks, ``stages`` of them
     pipeline stages)."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from .sharded import units
     from .tensor_pipeline_runs import is_tensor_case, tensor_pipeline_stage
@@ -72,25 +69,73 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
     if is_tensor_case(case):  # tensor parallel x pipeline on a p x t mesh, in the same spawn
         return _record(*tensor_pipeline_stage(case, rank, world, stages))
 
-    dp_size = world // stages
-    mesh = init_device_mesh("cpu", (stages, dp_size), mesh_dim_names=("pp", "dp"))
+    on = mesh_stage(case, world, stages)
+    blocks = on.blocks if on.blocks is not None else units(on.module)
+    for block in blocks:
+        fully_shard(block, mesh=on.mesh["dp"], reshard_after_forward=on.engine)
+    fully_shard(on.module, mesh=on.mesh["dp"], reshard_after_forward=on.engine)
+    stage, sched = on.scheduled(on.module)
+    return _record(sched, stage, on.module, on.ids, on.labels, on.first, on.last, (rank, on.s, on.dp))
+
+
+@dataclass(frozen=True)
+class MeshStage:
+    """This rank's place on the p x N mesh (``init_device_mesh("cpu", (p, N), mesh_dim_names=("pp", "dp"))``) and its
+    stage of a case, built or traced, before an engine wraps it: the module, FSDP's units of a traced split
+    (``blocks``; None: the built-in reference's layers), ``PipelineStage``'s static shapes, the schedule's loss_fn,
+    the batch and labels drawn for data-parallel rank ``dp``, the schedule and ``M``, and the case's engine option
+    (FSDP's ``reshard_after_forward``, DDP's engine name)."""
+
+    mesh: Any
+    s: int
+    dp: int
+    stages: int
+    module: Any
+    blocks: Any
+    given: Mapping[str, Any]
+    loss_fn: Any
+    ids: Any
+    labels: Any
+    schedule: str
+    micro_batches: int
+    engine: Any
+
+    @property
+    def first(self) -> bool:
+        return self.s == 0
+
+    @property
+    def last(self) -> bool:
+        return self.s == self.stages - 1
+
+    def scheduled(self, wrapped: Any) -> tuple[Any, Any]:
+        """``PipelineStage`` of ``wrapped`` (the stage's module as the engine wrapped it) over ``mesh["pp"]`` and
+        its ``ScheduleGPipe`` / ``Schedule1F1B`` of ``M`` micro-batches."""
+        import torch
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage = PipelineStage(wrapped, self.s, self.stages, torch.device("cpu"), group=self.mesh["pp"].get_group(),
+                              **self.given)
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule]
+        return stage, kind(stage, self.micro_batches, loss_fn=self.loss_fn)
+
+
+def mesh_stage(case: Any, world: int, stages: int) -> MeshStage:
+    """This rank's :class:`MeshStage` of ``case`` (:data:`Case`, or :mod:`.ddp_pipeline_runs`' with its engine
+    last), inside an initialized gloo group of ``world`` ranks, ``stages`` of them pipeline stages."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
     s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    first, last = s == 0, s == stages - 1
     if len(case) == 2:  # a traced module's manual split: its blocks on the stage are FSDP's units
-        traced, reshard = case
+        traced, engine = case
         module, blocks, given, loss_fn, ids, labels = _traced_stage(traced, s, stages, dp)
         schedule, m = traced.schedule, traced.micro_batches
     else:
-        model, values, schedule, m, loss, options, reshard = case
+        model, values, schedule, m, loss, options, engine = case
         module, given, loss_fn, ids, labels = _built_stage(model, values, m, loss, options, s, stages, dp)
-        blocks = units(module)
-    for block in blocks:
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-    stage = PipelineStage(module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), **given)
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = kind(stage, m, loss_fn=loss_fn)
-    return _record(sched, stage, module, ids, labels, first, last, (rank, s, dp))
+        blocks = None
+    return MeshStage(mesh, s, dp, stages, module, blocks, given, loss_fn, ids, labels, schedule, m, engine)
 
 
 def _built_stage(model: str, values: Mapping[str, int], m: int, loss: str, options: Mapping[str, Any], s: int,
