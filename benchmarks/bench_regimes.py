@@ -53,6 +53,8 @@ REGIMES: list[tuple[str, dict]] = [
     ("fsdp x tensor parallel x pipeline", {"data_parallel": "fsdp", "tensor_parallel": True,
                                            "pipeline_parallel": True, "micro_batches": 8,
                                            "values": {"N": 8, "t": 2, "p": 4}}),
+    ("sequence parallel x pipeline", {"tensor_parallel": True, "sequence_parallel": True, "pipeline_parallel": True,
+                                      "micro_batches": 8, "values": {"t": 2, "p": 4}}),
     *PIPELINE,
 ]
 
