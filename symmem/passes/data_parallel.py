@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -52,7 +53,14 @@ def buckets(regime: Regime, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]]
     long as the others, so how the 25 MB cap splits them changes no moment's bytes)."""
     if regime.data_parallel not in _BUCKETED or not params:
         return []
-    return [("ddp.buckets", sympy.Add(*(numel[name] for name, _ in params)) * grad_bytes)]
+    return [("ddp.buckets", _summed(tuple(Counter(numel[name] for name, _ in params).items())) * grad_bytes)]
+
+
+@functools.lru_cache(maxsize=64)
+def _summed(counted: tuple[tuple[sympy.Expr, int], ...]) -> sympy.Expr:
+    """The sum of each size times its count: what ``Add`` of every parameter's size gives (a stack's layers repeat
+    a few sizes: the Add collects them), from a few terms, once for both walks of the step."""
+    return sympy.Add(*(k * size for size, k in counted))
 
 
 def grads_in_buckets(regime: Regime) -> bool:
