@@ -305,6 +305,19 @@ class Fsdp:
             self._free_gather(u, "forward")
 
     # -- backward -------------------------------------------------------------------------------------------
+    def forward_hooks(self) -> tuple[set[str], set[str]]:
+        """The ops :meth:`before_forward` and :meth:`after_forward` act at (a unit's first op; a unit's last op and
+        the root's end): the walk calls them there only (elsewhere they would only note the op)."""
+        return set(self.first_node), {*self.last_node, self.root_end}
+
+    def acts_before_backward(self, n: str) -> bool:
+        """Whether :meth:`before_backward` may act at ``n``: a unit not yet started there, or the root's (every
+        event names the op it is made at, so skipping the others changes nothing)."""
+        started = self.started_backward
+        unit = self.unit_of.get(n)
+        return (unit is not None and unit not in started) or (
+            not self.loss_inside and None not in started and n not in self.loss_nodes)
+
     def _next_backward(self, unit: Any) -> Any:
         order = self.units[::-1]
         i = order.index(unit) + 1 if unit is not None else 0
@@ -370,6 +383,8 @@ class Fsdp:
             u = self.unit_of.get(n)
             if u is not None and n in needs:
                 self.last_backward.setdefault(u, n)
+        #: the ops :meth:`after_backward` acts at (the walk calls it there only)
+        self.backward_ends = set(self.last_backward.values())
         self.started_backward, self.done_backward = set(), set()
         self.reduce_in = None
 

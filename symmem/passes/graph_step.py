@@ -31,7 +31,7 @@ from ..graph import Graph
 from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
 from ..symbols import N, at_least
-from ..timeline import Event, Live, Row, Timeline, Which, checked, make_event, make_live
+from ..timeline import _INDEX, Event, Live, Row, Timeline, Which, checked, make_event, make_live
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
 from . import branches as size_branches
 from . import zero_redundancy
@@ -571,13 +571,21 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge, ids=ids).items()
                       if k[0] in ("forward", "backward")}
         # how many times each storage is alive when the backward ends, then by key: each storage's key made once
-        net: Counter = Counter(tl.start)
+        # (Counter's update and subtract, written out: a call per event otherwise)
+        net: dict[int, int] = {}
+        get = net.get
+        for i in tl.start:
+            net[i] = get(i, 0) + 1
         for e in tl.events[:walked]:
-            net.update(e.born)
-            net.subtract(e.freed)
+            for i in e.born:
+                net[i] = get(i, 0) + 1
+            for i in e.freed:
+                net[i] = get(i, 0) - 1
         live: Counter = Counter()
+        storages = tl.storages
         for i, n in net.items():  # every storage touched, in order: the keys in the order the events touch them
-            live[_storage_key(tl.storages[i])] += n
+            s = storages[i]
+            live[(_INDEX[s.category], s.nbytes)] += n
         ends[bump] = +live
     pairs = list(ids)
     moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
@@ -586,7 +594,6 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
 
 
 def _storage_key(s: Live) -> tuple[int, sympy.Expr]:
-    from ..timeline import _INDEX
     return (_INDEX[s.category], s.nbytes)
 
 

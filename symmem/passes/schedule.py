@@ -327,6 +327,8 @@ class Simulation:
         graph, base = self.graph, self.base
         frame_held = {x for sg in self.segments for x in self.frame_inputs[sg]}
         fsdp = self.fsdp
+        # the ops FSDP's forward hooks act at (a unit's first and last op, the root's end): called there only
+        before, after = (fsdp.forward_hooks() if fsdp else ((), ()))
         if fsdp:
             fsdp.start_forward()
         # tensors the checkpointed cores are called with that the graph has no node for (GPT-2's mask)
@@ -339,7 +341,7 @@ class Simulation:
             node = graph.node(n)
             if node.kind in _HELD:
                 continue
-            if fsdp:
+            if n in before:
                 fsdp.before_forward(n)
             born = []
             if base[n] == n:
@@ -361,7 +363,7 @@ class Simulation:
                     else:
                         self.new_saved[n].append(sid)
             self.event("forward", n, born, freed)
-            if fsdp:
+            if n in after:
                 fsdp.after_forward(n)
 
     def loss(self) -> None:
@@ -411,11 +413,11 @@ class Simulation:
             group = self.groups.get(n)
             if group is not None and n != group[0]:
                 continue  # a part of a split: the first part gathers every part's gradient
-            if fsdp:
+            if fsdp and fsdp.acts_before_backward(n):
                 fsdp.before_backward(n)
             handoff, params_out = self._backward_op(n, sg, group)
             self._gather(n, handoff, params_out)
-            if fsdp:
+            if fsdp and n in fsdp.backward_ends:
                 fsdp.after_backward(n)
         ended = fsdp.end_backward() if fsdp else []
         self.event("backward", None, [], [*ended, *self.freed_at.get("", []),
