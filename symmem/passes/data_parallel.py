@@ -133,6 +133,12 @@ def _times(world: sympy.Expr, shard: sympy.Expr, wb: int) -> sympy.Expr:
     return world * shard * wb
 
 
+@functools.lru_cache(maxsize=1024)
+def _times_bytes(numel: sympy.Expr, nbytes: Any) -> sympy.Expr:
+    """``numel * nbytes``, once per unit size (a stack's units repeat it, both walks of the step ask)."""
+    return numel * nbytes
+
+
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
     """The unpadded part of ``rank``'s shard (what the optimizer's ``zeros_like`` state follows): the padding sits
     at the end, so the last ranks hold fewer rows (rank 0 holds a whole shard).
@@ -353,7 +359,7 @@ class Fsdp:
         self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.gather_bytes[unit])
         sim.event("backward", self.at, [self.reduce_in], [])
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
-        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", self.unit_numel[unit] * sim.grad_bytes)
+        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", _times_bytes(self.unit_numel[unit], sim.grad_bytes))
         self.sharded_grads.append(g)
         sim.event("backward", self.at, [], grads[:-1])
         sim.event("backward", self.at, [g], [])
