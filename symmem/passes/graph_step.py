@@ -183,15 +183,20 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
     the storages keyed by their number there; ``together``: storages alive at the same moments to which it gives the
     same value as one (:meth:`~symmem.timeline.Timeline.counts`)."""
     labels: dict[int, tuple[Any, ...] | None] = {}  # each event's key, None where it is left out
+    named: dict[str | None, tuple[Any, str, Any]] = {}  # each node's block, label and template, worked out once
     for k, e in enumerate(tl.events):
         node = e.node
-        block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
-        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
+        found = named.get(node)
+        if found is None:
+            block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
+            found = named[node] = (block, _label(node if block else None, counts.get(block) if block else None,
+                                                 block in symbolic, edge), template(node) if node else None)
+        block, label, name = found
         if label == "mid" or (interior and block and e.phase in ("forward", "backward")
                               and edge < int(label or 0) <= counts[block] - edge):
             labels[k] = None
         else:
-            labels[k] = (e.phase, template(node) if node else None, label)
+            labels[k] = (e.phase, name, label)
     out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
     for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None), ids=ids,
