@@ -485,7 +485,7 @@ class _Shared:
     def prune(self, keys: list[tuple[Any, ...]], extra: int, own: int) -> list[int]:
         """:func:`symmem.peak.prune` of a rank's moments: the shared ones (``keys``, in order) with ``extra``
         bytes each, then the storages alive when the backward ended with ``own`` bytes -- the indices it keeps,
-        in its order (what :func:`symmem.peak.survivors` keeps of them, ``tests/test_zero_redundancy.py``).
+        in its order (what :func:`symmem.peak.survivors` keeps of them, ``tests/test_rank_shortcuts.py``).
 
         The shared moments are what :func:`survivors` kept of them (:func:`_dominant`), so none exceeds another,
         and the same bytes added to each leave it so: only the comparisons with the end's moment are made, each
