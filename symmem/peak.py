@@ -362,13 +362,19 @@ class Algebra:
     def measure(self, cand: Candidate, numbers: Mapping[sympy.Symbol, int]) -> Any:
         """The candidate's exact bytes at ``numbers`` (the sizes' values kept per set of numbers)."""
         numbers = {**self.many, **numbers}
-        key = tuple(sorted(((s.name, int(v)) for s, v in numbers.items())))
+        return self.value(cand, numbers, self.memo(numbers))
+
+    def memo(self, numbers: Mapping[sympy.Symbol, int]) -> dict:
+        """The sizes' bytes at ``numbers`` worked out so far (:meth:`value`'s memo), kept per set of numbers: the
+        prune's values and the peak's at the same numbers share them (a size holds no layer count, so the
+        stacks' lengths written in as numbers change none of them)."""
+        key = tuple(sorted(((s.name, int(v)) for s, v in {**self.many, **numbers}.items())))
         memo = self._measured.get(key)
         if memo is None:
             if len(self._measured) > 64:  # a sweep over many sizes: keep the memory bounded
                 self._measured.clear()
             memo = self._measured[key] = {}
-        return self.value(cand, numbers, memo)
+        return memo
 
     def live(self, cand: Candidate) -> dict[str, sympy.Expr]:
         """The candidate's live bytes per category, expanded."""
@@ -685,7 +691,7 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
     alg = algebra if algebra is not None else Algebra(
         list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)), subs, counts, base, period,
         table)
-    memo: dict = {}
+    memo: dict = alg.memo(numbers) if numbers else {}
     per_group: list[tuple[list[Moment], ...]] = []
     for group in groups:
         kept = [cands if pruned else prune(cands, alg, numbers, memo) for cands in group]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -52,7 +53,14 @@ def buckets(regime: Regime, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]]
     long as the others, so how the 25 MB cap splits them changes no moment's bytes)."""
     if regime.data_parallel not in _BUCKETED or not params:
         return []
-    return [("ddp.buckets", sympy.Add(*(numel[name] for name, _ in params)) * grad_bytes)]
+    return [("ddp.buckets", _summed(tuple(Counter(numel[name] for name, _ in params).items())) * grad_bytes)]
+
+
+@functools.lru_cache(maxsize=64)
+def _summed(counted: tuple[tuple[sympy.Expr, int], ...]) -> sympy.Expr:
+    """The sum of each size times its count: what ``Add`` of every parameter's size gives (a stack's layers repeat
+    a few sizes: the Add collects them), from a few terms, once for both walks of the step."""
+    return sympy.Add(*(k * size for size, k in counted))
 
 
 def grads_in_buckets(regime: Regime) -> bool:
@@ -123,6 +131,12 @@ def _unit_sizes(shards: tuple[sympy.Expr, ...], world: sympy.Expr, wb: int
 @functools.lru_cache(maxsize=4096)
 def _times(world: sympy.Expr, shard: sympy.Expr, wb: int) -> sympy.Expr:
     return world * shard * wb
+
+
+@functools.lru_cache(maxsize=1024)
+def _times_bytes(numel: sympy.Expr, nbytes: Any) -> sympy.Expr:
+    """``numel * nbytes``, once per unit size (a stack's units repeat it, both walks of the step ask)."""
+    return numel * nbytes
 
 
 def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
@@ -297,6 +311,19 @@ class Fsdp:
             self._free_gather(u, "forward")
 
     # -- backward -------------------------------------------------------------------------------------------
+    def forward_hooks(self) -> tuple[set[str], set[str]]:
+        """The ops :meth:`before_forward` and :meth:`after_forward` act at (a unit's first op; a unit's last op and
+        the root's end): the walk calls them there only (elsewhere they would only note the op)."""
+        return set(self.first_node), {*self.last_node, self.root_end}
+
+    def acts_before_backward(self, n: str) -> bool:
+        """Whether :meth:`before_backward` may act at ``n``: a unit not yet started there, or the root's (every
+        event names the op it is made at, so skipping the others changes nothing)."""
+        started = self.started_backward
+        unit = self.unit_of.get(n)
+        return (unit is not None and unit not in started) or (
+            not self.loss_inside and None not in started and n not in self.loss_nodes)
+
     def _next_backward(self, unit: Any) -> Any:
         order = self.units[::-1]
         i = order.index(unit) + 1 if unit is not None else 0
@@ -332,7 +359,7 @@ class Fsdp:
         self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.gather_bytes[unit])
         sim.event("backward", self.at, [self.reduce_in], [])
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
-        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", self.unit_numel[unit] * sim.grad_bytes)
+        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", _times_bytes(self.unit_numel[unit], sim.grad_bytes))
         self.sharded_grads.append(g)
         sim.event("backward", self.at, [], grads[:-1])
         sim.event("backward", self.at, [g], [])
@@ -362,6 +389,8 @@ class Fsdp:
             u = self.unit_of.get(n)
             if u is not None and n in needs:
                 self.last_backward.setdefault(u, n)
+        #: the ops :meth:`after_backward` acts at (the walk calls it there only)
+        self.backward_ends = set(self.last_backward.values())
         self.started_backward, self.done_backward = set(), set()
         self.reduce_in = None
 

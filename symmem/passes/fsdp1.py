@@ -72,7 +72,7 @@ class Fsdp1(Fsdp):
         if unit in self.unsharded or not self._has(unit):
             return
         sid = self.sim.new(f"fsdp1.unsharded[{self._name(unit)}]", "parameter",
-                           self.world * self.flat_shard[unit] * self.wb)
+                           _product(self.world, self.flat_shard[unit], self.wb))
         self.unsharded[unit] = [sid]
         self.sim.event(phase, self.at, [sid], [])
 
@@ -106,15 +106,14 @@ class Fsdp1(Fsdp):
         self.done_backward.add(unit)
         sim, name = self.sim, self._name(unit)
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
-        flat = sim.new(f"fsdp1.flat_grad[{name}]", "temporary", self.flat[unit] * sim.grad_bytes)
+        flat_bytes, pad_bytes, shard_bytes = _grad_sizes(self.flat[unit], self.flat_shard[unit], self.world,
+                                                         sim.grad_bytes)
+        flat = sim.new(f"fsdp1.flat_grad[{name}]", "temporary", flat_bytes)
         sim.event("backward", self.at, [flat], [])
         sim.event("backward", self.at, [], grads)
         self._reshard(unit, "backward")
-        padded = self.world * self.flat_shard[unit]
-        # F.pad copies the flat gradient only where N does not divide it: Min(1, padding) is 0 or 1
-        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary", _at_most_one(padded - self.flat[unit]) * padded
-                      * sim.grad_bytes)
-        shard = sim.new(f"fsdp1.sharded_grad[{name}]", "gradient", self.flat_shard[unit] * sim.grad_bytes)
+        pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary", pad_bytes)
+        shard = sim.new(f"fsdp1.sharded_grad[{name}]", "gradient", shard_bytes)
         self.sharded_grads.append(shard)
         sim.event("backward", self.at, [pad], [])
         sim.event("backward", self.at, [shard], [])
@@ -133,6 +132,25 @@ class Fsdp1(Fsdp):
         self.pre_backward(None)
         self.post_backward(None)
         return []
+
+
+@functools.lru_cache(maxsize=1024)
+def _product(*factors: Any) -> sympy.Expr:
+    """The factors multiplied left to right, once per unit size (a stack's units repeat it, both walks ask)."""
+    out = factors[0]
+    for f in factors[1:]:
+        out = out * f
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _grad_sizes(flat: sympy.Expr, shard: sympy.Expr, world: sympy.Expr, grad_bytes: Any
+                ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """The bytes of a unit's unsharded flat gradient, of its padded copy and of its sharded gradient, once per unit
+    size (a stack's units repeat it, both walks of the step ask)."""
+    padded = world * shard
+    # F.pad copies the flat gradient only where N does not divide it: Min(1, padding) is 0 or 1
+    return flat * grad_bytes, _at_most_one(padded - flat) * padded * grad_bytes, shard * grad_bytes
 
 
 @functools.lru_cache(maxsize=1024)

@@ -31,7 +31,7 @@ from ..graph import Graph
 from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
 from ..symbols import N, at_least
-from ..timeline import Event, Live, Row, Timeline, Which, checked
+from ..timeline import _INDEX, Event, Live, Row, Timeline, Which, checked, make_event, make_live
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
 from . import branches as size_branches
 from . import zero_redundancy
@@ -183,15 +183,20 @@ def _keyed(tl: Timeline, counts: Mapping[str, int], blocks_of: Mapping[str, str]
     the storages keyed by their number there; ``together``: storages alive at the same moments to which it gives the
     same value as one (:meth:`~symmem.timeline.Timeline.counts`)."""
     labels: dict[int, tuple[Any, ...] | None] = {}  # each event's key, None where it is left out
+    named: dict[str | None, tuple[Any, str, Any]] = {}  # each node's block, label and template, worked out once
     for k, e in enumerate(tl.events):
         node = e.node
-        block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
-        label = _label(node if block else None, counts.get(block) if block else None, block in symbolic, edge)
+        found = named.get(node)
+        if found is None:
+            block = blocks_of.get(node.split("#", 1)[0]) if node and "#" in node else None
+            found = named[node] = (block, _label(node if block else None, counts.get(block) if block else None,
+                                                 block in symbolic, edge), template(node) if node else None)
+        block, label, name = found
         if label == "mid" or (interior and block and e.phase in ("forward", "backward")
                               and edge < int(label or 0) <= counts[block] - edge):
             labels[k] = None
         else:
-            labels[k] = (e.phase, template(node) if node else None, label)
+            labels[k] = (e.phase, name, label)
     out: dict[tuple[Any, ...], Counter | None] = {}
     seen: Counter = Counter()
     for k, live, _ in tl.counts(skip=frozenset(k for k, v in labels.items() if v is None), ids=ids,
@@ -393,20 +398,22 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
             step = "first" if first else "steady"
             states = Counter() if first else mine["states"]
             extra = sum(n * sizes[x] for (_, x), n in states.items()) if kept is not None else 0
-            cands = [Candidate(k, step, parts if first else _plus(parts, states, len(names)))
-                     for k, _, parts in shared]
             where = [(("shared", key, k0), extra) for _, k0, _ in shared]
             own_moments = [(k, live) for k, live in mine[first].items() if live is not None]
+            chosen: Sequence[int] = range(len(shared) + len(own_moments))
             if kept is not None:
                 # the rank's own moments differ by numbers only (the storages alive when the backward ended are
                 # in each): the prune keeps the largest, the first of equals
                 sized = [sum(n * sizes[x] for (_, x), n in live.items()) for _, live in own_moments]
                 own_moments = [own_moments[sized.index(max(sized))]]
                 where.append((("end", key), max(sized)))
-            cands += [Candidate(k, step, _plus(end, live, len(names))) for k, live in own_moments]
-            if kept is not None:
                 chosen = kept.prune([k0 for _, k0, _ in shared], extra, max(sized))
-                cands, where = [cands[i] for i in chosen], [where[i] for i in chosen]
+                where = [where[i] for i in chosen]
+            # the candidates the prune keeps only (each shared one with the rank's state is a copy of its parts)
+            cands = [Candidate(shared[i][0], step, shared[i][2] if first else _plus(shared[i][2], states, len(names)))
+                     if i < len(shared) else Candidate(own_moments[i - len(shared)][0], step,
+                                                       _plus(end, own_moments[i - len(shared)][1], len(names)))
+                     for i in chosen]
             found.append(cands)
             offsets.append(where if kept is not None else [])
         groups.append((found[0], found[1]))
@@ -434,7 +441,7 @@ def _dominant(moments: Mapping[tuple[Any, ...], dict], end: dict, alg: Algebra,
         return None
     cands = [Candidate(key, "first", parts) for key, parts in moments.items()]
     ended = Candidate(("end",), "first", end)
-    memo: dict = {}
+    memo = alg.memo(numbers)
     values = [alg.value(c, numbers, memo) for c in [*cands, ended]]
     if any(v is None for v in values):
         return None
@@ -478,10 +485,58 @@ class _Shared:
     def prune(self, keys: list[tuple[Any, ...]], extra: int, own: int) -> list[int]:
         """:func:`symmem.peak.prune` of a rank's moments: the shared ones (``keys``, in order) with ``extra``
         bytes each, then the storages alive when the backward ended with ``own`` bytes -- the indices it keeps,
-        in its order."""
-        totals = [self._with(self.totals[k], extra) for k in keys] + [self._with(self.end, own)]
+        in its order (what :func:`symmem.peak.survivors` keeps of them, ``tests/test_rank_shortcuts.py``).
+
+        The shared moments are what :func:`survivors` kept of them (:func:`_dominant`), so none exceeds another,
+        and the same bytes added to each leave it so: only the comparisons with the end's moment are made, each
+        shared total with ``extra`` added as it is compared (not copied once per rank)."""
+        n = len(keys)
         values = [self.values[k] + extra for k in keys] + [self.end_value + own]
-        return survivors(sorted(range(len(totals)), key=lambda i: -values[i]), totals)
+        end, shift, one = self._with(self.end, own), extra * self.scale, self.one
+        kept: list[int] = []
+        end_kept = False
+        for i in sorted(range(n + 1), key=lambda i: -values[i]):
+            if i == n:
+                if any(_covers(self.totals[keys[k]], shift, one, end) for k in kept):
+                    continue  # below a kept one
+                kept = [k for k in kept if not _covered(end, self.totals[keys[k]], shift, one)] + [n]
+                end_kept = True
+                continue
+            if end_kept:
+                total = self.totals[keys[i]]
+                if _covered(end, total, shift, one):
+                    continue
+                if _covers(total, shift, one, end):
+                    kept.remove(n)
+                    end_kept = False
+            kept.append(i)
+        return kept
+
+
+def _covers(a: Mapping[int, int], shift: int, one: int, b: Mapping[int, int]) -> bool:
+    """``a`` with ``shift`` added to its monomial ``one`` is at least ``b``, every coefficient
+    (:func:`symmem.peak._at_least`)."""
+    get = a.get
+    for m, v in b.items():
+        if get(m, 0) + (shift if m == one else 0) < v:
+            return False
+    return True
+
+
+def _covered(b: Mapping[int, int], a: Mapping[int, int], shift: int, one: int) -> bool:
+    """``b`` is at least ``a`` with ``shift`` added to its monomial ``one`` (a zero there left out, as
+    :meth:`_Shared._with` leaves it), every coefficient."""
+    get = b.get
+    for m, v in a.items():
+        if m == one:
+            v += shift
+            if not v:
+                continue
+        if get(m, 0) < v:
+            return False
+    if one not in a and shift and get(one, 0) < shift:
+        return False
+    return True
 
 
 def _bytes(size: sympy.Expr, subs: Mapping[sympy.Symbol, Any]) -> int | None:
@@ -521,13 +576,21 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
         runs[bump] = {k: v for k, v in _keyed(tl, counts, blocks_of, symbolic, edge, ids=ids).items()
                       if k[0] in ("forward", "backward")}
         # how many times each storage is alive when the backward ends, then by key: each storage's key made once
-        net: Counter = Counter(tl.start)
+        # (Counter's update and subtract, written out: a call per event otherwise)
+        net: dict[int, int] = {}
+        get = net.get
+        for i in tl.start:
+            net[i] = get(i, 0) + 1
         for e in tl.events[:walked]:
-            net.update(e.born)
-            net.subtract(e.freed)
+            for i in e.born:
+                net[i] = get(i, 0) + 1
+            for i in e.freed:
+                net[i] = get(i, 0) - 1
         live: Counter = Counter()
+        storages = tl.storages
         for i, n in net.items():  # every storage touched, in order: the keys in the order the events touch them
-            live[_storage_key(tl.storages[i])] += n
+            s = storages[i]
+            live[(_INDEX[s.category], s.nbytes)] += n
         ends[bump] = +live
     pairs = list(ids)
     moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
@@ -536,7 +599,6 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
 
 
 def _storage_key(s: Live) -> tuple[int, sympy.Expr]:
-    from ..timeline import _INDEX
     return (_INDEX[s.category], s.nbytes)
 
 
@@ -579,8 +641,8 @@ class _Steps:
         self.events: list[Event] = []
 
     def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
-        self.storages.append(Live(name, category, nbytes, node, host))
+        self.storages.append(make_live(name, category, nbytes, node, host))
         return len(self.storages) - 1
 
     def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
-        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
+        self.events.append(make_event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))

@@ -19,6 +19,7 @@ ZeroRedundancyOptimizer's per-rank state count it by the one rule.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -79,9 +80,16 @@ def state_storages(regime: Regime, name: str, held: tuple[sympy.Expr, ...], on_h
     >>> [(n, str(b)) for n, _, b, _, _ in state_storages(Regime(optimizer="adamw"), "fc.weight", (3, 4), False)]
     [('fc.weight.exp_avg', '48'), ('fc.weight.exp_avg_sq', '48'), ('fc.weight.step', '4')]
     """
-    out = [(f"{name}.{s}", "optimizer_state", e / N if regime.zero and regime.shard(s) else e, None, False)
-           for s, e in regime.optimizer_spec.state_bytes(held)]
+    out = [(f"{name}.{s}", "optimizer_state", e, None, False) for s, e in _state_sizes(regime, tuple(held))]
     # Adam's step count is a scalar, not a per-element component: no stage shards it (the papers omit it)
     if regime.optimizer in ("adam", "adamw") and out:
         out.append((f"{name}.step", "optimizer_state", sympy.Integer(4), None, on_host))  # fp32
     return out
+
+
+@functools.lru_cache(maxsize=8192)
+def _state_sizes(regime: Regime, held: tuple[sympy.Expr, ...]) -> list[tuple[str, sympy.Expr]]:
+    """Each state component's bytes for a parameter stepped as ``held``: the same sympy sizes for every parameter
+    of a shape (a stack's layers, every walk of a peak, each ZeRO-1 rank's step), so built once per shape.  (Read
+    only: :func:`state_storages` copies it.)"""
+    return [(s, e / N if regime.zero and regime.shard(s) else e) for s, e in regime.optimizer_spec.state_bytes(held)]

@@ -27,6 +27,7 @@ the one model of time (the recorded step of a traced module gives one too).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -40,7 +41,7 @@ from ..ops import requires_grad
 from ..shapes import numel as shape_numel
 from ..symbols import N
 from ..tensor import TensorSpec, dtype_bytes
-from ..timeline import Event, Live, Timeline
+from ..timeline import Event, Live, Timeline, make_event, make_live
 from ..training import Regime, checkpoint_every
 from . import data_parallel, selective, zero_redundancy
 from .fsdp1 import FSDP1, Fsdp1
@@ -126,11 +127,11 @@ class Simulation:
 
     # -- building blocks -----------------------------------------------------------------------------------
     def new(self, name: str, category: str, nbytes: sympy.Expr, node: str | None = None, host: bool = False) -> int:
-        self.storages.append(Live(name, category, nbytes, node, host))
+        self.storages.append(make_live(name, category, nbytes, node, host))
         return len(self.storages) - 1
 
     def event(self, phase: str, node: str | None, born: list[int], freed: list[int]) -> None:
-        self.events.append(Event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
+        self.events.append(make_event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
 
     def size(self, spec: TensorSpec) -> sympy.Expr:
         return spec.numel * dtype_bytes(spec.dtype, self.act)
@@ -218,11 +219,28 @@ class Simulation:
     def choose(self, options: Mapping[str, Any]) -> None:
         """The state alive from the start of a steady step (every parameter's), and under ZeroRedundancyOptimizer
         the rank's (the ``options`` name it) -- its local optimizer holds and steps the whole parameters it owns;
-        the others' state storages are never born."""
-        self.owned = zero_redundancy.owned(self.regime, self._listed(), options)
-        mine = None if self.owned is None else {name for name, _ in self.owned}
-        stepped = self.flat if self.flat is not None else self.params  # FSDP1 steps its flat shards
-        self.states = [i for name, _ in stepped for i in self.state_ids[name] if mine is None or name in mine]
+        the others' state storages are never born.  Worked out when the optimizer step is first walked
+        (:attr:`owned`, :attr:`states`): ZeRO-1's ranks share a walk of forward and backward that never steps."""
+        self._options, self._chosen = options, None
+
+    def _choice(self) -> tuple[list[tuple[str, tuple[sympy.Expr, ...]]] | None, list[int]]:
+        if self._chosen is None:
+            owned = zero_redundancy.owned(self.regime, self._listed(), self._options)
+            mine = None if owned is None else {name for name, _ in owned}
+            stepped = self.flat if self.flat is not None else self.params  # FSDP1 steps its flat shards
+            states = [i for name, _ in stepped for i in self.state_ids[name] if mine is None or name in mine]
+            self._chosen = (owned, states)
+        return self._chosen
+
+    @property
+    def owned(self) -> list[tuple[str, tuple[sympy.Expr, ...]]] | None:
+        """The parameters this rank's ZeroRedundancyOptimizer steps, in its order (None: every parameter)."""
+        return self._choice()[0]
+
+    @property
+    def states(self) -> list[int]:
+        """The optimizer state alive from the start of a steady step."""
+        return self._choice()[1]
 
     def zero_shards(self, component: str) -> sympy.Expr:
         """N where the regime's ZeRO stage shards ``component`` (training.ZERO_STAGE_OF_CLASS), else 1."""
@@ -313,6 +331,8 @@ class Simulation:
         graph, base = self.graph, self.base
         frame_held = {x for sg in self.segments for x in self.frame_inputs[sg]}
         fsdp = self.fsdp
+        # the ops FSDP's forward hooks act at (a unit's first and last op, the root's end): called there only
+        before, after = (fsdp.forward_hooks() if fsdp else ((), ()))
         if fsdp:
             fsdp.start_forward()
         # tensors the checkpointed cores are called with that the graph has no node for (GPT-2's mask)
@@ -325,7 +345,7 @@ class Simulation:
             node = graph.node(n)
             if node.kind in _HELD:
                 continue
-            if fsdp:
+            if n in before:
                 fsdp.before_forward(n)
             born = []
             if base[n] == n:
@@ -347,7 +367,7 @@ class Simulation:
                     else:
                         self.new_saved[n].append(sid)
             self.event("forward", n, born, freed)
-            if fsdp:
+            if n in after:
                 fsdp.after_forward(n)
 
     def loss(self) -> None:
@@ -397,11 +417,11 @@ class Simulation:
             group = self.groups.get(n)
             if group is not None and n != group[0]:
                 continue  # a part of a split: the first part gathers every part's gradient
-            if fsdp:
+            if fsdp and fsdp.acts_before_backward(n):
                 fsdp.before_backward(n)
             handoff, params_out = self._backward_op(n, sg, group)
             self._gather(n, handoff, params_out)
-            if fsdp:
+            if fsdp and n in fsdp.backward_ends:
                 fsdp.after_backward(n)
         ended = fsdp.end_backward() if fsdp else []
         self.event("backward", None, [], [*ended, *self.freed_at.get("", []),
@@ -644,15 +664,22 @@ def step_events(regime: Regime, impl: str, params: list[tuple[str, tuple[sympy.E
     out: list[tuple[str, list[int], list[sympy.Expr], int]] = []
     if born or not (adam and impl == "for-loop"):
         # one temporary per parameter (each its own allocator block on CUDA), all alive together
-        temps = [numel[p] * 4 for p, _ in params] if adam and impl == "foreach" else []
+        temps = [_fp32(numel[p]) for p, _ in params] if adam and impl == "foreach" else []
         out.append(("init" if impl == "for-loop" else impl, born, temps, len(temps)))
     if adam and impl == "for-loop":
         for i, (p, _) in enumerate(params):
             # sqrt and denom born; afterwards sqrt is freed, and the previous denom once denom is reassigned
-            out.append((p, [], [numel[p] * 4, numel[p] * 4], 1 if i == 0 else 2))
+            out.append((p, [], [_fp32(numel[p])] * 2, 1 if i == 0 else 2))
         if params:
             out.append(("done", [], [], 1))
     return out
+
+
+@functools.lru_cache(maxsize=8192, typed=True)  # an int's size stays an int
+def _fp32(numel: sympy.Expr) -> sympy.Expr:
+    """An FP32 tensor's bytes of ``numel`` elements (an optimizer temporary), built once per size: a stack's layers,
+    both steps of every walk and each ZeRO-1 rank's step ask for the same ones."""
+    return numel * 4
 
 
 def _oldest_first(pending: list[int], count: int, new: list[int]) -> tuple[list[int], list[int]]:

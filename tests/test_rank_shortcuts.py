@@ -1,0 +1,63 @@
+"""The data-parallel engines' shortcuts held against the long way (passes/graph_step.py, passes/schedule.py).
+
+A ZeRO-1 rank's prune (``_Shared.prune``) compares only the moment the backward ends at with the shared moments
+(those :func:`symmem.peak.survivors` kept of every rank's forward and backward, to which a rank adds the same bytes):
+it keeps what ``survivors`` keeps of every moment with the rank's bytes added, in the same order, for the ranks'
+own bytes and for bytes that put the end's moment anywhere among the shared ones (above, below, tied).  The values
+those shortcuts give are held against real gloo runs in tests/test_zero_redundancy.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from symmem import derive
+from symmem.passes import graph_step
+from symmem.peak import survivors
+
+TINY = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
+
+
+def _long_way(shared, keys, extra, own):
+    """What the rank's prune was: every shared total copied with ``extra`` added, ``survivors`` over them all."""
+    totals = [shared._with(shared.totals[k], extra) for k in keys] + [shared._with(shared.end, own)]
+    values = [shared.values[k] + extra for k in keys] + [shared.end_value + own]
+    return survivors(sorted(range(len(totals)), key=lambda i: -values[i]), totals)
+
+
+@pytest.mark.parametrize("model, values, kw", [
+    ("gpt2", {"B": 2, "N": 4}, {}),
+    ("gpt2", {**TINY, "L": 6, "B": 2, "N": 3}, {"attention": "sdpa", "loss": "cross-entropy"}),
+    ("llama", {**TINY, "L": 5, "B": 2, "G": 2, "F": 128, "N": 8}, {"attention": "sdpa"}),
+])
+def test_a_ranks_prune_keeps_what_survivors_keeps(monkeypatch, model, values, kw):
+    found = []
+    original = graph_step._dominant
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        found.append(out)
+        return out
+
+    monkeypatch.setattr(graph_step, "_dominant", spy)
+    d = derive(model, convention="pytorch", device="cpu", values=values, data_parallel="zero-redundancy", **kw)
+    d.value("peak")
+    shared = [s for s in found if s is not None]
+    assert shared, "no rank took the shortcut"
+    compared = 0
+    for s in shared:
+        keys = list(s.totals)
+        top, bottom = max(s.values.values()), min(s.values.values())
+        largest = sorted(s.values.values())[-4:]
+        for extra in (0, 12_345_678):
+            # the end's moment from below every shared one to above all of them, tied with each, and just
+            # above and below the largest
+            owns = {0, 1, max(0, top + extra - s.end_value + 1)}
+            owns |= {max(0, v + extra - s.end_value) for v in s.values.values()}
+            owns |= {max(0, v + extra - s.end_value + d) for v in largest for d in (-1, 1)}
+            owns |= {max(0, bottom + extra - s.end_value + k * (top - bottom) // 8) for k in range(9)}
+            for order in (keys, keys[::-1]):
+                for own in sorted(owns):
+                    assert s.prune(order, extra, own) == _long_way(s, order, extra, own), (extra, own)
+                    compared += 1
+    assert compared > 100
