@@ -93,15 +93,8 @@ LONG = ("tests/test_lora.py::test_the_fine_tuning_page_runs",
         "tests/test_symbolic_sizes.py::test_zoo_and_trace_agree_in_every_size")
 
 
-#: tests whose cost grows with the worker's heap (a full cyclic collection, the oracle's): first of all, while the
-#: heap holds what collection imported and little more (late in the session: ~30 s wall on 2 busy cores, not 1-3)
-EARLY = ("tests/test_trace_speed.py::test_the_forwards_cycles_are_collected_and_a_callers_freeze_stays",)
-
-
 def _first(item: pytest.Item) -> int:
-    """Where ``item`` goes in the run order: :data:`EARLY`, then its place in :data:`LONG`, else after all of them."""
-    if item.nodeid.startswith(EARLY):
-        return -1
+    """Where ``item`` goes in the run order: its place in :data:`LONG`, else after all of them."""
     return next((i for i, prefix in enumerate(LONG) if item.nodeid.startswith(prefix)), len(LONG))
 
 

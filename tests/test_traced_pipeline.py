@@ -55,9 +55,10 @@ CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross
          (TIED, (), "gpipe", 2, "cross-entropy"), ("hf:llama", tuple(sorted(LLAMA.items())), "1f1b", 3, "output"),
          ("hf:mistral", tuple(sorted(MISTRAL.items())), "1f1b", 2, "output"),
          ("hf:qwen2", tuple(sorted(QWEN2.items())), "gpipe", 2, "sum")]
-#: ``-m deep`` (tests/conftest.py): HF GPT-2 untied under GPipe and 1F1B with the loss ``sum`` -- GPT-2 under each
-#: schedule is in CASES (given labels; 1F1B tied), a Hugging Face model with the loss ``sum`` too (Qwen2): ~7 s of
-#: CPU (the ranks, and the trace of GPT-2 with that loss) that the default suite does without
+#: ``-m deep`` (tests/conftest.py, docs/testing.md): HF GPT-2 untied under GPipe and 1F1B with the loss ``sum`` --
+#: GPT-2 under each schedule is in CASES (given labels; 1F1B tied), a Hugging Face model's stages with the loss
+#: ``sum`` too (Qwen2); without them the test above takes ~2.3 s less CPU (their ranks' steps, the trace of GPT-2 with
+#: that loss)
 DEEP_CASES = [("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "sum"),
               ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum")]
 
