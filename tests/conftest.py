@@ -7,6 +7,10 @@
   to choose otherwise.
 * End-to-end runs -- real PyTorch training steps and measurements, Jupyter kernels, LaTeX -- are marked ``slow``.
   CI runs everything; ``python -m pytest -m "not slow"`` leaves them out while iterating.
+* A real run whose path (engine, mesh, schedule, model, traced or built-in, size parity) another case of the
+  default suite already covers is marked ``deep``: left out unless ``-m`` names it (``python -m pytest -m deep``
+  runs them alone; docs/testing.md).  Done here rather than by ``-m "not deep"`` in pyproject's options, so that
+  ``-m "not slow"`` still leaves them out.
 * The longest tests are collected first (:data:`LONG`), so that pytest-xdist starts them first and the short ones
   fill in around them, rather than one worker finishing a 20 s test alone at the end.  The real ``torch.distributed``
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
@@ -42,6 +46,8 @@ def pytest_configure(config: pytest.Config) -> None:
     gc.set_threshold(200_000, 30, 30)
     _forkserver_inherits_the_threshold()
     config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, a Jupyter kernel, LaTeX); CI runs it")
+    config.addinivalue_line("markers", "deep: a real run whose path another case of the default suite covers; left out "
+                            "unless -m names deep (python -m pytest -m deep)")
     torch = sys.modules.get("torch")  # imported before this file (a plugin): set its thread count directly
     if torch is not None and os.environ["OMP_NUM_THREADS"] == "1":
         torch.set_num_threads(1)
@@ -99,7 +105,12 @@ WHOLE = {"test_importer.py", "test_symbolic_sizes.py", "test_trace_cli.py", "tes
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "deep" not in (config.getoption("markexpr") or ""):  # the deep runs only where -m asks for them
+        deep = [item for item in items if item.get_closest_marker("deep")]
+        if deep:
+            config.hook.pytest_deselected(items=deep)
+            items[:] = [item for item in items if not item.get_closest_marker("deep")]
     for item in items:
         if item.path.name in SLOW:
             item.add_marker(pytest.mark.slow)

@@ -8,6 +8,7 @@ on this checkout's ``symmem``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def _tool():
     return module
 
 
+@functools.cache  # two tests read it: the parse of every module (~1 s) made once a worker
 def _edges():
     tool = _tool()
     mods = tool.modules(str(ROOT / "symmem"))

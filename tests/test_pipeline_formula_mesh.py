@@ -187,7 +187,8 @@ def test_every_view_gives_the_fsdp_formula():
 
 #: per case of test_traced_pipeline.CASES (two ranks): other sizes of the traced dimensions (the file module's B;
 #: Hugging Face's B and S): the formula read from the replay there, at the measured sizes
-TRACED_OTHER = {0: [{"B": 6}], 8: [{"B": 3, "S": 16}], 10: [{"S": 16}]}
+#: test_traced_pipeline.CASES: the file module (0), HF Llama (6), HF Qwen2 (8)
+TRACED_OTHER = {0: [{"B": 6}], 6: [{"B": 3, "S": 16}], 8: [{"S": 16}]}
 
 
 def traced_against_the_engines(real, cases, derived):
