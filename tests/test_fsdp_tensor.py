@@ -51,8 +51,12 @@ SHARD1 = [("fsdp1", {**VALUES, "B": 1, "F": 128, "V": 2048}, {"attention": "sdpa
 #: each FSDP1 engine's ShardingStrategy (symmem.record.fsdp1_runs.STRATEGIES)
 STRATEGY = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP"}
 CASES = [("fsdp", VALUES, {"attention": "sdpa"}, "backward layers.mlp.up_proj (layer 2)"),
-         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head"), *SEQUENCE,
-         *BATCH_OF_ONE, *SHARD1]
+         ("fsdp-no-reshard", {**VALUES, "L": 3}, {"attention": "naive"}, "forward lm_head"), SEQUENCE[0],
+         BATCH_OF_ONE[0], *SHARD1]
+#: ``-m deep`` (docs/testing.md): FSDP2 without resharding under sequence parallelism, and at B = 1 without it --
+#: fsdp-no-reshard is CASES[1], FSDP2 x SP SEQUENCE[0], B = 1 on the mesh BATCH_OF_ONE[0] (with SP) and tensor
+#: parallelism alone at B = 1 without SP tests/test_model_parallel.py's BATCH_OF_ONE
+DEEP_CASES = [SEQUENCE[1], BATCH_OF_ONE[1]]
 
 
 #: A traced module under FSDP2 x TP (symmem.importer.traced_fsdp_tensor), the real 2-D recipe given the module:
@@ -99,15 +103,32 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     and every rank's."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
-    from symmem import derive
-    from symmem.api import tensor_parallel_rank
     from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
-    from symmem.reference.sequence_models import reference
 
     jobs = [(values, _job(engine, options)) for engine, values, options, _ in CASES]
     everything = fsdp_tensor_runs(2, 2, [*jobs, ({}, _file_job())])
     _traced_against([rank[len(CASES)] for rank in everything])
-    for case, (engine, values, options, where) in enumerate(CASES):
+    _against_the_engine(CASES, everything)
+
+
+@pytest.mark.deep
+def test_more_ranks_of_a_2x2_mesh_against_the_engine():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
+
+    jobs = [(values, _job(engine, options)) for engine, values, options, _ in DEEP_CASES]
+    everything = fsdp_tensor_runs(2, 2, jobs)
+    _against_the_engine(DEEP_CASES, everything)
+
+
+def _against_the_engine(cases: list, everything: list) -> None:
+    """Each case's four real ranks (``everything``: per rank, one run a case) against derive, in every view."""
+    from symmem import derive
+    from symmem.api import tensor_parallel_rank
+    from symmem.reference.sequence_models import reference
+
+    for case, (engine, values, options, where) in enumerate(cases):
         real = [rank[case] for rank in everything]
         assert [(r.dp, r.tp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         numbers = {**values, "N": 2, "t": 2}

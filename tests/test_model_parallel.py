@@ -420,12 +420,8 @@ def tensor_parallel_peak_to_the_byte(real, values, options, world):
 FOUR = [({"B": 2, "S": 32, "H": 32, "h": 8, "G": 8, "L": 2, "V": 16, "F": 1024}, {"attention": "sdpa"})]
 
 
-def test_tensor_parallel_peak_on_four_ranks():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is needed")
-    from symmem.record.model_parallel_runs import runs
-
-    everything = runs(4, [("tensor", "llama", values, {**options, "peaks": True}) for values, options in FOUR])
+def tensor_parallel_peak_on_four_ranks(everything):
+    """FOUR's ranks (run in test_sequence_parallel_peak_against_dtensor's four-rank spawn) against derive."""
     where = [tensor_parallel_peak_to_the_byte([rank[case] for rank in everything], values, options, 4)
              for case, (values, options) in enumerate(FOUR)]
     assert where == ["rank 0 of 4 (every rank alike): backward layers.mlp.gate_up (layer 2)"]
@@ -509,7 +505,8 @@ SEQUENCE_PEAKS = {2: [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16
 def test_sequence_parallel_peak_against_dtensor():
     """derive --tensor-parallel --sequence-parallel: every rank's first and steady step peak equals the real
     DTensor run's (gloo, worlds 2 and 4, the recorder that sees DTensor's local ops), to the byte, in every view;
-    the walk models the all-gathers over S, the reduce-scatters and what eager attention holds."""
+    the walk models the all-gathers over S, the reduce-scatters and what eager attention holds.  The four-rank
+    spawn runs the tensor-parallel peak on four ranks too (FOUR)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem import derive
@@ -517,8 +514,12 @@ def test_sequence_parallel_peak_against_dtensor():
 
     where = []
     for world, cases in SEQUENCE_PEAKS.items():
+        # the tensor-parallel peak on four ranks (FOUR) rides in the four-rank spawn
+        four = [("tensor", "llama", v, {**o, "peaks": True}) for v, o in FOUR] if world == 4 else []
         everything = runs(world, [("tensor", "llama", values, {**options, "peaks": True, "sequence_parallel": True})
-                                  for values, options in cases])
+                                  for values, options in cases] + four)
+        if four:
+            tensor_parallel_peak_on_four_ranks([rank[len(cases):] for rank in everything])
         for case, (values, options) in enumerate(cases):
             real = [rank[case] for rank in everything]
             d = derive("llama", tensor_parallel=True, sequence_parallel=True, values={**values, "t": world},
