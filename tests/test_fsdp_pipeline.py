@@ -36,7 +36,11 @@ CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "drop
 #: spawn: (schedule, M, reshard_after_forward): 1F1B resharding (stage 1 peaks at an all-gather in backward), GPipe
 #: without resharding, M = 3
 BLOCK = f"{Path(__file__).parent / 'data' / 'traced_block.py'}:build"
-TRACED = [("1f1b", 2, True), ("gpipe", 3, False)]
+TRACED = [("1f1b", 2, True)]
+#: ``-m deep`` (docs/testing.md): the traced module under GPipe without resharding, M = 3 -- the traced module's
+#: stages are TRACED's, GPipe without resharding the built-in Llama's (CASES[1]), M = 3 the built-in Llama's
+#: 1F1B (CASES[2])
+DEEP_TRACED = [("gpipe", 3, False)]
 #: Hugging Face GPT-2 (untied, V = 65 padded to 66 over N = 2) in the same spawn, its manual split (GPT2Split): ONE
 #: block a stage under fsdp, GPipe, B = 2, S = 8 -- stage 0's root (wte, wpe) and its only block end their forward
 #: in the same op name (the block's last add, its attention's residual's too): the root's post-forward was once
@@ -142,13 +146,28 @@ def _traced():
                          values={"p": 2, "N": 2})
 
 
-def _check_traced(everything):
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_a_traced_module_under_gpipe_without_resharding():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.importer.spec_builder import SpecBuilder
+    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+    from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
+
+    split = SequentialSplit(("inp",), "blocks", ("head",))
+    traced = [(TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), reshard)
+              for schedule, m, reshard in DEEP_TRACED]
+    _check_traced(fsdp_pipeline_runs(2, 2, traced, start_method="forkserver"), DEEP_TRACED)
+
+
+def _check_traced(everything, cases=TRACED):
     """A traced module's stages under FSDP2 (symmem.importer.traced_fsdp_pipeline) against the real engine on the
     module's manual split: every rank's shards, AdamW state of the held rows, first and steady peak, and the largest
     moment of its schedule and of its optimizer step, to the byte; the views' largest rank and every rank's."""
     from symmem.passes.data_parallel import rank_peaks
 
-    for k, (schedule, m, reshard) in enumerate(TRACED):
+    for k, (schedule, m, reshard) in enumerate(cases):
         real = [rank[k] for rank in everything]
         d = _traced()
         d = dataclasses.replace(d, step=dataclasses.replace(d.step, schedule=schedule, micro_batches=m,
