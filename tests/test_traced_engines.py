@@ -71,12 +71,14 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     assert block.step.holds_at(block.numbers) and block.numbers[L] == 4  # the peak is the formula in L
     sharded = [i for i, (_, engine, _, _) in enumerate(cases) if engine.startswith("fsdp")]
     jobs = [traced_job(d, builder) for _, _, d, builder in cases]
-    # FSDP's jobs twice, before DDP's: a late free by gloo's worker threads can land in a first step too
+    # FSDP's jobs three times, before DDP's: a late free by gloo's worker threads can land in a first step too (in
+    # the whole suite, the other worker busy, HF GPT-2's rank 0 once held 26,240 B more in both of two first steps)
     plain = [i for i in range(len(cases)) if i not in sharded]
-    runs = measure_jobs([jobs[i] for i in (*sharded, *sharded, *plain)], world=2, timeout=170,
+    runs = measure_jobs([jobs[i] for i in (*sharded, *sharded, *sharded, *plain)], world=2, timeout=170,
                         start_method="forkserver")
-    found = {i: _lowest(a, b) for i, a, b in zip(sharded, runs, runs[len(sharded):], strict=False)}
-    found.update(zip(plain, runs[2 * len(sharded):], strict=True))
+    n = len(sharded)
+    found = {i: _lowest(_lowest(a, b), c) for i, a, b, c in zip(sharded, runs, runs[n:], runs[2 * n:], strict=False)}
+    found.update(zip(plain, runs[3 * n:], strict=True))
     measured = [found[i] for i in range(len(cases))]
     wrong = []
     for (spec, engine, d, _), ranks in zip(cases, measured, strict=True):
