@@ -180,7 +180,9 @@ class DdpPipelineStep(PipelineStep):
             kept.append((packed, pack_parts(parts), replay._events))  # for the formulas (the stage alone's parts)
             return replay, ats
 
-        plans = ("plans", tuple(sorted(named.items())), b)  # pipeline_formula reads them (every rank's alike)
+        from .pipeline_formula import plans_key
+
+        plans = plans_key(named, b)  # pipeline_formula reads them (every rank's alike)
         if not self.zero:
             out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
                                 schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(),

@@ -415,7 +415,7 @@ class FsdpPipelineStep(PipelineStep):
         where a subclass replays otherwise."""
         if type(self)._make_replays is not FsdpPipelineStep._make_replays:
             return None
-        from .model_parallel import batch_moments, pack_alike, pack_parts
+        from .model_parallel import pack_alike, pack_parts
 
         numbers = [{**named, BATCH: b + k} for k in range(3)]
         world, cuts = self._batch_cuts(numbers)
@@ -441,11 +441,7 @@ class FsdpPipelineStep(PipelineStep):
             kept.append((replay.cut, replay.at, alike, replay._events, replay._known))
             return replay, ats
 
-        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
-        if out is not None and len(kept) == len(out):
-            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
-        return out
+        return self._kept_moments(named, b, numbers, make, kept)
 
     def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """FSDP's storages beside the stage's replay as formulas in ``N`` and the sizes

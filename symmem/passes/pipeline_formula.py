@@ -83,6 +83,12 @@ class _Watch(list):
             raise _Done
 
 
+def plans_key(named: Mapping[str, int], b: int) -> tuple[Any, ...]:
+    """Where a step keeps each stage's makings of its packed replay at ``named`` read from ``B = b``
+    (:func:`keeping`'s list, an engine's own): what a moment's formula is read from again."""
+    return ("plans", tuple(sorted(named.items())), b)
+
+
 def keeping(found: Sequence[Any], numbers: Sequence[Mapping[str, int]], schedule: str, m: int
             ) -> tuple[Any, list[tuple[Any, dict[str, int], Any]]]:
     """:func:`~symmem.passes.model_parallel.batch_moments`' ``make`` for a stage alone (what it does without one),
@@ -175,7 +181,7 @@ class StageFormulas:
     def _stage(self, s: int, memory: Any) -> dict[tuple[int, int], tuple[sympy.Expr | None, str]]:
         step = self.step
         numbers = self._numbers()
-        key = ("plans", tuple(sorted(self.named.items())), self.b)
+        key = plans_key(self.named, self.b)
         kept = (step._cache.get(key) or step._memo().get(key)) if self.packed else None
         engine = self.engine
         if engine is not None:  # the engine's replay of the stage (it holds the whole moment), from its makings

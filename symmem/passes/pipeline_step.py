@@ -136,18 +136,28 @@ class PipelineStep:
         (:meth:`_replays`; a subclass's replays, with an engine around the stages, always)."""
         if type(self)._make_replays is not PipelineStep._make_replays:
             return None
-        from .model_parallel import batch_moments, requires
+        from .model_parallel import requires
         from .pipeline_formula import keeping
 
         requires(named.get("p"), named.get("L"), self.schedule, self.micro_batches)
         numbers = [{**named, BATCH: b + k} for k in range(3)]
         # each stage's replay as batch_moments makes it, its plans kept for the moments' formulas (pipeline_formula)
         make, kept = keeping(self._stages(), numbers, self.schedule, self.micro_batches)
-        found = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
-                              schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
-        if found is not None:
-            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
-        return found
+        return self._kept_moments(named, b, numbers, make, kept)
+
+    def _kept_moments(self, named: Mapping[str, int], b: int, numbers: list[dict[str, int]], make: Any,
+                      kept: list[Any]) -> Any:
+        """:func:`~symmem.passes.model_parallel.batch_moments` of the stages at ``numbers``, each made by ``make``,
+        which appends to ``kept`` what it made of a stage; where every stage was made, ``kept`` is stored for the
+        moments' formulas (:func:`~symmem.passes.pipeline_formula.plans_key`)."""
+        from .model_parallel import batch_moments
+        from .pipeline_formula import plans_key
+
+        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
+                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
+        if out is not None and len(kept) == len(out):
+            self._cache[plans_key(named, b)] = kept
+        return out
 
     def _memo(self) -> dict[Any, Any]:
         """What the replays at several sets of numbers share (the simulated single-device step: :class:`_Cut`)."""

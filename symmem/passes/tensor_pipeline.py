@@ -440,7 +440,7 @@ class TensorPipelineStep(PipelineStep):
         """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
         (:func:`~symmem.passes.model_parallel.batch_moments`): the rank's sizes and the collectives' bytes packed;
         None where they cannot be (each replayed on its own)."""
-        from .model_parallel import batch_moments, pack_parts
+        from .model_parallel import pack_parts
 
         numbers = [{**named, BATCH: b + k} for k in range(3)]
         cuts = [self._cut(n) for n in numbers]
@@ -459,11 +459,7 @@ class TensorPipelineStep(PipelineStep):
             kept.append((replay.cut, replay.at, replay._events))
             return replay, ats
 
-        out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, found,
-                            schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
-        if out is not None and len(kept) == len(out):
-            self._cache[("plans", tuple(sorted(named.items())), b)] = kept
-        return out
+        return self._kept_moments(named, b, numbers, make, kept)
 
     def _peak(self, named: dict[str, int]) -> Any:
         from ..peak import Peak
