@@ -6,8 +6,8 @@ a traced step's dispatch-mode recorder cannot see it.  Truth: the H200's allocat
 Llama's last stage under 1F1B, the clone located with C++ frames; the built-in graph's rule is checked against it
 in tests/test_cuda_pipeline_measured.py).  A CPU build of torch makes no fake CUDA tensors, so the kernel's rule is run
 on CPU fakes standing in for CUDA's: every moment of the step is the CPU's (itself equal to a real CPU step) except
-the head's two backward products, each one (B·S, V) FP32 tensor more; and HF Llama's traced step then equals the
-built-in graph's CUDA step, whose peak is that moment.
+the head's two backward products, each one (B·S, V) FP32 tensor more.  HF Llama's traced step with the rule equals
+the built-in graph's CUDA step where that moment is its peak (``tests/test_traced_cuda_softmax.py``'s ``ZOO``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import sympy
 torch = pytest.importorskip("torch")
 
 import symmem  # noqa: E402
-from symmem import derive  # noqa: E402
 from symmem.importer import kernel_temporaries  # noqa: E402
 from symmem.record.steps import track_step  # noqa: E402
 
@@ -63,20 +62,3 @@ def test_the_head_backward_gains_one_logits_sized_copy_per_product(monkeypatch):
             # the forward's product has dense operands; the backward's two each clone the expanded gradient
             assert len(gained) == 2 and set(gained) < set(products), gained
             assert all(more[i] == {"temporary": b * s * 96 * 4} for i in gained)
-
-
-def test_hf_llama_on_cpu_fakes_with_the_rule_is_the_built_in_cuda_step(monkeypatch):
-    """HF Llama with a wide vocabulary (its peak the head's backward) traced with the kernel's rules on CPU fakes
-    equals the built-in graph's CUDA step; without the cuBLAS copy the CUDA step would be B·S·V·4 lower."""
-    pytest.importorskip("transformers")
-    from symmem.record.hf_llama import hf_llama, logits_of
-
-    v = {"B": 4, "S": 32, "H": 32, "h": 4, "L": 1, "V": 1024, "F": 64, "G": 2}
-    torch.manual_seed(0)
-    module, ids = hf_llama(v, "naive", cache="none")
-    monkeypatch.setattr(kernel_temporaries, "DEVICES", ("cuda", "cpu"))
-    d = symmem.trace(logits_of(module), (ids,), DIMS, device="cpu", **STEP)
-    zoo = derive("llama", convention="pytorch", device="cuda", cache="none", attention="naive", dropout=0.0,
-                 values=v, **STEP)
-    assert "lm_head" in zoo.peak_at().where() and "backward" in zoo.peak_at().where()
-    assert [d.value("peak_first_step"), d.value("peak")] == [zoo.value("peak_first_step"), zoo.value("peak")]
