@@ -77,7 +77,36 @@ def _cuts(step: Any, numbers: Sequence[Mapping[str, int]], packed: bool) -> tupl
     return (_PackedCut(cuts) if packed else cuts[0]), cuts
 
 
-class FsdpFormulas:
+class _AtRest:
+    """A stage's parts at rest and its optimizer step as formulas, from the engine's ``_side(memory, s)``: (the
+    rank's weights, its gradients, AdamW's state, the for-loop step's temporaries), each cached on the object."""
+
+    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, Callable[[], sympy.Expr]]:
+        raise NotImplementedError
+
+    def rest(self, memory: Any, s: int) -> sympy.Expr:
+        """What the rank's stage holds between steps: its weights, their state, its buffers, inputs and the logits
+        (expanded: the moments' formulas add their terms to it)."""
+        key = ("rest", s)
+        if key not in self.__dict__:
+            weights, _, state, _ = self._side(memory, s)
+            self.__dict__[key] = sympy.Add(weights, state,
+                                           sympy.expand(memory.buffers + memory.inputs + memory.outputs))
+        return self.__dict__[key]
+
+    def outputs(self, memory: Any, s: int) -> sympy.Expr:
+        """The last step's logits the stage holds at rest (the last stage's), dropped as the step begins."""
+        return sympy.expand(memory.outputs)
+
+    def step_peak(self, memory: Any, s: int) -> sympy.Expr:
+        _, grads, _, temps = self._side(memory, s)
+        return self.rest(memory, s) + grads + temps()  # every gradient, the step's temporaries
+
+    def state(self, memory: Any, s: int) -> sympy.Expr:
+        return self._side(memory, s)[2]
+
+
+class FsdpFormulas(_AtRest):
     """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for FSDP2 on every stage (``step``: an
     :class:`~symmem.passes.fsdp_pipeline.FsdpPipelineStep`, its data-parallel rank ``step.rank``)."""
 
@@ -190,9 +219,9 @@ class FsdpFormulas:
         return _Cut(step.graph, step.conv, step.options, step.regime, self.named, step._memo())
 
     # what the stage holds at rest and in the optimizer step
-    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, Callable[[], sympy.Expr]]:
-        """(the shards, AdamW's state of the held rows, the for-loop step's temporaries) of stage ``s``, the layers'
-        ``L/p`` times."""
+    def _side(self, memory: Any, s: int) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, Callable[[], sympy.Expr]]:
+        """(the shards, their sharded gradients (as large), AdamW's state of the held rows, the for-loop step's
+        temporaries) of stage ``s``, the layers' ``L/p`` times."""
         key = ("side", s)
         if key not in self.__dict__:
             step = self.step
@@ -215,33 +244,12 @@ class FsdpFormulas:
             state = sympy.Add(*(8 * numel(held[p.name]) for p in root), 4 * len(root),
                               *(per * 8 * numel(held[p.name]) for p in one), per * 4 * len(one))
             # the for-loop step's temporaries, made when the optimizer step's formula is asked for
-            self.__dict__[key] = (weights, state, lambda: _step_temporaries(step.regime, before, layer, after, per,
-                                                                            "for-loop"))
+            self.__dict__[key] = (weights, weights, state,
+                                  lambda: _step_temporaries(step.regime, before, layer, after, per, "for-loop"))
         return self.__dict__[key]
 
-    def rest(self, memory: Any, s: int) -> sympy.Expr:
-        """What the stage holds between steps: the shards, the state, its buffers, inputs and the logits
-        (expanded: the moments' formulas add their terms to it)."""
-        key = ("rest", s)
-        if key not in self.__dict__:
-            weights, state, _ = self._side(memory, s)
-            self.__dict__[key] = sympy.Add(weights, state,
-                                           sympy.expand(memory.buffers + memory.inputs + memory.outputs))
-        return self.__dict__[key]
 
-    def outputs(self, memory: Any, s: int) -> sympy.Expr:
-        """The last step's logits the stage holds at rest (the last stage's), dropped as the step begins."""
-        return sympy.expand(memory.outputs)
-
-    def step_peak(self, memory: Any, s: int) -> sympy.Expr:
-        weights, _, temps = self._side(memory, s)
-        return self.rest(memory, s) + weights + temps()  # every sharded gradient, the step's temporaries
-
-    def state(self, memory: Any, s: int) -> sympy.Expr:
-        return self._side(memory, s)[1]
-
-
-class TensorFormulas:
+class TensorFormulas(_AtRest):
     """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for DTensor's standard plan on every stage
     (TP x PP, :mod:`.tensor_pipeline`): each storage at one tensor-parallel rank's size (the walk's formula in
     ``t``: :class:`~symmem.passes.tensor_pipeline._Sizes`), the rank's local shards at rest, and what the
@@ -378,25 +386,6 @@ class TensorFormulas:
             self.__dict__[key] = (sympy.Add(*weights), sympy.Add(*grads), sympy.Add(*state),
                                   lambda: _step_temporaries(step.regime, before, layer, after, per, "for-loop"))
         return self.__dict__[key]
-
-    def rest(self, memory: Any, s: int) -> sympy.Expr:
-        """What the rank's stage holds between steps: its shards, their state, its buffers, inputs and logits."""
-        key = ("rest", s)
-        if key not in self.__dict__:
-            weights, _, state, _ = self._side(memory, s)
-            self.__dict__[key] = sympy.Add(weights, state,
-                                           sympy.expand(memory.buffers + memory.inputs + memory.outputs))
-        return self.__dict__[key]
-
-    def outputs(self, memory: Any, s: int) -> sympy.Expr:
-        return sympy.expand(memory.outputs)
-
-    def step_peak(self, memory: Any, s: int) -> sympy.Expr:
-        _, grads, _, temps = self._side(memory, s)
-        return self.rest(memory, s) + grads + temps()
-
-    def state(self, memory: Any, s: int) -> sympy.Expr:
-        return self._side(memory, s)[2]
 
 
 @functools.cache
