@@ -173,6 +173,20 @@ def _tensor(values: dict[str, int], options: dict[str, Any], impl: str, rank: in
     return {"kind": "tensor", "values": values, "options": options, "impl": impl, "rank": rank, "steps": steps}
 
 
+def _scheduled_step(sched: Any, opt: Any, data: Any, target: Any, first: bool, last: bool,
+                    base: dict[str, int]) -> dict[str, int]:
+    """One training step of a pipeline stage (the schedule, AdamW, ``zero_grad``): its allocator peaks."""
+    _reset()
+    losses: list[Any] = []
+    out = sched.step(data) if first else sched.step(target=target, losses=losses) if last else sched.step()
+    del out, losses
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    peaks = _peaks(base)
+    time.sleep(0.05)
+    return peaks
+
+
 def _staged_p2p() -> None:
     """``batch_isend_irecv`` through host memory: gloo sends and receives host tensors only."""
     import torch
@@ -247,14 +261,7 @@ def _pipeline(model: str, values: dict[str, int], schedule: str, m: int, loss: s
         stacks = "all" if os.environ.get("SYMMEM_HISTORY_CPP") else "python"
         torch.cuda.memory._record_memory_history(max_entries=200000, stacks=stacks)
     for _ in range(1 + STEADY):
-        _reset()
-        losses: list[Any] = []
-        out = sched.step(data) if first else sched.step(target=target, losses=losses) if last else sched.step()
-        del out, losses
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        steps.append(_peaks(base))
-        time.sleep(0.05)
+        steps.append(_scheduled_step(sched, opt, data, target, first, last, base))
     if history and not DRY:
         import pickle
 
@@ -312,15 +319,9 @@ def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, lo
         if k <= 2:
             opt = None
             opt = optimizer()
-        _reset()
-        losses: list[Any] = []
-        out = sched.step(data) if first else sched.step(target=target, losses=losses) if last else sched.step()
-        del out, losses
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        peaks = _scheduled_step(sched, opt, data, target, first, last, base)
         if k >= 2:
-            steps.append(_peaks(base))
-        time.sleep(0.05)
+            steps.append(peaks)
     host = sum(t.numel() * t.element_size() for st in getattr(opt, "optim", opt).state.values()
                for t in st.values() if isinstance(t, torch.Tensor) and t.device.type == "cpu")
     del opt, sched, stage, wrapped, module, data, target
@@ -329,9 +330,9 @@ def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, lo
             "host_state": host, "steps": steps}
 
 
-def mesh_work(case: int, rank: int, world: int) -> list[dict[str, Any]]:
-    """One case in processes of its own: DDP's buckets of an earlier case in the same process were let go during
-    the next one (measured), which a baseline taken before it cannot see."""
+def _rank_setup() -> None:
+    """A rank's process: a crash's Python stack shown, the one GPU, its cuBLAS workspaces made before any baseline,
+    the sends and receives staged through host memory."""
     import faulthandler
 
     import torch
@@ -341,22 +342,19 @@ def mesh_work(case: int, rank: int, world: int) -> list[dict[str, Any]]:
         torch.cuda.set_device(0)
     _warm()
     _staged_p2p()
+
+
+def mesh_work(case: int, rank: int, world: int) -> list[dict[str, Any]]:
+    """One case in processes of its own: DDP's buckets of an earlier case in the same process were let go during
+    the next one (measured), which a baseline taken before it cannot see."""
+    _rank_setup()
     return [_mesh_pipeline(*MESH[case], rank, world)]
 
 
 def work(rank: int, world: int) -> list[dict[str, Any]]:
-    import faulthandler
-
-    import torch
-
-    faulthandler.enable()
     global TENSOR_ROWS
     TENSOR_ROWS = bool(os.environ.get("SYMMEM_CHECK_TENSOR"))
-
-    if not DRY:
-        torch.cuda.set_device(0)
-    _warm()
-    _staged_p2p()
+    _rank_setup()
     rows = []
     if rank == 0 and not os.environ.get("SYMMEM_ONLY_PIPELINE"):
         for values, options in (TENSOR[4], TENSOR[5]):
