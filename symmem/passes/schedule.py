@@ -466,7 +466,7 @@ class Simulation:
             (late if sg is not None and node.kind == "linear" and key.endswith(".bias") else born).append(pid)
             params_out.append((key, pid))
         temps = [self.new(f"{n}.temp", "temporary", self.size(spec), n) for spec in g.temps]
-        if n == self.final and node.kind in _MM_KINDS and self.graph.node(n).group != "loss" and (
+        if n == self.final and node.kind in _MM_KINDS and node.group != "loss" and (
                 self.rule_options.get("device") == "cuda"):
             # the loss .sum()'s gradient reaches the output as a 0-dim one expanded (strides 0): cuBLAS takes no
             # such matrix, so each mm of the backward clones it dense first (prepare_matrix_for_cublas), one at a
