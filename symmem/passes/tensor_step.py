@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
 from typing import Any
@@ -64,7 +64,7 @@ from ..graph import Graph
 from ..peak import Moment, Peak
 from ..shapes import numel
 from ..symbols import at_least, equals, t
-from ..training import Regime
+from ..training import Regime, checkpoint_every
 from .batch_of_one import REPEATS, collapsed, single_copy
 from .parameters import node_parameters
 from .rank_step import WalkedStep
@@ -95,8 +95,11 @@ class RankMoments:
     backward: sympy.Expr = sympy.Integer(0)
 
 
-def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) -> RankMoments:
-    """The moments of one rank's step (see the module's note) from its :class:`TensorRank` ``rank``."""
+def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool, checkpoint: bool = False
+              ) -> RankMoments:
+    """The moments of one rank's step (see the module's note) from its :class:`TensorRank` ``rank``; with
+    ``checkpoint`` (the layers checkpointed) what the checkpoint frames hold in place of the cache's copies
+    (:func:`~symmem.passes.tensor_checkpoint.frame_held`)."""
     from .model_parallel import _bytes, _module_buffers, local_saved
 
     act = "float32"
@@ -115,6 +118,10 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
     # the DynamicCache's copies, held to the forward's end; at B = 1 where eager attention keeps them in place of
     # the repeated ones they are in the rank's saved activations already (model_parallel.at_one)
     held = cache / t - single_copy() * sympy.Piecewise((cache / t, collapsed(nodes)), (0, True))
+    if checkpoint:  # no cache in checkpointed layers; the frames' inputs and the last layer's output instead
+        from .tensor_checkpoint import frame_held
+
+        held = frame_held(graph, sequence)
     forward_end = at_rest + rank.saved + kept + held + logits / t + 2 * logits
     step = at_rest + rank.gradients + _step_temporaries(graph)
     # the final norm's backward: what the head and the final norm kept is gone, their weights' gradients made (the
@@ -129,7 +136,7 @@ def rank_peak(graph: Graph, storages: Sequence[Any], rank: Any, sequence: bool) 
         if node.group == "head":
             for _, shape in node_parameters(n, node):
                 head_grads += numel(shape) * 4 / (t if len(shape) >= 2 else 1)
-    backward = at_rest + rank.saved - head_saved + stream + 5 * stream + 8 + head_grads
+    backward = at_rest + rank.saved - head_saved + stream + 5 * stream + 8 + head_grads + (held if checkpoint else 0)
     if sequence:
         # at B = 1 the asynchronous all-gathers (gate's, up's, the head's) keep two copies each (see single_copy)
         seconds = [s for s in storages if s.category == "activation" and _async_gathers(graph, s.keepers)]
@@ -319,7 +326,9 @@ def layer_moments(walk: type[_LayerWalk], graph: Graph, conv: Any, options: Mapp
     FSDP x TP's last but one, folds from longer ones: ``base`` and ``base + 1``).
     """
     layers = int(numbers["L"])
-    if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]):
+    # every-K checkpointing (K > 1): the layers between are not all in one state (their segments), no fold
+    if layers < FOLD_FROM or int(numbers.get("S", 1)) % int(numbers["t"]) or (checkpoint_every(regime.checkpoint)
+                                                                                or 1) > 1:
         w = walk(graph, conv, options, regime, numbers)
         return [(f, phase, w.label(phase, node)) for f, phase, node in w.largest()]
     two, three = (walk(graph, conv, options, regime, {**numbers, "L": n}) for n in (base, base + 1))
@@ -393,8 +402,14 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
 
     if model_name != "llama":
         return f"the tensor-parallel peak follows DTensor's standard plan, which is Llama's; not {model_name}"
-    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.checkpoint != "none":
-        return "the tensor-parallel peak is modelled for FP32 Adam/AdamW without checkpointing (what was measured)"
+    if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw"):
+        return "the tensor-parallel peak is modelled for FP32 Adam/AdamW (what was measured)"
+    if regime.checkpoint != "none":
+        from .tensor_checkpoint import checkpoint_refusal
+
+        why = checkpoint_refusal(regime)
+        if why is not None:
+            return why
     if regime.zero or regime.pipeline_parallel or regime.micro_batches != 1:
         return ("the tensor-parallel peak is modelled alone or on pipeline stages (a p x t mesh): no ZeRO, nor "
                 "micro-batches without stages")
@@ -416,7 +431,8 @@ def storages_rank(graph: Graph, storages: Sequence[Any], regime: Regime, sequenc
     """:func:`rank_peak` from the single-device ``storages`` (the pytorch convention)."""
     from .model_parallel import tensor_rank
 
-    return rank_peak(graph, storages, tensor_rank(graph, storages, regime, sequence), sequence)
+    return rank_peak(graph, storages, tensor_rank(graph, storages, regime, sequence), sequence,
+                     regime.checkpoint != "none")
 
 
 # -- the layers' forward and backward, op by op --------------------------------------------------------------
@@ -428,7 +444,7 @@ class _LayerWalk:
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                  numbers: Mapping[str, int]) -> None:
         from . import branches as size_branches
-        from .schedule import Simulation
+        from .tensor_checkpoint import simulation
         from .unroll import unroll
 
         block = next(iter(graph.blocks.values()))
@@ -437,7 +453,7 @@ class _LayerWalk:
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
-        sim = Simulation(g, conv, options, regime, branch, False)
+        sim = simulation(regime)(g, conv, options, regime, branch, False)
         sim.micro_batch()
         self.tl = sim.timeline(first=False)
         order = list(g.program_order())
@@ -461,6 +477,9 @@ class _LayerWalk:
         # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
         # matmuls keep in place of the copies they make from B = 2
         self.collapsed = collapsed(order).xreplace(self.subs) is sympy.true
+        #: layers a checkpointed segment holds (every-K: K): where K > 1, a middle layer's backward holds the layers
+        #: before it in its segment recomputed, so every layer's ops are candidates
+        self.segments = checkpoint_every(regime.checkpoint) or 1
 
     @cached_property
     def cache_kept(self) -> list[tuple[int, int, sympy.Expr]]:
@@ -624,13 +643,17 @@ class _LayerWalk:
     def _candidate(self, e: Any, layers: int) -> bool:
         """Whether op ``e`` can be the largest moment: an op of the first or the last layer, or of the final
         norm's forward (where eager attention's whole mask and the cache's copies are still held)."""
-        return iteration(e.node) in (1, layers) or (e.phase == "forward" and e.node in self.final_norm)
+        return (iteration(e.node) in (1, layers) or (e.phase == "forward" and e.node in self.final_norm)
+                or (self.segments > 1 and bool(iteration(e.node))))
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
         a column-parallel linear's input gradient, the all-reduce's output and wrapper beside the partial."""
         tl = self.tl
         kept = self._kept(k)
+        if e.phase == "backward" and str(e.node).endswith(":recompute"):
+            # a checkpointed layer's forward run again: its all-reduces as in the forward
+            e = replace(e, phase="forward", node=str(e.node)[:-len(":recompute")])
         if e.phase == "forward" and e.node in self.row:
             return kept + sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
         if e.phase == "backward" and e.node in self.column:

@@ -1,0 +1,98 @@
+"""What a tensor-parallel rank's step holds more, or less, under activation checkpointing (``--checkpoint full`` or
+``every-K`` with ``--tensor-parallel``, torchtitan's order: ``parallelize_module``, then the checkpoint wrapper per
+block, ``torch.utils.checkpoint`` non-reentrant).
+
+Measured per rank on gloo (``symmem.record.model_parallel_runs``, the recorder that sees DTensor's local ops):
+
+* the recomputed forward re-runs the collectives: a row-parallel linear's all-reduce (o_proj, down_proj) makes its
+  output beside funcol's wrapper and the partial sum again, as in the forward, and both die with the residual sum
+  that reads them (no op of the recomputation keeps them);
+* the checkpoint frame holds the block's input -- the embedding's all-reduce output and its wrapper for the first
+  layer, the residual sum of the layer before for the others -- until the block's backward is done;
+* HF passes a checkpointed layer no ``DynamicCache``: no key/value copies are held to the forward's end;
+* RMSNorm's ``hidden_states.to(torch.float32)`` of a float32 tensor is the tensor itself (no autograd node): the
+  gradients of the norm's two paths are summed into the residual stream's buffer as each arrives, the residual's
+  gradient (there first) let go at the first sum (:class:`CastsInPlace`).
+
+>>> from symmem import derive
+>>> v = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64, "t": 2}
+>>> d = derive("llama", tensor_parallel=True, attention="naive", device="cpu", checkpoint="full", values=v)
+>>> d.value("peak"), d.value("peak_first_step")
+(126552, 124624)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from ..graph import Graph
+from ..training import Regime
+from .schedule import Simulation
+
+
+class CastsInPlace(Simulation):
+    """The single-device step as :class:`~symmem.passes.schedule.Simulation` walks it, except that a gradient
+    handed to a ``cast`` that is a view of its input (``.to()`` of the dtype it has: PyTorch returns the tensor,
+    records no autograd node) goes to its input's buffer, where it is summed with what is there as it arrives."""
+
+    def _gather(self, n: str, handoff: list[tuple[str, int]], params_out: list[tuple[str, int]]) -> None:
+        super()._gather(n, [(self._through(x), sid) for x, sid in handoff], params_out)
+
+    def _through(self, x: str) -> str:
+        """``x``, or the value under the no-op casts it is."""
+        while self.graph.node(x).kind == "cast" and self.base.get(x, x) != x and self.graph.node(x).inputs:
+            x = self.graph.node(x).inputs[0]
+        return x
+
+
+def checkpoint_refusal(regime: Regime) -> str | None:
+    """Why a tensor-parallel rank's peak under ``regime.checkpoint`` is not modelled (None: it is): full and
+    every-K checkpointing of the layers under the standard plan alone are (measured); selective recomputation,
+    sequence parallelism, FSDP x TP and pipeline stages with checkpointing are not.
+
+    >>> from symmem.training import Regime
+    >>> checkpoint_refusal(Regime(checkpoint="full", tensor_parallel=True)) is None
+    True
+    >>> checkpoint_refusal(Regime(checkpoint="selective", tensor_parallel=True)).endswith("not 'selective'")
+    True
+    """
+    if regime.checkpoint not in ("none", "full") and not regime.checkpoint.startswith("every-"):
+        return ("the tensor-parallel peak with checkpointing is modelled for 'full' and 'every-K' (what was "
+                f"measured), not {regime.checkpoint!r}")
+    if regime.data_parallel or regime.zero or regime.pipeline_parallel or regime.sequence_parallel:
+        return ("the tensor-parallel peak with checkpointing is modelled for DTensor's standard plan alone (full "
+                "or every-K; measured on gloo): not with sequence parallelism, FSDP x TP or pipeline stages")
+    return None
+
+
+def simulation(regime: Regime) -> type[Any]:
+    """The walk a tensor-parallel rank's step follows: :class:`CastsInPlace` under checkpointing (measured there),
+    the single-device :class:`~symmem.passes.schedule.Simulation` otherwise (its values unchanged)."""
+    return CastsInPlace if regime.checkpoint != "none" else Simulation
+
+
+def frame_held(graph: Graph, sequence: bool) -> sympy.Expr:
+    """What a checkpointed rank holds at the forward's end and in the final norm's backward beside its saved
+    activations (:func:`~symmem.passes.model_parallel.tensor_rank` of the checkpointed ledger): the last layer's
+    output, which the final norm keeps (whole; S-split under sequence parallelism), and the constants the frames
+    were called with (eager attention's mask: whole, held until the first layer's backward is done).
+
+    >>> from symmem.models import build
+    >>> from symmem.symbols import B, H, S, t
+    >>> frame_held(build("llama", attention="sdpa").graph, False) == 4 * B * S * H
+    True
+    >>> frame_held(build("llama", attention="naive").graph, True) == 4 * B * S * H / t + 4 * B * S * S
+    True
+    """
+    from ..symbols import t
+    from .model_parallel import _bytes
+
+    blocks = list(graph.blocks.values())
+    last = _bytes(graph, blocks[-1].output, "float32")
+    read = {i for n in graph.program_order() if graph.node(n).block is not None for i in graph.node(n).inputs}
+    constants = sum((_bytes(graph, n, "float32") for n in graph.program_order()
+                     if graph.node(n).kind == "constant" and graph.node(n).block is None and n in read),
+                    sympy.Integer(0))
+    return (last / t if sequence else last) + constants
