@@ -61,7 +61,7 @@ def checkpoint_refusal(regime: Regime) -> str | None:
     if regime.checkpoint not in ("none", "full") and not regime.checkpoint.startswith("every-"):
         return ("the tensor-parallel peak with checkpointing is modelled for 'full' and 'every-K' (what was "
                 f"measured), not {regime.checkpoint!r}")
-    if regime.data_parallel or regime.zero or regime.pipeline_parallel or regime.sequence_parallel:
+    if regime.data_parallel or regime.zero or regime.pipeline_parallel:
         return ("the tensor-parallel peak with checkpointing is modelled for DTensor's standard plan alone (full "
                 "or every-K; measured on gloo): not with sequence parallelism, FSDP x TP or pipeline stages")
     return None

@@ -489,13 +489,18 @@ class _LayerWalk:
         if not self.collapsed:
             return []
         tl = self.tl
-        released = {tl.storages[i].name: k for k, e in enumerate(tl.events) for i in e.freed}
         kept = []
-        for i, s in enumerate(tl.storages):
-            if template(s.name) in ("layers.self_attn.cache_key", "layers.self_attn.cache_value"):
-                repeat = s.name.replace("cache_key", "k_repeat").replace("cache_value", "v_repeat")
-                if s.name in released and repeat in released:
-                    kept.append((released[s.name] + 1, released[repeat], self.once * self.local(i)))
+        # each copy paired with the repeat made from it: under checkpointing a layer's forward and its
+        # recomputation each make both (storages of the same names)
+        pending: dict[str, tuple[int, int]] = {}  # the repeat's name -> (the copy, the event that let it go)
+        for k, e in enumerate(tl.events):
+            for i in e.freed:
+                name = tl.storages[i].name
+                if template(name) in ("layers.self_attn.cache_key", "layers.self_attn.cache_value"):
+                    pending[name.replace("cache_key", "k_repeat").replace("cache_value", "v_repeat")] = (i, k)
+                elif name in pending:
+                    copy, at = pending.pop(name)
+                    kept.append((at + 1, k, self.once * self.local(copy)))
         return kept
 
     def local(self, i: int) -> sympy.Expr:
