@@ -23,6 +23,7 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, the recorder t
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import sympy
@@ -45,6 +46,42 @@ class CastsInPlace(Simulation):
         while self.graph.node(x).kind == "cast" and self.base.get(x, x) != x and self.graph.node(x).inputs:
             x = self.graph.node(x).inputs[0]
         return x
+
+
+def gathered_ahead(events: Sequence[Any], row: Collection[str]) -> dict[int, str]:
+    """Under sequence parallelism a checkpointed segment's backward begins with the last row-parallel linear's
+    output gradient all-gathered over S (the reduce-scatter's backward saves nothing, so it runs before the
+    recomputation that the first saved tensor's unpacking starts): each recomputation event -> that linear.
+
+    >>> from types import SimpleNamespace as E
+    >>> ev = [E(phase="backward", node="a#1:recompute"), E(phase="backward", node="add2#1"),
+    ...       E(phase="backward", node="down#1")]
+    >>> gathered_ahead(ev, {"down#1"})
+    {0: 'down#1'}
+    """
+    found: dict[int, str] = {}
+    waiting: list[int] = []
+    for k, e in enumerate(events):
+        if e.phase != "backward" or e.node is None:
+            continue
+        if str(e.node).endswith(":recompute"):
+            waiting.append(k)
+        elif e.node in row and waiting:
+            found.update(dict.fromkeys(waiting, str(e.node)))
+            waiting = []
+    return found
+
+
+def recompute_gathers(walk: Any, e: Any, k: int) -> sympy.Expr:
+    """What a checkpointed sequence-parallel rank holds more at event ``k`` of ``walk`` (a
+    :class:`~symmem.passes.tensor_step._SequenceWalk`): through a recomputation, the output gradient all-gathered
+    ahead of it (:func:`gathered_ahead`: whole, twice at B = 1: the view of funcol's output and its wrapper); at
+    every row-parallel linear's backward at B = 1, that gather's second copy (measured)."""
+    if k in walk.ahead:
+        return (1 + walk.once) * walk._whole(walk.ahead[k])
+    if e.phase == "backward" and e.node in walk.row:
+        return walk.once * walk._whole(e.node)
+    return sympy.Integer(0)
 
 
 def checkpoint_refusal(regime: Regime) -> str | None:

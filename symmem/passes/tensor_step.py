@@ -480,6 +480,7 @@ class _LayerWalk:
         #: layers a checkpointed segment holds (every-K: K): where K > 1, a middle layer's backward holds the layers
         #: before it in its segment recomputed, so every layer's ops are candidates
         self.segments = checkpoint_every(regime.checkpoint) or 1
+        self.checkpointed = regime.checkpoint != "none"
 
     @cached_property
     def cache_kept(self) -> list[tuple[int, int, sympy.Expr]]:
@@ -711,10 +712,13 @@ class _SequenceWalk(_LayerWalk):
             if s.category != "activation" or not linears:
                 continue
             attention = [n for n in linears if n in self.qkv]
+            # at B = 1 what a checkpointed layer's recomputation all-gathers is kept once (funcol's wrapper let go)
+            recomputed = regime.checkpoint != "none" and bool(iteration(linears[0]))
             groups = ([tuple(attention)] if attention else []) + [(n,) for n in linears if n not in self.qkv]
             # (gather, release, copies): at B = 1 an asynchronous gather (outside the attention) keeps two
             spans = sorted(((min(forward[n] for n in grp), max(backward.get(n, len(tl.events)) for n in grp),
-                             1 + (0 if grp[0] in self.qkv else self.once)) for grp in groups), key=lambda x: x[:2])
+                             1 + (0 if grp[0] in self.qkv or recomputed else self.once)) for grp in groups),
+                           key=lambda x: x[:2])
             after = [r for r in rows if r > spans[-1][0]]
             dies = (after[0] if attention else after[0] + 1) if after else len(tl.events)
             self.copies[i] = (dies, spans)
@@ -795,6 +799,22 @@ class _SequenceWalk(_LayerWalk):
         return [str(d) for d in self.g.node(source).out.shape][:2] == ["B", "S"]
 
     def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+        found = self._sequence_collectives(e, alive, k)
+        if self.ahead:  # checkpointed layers (passes/tensor_checkpoint.py)
+            from .tensor_checkpoint import recompute_gathers
+
+            found += recompute_gathers(self, e, k)
+        return found
+
+    @cached_property
+    def ahead(self) -> dict[int, str]:
+        """Under checkpointing, each recomputation's events -> the row-parallel linear whose output gradient was
+        all-gathered before it (:func:`~symmem.passes.tensor_checkpoint.gathered_ahead`); empty without."""
+        from .tensor_checkpoint import gathered_ahead
+
+        return gathered_ahead(self.tl.events, self.row) if self.checkpointed else {}
+
+    def _sequence_collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
         tl = self.tl
         extra: sympy.Expr = sympy.Integer(0)
         released: sympy.Expr = sympy.Integer(0)  # gathered copies let go inside this event
