@@ -724,6 +724,12 @@ class _SequenceWalk(_LayerWalk):
             self.copies[i] = (dies, spans)
         self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
                                and s.node in self.qkv}
+        #: under checkpointing: each recomputation event -> its op's forward event, and the storages the
+        #: recomputations make (their gathers stand where the forward's did)
+        self.again = {k: forward[str(e.node)[:-len(":recompute")]] for k, e in enumerate(tl.events)
+                      if e.phase == "backward" and str(e.node).endswith(":recompute")
+                      and str(e.node)[:-len(":recompute")] in forward}
+        self.recomputed = {i for k in self.again for i in tl.events[k].born}
         self.held = self._held(forward, rows)
 
     def _candidate(self, e: Any, layers: int) -> bool:
@@ -818,21 +824,28 @@ class _SequenceWalk(_LayerWalk):
         tl = self.tl
         extra: sympy.Expr = sympy.Integer(0)
         released: sympy.Expr = sympy.Integer(0)  # gathered copies let go inside this event
+        # a recomputation's event stands for its forward one where the storage is the recomputation's own
+        again = self.again.get(k)
         for i, (dies, spans) in self.copies.items():
             if i not in alive:
                 continue
             size = tl.storages[i].nbytes
             # (an empty sum adds nothing: not built)
-            if e.phase == "forward":
-                later = [n for f, _, n in spans if f > k]
+            redone = again is not None and i in self.recomputed
+            if e.phase == "forward" or redone:
+                at = again if redone else k
+                later = [n for f, _, n in spans if f > at]
                 if later:
                     extra -= sympy.Add(*later) * size
-                if k <= dies:
+                if at <= dies:
                     extra += size / t
                 for f, _, n in spans:
-                    if f == k:  # the all-gather's output beside its wrapper (at B = 1 both kept: counted)
+                    if f == at:  # the all-gather's output beside its wrapper (at B = 1 both kept: counted)
                         born = sympy.Add(*(self.local(j) for j in e.born))
-                        extra += (2 - n) * self._max(0, size - born)
+                        if redone:  # recomputed at B = 1: the wrapper kept past the linear's mm, then let go
+                            extra += self.once * size + (1 - self.once) * self._max(0, size - born)
+                        else:
+                            extra += (2 - n) * self._max(0, size - born)
             elif e.phase == "backward":
                 done = [n for _, r, n in spans if r < k]
                 if done:
