@@ -58,7 +58,10 @@ def test_against_the_engines():
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
     jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
     import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
+    import test_tensor_checkpoint as checkpointed  # its gloo job (checkpointed sequence parallelism) too
 
+    mine = len(jobs)
+    jobs += checkpointed.JOBS
     jobs += formula.JOBS
     jobs += [("pipeline", "gpt2", {**SIZES, "B": 1}, (*ONE, {"attention": "sdpa"}))]
     everything = runs(2, jobs)
@@ -80,6 +83,7 @@ def test_against_the_engines():
         llama_stages(everything, case)
     a_batch_of_one([rank[-1] for rank in everything])
     formula.against_the_engines([rank[-1 - len(formula.JOBS):-1] for rank in everything], measured, CASES)
+    checkpointed.against_dtensor([rank[mine:mine + len(checkpointed.JOBS)] for rank in everything])
 
 
 #: a batch of one: GPT-2's shifted labels' contiguous() is a view at B = 1 and a copy from 2, so its stages' bytes
