@@ -165,6 +165,8 @@ class _MeshWalk(_LayerWalk):
 
     #: whether the stream is split over S (:class:`_MeshSequenceWalk`)
     sequence = False
+    #: the norms' gradients merged by :meth:`_merges` (measured before checkpointing was)
+    casts_in_place = False
 
     def __init__(self, graph: Graph, conv: Any, options: Any, regime: Regime, numbers: Any) -> None:
         from .data_parallel import shard_rows

@@ -33,7 +33,32 @@ from ..training import Regime
 from .schedule import Simulation
 
 
-class CastsInPlace(Simulation):
+class FsdpRecompute(Simulation):
+    """The single-device step as :class:`~symmem.passes.schedule.Simulation` walks it, under FSDP2 with
+    checkpointing as torchtitan wraps it (the checkpoint wrapper inside ``fully_shard``): a unit's pre-backward
+    hook, on its output's gradient, all-gathers its parameters (and prefetches the next unit's) before the
+    recomputation that the first saved tensor's unpacking starts; the recomputation runs on them."""
+
+    def _sharding(self, weights_bytes: int) -> Any:
+        from ..symbols import N
+        from . import data_parallel
+
+        regime = self.regime
+        if (regime.checkpoint == "none" or regime.data_parallel not in data_parallel.SHARDED
+                or regime.micro_batches != 1 or regime.precision != "fp32"):
+            return super()._sharding(weights_bytes)
+        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[regime.data_parallel])
+
+    def recompute(self, nodes: list[Any]) -> None:
+        fsdp = self.fsdp
+        if fsdp is not None and nodes:
+            n = nodes[-1].name  # the segment's unit (a layer's nodes are one unit)
+            if fsdp.acts_before_backward(n):
+                fsdp.before_backward(n)
+        super().recompute(nodes)
+
+
+class CastsInPlace(FsdpRecompute):
     """The single-device step as :class:`~symmem.passes.schedule.Simulation` walks it, except that a gradient
     handed to a ``cast`` that is a view of its input (``.to()`` of the dtype it has: PyTorch returns the tensor,
     records no autograd node) goes to its input's buffer, where it is summed with what is there as it arrives."""
@@ -86,28 +111,40 @@ def recompute_gathers(walk: Any, e: Any, k: int) -> sympy.Expr:
 
 def checkpoint_refusal(regime: Regime) -> str | None:
     """Why a tensor-parallel rank's peak under ``regime.checkpoint`` is not modelled (None: it is): full and
-    every-K checkpointing of the layers under the standard plan alone are (measured); selective recomputation,
-    sequence parallelism, FSDP x TP and pipeline stages with checkpointing are not.
+    every-K checkpointing of the layers under the standard plan, with or without sequence parallelism, and full
+    checkpointing under FSDP2 x TP (``fsdp``, ``fsdp-no-reshard``: the checkpoint wrapper inside ``fully_shard``, as
+    torchtitan applies them) are (measured); selective recomputation, every-K under FSDP x TP, FSDP1 x TP and
+    pipeline stages with checkpointing are not.
 
     >>> from symmem.training import Regime
-    >>> checkpoint_refusal(Regime(checkpoint="full", tensor_parallel=True)) is None
+    >>> checkpoint_refusal(Regime(checkpoint="full", tensor_parallel=True, data_parallel="fsdp")) is None
     True
     >>> checkpoint_refusal(Regime(checkpoint="selective", tensor_parallel=True)).endswith("not 'selective'")
     True
+    >>> checkpoint_refusal(Regime(checkpoint="every-2", tensor_parallel=True, data_parallel="fsdp"))[-42:]
+    '(measured on gloo): not every-2 under fsdp'
     """
     if regime.checkpoint not in ("none", "full") and not regime.checkpoint.startswith("every-"):
         return ("the tensor-parallel peak with checkpointing is modelled for 'full' and 'every-K' (what was "
                 f"measured), not {regime.checkpoint!r}")
-    if regime.data_parallel or regime.zero or regime.pipeline_parallel:
-        return ("the tensor-parallel peak with checkpointing is modelled for DTensor's standard plan alone (full "
-                "or every-K; measured on gloo): not with sequence parallelism, FSDP x TP or pipeline stages")
+    fsdp = regime.data_parallel in ("fsdp", "fsdp-no-reshard")
+    if (regime.data_parallel and not (fsdp and regime.checkpoint == "full")) or regime.zero or (
+            regime.pipeline_parallel):
+        where = ("on pipeline stages" if regime.pipeline_parallel else f"under {regime.data_parallel}"
+                 if regime.data_parallel else "under ZeRO")
+        return ("the tensor-parallel peak with checkpointing is modelled alone (full or every-K), with sequence "
+                "parallelism, and under FSDP2 x TP with full checkpointing (measured on gloo): not "
+                f"{regime.checkpoint} {where}")
     return None
 
 
-def simulation(regime: Regime) -> type[Any]:
-    """The walk a tensor-parallel rank's step follows: :class:`CastsInPlace` under checkpointing (measured there),
-    the single-device :class:`~symmem.passes.schedule.Simulation` otherwise (its values unchanged)."""
-    return CastsInPlace if regime.checkpoint != "none" else Simulation
+def simulation(regime: Regime, casts: bool = True) -> type[Any]:
+    """The walk a tensor-parallel rank's step follows: under checkpointing :class:`CastsInPlace` (measured there;
+    ``casts`` False: :class:`FsdpRecompute`, for a walk that sums the norms' gradients its own way), the
+    single-device :class:`~symmem.passes.schedule.Simulation` otherwise (its values unchanged)."""
+    if regime.checkpoint == "none":
+        return Simulation
+    return CastsInPlace if casts else FsdpRecompute
 
 
 def frame_held(graph: Graph, sequence: bool) -> sympy.Expr:

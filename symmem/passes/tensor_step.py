@@ -441,6 +441,11 @@ class _LayerWalk:
     each storage at one rank's size, with what DTensor adds: the largest moment inside the layers (see
     :func:`layer_moment`)."""
 
+    #: under checkpointing, the norms' no-op casts followed as PyTorch runs them
+    #: (:class:`~symmem.passes.tensor_checkpoint.CastsInPlace`); a walk that merges the norms' gradients itself
+    #: (FSDP x TP's) says False
+    casts_in_place = True
+
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                  numbers: Mapping[str, int]) -> None:
         from . import branches as size_branches
@@ -453,7 +458,7 @@ class _LayerWalk:
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
         open_, decided = size_branches.conditions(g, g.program_order(), self.subs)
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
-        sim = simulation(regime)(g, conv, options, regime, branch, False)
+        sim = simulation(regime, self.casts_in_place)(g, conv, options, regime, branch, False)
         sim.micro_batch()
         self.tl = sim.timeline(first=False)
         order = list(g.program_order())
