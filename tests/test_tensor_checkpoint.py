@@ -9,9 +9,11 @@ for-loop AdamW, each moment at its fewest bytes over 2 + 2 repeated steps, ``sym
   :func:`against_dtensor`;
 * ``tests/data/tensor_checkpoint_gloo.json``: every rank's first and steady peak of 23 configurations (two and
   four ranks; t = 2, 4; B = 1, 2; L = 1 to 3; eager and SDPA attention; full and every-2; with and without sequence
-  parallelism; peaks in the optimizer step, the layers' backward, the softmax's backward), replayed by
-  :func:`test_recorded_runs_equal_derive`; :func:`test_recorded_runs_again` (``deep``: ``python -m pytest -m
-  deep``) measures them anew.
+  parallelism; peaks in the optimizer step, the layers' backward, the softmax's backward), and of 8 FSDP2 x TP
+  ones on the 2 x 2 mesh (``mesh``: torchtitan's order, the checkpoint wrapper inside ``fully_shard``), replayed in
+  part by :func:`test_recorded_runs_equal_derive` and :func:`test_fsdp_tensor_recorded_runs_equal_derive`;
+  :func:`test_recorded_runs_again` (``deep``: ``python -m pytest -m deep``) replays the rest and measures them all
+  anew.
 """
 
 from __future__ import annotations
@@ -81,16 +83,48 @@ def test_recorded_runs_equal_derive():
     recorded_equal_derive([cases[k] for k in REPLAYED])
 
 
+def _mesh_cases():
+    return json.loads(DATA.read_text())["mesh"]
+
+
+def mesh_equal_derive(cases):
+    """Every rank of each recorded FSDP2 x TP configuration (N x t, rank r at (r // t, r % t)): derive's first and
+    steady peak per rank are the run's, to the byte, and the phase of the peak the run's."""
+    from symmem import derive, symbol
+
+    for case in cases:
+        options = dict(case["options"])
+        sequence = bool(options.pop("sequence_parallel", False))
+        values = {**case["values"], "N": case["N"], "t": case["t"]}
+        d = derive("llama", data_parallel=case["engine"], tensor_parallel=True, sequence_parallel=sequence,
+                   values=values, device="cpu", **options)
+        ranks = d.step.ranks({symbol(k): v for k, v in values.items()})
+        assert [list(ranks[r]) for r in sorted(ranks)] == case["first_steady"], case
+        assert d.peak_at().phase == case["steady_at"][0] and d.value("peak") == case["first_steady"][0][1]
+
+
+def test_fsdp_tensor_recorded_runs_equal_derive():
+    """FSDP2 x TP with full checkpointing (torchtitan's order: the checkpoint wrapper inside ``fully_shard``):
+    ``fsdp`` and ``fsdp-no-reshard``, with and without sequence parallelism, B = 1 and 2, L = 2 and 3, V = 2,048
+    (the embedding's backward), on the 2 x 2 mesh -- every rank to the byte (three replayed here, all by the
+    ``deep`` test)."""
+    cases = _mesh_cases()
+    mesh_equal_derive([cases[k] for k in (0, 4, 5)])
+
+
 def test_what_stays_refused(capsys):
     """Each combination not measured says so in one line, in the table and the JSON (exit 0: the rest is given)."""
     from symmem import derive
     from symmem.cli import main
 
     values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64, "t": 2}
-    alone = "with checkpointing is modelled for DTensor's standard plan alone (full or every-K; measured on gloo)"
-    for kwargs, why in [({"data_parallel": "fsdp"}, f"no peak: the FSDP x TP peak {alone}"),
-                        ({"data_parallel": "fsdp-no-reshard"}, f"no peak: the FSDP x TP peak {alone}"),
-                        ({"data_parallel": "fsdp1"}, f"no peak: the FSDP x TP peak {alone}"),
+    alone = ("with checkpointing is modelled alone (full or every-K), with sequence parallelism, and under FSDP2 x "
+             "TP with full checkpointing (measured on gloo): not")
+    for kwargs, why in [({"data_parallel": "fsdp", "checkpoint": "every-2"},
+                         f"no peak: the FSDP x TP peak {alone} every-2 under fsdp"),
+                        ({"data_parallel": "fsdp1"}, f"no peak: the FSDP x TP peak {alone} full under fsdp1"),
+                        ({"data_parallel": "fsdp1-grad-op"}, f"no peak: the FSDP x TP peak {alone} full under "
+                                                             "fsdp1-grad-op"),
                         ({"checkpoint": "selective"}, "no peak: the tensor-parallel peak with checkpointing is "
                                                       "modelled for 'full' and 'every-K' (what was measured), not "
                                                       "'selective'")]:
@@ -99,7 +133,7 @@ def test_what_stays_refused(capsys):
                      ).to_dict()
         assert out["values"]["peak"] is None and out["peak_refused"].startswith(why), (kwargs, out["peak_refused"])
     sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
-    assert main(["derive", "llama", "--tensor-parallel", "--data-parallel", "fsdp", "--checkpoint", "every-2",
+    assert main(["derive", "llama", "--tensor-parallel", "--data-parallel", "fsdp1", "--checkpoint", "full",
                  "--device", "cpu", *sets, "--set", "N=2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no peak")]
     assert len(lines) == 1 and "FSDP x TP peak with checkpointing" in lines[0]
@@ -140,3 +174,11 @@ def test_recorded_runs_again():
         everything = runs(world, [("tensor", "llama", c["values"], {**c["options"], "peaks": True}) for c in cases])
         for k, case in enumerate(cases):
             assert [[rank[k].first_peak, rank[k].steady_peak] for rank in everything] == case["first_steady"]
+    from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
+
+    mesh = _mesh_cases()
+    mesh_equal_derive(mesh)
+    everything = fsdp_tensor_runs(2, 2, [(c["values"], {**c["options"], "reshard_after_forward": c["engine"] == "fsdp"})
+                                         for c in mesh])
+    for k, case in enumerate(mesh):
+        assert [[rank[k].first_peak, rank[k].steady_peak] for rank in everything] == case["first_steady"]

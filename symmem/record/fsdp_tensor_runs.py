@@ -18,7 +18,9 @@ the parameters, gradients and optimizer state, what autograd keeps after the for
 step's peaks (each moment at its fewest bytes over repeated steps, as the tensor-parallel runs take them:
 gloo's worker thread lets go of a collective's tensors at no fixed op).  gloo's copy of the reduce-scatter input
 made inside the collective (first seen as an aliased output, the recorder's ``external``) is left out, as for
-FSDP2 alone.  With a case's ``fsdp1`` option the engine is PyTorch's original 2-D recipe instead:
+FSDP2 alone.  With a case's ``checkpoint`` option (``"full"``) each layer is put under ``checkpoint_wrapper``
+(non-reentrant) after ``parallelize_module`` and before ``fully_shard``, torchtitan's order.  With a case's
+``fsdp1`` option the engine is PyTorch's original 2-D recipe instead:
 ``FullyShardedDataParallel(model, device_mesh=mesh["dp"], auto_wrap_policy=ModuleWrapPolicy({layer}),
 use_orig_params=True)`` with that ``ShardingStrategy`` (``FULL_SHARD``, ``SHARD_GRAD_OP``), recorded with
 :class:`~symmem.record.fsdp1_runs.FlatTracker` (FSDP1's ``FlatParameter`` let through).  Needs ``torch`` with
@@ -77,6 +79,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     options = dict(options)
     sequence = bool(options.pop("sequence_parallel", False))
     strategy = options.pop("fsdp1", None)  # FSDP1's ShardingStrategy, or None: FSDP2
+    checkpoint = options.pop("checkpoint", "none")  # torchtitan's order: the wrapper inside fully_shard (below)
     # a traced module's own: (module, inputs, its plan's styles, its blocks[, the forward giving the output])
     given = options.pop("module", None)
     run = None
@@ -89,6 +92,8 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
         module.train()
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(module, mesh["tp"], styles(module, tp))
+    if checkpoint != "none":
+        _checkpoint_wrapped(module, blocks, checkpoint, strategy is None and given is None)
     if strategy is not None:
         module = _fsdp1(module, mesh["dp"], strategy, type(blocks[0]))
     else:
@@ -112,6 +117,21 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
                    first_at, steady_at, _per_step(trace, gloo))
+
+
+def _checkpoint_wrapped(module: Any, blocks: Any, checkpoint: str, supported: bool) -> None:
+    """Each of ``blocks`` (a ``ModuleList``) put under ``checkpoint_wrapper`` (non-reentrant) in place, after
+    ``parallelize_module`` and before ``fully_shard``, as torchtitan applies activation checkpointing; the
+    reference's own layers then run unwrapped, and with no ``DynamicCache`` (HF passes checkpointed layers none).
+    Full checkpointing of the Llama reference under FSDP2 only."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if checkpoint != "full" or not supported:
+        raise SymmemError("the FSDP x TP runs checkpoint the Llama reference's layers under FSDP2 ('full'), "
+                          f"not {checkpoint!r} there")
+    module.cache = False
+    for i, layer in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(layer)
 
 
 def _fsdp1(module: Any, mesh: Any, strategy: str, block: type) -> Any:
