@@ -445,6 +445,13 @@ class _LayerWalk:
     #: (:class:`~symmem.passes.tensor_checkpoint.CastsInPlace`); a walk that merges the norms' gradients itself
     #: (FSDP x TP's) says False
     casts_in_place = True
+    #: defaults for walks built without :meth:`__init__` (the pipeline stages' sizes): no checkpointing
+    checkpointed = False
+    segments = 1
+    #: under checkpointing (:class:`_SequenceWalk`): each recomputation event -> its op's forward event, and the
+    #: storages the recomputations make
+    again: Mapping[int, int] = {}
+    recomputed: frozenset[int] | set[int] = frozenset()
 
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                  numbers: Mapping[str, int]) -> None:
