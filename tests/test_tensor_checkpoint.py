@@ -95,6 +95,7 @@ def mesh_equal_derive(cases):
     for case in cases:
         options = dict(case["options"])
         sequence = bool(options.pop("sequence_parallel", False))
+        options.pop("fsdp1", None)  # the run's FSDP1 strategy: the engine's name says it
         values = {**case["values"], "N": case["N"], "t": case["t"]}
         d = derive("llama", data_parallel=case["engine"], tensor_parallel=True, sequence_parallel=sequence,
                    values=values, device="cpu", **options)
@@ -106,10 +107,11 @@ def mesh_equal_derive(cases):
 def test_fsdp_tensor_recorded_runs_equal_derive():
     """FSDP2 x TP with full checkpointing (torchtitan's order: the checkpoint wrapper inside ``fully_shard``):
     ``fsdp`` and ``fsdp-no-reshard``, with and without sequence parallelism, B = 1 and 2, L = 2 and 3, V = 2,048
-    (the embedding's backward), on the 2 x 2 mesh -- every rank to the byte (three replayed here, all by the
-    ``deep`` test)."""
+    (the embedding's backward), on the 2 x 2 mesh; FSDP1 x TP likewise (``apply_activation_checkpointing`` after
+    wrapping, FSDP1's recipe; ``fsdp1``, ``fsdp1-grad-op``) -- every rank to the byte (four replayed here, all by
+    the ``deep`` test)."""
     cases = _mesh_cases()
-    mesh_equal_derive([cases[k] for k in (0, 4, 5)])
+    mesh_equal_derive([cases[k] for k in (0, 4, 5, 12)])
 
 
 def test_what_stays_refused(capsys):
@@ -118,13 +120,12 @@ def test_what_stays_refused(capsys):
     from symmem.cli import main
 
     values = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64, "t": 2}
-    alone = ("with checkpointing is modelled alone (full or every-K), with sequence parallelism, and under FSDP2 x "
+    alone = ("with checkpointing is modelled alone (full or every-K), with sequence parallelism, and under FSDP x "
              "TP with full checkpointing (measured on gloo): not")
     for kwargs, why in [({"data_parallel": "fsdp", "checkpoint": "every-2"},
                          f"no peak: the FSDP x TP peak {alone} every-2 under fsdp"),
-                        ({"data_parallel": "fsdp1"}, f"no peak: the FSDP x TP peak {alone} full under fsdp1"),
-                        ({"data_parallel": "fsdp1-grad-op"}, f"no peak: the FSDP x TP peak {alone} full under "
-                                                             "fsdp1-grad-op"),
+                        ({"data_parallel": "fsdp1", "checkpoint": "every-2"},
+                         f"no peak: the FSDP x TP peak {alone} every-2 under fsdp1"),
                         ({"checkpoint": "selective"}, "no peak: the tensor-parallel peak with checkpointing is "
                                                       "modelled for 'full' and 'every-K' (what was measured), not "
                                                       "'selective'")]:
@@ -133,7 +134,7 @@ def test_what_stays_refused(capsys):
                      ).to_dict()
         assert out["values"]["peak"] is None and out["peak_refused"].startswith(why), (kwargs, out["peak_refused"])
     sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
-    assert main(["derive", "llama", "--tensor-parallel", "--data-parallel", "fsdp1", "--checkpoint", "full",
+    assert main(["derive", "llama", "--tensor-parallel", "--data-parallel", "fsdp1", "--checkpoint", "every-2",
                  "--device", "cpu", *sets, "--set", "N=2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no peak")]
     assert len(lines) == 1 and "FSDP x TP peak with checkpointing" in lines[0]
@@ -179,6 +180,6 @@ def test_recorded_runs_again():
     mesh = _mesh_cases()
     mesh_equal_derive(mesh)
     everything = fsdp_tensor_runs(2, 2, [(c["values"], {**c["options"], "reshard_after_forward": c["engine"] == "fsdp"})
-                                         for c in mesh])
+                                         for c in mesh])  # (FSDP1's cases: their options' strategy)
     for k, case in enumerate(mesh):
         assert [[rank[k].first_peak, rank[k].steady_peak] for rank in everything] == case["first_steady"]

@@ -52,12 +52,16 @@ class FsdpRecompute(Simulation):
     def _sharding(self, weights_bytes: int) -> Any:
         from ..symbols import N
         from . import data_parallel
+        from .fsdp1 import FSDP1, Fsdp1
 
         regime = self.regime
-        if (regime.checkpoint == "none" or regime.data_parallel not in data_parallel.SHARDED
+        engine = regime.data_parallel
+        if (regime.checkpoint == "none" or (engine not in data_parallel.SHARDED and engine not in FSDP1)
                 or regime.micro_batches != 1 or regime.precision != "fp32"):
             return super()._sharding(weights_bytes)
-        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[regime.data_parallel])
+        if engine in FSDP1:
+            return Fsdp1(self, N, weights_bytes, FSDP1[engine])
+        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine])
 
     def recompute(self, nodes: list[Any]) -> None:
         fsdp = self.fsdp
@@ -122,9 +126,10 @@ def recompute_gathers(walk: Any, e: Any, k: int) -> sympy.Expr:
 def checkpoint_refusal(regime: Regime) -> str | None:
     """Why a tensor-parallel rank's peak under ``regime.checkpoint`` is not modelled (None: it is): full and
     every-K checkpointing of the layers under the standard plan, with or without sequence parallelism, and full
-    checkpointing under FSDP2 x TP (``fsdp``, ``fsdp-no-reshard``: the checkpoint wrapper inside ``fully_shard``, as
-    torchtitan applies them) are (measured); selective recomputation, every-K under FSDP x TP, FSDP1 x TP and
-    pipeline stages with checkpointing are not.
+    checkpointing under FSDP x TP (``fsdp``, ``fsdp-no-reshard``: the checkpoint wrapper inside ``fully_shard``, as
+    torchtitan applies them; ``fsdp1``, ``fsdp1-grad-op``: ``apply_activation_checkpointing`` after wrapping, as
+    FSDP1's recipe does) are (measured); selective recomputation, every-K under FSDP x TP and pipeline stages with
+    checkpointing are not.
 
     >>> from symmem.training import Regime
     >>> checkpoint_refusal(Regime(checkpoint="full", tensor_parallel=True, data_parallel="fsdp")) is None
@@ -137,13 +142,13 @@ def checkpoint_refusal(regime: Regime) -> str | None:
     if regime.checkpoint not in ("none", "full") and not regime.checkpoint.startswith("every-"):
         return ("the tensor-parallel peak with checkpointing is modelled for 'full' and 'every-K' (what was "
                 f"measured), not {regime.checkpoint!r}")
-    fsdp = regime.data_parallel in ("fsdp", "fsdp-no-reshard")
+    fsdp = regime.data_parallel in ("fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")
     if (regime.data_parallel and not (fsdp and regime.checkpoint == "full")) or regime.zero or (
             regime.pipeline_parallel):
         where = ("on pipeline stages" if regime.pipeline_parallel else f"under {regime.data_parallel}"
                  if regime.data_parallel else "under ZeRO")
         return ("the tensor-parallel peak with checkpointing is modelled alone (full or every-K), with sequence "
-                "parallelism, and under FSDP2 x TP with full checkpointing (measured on gloo): not "
+                "parallelism, and under FSDP x TP with full checkpointing (measured on gloo): not "
                 f"{regime.checkpoint} {where}")
     return None
 

@@ -92,10 +92,13 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
         module.train()
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(module, mesh["tp"], styles(module, tp))
-    if checkpoint != "none":
-        _checkpoint_wrapped(module, blocks, checkpoint, strategy is None and given is None)
+    if checkpoint != "none" and strategy is None:
+        _checkpoint_wrapped(module, blocks, checkpoint, given is None)
     if strategy is not None:
-        module = _fsdp1(module, mesh["dp"], strategy, type(blocks[0]))
+        block = type(blocks[0])
+        module = _fsdp1(module, mesh["dp"], strategy, block)
+        if checkpoint != "none":  # FSDP1's recipe: the wrappers applied inside the wrapped units
+            _fsdp1_checkpointed(module, block, checkpoint, given is None)
     else:
         for layer in blocks:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
@@ -132,6 +135,18 @@ def _checkpoint_wrapped(module: Any, blocks: Any, checkpoint: str, supported: bo
     module.cache = False
     for i, layer in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(layer)
+
+
+def _fsdp1_checkpointed(module: Any, block: type, checkpoint: str, supported: bool) -> None:
+    """FSDP1's activation checkpointing as its recipe applies it, after wrapping: ``apply_activation_checkpointing``
+    puts each ``block`` inside its unit under a non-reentrant ``checkpoint_wrapper``; no ``DynamicCache``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    if checkpoint != "full" or not supported:
+        raise SymmemError(f"the FSDP1 x TP runs checkpoint the Llama reference's layers ('full'), not {checkpoint!r}")
+    inner = module.module  # the root unit's module: the reference
+    inner.cache = False
+    apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, block))
 
 
 def _fsdp1(module: Any, mesh: Any, strategy: str, block: type) -> Any:
