@@ -61,6 +61,9 @@ from ..tensor import dtype_bytes
 from ..training import SCHEDULES, Regime
 from .parameters import node_parameters
 
+#: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
+RECOMPUTED = ":recompute"
+
 #: The parts of a stage's memory, in the order the table shows them.
 PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "saved", "in_flight_outputs",
          "step_temporaries")
@@ -190,7 +193,7 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
 
     Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
     """
-    if regime.tensor_parallel or regime.zero or regime.checkpoint != "none" or regime.precision != "fp32":
+    if regime.tensor_parallel or regime.zero or regime.checkpoint == "selective" or regime.precision != "fp32":
         raise SymmemError("pipeline stages are modelled for FP32 without checkpointing, ZeRO or tensor parallelism "
                           "(what was measured)")
     if schedule not in SCHEDULES:
@@ -713,6 +716,8 @@ class _Cut:
         from .stretch import _renamed
         from .unroll import iteration
 
+        if node is not None and node.endswith(RECOMPUTED):
+            node = node[:-len(RECOMPUTED)]  # a checkpointed op run again in backward: its layer's stage runs it
         k = iteration(node) if node is not None else 0
         # a layer's node is in the graph at L layers where its first layer's is (the layers are alike)
         if node is None or not (k <= self.layers and _renamed(node, 1) in self.small if k else node in self.small):
