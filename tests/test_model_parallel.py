@@ -57,6 +57,10 @@ def test_against_the_engines():
     jobs += [("tensor", "llama", values, options) for values, options in SEQUENCE]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
     jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
+    import test_pipeline_checkpoint as checkpointed  # its gloo jobs (checkpointed layers) ride in this spawn
+
+    at = len(jobs)
+    jobs += checkpointed.JOBS
     import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
 
     jobs += formula.JOBS
@@ -80,6 +84,7 @@ def test_against_the_engines():
         llama_stages(everything, case)
     a_batch_of_one([rank[-1] for rank in everything])
     formula.against_the_engines([rank[-1 - len(formula.JOBS):-1] for rank in everything], measured, CASES)
+    checkpointed.against_the_engines([rank[at:at + len(checkpointed.JOBS)] for rank in everything])
 
 
 #: a batch of one: GPT-2's shifted labels' contiguous() is a view at B = 1 and a copy from 2, so its stages' bytes

@@ -58,7 +58,7 @@ from ..graph import Graph
 from ..shapes import numel
 from ..symbols import p
 from ..tensor import dtype_bytes
-from ..training import SCHEDULES, Regime
+from ..training import SCHEDULES, Regime, checkpoint_every
 from .parameters import node_parameters
 
 #: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
@@ -194,8 +194,8 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
     """
     if regime.tensor_parallel or regime.zero or regime.checkpoint == "selective" or regime.precision != "fp32":
-        raise SymmemError("pipeline stages are modelled for FP32 without checkpointing, ZeRO or tensor parallelism "
-                          "(what was measured)")
+        raise SymmemError("pipeline stages are modelled for FP32, with full or every-K checkpointing, without "
+                          "selective recomputation, ZeRO or tensor parallelism (what was measured)")
     if schedule not in SCHEDULES:
         raise SymmemError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -223,17 +223,23 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     params = _parameter_sides(graph, regime, per_stage, impl)
     module_buffers = _module_buffers(graph, act)
     found = []
+    # layers checkpointed K at a time (full: K = 1), or None
+    every = None if regime.checkpoint == "none" else (checkpoint_every(regime.checkpoint) or 1)
     for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
         first, last = name == "first", name == "last"
         flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else in_flight(int(index), micro_batches))
-        saved = per_stage * per_group["layer"] - (0 if last else out_kept)
-        if first:
-            saved += per_group["embed"]
+        if every is not None:
+            saved = _checkpointed_saved(storages, shared, per_group, boundary, per_stage / every, first, last) + (
+                _checkpoint_arguments(graph, shared, act))
         else:
-            saved += sum((x.expr for x in storages if x.node in shared and x.category == "activation"),
-                         sympy.Integer(0))
-        if last:
-            saved += per_group["head"] + per_group["loss"]
+            saved = per_stage * per_group["layer"] - (0 if last else out_kept)
+            if first:
+                saved += per_group["embed"]
+            else:
+                saved += sum((x.expr for x in storages if x.node in shared and x.category == "activation"),
+                             sympy.Integer(0))
+            if last:
+                saved += per_group["head"] + per_group["loss"]
         weights, grads, state, temps = params[name]
         # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after;
         # and the module's own buffers (a stage that makes the rotary tables holds their frequencies)
@@ -246,6 +252,42 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
             m * logits if last else sympy.Integer(0), saved, flight * saved,
             sympy.Integer(0) if last else flight * boundary, temps, sympy.sympify(own, strict=True)))
     return tuple(found)
+
+
+def _checkpointed_saved(storages: Sequence[Storage], shared: set[str], per_group: Mapping[str, sympy.Expr],
+                        boundary: sympy.Expr, segments: sympy.Expr, first: bool, last: bool) -> sympy.Expr:
+    """What one micro-batch's forward leaves on a stage whose layers are checkpointed (``segments`` runs of K
+    layers, :func:`~symmem.reference.sequence_models.run_layers` on the stage's own layers): each run's input, the
+    first of which is the embedding's output (first stage, counted with ``embed``) or the receive buffer (counted
+    with ``buffers``); the last stage's final norm keeps the last layer's output, and its head and loss what they
+    save.  The rotary tables the layers read are the checkpoints' arguments, not saved (measured, gloo)."""
+    saved = (segments - 1) * boundary
+    if first:
+        saved += per_group["embed"] - sum((x.expr for x in storages if x.node in shared and x.group == "embed"
+                                           and x.category == "activation"), sympy.Integer(0))
+    if last:
+        saved += boundary + per_group["head"] + per_group["loss"]
+    return saved
+
+
+def _checkpoint_arguments(graph: Graph, shared: set[str], act: str) -> sympy.Expr:
+    """The tensors every checkpointed run of layers is called with besides its input that it saves itself
+    (``torch.utils.checkpoint`` saves its tensor arguments for backward, ``_NoopSaveInputs``): eager attention's
+    mask, one storage for every run of the micro-batch.  HF's rotary tables come in a tuple, which it does not save
+    (measured, gloo: the tables are alive, not saved)."""
+    read = {i for n in graph.program_order() if graph.node(n).block is not None for i in graph.node(n).inputs}
+    return sum((_bytes(graph, n, act) for n in sorted(shared & read) if graph.node(n).kind == "constant"),
+               sympy.Integer(0))
+
+
+def checkpoint_fits(checkpoint: str, p_value: Any, layers: Any) -> None:
+    """Refuse ``every-K`` checkpointing where K does not divide a stage's ``L/p`` layers: each stage checkpoints
+    its own layers (a run of K does not cross a stage's boundary), which the single-device step cut by stage
+    models only where the runs line up."""
+    every = checkpoint_every(checkpoint)
+    if every and isinstance(p_value, int) and isinstance(layers, int) and p_value and (layers // p_value) % every:
+        raise SymmemError(f"--checkpoint {checkpoint} on pipeline stages needs K={every} to divide each stage's "
+                          f"L/p={layers // p_value} layers (a stage checkpoints its own layers, K at a time)")
 
 
 def shared_nodes(graph: Graph) -> set[str]:
@@ -671,6 +713,7 @@ class _Cut:
 
         self.p, self.layers = int(numbers["p"]), int(numbers["L"])
         layers = self.layers
+        checkpoint_fits(regime.checkpoint, self.p, layers)
         self.per = layers // self.p
         self.graph = graph
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}

@@ -53,6 +53,8 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
 
     if regime.zero or regime.data_parallel:
         return "a 3-D mesh (data x tensor x pipeline) is not modelled: tensor x pipeline is a p x t mesh"
+    if regime.checkpoint != "none":  # the plain, DDP and FSDP stages are (passes/model_parallel.py); not measured here
+        return "the tensor x pipeline peak is modelled without activation checkpointing (what was measured)"
     one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
     # the pipeline runs' loss (cross-entropy on the last stage) was measured as well as the sum
     return tensor_refusal(model_name, one, None if loss == "cross-entropy" else loss, device)
