@@ -20,6 +20,10 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``
   begins; Adam's 4-byte ``step`` per parameter tensor;
 * **what the layers read besides the layer before** (Llama's rotary tables, eager attention's mask) -- every
   stage makes its own for each micro-batch (:func:`shared_nodes`), and holds the rotary frequencies;
+* **checkpointed layers** (``full``, ``every-K`` with K dividing ``L/p``: each stage checkpoints its own layers) --
+  a micro-batch in flight keeps each run's input and the tensor arguments the checkpoint saves (eager attention's
+  mask), and each run is recomputed in its backward: the single-device step's recomputations, each on its layer's
+  stage (:data:`RECOMPUTED`);
 * **the optimizer step** (``for-loop`` Adam/AdamW, the CPU default) -- every gradient, and per parameter two
   temporaries of its size beside the previous parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`).
 
