@@ -193,8 +193,10 @@ def test_the_papers_stage_is_not_the_engines():
     ({"schedule": "gpipe", "values": {"p": 1}}, "pipeline parallelism needs p >= 2 stages"),
     ({"schedule": "zero-bubble"}, "unknown pipeline schedule 'zero-bubble'"),
     ({"schedule": "gpipe", "micro_batches": 0}, "micro_batches must be a positive integer"),
-    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32 without checkpointing"),
-    ({"schedule": "gpipe", "checkpoint": "full"}, "pipeline stages are modelled for FP32 without checkpointing"),
+    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32, with full or every-K"),
+    # full and every-K checkpointing are modelled (tests/test_pipeline_checkpoint.py); selective recomputation is not
+    ({"schedule": "gpipe", "checkpoint": "selective"}, "pipeline stages are modelled for FP32, with full or every-K "
+                                                       "checkpointing, without selective recomputation"),
     ({"schedule": "gpipe", "optimizer": "sgd"}, "pipeline stages model the Adam/AdamW step; got sgd"),
 ])
 def test_bad_input(kwargs, message):

@@ -82,7 +82,7 @@ def against_the_engines(real):
         moments = d.step.stage_moments(d.numbers, step)
         assert all("L = " not in x.pinned() for x in moments), [x.pinned() for x in moments]
         assert [d.at(**dict(values)).evaluate(x.total) for x in moments] == [getattr(r[1], key) for r in real], step
-    # K layers a run: the formula keeps L at its number (the template the formula reads has no run of alike layers)
+    # two layers a stage: the formula keeps L at its number, and says so (so does every-K at any L: docs/regimes.md)
     d = _derived(*_case(JOBS[0]))
     assert d.peak_at().pinned().endswith(", L = 4")
 
