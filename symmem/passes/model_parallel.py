@@ -20,7 +20,7 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``
   begins; Adam's 4-byte ``step`` per parameter tensor;
 * **what the layers read besides the layer before** (Llama's rotary tables, eager attention's mask) -- every
   stage makes its own for each micro-batch (:func:`shared_nodes`), and holds the rotary frequencies;
-* **checkpointed layers** (``full``, ``every-K`` with K dividing ``L/p``: each stage checkpoints its own layers) --
+* **checkpointed layers** (``full``, ``every-K``: each stage checkpoints its own layers, K at a time) --
   a micro-batch in flight keeps each run's input and the tensor arguments the checkpoint saves (eager attention's
   mask), and each run is recomputed in its backward: the single-device step's recomputations, each on its layer's
   stage (:data:`RECOMPUTED`);
@@ -233,7 +233,8 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
         first, last = name == "first", name == "last"
         flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else in_flight(int(index), micro_batches))
         if every is not None:
-            saved = _checkpointed_saved(storages, shared, per_group, boundary, per_stage / every, first, last) + (
+            runs = sympy.ceiling(per_stage / every)  # a stage's runs of K layers (the last one shorter)
+            saved = _checkpointed_saved(storages, shared, per_group, boundary, runs, first, last) + (
                 _checkpoint_arguments(graph, shared, act))
         else:
             saved = per_stage * per_group["layer"] - (0 if last else out_kept)
@@ -284,14 +285,24 @@ def _checkpoint_arguments(graph: Graph, shared: set[str], act: str) -> sympy.Exp
                sympy.Integer(0))
 
 
-def checkpoint_fits(checkpoint: str, p_value: Any, layers: Any) -> None:
-    """Refuse ``every-K`` checkpointing where K does not divide a stage's ``L/p`` layers: each stage checkpoints
-    its own layers (a run of K does not cross a stage's boundary), which the single-device step cut by stage
-    models only where the runs line up."""
+def runs_restart(checkpoint: str, p_value: Any, layers: Any) -> bool:
+    """Whether ``every-K`` runs of layers begin again at a stage's boundary where the whole model's would cross it:
+    each stage checkpoints its own layers (``run_layers`` on the stage's ``L/p``), so where K does not divide
+    ``L/p`` a stage's runs are K, K, ..., and the rest (:func:`_restarted`)."""
     every = checkpoint_every(checkpoint)
-    if every and isinstance(p_value, int) and isinstance(layers, int) and p_value and (layers // p_value) % every:
-        raise SymmemError(f"--checkpoint {checkpoint} on pipeline stages needs K={every} to divide each stage's "
-                          f"L/p={layers // p_value} layers (a stage checkpoints its own layers, K at a time)")
+    return bool(every and isinstance(p_value, int) and isinstance(layers, int) and p_value and
+                (layers // p_value) % every)
+
+
+def _restarted(g: Graph, every: int, per: int) -> Graph:
+    """``g`` (unrolled) with its layers numbered for the checkpoint's runs as the stages make them: stage ``s``'s
+    layer ``j`` (from 0) in the run ``s * ceil(per / K) + j // K`` (:func:`symmem.passes.schedule._segments` reads
+    the numbers; the nodes' names keep their layers)."""
+    runs = -(-per // every)
+    out = g.copy()
+    out.graph["iterations"] = {n: (block, (k - 1) // per * runs * every + (k - 1) % per + 1)
+                               for n, (block, k) in g.graph.get("iterations", {}).items()}
+    return out
 
 
 def shared_nodes(graph: Graph) -> set[str]:
@@ -717,7 +728,6 @@ class _Cut:
 
         self.p, self.layers = int(numbers["p"]), int(numbers["L"])
         layers = self.layers
-        checkpoint_fits(regime.checkpoint, self.p, layers)
         self.per = layers // self.p
         self.graph = graph
         self.subs = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in numbers.items()}
@@ -733,8 +743,11 @@ class _Cut:
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
         self.branch = branch
         key = ("step", layers, frozenset(branch.items()))
+        restart = runs_restart(regime.checkpoint, self.p, layers)
+        if restart:  # every-K runs that a stage's boundary cuts: the step with each stage's runs, for this p
+            key += (("runs restart at every stage of", self.p),)
         if key not in memo:
-            memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo)
+            memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo, self.p if restart else None)
         self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
         self.cache: dict[int, int] = {}  # id of a size (held by the timeline) -> bytes
         self._stage: dict[str | None, int] = {}  # node -> stage: asked for every op of every micro-batch
@@ -807,17 +820,22 @@ def _unrolled(graph: Graph, layers: int, memo: dict[Any, Any]) -> Graph:
 
 
 def _simulated(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool],
-               layers: int, memo: dict[Any, Any]
+               layers: int, memo: dict[Any, Any], restart: int | None = None
                ) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
     """The single-device step of ``graph`` unrolled to ``layers`` over two micro-batches at ``branch``, up to its
     optimizer step (a stage's is its parts'): its timeline, the shared nodes, what the last stage keeps, the two
     passes, the forwards' indices and where each storage is first freed (:class:`_Cut`'s parts that do not depend
-    on the numbers)."""
+    on the numbers).  ``restart``: the number of stages, where ``every-K`` runs begin again at each (a K that does
+    not divide ``L/p``: :func:`runs_restart`)."""
     from .stretch import TEMPLATE, _renamed, passes, stretch
     from .unroll import iteration
 
     tl = None
-    if layers > TEMPLATE + 1:
+    if restart is not None:
+        every = checkpoint_every(regime.checkpoint) or 1
+        tl = passes(_simulation(_restarted(_unrolled(graph, layers, memo), every, layers // restart), conv, options,
+                                regime, branch))
+    if tl is None and layers > TEMPLATE + 1:
         # written from the step at 5 layers (passes/stretch.py; simulating each of Llama-2-7B's 32 layers was a
         # third of its pipeline peak's time); a template whose layers are not alike is not stretched
         tl = stretch(passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch)), layers)
