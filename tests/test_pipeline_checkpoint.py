@@ -24,12 +24,11 @@ JOBS = [("pipeline", "gpt2", GPT2, ("gpipe", 2, "cross-entropy", {"attention": "
 #: what each stage's forward leaves per micro-batch, by hand (bytes), the runs' inputs but the first (the embedding's
 #: output on stage 0, the receive buffer on stage 1) and what the ends save.  JOBS[0] (GPipe: both micro-batches at
 #: once; two runs a stage): one run input 8,192 (B·S·H·4) a stage, stage 0's embedding output 8,192 and position ids
-#: 256 (S·8); on stage 1 the last layer's output
-#: (ln_f's input) 8,192, ln_f's output 8,192 and its mean and rstd 256 each, the log-probabilities 16,384 (B·S·V·4),
-#: the shifted labels 512 and total_weight 4.  JOBS[1] (1F1B: two micro-batches in flight on stage 0, one on stage
-#: 1): 4,096 a hidden tensor, a run input on each stage, eager attention's (B, 1, S, S) mask 2,048, which every run
-#: of a micro-batch is given and saves (one storage); stage 1's norm keeps its input, rsqrt (B·S·4) and normalized
-#: and scaled outputs; the loss sum saves nothing
+#: 256 (S·8); on stage 1 the last layer's output (ln_f's input) 8,192, ln_f's output 8,192 and its mean and rstd 256
+#: each, the log-probabilities 16,384 (B·S·V·4), the shifted labels 512 and total_weight 4.  JOBS[1] (1F1B: two
+#: micro-batches in flight on stage 0, one on stage 1): 4,096 a hidden tensor, a run input on each stage, eager
+#: attention's (B, 1, S, S) mask 2,048, which every run of a micro-batch is given and saves (one storage); stage 1's
+#: norm keeps its input, rsqrt (B·S·4) and normalized and scaled outputs; the loss sum saves nothing
 MASK = 2 * 1 * 16 * 16 * 4
 SAVED = [[(8192 + 8192 + 256) * 2, (8192 + 8192 + 8192 + 2 * 256 + 16384 + 512 + 4) * 2],
          [2 * (4096 + 4096 + MASK), 4096 + 4096 + 128 + 4096 + 4096 + MASK]]
@@ -81,14 +80,6 @@ def against_the_engines(real):
         assert [d.at(**dict(values)).evaluate(x.total) for x in moments] == [getattr(r[1], key) for r in real], step
     # every-K: the formula keeps L at its number, and says so (docs/regimes.md)
     assert _derived(*_case(JOBS[0])).peak_at().pinned().endswith(", L = 6")
-
-
-@functools.lru_cache(maxsize=8)
-def _plan(model, values, schedule, m, loss, options):
-    from symmem.api import pipeline_stages
-
-    return pipeline_stages(model, schedule=schedule, micro_batches=m, loss=loss, values={**dict(values), "p": 2},
-                           dropout=0.0, device="cpu", **dict(options))
 
 
 @functools.lru_cache(maxsize=8)
