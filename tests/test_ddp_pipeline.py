@@ -35,7 +35,9 @@ CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "drop
          ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, "ddp"),
          ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, "zero-redundancy"),
          ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, "zero-redundancy"),
-         ("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "ddp-bucket-view")]
+         ("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "ddp-bucket-view"),
+         # every stage's layers checkpointed (tests/test_pipeline_checkpoint.py): the stages alone and the buckets
+         ("llama", LLAMA, "1f1b", 2, "cross-entropy", {"attention": "naive", "checkpoint": "full"}, "ddp")]
 #: a traced module (tests/data/traced_block.py: 4 blocks, its manual split, symmem.importer.traced_ddp_pipeline) in
 #: the same spawn: (schedule, M, engine): the bucket view under 1F1B (every rank peaks in the last micro-batch's
 #: backward at a bias gradient's sum, the weight gradient of its AddmmBackward0 not yet handed to the bucket: each

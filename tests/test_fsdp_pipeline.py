@@ -31,7 +31,9 @@ LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}
 #: parameters, at the first backward); Llama GPipe without resharding; Llama 1F1B, two layers a stage, M = 3
 CASES = [("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, True),
          ("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, False),
-         ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, True)]
+         ("llama", {**LLAMA, "V": 64, "L": 4}, "1f1b", 3, "sum", {"attention": "naive"}, True),
+         # every stage's layers checkpointed (tests/test_pipeline_checkpoint.py): each recomputed layer gathered again
+         ("llama", {**LLAMA, "V": 64}, "1f1b", 2, "cross-entropy", {"attention": "sdpa", "checkpoint": "full"}, True)]
 #: a traced module (tests/data/traced_block.py: 4 blocks, a head of 5 rows, padded to 6 over N = 2) in the same
 #: spawn: (schedule, M, reshard_after_forward): 1F1B resharding (stage 1 peaks at an all-gather in backward), GPipe
 #: without resharding, M = 3

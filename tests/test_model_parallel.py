@@ -57,9 +57,12 @@ def test_against_the_engines():
     jobs += [("tensor", "llama", values, options) for values, options in SEQUENCE]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
     jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
+    import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
     import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
     import test_tensor_checkpoint as checkpointed  # its gloo job (checkpointed sequence parallelism) too
 
+    at = len(jobs)
+    jobs += staged.JOBS
     mine = len(jobs)
     jobs += checkpointed.JOBS
     jobs += formula.JOBS
@@ -84,6 +87,7 @@ def test_against_the_engines():
     a_batch_of_one([rank[-1] for rank in everything])
     formula.against_the_engines([rank[-1 - len(formula.JOBS):-1] for rank in everything], measured, CASES)
     checkpointed.against_dtensor([rank[mine:mine + len(checkpointed.JOBS)] for rank in everything])
+    staged.against_the_engines([rank[at:at + len(staged.JOBS)] for rank in everything])
 
 
 #: a batch of one: GPT-2's shifted labels' contiguous() is a view at B = 1 and a copy from 2, so its stages' bytes
@@ -192,8 +196,10 @@ def test_the_papers_stage_is_not_the_engines():
     ({"schedule": "gpipe", "values": {"p": 1}}, "pipeline parallelism needs p >= 2 stages"),
     ({"schedule": "zero-bubble"}, "unknown pipeline schedule 'zero-bubble'"),
     ({"schedule": "gpipe", "micro_batches": 0}, "micro_batches must be a positive integer"),
-    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32 without checkpointing"),
-    ({"schedule": "gpipe", "checkpoint": "full"}, "pipeline stages are modelled for FP32 without checkpointing"),
+    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32, with full or every-K"),
+    # full and every-K checkpointing are modelled (tests/test_pipeline_checkpoint.py); selective recomputation is not
+    ({"schedule": "gpipe", "checkpoint": "selective"}, "pipeline stages are modelled for FP32, with full or every-K "
+                                                       "checkpointing, without selective recomputation"),
     ({"schedule": "gpipe", "optimizer": "sgd"}, "pipeline stages model the Adam/AdamW step; got sgd"),
 ])
 def test_bad_input(kwargs, message):

@@ -20,6 +20,10 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``
   begins; Adam's 4-byte ``step`` per parameter tensor;
 * **what the layers read besides the layer before** (Llama's rotary tables, eager attention's mask) -- every
   stage makes its own for each micro-batch (:func:`shared_nodes`), and holds the rotary frequencies;
+* **checkpointed layers** (``full``, ``every-K``: each stage checkpoints its own layers, K at a time) --
+  a micro-batch in flight keeps each run's input and the tensor arguments the checkpoint saves (eager attention's
+  mask), and each run is recomputed in its backward: the single-device step's recomputations, each on its layer's
+  stage (:data:`RECOMPUTED`);
 * **the optimizer step** (``for-loop`` Adam/AdamW, the CPU default) -- every gradient, and per parameter two
   temporaries of its size beside the previous parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`).
 
@@ -58,8 +62,11 @@ from ..graph import Graph
 from ..shapes import numel
 from ..symbols import p
 from ..tensor import dtype_bytes
-from ..training import SCHEDULES, Regime
+from ..training import SCHEDULES, Regime, checkpoint_every
 from .parameters import node_parameters
+
+#: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
+RECOMPUTED = ":recompute"
 
 #: The parts of a stage's memory, in the order the table shows them.
 PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "saved", "in_flight_outputs",
@@ -190,9 +197,9 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
 
     Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
     """
-    if regime.tensor_parallel or regime.zero or regime.checkpoint != "none" or regime.precision != "fp32":
-        raise SymmemError("pipeline stages are modelled for FP32 without checkpointing, ZeRO or tensor parallelism "
-                          "(what was measured)")
+    if regime.tensor_parallel or regime.zero or regime.checkpoint == "selective" or regime.precision != "fp32":
+        raise SymmemError("pipeline stages are modelled for FP32, with full or every-K checkpointing, without "
+                          "selective recomputation, ZeRO or tensor parallelism (what was measured)")
     if schedule not in SCHEDULES:
         raise SymmemError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -220,17 +227,24 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     params = _parameter_sides(graph, regime, per_stage, impl)
     module_buffers = _module_buffers(graph, act)
     found = []
+    # layers checkpointed K at a time (full: K = 1), or None
+    every = None if regime.checkpoint == "none" else (checkpoint_every(regime.checkpoint) or 1)
     for name, index in (("first", sympy.Integer(0)), ("middle", sympy.Integer(1)), ("last", p - 1)):
         first, last = name == "first", name == "last"
         flight = m if schedule == "gpipe" else (sympy.Integer(1) if last else in_flight(int(index), micro_batches))
-        saved = per_stage * per_group["layer"] - (0 if last else out_kept)
-        if first:
-            saved += per_group["embed"]
+        if every is not None:
+            runs = sympy.ceiling(per_stage / every)  # a stage's runs of K layers (the last one shorter)
+            saved = _checkpointed_saved(storages, shared, per_group, boundary, runs, first, last) + (
+                _checkpoint_arguments(graph, shared, act))
         else:
-            saved += sum((x.expr for x in storages if x.node in shared and x.category == "activation"),
-                         sympy.Integer(0))
-        if last:
-            saved += per_group["head"] + per_group["loss"]
+            saved = per_stage * per_group["layer"] - (0 if last else out_kept)
+            if first:
+                saved += per_group["embed"]
+            else:
+                saved += sum((x.expr for x in storages if x.node in shared and x.category == "activation"),
+                             sympy.Integer(0))
+            if last:
+                saved += per_group["head"] + per_group["loss"]
         weights, grads, state, temps = params[name]
         # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after;
         # and the module's own buffers (a stage that makes the rotary tables holds their frequencies)
@@ -243,6 +257,52 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
             m * logits if last else sympy.Integer(0), saved, flight * saved,
             sympy.Integer(0) if last else flight * boundary, temps, sympy.sympify(own, strict=True)))
     return tuple(found)
+
+
+def _checkpointed_saved(storages: Sequence[Storage], shared: set[str], per_group: Mapping[str, sympy.Expr],
+                        boundary: sympy.Expr, segments: sympy.Expr, first: bool, last: bool) -> sympy.Expr:
+    """What one micro-batch's forward leaves on a stage whose layers are checkpointed (``segments`` runs of K
+    layers, :func:`~symmem.reference.sequence_models.run_layers` on the stage's own layers): each run's input, the
+    first of which is the embedding's output (first stage, counted with ``embed``) or the receive buffer (counted
+    with ``buffers``); the last stage's final norm keeps the last layer's output, and its head and loss what they
+    save.  The rotary tables the layers read are the checkpoints' arguments, not saved (measured, gloo)."""
+    saved = (segments - 1) * boundary
+    if first:
+        saved += per_group["embed"] - sum((x.expr for x in storages if x.node in shared and x.group == "embed"
+                                           and x.category == "activation"), sympy.Integer(0))
+    if last:
+        saved += boundary + per_group["head"] + per_group["loss"]
+    return saved
+
+
+def _checkpoint_arguments(graph: Graph, shared: set[str], act: str) -> sympy.Expr:
+    """The tensors every checkpointed run of layers is called with besides its input that it saves itself
+    (``torch.utils.checkpoint`` saves its tensor arguments for backward, ``_NoopSaveInputs``): eager attention's
+    mask, one storage for every run of the micro-batch.  HF's rotary tables come in a tuple, which it does not save
+    (measured, gloo: the tables are alive, not saved)."""
+    read = {i for n in graph.program_order() if graph.node(n).block is not None for i in graph.node(n).inputs}
+    return sum((_bytes(graph, n, act) for n in sorted(shared & read) if graph.node(n).kind == "constant"),
+               sympy.Integer(0))
+
+
+def runs_restart(checkpoint: str, p_value: Any, layers: Any) -> bool:
+    """Whether ``every-K`` runs of layers begin again at a stage's boundary where the whole model's would cross it:
+    each stage checkpoints its own layers (``run_layers`` on the stage's ``L/p``), so where K does not divide
+    ``L/p`` a stage's runs are K, K, ..., and the rest (:func:`_restarted`)."""
+    every = checkpoint_every(checkpoint)
+    return bool(every and isinstance(p_value, int) and isinstance(layers, int) and p_value and
+                (layers // p_value) % every)
+
+
+def _restarted(g: Graph, every: int, per: int) -> Graph:
+    """``g`` (unrolled) with its layers numbered for the checkpoint's runs as the stages make them: stage ``s``'s
+    layer ``j`` (from 0) in the run ``s * ceil(per / K) + j // K`` (:func:`symmem.passes.schedule._segments` reads
+    the numbers; the nodes' names keep their layers)."""
+    runs = -(-per // every)
+    out = g.copy()
+    out.graph["iterations"] = {n: (block, (k - 1) // per * runs * every + (k - 1) % per + 1)
+                               for n, (block, k) in g.graph.get("iterations", {}).items()}
+    return out
 
 
 def shared_nodes(graph: Graph) -> set[str]:
@@ -683,8 +743,11 @@ class _Cut:
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
         self.branch = branch
         key = ("step", layers, frozenset(branch.items()))
+        restart = runs_restart(regime.checkpoint, self.p, layers)
+        if restart:  # every-K runs that a stage's boundary cuts: the step with each stage's runs, for this p
+            key += (("runs restart at every stage of", self.p),)
         if key not in memo:
-            memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo)
+            memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo, self.p if restart else None)
         self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
         self.cache: dict[int, int] = {}  # id of a size (held by the timeline) -> bytes
         self._stage: dict[str | None, int] = {}  # node -> stage: asked for every op of every micro-batch
@@ -713,6 +776,8 @@ class _Cut:
         from .stretch import _renamed
         from .unroll import iteration
 
+        if node is not None and node.endswith(RECOMPUTED):
+            node = node[:-len(RECOMPUTED)]  # a checkpointed op run again in backward: its layer's stage runs it
         k = iteration(node) if node is not None else 0
         # a layer's node is in the graph at L layers where its first layer's is (the layers are alike)
         if node is None or not (k <= self.layers and _renamed(node, 1) in self.small if k else node in self.small):
@@ -755,17 +820,22 @@ def _unrolled(graph: Graph, layers: int, memo: dict[Any, Any]) -> Graph:
 
 
 def _simulated(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool],
-               layers: int, memo: dict[Any, Any]
+               layers: int, memo: dict[Any, Any], restart: int | None = None
                ) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
     """The single-device step of ``graph`` unrolled to ``layers`` over two micro-batches at ``branch``, up to its
     optimizer step (a stage's is its parts'): its timeline, the shared nodes, what the last stage keeps, the two
     passes, the forwards' indices and where each storage is first freed (:class:`_Cut`'s parts that do not depend
-    on the numbers)."""
+    on the numbers).  ``restart``: the number of stages, where ``every-K`` runs begin again at each (a K that does
+    not divide ``L/p``: :func:`runs_restart`)."""
     from .stretch import TEMPLATE, _renamed, passes, stretch
     from .unroll import iteration
 
     tl = None
-    if layers > TEMPLATE + 1:
+    if restart is not None:
+        every = checkpoint_every(regime.checkpoint) or 1
+        tl = passes(_simulation(_restarted(_unrolled(graph, layers, memo), every, layers // restart), conv, options,
+                                regime, branch))
+    if tl is None and layers > TEMPLATE + 1:
         # written from the step at 5 layers (passes/stretch.py; simulating each of Llama-2-7B's 32 layers was a
         # third of its pipeline peak's time); a template whose layers are not alike is not stretched
         tl = stretch(passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch)), layers)

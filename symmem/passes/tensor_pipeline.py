@@ -53,8 +53,9 @@ def refusal(model_name: str, regime: Regime, loss: str | None, device: str = "cp
 
     if regime.zero or regime.data_parallel:
         return "a 3-D mesh (data x tensor x pipeline) is not modelled: tensor x pipeline is a p x t mesh"
-    if regime.checkpoint != "none":  # the tensor-parallel rank's checkpointing is modelled without stages only
-        return f"the tensor x pipeline peak is modelled without checkpointing, not {regime.checkpoint!r}"
+    if regime.checkpoint != "none":  # the plain, DDP and FSDP stages are (passes/model_parallel.py), and the
+        # tensor-parallel rank without stages (passes/tensor_checkpoint.py); TP on stages was not measured
+        return "the tensor x pipeline peak is modelled without activation checkpointing (what was measured)"
     one = dataclasses.replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1)
     # the pipeline runs' loss (cross-entropy on the last stage) was measured as well as the sum
     return tensor_refusal(model_name, one, None if loss == "cross-entropy" else loss, device)

@@ -75,7 +75,7 @@ def _llama_stage(full: Any, rank: int, world: int, each: int, sequence: int | No
     import torch
     from torch import nn
 
-    from ..reference.sequence_models import DynamicCache, eager_mask
+    from ..reference.sequence_models import DynamicCache, eager_mask, run_layers
 
     first, last = rank == 0, rank == world - 1
 
@@ -95,12 +95,13 @@ def _llama_stage(full: Any, rank: int, world: int, each: int, sequence: int | No
             position_ids = (torch.arange(seq, device=hidden.device) + 0).unsqueeze(0)
             mask = None if self.sdpa else eager_mask(batch, seq, hidden.dtype, hidden.device)
             embeddings = self.rotary_emb(hidden, position_ids)
-            for layer in self.layers:
-                hidden = layer(hidden, embeddings, mask, cache)
+            # the stage's layers checkpointed as the whole model's are (run_layers: each layer, or each K), the
+            # model's DynamicCache off there as HF turns it off
+            hidden = run_layers(self.layers, hidden, full.checkpoint, embeddings, mask, cache)
             return self.norm(hidden) if last else hidden
 
         def forward(self, x: Any) -> Any:
-            cache = DynamicCache() if full.cache else None
+            cache = DynamicCache() if full.cache and full.checkpoint == "none" else None
             hidden = self.body(x, cache)
             return self.lm_head(hidden) if last else hidden
 
@@ -114,7 +115,7 @@ def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, 
     import torch
     from torch import nn
 
-    from ..reference.sequence_models import reference
+    from ..reference.sequence_models import reference, run_layers
 
     torch.manual_seed(0)
     full, _ = reference(model, values, **options)
@@ -147,8 +148,7 @@ def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, 
             if first:
                 position_ids = torch.arange(x.size(-1), device=x.device).unsqueeze(0)
                 x = self.drop(self.wte(x) + self.wpe(position_ids))
-            for block in self.h:
-                x = block(x)
+            x = run_layers(self.h, x, full.checkpoint)  # each layer checkpointed, or each K, as the model's
             if last:
                 x = self.lm_head(self.ln_f(x))
             return x
