@@ -172,6 +172,25 @@ def policy_bytes(regime: Regime) -> tuple[int, int] | None:
     return dtype_bytes(regime.param_dtype), dtype_bytes(reduce)
 
 
+def refuse_policy(regime: Regime) -> None:
+    """Refuse (one line) FSDP2's peak where a precision is asked that it does not model: the papers' 16-bit presets
+    (not an engine's; FSDP2's own policy is ``param_dtype``), and the policy with what it was not measured with.
+
+    >>> refuse_policy(Regime(data_parallel="fsdp", precision="mixed"))
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled over FP32 parameters: ...
+    """
+    from ..errors import SymmemError
+
+    if regime.data_parallel in SHARDED and regime.precision != "fp32":
+        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled over FP32 parameters: "
+                          f"precision={regime.precision!r} is the papers' accounting of 16-bit copies, not what an "
+                          "engine holds; FSDP2's MixedPrecisionPolicy is param_dtype='bfloat16' (--param-dtype)")
+    if regime.param_dtype is not None and (regime.checkpoint != "none" or regime.micro_batches != 1):
+        raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy (param_dtype={regime.param_dtype!r}) is "
+                          "modelled for one micro-batch without checkpointing (measured there)")
+
+
 def caller_holds(graph: Any, order: Sequence[str]) -> dict[str, str]:
     """What the Python callers of a model hold past its last use (node -> the node until whose forward it lives),
     which an op keeps anyway in FP32 and which lives on its own where 16-bit activations make the casts copies
