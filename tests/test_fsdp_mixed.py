@@ -96,7 +96,7 @@ def test_autocast_checkpointing_and_traced_modules_are_refused_with_the_reason()
     assert d.value("activations") > 0
     # the papers' 16-bit presets under FSDP2: the engine's own policy is named
     d = derive("llama", data_parallel="fsdp", precision="mixed", values={"L": 2})
-    with pytest.raises(SymmemError, match="FSDP2's MixedPrecisionPolicy is param_dtype='bfloat16' \\(--param-dtype"):
+    with pytest.raises(SymmemError, match="FSDP2's own MixedPrecisionPolicy is param_dtype='bfloat16' \\(--param-dt"):
         d.value("peak")
 
 

@@ -178,14 +178,15 @@ def refuse_policy(regime: Regime) -> None:
 
     >>> refuse_policy(Regime(data_parallel="fsdp", precision="mixed"))
     Traceback (most recent call last):
-    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled over FP32 parameters: ...
+    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled for one micro-batch without ...
     """
     from ..errors import SymmemError
 
     if regime.data_parallel in SHARDED and regime.precision != "fp32":
-        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled over FP32 parameters: "
-                          f"precision={regime.precision!r} is the papers' accounting of 16-bit copies, not what an "
-                          "engine holds; FSDP2's MixedPrecisionPolicy is param_dtype='bfloat16' (--param-dtype)")
+        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled for one micro-batch "
+                          f"without checkpointing in fp32: precision={regime.precision!r} is the papers' accounting "
+                          "of 16-bit copies, not what an engine holds; FSDP2's own MixedPrecisionPolicy is "
+                          "param_dtype='bfloat16' (--param-dtype)")
     if regime.param_dtype is not None and (regime.checkpoint != "none" or regime.micro_batches != 1):
         raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy (param_dtype={regime.param_dtype!r}) is "
                           "modelled for one micro-batch without checkpointing (measured there)")
