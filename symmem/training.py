@@ -196,7 +196,7 @@ _NOT_MESHED = {
 SCHEDULES = ("1f1b", "gpipe")
 #: FSDP2 ``MixedPrecisionPolicy`` dtypes modelled (measured on gloo runs: docs/regimes.md)
 PARAM_DTYPES = ("bfloat16",)
-REDUCE_DTYPES = ("float32",)
+REDUCE_DTYPES = ("float32", "bfloat16")
 #: How ``optimizer.step()`` runs (``auto``: PyTorch's default for the device).
 IMPLS = ("auto", "for-loop", "foreach", "fused")
 _EVERY = re.compile(r"^every-([1-9][0-9]*)$")

@@ -24,6 +24,10 @@ TINY = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100, "B": 2}
 #: sum a bf16 scalar; GPT-2 resharding under cross-entropy peaks in the backward, where the bf16 unsharded
 #: gradients, the bf16 all-gathers and the fp32 reduce-scatter input decide it
 CASES = (("llama", "fsdp-no-reshard", "sum"), ("gpt2", "fsdp", "cross-entropy"))
+#: reduce_dtype=bfloat16 (FSDP2 then reduce-scatters the bf16 gradients and casts the bf16 output to FP32): Llama
+#: resharding under cross-entropy peaks at a reduce-scatter, 15,616 bytes below reduce_dtype=float32's; run once,
+#: its steady steps compared (a late free only ever adds, and a second steady step stands in)
+BF16_REDUCE = ("llama", "fsdp", "cross-entropy")
 
 
 def _derive(model, engine, loss, values=None, **kw):
@@ -38,6 +42,24 @@ def mixed_jobs():
     from symmem.record.distributed import job_of
 
     return [job_of(_derive(*case, values={"N": 2})) for case in CASES]
+
+
+def bf16_reduce_job():
+    """The reduce_dtype=bfloat16 job (run once)."""
+    from symmem.record.distributed import job_of
+
+    return job_of(_derive(*BF16_REDUCE, values={"N": 2}, reduce_dtype="bfloat16"))
+
+
+def check_bf16_reduce(ranks):
+    """What differs between the derived steady peak under reduce_dtype=bfloat16 and the measured ``ranks``."""
+    d = _derive(*BF16_REDUCE, reduce_dtype="bfloat16").at(N=2)
+    fp32_reduce = _derive(*BF16_REDUCE).at(N=2).value("peak")
+    wrong = [f"bf16 reduce rank {r.rank}: derived {d.value('peak')}, measured {min(r.per_step[1:])} ({r.per_step})"
+             for r in ranks if min(r.per_step[1:]) != d.value("peak")]
+    if fp32_reduce - d.value("peak") != 15616:  # the case tells the two reduce dtypes apart
+        wrong.append(f"bf16 reduce: {d.value('peak')}, float32 reduce: {fp32_reduce}")
+    return wrong
 
 
 def check_mixed(runs):
@@ -64,8 +86,8 @@ def check_mixed(runs):
     ({"param_dtype": "bfloat16", "data_parallel": "fsdp1"}, "give data_parallel='fsdp' or 'fsdp-no-reshard'"),
     ({"param_dtype": "bfloat16", "data_parallel": "ddp"}, "give data_parallel='fsdp' or 'fsdp-no-reshard'"),
     ({"param_dtype": "bf16", "data_parallel": "fsdp"}, "param_dtype must be one of bfloat16 (measured), got 'bf16'"),
-    ({"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "data_parallel": "fsdp"},
-     "reduce_dtype must be one of float32 (measured)"),
+    ({"param_dtype": "bfloat16", "reduce_dtype": "float16", "data_parallel": "fsdp"},
+     "reduce_dtype must be one of float32, bfloat16 (measured), got 'float16'"),
     ({"reduce_dtype": "float32", "data_parallel": "fsdp"}, "give param_dtype='bfloat16' with it"),
     ({"param_dtype": "bfloat16", "data_parallel": "fsdp", "precision": "mixed"},
      "precision='mixed' counts the papers' 16-bit copies instead: leave precision fp32"),

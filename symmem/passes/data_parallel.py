@@ -337,8 +337,10 @@ class Fsdp:
         #: the reduce-scatter input's bytes and the sharded gradients' bytes per element (FP32 without a policy:
         #: the gradients' own)
         self.reduce_bytes, self.sharded_grad_bytes = self.gather_bytes, self.sim.grad_bytes
-        #: under a MixedPrecisionPolicy, each unit's param_dtype copy of its shards (the all-gather input)
+        #: under a MixedPrecisionPolicy, each unit's param_dtype copy of its shards (the all-gather input), and
+        #: where reduce_dtype is not the parameters' dtype, its reduce-scatter output before the cast
         self.cast_in: dict[Any, sympy.Expr] = {}
+        self.reduce_out: dict[Any, sympy.Expr] = {}
         if self.policy is not None:
             self._policy_sizes(*self.policy)
 
@@ -355,6 +357,8 @@ class Fsdp:
                              for u, ps in self.params.items()}
         self.unsharded_bytes = {name: _times(world, k, pb) for name, k in self.shard.items()}
         self.sharded_grad_bytes = self.wb
+        if rb != self.wb:
+            self.reduce_out = {u: _times_bytes(n, rb) for u, n in self.unit_numel.items()}
 
     @property
     def sim(self) -> Any:
@@ -478,7 +482,11 @@ class Fsdp:
                     _times_bytes(self.unit_numel[unit], self.sharded_grad_bytes))
         self.sharded_grads.append(g)
         sim.event("backward", self.at, [], grads[:-1])
-        sim.event("backward", self.at, [g], [])
+        out = self.reduce_out.get(unit)
+        if out is not None:  # reduce_dtype is not the parameters': the output in it, cast to theirs and let go
+            out = sim.new(f"fsdp.reduce_scatter_output[{unit}]", "temporary", out)
+            sim.event("backward", self.at, [out], [])
+        sim.event("backward", self.at, [g], [] if out is None else [out])
         self.last_grad = grads[-1:]
 
     def after_backward(self, n: str) -> None:
