@@ -264,7 +264,9 @@ class Fsdp:
     post-backward frees ``P_u``, frees the previous reduce-scatter input and makes ``R_u`` (``N*S_u``), frees the
     unit's unsharded gradients (the last parameter's once the reduce-scatter ran) and makes the sharded
     gradients ``G_u`` (``S_u``), which ``zero_grad`` frees.  The root's post-backward runs at the end of the
-    backward; the last ``R`` dies with it.
+    backward; the last ``R`` dies with it.  Under FSDP2's ``MixedPrecisionPolicy`` (``policy``) ``A_u``, ``P_u`` and
+    the unsharded gradients are in param_dtype, a param_dtype copy of the shards precedes each ``A_u``, and ``R_u``
+    is in reduce_dtype (:meth:`_policy_sizes`).
     """
 
     def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool,
@@ -274,6 +276,10 @@ class Fsdp:
         self._sim, self.reshard = weakref.ref(sim), reshard
         #: MixedPrecisionPolicy: (bytes of param_dtype, of reduce_dtype), or None (:func:`policy_bytes`)
         self.policy = policy
+        #: under a MixedPrecisionPolicy, each unit's param_dtype copy of its shards (the all-gather input), and
+        #: where reduce_dtype is not the parameters' dtype, its reduce-scatter output before the cast
+        self.cast_in: dict[Any, sympy.Expr] = {}
+        self.reduce_out: dict[Any, sympy.Expr] = {}
         graph, order = sim.graph, sim.order
         iterations = graph.graph.get("iterations", {})
         self.unit_of: dict[str, Any] = {}  # node -> unit key (None: the root)
@@ -337,10 +343,6 @@ class Fsdp:
         #: the reduce-scatter input's bytes and the sharded gradients' bytes per element (FP32 without a policy:
         #: the gradients' own)
         self.reduce_bytes, self.sharded_grad_bytes = self.gather_bytes, self.sim.grad_bytes
-        #: under a MixedPrecisionPolicy, each unit's param_dtype copy of its shards (the all-gather input), and
-        #: where reduce_dtype is not the parameters' dtype, its reduce-scatter output before the cast
-        self.cast_in: dict[Any, sympy.Expr] = {}
-        self.reduce_out: dict[Any, sympy.Expr] = {}
         if self.policy is not None:
             self._policy_sizes(*self.policy)
 
@@ -348,7 +350,8 @@ class Fsdp:
         """Under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``pb``, ``rb`` bytes an element): the shards
         stay in the parameters' dtype (``wb``), the all-gather, its input copy (``_get_param_all_gather_inputs``'
         foreach copy) and the unsharded parameters are in param_dtype, the reduce-scatter's input in reduce_dtype,
-        and the sharded gradients in the parameters' dtype (measured on gloo runs: docs/regimes.md)."""
+        and the sharded gradients in the parameters' dtype; where reduce_dtype is not theirs, the reduce-scatter's
+        output is in reduce_dtype and cast to them (measured on gloo runs: docs/regimes.md)."""
         world = self.world
         self.gather_bytes = {u: _unit_sizes(tuple(self.shard[p] for p in ps), world, pb)[2]
                              for u, ps in self.params.items()}
