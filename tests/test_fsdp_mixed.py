@@ -116,6 +116,10 @@ def test_autocast_checkpointing_and_traced_modules_are_refused_with_the_reason()
                                           "micro-batch without checkpointing"):
         d.value("peak")
     assert d.value("activations") > 0
+    # a model with floating inputs (FSDP2 casts them to bf16) and a loss on bf16 logits: measured, not modelled
+    d = derive("mlp", data_parallel="fsdp", param_dtype="bfloat16", values={"N": 2})
+    with pytest.raises(SymmemError, match="modelled for the causal LMs it was measured on \\(gpt2, llama\\): mlp's"):
+        d.value("peak")
     # the papers' 16-bit presets under FSDP2: the engine's own policy is named
     d = derive("llama", data_parallel="fsdp", precision="mixed", values={"L": 2})
     with pytest.raises(SymmemError, match="FSDP2's own MixedPrecisionPolicy is param_dtype='bfloat16' \\(--param-dt"):

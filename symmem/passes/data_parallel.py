@@ -172,7 +172,7 @@ def policy_bytes(regime: Regime) -> tuple[int, int] | None:
     return dtype_bytes(regime.param_dtype), dtype_bytes(reduce)
 
 
-def refuse_policy(regime: Regime) -> None:
+def refuse_policy(regime: Regime, graph: Any = None) -> None:
     """Refuse (one line) FSDP2's peak where a precision is asked that it does not model: the papers' 16-bit presets
     (not an engine's; FSDP2's own policy is ``param_dtype``), and the policy with what it was not measured with.
 
@@ -190,6 +190,12 @@ def refuse_policy(regime: Regime) -> None:
     if regime.param_dtype is not None and (regime.checkpoint != "none" or regime.micro_batches != 1):
         raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy (param_dtype={regime.param_dtype!r}) is "
                           "modelled for one micro-batch without checkpointing (measured there)")
+    if regime.param_dtype is not None and graph is not None and not graph.graph.get("causal_lm"):
+        # measured on an MLP: FSDP2 casts a floating input to param_dtype (cast_forward_inputs) and its
+        # cross-entropy runs on bf16 logits (a bf16 loss and seed), which the step does not model
+        raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy is modelled for the causal LMs it was "
+                          f"measured on (gpt2, llama): {graph.graph.get('name') or 'this model'}'s floating inputs, "
+                          "which FSDP2 casts to param_dtype, and a loss on bf16 logits are not")
 
 
 def caller_holds(graph: Any, order: Sequence[str]) -> dict[str, str]:

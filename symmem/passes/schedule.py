@@ -250,7 +250,7 @@ class Simulation:
 
     def _sharding(self, weights_bytes: int) -> data_parallel.Fsdp | None:
         """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""
-        data_parallel.refuse_policy(self.regime)  # FSDP2's MixedPrecisionPolicy where it was not measured
+        data_parallel.refuse_policy(self.regime, self.graph)  # FSDP2's MixedPrecisionPolicy where not measured
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
