@@ -136,8 +136,8 @@ def test_cli_options_say_the_policy_and_bad_values_exit_2(capsys):
     assert d.regime.param_dtype == "bfloat16" and d.layout_label() in " ".join(out.split())
     assert d.value("peak") < derive("llama", data_parallel="fsdp", values={"N": 8, "L": 2}).value("peak")
     # fit solves the policy's peak: the largest B under 8 GiB, and B + 1 over it
-    sizes = ["--set", "N=8", "--set", "L=2", "--set", "S=512"]
-    assert main(["fit", "llama", "--data-parallel", "fsdp", "--param-dtype", "bfloat16", *sizes, "--budget", "8GiB"]) == 0
+    sizes = ["--set", "N=8", "--set", "L=2", "--set", "S=512", "--budget", "8GiB"]
+    assert main(["fit", "llama", "--data-parallel", "fsdp", "--param-dtype", "bfloat16", *sizes]) == 0
     assert "largest B = 26 " in capsys.readouterr().out
     d = derive("llama", data_parallel="fsdp", param_dtype="bfloat16", values={"N": 8, "L": 2, "S": 512})
     assert d.at(B=26).value("peak") <= 8 * 2**30 < d.at(B=27).value("peak")
