@@ -63,6 +63,10 @@ MEASURED = {
 }
 
 
+#: where FSDP2's MixedPrecisionPolicy was measured on the tiny references
+MIXED = "#fsdp2s-mixedprecisionpolicy-param_dtype-bf16-reduce_dtype-fp32"
+
+
 #: per engine: the papers' accounting its peak is compared with, and why they differ
 WHY = {
     "ddp": ("one device", "DDP's gradient buckets, 4Ψ, alive the whole step; neither estimator nor paper counts them"),
@@ -171,12 +175,24 @@ def rows(case: Case) -> list[tuple[str, str, int | None, int | None, int | None,
                     f"the papers' accounting carried through the step (nothing added): {z.peak_at().where()}"))
     for engine in ENGINES:
         e = d_(loss="cross-entropy", data_parallel=engine)
+        peaks[engine] = e.value("peak")
         against, why = WHY[engine]
         pct = 100 * (e.value("peak") / peaks[against] - 1)
         measured = f"; derived = [measured on gloo]({MEASURED[engine]})" if case.measured else ""
         out.append((f"`--data-parallel {engine}`, N = {N}", "fp32", e.evaluate(e.parameter_memory),
                     e.evaluate(e.activations), e.value("peak"),
                     f"{pct:+.1f}% against `{against}`'s peak: {why}; peak at {e.peak_at().where()}{measured}"))
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default: the engine's own
+    # mixed precision, beside DeepSpeed's estimators (which count in mixed precision only)
+    e = d_(loss="cross-entropy", data_parallel="fsdp", param_dtype="bfloat16")
+    pct = 100 * (e.value("peak") / peaks["fsdp"] - 1)
+    measured = f"; derived = [measured on gloo]({MIXED})" if case.measured else ""
+    out.append((f"`--data-parallel fsdp --param-dtype bfloat16`, N = {N}", "bf16 compute",
+                e.evaluate(e.parameter_memory), e.evaluate(e.activations), e.value("peak"),
+                f"{pct:+.1f}% against `--data-parallel fsdp`'s peak: FSDP2's MixedPrecisionPolicy (reduce_dtype "
+                "fp32): the all-gathers, unsharded parameters and gradients and the activations in bf16, the "
+                "reduce-scatter input in fp32; shards, sharded gradients and AdamW stay FP32 (16Ψ/N: DeepSpeed's "
+                f"18Ψ/N adds 16-bit copies the engine does not keep); peak at {e.peak_at().where()}{measured}"))
     if case.model == "llama":
         tp = d_(tensor_parallel=True)
         out.append((f"`--tensor-parallel` (DTensor's Llama plan), t = {t}, loss `sum`", "fp32",

@@ -122,6 +122,10 @@ def _setup(model: Model | str, convention: str | Convention, regime: Regime | No
            ) -> tuple[Model, Convention, Regime, dict[str, Any]]:
     """What :func:`derive`'s arguments name: the model (built, with its loss), the convention, the regime and
     the convention's options; an option that would have no effect is refused (:func:`symmem.options.check_effect`)."""
+    if keywords.get("autocast") is not None and keywords.get("param_dtype") is not None:
+        raise SymmemError(f"autocast={keywords['autocast']!r} is torch.autocast over FP32 weights and param_dtype="
+                          f"{keywords['param_dtype']!r} FSDP2's MixedPrecisionPolicy, which casts the parameters "
+                          "themselves (no autocast): give param_dtype alone")
     shared = resolve("derive", device=keywords.pop("device", None), loss=loss,
                      autocast=keywords.pop("autocast", None))
     if shared.device is not None:
@@ -300,6 +304,11 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
                      autocast=autocast)
     loss = shared.loss
     regime_given = options.get("regime")
+    policy = options.get("param_dtype", getattr(regime_given, "param_dtype", None))
+    if policy is not None:  # FSDP2's MixedPrecisionPolicy: measured for the built-in models' steps only
+        also = f"; autocast={autocast!r} is torch.autocast over FP32 weights, another thing" if autocast else ""
+        raise SymmemError(f"param_dtype={policy!r} (FSDP2's MixedPrecisionPolicy) is modelled for the built-in "
+                          f"models (gpt2, llama ...), not a traced module's step{also}")
     checkpoint = tracing.checkpoint_option(shared.checkpoint)
     if sizes is not None or divisible is not None:  # module builds a module per configuration: no weights to read yet
         options["step"] = options.pop("peak", False)

@@ -585,6 +585,8 @@ class Derivation:
         parts = []
         if r.data_parallel:
             parts.append(sized(r.data_parallel, "N"))
+            if r.param_dtype:  # FSDP2's MixedPrecisionPolicy, in its own words
+                parts[-1] += f" param_dtype={r.param_dtype} reduce_dtype={r.policy_reduce_dtype}"
         elif r.zero:
             parts.append(sized(f"ZeRO-{r.zero}", "N"))
         if r.tensor_parallel:

@@ -194,6 +194,9 @@ _NOT_MESHED = {
 #: Pipeline schedules (``torch.distributed.pipelining``): ``1f1b`` (``Schedule1F1B``, the default) and ``gpipe``
 #: (``ScheduleGPipe``).
 SCHEDULES = ("1f1b", "gpipe")
+#: FSDP2 ``MixedPrecisionPolicy`` dtypes modelled (measured on gloo runs: docs/regimes.md)
+PARAM_DTYPES = ("bfloat16",)
+REDUCE_DTYPES = ("float32", "bfloat16")
 #: How ``optimizer.step()`` runs (``auto``: PyTorch's default for the device).
 IMPLS = ("auto", "for-loop", "foreach", "fused")
 _EVERY = re.compile(r"^every-([1-9][0-9]*)$")
@@ -253,6 +256,13 @@ class Regime:
     data_parallel: str | None = None
     #: with ``pipeline_parallel``: the schedule the stages run (:data:`SCHEDULES`)
     pipeline_schedule: str = "1f1b"
+    #: FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``: the dtype of the all-gathers, the unsharded parameters,
+    #: the forward and backward and the unsharded gradients (None: no policy); the shards, the sharded gradients
+    #: and the optimizer stay FP32 (:data:`PARAM_DTYPES`)
+    param_dtype: str | None = None
+    #: with ``param_dtype``: the policy's ``reduce_dtype``, the reduce-scatter's dtype (None: float32, as
+    #: torchtitan sets it; :data:`REDUCE_DTYPES`)
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _lookup(PRECISIONS, self.precision, "precision")
@@ -274,6 +284,37 @@ class Regime:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise SymmemError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         self._check_data_parallel()
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        """FSDP2's ``MixedPrecisionPolicy``: a dtype it was measured with, on an FSDP2 engine over FP32 parameters."""
+        if self.param_dtype is None:
+            if self.reduce_dtype is not None:
+                raise SymmemError(f"reduce_dtype={self.reduce_dtype!r} is part of FSDP2's MixedPrecisionPolicy: give "
+                                  "param_dtype='bfloat16' with it")
+            return
+        if self.param_dtype not in PARAM_DTYPES:
+            raise SymmemError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)} (measured), got "
+                              f"{self.param_dtype!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise SymmemError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)} (measured), got "
+                              f"{self.reduce_dtype!r}")
+        if self.data_parallel not in ("fsdp", "fsdp-no-reshard"):
+            raise SymmemError(f"param_dtype={self.param_dtype!r} is FSDP2's MixedPrecisionPolicy: give "
+                              "data_parallel='fsdp' or 'fsdp-no-reshard' (fully_shard(..., mp_policy=...))")
+        if self.precision != "fp32":
+            raise SymmemError(f"param_dtype={self.param_dtype!r} keeps FSDP2's shards, gradients and optimizer in "
+                              f"FP32, and precision={self.precision!r} counts the papers' 16-bit copies instead: "
+                              "leave precision fp32")
+        if self.tensor_parallel or self.pipeline_parallel:
+            raise SymmemError(f"param_dtype={self.param_dtype!r} is modelled for FSDP2 alone (measured), not with "
+                              "tensor or pipeline parallelism")
+
+    @property
+    def policy_reduce_dtype(self) -> str | None:
+        """The reduce-scatter's dtype under FSDP2's policy (float32 where ``reduce_dtype`` is not given), or None
+        without one."""
+        return None if self.param_dtype is None else (self.reduce_dtype or "float32")
 
     def _check_data_parallel(self) -> None:
         """A known, modelled engine, alone: ``zero`` is the papers' accounting of sharding, not an engine."""
@@ -320,7 +361,8 @@ class Regime:
 
     @property
     def activation_dtype(self) -> str:
-        return self.precision_spec.activation_dtype
+        # FSDP2's policy runs forward and backward in param_dtype over FP32 parameters (no autocast)
+        return self.param_dtype or self.precision_spec.activation_dtype
 
     def components(self) -> list[tuple[str, int]]:
         """(name, bytes per parameter) for every per-parameter component, for elementwise optimizers.

@@ -18,6 +18,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import test_fsdp_mixed as policy  # noqa: E402  (FSDP2's MixedPrecisionPolicy rides in this spawn)
+
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
@@ -66,17 +68,20 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     # every FSDP2 job runs twice, before DDP's: a late free by gloo's worker threads (above) can land in a first
     # step too, where no second steady step can stand in; it only ever adds, so the lower of the two runs counts
     jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
-    runs = measure_jobs([*jobs, *jobs, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
+    mixed = [*policy.mixed_jobs(), *policy.mixed_jobs(), policy.bf16_reduce_job()]
+    runs = measure_jobs([*jobs, *jobs, *mixed, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
                         start_method="forkserver")
     *measured, fsdp = [_lowest(a, b) for a, b in zip(runs[:len(jobs)], runs[len(jobs):2 * len(jobs)], strict=True)]
-    measured += runs[2 * len(jobs):]
+    wrong = policy.check_mixed(runs[2 * len(jobs):2 * len(jobs) + len(mixed) - 1])
+    wrong += policy.check_bf16_reduce(runs[2 * len(jobs) + len(mixed) - 1])
+    measured += runs[2 * len(jobs) + len(mixed):]
     _check_fsdp_shards(fsdp)
     # per rank where the padding makes them differ: each rank's first and steady peak, derived, to the byte
     per_rank = rank_peaks(padded)
     assert per_rank == {r.rank: (r.first, min(r.per_step[1:])) for r in fsdp}, (per_rank, fsdp)
     # each rank's parameter side when backward ends (weights, .grads, optimizer state), padding and step counts
     # included: 127 rows stored as 64 + 64, rank 1's AdamW state over 63 of them
-    wrong = [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
+    wrong += [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
     side = padded.to_dict()["values"]["parameter_side_per_rank"]
     assert side["0"]["optimizer_state"] - side["1"]["optimizer_state"] == 8 * 64 + 8 == 520
     assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N

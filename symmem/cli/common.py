@@ -171,6 +171,16 @@ def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, mode
     group.add_argument("--data-parallel", default=None, choices=list(DATA_PARALLEL), metavar="ENGINE",
                        help="the data-parallel engine each of N ranks runs, per rank (docs/regimes.md): "
                             f"{', '.join(DATA_PARALLEL)}; B is one rank's batch")
+    from ..training import PARAM_DTYPES, REDUCE_DTYPES
+
+    group.add_argument("--param-dtype", default=None, choices=list(PARAM_DTYPES),
+                       help="with --data-parallel fsdp or fsdp-no-reshard: FSDP2's MixedPrecisionPolicy(param_dtype="
+                            "...): all-gathers, unsharded parameters, forward and backward in this dtype; shards, "
+                            "sharded gradients and the optimizer stay FP32 (--precision's presets are the papers' "
+                            "accounting)")
+    group.add_argument("--reduce-dtype", default=None, choices=list(REDUCE_DTYPES),
+                       help="with --param-dtype: the policy's reduce_dtype, the reduce-scatter's (default: float32, "
+                            "as torchtitan sets it)")
     group.add_argument("--tensor-parallel", action="store_true", help="Megatron tensor parallelism over t ranks")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="with --tensor-parallel: split the remaining activations over t too")

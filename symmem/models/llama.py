@@ -62,10 +62,13 @@ def rmsnorm(g: GraphBuilder, x: str, name: str, role: str | None = None) -> str:
         var = var_mean = g.op("mean", var, name="mean", dim=-1, keepdim=True)
         var = g.op("scalar_add", var, name="add_eps", value=1e-6)
         r = g.op("rsqrt", var, name="rsqrt")
-        y = g.op("mul", y, r, name="normalize")
+        y = normalized = g.op("mul", y, r, name="normalize")
         y = g.op("cast", y, name="to_input_dtype", dtype="act")
         w = g.parameter("weight", (H,))
         out = g.op("mul", w, y, name="scale", role=role)
+    # so does the FP32 ``hidden_states``, which only 16-bit activations leave unkept (to(input_dtype) copies): read
+    # under FSDP2's MixedPrecisionPolicy (passes/data_parallel.caller_holds)
+    g.graph.graph.setdefault("held_by_caller", {})[normalized] = out
     # the local ``variance`` lives until the norm returns (B*S*4 bytes past rsqrt's read of it)
     g.graph.graph.setdefault("held_until", {})[var_mean] = out
     return out
@@ -165,7 +168,7 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
     g = GraphBuilder(name)
     ids = g.input("input_ids", (B, S), dtype="int64")
     with g.group("embed"):
-        x = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
+        x = embedded = g.op("embedding", ids, name="embed_tokens", num_embeddings=V, dim=H)
         pos = g.op("constant", name="position_ids", shape=(1, S), dtype="int64")
         g.op("buffer", name="rotary_emb.inv_freq", shape=(H / h / 2,), dtype="float32")  # module state
         g.op("buffer", name="rotary_emb.original_inv_freq", shape=(H / h / 2,), dtype="float32")
@@ -201,6 +204,10 @@ def build_llama(name: str, attention: str = "sdpa", dropout: float = 0.0, cache:
         for local in (pos, mask):
             if local is not None:
                 g.graph.graph.setdefault("held_until", {})[local] = x
+        # its ``inputs_embeds`` and ``hidden_states`` too, which only 16-bit activations leave unkept (RMSNorm's
+        # to(float32) copies): read under FSDP2's MixedPrecisionPolicy (passes/data_parallel.caller_holds)
+        g.graph.graph.setdefault("held_by_caller", {})[embedded] = x
+        g.graph.graph["result_held_by_caller"] = {"layers": x}
         g.op("linear", x, name="lm_head", out_features=V, bias=False)
     g.graph.graph["causal_lm"] = True  # --loss: labels shifted by one token (symmem.loss)
     # LlamaDecoderLayer registers its norms after self_attn and mlp, LlamaModel its norm after the layers: the

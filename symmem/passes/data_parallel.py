@@ -158,6 +158,95 @@ def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tup
 _CONV1D = ("gpt2",)
 
 
+def policy_bytes(regime: Regime) -> tuple[int, int] | None:
+    """FSDP2's ``MixedPrecisionPolicy`` as (bytes of param_dtype, bytes of reduce_dtype), or None without one.
+
+    >>> policy_bytes(Regime(data_parallel="fsdp", param_dtype="bfloat16")), policy_bytes(Regime())
+    ((2, 4), None)
+    """
+    from ..tensor import dtype_bytes
+
+    reduce = regime.policy_reduce_dtype
+    if regime.param_dtype is None or reduce is None:
+        return None
+    return dtype_bytes(regime.param_dtype), dtype_bytes(reduce)
+
+
+def refuse_policy(regime: Regime, graph: Any = None) -> None:
+    """Refuse (one line) FSDP2's peak where a precision is asked that it does not model: the papers' 16-bit presets
+    (not an engine's; FSDP2's own policy is ``param_dtype``), and the policy with what it was not measured with.
+
+    >>> refuse_policy(Regime(data_parallel="fsdp", precision="mixed"))
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled for one micro-batch without ...
+    """
+    from ..errors import SymmemError
+
+    if regime.data_parallel in SHARDED and regime.precision != "fp32":
+        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled for one micro-batch "
+                          f"without checkpointing in fp32: precision={regime.precision!r} is the papers' accounting "
+                          "of 16-bit copies, not what an engine holds; FSDP2's own MixedPrecisionPolicy is "
+                          "param_dtype='bfloat16' (--param-dtype)")
+    if regime.param_dtype is not None and (regime.checkpoint != "none" or regime.micro_batches != 1):
+        raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy (param_dtype={regime.param_dtype!r}) is "
+                          "modelled for one micro-batch without checkpointing (measured there)")
+    if regime.param_dtype is not None and graph is not None and not graph.graph.get("causal_lm"):
+        # measured on an MLP: FSDP2 casts a floating input to param_dtype (cast_forward_inputs) and its
+        # cross-entropy runs on bf16 logits (a bf16 loss and seed), which the step does not model
+        raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy is modelled for the causal LMs it was "
+                          f"measured on (gpt2, llama): {graph.graph.get('name') or 'this model'}'s floating inputs, "
+                          "which FSDP2 casts to param_dtype, and a loss on bf16 logits are not")
+
+
+def caller_holds(graph: Any, order: Sequence[str]) -> dict[str, str]:
+    """What the Python callers of a model hold past its last use (node -> the node until whose forward it lives),
+    which an op keeps anyway in FP32 and which lives on its own where 16-bit activations make the casts copies
+    (FSDP2's MixedPrecisionPolicy; measured on gloo runs): ``x = layer(x)`` holds each layer's input until the layer
+    returns; a loss holds the logits it is given until it returns (``logits.float()`` is a copy); and what a builder
+    declares: ``graph.graph["held_by_caller"]`` (Llama's ``inputs_embeds`` until ``LlamaModel.forward`` returns;
+    RMSNorm's FP32 ``hidden_states`` until the norm returns: a layer's hold each layer's, as ``held_until``) and
+    ``graph.graph["result_held_by_caller"]`` (a repeated block's result, its last layer's output, until a node).
+
+    >>> from symmem.models import build
+    >>> from symmem.passes.unroll import unroll
+    >>> g = unroll(build("llama").graph, {"layers": 2})
+    >>> held = caller_holds(g, list(g.program_order()))
+    >>> held["embed_tokens"], held["layers.add2#1"]
+    ('norm.scale', 'layers.add2#2')
+    """
+    pos = {n: i for i, n in enumerate(order)}
+    iterations = graph.graph.get("iterations", {})
+    last: dict[Any, str] = {}
+    for n in order:
+        if n in iterations:
+            last[iterations[n]] = n
+    found: dict[str, str] = {}
+
+    def hold(s: str, until: str) -> None:
+        if s in pos and until in pos and pos[until] > pos.get(found.get(s, s), -1):
+            found[s] = until
+
+    for n in order:
+        it = iterations.get(n)
+        if it is None:
+            continue
+        for x in graph.node(n).inputs:
+            if iterations.get(x) != it and graph.node(x).kind not in ("input", "parameter", "buffer", "constant"):
+                hold(x, last[it])
+    for s, until in graph.graph.get("held_by_caller", {}).items():
+        copies = [f"{s}#{j}" for j in range(1, len(last) + 2) if f"{s}#{j}" in pos] or [s]
+        for j, c in enumerate(copies, start=1):  # a layer's hold is each layer's, until its own node
+            hold(c, f"{until}#{j}" if c != s and f"{until}#{j}" in pos else until)
+    for block, until in graph.graph.get("result_held_by_caller", {}).items():
+        ends = [n for (b, _), n in last.items() if b == block]
+        if ends:
+            hold(max(ends, key=pos.__getitem__), until)
+    out = graph.graph.get("model_output")
+    if out is not None and "loss" in pos:
+        hold(out, "loss")
+    return found
+
+
 def stored_shapes(graph: Any, params: Sequence[tuple[str, tuple[sympy.Expr, ...]]]
                   ) -> dict[str, tuple[sympy.Expr, ...]]:
     """Each parameter's shape as the module stores it (the dim FSDP shards first)."""
@@ -181,13 +270,22 @@ class Fsdp:
     post-backward frees ``P_u``, frees the previous reduce-scatter input and makes ``R_u`` (``N*S_u``), frees the
     unit's unsharded gradients (the last parameter's once the reduce-scatter ran) and makes the sharded
     gradients ``G_u`` (``S_u``), which ``zero_grad`` frees.  The root's post-backward runs at the end of the
-    backward; the last ``R`` dies with it.
+    backward; the last ``R`` dies with it.  Under FSDP2's ``MixedPrecisionPolicy`` (``policy``) ``A_u``, ``P_u`` and
+    the unsharded gradients are in param_dtype, a param_dtype copy of the shards precedes each ``A_u``, and ``R_u``
+    is in reduce_dtype (:meth:`_policy_sizes`).
     """
 
-    def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool) -> None:
+    def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool,
+                 policy: tuple[int, int] | None = None) -> None:
         # the walk holds its engine; the engine holds the walk weakly, so that a finished walk (its storages,
         # events and unrolled graph) is freed at once rather than left as a cycle for the collector to find
         self._sim, self.reshard = weakref.ref(sim), reshard
+        #: MixedPrecisionPolicy: (bytes of param_dtype, of reduce_dtype), or None (:func:`policy_bytes`)
+        self.policy = policy
+        #: under a MixedPrecisionPolicy, each unit's param_dtype copy of its shards (the all-gather input), and
+        #: where reduce_dtype is not the parameters' dtype, its reduce-scatter output before the cast
+        self.cast_in: dict[Any, sympy.Expr] = {}
+        self.reduce_out: dict[Any, sympy.Expr] = {}
         graph, order = sim.graph, sim.order
         iterations = graph.graph.get("iterations", {})
         self.unit_of: dict[str, Any] = {}  # node -> unit key (None: the root)
@@ -248,6 +346,28 @@ class Fsdp:
         self.gather_bytes = {u: found[2] for u, found in unit.items()}
         self.shapes = shapes
         self.unsharded_bytes = {name: _times(world, k, wb) for name, k in self.shard.items()}
+        #: the reduce-scatter input's bytes and the sharded gradients' bytes per element (FP32 without a policy:
+        #: the gradients' own)
+        self.reduce_bytes, self.sharded_grad_bytes = self.gather_bytes, self.sim.grad_bytes
+        if self.policy is not None:
+            self._policy_sizes(*self.policy)
+
+    def _policy_sizes(self, pb: int, rb: int) -> None:
+        """Under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``pb``, ``rb`` bytes an element): the shards
+        stay in the parameters' dtype (``wb``), the all-gather, its input copy (``_get_param_all_gather_inputs``'
+        foreach copy) and the unsharded parameters are in param_dtype, the reduce-scatter's input in reduce_dtype,
+        and the sharded gradients in the parameters' dtype; where reduce_dtype is not theirs, the reduce-scatter's
+        output is in reduce_dtype and cast to them (measured on gloo runs: docs/regimes.md)."""
+        world = self.world
+        self.gather_bytes = {u: _unit_sizes(tuple(self.shard[p] for p in ps), world, pb)[2]
+                             for u, ps in self.params.items()}
+        self.cast_in = {u: _times_bytes(n, pb) for u, n in self.unit_numel.items()}
+        self.reduce_bytes = {u: _unit_sizes(tuple(self.shard[p] for p in ps), world, rb)[2]
+                             for u, ps in self.params.items()}
+        self.unsharded_bytes = {name: _times(world, k, pb) for name, k in self.shard.items()}
+        self.sharded_grad_bytes = self.wb
+        if rb != self.wb:
+            self.reduce_out = {u: _times_bytes(n, rb) for u, n in self.unit_numel.items()}
 
     @property
     def sim(self) -> Any:
@@ -261,8 +381,16 @@ class Fsdp:
         sim = self.sim
         born = []
         if unit not in self.gathered:
+            cast = self.cast_in.get(unit)
+            if cast is not None:  # the param_dtype copy of the shards, freed once the all-gather is issued
+                copy = sim.new(f"fsdp.all_gather_input[{unit}]", "temporary", cast)
+                sim.event(phase, self.at, [copy], [])
             self.gathered[unit] = sim.new(f"fsdp.all_gather[{unit}]", "temporary", self.gather_bytes[unit])
             born.append(self.gathered[unit])
+            if cast is not None:
+                sim.event(phase, self.at, born, [])
+                born = []
+                sim.event(phase, self.at, [], [copy])
         if with_params and unit not in self.unsharded:
             self.unsharded[unit] = [sim.new(f"{p}.unsharded", "parameter", self.unsharded_bytes[p])
                                     for p in self.params[unit]]
@@ -356,13 +484,18 @@ class Fsdp:
         self._reshard(unit, "backward")
         if self.reduce_in is not None:
             sim.event("backward", self.at, [], [self.reduce_in])
-        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.gather_bytes[unit])
+        self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.reduce_bytes[unit])
         sim.event("backward", self.at, [self.reduce_in], [])
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
-        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient", _times_bytes(self.unit_numel[unit], sim.grad_bytes))
+        g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient",
+                    _times_bytes(self.unit_numel[unit], self.sharded_grad_bytes))
         self.sharded_grads.append(g)
         sim.event("backward", self.at, [], grads[:-1])
-        sim.event("backward", self.at, [g], [])
+        out = self.reduce_out.get(unit)
+        if out is not None:  # reduce_dtype is not the parameters': the output in it, cast to theirs and let go
+            out = sim.new(f"fsdp.reduce_scatter_output[{unit}]", "temporary", out)
+            sim.event("backward", self.at, [out], [])
+        sim.event("backward", self.at, [g], [] if out is None else [out])
         self.last_grad = grads[-1:]
 
     def after_backward(self, n: str) -> None:

@@ -174,6 +174,8 @@ class Simulation:
         # --zero K is the papers' (and DeepSpeed's estimators') accounting: each component its stage shards is
         # divided by N, nothing else added (no all-gather buffers: --data-parallel fsdp models the engines')
         self.grad_bytes = sum(c.bytes / self.zero_shards(c.name) for c in parts if c.kind == "gradients")
+        if regime.param_dtype is not None:  # FSDP2's policy: backward makes the unsharded gradients in param_dtype
+            self.grad_bytes = dtype_bytes(regime.param_dtype)
         zero_weights = sum(c.bytes / self.zero_shards(c.name) for c in parts if c.kind != "gradients")
         self.impl = optimizer_impl(regime, device)
         # Adam's step counts are CPU tensors unless the fused implementation runs: host memory beside a CUDA step
@@ -248,6 +250,7 @@ class Simulation:
 
     def _sharding(self, weights_bytes: int) -> data_parallel.Fsdp | None:
         """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""
+        data_parallel.refuse_policy(self.regime, self.graph)  # FSDP2's MixedPrecisionPolicy where not measured
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
@@ -256,7 +259,8 @@ class Simulation:
                               "checkpointing in fp32 (FSDP's mixed-precision policies are not)")
         if engine in FSDP1:
             return Fsdp1(self, N, weights_bytes, FSDP1[engine])
-        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine])
+        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine],
+                                  data_parallel.policy_bytes(self.regime))
 
     def _plan(self, keep_logits: bool) -> None:
         """When forward values die, which nodes run backward, the checkpointed segments and what they hold."""
@@ -284,6 +288,9 @@ class Simulation:
                 continue
             until = ends if until == "forward" else until
             if s in base and until in pos:
+                last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
+        if self.regime.param_dtype is not None:  # FSDP2's policy: what callers hold, no longer kept by an op
+            for s, until in data_parallel.caller_holds(graph, self.order).items():
                 last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
         for s, until in self.returned:  # attention weights a checkpointed core returned, held by the layer
             last_use[base[s]] = max(last_use.get(base[s], pos[s]), pos[until])
@@ -372,7 +379,7 @@ class Simulation:
 
     def loss(self) -> None:
         """No loss in the graph: the step reduces the output with .sum(), which keeps nothing for backward."""
-        total = self.new("output.sum", "loss", self.size(TensorSpec((), "float32")))
+        total = self.new("output.sum", "loss", self.size(TensorSpec((), self.sum_dtype())))
         self.owner["output.sum"] = total
         self.held_to_end.add("output.sum")
         out = self.base[self.final]
@@ -382,6 +389,13 @@ class Simulation:
             if out not in self.keepers:
                 drop.append(self.owner[out])
         self.event("forward", "sum", [total], drop)
+
+    def sum_dtype(self) -> str:
+        """The dtype of the loss ``.sum()`` and of its gradient: FP32, or under FSDP2's MixedPrecisionPolicy the
+        output's own (a 16-bit sum of 16-bit logits, measured); a loss in the graph keeps FP32 as before."""
+        if self.regime.param_dtype is None or self.graph.node(self.final).group == "loss":
+            return "float32"
+        return self.graph.node(self.base[self.final]).out.dtype
 
     def backward(self) -> None:
         """The graph in reverse, from the loss's gradient; checkpointed segments are recomputed first."""
@@ -393,7 +407,7 @@ class Simulation:
             if s in self.owner and s not in self.held_to_end and graph.node(s).kind not in _HELD:
                 last = min((k for k in ks if k in self.needs), key=self.pos.__getitem__, default=None)
                 self.freed_at[last or ""].append(self.owner[s])
-        seed = self.new("loss.grad", "activation_grad", self.size(TensorSpec((), "float32")))
+        seed = self.new("loss.grad", "activation_grad", self.size(TensorSpec((), self.sum_dtype())))
         self.grad_of[self.final] = seed
         self.refs[seed] += 2  # the engine holds the root's gradient until backward ends
         self.event("backward", None, [seed], [])

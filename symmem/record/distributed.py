@@ -74,6 +74,8 @@ class Job:
     #: a traced module instead of the reference: a picklable callable giving (module, positional inputs)
     #: (symmem.importer.traced_engines.SpecBuilder)
     builder: Any = None
+    #: FSDP2's ``MixedPrecisionPolicy`` as (param_dtype, reduce_dtype) names (None: no policy)
+    mp: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
                           f"data_parallel={regime.data_parallel!r}")
-    if derivation.per_layer or regime.activation_dtype != "float32" or regime.checkpoint != "none" \
+    if derivation.per_layer or regime.precision != "fp32" or regime.checkpoint != "none" \
             or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") or regime.micro_batches != 1:
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
                           "micro-batch, no checkpointing")
@@ -126,7 +128,8 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     options = {k: v for k, v in derivation.options.items() if k != "loss"}
     return Job(derivation.model, tuple(sorted((s.name, int(v)) for s, v in derivation.numbers.items())),
                tuple(sorted(options.items())), regime.data_parallel, regime.optimizer,
-               optimizer_impl(regime, "cpu"), bool(derivation.options.get("loss")), regime.keep_logits, steps)
+               optimizer_impl(regime, "cpu"), bool(derivation.options.get("loss")), regime.keep_logits, steps,
+               mp=None if regime.param_dtype is None else (regime.param_dtype, regime.policy_reduce_dtype or ""))
 
 
 def measure_ranks(derivations: Sequence[Derivation], world: int = 2, *, steps: int = 3, timeout: float = 120.0
@@ -282,7 +285,7 @@ def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], targ
         from .sharded import run_sharded
 
         trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                            steps=job.steps, reshard=job.engine == "fsdp")
+                            steps=job.steps, reshard=job.engine == "fsdp", mp=job.mp)
     # storages first seen as an op's aliased output here are gloo's copies inside a collective (the reduce-scatter
     # input, split on the way out): outside tensor accounting, as NCCL's buffers are on a GPU; left out
     gloo = {s.sid for s in trace.storages if s.category == "external"}

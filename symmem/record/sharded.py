@@ -168,16 +168,27 @@ def units(module: Any) -> list[Any]:
 
 
 def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
-                steps: int, reshard: bool) -> Any:
+                steps: int, reshard: bool, mp: tuple[str, str] | None = None) -> Any:
     """Shard ``module`` with FSDP2 (every block of a ``ModuleList``, or every child of a ``Sequential`` that has
-    parameters, then the root) and record ``steps`` steps; returns the :class:`StepTrace`."""
+    parameters, then the root; ``mp``: under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``, by name) and
+    record ``steps`` steps; returns the :class:`StepTrace`."""
     from torch.distributed.fsdp import fully_shard
 
+    policy = {} if mp is None else {"mp_policy": mixed_precision(*mp)}
     for block in units(module):
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(module, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, **policy)
+    fully_shard(module, reshard_after_forward=reshard, **policy)
     return record_wrapped(module, module, ShardTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
                           steps=steps)
+
+
+def mixed_precision(param_dtype: str, reduce_dtype: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for two dtype names (a fixed table: no name is looked up on torch)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    return MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[reduce_dtype])
 
 
 def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tuple[Any, ...], target: Any, *,
