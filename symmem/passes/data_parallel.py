@@ -340,6 +340,19 @@ class Fsdp:
         if nxt is not None and nxt not in self.unsharded and nxt not in self.gathered:
             self._gather(nxt, "backward", with_params=False)
 
+    def before_recompute(self, n: str) -> None:
+        """A checkpoint around several units (``every-K`` as the references run it: each run of K sharded blocks
+        under one ``torch.utils.checkpoint``) re-runs their forward hooks in the recompute, before their own
+        pre-backward: a unit's pre-forward unshards it there (from the prefetched all-gather output, or a new one),
+        and its post-forward keeps it unsharded inside backward (FSDP2 reshards only outside it), so its
+        pre-backward later finds it unsharded (measured; docs/regimes.md)."""
+        unit = self.first_node.get(n)
+        if unit is None or not self._has(unit) or unit in self.started_backward:
+            return
+        self.at = f"{n}:recompute"
+        self._gather(unit, "backward")
+        self._free_gather(unit, "backward")
+
     def before_backward(self, n: str) -> None:
         self.at = n
         unit = self.unit_of.get(n)

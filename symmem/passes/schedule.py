@@ -251,7 +251,9 @@ class Simulation:
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
-        if self.regime.micro_batches != 1 or self.regime.checkpoint != "none" or self.regime.precision != "fp32":
+        checkpoint = self.regime.checkpoint != "none" and not (engine in data_parallel.SHARDED
+                                                               and self.regime.checkpoint != "selective")
+        if self.regime.micro_batches != 1 or checkpoint or self.regime.precision != "fp32":
             raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch without "
                               "checkpointing in fp32 (FSDP's mixed-precision policies are not)")
         if engine in FSDP1:
@@ -411,11 +413,16 @@ class Simulation:
             if n not in self.grad_of or n not in self.needs:
                 continue
             sg = self.segment_of.get(n)
+            group = self.groups.get(n)
+            split = group is not None and n != group[0]
             if sg is not None and sg not in self.recomputed:
                 self.recomputed.add(sg)
+                if fsdp and not split and fsdp.acts_before_backward(n):
+                    # FSDP2's pre-backward hook is the checkpoint wrapper's output's: it unshards the unit (and
+                    # prefetches the next) before autograd unpacks the saved handles that run the recompute
+                    fsdp.before_backward(n)
                 self.recompute(self.segments[sg])
-            group = self.groups.get(n)
-            if group is not None and n != group[0]:
+            if split:
                 continue  # a part of a split: the first part gathers every part's gradient
             if fsdp and fsdp.acts_before_backward(n):
                 fsdp.before_backward(n)
@@ -571,10 +578,13 @@ class Simulation:
                 if base[x] in inside and m in run:
                     local_use[base[x]] = i
         alive: list[str] = []
+        fsdp = self.fsdp
         for i, m in enumerate(names):
             node_m = graph.node(m)
             born: list[int] = []
             freed: list[int] = []
+            if fsdp and m in run and m in fsdp.first_node:
+                fsdp.before_recompute(m)
             if m in run:
                 if base[m] == m and node_m.kind not in _HELD:
                     self.owner[m] = self.new(m, "activation" if m in seg_keep else "temporary", self.size(node_m.out),

@@ -74,6 +74,8 @@ class Job:
     #: a traced module instead of the reference: a picklable callable giving (module, positional inputs)
     #: (symmem.importer.traced_engines.SpecBuilder)
     builder: Any = None
+    #: activation checkpointing of the blocks under FSDP2 (``full`` or ``every-K``; :func:`.sharded.run_sharded`)
+    checkpoint: str = "none"
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,12 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
                           f"data_parallel={regime.data_parallel!r}")
-    if derivation.per_layer or regime.activation_dtype != "float32" or regime.checkpoint != "none" \
+    checkpointed = regime.checkpoint in ("none", "full") or regime.checkpoint.startswith("every-")
+    if derivation.per_layer or regime.activation_dtype != "float32" or not checkpointed \
+            or (regime.checkpoint != "none" and regime.data_parallel not in SHARDED) \
             or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") or regime.micro_batches != 1:
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
-                          "micro-batch, no checkpointing")
+                          "micro-batch, no checkpointing (full or every-K under FSDP2)")
     if steps < 2:
         raise SymmemError(f"measure_ranks needs at least 2 steps (a first and a steady one), not {steps}")
     from ..passes.schedule import optimizer_impl
@@ -126,7 +130,8 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     options = {k: v for k, v in derivation.options.items() if k != "loss"}
     return Job(derivation.model, tuple(sorted((s.name, int(v)) for s, v in derivation.numbers.items())),
                tuple(sorted(options.items())), regime.data_parallel, regime.optimizer,
-               optimizer_impl(regime, "cpu"), bool(derivation.options.get("loss")), regime.keep_logits, steps)
+               optimizer_impl(regime, "cpu"), bool(derivation.options.get("loss")), regime.keep_logits, steps,
+               checkpoint=regime.checkpoint)
 
 
 def measure_ranks(derivations: Sequence[Derivation], world: int = 2, *, steps: int = 3, timeout: float = 120.0
@@ -282,7 +287,7 @@ def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], targ
         from .sharded import run_sharded
 
         trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                            steps=job.steps, reshard=job.engine == "fsdp")
+                            steps=job.steps, reshard=job.engine == "fsdp", checkpoint=job.checkpoint)
     # storages first seen as an op's aliased output here are gloo's copies inside a collective (the reduce-scatter
     # input, split on the way out): outside tensor accounting, as NCCL's buffers are on a GPU; left out
     gloo = {s.sid for s in trace.storages if s.category == "external"}

@@ -168,16 +168,41 @@ def units(module: Any) -> list[Any]:
 
 
 def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
-                steps: int, reshard: bool) -> Any:
+                steps: int, reshard: bool, checkpoint: str = "none") -> Any:
     """Shard ``module`` with FSDP2 (every block of a ``ModuleList``, or every child of a ``Sequential`` that has
-    parameters, then the root) and record ``steps`` steps; returns the :class:`StepTrace`."""
+    parameters, then the root) and record ``steps`` steps; returns the :class:`StepTrace`.
+
+    ``checkpoint``: ``full`` wraps each block in ``checkpoint_wrapper`` (non-reentrant) before ``fully_shard``
+    shards the wrapper, torchtitan's order (FSDP's hooks are the wrapper's, outside the checkpoint: the recompute
+    runs none of them); ``every-K`` is the reference's own ``torch.utils.checkpoint`` around each run of K sharded
+    blocks (:func:`symmem.reference.sequence_models.run_layers`: FSDP's hooks run inside the checkpoint, and again
+    in the recompute)."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in units(module):
+    blocks = units(module)
+    if checkpoint == "full":
+        blocks = _checkpoint_wrapped(module, blocks)
+    if checkpoint != "none":  # the reference's own: its layers run as checkpointed ones (no cache passed to them)
+        module.checkpoint = checkpoint
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(module, reshard_after_forward=reshard)
     return record_wrapped(module, module, ShardTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
                           steps=steps)
+
+
+def _checkpoint_wrapped(module: Any, blocks: list[Any]) -> list[Any]:
+    """Each block replaced in its ``ModuleList`` by ``checkpoint_wrapper(block)`` (non-reentrant); the wrappers."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    out = []
+    for lst in [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for i, block in enumerate(lst):
+            if any(block is b for b in blocks):
+                lst[i] = checkpoint_wrapper(block)
+                out.append(lst[i])
+    return out
 
 
 def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tuple[Any, ...], target: Any, *,
