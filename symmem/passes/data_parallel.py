@@ -353,6 +353,9 @@ class Fsdp:
         self._gather(unit, "backward")
         self._free_gather(unit, "backward")
 
+    def after_recompute(self, n: str) -> None:
+        """FSDP2's post-forward in the recompute: nothing (it reshards only outside backward)."""
+
     def before_backward(self, n: str) -> None:
         self.at = n
         unit = self.unit_of.get(n)

@@ -251,7 +251,7 @@ class Simulation:
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
-        checkpoint = self.regime.checkpoint != "none" and not (engine in data_parallel.SHARDED
+        checkpoint = self.regime.checkpoint != "none" and not (engine in (*data_parallel.SHARDED, *FSDP1)
                                                                and self.regime.checkpoint != "selective")
         if self.regime.micro_batches != 1 or checkpoint or self.regime.precision != "fp32":
             raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch without "
@@ -611,6 +611,8 @@ class Simulation:
                 freed += [self.owner[x] for x in alive]  # the early stop drops the rest
                 alive.clear()
             self.event("backward", f"{m}:recompute", born, freed)
+            if fsdp and m in run and m in fsdp.last_node:
+                fsdp.after_recompute(m)
             if ends:
                 break
 

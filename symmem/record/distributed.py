@@ -119,7 +119,7 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
                           f"data_parallel={regime.data_parallel!r}")
     checkpointed = regime.checkpoint in ("none", "full") or regime.checkpoint.startswith("every-")
     if derivation.per_layer or regime.activation_dtype != "float32" or not checkpointed \
-            or (regime.checkpoint != "none" and regime.data_parallel not in SHARDED) \
+            or (regime.checkpoint != "none" and regime.data_parallel not in (*SHARDED, *FSDP1)) \
             or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") or regime.micro_batches != 1:
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
                           "micro-batch, no checkpointing (full or every-K under FSDP2)")
@@ -282,7 +282,7 @@ def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], targ
         from .fsdp1_runs import STRATEGIES, run_fsdp1
 
         trace = run_fsdp1(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                          steps=job.steps, strategy=STRATEGIES[job.engine])
+                          steps=job.steps, strategy=STRATEGIES[job.engine], checkpoint=job.checkpoint)
     else:
         from .sharded import run_sharded
 
