@@ -52,11 +52,12 @@ FSDP_WIDTHS = (64, 127, 10)
 #: returns, the position ids until the forward does); FSDP1 (FULL_SHARD) on Llama
 SHARDED_CASES = [(name, "fsdp") for name, _, _ in MODELS] + [("mlp", "fsdp-no-reshard"), ("llama", "fsdp-no-reshard"),
                                                                ("llama", "fsdp1")]
-#: FSDP2 and FSDP1 with activation checkpointing (engine, checkpoint, L; tests/test_fsdp_checkpoint.py): each block
+#: FSDP2 and FSDP1 with activation checkpointing (model, engine, checkpoint, values; docs/regimes.md): each block
 #: checkpoint_wrapper'd inside fully_shard (torchtitan's order; its pre-backward unshards before the recompute), one
-#: checkpoint around 3 FSDP2 units (the recompute unshards the inner ones) and around 2 FSDP1 units (FULL_SHARD
-#: unshards and reshards them in the recompute)
-CHECKPOINTED = [("llama", "fsdp", "full", 2), ("gpt2", "fsdp", "every-3", 3), ("llama", "fsdp1", "every-2", 2)]
+#: checkpoint around 3 FSDP2 units (the recompute unshards the inner ones; V=101 pads the embedding's rows, so rank 1
+#: holds less) and around 2 FSDP1 units (FULL_SHARD unshards and reshards them in the recompute)
+CHECKPOINTED = [("llama", "fsdp", "full", {"L": 2}), ("gpt2", "fsdp", "every-3", {"L": 3, "V": 101}),
+                ("gpt2", "fsdp1", "every-2", {"L": 2})]
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
@@ -65,25 +66,27 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     kws = {name: (values, kw) for name, values, kw in MODELS}
     sharded = [(name, engine, _derive(name, {**kws[name][0], "N": 2}, kws[name][1], engine))
                for name, engine in SHARDED_CASES]
-    sharded += [(name, f"{engine} {ck}", _derive(name, {**kws[name][0], "N": 2, "L": n}, kws[name][1], engine,
-                                                 checkpoint=ck)) for name, engine, ck, n in CHECKPOINTED]
+    checkpointed = [(f"{name} {engine} {ck}", _derive(name, {**kws[name][0], "N": 2, **more}, kws[name][1], engine,
+                                                      checkpoint=ck)) for name, engine, ck, more in CHECKPOINTED]
     # the FSDP2 runs first: a Llama first step run after DDP's in the same process allocates 49,664 bytes more
     padded = _derive("mlp", {"B": 4, "N": 2}, {"widths": ",".join(map(str, FSDP_WIDTHS)), "loss": "cross-entropy"},
                      "fsdp")
     # every FSDP2 job runs twice, before DDP's: a late free by gloo's worker threads (above) can land in a first
     # step too, where no second steady step can stand in; it only ever adds, so the lower of the two runs counts
-    jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
+    jobs = [job_of(d) for _, _, d in sharded] + [job_of(d) for _, d in checkpointed] + [job_of(padded)]
     runs = measure_jobs([*jobs, *jobs, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
                         start_method="forkserver")
     *measured, fsdp = [_lowest(a, b) for a, b in zip(runs[:len(jobs)], runs[len(jobs):2 * len(jobs)], strict=True)]
     measured += runs[2 * len(jobs):]
+    wrong = _check_checkpointed(checkpointed, measured[len(sharded):len(sharded) + len(checkpointed)])
+    del measured[len(sharded):len(sharded) + len(checkpointed)]
     _check_fsdp_shards(fsdp)
     # per rank where the padding makes them differ: each rank's first and steady peak, derived, to the byte
     per_rank = rank_peaks(padded)
     assert per_rank == {r.rank: (r.first, min(r.per_step[1:])) for r in fsdp}, (per_rank, fsdp)
     # each rank's parameter side when backward ends (weights, .grads, optimizer state), padding and step counts
     # included: 127 rows stored as 64 + 64, rank 1's AdamW state over 63 of them
-    wrong = [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
+    wrong += [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
     side = padded.to_dict()["values"]["parameter_side_per_rank"]
     assert side["0"]["optimizer_state"] - side["1"]["optimizer_state"] == 8 * 64 + 8 == 520
     assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
@@ -108,6 +111,19 @@ def test_every_rank_peak_equals_a_real_gloo_run():
         wrong += [f"{name} {engine}: ranks start apart" for r in ranks if r.start != ranks[0].start]
         wrong += [f"{name} {engine} {w}" for w in compare_parameter_side(d, ranks)]
     assert not wrong, "\n".join(wrong)
+
+
+def _check_checkpointed(cases, measured):
+    """Each rank's first and steady peak and parameter side under FSDP with checkpointing, derived per rank (rank 0's
+    is the derivation's; rank_peaks gives each where the padding makes them differ), against the gloo run."""
+    wrong = []
+    for (label, d), ranks in zip(cases, measured, strict=True):
+        want = rank_peaks(d) or dict.fromkeys(range(len(ranks)), (d.value("peak_first_step"), d.value("peak")))
+        got = {r.rank: (r.first, min(r.per_step[1:])) for r in ranks}
+        wrong += [f"{label}: derived {want}, measured {got}"] if want != got else []
+        wrong += [f"{label} {w}" for w in compare_parameter_side(d, ranks)]
+    assert rank_peaks(cases[1][1]) is not None  # the padded case: its ranks differ
+    return wrong
 
 
 def _lowest(one, other):
