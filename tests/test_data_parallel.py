@@ -123,6 +123,13 @@ def _check_checkpointed(cases, measured):
         wrong += [f"{label}: derived {want}, measured {got}"] if want != got else []
         wrong += [f"{label} {w}" for w in compare_parameter_side(d, ranks)]
     assert rank_peaks(cases[1][1]) is not None  # the padded case: its ranks differ
+    # its peak formula in N (derived with N free: ceiling(101/N)-row shards) at N = 2 is rank 0's measured peak
+    d = cases[1][1]
+    free = derive(d.model, convention="pytorch", device="cpu", optimizer="adamw", checkpoint="every-3",
+                  values={s.name: int(v) for s, v in d.numbers.items() if s.name != "N"}, data_parallel="fsdp", **GPT)
+    formula = tuple(int(free.values(k, N=[2])[0]) for k in ("peak_first_step", "peak"))
+    wrong += [f"{cases[1][0]} formula in N at 2: {formula}"] if formula != (measured[1][0].first, min(
+        measured[1][0].per_step[1:])) else []
     return wrong
 
 
