@@ -52,3 +52,17 @@ def test_fit_under_fsdp_with_checkpointing(capsys):
     peak = [derive("gpt2", convention="pytorch", values={"S": 1024, "N": 8, "B": n}, data_parallel="fsdp",
                    checkpoint="full").value("peak") for n in (b, b + 1)]
     assert peak[0] <= 4 * 2**30 < peak[1]
+
+
+def test_traced_modules_keep_their_one_line_refusal():
+    """A traced module's FSDP step is a rewrite of its recorded step, which has no recompute under FSDP: refused,
+    saying that the built-in models' is modelled."""
+    torch = pytest.importorskip("torch")
+    from symmem import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    d = trace(net, (torch.zeros(2, 8),), {"B": [(0, 0)]}, data_parallel="fsdp", checkpoint="full")
+    with pytest.raises(SymmemError, match=re.escape("a traced module under data_parallel='fsdp' is modelled without "
+                                                    "checkpointing (the built-in models' is")) as e:
+        d.value("peak")
+    assert "\n" not in str(e.value)
