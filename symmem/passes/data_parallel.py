@@ -228,6 +228,8 @@ class Fsdp:
         self.pending: int | None = None             # the all-gather output to free after the next copy-out
         self.reduce_in: int | None = None
         self.sharded_grads: list[int] = []
+        #: whether this micro-batch's backward reduce-scatters (gradient accumulation: only the last one's does)
+        self.sync = True
         self.done_backward: set[Any] = set()
         self.started_backward: set[Any] = set()
         # the node each event is named after: the op it comes before or after (a step's moments are matched across
@@ -370,6 +372,11 @@ class Fsdp:
         self.done_backward.add(unit)
         sim = self.sim
         self._reshard(unit, "backward")
+        if not self.sync:
+            # set_requires_gradient_sync(False): the unit reshards; its unsharded gradients stay the parameters'
+            # .grad, the next micro-batch's add into them in place, and the last one's post-backward reduces them
+            self.last_grad = []
+            return
         if self.reduce_in is not None:
             sim.event("backward", self.at, [], [self.reduce_in])
         self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.gather_bytes[unit])

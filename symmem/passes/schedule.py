@@ -251,12 +251,14 @@ class Simulation:
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
-        # full and every-K checkpointing are walked (measured: tests/test_fsdp_checkpoint.py); selective is refused
-        # for every engine in __init__
-        if self.regime.micro_batches != 1 or self.regime.precision != "fp32":
-            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch in fp32, with "
-                              "or without full / every-K checkpointing (gradient accumulation and FSDP's "
-                              "mixed-precision policies are not)")
+        # full and every-K checkpointing are walked, and FSDP2's gradient accumulation (measured:
+        # tests/test_data_parallel.py's CHECKPOINTED); selective is refused for every engine in __init__
+        if self.regime.precision != "fp32":
+            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled in fp32 (FSDP's mixed-precision "
+                              "policies are not)")
+        if self.regime.micro_batches != 1 and engine in FSDP1:
+            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch (FSDP1's "
+                              "gradient accumulation under no_sync() is not; FSDP2's is: --data-parallel fsdp)")
         if engine in FSDP1:
             return Fsdp1(self, N, weights_bytes, FSDP1[engine])
         return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine])
@@ -316,12 +318,16 @@ class Simulation:
         self.groups = _splits(graph, self.order)
         self.tied_to = _tied(graph, self.order)
         self.param_grad: dict[str, int] = {}  # weight -> its .grad
+        self.passes = 0  # micro-batches walked
 
     # -- the phases ----------------------------------------------------------------------------------------
     def micro_batch(self) -> None:
         """One forward and backward pass; with gradients from an earlier micro-batch, each weight's new
         gradient is added into its .grad in place and freed."""
         self.new_saved: dict[str, list[int]] = defaultdict(list)
+        self.passes += 1
+        if self.fsdp:  # FSDP2's no_sync (set_requires_gradient_sync(False)) on every micro-batch but the last
+            self.fsdp.sync = self.passes == min(self.regime.micro_batches, MICRO_BATCH_PASSES)
         self.forward()
         if self.graph.node(self.final).group != "loss":
             self.loss()
