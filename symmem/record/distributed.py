@@ -114,7 +114,8 @@ class RankPeak:
 
 def job_of(derivation: Derivation, steps: int = 3) -> Job:
     """The measurement of ``derivation``'s regime on its model's reference (FP32, a torch optimizer; no
-    checkpointing, or under FSDP full and every-K: :func:`.sharded.run_sharded`, :func:`.fsdp1_runs.run_fsdp1`)."""
+    checkpointing, or under FSDP full and every-K; micro-batches under FSDP2: :func:`.sharded.run_sharded`,
+    :func:`.fsdp1_runs.run_fsdp1`)."""
     regime = derivation.regime
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
