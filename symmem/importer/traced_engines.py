@@ -97,7 +97,8 @@ def refusal(regime: Regime, step: Any) -> str | None:
         return (f"the peak under data_parallel={dp!r} is modelled for one micro-batch (FSDP's gradient accumulation "
                 "is not)")
     if sharded and step.options.checkpoint:
-        return f"the peak under data_parallel={dp!r} is modelled without checkpointing"
+        return (f"the peak of a traced module under data_parallel={dp!r} is modelled without checkpointing (the "
+                "built-in models' is, full and every-K)")
     if (sharded or dp == ZERO_REDUNDANCY or regime.zero) and any(not p.requires_grad
                                                                         for p in step.module.parameters()):
         return (f"the peak under {'data_parallel=' + repr(dp) if dp else f'zero={regime.zero}'} is modelled for "

@@ -178,13 +178,13 @@ def refuse_policy(regime: Regime, graph: Any = None) -> None:
 
     >>> refuse_policy(Regime(data_parallel="fsdp", precision="mixed"))
     Traceback (most recent call last):
-    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled for one micro-batch without ...
+    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled in fp32: precision='mixed' is ...
     """
     from ..errors import SymmemError
 
     if regime.data_parallel in SHARDED and regime.precision != "fp32":
-        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled for one micro-batch "
-                          f"without checkpointing in fp32: precision={regime.precision!r} is the papers' accounting "
+        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled in fp32: "
+                          f"precision={regime.precision!r} is the papers' accounting "
                           "of 16-bit copies, not what an engine holds; FSDP2's own MixedPrecisionPolicy is "
                           "param_dtype='bfloat16' (--param-dtype)")
     if regime.param_dtype is not None and (regime.checkpoint != "none" or regime.micro_batches != 1):
@@ -326,6 +326,8 @@ class Fsdp:
         self.pending: int | None = None             # the all-gather output to free after the next copy-out
         self.reduce_in: int | None = None
         self.sharded_grads: list[int] = []
+        #: whether this micro-batch's backward reduce-scatters (gradient accumulation: only the last one's does)
+        self.sync = True
         self.done_backward: set[Any] = set()
         self.started_backward: set[Any] = set()
         # the node each event is named after: the op it comes before or after (a step's moments are matched across
@@ -468,6 +470,22 @@ class Fsdp:
         if nxt is not None and nxt not in self.unsharded and nxt not in self.gathered:
             self._gather(nxt, "backward", with_params=False)
 
+    def before_recompute(self, n: str) -> None:
+        """A checkpoint around several units (``every-K`` as the references run it: each run of K sharded blocks
+        under one ``torch.utils.checkpoint``) re-runs their forward hooks in the recompute, before their own
+        pre-backward: a unit's pre-forward unshards it there (from the prefetched all-gather output, or a new one),
+        and its post-forward keeps it unsharded inside backward (FSDP2 reshards only outside it), so its
+        pre-backward later finds it unsharded (measured; docs/regimes.md)."""
+        unit = self.first_node.get(n)
+        if unit is None or not self._has(unit) or unit in self.started_backward:
+            return
+        self.at = f"{n}:recompute"
+        self._gather(unit, "backward")
+        self._free_gather(unit, "backward")
+
+    def after_recompute(self, n: str) -> None:
+        """FSDP2's post-forward in the recompute: nothing (it reshards only outside backward)."""
+
     def before_backward(self, n: str) -> None:
         self.at = n
         unit = self.unit_of.get(n)
@@ -482,6 +500,11 @@ class Fsdp:
         self.done_backward.add(unit)
         sim = self.sim
         self._reshard(unit, "backward")
+        if not self.sync:
+            # set_requires_gradient_sync(False): the unit reshards; its unsharded gradients stay the parameters'
+            # .grad, the next micro-batch's add into them in place, and the last one's post-backward reduces them
+            self.last_grad = []
+            return
         if self.reduce_in is not None:
             sim.event("backward", self.at, [], [self.reduce_in])
         self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.reduce_bytes[unit])

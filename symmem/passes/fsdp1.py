@@ -90,6 +90,22 @@ class Fsdp1(Fsdp):
     def end_forward(self) -> None:
         """The root's post-forward keeps the root's flat parameter unsharded (FSDP1 never frees it there)."""
 
+    # -- recompute (every-K: a checkpoint around several units) ----------------------------------------------
+    def before_recompute(self, n: str) -> None:
+        """An inner unit's pre-forward in the recompute unshards it (a prefetched one is already)."""
+        unit = self.first_node.get(n)
+        if unit is not None and unit not in self.started_backward:
+            self.at = f"{n}:recompute"
+            self._gather(unit, "backward")
+
+    def after_recompute(self, n: str) -> None:
+        """Its post-forward then frees it again under ``FULL_SHARD`` (measured: FSDP1 reshards in the recompute;
+        the unit's pre-backward all-gathers it once more)."""
+        unit = self.last_node.get(n)
+        if unit is not None and unit not in self.started_backward and self.reshard:
+            self.at = f"{n}:recompute"
+            self._reshard(unit, "backward")
+
     # -- backward -------------------------------------------------------------------------------------------
     def pre_backward(self, unit: Any) -> None:
         if unit in self.started_backward:

@@ -254,9 +254,15 @@ class Simulation:
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
-        if self.regime.micro_batches != 1 or self.regime.checkpoint != "none" or self.regime.precision != "fp32":
-            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch without "
-                              "checkpointing in fp32 (FSDP's mixed-precision policies are not)")
+        # full and every-K checkpointing are walked, and FSDP2's gradient accumulation (measured:
+        # tests/test_data_parallel.py's CHECKPOINTED); selective is refused for every engine in __init__
+        if self.regime.precision != "fp32":
+            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled in fp32 (the --precision presets "
+                              "are the papers' accounting; FSDP2's MixedPrecisionPolicy is modelled: --param-dtype "
+                              "bfloat16)")
+        if self.regime.micro_batches != 1 and engine in FSDP1:
+            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch (FSDP1's "
+                              "gradient accumulation under no_sync() is not; FSDP2's is: --data-parallel fsdp)")
         if engine in FSDP1:
             return Fsdp1(self, N, weights_bytes, FSDP1[engine])
         return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine],
@@ -320,12 +326,16 @@ class Simulation:
         self.groups = _splits(graph, self.order)
         self.tied_to = _tied(graph, self.order)
         self.param_grad: dict[str, int] = {}  # weight -> its .grad
+        self.passes = 0  # micro-batches walked
 
     # -- the phases ----------------------------------------------------------------------------------------
     def micro_batch(self) -> None:
         """One forward and backward pass; with gradients from an earlier micro-batch, each weight's new
         gradient is added into its .grad in place and freed."""
         self.new_saved: dict[str, list[int]] = defaultdict(list)
+        self.passes += 1
+        if self.fsdp:  # FSDP2's no_sync (set_requires_gradient_sync(False)) on every micro-batch but the last
+            self.fsdp.sync = self.passes == min(self.regime.micro_batches, MICRO_BATCH_PASSES)
         self.forward()
         if self.graph.node(self.final).group != "loss":
             self.loss()
@@ -425,11 +435,16 @@ class Simulation:
             if n not in self.grad_of or n not in self.needs:
                 continue
             sg = self.segment_of.get(n)
+            group = self.groups.get(n)
+            split = group is not None and n != group[0]
             if sg is not None and sg not in self.recomputed:
                 self.recomputed.add(sg)
+                if fsdp and not split and fsdp.acts_before_backward(n):
+                    # FSDP2's pre-backward hook is the checkpoint wrapper's output's: it unshards the unit (and
+                    # prefetches the next) before autograd unpacks the saved handles that run the recompute
+                    fsdp.before_backward(n)
                 self.recompute(self.segments[sg])
-            group = self.groups.get(n)
-            if group is not None and n != group[0]:
+            if split:
                 continue  # a part of a split: the first part gathers every part's gradient
             if fsdp and fsdp.acts_before_backward(n):
                 fsdp.before_backward(n)
@@ -585,10 +600,13 @@ class Simulation:
                 if base[x] in inside and m in run:
                     local_use[base[x]] = i
         alive: list[str] = []
+        fsdp = self.fsdp
         for i, m in enumerate(names):
             node_m = graph.node(m)
             born: list[int] = []
             freed: list[int] = []
+            if fsdp and m in run and m in fsdp.first_node:
+                fsdp.before_recompute(m)
             if m in run:
                 if base[m] == m and node_m.kind not in _HELD:
                     self.owner[m] = self.new(m, "activation" if m in seg_keep else "temporary", self.size(node_m.out),
@@ -615,6 +633,8 @@ class Simulation:
                 freed += [self.owner[x] for x in alive]  # the early stop drops the rest
                 alive.clear()
             self.event("backward", f"{m}:recompute", born, freed)
+            if fsdp and m in run and m in fsdp.last_node:
+                fsdp.after_recompute(m)
             if ends:
                 break
 

@@ -76,6 +76,10 @@ class Job:
     builder: Any = None
     #: FSDP2's ``MixedPrecisionPolicy`` as (param_dtype, reduce_dtype) names (None: no policy)
     mp: tuple[str, str] | None = None
+    #: activation checkpointing of the blocks under FSDP2 (``full`` or ``every-K``; :func:`.sharded.run_sharded`)
+    checkpoint: str = "none"
+    #: gradient accumulation under FSDP2 (:func:`.sharded.run_sharded`)
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,16 +115,20 @@ class RankPeak:
 
 
 def job_of(derivation: Derivation, steps: int = 3) -> Job:
-    """The measurement of ``derivation``'s regime on its model's reference (FP32, a torch optimizer, no
-    checkpointing: what the recorded step runs)."""
+    """The measurement of ``derivation``'s regime on its model's reference (FP32, a torch optimizer; no
+    checkpointing, or under FSDP full and every-K; micro-batches under FSDP2: :func:`.sharded.run_sharded`,
+    :func:`.fsdp1_runs.run_fsdp1`)."""
     regime = derivation.regime
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
                           f"data_parallel={regime.data_parallel!r}")
-    if derivation.per_layer or regime.precision != "fp32" or regime.checkpoint != "none" \
-            or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") or regime.micro_batches != 1:
+    checkpointed = regime.checkpoint in ("none", "full") or regime.checkpoint.startswith("every-")
+    if derivation.per_layer or regime.precision != "fp32" or not checkpointed \
+            or (regime.checkpoint != "none" and regime.data_parallel not in (*SHARDED, *FSDP1)) \
+            or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") \
+            or (regime.micro_batches != 1 and regime.data_parallel not in SHARDED):
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
-                          "micro-batch, no checkpointing")
+                          "micro-batch, no checkpointing (under FSDP full and every-K, and FSDP2 micro-batches)")
     if steps < 2:
         raise SymmemError(f"measure_ranks needs at least 2 steps (a first and a steady one), not {steps}")
     from ..passes.schedule import optimizer_impl
@@ -129,6 +137,7 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     return Job(derivation.model, tuple(sorted((s.name, int(v)) for s, v in derivation.numbers.items())),
                tuple(sorted(options.items())), regime.data_parallel, regime.optimizer,
                optimizer_impl(regime, "cpu"), bool(derivation.options.get("loss")), regime.keep_logits, steps,
+               checkpoint=regime.checkpoint, micro_batches=regime.micro_batches,
                mp=None if regime.param_dtype is None else (regime.param_dtype, regime.policy_reduce_dtype or ""))
 
 
@@ -280,12 +289,13 @@ def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], targ
         from .fsdp1_runs import STRATEGIES, run_fsdp1
 
         trace = run_fsdp1(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                          steps=job.steps, strategy=STRATEGIES[job.engine])
+                          steps=job.steps, strategy=STRATEGIES[job.engine], checkpoint=job.checkpoint)
     else:
         from .sharded import run_sharded
 
         trace = run_sharded(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                            steps=job.steps, reshard=job.engine == "fsdp", mp=job.mp)
+                            steps=job.steps, reshard=job.engine == "fsdp", checkpoint=job.checkpoint,
+                            micro_batches=job.micro_batches, mp=job.mp)
     # storages first seen as an op's aliased output here are gloo's copies inside a collective (the reduce-scatter
     # input, split on the way out): outside tensor accounting, as NCCL's buffers are on a GPU; left out
     gloo = {s.sid for s in trace.storages if s.category == "external"}
@@ -329,7 +339,8 @@ def _peaks(trace: Any, made_before: set[int], rank: int, left_out: set[int] = fr
     steady = max(range(2, trace.steps + 1), key=lambda s: per_step[s][0])
     end = trace.boundary(1, "zero_grad")
     kept = end.live - trace.start.live - sum(n for born, n in extra if born <= end.index)
-    held = dict(trace.boundary(trace.steps, "backward").by_category)
+    # the last backward's end (with gradient accumulation, the last micro-batch's: the one that reduces)
+    held = dict([b for b in trace.boundaries if b.step == trace.steps and b.phase == "backward"][-1].by_category)
     return RankPeak(rank, tuple(per_step[s][0] for s in range(1, trace.steps + 1)),
                     trace.start.live + sum(n for _, n in extra), per_step[steady][1], kept, held)
 

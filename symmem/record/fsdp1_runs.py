@@ -38,15 +38,23 @@ class FlatTracker(ShardTracker):
 
 
 def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
-              steps: int, strategy: str) -> Any:
+              steps: int, strategy: str, checkpoint: str = "none") -> Any:
     """Wrap ``module`` in FSDP1 with ``strategy`` (``FULL_SHARD`` or ``SHARD_GRAD_OP``) and record ``steps``
-    steps; returns the :class:`StepTrace`."""
+    steps; returns the :class:`StepTrace`.  ``checkpoint="full"``: then ``apply_activation_checkpointing`` wraps
+    each block, inside its FSDP unit, in ``checkpoint_wrapper`` (non-reentrant), FSDP1's documented recipe."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    policy = ModuleWrapPolicy({type(b) for b in units(module)})
+    kinds = {type(b) for b in units(module)}
+    policy = ModuleWrapPolicy(kinds)
     wrapped = FullyShardedDataParallel(module, sharding_strategy=getattr(ShardingStrategy, strategy),
                                        auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    if checkpoint == "full":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(wrapped, check_fn=lambda m: type(m) in kinds)
+    if checkpoint != "none":  # the reference's own (every-K: its checkpoint around each K units); no cache
+        module.checkpoint = checkpoint
     return record_wrapped(wrapped, module, FlatTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
                           steps=steps)

@@ -168,18 +168,46 @@ def units(module: Any) -> list[Any]:
 
 
 def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
-                steps: int, reshard: bool, mp: tuple[str, str] | None = None) -> Any:
+                steps: int, reshard: bool, checkpoint: str = "none", micro_batches: int = 1,
+                mp: tuple[str, str] | None = None) -> Any:
     """Shard ``module`` with FSDP2 (every block of a ``ModuleList``, or every child of a ``Sequential`` that has
     parameters, then the root; ``mp``: under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``, by name) and
-    record ``steps`` steps; returns the :class:`StepTrace`."""
+    record ``steps`` steps; returns the :class:`StepTrace`.
+
+    ``checkpoint``: ``full`` wraps each block in ``checkpoint_wrapper`` (non-reentrant) before ``fully_shard``
+    shards the wrapper, torchtitan's order (FSDP's hooks are the wrapper's, outside the checkpoint: the recompute
+    runs none of them); ``every-K`` is the reference's own ``torch.utils.checkpoint`` around each run of K sharded
+    blocks (:func:`symmem.reference.sequence_models.run_layers`: FSDP's hooks run inside the checkpoint, and again
+    in the recompute).  ``micro_batches``: gradient accumulation, every micro-batch but the last under
+    ``set_requires_gradient_sync(False)`` (FSDP2's ``no_sync``: the unsharded gradients add up, one reduce-scatter
+    at the last)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = {} if mp is None else {"mp_policy": mixed_precision(*mp)}
-    for block in units(module):
+    blocks = units(module)
+    if checkpoint == "full":
+        blocks = _checkpoint_wrapped(module, blocks)
+    if checkpoint != "none":  # the reference's own: its layers run as checkpointed ones (no cache passed to them)
+        module.checkpoint = checkpoint
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **policy)
     fully_shard(module, reshard_after_forward=reshard, **policy)
     return record_wrapped(module, module, ShardTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
-                          steps=steps)
+                          steps=steps, micro_batches=micro_batches)
+
+
+def _checkpoint_wrapped(module: Any, blocks: list[Any]) -> list[Any]:
+    """Each block replaced in its ``ModuleList`` by ``checkpoint_wrapper(block)`` (non-reentrant); the wrappers."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    out = []
+    for lst in [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for i, block in enumerate(lst):
+            if any(block is b for b in blocks):
+                lst[i] = checkpoint_wrapper(block)
+                out.append(lst[i])
+    return out
 
 
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> Any:
@@ -192,7 +220,7 @@ def mixed_precision(param_dtype: str, reduce_dtype: str) -> Any:
 
 
 def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tuple[Any, ...], target: Any, *,
-                   loss: bool, optimizer: str, impl: str, steps: int) -> Any:
+                   loss: bool, optimizer: str, impl: str, steps: int, micro_batches: int = 1) -> Any:
     """``steps`` training steps of ``wrapped`` (an FSDP engine around ``module``) under ``tracker``: a module
     that takes labels computes its own loss (made-up labels where none are given), else the output's
     cross-entropy (``loss``) or sum; returns the :class:`~symmem.record.steptrace.StepTrace`."""
@@ -218,18 +246,21 @@ def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tup
     def loss_of(out: Any) -> Any:
         return out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
 
-    return train_steps(tracker, forward, loss_of, params, lambda step: opt, steps, resizes=True)
+    sync = getattr(wrapped, "set_requires_gradient_sync", None) if micro_batches > 1 else None
+    return train_steps(tracker, forward, loss_of, params, lambda step: opt, steps, resizes=True,
+                       micro_batches=micro_batches, sync=sync)
 
 
 def train_steps(tracker: ShardTracker, forward: Callable[[], Any], loss: Callable[[Any], Any], params: list[Any],
-                optimizer: Callable[[int], Any], steps: int, *, loss_phase: str = "loss", resizes: bool = False
-                ) -> Any:
+                optimizer: Callable[[int], Any], steps: int, *, loss_phase: str = "loss", resizes: bool = False,
+                micro_batches: int = 1, sync: Callable[[bool], Any] | None = None) -> Any:
     """``steps`` training steps under ``tracker`` (parameters, buffers and inputs registered): ``forward()``,
     ``loss(out)`` (in a phase of its own, ``loss_phase``, or in the forward's with ``loss_phase="forward"``; the
     output let go once the loss is made), ``backward``, the step of ``optimizer(step)`` (the optimizer of each
     step: a new one makes its state again, as a first step does), ``zero_grad``; gradients and optimizer state
     labelled as the local shards.  ``resizes``: follow ``UntypedStorage.resize_`` (FSDP).  Returns the
-    :class:`~symmem.record.steptrace.StepTrace`."""
+    :class:`~symmem.record.steptrace.StepTrace`.  ``micro_batches`` forward, loss and backward passes a step, with
+    ``sync(False)`` before each but the last and ``sync(True)`` before the last (an engine's gradient sync)."""
     from contextlib import nullcontext
 
     from .optim import state_tensors
@@ -237,17 +268,20 @@ def train_steps(tracker: ShardTracker, forward: Callable[[], Any], loss: Callabl
     with tracker.resizes() if resizes else nullcontext(), tracker:
         for step in range(1, steps + 1):
             opt = optimizer(step)
-            with tracker.phase(step, "forward"), tracker.saving():
-                out = forward()
-                if loss_phase == "forward":
-                    value, out = loss(out), None
-            if loss_phase != "forward":
-                with tracker.phase(step, loss_phase), tracker.saving():
-                    value, out = loss(out), None
-            with tracker.phase(step, "backward"):
-                value.backward()
-                tracker.label([local(p.grad) for p in params if p.grad is not None], "gradient")
-                del value
+            for k in range(micro_batches):
+                if sync is not None:
+                    sync(k == micro_batches - 1)
+                with tracker.phase(step, "forward"), tracker.saving():
+                    out = forward()
+                    if loss_phase == "forward":
+                        value, out = loss(out), None
+                if loss_phase != "forward":
+                    with tracker.phase(step, loss_phase), tracker.saving():
+                        value, out = loss(out), None
+                with tracker.phase(step, "backward"):
+                    value.backward()
+                    tracker.label([local(p.grad) for p in params if p.grad is not None], "gradient")
+                    del value
             with tracker.phase(step, "step"):
                 opt.step()
                 tracker.label([local(t) for t in state_tensors(opt)], "optimizer_state")

@@ -37,8 +37,10 @@ from . import register
 def run_layers(layers: Any, x: torch.Tensor, checkpoint: str, *args: Any) -> torch.Tensor:
     """``x`` through ``layers`` in turn; with ``checkpoint`` ``full`` each layer, with ``every-K`` each run of K
     layers, under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (what the training regime's
-    activation checkpointing means)."""
-    if checkpoint == "none":
+    activation checkpointing means).  Layers already wrapped by ``checkpoint_wrapper`` (under FSDP2, torchtitan's
+    order: :func:`symmem.record.sharded.run_sharded`) checkpoint themselves: with ``full`` they are run as they are."""
+    if checkpoint == "none" or (checkpoint == "full" and all(hasattr(m, "_checkpoint_wrapped_module")
+                                                             for m in layers)):
         for layer in layers:
             x = layer(x, *args)
         return x
