@@ -275,7 +275,12 @@ class _SequenceCut(_TensorCut):
         if "arms" not in memo:
             formulas = sizes.extras(ops)
             made: dict[Any, tuple[sympy.Expr, ...]] = {}
-            memo["arms"] = {k: made.setdefault(e, tuple(dict.fromkeys(arms(e)))) for k, e in formulas.items()}
+            memo["arms"] = found = {}
+            for k, e in formulas.items():  # each formula's arms once (the step's ops share a few formulas)
+                each = made.get(e)
+                if each is None:
+                    each = made[e] = tuple(dict.fromkeys(arms(e)))
+                found[k] = each
         out: dict[Any, tuple[int, ...]] = {}
         values: dict[int, tuple[int, ...]] = {}
         for k, each in memo["arms"].items():
@@ -297,8 +302,17 @@ class _SequencePackedCut(_TensorPackedCut):
     def collectives(self) -> dict[Any, tuple[int, ...]]:
         if "_extras" not in self.__dict__:
             each = [c.collectives() for c in self.tcuts]
-            self._extras = {key: tuple(_pack([e[key][j] for e in each]) for j in range(len(each[0][key])))
-                            for key in each[0]}
+            # the ops share a few arms' bytes (the same tuples at each batch: _SequenceCut.collectives): each set of
+            # three packed once
+            packed: dict[tuple[int, ...], tuple[int, ...]] = {}
+            self._extras = {}
+            for key in each[0]:
+                three = [e[key] for e in each]
+                ids = tuple(map(id, three))
+                found = packed.get(ids)
+                if found is None:
+                    found = packed[ids] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
+                self._extras[key] = found
         return self._extras
 
 
