@@ -160,6 +160,11 @@ class _Reads:
     def __init__(self, sizes: _SequenceSizes) -> None:
         self.sizes = sizes
         self.place = {i: n for n, i in enumerate(sizes.copies)}
+        # each copy's spans with their counts as one object per value (a key's counts are then compared by identity:
+        # each copy's count was a formula of its own, compared by sympy)
+        counts: dict[Any, Any] = {}
+        self.spans = {i: [(f, r, counts.setdefault(n, n)) for f, r, n in spans]
+                      for i, (_, spans) in sizes.copies.items()}
         self.marks: dict[int, list[int]] = {}  # event -> the copies whose part changes there
         for i, (dies, spans) in sizes.copies.items():
             for k in {dies + 1, *(x + d for f, r, _ in spans for x in (f, r) for d in (0, 1))}:
@@ -172,7 +177,7 @@ class _Reads:
 
     def part(self, i: int, k: int, e: Any) -> Any:
         """What alive copy ``i`` adds at op ``k``, as the rule reads it (None: nothing)."""
-        dies, spans = self.sizes.copies[i]
+        dies, spans = self.sizes.copies[i][0], self.spans[i]
         size = id(self.sizes.tl.storages[i].nbytes)
         if e.phase == "forward":
             later = tuple(n for f, _, n in spans if f > k)
@@ -270,9 +275,12 @@ class _SequenceCut(_TensorCut):
         if "_extras" in self.__dict__:
             return self._extras
         sizes, t = self.sizes, self.ranks()
-        ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
         memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
         if "arms" not in memo:
+            ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
+            # the head's forwards, whose logits are added at each batch (found once, not at each cut)
+            memo["heads"] = [k for k in ops if self.tl.events[k].phase == "forward" and
+                             self.tl.events[k].node == sizes.head]
             formulas = sizes.extras(ops)
             made: dict[Any, tuple[sympy.Expr, ...]] = {}
             memo["arms"] = found = {}
@@ -287,11 +295,10 @@ class _SequenceCut(_TensorCut):
             if id(each) not in values:
                 values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
             out[k] = values[id(each)]
-        for k in ops:
+        for k in memo["heads"]:
             e = self.tl.events[k]
-            if e.phase == "forward" and e.node == sizes.head:
-                whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-                out[k] = tuple(x + whole + whole // t for x in out[k])
+            whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+            out[k] = tuple(x + whole + whole // t for x in out[k])
         self._extras = out
         return out
 
