@@ -750,7 +750,9 @@ class _Cut:
             memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo, self.p if restart else None)
         self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
         self.cache: dict[int, int] = {}  # id of a size (held by the timeline) -> bytes
-        self._stage: dict[str | None, int] = {}  # node -> stage: asked for every op of every micro-batch
+        # node -> stage, asked for every op of every micro-batch: the same for every cut of this step with these
+        # p and L (the three batches, their packed cut, an engine's cuts), so shared by them through the memo
+        self._stage: dict[str | None, int] = memo.setdefault(("stages", layers, self.p), {})
 
     @functools.cached_property
     def g(self) -> Graph:
@@ -800,7 +802,6 @@ class _PackedCut(_Cut):
         self.__dict__.update(cuts[0].__dict__)
         self.cuts = cuts
         self.cache = {}
-        self._stage = {}
 
     def size(self, sid: int) -> int:
         e = self.tl.storages[sid].nbytes
@@ -838,7 +839,11 @@ def _simulated(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regi
     if tl is None and layers > TEMPLATE + 1:
         # written from the step at 5 layers (passes/stretch.py; simulating each of Llama-2-7B's 32 layers was a
         # third of its pipeline peak's time); a template whose layers are not alike is not stretched
-        tl = stretch(passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch)), layers)
+        origin: list[int] = []
+        tl = stretch(passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch)), layers,
+                     origin)
+        if tl is not None:
+            memo[("origin", id(tl))] = (tl, origin)  # each storage's template storage (stretch)
     if tl is None:
         tl = passes(_simulation(_unrolled(graph, layers, memo), conv, options, regime, branch))
     output = _model_output(_unrolled(graph, TEMPLATE if layers > TEMPLATE + 1 else layers, memo))

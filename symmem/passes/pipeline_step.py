@@ -346,7 +346,7 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
     """The lines ``a + c*B`` no other bounds for every ``B >= 1`` (one at least as large at 1 and as steep).
 
     Of the lines of one slope only the largest at 1 can be (the first of them, where several are): the rest are
-    left out before the lines are sorted (a stage has thousands of lines, a few slopes).
+    left out first (a stage has thousands of lines, a few slopes).
 
     >>> _upper({(5, 1, False): "a", (9, 0, False): "b", (2, 3, False): "c", (5, 1, True): "d", (1, 3, False): "e"})
     {(9, 0, False): 'b', (5, 1, False): 'a', (2, 3, False): 'c'}
@@ -356,13 +356,20 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
         found = best.get(k[1])
         if found is None or k[0] > found[0]:
             best[k[1]] = k
+    # the largest at 1 (the steeper where two are: each slope is there once, so one), then the largest of those
+    # steeper than it, ...: the order a sort by value at 1 would keep them in, without sorting thousands of lines
+    # to keep one or two
     kept = {}
-    steepest = None
-    for k in sorted(best.values(), key=lambda k: (-(k[0] + k[1]), -k[1])):
-        if steepest is None or k[1] > steepest:
-            kept[k] = lines[k]
-            steepest = k[1]
+    left = list(best.values())
+    while left:
+        k = max(left, key=_at_one)
+        kept[k] = lines[k]
+        left = [x for x in left if x[1] > k[1]]
     return kept
+
+
+def _at_one(k: tuple[int, int, bool]) -> tuple[int, int]:
+    return (k[0] + k[1], k[1])
 
 
 class _StageFormulaMoments:

@@ -126,12 +126,101 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         wanted = set(ops)
         alive = set(tl.start)
         out: dict[int, sympy.Expr] = {}
+        # the walk's rule at each of the thousands of ops builds its formula anew from every gathered copy alive
+        # (most of a sequence-parallel pipeline peak), yet Llama-2-7B's 7,869 ops give 20 formulas: each is made
+        # once for all it reads (:class:`_Reads`) and found again by it
+        made: dict[Any, sympy.Expr] = {}
+        reads = _Reads(self)
         for k, e in enumerate(tl.events):
             alive.update(e.born)
+            key = reads.at(k, e)
             if k in wanted:
-                out[k] = self._collectives(e, alive, k)
+                found = made.get(key)
+                if found is None:
+                    found = made[key] = self._collectives(e, alive, k)
+                out[k] = found
             alive.difference_update(e.freed)
+            reads.after(e)
         return out
+
+
+class _Reads:
+    """All that :meth:`_SequenceSizes._collectives` (the walk's rule, :meth:`_SequenceWalk._collectives`, and the
+    B = 1 all-gather) reads at an op, as one hashable key, kept up to date as the walk goes (:meth:`at` before the
+    op's frees, :meth:`after` once they are done): two ops with one key have one formula.
+
+    It reads: the phase; which collective the op is (row- or column-parallel, the attention's, the head's, the
+    embedding's) and the op's whole output size; the sizes the op makes and frees (where a branch or a gather at
+    this op adds them); what eager attention holds there; and each gathered copy alive that adds something (a
+    copy's size, where its gathers and releases are against the op, whether its S-split output is still held,
+    whether the op frees it), in the walk's order.  A copy that adds nothing is left out: the rule skips it.  What a
+    copy adds changes only at its gathers, releases and its output's end, so only those copies are read again
+    there (and every alive copy where the phase changes)."""
+
+    def __init__(self, sizes: _SequenceSizes) -> None:
+        self.sizes = sizes
+        self.place = {i: n for n, i in enumerate(sizes.copies)}
+        # each copy's spans with their counts as one object per value (a key's counts are then compared by identity:
+        # each copy's count was a formula of its own, compared by sympy)
+        counts: dict[Any, Any] = {}
+        self.spans = {i: [(f, r, counts.setdefault(n, n)) for f, r, n in spans]
+                      for i, (_, spans) in sizes.copies.items()}
+        self.marks: dict[int, list[int]] = {}  # event -> the copies whose part changes there
+        for i, (dies, spans) in sizes.copies.items():
+            for k in {dies + 1, *(x + d for f, r, _ in spans for x in (f, r) for d in (0, 1))}:
+                self.marks.setdefault(k, []).append(i)
+        # alive copy -> what it adds at the op (None: nothing); those alive as the step begins read at its first op
+        self.parts: dict[int, Any] = dict.fromkeys(i for i in sizes.tl.start if i in sizes.copies)
+        self.phase: str | None = None
+        self.copies: tuple[Any, ...] | None = None  # the parts that add something, in the walk's order
+        self.gathers = False  # whether one of them is gathered at the op
+
+    def part(self, i: int, k: int, e: Any) -> Any:
+        """What alive copy ``i`` adds at op ``k``, as the rule reads it (None: nothing)."""
+        dies, spans = self.sizes.copies[i][0], self.spans[i]
+        size = id(self.sizes.tl.storages[i].nbytes)
+        if e.phase == "forward":
+            later = tuple(n for f, _, n in spans if f > k)
+            here = tuple(n for f, _, n in spans if f == k)
+            held = k <= dies
+            return (size, later, held, here) if later or held or here else None
+        if e.phase == "backward":
+            done = tuple(n for _, r, n in spans if r < k)
+            gone = tuple(n for _, r, n in spans if r == k) if i not in e.freed else ()
+            return (size, done, gone) if done or gone else None
+        return None
+
+    def at(self, k: int, e: Any) -> tuple[Any, ...]:
+        """The key of op ``k`` (event ``e``), its storages made (not yet what it frees)."""
+        sizes, parts, copies = self.sizes, self.parts, self.sizes.copies
+        changed = [i for i in e.born if i in copies]
+        if e.phase != self.phase:  # every alive copy read again
+            self.phase = e.phase
+            changed += list(parts)
+        changed += [i for i in self.marks.get(k, ()) if i in parts]
+        for i in changed:
+            parts[i] = self.part(i, k, e)
+        if changed or self.copies is None:
+            self.copies = tuple(parts[i] for i in sorted(parts, key=self.place.__getitem__) if parts[i] is not None)
+            self.gathers = any(x[3] for x in self.copies if len(x) == 4)
+        node, g, tl = e.node, sizes.g, sizes.tl
+        kind = (node in sizes.row, node == sizes.embedding, node in sizes.column, node in sizes.qkv,
+                node == sizes.head)
+        made = freed = whole = None
+        if self.gathers or any(kind):  # what the op makes and frees, where a branch or a gather here reads them
+            made = tuple((id(sizes.local(j)), id(tl.storages[j].nbytes), tl.storages[j].name == node,
+                          tl.storages[j].name.endswith(".grad_input0")) for j in e.born)
+            freed = tuple(id(sizes.local(j)) for j in e.freed)
+            whole = id(g.node(node).out) if node in g else None
+        held = tuple(id(size) for start, end, size in sizes.held if start <= k <= end)
+        kept = tuple(id(size) for start, end, size in sizes.cache_kept if start <= k <= end)
+        return (e.phase, kind, whole, made, freed, held, kept, self.copies)
+
+    def after(self, e: Any) -> None:
+        """Op ``e``'s frees done: the copies it freed are no longer read."""
+        for i in e.freed:
+            if i in self.parts and self.parts.pop(i) is not None:
+                self.copies = None
 
 
 #: :func:`~symmem.passes.batch_of_one.single_copy` as a symbol: 1 at B = 1, else 0
@@ -186,23 +275,30 @@ class _SequenceCut(_TensorCut):
         if "_extras" in self.__dict__:
             return self._extras
         sizes, t = self.sizes, self.ranks()
-        ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
         memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
         if "arms" not in memo:
+            ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
+            # the head's forwards, whose logits are added at each batch (found once, not at each cut)
+            memo["heads"] = [k for k in ops if self.tl.events[k].phase == "forward" and
+                             self.tl.events[k].node == sizes.head]
             formulas = sizes.extras(ops)
             made: dict[Any, tuple[sympy.Expr, ...]] = {}
-            memo["arms"] = {k: made.setdefault(e, tuple(dict.fromkeys(arms(e)))) for k, e in formulas.items()}
+            memo["arms"] = found = {}
+            for k, e in formulas.items():  # each formula's arms once (the step's ops share a few formulas)
+                each = made.get(e)
+                if each is None:
+                    each = made[e] = tuple(dict.fromkeys(arms(e)))
+                found[k] = each
         out: dict[Any, tuple[int, ...]] = {}
         values: dict[int, tuple[int, ...]] = {}
         for k, each in memo["arms"].items():
             if id(each) not in values:
                 values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
             out[k] = values[id(each)]
-        for k in ops:
+        for k in memo["heads"]:
             e = self.tl.events[k]
-            if e.phase == "forward" and e.node == sizes.head:
-                whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-                out[k] = tuple(x + whole + whole // t for x in out[k])
+            whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+            out[k] = tuple(x + whole + whole // t for x in out[k])
         self._extras = out
         return out
 
@@ -213,8 +309,17 @@ class _SequencePackedCut(_TensorPackedCut):
     def collectives(self) -> dict[Any, tuple[int, ...]]:
         if "_extras" not in self.__dict__:
             each = [c.collectives() for c in self.tcuts]
-            self._extras = {key: tuple(_pack([e[key][j] for e in each]) for j in range(len(each[0][key])))
-                            for key in each[0]}
+            # the ops share a few arms' bytes (the same tuples at each batch: _SequenceCut.collectives): each set of
+            # three packed once
+            packed: dict[tuple[int, ...], tuple[int, ...]] = {}
+            self._extras = {}
+            for key in each[0]:
+                three = [e[key] for e in each]
+                ids = tuple(map(id, three))
+                found = packed.get(ids)
+                if found is None:
+                    found = packed[ids] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
+                self._extras[key] = found
         return self._extras
 
 

@@ -56,16 +56,23 @@ def passes(tl: Timeline) -> Timeline:
     return Timeline(tl.storages[:max(made, len(tl.start))], tl.start, events)
 
 
-def stretch(tl: Timeline, layers: int) -> Timeline | None:
+def stretch(tl: Timeline, layers: int, origin: list[int] | None = None) -> Timeline | None:
     """``tl`` (the :func:`passes` of a step of :data:`TEMPLATE` unrolled layers) at ``layers`` layers, or
-    ``None`` where the template does not show alike layers (see the module's note)."""
+    ``None`` where the template does not show alike layers (see the module's note).  ``origin``: filled with each
+    storage's template storage (its id in ``tl``), so that what is read from a storage's name (its layer, its name
+    without the number) is read once for the storages written from one (their names are the template's, numbered
+    anew; the template's layer 1 is written for layer 1 alone)."""
     if layers < TEMPLATE:
         return None
     if any(e.phase not in ("forward", "backward") for e in tl.events) or sorted(tl.start) != list(
             range(len(tl.start))) or any(sid >= len(tl.storages) for e in tl.events for sid in e.born + e.freed):
         return None
     try:
-        return _Stretch(tl, layers).timeline()
+        found = _Stretch(tl, layers)
+        made = found.timeline()
+        if origin is not None:
+            origin[:] = found.origin
+        return made
     except _NotStretched:
         return None
 
@@ -122,14 +129,16 @@ class _Stretch:
         self.base: dict[int, list[int]] = {}
         self.fixed: dict[int, int] = {}
         self.storages: list[Live] = []
+        self.origin: list[int] = []  # each new storage's template storage
         labels = [self._label(s) for s in tl.storages]
-        new, put, append = object.__new__, object.__setattr__, self.storages.append
+        new, put, append, origin = object.__new__, object.__setattr__, self.storages.append, self.origin.extend
         # (each storage made without its frozen __init__ setting each field one by one: half of writing it)
         for w, (a, b, runs) in enumerate(_sweeps(labels)):
             if runs is None:
                 for old in range(a, b):
                     self.fixed[old] = len(self.storages)
                     self.storages.append(tl.storages[old])
+                    self.origin.append(old)
                 continue
             self._alike([tl.storages[x:y] for x, y in runs[1:4]] if labels[runs[0][0]] == 1 else
                         [tl.storages[x:y] for x, y in runs[3:0:-1]])
@@ -141,6 +150,7 @@ class _Stretch:
             for n in self._new_layers(labels[runs[0][0]] == 1):
                 x, y = by_label[self._template_of(n)]
                 base[n] = len(self.storages)
+                origin(range(x, y))
                 for s in tl.storages[x:y]:
                     made = new(Live)
                     put(made, "__dict__", {"name": _renamed(s.name, n), "category": s.category, "nbytes": s.nbytes,

@@ -87,10 +87,17 @@ class _Sizes:
         if found is None:
             from .unroll import iteration, template
 
-            st = self.tl.storages[i]
-            name, node = st.name, st.node
-            key = (id(st.nbytes), st.category, template(name), iteration(name) == 1,
-                   None if node is None else (template(node), iteration(node) == 1))
+            # the storages written from one template storage (passes/stretch.py) share all of the key: read from
+            # the first one's name (the rest of the 32 layers' names were most of this)
+            o = self._origin[i] if self._origin is not None else None
+            key = self._keys.get(o) if o is not None else None
+            if key is None:
+                st = self.tl.storages[i]
+                name, node = st.name, st.node
+                key = (id(st.nbytes), st.category, template(name), iteration(name) == 1,
+                       None if node is None else (template(node), iteration(node) == 1))
+                if o is not None:
+                    self._keys[o] = key
             found = self._alike.get(key)
             if found is None:
                 found = self._alike[key] = self._local(i)
@@ -101,6 +108,10 @@ class _Sizes:
         self._alike: dict[Any, sympy.Expr] = {}
         g = self.g = cut.g
         self.tl = cut.tl
+        # each storage's template storage where the step was written from a template (passes/stretch.py)
+        origin = cut.memo.get(("origin", id(cut.tl)))
+        self._origin: list[int] | None = origin[1] if origin is not None and origin[0] is cut.tl else None
+        self._keys: dict[int, Any] = {}
         order = list(g.program_order())
         self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
         self.embedding = next(n for n in order if g.node(n).kind == "embedding")
@@ -122,7 +133,6 @@ class _TensorCut(_Cut):
             cut.memo[key] = (cut.tl, _Sizes(cut))
         self.sizes = cut.memo[key][1]
         self.cache = {}
-        self._stage = {}
         self.whole: dict[int, int] = {}
         self.values: dict[int, int] = {}  # id of a size (held by sizes) -> bytes
         self.fulls: dict[int, int] = {}  # id of a single-device size (held by the timeline) -> bytes
@@ -210,7 +220,7 @@ class _TensorPackedCut(_TensorCut):
     def __init__(self, packed: _Cut, cuts: list[_TensorCut]) -> None:
         self.__dict__.update(packed.__dict__)
         self.tcuts, self.sizes = cuts, cuts[0].sizes
-        self.cache, self._stage = {}, {}
+        self.cache = {}
         self.whole = {}
         self._packed: dict[int, int] = {}  # id of a rank's size (held by sizes, the three cuts') -> packed bytes
 
