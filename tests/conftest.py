@@ -15,8 +15,7 @@
   fill in around them, rather than one worker finishing a 20 s test alone at the end.  The real ``torch.distributed``
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
   forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
-  whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them, and each module whose
-  other tests reuse its gloo test's cached traces and derivations joins the gloo group whole (:data:`GLOO_WHOLE`).
+  whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
 * The cyclic collector runs its young pass every 200,000 net allocations, not every 700 (the ``symmem`` command's
   own setting, symmem.cli.entry): sympy, the tracer and the real steps make millions of small objects, almost none
   in cycles, and the default spent 13% of a 4-module subset's CPU walking them.  The measured steps free their
@@ -105,14 +104,6 @@ WHOLE = {"test_hub.py", "test_importer.py", "test_lora.py", "test_paper.py", "te
          "test_trace_cli.py", "test_trace_peak.py", "test_verify.py", "test_zoo_drift.py"}
 
 
-#: modules with real gloo runs whose other tests derive or trace what the gloo test has cached (functools caches of
-#: traced modules and derivations): every test of the module joins the gloo group, so that those caches are made once,
-#: on the gloo worker, not again on the other worker (their other tests alone: 13.5 CPU-s; after the gloo tests, in
-#: one process: 8.9 -- test_traced_pipeline's HF traces the most, 5.95 against 3.72)
-GLOO_WHOLE = {"test_data_parallel.py", "test_ddp_pipeline.py", "test_tensor_pipeline.py", "test_traced_engines.py",
-              "test_traced_pipeline.py", "test_zero_redundancy.py"}
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "deep" not in (config.getoption("markexpr") or ""):  # the deep runs only where -m asks for them
@@ -125,6 +116,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if item.path.name in WHOLE:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-        elif item.path.name in GLOO_WHOLE:  # after the test's own mark: a gloo test keeps it
-            item.add_marker(pytest.mark.xdist_group("gloo"))
     items.sort(key=_first)  # stable: every other test keeps its place
