@@ -10,6 +10,7 @@ hidden 32), LoRA r=4 on q_proj and v_proj.
 from __future__ import annotations
 
 import doctest
+import importlib.util
 import re
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+if importlib.util.find_spec("peft") is None:  # imported where a test builds a model: collecting it costs no import
+    pytest.skip("could not import 'peft'", allow_module_level=True)
 
 import symmem  # noqa: E402
 from symmem.importer.wrap import checkpointed, find_repeat  # noqa: E402
@@ -33,6 +35,8 @@ VARIANTS = {"fp32": (torch.float32, "none"), "bf16-base": (torch.bfloat16, "none
 
 
 def lora_llama(dtype: torch.dtype = torch.float32, dropout: float = 0.1):
+    import peft  # ~1 CPU-s with scipy: only on the worker that runs this module (conftest.WHOLE)
+
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
