@@ -19,6 +19,7 @@ if not dist.is_available():  # pragma: no cover - a torch built without distribu
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import test_fsdp_mixed as policy  # noqa: E402  (FSDP2's MixedPrecisionPolicy rides in this spawn)
+import test_fsdp_mixed_checkpoint as policy_checkpointed  # noqa: E402  (and with checkpointing)
 
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
@@ -80,7 +81,7 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
     mixed = [*policy.mixed_jobs(), *policy.mixed_jobs(), policy.bf16_reduce_job()]
     # the checkpointed ones run once, before DDP's: their ranks stand in for a second run (below)
-    more = [job_of(d) for _, d in checkpointed]
+    more = [job_of(d) for _, d in checkpointed] + policy_checkpointed.jobs()
     runs = measure_jobs([*jobs, *jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
                         start_method="forkserver")
     *measured, fsdp = [_lowest(a, b) for a, b in zip(runs[:len(jobs)], runs[len(jobs):2 * len(jobs)], strict=True)]
@@ -88,7 +89,8 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     wrong = policy.check_mixed(runs[at:at + len(mixed) - 1])
     wrong += policy.check_bf16_reduce(runs[at + len(mixed) - 1])
     at += len(mixed)
-    wrong += _check_checkpointed(checkpointed, runs[at:at + len(more)])
+    wrong += _check_checkpointed(checkpointed, runs[at:at + len(checkpointed)])
+    wrong += policy_checkpointed.check(runs[at + len(checkpointed):at + len(more)])
     measured += runs[at + len(more):]
     _check_fsdp_shards(fsdp)
     # per rank where the padding makes them differ: each rank's first and steady peak, derived, to the byte

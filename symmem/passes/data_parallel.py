@@ -187,9 +187,9 @@ def refuse_policy(regime: Regime, graph: Any = None) -> None:
                           f"precision={regime.precision!r} is the papers' accounting "
                           "of 16-bit copies, not what an engine holds; FSDP2's own MixedPrecisionPolicy is "
                           "param_dtype='bfloat16' (--param-dtype)")
-    if regime.param_dtype is not None and (regime.checkpoint != "none" or regime.micro_batches != 1):
-        raise SymmemError(f"the peak under FSDP2's MixedPrecisionPolicy (param_dtype={regime.param_dtype!r}) is "
-                          "modelled for one micro-batch without checkpointing (measured there)")
+    # with full or every-K checkpointing and gradient accumulation the policy is walked (measured: the
+    # recompute's bf16 activations and the callers' holds inside a checkpointed layer are the forward's;
+    # set_requires_gradient_sync(False)'s reduce_dtype copies of the unsharded gradients: Fsdp._accumulate)
     if regime.param_dtype is not None and graph is not None and not graph.graph.get("causal_lm"):
         # measured on an MLP: FSDP2 casts a floating input to param_dtype (cast_forward_inputs) and its
         # cross-entropy runs on bf16 logits (a bf16 loss and seed), which the step does not model
@@ -272,7 +272,8 @@ class Fsdp:
     gradients ``G_u`` (``S_u``), which ``zero_grad`` frees.  The root's post-backward runs at the end of the
     backward; the last ``R`` dies with it.  Under FSDP2's ``MixedPrecisionPolicy`` (``policy``) ``A_u``, ``P_u`` and
     the unsharded gradients are in param_dtype, a param_dtype copy of the shards precedes each ``A_u``, and ``R_u``
-    is in reduce_dtype (:meth:`_policy_sizes`).
+    is in reduce_dtype (:meth:`_policy_sizes`); under gradient accumulation the unsharded gradients accumulate in
+    reduce_dtype copies (:meth:`_accumulate`).
     """
 
     def __init__(self, sim: Any, world: sympy.Expr, weight_bytes: int, reshard: bool,
@@ -326,6 +327,8 @@ class Fsdp:
         self.pending: int | None = None             # the all-gather output to free after the next copy-out
         self.reduce_in: int | None = None
         self.sharded_grads: list[int] = []
+        #: under a policy and set_requires_gradient_sync(False): parameter -> its reduce_dtype unsharded gradient
+        self.accumulated: dict[str, int] = {}
         #: whether this micro-batch's backward reduce-scatters (gradient accumulation: only the last one's does)
         self.sync = True
         self.done_backward: set[Any] = set()
@@ -500,6 +503,7 @@ class Fsdp:
         self.done_backward.add(unit)
         sim = self.sim
         self._reshard(unit, "backward")
+        accumulated = self._accumulate(unit)
         if not self.sync:
             # set_requires_gradient_sync(False): the unit reshards; its unsharded gradients stay the parameters'
             # .grad, the next micro-batch's add into them in place, and the last one's post-backward reduces them
@@ -509,7 +513,7 @@ class Fsdp:
             sim.event("backward", self.at, [], [self.reduce_in])
         self.reduce_in = sim.new(f"fsdp.reduce_scatter_input[{unit}]", "temporary", self.reduce_bytes[unit])
         sim.event("backward", self.at, [self.reduce_in], [])
-        grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
+        grads = accumulated or [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
         g = sim.new(f"fsdp.sharded_grads[{unit}]", "gradient",
                     _times_bytes(self.unit_numel[unit], self.sharded_grad_bytes))
         self.sharded_grads.append(g)
@@ -520,6 +524,27 @@ class Fsdp:
             sim.event("backward", self.at, [out], [])
         sim.event("backward", self.at, [g], [] if out is None else [out])
         self.last_grad = grads[-1:]
+
+    def _accumulate(self, unit: Any) -> list[int]:
+        """Gradient accumulation under a policy whose reduce_dtype is not param_dtype (measured on gloo runs): a
+        unit's post-backward adds its bf16 unsharded gradients into their reduce_dtype copies and frees them
+        (``accumulate_unsharded_grad_if_needed``); without sync it then copies each one left to reduce_dtype,
+        beside it, and frees it (``to_accumulated_grad_if_needed``).  The copies of the unit (what its reduce
+        takes at the last micro-batch, which lets go of them: none are kept after it)."""
+        if self.policy is None or self.policy[0] == self.policy[1]:
+            return []
+        sim, params = self.sim, self.params[unit]
+        summed = [sim.param_grad.pop(p) for p in params if p in self.accumulated and p in sim.param_grad]
+        if summed:
+            sim.event("backward", self.at, [], summed)
+        if self.sync:
+            return [self.accumulated.pop(p) for p in params if p in self.accumulated]
+        for p in params:
+            if p in sim.param_grad:
+                copy = sim.new(f"{p}.accumulated_grad", "gradient", _times_bytes(sim.numel[p], self.policy[1]))
+                sim.event("backward", self.at, [copy], [sim.param_grad.pop(p)])
+                self.accumulated[p] = copy
+        return []
 
     def after_backward(self, n: str) -> None:
         self.at = n
