@@ -56,6 +56,16 @@ REGIMES: list[tuple[str, dict]] = [
     ("sequence parallel x pipeline", {"tensor_parallel": True, "sequence_parallel": True, "pipeline_parallel": True,
                                       "micro_batches": 8, "values": {"t": 2, "p": 4}}),
     *PIPELINE,
+    # activation checkpointing and FSDP2's MixedPrecisionPolicy, the configurations people train with (one device
+    # with the same checkpointing is the row to hold the checkpointed ones against)
+    ("one device, full checkpointing", {"checkpoint": "full"}),
+    ("fsdp, full checkpointing", {"data_parallel": "fsdp", "checkpoint": "full", "values": {"N": 8}}),
+    ("fsdp, bf16 policy", {"data_parallel": "fsdp", "param_dtype": "bfloat16", "values": {"N": 8}}),
+    ("fsdp, bf16 policy, full checkpointing, M=4", {"data_parallel": "fsdp", "param_dtype": "bfloat16",
+                                                     "checkpoint": "full", "micro_batches": 4, "values": {"N": 8}}),
+    ("tensor parallel t=2, full checkpointing", {"tensor_parallel": True, "checkpoint": "full", "values": {"t": 2}}),
+    ("pipeline 1f1b p=4 M=8, full checkpointing", {"pipeline_parallel": True, "micro_batches": 8, "checkpoint": "full",
+                                                   "values": {"p": 4}}),
 ]
 
 #: the models' default sizes (GPT-2 124M, Llama-2-7B); tensor parallel is DTensor's Llama plan only
