@@ -173,20 +173,16 @@ def policy_bytes(regime: Regime) -> tuple[int, int] | None:
 
 
 def refuse_policy(regime: Regime, graph: Any = None) -> None:
-    """Refuse (one line) FSDP2's peak where a precision is asked that it does not model: the papers' 16-bit presets
-    (not an engine's; FSDP2's own policy is ``param_dtype``), and the policy with what it was not measured with.
+    """Refuse (one line) FSDP2's MixedPrecisionPolicy on a model it was not measured on (the papers' 16-bit
+    ``--precision`` presets are refused for every FSDP engine: ``Simulation._sharding``).
 
-    >>> refuse_policy(Regime(data_parallel="fsdp", precision="mixed"))
+    >>> from symmem.models import build
+    >>> refuse_policy(Regime(data_parallel="fsdp", param_dtype="bfloat16"), build("mlp").graph)
     Traceback (most recent call last):
-    symmem.errors.SymmemError: the peak under data_parallel='fsdp' is modelled in fp32: precision='mixed' is ...
+    symmem.errors.SymmemError: the peak under FSDP2's MixedPrecisionPolicy is modelled for the causal LMs it was ...
     """
     from ..errors import SymmemError
 
-    if regime.data_parallel in SHARDED and regime.precision != "fp32":
-        raise SymmemError(f"the peak under data_parallel={regime.data_parallel!r} is modelled in fp32: "
-                          f"precision={regime.precision!r} is the papers' accounting "
-                          "of 16-bit copies, not what an engine holds; FSDP2's own MixedPrecisionPolicy is "
-                          "param_dtype='bfloat16' (--param-dtype)")
     # with full or every-K checkpointing and gradient accumulation the policy is walked (measured: the
     # recompute's bf16 activations and the callers' holds inside a checkpointed layer are the forward's;
     # set_requires_gradient_sync(False)'s reduce_dtype copies of the unsharded gradients: Fsdp._accumulate)

@@ -250,16 +250,17 @@ class Simulation:
 
     def _sharding(self, weights_bytes: int) -> data_parallel.Fsdp | None:
         """FSDP2's units and buffers (passes/data_parallel.py), or None under another engine."""
-        data_parallel.refuse_policy(self.regime, self.graph)  # FSDP2's MixedPrecisionPolicy where not measured
         engine = self.regime.data_parallel
         if engine not in data_parallel.SHARDED and engine not in FSDP1:
             return None
         # full and every-K checkpointing are walked, and FSDP2's gradient accumulation (measured:
         # tests/test_data_parallel.py's CHECKPOINTED); selective is refused for every engine in __init__
         if self.regime.precision != "fp32":
-            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled in fp32 (the --precision presets "
-                              "are the papers' accounting; FSDP2's MixedPrecisionPolicy is modelled: --param-dtype "
-                              "bfloat16)")
+            raise SymmemError(f"the peak under data_parallel={engine!r} is modelled in fp32: "
+                              f"precision={self.regime.precision!r} is the papers' accounting of 16-bit copies, not "
+                              "what an engine holds; FSDP2's own MixedPrecisionPolicy is param_dtype='bfloat16' "
+                              "(--param-dtype)")
+        data_parallel.refuse_policy(self.regime, self.graph)  # FSDP2's MixedPrecisionPolicy where not measured
         if self.regime.micro_batches != 1 and engine in FSDP1:
             raise SymmemError(f"the peak under data_parallel={engine!r} is modelled for one micro-batch (FSDP1's "
                               "gradient accumulation under no_sync() is not; FSDP2's is: --data-parallel fsdp)")
