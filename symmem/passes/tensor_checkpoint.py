@@ -17,7 +17,8 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, the recorder t
   (funcol's wrapper let go after the linear), and the last row-parallel linear's output gradient is all-gathered
   before the recomputation (:func:`gathered_ahead`, :func:`recompute_gathers`);
 * under FSDP2 x TP (the checkpoint wrapper inside ``fully_shard``, torchtitan's order) a unit's pre-backward hook
-  all-gathers its parameters before the recomputation (:class:`FsdpRecompute`).
+  all-gathers its parameters before the recomputation (as on one axis:
+  :meth:`~symmem.passes.schedule.Simulation.backward`).
 
 >>> from symmem import derive
 >>> v = {"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 64, "t": 2}
@@ -43,36 +44,7 @@ from ..training import Regime
 from .schedule import Simulation
 
 
-class FsdpRecompute(Simulation):
-    """The single-device step as :class:`~symmem.passes.schedule.Simulation` walks it, under FSDP2 with
-    checkpointing as torchtitan wraps it (the checkpoint wrapper inside ``fully_shard``): a unit's pre-backward
-    hook, on its output's gradient, all-gathers its parameters (and prefetches the next unit's) before the
-    recomputation that the first saved tensor's unpacking starts; the recomputation runs on them."""
-
-    def _sharding(self, weights_bytes: int) -> Any:
-        from ..symbols import N
-        from . import data_parallel
-        from .fsdp1 import FSDP1, Fsdp1
-
-        regime = self.regime
-        engine = regime.data_parallel
-        if (regime.checkpoint == "none" or (engine not in data_parallel.SHARDED and engine not in FSDP1)
-                or regime.micro_batches != 1 or regime.precision != "fp32"):
-            return super()._sharding(weights_bytes)
-        if engine in FSDP1:
-            return Fsdp1(self, N, weights_bytes, FSDP1[engine])
-        return data_parallel.Fsdp(self, N, weights_bytes, data_parallel.SHARDED[engine])
-
-    def recompute(self, nodes: list[Any]) -> None:
-        fsdp = self.fsdp
-        if fsdp is not None and nodes:
-            n = nodes[-1].name  # the segment's unit (a layer's nodes are one unit)
-            if fsdp.acts_before_backward(n):
-                fsdp.before_backward(n)
-        super().recompute(nodes)
-
-
-class CastsInPlace(FsdpRecompute):
+class CastsInPlace(Simulation):
     """The single-device step as :class:`~symmem.passes.schedule.Simulation` walks it, except that a gradient
     handed to a ``cast`` that is a view of its input (``.to()`` of the dtype it has: PyTorch returns the tensor,
     records no autograd node) goes to its input's buffer, where it is summed with what is there as it arrives."""
@@ -155,11 +127,9 @@ def checkpoint_refusal(regime: Regime) -> str | None:
 
 def simulation(regime: Regime, casts: bool = True) -> type[Any]:
     """The walk a tensor-parallel rank's step follows: under checkpointing :class:`CastsInPlace` (measured there;
-    ``casts`` False: :class:`FsdpRecompute`, for a walk that sums the norms' gradients its own way), the
-    single-device :class:`~symmem.passes.schedule.Simulation` otherwise (its values unchanged)."""
-    if regime.checkpoint == "none":
-        return Simulation
-    return CastsInPlace if casts else FsdpRecompute
+    ``casts`` False: a walk that sums the norms' gradients its own way), the single-device
+    :class:`~symmem.passes.schedule.Simulation` otherwise (its values unchanged)."""
+    return CastsInPlace if regime.checkpoint != "none" and casts else Simulation
 
 
 def frame_held(graph: Graph, sequence: bool) -> sympy.Expr:
