@@ -93,7 +93,7 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(module, mesh["tp"], styles(module, tp))
     if checkpoint != "none" and strategy is None:
-        _checkpoint_wrapped(module, blocks, checkpoint, given is None)
+        _checkpointed_layers(module, blocks, checkpoint, given is None)
     if strategy is not None:
         block = type(blocks[0])
         module = _fsdp1(module, mesh["dp"], strategy, block)
@@ -122,19 +122,19 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
                    first_at, steady_at, _per_step(trace, gloo))
 
 
-def _checkpoint_wrapped(module: Any, blocks: Any, checkpoint: str, supported: bool) -> None:
-    """Each of ``blocks`` (a ``ModuleList``) put under ``checkpoint_wrapper`` (non-reentrant) in place, after
-    ``parallelize_module`` and before ``fully_shard``, as torchtitan applies activation checkpointing; the
-    reference's own layers then run unwrapped, and with no ``DynamicCache`` (HF passes checkpointed layers none).
-    Full checkpointing of the Llama reference under FSDP2 only."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+def _checkpointed_layers(module: Any, blocks: Any, checkpoint: str, supported: bool) -> None:
+    """Each of ``blocks`` (a ``ModuleList``) put under ``checkpoint_wrapper`` (non-reentrant) in place
+    (:func:`~symmem.record.sharded.checkpoint_wrapped`), after ``parallelize_module`` and before ``fully_shard``, as
+    torchtitan applies activation checkpointing; the reference's own layers then run unwrapped, and with no
+    ``DynamicCache`` (HF passes checkpointed layers none).  Full checkpointing of the Llama reference under FSDP2
+    only."""
+    from .sharded import checkpoint_wrapped
 
     if checkpoint != "full" or not supported:
         raise SymmemError("the FSDP x TP runs checkpoint the Llama reference's layers under FSDP2 ('full'), "
                           f"not {checkpoint!r} there")
     module.cache = False
-    for i, layer in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(layer)
+    checkpoint_wrapped(module, list(blocks))
 
 
 def _fsdp1_checkpointed(module: Any, block: type, checkpoint: str, supported: bool) -> None:

@@ -186,7 +186,7 @@ def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool
     policy = {} if mp is None else {"mp_policy": mixed_precision(*mp)}
     blocks = units(module)
     if checkpoint == "full":
-        blocks = _checkpoint_wrapped(module, blocks)
+        blocks = checkpoint_wrapped(module, blocks)
     if checkpoint != "none":  # the reference's own: its layers run as checkpointed ones (no cache passed to them)
         module.checkpoint = checkpoint
     for block in blocks:
@@ -196,7 +196,7 @@ def run_sharded(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool
                           steps=steps, micro_batches=micro_batches)
 
 
-def _checkpoint_wrapped(module: Any, blocks: list[Any]) -> list[Any]:
+def checkpoint_wrapped(module: Any, blocks: list[Any]) -> list[Any]:
     """Each block replaced in its ``ModuleList`` by ``checkpoint_wrapper(block)`` (non-reentrant); the wrappers."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
