@@ -46,7 +46,7 @@ from .data_parallel import SHARDED, rank_derivations, rank_of
 class RankFormula:
     """One group of alike ranks: their numbers at the derivation's ``N`` (a mesh's ``s*N + r``), what they are
     called in ``N`` (``ranks 0..N-2``, ``rank N-1``; ``stage 1, ...`` on a mesh), their steady and first step's
-    peak formulas and what those hold at (``""``: in ``N`` and the sizes)."""
+    peak formulas and what those hold at or where (``""``: in ``N`` and the sizes, everywhere)."""
 
     ranks: tuple[int, ...]
     label: str
@@ -111,8 +111,13 @@ def rank_formulas(derivation: Any) -> list[RankFormula] | None:
 
 def _fsdp(derivation: Any) -> list[RankFormula]:
     world = int(derivation.numbers[N])
-    return [RankFormula(tuple(group), label(group, world), d.peak, d.peak_first_step, "", d.peak_at().total)
-            for group, d in rank_derivations(derivation)]
+    out = []
+    for group, d in rank_derivations(derivation):
+        # the Max holds where the step's assignments do (GPT-2's layers written out: L >= 4), as the peak's own
+        domain = [c for c in d.step.domain() if c is not sympy.true]
+        held = f"holds where {', '.join(map(str, domain))}" if domain else ""
+        out.append(RankFormula(tuple(group), label(group, world), d.peak, d.peak_first_step, held, d.peak_at().total))
+    return out
 
 
 def _zero(derivation: Any) -> list[RankFormula]:
