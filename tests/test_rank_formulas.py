@@ -167,3 +167,75 @@ def test_json_and_table_give_every_group(capsys):
     assert main(["derive", "mlp", "--widths", "64,128,10", "--data-parallel", "fsdp", "--set", "N=2", "--loss",
                  "cross-entropy", "--device", "cpu", "--format", "json"]) == 0
     assert "peak_per_rank" not in json.loads(capsys.readouterr().out)["expressions"]  # every rank alike
+
+
+#: A traced module's stages under an engine (tests/data/traced_block.py: a 12 -> 24 input layer, 4 blocks, a 5-row
+#: head), p = 2, measured on real gloo meshes (docs/regimes.md, "Traced modules under DDP and ZeRO-1 x pipeline" and
+#: "... FSDP x pipeline"; tests/test_ddp_pipeline.py and tests/test_fsdp_pipeline.py run rows of them): (engine,
+#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured).
+#: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  The
+#: default suite runs ZeRO-1 and FSDP2 1F1B; ``-m deep`` the rest (each ~5-15 CPU-s here).
+BLOCK = f"{__import__('pathlib').Path(__file__).parent / 'data' / 'traced_block.py'}:build"
+TRACED = [
+    pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
+     {0: (165_560, 165_560), 1: (165_560, 165_560), 2: (161_660, 161_660), 3: (161_660, 161_660)},
+                 marks=pytest.mark.deep),
+    pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
+     {0: (135_512, 163_896), 1: (135_512, 163_896), 2: (132_360, 159_508), 3: (132_360, 159_508)},
+                 marks=pytest.mark.deep),
+    ("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
+     {0: (142_768, 142_768), 1: (142_600, 142_600), 2: (139_528, 139_528), 3: (139_376, 139_376)}),
+    # FSDP2: the head's 5 rows padded to 6, so rank 3 (stage 1's last data-parallel rank) holds 2 of its 3
+    ("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}],
+     {0: (88_720, 118_824), 1: (88_720, 118_824), 2: (91_140, 120_596), 3: (91_140, 120_396)}),
+    pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}],
+     {0: (93_968, 124_072), 1: (93_968, 124_072), 2: (91_340, 120_796), 3: (91_340, 120_596)},
+                 marks=pytest.mark.deep),
+    # a 2 x 3 mesh (the head's 6 padded rows 2 / 2 / 1), steady step, derived at N = 2 and N = 4
+    pytest.param("fsdp", "1f1b", 4, {"B": 4, "N": 3}, [{"N": 2}, {"N": 4}],
+     {0: (None, 114_296), 1: (None, 114_296), 2: (None, 114_296), 3: (None, 106_896), 4: (None, 106_896),
+      5: (None, 106_696)}, marks=pytest.mark.deep),
+]
+
+
+@functools.cache
+def _traced(engine, schedule, m, values):
+    from symmem.importer import sources
+
+    loaded = sources.load(BLOCK)
+    return sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="cross-entropy",
+                         check=False, pipeline_parallel=True, pipeline_schedule=schedule, data_parallel=engine,
+                         micro_batches=m, values={"p": 2, **dict(values)})
+
+
+@pytest.mark.parametrize("engine, schedule, m, sizes, others, measured", TRACED,
+                         ids=[f"{c[0]}-{c[1]}-M{c[2]}-N{c[3]['N']}"
+                              for c in (x.values if hasattr(x, "values") else x for x in TRACED)])
+def test_engines_on_traced_stages_are_formulas_from_other_sizes(engine, schedule, m, sizes, others, measured):
+    """Every rank's formula (its stage's, its group's) derived at other sizes (B; N under FSDP2), at the measured
+    sizes, is at most that rank's measured peak and, over the other sizes, equal to it (the same moment peaks);
+    none is a line in B any more."""
+    world = sizes["N"]
+    found: dict[int, list[tuple[int, int]]] = {}
+    for other in others:
+        d = _traced(engine, schedule, m, tuple(sorted({**sizes, **other}.items())))
+        formulas = rank_formulas(d) or []
+        assert formulas and all("a line in B" not in f.held_at for f in formulas), formulas
+        if engine.startswith("fsdp"):
+            assert all(N in f.peak.free_symbols for f in formulas), formulas
+        there = d.at(**{k: sizes[k] for k in other})
+        n = d.numbers[N]
+        for f in formulas:  # the leading group's formula is rank 0's, "rank N-1" the last rank's, at any N
+            stage, name = f.ranks[0] // n, f.label.split(", ", 1)[1]
+            mine = range(world) if name == "ranks 0..N-1" else [world - 1] if name == "rank N-1" else \
+                [r % n for r in f.ranks] if engine == "zero-redundancy" else \
+                [0] if f.ranks[0] % n == 0 else []  # a middle rank's number is its own N's; ZeRO-1's at its N
+            for r in mine:
+                found.setdefault(stage * world + r, []).append(
+                    (there.evaluate(f.peak_first_step), there.evaluate(f.peak)))
+    assert {0, world - 1, world, 2 * world - 1} <= set(found) <= set(measured), (found, measured)
+    for rank in found:
+        first, steady = measured[rank]
+        assert all(s <= steady for _, s in found[rank]) and max(s for _, s in found[rank]) == steady, (rank, found)
+        if first is not None:
+            assert all(f <= first for f, _ in found[rank]) and max(f for f, _ in found[rank]) == first, (rank, found)
