@@ -149,6 +149,9 @@ def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tup
     if not shape:
         return ()
     k = shard_rows(shape, world)
+    if isinstance(rank, sympy.Expr) and not rank.is_number and sympy.expand(rank - world) == -1:
+        # the last rank (N - 1): d0 <= N*k, so its rows are at most k; built without sympy's search of the Max
+        return (sympy.Max(0, shape[0] - rank * k, evaluate=False), *shape[1:])
     rows = k if rank == 0 else sympy.Max(0, sympy.Min(k, shape[0] - rank * k))
     return (rows, *shape[1:])
 
