@@ -31,7 +31,7 @@ table's "peak per rank as formulas" line), and the FSDP2 ranks' steps are the on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +57,16 @@ class RankFormula:
     #: over the moments, itself where it is one moment)
     largest: sympy.Expr | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {"ranks": self.label, "rank_numbers": list(self.ranks), "peak": str(self.peak),
-               "peak_first_step": str(self.peak_first_step),
-               "largest_moment": str(self.peak if self.largest is None else self.largest)}
+    def as_dict(self, printed: Mapping[sympy.Expr, str] | None = None) -> dict[str, Any]:
+        """The JSON's entry; ``printed``: formulas already printed (the derivation's own peak is rank 0's: a long
+        ``Max`` is printed once)."""
+        def text(e: sympy.Expr) -> str:
+            # a long Max printed with its terms as the algebra keeps them: sorting them was most of its time
+            return (printed or {}).get(e) or sympy.sstr(e, order="none")
+
+        out = {"ranks": self.label, "rank_numbers": list(self.ranks), "peak": text(self.peak),
+               "peak_first_step": text(self.peak_first_step),
+               "largest_moment": text(self.peak if self.largest is None else self.largest)}
         if self.held_at:
             out["formula_at"] = self.held_at
         return out

@@ -82,7 +82,8 @@ def peak(d: Derivation) -> dict[str, Any] | None:
             out["peak_at"]["partition_at"] = partition_at(d)  # the numbers the formulas hold at
     formulas = rank_formulas(d) if ranks else None
     if formulas:  # each distinct rank's peak as a formula in N and the sizes (passes/rank_formulas.py)
-        out["expressions"]["peak_per_rank"] = [f.as_dict() for f in formulas]
+        printed = {d.peak: out["expressions"]["peak"], d.peak_first_step: out["expressions"]["peak_first_step"]}
+        out["expressions"]["peak_per_rank"] = [f.as_dict(printed) for f in formulas]
     side = parameter_side_per_rank(d)
     if side:  # what each rank of the engine holds (FSDP's padding, Adam's step counts): passes/rank_side.py
         out["values"]["parameter_side_per_rank"] = {str(r): v for r, v in side.items()}
