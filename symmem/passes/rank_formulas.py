@@ -5,7 +5,7 @@ whole-parameter owners, and each stage's data-parallel ranks on a p x N mesh (DD
 The ranks are grouped as :func:`~symmem.passes.data_parallel.alike_ranks` groups them at the derivation's ``N``
 (ZeRO-1: by the parameters each owns), and each group's formula is its first rank's step -- or, where the group is
 the last rank alone, the step of rank ``N - 1`` (:func:`~symmem.passes.data_parallel.rank_of`: the rows it holds
-are ``Max(0, Min(ceiling(d0/N), d0 - (N - 1)*ceiling(d0/N)))``), so "rank N-1" is the last rank's formula at any
+are ``Max(0, d0 - (N - 1)*ceiling(d0/N))``), so "rank N-1" is the last rank's formula at any
 ``N``, not rank 3's.  Rank 0 always holds whole shards: its formula is every leading rank's.  A middle rank that
 holds part of a shard keeps its number (``rank 2``).  The grouping itself is the one at the derivation's ``N``.
 
