@@ -131,6 +131,20 @@ def test_each_stages_last_rank_formula_from_other_sizes(model, values, schedule,
     """Each stage's last data-parallel rank: its largest moment's formula (in N, the sizes, at p and M), derived at
     other sizes, at the measured ones is at most that rank's measured steady peak, and equal where the same moment
     peaks there (as each stage's rank 0: tests/test_pipeline_formula_mesh.py)."""
+    _last_ranks(model, values, schedule, m, reshard, options, others, measured)
+
+
+def last_ranks_against_the_engines(everything, cases):
+    """``everything``: per rank (rank s*N + r), tests/test_fsdp_pipeline.py's live results of its ``cases`` on the
+    2 x 2 mesh: STAGES' formulas for ranks 1 and 3 against those ranks' measured steady peaks (its spawn calls
+    this)."""
+    for k, (model, values, schedule, m, reshard, options, others, _) in enumerate(STAGES):
+        assert (model, schedule, m, reshard) == (cases[k][0], cases[k][2], cases[k][3], cases[k][6])
+        real = {r.rank: r.steady_peak for rank in everything for r in [rank[k]]}
+        _last_ranks(model, values, schedule, m, reshard, options, others, (real[1], real[3]))
+
+
+def _last_ranks(model, values, schedule, m, reshard, options, others, measured):
     found = []
     for other in others:
         d = _stages(model, tuple(sorted({**values, **other}.items())), schedule, m, reshard,
@@ -215,20 +229,29 @@ def test_engines_on_traced_stages_are_formulas_from_other_sizes(engine, schedule
     """Every rank's formula (its stage's, its group's) derived at other sizes (B; N under FSDP2), at the measured
     sizes, is at most that rank's measured peak and, over the other sizes, equal to it (the same moment peaks);
     none is a line in B any more."""
+    derived = [_traced(engine, schedule, m, tuple(sorted({**sizes, **other}.items()))) for other in others]
+    ranks_from_other_sizes(derived, sizes, others, measured, engine == "zero-redundancy")
+
+
+def ranks_from_other_sizes(derived, sizes, others, measured, zero=False):
+    """Every rank's formula of each derivation of ``derived`` (made at ``sizes`` with each of ``others`` over them)
+    at ``sizes``: the leading group's is rank 0's, "rank N-1" the last rank's, ZeRO-1's by number (its partition at
+    its own N); each is at most the rank's ``measured`` ``{rank: (first or None, steady)}`` and, over the other
+    sizes, equal to it (where the same moment peaks).  Also called by the pipeline meshes' spawns with their live
+    ranks (tests/test_ddp_pipeline.py, tests/test_fsdp_pipeline.py)."""
     world = sizes["N"]
     found: dict[int, list[tuple[int, int]]] = {}
-    for other in others:
-        d = _traced(engine, schedule, m, tuple(sorted({**sizes, **other}.items())))
+    for d, other in zip(derived, others, strict=True):
         formulas = rank_formulas(d) or []
         assert formulas and all("a line in B" not in f.held_at for f in formulas), formulas
-        if engine.startswith("fsdp"):
-            assert all(N in f.peak.free_symbols for f in formulas), formulas
+        if not zero:
+            assert all(N in f.peak.free_symbols for f in formulas if "N-" in f.label), formulas
         there = d.at(**{k: sizes[k] for k in other})
         n = d.numbers[N]
         for f in formulas:  # the leading group's formula is rank 0's, "rank N-1" the last rank's, at any N
             stage, name = f.ranks[0] // n, f.label.split(", ", 1)[1]
             mine = range(world) if name == "ranks 0..N-1" else [world - 1] if name == "rank N-1" else \
-                [r % n for r in f.ranks] if engine == "zero-redundancy" else \
+                [r % n for r in f.ranks] if zero else \
                 [0] if f.ranks[0] % n == 0 else []  # a middle rank's number is its own N's; ZeRO-1's at its N
             for r in mine:
                 found.setdefault(stage * world + r, []).append(
