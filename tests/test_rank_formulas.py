@@ -245,7 +245,7 @@ def ranks_from_other_sizes(derived, sizes, others, measured, zero=False):
         formulas = rank_formulas(d) or []
         assert formulas and all("a line in B" not in f.held_at for f in formulas), formulas
         if not zero:
-            assert all(N in f.peak.free_symbols for f in formulas if "N-" in f.label), formulas
+            assert all(N in f.peak.free_symbols for f in formulas if f.label.endswith("rank N-1")), formulas
         there = d.at(**{k: sizes[k] for k in other})
         n = d.numbers[N]
         for f in formulas:  # the leading group's formula is rank 0's, "rank N-1" the last rank's, at any N
