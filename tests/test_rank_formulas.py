@@ -125,6 +125,7 @@ def _stages(model, values, schedule, m, reshard, options):
                   values={"p": 2, **dict(values)}, **dict(options))
 
 
+@pytest.mark.deep  # tests/test_fsdp_pipeline.py's spawn checks the same against its live ranks
 @pytest.mark.parametrize("model, values, schedule, m, reshard, options, others, measured", STAGES)
 def test_each_stages_last_rank_formula_from_other_sizes(model, values, schedule, m, reshard, options, others,
                                                         measured):
@@ -187,8 +188,9 @@ def test_json_and_table_give_every_group(capsys):
 #: head), p = 2, measured on real gloo meshes (docs/regimes.md, "Traced modules under DDP and ZeRO-1 x pipeline" and
 #: "... FSDP x pipeline"; tests/test_ddp_pipeline.py and tests/test_fsdp_pipeline.py run rows of them): (engine,
 #: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured).
-#: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  The
-#: default suite runs ZeRO-1 and FSDP2 1F1B; ``-m deep`` the rest (each ~5-15 CPU-s here).
+#: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  Every
+#: row is under ``-m deep`` (each ~5-15 CPU-s here): the pipeline meshes' spawns check the bucket view, ZeRO-1 and
+#: FSDP2 1F1B rows against their live ranks in the default suite (ranks_from_other_sizes, below).
 BLOCK = f"{__import__('pathlib').Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 TRACED = [
     pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
@@ -197,11 +199,13 @@ TRACED = [
     pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
      {0: (135_512, 163_896), 1: (135_512, 163_896), 2: (132_360, 159_508), 3: (132_360, 159_508)},
                  marks=pytest.mark.deep),
-    ("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-     {0: (142_768, 142_768), 1: (142_600, 142_600), 2: (139_528, 139_528), 3: (139_376, 139_376)}),
+    pytest.param("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
+                 {0: (142_768, 142_768), 1: (142_600, 142_600), 2: (139_528, 139_528), 3: (139_376, 139_376)},
+                 marks=pytest.mark.deep),
     # FSDP2: the head's 5 rows padded to 6, so rank 3 (stage 1's last data-parallel rank) holds 2 of its 3
-    ("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}],
-     {0: (88_720, 118_824), 1: (88_720, 118_824), 2: (91_140, 120_596), 3: (91_140, 120_396)}),
+    pytest.param("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}],
+                 {0: (88_720, 118_824), 1: (88_720, 118_824), 2: (91_140, 120_596), 3: (91_140, 120_396)},
+                 marks=pytest.mark.deep),
     pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}],
      {0: (93_968, 124_072), 1: (93_968, 124_072), 2: (91_340, 120_796), 3: (91_340, 120_596)},
                  marks=pytest.mark.deep),
