@@ -171,8 +171,16 @@ def _check_traced(everything):
                               "buckets": 0 if view else r.parameters, "optimizer_state": r.optimizer_state,
                               "total": (2 if view else 3) * r.parameters + r.optimizer_state} for r in real}
         assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
-        # an engine on traced stages: no formula in the sizes (passes/pipeline_formula.py), said in the peak line
-        assert d.peak_at().pinned() == f"a line in B, the other sizes at their numbers, p = 2, M = {case[1]}", k
+        # an engine on traced stages: each moment a formula in the module's sizes (importer/traced_formula.py), and
+        # every rank's, derived at other B, at this mesh's B gives its measured peak where the same moment peaks
+        assert d.peak_at().pinned().startswith(f"at p = 2, M = {case[1]}"), (k, d.peak_at().pinned())
+        import test_rank_formulas as ranks
+
+        others = [{"B": 2}, {"B": 6}]
+        ranks.ranks_from_other_sizes(
+            [ranks._traced(case[2], case[0], case[1], tuple(sorted({"B": 4, "N": 2, **o}.items()))) for o in others],
+            {"B": 4, "N": 2}, others, {r.rank: (r.first_peak, r.steady_peak) for r in real},
+            case[2] == "zero-redundancy")
     assert [(r.steady_at, r.steady_peak) for r in everything[0]] == [
         (("forward", "aten.sum.dim_IntList"), 163_896), (("step", "aten.div.Tensor"), 142_768)]
     assert everything[0][1].optimizer_state - everything[1][1].optimizer_state == 168

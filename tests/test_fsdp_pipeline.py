@@ -104,6 +104,9 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     import test_pipeline_formula_mesh as formula  # FSDP x pipeline's formulas from other sizes vs these ranks
 
     formula.fsdp_against_the_engines(everything, CASES)
+    import test_rank_formulas as ranks  # each stage's last data-parallel rank's formula from N = 3 and 4
+
+    ranks.last_ranks_against_the_engines(everything, CASES)
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -182,6 +185,15 @@ def _check_traced(everything, cases=TRACED):
         # the head's 5 rows padded to 6: rank 3 (stage 1's data-parallel rank 1) holds 2 of 3, AdamW's state 2 rows
         # of 24 floats (and a bias element) fewer
         assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * (24 + 1), k
+        # every rank's formula in B and N (importer/traced_fsdp_pipeline.TracedFsdpFormulas), derived at N = 3 and
+        # N = 4, at this mesh's sizes gives this rank's measured peak where the same moment peaks there
+        import test_rank_formulas as ranks
+
+        others = [{"N": 3}, {"N": 4, "B": 3}]
+        engine = "fsdp" if reshard else "fsdp-no-reshard"
+        ranks.ranks_from_other_sizes(
+            [ranks._traced(engine, schedule, m, tuple(sorted({"B": 4, "N": 2, **o}.items()))) for o in others],
+            {"B": 4, "N": 2}, others, {r.rank: (r.first_peak, r.steady_peak) for r in real})
     assert _traced().peak_at().where(step=False) == (
         "rank 2 (stage 1 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before aten.detach.default "
         "(AddmmBackward0) in blocks.2.down's backward, micro-batch 1")

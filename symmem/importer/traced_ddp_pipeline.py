@@ -199,18 +199,44 @@ class TracedDdpPipelineStep(TracedPipelineStep, DdpPipelineStep):
         out = []
         for replay, params in zip(alone, whole, strict=True):
             cut, s = replay.cut, replay.s
-            at = dict(replay.at)
-            at["gradients"] = at["parameters"]  # FP32 AdamW: each trainable parameter's gradient its size
-            if self.zero:
-                at = _zero_at(at, cut, s, params, world, self.rank)
-            # DDP's buckets: every trainable parameter's gradient once, the stage's gradients' bytes
-            at["ddp_buckets"] = at["gradients"]
-            at["at_rest"] += at["ddp_buckets"]
-            if not self.view:  # under the bucket view the step's gradients are the buckets
-                at["step_peak"] += at["ddp_buckets"]
+            at = self._engine_at(replay.at, cut, s, params, world)
             kind = _TracedViewReplay if self.view else _Replay
             out.append(kind(cut, s, at, self.schedule, self.micro_batches))  # type: ignore[arg-type]
         return out
+
+    def _engine_at(self, alone: Mapping[str, Any], cut: Any, s: int, params: Sequence[int], world: int
+                   ) -> dict[str, Any]:
+        """Stage ``s``'s parts (``alone``: the stage alone's) on this rank: DDP's buckets, ZeRO-1's owned state and
+        step.  Sizes or formulas alike: on a cut whose sizes carry their formulas (:mod:`.traced_formula`) the
+        parts are formulas in the module's sizes too."""
+        at = dict(alone)
+        at["gradients"] = at["parameters"]  # FP32 AdamW: each trainable parameter's gradient its size
+        if self.zero:
+            at = _zero_at(at, cut, s, params, world, self.rank)
+        # DDP's buckets: every trainable parameter's gradient once, the stage's gradients' bytes
+        at["ddp_buckets"] = at["gradients"]
+        at["at_rest"] += at["ddp_buckets"]
+        if not self.view:  # under the bucket view the step's gradients are the buckets
+            at["step_peak"] += at["ddp_buckets"]
+        return at
+
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """Each moment as a formula in the module's sizes (:mod:`.traced_formula`): the stage's parts at rest with
+        this rank's engine (:meth:`_engine_at` on the cut whose sizes carry their formulas), the blocks at their
+        number; ZeRO-1's partition at these sizes (said)."""
+        if type(self) is not TracedDdpPipelineStep:
+            return None
+        from .traced_formula import TracedFormulas
+        from .traced_pipeline import stage_memory
+
+        world = self._world(named)
+
+        def memory(cut: Any, m: int) -> list[dict[str, Any]]:
+            whole = stage_parameters(cut)
+            return [self._engine_at(at, cut, s, whole[s], world) for s, at in enumerate(stage_memory(cut, m))]
+
+        said = {"said": "ZeroRedundancyOptimizer's partition at these sizes"} if self.zero else {}
+        return {"engine": TracedFormulas(self, named, memory, TracedCut._boundaries), **said}
 
     def _cut(self, numbers: Mapping[str, int]) -> Any:
         """The stage alone's replays (not run) and each stage's parameters at ``numbers``, shared by every

@@ -259,6 +259,13 @@ class TracedFsdpPipelineStep(TracedPipelineStep, FsdpPipelineStep):
                                          units, self.reshard))
         return out
 
+    def _formula_extra(self, named: Mapping[str, int]) -> Any:
+        """Each moment as a formula in the module's sizes and ``N`` (:class:`TracedFsdpFormulas`), the blocks at
+        their number."""
+        if type(self) is not TracedFsdpPipelineStep:
+            return None
+        return {"engine": TracedFsdpFormulas(self, named)}
+
     def _firsts(self, derivation: Any) -> list[Any]:
         assert self.step is not None
         rec = self._record({s.name: int(v) for s, v in derivation.numbers.items()})
@@ -279,3 +286,110 @@ def fsdp_pipeline_step(step: StepPeak, regime: Regime, numbers: Mapping[sympy.Sy
     return TracedFsdpPipelineStep(None, None, {}, alone.regime, (), dict(numbers),  # type: ignore[arg-type]
                                   regime.pipeline_schedule, regime.micro_batches,
                                   reshard=regime.data_parallel == "fsdp", step=alone.step)
+
+
+def _shard(shape: tuple[int, ...]) -> sympy.Expr:
+    """A parameter's padded shard in elements, in ``N``: ``ceiling(d0/N)`` rows of its stored shape."""
+    from ..passes.data_parallel import ceil_div
+    from ..symbols import N
+
+    return ceil_div(sympy.Integer(shape[0]), N) * int(sympy.Mul(*shape[1:])) if shape else sympy.Integer(1)
+
+
+class TracedFsdpFormulas:
+    """:class:`~symmem.passes.pipeline_formula.StageFormulas`' ``engine`` for FSDP2 on a traced module's stages
+    (``step``: a :class:`TracedFsdpPipelineStep`, its data-parallel rank ``step.rank``): the recorded storages'
+    sizes as the record's formulas in the module's sizes (:mod:`.traced_formula`), and FSDP's own -- the padded
+    shards, the all-gather outputs and reduce-scatter inputs (``N`` shards of a unit), each unsharded parameter,
+    the sharded gradients, AdamW's state of the rows the rank holds and the step's temporaries at those rows -- in
+    ``N`` (a traced module's parameters have numbers for their shapes: ``ceiling(d0/N)`` rows; the last rank's
+    rows as rank ``N - 1``'s, :func:`~symmem.passes.data_parallel.rank_of`).  The blocks at their number (said)."""
+
+    def __init__(self, step: TracedFsdpPipelineStep, named: Mapping[str, int]) -> None:
+        from .traced_formula import TracedFormulas
+
+        self.step, self.named = step, dict(named)
+        # the parts at rest and the optimizer step as TracedFormulas reads them, from this engine's stage memory
+        self.base = TracedFormulas(step, named, self._memory, TracedCut._boundaries)
+        self.count = self.base.count
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.units: dict[int, Any] = {}
+
+    def _memory(self, cut: Any, m: int) -> list[dict[str, Any]]:
+        """Each stage's parts under FSDP (:func:`_stage_at`'s), as sizes that carry their formulas."""
+        from ..passes.data_parallel import held_shape, rank_of
+        from ..symbols import N
+        from .traced_formula import _Sized
+        from .traced_pipeline import _param_names
+
+        step = self.step
+        assert step.step is not None
+        rec = cut.rec
+        world = step._world(self.named)
+        rank = rank_of([step.rank], world)
+        params = parameters_of(rec, step.step.module, step.step.repeat, step.step.options.untie)
+        self.shapes = {q.name: q.shape for q in params}
+        names = _param_names(rec)
+        out = []
+        for s, at in enumerate(stage_memory(cut, step.micro_batches)):
+            units = self.units[s] = _TracedUnits(rec, cut._cut, step.step.module, step.step.repeat, s, world,
+                                                 step.rank, step.step.options.untie)
+            weights_n, state_n = units.at_rest()
+            held = {q.name: held_shape(self.shapes[q.name], N, rank) for q in units.params}
+            weights = _Sized(weights_n, sympy.Add(*(4 * _shard(self.shapes[q.name]) for q in units.params)))
+            state = _Sized(state_n, sympy.Add(*(8 * sympy.Mul(*held[q.name]) + 4 for q in units.params)))
+            rest = at["at_rest"] - at["parameters"] - at["optimizer_state"] + weights + state
+            sizes = _HeldSizes(cut, rec, units, names)
+            at_rows = {q.name: 4 * sympy.Mul(*held[q.name]) if held[q.name] else sympy.Integer(4)
+                       for q in units.params}
+            # the step's temporaries of a parameter at the rank's rows, each value with its formula in N
+            for o in rec.ops:
+                if o.phase == "step" and o.where in at_rows:
+                    for i in o.born:
+                        if i in sizes.scaled:
+                            sizes.scaled[i] = _Sized(sizes.scaled[i], at_rows[o.where])
+            top = _step_peak(rec, sizes, s, _owners(rec, cut), rest + weights)  # type: ignore[arg-type]
+            out.append({**at, "at_rest": rest, "parameters": weights, "gradients": weights,
+                        "optimizer_state": state, "step_peak": top})
+        return out
+
+    # the stage's replay and its parts: TracedFormulas' (its replay is this step's, FSDP's units around it)
+    def replay(self, s: int, numbers: Any, packed: bool) -> Any:
+        return self.base.replay(s, numbers, packed)
+
+    def rest(self, memory: Any, s: int) -> sympy.Expr:
+        return self.base.rest(memory, s)
+
+    def outputs(self, memory: Any, s: int) -> sympy.Expr:
+        return self.base.outputs(memory, s)
+
+    def step_peak(self, memory: Any, s: int) -> sympy.Expr:
+        return self.base.step_peak(memory, s)
+
+    def state(self, memory: Any, s: int) -> sympy.Expr:
+        return self.base.state(memory, s)
+
+    def layer(self, node: str | None) -> int:
+        return 0  # the blocks at their number
+
+    def size(self, cut: Any, sid: int) -> sympy.Expr:
+        return cut.tl.storages[sid].nbytes
+
+    def snapshot(self, replay: Any) -> list[tuple[str, Any]]:
+        """FSDP's storages alive at a moment of ``replay`` (their keys)."""
+        return list(replay.held)
+
+    def terms(self, held: Any, cut: Any, s: int) -> list[tuple[int, sympy.Expr, int]]:
+        """FSDP's storages alive at stage ``s``'s moment, each in ``N``: an unsharded parameter (``N`` padded
+        shards), a unit's all-gather output and reduce-scatter input (``N`` shards of it), its sharded gradients."""
+        from ..symbols import N
+
+        units = self.units[s]
+        out = []
+        for kind, key in held or ():
+            if kind == "P" and isinstance(key, tuple):
+                out.append((0, 4 * N * _shard(self.shapes[key[1]]), 1))
+            elif kind in ("A", "R", "G"):
+                times = 4 if kind == "G" else 4 * N
+                out.append((0, sympy.Add(*(times * _shard(self.shapes[q.name]) for q in units.of(key))), 1))
+        return out

@@ -149,6 +149,9 @@ def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tup
     if not shape:
         return ()
     k = shard_rows(shape, world)
+    if isinstance(rank, sympy.Expr) and not rank.is_number and sympy.expand(rank - world) == -1:
+        # the last rank (N - 1): d0 <= N*k, so its rows are at most k; built without sympy's search of the Max
+        return (sympy.Max(0, shape[0] - rank * k, evaluate=False), *shape[1:])
     rows = k if rank == 0 else sympy.Max(0, sympy.Min(k, shape[0] - rank * k))
     return (rows, *shape[1:])
 
@@ -579,7 +582,6 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
 
     A rank's step differs from another's only through the rows it holds of each parameter (:func:`held_shape`),
     so each distinct set of rows is walked once, however large ``N`` is."""
-    import dataclasses
 
     from ..symbols import N
     from .zero_redundancy import engaged
@@ -597,15 +599,42 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return None
     if hasattr(step, "rank_peaks"):  # a traced module's step: every rank (importer/traced_engines.py)
         return step.rank_peaks(derivation)
-    firsts = [derivation.evaluate(shape[0]) for shape in _stored(step.graph).values() if shape]
     found = {}
-    for group in alike_ranks(firsts, int(world)):
-        options = {**step.options, RANK_OPTION: group[0]}
-        d = dataclasses.replace(derivation, step=dataclasses.replace(step, options=options, _cache={}, _all=None,
-                                                                     _written=None))
+    for group, d in rank_derivations(derivation):
         found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))
     found = dict(sorted(found.items()))
     return found if len(set(found.values())) > 1 else None
+
+
+def rank_derivations(derivation: Any) -> list[tuple[list[int], Any]]:
+    """A built graph's FSDP2 ranks at the derivation's number of ``N``, grouped by the rows they hold
+    (:func:`alike_ranks`), each group with the derivation of its step (:func:`rank_of`: the last rank's in ``N - 1``,
+    so its peak formula is the last rank's at any ``N``); kept on the step, as the views ask again."""
+    import dataclasses
+
+    step = derivation.step
+    world = int(derivation.numbers[N])
+    key = ("rank derivations", tuple(sorted((s.name, int(v)) for s, v in derivation.numbers.items())))
+    if key not in step._cache:
+        firsts = [derivation.evaluate(shape[0]) for shape in _stored(step.graph).values() if shape]
+        out = []
+        for group in alike_ranks(firsts, world):
+            options = {**step.options, RANK_OPTION: rank_of(group, world)}
+            out.append((group, dataclasses.replace(derivation, step=dataclasses.replace(
+                step, options=options, _cache={}, _all=None, _written=None))))
+        step._cache[key] = out
+    return step._cache[key]
+
+
+def rank_of(group: Sequence[int], world: int) -> Any:
+    """The rank whose step stands for ``group`` (ranks holding the same rows at ``world`` ranks): its first, or
+    where the group is the last rank alone, ``N - 1`` -- the rows it holds are then a formula in ``N``
+    (:func:`held_shape`: ``d0 - (N-1)*ceiling(d0/N)``), the last rank's at any ``N``.
+
+    >>> rank_of([0, 1, 2], 4), rank_of([3], 4), rank_of([2], 4)
+    (0, N - 1, 2)
+    """
+    return N - 1 if len(group) == 1 and group[0] == world - 1 and world > 1 else group[0]
 
 
 def alike_ranks(firsts: Sequence[Any], world: int) -> list[list[int]]:

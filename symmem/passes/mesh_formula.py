@@ -43,7 +43,7 @@ import sympy
 
 from ..shapes import numel
 from ..symbols import N
-from .data_parallel import ceil_div, held_shape
+from .data_parallel import ceil_div, held_shape, rank_of
 from .model_parallel import _step_temporaries, pack_alike, pack_parts
 from .unroll import iteration, template
 
@@ -231,7 +231,8 @@ class FsdpFormulas(_AtRest):
             first = units.layers[0] if units.layers else None
             index = [k for k, p in enumerate(units.params) if p.unit is not None]
             start = index[0] if index else len(units.params)
-            rank = step.rank
+            # the last data-parallel rank's rows in N (rank_of: N - 1), so its formula is the last rank's at any N
+            rank = rank_of([step.rank], step._world(self.named))
             held = {p.name: held_shape(shapes[p.name], self.world, rank) for p in units.params}
             before = [held[p.name] for k, p in enumerate(units.params) if p.unit is None and k < start]
             after = [held[p.name] for k, p in enumerate(units.params) if p.unit is None and k > start]

@@ -201,7 +201,9 @@ class Simulation:
             held = dict(self.flat)
         else:
             stored = data_parallel.stored_shapes(graph, params) if self.fsdp else dict(params)
-            rank = int(self.rule_options.get(data_parallel.RANK_OPTION, 0))
+            rank = self.rule_options.get(data_parallel.RANK_OPTION, 0)
+            # a number, or the last rank as a formula in N (N - 1: passes/rank_formulas.py)
+            rank = rank if isinstance(rank, sympy.Expr) and not rank.is_number else int(rank)
             held = {name: data_parallel.held_shape(stored[name], N, rank) if self.fsdp else shape
                     for name, shape in params}
         stepped = self.flat if self.flat is not None else params

@@ -16,9 +16,11 @@ import sympy
 
 from ..errors import SymmemError
 from ..passes.data_parallel import rank_peaks, rank_ranges
+from ..passes.rank_formulas import rank_formulas
 from ..passes.rank_side import parameter_side_per_rank
 from ..passes.zero_redundancy import partition_at, state_per_rank
 from ..simplify import factored, rounded
+from ..symbols import N
 from ..units import UNITS
 from .factoring import field, fields, in_sizes, legend
 from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
@@ -78,6 +80,10 @@ def peak(d: Derivation) -> dict[str, Any] | None:
         if state:
             out["values"]["optimizer_state_per_rank"] = {str(r): v for r, v in enumerate(state)}
             out["peak_at"]["partition_at"] = partition_at(d)  # the numbers the formulas hold at
+    formulas = rank_formulas(d) if ranks else None
+    if formulas:  # each distinct rank's peak as a formula in N and the sizes (passes/rank_formulas.py)
+        printed = {d.peak: out["expressions"]["peak"], d.peak_first_step: out["expressions"]["peak_first_step"]}
+        out["expressions"]["peak_per_rank"] = [f.as_dict(printed) for f in formulas]
     side = parameter_side_per_rank(d)
     if side:  # what each rank of the engine holds (FSDP's padding, Adam's step counts): passes/rank_side.py
         out["values"]["parameter_side_per_rank"] = {str(r): v for r, v in side.items()}
@@ -380,6 +386,7 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
             for a, b, (f, v) in rank_ranges(ranks))
             + f" (the peak above is rank {getattr(d.peak_at(), 'rank', 0)}'s, the largest)" + _partition_note(d),
             max(width, 40))
+        lines += _rank_formula_lines(d, width, cut)
     side = parameter_side_per_rank(d)
     if side:  # the engine's parameter side per rank, beside the papers' total (passes/rank_side.py)
         lines += textwrap.wrap("parameter side per rank (weights + gradients + optimizer state, with FSDP's padding "
@@ -392,6 +399,20 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         for key, name in (("peak_per_stage", "peak per stage (MiB)"), ("peak_first_step_per_stage", "first step")):
             stages = ", ".join(f"{i}: {v / UNITS['MiB']:.2f}" for i, v in enumerate(each[key]))
             lines += _totals(f"{name:<{key_width}} {'':>12}           ", stages, width, cut)
+    return lines
+
+
+def _rank_formula_lines(d: Derivation, width: int, cut: bool) -> list[str]:
+    """Each distinct rank's peak as a formula (its largest moment at these sizes), grouped in N ("ranks 0..N-2",
+    "rank N-1"): passes/rank_formulas.py; nothing where the ranks have none here."""
+    formulas = rank_formulas(d)
+    if not formulas:
+        return []
+    lines = ["peak per rank as formulas (each group's largest moment at these sizes; the groups are those at "
+             f"N = {d.numbers[N]}):"]
+    for f in formulas:
+        note = f"   ({f.held_at})" if f.held_at else ""
+        lines += _totals(f"  {f.label}: ", _shown(d, f.peak if f.largest is None else f.largest) + note, width, cut)
     return lines
 
 
