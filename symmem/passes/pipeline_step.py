@@ -197,11 +197,12 @@ class PipelineStep:
         if BATCH not in named:
             raise SymmemError("the pipeline peak is worked out in the batch B, which this model has not")
         b = named[BATCH]
-        try:
-            return self._lines(named, b, b)
-        except _NotALine:
-            if b != 1:
-                raise
+        if not (b == 1 and self._no_line_from_one(named)):
+            try:
+                return self._lines(named, b, b)
+            except _NotALine:
+                if b != 1:
+                    raise
         # a batch of one differs (PyTorch makes views, not copies, of size-1 dimensions: GPT-2's shifted labels'
         # contiguous()): B = 1 on its own, its bytes as they are
         return self._lines(named, b, None)
@@ -245,6 +246,11 @@ class PipelineStep:
                        for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
+
+    def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
+        """Whether the moments at ``B = 1`` are known to lie on no lines through ``B = 2, 3`` (then B = 1 is read
+        alone at once: the lines' attempt, a replay of every stage at three batches, would be refused)."""
+        return False
 
     def _stage_uppers(self, s: int, rows: Any, parts: Sequence[Mapping[str, int]], b: int) -> tuple[Lines, Lines]:
         """Stage ``s``'s lines ``a + c*B`` that no other bounds, of the steady step and of the first, from its

@@ -418,6 +418,9 @@ class SequencePipelineStep(TensorPipelineStep):
     def _peak(self, named: dict[str, int]) -> Any:
         return with_batch_of_one(lambda n: TensorPipelineStep._peak(self, n), named)
 
+    def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
+        return no_line_from_one(named)
+
 
 @dataclass(eq=False)
 class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
@@ -435,6 +438,17 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
 
     def _peak(self, named: dict[str, int]) -> Any:
         return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
+
+    def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
+        return no_line_from_one(named)
+
+
+def no_line_from_one(named: Mapping[str, int]) -> bool:
+    """At B = 1 every stage keeps the asynchronous all-gathers' second copy (:data:`ONCE`: each stage has layers,
+    each layer column-parallel linears whose inputs are all-gathered over S), which no line through B = 2 and 3
+    holds: the lines read from B = 1 are always refused (a replay of every stage at three batches), so B = 1 is read
+    alone at once (``tests/test_pipeline_shortcuts.py`` holds it against the lines' attempt)."""
+    return named.get("B") == 1
 
 
 def with_batch_of_one(peak_of: Any, named: dict[str, int]) -> Any:
