@@ -64,6 +64,8 @@ from ..symbols import p
 from ..tensor import dtype_bytes
 from ..training import SCHEDULES, Regime, checkpoint_every
 from .parameters import node_parameters
+from .stretch import _renamed
+from .unroll import iteration
 
 #: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
 RECOMPUTED = ":recompute"
@@ -679,11 +681,15 @@ def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
     first, second, third = rows
-    # the first moment of each value, found in C (a dict keeps the last index it is given: the indices from the
-    # end), the optimizer step's moments (op and micro-batch None) apart from the pipeline's
-    lives = [live if node is not None or mb is not None else (live, True) for live, node, mb in moments]
-    kept = sorted(dict(zip(reversed(lives), range(len(lives) - 1, -1, -1), strict=True)).values())
-    for live, node, mb in map(moments.__getitem__, kept):
+    # the first moment of each value, in order, the optimizer step's moments (op and micro-batch None) apart from
+    # the pipeline's
+    seen: set[Any] = set()
+    add = seen.add
+    for live, node, mb in moments:
+        key = live if node is not None or mb is not None else (live, True)
+        if key in seen:
+            continue
+        add(key)
         a = live & mask
         if a >= half:
             a -= full
@@ -775,9 +781,6 @@ class _Cut:
         return found
 
     def _stage_of(self, node: str | None) -> int:
-        from .stretch import _renamed
-        from .unroll import iteration
-
         if node is not None and node.endswith(RECOMPUTED):
             node = node[:-len(RECOMPUTED)]  # a checkpointed op run again in backward: its layer's stage runs it
         k = iteration(node) if node is not None else 0
@@ -1094,7 +1097,7 @@ class _Replay:
         indices = {k for k, _ in mine}
         # the lookups hoisted out of the thousands of ops (a stage's plans were most of its replay)
         storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
-        on, shared, stage_of = cut.on, cut.shared, cut.stage_of
+        on, shared, stage_of, known = cut.on, cut.shared, cut.stage_of, _known_stages(cut)
         alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
         outside = ("parameter", "optimizer_state", "input")
         forward, later = kind == "F", pass_ > 0
@@ -1104,8 +1107,15 @@ class _Replay:
             for sid in e.born:
                 st = storages[sid]
                 category = st.category
-                if category in outside or not (st.node in shared or stage_of(st.node) == s if alone else
-                                               on(st.node, s)):
+                if category in outside:
+                    continue
+                node = st.node
+                if alone:
+                    if node not in shared:
+                        found = known(node)
+                        if (stage_of(node) if found is None else found) != s:
+                            continue
+                elif not on(node, s):
                     continue
                 freed = frees(sid)
                 if category == "gradient":
@@ -1188,15 +1198,29 @@ def _ops(cut: Any, pass_: int, kind: str) -> list[list[tuple[int, Any]]]:
     found = cut.__dict__.setdefault("_ops", {})
     if (pass_, kind) not in found:
         per: list[list[tuple[int, Any]]] = [[] for _ in range(cut.p)]
-        shared, stage_of = cut.shared, cut.stage_of
+        shared, stage_of, known = cut.shared, cut.stage_of, _known_stages(cut)
         for k, e in cut.passes[pass_][kind]:
-            if e.node in shared:  # what the layers read besides the layer before: every stage makes its own
+            node = e.node
+            if node in shared:  # what the layers read besides the layer before: every stage makes its own
                 for ops in per:
                     ops.append((k, e))
             else:
-                per[stage_of(e.node)].append((k, e))
+                stage = known(node)
+                per[stage_of(node) if stage is None else stage].append((k, e))
         found[(pass_, kind)] = per
     return found[(pass_, kind)]
+
+
+def _known_stages(cut: Any) -> Any:
+    """What the cut's ``stage_of`` found so far, looked up without a call (``_Cut.stage_of``'s own cache; nothing
+    for a cut of another kind: a traced module's), for the loops over every op of a step."""
+    if getattr(type(cut), "stage_of", None) is _Cut.stage_of:
+        return cut._stage.get
+    return _unknown
+
+
+def _unknown(node: str | None) -> None:
+    return None
 
 
 def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:

@@ -363,19 +363,20 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
         if found is None or k[0] > found[0]:
             best[k[1]] = k
     # the largest at 1 (the steeper where two are: each slope is there once, so one), then the largest of those
-    # steeper than it, ...: the order a sort by value at 1 would keep them in, without sorting thousands of lines
-    # to keep one or two
-    kept = {}
-    left = list(best.values())
-    while left:
-        k = max(left, key=_at_one)
-        kept[k] = lines[k]
-        left = [x for x in left if x[1] > k[1]]
-    return kept
+    # steeper than it, ...: a line is kept where it is above every steeper line at 1, so one walk from the steepest
+    # finds them (each picked above the one before, the slopes ascending: that order kept), without a walk over the
+    # lines left for each line kept
+    above: list[tuple[int, int, bool]] = []
+    top = None
+    for k in sorted(best.values(), key=_slope, reverse=True):
+        if top is None or k[0] + k[1] > top:
+            above.append(k)
+            top = k[0] + k[1]
+    return {k: lines[k] for k in reversed(above)}
 
 
-def _at_one(k: tuple[int, int, bool]) -> tuple[int, int]:
-    return (k[0] + k[1], k[1])
+def _slope(k: tuple[int, int, bool]) -> int:
+    return k[1]
 
 
 class _StageFormulaMoments:
