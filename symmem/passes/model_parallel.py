@@ -1181,9 +1181,11 @@ class _Replay:
         """What dies with the micro-batch's backward; the gradient sent back lives until its send is waited on."""
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
-        sent = [x for x in ends if self._sent(x[1], False)]
-        for key in ends:
-            if not self._sent(key[1], False):
+        sent = []
+        for key in ends:  # each storage asked once (thousands a replay)
+            if self._sent(key[1], False):
+                sent.append(key)
+            else:
                 self.free(key)
         last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
         self.later += [(last, key) for key in sent]
