@@ -642,7 +642,7 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
             if made is None:
                 return None
             made[0].run()
-            out.append((_unpacked(made[0].moments), made[1]))
+            out.append((_unpacked(made[0].moments, len(numbers)), made[1]))
     except _Unpackable:
         return None
     return out
@@ -672,12 +672,21 @@ def _pack(values: Sequence[int]) -> int:
     return sum(v << (i * _DIGIT) for i, v in enumerate(values))
 
 
-def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
+def _unpacked(moments: Sequence[tuple[int, str | None, int | None]], count: int = 3
               ) -> list[list[tuple[int, str | None, int | None]]]:
     """A packed replay's moments as the three replays' (:func:`_unpack` inlined: a replay has thousands), each
     value once in each phase (the pipeline's, the step's) with the first op and micro-batch that shows it: the
     lines read from them (:mod:`.pipeline_step`) keep the first moment of each line only, and the schedule repeats
-    its micro-batches' live bytes (60% of a 1F1B replay's moments are repeats)."""
+    its micro-batches' live bytes (60% of a 1F1B replay's moments are repeats).  ``count``: the replays packed (four
+    where B = 1 is read beside the lines from B = 2: :mod:`.sequence_pipeline`).
+
+    >>> _unpacked([(_pack([1, -2, 3, 4]), "x", 0), (_pack([1, -2, 3, 4]), "y", 1), (_pack([5, 5, 5, 5]), None, None)],
+    ...           4)
+    [[(1, 'x', 0), (5, None, None)], [(-2, 'x', 0), (5, None, None)], [(3, 'x', 0), (5, None, None)], \
+[(4, 'x', 0), (5, None, None)]]
+    """
+    if count != 3:
+        return _unpacked_each(moments, count)
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
     first, second, third = rows
@@ -706,10 +715,25 @@ def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
     return rows
 
 
-def _unpack(packed: int) -> list[int]:
-    """:func:`_pack`'s three integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
+def _unpacked_each(moments: Sequence[tuple[int, str | None, int | None]], count: int
+                   ) -> list[list[tuple[int, str | None, int | None]]]:
+    """:func:`_unpacked` of ``count`` packed replays (the first moment of each value, :func:`_unpack`'s digits)."""
+    rows: list[list[tuple[int, str | None, int | None]]] = [[] for _ in range(count)]
+    seen: set[Any] = set()
+    for live, node, mb in moments:
+        key = live if node is not None or mb is not None else (live, True)
+        if key in seen:
+            continue
+        seen.add(key)
+        for row, value in zip(rows, _unpack(live, count), strict=True):
+            row.append((value, node, mb))
+    return rows
+
+
+def _unpack(packed: int, count: int = 3) -> list[int]:
+    """:func:`_pack`'s three (``count``) integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
     out = []
-    for _ in range(3):
+    for _ in range(count):
         digit = packed & ((1 << _DIGIT) - 1)
         if digit >> (_DIGIT - 1):
             digit -= 1 << _DIGIT

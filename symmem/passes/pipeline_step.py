@@ -155,7 +155,7 @@ class PipelineStep:
 
         out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
-        if out is not None and len(kept) == len(out):
+        if out is not None and len(kept) == len(out) and len(numbers) == 3:
             self._cache[plans_key(named, b)] = kept
         return out
 
@@ -207,13 +207,15 @@ class PipelineStep:
         # contiguous()): B = 1 on its own, its bytes as they are
         return self._lines(named, b, None)
 
-    def _lines(self, named: dict[str, int], b: int, line: int | None) -> Peak:
+    def _lines(self, named: dict[str, int], b: int, line: int | None, given: Any = None) -> Peak:
         """The stages' moments as lines in B read at ``b``, ``b + 1`` and ``b + 2`` (``line`` None: the bytes at
-        ``b`` alone, the domain B = b); the domain B >= 2 where ``b`` is, as a batch of one may differ."""
+        ``b`` alone, the domain B = b); the domain B >= 2 where ``b`` is, as a batch of one may differ.  ``given``:
+        each stage's moments and parts at the three (at ``b`` three times where ``line`` is None), as
+        :func:`~symmem.passes.model_parallel.batch_moments` gives them, read from a replay made already."""
         from .unroll import iteration, template
 
-        found = self._batch_moments(named, b) if line is not None else None
-        packed = found is not None
+        found = given if given is not None else self._batch_moments(named, b) if line is not None else None
+        packed = found is not None and line is not None
         if found is None:
             runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
             found = [([r[s].moments for r in runs], [r[s].at for r in runs]) for s in range(len(runs[0]))]
