@@ -198,3 +198,63 @@ def test_zero_1_ranks_read_from_one_replay() -> None:
         assert all(isinstance(moved, _Moved) for moved, _ in rows)
     read = [v for k, v in step._memo().items() if isinstance(k, tuple) and k[0] == "zero-1 lines"]
     assert len(read) == 2 and all(v is not None for v in read)  # one a stage, for every rank
+
+
+#: sequence parallelism on stages at B = 1 (SDPA, eager), alone and on the 3-D mesh, 1F1B and GPipe
+SEQUENCE_AT_ONE = [
+    ("1f1b", 2, "sdpa", {}, {}),
+    ("gpipe", 3, "naive", {}, {"G": 4}),
+    ("1f1b", 2, "sdpa", {"data_parallel": "fsdp"}, {"N": 2}),
+    ("gpipe", 2, "naive", {"data_parallel": "fsdp"}, {"N": 2, "G": 4, "L": 8}),
+]
+
+
+def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
+    """Sequence parallelism on stages at B = 1: B = 1 read alone at once, and on the p x t mesh B = 1 and the lines
+    from B = 2 read from one replay packed at B = 1, 2, 3, 4, give what the long way gives (the lines from B = 1
+    tried first, refused, then B = 1 alone, then the lines from B = 2, each replayed on its own) -- the peaks,
+    where, every moment with its formula and what it holds at, the domain -- and the long way's lines from B = 1
+    are refused every time (the shortcut's premise)."""
+    import symmem.passes.model_parallel as mp
+    import symmem.passes.pipeline_step as ps
+    from symmem import derive
+    from symmem.passes.sequence_pipeline import FsdpSequencePipelineStep, SequencePipelineStep, with_batch_of_one
+    from symmem.passes.tensor_pipeline import TensorPipelineStep
+
+    def everything(d) -> tuple:
+        peak = d.step.peak()
+        return (d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(),
+                d.step.rank_peaks(d), [str(c) for c in peak.domain],
+                [(m.where(), m.value(d.numbers), str(m.total), m.pinned()) for m in peak.moments])
+
+    found: dict[str, list] = {}
+    refused: list[bool] = []
+    lines = ps.PipelineStep._lines
+
+    def watched(self, named, b, line, given=None):
+        try:
+            return lines(self, named, b, line, given)
+        except ps._NotALine:
+            refused.append(b == 1 and line == 1)
+            raise
+
+    four: list[int] = []
+    each = mp._unpacked_each
+    for label in ("at once", "long way"):
+        with monkeypatch.context() as patch:
+            if label == "at once":
+                patch.setattr(mp, "_unpacked_each", lambda moments, count: four.append(count) or each(moments, count))
+            else:
+                for step in (FsdpSequencePipelineStep, SequencePipelineStep):
+                    patch.setattr(step, "_no_line_from_one", lambda self, named: False)
+                patch.setattr(SequencePipelineStep, "_peak", lambda self, named: with_batch_of_one(
+                    lambda n: TensorPipelineStep._peak(self, n), named))
+                patch.setattr(ps.PipelineStep, "_lines", watched)
+            for schedule, m, attention, engine, more in SEQUENCE_AT_ONE:
+                d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True,
+                           pipeline_schedule=schedule, micro_batches=m, attention=attention, device="cpu",
+                           values={**SMALL, "B": 1, "L": 4, "p": 2, "t": 2, **more}, **engine)
+                found.setdefault(label, []).append(everything(d))
+    assert found["at once"] == found["long way"]
+    assert refused == [True] * len(SEQUENCE_AT_ONE)
+    assert four == [4] * 4  # the p x t mesh's two cases, two stages each, from one replay at four batches

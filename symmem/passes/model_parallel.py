@@ -64,6 +64,8 @@ from ..symbols import p
 from ..tensor import dtype_bytes
 from ..training import SCHEDULES, Regime, checkpoint_every
 from .parameters import node_parameters
+from .stretch import _renamed
+from .unroll import iteration
 
 #: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
 RECOMPUTED = ":recompute"
@@ -640,7 +642,7 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
             if made is None:
                 return None
             made[0].run()
-            out.append((_unpacked(made[0].moments), made[1]))
+            out.append((_unpacked(made[0].moments, len(numbers)), made[1]))
     except _Unpackable:
         return None
     return out
@@ -670,20 +672,33 @@ def _pack(values: Sequence[int]) -> int:
     return sum(v << (i * _DIGIT) for i, v in enumerate(values))
 
 
-def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
+def _unpacked(moments: Sequence[tuple[int, str | None, int | None]], count: int = 3
               ) -> list[list[tuple[int, str | None, int | None]]]:
     """A packed replay's moments as the three replays' (:func:`_unpack` inlined: a replay has thousands), each
     value once in each phase (the pipeline's, the step's) with the first op and micro-batch that shows it: the
     lines read from them (:mod:`.pipeline_step`) keep the first moment of each line only, and the schedule repeats
-    its micro-batches' live bytes (60% of a 1F1B replay's moments are repeats)."""
+    its micro-batches' live bytes (60% of a 1F1B replay's moments are repeats).  ``count``: the replays packed (four
+    where B = 1 is read beside the lines from B = 2: :mod:`.sequence_pipeline`).
+
+    >>> _unpacked([(_pack([1, -2, 3, 4]), "x", 0), (_pack([1, -2, 3, 4]), "y", 1), (_pack([5, 5, 5, 5]), None, None)],
+    ...           4)
+    [[(1, 'x', 0), (5, None, None)], [(-2, 'x', 0), (5, None, None)], [(3, 'x', 0), (5, None, None)], \
+[(4, 'x', 0), (5, None, None)]]
+    """
+    if count != 3:
+        return _unpacked_each(moments, count)
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     rows: list[list[tuple[int, str | None, int | None]]] = [[], [], []]
     first, second, third = rows
-    # the first moment of each value, found in C (a dict keeps the last index it is given: the indices from the
-    # end), the optimizer step's moments (op and micro-batch None) apart from the pipeline's
-    lives = [live if node is not None or mb is not None else (live, True) for live, node, mb in moments]
-    kept = sorted(dict(zip(reversed(lives), range(len(lives) - 1, -1, -1), strict=True)).values())
-    for live, node, mb in map(moments.__getitem__, kept):
+    # the first moment of each value, in order, the optimizer step's moments (op and micro-batch None) apart from
+    # the pipeline's
+    seen: set[Any] = set()
+    add = seen.add
+    for live, node, mb in moments:
+        key = live if node is not None or mb is not None else (live, True)
+        if key in seen:
+            continue
+        add(key)
         a = live & mask
         if a >= half:
             a -= full
@@ -700,10 +715,25 @@ def _unpacked(moments: Sequence[tuple[int, str | None, int | None]]
     return rows
 
 
-def _unpack(packed: int) -> list[int]:
-    """:func:`_pack`'s three integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
+def _unpacked_each(moments: Sequence[tuple[int, str | None, int | None]], count: int
+                   ) -> list[list[tuple[int, str | None, int | None]]]:
+    """:func:`_unpacked` of ``count`` packed replays (the first moment of each value, :func:`_unpack`'s digits)."""
+    rows: list[list[tuple[int, str | None, int | None]]] = [[] for _ in range(count)]
+    seen: set[Any] = set()
+    for live, node, mb in moments:
+        key = live if node is not None or mb is not None else (live, True)
+        if key in seen:
+            continue
+        seen.add(key)
+        for row, value in zip(rows, _unpack(live, count), strict=True):
+            row.append((value, node, mb))
+    return rows
+
+
+def _unpack(packed: int, count: int = 3) -> list[int]:
+    """:func:`_pack`'s three (``count``) integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
     out = []
-    for _ in range(3):
+    for _ in range(count):
         digit = packed & ((1 << _DIGIT) - 1)
         if digit >> (_DIGIT - 1):
             digit -= 1 << _DIGIT
@@ -775,9 +805,6 @@ class _Cut:
         return found
 
     def _stage_of(self, node: str | None) -> int:
-        from .stretch import _renamed
-        from .unroll import iteration
-
         if node is not None and node.endswith(RECOMPUTED):
             node = node[:-len(RECOMPUTED)]  # a checkpointed op run again in backward: its layer's stage runs it
         k = iteration(node) if node is not None else 0
@@ -1094,7 +1121,7 @@ class _Replay:
         indices = {k for k, _ in mine}
         # the lookups hoisted out of the thousands of ops (a stage's plans were most of its replay)
         storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
-        on, shared, stage_of = cut.on, cut.shared, cut.stage_of
+        on, shared, stage_of, known = cut.on, cut.shared, cut.stage_of, _known_stages(cut)
         alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
         outside = ("parameter", "optimizer_state", "input")
         forward, later = kind == "F", pass_ > 0
@@ -1104,8 +1131,15 @@ class _Replay:
             for sid in e.born:
                 st = storages[sid]
                 category = st.category
-                if category in outside or not (st.node in shared or stage_of(st.node) == s if alone else
-                                               on(st.node, s)):
+                if category in outside:
+                    continue
+                node = st.node
+                if alone:
+                    if node not in shared:
+                        found = known(node)
+                        if (stage_of(node) if found is None else found) != s:
+                            continue
+                elif not on(node, s):
                     continue
                 freed = frees(sid)
                 if category == "gradient":
@@ -1171,9 +1205,11 @@ class _Replay:
         """What dies with the micro-batch's backward; the gradient sent back lives until its send is waited on."""
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
-        sent = [x for x in ends if self._sent(x[1], False)]
-        for key in ends:
-            if not self._sent(key[1], False):
+        sent = []
+        for key in ends:  # each storage asked once (thousands a replay)
+            if self._sent(key[1], False):
+                sent.append(key)
+            else:
                 self.free(key)
         last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
         self.later += [(last, key) for key in sent]
@@ -1188,15 +1224,29 @@ def _ops(cut: Any, pass_: int, kind: str) -> list[list[tuple[int, Any]]]:
     found = cut.__dict__.setdefault("_ops", {})
     if (pass_, kind) not in found:
         per: list[list[tuple[int, Any]]] = [[] for _ in range(cut.p)]
-        shared, stage_of = cut.shared, cut.stage_of
+        shared, stage_of, known = cut.shared, cut.stage_of, _known_stages(cut)
         for k, e in cut.passes[pass_][kind]:
-            if e.node in shared:  # what the layers read besides the layer before: every stage makes its own
+            node = e.node
+            if node in shared:  # what the layers read besides the layer before: every stage makes its own
                 for ops in per:
                     ops.append((k, e))
             else:
-                per[stage_of(e.node)].append((k, e))
+                stage = known(node)
+                per[stage_of(node) if stage is None else stage].append((k, e))
         found[(pass_, kind)] = per
     return found[(pass_, kind)]
+
+
+def _known_stages(cut: Any) -> Any:
+    """What the cut's ``stage_of`` found so far, looked up without a call (``_Cut.stage_of``'s own cache; nothing
+    for a cut of another kind: a traced module's), for the loops over every op of a step."""
+    if getattr(type(cut), "stage_of", None) is _Cut.stage_of:
+        return cut._stage.get
+    return _unknown
+
+
+def _unknown(node: str | None) -> None:
+    return None
 
 
 def _sent_on(sid: int, stage_of: Any, frees: Mapping[int, int], tl: Any, s: int) -> bool:

@@ -155,7 +155,7 @@ class PipelineStep:
 
         out = batch_moments(self.graph, self.conv, self.options, self.regime, numbers, self._stages(),
                             schedule=self.schedule, micro_batches=self.micro_batches, memo=self._memo(), make=make)
-        if out is not None and len(kept) == len(out):
+        if out is not None and len(kept) == len(out) and len(numbers) == 3:
             self._cache[plans_key(named, b)] = kept
         return out
 
@@ -197,22 +197,25 @@ class PipelineStep:
         if BATCH not in named:
             raise SymmemError("the pipeline peak is worked out in the batch B, which this model has not")
         b = named[BATCH]
-        try:
-            return self._lines(named, b, b)
-        except _NotALine:
-            if b != 1:
-                raise
+        if not (b == 1 and self._no_line_from_one(named)):
+            try:
+                return self._lines(named, b, b)
+            except _NotALine:
+                if b != 1:
+                    raise
         # a batch of one differs (PyTorch makes views, not copies, of size-1 dimensions: GPT-2's shifted labels'
         # contiguous()): B = 1 on its own, its bytes as they are
         return self._lines(named, b, None)
 
-    def _lines(self, named: dict[str, int], b: int, line: int | None) -> Peak:
+    def _lines(self, named: dict[str, int], b: int, line: int | None, given: Any = None) -> Peak:
         """The stages' moments as lines in B read at ``b``, ``b + 1`` and ``b + 2`` (``line`` None: the bytes at
-        ``b`` alone, the domain B = b); the domain B >= 2 where ``b`` is, as a batch of one may differ."""
+        ``b`` alone, the domain B = b); the domain B >= 2 where ``b`` is, as a batch of one may differ.  ``given``:
+        each stage's moments and parts at the three (at ``b`` three times where ``line`` is None), as
+        :func:`~symmem.passes.model_parallel.batch_moments` gives them, read from a replay made already."""
         from .unroll import iteration, template
 
-        found = self._batch_moments(named, b) if line is not None else None
-        packed = found is not None
+        found = given if given is not None else self._batch_moments(named, b) if line is not None else None
+        packed = found is not None and line is not None
         if found is None:
             runs = [self._replays({**named, BATCH: b + k}) for k in (range(3) if line is not None else (0, 0, 0))]
             found = [([r[s].moments for r in runs], [r[s].at for r in runs]) for s in range(len(runs[0]))]
@@ -245,6 +248,11 @@ class PipelineStep:
                        for n, v in sorted(named.items()) if n != BATCH and n in {s.name for s in self.numbers})
         on_b = (sympy.Eq(batch, b),) if line is None else (sympy.Ge(batch, 2),) if b >= 2 else ()
         return Peak(None, None, tuple(steady + first), others + on_b)
+
+    def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
+        """Whether the moments at ``B = 1`` are known to lie on no lines through ``B = 2, 3`` (then B = 1 is read
+        alone at once: the lines' attempt, a replay of every stage at three batches, would be refused)."""
+        return False
 
     def _stage_uppers(self, s: int, rows: Any, parts: Sequence[Mapping[str, int]], b: int) -> tuple[Lines, Lines]:
         """Stage ``s``'s lines ``a + c*B`` that no other bounds, of the steady step and of the first, from its
@@ -357,19 +365,20 @@ def _upper(lines: Mapping[tuple[int, int, bool], Any]) -> dict[tuple[int, int, b
         if found is None or k[0] > found[0]:
             best[k[1]] = k
     # the largest at 1 (the steeper where two are: each slope is there once, so one), then the largest of those
-    # steeper than it, ...: the order a sort by value at 1 would keep them in, without sorting thousands of lines
-    # to keep one or two
-    kept = {}
-    left = list(best.values())
-    while left:
-        k = max(left, key=_at_one)
-        kept[k] = lines[k]
-        left = [x for x in left if x[1] > k[1]]
-    return kept
+    # steeper than it, ...: a line is kept where it is above every steeper line at 1, so one walk from the steepest
+    # finds them (each picked above the one before, the slopes ascending: that order kept), without a walk over the
+    # lines left for each line kept
+    above: list[tuple[int, int, bool]] = []
+    top = None
+    for k in sorted(best.values(), key=_slope, reverse=True):
+        if top is None or k[0] + k[1] > top:
+            above.append(k)
+            top = k[0] + k[1]
+    return {k: lines[k] for k in reversed(above)}
 
 
-def _at_one(k: tuple[int, int, bool]) -> tuple[int, int]:
-    return (k[0] + k[1], k[1])
+def _slope(k: tuple[int, int, bool]) -> int:
+    return k[1]
 
 
 class _StageFormulaMoments:

@@ -37,6 +37,7 @@ from ..errors import SymmemError
 from .fsdp_pipeline import _FsdpReplay
 from .fsdp_tensor_pipeline import FsdpTensorPipelineStep, _MeshReplay
 from .model_parallel import _Cut, _integer, _pack, _Replay
+from .pipeline_step import BATCH
 from .tensor_pipeline import TensorPipelineStep, _Sizes, _TensorCut, _TensorPackedCut, _TensorReplay, stage_at
 from .tensor_step import _LayerWalk, _SequenceWalk
 
@@ -416,7 +417,22 @@ class SequencePipelineStep(TensorPipelineStep):
         return split_buffers(stage_at(cut, s, memory, numbers), memory, numbers)
 
     def _peak(self, named: dict[str, int]) -> Any:
+        if named.get(BATCH) == 1:
+            # B = 1's bytes and the lines from B = 2 (with_batch_of_one) from one replay packed at B = 1, 2, 3, 4:
+            # the replay's steps do not depend on the bytes (each op's collectives are the arms of one formula at
+            # every batch), so each batch's moments are its own replay's (tests/test_pipeline_shortcuts.py holds
+            # it against the two replays)
+            found = self._batch_moments(named, 1, count=4)
+            if found is not None:
+                one = [([rows[0]] * 3, [parts[0]] * 3) for rows, parts in found]
+                above = [(rows[1:], parts[1:]) for rows, parts in found]
+                return with_batch_of_one(lambda n: self._ranked(
+                    self._lines(n, 1, None, one) if n[BATCH] == 1 else self._lines(n, n[BATCH], n[BATCH], above), n),
+                    named)
         return with_batch_of_one(lambda n: TensorPipelineStep._peak(self, n), named)
+
+    def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
+        return no_line_from_one(named)
 
 
 @dataclass(eq=False)
@@ -435,6 +451,17 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
 
     def _peak(self, named: dict[str, int]) -> Any:
         return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
+
+    def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
+        return no_line_from_one(named)
+
+
+def no_line_from_one(named: Mapping[str, int]) -> bool:
+    """At B = 1 every stage keeps the asynchronous all-gathers' second copy (:data:`ONCE`: each stage has layers,
+    each layer column-parallel linears whose inputs are all-gathered over S), which no line through B = 2 and 3
+    holds: the lines read from B = 1 are always refused (a replay of every stage at three batches), so B = 1 is read
+    alone at once (``tests/test_pipeline_shortcuts.py`` holds it against the lines' attempt)."""
+    return named.get("B") == 1
 
 
 def with_batch_of_one(peak_of: Any, named: dict[str, int]) -> Any:

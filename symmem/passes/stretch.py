@@ -147,14 +147,19 @@ class _Stretch:
                 for q, old in enumerate(range(x, y)):
                     self.where[old] = (w, lab, q)
             base = self.base[w] = [0] * (layers + 1)
+            # each template storage's name and op split around the layer's number once, not once a layer written
+            split = {lab: [(*_split(s.name), *(_split(s.node) if s.node else (None, None)), s)
+                           for s in tl.storages[x:y]] for lab, (x, y) in by_label.items()}
             for n in self._new_layers(labels[runs[0][0]] == 1):
-                x, y = by_label[self._template_of(n)]
+                lab = self._template_of(n)
+                x, y = by_label[lab]
                 base[n] = len(self.storages)
                 origin(range(x, y))
-                for s in tl.storages[x:y]:
+                for head, tail, node_head, node_tail, s in split[lab]:
                     made = new(Live)
-                    put(made, "__dict__", {"name": _renamed(s.name, n), "category": s.category, "nbytes": s.nbytes,
-                                           "node": _renamed(s.node, n) if s.node else s.node, "host": s.host})
+                    put(made, "__dict__", {"name": f"{head}{n}{tail}", "category": s.category, "nbytes": s.nbytes,
+                                           "node": f"{node_head}{n}{node_tail}" if s.node else s.node,
+                                           "host": s.host})
                     append(made)
 
     @staticmethod

@@ -449,13 +449,13 @@ class TensorPipelineStep(PipelineStep):
                               "copies there; measured 2,048 B above on the last stage): give B >= 2 or SDPA")
         return cut
 
-    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
-        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
+    def _batch_moments(self, named: Mapping[str, int], b: int, count: int = 3) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` (``count`` batches from ``b``) from one replay
         (:func:`~symmem.passes.model_parallel.batch_moments`): the rank's sizes and the collectives' bytes packed;
         None where they cannot be (each replayed on its own)."""
         from .model_parallel import pack_parts
 
-        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        numbers = [{**named, BATCH: b + k} for k in range(count)]
         cuts = [self._cut(n) for n in numbers]
         found = self._stages()
 
@@ -475,9 +475,12 @@ class TensorPipelineStep(PipelineStep):
         return self._kept_moments(named, b, numbers, make, kept)
 
     def _peak(self, named: dict[str, int]) -> Any:
+        return self._ranked(super()._peak(named), named)
+
+    def _ranked(self, found: Any, named: Mapping[str, int]) -> Any:
+        """The stages' peak ``found`` with each moment a rank's of the p x t mesh."""
         from ..peak import Peak
 
-        found = super()._peak(named)
         t = int(named["t"])
         moments = tuple(TensorStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, ranks=t)
                         for m in found.moments)
