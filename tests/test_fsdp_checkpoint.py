@@ -32,7 +32,7 @@ def test_cli_answers_fsdp_with_checkpointing(capsys):
 
 @pytest.mark.parametrize("kw, message", [
     ({"checkpoint": "selective", "attention": "naive"},
-     "the peak with selective recomputation is modelled on one device (measured there), not under --data-parallel"),
+     "the peak with selective recomputation is modelled on one device and under --data-parallel ddp, "),
     ({"micro_batches": 2}, "is modelled for one micro-batch (FSDP1's gradient accumulation under no_sync() is not"),
 ])
 def test_what_stays_refused_is_one_line(kw, message):

@@ -51,6 +51,9 @@ from .storage import Branch, is_view
 
 #: Micro-batches of gradient accumulation written out in a step's schedule (later ones repeat the second).
 MICRO_BATCH_PASSES = 3
+#: The engines selective recomputation is walked under (None: one device): no engine hook acts inside the forward,
+#: so the checkpointed cores recompute as on one device (measured: tests/test_selective_engines.py)
+SELECTIVE_ENGINES = (None, "ddp", "ddp-bucket-view", "zero-redundancy")
 #: Nodes that exist before the step: neither made in the forward nor freed.
 _HELD = ("input", "parameter", "buffer")
 
@@ -109,8 +112,9 @@ class Simulation:
             raise SymmemError("the peak with selective recomputation is modelled for eager attention (a checkpointed "
                               "core attention), not this model's (the kept memory and total are); full and every-K "
                               "checkpointing are")
-        if regime.checkpoint == "selective" and regime.data_parallel:
-            raise SymmemError("the peak with selective recomputation is modelled on one device (measured there), not "
+        if regime.checkpoint == "selective" and regime.data_parallel not in SELECTIVE_ENGINES:
+            raise SymmemError("the peak with selective recomputation is modelled on one device and under "
+                              f"--data-parallel {', '.join(e for e in SELECTIVE_ENGINES if e)} (measured there), not "
                               f"under --data-parallel {regime.data_parallel} (the kept memory and total are)")
         self.graph, self.conv, self.regime = graph, conv, regime
         self.act = regime.activation_dtype

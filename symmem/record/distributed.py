@@ -46,6 +46,9 @@ ZERO = "zero-redundancy"
 #: FSDP1 (``FullyShardedDataParallel``, FULL_SHARD or SHARD_GRAD_OP): :mod:`symmem.record.fsdp1_runs`
 FSDP1 = ("fsdp1", "fsdp1-grad-op")
 ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
+#: the engines whose runs take ``checkpoint="selective"``: the reference's core attention under a non-reentrant
+#: checkpoint (:mod:`symmem.reference.sequence_models`, eager attention)
+SELECTIVE = ("ddp", "ddp-bucket-view", ZERO)
 #: what a forkserver imports before it forks the ranks (a module that is missing is skipped): torch's engines,
 #: DTensor and dynamo (FSDP2 imports them), symmem's recorders and reference models, transformers and its GPT-2
 #: (traced hf: jobs; the test suite's)
@@ -122,13 +125,15 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
                           f"data_parallel={regime.data_parallel!r}")
-    checkpointed = regime.checkpoint in ("none", "full") or regime.checkpoint.startswith("every-")
+    checkpointed = regime.checkpoint in ("none", "full") or regime.checkpoint.startswith("every-") or (
+        regime.checkpoint == "selective" and regime.data_parallel in SELECTIVE)
     if derivation.per_layer or regime.precision != "fp32" or not checkpointed \
-            or (regime.checkpoint != "none" and regime.data_parallel not in (*SHARDED, *FSDP1)) \
+            or (regime.checkpoint not in ("none", "selective") and regime.data_parallel not in (*SHARDED, *FSDP1)) \
             or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") \
             or (regime.micro_batches != 1 and regime.data_parallel not in SHARDED):
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
-                          "micro-batch, no checkpointing (under FSDP full and every-K, and FSDP2 micro-batches)")
+                          "micro-batch, no checkpointing (under FSDP full and every-K, and FSDP2 micro-batches; "
+                          f"selective under {', '.join(SELECTIVE)})")
     if steps < 2:
         raise SymmemError(f"measure_ranks needs at least 2 steps (a first and a steady one), not {steps}")
     from ..passes.schedule import optimizer_impl
@@ -247,6 +252,8 @@ def _run_job(job: Job, rank: int, group: Any = None) -> RankPeak:
         if group is not None:
             raise SymmemError("FSDP's runs take the whole world, not a group of it")
         return _run_sharded(job, rank, module, inputs, target)
+    if job.checkpoint == "selective":  # each layer's core attention checkpointed (the reference's eager path)
+        module.checkpoint = job.checkpoint
     wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view",
                                       process_group=group)
     rank = dist.get_rank(group)
