@@ -30,19 +30,6 @@ def test_cli_answers_fsdp_with_checkpointing(capsys):
     assert out["peak_at"]["phase"] == "backward" and out["peak_at"]["node"].startswith("h.")
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"checkpoint": "selective", "attention": "naive"},
-     "the peak with selective recomputation is modelled on one device (measured there), not under --data-parallel"),
-    ({"micro_batches": 2}, "is modelled for one micro-batch (FSDP1's gradient accumulation under no_sync() is not"),
-])
-def test_what_stays_refused_is_one_line(kw, message):
-    for engine in ("fsdp", "fsdp1") if "checkpoint" in kw else ("fsdp1",):
-        d = derive("gpt2", convention="pytorch", data_parallel=engine, **kw)
-        with pytest.raises(SymmemError, match=re.escape(message)) as e:
-            d.value("peak")
-        assert "\n" not in str(e.value)
-
-
 def test_fit_under_fsdp_with_checkpointing(capsys):
     """The largest per-rank batch whose derived peak fits, with full checkpointing under FSDP2 at N=8."""
     run = ["fit", "gpt2", "--convention", "pytorch", "--budget", "4GiB", "--set", "S=1024", "--set", "N=8",

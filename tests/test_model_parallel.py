@@ -59,10 +59,13 @@ def test_against_the_engines():
     jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
     import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
     import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
+    import test_selective_stages as selective  # its gloo jobs (selective recomputation on stages) too
     import test_tensor_checkpoint as checkpointed  # its gloo job (checkpointed sequence parallelism) too
 
     at = len(jobs)
     jobs += staged.JOBS
+    chosen = len(jobs)
+    jobs += selective.JOBS
     mine = len(jobs)
     jobs += checkpointed.JOBS
     jobs += formula.JOBS
@@ -88,6 +91,7 @@ def test_against_the_engines():
     formula.against_the_engines([rank[-1 - len(formula.JOBS):-1] for rank in everything], measured, CASES)
     checkpointed.against_dtensor([rank[mine:mine + len(checkpointed.JOBS)] for rank in everything])
     staged.against_the_engines([rank[at:at + len(staged.JOBS)] for rank in everything])
+    selective.against_the_engines([rank[chosen:chosen + len(selective.JOBS)] for rank in everything])
 
 
 #: a batch of one: GPT-2's shifted labels' contiguous() is a view at B = 1 and a copy from 2, so its stages' bytes
@@ -196,10 +200,12 @@ def test_the_papers_stage_is_not_the_engines():
     ({"schedule": "gpipe", "values": {"p": 1}}, "pipeline parallelism needs p >= 2 stages"),
     ({"schedule": "zero-bubble"}, "unknown pipeline schedule 'zero-bubble'"),
     ({"schedule": "gpipe", "micro_batches": 0}, "micro_batches must be a positive integer"),
-    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32, with full or every-K"),
-    # full and every-K checkpointing are modelled (tests/test_pipeline_checkpoint.py); selective recomputation is not
-    ({"schedule": "gpipe", "checkpoint": "selective"}, "pipeline stages are modelled for FP32, with full or every-K "
-                                                       "checkpointing, without selective recomputation"),
+    ({"schedule": "gpipe", "precision": "mixed"}, "pipeline stages are modelled for FP32, with full, every-K or "
+                                                   "selective checkpointing"),
+    # full, every-K and Llama's selective are modelled (tests/test_pipeline_checkpoint.py, test_selective_stages.py)
+    ({"schedule": "gpipe", "checkpoint": "selective", "attention": "naive"},
+     "selective recomputation on pipeline stages is modelled where the checkpointed cores are called with graph "
+     "nodes only"),
     ({"schedule": "gpipe", "optimizer": "sgd"}, "pipeline stages model the Adam/AdamW step; got sgd"),
 ])
 def test_bad_input(kwargs, message):

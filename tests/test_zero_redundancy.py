@@ -22,6 +22,9 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import test_fsdp1_accumulation as accumulation  # noqa: E402  (FSDP1's gradient accumulation rides here)
+import test_selective_engines as selective  # noqa: E402  (selective recomputation under the engines rides here)
+
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
@@ -53,7 +56,9 @@ def _derive(name, values, kw, world, **more):
 
 
 def _measured():
-    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 on two groups at once."""
+    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 on two groups at once (and,
+    checked here, tests/test_selective_engines.py's and tests/test_fsdp1_accumulation.py's live cases: selective
+    recomputation under the engines, FSDP1's gradient accumulation)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -61,9 +66,14 @@ def _measured():
         fours = [_derive(*case, 4) for case in [*MODELS, TWO_PARAMETERS]]
     twos = [_derive(*case, 2) for case in [*MODELS, FIVE_LAYERS, RANK_1_LARGEST]]
     jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2) for d in twos]
-    runs = measure_jobs(jobs, world=4, timeout=240, start_method="forkserver")
+    live, acc = selective.cases(selective.LIVE), accumulation.cases(accumulation.LIVE)
+    runs = measure_jobs([*jobs, *selective.jobs(live), *accumulation.jobs(acc)], world=4, timeout=240,
+                        start_method="forkserver")
+    at = len(jobs) + len(live)
+    wrong = selective.check(live, runs[len(jobs):at]) + accumulation.check(acc, runs[at:])
+    assert not wrong, "\n".join(wrong)
     out = list(zip(fours, runs[:len(fours)], strict=True))
-    for d, ranks in zip(twos, runs[len(fours):], strict=True):
+    for d, ranks in zip(twos, runs[len(fours):len(jobs)], strict=True):
         # ranks 0, 1 then 2, 3 (each its rank in its group): the lower of the two runs, step by step
         pairs = zip(ranks[:2], ranks[2:], strict=True)
         out.append((d, tuple(dataclasses.replace(a, per_step=tuple(map(min, a.per_step, b.per_step)))

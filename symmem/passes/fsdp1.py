@@ -24,6 +24,12 @@ the number of its parameters' elements and ``k_u = ceil(n_u / N)``:
   elements where ``N`` does not divide ``n_u``, makes the sharded gradient ``G_u`` (``k_u``), reduce-scatters into
   it and drops ``F_u`` and the padded copy; ``G_u`` becomes the flat parameter's ``.grad`` at the end of backward
   and ``zero_grad`` frees it.
+* **gradient accumulation** -- every micro-batch but the last under ``no_sync()``: a unit's post-backward then
+  reduces nothing; the flat gradient ``F_u`` stays the flat parameter's ``.grad`` (unsharded, ``n_u`` elements),
+  and a later micro-batch's ``F_u`` is added into it in place by ``AccumulateGrad`` and freed, before the hook.
+  ``FULL_SHARD`` frees ``P_u`` there as with sync; ``SHARD_GRAD_OP`` keeps it unsharded (FSDP1's heuristic,
+  ``_should_free_in_backward``), so its next forward gathers nothing.  The last micro-batch's post-backward
+  pads, reduce-scatters and frees the accumulated ``.grad`` as a single step's does.
 
 >>> from symmem import derive
 >>> d = derive("mlp", convention="pytorch", device="cpu", optimizer="adamw", values={"B": 4, "N": 2},
@@ -51,8 +57,12 @@ class Fsdp1(Fsdp):
     """FSDP1's flat parameters and buffers in one rank's step (the module's docstring); the units, their first
     and last nodes and the root are :class:`~symmem.passes.data_parallel.Fsdp`'s."""
 
+    #: unit -> its unsharded flat gradient, the flat parameter's .grad between micro-batches under no_sync()
+    held_grads: dict[Any, int]
+
     def _sizes(self) -> None:
         """The flat parameters' sizes (FSDP1 shards no parameter on its own)."""
+        self.held_grads = {}
         numel = {name: shape_numel(shape) for name, shape in self.sim.params}
         #: elements of each unit's flat parameter, unpadded, and of one rank's shard of it (padding included)
         self.flat = {u: sympy.Add(*(numel[p] for p in ps)) for u, ps in self.params.items()}
@@ -124,9 +134,18 @@ class Fsdp1(Fsdp):
         grads = [sim.param_grad.pop(p) for p in self.params[unit] if p in sim.param_grad]
         flat_bytes, pad_bytes, shard_bytes = _grad_sizes(self.flat[unit], self.flat_shard[unit], self.world,
                                                          sim.grad_bytes)
-        flat = sim.new(f"fsdp1.flat_grad[{name}]", "temporary", flat_bytes)
+        flat = sim.new(f"fsdp1.flat_grad[{name}]", "temporary" if self.sync else "gradient", flat_bytes)
         sim.event("backward", self.at, [flat], [])
         sim.event("backward", self.at, [], grads)
+        held = self.held_grads.pop(unit, None)
+        if held is not None:  # an earlier micro-batch's .grad (no_sync): AccumulateGrad adds into it in place
+            sim.event("backward", self.at, [], [flat])
+            flat = held
+        if not self.sync:  # no_sync(): the flat gradient stays the .grad; SHARD_GRAD_OP keeps P_u unsharded
+            self.held_grads[unit] = flat
+            if self.reshard:
+                self._reshard(unit, "backward")
+            return
         self._reshard(unit, "backward")
         pad = sim.new(f"fsdp1.padded_grad[{name}]", "temporary", pad_bytes)
         shard = sim.new(f"fsdp1.sharded_grad[{name}]", "gradient", shard_bytes)

@@ -199,9 +199,15 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
 
     Only a model whose layers are one repeated block takes stages: the embedding before it, the head after it.
     """
-    if regime.tensor_parallel or regime.zero or regime.checkpoint == "selective" or regime.precision != "fp32":
-        raise SymmemError("pipeline stages are modelled for FP32, with full or every-K checkpointing, without "
-                          "selective recomputation, ZeRO or tensor parallelism (what was measured)")
+    if regime.tensor_parallel or regime.zero or regime.precision != "fp32":
+        raise SymmemError("pipeline stages are modelled for FP32, with full, every-K or selective checkpointing, "
+                          "without ZeRO or tensor parallelism (what was measured)")
+    if regime.checkpoint == "selective" and any(extras for _, extras, _ in graph.graph.get("recomputed_core",
+                                                                                       {}).values()):
+        # GPT-2's cores are called with a mask the graph has no node for (made once by the model's forward): which
+        # stage makes it, and when, was not measured (Llama's mask and position ids are nodes each stage makes)
+        raise SymmemError("selective recomputation on pipeline stages is modelled where the checkpointed cores are "
+                          "called with graph nodes only (Llama: measured), not with GPT-2's model-wide mask")
     if schedule not in SCHEDULES:
         raise SymmemError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:

@@ -76,9 +76,10 @@ class Job:
     builder: Any = None
     #: FSDP2's ``MixedPrecisionPolicy`` as (param_dtype, reduce_dtype) names (None: no policy)
     mp: tuple[str, str] | None = None
-    #: activation checkpointing of the blocks under FSDP2 (``full`` or ``every-K``; :func:`.sharded.run_sharded`)
+    #: activation checkpointing of the blocks under FSDP (``full`` or ``every-K``; :func:`.sharded.run_sharded`), or
+    #: ``selective`` under every engine (the reference's core attention checkpointed)
     checkpoint: str = "none"
-    #: gradient accumulation under FSDP2 (:func:`.sharded.run_sharded`)
+    #: gradient accumulation under FSDP2 and FSDP1 (:func:`.sharded.run_sharded`, :func:`.fsdp1_runs.run_fsdp1`)
     micro_batches: int = 1
 
 
@@ -122,13 +123,14 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
                           f"data_parallel={regime.data_parallel!r}")
-    checkpointed = regime.checkpoint in ("none", "full") or regime.checkpoint.startswith("every-")
+    checkpointed = regime.checkpoint in ("none", "full", "selective") or regime.checkpoint.startswith("every-")
     if derivation.per_layer or regime.precision != "fp32" or not checkpointed \
-            or (regime.checkpoint != "none" and regime.data_parallel not in (*SHARDED, *FSDP1)) \
+            or (regime.checkpoint not in ("none", "selective") and regime.data_parallel not in (*SHARDED, *FSDP1)) \
             or regime.optimizer not in ("sgd", "sgd-momentum", "adam", "adamw") \
-            or (regime.micro_batches != 1 and regime.data_parallel not in SHARDED):
+            or (regime.micro_batches != 1 and regime.data_parallel not in (*SHARDED, *FSDP1)):
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
-                          "micro-batch, no checkpointing (under FSDP full and every-K, and FSDP2 micro-batches)")
+                          "micro-batch, no checkpointing or selective (under FSDP also full and every-K, and "
+                          "micro-batches)")
     if steps < 2:
         raise SymmemError(f"measure_ranks needs at least 2 steps (a first and a steady one), not {steps}")
     from ..passes.schedule import optimizer_impl
@@ -247,6 +249,8 @@ def _run_job(job: Job, rank: int, group: Any = None) -> RankPeak:
         if group is not None:
             raise SymmemError("FSDP's runs take the whole world, not a group of it")
         return _run_sharded(job, rank, module, inputs, target)
+    if job.checkpoint == "selective":  # each layer's core attention checkpointed (the reference's eager path)
+        module.checkpoint = job.checkpoint
     wrapped = DistributedDataParallel(module, gradient_as_bucket_view=job.engine == "ddp-bucket-view",
                                       process_group=group)
     rank = dist.get_rank(group)
@@ -289,7 +293,8 @@ def _run_sharded(job: Job, rank: int, module: Any, inputs: tuple[Any, ...], targ
         from .fsdp1_runs import STRATEGIES, run_fsdp1
 
         trace = run_fsdp1(module, inputs, target, loss=job.loss, optimizer=job.optimizer, impl=job.impl,
-                          steps=job.steps, strategy=STRATEGIES[job.engine], checkpoint=job.checkpoint)
+                          steps=job.steps, strategy=STRATEGIES[job.engine], checkpoint=job.checkpoint,
+                          micro_batches=job.micro_batches)
     else:
         from .sharded import run_sharded
 

@@ -37,11 +37,29 @@ class FlatTracker(ShardTracker):
         return kind is torch.Tensor or issubclass(kind, torch.nn.Parameter)
 
 
+class NoSync:
+    """FSDP1's gradient accumulation as its users write it: every micro-batch but the last inside
+    ``with model.no_sync():`` -- ``sync(False)`` enters the context (once), ``sync(True)`` leaves it before the last
+    micro-batch (the ``sync`` of :func:`symmem.record.sharded.train_steps`)."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped, self.context = wrapped, None
+
+    def __call__(self, flag: bool) -> None:
+        if not flag and self.context is None:
+            self.context = self.wrapped.no_sync()
+            self.context.__enter__()
+        elif flag and self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
 def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, optimizer: str, impl: str,
-              steps: int, strategy: str, checkpoint: str = "none") -> Any:
+              steps: int, strategy: str, checkpoint: str = "none", micro_batches: int = 1) -> Any:
     """Wrap ``module`` in FSDP1 with ``strategy`` (``FULL_SHARD`` or ``SHARD_GRAD_OP``) and record ``steps``
     steps; returns the :class:`StepTrace`.  ``checkpoint="full"``: then ``apply_activation_checkpointing`` wraps
-    each block, inside its FSDP unit, in ``checkpoint_wrapper`` (non-reentrant), FSDP1's documented recipe."""
+    each block, inside its FSDP unit, in ``checkpoint_wrapper`` (non-reentrant), FSDP1's documented recipe.
+    ``micro_batches``: gradient accumulation, every micro-batch but the last under ``no_sync()`` (:class:`NoSync`)."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -57,4 +75,4 @@ def run_fsdp1(module: Any, inputs: tuple[Any, ...], target: Any, *, loss: bool, 
     if checkpoint != "none":  # the reference's own (every-K: its checkpoint around each K units); no cache
         module.checkpoint = checkpoint
     return record_wrapped(wrapped, module, FlatTracker(), inputs, target, loss=loss, optimizer=optimizer, impl=impl,
-                          steps=steps)
+                          steps=steps, micro_batches=micro_batches, sync=NoSync(wrapped))

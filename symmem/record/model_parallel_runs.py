@@ -97,11 +97,14 @@ def _llama_stage(full: Any, rank: int, world: int, each: int, sequence: int | No
             embeddings = self.rotary_emb(hidden, position_ids)
             # the stage's layers checkpointed as the whole model's are (run_layers: each layer, or each K), the
             # model's DynamicCache off there as HF turns it off
-            hidden = run_layers(self.layers, hidden, full.checkpoint, embeddings, mask, cache)
+            if full.checkpoint == "selective":  # each layer's core checkpointed, called with the position ids
+                hidden = run_layers(self.layers, hidden, "none", embeddings, mask, cache, position_ids)
+            else:
+                hidden = run_layers(self.layers, hidden, full.checkpoint, embeddings, mask, cache)
             return self.norm(hidden) if last else hidden
 
         def forward(self, x: Any) -> Any:
-            cache = DynamicCache() if full.cache and full.checkpoint == "none" else None
+            cache = DynamicCache() if full.cache and full.checkpoint in ("none", "selective") else None
             hidden = self.body(x, cache)
             return self.lm_head(hidden) if last else hidden
 

@@ -220,7 +220,8 @@ def mixed_precision(param_dtype: str, reduce_dtype: str) -> Any:
 
 
 def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tuple[Any, ...], target: Any, *,
-                   loss: bool, optimizer: str, impl: str, steps: int, micro_batches: int = 1) -> Any:
+                   loss: bool, optimizer: str, impl: str, steps: int, micro_batches: int = 1,
+                   sync: Callable[[bool], Any] | None = None) -> Any:
     """``steps`` training steps of ``wrapped`` (an FSDP engine around ``module``) under ``tracker``: a module
     that takes labels computes its own loss (made-up labels where none are given), else the output's
     cross-entropy (``loss``) or sum; returns the :class:`~symmem.record.steptrace.StepTrace`."""
@@ -246,7 +247,9 @@ def record_wrapped(wrapped: Any, module: Any, tracker: ShardTracker, inputs: tup
     def loss_of(out: Any) -> Any:
         return out if takes_labels else loss_value("cross-entropy" if loss else "sum", out, target)
 
-    sync = getattr(wrapped, "set_requires_gradient_sync", None) if micro_batches > 1 else None
+    if sync is None:  # FSDP2's; FSDP1 passes its no_sync() context (fsdp1_runs.NoSync)
+        sync = getattr(wrapped, "set_requires_gradient_sync", None)
+    sync = sync if micro_batches > 1 else None
     return train_steps(tracker, forward, loss_of, params, lambda step: opt, steps, resizes=True,
                        micro_batches=micro_batches, sync=sync)
 

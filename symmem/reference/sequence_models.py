@@ -201,13 +201,23 @@ class GPT2Attention(nn.Module):
         attn_weights = self.attn_dropout(attn_weights)
         return torch.matmul(attn_weights, value).transpose(1, 2)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output and, under selective recomputation (``mask`` given: the model's (B, 1, S, S) additive mask),
+        the weights the checkpointed core returns, which the block holds until it returns (HF's
+        ``attn_output, attn_weights = attention_interface(...)``)."""
         query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
         shape = (*query.shape[:-1], -1, self.head_dim)
         query, key, value = (t.view(shape).transpose(1, 2) for t in (query, key, value))
         if self.cache:
             key, value = cache_update(key), cache_update(value)
-        if self.sdpa:
+        weights = None
+        if mask is not None:  # --checkpoint selective: eager_attention_forward under a non-reentrant checkpoint
+            from torch.utils.checkpoint import checkpoint as ckpt
+
+            out, weights = ckpt(gpt2_eager_attention_forward, self, query, key, value, mask, self.scaling,
+                                self.attn_dropout.p, use_reentrant=False)
+        elif self.sdpa:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=None,
                                                  dropout_p=self.attn_dropout.p if self.training else 0.0,
                                                  scale=self.scaling, is_causal=query.size(-2) > 1)
@@ -215,7 +225,20 @@ class GPT2Attention(nn.Module):
         else:
             out = self._attn(query, key, value)
         out = out.reshape(*out.shape[:-2], -1).contiguous()
-        return self.resid_dropout(self.c_proj(out))
+        return self.resid_dropout(self.c_proj(out)), weights
+
+
+def gpt2_eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: torch.Tensor, scaling: float, dropout: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers 5.23 ``eager_attention_forward`` (GPT-2's), the core selective recomputation checkpoints."""
+    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights = attn_weights.type(value.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value)
+    return attn_output.transpose(1, 2), attn_weights
 
 
 class GPT2Block(nn.Module):
@@ -228,9 +251,9 @@ class GPT2Block(nn.Module):
         self.act: nn.Module = NewGELU() if gelu == "new" else nn.GELU(approximate="tanh")
         self.dropout = nn.Dropout(drop)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.attn(self.ln_1(hidden_states))
+        hidden_states, _weights = self.attn(self.ln_1(hidden_states), mask)  # held until the block returns
         hidden_states = hidden_states + residual
         residual = hidden_states
         hidden_states = self.dropout(self.c_proj(self.act(self.c_fc(self.ln_2(hidden_states)))))
@@ -257,8 +280,13 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         position_ids = torch.arange(input_ids.size(-1), device=input_ids.device).unsqueeze(0)
         hidden_states = self.wte(input_ids) + self.wpe(position_ids)
-        hidden_states = self.drop(hidden_states)
-        hidden_states = run_layers(self.h, hidden_states, self.checkpoint)
+        if self.checkpoint == "selective":
+            # create_causal_mask's (B, 1, S, S) additive mask, made once, passed to every layer's checkpointed
+            # core (which keeps it); without selective the per-layer (S, S) one above is the same to autograd
+            mask = eager_mask(*input_ids.shape, hidden_states.dtype, hidden_states.device)
+            hidden_states = run_layers(self.h, self.drop(hidden_states), "none", mask)
+        else:
+            hidden_states = run_layers(self.h, self.drop(hidden_states), self.checkpoint)
         lm_logits = self.lm_head(self.ln_f(hidden_states))
         return lm_logits if labels is None else causal_lm_loss(lm_logits, labels)
 
@@ -439,7 +467,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output and the attention weights (eager), which the decoder layer holds until it returns.
+        ``position_ids`` given: selective recomputation, eager attention under a non-reentrant checkpoint, called
+        as HF calls it (the position ids a keyword argument the checkpoint holds)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -452,21 +484,28 @@ class LlamaAttention(nn.Module):
         elif self.cache:  # checkpointed layers: HF passes no cache there (a copy made, not held)
             key_states, value_states = cache_update(key_states), cache_update(value_states)
         p = self.attention_dropout if self.training else 0.0
-        if self.sdpa:
+        attn_weights = None
+        if position_ids is not None:
+            from torch.utils.checkpoint import checkpoint as ckpt
+
+            attn_output, attn_weights = ckpt(eager_attention_forward, self, query_states, key_states, value_states,
+                                             attention_mask, self.scaling, p, position_ids=position_ids,
+                                             use_reentrant=False)
+        elif self.sdpa:
             gqa = {"enable_gqa": True} if self.num_key_value_groups > 1 else {}
             attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, attn_mask=None,
                                                          dropout_p=p, scale=self.scaling,
                                                          is_causal=query_states.shape[2] > 1, **gqa)
             attn_output = attn_output.transpose(1, 2).contiguous()
         else:  # a function of its own, as HF's: the caller's key_states and value_states live until it returns
-            attn_output, attn_weights = eager_attention_forward(self, query_states, key_states, value_states,
-                                                                attention_mask, self.scaling, p)
+            attn_output, _ = eager_attention_forward(self, query_states, key_states, value_states,
+                                                     attention_mask, self.scaling, p)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output)
+        return self.o_proj(attn_output), attn_weights
 
 
 def eager_attention_forward(module: LlamaAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor, scaling: float, dropout: float
+                            attention_mask: torch.Tensor, scaling: float, dropout: float, **kwargs: Any
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers 5.23 ``eager_attention_forward`` (Llama's): ``repeat_kv``, the scores, the float32 softmax,
     dropout, ``@ V``."""
@@ -494,10 +533,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(dim)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
+        # the weights: held until the layer returns; the position ids only under selective (a tensor-parallel
+        # plan's PrepareModuleInput names the four positional inputs)
+        more = {} if position_ids is None else {"position_ids": position_ids}
+        hidden_states, _weights = self.self_attn(hidden_states, position_embeddings, attention_mask, cache, **more)
         hidden_states = residual + hidden_states
         residual = hidden_states
         x = self.post_attention_layernorm(hidden_states)
@@ -535,14 +578,18 @@ class LlamaForCausalLM(nn.Module):
             causal_mask = eager_mask(batch, seq, inputs_embeds.dtype, inputs_embeds.device)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings, causal_mask,
-                                   cache)
+        if self.checkpoint == "selective":  # each layer's core checkpointed: HF passes the position ids along
+            hidden_states = run_layers(self.layers, hidden_states, "none", position_embeddings, causal_mask, cache,
+                                       position_ids)
+        else:
+            hidden_states = run_layers(self.layers, hidden_states, self.checkpoint, position_embeddings,
+                                       causal_mask, cache)
         return self.norm(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         # the DynamicCache (use_cache=True, the config's default, also in training) holds every layer's key and
         # value copies until this forward returns; HF turns it off in checkpointed layers
-        cache = DynamicCache() if self.cache and self.checkpoint == "none" else None
+        cache = DynamicCache() if self.cache and self.checkpoint in ("none", "selective") else None
         logits = self.lm_head(self.model(input_ids, cache))
         return logits if labels is None else causal_lm_loss(logits, labels)
 
