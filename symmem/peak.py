@@ -582,12 +582,21 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
     domain (:class:`Algebra`).  With a single symbol left, the upper envelope over its values >= 1."""
     if not cands:
         return []
-    order = cands
+    # in the step's order: each total the last one's plus a little.  Moments that hold the same storages share
+    # one total (the algebra keeps one per set of parts: a later micro-batch's forward repeats the one before),
+    # so a value is worked out once per total too
+    totals = {c.key: alg.total(c) for c in cands}
     if numbers:
-        values = {c.key: alg.value(c, numbers, memo) for c in cands}
+        by_total: dict[int, Any] = {}
+        values = {}
+        for c in cands:
+            t = id(totals[c.key])
+            v = by_total.get(t, by_total)
+            if v is by_total:
+                v = by_total[t] = alg.value(c, numbers, memo)
+            values[c.key] = v
         if all(v is not None for v in values.values()):
             cands = sorted(cands, key=lambda c: -values[c.key])
-    totals = {c.key: alg.total(c) for c in order}  # in the step's order: each total the last one's plus a little
     used = set().union(*totals.values())
     bases = {b for i in used for b, _ in alg.monomials[i]}
     if len(bases) <= 1:
@@ -693,8 +702,12 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
         table)
     memo: dict = alg.memo(numbers) if numbers else {}
     per_group: list[tuple[list[Moment], ...]] = []
+    done: dict[tuple[int, ...], list[list[Candidate]]] = {}  # a group met again (the same lists): pruned once
     for group in groups:
-        kept = [cands if pruned else prune(cands, alg, numbers, memo) for cands in group]
+        again = tuple(id(cands) for cands in group)
+        kept = done.get(again)
+        if kept is None:
+            kept = done[again] = [cands if pruned else prune(cands, alg, numbers, memo) for cands in group]
         per_group.append(tuple([alg.moment(k, *where(k), branch=len(per_group)) for k in ks] for ks in kept))
     moments = tuple(itertools.chain.from_iterable(s + f for s, f in per_group))
     if len(per_group) == 1:  # the Max of the moments, built when asked for

@@ -35,7 +35,16 @@ from ..timeline import _INDEX, Event, Live, Row, Timeline, Which, checked, make_
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
 from . import branches as size_branches
 from . import zero_redundancy
-from .schedule import MICRO_BATCH_PASSES, Simulation, optimizer_impl, simulate, state_storages, walk_step
+from .schedule import (
+    MICRO_BATCH_PASSES,
+    RuleAnswers,
+    Simulation,
+    optimizer_impl,
+    rule_answers,
+    simulate,
+    state_storages,
+    walk_step,
+)
 from .storage import Branch
 from .unroll import iteration, template, unroll
 
@@ -289,14 +298,34 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
     # back, the algebra each size from its number (``table``): no sympy size is hashed once the walks are done
     ids: dict[tuple[int, Any], int] = {}
     table: list[sympy.Expr] = []
+    # each layer count's graph is written out once for every branch; a branch whose rules answer as an earlier
+    # one's did (a size condition no op's rule reads: Llama's h = G where the heads are not repeated) is the same
+    # walk, and its moments the same candidates: walked, counted and built once (rule_answers)
+    graphs: dict[tuple[tuple[str, int], ...], Graph] = {}
+    walked: list[tuple[Graph, RuleAnswers, dict[bool, dict]]] = []
+    built: dict[tuple[int, ...], tuple[list[Candidate], list[Candidate]]] = {}
     for branch in branches:
         runs: dict[tuple[str, ...], dict[bool, dict]] = {}
         for bump in [()] + [(n,) for n in names]:
             counts = {**fixed, **{n: base + (period if n in bump else 0) for n in symbolic}}
-            g = _unrolled(graph, counts, options) if blocks else graph
-            both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits)
+            key = tuple(sorted(counts.items()))
+            if key not in graphs:
+                graphs[key] = _unrolled(graph, counts, options) if blocks else graph
+            g = graphs[key]
+            rules = rule_answers(g, conv, options, regime, branch) if len(branches) > 1 else None
+            same = next((r for h, a, r in walked if h is g and a == rules), None) if rules is not None else None
+            if same is not None:
+                runs[bump] = same
+                continue
+            both = simulate(g, conv, options, regime, branch, keep_logits=regime.keep_logits, rules=rules)
             runs[bump] = {first: _keyed(tl, counts, blocks_of, symbolic, edge, whole, ids, together=_layer)
                           for first, tl in zip((False, True), both, strict=True)}
+            if rules is not None:
+                walked.append((g, rules, runs[bump]))
+        again = tuple(id(r) for r in runs.values())
+        if again in built:
+            groups.append(built[again])
+            continue
         pairs = _numbered(ids, table)
         found = []
         for first in (False, True):
@@ -309,6 +338,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                                        {pairs[x]: v for x, v in _parts(live, others).items()}))
             found.append(cands)
         groups.append((found[0], found[1]))
+        built[again] = groups[-1]
     # lazy: a Piecewise over branches is built when first asked for (a peak read at numbers needs none)
     return summarize(groups, lambda k: k.key[:3], subs, syms, numbers, domain, base=base, period=period,
                      merge=merge, guards=guards, lazy=True, table=table)

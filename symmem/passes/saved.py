@@ -16,7 +16,7 @@ reference-counting convention (``paper``) counts each kept reference as the acco
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sympy
@@ -44,8 +44,10 @@ def category(node: Node) -> str:
 
 
 def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: str, nodes: list[str],
-         per_layer: bool, branch: Branch | None = None) -> list[Storage]:
-    """The storages ``conv`` keeps for the ``nodes`` (all of them, or one layer with ``per_layer``)."""
+         per_layer: bool, branch: Branch | None = None, saves: Callable[[Node], list[Saved]] | None = None
+         ) -> list[Storage]:
+    """The storages ``conv`` keeps for the ``nodes`` (all of them, or one layer with ``per_layer``); ``saves``: what
+    ``conv.saved`` answers for a node under these options, where the caller keeps the answers (a walk asks again)."""
     found: list[Storage] = []
     storages: dict[str, list[tuple[str, str, Saved]]] = {}
     order: list[str] = []
@@ -75,7 +77,7 @@ def kept(graph: Graph, conv: Convention, options: Mapping[str, Any], act_dtype: 
     for name in nodes:
         node = graph.node(name)
         count = sympy.Integer(1) if per_layer else node.count
-        for ref in conv.saved(graph, node, rule_options):
+        for ref in (conv.saved(graph, node, rule_options) if saves is None else saves(node)):
             if ref.source == "new":
                 spec = ref.spec
                 assert spec is not None

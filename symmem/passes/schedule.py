@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from collections import Counter, defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -55,6 +56,39 @@ MICRO_BATCH_PASSES = 3
 _HELD = ("input", "parameter", "buffer")
 
 
+@dataclass(frozen=True)
+class RuleAnswers:
+    """What a walk of one graph asks the convention, asked ahead for every op (:func:`rule_answers`): which ops are
+    views (``views``), what each saves (``saves``) and what the backward of each that requires grad allocates
+    (``grads``).  Two walks of one graph whose answers are equal are the same walk: nothing else a walk does
+    depends on the branch (the truth of a size condition) it is walked in."""
+
+    views: tuple[str, ...]
+    saves: Mapping[str, list[Any]]
+    grads: Mapping[str, Any]
+
+
+def rule_answers(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
+                 branch: Branch | None) -> RuleAnswers | None:
+    """The convention's answers a walk of ``graph`` in ``branch`` gets (:class:`RuleAnswers`), or None where a rule
+    refuses an op (the walk then says so, in its own words, where it asks)."""
+    act = regime.activation_dtype
+    rule_options = {**options, "activation_dtype": act, "branch": branch}
+    order = list(graph.program_order())
+    views = tuple(n for n in order if graph.node(n).view_of is not None and is_view(graph, n, act, branch))
+    saves: dict[str, list[Any]] = {}
+    grads: dict[str, Any] = {}
+    try:
+        for n in order:
+            node = graph.node(n)
+            saves[n] = conv.saved(graph, node, rule_options)
+            if requires_grad(graph, n):
+                grads[n] = conv.grads(graph, node, rule_options)
+    except Exception:  # a rule that fails on an op no walk asks about must not fail the peak: no answers
+        return None
+    return RuleAnswers(views, saves, grads)
+
+
 #: the ops whose backward runs cuBLAS matrix products on the output's gradient
 _MM_KINDS = ("linear", "matmul")
 
@@ -69,10 +103,12 @@ def optimizer_impl(regime: Regime, device: str) -> str:
 
 
 def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-             branch: Branch | None = None, *, keep_logits: bool = False) -> tuple[Timeline, Timeline]:
+             branch: Branch | None = None, *, keep_logits: bool = False, rules: RuleAnswers | None = None
+             ) -> tuple[Timeline, Timeline]:
     """The timelines (steady, first) of one training step of the (unrolled) ``graph``, from one walk: the first
     step creates the optimizer state inside the step, a steady one has it from the start; they differ only
-    there."""
+    there.  ``rules``: the convention's answers for this graph and branch, asked already
+    (:func:`rule_answers`)."""
     # ZeRO-1's ranks differ only in the optimizer's state and step: one walk of forward and backward serves them
     walks = options.get(zero_redundancy.WALKS_OPTION)
     key = None if walks is None else (None if branch is None else tuple(sorted((str(c), v) for c, v in
@@ -81,7 +117,7 @@ def simulate(graph: Graph, conv: Convention, options: Mapping[str, Any], regime:
     if sim is not None:
         sim.choose(options)
         return sim.timeline(first=False), sim.timeline(first=True)
-    sim = Simulation(graph, conv, options, regime, branch, keep_logits)
+    sim = Simulation(graph, conv, options, regime, branch, keep_logits, rules)
     # From the second micro-batch on every pass starts from the same live storages (each .grad exists and takes
     # the new gradient in place), so the third and later passes repeat the second: written out up to
     # MICRO_BATCH_PASSES times, the peak is exact for any K, and K = 10**6 does not take a million passes
@@ -99,7 +135,7 @@ class Simulation:
     walk's state -- storages and events so far, who owns what, which gradients wait -- is fields."""
 
     def __init__(self, graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
-                 branch: Branch | None, keep_logits: bool) -> None:
+                 branch: Branch | None, keep_logits: bool, rules: RuleAnswers | None = None) -> None:
         if regime.tensor_parallel or regime.pipeline_parallel:
             stages = ("; each pipeline stage's peak as torch.distributed.pipelining runs it: symmem stages"
                       if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero) else "")
@@ -117,6 +153,10 @@ class Simulation:
         self.events: list[Event] = []
         self.start: list[int] = []
         self.rule_options = {**options, "activation_dtype": self.act, "branch": branch}
+        self._out_sizes: dict[str, sympy.Expr] = {}
+        # (``rules``: asked ahead for this graph and branch, :func:`rule_answers`)
+        self._saves: dict[str, list[Any]] = {} if rules is None else dict(rules.saves)
+        self._grads: dict[str, Any] = {} if rules is None else dict(rules.grads)
         self._keepers(options, branch)
         self._identities(branch)
         self._parameter_side(str(options.get("device", "cpu")))
@@ -133,10 +173,34 @@ class Simulation:
     def size(self, spec: TensorSpec) -> sympy.Expr:
         return spec.numel * dtype_bytes(spec.dtype, self.act)
 
+    # -- each op's rules and sizes, worked out once per walk ------------------------------------------------
+    # every micro-batch walks the same ops with the same rule options, and a checkpointed segment's recompute walks
+    # its forward again: the rules' answers and the outputs' bytes are the same each time (a sympy product per ask)
+    def out_size(self, n: str) -> sympy.Expr:
+        """The bytes of ``n``'s output (:meth:`size` of its spec)."""
+        found = self._out_sizes.get(n)
+        if found is None:
+            found = self._out_sizes[n] = self.size(self.graph.node(n).out)
+        return found
+
+    def saves(self, node: Node) -> list[Any]:
+        """What the convention says ``node`` saves for backward (``conv.saved`` under the walk's rule options)."""
+        found = self._saves.get(node.name)
+        if found is None:
+            found = self._saves[node.name] = self.conv.saved(self.graph, node, self.rule_options)
+        return found
+
+    def grads_of(self, node: Node) -> Any:
+        """What ``node``'s backward allocates (``conv.grads`` under the walk's rule options)."""
+        found = self._grads.get(node.name, self._grads)
+        if found is self._grads:
+            found = self._grads[node.name] = self.conv.grads(self.graph, node, self.rule_options)
+        return found
+
     # -- what holds what, worked out once ------------------------------------------------------------------
     def _keepers(self, options: Mapping[str, Any], branch: Branch | None) -> None:
         """What the convention keeps, and who keeps it."""
-        saved = kept(self.graph, self.conv, options, self.act, self.order, False, branch)
+        saved = kept(self.graph, self.conv, options, self.act, self.order, False, branch, saves=self.saves)
         self.segment_of = _segments(self.graph, self.regime)  # checkpointed node -> its segment (one layer, or K)
         # selective: each layer's core attention is a segment, called with its marked inputs (passes/selective.py)
         self.calls: dict[Any, tuple[list[str], list[Any]]] = {}
@@ -365,11 +429,11 @@ class Simulation:
             born = []
             if base[n] == n:
                 cat = "loss" if node.group == "loss" else ("activation" if n in self.keepers else "temporary")
-                self.owner[n] = self.new(n, cat, self.size(node.out), n)
+                self.owner[n] = self.new(n, cat, self.out_size(n), n)
                 born.append(self.owner[n])
             freed = [self.owner[s] for s in self.dies_forward.get(self.pos[n], [])
                      if s in self.owner and s not in frame_held]
-            for ref in self.conv.saved(graph, node, self.rule_options):
+            for ref in self.saves(node):
                 if ref.source == "new":
                     assert ref.spec is not None
                     cat = "loss" if node.group == "loss" else "activation"
@@ -462,7 +526,7 @@ class Simulation:
         weights' gradients."""
         graph, numel = self.graph, self.numel
         node = graph.node(n)
-        g = self.conv.grads(graph, node, self.rule_options)
+        g = self.grads_of(node)
         if g is None:
             raise SymmemError(f"the {self.conv.name} convention does not model the backward pass, so it has no peak")
         born: list[int] = []
@@ -481,7 +545,7 @@ class Simulation:
             if group is None and g.of(i) == "alias":
                 sid = self.grad_of[n]
             else:
-                sid = self.new(f"{n}.grad_input{i}", "activation_grad", self.size(xn.out), n)
+                sid = self.new(f"{n}.grad_input{i}", "activation_grad", self.out_size(x), n)
                 born.append(sid)
             self.refs[sid] += 1
             handoff.append((x, sid))
@@ -549,7 +613,7 @@ class Simulation:
             if x not in self.grad_of:
                 self.grad_of[x] = sid
                 continue
-            total = self.new(f"{x}.grad_sum", "activation_grad", self.size(self.graph.node(x).out), n)
+            total = self.new(f"{x}.grad_sum", "activation_grad", self.out_size(x), n)
             sums.append(total)
             for old in (self.grad_of[x], sid):
                 refs[old] -= 1
@@ -578,14 +642,14 @@ class Simulation:
     def recompute(self, nodes: list[Node]) -> None:
         """Re-run a checkpointed segment's forward, up to the last op that saves a tensor (PyTorch stops
         there): what is saved lives until its keeper's backward, the rest dies at its last use."""
-        graph, conv, base = self.graph, self.conv, self.base
+        graph, base = self.graph, self.base
         names = [m.name for m in nodes]
         inside = set(names)
-        savers = [m for m in nodes if conv.saved(graph, m, self.rule_options)]
+        savers = [m for m in nodes if self.saves(m)]
         if not savers:
             return
         last = savers[-1]
-        only_inputs = all(r.source == "input" for r in conv.saved(graph, last, self.rule_options))
+        only_inputs = all(r.source == "input" for r in self.saves(last))
         run = names[:names.index(last.name) + (0 if only_inputs else 1)]
         seg_keep: dict[str, list[str]] = defaultdict(list)
         for st, ks in self.all_keepers.items():
@@ -607,14 +671,14 @@ class Simulation:
                 fsdp.before_recompute(m)
             if m in run:
                 if base[m] == m and node_m.kind not in _HELD:
-                    self.owner[m] = self.new(m, "activation" if m in seg_keep else "temporary", self.size(node_m.out),
+                    self.owner[m] = self.new(m, "activation" if m in seg_keep else "temporary", self.out_size(m),
                                              m)
                     born.append(self.owner[m])
                     if m in seg_keep:
                         self.freed_at[min(seg_keep[m], key=self.pos.__getitem__)].append(self.owner[m])
                     else:
                         alive.append(m)
-                for ref in conv.saved(graph, node_m, self.rule_options):
+                for ref in self.saves(node_m):
                     if ref.source == "new":
                         assert ref.spec is not None
                         sid = self.new(f"{m}.{ref.label}", "activation", self.size(ref.spec), m, ref.host)
