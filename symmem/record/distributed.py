@@ -51,8 +51,8 @@ ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
 #: (traced hf: jobs; the test suite's)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
            "torch.distributed.optim", "torch.nn.parallel", "symmem.record.distributed", "symmem.record.steps",
-           "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.reference", "transformers",
-           "transformers.models.gpt2.modeling_gpt2")
+           "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.record.collectives", "symmem.reference",
+           "transformers", "transformers.models.gpt2.modeling_gpt2")
 
 
 @dataclass(frozen=True)
