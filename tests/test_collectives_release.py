@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from symmem.errors import SymmemError  # noqa: E402
-from symmem.record.collectives import STRESSED, stress  # noqa: E402
+from symmem.record.collective_stress import STRESSED, stress  # noqa: E402
 from symmem.record.live_bytes import LiveTracker  # noqa: E402
 
 
