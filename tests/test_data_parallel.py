@@ -79,7 +79,7 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     # (symmem.record.collectives), so no free lands late, by gloo's worker thread; each rank counts those that
     # would (none, below)
     jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
-    mixed = [*policy.mixed_jobs(), *policy.mixed_jobs(), policy.bf16_reduce_job()]
+    mixed = [*policy.mixed_jobs(), policy.bf16_reduce_job()]
     more = [job_of(d) for _, d in checkpointed] + policy_checkpointed.jobs()
     runs = measure_jobs([*jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
                         start_method="forkserver")
