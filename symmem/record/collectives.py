@@ -79,6 +79,7 @@ def settle(aliases: list[Any], base: dict[int, int], name: str = "a collective")
 
     count = torch._C._storage_Use_Count
     deadline = None
+    pause = 0.0
     while any(a() is not None for a in aliases) or any(count(k) > n for k, n in base.items()):
         if deadline is None:
             deadline = time.monotonic() + PATIENCE
@@ -87,7 +88,10 @@ def settle(aliases: list[Any], base: dict[int, int], name: str = "a collective")
             over = [count(k) - n for k, n in base.items() if count(k) > n]
             raise SymmemError(f"gloo held the tensors of a finished {name} for over {PATIENCE:g} s ({alive} of "
                               f"{len(aliases)} aliases alive, storages held {over} times more than before it)")
-        time.sleep(0)  # lets gloo's worker thread take the GIL for its pending decref
+        # lets gloo's worker thread take the GIL for its pending decref; a yield first, then sleeps growing to 1 ms
+        # (on busy cores a spinning yield burns the CPU gloo's thread waits for; the wait's length decides nothing)
+        time.sleep(pause)
+        pause = min(1e-3, pause * 2 or 2e-5)
 
 
 def held(fn: Callable[..., Any], work_class: type) -> Callable[..., Any]:
