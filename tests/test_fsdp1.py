@@ -2,13 +2,13 @@
 runs at N = 4: each rank's first and steady peak, derived, equals the live bytes measured inside that rank
 (symmem.record.distributed with symmem.record.fsdp1_runs), to the byte.
 
-One spawn of four processes runs every case twice (a late free by gloo's worker threads reads as more memory,
-never less, so each step's lower peak counts; docs/regimes.md); the ranks meet through a file store.
+One spawn of four processes runs every case once: each collective releases its tensors on the recording thread
+(symmem.record.collectives), so no free lands late, by gloo's worker thread (each rank counts those: none); the
+ranks meet through a file store.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -37,12 +37,6 @@ def _derive(name, values, kw, engine):
                   values={**values, "N": 4}, data_parallel=engine, **kw)
 
 
-def _lowest(one, other):
-    """Two runs of one job, rank by rank: each step's lower peak."""
-    return [dataclasses.replace(a, per_step=tuple(map(min, a.per_step, b.per_step)))
-            for a, b in zip(one, other, strict=True)]
-
-
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
     deep = {"widths": ",".join(map(str, DEEP))}
@@ -52,9 +46,9 @@ def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
         ("fsdp1-grad-op", _derive("mlp", {"B": 4}, deep, "fsdp1-grad-op")),
     ]
     jobs = [job_of(d) for _, d in cases]
-    runs = measure_jobs([*jobs, *jobs], world=4, timeout=240, start_method="forkserver")
-    measured = {name: _lowest(a, b) for (name, _), a, b in zip(cases, runs[:len(jobs)], runs[len(jobs):],
-                                                                   strict=True)}
+    runs = measure_jobs(jobs, world=4, timeout=240, start_method="forkserver")
+    assert not [(i, r.rank, r.late) for i, ranks in enumerate(runs) for r in ranks if r.late], "gloo's frees"
+    measured = {name: ranks for (name, _), ranks in zip(cases, runs, strict=True)}
     derived = dict(cases)
     got = {name: {r.rank: (r.first, min(r.per_step[1:])) for r in ranks} for name, ranks in measured.items()}
     # FSDP2: every rank, the middle ones included, each distinct set of held rows walked once

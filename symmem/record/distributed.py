@@ -51,8 +51,8 @@ ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
 #: (traced hf: jobs; the test suite's)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
            "torch.distributed.optim", "torch.nn.parallel", "symmem.record.distributed", "symmem.record.steps",
-           "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.reference", "transformers",
-           "transformers.models.gpt2.modeling_gpt2")
+           "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.record.collectives", "symmem.reference",
+           "transformers", "transformers.models.gpt2.modeling_gpt2")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,10 @@ class RankPeak:
     #: live bytes by recorded category when the last step's backward ends (what the optimizer steps on: the rank's
     #: weights, gradients as the engine holds them, its optimizer state; :attr:`parameter_side`)
     held: dict[str, int] | None = None
+    #: frees of counted storages that ran on another thread than the recording one (gloo's worker thread dropping
+    #: a collective's last reference: at no fixed op, so a peak may read more); 0 under
+    #: :func:`symmem.record.collectives.released`, which every rank runs its jobs in
+    late: int = 0
 
     @property
     def parameter_side(self) -> dict[str, int]:
@@ -208,9 +212,12 @@ def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
+    from .collectives import released
+
     try:
         groups: dict[int, Any] = {}
-        out = [_run_job(job, rank, _group(job.group, world, rank, groups)).__dict__ for job in jobs]
+        with released():  # every collective's tensors released on this thread, at a fixed op (not gloo's)
+            out = [_run_job(job, rank, _group(job.group, world, rank, groups)).__dict__ for job in jobs]
     finally:
         dist.destroy_process_group()
     with open(os.path.join(tmp, f"rank{rank}.json.part"), "w") as f:
@@ -346,8 +353,9 @@ def _peaks(trace: Any, made_before: set[int], rank: int, left_out: set[int] = fr
     kept = end.live - trace.start.live - sum(n for born, n in extra if born <= end.index)
     # the last backward's end (with gradient accumulation, the last micro-batch's: the one that reduces)
     held = dict([b for b in trace.boundaries if b.step == trace.steps and b.phase == "backward"][-1].by_category)
+    late = sum(1 for sid in trace.late if sid not in left_out)
     return RankPeak(rank, tuple(per_step[s][0] for s in range(1, trace.steps + 1)),
-                    trace.start.live + sum(n for _, n in extra), per_step[steady][1], kept, held)
+                    trace.start.live + sum(n for _, n in extra), per_step[steady][1], kept, held, late)
 
 
 def compare(derivation: Derivation, ranks: Sequence[RankPeak], steady_gap: int = 0) -> list[str]:

@@ -43,6 +43,7 @@ convolution workspaces; :func:`symmem.record.steps.track_step` ``allocator=True`
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -112,6 +113,8 @@ class LiveRecorder:
         self.step, self.phase_name, self.where, self.module = 1, phase, "", ""
         self.param_names: dict[int, str] = {}  # storage key -> parameter name, for the optimizer step
         self.last_param = ""
+        self.thread = threading.get_ident()  # the recording thread
+        self.late: list[int] = []  # sids freed on another thread (see StepTrace.late)
 
     # registration and labels
     def _new(self, t: Any, st: Any, op: str | None, where: str, module: str) -> int:
@@ -132,6 +135,8 @@ class LiveRecorder:
         if self.by_key.get(key) == sid:
             del self.by_key[key]
             self.param_names.pop(key, None)  # the address may be reused by another storage
+        if threading.get_ident() != self.thread:
+            self.late.append(sid)
         self.events.append(("free", sid))
 
     def register(self, tensors: Iterable[Any], category: str) -> None:
@@ -446,4 +451,4 @@ class LiveTracker(LiveRecorder):
         steps = steps if steps is not None else max((r.step for r in records), default=1)
         leaked = tuple(s for s in storages if s.died is None and s.category not in
                        ("parameter", "buffer", "input", "gradient", "optimizer_state"))
-        return StepTrace(tuple(records), storages, tuple(boundaries), steps, allocator, leaked)
+        return StepTrace(tuple(records), storages, tuple(boundaries), steps, allocator, leaked, tuple(self.late))

@@ -147,6 +147,9 @@ class StepTrace:
     allocator: AllocatorPeaks | None = None
     #: storages still alive when tracking ended that are not parameters, buffers, inputs, gradients or state
     leaked: tuple[StorageInfo, ...] = field(default=())
+    #: the sids of storages whose free ran on another thread than the recording one (a collective's worker thread
+    #: dropping the last reference): their frees land at no fixed op (:mod:`symmem.record.collectives`)
+    late: tuple[int, ...] = field(default=())
 
     @property
     def start(self) -> Boundary:

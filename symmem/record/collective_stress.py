@@ -1,0 +1,116 @@
+"""The stress check of :func:`symmem.record.collectives.released`: each collective the engines call, many times on
+real gloo ranks, each rank under a live-bytes recorder that notes the thread every free runs on
+(``StepTrace.late``).  Needs ``torch`` with ``torch.distributed`` (imported lazily)."""
+
+from __future__ import annotations
+
+import time
+
+from ..errors import SymmemError
+from .collectives import released
+
+#: the collectives :func:`stress` runs (each as the engines call it: asynchronous, then waited for; ``all_gather``
+#: also synchronous, as FSDP1 calls it; ``isend`` from rank 0 to rank 1's ``irecv``)
+STRESSED = ("all_gather_single", "all_gather_sync", "reduce_scatter_single", "all_reduce", "broadcast", "isend")
+
+
+def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout: float = 120.0,
+           start_method: str = "spawn") -> dict[str, tuple[int, int]]:
+    """Run each collective of :data:`STRESSED` ``repeats`` times on ``world`` gloo ranks, each rank under a
+    live-bytes recorder, on tensors made and dropped at once (a 16 KiB input, its output, a sum of the output);
+    ``release``: inside :func:`released`.  Per collective, over the ranks: (frees that ran on another thread than
+    the recording one, frees), of the storages the recorder counts (gloo's own copies inside a reduce-scatter, which
+    a rank's peak leaves out, excluded)."""
+    import json
+    import multiprocessing
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from .distributed import PRELOAD  # the server measure_jobs uses (it starts once a process)
+
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise SymmemError(f"the stress check needs a world of at least 2 ranks, got {world!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise SymmemError(f"the repeats are a positive integer, got {repeats!r}")
+    if start_method == "forkserver":  # the server measure_jobs uses, where it runs already
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    with tempfile.TemporaryDirectory(prefix="symmem-stress-") as tmp:
+        ctx = mp.start_processes(_stress_rank, args=(world, tmp, repeats, release, timeout), nprocs=world,
+                                 join=False, start_method=start_method)
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise SymmemError(f"the {world}-process stress check did not finish within {timeout:g} s")
+        except mp.ProcessRaisedException as e:
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else "no message"
+            raise SymmemError(f"a rank of the stress check failed: {last}") from None
+        finally:
+            for p in ctx.processes:  # only the processes this call started
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        out: dict[str, tuple[int, int]] = {}
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                for kind, (late, frees) in json.load(f).items():
+                    before = out.get(kind, (0, 0))
+                    out[kind] = (before[0] + late, before[1] + frees)
+    return out
+
+
+def _stress_rank(rank: int, world: int, tmp: str, repeats: int, release: bool, timeout: float) -> None:
+    import json
+    import os
+    from contextlib import nullcontext
+    from datetime import timedelta
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # 127.0.0.1 only
+    import torch
+    import torch.distributed as dist
+
+    from .sharded import ShardTracker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    n = 4096
+    found = {}
+    try:
+        with released() if release else nullcontext():
+            for kind in STRESSED:
+                tracker = ShardTracker()
+                with tracker, tracker.phase(1, "forward"):
+                    for _ in range(repeats):
+                        x = torch.ones(n * world if kind == "reduce_scatter_single" else n)
+                        out = torch.empty(n * world if kind.startswith("all_gather") else n)
+                        if kind == "all_gather_sync":
+                            dist.all_gather_single(out, x)
+                            work = None
+                        elif kind == "all_gather_single":
+                            work = dist.all_gather_single(out, x, async_op=True)
+                        elif kind == "reduce_scatter_single":
+                            work = dist.reduce_scatter_single(out, x, async_op=True)
+                        elif kind == "all_reduce":
+                            work = dist.all_reduce(x, async_op=True)
+                        elif kind == "broadcast":
+                            work = dist.broadcast(x, src=0, async_op=True)
+                        else:  # rank 0 sends, rank 1 receives, the others wait
+                            work = (dist.isend(x, 1) if rank == 0 else dist.irecv(out, 0) if rank == 1 else None)
+                        if work is not None:
+                            work.wait()
+                        del work, x
+                        total = out.sum()
+                        del out, total
+                trace = tracker.trace()
+                gloo = {s.sid for s in trace.storages if s.category == "external"}
+                frees = sum(1 for s in trace.storages if s.died is not None and s.sid not in gloo)
+                found[kind] = (sum(1 for sid in trace.late if sid not in gloo), frees)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}.json.part"), "w") as f:
+        json.dump(found, f)
+    os.replace(os.path.join(tmp, f"rank{rank}.json.part"), os.path.join(tmp, f"rank{rank}.json"))
