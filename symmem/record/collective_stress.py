@@ -4,8 +4,6 @@ real gloo ranks, each rank under a live-bytes recorder that notes the thread eve
 
 from __future__ import annotations
 
-import time
-
 from ..errors import SymmemError
 from .collectives import released
 
@@ -22,36 +20,18 @@ def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout:
     the recording one, frees), of the storages the recorder counts (gloo's own copies inside a reduce-scatter, which
     a rank's peak leaves out, excluded)."""
     import json
-    import multiprocessing
     import os
     import tempfile
 
-    import torch.multiprocessing as mp
-
-    from .distributed import PRELOAD  # the server measure_jobs uses (it starts once a process)
+    from .distributed import spawn_ranks
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise SymmemError(f"the stress check needs a world of at least 2 ranks, got {world!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise SymmemError(f"the repeats are a positive integer, got {repeats!r}")
-    if start_method == "forkserver":  # the server measure_jobs uses, where it runs already
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     with tempfile.TemporaryDirectory(prefix="symmem-stress-") as tmp:
-        ctx = mp.start_processes(_stress_rank, args=(world, tmp, repeats, release, timeout), nprocs=world,
-                                 join=False, start_method=start_method)
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise SymmemError(f"the {world}-process stress check did not finish within {timeout:g} s")
-        except mp.ProcessRaisedException as e:
-            last = str(e).strip().splitlines()[-1] if str(e).strip() else "no message"
-            raise SymmemError(f"a rank of the stress check failed: {last}") from None
-        finally:
-            for p in ctx.processes:  # only the processes this call started
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+        spawn_ranks(_stress_rank, (world, tmp, repeats, release, timeout), world, timeout=timeout,
+                    start_method=start_method, what=f"the {world}-process stress check")
         out: dict[str, tuple[int, int]] = {}
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:

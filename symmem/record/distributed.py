@@ -170,35 +170,42 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
                               "(groups divide the world; FSDP2 takes the whole world)")
     if start_method not in ("spawn", "forkserver"):
         raise SymmemError(f"the ranks start by 'spawn' or 'forkserver', not {start_method!r}")
+    with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
+        spawn_ranks(_worker, (world, tmp, jobs, timeout), world, timeout=timeout, start_method=start_method,
+                    what=f"the {world}-process run")
+        found = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                found.append([RankPeak(**r) for r in json.load(f)])
+    return [tuple(found[rank][i] for rank in range(world)) for i in range(len(jobs))]
+
+
+def spawn_ranks(fn: Any, args: tuple, world: int, *, timeout: float, start_method: str, what: str) -> None:
+    """``fn(rank, *args)`` on ``world`` processes, joined within ``timeout`` seconds; a rank that fails, exits or
+    overruns is one :class:`SymmemError` naming ``what`` (and the processes this call started are killed).
+    ``start_method="forkserver"``: forked from a server that has imported :data:`PRELOAD` once."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
     if start_method == "forkserver":  # only read when the server starts (once a process)
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
-    with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
-        ctx = mp.start_processes(_worker, args=(world, tmp, jobs, timeout), nprocs=world, join=False,
-                                 start_method=start_method)
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise SymmemError(f"the {world}-process run did not finish within {timeout:g} s")
-        except mp.ProcessRaisedException as e:
-            last = str(e).strip().splitlines()[-1] if str(e).strip() else "no message"
-            raise SymmemError(f"a rank of the {world}-process run failed: {last}") from None
-        except mp.ProcessExitedException as e:
-            raise SymmemError(f"a rank of the {world}-process run exited: {e}") from None
-        finally:
-            for p in ctx.processes:  # only the processes this call started
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        found = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                found.append([RankPeak(**r) for r in json.load(f)])
-    return [tuple(found[rank][i] for rank in range(world)) for i in range(len(jobs))]
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method=start_method)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise SymmemError(f"{what} did not finish within {timeout:g} s")
+    except mp.ProcessRaisedException as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else "no message"
+        raise SymmemError(f"a rank of {what} failed: {last}") from None
+    except mp.ProcessExitedException as e:
+        raise SymmemError(f"a rank of {what} exited: {e}") from None
+    finally:
+        for p in ctx.processes:  # only the processes this call started
+            if p.is_alive():
+                p.kill()
+                p.join(5)
 
 
 def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float) -> None:
