@@ -25,9 +25,16 @@ def test_micro_batches_in_flight_as_sympy_makes_them() -> None:
             assert sympy.srepr(in_flight(index, m)) == sympy.srepr(sympy.Min(p - index, m))
 
 
+def _uppers(step, named) -> list:
+    """Every stage's lines that no other bounds (steady and first step) read from the packed replay at ``named``
+    (whose moments are those that may bound a line: ``model_parallel.bounding``)."""
+    b = named["B"]
+    return [step._stage_uppers(s, rows, parts, b) for s, (rows, parts) in enumerate(step._batch_moments(named, b))]
+
+
 def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
-    """Every stage's moments, in order, and its peak: the replays at numbers (each moment kept) and the packed one
-    the lines read (each value once), 1F1B and GPipe, llama and gpt2 with dropout (pass 0 and later passes)."""
+    """Every stage's moments, in order, and its peak: the replays at numbers (each moment kept); and the lines read
+    from the packed one, 1F1B and GPipe, llama and gpt2 with dropout (pass 0 and later passes)."""
     import symmem.passes.model_parallel as mp
     from symmem import derive
 
@@ -50,7 +57,7 @@ def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
                 step = d.step
                 named = step._named(None)
                 found.setdefault(label, []).append(([(r.moments, r.peak) for r in step._replays(named)],
-                                                    step._batch_moments(named, named["B"])))
+                                                    _uppers(step, named)))
     assert found["moved"] == found["walked"]
     # 3 cases x 2 (the replays, the packed one) x 2 stages x 8 segments; each stage walks 4 (2 passes x F, B)
     assert len(walks) == 3 * 2 * 2 * 4
@@ -130,15 +137,12 @@ ENGINES = [
 
 
 def _everything(d) -> tuple:
-    """A pipeline derivation's peaks and where, the packed replay's moments the lines are read from, and each
-    stage's replay at the derivation's numbers, moment by moment."""
-    from symmem.passes.ddp_pipeline import _Moved
-
+    """A pipeline derivation's peaks and where, the lines read from the packed replay, and each stage's replay at
+    the derivation's numbers, moment by moment."""
     step = d.step
     named = step._named(None)
     replays = [(r.moments, r.peak) for r in step._replays(named)]
-    packed = [(rows.rows() if isinstance(rows, _Moved) else rows, parts)
-              for rows, parts in step._batch_moments(named, named["B"])]
+    packed = _uppers(step, named)
     return (d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(), packed,
             replays)
 
@@ -258,3 +262,60 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
     assert found["at once"] == found["long way"]
     assert refused == [True] * len(SEQUENCE_AT_ONE)
     assert four == [4] * 4  # the p x t mesh's two cases, two stages each, from one replay at four batches
+
+
+#: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and
+#: every engine around it, at 2 to 4 stages of 2 to 4 layers (1 to 3 middle layers: no layer, one and several alike)
+BOUNDED = [
+    ("llama", "1f1b", 4, {}, {"L": 8, "p": 4}),
+    ("llama", "gpipe", 3, {}, {"L": 8, "p": 2}),
+    ("llama", "1f1b", 8, {}, {"L": 12, "p": 3}),
+    ("llama", "1f1b", 4, {"checkpoint": "full"}, {"L": 8, "p": 2}),
+    ("llama", "gpipe", 4, {"checkpoint": "every-2"}, {"L": 8, "p": 2}),
+    ("gpt2", "1f1b", 2, {"dropout": 0.1}, {"L": 4, "p": 2}),
+    ("gpt2", "gpipe", 4, {"loss": "cross-entropy"}, {"L": 6, "p": 3}),
+    ("llama", "1f1b", 4, {"data_parallel": "ddp"}, {"N": 2, "L": 8, "p": 2}),
+    ("llama", "gpipe", 3, {"data_parallel": "ddp-bucket-view"}, {"N": 2, "L": 4, "p": 2}),
+    ("llama", "1f1b", 4, {"data_parallel": "zero-redundancy"}, {"N": 3, "L": 8, "p": 2}),
+    ("llama", "1f1b", 4, {"data_parallel": "fsdp"}, {"N": 2, "L": 8, "p": 2}),
+    ("llama", "gpipe", 3, {"data_parallel": "fsdp-no-reshard"}, {"N": 3, "V": 63, "L": 4, "p": 2}),
+    ("llama", "1f1b", 4, {"tensor_parallel": True}, {"t": 2, "L": 8, "p": 2}),
+    ("llama", "1f1b", 4, {"tensor_parallel": True, "sequence_parallel": True}, {"t": 2, "L": 8, "p": 2}),
+    ("llama", "gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2, "L": 4, "p": 2}),
+]
+
+
+def test_moments_bounding_no_line_left_out(monkeypatch) -> None:
+    """The packed replay keeps of each segment the moments that may bound a line (``model_parallel.bounding``): the
+    peaks, where, every stage's peak, every moment of the peak (where, bytes) and each stage's largest, steady and
+    first step, with its formula and what it holds at, are those read with every moment kept, for the stage alone
+    and every engine around it (``BOUNDED``); and moments are left out."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+
+    found: dict[str, list] = {}
+    left: list[int] = []
+    bounding = mp.bounding
+
+    def counted(deltas, b):
+        kept = bounding(deltas, b)
+        left.append(len(deltas) - (len(deltas) if kept is None else len(kept)))
+        return kept
+
+    for label in ("bounded", "every moment"):
+        with monkeypatch.context() as patch:
+            patch.setattr(mp, "bounding", counted if label == "bounded" else lambda deltas, b: None)
+            for model, schedule, m, engine, more in BOUNDED:
+                values = {**SMALL, **more}
+                if model == "gpt2":
+                    del values["G"]
+                d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, device="cpu",
+                           values=values, **engine)
+                step = d.step
+                found.setdefault(label, []).append((
+                    d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(),
+                    step.per_stage(d.numbers), [(m.where(), m.value(d.numbers)) for m in step.peak().moments],
+                    [(m.where(), str(m.total), m.pinned()) for which in ("steady", "first")
+                     for m in step.stage_moments(d.numbers, which)]))
+    assert found["bounded"] == found["every moment"]
+    assert sum(left) > 0

@@ -736,6 +736,68 @@ def _unpacked_each(moments: Sequence[tuple[int, str | None, int | None]], count:
     return rows
 
 
+def _lined_at(cut: Any) -> int | None:
+    """``b`` where ``cut`` is packed at ``B = b, b + 1, b + 2`` (:func:`batch_moments`: its moments are read as
+    lines in B, :func:`~symmem.passes.pipeline_step.lines_of`), else None (at numbers, or packed at four batches, B = 1
+    read alone beside the lines from B = 2: :mod:`.sequence_pipeline`)."""
+    cuts = cut.__dict__.get("cuts")
+    if not cuts or len(cuts) != 3:
+        return None
+    batch = sympy.Symbol("B", positive=True, integer=True)
+    found = [c.subs.get(batch) for c in cuts]
+    if any(x is None for x in found) or [int(x) - int(found[0]) for x in found] != [0, 1, 2]:
+        return None
+    return int(found[0])
+
+
+def bounding(deltas: Sequence[int], b: int) -> list[int] | None:
+    """Which of a segment's moments (``deltas``: their packed bytes less the live bytes the segment begins at, at
+    ``B = b, b + 1, b + 2``) can bound a stage's lines (:func:`~symmem.passes.pipeline_step._upper` of
+    :func:`~symmem.passes.pipeline_step.lines_of`), wherever the segment is moved to: their indices, in order.
+
+    A moment is the line ``a + c*B`` read at the three; the lines kept are, of each slope, the first of the
+    largest, where it is above every steeper line at ``B = 1`` (``_upper``).  A segment's moments all gain the
+    live bytes it begins at, one line for all (the first step's schedule loses its optimizer state from all, a
+    ZeRO-1 rank's moments are moved by one line): so a moment that another of its segment bounds so -- of its slope
+    and earlier with as much, or steeper with as much at 1 -- is bounded wherever the segment is moved and is left
+    out (most of a stage's moments: each layer's activations make the next ones steeper).  The first moment stays,
+    whatever it is (where the segment begins at bytes on no line, it is the first moment refused there, as the
+    replay moment by moment refuses it); None where a moment is no line (every moment kept, refused as before).
+
+    >>> from symmem.passes.model_parallel import _pack
+    >>> bounding([_pack([1, 1, 1]), _pack([5, 5, 5]), _pack([2, 4, 6]), _pack([3, 5, 7]), _pack([0, 3, 6])], 1)
+    [0, 1, 3, 4]
+    >>> bounding([_pack([1, 2, 4])], 1) is None
+    True
+    """
+    mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
+    best: dict[int, tuple[int, int]] = {}  # slope -> (a, the first moment with that a)
+    for k, d in enumerate(deltas):
+        x0 = d & mask
+        if x0 >= half:
+            x0 -= full
+        d = (d - x0) >> _DIGIT
+        x1 = d & mask
+        if x1 >= half:
+            x1 -= full
+        x2 = (d - x1) >> _DIGIT
+        c = x1 - x0
+        if x2 - x1 != c:
+            return None
+        a = x0 - b * c
+        found = best.get(c)
+        if found is None or a > found[0]:
+            best[c] = (a, k)
+    kept = {0} if deltas else set()
+    top = None
+    for c in sorted(best, reverse=True):
+        a, k = best[c]
+        if top is None or a + c > top:
+            kept.add(k)
+            top = a + c
+    return sorted(kept)
+
+
 def _unpack(packed: int, count: int = 3) -> list[int]:
     """:func:`_pack`'s three (``count``) integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
     out = []
@@ -931,6 +993,9 @@ class _Replay:
         self._sends: dict[tuple[int, bool], bool] = {}
         #: a packed replay (batch_moments reads each of its values once a phase)
         self.packed = isinstance(cut, _PackedCut)
+        #: the batch ``b`` of a replay packed at ``B = b, b + 1, b + 2``, whose moments are read as lines only
+        #: (:func:`bounding`); None: every moment kept
+        self.lined = _lined_at(cut)
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -1051,10 +1116,15 @@ class _Replay:
             ends = walk(kind, mb)
             made = self.moments[start:]
             top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
+            highest = None if top is None else (made[top][0] - live0, made[top][1])
+            if self.lined is not None:  # the moments that can bound a line, wherever the record is moved to
+                bound = bounding([v - live0 for v, _, _ in made], self.lined)
+                if bound is not None:
+                    made = self.moments[start:] = [made[k] for k in bound]
             final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
             self._records[key] = found = (
                 [(v - live0, node) for v, node, _ in made], self.live - live0,
-                None if top is None else (made[top][0] - live0, made[top][1]), final,
+                highest, final,
                 [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
                 self._hook_effect(mark), frozenset(sid for sid, _ in final))
             self._left[mb] = left | found[-1]
