@@ -319,3 +319,44 @@ def test_moments_bounding_no_line_left_out(monkeypatch) -> None:
                      for m in step.stage_moments(d.numbers, which)]))
     assert found["bounded"] == found["every moment"]
     assert sum(left) > 0
+
+
+#: (model, derive keywords, sizes) whose steps repeat moments (later micro-batches, checkpointed recomputation)
+REPEATS = [
+    ("llama", {"data_parallel": "fsdp", "param_dtype": "bfloat16", "checkpoint": "full", "micro_batches": 4},
+     {"N": 2}),
+    ("llama", {"data_parallel": "fsdp", "micro_batches": 3}, {"N": 2}),
+    ("llama", {"data_parallel": "fsdp1", "checkpoint": "full"}, {"N": 2}),
+    ("llama", {"data_parallel": "ddp", "micro_batches": 2}, {"N": 2}),
+    ("llama", {"checkpoint": "every-2", "micro_batches": 3}, {}),
+    ("gpt2", {"micro_batches": 4, "dropout": 0.1}, {}),
+    ("gpt2", {"zero": 3}, {"N": 4}),
+]
+
+
+def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
+    """``peak.first_of_each``: the candidates that repeat an earlier one's storages are left out before the
+    comparisons, and the peak -- its bytes, where, every moment kept with its formula -- is the one that compares
+    every candidate (``REPEATS``), and repeats were left out."""
+    import symmem.peak as pk
+    from symmem import derive
+
+    found: dict[str, list] = {}
+    left: list[int] = []
+    first_of_each = pk.first_of_each
+    for label in ("repeats left out", "every candidate"):
+        with monkeypatch.context() as patch:
+            patch.setattr(pk, "first_of_each", (lambda c, t: left.append(len(c) - len(first_of_each(c, t)))
+                                                or first_of_each(c, t)) if label == "repeats left out"
+                          else lambda cands, totals: cands)
+            for model, keywords, more in REPEATS:
+                values = {**SMALL, **more}
+                if model == "gpt2":
+                    del values["G"]
+                d = derive(model, device="cpu", values=values, **keywords)
+                peak = d.step.peak()
+                found.setdefault(label, []).append((
+                    d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(),
+                    [(m.where(), str(m.total)) for m in peak.moments]))
+    assert found["repeats left out"] == found["every candidate"]
+    assert sum(left) > 0
