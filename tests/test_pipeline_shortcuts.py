@@ -265,7 +265,7 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
 
 
 #: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and
-#: every engine around it, at 2 to 4 stages of 2 to 4 layers (1 to 3 middle layers: no layer, one and several alike)
+#: every engine around it, at 2 to 4 stages of 2 to 4 layers (no middle layer, one and several alike)
 BOUNDED = [
     ("llama", "1f1b", 4, {}, {"L": 8, "p": 4}),
     ("llama", "gpipe", 3, {}, {"L": 8, "p": 2}),
@@ -282,6 +282,11 @@ BOUNDED = [
     ("llama", "1f1b", 4, {"tensor_parallel": True}, {"t": 2, "L": 8, "p": 2}),
     ("llama", "1f1b", 4, {"tensor_parallel": True, "sequence_parallel": True}, {"t": 2, "L": 8, "p": 2}),
     ("llama", "gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2, "L": 4, "p": 2}),
+    # sequence parallelism at B = 1: B = 1 read alone and the lines from B = 2, from one replay at four batches
+    ("llama", "1f1b", 2, {"tensor_parallel": True, "sequence_parallel": True, "attention": "sdpa"},
+     {"t": 2, "B": 1, "L": 4, "p": 2}),
+    ("llama", "gpipe", 3, {"tensor_parallel": True, "sequence_parallel": True, "attention": "naive"},
+     {"t": 2, "B": 1, "G": 4, "L": 8, "p": 2}),
 ]
 
 
@@ -297,14 +302,14 @@ def test_moments_bounding_no_line_left_out(monkeypatch) -> None:
     left: list[int] = []
     bounding = mp.bounding
 
-    def counted(deltas, b):
-        kept = bounding(deltas, b)
+    def counted(deltas, b, count=3):
+        kept = bounding(deltas, b, count)
         left.append(len(deltas) - (len(deltas) if kept is None else len(kept)))
         return kept
 
     for label in ("bounded", "every moment"):
         with monkeypatch.context() as patch:
-            patch.setattr(mp, "bounding", counted if label == "bounded" else lambda deltas, b: None)
+            patch.setattr(mp, "bounding", counted if label == "bounded" else lambda deltas, b, count=3: None)
             for model, schedule, m, engine, more in BOUNDED:
                 values = {**SMALL, **more}
                 if model == "gpt2":
@@ -336,8 +341,8 @@ REPEATS = [
 
 def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
     """``peak.first_of_each``: the candidates that repeat an earlier one's storages are left out before the
-    comparisons, and the peak -- its bytes, where, every moment kept with its formula -- is the one that compares
-    every candidate (``REPEATS``), and repeats were left out."""
+    comparisons, and the peak -- its bytes, where and formula, steady and first step, every moment kept with its
+    bytes -- is the one that compares every candidate (``REPEATS``), and repeats were left out."""
     import symmem.peak as pk
     from symmem import derive
 
@@ -354,9 +359,9 @@ def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
                 if model == "gpt2":
                     del values["G"]
                 d = derive(model, device="cpu", values=values, **keywords)
-                peak = d.step.peak()
                 found.setdefault(label, []).append((
                     d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(),
-                    [(m.where(), str(m.total)) for m in peak.moments]))
+                    str(d.peak_at().total), str(d.peak_at("first").total),
+                    [(m.where(), m.value(d.numbers)) for m in d.step.peak().moments]))
     assert found["repeats left out"] == found["every candidate"]
     assert sum(left) > 0

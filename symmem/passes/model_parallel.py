@@ -736,24 +736,27 @@ def _unpacked_each(moments: Sequence[tuple[int, str | None, int | None]], count:
     return rows
 
 
-def _lined_at(cut: Any) -> int | None:
-    """``b`` where ``cut`` is packed at ``B = b, b + 1, b + 2`` (:func:`batch_moments`: its moments are read as
-    lines in B, :func:`~symmem.passes.pipeline_step.lines_of`), else None (at numbers, or packed at four batches, B = 1
-    read alone beside the lines from B = 2: :mod:`.sequence_pipeline`)."""
+def _lined_at(cut: Any) -> tuple[int, int] | None:
+    """``(b, count)`` where ``cut`` is packed at ``count`` batches ``B = b, b + 1, ...``, whose moments are read as
+    lines in B (:func:`~symmem.passes.pipeline_step.lines_of`): three (:func:`batch_moments`), or four (the first
+    read alone, the lines from the other three: :mod:`.sequence_pipeline` at B = 1); else None (a replay at
+    numbers)."""
     cuts = cut.__dict__.get("cuts")
-    if not cuts or len(cuts) != 3:
+    if not cuts or len(cuts) not in (3, 4):
         return None
     batch = sympy.Symbol("B", positive=True, integer=True)
     found = [c.subs.get(batch) for c in cuts]
-    if any(x is None for x in found) or [int(x) - int(found[0]) for x in found] != [0, 1, 2]:
+    if any(x is None for x in found) or [int(x) - int(found[0]) for x in found] != list(range(len(cuts))):
         return None
-    return int(found[0])
+    return int(found[0]), len(cuts)
 
 
-def bounding(deltas: Sequence[int], b: int) -> list[int] | None:
+def bounding(deltas: Sequence[int], b: int, count: int = 3) -> list[int] | None:
     """Which of a segment's moments (``deltas``: their packed bytes less the live bytes the segment begins at, at
     ``B = b, b + 1, b + 2``) can bound a stage's lines (:func:`~symmem.passes.pipeline_step._upper` of
     :func:`~symmem.passes.pipeline_step.lines_of`), wherever the segment is moved to: their indices, in order.
+    ``count`` 4: packed at ``b`` to ``b + 3``, the bytes at ``b`` read alone (the first of the largest can bound
+    them) and the lines from ``b + 1`` (those that can bound them), both kept.
 
     A moment is the line ``a + c*B`` read at the three; the lines kept are, of each slope, the first of the
     largest, where it is above every steeper line at ``B = 1`` (``_upper``).  A segment's moments all gain the
@@ -772,7 +775,17 @@ def bounding(deltas: Sequence[int], b: int) -> list[int] | None:
     """
     mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
     best: dict[int, tuple[int, int]] = {}  # slope -> (a, the first moment with that a)
+    alone: tuple[int, int] | None = None  # count 4: the first of the largest at the first batch
+    if count == 4:
+        b += 1
     for k, d in enumerate(deltas):
+        if count == 4:
+            x = d & mask
+            if x >= half:
+                x -= full
+            d = (d - x) >> _DIGIT
+            if alone is None or x > alone[0]:
+                alone = (x, k)
         x0 = d & mask
         if x0 >= half:
             x0 -= full
@@ -789,6 +802,8 @@ def bounding(deltas: Sequence[int], b: int) -> list[int] | None:
         if found is None or a > found[0]:
             best[c] = (a, k)
     kept = {0} if deltas else set()
+    if alone is not None:
+        kept.add(alone[1])
     top = None
     for c in sorted(best, reverse=True):
         a, k = best[c]
@@ -1118,7 +1133,7 @@ class _Replay:
             top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
             highest = None if top is None else (made[top][0] - live0, made[top][1])
             if self.lined is not None:  # the moments that can bound a line, wherever the record is moved to
-                bound = bounding([v - live0 for v, _, _ in made], self.lined)
+                bound = bounding([v - live0 for v, _, _ in made], *self.lined)
                 if bound is not None:
                     made = self.moments[start:] = [made[k] for k in bound]
             final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
