@@ -92,11 +92,12 @@ def fresh(model: str, keywords: dict, tree: str | None = None) -> float:
     return float(out.stdout.split()[-1])
 
 
-def paired(model: str, rounds: int, trees: Sequence[str], only: str = "") -> list[tuple[str, list[float], list[float]]]:
+def paired(model: str, rounds: int, trees: Sequence[str], only: Sequence[str] = ()
+           ) -> list[tuple[str, list[float], list[float]]]:
     """(label, median seconds per tree, median ratio to one device per tree) per regime, each case timed under every
     checkout of ``trees`` back to back in each round (one device first), so that the trees are compared on the
-    same load; ``only``: the regimes whose label holds it (one device always)."""
-    cases = [c for c in MODELS[model] if c[0] == "one device" or only in c[0]]
+    same load; ``only``: the regimes whose label holds one of them (one device always; none: every regime)."""
+    cases = [c for c in MODELS[model] if c[0] == "one device" or any(x in c[0] for x in only or [""])]
     times = {label: [[] for _ in trees] for label, _ in cases}
     ratios = {label: [[] for _ in trees] for label, _ in cases}
     for _ in range(rounds):
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--against", metavar="CHECKOUT", action="append", default=[],
                         help="time each case under this checkout's symmem too, back to back in every round (paired); "
                              "the first tree is PYTHONPATH's")
-    parser.add_argument("--only", default="", metavar="TEXT",
-                        help="the regimes whose label holds TEXT (with --against)")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="the regimes whose label holds TEXT (with --against; repeatable)")
     parser.add_argument("--case", nargs=2, metavar=("MODEL", "JSON"), help=argparse.SUPPRESS)  # one fresh call
     args = parser.parse_args(argv)
     if args.case:
