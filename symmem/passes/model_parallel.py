@@ -741,11 +741,11 @@ def _lined_at(cut: Any) -> tuple[int, int] | None:
     lines in B (:func:`~symmem.passes.pipeline_step.lines_of`): three (:func:`batch_moments`), or four (the first
     read alone, the lines from the other three: :mod:`.sequence_pipeline` at B = 1); else None (a replay at
     numbers)."""
-    cuts = cut.__dict__.get("cuts")
-    if not cuts or len(cuts) not in (3, 4):
+    cuts = getattr(cut, "__dict__", {}).get("cuts")
+    if not isinstance(cuts, (list, tuple)) or len(cuts) not in (3, 4):
         return None
     batch = sympy.Symbol("B", positive=True, integer=True)
-    found = [c.subs.get(batch) for c in cuts]
+    found = [getattr(c, "subs", {}).get(batch) for c in cuts]
     if any(x is None for x in found) or [int(x) - int(found[0]) for x in found] != list(range(len(cuts))):
         return None
     return int(found[0]), len(cuts)
