@@ -266,10 +266,9 @@ def mesh_of(stages: int, dp: int, start_method: str, runs: str) -> None:
     if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
         import multiprocessing
 
-        from .distributed import PRELOAD
+        from .distributed import PRELOAD  # pipelining and these runs among them: one list for every run
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            [*PRELOAD, "torch.distributed.pipelining", runs])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*PRELOAD, runs])))
 
 
 def _fewest_phase(trace: Any, steps: range, left_out: set[int], phase: str) -> int:
