@@ -14,7 +14,7 @@ backward (torch 2.13).
 rank runs one unrecorded step (FSDP's lazy initialization, the stage's receive buffers), then records
 :func:`mesh_repeats` steps each with a new for-loop AdamW (a first step) and steady ones with the last one, under
 the DTensor- and FSDP-aware recorder (:class:`~symmem.record.sharded.ShardTracker`), every rank's collectives under
-:func:`~symmem.record.collectives.released` (their tensors freed on the recording thread, at a fixed op): one
+:func:`~.model_parallel_runs.released_collectives` (their tensors freed on the recording thread, at a fixed op): one
 first and one steady step on a p x N mesh; with tensor parallelism (DTensor's functional collectives, not wrapped)
 three of each, each moment at its fewest bytes over the repeats.  gloo's copy of the reduce-scatter input is left
 out, as for FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
@@ -57,8 +57,8 @@ class StageMeshRun:
     #: the tensor-parallel rank on a (p, N, t) mesh (FSDP x TP x pipeline; ``dp`` the data-parallel rank)
     tp: int = 0
     #: frees of counted storages that ran on another thread than the recording one (gloo's worker thread dropping a
-    #: collective's last reference, gloo's copies left out): 0 where every collective is released
-    #: (:func:`~symmem.record.collectives.released`), and then one first and one steady step are recorded
+    #: collective's last reference, gloo's copies left out): 0 on a p x N mesh, whose collectives are released
+    #: (:func:`~.model_parallel_runs.released_collectives`) and which records one first and one steady step
     late: int = 0
     #: the steps recorded: (first steps, steady steps)
     repeats: tuple[int, int] = (0, 0)
