@@ -48,11 +48,14 @@ FSDP1 = ("fsdp1", "fsdp1-grad-op")
 ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
 #: what a forkserver imports before it forks the ranks (a module that is missing is skipped): torch's engines,
 #: DTensor and dynamo (FSDP2 imports them), symmem's recorders and reference models, transformers and its GPT-2
-#: (traced hf: jobs; the test suite's)
+#: (traced hf: jobs; the test suite's); pipelining, the pipeline mesh runs and the traced cases' builder (a process
+#: starts one server, with the first list given: whichever run starts it, its ranks import none of these again)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
            "torch.distributed.optim", "torch.nn.parallel", "symmem.record.distributed", "symmem.record.steps",
            "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.record.collectives", "symmem.reference",
-           "transformers", "transformers.models.gpt2.modeling_gpt2")
+           "transformers", "transformers.models.gpt2.modeling_gpt2", "torch.distributed.pipelining",
+           "symmem.record.fsdp_pipeline_runs", "symmem.record.ddp_pipeline_runs",
+           "symmem.record.traced_pipeline_runs", "symmem.importer.spec_builder")
 
 
 @dataclass(frozen=True)
