@@ -152,6 +152,7 @@ def test_the_checks_real_forward_runs_on_one_thread_and_restores_the_count() -> 
         torch.set_num_threads(before)
 
 
+@pytest.mark.deep  # six step records; the shared world is in every traced peak checked against real steps
 def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds(
         cached: tuple[tuple[object, ...], list[bool], object]) -> None:
     """The records at 4, 5 and 6 layers of the fold share one fake world and shape cache
