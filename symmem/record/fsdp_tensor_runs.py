@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import SymmemError
 from .fsdp1_runs import FlatTracker
-from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live  # the steps repeated_steps records
+from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live, late_frees  # repeated_steps' steps
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class MeshRun:
     steady_at: tuple[str, str] = ("", "")
     #: every step's raw live-bytes peak (first steps, then steady ones)
     peaks: tuple[int, ...] = ()
+    #: the frees of recorded storages (gloo's own copies left out) that ran off the recording thread
+    #: (``StepTrace.late``, named)
+    late: tuple[str, ...] = ()
 
 
 
@@ -118,8 +121,9 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
+    late = late_frees(trace, gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
-                   first_at, steady_at, _per_step(trace, gloo))
+                   first_at, steady_at, _per_step(trace, gloo), late)
 
 
 def _checkpointed_layers(module: Any, blocks: Any, checkpoint: str, supported: bool) -> None:
@@ -219,7 +223,10 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
              bool(options.get("reshard_after_forward", reshard))) for values, options in cases]
 
     def work(rank: int, world: int) -> list[MeshRun]:
-        return [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
-                for values, dp, options, reshard in jobs]
+        from .collectives import released
+
+        with released():  # FSDP's own collectives (torch.distributed's) released on this thread, as DTensor's are
+            return [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
+                    for values, dp, options, reshard in jobs]
 
     return forked_ranks(world, work, "the FSDP x TP run")

@@ -27,6 +27,8 @@ class SplitRun:
     steady_peak: int
     parameters: int
     saved: int = 0
+    #: the frees of recorded storages that ran off the recording thread (``StepTrace.late``, named)
+    late: tuple[str, ...] = ()
 
 
 def saved_after_forward(forward: Callable[[], Any], held: list[Any]) -> int:
@@ -49,7 +51,7 @@ def split_run(build: Callable[[], tuple[Any, tuple[Any, ...]]], styles: Callable
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest, repeated_steps
+    from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest, late_frees, repeated_steps
     from .sharded import local
 
     torch.manual_seed(0)
@@ -62,4 +64,4 @@ def split_run(build: Callable[[], tuple[Any, tuple[Any, ...]]], styles: Callable
     first = _fewest(trace, range(1, FIRST_STEPS + 1))
     steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
     held = sum(local(p).numel() * local(p).element_size() for p in params)
-    return SplitRun(rank, first, steady, held, saved)
+    return SplitRun(rank, first, steady, held, saved, late_frees(trace))
