@@ -624,3 +624,16 @@ def test_hf_llama_under_the_standard_plan():
         where.append(d.peak_at().where(step=False).split(": ")[1])
     assert where == ["the final norm's backward", "forward's end (the head's all-gather)",
                      "forward's end (the head's all-gather)", "the final norm's forward (norm.scale)"]
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_funcol_frees_on_the_recording_thread():
+    """funcol's all-gather, reduce-scatter and all-reduce (DTensor's collectives), 300 of each on two gloo ranks
+    under the recorder's FuncolRelease: no free runs on gloo's worker thread (without it 4, 0 and 26 of 2,400 did,
+    measured; docs/testing.md, "Tensor parallelism: funcol's collectives")."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from symmem.record.collective_stress import FUNCOL_STRESSED, stress_funcol
+
+    assert stress_funcol(2, 300, start_method="forkserver", timeout=600) == dict.fromkeys(FUNCOL_STRESSED, (0, 2400))
