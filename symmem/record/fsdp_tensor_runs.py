@@ -15,8 +15,10 @@ tables and the mask from the ids, the whole sequence.
 each rank records training steps (the loss ``sum``, for-loop AdamW) with the DTensor- and FSDP-aware recorder
 (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): the local bytes of
 the parameters, gradients and optimizer state, what autograd keeps after the forward, and the first and steady
-step's peaks (each moment at its fewest bytes over repeated steps, as the tensor-parallel runs take them:
-gloo's worker thread lets go of a collective's tensors at no fixed op).  gloo's copy of the reduce-scatter input
+step's peaks (each moment at its fewest bytes over the recorded steps, as the tensor-parallel runs take them;
+every rank's jobs under :func:`~symmem.record.collectives.released` for FSDP's collectives and the recorder's
+:class:`~symmem.record.collectives.FuncolRelease` for DTensor's, so no free waits for gloo's worker thread:
+:attr:`MeshRun.late` names any that did).  gloo's copy of the reduce-scatter input
 made inside the collective (first seen as an aliased output, the recorder's ``external``) is left out, as for
 FSDP2 alone.  With a case's ``checkpoint`` option (``"full"``) each layer is put under ``checkpoint_wrapper``
 (non-reentrant) after ``parallelize_module`` and before ``fully_shard``, torchtitan's order.  With a case's

@@ -3,8 +3,8 @@
 :func:`split_run` is one rank's part (inside :func:`symmem.record.model_parallel_runs.forked_ranks`): the module as
 its builder makes it, ``parallelize_module`` with the plan's styles on the ranks' CPU mesh, then
 :func:`~symmem.record.model_parallel_runs.repeated_steps` -- training steps, each a new for-loop AdamW for the first
-ones, the loss the output's sum, under the recorder that sees DTensor's local ops -- and each step's peak at its
-fewest bytes over the repeats (gloo's worker thread lets go of a collective's tensors at no fixed op).  Hugging
+ones, the loss the output's sum, under the recorder that sees DTensor's local ops and releases funcol's collectives on
+the recording thread -- and each step's peak at its fewest bytes over the recorded steps.  Hugging
 Face's Llama under the standard plan is :func:`symmem.record.model_parallel_runs.runs`' ``hf`` case.  Needs ``torch``
 with ``torch.distributed``.
 """
