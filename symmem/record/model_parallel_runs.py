@@ -301,6 +301,9 @@ class TensorRun:
     #: over the repeats (:func:`_fewest`)
     first_peak: int = 0
     steady_peak: int = 0
+    #: the frees of recorded storages that ran off the recording thread (gloo's worker thread: ``StepTrace.late``),
+    #: each as :func:`late_frees` names it
+    late: tuple[str, ...] = ()
 
 
 def llama_plan(module: Any, world: int) -> dict[str, Any]:
@@ -396,13 +399,16 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
     # more steps under the recorder that sees DTensor's local ops, where asked (``peaks=True``)
     opt.zero_grad(set_to_none=True)
     del opt, out
-    peaks, where, (first, steady) = _tensor_peaks(run, ids, params, module)
-    return TensorRun(rank, total, nbytes(params), grads, state, kept, peaks, where, first, steady)
+    peaks, where, (first, steady), late = _tensor_peaks(run, ids, params, module)
+    return TensorRun(rank, total, nbytes(params), grads, state, kept, peaks, where, first, steady, late)
 
 
 #: Recorded steps of a tensor-parallel case: first steps (each with a new AdamW, which makes its state), then steady
-#: ones; each moment's fewest bytes over the repeats is the engine's (see :func:`_fewest`)
-FIRST_STEPS, STEADY_STEPS = 2, 2
+#: ones; each moment's fewest bytes over the repeats is the engine's (see :func:`_fewest`).  One of each: funcol's
+#: collectives release their tensors on the recording thread (:class:`~symmem.record.collectives.FuncolRelease`,
+#: FSDP's under :func:`~symmem.record.collectives.released`), so a step's moments no longer move between repeats
+#: (was 2 + 2; every run asserts no late free)
+FIRST_STEPS, STEADY_STEPS = 1, 1
 #: The same on a pipeline x data-parallel mesh (fsdp_pipeline_runs, ddp_pipeline_runs): three each -- four ranks
 #: sending and receiving micro-batches leave gloo's worker thread more to let go late; on a loaded machine it once
 #: held a buffer past the same op in both of two repeats (a first step: 32,896 B; a steady one: 1,952 B)
@@ -428,7 +434,9 @@ def repeated_steps(forward: Callable[[], Any], ids: Any, params: list[Any], modu
     from .optim import make_optimizer
     from .sharded import ShardTracker, local, train_steps
 
-    tracker = (tracker or ShardTracker)(settle=SETTLE_S)
+    # funcol's collectives released on this thread, inside each op (symmem.record.collectives.FuncolRelease): no
+    # free of theirs waits for gloo's worker thread, so no settling pause either
+    tracker = (tracker or ShardTracker)(release=True)
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(b) for b in module.buffers()], "buffer")
     tracker.register([ids], "input")
@@ -445,10 +453,10 @@ def repeated_steps(forward: Callable[[], Any], ids: Any, params: list[Any], modu
 
 
 def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[tuple[int, ...], tuple[str, str],
-                                                                              tuple[int, int]]:
+                                                                              tuple[int, int], tuple[str, ...]]:
     """Training steps after the measured one, under the recorder that sees DTensor's local ops
     (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): each step's raw
-    live-bytes peak, where the last one is, and the first and steady step's peaks (:func:`_fewest`)."""
+    live-bytes peak, where the last one is, the first and steady step's peaks (:func:`_fewest`) and the late frees."""
     trace = repeated_steps(lambda: run(ids), ids, params, module)
     best: dict[int, tuple[int, str, str]] = {}
     for r in trace.records:
@@ -456,7 +464,14 @@ def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[t
             best[r.step] = (r.live, r.phase, r.where)
     first = _fewest(trace, range(1, FIRST_STEPS + 1))
     steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
-    return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady)
+    return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady), late_frees(trace)
+
+
+def late_frees(trace: Any, left_out: Collection[int] = ()) -> tuple[str, ...]:
+    """Each storage of ``trace`` (less ``left_out``) freed off the recording thread, named: bytes, the op that made
+    it, where, step and phase (none once every collective runs under :mod:`symmem.record.collectives`)."""
+    return tuple(f"{s.nbytes} B of {s.op or 'the start'} at {s.where or '-'} (step {s.step} {s.phase})"
+                 for s in (trace.storages[sid] for sid in trace.late) if s.sid not in left_out)
 
 
 def _fewest(trace: Any, steps: range) -> int:
