@@ -58,11 +58,11 @@ class Case:
 
 
 #: Every rank's measured (first, steady) peak, gloo on the CPU, torch 2.13 (the steady one the lower of steps 2 and
-#: 3; at N = 2 under DDP the lower of the two groups {0, 1}, {2, 3} run at once).  Rerun live: :data:`LIVE` in every
-#: suite run (tests/test_zero_redundancy.py's spawn), all of them with ``python -m pytest -m deep`` (:func:`measure`).
-#: Plain DDP's and ZeRO-1's first steps are equal (the same DDP; ZeroRedundancyOptimizer's state is made in the
-#: step); rank 0 of ZeRO-1 owns the embedding; FSDP2's last rank holds the padding at V = 101, FSDP1's flat shards
-#: are even.
+#: 3; at N = 2 under DDP, stored from the lower of the two groups {0, 1}, {2, 3} run at once; now run once).  Rerun
+#: live: :data:`LIVE` in every suite run (tests/test_zero_redundancy.py's spawn), all of them with ``python -m pytest
+#: -m deep`` (:func:`measure`). Plain DDP's and ZeRO-1's first steps are equal (the same DDP;
+#: ZeroRedundancyOptimizer's state is made in the step); rank 0 of ZeRO-1 owns the embedding; FSDP2's last rank holds
+#: the padding at V = 101, FSDP1's flat shards are even.
 MEASURED: dict[Case, tuple[tuple[int, int], ...]] = {
     Case("gpt2", "ddp", 4): ((3143688, 3559544),) * 4,
     Case("gpt2", "ddp-bucket-view", 4): ((3122184, 3538040),) * 4,

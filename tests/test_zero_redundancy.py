@@ -57,7 +57,7 @@ def _derive(name, values, kw, world, **more):
 
 
 def _measured():
-    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 on two groups at once (and,
+    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 once on the group {0, 1} (and,
     checked here, tests/test_selective_engines.py's and tests/test_fsdp1_accumulation.py's live cases: selective
     recomputation under the engines, FSDP1's gradient accumulation)."""
     import warnings

@@ -69,7 +69,7 @@ class Job:
     keep_logits: bool
     steps: int
     #: ranks per process group (0: the whole world): a world of 4 runs a 2-rank job twice at once, on ranks
-    #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group)
+    #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group), or once
     group: int = 0
     #: with ``group``: run on the first group only, the other ranks skipping it (they still make the groups) -- one
     #: run, not one per group: DDP's reducer still frees late now and then (1 in ~40 job-ranks, measured), but those
