@@ -72,7 +72,7 @@ class Job:
     #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group), or once
     group: int = 0
     #: with ``group``: run on the first group only, the other ranks skipping it (they still make the groups) -- one
-    #: run, not one per group: DDP's reducer still frees late now and then (1 in ~40 job-ranks, measured), but those
+    #: run, not one per group: DDP's reducer still frees late now and then (2 of 144 job-ranks, measured), but those
     #: frees landed at no peak in any run (docs/testing.md, "The repeats")
     once: bool = False
     #: a traced module instead of the reference: a picklable callable giving (module, positional inputs)
