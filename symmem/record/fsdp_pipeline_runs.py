@@ -86,12 +86,10 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
 
 
 def mesh_repeats(tensor: bool) -> tuple[int, int]:
-    """The first and steady steps a mesh records: with tensor parallelism (DTensor's functional collectives, which
-    :func:`~symmem.record.collectives.released` does not wrap) :data:`~.model_parallel_runs.MESH_FIRST_STEPS` and
-    :data:`~.model_parallel_runs.MESH_STEADY_STEPS`, each moment at its fewest bytes; without it, one of each
-    (:data:`~.model_parallel_runs.RELEASED_FIRST_STEPS`).  Read when a rank runs (a forked rank sees its parent's)."""
-    if tensor:
-        return _runs.MESH_FIRST_STEPS, _runs.MESH_STEADY_STEPS
+    """The first and steady steps a mesh records: one of each
+    (:data:`~.model_parallel_runs.RELEASED_FIRST_STEPS`), with tensor parallelism too since DTensor's functional
+    collectives run under :class:`~symmem.record.collectives.FuncolRelease` (:func:`_record`); ``tensor`` is kept
+    so that a mesh kind can be given its own count again.  Read when a rank runs (a forked rank sees its parent's)."""
     return _runs.RELEASED_FIRST_STEPS, _runs.RELEASED_STEADY_STEPS
 
 
@@ -222,7 +220,9 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     def nbytes(ts: Any) -> int:  # each storage once
         return sum({id(x): x.nbytes() for x in (local(t).untyped_storage() for t in ts)}.values())
 
-    tracker = ShardTracker(settle=SETTLE_S)
+    # funcol's collectives (a tensor-parallel stage's DTensors) released on this thread, inside each op
+    # (collectives.FuncolRelease), as the tensor-parallel runs' steps are: their frees land at a fixed op
+    tracker = ShardTracker(settle=SETTLE_S, release=True)
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(x) for x in module.buffers()], "buffer")
     tracker.register(_buffers(stage), "buffer")

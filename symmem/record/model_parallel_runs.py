@@ -409,17 +409,14 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
 #: FSDP's under :func:`~symmem.record.collectives.released`), so a step's moments no longer move between repeats
 #: (was 2 + 2; every run asserts no late free)
 FIRST_STEPS, STEADY_STEPS = 1, 1
-#: The same on a pipeline x data-parallel mesh (fsdp_pipeline_runs, ddp_pipeline_runs): three each -- four ranks
-#: sending and receiving micro-batches leave gloo's worker thread more to let go late; on a loaded machine it once
-#: held a buffer past the same op in both of two repeats (a first step: 32,896 B; a steady one: 1,952 B)
-MESH_FIRST_STEPS, MESH_STEADY_STEPS = 3, 3
-#: The same on a p x N mesh without tensor parallelism: one first step and one steady step.  Every rank runs its
-#: jobs under :func:`released_collectives` (:func:`_rank_main`), so every collective such a mesh calls through
-#: ``torch.distributed`` (FSDP2's all-gathers and reduce-scatters, ZeroRedundancyOptimizer's broadcasts) frees its
-#: tensors on the recording thread at a fixed op, and pipelining's send works are dropped there: no repeat is left
-#: to take the fewest of (each rank reports ``late``, the frees that ran on another thread; the tests
-#: assert none).  DTensor's functional collectives (tensor parallelism) run in C++, outside that wrapper: those
-#: meshes keep the repeats
+#: The same on a pipeline mesh (fsdp_pipeline_runs, ddp_pipeline_runs: p x N, p x t, p x N x t): one first step and
+#: one steady step (was 3 + 3: four ranks sending and receiving micro-batches once left gloo's worker thread holding a
+#: buffer past the same op in both of two repeats).  Every rank runs its jobs under :func:`released_collectives`
+#: (:func:`_rank_main`), so every collective such a mesh calls through ``torch.distributed`` (FSDP2's all-gathers and
+#: reduce-scatters, ZeroRedundancyOptimizer's broadcasts) frees its tensors on the recording thread at a fixed op,
+#: DTensor's functional collectives run under :class:`~symmem.record.collectives.FuncolRelease`, and pipelining's
+#: send works are dropped there: no repeat is left to take the fewest of (each rank reports ``late``, the frees that
+#: ran on another thread; the tests assert none)
 RELEASED_FIRST_STEPS, RELEASED_STEADY_STEPS = 1, 1
 #: How long the recorder lets gloo's worker thread release a collective's tensors after each wait (ShardTracker)
 SETTLE_S = 0.001
