@@ -1,7 +1,8 @@
 """One peak, however it is asked for: the moment (``peak_at``), its formula at the numbers (``peak_formula``), the
-bytes alive then (``live_at_peak``) and ``value("peak")`` are the same number, for every built-in model, optimizer
-and device at its defaults -- and that number is the truth: the most live bytes after any op of the step written
-out at the numbers (``timeline``).
+bytes alive then (``live_at_peak``) and ``value("peak")`` are the same number, for every built-in model at its
+defaults (both devices, SGD and AdamW; each optimizer on a small model of each kind: CASES says which) -- and
+that number is the truth: the most live bytes after any op of the step written out at the numbers
+(``timeline``).
 
 The timeline is an independent computation of the same quantity: it writes every repeated block out its full
 number of times (Llama's 32 layers) in the branch of the size conditions the numbers select and adds the live

@@ -234,9 +234,10 @@ def _read(text: str) -> sympy.Expr:
 _OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}|\\l(?:floor|ceil)(?![a-zA-Z])")
 _CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}|\\r(?:floor|ceil)(?![a-zA-Z])")
 
-#: Texts up to this many characters go to the parser whole (every formula symmem prints is shorter: 373 at
-#: most in the test sample).  The parser's time grows faster than the length -- a product of 80 symbols takes
-#: 0.8 s, of 320 symbols 8 s, of 1,000 about two minutes -- so a longer text is read in pieces
+#: Texts up to this many characters may go to the parser whole (every formula symmem prints is shorter: 373
+#: at most in the test sample; those over IN_TERMS that split at a sign go term by term).  The parser's time
+#: grows faster than the length -- a product of 80 symbols takes 0.8 s, of 320 symbols 8 s, of 1,000 about two
+#: minutes -- so a longer text is read in pieces
 #: (:func:`_parse_long`): a sum term by term, a parenthesised sum after a ``\cdot`` or in braces on its own.
 AT_ONCE = 400
 #: Texts longer than this are read term by term too when they split at a top-level sign, each term on its own
