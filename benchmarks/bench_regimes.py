@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from symmem import derive
 
@@ -80,12 +82,35 @@ def timed(model: str, keywords: dict) -> float:
     return time.process_time() - t
 
 
-def fresh(model: str, keywords: dict) -> float:
+def fresh(model: str, keywords: dict, tree: str | None = None) -> float:
     """:func:`timed` in a new process: a first call.  The script itself is run (not ``python -c`` in the current
-    directory, which would put the working directory's ``symmem`` before ``PYTHONPATH``'s)."""
+    directory, which would put the working directory's ``symmem`` before ``PYTHONPATH``'s); ``tree``: the checkout
+    whose ``symmem`` it imports (``PYTHONPATH``; None: the environment's)."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run([sys.executable, __file__, "--case", model, json.dumps(keywords)], capture_output=True,
-                         text=True, check=True)
+                         text=True, check=True, env=env)
     return float(out.stdout.split()[-1])
+
+
+def paired(model: str, rounds: int, trees: Sequence[str], only: Sequence[str] = ()
+           ) -> list[tuple[str, list[float], list[float]]]:
+    """(label, median seconds per tree, median ratio to one device per tree) per regime, each case timed under every
+    checkout of ``trees`` back to back in each round (one device first), so that the trees are compared on the
+    same load; ``only``: the regimes whose label holds one of them (one device always; none: every regime)."""
+    cases = [c for c in MODELS[model] if c[0] == "one device" or any(x in c[0] for x in only or [""])]
+    times = {label: [[] for _ in trees] for label, _ in cases}
+    ratios = {label: [[] for _ in trees] for label, _ in cases}
+    for _ in range(rounds):
+        base = []
+        for label, kw in cases:
+            for k, tree in enumerate(trees):
+                t = fresh(model, kw, tree)
+                if label == "one device":
+                    base.append(t)
+                times[label][k].append(t)
+                ratios[label][k].append(t / base[k])
+    return [(label, [statistics.median(x) for x in times[label]], [statistics.median(x) for x in ratios[label]])
+            for label, _ in cases]
 
 
 def run(model: str, rounds: int, warm: bool = False) -> list[tuple[str, float, float]]:
@@ -113,10 +138,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("models", nargs="*", metavar="MODEL", help="gpt2, llama (default: both)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warm", action="store_true", help="repeated calls in one process, not first calls")
+    parser.add_argument("--against", metavar="CHECKOUT", action="append", default=[],
+                        help="time each case under this checkout's symmem too, back to back in every round (paired); "
+                             "the first tree is PYTHONPATH's")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="the regimes whose label holds TEXT (with --against; repeatable)")
     parser.add_argument("--case", nargs=2, metavar=("MODEL", "JSON"), help=argparse.SUPPRESS)  # one fresh call
     args = parser.parse_args(argv)
     if args.case:
         print(timed(args.case[0], json.loads(args.case[1])))
+        return
+    if args.against:
+        trees = [os.environ.get("PYTHONPATH", ""), *args.against]
+        for model in args.models or list(MODELS):
+            print(f"{model} (default sizes): CPU seconds of a first call and ratio to one device, median of "
+                  f"{args.rounds}, paired; trees: {', '.join(trees)}")
+            for label, seconds, ratios in paired(model, args.rounds, trees, args.only):
+                cols = "  ".join(f"{t:6.2f} s {r:5.2f}x" for t, r in zip(seconds, ratios, strict=True))
+                print(f"  {label:<44} {cols}  ({seconds[0] / seconds[1]:4.2f} of the second tree's time)")
         return
     for model in args.models or list(MODELS):
         print(f"{model} (default sizes): derive + peak (steady and first step), CPU seconds of a "

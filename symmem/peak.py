@@ -586,6 +586,7 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
     # one total (the algebra keeps one per set of parts: a later micro-batch's forward repeats the one before),
     # so a value is worked out once per total too
     totals = {c.key: alg.total(c) for c in cands}
+    cands = first_of_each(cands, totals)
     if numbers:
         by_total: dict[int, Any] = {}
         values = {}
@@ -603,6 +604,21 @@ def prune(cands: list[Candidate], alg: Algebra, numbers: Mapping[sympy.Symbol, i
         return _envelope(cands, {k: {alg.monomials[i]: v for i, v in t.items()} for k, t in totals.items()})
     by_key = {c.key: c for c in cands}
     return [by_key[k] for k in survivors([c.key for c in cands], totals)]
+
+
+def first_of_each(cands: list[Candidate], totals: Mapping[Any, Mapping[int, int]]) -> list[Candidate]:
+    """``cands`` less each that holds what an earlier one holds (the same total: :meth:`Algebra.total` keeps one per
+    set of parts), left out before the comparisons: the first of equals is the one kept either way
+    (:func:`survivors`, :func:`_envelope`), and a step repeats its moments (FSDP's policy with full checkpointing
+    over four micro-batches: 28% of Llama's 1,270)."""
+    seen: set[int] = set()
+    out = []
+    for c in cands:
+        t = id(totals[c.key])
+        if t not in seen:
+            seen.add(t)
+            out.append(c)
+    return out
 
 
 def survivors(order: Sequence[Any], totals: Mapping[Any, Mapping[int, int]]) -> list[Any]:

@@ -94,6 +94,14 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
 
     everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *tensor.CASES, *hf], start_method="forkserver")
     at = len(CASES) + len(TRACED)
+    # every collective of a p x N mesh released on the recording thread: no free ran elsewhere, and one first and
+    # one steady step were recorded (measured: the same bytes as the fewest over 3 + 3); the p x t meshes
+    # (DTensor's C++ collectives) keep their repeats
+    for rank in everything:
+        for k, r in enumerate(rank):
+            tp = at <= k < at + len(tensor.CASES)
+            assert r.repeats == ((3, 3) if tp else (1, 1)), (k, r)
+            assert tp or r.late == 0, (k, r)
     tensor.RUNS["tensor"] = [rank[at:at + len(tensor.CASES)] for rank in everything]
     _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
     if HAS_HF:

@@ -131,6 +131,7 @@ def _against_the_engine(cases: list, everything: list) -> None:
     for case, (engine, values, options, where) in enumerate(cases):
         real = [rank[case] for rank in everything]
         assert [(r.dp, r.tp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert [r.late for r in real] == [()] * 4, engine  # every recorded free on the recording thread
         numbers = {**values, "N": 2, "t": 2}
         parts = {dp: tensor_parallel_rank("llama", values=values, device="cpu", data_parallel=engine, rank=dp,
                                           **options).at(numbers) for dp in (0, 1)}
@@ -179,6 +180,7 @@ def _traced_against(file: list) -> None:
     d = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss="sum", check=False, tensor_parallel=True,
               data_parallel="fsdp-no-reshard", values={"t": 2, "N": 2})
     each = {r.rank: (r.first_peak, r.steady_peak) for r in file}
+    assert [r.late for r in file] == [()] * 4  # every recorded free on the recording thread
     assert rank_peaks(d) == d.step.ranks(d.numbers) == each  # what every view shows: the ranks differ
     assert (d.value("peak_first_step"), d.value("peak")) == each[0] and d.peak_at().where() == (
         "forward fsdp.all_gather_done in blocks.# (layer 2), steady step")

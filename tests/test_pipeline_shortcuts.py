@@ -25,9 +25,16 @@ def test_micro_batches_in_flight_as_sympy_makes_them() -> None:
             assert sympy.srepr(in_flight(index, m)) == sympy.srepr(sympy.Min(p - index, m))
 
 
+def _uppers(step, named) -> list:
+    """Every stage's lines that no other bounds (steady and first step) read from the packed replay at ``named``
+    (whose moments are those that may bound a line: ``model_parallel.bounding``)."""
+    b = named["B"]
+    return [step._stage_uppers(s, rows, parts, b) for s, (rows, parts) in enumerate(step._batch_moments(named, b))]
+
+
 def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
-    """Every stage's moments, in order, and its peak: the replays at numbers (each moment kept) and the packed one
-    the lines read (each value once), 1F1B and GPipe, llama and gpt2 with dropout (pass 0 and later passes)."""
+    """Every stage's moments, in order, and its peak: the replays at numbers (each moment kept); and the lines read
+    from the packed one, 1F1B and GPipe, llama and gpt2 with dropout (pass 0 and later passes)."""
     import symmem.passes.model_parallel as mp
     from symmem import derive
 
@@ -50,7 +57,7 @@ def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
                 step = d.step
                 named = step._named(None)
                 found.setdefault(label, []).append(([(r.moments, r.peak) for r in step._replays(named)],
-                                                    step._batch_moments(named, named["B"])))
+                                                    _uppers(step, named)))
     assert found["moved"] == found["walked"]
     # 3 cases x 2 (the replays, the packed one) x 2 stages x 8 segments; each stage walks 4 (2 passes x F, B)
     assert len(walks) == 3 * 2 * 2 * 4
@@ -130,15 +137,12 @@ ENGINES = [
 
 
 def _everything(d) -> tuple:
-    """A pipeline derivation's peaks and where, the packed replay's moments the lines are read from, and each
-    stage's replay at the derivation's numbers, moment by moment."""
-    from symmem.passes.ddp_pipeline import _Moved
-
+    """A pipeline derivation's peaks and where, the lines read from the packed replay, and each stage's replay at
+    the derivation's numbers, moment by moment."""
     step = d.step
     named = step._named(None)
     replays = [(r.moments, r.peak) for r in step._replays(named)]
-    packed = [(rows.rows() if isinstance(rows, _Moved) else rows, parts)
-              for rows, parts in step._batch_moments(named, named["B"])]
+    packed = _uppers(step, named)
     return (d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(), packed,
             replays)
 
@@ -258,3 +262,106 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
     assert found["at once"] == found["long way"]
     assert refused == [True] * len(SEQUENCE_AT_ONE)
     assert four == [4] * 4  # the p x t mesh's two cases, two stages each, from one replay at four batches
+
+
+#: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and
+#: every engine around it, at 2 to 4 stages of 2 to 4 layers (no middle layer, one and several alike)
+BOUNDED = [
+    ("llama", "1f1b", 4, {}, {"L": 8, "p": 4}),
+    ("llama", "gpipe", 3, {}, {"L": 8, "p": 2}),
+    ("llama", "1f1b", 8, {}, {"L": 12, "p": 3}),
+    ("llama", "1f1b", 4, {"checkpoint": "full"}, {"L": 8, "p": 2}),
+    ("llama", "gpipe", 4, {"checkpoint": "every-2"}, {"L": 8, "p": 2}),
+    ("gpt2", "1f1b", 2, {"dropout": 0.1}, {"L": 4, "p": 2}),
+    ("gpt2", "gpipe", 4, {"loss": "cross-entropy"}, {"L": 6, "p": 3}),
+    ("llama", "1f1b", 4, {"data_parallel": "ddp"}, {"N": 2, "L": 8, "p": 2}),
+    ("llama", "gpipe", 3, {"data_parallel": "ddp-bucket-view"}, {"N": 2, "L": 4, "p": 2}),
+    ("llama", "1f1b", 4, {"data_parallel": "zero-redundancy"}, {"N": 3, "L": 8, "p": 2}),
+    ("llama", "1f1b", 4, {"data_parallel": "fsdp"}, {"N": 2, "L": 8, "p": 2}),
+    ("llama", "gpipe", 3, {"data_parallel": "fsdp-no-reshard"}, {"N": 3, "V": 63, "L": 4, "p": 2}),
+    ("llama", "1f1b", 4, {"tensor_parallel": True}, {"t": 2, "L": 8, "p": 2}),
+    ("llama", "1f1b", 4, {"tensor_parallel": True, "sequence_parallel": True}, {"t": 2, "L": 8, "p": 2}),
+    ("llama", "gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2, "L": 4, "p": 2}),
+    # sequence parallelism at B = 1: B = 1 read alone and the lines from B = 2, from one replay at four batches
+    ("llama", "1f1b", 2, {"tensor_parallel": True, "sequence_parallel": True, "attention": "sdpa"},
+     {"t": 2, "B": 1, "L": 4, "p": 2}),
+    ("llama", "gpipe", 3, {"tensor_parallel": True, "sequence_parallel": True, "attention": "naive"},
+     {"t": 2, "B": 1, "G": 4, "L": 8, "p": 2}),
+]
+
+
+def test_moments_bounding_no_line_left_out(monkeypatch) -> None:
+    """The packed replay keeps of each segment the moments that may bound a line (``model_parallel.bounding``): the
+    peaks, where, every stage's peak, every moment of the peak (where, bytes) and each stage's largest, steady and
+    first step, with its formula and what it holds at, are those read with every moment kept, for the stage alone
+    and every engine around it (``BOUNDED``); and moments are left out."""
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+
+    found: dict[str, list] = {}
+    left: list[int] = []
+    bounding = mp.bounding
+
+    def counted(deltas, b, count=3):
+        kept = bounding(deltas, b, count)
+        left.append(len(deltas) - (len(deltas) if kept is None else len(kept)))
+        return kept
+
+    for label in ("bounded", "every moment"):
+        with monkeypatch.context() as patch:
+            patch.setattr(mp, "bounding", counted if label == "bounded" else lambda deltas, b, count=3: None)
+            for model, schedule, m, engine, more in BOUNDED:
+                values = {**SMALL, **more}
+                if model == "gpt2":
+                    del values["G"]
+                d = derive(model, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, device="cpu",
+                           values=values, **engine)
+                step = d.step
+                found.setdefault(label, []).append((
+                    d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(),
+                    step.per_stage(d.numbers), [(m.where(), m.value(d.numbers)) for m in step.peak().moments],
+                    [(m.where(), str(m.total), m.pinned()) for which in ("steady", "first")
+                     for m in step.stage_moments(d.numbers, which)]))
+    assert found["bounded"] == found["every moment"]
+    assert sum(left) > 0
+
+
+#: (model, derive keywords, sizes) whose steps repeat moments (later micro-batches, checkpointed recomputation)
+REPEATS = [
+    ("llama", {"data_parallel": "fsdp", "param_dtype": "bfloat16", "checkpoint": "full", "micro_batches": 4},
+     {"N": 2}),
+    ("llama", {"data_parallel": "fsdp", "micro_batches": 3}, {"N": 2}),
+    ("llama", {"data_parallel": "fsdp1", "checkpoint": "full"}, {"N": 2}),
+    ("llama", {"data_parallel": "ddp", "micro_batches": 2}, {"N": 2}),
+    ("llama", {"checkpoint": "every-2", "micro_batches": 3}, {}),
+    ("gpt2", {"micro_batches": 4, "dropout": 0.1}, {}),
+    ("gpt2", {"zero": 3}, {"N": 4}),
+]
+
+
+def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
+    """``peak.first_of_each``: the candidates that repeat an earlier one's storages are left out before the
+    comparisons, and the peak -- its bytes, where and formula, steady and first step, every moment kept with its
+    bytes -- is the one that compares every candidate (``REPEATS``), and repeats were left out."""
+    import symmem.peak as pk
+    from symmem import derive
+
+    found: dict[str, list] = {}
+    left: list[int] = []
+    first_of_each = pk.first_of_each
+    for label in ("repeats left out", "every candidate"):
+        with monkeypatch.context() as patch:
+            patch.setattr(pk, "first_of_each", (lambda c, t: left.append(len(c) - len(first_of_each(c, t)))
+                                                or first_of_each(c, t)) if label == "repeats left out"
+                          else lambda cands, totals: cands)
+            for model, keywords, more in REPEATS:
+                values = {**SMALL, **more}
+                if model == "gpt2":
+                    del values["G"]
+                d = derive(model, device="cpu", values=values, **keywords)
+                found.setdefault(label, []).append((
+                    d.value("peak"), d.value("peak_first_step"), d.peak_at().where(), d.peak_at("first").where(),
+                    str(d.peak_at().total), str(d.peak_at("first").total),
+                    [(m.where(), m.value(d.numbers)) for m in d.step.peak().moments]))
+    assert found["repeats left out"] == found["every candidate"]
+    assert sum(left) > 0

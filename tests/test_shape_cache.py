@@ -25,7 +25,9 @@ from symmem.record.shape_cache import ShapeCache  # noqa: E402
 SEQ = {"B": [("input_ids", 0)], "S": [("input_ids", 1)]}
 
 
-def _everything(cache: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
+def _everything(cache: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple[object, ...], object]:
+    """Every value a trace and its step give (with the derivation), the shape cache and the step's fake-op cache on
+    or off."""
     monkeypatch.setattr(saved_tensors, "CACHE_SHAPES", cache)
     monkeypatch.setattr(recording, "CACHE_STEP", cache)
     torch.manual_seed(0)
@@ -37,11 +39,14 @@ def _everything(cache: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, .
     return (d.expression("activations"), d.expression("total"), d.domain, step.peak({step.symbol: step.count}).expr,
             [(s.sid, s.nbytes, s.category, s.dtype, s.op, s.where, s.module, s.phase) for s in rec.storages],
             [(o.phase, o.op, o.where, o.born, o.freed) for o in rec.ops], [g.expr for g in rec.guards],
-            d.table(), rec.as_timeline("steady"), rec.as_timeline("first"), [g.where for g in rec.guards])
+            d.table(), rec.as_timeline("steady"), rec.as_timeline("first"), [g.where for g in rec.guards]), d
 
 
-def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    hits: list[int] = []
+@pytest.fixture(scope="module")
+def cached() -> tuple[tuple[object, ...], list[bool], object]:
+    """GPT-2 traced with the caches on (as symmem runs): its values, whether each shape-cache lookup hit, and the
+    derivation -- made once for the module (the folds test records its step's layer counts in the same world)."""
+    hits: list[bool] = []
     inner = ShapeCache.get
 
     def counted(self: ShapeCache, key: object, *args: object) -> object:
@@ -49,10 +54,17 @@ def test_cache_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
         hits.append(out is not None)
         return out
 
-    monkeypatch.setattr(ShapeCache, "get", counted)
-    with_cache = _everything(True, monkeypatch)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ShapeCache, "get", counted)
+        values, d = _everything(True, mp)
+    return values, hits, d
+
+
+def test_cache_changes_no_value(cached: tuple[tuple[object, ...], list[bool], object],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    with_cache, hits, _ = cached
     assert sum(hits) > 100  # the second layer and the step's layer counts reuse the first's shapes
-    without = _everything(False, monkeypatch)
+    without, _ = _everything(False, monkeypatch)
     for a, b in zip(with_cache, without, strict=True):
         assert a == b
 
@@ -140,7 +152,9 @@ def test_the_checks_real_forward_runs_on_one_thread_and_restores_the_count() -> 
         torch.set_num_threads(before)
 
 
-def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds() -> None:
+@pytest.mark.deep  # six step records; the shared world is in every traced peak checked against real steps
+def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds(
+        cached: tuple[tuple[object, ...], list[bool], object]) -> None:
     """The records at 4, 5 and 6 layers of the fold share one fake world and shape cache
     (importer.recording.SharedWorld); each equals the same step recorded alone in a fresh world (what the importer
     and traced-peak tests check against real PyTorch): storages, ops, what each frees, and the guards (the shared log
@@ -148,10 +162,7 @@ def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds() -
     from symmem.importer.recording import record_step
     from symmem.importer.traced_step import COUNTS
 
-    torch.manual_seed(0)
-    module = th.gpt2("eager", 0.1)
-    d = symmem.trace(module, {"input_ids": torch.randint(0, th.VOCAB, (2, 8))}, SEQ)
-    step = d.step
+    step = cached[2].step  # GPT-2 traced with the caches on; its peak recorded every count of the fold
 
     def facts(rec: recording.StepRecord) -> tuple[object, ...]:
         return ([(s.nbytes, s.category, s.dtype, s.op, s.where, s.phase) for s in rec.storages], rec.start,

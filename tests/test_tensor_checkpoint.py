@@ -3,7 +3,9 @@
 
 Truths, all real ``torch.distributed`` runs (gloo, CPU, the Llama reference checkpointed per layer -- every K layers
 for every-K -- with ``torch.utils.checkpoint`` non-reentrant after ``parallelize_module``, the loss ``sum``,
-for-loop AdamW, each moment at its fewest bytes over 2 + 2 repeated steps, ``symmem.record.model_parallel_runs``):
+for-loop AdamW, each moment at its fewest bytes over the recorded steps -- 2 + 2 when the stored rows were measured,
+1 + 1 live since funcol's collectives release their tensors on the recording thread --
+``symmem.record.model_parallel_runs``):
 
 * :data:`JOBS`, run live in test_model_parallel's two-rank spawn (no process group of its own), checked by
   :func:`against_dtensor`;

@@ -289,6 +289,16 @@ def test_a_real_ctrl_c_still_interrupts(capsys):
     assert (code, out, err) == (130, "", "symmem: interrupted\n")
 
 
+def test_a_real_ctrl_c_lost_in_a_finalizer_still_interrupts(capsys, monkeypatch):
+    """The handler's KeyboardInterrupt raised inside a weak reference's callback is unraisable: Python drops it
+    and the forward returns (before: exit 0, the trace printed as if no Ctrl-C had been pressed)."""
+    lost: list[type] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_type))
+    code, out, err = run(capsys, "trace", "tests.trace_helpers:ctrl_c_in_a_finalizer", "--dims", "B")
+    assert lost and set(lost) == {KeyboardInterrupt}  # lost where the recorder's finalizers run (each forward)
+    assert (code, out, err) == (130, "", "symmem: interrupted\n")
+
+
 def test_a_module_that_keeps_nothing_prints_its_zeros(capsys):
     """A lone ReLU on an input that needs no gradient: nothing requires grad, so autograd saves nothing and there
     are no parameters (before: the text table crashed on its empty rows, ``max() arg is an empty sequence``)."""

@@ -76,6 +76,7 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     everything = [[hf[rank][SEQUENCE], *runs] for rank, runs in enumerate(forked_ranks(2, work,
                                                                                         "the tensor-parallel runs"))]
     measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(7)]
+    assert [r[k].late for r in everything for k in range(7)] == [()] * 14  # every free on the recording thread
     # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at
     # B = 64, 4, 1 and 947, with 7 layers at B = 64, and with one block 80 wide at B = 64
     assert measured == [[(96_080, 97_328)] * 2, [(85_928, 115_528)] * 2, [(65_600, 65_600)] * 2,

@@ -3,9 +3,10 @@ runs: every rank's first and steady peak, derived per rank, equals the live byte
 real gloo run on the CPU (symmem.record.distributed), to the byte; each rank's optimizer state equals what the
 run's first step leaves alive; the partition is torch's own.
 
-One spawn of four processes, in one test, runs every case: the world of 4 (N = 4), then each N = 2 case twice at
-once, on the groups {0, 1} and {2, 3} (a late free by gloo's worker threads only ever adds, so the lower of the two
-counts).
+One spawn of four processes, in one test, runs every case: the world of 4 (N = 4), then each N = 2 case once, on the
+group {0, 1} (ranks 2 and 3 skip it).  DDP's reducer, under ZeroRedundancyOptimizer, still frees late on gloo's thread
+now and then, but no such free landed at a peak in any run: every run of both groups gave the same steps, each the
+derived one (docs/testing.md, "The repeats").
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _derive(name, values, kw, world, **more):
 
 
 def _measured():
-    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 on two groups at once (and,
+    """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 once on the group {0, 1} (and,
     checked here, tests/test_selective_engines.py's and tests/test_fsdp1_accumulation.py's live cases: selective
     recomputation under the engines, FSDP1's gradient accumulation)."""
     import warnings
@@ -65,20 +66,14 @@ def _measured():
         warnings.simplefilter("ignore")  # the two-parameter MLP keeps no activation (NothingCounted)
         fours = [_derive(*case, 4) for case in [*MODELS, TWO_PARAMETERS]]
     twos = [_derive(*case, 2) for case in [*MODELS, FIVE_LAYERS, RANK_1_LARGEST]]
-    jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2) for d in twos]
+    jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2, once=True) for d in twos]
     live, acc = selective.cases(selective.LIVE), accumulation.cases(accumulation.LIVE)
     runs = measure_jobs([*jobs, *selective.jobs(live), *accumulation.jobs(acc)], world=4, timeout=240,
                         start_method="forkserver")
     at = len(jobs) + len(live)
     wrong = selective.check(live, runs[len(jobs):at]) + accumulation.check(acc, runs[at:])
     assert not wrong, "\n".join(wrong)
-    out = list(zip(fours, runs[:len(fours)], strict=True))
-    for d, ranks in zip(twos, runs[len(fours):len(jobs)], strict=True):
-        # ranks 0, 1 then 2, 3 (each its rank in its group): the lower of the two runs, step by step
-        pairs = zip(ranks[:2], ranks[2:], strict=True)
-        out.append((d, tuple(dataclasses.replace(a, per_step=tuple(map(min, a.per_step, b.per_step)))
-                             for a, b in pairs)))
-    return out
+    return list(zip([*fours, *twos], runs[:len(jobs)], strict=True))
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
@@ -237,6 +232,8 @@ def test_refusals_of_the_peak(capsys):
     job = dataclasses.replace(job_of(_derive(*MODELS[0], 2)), group=3)
     with pytest.raises(SymmemError, match="in groups of 3 ranks cannot run in a world of 4"):
         measure_jobs([job], world=4)
+    with pytest.raises(SymmemError, match="runs once on its first group: give it a group smaller than the world"):
+        measure_jobs([dataclasses.replace(job, group=0, once=True)], world=4)
     # the ranks start by spawn (the default) or from a forkserver (the suite's), nothing else
     with pytest.raises(SymmemError, match="the ranks start by 'spawn' or 'forkserver', not 'fork'") as e:
         measure_jobs([job_of(_derive(*MODELS[0], 2))], world=2, start_method="fork")

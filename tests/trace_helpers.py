@@ -171,27 +171,48 @@ def interrupts() -> Any:
 
 
 def ctrl_c() -> Any:
-    """A module whose forward gets a real SIGINT (what Ctrl-C sends) while it runs."""
-    import gc
-    import os
+    """A module whose forward gets a real SIGINT (what Ctrl-C sends) while it runs.
+
+    ``signal.pthread_kill`` sends it to this thread (``os.kill`` to the process lets the kernel pick any thread
+    that does not block it) and runs the Python handler before it returns, so the ``KeyboardInterrupt`` comes out
+    of the forward itself, at once, whatever the load: not in whatever Python code ran next (a collection's or a
+    weak reference's callback, where it is lost: :func:`ctrl_c_in_a_finalizer`)."""
     import signal
+    import threading
     import time
 
     import torch
 
     class Pressed(torch.nn.Module):
         def forward(self, x: Any) -> Any:
-            # no collection while the signal is handled: Python raises the KeyboardInterrupt in whatever Python code
-            # runs next, and a collection's callback (hypothesis installs one in the test process) would swallow it
-            # as unraisable -- the forward would sleep out and return
-            enabled = gc.isenabled()
-            gc.disable()
-            try:
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(5)  # the signal interrupts the sleep
-            finally:
-                if enabled:
-                    gc.enable()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(5)  # reached only where the interrupt did not come out: the forward returns, exit 0
+            return x
+
+    return Pressed(), (torch.randn(2, 4),)
+
+
+def ctrl_c_in_a_finalizer() -> Any:
+    """A module whose forward gets a real SIGINT while a weak reference's callback runs (as the recorder's storage
+    finalizers do on every free): the handler's ``KeyboardInterrupt`` is raised in the callback, where Python
+    prints it as unraisable and drops it, and the forward returns."""
+    import signal
+    import threading
+    import weakref
+
+    import torch
+
+    class Freed:
+        pass
+
+    def press() -> None:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    class Pressed(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            freed = Freed()
+            weakref.finalize(freed, press)
+            del freed  # the callback runs here, and the interrupt is lost in it
             return x
 
     return Pressed(), (torch.randn(2, 4),)

@@ -673,11 +673,17 @@ def user_code(what: str) -> Iterator[None]:
     """Run the user's code (a module's import, its callable, its forward): a ``sys.exit`` in it, or a
     ``KeyboardInterrupt`` it raises itself, is a :class:`SymmemError` naming ``what`` and what the code did,
     instead of a silent exit or a traceback.  A real Ctrl-C (SIGINT while it runs) still interrupts: a SIGINT
-    handler notes it, then does what the one before it did."""
+    handler notes it, then does what the one before it did.
+
+    Python runs a signal's handler in whatever Python code the main thread runs next; when that is a weak
+    reference's callback (the recorder's storage finalizers run on every free), a ``__del__`` or a collection's
+    callback, the ``KeyboardInterrupt`` it raises is printed as unraisable and lost, and the code would run on to
+    exit 0.  So an interrupt the handler raised that did not come out is raised again when the code returns."""
     import signal
     import threading
 
     pressed: list[int] = []
+    raised: list[int] = []  # the handler raised KeyboardInterrupt (the one before it did, or would have)
     previous: Any = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGINT)
@@ -685,13 +691,20 @@ def user_code(what: str) -> Iterator[None]:
         def noted(signum: int, frame: Any) -> None:
             pressed.append(signum)
             if callable(previous):
-                previous(signum, frame)
+                try:
+                    previous(signum, frame)
+                except KeyboardInterrupt:
+                    raised.append(signum)
+                    raise
             elif previous != signal.SIG_IGN:
+                raised.append(signum)
                 raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, noted)
     try:
         yield
+        if raised:  # swallowed on its way out (an unraisable context): the Ctrl-C still interrupts
+            raise KeyboardInterrupt
     except SystemExit as exc:
         raise SymmemError(f"{what}: the code called sys.exit({exc.code!r}); symmem runs it and needs it to return "
                           "(exit only under if __name__ == '__main__')") from None

@@ -39,6 +39,9 @@ AUTOCAST = ("bfloat16", "float16")
 LAYER_INDEX = ("layer_idx",)
 #: configuration attributes that count the layers (Hugging Face caches make one slot per layer)
 LAYER_COUNT = ("num_hidden_layers", "n_layer", "num_layers")
+#: configuration attributes that hold one entry per layer, read by layer index in the model's forward (Qwen2's,
+#: Mistral's, Gemma's ``layer_types``: ``config.layer_types[i]`` picks layer i's attention mask)
+LAYER_LISTS = ("layer_types",)
 
 
 def autocast_dtype(name: str | None) -> Any:
@@ -167,11 +170,16 @@ def with_layers(module: Any, container: str, children: Sequence[str], count: int
     new_names = _run_names(names, first, last, count, container)
     saved = dict(parent._modules)
     configs = _layer_counts(module, len(originals))
+    # grown only: where the run is cut (count <= its length) the lists stay as they were (indexes stay inside)
+    lists = _layer_lists([cfg for cfg, _ in configs], len(originals)) if count > len(run) else []
     parent._modules.clear()
     for n, m in zip(new_names, layers, strict=True):
         parent._modules[n] = m
     for cfg, attr in configs:
         setattr(cfg, attr, len(layers))
+    for cfg, attr, entries in lists:  # a copy of the run's last layer is of its kind (its entry)
+        setattr(cfg, attr, type(entries)([*entries[:first], *entries[first:last + 1],
+                                          *[entries[last]] * (count - len(run)), *entries[last + 1:]]))
     prefix = f"{container}." if container else ""
     try:
         yield {f"{prefix}{new_names[first + k]}": k for k in range(len(new_run))}
@@ -180,6 +188,8 @@ def with_layers(module: Any, container: str, children: Sequence[str], count: int
         parent._modules.update(saved)
         for cfg, attr in configs:
             setattr(cfg, attr, len(originals))
+        for cfg, attr, entries in lists:
+            setattr(cfg, attr, entries)
 
 
 def _run_names(names: list[str], first: int, last: int, count: int, container: str) -> list[str]:
@@ -214,6 +224,19 @@ def _layer_counts(module: Any, count: int) -> list[tuple[Any, str]]:
             if getattr(cfg, attr, None) == count and isinstance(getattr(cfg, attr), int):
                 found.append((cfg, attr))
                 break
+    return found
+
+
+def _layer_lists(configs: list[Any], count: int) -> list[tuple[Any, str, Any]]:
+    """(config, attribute, entries) of the per-layer lists (:data:`LAYER_LISTS`) of ``configs`` that hold ``count``
+    entries: written out with the run, or a model traced with fewer layers than the fold's counts indexes past their
+    end (Qwen2 traced at 2 layers: ``layer_types[4]``)."""
+    found = []
+    for cfg in configs:
+        for attr in LAYER_LISTS:
+            entries = getattr(cfg, attr, None)
+            if isinstance(entries, list | tuple) and len(entries) == count:
+                found.append((cfg, attr, entries))
     return found
 
 

@@ -145,7 +145,24 @@ def held_shape(shape: Sequence[sympy.Expr], world: sympy.Expr, rank: int) -> tup
 
     >>> [held_shape((10, 128), 4, r)[0] for r in range(4)]
     [3, 3, 3, 1]
+
+    Kept per (shape, world, rank), each with its type (an int and a sympy Integer stay apart): sympy's ``Min`` and
+    ``Max`` search their arguments, and every rank's step asks again for every parameter, at every layer count.
     """
+    key = (tuple((type(d), d) for d in shape), type(world), world, type(rank), rank)
+    found = _HELD.get(key)
+    if found is None:
+        found = _HELD[key] = _held_shape(tuple(shape), world, rank)
+        if len(_HELD) > 8192:  # bounded, as the other size caches here
+            _HELD.pop(next(iter(_HELD)))
+    return found
+
+
+#: :func:`held_shape`'s answers, by its arguments and their types
+_HELD: dict[tuple[Any, ...], tuple[sympy.Expr, ...]] = {}
+
+
+def _held_shape(shape: tuple[sympy.Expr, ...], world: sympy.Expr, rank: int) -> tuple[sympy.Expr, ...]:
     if not shape:
         return ()
     k = shard_rows(shape, world)

@@ -736,6 +736,83 @@ def _unpacked_each(moments: Sequence[tuple[int, str | None, int | None]], count:
     return rows
 
 
+def _lined_at(cut: Any) -> tuple[int, int] | None:
+    """``(b, count)`` where ``cut`` is packed at ``count`` batches ``B = b, b + 1, ...``, whose moments are read as
+    lines in B (:func:`~symmem.passes.pipeline_step.lines_of`): three (:func:`batch_moments`), or four (the first
+    read alone, the lines from the other three: :mod:`.sequence_pipeline` at B = 1); else None (a replay at
+    numbers)."""
+    cuts = getattr(cut, "__dict__", {}).get("cuts")
+    if not isinstance(cuts, (list, tuple)) or len(cuts) not in (3, 4):
+        return None
+    batch = sympy.Symbol("B", positive=True, integer=True)
+    found = [getattr(c, "subs", {}).get(batch) for c in cuts]
+    if any(x is None for x in found) or [int(x) - int(found[0]) for x in found] != list(range(len(cuts))):
+        return None
+    return int(found[0]), len(cuts)
+
+
+def bounding(deltas: Sequence[int], b: int, count: int = 3) -> list[int] | None:
+    """Which of a segment's moments (``deltas``: their packed bytes less the live bytes the segment begins at, at
+    ``B = b, b + 1, b + 2``) can bound a stage's lines (:func:`~symmem.passes.pipeline_step._upper` of
+    :func:`~symmem.passes.pipeline_step.lines_of`), wherever the segment is moved to: their indices, in order.
+    ``count`` 4: packed at ``b`` to ``b + 3``, the bytes at ``b`` read alone (the first of the largest can bound
+    them) and the lines from ``b + 1`` (those that can bound them), both kept.
+
+    A moment is the line ``a + c*B`` read at the three; the lines kept are, of each slope, the first of the
+    largest, where it is above every steeper line at ``B = 1`` (``_upper``).  A segment's moments all gain the
+    live bytes it begins at, one line for all (the first step's schedule loses its optimizer state from all, a
+    ZeRO-1 rank's moments are moved by one line): so a moment that another of its segment bounds so -- of its slope
+    and earlier with as much, or steeper with as much at 1 -- is bounded wherever the segment is moved and is left
+    out (most of a stage's moments: each layer's activations make the next ones steeper).  The first moment stays,
+    whatever it is (where the segment begins at bytes on no line, it is the first moment refused there, as the
+    replay moment by moment refuses it); None where a moment is no line (every moment kept, refused as before).
+
+    >>> from symmem.passes.model_parallel import _pack
+    >>> bounding([_pack([1, 1, 1]), _pack([5, 5, 5]), _pack([2, 4, 6]), _pack([3, 5, 7]), _pack([0, 3, 6])], 1)
+    [0, 1, 3, 4]
+    >>> bounding([_pack([1, 2, 4])], 1) is None
+    True
+    """
+    mask, half, full = (1 << _DIGIT) - 1, 1 << (_DIGIT - 1), 1 << _DIGIT
+    best: dict[int, tuple[int, int]] = {}  # slope -> (a, the first moment with that a)
+    alone: tuple[int, int] | None = None  # count 4: the first of the largest at the first batch
+    if count == 4:
+        b += 1
+    for k, d in enumerate(deltas):
+        if count == 4:
+            x = d & mask
+            if x >= half:
+                x -= full
+            d = (d - x) >> _DIGIT
+            if alone is None or x > alone[0]:
+                alone = (x, k)
+        x0 = d & mask
+        if x0 >= half:
+            x0 -= full
+        d = (d - x0) >> _DIGIT
+        x1 = d & mask
+        if x1 >= half:
+            x1 -= full
+        x2 = (d - x1) >> _DIGIT
+        c = x1 - x0
+        if x2 - x1 != c:
+            return None
+        a = x0 - b * c
+        found = best.get(c)
+        if found is None or a > found[0]:
+            best[c] = (a, k)
+    kept = {0} if deltas else set()
+    if alone is not None:
+        kept.add(alone[1])
+    top = None
+    for c in sorted(best, reverse=True):
+        a, k = best[c]
+        if top is None or a + c > top:
+            kept.add(k)
+            top = a + c
+    return sorted(kept)
+
+
 def _unpack(packed: int, count: int = 3) -> list[int]:
     """:func:`_pack`'s three (``count``) integers back (balanced digits: each in ``[-2**127, 2**127)``)."""
     out = []
@@ -931,6 +1008,9 @@ class _Replay:
         self._sends: dict[tuple[int, bool], bool] = {}
         #: a packed replay (batch_moments reads each of its values once a phase)
         self.packed = isinstance(cut, _PackedCut)
+        #: the batch ``b`` of a replay packed at ``B = b, b + 1, b + 2``, whose moments are read as lines only
+        #: (:func:`bounding`); None: every moment kept
+        self.lined = _lined_at(cut)
 
     def run(self) -> StagePeak:
         cut, s = self.cut, self.s
@@ -1051,10 +1131,15 @@ class _Replay:
             ends = walk(kind, mb)
             made = self.moments[start:]
             top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
+            highest = None if top is None else (made[top][0] - live0, made[top][1])
+            if self.lined is not None:  # the moments that can bound a line, wherever the record is moved to
+                bound = bounding([v - live0 for v, _, _ in made], *self.lined)
+                if bound is not None:
+                    made = self.moments[start:] = [made[k] for k in bound]
             final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
             self._records[key] = found = (
                 [(v - live0, node) for v, node, _ in made], self.live - live0,
-                None if top is None else (made[top][0] - live0, made[top][1]), final,
+                highest, final,
                 [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
                 self._hook_effect(mark), frozenset(sid for sid, _ in final))
             self._left[mb] = left | found[-1]

@@ -10,15 +10,19 @@ from .collectives import released
 #: the collectives :func:`stress` runs (each as the engines call it: asynchronous, then waited for; ``all_gather``
 #: also synchronous, as FSDP1 calls it; ``isend`` from rank 0 to rank 1's ``irecv``)
 STRESSED = ("all_gather_single", "all_gather_sync", "reduce_scatter_single", "all_reduce", "broadcast", "isend")
+#: funcol's collectives as DTensor calls them (``torch.distributed._functional_collectives``: the
+#: ``_c10d_functional`` op, then ``wait_tensor``), run by :func:`stress_funcol` under the recorder's
+#: :class:`~symmem.record.collectives.FuncolRelease`
+FUNCOL_STRESSED = ("funcol_all_gather", "funcol_reduce_scatter", "funcol_all_reduce")
 
 
 def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout: float = 120.0,
-           start_method: str = "spawn") -> dict[str, tuple[int, int]]:
+           start_method: str = "spawn", funcol: bool = False) -> dict[str, tuple[int, int]]:
     """Run each collective of :data:`STRESSED` ``repeats`` times on ``world`` gloo ranks, each rank under a
     live-bytes recorder, on tensors made and dropped at once (a 16 KiB input, its output, a sum of the output);
     ``release``: inside :func:`released`.  Per collective, over the ranks: (frees that ran on another thread than
     the recording one, frees), of the storages the recorder counts (gloo's own copies inside a reduce-scatter, which
-    a rank's peak leaves out, excluded)."""
+    a rank's peak leaves out, excluded).  ``funcol``: :data:`FUNCOL_STRESSED` instead (see :func:`stress_funcol`)."""
     import json
     import os
     import tempfile
@@ -30,7 +34,7 @@ def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout:
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise SymmemError(f"the repeats are a positive integer, got {repeats!r}")
     with tempfile.TemporaryDirectory(prefix="symmem-stress-") as tmp:
-        spawn_ranks(_stress_rank, (world, tmp, repeats, release, timeout), world, timeout=timeout,
+        spawn_ranks(_stress_rank, (world, tmp, repeats, release, timeout, funcol), world, timeout=timeout,
                     start_method=start_method, what=f"the {world}-process stress check")
         out: dict[str, tuple[int, int]] = {}
         for rank in range(world):
@@ -41,7 +45,16 @@ def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout:
     return out
 
 
-def _stress_rank(rank: int, world: int, tmp: str, repeats: int, release: bool, timeout: float) -> None:
+def stress_funcol(world: int = 2, repeats: int = 200, *, release: bool = True, timeout: float = 120.0,
+                  start_method: str = "spawn") -> dict[str, tuple[int, int]]:
+    """:func:`stress` for funcol's collectives (:data:`FUNCOL_STRESSED`, DTensor's), each rank under the recorder
+    that sees DTensor's local ops (:class:`~symmem.record.sharded.ShardTracker`), ``release``: with its
+    :class:`~symmem.record.collectives.FuncolRelease`."""
+    return stress(world, repeats, release=release, timeout=timeout, start_method=start_method, funcol=True)
+
+
+def _stress_rank(rank: int, world: int, tmp: str, repeats: int, release: bool, timeout: float,
+                 funcol: bool = False) -> None:
     import json
     import os
     from contextlib import nullcontext
@@ -59,8 +72,10 @@ def _stress_rank(rank: int, world: int, tmp: str, repeats: int, release: bool, t
     n = 4096
     found = {}
     try:
-        with released() if release else nullcontext():
-            for kind in STRESSED:
+        if funcol:
+            found = _funcol_kinds(world, repeats, release)
+        with released() if release and not funcol else nullcontext():
+            for kind in () if funcol else STRESSED:
                 tracker = ShardTracker()
                 with tracker, tracker.phase(1, "forward"):
                     for _ in range(repeats):
@@ -94,3 +109,35 @@ def _stress_rank(rank: int, world: int, tmp: str, repeats: int, release: bool, t
     with open(os.path.join(tmp, f"rank{rank}.json.part"), "w") as f:
         json.dump(found, f)
     os.replace(os.path.join(tmp, f"rank{rank}.json.part"), os.path.join(tmp, f"rank{rank}.json"))
+
+
+def _funcol_kinds(world: int, repeats: int, release: bool) -> dict[str, tuple[int, int]]:
+    """This rank's part of :func:`stress_funcol`: per kind, (late frees, frees) of the recorded storages."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from .sharded import ShardTracker
+
+    group = dist.group.WORLD
+    n = 4096
+    found = {}
+    for kind in FUNCOL_STRESSED:
+        tracker = ShardTracker(release=release)
+        with tracker, tracker.phase(1, "forward"):
+            for _ in range(repeats):
+                x = torch.ones(n * world if kind == "funcol_reduce_scatter" else n)
+                if kind == "funcol_all_gather":
+                    out = funcol.all_gather_tensor(x, 0, group)
+                elif kind == "funcol_reduce_scatter":
+                    out = funcol.reduce_scatter_tensor(x, "sum", 0, group)
+                else:
+                    out = funcol.all_reduce(x, "sum", group)
+                del x
+                total = out.sum()  # waits (an AsyncCollectiveTensor waits at its first use)
+                del out, total
+        trace = tracker.trace()
+        gloo = {s.sid for s in trace.storages if s.category == "external"}
+        frees = sum(1 for s in trace.storages if s.died is not None and s.sid not in gloo)
+        found[kind] = (sum(1 for sid in trace.late if sid not in gloo), frees)
+    return found

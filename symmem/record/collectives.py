@@ -177,3 +177,76 @@ def released() -> Iterator[None]:
             for name, fn in saved.items():
                 setattr(module, name, fn)
 
+
+
+#: funcol's collectives (``torch.ops._c10d_functional``; the in-place, ``_out`` and coalesced ones by these names'
+#: starts), run by :class:`FuncolRelease`
+FUNCOL = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "isend", "irecv", "batch_p2p")
+
+
+class FuncolRelease:
+    """The same deterministic release for funcol's collectives (``torch.ops._c10d_functional.*``: DTensor's and
+    tensor parallelism's), which run from C++ -- no Python function to wrap -- and are waited for by
+    ``_c10d_functional.wait_tensor``: a recorder's dispatch mode hands each such op to :meth:`run`
+    (:class:`symmem.record.sharded.ShardTracker` does).
+
+    A collective runs on aliases of its tensor arguments (the work holds those) while this keeps the caller's, and
+    is waited for at once, inside the op (funcol's own ``wait_tensor`` on each output: the caller's later wait finds
+    nothing left to wait for); :func:`settle` then waits until gloo let go of every alias and of every tensor the
+    op made (their Python objects dead, the arguments' storages back at their use counts before it, each output's
+    storage held by the caller's alias alone), and each output goes back to the caller as an alias of the work's.
+    So gloo holds nothing once the op returns: every free of the collective's tensors runs on the recording thread,
+    where the caller lets go -- the moment each repeat's fewest bytes took it at (gloo done at once), in every step
+    alike."""
+
+    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func`` (an op of ``_c10d_functional``) run as the class says; its output.  Its other ops
+        (``wait_tensor``, ``_wrap_tensor_autograd``: no collective) run as they are."""
+        if not func.__name__.startswith(FUNCOL):
+            return func(*args, **kwargs)
+        import torch
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_leaves, tree_map_only
+
+        count = torch._C._storage_Use_Count
+        base: dict[int, int] = {}
+        given: dict[int, tuple[Any, Any]] = {}  # id(caller's tensor) -> (it, its alias)
+
+        def alias(t: Any) -> Any:
+            if id(t) not in given:
+                key = t.untyped_storage()._cdata
+                base.setdefault(key, count(key))
+                with _disable_current_modes(), torch.no_grad():  # no op of the step: a handle on its memory
+                    given[id(t)] = (t, t.detach())
+            return given[id(t)][1]
+
+        aliased = tree_map_only(torch.Tensor, alias, (args, kwargs))
+        out = func(*aliased[0], **aliased[1])
+        del aliased
+        wait, made = torch.ops._c10d_functional.wait_tensor.default, None
+        for made in tree_leaves(out):
+            if isinstance(made, torch.Tensor):
+                wait(made)
+        del made  # this frame holds no output of the work's
+        back = {id(a): t for t, a in given.values()}
+        refs = [weakref.ref(a) for _, a in given.values()]
+
+        def returned(o: Any) -> Any:
+            if id(o) in back:  # in place: the caller's own tensor
+                return back[id(o)]
+            refs.append(weakref.ref(o))  # the work's: dead once gloo lets go
+            key = o.untyped_storage()._cdata
+            # gloo holds views of its own on the storage (an all-gather's chunks): once it lets go, the storage's
+            # Python object (just made, kept as long as the storage) and the alias below are all that hold it
+            base[key] = base.get(key, 1) + 1
+            with _disable_current_modes(), torch.no_grad():
+                return o.detach()
+
+        result = tree_map_only(torch.Tensor, returned, out)
+        keep = [t for t, _ in given.values()]  # the caller's tensors, held past gloo's hold on their aliases
+        given.clear()
+        back.clear()
+        del out
+        settle(refs, base, func.__name__)
+        del keep
+        return result

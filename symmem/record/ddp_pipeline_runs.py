@@ -10,9 +10,10 @@ backward but the last under ``no_sync()`` and prepares the reducer by hand for t
 
 :func:`ddp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
 rank runs two unrecorded steps (the receive buffers; DDP's first synced backward, then its buckets rebuilt in the
-second step's forward), then records :data:`~symmem.record.model_parallel_runs.MESH_FIRST_STEPS` steps each with a new
-for-loop AdamW (a first step) and :data:`~symmem.record.model_parallel_runs.MESH_STEADY_STEPS` with the last one, each
-moment at its fewest bytes over the repeats (:class:`~symmem.record.sharded.ShardTracker`).  DDP's gradient buckets
+second step's forward), then records :func:`~symmem.record.fsdp_pipeline_runs.mesh_repeats` steps each with a new
+for-loop AdamW (a first step) and steady ones with the last one (:class:`~symmem.record.sharded.ShardTracker`), the
+collectives released on the recording thread (:func:`~symmem.record.collectives.released`; each rank reports the
+frees that ran elsewhere, ``late``).  DDP's gradient buckets
 were made when the stage was wrapped, before the recorder starts: it first sees them when the reducer copies a
 gradient in (labelled ``external``); they are counted as live from the start, which they are (as
 :mod:`symmem.record.distributed` does).  Needs ``torch`` with ``torch.distributed`` (imported lazily).
@@ -25,9 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import SymmemError
-from .fsdp_pipeline_runs import StageMeshRun, mesh_of
-from .model_parallel_runs import MESH_FIRST_STEPS as FIRST_STEPS
-from .model_parallel_runs import MESH_STEADY_STEPS as STEADY_STEPS
+from .fsdp_pipeline_runs import StageMeshRun, mesh_of, mesh_repeats
 from .model_parallel_runs import SETTLE_S
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp``, ``ddp-bucket-view`` or
@@ -49,12 +48,14 @@ def ddp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMe
     stage, sched = on.scheduled(wrapped)
     group = on.mesh["dp"].get_group() if on.engine == "zero-redundancy" else None
     return _record(sched, stage, on.module, on.ids, on.labels, on.first, on.last, (rank, on.s, on.dp), group,
-                   views=on.engine == "ddp-bucket-view")
+                   views=on.engine == "ddp-bucket-view", repeats=mesh_repeats(False))
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
-            where: tuple[int, int, int], zero_group: Any = None, views: bool = False) -> StageMeshRun:
-    """Two unrecorded steps, then the recorded ones (see the module's note); the :class:`StageMeshRun`.
+            where: tuple[int, int, int], zero_group: Any = None, views: bool = False,
+            repeats: tuple[int, int] = (1, 1)) -> StageMeshRun:
+    """Two unrecorded steps, then the recorded ones, ``repeats`` = (first steps, steady steps) (see the module's
+    note); the :class:`StageMeshRun`.
     ``zero_group``: ``ZeroRedundancyOptimizer`` over that group around the for-loop AdamW (None: AdamW alone).
     ``views`` (``gradient_as_bucket_view``): the buckets, which the ``.grad``s are views of after a synced backward,
     are taken from those views before ``zero_grad`` drops them and counted from the start."""
@@ -103,9 +104,10 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     tracker.register([ids] if first else [labels] if last else [], "input")
     held: dict[str, Any] = {}
     state = 0
+    n_first, n_steady = repeats
     with tracker:
-        for k in range(1, FIRST_STEPS + STEADY_STEPS + 1):
-            if k <= FIRST_STEPS:
+        for k in range(1, n_first + n_steady + 1):
+            if k <= n_first:
                 held.pop("opt", None)  # the last one's state goes before this step begins
                 held["opt"] = optimizer()
             with tracker.phase(k, "forward"), tracker.saving():
@@ -118,15 +120,15 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
                 state = nbytes(states(held["opt"]))
             with tracker.phase(k, "zero_grad"):
                 held["opt"].zero_grad(set_to_none=True)
-    trace = tracker.trace(FIRST_STEPS + STEADY_STEPS)
+    trace = tracker.trace(n_first + n_steady)
     live = _live(trace)
-    firsts, steadies = range(1, FIRST_STEPS + 1), range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1)
+    firsts, steadies = range(1, n_first + 1), range(n_first + 1, n_first + n_steady + 1)
     first_peak, first_at = _fewest(trace, live, firsts)
     steady, steady_at = _fewest(trace, live, steadies)
     phases = {phase: _fewest(trace, live, steadies, phase)[0] for phase in ("forward", "step")}
     rank, s, dp = where
     return StageMeshRun(rank, s, dp, nbytes(params), state, first_peak, steady, first_at, steady_at,
-                        phases["forward"], phases["step"])
+                        phases["forward"], phases["step"], late=len(trace.late), repeats=repeats)
 
 
 def _live(trace: Any) -> list[int]:

@@ -48,11 +48,14 @@ FSDP1 = ("fsdp1", "fsdp1-grad-op")
 ENGINES = ("ddp", "ddp-bucket-view", ZERO, *SHARDED, *FSDP1)
 #: what a forkserver imports before it forks the ranks (a module that is missing is skipped): torch's engines,
 #: DTensor and dynamo (FSDP2 imports them), symmem's recorders and reference models, transformers and its GPT-2
-#: (traced hf: jobs; the test suite's)
+#: (traced hf: jobs; the test suite's); pipelining, the pipeline mesh runs and the traced cases' builder (a process
+#: starts one server, with the first list given: whichever run starts it, its ranks import none of these again)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
            "torch.distributed.optim", "torch.nn.parallel", "symmem.record.distributed", "symmem.record.steps",
            "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.record.collectives", "symmem.reference",
-           "transformers", "transformers.models.gpt2.modeling_gpt2")
+           "transformers", "transformers.models.gpt2.modeling_gpt2", "torch.distributed.pipelining",
+           "symmem.record.fsdp_pipeline_runs", "symmem.record.ddp_pipeline_runs",
+           "symmem.record.traced_pipeline_runs", "symmem.importer.spec_builder")
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,12 @@ class Job:
     keep_logits: bool
     steps: int
     #: ranks per process group (0: the whole world): a world of 4 runs a 2-rank job twice at once, on ranks
-    #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group)
+    #: {0, 1} and {2, 3} (DDP and ZeroRedundancyOptimizer; each rank reports its rank in its group), or once
     group: int = 0
+    #: with ``group``: run on the first group only, the other ranks skipping it (they still make the groups) -- one
+    #: run, not one per group: DDP's reducer still frees late now and then (2 of 144 job-ranks, measured), but those
+    #: frees landed at no peak in any run (docs/testing.md, "The repeats")
+    once: bool = False
     #: a traced module instead of the reference: a picklable callable giving (module, positional inputs)
     #: (symmem.importer.traced_engines.SpecBuilder)
     builder: Any = None
@@ -161,13 +168,17 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
     """:func:`measure_ranks` for jobs given as they are (FSDP2's among them).  ``start_method="forkserver"`` forks
     the ranks from one server process that has imported torch, its distributed engines and these recorders once
     (:data:`PRELOAD`; a fresh interpreter spends ~6 s of CPU a rank on them): the test suite's choice, where many
-    runs share that server; the ranks' measurements are the same."""
+    runs share that server; the ranks' measurements are the same.  A job run ``once`` in groups gives its first
+    group's ranks only."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise SymmemError(f"the world size is a positive integer, got {world!r}")
     for job in jobs:
         if job.group and (job.group < 1 or world % job.group or job.engine in SHARDED):
             raise SymmemError(f"a {job.engine} job in groups of {job.group} ranks cannot run in a world of {world} "
                               "(groups divide the world; FSDP2 takes the whole world)")
+        if job.once and not job.group:
+            raise SymmemError(f"a {job.engine} job runs once on its first group: give it a group smaller than the "
+                              "world")
     if start_method not in ("spawn", "forkserver"):
         raise SymmemError(f"the ranks start by 'spawn' or 'forkserver', not {start_method!r}")
     with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
@@ -176,8 +187,8 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
         found = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                found.append([RankPeak(**r) for r in json.load(f)])
-    return [tuple(found[rank][i] for rank in range(world)) for i in range(len(jobs))]
+                found.append([None if r is None else RankPeak(**r) for r in json.load(f)])
+    return [tuple(r for rank in range(world) if (r := found[rank][i]) is not None) for i in range(len(jobs))]
 
 
 def spawn_ranks(fn: Any, args: tuple, world: int, *, timeout: float, start_method: str, what: str) -> None:
@@ -224,7 +235,8 @@ def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float
     try:
         groups: dict[int, Any] = {}
         with released():  # every collective's tensors released on this thread, at a fixed op (not gloo's)
-            out = [_run_job(job, rank, _group(job.group, world, rank, groups)).__dict__ for job in jobs]
+            out = [None if job.once and job.group and rank >= job.group else _run_job(job, rank, group).__dict__
+                   for job in jobs for group in (_group(job.group, world, rank, groups),)]
     finally:
         dist.destroy_process_group()
     with open(os.path.join(tmp, f"rank{rank}.json.part"), "w") as f:

@@ -12,10 +12,11 @@ backward (torch 2.13).
 
 :func:`fsdp_pipeline_runs` starts ``p*N`` processes in one gloo group on 127.0.0.1 (bounded waits), and in each
 rank runs one unrecorded step (FSDP's lazy initialization, the stage's receive buffers), then records
-:data:`~symmem.record.model_parallel_runs.MESH_FIRST_STEPS` steps each with a new for-loop AdamW (a first step) and
-:data:`~symmem.record.model_parallel_runs.MESH_STEADY_STEPS` with the last one, under the DTensor- and FSDP-aware
-recorder (:class:`~symmem.record.sharded.ShardTracker`); each moment at its fewest bytes over the repeats (gloo's
-worker thread lets go of a collective's tensors at no fixed op) and gloo's copy of the reduce-scatter input left
+:func:`mesh_repeats` steps each with a new for-loop AdamW (a first step) and steady ones with the last one, under
+the DTensor- and FSDP-aware recorder (:class:`~symmem.record.sharded.ShardTracker`), every rank's collectives under
+:func:`~.model_parallel_runs.released_collectives` (their tensors freed on the recording thread, at a fixed op): one
+first and one steady step on a p x N mesh; with tensor parallelism (DTensor's functional collectives, not wrapped)
+three of each, each moment at its fewest bytes over the repeats.  gloo's copy of the reduce-scatter input is left
 out, as for FSDP2 alone.  Needs ``torch`` with ``torch.distributed`` (imported lazily).
 """
 
@@ -27,8 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SymmemError
-from .model_parallel_runs import MESH_FIRST_STEPS as FIRST_STEPS
-from .model_parallel_runs import MESH_STEADY_STEPS as STEADY_STEPS
+from . import model_parallel_runs as _runs
 from .model_parallel_runs import SETTLE_S, _fewest_at
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward), or a traced module's
@@ -56,6 +56,12 @@ class StageMeshRun:
     step_peak: int = 0
     #: the tensor-parallel rank on a (p, N, t) mesh (FSDP x TP x pipeline; ``dp`` the data-parallel rank)
     tp: int = 0
+    #: frees of counted storages that ran on another thread than the recording one (gloo's worker thread dropping a
+    #: collective's last reference, gloo's copies left out): 0 on a p x N mesh, whose collectives are released
+    #: (:func:`~.model_parallel_runs.released_collectives`) and which records one first and one steady step
+    late: int = 0
+    #: the steps recorded: (first steps, steady steps)
+    repeats: tuple[int, int] = (0, 0)
 
 
 def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageMeshRun:
@@ -67,7 +73,7 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
     from .tensor_pipeline_runs import is_tensor_case, tensor_pipeline_stage
 
     if is_tensor_case(case):  # tensor parallel x pipeline on a p x t mesh, in the same spawn
-        return _record(*tensor_pipeline_stage(case, rank, world, stages))
+        return _record(*tensor_pipeline_stage(case, rank, world, stages), repeats=mesh_repeats(True))
 
     on = mesh_stage(case, world, stages)
     blocks = on.blocks if on.blocks is not None else units(on.module)
@@ -75,7 +81,18 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
         fully_shard(block, mesh=on.mesh["dp"], reshard_after_forward=on.engine)
     fully_shard(on.module, mesh=on.mesh["dp"], reshard_after_forward=on.engine)
     stage, sched = on.scheduled(on.module)
-    return _record(sched, stage, on.module, on.ids, on.labels, on.first, on.last, (rank, on.s, on.dp))
+    return _record(sched, stage, on.module, on.ids, on.labels, on.first, on.last, (rank, on.s, on.dp),
+                   repeats=mesh_repeats(False))
+
+
+def mesh_repeats(tensor: bool) -> tuple[int, int]:
+    """The first and steady steps a mesh records: with tensor parallelism (DTensor's functional collectives, which
+    :func:`~symmem.record.collectives.released` does not wrap) :data:`~.model_parallel_runs.MESH_FIRST_STEPS` and
+    :data:`~.model_parallel_runs.MESH_STEADY_STEPS`, each moment at its fewest bytes; without it, one of each
+    (:data:`~.model_parallel_runs.RELEASED_FIRST_STEPS`).  Read when a rank runs (a forked rank sees its parent's)."""
+    if tensor:
+        return _runs.MESH_FIRST_STEPS, _runs.MESH_STEADY_STEPS
+    return _runs.RELEASED_FIRST_STEPS, _runs.RELEASED_STEADY_STEPS
 
 
 @dataclass(frozen=True)
@@ -181,8 +198,9 @@ def _traced_stage(case: Any, s: int, stages: int, dp: int) -> tuple[Any, ...]:
 
 
 def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: bool, last: bool,
-            where: tuple[int, ...]) -> StageMeshRun:
-    """One unrecorded step, then the recorded ones (see the module's note); the :class:`StageMeshRun`."""
+            where: tuple[int, ...], *, repeats: tuple[int, int]) -> StageMeshRun:
+    """One unrecorded step, then the recorded ones, ``repeats`` = (first steps, steady steps) (see the module's
+    note); the :class:`StageMeshRun`."""
     from .identity import tensors
     from .model_parallel_runs import _buffers
     from .optim import make_optimizer, state_tensors
@@ -212,9 +230,10 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     tracker.register([ids] if first else [labels] if last else [], "input")
     held: dict[str, Any] = {}
     state = 0
+    n_first, n_steady = repeats
     with tracker.resizes(), tracker:
-        for k in range(1, FIRST_STEPS + STEADY_STEPS + 1):
-            if k <= FIRST_STEPS:
+        for k in range(1, n_first + n_steady + 1):
+            if k <= n_first:
                 held.pop("opt", None)  # the last one's state goes before this step begins
                 held["opt"] = make_optimizer(params, "adamw", "for-loop")
             with tracker.phase(k, "forward"), tracker.saving():
@@ -227,15 +246,16 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
                 state = nbytes(state_tensors(held["opt"]))
             with tracker.phase(k, "zero_grad"):
                 held["opt"].zero_grad(set_to_none=True)
-    trace = tracker.trace(FIRST_STEPS + STEADY_STEPS)
+    trace = tracker.trace(n_first + n_steady)
     gloo = {x.sid for x in trace.storages if x.category == "external"}
-    firsts, steadies = range(1, FIRST_STEPS + 1), range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1)
+    firsts, steadies = range(1, n_first + 1), range(n_first + 1, n_first + n_steady + 1)
     first_peak, first_at = _fewest_at(trace, firsts, gloo)
     steady, steady_at = _fewest_at(trace, steadies, gloo)
     phases = {phase: _fewest_phase(trace, steadies, gloo, phase) for phase in ("forward", "step")}
     rank, s, dp, *tp = where
+    late = sum(1 for sid in trace.late if sid not in gloo)
     return StageMeshRun(rank, s, dp, nbytes(params), state, first_peak, steady, first_at, steady_at,
-                        phases["forward"], phases["step"], *tp)
+                        phases["forward"], phases["step"], *(tp or [0]), late, repeats)
 
 
 def mesh_of(stages: int, dp: int, start_method: str, runs: str) -> None:
@@ -246,10 +266,9 @@ def mesh_of(stages: int, dp: int, start_method: str, runs: str) -> None:
     if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
         import multiprocessing
 
-        from .distributed import PRELOAD
+        from .distributed import PRELOAD  # pipelining and these runs among them: one list for every run
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            [*PRELOAD, "torch.distributed.pipelining", runs])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*PRELOAD, runs])))
 
 
 def _fewest_phase(trace: Any, steps: range, left_out: set[int], phase: str) -> int:

@@ -15,8 +15,10 @@ tables and the mask from the ids, the whole sequence.
 each rank records training steps (the loss ``sum``, for-loop AdamW) with the DTensor- and FSDP-aware recorder
 (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): the local bytes of
 the parameters, gradients and optimizer state, what autograd keeps after the forward, and the first and steady
-step's peaks (each moment at its fewest bytes over repeated steps, as the tensor-parallel runs take them:
-gloo's worker thread lets go of a collective's tensors at no fixed op).  gloo's copy of the reduce-scatter input
+step's peaks (each moment at its fewest bytes over the recorded steps, as the tensor-parallel runs take them;
+every rank's jobs under :func:`~symmem.record.collectives.released` for FSDP's collectives and the recorder's
+:class:`~symmem.record.collectives.FuncolRelease` for DTensor's, so no free waits for gloo's worker thread:
+:attr:`MeshRun.late` names any that did).  gloo's copy of the reduce-scatter input
 made inside the collective (first seen as an aliased output, the recorder's ``external``) is left out, as for
 FSDP2 alone.  With a case's ``checkpoint`` option (``"full"``) each layer is put under ``checkpoint_wrapper``
 (non-reentrant) after ``parallelize_module`` and before ``fully_shard``, torchtitan's order.  With a case's
@@ -35,7 +37,7 @@ from typing import Any
 
 from ..errors import SymmemError
 from .fsdp1_runs import FlatTracker
-from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live  # the steps repeated_steps records
+from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest_at, _live, late_frees  # repeated_steps' steps
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class MeshRun:
     steady_at: tuple[str, str] = ("", "")
     #: every step's raw live-bytes peak (first steps, then steady ones)
     peaks: tuple[int, ...] = ()
+    #: the frees of recorded storages (gloo's own copies left out) that ran off the recording thread
+    #: (``StepTrace.late``, named)
+    late: tuple[str, ...] = ()
 
 
 
@@ -118,8 +123,9 @@ def fsdp_tensor_step(values: Mapping[str, int], rank: int, dp: int, tp: int, opt
     gloo = {s.sid for s in trace.storages if s.category == "external"}
     first, first_at = _fewest_at(trace, range(1, FIRST_STEPS + 1), gloo)
     steady, steady_at = _fewest_at(trace, range(FIRST_STEPS + 1, steps + 1), gloo)
+    late = late_frees(trace, gloo)
     return MeshRun(rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), *parts, saved, first, steady,
-                   first_at, steady_at, _per_step(trace, gloo))
+                   first_at, steady_at, _per_step(trace, gloo), late)
 
 
 def _checkpointed_layers(module: Any, blocks: Any, checkpoint: str, supported: bool) -> None:
@@ -219,7 +225,10 @@ def fsdp_tensor_runs(dp: int, tp: int, cases: Sequence[tuple[Mapping[str, int], 
              bool(options.get("reshard_after_forward", reshard))) for values, options in cases]
 
     def work(rank: int, world: int) -> list[MeshRun]:
-        return [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
-                for values, dp, options, reshard in jobs]
+        from .collectives import released
+
+        with released():  # FSDP's own collectives (torch.distributed's) released on this thread, as DTensor's are
+            return [fsdp_tensor_step(values, rank, dp, world // dp, options, reshard)
+                    for values, dp, options, reshard in jobs]
 
     return forked_ranks(world, work, "the FSDP x TP run")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import datetime
 import socket
 import traceback
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,6 +301,9 @@ class TensorRun:
     #: over the repeats (:func:`_fewest`)
     first_peak: int = 0
     steady_peak: int = 0
+    #: the frees of recorded storages that ran off the recording thread (gloo's worker thread: ``StepTrace.late``),
+    #: each as :func:`late_frees` names it
+    late: tuple[str, ...] = ()
 
 
 def llama_plan(module: Any, world: int) -> dict[str, Any]:
@@ -395,17 +399,28 @@ def _tensor_case(model: str, values: Mapping[str, int], rank: int, world: int, o
     # more steps under the recorder that sees DTensor's local ops, where asked (``peaks=True``)
     opt.zero_grad(set_to_none=True)
     del opt, out
-    peaks, where, (first, steady) = _tensor_peaks(run, ids, params, module)
-    return TensorRun(rank, total, nbytes(params), grads, state, kept, peaks, where, first, steady)
+    peaks, where, (first, steady), late = _tensor_peaks(run, ids, params, module)
+    return TensorRun(rank, total, nbytes(params), grads, state, kept, peaks, where, first, steady, late)
 
 
 #: Recorded steps of a tensor-parallel case: first steps (each with a new AdamW, which makes its state), then steady
-#: ones; each moment's fewest bytes over the repeats is the engine's (see :func:`_fewest`)
-FIRST_STEPS, STEADY_STEPS = 2, 2
+#: ones; each moment's fewest bytes over the repeats is the engine's (see :func:`_fewest`).  One of each: funcol's
+#: collectives release their tensors on the recording thread (:class:`~symmem.record.collectives.FuncolRelease`,
+#: FSDP's under :func:`~symmem.record.collectives.released`), so a step's moments no longer move between repeats
+#: (was 2 + 2; every run asserts no late free)
+FIRST_STEPS, STEADY_STEPS = 1, 1
 #: The same on a pipeline x data-parallel mesh (fsdp_pipeline_runs, ddp_pipeline_runs): three each -- four ranks
 #: sending and receiving micro-batches leave gloo's worker thread more to let go late; on a loaded machine it once
 #: held a buffer past the same op in both of two repeats (a first step: 32,896 B; a steady one: 1,952 B)
 MESH_FIRST_STEPS, MESH_STEADY_STEPS = 3, 3
+#: The same on a p x N mesh without tensor parallelism: one first step and one steady step.  Every rank runs its
+#: jobs under :func:`released_collectives` (:func:`_rank_main`), so every collective such a mesh calls through
+#: ``torch.distributed`` (FSDP2's all-gathers and reduce-scatters, ZeroRedundancyOptimizer's broadcasts) frees its
+#: tensors on the recording thread at a fixed op, and pipelining's send works are dropped there: no repeat is left
+#: to take the fewest of (each rank reports ``late``, the frees that ran on another thread; the tests
+#: assert none).  DTensor's functional collectives (tensor parallelism) run in C++, outside that wrapper: those
+#: meshes keep the repeats
+RELEASED_FIRST_STEPS, RELEASED_STEADY_STEPS = 1, 1
 #: How long the recorder lets gloo's worker thread release a collective's tensors after each wait (ShardTracker)
 SETTLE_S = 0.001
 
@@ -419,7 +434,9 @@ def repeated_steps(forward: Callable[[], Any], ids: Any, params: list[Any], modu
     from .optim import make_optimizer
     from .sharded import ShardTracker, local, train_steps
 
-    tracker = (tracker or ShardTracker)(settle=SETTLE_S)
+    # funcol's collectives released on this thread, inside each op (symmem.record.collectives.FuncolRelease): no
+    # free of theirs waits for gloo's worker thread, so no settling pause either
+    tracker = (tracker or ShardTracker)(release=True)
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(b) for b in module.buffers()], "buffer")
     tracker.register([ids], "input")
@@ -436,10 +453,10 @@ def repeated_steps(forward: Callable[[], Any], ids: Any, params: list[Any], modu
 
 
 def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[tuple[int, ...], tuple[str, str],
-                                                                              tuple[int, int]]:
+                                                                              tuple[int, int], tuple[str, ...]]:
     """Training steps after the measured one, under the recorder that sees DTensor's local ops
     (:class:`~symmem.record.sharded.ShardTracker`, :func:`~symmem.record.sharded.train_steps`): each step's raw
-    live-bytes peak, where the last one is, and the first and steady step's peaks (:func:`_fewest`)."""
+    live-bytes peak, where the last one is, the first and steady step's peaks (:func:`_fewest`) and the late frees."""
     trace = repeated_steps(lambda: run(ids), ids, params, module)
     best: dict[int, tuple[int, str, str]] = {}
     for r in trace.records:
@@ -447,7 +464,14 @@ def _tensor_peaks(run: Any, ids: Any, params: list[Any], module: Any) -> tuple[t
             best[r.step] = (r.live, r.phase, r.where)
     first = _fewest(trace, range(1, FIRST_STEPS + 1))
     steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
-    return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady)
+    return tuple(best[k][0] for k in sorted(best)), best[max(best)][1:], (first, steady), late_frees(trace)
+
+
+def late_frees(trace: Any, left_out: Collection[int] = ()) -> tuple[str, ...]:
+    """Each storage of ``trace`` (less ``left_out``) freed off the recording thread, named: bytes, the op that made
+    it, where, step and phase (none once every collective runs under :mod:`symmem.record.collectives`)."""
+    return tuple(f"{s.nbytes} B of {s.op or 'the start'} at {s.where or '-'} (step {s.step} {s.phase})"
+                 for s in (trace.storages[sid] for sid in trace.late) if s.sid not in left_out)
 
 
 def _fewest(trace: Any, steps: range) -> int:
@@ -476,8 +500,34 @@ def _live(trace: Any, left_out: Collection[int]) -> list[int]:
     return [r.live - sum(n for born, died, n in out if born <= r.index < died) for r in trace.records]
 
 
+#: the point-to-point calls :func:`released_collectives` leaves to c10d (pipelining's ``batch_isend_irecv``)
+POINT_TO_POINT = ("isend", "irecv")
+
+
+@contextmanager
+def released_collectives() -> Iterator[None]:
+    """:func:`~symmem.record.collectives.released` for the collectives (FSDP2's all-gathers and reduce-scatters,
+    ZeroRedundancyOptimizer's broadcasts, all-reduces), not for pipelining's sends and receives: a released call's
+    work lets go of its tensors at ``wait()``, while c10d's gloo work holds a send's tensor until the work itself is
+    dropped (the schedule keeps its send works past their wait) -- the real engine's memory, measured: released, a
+    stage's send buffer went early (Llama 1F1B M = 3 under FSDP, stage 0: 4,096 B below the real first and steady
+    peak).  That work is dropped on the recording thread, so the free is at a fixed op all the same."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from .collectives import released
+
+    with released():
+        for module in (c10d, dist):
+            for name in POINT_TO_POINT:
+                fn = getattr(module, name)
+                setattr(module, name, getattr(fn, "__wrapped__", fn))  # released() puts the wrapped one back
+        yield
+
+
 def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any], out: Any) -> None:
-    """One rank: join the gloo group on 127.0.0.1, put ``(rank, work(rank, world))`` (or the traceback)."""
+    """One rank: join the gloo group on 127.0.0.1, put ``(rank, work(rank, world))`` (or the traceback), ``work``
+    run under :func:`released_collectives`."""
     try:
         import torch
         import torch.distributed as dist
@@ -486,7 +536,8 @@ def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         try:
-            found = work(rank, world)
+            with released_collectives():  # their tensors released on this thread, at a fixed op (not gloo's)
+                found = work(rank, world)
         finally:
             dist.destroy_process_group()
         out.put((rank, found))

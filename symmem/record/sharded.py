@@ -67,11 +67,18 @@ class ShardTracker(LiveTracker):
 
     ``settle`` (seconds): after each collective's wait, let go of the GIL that long, so that gloo's worker thread,
     which drops the collective's tensors once it is done (their release runs Python: it needs the GIL), does so
-    before the next op rather than whenever the main thread next waits (0: not at all)."""
+    before the next op rather than whenever the main thread next waits (0: not at all).  ``release``: funcol's
+    collectives (``_c10d_functional``, DTensor's) run under :class:`~symmem.record.collectives.FuncolRelease`, which
+    makes every free of their tensors land on the recording thread, at the wait (``settle`` is then not needed)."""
 
-    def __init__(self, settle: float = 0.0) -> None:
+    def __init__(self, settle: float = 0.0, release: bool = False) -> None:
         super().__init__()
         self.settle = settle
+        self.release = None
+        if release:
+            from .collectives import FuncolRelease
+
+            self.release = FuncolRelease()
 
     def __enter__(self) -> ShardTracker:
         import torch
@@ -85,6 +92,7 @@ class ShardTracker(LiveTracker):
         observe = self.observe
         plain = self.plain
         settle = self.settle
+        release = self.release
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -92,7 +100,10 @@ class ShardTracker(LiveTracker):
                     return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: no memory
                 if not all(plain(t) for t in types):
                     return NotImplemented  # the subclass runs it; its local ops come back here
-                out = func(*args, **(kwargs or {}))
+                if release is not None and func.namespace == "_c10d_functional":
+                    out = release.run(func, args, kwargs or {})
+                else:
+                    out = func(*args, **(kwargs or {}))
                 if any(isinstance(t, FakeTensor) for t in tensors(out)):
                     return out  # a factory run for DTensor's sharding propagation (global shapes): no memory
                 if settle and func is torch.ops._c10d_functional.wait_tensor.default:

@@ -214,5 +214,5 @@ def traced_pipeline_runs(world: int, cases: Sequence[TracedCase], start_method: 
     if start_method == "forkserver":
         from .distributed import PRELOAD
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, "torch.distributed.pipelining"])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # pipelining among them
     return forked_ranks(world, functools.partial(_cases, cases=list(cases)), start_method=start_method)

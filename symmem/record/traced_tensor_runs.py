@@ -3,8 +3,8 @@
 :func:`split_run` is one rank's part (inside :func:`symmem.record.model_parallel_runs.forked_ranks`): the module as
 its builder makes it, ``parallelize_module`` with the plan's styles on the ranks' CPU mesh, then
 :func:`~symmem.record.model_parallel_runs.repeated_steps` -- training steps, each a new for-loop AdamW for the first
-ones, the loss the output's sum, under the recorder that sees DTensor's local ops -- and each step's peak at its
-fewest bytes over the repeats (gloo's worker thread lets go of a collective's tensors at no fixed op).  Hugging
+ones, the loss the output's sum, under the recorder that sees DTensor's local ops and releases funcol's collectives on
+the recording thread -- and each step's peak at its fewest bytes over the recorded steps.  Hugging
 Face's Llama under the standard plan is :func:`symmem.record.model_parallel_runs.runs`' ``hf`` case.  Needs ``torch``
 with ``torch.distributed``.
 """
@@ -27,6 +27,8 @@ class SplitRun:
     steady_peak: int
     parameters: int
     saved: int = 0
+    #: the frees of recorded storages that ran off the recording thread (``StepTrace.late``, named)
+    late: tuple[str, ...] = ()
 
 
 def saved_after_forward(forward: Callable[[], Any], held: list[Any]) -> int:
@@ -49,7 +51,7 @@ def split_run(build: Callable[[], tuple[Any, tuple[Any, ...]]], styles: Callable
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest, repeated_steps
+    from .model_parallel_runs import FIRST_STEPS, STEADY_STEPS, _fewest, late_frees, repeated_steps
     from .sharded import local
 
     torch.manual_seed(0)
@@ -62,4 +64,4 @@ def split_run(build: Callable[[], tuple[Any, tuple[Any, ...]]], styles: Callable
     first = _fewest(trace, range(1, FIRST_STEPS + 1))
     steady = _fewest(trace, range(FIRST_STEPS + 1, FIRST_STEPS + STEADY_STEPS + 1))
     held = sum(local(p).numel() * local(p).element_size() for p in params)
-    return SplitRun(rank, first, steady, held, saved)
+    return SplitRun(rank, first, steady, held, saved, late_frees(trace))
