@@ -105,7 +105,9 @@ def _all_numbers_ok(d) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::symmem.errors.NothingCounted")  # sweeps meet conventions that see nothing
-@bounded(60)
+# 30 graphs (was 60; derandomized: a fixed set each run): the graph builder's and derive's refusals, about
+# 0.1 CPU-s an example, most of it Hypothesis's own drawing; SYMMEM_FUZZ=N hunts with N fresh random examples
+@bounded(30)
 @given(graphs(), st.sampled_from(["paper", "pytorch", "cs231n", "megatron"]),
        st.dictionaries(st.sampled_from(["B", "S", "H", "h", "L"]), st.integers(1, 9), max_size=3))
 def test_random_graphs_never_crash_or_go_negative(g, conv, values):
@@ -260,7 +262,8 @@ tokens = st.one_of(
     st.text(max_size=12))
 
 
-@bounded(80)
+# 40 command lines (was 80, as above): nearly all end in argparse's or the options' one-line refusal
+@bounded(40)
 @given(st.sampled_from(COMMANDS), st.lists(tokens, max_size=7))
 def test_random_command_lines(tmp_path_factory, command, rest):
     tmp = tmp_path_factory.mktemp("cli")

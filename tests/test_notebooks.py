@@ -1,6 +1,12 @@
-"""Every notebook in notebooks/ runs top to bottom in a fresh python3 kernel (and is stored without outputs).
+"""Every notebook in notebooks/ runs top to bottom in a python3 kernel, its namespace empty (and is stored without
+outputs).
 
-The kernel is a subprocess: it gets this checkout on its PYTHONPATH so that it imports the symmem under test.
+The kernel is a subprocess: it gets this checkout on its PYTHONPATH so that it imports the symmem under test.  One
+kernel runs the notebooks in turn (the module runs on one worker: conftest.WHOLE), each after ``%reset -f``: a
+notebook still defines and imports every name it uses, but torch, sympy, matplotlib and symmem are imported once
+(a kernel's start and those imports: ~1.7 and ~4.5 CPU-s, of the ~42 CPU-s of six kernels).  What a fresh kernel
+would check besides -- that nothing a notebook relies on survives in the modules' state -- the first notebook
+still meets, and the others' own asserts compare with real steps and printed figures.
 """
 
 from __future__ import annotations
@@ -77,12 +83,26 @@ def test_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
 
 
+@pytest.fixture(scope="module")
+def kernel(kernel_env):
+    """One kernel for the module's notebooks, started by the first (in notebooks/), shut down at the end."""
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient.util import run_sync
+
+    km = AsyncKernelManager(kernel_name="python3")
+    yield km
+    if km.has_kernel:
+        run_sync(km.shutdown_kernel)(now=True)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_runs(path, kernel_env):
+def test_runs(path, kernel):
     nb = nbformat.read(path, as_version=4)
+    # a cell first: the namespace the previous notebook left, emptied (%reset -f: names, not imported modules)
+    nb.cells.insert(0, nbformat.v4.new_code_cell("%reset -f"))
     # One more cell at the end: the kernel must have imported this checkout's symmem.
     nb.cells.append(nbformat.v4.new_code_cell("import symmem, pathlib; print(pathlib.Path(symmem.__file__).parent)"))
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=180,
+    nbclient.NotebookClient(nb, km=kernel, kernel_name="python3", timeout=180,
                             resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors

@@ -195,8 +195,6 @@ def parse(text: str) -> sympy.Expr:
     >>> sympy.expand(parse(expression(e)) - e)
     0
     """
-    from sympy.parsing.latex import parse_latex
-
     if len(text) > MAX_TEXT:
         raise SymmemError(f"cannot read {_cut(text)!r} as a formula: it has {len(text):,} characters, more than "
                           f"{MAX_TEXT:,}")
@@ -204,6 +202,18 @@ def parse(text: str) -> sympy.Expr:
         return _parse_cases(text)
     if len(text) > AT_ONCE:
         return _parse_long(text)
+    if len(text) > IN_TERMS:
+        try:
+            return _parse_long(text)
+        except SymmemError:
+            pass  # read whole, as before, so that the error (or a reading the pieces miss) is the whole text's
+    return _read(text)
+
+
+def _read(text: str) -> sympy.Expr:
+    """One text (at most :data:`AT_ONCE` characters) read by the parser whole."""
+    from sympy.parsing.latex import parse_latex
+
     aliases = _aliases()
     for name, alias in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(name, f" {alias} ")
@@ -224,11 +234,16 @@ def parse(text: str) -> sympy.Expr:
 _OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}|\\l(?:floor|ceil)(?![a-zA-Z])")
 _CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}|\\r(?:floor|ceil)(?![a-zA-Z])")
 
-#: Texts up to this many characters go to the parser whole (every formula symmem prints is shorter: 373 at
-#: most in the test sample).  The parser's time grows faster than the length -- a product of 80 symbols takes
-#: 0.8 s, of 320 symbols 8 s, of 1,000 about two minutes -- so a longer text is read in pieces
+#: Texts up to this many characters may go to the parser whole (every formula symmem prints is shorter: 373
+#: at most in the test sample; those over IN_TERMS that split at a sign go term by term).  The parser's time
+#: grows faster than the length -- a product of 80 symbols takes 0.8 s, of 320 symbols 8 s, of 1,000 about two
+#: minutes -- so a longer text is read in pieces
 #: (:func:`_parse_long`): a sum term by term, a parenthesised sum after a ``\cdot`` or in braces on its own.
 AT_ONCE = 400
+#: Texts longer than this are read term by term too when they split at a top-level sign, each term on its own
+#: (the same expression: a top-level sign binds loosest), else whole: the parser's time per character grows with
+#: the length already here -- the LaTeX test suite's formulas (7-373 characters) read in about half the time.
+IN_TERMS = 60
 #: The longest piece of a long text (a term that is not a sum) read at all; a longer one is refused.
 MAX_PIECE = 200
 #: The longest text read at all: the parser takes about 3 ms a character however the text is cut (a sum of 200
@@ -283,9 +298,14 @@ def _parse_long(text: str) -> sympy.Expr:
                 sign *= -1 if c == "-" else 1
                 begin = k + 1
         terms.append((sign, text[begin:]))
+    if not groups and len(terms) == 1 and terms[0][0] == 1 and terms[0][1].strip() == text.strip():
+        if len(text) > AT_ONCE:  # one product or relation, too long to read whole
+            raise SymmemError(f"cannot read {_cut(text)!r} as a formula: a term of {len(text.strip()):,} characters "
+                              f"(a product, a relation) is more than the {MAX_PIECE} read at once")
+        return _read(text)  # a text of IN_TERMS to AT_ONCE characters that does not split: whole
     total: sympy.Expr = sympy.Integer(0)
     for sign, term in terms:
-        if len(term.strip()) > MAX_PIECE:
+        if len(text) > AT_ONCE and len(term.strip()) > MAX_PIECE:
             raise SymmemError(f"cannot read {_cut(term)!r} as a formula: a term of {len(term.strip()):,} characters "
                               f"(a product, a relation) is more than the {MAX_PIECE} read at once")
         total += sign * parse(term.strip())
