@@ -284,12 +284,24 @@ def test_user_code_that_exits_is_one_line(capsys, spec, fragment):
     assert fragment in err, err
 
 
-def test_a_real_ctrl_c_still_interrupts(capsys):
+@pytest.fixture
+def ctrl_c_heard():
+    """Python's own SIGINT handler for the test: a process started in the background by a non-interactive shell
+    inherits SIGINT ignored (POSIX), and symmem rightly leaves an ignored Ctrl-C ignored -- which such a test run
+    (`pytest ... &`) would read as a failure."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_real_ctrl_c_still_interrupts(capsys, ctrl_c_heard):
     code, out, err = run(capsys, "trace", "tests.trace_helpers:ctrl_c", "--dims", "B")
     assert (code, out, err) == (130, "", "symmem: interrupted\n")
 
 
-def test_a_real_ctrl_c_lost_in_a_finalizer_still_interrupts(capsys, monkeypatch):
+def test_a_real_ctrl_c_lost_in_a_finalizer_still_interrupts(capsys, monkeypatch, ctrl_c_heard):
     """The handler's KeyboardInterrupt raised inside a weak reference's callback is unraisable: Python drops it
     and the forward returns (before: exit 0, the trace printed as if no Ctrl-C had been pressed)."""
     lost: list[type] = []
