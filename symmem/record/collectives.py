@@ -24,7 +24,7 @@ import inspect
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -157,13 +157,14 @@ def _alias(arguments: dict[str, Any]) -> tuple[list[Any], dict[int, int], list[A
 
 
 @contextmanager
-def released() -> Iterator[None]:
-    """Inside, the collectives of :data:`WRAPPED` release their tensors on the calling thread (see the module)."""
+def released(leave: Collection[str] = ()) -> Iterator[None]:
+    """Inside, the collectives of :data:`WRAPPED` (less those named in ``leave``, which stay c10d's own) release
+    their tensors on the calling thread (see the module)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     work_class = _work_class()
-    saved = {name: getattr(c10d, name) for name in WRAPPED}
+    saved = {name: getattr(c10d, name) for name in WRAPPED if name not in leave}
     wrapped = {name: held(fn, work_class) for name, fn in saved.items()}
     # P2POp checks its op against c10d's isend/irecv (and batch_isend_irecv names a send by `is isend`): both
     # modules name the wrapper

@@ -509,16 +509,9 @@ def released_collectives() -> Iterator[None]:
     dropped (the schedule keeps its send works past their wait) -- the real engine's memory, measured: released, a
     stage's send buffer went early (Llama 1F1B M = 3 under FSDP, stage 0: 4,096 B below the real first and steady
     peak).  That work is dropped on the recording thread, so the free is at a fixed op all the same."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
     from .collectives import released
 
-    with released():
-        for module in (c10d, dist):
-            for name in POINT_TO_POINT:
-                fn = getattr(module, name)
-                setattr(module, name, getattr(fn, "__wrapped__", fn))  # released() puts the wrapped one back
+    with released(leave=POINT_TO_POINT):
         yield
 
 
