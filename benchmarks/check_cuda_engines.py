@@ -367,6 +367,22 @@ def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] |
     return rows
 
 
+def standin(dry: dict[str, Any]) -> dict[str, Any]:
+    """A ``--stop37 --dry-run`` JSON with each CPU rank's live bytes standing in for the device's measurement (the
+    oracle's own check without a GPU: tests/test_cuda_stop37_measured.py reads it as it reads the GPU's): each step's
+    ``requested`` the live peak of that step (the last the lowest steady one), no allocator blocks, nothing on a
+    host apart from the tensors counted."""
+    rows = []
+    for row in dry["rows"]:
+        if "error" in row or "per_step" not in row.get("live", {}):
+            rows.append(row)
+            continue
+        first, *steady = row["live"]["per_step"]
+        live = [first, *steady, min(steady)]
+        rows.append({**row, "steps": [{"allocated": 0, "requested": x} for x in live], "host_state": 0})
+    return {**dry, "device": "cpu (dry run, live bytes standing in)", "rows": rows}
+
+
 def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
     """Every case in a process of its own (``world`` processes, one per rank), ``jobs`` processes at a time, each
     case on its own port."""
@@ -426,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop37", action="store_true",
                     help="stops 33-36's engine work at two ranks on the one GPU (STOP37), over gloo")
     ap.add_argument("--case37", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--standin", nargs=2, default=None, metavar=("DRY_JSON", "OUT_JSON"),
+                    help="write a --stop37 --dry-run JSON with the CPU ranks' live bytes as the measurement")
     ap.add_argument("--cases37", type=int, nargs="*", default=None, help="with --stop37: only these indices of STOP37")
     ap.add_argument("--live", action="store_true",
                     help="with --stop37: each case also run on CPU tensors under the live-bytes recorder "
@@ -440,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{Path(path).name}: " + "; ".join(
                 f"step {k + 1} {a:,} ({a - b:+,} in collectives, {b - c:+,} copy-out metadata)"
                 for k, (a, b, c) in enumerate(steps_)))
+        return 0
+    if args.standin:
+        Path(args.standin[1]).write_text(json.dumps(standin(json.loads(Path(args.standin[0]).read_text())),
+                                                    indent=1) + "\n")
         return 0
     global DRY, PAUSE
     DRY, PAUSE = args.dry_run, args.pause
