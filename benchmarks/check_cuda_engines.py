@@ -78,6 +78,8 @@ STOP37 += [(model, {**SELECTIVE, **({"G": 2} if model == "llama" else {}), "V": 
             "selective", 2) for model in ("gpt2", "llama") for engine in ("fsdp", "fsdp-no-reshard")]
 STOP37 += [("gpt2", {**TINY, "B": 2}, {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}, engine, "none", 1)
            for engine in ("ddp", "fsdp-no-reshard")]
+#: seconds a ``--stop37`` rank may run (its peer's failure leaves it waiting in a collective until then)
+RANK_TIMEOUT_S = 150
 #: the step's optimizer in every ``--stop37`` case (CUDA's default, as the ``--world 2`` control rows ran it)
 IMPL37 = "foreach"
 #: ``--pause``: seconds to wait after each step (NCCL's watchdog thread lets go of finished collectives' tensors
@@ -327,21 +329,22 @@ def stop37_case(index: int, world: int, rank: int, live: bool) -> dict[str, Any]
     return row
 
 
-def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] | None = None
-                ) -> list[dict[str, Any]]:
+def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] | None = None,
+                save: Any = None) -> list[dict[str, Any]]:
     """Every :data:`STOP37` case in ``world`` processes of its own (one per rank, all on the one GPU, gloo),
-    ``jobs`` processes at a time, each case on its own port; every rank's row (or the case's error)."""
+    ``jobs`` processes at a time, each case on its own port; every rank's row (or the case's error).  ``save(rows)``
+    after each case (the JSON written as it grows: a run cut short keeps what it measured)."""
     import subprocess
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     def rank(i: int, r: int) -> dict[str, Any]:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29700 + i)}
         argv = [sys.executable, __file__, "--case37", str(i), "--pause", str(PAUSE), "--world", str(world),
                 "--rank", str(r), *(["--dry-run"] if DRY else []), *(["--live"] if live else [])]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240)
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return {"case": i, "rank": r, "error": "timed out after 240 s"}
+            return {"case": i, "rank": r, "error": f"timed out after {RANK_TIMEOUT_S} s"}
         lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
         if done.returncode or not lines:
             return {"case": i, "rank": r, "error": done.stderr[-600:]}
@@ -351,14 +354,18 @@ def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] |
         with ThreadPoolExecutor(world) as ranks:
             return list(ranks.map(lambda r: rank(i, r), range(world)))
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     with ThreadPoolExecutor(max(1, jobs // world)) as pool:
-        for row in (r for rs in pool.map(run, range(len(STOP37)) if only is None else only) for r in rs):
+        done = as_completed([pool.submit(run, i) for i in (range(len(STOP37)) if only is None else only)])
+        for row in (r for case in done for r in case.result()):
             rows.append(row)
             model, _, kw, engine, checkpoint, m = STOP37[row["case"]]
             label = f"{row['case']:>2} {model} {kw.get('widths', '')} {engine} {checkpoint} M={m} rank {row['rank']}"
             if "error" in row:
                 print(f"  {label:<58} ERROR {row['error'][-300:]}", flush=True)
+            if save is not None and len(rows) % world == 0:
+                save(rows)
+            if "error" in row:
                 continue
             live = row.get("live", {})
             print(f"  {label:<58} allocated {[s['allocated'] for s in row['steps']]} requested "
@@ -471,7 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     if args.case37 is not None:  # one --stop37 case on one rank, in a process the main run started
-        dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+        from datetime import timedelta
+
+        torch.set_num_threads(1)  # up to 16 ranks at once on 16 cores; the suite's ranks run with one thread
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
+                                timeout=timedelta(seconds=RANK_TIMEOUT_S))
         if not DRY:
             torch.cuda.set_device(0)
             warm_cublas()
@@ -481,17 +492,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop37:
         t0 = time.time()
         world = max(2, args.world)
-        rows = stop37_rows(args.jobs, world, args.live or DRY, args.cases37)
         device = "cpu (dry run)" if DRY else torch.cuda.get_device_name()
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if args.json:
+                Path(args.json).write_text(json.dumps(
+                    {"device": device, "versions": {"torch": torch.__version__}, "world": world, "steps": 4,
+                     "how": "benchmarks/check_cuda_engines.py --stop37: each case two processes on the one GPU over "
+                            "gloo (CUDA tensors), each rank's peaks less its baseline (after cuBLAS's workspaces)",
+                     "rows": sorted(rows, key=lambda r: (r["case"], r["rank"]))}, indent=1) + "\n")
+
+        rows = stop37_rows(args.jobs, world, args.live or DRY, args.cases37, save)
+        save(rows)
         failed = sum("error" in r for r in rows)
         print(f"{len(rows)} rank rows of {len(STOP37)} cases, {failed} failed, in {time.time() - t0:.0f} s on "
               f"{device}", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(
-                {"device": device, "versions": {"torch": torch.__version__}, "world": world, "steps": 4,
-                 "how": "benchmarks/check_cuda_engines.py --stop37: each case two processes on the one GPU over "
-                        "gloo (CUDA tensors), each rank's peaks less its baseline (after cuBLAS's workspaces)",
-                 "rows": rows}, indent=1) + "\n")
         return 1 if failed else 0
     if args.case is not None:  # one case, in a process the main run started
         nccl = not DRY and args.world == 1
