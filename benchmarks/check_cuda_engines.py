@@ -340,6 +340,7 @@ def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] |
     def rank(i: int, r: int) -> dict[str, Any]:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29700 + i)}
         argv = [sys.executable, __file__, "--case37", str(i), "--pause", str(PAUSE), "--world", str(world),
+                "--rank-timeout", str(RANK_TIMEOUT_S),
                 "--rank", str(r), *(["--dry-run"] if DRY else []), *(["--live"] if live else [])]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case37", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--standin", nargs=2, default=None, metavar=("DRY_JSON", "OUT_JSON"),
                     help="write a --stop37 --dry-run JSON with the CPU ranks' live bytes as the measurement")
+    ap.add_argument("--rank-timeout", type=int, default=RANK_TIMEOUT_S,
+                    help="with --stop37: seconds a rank may run (a loaded CPU machine's dry run needs more)")
     ap.add_argument("--cases37", type=int, nargs="*", default=None, help="with --stop37: only these indices of STOP37")
     ap.add_argument("--live", action="store_true",
                     help="with --stop37: each case also run on CPU tensors under the live-bytes recorder "
@@ -470,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.standin[1]).write_text(json.dumps(standin(json.loads(Path(args.standin[0]).read_text())),
                                                     indent=1) + "\n")
         return 0
-    global DRY, PAUSE
-    DRY, PAUSE = args.dry_run, args.pause
+    global DRY, PAUSE, RANK_TIMEOUT_S
+    DRY, PAUSE, RANK_TIMEOUT_S = args.dry_run, args.pause, args.rank_timeout
     import torch
     import torch.distributed as dist
 
