@@ -436,6 +436,7 @@ def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DRY, PAUSE, RANK_TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="run the steps on the CPU over gloo, measure nothing")
@@ -473,7 +474,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.standin[1]).write_text(json.dumps(standin(json.loads(Path(args.standin[0]).read_text())),
                                                     indent=1) + "\n")
         return 0
-    global DRY, PAUSE, RANK_TIMEOUT_S
     DRY, PAUSE, RANK_TIMEOUT_S = args.dry_run, args.pause, args.rank_timeout
     import torch
     import torch.distributed as dist
