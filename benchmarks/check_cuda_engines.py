@@ -1,6 +1,14 @@
 """The data-parallel engines on real CUDA: run by hand on a machine with one NVIDIA GPU (results in docs/cuda.md).
 
     PYTHONPATH=$PWD python benchmarks/check_cuda_engines.py [--json OUT.json] [--world 2]
+    PYTHONPATH=$PWD python benchmarks/check_cuda_engines.py --stop37 --json OUT.json [--dry-run]
+
+``--stop37`` runs stops 33-36's engine work at N = 2 (two ranks on the one GPU over gloo): selective recomputation
+under every data-parallel engine, FSDP1's gradient accumulation under ``no_sync()``, FSDP2's micro-batches with
+selective recomputation, and two rows of ``--world 2`` again as a control (:data:`STOP37`); per rank and step
+``max_memory_allocated`` and ``requested_bytes.all.peak`` less the rank's baseline, the host bytes of its optimizer
+state, and (``--dry-run``, CPU ranks) the live bytes of the library's own recorded run of the same case
+(tests/test_cuda_stop37_measured.py reads the JSON).
 
 ``--world 2`` runs each case as two ranks on the one GPU over gloo (CUDA tensors), so FSDP really shards and its
 collectives run on their CUDA streams (docs/cuda.md, "Two ranks on one GPU").
@@ -27,6 +35,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +57,31 @@ IMPLS = ("for-loop", "foreach")
 ROWS: list[dict[str, Any]] = []
 #: ``--dry-run``: the same steps on the CPU over gloo with no memory read (a check of the script itself)
 DRY = False
+#: ``--stop37``: (model, values, keywords, engine, checkpoint, micro-batches), each case two ranks on the one GPU.
+#: Sizes as the suite's gloo runs measured them on CPU ranks: tests/test_selective_engines.py (selective, S = 128 >
+#: H so the peak sits in backward, where what selective drops shows; V = 101 pads FSDP2's last shard) and
+#: tests/test_fsdp1_accumulation.py (no_sync); the last two are ``--world 2`` rows (cuda_h200_world2.json) again
+SELECTIVE = {"B": 2, "S": 128, "L": 2, "H": 32, "h": 4, "V": 64, "F": 64}
+EAGER = {"gpt2": {"attention": "naive", "dropout": 0.0, "loss": "cross-entropy"},
+         "llama": {"attention": "naive", "loss": "cross-entropy"}}
+ACCUMULATE = {"B": 2, "S": 32, "L": 2, "H": 64, "h": 4, "V": 100, "F": 128}
+SDPA = {"mlp": ({"B": 4}, {"widths": "64,127,10", "loss": "cross-entropy"}),
+        "gpt2": (ACCUMULATE, {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}),
+        "llama": ({**ACCUMULATE, "G": 2}, {"attention": "sdpa", "loss": "cross-entropy"})}
+STOP37: list[tuple[str, dict[str, int], dict[str, Any], str, str, int]] = [
+    (model, {**SELECTIVE, **({"G": 2} if model == "llama" else {})}, EAGER[model], engine, "selective", 1)
+    for model in ("gpt2", "llama")
+    for engine in ("ddp", "ddp-bucket-view", "zero-redundancy", "fsdp", "fsdp-no-reshard", "fsdp1", "fsdp1-grad-op")]
+STOP37 += [(model, SDPA[model][0], SDPA[model][1], engine, "none", 2)
+           for model in ("mlp", "gpt2", "llama") for engine in ("fsdp1", "fsdp1-grad-op")]
+STOP37 += [(model, {**SELECTIVE, **({"G": 2} if model == "llama" else {}), "V": 101}, EAGER[model], engine,
+            "selective", 2) for model in ("gpt2", "llama") for engine in ("fsdp", "fsdp-no-reshard")]
+STOP37 += [("gpt2", {**TINY, "B": 2}, {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}, engine, "none", 1)
+           for engine in ("ddp", "fsdp-no-reshard")]
+#: seconds a ``--stop37`` rank may run (its peer's failure leaves it waiting in a collective until then)
+RANK_TIMEOUT_S = 150
+#: the step's optimizer in every ``--stop37`` case (CUDA's default, as the ``--world 2`` control rows ran it)
+IMPL37 = "foreach"
 #: ``--pause``: seconds to wait after each step (NCCL's watchdog thread lets go of finished collectives' tensors
 #: on its own schedule)
 PAUSE = 0.0
@@ -113,6 +147,18 @@ def wrap(engine: str | None, module: Any) -> Any:
 
 def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
     """max_memory_allocated in each of ``n`` steps of the engine-wrapped reference, less the baseline."""
+    return stepped(d, engine, impl, n)["allocated"]
+
+
+def stepped(d: Any, engine: str | None, impl: str, n: int = 4, micro_batches: int = 1) -> dict[str, Any]:
+    """Each of ``n`` steps of the engine-wrapped reference: ``allocated`` (``max_memory_allocated``) and
+    ``requested`` (``requested_bytes.all.peak``: the bytes the tensors asked for, before the 512-byte rounding), each
+    less what was there before the module was built; ``host_state``: the optimizer state's bytes on the host (the
+    foreach and for-loop AdamW's ``step`` counts), after the last step.  ``micro_batches``: gradient accumulation,
+    every pass but the last without the gradient sync (FSDP2's ``set_requires_gradient_sync(False)``, FSDP1's and
+    DDP's ``no_sync()``), as symmem.record.sharded.train_steps runs them."""
+    from contextlib import nullcontext
+
     import torch
 
     from symmem.record.distributed import zero_optimizer
@@ -120,7 +166,11 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
     from symmem.record.steps import loss_value
     from symmem.record.verify import _reference
 
+    def requested() -> int:
+        return 0 if DRY else int(torch.cuda.memory_stats()["requested_bytes.all.current"])
+
     base = 0 if DRY else baseline()
+    base_requested = requested()
     module, inputs, _, target = _reference(d)
     wrapped = wrap(engine, module)
     wrapped.train()
@@ -128,7 +178,7 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
     params = [p for p in wrapped.parameters() if p.requires_grad]
     opt = (zero_optimizer(params, d.regime.optimizer, impl, 1e-3) if engine == "zero-redundancy"
            else make_optimizer(params, d.regime.optimizer, impl))
-    out = []
+    out: dict[str, Any] = {"allocated": [], "requested": []}
     snapshot = os.environ.get("SYMMEM_CUDA_SNAPSHOT")  # a file: the allocator's history of these steps goes there
     if snapshot and not DRY:
         torch.cuda.memory._record_memory_history(max_entries=400_000)
@@ -139,11 +189,19 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
             if snapshot:  # a step's start, as the history shows it: MARK bytes, freed at once
                 mark = torch.empty(MARK, dtype=torch.uint8, device="cuda")
                 del mark
-        y = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
-        value = y if takes_labels else loss_value("cross-entropy", y, target)
-        del y
-        value.backward()
-        del value
+        for k in range(micro_batches):
+            last = k == micro_batches - 1
+            held = nullcontext()
+            if micro_batches > 1 and hasattr(wrapped, "set_requires_gradient_sync"):
+                wrapped.set_requires_gradient_sync(last)
+            elif not last:
+                held = wrapped.no_sync()
+            with held:
+                y = wrapped(*inputs, target) if takes_labels else wrapped(*inputs)
+                value = y if takes_labels else loss_value("cross-entropy", y, target)
+                del y
+                value.backward()
+                del value
         opt.step()
         opt.zero_grad(set_to_none=True)
         if PAUSE:
@@ -152,11 +210,19 @@ def steps(d: Any, engine: str | None, impl: str, n: int = 4) -> list[int]:
             time.sleep(PAUSE)
         if not DRY:
             torch.cuda.synchronize()
-        out.append(0 if DRY else int(torch.cuda.max_memory_allocated()) - base)
+            stats = torch.cuda.memory_stats()
+            out["allocated"].append(int(torch.cuda.max_memory_allocated()) - base)
+            out["requested"].append(int(stats["requested_bytes.all.peak"]) - base_requested)
+        else:
+            out["allocated"].append(0)
+            out["requested"].append(0)
     if snapshot and not DRY:
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
-    del opt, wrapped, module, inputs, target, params
+    state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer's local optimizer holds the rank's state
+    out["host_state"] = sum(t.numel() * t.element_size() for st in state.values() for t in st.values()
+                            if isinstance(t, torch.Tensor) and t.device.type == "cpu")
+    del opt, wrapped, module, inputs, target, params, state
     return out
 
 
@@ -231,6 +297,100 @@ def one_case(index: int, world: int = 1, rank: int = 0) -> dict[str, Any]:
             "spec": spec if of is None else {**spec, "rank": rank}}
 
 
+def stop37_case(index: int, world: int, rank: int, live: bool) -> dict[str, Any]:
+    """One :data:`STOP37` case on this rank (a process of its own, the group joined): its steps measured, and with
+    ``live`` the same case run again on CPU tensors under the library's live-bytes recorder
+    (symmem.record.distributed's own rank job, its collectives released at fixed ops), its per-step live bytes."""
+    import dataclasses
+
+    model, values, kw, engine, checkpoint, m = STOP37[index]
+    device = "cpu" if DRY else "cuda"
+    d = derive(model, convention="pytorch", options={"device": device}, optimizer="adamw", optimizer_impl=IMPL37,
+               values={**values, "N": world}, data_parallel=engine, checkpoint=checkpoint, micro_batches=m, **kw)
+    got = stepped(d, engine, IMPL37, 4, m)
+    row = {"model": model, "values": {**values, "N": world}, "options": kw, "engine": engine,
+           "checkpoint": checkpoint, "micro_batches": m, "impl": IMPL37, "rank": rank,
+           "steps": [{"allocated": a, "requested": r} for a, r in zip(got["allocated"], got["requested"],
+                                                                      strict=True)],
+           "host_state": got["host_state"]}
+    if live:
+        from symmem.record import distributed
+        from symmem.record.collectives import released
+
+        on_cpu = derive(model, convention="pytorch", options={"device": "cpu"}, optimizer="adamw",
+                        optimizer_impl=IMPL37, values={**values, "N": world}, data_parallel=engine,
+                        checkpoint=checkpoint, micro_batches=m, **kw)
+        try:
+            with released():
+                ranked = distributed._run_job(dataclasses.replace(distributed.job_of(on_cpu), impl=IMPL37), rank)
+            row["live"] = {"per_step": list(ranked.per_step), "where": ranked.where, "late": ranked.late}
+        except Exception as exc:  # the recorder on this torch: its failure is a finding, the CUDA steps still stand
+            row["live"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    return row
+
+
+def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] | None = None,
+                save: Any = None) -> list[dict[str, Any]]:
+    """Every :data:`STOP37` case in ``world`` processes of its own (one per rank, all on the one GPU, gloo),
+    ``jobs`` processes at a time, each case on its own port; every rank's row (or the case's error).  ``save(rows)``
+    after each case (the JSON written as it grows: a run cut short keeps what it measured)."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    def rank(i: int, r: int) -> dict[str, Any]:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29700 + i)}
+        argv = [sys.executable, __file__, "--case37", str(i), "--pause", str(PAUSE), "--world", str(world),
+                "--rank-timeout", str(RANK_TIMEOUT_S),
+                "--rank", str(r), *(["--dry-run"] if DRY else []), *(["--live"] if live else [])]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"case": i, "rank": r, "error": f"timed out after {RANK_TIMEOUT_S} s"}
+        lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+        if done.returncode or not lines:
+            return {"case": i, "rank": r, "error": done.stderr[-600:]}
+        return {"case": i, **json.loads(lines[-1])}
+
+    def run(i: int) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(world) as ranks:
+            return list(ranks.map(lambda r: rank(i, r), range(world)))
+
+    rows: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(max(1, jobs // world)) as pool:
+        done = as_completed([pool.submit(run, i) for i in (range(len(STOP37)) if only is None else only)])
+        for row in (r for case in done for r in case.result()):
+            rows.append(row)
+            model, _, kw, engine, checkpoint, m = STOP37[row["case"]]
+            label = f"{row['case']:>2} {model} {kw.get('widths', '')} {engine} {checkpoint} M={m} rank {row['rank']}"
+            if "error" in row:
+                print(f"  {label:<58} ERROR {row['error'][-300:]}", flush=True)
+            if save is not None and len(rows) % world == 0:
+                save(rows)
+            if "error" in row:
+                continue
+            live = row.get("live", {})
+            print(f"  {label:<58} allocated {[s['allocated'] for s in row['steps']]} requested "
+                  f"{[s['requested'] for s in row['steps']]} host {row['host_state']}"
+                  + (f" live {live.get('per_step', live.get('error'))}" if live else ""), flush=True)
+    return rows
+
+
+def standin(dry: dict[str, Any]) -> dict[str, Any]:
+    """A ``--stop37 --dry-run`` JSON with each CPU rank's live bytes standing in for the device's measurement (the
+    oracle's own check without a GPU: tests/test_cuda_stop37_measured.py reads it as it reads the GPU's): each step's
+    ``requested`` the live peak of that step (the last the lowest steady one), no allocator blocks, nothing on a
+    host apart from the tensors counted."""
+    rows = []
+    for row in dry["rows"]:
+        if "error" in row or "per_step" not in row.get("live", {}):
+            rows.append(row)
+            continue
+        first, *steady = row["live"]["per_step"]
+        live = [first, *steady, min(steady)]
+        rows.append({**row, "steps": [{"allocated": 0, "requested": x} for x in live], "host_state": 0})
+    return {**dry, "device": "cpu (dry run, live bytes standing in)", "rows": rows}
+
+
 def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
     """Every case in a process of its own (``world`` processes, one per rank), ``jobs`` processes at a time, each
     case on its own port."""
@@ -276,6 +436,7 @@ def engine_rows(jobs: int, only: tuple[str, ...] = (), world: int = 1) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DRY, PAUSE, RANK_TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="run the steps on the CPU over gloo, measure nothing")
@@ -287,6 +448,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="ranks per case, all on the one GPU: above 1 over gloo (NCCL refuses two ranks of one "
                          "communicator on one device), so FSDP's collectives and streams run as at N ranks")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--stop37", action="store_true",
+                    help="stops 33-36's engine work at two ranks on the one GPU (STOP37), over gloo")
+    ap.add_argument("--case37", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--standin", nargs=2, default=None, metavar=("DRY_JSON", "OUT_JSON"),
+                    help="write a --stop37 --dry-run JSON with the CPU ranks' live bytes as the measurement")
+    ap.add_argument("--rank-timeout", type=int, default=RANK_TIMEOUT_S,
+                    help="with --stop37: seconds a rank may run (a loaded CPU machine's dry run needs more)")
+    ap.add_argument("--cases37", type=int, nargs="*", default=None, help="with --stop37: only these indices of STOP37")
+    ap.add_argument("--live", action="store_true",
+                    help="with --stop37: each case also run on CPU tensors under the live-bytes recorder "
+                         "(always with --dry-run)")
     ap.add_argument("--analyze", nargs="*", default=None, metavar="HISTORY",
                     help="read allocator histories recorded with SYMMEM_CUDA_SNAPSHOT=DIR: each step's peak with and "
                          "without the collectives' own temporaries (no GPU needed)")
@@ -298,13 +470,47 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {k + 1} {a:,} ({a - b:+,} in collectives, {b - c:+,} copy-out metadata)"
                 for k, (a, b, c) in enumerate(steps_)))
         return 0
-    global DRY, PAUSE
-    DRY, PAUSE = args.dry_run, args.pause
+    if args.standin:
+        Path(args.standin[1]).write_text(json.dumps(standin(json.loads(Path(args.standin[0]).read_text())),
+                                                    indent=1) + "\n")
+        return 0
+    DRY, PAUSE, RANK_TIMEOUT_S = args.dry_run, args.pause, args.rank_timeout
     import torch
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
+    if args.case37 is not None:  # one --stop37 case on one rank, in a process the main run started
+        from datetime import timedelta
+
+        torch.set_num_threads(1)  # up to 16 ranks at once on 16 cores; the suite's ranks run with one thread
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
+                                timeout=timedelta(seconds=RANK_TIMEOUT_S))
+        if not DRY:
+            torch.cuda.set_device(0)
+            warm_cublas()
+        print(json.dumps(stop37_case(args.case37, args.world, args.rank, args.live or DRY)), flush=True)
+        dist.destroy_process_group()
+        return 0
+    if args.stop37:
+        t0 = time.time()
+        world = max(2, args.world)
+        device = "cpu (dry run)" if DRY else torch.cuda.get_device_name()
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if args.json:
+                Path(args.json).write_text(json.dumps(
+                    {"device": device, "versions": {"torch": torch.__version__}, "world": world, "steps": 4,
+                     "how": "benchmarks/check_cuda_engines.py --stop37: each case two processes on the one GPU over "
+                            "gloo (CUDA tensors), each rank's peaks less its baseline (after cuBLAS's workspaces)",
+                     "rows": sorted(rows, key=lambda r: (r["case"], r["rank"]))}, indent=1) + "\n")
+
+        rows = stop37_rows(args.jobs, world, args.live or DRY, args.cases37, save)
+        save(rows)
+        failed = sum("error" in r for r in rows)
+        print(f"{len(rows)} rank rows of {len(STOP37)} cases, {failed} failed, in {time.time() - t0:.0f} s on "
+              f"{device}", flush=True)
+        return 1 if failed else 0
     if args.case is not None:  # one case, in a process the main run started
         nccl = not DRY and args.world == 1
         dist.init_process_group("nccl" if nccl else "gloo", rank=args.rank, world_size=args.world,
