@@ -164,7 +164,8 @@ def released(leave: Collection[str] = ()) -> Iterator[None]:
     import torch.distributed.distributed_c10d as c10d
 
     work_class = _work_class()
-    saved = {name: getattr(c10d, name) for name in WRAPPED if name not in leave}
+    # an older torch lacks some of the names (2.11 has no `all_gather_single`): none of its engines calls them
+    saved = {name: getattr(c10d, name) for name in WRAPPED if name not in leave and hasattr(c10d, name)}
     wrapped = {name: held(fn, work_class) for name, fn in saved.items()}
     # P2POp checks its op against c10d's isend/irecv (and batch_isend_irecv names a send by `is isend`): both
     # modules name the wrapper
