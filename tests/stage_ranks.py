@@ -130,11 +130,15 @@ def _live_meshes() -> dict[str, list[Any]]:
 
 def mesh_ranks(cases: list[Any], live: tuple[int, ...]) -> list[list[Any]]:
     """Per rank, per case of ``cases``: the ``live`` ones (indices) measured now in the meshes' one spawn, every one
-    of their ranks with no late free and one first and one steady step; the others :data:`DATA`'s."""
+    of their ranks with no late free and one first and one steady step, and equal to its stored row; the others
+    :data:`DATA`'s."""
     found = _live_meshes()
     runs = stored([c for k, c in enumerate(cases) if k not in live]) if len(live) < len(cases) else []
     rest = iter(zip(*runs, strict=True)) if runs else iter(())
     columns = [found[key(c)] if k in live else list(next(rest)) for k, c in enumerate(cases)]
+    table = _stored()
     for k in live:
         assert all((r.late, r.repeats) == (0, (1, 1)) for r in columns[k]), (k, columns[k])
+        # the live ranks are the stored ones too (stored from each file's own spawn: the one spawn changes nothing)
+        assert key(cases[k]) not in table or [_row(r) for r in columns[k]] == table[key(cases[k])], (k, columns[k])
     return [list(rank) for rank in zip(*columns, strict=True)]

@@ -64,14 +64,15 @@ def _derive(model, values, schedule, m, loss, options, engine, **more):
 
 
 #: the cases of :func:`mesh_cases` run LIVE in every suite run (in the meshes' one spawn of four ranks,
-#: tests/stage_ranks.py, with tests/test_fsdp_pipeline.py's and tests/test_tensor_pipeline.py's): DDP and ZeRO-1 on
-#: Llama GPipe (ZeRO-1's largest rank a data-parallel rank 1), the bucket view on GPT-2 1F1B; the others replayed
-#: from their stored real runs (tests/data/pipeline_meshes_gloo.json): :data:`REPLAYED` checked in every suite run,
-#: all of them (and the formulas from other sizes) against fresh gloo runs under ``-m deep``
-LIVE = (1, 2, 4)
-#: GPT-2 DDP 1F1B (the bucket view's step against DDP's), the traced module under ZeRO-1 GPipe M = 3
-#: (symmem.importer.traced_ddp_pipeline)
-REPLAYED = (0, 7)
+#: tests/stage_ranks.py, with tests/test_fsdp_pipeline.py's and tests/test_tensor_pipeline.py's): ZeRO-1 on Llama GPipe
+#: (DDP's reducer around the stage, ZeroRedundancyOptimizer's partition; its largest rank a data-parallel rank 1), the
+#: bucket view on GPT-2 1F1B; the others replayed from their stored real runs (tests/data/pipeline_meshes_gloo.json):
+#: :data:`REPLAYED` checked in every suite run, all of them (and the formulas from other sizes) against fresh gloo
+#: runs under ``-m deep``
+LIVE = (2, 4)
+#: GPT-2 DDP 1F1B (the bucket view's step against DDP's), Llama DDP GPipe (the CLI's table below), the traced module
+#: under ZeRO-1 GPipe M = 3 (symmem.importer.traced_ddp_pipeline; its ranks' formulas from other B under ``-m deep``)
+REPLAYED = (0, 1, 7)
 
 
 def mesh_cases() -> list:
@@ -133,7 +134,8 @@ def _check(everything, checked) -> None:
     from symmem import derive
 
     _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything],
-                  [k - len(CASES) for k in checked if len(CASES) <= k < len(CASES) + len(TRACED)])
+                  [k - len(CASES) for k in checked if len(CASES) <= k < len(CASES) + len(TRACED)],
+                  formulas=checked == set(range(len(everything[0]))))
     if HAS_HF and len(CASES) + len(TRACED) in checked:
         _check_hf_llama([rank[len(CASES) + len(TRACED)] for rank in everything])
     if set(range(len(CASES))) <= checked:
@@ -206,7 +208,7 @@ def _traced(schedule: str, m: int, engine: str):
                          micro_batches=m, values={"p": 2, "N": 2})
 
 
-def _check_traced(everything, checked):
+def _check_traced(everything, checked, formulas=True):
     """A traced module's stages under DDP's bucket view and ZeRO-1 (symmem.importer.traced_ddp_pipeline) against
     the real engine on the module's manual split: every rank's weights, AdamW state, first and steady peak, and the
     largest moment of its schedule and of its optimizer step, to the byte; the views' largest rank, every rank's
@@ -232,7 +234,10 @@ def _check_traced(everything, checked):
         assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
         # an engine on traced stages: each moment a formula in the module's sizes (importer/traced_formula.py), and
         # every rank's, derived at other B, at this mesh's B gives its measured peak where the same moment peaks
+        # (``-m deep``: two traces more a case, ~2-3 CPU-s)
         assert d.peak_at().pinned().startswith(f"at p = 2, M = {case[1]}"), (k, d.peak_at().pinned())
+        if not formulas:
+            continue
         import test_rank_formulas as ranks
 
         others = [{"B": 2}, {"B": 6}]

@@ -76,8 +76,8 @@ def _derive(model, values, schedule, m, loss, options, reshard, **more):
 #: fresh gloo runs under ``-m deep``
 LIVE = (1, 4)
 #: the stored cases checked against the engine in every suite run: GPT-2 1F1B resharding (GPT-2 runs live on stages
-#: under DDP's bucket view, tests/test_ddp_pipeline.py) and Llama 1F1B, L = 4, M = 3 (the formulas from other sizes,
-#: test_pipeline_formula_mesh.FSDP_OTHER, test_rank_formulas.STAGES); the rest under ``-m deep`` (docs/testing.md):
+#: under DDP's bucket view, tests/test_ddp_pipeline.py) and Llama 1F1B, L = 4, M = 3 (two layers a stage, M = 3, the
+#: loss sum); the rest, and the formulas from other sizes, under ``-m deep`` (docs/testing.md):
 #: the checkpointed Llama, and the Hugging Face stages (GPT-2 untied and tied, Llama), each a trace of ~4-6 CPU-s in
 #: the test's process (the Hugging Face families run live on stages in tests/test_traced_pipeline.py)
 REPLAYED = (0, 2)
@@ -146,13 +146,14 @@ def _check(everything, checked) -> None:
         for k, case in enumerate(MORE_HF):
             if at + 1 + k in checked:
                 _check_more_hf([rank[at + 1 + k] for rank in everything], *case)
-    if {0, 1, 2} <= checked:
-        import test_pipeline_formula_mesh as formula  # FSDP x pipeline's formulas from other sizes vs these ranks
-
-        formula.fsdp_against_the_engines(everything, CASES)
-    if {0, 1} <= checked:
+    # FSDP x pipeline's formulas from other sizes (N = 3 and 4 among them: ten derivations) against these ranks,
+    # under ``-m deep`` (the formulas against the engine's replay at other sizes: test_pipeline_formula_mesh.py;
+    # the replay against these ranks: below)
+    if checked == set(range(len(everything[0]))):
+        import test_pipeline_formula_mesh as formula
         import test_rank_formulas as ranks  # each stage's last data-parallel rank's formula from N = 3 and 4
 
+        formula.fsdp_against_the_engines(everything, CASES)
         ranks.last_ranks_against_the_engines(everything, CASES)
     derived = {}
     for k, case in enumerate(CASES):
