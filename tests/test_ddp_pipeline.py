@@ -11,6 +11,7 @@ each moment's fewest bytes over repeated steps, DDP's buckets counted from the s
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -62,18 +63,22 @@ def _derive(model, values, schedule, m, loss, options, engine, **more):
                   micro_batches=m, loss=loss, device="cpu", values=sizes, **options, **more)
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
-def test_every_rank_of_a_2x2_mesh_against_the_engine():
-    """Every rank's parameters, AdamW state, first and steady peak, and the largest moment of its schedule and of
-    its optimizer step equal the real run's to the byte (one spawn of four ranks runs every case); the views give
-    the largest rank's peak, which rank and stage, and every rank's; DDP's buckets are the stage's parameters'
-    bytes beside the pipeline alone on every moment measured (an independent count: the plain pipeline's replay,
-    itself checked against gloo runs in tests/test_model_parallel.py)."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is needed")
-    from symmem import derive
+#: the cases of :func:`mesh_cases` run LIVE in every suite run (in the meshes' one spawn of four ranks,
+#: tests/stage_ranks.py, with tests/test_fsdp_pipeline.py's and tests/test_tensor_pipeline.py's): ZeRO-1 on Llama GPipe
+#: (DDP's reducer around the stage, ZeroRedundancyOptimizer's partition; its largest rank a data-parallel rank 1), the
+#: bucket view on GPT-2 1F1B; the others replayed from their stored real runs (tests/data/pipeline_meshes_gloo.json):
+#: :data:`REPLAYED` checked in every suite run, all of them (and the formulas from other sizes) against fresh gloo
+#: runs under ``-m deep``
+LIVE = (2, 4)
+#: GPT-2 DDP 1F1B (the bucket view's step against DDP's), Llama DDP GPipe (the CLI's table below), the traced module
+#: under ZeRO-1 GPipe M = 3 (symmem.importer.traced_ddp_pipeline; its ranks' formulas from other B under ``-m deep``)
+REPLAYED = (0, 1, 7)
+
+
+def mesh_cases() -> list:
+    """Every case of this file's 2 x 2 mesh as ``ddp_pipeline_runs`` takes them: :data:`CASES`, :data:`TRACED`,
+    Hugging Face Llama (with transformers)."""
     from symmem.importer.spec_builder import SpecBuilder
-    from symmem.record.ddp_pipeline_runs import ddp_pipeline_runs
     from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
 
     split = SequentialSplit(("inp",), "blocks", ("head",))
@@ -84,25 +89,71 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
 
         traced.append((TracedCase(SpecBuilder("hf:llama", tuple(sorted(LLAMA_HF.items()))), LlamaSplit(), "1f1b", 2,
                                   "sum", (2, 8, 33), (2, 8, 16)), "zero-redundancy"))
-    everything = ddp_pipeline_runs(2, 2, [*CASES, *traced], start_method="forkserver")
+    return [*CASES, *traced]
+
+
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_every_rank_of_a_2x2_mesh_against_the_engine():
+    """Every rank's parameters, AdamW state, first and steady peak, and the largest moment of its schedule and of
+    its optimizer step equal the real run's to the byte (the :data:`LIVE` cases measured now, :data:`REPLAYED`
+    stored); the views give the largest rank's peak, which rank and stage, and every rank's; DDP's buckets are the
+    stage's parameters' bytes beside the pipeline alone on every moment measured (an independent count: the plain
+    pipeline's replay, itself checked against gloo runs in tests/test_model_parallel.py)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import mesh_ranks
+
+    _check(mesh_ranks(mesh_cases(), LIVE), {*LIVE, *REPLAYED})
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_case_against_fresh_gloo_runs():
+    """Every case of :func:`mesh_cases` in a fresh spawn of its own (``ddp_pipeline_runs``): every rank's fields
+    equal the stored ones (tests/data/pipeline_meshes_gloo.json; ``SYMMEM_STORE_MESHES=1`` writes them), and every
+    check of the default test holds on them, the formulas from other sizes too."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import against_stored
+
+    from symmem.record.ddp_pipeline_runs import ddp_pipeline_runs
+
+    cases = mesh_cases()
+    everything = ddp_pipeline_runs(2, 2, cases, start_method="forkserver")
     # every collective released on the recording thread (pipelining's sends, ZeroRedundancyOptimizer's broadcasts;
     # DDP's C++ reducer all-reduces its persistent buckets in place): no free ran elsewhere, and one first and one
     # steady step were recorded (measured: the same bytes as the fewest over 3 + 3)
     assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
-    _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
-    if HAS_HF:
-        _check_hf_llama([rank[len(CASES) + len(TRACED)] for rank in everything])
-    import test_pipeline_formula as formula  # DDP x pipeline's formulas at other sizes vs these ranks
+    against_stored(cases, everything)
+    _check(everything, set(range(len(cases))))
 
-    formula.ddp_against_the_engines(everything, CASES, _derive)
+
+def _check(everything, checked) -> None:
+    """The checks of every case of :func:`mesh_cases` in ``checked`` (indices) against ``everything`` (per rank,
+    per case: live or stored runs)."""
+    from symmem import derive
+
+    _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything],
+                  [k - len(CASES) for k in checked if len(CASES) <= k < len(CASES) + len(TRACED)],
+                  formulas=checked == set(range(len(everything[0]))))
+    if HAS_HF and len(CASES) + len(TRACED) in checked:
+        _check_hf_llama([rank[len(CASES) + len(TRACED)] for rank in everything])
+    if set(range(len(CASES))) <= checked:
+        import test_pipeline_formula as formula  # DDP x pipeline's formulas at other sizes vs these ranks
+
+        formula.ddp_against_the_engines(everything, CASES, _derive)
+    derived = {}
     for k, case in enumerate(CASES):
+        if k not in checked:
+            continue
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-        d = _derive(*case)
+        d = derived[k] = _derive(*case)
         named = {s.name: int(v) for s, v in d.numbers.items()}
         sides = d.to_dict()["values"]["parameter_side_per_rank"]
+        replays = {dp: d.step.at_rank(dp)._replays(named) for dp in (0, 1)}
         for r in real:
-            mine = d.step.at_rank(r.dp)._replays(named)[r.pp]
+            mine = replays[r.dp][r.pp]
             assert (mine.at["parameters"], mine.at["optimizer_state"]) == (r.parameters, r.optimizer_state), (k, r)
             # the parameter side per rank (passes/rank_side.py): the real rank's weights and optimizer state, and
             # the buffers of the real stage module it runs (Llama's rotary frequencies on every stage)
@@ -138,12 +189,16 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         assert [r.steady_peak - r.parameters for r in real] == [plain["peak_per_stage"][r.pp] for r in real], k
         assert [r.first_peak - r.parameters for r in real] == [
             plain["peak_first_step_per_stage"][r.pp] for r in real], k
-    assert _derive(*CASES[0]).peak_at().where(step=False) == (
-        "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): the optimizer step")
-    assert _derive(*CASES[2]).peak_at().where(step=False) == (
-        "rank 3 (stage 1 of 2, data-parallel rank 1 of N = 2): pipeline layers.mlp.gate_up (layer 2), micro-batch 0")
+    if 0 in checked:
+        assert derived[0].peak_at().where(step=False) == (
+            "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): the optimizer step")
+    if 2 in checked:
+        assert derived[2].peak_at().where(step=False) == (
+            "rank 3 (stage 1 of 2, data-parallel rank 1 of N = 2): pipeline layers.mlp.gate_up (layer 2), "
+            "micro-batch 0")
 
 
+@functools.cache
 def _traced(schedule: str, m: int, engine: str):
     from symmem.importer import sources
 
@@ -153,7 +208,7 @@ def _traced(schedule: str, m: int, engine: str):
                          micro_batches=m, values={"p": 2, "N": 2})
 
 
-def _check_traced(everything):
+def _check_traced(everything, checked, formulas=True):
     """A traced module's stages under DDP's bucket view and ZeRO-1 (symmem.importer.traced_ddp_pipeline) against
     the real engine on the module's manual split: every rank's weights, AdamW state, first and steady peak, and the
     largest moment of its schedule and of its optimizer step, to the byte; the views' largest rank, every rank's
@@ -161,6 +216,8 @@ def _check_traced(everything):
     from symmem.passes.data_parallel import rank_peaks
 
     for k, case in enumerate(TRACED):
+        if k not in checked:
+            continue
         real = [rank[k] for rank in everything]
         d = _traced(*case)
         replays_are_the_ranks(d, real, k)
@@ -177,7 +234,10 @@ def _check_traced(everything):
         assert d.to_dict()["values"]["parameter_side_per_rank"] == side, k
         # an engine on traced stages: each moment a formula in the module's sizes (importer/traced_formula.py), and
         # every rank's, derived at other B, at this mesh's B gives its measured peak where the same moment peaks
+        # (``-m deep``: two traces more a case, ~2-3 CPU-s)
         assert d.peak_at().pinned().startswith(f"at p = 2, M = {case[1]}"), (k, d.peak_at().pinned())
+        if not formulas:
+            continue
         import test_rank_formulas as ranks
 
         others = [{"B": 2}, {"B": 6}]

@@ -69,15 +69,24 @@ def _derive(model, values, schedule, m, loss, options, reshard, **more):
                   **options, **more)
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
-def test_every_rank_of_a_2x2_mesh_against_the_engine():
-    """Every rank's parameters (padded shards), AdamW state (the unpadded rows), first and steady peak, and the
-    largest moment of its schedule and of its optimizer step equal the real run's to the byte (one spawn of four
-    ranks runs every case); the views give the largest rank's peak, which rank and stage, and every rank's."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is needed")
+#: the cases of :func:`mesh_cases` run LIVE in every suite run (in the meshes' one spawn of four ranks,
+#: tests/stage_ranks.py, with tests/test_tensor_pipeline.py's and tests/test_ddp_pipeline.py's): Llama GPipe without
+#: resharding, the traced module (1F1B, resharding); the others replayed from their stored real runs
+#: (tests/data/pipeline_meshes_gloo.json): :data:`REPLAYED` checked in every suite run, all of them rerun against
+#: fresh gloo runs under ``-m deep``
+LIVE = (1, 4)
+#: the stored cases checked against the engine in every suite run: GPT-2 1F1B resharding (GPT-2 runs live on stages
+#: under DDP's bucket view, tests/test_ddp_pipeline.py) and Llama 1F1B, L = 4, M = 3 (two layers a stage, M = 3, the
+#: loss sum); the rest, and the formulas from other sizes, under ``-m deep`` (docs/testing.md):
+#: the checkpointed Llama, and the Hugging Face stages (GPT-2 untied and tied, Llama), each a trace of ~4-6 CPU-s in
+#: the test's process (the Hugging Face families run live on stages in tests/test_traced_pipeline.py)
+REPLAYED = (0, 2)
+
+
+def mesh_cases() -> list:
+    """Every case of this file's 2 x 2 mesh as ``fsdp_pipeline_runs`` takes them: :data:`CASES`, :data:`TRACED`,
+    :data:`HF`, :data:`MORE_HF` (the last two with transformers)."""
     from symmem.importer.spec_builder import SpecBuilder
-    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
     from symmem.record.traced_pipeline_runs import GPT2Split, LlamaSplit, SequentialSplit, TracedCase
 
     split = SequentialSplit(("inp",), "blocks", ("head",))
@@ -89,35 +98,70 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
     hf += [(TracedCase(SpecBuilder(spec, tuple(sorted(config.items()))), splits[split], schedule, m, loss,
                        (2, 8, config["vocab_size"]), boundary), reshard)
            for spec, config, split, schedule, m, loss, reshard, boundary in MORE_HF] if HAS_HF else []
-    # tensor parallel x pipeline on a p x t mesh in the same spawn (tests/test_tensor_pipeline.py checks them)
-    import test_tensor_pipeline as tensor
+    return [*CASES, *traced, *hf]
 
-    everything = fsdp_pipeline_runs(2, 2, [*CASES, *traced, *tensor.CASES, *hf], start_method="forkserver")
+
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_every_rank_of_a_2x2_mesh_against_the_engine():
+    """Every rank's parameters (padded shards), AdamW state (the unpadded rows), first and steady peak, and the
+    largest moment of its schedule and of its optimizer step equal the real run's to the byte (the :data:`LIVE`
+    cases measured now, :data:`REPLAYED` stored); the views give the largest rank's peak, which rank and stage,
+    and every rank's."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import mesh_ranks
+
+    _check(mesh_ranks(mesh_cases(), LIVE), {*LIVE, *REPLAYED})
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_case_against_fresh_gloo_runs():
+    """Every case of :func:`mesh_cases` in a fresh spawn of its own: every rank's fields equal the stored ones
+    (tests/data/pipeline_meshes_gloo.json; ``SYMMEM_STORE_MESHES=1`` writes them), and every check of the default
+    test holds on them -- the replayed cases' and the formulas' from other sizes of the stored ones."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import against_stored
+
+    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+
+    cases = mesh_cases()
+    everything = fsdp_pipeline_runs(2, 2, cases, start_method="forkserver")
+    assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
+    against_stored(cases, everything)
+    _check(everything, set(range(len(cases))))
+
+
+def _check(everything, checked) -> None:
+    """The checks of every case of :func:`mesh_cases` in ``checked`` (indices) against ``everything`` (per rank,
+    per case: live or stored runs)."""
     at = len(CASES) + len(TRACED)
-    # every collective of a p x N and p x t mesh released on the recording thread (DTensor's through FuncolRelease):
-    # no free ran elsewhere, and one first and one steady step were recorded (measured: the same bytes as the fewest
-    # over 3 + 3)
-    for rank in everything:
-        for k, r in enumerate(rank):
-            assert r.repeats == (1, 1), (k, r)
-            assert r.late == 0, (k, r)
-    tensor.RUNS["tensor"] = [rank[at:at + len(tensor.CASES)] for rank in everything]
-    _check_traced([rank[len(CASES):len(CASES) + len(TRACED)] for rank in everything])
+    if set(range(len(CASES), at)) <= checked:  # its ranks' formulas from other sizes (two more traces) when deep
+        _check_traced([rank[len(CASES):at] for rank in everything],
+                      formulas=checked == set(range(len(everything[0]))))
     if HAS_HF:
-        at = len(CASES) + len(TRACED) + len(tensor.CASES)
-        _check_hf([rank[at] for rank in everything])
+        if at in checked:
+            _check_hf([rank[at] for rank in everything])
         for k, case in enumerate(MORE_HF):
-            _check_more_hf([rank[at + 1 + k] for rank in everything], *case)
-    import test_pipeline_formula_mesh as formula  # FSDP x pipeline's formulas from other sizes vs these ranks
+            if at + 1 + k in checked:
+                _check_more_hf([rank[at + 1 + k] for rank in everything], *case)
+    # FSDP x pipeline's formulas from other sizes (N = 3 and 4 among them: ten derivations) against these ranks,
+    # under ``-m deep`` (the formulas against the engine's replay at other sizes: test_pipeline_formula_mesh.py;
+    # the replay against these ranks: below)
+    if checked == set(range(len(everything[0]))):
+        import test_pipeline_formula_mesh as formula
+        import test_rank_formulas as ranks  # each stage's last data-parallel rank's formula from N = 3 and 4
 
-    formula.fsdp_against_the_engines(everything, CASES)
-    import test_rank_formulas as ranks  # each stage's last data-parallel rank's formula from N = 3 and 4
-
-    ranks.last_ranks_against_the_engines(everything, CASES)
+        formula.fsdp_against_the_engines(everything, CASES)
+        ranks.last_ranks_against_the_engines(everything, CASES)
+    derived = {}
     for k, case in enumerate(CASES):
+        if k not in checked:
+            continue
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-        d = _derive(*case)
+        d = derived[k] = _derive(*case)
         named = {s.name: int(v) for s, v in d.numbers.items()}
         sides = d.to_dict()["values"]["parameter_side_per_rank"]
         replays = {dp: (d.step if dp == 0 else d.step.at_rank(dp))._replays(named) for dp in (0, 1)}
@@ -142,10 +186,10 @@ def test_every_rank_of_a_2x2_mesh_against_the_engine():
         else:
             assert real[0].steady_peak == real[1].steady_peak
         assert out["values"]["peak_per_stage"] == [real[0].steady_peak, real[2].steady_peak], k
-    # where GPT-2's largest rank peaks: the first backward's all-gather of the embedding (prefetched by layer 1)
-    assert _derive(*CASES[0]).peak_at().where(step=False) == (
-        "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before h.add2's backward (layer 1), "
-        "micro-batch 0")
+    if 0 in checked:  # where GPT-2's largest rank peaks: the first backward's all-gather of the embedding
+        assert derived[0].peak_at().where(step=False) == (
+            "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2): pipeline all-gather before h.add2's backward "
+            "(layer 1), micro-batch 0")
 
 
 @functools.cache
@@ -173,7 +217,7 @@ def test_a_traced_module_under_gpipe_without_resharding():
     _check_traced(fsdp_pipeline_runs(2, 2, traced, start_method="forkserver"), DEEP_TRACED)
 
 
-def _check_traced(everything, cases=TRACED):
+def _check_traced(everything, cases=TRACED, formulas=True):
     """A traced module's stages under FSDP2 (symmem.importer.traced_fsdp_pipeline) against the real engine on the
     module's manual split: every rank's shards, AdamW state of the held rows, first and steady peak, and the largest
     moment of its schedule and of its optimizer step, to the byte; the views' largest rank and every rank's."""
@@ -193,7 +237,10 @@ def _check_traced(everything, cases=TRACED):
         # of 24 floats (and a bias element) fewer
         assert real[2].optimizer_state - real[3].optimizer_state == 2 * 4 * (24 + 1), k
         # every rank's formula in B and N (importer/traced_fsdp_pipeline.TracedFsdpFormulas), derived at N = 3 and
-        # N = 4, at this mesh's sizes gives this rank's measured peak where the same moment peaks there
+        # N = 4, at this mesh's sizes gives this rank's measured peak where the same moment peaks there (-m deep:
+        # two traces more, ~3 CPU-s; the same formulas against the stored ranks: test_rank_formulas.TRACED)
+        if not formulas:
+            continue
         import test_rank_formulas as ranks
 
         others = [{"N": 3}, {"N": 4, "B": 3}]
@@ -254,9 +301,11 @@ def _check_more_hf(real, spec, config, split, schedule, m, loss, reshard, bounda
 
 
 @pytest.mark.parametrize("spec, line", [
-    # the peaks TRACED[0] checks against the engine, rank by rank
-    (BLOCK, "peak per rank (first step / steady): ranks 0-1: 88,720 / 118,824 B; rank 2: 91,140 / 120,596 B; "
-            "rank 3: 91,140 / 120,396 B (the peak above is rank 2's, the largest)"),
+    # the peaks TRACED[0] checks against the engine, rank by rank (``-m deep``: the CLI's same path is [tied]'s, the
+    # same derivation the 2 x 2 test's, live)
+    pytest.param(BLOCK, "peak per rank (first step / steady): ranks 0-1: 88,720 / 118,824 B; rank 2: 91,140 / "
+                 "120,596 B; rank 3: 91,140 / 120,396 B (the peak above is rank 2's, the largest)",
+                 marks=pytest.mark.deep),
     # one weight shared by two modules of stage 0 (one copy there) and the head (the last stage's copy): measured on
     # the 2 x 2 gloo mesh (SequentialSplit(("inp", "mix", "mix2"), "blocks", ("head",)), 1F1B, M = 2, fsdp), every
     # rank's shards, state and peaks equal

@@ -5,9 +5,11 @@ mesh_dim_names=("pp", "tp"))``, torchtitan's 2-D recipe: each rank's stage of th
 the first, the final norm and the head on the last) ``parallelize_module``'d over ``mesh["tp"]`` with the standard
 plan, ``PipelineStage`` and ``ScheduleGPipe`` / ``Schedule1F1B``, FP32 for-loop AdamW, each rank under the
 DTensor-aware recorder (``symmem.record.tensor_pipeline_runs``: each moment's fewest bytes over repeated steps).
-The cases run inside the FSDP x pipeline test's 4-rank spawn (tests/test_fsdp_pipeline.py keeps their results in
-:data:`RUNS`); run alone, this test spawns its own.  symmem's side is ``symmem.passes.tensor_pipeline``; with
-sequence parallelism (torchtitan's plan on each stage) ``symmem.passes.sequence_pipeline``.
+The :data:`LIVE` cases run in the pipeline meshes' one 4-rank spawn (tests/stage_ranks.py, with
+tests/test_fsdp_pipeline.py's and tests/test_ddp_pipeline.py's); the other one is replayed from its stored real run
+(tests/data/pipeline_meshes_gloo.json), which ``-m deep`` reruns.  symmem's side is
+``symmem.passes.tensor_pipeline``; with sequence parallelism (torchtitan's plan on each stage)
+``symmem.passes.sequence_pipeline``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,14 @@ CASES = [("llama", {**LLAMA, "B": 1, "V": 512}, "1f1b", 2, "cross-entropy", {"at
          # backward with the other micro-batch's shifted labels (whole) held
          ("llama", {**LLAMA, "B": 1}, "gpipe", 2, "cross-entropy", {"attention": "sdpa", **T,
                                                                      "sequence_parallel": True}, True)]
-#: filled by tests/test_fsdp_pipeline.py's spawn: {"tensor": per rank, one StageMeshRun per case}
-RUNS: dict[str, list[list[object]]] = {}
+#: run live in every suite run: TP 1F1B (cross-entropy) and SP GPipe; TP GPipe with the loss sum replayed from its
+#: stored run (its formulas from other sizes: test_pipeline_formula_mesh.TENSOR_OTHER[1])
+LIVE = (0, 2)
+
+
+def mesh_cases() -> list:
+    """The cases of the meshes' spawn from this file: :data:`CASES`."""
+    return list(CASES)
 
 
 def derived(model, values, schedule, m, loss, options, _=True, **more):
@@ -46,8 +54,8 @@ def derived(model, values, schedule, m, loss, options, _=True, **more):
 
 def check(everything) -> None:
     """Every rank's parameters (local shards), AdamW state, first and steady peak, and the largest moment of its
-    schedule and of its optimizer step equal the real run's; the views give the largest rank's peak, its rank and
-    stage, and every rank's (rank s*t + r)."""
+    schedule and of its optimizer step equal the real run's (live or stored); the views give the largest rank's
+    peak, its rank and stage, and every rank's (rank s*t + r)."""
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         assert [(r.pp, r.dp) for r in real] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # dp: the tensor-parallel rank
@@ -85,18 +93,34 @@ def _stage_buffers(case, stage: int) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn (after the FSDP x pipeline one)
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
 def test_every_rank_of_a_2x2_mesh_against_the_engine():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
-    if "tensor" not in RUNS:  # run alone: the cases' own spawn
-        from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+    from stage_ranks import mesh_ranks
 
-        RUNS["tensor"] = fsdp_pipeline_runs(2, 2, CASES, start_method="forkserver")
-    check(RUNS["tensor"])
+    everything = mesh_ranks(CASES, LIVE)
+    check(everything)
     import test_pipeline_formula_mesh as formula  # TP x pipeline's formulas from other sizes vs these ranks
 
-    formula.tensor_against_the_engines(RUNS["tensor"], CASES)
+    formula.tensor_against_the_engines(everything, CASES)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_case_against_fresh_gloo_runs():
+    """Every case in a fresh spawn of its own: every rank's fields equal the stored ones
+    (tests/data/pipeline_meshes_gloo.json; ``SYMMEM_STORE_MESHES=1`` writes them)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import against_stored
+
+    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+
+    everything = fsdp_pipeline_runs(2, 2, CASES, start_method="forkserver")
+    assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
+    against_stored(CASES, everything)
+    check(everything)
 
 
 def test_the_cli_and_fit(capsys):

@@ -27,7 +27,6 @@ from typing import Any
 
 from ..errors import SymmemError
 from .fsdp_pipeline_runs import StageMeshRun, mesh_of, mesh_repeats
-from .model_parallel_runs import SETTLE_S
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, engine: ``ddp``, ``ddp-bucket-view`` or
 #: ``zero-redundancy``), or a traced module's (:class:`~symmem.record.traced_pipeline_runs.TracedCase`, engine): its
@@ -95,7 +94,8 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
     def nbytes(ts: Any) -> int:  # each storage once
         return sum({id(x): x.nbytes() for x in (t.untyped_storage() for t in ts)}.values())
 
-    tracker = ShardTracker(settle=SETTLE_S)  # gloo's worker thread lets go of a collective's tensors at once
+    # no settle: the collectives run under released() (symmem.record.collectives), their frees on this thread
+    tracker = ShardTracker()
     tracker.register(params, "parameter")
     tracker.register(list(module.buffers()), "buffer")
     tracker.register(_buffers(stage), "buffer")

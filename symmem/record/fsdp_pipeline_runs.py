@@ -29,10 +29,11 @@ from typing import Any
 
 from ..errors import SymmemError
 from . import model_parallel_runs as _runs
-from .model_parallel_runs import SETTLE_S, _fewest_at
+from .model_parallel_runs import _fewest_at
 
 #: (model, sizes, schedule, micro-batches M, loss, reference options, reshard_after_forward), or a traced module's
-#: (:class:`~symmem.record.traced_pipeline_runs.TracedCase`, reshard_after_forward): its manual split's stages
+#: (:class:`~symmem.record.traced_pipeline_runs.TracedCase`, reshard_after_forward): its manual split's stages; a
+#: case of :mod:`.ddp_pipeline_runs` (its engine's name last) runs in the same spawn as that module runs it
 Case = tuple[str, Mapping[str, int], str, int, str, Mapping[str, Any], bool] | tuple[Any, bool]
 
 
@@ -74,6 +75,10 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
 
     if is_tensor_case(case):  # tensor parallel x pipeline on a p x t mesh, in the same spawn
         return _record(*tensor_pipeline_stage(case, rank, world, stages), repeats=mesh_repeats(True))
+    if isinstance(case[-1], str):  # DDP, its bucket view or ZeRO-1 on the stages (ddp_pipeline_runs' case)
+        from .ddp_pipeline_runs import ddp_pipeline_step
+
+        return ddp_pipeline_step(case, rank, world, stages)
 
     on = mesh_stage(case, world, stages)
     blocks = on.blocks if on.blocks is not None else units(on.module)
@@ -221,8 +226,9 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
         return sum({id(x): x.nbytes() for x in (local(t).untyped_storage() for t in ts)}.values())
 
     # funcol's collectives (a tensor-parallel stage's DTensors) released on this thread, inside each op
-    # (collectives.FuncolRelease), as the tensor-parallel runs' steps are: their frees land at a fixed op
-    tracker = ShardTracker(settle=SETTLE_S, release=True)
+    # (collectives.FuncolRelease), as the tensor-parallel runs' steps are: their frees land at a fixed op; no
+    # settle (it acts only at funcol's wait_tensor, which FuncolRelease and released() leave nothing to wait for)
+    tracker = ShardTracker(release=True)
     tracker.register([local(p) for p in params], "parameter")
     tracker.register([local(x) for x in module.buffers()], "buffer")
     tracker.register(_buffers(stage), "buffer")
@@ -296,7 +302,7 @@ def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method
     from .model_parallel_runs import forked_ranks
 
     mesh_of(stages, dp, start_method, __name__)
-    listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]), bool(case[6]))
-              for case in cases]
+    listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]),
+                                           case[6] if isinstance(case[6], str) else bool(case[6])) for case in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the FSDP x pipeline run",
                         start_method)
