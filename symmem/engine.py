@@ -540,7 +540,8 @@ def _check_assumptions(sizes: Sizes, numbers: Mapping[sympy.Symbol, int],
             # exactly, without sympy where every symbol has a number (a sweep checks 200 sizes: most of a batch
             # plot's time otherwise); sympify: a bare symbol replaced by a Python int is an int, not a sympy number
             fast = _truth(lhs, numbers)
-            verdict = sympy.sympify(lhs.xreplace(subs), strict=True) if fast is None else sympy.sympify(fast)
+            verdict = sympy.sympify(lhs.xreplace(subs), strict=True) if fast is None \
+                else (sympy.true if fast else sympy.false)
             if verdict is sympy.false:
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(lhs)}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
@@ -548,7 +549,7 @@ def _check_assumptions(sizes: Sizes, numbers: Mapping[sympy.Symbol, int],
         if isinstance(lhs, sympy.Mod) and rhs == 0:
             fast = _truth(sympy.Eq(lhs, 0, evaluate=False), numbers)
             verdict = sympy.sympify(sympy.Eq(lhs, 0).xreplace(subs), strict=True) if fast is None \
-                else sympy.sympify(fast)
+                else (sympy.true if fast else sympy.false)
             if verdict is sympy.false:
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(sympy.Eq(lhs, 0))}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
