@@ -29,7 +29,7 @@ import sympy
 from .conventions import Convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import NothingCounted, SymmemError
-from .evaluator import NotCompilable, interpret
+from .evaluator import NoBranch, NotCompilable, interpret
 from .graph import Model, parameter_shapes, paused_gc
 from .ledger import Ledger, Parameter
 from .passes import branches, regimes, saved
@@ -537,14 +537,19 @@ def _check_assumptions(sizes: Sizes, numbers: Mapping[sympy.Symbol, int],
     for node, lhs, rhs in [*sizes.assumptions(), *requirements]:
         kind = sizes.kind(node)
         if rhs is None:
-            # sympify: a bare symbol replaced by a Python int is an int, not a sympy number
-            verdict = sympy.sympify(lhs.xreplace(subs), strict=True)
+            # exactly, without sympy where every symbol has a number (a sweep checks 200 sizes: most of a batch
+            # plot's time otherwise); sympify: a bare symbol replaced by a Python int is an int, not a sympy number
+            fast = _truth(lhs, numbers)
+            verdict = sympy.sympify(lhs.xreplace(subs), strict=True) if fast is None \
+                else (sympy.true if fast else sympy.false)
             if verdict is sympy.false:
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(lhs)}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
             continue
         if isinstance(lhs, sympy.Mod) and rhs == 0:
-            verdict = sympy.sympify(sympy.Eq(lhs, 0).xreplace(subs), strict=True)
+            fast = _truth(sympy.Eq(lhs, 0, evaluate=False), numbers)
+            verdict = sympy.sympify(sympy.Eq(lhs, 0).xreplace(subs), strict=True) if fast is None \
+                else (sympy.true if fast else sympy.false)
             if verdict is sympy.false:
                 raise SymmemError(f"node {node!r} ({kind}): needs {_describe(sympy.Eq(lhs, 0))}, which fails at "
                                   f"{_given((lhs,), numbers)}; set the symbols consistently")
@@ -609,6 +614,16 @@ def _check_sizes(sizes: Sizes, numbers: Mapping[sympy.Symbol, int]) -> None:
             raise SymmemError(f"node {name!r} ({kind}): its block is repeated {count} = "
                               f"{bad(count)} times at {_given((count,), numbers)}, not a positive number "
                               "of times")
+
+
+def _truth(cond: sympy.Basic, numbers: Mapping[sympy.Symbol, int]) -> bool | None:
+    """A condition at ``numbers`` (True or False), exactly, without building sympy objects; None when a symbol has
+    no number or the interpreter does not know a part of it (then sympy decides)."""
+    try:  # a symbol without a number: a KeyError (no free_symbols walk first: it costs as much as the walk)
+        found = interpret(cond, numbers)
+    except (KeyError, NotCompilable, NoBranch, ZeroDivisionError, TypeError):
+        return None
+    return found if isinstance(found, bool) else None
 
 
 def _number(e: sympy.Expr, numbers: Mapping[sympy.Symbol, int]) -> Any:

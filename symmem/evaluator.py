@@ -62,6 +62,9 @@ class _NoBranch(Exception):
     """At run time: no condition of a ``Piecewise`` holds."""
 
 
+NoBranch = _NoBranch  # what interpret() raises there, for callers that fall back to sympy
+
+
 # A compiled value: ("int", code), ("frac", numerator code, denominator) or ("bool", code).  A denominator is
 # (positive int, tuple of variable names), the product of the int and the variables; every variable in a
 # denominator holds a positive value (symbols are positive; computed ones are checked where they are made).

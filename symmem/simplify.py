@@ -14,6 +14,7 @@ B*S*(9*H + S*h)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import sympy
@@ -64,6 +65,9 @@ def _quotient(x: sympy.Expr) -> tuple[sympy.Expr, int] | None:
     return num, int(den)
 
 
+# memoized: a view rounds the same floors again and again (every row of a table, every width and view of the same
+# derivation: ResNet's image sizes), and sympy's together() is most of a table's time otherwise
+@functools.lru_cache(maxsize=4096)
 def _rounding(kind: type, arg: sympy.Expr) -> sympy.Expr:
     """``kind(arg)`` (``floor`` or ``ceiling``) with nested roundings merged and the shift made canonical."""
     for _ in range(64):

@@ -3,6 +3,7 @@ derivation's expression, and no line is wider than the table's width."""
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -32,6 +33,7 @@ def formula(text: str) -> sympy.Expr:
                       transformations=standard_transformations)
 
 
+@functools.lru_cache(maxsize=1024)  # the three widths print the same cells: each pair is simplified once
 def same(a: sympy.Expr, b: sympy.Expr) -> bool:
     return a == b or sympy.simplify(a - b) == 0
 
