@@ -5,9 +5,12 @@
 
 The target (issue 19, item 5): the peak per device under any engine costs no more than one device's peak does.
 Each case is a first call, as on the command line: its own fresh process (imports done before the clock
-starts), CPU time of that process (``time.process_time``: other people's load on the machine slows the wall clock,
-less the CPU time).  Each round times every case once, one device first, and the ratio is taken within the round
-(paired), then the median over rounds.  ``--warm``: every case in this process after a warm-up round (sympy's
+starts; the modules a case imports lazily read their compiled bytecode, as an installed symmem does: the checkouts
+are compiled once, before any round, into a cache of the benchmark's own, so ``PYTHONDONTWRITEBYTECODE`` in the
+environment does not charge each case the compiling of the modules it imports), CPU time of that process
+(``time.process_time``: other people's load on the machine slows the wall clock, less the CPU time).
+Each round times every case once, one device first, and the ratio is taken within the round (paired), then the
+median over rounds.  ``--warm``: every case in this process after a warm-up round (sympy's
 and the builders' caches filled), a repeated call.  Side by side with another commit, on the same machine and
 load: ``PYTHONPATH=<that commit's checkout> python benchmarks/bench_regimes.py`` (each case's process imports
 ``symmem`` from ``PYTHONPATH``).
@@ -21,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -82,13 +86,34 @@ def timed(model: str, keywords: dict) -> float:
     return time.process_time() - t
 
 
+#: where the checkouts' modules are compiled (``PYTHONPYCACHEPREFIX``), not in the checkouts themselves
+PYCACHE = os.path.join(tempfile.gettempdir(), "symmem-bench-pycache")
+
+
+def _environment(tree: str | None) -> dict[str, str]:
+    """The case's environment: ``tree``'s ``symmem`` first on the path (None: the environment's), bytecode read
+    from and written to :data:`PYCACHE`."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = PYCACHE
+    if tree is not None:
+        env["PYTHONPATH"] = tree
+    return env
+
+
+def compiled(tree: str | None) -> None:
+    """``tree``'s ``symmem`` (None: the environment's) compiled into :data:`PYCACHE` before the clock runs, as a
+    package's install compiles it (a first call then reads bytecode, not source, for what it imports lazily)."""
+    where = os.path.join(tree, "symmem") if tree else os.path.dirname(sys.modules["symmem"].__file__ or ".")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", where], capture_output=True, check=False,
+                   env=_environment(tree))
+
+
 def fresh(model: str, keywords: dict, tree: str | None = None) -> float:
     """:func:`timed` in a new process: a first call.  The script itself is run (not ``python -c`` in the current
     directory, which would put the working directory's ``symmem`` before ``PYTHONPATH``'s); ``tree``: the checkout
     whose ``symmem`` it imports (``PYTHONPATH``; None: the environment's)."""
-    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run([sys.executable, __file__, "--case", model, json.dumps(keywords)], capture_output=True,
-                         text=True, check=True, env=env)
+                         text=True, check=True, env=_environment(tree))
     return float(out.stdout.split()[-1])
 
 
@@ -98,6 +123,8 @@ def paired(model: str, rounds: int, trees: Sequence[str], only: Sequence[str] = 
     checkout of ``trees`` back to back in each round (one device first), so that the trees are compared on the
     same load; ``only``: the regimes whose label holds one of them (one device always; none: every regime)."""
     cases = [c for c in MODELS[model] if c[0] == "one device" or any(x in c[0] for x in only or [""])]
+    for tree in trees:
+        compiled(tree)
     times = {label: [[] for _ in trees] for label, _ in cases}
     ratios = {label: [[] for _ in trees] for label, _ in cases}
     for _ in range(rounds):
@@ -116,6 +143,8 @@ def paired(model: str, rounds: int, trees: Sequence[str], only: Sequence[str] = 
 def run(model: str, rounds: int, warm: bool = False) -> list[tuple[str, float, float]]:
     """(label, median seconds, median ratio to one device in the same round) per regime."""
     cases = MODELS[model]
+    if not warm:
+        compiled(None)
     if warm:
         for _, kw in cases:  # warm-up: imports, builders, caches
             timed(model, kw)

@@ -836,7 +836,6 @@ class _Cut:
 
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                  numbers: Mapping[str, int], memo: dict[Any, Any] | None = None) -> None:
-        from . import branches as size_branches
         from .stretch import TEMPLATE
 
         self.p, self.layers = int(numbers["p"]), int(numbers["L"])
@@ -850,9 +849,10 @@ class _Cut:
         memo[("layers", layers)] = True
         # the layers are alike: the sizes' branches and the stages' nodes are read from the graph at 5 layers where
         # the step is written from it (passes/stretch.py), the graph at all L layers (``g``) made only if asked for
-        self.small = _unrolled(graph, TEMPLATE if layers > TEMPLATE + 1 else layers, memo)
+        small = TEMPLATE if layers > TEMPLATE + 1 else layers
+        self.small = _unrolled(graph, small, memo)
         # the branch the numbers select where a copy depends on the sizes (at B = 1 a view instead of a copy)
-        open_, decided = size_branches.conditions(self.small, self.small.program_order(), self.subs)
+        open_, decided = _conditions(self.small, small, self.subs, memo)
         branch = {**decided, **{c: bool(c.xreplace(self.subs)) for c in open_}}
         self.branch = branch
         key = ("step", layers, frozenset(branch.items()))
@@ -919,6 +919,37 @@ class _PackedCut(_Cut):
         if found is None:
             found = self.cache[id(e)] = _pack([c.size(sid) for c in self.cuts])
         return found
+
+
+def _conditions(small: Graph, layers: int, subs: Mapping[sympy.Symbol, sympy.Expr], memo: dict[Any, Any]
+                ) -> tuple[list[Any], dict[Any, bool]]:
+    """:func:`~symmem.passes.branches.conditions` of every node of ``small`` (the graph unrolled to ``layers``) at
+    ``subs``: the conditions found once a ``memo`` (the three batches' cuts walked the graph's attributes three
+    times for the same conditions), each then decided or left open at ``subs`` as ``conditions`` does."""
+    from sympy.logic.boolalg import BooleanAtom
+
+    key = ("conditions", layers)
+    if key not in memo:
+        from ..conditions import canonical
+        from .branches import _walk
+
+        found: dict[Any, None] = {}  # each condition's canonical form, in the order conditions() meets them
+        for n in small.program_order():
+            node = small.node(n)
+            for value in (*node.attrs.values(), *node.facts.values()):
+                for cond in _walk(value):
+                    found.setdefault(canonical(cond)[0])
+        memo[key] = list(found)
+    open_: list[Any] = []
+    decided: dict[Any, bool] = {}
+    at = dict(subs)
+    for base in memo[key]:
+        now = base.xreplace(at)
+        if isinstance(now, BooleanAtom):
+            decided[base] = bool(now)
+        else:
+            open_.append(base)
+    return open_, decided
 
 
 def _unrolled(graph: Graph, layers: int, memo: dict[Any, Any]) -> Graph:
@@ -1130,10 +1161,12 @@ class _Replay:
             mark = self._hook_mark()
             ends = walk(kind, mb)
             made = self.moments[start:]
-            top = max(range(len(made)), key=lambda k: (made[k][0], -k), default=None)
+            values = [v for v, _, _ in made]
+            # the first of the largest (max and index run in C over the segment's hundreds of moments)
+            top = values.index(max(values)) if values else None
             highest = None if top is None else (made[top][0] - live0, made[top][1])
             if self.lined is not None:  # the moments that can bound a line, wherever the record is moved to
-                bound = bounding([v - live0 for v, _, _ in made], *self.lined)
+                bound = bounding([v - live0 for v in values], *self.lined)
                 if bound is not None:
                     made = self.moments[start:] = [made[k] for k in bound]
             final = [(sid, alive[(mb, sid)]) for sid in touched if (mb, sid) in alive]
@@ -1160,12 +1193,18 @@ class _Replay:
         return [(mb, sid) for sid in ends_]
 
     def _touched(self, pass_: int, kind: str) -> frozenset[int]:
-        """The storages the plan of ``pass_`` and ``kind`` makes or frees."""
-        key = ("touched", pass_, kind)
-        if key not in self._records:
-            self._records[key] = frozenset(
-                sid for _, born, freed in self._plan(pass_, kind) for sid in (*(x[0] for x in born), *freed))
-        return self._records[key]
+        """The storages the plan of ``pass_`` and ``kind`` makes or frees (:meth:`_plan` notes them as it makes the
+        plan; a plan given to the replay, :mod:`.pipeline_formula`'s, is read here)."""
+        key = (pass_, kind)
+        touches = self.__dict__.setdefault("_touches", {})
+        found = touches.get(key)
+        if found is None:
+            plan = self._plan(pass_, kind)
+            found = touches.get(key)
+            if found is None:
+                found = touches[key] = frozenset(
+                    sid for _, born, freed in plan for sid in (*(x[0] for x in born), *freed))
+        return found
 
     def _walked(self, kind: str, mb: int) -> list[tuple[int, int]]:
         """:meth:`_alone` op by op."""
@@ -1217,6 +1256,8 @@ class _Replay:
         outside = ("parameter", "optimizer_state", "input")
         forward, later = kind == "F", pass_ > 0
         plan = []
+        touched: set[int] = set()  # what the plan makes or frees (_touched), noted as it is made
+        note, notes = touched.add, touched.update
         for k, e in mine:
             born = []
             for sid in e.born:
@@ -1246,9 +1287,12 @@ class _Replay:
                 else:
                     fate = _HELD  # freed by an op of this pass
                 born.append((sid, size(sid), fate))
+                note(sid)
             dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
+            notes(dying)
             plan.append((e.node, born, dying))
         self._events[key] = plan
+        self.__dict__.setdefault("_touches", {})[key] = frozenset(touched)  # (not in _records: no segment's)
         return plan
 
     # what a data-parallel engine wrapped around the stage does around its ops (none here: the stage alone;
