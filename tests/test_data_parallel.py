@@ -17,6 +17,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import gloo_store  # noqa: E402  (stored real runs, replayed)
 import test_fsdp_mixed as policy  # noqa: E402  (FSDP2's MixedPrecisionPolicy rides in this spawn)
 import test_fsdp_mixed_checkpoint as policy_checkpointed  # noqa: E402  (and with checkpointing)
 
@@ -24,7 +25,7 @@ from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
-from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_jobs, measure_ranks  # noqa: E402
+from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_ranks  # noqa: E402
 
 TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
 GPT = {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}
@@ -63,8 +64,27 @@ CHECKPOINTED = [("llama", "fsdp", "full", {"L": 2}, 2), ("gpt2", "fsdp", "every-
                 ("gpt2", "fsdp1", "every-2", {"L": 2}, 1)]
 
 
+#: The jobs run live in every suite run (indices in the spawn's order: the six FSDP2 and FSDP1 cases, the padded MLP,
+#: the three policies, the five checkpointed ones, the six DDP ones): one per engine and variant -- FSDP2 (the padded
+#: MLP, its ranks apart), FSDP2 without resharding (Llama), FSDP1 (Llama), FSDP2 with the bf16 policy, full
+#: checkpointing and 2 micro-batches (Llama), FSDP1 with every-2 (GPT-2), DDP (Llama), the bucket view (GPT-2).  The
+#: rest replay their stored real runs (tests/gloo_store.py) through the same checks; the deep twin reruns them all
+LIVE = (6, 4, 5, 13, 12, 19, 18)
+
+
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_peak_equals_a_real_gloo_run():
+    _every_rank_peak(every=False)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_run_against_a_fresh_gloo_run():
+    """Every job of the test above run live, each rank compared with its stored run and checked the same way."""
+    _every_rank_peak(every=True)
+
+
+def _every_rank_peak(every):
     cases = [(name, engine, _derive(name, values, kw, engine)) for name, values, kw in MODELS for engine in ENGINES]
     kws = {name: (values, kw) for name, values, kw in MODELS}
     sharded = [(name, engine, _derive(name, {**kws[name][0], "N": 2}, kws[name][1], engine))
@@ -81,8 +101,8 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
     mixed = [*policy.mixed_jobs(), policy.bf16_reduce_job()]
     more = [job_of(d) for _, d in checkpointed] + policy_checkpointed.jobs()
-    runs = measure_jobs([*jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
-                        start_method="forkserver")
+    runs = gloo_store.runs([*jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], 2, LIVE, timeout=150,
+                           every=every)
     # FSDP's; DDP's reducer runs its all-reduces from C++, which no wrapper reaches (a late free seen once there)
     fsdp_runs = runs[:len(jobs) + len(mixed) + len(more)]
     assert not [(i, r.rank, r.late) for i, ranks in enumerate(fsdp_runs) for r in ranks if r.late], "gloo's frees"

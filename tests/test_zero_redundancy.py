@@ -23,6 +23,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import gloo_store  # noqa: E402  (stored real runs, replayed)
 import test_fsdp1_accumulation as accumulation  # noqa: E402  (FSDP1's gradient accumulation rides here)
 import test_selective_engines as selective  # noqa: E402  (selective recomputation under the engines rides here)
 
@@ -56,7 +57,15 @@ def _derive(name, values, kw, world, **more):
                   data_parallel="zero-redundancy", **kw, **more)
 
 
-def _measured():
+#: The jobs run live in every suite run (indices in the spawn's order: the four N = 4 cases, the five N = 2 ones, the
+#: selective cases, FSDP1's accumulation): ZeRO-1 on the world (GPT-2), on the group {0, 1} (rank 1 the largest),
+#: under selective (Llama at N = 2), FSDP2 under selective (N = 4, padded), FSDP1's accumulation under SHARD_GRAD_OP
+#: (the MLP, M = 3) and FULL_SHARD with selective (GPT-2, M = 2).  The rest replay their stored real runs
+#: (tests/gloo_store.py) through the same checks; the deep twin reruns them all
+LIVE = (1, 8, 9, 10, 12, 13)
+
+
+def _measured(every=False):
     """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 once on the group {0, 1} (and,
     checked here, tests/test_selective_engines.py's and tests/test_fsdp1_accumulation.py's live cases: selective
     recomputation under the engines, FSDP1's gradient accumulation)."""
@@ -68,8 +77,8 @@ def _measured():
     twos = [_derive(*case, 2) for case in [*MODELS, FIVE_LAYERS, RANK_1_LARGEST]]
     jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2, once=True) for d in twos]
     live, acc = selective.cases(selective.LIVE), accumulation.cases(accumulation.LIVE)
-    runs = measure_jobs([*jobs, *selective.jobs(live), *accumulation.jobs(acc)], world=4, timeout=240,
-                        start_method="forkserver")
+    runs = gloo_store.runs([*jobs, *selective.jobs(live), *accumulation.jobs(acc)], 4, LIVE, timeout=240,
+                           every=every)
     at = len(jobs) + len(live)
     wrong = selective.check(live, runs[len(jobs):at]) + accumulation.check(acc, runs[at:])
     assert not wrong, "\n".join(wrong)
@@ -80,7 +89,18 @@ def _measured():
 def test_every_rank_equals_a_real_gloo_run():
     """One test (pytest-xdist never splits it into two spawns): every rank's peaks, the optimizer state each rank
     keeps, and the largest rank (not always rank 0), each derived and measured."""
-    measured = _measured()
+    _every_rank(every=False)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_run_against_a_fresh_gloo_run():
+    """Every job of the test above run live, each rank compared with its stored run and checked the same way."""
+    _every_rank(every=True)
+
+
+def _every_rank(every):
+    measured = _measured(every)
     _check_peaks(measured)
     _check_state(measured)
     _check_largest_rank(measured[-1])
