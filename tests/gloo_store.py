@@ -9,7 +9,8 @@ frees.  ``SYMMEM_GLOO_STORE=write`` with ``-m deep`` writes the fresh runs into 
 after a change that moves the real bytes: torch's version, a reference model).
 
 A stored rank keeps the first step's peak and the lowest steady step's (the checks' own ``min(per_step[1:])``) as
-``per_step``.
+``per_step``: the store was first made with three recorded steps and every FSDP job's one steady step
+(:func:`symmem.record.distributed.steps_of`) then equalled it to the byte.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from symmem.record.distributed import Job, RankPeak, measure_jobs
+from symmem.record.distributed import FSDP1, SHARDED, Job, RankPeak, measure_jobs
 
 STORE = Path(__file__).parent / "data" / "gloo_runs.json"
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,19 @@ def row(r: RankPeak) -> dict[str, Any]:
             "kept": r.kept, "held": r.held, "late": r.late}
 
 
+def compared(stored: list[dict[str, Any]] | None, engine: str) -> list[dict[str, Any]] | None:
+    """What a fresh run must repeat of a stored one: all of it but what gloo's timing moves and no check reads --
+    under DDP's reducer (DDP, ZeroRedundancyOptimizer) the count of late frees (C++ all-reduces no wrapper reaches:
+    one late free on 3 of 40 job-ranks, none at a peak), under FSDP gloo's own copies (``external``) still alive when
+    backward ends (outside tensor accounting; one of 62 job-ranks held one)."""
+    if stored is None:
+        return None
+    sharded = engine in SHARDED or engine in FSDP1
+    return [{**r, "late": r["late"] if sharded else None,
+             "held": {k: v for k, v in (r["held"] or {}).items() if not (sharded and k == "external")}}
+            for r in stored]
+
+
 def replay(stored: dict[str, Any]) -> RankPeak:
     return RankPeak(stored["rank"], (stored["first"], stored["steady"]), stored["start"], stored["where"],
                     stored["kept"], stored["held"], stored["late"])
@@ -74,7 +88,8 @@ def runs(jobs: Sequence[Job], world: int, live: Collection[int], *, timeout: flo
             STORE.write_text(json.dumps(dict(sorted(stored.items())), indent=0) + "\n")
         else:
             wrong = [f"{key(job, world)}: stored {stored.get(key(job, world))}, measured {[row(r) for r in fresh[i]]}"
-                     for i, job in enumerate(jobs) if stored.get(key(job, world)) != [row(r) for r in fresh[i]]]
+                     for i, job in enumerate(jobs) if compared(stored.get(key(job, world)), job.engine)
+                     != compared([row(r) for r in fresh[i]], job.engine)]
             assert not wrong, "\n".join(wrong)
         return [fresh[i] for i in range(len(jobs))]
     missing = [key(job, world) for i, job in enumerate(jobs) if i not in fresh and key(job, world) not in stored]

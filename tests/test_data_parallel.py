@@ -1,13 +1,16 @@
 """Data-parallel engines against real ``torch.distributed`` runs: each rank's peak, derived per rank, equals the
 live bytes measured inside that rank of a real gloo run on the CPU (symmem.record.distributed), to the byte.
 
-One start of two processes runs every case in turn, inside one test, so that pytest-xdist never splits it in two;
+One start of two processes runs the live cases (``LIVE``: one per engine and variant) in turn, inside one test, so
+that pytest-xdist never splits it in two, and the others replay their stored real runs (tests/gloo_store.py; the deep
+twin reruns them all);
 the processes fork from a server that imported torch once for every gloo test (``start_method="forkserver"``); the
 ranks meet through a file store in a temporary directory, so parallel test workers cannot collide on a port.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -43,6 +46,13 @@ KNOWN_GAPS: dict[tuple[str, str], int] = {}
 
 
 def _derive(name, values, kw, engine, **more):
+    return _derived(name, tuple(values.items()), tuple(kw.items()), engine, tuple(more.items()))
+
+
+@functools.cache
+def _derived(name, values, kw, engine, more):
+    """One derivation per case in the module (the gloo test's and the views' tests' alike)."""
+    values, kw, more = dict(values), dict(kw), dict(more)
     return derive(name, convention="pytorch", device="cpu", optimizer="adamw", values=values, data_parallel=engine,
                   **kw, **more)
 
@@ -126,9 +136,8 @@ def _every_rank_peak(every):
     assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
     for (name, engine, d), ranks in zip(sharded, measured[:len(sharded)], strict=True):
         # the largest rank's peak (rank 0: the padding sits on the last rank), first and steady step, to the byte.
-        # gloo's worker threads drop a finished collective's buffers when the machine's load lets them, so a step
-        # can read late frees as more memory, never less: the steady peak is the lower of the two steady steps
-        # (docs/regimes.md); GPT-2's and Llama's dims divide by 2, so both ranks hold the same and both count
+        # FSDP's collectives release on the recording thread (no late free, asserted above), so one steady step is
+        # recorded (distributed.steps_of); GPT-2's and Llama's dims divide by 2, so both ranks hold the same
         same = ranks[:1] if name == "mlp" else ranks
         want = (d.value("peak_first_step"), d.value("peak"))
         got = (min(r.first for r in same), min(x for r in same for x in r.per_step[1:]))
