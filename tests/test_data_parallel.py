@@ -1,13 +1,16 @@
 """Data-parallel engines against real ``torch.distributed`` runs: each rank's peak, derived per rank, equals the
 live bytes measured inside that rank of a real gloo run on the CPU (symmem.record.distributed), to the byte.
 
-One start of two processes runs every case in turn, inside one test, so that pytest-xdist never splits it in two;
+One start of two processes runs the live cases (``LIVE``: one per engine and variant) in turn, inside one test, so
+that pytest-xdist never splits it in two, and the others replay their stored real runs (tests/gloo_store.py; the deep
+twin reruns them all);
 the processes fork from a server that imported torch once for every gloo test (``start_method="forkserver"``); the
 ranks meet through a file store in a temporary directory, so parallel test workers cannot collide on a port.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -17,6 +20,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import gloo_store  # noqa: E402  (stored real runs, replayed)
 import test_fsdp_mixed as policy  # noqa: E402  (FSDP2's MixedPrecisionPolicy rides in this spawn)
 import test_fsdp_mixed_checkpoint as policy_checkpointed  # noqa: E402  (and with checkpointing)
 
@@ -24,7 +28,7 @@ from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
-from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_jobs, measure_ranks  # noqa: E402
+from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_ranks  # noqa: E402
 
 TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
 GPT = {"attention": "sdpa", "dropout": 0.0, "loss": "cross-entropy"}
@@ -42,6 +46,13 @@ KNOWN_GAPS: dict[tuple[str, str], int] = {}
 
 
 def _derive(name, values, kw, engine, **more):
+    return _derived(name, tuple(values.items()), tuple(kw.items()), engine, tuple(more.items()))
+
+
+@functools.cache
+def _derived(name, values, kw, engine, more):
+    """One derivation per case in the module (the gloo test's and the views' tests' alike)."""
+    values, kw, more = dict(values), dict(kw), dict(more)
     return derive(name, convention="pytorch", device="cpu", optimizer="adamw", values=values, data_parallel=engine,
                   **kw, **more)
 
@@ -63,8 +74,27 @@ CHECKPOINTED = [("llama", "fsdp", "full", {"L": 2}, 2), ("gpt2", "fsdp", "every-
                 ("gpt2", "fsdp1", "every-2", {"L": 2}, 1)]
 
 
+#: The jobs run live in every suite run (indices in the spawn's order: the six FSDP2 and FSDP1 cases, the padded MLP,
+#: the three policies, the five checkpointed ones, the six DDP ones): one per engine and variant -- FSDP2 (the padded
+#: MLP, its ranks apart), FSDP2 without resharding (Llama), FSDP1 (Llama), FSDP2 with the bf16 policy, full
+#: checkpointing and 2 micro-batches (Llama), FSDP1 with every-2 (GPT-2), DDP (Llama), the bucket view (GPT-2).  The
+#: rest replay their stored real runs (tests/gloo_store.py) through the same checks; the deep twin reruns them all
+LIVE = (6, 4, 5, 13, 12, 19, 18)
+
+
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_peak_equals_a_real_gloo_run():
+    _every_rank_peak(every=False)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_run_against_a_fresh_gloo_run():
+    """Every job of the test above run live, each rank compared with its stored run and checked the same way."""
+    _every_rank_peak(every=True)
+
+
+def _every_rank_peak(every):
     cases = [(name, engine, _derive(name, values, kw, engine)) for name, values, kw in MODELS for engine in ENGINES]
     kws = {name: (values, kw) for name, values, kw in MODELS}
     sharded = [(name, engine, _derive(name, {**kws[name][0], "N": 2}, kws[name][1], engine))
@@ -81,8 +111,8 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     jobs = [job_of(d) for _, _, d in sharded] + [job_of(padded)]
     mixed = [*policy.mixed_jobs(), policy.bf16_reduce_job()]
     more = [job_of(d) for _, d in checkpointed] + policy_checkpointed.jobs()
-    runs = measure_jobs([*jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], world=2, timeout=150,
-                        start_method="forkserver")
+    runs = gloo_store.runs([*jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], 2, LIVE, timeout=150,
+                           every=every)
     # FSDP's; DDP's reducer runs its all-reduces from C++, which no wrapper reaches (a late free seen once there)
     fsdp_runs = runs[:len(jobs) + len(mixed) + len(more)]
     assert not [(i, r.rank, r.late) for i, ranks in enumerate(fsdp_runs) for r in ranks if r.late], "gloo's frees"
@@ -106,9 +136,8 @@ def test_every_rank_peak_equals_a_real_gloo_run():
     assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
     for (name, engine, d), ranks in zip(sharded, measured[:len(sharded)], strict=True):
         # the largest rank's peak (rank 0: the padding sits on the last rank), first and steady step, to the byte.
-        # gloo's worker threads drop a finished collective's buffers when the machine's load lets them, so a step
-        # can read late frees as more memory, never less: the steady peak is the lower of the two steady steps
-        # (docs/regimes.md); GPT-2's and Llama's dims divide by 2, so both ranks hold the same and both count
+        # FSDP's collectives release on the recording thread (no late free, asserted above), so one steady step is
+        # recorded (distributed.steps_of); GPT-2's and Llama's dims divide by 2, so both ranks hold the same
         same = ranks[:1] if name == "mlp" else ranks
         want = (d.value("peak_first_step"), d.value("peak"))
         got = (min(r.first for r in same), min(x for r in same for x in r.per_step[1:]))

@@ -18,11 +18,13 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import gloo_store  # noqa: E402  (stored real runs, replayed)
+
 from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks, rank_ranges  # noqa: E402
-from symmem.record.distributed import compare_parameter_side, job_of, measure_jobs  # noqa: E402
+from symmem.record.distributed import compare_parameter_side, job_of  # noqa: E402
 
 #: five linear units; the head's flat parameter (10 x 128 + 10 = 1,290 elements) is padded to 1,292 at N = 4,
 #: so its reduce-scatter pads a copy of the gradient
@@ -39,6 +41,20 @@ def _derive(name, values, kw, engine):
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
+    """The three cases replay their stored real runs (tests/gloo_store.py): FSDP2 at N = 4 runs live in
+    tests/test_zero_redundancy.py's spawn (GPT-2 under selective, padded), FSDP1 and SHARD_GRAD_OP at N = 4 there too
+    (with micro-batches), FSDP1 in tests/test_data_parallel.py's; the deep twin reruns these three."""
+    _every_rank(every=False)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_run_against_a_fresh_gloo_run():
+    """The three jobs of the test above run live, each rank compared with its stored run and checked the same way."""
+    _every_rank(every=True)
+
+
+def _every_rank(every):
     deep = {"widths": ",".join(map(str, DEEP))}
     cases = [
         ("fsdp2 padded", _derive("mlp", {"B": 4}, {"widths": PADDED}, "fsdp")),
@@ -46,7 +62,7 @@ def test_every_rank_of_fsdp1_and_fsdp2_equals_a_gloo_run():
         ("fsdp1-grad-op", _derive("mlp", {"B": 4}, deep, "fsdp1-grad-op")),
     ]
     jobs = [job_of(d) for _, d in cases]
-    runs = measure_jobs(jobs, world=4, timeout=240, start_method="forkserver")
+    runs = gloo_store.runs(jobs, 4, (), timeout=240, every=every)
     assert not [(i, r.rank, r.late) for i, ranks in enumerate(runs) for r in ranks if r.late], "gloo's frees"
     measured = {name: ranks for (name, _), ranks in zip(cases, runs, strict=True)}
     derived = dict(cases)

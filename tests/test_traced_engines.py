@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,8 @@ dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("transformers")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import gloo_store  # noqa: E402  (stored real runs, replayed)
 
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
@@ -47,13 +50,30 @@ def _loaded(spec, config):
     return sources.load(spec, config=dict(config) or None)
 
 
+#: (spec, config, loss, optimizer) -> the one-device step's records and fake worlds, shared by its engines' traces
+_PLAIN: dict[tuple[Any, ...], tuple[dict[Any, Any], dict[Any, Any]]] = {}
+
+
 @functools.cache
 def _traced(spec, config, loss, engine, optimizer="adamw", world=2, **kw):
+    """The module traced under ``engine``.  Every engine rewrites the same one-device step (``step.inner``: the same
+    module, example inputs, loss and optimizer), recorded at the fold's layer counts: the engines of one module share
+    those records (each is the step recorded on fake tensors, the same whichever engine asks first) instead of
+    recording them again."""
     loaded = _loaded(spec, config)
     dims = sources.parse_dims("B,S" if spec.startswith("hf:") else "B", loaded)
     values = {"N": world} if engine or kw.get("zero") else None
-    return sources.trace(loaded, dims, optimizer=optimizer, data_parallel=engine, values=values, loss=loss, check=False,
-                         **kw)
+    d = sources.trace(loaded, dims, optimizer=optimizer, data_parallel=engine, values=values, loss=loss, check=False,
+                      **kw)
+    inner = getattr(d.step, "inner", None) or (d.step if engine is None and not kw else None)  # or the plain step
+    if inner is not None and SHARE_RECORDS:
+        inner._records, inner._shared = _PLAIN.setdefault((spec, config, loss, optimizer),
+                                                          (inner._records, inner._shared))
+    return d
+
+
+#: off: every engine records its own (how the sharing was checked byte for byte)
+SHARE_RECORDS = True
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
@@ -187,6 +207,18 @@ def test_ddp_buckets_hold_the_trainable_parameters_only():
 
 @pytest.mark.xdist_group("gloo")
 def test_every_rank_of_traced_fsdp_at_four_ranks_equals_a_real_run():
+    _four_ranks(every=False)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_the_stored_four_rank_run_against_a_fresh_gloo_run():
+    """The four-rank job of the test above run live, each rank compared with its stored run and checked the same
+    way."""
+    _four_ranks(every=True)
+
+
+def _four_ranks(every):
     """FSDP2 at N = 4: the head's 5 rows are held 2, 2, 1, 0 by the ranks, so rank 2 -- a middle rank -- has a step
     of its own (one row of AdamW's two moments, 2 x 4 x (24 + 1) bytes, fewer than rank 0; rank 3 two fewer).  Every
     rank's first and steady peak equals the live bytes of that rank in a real 4-process gloo run."""
@@ -195,7 +227,8 @@ def test_every_rank_of_traced_fsdp_at_four_ranks_equals_a_real_run():
     steady = [ranks[r][1] for r in range(4)]
     assert steady[0] == steady[1] and steady[0] - steady[2] == steady[2] - steady[3] == 2 * 4 * 25
     job = traced_job(d, SpecBuilder(BLOCK, ()))
-    (one,) = measure_jobs([job], world=4, timeout=170, start_method="forkserver")
+    # replayed from its stored real run (tests/gloo_store.py): traced FSDP2 runs live at N = 2 above
+    (one,) = gloo_store.runs([job], 4, (), timeout=170, every=every)
     assert not [r for r in one if r.late]  # no free by gloo's worker thread (symmem.record.collectives)
     got = {r.rank: (r.first, min(r.per_step[1:])) for r in one}
     assert got == ranks

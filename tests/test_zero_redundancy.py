@@ -3,8 +3,9 @@ runs: every rank's first and steady peak, derived per rank, equals the live byte
 real gloo run on the CPU (symmem.record.distributed), to the byte; each rank's optimizer state equals what the
 run's first step leaves alive; the partition is torch's own.
 
-One spawn of four processes, in one test, runs every case: the world of 4 (N = 4), then each N = 2 case once, on the
-group {0, 1} (ranks 2 and 3 skip it).  DDP's reducer, under ZeroRedundancyOptimizer, still frees late on gloo's thread
+One spawn of four processes, in one test, runs the live cases (``LIVE``): the world of 4 (N = 4), then each N = 2
+case once, on the group {0, 1} (ranks 2 and 3 skip it); the others replay their stored real runs (tests/gloo_store.py;
+the deep twin reruns them all).  DDP's reducer, under ZeroRedundancyOptimizer, still frees late on gloo's thread
 now and then, but no such free landed at a peak in any run: every run of both groups gave the same steps, each the
 derived one (docs/testing.md, "The repeats").
 """
@@ -23,6 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover - a torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import gloo_store  # noqa: E402  (stored real runs, replayed)
 import test_fsdp1_accumulation as accumulation  # noqa: E402  (FSDP1's gradient accumulation rides here)
 import test_selective_engines as selective  # noqa: E402  (selective recomputation under the engines rides here)
 
@@ -52,11 +54,27 @@ RANK_1_LARGEST = ("mlp", {"B": 4}, {"widths": "6,8,8,6", "loss": "cross-entropy"
 
 
 def _derive(name, values, kw, world, **more):
+    return _derived(name, tuple(values.items()), tuple(kw.items()), world, tuple(more.items()))
+
+
+@functools.cache
+def _derived(name, values, kw, world, more):
+    """One derivation per case in the module (the gloo test's and the table's MLP at N = 4 alike)."""
+    values, kw, more = dict(values), dict(kw), dict(more)
     return derive(name, convention="pytorch", device="cpu", optimizer="adamw", values={**values, "N": world},
                   data_parallel="zero-redundancy", **kw, **more)
 
 
-def _measured():
+#: The jobs run live in every suite run (indices in the spawn's order: the four N = 4 cases, the five N = 2 ones, the
+#: selective cases, FSDP1's accumulation): ZeRO-1 on the world (the two-parameter MLP: ranks 2 and 3 own nothing), on
+#: the group {0, 1} (rank 1 the largest),
+#: under selective (Llama at N = 2), FSDP2 under selective (N = 4, padded), FSDP1's accumulation under both
+#: strategies (the MLP, M = 3).  The rest replay their stored real runs (tests/gloo_store.py) through the same checks,
+#: FSDP1 with selective over 2 micro-batches (GPT-2) among them; the deep twin reruns them all
+LIVE = (3, 8, 9, 10, 11, 12)
+
+
+def _measured(every=False):
     """(derivation, each rank's measurement) for every case: N = 4 on the world, N = 2 once on the group {0, 1} (and,
     checked here, tests/test_selective_engines.py's and tests/test_fsdp1_accumulation.py's live cases: selective
     recomputation under the engines, FSDP1's gradient accumulation)."""
@@ -68,8 +86,8 @@ def _measured():
     twos = [_derive(*case, 2) for case in [*MODELS, FIVE_LAYERS, RANK_1_LARGEST]]
     jobs = [job_of(d) for d in fours] + [dataclasses.replace(job_of(d), group=2, once=True) for d in twos]
     live, acc = selective.cases(selective.LIVE), accumulation.cases(accumulation.LIVE)
-    runs = measure_jobs([*jobs, *selective.jobs(live), *accumulation.jobs(acc)], world=4, timeout=240,
-                        start_method="forkserver")
+    runs = gloo_store.runs([*jobs, *selective.jobs(live), *accumulation.jobs(acc)], 4, LIVE, timeout=240,
+                           every=every)
     at = len(jobs) + len(live)
     wrong = selective.check(live, runs[len(jobs):at]) + accumulation.check(acc, runs[at:])
     assert not wrong, "\n".join(wrong)
@@ -80,7 +98,18 @@ def _measured():
 def test_every_rank_equals_a_real_gloo_run():
     """One test (pytest-xdist never splits it into two spawns): every rank's peaks, the optimizer state each rank
     keeps, and the largest rank (not always rank 0), each derived and measured."""
-    measured = _measured()
+    _every_rank(every=False)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_run_against_a_fresh_gloo_run():
+    """Every job of the test above run live, each rank compared with its stored run and checked the same way."""
+    _every_rank(every=True)
+
+
+def _every_rank(every):
+    measured = _measured(every)
     _check_peaks(measured)
     _check_state(measured)
     _check_largest_rank(measured[-1])

@@ -354,12 +354,12 @@ def under_engine(step: StepPeak, regime: Regime) -> Any:
     return kind(**fields, engine=engine, inner=step, loss_inside=step.options.loss == "output")
 
 
-def traced_job(derivation: Any, builder: Any, steps: int = 3) -> Any:
+def traced_job(derivation: Any, builder: Any, steps: int | None = None) -> Any:
     """The real run of a traced ``derivation``'s engine (:class:`symmem.record.distributed.Job`): ``builder`` makes
     the module and the inputs the derivation was traced at (its numbers are the example's sizes), picklable
     (:class:`symmem.importer.spec_builder.SpecBuilder`)."""
     from ..passes.schedule import optimizer_impl
-    from ..record.distributed import ENGINES, Job
+    from ..record.distributed import ENGINES, Job, steps_of
 
     regime = derivation.regime
     step = derivation.step
@@ -370,4 +370,5 @@ def traced_job(derivation: Any, builder: Any, steps: int = 3) -> Any:
         raise SymmemError("traced_job runs the loss 'sum' or 'cross-entropy', one micro-batch")
     return Job(derivation.model, tuple(sorted((s.name, int(v)) for s, v in derivation.numbers.items())), (),
                regime.data_parallel, regime.optimizer, optimizer_impl(regime, "cpu"),
-               step.options.loss == "cross-entropy", regime.keep_logits, steps, builder=builder)
+               step.options.loss == "cross-entropy", regime.keep_logits,
+               steps_of(regime.data_parallel) if steps is None else steps, builder=builder)

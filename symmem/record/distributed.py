@@ -14,7 +14,7 @@ Each rank runs ``steps`` training steps (forward, the loss, backward, ``optimize
 peak per step.  Memory an engine allocated when the model was wrapped -- DDP's gradient buckets, made before the
 recorder starts -- is first seen by the recorder when an op writes into it (the recorder labels such a storage
 ``external``); it is counted here as live from the start, which it is.  ``first`` is step 1's peak, ``steady``
-the largest of the later steps' (DDP rebuilds its buckets in step 2).
+the largest of the later steps' (DDP rebuilds its buckets in step 2; :func:`steps_of`).
 
 What the recorder cannot see: gloo's own buffers for a collective (its worker threads allocate outside the
 dispatcher; an all-reduce of a contiguous CPU tensor runs in place; the copy of a reduce-scatter's input it
@@ -126,10 +126,19 @@ class RankPeak:
         return max(self.per_step[1:])
 
 
-def job_of(derivation: Derivation, steps: int = 3) -> Job:
+def steps_of(engine: str) -> int:
+    """The steps a job of ``engine`` records by default: FSDP2 and FSDP1 one first and one steady step (every
+    collective released on the recording thread, :func:`symmem.record.collectives.released`: no free lands late,
+    so the steady steps are equal to the byte; each rank counts late frees and the tests assert none), DDP and
+    ZeroRedundancyOptimizer one first and two steady (the reducer all-reduces from C++, which no wrapper reaches: a
+    late free there only ever adds, and the lower of two steady steps counts; its buckets are rebuilt in step 2)."""
+    return 2 if engine in SHARDED or engine in FSDP1 else 3
+
+
+def job_of(derivation: Derivation, steps: int | None = None) -> Job:
     """The measurement of ``derivation``'s regime on its model's reference (FP32, a torch optimizer; no
     checkpointing, or under FSDP full and every-K; micro-batches under FSDP2: :func:`.sharded.run_sharded`,
-    :func:`.fsdp1_runs.run_fsdp1`)."""
+    :func:`.fsdp1_runs.run_fsdp1`), recording ``steps`` steps (None: :func:`steps_of` its engine)."""
     regime = derivation.regime
     if regime.data_parallel not in ENGINES:
         raise SymmemError(f"measure_ranks runs the data-parallel engines {', '.join(ENGINES)}; got "
@@ -142,6 +151,7 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
         raise SymmemError("measure_ranks runs whole models in fp32 with sgd, sgd-momentum, adam or adamw, one "
                           "micro-batch, no checkpointing or selective (under FSDP also full and every-K, and "
                           "micro-batches)")
+    steps = steps_of(regime.data_parallel) if steps is None else steps
     if steps < 2:
         raise SymmemError(f"measure_ranks needs at least 2 steps (a first and a steady one), not {steps}")
     from ..passes.schedule import optimizer_impl
@@ -154,8 +164,8 @@ def job_of(derivation: Derivation, steps: int = 3) -> Job:
                mp=None if regime.param_dtype is None else (regime.param_dtype, regime.policy_reduce_dtype or ""))
 
 
-def measure_ranks(derivations: Sequence[Derivation], world: int = 2, *, steps: int = 3, timeout: float = 120.0
-                  ) -> list[tuple[RankPeak, ...]]:
+def measure_ranks(derivations: Sequence[Derivation], world: int = 2, *, steps: int | None = None,
+                  timeout: float = 120.0) -> list[tuple[RankPeak, ...]]:
     """Run every derivation's engine on ``world`` CPU processes (one spawn for all of them); per derivation, each
     rank's :class:`RankPeak`, rank 0 first."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
