@@ -65,16 +65,18 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     from symmem.importer.tensor_plan import plan_of
     from symmem.record.model_parallel_runs import forked_ranks
     from symmem.record.traced_tensor_runs import split_run
-    from tests.hf_tensor_runs import SEQUENCE, hf_llama_ranks
+    from tests.hf_tensor_runs import SEQUENCE, job
+    from tests.tensor_stored import stored
 
     def work(rank, world):
         make = plan_of(_file_module()[0], False).make
         return [split_run(lambda b=b, n=n, f=f: _file_module(b, n, f), make, rank, world) for b, n, f in
                 ((BATCH, 2, 64), (4, 2, 64), (1, 2, 64), (FITS, 2, 64), (BATCH, DEEP, 64), (BATCH, 1, WIDE))]
 
-    hf = hf_llama_ranks()  # HF Llama's ranks, then the file module's
-    everything = [[hf[rank][SEQUENCE], *runs] for rank, runs in enumerate(forked_ranks(2, work,
-                                                                                        "the tensor-parallel runs"))]
+    # HF Llama's ranks (their stored real run, replayed: tests/tensor_stored.py; HF's standard plan runs live in
+    # test_model_parallel.py), then the file module's, live
+    hf = stored("tensor", 2, *job(SEQUENCE))
+    everything = [[hf[rank], *runs] for rank, runs in enumerate(forked_ranks(2, work, "the tensor-parallel runs"))]
     measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(7)]
     assert [r[k].late for r in everything for k in range(7)] == [()] * 14  # every free on the recording thread
     # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at
