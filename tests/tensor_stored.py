@@ -23,7 +23,8 @@ DATA = Path(__file__).parent / "data" / "tensor_parallel_gloo.json"
 #: an FSDP x TP rank's (:class:`~symmem.record.fsdp_tensor_runs.MeshRun`)
 FIELDS = {"tensor": ("rank", "saved", "parameters", "gradients", "optimizer_state", "first_peak", "steady_peak"),
           "mesh": ("rank", "dp", "tp", "parameters", "gradients", "optimizer_state", "saved", "first_peak",
-                   "steady_peak")}
+                   "steady_peak"),
+          "split": ("rank", "first_peak", "steady_peak", "parameters", "saved")}
 
 
 def key(world: int | str, values: Mapping[str, int], options: Mapping[str, Any]) -> str:
@@ -45,10 +46,12 @@ def stored(section: str, world: int | str, values: Mapping[str, int], options: M
     """The stored ranks of a case, as the run's own records (no late free: the live run asserted none)."""
     from symmem.record.fsdp_tensor_runs import MeshRun
     from symmem.record.model_parallel_runs import TensorRun
+    from symmem.record.traced_tensor_runs import SplitRun
 
     rows = _file()[section][key(world, values, options)]
-    if section == "mesh":
-        return [MeshRun(**dict(zip(FIELDS[section], r, strict=True))) for r in rows]
+    if section in ("mesh", "split"):
+        kind = MeshRun if section == "mesh" else SplitRun
+        return [kind(**dict(zip(FIELDS[section], r, strict=True))) for r in rows]
     return [TensorRun(saved_storages=(), **dict(zip(FIELDS[section], r, strict=True))) for r in rows]
 
 
@@ -64,12 +67,16 @@ def measure_all() -> dict[str, dict[str, list[list[int]]]]:
     """Every stored case measured anew, in one spawn per world and one 2 x 2 mesh spawn (``deep``; the writer)."""
     import test_fsdp_tensor as mesh
     import test_model_parallel as tensor
+    import test_traced_tensor as traced
 
     from symmem.record.fsdp_tensor_runs import fsdp_tensor_runs
-    from symmem.record.model_parallel_runs import runs
+    from symmem.record.model_parallel_runs import forked_ranks, runs
     from tests.hf_tensor_runs import HF, job
 
-    out: dict[str, dict[str, list[list[int]]]] = {"tensor": {}, "mesh": {}}
+    out: dict[str, dict[str, list[list[int]]]] = {"tensor": {}, "mesh": {}, "split": {}}
+    everything = forked_ranks(2, traced.split_work(traced.SPLIT), "the tensor-parallel runs")
+    for k, case in enumerate(traced.SPLIT):
+        out["split"][key(2, dict(zip("BLF", case, strict=True)), {})] = [row("split", r[k]) for r in everything]
     for world, cases in tensor.STORED.items():
         everything = runs(world, [("tensor", "llama", values, options) for values, options in cases])
         for k, (values, options) in enumerate(cases):
@@ -92,7 +99,8 @@ def main() -> None:
     text = {"what": "per-rank bytes of real gloo runs on the CPU, torch " + _torch() + ": Llama (and transformers' "
             "LlamaForCausalLM, 'hf') under DTensor's standard or sequence-parallel plan ('tensor': saved after the "
             "forward, parameters, gradients, AdamW state, first and steady step peak, one recorded step each), "
-            "and FSDP2 / FSDP1 x TP on the 2 x 2 mesh ('mesh'); keys [world, values, options]; written by "
+            "FSDP2 / FSDP1 x TP on the 2 x 2 mesh ('mesh'), tests/data/traced_tp.py's module under its own "
+            "plan ('split': B, blocks L, width F); keys [world, values, options]; written by "
             "tests/tensor_stored.py from fresh runs", **found}
     DATA.write_text(json.dumps(text, indent=1, sort_keys=True) + "\n")
 
