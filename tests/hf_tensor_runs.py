@@ -1,11 +1,11 @@
 """transformers' own LlamaForCausalLM (a LlamaConfig, no weights) under the standard tensor-parallel plans
-(symmem.record.hf_llama) on two real gloo ranks, measured once a test process and shared: tests/test_model_parallel.py
-holds every case to ``derive("llama", tensor_parallel=True)``, tests/test_traced_tensor.py the sequence-parallel
-one to the traced ``hf:llama``.  Both tests are in the ``gloo`` xdist_group, so one worker makes the run once."""
+(symmem.record.hf_llama) on two real gloo ranks: tests/test_model_parallel.py holds every case to
+``derive("llama", tensor_parallel=True)``, :data:`LIVE` run live, the others replayed from their stored real ranks
+(tests/tensor_stored.py); tests/test_traced_tensor.py holds the sequence-parallel one's stored ranks to the traced
+``hf:llama``."""
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 #: two ranks, grouped-query attention: SDPA (the final norm's backward), the same with sequence parallelism (the
@@ -19,14 +19,20 @@ HF = [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 64, "F": 32}, {"at
       ({"B": 2, "S": 32, "H": 16, "h": 4, "G": 2, "L": 2, "V": 8, "F": 32}, {"attention": "naive"})]
 #: HF[SEQUENCE]: B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA, sequence parallel
 SEQUENCE = 1
+#: HF[LIVE], run live in every suite run: the standard plan, SDPA
+LIVE = 0
 
 
-@cache
-def hf_llama_ranks() -> tuple[tuple[Any, ...], ...]:
-    """Per rank, the :class:`~symmem.record.model_parallel_runs.TensorRun` of every case of :data:`HF`."""
+def job(case: int) -> tuple[dict[str, int], dict[str, Any]]:
+    """HF[case]'s values and job options."""
+    values, options = HF[case]
+    return values, {**options, "peaks": True, "hf": True}
+
+
+def hf_llama_ranks() -> list[Any]:
+    """Per rank, the :class:`~symmem.record.model_parallel_runs.TensorRun` of HF[LIVE] (two real ranks)."""
     import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
 
     from symmem.record.model_parallel_runs import runs
 
-    found = runs(2, [("tensor", "llama", values, {**options, "peaks": True, "hf": True}) for values, options in HF])
-    return tuple(tuple(rank) for rank in found)
+    return [rank[0] for rank in runs(2, [("tensor", "llama", *job(LIVE))])]

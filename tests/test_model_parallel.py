@@ -52,11 +52,10 @@ def test_against_the_engines():
     from symmem.record.model_parallel_runs import runs
 
     jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
-    # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder
-    jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in TENSOR]
-    jobs += [("tensor", "llama", values, options) for values, options in SEQUENCE]
+    # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder; one live case
+    # each of TENSOR, SEQUENCE and SEQUENCE_PEAKS[2], the rest replayed from their stored real ranks (LIVE_TWO)
+    jobs += [("tensor", "llama", values, options) for values, options in LIVE_TWO]
     jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
-    jobs += [("tensor", "llama", values, {**options, "peaks": True}) for values, options in PEAKS]
     import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
     import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
     import test_selective_stages as selective  # its gloo jobs (selective recomputation on stages) too
@@ -76,15 +75,27 @@ def test_against_the_engines():
         every_stage_to_the_byte(measured, case)
         every_view_names_the_largest_stage(measured, case)
     what_the_engine_holds(measured)
-    for case in range(len(TENSOR)):
-        tensor_parallel_rank_to_the_byte(everything, case)
-    for case in range(len(SEQUENCE)):
-        sequence_parallel_rank_to_the_byte(everything, case)
+    from tests.tensor_stored import differences
+
+    live = {}  # (values, options) -> its live ranks, each held to its stored row first
+    for case, (values, options) in enumerate(LIVE_TWO):
+        live[_name(values, options)] = ranks = [rank[len(CASES) + case] for rank in everything]
+        assert differences("tensor", 2, values, options, ranks) == []
+
+    def ranks_of(values, options):
+        return live.get(_name(values, options)) or _stored(2, values, options)
+
     for case, (values, options) in enumerate(TENSOR):
-        tensor_parallel_peak_to_the_byte([rank[len(CASES) + case] for rank in everything], values, options, 2)
-    where = len(CASES) + len(TENSOR) + len(SEQUENCE) + len(LLAMA_CASES)
-    for case, (values, options) in enumerate(PEAKS):
-        tensor_parallel_peak_to_the_byte([rank[where + case] for rank in everything], values, options, 2)
+        tensor_parallel_rank_to_the_byte(ranks_of(values, {**options, "peaks": True}), case)
+        tensor_parallel_peak_to_the_byte(ranks_of(values, {**options, "peaks": True}), values, options, 2,
+                                         views=case == 0)  # TENSOR[0] live: its JSON and table too
+    for case, (values, options) in enumerate(SEQUENCE):
+        sequence_parallel_rank_to_the_byte(ranks_of(values, options), case)
+    for values, options in PEAKS:
+        tensor_parallel_peak_to_the_byte(ranks_of(values, {**options, "peaks": True}), values, options, 2)
+    values, options = SEQUENCE_PEAKS[2][0]  # live here; every case of SEQUENCE_PEAKS replayed in its own test
+    where = sequence_parallel_peak_to_the_byte(ranks_of(values, _sequence(options)), values, options, 2, True)
+    assert where == "the head's backward (its input gradient's reduce-scatter)"
     for case in range(len(LLAMA_CASES)):
         llama_stages(everything, case)
     a_batch_of_one([rank[-1] for rank in everything])
@@ -254,8 +265,7 @@ def tensor_parallel_rank_to_the_byte(everything, case):
 
     values, options = TENSOR[case]
     ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
-    for rank in everything:
-        real = rank[len(CASES) + case]
+    for real in everything:  # this case's ranks
         assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
             real.saved, real.parameters, real.gradients, real.optimizer_state)
     # Megatron-LM's accounting (derive --tensor-parallel) keeps the query after its rotary embedding (SDPA's; eager
@@ -277,8 +287,7 @@ def sequence_parallel_rank_to_the_byte(everything, case):
 
     values, options = SEQUENCE[case]
     ours = tensor_parallel_rank("llama", values=values, device="cpu", **options).at({**values, "t": 2})
-    for rank in everything:
-        real = rank[len(CASES) + len(TENSOR) + case]
+    for real in everything:  # this case's ranks
         assert (ours["saved"], ours["parameters"], ours["gradients"], ours["optimizer_state"]) == (
             real.saved, real.parameters, real.gradients, real.optimizer_state)
     papers = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
@@ -299,7 +308,7 @@ def llama_stages(everything, case):
     plan = pipeline_stages("llama", schedule=schedule, micro_batches=m, loss=loss, values={**LLAMA, "p": 2},
                            device="cpu", **options)
     for rank, memory in enumerate(plan.shown()):
-        real = everything[rank][len(CASES) + len(TENSOR) + len(SEQUENCE) + case]
+        real = everything[rank][len(CASES) + len(LIVE_TWO) + case]
         ours, peak = memory.at(plan.numbers), plan.peaks[rank]
         assert (ours["saved"], ours["parameters"], ours["at_rest"], peak.step) == (
             real.saved, real.parameters, sum(dict(real.start).values()), real.step_peak)
@@ -310,7 +319,7 @@ def llama_stages(everything, case):
     d = _derived(schedule, m, loss, "llama", LLAMA, device="cpu", **options)
     assert d.to_dict()["values"]["peak_per_stage"] == [x.bytes for x in plan.peaks]
     assert d.to_dict()["values"]["peak_first_step_per_stage"] == [x.first for x in plan.peaks]
-    assert d.value("peak_first_step") == max(everything[r][len(CASES) + len(TENSOR) + len(SEQUENCE) + case].first_peak
+    assert d.value("peak_first_step") == max(everything[r][len(CASES) + len(LIVE_TWO) + case].first_peak
                                              for r in (0, 1))
 
 
@@ -413,10 +422,11 @@ def test_the_cross_entropy_backward_is_two_nodes_on_one_device():
     assert real.measured_where == "LogSoftmaxBackward0" and d.peak_at().where() == "backward loss, steady step"
 
 
-def tensor_parallel_peak_to_the_byte(real, values, options, world):
+def tensor_parallel_peak_to_the_byte(real, values, options, world, views=False):
     """derive --tensor-parallel [--sequence-parallel]: values.peak and peak_first_step are every rank's measured
-    step peaks (DTensor's local ops recorded, each moment at its fewest bytes over the repeated steps), with the
-    rank named in the JSON and the table; the formula is in B, S and t."""
+    step peaks (DTensor's local ops recorded, each moment at its fewest bytes over the repeated steps), with rank 0
+    named (with ``views``, the live cases: in the JSON and the table too, which print every formula); the formula is
+    in B, S and t."""
     from symmem import derive
 
     d = derive("llama", tensor_parallel=True, values={**values, "t": world}, device="cpu", **options)
@@ -425,9 +435,11 @@ def tensor_parallel_peak_to_the_byte(real, values, options, world):
     for rank in real:
         assert (d.value("peak"), d.value("peak_first_step")) == (rank.steady_peak, rank.first_peak), (
             options, rank.rank, rank.peaks)
-    out = d.to_dict()
-    assert out["values"]["peak"] == real[0].steady_peak and out["peak_at"]["rank"] == 0
-    assert f"rank 0 of {world} (every rank alike)" in str(d)
+    assert d.step.per_rank(d.numbers)["peak_rank"] == 0
+    if views:
+        out = d.to_dict()
+        assert out["values"]["peak"] == real[0].steady_peak and out["peak_at"]["rank"] == 0
+        assert f"rank 0 of {world} (every rank alike)" in str(d)
     assert {"B", "S", "t"} <= {s.name for s in d.peak.free_symbols}
     return d.peak_at().where(step=False)
 
@@ -522,36 +534,46 @@ SEQUENCE_PEAKS = {2: [({"B": 2, "S": 8, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16
 def test_sequence_parallel_peak_against_dtensor():
     """derive --tensor-parallel --sequence-parallel: every rank's first and steady step peak equals the real
     DTensor run's (gloo, worlds 2 and 4, the recorder that sees DTensor's local ops), to the byte, in every view;
-    the walk models the all-gathers over S, the reduce-scatters and what eager attention holds.  The four-rank
-    spawn runs the tensor-parallel peak on four ranks too (FOUR)."""
+    the walk models the all-gathers over S, the reduce-scatters and what eager attention holds.  Live: the first
+    four-rank case here (with FOUR's tensor-parallel peak on four ranks replayed beside it) and the first two-rank
+    one in test_against_the_engines' spawn; the rest replayed from their stored real ranks (tests/tensor_stored.py;
+    ``-m deep`` measures them anew)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
-    from symmem import derive
     from symmem.record.model_parallel_runs import runs
+    from tests.tensor_stored import differences
 
+    values, options = SEQUENCE_PEAKS[4][0]
+    live = [rank[0] for rank in runs(4, [("tensor", "llama", values, _sequence(options))])]
+    assert differences("tensor", 4, values, _sequence(options), live) == []
+    tensor_parallel_peak_on_four_ranks([[r] for r in _stored(4, *FOUR_JOBS[0])])
     where = []
     for world, cases in SEQUENCE_PEAKS.items():
-        # the tensor-parallel peak on four ranks (FOUR) rides in the four-rank spawn
-        four = [("tensor", "llama", v, {**o, "peaks": True}) for v, o in FOUR] if world == 4 else []
-        everything = runs(world, [("tensor", "llama", values, {**options, "peaks": True, "sequence_parallel": True})
-                                  for values, options in cases] + four)
-        if four:
-            tensor_parallel_peak_on_four_ranks([rank[len(cases):] for rank in everything])
         for case, (values, options) in enumerate(cases):
-            real = [rank[case] for rank in everything]
-            d = derive("llama", tensor_parallel=True, sequence_parallel=True, values={**values, "t": world},
-                       device="cpu", **options)
-            for rank in real:
-                assert (d.value("peak"), d.value("peak_first_step"), rank.late) == (
-                    rank.steady_peak, rank.first_peak, ()), (world, values, rank.rank, rank.peaks)
-            out = d.to_dict()
-            assert out["values"]["peak"] == real[0].steady_peak and out["peak_at"]["rank"] == 0
-            assert f"rank 0 of {world} (every rank alike)" in str(d)
-            where.append(d.peak_at().where(step=False).split(": ", 1)[1])
+            real = live if (world, case) == (4, 0) else _stored(world, values, _sequence(options))
+            where.append(sequence_parallel_peak_to_the_byte(real, values, options, world))
     assert where == ["the head's backward (its input gradient's reduce-scatter)",
                      "backward layers.mlp.down_proj (layer 1)", "forward's end (the head's all-gather)",
                      "backward layers.mlp.gate_up (layer 1)", "forward layers.mlp.down_proj (layer 1)",
                      "forward layers.mlp.down_proj (layer 1)"]
+
+
+def sequence_parallel_peak_to_the_byte(real, values, options, world, views=False):
+    """One sequence-parallel case's ranks (``real``) against derive: every rank's first and steady peak, rank 0
+    named (with ``views``: in the JSON and the table too); where the peak is."""
+    from symmem import derive
+
+    d = derive("llama", tensor_parallel=True, sequence_parallel=True, values={**values, "t": world},
+               device="cpu", **options)
+    for rank in real:
+        assert (d.value("peak"), d.value("peak_first_step"), rank.late) == (
+            rank.steady_peak, rank.first_peak, ()), (world, values, rank.rank, rank.peaks)
+    assert d.step.per_rank(d.numbers)["peak_rank"] == 0
+    if views:
+        out = d.to_dict()
+        assert out["values"]["peak"] == real[0].steady_peak and out["peak_at"]["rank"] == 0
+        assert f"rank 0 of {world} (every rank alike)" in str(d)
+    return d.peak_at().where(step=False).split(": ", 1)[1]
 
 
 #: B = 1 on two ranks, where funcol's all-gather over S is a view (no concatenation): the asynchronous all-gathers
@@ -577,8 +599,14 @@ def test_batch_of_one_against_dtensor():
     from symmem.api import tensor_parallel_rank
     from symmem.apps.budget import largest
     from symmem.record.model_parallel_runs import runs
+    from tests.tensor_stored import differences
 
-    everything = runs(2, [("tensor", "llama", values, {**options, "peaks": True}) for values, options in BATCH_OF_ONE])
+    # live: the eager case with sequence parallelism (both of B = 1's effects; fit below); the rest replayed
+    values, options = BATCH_OF_ONE[1]
+    live = [rank[0] for rank in runs(2, [("tensor", "llama", values, {**options, "peaks": True})])]
+    assert differences("tensor", 2, values, {**options, "peaks": True}, live) == []
+    everything = list(zip(*[live if case == 1 else _stored(2, values, {**options, "peaks": True})
+                            for case, (values, options) in enumerate(BATCH_OF_ONE)], strict=True))
     # each rank's saved activations, parameter side and Adam state: at B = 1 eager attention with one key/value
     # head a rank keeps the cache's key and value, not the repeated copies (S·(H/h)·(h - G)/t·4 bytes fewer each)
     for case, (values, options) in enumerate(BATCH_OF_ONE):
@@ -587,7 +615,8 @@ def test_batch_of_one_against_dtensor():
             real = rank[case]
             assert ours == {"saved": real.saved, "parameters": real.parameters, "gradients": real.gradients,
                             "optimizer_state": real.optimizer_state}, (case, real.rank)
-    where = [tensor_parallel_peak_to_the_byte([rank[case] for rank in everything], values, options, 2).split(": ")[1]
+    where = [tensor_parallel_peak_to_the_byte([rank[case] for rank in everything], values, options, 2,
+                                              views=case == 1).split(": ")[1]  # BATCH_OF_ONE[1] live
              for case, (values, options) in enumerate(BATCH_OF_ONE)]
     assert where == ["backward layers.mlp.gate_up (layer 1)", "forward layers.mlp.down_proj (layer 1)",
                      "backward layers.self_attn.softmax (layer 1)"]
@@ -609,9 +638,14 @@ def test_hf_llama_under_the_standard_plan():
         pytest.skip("torch.distributed with gloo is needed")
     pytest.importorskip("transformers")
     from symmem import derive
-    from tests.hf_tensor_runs import HF, hf_llama_ranks  # the cases, measured once (test_traced_tensor.py shares it)
+    from tests.hf_tensor_runs import HF, LIVE, hf_llama_ranks
+    from tests.tensor_stored import differences
 
-    everything = hf_llama_ranks()
+    live = hf_llama_ranks()  # HF[LIVE], the standard plan; the others replayed from their stored real ranks
+    values, options = HF[LIVE]
+    assert differences("tensor", 2, values, {**options, "peaks": True, "hf": True}, live) == []
+    everything = list(zip(*[live if case == LIVE else _stored(2, values, {**options, "peaks": True, "hf": True})
+                            for case, (values, options) in enumerate(HF)], strict=True))
     where = []
     for case, (values, options) in enumerate(HF):
         d = derive("llama", tensor_parallel=True, values={**values, "t": 2}, device="cpu", **options)
@@ -637,3 +671,49 @@ def test_funcol_frees_on_the_recording_thread():
     from symmem.record.collective_stress import FUNCOL_STRESSED, stress_funcol
 
     assert stress_funcol(2, 300, start_method="forkserver", timeout=600) == dict.fromkeys(FUNCOL_STRESSED, (0, 2400))
+
+
+def _sequence(options):
+    """A sequence-parallel case's job options (SEQUENCE_PEAKS')."""
+    return {**options, "peaks": True, "sequence_parallel": True}
+
+
+#: FOUR's job
+FOUR_JOBS = [(values, {**options, "peaks": True}) for values, options in FOUR]
+#: The two-rank tensor-parallel cases run live in test_against_the_engines' spawn, each held to its stored row too:
+#: tensor parallelism (TENSOR[0]), sequence parallelism's parts (SEQUENCE[0]) and peak (SEQUENCE_PEAKS[2][0])
+LIVE_TWO = [(TENSOR[0][0], {**TENSOR[0][1], "peaks": True}), SEQUENCE[0],
+            (SEQUENCE_PEAKS[2][0][0], _sequence(SEQUENCE_PEAKS[2][0][1]))]
+#: Every tensor-parallel case's job by world, as the spawns run it: each stored (tests/tensor_stored.py, written from
+#: fresh runs of these; HF's in tests/hf_tensor_runs.py), the ones not live replayed
+STORED = {2: [*[(v, {**o, "peaks": True}) for v, o in TENSOR], *SEQUENCE,
+              *[(v, {**o, "peaks": True}) for v, o in PEAKS], *[(v, _sequence(o)) for v, o in SEQUENCE_PEAKS[2]],
+              *[(v, {**o, "peaks": True}) for v, o in BATCH_OF_ONE]],
+          4: [*[(v, _sequence(o)) for v, o in SEQUENCE_PEAKS[4]], *FOUR_JOBS]}
+
+
+def _name(values, options):
+    from tests.tensor_stored import key
+
+    return key(0, values, options)
+
+
+def _stored(world, values, options):
+    from tests.tensor_stored import stored
+
+    return stored("tensor", world, values, options)
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
+def test_every_stored_tensor_parallel_case_against_fresh_gloo_runs():
+    """Every stored tensor-parallel case (two and four ranks, HF's and the FSDP x TP mesh's too) measured anew:
+    each rank's bytes equal the stored row (tests/tensor_stored.py), which the default suite replays."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from tests.tensor_stored import _file, measure_all
+
+    found = measure_all()
+    stored = _file()
+    for section, cases in found.items():
+        assert cases == stored[section], section

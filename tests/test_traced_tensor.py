@@ -6,10 +6,12 @@ the activations it keeps after the forward (its autograd-saved tensors), to the 
 The truths: transformers' own LlamaForCausalLM from a LlamaConfig under the standard plan with sequence parallelism
 (symmem.record.hf_llama, model_parallel_runs' ``hf`` case; SDPA), traced through ``symmem trace hf:llama
 --tensor-parallel --sequence-parallel``; and a file module with its own ``tp_plan`` (tests/data/traced_tp.py) at four
-batches (its formula in B at 64, 4 and at fit's answer for 1 MiB, the step recorded at the numbers at B = 1).  One fork
-of two ranks runs all five.  (The same HF model under tensor parallelism alone, 96,080 / 101,592, with eager attention,
-124,624 / 126,992 -- where HF's forward holds other storages than the zoo's Llama -- and a Qwen2 under its own
-``tp_plan``, 200,460 / 204,820, were checked the same way by hand: traced and measured equal on both ranks.)
+batches (its formula in B at 64, 4 and at fit's answer for 1 MiB, the step recorded at the numbers at B = 1), at 7
+layers and one block 80 wide: two of those live in one fork of two ranks, the rest (HF's too) replayed from their
+stored real ranks (tests/tensor_stored.py).  (The same HF model under tensor parallelism alone, 96,080 / 101,592,
+with eager attention, 124,624 / 126,992 -- where HF's forward holds other storages than the zoo's Llama -- and a
+Qwen2 under its own ``tp_plan``, 200,460 / 204,820, were checked the same way by hand: traced and measured equal on
+both ranks.)
 """
 
 from __future__ import annotations
@@ -57,24 +59,47 @@ def _file_module(batch: int = 4, layers: int = 2, f: int = 64):
     return build(batch, layers, f)
 
 
+#: the file module's real runs, (batch, blocks, width): at B = 64, 4, 1 and 947, with 7 layers at B = 64, and with one
+#: block 80 wide at B = 64
+SPLIT = [(BATCH, 2, 64), (4, 2, 64), (1, 2, 64), (FITS, 2, 64), (BATCH, DEEP, 64), (BATCH, 1, WIDE)]
+#: run live in every suite run (the module's own configuration, and the formula in L held at a layer count it was
+#: not recorded at); the others replayed from their stored real ranks (tests/tensor_stored.py; ``-m deep`` measures
+#: them anew)
+LIVE = [SPLIT[0], SPLIT[4]]
+
+
+def split_work(cases):
+    """The forked ranks' work: the file module of each ``(batch, blocks, width)`` split by its own plan, stepped."""
+
+    def work(rank, world):
+        from symmem.importer.tensor_plan import plan_of
+        from symmem.record.traced_tensor_runs import split_run
+
+        make = plan_of(_file_module()[0], False).make
+        return [split_run(lambda b=b, n=n, f=f: _file_module(b, n, f), make, rank, world) for b, n, f in cases]
+
+    return work
+
+
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
 def test_every_rank_against_real_ranks(capsys, monkeypatch):
     """Every rank's first and steady peak and parameter side, traced, against two real gloo ranks of each module."""
     from torch.distributed.tensor import parallel  # noqa: F401
 
-    from symmem.importer.tensor_plan import plan_of
     from symmem.record.model_parallel_runs import forked_ranks
-    from symmem.record.traced_tensor_runs import split_run
-    from tests.hf_tensor_runs import SEQUENCE, hf_llama_ranks
+    from tests.hf_tensor_runs import SEQUENCE, job
+    from tests.tensor_stored import differences, stored
 
-    def work(rank, world):
-        make = plan_of(_file_module()[0], False).make
-        return [split_run(lambda b=b, n=n, f=f: _file_module(b, n, f), make, rank, world) for b, n, f in
-                ((BATCH, 2, 64), (4, 2, 64), (1, 2, 64), (FITS, 2, 64), (BATCH, DEEP, 64), (BATCH, 1, WIDE))]
-
-    hf = hf_llama_ranks()  # HF Llama's ranks, then the file module's
-    everything = [[hf[rank][SEQUENCE], *runs] for rank, runs in enumerate(forked_ranks(2, work,
-                                                                                        "the tensor-parallel runs"))]
+    live = forked_ranks(2, split_work(LIVE), "the tensor-parallel runs")
+    for k, case in enumerate(LIVE):  # each live case's ranks are its stored ones, to the byte
+        assert differences("split", 2, dict(zip("BLF", case, strict=True)), {}, [r[k] for r in live]) == []
+    split = [[r[LIVE.index(case)] for r in live] if case in LIVE else stored("split", 2, dict(zip("BLF", case,
+                                                                                                  strict=True)), {})
+             for case in SPLIT]
+    # HF Llama's ranks (their stored real run, replayed: tests/tensor_stored.py; HF's standard plan runs live in
+    # test_model_parallel.py), then the file module's
+    hf = stored("tensor", 2, *job(SEQUENCE))
+    everything = [[hf[rank], *(case[rank] for case in split)] for rank in range(2)]
     measured = [[(r[k].first_peak, r[k].steady_peak) for r in everything] for k in range(7)]
     assert [r[k].late for r in everything for k in range(7)] == [()] * 14  # every free on the recording thread
     # the engine's own numbers (each rank alike): HF with SDPA under sequence parallelism, the file module at

@@ -107,7 +107,10 @@ def held(fn: Callable[..., Any], work_class: type) -> Callable[..., Any]:
         wait = has_async and not bound.arguments.get("async_op", False)
         if has_async:
             bound.arguments["async_op"] = True
-        keep, base, refs = _alias(bound.arguments)
+        aliases = Aliases()  # every tensor argument, alone or in a list or tuple
+        for name, value in list(bound.arguments.items()):
+            bound.arguments[name] = aliases.of(value)
+        keep, base, refs = aliases.handed()
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
             work = fn(*bound.args, **bound.kwargs)
@@ -127,33 +130,47 @@ def held(fn: Callable[..., Any], work_class: type) -> Callable[..., Any]:
     return call
 
 
-def _alias(arguments: dict[str, Any]) -> tuple[list[Any], dict[int, int], list[Any]]:
-    """Replace every tensor in ``arguments`` (alone or in a list or tuple) by an alias, in place; returns the
-    tensors replaced (to keep), their storages' use counts before (by key) and weak references to the aliases."""
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
+class Aliases:
+    """Aliases of a collective's tensor arguments, for :func:`held` (``torch.distributed``'s named arguments) and
+    :class:`FuncolRelease` (funcol's ``args, kwargs``) alike: :meth:`of` gives a pytree with each tensor replaced by
+    an alias (``detach()``, made outside every dispatch mode: no op of the step; one alias per tensor object), noting
+    the storage's use count before the collective; :meth:`handed` gives the caller's tensors to keep, those counts and
+    weak references to the aliases, and lets go of both."""
 
-    keep: list[Any] = []
-    base: dict[int, int] = {}
-    aliases: dict[int, Any] = {}
-    for name, value in arguments.items():
-        if isinstance(value, torch.Tensor):
-            items, single = [value], True
-        elif isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
-            items, single = list(value), False
-        else:
-            continue
-        made = []
-        for t in items:
+    def __init__(self) -> None:
+        #: storage key -> its use count before the collective
+        self.base: dict[int, int] = {}
+        #: id(the caller's tensor) -> (it, its alias)
+        self.given: dict[int, tuple[Any, Any]] = {}
+
+    def of(self, tree: Any) -> Any:
+        import torch
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, self._alias, tree)
+
+    def _alias(self, t: Any) -> Any:
+        import torch
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if id(t) not in self.given:
             key = t.untyped_storage()._cdata
-            base.setdefault(key, torch._C._storage_Use_Count(key))
-            if id(t) not in aliases:
-                with _disable_current_modes(), torch.no_grad():  # no op of the step: a handle on its memory
-                    aliases[id(t)] = t.detach()
-                keep.append(t)
-            made.append(aliases[id(t)])
-        arguments[name] = made[0] if single else type(value)(made)
-    return keep, base, [weakref.ref(a) for a in aliases.values()]
+            self.base.setdefault(key, torch._C._storage_Use_Count(key))
+            with _disable_current_modes(), torch.no_grad():  # no op of the step: a handle on its memory
+                self.given[id(t)] = (t, t.detach())
+        return self.given[id(t)][1]
+
+    def back(self) -> dict[int, Any]:
+        """id(alias) -> the caller's tensor (an in-place collective returns the alias it was given)."""
+        return {id(a): t for t, a in self.given.values()}
+
+    def handed(self) -> tuple[list[Any], dict[int, int], list[Any]]:
+        """(the caller's tensors, the use counts before, weak references to the aliases); this holds neither
+        after."""
+        keep = [t for t, _ in self.given.values()]
+        refs = [weakref.ref(a) for _, a in self.given.values()]
+        self.given.clear()
+        return keep, self.base, refs
 
 
 @contextmanager
@@ -210,19 +227,8 @@ class FuncolRelease:
         from torch.utils._python_dispatch import _disable_current_modes
         from torch.utils._pytree import tree_leaves, tree_map_only
 
-        count = torch._C._storage_Use_Count
-        base: dict[int, int] = {}
-        given: dict[int, tuple[Any, Any]] = {}  # id(caller's tensor) -> (it, its alias)
-
-        def alias(t: Any) -> Any:
-            if id(t) not in given:
-                key = t.untyped_storage()._cdata
-                base.setdefault(key, count(key))
-                with _disable_current_modes(), torch.no_grad():  # no op of the step: a handle on its memory
-                    given[id(t)] = (t, t.detach())
-            return given[id(t)][1]
-
-        aliased = tree_map_only(torch.Tensor, alias, (args, kwargs))
+        aliases = Aliases()
+        aliased = aliases.of((args, kwargs))
         out = func(*aliased[0], **aliased[1])
         del aliased
         wait, made = torch.ops._c10d_functional.wait_tensor.default, None
@@ -230,13 +236,14 @@ class FuncolRelease:
             if isinstance(made, torch.Tensor):
                 wait(made)
         del made  # this frame holds no output of the work's
-        back = {id(a): t for t, a in given.values()}
-        refs = [weakref.ref(a) for _, a in given.values()]
+        back = aliases.back()
+        base = aliases.base
+        outputs: list[Any] = []  # weak references to the work's own outputs
 
         def returned(o: Any) -> Any:
             if id(o) in back:  # in place: the caller's own tensor
                 return back[id(o)]
-            refs.append(weakref.ref(o))  # the work's: dead once gloo lets go
+            outputs.append(weakref.ref(o))  # the work's: dead once gloo lets go
             key = o.untyped_storage()._cdata
             # gloo holds views of its own on the storage (an all-gather's chunks): once it lets go, the storage's
             # Python object (just made, kept as long as the storage) and the alias below are all that hold it
@@ -245,10 +252,9 @@ class FuncolRelease:
                 return o.detach()
 
         result = tree_map_only(torch.Tensor, returned, out)
-        keep = [t for t, _ in given.values()]  # the caller's tensors, held past gloo's hold on their aliases
-        given.clear()
+        keep, _, refs = aliases.handed()  # the caller's tensors, held past gloo's hold on their aliases
         back.clear()
         del out
-        settle(refs, base, func.__name__)
+        settle([*refs, *outputs], base, func.__name__)
         del keep
         return result
