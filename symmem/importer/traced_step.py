@@ -35,6 +35,7 @@ from ..peak import BASE, Candidate, Peak, summarize
 from ..timeline import Row, Which
 from .inputs import Inputs
 from .recording import SharedWorld, StepOp, StepOptions, StepRecord, record_step
+from .step_cache import Chain, recorded, step_key
 
 #: candidate moments with the same live storages are given to the peak algebra once (False: all, for comparisons)
 DISTINCT = True
@@ -249,6 +250,7 @@ class StepPeak:
     notes: list[str] = field(default_factory=list)
     _records: dict[tuple[Any, ...], StepRecord] = field(default_factory=dict, repr=False)
     _shared: dict[tuple[str, ...], SharedWorld] = field(default_factory=dict, repr=False)  # one fake world per ``ones``
+    _chains: dict[tuple[str, ...], Chain] = field(default_factory=dict, repr=False)  # each world's cached records
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
 
     @property
@@ -268,11 +270,19 @@ class StepPeak:
             values = {n: (1 if n in ones else v) for n, v in self.values.items()}
             layers = (self.repeat[0], self.repeat[1], count) if self.repeat is not None else None
             replay = None if ones else self.replay
+            multiple_of = {n: m for n, m in (self.multiple_of or {}).items() if n not in ones}
+            if ones not in self._chains:  # a world the forward trace ran in (importer.traced.step_of), or a fresh one
+                origin = "trace" if ones in self._shared else "fresh"
+                self._chains[ones] = Chain(self._shared.setdefault(ones, SharedWorld()), (origin,))
+
+            def make(world: SharedWorld) -> StepRecord:
+                return record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
+                                   replay=replay, multiple_of=multiple_of, concrete=ones, layers=layers, shared=world)
+
             try:
-                rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
-                                  replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
-                                                              if n not in ones},
-                                  concrete=ones, layers=layers, shared=self._shared.setdefault(ones, SharedWorld()))
+                rec = recorded(self._chains[ones], step_key(self.module, self.inputs, values, self.symbols,
+                                                            self.options, self.device, replay, multiple_of, ones,
+                                                            layers), make)
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback
