@@ -35,8 +35,8 @@ from typing import Any
 
 #: whether records are cached at all (the environment's SYMMEM_STEP_CACHE=0 turns it off)
 ENABLED = os.environ.get("SYMMEM_STEP_CACHE", "1") != "0"
-#: how many records the cache holds (a tiny GPT-2's is ~1 MB with its fake world)
-MAX_RECORDS = 64
+#: how many records the cache holds (a tiny GPT-2 record with its timelines: ~1.7 MiB)
+MAX_RECORDS = 32
 #: a real tensor attribute up to this many bytes is keyed by its values (a larger one by identity)
 HASHED_BYTES = 1 << 22
 
@@ -192,9 +192,9 @@ def clear() -> None:
 
 @dataclass
 class Chain:
-    """One StepPeak's records in one fake world (a SharedWorld, only ever used by this chain): the history its
-    records are keyed by (where the world came from, then each record's key), and the records the cache answered
-    since the world last ran one (each key with the call that makes it)."""
+    """The records of one fake world (the :class:`~symmem.importer.recording.SharedWorld` that holds it, shared by
+    whichever steps share that world): the history its records are keyed by (where the world came from, then each
+    record's key), and the calls that make the records the cache answered since the world last ran one."""
 
     world: Any
     history: tuple[Any, ...]

@@ -250,7 +250,6 @@ class StepPeak:
     notes: list[str] = field(default_factory=list)
     _records: dict[tuple[Any, ...], StepRecord] = field(default_factory=dict, repr=False)
     _shared: dict[tuple[str, ...], SharedWorld] = field(default_factory=dict, repr=False)  # one fake world per ``ones``
-    _chains: dict[tuple[str, ...], Chain] = field(default_factory=dict, repr=False)  # each world's cached records
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
 
     @property
@@ -271,16 +270,16 @@ class StepPeak:
             layers = (self.repeat[0], self.repeat[1], count) if self.repeat is not None else None
             replay = None if ones else self.replay
             multiple_of = {n: m for n, m in (self.multiple_of or {}).items() if n not in ones}
-            if ones not in self._chains:  # a world the forward trace ran in (importer.traced.step_of), or a fresh one
-                origin = "trace" if ones in self._shared else "fresh"
-                self._chains[ones] = Chain(self._shared.setdefault(ones, SharedWorld()), (origin,))
+            shared = self._shared.setdefault(ones, SharedWorld())
+            if shared.chain is None:  # a world the forward trace ran in (importer.traced.step_of), or a fresh one
+                shared.chain = Chain(shared, ("trace" if shared.world is not None else "fresh",))
 
             def make(world: SharedWorld) -> StepRecord:
                 return record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
                                    replay=replay, multiple_of=multiple_of, concrete=ones, layers=layers, shared=world)
 
             try:
-                rec = recorded(self._chains[ones], step_key(self.module, self.inputs, values, self.symbols,
+                rec = recorded(shared.chain, step_key(self.module, self.inputs, values, self.symbols,
                                                             self.options, self.device, replay, multiple_of, ones,
                                                             layers), make)
             except SymmemError:
