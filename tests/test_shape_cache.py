@@ -295,7 +295,7 @@ def test_the_step_cache_changes_no_record(monkeypatch: pytest.MonkeyPatch) -> No
                                      monkeypatch)
 
 
-@pytest.mark.deep  # 26 traces, ~37 CPU-s; the default test above keeps the same check on 4 of the 13 steps
+@pytest.mark.deep  # 26 traces, ~23 CPU-s; the default test above keeps the same check on 4 of the 13 steps
 def test_the_step_cache_changes_no_record_over_every_change(monkeypatch: pytest.MonkeyPatch) -> None:
     """As above over all 13 steps of _STEPS (52 records): each differs from the first in one thing a step reads."""
     _same_with_and_without_the_cache(_STEPS, monkeypatch)
