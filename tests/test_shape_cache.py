@@ -10,6 +10,9 @@ in another dtype, a storage larger than its tensor.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -175,3 +178,124 @@ def test_the_folds_records_in_one_shared_world_equal_records_in_fresh_worlds(
                             replay=step.replay, layers=(step.repeat[0], step.repeat[1], n))
         assert facts(shared) == facts(alone)
     assert len(step._shared) == 1 and step._shared[()].shapes.hits > 500  # one world; later records hit its cache
+
+
+class _Block(torch.nn.Module):
+    """One repeated block: linear, ReLU, dropout (a ``twice`` attribute doubles its activations)."""
+
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.drop = torch.nn.Dropout(p)
+        self.twice = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu(self.fc(x)))
+        return torch.cat([y, y], 0)[: x.shape[0]] * 2 if self.twice else y
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width: int = 8, depth: int = 3, p: float = 0.5) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(width, p) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _twice(m: _Stack) -> _Stack:
+    m.blocks[0].twice = True
+    return m
+
+
+def _frozen(m: _Stack) -> _Stack:
+    m.blocks[0].fc.weight.requires_grad_(False)
+    return m
+
+
+def _eval_dropout(m: _Stack) -> _Stack:
+    m.blocks[1].drop.eval()
+    return m
+
+
+#: (name, module, trace keywords; the repeated run is blocks.1 and .2): each differs from the first in one thing a
+#: recorded step reads -- a size, an attribute, a submodule's mode, requires_grad, the dtype, the optimizer, the
+#: loss, checkpointing, micro-batches -- and the first comes three times (fresh modules: the repeats are answered
+#: from the cache)
+_STEPS = [
+    ("plain", lambda: _Stack(), {}),
+    ("plain again", lambda: _Stack(), {}),
+    ("wider", lambda: _Stack(width=12), {}),
+    ("attribute", lambda: _twice(_Stack()), {}),
+    ("eval dropout", lambda: _eval_dropout(_Stack()), {}),
+    ("no dropout", lambda: _Stack(p=0.0), {}),
+    ("frozen", lambda: _frozen(_Stack()), {}),
+    ("bfloat16", lambda: _Stack().to(torch.bfloat16), {}),
+    ("adam", lambda: _Stack(), {"optimizer": "adam"}),
+    ("cross-entropy", lambda: _Stack(), {"loss": "cross-entropy"}),
+    ("checkpoint", lambda: _Stack(), {"checkpoint": "full"}),
+    ("micro-batches", lambda: _Stack(), {"micro_batches": 2}),
+    ("plain, third", lambda: _Stack(), {}),
+]
+
+
+def _step_facts(steps: list[tuple[str, Any, dict[str, Any]]], enabled: bool,
+                monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every record of every step in _STEPS (its fold's three and one at the module's own count), and its peak, in one
+    process, the step cache on or off."""
+    from symmem.importer import step_cache
+    from symmem.importer.traced_step import COUNTS
+
+    monkeypatch.setattr(step_cache, "ENABLED", enabled)
+    out: list[object] = []
+    for name, build, kw in steps:
+        torch.manual_seed(0)
+        module = build()
+        x = torch.randn(4, module.head.in_features, dtype=module.head.weight.dtype)
+        d = symmem.trace(module, (x,), {"B": [(0, 0)]}, **kw)
+        step = d.step
+        peak = step.peak()
+        for n in (*COUNTS, step.count):
+            rec = step.record(n)
+            out.append((name, n, [dataclasses.astuple(s) for s in rec.storages], rec.start, rec.freed_first,
+                        [dataclasses.astuple(o) for o in rec.ops], [str(g.expr) for g in rec.guards],
+                        [g.where for g in rec.guards], rec.layers, rec.count, rec.notes))
+        out.append((name, peak.expr, step.peak({step.symbol: 3}).expr, d.expression("total")))
+    return out
+
+
+def _same_with_and_without_the_cache(steps: list[tuple[str, Any, dict[str, Any]]],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from symmem.importer import step_cache
+
+    step_cache.clear()
+    before = step_cache.STATS.hits
+    cached = _step_facts(steps, True, monkeypatch)
+    assert step_cache.STATS.hits - before >= 4  # "plain again"'s four records (later repeats may find them dropped)
+    by_name: dict[str, list[object]] = {}
+    for fact in cached:
+        by_name.setdefault(str(fact[0]), []).append(fact[1:])
+    plain = by_name.pop("plain")
+    assert all(by_name.pop(n) == plain for n in list(by_name) if n.startswith("plain"))  # the repeats
+    assert all(facts != plain for facts in by_name.values())  # each change shows: a key without it would be caught
+    step_cache.clear()
+    assert _step_facts(steps, False, monkeypatch) == cached
+
+
+def test_the_step_cache_changes_no_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-process cache of recorded steps (symmem.importer.step_cache) gives every record byte-identical to one
+    made without it -- storages, ops, guards, notes -- over 4 traced steps of 4 records each (their folds at 4, 5 and
+    6 layers and their own 2) made one after the other in one process: the plain stack twice (the repeat answered
+    from the cache), an attribute its forward reads, Adam.  Oracle: the same steps recorded with the cache off (the
+    records the traced-peak tests check against real PyTorch).  All 13 steps of _STEPS: the deep test below."""
+    _same_with_and_without_the_cache([s for s in _STEPS if s[0] in ("plain", "plain again", "attribute", "adam")],
+                                     monkeypatch)
+
+
+@pytest.mark.deep  # 26 traces, ~23 CPU-s; the default test above keeps the same check on 4 of the 13 steps
+def test_the_step_cache_changes_no_record_over_every_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above over all 13 steps of _STEPS (52 records): each differs from the first in one thing a step reads."""
+    _same_with_and_without_the_cache(_STEPS, monkeypatch)

@@ -271,6 +271,8 @@ class SharedWorld:
 
     world: Any = None
     shapes: Any = None
+    #: the records made or answered in this world (:class:`symmem.importer.step_cache.Chain`; None before the first)
+    chain: Any = None
 
 
 def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],

@@ -35,6 +35,7 @@ from ..peak import BASE, Candidate, Peak, summarize
 from ..timeline import Row, Which
 from .inputs import Inputs
 from .recording import SharedWorld, StepOp, StepOptions, StepRecord, record_step
+from .step_cache import Chain, recorded, step_key
 
 #: candidate moments with the same live storages are given to the peak algebra once (False: all, for comparisons)
 DISTINCT = True
@@ -268,11 +269,19 @@ class StepPeak:
             values = {n: (1 if n in ones else v) for n, v in self.values.items()}
             layers = (self.repeat[0], self.repeat[1], count) if self.repeat is not None else None
             replay = None if ones else self.replay
+            multiple_of = {n: m for n, m in (self.multiple_of or {}).items() if n not in ones}
+            shared = self._shared.setdefault(ones, SharedWorld())
+            if shared.chain is None:  # a world the forward trace ran in (importer.traced.step_of), or a fresh one
+                shared.chain = Chain(shared, ("trace" if shared.world is not None else "fresh",))
+
+            def make(world: SharedWorld) -> StepRecord:
+                return record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
+                                   replay=replay, multiple_of=multiple_of, concrete=ones, layers=layers, shared=world)
+
             try:
-                rec = record_step(self.module, self.inputs, values, self.symbols, self.options, device=self.device,
-                                  replay=replay, multiple_of={n: m for n, m in (self.multiple_of or {}).items()
-                                                              if n not in ones},
-                                  concrete=ones, layers=layers, shared=self._shared.setdefault(ones, SharedWorld()))
+                rec = recorded(shared.chain, step_key(self.module, self.inputs, values, self.symbols,
+                                                            self.options, self.device, replay, multiple_of, ones,
+                                                            layers), make)
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake tensors: say what failed, not a traceback
