@@ -35,6 +35,9 @@ import sys
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the recorded-step cache (off for users: symmem/importer/step_cache.py): a test's records equal uncached ones
+# (test_shape_cache.py), and the traced tests record the same steps again
+os.environ.setdefault("SYMMEM_STEP_CACHE", "1")
 
 #: test modules that run PyTorch, a Jupyter kernel or LaTeX end to end
 SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.py", "test_peak.py",

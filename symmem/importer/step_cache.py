@@ -16,8 +16,11 @@ record, the records the cache answered before it are made again in that world fi
 therefore those of a run without the cache (``tests/test_shape_cache.py::test_the_step_cache_changes_no_record``).
 
 What cannot be keyed (an attribute that is neither plain data, a config, a tensor, nor a function, class or
-module) is keyed by identity: the cache then only helps the same object.  ``ENABLED = False`` (or
-``SYMMEM_STEP_CACHE=0``) turns it off; it holds at most :data:`MAX_RECORDS` records (least recently used dropped).
+module) is keyed by identity: the cache then only helps the same object.  It is OFF unless ``SYMMEM_STEP_CACHE=1``
+(or ``ENABLED = True``): state outside the key -- a function a forward reads from a global and a user patches
+between two traces, torch's attention-kernel switches (``sdpa_kernel``) on CUDA fakes -- would give a stale record
+silently, so users opt in; the test suite turns it on (tests/conftest.py), where its records are checked equal to
+uncached ones. It holds at most :data:`MAX_RECORDS` records (least recently used dropped).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-#: whether records are cached at all (the environment's SYMMEM_STEP_CACHE=0 turns it off)
-ENABLED = os.environ.get("SYMMEM_STEP_CACHE", "1") != "0"
+#: whether records are cached at all (off unless the environment's SYMMEM_STEP_CACHE=1: see the module)
+ENABLED = os.environ.get("SYMMEM_STEP_CACHE", "0") == "1"
 #: how many records the cache holds (a tiny GPT-2 record with its timelines: ~1.7 MiB)
 MAX_RECORDS = 32
 #: a real tensor attribute up to this many bytes is keyed by its values (a larger one by identity)
