@@ -339,6 +339,12 @@ def stop37_rows(jobs: int, world: int = 2, live: bool = False, only: list[int] |
 
     def rank(i: int, r: int) -> dict[str, Any]:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29700 + i)}
+        if "SYMMEM_CUDA_SNAPSHOT" in env:  # a folder: rank 0's history of each case (the ranks ran alike so far)
+            if r:
+                del env["SYMMEM_CUDA_SNAPSHOT"]
+            else:
+                os.makedirs(env["SYMMEM_CUDA_SNAPSHOT"], exist_ok=True)
+                env["SYMMEM_CUDA_SNAPSHOT"] = os.path.join(env["SYMMEM_CUDA_SNAPSHOT"], f"stop37-case{i}-r0.pickle")
         argv = [sys.executable, __file__, "--case37", str(i), "--pause", str(PAUSE), "--world", str(world),
                 "--rank-timeout", str(RANK_TIMEOUT_S),
                 "--rank", str(r), *(["--dry-run"] if DRY else []), *(["--live"] if live else [])]
