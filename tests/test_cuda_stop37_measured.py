@@ -28,10 +28,11 @@ What is compared, per rank, like with like (docs/cuda.md, "Stops 33-36's data-pa
 
 Every row is exact except FSDP1's gradient accumulation with resharding at its peak (``GLOO``): there the backward's
 all-gathers run gloo's own device temporaries for CUDA tensors (NCCL allocates none; docs/cuda.md "Two ranks on one
-GPU"), and the measurement is above the model by exactly the temporaries rank 0's allocator history recorded for the
-same model and engine at M = 1 in tests/data/cuda_h200_world2.json (MLP 64-127-10 under both FSDP1 strategies:
-16,896 bytes; Llama FULL_SHARD: 49,664); GPT-2 FULL_SHARD at M = 2 (+35,328, no history yet) only stays above.
-The live bytes are compared with the CPU derivation, to the byte, as the suite's gloo tests do on torch 2.13.
+GPU"), and the measurement is above the model by exactly the temporaries rank 0's allocator history recorded: in a
+second run (tests/data/cuda_h200_stop37_history.json) for the MLP 64-127-10 under both FSDP1 strategies (16,896
+bytes) and GPT-2 FULL_SHARD (35,328), in tests/data/cuda_h200_world2.json for Llama FULL_SHARD at M = 1 (49,664).
+The live bytes (the second run's seven cases; the first run's recorder failed) are compared with the CPU
+derivation, to the byte, as the suite's gloo tests do on torch 2.13, at or above where gloo freed buffers late.
 
 A JSON from ``--dry-run`` (CPU ranks; ``device`` "cpu ...") is read the same way with the CPU ranks' live bytes
 standing in for the measurement (``check_cuda_engines.standin``): every engine exact against ``device="cpu"``.
