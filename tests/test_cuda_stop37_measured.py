@@ -28,10 +28,11 @@ What is compared, per rank, like with like (docs/cuda.md, "Stops 33-36's data-pa
 
 Every row is exact except FSDP1's gradient accumulation with resharding at its peak (``GLOO``): there the backward's
 all-gathers run gloo's own device temporaries for CUDA tensors (NCCL allocates none; docs/cuda.md "Two ranks on one
-GPU"), and the measurement is above the model by exactly the temporaries rank 0's allocator history recorded for the
-same model and engine at M = 1 in tests/data/cuda_h200_world2.json (MLP 64-127-10 under both FSDP1 strategies:
-16,896 bytes; Llama FULL_SHARD: 49,664); GPT-2 FULL_SHARD at M = 2 (+35,328, no history yet) only stays above.
-The live bytes are compared with the CPU derivation, to the byte, as the suite's gloo tests do on torch 2.13.
+GPU"), and the measurement is above the model by exactly the temporaries rank 0's allocator history recorded: in a
+second run (tests/data/cuda_h200_stop37_history.json) for the MLP 64-127-10 under both FSDP1 strategies (16,896
+bytes) and GPT-2 FULL_SHARD (35,328), in tests/data/cuda_h200_world2.json for Llama FULL_SHARD at M = 1 (49,664).
+The live bytes (the second run's seven cases; the first run's recorder failed) are compared with the CPU
+derivation, to the byte, as the suite's gloo tests do on torch 2.13, at or above where gloo freed buffers late.
 
 A JSON from ``--dry-run`` (CPU ranks; ``device`` "cpu ...") is read the same way with the CPU ranks' live bytes
 standing in for the measurement (``check_cuda_engines.standin``): every engine exact against ``device="cpu"``.
@@ -66,6 +67,11 @@ HISTORY = {json.dumps([r["spec"][k] for k in ("model", "values", "options", "eng
            r["collective_temporaries"] + r.get("copy_out_metadata", 0)
            for r in WORLD2["rows"] if "collective_temporaries" in r and r["spec"]["impl"] == "foreach"}
 CASE_KEYS = ("model", "values", "options", "engine", "checkpoint", "micro_batches", "impl")
+#: the second device run (tests/data/cuda_h200_stop37_history.json): rank 0's allocator history of cases 14-17 read
+#: with --analyze ("collectives": each step's bytes allocated inside the collectives at its peak), and the rows of
+#: seven cases with the live bytes of torch 2.11's CPU ranks under the recorder
+SECOND_PATH = Path(__file__).parent / "data" / "cuda_h200_stop37_history.json"
+SECOND: dict[str, Any] | None = json.loads(SECOND_PATH.read_text()) if SECOND_PATH.exists() else None
 
 
 def _key(row: dict[str, Any]) -> str:
@@ -116,8 +122,11 @@ def test_every_case_ran_on_both_ranks():
     assert DATA["world"] == 2 and len(CASES) == 26 and all(sorted(ranks) == [0, 1] for ranks in CASES.values())
     if ON_CUDA:
         assert "H200" in DATA["device"] and "+cu" in DATA["versions"]["torch"]
-        # the gloo rows: four cases, three of them with a recorded history of the same all-gather at M = 1
-        assert sum(map(_gloo, CASES)) == 4 and sum(_recorded(k, "steady") is not None for k in CASES if _gloo(k)) == 3
+        # the gloo rows: four cases, each with a recorded history (three this case's, Llama's of M = 1); the one
+        # recorded case outside them (GPT-2 SHARD_GRAD_OP, M = 2) allocated nothing inside its collectives
+        assert sum(map(_gloo, CASES)) == 4 and all(_recorded(k, s) for k in CASES if _gloo(k) for s in ("first",
+                                                                                                      "steady"))
+        assert SECOND is not None and [_recorded(k, "steady") for k in CASES if not _gloo(k)].count(0) == 1
 
 
 def device_peak(d: Any, step: str, rank: int) -> int:
@@ -134,7 +143,11 @@ def _gloo(key: str) -> bool:
 
 
 def _recorded(key: str, step: str) -> int | None:
-    """gloo's temporaries at the peak of the same model and engine at M = 1, from the --world 2 run's history."""
+    """gloo's temporaries at this case's peak (rank 0's allocator history): of the second run where it recorded the
+    case, else of the same model and engine at M = 1 in the --world 2 run."""
+    found = SECOND["collectives"].get(str(CASES[key][0]["case"])) if SECOND else None
+    if found is not None:
+        return found[0] if step == "first" else found[-1]
     c = json.loads(key)
     return HISTORY.get(json.dumps([c["model"], c["values"], c["options"], c["engine"]], sort_keys=True) + step)
 
@@ -185,7 +198,27 @@ def test_max_memory_allocated_every_rank(key):
             assert requested - device_peak(d, step, rank) <= measured - want, (rank, step)
 
 
-LIVE = {k: ranks for k, ranks in CASES.items() if all("per_step" in r.get("live", {}) for r in ranks.values())}
+def _keyed(rows: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        if "error" not in row:
+            out.setdefault(_key(row), {})[row["rank"]] = row
+    return out
+
+
+#: the live bytes: the first run's recorder failed on torch 2.11 (no all_gather_single); the second's came back
+LIVE = {k: ranks for k, ranks in {**CASES, **_keyed(SECOND["rows"] if SECOND else [])}.items()
+        if all("per_step" in r.get("live", {}) for r in ranks.values())}
+
+
+@pytest.mark.skipif(SECOND is None, reason="no second run")
+def test_the_second_run_repeats_the_first():
+    """The second run's CUDA rows (seven cases, both ranks) are the first's, step by step: the same peaks."""
+    second = _keyed(SECOND["rows"] if SECOND else [])
+    assert len(second) == 7 and all(k in CASES for k in second)
+    for key, ranks in second.items():
+        for rank, row in ranks.items():
+            assert row["steps"] == CASES[key][rank]["steps"] and row["host_state"] == CASES[key][rank]["host_state"]
 
 
 @pytest.mark.parametrize("key", sorted(LIVE), ids=_label)
@@ -195,6 +228,11 @@ def test_live_bytes_every_rank(key):
     want = _per_rank(_derived(key, "cpu"))
     for rank, row in sorted(LIVE[key].items()):
         first, *steady = row["live"]["per_step"]
+        if row["live"]["late"]:
+            # gloo's worker threads freed buffers late (GPT-2 FSDP2 selective on torch 2.11: 322 late frees, +2,048
+            # bytes in both steps; exact on torch 2.13 here and on the GPU in both runs): a late free only adds
+            assert first >= want[rank][0] and min(steady) >= want[rank][1], (rank, row["live"])
+            continue
         assert (first, min(steady)) == want[rank], (rank, row["live"])
 
 
