@@ -121,10 +121,10 @@ def _live_meshes() -> dict[str, list[Any]]:
     import test_fsdp_pipeline as fsdp
     import test_tensor_pipeline as tensor
 
-    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+    from symmem.record.mesh_runs import mesh_runs
 
     cases = [c for module in (fsdp, tensor, ddp) for k, c in enumerate(module.mesh_cases()) if k in module.LIVE]
-    runs = fsdp_pipeline_runs(2, 2, cases, start_method="forkserver")
+    runs = mesh_runs(2, 2, cases, start_method="forkserver")
     return {key(c): [rank[k] for rank in runs] for k, c in enumerate(cases)}
 
 

@@ -54,7 +54,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "torch.distributed.optim", "torch.nn.parallel", "symmem.record.distributed", "symmem.record.steps",
            "symmem.record.sharded", "symmem.record.fsdp1_runs", "symmem.record.collectives", "symmem.reference",
            "transformers", "transformers.models.gpt2.modeling_gpt2", "torch.distributed.pipelining",
-           "symmem.record.fsdp_pipeline_runs", "symmem.record.ddp_pipeline_runs",
+           "symmem.record.fsdp_pipeline_runs", "symmem.record.ddp_pipeline_runs", "symmem.record.mesh_runs",
            "symmem.record.traced_pipeline_runs", "symmem.importer.spec_builder")
 
 

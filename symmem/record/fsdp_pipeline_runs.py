@@ -75,11 +75,6 @@ def fsdp_pipeline_step(case: Case, rank: int, world: int, stages: int) -> StageM
 
     if is_tensor_case(case):  # tensor parallel x pipeline on a p x t mesh, in the same spawn
         return _record(*tensor_pipeline_stage(case, rank, world, stages), repeats=mesh_repeats(True))
-    if isinstance(case[-1], str):  # DDP, its bucket view or ZeRO-1 on the stages (ddp_pipeline_runs' case)
-        from .ddp_pipeline_runs import ddp_pipeline_step
-
-        return ddp_pipeline_step(case, rank, world, stages)
-
     on = mesh_stage(case, world, stages)
     blocks = on.blocks if on.blocks is not None else units(on.module)
     for block in blocks:
@@ -302,7 +297,11 @@ def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method
     from .model_parallel_runs import forked_ranks
 
     mesh_of(stages, dp, start_method, __name__)
-    listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]),
-                                           case[6] if isinstance(case[6], str) else bool(case[6])) for case in cases]
-    return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the FSDP x pipeline run",
+    return forked_ranks(stages * dp, functools.partial(_work, listed(cases), stages), "the FSDP x pipeline run",
                         start_method)
+
+
+def listed(cases: Sequence[Any]) -> list[Any]:
+    """The cases as a rank gets them (mappings as dicts, the engine field as it is: a name or a flag)."""
+    return [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]),
+                                         case[6] if isinstance(case[6], str) else bool(case[6])) for case in cases]
