@@ -40,6 +40,7 @@ standing in for the measurement (``check_cuda_engines.standin``): every engine e
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ def _label(key: str) -> str:
     return f"{c['model']} {c['engine']} {c['checkpoint']} M={c['micro_batches']} V={c['values'].get('V', '')}"
 
 
+@functools.cache  # the requested, allocated and live tests of a case share its derivation (conftest.WHOLE)
 def _derived(key: str, device: str) -> Any:
     c = json.loads(key)
     return derive(c["model"], convention="pytorch", options={"device": device}, optimizer="adamw",
