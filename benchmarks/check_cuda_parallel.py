@@ -60,6 +60,11 @@ MESH += [("llama", LLAMA, "1f1b", 2, "sum", {"attention": "naive"}, "ddp"),
          ("gpt2", GPT2, "gpipe", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "zero-redundancy"),
          ("llama", WIDE, "1f1b", 2, "cross-entropy", {"attention": "naive"}, "ddp"),
          ("llama", WIDE, "1f1b", 2, "cross-entropy", {"attention": "naive"}, "zero-redundancy")]
+#: FSDP2 (``fully_shard`` on each layer and the stage root, resharding or not) on each stage of the same mesh
+#: (``--mesh-fsdp``): measured once on an H200 at stop 37, docs/cuda.md
+MESH_FSDP = [("llama", LLAMA, "gpipe", 2, "cross-entropy", {"attention": "sdpa"}, "fsdp"),
+             ("llama", LLAMA, "1f1b", 2, "cross-entropy", {"attention": "sdpa"}, "fsdp-no-reshard"),
+             ("gpt2", GPT2, "1f1b", 2, "cross-entropy", {"attention": "naive", "dropout": 0.0}, "fsdp")]
 FIRST, STEADY = 2, 3
 DRY = False
 #: ``--tensor``: the tensor-parallel rows too.  On an H200 with torch 2.11 gloo's all-gather of CUDA tensors (the
@@ -299,8 +304,17 @@ def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, lo
     data = ids.to(_device()) if first else None
     target = labels.to(_device()) if last else None
     del ids, labels
-    wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
-                                      gradient_as_bucket_view=engine == "ddp-bucket-view")
+    if engine.startswith("fsdp"):  # FSDP2 as fsdp_pipeline_runs builds it: each layer, then the stage root
+        from torch.distributed.fsdp import fully_shard
+
+        from symmem.record.sharded import units
+
+        for block in units(module):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=engine == "fsdp")
+        wrapped = fully_shard(module, mesh=mesh["dp"], reshard_after_forward=engine == "fsdp")
+    else:
+        wrapped = DistributedDataParallel(module, process_group=mesh["dp"].get_group(),
+                                          gradient_as_bucket_view=engine == "ddp-bucket-view")
     known = inspect.signature(PipelineStage).parameters
     stage = PipelineStage(wrapped, s, stages, _device(), group=mesh["pp"].get_group(),
                           **{k: v for k, v in given.items() if k in known})
@@ -348,7 +362,7 @@ def mesh_work(case: int, rank: int, world: int) -> list[dict[str, Any]]:
     """One case in processes of its own: DDP's buckets of an earlier case in the same process were let go during
     the next one (measured), which a baseline taken before it cannot see."""
     _rank_setup()
-    return [_mesh_pipeline(*MESH[case], rank, world)]
+    return [_mesh_pipeline(*(MESH_FSDP if os.environ.get("SYMMEM_MESH_FSDP") else MESH)[case], rank, world)]
 
 
 def work(rank: int, world: int) -> list[dict[str, Any]]:
@@ -381,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--history", default=None, metavar="DIR",
                     help="the allocator's history of the 1F1B M=4 rows (foreach), one pickle per rank, into DIR")
     ap.add_argument("--mesh", action="store_true", help="only the DDP / ZeRO-1 x pipeline rows (four ranks)")
+    ap.add_argument("--mesh-fsdp", action="store_true", help="only the FSDP2 x pipeline rows (four ranks)")
     ap.add_argument("--cpp", action="store_true", help="the histories with C++ frames")
     ap.add_argument("--only-pipeline", action="store_true", help="no one-device control rows")
     ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU ranks, no memory read")
@@ -398,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     # forkserver on the GPU: a CUDA context does not survive fork
     how = "fork" if DRY else "forkserver"
-    if args.mesh:
+    os.environ["SYMMEM_MESH_FSDP"] = "1" if args.mesh_fsdp else ""
+    if args.mesh or args.mesh_fsdp:
         each = [runs_of.forked_ranks(4, functools.partial(mesh_work, k), "the CUDA mesh check", how)
-                for k in range(len(MESH))]
+                for k in range(len(MESH_FSDP if args.mesh_fsdp else MESH))]
         ranks = [[row for case in each for row in case[r]] for r in range(4)]
     else:
         ranks = runs_of.forked_ranks(2, work, "the CUDA parallel check", how)
