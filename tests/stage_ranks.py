@@ -112,6 +112,16 @@ def against_stored(cases: list[Any], runs: list[list[Any]]) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def rerun(runner: Any, cases: list[Any]) -> list[list[Any]]:
+    """``cases`` in a fresh 2 x 2 spawn of ``runner`` (each file's own: ``fsdp_pipeline_runs`` or
+    ``ddp_pipeline_runs``), every rank with no late free and one first and one steady step, against
+    :data:`DATA` (:func:`against_stored`); per rank, per case."""
+    everything = runner(2, 2, cases, start_method="forkserver")
+    assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
+    against_stored(cases, everything)
+    return everything
+
+
 @functools.cache
 def _live_meshes() -> dict[str, list[Any]]:
     """The 2 x 2 meshes' LIVE cases of tests/test_fsdp_pipeline.py (FSDP2), tests/test_tensor_pipeline.py (TP, SP)
