@@ -102,10 +102,14 @@ def test_the_forwards_cycles_are_collected_and_a_callers_freeze_stays() -> None:
 
     assert gc.get_freeze_count() == 0
     assert kept() == truth and gc.get_freeze_count() == 0
+    callers = [[]]  # one of the caller's own objects, held here so that it outlives the recording
     gc.freeze()  # a caller's own frozen objects stay frozen, and the forward's cycles are still found
     try:
         frozen = gc.get_freeze_count()
-        assert frozen > 0 and kept() == truth and gc.get_freeze_count() == frozen
+        assert frozen > 0 and kept() == truth
+        # The count alone cannot say it: a frozen object that its last reference leaves during the recording (a
+        # cache another test filled) is freed and leaves the count, so a run after other tests sees it drop.
+        assert gc.get_freeze_count() <= frozen and not any(o is callers for o in gc.get_objects())
     finally:
         gc.unfreeze()
 
