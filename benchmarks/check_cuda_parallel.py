@@ -179,9 +179,15 @@ def _tensor(values: dict[str, int], options: dict[str, Any], impl: str, rank: in
 
 
 def _scheduled_step(sched: Any, opt: Any, data: Any, target: Any, first: bool, last: bool,
-                    base: dict[str, int]) -> dict[str, int]:
-    """One training step of a pipeline stage (the schedule, AdamW, ``zero_grad``): its allocator peaks."""
+                    base: dict[str, int], marked: bool = False) -> dict[str, int]:
+    """One training step of a pipeline stage (the schedule, AdamW, ``zero_grad``): its allocator peaks.  ``marked``:
+    an allocator history is being recorded, and the step's start shows in it as a MARK-byte allocation."""
     _reset()
+    if marked and not DRY:
+        import torch
+
+        mark = torch.empty(MARK, dtype=torch.uint8, device="cuda")
+        del mark
     losses: list[Any] = []
     out = sched.step(data) if first else sched.step(target=target, losses=losses) if last else sched.step()
     del out, losses
@@ -296,6 +302,12 @@ def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, lo
 
     stages = 2
     base = _mark()
+    # SYMMEM_CUDA_SNAPSHOT=DIR: each rank's allocator history of the case, from its baseline on (the module's
+    # parameters and FSDP2's shards included, so that every byte live at a step's peak is in the trace)
+    snapshots = os.environ.get("SYMMEM_CUDA_SNAPSHOT") if engine.startswith("fsdp") else None
+    recording = bool(snapshots) and not DRY
+    if recording:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     mesh = init_device_mesh(_device().type, (stages, world // stages), mesh_dim_names=("pp", "dp"))
     s, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     first, last = s == 0, s == stages - 1
@@ -333,15 +345,116 @@ def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, lo
         if k <= 2:
             opt = None
             opt = optimizer()
-        peaks = _scheduled_step(sched, opt, data, target, first, last, base)
+        peaks = _scheduled_step(sched, opt, data, target, first, last, base, marked=recording)
         if k >= 2:
             steps.append(peaks)
     host = sum(t.numel() * t.element_size() for st in getattr(opt, "optim", opt).state.values()
                for t in st.values() if isinstance(t, torch.Tensor) and t.device.type == "cpu")
+    row = {"kind": "mesh", "model": model, "values": values, "schedule": schedule, "M": m, "loss": loss,
+           "options": options, "engine": engine, "impl": impl, "rank": rank, "pp": s, "dp": dp, "N": world // stages,
+           "host_state": host, "steps": steps}
+    if snapshots:
+        _save_history(snapshots, row, base)
     del opt, sched, stage, wrapped, module, data, target
-    return {"kind": "mesh", "model": model, "values": values, "schedule": schedule, "M": m, "loss": loss,
-            "options": options, "engine": engine, "impl": impl, "rank": rank, "pp": s, "dp": dp, "N": world // stages,
-            "host_state": host, "steps": steps}
+    return row
+
+
+#: the size of the allocation that marks each step's start in a recorded history (no other tensor has it; as
+#: check_cuda_engines.MARK)
+MARK = 7
+#: python frames kept per history entry, innermost first (enough to tell the collective, FSDP2, the schedule, the
+#: model's op and the optimizer apart)
+FRAMES = 12
+
+
+def _history_name(row: dict[str, Any]) -> str:
+    return f"mesh-fsdp-{row['model']}-{row['schedule']}-{row['engine']}-r{row['rank']}.json.gz"
+
+
+def _save_history(folder: str, row: dict[str, Any], base: dict[str, int]) -> None:
+    """The rank's allocator history, compacted (action, address, size, stream, the innermost python frames as
+    ``file:line:function``), with its row and baseline, gzipped JSON in ``folder``.  A dry run writes an empty
+    trace (no allocator on CPU ranks), so that ``--analyze`` runs on its files too."""
+    import gzip
+
+    import torch
+
+    trace: list[list[Any]] = []
+    if not DRY:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        for e in snapshot["device_traces"][0]:
+            frames = [f"{x['filename'].rsplit('/', 2)[-2]}/{x['filename'].rsplit('/', 1)[-1]}:{x['line']}:{x['name']}"
+                      for x in e.get("frames", ()) if x["filename"].endswith(".py")][:FRAMES]
+            trace.append([e["action"], int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0)),
+                          frames])
+    os.makedirs(folder, exist_ok=True)
+    with gzip.open(Path(folder, _history_name(row)), "wt") as f:
+        json.dump({"row": row, "base": base, "mark": MARK, "trace": trace}, f)
+
+
+def _category(frames: list[str]) -> str:
+    """Who made an allocation: the innermost frame that belongs to the collectives (``distributed_c10d.py``),
+    FSDP2, the pipeline schedule, the optimizer or the model's code (its modules, the loss) decides; none (autograd's
+    backward, which has no python frames) is the model's."""
+    for f in frames:
+        name = f.split(":")[0]
+        if name.endswith(("distributed_c10d.py", "_functional_collectives.py")):
+            return "c10d"
+        if name.startswith("optim/") or "adam" in name.lower():
+            return "optimizer"
+        if name.startswith(("_fully_shard/", "fsdp/")):
+            return "fsdp"
+        if name.startswith("pipelining/"):
+            return "pipeline"
+        if name.startswith(("nn/", "modules/", "reference/", "record/", "symmem/")):
+            return "model"
+    return "model"
+
+
+def analyze_history(path: str) -> dict[str, Any]:
+    """Each step's peak in one rank's recorded history (``_save_history``): the bytes live at it as the allocator's
+    statistics count them (a block freed while a side stream still uses it -- gloo's CUDA work records its streams
+    on its tensors -- counts until ``free_completed``), as the caller freed them (``free_requested``), each by who
+    made them (``_category``), and the live allocations at the statistics' peak with their frames.  Windows are the
+    MARK allocations: window 2 is the first measured step, 3.. the steady ones (``_mesh_pipeline``)."""
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        h = json.load(f)
+    trace = h["trace"]
+    starts = [i for i, e in enumerate(trace) if e[0] == "alloc" and e[2] == h["mark"]]
+    windows: list[dict[str, Any]] = []
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(trace)
+        windows.append({"step": k, "start": start, "end": end})
+    for held_until in ("free_completed", "free_requested"):
+        live: dict[int, tuple[int, list[str], int]] = {}
+        now = 0
+        best = [(-1, -1, {}) for _ in windows]  # (peak, event index, live set)
+        for i, e in enumerate(trace):
+            action, addr, size = e[0], e[1], e[2]
+            if action == "alloc":
+                live[addr] = (size, e[4], i)
+                now += size
+                k = sum(i >= s for s in starts) - 1
+                if k >= 0 and now > best[k][0]:
+                    best[k] = (now, i, dict(live))
+            elif action == held_until and addr in live:
+                now -= live.pop(addr)[0]
+        for w, (peak, at, held) in zip(windows, best, strict=True):
+            by: dict[str, int] = {}
+            for size, frames, _ in held.values():
+                c = _category(frames)
+                by[c] = by.get(c, 0) + size
+            out = {"peak": peak, "at": at, "by": by,
+                   "at_frames": trace[at][4][:6] if at >= 0 else [],
+                   "rounded": sum(-(-size // 512) * 512 for size, _, _ in held.values())}
+            if held_until == "free_completed":
+                out["live"] = sorted(([size, i, _category(frames), frames[:6]] for size, frames, i in held.values()),
+                                     key=lambda x: x[1])
+            w["stats" if held_until == "free_completed" else "requested"] = out
+    return {"row": h["row"], "base": h["base"], "events": len(trace), "windows": windows}
 
 
 def _rank_setup() -> None:
@@ -387,6 +500,26 @@ def work(rank: int, world: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _print_analysis(paths: list[str], out: str | None) -> int:
+    """``--analyze``: per history, each step's peak (as the allocator's statistics count it, and with the blocks
+    freed by the caller but still held for a side stream left out), split by who made the bytes."""
+    found = []
+    for path in paths:
+        a = analyze_history(path)
+        found.append({"path": Path(path).name, **a})
+        r = a["row"]
+        print(f"{Path(path).name}: {a['events']} events, measured requested {[x['requested'] for x in r['steps']]}, "
+              f"allocated {[x['allocated'] for x in r['steps']]}")
+        for w in a["windows"]:
+            st, rq = w["stats"], w["requested"]
+            print(f"  step {w['step']}: peak {st['peak']:,} (rounded {st['rounded']:,}) "
+                  f"{', '.join(f'{k} {v:,}' for k, v in sorted(st['by'].items()))}; as freed {rq['peak']:,} "
+                  f"({', '.join(f'{k} {v:,}' for k, v in sorted(rq['by'].items()))}); at {st['at_frames'][:2]}")
+    if out:
+        Path(out).write_text(json.dumps(found) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     global DRY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -399,7 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpp", action="store_true", help="the histories with C++ frames")
     ap.add_argument("--only-pipeline", action="store_true", help="no one-device control rows")
     ap.add_argument("--dry-run", action="store_true", help="the same steps on CPU ranks, no memory read")
+    ap.add_argument("--analyze", nargs="*", default=None, metavar="HISTORY",
+                    help="read --mesh-fsdp histories recorded with SYMMEM_CUDA_SNAPSHOT=DIR: each step's peak split "
+                         "into the model's bytes and the collectives' temporaries (no GPU needed; --json: all of it)")
     args = ap.parse_args(argv)
+    if args.analyze is not None:
+        return _print_analysis(args.analyze, args.json)
     DRY = args.dry_run
     os.environ["SYMMEM_CHECK_TENSOR"] = "1" if args.tensor else ""
     os.environ["SYMMEM_HISTORY_DIR"] = args.history or ""
@@ -415,8 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     how = "fork" if DRY else "forkserver"
     os.environ["SYMMEM_MESH_FSDP"] = "1" if args.mesh_fsdp else ""
     if args.mesh or args.mesh_fsdp:
-        each = [runs_of.forked_ranks(4, functools.partial(mesh_work, k), "the CUDA mesh check", how)
-                for k in range(len(MESH_FSDP if args.mesh_fsdp else MESH))]
+        each = []
+        for k in range(len(MESH_FSDP if args.mesh_fsdp else MESH)):
+            each.append(runs_of.forked_ranks(4, functools.partial(mesh_work, k), "the CUDA mesh check", how))
+            if args.json:  # each case as it ends: a run cut by its time limit keeps the cases it finished
+                Path(args.json).write_text(json.dumps({
+                    "device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
+                    "versions": {"torch": torch.__version__}, "first_steps": FIRST, "steady_steps": STEADY,
+                    "rows": [row for r in range(4) for case in each for row in case[r]]}, indent=1) + "\n")
         ranks = [[row for case in each for row in case[r]] for r in range(4)]
     else:
         ranks = runs_of.forked_ranks(2, work, "the CUDA parallel check", how)
