@@ -394,9 +394,11 @@ def _save_history(folder: str, row: dict[str, Any], base: dict[str, int]) -> Non
 
 
 def _category(frames: list[str]) -> str:
-    """Who made an allocation: the innermost frame that belongs to the collectives (``distributed_c10d.py``),
-    FSDP2, the pipeline schedule, the optimizer or the model's code (its modules, the loss) decides; none (autograd's
-    backward, which has no python frames) is the model's."""
+    """Who made an allocation: the innermost frame that belongs to the collectives (``distributed_c10d.py``: what
+    gloo's C++ makes inside one), FSDP2 (its copy-out's kernel metadata, ``split_with_sizes_copy``, apart), the
+    pipeline schedule, the optimizer, ``Module.to``'s copies (``moved``: the module's tensors as built, moved to the
+    GPU after the baseline) or the model's code (its modules, the loss) decides; none (autograd's backward, which
+    has no python frames) is the model's."""
     for f in frames:
         name = f.split(":")[0]
         if name.endswith(("distributed_c10d.py", "_functional_collectives.py")):
@@ -404,56 +406,83 @@ def _category(frames: list[str]) -> str:
         if name.startswith("optim/") or "adam" in name.lower():
             return "optimizer"
         if name.startswith(("_fully_shard/", "fsdp/")):
-            return "fsdp"
+            return "copy-out" if f.endswith(":split_with_sizes_copy") else "fsdp"
         if name.startswith("pipelining/"):
             return "pipeline"
+        if name.endswith("modules/module.py") and f.endswith((":convert", ":_apply")):
+            return "moved"
         if name.startswith(("nn/", "modules/", "reference/", "record/", "symmem/")):
             return "model"
     return "model"
 
 
-def analyze_history(path: str) -> dict[str, Any]:
-    """Each step's peak in one rank's recorded history (``_save_history``): the bytes live at it as the allocator's
-    statistics count them (a block freed while a side stream still uses it -- gloo's CUDA work records its streams
-    on its tensors -- counts until ``free_completed``), as the caller freed them (``free_requested``), each by who
-    made them (``_category``), and the live allocations at the statistics' peak with their frames.  Windows are the
-    MARK allocations: window 2 is the first measured step, 3.. the steady ones (``_mesh_pipeline``)."""
+#: the bands a ``--mesh-fsdp`` history's peak is read without, one after the other (docs/cuda.md): gloo's device
+#: temporaries inside the collectives (NCCL makes none in the caching allocator), then FSDP2's copy-out metadata
+BANDS = ("c10d", "copy-out")
+
+
+def _window_peaks(trace: list[list[Any]], starts: list[int], leave_out: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each window's peak over the allocations not made by ``leave_out``'s categories, a block counted until the
+    allocator's ``free_completed`` (as its statistics count it: gloo's CUDA work records its streams on its
+    tensors, so a block can outlive the caller's free): the bytes, the event, the live set then, and the optimizer
+    step's own peak (from the window's first AdamW allocation on)."""
+    live: dict[int, tuple[int, str, list[str], int]] = {}
+    now = 0
+    out = [{"peak": -1, "at": -1, "held": {}, "step": 0} for _ in starts]
+    stepping = [False] * len(starts)
+    k = -1
+    for i, e in enumerate(trace):
+        action, addr, size = e[0], e[1], e[2]
+        while k + 1 < len(starts) and i >= starts[k + 1]:
+            k += 1
+        if action == "alloc":
+            c = _category(e[4])
+            if c in leave_out:
+                continue
+            live[addr] = (size, c, e[4], i)
+            now += size
+            if k < 0:
+                continue
+            if now > out[k]["peak"]:
+                out[k].update(peak=now, at=i, held=dict(live))
+            stepping[k] = stepping[k] or c == "optimizer"
+            if stepping[k]:
+                out[k]["step"] = max(out[k]["step"], now)
+        elif action == "free_completed" and addr in live:
+            now -= live.pop(addr)[0]
+    return out
+
+
+def analyze_history(path: str, live: bool = False) -> dict[str, Any]:
+    """Each step's peak in one rank's recorded history (``_save_history``): the bytes live at it (``peak``: the
+    measured ``requested_bytes`` peak), split by who made them (``_category``); the peak read again without each of
+    ``BANDS`` in turn (``less_c10d``, ``less_copy-out``), the ``moved`` bytes alive at the last of those and the
+    optimizer step's own peak then (``step``); ``live``: the allocations alive at the peak with their frames.
+    Windows are the MARK allocations: 0 and 1 unmeasured, 2 the first measured step, 3.. the steady ones
+    (``_mesh_pipeline``)."""
     import gzip
 
     with gzip.open(path, "rt") as f:
         h = json.load(f)
     trace = h["trace"]
     starts = [i for i, e in enumerate(trace) if e[0] == "alloc" and e[2] == h["mark"]]
+    every = [_window_peaks(trace, starts, BANDS[:n]) for n in range(len(BANDS) + 1)]
     windows: list[dict[str, Any]] = []
-    for k, start in enumerate(starts):
-        end = starts[k + 1] if k + 1 < len(starts) else len(trace)
-        windows.append({"step": k, "start": start, "end": end})
-    for held_until in ("free_completed", "free_requested"):
-        live: dict[int, tuple[int, list[str], int]] = {}
-        now = 0
-        best = [(-1, -1, {}) for _ in windows]  # (peak, event index, live set)
-        for i, e in enumerate(trace):
-            action, addr, size = e[0], e[1], e[2]
-            if action == "alloc":
-                live[addr] = (size, e[4], i)
-                now += size
-                k = sum(i >= s for s in starts) - 1
-                if k >= 0 and now > best[k][0]:
-                    best[k] = (now, i, dict(live))
-            elif action == held_until and addr in live:
-                now -= live.pop(addr)[0]
-        for w, (peak, at, held) in zip(windows, best, strict=True):
-            by: dict[str, int] = {}
-            for size, frames, _ in held.values():
-                c = _category(frames)
-                by[c] = by.get(c, 0) + size
-            out = {"peak": peak, "at": at, "by": by,
-                   "at_frames": trace[at][4][:6] if at >= 0 else [],
-                   "rounded": sum(-(-size // 512) * 512 for size, _, _ in held.values())}
-            if held_until == "free_completed":
-                out["live"] = sorted(([size, i, _category(frames), frames[:6]] for size, frames, i in held.values()),
-                                     key=lambda x: x[1])
-            w["stats" if held_until == "free_completed" else "requested"] = out
+    for k, found in enumerate(zip(*every, strict=True)):
+        whole, last = found[0], found[-1]
+        by: dict[str, int] = {}
+        for size, c, _, _ in whole["held"].values():
+            by[c] = by.get(c, 0) + size
+        w = {"step": k, "peak": whole["peak"], "by": by,
+             "rounded": sum(-(-size // 512) * 512 for size, _, _, _ in whole["held"].values()),
+             "at_frames": trace[whole["at"]][4][:6] if whole["at"] >= 0 else [],
+             **{f"less_{band}": x["peak"] for band, x in zip(BANDS, found[1:], strict=True)},
+             "moved": sum(size for size, c, _, _ in last["held"].values() if c == "moved"),
+             "optimizer_step": last["step"]}
+        if live:
+            w["live"] = [[size, i, c, frames[:6]] for size, c, frames, i in
+                         sorted(whole["held"].values(), key=lambda x: x[3])]
+        windows.append(w)
     return {"row": h["row"], "base": h["base"], "events": len(trace), "windows": windows}
 
 
@@ -500,23 +529,38 @@ def work(rank: int, world: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _print_analysis(paths: list[str], out: str | None) -> int:
-    """``--analyze``: per history, each step's peak (as the allocator's statistics count it, and with the blocks
-    freed by the caller but still held for a side stream left out), split by who made the bytes."""
+def figures(found: list[dict[str, Any]]) -> dict[str, Any]:
+    """The test data of ``--analyze --figures``: each history's row (its case, rank, measured steps, host state) and
+    its measured steps' figures (windows 2..: ``analyze_history``'s, without the live sets)."""
+    rows = []
+    for a in sorted(found, key=lambda a: a["path"]):
+        keep = ("model", "values", "schedule", "M", "loss", "options", "engine", "rank", "pp", "dp", "host_state",
+                "steps")
+        rows.append({**{k: a["row"][k] for k in keep}, "events": a["events"], "history": [
+            {k: v for k, v in w.items() if k not in ("live", "step")} for w in a["windows"][2:]]})
+    return {"how": "SYMMEM_CUDA_SNAPSHOT=DIR benchmarks/check_cuda_parallel.py --mesh-fsdp on the GPU, then "
+                   "--analyze DIR/*.json.gz --figures THIS (docs/cuda.md)", "bands": list(BANDS), "rows": rows}
+
+
+def _print_analysis(paths: list[str], out: str | None, compact: str | None = None) -> int:
+    """``--analyze``: per history, each step's peak, split by who made the bytes, and read again without the bands
+    (``analyze_history``); ``out``: the figures as JSON (the live sets too)."""
     found = []
     for path in paths:
-        a = analyze_history(path)
+        a = analyze_history(path, live=bool(out))
         found.append({"path": Path(path).name, **a})
         r = a["row"]
         print(f"{Path(path).name}: {a['events']} events, measured requested {[x['requested'] for x in r['steps']]}, "
-              f"allocated {[x['allocated'] for x in r['steps']]}")
+              f"allocated {[x['allocated'] for x in r['steps']]}, host {r['host_state']}")
         for w in a["windows"]:
-            st, rq = w["stats"], w["requested"]
-            print(f"  step {w['step']}: peak {st['peak']:,} (rounded {st['rounded']:,}) "
-                  f"{', '.join(f'{k} {v:,}' for k, v in sorted(st['by'].items()))}; as freed {rq['peak']:,} "
-                  f"({', '.join(f'{k} {v:,}' for k, v in sorted(rq['by'].items()))}); at {st['at_frames'][:2]}")
+            print(f"  step {w['step']}: peak {w['peak']:,} (rounded {w['rounded']:,}; "
+                  f"{', '.join(f'{k} {v:,}' for k, v in sorted(w['by'].items()))}); "
+                  + ", ".join(f"less {band} {w['less_' + band]:,}" for band in BANDS)
+                  + f", moved {w['moved']:,}, optimizer step {w['optimizer_step']:,}; at {w['at_frames'][:2]}")
     if out:
         Path(out).write_text(json.dumps(found) + "\n")
+    if compact:
+        Path(compact).write_text(json.dumps(figures(found), indent=1) + "\n")
     return 0
 
 
@@ -535,9 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--analyze", nargs="*", default=None, metavar="HISTORY",
                     help="read --mesh-fsdp histories recorded with SYMMEM_CUDA_SNAPSHOT=DIR: each step's peak split "
                          "into the model's bytes and the collectives' temporaries (no GPU needed; --json: all of it)")
+    ap.add_argument("--figures", default=None, metavar="OUT",
+                    help="with --analyze: each history's measured steps' figures as the test data (no live sets)")
     args = ap.parse_args(argv)
     if args.analyze is not None:
-        return _print_analysis(args.analyze, args.json)
+        return _print_analysis(args.analyze, args.json, args.figures)
     DRY = args.dry_run
     os.environ["SYMMEM_CHECK_TENSOR"] = "1" if args.tensor else ""
     os.environ["SYMMEM_HISTORY_DIR"] = args.history or ""
