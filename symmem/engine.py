@@ -242,9 +242,12 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
         else:  # passes/fsdp_pipeline.py
             from .passes.fsdp_pipeline import FsdpPipelineStep as Meshed  # type: ignore[assignment]
             engine = {"reshard": regime.data_parallel == "fsdp"}
-        why = refusal(model.name, regime, str(single.options.get("device", "cpu")), "DDP" if ddp else "FSDP")
+        device = str(single.options.get("device", "cpu"))
+        why = refusal(model.name, regime, device, "DDP" if ddp else "FSDP")
         if why is not None:
             return Refused(f"no peak: {why}")
+        if not ddp and device == "cuda" and one.optimizer_impl == "auto":
+            one = replace(one, optimizer_impl="foreach")  # AdamW's default over FSDP2's CUDA DTensors (measured)
         return Meshed(model.graph, convention, resolved, one, single.storages, dict(numbers),
                       regime.pipeline_schedule, regime.micro_batches, **engine)
     return PipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),

@@ -355,7 +355,6 @@ def test_other_engines_on_stages_are_one_line_errors(capsys, engine, why):
 
 
 @pytest.mark.parametrize("more, why", [
-    ({"device": "cuda"}, "no peak: the FSDP x pipeline peak is measured on CPU ranks (gloo)"),
     ({"optimizer": "sgd"}, "no peak: the FSDP x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step"),
     ({"values": {**LLAMA, "p": 2, "N": 1}}, "no peak: data_parallel='fsdp' at N = 1: FSDP2 on one rank"),
 ])

@@ -57,12 +57,10 @@ from .unroll import iteration  # here, not in the hooks: they run at every op of
 
 def refusal(model_name: str, regime: Regime, device: str, engine: str = "FSDP") -> str | None:
     """Why the ``engine`` x pipeline peak (FSDP's; :mod:`.ddp_pipeline`'s DDP) is not modelled for this derivation
-    (None: it is): what was measured."""
-    if device != "cpu" and engine != "DDP":
-        # DDP, its bucket view and ZeRO-1 on stages were measured on an H200 too (benchmarks/check_cuda_parallel.py
-        # --mesh, four ranks on the GPU: tests/test_cuda_pipeline_measured.py); FSDP's gloo collectives on CUDA make
-        # device temporaries of their own that only an allocator history tells apart
-        return f"the {engine} x pipeline peak is measured on CPU ranks (gloo)"
+    (None: it is): what was measured.  Both engines were measured on an H200 too (benchmarks/check_cuda_parallel.py
+    ``--mesh`` and ``--mesh-fsdp``, four ranks on the GPU: tests/test_cuda_pipeline_measured.py,
+    tests/test_cuda_mesh_fsdp_measured.py): FSDP2 with CUDA's default foreach AdamW, exact once gloo's device
+    temporaries inside the collectives and FSDP2's copy-out metadata are left out (allocator histories)."""
     if regime.precision != "fp32" or regime.optimizer not in ("adam", "adamw") or regime.optimizer_impl not in (
             "auto", "for-loop"):
         return f"the {engine} x pipeline peak is modelled for FP32 Adam/AdamW's for-loop step, as measured"
@@ -362,7 +360,9 @@ def stage_at(memory: Any, numbers: Mapping[str, int], units: _Units, regime: Reg
     before = [p.held for p in units.params if p.unit is None and units.params.index(p) < _first_layer(units)]
     after = [p.held for p in units.params if p.unit is None and units.params.index(p) > _first_layer(units)]
     layer = [p.held for p in units.of(units.layers[0])] if units.layers else []
-    temps = _integer(_step_temporaries(regime, before, layer, after, layers, "for-loop"), {}, "step temporaries")
+    # CUDA's default foreach step (the engine resolves "auto" by device): one ``sqrt`` of every held parameter at once
+    impl = "foreach" if regime.optimizer_impl == "foreach" else "for-loop"
+    temps = _integer(_step_temporaries(regime, before, layer, after, layers, impl), {}, "step temporaries")
     at.update(parameters=weights, gradients=weights, optimizer_state=state, step_temporaries=temps)
     at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
     at["step_peak"] = at["at_rest"] + weights + temps

@@ -1,0 +1,146 @@
+"""FSDP2 on pipeline stages against an H200: four ranks on one GPU, every rank's peak read from CUDA's allocator.
+
+Oracles: ``tests/data/cuda_h200_mesh_fsdp.json`` (stop 37) and ``tests/data/cuda_h200_mesh_fsdp_history.json``
+(round 38: the same run again with each rank's allocator history recorded, ``SYMMEM_CUDA_SNAPSHOT=DIR
+benchmarks/check_cuda_parallel.py --mesh-fsdp``, read by its ``--analyze --figures``), torch 2.11 + CUDA 13, a
+(pp, dp) = (2, 2) mesh, ``fully_shard`` on each layer and the stage root, gloo with CUDA tensors, CUDA's default
+foreach AdamW, two unmeasured steps, a first and three steady ones.
+
+symmem's CUDA prediction is each history's peak read without two bands (docs/cuda.md): the allocations gloo makes
+inside the collectives (device temporaries NCCL does not make in the caching allocator) and FSDP2's copy-out
+metadata (``split_with_sizes_copy`` packs its splits' pointers into a small device tensor on CUDA), less the
+harness's ``Module.to`` copies no rank frees that are not the stage's buffers (GPT-2's stage 0: the reference's tied
+head still holds the embedding as built, moved to the GPU after the baseline; on CPU ranks it predates the
+baseline), plus the real AdamW's host ``step`` counts (symmem counts them as the state's).  The same holds for the
+optimizer step's own peak (foreach: one ``sqrt`` of every held parameter at once).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from symmem import derive
+
+HERE = Path(__file__).parent / "data"
+MEASURED = json.loads((HERE / "cuda_h200_mesh_fsdp.json").read_text())
+HISTORY = json.loads((HERE / "cuda_h200_mesh_fsdp_history.json").read_text())
+
+
+def _key(r: dict) -> tuple:
+    return (r["model"], json.dumps(r["values"]), r["schedule"], r["M"], r["loss"], json.dumps(r["options"]),
+            r["engine"])
+
+
+def _cases() -> list[tuple[tuple, dict[int, dict]]]:
+    found: dict[tuple, dict[int, dict]] = {}
+    for r in HISTORY["rows"]:
+        found.setdefault(_key(r), {})[r["rank"]] = r
+    return sorted(found.items())
+
+
+def _derived(key: tuple) -> tuple[dict[int, dict[str, int]], list]:
+    """symmem's CUDA prediction of every rank ({rank: peak, first step's, optimizer step's}) and its stage peaks."""
+    model, values, schedule, m, loss, options, engine = key
+    values, options = json.loads(values), json.loads(options)
+    sizes = {**values, "F": 4 * values["H"]} if model == "gpt2" else values
+    d = derive(model, data_parallel=engine, pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m,
+               loss=loss, device="cuda", values={**sizes, "p": 2, "N": 2}, **options)
+    per = d.to_dict()["values"]["peak_per_rank"]
+    out = {}
+    for rank, want in per.items():
+        step = d.step.at_rank(int(rank) % 2)
+        stage = step._replays(step._named(d.numbers))[int(rank) // 2].peak
+        out[int(rank)] = {**want, "optimizer_step": stage.step}
+    return out, d
+
+
+def _moved(model: str, values: dict, options: dict, stage: int) -> tuple[int, int]:
+    """(the stage's buffers' bytes, the bytes of the harness's whole reference module that ``Module.to`` moves with
+    the stage and ``fully_shard`` leaves behind: a parameter of the stage also held by a module outside it -- a tied
+    head -- keeps its unsharded tensor), from the real stage module on the CPU."""
+    pytest.importorskip("torch")
+    import torch
+
+    from symmem.record.model_parallel_runs import _stage_module
+
+    module = _stage_module(model, values, stage, 2, options)
+    full = next(c.cell_contents for c in type(module).forward.__closure__ or ()
+                if isinstance(c.cell_contents, torch.nn.Module) and c.cell_contents is not module)
+    mine = {id(p) for p in module.parameters()}
+    inside = {id(m) for m in module.modules()}
+    left = sum(p.numel() * p.element_size() for m in full.modules() if id(m) not in inside
+               for p in m.parameters(recurse=False) if id(p) in mine)
+    return sum(b.numel() * b.element_size() for b in module.buffers()), left
+
+
+def test_the_measurements_are_an_h200_run_twice():
+    """The history run (round 38) measured what stop 37's run did, rank by rank and step by step."""
+    assert "H200" in MEASURED["device"] and "+cu" in MEASURED["versions"]["torch"]
+    assert HISTORY["bands"] == ["c10d", "copy-out"]
+    assert len(HISTORY["rows"]) == len(MEASURED["rows"]) == 12
+    stop37 = {(_key(r), r["rank"]): (r["steps"], r["host_state"]) for r in MEASURED["rows"]}
+    assert {(_key(r), r["rank"]): (r["steps"], r["host_state"]) for r in HISTORY["rows"]} == stop37
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: " ".join(str(k) for k in c[0][:1] + c[0][2:4] + c[0][6:]))
+def test_every_rank_of_fsdp2_on_stages_on_the_h200(case):
+    """Every rank's first and steady peaks and its optimizer step's peak: the history's, read without gloo's
+    collective temporaries and FSDP2's copy-out metadata, less the harness's leftover, plus the host step counts, is
+    symmem's CUDA prediction to the byte."""
+    key, ranks = case
+    model, values, options = key[0], json.loads(key[1]), json.loads(key[5])
+    want, d = _derived(key)
+    assert len(ranks) == 4 and d.value("peak") == max(w["peak"] for w in want.values())
+    for rank, row in sorted(ranks.items()):
+        buffers, left = _moved(model, values, options, row["pp"])
+        first, *_, steady = row["history"]
+        for w, measured in zip(row["history"], row["steps"], strict=True):
+            # the history is the measurement: its peak is requested_bytes' peak, its blocks max_memory_allocated
+            assert (w["peak"], w["rounded"]) == (measured["requested"], measured["allocated"]), (rank, w)
+            assert w["moved"] == buffers + left, (rank, w)
+        assert steady == row["history"][1], rank  # every steady step alike
+        host = row["host_state"]
+        assert steady["less_copy-out"] - left + host == want[rank]["peak"], (rank, steady)
+        # the first step's peak is in the schedule, before AdamW makes its state and its step counts
+        assert first["less_copy-out"] - left == want[rank]["peak_first_step"], (rank, first)
+        assert steady["optimizer_step"] - left + host == want[rank]["optimizer_step"], (rank, steady)
+
+
+def test_the_bands_are_gloo_and_the_copy_out():
+    """What the bands and the leftover are, where they are not zero: gloo's temporaries one unit's all-gather (its
+    whole parameters: GPT-2's and Llama's layer, 50,816 and 37,120 bytes, alive at the measured peak), the copy-out
+    metadata under one 512-byte block, the leftover GPT-2's embedding (V x H x 4 bytes) on stage 0 only."""
+    seen = {}
+    for r in HISTORY["rows"]:
+        w = r["history"][-1]
+        c10d, copy_out = w["peak"] - w["less_c10d"], w["less_c10d"] - w["less_copy-out"]
+        assert 0 <= copy_out < 512 and c10d >= 0
+        assert w["by"].get("c10d", 0) in (0, {"gpt2": 50_816, "llama": 37_120}[r["model"]])
+        seen[(r["model"], r["schedule"], r["engine"], r["pp"])] = (c10d, copy_out, w["by"].get("c10d", 0))
+    # measured - predicted per stage: llama GPipe fsdp stage 1 +8,192, GPT-2 1F1B fsdp +8,536 / +10,368
+    assert seen == {("gpt2", "1f1b", "fsdp", 0): (0, 344, 0), ("gpt2", "1f1b", "fsdp", 1): (10_368, 0, 50_816),
+                    ("llama", "1f1b", "fsdp-no-reshard", 0): (0, 0, 0),
+                    ("llama", "1f1b", "fsdp-no-reshard", 1): (0, 0, 0),
+                    ("llama", "gpipe", "fsdp", 0): (0, 0, 0), ("llama", "gpipe", "fsdp", 1): (7_800, 392, 37_120)}
+    gpt2 = {"B": 2, "S": 32, "H": 32, "h": 2, "L": 2, "V": 64}
+    options = {"attention": "naive", "dropout": 0.0}
+    assert _moved("gpt2", gpt2, options, 0) == (0, 64 * 32 * 4) and _moved("gpt2", gpt2, options, 1) == (0, 0)
+
+
+def test_the_cuda_prediction_is_no_longer_refused(capsys):
+    """A new user's ``symmem derive gpt2 --data-parallel fsdp --pipeline-parallel`` (CUDA, the default device) gets
+    every rank's peak, with CUDA's foreach step (the CPU's for-loop one stays the CPU's)."""
+    from symmem.cli import main
+
+    assert main(["derive", "gpt2", "--data-parallel", "fsdp", "--pipeline-parallel", "--set", "p=2", "--set", "N=2",
+                 "--set", "L=2", "--micro-batches", "2", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["values"]["peak"] and len(out["values"]["peak_per_rank"]) == 4 and "peak_refused" not in out
+    kw = {"attention": "sdpa", "values": {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64,
+                                          "p": 2, "N": 2}}
+    steps = {device: derive("llama", data_parallel="fsdp", pipeline_parallel=True, device=device, **kw).step
+             for device in ("cpu", "cuda")}
+    assert {k: v.regime.optimizer_impl for k, v in steps.items()} == {"cpu": "auto", "cuda": "foreach"}
