@@ -14,6 +14,10 @@ communicator on one device, so the collectives run on gloo, which stages CUDA te
 
 The comparison with ``derive(..., device="cuda")`` is made where the JSON is read (tests/test_cuda_parallel_
 measured.py): this script needs no sympy work on the GPU machine.
+
+``--mesh-fsdp`` with ``SYMMEM_CUDA_SNAPSHOT=DIR`` also writes each rank's allocator history of each case into DIR;
+``--analyze DIR/*.json.gz [--figures OUT]`` reads them anywhere (no GPU): each step's peak split by who made the
+bytes, and read again without gloo's collective temporaries and FSDP2's copy-out metadata (docs/cuda.md).
 """
 
 from __future__ import annotations

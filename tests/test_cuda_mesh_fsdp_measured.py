@@ -17,6 +17,7 @@ optimizer step's own peak (foreach: one ``sqrt`` of every held parameter at once
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def _derived(key: tuple) -> tuple[dict[int, dict[str, int]], list]:
 
 
 def _moved(model: str, values: dict, options: dict, stage: int) -> tuple[int, int]:
+    return _moved_at(model, json.dumps(values), json.dumps(options), stage)
+
+
+@functools.cache  # both data-parallel ranks of a stage build the same module
+def _moved_at(model: str, values_json: str, options_json: str, stage: int) -> tuple[int, int]:
     """(the stage's buffers' bytes, the bytes of the harness's whole reference module that ``Module.to`` moves with
     the stage and ``fully_shard`` leaves behind: a parameter of the stage also held by a module outside it -- a tied
     head -- keeps its unsharded tensor), from the real stage module on the CPU."""
@@ -66,7 +72,7 @@ def _moved(model: str, values: dict, options: dict, stage: int) -> tuple[int, in
 
     from symmem.record.model_parallel_runs import _stage_module
 
-    module = _stage_module(model, values, stage, 2, options)
+    module = _stage_module(model, json.loads(values_json), stage, 2, json.loads(options_json))
     full = next(c.cell_contents for c in type(module).forward.__closure__ or ()
                 if isinstance(c.cell_contents, torch.nn.Module) and c.cell_contents is not module)
     mine = {id(p) for p in module.parameters()}
