@@ -51,11 +51,13 @@ def test_against_the_engines():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem.record.model_parallel_runs import runs
 
-    jobs = [("pipeline", "gpt2", SIZES, case) for case in CASES]
+    # the pipeline jobs of STAGES[2] in LIVE_STAGES (one a model and schedule), the others replayed from their stored
+    # real ranks (tests/tensor_stored.py)
+    jobs = [job for job in STAGES[2] if job in LIVE_STAGES]
     # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder; one live case
     # each of TENSOR, SEQUENCE and SEQUENCE_PEAKS[2], the rest replayed from their stored real ranks (LIVE_TWO)
+    stages = len(jobs)
     jobs += [("tensor", "llama", values, options) for values, options in LIVE_TWO]
-    jobs += [("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES]
     import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
     import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
     import test_selective_stages as selective  # its gloo jobs (selective recomputation on stages) too
@@ -68,9 +70,9 @@ def test_against_the_engines():
     mine = len(jobs)
     jobs += checkpointed.JOBS
     jobs += formula.JOBS
-    jobs += [("pipeline", "gpt2", {**SIZES, "B": 1}, (*ONE, {"attention": "sdpa"}))]
     everything = runs(2, jobs)
-    measured = [rank[:len(CASES)] for rank in everything]
+    staged_ranks = _stages(2, [rank[:stages] for rank in everything])  # per job of STAGES[2], its two ranks
+    measured = [[staged_ranks[case][rank] for case in range(len(CASES))] for rank in (0, 1)]
     for case in range(len(CASES)):
         every_stage_to_the_byte(measured, case)
         every_view_names_the_largest_stage(measured, case)
@@ -79,7 +81,7 @@ def test_against_the_engines():
 
     live = {}  # (values, options) -> its live ranks, each held to its stored row first
     for case, (values, options) in enumerate(LIVE_TWO):
-        live[_name(values, options)] = ranks = [rank[len(CASES) + case] for rank in everything]
+        live[_name(values, options)] = ranks = [rank[stages + case] for rank in everything]
         assert differences("tensor", 2, values, options, ranks) == []
 
     def ranks_of(values, options):
@@ -97,9 +99,9 @@ def test_against_the_engines():
     where = sequence_parallel_peak_to_the_byte(ranks_of(values, _sequence(options)), values, options, 2, True)
     assert where == "the head's backward (its input gradient's reduce-scatter)"
     for case in range(len(LLAMA_CASES)):
-        llama_stages(everything, case)
-    a_batch_of_one([rank[-1] for rank in everything])
-    formula.against_the_engines([rank[-1 - len(formula.JOBS):-1] for rank in everything], measured, CASES)
+        llama_stages(staged_ranks[len(CASES) + case], case)
+    a_batch_of_one(staged_ranks[-1])
+    formula.against_the_engines([rank[-len(formula.JOBS):] for rank in everything], measured, CASES)
     checkpointed.against_dtensor([rank[mine:mine + len(checkpointed.JOBS)] for rank in everything])
     staged.against_the_engines([rank[at:at + len(staged.JOBS)] for rank in everything])
     selective.against_the_engines([rank[chosen:chosen + len(selective.JOBS)] for rank in everything])
@@ -297,7 +299,7 @@ def sequence_parallel_rank_to_the_byte(everything, case):
     assert "peak_refused" not in out and out["values"]["peak"] == papers.value("peak") > 0
 
 
-def llama_stages(everything, case):
+def llama_stages(ranks, case):
     """Llama's stages each make the rotary tables (and eager attention's mask) for their micro-batches, and hold
     the rotary frequencies.  Exact, the last stage's peak under the cross-entropy included: nll_loss's backward
     frees the shifted labels' copy and the total weight (B*S*8 + 4 bytes) before log_softmax's backward
@@ -308,7 +310,7 @@ def llama_stages(everything, case):
     plan = pipeline_stages("llama", schedule=schedule, micro_batches=m, loss=loss, values={**LLAMA, "p": 2},
                            device="cpu", **options)
     for rank, memory in enumerate(plan.shown()):
-        real = everything[rank][len(CASES) + len(LIVE_TWO) + case]
+        real = ranks[rank]
         ours, peak = memory.at(plan.numbers), plan.peaks[rank]
         assert (ours["saved"], ours["parameters"], ours["at_rest"], peak.step) == (
             real.saved, real.parameters, sum(dict(real.start).values()), real.step_peak)
@@ -319,8 +321,7 @@ def llama_stages(everything, case):
     d = _derived(schedule, m, loss, "llama", LLAMA, device="cpu", **options)
     assert d.to_dict()["values"]["peak_per_stage"] == [x.bytes for x in plan.peaks]
     assert d.to_dict()["values"]["peak_first_step_per_stage"] == [x.first for x in plan.peaks]
-    assert d.value("peak_first_step") == max(everything[r][len(CASES) + len(LIVE_TWO) + case].first_peak
-                                             for r in (0, 1))
+    assert d.value("peak_first_step") == max(r.first_peak for r in ranks)
 
 
 #: Four stages, each case's first step measured: GPT-2's 1F1B (stage 0's first step peaks in the optimizer step,
@@ -340,19 +341,20 @@ def test_first_step_on_four_stages():
     from symmem.api import pipeline_stages
     from symmem.record.model_parallel_runs import runs
 
-    everything = runs(4, [("pipeline", model, values, case) for model, values, case in FOUR_STAGES])
+    # FOUR_STAGES[1] live (GPipe without static shapes), the other two replayed from their stored real ranks
+    staged_ranks = _stages(4, runs(4, [job for job in STAGES[4] if job in LIVE_STAGES]))
     for k, (model, values, (schedule, m, loss, options, _)) in enumerate(FOUR_STAGES):
         extra = {**OPTIONS, "values": {**values, "F": 128, "p": 4}} if model == "gpt2" else {
             **options, "device": "cpu", "values": {**values, "p": 4}}
         plan = pipeline_stages(model, schedule=schedule, micro_batches=m, loss=loss, **extra)
-        real = [rank[k] for rank in everything]
+        real = staged_ranks[k]
         assert [(x.bytes, x.first, x.pipeline, x.step) for x in plan.peaks] == [
             (r.peak, r.first_peak, r.pipeline_peak, r.step_peak) for r in real], FOUR_STAGES[k]
         assert [r.first_step_peak for r in real] == [r.step_peak for r in real]  # the same optimizer step
         assert "first-step peak of each stage: 0: " in plan.table()
     # where the first step's peak is the optimizer step while the steady one's is in the schedule
-    assert everything[0][0].first_peak == everything[0][0].step_peak < everything[0][0].pipeline_peak
-    assert everything[3][2].first_peak == everything[3][2].step_peak < everything[3][2].pipeline_peak
+    assert staged_ranks[0][0].first_peak == staged_ranks[0][0].step_peak < staged_ranks[0][0].pipeline_peak
+    assert staged_ranks[2][3].first_peak == staged_ranks[2][3].step_peak < staged_ranks[2][3].pipeline_peak
 
 
 def test_ranks_cli_and_refusals(capsys):
@@ -690,6 +692,39 @@ STORED = {2: [*[(v, {**o, "peaks": True}) for v, o in TENSOR], *SEQUENCE,
               *[(v, {**o, "peaks": True}) for v, o in PEAKS], *[(v, _sequence(o)) for v, o in SEQUENCE_PEAKS[2]],
               *[(v, {**o, "peaks": True}) for v, o in BATCH_OF_ONE]],
           4: [*[(v, _sequence(o)) for v, o in SEQUENCE_PEAKS[4]], *FOUR_JOBS]}
+
+
+#: The pipeline jobs of this file by world, each stored (tests/tensor_stored.py, ``stages``: every field of each
+#: rank's StageRun, written from fresh runs of these): GPT-2's CASES, Llama's LLAMA_CASES, GPT-2 at B = 1 (two
+#: ranks) and FOUR_STAGES (four)
+STAGES = {2: [*[("pipeline", "gpt2", SIZES, case) for case in CASES],
+              *[("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES],
+              ("pipeline", "gpt2", {**SIZES, "B": 1}, (*ONE, {"attention": "sdpa"}))],
+          4: [("pipeline", model, values, case) for model, values, case in FOUR_STAGES]}
+#: Run live, each also held to its stored row: GPT-2 under GPipe (M = 4) and 1F1B, Llama under GPipe (SDPA,
+#: cross-entropy; Llama's 1F1B runs live in test_pipeline_checkpoint's and test_selective_stages' jobs in the same
+#: spawn), four stages under GPipe without static shapes.  Replayed: GPT-2 GPipe M = 1 and with the loss ``sum``, at
+#: B = 1, Llama 1F1B with the loss ``sum``, four stages' GPT-2 and Llama 1F1B (``-m deep`` measures them anew)
+LIVE_STAGES = [STAGES[2][1], STAGES[2][2], STAGES[2][4], STAGES[4][1]]
+
+
+def _stages(world, live):
+    """Per job of ``STAGES[world]``, its ranks' runs: the live ones (``live``: per rank, the results of the live jobs
+    in STAGES' order) each held to its stored row first, the others their stored rows."""
+    from tests.tensor_stored import differences, stage_key, stored
+
+    found, k = [], 0
+    for job in STAGES[world]:
+        name = stage_key(world, *job[1:])
+        if job in LIVE_STAGES:
+            ranks = [rank[k] for rank in live]
+            k += 1
+            assert differences("stages", *name, ranks) == []
+        else:
+            ranks = stored("stages", *name)
+        found.append(ranks)
+    assert k == len(live[0])
+    return found
 
 
 def _name(values, options):

@@ -7,7 +7,7 @@ The truths: transformers' own LlamaForCausalLM from a LlamaConfig under the stan
 (symmem.record.hf_llama, model_parallel_runs' ``hf`` case; SDPA), traced through ``symmem trace hf:llama
 --tensor-parallel --sequence-parallel``; and a file module with its own ``tp_plan`` (tests/data/traced_tp.py) at four
 batches (its formula in B at 64, 4 and at fit's answer for 1 MiB, the step recorded at the numbers at B = 1), at 7
-layers and one block 80 wide: two of those live in one fork of two ranks, the rest (HF's too) replayed from their
+layers and one block 80 wide: the 7-layer one live in a fork of two ranks, the rest (HF's too) replayed from their
 stored real ranks (tests/tensor_stored.py).  (The same HF model under tensor parallelism alone, 96,080 / 101,592,
 with eager attention, 124,624 / 126,992 -- where HF's forward holds other storages than the zoo's Llama -- and a
 Qwen2 under its own ``tp_plan``, 200,460 / 204,820, were checked the same way by hand: traced and measured equal on
@@ -32,7 +32,6 @@ from symmem import trace  # noqa: E402
 from symmem.apps.budget import largest  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
-from symmem.importer.traced_step import peak_of  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 #: HF Llama (B = 2, S = 8, H = 32, h = 4, G = 2, L = 1, V = 64, F = 32, SDPA) under sequence parallelism, two ranks
@@ -62,10 +61,11 @@ def _file_module(batch: int = 4, layers: int = 2, f: int = 64):
 #: the file module's real runs, (batch, blocks, width): at B = 64, 4, 1 and 947, with 7 layers at B = 64, and with one
 #: block 80 wide at B = 64
 SPLIT = [(BATCH, 2, 64), (4, 2, 64), (1, 2, 64), (FITS, 2, 64), (BATCH, DEEP, 64), (BATCH, 1, WIDE)]
-#: run live in every suite run (the module's own configuration, and the formula in L held at a layer count it was
-#: not recorded at); the others replayed from their stored real ranks (tests/tensor_stored.py; ``-m deep`` measures
-#: them anew)
-LIVE = [SPLIT[0], SPLIT[4]]
+#: run live in every suite run: the formula in L held at a layer count it was not recorded at (the module, its plan
+#: and the split runs' path are the others' too); the others replayed from their stored real ranks
+#: (tests/tensor_stored.py; ``-m deep`` measures them anew; the module's own configuration, SPLIT[0], was live to
+#: stop 37)
+LIVE = [SPLIT[4]]
 
 
 def split_work(cases):
@@ -138,16 +138,15 @@ def test_every_rank_against_real_ranks(capsys, monkeypatch):
     assert str(d.peak_formula()) == "Max(48*B + 65408, 568*B + 57704, 1056*B + 47944)"
     assert {str(c) for c in d.step.peak({L: 2}).domain} == {"B >= 2", "Eq(L, 2)", "Eq(t, 2)"}
     # the formula in L at a layer count it was not recorded at: every rank's peak, its kept activations and its
-    # parameter side on the real ranks of the 7-layer module; at 4 layers (the fold's least) the same as the rank's
-    # step recorded afresh at the numbers (below, at 3 layers, recorded at that count: 113,480 / 156,224, equal to
-    # the real ranks' when checked by hand)
+    # parameter side on the real ranks of the 7-layer module (below the fold, at 3 layers, recorded at that count:
+    # 113,480 / 156,224, equal to the real ranks' when checked by hand).  Not checked here: the formula at 4 layers
+    # against the step recorded afresh there -- 4 is one of the fold's own records, so that compared the engine with
+    # itself (1.3 CPU-s); the real ranks at 7 layers hold the formula in L
     deep = d.at(L=DEEP)
     assert [(deep.value("peak_first_step"), deep.value("peak"))] * 2 == measured[5]
     assert [deep.value("activations")] * 2 == saved[5]
     assert [deep.value("parameter_memory")] * 2 == [4 * r[5].parameters for r in everything]
     assert "L >= 4" in map(str, d.step.peak({L: DEEP}).domain)
-    fresh = peak_of(d.step.record(4), numbers={**d.numbers, L: 4})
-    assert (d.at(L=4).value("peak_first_step"), d.at(L=4).value("peak")) == (fresh.first, fresh.expr)
     # every rank alike, rank 0's named
     out = d.to_dict()
     assert (out["values"]["peak"], out["peak_at"]["rank"]) == (115_528, 0)
