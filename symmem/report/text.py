@@ -65,7 +65,7 @@ def _text(e: sympy.Expr, factor: bool = False) -> str:
     return _printed(e, factor)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)  # bounded: a long session's formulas are not all kept
 def _printed(e: sympy.Expr, factor: bool) -> str:
     return str(factored(e)) if factor else str(rounded(e))
 
