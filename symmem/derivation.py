@@ -155,7 +155,8 @@ def kept_terms(storages: tuple[Storage, ...] | list[Storage]) -> tuple[Term, ...
 
 
 #: Cached properties of a :class:`Derivation` that do not depend on its numbers, kept by :meth:`Derivation.at`.
-_NUMBER_FREE = frozenset({"terms", "activations", "input", "loss", "parameter_memory", "transient", "total"})
+_NUMBER_FREE = frozenset({"terms", "activations", "input", "loss", "parameter_memory", "transient", "total",
+                          "_groups"})
 
 
 @functools.lru_cache(maxsize=8)
@@ -363,11 +364,16 @@ class Derivation:
         return {c: self.evaluate(e) for c, e in m.live.items() if self.evaluate(e)}
 
     def groups(self) -> dict[str, sympy.Expr]:
-        """Bytes per group, in the order the groups first appear."""
+        """Bytes per group, in the order the groups first appear (a new dict each call: the caller's to change)."""
+        return dict(self._groups)
+
+    @cached_property
+    def _groups(self) -> tuple[tuple[str, sympy.Expr], ...]:
+        # summed once: a table asks at every width, and every view of the derivation asks again
         parts: dict[str, list[sympy.Expr]] = {}
         for t in self.terms:
             parts.setdefault(t.group, []).append(t.expr)
-        return {g: fold(sympy.Add(*e)) for g, e in parts.items()}
+        return tuple((g, fold(sympy.Add(*e))) for g, e in parts.items())
 
     # -- numbers --------------------------------------------------------------------------------------
     def evaluate(self, expr: sympy.Expr) -> int:

@@ -37,6 +37,7 @@ def _edges():
     return mods, tool.edges(mods), tool
 
 
+@pytest.mark.xdist_group("architecture")  # with the next test, on one worker: _edges made once
 def test_no_import_cycles():
     mods, edges, tool = _edges()
     found = tool.cycles(edges)
@@ -63,6 +64,7 @@ def _function_of(path: Path, line: int) -> str | None:
     return None
 
 
+@pytest.mark.xdist_group("architecture")
 def test_the_core_never_imports_the_zoo_the_views_or_the_fronts():
     mods, edges, _ = _edges()
     core = [m for m in mods if m != "symmem" and not m.startswith(ABOVE_THE_CORE)]
@@ -129,16 +131,23 @@ def test_architectures_stay_graphs_networkx_accepts(name):
 
 def _defined(kind: type) -> list[tuple[str, str, int]]:
     """(name, file, lines) of every ``kind`` node (function or class) in the package, nested ones included."""
+    return [(name, f, n) for node_kind, name, f, n in _definitions() if issubclass(node_kind, kind)]
+
+
+@functools.cache  # the two tests below read it: every module parsed and walked once a worker, not once a test
+def _definitions() -> tuple[tuple[type, str, str, int], ...]:
+    """(node type, name, file, lines) of every function and class in the package, nested ones included."""
     import ast
 
     out = []
     for path in sorted((ROOT / "symmem").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, kind):
-                out.append((node.name, str(path.relative_to(ROOT)), node.end_lineno - node.lineno + 1))
-    return out
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                out.append((type(node), node.name, str(path.relative_to(ROOT)), node.end_lineno - node.lineno + 1))
+    return tuple(out)
 
 
+@pytest.mark.xdist_group("architecture")  # with the next test, on one worker: one parse of the package
 def test_no_function_is_longer_than_150_lines():
     import ast
 
@@ -146,6 +155,7 @@ def test_no_function_is_longer_than_150_lines():
     assert long == []
 
 
+@pytest.mark.xdist_group("architecture")
 def test_one_meaning_per_class_name():
     import ast
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +44,30 @@ def field_form(d: Derivation, e: sympy.Expr, total: bool = False) -> str:
     ``B*F*L*(4 + 4*H/F)``); the ``total``: its kept memory, then its parameter side)."""
     if in_sizes(d):
         return fields(e - d.parameter_memory, d.parameter_memory).text() if total else field(e).text()
-    return str(factored(e))
+    return _text(e, factor=True)
 
 
 def _shown(d: Derivation, e: sympy.Expr, total: bool = False) -> str:
     """A formula as the table shows it: rounded, and in a model's own sizes the field's way (the ``total``: the
     kept memory, then the parameter side)."""
     if not in_sizes(d):
-        return str(rounded(e))
+        return _text(e)
     return field_form(d, rounded(e), total)
+
+
+def _text(e: sympy.Expr, factor: bool = False) -> str:
+    """``str(rounded(e))`` (``factor``: ``str(factored(e))``), printed once per expression: a table prints the same
+    formulas at every width, fold and cut, and a view prints its derivation's again (printing a large sum is most
+    of a table's time).  A formula with a float (a dropout probability) is printed each time: sympy's floats of
+    different precisions compare equal but print differently."""
+    if e.has(sympy.Float):
+        return str(factored(e)) if factor else str(rounded(e))
+    return _printed(e, factor)
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: a long session's formulas are not all kept
+def _printed(e: sympy.Expr, factor: bool) -> str:
+    return str(factored(e)) if factor else str(rounded(e))
 
 
 def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
