@@ -1,5 +1,5 @@
 """Fine-tuning: a LoRA model built with ``peft`` traces with its adapters as the only trainable parameters, frozen
-weights count as weights only, in their own dtype, and docs/fine-tuning.md runs.
+weights count as weights only, in their own dtype, and docs/fine-tuning.md runs (that one under ``-m deep``).
 
 Truths: the tensors PyTorch itself holds after a real AdamW step (every parameter, the gradients it made, the
 optimizer's state, its ``step`` counters left out as the parameter side leaves them out), and the peak of real
