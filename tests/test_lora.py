@@ -1,5 +1,5 @@
 """Fine-tuning: a LoRA model built with ``peft`` traces with its adapters as the only trainable parameters, frozen
-weights count as weights only, in their own dtype, and docs/fine-tuning.md runs.
+weights count as weights only, in their own dtype, and docs/fine-tuning.md runs (that one under ``-m deep``).
 
 Truths: the tensors PyTorch itself holds after a real AdamW step (every parameter, the gradients it made, the
 optimizer's state, its ``step`` counters left out as the parameter side leaves them out), and the peak of real
@@ -149,8 +149,14 @@ def test_a_bad_lora_is_one_line(capsys, lora, says):
 DOC = Path(__file__).resolve().parents[1] / "docs" / "fine-tuning.md"
 
 
+@pytest.mark.deep  # ~18 CPU-s: the 7B's 32-layer fake forward and its fold's three step records (docs/testing.md)
 def test_the_fine_tuning_page_runs():
-    """docs/fine-tuning.md's Python blocks, each on its own as a doctest (a 7B config, on the meta device)."""
+    """docs/fine-tuning.md's Python blocks, each on its own as a doctest (a 7B config, on the meta device).
+
+    Deep: its path -- peft's LoRA on a BF16 Llama base, every layer checkpointed, the model's own loss, AdamW, the
+    peak folded in L -- is this module's default tests' (the ``bf16-base`` and ``checkpointed`` traces against real
+    steps, the command line's), and a model on the meta device is test_importer's; what only this test checks is
+    the page's own printed figures for the 7B shape."""
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
     assert blocks
     for i, block in enumerate(blocks):

@@ -36,8 +36,35 @@ def test_help_and_version_import_neither_sympy_nor_the_zoo(argv):
     assert "sympy" not in loaded and "symmem.models" not in loaded and "symmem.graph" not in loaded
 
 
-def test_derive_imports_one_builder_and_nothing_heavy():
-    loaded = _modules_after(RUN.format(argv=["derive", "vit-b16"]))
+#: one fresh interpreter for the three tests below, in this order: ``symmem derive vit-b16`` through ``main`` (its
+#: ``sys.modules``), ``main(['models'])`` (the collector's threshold before and after, the library route), every zoo
+#: model built (``sys.modules`` again: only more modules than a fresh interpreter's, so its absences hold there
+#: too), then the script's ``entry`` (its threshold).  Three interpreters were ~1.5 CPU-s each, mostly the imports.
+ONE_INTERPRETER = (
+    "import gc, sys, io, contextlib, json\nbefore = gc.get_threshold()\n"
+    "from symmem.cli import main, entry\n"
+    "with contextlib.redirect_stdout(io.StringIO()):\n    main(['derive', 'vit-b16'])\n"
+    "after_derive = sorted(sys.modules)\n"
+    "import symmem.engine\n"
+    "with contextlib.redirect_stdout(io.StringIO()):\n    main(['models'])\n"
+    "after_main = gc.get_threshold()\n"
+    "from symmem.models import available, build\nfor name in available():\n    build(name)\n"
+    "after_building = sorted(sys.modules)\n"
+    "sys.argv = ['symmem', '--version']\nimport symmem.cli as c\n"
+    "c.main = lambda: print(json.dumps([after_derive, after_building, before, after_main, gc.get_threshold()])) or 0\n"
+    "entry()")
+
+
+@pytest.fixture(scope="module")
+def one_interpreter() -> tuple[set[str], set[str], list[int], list[int], list[int]]:
+    out = subprocess.run([sys.executable, "-c", ONE_INTERPRETER], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    after_derive, after_building, *thresholds = json.loads(out.stdout)
+    return set(after_derive), set(after_building), *thresholds
+
+
+def test_derive_imports_one_builder_and_nothing_heavy(one_interpreter):
+    loaded = one_interpreter[0]
     builders = {m for m in loaded if m.startswith("symmem.models.")}
     assert builders == {"symmem.models.vit", "symmem.models.transformer"}
     for heavy in ("networkx", "matplotlib", "torch", "numpy", "sympy.physics", "symmem.report.jupyter",
@@ -45,25 +72,16 @@ def test_derive_imports_one_builder_and_nothing_heavy():
         assert heavy not in loaded, heavy
 
 
-def test_only_the_script_changes_the_garbage_collector():
+def test_only_the_script_changes_the_garbage_collector(one_interpreter):
     """The ``symmem`` script raises the collector's young threshold; importing symmem and calling ``main`` (the
     library route, a notebook) leave the interpreter's own setting alone.  Oracle: ``gc.get_threshold()``."""
-    code = ("import gc, sys, io, contextlib, json\nbefore = gc.get_threshold()\n"
-            "from symmem.cli import main, entry\nimport symmem.engine\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['models'])\n"
-            "after_main = gc.get_threshold()\nsys.argv = ['symmem', '--version']\n"
-            "import symmem.cli as c\n"
-            "c.main = lambda: print(json.dumps([before, after_main, gc.get_threshold()])) or 0\n"
-            "entry()")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    before, after_main, in_script = json.loads(out.stdout)
+    before, after_main, in_script = one_interpreter[2:]
     assert before == after_main
     assert in_script[0] == 200_000 and in_script[0] > before[0]
 
 
-def test_building_every_model_needs_no_sympy_simplify():
-    loaded = _modules_after("from symmem.models import available, build\n"
-                            "for name in available():\n    build(name)")
+def test_building_every_model_needs_no_sympy_simplify(one_interpreter):
+    loaded = one_interpreter[1]
     assert "sympy.physics" not in loaded and "networkx" not in loaded
 
 
