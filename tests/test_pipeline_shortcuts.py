@@ -365,3 +365,51 @@ def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
                     [(m.where(), m.value(d.numbers)) for m in d.step.peak().moments]))
     assert found["repeats left out"] == found["every candidate"]
     assert sum(left) > 0
+
+
+#: (derive keywords, sizes) whose storage sizes and stage parts hold ceilings, fractions of N, t and p, a Max of the
+#: optimizer step's temporaries and a Piecewise at L >= 2 (Llama at small sizes)
+EXACT = [
+    ({"data_parallel": "fsdp"}, {"N": 3, "V": 63, "L": 8, "p": 4}),
+    ({"tensor_parallel": True, "sequence_parallel": True}, {"t": 2, "B": 1, "L": 4, "p": 2}),
+]
+
+
+def test_exact_values_are_sympy_substitution() -> None:
+    """A stage's parts and a storage's bytes at numbers are read by one walk over the formula
+    (``model_parallel._exact``): every storage size of the cut at three batches, every part of the three stages at
+    three batches and at each alone (``at_each``, ``at``) are sympy's substitution rounded up (the long way,
+    ``_at_each``); where the walk gives no value (a float, a symbol without a number) sympy decides, refusal
+    included."""
+    import pytest
+
+    import symmem.passes.model_parallel as mp
+    from symmem import derive
+    from symmem.errors import SymmemError
+    from symmem.symbols import B, S
+
+    names = [*(f.name for f in mp.fields(mp.StageMemory) if f.name not in ("name", "module_buffers")), "at_rest",
+             "step_peak", "held"]
+    sizes = 0
+    for engine, more in EXACT:
+        step = derive("llama", pipeline_parallel=True, micro_batches=4, device="cpu", values={**SMALL, **more},
+                      **engine).step
+        named = step._named(None)
+        batches = [{**named, "B": named["B"] + k} for k in range(3)]
+        for stage in step._stages():
+            assert stage.at_each(batches, names) == stage._at_each(batches, names)
+            assert [stage.at(n) for n in batches] == stage._at_each(batches, names)
+        memo: dict = {}
+        for n in batches:
+            cut = mp._Cut(step.graph, step.conv, step.options, step.regime, n, memo)
+            # each size once (the layers written out share their template's size objects)
+            for e, name in {id(st.nbytes): (sympy.sympify(st.nbytes), st.name) for st in cut.tl.storages}.values():
+                assert mp._integer(e, cut.subs, name) == mp._rounded(e.xreplace(cut.subs), name)
+                sizes += 1
+    assert sizes > 100
+    subs = {B: sympy.Integer(3)}
+    assert mp._integer(B * sympy.Rational(7, 2), subs, "x") == 11  # a fraction of a byte is a byte
+    assert mp._exact(B * sympy.Float(1.5), {B: 3}) is None  # a float: sympy's substitution decides
+    assert mp._integer(B * sympy.Float(1.5), subs, "x") == 5
+    with pytest.raises(SymmemError, match="the stage's x needs values for S"):
+        mp._integer(B * S, subs, "x")

@@ -52,12 +52,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any
 
 import sympy
 
 from ..derivation import Storage
 from ..errors import SymmemError
+from ..evaluator import interpret
 from ..graph import Graph
 from ..shapes import numel
 from ..symbols import p
@@ -120,8 +122,33 @@ class StageMemory:
         return {name: _integer(getattr(self, name), subs, name) for name in names}
 
     def at_each(self, numbers: Sequence[Mapping[str, int]], names: Iterable[str]) -> list[dict[str, int]]:
-        """:meth:`at` at each of several sets of numbers (the pipeline peak's three batches): what they share put
-        in each part once, then what differs (the same integers: sympy's arithmetic is exact)."""
+        """:meth:`at` at each of several sets of numbers (the pipeline peak's three batches): each part's exact
+        value at each by one walk over its formula (:func:`_exact`); a total (at rest, the step's peak) the sum
+        of its parts' exact values, rounded up as its own formula's (the same number: the formula is that sum).
+        Where a walk gives no value, :meth:`_at_each` (sympy's substitution) decides, as it always did."""
+        names = list(names)
+        envs = [_env({sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in n.items()})
+                for n in numbers]
+        if all(env is not None for env in envs):
+            exact: dict[str, list[Fraction | int | None]] = {}
+            out: list[dict[str, int]] = [{} for _ in numbers]
+            for name in names:
+                for part in _SUMS.get(name, (name,)):
+                    if part not in exact:
+                        e = sympy.sympify(getattr(self, part), strict=True)
+                        exact[part] = [_exact(e, env) for env in envs]  # type: ignore[arg-type]
+                for k, found in enumerate(out):
+                    values = [exact[part][k] for part in _SUMS.get(name, (name,))]
+                    if any(v is None for v in values):
+                        return self._at_each(numbers, names)
+                    total = sum(values)  # type: ignore[arg-type]
+                    found[name] = -((-total.numerator) // total.denominator)
+            return out
+        return self._at_each(numbers, names)
+
+    def _at_each(self, numbers: Sequence[Mapping[str, int]], names: Iterable[str]) -> list[dict[str, int]]:
+        """:meth:`at_each` by sympy's substitution: what the sets share put in each part once, then what differs
+        (the same integers: sympy's arithmetic is exact)."""
         common = {k: v for k, v in numbers[0].items() if all(n.get(k) == v for n in numbers[1:])}
         shared = {sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in common.items()}
         each = [{sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in n.items()
@@ -176,7 +203,42 @@ def in_flight(index: int, micro_batches: int) -> sympy.Expr:
 
 
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
-    return _rounded(sympy.sympify(expr, strict=True).xreplace(subs), name)
+    e = sympy.sympify(expr, strict=True)
+    env = _env(subs)
+    if env is not None:
+        found = _exact(e, env)
+        if found is not None:
+            return -((-found.numerator) // found.denominator)  # its ceiling, as _rounded's
+    return _rounded(e.xreplace(subs), name)
+
+
+def _env(subs: Mapping[sympy.Symbol, Any]) -> dict[sympy.Symbol, int] | None:
+    """``subs`` (symbol -> sympy integer) as Python ints for :func:`_exact`; None where a value is not an integer."""
+    env = {}
+    for k, v in subs.items():
+        if type(v) is int:
+            env[k] = v
+        elif getattr(v, "is_Integer", False):
+            env[k] = int(v)
+        else:
+            return None
+    return env
+
+
+def _exact(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> Fraction | int | None:
+    """``e``'s exact value at ``env`` (an int or a fraction) by one walk over its tree
+    (:func:`symmem.evaluator.interpret`); None where the walk does not give one (a symbol without a value, an
+    unsupported function, a float, no branch, a zero denominator): the caller substitutes with sympy then, whose
+    answer or refusal was always the one given.  (Substituting rebuilt every formula through sympy's
+    constructors and its cache, each storage's size and each stage's part at each batch: a seventh of a pipeline
+    peak's time; the arithmetic is exact both ways, so the same integers.)"""
+    try:
+        found = interpret(e, env)
+    except Exception:  # noqa: BLE001 -- any failure: sympy's substitution decides, as it always did
+        return None
+    if isinstance(found, bool) or not isinstance(found, int | Fraction):
+        return None
+    return found
 
 
 def _rounded(value: sympy.Expr, name: str) -> int:
@@ -374,11 +436,12 @@ def _label_bytes(graph: Graph) -> sympy.Expr:
 
 def _saved_by_group(storages: Iterable[Storage], layers: sympy.Expr) -> dict[str, sympy.Expr]:
     """Bytes one micro-batch's ops keep, by group: ``layer`` is one layer's."""
-    out = {g: sympy.Integer(0) for g in ("embed", "layer", "head", "loss")}
+    terms: dict[str, list[sympy.Expr]] = {g: [] for g in ("embed", "layer", "head", "loss")}
     for s in storages:
-        if s.category in ("activation", "loss") and s.group in out:
-            out[s.group] += s.expr / layers if s.group == "layer" else s.expr
-    return out
+        if s.category in ("activation", "loss") and s.group in terms:
+            terms[s.group].append(s.expr / layers if s.group == "layer" else s.expr)
+    # each group's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time)
+    return {g: sympy.Add(sympy.Integer(0), *t) for g, t in terms.items()}
 
 
 def _kept_per_layer(storages: Iterable[Storage], output: str, layers: sympy.Expr) -> sympy.Expr:
