@@ -253,24 +253,32 @@ def _four_ranks(every):
     assert got == ranks
 
 
-@pytest.mark.xdist_group("gloo")  # after the gloo runs, on their worker: their traced derivations are cached
-def test_the_command_line_gives_each_rank_and_fits_and_plots(capsys, tmp_path):
-    """``symmem trace SPEC --data-parallel zero-redundancy --set N=2 --format json`` gives the peaks the gloo runs
-    above measure, every rank's (they differ) and which rank peaks; ``fit`` solves the peak for B (under FSDP1,
-    whose ranks hold the same flat shards) and ``plot`` draws the largest rank's step."""
-    def args(engine):
-        return [BLOCK, "--dims", "B", "--data-parallel", engine, "--set", "N=2", "--loss", "cross-entropy",
-                "--optimizer", "adamw"]
+def _args(engine):
+    return [BLOCK, "--dims", "B", "--data-parallel", engine, "--set", "N=2", "--loss", "cross-entropy", "--optimizer",
+            "adamw"]
 
-    assert main(["trace", *args("zero-redundancy"), "--format", "json"]) == 0
+
+@pytest.mark.xdist_group("gloo")  # after the gloo runs, on their worker: their traced derivations are cached
+def test_the_command_line_gives_each_rank_and_plots(capsys, tmp_path):
+    """``symmem trace SPEC --data-parallel zero-redundancy --set N=2 --format json`` gives the peaks the gloo runs
+    above measure, every rank's (they differ) and which rank peaks; ``plot`` draws the largest rank's step (``fit``
+    under an engine: test_fit_solves_with_the_per_rank_peak; under FSDP1, ``-m deep``)."""
+    assert main(["trace", *_args("zero-redundancy"), "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     d = _traced(BLOCK, (), "cross-entropy", "zero-redundancy")
     ranks = rank_peaks(d)
     per_rank = out["values"]["peak_per_rank"]
     assert {int(r): (v["peak_first_step"], v["peak"]) for r, v in per_rank.items()} == ranks
     assert out["values"]["peak"] == ranks[0][1] > ranks[1][1] and out["peak_at"]["rank"] == 0
-    assert main(["fit", *args("fsdp1"), "--budget", "300KiB", "--format", "json"]) == 0
+    assert main(["plot", "timeline", *_args("zero-redundancy"), "--output", str(tmp_path / "step.png")]) == 0
+    assert (tmp_path / "step.png").stat().st_size > 0
+
+
+@pytest.mark.deep
+def test_fit_under_fsdp1(capsys):
+    """``fit`` solves the peak for B under FSDP1 (whose ranks hold the same flat shards).  ``-m deep`` (docs/testing.md,
+    "What is deep"): ``fit`` of a traced module under an engine is test_fit_solves_with_the_per_rank_peak's (FSDP2),
+    FSDP1's traced peaks are checked against the gloo runs above."""
+    assert main(["fit", *_args("fsdp1"), "--budget", "300KiB", "--format", "json"]) == 0
     fit = json.loads(capsys.readouterr().out)
     assert fit["quantity"] == "peak" and fit["total_at_max"] <= fit["budget"] < fit["total_above"]
-    assert main(["plot", "timeline", *args("zero-redundancy"), "--output", str(tmp_path / "step.png")]) == 0
-    assert (tmp_path / "step.png").stat().st_size > 0
