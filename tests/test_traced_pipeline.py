@@ -155,7 +155,6 @@ def _against_real_runs(cases: list[tuple]) -> list[list]:
     return real
 
 
-@pytest.mark.xdist_group("gloo")  # on the gloo test's worker: its trace of the file module (case 0) is cached there
 def test_views_name_the_stage_and_fit_solves_b(capsys):
     """The CLI's JSON gives every stage's peak and where; ``fit`` solves B with the largest stage's peak, checked
     against the replay at the B it gives and the next (the replay at numbers, not the formula's lines)."""
