@@ -78,8 +78,16 @@ CHECKPOINTED = [("llama", "fsdp", "full", {"L": 2}, 2), ("gpt2", "fsdp", "every-
 #: the three policies, the five checkpointed ones, the six DDP ones): one per engine and variant -- FSDP2 (the padded
 #: MLP, its ranks apart), FSDP2 without resharding (Llama), FSDP1 (Llama), FSDP2 with the bf16 policy, full
 #: checkpointing and 2 micro-batches (Llama), FSDP1 with every-2 (GPT-2), DDP (Llama), the bucket view (GPT-2).  The
-#: rest replay their stored real runs (tests/gloo_store.py) through the same checks; the deep twin reruns them all
+#: rest replay their stored real runs (tests/gloo_store.py) through the same checks (:data:`DEEP`'s under ``-m deep``);
+#: the deep twin reruns them all
 LIVE = (6, 4, 5, 13, 12, 19, 18)
+#: Replayed jobs whose checks run under ``-m deep`` only (the deep twin runs them live; docs/testing.md, "What is
+#: deep"), each a path another case of the default test checks: GPT-2 FSDP2 (GPT-2 under FSDP2: the bf16 policy's
+#: and every-3's replays), Llama FSDP2 (Llama without resharding, live; Llama FSDP2 resharding: the bf16 reduce's
+#: replay and the policy's full checkpointing, live), Llama FSDP2 with full checkpointing over 2 micro-batches in FP32
+#: (the same under the bf16 policy, live), GPT-2 DDP and Llama's bucket view (Llama DDP and GPT-2's bucket view, live;
+#: the MLP under both, replayed)
+DEEP = (1, 2, 10, 17, 20)
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
@@ -113,6 +121,7 @@ def _every_rank_peak(every):
     more = [job_of(d) for _, d in checkpointed] + policy_checkpointed.jobs()
     runs = gloo_store.runs([*jobs, *mixed, *more, *(job_of(d) for _, _, d in cases)], 2, LIVE, timeout=150,
                            every=every)
+    skipped = set() if every else set(DEEP)  # spawn indices whose checks the deep twin makes
     # FSDP's; DDP's reducer runs its all-reduces from C++, which no wrapper reaches (a late free seen once there)
     fsdp_runs = runs[:len(jobs) + len(mixed) + len(more)]
     assert not [(i, r.rank, r.late) for i, ranks in enumerate(fsdp_runs) for r in ranks if r.late], "gloo's frees"
@@ -121,7 +130,8 @@ def _every_rank_peak(every):
     wrong = policy.check_mixed(runs[at:at + len(mixed) - 1])
     wrong += policy.check_bf16_reduce(runs[at + len(mixed) - 1])
     at += len(mixed)
-    wrong += _check_checkpointed(checkpointed, runs[at:at + len(checkpointed)])
+    wrong += _check_checkpointed(checkpointed, runs[at:at + len(checkpointed)],
+                                 {k for k in range(len(checkpointed)) if at + k not in skipped})
     wrong += policy_checkpointed.check(runs[at + len(checkpointed):at + len(more)])
     measured += runs[at + len(more):]
     _check_fsdp_shards(fsdp)
@@ -134,7 +144,9 @@ def _every_rank_peak(every):
     side = padded.to_dict()["values"]["parameter_side_per_rank"]
     assert side["0"]["optimizer_state"] - side["1"]["optimizer_state"] == 8 * 64 + 8 == 520
     assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
-    for (name, engine, d), ranks in zip(sharded, measured[:len(sharded)], strict=True):
+    for k, ((name, engine, d), ranks) in enumerate(zip(sharded, measured[:len(sharded)], strict=True)):
+        if k in skipped:
+            continue
         # the largest rank's peak (rank 0: the padding sits on the last rank), first and steady step, to the byte.
         # FSDP's collectives release on the recording thread (no late free, asserted above), so one steady step is
         # recorded (distributed.steps_of); GPT-2's and Llama's dims divide by 2, so both ranks hold the same
@@ -144,8 +156,11 @@ def _every_rank_peak(every):
         wrong += [f"{name} {engine}: derived {want}, measured {got} ({ranks[0].per_step})"] if want != got else []
         wrong += [f"{name} {engine}: ranks start apart" for r in ranks if r.start != ranks[0].start]
         wrong += [f"{name} {engine} {w}" for w in compare_parameter_side(d, ranks)]
-    for (name, engine, d), ranks in zip(cases, measured[len(sharded):], strict=True):
+    for k, ((name, engine, d), ranks) in enumerate(zip(cases, measured[len(sharded):], strict=True),
+                                                  start=at + len(more)):
         assert len(ranks) == 2
+        if k in skipped:
+            continue
         gap = KNOWN_GAPS.get((name, engine), 0)
         wrong += [f"{name} {engine}: {w}" for w in compare(d, ranks, steady_gap=gap)]
         # the buckets exist before the first op: weights and buckets, 4 bytes per parameter each, beside the batch
@@ -156,17 +171,20 @@ def _every_rank_peak(every):
     assert not wrong, "\n".join(wrong)
 
 
-def _check_checkpointed(cases, measured):
+def _check_checkpointed(cases, measured, checked):
     """Each rank's first and steady peak and parameter side under FSDP with checkpointing, derived per rank (rank 0's
     is the derivation's; rank_peaks gives each where the padding makes them differ), against one gloo run: a late
-    free by gloo's threads only ever adds, so ranks derived equal count by the lower of them (as two runs would)."""
-    wrong, gots = [], []
-    for (label, d), ranks in zip(cases, measured, strict=True):
+    free by gloo's threads only ever adds, so ranks derived equal count by the lower of them (as two runs would).
+    ``checked``: the indices of ``cases`` checked (the padded one, 1, always)."""
+    wrong, gots = [], {}
+    for k, ((label, d), ranks) in enumerate(zip(cases, measured, strict=True)):
+        if k not in checked:
+            continue
         want = rank_peaks(d) or dict.fromkeys(range(len(ranks)), (d.value("peak_first_step"), d.value("peak")))
         got = {r.rank: tuple(min(x for q in ranks if want[q.rank][i] == want[r.rank][i]
                                  for x in (q.per_step[:1] if i == 0 else q.per_step[1:])) for i in (0, 1))
                for r in ranks}
-        gots.append(got)
+        gots[k] = got
         wrong += [f"{label}: derived {want}, measured {got}"] if want != got else []
         wrong += [f"{label} {w}" for w in compare_parameter_side(d, ranks)]
     assert rank_peaks(cases[1][1]) is not None  # the padded case: its ranks differ

@@ -88,7 +88,8 @@ def test_llama_equals_transformers_own_on_one_device(values, attention, cache, w
     # in the forward), not only the peak
     real = phases(hf)
     walked: dict[str, int] = {}
-    for phase, _, live in d.step.timeline("steady", dict(d.numbers)):
+    rows = d.step.timeline("steady", dict(d.numbers))  # written out once: the phases here, the ops below
+    for phase, _, live in rows:
         walked[phase] = max(walked.get(phase, 0), sum(live.values()))
     assert (walked["forward"], walked["backward"], walked["step"]) == (
         max(real["forward"], real["loss"]), real["backward"], real["step"])
@@ -97,7 +98,6 @@ def test_llama_equals_transformers_own_on_one_device(values, attention, cache, w
         # (every G) and of the stride-0 repeated key and value (G = 1; without the cache also of the rotary key
         # and the projected value's view at G = h) born where HF's matmuls make them, the rotary query (without
         # the cache also the rotary key and the value's view) held until the attention returns
-        rows = d.step.timeline("steady", dict(d.numbers))
         for layer in range(values["L"]):
             ours, theirs = zoo_attention(rows, layer), hf_attention(hf, layer)
             if values["G"] == values["h"]:  # repeat_kv returns the cache's copy: no op of HF's to compare with

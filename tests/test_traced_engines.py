@@ -6,7 +6,8 @@ module (symmem.record.distributed with a module builder), to the byte.
 One spawn of two processes runs every case (a small file module with a repeated block, folded in L, and a tiny
 Hugging Face GPT-2 built from a config), inside one test, so that pytest-xdist never splits it into two spawns:
 ddp-bucket-view, FSDP2, FSDP1 (each step's optimizer over flat shards) and ZeroRedundancyOptimizer (each rank's step
-recorded with its own local optimizer); one spawn of four runs FSDP2 where a middle rank holds part of a shard.
+recorded with its own local optimizer; GPT-2's under ``-m deep``); one spawn of four runs FSDP2 where a middle rank
+holds part of a shard (replayed from its stored run).
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ GPT2 = ("hf:gpt2", (("n_layer", 2), ("n_embd", 64), ("n_head", 2), ("vocab_size"
 #: (spec, config, loss, engines)
 CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard", "zero-redundancy", "fsdp1",
                                        "fsdp1-grad-op")),
-         (*GPT2, "sum", ("fsdp", "zero-redundancy"))]
+         (*GPT2, "sum", ("fsdp",))]
+#: ``-m deep`` (docs/testing.md, "What is deep"), in a spawn of its own: GPT-2 under ZeroRedundancyOptimizer (each
+#: rank's step recorded with its own local optimizer, ~3 CPU-s of the test's process) -- a traced module under
+#: ZeRO-1 is the block's case above, a Hugging Face model traced under an engine GPT-2's FSDP2
+DEEP_CASES = [(*GPT2, "sum", ("zero-redundancy",))]
 
 
 @functools.cache
@@ -78,10 +83,33 @@ SHARE_RECORDS = True
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_traced_modules_under_every_engine_equal_real_gloo_runs():
-    cases = [(spec, engine, _traced(spec, config, loss, engine), SpecBuilder(spec, config))
-             for spec, config, loss, engines in CASES for engine in engines]
+    cases = _against_gloo(CASES)
     block = cases[0][2]
     assert block.step.holds_at(block.numbers) and block.numbers[L] == 4  # the peak is the formula in L
+    # the padding: the head's 5 rows are 3 + 2 at N = 2, so the last rank keeps 2 x 4 x (24 + 1) bytes fewer of
+    # AdamW's two moments, in the first step and the steady one
+    ranks = rank_peaks(cases[0][2])
+    assert ranks[0][0] - ranks[1][0] == ranks[0][1] - ranks[1][1] == 2 * 4 * 25
+    # ZeRO-1: the ranks' AdamW states add up to one device's (two moments per element, a 4-byte step per whole
+    # parameter), split unevenly by whole parameters (the ranks' peaks differ: measured above)
+    zero = next(d for spec, engine, d, _ in cases if spec == BLOCK and engine == "zero-redundancy")
+    params = list(_loaded(BLOCK, ()).module.parameters())
+    state = state_per_rank(zero)
+    assert sum(state) == 8 * sum(p.numel() for p in params) + 4 * len(params) and state[0] != state[1]
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_the_deep_cases_equal_real_gloo_runs():
+    """:data:`DEEP_CASES` in a spawn of two ranks, checked as the test above checks its cases."""
+    _against_gloo(DEEP_CASES)
+
+
+def _against_gloo(table):
+    """Every case of ``table`` ((spec, config, loss, engines) rows) in one spawn of two ranks: each rank's parameter
+    side, and its first and steady peak, derived, against the real run, to the byte; the cases, derived."""
+    cases = [(spec, engine, _traced(spec, config, loss, engine), SpecBuilder(spec, config))
+             for spec, config, loss, engines in table for engine in engines]
     sharded = [i for i, (_, engine, _, _) in enumerate(cases) if engine.startswith("fsdp")]
     jobs = [traced_job(d, builder) for _, _, d, builder in cases]
     # FSDP's jobs once, before DDP's: each collective releases its tensors on the recording thread
@@ -107,16 +135,7 @@ def test_traced_modules_under_every_engine_equal_real_gloo_runs():
         got = {r.rank: (r.first, min(r.per_step[1:])) for r in ranks}
         wrong += [f"{name}: derived {want}, measured {got}"] if want != got else []
     assert not wrong, "\n".join(wrong)
-    # the padding: the head's 5 rows are 3 + 2 at N = 2, so the last rank keeps 2 x 4 x (24 + 1) bytes fewer of
-    # AdamW's two moments, in the first step and the steady one
-    ranks = rank_peaks(cases[0][2])
-    assert ranks[0][0] - ranks[1][0] == ranks[0][1] - ranks[1][1] == 2 * 4 * 25
-    # ZeRO-1: the ranks' AdamW states add up to one device's (two moments per element, a 4-byte step per whole
-    # parameter), split unevenly by whole parameters (the ranks' peaks differ: measured above)
-    zero = next(d for spec, engine, d, _ in cases if spec == BLOCK and engine == "zero-redundancy")
-    params = list(_loaded(BLOCK, ()).module.parameters())
-    state = state_per_rank(zero)
-    assert sum(state) == 8 * sum(p.numel() for p in params) + 4 * len(params) and state[0] != state[1]
+    return cases
 
 
 def test_zero_and_ddp_as_hand_counts_of_the_traced_step():
@@ -234,24 +253,32 @@ def _four_ranks(every):
     assert got == ranks
 
 
-@pytest.mark.xdist_group("gloo")  # after the gloo runs, on their worker: their traced derivations are cached
-def test_the_command_line_gives_each_rank_and_fits_and_plots(capsys, tmp_path):
-    """``symmem trace SPEC --data-parallel zero-redundancy --set N=2 --format json`` gives the peaks the gloo runs
-    above measure, every rank's (they differ) and which rank peaks; ``fit`` solves the peak for B (under FSDP1,
-    whose ranks hold the same flat shards) and ``plot`` draws the largest rank's step."""
-    def args(engine):
-        return [BLOCK, "--dims", "B", "--data-parallel", engine, "--set", "N=2", "--loss", "cross-entropy",
-                "--optimizer", "adamw"]
+def _args(engine):
+    return [BLOCK, "--dims", "B", "--data-parallel", engine, "--set", "N=2", "--loss", "cross-entropy", "--optimizer",
+            "adamw"]
 
-    assert main(["trace", *args("zero-redundancy"), "--format", "json"]) == 0
+
+@pytest.mark.xdist_group("gloo")  # after the gloo runs, on their worker: their traced derivations are cached
+def test_the_command_line_gives_each_rank_and_plots(capsys, tmp_path):
+    """``symmem trace SPEC --data-parallel zero-redundancy --set N=2 --format json`` gives the peaks the gloo runs
+    above measure, every rank's (they differ) and which rank peaks; ``plot`` draws the largest rank's step (``fit``
+    under an engine: test_fit_solves_with_the_per_rank_peak; under FSDP1, ``-m deep``)."""
+    assert main(["trace", *_args("zero-redundancy"), "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     d = _traced(BLOCK, (), "cross-entropy", "zero-redundancy")
     ranks = rank_peaks(d)
     per_rank = out["values"]["peak_per_rank"]
     assert {int(r): (v["peak_first_step"], v["peak"]) for r, v in per_rank.items()} == ranks
     assert out["values"]["peak"] == ranks[0][1] > ranks[1][1] and out["peak_at"]["rank"] == 0
-    assert main(["fit", *args("fsdp1"), "--budget", "300KiB", "--format", "json"]) == 0
+    assert main(["plot", "timeline", *_args("zero-redundancy"), "--output", str(tmp_path / "step.png")]) == 0
+    assert (tmp_path / "step.png").stat().st_size > 0
+
+
+@pytest.mark.deep
+def test_fit_under_fsdp1(capsys):
+    """``fit`` solves the peak for B under FSDP1 (whose ranks hold the same flat shards).  ``-m deep`` (docs/testing.md,
+    "What is deep"): ``fit`` of a traced module under an engine is test_fit_solves_with_the_per_rank_peak's (FSDP2),
+    FSDP1's traced peaks are checked against the gloo runs above."""
+    assert main(["fit", *_args("fsdp1"), "--budget", "300KiB", "--format", "json"]) == 0
     fit = json.loads(capsys.readouterr().out)
     assert fit["quantity"] == "peak" and fit["total_at_max"] <= fit["budget"] < fit["total_above"]
-    assert main(["plot", "timeline", *args("zero-redundancy"), "--output", str(tmp_path / "step.png")]) == 0
-    assert (tmp_path / "step.png").stat().st_size > 0
