@@ -108,10 +108,19 @@ class GraphStep:
         return (at_least(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
-        return self.peak().holds_at(numbers)
+        return all(bool(c.xreplace(dict(numbers))) for c in self.domain())  # as Peak.holds_at
 
     def domain(self) -> tuple[sympy.Basic, ...]:
-        return tuple(self.peak().domain)
+        # known from the blocks, the size conditions and the engine, without the formulas: a derivation at a layer
+        # count below it (L = 2 where they hold from 4) asks for it only to write the step out with that count
+        assignments, conditions = self._selected(None)
+        found = self._cache.get((None, conditions))
+        # ZeRO-1's partition holds at the numbers it was worked out for: its domain says so (zero_redundancy)
+        whole = zero_redundancy.engaged(self.regime)
+        stacks = None if found is not None or whole else stacks_domain(self.graph, self.regime, self.subs)
+        if stacks is None:
+            return tuple(self.peak().domain)
+        return stacks + conditions + self._ranks_domain()
 
     def timeline(self, which: Which, at: Mapping[sympy.Symbol, int]) -> list[Row]:
         """The step written out at ``at`` (every symbol a number), op by op (ops named by their template node)."""
@@ -258,6 +267,25 @@ def _unrolled(graph: Graph, counts: Mapping[str, int], options: Mapping[str, Any
     return walks[key]
 
 
+def stacks_domain(graph: Graph, regime: Regime,
+                  subs: Mapping[sympy.Symbol, sympy.Expr]) -> tuple[sympy.Basic, ...] | None:
+    """Where :func:`symbolic_peak`'s formulas hold in the layer counts: each symbolic stack written out ``base``
+    and ``base + period`` times holds from ``base`` on, every ``period`` layers (:func:`layout`); a stack of known
+    length is a number.  None where a count is neither (the peak refuses it)."""
+    period, _, base = layout(regime)
+    syms = []
+    for b in graph.blocks.values():
+        count = b.count.xreplace(dict(subs))
+        if count.is_Symbol and not count.is_number:
+            syms.append(count)
+        elif not count.is_number:
+            return None
+    domain = tuple(at_least(s, base) for s in dict.fromkeys(syms))
+    if period > 1:
+        domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms))
+    return domain
+
+
 def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime,
                   subs: Mapping[sympy.Symbol, sympy.Expr], branches: Sequence[Branch | None] = (None,),
                   merge: Callable[[list[sympy.Expr]], sympy.Expr] | None = None,
@@ -289,9 +317,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
             raise SymmemError(f"block {name!r} repeats {count} times: the peak needs a symbol or a number")
     names = list(symbolic)
     syms = [symbolic[n] for n in names]
-    domain = tuple(at_least(s, base) for s in dict.fromkeys(syms) if s not in many)
-    if period > 1:
-        domain += tuple(sympy.Eq(sympy.Mod(s, period), 0) for s in dict.fromkeys(syms) if s not in many)
+    domain = stacks_domain(graph, regime, subs)
     subs = {**dict(subs), **many}
     groups: list[tuple[list[Candidate], list[Candidate]]] = []
     # the walks key their storages by number, one numbering for all; the Candidates get (category, size number)
