@@ -598,7 +598,9 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     (another engine, ``N`` a symbol -- the peak formula is then rank 0's, the largest -- or every rank alike).
 
     A rank's step differs from another's only through the rows it holds of each parameter (:func:`held_shape`),
-    so each distinct set of rows is walked once, however large ``N`` is."""
+    so each distinct set of rows is walked once, however large ``N`` is: at the numbers where every size has one
+    (:mod:`.rank_numbers`, no formula made; :func:`symmem.passes.rank_formulas.rank_formulas` makes them when asked),
+    else as each group's peak formula (:func:`rank_derivations`) at the derivation's numbers."""
 
     from ..symbols import N
     from .zero_redundancy import engaged
@@ -616,6 +618,13 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return None
     if hasattr(step, "rank_peaks"):  # a traced module's step: every rank (importer/traced_engines.py)
         return step.rank_peaks(derivation)
+    from . import rank_numbers
+
+    if rank_numbers.applies(derivation):  # every size a number: each group of ranks walked there, no formula
+        if len(rank_numbers.rank_groups(derivation)) < 2:
+            return None  # every rank holds the same rows: alike
+        found = rank_numbers.peaks_per_rank(derivation) or {}
+        return found if len(set(found.values())) > 1 else None
     found = {}
     for group, d in rank_derivations(derivation):
         found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))
@@ -636,7 +645,13 @@ def rank_derivations(derivation: Any) -> list[tuple[list[int], Any]]:
         firsts = [derivation.evaluate(shape[0]) for shape in _stored(step.graph).values() if shape]
         out = []
         for group in alike_ranks(firsts, world):
-            options = {**step.options, RANK_OPTION: rank_of(group, world)}
+            rank = rank_of(group, world)
+            if rank == 0 and RANK_OPTION not in step.options:
+                # rank 0's step is the derivation's own (the schedule's rank when none is chosen): its peak,
+                # worked out once for the views that show it too
+                out.append((group, derivation))
+                continue
+            options = {**step.options, RANK_OPTION: rank}
             out.append((group, dataclasses.replace(derivation, step=dataclasses.replace(
                 step, options=options, _cache={}, _all=None, _written=None))))
         step._cache[key] = out
