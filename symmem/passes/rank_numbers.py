@@ -111,14 +111,19 @@ def whole_peak(tl: Timeline, values: Mapping[sympy.Symbol, Any]) -> int:
     return 0 if best is None else math.ceil(best)
 
 
-def applies(derivation: Any) -> bool:
-    """Whether the ranks are walked here: a built graph's step (not a pipeline's, tensor-parallel or traced one),
-    a data-parallel engine with a number for ``N``, and a number for every size."""
+def numbered(derivation: Any) -> bool:
+    """Whether the step is walked here at the derivation's numbers: a built graph's step (not a pipeline's,
+    tensor-parallel or traced one) with a number for every size (and for ``N`` under a data-parallel engine)."""
     step = getattr(derivation, "step", None)
     regime = derivation.regime
-    return (isinstance(step, GraphStep) and regime.data_parallel is not None and not regime.pipeline_parallel
-            and not regime.tensor_parallel and N in derivation.numbers
+    return (isinstance(step, GraphStep) and not regime.pipeline_parallel and not regime.tensor_parallel
+            and (regime.data_parallel is None or N in derivation.numbers)
             and all(s in derivation.numbers for s in derivation.free))
+
+
+def applies(derivation: Any) -> bool:
+    """Whether the ranks are walked here: :func:`numbered`, under a data-parallel engine."""
+    return derivation.regime.data_parallel is not None and numbered(derivation)
 
 
 def rank_groups(derivation: Any) -> list[list[int]]:
@@ -139,24 +144,28 @@ def rank_groups(derivation: Any) -> list[list[int]]:
     return [list(range(world))]
 
 
-def written(derivation: Any, rank: int) -> Written:
-    """``rank``'s step written out at the derivation's numbers (kept on the step: a view asks again)."""
+def written(derivation: Any, rank: int | None = None) -> Written:
+    """``rank``'s step written out at the derivation's numbers (kept on the step: a view asks again); None: one
+    device's step, or under a data-parallel engine rank 0's (ZeRO-1's ranks differ: name one)."""
     from .zero_redundancy import WALKS_OPTION, engaged, refuse_precision, written_options
 
     step = derivation._step()  # the engine's refusal of one rank, as every peak's view refuses it
-    if not applies(derivation):
-        raise SymmemError("a rank's step at numbers is walked for a built graph's data-parallel engine with every "
-                          "size a number (N included)")
-    world = int(derivation.numbers[N])
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise SymmemError(f"rank must be an integer from 0 to N - 1 = {world - 1}, not {rank!r}")
+    if not numbered(derivation):
+        raise SymmemError("a step at numbers is walked for a built graph's step (a data-parallel engine's too) with "
+                          "every size a number (N included)")
+    zero = engaged(step.regime)
+    if rank is None and zero:
+        raise SymmemError("ZeroRedundancyOptimizer's ranks own different parameters: name a rank")
+    if rank is not None:
+        world = int(derivation.numbers[N]) if derivation.regime.data_parallel is not None else 1
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise SymmemError(f"rank must be an integer from 0 to N - 1 = {world - 1}, not {rank!r}")
     at = {s: int(v) for s, v in derivation.numbers.items()}
     named = tuple(sorted((s.name, v) for s, v in at.items()))
     kept = step._cache.setdefault(CACHE_KEY, {})
     key = (named, rank)
     if key in kept:
         return kept[key]
-    zero = engaged(step.regime)
     if zero:
         refuse_precision(step)
     full = {s: sympy.Integer(v) for s, v in at.items()}
