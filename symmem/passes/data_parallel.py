@@ -598,9 +598,10 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     (another engine, ``N`` a symbol -- the peak formula is then rank 0's, the largest -- or every rank alike).
 
     A rank's step differs from another's only through the rows it holds of each parameter (:func:`held_shape`),
-    so each distinct set of rows is walked once, however large ``N`` is: at the numbers where every size has one
-    (:mod:`.rank_numbers`, no formula made; :func:`symmem.passes.rank_formulas.rank_formulas` makes them when asked),
-    else as each group's peak formula (:func:`rank_derivations`) at the derivation's numbers."""
+    so each distinct set of rows is walked once, however large ``N`` is: where every size has a number and no
+    formula of the step was made, at the numbers (:mod:`.rank_numbers`: a replayed measurement, a fit); else as
+    each group's peak formula (:func:`rank_derivations`, rank 0's the derivation's own) at the derivation's numbers
+    -- the views make the peak's formulas first and show each group's after (``rank_formulas``)."""
 
     from ..symbols import N
     from .zero_redundancy import engaged
@@ -620,11 +621,13 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return step.rank_peaks(derivation)
     from . import rank_numbers
 
-    if rank_numbers.applies(derivation):  # every size a number: each group of ranks walked there, no formula
+    if rank_numbers.applies(derivation):
         if len(rank_numbers.rank_groups(derivation)) < 2:
             return None  # every rank holds the same rows: alike
-        found = rank_numbers.peaks_per_rank(derivation) or {}
-        return found if len(set(found.values())) > 1 else None
+        if not rank_numbers.formulas_made(step):  # numbers only asked for: each group walked there, no formula
+            found = rank_numbers.peaks_per_rank(derivation) or {}
+            return found if len(set(found.values())) > 1 else None
+        # a view that made the peak's formulas shows each group's next (rank_formulas): their values are these
     found = {}
     for group, d in rank_derivations(derivation):
         found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))

@@ -126,6 +126,13 @@ def applies(derivation: Any) -> bool:
     return derivation.regime.data_parallel is not None and numbered(derivation)
 
 
+def formulas_made(step: Any) -> bool:
+    """Whether a peak formula of ``step`` was made (a view's: the table and the JSON show the peak's formulas, and
+    each group of ranks' after them), so that each rank's value is best read off its group's formula; the step's
+    cache holds nothing but this module's walks otherwise."""
+    return any(key != CACHE_KEY for key in getattr(step, "_cache", {}))
+
+
 def rank_groups(derivation: Any) -> list[list[int]]:
     """The ranks ``0 .. N-1`` grouped by the step they run: FSDP2's by the rows they hold
     (:func:`symmem.passes.data_parallel.alike_ranks`), ZeRO-1's by the shapes they own
@@ -209,4 +216,5 @@ def peaks_per_rank(derivation: Any) -> dict[int, tuple[int, int]] | None:
     return dict(sorted(out.items()))
 
 
-__all__ = ["Written", "applies", "peaks_per_rank", "rank_groups", "whole_peak", "written"]
+__all__ = ["Written", "applies", "formulas_made", "numbered", "peaks_per_rank", "rank_groups", "whole_peak",
+           "written"]
