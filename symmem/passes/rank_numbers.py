@@ -36,7 +36,7 @@ from ..symbols import N
 from ..timeline import CUDA_BLOCK, Timeline, Which, checked
 from .graph_step import GraphStep
 from .schedule import simulate
-from .unroll import unroll
+from .unroll import template, unroll
 
 #: the walks kept per step (numbers, rank): a view asks for both steps and both kinds of bytes at the same numbers
 KEPT = 8
@@ -60,6 +60,13 @@ class Written:
         the peak's formula at these numbers (``d.value("peak")`` of this rank's step)."""
         return whole_peak(self.timeline(which), self.values)
 
+    def where(self, which: Which = "steady") -> tuple[str, str | None]:
+        """(phase, op) of the step's first largest moment, the op by its template name (``layers.mlp``): where
+        ``peak_at`` says the peak is, at these numbers."""
+        tl = self.timeline(which)
+        e = tl.events[_largest(tl, self.values)[1]]
+        return e.phase, template(e.node) if e.node else None
+
     def device_peak(self, which: Which = "steady") -> int:
         """The most device bytes alive at any moment, unrounded (host storages counted as empty): what
         ``torch.cuda.memory_stats()["requested_bytes.all.peak"]`` measures."""
@@ -82,6 +89,13 @@ def whole_peak(tl: Timeline, values: Mapping[sympy.Symbol, Any]) -> int:
     >>> whole_peak(tl, {B: 3})   # 24 + 1.5
     26
     """
+    best, _ = _largest(tl, values)
+    return math.ceil(best)
+
+
+def _largest(tl: Timeline, values: Mapping[sympy.Symbol, Any]) -> tuple[Any, int]:
+    """The bytes of ``tl``'s largest moment at ``values``, exact, and its event's index (the first of equals; 0 and
+    -1 where there is no moment)."""
     subs = {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
     memo: dict[Any, Any] = {}
 
@@ -97,7 +111,8 @@ def whole_peak(tl: Timeline, values: Mapping[sympy.Symbol, Any]) -> int:
     size = [num(s.nbytes) for s in tl.storages]
     live: Any = sum(size[i] for i in tl.start)
     best: Any = None
-    for e in tl.events:
+    at = -1
+    for k, e in enumerate(tl.events):
         for i in e.born:
             live += size[i]
         for sid, new in e.resized:
@@ -105,10 +120,10 @@ def whole_peak(tl: Timeline, values: Mapping[sympy.Symbol, Any]) -> int:
             size[sid] = num(new)
             live += size[sid]
         if e.moment and (best is None or live > best):
-            best = live
+            best, at = live, k
         for i in e.freed:
             live -= size[i]
-    return 0 if best is None else math.ceil(best)
+    return (0 if best is None else best), at
 
 
 def numbered(derivation: Any) -> bool:
