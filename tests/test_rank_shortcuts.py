@@ -74,7 +74,7 @@ AT_NUMBERS = [(engine, {"B": 4, "N": n}, m, device)
 def test_each_rank_at_numbers_is_its_formula_there(engine, values, m, device):
     """``rank_numbers`` (each group of alike ranks' step written out at the numbers, no formula made) gives what
     the peak's formulas give there -- each rank's group's (FSDP2: ``rank_derivations``; ZeRO-1: the ranks' peak) --
-    and what ``peak_allocated(step, rank)`` gives; ``rank_peaks`` the same from either path.  Over 756 engines x
+    and what ``peak_allocated(step, rank)`` gives; ``rank_peaks`` the same from either path.  Over 442 engines x
     models x N x M x options (docs/testing.md, "Stop 38: ranks-numeric") the two paths gave the same bytes; the
     walks' bytes are held against real runs in tests/test_cuda_stop37_measured.py and the gloo files."""
     from symmem.passes import data_parallel, rank_numbers, zero_redundancy

@@ -598,10 +598,11 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     (another engine, ``N`` a symbol -- the peak formula is then rank 0's, the largest -- or every rank alike).
 
     A rank's step differs from another's only through the rows it holds of each parameter (:func:`held_shape`),
-    so each distinct set of rows is walked once, however large ``N`` is: where every size has a number and no
-    formula of the step was made, at the numbers (:mod:`.rank_numbers`: a replayed measurement, a fit); else as
-    each group's peak formula (:func:`rank_derivations`, rank 0's the derivation's own) at the derivation's numbers
-    -- the views make the peak's formulas first and show each group's after (``rank_formulas``)."""
+    so each distinct set of rows is walked once, however large ``N`` is: where every size has a number, no formula
+    of the step was made and the layers are few (:func:`.rank_numbers.short`), at the numbers (:mod:`.rank_numbers`:
+    a replayed measurement); else as each group's peak formula (:func:`rank_derivations`, rank 0's the
+    derivation's own) at the derivation's numbers -- the views make the peak's formulas first and show each
+    group's after (``rank_formulas``)."""
 
     from ..symbols import N
     from .zero_redundancy import engaged
@@ -624,7 +625,8 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     if rank_numbers.applies(derivation):
         if len(rank_numbers.rank_groups(derivation)) < 2:
             return None  # every rank holds the same rows: alike
-        if not rank_numbers.formulas_made(step):  # numbers only asked for: each group walked there, no formula
+        if not rank_numbers.formulas_made(step) and rank_numbers.short(derivation):
+            # numbers only asked for, a short stack: each group walked there, no formula made
             found = rank_numbers.peaks_per_rank(derivation) or {}
             return found if len(set(found.values())) > 1 else None
         # a view that made the peak's formulas shows each group's next (rank_formulas): their values are these

@@ -40,6 +40,8 @@ from .unroll import template, unroll
 
 #: the walks kept per step (numbers, rank): a view asks for both steps and both kinds of bytes at the same numbers
 KEPT = 8
+#: the longest repeated block :func:`symmem.passes.data_parallel.rank_peaks` walks at numbers (:func:`short`)
+WALKED_LAYERS = 8
 #: the step's cache entry holding them (``GraphStep._cache``: the step's own peaks are keyed otherwise)
 CACHE_KEY = "rank walks at numbers"
 
@@ -141,6 +143,20 @@ def applies(derivation: Any) -> bool:
     return derivation.regime.data_parallel is not None and numbered(derivation)
 
 
+def short(derivation: Any) -> bool:
+    """Whether every repeated block is at most :data:`WALKED_LAYERS` long at the derivation's numbers: the step
+    written out there is then no longer than the two the peak's formulas interpolate from (4 and 5 layers), so
+    walking it is the cheaper way to a number.  A long stack at its number (GPT-2's 12 layers, Llama's 32) costs
+    about as much or more written out (paired, docs/testing.md "Stop 38: ranks-numeric")."""
+    subs = dict(derivation.step.subs)
+    full = {s: sympy.Integer(int(v)) for s, v in derivation.numbers.items()}
+    for b in derivation.step.graph.blocks.values():
+        count = b.count.xreplace(subs).xreplace(full)
+        if not count.is_number or int(count) > WALKED_LAYERS:
+            return False
+    return True
+
+
 def formulas_made(step: Any) -> bool:
     """Whether a peak formula of ``step`` was made (a view's: the table and the JSON show the peak's formulas, and
     each group of ranks' after them), so that each rank's value is best read off its group's formula; the step's
@@ -231,5 +247,5 @@ def peaks_per_rank(derivation: Any) -> dict[int, tuple[int, int]] | None:
     return dict(sorted(out.items()))
 
 
-__all__ = ["Written", "applies", "formulas_made", "numbered", "peaks_per_rank", "rank_groups", "whole_peak",
-           "written"]
+__all__ = ["Written", "applies", "formulas_made", "numbered", "peaks_per_rank", "rank_groups", "short",
+           "whole_peak", "written"]
