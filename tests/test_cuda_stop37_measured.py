@@ -99,22 +99,21 @@ def _derived(key: str, device: str) -> Any:
 
 
 def _per_rank(d: Any) -> dict[int, tuple[int, int]]:
-    """Each rank's derived (first, steady) peak in bytes: per rank under ZeRO-1 and FSDP, DDP's alike on all."""
-    from symmem.passes import data_parallel, zero_redundancy
+    """Each rank's derived (first, steady) peak in bytes: per rank under ZeRO-1 and FSDP, DDP's alike on all -- at
+    the case's numbers, each group of alike ranks' step walked there (passes/rank_numbers.py: no formula made)."""
+    from symmem.passes import rank_numbers
 
-    world = int(next(v for s, v in d.numbers.items() if s.name == "N"))
-    found = zero_redundancy.rank_peaks(d) or data_parallel.rank_peaks(d) or dict.fromkeys(
-        range(world), (d.value("peak_first_step"), d.value("peak")))
-    return {r: tuple(found[r]) for r in range(world)}
+    found = rank_numbers.peaks_per_rank(d)
+    assert found is not None
+    return found
 
 
 def _allocated(d: Any, step: str, rank: int) -> int:
-    from symmem.errors import SymmemError
+    """``peak_allocated(step, rank)``: the rank's step at the case's numbers, every device storage in 512-byte
+    blocks (the same walk; passes/rank_numbers.py)."""
+    from symmem.passes import rank_numbers
 
-    try:
-        return d.peak_allocated(step, rank)
-    except SymmemError:  # an engine whose ranks hold alike: one allocated peak
-        return d.peak_allocated(step)
+    return rank_numbers.written(d, rank).allocated(step)
 
 
 def test_every_case_ran_on_both_ranks():
@@ -134,9 +133,10 @@ def test_every_case_ran_on_both_ranks():
 def device_peak(d: Any, step: str, rank: int) -> int:
     """The most device bytes alive at any moment of ``rank``'s ``step`` (``first`` or ``steady``), unrounded: the
     derivation's timeline with its host storages counted as empty -- what ``requested_bytes.all.peak`` measures.
-    (``Timeline.allocated`` with 1-byte blocks; the written-out timeline of one rank is the step's own.)"""
-    timeline, values = d.step._written_out(step, dict(d.numbers), rank)
-    return timeline.allocated(values, block=1)
+    (``Timeline.allocated`` with 1-byte blocks of the rank's step written out at the case's numbers.)"""
+    from symmem.passes import rank_numbers
+
+    return rank_numbers.written(d, rank).device_peak(step)
 
 
 def _gloo(key: str) -> bool:

@@ -61,3 +61,40 @@ def test_a_ranks_prune_keeps_what_survivors_keeps(monkeypatch, model, values, kw
                     assert s.prune(order, extra, own) == _long_way(s, order, extra, own), (extra, own)
                     compared += 1
     assert compared > 100
+
+
+#: the MLPs whose ranks differ (FSDP2's padded rows: 127 rows over 3 ranks are 43, 43, 41; ZeRO-1's whole
+#: parameters) or hold alike (DDP, FSDP1), M = 1 and 2, both devices
+AT_NUMBERS = [(engine, {"B": 4, "N": n}, m, device)
+              for engine, n in (("fsdp", 3), ("fsdp-no-reshard", 4), ("zero-redundancy", 4), ("ddp", 2), ("fsdp1", 3))
+              for m in (1, 2) for device in ("cpu", "cuda")]
+
+
+@pytest.mark.parametrize("engine, values, m, device", AT_NUMBERS)
+def test_each_rank_at_numbers_is_its_formula_there(engine, values, m, device):
+    """``rank_numbers`` (each group of alike ranks' step written out at the numbers, no formula made) gives what
+    the peak's formulas give there -- each rank's group's (FSDP2: ``rank_derivations``; ZeRO-1: the ranks' peak) --
+    and what ``peak_allocated(step, rank)`` gives; ``rank_peaks`` the same from either path.  Over 442 engines x
+    models x N x M x options (docs/testing.md, "Stop 38: ranks-numeric") the two paths gave the same bytes; the
+    walks' bytes are held against real runs in tests/test_cuda_stop37_measured.py and the gloo files."""
+    from symmem.passes import data_parallel, rank_numbers, zero_redundancy
+
+    kw = dict(convention="pytorch", device=device, optimizer="adamw", values=values, data_parallel=engine,
+              micro_batches=m, widths="64,127,10", loss="cross-entropy")
+    d = derive("mlp", **kw)
+    world = values["N"]
+    if engine == "zero-redundancy":
+        want = zero_redundancy.rank_peaks(d)
+    elif engine in data_parallel.SHARDED:
+        want = {r: (rd.value("peak_first_step"), rd.value("peak")) for group, rd in data_parallel.rank_derivations(d)
+                for r in group}
+    else:
+        want = dict.fromkeys(range(world), (d.value("peak_first_step"), d.value("peak")))
+    fresh = derive("mlp", **kw)  # the numeric path on a derivation no formula was made for
+    assert rank_numbers.peaks_per_rank(fresh) == dict(sorted(want.items()))
+    for rank in range(world):
+        walked = rank_numbers.written(fresh, rank)
+        assert [walked.allocated(s) for s in ("first", "steady")] == [d.peak_allocated(s, rank)
+                                                                      for s in ("first", "steady")]
+    assert data_parallel.rank_peaks(fresh) == data_parallel.rank_peaks(d) == (
+        None if len(set(want.values())) == 1 else dict(sorted(want.items())))

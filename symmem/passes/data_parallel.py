@@ -598,7 +598,11 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
     (another engine, ``N`` a symbol -- the peak formula is then rank 0's, the largest -- or every rank alike).
 
     A rank's step differs from another's only through the rows it holds of each parameter (:func:`held_shape`),
-    so each distinct set of rows is walked once, however large ``N`` is."""
+    so each distinct set of rows is walked once, however large ``N`` is: where every size has a number, no formula
+    of the step was made and the layers are few (:func:`.rank_numbers.short`), at the numbers (:mod:`.rank_numbers`:
+    a replayed measurement); else as each group's peak formula (:func:`rank_derivations`, rank 0's the
+    derivation's own) at the derivation's numbers -- the views make the peak's formulas first and show each
+    group's after (``rank_formulas``)."""
 
     from ..symbols import N
     from .zero_redundancy import engaged
@@ -616,6 +620,16 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return None
     if hasattr(step, "rank_peaks"):  # a traced module's step: every rank (importer/traced_engines.py)
         return step.rank_peaks(derivation)
+    from . import rank_numbers
+
+    if rank_numbers.applies(derivation):
+        if len(rank_numbers.rank_groups(derivation)) < 2:
+            return None  # every rank holds the same rows: alike
+        if not rank_numbers.formulas_made(step) and rank_numbers.short(derivation):
+            # numbers only asked for, a short stack: each group walked there, no formula made
+            found = rank_numbers.peaks_per_rank(derivation) or {}
+            return found if len(set(found.values())) > 1 else None
+        # a view that made the peak's formulas shows each group's next (rank_formulas): their values are these
     found = {}
     for group, d in rank_derivations(derivation):
         found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))
@@ -636,7 +650,13 @@ def rank_derivations(derivation: Any) -> list[tuple[list[int], Any]]:
         firsts = [derivation.evaluate(shape[0]) for shape in _stored(step.graph).values() if shape]
         out = []
         for group in alike_ranks(firsts, world):
-            options = {**step.options, RANK_OPTION: rank_of(group, world)}
+            rank = rank_of(group, world)
+            if rank == 0 and RANK_OPTION not in step.options:
+                # rank 0's step is the derivation's own (the schedule's rank when none is chosen): its peak,
+                # worked out once for the views that show it too
+                out.append((group, derivation))
+                continue
+            options = {**step.options, RANK_OPTION: rank}
             out.append((group, dataclasses.replace(derivation, step=dataclasses.replace(
                 step, options=options, _cache={}, _all=None, _written=None))))
         step._cache[key] = out

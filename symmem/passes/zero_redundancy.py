@@ -196,10 +196,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     key = ("ranks", None if at is None else tuple(sorted((s.name, int(v)) for s, v in at.items())))
     if key in step._cache:
         return step._cache[key]
-    if step.regime.precision != "fp32":
-        raise SymmemError(f"the peak under data_parallel={ENGINE!r} is modelled in fp32 (torch.optim keeps no "
-                          f"master weights to partition; precision={step.regime.precision!r} is the papers' "
-                          "accounting: --zero 1)")
+    refuse_precision(step)
     fixed = _fixed(step, {**step.numbers, **(at or {})})
     env = _env(step, fixed)
     world = fixed[N]
@@ -222,6 +219,29 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
         step._cache.clear()
     step._cache[key] = out
     return out
+
+
+def refuse_precision(step: Any) -> None:
+    """ZeRO-1's peak is torch.optim's, in fp32: refuse the papers' mixed precision (every rank's step refuses it)."""
+    if step.regime.precision != "fp32":
+        raise SymmemError(f"the peak under data_parallel={ENGINE!r} is modelled in fp32 (torch.optim keeps no "
+                          f"master weights to partition; precision={step.regime.precision!r} is the papers' "
+                          "accounting: --zero 1)")
+
+
+def rank_groups(step: Any, numbers: Mapping[sympy.Symbol, int]) -> list[list[int]]:
+    """The ranks ``0 .. N-1`` at ``numbers`` grouped as :func:`over_ranks` groups them: those that own parameters of
+    the same shapes in the same order step alike (:func:`symmem.passes.rank_numbers.rank_groups`)."""
+    refuse_precision(step)
+    fixed = _fixed(step, {**step.numbers, **numbers})
+    env = _env(step, fixed)
+    counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
+    params = listed_whole(step.graph, counts)
+    parts = partition([int(shape_numel(shape).xreplace(env)) for _, shape in params], fixed[N])
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for rank, idx in enumerate(parts):
+        groups.setdefault(tuple(_at(params[i][1], env) for i in idx), []).append(rank)
+    return list(groups.values())
 
 
 def over_ranks(parts: Sequence[Sequence[int]], shape: Callable[[int], Any], rank_peak: Callable[[list[int]], Peak],
