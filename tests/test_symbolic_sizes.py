@@ -179,7 +179,10 @@ def _plain(e: sympy.Expr) -> sympy.Expr:
     return sympy.sympify(e).xreplace({s: sympy.Symbol(s.name) for s in sympy.sympify(e).free_symbols})
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+#: GPT-2's agreement is deep (~5.5 CPU-s, its own fit of five sizes): HF GPT-2 traced in its sizes stays checked
+#: against real PyTorch in the default suite (the CLI tests below: H alone, V with L), and Llama's agreement, the
+#: fit with the most sizes (H, h, G, F, V, L), stays here with BERT's
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.deep) if n == "gpt2" else n for n in sorted(ZOO)])
 def test_zoo_and_trace_agree_in_every_size(name: str) -> None:
     """The traced formula in all sizes is the zoo's pytorch formula, symbol for symbol (same kernel, CPU)."""
     import symmem
