@@ -620,16 +620,12 @@ def rank_peaks(derivation: Any) -> dict[int, tuple[int, int]] | None:
         return None
     if hasattr(step, "rank_peaks"):  # a traced module's step: every rank (importer/traced_engines.py)
         return step.rank_peaks(derivation)
-    from . import rank_numbers
-
-    if rank_numbers.applies(derivation):
-        if len(rank_numbers.rank_groups(derivation)) < 2:
-            return None  # every rank holds the same rows: alike
-        if not rank_numbers.formulas_made(step) and rank_numbers.short(derivation):
-            # numbers only asked for, a short stack: each group walked there, no formula made
-            found = rank_numbers.peaks_per_rank(derivation) or {}
-            return found if len(set(found.values())) > 1 else None
-        # a view that made the peak's formulas shows each group's next (rank_formulas): their values are these
+    # the step walks itself at the numbers (passes/rank_numbers.py, above this module: it simulates the step)
+    at_numbers = getattr(type(step), "ranks_at_numbers", None)
+    if at_numbers is not None:
+        answered, found = at_numbers(step, derivation)
+        if answered:
+            return found
     found = {}
     for group, d in rank_derivations(derivation):
         found.update(dict.fromkeys(group, (int(d.value("peak_first_step")), int(d.value("peak")))))

@@ -107,6 +107,13 @@ class GraphStep:
         """FSDP's steps hold for N >= 2: on one rank the engines skip their collectives."""
         return (at_least(N, 2),) if self.regime.data_parallel in ONE_RANK_DIFFERS else ()
 
+    def ranks_at_numbers(self, derivation: Any) -> tuple[bool, dict[int, tuple[int, int]] | None]:
+        """Each data-parallel rank's peaks with every size a number, this step written out there without its
+        formulas (:func:`symmem.passes.rank_numbers.at_numbers`)."""
+        from . import rank_numbers
+
+        return rank_numbers.at_numbers(derivation)
+
     def holds_at(self, numbers: Mapping[sympy.Symbol, int]) -> bool:
         return all(bool(c.xreplace(dict(numbers))) for c in self.domain())  # as Peak.holds_at
 

@@ -34,7 +34,6 @@ import sympy
 from ..errors import SymmemError
 from ..symbols import N
 from ..timeline import CUDA_BLOCK, Timeline, Which, checked
-from .graph_step import GraphStep
 from .schedule import simulate
 from .unroll import template, unroll
 
@@ -133,7 +132,9 @@ def numbered(derivation: Any) -> bool:
     tensor-parallel or traced one) with a number for every size (and for ``N`` under a data-parallel engine)."""
     step = getattr(derivation, "step", None)
     regime = derivation.regime
-    return (isinstance(step, GraphStep) and not regime.pipeline_parallel and not regime.tensor_parallel
+    # a built graph's step (graph_step.GraphStep, which imports this module where it is asked)
+    return (getattr(type(step), "ranks_at_numbers", None) is not None
+            and not regime.pipeline_parallel and not regime.tensor_parallel
             and (regime.data_parallel is None or N in derivation.numbers)
             and all(s in derivation.numbers for s in derivation.free))
 
@@ -141,6 +142,21 @@ def numbered(derivation: Any) -> bool:
 def applies(derivation: Any) -> bool:
     """Whether the ranks are walked here: :func:`numbered`, under a data-parallel engine."""
     return derivation.regime.data_parallel is not None and numbered(derivation)
+
+
+def at_numbers(derivation: Any) -> tuple[bool, dict[int, tuple[int, int]] | None]:
+    """:func:`symmem.passes.data_parallel.rank_peaks` where it is answered here: (True, the ranks' (first, steady)
+    peaks, None where every rank is alike), or (False, None) where each group's formula is read instead."""
+    if not applies(derivation):
+        return False, None
+    if len(rank_groups(derivation)) < 2:
+        return True, None  # every rank holds the same rows: alike
+    if not formulas_made(derivation.step) and short(derivation):
+        # numbers only asked for, a short stack: each group walked there, no formula made
+        found = peaks_per_rank(derivation) or {}
+        return True, (found if len(set(found.values())) > 1 else None)
+    # a view that made the peak's formulas shows each group's next (rank_formulas): their values are these
+    return False, None
 
 
 def short(derivation: Any) -> bool:
