@@ -298,7 +298,8 @@ class Derivation:
         with paused_gc():
             if exact and not step.holds_at(self.numbers):
                 # layer counts below the formula's domain: the step written out with them as numbers
-                counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in step.domain())}
+                domain = step.domain()
+                counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in domain)}
                 return step.peak(counts)
             return step.peak()
 

@@ -29,7 +29,7 @@ import sympy
 from .conventions import Convention
 from .derivation import Derivation, Storage, positive_int
 from .errors import NothingCounted, SymmemError
-from .evaluator import NoBranch, NotCompilable, interpret
+from .evaluator import NotCompilable, exactly, interpret
 from .graph import Model, parameter_shapes, paused_gc
 from .ledger import Ledger, Parameter
 from .passes import branches, regimes, saved
@@ -622,10 +622,7 @@ def _check_sizes(sizes: Sizes, numbers: Mapping[sympy.Symbol, int]) -> None:
 def _truth(cond: sympy.Basic, numbers: Mapping[sympy.Symbol, int]) -> bool | None:
     """A condition at ``numbers`` (True or False), exactly, without building sympy objects; None when a symbol has
     no number or the interpreter does not know a part of it (then sympy decides)."""
-    try:  # a symbol without a number: a KeyError (no free_symbols walk first: it costs as much as the walk)
-        found = interpret(cond, numbers)
-    except (KeyError, NotCompilable, NoBranch, ZeroDivisionError, TypeError):
-        return None
+    found = exactly(cond, numbers)  # no free_symbols walk first: it costs as much as the walk
     return found if isinstance(found, bool) else None
 
 

@@ -62,9 +62,6 @@ class _NoBranch(Exception):
     """At run time: no condition of a ``Piecewise`` holds."""
 
 
-NoBranch = _NoBranch  # what interpret() raises there, for callers that fall back to sympy
-
-
 # A compiled value: ("int", code), ("frac", numerator code, denominator) or ("bool", code).  A denominator is
 # (positive int, tuple of variable names), the product of the int and the variables; every variable in a
 # denominator holds a positive value (symbols are positive; computed ones are checked where they are made).
@@ -435,6 +432,16 @@ def interpret(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction
     if isinstance(e, sympy.Not):
         return not interpret(e.args[0], env)
     raise NotCompilable(type(e).__name__)
+
+
+def exactly(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> int | Fraction | bool | None:
+    """:func:`interpret`, or None where it gives no value -- a symbol without a number, a part it does not know (a
+    float, an unknown function), no branch of a ``Piecewise``, a zero denominator -- for callers whose sympy
+    substitution then decides (its answer or refusal was always the one given)."""
+    try:
+        return interpret(e, env)
+    except (KeyError, NotCompilable, _NoBranch, ZeroDivisionError, TypeError):
+        return None
 
 
 def _vector_namespace() -> dict[str, Any]:

@@ -59,7 +59,7 @@ import sympy
 
 from ..derivation import Storage
 from ..errors import SymmemError
-from ..evaluator import interpret
+from ..evaluator import exactly
 from ..graph import Graph
 from ..shapes import numel
 from ..symbols import p
@@ -232,13 +232,8 @@ def _exact(e: sympy.Basic, env: Mapping[sympy.Symbol, int]) -> Fraction | int | 
     answer or refusal was always the one given.  (Substituting rebuilt every formula through sympy's
     constructors and its cache, each storage's size and each stage's part at each batch: a seventh of a pipeline
     peak's time; the arithmetic is exact both ways, so the same integers.)"""
-    try:
-        found = interpret(e, env)
-    except Exception:  # noqa: BLE001 -- any failure: sympy's substitution decides, as it always did
-        return None
-    if isinstance(found, bool) or not isinstance(found, int | Fraction):
-        return None
-    return found
+    found = exactly(e, env)
+    return None if isinstance(found, bool) or not isinstance(found, int | Fraction) else found
 
 
 def _rounded(value: sympy.Expr, name: str) -> int:
