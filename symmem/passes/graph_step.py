@@ -155,23 +155,37 @@ class GraphStep:
             _, (steady, first), values = self._written
             return (first if which == "first" else steady), values
         self.peak()
-        assignments, _ = self._selected(at)
-        subs = self.subs
+        steady, first, values = self.written_at(at, rank)
+        self._written = (key, (steady, first), values)
+        return (first if which == "first" else steady), values
+
+    def written_at(self, at: Mapping[sympy.Symbol, int], rank: int | None = None, shared: dict | None = None
+                   ) -> tuple[Timeline, Timeline, dict[sympy.Symbol, Any]]:
+        """(steady, first, every symbol's value): the step at ``at`` (every size a number) written out, without
+        the peak's formulas (:meth:`_written_out` makes them first, for their refusals' words).  ``shared``: a
+        dict the caller keeps per ``at``, holding the unrolled graph and ZeRO-1's walks of every rank's forward
+        and backward, for the next rank (passes/rank_numbers.py)."""
+        subs = dict(self.subs)
         full = {s: sympy.Integer(v) for s, v in at.items()}
         counts = {}
         for name, b in self.graph.blocks.items():
-            count = b.count.xreplace(dict(subs)).xreplace(full)
+            count = b.count.xreplace(subs).xreplace(full)
             if not count.is_number:
                 raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
             counts[name] = int(count)
+        assignments, _ = self._selected(at)
         chosen = next((b for b in assignments if b is None or all(
-            bool(c.xreplace(dict(subs)).xreplace(full)) == v for c, v in b.items())), assignments[0])
-        g = unroll(self.graph, counts) if self.graph.blocks else self.graph
+            bool(c.xreplace(subs).xreplace(full)) == v for c, v in b.items())), assignments[0])
+        kept = {} if shared is None else shared
+        if "graph" not in kept:
+            kept["graph"] = unroll(self.graph, counts) if self.graph.blocks else self.graph
         options = zero_redundancy.written_options(self, full, rank)
-        steady, first = simulate(g, self.conv, options, self.regime, chosen, keep_logits=self.regime.keep_logits)
+        if shared is not None and zero_redundancy.engaged(self.regime):
+            options = {**options, zero_redundancy.WALKS_OPTION: shared.setdefault("walks", {})}
+        steady, first = simulate(kept["graph"], self.conv, options, self.regime, chosen,
+                                 keep_logits=self.regime.keep_logits)
         values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
-        self._written = (key, (steady, first), {**values, **full})
-        return (first if which == "first" else steady), self._written[2]
+        return steady, first, {**values, **full}
 
 
 def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:

@@ -34,8 +34,7 @@ import sympy
 from ..errors import SymmemError
 from ..symbols import N
 from ..timeline import CUDA_BLOCK, Timeline, Which, checked
-from .schedule import simulate
-from .unroll import template, unroll
+from .unroll import template
 
 #: the walks kept per step (numbers, rank): a view asks for both steps and both kinds of bytes at the same numbers
 KEPT = 8
@@ -201,7 +200,7 @@ def rank_groups(derivation: Any) -> list[list[int]]:
 def written(derivation: Any, rank: int | None = None) -> Written:
     """``rank``'s step written out at the derivation's numbers (kept on the step: a view asks again); None: one
     device's step, or under a data-parallel engine rank 0's (ZeRO-1's ranks differ: name one)."""
-    from .zero_redundancy import WALKS_OPTION, engaged, refuse_precision, written_options
+    from .zero_redundancy import engaged, refuse_precision
 
     step = derivation._step()  # the engine's refusal of one rank, as every peak's view refuses it
     if not numbered(derivation):
@@ -222,27 +221,9 @@ def written(derivation: Any, rank: int | None = None) -> Written:
         return kept[key]
     if zero:
         refuse_precision(step)
-    full = {s: sympy.Integer(v) for s, v in at.items()}
-    subs = dict(step.subs)
-    counts = {}
-    for name, b in step.graph.blocks.items():
-        count = b.count.xreplace(subs).xreplace(full)
-        if not count.is_number:
-            raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
-        counts[name] = int(count)
-    assignments, _ = step._selected(at)
-    chosen = next((b for b in assignments if b is None or all(
-        bool(c.xreplace(subs).xreplace(full)) == v for c, v in b.items())), assignments[0])
     # the unrolled graph, and ZeRO-1's forward and backward (every rank's, schedule.simulate), once per numbers
     shared = kept.setdefault((named, "shared"), {})
-    if "graph" not in shared:
-        shared["graph"] = unroll(step.graph, counts) if step.graph.blocks else step.graph
-    options = written_options(step, full, rank)
-    if zero:
-        options = {**options, WALKS_OPTION: shared.setdefault("walks", {})}
-    steady, first = simulate(shared["graph"], step.conv, options, step.regime, chosen,
-                             keep_logits=step.regime.keep_logits)
-    values = {**{s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}, **full}
+    steady, first, values = step.written_at(at, rank, shared)
     if len(kept) > KEPT:
         kept.clear()
         kept[(named, "shared")] = shared
