@@ -20,6 +20,7 @@ from symmem import trace  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer.symbolic_sizes import Plan  # noqa: E402
 from symmem.record.verify import measure  # noqa: E402
+from tests.symbolic_traces import GROUP, shared_traces  # noqa: E402, F401
 
 
 class Attention(torch.nn.Module):
@@ -218,6 +219,8 @@ def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.xdist_group(GROUP)  # GPT-2 in V: traced once a process (tests/symbolic_traces.py)
+@pytest.mark.usefixtures("shared_traces")
 def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.CaptureFixture) -> None:
     """``--symbolic V=vocab_size`` (L implicit) then ``--set V=200 --set L=3``: sizes never traced; the JSON's numbers
     are a real forward's saved bytes and the real module's parameter count there."""
@@ -375,13 +378,16 @@ def test_fit_finds_the_largest_valid_size_a_period_below(attention: object) -> N
     assert d.at(H=r.max).value("total") <= 80 * 2**30 < d.at(H=r.max + 256).value("total")
 
 
+@pytest.mark.xdist_group(GROUP)  # the CLI's GPT-2 in V (width 32): its traces at L = 2 made once a process
+@pytest.mark.usefixtures("shared_traces")
 def test_hf_gpt2_peak_in_its_vocabulary_equals_a_real_step() -> None:
-    """Hugging Face GPT-2, V symbolic (2 layers): the peak at V = 200 (never traced) is a real step's."""
+    """Hugging Face GPT-2, V symbolic (2 layers, width 32 as the CLI's tests): the peak at V = 200 (never traced)
+    is a real step's."""
     pytest.importorskip("transformers")
     from symmem.importer.hf_sizes import hf_sizes
     from symmem.record.steps import track_step
 
-    model = hf_sizes("hf:gpt2", {"V": "vocab_size"}, {"n_layer": 2, "n_embd": 16, "n_head": 2}, None)
+    model = hf_sizes("hf:gpt2", {"V": "vocab_size"}, {"n_layer": 2, "n_embd": 32, "n_head": 2}, None)
     d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes={"V": model.sizes["V"]},
               peak=True, optimizer="adamw", optimizer_impl="for-loop", device="cpu")
     loaded = model.load({"V": 200})
@@ -459,6 +465,8 @@ def grouped(H: int, h: int, G: int) -> tuple[torch.nn.Module, tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("G", [2, 8])
+@pytest.mark.xdist_group(GROUP)  # both fits trace h/G >= 2 at the same sizes: once a process
+@pytest.mark.usefixtures("shared_traces")
 def test_a_regime_the_formula_misses_is_outside_its_domain_and_said(G: int) -> None:
     """Fitted at G < h (or asked at G = h): the copies exist only for G < h, so the check at G = h fails and the
     formula keeps the regime it was asked in, exact there against real saved tensors, the other one said."""
