@@ -386,6 +386,11 @@ def test_fit_finds_the_largest_valid_size_a_period_below(attention: object) -> N
     assert d.at(H=r.max).value("total") <= 80 * 2**30 < d.at(H=r.max + 256).value("total")
 
 
+#: deep (~5 CPU-s: three step records of GPT-2 at three vocabularies): its path is two default tests' together, the
+#: peak's step fitted over sizes other than L against real steps (test_peak_in_every_size_equals_real_steps_at_an_
+#: untraced_configuration: H, F) and an HF model's step in its sizes against real steps (test_symbolic_checks.py's
+#: verify: HF GPT-2 in L)
+@pytest.mark.deep
 @pytest.mark.xdist_group(GROUP)  # the CLI's GPT-2 in V (width 32): its traces at L = 2 made once a process
 @pytest.mark.usefixtures("shared_traces")
 def test_hf_gpt2_peak_in_its_vocabulary_equals_a_real_step() -> None:
