@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from tests.symbolic_traces import GROUP, shared_traces  # noqa: E402, F401
+
 CONFIG = ("--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=2")
 
 
@@ -38,16 +40,18 @@ def _predicted(out: str, row: str) -> int:
     return int(re.search(rf"^  {row}\s+([\d,]+)", out, re.M).group(1).replace(",", ""))
 
 
+@pytest.mark.xdist_group(GROUP)  # its trace at 2 layers is GPT-2 in V's first (vocabulary 24): made once a process
+@pytest.mark.usefixtures("shared_traces")
 def test_verify_symbolic_checks_the_formula_where_it_was_not_fitted(capsys: pytest.CaptureFixture) -> None:
     """The layer count in the sizes (a cheap fit: its step is recorded with 4 and 5 layers), checked at 6 layers
     and sizes B, S never traced: one real forward's saved tensors and two real training steps."""
     from symmem.record.steps import track_step
     from symmem.record.verify import measure
 
-    code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--config", "vocab_size=64",
+    code, out, _ = _main(capsys, "verify", "hf:gpt2", "--dims", "B,S", *CONFIG, "--config", "vocab_size=24",
                          "--symbolic", "L=n_layer", "--symbolic-peak", "--optimizer", "sgd", "--set", "L=6",
                          "--set", "B=3", "--set", "S=5")
-    module, ids = _real(V=64, L=6)
+    module, ids = _real(V=24, L=6)
     saved = measure(module, input_ids=ids)
     steps = track_step(module, (ids,), optimizer="sgd", impl="for-loop", keep_output=False)
     assert code == 0 and out.count("\n  exact\n") == 2
@@ -56,6 +60,8 @@ def test_verify_symbolic_checks_the_formula_where_it_was_not_fitted(capsys: pyte
     assert (_predicted(out, "first step"), _predicted(out, "steady step")) == (steps.first.bytes, steps.steady.bytes)
 
 
+@pytest.mark.xdist_group(GROUP)  # GPT-2 in V as test_symbolic_sizes' CLI: traced once a process
+@pytest.mark.usefixtures("shared_traces")
 def test_paper_symbolic_writes_the_formula_in_the_sizes(capsys: pytest.CaptureFixture, tmp_path: object) -> None:
     """The article's equations, read back from its LaTeX and evaluated at sizes never traced, are what the real
     model keeps there; the section says what each symbol stands for."""

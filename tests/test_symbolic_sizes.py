@@ -20,6 +20,7 @@ from symmem import trace  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer.symbolic_sizes import Plan  # noqa: E402
 from symmem.record.verify import measure  # noqa: E402
+from tests.symbolic_traces import GROUP, shared_traces  # noqa: E402, F401
 
 
 class Attention(torch.nn.Module):
@@ -179,10 +180,13 @@ def _plain(e: sympy.Expr) -> sympy.Expr:
     return sympy.sympify(e).xreplace({s: sympy.Symbol(s.name) for s in sympy.sympify(e).free_symbols})
 
 
-#: GPT-2's agreement is deep (~5.5 CPU-s, its own fit of five sizes): HF GPT-2 traced in its sizes stays checked
-#: against real PyTorch in the default suite (the CLI tests below: H alone, V with L), and Llama's agreement, the
-#: fit with the most sizes (H, h, G, F, V, L), stays here with BERT's
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.deep) if n == "gpt2" else n for n in sorted(ZOO)])
+#: GPT-2's and BERT's agreements are deep (~5.5 and ~5 CPU-s, a fit of five sizes each): HF GPT-2 traced in its
+#: sizes stays checked against real PyTorch in the default suite (the CLI tests below: H alone, V with L), and
+#: Llama's agreement, the fit with the most sizes (H, h, G, F, V, L), stays here, with ViT's (an encoder's blocks,
+#: as BERT's, in H, h and L: test_hf_vit_and_the_zoo_vit_agree_in_every_size)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.deep) if n != "llama" else
+                                  pytest.param(n, marks=pytest.mark.xdist_group(GROUP)) for n in sorted(ZOO)])
+@pytest.mark.usefixtures("shared_traces")  # Llama's traces: the CLI's H alone shares two (its base and probe)
 def test_zoo_and_trace_agree_in_every_size(name: str) -> None:
     """The traced formula in all sizes is the zoo's pytorch formula, symbol for symbol (same kernel, CPU)."""
     import symmem
@@ -195,6 +199,8 @@ def test_zoo_and_trace_agree_in_every_size(name: str) -> None:
         assert sympy.simplify(_plain(getattr(d, what)) - _plain(getattr(z, what))) == 0, what
 
 
+@pytest.mark.xdist_group(GROUP)  # HF Llama's fit: made once, by whichever of its tests runs first
+@pytest.mark.usefixtures("shared_traces")
 def test_hf_llama_in_its_sizes_equals_real_pytorch() -> None:
     d, model = _fit("llama")
     # never traced: head size 12 (fitted at 4, 6; checked at 10, 8), F = 44, G = 3 groups of 2 heads, 3 layers
@@ -218,6 +224,8 @@ def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.xdist_group(GROUP)  # GPT-2 in V: traced once a process (tests/symbolic_traces.py)
+@pytest.mark.usefixtures("shared_traces")
 def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.CaptureFixture) -> None:
     """``--symbolic V=vocab_size`` (L implicit) then ``--set V=200 --set L=3``: sizes never traced; the JSON's numbers
     are a real forward's saved bytes and the real module's parameter count there."""
@@ -242,10 +250,13 @@ def test_cli_symbolic_evaluates_with_set_as_real_pytorch_keeps(capsys: pytest.Ca
 
 @pytest.mark.parametrize(("spec", "config", "H", "divisor"), [
     ("hf:gpt2", {"n_layer": 2, "n_head": 3, "vocab_size": 50}, 39, "Eq(Mod(H, 3), 0)"),
-    # rotary attention: the head size must be even, so H a multiple of 2h
-    ("hf:llama", {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-                  "intermediate_size": 40, "vocab_size": 50}, 44, "Eq(Mod(H, 4), 0)"),
+    # rotary attention: the head size must be even, so H a multiple of 2h; Llama as the zoo test's fit builds it at
+    # its base (h = 4, G = 2, F = 24, V = 40, sdpa): H = 16 and 24 traced once a process (tests/symbolic_traces.py)
+    ("hf:llama", {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "intermediate_size": 24, "vocab_size": 40, "attn_implementation": "sdpa"}, 72, "Eq(Mod(H, 8), 0)"),
 ])
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.usefixtures("shared_traces")
 def test_cli_symbolic_hidden_size_alone_traces_multiples_of_the_held_heads(
         capsys: pytest.CaptureFixture, spec: str, config: dict, H: int, divisor: str) -> None:
     """``--symbolic H=...`` with the head count held at the config's value: the small configurations are multiples
@@ -264,7 +275,7 @@ def test_cli_symbolic_hidden_size_alone_traces_multiples_of_the_held_heads(
     got = json.loads(out)
     assert divisor in got["domain"]
     loaded = sources.load(spec, config={**config, key: H})
-    ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, config["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(2))
     real = measure(loaded.module, input_ids=ids)
     assert got["values"]["activations"] == real.activations
     assert got["values"]["parameters"] == sum(p.numel() for p in loaded.module.parameters())
@@ -375,13 +386,21 @@ def test_fit_finds_the_largest_valid_size_a_period_below(attention: object) -> N
     assert d.at(H=r.max).value("total") <= 80 * 2**30 < d.at(H=r.max + 256).value("total")
 
 
+#: deep (~5 CPU-s: three step records of GPT-2 at three vocabularies): its path is two default tests' together, the
+#: peak's step fitted over sizes other than L against real steps (test_peak_in_every_size_equals_real_steps_at_an_
+#: untraced_configuration: H, F) and an HF model's step in its sizes against real steps (test_symbolic_checks.py's
+#: verify: HF GPT-2 in L)
+@pytest.mark.deep
+@pytest.mark.xdist_group(GROUP)  # the CLI's GPT-2 in V (width 32): its traces at L = 2 made once a process
+@pytest.mark.usefixtures("shared_traces")
 def test_hf_gpt2_peak_in_its_vocabulary_equals_a_real_step() -> None:
-    """Hugging Face GPT-2, V symbolic (2 layers): the peak at V = 200 (never traced) is a real step's."""
+    """Hugging Face GPT-2, V symbolic (2 layers, width 32 as the CLI's tests): the peak at V = 200 (never traced)
+    is a real step's."""
     pytest.importorskip("transformers")
     from symmem.importer.hf_sizes import hf_sizes
     from symmem.record.steps import track_step
 
-    model = hf_sizes("hf:gpt2", {"V": "vocab_size"}, {"n_layer": 2, "n_embd": 16, "n_head": 2}, None)
+    model = hf_sizes("hf:gpt2", {"V": "vocab_size"}, {"n_layer": 2, "n_embd": 32, "n_head": 2}, None)
     d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes={"V": model.sizes["V"]},
               peak=True, optimizer="adamw", optimizer_impl="for-loop", device="cpu")
     loaded = model.load({"V": 200})
@@ -399,6 +418,8 @@ def test_table_and_json_factor_the_fields_way(stepped: object) -> None:
 
 
 @pytest.mark.skipif(not __import__("shutil").which("pdflatex"), reason="pdflatex is not installed")
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.usefixtures("shared_traces")
 def test_llama_in_every_size_latex_compiles_within_the_page(tmp_path: object) -> None:
     import re
 
@@ -459,6 +480,8 @@ def grouped(H: int, h: int, G: int) -> tuple[torch.nn.Module, tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("G", [2, 8])
+@pytest.mark.xdist_group(GROUP)  # both fits trace h/G >= 2 at the same sizes: once a process
+@pytest.mark.usefixtures("shared_traces")
 def test_a_regime_the_formula_misses_is_outside_its_domain_and_said(G: int) -> None:
     """Fitted at G < h (or asked at G = h): the copies exist only for G < h, so the check at G = h fails and the
     formula keeps the regime it was asked in, exact there against real saved tensors, the other one said."""
@@ -478,6 +501,8 @@ def test_a_regime_the_formula_misses_is_outside_its_domain_and_said(G: int) -> N
                                                       {**at, **outside, "B": 3, "S": 5}.items()}))
 
 
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.usefixtures("shared_traces")
 def test_hf_llama_one_formula_for_g_equal_h_and_g_below_h() -> None:
     """transformers' Llama (SDPA, enable_gqa) keeps the same tensors either way: the formula fitted at G < h is
     checked at G = h and holds there, as real PyTorch's saved tensors say at G = h and G < h (never traced)."""

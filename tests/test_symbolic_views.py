@@ -15,9 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from symmem.record.verify import measure  # noqa: E402
+from tests.symbolic_traces import GROUP, shared_traces  # noqa: E402, F401
 
-CONFIG = ("--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=2", "--config", "vocab_size=64",
-          "--config", "n_positions=64")
+#: GPT-2 as test_symbolic_sizes' and test_symbolic_checks' CLI tests build it (its traces in V shared in a process)
+CONFIG = ("--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=2")
 
 
 def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -33,16 +34,17 @@ def _real_total(V: int, B: int, S: int) -> int:
     saved tensors and input, plus 16 bytes per parameter (fp32 AdamW: weight, gradient, two moments)."""
     from symmem.importer import sources
 
-    loaded = sources.load("hf:gpt2", config={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": V,
-                                             "n_positions": 64})
+    loaded = sources.load("hf:gpt2", config={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": V})
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
     real = measure(loaded.module, input_ids=ids)
     return real.activations + real.input + 16 * sum(p.numel() for p in loaded.module.parameters())
 
 
+@pytest.mark.xdist_group(GROUP)  # GPT-2 in V: traced once a process (tests/symbolic_traces.py)
+@pytest.mark.usefixtures("shared_traces")
 def test_fit_solves_for_the_vocabulary_as_real_pytorch_holds(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("transformers")
-    budget = 2**20
+    budget = 2**21  # the position table (1,024 x 32, 16 bytes a parameter) takes 0.5 MiB of it
     code, out, _ = _main(capsys, "fit", "hf:gpt2", *CONFIG, "--dims", "B,S", "--symbolic", "V=vocab_size",
                          "--solve", "V", "--budget", str(budget), "--set", "B=2", "--set", "S=8", "--format", "json")
     assert code == 0

@@ -80,11 +80,13 @@ class HfSizes:
 
     @property
     def build(self) -> Callable[..., Any]:
-        def build(**sizes: int) -> tuple[Any, Any]:
-            loaded = self.load(sizes)
-            return loaded.module, loaded.example_inputs
+        """``build(**sizes) -> (module, example_inputs)``: a bound method, whose ``__self__`` says which model it
+        builds (a closure would hide it: the tests share one process's traces of the same model by it)."""
+        return self._built
 
-        return build
+    def _built(self, **sizes: int) -> tuple[Any, Any]:
+        loaded = self.load(sizes)
+        return loaded.module, loaded.example_inputs
 
 
 def hf_sizes(spec: str, keys: Mapping[str, str], config: Mapping[str, Any], loss: str | None) -> HfSizes:
