@@ -6,9 +6,9 @@ schedule's order (symmem.importer.traced_pipeline), equals the live bytes measur
 
 One process group of two ranks runs every case (symmem.record.traced_pipeline_runs): a file module with a
 ModuleList of 4 blocks (tests/data/traced_block.py; a variant with a weight tied across stages) and Hugging Face's
-GPT-2 from a config (n_layer 4, untied head; tied, each stage holding its own copy) and Hugging Face's Llama (each
-stage making its own rotary tables, its own loss the schedule's loss_fn), Mistral (a sliding-window mask made on
-every stage) and Qwen2 (q/k/v biases).  A parameter read on another stage than its module's
+GPT-2 from a config (n_layer 4, untied head; tied at n_layer 2, each stage holding its own copy) and Hugging
+Face's Llama (each stage making its own rotary tables, its own loss the schedule's loss_fn), Mistral (a
+sliding-window mask made on every stage) and Qwen2 (q/k/v biases).  A parameter read on another stage than its module's
 (traced_block.py:build_reads) is refused in one line.
 """
 
