@@ -10,6 +10,7 @@ against each batch's own.
 
 from __future__ import annotations
 
+import pytest
 import sympy
 
 #: small Llama sizes at 8 layers: the step is written out from the 5-layer one (passes/stretch.py)
@@ -265,7 +266,11 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
 
 
 #: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and
-#: every engine around it, at 2 to 4 stages of 2 to 4 layers (no middle layer, one and several alike)
+#: every engine around it, at 2 to 4 stages of 2 to 4 layers (no middle layer, one and several alike).  The default
+#: suite checks :data:`BOUNDED_KEPT`, the rest under ``-m deep``: each kept case runs lines of the replays (passes/
+#: model_parallel.py, pipeline_step.py and the engines' fsdp_, tensor_, fsdp_tensor_, ddp_ and sequence_pipeline.py)
+#: that no other kept case runs; each one moved runs none that the kept ones do not (line coverage of every case,
+#: stop 39, docs/testing.md)
 BOUNDED = [
     ("llama", "1f1b", 4, {}, {"L": 8, "p": 4}),
     ("llama", "gpipe", 3, {}, {"L": 8, "p": 2}),
@@ -288,13 +293,22 @@ BOUNDED = [
     ("llama", "gpipe", 3, {"tensor_parallel": True, "sequence_parallel": True, "attention": "naive"},
      {"t": 2, "B": 1, "G": 4, "L": 8, "p": 2}),
 ]
+#: GPipe with every-2 checkpointing (a stage's recomputation every other layer), GPT-2 with dropout (its masks) and
+#: under GPipe on three stages (a middle stage, GPT-2's loss), DDP, its bucket view, ZeRO-1 (the moved ranks'
+#: lines), FSDP2 resharding, TP, TP + SP, FSDP2 x TP on the 3-D mesh, SP at B = 1 under 1F1B (B = 1 read alone and
+#: the lines from B = 2: ``bounding``'s count 4); moved to ``deep``: the stage alone at 4 and 3 stages and under
+#: GPipe, full checkpointing, FSDP2 without resharding, SP at B = 1 under GPipe
+BOUNDED_KEPT = (4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15)
 
 
-def test_moments_bounding_no_line_left_out(monkeypatch) -> None:
+@pytest.mark.parametrize("cases", [
+    pytest.param(BOUNDED_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(BOUNDED)) if k not in BOUNDED_KEPT), id="more", marks=pytest.mark.deep)])
+def test_moments_bounding_no_line_left_out(monkeypatch, cases) -> None:
     """The packed replay keeps of each segment the moments that may bound a line (``model_parallel.bounding``): the
     peaks, where, every stage's peak, every moment of the peak (where, bytes) and each stage's largest, steady and
     first step, with its formula and what it holds at, are those read with every moment kept, for the stage alone
-    and every engine around it (``BOUNDED``); and moments are left out."""
+    and every engine around it (``BOUNDED``, those of ``cases``); and moments are left out."""
     import symmem.passes.model_parallel as mp
     from symmem import derive
 
@@ -310,7 +324,7 @@ def test_moments_bounding_no_line_left_out(monkeypatch) -> None:
     for label in ("bounded", "every moment"):
         with monkeypatch.context() as patch:
             patch.setattr(mp, "bounding", counted if label == "bounded" else lambda deltas, b, count=3: None)
-            for model, schedule, m, engine, more in BOUNDED:
+            for model, schedule, m, engine, more in (BOUNDED[k] for k in cases):
                 values = {**SMALL, **more}
                 if model == "gpt2":
                     del values["G"]
@@ -337,12 +351,22 @@ REPEATS = [
     ("gpt2", {"micro_batches": 4, "dropout": 0.1}, {}),
     ("gpt2", {"zero": 3}, {"N": 4}),
 ]
+#: the default suite's :data:`REPEATS`, the rest under ``-m deep``: FSDP2 with bf16 parameters, full checkpointing
+#: and four micro-batches (both kinds of repeats; every line of peak.py's pruning the others run but two), FSDP1's
+#: flat parameters with full checkpointing, every-2 checkpointing (peak.py's constant parts), GPT-2 with dropout
+#: (peak.py's branches of one group); moved: FSDP2 over three micro-batches (later micro-batches' repeats, as the
+#: first's), DDP (its buckets, made at the start, repeat nothing), ZeRO-3 (no line of its own)
+REPEATS_KEPT = (0, 2, 4, 5)
 
 
-def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
+@pytest.mark.parametrize("cases", [
+    pytest.param(REPEATS_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(REPEATS)) if k not in REPEATS_KEPT), id="more", marks=pytest.mark.deep)])
+def test_repeated_moments_left_out_before_pruning(monkeypatch, cases) -> None:
     """``peak.first_of_each``: the candidates that repeat an earlier one's storages are left out before the
     comparisons, and the peak -- its bytes, where and formula, steady and first step, every moment kept with its
-    bytes -- is the one that compares every candidate (``REPEATS``), and repeats were left out."""
+    bytes -- is the one that compares every candidate (``REPEATS``, those of ``cases``), and repeats were left
+    out."""
     import symmem.peak as pk
     from symmem import derive
 
@@ -354,7 +378,7 @@ def test_repeated_moments_left_out_before_pruning(monkeypatch) -> None:
             patch.setattr(pk, "first_of_each", (lambda c, t: left.append(len(c) - len(first_of_each(c, t)))
                                                 or first_of_each(c, t)) if label == "repeats left out"
                           else lambda cands, totals: cands)
-            for model, keywords, more in REPEATS:
+            for model, keywords, more in (REPEATS[k] for k in cases):
                 values = {**SMALL, **more}
                 if model == "gpt2":
                     del values["G"]

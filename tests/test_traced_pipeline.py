@@ -6,9 +6,9 @@ schedule's order (symmem.importer.traced_pipeline), equals the live bytes measur
 
 One process group of two ranks runs every case (symmem.record.traced_pipeline_runs): a file module with a
 ModuleList of 4 blocks (tests/data/traced_block.py; a variant with a weight tied across stages) and Hugging Face's
-GPT-2 from a config (n_layer 4, untied head; tied, each stage holding its own copy) and Hugging Face's Llama (each
-stage making its own rotary tables, its own loss the schedule's loss_fn), Mistral (a sliding-window mask made on
-every stage) and Qwen2 (q/k/v biases).  A parameter read on another stage than its module's
+GPT-2 from a config (n_layer 4, untied head; tied at n_layer 2, each stage holding its own copy) and Hugging
+Face's Llama (each stage making its own rotary tables, its own loss the schedule's loss_fn), Mistral (a
+sliding-window mask made on every stage) and Qwen2 (q/k/v biases).  A parameter read on another stage than its module's
 (traced_block.py:build_reads) is refused in one line.
 """
 
@@ -48,24 +48,28 @@ QWEN2 = {**LLAMA, "num_hidden_layers": 2}
 #: stages, the schedule of others), GPT-2 at B = 2, S = 8; GPT-2 given labels (``output``: HF's own loss, which
 #: the real run computes as the schedule's loss_fn, the model's loss_function on the last stage's logits); GPT-2
 #: tied as transformers makes it by default (each stage's module holds its own copy: the embedding on stage 0, the
-#: head on the last, each with its gradient and AdamW state, not synchronized), under 1F1B with its own loss
+#: head on the last, each with its gradient and AdamW state, not synchronized), under 1F1B with its own loss, at
+#: n_layer 2 (one block a stage; several blocks a stage: the file module's and Llama's; a record of ~2/3 of n_layer
+#: 4's, stop 39)
 CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross-entropy"),
          (BLOCK, (), "1f1b", 4, "sum"), ("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "output"),
-         ("hf:gpt2", tuple(sorted({**GPT2, "tie_word_embeddings": True}.items())), "1f1b", 2, "output"),
+         ("hf:gpt2", tuple(sorted({**GPT2, "n_layer": 2, "tie_word_embeddings": True}.items())), "1f1b", 2,
+          "output"),
          (TIED, (), "gpipe", 2, "cross-entropy"), ("hf:llama", tuple(sorted(LLAMA.items())), "1f1b", 3, "output"),
          ("hf:mistral", tuple(sorted(MISTRAL.items())), "1f1b", 2, "output"),
          ("hf:qwen2", tuple(sorted(QWEN2.items())), "gpipe", 2, "sum")]
-#: the cases of :data:`CASES` run in every suite run: the file module under both schedules (one trace), Hugging Face
-#: GPT-2 tied (1F1B, given labels), Llama and Qwen2 (the loss ``sum``).  The others under ``-m deep``
-#: (docs/testing.md, "What is deep"), each a trace of its own in the test's process: the file module with the loss
-#: ``sum`` (the loss ``sum`` on stages: Qwen2's), GPT-2 untied given labels (untied: tests/test_fsdp_pipeline.py's
-#: live Hugging Face GPT-2 under FSDP2; given labels: GPT-2 tied, Llama, Mistral), the file module's tied variant
-#: (a weight tied across stages: GPT-2 tied's, each stage its own copy; its CLI peaks, measured on the 2 x 2 mesh:
-#: tests/test_fsdp_pipeline.py's test_a_traced_module_in_the_cli[tied]), Mistral (LlamaSplit's stages as Llama's and
-#: Qwen2's, each making its own mask: Mistral's a sliding window)
-LIVE = (0, 1, 4, 6, 8)
+#: the cases of :data:`CASES` run in every suite run: the file module under both schedules (one trace) and 1F1B
+#: M = 4 with the loss ``sum`` (a trace of ~0.5 CPU-s: the loss ``sum`` on stages), Hugging Face GPT-2 tied (1F1B,
+#: given labels) and Llama (LlamaSplit).  The others under ``-m deep`` (docs/testing.md, "What is deep"), each a
+#: trace of its own in the test's process: GPT-2 untied given labels (untied: tests/test_fsdp_pipeline.py's stored
+#: Hugging Face GPT-2 under FSDP2; given labels: GPT-2 tied, Llama, Mistral), the file module's tied variant (a
+#: weight tied across stages: GPT-2 tied's, each stage its own copy; its CLI peaks, measured on the 2 x 2 mesh:
+#: tests/test_fsdp_pipeline.py's test_a_traced_module_in_the_cli[tied]), Mistral and Qwen2 (LlamaSplit's stages as
+#: Llama's, each making its own rotary tables; Mistral's own sliding-window mask, Qwen2's q/k/v biases; Qwen2 the
+#: loss ``sum`` on a Hugging Face model's stages and GPipe on LlamaSplit's: ~2 CPU-s of trace and formula, stop 39)
+LIVE = (0, 1, 2, 4, 6)
 #: ``-m deep`` too: HF GPT-2 untied under GPipe and 1F1B with the loss ``sum`` -- GPT-2 under each schedule is in
-#: CASES (given labels; 1F1B tied), a Hugging Face model's stages with the loss ``sum`` too (Qwen2)
+#: CASES (given labels; 1F1B tied), a Hugging Face model's stages with the loss ``sum`` too (Qwen2, also deep)
 DEEP_CASES = [("hf:gpt2", tuple(sorted(GPT2.items())), "gpipe", 2, "sum"),
               ("hf:gpt2", tuple(sorted(GPT2.items())), "1f1b", 2, "sum")]
 
@@ -116,8 +120,14 @@ def test_every_stage_of_a_traced_module_equals_real_pipelining_runs():
 @pytest.mark.deep
 @pytest.mark.xdist_group("gloo")
 def test_the_deep_cases_equal_real_pipelining_runs():
-    """:data:`CASES` not in :data:`LIVE`, and :data:`DEEP_CASES`, in one spawn of two ranks."""
-    _against_real_runs([c for k, c in enumerate(CASES) if k not in LIVE] + DEEP_CASES)
+    """:data:`CASES` not in :data:`LIVE`, and :data:`DEEP_CASES`, in one spawn of two ranks; the formulas from other
+    sizes of those of them test_pipeline_formula_mesh.TRACED_OTHER names (Qwen2's)."""
+    deep = [k for k in range(len(CASES)) if k not in LIVE]
+    real = _against_real_runs([CASES[k] for k in deep] + DEEP_CASES)
+    import test_pipeline_formula_mesh as formula
+
+    formula.traced_against_the_engines([[dict(zip(deep, rank, strict=False)).get(k) for k in range(len(CASES))]
+                                        for rank in real], CASES, _derived)
 
 
 def _against_real_runs(cases: list[tuple]) -> list[list]:
