@@ -6,7 +6,8 @@
   argument, are never answered.  (``tests/test_shape_cache.py`` checks whole traces and steps equal with the cache
   off, where every op runs through PyTorch's fake kernels.)
 - The collection after a recorded forward walks only what the forward made (``gc.freeze`` around it).  Oracle: the
-  packed tensors PyTorch itself still holds after a full collection; a caller's frozen objects stay frozen.
+  packed tensors PyTorch itself still holds after a full collection of everything the test made (the heap of the tests
+  before it set aside); a caller's frozen objects stay frozen.
 - ``symmem trace`` runs without the collector's young passes (:mod:`symmem.importer.collector`).  Oracle:
   ``gc.callbacks``, which sees every pass; the collector is enabled again afterwards.
 """
