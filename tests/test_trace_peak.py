@@ -311,17 +311,30 @@ def test_a_stack_with_per_layer_types_folds_in_L():
     """Issue 22 item 14: Qwen2's config carries a per-layer ``layer_types`` list, which the fold in L (the step
     written out at 4, 5 and 6 layers) once indexed past its end.  Traced at 3 layers (fewer than the fold writes out:
     before, ``layer_types[3]`` was past the end of the config's list, which now grows with the run), the peak at 5
-    layers and other sizes equals two real tracked steps of a 5-layer model (the truth)."""
+    and at 7 layers and other sizes equals two real tracked steps each (the truth).
+
+    Issue 23 too (since stop 39; Mistral's own fold is deep): with a sliding window on every layer, Qwen2's model
+    builds transformers' ``DynamicCache`` in its own forward with one ``DynamicSlidingWindowLayer`` -- and one
+    tensor -- per decoder layer before the first runs (Mistral's cache layers): ops outside the blocks whose count is
+    the layer count, which the fold once refused."""
     pytest.importorskip("transformers")
     from trace_helpers import hf
 
     def build(layers: int):
         return hf("Qwen2ForCausalLM", "sdpa", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96, use_sliding_window=True,
+                  sliding_window=16, max_window_layers=0)
 
-    d = symmem.trace(build(3), (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
-    assert symmem.symbol("L") in d.peak.free_symbols
-    assert peaks(d, B=3, S=7, L=5) == real_peaks(build(5), torch.randint(0, 96, (3, 7)), loss="sum", optimizer="adamw")
+    model = build(3)
+    assert model.config.layer_types == ["sliding_attention"] * 3
+    d = symmem.trace(model, (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
+    assert symmem.symbol("L") in d.peak.free_symbols and "not folded" not in " ".join(d.step.notes)
+    # the cache's tensors: one per layer, outside the blocks
+    assert [sum(o.op == "aten.lift_fresh.default" and o.where == "model" for o in d.step.record(n).ops)
+            for n in (4, 5)] == [4, 5]
+    for layers, b, s in [(5, 3, 7), (7, 2, 5)]:
+        real = real_peaks(build(layers), torch.randint(0, 96, (b, s)), loss="sum", optimizer="adamw")
+        assert peaks(d, B=b, S=s, L=layers) == real
 
 
 def test_a_sequential_of_named_blocks_folds_in_L():
@@ -354,18 +367,32 @@ def test_a_sequential_of_named_blocks_folds_in_L():
     assert peaks(d, B=3, S=7, L=4) == real_peaks(Encoder(5), torch.randn(3, 7, 16), optimizer="adam")
 
 
+def _mistral(layers: int):
+    from trace_helpers import hf
+
+    return hf("MistralForCausalLM", "sdpa", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=96, sliding_window=16)
+
+
+def test_mistral_at_its_own_layer_count_equals_a_real_step():
+    """Hugging Face Mistral (a sliding window on every layer) traced at 2 layers: the peak at its own layer count
+    (below the fold's L >= 4: the step recorded at 2 layers) and other sizes equals a real tracked step (the truth).
+    Its fold in L (issue 23, below) is deep; the fold over the same per-layer cache is Qwen2's with a sliding window
+    (``test_a_stack_with_per_layer_types_folds_in_L``)."""
+    pytest.importorskip("transformers")
+    d = symmem.trace(_mistral(2), (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
+    real = real_peaks(_mistral(2), torch.randint(0, 96, (3, 7)), loss="sum", optimizer="adamw")
+    assert peaks(d, B=3, S=7, L=2) == real
+
+
+@pytest.mark.deep  # three step records of its own; the same fold (per-layer cache tensors): Qwen2's, above
 def test_a_cache_made_per_layer_outside_the_blocks_folds_in_L():
     """Issue 23: Mistral (a sliding window) builds transformers' ``DynamicCache`` in its model's own forward, one
     cache layer -- and one tensor -- per decoder layer before the first runs: ops outside the blocks whose count is
     the layer count.  The fold once refused them (the step was recorded at the module's own 32 layers instead, twice
     llama's time).  Traced at 6 layers, the peak at 5 and at 7 layers equals two real tracked steps (the truth)."""
     pytest.importorskip("transformers")
-    from trace_helpers import hf
-
-    def build(layers: int):
-        return hf("MistralForCausalLM", "sdpa", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96, sliding_window=16)
-
+    build = _mistral
     d = symmem.trace(build(6), (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
     assert symmem.symbol("L") in d.peak.free_symbols and "not folded" not in " ".join(d.step.notes)
     for layers, b, s in [(5, 3, 7), (7, 2, 5)]:

@@ -6,7 +6,8 @@
   argument, are never answered.  (``tests/test_shape_cache.py`` checks whole traces and steps equal with the cache
   off, where every op runs through PyTorch's fake kernels.)
 - The collection after a recorded forward walks only what the forward made (``gc.freeze`` around it).  Oracle: the
-  packed tensors PyTorch itself still holds after a full collection; a caller's frozen objects stay frozen.
+  packed tensors PyTorch itself still holds after a full collection of everything the test made (the heap of the tests
+  before it set aside); a caller's frozen objects stay frozen.
 - ``symmem trace`` runs without the collector's young passes (:mod:`symmem.importer.collector`).  Oracle:
   ``gc.callbacks``, which sees every pass; the collector is enabled again afterwards.
 """
@@ -62,7 +63,13 @@ def test_in_place_ops_answer_their_input_and_reshaping_ones_always_run() -> None
 
 
 def _kept_by_pytorch(module: torch.nn.Module, x: torch.Tensor) -> set[int]:
-    """The storages of the tensors autograd packed that are still alive after a full collection (the oracle)."""
+    """The storages of the tensors autograd packed that are still alive after a full collection (the oracle).
+
+    The collection is a full one (every generation) of the objects made since the caller's ``gc.freeze``: the module,
+    its input and everything the forward made.  Objects older than the test are set aside: a garbage cycle needs
+    every one of its objects unreachable, and none made before the test can join one the forward made.  Without the
+    freeze the collection would also walk the worker's whole heap and free the cyclic garbage every earlier test left
+    (the suite's threshold makes full passes rare): 5.7 CPU-s late in the suite, against ~0.01 s here."""
     packed: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -91,9 +98,13 @@ class _Branches(torch.nn.Module):
 
 
 def test_the_forwards_cycles_are_collected_and_a_callers_freeze_stays() -> None:
-    torch.manual_seed(0)
-    module, x = _Branches(), torch.randn(5, 7, requires_grad=True)
-    truth = len(_kept_by_pytorch(module, x))
+    gc.freeze()  # the oracle's collection walks what this test makes, not the heap of the tests before it
+    try:
+        torch.manual_seed(0)
+        module, x = _Branches(), torch.randn(5, 7, requires_grad=True)
+        truth = len(_kept_by_pytorch(module, x))
+    finally:
+        gc.unfreeze()
     assert truth == 1  # sin's input x*2; exp's output went with the dropped branch's cycle (x*2 and x*3 save nothing)
 
     def kept() -> int:
