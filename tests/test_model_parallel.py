@@ -55,7 +55,7 @@ def test_against_the_engines():
     # real ranks (tests/tensor_stored.py)
     jobs = [job for job in STAGES[2] if job in LIVE_STAGES]
     # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder; one live case
-    # each of TENSOR, SEQUENCE and SEQUENCE_PEAKS[2], the rest replayed from their stored real ranks (LIVE_TWO)
+    # each of TENSOR and SEQUENCE, the rest replayed from their stored real ranks (LIVE_TWO)
     stages = len(jobs)
     jobs += [("tensor", "llama", values, options) for values, options in LIVE_TWO]
     import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
@@ -95,7 +95,7 @@ def test_against_the_engines():
         sequence_parallel_rank_to_the_byte(ranks_of(values, options), case)
     for values, options in PEAKS:
         tensor_parallel_peak_to_the_byte(ranks_of(values, {**options, "peaks": True}), values, options, 2)
-    values, options = SEQUENCE_PEAKS[2][0]  # live here; every case of SEQUENCE_PEAKS replayed in its own test
+    values, options = SEQUENCE_PEAKS[2][0]  # its views here (replayed); every case of SEQUENCE_PEAKS in its own test
     where = sequence_parallel_peak_to_the_byte(ranks_of(values, _sequence(options)), values, options, 2, True)
     assert where == "the head's backward (its input gradient's reduce-scatter)"
     for case in range(len(LLAMA_CASES)):
@@ -537,9 +537,9 @@ def test_sequence_parallel_peak_against_dtensor():
     """derive --tensor-parallel --sequence-parallel: every rank's first and steady step peak equals the real
     DTensor run's (gloo, worlds 2 and 4, the recorder that sees DTensor's local ops), to the byte, in every view;
     the walk models the all-gathers over S, the reduce-scatters and what eager attention holds.  Live: the first
-    four-rank case here (with FOUR's tensor-parallel peak on four ranks replayed beside it) and the first two-rank
-    one in test_against_the_engines' spawn; the rest replayed from their stored real ranks (tests/tensor_stored.py;
-    ``-m deep`` measures them anew)."""
+    four-rank case here (with FOUR's tensor-parallel peak on four ranks replayed beside it); on two ranks
+    test_batch_of_one_against_dtensor's BATCH_OF_ONE[1]; the rest replayed from their stored real ranks
+    (tests/tensor_stored.py; ``-m deep`` measures them anew)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
     from symmem.record.model_parallel_runs import runs
@@ -683,9 +683,11 @@ def _sequence(options):
 #: FOUR's job
 FOUR_JOBS = [(values, {**options, "peaks": True}) for values, options in FOUR]
 #: The two-rank tensor-parallel cases run live in test_against_the_engines' spawn, each held to its stored row too:
-#: tensor parallelism (TENSOR[0]), sequence parallelism's parts (SEQUENCE[0]) and peak (SEQUENCE_PEAKS[2][0])
-LIVE_TWO = [(TENSOR[0][0], {**TENSOR[0][1], "peaks": True}), SEQUENCE[0],
-            (SEQUENCE_PEAKS[2][0][0], _sequence(SEQUENCE_PEAKS[2][0][1]))]
+#: tensor parallelism (TENSOR[0]) and sequence parallelism's parts (SEQUENCE[0]).  Sequence parallelism's peak on two
+#: ranks (SEQUENCE_PEAKS[2][0], live to stop 38) is replayed: it runs live at B = 1 (BATCH_OF_ONE[1]), checkpointed
+#: (test_tensor_checkpoint.JOBS, in the same spawn), on four ranks (SEQUENCE_PEAKS[4][0]) and with SDPA on the
+#: FSDP x TP mesh (test_fsdp_tensor.LIVE)
+LIVE_TWO = [(TENSOR[0][0], {**TENSOR[0][1], "peaks": True}), SEQUENCE[0]]
 #: Every tensor-parallel case's job by world, as the spawns run it: each stored (tests/tensor_stored.py, written from
 #: fresh runs of these; HF's in tests/hf_tensor_runs.py), the ones not live replayed
 STORED = {2: [*[(v, {**o, "peaks": True}) for v, o in TENSOR], *SEQUENCE,

@@ -71,12 +71,29 @@ def as_a_run() -> Iterator[list[bool]]:
     (under a fake mode ``_maybe_wrap_tensor`` waits at once: ``_are_we_tracing``), while DTensor keeps its own answer
     to that question (its uncached sharding propagation, the path symbolic sizes need), and DTensor's sharding
     propagation sets the yielded flag ``[True]`` while it runs (its ops are not the step's)."""
+    import torch
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     wrap = funcol._maybe_wrap_tensor
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    sharding = ShardingPropagator.propagate_op_sharding_non_cached
     quiet = [False]
+    known: dict[Any, Any] = {}
+
+    def remembered(self: Any, schema: Any) -> Any:
+        # under a fake mode DTensor never caches its sharding propagation (SymInts do not hash), so a repeated block
+        # propagates each op anew; within one recording (one ShapeEnv, one mesh) the same op on the same specs and
+        # arguments -- sizes as the ShapeEnv's expressions -- gives the same answer, as DTensor's own eager cache
+        # assumes of equal schemas
+        try:
+            key = (id(self), schema.op, _key(schema.args_schema), _key(schema.kwargs_schema),
+                   torch._C._get_dtensor_allow_implicit_replication())
+        except _Unkeyed:
+            return sharding(self, schema)
+        if key not in known:
+            known[key] = sharding(self, schema)
+        return known[key]
 
     def propagating(self: Any, schema: Any) -> Any:
         quiet[0] = True
@@ -89,11 +106,40 @@ def as_a_run() -> Iterator[list[bool]]:
     # answer (its uncached sharding propagation, the one symbolic sizes take)
     funcol._maybe_wrap_tensor = funcol._wrap_tensor_autograd  # type: ignore[assignment]
     ShardingPropagator._propagate_tensor_meta_non_cached = propagating  # type: ignore[method-assign]
+    ShardingPropagator.propagate_op_sharding_non_cached = remembered  # type: ignore[method-assign]
     try:
         yield quiet
     finally:
         funcol._maybe_wrap_tensor = wrap
         ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+        ShardingPropagator.propagate_op_sharding_non_cached = sharding  # type: ignore[method-assign]
+
+
+class _Unkeyed(Exception):
+    """A sharding schema holding something :func:`_key` does not name by value (a tensor): not remembered."""
+
+
+def _key(x: Any) -> Any:
+    """A hashable name of a DTensor sharding schema's argument by value: a spec by its mesh (the object: one
+    recording's), placements, order and global shape, stride and dtype; a symbolic size by its expression in the
+    ShapeEnv; containers element by element; plain values with their type (``1``, ``1.0`` and ``True`` differ)."""
+    import torch
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    if isinstance(x, DTensorSpec):
+        meta = x.tensor_meta
+        shape = None if meta is None else (_key(tuple(meta.shape)), _key(tuple(meta.stride)), meta.dtype)
+        return ("spec", id(x.mesh), x.placements, x.shard_order, shape)
+    if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return ("sym", type(x).__name__, x.node.expr)
+    if isinstance(x, list | tuple):
+        return (type(x).__name__, tuple(_key(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _key(v)) for k, v in x.items()))
+    if x is None or isinstance(x, int | float | bool | str | torch.dtype | torch.device | torch.memory_format
+                               | torch.layout):
+        return (type(x).__name__, x)
+    raise _Unkeyed(type(x).__name__)
 
 
 class FakeShardTracker(ShardTracker):
