@@ -105,7 +105,9 @@ def _first(item: pytest.Item) -> int:
 #: (``xdist_group``), so the fixture is made once, not once on each worker that gets one of the module's tests
 WHOLE = {"test_hub.py", "test_importer.py", "test_lora.py", "test_notebooks.py", "test_paper.py",
          "test_symbolic_sizes.py", "test_trace_cli.py", "test_trace_peak.py", "test_verify.py", "test_zoo_drift.py",
-         "test_cuda_stop37_measured.py"}
+         "test_cuda_stop37_measured.py",
+         # its tests share 150 derivations (~4.5 CPU-s), made on first use and cached in the process
+         "test_evaluator.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
