@@ -47,6 +47,9 @@ SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.
 
 def pytest_configure(config: pytest.Config) -> None:
     gc.set_threshold(200_000, 30, 30)
+    from tests.precompiled import write_once
+
+    write_once(config)  # the controller, before its workers start: symmem's bytecode and the rewritten tests
     _forkserver_inherits_the_threshold()
     config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, a Jupyter kernel, LaTeX); CI runs it")
     config.addinivalue_line("markers", "deep: a real run whose path another case of the default suite covers; left out "
