@@ -29,10 +29,24 @@ def write_once(config: pytest.Config) -> None:
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
             compileall.compile_dir(location, quiet=2, workers=1)
-    _rewrite_tests(config, Path(__file__).parent)
+    _rewrite_tests(config, _named(config, Path(__file__).parent))
 
 
-def _rewrite_tests(config: pytest.Config, folder: Path) -> None:
+def _named(config: pytest.Config, folder: Path) -> list[Path]:
+    """The test modules of ``folder`` the run's arguments name: all where an argument is a folder holding them
+    (the default run: pyproject's testpaths), else the files named (``tests/test_x.py::test_y``)."""
+    everything = sorted(folder.glob("test_*.py"))
+    named: set[Path] = set()
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path.is_dir() and (path == folder or path in folder.parents):
+            return everything
+        if path.parent == folder and path.name.startswith("test_") and path.suffix == ".py":
+            named.add(path)
+    return sorted(named)
+
+
+def _rewrite_tests(config: pytest.Config, modules: list[Path]) -> None:
     """What pytest's assertion rewriter caches where it may write: each ``test_*.py``'s rewritten code, under the
     name and in the format its reader checks (``_read_pyc``).  Those are pytest's internals: where they differ
     from what this expects nothing is written and each worker rewrites, as before."""
@@ -42,7 +56,7 @@ def _rewrite_tests(config: pytest.Config, folder: Path) -> None:
         from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc, get_cache_dir
     except ImportError:
         return
-    for fn in sorted(folder.glob("test_*.py")):
+    for fn in modules:
         cache = get_cache_dir(fn)
         pyc = cache / (fn.name[:-3] + PYC_TAIL)
         if _read_pyc(fn, pyc) is not None:
