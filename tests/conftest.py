@@ -47,6 +47,9 @@ SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.
 
 def pytest_configure(config: pytest.Config) -> None:
     gc.set_threshold(200_000, 30, 30)
+    from tests.precompiled import write_once
+
+    write_once(config)  # the controller, before its workers start: symmem's bytecode and the rewritten tests
     _forkserver_inherits_the_threshold()
     config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, a Jupyter kernel, LaTeX); CI runs it")
     config.addinivalue_line("markers", "deep: a real run whose path another case of the default suite covers; left out "
@@ -105,7 +108,9 @@ def _first(item: pytest.Item) -> int:
 #: (``xdist_group``), so the fixture is made once, not once on each worker that gets one of the module's tests
 WHOLE = {"test_hub.py", "test_importer.py", "test_lora.py", "test_notebooks.py", "test_paper.py",
          "test_symbolic_sizes.py", "test_trace_cli.py", "test_trace_peak.py", "test_verify.py", "test_zoo_drift.py",
-         "test_cuda_stop37_measured.py"}
+         "test_cuda_stop37_measured.py",
+         # its tests share 150 derivations (~4.5 CPU-s), made on first use and cached in the process
+         "test_evaluator.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks

@@ -51,11 +51,17 @@ CASES = [(m, o, dev) for m in MODELS for o in MAIN for dev in DEVICES
 CASES += [(m, o, "cuda") for m in FAMILIES for o in OPTIMIZERS if o not in MAIN]
 
 
-@functools.lru_cache(maxsize=8)  # a case asks once per step; the memory stays bounded
-def derived(name: str, optimizer: str, device: str, **values: int) -> symmem.Derivation:
+@functools.lru_cache(maxsize=4)  # the branch tests ask Llama's and GPT-2's at other numbers; the memory stays bounded
+def at_defaults(name: str, optimizer: str, device: str) -> symmem.Derivation:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # `counts` under pytorch keeps nothing, and says so
-        d = derive(name, convention="pytorch", optimizer=optimizer, device=device)
+        return derive(name, convention="pytorch", optimizer=optimizer, device=device)
+
+
+def derived(name: str, optimizer: str, device: str, **values: int) -> symmem.Derivation:
+    """The derivation at the model's defaults, or at ``values`` (``at``: the same formulas and step, derived once
+    for the defaults and the three Llama branches; each number set's timeline is still written out afresh)."""
+    d = at_defaults(name, optimizer, device)
     return d.at(**values) if values else d
 
 
