@@ -28,6 +28,7 @@ from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
+from symmem.passes.rank_side import parameter_side_per_rank  # noqa: E402
 from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_ranks  # noqa: E402
 
 TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
@@ -142,9 +143,9 @@ def _every_rank_peak(every):
     # each rank's parameter side when backward ends (weights, .grads, optimizer state), padding and step counts
     # included: 127 rows stored as 64 + 64, rank 1's AdamW state over 63 of them
     wrong += [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
-    side = padded.to_dict()["values"]["parameter_side_per_rank"]
-    assert side["0"]["optimizer_state"] - side["1"]["optimizer_state"] == 8 * 64 + 8 == 520
-    assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
+    side = parameter_side_per_rank(padded)  # the JSON's parameter_side_per_rank, without the rest of the JSON
+    assert side[0]["optimizer_state"] - side[1]["optimizer_state"] == 8 * 64 + 8 == 520
+    assert side[0]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
     for k, ((name, engine, d), ranks) in enumerate(zip(sharded, measured[:len(sharded)], strict=True)):
         if k in skipped:
             continue
