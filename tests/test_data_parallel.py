@@ -28,6 +28,7 @@ from symmem import derive  # noqa: E402
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.passes.data_parallel import rank_peaks  # noqa: E402
+from symmem.passes.rank_side import parameter_side_per_rank  # noqa: E402
 from symmem.record.distributed import compare, compare_parameter_side, job_of, measure_ranks  # noqa: E402
 
 TINY_GPT = {"S": 32, "L": 2, "H": 64, "h": 4, "V": 100}
@@ -76,11 +77,12 @@ CHECKPOINTED = [("llama", "fsdp", "full", {"L": 2}, 2), ("gpt2", "fsdp", "every-
 
 #: The jobs run live in every suite run (indices in the spawn's order: the six FSDP2 and FSDP1 cases, the padded MLP,
 #: the three policies, the five checkpointed ones, the six DDP ones): one per engine and variant -- FSDP2 (the padded
-#: MLP, its ranks apart), FSDP2 without resharding (Llama), FSDP1 (Llama), FSDP2 with the bf16 policy, full
-#: checkpointing and 2 micro-batches (Llama), FSDP1 with every-2 (GPT-2), DDP (Llama), the bucket view (GPT-2).  The
-#: rest replay their stored real runs (tests/gloo_store.py) through the same checks (:data:`DEEP`'s under ``-m deep``);
-#: the deep twin reruns them all
-LIVE = (6, 4, 5, 13, 12, 19, 18)
+#: MLP, its ranks apart), FSDP2 without resharding (Llama), FSDP2 with the bf16 policy, full checkpointing and 2
+#: micro-batches (Llama), FSDP1 with every-2 (GPT-2), DDP (Llama), the bucket view (GPT-2).  FSDP1 on Llama (5) is
+#: replayed since stop 39: FSDP1 stays live here (every-2) and under accumulation (tests/test_zero_redundancy.py's
+#: spawn), Llama under three engines here.  The rest replay their stored real runs (tests/gloo_store.py) through the
+#: same checks (:data:`DEEP`'s under ``-m deep``); the deep twin reruns them all
+LIVE = (6, 4, 13, 12, 19, 18)
 #: Replayed jobs whose checks run under ``-m deep`` only (the deep twin runs them live; docs/testing.md, "What is
 #: deep"), each a path another case of the default test checks: GPT-2 FSDP2 (GPT-2 under FSDP2: the bf16 policy's
 #: and every-3's replays), Llama FSDP2 (Llama without resharding, live; Llama FSDP2 resharding: the bf16 reduce's
@@ -141,9 +143,9 @@ def _every_rank_peak(every):
     # each rank's parameter side when backward ends (weights, .grads, optimizer state), padding and step counts
     # included: 127 rows stored as 64 + 64, rank 1's AdamW state over 63 of them
     wrong += [f"mlp 64-127-10 fsdp {w}" for w in compare_parameter_side(padded, fsdp)]
-    side = padded.to_dict()["values"]["parameter_side_per_rank"]
-    assert side["0"]["optimizer_state"] - side["1"]["optimizer_state"] == 8 * 64 + 8 == 520
-    assert side["0"]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
+    side = parameter_side_per_rank(padded)  # the JSON's parameter_side_per_rank, without the rest of the JSON
+    assert side[0]["optimizer_state"] - side[1]["optimizer_state"] == 8 * 64 + 8 == 520
+    assert side[0]["total"] > padded.value("parameter_memory")  # the papers' 16 bytes x parameters / N
     for k, ((name, engine, d), ranks) in enumerate(zip(sharded, measured[:len(sharded)], strict=True)):
         if k in skipped:
             continue

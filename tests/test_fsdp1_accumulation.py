@@ -69,9 +69,10 @@ MEASURED: dict[Case, tuple[int, int]] = dict(zip(
      (2198024, 2754068), (2198024, 2754068), (1580744, 1928148), (1580744, 1928148),
      (2057992, 2614036), (2191880, 2747924), (1426376, 1773780), (1574344, 1921748)], strict=True))
 #: Run in every suite run (tests/test_zero_redundancy.py's spawn of four, N = 4): both strategies over three
-#: micro-batches (the second one adds into the held .grad) with the 127 rows padded, live; GPT-2 with selective
-#: recomputation (FSDP1's selective run in the suite: tests/test_selective_engines.py) replayed from its stored real
-#: run there (tests/gloo_store.py; that test's deep twin reruns it)
+#: micro-batches (the second one adds into the held .grad) with the 127 rows padded, SHARD_GRAD_OP live, FULL_SHARD
+#: replayed from its stored real run since stop 39 (FULL_SHARD live in tests/test_data_parallel.py's spawn); GPT-2
+#: with selective recomputation (FSDP1's selective run in the suite: tests/test_selective_engines.py) replayed from
+#: its stored real run there (tests/gloo_store.py; that test's deep twin reruns it)
 LIVE = (*_both("mlp", 4, 3), Case("gpt2", "fsdp1", 4, 2, "selective"))
 #: Replayed against the stored measurement in the default suite (the rest under ``-m deep``)
 REPLAYED = (*_both("mlp", 3, 3), Case("gpt2", "fsdp1", 2, 3, "selective"),

@@ -105,8 +105,9 @@ MEASURED: dict[Case, tuple[tuple[int, int], ...]] = {
     Case("llama", "fsdp", 2, (("V", 101),), 2): ((2823272, 2923836), (2823272, 2923324)),
     Case("llama", "fsdp-no-reshard", 2, (("V", 101),), 2): ((2823272, 2923836), (2823272, 2923324)),
 }
-#: The cases run live in every suite run, in tests/test_zero_redundancy.py's spawn of 4: ZeRO-1 at N = 2 (plain DDP's
-#: reducer with ZeroRedundancyOptimizer, on the group {0, 1}) and FSDP2 with the padding at N = 4 (the whole world);
+#: The cases in tests/test_zero_redundancy.py's spawn of 4, derived and checked there in every suite run: ZeRO-1 at
+#: N = 2 (plain DDP's reducer with ZeroRedundancyOptimizer, on the group {0, 1}; replayed there from its stored run
+#: since stop 39: ZeRO-1 runs live twice in that spawn) and FSDP2 with the padding at N = 4 (the whole world, live);
 #: FSDP1 with selective rides there too (tests/test_fsdp1_accumulation.py's LIVE, with micro-batches).  The rest
 #: under ``-m deep`` (each live job costs its ranks about 1-4 CPU-s)
 LIVE = (Case("llama", "zero-redundancy", 2), Case("gpt2", "fsdp", 4, (("V", 101),)))

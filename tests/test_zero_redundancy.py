@@ -67,12 +67,13 @@ def _derived(name, values, kw, world, more):
 
 #: The jobs run live in every suite run (indices in the spawn's order: the four N = 4 cases, the five N = 2 ones, the
 #: selective cases, FSDP1's accumulation): ZeRO-1 on the world (the two-parameter MLP: ranks 2 and 3 own nothing), on
-#: the group {0, 1} (rank 1 the largest),
-#: under selective (Llama at N = 2), FSDP2 under selective (N = 4, padded), FSDP1's accumulation under both
-#: strategies (the MLP, M = 3).  The rest replay their stored real runs (tests/gloo_store.py) through the same checks
-#: (:data:`DEEP`'s under ``-m deep``),
+#: the group {0, 1} (rank 1 the largest), FSDP2 under selective (N = 4, padded), FSDP1's accumulation under
+#: SHARD_GRAD_OP (the MLP, M = 3).  Replayed since stop 39 (one live run per engine and variant): ZeRO-1 under
+#: selective (Llama at N = 2, 9; ZeRO-1 live twice here, selective under FSDP2) and FSDP1 FULL_SHARD's accumulation
+#: (11; the accumulation live under SHARD_GRAD_OP, FULL_SHARD in tests/test_data_parallel.py's spawn).  The rest
+#: replay their stored real runs (tests/gloo_store.py) through the same checks (:data:`DEEP`'s under ``-m deep``),
 #: FSDP1 with selective over 2 micro-batches (GPT-2) among them; the deep twin reruns them all
-LIVE = (3, 8, 9, 10, 11, 12)
+LIVE = (3, 8, 10, 12)
 #: Replayed jobs whose checks run under ``-m deep`` only (the deep twin runs them live; docs/testing.md, "What is
 #: deep"): the MLP, GPT-2 and Llama at N = 2 on the group {0, 1} -- each model at N = 4 (replayed), the group's
 #: path live (widths 6,8,8,6), Llama at N = 2 with 5 layers (replayed) and under selective (live)
