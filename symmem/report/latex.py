@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -241,9 +241,11 @@ _CLOSE = re.compile(r"\}|\\right(?![a-zA-Z])|\\end\{[a-z*]+\}|\\r(?:floor|ceil)(
 #: (:func:`_parse_long`): a sum term by term, a parenthesised sum after a ``\cdot`` or in braces on its own.
 AT_ONCE = 400
 #: Texts longer than this are read term by term too when they split at a top-level sign, each term on its own
-#: (the same expression: a top-level sign binds loosest), else whole: the parser's time per character grows with
-#: the length already here -- the LaTeX test suite's formulas (7-373 characters) read in about half the time.
-IN_TERMS = 60
+#: (the same expression: a top-level sign binds loosest), its integer coefficient apart (:func:`_term`), else
+#: whole: the parser costs ~50 ms a text however short and more per character the longer the text, and the terms
+#: of a derivation's formulas repeat, their coefficients aside.  0: every text (the 144 texts of the LaTeX, paper
+#: and factoring tests read in 0.50x the CPU of 60 without coefficients apart, each result's ``srepr`` the same).
+IN_TERMS = 0
 #: The longest piece of a long text (a term that is not a sum) read at all; a longer one is refused.
 MAX_PIECE = 200
 #: The longest text read at all: the parser takes about 3 ms a character however the text is cut (a sum of 200
@@ -302,14 +304,31 @@ def _parse_long(text: str) -> sympy.Expr:
         if len(text) > AT_ONCE:  # one product or relation, too long to read whole
             raise SymmemError(f"cannot read {_cut(text)!r} as a formula: a term of {len(text.strip()):,} characters "
                               f"(a product, a relation) is more than the {MAX_PIECE} read at once")
-        return _read(text)  # a text of IN_TERMS to AT_ONCE characters that does not split: whole
+        return _term(text.strip(), _read)  # a text up to AT_ONCE characters that does not split: whole
     total: sympy.Expr = sympy.Integer(0)
     for sign, term in terms:
         if len(text) > AT_ONCE and len(term.strip()) > MAX_PIECE:
             raise SymmemError(f"cannot read {_cut(term)!r} as a formula: a term of {len(term.strip()):,} characters "
                               f"(a product, a relation) is more than the {MAX_PIECE} read at once")
-        total += sign * parse(term.strip())
+        total += sign * _term(term.strip(), parse)
     return total.xreplace(groups) if groups else total
+
+
+#: a term's leading integer coefficient, then what it multiplies: a symbol, a command (not ``\cdot``) or a group
+_COEFFICIENT = re.compile(r"(\d+)(?:\s+(?=[A-Za-z{]|\\(?!cdot(?![a-zA-Z])))(.*))?$", re.S)
+
+
+def _term(term: str, whole: Callable[[str], sympy.Expr]) -> sympy.Expr:
+    """One term of a sum (no top-level sign): a leading integer coefficient is read as the integer it is and the
+    rest through :func:`parse` -- so ``28352 H`` and ``16 H`` share the parser's reading of ``H`` (each text the
+    parser reads costs ~50 ms however short; the coefficients of a derivation's terms are mostly distinct, their
+    products of symbols mostly not).  The same expression: an integer times the product that follows it.  A term
+    without one is read ``whole`` (:func:`parse`, cached; :func:`_read` for the text ``parse`` was asked)."""
+    found = _COEFFICIENT.match(term)
+    if not found:
+        return whole(term)
+    number, rest = found.groups()
+    return sympy.Integer(number) * parse(rest) if rest else sympy.Integer(number)
 
 
 
