@@ -125,13 +125,14 @@ def test_zero_redundancy_rank_formulas_in_the_batch():
 
 
 #: FSDP x PP on the 2 x 2 mesh (tests/test_fsdp_pipeline.py's CASES 0 and 1, docs/regimes.md's table): the
-#: data-parallel rank 1 of each stage (ranks 1 and 3) holds one vocabulary row fewer of AdamW's state; their
-#: measured steady peaks, and other sizes (N = 3 and 4 among them) each stage's last-rank formula is derived at
+#: data-parallel rank 1 of each stage (ranks 1 and 3) holds one vocabulary row fewer of AdamW's state; other sizes
+#: (N = 3 and 4 among them) each stage's last-rank formula is derived at, and which case of test_fsdp_pipeline.CASES
+#: it is (its ranks' steady peaks: their stored real runs, tests/data/pipeline_meshes_gloo.json)
 STAGES = [
     ("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65, "F": 128}, "1f1b", 2, True,
-     {"attention": "naive", "dropout": 0.0}, [{"N": 3}, {"N": 4, "B": 3}], (870_904, 407_560)),
+     {"attention": "naive", "dropout": 0.0}, [{"N": 3}, {"N": 4, "B": 3}], 0),
     ("llama", {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}, "gpipe", 2, False,
-     {"attention": "sdpa"}, [{"N": 3}, {"N": 4, "S": 8}], (297_416, 330_524)),
+     {"attention": "sdpa"}, [{"N": 3}, {"N": 4, "S": 8}], 1),
 ]
 
 
@@ -149,7 +150,11 @@ def test_each_stages_last_rank_formula_from_other_sizes(model, values, schedule,
     """Each stage's last data-parallel rank: its largest moment's formula (in N, the sizes, at p and M), derived at
     other sizes, at the measured ones is at most that rank's measured steady peak, and equal where the same moment
     peaks there (as each stage's rank 0: tests/test_pipeline_formula_mesh.py)."""
-    _last_ranks(model, values, schedule, m, reshard, options, others, measured)
+    import test_fsdp_pipeline
+    from stage_ranks import stored
+
+    real = {r.rank: r.steady_peak for r in (rank[0] for rank in stored([test_fsdp_pipeline.CASES[measured]]))}
+    _last_ranks(model, values, schedule, m, reshard, options, others, (real[1], real[3]))
 
 
 def last_ranks_against_the_engines(everything, cases):
@@ -204,7 +209,9 @@ def test_json_and_table_give_every_group(capsys):
 #: A traced module's stages under an engine (tests/data/traced_block.py: a 12 -> 24 input layer, 4 blocks, a 5-row
 #: head), p = 2, measured on real gloo meshes (docs/regimes.md, "Traced modules under DDP and ZeRO-1 x pipeline" and
 #: "... FSDP x pipeline"; tests/test_ddp_pipeline.py and tests/test_fsdp_pipeline.py run rows of them): (engine,
-#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured).
+#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured,
+#: or "stored": the rows of tests/data/pipeline_meshes_gloo.json, read by :func:`_mesh_stored`; the others are
+#: docs/regimes.md's numbers, typed: no stored run of them yet).
 #: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  Every
 #: row is under ``-m deep`` (each ~5-15 CPU-s here): the pipeline meshes' spawns check the bucket view, ZeRO-1 and
 #: FSDP2 1F1B rows against their live ranks in the default suite (ranks_from_other_sizes, below).
@@ -213,15 +220,12 @@ TRACED = [
     pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
      {0: (165_560, 165_560), 1: (165_560, 165_560), 2: (161_660, 161_660), 3: (161_660, 161_660)},
                  marks=pytest.mark.deep),
-    pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-     {0: (135_512, 163_896), 1: (135_512, 163_896), 2: (132_360, 159_508), 3: (132_360, 159_508)},
+    pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
-    pytest.param("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-                 {0: (142_768, 142_768), 1: (142_600, 142_600), 2: (139_528, 139_528), 3: (139_376, 139_376)},
+    pytest.param("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
     # FSDP2: the head's 5 rows padded to 6, so rank 3 (stage 1's last data-parallel rank) holds 2 of its 3
-    pytest.param("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}],
-                 {0: (88_720, 118_824), 1: (88_720, 118_824), 2: (91_140, 120_596), 3: (91_140, 120_396)},
+    pytest.param("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}], "stored",
                  marks=pytest.mark.deep),
     pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}],
      {0: (93_968, 124_072), 1: (93_968, 124_072), 2: (91_340, 120_796), 3: (91_340, 120_596)},
@@ -243,6 +247,20 @@ def _traced(engine, schedule, m, values):
                          micro_batches=m, values={"p": 2, **dict(values)})
 
 
+def _mesh_stored(engine, schedule, m):
+    """{rank: (first, steady)} of the file module's stored real ranks on the 2 x 2 mesh under ``engine`` (the case as
+    tests/test_ddp_pipeline.py's and tests/test_fsdp_pipeline.py's mesh_cases() give it; their deep tests rerun it)."""
+    from stage_ranks import stored
+
+    from symmem.importer.spec_builder import SpecBuilder
+    from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
+
+    case = TracedCase(SpecBuilder(BLOCK), SequentialSplit(("inp",), "blocks", ("head",)), schedule, m,
+                      "cross-entropy", (4, 5), (4, 24))
+    flag = {"fsdp": True, "fsdp-no-reshard": False}.get(engine, engine)
+    return {r.rank: (r.first_peak, r.steady_peak) for r in (rank[0] for rank in stored([(case, flag)]))}
+
+
 @pytest.mark.parametrize("engine, schedule, m, sizes, others, measured", TRACED,
                          ids=[f"{c[0]}-{c[1]}-M{c[2]}-N{c[3]['N']}"
                               for c in (x.values if hasattr(x, "values") else x for x in TRACED)])
@@ -250,6 +268,8 @@ def test_engines_on_traced_stages_are_formulas_from_other_sizes(engine, schedule
     """Every rank's formula (its stage's, its group's) derived at other sizes (B; N under FSDP2), at the measured
     sizes, is at most that rank's measured peak and, over the other sizes, equal to it (the same moment peaks);
     none is a line in B any more."""
+    if measured == "stored":  # the pipeline meshes' stored real ranks (tests/data/pipeline_meshes_gloo.json)
+        measured = _mesh_stored(engine, schedule, m)
     derived = [_traced(engine, schedule, m, tuple(sorted({**sizes, **other}.items()))) for other in others]
     ranks_from_other_sizes(derived, sizes, others, measured, engine == "zero-redundancy")
 
