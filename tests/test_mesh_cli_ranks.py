@@ -36,9 +36,10 @@ def tied_case() -> Any:
 
 #: Llama under TP x GPipe (M = 2, eager attention, the loss sum) on the 2 x 2 mesh at the B on each side of a
 #: ``fit`` budget (tests/test_tensor_pipeline.py): (model, sizes, schedule, M, loss, options, _) as its CASES; TP at
-#: B = 12 and 13, SP (torchtitan's plan) at B = 13 and 14, and SP with SDPA and cross-entropy at B = 2 (above
-#: the spawn's B = 1)
-TENSOR = {("tp", 12): ("llama", {**LLAMA, "B": 12}, "gpipe", 2, "sum", TP, True),
+#: B = 12 and 13, SP (torchtitan's plan) at B = 2 (its CLI line) and at B = 13 and 14, and SP with SDPA and
+#: cross-entropy at B = 2 (above the spawn's B = 1)
+TENSOR = {("sp", 2): ("llama", LLAMA, "gpipe", 2, "sum", SP, True),
+          ("tp", 12): ("llama", {**LLAMA, "B": 12}, "gpipe", 2, "sum", TP, True),
           ("tp", 13): ("llama", {**LLAMA, "B": 13}, "gpipe", 2, "sum", TP, True),
           ("sp", 13): ("llama", {**LLAMA, "B": 13}, "gpipe", 2, "sum", SP, True),
           ("sp", 14): ("llama", {**LLAMA, "B": 14}, "gpipe", 2, "sum", SP, True),
@@ -67,14 +68,15 @@ def peaks_in_line(text: str) -> dict[int, tuple[int, int]]:
     a / b B; rank 2: ..." line (``text`` with its whitespace collapsed)."""
     import re
 
-    line = text.split("peak per rank (first step / steady): ", 1)[1].split(" (the peak above", 1)[0]
-    out = {}
-    for group in line.rstrip(";").split("; "):
-        m = re.fullmatch(r"ranks? (\d+)(?:-(\d+))?: ([\d,]+) / ([\d,]+) B", group)
-        assert m, group
+    rest, out = text.split("peak per rank (first step / steady): ", 1)[1], {}
+    while True:
+        m = re.match(r"ranks? (\d+)(?:-(\d+))?: ([\d,]+) / ([\d,]+) B(;? ?)", rest)
+        assert m, rest[:80]
         first, steady = (int(m[k].replace(",", "")) for k in (3, 4))
         out.update({r: (first, steady) for r in range(int(m[1]), int(m[2] or m[1]) + 1)})
-    return out
+        rest = rest[m.end():]
+        if not m[5].startswith(";") or not rest.startswith("rank"):
+            return out
 
 
 @pytest.mark.deep
