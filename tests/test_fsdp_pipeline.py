@@ -322,26 +322,24 @@ def test_a_traced_module_in_the_cli(capsys, spec, case):
     """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table (the real
     ranks' first and steady peaks, stored), a module with a tied weight too (each stage's copy sharded on its own
     stage)."""
-    from stage_ranks import stored
-    from test_mesh_cli_ranks import peaks_in_line
+    from test_mesh_cli_ranks import peaks_in_line, stored_peaks
 
     from symmem.cli import main
 
     assert main(["trace", spec, "--dims", "B", "--pipeline-parallel", "--data-parallel", "fsdp", "--set", "p=2",
                  "--set", "N=2", "--micro-batches", "2", "--optimizer", "adamw", "--loss", "cross-entropy"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    real = [rank[0] for rank in stored([case()])]
-    assert peaks_in_line(text) == {r.rank: (r.first_peak, r.steady_peak) for r in real}
-    top = max(real, key=lambda r: (r.steady_peak, -r.rank))
-    assert f"(the peak above is rank {top.rank}'s, the largest)" in text
+    real = stored_peaks(case())
+    assert peaks_in_line(text) == real
+    top = max(real, key=lambda r: (real[r][1], -r))
+    assert f"(the peak above is rank {top}'s, the largest)" in text
 
 
 def test_the_cli_table_and_fit(capsys):
     """The table's peak line names the rank and gives every rank's peaks (CASES[1]'s real ranks: live in the 2 x 2
     test, equal to their stored row there); ``fit`` finds the largest B whose largest rank fits (the stages
     replayed anew at B and B + 1, fresh derives, on each side of the budget)."""
-    from stage_ranks import stored
-    from test_mesh_cli_ranks import peaks_in_line
+    from test_mesh_cli_ranks import peaks_in_line, stored_peaks
 
     from symmem.apps.budget import largest
     from symmem.cli import main
@@ -351,8 +349,7 @@ def test_the_cli_table_and_fit(capsys):
                  "--micro-batches", "2", "--attention", "sdpa", "--device", "cpu", "--loss", "cross-entropy",
                  *sets]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    real = [rank[0] for rank in stored([CASES[1]])]
-    assert peaks_in_line(text) == {r.rank: (r.first_peak, r.steady_peak) for r in real}
+    assert peaks_in_line(text) == stored_peaks(CASES[1])
     d = _derive(*CASES[1])
     budget = 2**20
     fit = largest(d, "B", budget)

@@ -58,6 +58,11 @@ def ranks(case: Any) -> list[Any]:
     return [rank[0] for rank in stored([case])]
 
 
+def stored_peaks(case: Any) -> dict[int, tuple[int, int]]:
+    """Every rank's stored (first step, steady) peak of ``case``: what the CLI's "peak per rank" line gives."""
+    return {r.rank: (r.first_peak, r.steady_peak) for r in ranks(case)}
+
+
 def largest_rank(case: Any) -> int:
     """The steady peak of ``case``'s largest rank, as gloo measured it (what ``fit`` totals)."""
     return max(r.steady_peak for r in ranks(case))
