@@ -6,7 +6,8 @@ real run made by the repo's code: each case below is a row of the pipeline meshe
 (tests/data/pipeline_meshes_gloo.json, tests/stage_ranks.py), which the CLI and ``fit`` tests read
 (:func:`ranks`, :func:`largest_rank`) in the default suite (no process started: replays only), and which
 :func:`test_every_stored_case_against_fresh_gloo_runs` (``-m deep``) reruns in one fresh spawn of four ranks and
-checks, rank by rank, against the engine (``SYMMEM_STORE_MESHES=1`` writes the rows).
+checks, rank by rank, against the engine (``SYMMEM_STORE_MESHES=1`` writes the rows); also the rows behind
+tests/test_rank_formulas.py's traced-stage formulas that no mesh file stores (:data:`TRACED`).
 """
 
 from __future__ import annotations
@@ -47,8 +48,24 @@ TENSOR = {("sp", 2): ("llama", LLAMA, "gpipe", 2, "sum", SP, True),
                            {**SP, "attention": "sdpa"}, True)}
 
 
+def traced_case(engine: Any, schedule: str, m: int) -> Any:
+    """The file module (tests/data/traced_block.py:build) on the 2 x 2 mesh under ``engine`` (True: FSDP2
+    resharding, False: without; or a DDP-family name), as tests/test_fsdp_pipeline.py's and test_ddp_pipeline.py's
+    mesh_cases() give it."""
+    from symmem.importer.spec_builder import SpecBuilder
+    from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
+
+    split = SequentialSplit(("inp",), "blocks", ("head",))
+    return TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), engine
+
+
+#: the file module's stored ranks that tests/test_rank_formulas.py's TRACED rows (deep) check formulas against and no
+#: mesh file stores: DDP 1F1B (M = 2), FSDP2 without resharding GPipe (M = 3)
+TRACED = [("ddp", "1f1b", 2), (False, "gpipe", 3)]
+
+
 def cases() -> list[Any]:
-    return [tied_case(), *TENSOR.values()]
+    return [tied_case(), *TENSOR.values(), *(traced_case(*c) for c in TRACED)]
 
 
 def ranks(case: Any) -> list[Any]:
@@ -98,9 +115,9 @@ def test_every_stored_case_against_fresh_gloo_runs():
     from test_tensor_pipeline import derived
 
     from symmem.importer import sources
-    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+    from symmem.record.mesh_runs import mesh_runs
 
-    everything = rerun(fsdp_pipeline_runs, cases())
+    everything = rerun(mesh_runs, cases())
     loaded = sources.load(TIED)
     d = sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="cross-entropy", check=False,
                       pipeline_parallel=True, pipeline_schedule="1f1b", data_parallel="fsdp", micro_batches=2,

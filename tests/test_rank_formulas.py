@@ -237,15 +237,15 @@ def test_json_and_table_give_every_group(capsys):
 #: head), p = 2, measured on real gloo meshes (docs/regimes.md, "Traced modules under DDP and ZeRO-1 x pipeline" and
 #: "... FSDP x pipeline"; tests/test_ddp_pipeline.py and tests/test_fsdp_pipeline.py run rows of them): (engine,
 #: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured,
-#: or "stored": the rows of tests/data/pipeline_meshes_gloo.json, read by :func:`_mesh_stored`; the others are
-#: docs/regimes.md's numbers, typed: no stored run of them yet).
+#: or "stored": the rows of tests/data/pipeline_meshes_gloo.json, read by :func:`_mesh_stored` -- the mesh files'
+#: and tests/test_mesh_cli_ranks.py's TRACED; the 2 x 3 mesh's are docs/regimes.md's numbers, typed: no 6-rank world
+#: is stored).
 #: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  Every
 #: row is under ``-m deep`` (each ~5-15 CPU-s here): the pipeline meshes' spawns check the bucket view, ZeRO-1 and
 #: FSDP2 1F1B rows against their live ranks in the default suite (ranks_from_other_sizes, below).
 BLOCK = f"{__import__('pathlib').Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 TRACED = [
-    pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-     {0: (165_560, 165_560), 1: (165_560, 165_560), 2: (161_660, 161_660), 3: (161_660, 161_660)},
+    pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
     pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
@@ -254,8 +254,7 @@ TRACED = [
     # FSDP2: the head's 5 rows padded to 6, so rank 3 (stage 1's last data-parallel rank) holds 2 of its 3
     pytest.param("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}], "stored",
                  marks=pytest.mark.deep),
-    pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}],
-     {0: (93_968, 124_072), 1: (93_968, 124_072), 2: (91_340, 120_796), 3: (91_340, 120_596)},
+    pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}], "stored",
                  marks=pytest.mark.deep),
     # a 2 x 3 mesh (the head's 6 padded rows 2 / 2 / 1), steady step, derived at N = 2 and N = 4
     pytest.param("fsdp", "1f1b", 4, {"B": 4, "N": 3}, [{"N": 2}, {"N": 4}],
@@ -276,16 +275,13 @@ def _traced(engine, schedule, m, values):
 
 def _mesh_stored(engine, schedule, m):
     """{rank: (first, steady)} of the file module's stored real ranks on the 2 x 2 mesh under ``engine`` (the case as
-    tests/test_ddp_pipeline.py's and tests/test_fsdp_pipeline.py's mesh_cases() give it; their deep tests rerun it)."""
+    tests/test_ddp_pipeline.py's, tests/test_fsdp_pipeline.py's and tests/test_mesh_cli_ranks.py's cases give it;
+    their deep tests rerun it)."""
     from stage_ranks import stored
+    from test_mesh_cli_ranks import traced_case
 
-    from symmem.importer.spec_builder import SpecBuilder
-    from symmem.record.traced_pipeline_runs import SequentialSplit, TracedCase
-
-    case = TracedCase(SpecBuilder(BLOCK), SequentialSplit(("inp",), "blocks", ("head",)), schedule, m,
-                      "cross-entropy", (4, 5), (4, 24))
-    flag = {"fsdp": True, "fsdp-no-reshard": False}.get(engine, engine)
-    return {r.rank: (r.first_peak, r.steady_peak) for r in (rank[0] for rank in stored([(case, flag)]))}
+    case = traced_case({"fsdp": True, "fsdp-no-reshard": False}.get(engine, engine), schedule, m)
+    return {r.rank: (r.first_peak, r.steady_peak) for r in (rank[0] for rank in stored([case]))}
 
 
 @pytest.mark.parametrize("engine, schedule, m, sizes, others, measured", TRACED,
