@@ -298,31 +298,49 @@ def _check_more_hf(real, spec, config, split, schedule, m, loss, reshard, bounda
     assert d.to_dict()["values"]["parameter_side_per_rank"] == side, spec
 
 
-@pytest.mark.parametrize("spec, line", [
-    # the peaks TRACED[0] checks against the engine, rank by rank (``-m deep``: the CLI's same path is [tied]'s, the
-    # same derivation the 2 x 2 test's, live)
-    pytest.param(BLOCK, "peak per rank (first step / steady): ranks 0-1: 88,720 / 118,824 B; rank 2: 91,140 / "
-                 "120,596 B; rank 3: 91,140 / 120,396 B (the peak above is rank 2's, the largest)",
-                 marks=pytest.mark.deep),
-    # one weight shared by two modules of stage 0 (one copy there) and the head (the last stage's copy): measured on
-    # the 2 x 2 gloo mesh (SequentialSplit(("inp", "mix", "mix2"), "blocks", ("head",)), 1F1B, M = 2, fsdp), every
-    # rank's shards, state and peaks equal
-    (f"{BLOCK}_tied", "peak per rank (first step / steady): ranks 0-1: 95,728 / 128,340 B; ranks 2-3: 96,348 / "
-                      "127,604 B (the peak above is rank 0's, the largest)"),
+def _block_case():
+    """TRACED[0] as :func:`mesh_cases` gives it (the file module, 1F1B, M = 2, resharding)."""
+    return mesh_cases()[len(CASES)]
+
+
+def _tied_case():
+    from test_mesh_cli_ranks import tied_case
+
+    return tied_case()
+
+
+@pytest.mark.parametrize("spec, case", [
+    # the peaks of TRACED[0]'s stored ranks (live in the 2 x 2 test, which also checks them against the engine;
+    # ``-m deep``: the CLI's same path is [tied]'s, the same derivation the 2 x 2 test's)
+    pytest.param(BLOCK, _block_case, marks=pytest.mark.deep),
+    # one weight shared by two modules of stage 0 (one copy there) and the head (the last stage's copy): its stored
+    # real ranks on the 2 x 2 gloo mesh (tests/test_mesh_cli_ranks.py, which reruns them under ``-m deep`` and checks
+    # every rank's shards, state and peaks against the engine)
+    (f"{BLOCK}_tied", _tied_case),
 ], ids=["every-rank", "tied"])
-def test_a_traced_module_in_the_cli(capsys, spec, line):
-    """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table, a module
-    with a tied weight too (each stage's copy sharded on its own stage)."""
+def test_a_traced_module_in_the_cli(capsys, spec, case):
+    """``symmem trace ... --pipeline-parallel --data-parallel fsdp``: every rank's peak in the table (the real
+    ranks' first and steady peaks, stored), a module with a tied weight too (each stage's copy sharded on its own
+    stage)."""
+    from test_mesh_cli_ranks import peaks_in_line, stored_peaks
+
     from symmem.cli import main
 
     assert main(["trace", spec, "--dims", "B", "--pipeline-parallel", "--data-parallel", "fsdp", "--set", "p=2",
                  "--set", "N=2", "--micro-batches", "2", "--optimizer", "adamw", "--loss", "cross-entropy"]) == 0
-    assert line in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())
+    real = stored_peaks(case())
+    assert peaks_in_line(text) == real
+    top = max(real, key=lambda r: (real[r][1], -r))
+    assert f"(the peak above is rank {top}'s, the largest)" in text
 
 
 def test_the_cli_table_and_fit(capsys):
-    """The table's peak line names the rank; ``fit`` finds the largest B whose largest rank fits (the stages
+    """The table's peak line names the rank and gives every rank's peaks (CASES[1]'s real ranks: live in the 2 x 2
+    test, equal to their stored row there); ``fit`` finds the largest B whose largest rank fits (the stages
     replayed anew at B and B + 1, fresh derives, on each side of the budget)."""
+    from test_mesh_cli_ranks import peaks_in_line, stored_peaks
+
     from symmem.apps.budget import largest
     from symmem.cli import main
 
@@ -330,10 +348,8 @@ def test_the_cli_table_and_fit(capsys):
     assert main(["derive", "llama", "--data-parallel", "fsdp-no-reshard", "--pipeline-parallel", "gpipe",
                  "--micro-batches", "2", "--attention", "sdpa", "--device", "cpu", "--loss", "cross-entropy",
                  *sets]) == 0
-    text = capsys.readouterr().out
-    # the peak CASES[1] checks against the engine, rank by rank
-    assert "peak per rank (first step / steady): rank 0: 252,320 / 297,672 B; rank 1: 252,320 / 297,416 B;" in \
-        " ".join(text.split())
+    text = " ".join(capsys.readouterr().out.split())
+    assert peaks_in_line(text) == stored_peaks(CASES[1])
     d = _derive(*CASES[1])
     budget = 2**20
     fit = largest(d, "B", budget)

@@ -2,11 +2,13 @@
 ``expressions.peak_per_rank``, the table's "peak per rank as formulas"), derived at one world size N and evaluated
 at ANOTHER, against the per-rank peaks real gloo runs measured there.
 
-Truths: each rank's first and steady peak measured inside that rank of a real ``torch.distributed`` gloo run, as
-docs/regimes.md's tables record them (FSDP2 at N = 3 and the MLP 64-127-5 at N = 4: ``tests/test_fsdp1.py``'s
-spawn; ZeroRedundancyOptimizer at N = 4: ``tests/test_zero_redundancy.py``'s; FSDP x PP on the 2 x 2 mesh:
+Truths: each rank's first and steady peak measured inside that rank of a real ``torch.distributed`` gloo run.
+The MLP 64-127-5 under FSDP2 at N = 4 and ZeroRedundancyOptimizer at N = 4 are read from their stored runs
+(tests/data/gloo_runs.json via tests/gloo_store.py: ``tests/test_fsdp1.py``'s and ``tests/test_zero_redundancy.py``'s
+jobs, whose deep twins rerun them and compare); FSDP2 at N = 3 (the MLP 64-127-10, GPT-2 and Llama tiny) are still
+docs/regimes.md's numbers, typed (no stored run of a 3-rank world yet); FSDP x PP on the 2 x 2 mesh:
 ``tests/test_fsdp_pipeline.py``'s, whose spawn also checks these formulas against its live ranks:
-``test_pipeline_formula_mesh.fsdp_against_the_engines``).  Nothing here runs a process of its own.
+``test_pipeline_formula_mesh.fsdp_against_the_engines``.  Nothing here runs a process of its own.
 """
 
 from __future__ import annotations
@@ -37,15 +39,54 @@ def _derive(model, values, engine, **kw):
 #: gives rank 2's peak at N = 3; "ranks 0..N-2" is rank 0's (whole shards).
 FSDP = [
     # 127 rows: 32, 32, 32, 31 at N = 4 and 43, 43, 41 at N = 3; 10 rows: 3, 3, 3, 1 and 4, 4, 2
-    ("mlp", {"B": 4}, {"widths": "64,127,10"}, "fsdp", 4, 3, {"ranks 0..N-2": (91_596, 118_068),
-                                                              "rank N-1": (91_596, 114_980)}),
-    ("mlp", {"B": 4}, {"widths": "64,127,10"}, "fsdp", 5, 3, {"ranks 0..N-2": (91_596, 118_068),
-                                                              "rank N-1": (91_596, 114_980)}),
+    # (gloo at N = 3, stored: rank 0's and rank 2's of :func:`_stored`)
+    ("mlp", {"B": 4}, {"widths": "64,127,10"}, "fsdp", 4, 3, {"ranks 0..N-2": 0, "rank N-1": 2}),
+    ("mlp", {"B": 4}, {"widths": "64,127,10"}, "fsdp", 5, 3, {"ranks 0..N-2": 0, "rank N-1": 2}),
     # 127 rows: 43, 43, 41 at N = 3 and 32, 32, 32, 31 at N = 4; 5 rows 2, 2, 1 and 2, 2, 1, 0 (rank 2 in the middle
     # holds part of a shard at N = 4: its own formula, at its own number, below)
-    ("mlp", {"B": 4}, {"widths": "64,127,5"}, "fsdp", 3, 4, {"ranks 0..N-2": (84_120, 102_824),
-                                                             "rank N-1": (84_120, 100_256)}),
+    # (gloo at N = 4, stored: rank 0's and rank 3's of :func:`_stored`, tests/data/gloo_runs.json)
+    ("mlp", {"B": 4}, {"widths": "64,127,5"}, "fsdp", 3, 4, {"ranks 0..N-2": 0, "rank N-1": 3}),
 ]
+
+
+def _stored(widths: str, n: int, engine: str, b: int = 4) -> dict[int, tuple[int, int]]:
+    """Every rank's (first, steady) peak of the MLP ``widths`` under ``engine`` at N = ``n``, B = ``b``: the real
+    gloo run stored in tests/data/gloo_runs.json (tests/gloo_store.py; the N = 4 jobs' deep twins are
+    tests/test_fsdp1.py's and tests/test_zero_redundancy.py's, the N = 3 ones this file's
+    ``test_the_n3_runs_against_fresh_gloo_runs``), replayed -- no process started."""
+    return _stored_ranks("mlp", (("B", b), ("N", n)), engine, widths=widths)
+
+
+def _stored_ranks(model: str, values: tuple, engine: str, **kw) -> dict[int, tuple[int, int]]:
+    import gloo_store
+
+    from symmem.record.distributed import job_of
+
+    (ranks,) = gloo_store.runs([job_of(_derive(model, values, engine, **kw))], dict(values)["N"], (), timeout=1)
+    return {r.rank: (r.first, min(r.per_step[1:])) for r in ranks}
+
+
+def _n3_jobs() -> list:
+    """The FSDP2 runs at N = 3 (a world of three ranks) this file's formulas are checked against: the MLP
+    64-127-10 (:data:`FSDP`) and :data:`LAYERED`'s GPT-2 and Llama tiny."""
+    from symmem.record.distributed import job_of
+
+    return [job_of(_derive("mlp", (("B", 4), ("N", 3)), "fsdp", widths="64,127,10")),
+            *(job_of(_derive(model, tuple(sorted({**values, "N": 3}.items())), "fsdp", **kw))
+              for model, values, kw in LAYERED)]
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_the_n3_runs_against_fresh_gloo_runs():
+    """The stored N = 3 runs (:func:`_n3_jobs`) rerun in one spawn of three ranks, each rank against its stored row
+    (``SYMMEM_GLOO_STORE=write`` writes them: tests/gloo_store.py)."""
+    import gloo_store
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    gloo_store.runs(_n3_jobs(), 3, (), timeout=600, every=True)
 
 
 @pytest.mark.parametrize("model, values, kw, engine, at, measured_n, measured", FSDP)
@@ -55,7 +96,8 @@ def test_fsdp_rank_formulas_at_another_n_are_the_measured_ranks(model, values, k
     found = {f.label: f for f in rank_formulas(d)}
     assert set(found) == set(measured), found
     there = d.at(N=measured_n)
-    for name, (first, steady) in measured.items():
+    real = _stored(kw["widths"], measured_n, engine)
+    for name, (first, steady) in ((k, real[v]) for k, v in measured.items()):
         f = found[name]
         assert N in f.peak.free_symbols and f.held_at == "holds where N >= 2", (name, f)
         assert (there.evaluate(f.peak_first_step), there.evaluate(f.peak)) == (first, steady), (name, at)
@@ -67,21 +109,22 @@ def test_a_middle_rank_keeps_its_number():
     d = _derive("mlp", (("B", 4), ("N", 4)), "fsdp", widths="64,127,5")
     found = rank_formulas(d)
     assert [(f.label, f.ranks) for f in found] == [("ranks 0..1", (0, 1)), ("rank 2", (2,)), ("rank N-1", (3,))]
-    assert [(d.evaluate(f.peak_first_step), d.evaluate(f.peak)) for f in found] == [
-        (84_120, 102_824), (84_120, 101_800), (84_120, 100_256)]
+    real = _stored("64,127,5", 4, "fsdp")
+    assert [(d.evaluate(f.peak_first_step), d.evaluate(f.peak)) for f in found] == [real[0], real[2], real[3]]
+    assert real[1] == real[0]
 
 
 #: GPT-2 and Llama tiny at N = 3 (every dim padded: V = 100 is 34, 34, 32 rows; H = 64 is 22, 22, 20), measured on
-#: gloo (docs/regimes.md): rank 0's first / steady, the last rank's steady; derived at N = 5.  Their layers are
+#: gloo (stored: :func:`_n3_jobs`): rank 0's first / steady, the last rank's steady; derived at N = 5.  Their layers are
 #: written out at L >= 4 (the Max's domain), so at L = 2 the formula is evaluated as the derivation does
 #: (``values``: the step at those numbers)
-LAYERED = [("gpt2", {**TINY, "B": 2}, {"attention": "sdpa", "dropout": 0.0}, (2_159_112, 2_624_888, 2_604_152)),
-           ("llama", {**TINY, "B": 2, "G": 2, "F": 128}, {"attention": "sdpa"}, (1_178_664, 1_415_148, 1_400_732))]
+LAYERED = [("gpt2", {**TINY, "B": 2}, {"attention": "sdpa", "dropout": 0.0}),
+           ("llama", {**TINY, "B": 2, "G": 2, "F": 128}, {"attention": "sdpa"})]
 
 
 @pytest.mark.deep
-@pytest.mark.parametrize("model, values, kw, measured", LAYERED)
-def test_layered_models_rank_formulas_from_n_5(model, values, kw, measured):
+@pytest.mark.parametrize("model, values, kw", LAYERED)
+def test_layered_models_rank_formulas_from_n_5(model, values, kw):
     from symmem.passes.data_parallel import rank_derivations
 
     d = _derive(model, tuple(sorted({**values, "N": 5}.items())), "fsdp", **kw)
@@ -90,7 +133,8 @@ def test_layered_models_rank_formulas_from_n_5(model, values, kw, measured):
     (_, first), (_, last) = rank_derivations(d)
     got = (int(first.values("peak_first_step", N=[3])[0]), int(first.values("peak", N=[3])[0]),
            int(last.values("peak", N=[3])[0]))
-    assert got == measured
+    real = _stored_ranks(model, tuple(sorted({**values, "N": 3}.items())), "fsdp", **kw)
+    assert got == (*real[0], real[2][1])
 
 
 def test_zero_redundancy_rank_formulas_in_the_batch():
@@ -103,18 +147,19 @@ def test_zero_redundancy_rank_formulas_in_the_batch():
     assert all(f.held_at == "at N = 4" and f.peak.free_symbols == {sympy.Symbol("B", positive=True, integer=True)}
                for f in found), found
     there = d.at(B=4)
-    assert [(there.evaluate(f.peak_first_step), there.evaluate(f.peak)) for f in found] == [
-        (39_154_076, 39_154_076), (35_221_916, 35_221_916), (22_540_700, 22_540_700), (22_405_620, 22_409_724)]
+    real = _stored("784,1024,1024,10", 4, "zero-redundancy")
+    assert [(there.evaluate(f.peak_first_step), there.evaluate(f.peak)) for f in found] == [real[r] for r in range(4)]
 
 
 #: FSDP x PP on the 2 x 2 mesh (tests/test_fsdp_pipeline.py's CASES 0 and 1, docs/regimes.md's table): the
-#: data-parallel rank 1 of each stage (ranks 1 and 3) holds one vocabulary row fewer of AdamW's state; their
-#: measured steady peaks, and other sizes (N = 3 and 4 among them) each stage's last-rank formula is derived at
+#: data-parallel rank 1 of each stage (ranks 1 and 3) holds one vocabulary row fewer of AdamW's state; other sizes
+#: (N = 3 and 4 among them) each stage's last-rank formula is derived at, and which case of test_fsdp_pipeline.CASES
+#: it is (its ranks' steady peaks: their stored real runs, tests/data/pipeline_meshes_gloo.json)
 STAGES = [
     ("gpt2", {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65, "F": 128}, "1f1b", 2, True,
-     {"attention": "naive", "dropout": 0.0}, [{"N": 3}, {"N": 4, "B": 3}], (870_904, 407_560)),
+     {"attention": "naive", "dropout": 0.0}, [{"N": 3}, {"N": 4, "B": 3}], 0),
     ("llama", {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 63, "F": 64}, "gpipe", 2, False,
-     {"attention": "sdpa"}, [{"N": 3}, {"N": 4, "S": 8}], (297_416, 330_524)),
+     {"attention": "sdpa"}, [{"N": 3}, {"N": 4, "S": 8}], 1),
 ]
 
 
@@ -132,7 +177,11 @@ def test_each_stages_last_rank_formula_from_other_sizes(model, values, schedule,
     """Each stage's last data-parallel rank: its largest moment's formula (in N, the sizes, at p and M), derived at
     other sizes, at the measured ones is at most that rank's measured steady peak, and equal where the same moment
     peaks there (as each stage's rank 0: tests/test_pipeline_formula_mesh.py)."""
-    _last_ranks(model, values, schedule, m, reshard, options, others, measured)
+    import test_fsdp_pipeline
+    from stage_ranks import stored
+
+    real = {r.rank: r.steady_peak for r in (rank[0] for rank in stored([test_fsdp_pipeline.CASES[measured]]))}
+    _last_ranks(model, values, schedule, m, reshard, options, others, (real[1], real[3]))
 
 
 def last_ranks_against_the_engines(everything, cases):
@@ -187,27 +236,25 @@ def test_json_and_table_give_every_group(capsys):
 #: A traced module's stages under an engine (tests/data/traced_block.py: a 12 -> 24 input layer, 4 blocks, a 5-row
 #: head), p = 2, measured on real gloo meshes (docs/regimes.md, "Traced modules under DDP and ZeRO-1 x pipeline" and
 #: "... FSDP x pipeline"; tests/test_ddp_pipeline.py and tests/test_fsdp_pipeline.py run rows of them): (engine,
-#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured).
+#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured,
+#: or "stored": the rows of tests/data/pipeline_meshes_gloo.json, read by :func:`_mesh_stored` -- the mesh files'
+#: and tests/test_mesh_cli_ranks.py's TRACED; the 2 x 3 mesh's are docs/regimes.md's numbers, typed: no 6-rank world
+#: is stored).
 #: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  Every
 #: row is under ``-m deep`` (each ~5-15 CPU-s here): the pipeline meshes' spawns check the bucket view, ZeRO-1 and
 #: FSDP2 1F1B rows against their live ranks in the default suite (ranks_from_other_sizes, below).
 BLOCK = f"{__import__('pathlib').Path(__file__).parent / 'data' / 'traced_block.py'}:build"
 TRACED = [
-    pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-     {0: (165_560, 165_560), 1: (165_560, 165_560), 2: (161_660, 161_660), 3: (161_660, 161_660)},
+    pytest.param("ddp", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
-    pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-     {0: (135_512, 163_896), 1: (135_512, 163_896), 2: (132_360, 159_508), 3: (132_360, 159_508)},
+    pytest.param("ddp-bucket-view", "1f1b", 2, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
-    pytest.param("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}],
-                 {0: (142_768, 142_768), 1: (142_600, 142_600), 2: (139_528, 139_528), 3: (139_376, 139_376)},
+    pytest.param("zero-redundancy", "gpipe", 3, {"B": 4, "N": 2}, [{"B": 2}, {"B": 6}], "stored",
                  marks=pytest.mark.deep),
     # FSDP2: the head's 5 rows padded to 6, so rank 3 (stage 1's last data-parallel rank) holds 2 of its 3
-    pytest.param("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}],
-                 {0: (88_720, 118_824), 1: (88_720, 118_824), 2: (91_140, 120_596), 3: (91_140, 120_396)},
+    pytest.param("fsdp", "1f1b", 2, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 3}], "stored",
                  marks=pytest.mark.deep),
-    pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}],
-     {0: (93_968, 124_072), 1: (93_968, 124_072), 2: (91_340, 120_796), 3: (91_340, 120_596)},
+    pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}], "stored",
                  marks=pytest.mark.deep),
     # a 2 x 3 mesh (the head's 6 padded rows 2 / 2 / 1), steady step, derived at N = 2 and N = 4
     pytest.param("fsdp", "1f1b", 4, {"B": 4, "N": 3}, [{"N": 2}, {"N": 4}],
@@ -226,6 +273,17 @@ def _traced(engine, schedule, m, values):
                          micro_batches=m, values={"p": 2, **dict(values)})
 
 
+def _mesh_stored(engine, schedule, m):
+    """{rank: (first, steady)} of the file module's stored real ranks on the 2 x 2 mesh under ``engine`` (the case as
+    tests/test_ddp_pipeline.py's, tests/test_fsdp_pipeline.py's and tests/test_mesh_cli_ranks.py's cases give it;
+    their deep tests rerun it)."""
+    from stage_ranks import stored
+    from test_mesh_cli_ranks import traced_case
+
+    case = traced_case({"fsdp": True, "fsdp-no-reshard": False}.get(engine, engine), schedule, m)
+    return {r.rank: (r.first_peak, r.steady_peak) for r in (rank[0] for rank in stored([case]))}
+
+
 @pytest.mark.parametrize("engine, schedule, m, sizes, others, measured", TRACED,
                          ids=[f"{c[0]}-{c[1]}-M{c[2]}-N{c[3]['N']}"
                               for c in (x.values if hasattr(x, "values") else x for x in TRACED)])
@@ -233,6 +291,8 @@ def test_engines_on_traced_stages_are_formulas_from_other_sizes(engine, schedule
     """Every rank's formula (its stage's, its group's) derived at other sizes (B; N under FSDP2), at the measured
     sizes, is at most that rank's measured peak and, over the other sizes, equal to it (the same moment peaks);
     none is a line in B any more."""
+    if measured == "stored":  # the pipeline meshes' stored real ranks (tests/data/pipeline_meshes_gloo.json)
+        measured = _mesh_stored(engine, schedule, m)
     derived = [_traced(engine, schedule, m, tuple(sorted({**sizes, **other}.items()))) for other in others]
     ranks_from_other_sizes(derived, sizes, others, measured, engine == "zero-redundancy")
 

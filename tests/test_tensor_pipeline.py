@@ -123,6 +123,8 @@ def test_every_stored_case_against_fresh_gloo_runs():
 def test_the_cli_and_fit(capsys):
     """The table's peak line names the rank and stage, and every rank's peaks (the second case's, checked rank by
     rank against the engine); ``fit`` finds the largest B whose largest rank fits, gloo's."""
+    from test_mesh_cli_ranks import TENSOR, largest_rank, peaks_in_line, stored_peaks
+
     from symmem.apps.budget import largest
     from symmem.cli import main
 
@@ -131,17 +133,19 @@ def test_the_cli_and_fit(capsys):
                  "--attention", "naive", "--device", "cpu", *sets]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "rank 2 (stage 1 of 2, tensor-parallel rank 0 of t = 2, every one alike)" in text
-    assert "peak per rank (first step / steady): ranks 0-1: 169,376 / 214,984 B; ranks 2-3: 189,612 / 235,480 B" in text
+    assert peaks_in_line(text) == stored_peaks(CASES[1])  # its stored real ranks
     d = derived(*CASES[1])
     fit = largest(d, "B", 2**20)
-    # gloo's largest rank (stage 1) at B = 12 and 13, every rank of the 2 x 2 mesh exact (measured by hand)
-    assert (fit.max, fit.total_at_max, fit.total_above) == (12, 1_046_224, 1_127_504)
+    # gloo's largest rank (stage 1) at B = 12 and 13: their stored real runs (tests/test_mesh_cli_ranks.py)
+    assert (fit.max, fit.total_at_max, fit.total_above) == (12, *(largest_rank(TENSOR["tp", b]) for b in (12, 13)))
 
 
 def test_sequence_parallel_cli_and_fit(capsys):
     """``--sequence-parallel`` on stages answers: every rank's peaks as gloo measured them (torchtitan's plan on
     each stage of the 2 x 2 mesh, eager GPipe M = 2, loss sum; docs/regimes.md), and ``fit`` finds the largest B
     whose largest rank fits."""
+    from test_mesh_cli_ranks import TENSOR, largest_rank, peaks_in_line, stored_peaks
+
     from symmem.apps.budget import largest
     from symmem.cli import main
 
@@ -149,15 +153,16 @@ def test_sequence_parallel_cli_and_fit(capsys):
     assert main(["derive", "llama", "--tensor-parallel", "--sequence-parallel", "--pipeline-parallel", "gpipe",
                  "--micro-batches", "2", "--attention", "naive", "--device", "cpu", *sets]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "peak per rank (first step / steady): ranks 0-1: 152,736 / 198,344 B; ranks 2-3: 172,836 / 218,704 B" in text
+    assert peaks_in_line(text) == stored_peaks(TENSOR["sp", 2])  # its stored real ranks
     d = derived("llama", LLAMA, "gpipe", 2, "sum", {"attention": "naive", "sequence_parallel": True})
     fit = largest(d, "B", 2**20)
-    # gloo's largest rank (stage 1) at B = 13 and 14, every rank of the 2 x 2 mesh exact (measured by hand)
-    assert (fit.max, fit.total_at_max, fit.total_above) == (13, 1_031_824, 1_105_744)
+    # gloo's largest rank (stage 1) at B = 13 and 14: their stored real runs (tests/test_mesh_cli_ranks.py)
+    assert (fit.max, fit.total_at_max, fit.total_above) == (13, *(largest_rank(TENSOR["sp", b]) for b in (13, 14)))
     # from B = 1 (the suite's case, where the all-gathers over S keep two copies: no line from B = 1) fit solves
-    # all the same: gloo's largest rank 159,780 B at B = 1 (the spawn above), 224,092 B at B = 2 (by hand)
+    # all the same: gloo's largest rank at B = 1 (the spawn above's, stored) and at B = 2 (stored)
     fit = largest(derived(*CASES[2]), "B", 200_000)
-    assert (fit.max, fit.total_at_max, fit.total_above) == (1, 159_780, 224_092)
+    at = (largest_rank(CASES[2]), largest_rank(TENSOR["sp-sdpa", 2]))
+    assert (fit.max, fit.total_at_max, fit.total_above) == (1, *at)
 
 
 @pytest.mark.parametrize(("more", "why"), [

@@ -63,10 +63,11 @@ CASES = [(BLOCK, (), "gpipe", 4, "cross-entropy"), (BLOCK, (), "1f1b", 2, "cross
 #: given labels) and Llama (LlamaSplit).  The others under ``-m deep`` (docs/testing.md, "What is deep"), each a
 #: trace of its own in the test's process: GPT-2 untied given labels (untied: tests/test_fsdp_pipeline.py's stored
 #: Hugging Face GPT-2 under FSDP2; given labels: GPT-2 tied, Llama, Mistral), the file module's tied variant (a
-#: weight tied across stages: GPT-2 tied's, each stage its own copy; its CLI peaks, measured on the 2 x 2 mesh:
-#: tests/test_fsdp_pipeline.py's test_a_traced_module_in_the_cli[tied]), Mistral and Qwen2 (LlamaSplit's stages as
-#: Llama's, each making its own rotary tables; Mistral's own sliding-window mask, Qwen2's q/k/v biases; Qwen2 the
-#: loss ``sum`` on a Hugging Face model's stages and GPipe on LlamaSplit's: ~2 CPU-s of trace and formula, stop 39)
+#: weight tied across stages: GPT-2 tied's, each stage its own copy; its CLI peaks against its stored real ranks
+#: on the 2 x 2 mesh: tests/test_fsdp_pipeline.py's test_a_traced_module_in_the_cli[tied]), Mistral and Qwen2
+#: (LlamaSplit's stages as Llama's, each making its own rotary tables; Mistral's own sliding-window mask, Qwen2's
+#: q/k/v biases; Qwen2 the loss ``sum`` on a Hugging Face model's stages and GPipe on LlamaSplit's: ~2 CPU-s of
+#: trace and formula, stop 39)
 LIVE = (0, 1, 2, 4, 6)
 #: ``-m deep`` too: HF GPT-2 untied under GPipe and 1F1B with the loss ``sum`` -- GPT-2 under each schedule is in
 #: CASES (given labels; 1F1B tied), a Hugging Face model's stages with the loss ``sum`` too (Qwen2, also deep)
