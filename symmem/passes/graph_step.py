@@ -150,14 +150,35 @@ class GraphStep:
         size-dependent copy) ``at`` selects, and every symbol's value (of ``rank``'s step: None, the largest
         rank's).  The symbolic peak first: the step refuses what the peak refuses, with the peak's words."""
         checked(which)
-        key = (tuple(sorted((s.name, int(v)) for s, v in at.items())), rank)
-        if self._written is not None and self._written[0] == key:
-            _, (steady, first), values = self._written
-            return (first if which == "first" else steady), values
-        self.peak()
-        steady, first, values = self.written_at(at, rank)
-        self._written = (key, (steady, first), values)
+        kept = self._kept(at, rank)
+        if kept is not None:
+            steady, first, values = kept
+        else:
+            self.peak()
+            steady, first, values = self.written_at(at, rank)
+            self._written = (_written_key(at, rank), (steady, first), values)
         return (first if which == "first" else steady), values
+
+    def steady_at(self, at: Mapping[sympy.Symbol, int]) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
+        """The largest rank's steady step at ``at`` and every symbol's value, without the peak's formulas: the one
+        a view wrote out there, else written anew and not kept (a view's write-out comes after the formulas, whose
+        refusals it repeats; the caller refuses as the peak at these numbers does)."""
+        kept = self._kept(at, None)
+        steady, _, values = kept if kept is not None else self.written_at(at)
+        return steady, values
+
+    def _kept(self, at: Mapping[sympy.Symbol, int], rank: int | None
+              ) -> tuple[Timeline, Timeline, dict[sympy.Symbol, Any]] | None:
+        """(steady, first, values) a view wrote out at ``at`` for ``rank``, or None."""
+        if self._written is None or self._written[0] != _written_key(at, rank):
+            return None
+        _, (steady, first), values = self._written
+        return steady, first, values
+
+    def counts_at(self, at: Mapping[sympy.Symbol, int]) -> dict[str, sympy.Expr]:
+        """How many times each repeated block runs at ``at`` (a number where ``at`` gives its sizes)."""
+        subs, full = dict(self.subs), {s: sympy.Integer(int(v)) for s, v in at.items()}
+        return {name: b.count.xreplace(subs).xreplace(full) for name, b in self.graph.blocks.items()}
 
     def written_at(self, at: Mapping[sympy.Symbol, int], rank: int | None = None, shared: dict | None = None
                    ) -> tuple[Timeline, Timeline, dict[sympy.Symbol, Any]]:
@@ -168,8 +189,7 @@ class GraphStep:
         subs = dict(self.subs)
         full = {s: sympy.Integer(v) for s, v in at.items()}
         counts = {}
-        for name, b in self.graph.blocks.items():
-            count = b.count.xreplace(subs).xreplace(full)
+        for name, count in self.counts_at(at).items():
             if not count.is_number:
                 raise SymmemError(f"block {name!r} repeats {count} times: give it a number")
             counts[name] = int(count)
@@ -186,6 +206,11 @@ class GraphStep:
                                  keep_logits=self.regime.keep_logits)
         values = {s: sympy.sympify(e, strict=True).xreplace(full) for s, e in subs.items()}
         return steady, first, {**values, **full}
+
+
+def _written_key(at: Mapping[sympy.Symbol, int], rank: int | None) -> tuple:
+    """The key of :attr:`GraphStep._written`: the numbers by name, and the rank."""
+    return tuple(sorted((s.name, int(v)) for s, v in at.items())), rank
 
 
 def _label(name: str | None, count: int | None, symbolic: bool, edge: int) -> str:

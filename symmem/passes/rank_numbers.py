@@ -163,13 +163,8 @@ def short(derivation: Any) -> bool:
     written out there is then no longer than the two the peak's formulas interpolate from (4 and 5 layers), so
     walking it is the cheaper way to a number.  A long stack at its number (GPT-2's 12 layers, Llama's 32) costs
     about as much or more written out (paired, docs/testing.md "Stop 38: ranks-numeric")."""
-    subs = dict(derivation.step.subs)
-    full = {s: sympy.Integer(int(v)) for s, v in derivation.numbers.items()}
-    for b in derivation.step.graph.blocks.values():
-        count = b.count.xreplace(subs).xreplace(full)
-        if not count.is_number or int(count) > WALKED_LAYERS:
-            return False
-    return True
+    return all(count.is_number and int(count) <= WALKED_LAYERS
+               for count in derivation.step.counts_at(derivation.numbers).values())
 
 
 def formulas_made(step: Any) -> bool:

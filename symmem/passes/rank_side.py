@@ -89,7 +89,7 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
         return None
     numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
     try:
-        if hasattr(step, "written_at"):  # a built graph's step (passes/graph_step.py)
+        if hasattr(step, "steady_at"):  # a built graph's step (passes/graph_step.py)
             tl, values = _steady(derivation, step, numbers)
             values = {**values, **numbers}
             side = held(tl, values, _buckets(tl, apart))
@@ -230,13 +230,9 @@ def _steady(derivation: Any, step: Any, numbers: Mapping[sympy.Symbol, Any]) -> 
     ``value("peak")`` works out, cached), so that the step refuses what the peak refuses there, in its words: the
     step's ``_written_out`` makes the formula in every layer count first, which a layer count below that formula's
     domain (every real-run case, L = 2) does not use -- two thirds of a GPT-2 FSDP2 rank side's CPU.  A step the views
-    wrote out at these numbers is reused."""
+    wrote out at these numbers is reused (``GraphStep.steady_at``)."""
     derivation._peak(exact=True)
-    key = (tuple(sorted((s.name, int(v)) for s, v in numbers.items())), None)
-    if step._written is not None and step._written[0] == key:
-        return step._written_out("steady", numbers)
-    steady, _, values = step.written_at(numbers)
-    return steady, values
+    return step.steady_at(numbers)
 
 
 def _states(derivation: Any, step: Any, world: int, values: Mapping[sympy.Symbol, Any]) -> list[int] | None:
