@@ -358,3 +358,18 @@ def test_a_dimension_named_like_a_parallel_size_does_not_merge_with_it(capsys, n
     d = symmem.trace(net, inputs, {name: [(0, 0)]})
     sym = d.free[0]
     assert sym.name == name and d.input == 64 * sym and d.parameter_memory == 676 * 16
+
+
+@pytest.mark.parametrize("spec, hint", [
+    ("tests.trace_helpers:mlp", "--example 2x16 (float; Linear takes 16 features)"),
+    ("tests.trace_helpers:cnn", "--example 2x3x32x32 (float; Conv2d takes 3 channels)"),
+    ("tests.trace_helpers:embedder", "--example 2x8:int64 (token ids)"),
+])
+def test_a_module_without_inputs_gets_an_example_it_runs_on(capsys: pytest.CaptureFixture[str], spec: str,
+                                                          hint: str) -> None:
+    """The refusal names an input the module's first layer takes (its width read from the module), and pasting
+    that hint makes the trace run."""
+    code, _, err = run(capsys, "trace", spec, "--dims", "B")
+    assert code == 2 and hint in err.splitlines()[-1], err
+    code, out, err = run(capsys, "trace", spec, "--dims", "B", "--example", hint.split()[1])
+    assert code == 0 and "symbols: B=2" in out, err

@@ -223,3 +223,10 @@ def exits_when_built() -> None:
     import sys
 
     sys.exit()
+
+
+def embedder() -> Any:
+    """Token ids -> embedding -> linear head, returned without example inputs (the hint must ask for ids)."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 3))

@@ -467,7 +467,7 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
     if isinstance(result, torch.nn.Module):
         if not inputs:
             raise SymmemError(f"{spec}: {attr}() returned a module without example inputs: give them with "
-                              "--example 2x784 (float) or --example 2x8:int64, or return (module, example_inputs)")
+                              f"--example {_example_hint(result)}, or return (module, example_inputs)")
         return Loaded(spec, result, tuple(_example(text) for text in inputs))
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
         if inputs:
@@ -481,6 +481,23 @@ def _callable(spec: str, inputs: Sequence[str]) -> Loaded:
         return Loaded(spec, module, tuple(example) if isinstance(example, list) else example)
     raise SymmemError(f"{spec}: {attr}() returned {type(result).__name__}, not a torch.nn.Module or a "
                       "(module, example_inputs) pair")
+
+
+def _example_hint(module: Any) -> str:
+    """An ``--example`` that fits the first layer that fixes an input width (the hint a user can paste)."""
+    import torch
+
+    conv = {torch.nn.Conv1d: "16", torch.nn.Conv2d: "32x32", torch.nn.Conv3d: "8x8x8"}
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Embedding | torch.nn.EmbeddingBag):
+            return "2x8:int64 (token ids)"
+        if isinstance(layer, torch.nn.Linear):
+            return f"2x{layer.in_features} (float; {type(layer).__name__} takes {layer.in_features} features)"
+        for kind, space in conv.items():
+            if type(layer) is kind:
+                name = type(layer).__name__
+                return f"2x{layer.in_channels}x{space} (float; {name} takes {layer.in_channels} channels)"
+    return "2x784 (float) or --example 2x8:int64"
 
 
 def _example(text: str) -> Any:
