@@ -27,6 +27,15 @@ MESH = {"p": 2, "N": 2, "t": 2}
 #: padded to 34 over N = 2, so data-parallel rank 1 of each stage holds fewer
 CASES = [("llama", {**LLAMA, "V": 66}, "gpipe", 1, "cross-entropy",
           {"attention": "sdpa", "tensor_parallel": True, "data_parallel": 2}, True)]
+#: The cases behind the CLI lines and ``fit`` edges at 1 MiB (1F1B, M = 2, SDPA, cross-entropy, resharding), by
+#: (plan, B): tensor parallelism at B = 2 (its CLI line), 15 and 16, with sequence parallelism (torchtitan's plan) at
+#: B = 2, 17 and 18.  Their stored real runs (tests/data/pipeline_meshes_gloo.json) are what the CLI tests read; the
+#: deep test_every_stored_case_against_fresh_gloo_runs makes them anew (``SYMMEM_STORE_MESHES=1`` writes them)
+_TP = {"attention": "sdpa", "tensor_parallel": True, "data_parallel": 2}
+CLI = {(plan, b): ("llama", {**LLAMA, "B": b}, "1f1b", 2, "cross-entropy",
+                   {**_TP, "sequence_parallel": True} if plan == "sp" else _TP, True)
+       for plan, bs in (("tp", (2, 15, 16)), ("sp", (2, 17, 18))) for b in bs}
+
 
 def derived(model, values, schedule, m, loss, options, reshard=True, **more):
     from symmem import derive
@@ -54,11 +63,15 @@ def test_every_rank_of_a_2x2x2_mesh_against_the_engine():
     largest rank's peak, which rank and stage, every rank's (rank s*N*t + d*t + r) and each rank's parameter side."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import _row, _stored, key
+
     from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
 
     everything = fsdp_pipeline_runs(2, 4, CASES, start_method="forkserver")
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
+        # the live ranks are the stored ones too (the deep test below reruns and compares them)
+        assert [_row(r) for r in real] == _stored()[key(case)], (k, real)
         # FSDP's, pipelining's and DTensor's collectives released on the recording thread: one first and one steady
         # step, no free elsewhere
         assert all(r.repeats == (1, 1) and r.late == 0 for r in real), (k, real)
@@ -83,10 +96,42 @@ def test_every_rank_of_a_2x2x2_mesh_against_the_engine():
     formula.mesh_against_the_engines(everything, CASES)
 
 
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_case_against_fresh_gloo_runs():
+    """:data:`CASES` and :data:`CLI` in one fresh spawn of eight ranks: every rank with one first and one steady step
+    and no late free, every field equal to its stored row (``SYMMEM_STORE_MESHES=1``: stored), and every rank's
+    parameters, AdamW state, first and steady peak and its schedule's and optimizer step's largest moments equal to
+    the engine's replay of its stage, to the byte."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import against_stored
+
+    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+
+    cases = [*CASES, *CLI.values()]
+    everything = fsdp_pipeline_runs(2, 4, cases, start_method="forkserver")
+    assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
+    against_stored(cases, everything)
+    for k, case in enumerate(cases):
+        replays_are_the_ranks(derived(*case), [rank[k] for rank in everything], k)
+
+
+def _fit(text: str) -> tuple[int, int, int]:
+    """``fit``'s answer read back: the largest B, the total there and at B + 1 (``text`` whitespace-collapsed)."""
+    import re
+
+    m = re.search(r"largest B = (\d+) .*?\(([\d,]+) B\); B = (\d+) needs .*?\(([\d,]+) B\)", text)
+    assert m and int(m[3]) == int(m[1]) + 1, text
+    return int(m[1]), int(m[2].replace(",", "")), int(m[4].replace(",", ""))
+
+
 def test_the_cli_and_fit(capsys):
     """The table's peak line names the rank (stage, data-parallel rank, the tensor-parallel ranks alike) and gives
-    every rank's peaks, gloo's; ``fit`` at 1 MiB finds gloo's largest B (docs/regimes.md's hand runs: every rank of
-    the 2 x 2 x 2 mesh measured at B = 2, 15 and 16)."""
+    every rank's peaks, gloo's; ``fit`` at 1 MiB finds gloo's largest B: every rank of the 2 x 2 x 2 mesh at B = 2, 15
+    and 16, their stored real runs (:data:`CLI`)."""
+    from test_mesh_cli_ranks import largest_rank, peaks_in_line, stored_peaks
+
     from symmem.cli import main
 
     sets = [a for k, v in {**LLAMA, **MESH}.items() for a in ("--set", f"{k}={v}")]
@@ -95,10 +140,11 @@ def test_the_cli_and_fit(capsys):
     assert main(["derive", *args]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "rank 0 (stage 0 of 2, data-parallel rank 0 of N = 2, the t = 2 tensor-parallel ranks alike)" in text
-    assert "ranks 0-3: 183,584 / 206,408 B; ranks 4-7: 155,756 / 178,712 B" in text
+    assert peaks_in_line(text) == stored_peaks(CLI["tp", 2])  # its stored real ranks
     assert main(["fit", *args, "--budget", "1MiB"]) == 0
-    text = " ".join(capsys.readouterr().out.split())
-    assert "largest B = 15 " in text and "(1,041,736 B); B = 16 needs" in text and "(1,105,992 B)" in text
+    fit = _fit(" ".join(capsys.readouterr().out.split()))
+    # gloo's largest rank at B = 15 and 16 (stored), on each side of the budget
+    assert fit == (15, largest_rank(CLI["tp", 15]), largest_rank(CLI["tp", 16])) and fit[1] <= 2**20 < fit[2]
 
 
 @pytest.mark.parametrize(("engine", "more", "why"), [
@@ -118,8 +164,10 @@ def test_other_engines_on_the_3d_mesh_are_one_line_errors(capsys, engine, more, 
 
 def test_sequence_parallel_on_the_3d_mesh(capsys):
     """``--sequence-parallel`` on the 3-D mesh answers (torchtitan's sequence-parallel plan on every stage, then
-    FSDP2): every rank's peaks and ``fit`` at 1 MiB as gloo measured them by hand on the 2 x 2 x 2 mesh
-    (docs/regimes.md: every rank exact at B = 2, 17 and 18)."""
+    FSDP2): every rank's peaks and ``fit`` at 1 MiB as gloo measured them on the 2 x 2 x 2 mesh at B = 2, 17 and 18
+    (their stored real runs, :data:`CLI`)."""
+    from test_mesh_cli_ranks import largest_rank, peaks_in_line, stored_peaks
+
     from symmem.cli import main
 
     sets = [a for k, v in {**LLAMA, **MESH}.items() for a in ("--set", f"{k}={v}")]
@@ -127,10 +175,10 @@ def test_sequence_parallel_on_the_3d_mesh(capsys):
             "--micro-batches", "2", "--loss", "cross-entropy", "--attention", "sdpa", "--device", "cpu", *sets]
     assert main(["derive", *args]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "ranks 0-3: 166,944 / 189,768 B; ranks 4-7: 143,468 / 166,424 B" in text
+    assert peaks_in_line(text) == stored_peaks(CLI["sp", 2])  # its stored real ranks
     assert main(["fit", *args, "--budget", "1MiB"]) == 0
-    text = " ".join(capsys.readouterr().out.split())
-    assert "largest B = 17 " in text and "(1,028,808 B); B = 18 needs" in text and "(1,084,744 B)" in text
+    fit = _fit(" ".join(capsys.readouterr().out.split()))
+    assert fit == (17, largest_rank(CLI["sp", 17]), largest_rank(CLI["sp", 18])) and fit[1] <= 2**20 < fit[2]
 
 
 @pytest.mark.parametrize(("more", "why"), [

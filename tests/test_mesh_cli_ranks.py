@@ -64,6 +64,20 @@ def traced_case(engine: Any, schedule: str, m: int) -> Any:
 TRACED = [("ddp", "1f1b", 2), (False, "gpipe", 3)]
 
 
+#: the file module under FSDP2 (resharding) x 1F1B, M = 4, on a 2 x 3 mesh (six ranks: the head's 5 rows padded to 6,
+#: held 2 / 2 / 2 and, unpadded, 2 / 2 / 1): tests/test_rank_formulas.py's TRACED row derived at N = 2 and 4.  Stored
+#: under :data:`WIDE_KEY` (the store's keys name a case, not its mesh: the 2 x 2 meshes' are p = 2, N = 2)
+WIDE = (True, "1f1b", 4)
+WIDE_KEY = "p=2, N=3"
+
+
+def wide_ranks() -> list[Any]:
+    """Every rank's stored real run of :data:`WIDE` on the 2 x 3 mesh (StageMeshRun, rank by rank)."""
+    from stage_ranks import stored
+
+    return [rank[0] for rank in stored([(WIDE_KEY, traced_case(*WIDE))])]
+
+
 def cases() -> list[Any]:
     return [tied_case(), *TENSOR.values(), *(traced_case(*c) for c in TRACED)]
 
@@ -132,3 +146,30 @@ def test_every_stored_case_against_fresh_gloo_runs():
             assert (mine.peak.first, mine.peak.bytes, mine.peak.pipeline, mine.peak.step) == (
                 r.first_peak, r.steady_peak, r.pipeline_peak, r.step_peak), (k, r)
         assert d.value("peak") == largest_rank(case), k
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_the_2x3_mesh_against_a_fresh_gloo_run():
+    """:data:`WIDE` in a fresh spawn of six ranks: every rank with one first and one steady step and no late free,
+    every field equal to its stored row (``SYMMEM_STORE_MESHES=1``: stored), and every rank's parameters, AdamW
+    state, first and steady peak and its schedule's and optimizer step's largest moments equal to the engine's replay
+    of its stage and data-parallel rank, to the byte."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is needed")
+    from stage_ranks import against_stored, replays_are_the_ranks
+
+    from symmem.importer import sources
+    from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
+
+    everything = fsdp_pipeline_runs(2, 3, [traced_case(*WIDE)], start_method="forkserver")
+    assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
+    against_stored([(WIDE_KEY, traced_case(*WIDE))], everything)
+    loaded = sources.load(BLOCK)
+    _, schedule, m = WIDE
+    d = sources.trace(loaded, sources.parse_dims("B", loaded), optimizer="adamw", loss="cross-entropy", check=False,
+                      pipeline_parallel=True, pipeline_schedule=schedule, data_parallel="fsdp", micro_batches=m,
+                      values={"p": 2, "N": 3})
+    replays_are_the_ranks(d, [rank[0] for rank in everything], "2x3")

@@ -10,6 +10,8 @@ timeline replayed in the schedule's order.  Every value is compared to the byte.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import sympy
 
@@ -115,8 +117,9 @@ ONE = ("gpipe", 2, "cross-entropy")
 
 def a_batch_of_one(real):
     d = _derived(*ONE, values={**SIZES, "B": 1, "F": 128}, **{**OPTIONS, "attention": "sdpa"})
-    assert d.to_dict()["values"]["peak_per_stage"] == [r.peak for r in real]
-    assert d.to_dict()["values"]["peak_first_step_per_stage"] == [r.first_peak for r in real]
+    out = d.to_dict()["values"]
+    assert out["peak_per_stage"] == [r.peak for r in real]
+    assert out["peak_first_step_per_stage"] == [r.first_peak for r in real]
     # from B = 2 the lines, which do not hold at B = 1
     two = _derived(*ONE)
     assert sympy.Ge(sympy.Symbol("B", positive=True, integer=True), 2) in two._peak().domain
@@ -319,8 +322,9 @@ def llama_stages(ranks, case):
             real.first_peak, real.first_pipeline_peak, real.first_step_peak)
     # derive's views give the same stages
     d = _derived(schedule, m, loss, "llama", LLAMA, device="cpu", **options)
-    assert d.to_dict()["values"]["peak_per_stage"] == [x.bytes for x in plan.peaks]
-    assert d.to_dict()["values"]["peak_first_step_per_stage"] == [x.first for x in plan.peaks]
+    out = d.to_dict()["values"]
+    assert out["peak_per_stage"] == [x.bytes for x in plan.peaks]
+    assert out["peak_first_step_per_stage"] == [x.first for x in plan.peaks]
     assert d.value("peak_first_step") == max(r.first_peak for r in ranks)
 
 
@@ -591,6 +595,22 @@ BATCH_OF_ONE = [({"B": 1, "S": 64, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F"
                 ({"B": 1, "S": 128, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F": 32}, {"attention": "naive"})]
 
 
+@functools.cache
+def _gloo_two_ranks():
+    """The live jobs of test_batch_of_one_against_dtensor (BATCH_OF_ONE[1]) and test_hf_llama_under_the_standard_plan
+    (tests/hf_tensor_runs.py's HF[LIVE]) in ONE spawn of two ranks (both tests on the gloo worker; whichever runs
+    first pays it): per job, its two ranks' TensorRuns.  One spawn, not two: each fresh rank spends ~1 CPU-s on
+    DTensor's first sharding propagations and its start, paid once here."""
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
+
+    from symmem.record.model_parallel_runs import runs
+    from tests.hf_tensor_runs import LIVE, job
+
+    values, options = BATCH_OF_ONE[1]
+    found = runs(2, [("tensor", "llama", values, {**options, "peaks": True}), ("tensor", "llama", *job(LIVE))])
+    return [[rank[k] for rank in found] for k in range(2)]
+
+
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
 def test_batch_of_one_against_dtensor():
     """derive --tensor-parallel [--sequence-parallel] at B = 1: every rank's first and steady step peak equals the
@@ -600,12 +620,11 @@ def test_batch_of_one_against_dtensor():
     from symmem import derive
     from symmem.api import tensor_parallel_rank
     from symmem.apps.budget import largest
-    from symmem.record.model_parallel_runs import runs
     from tests.tensor_stored import differences
 
     # live: the eager case with sequence parallelism (both of B = 1's effects; fit below); the rest replayed
     values, options = BATCH_OF_ONE[1]
-    live = [rank[0] for rank in runs(2, [("tensor", "llama", values, {**options, "peaks": True})])]
+    live = _gloo_two_ranks()[0]
     assert differences("tensor", 2, values, {**options, "peaks": True}, live) == []
     everything = list(zip(*[live if case == 1 else _stored(2, values, {**options, "peaks": True})
                             for case, (values, options) in enumerate(BATCH_OF_ONE)], strict=True))
@@ -640,10 +659,10 @@ def test_hf_llama_under_the_standard_plan():
         pytest.skip("torch.distributed with gloo is needed")
     pytest.importorskip("transformers")
     from symmem import derive
-    from tests.hf_tensor_runs import HF, LIVE, hf_llama_ranks
+    from tests.hf_tensor_runs import HF, LIVE
     from tests.tensor_stored import differences
 
-    live = hf_llama_ranks()  # HF[LIVE], the standard plan; the others replayed from their stored real ranks
+    live = _gloo_two_ranks()[1]  # HF[LIVE], the standard plan; the others replayed from their stored real ranks
     values, options = HF[LIVE]
     assert differences("tensor", 2, values, {**options, "peaks": True, "hf": True}, live) == []
     everything = list(zip(*[live if case == LIVE else _stored(2, values, {**options, "peaks": True, "hf": True})
@@ -682,12 +701,13 @@ def _sequence(options):
 
 #: FOUR's job
 FOUR_JOBS = [(values, {**options, "peaks": True}) for values, options in FOUR]
-#: The two-rank tensor-parallel cases run live in test_against_the_engines' spawn, each held to its stored row too:
-#: tensor parallelism (TENSOR[0]) and sequence parallelism's parts (SEQUENCE[0]).  Sequence parallelism's peak on two
-#: ranks (SEQUENCE_PEAKS[2][0], live to stop 38) is replayed: it runs live at B = 1 (BATCH_OF_ONE[1]), checkpointed
-#: (test_tensor_checkpoint.JOBS, in the same spawn), on four ranks (SEQUENCE_PEAKS[4][0]) and with SDPA on the
-#: FSDP x TP mesh (test_fsdp_tensor.LIVE)
-LIVE_TWO = [(TENSOR[0][0], {**TENSOR[0][1], "peaks": True}), SEQUENCE[0]]
+#: The two-rank tensor-parallel case run live in test_against_the_engines' spawn, held to its stored row too: tensor
+#: parallelism (TENSOR[0]; its job measures the rank's parts as every job does, then its steps' peaks).  Sequence
+#: parallelism's parts (SEQUENCE[0], live to stop 39) and its peak on two ranks (SEQUENCE_PEAKS[2][0], live to stop
+#: 38) are replayed: the plan runs live at B = 1 (BATCH_OF_ONE[1]), checkpointed (test_tensor_checkpoint.JOBS, in the
+#: same spawn), at B = 2 on four ranks (SEQUENCE_PEAKS[4][0]) and with SDPA on the FSDP x TP mesh
+#: (test_fsdp_tensor.LIVE), each job measuring its rank's parts first
+LIVE_TWO = [(TENSOR[0][0], {**TENSOR[0][1], "peaks": True})]
 #: Every tensor-parallel case's job by world, as the spawns run it: each stored (tests/tensor_stored.py, written from
 #: fresh runs of these; HF's in tests/hf_tensor_runs.py), the ones not live replayed
 STORED = {2: [*[(v, {**o, "peaks": True}) for v, o in TENSOR], *SEQUENCE,
@@ -703,11 +723,12 @@ STAGES = {2: [*[("pipeline", "gpt2", SIZES, case) for case in CASES],
               *[("pipeline", "llama", LLAMA, case) for case in LLAMA_CASES],
               ("pipeline", "gpt2", {**SIZES, "B": 1}, (*ONE, {"attention": "sdpa"}))],
           4: [("pipeline", model, values, case) for model, values, case in FOUR_STAGES]}
-#: Run live, each also held to its stored row: GPT-2 under GPipe (M = 4) and 1F1B, Llama under GPipe (SDPA,
-#: cross-entropy; Llama's 1F1B runs live in test_pipeline_checkpoint's and test_selective_stages' jobs in the same
-#: spawn), four stages under GPipe without static shapes.  Replayed: GPT-2 GPipe M = 1 and with the loss ``sum``, at
-#: B = 1, Llama 1F1B with the loss ``sum``, four stages' GPT-2 and Llama 1F1B (``-m deep`` measures them anew)
-LIVE_STAGES = [STAGES[2][1], STAGES[2][2], STAGES[2][4], STAGES[4][1]]
+#: Run live, each also held to its stored row: GPT-2 under GPipe (M = 4), Llama under GPipe (SDPA, cross-entropy;
+#: Llama's 1F1B runs live in test_pipeline_checkpoint's and test_selective_stages' jobs in the same spawn, GPT-2's
+#: 1F1B in test_pipeline_formula's, M = 3), four stages under GPipe without static shapes.  Replayed: GPT-2 GPipe
+#: M = 1 and with the loss ``sum``, 1F1B M = 4 (live to stop 39), at B = 1, Llama 1F1B with the loss ``sum``, four
+#: stages' GPT-2 and Llama 1F1B (``-m deep`` measures them anew)
+LIVE_STAGES = [STAGES[2][1], STAGES[2][4], STAGES[4][1]]
 
 
 def _stages(world, live):

@@ -236,10 +236,10 @@ def test_json_and_table_give_every_group(capsys):
 #: A traced module's stages under an engine (tests/data/traced_block.py: a 12 -> 24 input layer, 4 blocks, a 5-row
 #: head), p = 2, measured on real gloo meshes (docs/regimes.md, "Traced modules under DDP and ZeRO-1 x pipeline" and
 #: "... FSDP x pipeline"; tests/test_ddp_pipeline.py and tests/test_fsdp_pipeline.py run rows of them): (engine,
-#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured,
-#: or "stored": the rows of tests/data/pipeline_meshes_gloo.json, read by :func:`_mesh_stored` -- the mesh files'
-#: and tests/test_mesh_cli_ranks.py's TRACED; the 2 x 3 mesh's are docs/regimes.md's numbers, typed: no 6-rank world
-#: is stored).
+#: schedule, M, the sizes measured at, other sizes each formula is derived at, {rank: (first, steady)} measured, or
+#: "stored": the rows of tests/data/pipeline_meshes_gloo.json, read by :func:`_mesh_stored` -- the mesh files'
+#: and tests/test_mesh_cli_ranks.py's TRACED; "stored-2x3": the 2 x 3 mesh's six ranks stored there,
+#: tests/test_mesh_cli_ranks.py's WIDE).
 #: Each stage's formulas are in the module's traced size B (and N under FSDP2), the blocks at their number.  Every
 #: row is under ``-m deep`` (each ~5-15 CPU-s here): the pipeline meshes' spawns check the bucket view, ZeRO-1 and
 #: FSDP2 1F1B rows against their live ranks in the default suite (ranks_from_other_sizes, below).
@@ -256,10 +256,9 @@ TRACED = [
                  marks=pytest.mark.deep),
     pytest.param("fsdp-no-reshard", "gpipe", 3, {"B": 4, "N": 2}, [{"N": 3}, {"N": 4, "B": 2}], "stored",
                  marks=pytest.mark.deep),
-    # a 2 x 3 mesh (the head's 6 padded rows 2 / 2 / 1), steady step, derived at N = 2 and N = 4
-    pytest.param("fsdp", "1f1b", 4, {"B": 4, "N": 3}, [{"N": 2}, {"N": 4}],
-     {0: (None, 114_296), 1: (None, 114_296), 2: (None, 114_296), 3: (None, 106_896), 4: (None, 106_896),
-      5: (None, 106_696)}, marks=pytest.mark.deep),
+    # a 2 x 3 mesh (the head's 6 padded rows 2 / 2 / 1), derived at N = 2 and N = 4: its stored six ranks
+    # (tests/test_mesh_cli_ranks.py's WIDE, rerun by its deep test_the_2x3_mesh_against_a_fresh_gloo_run)
+    pytest.param("fsdp", "1f1b", 4, {"B": 4, "N": 3}, [{"N": 2}, {"N": 4}], "stored-2x3", marks=pytest.mark.deep),
 ]
 
 
@@ -293,6 +292,10 @@ def test_engines_on_traced_stages_are_formulas_from_other_sizes(engine, schedule
     none is a line in B any more."""
     if measured == "stored":  # the pipeline meshes' stored real ranks (tests/data/pipeline_meshes_gloo.json)
         measured = _mesh_stored(engine, schedule, m)
+    elif measured == "stored-2x3":  # the 2 x 3 mesh's, stored there too
+        from test_mesh_cli_ranks import wide_ranks
+
+        measured = {r.rank: (r.first_peak, r.steady_peak) for r in wide_ranks()}
     derived = [_traced(engine, schedule, m, tuple(sorted({**sizes, **other}.items()))) for other in others]
     ranks_from_other_sizes(derived, sizes, others, measured, engine == "zero-redundancy")
 

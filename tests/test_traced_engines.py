@@ -3,11 +3,12 @@ alike"): each rank's peak, derived from the module's step recorded on fake tenso
 (symmem.importer.traced_engines), equals the live bytes measured inside each rank of a real gloo run of the same
 module (symmem.record.distributed with a module builder), to the byte.
 
-One spawn of two processes runs every case (a small file module with a repeated block, folded in L, and a tiny
-Hugging Face GPT-2 built from a config), inside one test, so that pytest-xdist never splits it into two spawns:
-ddp-bucket-view, FSDP2, FSDP1 (each step's optimizer over flat shards) and ZeroRedundancyOptimizer (each rank's step
-recorded with its own local optimizer; GPT-2's under ``-m deep``); one spawn of four runs FSDP2 where a middle rank
-holds part of a shard (replayed from its stored run).
+The cases (a small file module with a repeated block, folded in L, and a tiny Hugging Face GPT-2 built from a
+config): ddp-bucket-view, FSDP2, FSDP1 (each step's optimizer over flat shards) and ZeroRedundancyOptimizer (each
+rank's step recorded with its own local optimizer; GPT-2's under ``-m deep``), on two ranks; FSDP2 on four, where a
+middle rank holds part of a shard.  One job runs live in a spawn of two (:data:`LIVE`: the file module under FSDP2);
+the others are replayed from their stored real runs (tests/gloo_store.py), each derivation checked against them the
+same way; ``-m deep`` runs every job anew and compares each rank with its stored run.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ GPT2 = ("hf:gpt2", (("n_layer", 2), ("n_embd", 64), ("n_head", 2), ("vocab_size"
 CASES = [(BLOCK, (), "cross-entropy", ("fsdp", "ddp-bucket-view", "fsdp-no-reshard", "zero-redundancy", "fsdp1",
                                        "fsdp1-grad-op")),
          (*GPT2, "sum", ("fsdp",))]
+#: the one job of CASES run live, as (spec, engine): the traced module's path in a rank (its builder), which every
+#: replayed job takes too; each engine's own path runs live with the reference models (test_data_parallel.py,
+#: test_zero_redundancy.py, test_fsdp1.py)
+LIVE = [(BLOCK, "fsdp")]
 #: ``-m deep`` (docs/testing.md, "What is deep"), in a spawn of its own: GPT-2 under ZeroRedundancyOptimizer (each
 #: rank's step recorded with its own local optimizer, ~3 CPU-s of the test's process) -- a traced module under
 #: ZeRO-1 is the block's case above, a Hugging Face model traced under an engine GPT-2's FSDP2
@@ -83,7 +88,7 @@ SHARE_RECORDS = True
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
 def test_traced_modules_under_every_engine_equal_real_gloo_runs():
-    cases = _against_gloo(CASES)
+    cases = _against_gloo(CASES, live=LIVE)
     block = cases[0][2]
     assert block.step.holds_at(block.numbers) and block.numbers[L] == 4  # the peak is the formula in L
     # the padding: the head's 5 rows are 3 + 2 at N = 2, so the last rank keeps 2 x 4 x (24 + 1) bytes fewer of
@@ -105,9 +110,19 @@ def test_the_deep_cases_equal_real_gloo_runs():
     _against_gloo(DEEP_CASES)
 
 
-def _against_gloo(table):
-    """Every case of ``table`` ((spec, config, loss, engines) rows) in one spawn of two ranks: each rank's parameter
-    side, and its first and steady peak, derived, against the real run, to the byte; the cases, derived."""
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_every_stored_run_against_a_fresh_gloo_run():
+    """Every job of :data:`CASES` run live in one spawn of two ranks, each rank compared with its stored run
+    (tests/gloo_store.py; ``SYMMEM_GLOO_STORE=write`` stores them) and checked as the default test checks it."""
+    _against_gloo(CASES, every=True)
+
+
+def _against_gloo(table, live=None, every=False):
+    """Every case of ``table`` ((spec, config, loss, engines) rows): each rank's parameter side, and its first and
+    steady peak, derived, against the real run, to the byte; the cases, derived.  ``live``: the (spec, engine) pairs
+    run in a spawn of two ranks, the others replayed from their stored runs (None: every case live, not stored;
+    ``every``: every case live, each compared with its stored run)."""
     cases = [(spec, engine, _traced(spec, config, loss, engine), SpecBuilder(spec, config))
              for spec, config, loss, engines in table for engine in engines]
     sharded = [i for i, (_, engine, _, _) in enumerate(cases) if engine.startswith("fsdp")]
@@ -115,7 +130,12 @@ def _against_gloo(table):
     # FSDP's jobs once, before DDP's: each collective releases its tensors on the recording thread
     # (symmem.record.collectives), so no free lands late, by gloo's worker thread (each rank counts those: none)
     plain = [i for i in range(len(cases)) if i not in sharded]
-    runs = measure_jobs([jobs[i] for i in (*sharded, *plain)], world=2, timeout=170, start_method="forkserver")
+    order = [*sharded, *plain]
+    if live is None and not every:
+        runs = measure_jobs([jobs[i] for i in order], world=2, timeout=170, start_method="forkserver")
+    else:
+        chosen = [k for k, i in enumerate(order) if (cases[i][0], cases[i][1]) in (live or ())]
+        runs = gloo_store.runs([jobs[i] for i in order], 2, chosen, timeout=170, every=every)
     n = len(sharded)
     assert not [(i, r.rank, r.late) for i, ranks in zip(sharded, runs, strict=False) for r in ranks if r.late]
     found = dict(zip(sharded, runs[:n], strict=True))
