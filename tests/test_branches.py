@@ -50,3 +50,24 @@ def test_piecewise_latex_parses_back():
     loss = derive("llama", convention="pytorch", loss="cross-entropy")  # B
     for e in (layer, loss.loss, loss.input, fold(layer + loss.loss)):
         assert sympy.simplify(parse(expression(e)) - e) == 0
+
+
+@pytest.mark.parametrize("assumptions", [{}, {"positive": True, "integer": True}, {"nonzero": True}])
+def test_ratio_conditions_solved_as_sympy_solves(assumptions):
+    """A size condition ``Eq(y/x, 1)`` (Llama's ``Eq(h/G, 1)``) gives its branch the substitution ``sympy.solve``
+    gives, worked out without it (``branches._ratio_of``: solve's check of its solution imports
+    ``sympy.physics.units``, most of Llama's first ``derive``); any other condition is left to ``sympy.solve``."""
+    from symmem.passes.branches import _ratio_of, _substitutions
+
+    a, b, c = sympy.symbols("G h a", **assumptions)
+    z = sympy.Symbol("Z")
+    shortcuts = 0
+    for cond in (sympy.Eq(b / a, 1), sympy.Eq(a / b, 1), sympy.Eq(a / c, 1), sympy.Eq(c / a, 1), sympy.Eq(b / z, 1),
+                 sympy.Eq(z / b, 1), sympy.Eq(a * b, 1), sympy.Eq(b / a, 2), sympy.Eq(2 * b / a, 1),
+                 sympy.Eq(b / (a * c), 1), sympy.Eq(a / b + 1, 2)):
+        x = min(cond.free_symbols, key=lambda s: s.name)
+        solved = sympy.solve(cond.lhs - cond.rhs, x)
+        long_way = {x: solved[0]} if len(solved) == 1 else {}
+        assert _substitutions(cond, True) == long_way, cond
+        shortcuts += _ratio_of(cond, x) is not None
+    assert shortcuts == 6

@@ -121,3 +121,31 @@ def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():
                               "peak of a training step, what must fit)")
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ViT-B/16 (naive)\nPyTorch autograd"]
     close(fig)
+
+
+@pytest.mark.parametrize("kw", [
+    {"values": {"L": 2, "B": 2, "S": 16}, "checkpoint": "full"},
+    {"values": {"L": 3, "B": 2, "S": 16, "N": 2}, "data_parallel": "fsdp"},
+    {"values": {"L": 2, "B": 2, "S": 16, "N": 2}, "data_parallel": "fsdp", "precision": "mixed"},  # refused
+])
+def test_a_view_below_the_formulas_domain_asks_the_peak_there(kw):
+    """A view at a layer count below the formula's domain (the formula in L holds from 4) writes the step out after
+    the peak at the derivation's numbers -- the one ``value("peak")`` works out and keeps (``GraphStep.exact_peak``)
+    -- not after the formula in L, made before only for its refusals' words: the view refuses what that peak
+    refuses, in its words, and answers what a fresh derivation's view does after the peak."""
+    from symmem.errors import SymmemError
+
+    def said(f):
+        try:
+            return f()
+        except SymmemError as exc:
+            return f"refused: {exc}"
+
+    first = symmem.derive("gpt2", device="cpu", **kw)
+    views = [said(lambda: first.timeline("first")), said(first.peak_allocated), said(lambda: first.value("peak"))]
+    if isinstance(views[-1], int):
+        assert (None, ()) not in first._step()._cache  # no formula in L was made
+    again = symmem.derive("gpt2", device="cpu", **kw)
+    peak = said(lambda: again.value("peak"))
+    assert views == [said(lambda: again.timeline("first")), said(again.peak_allocated), peak]
+    assert isinstance(peak, int) or views[0] == views[1] == peak

@@ -219,10 +219,31 @@ def _substitutions(cond: Boolean, value: bool) -> dict[sympy.Symbol, sympy.Expr]
         return {cond.lhs: cond.rhs}
     if value and isinstance(cond, sympy.Eq) and cond.free_symbols:
         first = min(cond.free_symbols, key=lambda x: x.name)
+        ratio = _ratio_of(cond, first)
+        if ratio is not None:
+            return {first: ratio}
         found = sympy.solve(cond.lhs - cond.rhs, first)
         if len(found) == 1:
             return {first: found[0]}
     return {}
+
+
+def _ratio_of(cond: sympy.Eq, x: sympy.Symbol) -> sympy.Symbol | None:
+    """``y`` where ``cond`` is ``Eq(y/x, 1)`` or ``Eq(x/y, 1)`` (``x``, ``y`` symbols): ``sympy.solve``'s one
+    solution for ``x``, without it.  A view that copies unless two sizes are equal (Llama's ``Eq(h/G, 1)``: the
+    key and value heads repeated or not) is such a condition, and ``sympy.solve``'s check of its solution imports
+    ``sympy.physics.units`` (0.2-0.4 CPU-s, most of Llama's ``derive`` in a fresh process); None: any other
+    condition, solved by ``sympy.solve``."""
+    lhs = cond.lhs
+    if cond.rhs != 1 or not isinstance(lhs, sympy.Mul) or len(lhs.args) != 2:
+        return None
+    powers = [a.as_base_exp() for a in lhs.args]
+    if not all(isinstance(b, sympy.Symbol) for b, _ in powers) or sorted(e for _, e in powers) != [-1, 1]:
+        return None
+    (b0, _), (b1, _) = powers
+    if x not in (b0, b1) or b0 == b1:
+        return None
+    return b1 if b0 == x else b0
 
 
 def guards(open_: Sequence[Boolean], branches: Sequence[Branch]) -> list[Boolean]:

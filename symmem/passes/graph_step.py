@@ -148,16 +148,29 @@ class GraphStep:
                      ) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
         """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
         size-dependent copy) ``at`` selects, and every symbol's value (of ``rank``'s step: None, the largest
-        rank's).  The symbolic peak first: the step refuses what the peak refuses, with the peak's words."""
+        rank's).  The peak at ``at`` first (:meth:`exact_peak`, the one ``value("peak")`` works out, cached): the
+        step refuses what the peak refuses there, with the peak's words."""
         checked(which)
         kept = self._kept(at, rank)
         if kept is not None:
             steady, first, values = kept
         else:
-            self.peak()
+            self.exact_peak(at)
             steady, first, values = self.written_at(at, rank)
             self._written = (_written_key(at, rank), (steady, first), values)
         return (first if which == "first" else steady), values
+
+    def exact_peak(self, at: Mapping[sympy.Symbol, int]) -> Peak:
+        """The peak that holds at ``at`` (every size a number), as :meth:`Derivation._peak` with ``exact`` asks for
+        it: the formula in the layer counts where ``at`` lies in its domain, else the step written out with the
+        counts ``at`` gives.  A view at a layer count below the formula's domain (L = 2 where the formula holds
+        from 4) asked for the formula in L before writing the step out, for its refusals only: the peak at the
+        counts refuses what the derivation's own peak there refuses, in the same words, and is the one
+        ``value("peak")`` keeps."""
+        if self.holds_at(at):
+            return self.peak()
+        domain = self.domain()
+        return self.peak({s: v for s, v in at.items() if any(s in c.free_symbols for c in domain)})
 
     def steady_at(self, at: Mapping[sympy.Symbol, int]) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
         """The largest rank's steady step at ``at`` and every symbol's value, without the peak's formulas: the one
@@ -183,7 +196,7 @@ class GraphStep:
     def written_at(self, at: Mapping[sympy.Symbol, int], rank: int | None = None, shared: dict | None = None
                    ) -> tuple[Timeline, Timeline, dict[sympy.Symbol, Any]]:
         """(steady, first, every symbol's value): the step at ``at`` (every size a number) written out, without
-        the peak's formulas (:meth:`_written_out` makes them first, for their refusals' words).  ``shared``: a
+        the peak (:meth:`_written_out` asks for the peak at ``at`` first, for its refusals' words).  ``shared``: a
         dict the caller keeps per ``at``, holding the unrolled graph and ZeRO-1's walks of every rank's forward
         and backward, for the next rank (passes/rank_numbers.py)."""
         subs = dict(self.subs)

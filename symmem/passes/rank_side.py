@@ -227,10 +227,10 @@ def _traced(derivation: Any, step: Any, world: int, numbers: Mapping[sympy.Symbo
 
 def _steady(derivation: Any, step: Any, numbers: Mapping[sympy.Symbol, Any]) -> tuple[Any, dict[sympy.Symbol, Any]]:
     """The steady step written out at ``numbers`` and every symbol's value.  The peak at these numbers first (the one
-    ``value("peak")`` works out, cached), so that the step refuses what the peak refuses there, in its words: the
-    step's ``_written_out`` makes the formula in every layer count first, which a layer count below that formula's
-    domain (every real-run case, L = 2) does not use -- two thirds of a GPT-2 FSDP2 rank side's CPU.  A step the views
-    wrote out at these numbers is reused (``GraphStep.steady_at``)."""
+    ``value("peak")`` works out, cached), so that the step refuses what the peak refuses there, in its words, as the
+    step's ``_written_out`` does (``GraphStep.exact_peak``; the formula in every layer count, which a layer count below
+    that formula's domain -- every real-run case, L = 2 -- does not use, was two thirds of a GPT-2 FSDP2 rank side's
+    CPU).  A step the views wrote out at these numbers is reused (``GraphStep.steady_at``), not kept anew."""
     derivation._peak(exact=True)
     return step.steady_at(numbers)
 
