@@ -21,8 +21,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("IPython")
+
+def _read(path: Path):
+    """The notebook, by nbformat (imported here, not at collection: only the worker that runs this module needs
+    it, or IPython)."""
+    return pytest.importorskip("nbformat").read(path, as_version=4)
 
 
 def test_there_are_notebooks():
@@ -33,7 +36,7 @@ def test_there_are_notebooks():
 def test_names_sources_by_what_they_are(path):
     """Sources are named by what they are (the FP32 analysis of ResNet-50 and ViT-B/16, a Q&A about CS231n
     estimates), never by the project's file names for them."""
-    text = "\n".join("".join(c.source) for c in nbformat.read(path, as_version=4).cells).lower()
+    text = "\n".join("".join(c.source) for c in _read(path).cells).lower()
     for word in ("seed 00", "seed's", "the seed", "asker"):
         assert word not in text, f"{path.name}: {word!r}"
 
@@ -42,7 +45,7 @@ def test_tells_one_story():
     """Notebook 04 traces a module of the user's own and sizes its batch from the traced peak, checked against a
     real step (its own assert, run by test_runs); no leftover cell for a feature 'not available yet'; no sweep of
     GPT-2 past its 1,024 positions."""
-    texts = {p.name[:2]: "\n".join("".join(c.source) for c in nbformat.read(p, as_version=4).cells) for p in NOTEBOOKS}
+    texts = {p.name[:2]: "\n".join("".join(c.source) for c in _read(p).cells) for p in NOTEBOOKS}
     assert "symmem.trace(" in texts["04"] and "track_step(" in texts["04"] and 'convention="paper"' not in texts["04"]
     assert all("not available yet" not in t for t in texts.values())
     assert "4097" not in texts["03"] and "range(64, 1025" in texts["03"]
@@ -51,7 +54,7 @@ def test_tells_one_story():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_stored_without_outputs(path):
-    nb = nbformat.read(path, as_version=4)
+    nb = _read(path)
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
@@ -62,6 +65,7 @@ def shell(tmp_path_factory):
     """IPython's shell, the one a Jupyter kernel runs cells in, here in the test process (which has imported torch,
     sympy and symmem already), with a profile of its own and matplotlib's Agg backend; its hold on ``sys`` (the
     ``__main__`` module, the display hook) given back at the end."""
+    pytest.importorskip("IPython")
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
 
@@ -90,7 +94,7 @@ def test_runs(path, shell, monkeypatch):
     import matplotlib.pyplot as plt
 
     monkeypatch.chdir(path.parent)
-    nb = nbformat.read(path, as_version=4)
+    nb = _read(path)
     shell.run_cell("%reset -f")
     try:
         for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
