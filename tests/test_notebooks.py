@@ -12,6 +12,8 @@ never sees.  The notebooks' own asserts compare with real steps and printed figu
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import os
 import sys
 from pathlib import Path
@@ -71,13 +73,17 @@ def shell(tmp_path_factory):
 
     config = Config()
     config.HistoryManager.enabled = False  # a kernel's history database: nothing a notebook reads
-    old = os.environ.get("MPLBACKEND")
+    old, names = os.environ.get("MPLBACKEND"), set(vars(builtins))
     os.environ["MPLBACKEND"] = "Agg"
     shell = InteractiveShell(config=config, ipython_dir=str(tmp_path_factory.mktemp("ipython")))
     try:
         yield shell
     finally:
+        shell.reset(new_session=False)  # the last notebook's objects: not held for the worker's other tests
+        atexit.unregister(shell.atexit_operations)
         shell.restore_sys_module_state()
+        for name in set(vars(builtins)) - names:  # __IPYTHON__ and display: the tests after these are not in IPython
+            delattr(builtins, name)
         import matplotlib.pyplot as plt
 
         plt.close("all")
