@@ -5,7 +5,7 @@
   and the same tests take 3-6x longer (tests/test_verify.py's zoo: 12-19 s against 3 s).  What they measure (the
   bytes autograd keeps, the live bytes op by op) does not depend on the thread count.  Set ``OMP_NUM_THREADS``
   to choose otherwise.
-* End-to-end runs -- real PyTorch training steps and measurements, Jupyter kernels, LaTeX -- are marked ``slow``.
+* End-to-end runs -- real PyTorch training steps and measurements, the notebooks, LaTeX -- are marked ``slow``.
   CI runs everything; ``python -m pytest -m "not slow"`` leaves them out while iterating.
 * A real run whose path (engine, mesh, schedule, model, traced or built-in, size parity) another case of the
   default suite already covers is marked ``deep``: left out unless ``-m`` names it (``python -m pytest -m deep``
@@ -39,7 +39,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # (test_shape_cache.py), and the traced tests record the same steps again
 os.environ.setdefault("SYMMEM_STEP_CACHE", "1")
 
-#: test modules that run PyTorch, a Jupyter kernel or LaTeX end to end
+#: test modules that run PyTorch, the notebooks or LaTeX end to end
 SLOW = {"test_importer.py", "test_lm_loss.py", "test_notebooks.py", "test_paper.py", "test_peak.py",
         "test_pytorch_sequence.py", "test_pytorch_vision.py", "test_trace_derivation.py", "test_trace_peak.py",
         "test_tracker.py", "test_verify.py"}
@@ -51,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     write_once(config)  # the controller, before its workers start: symmem's bytecode and the rewritten tests
     _forkserver_inherits_the_threshold()
-    config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, a Jupyter kernel, LaTeX); CI runs it")
+    config.addinivalue_line("markers", "slow: an end-to-end run (real PyTorch, the notebooks, LaTeX); CI runs it")
     config.addinivalue_line("markers", "deep: a real run whose path another case of the default suite covers; left out "
                             "unless -m names deep (python -m pytest -m deep)")
     torch = sys.modules.get("torch")  # imported before this file (a plugin): set its thread count directly

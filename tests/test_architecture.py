@@ -8,8 +8,10 @@ on this checkout's ``symmem``.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
+import types
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,36 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT.parent / "shared" / "tools" / "import_cycles.py"
 
 
+def _parse(source: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, its tree shared by every reader of the same source (none of them changes a tree)."""
+    try:
+        return _tree(source)
+    except SyntaxError:
+        return ast.parse(source, filename)  # the error, naming the file
+
+
+@functools.cache  # the package's every module parsed once a worker: the check's edges and the tests below read it
+def _tree(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
+def _one_parse() -> types.ModuleType:
+    """``ast`` as the shared check sees it: a copy of the module's names (looked up as fast as the module's own, at
+    every node the check walks), its ``parse`` the shared one above (a third of the check's CPU was parsing the
+    package, which the function-length tests parse too)."""
+    module = types.ModuleType("ast")
+    module.__dict__.update(vars(ast))
+    module.parse = _parse
+    return module
+
+
 def _tool():
     if not TOOL.is_file():
         pytest.skip(f"the shared import-cycle check is not beside the clone ({TOOL})")
     spec = importlib.util.spec_from_file_location("import_cycles", TOOL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.ast = _one_parse()
     return module
 
 
@@ -56,9 +82,7 @@ SHOWN_BY = {"to_dict", "table", "_repr_latex_", "_repr_html_"}
 
 
 def _function_of(path: Path, line: int) -> str | None:
-    import ast
-
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.FunctionDef) and node.lineno <= line <= node.end_lineno:
             return node.name
     return None
@@ -137,28 +161,37 @@ def _defined(kind: type) -> list[tuple[str, str, int]]:
 @functools.cache  # the two tests below read it: every module parsed and walked once a worker, not once a test
 def _definitions() -> tuple[tuple[type, str, str, int], ...]:
     """(node type, name, file, lines) of every function and class in the package, nested ones included."""
-    import ast
-
     out = []
     for path in sorted((ROOT / "symmem").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _statements(_parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 out.append((type(node), node.name, str(path.relative_to(ROOT)), node.end_lineno - node.lineno + 1))
     return tuple(out)
 
 
+#: the fields that hold statements: a ``def`` or ``class`` is a statement, never part of an expression
+BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+def _statements(tree: ast.Module):
+    """Every statement of ``tree``, nested ones included (what ``ast.walk`` yields, less the expressions: a
+    tenth of the nodes)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for field in BLOCKS:
+            todo.extend(reversed(getattr(node, field, ())))
+
+
 @pytest.mark.xdist_group("architecture")  # with the next test, on one worker: one parse of the package
 def test_no_function_is_longer_than_150_lines():
-    import ast
-
     long = [(f, name, n) for name, f, n in _defined((ast.FunctionDef, ast.AsyncFunctionDef)) if n > 150]
     assert long == []
 
 
 @pytest.mark.xdist_group("architecture")
 def test_one_meaning_per_class_name():
-    import ast
-
     where: dict[str, list[str]] = {}
     for name, f, _ in _defined(ast.ClassDef):
         where.setdefault(name, []).append(f)
