@@ -110,3 +110,52 @@ def test_runs(path, shell, monkeypatch):
     finally:
         plt.close("all")
     assert Path(sys.modules["symmem"].__file__).parent == ROOT / "symmem"
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """A real python3 Jupyter kernel (a subprocess on this checkout's PYTHONPATH, matplotlib's Agg backend) for the
+    deep twin of test_runs; shut down at the end."""
+    pytest.importorskip("nbclient")
+    import subprocess
+
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient.util import run_sync
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--user"], check=True, capture_output=True)
+    old = {k: os.environ.get(k) for k in ("PYTHONPATH", "MPLBACKEND")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old["PYTHONPATH"]) if p)
+    os.environ["MPLBACKEND"] = "Agg"
+    km = AsyncKernelManager(kernel_name="python3")
+    try:
+        yield km
+    finally:
+        if km.has_kernel:
+            run_sync(km.shutdown_kernel)(now=True)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.deep
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_runs_in_a_jupyter_kernel(path, kernel):
+    """The deep twin of test_runs: each notebook through nbclient in a real kernel (its process and message
+    transport, which the default test leaves out), after ``%reset -f``; the kernel imported this checkout."""
+    import nbclient
+    import nbformat
+
+    nb = _read(path)
+    nb.cells.insert(0, nbformat.v4.new_code_cell("%reset -f"))
+    nb.cells.append(nbformat.v4.new_code_cell("import symmem, pathlib; print(pathlib.Path(symmem.__file__).parent)"))
+    nbclient.NotebookClient(nb, km=kernel, kernel_name="python3", timeout=180,
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    assert nb.cells[-1].outputs[0]["text"].strip() == str(ROOT / "symmem")
