@@ -640,3 +640,44 @@ def test_hf_vit_and_the_zoo_vit_agree_in_every_size() -> None:
     assert {s.name for s in d.free} == {s.name for s in z.free} == {"B", "H", "h", "L"}
     for what in ("activations", "input", "parameters", "parameter_memory", "total"):
         assert sympy.expand(_plain(getattr(d, what)) - _plain(getattr(z, what))) == 0, what
+
+
+# -- the peak in every size: the step recorded in the fit's own fake worlds ----------------------------------------
+#: (build, dims, sizes, divisible, step options): the peak in every size, its step recorded in the fit's fake worlds
+SEEDS = {
+    "mlp-adam": (mlp, {"B": [(0, 0)]}, {"H": 4096, "F": 16384, "L": 32}, None, STEP),
+    "mlp-sgd": (mlp, {"B": [(0, 0)]}, {"H": 64, "F": 256, "L": 8}, None, {"optimizer": "sgd", "loss": "sum"}),
+    "grouped": (grouped, {"B": [(0, 0)], "S": [(0, 1)]}, {"H": 64, "h": 8, "G": 2}, {"H": "h", "h": "G"},
+                {"optimizer": "sgd", "loss": "sum"}),
+}
+
+
+def _sized_peak(case: str, seeded: bool) -> list[str]:
+    """Every formula of the peak in every size (the peaks, each fitted record's bytes, the domain), as srepr."""
+    from symmem.importer import sized_step
+
+    fn, dims, sizes, divisible, options = SEEDS[case]
+    keep = sized_step.SEEDED
+    sized_step.SEEDED = seeded
+    try:
+        d = trace(fn, dims=dims, sizes=sizes, divisible=divisible, peak=True, **options)
+        out = [sympy.srepr(d.peak), sympy.srepr(d.peak_first_step)]
+    finally:
+        sized_step.SEEDED = keep
+    st = d.step
+    assert bool(st.worlds) == seeded
+    for count, rec in sorted(st._fits.items(), key=str):
+        out += [repr(count), *(sympy.srepr(s.nbytes) for s in rec.storages),
+                *(repr([(i, sympy.srepr(b)) for i, b in o.resized]) for o in rec.ops)]
+    return [*out, repr(sorted(map(str, st.domain()))), repr(st.records)]
+
+
+#: deep (each case fitted twice, ~60 CPU-s loaded): the default suite's peak tests run the step in the fit's worlds, the
+#: fresh records are the slow path; run with -m deep after a change to sized_step, recording or the shape cache
+@pytest.mark.deep
+@pytest.mark.parametrize("case", sorted(SEEDS))
+def test_the_step_in_the_fits_worlds_is_the_step_recorded_afresh(case: str) -> None:
+    """A configuration the fit traced records its step in that trace's fake world (``sized_step.SEEDED``): every
+    fitted record's bytes, the peaks and the domain are those of the step built and recorded afresh, symbol for
+    symbol."""
+    assert _sized_peak(case, True) == _sized_peak(case, False)

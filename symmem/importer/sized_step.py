@@ -34,6 +34,9 @@ from .traced_step import COUNTS, StepPeak, _keyed, _node, _peak, peak_of
 
 #: layer counts the fitted records are written out at (the fold's two) and the one the fold is checked at
 FITTED, CHECKED = COUNTS[:2], COUNTS[2]
+#: whether a configuration the fit traced records its step in that trace's fake world (False: built and recorded
+#: afresh, the slow path the fast one is compared with)
+SEEDED = True
 
 Key = tuple[Any, ...]
 
@@ -86,6 +89,9 @@ class SizedStep:
     #: the symbols kept at their numbers (those not in ``free=``), written into the peak's formulas
     subs: dict[sympy.Symbol, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: the fit's traced modules by sizes (:func:`symmem.importer.symbolic_sizes.worlds`): a record there runs in the
+    #: forward's fake world
+    worlds: dict[tuple[tuple[str, int], ...], Any] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], StepPeak] = field(default_factory=dict, repr=False)
     _fits: dict[int | None, StepRecord] = field(default_factory=dict, repr=False)
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
@@ -96,12 +102,19 @@ class SizedStep:
 
     def _step(self, point: tuple[int, ...]) -> StepPeak:
         if point not in self._steps:
-            module, example = built(self.build, self.plan.sizes_at(point))
+            sizes = self.plan.sizes_at(point)
+            module, example, world = self.worlds.get(tuple(sorted(sizes.items()))) or (*built(self.build, sizes), None)
             module.train(self.training)
             inputs = check_inputs(example, self.dims)
             symbols = {n: sym_for(n) for n in inputs.examples}
-            self._steps[point] = StepPeak(module, inputs, symbols, dict(inputs.examples), self.options, self.device,
-                                          None, None, self.repeat, self.symbol)
+            step = StepPeak(module, inputs, symbols, dict(inputs.examples), self.options, self.device, None, None,
+                            self.repeat, self.symbol)
+            if world is not None and world[0]() is module and world[1] == step.values and not world[2]:
+                # the fit traced this module at these sizes: its step runs in that forward's fake world, as a traced
+                # module's step does (importer.traced.step_of); the same records, each op's first occurrence
+                # computed once
+                step._shared[()] = world[3]
+            self._steps[point] = step
         return self._steps[point]
 
     def _record(self, point: tuple[int, ...], count: int | None) -> StepRecord:
@@ -371,4 +384,4 @@ def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: M
     if isinstance(found, TensorStepPeak):  # one rank's step at each configuration
         found._fixed({})  # t a number (else refused in one line)
         return TensorSizedStep(*fields, base=found, shapes={p.name: tuple(p.shape) for p in recorded.parameters})
-    return SizedStep(*fields)
+    return SizedStep(*fields, worlds=dict(recorded.extra["sizes"].get("worlds", {})) if SEEDED else {})

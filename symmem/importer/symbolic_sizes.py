@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sympy
@@ -49,6 +49,8 @@ QUOTIENT_VALUES = (4, 6, 10, 8, 14)
 LAYER_VALUES = (2, 3)
 #: refuse plans that need more traces than this
 MAX_TRACES = 200
+#: ``Trace.extra`` key of :func:`trace_at`'s module and example inputs (the trace's fake world holds it weakly)
+BUILT = "built"
 
 
 @dataclass(frozen=True)
@@ -347,6 +349,7 @@ class _Traces:
     options: dict[str, Any]
     made: dict[tuple[tuple[int, ...], int], Trace]
     seconds: float = 0.0
+    _quantities: dict[int, tuple[Trace, dict[Key, tuple[Any, ...]]]] = field(default_factory=dict, repr=False)
 
     def at(self, point: tuple[int, ...], layers: int = LAYER_VALUES[0]) -> Trace:
         key = (point, layers)
@@ -356,6 +359,27 @@ class _Traces:
             self.made[key] = trace_at(self.build, sizes, self.dims, self.options)
             self.seconds += time.perf_counter() - start
         return self.made[key]
+
+    def quantities(self, point: tuple[int, ...]) -> dict[Key, tuple[Any, ...]]:
+        """:func:`_quantities` of the trace at ``point`` (the layer count as traced), computed once a trace: the
+        probes, the grid and the checks read the same traces."""
+        t = self.at(point)
+        if id(t) not in self._quantities:
+            self._quantities[id(t)] = (t, _quantities(t))  # the trace held: its id stays its own
+        return self._quantities[id(t)][1]
+
+
+def worlds(traces: _Traces) -> dict[tuple[tuple[str, int], ...], Any]:
+    """The fit's symbolic traces at the layer count a configuration is built with, by their sizes (sorted items):
+    ``(module, example_inputs, fake_world)``, the module built there, what it was traced with and the fake world
+    its forward ran in (``Trace.extra["fake_world"]``).  The step in every size (:mod:`symmem.importer.sized_step`)
+    records the step of that module at those sizes in that world instead of building and tracing it afresh."""
+    out = {}
+    for (point, layers), t in traces.made.items():
+        world, made = t.extra.get("fake_world"), t.extra.get(BUILT)
+        if layers == LAYER_VALUES[0] and world is not None and made is not None and world[0]() is made[0]:
+            out[tuple(sorted(traces.plan.sizes_at(point, layers).items()))] = (*made, world)
+    return out
 
 
 def built(build: Callable[..., Any], sizes: dict[str, int]) -> tuple[Any, Any]:
@@ -387,7 +411,10 @@ def trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, A
         raise SymmemError(f"at {sizes} the module specializes on its input sizes ({', '.join(t.values)}) and was "
                           "fitted at concrete sizes: a formula in its sizes needs a symbolic trace in the input "
                           "dims (trace it without sizes=, or declare fewer dims)")
-    return t
+    # the module and its example inputs, held with the trace: the peak in every size records the training step of
+    # the same module in the fake world its forward ran in (``world``), each forward op's first occurrence computed
+    # once, as a traced module's step does (importer.traced.step_of)
+    return replace(t, extra={**t.extra, BUILT: (module, inputs)})
 
 
 def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[str, Any], *,
@@ -421,7 +448,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         notes.append(_regime_note(given, [i for i in regimes if given.variables[i].fixed], str(e), grouped=False))
         plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
         first, formulas, reads = _fit_plan(plan, traces)
-        return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+        return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces))
     ones = []
     for i in regimes:
         v = plan.variables[i]
@@ -435,7 +462,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
                 notes.append(_regime_note(given, [i], str(e), grouped=False))
                 plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
                 first, formulas, reads = _fit_plan(plan, traces)
-                return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+                return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces))
             notes.append(_regime_note(plan, [i], str(e), grouped=True))
     if ones:
         said = ", ".join(f"{plan.variables[i].size} = {plan.variables[i].divisor}" for i in regimes
@@ -443,7 +470,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         notes.append(f"one formula for {said} too: fitted at {', '.join(ones)} >= 2 and checked at "
                      f"{', '.join(o + ' = 1' for o in ones)} (two more configurations never fitted)")
     plan = replace(plan, one=frozenset(ones))
-    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes)
+    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces))
 
 
 def _regime_note(plan: Plan, which: list[int], why: str, grouped: bool) -> str:
@@ -479,7 +506,7 @@ def _fit_plan(plan: Plan, traces: _Traces) -> tuple[Trace, dict[Key, tuple[Any, 
         for v in fitted:
             i = index[v.name]
             xs = v.values[:probes]
-            runs = [_checked(traces.at(point({i: x})), keys, first, plan, point({i: x})) for x in xs]
+            runs = [_checked(traces, point({i: x}), keys, ranks, plan) for x in xs]
             for k, q in degrees:
                 e = _degree([r[k][q] for r in runs], xs)
                 if e:
@@ -491,7 +518,7 @@ def _fit_plan(plan: Plan, traces: _Traces) -> tuple[Trace, dict[Key, tuple[Any, 
         if len(needed) + 2 > MAX_TRACES:
             raise SymmemError(f"the sizes need {len(needed) + 2} traces to pin every term (more than {MAX_TRACES}): "
                               "declare fewer sizes symbolic")
-        quantities = {p: _checked(traces.at(p), keys, first, plan, p) for p in sorted(needed)}
+        quantities = {p: _checked(traces, p, keys, ranks, plan) for p in sorted(needed)}
         formulas = {k: tuple(_interpolate(k, q, grids[(k, q)], plan, base, quantities)
                              for q in range(len(ranks[k]))) for k in keys}
         back = plan.back()
@@ -508,16 +535,16 @@ def _fit_plan(plan: Plan, traces: _Traces) -> tuple[Trace, dict[Key, tuple[Any, 
     return first, formulas, reads
 
 
-def _checked(t: Trace, keys: list[Key], first: Trace, plan: Plan, p: tuple[int, ...]) -> dict[Key, tuple[Any, ...]]:
-    """The quantities of ``t``, which must name the same things as the base trace's."""
-    q = _quantities(t)
+def _checked(traces: _Traces, p: tuple[int, ...], keys: list[Key], ranks: dict[Key, tuple[Any, ...]], plan: Plan
+             ) -> dict[Key, tuple[Any, ...]]:
+    """The quantities of the trace at ``p``, which must name the same things as the base trace's (``ranks``)."""
+    q = traces.quantities(p)
     if set(q) != set(keys):
         odd = sorted(set(q) ^ set(keys))[:3]
         raise SymmemError(f"the module keeps different tensors at {plan.sizes_at(p)} than at "
                           f"{plan.sizes_at(plan.base)} ({', '.join(f'{a} {b}' for a, b in odd)}): a size decides "
                           "which ops run, which no polynomial expresses; keep that size fixed (leave it out of the "
                           "symbolic sizes)")
-    ranks = _quantities(first)
     for k in keys:
         if len(q[k]) != len(ranks[k]):
             raise SymmemError(f"{k[0]} {k[1]} changes rank between sizes {plan.sizes_at(p)}: keep that size fixed")
@@ -558,7 +585,7 @@ def _verify(plan: Plan, traces: _Traces, keys: list[Key], formulas: dict[Key, tu
         return
     one = tuple(v.values[3] if not v.fixed else v.values[0] for v in plan.variables)
     two = tuple(v.values[4] if not v.fixed else v.values[0] for v in plan.variables)
-    got = _quantities(traces.at(one))
+    got = traces.quantities(one)
     subs = _subs_at(plan, one, LAYER_VALUES[0])
     for k in keys:
         if k not in got:
@@ -625,8 +652,9 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
 
 
 def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]], count: int, seconds: float,
-                  said: list[str] | None = None) -> Trace:
-    """The base trace with every quantity its formula in the sizes."""
+                  said: list[str] | None = None, worlds: dict[tuple[tuple[str, int], ...], Any] | None = None
+                  ) -> Trace:
+    """The base trace with every quantity its formula in the sizes; ``extra["sizes"]["worlds"]``: :func:`worlds`."""
     storages = []
     for s in first.storages:
         f = formulas[("storage", s.name)]
@@ -645,7 +673,8 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
             f"exact polynomial (degree <= 2 in each of {names or 'no variable'}) through them, checked at two "
             "configurations never fitted" + (f"; traced with {fixed} only" if fixed else "")
             + (f"; the layers traced at {LAYER_VALUES[0]} and checked at {LAYER_VALUES[1]}" if plan.has_layers else ""))
-    extra = {**first.extra, "sizes": {"traces": count, "seconds": seconds, "plan": plan}}
+    extra = {**{k: v for k, v in first.extra.items() if k != BUILT},
+             "sizes": {"traces": count, "seconds": seconds, "plan": plan, "worlds": worlds or {}}}
     notes = tuple(n for n in first.notes if "check=False" not in n)  # the fit's own checks replace it
     return replace(first, storages=tuple(storages), parameters=params, buffers=buffers, repeats=reps,
                    symbols=symbols, domain=domain, notes=(*notes, note, *(said or ())), extra=extra, check=None)
