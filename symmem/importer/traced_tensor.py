@@ -114,12 +114,13 @@ def _even(module: Any, world: int) -> list[tuple[str, int]]:
 
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
                        plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
-                       symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None
-                       ) -> StepRecord:
+                       symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None,
+                       fast: bool = True) -> StepRecord:
     """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
     (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
     (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them.  ``sharded``, a
-    list, gets the (parameter, dimension) pairs the plan shards."""
+    list, gets the (parameter, dimension) pairs the plan shards.  ``fast=False`` records as before stop 40 (no fake
+    dispatch cache, the optimizer on the DTensors): the same record, slower (tests/test_traced_tensor.py, deep)."""
     import contextlib
     from types import SimpleNamespace
 
@@ -140,7 +141,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
     # FakeTensorMode's dispatch cache, which make_world turns off for a one-device trace (mostly misses there): a
     # rank's step repeats its ops -- every block's, the optimizer's on each parameter of a few shapes, and DTensor's
     # sharding propagation runs ops on global shapes again -- so here it hits (~0.6x the CPU, the same records)
-    fake.mode.cache_enabled = True
+    fake.mode.cache_enabled = fast
     at = resized(inputs, values)
     index: dict[str, int] | None = None
     with contextlib.ExitStack() as stack:
@@ -199,7 +200,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
             tracker.label([local(p.grad) for p in params], "gradient")
             del out, value, handles
         # the optimizer steps a DTensor parameter's local shard where that is all DTensor would run (shards())
-        shards = _shards(params)
+        shards = _shards(params) if fast else list(params)
         opt.param_groups[0]["params"] = shards
         for step in (1, 2):
             with tracker.phase(step, "step"):
