@@ -239,3 +239,24 @@ def test_t_divides_a_hugging_face_models_heads():
     check_heads(config, 2)
     with pytest.raises(SymmemError, match="^t=4 does not divide num_key_value_heads=2: the plan splits it evenly"):
         check_heads(config, 4)
+
+
+@pytest.mark.deep
+@pytest.mark.parametrize("layers, batch, symbolic", [(1, 64, True), (2, 1, False), (3, 4, True), (2, 64, False)])
+def test_the_fast_record_is_the_record(layers, batch, symbolic):
+    """record_tensor_step's fast path (the fake dispatch cache, the optimizer on local shards where DTensor would run
+    only that) records what the DTensor path records: every storage, op, birth, free and guard."""
+    from symmem.importer.traced_tensor import record_tensor_step
+
+    module, inputs = _file_module()
+    step = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss="sum", check=False, tensor_parallel=True,
+                 values={"t": 2}).step
+    layout = (step.repeat[0], step.repeat[1], layers)
+
+    def record(fast):
+        rec = record_tensor_step(step.module, step.inputs, {"B": batch}, step.options, 2, step.plan, layout,
+                                 step.symbols if symbolic else None, fast=fast)
+        return (rec.storages, rec.start, rec.ops, rec.freed_first, dict(rec.layers or {}), rec.count,
+                [str(g.expr) for g in rec.guards])
+
+    assert record(True) == record(False)

@@ -114,12 +114,13 @@ def _even(module: Any, world: int) -> list[tuple[str, int]]:
 
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
                        plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
-                       symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None
-                       ) -> StepRecord:
+                       symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None,
+                       fast: bool = True) -> StepRecord:
     """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
     (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
     (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them.  ``sharded``, a
-    list, gets the (parameter, dimension) pairs the plan shards."""
+    list, gets the (parameter, dimension) pairs the plan shards.  ``fast=False`` records as before stop 40 (no fake
+    dispatch cache, the optimizer on the DTensors): the same record, slower (tests/test_traced_tensor.py, deep)."""
     import contextlib
     from types import SimpleNamespace
 
@@ -137,6 +138,10 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
     from .wrap import with_layers
 
     fake = make_world(values, symbolic=symbols is not None)
+    # FakeTensorMode's dispatch cache, which make_world turns off for a one-device trace (mostly misses there): a
+    # rank's step repeats its ops -- every block's, the optimizer's on each parameter of a few shapes, and DTensor's
+    # sharding propagation runs ops on global shapes again -- so here it hits (~0.6x the CPU, the same records)
+    fake.mode.cache_enabled = fast
     at = resized(inputs, values)
     index: dict[str, int] | None = None
     with contextlib.ExitStack() as stack:
@@ -194,15 +199,20 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
                 h.remove()
             tracker.label([local(p.grad) for p in params], "gradient")
             del out, value, handles
+        # the optimizer steps a DTensor parameter's local shard where that is all DTensor would run (shards())
+        shards = _shards(params) if fast else list(params)
+        opt.param_groups[0]["params"] = shards
         for step in (1, 2):
             with tracker.phase(step, "step"):
-                tracker.name_parameters(((names[id(p)], local(x)) for p in params
-                                         for x in (p, p.grad, *opt.state.get(p, {}).values())
+                tracker.name_parameters(((names[id(p)], local(x)) for p, s in zip(params, shards, strict=True)
+                                         for x in (p, p.grad, *opt.state.get(s, {}).values())
                                          if isinstance(x, torch.Tensor)), reset=True)
                 opt.step()
                 tracker.label([local(x) for x in state_tensors(opt)], "optimizer_state")
         with tracker.phase(2, "zero_grad"):
-            opt.zero_grad(set_to_none=True)
+            for p, s in zip(params, shards, strict=True):  # optimizer.zero_grad(set_to_none=True), the shard's too
+                s.grad = None
+                p.grad = None
         del opt, params, split, args, kwargs, fin, target
     # the events as the single-device recorder's: sizes are numbers, or with symbols the ShapeEnv's in the declared ones
     shim = SimpleNamespace(live=tracker, on_gpu=False)
@@ -215,6 +225,31 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
         convert, guards = converter(fake.env, mapping), collect(fake.env, mapping, tidy)
     return _StepRecorder.record(shim, convert, index, layers[2] if layers is not None else None,  # type: ignore
                                 [], guards)
+
+
+def _shards(params: list[Any]) -> list[Any]:
+    """What the optimizer steps for each of ``params`` (after backward): a DTensor parameter's local shard, its
+    gradient the gradient's local shard, where the gradient has the parameter's mesh, placements and shape -- there
+    DTensor runs each of the for-loop optimizer's ops (pointwise, on its state made ``zeros_like`` the parameter) as
+    that op on the local shards, and nothing else, so the rank's ops and storages are the same, without DTensor's
+    sharding propagation per op (a third of a step's CPU on fake tensors); else the parameter itself (a gradient
+    DTensor redistributes first: a Partial one's all-reduce)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for p in params:
+        g = p.grad
+        shard, grad = getattr(p, "_local_tensor", None), getattr(g, "_local_tensor", None)
+        if (isinstance(p, DTensor) and isinstance(g, DTensor) and g.device_mesh is p.device_mesh
+                and g.placements == p.placements and g.shape == p.shape and g.stride() == p.stride()
+                and type(shard) in (torch.Tensor, FakeTensor) and type(grad) is type(shard)):
+            shard.grad = grad
+            out.append(shard)
+        else:
+            out.append(p)
+    return out
 
 
 #: how far each size is moved, in multiples of t, to tell a guard that pins a size (``Eq(B, 2)``: the formula would
