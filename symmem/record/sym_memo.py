@@ -1,0 +1,138 @@
+"""PyTorch's symbolic size arithmetic remembered while the shape cache remakes an op's outputs.
+
+A shape-cache hit (:mod:`.shape_cache`) makes fresh fake tensors of cached sizes and strides.  PyTorch's C++ meta
+kernels (``empty``, ``empty_strided``, ``as_strided``) still compute the contiguous strides, the storage bytes and
+the size checks of every tensor they make, each step a call back into Python (``SymNode.mul``, ``SymNode.ge``,
+``SymNode.guard_bool`` ...) that builds a sympy expression and a new ``SymNode`` (~50 us each, 10-15 a tensor: most of
+a hit).  A repeated block asks the same questions of the same ``SymNode`` objects -- the cache's sizes and strides are
+the first run's SymInts, and every intermediate result is remembered here, so the next step's operands are the same
+objects again -- and gets the same answers.
+
+:class:`SymMemo` answers those calls from a table while it is :meth:`~SymMemo.active` (a hit's remake only; nothing
+else runs then): the arithmetic by the method and its operands' identity (each operand kept alive by the table, so an
+identity is never reused), the integer constants PyTorch wraps (``wrap_int``) by value, and the guards
+(``guard_bool``, ``expect_true``, ``guard_or_false``, ``guard_or_true``) by the node.  The answers are PyTorch's own,
+computed the first time: a node's ``expr``, hint and type depend on its operands' only (sympy on symbols whose
+assumptions never change), and a guard asked again in the same ``ShapeEnv`` finds the one its first asking recorded (or
+the static answer) and adds nothing.  What a ``ShapeEnv`` can change under a remembered node -- its replacements,
+which ``SymNode.expr`` applies -- clears the table (``_replacements_version_counter``).  ``mod`` and ``truediv`` (read
+value ranges, which guards narrow) are not remembered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+#: SymNode methods whose answer depends on the operands' expressions, hints and types only
+_BINARY = ("add", "sub", "mul", "eq", "ne", "ge", "gt", "le", "lt", "sym_max", "sym_min", "and_", "or_")
+#: SymNode guards (file and line name the asker only); a repeated one records nothing new
+_GUARDS = ("guard_bool", "expect_true", "guard_or_false", "guard_or_true")
+
+
+class SymMemo:
+    """Remembered SymNode answers for one ShapeEnv (one fake run)."""
+
+    def __init__(self) -> None:
+        from torch.fx.experimental.sym_node import SymNode
+
+        self._node = SymNode
+        self.on = False  # answering from the table now (inside :meth:`active`)
+        self._installed = 0  # how many :meth:`installed` contexts are open
+        self.results: dict[tuple[str, int, int], tuple[Any, Any, Any]] = {}
+        self.answers: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self.ints: dict[int, Any] = {}
+        self.version: tuple[int, int] | None = None  # (id of the ShapeEnv, its replacements' version)
+        self._patches = [(name, self._binary(name, getattr(SymNode, name))) for name in _BINARY] + \
+            [(name, self._guard(name, getattr(SymNode, name))) for name in (*_GUARDS, "maybe_as_int")] + \
+            [("wrap_int", self._wrap_int(SymNode.wrap_int))]
+        self._saved = [(name, SymNode.__dict__[name]) for name, _ in self._patches]
+
+    def _check(self, env: Any) -> None:
+        """Forget everything when the ShapeEnv's replacements changed (``SymNode.expr`` would read them)."""
+        version = (id(env), getattr(env, "_replacements_version_counter", 0))
+        if version != self.version:
+            self.results.clear()
+            self.answers.clear()
+            self.ints.clear()
+            self.version = version
+
+    def _binary(self, name: str, impl: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        results = self.results
+        memo = self
+
+        def remembered(node: Any, other: Any) -> Any:
+            if not memo.on:
+                return impl(node, other)
+            key = (name, id(node), id(other))
+            hit = results.get(key)
+            if hit is not None:
+                return hit[2]
+            out = impl(node, other)
+            results[key] = (node, other, out)
+            return out
+
+        return remembered
+
+    def _guard(self, name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+        answers = self.answers
+        memo = self
+
+        def remembered(node: Any, *where: Any) -> Any:
+            if not memo.on:
+                return impl(node, *where)
+            key = (name, id(node))
+            hit = answers.get(key)
+            if hit is not None:
+                return hit[1]
+            out = impl(node, *where)
+            memo._check(node.shape_env)  # a guard can add a replacement: what was remembered may read differently
+            answers[key] = (node, out)
+            return out
+
+        return remembered
+
+    def _wrap_int(self, impl: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+        ints = self.ints
+        memo = self
+
+        def remembered(node: Any, num: int) -> Any:
+            if not memo.on or type(num) is not int:
+                return impl(node, num)
+            hit = ints.get(num)
+            if hit is None:
+                hit = ints[num] = impl(node, num)
+            return hit
+
+        return remembered
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """SymNode's methods go through this table inside (answering from it only while :attr:`on`): installed
+        once for a fake run, so that each remake only switches it on."""
+        node = self._node
+        if self._installed == 0:
+            for name, patch in self._patches:
+                setattr(node, name, patch)
+        self._installed += 1
+        try:
+            yield
+        finally:
+            self._installed -= 1
+            if self._installed == 0:
+                for name, original in self._saved:
+                    setattr(node, name, original)
+
+    @contextmanager
+    def active(self, env: Any) -> Iterator[None]:
+        """SymNode's methods answer from the table inside (``env``: the fake run's ShapeEnv)."""
+        with ExitStack() as stack:
+            if self._installed == 0:
+                stack.enter_context(self.installed())
+            self._check(env)
+            self.on = True
+            try:
+                yield
+            finally:
+                self.on = False
