@@ -1,22 +1,24 @@
-"""PyTorch's symbolic size arithmetic remembered while the shape cache remakes an op's outputs.
+"""PyTorch's symbolic size arithmetic remembered for one fake run.
 
-A shape-cache hit (:mod:`.shape_cache`) makes fresh fake tensors of cached sizes and strides.  PyTorch's C++ meta
-kernels (``empty``, ``empty_strided``, ``as_strided``) still compute the contiguous strides, the storage bytes and
-the size checks of every tensor they make, each step a call back into Python (``SymNode.mul``, ``SymNode.ge``,
-``SymNode.guard_bool`` ...) that builds a sympy expression and a new ``SymNode`` (~50 us each, 10-15 a tensor: most of
-a hit).  A repeated block asks the same questions of the same ``SymNode`` objects -- the cache's sizes and strides are
-the first run's SymInts, and every intermediate result is remembered here, so the next step's operands are the same
-objects again -- and gets the same answers.
+On fake tensors with symbolic sizes every size computation is a call into Python: PyTorch's C++ meta kernels
+(``empty``, ``empty_strided``, ``as_strided``: the contiguous strides, the storage bytes, the size checks of every
+tensor they make) and its Python ones (broadcasting, ``_reshape_view_helper``, contiguity) ask ``SymNode.mul``,
+``SymNode.eq``, ``SymNode.guard_bool`` ..., each building a sympy expression and a new ``SymNode`` (~50 us).  A
+repeated block asks the same questions of the same ``SymNode`` objects: a tensor's sizes are the SymInts its kernel
+was given, and a shape-cache hit (:mod:`.shape_cache`) remakes an op's outputs from the first run's SymInts, so the
+next layer's operands are the same objects again.  A remake of a cached op asked 10-15 of them a tensor (most of a
+hit), a missed op's kernel tens.
 
-:class:`SymMemo` answers those calls from a table while it is :meth:`~SymMemo.active` (a hit's remake only; nothing
-else runs then): the arithmetic by the method and its operands' identity (each operand kept alive by the table, so an
-identity is never reused), the integer constants PyTorch wraps (``wrap_int``) by value, and the guards
-(``guard_bool``, ``expect_true``, ``guard_or_false``, ``guard_or_true``) by the node.  The answers are PyTorch's own,
-computed the first time: a node's ``expr``, hint and type depend on its operands' only (sympy on symbols whose
-assumptions never change), and a guard asked again in the same ``ShapeEnv`` finds the one its first asking recorded (or
-the static answer) and adds nothing.  What a ``ShapeEnv`` can change under a remembered node -- its replacements,
-which ``SymNode.expr`` applies -- clears the table (``_replacements_version_counter``).  ``mod`` and ``truediv`` (read
-value ranges, which guards narrow) are not remembered.
+:class:`SymMemo` answers those calls from a table while it is :meth:`~SymMemo.active` (the whole recorded run, under a
+shape cache): the arithmetic and comparisons by the method and its operands' identity (each operand kept alive by the
+table, so an identity is never reused), the integer constants PyTorch wraps (``wrap_int``) by value, and the guards
+(``guard_bool``, ``expect_true``, ``guard_or_false``, ``guard_or_true``) and ``maybe_as_int`` by the node.  The answers
+are PyTorch's own, computed the first time: a node's expression, hint and type depend on its operands' only (sympy on
+symbols whose assumptions never change), and a guard asked again in the same ``ShapeEnv`` finds what its first asking
+recorded (or the static answer) and records nothing.  What a ``ShapeEnv`` can change under a remembered node -- its
+replacements, which ``SymNode.expr`` applies -- clears the table (``_replacements_version_counter``, read at every
+lookup).  ``mod``, ``int_floordiv``, ``truediv`` and ``pow`` (value ranges, which guards narrow) and
+``guard_size_oblivious`` are not remembered, nor anything under a proxy (``make_fx``) mode, which records each call.
 """
 
 from __future__ import annotations
@@ -25,10 +27,23 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+#: False: every call is answered anew (for comparisons; the shape cache still remakes its hits in-kernel)
+REMEMBER = True
+
 #: SymNode methods whose answer depends on the operands' expressions, hints and types only
 _BINARY = ("add", "sub", "mul", "eq", "ne", "ge", "gt", "le", "lt", "sym_max", "sym_min", "and_", "or_")
 #: SymNode guards (file and line name the asker only); a repeated one records nothing new
 _GUARDS = ("guard_bool", "expect_true", "guard_or_false", "guard_or_true")
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _originals(node: type) -> dict[str, Any]:
+    """PyTorch's own SymNode methods of the names patched, read once (before any patch: only this module patches)."""
+    if not _ORIGINALS:
+        _ORIGINALS.update((name, node.__dict__[name]) for name in (*_BINARY, *_GUARDS, "maybe_as_int", "wrap_int"))
+    return _ORIGINALS
 
 
 class SymMemo:
@@ -44,10 +59,11 @@ class SymMemo:
         self.answers: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.ints: dict[int, Any] = {}
         self.version: tuple[int, int] | None = None  # (id of the ShapeEnv, its replacements' version)
-        self._patches = [(name, self._binary(name, getattr(SymNode, name))) for name in _BINARY] + \
-            [(name, self._guard(name, getattr(SymNode, name))) for name in (*_GUARDS, "maybe_as_int")] + \
-            [("wrap_int", self._wrap_int(SymNode.wrap_int))]
-        self._saved = [(name, SymNode.__dict__[name]) for name, _ in self._patches]
+        original = _originals(SymNode)
+        self._patches = [(name, self._binary(name, original[name])) for name in _BINARY] + \
+            [(name, self._guard(name, original[name])) for name in (*_GUARDS, "maybe_as_int")] + \
+            [("wrap_int", self._wrap_int(original["wrap_int"]))]
+        self._saved: list[tuple[str, Any]] = []
 
     def _check(self, env: Any) -> None:
         """Forget everything when the ShapeEnv's replacements changed (``SymNode.expr`` would read them)."""
@@ -65,6 +81,8 @@ class SymMemo:
         def remembered(node: Any, other: Any) -> Any:
             if not memo.on:
                 return impl(node, other)
+            if (id(node.shape_env), node.shape_env._replacements_version_counter) != memo.version:
+                memo._check(node.shape_env)
             key = (name, id(node), id(other))
             hit = results.get(key)
             if hit is not None:
@@ -113,6 +131,7 @@ class SymMemo:
         once for a fake run, so that each remake only switches it on."""
         node = self._node
         if self._installed == 0:
+            self._saved = [(name, node.__dict__[name]) for name, _ in self._patches]  # PyTorch's, or another run's
             for name, patch in self._patches:
                 setattr(node, name, patch)
         self._installed += 1
@@ -131,8 +150,15 @@ class SymMemo:
             if self._installed == 0:
                 stack.enter_context(self.installed())
             self._check(env)
-            self.on = True
+            before, self.on = self.on, REMEMBER and not _proxy_tracing()
             try:
                 yield
             finally:
-                self.on = False
+                self.on = before
+
+
+def _proxy_tracing() -> bool:
+    """Whether a proxy mode (``make_fx``) is tracing: it records every SymNode call into its graph."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
