@@ -19,7 +19,9 @@ one that returns an input itself (a mutable schema, the same object), an op whos
 every time.  A hit makes fresh fake tensors (and views of the current input) of the cached metadata; the ShapeEnv
 already holds every guard the first run added (the same expressions in the same environment: a repeat adds none), so
 what the recorders see -- new storages with the same symbolic bytes, views on the same storage -- is what the op
-would have made.  The cache lives as long as one fake run (one ShapeEnv).
+would have made.  The cache lives as long as one fake run (one ShapeEnv).  Its remakes run PyTorch's meta kernels
+in-kernel (:func:`fresh`, :func:`_view`: no fake-mode dispatch around them), and the size arithmetic those kernels
+ask of the cached SymInts is answered from :mod:`.sym_memo`'s table after the first time.
 
 In-place ops are remembered apart (:meth:`ShapeCache.same`): an op whose schema writes its first argument only and
 returns it (``add_``, ``mul_``, ``lerp_``, ``addcmul_``: a third of a training step's ops, most of them the optimizer
