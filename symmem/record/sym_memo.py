@@ -79,10 +79,11 @@ class SymMemo:
         memo = self
 
         def remembered(node: Any, other: Any) -> Any:
-            if not memo.on:
+            env = node.shape_env
+            if not memo.on or env is None:
                 return impl(node, other)
-            if (id(node.shape_env), node.shape_env._replacements_version_counter) != memo.version:
-                memo._check(node.shape_env)
+            if (id(env), env._replacements_version_counter) != memo.version:
+                memo._check(env)
             key = (name, id(node), id(other))
             hit = results.get(key)
             if hit is not None:
@@ -98,7 +99,7 @@ class SymMemo:
         memo = self
 
         def remembered(node: Any, *where: Any) -> Any:
-            if not memo.on:
+            if not memo.on or node.shape_env is None:
                 return impl(node, *where)
             key = (name, id(node))
             hit = answers.get(key)
@@ -116,8 +117,11 @@ class SymMemo:
         memo = self
 
         def remembered(node: Any, num: int) -> Any:
-            if not memo.on or type(num) is not int:
+            env = node.shape_env
+            if not memo.on or type(num) is not int or env is None:
                 return impl(node, num)
+            if (id(env), env._replacements_version_counter) != memo.version:
+                memo._check(env)  # a constant of another ShapeEnv is not this one's
             hit = ints.get(num)
             if hit is None:
                 hit = ints[num] = impl(node, num)
