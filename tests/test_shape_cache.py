@@ -112,6 +112,47 @@ def test_cache_remakes_views_and_refuses_in_place_ops_and_larger_storages() -> N
         assert cache.key(aten.mul.Tensor, (x, True), {}) != cache.key(aten.mul.Tensor, (x, 1), {})
 
 
+def test_remembered_size_arithmetic_remakes_what_pytorch_makes() -> None:
+    """The shape cache's remakes (``fresh``: contiguous, strided, permuted; ``_view``) with PyTorch's symbolic size
+    arithmetic remembered (symmem.record.sym_memo) give the tensors PyTorch's own arithmetic gives: the same size,
+    stride, offset and storage-bytes expressions, the same storage (a view's is its input's), and no guard the first
+    asking did not add; SymNode's methods are PyTorch's again afterwards.  Oracle: the same calls with no table
+    (PyTorch's arithmetic itself), asked first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.sym_node import SymNode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from symmem.record import shape_cache, sym_memo
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    dims = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(2, 8, 64), symbolic_context=dims)
+    b, s = x.shape[0], x.shape[1]
+    cpu = torch.device("cpu")
+    specs = [("E", (b, s, 64), None, torch.float32, cpu), ("E", (s, b, 64), (64, 64 * s, 1), torch.bfloat16, cpu),
+             ("E", (b, s, 64), shape_cache._Permuted((1, 0, 2)), torch.float32, cpu),
+             ("E", (b * s, 64), None, torch.int64, cpu), ("V", (s, b, 64), (64, 64 * s, 1), 0),
+             ("V", (b, 4, s, 16), (64 * s, 16, 64, 1), 0), ("V", (b, s, 32), (64 * s, 64, 1), 32)]
+
+    def made(spec: tuple[object, ...]) -> tuple[object, ...]:
+        t = shape_cache._view(torch, x, spec) if spec[0] == "V" else shape_cache._make(torch, spec)
+        same = t.untyped_storage()._cdata == x.untyped_storage()._cdata
+        return (*shape_cache._meta(t), shape_cache._expr(t.untyped_storage().nbytes()), same, type(t).__name__)
+
+    original = {n: SymNode.__dict__[n] for n in ("mul", "eq", "guard_bool", "wrap_int", "maybe_as_int")}
+    memo = sym_memo.SymMemo()
+    with mode:
+        want = [made(spec) for spec in specs]
+        guards = len(env.guards)
+        for _ in range(2):  # the second time every call is answered from the table
+            with memo.active(env):
+                assert [made(spec) for spec in specs] == want
+        assert len(env.guards) == guards and memo.results and memo.answers
+    assert {n: SymNode.__dict__[n] for n in original} == original
+    assert [w[-2:] for w in want] == [(False, "FakeTensor")] * 4 + [(True, "FakeTensor")] * 3
+
+
 def test_guard_locations_skip_the_same_torch_files_as_torch() -> None:
     """torch_files' set equals torch's own symbolic_shapes.uninteresting_files() (which imports torch.export): every
     guard's source location is the one torch would name."""

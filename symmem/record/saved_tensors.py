@@ -321,6 +321,8 @@ class SavedRecorder:
             stack.enter_context(functions)
             if dispatch:
                 stack.enter_context(ops)
+            if self.shapes is not None:  # PyTorch's symbolic size arithmetic remembered for the run (.sym_memo)
+                stack.enter_context(self.shapes.memo.active(self.shape_env))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x))
             yield
 

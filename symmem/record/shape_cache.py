@@ -19,7 +19,9 @@ one that returns an input itself (a mutable schema, the same object), an op whos
 every time.  A hit makes fresh fake tensors (and views of the current input) of the cached metadata; the ShapeEnv
 already holds every guard the first run added (the same expressions in the same environment: a repeat adds none), so
 what the recorders see -- new storages with the same symbolic bytes, views on the same storage -- is what the op
-would have made.  The cache lives as long as one fake run (one ShapeEnv).
+would have made.  The cache lives as long as one fake run (one ShapeEnv).  Its remakes run PyTorch's meta kernels
+in-kernel (:func:`fresh`, :func:`_view`: no fake-mode dispatch around them), and the size arithmetic those kernels
+ask of the cached SymInts is answered from :mod:`.sym_memo`'s table after the first time.
 
 In-place ops are remembered apart (:meth:`ShapeCache.same`): an op whose schema writes its first argument only and
 returns it (``add_``, ``mul_``, ``lerp_``, ``addcmul_``: a third of a training step's ops, most of them the optimizer
@@ -32,6 +34,8 @@ is bumped before any dispatch mode runs).  Ops that can change a tensor's size o
 from __future__ import annotations
 
 from typing import Any
+
+from .sym_memo import SymMemo
 
 #: plain argument types that key as themselves (with their type; exact types: a subclass goes the long way)
 _PLAIN = frozenset({int, float, bool, str, type(None)})
@@ -58,6 +62,8 @@ class ShapeCache:
         #: in-place ops by key (:meth:`same`): True once a run returned its input unchanged in metadata and bytes
         self.in_place: dict[Any, bool] = {}
         self._writes_self: dict[Any, bool] = {}  # op -> whether its schema writes its first argument only
+        #: PyTorch's symbolic size arithmetic of the remakes, remembered for this run's ShapeEnv (:mod:`.sym_memo`)
+        self.memo = SymMemo()
 
     def _part(self, x: Any, empty: bool = True) -> Any:
         """The key of one argument, or None where it cannot be keyed (a real tensor, a constant, an object).  An empty
@@ -134,12 +140,17 @@ class ShapeCache:
         if entry is None:
             return None
         self.hits += 1
-        wrap, specs = entry
+        wrap, specs, env = entry
         base = None
         if any(s is not None and s[0] == "V" for s in specs):
             base = _tensors((args, kwargs or {}), self._torch.Tensor)[0]
-        made = [None if s is None else _view(self._torch, base, s) if s[0] == "V" else _make(self._torch, s)
-                for s in specs]
+        if env is None:  # plain sizes: no symbolic arithmetic to remember
+            made = [None if s is None else _view(self._torch, base, s) if s[0] == "V" else _make(self._torch, s)
+                    for s in specs]
+        else:
+            with self.memo.active(env):
+                made = [None if s is None else _view(self._torch, base, s) if s[0] == "V" else _make(self._torch, s)
+                        for s in specs]
         return made[0] if wrap is None else wrap(made)
 
     def store(self, func: Any, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -178,7 +189,7 @@ class ShapeCache:
             if spec is None:
                 return
             specs.append(spec)
-        self.entries[key] = (wrap, tuple(specs))
+        self.entries[key] = (wrap, tuple(specs), _shape_env(specs))
 
     def _view_spec(self, func: Any, given: list[Any], o: Any) -> tuple[Any, ...] | None:
         """("V", size, stride, offset) of an output on the storage of the op's one tensor input that ``as_strided``
@@ -279,14 +290,38 @@ _META = "meta"
 
 
 def _view(torch: Any, base: Any, spec: tuple[Any, ...]) -> Any:
+    """``as_strided(base, size, stride, offset)`` as the active fake mode makes it: its C++ meta kernel on ``base``
+    under ``in_kernel_invocation_manager``, the view wrapped in a ``FakeTensor`` on ``base``'s device (the storage is
+    ``base``'s) -- without the mode's dispatch, whose argument checks cost ~50 symbolic size operations where the
+    kernel asks one.  Outside a fake mode, or on a tensor of another mode, ``aten.as_strided`` itself."""
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
     _, size, stride, offset = spec
-    return torch.ops.aten.as_strided.default(base, size, stride, offset)
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None or not isinstance(base, FakeTensor) or base.fake_mode is not mode or base.constant is not None:
+        return torch.ops.aten.as_strided.default(base, size, stride, offset)
+    with in_kernel_invocation_manager(mode), torch._C.DisableTorchFunction():
+        meta = torch.ops.aten.as_strided.default(base, size, stride, offset)
+    return FakeTensor(mode, meta, base.fake_device)
 
 
 def _meta(t: Any) -> tuple[Any, ...]:
     """A tensor's size, stride and offset expressions, dtype and device."""
     return (tuple(_expr(d) for d in t.shape), tuple(_expr(s) for s in t.stride()), _expr(t.storage_offset()), t.dtype,
             t.device)
+
+
+def _shape_env(specs: list[Any]) -> Any:
+    """The ShapeEnv of the first symbolic size or stride in ``specs``, or None (plain ints only)."""
+    for spec in specs:
+        if spec is None:
+            continue
+        for part in spec[1:3]:
+            for x in part or ():
+                node = getattr(x, "node", None)
+                if node is not None and getattr(node, "shape_env", None) is not None:
+                    return node.shape_env
+    return None
 
 
 def _expr(x: Any) -> Any:
