@@ -32,6 +32,7 @@ import sympy
 
 from .categories import STEP
 from .errors import SymmemError
+from .evaluator import exactly
 
 #: Which training step: the ``first`` creates the optimizer state; a ``steady`` one (step >= 2) starts with it.
 Which = Literal["steady", "first"]
@@ -305,12 +306,19 @@ class Timeline:
         rounded up to a multiple of ``block`` bytes."""
         subs = {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
         memo: dict[Any, int] = {}
+        # every value an int: a size is walked once in Python ints (exact; the same number as sympy's
+        # substitution, which rebuilds the expression); sympy decides where the walk gives none
+        ints = all(type(v) is int for v in values.values())
 
         def num(x: Any) -> int:
             found = memo.get(x)
             if found is None:
-                v = sympy.sympify(sympy.sympify(x, strict=True).xreplace(subs), strict=True)
-                n = int(v) if v.is_number else 0
+                v = exactly(x, values) if ints and isinstance(x, sympy.Basic) else None
+                if v is None or isinstance(v, bool):
+                    v = sympy.sympify(sympy.sympify(x, strict=True).xreplace(subs), strict=True)
+                    n = int(v) if v.is_number else 0
+                else:
+                    n = int(v)
                 found = memo[x] = -(-n // block) * block if n else 0
             return found
 

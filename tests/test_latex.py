@@ -371,19 +371,18 @@ def _long_sum(n: int) -> tuple[str, sympy.Expr]:
 
 def test_a_long_sum_is_read_term_by_term(monkeypatch):
     """The lark parser's time grows faster than the text (a product of 320 symbols: 8 s; 1,000: minutes): a text
-    over AT_ONCE characters reaches it in pieces no longer than AT_ONCE, and means the same."""
-    import sympy.parsing.latex as sympy_latex
-
+    over AT_ONCE characters reaches the reader of a whole text (``_read``: the grammar's reader, else the parser)
+    in pieces no longer than AT_ONCE, and means the same."""
     from symmem.report import latex
 
     seen: list[int] = []
-    real = sympy_latex.parse_latex
+    real = latex._read
 
-    def counting(text, **kw):
+    def counting(text):
         seen.append(len(text))
-        return real(text, **kw)
+        return real(text)
 
-    monkeypatch.setattr(sympy_latex, "parse_latex", counting)
+    monkeypatch.setattr(latex, "_read", counting)
     latex.parse.cache_clear()  # every piece read here, not found from an earlier test (terms repeat across texts)
     # the limit lowered from 400 to 100 characters: the same cuts on a sum a quarter as long (12 terms, not 40:
     # the parser takes about 0.1 CPU-s a term here, whatever the limit)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from ..errors import NothingFits, SymmemError
+from ..evaluator import evaluator
 from ..simplify import max_of
 from ..tensor import MAX_SIZE
 from ..units import format_bytes, parse_size
@@ -247,6 +248,11 @@ def _upper(sym: sympy.Symbol, pieces: list[sympy.Expr]) -> sympy.Expr:
 
 
 def _total(f: sympy.Expr, sym: sympy.Symbol, x: int) -> int:
+    """``f`` at ``sym = x`` in whole bytes (a fraction rounded up).  A formula in ``sym`` alone is evaluated by its
+    compiled evaluator (exact, the same rounding; the search asks it at tens of sizes, each substitution rebuilding
+    the expression otherwise)."""
+    if f.free_symbols <= {sym}:
+        return evaluator(f, (sym,))(x)
     v = f.xreplace({sym: sympy.Integer(x)})
     return int(v) if v.is_integer else int(sympy.ceiling(v))
 

@@ -40,6 +40,7 @@ from sympy.printing.latex import LatexPrinter
 
 from ..errors import SymmemError
 from ..symbols import dims, latex_names
+from . import latex_grammar
 from .factoring import in_sizes
 
 if TYPE_CHECKING:
@@ -212,16 +213,14 @@ def parse(text: str) -> sympy.Expr:
 
 def _read(text: str) -> sympy.Expr:
     """One text (at most :data:`AT_ONCE` characters) read by the parser whole."""
-    from sympy.parsing.latex import parse_latex
-
     aliases = _aliases()
     for name, alias in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(name, f" {alias} ")
-    try:
-        parsed = parse_latex(text, backend="lark")
-    except Exception as exc:  # lark's own exceptions, which name grammar terminals: one line that names the text
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SymmemError(f"cannot read {text.strip()!r} as a formula: {first}") from None
+    # the grammar's rules for the tokens symmem writes, without the Earley parser (latex_grammar's docstring);
+    # None where the parser decides
+    parsed = latex_grammar.read(text)
+    if parsed is None:
+        parsed = _lark(text)
     if not isinstance(parsed, sympy.Basic):
         raise SymmemError(f"the LaTeX parser reads {text!r} in more than one way")
     by_latex = {d.name: d.symbol for d in dims()}
@@ -229,6 +228,17 @@ def _read(text: str) -> sympy.Expr:
     by_latex.update({d.latex.removeprefix("\\"): d.symbol for d in dims()})
     by_latex.update({alias: by_latex[name.removeprefix("\\")] for name, alias in aliases.items()})
     return parsed.xreplace({s: by_latex[s.name] for s in parsed.free_symbols if s.name in by_latex})
+
+
+def _lark(text: str) -> object:
+    """``text`` read by sympy's lark LaTeX parser: its value, or its ambiguous tree."""
+    from sympy.parsing.latex import parse_latex
+
+    try:
+        return parse_latex(text, backend="lark")
+    except Exception as exc:  # lark's own exceptions, which name grammar terminals: one line that names the text
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SymmemError(f"cannot read {text.strip()!r} as a formula: {first}") from None
 
 
 _OPEN = re.compile(r"\{|\\left(?![a-zA-Z])|\\begin\{[a-z*]+\}|\\l(?:floor|ceil)(?![a-zA-Z])")
