@@ -35,6 +35,7 @@ from .conditions import fold
 from .errors import OutsideDomain, SymmemError
 from .evaluator import evaluator
 from .graph import paused_gc
+from .step import exact_peak
 from .tensor import MAX_SIZE
 from .timeline import checked
 from .training import Regime, refuse_one_rank
@@ -293,14 +294,11 @@ class Derivation:
 
     def _peak(self, exact: bool = False) -> Peak:
         step = self._step()
+        if exact:
+            return exact_peak(step, self.numbers)
         # the step's walks and the peak's algebra, worked out on first use, are many small objects that stay
         # alive: the cycle collector is paused as while the derivation is worked out (graph.paused_gc)
         with paused_gc():
-            if exact and not step.holds_at(self.numbers):
-                # layer counts below the formula's domain: the step written out with them as numbers
-                domain = step.domain()
-                counts = {s: v for s, v in self.numbers.items() if any(s in c.free_symbols for c in domain)}
-                return step.peak(counts)
             return step.peak()
 
     @property

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import SymmemError
+from .graph import paused_gc
 
 if TYPE_CHECKING:
     import sympy
@@ -57,6 +58,20 @@ class Step(Protocol):
         """The ``which`` step's peak at ``at`` with every storage rounded up to CUDA's 512-byte blocks, host
         storages left out (what ``torch.cuda.max_memory_allocated`` reports before library workspaces)."""
         ...
+
+
+def exact_peak(step: Step, at: Mapping[sympy.Symbol, int]) -> Peak:
+    """The peak that holds at ``at`` (every size a number): the step's formulas where ``at`` lies in their domain,
+    else the step written out with the layer counts ``at`` gives (below the domain: L = 2 where the formulas hold
+    from 4).  What ``value("peak")`` reports, and what a view at ``at`` refuses first, in the same words; the step
+    keeps each peak it works out."""
+    # the step's walks and the peak's algebra are many small objects that stay alive: the cycle collector is
+    # paused as while the derivation is worked out (graph.paused_gc)
+    with paused_gc():
+        if step.holds_at(at):
+            return step.peak()
+        domain = step.domain()
+        return step.peak({s: v for s, v in at.items() if any(s in c.free_symbols for c in domain)})
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def test_breakdown_splits_a_transformer_layer_and_speaks_plainly():
 ])
 def test_a_view_below_the_formulas_domain_asks_the_peak_there(kw):
     """A view at a layer count below the formula's domain (the formula in L holds from 4) writes the step out after
-    the peak at the derivation's numbers -- the one ``value("peak")`` works out and keeps (``GraphStep.exact_peak``)
+    the peak at the derivation's numbers -- the one ``value("peak")`` works out and keeps (``symmem.step.exact_peak``)
     -- not after the formula in L, made before only for its refusals' words: the view refuses what that peak
     refuses, in its words, and answers what a fresh derivation's view does after the peak."""
     from symmem.errors import SymmemError

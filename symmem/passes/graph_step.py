@@ -30,6 +30,7 @@ from ..errors import SymmemError
 from ..graph import Graph
 from ..peak import Algebra, Candidate, Peak, summarize, survivors
 from ..shapes import numel as shape_numel
+from ..step import exact_peak
 from ..symbols import N, at_least
 from ..timeline import _INDEX, Event, Live, Row, Timeline, Which, checked, make_event, make_live
 from ..training import ONE_RANK_DIFFERS, Regime, checkpoint_every
@@ -148,45 +149,22 @@ class GraphStep:
                      ) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
         """The step at ``at`` with every repeated block written out its full number of times, in the branch (a
         size-dependent copy) ``at`` selects, and every symbol's value (of ``rank``'s step: None, the largest
-        rank's).  The peak at ``at`` first (:meth:`exact_peak`, the one ``value("peak")`` works out, cached): the
-        step refuses what the peak refuses there, with the peak's words."""
+        rank's).  The peak at ``at`` first (:func:`symmem.step.exact_peak`, the one ``value("peak")`` works out,
+        kept): the step refuses what the peak refuses there, with the peak's words."""
         checked(which)
-        kept = self._kept(at, rank)
-        if kept is not None:
-            steady, first, values = kept
+        key = _written_key(at, rank)
+        if self._written is not None and self._written[0] == key:
+            _, (steady, first), values = self._written
         else:
-            self.exact_peak(at)
+            exact_peak(self, at)
             steady, first, values = self.written_at(at, rank)
-            self._written = (_written_key(at, rank), (steady, first), values)
+            self._written = (key, (steady, first), values)
         return (first if which == "first" else steady), values
 
-    def exact_peak(self, at: Mapping[sympy.Symbol, int]) -> Peak:
-        """The peak that holds at ``at`` (every size a number), as :meth:`Derivation._peak` with ``exact`` asks for
-        it: the formula in the layer counts where ``at`` lies in its domain, else the step written out with the
-        counts ``at`` gives.  A view at a layer count below the formula's domain (L = 2 where the formula holds
-        from 4) asked for the formula in L before writing the step out, for its refusals only: the peak at the
-        counts refuses what the derivation's own peak there refuses, in the same words, and is the one
-        ``value("peak")`` keeps."""
-        if self.holds_at(at):
-            return self.peak()
-        domain = self.domain()
-        return self.peak({s: v for s, v in at.items() if any(s in c.free_symbols for c in domain)})
-
     def steady_at(self, at: Mapping[sympy.Symbol, int]) -> tuple[Timeline, dict[sympy.Symbol, Any]]:
-        """The largest rank's steady step at ``at`` and every symbol's value, without the peak's formulas: the one
-        a view wrote out there, else written anew and not kept (a view's write-out comes after the formulas, whose
-        refusals it repeats; the caller refuses as the peak at these numbers does)."""
-        kept = self._kept(at, None)
-        steady, _, values = kept if kept is not None else self.written_at(at)
-        return steady, values
-
-    def _kept(self, at: Mapping[sympy.Symbol, int], rank: int | None
-              ) -> tuple[Timeline, Timeline, dict[sympy.Symbol, Any]] | None:
-        """(steady, first, values) a view wrote out at ``at`` for ``rank``, or None."""
-        if self._written is None or self._written[0] != _written_key(at, rank):
-            return None
-        _, (steady, first), values = self._written
-        return steady, first, values
+        """The largest rank's steady step at ``at`` and every symbol's value: the views' write-out (refusing what
+        the peak at ``at`` refuses, in its words), kept for them."""
+        return self._written_out("steady", at)
 
     def counts_at(self, at: Mapping[sympy.Symbol, int]) -> dict[str, sympy.Expr]:
         """How many times each repeated block runs at ``at`` (a number where ``at`` gives its sizes)."""

@@ -90,7 +90,7 @@ def parameter_side_per_rank(derivation: Any) -> dict[int, dict[str, int]] | None
     numbers, apart = dict(derivation.numbers), not grads_in_buckets(regime)
     try:
         if hasattr(step, "steady_at"):  # a built graph's step (passes/graph_step.py)
-            tl, values = _steady(derivation, step, numbers)
+            tl, values = step.steady_at(numbers)
             values = {**values, **numbers}
             side = held(tl, values, _buckets(tl, apart))
             states = _states(derivation, step, int(world), values)
@@ -223,16 +223,6 @@ def _traced(derivation: Any, step: Any, world: int, numbers: Mapping[sympy.Symbo
         return out, None
     states = zero_redundancy.state_per_rank(derivation) if step.engine.kind == zero_redundancy.ENGINE else None
     return side_of(step), states
-
-
-def _steady(derivation: Any, step: Any, numbers: Mapping[sympy.Symbol, Any]) -> tuple[Any, dict[sympy.Symbol, Any]]:
-    """The steady step written out at ``numbers`` and every symbol's value.  The peak at these numbers first (the one
-    ``value("peak")`` works out, cached), so that the step refuses what the peak refuses there, in its words, as the
-    step's ``_written_out`` does (``GraphStep.exact_peak``; the formula in every layer count, which a layer count below
-    that formula's domain -- every real-run case, L = 2 -- does not use, was two thirds of a GPT-2 FSDP2 rank side's
-    CPU).  A step the views wrote out at these numbers is reused (``GraphStep.steady_at``), not kept anew."""
-    derivation._peak(exact=True)
-    return step.steady_at(numbers)
 
 
 def _states(derivation: Any, step: Any, world: int, values: Mapping[sympy.Symbol, Any]) -> list[int] | None:
