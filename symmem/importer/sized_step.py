@@ -109,11 +109,9 @@ class SizedStep:
             symbols = {n: sym_for(n) for n in inputs.examples}
             step = StepPeak(module, inputs, symbols, dict(inputs.examples), self.options, self.device, None, None,
                             self.repeat, self.symbol)
-            if world is not None and world[0]() is module and world[1] == step.values and not world[2]:
-                # the fit traced this module at these sizes: its step runs in that forward's fake world, as a traced
-                # module's step does (importer.traced.step_of); the same records, each op's first occurrence
-                # computed once
-                step._shared[()] = world[3]
+            # the fit traced this module at these sizes: its step runs in that forward's fake world, as a traced
+            # module's step does (importer.traced.step_of)
+            step.seed(world)
             self._steps[point] = step
         return self._steps[point]
 

@@ -416,10 +416,7 @@ def step_of(module: Any, recorded: Any, regime: Regime, numbers: Mapping[sympy.S
         from .traced_pipeline import pipeline_step
 
         return pipeline_step(step, regime, numbers)
-    seeded = recorded.extra.get("fake_world")  # the trace's fake world, where its module and sizes are the step's
-    if seeded is not None and seeded[0]() is module and seeded[1] == step.values \
-            and seeded[2] == dict(multiple_of or {}):
-        step._shared[()] = seeded[3]
+    step.seed(recorded.extra.get("fake_world"))  # the trace's fake world, where it is the step's
     from .traced_engines import under_engine  # a data-parallel engine or ZeRO's accounting: the step rewritten
 
     return under_engine(step, regime)

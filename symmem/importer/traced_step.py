@@ -256,6 +256,15 @@ class StepPeak:
     def count(self) -> int | None:
         return len(self.repeat[1]) if self.repeat is not None else None
 
+    def seed(self, world: Any) -> None:
+        """Record in a trace's fake world (``Trace.extra["fake_world"]``: a weak reference to the module traced, its
+        sizes, its multiples and the :class:`SharedWorld`) where that trace's module and sizes are this step's: the
+        same records, each op's first occurrence computed once.  Anything else (None, another module or sizes)
+        leaves the step to its own world."""
+        if world is not None and world[0]() is self.module and world[1] == self.values \
+                and world[2] == dict(self.multiple_of or {}):
+            self._shared[()] = world[3]
+
     def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
         """The step recorded with the repeated blocks written out ``count`` times (None: as the module has them)
         and the sizes in ``ones`` at 1."""

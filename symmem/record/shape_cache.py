@@ -33,6 +33,7 @@ is bumped before any dispatch mode runs).  Ops that can change a tensor's size o
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from .sym_memo import SymMemo
@@ -144,13 +145,10 @@ class ShapeCache:
         base = None
         if any(s is not None and s[0] == "V" for s in specs):
             base = _tensors((args, kwargs or {}), self._torch.Tensor)[0]
-        if env is None:  # plain sizes: no symbolic arithmetic to remember
+        # plain sizes (env None): no symbolic arithmetic to remember
+        with nullcontext() if env is None else self.memo.active(env):
             made = [None if s is None else _view(self._torch, base, s) if s[0] == "V" else _make(self._torch, s)
                     for s in specs]
-        else:
-            with self.memo.active(env):
-                made = [None if s is None else _view(self._torch, base, s) if s[0] == "V" else _make(self._torch, s)
-                        for s in specs]
         return made[0] if wrap is None else wrap(made)
 
     def store(self, func: Any, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
