@@ -349,7 +349,7 @@ class _Traces:
     options: dict[str, Any]
     made: dict[tuple[tuple[int, ...], int], Trace]
     seconds: float = 0.0
-    _quantities: dict[int, tuple[Trace, dict[Key, tuple[Any, ...]]]] = field(default_factory=dict, repr=False)
+    _quantities: dict[tuple[int, ...], dict[Key, tuple[Any, ...]]] = field(default_factory=dict, repr=False)
 
     def at(self, point: tuple[int, ...], layers: int = LAYER_VALUES[0]) -> Trace:
         key = (point, layers)
@@ -363,10 +363,9 @@ class _Traces:
     def quantities(self, point: tuple[int, ...]) -> dict[Key, tuple[Any, ...]]:
         """:func:`_quantities` of the trace at ``point`` (the layer count as traced), computed once a trace: the
         probes, the grid and the checks read the same traces."""
-        t = self.at(point)
-        if id(t) not in self._quantities:
-            self._quantities[id(t)] = (t, _quantities(t))  # the trace held: its id stays its own
-        return self._quantities[id(t)][1]
+        if point not in self._quantities:  # a point means the same sizes in either plan (fit_sizes)
+            self._quantities[point] = _quantities(self.at(point))
+        return self._quantities[point]
 
 
 def worlds(traces: _Traces) -> dict[tuple[tuple[str, int], ...], Any]:
