@@ -15,7 +15,8 @@ communicator on one device, so the collectives run on gloo, which stages CUDA te
 The comparison with ``derive(..., device="cuda")`` is made where the JSON is read (tests/test_cuda_parallel_
 measured.py): this script needs no sympy work on the GPU machine.
 
-``--mesh-fsdp`` with ``SYMMEM_CUDA_SNAPSHOT=DIR`` also writes each rank's allocator history of each case into DIR;
+``--mesh`` or ``--mesh-fsdp`` with ``SYMMEM_CUDA_SNAPSHOT=DIR`` also writes each rank's allocator history of each
+case into DIR;
 ``--analyze DIR/*.json.gz [--figures OUT]`` reads them anywhere (no GPU): each step's peak split by who made the
 bytes, and read again without gloo's collective temporaries and FSDP2's copy-out metadata (docs/cuda.md).
 """
@@ -307,8 +308,9 @@ def _mesh_pipeline(model: str, values: dict[str, int], schedule: str, m: int, lo
     stages = 2
     base = _mark()
     # SYMMEM_CUDA_SNAPSHOT=DIR: each rank's allocator history of the case, from its baseline on (the module's
-    # parameters and FSDP2's shards included, so that every byte live at a step's peak is in the trace)
-    snapshots = os.environ.get("SYMMEM_CUDA_SNAPSHOT") if engine.startswith("fsdp") else None
+    # parameters, DDP's buckets and FSDP2's shards included, so that every byte live at a step's peak is in the
+    # trace, and the optimizer step's own peak can be read where the schedule's hides it)
+    snapshots = os.environ.get("SYMMEM_CUDA_SNAPSHOT")
     recording = bool(snapshots) and not DRY
     if recording:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
@@ -372,7 +374,7 @@ FRAMES = 12
 
 
 def _history_name(row: dict[str, Any]) -> str:
-    return f"mesh-fsdp-{row['model']}-{row['schedule']}-{row['engine']}-r{row['rank']}.json.gz"
+    return f"mesh-{row['model']}-{row['schedule']}{row['M']}-{row['loss']}-{row['engine']}-r{row['rank']}.json.gz"
 
 
 def _save_history(folder: str, row: dict[str, Any], base: dict[str, int]) -> None:
@@ -542,7 +544,8 @@ def figures(found: list[dict[str, Any]]) -> dict[str, Any]:
                 "steps")
         rows.append({**{k: a["row"][k] for k in keep}, "events": a["events"], "history": [
             {k: v for k, v in w.items() if k not in ("live", "step")} for w in a["windows"][2:]]})
-    return {"how": "SYMMEM_CUDA_SNAPSHOT=DIR benchmarks/check_cuda_parallel.py --mesh-fsdp on the GPU, then "
+    flag = "--mesh-fsdp" if all(r["engine"].startswith("fsdp") for r in rows) else "--mesh"
+    return {"how": f"SYMMEM_CUDA_SNAPSHOT=DIR benchmarks/check_cuda_parallel.py {flag} on the GPU, then "
                    "--analyze DIR/*.json.gz --figures THIS (docs/cuda.md)", "bands": list(BANDS), "rows": rows}
 
 

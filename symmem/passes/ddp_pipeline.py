@@ -117,7 +117,7 @@ class DdpPipelineStep(PipelineStep):
 
         def owned(s: int) -> dict[str, int]:
             if s not in mine:  # a sympy sum per parameter: once a stage
-                mine[s] = _owned(self._cut(named)[1][s], self._world(named), self.rank, self.regime)
+                mine[s] = self._owned(self._cut(named)[1][s], self._world(named), self.rank)
             return mine[s]
 
         def rest(memory: Any, s: int) -> Any:
@@ -284,10 +284,13 @@ class DdpPipelineStep(PipelineStep):
 
     def _owned(self, params: list[tuple[int, ...]], world: int, rank: int) -> dict[str, int]:
         """:func:`_owned`, once for each stage's parameters, world and rank (every rank group and batch asks)."""
-        key = ("owned", tuple(params), world, rank)
+        from .schedule import optimizer_impl
+
+        impl = optimizer_impl(self.regime, str(self.options.get("device", "cpu")))
+        key = ("owned", tuple(params), world, rank, impl)
         memo = self._memo()
         if key not in memo:
-            memo[key] = _owned(params, world, rank, self.regime)
+            memo[key] = _owned(params, world, rank, self.regime, impl)
         return dict(memo[key])
 
     def _parts_each(self, stage: Any, numbers: list[dict[str, int]]) -> list[dict[str, int]]:
@@ -413,15 +416,17 @@ _PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "ou
           "step_peak")
 
 
-def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime) -> dict[str, int]:
+def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime, impl: str) -> dict[str, int]:
     """ZeroRedundancyOptimizer on a stage whose parameters are ``params`` (:func:`_whole`): data-parallel rank
     ``rank``'s optimizer state (its whole parameters, :func:`~symmem.passes.zero_redundancy.partition` of the
-    stage's ``parameters()``) and its for-loop AdamW's temporaries over them, in its local optimizer's order."""
+    stage's ``parameters()``) and its local AdamW's temporaries over them (``impl``: PyTorch's pick by device,
+    :func:`~symmem.passes.schedule.optimizer_impl`, as the local optimizer is built with AdamW's defaults), in its
+    local optimizer's order."""
     from ..shapes import numel
     from .model_parallel import _integer, _step_temporaries
     from .zero_redundancy import _state, partition
 
     mine = [params[i] for i in partition([int(numel(p)) for p in params], world)[rank]]
-    temps = _step_temporaries(regime, mine, [], [], 0, "for-loop") if mine else 0
+    temps = _step_temporaries(regime, mine, [], [], 0, impl) if mine else 0
     return {"optimizer_state": sum(_state(regime, shape, {}) for shape in mine),
             "step_temporaries": _integer(temps, {}, "step temporaries")}

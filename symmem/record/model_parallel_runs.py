@@ -135,8 +135,12 @@ def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, 
     if model != "gpt2":
         raise SymmemError(f"no pipeline stages for {model!r} (gpt2 and llama)")
 
+    # the stage holds the reference's parts, not the reference: its tied head would keep the embedding's first
+    # tensor alive after FSDP2 shards the stage's (on a GPU, moved there after the baseline: docs/cuda.md)
+    checkpoint = full.checkpoint
+
     class GPT2Stage(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, full: Any) -> None:
             super().__init__()
             if first:
                 self.wte, self.wpe, self.drop = full.wte, full.wpe, full.drop
@@ -152,12 +156,13 @@ def _stage_module(model: str, values: Mapping[str, int], rank: int, world: int, 
             if first:
                 position_ids = torch.arange(x.size(-1), device=x.device).unsqueeze(0)
                 x = self.drop(self.wte(x) + self.wpe(position_ids))
-            x = run_layers(self.h, x, full.checkpoint)  # each layer checkpointed, or each K, as the model's
+            x = run_layers(self.h, x, checkpoint)  # each layer checkpointed, or each K, as the model's
             if last:
                 x = self.lm_head(self.ln_f(x))
             return x
 
-    stage = GPT2Stage()
+    stage = GPT2Stage(full)
+    del full
     stage.train()
     return stage
 
