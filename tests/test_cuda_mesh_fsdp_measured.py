@@ -1,17 +1,18 @@
 """FSDP2 on pipeline stages against an H200: four ranks on one GPU, every rank's peak read from CUDA's allocator.
 
 Oracles: ``tests/data/cuda_h200_mesh_fsdp.json`` (stop 37) and ``tests/data/cuda_h200_mesh_fsdp_history.json``
-(round 38: the same run again with each rank's allocator history recorded, ``SYMMEM_CUDA_SNAPSHOT=DIR
+(rounds 38 and 41: the same run again with each rank's allocator history recorded, ``SYMMEM_CUDA_SNAPSHOT=DIR
 benchmarks/check_cuda_parallel.py --mesh-fsdp``, read by its ``--analyze --figures``), torch 2.11 + CUDA 13, a
 (pp, dp) = (2, 2) mesh, ``fully_shard`` on each layer and the stage root, gloo with CUDA tensors, CUDA's default
 foreach AdamW, two unmeasured steps, a first and three steady ones.
 
 symmem's CUDA prediction is each history's peak read without two bands (docs/cuda.md): the allocations gloo makes
 inside the collectives (device temporaries NCCL does not make in the caching allocator) and FSDP2's copy-out
-metadata (``split_with_sizes_copy`` packs its splits' pointers into a small device tensor on CUDA), less the
-harness's ``Module.to`` copies no rank frees that are not the stage's buffers (GPT-2's stage 0: the reference's tied
-head still holds the embedding as built, moved to the GPU after the baseline; on CPU ranks it predates the
-baseline), plus the real AdamW's host ``step`` counts (symmem counts them as the state's).  The same holds for the
+metadata (``split_with_sizes_copy`` packs its splits' pointers into a small device tensor on CUDA), plus the real
+AdamW's host ``step`` counts (symmem counts them as the state's).  Round 41 ran it again (the history stored now):
+stop 37's and round 38's harness kept the reference's tied head on GPT-2's stage 0, which held the embedding's
+first tensor beside FSDP2's shards (V x H x 4 bytes, moved to the GPU after the baseline); the stage now holds the
+reference's parts only, and that stage measured exactly those bytes less.  The same holds for the
 optimizer step's own peak (foreach: one ``sqrt`` of every held parameter at once).
 """
 
@@ -60,37 +61,31 @@ def _derived(key: tuple) -> tuple[dict[int, dict[str, int]], list]:
     return out, d
 
 
-def _moved(model: str, values: dict, options: dict, stage: int) -> tuple[int, int]:
-    return _moved_at(model, json.dumps(values), json.dumps(options), stage)
-
-
 @functools.cache  # both data-parallel ranks of a stage build the same module
-def _moved_at(model: str, values_json: str, options_json: str, stage: int) -> tuple[int, int]:
-    """(the stage's buffers' bytes, the bytes of the harness's whole reference module that ``Module.to`` moves with
-    the stage and ``fully_shard`` leaves behind: a parameter of the stage also held by a module outside it -- a tied
-    head -- keeps its unsharded tensor), from the real stage module on the CPU."""
+def _buffers(model: str, values_json: str, options_json: str, stage: int) -> int:
+    """The stage's buffers' bytes, from the real stage module on the CPU: ``Module.to`` moves them to the GPU after
+    the baseline and ``fully_shard`` leaves them whole (since round 41 a stage holds the reference's parts, not the
+    reference, so no tied head outside the stage keeps a parameter's unsharded tensor: ``moved`` is only these)."""
     pytest.importorskip("torch")
-    import torch
-
     from symmem.record.model_parallel_runs import _stage_module
 
     module = _stage_module(model, json.loads(values_json), stage, 2, json.loads(options_json))
-    full = next(c.cell_contents for c in type(module).forward.__closure__ or ()
-                if isinstance(c.cell_contents, torch.nn.Module) and c.cell_contents is not module)
-    mine = {id(p) for p in module.parameters()}
-    inside = {id(m) for m in module.modules()}
-    left = sum(p.numel() * p.element_size() for m in full.modules() if id(m) not in inside
-               for p in m.parameters(recurse=False) if id(p) in mine)
-    return sum(b.numel() * b.element_size() for b in module.buffers()), left
+    return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
 def test_the_measurements_are_an_h200_run_twice():
-    """The history run (round 38) measured what stop 37's run did, rank by rank and step by step."""
+    """The history run (round 41) measured what stop 37's run did, rank by rank and step by step, but on GPT-2's
+    stage 0: there stop 37's harness kept the reference's tied head, holding the embedding's first tensor (V x H x 4
+    bytes) beside FSDP2's shards in every step, and the round-41 harness does not."""
     assert "H200" in MEASURED["device"] and "+cu" in MEASURED["versions"]["torch"]
     assert HISTORY["bands"] == ["c10d", "copy-out"]
     assert len(HISTORY["rows"]) == len(MEASURED["rows"]) == 12
     stop37 = {(_key(r), r["rank"]): (r["steps"], r["host_state"]) for r in MEASURED["rows"]}
-    assert {(_key(r), r["rank"]): (r["steps"], r["host_state"]) for r in HISTORY["rows"]} == stop37
+    for r in HISTORY["rows"]:
+        old, host = stop37[(_key(r), r["rank"])]
+        leftover = r["values"]["V"] * r["values"]["H"] * 4 if (r["model"], r["pp"]) == ("gpt2", 0) else 0
+        assert host == r["host_state"]
+        assert [{k: v - leftover for k, v in s.items()} for s in old] == r["steps"], r["rank"]
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: " ".join(str(k) for k in c[0][:1] + c[0][2:4] + c[0][6:]))
@@ -99,28 +94,28 @@ def test_every_rank_of_fsdp2_on_stages_on_the_h200(case):
     collective temporaries and FSDP2's copy-out metadata, less the harness's leftover, plus the host step counts, is
     symmem's CUDA prediction to the byte."""
     key, ranks = case
-    model, values, options = key[0], json.loads(key[1]), json.loads(key[5])
+    model = key[0]
     want, d = _derived(key)
     assert len(ranks) == 4 and d.value("peak") == max(w["peak"] for w in want.values())
     for rank, row in sorted(ranks.items()):
-        buffers, left = _moved(model, values, options, row["pp"])
+        buffers = _buffers(model, key[1], key[5], row["pp"])
         first, *_, steady = row["history"]
         for w, measured in zip(row["history"], row["steps"], strict=True):
             # the history is the measurement: its peak is requested_bytes' peak, its blocks max_memory_allocated
             assert (w["peak"], w["rounded"]) == (measured["requested"], measured["allocated"]), (rank, w)
-            assert w["moved"] == buffers + left, (rank, w)
+            assert w["moved"] == buffers, (rank, w)
         assert steady == row["history"][1], rank  # every steady step alike
         host = row["host_state"]
-        assert steady["less_copy-out"] - left + host == want[rank]["peak"], (rank, steady)
+        assert steady["less_copy-out"] + host == want[rank]["peak"], (rank, steady)
         # the first step's peak is in the schedule, before AdamW makes its state and its step counts
-        assert first["less_copy-out"] - left == want[rank]["peak_first_step"], (rank, first)
-        assert steady["optimizer_step"] - left + host == want[rank]["optimizer_step"], (rank, steady)
+        assert first["less_copy-out"] == want[rank]["peak_first_step"], (rank, first)
+        assert steady["optimizer_step"] + host == want[rank]["optimizer_step"], (rank, steady)
 
 
 def test_the_bands_are_gloo_and_the_copy_out():
-    """What the bands and the leftover are, where they are not zero: gloo's temporaries one unit's all-gather (its
-    whole parameters: GPT-2's and Llama's layer, 50,816 and 37,120 bytes, alive at the measured peak), the copy-out
-    metadata under one 512-byte block, the leftover GPT-2's embedding (V x H x 4 bytes) on stage 0 only."""
+    """What the bands are, where they are not zero: gloo's temporaries one unit's all-gather (its whole parameters:
+    GPT-2's and Llama's layer, 50,816 and 37,120 bytes, alive at the measured peak), the copy-out metadata under one
+    512-byte block."""
     seen = {}
     for r in HISTORY["rows"]:
         w = r["history"][-1]
@@ -133,9 +128,6 @@ def test_the_bands_are_gloo_and_the_copy_out():
                     ("llama", "1f1b", "fsdp-no-reshard", 0): (0, 0, 0),
                     ("llama", "1f1b", "fsdp-no-reshard", 1): (0, 0, 0),
                     ("llama", "gpipe", "fsdp", 0): (0, 0, 0), ("llama", "gpipe", "fsdp", 1): (7_800, 392, 37_120)}
-    gpt2 = {"B": 2, "S": 32, "H": 32, "h": 2, "L": 2, "V": 64}
-    options = {"attention": "naive", "dropout": 0.0}
-    assert _moved("gpt2", gpt2, options, 0) == (0, 64 * 32 * 4) and _moved("gpt2", gpt2, options, 1) == (0, 0)
 
 
 def test_the_cuda_prediction_is_no_longer_refused(capsys):

@@ -17,8 +17,9 @@ is stage ``s``'s.
 
 With ``zero-redundancy`` each stage's optimizer is ``ZeroRedundancyOptimizer`` over ``mesh["dp"]``: the stage's
 whole parameters partitioned as ZeRO-1 alone partitions a model's
-(:func:`~symmem.passes.zero_redundancy.partition`), so a rank's AdamW state and its for-loop step's temporaries are
-those of the parameters it owns, and the ranks of a stage differ (the largest need not be data-parallel rank 0).
+(:func:`~symmem.passes.zero_redundancy.partition`), so a rank's AdamW state and its step's temporaries (for-loop on
+the CPU, foreach on CUDA: its local AdamW is built with the defaults) are those of the parameters it owns, and the
+ranks of a stage differ (the largest need not be data-parallel rank 0).
 
 With ``gradient_as_bucket_view=True`` (``ddp-bucket-view``) the buckets are alive the whole step as above (made when
 the stage was wrapped; ``zero_grad(set_to_none=True)`` drops the views, not the buckets), and the ``no_sync``
