@@ -86,7 +86,7 @@ def _traced(spec, config, loss, engine, optimizer="adamw", world=2, **kw):
 SHARE_RECORDS = True
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test, its ranks forked from it (gloo_store)
 def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     cases = _against_gloo(CASES, live=LIVE)
     block = cases[0][2]

@@ -101,7 +101,7 @@ def _measured(every=False):
             if every or k not in DEEP]
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test, its ranks forked from it (gloo_store)
 def test_every_rank_equals_a_real_gloo_run():
     """One test (pytest-xdist never splits it into two spawns): every rank's peaks, the optimizer state each rank
     keeps, and the largest rank (not always rank 0), each derived and measured."""
