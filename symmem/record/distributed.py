@@ -185,9 +185,10 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
                  ) -> list[tuple[RankPeak, ...]]:
     """:func:`measure_ranks` for jobs given as they are (FSDP2's among them).  ``start_method="forkserver"`` forks
     the ranks from one server process that has imported torch, its distributed engines and these recorders once
-    (:data:`PRELOAD`; a fresh interpreter spends ~6 s of CPU a rank on them): the test suite's choice, where many
-    runs share that server; the ranks' measurements are the same.  A job run ``once`` in groups gives its first
-    group's ranks only."""
+    (:data:`PRELOAD`; a fresh interpreter spends ~6 s of CPU a rank on them); ``"fork"`` forks them from this
+    process, which imports what they need first (once): the test suite's choice, where many runs share one process
+    (no server's start, ~8.5 CPU-s; a 2-rank spawn's start ~0.05 CPU-s).  The ranks' measurements are the same
+    (docs/testing.md, "Stop 41: gloo41").  A job run ``once`` in groups gives its first group's ranks only."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise SymmemError(f"the world size is a positive integer, got {world!r}")
     for job in jobs:
