@@ -27,6 +27,10 @@ import pytest
 from symmem.record.distributed import FSDP1, SHARDED, Job, RankPeak, measure_jobs
 
 STORE = Path(__file__).parent / "data" / "gloo_runs.json"
+#: how the suite's real runs start their ranks: forked from the test process, which imports what they need first,
+#: once (symmem.record.distributed.preload), not from a forkserver (a fresh interpreter importing torch, its engines
+#: and transformers again: ~8.5 CPU-s a process); measured and tested in docs/testing.md, "Stop 41: gloo41"
+START = "fork"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,12 +79,12 @@ def _load() -> dict[str, list[dict[str, Any]]]:
 
 def runs(jobs: Sequence[Job], world: int, live: Collection[int], *, timeout: float, every: bool = False
          ) -> list[tuple[RankPeak, ...]]:
-    """Each job's ranks: the jobs at the indices ``live`` run in one spawn of ``world`` ranks (forked from the suite's
-    forkserver), the others replayed from the store.  ``every``: every job runs live and each is compared with its
-    stored ranks (or, under ``SYMMEM_GLOO_STORE=write``, stored)."""
+    """Each job's ranks: the jobs at the indices ``live`` run in one spawn of ``world`` ranks (forked from this
+    process: :data:`START`), the others replayed from the store.  ``every``: every job runs live and each is
+    compared with its stored ranks (or, under ``SYMMEM_GLOO_STORE=write``, stored)."""
     chosen = range(len(jobs)) if every else sorted(live)
-    fresh = dict(zip(chosen, measure_jobs([jobs[i] for i in chosen], world, timeout=timeout,
-                                          start_method="forkserver"), strict=True)) if chosen else {}
+    fresh = dict(zip(chosen, measure_jobs([jobs[i] for i in chosen], world, timeout=timeout, start_method=START),
+                     strict=True)) if chosen else {}
     stored = _load()
     if every:
         if os.environ.get("SYMMEM_GLOO_STORE") == "write":

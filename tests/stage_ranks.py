@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gloo_store import START
+
 
 def replays_are_the_ranks(d: Any, real: list[Any], label: Any) -> None:
     """Each real rank's weights and AdamW state, its first and steady peaks and the largest moments of its schedule
@@ -116,7 +118,7 @@ def rerun(runner: Any, cases: list[Any]) -> list[list[Any]]:
     """``cases`` in a fresh 2 x 2 spawn of ``runner`` (each file's own: ``fsdp_pipeline_runs`` or
     ``ddp_pipeline_runs``), every rank with no late free and one first and one steady step, against
     :data:`DATA` (:func:`against_stored`); per rank, per case."""
-    everything = runner(2, 2, cases, start_method="forkserver")
+    everything = runner(2, 2, cases, start_method=START)
     assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
     against_stored(cases, everything)
     return everything
@@ -134,7 +136,7 @@ def _live_meshes() -> dict[str, list[Any]]:
     from symmem.record.mesh_runs import mesh_runs
 
     cases = [c for module in (fsdp, tensor, ddp) for k, c in enumerate(module.mesh_cases()) if k in module.LIVE]
-    runs = mesh_runs(2, 2, cases, start_method="forkserver")
+    runs = mesh_runs(2, 2, cases, start_method=START)
     return {key(c): [rank[k] for rank in runs] for k, c in enumerate(cases)}
 
 

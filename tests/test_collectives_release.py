@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from gloo_store import START  # noqa: E402  (how the suite's ranks start)
+
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.record.collective_stress import STRESSED, stress  # noqa: E402
 from symmem.record.live_bytes import LiveTracker  # noqa: E402
@@ -33,11 +35,11 @@ def test_a_free_another_thread_runs_is_late():
     assert trace.late == (1,)
 
 
-@pytest.mark.xdist_group("gloo")  # on the gloo tests' worker: its forkserver forks the ranks
+@pytest.mark.xdist_group("gloo")  # on the gloo tests' worker (its ranks forked from it: gloo_store.START)
 def test_every_collective_frees_on_the_recording_thread():
     """100 of each collective the engines call, on two gloo ranks: under released() no free runs on gloo's thread
     (without it, 19-34 of 400 per collective did, measured; 0 of 6,000 per collective with it at 3,000 repeats)."""
-    found = stress(2, 100, start_method="forkserver")
+    found = stress(2, 100, start_method=START)
     assert found == dict.fromkeys(STRESSED, (0, 2 * 100 * 3))
 
 

@@ -4,7 +4,7 @@ live bytes measured inside that rank of a real gloo run on the CPU (symmem.recor
 One start of two processes runs the live cases (``LIVE``: one per engine and variant) in turn, inside one test, so
 that pytest-xdist never splits it in two, and the others replay their stored real runs (tests/gloo_store.py; the deep
 twin reruns them all);
-the processes fork from a server that imported torch once for every gloo test (``start_method="forkserver"``); the
+the processes fork from the test process, which imports what they need once (``gloo_store.START``); the
 ranks meet through a file store in a temporary directory, so parallel test workers cannot collide on a port.
 """
 
@@ -92,7 +92,7 @@ LIVE = (6, 4, 13, 12, 19, 18)
 DEEP = (1, 2, 10, 17, 20)
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test, its ranks forked from it (gloo_store)
 def test_every_rank_peak_equals_a_real_gloo_run():
     _every_rank_peak(every=False)
 
@@ -211,6 +211,39 @@ def _check_fsdp_shards(ranks):
     assert [r.start for r in ranks] == [4 * sum(k * m for k, m in zip(rows, rest, strict=True)) + batch] * n
     held = [sum(max(0, min(k, s[0] - r * k)) * m for k, m, s in zip(rows, rest, shapes, strict=True)) for r in range(n)]
     assert ranks[0].steady - ranks[-1].steady == 2 * 4 * (held[0] - held[-1]) == 520
+
+
+@pytest.mark.deep
+@pytest.mark.xdist_group("gloo")
+def test_ranks_forked_from_a_busy_process_measure_what_fresh_ones_do():
+    """The suite forks its ranks from the test process (``gloo_store.START``): here from one whose intra-op pool ran
+    on two OpenMP threads (matmuls, a backward) and that recorded a step, ranks forked from it measure every byte as
+    ranks in fresh interpreters (``spawn``) do -- FSDP2 with padding, DDP's bucket view, ZeRO-1 -- within the same
+    bounded time; the parent's pool still works afterwards.  (Gloo's late frees under DDP's reducer vary by run:
+    not compared, as tests/gloo_store.py's ``compared``.)"""
+    from symmem.record.distributed import measure_jobs
+
+    padded = _derive("mlp", {"B": 4, "N": 2}, {"widths": ",".join(map(str, FSDP_WIDTHS)), "loss": "cross-entropy"},
+                     "fsdp")
+    jobs = [job_of(padded), *(job_of(_derive(*MODELS[0], engine)) for engine in ("ddp-bucket-view",
+                                                                                  "zero-redundancy"))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(256, 256, requires_grad=True)
+        for _ in range(5):
+            (x @ x).relu().sum().backward()
+        forked = measure_jobs(jobs, 2, timeout=150, start_method="fork")
+        (x @ x).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    fresh = measure_jobs(jobs, 2, timeout=300, start_method="spawn")
+
+    def kept(runs):  # what a fresh run must repeat of a stored one (tests/gloo_store.py)
+        return [gloo_store.compared([gloo_store.row(r) for r in ranks], job.engine)
+                for ranks, job in zip(runs, jobs, strict=True)]
+
+    assert kept(forked) == kept(fresh)
 
 
 def test_what_each_engine_adds_to_one_device():

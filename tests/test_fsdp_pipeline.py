@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
+from gloo_store import START  # noqa: E402  (how the suite's ranks start)
 from stage_ranks import hf_stage_buffers, replays_are_the_ranks, sharded_side  # noqa: E402
 
 GPT2 = {"B": 2, "S": 16, "H": 32, "h": 2, "L": 2, "V": 65}
@@ -212,7 +213,7 @@ def test_a_traced_module_under_gpipe_without_resharding():
     split = SequentialSplit(("inp",), "blocks", ("head",))
     traced = [(TracedCase(SpecBuilder(BLOCK), split, schedule, m, "cross-entropy", (4, 5), (4, 24)), reshard)
               for schedule, m, reshard in DEEP_TRACED]
-    _check_traced(fsdp_pipeline_runs(2, 2, traced, start_method="forkserver"), DEEP_TRACED)
+    _check_traced(fsdp_pipeline_runs(2, 2, traced, start_method=START), DEEP_TRACED)
 
 
 def _check_traced(everything, cases=TRACED, formulas=True):

@@ -86,7 +86,7 @@ def _traced(spec, config, loss, engine, optimizer="adamw", world=2, **kw):
 SHARE_RECORDS = True
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test, its ranks forked from it (gloo_store)
 def test_traced_modules_under_every_engine_equal_real_gloo_runs():
     cases = _against_gloo(CASES, live=LIVE)
     block = cases[0][2]
@@ -132,7 +132,7 @@ def _against_gloo(table, live=None, every=False):
     plain = [i for i in range(len(cases)) if i not in sharded]
     order = [*sharded, *plain]
     if live is None and not every:
-        runs = measure_jobs([jobs[i] for i in order], world=2, timeout=170, start_method="forkserver")
+        runs = measure_jobs([jobs[i] for i in order], world=2, timeout=170, start_method=gloo_store.START)
     else:
         chosen = [k for k, i in enumerate(order) if (cases[i][0], cases[i][1]) in (live or ())]
         runs = gloo_store.runs([jobs[i] for i in order], 2, chosen, timeout=170, every=every)

@@ -14,6 +14,9 @@ STRESSED = ("all_gather_single", "all_gather_sync", "reduce_scatter_single", "al
 #: ``_c10d_functional`` op, then ``wait_tensor``), run by :func:`stress_funcol` under the recorder's
 #: :class:`~symmem.record.collectives.FuncolRelease`
 FUNCOL_STRESSED = ("funcol_all_gather", "funcol_reduce_scatter", "funcol_all_reduce")
+#: what a stress rank imports (``start_method="fork"``: imported in the calling process first, once)
+STRESS_IMPORTS = ("torch.distributed", "torch.distributed.tensor", "symmem.record.sharded",
+                  "symmem.record.collectives")
 
 
 def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout: float = 120.0,
@@ -35,7 +38,7 @@ def stress(world: int = 2, repeats: int = 200, *, release: bool = True, timeout:
         raise SymmemError(f"the repeats are a positive integer, got {repeats!r}")
     with tempfile.TemporaryDirectory(prefix="symmem-stress-") as tmp:
         spawn_ranks(_stress_rank, (world, tmp, repeats, release, timeout, funcol), world, timeout=timeout,
-                    start_method=start_method, what=f"the {world}-process stress check")
+                    start_method=start_method, what=f"the {world}-process stress check", imports=STRESS_IMPORTS)
         out: dict[str, tuple[int, int]] = {}
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
@@ -60,6 +63,9 @@ def _stress_rank(rank: int, world: int, tmp: str, repeats: int, release: bool, t
     from contextlib import nullcontext
     from datetime import timedelta
 
+    from .distributed import rank_starts
+
+    rank_starts()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # 127.0.0.1 only
     import torch
     import torch.distributed as dist

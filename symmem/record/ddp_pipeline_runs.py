@@ -163,7 +163,7 @@ def ddp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method:
 
     from .model_parallel_runs import forked_ranks
 
-    mesh_of(stages, dp, start_method, __name__)
+    mesh_of(stages, dp, start_method, __name__, cases)
     listed = [case if len(case) == 2 else (case[0], dict(case[1]), *case[2:5], dict(case[5]), case[6])
               for case in cases]
     return forked_ranks(stages * dp, functools.partial(_work, listed, stages), "the DDP x pipeline run",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,13 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "transformers", "transformers.models.gpt2.modeling_gpt2", "torch.distributed.pipelining",
            "symmem.record.fsdp_pipeline_runs", "symmem.record.ddp_pipeline_runs", "symmem.record.mesh_runs",
            "symmem.record.traced_pipeline_runs", "symmem.importer.spec_builder")
+#: Hugging Face's modules in :data:`PRELOAD` (~3.4 CPU-s of the server's ~8.5): ranks forked from the calling process
+#: (``start_method="fork"``) get them imported there only for a job that builds an ``hf:`` model
+HF_PRELOAD = ("transformers", "transformers.models.gpt2.modeling_gpt2")
+#: how :func:`spawn_ranks` starts the ranks: a fresh interpreter each; forked from a server that imported
+#: :data:`PRELOAD` once (a fresh interpreter too: ~8.5 CPU-s, once a process); forked from the calling process, which
+#: imports what they need first (once a process, only what it lacks; POSIX only).  The measured bytes are the same.
+START_METHODS = ("spawn", "forkserver", "fork")
 
 
 @dataclass(frozen=True)
@@ -177,9 +185,10 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
                  ) -> list[tuple[RankPeak, ...]]:
     """:func:`measure_ranks` for jobs given as they are (FSDP2's among them).  ``start_method="forkserver"`` forks
     the ranks from one server process that has imported torch, its distributed engines and these recorders once
-    (:data:`PRELOAD`; a fresh interpreter spends ~6 s of CPU a rank on them): the test suite's choice, where many
-    runs share that server; the ranks' measurements are the same.  A job run ``once`` in groups gives its first
-    group's ranks only."""
+    (:data:`PRELOAD`; a fresh interpreter spends ~6 s of CPU a rank on them); ``"fork"`` forks them from this
+    process, which imports what they need first (once): the test suite's choice, where many runs share one process
+    (no server's start, ~8.5 CPU-s; a 2-rank spawn's start ~0.05 CPU-s).  The ranks' measurements are the same
+    (docs/testing.md, "Stop 41: gloo41").  A job run ``once`` in groups gives its first group's ranks only."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise SymmemError(f"the world size is a positive integer, got {world!r}")
     for job in jobs:
@@ -189,11 +198,13 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
         if job.once and not job.group:
             raise SymmemError(f"a {job.engine} job runs once on its first group: give it a group smaller than the "
                               "world")
-    if start_method not in ("spawn", "forkserver"):
-        raise SymmemError(f"the ranks start by 'spawn' or 'forkserver', not {start_method!r}")
+    if start_method not in START_METHODS:
+        raise SymmemError(f"the ranks start by {', '.join(map(repr, START_METHODS))}, not {start_method!r}")
+    hf = any(job.builder is not None and str(job.builder.spec).startswith("hf:") for job in jobs)
+    imports = tuple(n for n in PRELOAD if hf or n not in HF_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
         spawn_ranks(_worker, (world, tmp, jobs, timeout), world, timeout=timeout, start_method=start_method,
-                    what=f"the {world}-process run")
+                    what=f"the {world}-process run", imports=imports)
         found = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
@@ -201,16 +212,22 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
     return [tuple(r for rank in range(world) if (r := found[rank][i]) is not None) for i in range(len(jobs))]
 
 
-def spawn_ranks(fn: Any, args: tuple, world: int, *, timeout: float, start_method: str, what: str) -> None:
+def spawn_ranks(fn: Any, args: tuple, world: int, *, timeout: float, start_method: str, what: str,
+                imports: Sequence[str] = PRELOAD) -> None:
     """``fn(rank, *args)`` on ``world`` processes, joined within ``timeout`` seconds; a rank that fails, exits or
     overruns is one :class:`SymmemError` naming ``what`` (and the processes this call started are killed).
-    ``start_method="forkserver"``: forked from a server that has imported :data:`PRELOAD` once."""
+    ``start_method="forkserver"``: forked from a server that has imported :data:`PRELOAD` once; ``"fork"``: forked
+    from this process, which imports ``imports`` first (:func:`preload`)."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
+    if start_method not in START_METHODS:
+        raise SymmemError(f"the ranks start by {', '.join(map(repr, START_METHODS))}, not {start_method!r}")
     if start_method == "forkserver":  # only read when the server starts (once a process)
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    if start_method == "fork":
+        preload(imports)
     ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout
     try:
@@ -229,9 +246,34 @@ def spawn_ranks(fn: Any, args: tuple, world: int, *, timeout: float, start_metho
                 p.join(5)
 
 
+def preload(names: Sequence[str]) -> None:
+    """Import ``names`` in this process (a module that is missing is skipped): ranks forked from it afterwards
+    (``start_method="fork"``) inherit them instead of each importing them."""
+    import importlib
+
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def rank_starts() -> None:
+    """What every rank does first: the objects it started with (a forked rank's: its parent's whole heap) set aside
+    from the cyclic collector, so that no collection in the rank walks them (or writes their pages, copied on
+    write).  The rank's own objects are collected as before; what a rank measures is unchanged."""
+    import gc
+
+    gc.freeze()
+
+
 def _worker(rank: int, world: int, tmp: str, jobs: Sequence[Job], timeout: float) -> None:
     """One rank: join the group, run every job, write its peaks to ``rank{rank}.json``."""
     from datetime import timedelta
+
+    rank_starts()
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # 127.0.0.1 only
     import torch

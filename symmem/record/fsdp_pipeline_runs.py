@@ -259,17 +259,21 @@ def _record(sched: Any, stage: Any, module: Any, ids: Any, labels: Any, first: b
                         phases["forward"], phases["step"], *(tp or [0]), late, repeats)
 
 
-def mesh_of(stages: int, dp: int, start_method: str, runs: str) -> None:
-    """A p x N mesh's sizes checked, and with ``forkserver`` what its ranks import (the module ``runs`` too)."""
+def mesh_of(stages: int, dp: int, start_method: str, runs: str, cases: Sequence[Any] = ()) -> None:
+    """A p x N mesh's sizes checked, and what its ranks import (the module ``runs`` too): with ``forkserver`` the
+    server's list, with ``fork`` imported here first (Hugging Face's only where a case names an ``hf:`` model)."""
     for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SymmemError(f"the {what} is a positive integer, got {n!r}")
+    from .distributed import HF_PRELOAD, PRELOAD, preload  # pipelining and these runs among them: one list
+
     if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
         import multiprocessing
 
-        from .distributed import PRELOAD  # pipelining and these runs among them: one list for every run
-
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*PRELOAD, runs])))
+    elif start_method == "fork":
+        hf = "'hf:" in repr(cases)  # a traced case of a Hugging Face model (its spec, a string field)
+        preload([*(n for n in PRELOAD if hf or n not in HF_PRELOAD), runs])
 
 
 def _fewest_phase(trace: Any, steps: range, left_out: set[int], phase: str) -> int:
@@ -296,7 +300,7 @@ def fsdp_pipeline_runs(stages: int, dp: int, cases: Sequence[Case], start_method
 
     from .model_parallel_runs import forked_ranks
 
-    mesh_of(stages, dp, start_method, __name__)
+    mesh_of(stages, dp, start_method, __name__, cases)
     return forked_ranks(stages * dp, functools.partial(_work, listed(cases), stages), "the FSDP x pipeline run",
                         start_method)
 

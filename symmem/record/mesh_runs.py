@@ -41,6 +41,6 @@ def mesh_runs(stages: int, dp: int, cases: Sequence[Any], start_method: str = "f
     from .fsdp_pipeline_runs import listed
     from .model_parallel_runs import forked_ranks
 
-    mesh_of(stages, dp, start_method, __name__)
+    mesh_of(stages, dp, start_method, __name__, cases)
     return forked_ranks(stages * dp, functools.partial(_work, listed(cases), stages), "the pipeline meshes' run",
                         start_method)

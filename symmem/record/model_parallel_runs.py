@@ -523,6 +523,9 @@ def released_collectives() -> Iterator[None]:
 def _rank_main(rank: int, world: int, port: int, work: Callable[[int, int], Any], out: Any) -> None:
     """One rank: join the gloo group on 127.0.0.1, put ``(rank, work(rank, world))`` (or the traceback), ``work``
     run under :func:`released_collectives`."""
+    from .distributed import rank_starts
+
+    rank_starts()
     try:
         import torch
         import torch.distributed as dist
