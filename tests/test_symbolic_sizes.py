@@ -92,53 +92,6 @@ def test_plan_keeps_sizes_polynomial() -> None:
     assert Plan.of({"h": 32, "G": 32}, {"h": "G"}).variables[0].values == (1,)
 
 
-#: (sizes, divisible, degrees of the polynomial in each variable): a known polynomial's values on the fit's grid
-INTERPOLATED = [
-    ({"H": 4096, "h": 32, "G": 8}, {"H": "h", "h": "G"}, (1, 1, 1)),
-    ({"H": 64, "h": 4, "F": 128}, {"H": "h"}, (2, 1, 2)),
-    ({"V": 32000, "F": 11008}, None, (2, 2)),
-]
-
-
-@pytest.mark.parametrize(("sizes", "divisible", "degrees"), INTERPOLATED)
-def test_interpolation_is_the_polynomial_through_the_grid(sizes: dict, divisible: dict | None, degrees: tuple) -> None:
-    """The fit's exact interpolation (fractions for the Lagrange weights) gives back a polynomial known beforehand,
-    coefficients in B and S and fractions included, from its values on the grid alone (and so at every point)."""
-    import itertools
-    import random
-
-    from symmem.importer.symbolic_sizes import _interpolate
-    from symmem.symbols import B, S
-
-    plan = Plan.of(sizes, divisible)
-    xs = [v.symbol for v in plan.variables]
-    rng = random.Random(len(xs))
-    truth = sympy.expand(sum(
-        (sympy.Rational(rng.randint(-9, 9), rng.choice([1, 2, 3])) * (B * S if rng.random() < 0.5 else S + 1)
-         * sympy.Mul(*[x**e for x, e in zip(xs, exps, strict=True)])
-         for exps in itertools.product(*[range(d + 1) for d in degrees])), sympy.Integer(0)))
-    grid = list(enumerate(degrees))
-    points = itertools.product(*[v.values[:d + 1] for v, d in zip(plan.variables, degrees, strict=True)])
-    quantities = {p: {("storage", "x"): (truth.xreplace(dict(zip(xs, p, strict=True))),)} for p in points}
-    assert _interpolate(("storage", "x"), 0, grid, plan, plan.base, quantities) == truth
-
-
-def test_the_domain_is_judged_in_integers_as_sympy_judges_it(attention: object) -> None:
-    """fit's scan asks the domain of many values: judged in integers (budget.holds_at, in_domain), it refuses
-    exactly the values sympy's substitution refuses (derivation.failing), for every size the fit moves."""
-    from symmem.apps.budget import holds_at
-    from symmem.derivation import failing
-    from symmem.importer.symbolic_sizes import in_domain
-
-    d = attention.at(H=1024, h=128)
-    holds = holds_at(d.domain)
-    for sym in sorted(d.numbers, key=lambda s: s.name):
-        accepts = in_domain(d, sym.name)
-        for value in (*range(1, 26), 127, 128, 255, 256, 257, 384, 512, 1024, 1280):  # H's period: 256
-            nums = {**d.numbers, sym: value}
-            assert holds(nums) == (not failing(d.domain, nums)) == (accepts(value) is None), (sym, value)
-
-
 @pytest.mark.parametrize(("sizes", "divisible", "message"), [
     ({"H": 10, "h": 4}, {"H": "h"}, "divisible says h divides H, but H = 10 is not a multiple of 4"),
     ({"H": 8, "h": 2}, {"H": "x"}, "divisible['H'] = 'x': the divisor must be another size (h) or a positive integer"),
