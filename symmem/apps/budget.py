@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 
 from ..errors import NothingFits, SymmemError
-from ..evaluator import evaluator, exactly
+from ..evaluator import evaluator
 from ..simplify import max_of
 from ..tensor import MAX_SIZE
 from ..units import format_bytes, parse_size
@@ -170,44 +170,16 @@ def domain_check(d: Derivation, sym: sympy.Symbol, quantity: str = "total") -> C
         raise SymmemError(f"{at} lies outside the formulas' domain ({' & '.join(map(str, fixed))}), where they are not "
                           f"known to hold, whatever {sym.name} is: answer at sizes inside it (--set)")
 
-    holds = holds_at(domain)
-
     def check(value: int) -> str | None:
         nums = {**numbers, sym: value}
         for s, e in tied:
-            v = exactly(e, nums)
-            nums[s] = int(v) if v is not None else int(e.xreplace({x: sympy.Integer(nums[x]) for x in e.free_symbols}))
-        if holds(nums):  # the scan's usual answer, in integers; the words only for a value outside
-            return None
+            nums[s] = int(e.xreplace({x: sympy.Integer(nums[x]) for x in e.free_symbols}))
         found = failing(domain, nums)
         if not found:
             return None
         return f"outside the formulas' domain ({' & '.join(map(str, found))}), where they are not known to hold"
 
     return check
-
-
-def holds_at(domain: Any) -> Callable[[dict[sympy.Symbol, int]], bool]:
-    """``holds(numbers)``: whether no condition of ``domain`` (each argument of an ``And``) is false at ``numbers``
-    -- :func:`symmem.derivation.failing` is empty -- judged in Python integers (:func:`symmem.evaluator.exactly`:
-    ``Mod``, ``Eq``, ``>=`` of whole numbers, microseconds) instead of a sympy substitution a condition (~0.1 ms);
-    a condition it cannot judge (a symbol without a number, a part it does not know) goes the sympy way.  fit's scan
-    below a bound asks it of up to a domain's period of values (256 for an even head size at h = 128)."""
-    conds = [(c, c.free_symbols) for c in (domain.args if isinstance(domain, sympy.And) else (domain,))] \
-        if isinstance(domain, sympy.Basic) and domain is not sympy.true else []
-
-    def holds(numbers: dict[sympy.Symbol, int]) -> bool:
-        for cond, symbols in conds:
-            if not symbols or not all(s in numbers for s in symbols):
-                continue
-            v = exactly(cond, numbers)
-            if v is None:
-                v = cond.xreplace({s: sympy.Integer(numbers[s]) for s in symbols}) is not sympy.false
-            if v is False:
-                return False
-        return True
-
-    return holds
 
 
 #: How many values below the budget's bound :func:`largest` tries one by one before it bisects for one the model

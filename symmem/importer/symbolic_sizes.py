@@ -28,17 +28,14 @@ case of its own: PyTorch specializes size 1), the head size even where it was tr
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from typing import Any
 
 import sympy
 
 from ..errors import SymmemError
-from ..evaluator import exactly
 from .inputs import sym_for
 from .records import Repeat, Trace, TracedParameter, TracedStorage, TracedSymbol
 
@@ -333,6 +330,15 @@ def _degree(ys: list[Any], xs: tuple[int, ...]) -> int:
     return 1 if len(d1) == 1 or sympy.expand(d1[1] - d1[0]) == 0 else 2
 
 
+def _basis(symbol: sympy.Symbol, nodes: tuple[int, ...], i: int) -> sympy.Expr:
+    """The Lagrange basis polynomial of node ``i``."""
+    out = sympy.Integer(1)
+    for j, x in enumerate(nodes):
+        if j != i:
+            out *= (symbol - x) / sympy.Integer(nodes[i] - x)
+    return out
+
+
 @dataclass
 class _Traces:
     """Traces by point, made on demand: ``build`` at the point's sizes, then :func:`trace_module`."""
@@ -546,52 +552,17 @@ def _checked(traces: _Traces, p: tuple[int, ...], keys: list[Key], ranks: dict[K
 
 def _interpolate(key: Key, q: int, grid: list[tuple[int, int]], plan: Plan, base: tuple[int, ...],
                  quantities: dict[tuple[int, ...], dict[Key, tuple[Any, ...]]]) -> Any:
-    """The tensor-product Lagrange interpolation of one component of one quantity over its grid: each monomial's
-    coefficient the values weighted by the product of the basis polynomials' coefficients, exact fractions
-    (:func:`_lagrange`), so sympy adds each monomial's values once instead of expanding a product of basis
-    polynomials a grid point; the same expanded polynomial."""
-    if not grid:
-        return sympy.expand(quantities[base][key][q])
+    """The tensor-product Lagrange interpolation of one component of one quantity over its grid."""
     idx = [i for i, _ in grid]
     nodes = [plan.variables[i].values[:e + 1] for i, e in grid]
-    bases = [_lagrange(ns) for ns in nodes]
-    combos = list(itertools.product(*[range(len(ns)) for ns in nodes]))
-    at = dict(zip(idx, range(len(idx)), strict=True))
-    values = [quantities[tuple(x if i not in at else nodes[at[i]][combo[at[i]]] for i, x in enumerate(base))][key][q]
-              for combo in combos]
-    whole = all(getattr(v, "is_Integer", False) for v in values)  # a parameter's shape: fractions alone
-    terms = []
-    for exps in itertools.product(*[range(len(ns)) for ns in nodes]):
-        weights = [math.prod(bases[j][c][e] for j, (c, e) in enumerate(zip(combo, exps, strict=True)))
-                   for combo in combos]
-        if whole:
-            total = sum((w * int(v) for w, v in zip(weights, values, strict=True) if w), Fraction(0))
-            coefficient: Any = sympy.Rational(total.numerator, total.denominator)
-        else:
-            coefficient = sympy.Add(*[sympy.Rational(w.numerator, w.denominator) * v
-                                      for w, v in zip(weights, values, strict=True) if w])
-        if coefficient != 0:
-            terms.append(coefficient * sympy.Mul(*[plan.variables[i].symbol ** e for i, e in zip(idx, exps,
-                                                                                              strict=True)]))
-    return sympy.expand(sympy.Add(*terms))
-
-
-def _lagrange(nodes: tuple[int, ...]) -> list[list[Fraction]]:
-    """Each Lagrange basis polynomial of ``nodes`` by its coefficients (constant first), exact fractions.
-
-    >>> _lagrange((2, 3))  # (3 - x) and (x - 2)
-    [[Fraction(3, 1), Fraction(-1, 1)], [Fraction(-2, 1), Fraction(1, 1)]]
-    """
-    out = []
-    for i, xi in enumerate(nodes):
-        poly = [Fraction(1)]
-        for j, xj in enumerate(nodes):
-            if j != i:  # times (x - xj) / (xi - xj)
-                d = Fraction(1, xi - xj)
-                poly = [(poly[k - 1] if k else 0) * d - (poly[k] * xj * d if k < len(poly) else 0)
-                        for k in range(len(poly) + 1)]
-        out.append(poly)
-    return out
+    out = sympy.Integer(0)
+    for combo in itertools.product(*[range(len(ns)) for ns in nodes]):
+        p = tuple(base[i] if i not in idx else nodes[idx.index(i)][combo[idx.index(i)]] for i in range(len(base)))
+        weight = sympy.Integer(1)
+        for j, i in enumerate(idx):
+            weight *= _basis(plan.variables[i].symbol, nodes[j], combo[j])
+        out += weight * quantities[p][key][q]
+    return sympy.expand(out)
 
 
 def _subs_at(plan: Plan, point: tuple[int, ...], layers: int) -> dict[sympy.Symbol, int]:
@@ -729,11 +700,7 @@ def in_domain(d: Any, name: str) -> Callable[[int], str | None]:
     domain = sympy.sympify(d.domain, strict=True).xreplace(others)
 
     def accepts(value: int) -> str | None:
-        # in Python integers (fit's scan asks up to a period of values); sympy where the evaluator gives no answer
-        inside = exactly(domain, {sym: value})
-        if inside is None:
-            inside = bool(domain.xreplace({sym: sympy.Integer(value)}))
-        if inside:
+        if bool(domain.xreplace({sym: sympy.Integer(value)})):
             return None
         return f"{name} = {value} lies outside the formula's domain ({domain})"
 
