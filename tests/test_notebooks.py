@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
+import gc
 import os
 import sys
 from pathlib import Path
@@ -62,6 +64,21 @@ def test_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
 
 
+@contextlib.contextmanager
+def _no_full_collection():
+    """IPython's reset (``%reset -f``, ``InteractiveShell.reset``) ends in ``gc.collect()`` twice: a walk of every
+    object of the process, which in a kernel's small heap is cheap and in a test worker's (torch, transformers,
+    sympy and every earlier test's objects: 0.3-1 CPU-s a walk) was most of what the notebooks' test cost more in the
+    suite than alone.  Nothing a notebook runs waits for that collection: the names are gone from the namespace as
+    before, the garbage in cycles goes at the collector's next automatic pass."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
 @pytest.fixture(scope="module")
 def shell(tmp_path_factory):
     """IPython's shell, the one a Jupyter kernel runs cells in, here in the test process (which has imported torch,
@@ -79,7 +96,8 @@ def shell(tmp_path_factory):
     try:
         yield shell
     finally:
-        shell.reset(new_session=False)  # the last notebook's objects: not held for the worker's other tests
+        with _no_full_collection():
+            shell.reset(new_session=False)  # the last notebook's objects: not held for the worker's other tests
         atexit.unregister(shell.atexit_operations)
         shell.restore_sys_module_state()
         for name in set(vars(builtins)) - names:  # __IPYTHON__ and display: the tests after these are not in IPython
@@ -101,7 +119,8 @@ def test_runs(path, shell, monkeypatch):
 
     monkeypatch.chdir(path.parent)
     nb = _read(path)
-    shell.run_cell("%reset -f")
+    with _no_full_collection():
+        shell.run_cell("%reset -f")
     try:
         for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
             result = shell.run_cell("".join(cell.source), store_history=True)
