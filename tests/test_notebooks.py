@@ -70,7 +70,9 @@ def _no_full_collection():
     object of the process, which in a kernel's small heap is cheap and in a test worker's (torch, transformers,
     sympy and every earlier test's objects: 0.3-1 CPU-s a walk) was most of what the notebooks' test cost more in the
     suite than alone.  Nothing a notebook runs waits for that collection: the names are gone from the namespace as
-    before, the garbage in cycles goes at the collector's next automatic pass."""
+    before, the garbage in cycles goes at the collector's next automatic pass.  The shell's last reset, when the
+    module ends, keeps its one walk: the worker's later tests start with the notebooks' garbage freed, as before
+    (without it, test_readme after them read 1.3-2.1 CPU-s more in two paired runs)."""
     collect = gc.collect
     gc.collect = lambda generation=2: 0
     try:
@@ -96,8 +98,7 @@ def shell(tmp_path_factory):
     try:
         yield shell
     finally:
-        with _no_full_collection():
-            shell.reset(new_session=False)  # the last notebook's objects: not held for the worker's other tests
+        shell.reset(new_session=False)  # the last notebook's objects: not held for the worker's other tests
         atexit.unregister(shell.atexit_operations)
         shell.restore_sys_module_state()
         for name in set(vars(builtins)) - names:  # __IPYTHON__ and display: the tests after these are not in IPython
