@@ -26,6 +26,13 @@ HAVE_LATEX = shutil.which("latexmk") or shutil.which("pdflatex")
 derive = functools.cache(symmem.derive)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _derivations_freed():
+    """The shared derivations let go when the module ends: the worker's later tests do not carry them."""
+    yield
+    derive.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def paper(tmp_path_factory):
     out = tmp_path_factory.mktemp("paper")
