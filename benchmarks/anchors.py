@@ -97,9 +97,21 @@ def deepspeed_zero3(total_params: int, largest_layer_params: int, total_gpus: in
     return 4 * largest_layer_params + int(18 * total_params / total_gpus)
 
 
+#: :func:`_sizes` by the case's repr (a case holds dicts: not hashable): a table asks them for its title and its
+#: rows, the tests for their checks -- one derivation and one build a case
+_SIZED: dict[str, tuple[int, int, str]] = {}
+
+
 def _sizes(case: Case) -> tuple[int, int, str]:
     """Ψ (shared parameters once, as DeepSpeed's ``model_to_params``) and the largest layer: the most parameter
     elements one node of the graph owns (DeepSpeed: the most one module owns with ``recurse=False``), its name."""
+    key = repr(case)
+    if key not in _SIZED:
+        _SIZED[key] = _sized(case)
+    return _SIZED[key]
+
+
+def _sized(case: Case) -> tuple[int, int, str]:
     from symmem import derive
     from symmem.models import build
     from symmem.shapes import numel

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
+import gc
 import os
 import sys
 from pathlib import Path
@@ -62,6 +64,23 @@ def test_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
 
 
+@contextlib.contextmanager
+def _no_full_collection():
+    """IPython's reset (``%reset -f``, ``InteractiveShell.reset``) ends in ``gc.collect()`` twice: a walk of every
+    object of the process, which in a kernel's small heap is cheap and in a test worker's (torch, transformers,
+    sympy and every earlier test's objects: 0.3-1 CPU-s a walk) was most of what the notebooks' test cost more in the
+    suite than alone.  Nothing a notebook runs waits for that collection: the names are gone from the namespace as
+    before, the garbage in cycles goes at the collector's next automatic pass.  The shell's last reset, when the
+    module ends, keeps its one walk: the worker's later tests start with the notebooks' garbage freed, as before
+    (without it, test_readme after them read 1.3-2.1 CPU-s more in two paired runs)."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
 @pytest.fixture(scope="module")
 def shell(tmp_path_factory):
     """IPython's shell, the one a Jupyter kernel runs cells in, here in the test process (which has imported torch,
@@ -101,7 +120,8 @@ def test_runs(path, shell, monkeypatch):
 
     monkeypatch.chdir(path.parent)
     nb = _read(path)
-    shell.run_cell("%reset -f")
+    with _no_full_collection():
+        shell.run_cell("%reset -f")
     try:
         for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
             result = shell.run_cell("".join(cell.source), store_history=True)

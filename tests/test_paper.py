@@ -7,6 +7,7 @@ quotes the numbers the engine derives.
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -20,6 +21,17 @@ from symmem.report.latex import expression, parse
 
 HAVE_LATEX = shutil.which("latexmk") or shutil.which("pdflatex")
 
+#: the engine's derivations the tests hold the papers to, each made once for the module (several tests ask the same
+#: model under the same convention; a derivation is immutable, its values cached on it)
+derive = functools.cache(symmem.derive)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _derivations_freed():
+    """The shared derivations let go when the module ends: the worker's later tests do not carry them."""
+    yield
+    derive.cache_clear()
+
 
 @pytest.fixture(scope="module")
 def paper(tmp_path_factory):
@@ -29,7 +41,7 @@ def paper(tmp_path_factory):
 
 def test_sources(paper):
     body = (paper.directory / "generated" / "body.tex").read_text()
-    resnet = symmem.derive("resnet50-v1", convention="paper")
+    resnet = derive("resnet50-v1", convention="paper")
     assert expression(resnet.total) in body                      # equation (1) is the derived formula
     for figure in ("588.00", "196.00", "441.00", "98.00", "110.25", "3.0246", "446.14", "332.44"):
         assert figure in body, figure                              # corrected splits and exact totals
@@ -37,7 +49,7 @@ def test_sources(paper):
     assert "\\toprule" in table and "3.025" in table and "6.554" in table and "5.222" in table
     assert (paper.directory / "figures" / "scaling.pdf").read_bytes()[:4] == b"%PDF"
     # Every inline formula of the ViT section parses back to the derivation's expression.
-    vit = symmem.derive("vit-b16", convention="paper", attention="naive")
+    vit = derive("vit-b16", convention="paper", attention="naive")
     par = re.search(r"M_\{\\mathrm\{par\}\} &= (.*)\.", body).group(1)
     assert parse(par) == vit.parameter_memory
 
@@ -45,8 +57,8 @@ def test_sources(paper):
 def test_pytorch_section(paper):
     body = (paper.directory / "generated" / "body.tex").read_text()
     try:
-        symmem.derive("resnet50-v1", convention="pytorch")
-        symmem.derive("vit-b16", convention="pytorch", attention="naive")
+        derive("resnet50-v1", convention="pytorch")
+        derive("vit-b16", convention="pytorch", attention="naive")
         ready = True
     except symmem.SymmemError:
         ready = False
@@ -83,8 +95,8 @@ def test_fit_section_sizes_batches_from_the_peak(paper):
     body = (paper.directory / "generated" / "body.tex").read_text()
     assert "peak of a training step (PyTorch)" in fits
     for name, options in (("resnet50-v1", {}), ("vit-b16", {"attention": "naive"}), ("vit-b16", {"attention": "sdpa"})):
-        step = largest(symmem.derive(name, convention="pytorch", **options), "B", "80GiB")
-        counted = largest(symmem.derive(name, convention="paper", **options), "B", "80GiB")
+        step = largest(derive(name, convention="pytorch", **options), "B", "80GiB")
+        counted = largest(derive(name, convention="paper", **options), "B", "80GiB")
         assert step.quantity == "peak" and step.max < counted.max
         assert f"& {step.max:,} & {step.total_at_max / 2**30:.3f}" in fits
         assert f"{counted.max:,} for " in body and f"(the peak allows {step.max:,})" in body
@@ -115,7 +127,7 @@ def test_pytorch_peak_beside_the_total(paper):
     if not paper.pytorch:
         pytest.skip("the pytorch convention cannot derive the paper's models in this build")
     table = (paper.directory / "generated" / "pytorchpeak.tex").read_text()
-    d = symmem.derive("vit-b16", convention="pytorch", attention="naive")
+    d = derive("vit-b16", convention="pytorch", attention="naive")
     assert f"{d.value('total') / 2**30:.3f} & {d.value('peak') / 2**30:.3f}" in table
 
 
@@ -157,7 +169,7 @@ def test_other_paper_quotes_the_engine(other):
     assert "\\section{GPT-2}" in body and "\\section{BERT-base}" in body and "ResNet" not in body
     assert "pytorch.tex" not in body  # a pytorch paper has no accounting to set beside PyTorch
     for model in ("gpt2", "bert-base"):
-        d = symmem.derive(model, convention="pytorch")
+        d = derive(model, convention="pytorch")
         total, peak, first = (f"{d.value(k) / 2**30:.3f}" for k in ("total", "peak", "peak_first_step"))
         assert total in table and total in main_tex
         assert f"{total} & {peak} & {first}" in peaks
@@ -174,7 +186,7 @@ def test_other_paper_compiles(other):
     assert other.pdf is not None and other.pdf.read_bytes()[:5] == b"%PDF-"
     if shutil.which("pdftotext"):
         text = subprocess.run(["pdftotext", str(other.pdf), "-"], capture_output=True, text=True, check=True).stdout
-        d = symmem.derive("bert-base", convention="pytorch")
+        d = derive("bert-base", convention="pytorch")
         for needle in ("GPT-2", "BERT-base", f"{d.value('peak') / 2**30:.3f}", "Scaling"):
             assert needle in text, needle
         assert "??" not in text
