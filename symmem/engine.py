@@ -227,8 +227,8 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
 
     one = replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1, data_parallel=None)
     dropped = ("p", "N") if regime.data_parallel else ("p",)
-    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k not in dropped},
-                         options=options, free=None if free is None else tuple(f for f in free if f not in dropped))
+    single = _single(model, convention, one, {k: v for k, v in (values or {}).items() if k not in dropped},
+                     options, None if free is None else tuple(f for f in free if f not in dropped))
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     if regime.data_parallel:  # an engine on every stage of a p x N mesh: DDP / ZeRO-1 or FSDP2
         from .passes.fsdp_pipeline import refusal
@@ -252,6 +252,14 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
                       regime.pipeline_schedule, regime.micro_batches, **engine)
     return PipelineStep(model.graph, convention, resolved, one, single.storages, dict(numbers),
                         regime.pipeline_schedule, regime.micro_batches)
+
+
+def _single(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+            options: Mapping[str, Any] | None, free: tuple[str, ...] | None = None) -> Derivation:
+    """The single-device derivation a pipeline's stages are cut from: its storages and options only, so without
+    the training step a derivation has (the stages replay their own; making one imported the single-device
+    peak's modules, unused)."""
+    return derivation_of(_front(model, convention, regime, values, options, False, free).ledger, regime)
 
 
 def _tensor_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
@@ -281,8 +289,8 @@ def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, 
     loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
     one = replace(regime, tensor_parallel=False, sequence_parallel=False, pipeline_parallel=False,
                   pipeline_schedule="1f1b", micro_batches=1, data_parallel=None)
-    single = _derivation(model, convention, one,
-                         {k: v for k, v in (values or {}).items() if k not in ("t", "p", "N")}, options=options)
+    single = _single(model, convention, one, {k: v for k, v in (values or {}).items() if k not in ("t", "p", "N")},
+                     options)
     device = str(single.options.get("device", "cpu"))
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     if regime.data_parallel:  # FSDP2 on the 3-D mesh, torchtitan's (passes/fsdp_tensor_pipeline.py)
