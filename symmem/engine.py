@@ -197,17 +197,20 @@ def derivation(model: Model, convention: Convention, regime: Regime, values: Map
 def _derivation(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None = None,
                 *, options: Mapping[str, Any] | None = None, per_layer: bool = False,
                 free: tuple[str, ...] | None = None) -> Derivation:
-    front = _front(model, convention, regime, values, options, per_layer, free)
+    # a pipeline's stages are cut from the single-device derivation, whose front keeps the same storages before
+    # the regime's activation side: what the convention keeps is worked out once for both (_single)
+    kept: dict[Any, list[Storage]] | None = {} if regime.pipeline_parallel and not per_layer else None
+    front = _front(model, convention, regime, values, options, per_layer, free, kept)
     step = None
     if not per_layer and type(convention).grads is not Convention.grads:
         if regime.pipeline_parallel and not (regime.tensor_parallel or regime.zero):
-            step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers)
+            step = _pipeline_step(model, convention, regime, values, options, free, front.ledger.numbers, kept)
         elif regime.tensor_parallel and regime.data_parallel and regime.pipeline_parallel:
-            step = _tensor_pipeline_step(model, convention, regime, values, options, front.ledger.numbers)
+            step = _tensor_pipeline_step(model, convention, regime, values, options, front.ledger.numbers, kept)
         elif regime.tensor_parallel and regime.data_parallel:
             step = _mesh_step(model, convention, regime, values, options, front.ledger.numbers)
         elif regime.tensor_parallel and regime.pipeline_parallel:
-            step = _tensor_pipeline_step(model, convention, regime, values, options, front.ledger.numbers)
+            step = _tensor_pipeline_step(model, convention, regime, values, options, front.ledger.numbers, kept)
         elif regime.tensor_parallel:
             step = _tensor_step(model, convention, regime, values, options, front.ledger.numbers)
         else:
@@ -218,7 +221,7 @@ def _derivation(model: Model, convention: Convention, regime: Regime, values: Ma
 
 def _pipeline_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
                    options: Mapping[str, Any] | None, free: tuple[str, ...] | None,
-                   numbers: Mapping[sympy.Symbol, int]) -> Step:
+                   numbers: Mapping[sympy.Symbol, int], kept: dict[Any, list[Storage]] | None = None) -> Step:
     """The step of ``model`` split into pipeline stages: the largest stage's peak, cut from the single-device
     derivation (:mod:`symmem.passes.pipeline_step`)."""
     from dataclasses import replace
@@ -227,8 +230,8 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
 
     one = replace(regime, pipeline_parallel=False, pipeline_schedule="1f1b", micro_batches=1, data_parallel=None)
     dropped = ("p", "N") if regime.data_parallel else ("p",)
-    single = _derivation(model, convention, one, {k: v for k, v in (values or {}).items() if k not in dropped},
-                         options=options, free=None if free is None else tuple(f for f in free if f not in dropped))
+    single = _single(model, convention, one, {k: v for k, v in (values or {}).items() if k not in dropped},
+                     options, None if free is None else tuple(f for f in free if f not in dropped), kept)
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     if regime.data_parallel:  # an engine on every stage of a p x N mesh: DDP / ZeRO-1 or FSDP2
         from .passes.fsdp_pipeline import refusal
@@ -254,6 +257,16 @@ def _pipeline_step(model: Model, convention: Convention, regime: Regime, values:
                         regime.pipeline_schedule, regime.micro_batches)
 
 
+def _single(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
+            options: Mapping[str, Any] | None, free: tuple[str, ...] | None = None,
+            kept: dict[Any, list[Storage]] | None = None) -> Derivation:
+    """The single-device derivation a pipeline's stages are cut from: its storages and options only, so without
+    the training step a derivation has (the stages replay their own; making one imported the single-device
+    peak's modules, unused).  ``kept``: what the convention keeps per branch, shared with the pipeline
+    regime's own front (:func:`_front`)."""
+    return derivation_of(_front(model, convention, regime, values, options, False, free, kept).ledger, regime)
+
+
 def _tensor_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
                  options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
     """The step of one tensor-parallel rank under DTensor's standard plan, worked out from the single-device
@@ -269,7 +282,8 @@ def _tensor_step(model: Model, convention: Convention, regime: Regime, values: M
 
 
 def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, values: Mapping[str, int] | None,
-                          options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int]) -> Step:
+                          options: Mapping[str, Any] | None, numbers: Mapping[sympy.Symbol, int],
+                          kept: dict[Any, list[Storage]] | None = None) -> Step:
     """The step of every rank of a p x t mesh (DTensor's standard plan on every pipeline stage), replayed from the
     single-device step (:mod:`symmem.passes.tensor_pipeline`); refused, saying why, where it is not modelled."""
     from dataclasses import replace
@@ -281,8 +295,8 @@ def _tensor_pipeline_step(model: Model, convention: Convention, regime: Regime, 
     loss = "cross-entropy" if any(graph.node(n).group == "loss" for n in graph.program_order()) else None
     one = replace(regime, tensor_parallel=False, sequence_parallel=False, pipeline_parallel=False,
                   pipeline_schedule="1f1b", micro_batches=1, data_parallel=None)
-    single = _derivation(model, convention, one,
-                         {k: v for k, v in (values or {}).items() if k not in ("t", "p", "N")}, options=options)
+    single = _single(model, convention, one, {k: v for k, v in (values or {}).items() if k not in ("t", "p", "N")},
+                     options, None, kept)
     device = str(single.options.get("device", "cpu"))
     resolved = {k: single.options[k] for k in convention.options if k in single.options}
     if regime.data_parallel:  # FSDP2 on the 3-D mesh, torchtitan's (passes/fsdp_tensor_pipeline.py)
@@ -372,7 +386,11 @@ class _Front:
 
 
 def _front(model: Model, conv: Convention, regime: Regime, values: Mapping[str, int] | None,
-           options: Mapping[str, Any] | None, per_layer: bool, free: tuple[str, ...] | None) -> _Front:
+           options: Mapping[str, Any] | None, per_layer: bool, free: tuple[str, ...] | None,
+           shared: dict[Any, list[Storage]] | None = None) -> _Front:
+    """``shared``: what the convention keeps (``saved.kept``) by branch, the activation dtype and the options, for
+    fronts of one model and convention under regimes that differ in their activation side only (a pipeline's and
+    the single-device front its stages are cut from): the same storages, worked out once."""
     conv_options = dict(conv.options)
     for key, v in (options or {}).items():
         if key not in conv_options:
@@ -394,7 +412,14 @@ def _front(model: Model, conv: Convention, regime: Regime, values: Mapping[str, 
     open_, decided = branches.conditions(graph, nodes, subs)
 
     def run(branch: Mapping[sympy.Basic, bool]) -> list[Storage]:
-        kept = saved.kept(graph, conv, conv_options, act_dtype, nodes, per_layer, branch)
+        key = None if shared is None else (frozenset(branch.items()), act_dtype, per_layer, tuple(nodes),
+                                           repr(sorted(conv_options.items())))
+        if key is not None and key in shared:
+            kept = list(shared[key])
+        else:
+            kept = saved.kept(graph, conv, conv_options, act_dtype, nodes, per_layer, branch)
+            if key is not None:
+                shared[key] = list(kept)
         kept = regimes.activations(graph, kept, regime, act_dtype, per_layer, conv.dedup)
         return kept + conv.extra_storages(kept, conv_options)
 

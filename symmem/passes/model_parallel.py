@@ -503,12 +503,31 @@ def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], laye
         # with two or more layers a layer's first parameter follows the last of the layer before
         k = len(before)
         again = size[k + len(layer) - 1] + 2 * size[k]
-        candidates.append(sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True)))
+        candidates.append(_at_least_two(again, layers))
     if any(isinstance(c, sympy.Basic) and c.free_symbols for c in candidates):
         # left unevaluated: sympy's Max compares every pair of formulas under the symbols' assumptions (a quarter
         # of a pipeline peak's time); the stage's parts are only ever read at numbers, where it is a number
         return sympy.Max(*dict.fromkeys(candidates), evaluate=False)
     return sympy.Max(*candidates)
+
+
+def _at_least_two(again: sympy.Expr, layers: sympy.Expr) -> sympy.Expr:
+    """``Piecewise((again, layers >= 2), (0, True))``.  Where ``layers`` is ``L/p`` (two positive-integer symbols:
+    every stage of a built-in model) sympy's evaluation leaves the condition and the Piecewise as they are (``L/p -
+    2`` has no sign its assumptions decide), so both are built unevaluated: the same objects, without asking the
+    assumptions (three relationals a pipeline peak: most of its stages' formulas' time).
+
+    >>> from symmem.symbols import L
+    >>> fast, slow = _at_least_two(L, L / p), sympy.Piecewise((L, sympy.Ge(L / p, 2)), (0, True))
+    >>> fast == slow, sympy.srepr(fast) == sympy.srepr(slow)
+    (True, True)
+    """
+    args = layers.args if getattr(layers, "is_Mul", False) else ()  # (a number of layers: an int too)
+    if len(args) == 2 and 1 / p in args:
+        count = args[0] if args[1] == 1 / p else args[1]
+        if count.is_Symbol and count != p and count.is_integer and count.is_positive:
+            return sympy.Piecewise((again, sympy.Ge(layers, 2, evaluate=False)), (0, True), evaluate=False)
+    return sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True))
 
 
 @dataclass(frozen=True)

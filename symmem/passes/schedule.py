@@ -154,6 +154,7 @@ class Simulation:
         self.start: list[int] = []
         self.rule_options = {**options, "activation_dtype": self.act, "branch": branch}
         self._out_sizes: dict[str, sympy.Expr] = {}
+        self._sizes: dict[tuple[Any, str], sympy.Expr] = {}
         # (``rules``: asked ahead for this graph and branch, :func:`rule_answers`)
         self._saves: dict[str, list[Any]] = {} if rules is None else dict(rules.saves)
         self._grads: dict[str, Any] = {} if rules is None else dict(rules.grads)
@@ -171,7 +172,13 @@ class Simulation:
         self.events.append(make_event(phase, node, tuple(born), tuple(dict.fromkeys(freed))))
 
     def size(self, spec: TensorSpec) -> sympy.Expr:
-        return spec.numel * dtype_bytes(spec.dtype, self.act)
+        # by shape and dtype: a walk asks for the same few sizes thousands of times (each a sympy product of the
+        # shape, then by the bytes), and the same shape and dtype make the same size
+        key = (spec.shape, spec.dtype)
+        found = self._sizes.get(key)
+        if found is None:
+            found = self._sizes[key] = spec.numel * dtype_bytes(spec.dtype, self.act)
+        return found
 
     # -- each op's rules and sizes, worked out once per walk ------------------------------------------------
     # every micro-batch walks the same ops with the same rule options, and a checkpointed segment's recompute walks
