@@ -10,6 +10,8 @@
   before it set aside); a caller's frozen objects stay frozen.
 - ``symmem trace`` runs without the collector's young passes (:mod:`symmem.importer.collector`).  Oracle:
   ``gc.callbacks``, which sees every pass; the collector is enabled again afterwards.
+- A fake tensor's ``prim.device`` (asked by autograd's C++ of every node's tensors) is answered by the recorder's
+  mode itself.  Oracle: PyTorch's fake mode answering the same query; anything another mode would see is left to it.
 """
 
 from __future__ import annotations
@@ -309,3 +311,40 @@ def test_candidates_with_the_same_live_storages_are_given_once(monkeypatch: pyte
     assert given[0] < given[2] and given[1] < given[3]  # steady, first: fewer moments than every candidate
     assert (fewer.expr, fewer.first) == (every.expr, every.first)
     assert [(m.phase, m.node, m.total) for m in fewer.moments] == [(m.phase, m.node, m.total) for m in every.moments]
+
+
+def test_a_fake_tensors_device_is_answered_as_the_fake_mode_answers_it() -> None:
+    """The recorder answers ``prim.device`` of a fake tensor itself (autograd's C++ asks it of every node's inputs and
+    outputs).  Oracle: the same query dispatched to PyTorch's fake mode with no recorder -- on the CPU, on a fake CUDA
+    device, inside a kernel (``meta``); a real tensor and a query with another mode below the recorder's are left to
+    dispatch (None), and the answers through the recorder's mode equal PyTorch's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from symmem.record.saved_tensors import _fake_device_answer
+
+    device_of = _fake_device_answer()
+    op = torch.ops.prim.device.default
+    mode = FakeTensorMode()
+    with mode:
+        cpu, cuda = torch.empty(2, 3), torch.empty(2, 3, device="cuda")
+    with mode:
+        truth = [op(cpu), op(cuda)]  # PyTorch's answers
+        assert [device_of((cpu,)), device_of((cuda,))] == truth == [torch.device("cpu"), torch.device("cuda", 0)]
+    with in_kernel_invocation_manager(mode):
+        assert device_of((cpu,)) == cpu.device == torch.device("meta")
+    assert device_of((torch.empty(1),)) is None  # a real tensor dispatches on
+
+    class Below(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    rec = SavedRecorder(torch.nn.Linear(2, 2), params={}, inputs={})
+    seen: list[object] = []
+    with Below(), mode:
+        seen.append(device_of((cpu,)))  # a mode below would see the query: left to it
+        with rec.recording():
+            seen += [op(cpu), op(cuda), cpu.device, cuda.device]
+    with mode, rec.recording():  # the fake mode alone below: the recorder answers
+        seen += [op(cpu), op(cuda), cpu.device, cuda.device]
+    assert seen == [None, *truth, *truth, *truth, *truth]

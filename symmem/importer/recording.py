@@ -321,6 +321,8 @@ def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: di
             if shared.shapes is None:
                 shared.shapes = rec.shapes
             rec.shapes = shared.shapes
+        if rec.shapes is not None:  # the remembered size arithmetic installed once for the step: each hit switches it
+            stack.enter_context(rec.shapes.memo.installed())  # on (off elsewhere: PyTorch's own methods answer)
         world.mode.cache_enabled = False  # PyTorch's fake-op cache: the optimizer step's only (below)
         site = lambda: (rec.current, f"{rec.fn} ({rec.aten})")  # noqa: E731
         if isinstance(world.env.guards, GuardLog):  # a shared world: its log holds the earlier records' guards

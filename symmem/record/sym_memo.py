@@ -24,7 +24,7 @@ lookup).  ``mod``, ``int_floordiv``, ``truediv`` and ``pow`` (value ranges, whic
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 #: False: every call is answered anew (for comparisons; the shape cache still remakes its hits in-kernel)
@@ -149,16 +149,19 @@ class SymMemo:
 
     @contextmanager
     def active(self, env: Any) -> Iterator[None]:
-        """SymNode's methods answer from the table inside (``env``: the fake run's ShapeEnv)."""
-        with ExitStack() as stack:
-            if self._installed == 0:
-                stack.enter_context(self.installed())
-            self._check(env)
-            before, self.on = self.on, REMEMBER and not _proxy_tracing()
-            try:
+        """SymNode's methods answer from the table inside (``env``: the fake run's ShapeEnv).  Where the table is not
+        installed yet it is installed for the block (a run that installs it once makes each remake's switch cheap:
+        patching a class's methods also drops PyTorch's lookups of SymNode's attributes from Python's type cache)."""
+        if self._installed == 0:
+            with self.installed(), self.active(env):
                 yield
-            finally:
-                self.on = before
+            return
+        self._check(env)
+        before, self.on = self.on, REMEMBER and not _proxy_tracing()
+        try:
+            yield
+        finally:
+            self.on = before
 
 
 def _proxy_tracing() -> bool:
