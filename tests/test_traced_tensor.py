@@ -260,3 +260,28 @@ def test_the_fast_record_is_the_record(layers, batch, symbolic):
                 [str(g.expr) for g in rec.guards])
 
     assert record(True) == record(False)
+
+
+@pytest.mark.deep
+@pytest.mark.parametrize("batch, symbolic, counts, loss", [(64, True, (4, 5, 6), "sum"), (8, False, (2, 4, 5), "sum"),
+                                                            (64, True, (4, 5, 6, 2), "cross-entropy")])
+def test_records_in_one_world_are_the_records(batch, symbolic, counts, loss):
+    """The fold's records made in one fake world (rank_world: the later ones find the first's fake dispatch cache
+    and sharding answers) are the records each makes in a world of its own: every storage, op, birth, free and
+    guard."""
+    from symmem.importer.traced_tensor import rank_world, record_tensor_step
+
+    module, inputs = _file_module()
+    step = trace(module, inputs, {"B": [(0, 0)]}, optimizer="adamw", loss=loss, check=False, tensor_parallel=True,
+                 values={"t": 2}).step
+    symbols = step.symbols if symbolic else None
+
+    def record(count, shared=None):
+        rec = record_tensor_step(step.module, step.inputs, {"B": batch}, step.options, 2, step.plan,
+                                 (step.repeat[0], step.repeat[1], count), symbols, shared=shared)
+        return (rec.storages, rec.start, rec.ops, rec.freed_first, dict(rec.layers or {}), rec.count,
+                [str(g.expr) for g in rec.guards])
+
+    with rank_world({"B": batch}, 2, symbolic) as shared:
+        together = [record(n, shared) for n in counts]
+    assert together == [record(n) for n in counts]

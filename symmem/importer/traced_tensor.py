@@ -112,43 +112,78 @@ def _even(module: Any, world: int) -> list[tuple[str, int]]:
     return sharded
 
 
+@dataclass(frozen=True)
+class RankWorld:
+    """One fake world a rank's steps are recorded in: the fake mode and its ShapeEnv (the declared sizes' symbols),
+    the fake process group's mesh and DTensor's sharding answers (:func:`~symmem.record.fake_group.as_a_run`)."""
+
+    fake: Any
+    mesh: Any
+    quiet: list[bool]
+
+
+@contextlib.contextmanager
+def rank_world(values: dict[str, int], world: int, symbolic: bool, fast: bool = True, fake: Any = None
+               ) -> Iterator[RankWorld]:
+    """A fake world of ``world`` ranks at ``values`` (the declared sizes symbolic with ``symbolic``) for one or more
+    recordings of a rank's step (:func:`record_tensor_step`'s ``shared``); its process group destroyed on exit.
+
+    Steps of one module at the same sizes, recorded at several layer counts (the fold's 4, 5 and 6), make the same
+    ops on the same shapes, block after block: in one world the second and third find the first's fake dispatch
+    cache entries (kept on the ShapeEnv) and sharding answers, and take the guards it took (the same ones: the same
+    ops on the same symbolic shapes), where each in a world of its own would make them all again -- the same records
+    (tests/test_traced_tensor.py, deep: shared against fresh).  ``fake``: the fake world (mode and ShapeEnv) of an
+    earlier :func:`rank_world` at the same ``values`` and ``symbolic`` to record in again (its cache entries and
+    guards with it; the process group and DTensor's answers, which name its mesh, are made anew)."""
+    from ..record.fake_group import as_a_run, fake_group
+    from .fake import make_world
+
+    if fake is None:
+        fake = make_world(values, symbolic=symbolic)
+    # FakeTensorMode's dispatch cache, which make_world turns off for a one-device trace (mostly misses there): a
+    # rank's step repeats its ops -- every block's, the optimizer's on each parameter of a few shapes, and DTensor's
+    # sharding propagation runs ops on global shapes again -- so here it hits (~0.6x the CPU, the same records)
+    fake.mode.cache_enabled = fast
+    with fake_group(world) as mesh, as_a_run() as quiet:
+        yield RankWorld(fake, mesh, quiet)
+
+
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
                        plan: TensorPlan, layers: tuple[str, tuple[str, ...], int] | None = None,
                        symbols: dict[str, sympy.Symbol] | None = None, sharded: list[tuple[str, int]] | None = None,
-                       fast: bool = True) -> StepRecord:
+                       fast: bool = True, shared: RankWorld | None = None) -> StepRecord:
     """One rank's training step of ``module`` split by ``plan`` over ``world`` ranks, on fake tensors at ``values``
     (every declared size a number; ``layers`` writes the repeated blocks out that many times); with ``symbols``
     (name -> symbol) the declared sizes are symbolic, and the record's sizes are formulas in them.  ``sharded``, a
     list, gets the (parameter, dimension) pairs the plan shards.  ``fast=False`` records as before stop 40 (no fake
-    dispatch cache, the optimizer on the DTensors): the same record, slower (tests/test_traced_tensor.py, deep)."""
-    import contextlib
+    dispatch cache, the optimizer on the DTensors): the same record, slower (tests/test_traced_tensor.py, deep).
+    ``shared``: the :func:`rank_world` to record in (made at the same ``values``, ``world`` and symbolic or not),
+    else one of its own."""
+    if shared is None:
+        with rank_world(values, world, symbols is not None, fast) as own:
+            return record_tensor_step(module, inputs, values, options, world, plan, layers, symbols, sharded, fast,
+                                      own)
     from types import SimpleNamespace
 
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ..record.fake_group import FakeShardTracker, as_a_run, fake_group
+    from ..record.fake_group import FakeShardTracker
     from ..record.modules import ModuleTracker
     from ..record.optim import make_optimizer, state_tensors
     from ..record.sharded import local
     from ..record.steps import loss_value
-    from .fake import fake_inputs, make_world
+    from .fake import fake_inputs
     from .recording import _StepRecorder
     from .runs import resized
     from .wrap import with_layers
 
-    fake = make_world(values, symbolic=symbols is not None)
-    # FakeTensorMode's dispatch cache, which make_world turns off for a one-device trace (mostly misses there): a
-    # rank's step repeats its ops -- every block's, the optimizer's on each parameter of a few shapes, and DTensor's
-    # sharding propagation runs ops on global shapes again -- so here it hits (~0.6x the CPU, the same records)
-    fake.mode.cache_enabled = fast
+    fake, mesh, quiet = shared.fake, shared.mesh, shared.quiet
     at = resized(inputs, values)
     index: dict[str, int] | None = None
     with contextlib.ExitStack() as stack:
         if layers is not None:  # the copy below is made with the run written out (child path -> its index)
             index = stack.enter_context(with_layers(module, *layers))
-        mesh = stack.enter_context(fake_group(world))
-        quiet = stack.enter_context(as_a_run())
         with fake.mode:
             split = _fake_copy(module, "cpu")
             parallelize_module(split, mesh, plan.make(split, world))
@@ -269,6 +304,9 @@ class TensorStepPeak(StepPeak):
     sequence: bool = False
     #: the (parameter, dimension) pairs the plan shards, as the last record found them
     sharded: list[tuple[str, int]] = dataclasses.field(default_factory=list, repr=False)
+    #: the fake world (:func:`rank_world`'s mode and ShapeEnv) each (symbolic, sizes, t) is recorded in, every
+    #: record of those in the same one (the own layer count's and the fold's: their ops hit its dispatch cache)
+    _fakes: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def _fixed(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[tuple[tuple[str, int], ...], int | None, int]:
         """The declared sizes, the layer count and ``t`` the step is recorded at."""
@@ -283,10 +321,29 @@ class TensorStepPeak(StepPeak):
         count = given.get(self.symbol) if self.symbol is not None else None
         return sizes, int(count) if count is not None else self.count, int(world)
 
-    def _recorded(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int, symbolic: bool
-                  ) -> StepRecord:
+    def _together(self, sizes: tuple[tuple[str, int], ...], counts: tuple[int, ...], world: int, symbolic: bool
+                  ) -> None:
+        """The steps at ``counts`` layers not recorded yet, recorded in one fake world (:func:`rank_world`: the
+        later ones find the first's fake dispatch and sharding answers; the same records)."""
+        missing = [n for n in counts if ("tensor", symbolic, sizes, n, world) not in self._records]
+        if len(missing) > 1 and self.repeat is not None:
+            with self._world(sizes, world, symbolic) as shared:
+                for n in missing:
+                    TensorStepPeak._recorded(self, sizes, n, world, symbolic, shared)
+
+    @contextlib.contextmanager
+    def _world(self, sizes: tuple[tuple[str, int], ...], world: int, symbolic: bool) -> Iterator[RankWorld]:
+        """A :func:`rank_world` at ``sizes`` and ``world`` ranks in the fake world of this step's earlier records
+        of those sizes (the first makes it)."""
+        key = (symbolic, sizes, world)
+        with rank_world(dict(sizes), world, symbolic, fake=self._fakes.get(key)) as shared:
+            self._fakes[key] = shared.fake
+            yield shared
+
+    def _recorded(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int, symbolic: bool,
+                  shared: RankWorld | None = None) -> StepRecord:
         """The step at ``sizes`` (with ``symbolic``, those numbers are the fake sizes' hints), ``count`` layers and
-        ``world`` ranks."""
+        ``world`` ranks (in ``shared``, a :func:`rank_world` at those, else in one of its own)."""
         key = ("tensor", symbolic, sizes, count, world)
         if key not in self._records:
             assert self.plan is not None
@@ -297,8 +354,12 @@ class TensorStepPeak(StepPeak):
                 layers = (self.repeat[0], self.repeat[1], count)
             try:
                 self.sharded.clear()
-                rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
-                                         layers, self.symbols if symbolic else None, self.sharded)
+                with contextlib.ExitStack() as stack:
+                    if shared is None:
+                        shared = stack.enter_context(self._world(sizes, world, symbolic))
+                    rec = record_tensor_step(self.module, self.inputs, dict(sizes), self.options, world, self.plan,
+                                             layers, self.symbols if symbolic else None, self.sharded,
+                                             shared=shared)
             except SymmemError:
                 raise
             except Exception as exc:  # the module's own code on fake DTensors: say what failed, not a traceback
@@ -340,6 +401,7 @@ class TensorStepPeak(StepPeak):
             if self.repeat is not None and self.symbol is not None:
                 sizes = self._fixed({})[0]
                 try:
+                    self._together(sizes, COUNTS, world, symbolic=True)
                     records = [self._recorded(sizes, n, world, symbolic=True) for n in COUNTS]
                 except SymmemError:
                     records = []
