@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 
+from gloo_store import START  # noqa: E402
 from stage_ranks import replays_are_the_ranks  # noqa: E402
 
 LLAMA = {"B": 2, "S": 16, "H": 32, "h": 4, "G": 2, "L": 2, "V": 64, "F": 64}
@@ -67,7 +68,7 @@ def test_every_rank_of_a_2x2x2_mesh_against_the_engine():
 
     from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
 
-    everything = fsdp_pipeline_runs(2, 4, CASES, start_method="forkserver")
+    everything = fsdp_pipeline_runs(2, 4, CASES, start_method=START)
     for k, case in enumerate(CASES):
         real = [rank[k] for rank in everything]
         # the live ranks are the stored ones too (the deep test below reruns and compares them)
@@ -110,7 +111,7 @@ def test_every_stored_case_against_fresh_gloo_runs():
     from symmem.record.fsdp_pipeline_runs import fsdp_pipeline_runs
 
     cases = [*CASES, *CLI.values()]
-    everything = fsdp_pipeline_runs(2, 4, cases, start_method="forkserver")
+    everything = fsdp_pipeline_runs(2, 4, cases, start_method=START)
     assert all((r.late, r.repeats) == (0, (1, 1)) for rank in everything for r in rank), everything
     against_stored(cases, everything)
     for k, case in enumerate(cases):

@@ -26,6 +26,8 @@ dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("torch.distributed.pipelining")
 pytest.importorskip("transformers")
 
+from gloo_store import START  # noqa: E402
+
 from symmem.cli import main  # noqa: E402
 from symmem.errors import SymmemError  # noqa: E402
 from symmem.importer import sources  # noqa: E402
@@ -105,7 +107,7 @@ def _case(spec, config, schedule, m, loss):
                       (4, 24))
 
 
-@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test: one forkserver for all (conftest.py)
+@pytest.mark.xdist_group("gloo")  # one test worker runs every gloo test (conftest.py)
 def test_every_stage_of_a_traced_module_equals_real_pipelining_runs():
     real = _against_real_runs([CASES[k] for k in LIVE])
     import test_pipeline_formula_mesh as formula  # the stages' formulas from other sizes vs these ranks
@@ -137,7 +139,7 @@ def _against_real_runs(cases: list[tuple]) -> list[list]:
         pytest.skip("torch.distributed with gloo is needed")
     from symmem.record.traced_pipeline_runs import traced_pipeline_runs
 
-    real = traced_pipeline_runs(2, [_case(*c) for c in cases], start_method="forkserver")
+    real = traced_pipeline_runs(2, [_case(*c) for c in cases], start_method=START)
     wrong = []
     for k, case in enumerate(cases):
         d = _derived(*case)
