@@ -625,28 +625,35 @@ class Derivation:
         return f"{precision} weights + {optimizer}" if own else f"{precision} + {optimizer}"
 
     # The views are imported when first asked for, as sympy's ``Printable.__str__`` imports its printer: the
-    # core does not need them to derive, and a command line never shows the Jupyter ones.
+    # core does not need them to derive, and a command line never shows the Jupyter ones.  Each is worked out with
+    # the cycle collector paused (graph.paused_gc): printing a peak's formulas makes many short-lived objects, and
+    # every collection they trigger scans the derivation's walks and sympy's caches again (a third to half of a
+    # view's time with a few derivations alive)
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see "JSON output" in docs/reference.md)."""
         from .report.text import to_dict
 
-        return to_dict(self)
+        with paused_gc():
+            return to_dict(self)
 
     def table(self) -> str:
         """A readable text table in MiB/GiB."""
         from .report.text import summary
 
-        return summary(self)
+        with paused_gc():
+            return summary(self)
 
     def _repr_latex_(self) -> str:
         from .report.jupyter import latex
 
-        return latex(self)
+        with paused_gc():
+            return latex(self)
 
     def _repr_html_(self) -> str:
         from .report.jupyter import html
 
-        return html(self)
+        with paused_gc():
+            return html(self)
 
     def __str__(self) -> str:
         return self.table()
