@@ -330,7 +330,10 @@ class Derivation:
         """The training step at the derivation's numbers, op by op: (phase, op, live bytes per category) after
         each op's allocations -- the picture of a memory snapshot, from the formula (``first``: the step that
         creates the optimizer state)."""
-        return self._step().timeline(checked(step), dict(self.numbers))
+        # the step written out at the numbers (every layer) and a row per moment: many small objects that stay
+        # alive, which the cycle collector would scan again and again (a third of the time): paused, as in _peak
+        with paused_gc():
+            return self._step().timeline(checked(step), dict(self.numbers))
 
     def peak_allocated(self, step: Which = "steady", rank: int | None = None) -> int:
         """The peak at the derivation's numbers as CUDA's caching allocator counts it: every storage rounded up
@@ -346,7 +349,8 @@ class Derivation:
         """
         which = checked(step)
         if rank is None:
-            return self._step().allocated(which, dict(self.numbers))
+            with paused_gc():  # the step written out, as timeline()
+                return self._step().allocated(which, dict(self.numbers))
         runs = self._step()
         world = self.numbers.get(symbols.N)
         if self.regime.data_parallel is None or world is None or not hasattr(runs, "allocated_of_rank"):
@@ -354,7 +358,8 @@ class Derivation:
                               "graphs (data_parallel=..., N set); here every rank's is peak_allocated()")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < int(world):
             raise SymmemError(f"rank must be an integer from 0 to N - 1 = {int(world) - 1}, not {rank!r}")
-        return runs.allocated_of_rank(which, dict(self.numbers), rank)
+        with paused_gc():
+            return runs.allocated_of_rank(which, dict(self.numbers), rank)
 
     def live_at_peak(self, step: Which = "steady") -> dict[str, int]:
         """Bytes alive at the peak, by category (parameter, optimizer_state, gradient, input, activation, loss,
@@ -620,28 +625,35 @@ class Derivation:
         return f"{precision} weights + {optimizer}" if own else f"{precision} + {optimizer}"
 
     # The views are imported when first asked for, as sympy's ``Printable.__str__`` imports its printer: the
-    # core does not need them to derive, and a command line never shows the Jupyter ones.
+    # core does not need them to derive, and a command line never shows the Jupyter ones.  Each is worked out with
+    # the cycle collector paused (graph.paused_gc): printing a peak's formulas makes many short-lived objects, and
+    # every collection they trigger scans the derivation's walks and sympy's caches again (a third to half of a
+    # view's time with a few derivations alive)
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see "JSON output" in docs/reference.md)."""
         from .report.text import to_dict
 
-        return to_dict(self)
+        with paused_gc():
+            return to_dict(self)
 
     def table(self) -> str:
         """A readable text table in MiB/GiB."""
         from .report.text import summary
 
-        return summary(self)
+        with paused_gc():
+            return summary(self)
 
     def _repr_latex_(self) -> str:
         from .report.jupyter import latex
 
-        return latex(self)
+        with paused_gc():
+            return latex(self)
 
     def _repr_html_(self) -> str:
         from .report.jupyter import html
 
-        return html(self)
+        with paused_gc():
+            return html(self)
 
     def __str__(self) -> str:
         return self.table()

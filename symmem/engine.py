@@ -450,7 +450,9 @@ def derivation_of(ledger: Ledger, regime: Regime, step: Callable[..., Any] | Non
     subs = substitute_all(ledger.defaults, set(keep))
     storages = [*ledger.storages, *regimes.parameters(ledger.parameters, regime, ledger.per_layer)]
     if subs:
-        done: dict[sympy.Expr, sympy.Expr] = {}  # storages repeat their expressions: substitute each once
+        # storages repeat their expressions: substitute each once, and once for every derivation with the same
+        # substitutions (a model under each convention, optimizer and device: xreplace walks each tree anew)
+        done = _substitutions(subs)
         storages = [_substituted(s, subs, done) for s in storages]
     kept_symbols = tuple(s for s in keep if any(s in x.expr.free_symbols for x in storages)) or keep
     base = {x for x, e in ledger.defaults.items() if e.is_number}
@@ -491,6 +493,24 @@ def _step(model: Model, conv: Convention, options: Mapping[str, Any], regime: Re
                      every=len(open_) <= PEAK_CONDITIONS)
 
 
+
+
+#: each set of substitutions' results so far (:func:`_substitutions`), a few sets kept
+_SUBSTITUTED: dict[frozenset, dict[sympy.Expr, sympy.Expr]] = {}
+
+
+def _substitutions(subs: Mapping[sympy.Symbol, sympy.Expr]) -> dict[sympy.Expr, sympy.Expr]:
+    """The memo of ``expr.xreplace(subs)`` for these ``subs`` (a pure function of both: sympy's values do not
+    change), shared by the derivations that substitute the same; bounded, as sympy's own cache is."""
+    key = frozenset((k, type(v), v) for k, v in subs.items())  # (a float equal to an integer is not the same)
+    found = _SUBSTITUTED.get(key)
+    if found is None:
+        if len(_SUBSTITUTED) >= 16:
+            _SUBSTITUTED.clear()
+        found = _SUBSTITUTED[key] = {}
+    elif len(found) > 65536:
+        found.clear()
+    return found
 
 
 def _substituted(s: Storage, subs: Mapping[sympy.Symbol, sympy.Expr], done: dict[sympy.Expr, sympy.Expr]

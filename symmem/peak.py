@@ -278,6 +278,8 @@ class Algebra:
         #: each size's terms before the shift ({monomial: coefficient}): its bytes at numbers from its bases' values
         self.terms = terms
         self._coeffs: dict[sympy.Expr, list[tuple[sympy.Expr, int | Fraction]]] = {}
+        #: each part's terms for :meth:`coefficients` (:meth:`_part`), by (size, count, change per layer)
+        self._part_terms: dict[tuple, list[tuple[sympy.Expr, int | Fraction]]] = {}
         self._measured: dict[tuple, dict] = {}
         self.monomials: list[tuple] = []  # id -> monomial; totals are keyed by id (hashing sympy tuples is slow)
         self._ids: dict[tuple, int] = {}
@@ -385,8 +387,7 @@ class Algebra:
         the expanded sizes: sympy only builds the result (multiplying sums by numbers and merging them is most
         of a peak's time otherwise)."""
         acc = self.coefficients(cand, category)
-        terms = [(sympy.Integer(k) if isinstance(k, int) else sympy.Rational(k.numerator, k.denominator)) * mono
-                 for mono, k in acc.items() if k]
+        terms = [_scaled(k, mono) for mono, k in acc.items() if k]
         if len(terms) < 2:
             return terms[0] if terms else sympy.Integer(0)
         # distinct monomials with their coefficients: nothing left to collect, so the sum is built in sympy's own
@@ -398,21 +399,33 @@ class Algebra:
         """The candidate's bytes (of one category, or all) as exact coefficients by monomial (a number's
         monomial is 1), zeros included."""
         acc: dict[sympy.Expr, int | Fraction] = defaultdict(int)  # ints while they can be: 5x Fraction's speed
+        memo = self._part_terms
         for (c, size), (n0, ds) in cand.parts.items():
             if category is not None and c != category:
                 continue
-            whole = self.period == 1 and isinstance(n0, int)  # the same numbers, without Fraction's cost
-            const = n0 - sum(ds) * self.base if whole else _number(_number(n0) - Fraction(sum(ds) * self.base,
-                                                                                          self.period))
-            if const:
-                for mono, k in self._size_coefficients(size):
-                    acc[mono] += const * k
-            for d, s in zip(ds, self.counts, strict=True):
-                if d:
-                    scale = d if whole else _number(Fraction(d, self.period))
-                    for mono, k in self._size_coefficients(size, s):
-                        acc[mono] += scale * k
+            # a step's moments hold the same storages again and again: each (size, count, change) is multiplied
+            # out once, in the order of its monomials (the same sums, added in the same order)
+            key = (size, n0, ds)
+            terms = memo.get(key)
+            if terms is None:
+                terms = memo[key] = self._part(size, n0, ds)
+            for mono, k in terms:
+                acc[mono] += k
         return acc
+
+    def _part(self, size: Any, n0: Any, ds: tuple[int, ...]) -> list[tuple[sympy.Expr, int | Fraction]]:
+        """The (monomial, coefficient) terms one part of a candidate adds to :meth:`coefficients`, in order."""
+        out = []
+        whole = self.period == 1 and isinstance(n0, int)  # the same numbers, without Fraction's cost
+        const = n0 - sum(ds) * self.base if whole else _number(_number(n0) - Fraction(sum(ds) * self.base,
+                                                                                      self.period))
+        if const:
+            out += [(mono, const * k) for mono, k in self._size_coefficients(size)]
+        for d, s in zip(ds, self.counts, strict=True):
+            if d:
+                scale = d if whole else _number(Fraction(d, self.period))
+                out += [(mono, scale * k) for mono, k in self._size_coefficients(size, s)]
+        return out
 
     def _size_coefficients(self, size: Any, count: sympy.Symbol | None = None
                            ) -> list[tuple[sympy.Expr, int | Fraction]]:
@@ -533,6 +546,27 @@ class Algebra:
 
 class _Unmeasured(Exception):
     """A size's base with no rational value at the numbers (:meth:`Algebra._bytes`)."""
+
+
+def _scaled(k: int | Fraction, mono: sympy.Expr) -> sympy.Expr:
+    """``k * mono`` for a monomial without a numeric factor (``as_coeff_Mul``'s second part): the product sympy's
+    ``Mul`` makes -- the number first, then the monomial's factors in their order -- built without its flatten
+    (a peak's formula multiplies every monomial of every moment; the same object, sympy's own where in doubt).
+
+    >>> from symmem.symbols import B, S, H
+    >>> all(_scaled(k, m) == k * m and _scaled(k, m).args == (k * m).args
+    ...     for k in (1, -1, 3, Fraction(1, 2)) for m in (B, B * S**2, 1 / H, sympy.ceiling(S / 3), sympy.S.One))
+    True
+    """
+    c = sympy.Integer(k) if isinstance(k, int) else sympy.Rational(k.numerator, k.denominator)
+    if c is sympy.S.One:
+        return mono
+    if mono.is_Mul and not mono.args[0].is_Number and mono.is_commutative:
+        return sympy.Mul._from_args((c, *mono.args), is_commutative=True)
+    if (mono.is_Symbol or (mono.is_Pow and not mono.base.is_Number) or isinstance(mono, Application)) \
+            and mono.is_commutative:
+        return sympy.Mul._from_args((c, mono), is_commutative=True)
+    return c * mono
 
 
 def _frozen(cand: Candidate) -> frozenset:

@@ -117,7 +117,13 @@ class TensorSpec:
 
     @property
     def numel(self) -> sympy.Expr:
-        return numel(self.shape)
+        # kept on the spec (a cache on a frozen value; not a field: equality and hashing are the fields'): every
+        # walk of a step asks each output's and saved tensor's size, a sympy product through sympy's cache each time
+        found = self.__dict__.get("_numel")
+        if found is None:
+            found = numel(self.shape)
+            object.__setattr__(self, "_numel", found)
+        return found
 
     def nbytes(self, activation_dtype: str = "float32") -> sympy.Expr:
         return self.numel * dtype_bytes(self.dtype, activation_dtype)

@@ -55,8 +55,14 @@ class PytorchConvention(Convention):
         return rule(self._context(graph, node, options))
 
     @staticmethod
-    def _context(graph: Graph, node: Node, options: Mapping[str, Any]) -> ops.RuleContext:
-        return ops.RuleContext(graph, node, tuple(graph.node(i).out for i in node.inputs), options)
+    def _context(graph: Graph, node: Node, options: Mapping[str, Any], _new: Any = object.__new__
+                 ) -> ops.RuleContext:
+        # ``RuleContext(graph, node, inputs, options)`` without the frozen dataclass's ``__init__`` (each field set
+        # through ``object.__setattr__``): the same value, made for every op of every walk of a step
+        made = _new(ops.RuleContext)
+        made.__dict__.update(graph=graph, node=node, inputs=tuple([graph.node(i).out for i in node.inputs]),
+                             options=options)
+        return made
 
     def holds(self, graph: Graph) -> Any:
         """Where the rules give the bytes PyTorch keeps, beyond every size being a positive integer: a condition

@@ -140,6 +140,10 @@ INT_DTYPES = frozenset({"bool", "int64", "int32", "int16", "int8", "uint8"})
 
 def requires_grad(graph: Graph, name: str) -> bool:
     """Whether ``name``'s output requires grad (computed once per node, iteratively: deep graphs are fine)."""
+    # asked for every input of every op in each walk of a step: once known, one lookup (not the walk's setup)
+    found = graph.node(name).meta.get("requires_grad")
+    if found is not None:
+        return found
     stack = [name]
     while stack:
         node = graph.node(stack[-1])
