@@ -14,14 +14,15 @@
 * The longest tests are collected first (:data:`LONG`), so that pytest-xdist starts them first and the short ones
   fill in around them, rather than one worker finishing a 20 s test alone at the end.  The real ``torch.distributed``
   runs are one ``xdist_group`` (``--dist loadgroup``, pyproject.toml): one worker runs them in turn, its ranks
-  forked from one forkserver that imported torch once (symmem.record.distributed.measure_jobs); so is each module
+  forked from the worker itself, which imports what they need once (tests/gloo_store.START; docs/testing.md, "Stop
+  41: gloo41"); so is each module
   whose module-scoped fixtures are costly (:data:`WHOLE`), so that only one worker makes them.
 * The cyclic collector runs its young pass every 200,000 net allocations, not every 700 (the ``symmem`` command's
   own setting, symmem.cli.entry): sympy, the tracer and the real steps make millions of small objects, almost none
   in cycles, and the default spent 13% of a 4-module subset's CPU walking them.  The measured steps free their
   tensors by reference counting, and the recorder collects where it needs to (symmem.record.saved_tensors): every
-  byte-exact assertion holds under either setting.  The gloo ranks forked from a forkserver (a fresh interpreter)
-  get the same threshold through the server's preload (tests/forkserver_gc.py): ~11% less CPU in those runs.
+  byte-exact assertion holds under either setting.  Forked gloo ranks inherit it; those a deep test still forks
+  from a forkserver (a fresh interpreter) get it through the server's preload (tests/forkserver_gc.py).
 * At the session's end every object is frozen out of the cyclic collector (:func:`pytest_unconfigure`): the
   collections that pytest's own clean-up and the interpreter's exit make would walk each process's whole heap.
 """
