@@ -200,8 +200,7 @@ def measure_jobs(jobs: Sequence[Job], world: int = 2, *, timeout: float = 120.0,
                               "world")
     if start_method not in START_METHODS:
         raise SymmemError(f"the ranks start by {', '.join(map(repr, START_METHODS))}, not {start_method!r}")
-    hf = any(job.builder is not None and str(job.builder.spec).startswith("hf:") for job in jobs)
-    imports = tuple(n for n in PRELOAD if hf or n not in HF_PRELOAD)
+    imports = rank_imports(any(job.builder is not None and str(job.builder.spec).startswith("hf:") for job in jobs))
     with tempfile.TemporaryDirectory(prefix="symmem-dist-") as tmp:
         spawn_ranks(_worker, (world, tmp, jobs, timeout), world, timeout=timeout, start_method=start_method,
                     what=f"the {world}-process run", imports=imports)
@@ -244,6 +243,12 @@ def spawn_ranks(fn: Any, args: tuple, world: int, *, timeout: float, start_metho
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def rank_imports(hf: bool) -> tuple[str, ...]:
+    """What forked ranks need imported first: :data:`PRELOAD`, Hugging Face's modules only where a job builds an
+    ``hf:`` model (``hf``)."""
+    return tuple(n for n in PRELOAD if hf or n not in HF_PRELOAD)
 
 
 def preload(names: Sequence[str]) -> None:

@@ -265,15 +265,15 @@ def mesh_of(stages: int, dp: int, start_method: str, runs: str, cases: Sequence[
     for n, what in ((stages, "pipeline stages p"), (dp, "data-parallel size N")):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SymmemError(f"the {what} is a positive integer, got {n!r}")
-    from .distributed import HF_PRELOAD, PRELOAD, preload  # pipelining and these runs among them: one list
+    from .distributed import PRELOAD, preload, rank_imports  # pipelining and these runs among them: one list
 
     if start_method == "forkserver":  # only read when the server starts (once a process): what the ranks import
         import multiprocessing
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*PRELOAD, runs])))
     elif start_method == "fork":
-        hf = "'hf:" in repr(cases)  # a traced case of a Hugging Face model (its spec, a string field)
-        preload([*(n for n in PRELOAD if hf or n not in HF_PRELOAD), runs])
+        # a traced case of a Hugging Face model names its spec in a string field
+        preload([*rank_imports("'hf:" in repr(cases)), runs])
 
 
 def _fewest_phase(trace: Any, steps: range, left_out: set[int], phase: str) -> int:
