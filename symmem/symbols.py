@@ -125,6 +125,18 @@ def _undecided(size: sympy.Expr, value: Any, least: int) -> bool:
     return isinstance(size, sympy.Symbol) and size.is_integer is True and size.is_positive is True
 
 
+def unordered(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Whether ``a`` and ``b`` are two different positive integer symbols: their order, ratio and remainder are then
+    left as they are by sympy (any two whole numbers from 1 on may be theirs), so a relation between them can be
+    built unevaluated (as :func:`equals` and :func:`at_least` build one of a symbol to a number).
+
+    >>> unordered(L, p), unordered(L, L), unordered(L, 2 * p)
+    (True, False, False)
+    """
+    return a != b and all(isinstance(x, sympy.Symbol) and x.is_integer is True and x.is_positive is True
+                          for x in (a, b))
+
+
 def symbol(name: str) -> sympy.Symbol:
     """The canonical symbol called ``name``; a :class:`SymmemError` lists the known ones otherwise.
 

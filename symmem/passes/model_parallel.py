@@ -62,7 +62,7 @@ from ..errors import SymmemError
 from ..evaluator import exactly
 from ..graph import Graph
 from ..shapes import numel
-from ..symbols import p
+from ..symbols import p, unordered
 from ..tensor import dtype_bytes
 from ..training import SCHEDULES, Regime, checkpoint_every
 from .parameters import node_parameters
@@ -525,7 +525,7 @@ def _at_least_two(again: sympy.Expr, layers: sympy.Expr) -> sympy.Expr:
     args = layers.args if getattr(layers, "is_Mul", False) else ()  # (a number of layers: an int too)
     if len(args) == 2 and 1 / p in args:
         count = args[0] if args[1] == 1 / p else args[1]
-        if count.is_Symbol and count != p and count.is_integer and count.is_positive:
+        if unordered(count, p):
             return sympy.Piecewise((again, sympy.Ge(layers, 2, evaluate=False)), (0, True), evaluate=False)
     return sympy.Piecewise((again, sympy.Ge(layers, 2)), (0, True))
 

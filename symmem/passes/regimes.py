@@ -39,7 +39,7 @@ from ..derivation import END, START, Storage
 from ..errors import SymmemError, UncountedInput
 from ..graph import Graph
 from ..shapes import numel
-from ..symbols import N, p, t
+from ..symbols import N, p, t, unordered
 from ..tensor import dtype_bytes
 from ..training import Regime, checkpoint_every
 from . import selective
@@ -159,7 +159,7 @@ def _stage_conditions(layers: sympy.Expr) -> tuple[sympy.Basic, sympy.Basic]:
     >>> fast == slow, [sympy.srepr(x) for x in fast] == [sympy.srepr(x) for x in slow]
     (True, True)
     """
-    if layers.is_Symbol and layers != p and layers.is_integer and layers.is_positive:
+    if unordered(layers, p):
         return sympy.Le(p, layers, evaluate=False), sympy.Eq(sympy.Mod(layers, p, evaluate=False), 0, evaluate=False)
     return sympy.Le(p, layers), sympy.Eq(sympy.Mod(layers, p), 0)
 
