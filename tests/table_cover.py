@@ -52,15 +52,37 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    cov = _state.get("cov")
-    if cov is None:
+    if "cov" not in _state:
         yield
         return
-    cov.switch_context(item.nodeid)
     own, tree = time.process_time(), _tree_cpu()
     yield
-    _state["cpu"][item.nodeid] = (time.process_time() - own, _tree_cpu() - tree)
-    cov.switch_context("")
+    _state["cpu"][item.nodeid] = (time.process_time() - own, _tree_cpu() - tree, bool(item.get_closest_marker("deep")))
+
+
+def _phase(item: pytest.Item, phase: str) -> Iterator[None]:
+    # a phase of its own: a module fixture's lines are in the setup of the case that builds it, not in its call
+    cov = _state.get("cov")
+    if cov is not None:
+        cov.switch_context(f"{item.nodeid}|{phase}")
+    yield
+    if cov is not None:
+        cov.switch_context("")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    yield from _phase(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    yield from _phase(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield from _phase(item, "teardown")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -70,16 +92,39 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     cov.stop()
     data, cpu = cov.get_data(), _state.pop("cpu")
     root = os.getcwd() + os.sep
-    lines: dict[str, list[str]] = {k: [] for k in cpu}
+    lines: dict[str, set[str]] = {k: set() for k in cpu}
+    call: dict[str, set[str]] = {k: set() for k in cpu}
     for path in data.measured_files():
         rel = path.removeprefix(root)
         for number, contexts in data.contexts_by_lineno(path).items():
             for context in contexts:
-                if context in lines:
-                    lines[context].append(f"{rel}:{number}")
-    tests = {k: {"cpu": cpu[k][0], "tree": cpu[k][1], "lines": sorted(v)} for k, v in lines.items()}
+                test, _, phase = context.rpartition("|")
+                if test in lines:
+                    lines[test].add(f"{rel}:{number}")
+                    if phase == "call":
+                        call[test].add(f"{rel}:{number}")
+    tests = {k: {"cpu": cpu[k][0], "tree": cpu[k][1], "deep": cpu[k][2], "lines": sorted(lines[k]),
+                 "call": sorted(call[k])} for k in cpu}
     with open(os.environ["SYMMEM_TABLE_COVER"], "w") as f:
         json.dump({"tests": tests}, f)
+
+
+def missing(tests: dict[str, dict[str, Any]], table: str) -> set[str]:
+    """Lines a deep case of ``table`` runs that the default suite's run of the same file does not: those of its call
+    that no default case of the table runs, and those of its setup (a fixture it is first to build) that no default
+    test of the file runs.
+
+    >>> t = {"f::t[a]": {"deep": False, "lines": ["x:1", "x:2"], "call": ["x:2"]},
+    ...      "f::t[b]": {"deep": True, "lines": ["x:1", "x:3"], "call": ["x:3"]},
+    ...      "f::u": {"deep": False, "lines": ["x:4"], "call": ["x:4"]}}
+    >>> sorted(missing(t, "f::t"))
+    ['x:3']
+    """
+    cases = {k: v for k, v in tests.items() if k.split("[")[0] == table}
+    kept = set().union(*(v["lines"] for v in cases.values() if not v["deep"]))
+    default = set().union(*(v["lines"] for v in tests.values() if not v["deep"]))
+    moved = [v for v in cases.values() if v["deep"]]
+    return set().union(*((set(v["call"]) - kept) | (set(v["lines"]) - set(v["call"]) - default) for v in moved))
 
 
 def cover(lines: dict[str, set[str]], cost: dict[str, float]) -> list[str]:
