@@ -135,6 +135,9 @@ ENGINES = [
     ("gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2}),
     ("1f1b", 4, {"data_parallel": "zero-redundancy"}, {"N": 3}),
 ]
+#: the default suite's :data:`ENGINES`, the rest under ``-m deep`` (stop 42): FSDP2 without resharding under GPipe
+#: (V = 63) runs no line of symmem/ or tests/ the four kept do not (line coverage, each row's caches cleared)
+ENGINES_KEPT = (0, 2, 3, 4)
 
 
 def _everything(d) -> tuple:
@@ -148,7 +151,10 @@ def _everything(d) -> tuple:
             replays)
 
 
-def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch) -> None:
+@pytest.mark.parametrize("cases", [
+    pytest.param(ENGINES_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(ENGINES)) if k not in ENGINES_KEPT), id="more", marks=pytest.mark.deep)])
+def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch, cases) -> None:
     """FSDP2's units (resharded after forward or not), DTensor's collectives, both on the 3-D mesh: a stage's
     segment whose hooks begin alike (FSDP's storages held, the units its pre-backwards prefetch) is its first
     walk's record moved, the hooks' state moved with it -- the same moments, peaks and lines as every segment
@@ -174,14 +180,19 @@ def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch) -> None:
                               or hooked(self, kind, mb))
                 patch.setattr(mp._Replay, "segment", lambda self, kind, mb: segments.append(type(self).__name__)
                               or segment(self, kind, mb))
-            for schedule, m, engine, more in ENGINES:
+            for schedule, m, engine, more in (ENGINES[k] for k in cases):
                 values = {**SMALL, "L": 4, "p": 2, **more}
                 d = derive("llama", pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, device="cpu",
                            loss="cross-entropy", values=values, **engine)
                 found.setdefault(label, []).append(_everything(d))
     assert found["moved"] == found["walked"]
-    # each replay walks each way a segment begins once: not every segment
-    for kind in ("_FsdpReplay", "_TensorReplay", "_MeshReplay"):
+    # each replay of the cases' engines (FSDP2's, DTensor's, both on the mesh; ZeRO-1's is the plain one) walks each
+    # way a segment begins once: not every segment
+    replays = {(True, False): "_FsdpReplay", (False, True): "_TensorReplay", (True, True): "_MeshReplay"}
+    kinds = {replays.get((e.get("data_parallel", "").startswith("fsdp"), "tensor_parallel" in e))
+             for _, _, e, _ in (ENGINES[k] for k in cases)} - {None}
+    assert kinds
+    for kind in kinds:
         assert 0 < walks.count(kind) < segments.count(kind)
 
 
@@ -212,9 +223,17 @@ SEQUENCE_AT_ONE = [
     ("1f1b", 2, "sdpa", {"data_parallel": "fsdp"}, {"N": 2}),
     ("gpipe", 2, "naive", {"data_parallel": "fsdp"}, {"N": 2, "G": 4, "L": 8}),
 ]
+#: the default suite's :data:`SEQUENCE_AT_ONE`, the rest under ``-m deep`` (stop 42): SDPA alone under 1F1B runs no
+#: line of symmem/ or tests/ the three kept do not (line coverage, each row's caches cleared; its configuration's
+#: moments are checked in the default suite by ``BOUNDED``'s SP at B = 1 under 1F1B)
+SEQUENCE_KEPT = (1, 2, 3)
 
 
-def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
+@pytest.mark.parametrize("cases", [
+    pytest.param(SEQUENCE_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(SEQUENCE_AT_ONE)) if k not in SEQUENCE_KEPT), id="more",
+                 marks=pytest.mark.deep)])
+def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch, cases) -> None:
     """Sequence parallelism on stages at B = 1: B = 1 read alone at once, and on the p x t mesh B = 1 and the lines
     from B = 2 read from one replay packed at B = 1, 2, 3, 4, give what the long way gives (the lines from B = 1
     tried first, refused, then B = 1 alone, then the lines from B = 2, each replayed on its own) -- the peaks,
@@ -255,14 +274,15 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
                 patch.setattr(SequencePipelineStep, "_peak", lambda self, named: with_batch_of_one(
                     lambda n: TensorPipelineStep._peak(self, n), named))
                 patch.setattr(ps.PipelineStep, "_lines", watched)
-            for schedule, m, attention, engine, more in SEQUENCE_AT_ONE:
+            for schedule, m, attention, engine, more in (SEQUENCE_AT_ONE[k] for k in cases):
                 d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True,
                            pipeline_schedule=schedule, micro_batches=m, attention=attention, device="cpu",
                            values={**SMALL, "B": 1, "L": 4, "p": 2, "t": 2, **more}, **engine)
                 found.setdefault(label, []).append(everything(d))
     assert found["at once"] == found["long way"]
-    assert refused == [True] * len(SEQUENCE_AT_ONE)
-    assert four == [4] * 4  # the p x t mesh's two cases, two stages each, from one replay at four batches
+    assert refused == [True] * len(cases)
+    # the p x t mesh's cases (no data parallelism), two stages each, from one replay at four batches
+    assert four == [4] * 2 * sum("data_parallel" not in SEQUENCE_AT_ONE[k][3] for k in cases)
 
 
 #: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and
