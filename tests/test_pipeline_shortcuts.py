@@ -33,13 +33,22 @@ def _uppers(step, named) -> list:
     return [step._stage_uppers(s, rows, parts, b) for s, (rows, parts) in enumerate(step._batch_moments(named, b))]
 
 
-def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
+#: (model, schedule, derive keywords) of the plain stages' segments moved; the default suite's are
+#: :data:`SEGMENTS_KEPT`, the rest under ``-m deep`` (stop 42): Llama under 1F1B runs no line of symmem/ or tests/
+#: that Llama under GPipe and GPT-2 under 1F1B do not (line coverage, each row's caches cleared)
+SEGMENTS = [("llama", "1f1b", {}), ("llama", "gpipe", {}), ("gpt2", "1f1b", {"dropout": 0.1})]
+SEGMENTS_KEPT = (1, 2)
+
+
+@pytest.mark.parametrize("cases", [
+    pytest.param(SEGMENTS_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(SEGMENTS)) if k not in SEGMENTS_KEPT), id="more", marks=pytest.mark.deep)])
+def test_a_segment_moved_is_the_segment_walked(monkeypatch, cases) -> None:
     """Every stage's moments, in order, and its peak: the replays at numbers (each moment kept); and the lines read
     from the packed one, 1F1B and GPipe, llama and gpt2 with dropout (pass 0 and later passes)."""
     import symmem.passes.model_parallel as mp
     from symmem import derive
 
-    cases = [("llama", "1f1b", {}), ("llama", "gpipe", {}), ("gpt2", "1f1b", {"dropout": 0.1})]
     found: dict[str, list] = {}
     walks = []
     walked = mp._Replay._walked
@@ -49,7 +58,7 @@ def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
                 patch.setattr(mp._Replay, "_repeated", lambda self, kind, mb, walk, state: walk(kind, mb))
             else:
                 patch.setattr(mp._Replay, "_walked", lambda self, kind, mb: walks.append(1) or walked(self, kind, mb))
-            for model, schedule, more in cases:
+            for model, schedule, more in (SEGMENTS[k] for k in cases):
                 values = {**SMALL, "L": 4, "p": 2}
                 if model == "gpt2":
                     del values["G"]
@@ -60,8 +69,8 @@ def test_a_segment_moved_is_the_segment_walked(monkeypatch) -> None:
                 found.setdefault(label, []).append(([(r.moments, r.peak) for r in step._replays(named)],
                                                     _uppers(step, named)))
     assert found["moved"] == found["walked"]
-    # 3 cases x 2 (the replays, the packed one) x 2 stages x 8 segments; each stage walks 4 (2 passes x F, B)
-    assert len(walks) == 3 * 2 * 2 * 4
+    # each case x 2 (the replays, the packed one) x 2 stages x 8 segments; each stage walks 4 (2 passes x F, B)
+    assert len(walks) == len(cases) * 2 * 2 * 4
 
 
 def test_a_tensor_parallel_size_shared_is_the_storage_own() -> None:
@@ -135,6 +144,9 @@ ENGINES = [
     ("gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2}),
     ("1f1b", 4, {"data_parallel": "zero-redundancy"}, {"N": 3}),
 ]
+#: the default suite's :data:`ENGINES`, the rest under ``-m deep`` (stop 42): FSDP2 without resharding under GPipe
+#: (V = 63) runs no line of symmem/ or tests/ the four kept do not (line coverage, each row's caches cleared)
+ENGINES_KEPT = (0, 2, 3, 4)
 
 
 def _everything(d) -> tuple:
@@ -148,7 +160,10 @@ def _everything(d) -> tuple:
             replays)
 
 
-def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch) -> None:
+@pytest.mark.parametrize("cases", [
+    pytest.param(ENGINES_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(ENGINES)) if k not in ENGINES_KEPT), id="more", marks=pytest.mark.deep)])
+def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch, cases) -> None:
     """FSDP2's units (resharded after forward or not), DTensor's collectives, both on the 3-D mesh: a stage's
     segment whose hooks begin alike (FSDP's storages held, the units its pre-backwards prefetch) is its first
     walk's record moved, the hooks' state moved with it -- the same moments, peaks and lines as every segment
@@ -174,14 +189,19 @@ def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch) -> None:
                               or hooked(self, kind, mb))
                 patch.setattr(mp._Replay, "segment", lambda self, kind, mb: segments.append(type(self).__name__)
                               or segment(self, kind, mb))
-            for schedule, m, engine, more in ENGINES:
+            for schedule, m, engine, more in (ENGINES[k] for k in cases):
                 values = {**SMALL, "L": 4, "p": 2, **more}
                 d = derive("llama", pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, device="cpu",
                            loss="cross-entropy", values=values, **engine)
                 found.setdefault(label, []).append(_everything(d))
     assert found["moved"] == found["walked"]
-    # each replay walks each way a segment begins once: not every segment
-    for kind in ("_FsdpReplay", "_TensorReplay", "_MeshReplay"):
+    # each replay of the cases' engines (FSDP2's, DTensor's, both on the mesh; ZeRO-1's is the plain one) walks each
+    # way a segment begins once: not every segment
+    replays = {(True, False): "_FsdpReplay", (False, True): "_TensorReplay", (True, True): "_MeshReplay"}
+    kinds = {replays.get((e.get("data_parallel", "").startswith("fsdp"), "tensor_parallel" in e))
+             for _, _, e, _ in (ENGINES[k] for k in cases)} - {None}
+    assert kinds
+    for kind in kinds:
         assert 0 < walks.count(kind) < segments.count(kind)
 
 
@@ -212,9 +232,17 @@ SEQUENCE_AT_ONE = [
     ("1f1b", 2, "sdpa", {"data_parallel": "fsdp"}, {"N": 2}),
     ("gpipe", 2, "naive", {"data_parallel": "fsdp"}, {"N": 2, "G": 4, "L": 8}),
 ]
+#: the default suite's :data:`SEQUENCE_AT_ONE`, the rest under ``-m deep`` (stop 42): SDPA alone under 1F1B runs no
+#: line of symmem/ or tests/ the three kept do not (line coverage, each row's caches cleared; its configuration's
+#: moments are checked in the default suite by ``BOUNDED``'s SP at B = 1 under 1F1B)
+SEQUENCE_KEPT = (1, 2, 3)
 
 
-def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
+@pytest.mark.parametrize("cases", [
+    pytest.param(SEQUENCE_KEPT, id="kept"),
+    pytest.param(tuple(k for k in range(len(SEQUENCE_AT_ONE)) if k not in SEQUENCE_KEPT), id="more",
+                 marks=pytest.mark.deep)])
+def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch, cases) -> None:
     """Sequence parallelism on stages at B = 1: B = 1 read alone at once, and on the p x t mesh B = 1 and the lines
     from B = 2 read from one replay packed at B = 1, 2, 3, 4, give what the long way gives (the lines from B = 1
     tried first, refused, then B = 1 alone, then the lines from B = 2, each replayed on its own) -- the peaks,
@@ -255,14 +283,15 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch) -> None:
                 patch.setattr(SequencePipelineStep, "_peak", lambda self, named: with_batch_of_one(
                     lambda n: TensorPipelineStep._peak(self, n), named))
                 patch.setattr(ps.PipelineStep, "_lines", watched)
-            for schedule, m, attention, engine, more in SEQUENCE_AT_ONE:
+            for schedule, m, attention, engine, more in (SEQUENCE_AT_ONE[k] for k in cases):
                 d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True,
                            pipeline_schedule=schedule, micro_batches=m, attention=attention, device="cpu",
                            values={**SMALL, "B": 1, "L": 4, "p": 2, "t": 2, **more}, **engine)
                 found.setdefault(label, []).append(everything(d))
     assert found["at once"] == found["long way"]
-    assert refused == [True] * len(SEQUENCE_AT_ONE)
-    assert four == [4] * 4  # the p x t mesh's two cases, two stages each, from one replay at four batches
+    assert refused == [True] * len(cases)
+    # the p x t mesh's cases (no data parallelism), two stages each, from one replay at four batches
+    assert four == [4] * 2 * sum("data_parallel" not in SEQUENCE_AT_ONE[k][3] for k in cases)
 
 
 #: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and
@@ -350,13 +379,19 @@ REPEATS = [
     ("llama", {"checkpoint": "every-2", "micro_batches": 3}, {}),
     ("gpt2", {"micro_batches": 4, "dropout": 0.1}, {}),
     ("gpt2", {"zero": 3}, {"N": 4}),
+    # rows 0 and 4 at two micro-batches (stop 42): each runs every line of symmem/ and tests/ its four- or
+    # three-micro-batch row runs, no other (line coverage, caches cleared), at about two thirds of its CPU
+    ("llama", {"data_parallel": "fsdp", "param_dtype": "bfloat16", "checkpoint": "full", "micro_batches": 2},
+     {"N": 2}),
+    ("llama", {"checkpoint": "every-2", "micro_batches": 2}, {}),
 ]
 #: the default suite's :data:`REPEATS`, the rest under ``-m deep``: FSDP2 with bf16 parameters, full checkpointing
-#: and four micro-batches (both kinds of repeats; every line of peak.py's pruning the others run but two), FSDP1's
+#: and micro-batches (both kinds of repeats; every line of peak.py's pruning the others run but two), FSDP1's
 #: flat parameters with full checkpointing, every-2 checkpointing (peak.py's constant parts), GPT-2 with dropout
 #: (peak.py's branches of one group); moved: FSDP2 over three micro-batches (later micro-batches' repeats, as the
-#: first's), DDP (its buckets, made at the start, repeat nothing), ZeRO-3 (no line of its own)
-REPEATS_KEPT = (0, 2, 4, 5)
+#: first's), DDP (its buckets, made at the start, repeat nothing), ZeRO-3 (no line of its own); since stop 42 the
+#: first and the every-2 rows at two micro-batches (7, 8), their four and three (0, 4) moved
+REPEATS_KEPT = (7, 2, 8, 5)
 
 
 @pytest.mark.parametrize("cases", [
