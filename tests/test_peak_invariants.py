@@ -26,6 +26,7 @@ import symmem
 from symmem import derive
 from symmem.errors import SymmemError
 from symmem.training import OPTIMIZERS
+from tests.kept_cases import kept
 
 MODELS = list(symmem.available_models())
 DEVICES = ("cpu", "cuda")
@@ -89,8 +90,7 @@ def agree(d: symmem.Derivation, step: str) -> int:
     return found["value"]
 
 
-@pytest.mark.parametrize("name, optimizer, device", [
-    pytest.param(*c, id="-".join(c), marks=() if "-".join(c) in KEPT else pytest.mark.deep) for c in CASES])
+@pytest.mark.parametrize("name, optimizer, device", kept(CASES, ["-".join(c) for c in CASES], KEPT, unpack=True))
 def test_every_way_of_asking_gives_the_largest_moment(name, optimizer, device):
     d = derived(name, optimizer, device)
     for step in ("steady", "first"):
