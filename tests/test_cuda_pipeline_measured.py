@@ -24,6 +24,7 @@ import pytest
 
 from symmem import derive
 from symmem.passes import data_parallel, rank_numbers
+from tests.kept_cases import kept
 
 DATA = json.loads((Path(__file__).parent / "data" / "cuda_h200_pipeline.json").read_text())
 #: symmem models the step CUDA runs by default under pipeline stages (foreach)
@@ -52,7 +53,20 @@ def test_the_measurements_are_an_h200():
     assert len(_cases()) == 8 and len(SINGLE) == 4
 
 
-@pytest.mark.parametrize("case", _cases(), ids=lambda c: " ".join(str(k) for k in c[0][:1] + c[0][2:5]))
+#: the cases the default suite replays (stop 42, docs/testing.md): those a greedy cover of each table's line
+#: coverage keeps (every model, schedule, engine, loss and micro-batch count stays); -m deep replays every case
+STAGE_KEPT = {"gpt2 1f1b 4 cross-entropy", "llama gpipe 2 cross-entropy0", "llama 1f1b 2 cross-entropy",
+              "gpt2 gpipe 2 sum", "gpt2 gpipe 1 cross-entropy", "llama 1f1b 4 sum"}
+SINGLE_KEPT = {"sdpa foreach", "naive foreach", "sdpa for-loop"}
+MESH_KEPT = {"gpt2 gpipe 2 cross-entropy zero-redundancy", "gpt2 1f1b 2 cross-entropy ddp",
+             "llama 1f1b 2 cross-entropy ddp", "llama gpipe 2 cross-entropy ddp-bucket-view", "llama 1f1b 2 sum ddp",
+             "llama gpipe 2 cross-entropy zero-redundancy"}
+OPTIMIZER_KEPT = {"gpt2 gpipe 2 cross-entropy zero-redundancy", "llama 1f1b 2 sum ddp",
+                  "llama gpipe 2 cross-entropy ddp-bucket-view", "llama 1f1b 2 cross-entropy zero-redundancy"}
+
+
+@pytest.mark.parametrize("case", kept(_cases(), [" ".join(str(k) for k in c[0][:1] + c[0][2:5]) for c in _cases()],
+                                      STAGE_KEPT))
 def test_every_stage_on_the_h200(case):
     (model, values, schedule, m, loss, options), ranks = case
     values, options = json.loads(values), json.loads(options)
@@ -71,7 +85,7 @@ def test_every_stage_on_the_h200(case):
     assert d.value("peak") == max(p.bytes for p in peaks)  # the JSON's peak (test_rank_formulas.py: its views)
 
 
-@pytest.mark.parametrize("row", SINGLE, ids=lambda r: f"{r['options']['attention']} {r['impl']}")
+@pytest.mark.parametrize("row", kept(SINGLE, [f"{r['options']['attention']} {r['impl']}" for r in SINGLE], SINGLE_KEPT))
 def test_one_device_control(row):
     """The whole model on one rank: requested bytes are the peak in bytes of tensors less the host step counts;
     ``peak_allocated`` (the blocks) is ``max_memory_allocated``."""
@@ -107,7 +121,10 @@ def _mesh_cases() -> list[tuple[tuple, dict[int, dict]]]:
     return sorted(found.items())
 
 
-@pytest.mark.parametrize("case", _mesh_cases(), ids=lambda c: " ".join(str(k) for k in c[0][:1] + c[0][2:5] + c[0][6:]))
+MESH_LABELS = [" ".join(str(k) for k in c[0][:1] + c[0][2:5] + c[0][6:]) for c in _mesh_cases()]
+
+
+@pytest.mark.parametrize("case", kept(_mesh_cases(), MESH_LABELS, MESH_KEPT))
 def test_every_rank_of_ddp_on_stages_on_the_h200(case):
     """DDP, its bucket view and ZeRO-1 around each stage of a (2, 2) mesh: every rank's steady-step peak is the
     prediction less the step counts its real AdamW keeps on the host; the first step's too, less them where the
@@ -139,7 +156,7 @@ def test_the_history_run_measured_what_the_first_did():
         _key(r): (r["steps"], r["host_state"]) for r in MESH}
 
 
-@pytest.mark.parametrize("case", _mesh_cases(), ids=lambda c: " ".join(str(k) for k in c[0][:1] + c[0][2:5] + c[0][6:]))
+@pytest.mark.parametrize("case", kept(_mesh_cases(), MESH_LABELS, OPTIMIZER_KEPT))
 def test_every_ranks_optimizer_step_on_the_h200(case):
     """The optimizer step's own peak, which the schedule's hides in the peak: each rank's steady step read from its
     allocator history (from the step's first AdamW allocation on), plus the host step counts, is the rank's replay's

@@ -48,6 +48,7 @@ from typing import Any
 import pytest
 
 from symmem import derive
+from tests.kept_cases import kept
 
 PATH = Path(__file__).parent / "data" / "cuda_h200_stop37.json"
 DATA: dict[str, Any] | None = json.loads(PATH.read_text()) if PATH.exists() else None
@@ -88,6 +89,22 @@ for _row in ROWS:
 def _label(key: str) -> str:
     c = json.loads(key)
     return f"{c['model']} {c['engine']} {c['checkpoint']} M={c['micro_batches']} V={c['values'].get('V', '')}"
+
+
+#: the cases each test replays in the default suite (stop 42, docs/testing.md): those a greedy cover of its cases'
+#: line coverage keeps, and one case of each engine the cover leaves out (DDP's bucket views for the requested bytes;
+#: FSDP2, FSDP2 without resharding, DDP and its bucket views for max_memory_allocated, picked among the requested
+#: test's kept cases, whose derivations they share); -m deep replays every case
+REQUESTED_KEPT = {"mlp fsdp1-grad-op none M=2 V=", "gpt2 zero-redundancy selective M=1 V=64",
+                  "llama fsdp-no-reshard selective M=2 V=101", "mlp fsdp1 none M=2 V=", "gpt2 fsdp selective M=1 V=64",
+                  "gpt2 ddp none M=1 V=100", "llama fsdp selective M=1 V=64", "llama fsdp1-grad-op none M=2 V=100",
+                  "gpt2 ddp-bucket-view selective M=1 V=64"}
+ALLOCATED_KEPT = {"gpt2 zero-redundancy selective M=1 V=64", "mlp fsdp1-grad-op none M=2 V=",
+                  "llama fsdp1 none M=2 V=100", "gpt2 fsdp selective M=1 V=64",
+                  "llama fsdp-no-reshard selective M=2 V=101", "gpt2 ddp none M=1 V=100",
+                  "gpt2 ddp-bucket-view selective M=1 V=64"}
+LIVE_KEPT = {"mlp fsdp1 none M=2 V=", "gpt2 fsdp selective M=1 V=64", "gpt2 zero-redundancy selective M=1 V=64",
+             "gpt2 fsdp1-grad-op none M=2 V=100", "gpt2 ddp selective M=1 V=64"}
 
 
 @functools.cache  # the requested, allocated and live tests of a case share its derivation (conftest.WHOLE)
@@ -154,7 +171,7 @@ def _recorded(key: str, step: str) -> int | None:
     return HISTORY.get(json.dumps([c["model"], c["values"], c["options"], c["engine"]], sort_keys=True) + step)
 
 
-@pytest.mark.parametrize("key", sorted(CASES), ids=_label)
+@pytest.mark.parametrize("key", kept(sorted(CASES), map(_label, sorted(CASES)), REQUESTED_KEPT))
 def test_requested_bytes_every_rank(key):
     """The bytes the tensors asked for on the device at each rank's peak against the derivation's device bytes at
     its largest moment (a dry run: the CPU ranks' live bytes against the whole peak), first step and the last
@@ -180,7 +197,7 @@ def test_requested_bytes_every_rank(key):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the caching allocator's blocks are a GPU's (a dry run reads none)")
-@pytest.mark.parametrize("key", sorted(CASES), ids=_label)
+@pytest.mark.parametrize("key", kept(sorted(CASES), map(_label, sorted(CASES)), ALLOCATED_KEPT))
 def test_max_memory_allocated_every_rank(key):
     """``max_memory_allocated`` against ``peak_allocated(step, rank)``: exact, or (``GLOO``) above it by the
     temporaries rank 0's allocator history recorded for the same model and engine at M = 1, where there is one."""
@@ -223,7 +240,7 @@ def test_the_second_run_repeats_the_first():
             assert row["steps"] == CASES[key][rank]["steps"] and row["host_state"] == CASES[key][rank]["host_state"]
 
 
-@pytest.mark.parametrize("key", sorted(LIVE), ids=_label)
+@pytest.mark.parametrize("key", kept(sorted(LIVE), map(_label, sorted(LIVE)), LIVE_KEPT))
 def test_live_bytes_every_rank(key):
     """The same case on CPU ranks under the recorder (on the GPU machine: torch 2.11), against the CPU derivation:
     the first step, and the lowest steady one (gloo's late frees only ever add)."""

@@ -1,8 +1,8 @@
 """One peak, however it is asked for: the moment (``peak_at``), its formula at the numbers (``peak_formula``), the
 bytes alive then (``live_at_peak``) and ``value("peak")`` are the same number, for every built-in model at its
-defaults (both devices, SGD and AdamW; each optimizer on a small model of each kind: CASES says which) -- and
-that number is the truth: the most live bytes after any op of the step written out at the numbers
-(``timeline``).
+defaults (both devices, SGD and AdamW; each optimizer on a small model of each kind: CASES says which; the
+default suite asks the cases KEPT names, -m deep the rest) -- and that number is the truth: the most live bytes
+after any op of the step written out at the numbers (``timeline``).
 
 The timeline is an independent computation of the same quantity: it writes every repeated block out its full
 number of times (Llama's 32 layers) in the branch of the size conditions the numbers select and adds the live
@@ -26,6 +26,7 @@ import symmem
 from symmem import derive
 from symmem.errors import SymmemError
 from symmem.training import OPTIMIZERS
+from tests.kept_cases import kept
 
 MODELS = list(symmem.available_models())
 DEVICES = ("cpu", "cuda")
@@ -49,6 +50,13 @@ OWN_TEST = {("llama", "adamw", "cuda"), ("llama", "sgd", "cuda")}
 CASES = [(m, o, dev) for m in MODELS for o in MAIN for dev in DEVICES
          if (m not in SAME_MOMENT or (o, dev) in DIAGONAL) and (m, o, dev) not in OWN_TEST]
 CASES += [(m, o, "cuda") for m in FAMILIES for o in OPTIMIZERS if o not in MAIN]
+#: the cases the default suite asks (stop 42, docs/testing.md): together they run every line of symmem and of these
+#: tests that all CASES run (a greedy cover of each case's line coverage); the other models, optimizers and devices
+#: are the same code at other numbers, asked under -m deep
+KEPT = {"mlp-adafactor-cuda", "resnet18-sgd-cpu", "vit-ti16-sgd-cuda", "counts-adamw-cpu", "vgg13-sgd-cpu",
+        "gpt-megatron-sgd-cpu", "bert-base-sgd-cpu", "llama-sgd-cpu", "gpt2-sgd-momentum-cuda", "mlp-adam-8bit-cuda",
+        "vgg13_bn-sgd-cpu", "counts-sgd-cuda", "resnet101-sgd-cpu", "vit-ti16-adamw-cuda", "resnet152-sgd-cpu",
+        "gpt2-sgd-cpu", "gpt-megatron-adamw-cuda"}
 
 
 @functools.lru_cache(maxsize=4)  # the branch tests ask Llama's and GPT-2's at other numbers; the memory stays bounded
@@ -82,7 +90,7 @@ def agree(d: symmem.Derivation, step: str) -> int:
     return found["value"]
 
 
-@pytest.mark.parametrize("name, optimizer, device", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("name, optimizer, device", kept(CASES, ["-".join(c) for c in CASES], KEPT, unpack=True))
 def test_every_way_of_asking_gives_the_largest_moment(name, optimizer, device):
     d = derived(name, optimizer, device)
     for step in ("steady", "first"):

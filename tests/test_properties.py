@@ -29,6 +29,7 @@ from symmem.models import available, build
 from symmem.passes import branches
 from symmem.symbols import B, H
 from symmem.units import UNITS, format_bytes, parse_size
+from tests.kept_cases import kept
 
 HUNT = int(os.environ.get("SYMMEM_FUZZ", "0"))
 
@@ -57,9 +58,16 @@ def _outside(d, model, layer):
                        if s.category == "activation" and s.kept_at_forward_end and s.node not in inside))
 
 
+#: the (convention, model) pairs the default suite asks (stop 42, docs/testing.md): a greedy cover of the pairs' line
+#: coverage (every convention stays); -m deep asks every pair
+LAYERED_KEPT = {"paper-gpt-megatron", "pytorch-vit-ti16", "paper-llama", "megatron-gpt2", "paper-bert-large",
+                "pytorch-gpt-megatron", "pytorch-llama", "cs231n-gpt-megatron", "pytorch-vit-l16",
+                "megatron-gpt-megatron", "megatron-vit-s16", "pytorch-gpt2"}
+PAIRS = [(c, n) for n in LAYERED for c in conventions()]
+
+
 @pytest.mark.filterwarnings("ignore::symmem.errors.NothingCounted")  # sweeps meet conventions that see nothing
-@pytest.mark.parametrize("name", LAYERED)
-@pytest.mark.parametrize("conv", conventions())
+@pytest.mark.parametrize("conv, name", kept(PAIRS, ["-".join(p) for p in PAIRS], LAYERED_KEPT, unpack=True))
 def test_layer_times_count_plus_the_rest_is_the_whole(name, conv):
     m = build(name)
     layer = m.layer or next(iter(m.graph.blocks))
@@ -109,10 +117,11 @@ def _conditional(k, chained=()):
     return Model(g.graph.graph["name"], g.finish(), {B: 2, H: 8, **{s: 3 for s in xs}}, (B, H, *xs)), xs
 
 
-@bounded(10)
-@given(st.integers(3, 4).flatmap(lambda k: st.tuples(st.just(k), st.lists(
-    st.tuples(st.integers(0, k - 1), st.integers(0, k - 1)), max_size=2, unique=True))))
-def test_combined_branches_equal_the_exhaustive_merge(case):
+CONDITIONS = st.integers(3, 4).flatmap(lambda k: st.tuples(st.just(k), st.lists(
+    st.tuples(st.integers(0, k - 1), st.integers(0, k - 1)), max_size=2, unique=True)))
+
+
+def _combined_equals_exhaustive(case):
     k, chained = case
     model, xs = _conditional(k, chained)
     results = []
@@ -131,6 +140,12 @@ def test_combined_branches_equal_the_exhaustive_merge(case):
             sorted((s.name, e.evaluate(s.expr)) for s in e.storages), values
         # (the exhaustive total is one Piecewise of 2**k pieces: summed term by term, not folded)
         assert a.value("total") == sum(e.evaluate(t.expr) for t in e.terms)
+
+
+# 4 cases in the default suite (was 10), 20 under -m deep: the same body, drawn twice
+test_combined_branches_equal_the_exhaustive_merge = bounded(4)(given(CONDITIONS)(_combined_equals_exhaustive))
+test_more_combined_branches_equal_the_exhaustive_merge = pytest.mark.deep(
+    bounded(20)(given(CONDITIONS)(_combined_equals_exhaustive)))
 
 
 def test_twelve_independent_conditions_are_fast():
