@@ -56,25 +56,20 @@ LANGUAGE = [
 
 @pytest.fixture(scope="module")
 def language():
-    """id -> (traced Derivation, zoo Derivation): each HF model traced on its case's first use, once (a case left to
-    ``-m deep`` traces nothing in the default suite)."""
-    made: dict[str, tuple[Any, Any]] = {}
-
-    def of(case: str) -> tuple[Any, Any]:
-        if case not in made:
-            _, build, name, values, options, labels = next(c for c in LANGUAGE if c[0] == case)
-            traced = symmem.trace(build(), ids(labels), WITH_LABELS if labels else TEXT)
-            zoo = derive(name, convention="pytorch", options={"device": "cpu"}, values=values, free=("B", "S", "L"),
-                         loss="cross-entropy" if labels else None, **options)
-            made[case] = (traced, zoo)
-        return made[case]
-
-    return of
+    """id -> (traced Derivation, zoo Derivation), each HF model traced once."""
+    out = {}
+    for case, build, name, values, options, labels in LANGUAGE:
+        module = build()
+        traced = symmem.trace(module, ids(labels), WITH_LABELS if labels else TEXT)
+        zoo = derive(name, convention="pytorch", options={"device": "cpu"}, values=values, free=("B", "S", "L"),
+                     loss="cross-entropy" if labels else None, **options)
+        out[case] = (traced, zoo)
+    return out
 
 
 @pytest.mark.parametrize("case", [c[0] for c in LANGUAGE])
 def test_zoo_language_model_equals_the_traced_transformers_module(language, case):
-    traced, zoo = language(case)
+    traced, zoo = language[case]
     kept = at_least_two(zoo.activations + zoo.loss)  # the traced module computes its own loss: one total
     found = drift(traced.activations, kept)
     assert not found, f"{case}: drift by monomial (traced, zoo bytes): {found}"
