@@ -61,7 +61,13 @@ class LM(torch.nn.Module):
         return self.model(input_ids=x, labels=labels)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+#: fp32's trace and its two checks are deep (stop 42): every line they run the other variants run, and fp32 LoRA's
+#: parameter side and peak against a real AdamW step are the command line's (test_the_command_line_fine_tunes_with_lora)
+DEEP_VARIANTS = {"fp32"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(v, marks=pytest.mark.deep) if v in DEEP_VARIANTS else v
+                                        for v in VARIANTS])
 def traced(request):
     dtype, checkpoint = VARIANTS[request.param]
     x = ids(2, 8)

@@ -58,6 +58,10 @@ def gpt2_json():
     return json.loads(out.getvalue())
 
 
+@pytest.mark.deep  # stop 42: ~10 CPU-s, most of it the peak's fold (three GPT-2 step records) that nothing here asks
+# for; the lines it runs are run by test_lora.py's command line (an hf: model's JSON, its peak against a real step),
+# test_loss_means_what_it_means_in_python (a traced module's JSON is symmem.trace's to_dict) and the verify below
+# (this model's formula against a real forward at other sizes)
 def test_hf_gpt2_json_is_the_derive_contract(gpt2_json):
     d = gpt2_json
     assert d["model"] == "hf:gpt2" and d["convention"] == "traced"

@@ -19,7 +19,8 @@ def traced():
                         optimizer="adam")
 
 
-@pytest.mark.parametrize("b, hi, wi", [(3, 10, 6), (5, 12, 16)])
+# the second size is deep (stop 42): its lines are the first's
+@pytest.mark.parametrize("b, hi, wi", [(3, 10, 6), pytest.param(5, 12, 16, marks=pytest.mark.deep)])
 def test_formula_equals_real_forwards_at_new_sizes(traced, b, hi, wi):
     torch.manual_seed(1)
     net = cnn()

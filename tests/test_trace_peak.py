@@ -154,7 +154,15 @@ def regime(request):
     return request.param, dtype, d
 
 
-@pytest.mark.parametrize("layers, b, s", [(2, 3, 5), (2, 4, 11)])
+#: (regime, L, B, S): every regime at two sizes; checkpointing's and bfloat16's second size are deep (stop 42: every
+#: line they run, the kept cases run)
+REGIME_SIZES = [pytest.param(name, *size, id="-".join(map(str, (name, *size))),
+                             marks=[pytest.mark.deep] if (name, size) in {("checkpoint", (2, 4, 11)),
+                                                                         ("bfloat16", (2, 4, 11))} else [])
+                for name in REGIMES for size in ((2, 3, 5), (2, 4, 11))]
+
+
+@pytest.mark.parametrize("regime, layers, b, s", REGIME_SIZES, indirect=["regime"], scope="module")
 def test_regimes_equal_real_forwards_and_steps(regime, layers, b, s):
     name, dtype, d = regime
     optimizer = REGIMES[name]["optimizer"]
@@ -294,8 +302,16 @@ class _Pair(torch.nn.Module):
         return SequenceClassifierOutput(logits=logits, hidden_states=(h,))
 
 
-@pytest.mark.parametrize("kind", ["tuple", "dict", "model-output"])
-@pytest.mark.parametrize("loss", ["cross-entropy", "sum"])
+#: (loss, kind): each loss and each kind of output once in the default suite; the other three are deep (stop 42: every
+#: line they run, the kept three run)
+LOSS_KINDS = [pytest.param(loss, kind, id=f"{loss}-{kind}",
+                           marks=[pytest.mark.deep] if (loss, kind) in {("cross-entropy", "tuple"),
+                                                                         ("cross-entropy", "dict"),
+                                                                         ("sum", "model-output")} else [])
+              for loss in ("cross-entropy", "sum") for kind in ("tuple", "dict", "model-output")]
+
+
+@pytest.mark.parametrize("loss, kind", LOSS_KINDS)
 def test_a_loss_reduces_the_first_tensor_of_any_output(kind, loss):
     """Issue 22 item 13: cross-entropy (or sum) on a module returning a tuple, a dict or a ModelOutput crashed when
     the peak was asked for; the traced peak now equals two real tracked steps (the truth) at other sizes."""
@@ -307,34 +323,46 @@ def test_a_loss_reduces_the_first_tensor_of_any_output(kind, loss):
     assert peaks(d, B=7) == real_peaks(_Pair(kind), torch.randn(7, 8), loss=loss, optimizer="adam")
 
 
-def test_a_stack_with_per_layer_types_folds_in_L():
+def _qwen2(layers: int):
+    from trace_helpers import hf
+
+    return hf("Qwen2ForCausalLM", "sdpa", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=96, use_sliding_window=True,
+              sliding_window=16, max_window_layers=0)
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    """Qwen2 with a sliding window on every layer, traced at 3 layers (its fold's three step records made once)."""
+    pytest.importorskip("transformers")
+    model = _qwen2(3)
+    assert model.config.layer_types == ["sliding_attention"] * 3
+    return symmem.trace(model, (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
+
+
+#: (L, B, S) of the real steps: L = 7 past the fold's records (4, 5, 6); L = 5, one of them, is deep (stop 42: its
+#: lines are L = 7's)
+QWEN2_STEPS = [(7, 2, 5), pytest.param(5, 3, 7, marks=pytest.mark.deep)]
+
+
+@pytest.mark.parametrize("layers, b, s", QWEN2_STEPS)
+def test_a_stack_with_per_layer_types_folds_in_L(qwen2, layers, b, s):
     """Issue 22 item 14: Qwen2's config carries a per-layer ``layer_types`` list, which the fold in L (the step
     written out at 4, 5 and 6 layers) once indexed past its end.  Traced at 3 layers (fewer than the fold writes out:
-    before, ``layer_types[3]`` was past the end of the config's list, which now grows with the run), the peak at 5
-    and at 7 layers and other sizes equals two real tracked steps each (the truth).
+    before, ``layer_types[3]`` was past the end of the config's list, which now grows with the run), the peak at 7
+    layers (at 5 under ``-m deep``) and other sizes equals two real tracked steps (the truth).
 
     Issue 23 too (since stop 39; Mistral's own fold is deep): with a sliding window on every layer, Qwen2's model
     builds transformers' ``DynamicCache`` in its own forward with one ``DynamicSlidingWindowLayer`` -- and one
     tensor -- per decoder layer before the first runs (Mistral's cache layers): ops outside the blocks whose count is
     the layer count, which the fold once refused."""
-    pytest.importorskip("transformers")
-    from trace_helpers import hf
-
-    def build(layers: int):
-        return hf("Qwen2ForCausalLM", "sdpa", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96, use_sliding_window=True,
-                  sliding_window=16, max_window_layers=0)
-
-    model = build(3)
-    assert model.config.layer_types == ["sliding_attention"] * 3
-    d = symmem.trace(model, (torch.randint(0, 96, (2, 8)),), SEQ, loss="sum", optimizer="adamw")
+    d = qwen2
     assert symmem.symbol("L") in d.peak.free_symbols and "not folded" not in " ".join(d.step.notes)
     # the cache's tensors: one per layer, outside the blocks
     assert [sum(o.op == "aten.lift_fresh.default" and o.where == "model" for o in d.step.record(n).ops)
             for n in (4, 5)] == [4, 5]
-    for layers, b, s in [(5, 3, 7), (7, 2, 5)]:
-        real = real_peaks(build(layers), torch.randint(0, 96, (b, s)), loss="sum", optimizer="adamw")
-        assert peaks(d, B=b, S=s, L=layers) == real
+    real = real_peaks(_qwen2(layers), torch.randint(0, 96, (b, s)), loss="sum", optimizer="adamw")
+    assert peaks(d, B=b, S=s, L=layers) == real
 
 
 def test_a_sequential_of_named_blocks_folds_in_L():
