@@ -2,7 +2,8 @@
 
 Oracle: ``sympy.sympify(expr.xreplace(numbers))``, rounded as ``Derivation.evaluate`` always rounded (integers
 stay, fractions of a byte go up).  Every quantity and every term of every built-in model under every convention
-must agree exactly at several configurations, one at a time (``value``, ``at``) and all at once (``values``).
+must agree exactly at several configurations, one at a time (``value``, ``at``) and all at once (``values``): under
+``-m deep``; the default suite runs the labels whose lines cover every line the whole sweep runs (``EVERY_KEPT`` ...).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from symmem.tensor import TensorSpec
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-#: SYMMEM_FUZZ=N runs N cases per kind, at random (a longer hunt than the suite's fixed 40).
+#: SYMMEM_FUZZ=N runs N cases per kind, at random (a longer hunt than the suite's fixed EXAMPLES, or 40 under -m deep).
 HUNT = int(os.environ.get("SYMMEM_FUZZ", "0"))
 SETTINGS = settings(max_examples=HUNT or 40, deadline=None, derandomize=not HUNT, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
