@@ -2,7 +2,8 @@
 
 Oracle: ``sympy.sympify(expr.xreplace(numbers))``, rounded as ``Derivation.evaluate`` always rounded (integers
 stay, fractions of a byte go up).  Every quantity and every term of every built-in model under every convention
-must agree exactly at several configurations, one at a time (``value``, ``at``) and all at once (``values``).
+must agree exactly at several configurations, one at a time (``value``, ``at``) and all at once (``values``): under
+``-m deep``; the default suite runs the labels whose lines cover every line the whole sweep runs (``EVERY_KEPT`` ...).
 """
 
 from __future__ import annotations
@@ -92,7 +93,43 @@ LABELS = [label for label, _, _ in SPECS]
 PEAKS = [label for label in LABELS if KEYWORDS[label][1].get("convention", "pytorch") == "pytorch"][::4]
 
 
-@pytest.mark.parametrize("label", LABELS)
+def _kept(labels: list[str], kept: set[str]) -> list:
+    """The table's labels, those not in ``kept`` marked ``deep``: the kept ones run every line of symmem and of this
+    file that the whole table runs (tests/table_cover.py's cover, stop 42: docs/testing.md, "Stop 42: thinviews42"),
+    and share their derivations with the other tables' kept labels."""
+    assert kept <= set(labels), kept - set(labels)
+    return [label if label in kept else pytest.param(label, marks=pytest.mark.deep) for label in labels]
+
+
+#: test_every_quantity_and_term_equals_sympy_substitution's default labels (28 of 179)
+EVERY_KEPT = {
+    "bert-base-cs231n-0", "bert-base-megatron-0", "bert-base-paper-0", "counts-cs231n-0", "counts-pytorch-0",
+    "gpt-megatron-cs231n-0", "gpt-megatron-megatron-0", "gpt-megatron-paper-2", "gpt-megatron-pytorch-0",
+    "gpt2-cross-entropy-pytorch-cpu", "gpt2-cs231n-0", "gpt2-pytorch-1",
+    "llama-('B', 'S', 'H', 'h', 'G', 'L', 'F', 'V')-pytorch-naive-cross-entropy", "llama-cross-entropy-pytorch",
+    "llama-cs231n-0", "mlp-cs231n-0", "mlp-paper-0", "resnet101-cs231n-0", "resnet18-cs231n-0", "resnet18-paper-0",
+    "resnet18-pytorch-0", "resnet50-v1-paper-1", "vgg11-cs231n-0", "vgg11_bn-paper-1", "vgg19-pytorch-0",
+    "vit-b16-cs231n-0", "vit-b16-pytorch-2", "vit-s16-megatron-0"
+}
+
+#: test_peak_equals_sympy_substitution's (8 of 10)
+PEAK_KEPT = {
+    "bert-base-pytorch-0", "gpt2-pytorch-0", "resnet152-pytorch-0", "resnet50-('B', 'Hi', 'Wi')-pytorch",
+    "resnet50-pytorch-1", "vgg11_bn-pytorch-0", "vit-b16-pytorch-1", "vit-ti16-pytorch-0"
+}
+
+#: test_interpreted_first_configuration_equals_compiled's (3 of 60)
+INTERPRETED_KEPT = {
+    "llama-cross-entropy-pytorch", "resnet18-cs231n-0", "vgg11_bn-paper-1"
+}
+
+#: test_values_over_a_grid_equal_one_at_a_time's (4 of 26)
+GRID_KEPT = {
+    "counts-paper-0", "gpt2-cross-entropy-pytorch-cpu", "vgg11_bn-paper-1", "vit-b16-pytorch-1"
+}
+
+
+@pytest.mark.parametrize("label", _kept(LABELS, EVERY_KEPT))
 def test_every_quantity_and_term_equals_sympy_substitution(label):
     d = derivation_or_refusal(label)
     if d is None:
@@ -113,7 +150,7 @@ def test_every_quantity_and_term_equals_sympy_substitution(label):
             assert e.evaluate(term.expr) == truth(term.expr, e.numbers), (label, config, term.name)
 
 
-@pytest.mark.parametrize("label", PEAKS)
+@pytest.mark.parametrize("label", _kept(PEAKS, PEAK_KEPT))
 def test_peak_equals_sympy_substitution(label):
     d = derivation_or_refusal(label)
     if d is None:
@@ -130,7 +167,7 @@ def test_peak_equals_sympy_substitution(label):
         assert e.value("peak_first_step") == truth(found.first, e.numbers), (label, config)
 
 
-@pytest.mark.parametrize("label", LABELS[::3])
+@pytest.mark.parametrize("label", _kept(LABELS[::3], INTERPRETED_KEPT))
 def test_interpreted_first_configuration_equals_compiled(label):
     # A fresh evaluator interprets its first configuration and compiles for the next ones: both paths agree.
     d = derivation_or_refusal(label)
@@ -149,7 +186,7 @@ def truth_fraction(expr: sympy.Expr, numbers) -> Fraction:
     return Fraction(int(value.p), int(value.q))
 
 
-@pytest.mark.parametrize("label", LABELS[::7])
+@pytest.mark.parametrize("label", _kept(LABELS[::7], GRID_KEPT))
 def test_values_over_a_grid_equal_one_at_a_time(label):
     d = derivation_or_refusal(label)
     if d is None:

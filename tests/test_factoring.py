@@ -53,7 +53,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("expr", "text", "latex"), CASES, ids=[c[1][:40] for c in CASES])
+#: cases whose lines of symmem and of this file the others run, under ``-m deep`` only (line coverage, stop 42:
+#: docs/testing.md, "Stop 42: thinviews42"); Korthikanti's two forms stay in the default suite for their figures,
+#: 192*H**2*L as the one LaTeX with a power that the reader reads back
+DEEP_TEXTS = {"4*B*L*(H + F)", "H*L*(2 + 2*H + 2*H*G/h + 3*F) + H*(1 + 2*V)", "4*B*S*H", "3*B*S*H*L*(2 + S*H)"}
+
+
+@pytest.mark.parametrize(("expr", "text", "latex"), [
+    pytest.param(*c, id=c[1][:40], marks=pytest.mark.deep if c[1] in DEEP_TEXTS else ()) for c in CASES])
 def test_field_form_equals_the_formula_and_reads_as_the_field_writes(expr: sympy.Expr, text: str,
                                                                       latex: str | None) -> None:
     form = field(expr)

@@ -50,7 +50,9 @@ def _lark(text: str) -> str:
     return _shown(found) if isinstance(found, sympy.Basic) else "two readings"
 
 
-@pytest.mark.parametrize("text", [TEXTS[0], TEXTS[2], TEXTS[5], TEXTS[6], TEXTS[13], TEXTS[18]])
+# four texts against the lark parser (TEXTS[0] and TEXTS[18], whose lines these run, and every other text: the deep
+# test below; line coverage, stop 42)
+@pytest.mark.parametrize("text", [TEXTS[2], TEXTS[5], TEXTS[6], TEXTS[13]])
 def test_the_reader_reads_as_the_parser(text):
     assert _shown(latex_grammar.read(text)) == _lark(text)
 

@@ -92,7 +92,26 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in CASES])
+#: (case, fold, width) the default suite keeps: together they run every line of symmem and of this file that the 42
+#: layouts run (line coverage, stop 42: docs/testing.md, "Stop 42: thinviews42"); the others run under ``-m deep``
+LAYOUTS_KEPT = {("counts-2", False, 100), ("bert-base-pytorch", False, 100), ("vit-b16-naive", False, 100),
+                ("gpt2-pytorch-cross-entropy", False, 100), ("llama-pytorch", False, 100),
+                ("resnet50-v1-('B', 'Hi', 'Wi')", False, 100), ("vit-b16-3-True", False, 100),
+                ("vit-b16-3-True", True, 60)}
+
+
+def _layouts() -> list:
+    out = []
+    for case in CASES:
+        name = f"{case[0]}-{'-'.join(map(str, case[1].values()))}"
+        for fold in (False, True):
+            for width in (100, 60, 140):
+                deep = () if (name, fold, width) in LAYOUTS_KEPT else pytest.mark.deep
+                out.append(pytest.param(case, fold, width, id=f"{name}-{fold}-{width}", marks=deep))
+    return out
+
+
+@pytest.fixture(scope="module")
 def derivation(request):
     name, options = request.param
     with warnings.catch_warnings():  # the layout is under test, whatever the convention sees
@@ -100,8 +119,7 @@ def derivation(request):
         return symmem.derive(name, **options)
 
 
-@pytest.mark.parametrize("width", [100, 60, 140])
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("derivation, fold, width", _layouts(), indirect=["derivation"])
 def test_every_formula_parses_back_and_fits(derivation, width, fold):
     d = derivation
     text = table(d, width=width, fold=fold)
