@@ -109,24 +109,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         json.dump({"tests": tests}, f)
 
 
-def missing(tests: dict[str, dict[str, Any]], table: str) -> set[str]:
-    """Lines a deep case of ``table`` runs that the default suite's run of the same file does not: those of its call
-    that no default case of the table runs, and those of its setup (a fixture it is first to build) that no default
-    test of the file runs.
-
-    >>> t = {"f::t[a]": {"deep": False, "lines": ["x:1", "x:2"], "call": ["x:2"]},
-    ...      "f::t[b]": {"deep": True, "lines": ["x:1", "x:3"], "call": ["x:3"]},
-    ...      "f::u": {"deep": False, "lines": ["x:4"], "call": ["x:4"]}}
-    >>> sorted(missing(t, "f::t"))
-    ['x:3']
-    """
-    cases = {k: v for k, v in tests.items() if k.split("[")[0] == table}
-    kept = set().union(*(v["lines"] for v in cases.values() if not v["deep"]))
-    default = set().union(*(v["lines"] for v in tests.values() if not v["deep"]))
-    moved = [v for v in cases.values() if v["deep"]]
-    return set().union(*((set(v["call"]) - kept) | (set(v["lines"]) - set(v["call"]) - default) for v in moved))
-
-
 def cover(lines: dict[str, set[str]], cost: dict[str, float]) -> list[str]:
     """The cases a greedy cover keeps, in the order it picks them.
 
@@ -143,6 +125,27 @@ def cover(lines: dict[str, set[str]], cost: dict[str, float]) -> list[str]:
         covered |= lines[best]
         left.discard(best)
     return kept
+
+
+def missing(default: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]], table: str) -> set[str]:
+    """Lines a deep case of ``table`` runs that the default suite's run of the same file does not.
+
+    ``default`` is the file's default run, ``moved`` the same run with the table's kept cases swapped for its deep
+    ones (so the caches other tests warm are the same, and in each run the table's first case runs cold): a deep
+    case's call must run no line the kept cases do not, its setup (a fixture it is first to build) no line the
+    default run does not.
+
+    >>> run = {"f::t[a]": {"deep": False, "lines": ["x:1", "x:2"], "call": ["x:2"]},
+    ...        "f::u": {"deep": False, "lines": ["x:4"], "call": ["x:4"]}}
+    >>> swapped = {"f::t[b]": {"deep": True, "lines": ["x:1", "x:3"], "call": ["x:3"]},
+    ...            "f::t[c]": {"deep": True, "lines": ["x:4", "x:2"], "call": ["x:2"]}}
+    >>> sorted(missing(run, swapped, "f::t"))
+    ['x:3']
+    """
+    kept = set().union(*(v["lines"] for k, v in default.items() if k.split("[")[0] == table))
+    every = set().union(*(v["lines"] for v in default.values()))
+    cases = [v for k, v in moved.items() if k.split("[")[0] == table and v["deep"]]
+    return set().union(*((set(v["call"]) - kept) | (set(v["lines"]) - set(v["call"]) - every) for v in cases))
 
 
 def main(argv: list[str] | None = None) -> None:
