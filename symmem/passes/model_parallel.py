@@ -1330,6 +1330,9 @@ class _Replay:
         storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
         on, shared, stage_of, known = cut.on, cut.shared, cut.stage_of, _known_stages(cut)
         alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
+        # a plain or packed cut's size() is its cache by the size's object, else worked out: looked up here first
+        # (a call for each of the thousands of storages a stage makes)
+        sized = cut.cache.get if type(cut).size in (_Cut.size, _PackedCut.size) else _unknown
         outside = ("parameter", "optimizer_state", "input")
         forward, later = kind == "F", pass_ > 0
         plan = []
@@ -1363,10 +1366,14 @@ class _Replay:
                     fate = _WITH_BACKWARD
                 else:
                     fate = _HELD  # freed by an op of this pass
-                born.append((sid, size(sid), fate))
+                nbytes = sized(id(st.nbytes))
+                born.append((sid, size(sid) if nbytes is None else nbytes, fate))
                 note(sid)
-            dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
-            notes(dying)
+            if e.freed:
+                dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
+                notes(dying)
+            else:
+                dying = []
             plan.append((e.node, born, dying))
         self._events[key] = plan
         self.__dict__.setdefault("_touches", {})[key] = frozenset(touched)  # (not in _records: no segment's)
@@ -1418,11 +1425,18 @@ class _Replay:
         ends = ends + self.deferred.pop(mb, [])
         self.backwards += 1
         sent = []
-        for key in ends:  # each storage asked once (thousands a replay)
-            if self._sent(key[1], False):
+        # each storage asked once (thousands a replay): _sent's answers looked up here first, free() inlined
+        known, alive, live = self._sends.get, self.alive, self.live
+        for key in ends:
+            found = known((key[1], False))
+            if found is None:
+                self.live = live
+                found = self._sent(key[1], False)
+            if found:
                 sent.append(key)
             else:
-                self.free(key)
+                live -= alive.pop(key, 0)
+        self.live = live
         last = self.m * 2 if self.schedule == "gpipe" else self.backwards + 1
         self.later += [(last, key) for key in sent]
         for _, key in [x for x in self.later if x[0] <= self.backwards]:

@@ -193,14 +193,15 @@ class _Stretch:
             raise _NotStretched
         return (w, i - t, q)
 
-    def _compiled(self, sids: Sequence[int], t: int) -> list[tuple[list[int] | None, int, int]]:
+    def _compiled(self, sids: Sequence[int], t: int) -> list[tuple[list[int], int, int]]:
         """Each storage an op of template layer ``t`` touches, as (its sweep's first ids by layer, its layer less
-        ``t``, its place in its layer's run), or (None, its new id, 0) outside the layers."""
-        out: list[tuple[list[int] | None, int, int]] = []
+        ``t``, its place in its layer's run), or (a list of zeros, 0, its new id) outside the layers: its id in new
+        layer ``n`` is ``ids[n + d] + q`` either way."""
+        out: list[tuple[list[int], int, int]] = []
         for sid in sids:
             found = self.where[sid]
             if found is None:
-                out.append((None, self.fixed[sid], 0))
+                out.append((self.zeros, 0, self.fixed[sid]))
             else:
                 w, i, q = found
                 out.append((self.base[w], i - t, q))
@@ -255,20 +256,25 @@ class _Stretch:
                 for e in tl.events[slice(*by_label[t])]:
                     self._event_key(e, t)
             # each template op's storages worked out once, then written for every new layer it is the template of
-            compiled = {t: [(e, _split(e.node), self._compiled(e.born, t), self._compiled(e.freed, t))
-                            for e in tl.events[slice(*by_label[t])]] for t in by_label}
+            # (one storage alone, as most ops make, also apart: its id without a list made)
+            self.zeros = [0] * (self.layers + 2)
+            compiled = {t: [(e.phase, *_split(e.node), e.resized, e.moment, *_one(self._compiled(e.born, t)),
+                             *_one(self._compiled(e.freed, t))) for e in tl.events[slice(*by_label[t])]]
+                        for t in by_label}
             # each event made without its frozen __init__ setting each field one by one, the ids in lists made in C
             # (the thousands of events: most of writing the step out)
             new, put, append = object.__new__, object.__setattr__, events.append
             for n in self._new_layers(labels[runs[0][0]] == 1):
                 t = self._template_of(n)
-                for e, (head, tail), born, freed in compiled[t]:
+                for phase, head, tail, resized, moment, born, one, freed, alone in compiled[t]:
                     event = new(Event)
                     put(event, "__dict__", {
-                        "phase": e.phase, "node": f"{head}{n}{tail}",
-                        "born": tuple([d if b is None else b[n + d] + q for b, d, q in born]) if born else (),
-                        "freed": tuple([d if b is None else b[n + d] + q for b, d, q in freed]) if freed else (),
-                        "resized": e.resized, "moment": e.moment})
+                        "phase": phase, "node": f"{head}{n}{tail}",
+                        "born": (one[0][n + one[1]] + one[2],) if one else tuple([b[n + d] + q for b, d, q in born])
+                        if born else (),
+                        "freed": (alone[0][n + alone[1]] + alone[2],) if alone else tuple(
+                            [b[n + d] + q for b, d, q in freed]) if freed else (),
+                        "resized": resized, "moment": moment})
                     append(event)
         return Timeline(tuple(self.storages), self._refs_outside(tl.start), tuple(events))
 
@@ -276,6 +282,11 @@ class _Stretch:
         # what an op frees is a set: the simulation lists it in an order of its own (no replay reads it)
         return (e.phase, template(e.node), tuple(self._relative(s, t) for s in e.born),
                 frozenset(self._relative(s, t) for s in e.freed), e.moment)
+
+
+def _one(refs: list[tuple[list[int], int, int]]) -> tuple[list[tuple[list[int], int, int]], Any]:
+    """``refs`` (:meth:`_Stretch._compiled`) and, where it is one storage, that storage's (else None)."""
+    return refs, refs[0] if len(refs) == 1 else None
 
 
 def _storage_key(s: Live) -> tuple[Any, ...]:

@@ -61,11 +61,13 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
     renamed: dict[str, str] = {}
     # unrolled node -> (block, iteration), for passes that act per layer (activation checkpointing)
     iterations: dict[str, tuple[str, int]] = out.graph.setdefault("iterations", {})
+    written: list[Node] = []  # added at once (Graph.add_all): each copy's inputs are written before it
+    add = written.append
     i = 0
     while i < len(order):
         node = graph.node(order[i])
         if node.block is None:
-            out.add(_copy(node, inputs=tuple(renamed.get(x, x) for x in node.inputs)))
+            add(_copy(node, inputs=tuple(renamed.get(x, x) for x in node.inputs)))
             renamed[node.name] = node.name
             i += 1
             continue
@@ -81,13 +83,14 @@ def unroll(graph: Graph, counts: Mapping[str, int]) -> Graph:
                 member = graph.node(m)
                 inputs = tuple(previous if m == block.input else local.get(x, renamed.get(x, x))
                                for x in member.inputs)
-                out.add(_copy(member, name=local[m], inputs=inputs, block=None, count=one))
+                add(_copy(member, name=local[m], inputs=inputs, block=None, count=one))
                 iterations[local[m]] = (block.name, k)
             previous = local[block.output]
         for m in members:
             renamed[m] = f"{m}#{n}"
         renamed[block.output] = previous
         i += len(members)
+    out.add_all(written)
     held = graph.graph.get("held_until")
     if held:
         # a value held past its last use (schedule's held_until): a block member's hold is each iteration's, until

@@ -20,6 +20,7 @@ from ..passes.data_parallel import rank_peaks, rank_ranges
 from ..passes.rank_formulas import rank_formulas
 from ..passes.rank_side import parameter_side_per_rank
 from ..passes.zero_redundancy import partition_at, state_per_rank
+from ..printing import text
 from ..simplify import factored, rounded
 from ..symbols import N
 from ..units import UNITS
@@ -61,13 +62,13 @@ def _text(e: sympy.Expr, factor: bool = False) -> str:
     of a table's time).  A formula with a float (a dropout probability) is printed each time: sympy's floats of
     different precisions compare equal but print differently."""
     if e.has(sympy.Float):
-        return str(factored(e)) if factor else str(rounded(e))
+        return text(factored(e)) if factor else text(rounded(e))
     return _printed(e, factor)
 
 
 @functools.lru_cache(maxsize=1024)  # bounded: a long session's formulas are not all kept
 def _printed(e: sympy.Expr, factor: bool) -> str:
-    return str(factored(e)) if factor else str(rounded(e))
+    return text(factored(e)) if factor else text(rounded(e))
 
 
 def step_peaks(d: Derivation) -> list[tuple[str, int, Any]]:
@@ -85,7 +86,7 @@ def peak(d: Derivation) -> dict[str, Any] | None:
         return None
     (_, steady, at), (_, first, _) = found
     out = {"values": {"peak": steady, "peak_first_step": first},
-           "expressions": {"peak": str(d.peak), "peak_first_step": str(d.peak_first_step)},
+           "expressions": {"peak": text(d.peak), "peak_first_step": text(d.peak_first_step)},
            "peak_at": {"phase": at.phase, "node": at.node, "layer": at.layer or None, "step": at.step},
            "live_at_peak": d.live_at_peak()}
     ranks = rank_peaks(d)
@@ -107,7 +108,7 @@ def peak(d: Derivation) -> dict[str, Any] | None:
     if pinned:  # a pipeline's formulas: the schedule's numbers they hold at (passes/pipeline_formula.py)
         out["peak_at"]["formula_at"] = pinned
         stages = d.step.stage_moments(d.numbers)
-        out["expressions"]["peak_per_stage"] = [str(m.total) for m in stages]
+        out["expressions"]["peak_per_stage"] = [text(m.total) for m in stages]
         out["peak_at"]["formula_at_per_stage"] = [m.pinned() for m in stages]
     each = getattr(d.step, "per_rank", None)
     if callable(each):  # tensor parallelism: every rank alike, the peak is rank 0's (passes/tensor_step.py)
