@@ -45,11 +45,11 @@ def _key(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any],
     return (what, repr(dims), repr(sorted(options.items())))
 
 
-def _trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any], options: dict[str, Any]
-              ) -> Any:
-    key = _key(build, sizes, dims, options)
+def _trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any], options: dict[str, Any],
+              world: Any = None) -> Any:
+    key = _key(build, sizes, dims, options)  # a trace in a fit's shared world is the fresh world's (fit_world)
     if key not in _MADE:
-        _MADE[key] = _ORIGINAL(build, sizes, dims, options)
+        _MADE[key] = _ORIGINAL(build, sizes, dims, options, world=world)
     return _MADE[key]
 
 

@@ -681,3 +681,64 @@ def test_the_step_in_the_fits_worlds_is_the_step_recorded_afresh(case: str) -> N
     fitted record's bytes, the peaks and the domain are those of the step built and recorded afresh, symbol for
     symbol."""
     assert _sized_peak(case, True) == _sized_peak(case, False)
+
+
+# -- one fake world for a fit's traces (importer.fit_world) -------------------------------------------------------
+class Narrowed(torch.nn.Module):
+    """A block that doubles its input where S exceeds F // 24: at the fit's base F = 40 no guard (S >= 2 already says
+    it), at F = 48 and wider the guard S > 2 -- that trace changes its fake world, the next one gets a new one."""
+
+    def __init__(self, H: int, F: int) -> None:
+        super().__init__()
+        self.cut = F // 24
+        self.up, self.down = torch.nn.Linear(H, F), torch.nn.Linear(F, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.cut:
+            x = 2 * x
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def narrowed(H: int, F: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return Narrowed(H, F), (torch.randn(2, 8, H),)
+
+
+def _everything(t: object) -> list[str]:
+    """Every formula, guard, bound, repeat and note of a fit's trace (its wall seconds left out), as text."""
+    import re
+
+    out = [sympy.srepr(x) for s in t.storages for x in (s.bytes, s.elements, *s.shape)]
+    # each saver but its autograd sequence number (the process's count of autograd nodes, not the trace's)
+    out += [repr((s.name, s.module, s.op, s.dtype, s.kind, s.producer, s.born, [(v.seq, v.node, v.module)
+                                                                                for v in s.saved_by]))
+            for s in t.storages]
+    out += [sympy.srepr(x) for p in (*t.parameters, *t.buffers) for x in (p.numel, *p.shape)]
+    out += [repr((g.text, g.module, g.op)) + sympy.srepr(g.expr) for g in t.guards]
+    out += [sympy.srepr(t.domain), repr(t.bounds), repr(t.ops), repr(t.extra["sizes"]["traces"])]
+    out += [repr((r.path, r.children, r.storages)) + sympy.srepr(r.bytes) for r in t.repeats]
+    return out + [re.sub(r"\(\d+\.\d s\)", "", n) for n in t.notes]
+
+
+def test_a_fits_traces_in_one_world_are_its_traces_in_fresh_worlds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traces of a fit share one fake world while no trace changes it (importer.fit_world): the fit -- every
+    formula, guard, domain, bound and note -- is the one each trace in a fresh world gives, symbol for symbol; the
+    world is shared where it can be and made anew after the trace whose guard changed it."""
+    from symmem.importer import fit_world
+    from symmem.importer.symbolic_sizes import fit_sizes
+
+    worlds: list[int] = []
+    take = fit_world.FitWorld.take
+
+    def counted(self: fit_world.FitWorld, *args: object) -> object:
+        lease = take(self, *args)
+        worlds.append(self.worlds)
+        return lease
+
+    monkeypatch.setattr(fit_world.FitWorld, "take", counted)
+    dims = {"B": [(0, 0)], "S": [(0, 1)]}
+    shared = fit_sizes(narrowed, {"H": 64, "F": 24}, dims)
+    assert 1 < worlds[-1] < len(worlds)  # traces shared a world, and a guard made a new one
+    monkeypatch.setattr(fit_world, "ONE_WORLD", False)
+    fresh = fit_sizes(narrowed, {"H": 64, "F": 24}, dims)
+    assert _everything(shared) == _everything(fresh)

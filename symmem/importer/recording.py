@@ -273,6 +273,8 @@ class SharedWorld:
     shapes: Any = None
     #: the records made or answered in this world (:class:`symmem.importer.step_cache.Chain`; None before the first)
     chain: Any = None
+    #: the world is a fit's, other traces ran in it too (:class:`symmem.importer.fit_world.Lease`; None: its own)
+    lease: Any = None
 
 
 def record_step(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol],

@@ -14,6 +14,7 @@ import sympy
 from ..record.identity import storage_key, tensors
 from ..record.saved_tensors import Outcome, SavedRecorder
 from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides, quiet_meta_errors
+from .fit_world import FitWorld
 from .guards import GuardLog, bounds, collect, pinned, to_declared, unified
 from .hf import eager_predicates
 from .inputs import Inputs
@@ -103,16 +104,21 @@ def real_run(module: Any, inputs: Inputs) -> Outcome:
 
 def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[str, sympy.Symbol], device: str,
              replay: list[tuple[str, Any]] | None, symbolic: bool = True,
-             multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (), shared: Any = None) -> Run:
+             multiple_of: dict[str, int] | None = None, concrete: tuple[str, ...] = (), shared: Any = None,
+             fit: FitWorld | None = None) -> Run:
     """One forward on fake tensors: declared sizes symbolic (those in ``concrete``, or all if not ``symbolic``,
     at their ``values``).  ``shared`` (a :class:`~symmem.importer.recording.SharedWorld` without a world yet) keeps
     the run's fake world and shape cache for the training step recorded at the same sizes: its forward repeats these
-    ops on these shapes."""
+    ops on these shapes.  ``fit`` (a :class:`~symmem.importer.fit_world.FitWorld`): the run takes the fit's world
+    and shape cache where no earlier trace changed the world, else a new one the fit keeps."""
     import torch
 
-    world = make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete)
+    lease = fit.take(values, symbolic, multiple_of, concrete, shared) if fit is not None else None
+    world = lease.world if lease is not None else make_world(values, symbolic=symbolic, multiple_of=multiple_of,
+                                                             concrete=concrete)
     if shared is not None:
         shared.world = world
+        shared.lease = lease
     mapping = world.mapping(symbols)
     at = resized(inputs, values) if not symbolic or concrete else inputs
     with world.mode:
@@ -122,6 +128,10 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
     rec = SavedRecorder(module, params=pkeys, inputs=_keys(_input_names(at, fin)), overrides=overrides(),
                    replay=replay if replay is not None else [], default_read=True if replay is None else None,
                    shape_env=world.env, opaque=opaque_ops())
+    if lease is not None and rec.shapes is not None:  # the fit's cache: its entries are this ShapeEnv's
+        if lease.shapes is None:
+            lease.shapes = rec.shapes
+        rec.shapes = lease.shapes
     if shared is not None:
         shared.shapes = rec.shapes
     world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))

@@ -35,7 +35,8 @@ from .traced_step import COUNTS, StepPeak, _keyed, _node, _peak, peak_of
 #: layer counts the fitted records are written out at (the fold's two) and the one the fold is checked at
 FITTED, CHECKED = COUNTS[:2], COUNTS[2]
 #: whether a configuration the fit traced records its step in that trace's fake world (False: built and recorded
-#: afresh, the slow path the fast one is compared with)
+#: afresh, the slow path the fast one is compared with); a world the fit's traces shared (importer.fit_world) is
+#: the step's of the first configuration that claims it, the others' steps record in worlds of their own
 SEEDED = True
 
 Key = tuple[Any, ...]

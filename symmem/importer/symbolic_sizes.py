@@ -36,6 +36,8 @@ from typing import Any
 import sympy
 
 from ..errors import SymmemError
+from . import fit_world
+from .fit_world import FitWorld
 from .inputs import sym_for
 from .records import Repeat, Trace, TracedParameter, TracedStorage, TracedSymbol
 
@@ -349,6 +351,8 @@ class _Traces:
     options: dict[str, Any]
     made: dict[tuple[tuple[int, ...], int], Trace]
     seconds: float = 0.0
+    #: the fake world the fit's traces share where none changes it (:mod:`.fit_world`)
+    world: FitWorld = field(default_factory=FitWorld, repr=False)
     _quantities: dict[tuple[int, ...], dict[Key, tuple[Any, ...]]] = field(default_factory=dict, repr=False)
 
     def at(self, point: tuple[int, ...], layers: int = LAYER_VALUES[0]) -> Trace:
@@ -356,7 +360,8 @@ class _Traces:
         if key not in self.made:
             sizes = self.plan.sizes_at(point, layers)
             start = time.perf_counter()
-            self.made[key] = trace_at(self.build, sizes, self.dims, self.options)
+            self.made[key] = trace_at(self.build, sizes, self.dims, self.options,
+                                      world=self.world if fit_world.ONE_WORLD else None)
             self.seconds += time.perf_counter() - start
         return self.made[key]
 
@@ -396,14 +401,15 @@ def built(build: Callable[..., Any], sizes: dict[str, int]) -> tuple[Any, Any]:
     return made
 
 
-def trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any], options: dict[str, Any]
-             ) -> Trace:
-    """One trace of the module ``build(**sizes)`` makes, its input sizes symbolic."""
+def trace_at(build: Callable[..., Any], sizes: dict[str, int], dims: dict[str, Any], options: dict[str, Any],
+             world: FitWorld | None = None) -> Trace:
+    """One trace of the module ``build(**sizes)`` makes, its input sizes symbolic; ``world``: the fit's shared fake
+    world (:mod:`.fit_world`: the trace is the same as in a fresh one)."""
     from .trace import trace_module
 
     module, inputs = built(build, sizes)
     try:
-        t = trace_module(module, inputs, dims, check=False, **options)
+        t = trace_module(module, inputs, dims, check=False, fit_world=world, **options)
     except SymmemError as e:
         raise SymmemError(f"tracing the module at {sizes}: {e}") from None
     if t.method == "fitted":

@@ -27,6 +27,7 @@ from ..errors import SymmemError
 from ..record.identity import dtype_name, tensors
 from ..record.saved_tensors import FakeKernelFailed, Outcome, SymbolicSizesUnsupported
 from .fake import check_device
+from .fit_world import FitWorld
 from .guards import domain_of
 from .inputs import Inputs, check_inputs, sym_for
 from .recording import SharedWorld
@@ -102,7 +103,8 @@ def _differences(traced: list[TracedStorage], measured: list[TracedStorage], sub
 def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, device: str = "cpu",
                  training: bool = True, method: str = "auto", check: bool = True, size_one: bool = False,
                  multiple_of: dict[str, int] | None = None, autocast: str | None = None,
-                 checkpoint: str | list[str] | tuple[str, ...] | None = None) -> Trace:
+                 checkpoint: str | list[str] | tuple[str, ...] | None = None, fit_world: FitWorld | None = None
+                 ) -> Trace:
     """The exact formula of what one eager forward keeps for backward, in the declared symbols.
 
     ``example_inputs`` is a tuple (positional) or dict (keyword) of tensors and plain values; ``dims``
@@ -119,6 +121,8 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
     under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: ``"full"`` the longest run of
     identical children of a ``ModuleList``/``Sequential`` (:func:`~symmem.importer.wrap.find_repeat`), a
     container's path (each of its children), or a list of child paths (``Trace.extra["checkpoint"]`` lists them).
+    ``fit_world`` (a fit's :class:`~symmem.importer.fit_world.FitWorld`): the symbolic trace runs in the fake world of
+    the fit's earlier traces where none of them changed it (the same values as in a fresh one, its op shapes cached).
 
     >>> import pytest; torch = pytest.importorskip("torch")  # the example needs PyTorch
     >>> t = trace_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.zeros(2, 4),),
@@ -153,7 +157,7 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
             outcome = real_run(module, inputs) if real else None
         else:
             result, used, at, outcome = _symbolic(module, inputs, symbols, device, real, method, notes, multiple_of,
-                                                  shared)
+                                                  shared, fit_world)
         extra: dict[str, Any] = {"reads": list(outcome.reads) if outcome is not None else None}
         if used == "symbolic" and shared.world is not None:
             # the fake world and shape cache of the forward the formula came from: the training step of this module
@@ -262,8 +266,8 @@ def _holds(exprs: list[Any], symbols: dict[str, sympy.Symbol], values: dict[str,
 
 
 def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], device: str, real: bool,
-              method: str, notes: list[str], multiple_of: dict[str, int], shared: SharedWorld | None = None
-              ) -> tuple[Run, str, dict[str, int], Outcome | None]:
+              method: str, notes: list[str], multiple_of: dict[str, int], shared: SharedWorld | None = None,
+              fit_world: FitWorld | None = None) -> tuple[Run, str, dict[str, int], Outcome | None]:
     """The symbolic trace; retraced at other sizes where it specialized, fitted if it specializes again.
 
     An equality guard on the declared sizes (``Eq(S, 8)``, ``Eq((Hi - 1)//32 + 1, 1)``: an intermediate
@@ -276,7 +280,7 @@ def _symbolic(module: Any, inputs: Inputs, symbols: dict[str, sympy.Symbol], dev
     outcome = real_run(module, inputs) if real else None
     try:
         run = fake_run(module, inputs, inputs.examples, symbols, device, outcome.reads if outcome else None,
-                       multiple_of=multiple_of, shared=shared)
+                       multiple_of=multiple_of, shared=shared, fit=fit_world)
     except SymbolicSizesUnsupported as e:
         if method == "symbolic":
             raise

@@ -259,10 +259,13 @@ class StepPeak:
     def seed(self, world: Any) -> None:
         """Record in a trace's fake world (``Trace.extra["fake_world"]``: a weak reference to the module traced, its
         sizes, its multiples and the :class:`SharedWorld`) where that trace's module and sizes are this step's: the
-        same records, each op's first occurrence computed once.  Anything else (None, another module or sizes)
+        same records, each op's first occurrence computed once.  Anything else (None, another module or sizes, a
+        world of a fit that another configuration's step holds: :meth:`~symmem.importer.fit_world.Lease.claim`)
         leaves the step to its own world."""
-        if world is not None and world[0]() is self.module and world[1] == self.values \
-                and world[2] == dict(self.multiple_of or {}):
+        if world is None or world[0]() is not self.module or world[1] != self.values \
+                or world[2] != dict(self.multiple_of or {}):
+            return
+        if world[3].lease is None or world[3].lease.claim(world[3]):
             self._shared[()] = world[3]
 
     def record(self, count: int | None = None, ones: tuple[str, ...] = ()) -> StepRecord:
