@@ -46,19 +46,33 @@ PEAKS = [({"B": 2, "S": 64, "H": 32, "h": 4, "G": 2, "L": 2, "V": 16, "F": 64}, 
          ({"B": 2, "S": 32, "H": 32, "h": 4, "G": 4, "L": 2, "V": 16, "F": 512}, {"attention": "sdpa"})]
 
 
-@pytest.mark.xdist_group("gloo")  # its spawn is test_batch_of_one_against_dtensor's too (_two_ranks)
 def test_against_the_engines():
     """One gloo process group of two ranks runs every pipeline case and every tensor-parallel step (one test, so
     that pytest-xdist runs the processes once), then each comparison below."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
-    import test_pipeline_checkpoint as staged
-    import test_pipeline_formula as formula
-    import test_selective_stages as selective
-    import test_tensor_checkpoint as checkpointed
+    from symmem.record.model_parallel_runs import runs
 
-    jobs, (stages, at, chosen, mine) = _engine_jobs()
-    everything = [rank[:len(jobs)] for rank in _two_ranks()]
+    # the pipeline jobs of STAGES[2] in LIVE_STAGES (one a model and schedule), the others replayed from their stored
+    # real ranks (tests/tensor_stored.py)
+    jobs = [job for job in STAGES[2] if job in LIVE_STAGES]
+    # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder; one live case
+    # each of TENSOR and SEQUENCE, the rest replayed from their stored real ranks (LIVE_TWO)
+    stages = len(jobs)
+    jobs += [("tensor", "llama", values, options) for values, options in LIVE_TWO]
+    import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
+    import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
+    import test_selective_stages as selective  # its gloo jobs (selective recomputation on stages) too
+    import test_tensor_checkpoint as checkpointed  # its gloo job (checkpointed sequence parallelism) too
+
+    at = len(jobs)
+    jobs += staged.JOBS
+    chosen = len(jobs)
+    jobs += selective.JOBS
+    mine = len(jobs)
+    jobs += checkpointed.JOBS
+    jobs += formula.JOBS
+    everything = runs(2, jobs)
     staged_ranks = _stages(2, [rank[:stages] for rank in everything])  # per job of STAGES[2], its two ranks
     measured = [[staged_ranks[case][rank] for case in range(len(CASES))] for rank in (0, 1)]
     for case in range(len(CASES)):
@@ -96,47 +110,6 @@ def test_against_the_engines():
     checkpointed.against_dtensor([rank[mine:mine + len(checkpointed.JOBS)] for rank in everything])
     staged.against_the_engines([rank[at:at + len(staged.JOBS)] for rank in everything])
     selective.against_the_engines([rank[chosen:chosen + len(selective.JOBS)] for rank in everything])
-
-
-def _engine_jobs():
-    """test_against_the_engines' jobs, and where its parts start: its own stages', the other files' riding along."""
-    # the pipeline jobs of STAGES[2] in LIVE_STAGES (one a model and schedule), the others replayed from their stored
-    # real ranks (tests/tensor_stored.py)
-    jobs = [job for job in STAGES[2] if job in LIVE_STAGES]
-    # the tensor-parallel ranks: the first step measured, then steps under the DTensor-aware recorder; one live case
-    # each of TENSOR and SEQUENCE, the rest replayed from their stored real ranks (LIVE_TWO)
-    stages = len(jobs)
-    jobs += [("tensor", "llama", values, options) for values, options in LIVE_TWO]
-    import test_pipeline_checkpoint as staged  # its gloo jobs (checkpointed layers on stages) ride in this spawn
-    import test_pipeline_formula as formula  # its gloo job (three layers a stage) rides in this spawn
-    import test_selective_stages as selective  # its gloo jobs (selective recomputation on stages) too
-    import test_tensor_checkpoint as checkpointed  # its gloo job (checkpointed sequence parallelism) too
-
-    at = len(jobs)
-    jobs += staged.JOBS
-    chosen = len(jobs)
-    jobs += selective.JOBS
-    mine = len(jobs)
-    jobs += checkpointed.JOBS
-    jobs += formula.JOBS
-    return jobs, (stages, at, chosen, mine)
-
-
-@functools.cache
-def _two_ranks():
-    """Every live two-rank job of this file in ONE spawn of two ranks (the gloo tests run on one test worker;
-    whichever test comes first pays it): test_against_the_engines' (:func:`_engine_jobs`), then
-    test_batch_of_one_against_dtensor's BATCH_OF_ONE[1] and test_hf_llama_under_the_standard_plan's HF[LIVE]
-    (tests/hf_tensor_runs.py).  One spawn, not two: each fresh rank spends ~1 CPU-s on DTensor's first sharding
-    propagations and its start (stop 42 joined the second spawn to the first).  Per rank, every job's result."""
-    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
-
-    from symmem.record.model_parallel_runs import runs
-    from tests.hf_tensor_runs import LIVE, job
-
-    values, options = BATCH_OF_ONE[1]
-    return runs(2, [*_engine_jobs()[0], ("tensor", "llama", values, {**options, "peaks": True}),
-                    ("tensor", "llama", *job(LIVE))])
 
 
 #: Replayed rows whose checks run under ``-m deep`` only (test_the_deep_rows_against_their_stored_runs; the
@@ -650,11 +623,20 @@ BATCH_OF_ONE = [({"B": 1, "S": 64, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F"
                 ({"B": 1, "S": 128, "H": 32, "h": 4, "G": 2, "L": 1, "V": 16, "F": 32}, {"attention": "naive"})]
 
 
+@functools.cache
 def _gloo_two_ranks():
     """The live jobs of test_batch_of_one_against_dtensor (BATCH_OF_ONE[1]) and test_hf_llama_under_the_standard_plan
-    (tests/hf_tensor_runs.py's HF[LIVE]), run in :func:`_two_ranks`' spawn: per job, its two ranks' TensorRuns."""
-    found = _two_ranks()
-    return [[rank[k] for rank in found] for k in (-2, -1)]
+    (tests/hf_tensor_runs.py's HF[LIVE]) in ONE spawn of two ranks (both tests on the gloo worker; whichever runs
+    first pays it): per job, its two ranks' TensorRuns.  One spawn, not two: each fresh rank spends ~1 CPU-s on
+    DTensor's first sharding propagations and its start, paid once here."""
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once: the forked ranks inherit it
+
+    from symmem.record.model_parallel_runs import runs
+    from tests.hf_tensor_runs import LIVE, job
+
+    values, options = BATCH_OF_ONE[1]
+    found = runs(2, [("tensor", "llama", values, {**options, "peaks": True}), ("tensor", "llama", *job(LIVE))])
+    return [[rank[k] for rank in found] for k in range(2)]
 
 
 @pytest.mark.xdist_group("gloo")  # one test worker runs the gloo tests in turn
