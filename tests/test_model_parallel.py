@@ -76,8 +76,9 @@ def test_against_the_engines():
     staged_ranks = _stages(2, [rank[:stages] for rank in everything])  # per job of STAGES[2], its two ranks
     measured = [[staged_ranks[case][rank] for case in range(len(CASES))] for rank in (0, 1)]
     for case in range(len(CASES)):
-        every_stage_to_the_byte(measured, case)
-        every_view_names_the_largest_stage(measured, case)
+        if case not in DEEP_ROWS["CASES"]:
+            every_stage_to_the_byte(measured, case)
+            every_view_names_the_largest_stage(measured, case)
     what_the_engine_holds(measured)
     from tests.tensor_stored import differences
 
@@ -94,19 +95,46 @@ def test_against_the_engines():
         tensor_parallel_peak_to_the_byte(ranks_of(values, {**options, "peaks": True}), values, options, 2,
                                          views=case == 0)  # TENSOR[0] live: its JSON and table too
     for case, (values, options) in enumerate(SEQUENCE):
-        sequence_parallel_rank_to_the_byte(ranks_of(values, options), case)
+        if case not in DEEP_ROWS["SEQUENCE"]:
+            sequence_parallel_rank_to_the_byte(ranks_of(values, options), case)
     for values, options in PEAKS:
         tensor_parallel_peak_to_the_byte(ranks_of(values, {**options, "peaks": True}), values, options, 2)
     values, options = SEQUENCE_PEAKS[2][0]  # its views here (replayed); every case of SEQUENCE_PEAKS in its own test
     where = sequence_parallel_peak_to_the_byte(ranks_of(values, _sequence(options)), values, options, 2, True)
     assert where == "the head's backward (its input gradient's reduce-scatter)"
     for case in range(len(LLAMA_CASES)):
-        llama_stages(staged_ranks[len(CASES) + case], case)
+        if case not in DEEP_ROWS["LLAMA_CASES"]:
+            llama_stages(staged_ranks[len(CASES) + case], case)
     a_batch_of_one(staged_ranks[-1])
     formula.against_the_engines([rank[-len(formula.JOBS):] for rank in everything], measured, CASES)
     checkpointed.against_dtensor([rank[mine:mine + len(checkpointed.JOBS)] for rank in everything])
     staged.against_the_engines([rank[at:at + len(staged.JOBS)] for rank in everything])
     selective.against_the_engines([rank[chosen:chosen + len(selective.JOBS)] for rank in everything])
+
+
+#: Replayed rows whose checks run under ``-m deep`` only (test_the_deep_rows_against_their_stored_runs; the
+#: default suite's line coverage, docs/testing.md "Stop 42: gloo42"): each runs no line of symmem or the tests the
+#: kept rows do not -- GPT-2 under 1F1B M = 4 and GPipe with the loss ``sum`` (GPipe M = 1 and M = 4 kept, 1F1B's
+#: replay run by this spawn's other files' checks), Llama under 1F1B with the loss ``sum`` (Llama GPipe live),
+#: sequence parallelism's parts with eager attention (SEQUENCE[1], SDPA with two layers, kept)
+DEEP_ROWS = {"CASES": (2, 3), "LLAMA_CASES": (1,), "SEQUENCE": (0,)}
+
+
+@pytest.mark.deep
+def test_the_deep_rows_against_their_stored_runs():
+    """:data:`DEEP_ROWS`, each against its stored real ranks (tests/tensor_stored.py) through test_against_the_engines'
+    checks."""
+    from tests.tensor_stored import stage_key, stored
+
+    staged = [stored("stages", *stage_key(2, *job[1:])) for job in STAGES[2]]
+    measured = [[staged[case][rank] for case in range(len(CASES))] for rank in (0, 1)]
+    for case in DEEP_ROWS["CASES"]:
+        every_stage_to_the_byte(measured, case)
+        every_view_names_the_largest_stage(measured, case)
+    for case in DEEP_ROWS["LLAMA_CASES"]:
+        llama_stages(staged[len(CASES) + case], case)
+    for case in DEEP_ROWS["SEQUENCE"]:
+        sequence_parallel_rank_to_the_byte(_stored(2, *SEQUENCE[case]), case)
 
 
 #: a batch of one: GPT-2's shifted labels' contiguous() is a view at B = 1 and a copy from 2, so its stages' bytes
