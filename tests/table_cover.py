@@ -127,13 +127,14 @@ def cover(lines: dict[str, set[str]], cost: dict[str, float]) -> list[str]:
     return kept
 
 
-def missing(default: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]], table: str) -> set[str]:
+def missing(default: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]], table: str,
+            also: tuple[str, ...] = ()) -> set[str]:
     """Lines a deep case of ``table`` runs that the default suite's run of the same file does not.
 
     ``default`` is the file's default run, ``moved`` the same run with the table's kept cases swapped for its deep
     ones (so the caches other tests warm are the same, and in each run the table's first case runs cold): a deep
     case's call must run no line the kept cases do not, its setup (a fixture it is first to build) no line the
-    default run does not.
+    default run does not.  ``also``: tests whose lines count as the kept cases' (another test of the same oracle).
 
     >>> run = {"f::t[a]": {"deep": False, "lines": ["x:1", "x:2"], "call": ["x:2"]},
     ...        "f::u": {"deep": False, "lines": ["x:4"], "call": ["x:4"]}}
@@ -142,7 +143,7 @@ def missing(default: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]]
     >>> sorted(missing(run, swapped, "f::t"))
     ['x:3']
     """
-    kept = set().union(*(v["lines"] for k, v in default.items() if k.split("[")[0] == table))
+    kept = set().union(*(v["lines"] for k, v in default.items() if k.split("[")[0] in (table, *also)))
     every = set().union(*(v["lines"] for v in default.values()))
     cases = [v for k, v in moved.items() if k.split("[")[0] == table and v["deep"]]
     return set().union(*((set(v["call"]) - kept) | (set(v["lines"]) - set(v["call"]) - every) for v in cases))

@@ -98,11 +98,11 @@ def _label(key: str) -> str:
 REQUESTED_KEPT = {"mlp fsdp1-grad-op none M=2 V=", "gpt2 zero-redundancy selective M=1 V=64",
                   "llama fsdp-no-reshard selective M=2 V=101", "mlp fsdp1 none M=2 V=", "gpt2 fsdp selective M=1 V=64",
                   "gpt2 ddp none M=1 V=100", "llama fsdp selective M=1 V=64", "llama fsdp1-grad-op none M=2 V=100",
-                  "gpt2 ddp-bucket-view selective M=1 V=64"}
+                  "gpt2 ddp-bucket-view selective M=1 V=64", "gpt2 fsdp selective M=2 V=101"}
 ALLOCATED_KEPT = {"gpt2 zero-redundancy selective M=1 V=64", "mlp fsdp1-grad-op none M=2 V=",
                   "llama fsdp1 none M=2 V=100", "gpt2 fsdp selective M=1 V=64",
                   "llama fsdp-no-reshard selective M=2 V=101", "gpt2 ddp none M=1 V=100",
-                  "gpt2 ddp-bucket-view selective M=1 V=64"}
+                  "gpt2 ddp-bucket-view selective M=1 V=64", "mlp fsdp1 none M=2 V=", "llama fsdp selective M=1 V=64"}
 LIVE_KEPT = {"mlp fsdp1 none M=2 V=", "gpt2 fsdp selective M=1 V=64", "gpt2 zero-redundancy selective M=1 V=64",
              "gpt2 fsdp1-grad-op none M=2 V=100", "gpt2 ddp selective M=1 V=64"}
 

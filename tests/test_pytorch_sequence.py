@@ -100,7 +100,7 @@ BF16 = [(name, values, points[0], {**opts, "attention": att, "dropout": p})
 
 #: the cover's cases (every model and attention once); -m deep all
 BF16_KEPT = {"bert-base-sdpa-0.0", "llama-sdpa-0.1", "vit-ti16-naive-0.1", "gpt2-sdpa-0.0", "llama-naive-0.1",
-             "gpt2-naive-0.0", "bert-base-naive-0.0", "vit-ti16-sdpa-0.0"}
+             "gpt2-naive-0.0", "bert-base-naive-0.0", "vit-ti16-sdpa-0.0", "vit-ti16-sdpa-0.1"}
 
 
 @pytest.mark.parametrize("name, values, point, opts", kept(

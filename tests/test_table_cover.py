@@ -107,9 +107,6 @@ THINNED: dict[str, tuple[str, ...]] = {
     "tests/test_startup.py": (
         "test_topological_order_is_networkx_order",
     ),
-    "tests/test_trace_derivation.py": (
-        "test_formula_equals_real_forwards_at_new_sizes",
-    ),
     "tests/test_trace_peak.py": (
         "test_a_stack_with_per_layer_types_folds_in_L",
         "test_regimes_equal_real_forwards_and_steps",
@@ -122,6 +119,11 @@ THINNED: dict[str, tuple[str, ...]] = {
         "test_candidates_at_the_probes_equal_sympys_evaluation",
     ),
 }
+
+
+#: a table's deep case may also run lines of these tests of its file (the same oracle: said in the file)
+ALSO = {"tests/test_lora.py::test_the_adapters_are_the_only_trainable_parameters":
+        ("tests/test_lora.py::test_the_command_line_fine_tunes_with_lora",)}
 
 
 def _run(root: str, out, args: list[str]) -> dict[str, dict]:
@@ -148,5 +150,5 @@ def test_the_kept_cases_run_every_line_of_the_moved(path: str, tmp_path) -> None
     swapped = [k for k in default if k.split("[")[0] not in tables] + deep
     moved = _run(root, tmp_path / "moved.json", ["-m", "deep or not deep", *swapped])
     for table in sorted(tables):
-        assert not (lines := missing(default, moved, table)), f"{table}: deep cases run lines no kept case runs: " \
-            f"{sorted(lines)}"
+        lines = missing(default, moved, table, ALSO.get(table, ()))
+        assert not lines, f"{table}: deep cases run lines no kept case runs: {sorted(lines)}"
