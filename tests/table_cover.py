@@ -1,7 +1,8 @@
 """Which cases of a parametrized table the default suite keeps: a greedy cover of the table's line coverage.
 
 A pytest plugin and a script (docs/testing.md, "Tables thinned by coverage").  First record each test's lines of
-``symmem/`` and ``tests/`` (needs ``coverage``, not a test extra: ``pip install coverage``)::
+``symmem/`` and ``tests/`` (needs ``coverage``, not a test extra: ``pip install coverage``; and ``psutil``, as
+``tests/cpu_times.py`` does)::
 
     SYMMEM_TABLE_COVER=/tmp/cov.json PYTHONPATH=. python -m pytest -p tests.table_cover -n 0 tests/test_x.py
 
@@ -23,19 +24,15 @@ import argparse
 import collections
 import json
 import os
-import resource
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.cpu_times import tree_cpu
+
 _state: dict[str, Any] = {}
-
-
-def _tree_cpu() -> float:
-    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + reaped.ru_utime + reaped.ru_stime
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,9 +52,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if "cov" not in _state:
         yield
         return
-    own, tree = time.process_time(), _tree_cpu()
+    own, tree = time.process_time(), tree_cpu()
     yield
-    _state["cpu"][item.nodeid] = (time.process_time() - own, _tree_cpu() - tree, bool(item.get_closest_marker("deep")))
+    _state["cpu"][item.nodeid] = (time.process_time() - own, tree_cpu() - tree, bool(item.get_closest_marker("deep")))
 
 
 def _phase(item: pytest.Item, phase: str) -> Iterator[None]:

@@ -23,6 +23,7 @@ from symmem.derivation import QUANTITIES
 from symmem.evaluator import INT64_MAX, Evaluator, evaluator
 from symmem.models import available
 from symmem.symbols import B, G, H, L, N, S, h, t
+from tests.kept_cases import kept
 
 
 def truth(expr: sympy.Expr, numbers) -> int:
@@ -93,14 +94,8 @@ LABELS = [label for label, _, _ in SPECS]
 PEAKS = [label for label in LABELS if KEYWORDS[label][1].get("convention", "pytorch") == "pytorch"][::4]
 
 
-def _kept(labels: list[str], kept: set[str]) -> list:
-    """The table's labels, those not in ``kept`` marked ``deep``: the kept ones run every line of symmem and of this
-    file that the whole table runs (tests/table_cover.py's cover, stop 42: docs/testing.md, "Stop 42: thinviews42"),
-    and share their derivations with the other tables' kept labels."""
-    assert kept <= set(labels), kept - set(labels)
-    return [label if label in kept else pytest.param(label, marks=pytest.mark.deep) for label in labels]
-
-
+#: the tables' kept labels (tests.kept_cases.kept marks the rest deep) run every line of symmem and of this file that
+#: the whole table runs (tests/table_cover.py, docs/testing.md "Stop 42: thinviews42"), sharing their derivations
 #: test_every_quantity_and_term_equals_sympy_substitution's default labels (28 of 179)
 EVERY_KEPT = {
     "bert-base-cs231n-0", "bert-base-megatron-0", "bert-base-paper-0", "counts-cs231n-0", "counts-pytorch-0",
@@ -132,7 +127,7 @@ GRID_KEPT = {
 }
 
 
-@pytest.mark.parametrize("label", _kept(LABELS, EVERY_KEPT))
+@pytest.mark.parametrize("label", kept(LABELS, LABELS, EVERY_KEPT))
 def test_every_quantity_and_term_equals_sympy_substitution(label):
     d = derivation_or_refusal(label)
     if d is None:
@@ -153,7 +148,7 @@ def test_every_quantity_and_term_equals_sympy_substitution(label):
             assert e.evaluate(term.expr) == truth(term.expr, e.numbers), (label, config, term.name)
 
 
-@pytest.mark.parametrize("label", _kept(PEAKS, PEAK_KEPT))
+@pytest.mark.parametrize("label", kept(PEAKS, PEAKS, PEAK_KEPT))
 def test_peak_equals_sympy_substitution(label):
     d = derivation_or_refusal(label)
     if d is None:
@@ -170,7 +165,7 @@ def test_peak_equals_sympy_substitution(label):
         assert e.value("peak_first_step") == truth(found.first, e.numbers), (label, config)
 
 
-@pytest.mark.parametrize("label", _kept(LABELS[::3], INTERPRETED_KEPT))
+@pytest.mark.parametrize("label", kept(LABELS[::3], LABELS[::3], INTERPRETED_KEPT))
 def test_interpreted_first_configuration_equals_compiled(label):
     # A fresh evaluator interprets its first configuration and compiles for the next ones: both paths agree.
     d = derivation_or_refusal(label)
@@ -189,7 +184,7 @@ def truth_fraction(expr: sympy.Expr, numbers) -> Fraction:
     return Fraction(int(value.p), int(value.q))
 
 
-@pytest.mark.parametrize("label", _kept(LABELS[::7], GRID_KEPT))
+@pytest.mark.parametrize("label", kept(LABELS[::7], LABELS[::7], GRID_KEPT))
 def test_values_over_a_grid_equal_one_at_a_time(label):
     d = derivation_or_refusal(label)
     if d is None:

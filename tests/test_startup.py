@@ -15,6 +15,7 @@ import pytest
 
 from symmem.conventions import _REGISTRY, _builtin_modules, _load_builtin, names
 from symmem.models import available, build
+from tests.kept_cases import kept
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,8 +119,7 @@ ORDER_KEPT = {"bert-large", "counts", "gpt-megatron", "gpt2", "llama", "mlp", "r
               "vit-s16"}
 
 
-@pytest.mark.parametrize("name", [n if n in ORDER_KEPT else pytest.param(n, marks=pytest.mark.deep)
-                                  for n in sorted(available())])
+@pytest.mark.parametrize("name", kept(sorted(available()), sorted(available()), ORDER_KEPT))
 def test_topological_order_is_networkx_order(name):
     import networkx as nx
 
