@@ -19,6 +19,8 @@ recorded (or the static answer) and records nothing.  What a ``ShapeEnv`` can ch
 replacements, which ``SymNode.expr`` applies -- clears the table (``_replacements_version_counter``, read at every
 lookup).  ``mod``, ``int_floordiv``, ``truediv`` and ``pow`` (value ranges, which guards narrow) and
 ``guard_size_oblivious`` are not remembered, nor anything under a proxy (``make_fx``) mode, which records each call.
+A PyTorch whose ``ShapeEnv`` keeps no such counter (2.11, the GPU image's) gets no table: nothing there says when a
+remembered answer went stale, so every call is PyTorch's own.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from typing import Any
 
 #: False: every call is answered anew (for comparisons; the shape cache still remakes its hits in-kernel)
 REMEMBER = True
+
+#: the ShapeEnv attribute that counts its replacements' changes (PyTorch 2.11's has none: no table there)
+_COUNTER = "_replacements_version_counter"
 
 #: SymNode methods whose answer depends on the operands' expressions, hints and types only
 _BINARY = ("add", "sub", "mul", "eq", "ne", "ge", "gt", "le", "lt", "sym_max", "sym_min", "and_", "or_")
@@ -67,7 +72,7 @@ class SymMemo:
 
     def _check(self, env: Any) -> None:
         """Forget everything when the ShapeEnv's replacements changed (``SymNode.expr`` would read them)."""
-        version = (id(env), getattr(env, "_replacements_version_counter", 0))
+        version = (id(env), getattr(env, _COUNTER, 0))
         if version != self.version:
             self.results.clear()
             self.answers.clear()
@@ -152,6 +157,9 @@ class SymMemo:
         """SymNode's methods answer from the table inside (``env``: the fake run's ShapeEnv).  Where the table is not
         installed yet it is installed for the block (a run that installs it once makes each remake's switch cheap:
         patching a class's methods also drops PyTorch's lookups of SymNode's attributes from Python's type cache)."""
+        if not hasattr(env, _COUNTER):  # an older PyTorch: a stale answer could not be told from a fresh one
+            yield
+            return
         if self._installed == 0:
             with self.installed(), self.active(env):
                 yield
