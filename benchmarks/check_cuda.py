@@ -282,7 +282,10 @@ def warm_cublas() -> None:
 
 
 def _steps(module: Any, inputs: tuple[Any, ...], target: Any, optimizer: str, impl: str,
-           loss: Callable[[Any], Any] | None, steps: int, base: int | None) -> list[int]:
+           loss: Callable[[Any], Any] | None, steps: int, base: int | None,
+           requested: list[int] | None = None) -> list[int]:
+    """``max_memory_allocated`` of each step less ``base``; ``requested``: a list that gets each step's peak of the
+    bytes the tensors asked for (``requested_bytes.all.peak``, before the allocator rounds them into blocks)."""
     import torch
 
     from symmem.record.optim import make_optimizer
@@ -307,19 +310,28 @@ def _steps(module: Any, inputs: tuple[Any, ...], target: Any, optimizer: str, im
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         out.append(int(torch.cuda.max_memory_allocated()) - (base or 0))
+        if requested is not None:
+            requested.append(int(torch.cuda.memory_stats()["requested_bytes.all.peak"]))
     return out
 
 
 def allocated(build: Callable[[], tuple[Any, tuple[Any, ...], Any]], optimizer: str, impl: str,
-              loss: Callable[[Any], Any] | None = None, steps: int = 2) -> list[int]:
+              loss: Callable[[Any], Any] | None = None, steps: int = 2, requested: list[int] | None = None
+              ) -> list[int]:
     """``torch.cuda.max_memory_allocated`` in each of ``steps`` plain training steps (the tracker's step: forward,
     loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``) of a fresh ``build()`` (module,
     inputs, target), less what was allocated before it was built (:func:`baseline`).  One throwaway step of
     another copy runs first, so that what libraries allocate once and keep (cuBLASLt's workspace at its first
     use) is in the baseline."""
+    import torch
+
     _steps(*build(), optimizer, impl, loss, 1, None)
     base = baseline()
-    return _steps(*build(), optimizer, impl, loss, steps, base)
+    asked = int(torch.cuda.memory_stats()["requested_bytes.all.current"])  # requested's baseline
+    out = _steps(*build(), optimizer, impl, loss, steps, base, requested)
+    if requested is not None:
+        requested[:] = [r - asked for r in requested]
+    return out
 
 
 def _fresh(d: Any) -> tuple[Any, tuple[Any, ...], Any]:

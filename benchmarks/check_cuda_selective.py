@@ -93,14 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, model, v, options in CASES:
         for checkpoint in ("none", "selective"):
+            asked: list[int] = []
             got = allocated(functools.partial(build, model, v, options["cache"], checkpoint == "selective"),
-                            "adamw", "for-loop", loss=lambda y: y.sum(), steps=3)
+                            "adamw", "for-loop", loss=lambda y: y.sum(), steps=3, requested=asked)
             d = derive(model, convention="pytorch", checkpoint=checkpoint, device="cuda", loss="sum",
                        optimizer_impl="for-loop", attention="naive", dropout=0.0, values=v, **options)
             want = [d.peak_allocated("first"), d.peak_allocated("steady")]
             ok = want == [got[0], got[-1]]
             rows.append({"case": f"{label} {checkpoint}", "model": model, "values": v, "options": options,
-                         "checkpoint": checkpoint, "predicted": want, "measured": got, "ok": ok})
+                         "checkpoint": checkpoint, "predicted": want, "measured": got, "requested": asked, "ok": ok})
             print(f"  {label + ' ' + checkpoint:<42} {v['B']}x{v['S']} H={v['H']}  predicted {want}  measured {got}"
                   f"  {'ok' if ok else 'DIFFERS'}", flush=True)
     out = {"device": torch.cuda.get_device_name(0),
