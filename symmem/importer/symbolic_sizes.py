@@ -18,7 +18,9 @@ shape -- is recovered as the exact polynomial through them:
 
 The layer count is the size named ``L``: the repeated blocks fold to ``L`` copies as in any trace (traced at 2
 layers, checked at 3).  The domain says what was assumed: each divisibility, each variable at least 2 (1 is a
-case of its own: PyTorch specializes size 1), the head size even where it was traced even.
+case of its own: PyTorch specializes size 1), the head size even where it was traced even, and the guards of every
+trace the fit read, a bound that moves with the sizes written in them (:func:`_guards_of_fit`; a branch a size moves
+where no line says is refused).
 
 >>> plan = Plan.of({"H": 64, "h": 4, "F": 128}, {"H": "h"})
 >>> [v.name for v in plan.variables], plan.sizes_at(plan.base)
