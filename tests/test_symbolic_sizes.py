@@ -720,25 +720,49 @@ def _everything(t: object) -> list[str]:
     return out + [re.sub(r"\(\d+\.\d s\)", "", n) for n in t.notes]
 
 
+def _each(t: object) -> list[str]:
+    """Every formula, guard, domain, bound and saver of one trace of a fit, as text (its autograd sequence numbers
+    left out: the process's count of autograd nodes, not the trace's)."""
+    out = [sympy.srepr(x) for s in t.storages for x in (s.bytes, s.elements, *s.shape)]
+    out += [repr((s.name, s.module, s.op, s.dtype, s.kind, s.producer, s.born, [(v.node, v.module) for v in
+                                                                                s.saved_by])) for s in t.storages]
+    out += [sympy.srepr(x) for p in (*t.parameters, *t.buffers) for x in (p.numel, *p.shape)]
+    out += [repr((g.text, g.module, g.op)) + sympy.srepr(g.expr) for g in t.guards]
+    return out + [sympy.srepr(t.domain), repr(t.bounds), repr(t.ops)]
+
+
 def test_a_fits_traces_in_one_world_are_its_traces_in_fresh_worlds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The traces of a fit share one fake world while no trace changes it (importer.fit_world): the fit -- every
-    formula, guard, domain, bound and note -- is the one each trace in a fresh world gives, symbol for symbol; the
-    world is shared where it can be and made anew after the trace whose guard changed it."""
-    from symmem.importer import fit_world
+    """The traces of a fit share one fake world while no trace changes it (importer.fit_world): each trace -- every
+    formula, guard, domain and bound -- is the one it is in a fresh world, symbol for symbol, and so is the fit's
+    answer; the world is shared where it can be and made anew after the trace whose guard changed it.  (Narrowed's
+    guard S > F // 24 moves with F where no polynomial says: the fit is refused, the same way either way, after
+    every trace; tests/test_symbolic_domain.py.)"""
+    from symmem.importer import fit_world, symbolic_sizes
     from symmem.importer.symbolic_sizes import fit_sizes
 
     worlds: list[int] = []
     take = fit_world.FitWorld.take
+    trace_at = symbolic_sizes.trace_at
+    made: list[object] = []
 
     def counted(self: fit_world.FitWorld, *args: object) -> object:
         lease = take(self, *args)
         worlds.append(self.worlds)
         return lease
 
+    def kept(*args: object, **kwargs: object) -> object:
+        made.append(trace_at(*args, **kwargs))
+        return made[-1]
+
     monkeypatch.setattr(fit_world.FitWorld, "take", counted)
+    monkeypatch.setattr(symbolic_sizes, "trace_at", kept)
     dims = {"B": [(0, 0)], "S": [(0, 1)]}
-    shared = fit_sizes(narrowed, {"H": 64, "F": 24}, dims)
+    with pytest.raises(SymmemError) as shared:
+        fit_sizes(narrowed, {"H": 64, "F": 24}, dims)
     assert 1 < worlds[-1] < len(worlds)  # traces shared a world, and a guard made a new one
+    one, made[:] = list(made), []
     monkeypatch.setattr(fit_world, "ONE_WORLD", False)
-    fresh = fit_sizes(narrowed, {"H": 64, "F": 24}, dims)
-    assert _everything(shared) == _everything(fresh)
+    with pytest.raises(SymmemError) as fresh:
+        fit_sizes(narrowed, {"H": 64, "F": 24}, dims)
+    assert str(shared.value) == str(fresh.value)
+    assert len(one) == len(made) == 5 and [_each(t) for t in one] == [_each(t) for t in made]

@@ -21,6 +21,10 @@ The training step of a configuration (:mod:`.sized_step`) records in its trace's
 guards are the world's, so a world several traces ran in is lent to one step only (:meth:`Lease.claim`): the first
 that asks, while the world is as made or holds only the asking trace's own changes (it was the last to run there).
 Any other configuration's step records in a fresh world, as with ``sized_step.SEEDED = False``.
+
+The world "as made" is compared with is made once a process for each set of ``make_world`` arguments
+(:func:`reference`): ``check_equal`` only reads it and nothing ever runs in it, so each lease need not make a second
+world of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +36,23 @@ from .fake import FakeWorld, make_world
 
 #: False: every trace of a fit in a fresh world (the slow path, for comparisons)
 ONE_WORLD = True
+#: the ShapeEnv of a world made and never run in, by make_world's arguments (reference); a few keys a process
+_REFERENCES: dict[tuple[Any, ...], Any] = {}
+_MAX_REFERENCES = 64
+
+
+def reference(values: dict[str, int], symbolic: bool, multiple_of: dict[str, int] | None,
+              concrete: tuple[str, ...]) -> Any:
+    """The ShapeEnv of a world ``make_world`` makes with these arguments, never run in: made once per arguments and
+    kept, as ``check_equal`` only reads it.  The sizes in their order: it decides which symbol is ``s0``."""
+    key = (tuple(values.items()), symbolic, tuple(sorted((multiple_of or {}).items())), tuple(concrete))
+    env = _REFERENCES.get(key)
+    if env is None:
+        env = make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete).env
+        if len(_REFERENCES) >= _MAX_REFERENCES:  # bounded: drop the oldest
+            _REFERENCES.pop(next(iter(_REFERENCES)))
+        _REFERENCES[key] = env
+    return env
 
 
 def as_made(env: Any, fresh: Any) -> bool:
@@ -49,14 +70,14 @@ class Lease:
 
     world: FakeWorld
     key: tuple[Any, ...]  # make_world's arguments
-    fresh: FakeWorld  # made alike, never run in: what "as made" compares with
+    fresh: Any  # the ShapeEnv of a world made alike, never run in (reference): what "as made" compares with
     shapes: Any = None  # the shape cache of its runs (the first run's)
     last: Any = None  # the SharedWorld of the last trace that ran in it
     claimant: Any = None  # the SharedWorld whose step records in it (claim)
     runs: int = 0
 
     def unchanged(self) -> bool:
-        return as_made(self.world.env, self.fresh.env)
+        return as_made(self.world.env, self.fresh)
 
     def claim(self, shared: Any) -> bool:
         """Whether the step of the trace ``shared`` (its :class:`~symmem.importer.recording.SharedWorld`) may record
@@ -81,9 +102,8 @@ class FitWorld:
         key = (tuple(sorted(values.items())), symbolic, tuple(sorted((multiple_of or {}).items())), tuple(concrete))
         lease = self.lease
         if lease is None or lease.key != key or lease.claimant is not None or not lease.unchanged():
-            made = [make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete)
-                    for _ in range(2)]
-            lease = self.lease = Lease(made[0], key, made[1])
+            made = make_world(values, symbolic=symbolic, multiple_of=multiple_of, concrete=concrete)
+            lease = self.lease = Lease(made, key, reference(values, symbolic, multiple_of, concrete))
             self.worlds += 1
         lease.last = shared
         lease.runs += 1

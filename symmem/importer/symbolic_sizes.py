@@ -18,7 +18,9 @@ shape -- is recovered as the exact polynomial through them:
 
 The layer count is the size named ``L``: the repeated blocks fold to ``L`` copies as in any trace (traced at 2
 layers, checked at 3).  The domain says what was assumed: each divisibility, each variable at least 2 (1 is a
-case of its own: PyTorch specializes size 1), the head size even where it was traced even.
+case of its own: PyTorch specializes size 1), the head size even where it was traced even, and the guards of every
+trace the fit read, a bound that moves with the sizes written in them (:func:`_guards_of_fit`; a branch a size moves
+where no line says is refused).
 
 >>> plan = Plan.of({"H": 64, "h": 4, "F": 128}, {"H": "h"})
 >>> [v.name for v in plan.variables], plan.sizes_at(plan.base)
@@ -351,12 +353,15 @@ class _Traces:
     options: dict[str, Any]
     made: dict[tuple[tuple[int, ...], int], Trace]
     seconds: float = 0.0
+    #: the (point, layers) of every trace the fit read since its plan was set: whose guards make the domain
+    used: set[tuple[tuple[int, ...], int]] = field(default_factory=set, repr=False)
     #: the fake world the fit's traces share where none changes it (:mod:`.fit_world`)
     world: FitWorld = field(default_factory=FitWorld, repr=False)
     _quantities: dict[tuple[int, ...], dict[Key, tuple[Any, ...]]] = field(default_factory=dict, repr=False)
 
     def at(self, point: tuple[int, ...], layers: int = LAYER_VALUES[0]) -> Trace:
         key = (point, layers)
+        self.used.add(key)
         if key not in self.made:
             sizes = self.plan.sizes_at(point, layers)
             start = time.perf_counter()
@@ -368,6 +373,7 @@ class _Traces:
     def quantities(self, point: tuple[int, ...]) -> dict[Key, tuple[Any, ...]]:
         """:func:`_quantities` of the trace at ``point`` (the layer count as traced), computed once a trace: the
         probes, the grid and the checks read the same traces."""
+        self.used.add((point, LAYER_VALUES[0]))
         if point not in self._quantities:  # a point means the same sizes in either plan (fit_sizes)
             self._quantities[point] = _quantities(self.at(point))
         return self._quantities[point]
@@ -452,22 +458,28 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         # the grouped regime fails where the configuration asked for the other: that regime alone, as asked
         notes.append(_regime_note(given, [i for i in regimes if given.variables[i].fixed], str(e), grouped=False))
         plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
+        traces.used = set()  # the failed regime's traces are not the fit's: their guards leave the domain
         first, formulas, reads = _fit_plan(plan, traces)
-        return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces))
+        return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces),
+                             traces)
     ones = []
     for i in regimes:
         v = plan.variables[i]
         check = replace(plan, variables=tuple(replace(w, values=(*w.values[:3], 1, 1)) if j == i else w
                                               for j, w in enumerate(plan.variables)))
+        used = set(traces.used)
         try:
             _verify(check, traces, list(formulas), formulas, first, reads)
             ones.append(v.name)
         except SymmemError as e:  # G = h keeps other tensors (or the same in other sizes): not that regime
+            traces.used = used  # that regime is not claimed: its checks' guards are not the domain's
             if given.variables[i].fixed:  # the configuration is at G = h: its own regime, as before
                 notes.append(_regime_note(given, [i], str(e), grouped=False))
                 plan = traces.plan = given  # the traces so far stand: a point means the same sizes in either plan
+                traces.used = set()
                 first, formulas, reads = _fit_plan(plan, traces)
-                return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces))
+                return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes,
+                                     worlds(traces), traces)
             notes.append(_regime_note(plan, [i], str(e), grouped=True))
     if ones:
         said = ", ".join(f"{plan.variables[i].size} = {plan.variables[i].divisor}" for i in regimes
@@ -475,7 +487,7 @@ def fit_sizes(build: Callable[..., Any], sizes: Mapping[str, int], dims: dict[st
         notes.append(f"one formula for {said} too: fitted at {', '.join(ones)} >= 2 and checked at "
                      f"{', '.join(o + ' = 1' for o in ones)} (two more configurations never fitted)")
     plan = replace(plan, one=frozenset(ones))
-    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces))
+    return _fitted_trace(first, plan, formulas, len(traces.made), traces.seconds, notes, worlds(traces), traces)
 
 
 def _regime_note(plan: Plan, which: list[int], why: str, grouped: bool) -> str:
@@ -657,9 +669,11 @@ def _totals(first: Trace, formulas: dict[Key, tuple[Any, ...]], layers: int, rea
 
 
 def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]], count: int, seconds: float,
-                  said: list[str] | None = None, worlds: dict[tuple[tuple[str, int], ...], Any] | None = None
-                  ) -> Trace:
-    """The base trace with every quantity its formula in the sizes; ``extra["sizes"]["worlds"]``: :func:`worlds`."""
+                  said: list[str] | None = None, worlds: dict[tuple[tuple[str, int], ...], Any] | None = None,
+                  traces: _Traces | None = None) -> Trace:
+    """The base trace with every quantity its formula in the sizes; ``extra["sizes"]["worlds"]``: :func:`worlds`;
+    the domain: every guard of every trace the fit read (``traces.used``, :func:`_guards_of_fit`)."""
+    guarded, lifted = _guards_of_fit(first, plan, traces) if traces is not None else (first.domain, [])
     storages = []
     for s in first.storages:
         f = formulas[("storage", s.name)]
@@ -671,7 +685,7 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
                  for r in first.repeats)
     symbols = (*first.symbols, *(TracedSymbol(n, sym_for(n), v, ()) for n, v in plan.defaults.items()
                                  if n != LAYERS))
-    domain = sympy.And(first.domain, *plan.domain())
+    domain = sympy.And(guarded, *plan.domain())
     names = ", ".join(v.name for v in plan.variables if not v.fixed)
     fixed = ", ".join(f"{v.name} = 1" for v in plan.variables if v.fixed)
     note = (f"every size symbolic: {count} traces at small configurations ({seconds:.1f} s), each quantity the "
@@ -682,7 +696,120 @@ def _fitted_trace(first: Trace, plan: Plan, formulas: dict[Key, tuple[Any, ...]]
              "sizes": {"traces": count, "seconds": seconds, "plan": plan, "worlds": worlds or {}}}
     notes = tuple(n for n in first.notes if "check=False" not in n)  # the fit's own checks replace it
     return replace(first, storages=tuple(storages), parameters=params, buffers=buffers, repeats=reps,
-                   symbols=symbols, domain=domain, notes=(*notes, note, *(said or ())), extra=extra, check=None)
+                   symbols=symbols, domain=domain, notes=(*notes, note, *(said or ()), *lifted), extra=extra,
+                   check=None)
+
+
+# -- the domain: every trace's guards ------------------------------------------------------------------------
+def _relation(c: Any) -> tuple[tuple[str, Any], Any] | None:
+    """A guard as ``rest + constant REL 0`` (``REL``: ``<=``, ``==`` or ``!=``): ((REL, rest), constant), the same
+    ``(REL, rest)`` for one guard at any sizes (``S <= 12`` and ``S <= 16``); None for what is not one relation
+    (an ``Or``, a bare symbol)."""
+    if isinstance(c, sympy.StrictLessThan | sympy.LessThan):
+        d, rel = c.lhs - c.rhs, "<=" if isinstance(c, sympy.LessThan) else "<"
+    elif isinstance(c, sympy.StrictGreaterThan | sympy.GreaterThan):
+        d, rel = c.rhs - c.lhs, "<=" if isinstance(c, sympy.GreaterThan) else "<"
+    elif isinstance(c, sympy.Eq | sympy.Ne):
+        d, rel = c.lhs - c.rhs, "==" if isinstance(c, sympy.Eq) else "!="
+    else:
+        return None
+    const, rest = sympy.expand(d).as_coeff_Add()
+    if rest == 0 or not const.is_Rational:
+        return None
+    if rel in ("==", "!=") and rest.could_extract_minus_sign():  # Eq(S, 8) and Eq(8, S): one relation
+        const, rest = -const, -rest
+    if rel == "<":  # sizes are integers: rest + c < 0 is rest + c + 1 <= 0 where rest and c are whole
+        if not (rest.is_integer and const.is_Integer):
+            return None
+        const, rel = const + 1, "<="
+    return (rel, rest), const
+
+
+def _lift(rel: str, rest: Any, const: Any) -> Any:
+    """``rest + const REL 0`` written as the relation it reads as: ``S <= H/2``, ``S >= 3``."""
+    if rel == "<=" and rest.could_extract_minus_sign():
+        return sympy.Ge(-rest, const)
+    return {"<=": sympy.Le, "==": sympy.Eq, "!=": sympy.Ne}[rel](rest, -const)
+
+
+def _guards_of_fit(first: Trace, plan: Plan, traces: _Traces) -> tuple[Any, list[str]]:
+    """Where every trace the fit read (``traces.used``) took the branches it took, and a note per guard lifted.
+
+    Each trace holds at its own sizes where its guards do (its domain), and those guards are in the input sizes
+    only (B, S: a model size is a number there).  A guard every trace has is the domain as it is.  A guard whose
+    bound moves with the sizes (``S <= 12`` at H = 24, ``S <= 16`` at H = 32: ``if S <= H // 2``) is written in
+    the sizes: its bound linear in the variables from the base and each variable's probe, and equal to that line
+    at every other trace the fit read (the checks never fitted move every variable), as each quantity's formula
+    is checked -- ``S <= H/2``.  A guard some traces have and others lack, or whose bound no line through them
+    gives (``if S > F // 24``: no guard at F = 40, ``S > 2`` at F = 48), is a branch a size moves where no
+    polynomial says: the formula, fitted on one side of it, would claim the other -- :class:`SymmemError`, as for
+    a size that decides which ops run.
+    """
+    keys = sorted(traces.used)
+    if not keys:
+        return first.domain, []
+    each = {k: list(sympy.And.make_args(sympy.sympify(traces.made[k].domain))) for k in keys}
+    common = set.intersection(*(set(v) for v in each.values()))
+    if all(set(v) == common for v in each.values()):  # every trace the same guards: the base trace's domain
+        return first.domain, []
+    base = (plan.base, LAYER_VALUES[0])
+    names = [v.name for v in plan.variables] + (["L"] if plan.has_layers else [])
+
+    def coords(k: tuple[tuple[int, ...], int]) -> tuple[int, ...]:
+        return (*k[0], k[1]) if plan.has_layers else k[0]
+
+    def where(k: tuple[tuple[int, ...], int]) -> str:
+        return ", ".join(f"{n} = {x}" for n, x in plan.sizes_at(*k).items())
+
+    def moved(k: tuple[tuple[int, ...], int], o: tuple[tuple[int, ...], int]) -> str:
+        a, b = plan.sizes_at(*k), plan.sizes_at(*o)
+        return ", ".join(n for n in a if a[n] != b[n])
+
+    symbols = [v.symbol for v in plan.variables] + ([sym_for(LAYERS)] if plan.has_layers else [])
+    varying: dict[tuple[str, Any], dict[tuple[tuple[int, ...], int], Any]] = {}
+    refused: list[str] = []
+    for k, conds in each.items():
+        for c in conds:
+            if c in common:
+                continue
+            r = _relation(c)
+            if r is None or r[0] in varying and k in varying[r[0]]:
+                refused.append(f"{', '.join(names)}: {c} at {where(k)}")
+                continue
+            varying.setdefault(r[0], {})[k] = r[1]
+    lifted, said = [], []
+    for (rel, rest), at in varying.items():
+        missing = [k for k in keys if k not in at]
+        if missing or base not in at:
+            other = missing[0] if missing else base
+            k = next((k for k in at if moved(k, other).count(",") == 0), next(iter(at)))  # a probe, if any
+            refused.append(f"{moved(k, other)}: {_lift(rel, rest, at[k])} at {where(k)}, no such guard at "
+                           f"{where(other)}")
+            continue
+        b = coords(base)
+        slope = [sympy.Integer(0)] * len(b)
+        for k, c in at.items():  # a probe: one variable moved from the base
+            diff = [i for i, (x, y) in enumerate(zip(coords(k), b, strict=True)) if x != y]
+            if len(diff) == 1:
+                slope[diff[0]] = sympy.Rational(c - at[base], coords(k)[diff[0]] - b[diff[0]])
+
+        off = [k for k in keys if at[k] != at[base] + sum(a * (x - y) for a, x, y in zip(slope, coords(k), b,
+                                                                                          strict=True))]
+        if off:
+            refused.append(f"{moved(off[0], base)}: {_lift(rel, rest, at[base])} at {where(base)}, "
+                           f"{_lift(rel, rest, at[off[0]])} at {where(off[0])}")
+            continue
+        bound = at[base] + sum(a * (s - y) for a, s, y in zip(slope, symbols, b, strict=True))
+        g = _lift(rel, rest, sympy.expand(sympy.sympify(bound).xreplace(plan.back())))
+        lifted.append(g)
+        moves = [n for n, a in zip(names, slope, strict=True) if a != 0]
+        said.append(f"the guard {g}: its bound moves with {', '.join(moves) or 'no size'} (traced "
+                    f"{_lift(rel, rest, at[base])} at {where(base)}), linear through every trace the fit read")
+    if refused:
+        raise SymmemError(f"a size moves where the module branches on its input sizes in a way no polynomial "
+                          f"expresses ({refused[0]}): the formula, fitted on one side of the branch, would claim "
+                          "the other side too; keep that size fixed (out of the symbolic sizes)")
+    return sympy.And(*common, *lifted), said
 
 
 def _param(p: TracedParameter, shape: tuple[Any, ...]) -> TracedParameter:

@@ -1,0 +1,116 @@
+"""A formula in every size holds only where every trace of its fit took the branches it took (stop 43).
+
+A module that branches on an input size at a bound a model size sets (``if S <= H // 4``) takes, at each size the
+fit traces, the branch its example sizes take, and PyTorch records the bound there as a guard (``S <= 6`` at
+H = 24, ``S <= 8`` at H = 32).  The domain must say where the fitted formula holds: the bound in the sizes where it
+is one line through every trace (``S <= H/4``), a refusal where no polynomial gives it (``S > F // 24``: no guard at
+F = 40, ``S > 2`` at F = 48).  Before, the domain was the base trace's guards only: ``narrowed`` claimed S = 2 at
+F = 48, where real PyTorch keeps 1,536 activation bytes and the formula said 1,920.
+
+Truth: :func:`symmem.record.verify.measure` (autograd's saved tensors of one real training-mode forward) at sizes the
+fit never traced, inside the domain (equal to the byte) and outside it (an OutsideDomain warning, and real PyTorch
+takes the other branch there: it keeps the batch itself, ``input`` > 0, where the formula's branch keeps none).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from symmem import trace  # noqa: E402
+from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
+from symmem.record.verify import measure  # noqa: E402
+
+
+class Branching(torch.nn.Module):
+    """Doubles its input (the MLP then keeps the doubled copy, not the batch) where ``takes(S, H, F)``."""
+
+    def __init__(self, H: int, F: int, takes: object) -> None:
+        super().__init__()
+        self.H, self.F, self.takes = H, F, takes
+        self.up, self.down = torch.nn.Linear(H, F), torch.nn.Linear(F, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes(x.shape[1], self.H, self.F):
+            x = 2 * x
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Biased(torch.nn.Module):
+    """Adds a bias where the hidden size exceeds 4 S (``H > 4 * S``): the MLP then keeps the biased copy."""
+
+    def __init__(self, H: int, F: int) -> None:
+        super().__init__()
+        self.H = H
+        self.bias = torch.nn.Parameter(torch.zeros(H))
+        self.up, self.down = torch.nn.Linear(H, F), torch.nn.Linear(F, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.H > 4 * x.shape[1]:
+            x = x + self.bias
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _module(case: str, H: int, F: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if case == "biased":
+        return Biased(H, F)
+    takes = {"narrowed": lambda S, H, F: S > F // 24,  # tests/test_symbolic_sizes.py's Narrowed
+             "capped": lambda S, H, F: S <= H // 4,
+             "eighths": lambda S, H, F: S <= H // 8,  # H // 8 is 3, 4, 6 at the fit's H; 4 at 36: no line
+             "fixed": lambda S, H, F: S > 3}[case]  # a bound no size moves: the base trace's guard, as before
+    return Branching(H, F, takes)
+
+
+def _build(case: str, S: int) -> object:
+    def build(H: int, F: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+        return _module(case, H, F), (torch.randn(2, S, H),)
+
+    return build
+
+
+DIMS = {"B": [(0, 0)], "S": [(0, 1)]}
+#: case: (example S, the domain's guard or the refusal's words, points inside (B, S, H, F), points outside)
+CASES = {
+    "capped": (4, "S <= H/4", [(2, 6, 26, 30), (3, 7, 28, 50), (2, 2, 8, 30)], [(2, 7, 26, 30), (2, 3, 8, 30)]),
+    "biased": (4, "4*S <= H - 1", [(2, 6, 26, 30), (3, 2, 9, 50)], [(3, 7, 28, 50), (2, 2, 8, 30)]),
+    "fixed": (8, "S > 3", [(2, 4, 26, 30), (3, 9, 100, 200)], [(2, 3, 26, 30)]),
+    "narrowed": (8, "F: S >= 3 at H = 24, F = 48, no such guard at H = 24, F = 40", [], [(2, 2, 24, 48)]),
+    "eighths": (2, "H, F: S <= 3 at H = 24, F = 40, S <= 4 at H = 36, F = 52", [], [(2, 2, 8, 30)]),
+}
+
+
+def _real(case: str, B: int, S: int, H: int, F: int) -> tuple[int, int]:
+    module = _module(case, H, F)
+    m = measure(module, torch.randn(B, S, H))
+    return m.activations, m.input
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_branch_a_size_moves_is_in_the_domain_or_refused(case: str) -> None:
+    S0, said, inside, outside = CASES[case]
+    if not inside:  # no line through the traces gives the bound: refused in one line, naming the size
+        with pytest.raises(SymmemError) as e:
+            trace(_build(case, S0), dims=DIMS, sizes={"H": 64, "F": 24}, optimizer="sgd")
+        assert f"({said})" in str(e.value) and "keep that size fixed" in str(e.value)
+        # the old domain (the base trace's guards) claimed these points, where real PyTorch takes the other branch:
+        # it keeps the batch itself, which no trace of the fit kept
+        for B, S, H, F in outside:
+            assert _real(case, B, S, H, F)[1] > 0
+        return
+    d = trace(_build(case, S0), dims=DIMS, sizes={"H": 64, "F": 24}, optimizer="sgd")
+    assert said in str(d.domain)
+    for B, S, H, F in inside:  # never traced (the fit's H are 24, 32, 48, 36, 44; F 40, 48, 64, 52, 60)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OutsideDomain)
+            e = d.at(B=B, S=S, H=H, F=F)
+        assert (e.value("activations"), e.value("input")) == _real(case, B, S, H, F), (B, S, H, F)
+    for B, S, H, F in outside:
+        with pytest.warns(OutsideDomain, match=re.escape(f"outside the formulas' domain ({said} fails)")):
+            e = d.at(B=B, S=S, H=H, F=F)
+        real = _real(case, B, S, H, F)
+        assert real[1] > 0 and e.value("input") == 0  # real PyTorch took the other branch there
