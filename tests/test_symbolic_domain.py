@@ -114,3 +114,52 @@ def test_a_branch_a_size_moves_is_in_the_domain_or_refused(case: str) -> None:
             e = d.at(B=B, S=S, H=H, F=F)
         real = _real(case, B, S, H, F)
         assert real[1] > 0 and e.value("input") == 0  # real PyTorch took the other branch there
+
+
+# -- the peak in every size (peak=True): its step holds where the fit's guards do (stop 43, sized43) ---------------
+#: the cases with a domain (CASES): the sized step's domain was the input sizes >= 2 and the plan's own conditions,
+#: without the forward's guards -- the peak at a point past the guard was the formula's, unwarned by the step
+PEAKED = sorted(case for case, (_, _, inside, _) in CASES.items() if inside)
+
+
+def _real_peaks(case: str, B: int, S: int, H: int, F: int) -> tuple[int, int]:
+    """The first and steady steps' peaks of real training steps (the live-bytes tracker), SGD as the trace's."""
+    from symmem.record.steps import track_step
+
+    module = _module(case, H, F)
+    t = track_step(module, torch.randn(B, S, H), optimizer="sgd", keep_output=False)
+    return t.first.bytes, t.steady.bytes
+
+
+@pytest.mark.parametrize("case", PEAKED)
+def test_the_peak_in_every_size_holds_in_the_fits_domain_and_is_refused_past_it(case: str) -> None:
+    """Inside the fit's domain the peak is real steps' to the byte; past a guard every path refuses it in
+    :meth:`Derivation.at`'s words (the step's peak at numbers, the value, the values over a grid, the views), and
+    real PyTorch's peak there is not the formula's (the forward takes the other branch)."""
+    S0, said, inside, outside = CASES[case]
+    d = trace(_build(case, S0), dims=DIMS, sizes={"H": 64, "F": 24}, optimizer="sgd", peak=True)
+    assert said in str(d.domain) and said in " & ".join(map(str, d.step.domain()))
+    for B, S, H, F in inside:  # never traced
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OutsideDomain)
+            e = d.at(B=B, S=S, H=H, F=F)
+            assert (e.value("peak_first_step"), e.value("peak")) == _real_peaks(case, B, S, H, F), (B, S, H, F)
+    for B, S, H, F in outside:
+        at = ", ".join(f"{n} = {v}" for n, v in sorted({"S": S, "H": H}.items()) if n in said)
+        words = f"{at} lie{'s' if ',' not in at else ''} outside the formulas' domain ({said} fails)"
+        with pytest.warns(OutsideDomain, match=re.escape(words)):
+            e = d.at(B=B, S=S, H=H, F=F)
+        refused = re.escape(f"the peak in every size: {words}: they are not known to hold there (the forward takes "
+                            "another branch there than at every configuration the fit traced)")
+        with pytest.raises(SymmemError, match=refused):
+            d.step.peak(e.numbers)
+        with pytest.raises(SymmemError, match=refused):
+            e.value("peak")
+        with pytest.raises(SymmemError, match=refused), pytest.warns(OutsideDomain):
+            d.values("peak", B=B, S=[S], H=H, F=F)  # over a grid: each point past the guard refused
+        got = e.to_dict()
+        assert got["values"]["peak"] is None and re.match("no peak: " + refused, got["peak_refused"])
+        assert "no peak: the peak in every size:" in e.table()
+        # what the step gave there before (its formula, unwarned), against real steps: the other branch's bytes
+        formula = tuple(int(x.xreplace(e.numbers)) for x in (e.peak_first_step, e.peak))
+        assert formula != _real_peaks(case, B, S, H, F), (B, S, H, F)

@@ -14,6 +14,12 @@ the layer count ``L`` moment by moment, and the one peak algebra (:func:`symmem.
 Checked, mandatory: each fitted record at a configuration never fitted (every variable moved), storage by
 storage; and the fold's every moment at another configuration never fitted, written out 6 times.  A size that
 decides which ops run (the records do not line up) is refused with the op where they part.
+
+The domain: the input sizes >= 2, the plan's own conditions and the forward's guards as the fit lifted them from
+every trace it read (:func:`symmem.importer.symbolic_sizes._guards_of_fit`: ``S <= H/4``).  The step runs that
+forward, so past a guard it runs the other branch: the peak at such numbers is refused in
+:meth:`~symmem.derivation.Derivation.at`'s words (``H = 26, S = 7 lie outside the formulas' domain (S <= H/4
+fails)``), where the formula said 17,648 bytes and a real step peaks at 16,192 (stop 43).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import sympy
 
+from ..derivation import outside
 from ..errors import SymmemError
 from ..peak import Candidate, Peak
 from .inputs import check_inputs, sym_for
@@ -93,6 +100,10 @@ class SizedStep:
     #: the fit's traced modules by sizes (:func:`symmem.importer.symbolic_sizes.worlds`): a record there runs in the
     #: forward's fake world
     worlds: dict[tuple[tuple[str, int], ...], Any] = field(default_factory=dict, repr=False)
+    #: the forward's guards as the fit lifted them (every trace it read: :func:`symmem.importer.symbolic_sizes.
+    #: _guards_of_fit`), beyond the plan's own conditions: the step runs the forward, so its peak holds where they do
+    #: (``S <= H/4``: past it the forward takes the other branch and the step keeps other tensors)
+    guards: tuple[Any, ...] = ()
     _steps: dict[tuple[int, ...], StepPeak] = field(default_factory=dict, repr=False)
     _fits: dict[int | None, StepRecord] = field(default_factory=dict, repr=False)
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
@@ -132,7 +143,7 @@ class SizedStep:
     def _domain(self, layers: Any) -> tuple[Any, ...]:
         dims = tuple(sympy.Ge(sym_for(n), 2) for n in self.dims)
         sizes = tuple(c for c in self.plan.domain() if not (self.symbol is not None and c.has(self.symbol)))
-        return (*layers, *dims, *sizes)
+        return tuple(dict.fromkeys((*layers, *dims, *sizes, *self.guards)))
 
     def _symbolic(self) -> Peak:
         if None not in self._peaks:
@@ -188,7 +199,12 @@ class SizedStep:
             return self._symbolic()
         at = dict(at)
         count = at.get(self.symbol) if self.folds else None
-        rest = [c for c in self.domain() if not (self.symbol is not None and c.has(self.symbol))]
+        branch = outside(sympy.And(*self.guards), at)  # each guard every size of it has a number for
+        if branch:  # Derivation.at's words: past a guard the forward takes another branch, the step keeps others
+            raise SymmemError(f"the peak in every size: {'; '.join(branch)} (the forward takes another branch there "
+                              "than at every configuration the fit traced): trace without sizes= at them for the peak")
+        rest = [c for c in self.domain() if not (self.symbol is not None and c.has(self.symbol)) and c not in
+                self.guards]
         failing = [c for c in rest if not bool(sympy.sympify(c, strict=True).xreplace(at))]
         if failing:
             raise SymmemError(f"the peak in every size holds where {' & '.join(map(str, failing))}, which these "
@@ -380,7 +396,13 @@ def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: M
               dict(numbers), {} if free is None else {s: v for s, v in numbers.items() if s.name not in free})
     from .traced_tensor import TensorStepPeak
 
+    # the forward's guards (every trace the fit read), not the plan's conditions or the inputs' sizes >= 2 the sized
+    # step has already
+    known = {*plan.domain(), *recorded.extra["sizes"]["plan"].domain(), *(sympy.Ge(sym_for(n), 2) for n in dims)}
+    guards = tuple(c for c in sympy.And.make_args(sympy.sympify(recorded.domain, strict=True))
+                   if c is not sympy.true and c not in known)
     if isinstance(found, TensorStepPeak):  # one rank's step at each configuration
         found._fixed({})  # t a number (else refused in one line)
-        return TensorSizedStep(*fields, base=found, shapes={p.name: tuple(p.shape) for p in recorded.parameters})
-    return SizedStep(*fields, worlds=dict(recorded.extra["sizes"].get("worlds", {})) if SEEDED else {})
+        return TensorSizedStep(*fields, guards=guards, base=found,
+                               shapes={p.name: tuple(p.shape) for p in recorded.parameters})
+    return SizedStep(*fields, guards=guards, worlds=dict(recorded.extra["sizes"].get("worlds", {})) if SEEDED else {})
