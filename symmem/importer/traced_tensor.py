@@ -120,11 +120,13 @@ class RankWorld:
     fake: Any
     mesh: Any
     quiet: list[bool]
+    #: the fake world's shape cache (record/shape_cache.py), its SymMemo the world's
+    shapes: Any = None
 
 
 @contextlib.contextmanager
-def rank_world(values: dict[str, int], world: int, symbolic: bool, fast: bool = True, fake: Any = None
-               ) -> Iterator[RankWorld]:
+def rank_world(values: dict[str, int], world: int, symbolic: bool, fast: bool = True, fake: Any = None,
+               shapes: Any = None) -> Iterator[RankWorld]:
     """A fake world of ``world`` ranks at ``values`` (the declared sizes symbolic with ``symbolic``) for one or more
     recordings of a rank's step (:func:`record_tensor_step`'s ``shared``); its process group destroyed on exit.
 
@@ -134,8 +136,11 @@ def rank_world(values: dict[str, int], world: int, symbolic: bool, fast: bool = 
     ops on the same symbolic shapes), where each in a world of its own would make them all again -- the same records
     (tests/test_traced_tensor.py, deep: shared against fresh).  ``fake``: the fake world (mode and ShapeEnv) of an
     earlier :func:`rank_world` at the same ``values`` and ``symbolic`` to record in again (its cache entries and
-    guards with it; the process group and DTensor's answers, which name its mesh, are made anew)."""
+    guards with it; the process group and DTensor's answers, which name its mesh, are made anew), and ``shapes``
+    its shape cache (:attr:`RankWorld.shapes`, whose entries are that ShapeEnv's)."""
     from ..record.fake_group import as_a_run, fake_group
+    from ..record.shape_cache import ShapeCache
+    from ..record.sym_memo import unseen
     from .fake import make_world
 
     if fake is None:
@@ -144,8 +149,19 @@ def rank_world(values: dict[str, int], world: int, symbolic: bool, fast: bool = 
     # rank's step repeats its ops -- every block's, the optimizer's on each parameter of a few shapes, and DTensor's
     # sharding propagation runs ops on global shapes again -- so here it hits (~0.6x the CPU, the same records)
     fake.mode.cache_enabled = fast
-    with fake_group(world) as mesh, as_a_run() as quiet:
-        yield RankWorld(fake, mesh, quiet)
+    # and in front of it the one-device trace's shape cache (record/shape_cache.py: a repeated op's outputs remade
+    # from its first outputs' metadata, an in-place op on the same key answered with its input) with PyTorch's
+    # symbolic size arithmetic remembered for the world (record/sym_memo.py): the blocks, the optimizer on each
+    # parameter and DTensor's sharding propagation ask the same ops and sizes again and again (~0.75x the CPU of
+    # the test's traces, the same records; guards first asked through the table still name PyTorch's asker, unseen())
+    shapes = (shapes or ShapeCache()) if fast else None
+    with contextlib.ExitStack() as stack:
+        mesh = stack.enter_context(fake_group(world))
+        quiet = stack.enter_context(as_a_run())
+        if shapes is not None:
+            stack.enter_context(unseen())
+            stack.enter_context(shapes.memo.active(fake.env))
+        yield RankWorld(fake, mesh, quiet, shapes)
 
 
 def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options: StepOptions, world: int,
@@ -195,7 +211,7 @@ def record_tensor_step(module: Any, inputs: Any, values: dict[str, int], options
             args, kwargs = at.rebuild(fin)
         (sharded if sharded is not None else []).extend(_even(split, world))
         split.train()
-        tracker = FakeShardTracker(fake.mode, quiet)
+        tracker = FakeShardTracker(fake.mode, quiet, shared.shapes)
         tracker.unnamed_to_last = True  # a state's step count made from no tensor: the parameter it is made for
         if symbols is not None:
             from ..record.identity import symbolic_nbytes
@@ -305,7 +321,8 @@ class TensorStepPeak(StepPeak):
     #: the (parameter, dimension) pairs the plan shards, as the last record found them
     sharded: list[tuple[str, int]] = dataclasses.field(default_factory=list, repr=False)
     #: the fake world (:func:`rank_world`'s mode and ShapeEnv) each (symbolic, sizes, t) is recorded in, every
-    #: record of those in the same one (the own layer count's and the fold's: their ops hit its dispatch cache)
+    #: record of those in the same one (the own layer count's and the fold's: their ops hit its dispatch cache),
+    #: with its shape cache
     _fakes: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def _fixed(self, at: Mapping[sympy.Symbol, int] | None) -> tuple[tuple[tuple[str, int], ...], int | None, int]:
@@ -336,8 +353,9 @@ class TensorStepPeak(StepPeak):
         """A :func:`rank_world` at ``sizes`` and ``world`` ranks in the fake world of this step's earlier records
         of those sizes (the first makes it)."""
         key = (symbolic, sizes, world)
-        with rank_world(dict(sizes), world, symbolic, fake=self._fakes.get(key)) as shared:
-            self._fakes[key] = shared.fake
+        fake, shapes = self._fakes.get(key, (None, None))
+        with rank_world(dict(sizes), world, symbolic, fake=fake, shapes=shapes) as shared:
+            self._fakes[key] = (shared.fake, shared.shapes)
             yield shared
 
     def _recorded(self, sizes: tuple[tuple[str, int], ...], count: int | None, world: int, symbolic: bool,

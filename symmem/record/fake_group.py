@@ -148,9 +148,11 @@ class FakeShardTracker(ShardTracker):
     outputs belong to another fake mode are not; funcol's wrapper and wait run as their real kernels do (module
     docstring)."""
 
-    def __init__(self, mode: Any, quiet: list[bool]) -> None:
+    def __init__(self, mode: Any, quiet: list[bool], shapes: Any = None) -> None:
         super().__init__()
         self.fake_mode, self.quiet = mode, quiet
+        #: the fake world's :class:`~symmem.record.shape_cache.ShapeCache` (None: every op runs the fake mode)
+        self.shapes = shapes
 
     def __enter__(self) -> FakeShardTracker:
         import torch
@@ -163,23 +165,41 @@ class FakeShardTracker(ShardTracker):
         if not self._started:
             self.events.append(("boundary", 0, "start"))
             self._started = True
-        observe, quiet, mode = self.observe, self.quiet, self.fake_mode
+        observe, quiet, mode, shapes = self.observe, self.quiet, self.fake_mode, self.shapes
         plain = (torch.Tensor, torch.nn.Parameter, FakeTensor)
         functional = torch.ops._c10d_functional
         wrap, wait = functional._wrap_tensor_autograd.default, functional.wait_tensor.default
+
+        def run(func: Any, args: Any, kwargs: Any) -> Any:
+            """The op's outputs: a repeat of an op on the same shapes remade from its first outputs (the shape
+            cache's, record/shape_cache.py), else the fake mode's."""
+            if shapes is None or func.namespace == "prim":
+                return func(*args, **kwargs)
+            key = shapes.key(func, args, kwargs)
+            same = shapes.same_key(func, args, kwargs) if key is None else None
+            out = shapes.get(key, args, kwargs) if key is not None else \
+                shapes.same(same, args) if same is not None else None
+            if out is None:
+                out = func(*args, **kwargs)
+                if key is not None:
+                    shapes.store(func, key, args, kwargs, out)
+                elif same is not None:
+                    shapes.store_same(same, args, out)
+            return out
 
         class _FakeShardMode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 if any(t not in plain for t in types):
                     return NotImplemented  # a DTensor or funcol's wrapper runs it; its local ops come back here
+                kwargs = kwargs or {}
                 if quiet[0]:
-                    return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: global shapes, no memory
+                    return run(func, args, kwargs)  # DTensor's sharding propagation: global shapes, no memory
                 if func is wrap:
                     out = AsyncCollectiveTensor(args[0])  # the real kernel: the output wrapped, not copied
                 elif func is wait:
                     out = args[0]  # the real kernel returns its input (the collective's output)
                 else:
-                    out = func(*args, **(kwargs or {}))
+                    out = run(func, args, kwargs)
                 if func.namespace == "prim" or any(isinstance(t, FakeTensor) and t.fake_mode is not mode
                                                    for t in tensors(out)):
                     return out  # the fake mode's metadata queries (prim.device), another mode's tensors: no memory

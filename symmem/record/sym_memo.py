@@ -172,6 +172,25 @@ class SymMemo:
             self.on = before
 
 
+@contextmanager
+def unseen() -> Iterator[None]:
+    """Inside, a guard's source location (torch's first frame outside its ``uninteresting_files()``: symmem's
+    :attr:`~symmem.importer.records.Guard.where`) skips this module's frames as torch's own, so that a guard first
+    asked through the table names the PyTorch code that asked it (``_refs/__init__.py:4435 in split_with_sizes``)
+    as without the table, not :meth:`SymMemo._guard`.  The set torch caches is extended for the block only."""
+    from torch.fx.experimental import symbolic_shapes
+
+    files = symbolic_shapes.uninteresting_files()  # cached: the same set every call
+    added = __file__ not in files
+    if added:
+        files.add(__file__)
+    try:
+        yield
+    finally:
+        if added:
+            files.discard(__file__)
+
+
 def _proxy_tracing() -> bool:
     """Whether a proxy mode (``make_fx``) is tracing: it records every SymNode call into its graph."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
