@@ -22,7 +22,48 @@ def same(a: sympy.Expr, b: sympy.Expr) -> bool | None:
     """True, False, or None when sympy cannot decide."""
     if a == b:
         return True
+    ma, mb = monomial(a), monomial(b)
+    if ma is not None and mb is not None and ma != mb:
+        # two different monomials differ as functions of the sizes: their difference has no function in it, so
+        # _same would answer False too, after building and expanding it (~0.3 ms each, most of a model's
+        # first build)
+        return False
     return _same(a, b)
+
+
+#: a monomial: its rational coefficient and its (symbol, rational exponent) factors, in sympy's order
+Monomial = tuple[sympy.Rational, tuple[tuple[sympy.Symbol, sympy.Rational], ...]]
+
+
+@functools.lru_cache(maxsize=8192)
+def monomial(e: object) -> Monomial | None:
+    """``e`` as a rational number times powers of distinct symbols with rational exponents (``H*S/(2*h)``,
+    ``H**(1/2)``, ``3``), or None when it is anything else (a sum, a ``floor``, a power of a number, a Python
+    number, a product sympy left unevaluated with a symbol twice).  Sizes and strides are mostly monomials; two
+    different ones are never equal.
+
+    >>> from symmem.symbols import H, S, h
+    >>> monomial(H * S / (2 * h)), monomial(H + S)
+    ((1/2, ((H, 1), (S, 1), (h, -1))), None)
+    """
+    if not isinstance(e, sympy.Basic):
+        return None
+    if e.is_Rational:
+        return e, ()  # type: ignore[return-value]
+    factors = e.args if e.is_Mul else (e,)
+    coeff: sympy.Rational = sympy.Integer(1)
+    powers: list[tuple[sympy.Symbol, sympy.Rational]] = []
+    for i, f in enumerate(factors):
+        if i == 0 and f.is_Rational and e.is_Mul:
+            coeff = f  # type: ignore[assignment]
+            continue
+        base, exp = (f.base, f.exp) if f.is_Pow else (f, sympy.Integer(1))
+        if not (base.is_Symbol and base.is_commutative and exp.is_Rational and exp != 0):
+            return None
+        powers.append((base, exp))  # type: ignore[arg-type]
+    if coeff == 0 or len({b for b, _ in powers}) != len(powers):
+        return None
+    return coeff, tuple(powers)
 
 
 @functools.lru_cache(maxsize=4096)

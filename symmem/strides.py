@@ -42,12 +42,13 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, TypeVar
 
 import sympy
 from sympy.logic import SOPform
 
-from .shapes import broadcast, same
+from .shapes import broadcast, monomial, same
 from .symbols import UNIT_SIZES, UnitSize
 
 Strides = tuple[sympy.Expr, ...]
@@ -114,38 +115,72 @@ def _vector(found: dict[sympy.Basic, sympy.Expr]) -> tuple[tuple[sympy.Basic, sy
     return tuple(sorted(((b, x) for b, x in found.items() if x != 0), key=lambda kv: sympy.default_sort_key(kv[0])))
 
 
+def _fraction(x: sympy.Rational) -> Fraction:
+    return Fraction(int(x.p), int(x.q))
+
+
+def _exponent(x: sympy.Rational) -> int | Fraction:
+    # an int where whole (the usual exponent: Python's int arithmetic is several times a Fraction's)
+    return int(x.p) if x.q == 1 else _fraction(x)
+
+
+@functools.lru_cache(maxsize=8192)
+def _exponents(e: sympy.Expr) -> tuple[Fraction, dict[sympy.Basic, int | Fraction]] | None:
+    """A monomial ``e`` (:func:`symmem.shapes.monomial`) as (its coefficient, its exponent per symbol), in Python
+    fractions: comparing sizes then builds no sympy expression.  None for any other ``e``."""
+    m = monomial(e)
+    if m is None:
+        return None
+    return _fraction(m[0]), {b: _exponent(x) for b, x in m[1]}
+
+
+def _base_powers(e: sympy.Expr) -> dict[sympy.Basic, Any]:
+    """The powers of ``e`` (a size) by base, as :func:`_powers` finds them; Python fractions for a monomial."""
+    found = _exponents(e)
+    return dict(found[1]) if found is not None else dict(_powers(e)[1])
+
+
 @functools.lru_cache(maxsize=256)
-def _vocabulary(sizes: tuple[sympy.Expr, ...]) -> tuple[dict[sympy.Basic, int], int, tuple[tuple[int, ...], ...]]:
+def _vocabulary(sizes: frozenset[sympy.Expr]
+                ) -> tuple[dict[sympy.Basic, int], int, frozenset[tuple[int, ...]]]:
     """The sizes as integer exponent vectors: (an index of the bases they are powers of, the common denominator
-    of the exponents, the vectors)."""
-    powers = [dict(_powers(d)[1]) for d in sizes if not d.is_number]
+    of the exponents, every sum of at most two of the vectors, the zero vector among them).  A set of sizes: the
+    order and repeats of a shape do not change the answer, and the ops of a model share their sizes."""
+    powers = [_base_powers(d) for d in sizes if not d.is_number]
     index = {b: i for i, b in enumerate(sorted({b for p in powers for b in p}, key=sympy.default_sort_key))}
-    den = math.lcm(1, *(int(sympy.Rational(x).q) for p in powers for x in p.values()))
-    vectors = {tuple(int(p.get(b, 0) * den) for b in index) for p in powers}
-    return index, den, tuple(sorted(v for v in vectors if any(v)))
+    den = math.lcm(1, *(x.denominator if isinstance(x, Fraction | int) else int(sympy.Rational(x).q)
+                        for p in powers for x in p.values()))
+    vectors = sorted({v for v in (tuple(int(p.get(b, 0) * den) for b in index) for p in powers) if any(v)})
+    zero = tuple(0 for _ in index)
+    # a sum of at most four vectors is a sum of two sums of at most two: the sums of two, once per vocabulary,
+    # answer each question with one pass over them (a search of sums of four took most of a model's first build)
+    pairs = {zero, *vectors}
+    for i, v in enumerate(vectors):
+        for w in vectors[i:]:
+            pairs.add(tuple(x + y for x, y in zip(v, w, strict=True)))
+    return index, den, frozenset(pairs)
 
 
-@functools.lru_cache(maxsize=16384)
-def _reaches(vectors: tuple[tuple[int, ...], ...], target: tuple[int, ...], depth: int) -> bool:
-    # is ``target`` a sum of at most ``depth`` of ``vectors`` (repeats allowed)?
-    if not any(target):
-        return True
-    if depth == 0:
+def _is_product(vector: dict[sympy.Basic, Any], sizes: tuple[sympy.Expr, ...], sign: int = 1) -> bool:
+    """Whether the powers ``vector`` (base -> exponent; times ``sign``) are a product of up to four of
+    ``sizes``: at least 2."""
+    index, den, pairs = _vocabulary(frozenset(sizes))
+    if any(b not in index for b in vector):
         return False
-    return any(_reaches(vectors, tuple(t - x for t, x in zip(target, v, strict=True)), depth - 1) for v in vectors)
-
-
-def _is_product(vector: tuple[tuple[sympy.Basic, sympy.Expr], ...], sizes: tuple[sympy.Expr, ...],
-                sign: int = 1) -> bool:
-    """Whether the power ``vector`` (times ``sign``) is a product of up to four of ``sizes``: at least 2."""
-    index, den, vectors = _vocabulary(sizes)
-    if any(b not in index for b, _ in vector):
-        return False
-    found = dict(vector)
-    target = [sign * found.get(b, 0) * den for b in index]
-    if any(not sympy.sympify(t, strict=True).is_integer for t in target):
-        return False
-    return _reaches(vectors, tuple(int(t) for t in target), 4)
+    target = []
+    for b in index:
+        x = vector.get(b, 0)
+        if isinstance(x, Fraction | int):
+            t = sign * x * den
+            if t.denominator != 1:
+                return False
+            target.append(int(t))
+        else:
+            t = sympy.sympify(sign * x * den, strict=True)
+            if not t.is_integer:
+                return False
+            target.append(int(t))
+    return any(tuple(t - x for t, x in zip(target, p, strict=True)) in pairs for p in pairs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -160,9 +195,20 @@ def _cmp(a: sympy.Expr, b: sympy.Expr, sizes: tuple[sympy.Expr, ...]) -> int | N
         return 0
     if a == 0 or b == 0:
         return -1 if a == 0 else 1
-    coeff, vector = _powers(a / b)  # products of sizes divide by themselves; a sum needs cancel
-    if any(base.is_Add for base, _ in vector):
-        coeff, vector = _powers(sympy.cancel(a / b))
+    ea, eb = _exponents(a), _exponents(b)
+    coeff: Any
+    vector: dict[sympy.Basic, Any]
+    if ea is not None and eb is not None:
+        # two monomials: their quotient's coefficient and powers, without building a/b in sympy
+        coeff, vector = ea[0] / eb[0], dict(ea[1])
+        for base, x in eb[1].items():
+            vector[base] = vector.get(base, 0) - x
+        vector = {base: x for base, x in vector.items() if x != 0}
+    else:
+        coeff, pairs = _powers(a / b)  # products of sizes divide by themselves; a sum needs cancel
+        if any(base.is_Add for base, _ in pairs):
+            coeff, pairs = _powers(sympy.cancel(a / b))
+        vector = dict(pairs)
     if not vector:
         return 1 if coeff > 1 else -1
     if _is_product(vector, sizes):
