@@ -967,6 +967,10 @@ class _Cut:
     def frees(self) -> dict[int, int]:
         return self._sim.frees
 
+    def storage(self, sid: int) -> Any:
+        """Storage ``sid`` of the step (:meth:`_Simulated.storage`: the step not written out for it)."""
+        return self._sim.storage(sid)
+
     def size(self, sid: int) -> int:
         # by the size's object: the layers' storages share their template's (passes/stretch.py), and a sympy
         # expression's hash and equality were a tenth of a packed replay
@@ -1140,6 +1144,35 @@ class _Simulated:
 
     def name(self, sid: int) -> str:
         return self.layout.name(sid) if self._tl is None else self._tl.storages[sid].name
+
+    def storage(self, sid: int) -> Any:
+        """Storage ``sid`` as the written step holds it (its name and op numbered for its layer), without writing
+        the step out."""
+        if self._tl is not None:
+            return self._tl.storages[sid]
+        made = self.__dict__.setdefault("_made", {})
+        found = made.get(sid)
+        if found is None:
+            from ..timeline import make_live
+            from .stretch import _split
+
+            layout = self.layout
+            st, n = layout.tl.storages[layout.origin[sid]], layout.layer[sid]
+            node = st.node
+            if n and node:
+                head, tail = _split(node)
+                node = f"{head}{n}{tail}"
+            found = made[sid] = make_live(layout.name(sid), st.category, st.nbytes, node, st.host)
+        return found
+
+    def gradient_of(self, node: str) -> str:
+        """The name of the first gradient storage ``node`` makes ("" where none): a node outside the layers, whose
+        storages are the template's as they are."""
+        if self._tl is not None:
+            return next((st.name for st in self._tl.storages if st.category == "gradient" and st.node == node), "")
+        storages, where = self.layout.tl.storages, self.layout.where
+        return next((st.name for k, st in enumerate(storages)
+                     if where[k] is None and st.category == "gradient" and st.node == node), "")
 
 
 def _simulation(g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool]) -> Any:

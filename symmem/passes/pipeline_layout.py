@@ -371,19 +371,17 @@ def plan(stage: _Stage, pass_: int, kind: str) -> tuple[list[tuple[str | None, l
                             break
                     else:
                         group.append((offsets_, {_way(layout, n, offsets_, s, per): shape}))
-            append, note = out.append, touched.add
+            append, note, update = out.append, touched.add, touched.update
             for head, tail, born, dying in shape:
                 if born:
-                    made = []
-                    for b, d, q, nbytes, fate in born:
-                        sid = b[n + d] + q
-                        made.append((sid, nbytes, fate))
-                        note(sid)
+                    made = [(b[n + d] + q, nbytes, fate) for b, d, q, nbytes, fate in born]
+                    for x in made:
+                        note(x[0])
                 else:
                     made = []
                 if dying:
                     gone = [b[n + d] + q for b, d, q in dying]
-                    touched.update(gone)
+                    update(gone)
                 else:
                     gone = []
                 append((f"{head}{n}{tail}", made, gone))
@@ -408,37 +406,39 @@ def _shape(stage: _Stage, segment: Any, t: int, n: int, pass_: int, kind: str
     (who frees that first is one op of one layer, anywhere): worked out at every layer."""
     layout = stage.layout
     _, _, _, compiled, starts = segment
+    zeros, freer, keep, born_of = layout.zeros, layout.freer, stage.keep, stage.born
     out = []
-    offsets: set[int] | None = {0}
+    offsets: set[int] = {0}
+    alike = True
     for j, (head, tail, born_refs, freed_refs) in enumerate(compiled[t]):
         k = starts[n] + j
         born = []
         for b, d, q in born_refs:
             sid = b[n + d] + q
-            found = stage.born(sid, pass_, kind)
+            found = born_of(sid, pass_, kind)
             if found is not None:
                 born.append((b, d, q, *found))
-            offsets = _read(layout, b, d, sid, n, offsets)
+            if b is zeros:
+                alike = False
+            else:  # what the plan read: the storage's layer, its first freeing op's
+                offsets.add(d)
+                freed = freer(sid)
+                if freed is not None and freed[2]:
+                    offsets.add(freed[2] - n)
         dying = []
         for b, d, q in freed_refs:
             sid = b[n + d] + q
-            if stage.dies(sid, k):
+            freed = freer(sid)
+            if freed is not None and freed[0] == k and sid not in keep:
                 dying.append((b, d, q))
-            offsets = _read(layout, b, d, sid, n, offsets)
+            if b is zeros:
+                alike = False
+            else:
+                offsets.add(d)
+                if freed is not None and freed[2]:
+                    offsets.add(freed[2] - n)
         out.append((head, tail, born, dying))
-    return out, None if offsets is None else tuple(sorted(offsets))
-
-
-def _read(layout: Layout, b: list[int], d: int, sid: int, n: int, offsets: set[int] | None) -> set[int] | None:
-    """``offsets`` with the layers a storage's plan read (its own, its first freeing op's), None where it is
-    outside the layers."""
-    if offsets is None or b is layout.zeros:
-        return None
-    offsets.add(d)
-    freed = layout.freer(sid)
-    if freed is not None and freed[2]:
-        offsets.add(freed[2] - n)
-    return offsets
+    return out, tuple(sorted(offsets)) if alike else None
 
 
 def checked(layout: Layout, cut: Any) -> bool:
