@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..timeline import Timeline
+from ..timeline import Event, Live, Timeline
 from .stretch import _MIDDLE, TEMPLATE, _NotStretched, _split, _Stretch, _sweeps
 from .unroll import iteration
 
@@ -136,7 +136,7 @@ class Layout(_Stretch):
                 for j, te in enumerate(range(x, y)):
                     self.op_at[te] = (segment, t, j)
             self.segments.append(("sweep", ascending, by_label, compiled, starts))
-        self._refs_outside(tl.start)  # the written step's start: refused as the writing refuses it
+        self.start = self._refs_outside(tl.start)  # the written step's start: refused as the writing refuses it
         self.ops = k
         # each template op's pass and kind (the written step's passes: a sweep is one phase, so they begin where
         # the template's do)
@@ -155,9 +155,49 @@ class Layout(_Stretch):
         self._freers: list[Any] = [_UNKNOWN] * len(self.origin)
 
     def written(self) -> tuple[Timeline, list[int]]:
-        """The step written out (``stretch``'s) and each storage's template storage."""
-        found = _Stretch(self.tl, self.layers)
-        return found.timeline(), found.origin
+        """The step written out (``stretch``'s: the same storages and ops, in the same order) and each storage's
+        template storage, from what the layout read (its checks not made again).  Each storage and op made
+        without its frozen ``__init__``, as ``stretch`` makes them."""
+        tl = self.tl
+        new, put = object.__new__, object.__setattr__
+        split: dict[int, tuple[str, str, str | None, str | None]] = {}
+        storages = []
+        append = storages.append
+        for ts, n in zip(self.origin, self.layer, strict=True):
+            st = tl.storages[ts]
+            if not n:
+                append(st)
+                continue
+            parts = split.get(ts)
+            if parts is None:
+                parts = split[ts] = (*_split(st.name), *(_split(st.node) if st.node else (None, None)))
+            head, tail, node_head, node_tail = parts
+            made = new(Live)
+            put(made, "__dict__", {"name": f"{head}{n}{tail}", "category": st.category, "nbytes": st.nbytes,
+                                   "node": f"{node_head}{n}{node_tail}" if st.node else st.node, "host": st.host})
+            append(made)
+        events: list[Event] = []
+        add = events.append
+        for segment in self.segments:
+            if segment[0] == "op":
+                _, te, _, born, freed = segment
+                e = tl.events[te]
+                add(Event(e.phase, e.node, born, freed, e.resized, e.moment))
+                continue
+            _, ascending, by_label, compiled, _ = segment
+            for n in self._new_layers(ascending):
+                t = self._template_of(n)
+                x, _ = by_label[t]
+                for j, (head, tail, born_refs, freed_refs) in enumerate(compiled[t]):
+                    e = tl.events[x + j]
+                    event = new(Event)
+                    put(event, "__dict__", {
+                        "phase": e.phase, "node": f"{head}{n}{tail}",
+                        "born": tuple([b[n + d] + q for b, d, q in born_refs]) if born_refs else (),
+                        "freed": tuple([b[n + d] + q for b, d, q in freed_refs]) if freed_refs else (),
+                        "resized": e.resized, "moment": e.moment})
+                    add(event)
+        return Timeline(tuple(storages), self.start, tuple(events)), list(self.origin)
 
     def name(self, sid: int) -> str:
         """Written storage ``sid``'s name."""
