@@ -400,8 +400,8 @@ class _ViewReplay(_Replay):
     def after(self, kind: str, node: str | None, mb: int) -> None:
         if not self.last or node is None:
             return
-        storages = self.cut.tl.storages
-        for key in [k for k in self.alive if storages[k[1]].category == "gradient" and storages[k[1]].node == node]:
+        storage = self.cut.storage if self._layout() is not None else self.cut.tl.storages.__getitem__
+        for key in [k for k in self.alive if storage(k[1]).category == "gradient" and storage(k[1]).node == node]:
             self.free(key)
 
 

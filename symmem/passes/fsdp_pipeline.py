@@ -109,8 +109,9 @@ class _Units:
             rows = shard_rows(dims, world) if dims else 1
             shard = int(rows) * int(numel(dims[1:])) if dims else 1
             held = tuple(int(x) for x in held_shape(dims, world, rank))
-            grad = f"{name}.grad" if owner not in heads else next(
-                (st.name for st in cut.tl.storages if st.category == "gradient" and st.node == owner), "")
+            grad = f"{name}.grad" if owner not in heads else (
+                cut._sim.gradient_of(owner) if hasattr(cut, "_sim") else
+                next((st.name for st in cut.tl.storages if st.category == "gradient" and st.node == owner), ""))
             self.params.append(_Param(name, iteration(owner) or None, shard, held, grad))
         self._arrange(world)
 
@@ -148,7 +149,9 @@ class _FsdpReplay(_Replay):
         self.held: dict[tuple[str, Any], int] = {}   # FSDP's storages alive: (kind, unit) -> bytes
         self.first_op: dict[int | None, str] = {}
         self.last_op: dict[int | None, str] = {}
-        if type(cut).on is _Cut.on:  # the stage's ops as its plans read them (sorted out once for every stage)
+        if self._layout() is not None:  # the stage's plan read from the template (passes/pipeline_layout.py)
+            forward = [node for node, _, _ in self._plan(0, "F")]
+        elif type(cut).on is _Cut.on:  # the stage's ops as its plans read them (sorted out once for every stage)
             forward = [e.node for _, e in _ops(cut, 0, "F")[s]]
         else:
             forward = [e.node for _, e in cut.passes[0]["F"] if cut.on(e.node, s)]
@@ -327,9 +330,11 @@ class _FsdpReplay(_Replay):
     def finish(self) -> None:
         """``perform_reduce_grad``: every unit's post-backward with gradient sync, the root first."""
         grads: dict[str, list[tuple[int, int]]] = {}  # a gradient's name -> its storages alive (a tied weight's: two)
+        storage = self.cut.storage if self._layout() is not None else self.cut.tl.storages.__getitem__
         for mb, sid in self.alive:
-            if self.cut.tl.storages[sid].category == "gradient":
-                grads.setdefault(self.cut.tl.storages[sid].name, []).append((mb, sid))
+            st = storage(sid)
+            if st.category == "gradient":
+                grads.setdefault(st.name, []).append((mb, sid))
         previous = None
         for unit in self.units.order:
             params = self.units.of(unit)

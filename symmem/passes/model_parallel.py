@@ -708,7 +708,7 @@ def batch_moments(graph: Graph, conv: Any, options: Mapping[str, Any], regime: R
     [-1, 1, 3]
     """
     cuts = [_Cut(graph, conv, options, regime, n, memo) for n in numbers]
-    if any(c.tl is not cuts[0].tl for c in cuts):
+    if any(c._sim is not cuts[0]._sim for c in cuts):
         return None
     parts: dict[int, list[dict[str, int]]] = {}
     out = []
@@ -938,7 +938,8 @@ class _Cut:
             key += (("runs restart at every stage of", self.p),)
         if key not in memo:
             memo[key] = _simulated(graph, conv, options, regime, branch, layers, memo, self.p if restart else None)
-        self.tl, self.shared, self.keep, self.passes, self.forwards, self.frees = memo[key]
+        self._sim: _Simulated = memo[key]
+        self.shared, self.keep, self.layout = self._sim.shared, self._sim.keep, self._sim.layout
         self.cache: dict[int, int] = {}  # id of a size (held by the timeline) -> bytes
         # node -> stage, asked for every op of every micro-batch: the same for every cut of this step with these
         # p and L (the three batches, their packed cut, an engine's cuts), so shared by them through the memo
@@ -949,13 +950,37 @@ class _Cut:
         """The graph unrolled to all ``L`` layers (FSDP's units read its parameters)."""
         return _unrolled(self.graph, self.layers, self.memo)
 
+    # the simulated step's parts (:class:`_Simulated`: the step at L layers written out only when asked for)
+    @property
+    def tl(self) -> Any:
+        return self._sim.tl
+
+    @property
+    def passes(self) -> list[dict[str, list[tuple[int, Any]]]]:
+        return self._sim.passes
+
+    @property
+    def forwards(self) -> set[int]:
+        return self._sim.forwards
+
+    @property
+    def frees(self) -> dict[int, int]:
+        return self._sim.frees
+
+    def storage(self, sid: int) -> Any:
+        """Storage ``sid`` of the step (:meth:`_Simulated.storage`: the step not written out for it)."""
+        return self._sim.storage(sid)
+
     def size(self, sid: int) -> int:
         # by the size's object: the layers' storages share their template's (passes/stretch.py), and a sympy
         # expression's hash and equality were a tenth of a packed replay
-        e = self.tl.storages[sid].nbytes
+        return self.sized(self._sim.nbytes(sid), sid)
+
+    def sized(self, e: Any, sid: int) -> int:
+        """Storage ``sid``'s bytes, its size ``e`` (the storage's own object)."""
         found = self.cache.get(id(e))
         if found is None:
-            found = self.cache[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+            found = self.cache[id(e)] = _integer(e, self.subs, self._sim.name(sid))
         return found
 
     def stage_of(self, node: str | None) -> int:
@@ -991,10 +1016,12 @@ class _PackedCut(_Cut):
         self.cache = {}
 
     def size(self, sid: int) -> int:
-        e = self.tl.storages[sid].nbytes
+        return self.sized(self._sim.nbytes(sid), sid)
+
+    def sized(self, e: Any, sid: int) -> int:
         found = self.cache.get(id(e))
         if found is None:
-            found = self.cache[id(e)] = _pack([c.size(sid) for c in self.cuts])
+            found = self.cache[id(e)] = _pack([c.sized(e, sid) for c in self.cuts])
         return found
 
 
@@ -1039,43 +1066,113 @@ def _unrolled(graph: Graph, layers: int, memo: dict[Any, Any]) -> Graph:
 
 
 def _simulated(graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool],
-               layers: int, memo: dict[Any, Any], restart: int | None = None
-               ) -> tuple[Any, set[str], set[Any], list[Any], set[int], dict[int, int]]:
+               layers: int, memo: dict[Any, Any], restart: int | None = None) -> _Simulated:
     """The single-device step of ``graph`` unrolled to ``layers`` over two micro-batches at ``branch``, up to its
     optimizer step (a stage's is its parts'): its timeline, the shared nodes, what the last stage keeps, the two
     passes, the forwards' indices and where each storage is first freed (:class:`_Cut`'s parts that do not depend
     on the numbers).  ``restart``: the number of stages, where ``every-K`` runs begin again at each (a K that does
     not divide ``L/p``: :func:`runs_restart`)."""
-    from .stretch import TEMPLATE, _renamed, passes, stretch
+    from .pipeline_layout import Layout, NoLayout
+    from .stretch import TEMPLATE, _NotStretched, _renamed, passes, stretch
     from .unroll import iteration
 
-    tl = None
+    tl = layout = None
     if restart is not None:
         every = checkpoint_every(regime.checkpoint) or 1
         tl = passes(_simulation(_restarted(_unrolled(graph, layers, memo), every, layers // restart), conv, options,
                                 regime, branch))
     if tl is None and layers > TEMPLATE + 1:
         # written from the step at 5 layers (passes/stretch.py; simulating each of Llama-2-7B's 32 layers was a
-        # third of its pipeline peak's time); a template whose layers are not alike is not stretched
-        origin: list[int] = []
-        tl = stretch(passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch)), layers,
-                     origin)
-        if tl is not None:
-            memo[("origin", id(tl))] = (tl, origin)  # each storage's template storage (stretch)
-    if tl is None:
+        # third of its pipeline peak's time); a template whose layers are not alike is not stretched.  Not written
+        # out unless asked for: the stages' plans are read from the template (passes/pipeline_layout.py)
+        template_tl = passes(_simulation(_unrolled(graph, TEMPLATE, memo), conv, options, regime, branch))
+        try:
+            layout = Layout(template_tl, layers)
+        except _NotStretched:
+            pass
+        except NoLayout:
+            origin: list[int] = []
+            tl = stretch(template_tl, layers, origin)
+            if tl is not None:
+                memo[("origin", id(tl))] = (tl, origin)  # each storage's template storage (stretch)
+    if tl is None and layout is None:
         tl = passes(_simulation(_unrolled(graph, layers, memo), conv, options, regime, branch))
     output = _model_output(_unrolled(graph, TEMPLATE if layers > TEMPLATE + 1 else layers, memo))
     if output is not None and iteration(output):
         output = _renamed(output, layers)  # the last layer's output (a model without a head)
     # the last stage keeps its logits (output_chunks) and losses to the end of the phase
     keep = {output, "loss", "output.sum"}
-    found = _passes(tl)
-    forwards = {k for pass_ in found for k, _ in pass_["F"]}
-    frees: dict[int, int] = {}
-    for k, e in enumerate(tl.events):
-        for sid in e.freed:
-            frees.setdefault(sid, k)
-    return tl, shared_nodes(graph), keep, found, forwards, frees
+    return _Simulated(tl, layout, shared_nodes(graph), keep, memo)
+
+
+class _Simulated:
+    """:func:`_simulated`'s step: its timeline (``tl``; where a :class:`~.pipeline_layout.Layout` numbers it, written
+    out when first asked for), the shared nodes, what the last stage keeps, the two passes, the forwards' indices
+    and where each storage is first freed."""
+
+    def __init__(self, tl: Any, layout: Any, shared: set[str], keep: set[str | None], memo: dict[Any, Any]) -> None:
+        self._tl, self.layout, self.shared, self.keep, self.memo = tl, layout, shared, keep, memo
+
+    @functools.cached_property
+    def tl(self) -> Any:
+        if self._tl is None:
+            self._tl, origin = self.layout.written()
+            self.memo[("origin", id(self._tl))] = (self._tl, origin)  # each storage's template storage (stretch)
+        return self._tl
+
+    @functools.cached_property
+    def passes(self) -> list[dict[str, list[tuple[int, Any]]]]:
+        return _passes(self.tl)
+
+    @functools.cached_property
+    def forwards(self) -> set[int]:
+        return {k for pass_ in self.passes for k, _ in pass_["F"]}
+
+    @functools.cached_property
+    def frees(self) -> dict[int, int]:
+        frees: dict[int, int] = {}
+        for k, e in enumerate(self.tl.events):
+            for sid in e.freed:
+                frees.setdefault(sid, k)
+        return frees
+
+    def nbytes(self, sid: int) -> Any:
+        """Storage ``sid``'s size (the object the written step holds: its template storage's)."""
+        if self._tl is None:
+            return self.layout.tl.storages[self.layout.origin[sid]].nbytes
+        return self._tl.storages[sid].nbytes
+
+    def name(self, sid: int) -> str:
+        return self.layout.name(sid) if self._tl is None else self._tl.storages[sid].name
+
+    def storage(self, sid: int) -> Any:
+        """Storage ``sid`` as the written step holds it (its name and op numbered for its layer), without writing
+        the step out."""
+        if self._tl is not None:
+            return self._tl.storages[sid]
+        made = self.__dict__.setdefault("_made", {})
+        found = made.get(sid)
+        if found is None:
+            from ..timeline import make_live
+            from .stretch import _split
+
+            layout = self.layout
+            st, n = layout.tl.storages[layout.origin[sid]], layout.layer[sid]
+            node = st.node
+            if n and node:
+                head, tail = _split(node)
+                node = f"{head}{n}{tail}"
+            found = made[sid] = make_live(layout.name(sid), st.category, st.nbytes, node, st.host)
+        return found
+
+    def gradient_of(self, node: str) -> str:
+        """The name of the first gradient storage ``node`` makes ("" where none): a node outside the layers, whose
+        storages are the template's as they are."""
+        if self._tl is not None:
+            return next((st.name for st in self._tl.storages if st.category == "gradient" and st.node == node), "")
+        storages, where = self.layout.tl.storages, self.layout.where
+        return next((st.name for k, st in enumerate(storages)
+                     if where[k] is None and st.category == "gradient" and st.node == node), "")
 
 
 def _simulation(g: Graph, conv: Any, options: Mapping[str, Any], regime: Regime, branch: Mapping[Any, bool]) -> Any:
@@ -1323,6 +1420,14 @@ class _Replay:
         key = (pass_, kind)
         if key in self._events:
             return self._events[key]
+        layout = self._layout()
+        if layout is not None:  # read from the template, the step not written out (passes/pipeline_layout.py)
+            from .pipeline_layout import plan
+
+            made, touched_ = plan(layout, pass_, kind)
+            self._events[key] = made
+            self.__dict__.setdefault("_touches", {})[key] = frozenset(touched_)
+            return made
         cut, s, tl = self.cut, self.s, self.cut.tl
         mine = _ops(cut, pass_, kind)[s]
         indices = {k for k, _ in mine}
@@ -1416,8 +1521,28 @@ class _Replay:
         found = self._sends.get((sid, on))
         if found is None:
             cut = self.cut
-            found = self._sends[(sid, on)] = (_sent_on if on else _sent_back)(sid, cut.stage_of, cut.frees, cut.tl,
-                                                                             self.s)
+            layout = self._layout()
+            if layout is not None:
+                found = self._sends[(sid, on)] = layout.sent(sid, on)
+            else:
+                found = self._sends[(sid, on)] = (_sent_on if on else _sent_back)(sid, cut.stage_of, cut.frees,
+                                                                                 cut.tl, self.s)
+        return found
+
+    def _layout(self) -> Any:
+        """This stage's questions to the step's :class:`~.pipeline_layout.Layout` where its plans and sends are read
+        from the template (a plain or packed cut of a written-from-template step whose layers' ops are each on
+        their layer's stage), else None (read from the written step)."""
+        found = self.__dict__.get("_layout_stage", False)
+        if found is False:
+            cut = self.cut
+            found = None
+            if type(cut) in (_Cut, _PackedCut) and cut.layout is not None:
+                from .pipeline_layout import checked, stage_of_layout
+
+                if checked(cut.layout, cut):
+                    found = stage_of_layout(cut, self.s, cut.sized)
+            self.__dict__["_layout_stage"] = found
         return found
 
     def end_backward(self, mb: int, ends: list[tuple[int, int]]) -> None:
