@@ -175,6 +175,9 @@ class _Reads:
         self.phase: str | None = None
         self.copies: tuple[Any, ...] | None = None  # the parts that add something, in the walk's order
         self.gathers = False  # whether one of them is gathered at the op
+        self.kinds: dict[Any, tuple[tuple[bool, ...], bool, int | None]] = {}
+        every = sizes.every()  # each storage's size on the rank, by index (one per template storage), or by call
+        self.local = every.__getitem__ if every is not None else sizes.local
 
     def part(self, i: int, k: int, e: Any) -> Any:
         """What alive copy ``i`` adds at op ``k``, as the rule reads it (None: nothing)."""
@@ -204,17 +207,26 @@ class _Reads:
         if changed or self.copies is None:
             self.copies = tuple(parts[i] for i in sorted(parts, key=self.place.__getitem__) if parts[i] is not None)
             self.gathers = any(x[3] for x in self.copies if len(x) == 4)
-        node, g, tl = e.node, sizes.g, sizes.tl
-        kind = (node in sizes.row, node == sizes.embedding, node in sizes.column, node in sizes.qkv,
-                node == sizes.head)
-        made = freed = whole = None
-        if self.gathers or any(kind):  # what the op makes and frees, where a branch or a gather here reads them
-            made = tuple((id(sizes.local(j)), id(tl.storages[j].nbytes), tl.storages[j].name == node,
-                          tl.storages[j].name.endswith(".grad_input0")) for j in e.born)
-            freed = tuple(id(sizes.local(j)) for j in e.freed)
-            whole = id(g.node(node).out) if node in g else None
-        held = tuple(id(size) for start, end, size in sizes.held if start <= k <= end)
-        kept = tuple(id(size) for start, end, size in sizes.cache_kept if start <= k <= end)
+        node = e.node
+        found = self.kinds.get(node)  # which collective the op is, and its output, once a node
+        if found is None:
+            g = sizes.g
+            kind = (node in sizes.row, node == sizes.embedding, node in sizes.column, node in sizes.qkv,
+                    node == sizes.head)
+            found = self.kinds[node] = (kind, any(kind), id(g.node(node).out) if node in g else None)
+        kind, collective, whole = found
+        made = freed = None
+        if self.gathers or collective:  # what the op makes and frees, where a branch or a gather here reads them
+            storages, local = sizes.tl.storages, self.local
+            made = tuple((id(local(j)), id(storages[j].nbytes), storages[j].name == node,
+                          storages[j].name.endswith(".grad_input0")) for j in e.born)
+            freed = tuple(id(local(j)) for j in e.freed)
+        else:
+            whole = None
+        # (empty without eager attention: no walk over them at each op)
+        held = tuple(id(size) for start, end, size in sizes.held if start <= k <= end) if sizes.held else ()
+        kept = (tuple(id(size) for start, end, size in sizes.cache_kept if start <= k <= end)
+                if sizes.cache_kept else ())
         return (e.phase, kind, whole, made, freed, held, kept, self.copies)
 
     def after(self, e: Any) -> None:

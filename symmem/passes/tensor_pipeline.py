@@ -104,7 +104,23 @@ class _Sizes:
             self._locals[i] = found
         return found
 
+    def every(self) -> list[sympy.Expr] | None:
+        """Every storage's :meth:`local`, by its index, where the step was written from a template (None otherwise:
+        each asked for on its own): one per template storage, shared by the storages written from it (their keys
+        are one: :meth:`local`).  The replays and the collectives ask for thousands of storages: a list read."""
+        if self._every is None and self._origin is not None:
+            by: dict[int, sympy.Expr] = {}  # template storage -> its storages' size on the rank
+            out = []
+            for i, o in enumerate(self._origin):
+                found = by.get(o)
+                if found is None:
+                    found = by[o] = self.local(i)
+                out.append(found)
+            self._every = out
+        return self._every
+
     def __init__(self, cut: _Cut) -> None:
+        self._every: list[sympy.Expr] | None = None
         self._alike: dict[Any, sympy.Expr] = {}
         g = self.g = cut.g
         self.tl = cut.tl
@@ -138,14 +154,17 @@ class _TensorCut(_Cut):
         self.fulls: dict[int, int] = {}  # id of a single-device size (held by the timeline) -> bytes
 
     def size(self, sid: int) -> int:
-        if sid not in self.cache:
+        found = self.cache.get(sid)
+        if found is None:
             # the layers' copies share a few formulas (the same objects: _Sizes.local): each evaluated once, found
             # by the object (a sympy expression's hash and equality were most of this)
-            e = self.sizes.local(sid)
-            if id(e) not in self.values:
-                self.values[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
-            self.cache[sid] = self.values[id(e)]
-        return self.cache[sid]
+            every = self.sizes.every()
+            e = every[sid] if every is not None else self.sizes.local(sid)
+            found = self.values.get(id(e))
+            if found is None:
+                found = self.values[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.cache[sid] = found
+        return found
 
     def collectives(self) -> dict[tuple[int, str, str | None], int]:
         """What each collective op adds for its moment, by (pass, kind, op) (alike on every stage)."""
@@ -230,7 +249,8 @@ class _TensorPackedCut(_TensorCut):
     def size(self, sid: int) -> int:
         found = self.cache.get(sid)
         if found is None:
-            e = self.sizes.local(sid)
+            every = self.sizes.every()
+            e = every[sid] if every is not None else self.sizes.local(sid)
             found = self._packed.get(id(e))
             if found is None or any(c.sizes is not self.sizes for c in self.tcuts):
                 found = self._packed[id(e)] = _pack([c.size(sid) for c in self.tcuts])
