@@ -58,7 +58,13 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         self.evaluate = False
         self.cache_kept = []
         act = "float32"
-        self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act, list(g.program_order()), False,
+        # who keeps each saved storage, of the column-parallel linears (all that is read of it: their inputs are
+        # the gathered copies): the storages those linears save, found from them alone (every op's saved
+        # storages at all L layers were a tenth of the sequence-parallel peak); in the graph unrolled to L layers
+        # no storage is a later layer's input (``rest``), so each one a linear keeps is kept by the whole list too
+        # (tests/test_pipeline_shortcuts.py holds it against the keepers of every op's storages)
+        self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act,
+                                                         [n for n in g.program_order() if n in self.column], False,
                                                          cut.branch)}
         self.final_norm = {n for n in g.program_order() if g.node(n).group == "head" and g.node(n).block is None
                            and n != self.head and g.node(n).kind not in ("parameter", "buffer", "constant")}
@@ -287,9 +293,20 @@ class _SequenceCut(_TensorCut):
         its wrapper (as on the p x t mesh)."""
         if "_extras" in self.__dict__:
             return self._extras
-        sizes, t = self.sizes, self.ranks()
+        memo = self._arms()
+        values = self._values()
+        out = {k: values[id(each)] for k, each in memo["arms"].items()}
+        for k in memo["heads"]:
+            out[k] = self._head(k, out[k])
+        self._extras = out
+        return out
+
+    def _arms(self) -> dict[str, Any]:
+        """Each op's arms (``arms``: event index -> the arms of its formula, one tuple for the ops alike) and the
+        head's forwards (``heads``), found once for every cut of the step (their numbers differ, not the step)."""
         memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
         if "arms" not in memo:
+            sizes = self.sizes
             ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
             # the head's forwards, whose logits are added at each batch (found once, not at each cut)
             memo["heads"] = [k for k in ops if self.tl.events[k].phase == "forward" and
@@ -302,18 +319,24 @@ class _SequenceCut(_TensorCut):
                 if each is None:
                     each = made[e] = tuple(dict.fromkeys(arms(e)))
                 found[k] = each
-        out: dict[Any, tuple[int, ...]] = {}
-        values: dict[int, tuple[int, ...]] = {}
-        for k, each in memo["arms"].items():
-            if id(each) not in values:
-                values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
-            out[k] = values[id(each)]
-        for k in memo["heads"]:
-            e = self.tl.events[k]
-            whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-            out[k] = tuple(x + whole + whole // t for x in out[k])
-        self._extras = out
-        return out
+        return memo
+
+    def _values(self) -> dict[int, tuple[int, ...]]:
+        """The bytes of each op's arms at the cut's numbers, by the arms' tuple (``id``): each evaluated once."""
+        if "_arm_values" not in self.__dict__:
+            values: dict[int, tuple[int, ...]] = {}
+            for k, each in self._arms()["arms"].items():
+                if id(each) not in values:
+                    values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
+            self._arm_values = values
+        return self._arm_values
+
+    def _head(self, k: int, found: tuple[int, ...]) -> tuple[int, ...]:
+        """``found`` (the head's forward ``k``'s arms' bytes) with its local logits and the all-gather's output."""
+        e = self.tl.events[k]
+        whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+        t = self.ranks()
+        return tuple(x + whole + whole // t for x in found)
 
 
 class _SequencePackedCut(_TensorPackedCut):
@@ -321,18 +344,20 @@ class _SequencePackedCut(_TensorPackedCut):
 
     def collectives(self) -> dict[Any, tuple[int, ...]]:
         if "_extras" not in self.__dict__:
-            each = [c.collectives() for c in self.tcuts]
-            # the ops share a few arms' bytes (the same tuples at each batch: _SequenceCut.collectives): each set of
-            # three packed once
-            packed: dict[tuple[int, ...], tuple[int, ...]] = {}
-            self._extras = {}
-            for key in each[0]:
-                three = [e[key] for e in each]
-                ids = tuple(map(id, three))
-                found = packed.get(ids)
-                if found is None:
-                    found = packed[ids] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
-                self._extras[key] = found
+            cuts: list[Any] = self.tcuts
+            memo = cuts[0]._arms()  # the cuts' one step (model_parallel.batch_moments packs no others): its arms
+            # the ops share a few arms (the same tuple: _SequenceCut._arms), each with its bytes at every cut's
+            # numbers: each packed once, and the ops' table made in one pass (each cut's table was made and read)
+            values = [c._values() for c in cuts]
+            packed: dict[int, tuple[int, ...]] = {}
+            for each in memo["arms"].values():
+                if id(each) not in packed:
+                    three = [v[id(each)] for v in values]
+                    packed[id(each)] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
+            self._extras = {k: packed[id(each)] for k, each in memo["arms"].items()}
+            for k in memo["heads"]:
+                three = [c._head(k, v[id(memo["arms"][k])]) for c, v in zip(cuts, values, strict=True)]
+                self._extras[k] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
         return self._extras
 
 
