@@ -181,6 +181,8 @@ class _Reads:
         self.phase: str | None = None
         self.copies: tuple[Any, ...] | None = None  # the parts that add something, in the walk's order
         self.gathers = False  # whether one of them is gathered at the op
+        self.numbers: dict[tuple[Any, ...], int] = {}  # each distinct parts -> its number in the keys
+        self.numbered = -1
         self.kinds: dict[Any, tuple[tuple[bool, ...], bool, int | None]] = {}
         every = sizes.every()  # each storage's size on the rank, by index (one per template storage), or by call
         self.local = every.__getitem__ if every is not None else sizes.local
@@ -213,6 +215,9 @@ class _Reads:
         if changed or self.copies is None:
             self.copies = tuple(parts[i] for i in sorted(parts, key=self.place.__getitem__) if parts[i] is not None)
             self.gathers = any(x[3] for x in self.copies if len(x) == 4)
+            # the key holds the parts by a number, one per distinct parts (a tuple's hash is not kept: the
+            # nested parts were hashed again at each op's key)
+            self.numbered = self.numbers.setdefault(self.copies, len(self.numbers))
         node = e.node
         found = self.kinds.get(node)  # which collective the op is, and its output, once a node
         if found is None:
@@ -233,7 +238,7 @@ class _Reads:
         held = tuple(id(size) for start, end, size in sizes.held if start <= k <= end) if sizes.held else ()
         kept = (tuple(id(size) for start, end, size in sizes.cache_kept if start <= k <= end)
                 if sizes.cache_kept else ())
-        return (e.phase, kind, whole, made, freed, held, kept, self.copies)
+        return (e.phase, kind, whole, made, freed, held, kept, self.numbered)
 
     def after(self, e: Any) -> None:
         """Op ``e``'s frees done: the copies it freed are no longer read."""
