@@ -319,21 +319,20 @@ class _SequenceCut(_TensorCut):
             formulas = sizes.extras(ops)
             made: dict[Any, tuple[sympy.Expr, ...]] = {}
             memo["arms"] = found = {}
+            memo["distinct"] = distinct = []  # (the first op, its arms) of each distinct arms, in the ops' order
             for k, e in formulas.items():  # each formula's arms once (the step's ops share a few formulas)
                 each = made.get(e)
                 if each is None:
                     each = made[e] = tuple(dict.fromkeys(arms(e)))
+                    distinct.append((k, each))
                 found[k] = each
         return memo
 
     def _values(self) -> dict[int, tuple[int, ...]]:
         """The bytes of each op's arms at the cut's numbers, by the arms' tuple (``id``): each evaluated once."""
         if "_arm_values" not in self.__dict__:
-            values: dict[int, tuple[int, ...]] = {}
-            for k, each in self._arms()["arms"].items():
-                if id(each) not in values:
-                    values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
-            self._arm_values = values
+            self._arm_values = {id(each): tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
+                                for k, each in self._arms()["distinct"]}
         return self._arm_values
 
     def _head(self, k: int, found: tuple[int, ...]) -> tuple[int, ...]:
@@ -355,10 +354,9 @@ class _SequencePackedCut(_TensorPackedCut):
             # numbers: each packed once, and the ops' table made in one pass (each cut's table was made and read)
             values = [c._values() for c in cuts]
             packed: dict[int, tuple[int, ...]] = {}
-            for each in memo["arms"].values():
-                if id(each) not in packed:
-                    three = [v[id(each)] for v in values]
-                    packed[id(each)] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
+            for _, each in memo["distinct"]:
+                three = [v[id(each)] for v in values]
+                packed[id(each)] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
             self._extras = {k: packed[id(each)] for k, each in memo["arms"].items()}
             for k in memo["heads"]:
                 three = [c._head(k, v[id(memo["arms"][k])]) for c, v in zip(cuts, values, strict=True)]

@@ -763,7 +763,9 @@ class _SequenceWalk(_LayerWalk):
         output projection's reduce-scatter): the key/value cache copies (the reference's ``key_states`` and
         ``value_states``) and ``attn_weights @ value_states``'s copy of the values: (from, to, bytes)."""
         tl, g = self.tl, self.g
-        freed_at: dict[int, int] | None = None  # made when first read (the eager attention's ops alone read it)
+        # made when first read (the cache copies' ops alone read it), once for the walk's passes over one step
+        kept = self.__dict__.get("_freed_at")
+        freed_at: dict[int, int] | None = kept[1] if kept is not None and kept[0] is tl else None
         # at B = 1 where collapsed the cache's copies are kept longer (_cache_kept), and attn @ V copies nothing
         once = self.once if self.collapsed else sympy.Integer(0)
         held = []
@@ -780,6 +782,7 @@ class _SequenceWalk(_LayerWalk):
             if cache:
                 if freed_at is None:
                     freed_at = {i: j for j, x in enumerate(tl.events) for i in x.freed if x.phase == "forward"}
+                    self.__dict__["_freed_at"] = (tl, freed_at)
                 held += [(freed_at[i] + 1, after[0], (1 - once) * self.local(i)) for i in e.born
                          if freed_at.get(i, after[0]) < after[0]]
             else:
