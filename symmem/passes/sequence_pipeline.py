@@ -60,7 +60,7 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         act = "float32"
         # who keeps each saved storage, of the column-parallel linears (all that is read of it: their inputs are
         # the gathered copies): the storages those linears save, found from them alone (every op's saved
-        # storages at all L layers were a tenth of the sequence-parallel peak); in the graph unrolled to L layers
+        # storages at all L layers were ~5% of the sequence-parallel peak); in the graph unrolled to L layers
         # no storage is a later layer's input (``rest``), so each one a linear keeps is kept by the whole list too
         # (tests/test_pipeline_shortcuts.py holds it against the keepers of every op's storages)
         self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act,
@@ -71,8 +71,8 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         self.qkv = {n for n in self.column if g.node(n).role == "qkv"}
         self.copies = {}
         self.held = []
-        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
-                               and s.node in self.qkv}
+        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.node in self.qkv
+                               and s.name.endswith(".grad_sum")}
         spans_of = []
         born_at = {i: k for k, e in enumerate(tl.events) for i in e.born}
         for found in cut.passes:
@@ -186,6 +186,16 @@ class _Reads:
         self.kinds: dict[Any, tuple[tuple[bool, ...], bool, int | None]] = {}
         every = sizes.every()  # each storage's size on the rank, by index (one per template storage), or by call
         self.local = every.__getitem__ if every is not None else sizes.local
+        self._info: dict[int, tuple[int, int, str, bool]] = {}
+
+    def info(self, j: int) -> tuple[int, int, str, bool]:
+        """What a key reads of storage ``j`` an op makes (its size on the rank and whole, by object; its name;
+        whether it is an input's gradient), once a storage."""
+        found = self._info.get(j)
+        if found is None:
+            st = self.sizes.tl.storages[j]
+            found = self._info[j] = (id(self.local(j)), id(st.nbytes), st.name, st.name.endswith(".grad_input0"))
+        return found
 
     def part(self, i: int, k: int, e: Any) -> Any:
         """What alive copy ``i`` adds at op ``k``, as the rule reads it (None: nothing)."""
@@ -205,11 +215,13 @@ class _Reads:
     def at(self, k: int, e: Any) -> tuple[Any, ...]:
         """The key of op ``k`` (event ``e``), its storages made (not yet what it frees)."""
         sizes, parts, copies = self.sizes, self.parts, self.sizes.copies
-        changed = [i for i in e.born if i in copies]
+        changed = [i for i in e.born if i in copies] if e.born else []
         if e.phase != self.phase:  # every alive copy read again
             self.phase = e.phase
             changed += list(parts)
-        changed += [i for i in self.marks.get(k, ()) if i in parts]
+        marks = self.marks.get(k)
+        if marks is not None:
+            changed += [i for i in marks if i in parts]
         for i in changed:
             parts[i] = self.part(i, k, e)
         if changed or self.copies is None:
@@ -228,9 +240,8 @@ class _Reads:
         kind, collective, whole = found
         made = freed = None
         if self.gathers or collective:  # what the op makes and frees, where a branch or a gather here reads them
-            storages, local = sizes.tl.storages, self.local
-            made = tuple((id(local(j)), id(storages[j].nbytes), storages[j].name == node,
-                          storages[j].name.endswith(".grad_input0")) for j in e.born)
+            info, local = self.info, self.local
+            made = tuple((a, b, name == node, c) for a, b, name, c in map(info, e.born))
             freed = tuple(id(local(j)) for j in e.freed)
         else:
             whole = None
