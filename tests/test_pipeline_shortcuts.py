@@ -87,6 +87,40 @@ def test_a_tensor_parallel_size_shared_is_the_storage_own() -> None:
     assert shared == [sizes._local(i) for i in range(len(cut.tl.storages))]
 
 
+def test_a_tensor_parallel_size_listed_is_the_storage_own() -> None:
+    """TP and SP x pipeline at 8 layers (the step written from its 5-layer template): each storage's size on a rank
+    read from the list by index (one per template storage, ``_Sizes.every``) is the storage's own, and the step is
+    one that list is made for."""
+    from symmem import derive
+
+    for sequence in (False, True):
+        d = derive("llama", tensor_parallel=True, sequence_parallel=sequence, pipeline_parallel=True,
+                   micro_batches=2, device="cpu", values={**SMALL, "t": 2, "p": 2})
+        sizes = d.step._cut(d.step._named(None)).sizes
+        listed = sizes.every()
+        assert listed is not None and len(listed) == len(sizes.tl.storages)
+        assert listed == [sizes._local(i) for i in range(len(sizes.tl.storages))]
+
+
+@pytest.mark.parametrize("attention, batch, heads", [("sdpa", 2, 2), ("naive", 1, 4)])
+def test_sequence_parallel_keepers_of_the_linears_alone(attention, batch, heads) -> None:
+    """SP x pipeline: who keeps each saved storage, found from the column-parallel linears alone, is the keepers
+    of every op's storages (the long way) less those not column-parallel -- all the gathered copies read."""
+    from symmem import derive
+    from symmem.passes.saved import kept
+
+    d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True, micro_batches=2,
+               attention=attention, device="cpu", values={**SMALL, "B": batch, "G": heads, "t": 2, "p": 2})
+    step = d.step
+    cut = step._cut(step._named(None))
+    sizes = cut.sizes
+    g = cut.g
+    whole = {s.name: tuple(n for n in s.keepers if n in sizes.column)
+             for s in kept(g, step.conv, step.options, "float32", list(g.program_order()), False, cut.branch)}
+    assert {k: v for k, v in whole.items() if v} == sizes.keepers
+    assert any(len(v) > 1 for v in sizes.keepers.values())  # the attention's three projections keep one copy
+
+
 def test_zero_1_whole_parameters_shared_by_the_batches() -> None:
     """ZeRO-1 x pipeline: a stage's whole parameters at B + 1 (shared with B: no shape is in B) are those worked out
     at B + 1."""

@@ -58,15 +58,21 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         self.evaluate = False
         self.cache_kept = []
         act = "float32"
-        self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act, list(g.program_order()), False,
+        # who keeps each saved storage, of the column-parallel linears (all that is read of it: their inputs are
+        # the gathered copies): the storages those linears save, found from them alone (every op's saved
+        # storages at all L layers were ~5% of the sequence-parallel peak); in the graph unrolled to L layers
+        # no storage is a later layer's input (``rest``), so each one a linear keeps is kept by the whole list too
+        # (tests/test_pipeline_shortcuts.py holds it against the keepers of every op's storages)
+        self.keepers = {s.name: s.keepers for s in kept(g, conv, options, act,
+                                                         [n for n in g.program_order() if n in self.column], False,
                                                          cut.branch)}
         self.final_norm = {n for n in g.program_order() if g.node(n).group == "head" and g.node(n).block is None
                            and n != self.head and g.node(n).kind not in ("parameter", "buffer", "constant")}
         self.qkv = {n for n in self.column if g.node(n).role == "qkv"}
         self.copies = {}
         self.held = []
-        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.name.endswith(".grad_sum")
-                               and s.node in self.qkv}
+        self.gathered_grads = {i for i, s in enumerate(tl.storages) if s.node in self.qkv
+                               and s.name.endswith(".grad_sum")}
         spans_of = []
         born_at = {i: k for k, e in enumerate(tl.events) for i in e.born}
         for found in cut.passes:
@@ -175,6 +181,21 @@ class _Reads:
         self.phase: str | None = None
         self.copies: tuple[Any, ...] | None = None  # the parts that add something, in the walk's order
         self.gathers = False  # whether one of them is gathered at the op
+        self.numbers: dict[tuple[Any, ...], int] = {}  # each distinct parts -> its number in the keys
+        self.numbered = -1
+        self.kinds: dict[Any, tuple[tuple[bool, ...], bool, int | None]] = {}
+        every = sizes.every()  # each storage's size on the rank, by index (one per template storage), or by call
+        self.local = every.__getitem__ if every is not None else sizes.local
+        self._info: dict[int, tuple[int, int, str, bool]] = {}
+
+    def info(self, j: int) -> tuple[int, int, str, bool]:
+        """What a key reads of storage ``j`` an op makes (its size on the rank and whole, by object; its name;
+        whether it is an input's gradient), once a storage."""
+        found = self._info.get(j)
+        if found is None:
+            st = self.sizes.tl.storages[j]
+            found = self._info[j] = (id(self.local(j)), id(st.nbytes), st.name, st.name.endswith(".grad_input0"))
+        return found
 
     def part(self, i: int, k: int, e: Any) -> Any:
         """What alive copy ``i`` adds at op ``k``, as the rule reads it (None: nothing)."""
@@ -194,28 +215,41 @@ class _Reads:
     def at(self, k: int, e: Any) -> tuple[Any, ...]:
         """The key of op ``k`` (event ``e``), its storages made (not yet what it frees)."""
         sizes, parts, copies = self.sizes, self.parts, self.sizes.copies
-        changed = [i for i in e.born if i in copies]
+        changed = [i for i in e.born if i in copies] if e.born else []
         if e.phase != self.phase:  # every alive copy read again
             self.phase = e.phase
             changed += list(parts)
-        changed += [i for i in self.marks.get(k, ()) if i in parts]
+        marks = self.marks.get(k)
+        if marks is not None:
+            changed += [i for i in marks if i in parts]
         for i in changed:
             parts[i] = self.part(i, k, e)
         if changed or self.copies is None:
             self.copies = tuple(parts[i] for i in sorted(parts, key=self.place.__getitem__) if parts[i] is not None)
             self.gathers = any(x[3] for x in self.copies if len(x) == 4)
-        node, g, tl = e.node, sizes.g, sizes.tl
-        kind = (node in sizes.row, node == sizes.embedding, node in sizes.column, node in sizes.qkv,
-                node == sizes.head)
-        made = freed = whole = None
-        if self.gathers or any(kind):  # what the op makes and frees, where a branch or a gather here reads them
-            made = tuple((id(sizes.local(j)), id(tl.storages[j].nbytes), tl.storages[j].name == node,
-                          tl.storages[j].name.endswith(".grad_input0")) for j in e.born)
-            freed = tuple(id(sizes.local(j)) for j in e.freed)
-            whole = id(g.node(node).out) if node in g else None
-        held = tuple(id(size) for start, end, size in sizes.held if start <= k <= end)
-        kept = tuple(id(size) for start, end, size in sizes.cache_kept if start <= k <= end)
-        return (e.phase, kind, whole, made, freed, held, kept, self.copies)
+            # the key holds the parts by a number, one per distinct parts (a tuple's hash is not kept: the
+            # nested parts were hashed again at each op's key)
+            self.numbered = self.numbers.setdefault(self.copies, len(self.numbers))
+        node = e.node
+        found = self.kinds.get(node)  # which collective the op is, and its output, once a node
+        if found is None:
+            g = sizes.g
+            kind = (node in sizes.row, node == sizes.embedding, node in sizes.column, node in sizes.qkv,
+                    node == sizes.head)
+            found = self.kinds[node] = (kind, any(kind), id(g.node(node).out) if node in g else None)
+        kind, collective, whole = found
+        made = freed = None
+        if self.gathers or collective:  # what the op makes and frees, where a branch or a gather here reads them
+            info, local = self.info, self.local
+            made = tuple((a, b, name == node, c) for a, b, name, c in map(info, e.born))
+            freed = tuple(id(local(j)) for j in e.freed)
+        else:
+            whole = None
+        # (empty without eager attention: no walk over them at each op)
+        held = tuple(id(size) for start, end, size in sizes.held if start <= k <= end) if sizes.held else ()
+        kept = (tuple(id(size) for start, end, size in sizes.cache_kept if start <= k <= end)
+                if sizes.cache_kept else ())
+        return (e.phase, kind, whole, made, freed, held, kept, self.numbered)
 
     def after(self, e: Any) -> None:
         """Op ``e``'s frees done: the copies it freed are no longer read."""
@@ -275,9 +309,20 @@ class _SequenceCut(_TensorCut):
         its wrapper (as on the p x t mesh)."""
         if "_extras" in self.__dict__:
             return self._extras
-        sizes, t = self.sizes, self.ranks()
+        memo = self._arms()
+        values = self._values()
+        out = {k: values[id(each)] for k, each in memo["arms"].items()}
+        for k in memo["heads"]:
+            out[k] = self._head(k, out[k])
+        self._extras = out
+        return out
+
+    def _arms(self) -> dict[str, Any]:
+        """Each op's arms (``arms``: event index -> the arms of its formula, one tuple for the ops alike) and the
+        head's forwards (``heads``), found once for every cut of the step (their numbers differ, not the step)."""
         memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
         if "arms" not in memo:
+            sizes = self.sizes
             ops = [k for found in self.passes for kind in ("F", "B") for k, _ in found[kind]]
             # the head's forwards, whose logits are added at each batch (found once, not at each cut)
             memo["heads"] = [k for k in ops if self.tl.events[k].phase == "forward" and
@@ -285,23 +330,28 @@ class _SequenceCut(_TensorCut):
             formulas = sizes.extras(ops)
             made: dict[Any, tuple[sympy.Expr, ...]] = {}
             memo["arms"] = found = {}
+            memo["distinct"] = distinct = []  # (the first op, its arms) of each distinct arms, in the ops' order
             for k, e in formulas.items():  # each formula's arms once (the step's ops share a few formulas)
                 each = made.get(e)
                 if each is None:
                     each = made[e] = tuple(dict.fromkeys(arms(e)))
+                    distinct.append((k, each))
                 found[k] = each
-        out: dict[Any, tuple[int, ...]] = {}
-        values: dict[int, tuple[int, ...]] = {}
-        for k, each in memo["arms"].items():
-            if id(each) not in values:
-                values[id(each)] = tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
-            out[k] = values[id(each)]
-        for k in memo["heads"]:
-            e = self.tl.events[k]
-            whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
-            out[k] = tuple(x + whole + whole // t for x in out[k])
-        self._extras = out
-        return out
+        return memo
+
+    def _values(self) -> dict[int, tuple[int, ...]]:
+        """The bytes of each op's arms at the cut's numbers, by the arms' tuple (``id``): each evaluated once."""
+        if "_arm_values" not in self.__dict__:
+            self._arm_values = {id(each): tuple(_integer(e, self.subs, f"the collectives at op {k}") for e in each)
+                                for k, each in self._arms()["distinct"]}
+        return self._arm_values
+
+    def _head(self, k: int, found: tuple[int, ...]) -> tuple[int, ...]:
+        """``found`` (the head's forward ``k``'s arms' bytes) with its local logits and the all-gather's output."""
+        e = self.tl.events[k]
+        whole = sum(self.full(i) for i in e.born if self.tl.storages[i].name == e.node)
+        t = self.ranks()
+        return tuple(x + whole + whole // t for x in found)
 
 
 class _SequencePackedCut(_TensorPackedCut):
@@ -309,18 +359,19 @@ class _SequencePackedCut(_TensorPackedCut):
 
     def collectives(self) -> dict[Any, tuple[int, ...]]:
         if "_extras" not in self.__dict__:
-            each = [c.collectives() for c in self.tcuts]
-            # the ops share a few arms' bytes (the same tuples at each batch: _SequenceCut.collectives): each set of
-            # three packed once
-            packed: dict[tuple[int, ...], tuple[int, ...]] = {}
-            self._extras = {}
-            for key in each[0]:
-                three = [e[key] for e in each]
-                ids = tuple(map(id, three))
-                found = packed.get(ids)
-                if found is None:
-                    found = packed[ids] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
-                self._extras[key] = found
+            cuts: list[Any] = self.tcuts
+            memo = cuts[0]._arms()  # the cuts' one step (model_parallel.batch_moments packs no others): its arms
+            # the ops share a few arms (the same tuple: _SequenceCut._arms), each with its bytes at every cut's
+            # numbers: each packed once, and the ops' table made in one pass (each cut's table was made and read)
+            values = [c._values() for c in cuts]
+            packed: dict[int, tuple[int, ...]] = {}
+            for _, each in memo["distinct"]:
+                three = [v[id(each)] for v in values]
+                packed[id(each)] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
+            self._extras = {k: packed[id(each)] for k, each in memo["arms"].items()}
+            for k in memo["heads"]:
+                three = [c._head(k, v[id(memo["arms"][k])]) for c, v in zip(cuts, values, strict=True)]
+                self._extras[k] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
         return self._extras
 
 

@@ -104,7 +104,23 @@ class _Sizes:
             self._locals[i] = found
         return found
 
+    def every(self) -> list[sympy.Expr] | None:
+        """Every storage's :meth:`local`, by its index, where the step was written from a template (None otherwise:
+        each asked for on its own): one per template storage, shared by the storages written from it (their keys
+        are one: :meth:`local`).  The replays and the collectives ask for thousands of storages: a list read."""
+        if self._every is None and self._origin is not None:
+            by: dict[int, sympy.Expr] = {}  # template storage -> its storages' size on the rank
+            out = []
+            for i, o in enumerate(self._origin):
+                found = by.get(o)
+                if found is None:
+                    found = by[o] = self.local(i)
+                out.append(found)
+            self._every = out
+        return self._every
+
     def __init__(self, cut: _Cut) -> None:
+        self._every: list[sympy.Expr] | None = None
         self._alike: dict[Any, sympy.Expr] = {}
         g = self.g = cut.g
         self.tl = cut.tl
@@ -138,14 +154,17 @@ class _TensorCut(_Cut):
         self.fulls: dict[int, int] = {}  # id of a single-device size (held by the timeline) -> bytes
 
     def size(self, sid: int) -> int:
-        if sid not in self.cache:
+        found = self.cache.get(sid)
+        if found is None:
             # the layers' copies share a few formulas (the same objects: _Sizes.local): each evaluated once, found
             # by the object (a sympy expression's hash and equality were most of this)
-            e = self.sizes.local(sid)
-            if id(e) not in self.values:
-                self.values[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
-            self.cache[sid] = self.values[id(e)]
-        return self.cache[sid]
+            every = self.sizes.every()
+            e = every[sid] if every is not None else self.sizes.local(sid)
+            found = self.values.get(id(e))
+            if found is None:
+                found = self.values[id(e)] = _integer(e, self.subs, self.tl.storages[sid].name)
+            self.cache[sid] = found
+        return found
 
     def collectives(self) -> dict[tuple[int, str, str | None], int]:
         """What each collective op adds for its moment, by (pass, kind, op) (alike on every stage)."""
@@ -191,8 +210,14 @@ class _TensorCut(_Cut):
         """The rank's copy of the logits' gradient: the model's output over ``t`` (found once: the replay asks at
         each moment of the head's backward)."""
         if "_logits_grad" not in self.__dict__:
-            whole = [self.full(i) for i, st in enumerate(self.tl.storages)
-                     if st.name == self.sizes.head and st.category not in ("parameter", "gradient")]
+            # the head's output storages, found once for every cut of the step (each cut walked all storages)
+            key = ("logits", id(self.tl))
+            found = self.memo.get(key)
+            if found is None or found[0] is not self.tl:
+                found = self.memo[key] = (self.tl, [i for i, st in enumerate(self.tl.storages) if
+                                                    st.name == self.sizes.head and
+                                                    st.category not in ("parameter", "gradient")])
+            whole = [self.full(i) for i in found[1]]
             self._logits_grad = whole[0] // self.ranks() if whole else 0
         return self._logits_grad
 
@@ -223,6 +248,7 @@ class _TensorPackedCut(_TensorCut):
         self.cache = {}
         self.whole = {}
         self._packed: dict[int, int] = {}  # id of a rank's size (held by sizes, the three cuts') -> packed bytes
+        self._shared = all(c.sizes is self.sizes for c in cuts)  # the cuts' sizes one (else each storage's own)
 
     # each packed once (the plans ask for every storage a stage's ops make), once for the storages alike: the three
     # cuts share one simulated step and its sizes on a rank (_Sizes.local: the same object for the storages alike),
@@ -230,9 +256,10 @@ class _TensorPackedCut(_TensorCut):
     def size(self, sid: int) -> int:
         found = self.cache.get(sid)
         if found is None:
-            e = self.sizes.local(sid)
-            found = self._packed.get(id(e))
-            if found is None or any(c.sizes is not self.sizes for c in self.tcuts):
+            every = self.sizes.every()
+            e = every[sid] if every is not None else self.sizes.local(sid)
+            found = self._packed.get(id(e)) if self._shared else None
+            if found is None:
                 found = self._packed[id(e)] = _pack([c.size(sid) for c in self.tcuts])
             self.cache[sid] = found
         return found
@@ -278,12 +305,15 @@ class _TensorReplay(_Replay):
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
         self._at += 1
-        _, born, dying = self._ops[self._at]
         self.extra = self._extras.get((self.pass_, kind, node), 0)
         self.live += self.extra
-        self.head_backward = kind == "B" and node == self.tcut.sizes.head
         self.mode, self.accumulated = "", 0
-        if kind == "B" and self.extra:
+        if kind != "B":  # (what follows is the backward's: a forward op adds its collective alone)
+            self.head_backward = False
+            return
+        _, born, dying = self._ops[self._at]
+        self.head_backward = node == self.tcut.sizes.head
+        if self.extra:
             after = self._ops[self._at + 1] if self._at + 1 < len(self._ops) else None
             if self._at and self._ops[self._at - 1][0] == node and not born:
                 # from the second micro-batch the new weight gradient is added into .grad by an op of its own
@@ -293,7 +323,7 @@ class _TensorReplay(_Replay):
                 self.accumulated = sum(self.alive.get((mb, sid), 0) for sid in dying if sid in grads)
             else:
                 self.mode = "op" if after is not None and after[0] == node and not after[1] else "op, held"
-        if kind == "B" and node == self.tcut.sizes.head and not self.extra:
+        if self.head_backward and not self.extra:
             # the head's backward where the logits' whole gradient is a storage of its own (the cross-entropy's):
             # DTensor's redistribution copies the rank's columns out of it (V/t wide) and lets it go before the
             # weight's and the input's gradient mm; the head's saved input goes after them (measured on the p x t
@@ -343,9 +373,10 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     # the stage's parameters at the numbers their shapes read, once (not B: the peak's three batches share them)
     names = cut.memo.get(("stored symbols", key[1]))
     if names is None:
+        # each distinct dimension read once (the layers' shapes repeat a few)
+        dims = {d for shape in cut.memo[key].values() for d in shape}
         names = cut.memo[("stored symbols", key[1])] = tuple(sorted({
-            str(x) for shape in cut.memo[key].values() for d in shape
-            for x in sympy.sympify(d, strict=True).free_symbols}))
+            str(x) for d in dims for x in sympy.sympify(d, strict=True).free_symbols}))
     known = cut.memo.setdefault(("tensor stage sides", key[1], cut.p, t), {})
     side = (s, *(numbers.get(n) for n in names))
     if side not in known:

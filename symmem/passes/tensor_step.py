@@ -763,7 +763,9 @@ class _SequenceWalk(_LayerWalk):
         output projection's reduce-scatter): the key/value cache copies (the reference's ``key_states`` and
         ``value_states``) and ``attn_weights @ value_states``'s copy of the values: (from, to, bytes)."""
         tl, g = self.tl, self.g
-        freed_at = {i: k for k, e in enumerate(tl.events) for i in e.freed if e.phase == "forward"}
+        # made when first read (the cache copies' ops alone read it), once for the walk's passes over one step
+        kept = self.__dict__.get("_freed_at")
+        freed_at: dict[int, int] | None = kept[1] if kept is not None and kept[0] is tl else None
         # at B = 1 where collapsed the cache's copies are kept longer (_cache_kept), and attn @ V copies nothing
         once = self.once if self.collapsed else sympy.Integer(0)
         held = []
@@ -771,13 +773,19 @@ class _SequenceWalk(_LayerWalk):
             if e.phase != "forward" or e.node is None:
                 continue
             name = template(e.node)
+            cache = name in ("layers.self_attn.cache_key", "layers.self_attn.cache_value")
+            if not cache and name != "layers.self_attn.attn_v":
+                continue  # the rows after an op are read for these ops alone (the walk's every op read them)
             after = [r for r in rows if r > k]
             if not after:
                 continue
-            if name in ("layers.self_attn.cache_key", "layers.self_attn.cache_value"):
+            if cache:
+                if freed_at is None:
+                    freed_at = {i: j for j, x in enumerate(tl.events) for i in x.freed if x.phase == "forward"}
+                    self.__dict__["_freed_at"] = (tl, freed_at)
                 held += [(freed_at[i] + 1, after[0], (1 - once) * self.local(i)) for i in e.born
                          if freed_at.get(i, after[0]) < after[0]]
-            elif name == "layers.self_attn.attn_v":
+            else:
                 held.append((k, after[0], (1 - once) * g.node(g.node(e.node).inputs[1]).out.numel * 4 / t))
         return held
 
