@@ -118,25 +118,29 @@ def fresh(model: str, keywords: dict, tree: str | None = None) -> float:
 
 
 def paired(model: str, rounds: int, trees: Sequence[str], only: Sequence[str] = ()
-           ) -> list[tuple[str, list[float], list[float]]]:
-    """(label, median seconds per tree, median ratio to one device per tree) per regime, each case timed under every
-    checkout of ``trees`` back to back in each round (one device first), so that the trees are compared on the
-    same load; ``only``: the regimes whose label holds one of them (one device always; none: every regime)."""
+           ) -> list[tuple[str, list[float], list[float], float]]:
+    """(label, median seconds per tree, median ratio to one device per tree, median over rounds of the first tree's
+    CPU over the second's) per regime, each case timed under every checkout of ``trees`` back to back in each round
+    (one device first; the trees' order turns round by round, so that neither always runs first), so that the
+    trees are compared on the same load; ``only``: the regimes whose label holds one of them (one device always;
+    none: every regime)."""
     cases = [c for c in MODELS[model] if c[0] == "one device" or any(x in c[0] for x in only or [""])]
     for tree in trees:
         compiled(tree)
     times = {label: [[] for _ in trees] for label, _ in cases}
     ratios = {label: [[] for _ in trees] for label, _ in cases}
-    for _ in range(rounds):
-        base = []
+    for r in range(rounds):
+        base = [0.0] * len(trees)
+        order = [(r + i) % len(trees) for i in range(len(trees))]
         for label, kw in cases:
-            for k, tree in enumerate(trees):
-                t = fresh(model, kw, tree)
+            for k in order:
+                t = fresh(model, kw, trees[k])
                 if label == "one device":
-                    base.append(t)
+                    base[k] = t
                 times[label][k].append(t)
                 ratios[label][k].append(t / base[k])
-    return [(label, [statistics.median(x) for x in times[label]], [statistics.median(x) for x in ratios[label]])
+    return [(label, [statistics.median(x) for x in times[label]], [statistics.median(x) for x in ratios[label]],
+             statistics.median(a / b for a, b in zip(times[label][0], times[label][-1], strict=True)))
             for label, _ in cases]
 
 
@@ -182,9 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         for model in args.models or list(MODELS):
             print(f"{model} (default sizes): CPU seconds of a first call and ratio to one device, median of "
                   f"{args.rounds}, paired; trees: {', '.join(trees)}")
-            for label, seconds, ratios in paired(model, args.rounds, trees, args.only):
+            for label, seconds, ratios, pair in paired(model, args.rounds, trees, args.only):
                 cols = "  ".join(f"{t:6.2f} s {r:5.2f}x" for t, r in zip(seconds, ratios, strict=True))
-                print(f"  {label:<44} {cols}  ({seconds[0] / seconds[1]:4.2f} of the second tree's time)")
+                print(f"  {label:<44} {cols}  ({pair:4.2f} of the last tree's time, median of the rounds' pairs)")
         return
     for model in args.models or list(MODELS):
         print(f"{model} (default sizes): derive + peak (steady and first step), CPU seconds of a "
