@@ -46,6 +46,10 @@ CUDA_BLOCK = 512
 _INDEX = {c: i for i, c in enumerate(STEP)}
 _ZERO = sympy.Integer(0)
 
+#: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
+RECOMPUTED = ":recompute"
+
+
 
 def _copy(counts: dict[int, int]) -> Counter:
     """``Counter(counts)`` without ``Counter.update``'s checks (an ABC ``isinstance``, two Python calls): a copy in

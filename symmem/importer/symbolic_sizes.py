@@ -748,7 +748,7 @@ def _guards_of_fit(first: Trace, plan: Plan, traces: _Traces) -> tuple[Any, list
     keys = sorted(traces.used)
     if not keys:
         return first.domain, []
-    each = {k: list(sympy.And.make_args(sympy.sympify(traces.made[k].domain))) for k in keys}
+    each = {k: list(sympy.And.make_args(sympy.sympify(traces.made[k].domain, strict=True))) for k in keys}
     common = set.intersection(*(set(v) for v in each.values()))
     if all(set(v) == common for v in each.values()):  # every trace the same guards: the base trace's domain
         return first.domain, []
@@ -800,7 +800,7 @@ def _guards_of_fit(first: Trace, plan: Plan, traces: _Traces) -> tuple[Any, list
                            f"{_lift(rel, rest, at[off[0]])} at {where(off[0])}")
             continue
         bound = at[base] + sum(a * (s - y) for a, s, y in zip(slope, symbols, b, strict=True))
-        g = _lift(rel, rest, sympy.expand(sympy.sympify(bound).xreplace(plan.back())))
+        g = _lift(rel, rest, sympy.expand(sympy.sympify(bound, strict=True).xreplace(plan.back())))
         lifted.append(g)
         moves = [n for n, a in zip(names, slope, strict=True) if a != 0]
         said.append(f"the guard {g}: its bound moves with {', '.join(moves) or 'no size'} (traced "

@@ -23,7 +23,7 @@ Measured per rank on gloo (``symmem.record.model_parallel_runs``, torch 2.13; ``
 * **checkpointed layers** (``full``, ``every-K``: each stage checkpoints its own layers, K at a time) --
   a micro-batch in flight keeps each run's input and the tensor arguments the checkpoint saves (eager attention's
   mask), and each run is recomputed in its backward: the single-device step's recomputations, each on its layer's
-  stage (:data:`RECOMPUTED`);
+  stage (:data:`symmem.timeline.RECOMPUTED`);
 * **the optimizer step** (``for-loop`` Adam/AdamW, the CPU default) -- every gradient, and per parameter two
   temporaries of its size beside the previous parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`).
 
@@ -64,13 +64,11 @@ from ..graph import Graph
 from ..shapes import numel
 from ..symbols import p, unordered
 from ..tensor import dtype_bytes
+from ..timeline import RECOMPUTED
 from ..training import SCHEDULES, Regime, checkpoint_every
 from .parameters import node_parameters
 from .stretch import _renamed
 from .unroll import iteration
-
-#: the suffix of a checkpointed op's event when backward runs it again (passes/schedule.py, Simulation.recompute)
-RECOMPUTED = ":recompute"
 
 #: The parts of a stage's memory, in the order the table shows them.
 PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "outputs", "saved", "in_flight_outputs",

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..timeline import Event, Live, Timeline
+from ..timeline import RECOMPUTED, Event, Live, Timeline
 from .stretch import _MIDDLE, TEMPLATE, _NotStretched, _split, _Stretch, _sweeps
 from .unroll import iteration
 
@@ -339,7 +339,6 @@ def _in_small(layout: Layout, small: Any) -> tuple[list[bool], list[bool]]:
     (then on its layer's stage, else on the last: ``_Cut._stage_of``), read once a layout and graph."""
     found = layout.__dict__.setdefault("_in_small", {})
     if id(small) not in found:
-        from .model_parallel import RECOMPUTED
         from .stretch import _renamed
 
         def in_small(node: str | None) -> bool:
