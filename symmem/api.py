@@ -357,7 +357,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     # the model's own limits (a position table, an image size) join the domain, each said with why past it
     limits = model_limits(module, example_inputs, dims, d.domain, d.free)
     if limits:
-        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits))
+        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits), why=limits)
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
         warn_outside(d.domain, d.numbers, limits)
     return d
@@ -368,6 +368,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                  options: dict[str, Any]) -> Derivation:
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
+    from .importer.limits import sized_limits
     from .importer.sized_step import sized_step
     from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak
     from .report.factoring import per_layer_note
@@ -385,6 +386,14 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     if multiple_of or size_one:
         raise SymmemError("multiple_of and size_one do not go with sizes=: trace with the sizes fixed for them")
     recorded = fit_sizes(build, sizes, dims, divisible=divisible, device=device, **trace_options)
+    # the model's own limits (a position table) join the fit's domain before the ledger and the sized step read it:
+    # the kept tensors, the peak in every size and the views past one are said or refused as past a guard
+    limits, said_limits = sized_limits(build, recorded.extra["sizes"]["plan"], dims, recorded.domain,
+                                       tuple(s.symbol for s in recorded.symbols))
+    if limits or said_limits:
+        recorded = dataclasses.replace(recorded, domain=sympy.And(recorded.domain, *limits),
+                                       notes=(*recorded.notes, *said_limits),
+                                       extra={**recorded.extra, "limits": limits})
     keywords = dict(options)
     values, per_layer, free = keywords.pop("values", None), keywords.pop("per_layer", False), keywords.pop("free", None)
     with_step = keywords.pop("step", False)
@@ -424,7 +433,10 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     d = derivation_of(ledger, regime, step, why)
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
-    return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))
+    d = dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])), why=limits)
+    if values and limits:  # numbers asked for past the model's limits: said with why, never printed silently
+        warn_outside(sympy.And(*limits), d.numbers, limits)
+    return d
 
 
 def _own_dtype(recorded: Any, regime: Regime, autocast: str | None) -> dict[str, str]:
