@@ -60,9 +60,30 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords, per_layer)
     d = _where_it_holds(derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer,
                                    free=free), conv, model)
+    limits = position_limits(model, d.free)
+    if limits:  # the model's position table joins the domain: at(S=2048) is said past it, as a traced model's is
+        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits), why={**d.why, **limits})
     if values:  # numbers asked for outside the formulas' domain: said, never printed silently
         warn_outside(d.domain, d.numbers)
     return d
+
+
+def position_limits(model: Model, free: tuple[sympy.Symbol, ...]) -> dict[Any, str]:
+    """``{condition: why}``: the bounds a built-in model's embeddings put on its free symbols (GPT-2's ``wpe``:
+    ``S <= 1024``), from the graph's assumptions at its ``embedding`` nodes -- what the real model refuses past
+    (an index beyond the table's rows).  :func:`derive` refuses numbers past them when it derives; the domain
+    keeps them for :meth:`~symmem.derivation.Derivation.at` and ``values`` afterwards."""
+    graph = model.graph
+    out: dict[Any, str] = {}
+    for node, cond, rhs in graph.assumptions:
+        if rhs is not None or not isinstance(cond, sympy.core.relational.Relational) or isinstance(cond, sympy.Eq) \
+                or not cond.free_symbols or not cond.free_symbols <= set(free):
+            continue
+        found = graph.node(node)
+        if found.kind == "embedding":
+            rows = found.attrs.get("num_embeddings")
+            out[cond] = f"past the model's position table: {node} has {int(rows):,} rows"
+    return out
 
 
 #: What a derivation says where its numbers lie outside the convention's domain (:meth:`holds`).
