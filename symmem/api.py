@@ -60,9 +60,30 @@ def derive(model: Model | str, convention: str | Convention = "pytorch", regime:
     model, conv, regime, conv_options = _setup(model, convention, regime, options, loss, keywords, per_layer)
     d = _where_it_holds(derivation(model, conv, regime, values, options=conv_options, per_layer=per_layer,
                                    free=free), conv, model)
+    limits = position_limits(model, d.free)
+    if limits:  # the model's position table joins the domain: at(S=2048) is said past it, as a traced model's is
+        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits), why={**d.why, **limits})
     if values:  # numbers asked for outside the formulas' domain: said, never printed silently
         warn_outside(d.domain, d.numbers)
     return d
+
+
+def position_limits(model: Model, free: tuple[sympy.Symbol, ...]) -> dict[Any, str]:
+    """``{condition: why}``: the bounds a built-in model's embeddings put on its free symbols (GPT-2's ``wpe``:
+    ``S <= 1024``), from the graph's assumptions at its ``embedding`` nodes -- what the real model refuses past
+    (an index beyond the table's rows).  :func:`derive` refuses numbers past them when it derives; the domain
+    keeps them for :meth:`~symmem.derivation.Derivation.at` and ``values`` afterwards."""
+    graph = model.graph
+    out: dict[Any, str] = {}
+    for node, cond, rhs in graph.assumptions:
+        if rhs is not None or not isinstance(cond, sympy.core.relational.Relational) or isinstance(cond, sympy.Eq) \
+                or not cond.free_symbols or not cond.free_symbols <= set(free):
+            continue
+        found = graph.node(node)
+        if found.kind == "embedding":
+            rows = found.attrs.get("num_embeddings")
+            out[cond] = f"past the model's position table: {node} has {int(rows):,} rows"
+    return out
 
 
 #: What a derivation says where its numbers lie outside the convention's domain (:meth:`holds`).
@@ -357,7 +378,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     # the model's own limits (a position table, an image size) join the domain, each said with why past it
     limits = model_limits(module, example_inputs, dims, d.domain, d.free)
     if limits:
-        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits))
+        d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits), why=limits)
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
         warn_outside(d.domain, d.numbers, limits)
     return d
@@ -368,6 +389,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                  options: dict[str, Any]) -> Derivation:
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
+    from .importer.limits import sized_limits
     from .importer.sized_step import sized_step
     from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak
     from .report.factoring import per_layer_note
@@ -385,6 +407,14 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     if multiple_of or size_one:
         raise SymmemError("multiple_of and size_one do not go with sizes=: trace with the sizes fixed for them")
     recorded = fit_sizes(build, sizes, dims, divisible=divisible, device=device, **trace_options)
+    # the model's own limits (a position table) join the fit's domain before the ledger and the sized step read it:
+    # the kept tensors, the peak in every size and the views past one are said or refused as past a guard
+    limits, said_limits = sized_limits(build, recorded.extra["sizes"]["plan"], dims, recorded.domain,
+                                       tuple(s.symbol for s in recorded.symbols))
+    if limits or said_limits:
+        recorded = dataclasses.replace(recorded, domain=sympy.And(recorded.domain, *limits),
+                                       notes=(*recorded.notes, *said_limits),
+                                       extra={**recorded.extra, "limits": limits})
     keywords = dict(options)
     values, per_layer, free = keywords.pop("values", None), keywords.pop("per_layer", False), keywords.pop("free", None)
     with_step = keywords.pop("step", False)
@@ -424,7 +454,10 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     d = derivation_of(ledger, regime, step, why)
     layer = next(iter(ledger.repeats.values()), None) if not per_layer else None
     said = per_layer_note(d.storages, layer, d.parameters) if layer is not None else None
-    return dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])))
+    d = dataclasses.replace(d, notes=(*d.notes, *recorded.notes, *([said] if said else [])), why=limits)
+    if values and limits:  # numbers asked for past the model's limits: said with why, never printed silently
+        warn_outside(sympy.And(*limits), d.numbers, limits)
+    return d
 
 
 def _own_dtype(recorded: Any, regime: Regime, autocast: str | None) -> dict[str, str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -216,6 +217,9 @@ class Derivation:
     tied: Mapping[sympy.Symbol, sympy.Expr] = field(default_factory=dict, compare=False, repr=False)
     #: why a front that models the step has none here (a traced module fitted at concrete sizes): the refusal's words
     no_step: str | None = field(default=None, compare=False, repr=False)
+    #: why some conditions of :attr:`domain` are there (condition -> words: the model's position table), said with
+    #: them wherever numbers lie past one (:meth:`at`, :meth:`values`, :meth:`outside`)
+    why: Mapping[Any, str] = field(default_factory=dict, compare=False, repr=False)
 
     # -- the kept view --------------------------------------------------------------------------------
     @cached_property
@@ -425,7 +429,6 @@ class Derivation:
         >>> d.values("activations", B=[[1], [2]], S=[197, 577]).tolist()
         [[117574312, 344339336], [235148432, 688678480]]
         """
-        import numpy as np
 
         by_name = {s.name: s for s in self.free}
         for name in values:
@@ -433,8 +436,39 @@ class Derivation:
                 raise SymmemError(f"{name!r} is not a symbol of this formula (it is in "
                                   f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
                                   f"values={{{name!r}: ...}}")
+        self._warn_outside_values(values)
         if key in ("peak", "peak_first_step"):
             return self._peak_values(key, values)
+        return self._expr_values(key, values)
+
+    def _warn_outside_values(self, values: Mapping[str, Any]) -> None:
+        """An :class:`~symmem.errors.OutsideDomain` warning, in :meth:`at`'s words, at the first configuration of
+        ``values`` outside :attr:`domain` (each condition once): the numbers there are given, as :meth:`at` gives
+        them, but never silently (a sequence past a model's position table)."""
+        import numpy as np
+
+        conds = [c for c in failing_anywhere(self.domain)
+                 if {s.name for s in c.free_symbols} & set(values)]
+        if not conds:
+            return
+        by_name = {s.name: s for s in self.free}
+        names = sorted({s.name for c in conds for s in c.free_symbols} & set(values))
+        try:
+            grid = np.broadcast_arrays(*(np.asarray(values[n]) for n in names))
+        except ValueError:
+            return  # the values do not broadcast: the evaluation says so
+        said: set[Any] = set()
+        for combo in np.unique(np.stack([g.ravel() for g in grid], axis=-1), axis=0):
+            nums = {**self.numbers, **{by_name[n]: int(v) for n, v in zip(names, combo, strict=True)}}
+            new = [c for c in failing(sympy.And(*conds), nums) if c not in said]
+            if new:
+                said.update(new)
+                warn_outside(sympy.And(*new), nums, self.why, stacklevel=3)
+
+    def _expr_values(self, key: str | sympy.Expr, values: Mapping[str, Any]) -> Any:
+        """:meth:`values` of a named quantity or an expression (the domain judged by the caller)."""
+        import numpy as np
+
         expr = self.expression(key) if isinstance(key, str) else sympy.sympify(key, strict=True)
         f = evaluator(expr)
         args = []
@@ -464,9 +498,9 @@ class Derivation:
         limits = sorted({s.name for c in step.domain() for s in c.free_symbols} & set(values))
         if not limits:  # the domain's symbols keep this derivation's numbers: one formula holds for all
             exact = self._peak(exact=True)
-            return self.values(exact.expr if key == "peak" else exact.first, **values)
+            return self._expr_values(exact.expr if key == "peak" else exact.first, values)
         found = self._peak()
-        out = self.values(found.expr if key == "peak" else found.first, **values)
+        out = self._expr_values(found.expr if key == "peak" else found.first, values)
         grid = {n: np.broadcast_to(np.asarray(v), out.shape) for n, v in values.items()}
         by_name = {s.name: s for s in self.free}
         outside = np.zeros(out.shape, dtype=bool)
@@ -477,9 +511,11 @@ class Derivation:
         if not outside.any():
             return out
         out = out.astype(object)
-        for index in np.ndindex(out.shape):
-            if outside[index]:
-                out[index] = self.at(**{n: int(g[index]) for n, g in grid.items()}).value(key)
+        with warnings.catch_warnings():  # values() said where the configurations lie outside the domain, once
+            warnings.simplefilter("ignore", OutsideDomain)
+            for index in np.ndindex(out.shape):
+                if outside[index]:
+                    out[index] = self.at(**{n: int(g[index]) for n, g in grid.items()}).value(key)
         return out.astype(np.int64) if all(abs(x) <= 2**63 - 1 for x in out.flat) else out
 
     def size(self, key: str, unit: str = "GiB") -> float:
@@ -507,7 +543,7 @@ class Derivation:
         >>> [str(w.message) for w in said] == list(far.outside())
         True
         """
-        return outside(self.domain, self.numbers, reasons)
+        return outside(self.domain, self.numbers, {**self.why, **dict(reasons or {})})
 
     def at(self, **values: int) -> Derivation:
         """The same derivation evaluated at other numbers (expressions unchanged).
@@ -535,7 +571,7 @@ class Derivation:
                 if e.free_symbols & set_:
                     nums[t] = int(e.xreplace({x: nums[x] for x in e.free_symbols}))
         if self.domain is not sympy.true and any(by_name[n] in self.domain.free_symbols for n in values):
-            warn_outside(self.domain, nums, stacklevel=3)
+            warn_outside(self.domain, nums, self.why, stacklevel=3)
         # The expressions do not depend on the numbers: the new derivation keeps the ones already worked out.
         keep = _copied_fields(type(self))
         if keep is None:  # a __post_init__ to run: the constructor
@@ -686,6 +722,13 @@ def outside(domain: Any, numbers: Mapping[sympy.Symbol, int], reasons: Mapping[A
         found.append(f"{at} {verb} outside the formulas' domain ({cond} fails{f': {why}' if why else ''}): they are "
                      "not known to hold there")
     return tuple(found)
+
+
+def failing_anywhere(domain: Any) -> list[Any]:
+    """The conditions of ``domain`` (each argument of an ``And``) with a symbol in them: those some numbers fail."""
+    if domain is sympy.true or not isinstance(domain, sympy.Basic):
+        return []
+    return [c for c in (domain.args if isinstance(domain, sympy.And) else (domain,)) if c.free_symbols]
 
 
 def failing(domain: Any, numbers: Mapping[sympy.Symbol, int]) -> list[Any]:

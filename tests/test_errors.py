@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import sympy
 
 from symmem import GraphBuilder, SymmemError, derive
 from symmem.cli import main
@@ -390,20 +389,23 @@ def test_where_pytorchs_formulas_hold_at_b_1(capsys):
     assert main(["verify", "bert-base", "--set", "B=1", *small]) == 0
     capsys.readouterr()
     one = derive("gpt2", values={"B": 1}, attention="naive")
-    assert str(one.domain) == "B >= 2" and one.notes == (
+    # the domain: B >= 2 (this gap) and S <= 1024, GPT-2's position table (tests/test_position_tables.py)
+    assert str(one.domain) == "(B >= 2) & (S <= 1024)" and one.notes == (
         "at these sizes the formulas count a copy PyTorch does not make (at B = 1 a batched matmul folds a head "
         "view into its batch and keeps the view's base): they hold where B >= 2 (docs/pytorch-sequence.md, "
         "Known gaps)",)
-    assert derive("gpt2", attention="naive").notes == () and str(derive("gpt2", attention="naive").domain) == "B >= 2"
+    assert derive("gpt2", attention="naive").notes == ()
+    assert str(derive("gpt2", attention="naive").domain) == "(B >= 2) & (S <= 1024)"
     for model, options in (("bert-base", {}), ("gpt2", {"attention": "sdpa"}), ("llama", {"attention": "naive"})):
         d = derive(model, values={"B": 1}, **options)
         assert d.notes == (), model
-    assert derive("bert-base").domain is sympy.true and derive("gpt2", attention="sdpa").domain is sympy.true
+    # no B >= 2 where the base is the copy's size: the position table's bound alone
+    assert str(derive("bert-base").domain) == "S <= 512" and str(derive("gpt2", attention="sdpa").domain) == "S <= 1024"
     # Llama's eager attention: a copy of the repeated key/value heads only where G = 1 (< h)
     assert derive("llama", attention="naive", values={"B": 1, "G": 1, "h": 32}).notes != ()
     assert main(["derive", "gpt2", "--attention", "naive", "--set", "B=1"]) == 0
-    assert "holds where: B >= 2" in capsys.readouterr().out
-    assert derive("gpt2").domain is sympy.true  # the default is transformers' own: SDPA
+    assert "holds where: (B >= 2) & (S <= 1024)" in capsys.readouterr().out
+    assert str(derive("gpt2").domain) == "S <= 1024"  # the default is transformers' own: SDPA (no B >= 2)
 
 
 @pytest.mark.parametrize("value, fragment", [

@@ -494,9 +494,10 @@ def traced_derivation(args: argparse.Namespace) -> Any:
                           "options are its code (hf: --config key=value)")
     args.spec = args.model
     if getattr(args, "symbolic", None) is not None:  # config keys as symbols: traced as `symmem trace` does
-        args.limits = {}  # the fitted sizes' limits are in d's domain already
-        return symbolic_from_args(args, per_layer=getattr(args, "per_layer", False),
-                                  peak=getattr(args, "symbolic_peak", False), **regime_from_args(args))
+        d = symbolic_from_args(args, per_layer=getattr(args, "per_layer", False),
+                               peak=getattr(args, "symbolic_peak", False), **regime_from_args(args))
+        args.limits = dict(d.why)  # the model's limits, in d's domain already (symmem.trace adds them): fit caps there
+        return d
     if getattr(args, "symbolic_peak", False):
         raise SymmemError("--symbolic-peak goes with --symbolic: without it the peak is traced at the sizes given")
     loaded, dims, d = traced_from_args(args, per_layer=getattr(args, "per_layer", False), **regime_from_args(args))

@@ -65,3 +65,38 @@ def _position_table(module: Any, cfg: Any) -> tuple[str, int] | None:
     key = next((k for k, v in cfg.to_dict().items() if v == rows and ("position" in k or k in ("n_ctx",))), "")
     return (f"past the model's position table: {tables[0]} has {rows:,} rows" + (f" ({key} = {rows:,})" if key else ""),
             rows)
+
+
+def sized_limits(build: Any, plan: Any, dims: Any, domain: Any, free: Any) -> tuple[dict[Any, str], list[str]]:
+    """:func:`model_limits` of a module fitted in its own sizes (``symmem.trace(build, sizes=...)``, the command
+    line's ``--symbolic``), and notes: the module built at the plan's base and at its second point (the sizes the
+    fit traced first).  A position table whose rows stay put is a number (``S <= 16``); one whose rows follow a
+    size (``--symbolic P=n_positions``) bounds the tokens by that size's symbol (``S <= P``); rows that follow
+    the sizes some other way bound nothing said, and a note says so.  No tracing: the module is only built."""
+    from .symbolic_sizes import built, sym_for
+
+    base = plan.sizes_at(plan.base)
+    module, example = built(build, base)
+    found = model_limits(module, example, dims, domain, free)
+    if not found:
+        return {}, []
+    rows = _position_table(module, getattr(module, "config", None))
+    second = tuple(v.values[1] if len(v.values) > 1 else v.values[0] for v in plan.variables)
+    if rows is None or second == plan.base:
+        return found, []
+    other = plan.sizes_at(second)
+    moved_module, _ = built(build, other)
+    moved = _position_table(moved_module, getattr(moved_module, "config", None))
+    if moved is not None and moved[1] == rows[1]:
+        return found, []  # the table's rows are a number of the configuration, not of the sizes fitted
+    out = {c: why for c, why in found.items() if not (isinstance(c, sympy.Le) and c.rhs == rows[1])}
+    follows = [n for n in base if base[n] == rows[1] and moved is not None and other.get(n) == moved[1]]
+    if not follows:
+        return out, [f"the position table's rows ({rows[1]:,} at {base}) follow the sizes in no way found: no "
+                     "bound on the tokens is said for it"]
+    size = sym_for(follows[0])
+    for c in found:
+        if isinstance(c, sympy.Le) and c.rhs == rows[1]:
+            table = rows[0].split(": ", 1)[1].split(" has ", 1)[0]
+            out[sympy.Le(c.lhs, size)] = f"past the model's position table: {table} has {size} rows"
+    return out, []

@@ -104,6 +104,9 @@ class SizedStep:
     #: _guards_of_fit`), beyond the plan's own conditions: the step runs the forward, so its peak holds where they do
     #: (``S <= H/4``: past it the forward takes the other branch and the step keeps other tensors)
     guards: tuple[Any, ...] = ()
+    #: the model's own limits among ``guards`` (a position table: :func:`symmem.importer.limits.sized_limits`), each
+    #: with why: past one the real module refuses the sizes, so there is no step to give the peak of
+    limits: dict[Any, str] = field(default_factory=dict, repr=False)
     _steps: dict[tuple[int, ...], StepPeak] = field(default_factory=dict, repr=False)
     _fits: dict[int | None, StepRecord] = field(default_factory=dict, repr=False)
     _peaks: dict[Any, Peak] = field(default_factory=dict, repr=False)
@@ -199,6 +202,9 @@ class SizedStep:
             return self._symbolic()
         at = dict(at)
         count = at.get(self.symbol) if self.folds else None
+        past = outside(sympy.And(*self.limits), at, self.limits) if self.limits else ()
+        if past:  # Derivation.at's words, with why: the module itself refuses these sizes
+            raise SymmemError(f"the peak in every size: {'; '.join(past)} (the module refuses these sizes)")
         branch = outside(sympy.And(*self.guards), at)  # each guard every size of it has a number for
         if branch:  # Derivation.at's words: past a guard the forward takes another branch, the step keeps others
             raise SymmemError(f"the peak in every size: {'; '.join(branch)} (the forward takes another branch there "
@@ -401,8 +407,10 @@ def sized_step(build: Callable[..., Any], recorded: Any, regime: Any, numbers: M
     known = {*plan.domain(), *recorded.extra["sizes"]["plan"].domain(), *(sympy.Ge(sym_for(n), 2) for n in dims)}
     guards = tuple(c for c in sympy.And.make_args(sympy.sympify(recorded.domain, strict=True))
                    if c is not sympy.true and c not in known)
+    limits = {c: why for c, why in recorded.extra.get("limits", {}).items() if c in guards}
     if isinstance(found, TensorStepPeak):  # one rank's step at each configuration
         found._fixed({})  # t a number (else refused in one line)
-        return TensorSizedStep(*fields, guards=guards, base=found,
+        return TensorSizedStep(*fields, guards=guards, limits=limits, base=found,
                                shapes={p.name: tuple(p.shape) for p in recorded.parameters})
-    return SizedStep(*fields, guards=guards, worlds=dict(recorded.extra["sizes"].get("worlds", {})) if SEEDED else {})
+    return SizedStep(*fields, guards=guards, limits=limits,
+                     worlds=dict(recorded.extra["sizes"].get("worlds", {})) if SEEDED else {})
