@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..timeline import RECOMPUTED, Event, Live, Timeline
-from .stretch import _MIDDLE, TEMPLATE, _NotStretched, _split, _Stretch, _sweeps
+from .stretch import _MIDDLE, TEMPLATE, _alike_runs, _NotStretched, _split, _Stretch, _sweeps
 from .unroll import iteration
 
 #: a written storage whose first freeing op is not worked out yet
@@ -109,18 +109,7 @@ class Layout(_Stretch):
                     self.op_at[te] = ("op", k)
                     k += 1
                 continue
-            by_label = {labels[x]: (x, y) for x, y in runs}
-            middle = [tl.events[x:y] for x, y in (by_label[2], by_label[3], by_label[4])]
-            if len({len(run) for run in middle}) != 1:
-                raise _NotStretched
-            for t, run in zip((2, 3, 4), middle, strict=True):
-                if t == 2:
-                    first = [self._event_key(e, t) for e in run]
-                elif [self._event_key(e, t) for e in run] != first:
-                    raise _NotStretched
-            for t in (1, TEMPLATE):
-                for e in tl.events[slice(*by_label[t])]:
-                    self._event_key(e, t)
+            by_label = _alike_runs(tl.events, labels, runs, self._event_key)
             if len({e.phase for e in tl.events[a:b]}) != 1:
                 raise NoLayout
             compiled = {t: [(*_split(e.node), self._compiled(e.born, t), self._compiled(e.freed, t))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..timeline import Event, Live, Timeline
@@ -75,6 +75,27 @@ def stretch(tl: Timeline, layers: int, origin: list[int] | None = None) -> Timel
         return made
     except _NotStretched:
         return None
+
+
+def _alike_runs(events: Sequence[Event], labels: Sequence[int], runs: Sequence[tuple[int, int]],
+                key: Callable[[Event, int], Any]) -> dict[int, tuple[int, int]]:
+    """A sweep's runs by layer label, checked: the middle layers' events are alike, each by ``key(event, layer)``
+    (:class:`_NotStretched` otherwise); the first and last layers' keys are worked out too (they touch their
+    neighbours only).  The written step (:class:`_Stretch`) and its layout (``pipeline_layout.Layout``) check
+    alike."""
+    by_label = {labels[x]: (x, y) for x, y in runs}
+    middle = [events[x:y] for x, y in (by_label[2], by_label[3], by_label[4])]
+    if len({len(run) for run in middle}) != 1:
+        raise _NotStretched
+    for t, run in zip((2, 3, 4), middle, strict=True):
+        if t == 2:
+            first = [key(e, t) for e in run]
+        elif [key(e, t) for e in run] != first:
+            raise _NotStretched
+    for t in (1, TEMPLATE):
+        for e in events[slice(*by_label[t])]:
+            key(e, t)
+    return by_label
 
 
 def _sweeps(labels: Sequence[int], whole: bool = True) -> list[tuple[int, int, list[tuple[int, int]] | None]]:
@@ -243,18 +264,7 @@ class _Stretch:
                     events.append(Event(e.phase, e.node, self._refs_outside(e.born), self._refs_outside(e.freed),
                                         e.resized, e.moment))
                 continue
-            by_label = {labels[x]: (x, y) for x, y in runs}
-            middle = [tl.events[x:y] for x, y in (by_label[2], by_label[3], by_label[4])]
-            if len({len(run) for run in middle}) != 1:
-                raise _NotStretched
-            for t, run in zip((2, 3, 4), middle, strict=True):
-                if t == 2:
-                    first = [self._event_key(e, t) for e in run]
-                elif [self._event_key(e, t) for e in run] != first:
-                    raise _NotStretched
-            for t in (1, TEMPLATE):  # the first and last layers touch their neighbours only too
-                for e in tl.events[slice(*by_label[t])]:
-                    self._event_key(e, t)
+            by_label = _alike_runs(tl.events, labels, runs, self._event_key)
             # each template op's storages worked out once, then written for every new layer it is the template of
             # (one storage alone, as most ops make, also apart: its id without a list made)
             self.zeros = [0] * (self.layers + 2)
