@@ -62,6 +62,13 @@ def _module(case: str, H: int, F: int) -> torch.nn.Module:
     takes = {"narrowed": lambda S, H, F: S > F // 24,  # tests/test_symbolic_sizes.py's Narrowed
              "capped": lambda S, H, F: S <= H // 4,
              "eighths": lambda S, H, F: S <= H // 8,  # H // 8 is 3, 4, 6 at the fit's H; 4 at 36: no line
+             # two bounds on S in every trace, both moving with H (HF Mistral's sliding-window mask: S < W and
+             # S < W - 1): the tighter one lifted, the other implied by it (lift43)
+             "windowed": lambda S, H, F: S < H // 4 and S < H // 4 - 1,
+             # two bounds on S moving with two sizes: both lifted.  F's first: PyTorch records S <= F // 4 (S <= 10
+             # at F = 40), then S <= H // 4 (S <= 6); in the other order S <= 10 already holds where S <= 6 does
+             # and no guard is recorded at all (see the test below)
+             "crossed": lambda S, H, F: S <= F // 4 and S <= H // 4,
              "fixed": lambda S, H, F: S > 3}[case]  # a bound no size moves: the base trace's guard, as before
     return Branching(H, F, takes)
 
@@ -81,6 +88,9 @@ CASES = {
     "fixed": (8, "S > 3", [(2, 4, 26, 30), (3, 9, 100, 200)], [(2, 3, 26, 30)]),
     "narrowed": (8, "F: S >= 3 at H = 24, F = 48, no such guard at H = 24, F = 40", [], [(2, 2, 24, 48)]),
     "eighths": (2, "H, F: S <= 3 at H = 24, F = 40, S <= 4 at H = 36, F = 52", [], [(2, 2, 8, 30)]),
+    "windowed": (4, "S <= H/4 - 2", [(2, 6, 32, 30), (3, 2, 16, 50), (2, 4, 26, 30)], [(2, 7, 32, 30), (2, 3, 16, 30)]),
+    # inside: (2, 5, 40, 20) where F's bound is the tighter one; outside: past H's bound (F's: the test below)
+    "crossed": (4, "S <= H/4", [(2, 5, 40, 20), (3, 6, 28, 30)], [(2, 8, 28, 60), (3, 4, 12, 50)]),
 }
 
 
@@ -163,3 +173,70 @@ def test_the_peak_in_every_size_holds_in_the_fits_domain_and_is_refused_past_it(
         # what the step gave there before (its formula, unwarned), against real steps: the other branch's bytes
         formula = tuple(int(x.xreplace(e.numbers)) for x in (e.peak_first_step, e.peak))
         assert formula != _real_peaks(case, B, S, H, F), (B, S, H, F)
+
+
+# -- several bounds on one size in one trace (lift43) -------------------------------------------------------------
+def test_both_bounds_on_one_size_are_the_domain() -> None:
+    """``crossed``: each trace holds S <= F // 4 and S <= H // 4; both are lifted (domain43 refused a second bound on
+    S in one trace).  Past F's bound alone the formula warns, and real PyTorch takes the other branch there."""
+    d = trace(_build("crossed", 4), dims=DIMS, sizes={"H": 64, "F": 24}, optimizer="sgd")
+    assert "S <= F/4" in str(d.domain) and "S <= H/4" in str(d.domain)
+    words = "F = 20, S = 6 lie outside the formulas' domain (S <= F/4 fails)"
+    with pytest.warns(OutsideDomain, match=re.escape(words)):
+        e = d.at(B=2, S=6, H=40, F=20)
+    real = _real("crossed", 2, 6, 40, 20)
+    assert real[1] > 0 and e.value("input") == 0
+
+
+def _mistral(W: int) -> object:
+    from symmem.importer.hf_sizes import hf_sizes
+
+    return hf_sizes("hf:mistral", {"W": "sliding_window"},
+                    {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "vocab_size": 96, "sliding_window": W, "attn_implementation": "sdpa"},
+                    None)
+
+
+def _real_mistral(B: int, S: int, W: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    m = measure(_mistral(W).load({"W": W}).module, input_ids=torch.randint(0, 96, (B, S)))
+    return m.activations, m.input
+
+
+#: (B, S, W) inside S <= W - 2 (equal to the real model's saved bytes) and past it, where the sliding window masks
+#: (S >= W: the real model keeps more than the formula, traced where S < W - 1 at every W)
+MISTRAL_INSIDE = [(3, 5, 7), (2, 6, 9), (2, 30, 40)]
+MISTRAL_OUTSIDE = [(2, 7, 7), (2, 9, 7), (2, 8, 4)]
+
+
+def test_mistral_with_its_sliding_window_symbolic() -> None:
+    """HF Mistral, ``--symbolic W=sliding_window``: every trace holds S < W and S < W - 1 (its sliding-window mask's
+    branches), so domain43 refused the fit ("-S > -23 at W = 24"); stop 42's domain, the base trace's S < 23, claimed
+    S >= W, where the window masks and the real model keeps more.  Now S <= W - 2.  W is in the domain only (no
+    formula has it, so ``at(W=)`` refuses it): traced at W = 7 (``at`` warns by the config's W), other W through the
+    domain itself."""
+    pytest.importorskip("transformers")
+    model = _mistral(7)
+    d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes=model.sizes,
+              optimizer="adamw", device="cpu")
+    assert "S <= W - 2" in str(d.domain)
+
+    def holds(B: int, S: int, W: int) -> bool:
+        at = {"B": B, "S": S, "W": W}
+        return bool(d.domain.xreplace({x: at.get(x.name, d.numbers[x]) for x in d.domain.free_symbols}))
+
+    for B, S, W in MISTRAL_INSIDE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error" if W == 7 else "ignore", OutsideDomain)
+            e = d.at(B=B, S=S)
+        assert holds(B, S, W) and (e.value("activations"), e.value("input")) == _real_mistral(B, S, W), (B, S, W)
+    for B, S, W in MISTRAL_OUTSIDE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OutsideDomain)
+            e = d.at(B=B, S=S)
+        if W == 7:
+            words = f"S = {S}, W = 7 lie outside the formulas' domain (S <= W - 2 fails)"
+            with pytest.warns(OutsideDomain, match=re.escape(words)):
+                d.at(B=B, S=S)
+        assert not holds(B, S, W)
+        assert (e.value("activations"), e.value("input")) != _real_mistral(B, S, W), (B, S, W)

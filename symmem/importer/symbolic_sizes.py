@@ -766,19 +766,29 @@ def _guards_of_fit(first: Trace, plan: Plan, traces: _Traces) -> tuple[Any, list
         return ", ".join(n for n in a if a[n] != b[n])
 
     symbols = [v.symbol for v in plan.variables] + ([sym_for(LAYERS)] if plan.has_layers else [])
-    varying: dict[tuple[str, Any], dict[tuple[tuple[int, ...], int], Any]] = {}
+    bounds: dict[tuple[str, Any], dict[tuple[tuple[int, ...], int], list[Any]]] = {}
     refused: list[str] = []
     for k, conds in each.items():
         for c in conds:
             if c in common:
                 continue
             r = _relation(c)
-            if r is None or r[0] in varying and k in varying[r[0]]:
+            if r is None:
                 refused.append(f"{', '.join(names)}: {c} at {where(k)}")
                 continue
-            varying.setdefault(r[0], {})[k] = r[1]
+            bounds.setdefault(r[0], {}).setdefault(k, []).append(r[1])
+    # One trace may hold several bounds on one expression (HF Mistral's sliding-window mask: S < W and S < W - 1,
+    # ``S <= 23`` and ``S <= 22`` at W = 24): each trace's bounds ranked, tightest first (``rest + c <= 0``: the
+    # largest c), and rank i paired with rank i of every other trace -- the same guard at other sizes where the
+    # bounds keep their order.  A trace with fewer bounds lacks a guard the others have (refused as before).
+    varying: list[tuple[tuple[str, Any], dict[tuple[tuple[int, ...], int], Any]]] = []
+    for key, per in bounds.items():
+        ranked = {k: sorted(set(cs), reverse=True) for k, cs in per.items()}
+        for i in range(max(len(cs) for cs in ranked.values())):
+            varying.append((key, {k: cs[i] for k, cs in ranked.items() if i < len(cs)}))
     lifted, said = [], []
-    for (rel, rest), at in varying.items():
+    lines: dict[tuple[str, Any], list[Any]] = {}  # each key's lifted bounds (their constant in the sizes)
+    for (rel, rest), at in varying:
         missing = [k for k in keys if k not in at]
         if missing or base not in at:
             other = missing[0] if missing else base
@@ -799,8 +809,13 @@ def _guards_of_fit(first: Trace, plan: Plan, traces: _Traces) -> tuple[Any, list
             refused.append(f"{moved(off[0], base)}: {_lift(rel, rest, at[base])} at {where(base)}, "
                            f"{_lift(rel, rest, at[off[0]])} at {where(off[0])}")
             continue
-        bound = at[base] + sum(a * (s - y) for a, s, y in zip(slope, symbols, b, strict=True))
-        g = _lift(rel, rest, sympy.expand(sympy.sympify(bound, strict=True).xreplace(plan.back())))
+        bound = sympy.expand(sympy.sympify(at[base] + sum(a * (s - y) for a, s, y in zip(slope, symbols, b,
+                                                                                           strict=True)),
+                                           strict=True).xreplace(plan.back()))
+        if rel == "<=" and any((bound - o).is_number for o in lines.get((rel, rest), ())):
+            continue  # parallel to a tighter bound lifted before (ranked tightest first): implied by it
+        lines.setdefault((rel, rest), []).append(bound)
+        g = _lift(rel, rest, bound)
         lifted.append(g)
         moves = [n for n, a in zip(names, slope, strict=True) if a != 0]
         said.append(f"the guard {g}: its bound moves with {', '.join(moves) or 'no size'} (traced "
