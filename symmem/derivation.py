@@ -571,7 +571,7 @@ class Derivation:
                 if e.free_symbols & set_:
                     nums[t] = int(e.xreplace({x: nums[x] for x in e.free_symbols}))
         if self.domain is not sympy.true and any(by_name[n] in self.domain.free_symbols for n in values):
-            warn_outside(self.domain, nums, self.why, stacklevel=3)
+            warn_outside(self.domain, nums, self.why, stacklevel=2)  # the caller of at()
         # The expressions do not depend on the numbers: the new derivation keeps the ones already worked out.
         keep = _copied_fields(type(self))
         if keep is None:  # a __post_init__ to run: the constructor
