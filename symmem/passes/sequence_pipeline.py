@@ -150,15 +150,23 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         # keys of the ops after them read afresh (_Reads.refresh)
         repeats = self._repeats()
         stale = False
-        for k, e in enumerate(tl.events):
+        events = tl.events
+        k, end = 0, len(events)
+        while k < end:
+            if k in repeats:
+                last, first = repeats[k]
+                if not [j for j in range(last - k) if k + j in wanted and first + j not in out]:
+                    for j in range(last - k):
+                        if k + j in wanted:
+                            out[k + j] = out[first + j]
+                    # what the layer makes and frees, at once (each storage is made once, freed after it is made)
+                    alive |= {i for e in events[k:last] for i in e.born}
+                    alive -= {i for e in events[k:last] for i in e.freed}
+                    stale = True
+                    k = last
+                    continue
+            e = events[k]
             alive.update(e.born)
-            if k in repeats and (repeats[k] in out or k not in wanted):
-                if k in wanted:
-                    out[k] = out[repeats[k]]
-                if e.freed:
-                    alive.difference_update(e.freed)
-                stale = True
-                continue
             if stale:
                 reads.refresh(alive, k, e)
                 stale = False
@@ -170,10 +178,12 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
                 out[k] = found
             alive.difference_update(e.freed)
             reads.after(e)
+            k += 1
         return out
 
-    def _repeats(self) -> dict[int, int]:
-        """Written op -> the op in the same place of its sweep's first repeated layer, for the ops of layers 5 to
+    def _repeats(self) -> dict[int, tuple[int, int]]:
+        """A layer's first written op -> (the op after its last, the first op of its sweep's first repeated layer)
+        for the layers 5 to
         ``L - 4`` (written from the template's middle layer, as are the two layers either way of each) but that
         first one: what the walk's rule reads at an op (:class:`_Reads`: the op's storages, by their template
         storage's sizes, and the gathered copies of its own layer and its neighbours', their spans and ends within
@@ -183,7 +193,7 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
         from .stretch import _MIDDLE, TEMPLATE
 
         layout = self.layout
-        out: dict[int, int] = {}
+        out: dict[int, tuple[int, int]] = {}
         if layout is None or len(self.tl.events) != layout.ops:
             return out
         lo, hi = TEMPLATE, layout.layers - (TEMPLATE - 1)
@@ -195,8 +205,7 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
             first = lo if ascending else hi
             for n in range(lo, hi + 1):
                 if n != first:
-                    for j in range(y - x):
-                        out[starts[n] + j] = starts[first] + j
+                    out[starts[n]] = (starts[n] + y - x, starts[first])
         return out
 
 
