@@ -121,6 +121,30 @@ def test_sequence_parallel_keepers_of_the_linears_alone(attention, batch, heads)
     assert any(len(v) > 1 for v in sizes.keepers.values())  # the attention's three projections keep one copy
 
 
+@pytest.mark.parametrize("attention, batch, mesh, layers, p", [
+    ("sdpa", 2, {}, 12, 2), ("naive", 1, {}, 16, 4), ("sdpa", 1, {"data_parallel": "fsdp"}, 12, 4),
+    ("naive", 2, {"data_parallel": "fsdp"}, 14, 2)])
+def test_sequence_parallel_middle_layers_collectives_repeat(attention, batch, mesh, layers, p) -> None:
+    """SP x pipeline (alone and on the 3-D mesh): the collectives at each op of the middle layers 5 to L - 4, taken
+    from the first of them in their sweep (``_SequenceSizes._repeats``), are the walk's at every op of the step."""
+    from symmem import derive
+
+    # (eager attention at B = 1 with one key/value head a rank is refused: four heads)
+    values = {**SMALL, "B": batch, "G": 4, "L": layers, "t": 2, "p": p, **({"N": 2} if mesh else {})}
+    d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True, micro_batches=p,
+               attention=attention, device="cpu", values=values, **mesh)
+    step = d.step
+    cut = (step._checked_cut(step._named(None))[1] if mesh else step._cut(step._named(None)))
+    sizes = cut.sizes
+    ops = [k for found in cut.passes for kind in ("F", "B") for k, _ in found[kind]]
+    repeats = sizes._repeats()
+    assert repeats and {k for a, (b, _) in repeats.items() for k in range(a, b)} <= set(ops)
+    shortcut = sizes.extras(ops)
+    sizes._repeats = dict  # every op walked
+    walked = sizes.extras(ops)
+    assert shortcut == walked and len(walked) == len(ops)
+
+
 def test_zero_1_whole_parameters_shared_by_the_batches() -> None:
     """ZeRO-1 x pipeline: a stage's whole parameters at B + 1 (shared with B: no shape is in B) are those worked out
     at B + 1."""

@@ -110,13 +110,10 @@ class _Sizes:
         are one: :meth:`local`).  The replays and the collectives ask for thousands of storages: a list read."""
         if self._every is None and self._origin is not None:
             by: dict[int, sympy.Expr] = {}  # template storage -> its storages' size on the rank
-            out = []
             for i, o in enumerate(self._origin):
-                found = by.get(o)
-                if found is None:
-                    found = by[o] = self.local(i)
-                out.append(found)
-            self._every = out
+                if o not in by:  # (a test, not a call: 7,557 storages at Llama-2-7B's 32 layers)
+                    by[o] = self.local(i)
+            self._every = [by[o] for o in self._origin]
         return self._every
 
     def __init__(self, cut: _Cut) -> None:
