@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..timeline import RECOMPUTED, Event, Live, Timeline
-from .stretch import _MIDDLE, TEMPLATE, _alike_runs, _NotStretched, _split, _Stretch, _sweeps
+from .stretch import _MIDDLE, TEMPLATE, _alike_runs, _NotStretched, _split, _Stretch, _sweeps, _writable
 from .unroll import iteration
 
 #: a written storage whose first freeing op is not worked out yet
@@ -43,11 +43,7 @@ class Layout(_Stretch):
     """
 
     def __init__(self, tl: Timeline, layers: int) -> None:
-        # stretch()'s own checks before it writes anything
-        if layers < TEMPLATE:
-            raise _NotStretched
-        if any(e.phase not in ("forward", "backward") for e in tl.events) or sorted(tl.start) != list(
-                range(len(tl.start))) or any(sid >= len(tl.storages) for e in tl.events for sid in e.born + e.freed):
+        if not _writable(tl, layers):  # stretch()'s own checks before it writes anything
             raise _NotStretched
         self.tl, self.layers = tl, layers
         self.shift = layers - TEMPLATE

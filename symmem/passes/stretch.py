@@ -62,10 +62,7 @@ def stretch(tl: Timeline, layers: int, origin: list[int] | None = None) -> Timel
     storage's template storage (its id in ``tl``), so that what is read from a storage's name (its layer, its name
     without the number) is read once for the storages written from one (their names are the template's, numbered
     anew; the template's layer 1 is written for layer 1 alone)."""
-    if layers < TEMPLATE:
-        return None
-    if any(e.phase not in ("forward", "backward") for e in tl.events) or sorted(tl.start) != list(
-            range(len(tl.start))) or any(sid >= len(tl.storages) for e in tl.events for sid in e.born + e.freed):
+    if not _writable(tl, layers):
         return None
     try:
         found = _Stretch(tl, layers)
@@ -75,6 +72,15 @@ def stretch(tl: Timeline, layers: int, origin: list[int] | None = None) -> Timel
         return made
     except _NotStretched:
         return None
+
+
+def _writable(tl: Timeline, layers: int) -> bool:
+    """What :func:`stretch` asks before it reads the layers (and ``pipeline_layout.Layout`` alike): at least the
+    template's layers, forward and backward events only, the start numbered in order, every id a storage."""
+    return layers >= TEMPLATE and not (
+        any(e.phase not in ("forward", "backward") for e in tl.events)
+        or sorted(tl.start) != list(range(len(tl.start)))
+        or any(sid >= len(tl.storages) for e in tl.events for sid in e.born + e.freed))
 
 
 def _alike_runs(events: Sequence[Event], labels: Sequence[int], runs: Sequence[tuple[int, int]],
