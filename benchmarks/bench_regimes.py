@@ -2,8 +2,14 @@
 
     python benchmarks/bench_regimes.py              # gpt2 and llama at their default sizes, N = 8, t = 2
     python benchmarks/bench_regimes.py --rounds 5 llama
+    python benchmarks/bench_regimes.py --filed --calls --rounds 1   # the issue's target, in function calls
 
-The target (issue 19, item 5): the peak per device under any engine costs no more than one device's peak does.
+The target (issue 19, item 5): the peak per device under any engine "costs no more than the single-device peak
+does today" -- today being the day the issue was filed.  ``--filed`` holds every case against the one-device peak
+(the same checkpointing and gradient accumulation) of the tree the issue was filed against (:data:`FILED`, unpacked
+from this checkout's history) and, beside it, against this tree's own one device (the stricter ratio: the one device
+got faster since).  ``--calls`` counts the Python function calls each case makes (cProfile) in place of its CPU
+seconds: the same count on every run, where this machine's CPU time moves by up to 20% between runs.
 Each case is a first call, as on the command line: its own fresh process (imports done before the clock
 starts; the modules a case imports lazily read their compiled bytecode, as an installed symmem does: the checkouts
 are compiled once, before any round, into a cache of the benchmark's own, so ``PYTHONDONTWRITEBYTECODE`` in the
@@ -79,7 +85,19 @@ MODELS = {"gpt2": [r for r in REGIMES if not r[1].get("tensor_parallel")], "llam
 
 
 def timed(model: str, keywords: dict) -> float:
-    """CPU seconds of ``derive`` and its steady and first-step peaks."""
+    """CPU seconds of ``derive`` and its steady and first-step peaks (with ``SYMMEM_BENCH_CALLS`` set in the
+    environment: the Python function calls they make instead, as cProfile counts them -- a repeatable measure
+    where the machine's CPU time moves between runs)."""
+    if os.environ.get("SYMMEM_BENCH_CALLS"):
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        d = derive(model, convention="pytorch", device="cpu", **keywords)
+        d.value("peak"), d.value("peak_first_step")
+        profile.disable()
+        return float(pstats.Stats(profile).total_calls)
     t = time.process_time()
     d = derive(model, convention="pytorch", device="cpu", **keywords)
     d.value("peak"), d.value("peak_first_step")
@@ -144,6 +162,62 @@ def paired(model: str, rounds: int, trees: Sequence[str], only: Sequence[str] = 
             for label, _ in cases]
 
 
+#: the commit issue 19 ("The peak per device under the engines people train with") was filed against: the parent
+#: of its first commit (2026-11-25 21:58 UTC).  Its item 5 asks that a per-device peak cost "no more than the
+#: single-device peak does today": this tree's one-device peak is that cost
+FILED = "58610349f309f0d6c14b4ede87e4f7d27e0ef40e"
+
+
+def filed_tree() -> str:
+    """:data:`FILED`'s ``symmem``, unpacked once into the temporary directory from this checkout's history."""
+    where = os.path.join(tempfile.gettempdir(), f"symmem-filed-{FILED[:12]}")
+    if not os.path.isfile(os.path.join(where, "symmem", "__init__.py")):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        archive = subprocess.run(["git", "-C", root, "archive", FILED, "symmem"], capture_output=True, check=False)
+        if archive.returncode:
+            raise SystemExit(f"bench_regimes: --filed needs this checkout's git history (commit {FILED[:12]}): "
+                             f"{archive.stderr.decode().strip()}")
+        os.makedirs(where, exist_ok=True)
+        subprocess.run(["tar", "-x", "-C", where], input=archive.stdout, check=True)
+    return where
+
+
+def single(keywords: dict) -> dict:
+    """The one-device case a regime's case is held against: the same checkpointing and, outside a pipeline (where
+    micro-batches are the schedule's), the same gradient accumulation."""
+    kept = {k: keywords[k] for k in ("checkpoint",) if k in keywords}
+    if "micro_batches" in keywords and not keywords.get("pipeline_parallel"):
+        kept["micro_batches"] = keywords["micro_batches"]
+    return kept
+
+
+def against_filed(model: str, rounds: int) -> list[tuple[str, float, float, float]]:
+    """(label, median cost, median ratio to the filed tree's one device, median ratio to this tree's) per regime,
+    each held against the one device of :func:`single` (the same checkpointing and accumulation).  Each round
+    times the filed tree's one-device cases before and after this tree's (their mean is the round's base), every
+    case a first call in a fresh process."""
+    filed = filed_tree()
+    compiled(filed)
+    compiled(None)
+    cases = MODELS[model]
+    bases = {json.dumps(single(kw), sort_keys=True): single(kw) for _, kw in cases}
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    to_filed: dict[str, list[float]] = {label: [] for label, _ in cases}
+    to_same: dict[str, list[float]] = {label: [] for label, _ in cases}
+    for _ in range(rounds):
+        before = {key: fresh(model, kw, filed) for key, kw in bases.items()}
+        mine = {key: fresh(model, kw) for key, kw in bases.items()}
+        seconds = {label: fresh(model, kw) for label, kw in cases}
+        base = {key: (before[key] + fresh(model, kw, filed)) / 2 for key, kw in bases.items()}
+        for label, kw in cases:
+            key = json.dumps(single(kw), sort_keys=True)
+            times[label].append(seconds[label])
+            to_filed[label].append(seconds[label] / base[key])
+            to_same[label].append(seconds[label] / mine[key])
+    return [(label, statistics.median(times[label]), statistics.median(to_filed[label]),
+             statistics.median(to_same[label])) for label, _ in cases]
+
+
 def run(model: str, rounds: int, warm: bool = False) -> list[tuple[str, float, float]]:
     """(label, median seconds, median ratio to one device in the same round) per regime."""
     cases = MODELS[model]
@@ -176,10 +250,27 @@ def main(argv: list[str] | None = None) -> None:
                              "the first tree is PYTHONPATH's")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="the regimes whose label holds TEXT (with --against; repeatable)")
+    parser.add_argument("--filed", action="store_true",
+                        help="each case against the one-device peak of the tree issue 19 was filed against (FILED) "
+                             "as well as this tree's")
+    parser.add_argument("--calls", action="store_true",
+                        help="count Python function calls (cProfile) instead of CPU seconds: repeatable")
     parser.add_argument("--case", nargs=2, metavar=("MODEL", "JSON"), help=argparse.SUPPRESS)  # one fresh call
     args = parser.parse_args(argv)
+    if args.calls:
+        os.environ["SYMMEM_BENCH_CALLS"] = "1"  # read by every case's process (fresh() passes the environment)
     if args.case:
         print(timed(args.case[0], json.loads(args.case[1])))
+        return
+    unit = "function calls" if args.calls else "CPU seconds"
+    if args.filed:
+        for model in args.models or list(MODELS):
+            print(f"{model} (default sizes): {unit} of a first call, median of {args.rounds}; ratio to the one-device "
+                  f"peak (the same checkpointing and accumulation) of the tree issue 19 was filed against "
+                  f"({FILED[:7]}) and to this tree's")
+            for label, seconds, filed, same in against_filed(model, args.rounds):
+                shown = f"{seconds:10,.0f}" if args.calls else f"{seconds:6.2f} s"
+                print(f"  {label:<44} {shown}  {filed:5.2f}x filed  {same:5.2f}x this tree")
         return
     if args.against:
         trees = [os.environ.get("PYTHONPATH", ""), *args.against]
@@ -191,10 +282,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {label:<44} {cols}  ({pair:4.2f} of the last tree's time, median of the rounds' pairs)")
         return
     for model in args.models or list(MODELS):
-        print(f"{model} (default sizes): derive + peak (steady and first step), CPU seconds of a "
+        print(f"{model} (default sizes): derive + peak (steady and first step), {unit} of a "
               f"{'repeated' if args.warm else 'first'} call, median of {args.rounds}")
         for label, seconds, ratio in run(model, args.rounds, args.warm):
-            print(f"  {label:<22} {seconds:6.2f} s  {ratio:5.2f}x")
+            shown = f"{seconds:10,.0f}" if args.calls else f"{seconds:6.2f} s"
+            print(f"  {label:<22} {shown}  {ratio:5.2f}x")
 
 
 if __name__ == "__main__":
