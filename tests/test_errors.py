@@ -140,6 +140,8 @@ def test_verify_without_torch_says_how_to_install(monkeypatch, capsys):
     (["derive", "vgg16", "--set", "Wi=1"], ["node 'features.4' (maxpool2d)", "Wi=1", "too small"]),
     (["derive", "vit-b16", "--set", "Hi=8", "--set", "Wi=8"], ["patch_embed.proj", "Hi=8", "too small"]),
     (["derive", "vit-b16", "--set", "B=1", "--set", "B=2"], ["--set B is given twice"]),
+    (["derive", "vit-b16", "--set", "B=1,B=2"], ["--set B is given twice"]),
+    (["derive", "vit-b16", "--set", "B=1,000"], ["'000' is not NAME=VALUE", "1_000"]),
     (["derive", "vit-b16", "--set", "B=9223372036854775808"], ["largest size PyTorch allows"]),
     (["derive", "vit-b16", "--set", "B=1" + "0" * 5000], ["largest size PyTorch allows"]),
     (["derive", "mlp", "--free", ",,"], ["--free", "symbol names"]),

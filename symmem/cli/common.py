@@ -46,10 +46,30 @@ def parse_assignment(text: str) -> tuple[str, int]:
     return name, int(digits)
 
 
+def assignments(items: Sequence[str] | None) -> list[tuple[str, int]]:
+    """Every ``--set``'s assignments: one each, or several separated by commas (``--set N=8,t=2``).
+
+    >>> assignments(["B=32", "N=8, t=2"])
+    [('B', 32), ('N', 8), ('t', 2)]
+    >>> assignments(["B=1,000"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: --set B=1,000: '000' is not NAME=VALUE (separate assignments with commas, ...
+    """
+    out = []
+    for item in items or ():
+        parts = item.split(",") if "," in item else [item]
+        for part in parts:
+            if len(parts) > 1 and not _SET.match(part):
+                shown = item if len(item) <= 40 else f"{item[:37]}..."
+                raise SymmemError(f"--set {shown}: {part.strip()[:20]!r} is not NAME=VALUE (separate assignments "
+                                  "with commas, e.g. --set N=8,t=2; write a number without commas: 1000 or 1_000)")
+            out.append(parse_assignment(part))
+    return out
+
+
 def _parse_sets(items: Sequence[str] | None) -> dict[str, int]:
     out: dict[str, int] = {}
-    for item in items or ():
-        name, value = parse_assignment(item)
+    for name, value in assignments(items):
         if name in out:
             raise SymmemError(f"--set {name} is given twice ({name}={out[name]} and {name}={value}); give it once")
         out[name] = value
@@ -153,7 +173,7 @@ def add_formula_options(p: argparse.ArgumentParser, *, regime: bool = True, mode
     if model_options:
         add_model_options(p)
     p.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
-                   help="give a symbol a value, e.g. --set B=32 (repeatable)")
+                   help="give a symbol a value, e.g. --set B=32 or --set N=8,t=2 (repeatable)")
     p.add_argument("--free", default=None, metavar="A,B,...",
                    help="symbols to keep in the formula (default: the model's)")
     p.add_argument("--per-layer", action="store_true", help="one repeated layer instead of the whole model")

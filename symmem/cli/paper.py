@@ -46,9 +46,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..apps.article import Spec, write
-    from .common import parse_assignment
+    from .common import assignments
 
-    values = dict(parse_assignment(s) for s in args.set)
+    values = dict(assignments(args.set))
     traced = _traced(args)
     spec = Spec.make(args.model, args.attention, convention=args.convention, optimizer=args.optimizer,
                      precision=args.precision, checkpoint=args.checkpoint, device=args.device,
