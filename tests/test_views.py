@@ -101,6 +101,9 @@ def test_a_sweep_names_the_layout_its_values_are_one_device_of(kw, layout):
     d = symmem.derive(model, device="cpu", **kw)
     fig = sweep(d, "B", values=[1, 2])
     assert fig.axes[0].get_title().endswith(f"FP32 + AdamW on cpu{layout}: memory vs B")
+    # under a pipeline the dashed curves are the papers' stage (both ends on it), which no device holds: named so
+    labels = [x.get_text() for x in fig.axes[0].get_legend().get_texts()]
+    assert sum("the papers' stage" in x for x in labels) == (2 if kw.get("pipeline_parallel") else 0), labels
     close(fig)
     # the table's (and every view's) header says it too
     assert d.title().endswith("fused attention (SDPA)" + layout)

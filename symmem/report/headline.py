@@ -25,6 +25,18 @@ SHORT_LABELS = {"total": "kept + parameters"}
 PEAK_LABEL = "peak of a training step (what must fit)"
 
 
+def papers_stage(d: Derivation) -> bool:
+    """Whether ``total`` is the papers' accounting of a pipeline stage (Korthikanti et al.: L/p layers, the
+    micro-batches in flight, the embedding and the head both), which no stage holds: the peak per stage is each
+    device's, and can be below it."""
+    regime = getattr(d, "regime", None)
+    return bool(getattr(regime, "pipeline_parallel", False))
+
+
+#: the plot's and the table's words for ``total`` under pipeline parallelism (:func:`papers_stage`)
+PAPERS_STAGE = "the papers' stage (embedding and head both): kept + parameters"
+
+
 def name_of(key: str, short: bool = False) -> str:
     """The name a view gives a total: ``total`` -> ``kept after forward + parameters`` (``short``: ``kept +
     parameters``); others as they are."""

@@ -328,7 +328,11 @@ def sweep(d: Derivation, name: str = "B", values: Sequence[int] | None = None,
     values = _swept(name, values, fit.max if fit is not None else 0, d.numbers[sym], accepts)
     xs = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    curves = [(total, "kept after forward + parameters", "--"), (par, "parameter side", ":")]
+    from .headline import PAPERS_STAGE, papers_stage
+
+    papers = papers_stage(d)
+    curves = [(total, PAPERS_STAGE if papers else "kept after forward + parameters", "--"),
+              (par, "the papers' stage: parameter side" if papers else "parameter side", ":")]
     if quantity == "peak":
         curves.insert(0, (fits, "peak of a training step", "-"))
     for expr, label, style in curves:

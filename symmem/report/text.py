@@ -25,7 +25,7 @@ from ..simplify import factored, rounded
 from ..symbols import N
 from ..units import UNITS
 from .factoring import field, fields, in_sizes, legend
-from .headline import LABELS, PEAK_LABEL, name_of, peak_state, per_device
+from .headline import LABELS, PEAK_LABEL, name_of, papers_stage, peak_state, per_device
 
 if TYPE_CHECKING:
     from ..derivation import Derivation
@@ -373,8 +373,11 @@ def _peak_lines(d: Derivation, width: int, cut: bool, state: tuple[list[Any], st
         return []  # the headline said why
     short = width < _KEY + 62
     key_width = 20 if short else _KEY
-    lines = ["", *textwrap.wrap(f"{name_of('total', short)} = the tensors kept at the end of the forward pass + the "
-                                "parameter side; peak = the most memory alive at any moment of a training step "
+    total = (f"{name_of('total', short)} = the tensors kept at the end of the forward pass + the parameter side"
+             + (" as the papers count one pipeline stage (L/p layers, the micro-batches in flight, the embedding and "
+                "the head both: no stage holds exactly this, and a stage's peak can be below it)"
+                if papers_stage(d) else ""))
+    lines = ["", *textwrap.wrap(f"{total}; peak = the most memory alive at any moment of a training step "
                                 "(forward, backward, optimizer step), what must fit:", max(width, 40))]
     count = d.peak_candidates()
     for key, v, moment in found:
