@@ -439,8 +439,9 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     optimizer state, alive through a steady step, and its optimizer step over the whole parameters it owns -- is
     walked on its own, from the storages alive when the backward ends.  Full and selective checkpointing too (their
     recomputations are every rank's, and each layer's alike as without): the same formulas and per-rank values as
-    a whole walk per rank (Llama-2-7B at N = 8 with full checkpointing: 4.65M -> 0.91M function calls; one device with it: 0.68M).  None where
-    this does not apply (every-K checkpointing, whose step repeats every K layers; a block shorter than ``base``)."""
+    a whole walk per rank (Llama-2-7B at N = 8 with full checkpointing: 4.65M -> 0.91M function calls; one device
+    with it 0.68M).  None where this does not apply (every-K checkpointing, whose step repeats every K layers; a
+    block shorter than ``base``)."""
     period, edge, base = layout(regime)
     counts = {name: b.count.xreplace(dict(subs)) for name, b in graph.blocks.items()}
     if regime.checkpoint not in ("none", "full", "selective") or period != 1 or not all(
