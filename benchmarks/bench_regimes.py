@@ -48,6 +48,8 @@ PIPELINE: list[tuple[str, dict]] = [
                         "values": {"N": 8, "p": 4}}),
     ("zero-1 x pipeline", {"data_parallel": "zero-redundancy", "pipeline_parallel": True, "micro_batches": 8,
                            "values": {"N": 8, "p": 4}}),
+    ("ddp-bucket-view x pipeline", {"data_parallel": "ddp-bucket-view", "pipeline_parallel": True, "micro_batches": 8,
+                                    "values": {"N": 8, "p": 4}}),
 ]
 
 #: (label, derive keywords): the engines at N = 8 (ranks), tensor parallel at t = 2, the papers' ZeRO-3
@@ -67,11 +69,16 @@ REGIMES: list[tuple[str, dict]] = [
                                            "values": {"N": 8, "t": 2, "p": 4}}),
     ("sequence parallel x pipeline", {"tensor_parallel": True, "sequence_parallel": True, "pipeline_parallel": True,
                                       "micro_batches": 8, "values": {"t": 2, "p": 4}}),
+    ("fsdp x sequence parallel x pipeline", {"data_parallel": "fsdp", "tensor_parallel": True,
+                                             "sequence_parallel": True, "pipeline_parallel": True, "micro_batches": 8,
+                                             "values": {"N": 8, "t": 2, "p": 4}}),
     *PIPELINE,
     # activation checkpointing and FSDP2's MixedPrecisionPolicy, the configurations people train with (one device
     # with the same checkpointing is the row to hold the checkpointed ones against)
     ("one device, full checkpointing", {"checkpoint": "full"}),
     ("fsdp, full checkpointing", {"data_parallel": "fsdp", "checkpoint": "full", "values": {"N": 8}}),
+    ("zero-redundancy, full checkpointing", {"data_parallel": "zero-redundancy", "checkpoint": "full",
+                                             "values": {"N": 8}}),
     ("fsdp, bf16 policy", {"data_parallel": "fsdp", "param_dtype": "bfloat16", "values": {"N": 8}}),
     ("fsdp, bf16 policy, full checkpointing, M=4", {"data_parallel": "fsdp", "param_dtype": "bfloat16",
                                                      "checkpoint": "full", "micro_batches": 4, "values": {"N": 8}}),
