@@ -158,7 +158,7 @@ def kept_terms(storages: tuple[Storage, ...] | list[Storage]) -> tuple[Term, ...
 
 #: Cached properties of a :class:`Derivation` that do not depend on its numbers, kept by :meth:`Derivation.at`.
 _NUMBER_FREE = frozenset({"terms", "activations", "input", "loss", "parameter_memory", "transient", "total",
-                          "_groups"})
+                          "_groups", "_settable"})
 
 
 @functools.lru_cache(maxsize=8)
@@ -426,20 +426,65 @@ class Derivation:
         >>> d = derive("vit-b16", attention="sdpa")
         >>> d.values("total", B=[1, 64]).tolist() == [d.at(B=1).value("total"), d.value("total")]
         True
-        >>> d.values("activations", B=[[1], [2]], S=[197, 577]).tolist()
-        [[117574312, 344339336], [235148432, 688678480]]
+        >>> d.values("activations", B=[[1], [2]], L=[12, 24]).tolist()
+        [[117574312, 233936680], [235148432, 467872976]]
+
+        A size that follows from others moves with them (ViT's S from the image, as :meth:`at` moves it); one given
+        where they say otherwise is refused, naming the rule:
+
+        >>> image = derive("vit-b16", attention="sdpa", free=("B", "S", "Hi", "Wi"))
+        >>> image.values("activations", Hi=[224, 384], Wi=[224, 384]).tolist()
+        [7524743872, 22037705408]
+        >>> image.values("activations", S=[197, 577])
+        Traceback (most recent call last):
+        symmem.errors.SymmemError: S follows from Hi, Wi: S = floor(Hi/16)*floor(Wi/16) + 1, which is 197 at ...
         """
 
-        by_name = {s.name: s for s in self.free}
+        by_name = self._settable
         for name in values:
             if name not in by_name:
                 raise SymmemError(f"{name!r} is not a symbol of this formula (it is in "
                                   f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
                                   f"values={{{name!r}: ...}}")
+        values = self._tied_values(values)
         self._warn_outside_values(values)
         if key in ("peak", "peak_first_step"):
             return self._peak_values(key, values)
         return self._expr_values(key, values)
+
+    def _tied_values(self, values: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``values`` with each size that follows from others (ViT's S from Hi, Wi) moved with those given, as
+        :meth:`at` moves it; one given by hand where they say otherwise is refused in :meth:`at`'s words."""
+        import numpy as np
+
+        out = dict(values)
+        try:
+            np.broadcast_shapes(*(np.shape(v) for v in values.values()))
+        except ValueError:
+            return out  # the values do not broadcast: the evaluation says so
+        for t, e in self.tied.items():
+            given = [x for x in e.free_symbols if x.name in values]
+            if not given and t.name not in values:
+                continue
+            f = evaluator(e)
+            if not all(x.name in values or x in self.numbers for x in f.symbols):
+                continue
+            args = [np.asarray(values[x.name]) if x.name in values else self.numbers[x] for x in f.symbols]
+            try:
+                follows = np.asarray(f.many(*args))
+                if t.name not in values:
+                    out[t.name] = follows
+                    continue
+                mine, theirs = np.broadcast_arrays(np.asarray(values[t.name]), follows, *args)[:2]
+            except ValueError:
+                continue  # the values do not broadcast: the evaluation says so
+            wrong = np.argwhere(mine != theirs)
+            if len(wrong):
+                index = tuple(wrong[0])
+                grid = np.broadcast_arrays(np.asarray(values[t.name]), follows, *args)[2:]
+                nums = {**self.numbers, **{x: int(g[index]) for x, g in zip(f.symbols, grid, strict=True)}}
+                raise self._tied_error(t, nums, int(mine[index]), int(theirs[index]))
+        return out
 
     def _warn_outside_values(self, values: Mapping[str, Any]) -> None:
         """An :class:`~symmem.errors.OutsideDomain` warning, in :meth:`at`'s words, at the first configuration of
@@ -451,7 +496,7 @@ class Derivation:
                  if {s.name for s in c.free_symbols} & set(values)]
         if not conds:
             return
-        by_name = {s.name: s for s in self.free}
+        by_name = self._settable
         names = sorted({s.name for c in conds for s in c.free_symbols} & set(values))
         try:
             grid = np.broadcast_arrays(*(np.asarray(values[n]) for n in names))
@@ -502,7 +547,7 @@ class Derivation:
         found = self._peak()
         out = self._expr_values(found.expr if key == "peak" else found.first, values)
         grid = {n: np.broadcast_to(np.asarray(v), out.shape) for n, v in values.items()}
-        by_name = {s.name: s for s in self.free}
+        by_name = self._settable
         outside = np.zeros(out.shape, dtype=bool)
         for combo in np.unique(np.stack([grid[n].ravel() for n in limits], axis=-1), axis=0):
             if not step.holds_at({**self.numbers, **{by_name[n]: int(v) for n, v in zip(limits, combo,
@@ -554,7 +599,7 @@ class Derivation:
         1
         """
         nums = dict(self.numbers)
-        by_name = {s.name: s for s in self.free}
+        by_name = self._settable
         for name, v in values.items():
             if name not in by_name:
                 # Other symbols were replaced by their values when deriving (F = 4H, S from the image size),
@@ -563,19 +608,22 @@ class Derivation:
                                   f"{', '.join(sorted(by_name)) or 'no symbol'}); derive again with "
                                   f"values={{{name!r}: {v!r}}}")
             nums[by_name[name]] = positive_int(name, v)
-        tied = self.tied
-        if tied:
+        if self.tied:
             set_ = {by_name[name] for name in values}
-            tied = {t: e for t, e in tied.items() if t not in set_}  # a number set by hand unties it
-            for t, e in tied.items():
+            for t, e in self.tied.items():
+                if not (t in set_ or e.free_symbols & set_) or not e.free_symbols <= nums.keys():
+                    continue
+                follows = int(e.xreplace({x: sympy.Integer(nums[x]) for x in e.free_symbols}))
+                if t in set_ and nums[t] != follows:  # S set by hand where the image says otherwise: never mixed
+                    raise self._tied_error(t, nums, nums[t], follows)
                 if e.free_symbols & set_:
-                    nums[t] = int(e.xreplace({x: nums[x] for x in e.free_symbols}))
+                    nums[t] = follows
         if self.domain is not sympy.true and any(by_name[n] in self.domain.free_symbols for n in values):
             warn_outside(self.domain, nums, self.why, stacklevel=2)  # the caller of at()
         # The expressions do not depend on the numbers: the new derivation keeps the ones already worked out.
         keep = _copied_fields(type(self))
         if keep is None:  # a __post_init__ to run: the constructor
-            new = replace(self, numbers=nums, tied=tied)
+            new = replace(self, numbers=nums)
             new.__dict__.update({k: v for k, v in self.__dict__.items() if k in _NUMBER_FREE})
             return new
         new = object.__new__(type(self))  # a field-by-field copy: a fifth of replace()'s cost, in a loop over sizes
@@ -584,8 +632,36 @@ class Derivation:
             if k in keep:
                 state[k] = v
         state["numbers"] = nums
-        state["tied"] = tied
         return new
+
+    @cached_property
+    def _settable(self) -> dict[str, sympy.Symbol]:
+        """The symbols :meth:`at` and :meth:`values` set, by name: the free ones, and a size the domain alone has
+        (a traced Mistral's sliding window ``W`` in ``S <= W - 2``: no formula holds it, so a new number changes
+        none of them, only where they are known to hold)."""
+        out = {s.name: s for s in self.free}
+        if isinstance(self.domain, sympy.Basic) and self.domain is not sympy.true:
+            for s in self.domain.free_symbols:
+                if s in self.numbers:
+                    out.setdefault(s.name, s)
+        return out
+
+    def _tied_error(self, t: sympy.Symbol, nums: Mapping[sympy.Symbol, int], given: int, follows: int
+                    ) -> SymmemError:
+        """The refusal of ``t = given`` where ``t`` follows from other sizes (ViT's S from the image), which give
+        ``follows``: the rule, the sizes it was worked at, and which sizes to set instead."""
+        e = self.tied[t]
+        sources = sorted(e.free_symbols, key=lambda x: x.name)
+        names = [x.name for x in sources]
+        at = ", ".join(f"{x.name} = {nums[x]:,}" for x in sources)
+        sides = _equal_sides(e, sources, given)
+        shown = "..." if sides is None else str(sides)
+        how = f"at({', '.join(f'{n}={shown}' for n in names)}) moves {t.name} with them" \
+            if set(names) <= {x.name for x in self.free} else \
+            f"derive again with values={{{', '.join(f'{n!r}: {shown}' for n in names)}}}"
+        return SymmemError(f"{t.name} follows from {', '.join(names)}: {t.name} = {e}, which is {follows:,} at {at}, "
+                           f"not {given:,}; set {' and '.join(names)} instead of {t.name} ({how}"
+                           f"{'' if sides is None else f' for {t.name} = {given:,}'})")
 
     # -- views ----------------------------------------------------------------------------------------
     def title(self) -> str:
@@ -722,6 +798,23 @@ def outside(domain: Any, numbers: Mapping[sympy.Symbol, int], reasons: Mapping[A
         found.append(f"{at} {verb} outside the formulas' domain ({cond} fails{f': {why}' if why else ''}): they are "
                      "not known to hold there")
     return tuple(found)
+
+
+def _equal_sides(e: sympy.Expr, sources: list[sympy.Symbol], value: int) -> int | None:
+    """The size ``x`` with ``e`` = ``value`` at every source ``x`` (a square image's side for ViT's S), or None
+    where there is none; ``e`` grows with its sources (the grid of patches and the class token)."""
+    def at(x: int) -> int:
+        return int(e.xreplace({s: sympy.Integer(x) for s in sources}))
+
+    if value <= at(1):  # no image gives it (ViT's S = 1: the class token alone)
+        return None
+    lo, hi = 1, 1
+    while at(hi) < value and hi < MAX_SIZE:
+        lo, hi = hi, min(2 * hi, MAX_SIZE)
+    while lo < hi:  # the smallest x with at(x) >= value
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if at(mid) < value else (lo, mid)
+    return lo if at(lo) == value else None
 
 
 def failing_anywhere(domain: Any) -> list[Any]:

@@ -213,30 +213,29 @@ def test_mistral_with_its_sliding_window_symbolic() -> None:
     """HF Mistral, ``--symbolic W=sliding_window``: every trace holds S < W and S < W - 1 (its sliding-window mask's
     branches), so domain43 refused the fit ("-S > -23 at W = 24"); stop 42's domain, the base trace's S < 23, claimed
     S >= W, where the window masks and the real model keeps more.  Now S <= W - 2.  W is in the domain only (no
-    formula has it, so ``at(W=)`` refuses it): traced at W = 7 (``at`` warns by the config's W), other W through the
-    domain itself."""
+    formula has it); ``at(W=)`` and ``values(W=)`` set it all the same and judge the sizes against the domain at it
+    (stop 44: they refused it, "derive again with values={'W': 9}", which a traced module cannot): traced at W = 7."""
     pytest.importorskip("transformers")
     model = _mistral(7)
     d = trace(model.build, dims={"B": [("input_ids", 0)], "S": [("input_ids", 1)]}, sizes=model.sizes,
               optimizer="adamw", device="cpu")
-    assert "S <= W - 2" in str(d.domain)
-
-    def holds(B: int, S: int, W: int) -> bool:
-        at = {"B": B, "S": S, "W": W}
-        return bool(d.domain.xreplace({x: at.get(x.name, d.numbers[x]) for x in d.domain.free_symbols}))
-
+    assert "S <= W - 2" in str(d.domain) and "W" not in {s.name for s in d.free}
     for B, S, W in MISTRAL_INSIDE:
         with warnings.catch_warnings():
-            warnings.simplefilter("error" if W == 7 else "ignore", OutsideDomain)
-            e = d.at(B=B, S=S)
-        assert holds(B, S, W) and (e.value("activations"), e.value("input")) == _real_mistral(B, S, W), (B, S, W)
+            warnings.simplefilter("error", OutsideDomain)
+            e = d.at(B=B, S=S, W=W)
+        assert e.outside() == () and e.numbers[next(s for s in e.numbers if s.name == "W")] == W
+        assert (e.value("activations"), e.value("input")) == _real_mistral(B, S, W), (B, S, W)
     for B, S, W in MISTRAL_OUTSIDE:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", OutsideDomain)
-            e = d.at(B=B, S=S)
-        if W == 7:
-            words = f"S = {S}, W = 7 lie outside the formulas' domain (S <= W - 2 fails)"
-            with pytest.warns(OutsideDomain, match=re.escape(words)):
-                d.at(B=B, S=S)
-        assert not holds(B, S, W)
+        words = f"S = {S}, W = {W} lie outside the formulas' domain (S <= W - 2 fails)"
+        with pytest.warns(OutsideDomain, match=re.escape(words)):
+            e = d.at(B=B, S=S, W=W)
         assert (e.value("activations"), e.value("input")) != _real_mistral(B, S, W), (B, S, W)
+    # many sizes at once: the same numbers, each configuration outside the domain said (the first one's words)
+    cases = MISTRAL_INSIDE + MISTRAL_OUTSIDE
+    with pytest.warns(OutsideDomain, match=re.escape("S = 7, W = 7 lie outside")):
+        many = d.values("activations", B=[b for b, _, _ in cases], S=[s for _, s, _ in cases],
+                        W=[w for _, _, w in cases])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutsideDomain)
+        assert many.tolist() == [d.at(B=b, S=s, W=w).value("activations") for b, s, w in cases]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -60,6 +60,9 @@ class Fit:
     #: the derivation's other sizes, held at their values while ``symbol`` moved (``(("S", 512),)``): the answer
     #: holds at those sizes only
     held: tuple[tuple[str, int], ...] = ()
+    #: the held sizes that follow from others (ViT's S from Hi, Wi): ``--set`` refuses them, so the hint names
+    #: another (:func:`held_line`)
+    follows: tuple[str, ...] = field(default=(), compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract of ``symmem fit --format json`` (``total_at_max``/``total_above`` are the
@@ -87,12 +90,14 @@ class Fit:
             why = f"they are {why}" if why.startswith(LIMITS) else f"the model refuses it ({why})"
             text += f"capped at {self.symbol} = {self.max:,}: {self.symbol} = {span} would fit but {why}; "
         text += f"{self.symbol} = {bound + 1:,} needs {format_bytes(self.total_above)} ({self.total_above:,} B)"
-        return f"{text}\n{held_line(self.held, origins)}"
+        return f"{text}\n{held_line(self.held, origins, self.follows)}"
 
 
-def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None = None) -> str:
+def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None = None,
+              follows: tuple[str, ...] = ()) -> str:
     """``held: S = 16 (the example input); L = 2 (the traced module's layers); --set S=... answers at another S``:
-    the sizes an answer holds at, grouped by where their values come from (``origins``, where known).
+    the sizes an answer holds at, grouped by where their values come from (``origins``, where known).  The hint
+    never names a size that ``follows`` from others (ViT's S from the image: ``--set S=`` is refused there).
 
     >>> print(held_line((("S", 512), ("L", 12)), {"S": "--set", "L": "the model's default"}))
     held: S = 512 (--set); L = 12 (the model's default); --set L=... answers at another L
@@ -110,7 +115,7 @@ def held_line(held: tuple[tuple[str, int], ...], origins: dict[str, str] | None 
         return origin + ("s" if n > 1 and origin != "--set" and not origin.endswith("s") else "")
 
     parts = "; ".join(f"{held_text(tuple(items))} ({plural(origin, len(items))})" for origin, items in groups.items())
-    unset = [n for n, _ in held if origins.get(n) != "--set"]
+    unset = [n for n, _ in held if origins.get(n) != "--set" and n not in follows]
     example = next((n for n in ("S", "Hi", "B", "L") if n in unset), unset[0] if unset else None)
     tail = f"; --set {example}=... answers at another {example}" if example else ""
     return f"held: {parts}{tail}"
@@ -350,7 +355,7 @@ def largest(d: Derivation, name: str, budget: int | str, quantity: str | None = 
             e.quantity = quantity  # what was solved for (a table says "peak" or "total" over it)
             raise
     return Fit(d.model, d.convention, name, chosen, cap, _total(f, sym, chosen), _total(f, sym, best + 1), f,
-               quantity, best, refused, held_sizes(d, name))
+               quantity, best, refused, held_sizes(d, name), tuple(s.name for s in d.tied))
 
 
 def _period(d: Derivation, sym: sympy.Symbol) -> int:

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                              indent=2))
         else:
             print(f"{d.model} ({d.convention}) at {args.solve} = {value:,} needs {format_bytes(need)} ({need:,} B)")
-            print(held_line(held, where))
+            print(held_line(held, where, tuple(s.name for s in d.tied)))
         return 0
     r = largest(d, args.solve, args.budget, accepts=lambda value: accepts(args.solve, value))
     if args.format == "json":

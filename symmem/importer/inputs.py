@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +141,48 @@ def check_inputs(example_inputs: Any, dims: Any, *, min_size: int = 2) -> Inputs
             examples[name] = size
             fixed.append((key, dim))
         positions[name] = tuple(fixed)
+    check_companions(kwargs if kwargs else dict(enumerate(args)), positions)
     for name, size in examples.items():
         if size < min_size:
             raise SymmemError(f"symbol {name} has example size {size}; trace with sizes >= 2 (PyTorch specializes "
                               "sizes 0 and 1; the value at 1 is traced apart with size_one=True)")
     return Inputs(args, kwargs, positions, examples)
+
+
+def check_companions(inputs: Mapping[Key, Any], positions: Mapping[str, Sequence[tuple[Key, int]]], *,
+                     cli: bool = False, follow: Sequence[Key] = ()) -> None:
+    """Refuse a symbol declared on a dimension of one tensor input but not on the same dimension of another input
+    of the same shape (``labels`` beside ``input_ids``): left at its example size, that input pins the formula to
+    where the sizes agree (a causal LM's loss views the logits as ``(B*S, V)`` against ``B*S`` labels, so the
+    domain would hold ``Eq(B*S, 16)``).  A dimension given a symbol of its own is declared.  ``cli``: the message
+    in ``--dims`` words, which also names ``--dims B,S`` where the inputs missed are ``follow`` (those the
+    conventional names apply to).  The one check :func:`check_inputs` (the Python API) and the command line's
+    ``--dims`` (:func:`symmem.importer.sources.parse_dims`) make.
+
+    >>> import pytest; torch = pytest.importorskip("torch")
+    >>> ids = torch.zeros(2, 8, dtype=torch.long)
+    >>> check_companions({"input_ids": ids, "labels": ids}, {"S": [("input_ids", 1)]})
+    Traceback (most recent call last):
+    symmem.errors.SymmemError: dims: S is dimension 1 of input 'input_ids'; declare it on 'labels' too ...
+    """
+    import torch
+
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    taken = {(k, d % tensors[k].dim()) for pairs in positions.values() for k, d in pairs if k in tensors}
+    for name, pairs in positions.items():
+        for key, dim in pairs:
+            if key not in tensors:
+                continue  # not a tensor: check_inputs says so
+            shape, d = tuple(tensors[key].shape), dim % tensors[key].dim()
+            missing = [k for k, v in tensors.items() if k != key and tuple(v.shape) == shape and (k, d) not in taken]
+            if not missing:
+                continue
+            named = ", ".join(repr(m) for m in missing)
+            if cli:
+                alike = ", or write --dims B,S" if all(m in follow for m in missing) else ""
+                raise SymmemError(f"--dims: {name} is dimension {d} of {key!r}; declare it on {named} too "
+                                  f"({name}={missing[0]}:{d}), which has the same layout{alike}")
+            pairs_text = ", ".join(repr(p) for p in (*((k, x) for k, x in pairs), *((m, d) for m in missing)))
+            raise SymmemError(f"dims: {name} is dimension {d} of input {key!r}; declare it on {named} too "
+                              f"({name!r}: [{pairs_text}]), an input of the same shape {shape}; left at its "
+                              "example size it would confine the formula to where their sizes agree")

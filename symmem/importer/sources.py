@@ -345,17 +345,13 @@ def parse_dims(text: str, loaded: Loaded | None) -> dict[str, list[tuple[Any, in
                               f"{tuple(first.shape)}: name its dimension, {name}={key}:DIMENSION")
         for k in (key, *loaded.follow):
             out.setdefault(name, []).append((k, dim))
-    if loaded is not None and loaded.follow:
-        # inputs built with the first input's layout (labels) must carry the same symbols, or the module sees
-        # a fixed-size companion of a symbolic input and the trace only holds where their sizes agree
-        key, _ = _first_tensor(loaded.example_inputs)
-        for name, pairs in out.items():
-            for d in [dim for k, dim in pairs if k == key]:
-                missing = [f for f in loaded.follow if (f, d) not in pairs]
-                if missing:
-                    raise SymmemError(f"--dims: {name} is dimension {d} of {key!r}; declare it on "
-                                      f"{', '.join(repr(m) for m in missing)} too ({name}={missing[0]}:{d}), which "
-                                      f"has the same layout, or write --dims B,S")
+    if loaded is not None:
+        # inputs of the first input's shape (labels) must carry the same symbols, or the module sees a fixed-size
+        # companion of a symbolic input and the trace only holds where their sizes agree: the Python API's check
+        from .inputs import check_companions
+
+        ex = loaded.example_inputs
+        check_companions(ex if isinstance(ex, dict) else dict(enumerate(ex)), out, cli=True, follow=loaded.follow)
     return out
 
 
