@@ -437,15 +437,15 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     ``base + 1`` times and every moment's storages interpolated to the block's length, the moments of the layers
     between the first and last two left out as the whole walk leaves them out.  The rank's own part -- its
     optimizer state, alive through a steady step, and its optimizer step over the whole parameters it owns -- is
-    walked on its own, from the storages alive when the backward ends.  Full and selective checkpointing too (their
-    recomputations are every rank's, and each layer's alike as without): the same formulas and per-rank values as
-    a whole walk per rank (Llama-2-7B at N = 8 with full checkpointing: 4.65M -> 0.91M function calls; one device
-    with it 0.68M).  None where this does not apply (every-K checkpointing, whose step repeats every K layers; a
-    block shorter than ``base``)."""
+    walked on its own, from the storages alive when the backward ends.  Checkpointing too (the recomputations are
+    every rank's; under every-K the blocks are written out ``base`` and ``base + K`` long, as :func:`symbolic_peak`
+    writes them): the same formulas and per-rank values as a whole walk per rank (Llama-2-7B at N = 8: full
+    checkpointing 4.65M -> 0.91M function calls, one device with it 0.68M; every-4 5.53M -> 1.40M, one device
+    1.17M).  None where this does not apply (a block shorter than ``base``, or not ``base`` plus whole periods)."""
     period, edge, base = layout(regime)
     counts = {name: b.count.xreplace(dict(subs)) for name, b in graph.blocks.items()}
-    if regime.checkpoint not in ("none", "full", "selective") or period != 1 or not all(
-            c.is_number and int(c) >= base for c in counts.values()):
+    if not (regime.checkpoint in ("none", "full", "selective") or regime.checkpoint.startswith("every-")) or not all(
+            c.is_number and int(c) >= base and (int(c) - base) % period == 0 for c in counts.values()):
         return None
     counts = {name: int(c) for name, c in counts.items()}
     symbolic = {name: sympy.Dummy(f"n_{name}", positive=True, integer=True) for name in counts}
@@ -467,7 +467,7 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
                    for b in branches]
     for key, branch in zip(branch_keys, branches, strict=True):
         if key not in walks:
-            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge)
+            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge, period)
     # one algebra for every rank and branch, as one summarize holds (each rank's own sizes, numbers, taken in)
     akey = ("algebra", *branch_keys)
     if akey not in walks:
@@ -653,8 +653,8 @@ def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: in
 
 
 def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime, branch: Branch | None,
-            blocks_of: Mapping[str, str], symbolic: Mapping[str, sympy.Symbol], base: int, edge: int
-            ) -> tuple[dict[tuple[Any, ...], dict], dict]:
+            blocks_of: Mapping[str, str], symbolic: Mapping[str, sympy.Symbol], base: int, edge: int,
+            period: int = 1) -> tuple[dict[tuple[Any, ...], dict], dict]:
     """Every ZeRO-1 rank's forward and backward moments (the first step's: no optimizer state yet), keyed as one
     device's (layers ``1``, ``2``, ``L-1``, ``L``), as parts interpolated in the blocks' lengths; and the storages
     alive when the backward ends, the same way."""
@@ -662,7 +662,7 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
     runs, ends = {}, {}
     ids: dict[tuple[int, Any], int] = {}  # the walks' storages by number (symbolic_peak's)
     for bump in [()] + [(n,) for n in names]:
-        counts = {n: base + (1 if n in bump else 0) for n in names}
+        counts = {n: base + (period if n in bump else 0) for n in names}
         sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
         for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
             sim.micro_batch()
