@@ -334,9 +334,12 @@ def _in_small(layout: Layout, small: Any) -> tuple[list[bool], list[bool]]:
             return _renamed(node, 1) in small
 
         tl = layout.tl
-        found[id(small)] = (small, [bool(iteration(e.node)) and in_small(e.node) if e.node else False
-                                    for e in tl.events],
-                            [in_small(st.node) if st.node and iteration(st.node) else False for st in tl.storages])
+        # each node asked once (an op's node is met in each micro-batch's forward and backward, a storage's by each
+        # storage it makes), then read for every op and storage
+        nodes = {e.node for e in tl.events if e.node} | {st.node for st in tl.storages if st.node}
+        answer = {n: bool(iteration(n)) and in_small(n) for n in nodes}
+        found[id(small)] = (small, [answer[e.node] if e.node else False for e in tl.events],
+                            [answer[st.node] if st.node else False for st in tl.storages])
     return found[id(small)][1], found[id(small)][2]
 
 
@@ -471,9 +474,11 @@ def checked(layout: Layout, cut: Any) -> bool:
     found = cut.__dict__.get("_layout_checked")
     if found is None:
         op_in_small, _ = _in_small(layout, cut.small)
-        found = all(op_in_small[te] and layout.tl.events[te].node not in cut.shared
-                    for segment in layout.segments if segment[0] == "sweep"
-                    for x, y in segment[2].values() for te in range(x, y))
+        events, shared = layout.tl.events, cut.shared
+        # the ops that are not (a comprehension: a generator resumed for each of the layers' ops was most of this)
+        found = not [te for segment in layout.segments if segment[0] == "sweep"
+                     for x, y in segment[2].values() for te in range(x, y)
+                     if not (op_in_small[te] and events[te].node not in shared)]
         found = found and not any(iteration(name) for name in cut.shared if name)
         cut.__dict__["_layout_checked"] = found
     return found
