@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,12 @@ class _Units:
         if key not in cut.memo:
             cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
         stored = dict(cut.memo[key])
-        heads = [n for n in g.program_order() if g.node(n).kind == "linear" and g.node(n).attrs.get("tied")]
+        # the tied heads, found once for every stage and batch (the graph at L layers' every node each time)
+        tied = ("tied heads", cut.per * cut.p)
+        if tied not in cut.memo:
+            cut.memo[tied] = [n for n in g.program_order() if g.node(n).kind == "linear" and
+                              g.node(n).attrs.get("tied")]
+        heads = cut.memo[tied]
         if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
             node = g.node(heads[0])
             stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], g.node(node.inputs[0]).out.shape[-1])
@@ -134,8 +140,14 @@ class _Units:
         return sum(p.shard for p in self.of(unit)) * 4
 
     def at_rest(self) -> tuple[int, int]:
-        """(the shards' bytes, AdamW's state: two moments of the held rows and a step per parameter)."""
-        return sum(p.shard for p in self.params) * 4, sum(2 * int(numel(p.held)) * 4 + 4 for p in self.params)
+        """(the shards' bytes, AdamW's state: two moments of the held rows and a step per parameter); worked out
+        once for these params (the peak's three batches share the units; a copy with other params its own)."""
+        found = self.__dict__.get("_at_rest")
+        if found is None or found[0] is not self.params:
+            params = self.params
+            found = self._at_rest = (params, (sum([p.shard for p in params]) * 4,
+                                              sum([2 * int(numel(p.held)) * 4 + 4 for p in params])))
+        return found[1]
 
 
 class _FsdpReplay(_Replay):
@@ -367,11 +379,20 @@ def stage_at(memory: Any, numbers: Mapping[str, int], units: _Units, regime: Reg
     layer = [p.held for p in units.of(units.layers[0])] if units.layers else []
     # CUDA's default foreach step (the engine resolves "auto" by device): one ``sqrt`` of every held parameter at once
     impl = "foreach" if regime.optimizer_impl == "foreach" else "for-loop"
-    temps = _integer(_step_temporaries(regime, before, layer, after, layers, impl), {}, "step temporaries")
+    temps = _temporaries(regime, tuple(before), tuple(layer), tuple(after), layers, impl)
     at.update(parameters=weights, gradients=weights, optimizer_state=state, step_temporaries=temps)
     at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
     at["step_peak"] = at["at_rest"] + weights + temps
     return at
+
+
+@functools.lru_cache(maxsize=256)
+def _temporaries(regime: Regime, before: tuple[tuple[int, ...], ...], layer: tuple[tuple[int, ...], ...],
+                 after: tuple[tuple[int, ...], ...], layers: int, impl: str) -> int:
+    """:func:`stage_at`'s step temporaries, worked out once for the same held rows (the peak's three batches and the
+    middle stages hold the same; each was a third of the units' parts)."""
+    return _integer(_step_temporaries(regime, list(before), list(layer), list(after), layers, impl), {},
+                    "step temporaries")
 
 
 def _first_layer(units: _Units) -> int:

@@ -179,8 +179,13 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
 
     def _packed(self, packed: Any, cuts: list[Any]) -> Any:
         """The rank's sizes and the collectives' bytes packed
-        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`, or the subclass's :meth:`_packing`)."""
-        return self._packing()(packed, cuts)
+        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`, or the subclass's :meth:`_packing`): one for
+        every stage of the packed cut, as the tensor x pipeline step's (its sizes and collectives packed once, not
+        once a stage: a sixth of the stages' making)."""
+        found = packed.__dict__.get("_mesh_packed")
+        if found is None or found[0] is not cuts:
+            found = packed.__dict__["_mesh_packed"] = (cuts, self._packing()(packed, cuts))
+        return found[1]
 
     def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """FSDP's storages at the 2-D shards' sizes around the tensor-parallel rank's, as formulas in ``N``, ``t``

@@ -500,16 +500,16 @@ def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tupl
     """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
     x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them (``terms``: each group's
     parameters' terms, :func:`_terms`; ``memo``: the step's candidates, :func:`_step_temporaries`)."""
-    # each sum's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time)
-    weights: list[sympy.Expr] = []
-    grads: list[sympy.Expr] = []
-    state: list[sympy.Expr] = []
-    for w, g, s in [*(terms["first"] if before else ()), *(terms["last"] if after else ()), *terms["layer"]]:
-        weights += w
-        grads += g
-        state += s
-    return (sympy.Add(sympy.Integer(0), *weights), sympy.Add(sympy.Integer(0), *grads),
-            sympy.Add(sympy.Integer(0), *state), _step_temporaries(regime, before, layer, after, layers, impl, memo))
+    # each sum's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time); the
+    # layers' sums made once, each stage's ends' terms added to them (an Add's terms are flattened into the sum:
+    # the same sum, its like terms already collected)
+    if "layer sums" not in memo:
+        memo["layer sums"] = [sympy.Add(sympy.Integer(0), *[x for each in terms["layer"] for x in each[k]])
+                              for k in range(3)]
+    ends = [*(terms["first"] if before else ()), *(terms["last"] if after else ())]
+    sums = [sympy.Add(sympy.Integer(0), *[x for each in ends for x in each[k]], total) if ends else total
+            for k, total in enumerate(memo["layer sums"])]
+    return (*sums, _step_temporaries(regime, before, layer, after, layers, impl, memo))  # type: ignore[return-value]
 
 
 def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],

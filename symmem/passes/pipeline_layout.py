@@ -142,27 +142,24 @@ class Layout(_Stretch):
     def written(self) -> tuple[Timeline, list[int]]:
         """The step written out (``stretch``'s: the same storages and ops, in the same order) and each storage's
         template storage, from what the layout read (its checks not made again).  Each storage and op made
-        without its frozen ``__init__``, as ``stretch`` makes them."""
+        without its frozen ``__init__``, as ``stretch`` makes them; in comprehensions, each template storage's
+        parts and each template op's storages (one alone: its id without a list made, as ``stretch`` writes it)
+        worked out once (a call or two for each of the thousands of storages and ops written was half of this)."""
         tl = self.tl
         new, put = object.__new__, object.__setattr__
-        split: dict[int, tuple[str, str, str | None, str | None]] = {}
-        storages = []
-        append = storages.append
-        for ts, n in zip(self.origin, self.layer, strict=True):
+        # each template storage of a layer: its name and op split around the layer's number, its fields
+        parts: list[Any] = [None] * len(tl.storages)
+        for ts in {ts for ts, n in zip(self.origin, self.layer, strict=True) if n}:
             st = tl.storages[ts]
-            if not n:
-                append(st)
-                continue
-            parts = split.get(ts)
-            if parts is None:
-                parts = split[ts] = (*_split(st.name), *(_split(st.node) if st.node else (None, None)))
-            head, tail, node_head, node_tail = parts
-            made = new(Live)
-            put(made, "__dict__", {"name": f"{head}{n}{tail}", "category": st.category, "nbytes": st.nbytes,
-                                   "node": f"{node_head}{n}{node_tail}" if st.node else st.node, "host": st.host})
-            append(made)
+            parts[ts] = (*_split(st.name), *(_split(st.node) if st.node else (None, None)), st.category, st.nbytes,
+                         st.node, st.host)
+        storages = [tl.storages[ts] if not n else (
+            put(made := new(Live), "__dict__", {
+                "name": f"{(q := parts[ts])[0]}{n}{q[1]}", "category": q[4], "nbytes": q[5],
+                "node": f"{q[2]}{n}{q[3]}" if q[6] else q[6], "host": q[7]}) or made)
+            for ts, n in zip(self.origin, self.layer, strict=True)]
         events: list[Event] = []
-        add = events.append
+        add, extend = events.append, events.extend
         for segment in self.segments:
             if segment[0] == "op":
                 _, te, _, born, freed = segment
@@ -170,18 +167,21 @@ class Layout(_Stretch):
                 add(Event(e.phase, e.node, born, freed, e.resized, e.moment))
                 continue
             _, ascending, by_label, compiled, _ = segment
+            # each template op's fields and storages, one storage alone apart (most ops make or free one)
+            ops = {t: [(head, tail, (e := tl.events[by_label[t][0] + j]).phase, e.resized, e.moment,
+                        born_refs, born_refs[0] if born_refs and not born_refs[1:] else None,
+                        freed_refs, freed_refs[0] if freed_refs and not freed_refs[1:] else None)
+                       for j, (head, tail, born_refs, freed_refs) in enumerate(compiled[t])] for t in compiled}
             for n in self._new_layers(ascending):
-                t = self._template_of(n)
-                x, _ = by_label[t]
-                for j, (head, tail, born_refs, freed_refs) in enumerate(compiled[t]):
-                    e = tl.events[x + j]
-                    event = new(Event)
-                    put(event, "__dict__", {
-                        "phase": e.phase, "node": f"{head}{n}{tail}",
-                        "born": tuple([b[n + d] + q for b, d, q in born_refs]) if born_refs else (),
-                        "freed": tuple([b[n + d] + q for b, d, q in freed_refs]) if freed_refs else (),
-                        "resized": e.resized, "moment": e.moment})
-                    add(event)
+                extend([put(event := new(Event), "__dict__", {
+                    "phase": phase, "node": f"{head}{n}{tail}",
+                    "born": (one[0][n + one[1]] + one[2],) if one else
+                    tuple([b[n + d] + q for b, d, q in born_refs]) if born_refs else (),
+                    "freed": (alone[0][n + alone[1]] + alone[2],) if alone else
+                    tuple([b[n + d] + q for b, d, q in freed_refs]) if freed_refs else (),
+                    "resized": resized, "moment": moment}) or event
+                    for head, tail, phase, resized, moment, born_refs, one, freed_refs, alone in
+                    ops[self._template_of(n)]])
         return Timeline(tuple(storages), self.start, tuple(events)), list(self.origin)
 
     def name(self, sid: int) -> str:

@@ -377,7 +377,8 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     known = cut.memo.setdefault(("tensor stage sides", key[1], cut.p, t), {})
     side = (s, *(numbers.get(n) for n in names))
     if side not in known:
-        known[side] = _stage_side(cut, s, t, cut.memo[key])
+        # each shape's bytes at these numbers, shared by the stages (the layers repeat a few shapes)
+        known[side] = _stage_side(cut, s, t, cut.memo[key], known.setdefault(("bytes", *side[1:]), {}))
     weights, grads, state, temps = known[side]
     at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
     at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
@@ -386,17 +387,22 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     return at
 
 
-def _stage_side(cut: _TensorCut, s: int, t: int, stored: Mapping[str, Any]) -> tuple[int, int, int, int]:
+def _stage_side(cut: _TensorCut, s: int, t: int, stored: Mapping[str, Any], sized: dict[Any, int] | None = None
+                ) -> tuple[int, int, int, int]:
     """Stage ``s``'s local weights, gradients (the embedding's whole), AdamW's state and its for-loop step's
-    temporaries on one tensor-parallel rank (:func:`stage_at`)."""
+    temporaries on one tensor-parallel rank (:func:`stage_at`); ``sized``: each shape's bytes at the numbers, kept
+    for the other stages."""
     g = cut.g
     weights = grads = state = 0
     sizes: list[int] = []
+    sized = {} if sized is None else sized
     for name, shape in stored.items():
         owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
         if cut.stage_of(owner) != s:
             continue
-        whole = _integer(numel(shape), cut.subs, name) * 4
+        whole = sized.get(shape)
+        if whole is None:
+            whole = sized[shape] = _integer(numel(shape), cut.subs, name) * 4
         local = whole // t if len(shape) >= 2 else whole
         weights += local
         grads += whole if owner in g and g.node(owner).kind == "embedding" else local
