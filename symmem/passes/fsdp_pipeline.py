@@ -104,10 +104,14 @@ class _Units:
         # each dimension at the cut's numbers once (every layer's parameters have the same few: half of the units'
         # making was sympy's substitution of the same dimension again)
         sized: dict[Any, int] = cut.__dict__.setdefault("dims", {})
-        for name, shape in stored.items():
-            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
-            if cut.stage_of(owner) != s:
-                continue
+        entries = owners(cut, key)
+        if heads and s == cut.p - 1:  # the tied copy in its place among them (where the graph stores it) or last
+            tied_name = f"{heads[0]}.weight"
+            owner = tied_name if tied_name in g and g.node(tied_name).kind == "parameter" else heads[0]
+            copy_ = (tied_name, stored[tied_name], owner, cut.stage_of(owner))
+            entries = ([copy_ if e[0] == tied_name else e for e in entries] if tied_name in cut.memo[key] else
+                       [*entries, copy_])
+        for name, shape, owner in [(name, shape, owner) for name, shape, owner, at in entries if at == s]:
             for d in shape:
                 if d not in sized:
                     sized[d] = _integer(d, cut.subs, name)
@@ -148,6 +152,21 @@ class _Units:
             found = self._at_rest = (params, (sum([p.shard for p in params]) * 4,
                                               sum([2 * int(numel(p.held)) * 4 + 4 for p in params])))
         return found[1]
+
+
+def owners(cut: Any, key: tuple[str, int]) -> list[tuple[str, Any, str, int]]:
+    """Each parameter the step stores (``cut.memo[key]``: the unrolled graph's, in registration order): its name,
+    shape, the node that owns it and that node's stage, found once for every stage, batch and rank (each stage's
+    units walked every parameter of the graph at L layers for its own)."""
+    found = cut.memo.get(("owners", key, cut.p, type(cut).stage_of))
+    if found is None or found[0] is not cut.memo[key]:
+        g, stored = cut.g, cut.memo[key]
+        out = []
+        for name, shape in stored.items():
+            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+            out.append((name, shape, owner, cut.stage_of(owner)))
+        found = cut.memo[("owners", key, cut.p, type(cut).stage_of)] = (stored, out)
+    return found[1]
 
 
 class _FsdpReplay(_Replay):

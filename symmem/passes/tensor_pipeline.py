@@ -110,11 +110,31 @@ class _Sizes:
         are one: :meth:`local`).  The replays and the collectives ask for thousands of storages: a list read."""
         if self._every is None and self._origin is not None:
             by: dict[int, sympy.Expr] = {}  # template storage -> its storages' size on the rank
+            rep = self._rep
             for i, o in enumerate(self._origin):
                 if o not in by:  # (a test, not a call: 7,557 storages at Llama-2-7B's 32 layers)
-                    by[o] = self.local(i)
+                    # a template storage of layer 3 or 4 is its sweep's layer 2's alike (the layout checked their
+                    # names, categories, bytes and ops): that one's size, worked out once (``local``'s key tells
+                    # them apart by their sizes' objects, each template layer's its own)
+                    r = rep[o] if rep is not None else o
+                    found = by.get(r) if r != o else None
+                    by[o] = found if found is not None else self.local(i)
+                    if r != o and found is None:
+                        by[r] = by[o]
             self._every = [by[o] for o in self._origin]
         return self._every
+
+    @staticmethod
+    def _alike_of(cut: _Cut, origin: Any) -> list[int] | None:
+        """Each template storage's alike one in layer 2 of its sweep (itself outside layers 3 and 4), where the step
+        was written from ``cut``'s layout (None otherwise)."""
+        sim = getattr(cut, "_sim", None)
+        layout = getattr(sim, "layout", None)
+        if layout is None or origin is None or sim.__dict__.get("tl") is not cut.tl:
+            return None
+        where = layout.where
+        second = {(x[0], x[2]): ts for ts, x in enumerate(where) if x is not None and x[1] == 2}
+        return [second[(x[0], x[2])] if x is not None and x[1] in (3, 4) else ts for ts, x in enumerate(where)]
 
     def __init__(self, cut: _Cut) -> None:
         self._every: list[sympy.Expr] | None = None
@@ -124,6 +144,7 @@ class _Sizes:
         # each storage's template storage where the step was written from a template (passes/stretch.py)
         origin = cut.memo.get(("origin", id(cut.tl)))
         self._origin: list[int] | None = origin[1] if origin is not None and origin[0] is cut.tl else None
+        self._rep = self._alike_of(cut, self._origin)
         self._keys: dict[int, Any] = {}
         order = list(g.program_order())
         self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
