@@ -207,9 +207,18 @@ def in_flight(index: int, micro_batches: int) -> sympy.Expr:
     return sympy.Min(p - index, sympy.Integer(micro_batches), evaluate=False)
 
 
+#: the last ``subs`` :func:`_integer` was given and its :func:`_env` (a cut's numbers, asked for each of its sizes:
+#: the env made again each time was a third of each size's value); held, so its id is not another dict's
+_LAST_ENV: list[Any] = [None, None]
+
+
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
     e = sympy.sympify(expr, strict=True)
-    env = _env(subs)
+    if subs is _LAST_ENV[0]:
+        env = _LAST_ENV[1]
+    else:
+        env = _env(subs)
+        _LAST_ENV[0], _LAST_ENV[1] = subs, env
     if env is not None:
         found = _exact(e, env)
         if found is not None:
