@@ -53,7 +53,11 @@ class Layout(_Stretch):
         #: each written storage's template storage and its layer (0 outside the layers)
         self.origin: list[int] = []
         self.layer: list[int] = []
-        labels = [self._label(s) for s in tl.storages]
+        # each storage's layer, and its op's (-1: none), checked as _Stretch._label checks them (in comprehensions)
+        labels = [iteration(s.name) for s in tl.storages]
+        nodes = [iteration(s.node) if s.node else -1 for s in tl.storages]
+        if [k for k, m in zip(labels, nodes, strict=True) if m > 0 and m != k]:
+            raise _NotStretched
         origin, layer = self.origin, self.layer
         # _Stretch.__init__'s numbering, each storage counted, not written
         for w, (a, b, runs) in enumerate(_sweeps(labels)):
@@ -70,10 +74,10 @@ class Layout(_Stretch):
             for lab, (x, y) in by_label.items():
                 for q, old in enumerate(range(x, y)):
                     self.where[old] = (w, lab, q)
-                for s in tl.storages[x:y]:  # the writing splits each name and op around its layer's number
-                    _split(s.name)
-                    if s.node:
-                        _split(s.node)
+                # the writing splits each name and op around its layer's number: a layer's storages have one in
+                # their names (their label), an op outside the layers none (_split refuses it)
+                if 0 in nodes[x:y]:
+                    raise _NotStretched
             base = self.base[w] = [0] * (layers + 1)
             for n in self._new_layers(ascending):
                 x, y = by_label[self._template_of(n)]

@@ -498,7 +498,8 @@ class TensorPipelineStep(PipelineStep):
         if not isinstance(numbers.get("t"), int):
             raise SymmemError("the tensor x pipeline peak needs a number for t")
         cut = self._make_cut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
-        if numbers.get("B") == 1 and collapsed(cut.g.program_order()).xreplace(cut.subs) is sympy.true:
+        # (the graph's own nodes: collapsed reads their templates, the same in the graph unrolled to L layers)
+        if numbers.get("B") == 1 and collapsed(self.graph.program_order()).xreplace(cut.subs) is sympy.true:
             raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
                               "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
                               "copies there; measured 2,048 B above on the last stage): give B >= 2 or SDPA")
