@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,8 +150,10 @@ class _Units:
         found = self.__dict__.get("_at_rest")
         if found is None or found[0] is not self.params:
             params = self.params
+            # (the held rows are ints: their product in Python, sympy's Mul of ints is the same integer)
             found = self._at_rest = (params, (sum([p.shard for p in params]) * 4,
-                                              sum([2 * int(numel(p.held)) * 4 + 4 for p in params])))
+                                              sum([2 * (math.prod(p.held) if _ints(p.held) else int(numel(p.held)))
+                                                   * 4 + 4 for p in params])))
         return found[1]
 
 
@@ -409,9 +412,27 @@ def stage_at(memory: Any, numbers: Mapping[str, int], units: _Units, regime: Reg
 def _temporaries(regime: Regime, before: tuple[tuple[int, ...], ...], layer: tuple[tuple[int, ...], ...],
                  after: tuple[tuple[int, ...], ...], layers: int, impl: str) -> int:
     """:func:`stage_at`'s step temporaries, worked out once for the same held rows (the peak's three batches and the
-    middle stages hold the same; each was a third of the units' parts)."""
+    middle stages hold the same; each was a third of the units' parts).  The for-loop step's at held rows that are
+    ints in Python (:func:`~symmem.passes.model_parallel._step_temporaries`' candidates, each an int: their ``Max``
+    is the largest, the layers' wrap-around ``Piecewise`` its value at ``layers``)."""
+    shapes = [*before, *layer, *after]
+    if impl == "for-loop" and regime.optimizer in ("adam", "adamw") and isinstance(layers, int) and \
+            all(_ints(shape) for shape in shapes):
+        size = [math.prod(shape) * 4 for shape in shapes]
+        if not size:
+            return 0
+        candidates = [2 * size[0]] + [prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False)]
+        if layer:
+            k = len(before)
+            candidates.append(size[k + len(layer) - 1] + 2 * size[k] if layers >= 2 else 0)
+        return max(candidates)
     return _integer(_step_temporaries(regime, list(before), list(layer), list(after), layers, impl), {},
                     "step temporaries")
+
+
+def _ints(shape: tuple[Any, ...]) -> bool:
+    """Whether every dimension of ``shape`` is a Python int (not a bool)."""
+    return not [d for d in shape if type(d) is not int]
 
 
 def _first_layer(units: _Units) -> int:
