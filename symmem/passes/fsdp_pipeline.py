@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +92,12 @@ class _Units:
         if key not in cut.memo:
             cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
         stored = dict(cut.memo[key])
-        heads = [n for n in g.program_order() if g.node(n).kind == "linear" and g.node(n).attrs.get("tied")]
+        # the tied heads, found once for every stage and batch (the graph at L layers' every node each time)
+        tied = ("tied heads", cut.per * cut.p)
+        if tied not in cut.memo:
+            cut.memo[tied] = [n for n in g.program_order() if g.node(n).kind == "linear" and
+                              g.node(n).attrs.get("tied")]
+        heads = cut.memo[tied]
         if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
             node = g.node(heads[0])
             stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], g.node(node.inputs[0]).out.shape[-1])
@@ -98,10 +105,14 @@ class _Units:
         # each dimension at the cut's numbers once (every layer's parameters have the same few: half of the units'
         # making was sympy's substitution of the same dimension again)
         sized: dict[Any, int] = cut.__dict__.setdefault("dims", {})
-        for name, shape in stored.items():
-            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
-            if cut.stage_of(owner) != s:
-                continue
+        entries = owners(cut, key)
+        if heads and s == cut.p - 1:  # the tied copy in its place among them (where the graph stores it) or last
+            tied_name = f"{heads[0]}.weight"
+            owner = tied_name if tied_name in g and g.node(tied_name).kind == "parameter" else heads[0]
+            copy_ = (tied_name, stored[tied_name], owner, cut.stage_of(owner))
+            entries = ([copy_ if e[0] == tied_name else e for e in entries] if tied_name in cut.memo[key] else
+                       [*entries, copy_])
+        for name, shape, owner in [(name, shape, owner) for name, shape, owner, at in entries if at == s]:
             for d in shape:
                 if d not in sized:
                     sized[d] = _integer(d, cut.subs, name)
@@ -134,8 +145,31 @@ class _Units:
         return sum(p.shard for p in self.of(unit)) * 4
 
     def at_rest(self) -> tuple[int, int]:
-        """(the shards' bytes, AdamW's state: two moments of the held rows and a step per parameter)."""
-        return sum(p.shard for p in self.params) * 4, sum(2 * int(numel(p.held)) * 4 + 4 for p in self.params)
+        """(the shards' bytes, AdamW's state: two moments of the held rows and a step per parameter); worked out
+        once for these params (the peak's three batches share the units; a copy with other params its own)."""
+        found = self.__dict__.get("_at_rest")
+        if found is None or found[0] is not self.params:
+            params = self.params
+            # (the held rows are ints: their product in Python, sympy's Mul of ints is the same integer)
+            found = self._at_rest = (params, (sum([p.shard for p in params]) * 4,
+                                              sum([2 * (math.prod(p.held) if _ints(p.held) else int(numel(p.held)))
+                                                   * 4 + 4 for p in params])))
+        return found[1]
+
+
+def owners(cut: Any, key: tuple[str, int]) -> list[tuple[str, Any, str, int]]:
+    """Each parameter the step stores (``cut.memo[key]``: the unrolled graph's, in registration order): its name,
+    shape, the node that owns it and that node's stage, found once for every stage, batch and rank (each stage's
+    units walked every parameter of the graph at L layers for its own)."""
+    found = cut.memo.get(("owners", key, cut.p, type(cut).stage_of))
+    if found is None or found[0] is not cut.memo[key]:
+        g, stored = cut.g, cut.memo[key]
+        out = []
+        for name, shape in stored.items():
+            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+            out.append((name, shape, owner, cut.stage_of(owner)))
+        found = cut.memo[("owners", key, cut.p, type(cut).stage_of)] = (stored, out)
+    return found[1]
 
 
 class _FsdpReplay(_Replay):
@@ -367,11 +401,38 @@ def stage_at(memory: Any, numbers: Mapping[str, int], units: _Units, regime: Reg
     layer = [p.held for p in units.of(units.layers[0])] if units.layers else []
     # CUDA's default foreach step (the engine resolves "auto" by device): one ``sqrt`` of every held parameter at once
     impl = "foreach" if regime.optimizer_impl == "foreach" else "for-loop"
-    temps = _integer(_step_temporaries(regime, before, layer, after, layers, impl), {}, "step temporaries")
+    temps = _temporaries(regime, tuple(before), tuple(layer), tuple(after), layers, impl)
     at.update(parameters=weights, gradients=weights, optimizer_state=state, step_temporaries=temps)
     at["at_rest"] = weights + state + at["buffers"] + at["inputs"] + at["outputs"]
     at["step_peak"] = at["at_rest"] + weights + temps
     return at
+
+
+@functools.lru_cache(maxsize=256)
+def _temporaries(regime: Regime, before: tuple[tuple[int, ...], ...], layer: tuple[tuple[int, ...], ...],
+                 after: tuple[tuple[int, ...], ...], layers: int, impl: str) -> int:
+    """:func:`stage_at`'s step temporaries, worked out once for the same held rows (the peak's three batches and the
+    middle stages hold the same; each was a third of the units' parts).  The for-loop step's at held rows that are
+    ints in Python (:func:`~symmem.passes.model_parallel._step_temporaries`' candidates, each an int: their ``Max``
+    is the largest, the layers' wrap-around ``Piecewise`` its value at ``layers``)."""
+    shapes = [*before, *layer, *after]
+    if impl == "for-loop" and regime.optimizer in ("adam", "adamw") and isinstance(layers, int) and \
+            all(_ints(shape) for shape in shapes):
+        size = [math.prod(shape) * 4 for shape in shapes]
+        if not size:
+            return 0
+        candidates = [2 * size[0]] + [prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False)]
+        if layer:
+            k = len(before)
+            candidates.append(size[k + len(layer) - 1] + 2 * size[k] if layers >= 2 else 0)
+        return max(candidates)
+    return _integer(_step_temporaries(regime, list(before), list(layer), list(after), layers, impl), {},
+                    "step temporaries")
+
+
+def _ints(shape: tuple[Any, ...]) -> bool:
+    """Whether every dimension of ``shape`` is a Python int (not a bool)."""
+    return not [d for d in shape if type(d) is not int]
 
 
 def _first_layer(units: _Units) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..shapes import numel
 from ..training import Regime
-from .fsdp_pipeline import FsdpPipelineStep, _FsdpReplay, _Param, _Units, stage_at
+from .fsdp_pipeline import FsdpPipelineStep, _FsdpReplay, _Param, _Units, owners, stage_at
 from .model_parallel import _integer, memory_of
 from .pipeline_step import StageMoment
 from .tensor_pipeline import TensorPipelineStep, _TensorCut, _TensorReplay
@@ -70,12 +70,17 @@ class _MeshUnits(_Units):
         # each dimension at the cut's numbers once, and told to the cut (``dims``: the batches that give them the
         # same values share the units, FsdpPipelineStep._batch_moments)
         sized: dict[Any, int] = cut.__dict__.setdefault("dims", {})
-        for name, shape in cut.memo[key].items():
-            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
-            if cut.stage_of(owner) != s:
+        # each parameter's shape on the rank, by its stored shape and split, once for every stage, batch and rank
+        shapes = cut.memo.setdefault(("tp shapes", key), {})
+        for name, shape, owner, at in owners(cut, key):
+            if at != s:
                 continue
-            dims = tuple(sized[d] if d in sized else sized.setdefault(d, _integer(d, cut.subs, name))
-                         for d in _tp_shape(cut, owner, shape))
+            split = (id(shape), owner in cut.sizes.row)
+            local = shapes.get(split)
+            if local is None:
+                local = shapes[split] = (_tp_shape(cut, owner, shape), shape)  # (the shape kept: its id its own)
+            dims = tuple([sized[d] if d in sized else sized.setdefault(d, _integer(d, cut.subs, name))
+                          for d in local[0]])
             rows = shard_rows(dims, world) if dims else 1
             shard = int(rows) * int(numel(dims[1:])) if dims else 1
             held = tuple(int(x) for x in held_shape(dims, world, rank))
@@ -179,8 +184,13 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
 
     def _packed(self, packed: Any, cuts: list[Any]) -> Any:
         """The rank's sizes and the collectives' bytes packed
-        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`, or the subclass's :meth:`_packing`)."""
-        return self._packing()(packed, cuts)
+        (:class:`~symmem.passes.tensor_pipeline._TensorPackedCut`, or the subclass's :meth:`_packing`): one for
+        every stage of the packed cut, as the tensor x pipeline step's (its sizes and collectives packed once, not
+        once a stage: a sixth of the stages' making)."""
+        found = packed.__dict__.get("_mesh_packed")
+        if found is None or found[0] is not cuts:
+            found = packed.__dict__["_mesh_packed"] = (cuts, self._packing()(packed, cuts))
+        return found[1]
 
     def _formula_extra(self, named: Mapping[str, int]) -> Any:
         """FSDP's storages at the 2-D shards' sizes around the tensor-parallel rank's, as formulas in ``N``, ``t``

@@ -128,13 +128,20 @@ class StageMemory:
         envs = [_env({sympy.Symbol(k, positive=True, integer=True): sympy.Integer(v) for k, v in n.items()})
                 for n in numbers]
         if all(env is not None for env in envs):
+            # what the sets share (the three batches differ in B alone): a part whose walk at those values alone
+            # gives a value reads nothing else, so it has that value at every set (the weights, their gradients and
+            # state, the step's temporaries: most of the walks), walked once
+            common = {k: v for k, v in envs[0].items()  # type: ignore[union-attr]
+                      if all(env.get(k) == v for env in envs[1:])} if len(envs) > 1 else None  # type: ignore
             exact: dict[str, list[Fraction | int | None]] = {}
             out: list[dict[str, int]] = [{} for _ in numbers]
             for name in names:
                 for part in _SUMS.get(name, (name,)):
                     if part not in exact:
                         e = sympy.sympify(getattr(self, part), strict=True)
-                        exact[part] = [_exact(e, env) for env in envs]  # type: ignore[arg-type]
+                        alike = _exact(e, common) if common is not None else None
+                        exact[part] = ([alike] * len(envs) if alike is not None else
+                                       [_exact(e, env) for env in envs])  # type: ignore[arg-type]
                 for k, found in enumerate(out):
                     values = [exact[part][k] for part in _SUMS.get(name, (name,))]
                     if any(v is None for v in values):
@@ -200,9 +207,18 @@ def in_flight(index: int, micro_batches: int) -> sympy.Expr:
     return sympy.Min(p - index, sympy.Integer(micro_batches), evaluate=False)
 
 
+#: the last ``subs`` :func:`_integer` was given and its :func:`_env` (a cut's numbers, asked for each of its sizes:
+#: the env made again each time was a third of each size's value); held, so its id is not another dict's
+_LAST_ENV: list[Any] = [None, None]
+
+
 def _integer(expr: sympy.Expr, subs: Mapping[sympy.Symbol, sympy.Expr], name: str) -> int:
     e = sympy.sympify(expr, strict=True)
-    env = _env(subs)
+    if subs is _LAST_ENV[0]:
+        env = _LAST_ENV[1]
+    else:
+        env = _env(subs)
+        _LAST_ENV[0], _LAST_ENV[1] = subs, env
     if env is not None:
         found = _exact(e, env)
         if found is not None:
@@ -458,50 +474,95 @@ def _parameter_sides(graph: Graph, regime: Regime, per_stage: sympy.Expr, impl: 
     layer = [shape for _, shape in owned["layer"]]
     first = [shape for _, shape in owned["first"]]
     last = [shape for _, shape in owned["last"]]
-    return {"first": _side(regime, first, layer, [], per_stage, impl),
-            "middle": _side(regime, [], layer, [], per_stage, impl),
-            "last": _side(regime, [], layer, last, per_stage, impl)}
+    # each parameter's terms and the step's candidates made once for the three stages (the layers' are every
+    # stage's: making them again was two thirds of the stages' formulas), the same objects in the same order
+    terms = {"first": _terms(regime, first, sympy.Integer(1)), "layer": _terms(regime, layer, per_stage),
+             "last": _terms(regime, last, sympy.Integer(1))}
+    memo: dict[Any, Any] = {}
+    return {"first": _side(regime, first, layer, [], per_stage, impl, terms, memo),
+            "middle": _side(regime, [], layer, [], per_stage, impl, terms, memo),
+            "last": _side(regime, [], layer, last, per_stage, impl, terms, memo)}
 
 
-def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
-          after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str
-          ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
-    """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
-    x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them."""
-    # each sum's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time)
-    weights: list[sympy.Expr] = []
-    grads: list[sympy.Expr] = []
-    state: list[sympy.Expr] = []
-    for count, shape in [*((sympy.Integer(1), s) for s in before + after), *((layers, s) for s in layer)]:
+def _terms(regime: Regime, shapes: list[tuple[sympy.Expr, ...]], count: sympy.Expr
+           ) -> list[tuple[list[sympy.Expr], list[sympy.Expr], list[sympy.Expr]]]:
+    """Each of ``shapes``' (weights, gradients, optimizer state) terms, ``count`` of each."""
+    out = []
+    for shape in shapes:
         n = numel(shape)
+        weights: list[sympy.Expr] = []
+        grads: list[sympy.Expr] = []
+        state: list[sympy.Expr] = []
         for c in regime.precision_spec.parts:
             (grads if c.kind == "gradients" else weights if c.kind == "weights" else state).append(count * n * c.bytes)
         state.append(count * sum((e for _, e in regime.optimizer_spec.state_bytes(shape)), sympy.Integer(0)))
         if regime.optimizer in ("adam", "adamw"):
             state.append(count * 4)  # the step count: a 0-dim FP32 tensor per parameter
-    return (sympy.Add(sympy.Integer(0), *weights), sympy.Add(sympy.Integer(0), *grads),
-            sympy.Add(sympy.Integer(0), *state), _step_temporaries(regime, before, layer, after, layers, impl))
+        out.append((weights, grads, state))
+    return out
+
+
+def _side(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
+          after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str,
+          terms: Mapping[str, list[tuple[list[sympy.Expr], list[sympy.Expr], list[sympy.Expr]]]],
+          memo: dict[Any, Any]) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(weights, gradients, optimizer state, step temporaries) of the parameters ``before`` the layers, ``layers``
+    x ``layer``'s and those ``after``, in the order ``module.parameters()`` lists them (``terms``: each group's
+    parameters' terms, :func:`_terms`; ``memo``: the step's candidates, :func:`_step_temporaries`)."""
+    # each sum's terms added at once (sympy's Add is the same sum; adding term by term flattened it every time); the
+    # layers' sums made once, each stage's ends' terms added to them (an Add's terms are flattened into the sum:
+    # the same sum, its like terms already collected)
+    if "layer sums" not in memo:
+        memo["layer sums"] = [sympy.Add(sympy.Integer(0), *[x for each in terms["layer"] for x in each[k]])
+                              for k in range(3)]
+    ends = [*(terms["first"] if before else ()), *(terms["last"] if after else ())]
+    sums = [sympy.Add(sympy.Integer(0), *[x for each in ends for x in each[k]], total) if ends else total
+            for k, total in enumerate(memo["layer sums"])]
+    return (*sums, _step_temporaries(regime, before, layer, after, layers, impl, memo))  # type: ignore[return-value]
 
 
 def _step_temporaries(regime: Regime, before: list[tuple[sympy.Expr, ...]], layer: list[tuple[sympy.Expr, ...]],
-                      after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str) -> sympy.Expr:
+                      after: list[tuple[sympy.Expr, ...]], layers: sympy.Expr, impl: str,
+                      memo: dict[Any, Any] | None = None) -> sympy.Expr:
     """The for-loop Adam step's largest temporaries: ``sqrt`` and ``denom`` of one parameter beside the previous
-    parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`), in the order the stage lists them."""
+    parameter's ``denom`` (:func:`symmem.passes.schedule.step_events`), in the order the stage lists them.
+    ``memo``: the sizes and candidates made for another stage of the same parameters (by the shapes' objects:
+    the stages share the layers' and their own ends'), made once."""
     if regime.optimizer not in ("adam", "adamw"):
         raise SymmemError(f"pipeline stages model the Adam/AdamW step; got {regime.optimizer}")
-    size = [numel(shape) * 4 for shape in before + layer + after]
+    if memo is None:
+        memo = {}
+    shapes = before + layer + after
+
+    def sized(shape: tuple[sympy.Expr, ...]) -> sympy.Expr:
+        key = ("size", id(shape))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = (numel(shape) * 4, shape)  # the shape kept: its id stays its own
+        return found[0]
+
+    def made(key: tuple[Any, ...], build: Any) -> Any:
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = (build(), key)
+        return found[0]
+
+    size = [sized(shape) for shape in shapes]
     if not size or impl == "fused":
         return sympy.Integer(0)
     if impl == "foreach":
         # _foreach_sqrt of every state at once: one copy of every parameter (step_events)
         return sympy.Add(*size[:len(before)], layers * sympy.Add(*size[len(before):len(before) + len(layer)]),
                          *size[len(before) + len(layer):])
-    candidates = [2 * size[0]] + [prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False)]
+    ids = [id(shape) for shape in shapes]
+    candidates = [made(("first", ids[0]), lambda: 2 * size[0])] + [
+        made(("pair", a, b), lambda prev=prev, cur=cur: prev + 2 * cur)
+        for a, b, prev, cur in zip(ids, ids[1:], size, size[1:], strict=False)]
     if layer:
         # with two or more layers a layer's first parameter follows the last of the layer before
         k = len(before)
-        again = size[k + len(layer) - 1] + 2 * size[k]
-        candidates.append(_at_least_two(again, layers))
+        candidates.append(made(("again", ids[k + len(layer) - 1], ids[k], layers), lambda: _at_least_two(
+            size[k + len(layer) - 1] + 2 * size[k], layers)))
     if any(isinstance(c, sympy.Basic) and c.free_symbols for c in candidates):
         # left unevaluated: sympy's Max compares every pair of formulas under the symbols' assumptions (a quarter
         # of a pipeline peak's time); the stage's parts are only ever read at numbers, where it is a number

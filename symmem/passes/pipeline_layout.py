@@ -53,7 +53,11 @@ class Layout(_Stretch):
         #: each written storage's template storage and its layer (0 outside the layers)
         self.origin: list[int] = []
         self.layer: list[int] = []
-        labels = [self._label(s) for s in tl.storages]
+        # each storage's layer, and its op's (-1: none), checked as _Stretch._label checks them (in comprehensions)
+        labels = [iteration(s.name) for s in tl.storages]
+        nodes = [iteration(s.node) if s.node else -1 for s in tl.storages]
+        if [k for k, m in zip(labels, nodes, strict=True) if m > 0 and m != k]:
+            raise _NotStretched
         origin, layer = self.origin, self.layer
         # _Stretch.__init__'s numbering, each storage counted, not written
         for w, (a, b, runs) in enumerate(_sweeps(labels)):
@@ -70,10 +74,10 @@ class Layout(_Stretch):
             for lab, (x, y) in by_label.items():
                 for q, old in enumerate(range(x, y)):
                     self.where[old] = (w, lab, q)
-                for s in tl.storages[x:y]:  # the writing splits each name and op around its layer's number
-                    _split(s.name)
-                    if s.node:
-                        _split(s.node)
+                # the writing splits each name and op around its layer's number: a layer's storages have one in
+                # their names (their label), an op outside the layers none (_split refuses it)
+                if 0 in nodes[x:y]:
+                    raise _NotStretched
             base = self.base[w] = [0] * (layers + 1)
             for n in self._new_layers(ascending):
                 x, y = by_label[self._template_of(n)]
@@ -142,27 +146,24 @@ class Layout(_Stretch):
     def written(self) -> tuple[Timeline, list[int]]:
         """The step written out (``stretch``'s: the same storages and ops, in the same order) and each storage's
         template storage, from what the layout read (its checks not made again).  Each storage and op made
-        without its frozen ``__init__``, as ``stretch`` makes them."""
+        without its frozen ``__init__``, as ``stretch`` makes them; in comprehensions, each template storage's
+        parts and each template op's storages (one alone: its id without a list made, as ``stretch`` writes it)
+        worked out once (a call or two for each of the thousands of storages and ops written was half of this)."""
         tl = self.tl
         new, put = object.__new__, object.__setattr__
-        split: dict[int, tuple[str, str, str | None, str | None]] = {}
-        storages = []
-        append = storages.append
-        for ts, n in zip(self.origin, self.layer, strict=True):
+        # each template storage of a layer: its name and op split around the layer's number, its fields
+        parts: list[Any] = [None] * len(tl.storages)
+        for ts in {ts for ts, n in zip(self.origin, self.layer, strict=True) if n}:
             st = tl.storages[ts]
-            if not n:
-                append(st)
-                continue
-            parts = split.get(ts)
-            if parts is None:
-                parts = split[ts] = (*_split(st.name), *(_split(st.node) if st.node else (None, None)))
-            head, tail, node_head, node_tail = parts
-            made = new(Live)
-            put(made, "__dict__", {"name": f"{head}{n}{tail}", "category": st.category, "nbytes": st.nbytes,
-                                   "node": f"{node_head}{n}{node_tail}" if st.node else st.node, "host": st.host})
-            append(made)
+            parts[ts] = (*_split(st.name), *(_split(st.node) if st.node else (None, None)), st.category, st.nbytes,
+                         st.node, st.host)
+        storages = [tl.storages[ts] if not n else (
+            put(made := new(Live), "__dict__", {
+                "name": f"{(q := parts[ts])[0]}{n}{q[1]}", "category": q[4], "nbytes": q[5],
+                "node": f"{q[2]}{n}{q[3]}" if q[6] else q[6], "host": q[7]}) or made)
+            for ts, n in zip(self.origin, self.layer, strict=True)]
         events: list[Event] = []
-        add = events.append
+        add, extend = events.append, events.extend
         for segment in self.segments:
             if segment[0] == "op":
                 _, te, _, born, freed = segment
@@ -170,18 +171,21 @@ class Layout(_Stretch):
                 add(Event(e.phase, e.node, born, freed, e.resized, e.moment))
                 continue
             _, ascending, by_label, compiled, _ = segment
+            # each template op's fields and storages, one storage alone apart (most ops make or free one)
+            ops = {t: [(head, tail, (e := tl.events[by_label[t][0] + j]).phase, e.resized, e.moment,
+                        born_refs, born_refs[0] if born_refs and not born_refs[1:] else None,
+                        freed_refs, freed_refs[0] if freed_refs and not freed_refs[1:] else None)
+                       for j, (head, tail, born_refs, freed_refs) in enumerate(compiled[t])] for t in compiled}
             for n in self._new_layers(ascending):
-                t = self._template_of(n)
-                x, _ = by_label[t]
-                for j, (head, tail, born_refs, freed_refs) in enumerate(compiled[t]):
-                    e = tl.events[x + j]
-                    event = new(Event)
-                    put(event, "__dict__", {
-                        "phase": e.phase, "node": f"{head}{n}{tail}",
-                        "born": tuple([b[n + d] + q for b, d, q in born_refs]) if born_refs else (),
-                        "freed": tuple([b[n + d] + q for b, d, q in freed_refs]) if freed_refs else (),
-                        "resized": e.resized, "moment": e.moment})
-                    add(event)
+                extend([put(event := new(Event), "__dict__", {
+                    "phase": phase, "node": f"{head}{n}{tail}",
+                    "born": (one[0][n + one[1]] + one[2],) if one else
+                    tuple([b[n + d] + q for b, d, q in born_refs]) if born_refs else (),
+                    "freed": (alone[0][n + alone[1]] + alone[2],) if alone else
+                    tuple([b[n + d] + q for b, d, q in freed_refs]) if freed_refs else (),
+                    "resized": resized, "moment": moment}) or event
+                    for head, tail, phase, resized, moment, born_refs, one, freed_refs, alone in
+                    ops[self._template_of(n)]])
         return Timeline(tuple(storages), self.start, tuple(events)), list(self.origin)
 
     def name(self, sid: int) -> str:
@@ -334,9 +338,12 @@ def _in_small(layout: Layout, small: Any) -> tuple[list[bool], list[bool]]:
             return _renamed(node, 1) in small
 
         tl = layout.tl
-        found[id(small)] = (small, [bool(iteration(e.node)) and in_small(e.node) if e.node else False
-                                    for e in tl.events],
-                            [in_small(st.node) if st.node and iteration(st.node) else False for st in tl.storages])
+        # each node asked once (an op's node is met in each micro-batch's forward and backward, a storage's by each
+        # storage it makes), then read for every op and storage
+        nodes = {e.node for e in tl.events if e.node} | {st.node for st in tl.storages if st.node}
+        answer = {n: bool(iteration(n)) and in_small(n) for n in nodes}
+        found[id(small)] = (small, [answer[e.node] if e.node else False for e in tl.events],
+                            [answer[st.node] if st.node else False for st in tl.storages])
     return found[id(small)][1], found[id(small)][2]
 
 
@@ -471,9 +478,11 @@ def checked(layout: Layout, cut: Any) -> bool:
     found = cut.__dict__.get("_layout_checked")
     if found is None:
         op_in_small, _ = _in_small(layout, cut.small)
-        found = all(op_in_small[te] and layout.tl.events[te].node not in cut.shared
-                    for segment in layout.segments if segment[0] == "sweep"
-                    for x, y in segment[2].values() for te in range(x, y))
+        events, shared = layout.tl.events, cut.shared
+        # the ops that are not (a comprehension: a generator resumed for each of the layers' ops was most of this)
+        found = not [te for segment in layout.segments if segment[0] == "sweep"
+                     for x, y in segment[2].values() for te in range(x, y)
+                     if not (op_in_small[te] and events[te].node not in shared)]
         found = found and not any(iteration(name) for name in cut.shared if name)
         cut.__dict__["_layout_checked"] = found
     return found

@@ -77,10 +77,13 @@ def stretch(tl: Timeline, layers: int, origin: list[int] | None = None) -> Timel
 def _writable(tl: Timeline, layers: int) -> bool:
     """What :func:`stretch` asks before it reads the layers (and ``pipeline_layout.Layout`` alike): at least the
     template's layers, forward and backward events only, the start numbered in order, every id a storage."""
-    return layers >= TEMPLATE and not (
-        any(e.phase not in ("forward", "backward") for e in tl.events)
-        or sorted(tl.start) != list(range(len(tl.start)))
-        or any(sid >= len(tl.storages) for e in tl.events for sid in e.born + e.freed))
+    if layers < TEMPLATE or not {e.phase for e in tl.events} <= {"forward", "backward"}:
+        return False
+    # the largest id, as a comprehension: a generator resumed for each of the step's thousands of ids was a sixth of
+    # the layout's reading
+    ids = [sid for e in tl.events for sid in e.born]
+    ids += [sid for e in tl.events for sid in e.freed]
+    return sorted(tl.start) == list(range(len(tl.start))) and max(ids, default=-1) < len(tl.storages)
 
 
 def _alike_runs(events: Sequence[Event], labels: Sequence[int], runs: Sequence[tuple[int, int]],
@@ -296,8 +299,15 @@ class _Stretch:
 
     def _event_key(self, e: Event, t: int) -> tuple[Any, ...]:
         # what an op frees is a set: the simulation lists it in an order of its own (no replay reads it)
-        return (e.phase, template(e.node), tuple(self._relative(s, t) for s in e.born),
-                frozenset(self._relative(s, t) for s in e.freed), e.moment)
+        # each storage as :meth:`_relative` sees it, in comprehensions (a call for each storage of each op was
+        # half of the layers' check)
+        where = self.where
+        born = [("fixed", s) if (f := where[s]) is None else (f[0], f[1] - t, f[2]) for s in e.born]
+        freed = [("fixed", s) if (f := where[s]) is None else (f[0], f[1] - t, f[2]) for s in e.freed]
+        if [r for r in born if r[0] != "fixed" and not -1 <= r[1] <= 1] or \
+                [r for r in freed if r[0] != "fixed" and not -1 <= r[1] <= 1]:
+            raise _NotStretched
+        return (e.phase, template(e.node), tuple(born), frozenset(freed), e.moment)
 
 
 def _one(refs: list[tuple[list[int], int, int]]) -> tuple[list[tuple[list[int], int, int]], Any]:

@@ -110,11 +110,31 @@ class _Sizes:
         are one: :meth:`local`).  The replays and the collectives ask for thousands of storages: a list read."""
         if self._every is None and self._origin is not None:
             by: dict[int, sympy.Expr] = {}  # template storage -> its storages' size on the rank
+            rep = self._rep
             for i, o in enumerate(self._origin):
                 if o not in by:  # (a test, not a call: 7,557 storages at Llama-2-7B's 32 layers)
-                    by[o] = self.local(i)
+                    # a template storage of layer 3 or 4 is its sweep's layer 2's alike (the layout checked their
+                    # names, categories, bytes and ops): that one's size, worked out once (``local``'s key tells
+                    # them apart by their sizes' objects, each template layer's its own)
+                    r = rep[o] if rep is not None else o
+                    found = by.get(r) if r != o else None
+                    by[o] = found if found is not None else self.local(i)
+                    if r != o and found is None:
+                        by[r] = by[o]
             self._every = [by[o] for o in self._origin]
         return self._every
+
+    @staticmethod
+    def _alike_of(cut: _Cut, origin: Any) -> list[int] | None:
+        """Each template storage's alike one in layer 2 of its sweep (itself outside layers 3 and 4), where the step
+        was written from ``cut``'s layout (None otherwise)."""
+        sim = getattr(cut, "_sim", None)
+        layout = getattr(sim, "layout", None)
+        if layout is None or origin is None or sim.__dict__.get("tl") is not cut.tl:
+            return None
+        where = layout.where
+        second = {(x[0], x[2]): ts for ts, x in enumerate(where) if x is not None and x[1] == 2}
+        return [second[(x[0], x[2])] if x is not None and x[1] in (3, 4) else ts for ts, x in enumerate(where)]
 
     def __init__(self, cut: _Cut) -> None:
         self._every: list[sympy.Expr] | None = None
@@ -124,6 +144,7 @@ class _Sizes:
         # each storage's template storage where the step was written from a template (passes/stretch.py)
         origin = cut.memo.get(("origin", id(cut.tl)))
         self._origin: list[int] | None = origin[1] if origin is not None and origin[0] is cut.tl else None
+        self._rep = self._alike_of(cut, self._origin)
         self._keys: dict[int, Any] = {}
         order = list(g.program_order())
         self.head = next(n for n in reversed(order) if g.node(n).kind == "linear" and g.node(n).block is None)
@@ -377,7 +398,8 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     known = cut.memo.setdefault(("tensor stage sides", key[1], cut.p, t), {})
     side = (s, *(numbers.get(n) for n in names))
     if side not in known:
-        known[side] = _stage_side(cut, s, t, cut.memo[key])
+        # each shape's bytes at these numbers, shared by the stages (the layers repeat a few shapes)
+        known[side] = _stage_side(cut, s, t, cut.memo[key], known.setdefault(("bytes", *side[1:]), {}))
     weights, grads, state, temps = known[side]
     at = dict(memory.at(numbers, ("buffers", "inputs", "outputs")))
     at.update(parameters=weights, gradients=grads, optimizer_state=state, step_temporaries=temps)
@@ -386,17 +408,22 @@ def stage_at(cut: _TensorCut, s: int, memory: Any, numbers: Mapping[str, int]) -
     return at
 
 
-def _stage_side(cut: _TensorCut, s: int, t: int, stored: Mapping[str, Any]) -> tuple[int, int, int, int]:
+def _stage_side(cut: _TensorCut, s: int, t: int, stored: Mapping[str, Any], sized: dict[Any, int] | None = None
+                ) -> tuple[int, int, int, int]:
     """Stage ``s``'s local weights, gradients (the embedding's whole), AdamW's state and its for-loop step's
-    temporaries on one tensor-parallel rank (:func:`stage_at`)."""
+    temporaries on one tensor-parallel rank (:func:`stage_at`); ``sized``: each shape's bytes at the numbers, kept
+    for the other stages."""
     g = cut.g
     weights = grads = state = 0
     sizes: list[int] = []
+    sized = {} if sized is None else sized
     for name, shape in stored.items():
         owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
         if cut.stage_of(owner) != s:
             continue
-        whole = _integer(numel(shape), cut.subs, name) * 4
+        whole = sized.get(shape)
+        if whole is None:
+            whole = sized[shape] = _integer(numel(shape), cut.subs, name) * 4
         local = whole // t if len(shape) >= 2 else whole
         weights += local
         grads += whole if owner in g and g.node(owner).kind == "embedding" else local
@@ -471,7 +498,8 @@ class TensorPipelineStep(PipelineStep):
         if not isinstance(numbers.get("t"), int):
             raise SymmemError("the tensor x pipeline peak needs a number for t")
         cut = self._make_cut(_Cut(self.graph, self.conv, self.options, self.regime, numbers, self._memo()))
-        if numbers.get("B") == 1 and collapsed(cut.g.program_order()).xreplace(cut.subs) is sympy.true:
+        # (the graph's own nodes: collapsed reads their templates, the same in the graph unrolled to L layers)
+        if numbers.get("B") == 1 and collapsed(self.graph.program_order()).xreplace(cut.subs) is sympy.true:
             raise SymmemError("the tensor x pipeline peak at B = 1 with eager attention and one key/value head a "
                               "rank (G = t) is not modelled (the repeated keys and values are views of the cache's "
                               "copies there; measured 2,048 B above on the last stage): give B >= 2 or SDPA")
