@@ -252,6 +252,38 @@ class _FsdpReplay(_Replay):
             self._post_forward(u)
         self.opened, self.started = opened, set(started)
 
+    def _acting(self, pass_: int, kind: str) -> Any:
+        cls = type(self)
+        if cls.before is not _FsdpReplay.before or cls.after is not _FsdpReplay.after \
+                or cls.moment is not _Replay.moment or not self._pure:
+            return None  # a traced module's replay counts the ops as they run: every op
+        return self._fsdp_acting(pass_, kind)
+
+    def _fsdp_acting(self, pass_: int, kind: str) -> frozenset[int]:
+        """:meth:`_acting` of FSDP's hooks (``begin`` empties what a segment opened and started): in a forward the
+        first op (the root's pre-forward) and each unit's first and last op and the root's last; in a backward the
+        first op of each unit and of each side of the loss (a pre-backward acts once a segment, at the first op
+        that calls it: each of those calls comes from an op's unit and whether it is in the loss)."""
+        found = self.__dict__.setdefault("_fsdp_acts", {})
+        key = (pass_, kind)
+        if key not in found:
+            nodes = [node for node, _, _ in self._plan(pass_, kind)]
+            if kind == "F":  # (first_op and last_op: each unit's, its unit the op's own)
+                ends = {n for u, n in (*self.first_op.items(), *self.last_op.items()) if u is not None}
+                ends.add(self.root_end)
+                acts = {i for i, node in enumerate(nodes) if node in ends}
+                acts.add(0)
+            else:
+                known, facts = self._known, self._facts
+                firsts: dict[tuple[int | None, bool], int] = {}
+                for i, node in enumerate(nodes):
+                    unit, in_loss, _, _, _ = known[node] if node in known else facts(node)
+                    if (unit, in_loss) not in firsts:
+                        firsts[(unit, in_loss)] = i
+                acts = set(firsts.values())
+            found[key] = frozenset(acts)
+        return found[key]
+
     # the hooks of the replay
     def begin(self, kind: str, mb: int) -> None:
         self.opened = False
