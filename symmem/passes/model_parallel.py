@@ -1481,7 +1481,7 @@ class _Replay:
         forward, later = kind == "F", pass_ > 0
         plan = []
         touched: set[int] = set()  # what the plan makes or frees (_touched), noted as it is made
-        note = touched.add
+        note, notes = touched.add, touched.update
         for k, e in mine:
             born = []
             for sid in e.born:
@@ -1513,11 +1513,11 @@ class _Replay:
                 nbytes = None if unsized else sized(id(st.nbytes))
                 born.append((sid, size(sid) if nbytes is None else nbytes, fate))
                 note(sid)
-            dying = []
-            for sid in e.freed:
-                if frees(sid) == k and storages[sid].name not in keep:
-                    dying.append(sid)
-                    note(sid)
+            if e.freed:
+                dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
+                notes(dying)
+            else:
+                dying = []
             plan.append((e.node, born, dying))
         self._events[key] = plan
         self.__dict__.setdefault("_touches", {})[key] = frozenset(touched)  # (not in _records: no segment's)
