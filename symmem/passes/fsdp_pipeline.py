@@ -274,12 +274,17 @@ class _FsdpReplay(_Replay):
                 acts = {i for i, node in enumerate(nodes) if node in ends}
                 acts.add(0)
             else:
-                known, facts = self._known, self._facts
+                # an op's unit and whether it is in the loss (no more: _facts' rest is the forward's), by its
+                # node, kept on the cut (every stage's replay, both passes: the same ops' names)
+                units = self.cut.__dict__.setdefault("_fsdp_unit", {})
+                losses, in_loss_of = self.cut.__dict__.setdefault("in_loss", {}), self._in_loss
                 firsts: dict[tuple[int | None, bool], int] = {}
                 for i, node in enumerate(nodes):
-                    unit, in_loss, _, _, _ = known[node] if node in known else facts(node)
-                    if (unit, in_loss) not in firsts:
-                        firsts[(unit, in_loss)] = i
+                    unit = units[node] if node in units else units.setdefault(node, iteration(node) or None
+                                                                              if node is not None else None)
+                    side = (unit, losses[node] if node in losses else in_loss_of(node))
+                    if side not in firsts:
+                        firsts[side] = i
                 acts = set(firsts.values())
             found[key] = frozenset(acts)
         return found[key]

@@ -1471,7 +1471,8 @@ class _Replay:
         indices = {k for k, _ in mine}
         # the lookups hoisted out of the thousands of ops (a stage's plans were most of its replay)
         storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
-        on, shared, stage_of, known = cut.on, cut.shared, cut.stage_of, _known_stages(cut)
+        on, shared, stage_of = cut.on, cut.shared, cut.stage_of
+        stages = _known_stages(cut)  # (a lookup for each storage a stage makes)
         alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
         # a plain or packed cut's size() is its cache by the size's object, else worked out: looked up here first
         # (a call for each of the thousands of storages a stage makes)
@@ -1480,8 +1481,6 @@ class _Replay:
         outside = ("parameter", "optimizer_state", "input")
         forward, later = kind == "F", pass_ > 0
         plan = []
-        touched: set[int] = set()  # what the plan makes or frees (_touched), noted as it is made
-        note, notes = touched.add, touched.update
         for k, e in mine:
             born = []
             for sid in e.born:
@@ -1491,10 +1490,8 @@ class _Replay:
                     continue
                 node = st.node
                 if alone:
-                    if node not in shared:
-                        found = known(node)
-                        if (stage_of(node) if found is None else found) != s:
-                            continue
+                    if node not in shared and (stages[node] if node in stages else stage_of(node)) != s:
+                        continue
                 elif not on(node, s):
                     continue
                 freed = frees(sid)
@@ -1512,15 +1509,15 @@ class _Replay:
                     fate = _HELD  # freed by an op of this pass
                 nbytes = None if unsized else sized(id(st.nbytes))
                 born.append((sid, size(sid) if nbytes is None else nbytes, fate))
-                note(sid)
             if e.freed:
                 dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
-                notes(dying)
             else:
                 dying = []
             plan.append((e.node, born, dying))
         self._events[key] = plan
-        self.__dict__.setdefault("_touches", {})[key] = frozenset(touched)  # (not in _records: no segment's)
+        # what the plan makes or frees (_touched; not in _records: no segment's)
+        self.__dict__.setdefault("_touches", {})[key] = frozenset(
+            {sid for _, born, _ in plan for sid, _, _ in born} | {sid for _, _, dying in plan for sid in dying})
         return plan
 
     # what a data-parallel engine wrapped around the stage does around its ops (none here: the stage alone;
@@ -1614,8 +1611,7 @@ def _ops(cut: Any, pass_: int, kind: str) -> list[list[tuple[int, Any]]]:
     found = cut.__dict__.setdefault("_ops", {})
     if (pass_, kind) not in found:
         shared, stage_of = cut.shared, cut.stage_of
-        # stage_of's own cache read without a call where it is _Cut's (thousands of ops a pass)
-        stages = cut._stage if getattr(type(cut), "stage_of", None) is _Cut.stage_of else {}
+        stages = _known_stages(cut)  # (thousands of ops a pass)
         ops = cut.passes[pass_][kind]
         # each op's stage, -1 for what the layers read besides the layer before (every stage makes its own)
         where = [-1 if node in shared else stages[node] if node in stages else stage_of(node)
@@ -1624,12 +1620,10 @@ def _ops(cut: Any, pass_: int, kind: str) -> list[list[tuple[int, Any]]]:
     return found[(pass_, kind)]
 
 
-def _known_stages(cut: Any) -> Any:
-    """What the cut's ``stage_of`` found so far, looked up without a call (``_Cut.stage_of``'s own cache; nothing
-    for a cut of another kind: a traced module's), for the loops over every op of a step."""
-    if getattr(type(cut), "stage_of", None) is _Cut.stage_of:
-        return cut._stage.get
-    return _unknown
+def _known_stages(cut: Any) -> dict[str | None, int]:
+    """What the cut's ``stage_of`` found so far, read without a call (``_Cut.stage_of``'s own cache, which it fills;
+    nothing for a cut of another kind: a traced module's), for the loops over every op of a step."""
+    return cut._stage if getattr(type(cut), "stage_of", None) is _Cut.stage_of else {}
 
 
 def _unknown(node: str | None) -> None:
