@@ -1541,7 +1541,9 @@ class _Replay:
         """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup
         holds the one before its last in ``send_work`` until the steady loop ends."""
         cut, s = self.cut, self.s
-        sent_on = [x for x in ends if self._sent(x[1], True)]
+        # _sent's answers looked up first (every micro-batch's forward ends with the same storages)
+        known, sent = self._sends, self._sent
+        sent_on = [x for x in ends if (known[(x[1], True)] if (x[1], True) in known else sent(x[1], True))]
         warmup = min(self.m, cut.p - s)
         if self.schedule == "gpipe":
             ends = [x for x in ends if not self._sent(x[1], True)]

@@ -470,8 +470,8 @@ class _SequenceReplay(_TensorReplay):
 
             extras, head, backward = self._extras, self.tcut.sizes.head, kind == "B"
             index = [k for k, _ in _ops(self.cut, pass_, kind)[self.s]]
-            found[key] = frozenset(i for i, (node, _, _) in enumerate(self._plan(pass_, kind))
-                                   if extras.get(index[i], (0,)) != (0,) or (backward and node == head))
+            found[key] = frozenset({i for i, (node, _, _) in enumerate(self._plan(pass_, kind))
+                                    if extras.get(index[i], (0,)) != (0,) or (backward and node == head)})
         return found[key]
 
     def before(self, kind: str, node: str | None, mb: int) -> None:

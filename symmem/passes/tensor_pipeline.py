@@ -308,8 +308,8 @@ class _TensorReplay(_Replay):
         key = (pass_, kind)
         if key not in found:
             extras, head, backward = self._extras, self.tcut.sizes.head, kind == "B"
-            found[key] = frozenset(i for i, (node, _, _) in enumerate(self._plan(pass_, kind))
-                                   if extras.get((pass_, kind, node), 0) or (backward and node == head))
+            found[key] = frozenset({i for i, (node, _, _) in enumerate(self._plan(pass_, kind))
+                                    if extras.get((pass_, kind, node), 0) or (backward and node == head)})
         return found[key]
 
     def begin(self, kind: str, mb: int) -> None:
