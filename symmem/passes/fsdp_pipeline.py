@@ -202,7 +202,12 @@ class _FsdpReplay(_Replay):
         self.live -= self.held.pop(key, 0)
 
     def _has(self, unit: int | None) -> bool:
-        return bool(self.units.of(unit))
+        # asked by the hooks at every unit boundary of every segment walked: each unit's answer kept (units.of reads
+        # every parameter of the stage)
+        having = self.__dict__.setdefault("_having", {})
+        if unit not in having:
+            having[unit] = bool(self.units.of(unit))
+        return having[unit]
 
     def _gather(self, unit: int | None, node: str | None, mb: int, with_params: bool = True) -> None:
         """The unit's all-gather output and (``with_params``) its unsharded parameters, unless it is unsharded; the
