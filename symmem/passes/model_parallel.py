@@ -1364,7 +1364,7 @@ class _Replay:
         touched = self._touched(pass_, kind)
         alive = self.alive
         left = self._left.get(mb, frozenset())
-        present = frozenset(sid for sid in left if sid in touched and (mb, sid) in alive)
+        present = frozenset({sid for sid in left if sid in touched and (mb, sid) in alive})
         key = (pass_, kind, present, state)
         found = self._records.get(key)
         live0 = self.live
@@ -1386,7 +1386,7 @@ class _Replay:
                 [(v - live0, node) for v, node, _ in made], self.live - live0,
                 highest, final,
                 [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
-                self._hook_effect(mark), frozenset(sid for sid, _ in final))
+                self._hook_effect(mark), frozenset({sid for sid, _ in final}))
             self._left[mb] = left | found[-1]
             return ends
         deltas, net, top, final, popped, ends_, seen, effect, kept = found
