@@ -263,6 +263,56 @@ def test_an_engine_segment_moved_is_the_segment_walked(monkeypatch, cases) -> No
         assert 0 < walks.count(kind) < segments.count(kind)
 
 
+#: the engines whose hooks act at some ops only (FSDP2's units, DTensor's collectives, sequence parallelism's, and
+#: the 3-D meshes): small Llama sizes, 1F1B and GPipe
+ACTING = [
+    ("1f1b", 4, {"data_parallel": "fsdp"}, {"N": 2}),
+    ("1f1b", 4, {"tensor_parallel": True}, {"t": 2}),
+    ("gpipe", 3, {"tensor_parallel": True, "sequence_parallel": True}, {"t": 2}),
+    ("gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2}),
+    ("1f1b", 2, {"data_parallel": "fsdp", "tensor_parallel": True, "sequence_parallel": True}, {"N": 2, "t": 2}),
+]
+
+
+def test_hooks_only_where_they_act_are_hooks_around_every_op(monkeypatch) -> None:
+    """A stage's ops where an engine's hooks do nothing (``_Replay._acting``: not a unit's first or last op in
+    FSDP2's forward, not a unit's first in its backward, no collective, not the head's backward) walked without
+    them give the same moments, peaks and lines as the hooks called around every op; and the hooks are skipped at
+    most ops of every engine's plans."""
+    from symmem import derive
+    from symmem.passes.fsdp_pipeline import _FsdpReplay
+    from symmem.passes.fsdp_tensor_pipeline import _MeshReplay
+    from symmem.passes.sequence_pipeline import _MeshSequenceReplay, _SequenceReplay
+    from symmem.passes.tensor_pipeline import _TensorReplay
+
+    classes = (_FsdpReplay, _TensorReplay, _SequenceReplay, _MeshReplay, _MeshSequenceReplay)
+    found: dict[str, list] = {}
+    acting: dict[str, list[tuple[int, int]]] = {}  # a class's acting ops and its plan's ops, at each plan
+    for label in ("acting", "every op"):
+        with monkeypatch.context() as patch:
+            for cls in classes:
+                if label == "every op":
+                    patch.setattr(cls, "_acting", lambda self, pass_, kind: None)
+                else:
+                    def noted(self, pass_, kind, _own=cls.__dict__["_acting"]):
+                        out = _own(self, pass_, kind)
+                        acting.setdefault(type(self).__name__, []).append(
+                            (len(out), len(self._plan(pass_, kind))))
+                        return out
+
+                    patch.setattr(cls, "_acting", noted)
+            for schedule, m, engine, more in ACTING:
+                values = {**SMALL, "L": 4, "p": 2, **more}
+                d = derive("llama", pipeline_parallel=True, pipeline_schedule=schedule, micro_batches=m, device="cpu",
+                           loss="cross-entropy", values=values, **engine)
+                found.setdefault(label, []).append(_everything(d))
+    assert found["acting"] == found["every op"]
+    assert set(acting) == {cls.__name__ for cls in classes}
+    for name, sizes in acting.items():
+        assert all(0 < n < ops for n, ops in sizes), name
+        assert sum(n for n, _ in sizes) < sum(ops for _, ops in sizes) / 2, name
+
+
 def test_zero_1_ranks_read_from_one_replay() -> None:
     """ZeRO-1 x pipeline at N = 3: the ranks differ (each owns other whole parameters), and every rank's stage
     lines are the replayed rank's moved: one set of lines worked out a stage, not one a rank."""

@@ -236,7 +236,12 @@ class _FsdpReplay(_Replay):
         self.live -= self.held.pop(key, 0)
 
     def _has(self, unit: int | None) -> bool:
-        return bool(self.units.of(unit))
+        # asked by the hooks at every unit boundary of every segment walked: each unit's answer kept (units.of reads
+        # every parameter of the stage)
+        having = self.__dict__.setdefault("_having", {})
+        if unit not in having:
+            having[unit] = bool(self.units.of(unit))
+        return having[unit]
 
     def _gather(self, unit: int | None, node: str | None, mb: int, with_params: bool = True) -> None:
         """The unit's all-gather output and (``with_params``) its unsharded parameters, unless it is unsharded; the
@@ -285,6 +290,43 @@ class _FsdpReplay(_Replay):
         for u in forwards:
             self._post_forward(u)
         self.opened, self.started = opened, set(started)
+
+    def _acting(self, pass_: int, kind: str) -> Any:
+        cls = type(self)
+        if cls.before is not _FsdpReplay.before or cls.after is not _FsdpReplay.after \
+                or cls.moment is not _Replay.moment or not self._pure:
+            return None  # a traced module's replay counts the ops as they run: every op
+        return self._fsdp_acting(pass_, kind)
+
+    def _fsdp_acting(self, pass_: int, kind: str) -> frozenset[int]:
+        """:meth:`_acting` of FSDP's hooks (``begin`` empties what a segment opened and started): in a forward the
+        first op (the root's pre-forward) and each unit's first and last op and the root's last; in a backward the
+        first op of each unit and of each side of the loss (a pre-backward acts once a segment, at the first op
+        that calls it: each of those calls comes from an op's unit and whether it is in the loss)."""
+        found = self.__dict__.setdefault("_fsdp_acts", {})
+        key = (pass_, kind)
+        if key not in found:
+            nodes = [node for node, _, _ in self._plan(pass_, kind)]
+            if kind == "F":  # (first_op and last_op: each unit's, its unit the op's own)
+                ends = {n for u, n in (*self.first_op.items(), *self.last_op.items()) if u is not None}
+                ends.add(self.root_end)
+                acts = {i for i, node in enumerate(nodes) if node in ends}
+                acts.add(0)
+            else:
+                # an op's unit and whether it is in the loss (no more: _facts' rest is the forward's), by its
+                # node, kept on the cut (every stage's replay, both passes: the same ops' names)
+                units = self.cut.__dict__.setdefault("_fsdp_unit", {})
+                losses, in_loss_of = self.cut.__dict__.setdefault("in_loss", {}), self._in_loss
+                firsts: dict[tuple[int | None, bool], int] = {}
+                for i, node in enumerate(nodes):
+                    unit = units[node] if node in units else units.setdefault(node, iteration(node) or None
+                                                                              if node is not None else None)
+                    side = (unit, losses[node] if node in losses else in_loss_of(node))
+                    if side not in firsts:
+                        firsts[side] = i
+                acts = set(firsts.values())
+            found[key] = frozenset(acts)
+        return found[key]
 
     # the hooks of the replay
     def begin(self, kind: str, mb: int) -> None:

@@ -123,6 +123,14 @@ class _MeshReplay(_TensorReplay, _FsdpReplay):
         _FsdpReplay.begin(self, kind, mb)
         _TensorReplay.begin(self, kind, mb)
 
+    def _acting(self, pass_: int, kind: str) -> Any:
+        """FSDP's hooks' ops and the collectives' (each acts at its own, the other's are no-ops there)."""
+        cls = type(self)
+        if cls.before is not _MeshReplay.before or cls.moment is not _TensorReplay.moment \
+                or cls.after is not _MeshReplay.after or not self._pure:
+            return None
+        return self._fsdp_acting(pass_, kind) | self._tensor_acting(pass_, kind)
+
     def before(self, kind: str, node: str | None, mb: int) -> None:
         _FsdpReplay.before(self, kind, node, mb)
         _TensorReplay.before(self, kind, node, mb)

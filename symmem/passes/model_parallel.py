@@ -1329,29 +1329,69 @@ class _Replay:
     def _hook_redo(self, effect: Any) -> None:
         """A recorded segment replayed: the hooks' state changed as :meth:`_hook_effect` recorded it."""
 
+    def _acting(self, pass_: int, kind: str) -> Any:
+        """The indices of the ops of the plan of ``pass_`` and ``kind`` around which the engine's hooks (``before``,
+        ``after``, its ``moment``) may act, a set worked out once a plan; at every other op they would change
+        nothing and :meth:`moment` would be the stage alone's (so :meth:`_hooked` runs those ops as :meth:`_walked`
+        does, without a call).  None: every op (hooks this class does not know: a subclass's)."""
+        return None
+
     def _hooked(self, kind: str, mb: int) -> list[tuple[int, int]]:
-        """:meth:`segment` op by op with the engine's hooks around every op."""
-        alive = self.alive
+        """:meth:`segment` op by op with the engine's hooks around the ops where they act (:meth:`_acting`), or
+        around every op (``_at``: the op's index in the plan, for the hooks that read the plan)."""
+        pass_ = 0 if mb == 0 else 1
+        plan = self._plan(pass_, kind)
+        # moments watched as they come (a list of its own: passes/pipeline_formula.py) see every op's hooks
+        acting = self._acting(pass_, kind) if type(self.moments) is list else None
+        if acting is None:
+            acting = range(len(plan))
+        alive, append = self.alive, self.moments.append
         ends: list[tuple[int, int]] = []
         done: list[tuple[int, int]] = []
         self.begin(kind, mb)
-        for node, born, freed in self._plan(0 if mb == 0 else 1, kind):
-            self.before(kind, node, mb)
+        before, after, moment, free = self.before, self.after, self.moment, self.free
+        live, best = self.live, self.best
+        for i, (node, born, freed) in enumerate(plan):
+            if i in acting:  # the hooks around the op, the engine's moment
+                self.live, self.best, self._at = live, best, i
+                before(kind, node, mb)
+                for sid, nbytes, fate in born:
+                    alive[(mb, sid)] = nbytes
+                    self.live += nbytes
+                    if fate == _AT_ONCE:
+                        moment(self.live, node, mb)
+                        free((mb, sid))
+                    elif fate == _WITH_FORWARD:
+                        done.append((mb, sid))
+                    elif fate == _WITH_BACKWARD:
+                        ends.append((mb, sid))
+                moment(self.live, node, mb)
+                for sid in freed:
+                    if (mb, sid) in alive:
+                        free((mb, sid))
+                after(kind, node, mb)
+                live, best = self.live, self.best
+                continue
+            # nothing around the op: _walked's body
             for sid, nbytes, fate in born:
                 alive[(mb, sid)] = nbytes
-                self.live += nbytes
+                live += nbytes
                 if fate == _AT_ONCE:
-                    self.moment(self.live, node, mb)
-                    self.free((mb, sid))
+                    append((live, node, mb))
+                    if live > best[0]:
+                        best = (live, "pipeline", node, mb)
+                    live -= alive.pop((mb, sid), 0)
                 elif fate == _WITH_FORWARD:
                     done.append((mb, sid))
                 elif fate == _WITH_BACKWARD:
                     ends.append((mb, sid))
-            self.moment(self.live, node, mb)
+            append((live, node, mb))
+            if live > best[0]:
+                best = (live, "pipeline", node, mb)
             for sid in freed:
                 if (mb, sid) in alive:
-                    self.free((mb, sid))
-            self.after(kind, node, mb)
+                    live -= alive.pop((mb, sid))
+        self.live, self.best = live, best
         self.end(kind, mb)
         for key in done:
             self.free(key)
@@ -1385,7 +1425,7 @@ class _Replay:
         touched = self._touched(pass_, kind)
         alive = self.alive
         left = self._left.get(mb, frozenset())
-        present = frozenset(sid for sid in left if sid in touched and (mb, sid) in alive)
+        present = frozenset({sid for sid in left if sid in touched and (mb, sid) in alive})
         key = (pass_, kind, present, state)
         found = self._records.get(key)
         live0 = self.live
@@ -1407,7 +1447,7 @@ class _Replay:
                 [(v - live0, node) for v, node, _ in made], self.live - live0,
                 highest, final,
                 [sid for sid in present if (mb, sid) not in alive], [sid for _, sid in ends], {live0},
-                self._hook_effect(mark), frozenset(sid for sid, _ in final))
+                self._hook_effect(mark), frozenset({sid for sid, _ in final}))
             self._left[mb] = left | found[-1]
             return ends
         deltas, net, top, final, popped, ends_, seen, effect, kept = found
@@ -1492,16 +1532,16 @@ class _Replay:
         indices = {k for k, _ in mine}
         # the lookups hoisted out of the thousands of ops (a stage's plans were most of its replay)
         storages, size, frees, keep, forwards = tl.storages, cut.size, cut.frees.get, cut.keep, cut.forwards
-        on, shared, stage_of, known = cut.on, cut.shared, cut.stage_of, _known_stages(cut)
+        on, shared, stage_of = cut.on, cut.shared, cut.stage_of
+        stages = _known_stages(cut)  # (a lookup for each storage a stage makes)
         alone = type(cut).on is _Cut.on  # then on() is: shared, or the op's stage
         # a plain or packed cut's size() is its cache by the size's object, else worked out: looked up here first
         # (a call for each of the thousands of storages a stage makes)
         sized = cut.cache.get if type(cut).size in (_Cut.size, _PackedCut.size) else _unknown
+        unsized = sized is _unknown  # (then size() at once)
         outside = ("parameter", "optimizer_state", "input")
         forward, later = kind == "F", pass_ > 0
         plan = []
-        touched: set[int] = set()  # what the plan makes or frees (_touched), noted as it is made
-        note, notes = touched.add, touched.update
         for k, e in mine:
             born = []
             for sid in e.born:
@@ -1511,10 +1551,8 @@ class _Replay:
                     continue
                 node = st.node
                 if alone:
-                    if node not in shared:
-                        found = known(node)
-                        if (stage_of(node) if found is None else found) != s:
-                            continue
+                    if node not in shared and (stages[node] if node in stages else stage_of(node)) != s:
+                        continue
                 elif not on(node, s):
                     continue
                 freed = frees(sid)
@@ -1530,17 +1568,17 @@ class _Replay:
                     fate = _WITH_BACKWARD
                 else:
                     fate = _HELD  # freed by an op of this pass
-                nbytes = sized(id(st.nbytes))
+                nbytes = None if unsized else sized(id(st.nbytes))
                 born.append((sid, size(sid) if nbytes is None else nbytes, fate))
-                note(sid)
             if e.freed:
                 dying = [sid for sid in e.freed if frees(sid) == k and storages[sid].name not in keep]
-                notes(dying)
             else:
                 dying = []
             plan.append((e.node, born, dying))
         self._events[key] = plan
-        self.__dict__.setdefault("_touches", {})[key] = frozenset(touched)  # (not in _records: no segment's)
+        # what the plan makes or frees (_touched; not in _records: no segment's)
+        self.__dict__.setdefault("_touches", {})[key] = frozenset(
+            {sid for _, born, _ in plan for sid, _, _ in born} | {sid for _, _, dying in plan for sid in dying})
         return plan
 
     # what a data-parallel engine wrapped around the stage does around its ops (none here: the stage alone;
@@ -1564,7 +1602,9 @@ class _Replay:
         """The stage's output, sent on: GPipe's send works hold every one to the end of the phase; 1F1B's warmup
         holds the one before its last in ``send_work`` until the steady loop ends."""
         cut, s = self.cut, self.s
-        sent_on = [x for x in ends if self._sent(x[1], True)]
+        # _sent's answers looked up first (every micro-batch's forward ends with the same storages)
+        known, sent = self._sends, self._sent
+        sent_on = [x for x in ends if (known[(x[1], True)] if (x[1], True) in known else sent(x[1], True))]
         warmup = min(self.m, cut.p - s)
         if self.schedule == "gpipe":
             ends = [x for x in ends if not self._sent(x[1], True)]
@@ -1633,26 +1673,20 @@ def _ops(cut: Any, pass_: int, kind: str) -> list[list[tuple[int, Any]]]:
     out once for every stage of the cut (each stage's replay filtered every op of the step)."""
     found = cut.__dict__.setdefault("_ops", {})
     if (pass_, kind) not in found:
-        per: list[list[tuple[int, Any]]] = [[] for _ in range(cut.p)]
-        shared, stage_of, known = cut.shared, cut.stage_of, _known_stages(cut)
-        for k, e in cut.passes[pass_][kind]:
-            node = e.node
-            if node in shared:  # what the layers read besides the layer before: every stage makes its own
-                for ops in per:
-                    ops.append((k, e))
-            else:
-                stage = known(node)
-                per[stage_of(node) if stage is None else stage].append((k, e))
-        found[(pass_, kind)] = per
+        shared, stage_of = cut.shared, cut.stage_of
+        stages = _known_stages(cut)  # (thousands of ops a pass)
+        ops = cut.passes[pass_][kind]
+        # each op's stage, -1 for what the layers read besides the layer before (every stage makes its own)
+        where = [-1 if node in shared else stages[node] if node in stages else stage_of(node)
+                 for node in [e.node for _, e in ops]]
+        found[(pass_, kind)] = [[op for op, w in zip(ops, where, strict=True) if w == s or w < 0] for s in range(cut.p)]
     return found[(pass_, kind)]
 
 
-def _known_stages(cut: Any) -> Any:
-    """What the cut's ``stage_of`` found so far, looked up without a call (``_Cut.stage_of``'s own cache; nothing
-    for a cut of another kind: a traced module's), for the loops over every op of a step."""
-    if getattr(type(cut), "stage_of", None) is _Cut.stage_of:
-        return cut._stage.get
-    return _unknown
+def _known_stages(cut: Any) -> dict[str | None, int]:
+    """What the cut's ``stage_of`` found so far, read without a call (``_Cut.stage_of``'s own cache, which it fills;
+    nothing for a cut of another kind: a traced module's), for the loops over every op of a step."""
+    return cut._stage if getattr(type(cut), "stage_of", None) is _Cut.stage_of else {}
 
 
 def _unknown(node: str | None) -> None:

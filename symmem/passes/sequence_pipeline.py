@@ -454,8 +454,28 @@ class _SequenceReplay(_TensorReplay):
         super().begin(kind, mb)
         self._index = [k for k, _ in _ops(self.cut, self.pass_, kind)[self.s]]
 
+    def _acting(self, pass_: int, kind: str) -> Any:
+        if type(self).before is not _SequenceReplay.before or type(self).moment is not _SequenceReplay.moment \
+                or type(self).after is not _SequenceReplay.after:
+            return None
+        return self._tensor_acting(pass_, kind)
+
+    def _tensor_acting(self, pass_: int, kind: str) -> frozenset[int]:
+        """The ops whose collectives add a moment's bytes (any arm but a single 0), and the head's backward: at
+        every other op the one moment is the stage alone's."""
+        found = self.__dict__.setdefault("_tensor_acts", {})
+        key = (pass_, kind)
+        if key not in found:
+            from .model_parallel import _ops
+
+            extras, head, backward = self._extras, self.tcut.sizes.head, kind == "B"
+            index = [k for k, _ in _ops(self.cut, pass_, kind)[self.s]]
+            found[key] = frozenset({i for i, (node, _, _) in enumerate(self._plan(pass_, kind))
+                                    if extras.get(index[i], (0,)) != (0,) or (backward and node == head)})
+        return found[key]
+
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        self._at += 1
+        # ``_at``: the op's index in the plan (set by _Replay._hooked)
         self.arms = self._extras.get(self._index[self._at], (0,))
         self.fix = None
         if kind == "B" and node == self.tcut.sizes.head:
@@ -492,6 +512,13 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
     def begin(self, kind: str, mb: int) -> None:
         _FsdpReplay.begin(self, kind, mb)
         _SequenceReplay.begin(self, kind, mb)
+
+    def _acting(self, pass_: int, kind: str) -> Any:
+        cls = type(self)
+        if cls.before is not _MeshSequenceReplay.before or cls.moment is not _MeshSequenceReplay.moment \
+                or cls.after is not _MeshSequenceReplay.after or not self._pure:
+            return None
+        return self._fsdp_acting(pass_, kind) | self._tensor_acting(pass_, kind)
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
         _FsdpReplay.before(self, kind, node, mb)

@@ -316,13 +316,30 @@ class _TensorReplay(_Replay):
         is its record moved (:meth:`~symmem.passes.model_parallel._Replay._repeated`)."""
         return ()
 
+    def _acting(self, pass_: int, kind: str) -> Any:
+        if type(self).before is not _TensorReplay.before or type(self).moment is not _TensorReplay.moment \
+                or type(self).after is not _TensorReplay.after:
+            return None  # hooks of a subclass's (passes/mesh_formula.py's notes): around every op
+        return self._tensor_acting(pass_, kind)
+
+    def _tensor_acting(self, pass_: int, kind: str) -> frozenset[int]:
+        """:meth:`_acting` of the collectives' hooks: the ops with a collective, and the head's backward; at every
+        other op ``before`` finds no extra bytes and no mode, and ``after`` undoes nothing."""
+        found = self.__dict__.setdefault("_tensor_acts", {})
+        key = (pass_, kind)
+        if key not in found:
+            extras, head, backward = self._extras, self.tcut.sizes.head, kind == "B"
+            found[key] = frozenset({i for i, (node, _, _) in enumerate(self._plan(pass_, kind))
+                                    if extras.get((pass_, kind, node), 0) or (backward and node == head)})
+        return found[key]
+
     def begin(self, kind: str, mb: int) -> None:
         self.pass_ = 0 if mb == 0 else 1
-        self._ops = self._plan(self.pass_, kind)  # segment walks the same plan: before() follows it op by op
+        self._ops = self._plan(self.pass_, kind)  # segment walks the same plan: before() reads it at ``_at``
         self._at = -1
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        self._at += 1
+        # ``_at``: the op's index in the plan (set by _Replay._hooked)
         self.extra = self._extras.get((self.pass_, kind, node), 0)
         self.live += self.extra
         self.mode, self.accumulated = "", 0
