@@ -201,8 +201,6 @@ ENGINES = [
     ("1f1b", 4, {"tensor_parallel": True}, {"t": 2}),
     ("gpipe", 3, {"data_parallel": "fsdp", "tensor_parallel": True}, {"N": 2, "t": 2}),
     ("1f1b", 4, {"data_parallel": "zero-redundancy"}, {"N": 3}),
-    # DDP's bucket view: every segment but the last backward's the stage alone's, moved (stop 44)
-    ("1f1b", 4, {"data_parallel": "ddp-bucket-view"}, {"N": 2}),
 ]
 #: the default suite's :data:`ENGINES`, the rest under ``-m deep`` (stop 42): FSDP2 without resharding under GPipe
 #: (V = 63) runs no line of symmem/ or tests/ the four kept do not (line coverage, each row's caches cleared)
