@@ -407,6 +407,11 @@ class _ViewReplay(_Replay):
             return self._repeated(kind, mb, self._walked, ())
         return self._walked(kind, mb)
 
+    def _hook_state(self, kind: str, mb: int) -> Any:
+        # the synced backward, once a replay: recorded as any segment is, so that a packed replay keeps only its
+        # moments that can bound a line (model_parallel.bounding), never moved (no other segment begins so)
+        return ("synced",)
+
     def begin(self, kind: str, mb: int) -> None:
         self.last = kind == "B" and mb == self.m - 1  # backward_maybe_with_nosync syncs the last one only
         if self.last:
