@@ -56,7 +56,7 @@ from typing import Any
 from ..errors import SymmemError
 from ..training import Regime
 from .fsdp_pipeline import MeshStageMoment
-from .model_parallel import _Replay, memory_of
+from .model_parallel import _integer, _Replay, memory_of
 from .pipeline_step import PipelineStep
 
 
@@ -277,22 +277,24 @@ class DdpPipelineStep(PipelineStep):
             found = memo.get(("whole", cut.layers, cut.p, tuple((n, numbers.get(n)) for n in names)))
             if found is not None:
                 return found
-        found = [_whole(cut, s) for s in range(cut.p)]
+        found = _stage_wholes(cut)
         names = tuple(sorted({str(x) for d in cut.__dict__.get("dims", {}) for x in getattr(d, "free_symbols", ())}))
         memo[("whole symbols", cut.layers, cut.p)] = names
         memo[("whole", cut.layers, cut.p, tuple((n, numbers.get(n)) for n in names))] = found
         return found
 
     def _owned(self, params: list[tuple[int, ...]], world: int, rank: int) -> dict[str, int]:
-        """:func:`_owned`, once for each stage's parameters, world and rank (every rank group and batch asks)."""
+        """:func:`_owned` of ``rank``, every rank's worked out at once for each stage's parameters and world (every
+        rank group and batch asks; the partition is every rank's)."""
         from .schedule import optimizer_impl
 
         impl = optimizer_impl(self.regime, str(self.options.get("device", "cpu")))
-        key = ("owned", tuple(params), world, rank, impl)
+        key = ("owned", tuple(params), world, impl)
         memo = self._memo()
         if key not in memo:
-            memo[key] = _owned(params, world, rank, self.regime, impl)
-        return dict(memo[key])
+            # each shape's state once for every stage (their layers list the same few shapes)
+            memo[key] = _owned_each(params, world, self.regime, impl, memo.setdefault(("zero-1 state",), {}))
+        return dict(memo[key][rank])
 
     def _parts_each(self, stage: Any, numbers: list[dict[str, int]]) -> list[dict[str, int]]:
         """``stage.at_each(numbers, _PARTS)``, once for each stage memory and numbers (ZeRO-1's rank groups each
@@ -394,22 +396,120 @@ class _ViewReplay(_Replay):
 
     last: bool = False
 
+    def segment(self, kind: str, mb: int) -> list[tuple[int, int]]:
+        # the hooks act in the synced (last) micro-batch's backward only, walked op by op with them; around every
+        # other segment they do nothing: the stage alone's walk, each way a segment begins walked once and its
+        # record moved after (_Replay._repeated; the moments watched as they come: every op walked)
+        if kind == "B" and mb == self.m - 1:
+            return super().segment(kind, mb)
+        self.last = False
+        if type(self.moments) is list:
+            return self._repeated(kind, mb, self._walked, ())
+        return self._walked(kind, mb)
+
+    def _hook_state(self, kind: str, mb: int) -> Any:
+        # the synced backward, once a replay: recorded as any segment is, so that a packed replay keeps only its
+        # moments that can bound a line (model_parallel.bounding), never moved (no other segment begins so)
+        return ("synced",)
+
     def begin(self, kind: str, mb: int) -> None:
         self.last = kind == "B" and mb == self.m - 1  # backward_maybe_with_nosync syncs the last one only
+        if self.last:
+            # the gradients alive as it begins (every micro-batch's: they accumulate) and those its ops make, by
+            # the op that made each: what after() frees at that op, found once rather than by reading every
+            # storage alive at every op (three quarters of the bucket view's peak was that)
+            touched = self._touched(0 if mb == 0 else 1, kind)
+            made = self._gradients([key[1] for key in self.alive] + list(touched))
+            self._mine: dict[str, list[tuple[int, int]]] = {}
+            for key in [*self.alive, *((mb, sid) for sid in touched)]:
+                node = made[key[1]]
+                if node is not None:
+                    self._mine.setdefault(node, []).append(key)
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         if not self.last or node is None:
             return
-        storage = self.cut.storage if self._layout() is not None else self.cut.tl.storages.__getitem__
-        for key in [k for k in self.alive if storage(k[1]).category == "gradient" and storage(k[1]).node == node]:
-            self.free(key)
+        for key in self._mine.get(node, ()):
+            if key in self.alive:  # (made later in the backward, or freed already: not now)
+                self.free(key)
+
+    def _gradients(self, sids: list[int]) -> dict[int, str | None]:
+        """The op that made each storage of ``sids`` that is a gradient (None: not one), kept on the cut (its
+        stages ask alike): a layer's storage is its template's renamed, so the template says which are gradients
+        and only those are written out."""
+        known: dict[int, str | None] = self.cut.__dict__.setdefault("_gradient_of", {})
+        new = [sid for sid in dict.fromkeys(sids) if sid not in known]
+        if new:
+            if self._layout() is None:
+                found = [self.cut.tl.storages[sid] for sid in new]
+            else:
+                layout, storage = self.cut.layout, self.cut.storage
+                found = [layout.tl.storages[layout.origin[sid]] for sid in new]
+                found = [storage(sid) if st.category == "gradient" else st
+                         for sid, st in zip(new, found, strict=True)]
+            known.update({sid: st.node if st.category == "gradient" else None
+                          for sid, st in zip(new, found, strict=True)})
+        return known
 
 
 def _whole(cut: Any, s: int) -> list[tuple[int, ...]]:
     """Stage ``s``'s parameters whole, as ``parameters()`` lists them (their shapes at the cut's numbers)."""
-    from .fsdp_pipeline import _Units
+    return _stage_wholes(cut)[s]
 
-    return [p.held for p in _Units(cut, s, 1, 0).params]
+
+def _stage_wholes(cut: Any) -> list[list[tuple[int, ...]]]:
+    """Every stage's parameters whole, as its ``parameters()`` lists them (shapes at the cut's numbers): FSDP2's
+    units' listing at one rank of one (:class:`~symmem.passes.fsdp_pipeline._Units`: the model's ``parameters()``
+    at ``L`` layers, each on the stage that runs its owner, the last stage's own copy of a tied embedding after
+    them), read without writing the graph out to ``L`` layers
+    (:func:`~symmem.passes.zero_redundancy.listed_members`): the unrolled graph and the units' walk of every
+    parameter for every stage were four fifths of ZeRO-1's cost above the pipeline's.  What a parameter's layers
+    share (its owner's kind, its stored shape, its dimensions at the numbers) is worked out once for all of them."""
+    from .data_parallel import stored_shapes
+    from .zero_redundancy import listed_members
+
+    graph = cut.graph
+    # as _unrolled writes the graph at L layers: its first block, L times
+    params = listed_members(graph, {next(iter(graph.blocks)): cut.layers})
+    sized: dict[Any, int] = cut.__dict__.setdefault("dims", {})  # each dimension at the numbers once (as _Units)
+    alike: dict[tuple[str, str, bool], tuple[bool, tuple[int, ...]]] = {}
+    last = cut.p - 1
+
+    def held(shape: tuple[Any, ...], name: str) -> tuple[int, ...]:
+        for d in shape:
+            if d not in sized:
+                sized[d] = _integer(d, cut.subs, name)
+        return tuple(sized[d] for d in shape)
+
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(cut.p)]
+    tied, copied = None, False
+    heads = [n for n in graph.program_order() if graph.node(n).kind == "linear" and graph.node(n).attrs.get("tied")]
+    if heads:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H)), as _Units adds it
+        node = graph.node(heads[0])
+        tied = (f"{heads[0]}.weight", (node.attrs["out_features"], graph.node(node.inputs[0]).out.shape[-1]))
+    for name, (shape, m, k, rest) in params:
+        key = (m, rest, k == 0)
+        if key not in alike:
+            # the unrolled graph's node ``m#k`` is ``m``'s kind: a parameter node's own name is the parameter's, an
+            # op's parameter is ``<op>.<param>``; the stored shape as data_parallel.stored_shapes reads it there
+            # (a parameter node's own name in a layer ends in ``#k``, never in ``.weight``: not transposed)
+            own = name in graph and graph.node(name).kind == "parameter" if not k else (
+                not rest and graph.node(m).kind == "parameter")
+            kept = stored_shapes(graph, [(name, shape)])[name] if not k else (
+                stored_shapes(graph, [(m + rest, shape)])[m + rest] if rest else shape)
+            alike[key] = (own, held(kept, name))
+        own, dims = alike[key]
+        s = cut.stage_of(name if own else name.rsplit(".", 1)[0])
+        if tied is not None and name == tied[0]:
+            copied = True  # in the listing: the last stage's copy stands in its place
+            if s == last:
+                dims = held(tied[1], name)
+        out[s].append(dims)
+    if tied is not None and not copied:  # after every other parameter, where it is the last stage's
+        name = tied[0]
+        if cut.stage_of(name if name in graph and graph.node(name).kind == "parameter" else heads[0]) == last:
+            out[last].append(held(tied[1], name))
+    return out
 
 
 #: the stage's parts a replay on DDP's stages reads, and the parameter side per rank (passes/rank_side.py)
@@ -423,11 +523,41 @@ def _owned(params: list[tuple[int, ...]], world: int, rank: int, regime: Regime,
     stage's ``parameters()``) and its local AdamW's temporaries over them (``impl``: PyTorch's pick by device,
     :func:`~symmem.passes.schedule.optimizer_impl`, as the local optimizer is built with AdamW's defaults), in its
     local optimizer's order."""
-    from ..shapes import numel
-    from .model_parallel import _integer, _step_temporaries
+    return _owned_each(params, world, regime, impl)[rank]
+
+
+def _owned_each(params: list[tuple[int, ...]], world: int, regime: Regime, impl: str,
+                states: dict[tuple[int, ...], int] | None = None) -> list[dict[str, int]]:
+    """:func:`_owned` of every rank ``0 .. world - 1``: the partition made once, each shape's state summed once (a
+    stage's layers repeat a few shapes; ``states``: kept by the caller for this regime), the step's temporaries
+    added up in integers (the shapes are numbers: :func:`~symmem.passes.model_parallel._step_temporaries`' sympy
+    sums and ``Max`` were most of the ranks' cost)."""
+    import math
+
     from .zero_redundancy import _state, partition
 
-    mine = [params[i] for i in partition([int(numel(p)) for p in params], world)[rank]]
-    temps = _step_temporaries(regime, mine, [], [], 0, impl) if mine else 0
-    return {"optimizer_state": sum(_state(regime, shape, {}) for shape in mine),
-            "step_temporaries": _integer(temps, {}, "step temporaries")}
+    sizes = [math.prod(p) for p in params]  # numel
+    states = {} if states is None else states
+    out = []
+    for idx in partition(sizes, world):
+        state = 0
+        for i in idx:
+            if params[i] not in states:
+                states[params[i]] = _state(regime, params[i], {})
+            state += states[params[i]]
+        out.append({"optimizer_state": state,
+                    "step_temporaries": _temporaries(regime, [sizes[i] * 4 for i in idx], impl) if idx else 0})
+    return out
+
+
+def _temporaries(regime: Regime, size: list[int], impl: str) -> int:
+    """:func:`~symmem.passes.model_parallel._step_temporaries` of parameters listed one after another, at numbers:
+    ``size`` their FP32 bytes in the step's order.  For-loop AdamW: the largest of one parameter's ``sqrt`` and
+    ``denom`` beside the previous one's ``denom``; foreach: one copy of every parameter; fused: none."""
+    if regime.optimizer not in ("adam", "adamw"):
+        raise SymmemError(f"pipeline stages model the Adam/AdamW step; got {regime.optimizer}")
+    if not size or impl == "fused":
+        return 0
+    if impl == "foreach":
+        return sum(size)
+    return max([2 * size[0], *(prev + 2 * cur for prev, cur in zip(size, size[1:], strict=False))])

@@ -38,6 +38,7 @@ partition again).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ from ..peak import Moment, Peak
 from ..shapes import numel as shape_numel
 from ..symbols import N, equals
 from ..training import RANK_OPTION, Regime
-from .parameters import in_registration_order, program_parameters, state_storages
+from .parameters import in_registration_order, node_parameters, program_parameters, state_storages
 
 #: The engine's name (:data:`symmem.training.DATA_PARALLEL`).
 ENGINE = "zero-redundancy"
@@ -66,11 +67,12 @@ def partition(sizes: Sequence[int], world: int) -> list[list[int]]:
     [[2], [0], [4], [1, 3, 5]]
     """
     ranks: list[list[int]] = [[] for _ in range(world)]
-    held = [0] * world
-    for i in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
-        rank = held.index(min(held))
+    # (elements so far, rank): the heap's least is the rank with the fewest, the lowest of them on a tie
+    held = [(0, rank) for rank in range(world)]
+    for i in sorted(range(len(sizes)), key=[-size for size in sizes].__getitem__):
+        least, rank = held[0]
         ranks[rank].append(i)
-        held[rank] += sizes[i]
+        heapq.heapreplace(held, (least + sizes[i], rank))
     return ranks
 
 
@@ -94,19 +96,35 @@ def listed_whole(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple
     >>> listed_whole(g, {"layers": 3}) == listed(unroll(g, {"layers": 3}))
     True
     """
+    return [(name, found[0]) for name, found in listed_members(graph, counts)]
+
+
+def listed_members(graph: Any, counts: Mapping[str, int]) -> list[tuple[str, tuple[Any, str, int, str]]]:
+    """:func:`listed_whole`, each parameter with what it was written from: ``(name, (shape, node, k, own))``,
+    ``node`` the graph's node that holds it (a member of a block, or outside the blocks), ``k`` its iteration (0
+    outside the blocks) and ``own`` the parameter's name on the node (``.weight``; empty for a parameter node):
+    ``name`` is ``node#k`` (``node`` outside the blocks) followed by ``own``, as
+    :func:`~symmem.passes.parameters.node_parameters` names it."""
     order = list(graph.program_order())
-    written: list[tuple[str, Any]] = []
+    params: list[tuple[str, tuple[Any, str, int, str]]] = []
     i = 0
     while i < len(order):
         node = graph.node(order[i])
         if node.block is None:
-            written.append((order[i], node))
+            params += [(name, (shape, order[i], 0, name[len(order[i]):]))
+                       for name, shape in node_parameters(order[i], node)]
             i += 1
             continue
         members = [n for n in order if graph.node(n).block == node.block]
-        written += [(f"{m}#{k}", graph.node(m)) for k in range(1, counts[node.block] + 1) for m in members]
+        # one iteration's parameters listed once, renamed for each: node_parameters of ``<member>#k`` names them
+        # ``<member>#k`` and ``<member>#k.<param>`` (each member asked once, not once an iteration: a 32-layer
+        # stack's listing asked 1,800 members)
+        one = [(m, name[len(m):], shape) for m in members for name, shape in node_parameters(m, graph.node(m))]
+        params += [(f"{m}#{k}{rest}", (shape, m, k, rest)) for k in range(1, counts[node.block] + 1)
+                   for m, rest, shape in one]
         i += len(members)
-    return in_registration_order(graph, program_parameters(graph, written))
+    # in_registration_order reads the names only (each pair moved whole)
+    return in_registration_order(graph, params)
 
 
 def engaged(regime: Regime) -> bool:
