@@ -508,10 +508,11 @@ def traced_derivation(args: argparse.Namespace) -> Any:
 
 def model_limits(loaded: Any, dims: dict[str, Any], d: Any) -> dict[Any, str]:
     """The sizes a loaded module cannot take whatever the memory, each with why
-    (:func:`symmem.importer.limits.model_limits`, which :func:`symmem.trace` adds to the domain too)."""
+    (:func:`symmem.importer.limits.model_limits`, which :func:`symmem.trace` adds to the domain too, with the tables
+    the traced forward looked up at positions: ``d.why``)."""
     from ..importer.limits import model_limits as limits
 
-    return limits(loaded.module, loaded.example_inputs, dims, d.domain, d.free)
+    return {**dict(d.why), **limits(loaded.module, loaded.example_inputs, dims, d.domain, d.free)}
 
 
 def _limit_acceptor(limits: dict[Any, str]) -> Any:
