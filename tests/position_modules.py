@@ -93,7 +93,7 @@ class Indexed(_Base):
 
 
 class Wrapped(_Base):
-    """Token ids, positions wrapped (``% R``) and clamped: every S runs, so nothing is said."""
+    """Token ids, positions wrapped (``% R``) and clamped (in place too): every S runs, so nothing is said."""
 
     def __init__(self, rows: int = 12) -> None:
         super().__init__()
@@ -101,8 +101,9 @@ class Wrapped(_Base):
 
     def forward(self, x: Any) -> Any:
         n = self.pos.num_embeddings
-        s = torch.arange(x.shape[1])
-        return self.out(x, self.pos(s % n) + self.pos(s.clamp(max=n - 1)) + self.tok(x % 7))
+        s, t = torch.arange(x.shape[1]), torch.arange(x.shape[1])
+        t.view(1, -1).clamp_(max=n - 1)  # in place, through a view: t's values are no longer arange's
+        return self.out(x, self.pos(s % n) + self.pos(s.clamp(max=n - 1)) + self.pos(t) + self.tok(x % 7))
 
 
 def sized(H: int, R: int) -> tuple[Any, tuple[Any, ...]]:

@@ -25,6 +25,8 @@ from typing import Any
 
 import sympy
 
+from ..record.identity import storage_key
+
 #: the form of a followed tensor: (a, b, d), value ``a + b * i_d`` (a an int or SymInt, b an int, d a dim or None)
 Form = tuple[Any, int, int | None]
 
@@ -86,6 +88,14 @@ class IndexRanges:
                 rule(args, kwargs, out)
             except Exception:  # noqa: BLE001 -- an argument in a form not followed: its values are not told, and
                 pass  # following values must never break the trace (it only adds conditions where it can tell)
+        elif self.forms:
+            written = _WRITES.get(func)
+            if written is None:
+                written = _written(func)
+            if written:  # an op that writes its arguments (clamp_, add_, copy_): their values are no longer known
+                for where in written:
+                    t = args[where] if isinstance(where, int) and where < len(args) else kwargs.get(where)
+                    self.forget(t)
 
     def form(self, t: Any) -> Form | None:
         found = self.forms.get(id(t))
@@ -98,6 +108,22 @@ class IndexRanges:
 
         if form is not None and isinstance(t, torch.Tensor) and not t.is_complex() and t.dtype != torch.bool:
             self.forms[id(t)] = (weakref.ref(t), form)
+
+    def forget(self, t: Any) -> None:
+        """Forget every followed tensor that shares ``t``'s storage (a view of it sees the write too)."""
+        import torch
+
+        for x in t if isinstance(t, list | tuple) else (t,):
+            if not isinstance(x, torch.Tensor):
+                continue
+            try:
+                key = storage_key(x)
+            except (RuntimeError, NotImplementedError):
+                continue
+            for i, (ref, _) in list(self.forms.items()):
+                y = ref()
+                if y is None or storage_key(y) == key:
+                    del self.forms[i]
 
     def largest(self, t: Any, form: Form) -> Any:
         a, b, d = form
@@ -153,6 +179,24 @@ def fitted_limits(tables: dict[Any, tuple[str, Any]], domain: Any, base: dict[An
                 out[c] = table_why(c, table, offset)
                 break
     return out
+
+
+_WRITES: dict[Any, tuple[int | str, ...]] = {}
+
+
+def _written(func: Any) -> tuple[int | str, ...]:
+    """The arguments ``func`` writes (positions, or names for keyword-only ones such as ``out``), read once per
+    overload from its schema."""
+    found = _WRITES.get(func)
+    if found is None:
+        found = ()
+        schema = getattr(func, "_schema", None)
+        for i, arg in enumerate(getattr(schema, "arguments", ())):
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                found += (arg.name if arg.kwarg_only else i,)
+        _WRITES[func] = found
+    return found
 
 
 def _below(top: Any, rows: Any) -> Any:
