@@ -13,11 +13,11 @@ H, V = 8, 50
 class _Base(torch.nn.Module):
     """Token embedding + the positions' rows + a linear layer: every case keeps the same kind of activations."""
 
-    def __init__(self, width: int = H) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.tok = torch.nn.Embedding(V, width)
-        self.lin = torch.nn.Linear(width, width)
+        self.tok = torch.nn.Embedding(V, H)
+        self.lin = torch.nn.Linear(H, H)
 
     def out(self, x: Any, pos: Any) -> Any:
         return self.lin(self.tok(x) + pos).relu()
@@ -26,9 +26,9 @@ class _Base(torch.nn.Module):
 class Plain(_Base):
     """``nn.Embedding(R, H)`` at ``arange(S).unsqueeze(0).expand(B, S)``."""
 
-    def __init__(self, rows: int = 12, width: int = H) -> None:
-        super().__init__(width)
-        self.pos = torch.nn.Embedding(rows, width)
+    def __init__(self, rows: int = 12) -> None:
+        super().__init__()
+        self.pos = torch.nn.Embedding(rows, H)
 
     def forward(self, x: Any) -> Any:
         B, S = x.shape
@@ -106,9 +106,9 @@ class Wrapped(_Base):
         return self.out(x, self.pos(s % n) + self.pos(s.clamp(max=n - 1)) + self.pos(t) + self.tok(x % 7))
 
 
-def sized(H: int, R: int) -> tuple[Any, tuple[Any, ...]]:
-    """``build(**sizes)`` for ``sizes=``: :class:`Plain` with ``R`` rows and width ``H`` (its example: 6 tokens)."""
-    return Plain(R, H), (ids(2, 6),)
+def sized(R: int) -> tuple[Any, tuple[Any, ...]]:
+    """``build(**sizes)`` for ``sizes=``: :class:`Plain` with ``R`` rows (its example: 6 tokens)."""
+    return Plain(R), (ids(2, 6),)
 
 
 def ids(b: int, s: int) -> Any:

@@ -25,7 +25,8 @@ import position_modules as pm  # noqa: E402
 
 import symmem  # noqa: E402
 from symmem.cli import main  # noqa: E402
-from symmem.errors import OutsideDomain  # noqa: E402
+from symmem.errors import OutsideDomain, SymmemError  # noqa: E402
+from symmem.record.steps import track_step  # noqa: E402
 
 TOKENS = {"B": [(0, 0)], "S": [(0, 1)]}
 CACHED = {"B": [(0, 0), (1, 0)], "S": [(0, 1)], "P": [(1, 1)]}
@@ -97,6 +98,8 @@ def test_at_the_table_symmem_equals_pytorch_and_one_past_it_both_refuse(case):
     inside, warned = said(lambda: d.at(**sizes))
     assert warned == []
     assert inside.evaluate(d.activations + d.input + d.loss) == saved(module, inputs(s, p))
+    if case == "plain":  # and the peak of two real steps (AdamW, symmem.trace's default) at the limit
+        assert inside.value("peak") == track_step(module, inputs(s, p)).steady.bytes
     # one past: the real module indexes past the table's rows (IndexError), or its position ids, a slice of a buffer
     # as long as the table, are one short of the tokens (RuntimeError)
     with pytest.raises(IndexError if case != "learned-buffer" else RuntimeError):
@@ -119,17 +122,22 @@ def test_positions_it_cannot_tell_say_nothing():
 
 
 def test_rows_a_size_of_the_module_bound_the_tokens_by_that_size():
-    """``sizes=`` with the rows a size of the module (``R``): the fit writes the bound in it, ``S <= R``."""
-    d = symmem.trace(pm.sized, dims=TOKENS, sizes={"H": 8, "R": 12})
+    """``sizes=`` with the rows a size of the module (``R``): the fit writes the bound in it, ``S <= R``; its peak in
+    every size equals two real steps' at the limit and is refused one past it."""
+    d = symmem.trace(pm.sized, dims=TOKENS, sizes={"R": 12}, peak=True, optimizer="sgd")
+    words = "S <= R fails: past the model's position table: pos has R rows"
     assert {str(c): why for c, why in d.why.items()} == {"S <= R": "past the model's position table: pos has R rows"}
-    inside, warned = said(lambda: d.at(B=B, S=12, R=12, H=8))
+    inside, warned = said(lambda: d.at(B=B, S=12, R=12))
     assert warned == []
-    module, _ = pm.sized(8, 12)
+    module, _ = pm.sized(12)
     assert inside.evaluate(d.activations + d.input + d.loss) == saved(module, tokens(12))
+    assert inside.value("peak") == track_step(module, tokens(12), optimizer="sgd").steady.bytes
     with pytest.raises(IndexError):
         module(*tokens(13))
-    _, warned = said(lambda: d.at(B=B, S=13, R=12, H=8))
-    assert len(warned) == 1 and "S <= R fails: past the model's position table: pos has R rows" in warned[0]
+    past, warned = said(lambda: d.at(B=B, S=13, R=12))
+    assert len(warned) == 1 and words in warned[0]
+    with pytest.raises(SymmemError, match=words):  # the peak in every size is refused there, in the same words
+        past.value("peak")
 
 
 def test_the_command_line_says_the_table_and_caps_the_fit(capsys):
