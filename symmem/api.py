@@ -317,7 +317,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
 
     from .importer import trace_module
     from .importer import traced as tracing
-    from .importer.index_ranges import table_why
+    from .importer.index_ranges import table_why, tightest
     from .importer.limits import model_limits
 
     if "convention" in options:
@@ -380,7 +380,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     # a table the forward looked up at positions computed from a size (arange(S)) bounds that size too; the
     # configuration's words win where both find the same condition
     tables = {c: table_why(c, *t) for c, t in recorded.extra.get("tables", {}).items()}
-    limits = {**tables, **model_limits(module, example_inputs, dims, d.domain, d.free)}
+    limits = tightest({**tables, **model_limits(module, example_inputs, dims, d.domain, d.free)})
     if limits:
         d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits), why=limits)
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
@@ -393,7 +393,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                  options: dict[str, Any]) -> Derivation:
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
-    from .importer.index_ranges import fitted_limits
+    from .importer.index_ranges import fitted_limits, tightest
     from .importer.limits import sized_limits
     from .importer.sized_step import sized_step
     from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak, sym_for
@@ -419,7 +419,7 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     # a table the forward looked up at positions (index_ranges): its bound is in the fit's domain already, written
     # in the sizes where the rows follow one (S <= R); the configuration's words win where both find it
     base = {sym_for(n): v for n, v in plan.sizes_at(plan.base).items()}
-    limits = {**fitted_limits(recorded.extra.get("tables", {}), recorded.domain, base), **limits}
+    limits = tightest({**fitted_limits(recorded.extra.get("tables", {}), recorded.domain, base), **limits})
     if limits or said_limits:
         recorded = dataclasses.replace(recorded, domain=sympy.And(recorded.domain, *limits),
                                        notes=(*recorded.notes, *said_limits),

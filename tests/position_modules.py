@@ -58,6 +58,18 @@ class Offset(_Base):
         return self.out(x, self.pos(torch.arange(x.shape[1]) + 2))
 
 
+class Counted(_Base):
+    """OPT's count without its offset: ``cumsum(mask) * mask - 1`` of a mask of ones made in the forward."""
+
+    def __init__(self, rows: int = 12) -> None:
+        super().__init__()
+        self.pos = torch.nn.Embedding(rows, H)
+
+    def forward(self, x: Any) -> Any:
+        mask = torch.ones_like(x)
+        return self.out(x, self.pos(torch.cumsum(mask, dim=1) * mask - 1))
+
+
 class Past(_Base):
     """Positions after a cache of P tokens: ``arange(P, P + S)`` (P + S <= R)."""
 

@@ -5,8 +5,9 @@ tests/test_position_tables.py holds the tables a transformers config names; a pl
 stop 44 ``symmem.trace`` (and ``symmem trace ... --set S=100``) printed a formula past the table's rows where
 PyTorch raises an IndexError.  The fake run now follows the tensors whose values it can tell
 (:mod:`symmem.importer.index_ranges`).  One table of small modules (tests/position_modules.py): the plain
-embedding, Hugging Face's ``position_ids`` buffer sliced (and a buffer longer than the table), OPT's shift by 2, the
-positions after a cache of P tokens (``P + S <= R``), a buffer read with ``index_select``, a parameter indexed.
+embedding, Hugging Face's ``position_ids`` buffer sliced (and a buffer longer than the table), OPT's shift by 2 and its
+count of a mask of ones, the positions after a cache of P tokens (``P + S <= R``), a buffer read with
+``index_select``, a parameter indexed.
 Truth: real PyTorch -- at the limit the module runs and symmem's kept bytes equal what one real forward saves (the
 saved-tensor hooks); one past it the module raises an IndexError and symmem says so, naming the table and its rows.
 Where the positions cannot be told (token ids, ``% R``, a clamp) every size runs and nothing is said.
@@ -79,6 +80,8 @@ CASES = {
                                  "S <= 10 fails: past the model's position table: pos has 10 rows"),
     "offset": (pm.Offset, tokens, TOKENS, {"S": 12}, "S <= 12 fails: past the model's position table: pos has 14 "
                "rows (looked up at positions up to S + 1)"),
+    "counted-mask": (pm.Counted, tokens, TOKENS, {"S": 12},
+                     "S <= 12 fails: past the model's position table: pos has 12 rows"),
     "after-a-cache": (pm.Past, cached, CACHED, {"P": 5, "S": 11}, "P + S <= 16 fails: past the model's position "
                       "table: pos has 16 rows (looked up at positions up to P + S - 1)"),
     "index-select-buffer": (pm.Fixed, tokens, TOKENS, {"S": 20},

@@ -72,8 +72,11 @@ class IndexRanges:
     of a named parameter or buffer at one.  ``names`` maps ``id`` of a fake parameter or buffer to its name;
     ``seeds`` maps ``id`` of a fake buffer to its real values' form (:func:`buffer_form`)."""
 
-    def __init__(self, names: dict[int, str], seeds: dict[int, tuple[Any, Form]]) -> None:
+    def __init__(self, names: dict[int, str], seeds: dict[int, tuple[Any, Form]],
+                 ids: tuple[Any, ...] = ()) -> None:
         self.names = names
+        #: the integer inputs (token ids): ``ids != pad`` is all true on the unpadded inputs symmem assumes
+        self.ids = {id(t): weakref.ref(t) for t in ids}
         self.forms: dict[int, tuple[Any, Form]] = {}  # id -> (weakref, form): a dead id's entry is never read
         for key, (t, form) in seeds.items():
             self.forms[key] = (weakref.ref(t), form)
@@ -106,7 +109,7 @@ class IndexRanges:
     def keep(self, t: Any, form: Form | None) -> None:
         import torch
 
-        if form is not None and isinstance(t, torch.Tensor) and not t.is_complex() and t.dtype != torch.bool:
+        if form is not None and isinstance(t, torch.Tensor) and not t.is_complex():
             self.forms[id(t)] = (weakref.ref(t), form)
 
     def forget(self, t: Any) -> None:
@@ -132,9 +135,11 @@ class IndexRanges:
         return a + b * (t.shape[d] - 1)
 
     def lookup(self, weight: Any, dim: int, index: Any) -> None:
+        import torch
+
         name = self.names.get(id(weight))
         form = self.form(index)
-        if name is None or form is None:
+        if name is None or form is None or index.dtype == torch.bool:  # a bool index is a mask, not positions
             return
         self.lookups.append((name, weight.shape[dim], self.largest(index, form)))
 
@@ -160,6 +165,17 @@ def table_why(cond: Any, table: str, offset: Any) -> str:
     plain = isinstance(cond.lhs, sympy.Symbol) and offset == 0
     return (f"past the model's position table: {table} has {shown} rows"
             + ("" if plain else f" (looked up at positions up to {top})"))
+
+
+def tightest(limits: dict[Any, str]) -> dict[Any, str]:
+    """``limits`` without a bound another one implies (``S <= 24`` from a config where the forward looks the table
+    up at ``S + 1``: ``S <= 22``), so that past both one warning says the tighter one."""
+    def implied(c: Any) -> bool:
+        return isinstance(c, sympy.LessThan) and c.rhs.is_number and any(
+            isinstance(o, sympy.LessThan) and o is not c and o.lhs == c.lhs and o.rhs.is_number and o.rhs < c.rhs
+            for o in limits)
+
+    return {c: why for c, why in limits.items() if not implied(c)}
 
 
 def fitted_limits(tables: dict[Any, tuple[str, Any]], domain: Any, base: dict[Any, int]) -> dict[Any, str]:
@@ -354,6 +370,32 @@ def _rules(r: IndexRanges) -> dict[Any, Callable[[Any, Any, Any], None]]:
             return a, b, d + n - x.dim()
         return (x, 0, None) if _int(x) else None
 
+    def constant(value: Any, out: Any) -> None:  # ones, zeros, full: every element the one number
+        if _int(value):
+            r.keep(out, (value, 0, None))
+
+    def ones(args: Any, kwargs: Any, out: Any) -> None:  # ones(size), ones_like(t), new_ones(t, size)
+        constant(1, out)
+
+    def zeros(args: Any, kwargs: Any, out: Any) -> None:
+        constant(0, out)
+
+    def full(args: Any, kwargs: Any, out: Any) -> None:  # full(size, v), full_like(t, v), new_full(t, size, v)
+        constant(args[-1], out)
+
+    def unpadded(args: Any, kwargs: Any, out: Any) -> None:
+        # ``input_ids != pad`` (RoBERTa's, fairseq's position mask): all true on the unpadded inputs every trace
+        # assumes (the recorder says so for transformers' mask checks); padding only lowers the positions after it,
+        # so the bound from all-true is the one an unpadded batch meets
+        ref = r.ids.get(id(args[0]))
+        if ref is not None and ref() is args[0] and _int(args[1]):
+            r.keep(out, (1, 0, None))
+
+    def cumsum(args: Any, kwargs: Any, out: Any) -> None:  # of a constant c along dim: c, 2c, 3c ...
+        form = r.form(args[0])
+        if form is not None and form[2] is None:
+            r.keep(out, (form[0], form[0], _dim(args[1], out.dim())))
+
     def combine(sign: int) -> Callable[[Any, Any, Any], None]:
         def rule(args: Any, kwargs: Any, out: Any) -> None:
             alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
@@ -388,7 +430,10 @@ def _rules(r: IndexRanges) -> dict[Any, Callable[[Any, Any, Any], None]]:
 
     def mul(args: Any, kwargs: Any, out: Any) -> None:
         for x, k in ((args[0], args[1]), (args[1], args[0])):
-            form = r.form(x) if isinstance(x, torch.Tensor) else None
+            form = aligned(x, out.dim()) if isinstance(x, torch.Tensor) else None
+            if isinstance(k, torch.Tensor):  # a constant tensor (a mask of ones) is its number
+                by = aligned(k, out.dim())
+                k = by[0] if by is not None and by[2] is None else None
             if form is not None and isinstance(k, int) and not isinstance(k, bool):  # a whole number: still exact
                 a, b, d = form
                 r.keep(out, (a * k, b * k, d))
@@ -413,6 +458,14 @@ def _rules(r: IndexRanges) -> dict[Any, Callable[[Any, Any, Any], None]]:
         if found is not None:
             table[found] = rule
 
+    for op in ("ones", "ones_like", "new_ones"):
+        add(op, "default", ones)
+    for op in ("zeros", "zeros_like", "new_zeros"):
+        add(op, "default", zeros)
+    for op in ("full", "full_like", "new_full"):
+        add(op, "default", full)
+    add("ne", "Scalar", unpadded)
+    add("cumsum", "default", cumsum)
     add("arange", "default", arange_end)
     add("arange", "start", arange_start)
     add("arange", "start_step", arange_start)
@@ -444,9 +497,12 @@ def _rules(r: IndexRanges) -> dict[Any, Callable[[Any, Any, Any], None]]:
     return table
 
 
-def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any]) -> IndexRanges:
-    """The observer for one fake run of ``module`` on the fake ``params`` and ``buffers`` (by name): the names of
-    both, and the forms of the buffers whose real values are a sequence or a constant."""
+def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any], inputs: Any = ()) -> IndexRanges:
+    """The observer for one fake run of ``module`` on the fake ``params`` and ``buffers`` (by name) and ``inputs``
+    (the fake input tensors): the names of both, the forms of the buffers whose real values are a sequence or a
+    constant, the integer inputs (token ids)."""
+    import torch
+
     names: dict[int, str] = {}
     for name, t in (*params.items(), *buffers.items()):
         names.setdefault(id(t), name)
@@ -457,4 +513,6 @@ def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any]) -
         form = buffer_form(b) if b is not None else None
         if form is not None:
             seeds[id(fake)] = (fake, form)
-    return IndexRanges(names, seeds)
+    ids = tuple(t for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()
+                and not t.is_complex() and t.dtype != torch.bool)
+    return IndexRanges(names, seeds, ids)
