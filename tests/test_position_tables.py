@@ -241,3 +241,25 @@ def test_the_command_line_says_the_table_and_caps_the_fit(capsys):
     module(input_ids=ids(1, 16))
     with pytest.raises(IndexError):
         module(input_ids=ids(1, 17))
+
+
+def test_opt_with_its_attention_mask_given_is_capped_the_same():
+    """OPT counts its positions from the attention mask: given as an input (all ones: the unpadded inputs every trace
+    assumes), the bound is the one it has without it, ``S <= 24`` of 26 rows."""
+    masked = {n: [("input_ids", d), ("attention_mask", d)] for n, d in (("B", 0), ("S", 1))}
+    x = ids(B, 8)
+    module = hf_opt()
+    d = symmem.trace(module, {"input_ids": x, "attention_mask": torch.ones_like(x)}, masked)
+    assert {str(c): w for c, w in d.why.items()} == {"S <= 24": "past the model's position table: "
+                                                     "decoder.embed_positions has 26 rows (looked up at positions up "
+                                                     "to S + 1)"}
+    x = ids(B, 24)
+    inside, words = said(lambda: d.at(B=B, S=24))
+    assert words == []
+    assert inside.evaluate(d.activations + d.input + d.loss) == measured(module, {"input_ids": x,
+                                                                                  "attention_mask": torch.ones_like(x)})
+    x = ids(1, 25)
+    with pytest.raises(IndexError):
+        module(input_ids=x, attention_mask=torch.ones_like(x))
+    _, words = said(lambda: d.at(B=B, S=25))
+    assert len(words) == 1 and "decoder.embed_positions has 26 rows" in words[0]

@@ -5,16 +5,20 @@ the table (:mod:`.limits` reads a transformers config); past ``R`` rows the real
 the fake run (meta kernels check no index values) records no guard, so the formula would answer silently there.
 
 Here the fake run follows the integer tensors whose values it can tell exactly: ``arange(start, end, step)`` with
-an integer step (the values ``start + step * i``), and a registered integer buffer whose real values are such a
-sequence along one dimension (``position_ids``, ``arange(R).expand((1, -1))``) or a constant; each kept as
+an integer step (the values ``start + step * i``), a registered integer buffer whose real values are such a
+sequence along one dimension (``position_ids``, ``arange(R).expand((1, -1))``) or a constant, ``ones``/``zeros``/
+``full`` (and their ``_like``/``new_`` forms), and ``ids != pad`` on an integer input and an ``attention_mask``
+input (all true, all ones, on the unpadded inputs every trace assumes: RoBERTa's and OPT's masks); each kept as
 ``a + b * i_d`` (``d`` the dimension it runs along, None for a constant) through the ops that keep that form:
-views that only add or drop size-1 dimensions, ``unsqueeze``/``squeeze``/``expand``/``permute``/``transpose``,
-a ``slice`` or ``select`` (a shifted, strided or single position), copies and dtype casts, adding, subtracting or
-multiplying by a number (a traced size too: ``arange(past, past + S)``).  Any other op forgets the tensor: its
-values cannot be told, and nothing is said (token ids, ``cumsum`` of a mask).  Where such a tensor indexes a
-parameter or buffer (``embedding``, ``index_select``, ``gather``, advanced indexing ``weight[idx]``), its largest
-value must be below the rows there: that condition, in the declared symbols, with why
-(``past the model's position table: pos has 64 rows``), joins the derivation's domain as a model's own limit.
+views that only add or drop size-1 dimensions, ``unsqueeze``/``squeeze``/``expand``/``permute``/``transpose``/
+``repeat``, a ``slice`` or ``select`` (a shifted, strided or single position), copies and dtype casts, adding,
+subtracting or multiplying by a number (a traced size too: ``arange(past, past + S)``) or by a constant tensor,
+``cumsum`` of a constant (OPT's and RoBERTa's position count).  Any other op forgets the tensor, and so does an op
+that writes it or a view of its storage: its values cannot be told, and nothing is said (token ids, ``% R``, a
+clamp).  Where such a tensor indexes a parameter or buffer (``embedding``, ``index_select``, ``gather``, advanced
+indexing ``weight[idx]``), its largest value must be below the rows there: that condition, in the declared
+symbols, with why (``past the model's position table: pos has 64 rows``), joins the derivation's domain as a
+model's own limit.
 """
 
 from __future__ import annotations
@@ -497,11 +501,15 @@ def _rules(r: IndexRanges) -> dict[Any, Callable[[Any, Any, Any], None]]:
     return table
 
 
-def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any], inputs: Any = ()) -> IndexRanges:
+def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any],
+                 inputs: dict[Any, Any] | None = None) -> IndexRanges:
     """The observer for one fake run of ``module`` on the fake ``params`` and ``buffers`` (by name) and ``inputs``
-    (the fake input tensors): the names of both, the forms of the buffers whose real values are a sequence or a
-    constant, the integer inputs (token ids)."""
+    (the fake inputs by position or keyword): the names of both, the forms of the buffers whose real values are a
+    sequence or a constant, the integer inputs (token ids), and an ``attention_mask`` input as all ones (the
+    unpadded inputs every trace assumes: OPT counts its positions from it)."""
     import torch
+
+    from ..record.identity import tensors
 
     names: dict[int, str] = {}
     for name, t in (*params.items(), *buffers.items()):
@@ -513,6 +521,10 @@ def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any], i
         form = buffer_form(b) if b is not None else None
         if form is not None:
             seeds[id(fake)] = (fake, form)
-    ids = tuple(t for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()
-                and not t.is_complex() and t.dtype != torch.bool)
+    given = dict(inputs or {})
+    mask = given.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not mask.is_complex():
+        seeds[id(mask)] = (mask, (1, 0, None))
+    ids = tuple(t for t in tensors(list(given.values())) if not t.is_floating_point() and not t.is_complex()
+                and t.dtype != torch.bool and t is not mask)
     return IndexRanges(names, seeds, ids)

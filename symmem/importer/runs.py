@@ -139,7 +139,7 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
     if shared is not None:
         shared.shapes = rec.shapes
     # the tensors of known values (arange over a traced size, a position-ids buffer) and the tables they index
-    ranges = index_ranges(module, params, buffers, tuple(tensors(list(fin.values())))) if symbolic else None
+    ranges = index_ranges(module, params, buffers, fin) if symbolic else None
     rec.observe = ranges
     world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
     args, kwargs = at.rebuild(fin)
