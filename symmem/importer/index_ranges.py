@@ -86,13 +86,13 @@ class IndexRanges:
             self.forms[key] = (weakref.ref(t), form)
         #: (table, rows, largest index) of each lookup at a followed tensor, sizes as ints or SymInts
         self.lookups: list[tuple[str, Any, Any]] = []
-        self.rules = _rules(self)
+        self.rules = _rules()
 
     def __call__(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         rule = self.rules.get(func)
         if rule is not None:
             try:
-                rule(args, kwargs, out)
+                rule(self, args, kwargs, out)
             except Exception:  # noqa: BLE001 -- an argument in a form not followed: its values are not told, and
                 pass  # following values must never break the trace (it only adds conditions where it can tell)
         elif self.forms:
@@ -237,268 +237,312 @@ def _dim(d: int, n: int) -> int:
     return d + n if d < 0 else d
 
 
-def _rules(r: IndexRanges) -> dict[Any, Callable[[Any, Any, Any], None]]:
-    """aten op -> how the form of its output follows from its inputs' (or the lookup it is)."""
+def _arange(r: IndexRanges, start: Any, end: Any, step: Any, out: Any) -> None:
+    if _int(start) and isinstance(step, int) and not isinstance(step, bool) and step != 0 and _int(end):
+        r.keep(out, (start, step, 0))
+
+
+def _arange_end(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    _arange(r, 0, args[0], 1, out)
+
+
+def _arange_start(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    _arange(r, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("step", 1), out)
+
+
+def _same(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """A copy, a cast, an alias: the same values."""
+    r.keep(out, r.form(args[0]))
+
+
+def _reshaped(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """A view that only adds or drops size-1 dimensions."""
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    if d is None or _one(args[0].shape[d]):
+        r.keep(out, (a, 0, None))
+        return
+    if any(not _one(n) for i, n in enumerate(args[0].shape) if i != d):
+        return
+    left = [i for i, n in enumerate(out.shape) if not _one(n)]
+    if len(left) == 1:
+        r.keep(out, (a, b, left[0]))
+
+
+def _unsqueeze(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    at = _dim(args[1], out.dim())
+    r.keep(out, (a, b, None if d is None else d + (at <= d)))
+
+
+def _squeeze(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    shape = args[0].shape
+    if len(args) == 1:
+        asked = range(len(shape))
+    else:
+        asked = args[1] if isinstance(args[1], list | tuple) else [args[1]]
+    gone = {_dim(i, len(shape)) for i in asked if _one(shape[_dim(i, len(shape))])}
+    if d is None or d in gone:
+        r.keep(out, (a, 0, None))
+    else:
+        r.keep(out, (a, b, d - sum(1 for i in gone if i < d)))
+
+
+def _expand(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    if d is None or _one(args[0].shape[d]):  # a broadcast single position: one value everywhere
+        r.keep(out, (a, 0, None))
+        return
+    r.keep(out, (a, b, d + out.dim() - args[0].dim()))
+
+
+def _permute(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    order = [_dim(i, out.dim()) for i in args[1]]
+    r.keep(out, (a, b, None if d is None else order.index(d)))
+
+
+def _transpose(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    n = out.dim()
+    x, y = (0, 1) if len(args) == 1 else (_dim(args[1], n), _dim(args[2], n))
+    r.keep(out, (a, b, y if d == x else x if d == y else d))
+
+
+def _slice(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    dim = _dim(args[1] if len(args) > 1 else 0, args[0].dim())
+    if dim != d:
+        r.keep(out, form)
+        return
+    start = args[2] if len(args) > 2 else None
+    step = args[4] if len(args) > 4 else 1
+    start = 0 if start is None else start
+    if not isinstance(step, int) or isinstance(step, bool) or not _int(start):
+        return
+    if isinstance(start, int):
+        if start < 0:
+            size = args[0].shape[d]
+            if not isinstance(size, int):
+                return
+            start = max(start + size, 0)
+    elif not sympy.sympify(start.node.expr).is_nonnegative:
+        return  # a size that may be negative counts from the end: not followed
+    r.keep(out, (a + b * start, b * step, d))
+
+
+def _select(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    dim, index = _dim(args[1], args[0].dim()), args[2]
+    if dim != d:
+        r.keep(out, (a, b, None if d is None else d - (dim < d)))
+        return
+    if isinstance(index, int) and not isinstance(index, bool):
+        if index < 0:
+            size = args[0].shape[d]
+            if not isinstance(size, int):
+                return
+            index += size
+        r.keep(out, (a + b * index, 0, None))
+
+
+def _aligned(r: IndexRanges, x: Any, n: int) -> Form | None:
+    """x (a followed tensor or a number) as a form of an ``n``-dimensional broadcast result."""
     import torch
 
-    aten = torch.ops.aten
-
-    def arange(start: Any, end: Any, step: Any, out: Any) -> None:
-        if _int(start) and isinstance(step, int) and not isinstance(step, bool) and step != 0 and _int(end):
-            r.keep(out, (start, step, 0))
-
-    def arange_end(args: Any, kwargs: Any, out: Any) -> None:
-        arange(0, args[0], 1, out)
-
-    def arange_start(args: Any, kwargs: Any, out: Any) -> None:
-        arange(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("step", 1), out)
-
-    def same(args: Any, kwargs: Any, out: Any) -> None:  # a copy, a cast, an alias: the same values
-        r.keep(out, r.form(args[0]))
-
-    def reshaped(args: Any, kwargs: Any, out: Any) -> None:  # only size-1 dimensions added or dropped
-        form = r.form(args[0])
+    if isinstance(x, torch.Tensor):
+        form = r.form(x)
         if form is None:
-            return
+            return None
         a, b, d = form
-        if d is None or _one(args[0].shape[d]):
-            r.keep(out, (a, 0, None))
-            return
-        if any(not _one(n) for i, n in enumerate(args[0].shape) if i != d):
-            return
-        left = [i for i, n in enumerate(out.shape) if not _one(n)]
-        if len(left) == 1:
-            r.keep(out, (a, b, left[0]))
+        if d is None or _one(x.shape[d]):
+            return a, 0, None
+        return a, b, d + n - x.dim()
+    return (x, 0, None) if _int(x) else None
 
-    def unsqueeze(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        at = _dim(args[1], out.dim())
-        r.keep(out, (a, b, None if d is None else d + (at <= d)))
 
-    def squeeze(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        shape = args[0].shape
-        if len(args) == 1:
-            asked = range(len(shape))
-        else:
-            asked = args[1] if isinstance(args[1], list | tuple) else [args[1]]
-        gone = {_dim(i, len(shape)) for i in asked if _one(shape[_dim(i, len(shape))])}
-        if d is None or d in gone:
-            r.keep(out, (a, 0, None))
-        else:
-            r.keep(out, (a, b, d - sum(1 for i in gone if i < d)))
+def _constant(r: IndexRanges, value: Any, out: Any) -> None:
+    """ones, zeros, full: every element the one number."""
+    if _int(value):
+        r.keep(out, (value, 0, None))
 
-    def expand(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        if d is None or _one(args[0].shape[d]):  # a broadcast single position: one value everywhere
-            r.keep(out, (a, 0, None))
-            return
-        r.keep(out, (a, b, d + out.dim() - args[0].dim()))
 
-    def permute(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        order = [_dim(i, out.dim()) for i in args[1]]
-        r.keep(out, (a, b, None if d is None else order.index(d)))
+def _ones(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """ones(size), ones_like(t), new_ones(t, size)."""
+    _constant(r, 1, out)
 
-    def transpose(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        n = out.dim()
-        x, y = (0, 1) if len(args) == 1 else (_dim(args[1], n), _dim(args[2], n))
-        r.keep(out, (a, b, y if d == x else x if d == y else d))
 
-    def slice_(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        dim = _dim(args[1] if len(args) > 1 else 0, args[0].dim())
-        if dim != d:
-            r.keep(out, form)
-            return
-        start = args[2] if len(args) > 2 else None
-        step = args[4] if len(args) > 4 else 1
-        start = 0 if start is None else start
-        if not isinstance(step, int) or isinstance(step, bool) or not _int(start):
-            return
-        if isinstance(start, int):
-            if start < 0:
-                size = args[0].shape[d]
-                if not isinstance(size, int):
-                    return
-                start = max(start + size, 0)
-        elif not sympy.sympify(start.node.expr).is_nonnegative:
-            return  # a size that may be negative counts from the end: not followed
-        r.keep(out, (a + b * start, b * step, d))
+def _zeros(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    _constant(r, 0, out)
 
-    def select(args: Any, kwargs: Any, out: Any) -> None:
-        form = r.form(args[0])
-        if form is None:
-            return
-        a, b, d = form
-        dim, index = _dim(args[1], args[0].dim()), args[2]
-        if dim != d:
-            r.keep(out, (a, b, None if d is None else d - (dim < d)))
-            return
-        if isinstance(index, int) and not isinstance(index, bool):
-            if index < 0:
-                size = args[0].shape[d]
-                if not isinstance(size, int):
-                    return
-                index += size
-            r.keep(out, (a + b * index, 0, None))
 
-    def aligned(x: Any, n: int) -> Form | None:
-        """x (a followed tensor or a number) as a form of an ``n``-dimensional broadcast result."""
-        if isinstance(x, torch.Tensor):
-            form = r.form(x)
-            if form is None:
-                return None
-            a, b, d = form
-            if d is None or _one(x.shape[d]):
-                return a, 0, None
-            return a, b, d + n - x.dim()
-        return (x, 0, None) if _int(x) else None
+def _full(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """full(size, v), full_like(t, v), new_full(t, size, v)."""
+    _constant(r, args[-1], out)
 
-    def constant(value: Any, out: Any) -> None:  # ones, zeros, full: every element the one number
-        if _int(value):
-            r.keep(out, (value, 0, None))
 
-    def ones(args: Any, kwargs: Any, out: Any) -> None:  # ones(size), ones_like(t), new_ones(t, size)
-        constant(1, out)
+def _unpadded(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    # ``input_ids != pad`` (RoBERTa's, fairseq's position mask): all true on the unpadded inputs every trace
+    # assumes (the recorder says so for transformers' mask checks); padding only lowers the positions after it,
+    # so the bound from all-true is the one an unpadded batch meets
+    ref = r.ids.get(id(args[0]))
+    if ref is not None and ref() is args[0] and _int(args[1]):
+        r.keep(out, (1, 0, None))
 
-    def zeros(args: Any, kwargs: Any, out: Any) -> None:
-        constant(0, out)
 
-    def full(args: Any, kwargs: Any, out: Any) -> None:  # full(size, v), full_like(t, v), new_full(t, size, v)
-        constant(args[-1], out)
+def _cumsum(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """Of a constant c along a dimension: c, 2c, 3c ..."""
+    form = r.form(args[0])
+    if form is not None and form[2] is None:
+        r.keep(out, (form[0], form[0], _dim(args[1], out.dim())))
 
-    def unpadded(args: Any, kwargs: Any, out: Any) -> None:
-        # ``input_ids != pad`` (RoBERTa's, fairseq's position mask): all true on the unpadded inputs every trace
-        # assumes (the recorder says so for transformers' mask checks); padding only lowers the positions after it,
-        # so the bound from all-true is the one an unpadded batch meets
-        ref = r.ids.get(id(args[0]))
-        if ref is not None and ref() is args[0] and _int(args[1]):
-            r.keep(out, (1, 0, None))
 
-    def cumsum(args: Any, kwargs: Any, out: Any) -> None:  # of a constant c along dim: c, 2c, 3c ...
-        form = r.form(args[0])
-        if form is not None and form[2] is None:
-            r.keep(out, (form[0], form[0], _dim(args[1], out.dim())))
-
-    def combine(sign: int) -> Callable[[Any, Any, Any], None]:
-        def rule(args: Any, kwargs: Any, out: Any) -> None:
-            alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
-            if not isinstance(alpha, int) or isinstance(alpha, bool):
-                return
-            x, y = aligned(args[0], out.dim()), aligned(args[1], out.dim())
-            if x is None or y is None or (x[2] is not None and y[2] is not None and x[2] != y[2]):
-                return
-            k = sign * alpha
-            r.keep(out, (x[0] + k * y[0], x[1] + k * y[1], x[2] if x[2] is not None else y[2]))
-        return rule
-
-    def rsub(args: Any, kwargs: Any, out: Any) -> None:  # other - alpha * self
+def _combine(sign: int) -> Rule:
+    """``add`` (sign 1) or ``sub`` (-1): ``x + sign * alpha * y``, each a followed tensor, a number or a size."""
+    def rule(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
         alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
         if not isinstance(alpha, int) or isinstance(alpha, bool):
             return
-        x, y = aligned(args[0], out.dim()), aligned(args[1], out.dim())
+        x, y = _aligned(r, args[0], out.dim()), _aligned(r, args[1], out.dim())
         if x is None or y is None or (x[2] is not None and y[2] is not None and x[2] != y[2]):
             return
-        r.keep(out, (y[0] - alpha * x[0], y[1] - alpha * x[1], x[2] if x[2] is not None else y[2]))
+        k = sign * alpha
+        r.keep(out, (x[0] + k * y[0], x[1] + k * y[1], x[2] if x[2] is not None else y[2]))
+    return rule
 
-    def repeat(args: Any, kwargs: Any, out: Any) -> None:  # whole copies along dims it does not run along
-        form = r.form(args[0])
-        if form is None:
+
+def _rsub(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """other - alpha * self."""
+    alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+    if not isinstance(alpha, int) or isinstance(alpha, bool):
+        return
+    x, y = _aligned(r, args[0], out.dim()), _aligned(r, args[1], out.dim())
+    if x is None or y is None or (x[2] is not None and y[2] is not None and x[2] != y[2]):
+        return
+    r.keep(out, (y[0] - alpha * x[0], y[1] - alpha * x[1], x[2] if x[2] is not None else y[2]))
+
+
+def _repeat(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    """Whole copies along the dimensions it does not run along."""
+    form = r.form(args[0])
+    if form is None:
+        return
+    a, b, d = form
+    new = len(args[1]) - args[0].dim()
+    if d is None or _one(args[0].shape[d]):
+        r.keep(out, (a, 0, None))
+    elif _one(args[1][new + d]):
+        r.keep(out, (a, b, d + new))
+
+
+def _mul(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    import torch
+
+    for x, k in ((args[0], args[1]), (args[1], args[0])):
+        form = _aligned(r, x, out.dim()) if isinstance(x, torch.Tensor) else None
+        if isinstance(k, torch.Tensor):  # a constant tensor (a mask of ones) is its number
+            by = _aligned(r, k, out.dim())
+            k = by[0] if by is not None and by[2] is None else None
+        if form is not None and isinstance(k, int) and not isinstance(k, bool):  # a whole number: still exact
+            a, b, d = form
+            r.keep(out, (a * k, b * k, d))
             return
-        a, b, d = form
-        new = len(args[1]) - args[0].dim()
-        if d is None or _one(args[0].shape[d]):
-            r.keep(out, (a, 0, None))
-        elif _one(args[1][new + d]):
-            r.keep(out, (a, b, d + new))
 
-    def mul(args: Any, kwargs: Any, out: Any) -> None:
-        for x, k in ((args[0], args[1]), (args[1], args[0])):
-            form = aligned(x, out.dim()) if isinstance(x, torch.Tensor) else None
-            if isinstance(k, torch.Tensor):  # a constant tensor (a mask of ones) is its number
-                by = aligned(k, out.dim())
-                k = by[0] if by is not None and by[2] is None else None
-            if form is not None and isinstance(k, int) and not isinstance(k, bool):  # a whole number: still exact
-                a, b, d = form
-                r.keep(out, (a * k, b * k, d))
-                return
 
-    def embedding(args: Any, kwargs: Any, out: Any) -> None:
-        r.lookup(args[0], 0, args[1])
+def _embedding(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    r.lookup(args[0], 0, args[1])
 
-    def index_select(args: Any, kwargs: Any, out: Any) -> None:
-        r.lookup(args[0], _dim(args[1], args[0].dim()), args[2])
 
-    def index(args: Any, kwargs: Any, out: Any) -> None:
-        for dim, idx in enumerate(args[1]):
-            if idx is not None:
-                r.lookup(args[0], dim, idx)
+def _index_select(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    r.lookup(args[0], _dim(args[1], args[0].dim()), args[2])
 
-    table: dict[Any, Callable[[Any, Any, Any], None]] = {}
 
-    def add(op: str, overload: str, rule: Callable[[Any, Any, Any], None]) -> None:
+def _index(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
+    for dim, idx in enumerate(args[1]):
+        if idx is not None:
+            r.lookup(args[0], dim, idx)
+
+
+#: how the form of an op's output follows from its inputs' (or the lookup it is): ``rule(ranges, args, kwargs, out)``
+Rule = Callable[[Any, Any, Any, Any], None]
+_TABLE: dict[Any, Rule] = {}
+
+
+def _rules() -> dict[Any, Rule]:
+    """aten op -> its rule, made once."""
+    import torch
+
+    if _TABLE:
+        return _TABLE
+    aten = torch.ops.aten
+
+    def add(op: str, overload: str, rule: Rule) -> None:
         packet = getattr(aten, op, None)
         found = getattr(packet, overload, None) if packet is not None else None
         if found is not None:
-            table[found] = rule
+            _TABLE[found] = rule
 
     for op in ("ones", "ones_like", "new_ones"):
-        add(op, "default", ones)
+        add(op, "default", _ones)
     for op in ("zeros", "zeros_like", "new_zeros"):
-        add(op, "default", zeros)
+        add(op, "default", _zeros)
     for op in ("full", "full_like", "new_full"):
-        add(op, "default", full)
-    add("ne", "Scalar", unpadded)
-    add("cumsum", "default", cumsum)
-    add("arange", "default", arange_end)
-    add("arange", "start", arange_start)
-    add("arange", "start_step", arange_start)
+        add(op, "default", _full)
+    add("ne", "Scalar", _unpadded)
+    add("cumsum", "default", _cumsum)
+    add("arange", "default", _arange_end)
+    add("arange", "start", _arange_start)
+    add("arange", "start_step", _arange_start)
     for op, overload in (("clone", "default"), ("alias", "default"), ("detach", "default"),
                          ("_to_copy", "default"), ("lift_fresh", "default"), ("lift_fresh_copy", "default"),
                          ("contiguous", "default")):
-        add(op, overload, same)
+        add(op, overload, _same)
     for op in ("view", "_unsafe_view", "reshape"):
-        add(op, "default", reshaped)
-    add("unsqueeze", "default", unsqueeze)
+        add(op, "default", _reshaped)
+    add("unsqueeze", "default", _unsqueeze)
     for overload in ("default", "dim", "dims"):
-        add("squeeze", overload, squeeze)
-    add("expand", "default", expand)
-    add("permute", "default", permute)
-    add("transpose", "int", transpose)
-    add("t", "default", transpose)
-    add("slice", "Tensor", slice_)
-    add("select", "int", select)
+        add("squeeze", overload, _squeeze)
+    add("expand", "default", _expand)
+    add("permute", "default", _permute)
+    add("transpose", "int", _transpose)
+    add("t", "default", _transpose)
+    add("slice", "Tensor", _slice)
+    add("select", "int", _select)
     for overload in ("Tensor", "Scalar"):
-        add("add", overload, combine(1))
-        add("sub", overload, combine(-1))
-        add("mul", overload, mul)
-        add("rsub", overload, rsub)
-    add("repeat", "default", repeat)
-    add("embedding", "default", embedding)
-    add("index_select", "default", index_select)
-    add("gather", "default", index_select)
-    add("index", "Tensor", index)
-    return table
+        add("add", overload, _combine(1))
+        add("sub", overload, _combine(-1))
+        add("mul", overload, _mul)
+        add("rsub", overload, _rsub)
+    add("repeat", "default", _repeat)
+    add("embedding", "default", _embedding)
+    add("index_select", "default", _index_select)
+    add("gather", "default", _index_select)
+    add("index", "Tensor", _index)
+    return _TABLE
 
 
 def index_ranges(module: Any, params: dict[str, Any], buffers: dict[str, Any],
