@@ -156,7 +156,7 @@ class IndexRanges:
             cond = _below(convert(top), convert(rows))
             if cond is not None and cond not in out:
                 out[cond] = (name.removesuffix(".weight"), sympy.expand(convert(rows) - cond.rhs))
-        return out
+        return tightest(out)  # one table at arange(S) and at arange(S) + 2: the second's bound only
 
 
 def table_why(cond: Any, table: str, offset: Any) -> str:
@@ -171,7 +171,7 @@ def table_why(cond: Any, table: str, offset: Any) -> str:
             + ("" if plain else f" (looked up at positions up to {top})"))
 
 
-def tightest(limits: dict[Any, str]) -> dict[Any, str]:
+def tightest(limits: dict[Any, Any]) -> dict[Any, Any]:
     """``limits`` without a bound another one implies (``S <= 24`` from a config where the forward looks the table
     up at ``S + 1``: ``S <= 22``), so that past both one warning says the tighter one."""
     def implied(c: Any) -> bool:
