@@ -317,6 +317,7 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
 
     from .importer import trace_module
     from .importer import traced as tracing
+    from .importer.index_ranges import table_why, tightest
     from .importer.limits import model_limits
 
     if "convention" in options:
@@ -376,7 +377,10 @@ def trace(module: Any, example_inputs: Any = None, dims: dict[str, Any] | None =
     ledger = tracing.rank_ledger(ledger, step, regime)  # tensor parallel: the rank's kept activations
     d = derivation_of(ledger, regime, step, no_step)
     # the model's own limits (a position table, an image size) join the domain, each said with why past it
-    limits = model_limits(module, example_inputs, dims, d.domain, d.free)
+    # a table the forward looked up at positions computed from a size (arange(S)) bounds that size too; the
+    # configuration's words win where both find the same condition
+    tables = {c: table_why(c, *t) for c, t in recorded.extra.get("tables", {}).items()}
+    limits = tightest({**tables, **model_limits(module, example_inputs, dims, d.domain, d.free)})
     if limits:
         d = dataclasses.replace(d, domain=sympy.And(d.domain, *limits), why=limits)
     if values:  # numbers asked for outside the guards the trace recorded: said, never printed silently
@@ -389,9 +393,10 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
                  options: dict[str, Any]) -> Derivation:
     """:func:`trace` with ``sizes``: the formula in the module's own sizes (:mod:`symmem.importer.symbolic_sizes`)."""
     from .importer import traced as tracing
+    from .importer.index_ranges import fitted_limits, tightest
     from .importer.limits import sized_limits
     from .importer.sized_step import sized_step
-    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak
+    from .importer.symbolic_sizes import LAYERS, fit_sizes, no_peak, sym_for
     from .report.factoring import per_layer_note
 
     if sizes is None:
@@ -409,8 +414,12 @@ def _trace_sizes(build: Any, example_inputs: Any, dims: Any, sizes: Any, divisib
     recorded = fit_sizes(build, sizes, dims, divisible=divisible, device=device, **trace_options)
     # the model's own limits (a position table) join the fit's domain before the ledger and the sized step read it:
     # the kept tensors, the peak in every size and the views past one are said or refused as past a guard
-    limits, said_limits = sized_limits(build, recorded.extra["sizes"]["plan"], dims, recorded.domain,
-                                       tuple(s.symbol for s in recorded.symbols))
+    plan = recorded.extra["sizes"]["plan"]
+    limits, said_limits = sized_limits(build, plan, dims, recorded.domain, tuple(s.symbol for s in recorded.symbols))
+    # a table the forward looked up at positions (index_ranges): its bound is in the fit's domain already, written
+    # in the sizes where the rows follow one (S <= R); the configuration's words win where both find it
+    base = {sym_for(n): v for n, v in plan.sizes_at(plan.base).items()}
+    limits = tightest({**fitted_limits(recorded.extra.get("tables", {}), recorded.domain, base), **limits})
     if limits or said_limits:
         recorded = dataclasses.replace(recorded, domain=sympy.And(recorded.domain, *limits),
                                        notes=(*recorded.notes, *said_limits),

@@ -47,6 +47,25 @@ def hf_bert(rows: int = 24) -> Any:
     return transformers.BertModel(cfg)
 
 
+PAD = 5  # RoBERTa's pad id: one that ids(2, 8), ids(2, 18) and ids(1, 19) never hold (unpadded inputs; asserted)
+
+
+def hf_roberta(rows: int = 24) -> Any:
+    """RoBERTa: positions ``cumsum(ids != pad) * (ids != pad) + pad``, from pad + 1 on unpadded inputs."""
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=VOCAB, pad_token_id=PAD, max_position_embeddings=rows)
+    return transformers.RobertaModel(cfg)
+
+
+def hf_opt(rows: int = 24) -> Any:
+    """OPT: positions ``cumsum(mask) * mask - 1`` shifted by 2, in a table of ``rows + 2``."""
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                                 vocab_size=VOCAB, max_position_embeddings=rows, word_embed_proj_dim=32)
+    return transformers.OPTModel(cfg)
+
+
 def ids(b: int, s: int) -> Any:
     return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(1000 * b + s))
 
@@ -124,6 +143,14 @@ def _bert_traced() -> Any:
     return symmem.trace(hf_bert(), {"input_ids": ids(B, 8)}, TEXT)
 
 
+def _roberta_traced() -> Any:
+    return symmem.trace(hf_roberta(), {"input_ids": ids(B, 8)}, TEXT)
+
+
+def _opt_traced() -> Any:
+    return symmem.trace(hf_opt(), {"input_ids": ids(B, 8)}, TEXT)
+
+
 def _zoo(name: str, values: dict[str, int]) -> Any:
     return symmem.derive(name, convention="pytorch", options={"device": "cpu"}, values=values,
                          free=("B", "S", "L"), attention="sdpa", dropout=0.0)
@@ -139,6 +166,12 @@ CASES = {
                             "transformer.wpe has P rows"),
     "hf-bert": (_bert_traced, {"S": 24}, lambda: hf_bert(), False,
                 "embeddings.position_embeddings has 24 rows (max_position_embeddings = 24)"),
+    # the config says 24 positions, the forward looks up S + PAD (stop 44: the config's S <= 24 claimed S = 19-24)
+    "hf-roberta": (_roberta_traced, {"S": 24 - PAD - 1}, lambda: hf_roberta(), False,
+                   f"embeddings.position_embeddings has 24 rows (looked up at positions up to S + {PAD})"),
+    # a table of 26 rows for 24 positions: no config bound found it (stop 44: none was said)
+    "hf-opt": (_opt_traced, {"S": 24}, lambda: hf_opt(), False,
+               "decoder.embed_positions has 26 rows (looked up at positions up to S + 1)"),
     "gpt2": (lambda: _zoo("gpt2", {**GPT2, "L": 2}), {"S": 1024}, lambda: gpt2("sdpa", 0.0), False,
              "wpe has 1,024 rows"),
     "bert-base": (lambda: _zoo("bert-base", {**BERT, "L": 2}), {"S": 512}, lambda: bert("sdpa", 0.0), False,
@@ -161,6 +194,8 @@ def test_at_the_table_symmem_equals_pytorch_and_one_past_it_both_refuse(derived,
     assert words == []
     module = real()
     x = ids(B, s)
+    if case == "hf-roberta":  # unpadded: its positions run from PAD + 1 to PAD + S
+        assert not any(bool((t == PAD).any()) for t in (ids(B, 8), x, ids(1, s + 1)))
     labels = case.startswith("hf-gpt2")  # traced with the model's own loss: the labels are an input
     kept = d.activations + d.input + d.loss
     if case in ("gpt2", "bert-base"):  # the zoo's formula for B >= 2, as tests/test_zoo_drift.py compares it
@@ -206,3 +241,25 @@ def test_the_command_line_says_the_table_and_caps_the_fit(capsys):
     module(input_ids=ids(1, 16))
     with pytest.raises(IndexError):
         module(input_ids=ids(1, 17))
+
+
+def test_opt_with_its_attention_mask_given_is_capped_the_same():
+    """OPT counts its positions from the attention mask: given as an input (all ones: the unpadded inputs every trace
+    assumes), the bound is the one it has without it, ``S <= 24`` of 26 rows."""
+    masked = {n: [("input_ids", d), ("attention_mask", d)] for n, d in (("B", 0), ("S", 1))}
+    x = ids(B, 8)
+    module = hf_opt()
+    d = symmem.trace(module, {"input_ids": x, "attention_mask": torch.ones_like(x)}, masked)
+    assert {str(c): w for c, w in d.why.items()} == {"S <= 24": "past the model's position table: "
+                                                     "decoder.embed_positions has 26 rows (looked up at positions up "
+                                                     "to S + 1)"}
+    x = ids(B, 24)
+    inside, words = said(lambda: d.at(B=B, S=24))
+    assert words == []
+    assert inside.evaluate(d.activations + d.input + d.loss) == measured(module, {"input_ids": x,
+                                                                                  "attention_mask": torch.ones_like(x)})
+    x = ids(1, 25)
+    with pytest.raises(IndexError):
+        module(input_ids=x, attention_mask=torch.ones_like(x))
+    _, words = said(lambda: d.at(B=B, S=25))
+    assert len(words) == 1 and "decoder.embed_positions has 26 rows" in words[0]

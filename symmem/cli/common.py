@@ -499,7 +499,8 @@ def builtin_only(args: argparse.Namespace) -> None:
 
 def traced_derivation(args: argparse.Namespace) -> Any:
     """The derivation of the module ``args.model`` (a SPEC) names, traced as ``symmem trace`` traces it, with the
-    model's own limits (a position table: :func:`model_limits`) added to its domain; ``args.limits`` keeps them
+    model's own limits (a position table: :func:`symmem.importer.limits.model_limits`, and the tables the forward
+    looked up at positions: :mod:`symmem.importer.index_ranges`) added to its domain; ``args.limits`` keeps them
     (condition -> why) for :func:`acceptor_from_args`."""
     if args.model.endswith(".py"):
         raise SymmemError(f"{args.model}: name the callable that builds the module, e.g. {args.model}:build")
@@ -520,18 +521,12 @@ def traced_derivation(args: argparse.Namespace) -> Any:
         return d
     if getattr(args, "symbolic_peak", False):
         raise SymmemError("--symbolic-peak goes with --symbolic: without it the peak is traced at the sizes given")
-    loaded, dims, d = traced_from_args(args, per_layer=getattr(args, "per_layer", False), **regime_from_args(args))
-    args.limits = model_limits(loaded, dims, d)  # already in d's domain (symmem.trace adds them), said there
+    _, dims, d = traced_from_args(args, per_layer=getattr(args, "per_layer", False), **regime_from_args(args))
+    # the model's own limits (a config's position table, a table the forward looked up at positions), in d's domain
+    # already (symmem.trace adds them) and said there: fit caps there
+    args.limits = dict(d.why)
     args.dims_symbols = tuple(dims)  # the sizes declared on the inputs (fit says where each held size comes from)
     return d
-
-
-def model_limits(loaded: Any, dims: dict[str, Any], d: Any) -> dict[Any, str]:
-    """The sizes a loaded module cannot take whatever the memory, each with why
-    (:func:`symmem.importer.limits.model_limits`, which :func:`symmem.trace` adds to the domain too)."""
-    from ..importer.limits import model_limits as limits
-
-    return limits(loaded.module, loaded.example_inputs, dims, d.domain, d.free)
 
 
 def _limit_acceptor(limits: dict[Any, str]) -> Any:

@@ -6,7 +6,7 @@ Used by :mod:`.trace` (the symbolic trace) and :mod:`.polyfit` (traces at concre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -17,6 +17,7 @@ from .fake import fake_inputs, fake_state, make_world, opaque_ops, overrides, qu
 from .fit_world import FitWorld
 from .guards import GuardLog, bounds, collect, pinned, to_declared, unified
 from .hf import eager_predicates
+from .index_ranges import index_ranges
 from .inputs import Inputs
 from .records import Save, TracedStorage
 
@@ -33,6 +34,9 @@ class Run:
     unified: list[Any]  # conditions for the domain besides the guards: equalities between symbols, a fit's multiples
     bounds: dict[str, tuple[int, int | None]]
     notes: list[str]
+    #: conditions no guard records (a table looked up at positions past its rows raises at run time), each with
+    #: the table and its offset (:meth:`.index_ranges.IndexRanges.limits`), from a symbolic fake run
+    limits: dict[Any, tuple[str, Any]] = field(default_factory=dict)
 
 
 def to_storages(outcome: Outcome, convert: Any) -> list[TracedStorage]:
@@ -134,6 +138,9 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
         rec.shapes = lease.shapes
     if shared is not None:
         shared.shapes = rec.shapes
+    # the tensors of known values (arange over a traced size, a position-ids buffer) and the tables they index
+    ranges = index_ranges(module, params, buffers, fin) if symbolic else None
+    rec.observe = ranges
     world.env.guards = GuardLog(lambda: (rec.current, f"{rec.fn} ({rec.aten})"))
     args, kwargs = at.rebuild(fin)
 
@@ -148,7 +155,8 @@ def fake_run(module: Any, inputs: Inputs, values: dict[str, int], symbols: dict[
     guards = collect(env, mapping, tidy) if symbolic else []
     notes = list(rec.assumed)
     return Run(storages, outcome.ops, guards, pinned(env, world, symbols, guards) if symbolic else {},
-               unified(env, world, symbols) if symbolic else [], bounds(env, world) if symbolic else {}, notes)
+               unified(env, world, symbols) if symbolic else [], bounds(env, world) if symbolic else {}, notes,
+               ranges.limits(convert) if ranges is not None else {})
 
 
 def converter(env: Any, mapping: dict[Any, Any]) -> Any:

@@ -164,6 +164,8 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
             # recorded at the same sizes runs its forward in them (importer.traced.step_of), each op's first
             # occurrence computed once
             extra["fake_world"] = (weakref.ref(module), dict(at), dict(multiple_of), shared)
+        if getattr(result, "limits", None):  # tables looked up past their rows at some sizes (index_ranges)
+            extra["tables"] = dict(result.limits)
         if wrapped:
             extra["checkpoint"] = wrapped
         if autocast is not None:
@@ -172,7 +174,10 @@ def trace_module(module: Any, example_inputs: Any, dims: dict[str, Any], *, devi
             extra["at_one"] = _at_one(module, inputs, symbols, device, multiple_of)
 
     divisible = [sympy.Eq(sympy.Mod(symbols[n], m), 0) for n, m in multiple_of.items()]
-    domain = domain_of(list(symbols.values()), divisible + [g.expr for g in result.guards] + result.unified)
+    # a table looked up past its rows raises at run time, so no guard records it: its bound joins the domain here
+    # (extra["tables"] keeps which table); a fit in the module's own sizes writes it in those sizes as it does a guard
+    limits = list(getattr(result, "limits", {}))
+    domain = domain_of(list(symbols.values()), divisible + [g.expr for g in result.guards] + result.unified + limits)
     storages = tuple(result.storages)
     subs = {symbols[n]: v for n, v in at.items()}
     chk = None
