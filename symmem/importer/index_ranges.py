@@ -347,7 +347,7 @@ def _slice(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
             if not isinstance(size, int):
                 return
             start = max(start + size, 0)
-    elif not sympy.sympify(start.node.expr).is_nonnegative:
+    elif not sympy.sympify(start.node.expr, strict=True).is_nonnegative:
         return  # a size that may be negative counts from the end: not followed
     r.keep(out, (a + b * start, b * step, d))
 
