@@ -602,7 +602,8 @@ class _LayerWalk:
         # eager attention with one key/value head a rank (G = t) repeated to h/t heads: at B = 1 the repeated key
         # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
         # matmuls keep in place of the copies they make from B = 2
-        self.collapsed = collapsed(order).xreplace(self.subs) is sympy.true
+        # (asked of the graph before unrolling: the same templates, each once)
+        self.collapsed = collapsed(graph.program_order()).xreplace(self.subs) is sympy.true
         #: layers a checkpointed segment holds (every-K: K): where K > 1, a middle layer's backward holds the layers
         #: before it in its segment recomputed, so every layer's ops are candidates
         self.segments = checkpoint_every(regime.checkpoint) or 1
@@ -705,7 +706,9 @@ class _LayerWalk:
             from .regimes import TP_ROLES
 
             src = self.g.node(source)
-            names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
+            # a symbol's name is what str() prints of it (printing each was most of this)
+            names = {x.name if type(x) is sympy.Symbol else str(x) for d in src.out.shape
+                     for x in sympy.sympify(d, strict=True).free_symbols}
             self._splits[key] = src.role in TP_ROLES or bool(names & set(SPLIT_DIMS))
         return self._splits[key]
 
