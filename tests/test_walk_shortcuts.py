@@ -48,12 +48,28 @@ def test_candidates_at_the_probes_equal_sympys_evaluation(walk, numbers, engine,
 
 def test_largest_of_bounds_as_the_sympy_difference_does(monkeypatch):
     seen = []
+    given = []  # (candidate, the terms its caller worked out from its sizes' expanded once)
     real = tensor_step.largest_of
-    monkeypatch.setattr(tensor_step, "largest_of", lambda cs: seen.append(list(cs)) or real(cs))
+
+    def spy(cs, terms=None):
+        seen.append(list(cs))
+        given.extend(zip(cs, terms, strict=True) if terms is not None else [])
+        return real(cs, terms)
+
+    monkeypatch.setattr(tensor_step, "largest_of", spy)
     for engine in (None, "fsdp", "fsdp1"):
-        derive("llama", convention="pytorch", device="cpu", tensor_parallel=True, data_parallel=engine,
-               values={"t": 2, "L": 2, **({"N": 2} if engine else {})}).value("peak")
+        d = derive("llama", convention="pytorch", device="cpu", tensor_parallel=True, data_parallel=engine,
+                   values={"t": 2, "L": 2, **({"N": 3} if engine else {})})
+        d.value("peak")
+        if engine == "fsdp":
+            d.step.per_rank(d.numbers)  # the last rank's shards: fewer rows (Max(0, ...) in its sizes)
+    # TP's, FSDP x TP's rank 0 and its last rank (each optimizer step worked out once for both steps: was twice)
     assert len(seen) == 3
+    # the terms combined from each size's (the optimizer step's candidates, TP's and FSDP x TP's) are sympy's of
+    # the candidate expanded
+    assert len(given) > 20
+    for c, terms in given:
+        assert terms == tensor_step._terms(sympy.expand(c)), c
 
     def bounds(a, b):  # what it was: the difference built in sympy
         if a.has(sympy.Piecewise) or b.has(sympy.Piecewise):

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import sympy
@@ -74,7 +75,7 @@ from ..symbols import N, equals, t
 from ..training import Regime, refuse_one_rank
 from .parameters import node_parameters
 from .rank_step import WalkedStep
-from .tensor_step import TensorRankMoment, _LayerWalk, _SequenceWalk
+from .tensor_step import TensorRankMoment, _LayerWalk, _SequenceWalk, on_probes
 from .unroll import iteration, template
 
 
@@ -224,11 +225,26 @@ class _MeshWalk(_LayerWalk):
     def _unit(self, name: str) -> sympy.Expr:
         """Elements of a unit's 2-D shards: the unit named inside ``fsdp.X[unit]`` (FSDP's unit of a parameter is
         its layer's iteration, or the root: ``None``)."""
-        iterations = self.g.graph.get("iterations", {})
         unit = name[name.index("[") + 1:-1]
-        members = [p for p in self.stored
-                   if str(iterations.get(p, iterations.get(p.rsplit(".", 1)[0]))) == unit]
-        return sympy.Add(*(self.stored[p] for p in members))
+        found = self._units.get(unit)
+        if found is None:
+            found = self._units[unit] = sympy.Add(*(self.stored[p] for p in self._members.get(unit, ())))
+        return found
+
+    @cached_property
+    def _members(self) -> dict[str, list[str]]:
+        """The parameters of each FSDP unit (:meth:`_unit`), in the order :attr:`stored` lists them: sorted out in
+        one pass (each unit's buffers asked for them again)."""
+        iterations = self.g.graph.get("iterations", {})
+        members: dict[str, list[str]] = {}
+        for p in self.stored:
+            members.setdefault(str(iterations.get(p, iterations.get(p.rsplit(".", 1)[0]))), []).append(p)
+        return members
+
+    @cached_property
+    def _units(self) -> dict[str, sympy.Expr]:
+        """:meth:`_unit`'s answers by unit."""
+        return {}
 
     def _local(self, i: int) -> sympy.Expr:
         """A storage's bytes on one rank of the mesh (:meth:`local` keeps each once): FSDP's buffers at the 2-D
@@ -263,37 +279,39 @@ class _MeshWalk(_LayerWalk):
         embedding, the final norm, the head)."""
         return iteration(e.node) in (0, 1, layers - 1, layers)
 
-    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
-        extra = super()._collectives(e, alive, k) - self.merge.get(k, 0)
+    # (the rules below in both modes, formulas or values at the probes: tensor_step.on_probes)
+    @on_probes
+    def _collectives(self, e: Any, alive: set[int], k: int) -> Any:
+        extra = super()._collectives(e, alive, k) - self._n(self.merge.get(k, 0))
         for i in e.born:
             s = self.tl.storages[i]
             if s.category == "gradient" and s.node == self.embedding:
-                extra += self._embedding(e, s.nbytes, self.local(i), alive, k)
+                extra += self._embedding(e, self._bytes(i), self.local(i), alive, k)
         node = self.g.node(e.node) if e.node in self.g else None
         if e.phase == "forward":
-            extra += sympy.Add(*(self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end))
+            extra += self._sum([self.local(i) for i, freed in self.early.items() if freed < k <= self.forward_end])
         if e.phase == "forward" and e.node == self.head:
             # the replicated logits: the all-gather's output and the concatenation
             extra += self._whole(self.head) + self._before_logits(e, alive, k)
         if e.phase == "backward" and node is not None and e.node in self.norm_of and (
                 e.node.split("#")[0].endswith((".scale", ".normalize"))):
             # a product as large as the norm's output before its sum (the weight's or the rsqrt's gradient)
-            extra += self._stream_bytes(e.node)
+            extra += self._n(self._stream_bytes(e.node))
         return extra
 
-    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+    def _embedding(self, e: Any, whole: Any, rows: Any, alive: set[int], k: int) -> Any:
         """What the embedding's backward holds beyond its rows' gradient: the whole one (``whole``), made beside
         what the op frees (the stream's gradient), then beside its rows' clone once that is freed (measured)."""
-        freed = sympy.Add(*(self.local(j) for j in e.freed if j in alive))
+        freed = self._sum([self.local(j) for j in e.freed if j in alive])
         return whole - rows + self._max(0, rows - freed)
 
-    def _whole(self, node: str) -> sympy.Expr:
-        return self.g.node(node).out.numel * 4
+    def _whole(self, node: str) -> Any:
+        return self._n(self.g.node(node).out.numel * 4)
 
-    def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+    def _before_logits(self, e: Any, alive: set[int], k: int) -> Any:
         """What the head's forward holds before its logits' all-gather beyond what it holds at it (0: nothing
         more; :class:`_MeshSequenceWalk`: its input's all-gather)."""
-        return sympy.Integer(0)
+        return self._sum([])
 
 
 class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
@@ -309,14 +327,15 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
         self.constant_storages = set()
         self._locals.clear()
 
-    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+    @on_probes
+    def _collectives(self, e: Any, alive: set[int], k: int) -> Any:
         """:class:`_MeshWalk`'s, less at a norm's scale backward what the walk holds of the attention's q, k, v
         input gradients' sum beyond its reduce-scatter's S-split output: the sum is let go at the scatter, before
         the norm's backward (measured)."""
         extra = super()._collectives(e, alive, k)
         if e.phase == "backward" and e.node in self.norm_of and template(e.node).endswith(".scale"):
-            whole = [self.tl.storages[i].nbytes for i in e.freed if i in self.gathered_grads and i in alive]
-            extra -= sympy.Add(*(size - size / t for size in whole))
+            whole = [self._bytes(i) for i in e.freed if i in self.gathered_grads and i in alive]
+            extra -= self._sum([size - size / self.tv for size in whole])
         return extra
 
     def _merges(self) -> dict[int, sympy.Expr]:
@@ -324,36 +343,35 @@ class _MeshSequenceWalk(_MeshWalk, _SequenceWalk):
         stream's, both kept to their sum, as the single-device walk has them (measured op by op)."""
         return {}
 
-    def _embedding(self, e: Any, whole: sympy.Expr, rows: sympy.Expr, alive: set[int], k: int) -> sympy.Expr:
+    def _embedding(self, e: Any, whole: Any, rows: Any, alive: set[int], k: int) -> Any:
         """In place of what the sequence-parallel walk holds at the embedding's backward (its whole gradient kept,
         :class:`~symmem.passes.tensor_step._SequenceWalk`): the stream's gradient all-gathered (the output beside
         funcol's wrapper) while its S-split one lives; the whole embedding gradient made beside the two gathered
         copies once the S-split one is freed; then its rows' clone beside it, the gathered copies freed
         (measured on every rank, 2 x 2, V = 2,048)."""
         stream = self._whole(self.embedding)
-        born = sympy.Add(*(self.local(j) for j in e.born))
-        released = sympy.Integer(0)  # as _SequenceWalk counts what its gathered copies let go here
+        born = self._sum([self.local(j) for j in e.born])
+        released = self._sum([])  # as _SequenceWalk counts what its gathered copies let go here
         for i, (_, spans) in self.copies.items():
             if i in alive:
-                released += sympy.Add(*(n for _, r, n in spans if r == k and i not in e.freed)) * self.tl.storages[
-                    i].nbytes
-        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
+                released += self._sum([self._n(n) for _, r, n in spans if r == k and i not in e.freed]) * self._bytes(i)
+        freed = self._sum([self.local(j) for j in e.freed]) + released
         theirs = self._max(2 * stream - born, stream - freed)
         gathered = 2 * stream - rows
         return -theirs + self._max(gathered, whole - freed + self._max(0, gathered))
 
-    def _before_logits(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+    def _before_logits(self, e: Any, alive: set[int], k: int) -> Any:
         """The head's input all-gather (its output beside funcol's wrapper, :class:`_SequenceWalk` counts it
         beside what the head's op makes) comes before the logits' all-gather and concatenation: the larger of the
         two moments, not the extra copy beside both (measured)."""
         whole = self._whole(self.head)
-        born = sympy.Add(*(self.local(j) for j in e.born))
-        out = sympy.Integer(0)
+        born = self._sum([self.local(j) for j in e.born])
+        out = self._sum([])
         for i, (_, spans) in self.copies.items():
             if i in alive:
-                size = self.tl.storages[i].nbytes
-                out += sympy.Add(*((2 - n) * (self._max(0, size - born - whole) - self._max(0, size - born))
-                                   for f, _, n in spans if f == k))
+                size = self._bytes(i)
+                out += self._sum([(2 - self._n(n)) * (self._max(0, size - born - whole) - self._max(0, size - born))
+                                  for f, _, n in spans if f == k])
         return out
 
 
@@ -438,13 +456,13 @@ class MeshStep(WalkedStep):
                   sympy.Integer(0))
         at_rest = parts.parameters + parts.optimizer_state + self.module_buffers() + ids
         ranks = f"N x t = {named['N']} x {named['t']}"
+        temporaries = self.temporaries(rank, named)  # the same in both steps: worked out once
         made = []
         for step, less in (("steady", sympy.Integer(0)), ("first", parts.optimizer_state)):
             for live, phase, what in self._walked(named):
                 made.append(MeshMoment(phase, what, "", step, {"live": at_rest + live - less}, ranks=ranks,
                                        what=what, rank=rank * named["t"]))
-            made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients +
-                                                            self.temporaries(rank, named)},
+            made.append(MeshMoment("step", None, "", step, {"live": at_rest + parts.gradients + temporaries},
                                    ranks=ranks, what="the optimizer step", rank=rank * named["t"]))
         others = tuple(equals(sympy.Symbol(n, positive=True, integer=True), v) for n, v in sorted(named.items())
                        if n in ("L", "N"))

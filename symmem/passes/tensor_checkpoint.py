@@ -83,16 +83,16 @@ def gathered_ahead(events: Sequence[Any], row: Collection[str]) -> dict[int, str
     return found
 
 
-def recompute_gathers(walk: Any, e: Any, k: int) -> sympy.Expr:
+def recompute_gathers(walk: Any, e: Any, k: int) -> Any:
     """What a checkpointed sequence-parallel rank holds more at event ``k`` of ``walk`` (a
     :class:`~symmem.passes.tensor_step._SequenceWalk`): through a recomputation, the output gradient all-gathered
     ahead of it (:func:`gathered_ahead`: whole, twice at B = 1: the view of funcol's output and its wrapper); at
     every row-parallel linear's backward at B = 1, that gather's second copy (measured)."""
     if k in walk.ahead:
-        return (1 + walk.once) * walk._whole(walk.ahead[k])
+        return (1 + walk._n(walk.once)) * walk._whole(walk.ahead[k])
     if e.phase == "backward" and e.node in walk.row:
-        return walk.once * walk._whole(e.node)
-    return sympy.Integer(0)
+        return walk._n(walk.once) * walk._whole(e.node)
+    return walk._sum([])  # (in the walk's mode: formulas or values at its probes)
 
 
 def checkpoint_refusal(regime: Regime) -> str | None:

@@ -49,6 +49,7 @@ fewest bytes over repeated steps.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,7 @@ from functools import cached_property
 from typing import Any
 
 import sympy
+from sympy.core.sympify import CantSympify
 
 from ..errors import SymmemError
 from ..graph import Graph
@@ -204,34 +206,62 @@ def _step_temporaries(graph: Graph, local: Callable[[str, tuple[sympy.Expr, ...]
         raise SymmemError("the tensor-parallel step follows the Llama reference's parameters (an embedding, "
                           "repeated layers, a head)")
     order = first + layer + norms + last
+    # each candidate's terms from its two sizes' (expanded once each: the sizes repeat, layer by layer)
+    expanded: dict[sympy.Expr, dict[sympy.Expr, Any] | None] = {}
+    for size in order:
+        if size not in expanded:
+            expanded[size] = _terms(sympy.expand(size))
     candidates = [2 * order[0]] + [a + 2 * b for a, b in zip(order, order[1:], strict=False)]
+    terms = [_sum_terms({}, expanded[order[0]])] + [_sum_terms(expanded[a], expanded[b])
+                                                      for a, b in zip(order, order[1:], strict=False)]
     # with two or more layers a layer's first parameter follows the last of the layer before
     again = (norms or layer)[-1] + 2 * layer[0]
     candidates.append(sympy.Piecewise((again, at_least(count, 2)), (0, True)))
-    return largest_of(candidates)
+    terms.append(None)
+    return largest_of(candidates, terms)
 
 
-def largest_of(candidates: Sequence[sympy.Expr]) -> sympy.Expr:
+def largest_of(candidates: Sequence[sympy.Expr], terms: Sequence[dict[sympy.Expr, Any] | None] | None = None
+               ) -> sympy.Expr:
     """``sympy.Max`` of ``candidates`` without its pairwise proofs (a second each on the default sizes): those
     another candidate bounds term by term (their difference, expanded, has no negative coefficient: every size is
-    positive) are left out, the rest kept unevaluated -- the arguments ``Max`` itself keeps.
+    positive) are left out, the rest kept unevaluated -- the arguments ``Max`` itself keeps.  ``terms``: each
+    candidate's :func:`_terms` of it expanded, where the caller has them (None: worked out here).
 
     >>> from symmem.symbols import H, V
     >>> largest_of([2 * H, H + V, H, H + V])
     Max(2*H, H + V)
     """
-    unique = list(dict.fromkeys(candidates))
-    terms = [_terms(sympy.expand(c)) for c in unique]
+    if terms is None:
+        unique = list(dict.fromkeys(candidates))
+        found = [_terms(sympy.expand(c)) for c in unique]
+    else:
+        first: dict[sympy.Expr, Any] = {}
+        for c, x in zip(candidates, terms, strict=True):
+            first.setdefault(c, x)
+        unique, found = list(first), list(first.values())
     kept = [c for i, c in enumerate(unique)
-            if not any(_bounds(terms[j], terms[i]) and (j < i or not _bounds(terms[i], terms[j]))
+            if not any(_bounds(found[j], found[i]) and (j < i or not _bounds(found[i], found[j]))
                        for j in range(len(unique)) if j != i)]
     return kept[0] if len(kept) == 1 else sympy.Max(*kept, evaluate=False)
 
 
 def _terms(e: sympy.Expr) -> dict[sympy.Expr, Any] | None:
-    """An expanded formula's coefficient by monomial (None where it holds a ``Piecewise``: no term-by-term
-    comparison)."""
-    return None if e.has(sympy.Piecewise) else dict(e.as_coefficients_dict())
+    """An expanded formula's coefficient by monomial, as Python numbers (None where it holds a ``Piecewise``: no
+    term-by-term comparison)."""
+    return None if e.has(sympy.Piecewise) else {m: _number(c) for m, c in e.as_coefficients_dict().items()}
+
+
+def _sum_terms(a: dict[sympy.Expr, Any] | None, b: dict[sympy.Expr, Any] | None) -> dict[sympy.Expr, Any] | None:
+    """:func:`_terms` of ``a + 2 b`` expanded, from the terms of ``a`` and ``b`` expanded (None where either holds
+    a ``Piecewise``): expanding is linear, and like monomials collect (a coefficient 0 leaves its monomial out, as
+    the expanded sum does)."""
+    if a is None or b is None:
+        return None
+    out = {m: 2 * c for m, c in b.items()}
+    for m, c in a.items():
+        out[m] = out.get(m, 0) + c
+    return {m: c for m, c in out.items() if c != 0}
 
 
 def _bounds(a: dict[sympy.Expr, Any] | None, b: dict[sympy.Expr, Any] | None) -> bool:
@@ -264,8 +294,8 @@ class _Inexact(Exception):
 
 
 def _exact(x: sympy.Expr, env: Mapping[sympy.Symbol, sympy.Integer], memo: dict[sympy.Expr, Any]) -> int | Fraction:
-    """``x``'s exact value at ``env`` (sums, products, whole powers, ``Max``/``Min`` of rational numbers; any
-    other part as ``xreplace`` evaluates it), each part's kept in ``memo``."""
+    """``x``'s exact value at ``env`` (sums, products, whole powers, ``Max``/``Min``, ``ceiling``/``floor`` of
+    rational numbers; any other part as ``xreplace`` evaluates it), each part's kept in ``memo``."""
     found = memo.get(x)
     if found is not None:
         return found
@@ -291,6 +321,9 @@ def _exact(x: sympy.Expr, env: Mapping[sympy.Symbol, sympy.Integer], memo: dict[
     elif isinstance(x, (sympy.Max, sympy.Min)):
         values = [_exact(a, env, memo) for a in x.args]
         v = max(values) if isinstance(x, sympy.Max) else min(values)
+    elif isinstance(x, (sympy.ceiling, sympy.floor)):  # FSDP's shard rows: ceiling(d0 / N)
+        inner = _exact(x.args[0], env, memo)
+        v = math.ceil(inner) if isinstance(x, sympy.ceiling) else math.floor(inner)
     else:
         y = x.xreplace(env)
         if not y.is_Rational:
@@ -307,6 +340,83 @@ def chosen(values: Sequence[Sequence[int]]) -> list[int]:
     if not values:
         return []
     return sorted({max(range(len(values)), key=lambda j: values[j][n]) for n in range(len(values[0]))})
+
+
+class AtProbes(tuple, CantSympify):
+    """A formula's exact values at each probe of :meth:`_LayerWalk.candidates` (ints; Fractions where not whole),
+    in place of the formula: the collectives' rules (:meth:`_LayerWalk._collectives`) run on these for the ~500
+    candidate moments (sums, differences, products, division by a number, ``max`` elementwise: what
+    :func:`ceiling_at` works out of the formula, without building it), and on formulas for the few moments kept.
+    Never turned into a formula (``CantSympify``): sympy's operators hand a mixed operation to these, which take
+    numbers only."""
+
+    __slots__ = ()
+
+    def __add__(self, o: Any) -> AtProbes:
+        if type(o) is AtProbes:
+            return AtProbes([a + b for a, b in zip(self, o, strict=True)])
+        o = _number(o)
+        return AtProbes([a + o for a in self])
+
+    __radd__ = __add__
+
+    def __sub__(self, o: Any) -> AtProbes:
+        if type(o) is AtProbes:
+            return AtProbes([a - b for a, b in zip(self, o, strict=True)])
+        o = _number(o)
+        return AtProbes([a - o for a in self])
+
+    def __rsub__(self, o: Any) -> AtProbes:
+        o = _number(o)
+        return AtProbes([o - a for a in self])
+
+    def __neg__(self) -> AtProbes:
+        return AtProbes([-a for a in self])
+
+    def __mul__(self, o: Any) -> AtProbes:  # type: ignore[override]
+        if type(o) is AtProbes:
+            return AtProbes([a * b for a, b in zip(self, o, strict=True)])
+        o = _number(o)
+        return AtProbes([a * o for a in self])
+
+    __rmul__ = __mul__  # type: ignore[assignment]
+
+    def __truediv__(self, o: Any) -> AtProbes:
+        o = _number(o)  # exact: an int where it divides, a Fraction where not
+        return AtProbes([a // o if type(a) is int and not a % o else Fraction(a, o) for a in self])
+
+
+@functools.lru_cache(maxsize=1024)
+def _evaluated_max(args: tuple[Any, ...]) -> sympy.Expr:
+    """``sympy.Max(*args)``, evaluated once for the same ``args``: its proofs cost thousands of calls each, and the
+    kept moments of the two folded walks (:func:`layer_moments`) repeat the same ones (a pure function of its
+    arguments: formulas, whose symbols carry their assumptions)."""
+    return sympy.Max(*args)
+
+
+def _number(o: Any) -> int | Fraction:
+    """A number beside :class:`AtProbes` (the same at every probe): an int, a Fraction or a sympy rational; a
+    formula here is a mistake (a rule's part not worked out on the probes)."""
+    if type(o) is int or type(o) is Fraction:
+        return o
+    if isinstance(o, sympy.Rational):
+        return int(o.p) if o.q == 1 else Fraction(int(o.p), int(o.q))
+    raise TypeError(f"a formula beside values at the probes: {o!r}")
+
+
+def _ceilings(x: Any, n: int) -> list[int]:
+    """The ceiling of exact values at ``n`` probes (``x``: :class:`AtProbes`, or a number the same at each)."""
+    if type(x) is AtProbes:
+        return [v if type(v) is int else math.ceil(v) for v in x]
+    return [math.ceil(_number(x))] * n
+
+
+def on_probes(collectives: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a walk's ``_collectives`` as written for both modes (:class:`AtProbes` or formulas, through
+    :meth:`_LayerWalk._n`, ``_sum``, ``_max``, ``local`` and ``tv``): :meth:`_LayerWalk.candidates` works a walk's
+    candidates out on the probes where its ``_collectives`` says so, as formulas where not (a subclass's own)."""
+    collectives.on_probes = True  # type: ignore[attr-defined]
+    return collectives
 
 
 #: From how many layers the layers' moments are folded from two short walks (:func:`layer_moments`)
@@ -452,6 +562,10 @@ class _LayerWalk:
     #: storages the recomputations make
     again: Mapping[int, int] = {}
     recomputed: frozenset[int] | set[int] = frozenset()
+    #: the collectives' mode: None, formulas; in :meth:`candidates`, the probes' numbers (:class:`AtProbes`), with
+    #: ``tv`` t's number there (the symbol t for formulas)
+    _probes: list[dict[sympy.Symbol, sympy.Integer]] | None = None
+    tv: Any = t
 
     def __init__(self, graph: Graph, conv: Any, options: Mapping[str, Any], regime: Regime,
                  numbers: Mapping[str, int]) -> None:
@@ -488,7 +602,8 @@ class _LayerWalk:
         # eager attention with one key/value head a rank (G = t) repeated to h/t heads: at B = 1 the repeated key
         # and value are views of the cache's copies (bmm folds the batch of 1 with the stride-0 repeat), which the
         # matmuls keep in place of the copies they make from B = 2
-        self.collapsed = collapsed(order).xreplace(self.subs) is sympy.true
+        # (asked of the graph before unrolling: the same templates, each once)
+        self.collapsed = collapsed(graph.program_order()).xreplace(self.subs) is sympy.true
         #: layers a checkpointed segment holds (every-K: K): where K > 1, a middle layer's backward holds the layers
         #: before it in its segment recomputed, so every layer's ops are candidates
         self.segments = checkpoint_every(regime.checkpoint) or 1
@@ -516,11 +631,40 @@ class _LayerWalk:
                     kept.append((at + 1, k, self.once * self.local(copy)))
         return kept
 
-    def local(self, i: int) -> sympy.Expr:
-        """Storage ``i``'s bytes on one rank (:meth:`_local`), worked out once."""
+    def local(self, i: int) -> Any:
+        """Storage ``i``'s bytes on one rank (:meth:`_local`), worked out once (on the probes: its values there)."""
         if i not in self._locals:
             self._locals[i] = self._local(i)
-        return self._locals[i]
+        if self._probes is None:
+            return self._locals[i]
+        found = self._locals_at.get(i)
+        if found is None:
+            found = self._locals_at[i] = self._n(self._locals[i])
+        return found
+
+    def _n(self, x: Any) -> Any:
+        """A formula in the collectives' mode: itself, or on the probes its exact values there (:class:`AtProbes`,
+        each worked out once)."""
+        if self._probes is None or type(x) is int:
+            return x
+        found = self._probe_values.get(x)
+        if found is None:
+            parts = zip(self._probes, self._probe_parts, strict=True)
+            found = self._probe_values[x] = AtProbes([_exact(x, p, part) for p, part in parts])
+        return found
+
+    def _bytes(self, i: int) -> Any:
+        """Storage ``i``'s whole bytes (the single device's) in the collectives' mode."""
+        return self._n(self.tl.storages[i].nbytes)
+
+    def _sum(self, xs: Sequence[Any]) -> Any:
+        """``sympy.Add(*xs)`` in the collectives' mode (on the probes: elementwise; nothing: 0)."""
+        if self._probes is None:
+            return sympy.Add(*xs)
+        total: Any = 0
+        for x in xs:
+            total = x + total
+        return total
 
     def _local(self, i: int) -> sympy.Expr:
         """Storage ``i``'s bytes on one rank: split over ``t`` where it has a head or MLP-width dimension (the
@@ -562,7 +706,9 @@ class _LayerWalk:
             from .regimes import TP_ROLES
 
             src = self.g.node(source)
-            names = {str(x) for d in src.out.shape for x in sympy.sympify(d, strict=True).free_symbols}
+            # a symbol's name is what str() prints of it (printing each was most of this)
+            names = {x.name if type(x) is sympy.Symbol else str(x) for d in src.out.shape
+                     for x in sympy.sympify(d, strict=True).free_symbols}
             self._splits[key] = src.role in TP_ROLES or bool(names & set(SPLIT_DIMS))
         return self._splits[key]
 
@@ -602,6 +748,13 @@ class _LayerWalk:
             return memo[x]
 
         values = [at_probes(self.local(i)) for i in range(len(tl.storages))]
+        # the collectives on the probes' numbers where the walk's rules are written for both modes (on_probes)
+        numeric = getattr(type(self)._collectives, "on_probes", False)
+        if numeric:
+            self.cache_kept  # noqa: B018 -- made as formulas (it holds local's) before the mode changes
+            self._probe_values: dict[Any, AtProbes] = {}
+            self._locals_at: dict[int, AtProbes] = {}
+            self._probe_parts = parts
         alive = set(tl.start)
         # the live bytes at each probe, kept as storages are born and freed
         totals = [sum(values[i][n] for i in alive) for n in range(len(probes))]
@@ -613,17 +766,30 @@ class _LayerWalk:
                     alive.add(i)
                     totals = [a + v for a, v in zip(totals, values[i], strict=True)]
             if e.phase in ("forward", "backward") and e.node and self._candidate(e, layers):
-                extra = self._collectives(e, alive, k)
+                at = self._on_probes(e, alive, k, probes) if numeric else None
+                if at is None:
+                    at = at_probes(self._collectives(e, alive, k))
                 layer = iteration(e.node)
                 where = (e.phase, template(e.node), "outside" if not layer else "first" if layer == 1 else "last")
-                found.append(((*where, seen[where]), [a + v for a, v in zip(totals, at_probes(extra), strict=True)],
-                              k))
+                found.append(((*where, seen[where]), [a + v for a, v in zip(totals, at, strict=True)], k))
                 seen[where] += 1
             for i in e.freed:
                 if i in alive:
                     alive.discard(i)
                     totals = [a - v for a, v in zip(totals, values[i], strict=True)]
         return found
+
+    def _on_probes(self, e: Any, alive: set[int], k: int, probes: list[dict[sympy.Symbol, sympy.Integer]]
+                   ) -> list[int] | None:
+        """What the collectives add at event ``k``, at each probe: :func:`ceiling_at` of their formula, worked out
+        on the probes' numbers (None where a part is not a rational number there: the formula's route)."""
+        self._probes, self.tv = probes, int(self.subs[t])
+        try:
+            return _ceilings(self._collectives(e, alive, k), len(probes))
+        except _Inexact:
+            return None
+        finally:
+            self._probes, self.tv = None, t
 
     def formula(self, k: int) -> sympy.Expr:
         """The bytes at event ``k`` beside what lives between steps, what the collectives add included (its
@@ -638,10 +804,14 @@ class _LayerWalk:
         live = Counter(self.local(i) for i in alive)
         return sympy.Add(*(n * x for x, n in live.items())) + extra
 
-    def _max(self, *args: sympy.Expr) -> sympy.Expr:
+    def _max(self, *args: Any) -> Any:
         """``sympy.Max``, left unevaluated (its proofs take most of the walk's time) unless :attr:`evaluate`:
-        evaluated at numbers it is the same."""
-        return sympy.Max(*args, evaluate=self.evaluate)
+        evaluated at numbers it is the same; on the probes the largest at each."""
+        if self._probes is None:
+            return _evaluated_max(args) if self.evaluate else sympy.Max(*args, evaluate=False)
+        n = len(self._probes)
+        columns = [a if type(a) is AtProbes else (_number(a),) * n for a in args]
+        return AtProbes([max(c) for c in zip(*columns, strict=True)])
 
     def _alive_at(self, k: int) -> set[int]:
         """The storages alive at event ``k`` of the walk (born by it, not freed before it)."""
@@ -664,7 +834,8 @@ class _LayerWalk:
         return (iteration(e.node) in (1, layers) or (e.phase == "forward" and e.node in self.final_norm)
                 or (self.segments > 1 and bool(iteration(e.node))))
 
-    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+    @on_probes
+    def _collectives(self, e: Any, alive: set[int], k: int) -> Any:
         """What a collective adds at this op: a row-parallel output's partial sum beside the all-reduce's two;
         a column-parallel linear's input gradient, the all-reduce's output and wrapper beside the partial."""
         tl = self.tl
@@ -673,16 +844,16 @@ class _LayerWalk:
             # a checkpointed layer's forward run again: its all-reduces as in the forward
             e = replace(e, phase="forward", node=str(e.node)[:-len(":recompute")])
         if e.phase == "forward" and e.node in self.row:
-            return kept + sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
+            return kept + self._sum([self._bytes(i) for i in e.born if tl.storages[i].name == e.node])
         if e.phase == "backward" and e.node in self.column:
-            grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
+            grads = [self._bytes(i) for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
             if grads:
-                return kept + self._max(0, 2 * grads[0] - sympy.Add(*(self.local(i) for i in e.freed)))
+                return kept + self._max(0, 2 * grads[0] - self._sum([self.local(i) for i in e.freed]))
         return kept
 
-    def _kept(self, k: int) -> sympy.Expr:
+    def _kept(self, k: int) -> Any:
         """What :meth:`_cache_kept` holds at event ``k``."""
-        return sympy.Add(*(size for start, end, size in self.cache_kept if start <= k <= end))
+        return self._sum([self._n(size) for start, end, size in self.cache_kept if start <= k <= end])
 
 
 class _SequenceWalk(_LayerWalk):
@@ -789,8 +960,9 @@ class _SequenceWalk(_LayerWalk):
                 held.append((k, after[0], (1 - once) * g.node(g.node(e.node).inputs[1]).out.numel * 4 / t))
         return held
 
-    def _whole(self, node: str) -> sympy.Expr:
-        return self.g.node(node).out.numel * 4
+    def _whole(self, node: str) -> Any:
+        """``node``'s whole output in bytes (the single device's), in the collectives' mode."""
+        return self._n(self.g.node(node).out.numel * 4)
 
     def _local(self, i: int) -> sympy.Expr:
         s = self.tl.storages[i]
@@ -812,6 +984,12 @@ class _SequenceWalk(_LayerWalk):
             return size / t
         return size / t if self._stream(s.node, s.name) else size
 
+    @cached_property
+    def _streams(self) -> dict[str, bool]:
+        """:meth:`_stream`'s answers by template (made on first use: the pipeline's sizes walk without
+        :meth:`__init__`)."""
+        return {}
+
     def _stream(self, node: str | None, name: str) -> bool:
         """Whether the storage holds a (B, S, ...) tensor (an input's gradient or copy: that input's)."""
         if node is None or node not in self.g:
@@ -822,9 +1000,16 @@ class _SequenceWalk(_LayerWalk):
             source = self.g.node(node).inputs[int(suffix[len(".grad_input"):])]
         elif name.endswith(".grad_sum") and name[:-len(".grad_sum")] in self.g:
             source = name[:-len(".grad_sum")]
-        return [str(d) for d in self.g.node(source).out.shape][:2] == ["B", "S"]
+        # the layers' copies of one node share its shape: decided once (printing the sizes was most of the walk's
+        # storages' time)
+        key = template(source)
+        found = self._streams.get(key)
+        if found is None:
+            found = self._streams[key] = [str(d) for d in self.g.node(source).out.shape[:2]] == ["B", "S"]
+        return found
 
-    def _collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+    @on_probes
+    def _collectives(self, e: Any, alive: set[int], k: int) -> Any:
         found = self._sequence_collectives(e, alive, k)
         if self.ahead:  # checkpointed layers (passes/tensor_checkpoint.py)
             from .tensor_checkpoint import recompute_gathers
@@ -840,58 +1025,59 @@ class _SequenceWalk(_LayerWalk):
 
         return gathered_ahead(self.tl.events, self.row) if self.checkpointed else {}
 
-    def _sequence_collectives(self, e: Any, alive: set[int], k: int) -> sympy.Expr:
+    def _sequence_collectives(self, e: Any, alive: set[int], k: int) -> Any:
         tl = self.tl
-        extra: sympy.Expr = sympy.Integer(0)
-        released: sympy.Expr = sympy.Integer(0)  # gathered copies let go inside this event
+        extra = self._sum([])
+        released = self._sum([])  # gathered copies let go inside this event
         # a recomputation's event stands for its forward one where the storage is the recomputation's own
         again = self.again.get(k)
         for i, (dies, spans) in self.copies.items():
             if i not in alive:
                 continue
-            size = tl.storages[i].nbytes
+            size = self._bytes(i)
             # (an empty sum adds nothing: not built)
             redone = again is not None and i in self.recomputed
             if e.phase == "forward" or redone:
                 at = again if redone else k
-                later = [n for f, _, n in spans if f > at]
+                later = [self._n(n) for f, _, n in spans if f > at]
                 if later:
-                    extra -= sympy.Add(*later) * size
+                    extra -= self._sum(later) * size
                 if at <= dies:
-                    extra += size / t
+                    extra += size / self.tv
                 for f, _, n in spans:
                     if f == at:  # the all-gather's output beside its wrapper (at B = 1 both kept: counted)
-                        born = sympy.Add(*(self.local(j) for j in e.born))
+                        born = self._sum([self.local(j) for j in e.born])
                         if redone:  # recomputed at B = 1: the wrapper kept past the linear's mm, then let go
-                            extra += self.once * size + (1 - self.once) * self._max(0, size - born)
+                            once = self._n(self.once)
+                            extra += once * size + (1 - once) * self._max(0, size - born)
                         else:
-                            extra += (2 - n) * self._max(0, size - born)
+                            extra += (2 - self._n(n)) * self._max(0, size - born)
             elif e.phase == "backward":
-                done = [n for _, r, n in spans if r < k]
+                done = [self._n(n) for _, r, n in spans if r < k]
                 if done:
-                    extra -= sympy.Add(*done) * size
+                    extra -= self._sum(done) * size
                 if i not in e.freed:
-                    gone = [n for _, r, n in spans if r == k]
+                    gone = [self._n(n) for _, r, n in spans if r == k]
                     if gone:
-                        released += sympy.Add(*gone) * size
-        freed = sympy.Add(*(self.local(j) for j in e.freed)) + released
-        extra += sympy.Add(*(size for start, end, size in self.held if start <= k <= end)) + self._kept(k)
+                        released += self._sum(gone) * size
+        freed = self._sum([self.local(j) for j in e.freed]) + released
+        extra += self._sum([self._n(size) for start, end, size in self.held if start <= k <= end]) + self._kept(k)
         if e.phase == "forward" and e.node in self.row:
-            return extra + 2 * sympy.Add(*(tl.storages[i].nbytes for i in e.born if tl.storages[i].name == e.node))
+            return extra + 2 * self._sum([self._bytes(i) for i in e.born if tl.storages[i].name == e.node])
         if e.phase == "backward" and e.node == self.embedding:
             # the stream's gradient all-gathered whole (beside the all-gather's output for a moment), then the
             # embedding's gradient made (V x H, whole) and the S-split gradient let go
             whole = self._whole(self.embedding)
-            born = sympy.Add(*(self.local(j) for j in e.born))
+            born = self._sum([self.local(j) for j in e.born])
             return extra + self._max(2 * whole - born, whole - freed)
         if e.phase == "backward" and e.node in self.row:
             whole = self._whole(e.node)  # the all-gathered output gradient
-            born = sympy.Add(*(self.local(j) for j in e.born))
+            born = self._sum([self.local(j) for j in e.born])
             return extra + whole + self._max(0, whole - born)
         if e.phase == "backward" and e.node in self.column and e.node not in self.qkv:
-            grads = [tl.storages[i].nbytes for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
+            grads = [self._bytes(i) for i in e.born if tl.storages[i].name.endswith(".grad_input0")]
             # the head's output gradient: the replicated one's local shard, made contiguous (the logits / t)
-            logits = self._whole(self.head) / t if e.node == self.head else 0
+            logits = self._whole(self.head) / self.tv if e.node == self.head else 0
             if grads:
-                return extra + self._max(logits + grads[0] - 2 * grads[0] / t, 2 * grads[0] - freed)
+                return extra + self._max(logits + grads[0] - 2 * grads[0] / self.tv, 2 * grads[0] - freed)
         return extra
