@@ -54,6 +54,7 @@ from ..shapes import numel
 from ..training import Regime
 from .model_parallel import _Cut, _integer, _ops, _Replay, _step_temporaries, memory_of
 from .pipeline_step import BATCH, PipelineStep, StageMoment
+from .stretch import _renamed
 from .unroll import iteration  # here, not in the hooks: they run at every op of every micro-batch
 
 
@@ -85,14 +86,14 @@ class _Units:
     layer's, in the order ``module.parameters()`` lists them, with their shards on data-parallel rank ``rank``."""
 
     def __init__(self, cut: Any, s: int, world: int, rank: int) -> None:
-        from .data_parallel import held_shape, shard_rows, stored_shapes
-        from .parameters import in_registration_order, program_parameters
-        g = cut.g
+        from .data_parallel import held_shape, shard_rows
+
         key = ("stored", cut.per * cut.p)  # the unrolled graph's parameters (at L layers): alike on every stage, rank
         if key not in cut.memo:
-            cut.memo[key] = stored_shapes(g, in_registration_order(g, program_parameters(g)))
+            cut.memo[key] = stored_at(cut)
         stored = dict(cut.memo[key])
-        # the tied heads, found once for every stage and batch (the graph at L layers' every node each time)
+        # the tied heads, found once for every stage and batch (outside the layers: the template's are the graph's)
+        g = _template(cut)
         tied = ("tied heads", cut.per * cut.p)
         if tied not in cut.memo:
             cut.memo[tied] = [n for n in g.program_order() if g.node(n).kind == "linear" and
@@ -100,7 +101,7 @@ class _Units:
         heads = cut.memo[tied]
         if heads and s == cut.p - 1:  # the last stage's own copy of a tied embedding (nn.Linear: (V, H))
             node = g.node(heads[0])
-            stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], g.node(node.inputs[0]).out.shape[-1])
+            stored[f"{heads[0]}.weight"] = (node.attrs["out_features"], _node(cut, node.inputs[0]).out.shape[-1])
         self.params: list[_Param] = []
         # each dimension at the cut's numbers once (every layer's parameters have the same few: half of the units'
         # making was sympy's substitution of the same dimension again)
@@ -108,7 +109,8 @@ class _Units:
         entries = owners(cut, key)
         if heads and s == cut.p - 1:  # the tied copy in its place among them (where the graph stores it) or last
             tied_name = f"{heads[0]}.weight"
-            owner = tied_name if tied_name in g and g.node(tied_name).kind == "parameter" else heads[0]
+            found = _node(cut, tied_name)
+            owner = tied_name if found is not None and found.kind == "parameter" else heads[0]
             copy_ = (tied_name, stored[tied_name], owner, cut.stage_of(owner))
             entries = ([copy_ if e[0] == tied_name else e for e in entries] if tied_name in cut.memo[key] else
                        [*entries, copy_])
@@ -157,16 +159,69 @@ class _Units:
         return found[1]
 
 
+def _template(cut: Any) -> Any:
+    """The graph a cut's nodes are read from: its template (``cut.small``, the layers alike: :class:`_Cut`), or the
+    graph at all ``L`` layers where the cut has none."""
+    return cut.small if isinstance(cut, _Cut) else cut.g
+
+
+def _node(cut: Any, name: str) -> Any:
+    """Node ``name`` of the graph at ``L`` layers (None where it has none), read from the template: a layer's node
+    as its first layer's (the layers are alike, as :meth:`_Cut._stage_of` reads them).  Unrolling the graph to
+    Llama-2-7B's 32 layers for its nodes was a thirtieth of an FSDP x pipeline peak's calls."""
+    if not isinstance(cut, _Cut):
+        return cut.g.node(name) if name in cut.g else None
+    k = iteration(name)
+    if k:
+        if k > cut.layers:
+            return None
+        name = _renamed(name, 1)
+    return cut.small.node(name) if name in cut.small else None
+
+
+def stored_at(cut: Any) -> dict[str, tuple[Any, ...]]:
+    """Each parameter the step at ``L`` layers stores and its shape, in registration order
+    (:func:`~symmem.passes.data_parallel.stored_shapes`), written from the template's where its layers' parameters
+    are one run of alike layers (layer ``k``'s are the first layer's renamed, in the same places); else from the
+    graph unrolled to ``L`` layers, as before (the same entries: the template is that graph's first layers)."""
+    from .data_parallel import stored_shapes
+    from .parameters import in_registration_order, program_parameters
+
+    def listed(g: Any) -> dict[str, tuple[Any, ...]]:
+        return stored_shapes(g, in_registration_order(g, program_parameters(g)))
+
+    if not isinstance(cut, _Cut):
+        return listed(cut.g)
+    small = listed(cut.small)
+    layers = max((iteration(n) for n in small), default=0)
+    if layers == cut.layers:
+        return small  # the template is the whole graph (L <= 6)
+    items = list(small.items())
+    at = [k for k, (n, _) in enumerate(items) if iteration(n)]
+    first = [(n, shape) for n, shape in items if iteration(n) == 1]
+    # the layers' parameters one run (no parameter outside them between), each layer the first's renamed
+    if not at or at != list(range(at[0], at[0] + len(at))) or len(at) != layers * len(first) or any(
+            items[at[0] + j * len(first) + i] != (_renamed(n, j + 1), shape)
+            for j in range(layers) for i, (n, shape) in enumerate(first)):
+        return listed(cut.g)
+    out = dict(items[:at[0]])
+    for j in range(1, cut.layers + 1):
+        out.update((_renamed(n, j), shape) for n, shape in first)
+    out.update(items[at[-1] + 1:])
+    return out
+
+
 def owners(cut: Any, key: tuple[str, int]) -> list[tuple[str, Any, str, int]]:
     """Each parameter the step stores (``cut.memo[key]``: the unrolled graph's, in registration order): its name,
     shape, the node that owns it and that node's stage, found once for every stage, batch and rank (each stage's
     units walked every parameter of the graph at L layers for its own)."""
     found = cut.memo.get(("owners", key, cut.p, type(cut).stage_of))
     if found is None or found[0] is not cut.memo[key]:
-        g, stored = cut.g, cut.memo[key]
+        stored = cut.memo[key]
         out = []
         for name, shape in stored.items():
-            owner = name if name in g and g.node(name).kind == "parameter" else name.rsplit(".", 1)[0]
+            node = _node(cut, name)
+            owner = name if node is not None and node.kind == "parameter" else name.rsplit(".", 1)[0]
             out.append((name, shape, owner, cut.stage_of(owner)))
         found = cut.memo[("owners", key, cut.p, type(cut).stage_of)] = (stored, out)
     return found[1]
@@ -212,7 +267,7 @@ class _FsdpReplay(_Replay):
     def _in_loss(self, node: str | None) -> bool:
         found = self.cut.__dict__.setdefault("in_loss", {})  # asked at every op of every micro-batch
         if node not in found:
-            found[node] = node is None or (node in self.cut.g and self.cut.g.node(node).group == "loss")
+            found[node] = node is None or getattr(_node(self.cut, node), "group", None) == "loss"
         return found[node]
 
     def _is_first(self, unit: int | None, node: str | None) -> bool:

@@ -75,6 +75,10 @@ PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "inputs", "out
          "step_temporaries")
 
 
+#: the parts of a stage's parameter side, in :func:`_parameter_sides`' order (made lazily: StageMemory.__getattr__)
+_SIDE_PARTS = ("parameters", "gradients", "optimizer_state", "step_temporaries")
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """One pipeline stage's memory, by part (bytes as formulas; see the module's note)."""
@@ -110,6 +114,19 @@ class StageMemory:
     def held(self) -> sympy.Expr:
         """What the pipeline phase holds with the most micro-batches in flight, before their backward."""
         return self.at_rest + self.saved + self.in_flight_outputs
+
+    def __getattr__(self, name: str) -> Any:
+        # the parameter side of a stage made by :func:`stages` without it (``_sides``: the maker and the stage's
+        # name): worked out where first read.  The tensor-, sequence- and fully-sharded-parallel pipelines read
+        # only the buffers, inputs and outputs of these stages (their ranks' weights are their own): the parameter
+        # formulas were a thirtieth of their peaks' calls
+        lazy = self.__dict__.get("_sides")
+        if lazy is None or name not in _SIDE_PARTS:
+            raise AttributeError(name)
+        make, stage = lazy
+        for part, value in zip(_SIDE_PARTS, make()[stage], strict=True):
+            object.__setattr__(self, part, value)
+        return self.__dict__[name]
 
     def at(self, numbers: Mapping[str, int], names: Iterable[str] | None = None) -> dict[str, int]:
         """Every part and total at ``numbers`` (symbol name -> value), as integers; ``names``: only those."""
@@ -303,7 +320,13 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
     m = sympy.Integer(micro_batches)
     batch = sum((s.expr for s in storages if s.category == "input" and s.group == "input"), sympy.Integer(0))
     labels = _label_bytes(graph)
-    params = _parameter_sides(graph, regime, per_stage, impl)
+    params: dict[str, Any] = {}
+
+    def sides() -> dict[str, tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]]:
+        # made once for the three stages, where one of them is first asked for its parameter side
+        if not params:
+            params.update(_parameter_sides(graph, regime, per_stage, impl))
+        return params
     module_buffers = _module_buffers(graph, act)
     found = []
     # layers checkpointed K at a time (full: K = 1), or None
@@ -324,17 +347,21 @@ def stages(graph: Graph, storages: Sequence[Storage], regime: Regime, *, schedul
                              sympy.Integer(0))
             if last:
                 saved += per_group["head"] + per_group["loss"]
-        weights, grads, state, temps = params[name]
         # one receive buffer per micro-batch: the activation from the stage before, the gradient from the one after;
         # and the module's own buffers (a stage that makes the rotary tables holds their frequencies)
         own = module_buffers["layer"] * per_stage + (module_buffers["first"] if first or shared else 0) + (
             module_buffers["last"] if last else 0)
         buffers = (0 if first else 1) * m * boundary + (0 if last else 1) * m * boundary + own
-        found.append(StageMemory(
-            name, index, flight, weights, grads, state, sympy.sympify(buffers, strict=True),
-            m * batch if first else (m * labels if last else sympy.Integer(0)),
-            m * logits if last else sympy.Integer(0), saved, flight * saved,
-            sympy.Integer(0) if last else flight * boundary, temps, sympy.sympify(own, strict=True)))
+        stage = object.__new__(StageMemory)  # without its parameter side (StageMemory.__getattr__ makes it)
+        for part, value in (
+                ("name", name), ("index", index), ("in_flight", flight),
+                ("buffers", sympy.sympify(buffers, strict=True)),
+                ("inputs", m * batch if first else (m * labels if last else sympy.Integer(0))),
+                ("outputs", m * logits if last else sympy.Integer(0)), ("saved_per_micro_batch", saved),
+                ("saved", flight * saved), ("in_flight_outputs", sympy.Integer(0) if last else flight * boundary),
+                ("module_buffers", sympy.sympify(own, strict=True)), ("_sides", (sides, name))):
+            object.__setattr__(stage, part, value)
+        found.append(stage)
     return tuple(found)
 
 
