@@ -455,7 +455,10 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     many = {symbolic[n]: counts[n] for n in names}
     sub, syms = {**dict(subs), **many}, [symbolic[n] for n in names]
     at = {**numbers, **many} if numbers else numbers
-    own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
+    # the rank's own storages: those of its state and of its moments (numbered per step: _rank_step)
+    met = {first: set().union(*(c for c in mine[first].values() if c)) for first in (False, True)}
+    own = [*mine["states"], *(p for first in (False, True) for i, p in enumerate(mine[("pairs", first)])
+                              if i in met[first])]
     known = walks.setdefault(("bytes",), {})  # sizes the ranks share, worked out once
     for _, x in own:
         if x not in known:
@@ -498,14 +501,17 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
             where = [(("shared", key, k0), extra) for _, k0, _ in shared]
             own_moments = [(k, live) for k, live in mine[first].items() if live is not None]
             chosen: Sequence[int] = range(len(shared) + len(own_moments))
+            pairs = mine[("pairs", first)]
             if kept is not None:
                 # the rank's own moments differ by numbers only (the storages alive when the backward ended are
                 # in each): the prune keeps the largest, the first of equals
-                sized = [sum(n * sizes[x] for (_, x), n in live.items()) for _, live in own_moments]
+                by_id = [sizes.get(x, 0) for _, x in pairs]  # each numbered storage's bytes (unmet ones: none)
+                sized = [sum([n * by_id[i] for i, n in live.items()]) for _, live in own_moments]
                 own_moments = [own_moments[sized.index(max(sized))]]
                 where.append((("end", key), max(sized)))
                 chosen = kept.prune([k0 for _, k0, _ in shared], extra, max(sized))
                 where = [where[i] for i in chosen]
+            own_moments = [(k, _pairs(live, pairs)) for k, live in own_moments]
             # the candidates the prune keeps only (each shared one with the rank's state is a copy of its parts)
             cands = [Candidate(shared[i][0], step, shared[i][2] if first else _plus(shared[i][2], states, len(names)))
                      if i < len(shared) else Candidate(own_moments[i - len(shared)][0], step,
@@ -516,7 +522,8 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
         groups.append((found[0], found[1]))
     pruned = all(offsets)
     alg = walks[akey] if pruned else None
-    if alg is not None and not alg.extend([x for g in groups for cs in g for c in cs for _, x in c.parts]):
+    # the candidates' sizes not shared are the rank's own (its state's, its moments'): those taken in
+    if alg is not None and not alg.extend(list(sizes)):
         alg = None
     peak = summarize(groups, lambda k: k.key[:3], sub, syms, at, (), base=base, period=period, merge=merge,
                      guards=guards, lazy=True, pruned=pruned, algebra=alg)
@@ -695,6 +702,13 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
     return moments, _parts(ends[()], [ends[(n,)] for n in names])
 
 
+def _pairs(live: Counter, pairs: Sequence[tuple[int, Any]]) -> Counter:
+    """A moment of :func:`_rank_step` (storages by number) as (category, size) pairs, in the order a walk without
+    numbers lists them: the order each was first met (its number; the step's storages are born as they are
+    made), not the order the numbered count, which drops an emptied storage and puts it back last, holds them."""
+    return Counter({pairs[i]: live[i] for i in sorted(live)})
+
+
 def _storage_key(s: Live) -> tuple[int, sympy.Expr]:
     return (_INDEX[s.category], s.nbytes)
 
@@ -724,7 +738,11 @@ def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts:
         walk_step(sim, regime, impl, owned, numel, state_ids, first)
         sim.event("zero_grad", None, [], [])
         tl = Timeline(tuple(sim.storages), () if first else tuple(states), tuple(sim.events))
-        out[first] = _keyed(tl, counts, blocks_of, {}, edge, True)
+        # the moments' storages by number (each (category, size) its own, in the order the walk first meets it):
+        # a rank's moments are summed without hashing a sympy size (_rank_peak; _pairs turns one back)
+        ids: dict[tuple[int, Any], int] = {}
+        out[first] = _keyed(tl, counts, blocks_of, {}, edge, True, ids=ids)
+        out[("pairs", first)] = list(ids)
         if not first:
             out["states"] = Counter(_storage_key(sim.storages[i]) for i in states)
     return out
