@@ -728,13 +728,25 @@ def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts:
         owned = zero_redundancy.owned(regime, walks[key], options) or []
     device = str(options.get("device", "cpu"))
     impl = optimizer_impl(regime, device)
-    specs = {name: state_storages(regime, name, shape, device == "cuda" and impl != "fused") for name, shape in owned}
-    numel = {name: shape_numel(shape) for name, shape in owned}
+    on_host = device == "cuda" and impl != "fused"
+    # each shape's state storages (named "" here: ".exp_avg", ...) and elements, worked out once for every rank
+    # (a stack's layers own the same few shapes), each parameter's named as state_storages names them
+    by_shape = walks.setdefault(("state", on_host), {})
+    lives: list[Live] = []
+    state_ids: dict[str, list[int]] = {}
+    numel: dict[str, sympy.Expr] = {}
+    for name, shape in owned:
+        found = by_shape.get(shape)
+        if found is None:
+            found = by_shape[shape] = (state_storages(regime, "", shape, on_host), shape_numel(shape))
+        state_ids[name] = list(range(len(lives), len(lives) + len(found[0])))
+        lives += [make_live(name + suffix, *rest) for suffix, *rest in found[0]]
+        numel[name] = found[1]
+    states = list(range(len(lives)))
     out: dict[Any, Any] = {}
     for first in (False, True):
         sim = _Steps()
-        state_ids = {name: [sim.new(*s) for s in specs[name]] for name, _ in owned}
-        states = [i for ids in state_ids.values() for i in ids]
+        sim.storages = list(lives)  # the state, the same storages in both steps (the first creates it)
         walk_step(sim, regime, impl, owned, numel, state_ids, first)
         sim.event("zero_grad", None, [], [])
         tl = Timeline(tuple(sim.storages), () if first else tuple(states), tuple(sim.events))
