@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -277,8 +278,7 @@ def over_ranks(parts: Sequence[Sequence[int]], shape: Callable[[int], Any], rank
     for ranks in groups.values():
         found = rank_peak(ranks)
         per_rank.update({r: found for r in ranks})
-        moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS}, rank=ranks[0], ranks=world)
-                    for m in found.moments]
+        moments += [_tagged(m, ranks[0], world) for m in found.moments]
     out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
     out.per_rank = dict(sorted(per_rank.items()))
     return out
@@ -286,6 +286,16 @@ def over_ranks(parts: Sequence[Sequence[int]], shape: Callable[[int], Any], rank
 
 #: a moment's fields, copied into each rank's
 MOMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Moment))
+_fields_of = operator.attrgetter(*MOMENT_FIELDS)
+
+
+def _tagged(m: Moment, rank: int, world: int) -> RankMoment:
+    """``RankMoment(**fields of m, rank=rank, ranks=world)`` without the frozen dataclass's ``__init__`` setting each
+    field through ``object.__setattr__`` (as :func:`symmem.timeline.make_live` makes a storage): the same value,
+    made for every moment of every rank group."""
+    made = object.__new__(RankMoment)
+    made.__dict__.update(zip(MOMENT_FIELDS, _fields_of(m), strict=True), rank=rank, ranks=world)
+    return made
 
 
 def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
