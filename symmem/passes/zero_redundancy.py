@@ -222,7 +222,13 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
     walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): worked out once
     params = walks[("listed", tuple(sorted(counts.items())))] = listed_whole(step.graph, counts)
-    sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
+    # a stack's parameters are a few shapes: each one's size and dimensions at the numbers worked out once
+    numel_at: dict[tuple[sympy.Expr, ...], int] = {}
+    dims_at: dict[tuple[sympy.Expr, ...], tuple[int, ...]] = {}
+    for _, shape in params:
+        if shape not in numel_at:
+            numel_at[shape], dims_at[shape] = int(shape_numel(shape).xreplace(env)), _at(shape, env)
+    sizes = [numel_at[shape] for _, shape in params]
     parts = walks[("partition", ("listed", tuple(sorted(counts.items()))))] = partition(sizes, world)
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
 
@@ -232,7 +238,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
         return one.peak(at_all)
 
     domain = tuple(equals(s, v) for s, v in fixed.items())
-    out = over_ranks(parts, lambda i: _at(params[i][1], env), rank_peak, world, domain)
+    out = over_ranks(parts, lambda i: dims_at[params[i][1]], rank_peak, world, domain)
     out._state = lambda: [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
     if len(step._cache) > 16:
         step._cache.clear()
