@@ -513,9 +513,9 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
                 where = [where[i] for i in chosen]
             own_moments = [(k, _pairs(live, pairs)) for k, live in own_moments]
             # the candidates the prune keeps only (each shared one with the rank's state is a copy of its parts)
-            cands = [Candidate(shared[i][0], step, shared[i][2] if first else _plus(shared[i][2], states, len(names)))
-                     if i < len(shared) else Candidate(own_moments[i - len(shared)][0], step,
-                                                       _plus(end, own_moments[i - len(shared)][1], len(names)))
+            ns, nn = len(shared), len(names)
+            cands = [Candidate(shared[i][0], step, shared[i][2] if first else _plus(shared[i][2], states, nn))
+                     if i < ns else Candidate(own_moments[i - ns][0], step, _plus(end, own_moments[i - ns][1], nn))
                      for i in chosen]
             found.append(cands)
             offsets.append(where if kept is not None else [])
