@@ -468,9 +468,12 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     offsets: list[list[Any]] = []  # what each moment is: a shared one plus bytes (passes/zero_redundancy.py)
     branch_keys = [("shared", None if b is None else tuple(sorted((str(c), v) for c, v in b.items())))
                    for b in branches]
+    # the branches walked so far with the convention's answers they got (one walk where two get the same)
+    answered = walks.setdefault(("answered",), []) if len(branches) > 1 else None
     for key, branch in zip(branch_keys, branches, strict=True):
         if key not in walks:
-            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge, period)
+            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge, period,
+                                 answered)
     # one algebra for every rank and branch, as one summarize holds (each rank's own sizes, numbers, taken in)
     akey = ("algebra", *branch_keys)
     if akey not in walks:
@@ -480,7 +483,10 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     for key in branch_keys:
         moments, end = walks[key]
         if ("kept", key) not in walks:
-            walks[("kept", key)] = _dominant(moments, end, walks[akey], at)
+            # a branch walked as an earlier one (_shared) keeps what it keeps
+            walks[("kept", key)] = next((walks[("kept", k)] for k in branch_keys if k != key and walks[k] is
+                                         walks[key] and ("kept", k) in walks), None) or _dominant(moments, end,
+                                                                                                  walks[akey], at)
         kept = walks[("kept", key)] if all(isinstance(v, int) for v in sizes.values()) else None
         shared = []
         for (phase, node, label, seen), parts in moments.items():
@@ -661,16 +667,33 @@ def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: in
 
 def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime, branch: Branch | None,
             blocks_of: Mapping[str, str], symbolic: Mapping[str, sympy.Symbol], base: int, edge: int,
-            period: int = 1) -> tuple[dict[tuple[Any, ...], dict], dict]:
+            period: int = 1, answered: list[tuple[list[Any], Any]] | None = None
+            ) -> tuple[dict[tuple[Any, ...], dict], dict]:
     """Every ZeRO-1 rank's forward and backward moments (the first step's: no optimizer state yet), keyed as one
     device's (layers ``1``, ``2``, ``L-1``, ``L``), as parts interpolated in the blocks' lengths; and the storages
-    alive when the backward ends, the same way."""
+    alive when the backward ends, the same way.  ``answered`` (where there are several branches): the walks of
+    earlier branches with the convention's answers their graphs got (:func:`rule_answers`): a branch whose answers
+    are an earlier one's is that walk (as :func:`symbolic_peak` walks it once: Llama's ``G = h`` where no op's
+    rule reads it), not walked again; this one's added."""
     names = list(symbolic)
+    bumps = [()] + [(n,) for n in names]
+    graphs = {bump: _unrolled(graph, {n: base + (period if n in bump else 0) for n in names}, options)
+              for bump in bumps}
+    rules: dict[tuple[str, ...], Any] = {}
+    if answered is not None:
+        rules = {bump: rule_answers(graphs[bump], conv, options, regime, branch) for bump in bumps}
+        if all(r is not None for r in rules.values()):
+            asked = [rules[bump] for bump in bumps]
+            same = next((found for earlier, found in answered if earlier == asked), None)
+            if same is not None:
+                return same
+        else:
+            answered = None  # a rule refuses an op: walked on its own, as the walk says where it asks
     runs, ends = {}, {}
     ids: dict[tuple[int, Any], int] = {}  # the walks' storages by number (symbolic_peak's)
-    for bump in [()] + [(n,) for n in names]:
+    for bump in bumps:
         counts = {n: base + (period if n in bump else 0) for n in names}
-        sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
+        sim = Simulation(graphs[bump], conv, options, regime, branch, regime.keep_logits, rules.get(bump))
         for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
             sim.micro_batch()
         walked = len(sim.events)
@@ -699,7 +722,10 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
     pairs = list(ids)
     moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
                for key, live in runs[()].items() if live is not None}
-    return moments, _parts(ends[()], [ends[(n,)] for n in names])
+    out = moments, _parts(ends[()], [ends[(n,)] for n in names])
+    if answered is not None:
+        answered.append(([rules[bump] for bump in bumps], out))
+    return out
 
 
 def _pairs(live: Counter, pairs: Sequence[tuple[int, Any]]) -> Counter:
