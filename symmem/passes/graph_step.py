@@ -455,7 +455,10 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     many = {symbolic[n]: counts[n] for n in names}
     sub, syms = {**dict(subs), **many}, [symbolic[n] for n in names]
     at = {**numbers, **many} if numbers else numbers
-    own = [*mine["states"], *(x for first in (False, True) for c in mine[first].values() if c for x in c)]
+    # the rank's own storages: those of its state and of its moments (numbered per step: _rank_step)
+    met = {first: set().union(*(c for c in mine[first].values() if c)) for first in (False, True)}
+    own = [*mine["states"], *(p for first in (False, True) for i, p in enumerate(mine[("pairs", first)])
+                              if i in met[first])]
     known = walks.setdefault(("bytes",), {})  # sizes the ranks share, worked out once
     for _, x in own:
         if x not in known:
@@ -465,9 +468,12 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     offsets: list[list[Any]] = []  # what each moment is: a shared one plus bytes (passes/zero_redundancy.py)
     branch_keys = [("shared", None if b is None else tuple(sorted((str(c), v) for c, v in b.items())))
                    for b in branches]
+    # the branches walked so far with the convention's answers they got (one walk where two get the same)
+    answered = walks.setdefault(("answered",), []) if len(branches) > 1 else None
     for key, branch in zip(branch_keys, branches, strict=True):
         if key not in walks:
-            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge, period)
+            walks[key] = _shared(graph, conv, options, regime, branch, blocks_of, symbolic, base, edge, period,
+                                 answered)
     # one algebra for every rank and branch, as one summarize holds (each rank's own sizes, numbers, taken in)
     akey = ("algebra", *branch_keys)
     if akey not in walks:
@@ -477,7 +483,10 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
     for key in branch_keys:
         moments, end = walks[key]
         if ("kept", key) not in walks:
-            walks[("kept", key)] = _dominant(moments, end, walks[akey], at)
+            # a branch walked as an earlier one (_shared) keeps what it keeps
+            walks[("kept", key)] = next((walks[("kept", k)] for k in branch_keys if k != key and walks[k] is
+                                         walks[key] and ("kept", k) in walks), None) or _dominant(moments, end,
+                                                                                                  walks[akey], at)
         kept = walks[("kept", key)] if all(isinstance(v, int) for v in sizes.values()) else None
         shared = []
         for (phase, node, label, seen), parts in moments.items():
@@ -498,25 +507,29 @@ def _rank_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], regim
             where = [(("shared", key, k0), extra) for _, k0, _ in shared]
             own_moments = [(k, live) for k, live in mine[first].items() if live is not None]
             chosen: Sequence[int] = range(len(shared) + len(own_moments))
+            pairs = mine[("pairs", first)]
             if kept is not None:
                 # the rank's own moments differ by numbers only (the storages alive when the backward ended are
                 # in each): the prune keeps the largest, the first of equals
-                sized = [sum(n * sizes[x] for (_, x), n in live.items()) for _, live in own_moments]
+                by_id = [sizes.get(x, 0) for _, x in pairs]  # each numbered storage's bytes (unmet ones: none)
+                sized = [sum([n * by_id[i] for i, n in live.items()]) for _, live in own_moments]
                 own_moments = [own_moments[sized.index(max(sized))]]
                 where.append((("end", key), max(sized)))
                 chosen = kept.prune([k0 for _, k0, _ in shared], extra, max(sized))
                 where = [where[i] for i in chosen]
+            own_moments = [(k, _pairs(live, pairs)) for k, live in own_moments]
             # the candidates the prune keeps only (each shared one with the rank's state is a copy of its parts)
-            cands = [Candidate(shared[i][0], step, shared[i][2] if first else _plus(shared[i][2], states, len(names)))
-                     if i < len(shared) else Candidate(own_moments[i - len(shared)][0], step,
-                                                       _plus(end, own_moments[i - len(shared)][1], len(names)))
+            ns, nn = len(shared), len(names)
+            cands = [Candidate(shared[i][0], step, shared[i][2] if first else _plus(shared[i][2], states, nn))
+                     if i < ns else Candidate(own_moments[i - ns][0], step, _plus(end, own_moments[i - ns][1], nn))
                      for i in chosen]
             found.append(cands)
             offsets.append(where if kept is not None else [])
         groups.append((found[0], found[1]))
     pruned = all(offsets)
     alg = walks[akey] if pruned else None
-    if alg is not None and not alg.extend([x for g in groups for cs in g for c in cs for _, x in c.parts]):
+    # the candidates' sizes not shared are the rank's own (its state's, its moments'): those taken in
+    if alg is not None and not alg.extend(list(sizes)):
         alg = None
     peak = summarize(groups, lambda k: k.key[:3], sub, syms, at, (), base=base, period=period, merge=merge,
                      guards=guards, lazy=True, pruned=pruned, algebra=alg)
@@ -654,16 +667,33 @@ def _plus(parts: Mapping[Any, tuple[int, tuple[int, ...]]], live: Counter, n: in
 
 def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: Regime, branch: Branch | None,
             blocks_of: Mapping[str, str], symbolic: Mapping[str, sympy.Symbol], base: int, edge: int,
-            period: int = 1) -> tuple[dict[tuple[Any, ...], dict], dict]:
+            period: int = 1, answered: list[tuple[list[Any], Any]] | None = None
+            ) -> tuple[dict[tuple[Any, ...], dict], dict]:
     """Every ZeRO-1 rank's forward and backward moments (the first step's: no optimizer state yet), keyed as one
     device's (layers ``1``, ``2``, ``L-1``, ``L``), as parts interpolated in the blocks' lengths; and the storages
-    alive when the backward ends, the same way."""
+    alive when the backward ends, the same way.  ``answered`` (where there are several branches): the walks of
+    earlier branches with the convention's answers their graphs got (:func:`rule_answers`): a branch whose answers
+    are an earlier one's is that walk (as :func:`symbolic_peak` walks it once: Llama's ``G = h`` where no op's
+    rule reads it), not walked again; this one's added."""
     names = list(symbolic)
+    bumps = [()] + [(n,) for n in names]
+    graphs = {bump: _unrolled(graph, {n: base + (period if n in bump else 0) for n in names}, options)
+              for bump in bumps}
+    rules: dict[tuple[str, ...], Any] = {}
+    if answered is not None:
+        rules = {bump: rule_answers(graphs[bump], conv, options, regime, branch) for bump in bumps}
+        if all(r is not None for r in rules.values()):
+            asked = [rules[bump] for bump in bumps]
+            same = next((found for earlier, found in answered if earlier == asked), None)
+            if same is not None:
+                return same
+        else:
+            answered = None  # a rule refuses an op: walked on its own, as the walk says where it asks
     runs, ends = {}, {}
     ids: dict[tuple[int, Any], int] = {}  # the walks' storages by number (symbolic_peak's)
-    for bump in [()] + [(n,) for n in names]:
+    for bump in bumps:
         counts = {n: base + (period if n in bump else 0) for n in names}
-        sim = Simulation(_unrolled(graph, counts, options), conv, options, regime, branch, regime.keep_logits)
+        sim = Simulation(graphs[bump], conv, options, regime, branch, regime.keep_logits, rules.get(bump))
         for _ in range(min(regime.micro_batches, MICRO_BATCH_PASSES)):
             sim.micro_batch()
         walked = len(sim.events)
@@ -692,7 +722,17 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
     pairs = list(ids)
     moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
                for key, live in runs[()].items() if live is not None}
-    return moments, _parts(ends[()], [ends[(n,)] for n in names])
+    out = moments, _parts(ends[()], [ends[(n,)] for n in names])
+    if answered is not None:
+        answered.append(([rules[bump] for bump in bumps], out))
+    return out
+
+
+def _pairs(live: Counter, pairs: Sequence[tuple[int, Any]]) -> Counter:
+    """A moment of :func:`_rank_step` (storages by number) as (category, size) pairs, in the order a walk without
+    numbers lists them: the order each was first met (its number; the step's storages are born as they are
+    made), not the order the numbered count, which drops an emptied storage and puts it back last, holds them."""
+    return Counter({pairs[i]: live[i] for i in sorted(live)})
 
 
 def _storage_key(s: Live) -> tuple[int, sympy.Expr]:
@@ -714,17 +754,33 @@ def _rank_step(graph: Graph, options: Mapping[str, Any], regime: Regime, counts:
         owned = zero_redundancy.owned(regime, walks[key], options) or []
     device = str(options.get("device", "cpu"))
     impl = optimizer_impl(regime, device)
-    specs = {name: state_storages(regime, name, shape, device == "cuda" and impl != "fused") for name, shape in owned}
-    numel = {name: shape_numel(shape) for name, shape in owned}
+    on_host = device == "cuda" and impl != "fused"
+    # each shape's state storages (named "" here: ".exp_avg", ...) and elements, worked out once for every rank
+    # (a stack's layers own the same few shapes), each parameter's named as state_storages names them
+    by_shape = walks.setdefault(("state", on_host), {})
+    lives: list[Live] = []
+    state_ids: dict[str, list[int]] = {}
+    numel: dict[str, sympy.Expr] = {}
+    for name, shape in owned:
+        found = by_shape.get(shape)
+        if found is None:
+            found = by_shape[shape] = (state_storages(regime, "", shape, on_host), shape_numel(shape))
+        state_ids[name] = list(range(len(lives), len(lives) + len(found[0])))
+        lives += [make_live(name + suffix, *rest) for suffix, *rest in found[0]]
+        numel[name] = found[1]
+    states = list(range(len(lives)))
     out: dict[Any, Any] = {}
     for first in (False, True):
         sim = _Steps()
-        state_ids = {name: [sim.new(*s) for s in specs[name]] for name, _ in owned}
-        states = [i for ids in state_ids.values() for i in ids]
+        sim.storages = list(lives)  # the state, the same storages in both steps (the first creates it)
         walk_step(sim, regime, impl, owned, numel, state_ids, first)
         sim.event("zero_grad", None, [], [])
         tl = Timeline(tuple(sim.storages), () if first else tuple(states), tuple(sim.events))
-        out[first] = _keyed(tl, counts, blocks_of, {}, edge, True)
+        # the moments' storages by number (each (category, size) its own, in the order the walk first meets it):
+        # a rank's moments are summed without hashing a sympy size (_rank_peak; _pairs turns one back)
+        ids: dict[tuple[int, Any], int] = {}
+        out[first] = _keyed(tl, counts, blocks_of, {}, edge, True, ids=ids)
+        out[("pairs", first)] = list(ids)
         if not first:
             out["states"] = Counter(_storage_key(sim.storages[i]) for i in states)
     return out

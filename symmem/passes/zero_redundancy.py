@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -221,7 +222,13 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
     counts = {name: int(sympy.sympify(b.count, strict=True).xreplace(env)) for name, b in step.graph.blocks.items()}
     walks: dict[Any, Any] = {}  # what every rank's walk shares (passes/graph_step.py): worked out once
     params = walks[("listed", tuple(sorted(counts.items())))] = listed_whole(step.graph, counts)
-    sizes = [int(shape_numel(shape).xreplace(env)) for _, shape in params]
+    # a stack's parameters are a few shapes: each one's size and dimensions at the numbers worked out once
+    numel_at: dict[tuple[sympy.Expr, ...], int] = {}
+    dims_at: dict[tuple[sympy.Expr, ...], tuple[int, ...]] = {}
+    for _, shape in params:
+        if shape not in numel_at:
+            numel_at[shape], dims_at[shape] = int(shape_numel(shape).xreplace(env)), _at(shape, env)
+    sizes = [numel_at[shape] for _, shape in params]
     parts = walks[("partition", ("listed", tuple(sorted(counts.items()))))] = partition(sizes, world)
     at_all = {**(at or {}), **{s: v for s, v in fixed.items() if s != N}}
 
@@ -231,7 +238,7 @@ def ranks_peak(step: Any, at: Mapping[sympy.Symbol, int] | None) -> RanksPeak:
         return one.peak(at_all)
 
     domain = tuple(equals(s, v) for s, v in fixed.items())
-    out = over_ranks(parts, lambda i: _at(params[i][1], env), rank_peak, world, domain)
+    out = over_ranks(parts, lambda i: dims_at[params[i][1]], rank_peak, world, domain)
     out._state = lambda: [sum(_state(step.regime, params[i][1], env) for i in idx) for idx in parts]
     if len(step._cache) > 16:
         step._cache.clear()
@@ -277,8 +284,7 @@ def over_ranks(parts: Sequence[Sequence[int]], shape: Callable[[int], Any], rank
     for ranks in groups.values():
         found = rank_peak(ranks)
         per_rank.update({r: found for r in ranks})
-        moments += [RankMoment(**{f: getattr(m, f) for f in MOMENT_FIELDS}, rank=ranks[0], ranks=world)
-                    for m in found.moments]
+        moments += [_tagged(m, ranks[0], world) for m in found.moments]
     out = RanksPeak(None, None, tuple(_undominated(moments)), domain, per_rank[0].guards)
     out.per_rank = dict(sorted(per_rank.items()))
     return out
@@ -286,6 +292,16 @@ def over_ranks(parts: Sequence[Sequence[int]], shape: Callable[[int], Any], rank
 
 #: a moment's fields, copied into each rank's
 MOMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Moment))
+_fields_of = operator.attrgetter(*MOMENT_FIELDS)
+
+
+def _tagged(m: Moment, rank: int, world: int) -> RankMoment:
+    """``RankMoment(**fields of m, rank=rank, ranks=world)`` without the frozen dataclass's ``__init__`` setting each
+    field through ``object.__setattr__`` (as :func:`symmem.timeline.make_live` makes a storage): the same value,
+    made for every moment of every rank group."""
+    made = object.__new__(RankMoment)
+    made.__dict__.update(zip(MOMENT_FIELDS, _fields_of(m), strict=True), rank=rank, ranks=world)
+    return made
 
 
 def _undominated(moments: list[RankMoment]) -> list[RankMoment]:
