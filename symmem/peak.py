@@ -747,9 +747,7 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
     if len(groups) > 1 and merge is not None and len(guards) != len(groups):
         raise ValueError("a Piecewise peak needs one guard per group")
     # one algebra for every group: the sizes repeat across branches and steps
-    alg = algebra if algebra is not None else Algebra(
-        list(dict.fromkeys(x for g in groups for cs in g for c in cs for _, x in c.parts)), subs, counts, base, period,
-        table)
+    alg = algebra if algebra is not None else Algebra(_sizes_of(groups), subs, counts, base, period, table)
     memo: dict = alg.memo(numbers) if numbers else {}
     per_group: list[tuple[list[Moment], ...]] = []
     done: dict[tuple[int, ...], list[list[Candidate]]] = {}  # a group met again (the same lists): pruned once
@@ -769,6 +767,19 @@ def summarize(groups: Sequence[tuple[list[Candidate], list[Candidate]]],
     if merge is None:  # the first group's formulas: its moments only
         return Peak(*exprs[0], tuple(per_group[0][0] + per_group[0][1]), domain)
     return Peak(merge([e for e, _ in exprs]), merge([e for _, e in exprs]), moments, domain, conds)
+
+
+def _sizes_of(groups: Sequence[tuple[list[Candidate], list[Candidate]]]) -> list[Any]:
+    """Every size the candidates' parts hold, in the order first met: each candidate's (category, size) keys
+    merged in C (a dict's update), then their sizes -- a size's first part comes first either way.  A step
+    holds some 20 parts a moment over a thousand moments (an FSDP step with its policy, full checkpointing and
+    four micro-batches: 104,000 generator steps, one a part, before)."""
+    keys: dict[Any, Any] = {}
+    for group in groups:
+        for cands in group:
+            for c in cands:
+                keys.update(c.parts)
+    return list(dict.fromkeys(x for _, x in keys))
 
 
 class _MergedPeak(Peak):

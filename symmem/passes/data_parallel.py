@@ -305,13 +305,15 @@ class Fsdp:
         self.reduce_out: dict[Any, sympy.Expr] = {}
         graph, order = sim.graph, sim.order
         iterations = graph.graph.get("iterations", {})
-        self.unit_of: dict[str, Any] = {}  # node -> unit key (None: the root)
+        #: node -> unit key (None: the root); the loss's nodes (their backward does not start the root's), from
+        #: one look at each node (the walk's set-up reads every node of the unrolled graph)
+        self.unit_of: dict[str, Any] = {}
+        self.loss_nodes: set[str] = set()
         for n in order:
             node = graph.node(n)
-            if iterations:
-                self.unit_of[n] = iterations.get(n)
-            else:
-                self.unit_of[n] = n if node.params else None
+            self.unit_of[n] = iterations.get(n) if iterations else (n if node.params else None)
+            if node.group == "loss":
+                self.loss_nodes.add(n)
         self.units: list[Any] = list(dict.fromkeys(u for u in self.unit_of.values() if u is not None))
         self.params: dict[Any, list[str]] = {u: [] for u in [None, *self.units]}
         for name, _ in sim.params:
@@ -334,8 +336,6 @@ class Fsdp:
         self.last_node = {n: u for u, n in last.items()}
         # a causal LM's reference computes its loss inside forward (the root's post-forward follows the loss)
         self.loss_inside = bool(graph.graph.get("causal_lm"))
-        #: the loss's nodes (their backward does not start the root's)
-        self.loss_nodes = {n for n in order if graph.node(n).group == "loss"}
         model = [n for n in order if n not in self.loss_nodes]
         self.root_end = order[-1] if self.loss_inside or not model else model[-1]
         self.unsharded: dict[Any, list[int]] = {}   # unit -> its P storages while alive

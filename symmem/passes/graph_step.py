@@ -293,6 +293,26 @@ def _parts(live: Counter, others: Sequence[Counter | None]) -> dict[Any, tuple[i
     return out
 
 
+def _named_parts(live: Counter, others: Sequence[Counter | None], names: Sequence[Any]
+                 ) -> dict[Any, tuple[int, tuple[int, ...]]]:
+    """:func:`_parts` with each storage ``x`` keyed by ``names[x]`` (a candidate's (category, size)), in the same
+    order: one dict a moment, where renaming :func:`_parts`' made two (an FSDP step's moments hold more storages
+    than one device's, and a step has more of them)."""
+    if len(others) == 1 and others[0] is not None:
+        other = others[0]
+        out = {names[x]: (n, (other.get(x, 0) - n,)) for x, n in live.items()}
+        for x, n in other.items():
+            if x not in live:
+                out[names[x]] = (0, (n,))
+        return out
+    out = {names[x]: (n, tuple((n if o is None else o.get(x, 0)) - n for o in others)) for x, n in live.items()}
+    for o in others:
+        for x in o or ():
+            if x not in live:
+                out[names[x]] = (0, tuple(0 if p is None else p.get(x, 0) for p in others))
+    return out
+
+
 def _unrolled(graph: Graph, counts: Mapping[str, int], options: Mapping[str, Any]) -> Graph:
     """``unroll(graph, counts)``, written out once for all of ZeRO-1's ranks (their shared walks hold it)."""
     walks = options.get(zero_redundancy.WALKS_OPTION)
@@ -398,7 +418,7 @@ def symbolic_peak(graph: Graph, conv: Convention, options: Mapping[str, Any], re
                     continue
                 others = [runs[(n,)][first].get(key) for n in names]
                 cands.append(Candidate(key, "first" if first else "steady",
-                                       {pairs[x]: v for x, v in _parts(live, others).items()}))
+                                       _named_parts(live, others, pairs)))
             found.append(cands)
         groups.append((found[0], found[1]))
         built[again] = groups[-1]
@@ -720,7 +740,7 @@ def _shared(graph: Graph, conv: Convention, options: Mapping[str, Any], regime: 
             live[(_INDEX[s.category], s.nbytes)] += n
         ends[bump] = +live
     pairs = list(ids)
-    moments = {key: {pairs[x]: v for x, v in _parts(live, [runs[(n,)].get(key) for n in names]).items()}
+    moments = {key: _named_parts(live, [runs[(n,)].get(key) for n in names], pairs)
                for key, live in runs[()].items() if live is not None}
     out = moments, _parts(ends[()], [ends[(n,)] for n in names])
     if answered is not None:
