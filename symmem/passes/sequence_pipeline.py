@@ -595,6 +595,17 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
         return split_buffers(FsdpTensorPipelineStep._stage_at(self, memory, numbers, units, per), memory, numbers)
 
     def _peak(self, named: dict[str, int]) -> Any:
+        if named.get(BATCH) == 1:
+            # as SequencePipelineStep._peak: B = 1's bytes and the lines from B = 2 from one replay packed at B = 1,
+            # 2, 3, 4 (FSDP's units are alike at every batch: no parameter's shape is in B), not a replay at B = 1
+            # and another at B = 2, 3, 4 (a third of this row's calls)
+            found = self._batch_moments(named, 1, count=4)
+            if found is not None:
+                one = [([rows[0]] * 3, [parts[0]] * 3) for rows, parts in found]
+                above = [(rows[1:], parts[1:]) for rows, parts in found]
+                return with_batch_of_one(lambda n: self._meshed(
+                    self._lines(n, 1, None, one) if n[BATCH] == 1 else self._lines(n, n[BATCH], n[BATCH], above), n),
+                    named)
         return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
 
     def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
