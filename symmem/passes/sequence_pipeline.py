@@ -134,17 +134,22 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
             found += self.once * self._whole(e.node)
         return found
 
-    def extras(self, ops: Any) -> dict[int, sympy.Expr]:
+    def extras(self, ops: Any, numbered: dict[int, int] | None = None,
+               listed: list[tuple[int, sympy.Expr]] | None = None) -> dict[int, sympy.Expr]:
         """What the collectives add at each of ``ops`` (event indices), beside the storages' sizes: the walk's
-        :meth:`~symmem.passes.tensor_step._SequenceWalk._collectives` at the storages alive then."""
+        :meth:`~symmem.passes.tensor_step._SequenceWalk._collectives` at the storages alive then.  ``numbered`` and
+        ``listed``, where given, are filled with each op's formula's number and (the first op, the formula) of each
+        number, in the order they are made (the ops alike share one: a table read by number, not by formula)."""
         tl = self.tl
+        numbered = {} if numbered is None else numbered
+        listed = [] if listed is None else listed
         wanted = set(ops)
         alive = set(tl.start)
         out: dict[int, sympy.Expr] = {}
         # the walk's rule at each of the thousands of ops builds its formula anew from every gathered copy alive
         # (most of a sequence-parallel pipeline peak), yet Llama-2-7B's 7,869 ops give 20 formulas: each is made
         # once for all it reads (:class:`_Reads`) and found again by it
-        made: dict[Any, sympy.Expr] = {}
+        made: dict[Any, tuple[sympy.Expr, int]] = {}  # key -> (its formula, its number)
         reads = _Reads(self)
         # and the middle layers of each sweep repeat one layer: their ops' formulas are its ops' (_repeats), the
         # keys of the ops after them read afresh (_Reads.refresh)
@@ -159,6 +164,7 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
                     for j in range(last - k):
                         if k + j in wanted:
                             out[k + j] = out[first + j]
+                            numbered[k + j] = numbered[first + j]
                     # what the layer makes and frees, at once (each storage is made once, freed after it is made)
                     alive |= {i for e in events[k:last] for i in e.born}
                     alive -= {i for e in events[k:last] for i in e.freed}
@@ -174,8 +180,9 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
             if k in wanted:
                 found = made.get(key)
                 if found is None:
-                    found = made[key] = self._collectives(e, alive, k)
-                out[k] = found
+                    found = made[key] = (self._collectives(e, alive, k), len(listed))
+                    listed.append((k, found[0]))
+                out[k], numbered[k] = found
             alive.difference_update(e.freed)
             reads.after(e)
             k += 1
@@ -378,15 +385,17 @@ class _SequenceCut(_TensorCut):
             return self._extras
         memo = self._arms()
         values = self._values()
-        out = {k: values[id(each)] for k, each in memo["arms"].items()}
+        table = [values[id(each)] for _, each in memo["distinct"]]
+        out = {k: table[n] for k, n in memo["which"].items()}
         for k in memo["heads"]:
             out[k] = self._head(k, out[k])
         self._extras = out
         return out
 
     def _arms(self) -> dict[str, Any]:
-        """Each op's arms (``arms``: event index -> the arms of its formula, one tuple for the ops alike) and the
-        head's forwards (``heads``), found once for every cut of the step (their numbers differ, not the step)."""
+        """Each op's arms (``arms``: event index -> the arms of its formula, one tuple for the ops alike; ``which``:
+        event index -> that tuple's place in ``distinct``) and the head's forwards (``heads``), found once for every
+        cut of the step (their numbers differ, not the step)."""
         memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
         if "arms" not in memo:
             sizes = self.sizes
@@ -394,22 +403,23 @@ class _SequenceCut(_TensorCut):
             # the head's forwards, whose logits are added at each batch (found once, not at each cut)
             memo["heads"] = [k for k in ops if self.tl.events[k].phase == "forward" and
                              self.tl.events[k].node == sizes.head]
-            formulas = sizes.extras(ops)
-            made: dict[Any, tuple[sympy.Expr, ...]] = {}
-            # the ops alike share their formula's object (extras' ``made``): found by it first, sympy's hash of the
-            # formula (a Max of sums) only once an object (7,869 hashes at Llama-2-7B's 32 layers, ~20 objects)
-            by_object: dict[int, tuple[sympy.Expr, ...]] = {}
-            memo["arms"] = found = {}
+            # each op's formula by its number (``numbered``), the numbers' formulas in the order the ops first
+            # have them (``listed``: Llama-2-7B's 7,869 ops, ~20 formulas): each formula's arms once, and the ops'
+            # tables made by number (each op's formula was hashed, or its object's id read, at each op)
+            numbered: dict[int, int] = {}
+            listed: list[tuple[int, sympy.Expr]] = []
+            sizes.extras(ops, numbered, listed)
+            made: dict[Any, int] = {}  # a formula -> its arms' place in ``distinct``
             memo["distinct"] = distinct = []  # (the first op, its arms) of each distinct arms, in the ops' order
-            for k, e in formulas.items():  # each formula's arms once (the step's ops share a few formulas)
-                each = by_object.get(id(e))  # (``formulas`` holds every formula: the ids are theirs throughout)
-                if each is None:
-                    each = made.get(e)
-                    if each is None:
-                        each = made[e] = tuple(dict.fromkeys(arms(e)))
-                        distinct.append((k, each))
-                    by_object[id(e)] = each
-                found[k] = each
+            place = []  # a formula's number -> its arms' place in ``distinct``
+            for k, e in listed:  # (formulas alike by value from other keys share their arms, as before)
+                n = made.get(e)
+                if n is None:
+                    n = made[e] = len(distinct)
+                    distinct.append((k, tuple(dict.fromkeys(arms(e)))))
+                place.append(n)
+            memo["which"] = which = {k: place[n] for k, n in numbered.items()}
+            memo["arms"] = {k: distinct[n][1] for k, n in which.items()}
         return memo
 
     def _values(self) -> dict[int, tuple[int, ...]]:
@@ -437,11 +447,11 @@ class _SequencePackedCut(_TensorPackedCut):
             # the ops share a few arms (the same tuple: _SequenceCut._arms), each with its bytes at every cut's
             # numbers: each packed once, and the ops' table made in one pass (each cut's table was made and read)
             values = [c._values() for c in cuts]
-            packed: dict[int, tuple[int, ...]] = {}
+            packed: list[tuple[int, ...]] = []  # by the arms' place in ``distinct``
             for _, each in memo["distinct"]:
                 three = [v[id(each)] for v in values]
-                packed[id(each)] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
-            self._extras = {k: packed[id(each)] for k, each in memo["arms"].items()}
+                packed.append(tuple(_pack([x[j] for x in three]) for j in range(len(three[0]))))
+            self._extras = {k: packed[n] for k, n in memo["which"].items()}
             for k in memo["heads"]:
                 three = [c._head(k, v[id(memo["arms"][k])]) for c, v in zip(cuts, values, strict=True)]
                 self._extras[k] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
