@@ -528,6 +528,10 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
     def begin(self, kind: str, mb: int) -> None:
         _FsdpReplay.begin(self, kind, mb)
         _SequenceReplay.begin(self, kind, mb)
+        # FSDP's hooks act at their own ops only (_FsdpReplay._fsdp_acting; no-ops at the rest): at the
+        # collectives' other ops (most of the ops hooked here) they are not called (a traced module's replay, not
+        # pure, calls them at every op)
+        self._fsdp_here = self._fsdp_acting(0 if mb == 0 else 1, kind) if self._pure else None
 
     def _acting(self, pass_: int, kind: str) -> Any:
         cls = type(self)
@@ -537,7 +541,9 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
         return self._fsdp_acting(pass_, kind) | self._tensor_acting(pass_, kind)
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        _FsdpReplay.before(self, kind, node, mb)
+        here = self._fsdp_here
+        if here is None or self._at in here:
+            _FsdpReplay.before(self, kind, node, mb)
         _SequenceReplay.before(self, kind, node, mb)
 
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
@@ -545,7 +551,9 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         _SequenceReplay.after(self, kind, node, mb)
-        _FsdpReplay.after(self, kind, node, mb)
+        here = self._fsdp_here
+        if here is None or self._at in here:
+            _FsdpReplay.after(self, kind, node, mb)
 
 
 def split_buffers(at: dict[str, int], memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
