@@ -26,8 +26,14 @@ def test_sequence_parallel_collectives_made_once_are_the_rule_at_every_op(monkey
     seen = []
     extras = sp._SequenceSizes.extras
 
-    def checked(self, ops):
-        found = extras(self, ops)
+    def checked(self, ops, *numbering):
+        found = extras(self, ops, *numbering)
+        if numbering:  # each op's formula's number (stop 44) names its formula
+            numbered, listed = numbering
+            assert numbered.keys() == found.keys()
+            assert all(listed[n][1] is found[k] for k, n in numbered.items())
+            assert [k for k, _ in listed] == sorted({min(k for k in numbered if numbered[k] == n)
+                                                     for n in range(len(listed))})
         tl, alive, wanted = self.tl, set(self.tl.start), set(ops)
         for k, e in enumerate(tl.events):
             alive.update(e.born)

@@ -351,14 +351,15 @@ SEQUENCE_KEPT = (1, 2, 3)
     pytest.param(tuple(k for k in range(len(SEQUENCE_AT_ONE)) if k not in SEQUENCE_KEPT), id="more",
                  marks=pytest.mark.deep)])
 def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch, cases) -> None:
-    """Sequence parallelism on stages at B = 1: B = 1 read alone at once, and on the p x t mesh B = 1 and the lines
-    from B = 2 read from one replay packed at B = 1, 2, 3, 4, give what the long way gives (the lines from B = 1
-    tried first, refused, then B = 1 alone, then the lines from B = 2, each replayed on its own) -- the peaks,
-    where, every moment with its formula and what it holds at, the domain -- and the long way's lines from B = 1
-    are refused every time (the shortcut's premise)."""
+    """Sequence parallelism on stages at B = 1: B = 1 read alone at once, and on the p x t and p x N x t meshes B = 1
+    and the lines from B = 2 read from one replay packed at B = 1, 2, 3, 4, give what the long way gives (the lines
+    from B = 1 tried first, refused, then B = 1 alone, then the lines from B = 2, each replayed on its own) --
+    the peaks, where, every moment with its formula and what it holds at, the domain -- and the long way's lines
+    from B = 1 are refused every time (the shortcut's premise)."""
     import symmem.passes.model_parallel as mp
     import symmem.passes.pipeline_step as ps
     from symmem import derive
+    from symmem.passes.fsdp_tensor_pipeline import FsdpTensorPipelineStep
     from symmem.passes.sequence_pipeline import FsdpSequencePipelineStep, SequencePipelineStep, with_batch_of_one
     from symmem.passes.tensor_pipeline import TensorPipelineStep
 
@@ -390,6 +391,8 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch, cases) -> None
                     patch.setattr(step, "_no_line_from_one", lambda self, named: False)
                 patch.setattr(SequencePipelineStep, "_peak", lambda self, named: with_batch_of_one(
                     lambda n: TensorPipelineStep._peak(self, n), named))
+                patch.setattr(FsdpSequencePipelineStep, "_peak", lambda self, named: with_batch_of_one(
+                    lambda n: FsdpTensorPipelineStep._peak(self, n), named))
                 patch.setattr(ps.PipelineStep, "_lines", watched)
             for schedule, m, attention, engine, more in (SEQUENCE_AT_ONE[k] for k in cases):
                 d = derive("llama", tensor_parallel=True, sequence_parallel=True, pipeline_parallel=True,
@@ -398,8 +401,8 @@ def test_sequence_parallel_at_one_read_alone_at_once(monkeypatch, cases) -> None
                 found.setdefault(label, []).append(everything(d))
     assert found["at once"] == found["long way"]
     assert refused == [True] * len(cases)
-    # the p x t mesh's cases (no data parallelism), two stages each, from one replay at four batches
-    assert four == [4] * 2 * sum("data_parallel" not in SEQUENCE_AT_ONE[k][3] for k in cases)
+    # every case (the p x t mesh's and the 3-D mesh's, stop 44), two stages each, from one replay at four batches
+    assert four == [4] * 2 * len(cases)
 
 
 #: (model, schedule, M, derive keywords, sizes) for the moments left out of the packed replay: the stage alone and

@@ -571,16 +571,16 @@ class FsdpPipelineStep(PipelineStep):
             out.append(self._replay(cut, s, at, units))
         return out
 
-    def _batch_moments(self, named: Mapping[str, int], b: int) -> Any:
-        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` from one replay
-        (:func:`~symmem.passes.model_parallel.batch_moments`): the units' bytes are alike at the three batches
+    def _batch_moments(self, named: Mapping[str, int], b: int, count: int = 3) -> Any:
+        """Every stage's moments and parts at ``B = b, b + 1, b + 2`` (``count`` batches from ``b``) from one replay
+        (:func:`~symmem.passes.model_parallel.batch_moments`): the units' bytes are alike at the batches
         (packed alike), the parts packed; None where the units differ between them (each replayed on its own), or
         where a subclass replays otherwise."""
         if type(self)._make_replays is not FsdpPipelineStep._make_replays:
             return None
-        from .model_parallel import pack_alike, pack_parts
+        from .model_parallel import _pack, pack_parts
 
-        numbers = [{**named, BATCH: b + k} for k in range(3)]
+        numbers = [{**named, BATCH: b + k} for k in range(count)]
         world, cuts = self._batch_cuts(numbers)
         found = self._stages()
 
@@ -599,7 +599,7 @@ class FsdpPipelineStep(PipelineStep):
                 return None
             ats = [self._stage_at(memory, n, u, c.per) for n, u, c in zip(numbers, units, mine, strict=True)]
             alike = copy.copy(units[0])  # the same units, their shards' elements packed alike
-            alike.params = [dataclasses.replace(p, shard=pack_alike(p.shard)) for p in units[0].params]
+            alike.params = [dataclasses.replace(p, shard=_pack([p.shard] * count)) for p in units[0].params]
             replay = self._replay(self._packed(packed, mine), s, pack_parts(ats), alike)
             kept.append((replay.cut, replay.at, alike, replay._events, replay._known))
             return replay, ats

@@ -215,9 +215,12 @@ class FsdpTensorPipelineStep(FsdpPipelineStep):
                                                         packed=_TensorPackedCut, cut=cut, tp_shape=_tp_shape))}
 
     def _peak(self, named: dict[str, int]) -> Any:
+        return self._meshed(super()._peak(named), named)
+
+    def _meshed(self, found: Any, named: Mapping[str, int]) -> Any:
+        """The stages' peak ``found`` with each moment a rank's of the p x N x t mesh."""
         from ..peak import Peak
 
-        found = super()._peak(named)
         world, t = int(named["N"]), int(named["t"])
         moments = tuple(Mesh3dStageMoment(**{f.name: getattr(m, f.name) for f in dataclasses.fields(StageMoment)},
                                           world=world, ranks=t) for m in found.moments)

@@ -134,17 +134,22 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
             found += self.once * self._whole(e.node)
         return found
 
-    def extras(self, ops: Any) -> dict[int, sympy.Expr]:
+    def extras(self, ops: Any, numbered: dict[int, int] | None = None,
+               listed: list[tuple[int, sympy.Expr]] | None = None) -> dict[int, sympy.Expr]:
         """What the collectives add at each of ``ops`` (event indices), beside the storages' sizes: the walk's
-        :meth:`~symmem.passes.tensor_step._SequenceWalk._collectives` at the storages alive then."""
+        :meth:`~symmem.passes.tensor_step._SequenceWalk._collectives` at the storages alive then.  ``numbered`` and
+        ``listed``, where given, are filled with each op's formula's number and (the first op, the formula) of each
+        number, in the order they are made (the ops alike share one: a table read by number, not by formula)."""
         tl = self.tl
+        numbered = {} if numbered is None else numbered
+        listed = [] if listed is None else listed
         wanted = set(ops)
         alive = set(tl.start)
         out: dict[int, sympy.Expr] = {}
         # the walk's rule at each of the thousands of ops builds its formula anew from every gathered copy alive
         # (most of a sequence-parallel pipeline peak), yet Llama-2-7B's 7,869 ops give 20 formulas: each is made
         # once for all it reads (:class:`_Reads`) and found again by it
-        made: dict[Any, sympy.Expr] = {}
+        made: dict[Any, tuple[sympy.Expr, int]] = {}  # key -> (its formula, its number)
         reads = _Reads(self)
         # and the middle layers of each sweep repeat one layer: their ops' formulas are its ops' (_repeats), the
         # keys of the ops after them read afresh (_Reads.refresh)
@@ -159,6 +164,7 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
                     for j in range(last - k):
                         if k + j in wanted:
                             out[k + j] = out[first + j]
+                            numbered[k + j] = numbered[first + j]
                     # what the layer makes and frees, at once (each storage is made once, freed after it is made)
                     alive |= {i for e in events[k:last] for i in e.born}
                     alive -= {i for e in events[k:last] for i in e.freed}
@@ -174,8 +180,9 @@ class _SequenceSizes(_Sizes, _SequenceWalk):
             if k in wanted:
                 found = made.get(key)
                 if found is None:
-                    found = made[key] = self._collectives(e, alive, k)
-                out[k] = found
+                    found = made[key] = (self._collectives(e, alive, k), len(listed))
+                    listed.append((k, found[0]))
+                out[k], numbered[k] = found
             alive.difference_update(e.freed)
             reads.after(e)
             k += 1
@@ -378,15 +385,17 @@ class _SequenceCut(_TensorCut):
             return self._extras
         memo = self._arms()
         values = self._values()
-        out = {k: values[id(each)] for k, each in memo["arms"].items()}
+        table = [values[id(each)] for _, each in memo["distinct"]]
+        out = {k: table[n] for k, n in memo["which"].items()}
         for k in memo["heads"]:
             out[k] = self._head(k, out[k])
         self._extras = out
         return out
 
     def _arms(self) -> dict[str, Any]:
-        """Each op's arms (``arms``: event index -> the arms of its formula, one tuple for the ops alike) and the
-        head's forwards (``heads``), found once for every cut of the step (their numbers differ, not the step)."""
+        """Each op's arms (``arms``: event index -> the arms of its formula, one tuple for the ops alike; ``which``:
+        event index -> that tuple's place in ``distinct``) and the head's forwards (``heads``), found once for every
+        cut of the step (their numbers differ, not the step)."""
         memo = self.memo.setdefault(("sequence extras", id(self.tl)), {})
         if "arms" not in memo:
             sizes = self.sizes
@@ -394,16 +403,23 @@ class _SequenceCut(_TensorCut):
             # the head's forwards, whose logits are added at each batch (found once, not at each cut)
             memo["heads"] = [k for k in ops if self.tl.events[k].phase == "forward" and
                              self.tl.events[k].node == sizes.head]
-            formulas = sizes.extras(ops)
-            made: dict[Any, tuple[sympy.Expr, ...]] = {}
-            memo["arms"] = found = {}
+            # each op's formula by its number (``numbered``), the numbers' formulas in the order the ops first
+            # have them (``listed``: Llama-2-7B's 7,869 ops, ~20 formulas): each formula's arms once, and the ops'
+            # tables made by number (each op's formula was hashed, or its object's id read, at each op)
+            numbered: dict[int, int] = {}
+            listed: list[tuple[int, sympy.Expr]] = []
+            sizes.extras(ops, numbered, listed)
+            made: dict[Any, int] = {}  # a formula -> its arms' place in ``distinct``
             memo["distinct"] = distinct = []  # (the first op, its arms) of each distinct arms, in the ops' order
-            for k, e in formulas.items():  # each formula's arms once (the step's ops share a few formulas)
-                each = made.get(e)
-                if each is None:
-                    each = made[e] = tuple(dict.fromkeys(arms(e)))
-                    distinct.append((k, each))
-                found[k] = each
+            place = []  # a formula's number -> its arms' place in ``distinct``
+            for k, e in listed:  # (formulas alike by value from other keys share their arms, as before)
+                n = made.get(e)
+                if n is None:
+                    n = made[e] = len(distinct)
+                    distinct.append((k, tuple(dict.fromkeys(arms(e)))))
+                place.append(n)
+            memo["which"] = which = {k: place[n] for k, n in numbered.items()}
+            memo["arms"] = {k: distinct[n][1] for k, n in which.items()}
         return memo
 
     def _values(self) -> dict[int, tuple[int, ...]]:
@@ -431,11 +447,11 @@ class _SequencePackedCut(_TensorPackedCut):
             # the ops share a few arms (the same tuple: _SequenceCut._arms), each with its bytes at every cut's
             # numbers: each packed once, and the ops' table made in one pass (each cut's table was made and read)
             values = [c._values() for c in cuts]
-            packed: dict[int, tuple[int, ...]] = {}
+            packed: list[tuple[int, ...]] = []  # by the arms' place in ``distinct``
             for _, each in memo["distinct"]:
                 three = [v[id(each)] for v in values]
-                packed[id(each)] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
-            self._extras = {k: packed[id(each)] for k, each in memo["arms"].items()}
+                packed.append(tuple(_pack([x[j] for x in three]) for j in range(len(three[0]))))
+            self._extras = {k: packed[n] for k, n in memo["which"].items()}
             for k in memo["heads"]:
                 three = [c._head(k, v[id(memo["arms"][k])]) for c, v in zip(cuts, values, strict=True)]
                 self._extras[k] = tuple(_pack([x[j] for x in three]) for j in range(len(three[0])))
@@ -512,6 +528,10 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
     def begin(self, kind: str, mb: int) -> None:
         _FsdpReplay.begin(self, kind, mb)
         _SequenceReplay.begin(self, kind, mb)
+        # FSDP's hooks act at their own ops only (_FsdpReplay._fsdp_acting; no-ops at the rest): at the
+        # collectives' other ops (most of the ops hooked here) they are not called (a traced module's replay, not
+        # pure, calls them at every op)
+        self._fsdp_here = self._fsdp_acting(0 if mb == 0 else 1, kind) if self._pure else None
 
     def _acting(self, pass_: int, kind: str) -> Any:
         cls = type(self)
@@ -521,7 +541,9 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
         return self._fsdp_acting(pass_, kind) | self._tensor_acting(pass_, kind)
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
-        _FsdpReplay.before(self, kind, node, mb)
+        here = self._fsdp_here
+        if here is None or self._at in here:
+            _FsdpReplay.before(self, kind, node, mb)
         _SequenceReplay.before(self, kind, node, mb)
 
     def moment(self, live: int, node: str | None, mb: int | None) -> None:
@@ -529,7 +551,9 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
 
     def after(self, kind: str, node: str | None, mb: int) -> None:
         _SequenceReplay.after(self, kind, node, mb)
-        _FsdpReplay.after(self, kind, node, mb)
+        here = self._fsdp_here
+        if here is None or self._at in here:
+            _FsdpReplay.after(self, kind, node, mb)
 
 
 def split_buffers(at: dict[str, int], memory: Any, numbers: Mapping[str, int]) -> dict[str, int]:
@@ -595,6 +619,17 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
         return split_buffers(FsdpTensorPipelineStep._stage_at(self, memory, numbers, units, per), memory, numbers)
 
     def _peak(self, named: dict[str, int]) -> Any:
+        if named.get(BATCH) == 1:
+            # as SequencePipelineStep._peak: B = 1's bytes and the lines from B = 2 from one replay packed at B = 1,
+            # 2, 3, 4 (FSDP's units are alike at every batch: no parameter's shape is in B), not a replay at B = 1
+            # and another at B = 2, 3, 4 (a third of this row's calls)
+            found = self._batch_moments(named, 1, count=4)
+            if found is not None:
+                one = [([rows[0]] * 3, [parts[0]] * 3) for rows, parts in found]
+                above = [(rows[1:], parts[1:]) for rows, parts in found]
+                return with_batch_of_one(lambda n: self._meshed(
+                    self._lines(n, 1, None, one) if n[BATCH] == 1 else self._lines(n, n[BATCH], n[BATCH], above), n),
+                    named)
         return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
 
     def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
