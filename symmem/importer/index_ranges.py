@@ -421,8 +421,9 @@ def _cumsum(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
         r.keep(out, (form[0], form[0], _dim(args[1], out.dim())))
 
 
-def _combine(sign: int) -> Rule:
-    """``add`` (sign 1) or ``sub`` (-1): ``x + sign * alpha * y``, each a followed tensor, a number or a size."""
+def _combine(sign: int, swapped: bool = False) -> Rule:
+    """``add`` (sign 1) or ``sub`` (-1): ``x + sign * alpha * y``, each a followed tensor, a number or a size;
+    ``swapped``: ``rsub``, ``y - alpha * x``."""
     def rule(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
         alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
         if not isinstance(alpha, int) or isinstance(alpha, bool):
@@ -430,20 +431,14 @@ def _combine(sign: int) -> Rule:
         x, y = _aligned(r, args[0], out.dim()), _aligned(r, args[1], out.dim())
         if x is None or y is None or (x[2] is not None and y[2] is not None and x[2] != y[2]):
             return
+        if swapped:
+            x, y = y, x
         k = sign * alpha
         r.keep(out, (x[0] + k * y[0], x[1] + k * y[1], x[2] if x[2] is not None else y[2]))
     return rule
 
 
-def _rsub(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
-    """other - alpha * self."""
-    alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
-    if not isinstance(alpha, int) or isinstance(alpha, bool):
-        return
-    x, y = _aligned(r, args[0], out.dim()), _aligned(r, args[1], out.dim())
-    if x is None or y is None or (x[2] is not None and y[2] is not None and x[2] != y[2]):
-        return
-    r.keep(out, (y[0] - alpha * x[0], y[1] - alpha * x[1], x[2] if x[2] is not None else y[2]))
+_rsub = _combine(-1, swapped=True)  # other - alpha * self
 
 
 def _repeat(r: IndexRanges, args: Any, kwargs: Any, out: Any) -> None:
