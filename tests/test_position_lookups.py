@@ -23,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import position_modules as pm  # noqa: E402
+from trace_helpers import saved_bytes  # noqa: E402
 
 import symmem  # noqa: E402
 from symmem.cli import main  # noqa: E402
@@ -36,23 +37,7 @@ B = 2
 
 def saved(module: Any, inputs: tuple[Any, ...]) -> int:
     """Every byte one real forward saves for backward, parameters and buffers apart (the inputs it saves too)."""
-    module.train()
-
-    def key(t: Any) -> int:
-        return t.untyped_storage().data_ptr()
-
-    own = {key(p) for p in module.parameters()} | {key(b) for b in module.buffers()}
-    seen: dict[int, int] = {}
-
-    def pack(t: Any) -> Any:
-        if key(t) not in own:
-            seen.setdefault(key(t), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*inputs)
-    del out
-    return sum(seen.values())
+    return saved_bytes(module, *inputs)
 
 
 def said(f: Any) -> tuple[Any, list[str]]:

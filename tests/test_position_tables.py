@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from trace_helpers import BERT, GPT2, VOCAB, at_least_two, bert, gpt2  # noqa: E402
+from trace_helpers import BERT, GPT2, VOCAB, at_least_two, bert, gpt2, saved_bytes  # noqa: E402
 
 import symmem  # noqa: E402
 from symmem.cli import main  # noqa: E402
@@ -89,23 +89,7 @@ class LM(torch.nn.Module):
 
 def measured(module: Any, inputs: dict[str, Any]) -> int:
     """Every byte one real forward saves for backward, parameters and buffers apart (the inputs it saves too)."""
-    module.train()
-
-    def key(t: Any) -> int:
-        return t.untyped_storage().data_ptr()
-
-    params = {key(p) for p in module.parameters()} | {key(b) for b in module.buffers()}
-    seen: dict[int, int] = {}
-
-    def pack(t: Any) -> Any:
-        if key(t) not in params:
-            seen.setdefault(key(t), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(**inputs)
-    del out
-    return sum(seen.values())
+    return saved_bytes(module, **inputs)
 
 
 def real_peak(module: Any, s: int) -> int:

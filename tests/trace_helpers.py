@@ -23,6 +23,30 @@ def mlp() -> Any:
     return mlp_with_inputs()[0]
 
 
+def saved_bytes(module: Any, *args: Any, **kwargs: Any) -> int:
+    """Every byte one real training-mode forward of ``module(*args, **kwargs)`` saves for backward, its parameters
+    and buffers apart (the inputs it saves too): the truth of the position-table tests."""
+    import torch
+
+    module.train()
+
+    def key(t: Any) -> int:
+        return t.untyped_storage().data_ptr()
+
+    own = {key(p) for p in module.parameters()} | {key(b) for b in module.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        if key(t) not in own:
+            seen.setdefault(key(t), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+    del out
+    return sum(seen.values())
+
+
 def not_a_module() -> Any:
     return 42
 
