@@ -27,7 +27,7 @@ pipeline replays (the other micro-batches a stage holds are at rest: forward don
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -586,22 +586,28 @@ class SequencePipelineStep(TensorPipelineStep):
         return split_buffers(stage_at(cut, s, memory, numbers), memory, numbers)
 
     def _peak(self, named: dict[str, int]) -> Any:
-        if named.get(BATCH) == 1:
-            # B = 1's bytes and the lines from B = 2 (with_batch_of_one) from one replay packed at B = 1, 2, 3, 4:
-            # the replay's steps do not depend on the bytes (each op's collectives are the arms of one formula at
-            # every batch), so each batch's moments are its own replay's (tests/test_pipeline_shortcuts.py holds
-            # it against the two replays)
-            found = self._batch_moments(named, 1, count=4)
-            if found is not None:
-                one = [([rows[0]] * 3, [parts[0]] * 3) for rows, parts in found]
-                above = [(rows[1:], parts[1:]) for rows, parts in found]
-                return with_batch_of_one(lambda n: self._ranked(
-                    self._lines(n, 1, None, one) if n[BATCH] == 1 else self._lines(n, n[BATCH], n[BATCH], above), n),
-                    named)
-        return with_batch_of_one(lambda n: TensorPipelineStep._peak(self, n), named)
+        return _packed_from_one(self, named, self._ranked, lambda n: TensorPipelineStep._peak(self, n))
 
     def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
         return no_line_from_one(named)
+
+
+def _packed_from_one(step: Any, named: dict[str, int], ranked: Callable[[Any, Mapping[str, int]], Any],
+                     alone: Callable[[Mapping[str, int]], Any]) -> Any:
+    """``step``'s peak at ``named`` (:func:`with_batch_of_one`): at B = 1, B = 1's bytes and the lines from B = 2 from
+    one replay packed at B = 1, 2, 3, 4 -- the replay's steps do not depend on the bytes (each op's collectives are
+    the arms of one formula at every batch), so each batch's moments are its own replay's
+    (tests/test_pipeline_shortcuts.py holds it against the two replays); ``ranked(lines, numbers)`` turns a batch's
+    lines into the peak; ``alone(numbers)``: the peak where the replay cannot be packed so, or B is not 1."""
+    if named.get(BATCH) == 1:
+        found = step._batch_moments(named, 1, count=4)
+        if found is not None:
+            one = [([rows[0]] * 3, [parts[0]] * 3) for rows, parts in found]
+            above = [(rows[1:], parts[1:]) for rows, parts in found]
+            return with_batch_of_one(lambda n: ranked(
+                step._lines(n, 1, None, one) if n[BATCH] == 1 else step._lines(n, n[BATCH], n[BATCH], above), n),
+                named)
+    return with_batch_of_one(alone, named)
 
 
 @dataclass(eq=False)
@@ -619,18 +625,9 @@ class FsdpSequencePipelineStep(FsdpTensorPipelineStep):
         return split_buffers(FsdpTensorPipelineStep._stage_at(self, memory, numbers, units, per), memory, numbers)
 
     def _peak(self, named: dict[str, int]) -> Any:
-        if named.get(BATCH) == 1:
-            # as SequencePipelineStep._peak: B = 1's bytes and the lines from B = 2 from one replay packed at B = 1,
-            # 2, 3, 4 (FSDP's units are alike at every batch: no parameter's shape is in B), not a replay at B = 1
-            # and another at B = 2, 3, 4 (a third of this row's calls)
-            found = self._batch_moments(named, 1, count=4)
-            if found is not None:
-                one = [([rows[0]] * 3, [parts[0]] * 3) for rows, parts in found]
-                above = [(rows[1:], parts[1:]) for rows, parts in found]
-                return with_batch_of_one(lambda n: self._meshed(
-                    self._lines(n, 1, None, one) if n[BATCH] == 1 else self._lines(n, n[BATCH], n[BATCH], above), n),
-                    named)
-        return with_batch_of_one(lambda n: FsdpTensorPipelineStep._peak(self, n), named)
+        # FSDP's units are alike at every batch (no parameter's shape is in B): one replay packed at B = 1..4 too, not
+        # a replay at B = 1 and another at B = 2, 3, 4 (a third of this row's calls)
+        return _packed_from_one(self, named, self._meshed, lambda n: FsdpTensorPipelineStep._peak(self, n))
 
     def _no_line_from_one(self, named: Mapping[str, int]) -> bool:
         return no_line_from_one(named)
