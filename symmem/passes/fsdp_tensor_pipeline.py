@@ -100,6 +100,17 @@ def _tp_shape(cut: _TensorCut, owner: str, shape: tuple[Any, ...]) -> tuple[Any,
     return (shape[0] / t, *shape[1:])  # the embedding, ColwiseParallel's weights: Shard(0)
 
 
+def mesh_acting(replay: Any, hooks: type, moments: type, pass_: int, kind: str) -> Any:
+    """The ops where a 3-D mesh's replay calls its hooks: FSDP's hooks' ops and the collectives' (each acts at its own,
+    the other's are no-ops there) -- where its ``before`` and ``after`` are ``hooks``'s, its ``moment`` is
+    ``moments``'s and it is pure; None (every op hooked) where a subclass or a traced module's replay says otherwise."""
+    cls = type(replay)
+    if cls.before is not hooks.before or cls.moment is not moments.moment or cls.after is not hooks.after \
+            or not replay._pure:
+        return None
+    return replay._fsdp_acting(pass_, kind) | replay._tensor_acting(pass_, kind)
+
+
 class _MeshReplay(_TensorReplay, _FsdpReplay):
     """One stage's replay on one rank of the 3-D mesh: FSDP2's units around the ops (their hooks first: a unit's
     pre-forward all-gathers before its first op runs), DTensor's collectives inside them."""
@@ -124,12 +135,7 @@ class _MeshReplay(_TensorReplay, _FsdpReplay):
         _TensorReplay.begin(self, kind, mb)
 
     def _acting(self, pass_: int, kind: str) -> Any:
-        """FSDP's hooks' ops and the collectives' (each acts at its own, the other's are no-ops there)."""
-        cls = type(self)
-        if cls.before is not _MeshReplay.before or cls.moment is not _TensorReplay.moment \
-                or cls.after is not _MeshReplay.after or not self._pure:
-            return None
-        return self._fsdp_acting(pass_, kind) | self._tensor_acting(pass_, kind)
+        return mesh_acting(self, _MeshReplay, _TensorReplay, pass_, kind)
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
         _FsdpReplay.before(self, kind, node, mb)

@@ -35,7 +35,7 @@ import sympy
 
 from ..errors import SymmemError
 from .fsdp_pipeline import _FsdpReplay
-from .fsdp_tensor_pipeline import FsdpTensorPipelineStep, _MeshReplay
+from .fsdp_tensor_pipeline import FsdpTensorPipelineStep, _MeshReplay, mesh_acting
 from .model_parallel import _Cut, _integer, _pack, _Replay
 from .pipeline_step import BATCH
 from .tensor_pipeline import TensorPipelineStep, _Sizes, _TensorCut, _TensorPackedCut, _TensorReplay, stage_at
@@ -534,11 +534,7 @@ class _MeshSequenceReplay(_MeshReplay, _SequenceReplay):
         self._fsdp_here = self._fsdp_acting(0 if mb == 0 else 1, kind) if self._pure else None
 
     def _acting(self, pass_: int, kind: str) -> Any:
-        cls = type(self)
-        if cls.before is not _MeshSequenceReplay.before or cls.moment is not _MeshSequenceReplay.moment \
-                or cls.after is not _MeshSequenceReplay.after or not self._pure:
-            return None
-        return self._fsdp_acting(pass_, kind) | self._tensor_acting(pass_, kind)
+        return mesh_acting(self, _MeshSequenceReplay, _MeshSequenceReplay, pass_, kind)
 
     def before(self, kind: str, node: str | None, mb: int) -> None:
         here = self._fsdp_here
